@@ -1,0 +1,1 @@
+//! estop ledger (placeholder until its issue lands).

@@ -1,0 +1,1 @@
+//! estop policy (placeholder until its issue lands).

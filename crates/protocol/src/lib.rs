@@ -1,0 +1,1 @@
+//! estop protocol (placeholder until its issue lands).

@@ -1,0 +1,1 @@
+//! estop server (placeholder until its issue lands).
