@@ -1,4 +1,18 @@
 //! estop kernel: the pure per-run state machine and admission logic.
 //! No IO, no clock (time is an argument), no threads, no randomness; same inputs, same outputs.
+pub mod codec;
+pub mod command;
+pub mod gate;
 pub mod ids;
+pub mod limits;
+pub mod reply;
+pub mod report;
+pub mod state;
+pub mod transitions;
 pub mod vocab;
+
+pub use command::{Admit, Command, PolicyDecision, Record, RunLimits, Token};
+pub use gate::Gate;
+pub use ids::{Digest, EffectKey, Principal, PrincipalName, Role, RunId, ToolName};
+pub use limits::Limits;
+pub use reply::{Applied, DecideStatus, Event, EventKind, KernelError, Reply, Verdict};

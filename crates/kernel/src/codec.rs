@@ -1,0 +1,616 @@
+//! Compact binary encoding of ledger records (commands) and snapshots (the whole gate state).
+//! Hand-written so the format is ours, versioned and stable; decoding never panics on any input.
+//! Byte layout: docs/LEDGER.md, "Record payloads".
+
+use crate::command::{Admit, Command, PolicyDecision, Record, RunLimits, Token};
+use crate::gate::Gate;
+use crate::ids::{Digest, EffectKey, IdError, Principal, PrincipalName, Role, RunId, ToolName};
+use crate::limits::Limits;
+use crate::state::{Approval, Approver, Effect, OutcomeRecord, Run, Status, Stop};
+use crate::vocab::{
+    Decision, EffectClass, EffectStatus, HoldReason, Outcome, PolicyAction, RefusalReason,
+    Reversibility, RunState, StopCause,
+};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Version byte at the start of every record payload.
+pub const RECORD_VERSION: u8 = 1;
+/// Version byte at the start of every snapshot.
+pub const SNAPSHOT_VERSION: u8 = 1;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot decode {what} at byte {offset}: {problem}")]
+pub struct CodecError {
+    pub what: &'static str,
+    pub offset: usize,
+    pub problem: String,
+}
+
+struct W<'a>(&'a mut Vec<u8>);
+
+impl W<'_> {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bool(&mut self, v: bool) {
+        self.u8(u8::from(v));
+    }
+    fn str(&mut self, s: &str) {
+        self.u32(s.len() as u32);
+        self.0.extend_from_slice(s.as_bytes());
+    }
+    fn opt_str(&mut self, s: Option<&str>) {
+        match s {
+            None => self.u8(0),
+            Some(s) => {
+                self.u8(1);
+                self.str(s);
+            }
+        }
+    }
+    fn opt_u64(&mut self, v: Option<u64>) {
+        match v {
+            None => self.u8(0),
+            Some(v) => {
+                self.u8(1);
+                self.u64(v);
+            }
+        }
+    }
+    fn strs(&mut self, v: &[Box<str>]) {
+        self.u32(v.len() as u32);
+        for s in v {
+            self.str(s);
+        }
+    }
+    fn digest(&mut self, d: &Digest) {
+        self.0.extend_from_slice(&d.0);
+    }
+}
+
+struct R<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    what: &'static str,
+}
+
+impl<'a> R<'a> {
+    fn err(&self, problem: impl Into<String>) -> CodecError {
+        CodecError { what: self.what, offset: self.pos, problem: problem.into() }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], CodecError> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| self.err("truncated"))?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, CodecError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, CodecError> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Result<u64, CodecError> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn bool(&mut self) -> Result<bool, CodecError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            b => Err(self.err(format!("bad bool {b}"))),
+        }
+    }
+    fn str(&mut self) -> Result<&'a str, CodecError> {
+        let n = self.u32()? as usize;
+        let b = self.take(n)?;
+        std::str::from_utf8(b).map_err(|_| self.err("invalid utf-8"))
+    }
+    fn boxed(&mut self) -> Result<Box<str>, CodecError> {
+        Ok(self.str()?.into())
+    }
+    fn opt<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T, CodecError>) -> Result<Option<T>, CodecError> {
+        match self.u8()? {
+            0 => Ok(None),
+            1 => Ok(Some(f(self)?)),
+            b => Err(self.err(format!("bad option tag {b}"))),
+        }
+    }
+    fn count(&mut self, min_item_bytes: usize) -> Result<usize, CodecError> {
+        let n = self.u32()? as usize;
+        // A hostile count cannot make us allocate more than the bytes that remain could hold.
+        if n.saturating_mul(min_item_bytes.max(1)) > self.buf.len() - self.pos {
+            return Err(self.err(format!("count {n} exceeds the remaining bytes")));
+        }
+        Ok(n)
+    }
+    fn strs(&mut self) -> Result<Vec<Box<str>>, CodecError> {
+        let n = self.count(4)?;
+        (0..n).map(|_| self.boxed()).collect()
+    }
+    fn digest(&mut self) -> Result<Digest, CodecError> {
+        let mut d = [0u8; 32];
+        d.copy_from_slice(self.take(32)?);
+        Ok(Digest(d))
+    }
+    fn id<T>(&mut self, f: fn(&str) -> Result<T, IdError>) -> Result<T, CodecError> {
+        let s = self.str()?;
+        f(s).map_err(|e| self.err(e.to_string()))
+    }
+    fn run(&mut self) -> Result<RunId, CodecError> {
+        self.id(RunId::new)
+    }
+    fn key(&mut self) -> Result<EffectKey, CodecError> {
+        self.id(EffectKey::new)
+    }
+    fn tool(&mut self) -> Result<ToolName, CodecError> {
+        self.id(ToolName::new)
+    }
+    fn principal_name(&mut self) -> Result<PrincipalName, CodecError> {
+        self.id(PrincipalName::new)
+    }
+    fn enum_of<T: Copy>(&mut self, all: &[T]) -> Result<T, CodecError> {
+        let i = self.u8()? as usize;
+        all.get(i).copied().ok_or_else(|| self.err(format!("bad enum index {i}")))
+    }
+    fn done(&self) -> Result<(), CodecError> {
+        if self.pos == self.buf.len() {
+            Ok(())
+        } else {
+            Err(self.err(format!("{} trailing bytes", self.buf.len() - self.pos)))
+        }
+    }
+}
+
+fn idx<T: PartialEq>(all: &[T], v: &T) -> u8 {
+    all.iter().position(|x| x == v).expect("vocabulary value is in ALL") as u8
+}
+
+fn put_role(w: &mut W, r: Role) {
+    w.u8(match r {
+        Role::Agent => 0,
+        Role::Operator => 1,
+    });
+}
+
+// ---------------------------------------------------------------- records
+
+/// Appends the encoding of `rec` to `out` (no allocation beyond `out` growing).
+pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
+    let mut w = W(out);
+    w.u8(RECORD_VERSION);
+    w.u64(rec.at);
+    w.str(rec.principal.name.as_str());
+    put_role(&mut w, rec.principal.role);
+    w.strs(&rec.principal.groups);
+    match &rec.command {
+        Command::Admit(a) => {
+            w.u8(1);
+            w.str(a.run.as_str());
+            w.str(a.key.as_str());
+            w.str(a.tool.as_str());
+            w.digest(&a.digest);
+            w.opt_str(a.args.as_deref());
+            w.bool(a.start);
+            w.opt_str(a.parent.as_ref().map(RunId::as_str));
+            w.u32(a.labels.len() as u32);
+            for (k, v) in &a.labels {
+                w.str(k);
+                w.str(v);
+            }
+            w.opt_u64(a.limits.deadline_at);
+            w.opt_u64(a.limits.max_effects);
+            let p = &a.policy;
+            w.u8(idx(PolicyAction::ALL, &p.action));
+            w.u8(idx(EffectClass::ALL, &p.class));
+            w.u8(idx(Reversibility::ALL, &p.reversibility));
+            w.opt_str(p.compensate.as_ref().map(ToolName::as_str));
+            w.u32(p.quorum);
+            w.strs(&p.groups);
+            w.u64(p.expiry_ms);
+            w.str(&p.rule);
+        }
+        Command::Recheck { run, key } => {
+            w.u8(2);
+            w.str(run.as_str());
+            w.str(key.as_str());
+        }
+        Command::Start { run, key, token } => {
+            w.u8(3);
+            w.str(run.as_str());
+            w.str(key.as_str());
+            w.u32(token.epoch);
+            w.u64(token.serial);
+        }
+        Command::Complete { run, key, token, outcome, result, error } => {
+            w.u8(4);
+            w.str(run.as_str());
+            w.str(key.as_str());
+            w.u32(token.epoch);
+            w.u64(token.serial);
+            w.u8(idx(Outcome::ALL, outcome));
+            w.opt_str(result.as_deref());
+            w.opt_str(error.as_deref());
+        }
+        Command::Decide { run, key, decision, reason } => {
+            w.u8(5);
+            w.str(run.as_str());
+            w.str(key.as_str());
+            w.u8(idx(Decision::ALL, decision));
+            w.opt_str(reason.as_deref());
+        }
+        Command::Cancel { run, reason, kill } => {
+            w.u8(6);
+            w.str(run.as_str());
+            w.opt_str(reason.as_deref());
+            w.bool(*kill);
+        }
+        Command::Pause { run } => {
+            w.u8(7);
+            w.str(run.as_str());
+        }
+        Command::Resume { run } => {
+            w.u8(8);
+            w.str(run.as_str());
+        }
+        Command::Close { run, failed } => {
+            w.u8(9);
+            w.str(run.as_str());
+            w.bool(*failed);
+        }
+        Command::Tick { run } => {
+            w.u8(10);
+            w.str(run.as_str());
+        }
+        Command::Compact { before } => {
+            w.u8(11);
+            w.u64(*before);
+        }
+    }
+}
+
+pub fn decode_record(buf: &[u8]) -> Result<Record, CodecError> {
+    let mut r = R { buf, pos: 0, what: "record" };
+    let v = r.u8()?;
+    if v != RECORD_VERSION {
+        return Err(r.err(format!("unsupported record version {v}")));
+    }
+    let at = r.u64()?;
+    let name = r.principal_name()?;
+    let role = match r.u8()? {
+        0 => Role::Agent,
+        1 => Role::Operator,
+        b => return Err(r.err(format!("bad role {b}"))),
+    };
+    let groups = r.strs()?;
+    let principal = Principal { name, role, groups };
+    let command = match r.u8()? {
+        1 => {
+            let run = r.run()?;
+            let key = r.key()?;
+            let tool = r.tool()?;
+            let digest = r.digest()?;
+            let args = r.opt(R::boxed)?;
+            let start = r.bool()?;
+            let parent = r.opt(R::run)?;
+            let n = r.count(8)?;
+            let mut labels = Vec::with_capacity(n);
+            for _ in 0..n {
+                labels.push((r.boxed()?, r.boxed()?));
+            }
+            let limits = RunLimits { deadline_at: r.opt(R::u64)?, max_effects: r.opt(R::u64)? };
+            let policy = PolicyDecision {
+                action: r.enum_of(PolicyAction::ALL)?,
+                class: r.enum_of(EffectClass::ALL)?,
+                reversibility: r.enum_of(Reversibility::ALL)?,
+                compensate: r.opt(R::tool)?,
+                quorum: r.u32()?,
+                groups: r.strs()?,
+                expiry_ms: r.u64()?,
+                rule: r.boxed()?,
+            };
+            Command::Admit(Admit { run, key, tool, digest, args, start, parent, labels, limits, policy })
+        }
+        2 => Command::Recheck { run: r.run()?, key: r.key()? },
+        3 => Command::Start { run: r.run()?, key: r.key()?, token: Token { epoch: r.u32()?, serial: r.u64()? } },
+        4 => Command::Complete {
+            run: r.run()?,
+            key: r.key()?,
+            token: Token { epoch: r.u32()?, serial: r.u64()? },
+            outcome: r.enum_of(Outcome::ALL)?,
+            result: r.opt(R::boxed)?,
+            error: r.opt(R::boxed)?,
+        },
+        5 => Command::Decide { run: r.run()?, key: r.key()?, decision: r.enum_of(Decision::ALL)?, reason: r.opt(R::boxed)? },
+        6 => Command::Cancel { run: r.run()?, reason: r.opt(R::boxed)?, kill: r.bool()? },
+        7 => Command::Pause { run: r.run()? },
+        8 => Command::Resume { run: r.run()? },
+        9 => Command::Close { run: r.run()?, failed: r.bool()? },
+        10 => Command::Tick { run: r.run()? },
+        11 => Command::Compact { before: r.u64()? },
+        t => return Err(r.err(format!("unknown command tag {t}"))),
+    };
+    r.done()?;
+    Ok(Record { at, principal, command })
+}
+
+// ---------------------------------------------------------------- snapshots
+
+fn put_status(w: &mut W, s: Status) {
+    w.u8(idx(EffectStatus::ALL, &s.kind()));
+    w.u8(match s {
+        Status::Held(h) => idx(HoldReason::ALL, &h),
+        Status::Refused(r) => idx(RefusalReason::ALL, &r),
+        _ => 0,
+    });
+}
+
+fn get_status(r: &mut R) -> Result<Status, CodecError> {
+    let kind = r.enum_of(EffectStatus::ALL)?;
+    let sub = r.u8()?;
+    let sub_of = |all_len: usize, r: &R| {
+        if (sub as usize) < all_len { Ok(sub as usize) } else { Err(r.err(format!("bad status detail {sub}"))) }
+    };
+    Ok(match kind {
+        EffectStatus::Held => Status::Held(HoldReason::ALL[sub_of(HoldReason::ALL.len(), r)?]),
+        EffectStatus::Refused => Status::Refused(RefusalReason::ALL[sub_of(RefusalReason::ALL.len(), r)?]),
+        EffectStatus::Approved => Status::Approved,
+        EffectStatus::Admitted => Status::Admitted,
+        EffectStatus::Started => Status::Started,
+        EffectStatus::Completed => Status::Completed,
+        EffectStatus::Failed => Status::Failed,
+        EffectStatus::Unknown => Status::Unknown,
+        EffectStatus::Compensating => Status::Compensating,
+        EffectStatus::Compensated => Status::Compensated,
+        EffectStatus::CompensationFailed => Status::CompensationFailed,
+        EffectStatus::NeedsHuman => Status::NeedsHuman,
+    })
+}
+
+fn put_effect(w: &mut W, e: &Effect) {
+    w.str(e.tool.as_str());
+    w.digest(&e.digest);
+    w.u8(idx(EffectClass::ALL, &e.class));
+    w.u8(idx(Reversibility::ALL, &e.reversibility));
+    w.opt_str(e.compensate.as_ref().map(ToolName::as_str));
+    w.str(&e.rule);
+    w.u8(idx(PolicyAction::ALL, &e.action));
+    match &e.approval {
+        None => w.u8(0),
+        Some(a) => {
+            w.u8(1);
+            w.u64(a.id);
+            w.u32(a.quorum);
+            w.strs(&a.groups);
+            w.u64(a.expiry_ms);
+            w.u64(a.requested_at);
+            w.u64(a.expires_at);
+            w.u32(a.approvers.len() as u32);
+            for ap in &a.approvers {
+                w.str(ap.name.as_str());
+                w.strs(&ap.groups);
+                w.u64(ap.at);
+            }
+            w.opt_str(a.rejected_by.as_ref().map(PrincipalName::as_str));
+            w.opt_str(a.reason.as_deref());
+        }
+    }
+    w.opt_str(e.args.as_deref());
+    w.bool(e.start_on_admit);
+    put_status(w, e.status);
+    match e.token {
+        None => w.u8(0),
+        Some(t) => {
+            w.u8(1);
+            w.u32(t.epoch);
+            w.u64(t.serial);
+        }
+    }
+    w.u64(e.created_at);
+    w.u64(e.updated_at);
+    w.bool(e.late);
+    match &e.outcome {
+        None => w.u8(0),
+        Some(o) => {
+            w.u8(1);
+            match o.outcome {
+                None => w.u8(0),
+                Some(x) => {
+                    w.u8(1);
+                    w.u8(idx(Outcome::ALL, &x));
+                }
+            }
+            w.opt_str(o.result.as_deref());
+            w.opt_str(o.error.as_deref());
+        }
+    }
+}
+
+fn get_effect(r: &mut R) -> Result<Effect, CodecError> {
+    let tool = r.tool()?;
+    let digest = r.digest()?;
+    let class = r.enum_of(EffectClass::ALL)?;
+    let reversibility = r.enum_of(Reversibility::ALL)?;
+    let compensate = r.opt(R::tool)?;
+    let rule = r.boxed()?;
+    let action = r.enum_of(PolicyAction::ALL)?;
+    let approval = r.opt(|r| {
+        let id = r.u64()?;
+        let quorum = r.u32()?;
+        let groups = r.strs()?;
+        let expiry_ms = r.u64()?;
+        let requested_at = r.u64()?;
+        let expires_at = r.u64()?;
+        let n = r.count(16)?;
+        let mut approvers = Vec::with_capacity(n);
+        for _ in 0..n {
+            approvers.push(Approver { name: r.principal_name()?, groups: r.strs()?, at: r.u64()? });
+        }
+        let rejected_by = r.opt(R::principal_name)?;
+        let reason = r.opt(R::boxed)?;
+        Ok(Box::new(Approval { id, quorum, groups, expiry_ms, requested_at, expires_at, approvers, rejected_by, reason }))
+    })?;
+    let args = r.opt(R::boxed)?;
+    let start_on_admit = r.bool()?;
+    let status = get_status(r)?;
+    let token = r.opt(|r| Ok(Token { epoch: r.u32()?, serial: r.u64()? }))?;
+    let created_at = r.u64()?;
+    let updated_at = r.u64()?;
+    let late = r.bool()?;
+    let outcome = r.opt(|r| {
+        Ok(Box::new(OutcomeRecord { outcome: r.opt(|r| r.enum_of(Outcome::ALL))?, result: r.opt(R::boxed)?, error: r.opt(R::boxed)? }))
+    })?;
+    Ok(Effect {
+        tool,
+        digest,
+        class,
+        reversibility,
+        compensate,
+        rule,
+        action,
+        approval,
+        args,
+        start_on_admit,
+        status,
+        token,
+        created_at,
+        updated_at,
+        late,
+        outcome,
+    })
+}
+
+/// Encodes the whole gate state (limits are configuration and are not included).
+pub fn encode_snapshot(gate: &Gate, out: &mut Vec<u8>) {
+    let mut w = W(out);
+    w.u8(SNAPSHOT_VERSION);
+    w.u64(gate.runs.len() as u64);
+    for (id, run) in &gate.runs {
+        w.str(id.as_str());
+        w.opt_str(run.parent.as_ref().map(RunId::as_str));
+        w.u32(run.children.len() as u32);
+        for c in &run.children {
+            w.str(c.as_str());
+        }
+        w.opt_str(run.owner.as_ref().map(PrincipalName::as_str));
+        w.u32(run.labels.len() as u32);
+        for (k, v) in &run.labels {
+            w.str(k);
+            w.str(v);
+        }
+        w.u64(run.created_at);
+        w.u8(idx(RunState::ALL, &run.state));
+        match &run.stop {
+            None => w.u8(0),
+            Some(s) => {
+                w.u8(1);
+                w.u8(idx(StopCause::ALL, &s.cause));
+                w.opt_str(s.reason.as_deref());
+                w.opt_str(s.by.as_ref().map(PrincipalName::as_str));
+                w.u64(s.at);
+                w.opt_str(s.from.as_ref().map(RunId::as_str));
+            }
+        }
+        w.u32(run.epoch);
+        w.opt_u64(run.limits.deadline_at);
+        w.opt_u64(run.limits.max_effects);
+        w.u64(run.admitted);
+        w.u32(run.pending_approvals);
+        w.u32(run.in_flight);
+        w.u64(run.next_serial);
+        w.u64(run.next_approval);
+        w.bool(run.compacted);
+        w.u32(run.rejected.len() as u32);
+        for d in &run.rejected {
+            w.digest(d);
+        }
+        w.u32(run.effects.len() as u32);
+        for (k, e) in &run.effects {
+            w.str(k.as_str());
+            put_effect(&mut w, e);
+        }
+    }
+}
+
+pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
+    let mut r = R { buf, pos: 0, what: "snapshot" };
+    let v = r.u8()?;
+    if v != SNAPSHOT_VERSION {
+        return Err(r.err(format!("unsupported snapshot version {v}")));
+    }
+    let n = r.u64()?;
+    let mut runs = BTreeMap::new();
+    for _ in 0..n {
+        let id = r.run()?;
+        let parent = r.opt(R::run)?;
+        let nc = r.count(4)?;
+        let children = (0..nc).map(|_| r.run()).collect::<Result<Vec<_>, _>>()?;
+        let owner = r.opt(R::principal_name)?;
+        let nl = r.count(8)?;
+        let mut labels = Vec::with_capacity(nl);
+        for _ in 0..nl {
+            labels.push((r.boxed()?, r.boxed()?));
+        }
+        let created_at = r.u64()?;
+        let state = r.enum_of(RunState::ALL)?;
+        let stop = r.opt(|r| {
+            Ok(Stop {
+                cause: r.enum_of(StopCause::ALL)?,
+                reason: r.opt(R::boxed)?,
+                by: r.opt(R::principal_name)?,
+                at: r.u64()?,
+                from: r.opt(R::run)?,
+            })
+        })?;
+        let epoch = r.u32()?;
+        let limits = RunLimits { deadline_at: r.opt(R::u64)?, max_effects: r.opt(R::u64)? };
+        let admitted = r.u64()?;
+        let pending_approvals = r.u32()?;
+        let in_flight = r.u32()?;
+        let next_serial = r.u64()?;
+        let next_approval = r.u64()?;
+        let compacted = r.bool()?;
+        let nr = r.count(32)?;
+        let mut rejected = BTreeSet::new();
+        for _ in 0..nr {
+            rejected.insert(r.digest()?);
+        }
+        let ne = r.count(40)?;
+        let mut effects = BTreeMap::new();
+        for _ in 0..ne {
+            let k = r.key()?;
+            effects.insert(k, get_effect(&mut r)?);
+        }
+        let run = Run {
+            parent,
+            children,
+            owner,
+            labels,
+            created_at,
+            state,
+            stop,
+            epoch,
+            limits,
+            admitted,
+            pending_approvals,
+            in_flight,
+            effects,
+            rejected,
+            next_serial,
+            next_approval,
+            compacted,
+        };
+        runs.insert(id, run);
+    }
+    r.done()?;
+    Ok(Gate { runs, limits })
+}

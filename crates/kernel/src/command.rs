@@ -1,0 +1,127 @@
+//! Commands: the only way state changes. Each accepted command is recorded in the ledger with
+//! the time it was applied at, so replay reproduces the state exactly.
+
+use crate::ids::{Digest, EffectKey, Principal, RunId, ToolName};
+use crate::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
+use std::fmt;
+
+/// What the policy decided for a proposed effect, evaluated by the shell and recorded with the
+/// admission so that a policy file edited later never changes the past.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyDecision {
+    /// Already strengthened by the agent's `needs_approval` where it asked.
+    pub action: PolicyAction,
+    pub class: EffectClass,
+    pub reversibility: Reversibility,
+    pub compensate: Option<ToolName>,
+    /// Distinct approvers needed (≥ 1 when `action` is approve).
+    pub quorum: u32,
+    /// Each group needs at least one distinct approver carrying it.
+    pub groups: Vec<Box<str>>,
+    pub expiry_ms: u64,
+    /// The name of the rule that matched (or `unknown_tool`).
+    pub rule: Box<str>,
+}
+
+/// Per-run limits fixed when the run is created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunLimits {
+    /// Absolute deadline, Unix ms.
+    pub deadline_at: Option<u64>,
+    /// Admissions the run may make in all.
+    pub max_effects: Option<u64>,
+}
+
+/// Proof of one admission: bound to the run's epoch at admission time and to a serial unique in
+/// the run. A cancel bumps the epoch, so no token issued before it can start anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Token {
+    pub epoch: u32,
+    pub serial: u64,
+}
+
+impl Token {
+    /// Parses the wire form `"<epoch>.<serial>"`.
+    pub fn parse(s: &str) -> Option<Token> {
+        let (e, n) = s.split_once('.')?;
+        Some(Token { epoch: e.parse().ok()?, serial: n.parse().ok()? })
+    }
+}
+
+impl fmt::Display for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.epoch, self.serial)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admit {
+    pub run: RunId,
+    pub key: EffectKey,
+    pub tool: ToolName,
+    pub digest: Digest,
+    /// Canonical argument JSON, kept for operators while the effect awaits a decision.
+    pub args: Option<Box<str>>,
+    /// With `start`, the admission is the exactly-once start point itself.
+    pub start: bool,
+    pub parent: Option<RunId>,
+    pub labels: Vec<(Box<str>, Box<str>)>,
+    pub limits: RunLimits,
+    pub policy: PolicyDecision,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    /// Propose an effect (creates the run on its first admit).
+    Admit(Admit),
+    /// Re-evaluate a held effect and consume its approval if one is due (`wait`).
+    Recheck { run: RunId, key: EffectKey },
+    /// The commit point of a two-phase effect.
+    Start { run: RunId, key: EffectKey, token: Token },
+    Complete {
+        run: RunId,
+        key: EffectKey,
+        token: Token,
+        outcome: Outcome,
+        result: Option<Box<str>>,
+        error: Option<Box<str>>,
+    },
+    Decide { run: RunId, key: EffectKey, decision: Decision, reason: Option<Box<str>> },
+    /// Fence the run and its descendants. `kill` skips compensation.
+    Cancel { run: RunId, reason: Option<Box<str>>, kill: bool },
+    Pause { run: RunId },
+    Resume { run: RunId },
+    /// Normal end of a run (`failed` closes it as failed).
+    Close { run: RunId, failed: bool },
+    /// Apply what time alone decides for a run: deadline fence, approval expiry.
+    Tick { run: RunId },
+    /// Drop per-effect state of terminal runs stopped at or before `before`; fences stay.
+    Compact { before: u64 },
+}
+
+impl Command {
+    /// The run a command is about (`None` for gate-wide housekeeping).
+    pub fn run(&self) -> Option<&RunId> {
+        match self {
+            Command::Admit(a) => Some(&a.run),
+            Command::Recheck { run, .. }
+            | Command::Start { run, .. }
+            | Command::Complete { run, .. }
+            | Command::Decide { run, .. }
+            | Command::Cancel { run, .. }
+            | Command::Pause { run }
+            | Command::Resume { run }
+            | Command::Close { run, .. }
+            | Command::Tick { run } => Some(run),
+            Command::Compact { .. } => None,
+        }
+    }
+}
+
+/// One command as the ledger records it: when, by whom, what.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub at: u64,
+    pub principal: Principal,
+    pub command: Command,
+}

@@ -1,0 +1,838 @@
+//! The transition function: `Gate::apply(now, principal, command)`. Every check happens before
+//! any mutation, so a command that returns an error has changed nothing.
+
+use crate::command::{Admit, Command, PolicyDecision, Token};
+use crate::ids::{EffectKey, Principal, RunId};
+use crate::limits::Limits;
+use crate::reply::{Applied, DecideStatus, Event, EventKind, KernelError, Reply, Verdict};
+use crate::state::{Approval, Approver, Effect, OutcomeRecord, Run, Status, Stop};
+use crate::transitions::{effect_legal, run_legal};
+use crate::ids::Role;
+use crate::vocab::{
+    Decision, EffectClass, EffectStatus, HoldReason, Outcome, PolicyAction, RefusalReason, RunState,
+    StopCause,
+};
+use std::collections::BTreeMap;
+
+/// The whole state of the gate. Commands touch one run, its ancestor chain and (for stops) its
+/// descendants, never the rest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gate {
+    pub(crate) runs: BTreeMap<RunId, Run>,
+    pub(crate) limits: Limits,
+}
+
+/// What admission decided for an effect that is new or held behind a sibling or a pause.
+enum Plan {
+    /// The run is stopped; the effect is refused with the stop's reason.
+    Fenced(RefusalReason),
+    /// A deadline in the run's chain passed: fence that run's subtree first.
+    FenceDeadline(RunId),
+    /// The run's effect budget is used up: fence it.
+    FenceBudget,
+    Refuse(RefusalReason),
+    Hold(HoldReason),
+    HoldApproval,
+    Admit,
+}
+
+/// Is the run, or an ancestor, in a state that holds new admissions and starts?
+fn terminal_state(cause: StopCause) -> RunState {
+    match cause {
+        StopCause::Closed => RunState::Completed,
+        StopCause::Failed => RunState::Failed,
+        StopCause::Cancelled | StopCause::Killed | StopCause::Deadline | StopCause::Budget => RunState::Cancelled,
+    }
+}
+
+fn event(run: &RunId, key: Option<&EffectKey>, kind: EventKind) -> Event {
+    Event { run: run.clone(), key: key.cloned(), kind, detail: None }
+}
+
+fn check_effect(run: &RunId, key: &EffectKey, from: Option<Status>, to: Status) -> Result<(), KernelError> {
+    let (f, t) = (from.map(Status::kind), to.kind());
+    if effect_legal(f, t) {
+        Ok(())
+    } else {
+        Err(KernelError::IllegalTransition {
+            run: run.clone(),
+            key: key.clone(),
+            from: f.map_or("new", EffectStatus::as_str),
+            to: t.as_str(),
+        })
+    }
+}
+
+fn bounded(text: &Option<Box<str>>, max: usize, limit: &'static str) -> Result<(), KernelError> {
+    match text {
+        Some(t) if t.len() > max => Err(KernelError::Limit { limit, max: max as u64 }),
+        _ => Ok(()),
+    }
+}
+
+impl Gate {
+    pub fn new(limits: Limits) -> Gate {
+        Gate { runs: BTreeMap::new(), limits }
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    pub fn run(&self, id: &RunId) -> Option<&Run> {
+        self.runs.get(id)
+    }
+
+    pub fn runs(&self) -> impl Iterator<Item = (&RunId, &Run)> {
+        self.runs.iter()
+    }
+
+    pub fn run_count(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// A run as the principal may see it: agents see only their own runs (and operator fences).
+    pub fn visible_run(&self, principal: &Principal, id: &RunId) -> Result<&Run, KernelError> {
+        let run = self.runs.get(id).ok_or_else(|| KernelError::RunNotFound(id.clone()))?;
+        if principal.role == Role::Agent && run.owner.as_ref().is_some_and(|o| *o != principal.name) {
+            return Err(KernelError::RunNotFound(id.clone()));
+        }
+        Ok(run)
+    }
+
+    /// The run and all its descendants, parents before children.
+    pub fn subtree(&self, root: &RunId) -> Vec<RunId> {
+        let mut out = vec![root.clone()];
+        let mut i = 0;
+        while i < out.len() {
+            if let Some(run) = self.runs.get(&out[i]) {
+                out.extend(run.children.iter().cloned());
+            }
+            i += 1;
+        }
+        out
+    }
+
+    /// The run's ancestors, nearest first.
+    fn ancestors<'a>(&'a self, id: &RunId) -> impl Iterator<Item = (&'a RunId, &'a Run)> + 'a {
+        let mut next = self.runs.get(id).and_then(|r| r.parent.as_ref());
+        std::iter::from_fn(move || {
+            let id = next?;
+            let (k, run) = self.runs.get_key_value(id)?;
+            next = run.parent.as_ref();
+            Some((k, run))
+        })
+    }
+
+    fn chain<'a>(&'a self, id: &'a RunId) -> impl Iterator<Item = (&'a RunId, &'a Run)> + 'a {
+        self.runs.get_key_value(id).into_iter().chain(self.ancestors(id))
+    }
+
+    fn paused_in_chain(&self, id: &RunId) -> bool {
+        self.chain(id).any(|(_, r)| r.state == RunState::Paused)
+    }
+
+    fn pending_in_chain(&self, id: &RunId) -> bool {
+        self.chain(id).any(|(_, r)| r.pending_approvals > 0)
+    }
+
+    /// The farthest run of the chain whose deadline has passed (fencing it fences the rest).
+    fn overdue_in_chain(&self, id: &RunId, now: u64) -> Option<RunId> {
+        self.chain(id)
+            .filter(|(_, r)| r.stop.is_none() && r.limits.deadline_at.is_some_and(|d| now >= d))
+            .last()
+            .map(|(k, _)| k.clone())
+    }
+
+    /// When time alone next changes this run (deadline or an approval's expiry).
+    pub fn next_timer(&self, id: &RunId) -> Option<u64> {
+        let run = self.runs.get(id)?;
+        if run.stop.is_some() {
+            return None;
+        }
+        let expiries = run.effects.values().filter_map(|e| match e.status {
+            Status::Held(HoldReason::Approval) | Status::Approved => e.approval.as_ref().map(|a| a.expires_at),
+            _ => None,
+        });
+        run.limits.deadline_at.into_iter().chain(expiries).min()
+    }
+
+    /// Applies one command at time `now` (Unix ms) on behalf of `principal`.
+    pub fn apply(&mut self, now: u64, principal: &Principal, cmd: &Command) -> Result<Applied, KernelError> {
+        let mut events = Vec::new();
+        let (reply, changed) = match cmd {
+            Command::Admit(a) => self.admit(now, principal, a, &mut events)?,
+            Command::Recheck { run, key } => {
+                self.visible_run(principal, run)?;
+                self.existing(now, run, key, &mut events)?
+            }
+            Command::Start { run, key, token } => self.start(now, principal, run, key, *token, &mut events)?,
+            Command::Complete { run, key, token, outcome, result, error } => {
+                self.complete(now, principal, run, key, *token, *outcome, result, error, &mut events)?
+            }
+            Command::Decide { run, key, decision, reason } => {
+                self.decide(now, principal, run, key, *decision, reason, &mut events)?
+            }
+            Command::Cancel { run, reason, kill } => self.cancel(now, principal, run, reason, *kill, &mut events)?,
+            Command::Pause { run } => self.pause(principal, run, true, &mut events)?,
+            Command::Resume { run } => self.pause(principal, run, false, &mut events)?,
+            Command::Close { run, failed } => self.close(now, principal, run, *failed, &mut events)?,
+            Command::Tick { run } => self.tick(now, run, &mut events)?,
+            Command::Compact { before } => self.compact(*before)?,
+        };
+        debug_assert!(changed || events.is_empty(), "events without a change: {events:?}");
+        Ok(Applied { reply, changed, events })
+    }
+
+    // ---------------------------------------------------------------- admit
+
+    fn admit(&mut self, now: u64, p: &Principal, a: &Admit, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
+        bounded(&a.args, self.limits.args_bytes_max, "args_bytes_max")?;
+        if let Some(run) = self.runs.get(&a.run) {
+            self.visible_run(p, &a.run)?;
+            if let Some(given) = &a.parent {
+                if run.parent.as_ref() != Some(given) {
+                    return Err(KernelError::ParentMismatch {
+                        run: a.run.clone(),
+                        existing: run.parent.as_ref().map_or_else(|| "none".to_string(), |r| r.to_string()),
+                        given: given.clone(),
+                    });
+                }
+            }
+            if let Some(effect) = run.effects.get(&a.key) {
+                if effect.digest != a.digest {
+                    return Ok((Reply::Verdict(Verdict::Refused { reason: RefusalReason::Mismatch }), false));
+                }
+                return self.existing(now, &a.run, &a.key, ev);
+            }
+            if let Some(stop) = &run.stop {
+                // Nothing new starts in a stopped run; the fence is already on record.
+                return Ok((Reply::Verdict(Verdict::Refused { reason: stop.cause.refusal() }), false));
+            }
+            if run.effects.len() >= self.limits.effects_per_run_max {
+                return Err(KernelError::Limit {
+                    limit: "effects_per_run_max",
+                    max: self.limits.effects_per_run_max as u64,
+                });
+            }
+        } else {
+            self.create_run(now, p, a)?;
+            if let Some(stop) = &self.runs[&a.run].stop {
+                return Ok((Reply::Verdict(Verdict::Refused { reason: stop.cause.refusal() }), true));
+            }
+        }
+        // Insert the new effect, then run the same admission as a held effect's re-check.
+        let mut effect = Effect::new(now, a.tool.clone(), a.digest, &a.policy, a.start);
+        effect.args = a.args.clone();
+        if a.policy.action == PolicyAction::Approve {
+            effect.approval = Some(Box::new(new_approval(&a.policy)));
+        }
+        let plan = self.plan(now, &a.run, &effect)?;
+        check_effect(&a.run, &a.key, None, planned_status(&plan, &effect))?;
+        let run = self.runs.get_mut(&a.run).ok_or_else(|| KernelError::RunNotFound(a.run.clone()))?;
+        run.effects.insert(a.key.clone(), effect);
+        let verdict = self.carry_out(now, &a.run, &a.key, plan, ev);
+        Ok((Reply::Verdict(verdict), true))
+    }
+
+    fn create_run(&mut self, now: u64, p: &Principal, a: &Admit) -> Result<(), KernelError> {
+        let new_runs = 1 + usize::from(a.parent.as_ref().is_some_and(|par| !self.runs.contains_key(par)));
+        if self.runs.len() + new_runs > self.limits.runs_max {
+            return Err(KernelError::Limit { limit: "runs_max", max: self.limits.runs_max as u64 });
+        }
+        if a.labels.len() > self.limits.labels_max {
+            return Err(KernelError::Limit { limit: "labels_max", max: self.limits.labels_max as u64 });
+        }
+        if a.labels.iter().any(|(k, v)| k.len() + v.len() > self.limits.label_bytes_max) {
+            return Err(KernelError::Limit { limit: "label_bytes_max", max: self.limits.label_bytes_max as u64 });
+        }
+        let mut inherited = None;
+        if let Some(parent) = &a.parent {
+            if parent == &a.run {
+                return Err(KernelError::ParentMismatch { run: a.run.clone(), existing: "none".into(), given: parent.clone() });
+            }
+            if let Some(prun) = self.runs.get(parent) {
+                self.visible_run(p, parent)?;
+                let depth = 1 + self.chain(parent).count();
+                if depth > self.limits.run_depth_max {
+                    return Err(KernelError::Limit { limit: "run_depth_max", max: self.limits.run_depth_max as u64 });
+                }
+                if let Some(stop) = &prun.stop {
+                    inherited = Some(Stop {
+                        cause: stop.cause,
+                        reason: stop.reason.clone(),
+                        by: stop.by.clone(),
+                        at: now,
+                        from: Some(stop.from.clone().unwrap_or_else(|| parent.clone())),
+                    });
+                }
+            } else {
+                // A sub-agent may admit before its parent did: the parent run comes into being.
+                self.runs.insert(parent.clone(), Run::new(now, Some(p.name.clone()), None));
+            }
+        }
+        let mut run = Run::new(now, Some(p.name.clone()), a.parent.clone());
+        run.labels = a.labels.clone();
+        run.limits = a.limits;
+        if let Some(stop) = inherited {
+            run.state = terminal_state(stop.cause);
+            run.epoch += 1;
+            run.stop = Some(stop);
+        }
+        if let Some(parent) = &a.parent {
+            if let Some(prun) = self.runs.get_mut(parent) {
+                prun.children.push(a.run.clone());
+            }
+        }
+        self.runs.insert(a.run.clone(), run);
+        Ok(())
+    }
+
+    /// Decides what happens to an effect that is new or held behind a sibling or a pause.
+    /// The precedence order is the table in docs/PROTOCOL.md.
+    fn plan(&self, now: u64, run_id: &RunId, effect: &Effect) -> Result<Plan, KernelError> {
+        let run = &self.runs[run_id];
+        if let Some(stop) = &run.stop {
+            return Ok(Plan::Fenced(stop.cause.refusal()));
+        }
+        if let Some(root) = self.overdue_in_chain(run_id, now) {
+            return Ok(Plan::FenceDeadline(root));
+        }
+        if run.rejected.contains(&effect.digest) {
+            return Ok(Plan::Refuse(RefusalReason::Rejected));
+        }
+        if effect.action == PolicyAction::Deny {
+            return Ok(Plan::Refuse(RefusalReason::Denied));
+        }
+        if run.limits.max_effects.is_some_and(|max| run.admitted >= max) {
+            return Ok(Plan::FenceBudget);
+        }
+        if self.paused_in_chain(run_id) {
+            return Ok(Plan::Hold(HoldReason::Paused));
+        }
+        if effect.action == PolicyAction::Approve && effect.status != Status::Approved {
+            if run.pending_approvals as usize >= self.limits.pending_approvals_per_run_max {
+                return Err(KernelError::Limit {
+                    limit: "pending_approvals_per_run_max",
+                    max: self.limits.pending_approvals_per_run_max as u64,
+                });
+            }
+            return Ok(Plan::HoldApproval);
+        }
+        if effect.class == EffectClass::Write && self.pending_in_chain(run_id) {
+            return Ok(Plan::Hold(HoldReason::Sibling));
+        }
+        Ok(Plan::Admit)
+    }
+
+    /// Carries out a plan on an effect already in the run's map. Infallible: `plan` checked all.
+    fn carry_out(&mut self, now: u64, run_id: &RunId, key: &EffectKey, plan: Plan, ev: &mut Vec<Event>) -> Verdict {
+        match plan {
+            Plan::Fenced(reason) | Plan::Refuse(reason) => {
+                self.refuse_effect(now, run_id, key, reason);
+                Verdict::Refused { reason }
+            }
+            Plan::FenceDeadline(root) => {
+                self.stop_subtree(now, &root, StopCause::Deadline, None, None, ev);
+                self.refuse_effect(now, run_id, key, RefusalReason::Deadline);
+                Verdict::Refused { reason: RefusalReason::Deadline }
+            }
+            Plan::FenceBudget => {
+                self.stop_subtree(now, run_id, StopCause::Budget, None, None, ev);
+                self.refuse_effect(now, run_id, key, RefusalReason::Budget);
+                Verdict::Refused { reason: RefusalReason::Budget }
+            }
+            Plan::Hold(reason) => {
+                let e = self.effect_mut(run_id, key);
+                e.status = Status::Held(reason);
+                e.updated_at = now;
+                ev.push(event(run_id, Some(key), EventKind::Held));
+                Verdict::Held { reason, approval: None, expires_at: None }
+            }
+            Plan::HoldApproval => {
+                let run = self.runs.get_mut(run_id).map(|r| {
+                    r.pending_approvals += 1;
+                    r.next_approval += 1;
+                    r.next_approval - 1
+                });
+                let id = run.unwrap_or(0);
+                let e = self.effect_mut(run_id, key);
+                e.status = Status::Held(HoldReason::Approval);
+                e.updated_at = now;
+                let approval = e.approval.as_mut().expect("an effect held for approval has an approval");
+                approval.id = id;
+                approval.requested_at = now;
+                approval.expires_at = now.saturating_add(approval.expiry_ms);
+                let expires_at = approval.expires_at;
+                ev.push(event(run_id, Some(key), EventKind::Held));
+                Verdict::Held { reason: HoldReason::Approval, approval: Some(id), expires_at: Some(expires_at) }
+            }
+            Plan::Admit => {
+                let run = self.runs.get_mut(run_id).expect("planned run exists");
+                run.admitted += 1;
+                let token = Token { epoch: run.epoch, serial: run.next_serial };
+                run.next_serial += 1;
+                let start = run.effects[key].start_on_admit;
+                if start {
+                    run.in_flight += 1;
+                }
+                let e = run.effects.get_mut(key).expect("planned effect exists");
+                e.status = if start { Status::Started } else { Status::Admitted };
+                e.token = Some(token);
+                e.args = None;
+                e.updated_at = now;
+                ev.push(event(run_id, Some(key), EventKind::Admitted));
+                Verdict::Admitted { token }
+            }
+        }
+    }
+
+    fn effect_mut(&mut self, run: &RunId, key: &EffectKey) -> &mut Effect {
+        self.runs.get_mut(run).and_then(|r| r.effects.get_mut(key)).expect("effect exists")
+    }
+
+    fn refuse_effect(&mut self, now: u64, run_id: &RunId, key: &EffectKey, reason: RefusalReason) {
+        let run = self.runs.get_mut(run_id).expect("run exists");
+        let e = run.effects.get_mut(key).expect("effect exists");
+        if e.status == Status::Held(HoldReason::Approval) {
+            run.pending_approvals -= 1;
+        }
+        e.status = Status::Refused(reason);
+        e.args = None;
+        e.updated_at = now;
+    }
+
+    /// A repeat `admit` of a known identity, or a `wait` re-check.
+    fn existing(&mut self, now: u64, run_id: &RunId, key: &EffectKey, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
+        let run = self.runs.get(run_id).ok_or_else(|| KernelError::RunNotFound(run_id.clone()))?;
+        let effect = run.effects.get(key).ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        let verdict = |v| Ok((Reply::Verdict(v), false));
+        match effect.status {
+            Status::Refused(reason) => verdict(Verdict::Refused { reason }),
+            Status::Started => verdict(Verdict::Duplicate { status: EffectStatus::Started, outcome: None, result: None, error: None }),
+            Status::Completed
+            | Status::Failed
+            | Status::Unknown
+            | Status::Compensating
+            | Status::Compensated
+            | Status::CompensationFailed
+            | Status::NeedsHuman => {
+                let rec = effect.outcome.as_deref().cloned().unwrap_or_default();
+                verdict(Verdict::Duplicate { status: effect.status.kind(), outcome: rec.outcome, result: rec.result, error: rec.error })
+            }
+            Status::Admitted => {
+                if let Some(stop) = &run.stop {
+                    let reason = stop.cause.refusal();
+                    check_effect(run_id, key, Some(effect.status), Status::Refused(reason))?;
+                    self.refuse_effect(now, run_id, key, reason);
+                    return Ok((Reply::Verdict(Verdict::Refused { reason }), true));
+                }
+                // A lost reply costs nothing: the same token again.
+                verdict(Verdict::Admitted { token: effect.token.expect("admitted effects carry a token") })
+            }
+            Status::Held(HoldReason::Approval) => {
+                let approval = effect.approval.as_ref().expect("held for approval");
+                if now >= approval.expires_at {
+                    self.expire(now, run_id, key, ev);
+                    return Ok((Reply::Verdict(Verdict::Refused { reason: RefusalReason::Expired }), true));
+                }
+                verdict(Verdict::Held { reason: HoldReason::Approval, approval: Some(approval.id), expires_at: Some(approval.expires_at) })
+            }
+            Status::Approved => {
+                let expires_at = effect.approval.as_ref().map_or(0, |a| a.expires_at);
+                let plan = self.plan(now, run_id, effect)?;
+                match plan {
+                    // An approved effect behind a pause or a sibling keeps its approval and waits.
+                    Plan::Hold(reason) => verdict(Verdict::Held { reason, approval: None, expires_at: None }),
+                    Plan::Admit if now >= expires_at => {
+                        self.expire(now, run_id, key, ev);
+                        Ok((Reply::Verdict(Verdict::Refused { reason: RefusalReason::Expired }), true))
+                    }
+                    plan => {
+                        check_effect(run_id, key, Some(effect.status), planned_status(&plan, effect))?;
+                        Ok((Reply::Verdict(self.carry_out(now, run_id, key, plan, ev)), true))
+                    }
+                }
+            }
+            Status::Held(reason) => {
+                let plan = self.plan(now, run_id, effect)?;
+                match plan {
+                    Plan::Hold(same) if same == reason => verdict(Verdict::Held { reason, approval: None, expires_at: None }),
+                    plan => {
+                        check_effect(run_id, key, Some(effect.status), planned_status(&plan, effect))?;
+                        Ok((Reply::Verdict(self.carry_out(now, run_id, key, plan, ev)), true))
+                    }
+                }
+            }
+        }
+    }
+
+    fn expire(&mut self, now: u64, run_id: &RunId, key: &EffectKey, ev: &mut Vec<Event>) {
+        self.refuse_effect(now, run_id, key, RefusalReason::Expired);
+        ev.push(event(run_id, Some(key), EventKind::Expired));
+    }
+
+    // ---------------------------------------------------------------- start / complete
+
+    fn start(&mut self, now: u64, p: &Principal, run_id: &RunId, key: &EffectKey, token: Token, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
+        let run = self.visible_run(p, run_id)?;
+        let effect = run.effects.get(key).ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        if effect.token != Some(token) {
+            if let Status::Refused(reason) = effect.status {
+                return Ok((Reply::Verdict(Verdict::Refused { reason }), false));
+            }
+            return Err(KernelError::BadToken { run: run_id.clone(), key: key.clone() });
+        }
+        match effect.status {
+            Status::Admitted => {}
+            Status::Refused(reason) => return Ok((Reply::Verdict(Verdict::Refused { reason }), false)),
+            _ => return self.existing(now, run_id, key, ev),
+        }
+        if let Some(stop) = &run.stop {
+            // The commit point: a token from before the cancel starts nothing (G4).
+            let reason = stop.cause.refusal();
+            self.refuse_effect(now, run_id, key, reason);
+            return Ok((Reply::Verdict(Verdict::Refused { reason }), true));
+        }
+        if let Some(root) = self.overdue_in_chain(run_id, now) {
+            self.stop_subtree(now, &root, StopCause::Deadline, None, None, ev);
+            self.refuse_effect(now, run_id, key, RefusalReason::Deadline);
+            return Ok((Reply::Verdict(Verdict::Refused { reason: RefusalReason::Deadline }), true));
+        }
+        if self.paused_in_chain(run_id) {
+            return Ok((Reply::Verdict(Verdict::Held { reason: HoldReason::Paused, approval: None, expires_at: None }), false));
+        }
+        if effect.class == EffectClass::Write && self.pending_in_chain(run_id) {
+            return Ok((Reply::Verdict(Verdict::Held { reason: HoldReason::Sibling, approval: None, expires_at: None }), false));
+        }
+        check_effect(run_id, key, Some(Status::Admitted), Status::Started)?;
+        let run = self.runs.get_mut(run_id).expect("visible run exists");
+        run.in_flight += 1;
+        let e = run.effects.get_mut(key).expect("effect exists");
+        e.status = Status::Started;
+        e.updated_at = now;
+        Ok((Reply::Verdict(Verdict::Go), true))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn complete(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+        token: Token,
+        outcome: Outcome,
+        result: &Option<Box<str>>,
+        error: &Option<Box<str>>,
+        ev: &mut Vec<Event>,
+    ) -> Result<(Reply, bool), KernelError> {
+        let run = self.visible_run(p, run_id)?;
+        let effect = run.effects.get(key).ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        if effect.token != Some(token) {
+            return Err(KernelError::BadToken { run: run_id.clone(), key: key.clone() });
+        }
+        bounded(result, self.limits.result_bytes_max, "result_bytes_max")?;
+        bounded(error, self.limits.result_bytes_max, "result_bytes_max")?;
+        let late = run.stop.is_some();
+        let record = || Box::new(OutcomeRecord { outcome: Some(outcome), result: result.clone(), error: error.clone() });
+        let to = match outcome {
+            Outcome::Ok => Status::Completed,
+            Outcome::Error => Status::Failed,
+            Outcome::Unknown => Status::Unknown,
+        };
+        match effect.status {
+            Status::Started | Status::Unknown => {
+                if effect.status == Status::Unknown && to == Status::Unknown {
+                    return Ok((Reply::Completed { late }, false));
+                }
+                check_effect(run_id, key, Some(effect.status), to)?;
+                let was_in_flight = effect.status == Status::Started;
+                let run = self.runs.get_mut(run_id).expect("visible run exists");
+                if was_in_flight {
+                    run.in_flight -= 1;
+                }
+                let e = run.effects.get_mut(key).expect("effect exists");
+                e.status = to;
+                e.outcome = Some(record());
+                e.late |= late;
+                e.updated_at = now;
+                ev.push(event(run_id, Some(key), EventKind::Completed));
+                self.settle_run(run_id, ev);
+                Ok((Reply::Completed { late }, true))
+            }
+            Status::Completed | Status::Failed => {
+                let same = effect.outcome.as_ref().and_then(|o| o.outcome) == Some(outcome);
+                if same {
+                    Ok((Reply::Completed { late: effect.late }, false))
+                } else {
+                    Err(KernelError::AlreadyCompleted { run: run_id.clone(), key: key.clone(), outcome: effect.status.kind().as_str() })
+                }
+            }
+            Status::Refused(_) => {
+                // It was voided before it started, yet the agent ran it: keep the fact, flag it.
+                if effect.outcome.is_some() {
+                    return Ok((Reply::Completed { late: true }, false));
+                }
+                let e = self.effect_mut(run_id, key);
+                e.outcome = Some(record());
+                e.late = true;
+                e.updated_at = now;
+                ev.push(event(run_id, Some(key), EventKind::Completed));
+                Ok((Reply::Completed { late: true }, true))
+            }
+            _ => Err(KernelError::NotStarted { run: run_id.clone(), key: key.clone() }),
+        }
+    }
+
+    /// A stopped run whose last in-flight effect settled reaches its terminal state.
+    fn settle_run(&mut self, run_id: &RunId, ev: &mut Vec<Event>) {
+        let run = self.runs.get_mut(run_id).expect("run exists");
+        if run.state == RunState::Finalizing && run.in_flight == 0 {
+            let to = terminal_state(run.stop.as_ref().expect("finalizing runs are stopped").cause);
+            assert!(run_legal(run.state, to));
+            run.state = to;
+            ev.push(event(run_id, None, EventKind::Closed));
+        }
+    }
+
+    // ---------------------------------------------------------------- decide
+
+    #[allow(clippy::too_many_arguments)]
+    fn decide(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+        decision: Decision,
+        reason: &Option<Box<str>>,
+        ev: &mut Vec<Event>,
+    ) -> Result<(Reply, bool), KernelError> {
+        if p.role != Role::Operator {
+            return Err(KernelError::Forbidden);
+        }
+        bounded(reason, self.limits.reason_bytes_max, "reason_bytes_max")?;
+        let run = self.runs.get(run_id).ok_or_else(|| KernelError::RunNotFound(run_id.clone()))?;
+        let effect = run.effects.get(key).ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        let not_awaiting = |status| KernelError::NotAwaitingApproval { run: run_id.clone(), key: key.clone(), status };
+        if effect.status != Status::Held(HoldReason::Approval) {
+            let status = match effect.status {
+                Status::Held(HoldReason::Sibling) => "held behind a sibling",
+                Status::Held(HoldReason::Paused) => "held by a pause",
+                Status::Refused(r) => r.as_str(),
+                s => s.kind().as_str(),
+            };
+            return Err(not_awaiting(status));
+        }
+        let approval = effect.approval.as_ref().expect("held for approval");
+        if now >= approval.expires_at {
+            return Err(not_awaiting("expired"));
+        }
+        match decision {
+            Decision::Reject => {
+                check_effect(run_id, key, Some(effect.status), Status::Refused(RefusalReason::Rejected))?;
+                let digest = effect.digest;
+                self.refuse_effect(now, run_id, key, RefusalReason::Rejected);
+                let run = self.runs.get_mut(run_id).expect("run exists");
+                run.rejected.insert(digest);
+                let a = run.effects.get_mut(key).and_then(|e| e.approval.as_mut()).expect("approval");
+                a.rejected_by = Some(p.name.clone());
+                a.reason = reason.clone();
+                ev.push(event(run_id, Some(key), EventKind::Decided));
+                Ok((Reply::Decided(DecideStatus::Rejected), true))
+            }
+            Decision::Approve => {
+                if approval.approvers.iter().any(|a| a.name == p.name) {
+                    return Err(KernelError::DuplicateApprover { run: run_id.clone(), key: key.clone(), principal: p.name.to_string() });
+                }
+                let mut next = (**approval).clone();
+                next.approvers.push(Approver { name: p.name.clone(), groups: p.groups.clone(), at: now });
+                if reason.is_some() {
+                    next.reason = reason.clone();
+                }
+                let satisfied = next.satisfied();
+                if satisfied {
+                    check_effect(run_id, key, Some(effect.status), Status::Approved)?;
+                }
+                let (approvals, quorum) = (next.approvers.len() as u32, next.quorum);
+                let run = self.runs.get_mut(run_id).expect("run exists");
+                let e = run.effects.get_mut(key).expect("effect exists");
+                e.approval = Some(Box::new(next));
+                e.updated_at = now;
+                ev.push(event(run_id, Some(key), EventKind::Decided));
+                if satisfied {
+                    e.status = Status::Approved;
+                    run.pending_approvals -= 1;
+                    Ok((Reply::Decided(DecideStatus::Approved), true))
+                } else {
+                    Ok((Reply::Decided(DecideStatus::Pending { approvals, quorum }), true))
+                }
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- stops
+
+    fn cancel(&mut self, now: u64, p: &Principal, run_id: &RunId, reason: &Option<Box<str>>, kill: bool, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
+        if kill && p.role != Role::Operator {
+            return Err(KernelError::Forbidden);
+        }
+        bounded(reason, self.limits.reason_bytes_max, "reason_bytes_max")?;
+        if !self.runs.contains_key(run_id) {
+            // A fence may be set before the run's first admit; it then refuses every admit.
+            if self.runs.len() >= self.limits.runs_max {
+                return Err(KernelError::Limit { limit: "runs_max", max: self.limits.runs_max as u64 });
+            }
+            let owner = (p.role == Role::Agent).then(|| p.name.clone());
+            self.runs.insert(run_id.clone(), Run::new(now, owner, None));
+        } else {
+            self.visible_run(p, run_id)?;
+        }
+        let run = &self.runs[run_id];
+        if run.stop.is_some() {
+            return Ok((Reply::RunState { state: run.state, runs_changed: 0 }, false));
+        }
+        let cause = if kill { StopCause::Killed } else { StopCause::Cancelled };
+        let n = self.stop_subtree(now, run_id, cause, reason.clone(), Some(p), ev);
+        Ok((Reply::RunState { state: self.runs[run_id].state, runs_changed: n }, true))
+    }
+
+    fn close(&mut self, now: u64, p: &Principal, run_id: &RunId, failed: bool, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
+        let run = self.visible_run(p, run_id)?;
+        if run.stop.is_some() {
+            return Ok((Reply::RunState { state: run.state, runs_changed: 0 }, false));
+        }
+        let cause = if failed { StopCause::Failed } else { StopCause::Closed };
+        let n = self.stop_subtree(now, run_id, cause, None, Some(p), ev);
+        Ok((Reply::RunState { state: self.runs[run_id].state, runs_changed: n }, true))
+    }
+
+    /// Fences the run and every descendant not already stopped: bumps the epoch, voids what
+    /// has not started, and moves each to finalizing (effects in flight) or its terminal state.
+    /// Work is proportional to the size of the subtree, never to the whole gate.
+    fn stop_subtree(&mut self, now: u64, root: &RunId, cause: StopCause, reason: Option<Box<str>>, by: Option<&Principal>, ev: &mut Vec<Event>) -> u32 {
+        let refusal = cause.refusal();
+        let mut changed = 0;
+        for id in self.subtree(root) {
+            let Some(run) = self.runs.get_mut(&id) else { continue };
+            if run.stop.is_some() {
+                continue;
+            }
+            let to = if run.in_flight > 0 { RunState::Finalizing } else { terminal_state(cause) };
+            assert!(run_legal(run.state, to), "{} -> {}", run.state, to);
+            run.epoch += 1;
+            run.stop = Some(Stop {
+                cause,
+                reason: reason.clone(),
+                by: by.map(|p| p.name.clone()),
+                at: now,
+                from: (&id != root).then(|| root.clone()),
+            });
+            for e in run.effects.values_mut() {
+                if e.status.is_held_or_prepared() {
+                    debug_assert!(effect_legal(Some(e.status.kind()), EffectStatus::Refused));
+                    e.status = Status::Refused(refusal);
+                    e.args = None;
+                    e.updated_at = now;
+                }
+            }
+            run.pending_approvals = 0;
+            run.state = to;
+            changed += 1;
+            let kind = match cause {
+                StopCause::Closed | StopCause::Failed if to != RunState::Finalizing => EventKind::Closed,
+                _ if to == RunState::Finalizing => EventKind::Finalizing,
+                _ => EventKind::Cancelled,
+            };
+            ev.push(Event { run: id.clone(), key: None, kind, detail: Some(cause.as_str()) });
+        }
+        changed
+    }
+
+    fn pause(&mut self, p: &Principal, run_id: &RunId, pause: bool, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
+        if p.role != Role::Operator {
+            return Err(KernelError::Forbidden);
+        }
+        let run = self.runs.get(run_id).ok_or_else(|| KernelError::RunNotFound(run_id.clone()))?;
+        let (from, to) = match (run.state, pause) {
+            (RunState::Active, true) => (RunState::Active, RunState::Paused),
+            (RunState::Paused, false) => (RunState::Paused, RunState::Active),
+            (RunState::Paused, true) | (RunState::Active, false) => {
+                return Ok((Reply::RunState { state: run.state, runs_changed: 0 }, false));
+            }
+            (state, _) => {
+                return Err(KernelError::InvalidState { run: run_id.clone(), state: state.as_str(), what: if pause { "pause" } else { "resume" } });
+            }
+        };
+        assert!(run_legal(from, to));
+        self.runs.get_mut(run_id).expect("run exists").state = to;
+        ev.push(event(run_id, None, if pause { EventKind::Paused } else { EventKind::Resumed }));
+        Ok((Reply::RunState { state: to, runs_changed: 1 }, true))
+    }
+
+    fn tick(&mut self, now: u64, run_id: &RunId, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
+        let run = self.runs.get(run_id).ok_or_else(|| KernelError::RunNotFound(run_id.clone()))?;
+        if run.stop.is_some() {
+            return Ok((Reply::RunState { state: run.state, runs_changed: 0 }, false));
+        }
+        let mut changed = 0;
+        if let Some(root) = self.overdue_in_chain(run_id, now) {
+            changed += self.stop_subtree(now, &root, StopCause::Deadline, None, None, ev);
+        } else {
+            let due: Vec<EffectKey> = run
+                .effects
+                .iter()
+                .filter(|(_, e)| {
+                    matches!(e.status, Status::Held(HoldReason::Approval) | Status::Approved)
+                        && e.approval.as_ref().is_some_and(|a| now >= a.expires_at)
+                })
+                .map(|(k, _)| k.clone())
+                .collect();
+            for key in due {
+                self.expire(now, run_id, &key, ev);
+                changed += 1;
+            }
+        }
+        Ok((Reply::RunState { state: self.runs[run_id].state, runs_changed: changed }, changed > 0))
+    }
+
+    fn compact(&mut self, before: u64) -> Result<(Reply, bool), KernelError> {
+        let mut n = 0;
+        for run in self.runs.values_mut() {
+            if run.state.is_terminal() && !run.compacted && run.stop.as_ref().is_some_and(|s| s.at <= before) {
+                run.effects = BTreeMap::new();
+                run.rejected = Default::default();
+                run.compacted = true;
+                n += 1;
+            }
+        }
+        Ok((Reply::Compacted { runs: n }, n > 0))
+    }
+}
+
+fn new_approval(p: &PolicyDecision) -> Approval {
+    Approval {
+        id: 0,
+        quorum: p.quorum.max(1),
+        groups: p.groups.clone(),
+        expiry_ms: p.expiry_ms,
+        requested_at: 0,
+        expires_at: 0,
+        approvers: Vec::new(),
+        rejected_by: None,
+        reason: None,
+    }
+}
+
+fn planned_status(plan: &Plan, effect: &Effect) -> Status {
+    match plan {
+        Plan::Fenced(r) | Plan::Refuse(r) => Status::Refused(*r),
+        Plan::FenceDeadline(_) => Status::Refused(RefusalReason::Deadline),
+        Plan::FenceBudget => Status::Refused(RefusalReason::Budget),
+        Plan::Hold(r) => Status::Held(*r),
+        Plan::HoldApproval => Status::Held(HoldReason::Approval),
+        Plan::Admit if effect.start_on_admit => Status::Started,
+        Plan::Admit => Status::Admitted,
+    }
+}

@@ -1,0 +1,141 @@
+//! What the kernel answers: verdicts, acknowledgements, typed errors, and events for subscribers.
+
+use crate::command::Token;
+use crate::ids::{EffectKey, RunId};
+use crate::vocab::{EffectStatus, HoldReason, Outcome, RefusalReason, RunState};
+
+/// The answer to `admit`, `wait` and `start`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Admitted { token: Token },
+    /// `start` said go (or `admit` with `start` admitted *and* started it).
+    Go,
+    Held { reason: HoldReason, approval: Option<u64>, expires_at: Option<u64> },
+    Refused { reason: RefusalReason },
+    /// The identity was admitted before: its recorded status and outcome (a receipt).
+    Duplicate { status: EffectStatus, outcome: Option<Outcome>, result: Option<Box<str>>, error: Option<Box<str>> },
+}
+
+/// Progress of a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecideStatus {
+    /// Quorum reached: the agent's `wait` now admits it.
+    Approved,
+    /// More approvers are needed.
+    Pending { approvals: u32, quorum: u32 },
+    Rejected,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    Verdict(Verdict),
+    /// `complete` was recorded; `late` when the run had been stopped before it arrived.
+    Completed { late: bool },
+    Decided(DecideStatus),
+    /// The run's state after a cancel, pause, resume, close or tick, and how many runs changed.
+    RunState { state: RunState, runs_changed: u32 },
+    /// Compaction: runs whose per-effect state was dropped.
+    Compacted { runs: u32 },
+}
+
+/// Errors a client, an agent or an operator can cause. Each writes nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    #[error("run {0} not found")]
+    RunNotFound(RunId),
+    #[error("effect {1} of run {0} not found")]
+    EffectNotFound(RunId, EffectKey),
+    #[error("effect {key} of run {run} is not awaiting approval (it is {status})")]
+    NotAwaitingApproval { run: RunId, key: EffectKey, status: &'static str },
+    #[error("{principal} has already approved effect {key} of run {run}; a quorum needs distinct approvers")]
+    DuplicateApprover { run: RunId, key: EffectKey, principal: String },
+    #[error("the token does not belong to effect {key} of run {run}")]
+    BadToken { run: RunId, key: EffectKey },
+    #[error("effect {key} of run {run} was not started (call start first)")]
+    NotStarted { run: RunId, key: EffectKey },
+    #[error("effect {key} of run {run} already completed with outcome {outcome}")]
+    AlreadyCompleted { run: RunId, key: EffectKey, outcome: &'static str },
+    #[error("run {run} already has parent {existing}, not {given}")]
+    ParentMismatch { run: RunId, existing: String, given: RunId },
+    #[error("run {run} is {state}: {what} is not possible")]
+    InvalidState { run: RunId, state: &'static str, what: &'static str },
+    #[error("limit reached: {limit} = {max}")]
+    Limit { limit: &'static str, max: u64 },
+    #[error("illegal transition of effect {key} of run {run} from {from} to {to}")]
+    IllegalTransition { run: RunId, key: EffectKey, from: &'static str, to: &'static str },
+    #[error("operation requires the operator role")]
+    Forbidden,
+}
+
+impl KernelError {
+    /// Stable code for operators and scripts (documented in docs/PROTOCOL.md).
+    pub fn code(&self) -> &'static str {
+        match self {
+            KernelError::RunNotFound(_) | KernelError::EffectNotFound(..) => "not_found",
+            KernelError::NotAwaitingApproval { .. } => "not_awaiting_approval",
+            KernelError::DuplicateApprover { .. } => "duplicate_approver",
+            KernelError::BadToken { .. } => "bad_token",
+            KernelError::NotStarted { .. } => "not_started",
+            KernelError::AlreadyCompleted { .. } => "already_completed",
+            KernelError::ParentMismatch { .. } => "parent_mismatch",
+            KernelError::InvalidState { .. } => "invalid_state",
+            KernelError::Limit { .. } => "limit",
+            KernelError::IllegalTransition { .. } => "illegal_transition",
+            KernelError::Forbidden => "forbidden",
+        }
+    }
+}
+
+/// Something a subscriber of a run wants to know, and what wakes its waiters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    Held,
+    Decided,
+    Expired,
+    Admitted,
+    Completed,
+    Paused,
+    Resumed,
+    Cancelled,
+    Finalizing,
+    Closed,
+}
+
+impl EventKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Held => "held",
+            EventKind::Decided => "decided",
+            EventKind::Expired => "expired",
+            EventKind::Admitted => "admitted",
+            EventKind::Completed => "completed",
+            EventKind::Paused => "paused",
+            EventKind::Resumed => "resumed",
+            EventKind::Cancelled => "cancelled",
+            EventKind::Finalizing => "finalizing",
+            EventKind::Closed => "closed",
+        }
+    }
+
+    /// Whether waiters of the run (and its descendants) should re-check their held effects.
+    pub fn wakes_waiters(self) -> bool {
+        !matches!(self, EventKind::Held | EventKind::Admitted | EventKind::Completed | EventKind::Finalizing)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub run: RunId,
+    pub key: Option<EffectKey>,
+    pub kind: EventKind,
+    pub detail: Option<&'static str>,
+}
+
+/// The result of applying one command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub reply: Reply,
+    /// Whether state changed (only then is the command recorded in the ledger).
+    pub changed: bool,
+    pub events: Vec<Event>,
+}

@@ -1,0 +1,228 @@
+//! The gate's state: runs, their effects, fences and approvals. Only `apply` mutates it.
+
+use crate::command::{PolicyDecision, RunLimits, Token};
+use crate::ids::{Digest, PrincipalName, RunId, ToolName};
+use crate::vocab::{
+    EffectClass, EffectStatus, HoldReason, Outcome, PolicyAction, RefusalReason, Reversibility,
+    RunState, StopCause,
+};
+use std::collections::{BTreeMap, BTreeSet};
+
+pub use crate::ids::EffectKey;
+
+/// Lifecycle of one effect, with the data each state needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Held(HoldReason),
+    /// Quorum reached; consumed (atomically with the admission) by the next `admit`/`wait`.
+    Approved,
+    /// Prepared: a token is out, `start` not yet called.
+    Admitted,
+    /// In flight.
+    Started,
+    Completed,
+    Failed,
+    Unknown,
+    Refused(RefusalReason),
+    Compensating,
+    Compensated,
+    CompensationFailed,
+    NeedsHuman,
+}
+
+impl Status {
+    pub fn kind(self) -> EffectStatus {
+        match self {
+            Status::Held(_) => EffectStatus::Held,
+            Status::Approved => EffectStatus::Approved,
+            Status::Admitted => EffectStatus::Admitted,
+            Status::Started => EffectStatus::Started,
+            Status::Completed => EffectStatus::Completed,
+            Status::Failed => EffectStatus::Failed,
+            Status::Unknown => EffectStatus::Unknown,
+            Status::Refused(_) => EffectStatus::Refused,
+            Status::Compensating => EffectStatus::Compensating,
+            Status::Compensated => EffectStatus::Compensated,
+            Status::CompensationFailed => EffectStatus::CompensationFailed,
+            Status::NeedsHuman => EffectStatus::NeedsHuman,
+        }
+    }
+
+    /// Still waiting for something before it may start.
+    pub fn is_held_or_prepared(self) -> bool {
+        matches!(self, Status::Held(_) | Status::Approved | Status::Admitted)
+    }
+}
+
+/// One approver's vote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Approver {
+    pub name: PrincipalName,
+    pub groups: Vec<Box<str>>,
+    pub at: u64,
+}
+
+/// The approval an effect needs and how far it got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Approval {
+    /// Unique within the run; shown as `<run>#<id>`.
+    pub id: u64,
+    pub quorum: u32,
+    pub groups: Vec<Box<str>>,
+    pub expiry_ms: u64,
+    /// When the request was made (0 before the effect is held for approval).
+    pub requested_at: u64,
+    /// Silence is no: after this instant the approval can neither be given nor consumed.
+    pub expires_at: u64,
+    pub approvers: Vec<Approver>,
+    pub rejected_by: Option<PrincipalName>,
+    pub reason: Option<Box<str>>,
+}
+
+impl Approval {
+    /// Whether the recorded approvers satisfy the quorum and the group constraints:
+    /// `quorum` distinct principals, and a distinct approver for every group.
+    pub fn satisfied(&self) -> bool {
+        if (self.approvers.len() as u64) < u64::from(self.quorum) {
+            return false;
+        }
+        // Assign a distinct approver to each group (tiny sizes: backtracking is exact and cheap).
+        fn assign(groups: &[Box<str>], approvers: &[Approver], used: &mut Vec<bool>) -> bool {
+            let Some((first, rest)) = groups.split_first() else { return true };
+            for (i, a) in approvers.iter().enumerate() {
+                if !used[i] && a.groups.iter().any(|g| g == first) {
+                    used[i] = true;
+                    if assign(rest, approvers, used) {
+                        return true;
+                    }
+                    used[i] = false;
+                }
+            }
+            false
+        }
+        let mut used = vec![false; self.approvers.len()];
+        assign(&self.groups, &self.approvers, &mut used)
+    }
+}
+
+/// A recorded result or error of an effect.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct OutcomeRecord {
+    pub outcome: Option<Outcome>,
+    pub result: Option<Box<str>>,
+    pub error: Option<Box<str>>,
+}
+
+/// One side effect of a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Effect {
+    pub tool: ToolName,
+    pub digest: Digest,
+    pub class: EffectClass,
+    pub reversibility: Reversibility,
+    pub compensate: Option<ToolName>,
+    pub rule: Box<str>,
+    pub action: PolicyAction,
+    pub approval: Option<Box<Approval>>,
+    /// Canonical argument JSON, kept only while an operator may need to review it.
+    pub args: Option<Box<str>>,
+    pub start_on_admit: bool,
+    pub status: Status,
+    pub token: Option<Token>,
+    pub created_at: u64,
+    pub updated_at: u64,
+    /// Its outcome arrived after the run was stopped.
+    pub late: bool,
+    pub outcome: Option<Box<OutcomeRecord>>,
+}
+
+impl Effect {
+    pub(crate) fn new(now: u64, tool: ToolName, digest: Digest, p: &PolicyDecision, start: bool) -> Effect {
+        Effect {
+            tool,
+            digest,
+            class: p.class,
+            reversibility: p.reversibility,
+            compensate: p.compensate.clone(),
+            rule: p.rule.clone(),
+            action: p.action,
+            approval: None,
+            args: None,
+            start_on_admit: start,
+            status: Status::Held(HoldReason::Paused),
+            token: None,
+            created_at: now,
+            updated_at: now,
+            late: false,
+            outcome: None,
+        }
+    }
+}
+
+/// Why and when a run was stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stop {
+    pub cause: StopCause,
+    pub reason: Option<Box<str>>,
+    pub by: Option<PrincipalName>,
+    pub at: u64,
+    /// The stop was inherited from this ancestor's stop.
+    pub from: Option<RunId>,
+}
+
+/// One agent trajectory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Run {
+    pub parent: Option<RunId>,
+    pub children: Vec<RunId>,
+    /// The agent principal that created it; `None` for a fence an operator set on a run id not
+    /// yet seen (every principal's admit is refused by it).
+    pub owner: Option<PrincipalName>,
+    pub labels: Vec<(Box<str>, Box<str>)>,
+    pub created_at: u64,
+    pub state: RunState,
+    pub stop: Option<Stop>,
+    pub epoch: u32,
+    pub limits: RunLimits,
+    /// Admissions made (counts against `limits.max_effects`).
+    pub admitted: u64,
+    /// Effects currently held for an operator decision.
+    pub pending_approvals: u32,
+    /// Effects started and not yet settled.
+    pub in_flight: u32,
+    pub effects: BTreeMap<EffectKey, Effect>,
+    /// Digests of calls an operator rejected in this run (G2: never admitted again).
+    pub rejected: BTreeSet<Digest>,
+    pub next_serial: u64,
+    pub next_approval: u64,
+    /// Per-effect state was dropped by retention; the fence remains.
+    pub compacted: bool,
+}
+
+impl Run {
+    pub(crate) fn new(now: u64, owner: Option<PrincipalName>, parent: Option<RunId>) -> Run {
+        Run {
+            parent,
+            children: Vec::new(),
+            owner,
+            labels: Vec::new(),
+            created_at: now,
+            state: RunState::Active,
+            stop: None,
+            epoch: 1,
+            limits: RunLimits::default(),
+            admitted: 0,
+            pending_approvals: 0,
+            in_flight: 0,
+            effects: BTreeMap::new(),
+            rejected: BTreeSet::new(),
+            next_serial: 1,
+            next_approval: 1,
+            compacted: false,
+        }
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.stop.is_some()
+    }
+}
