@@ -656,6 +656,12 @@ impl Gate {
                     check_effect(run_id, key, Some(effect.status), Status::Approved)?;
                 }
                 let (approvals, quorum) = (next.approvers.len() as u32, next.quorum);
+                let missing_groups: Vec<Box<str>> = next
+                    .groups
+                    .iter()
+                    .filter(|g| !next.approvers.iter().any(|a| a.groups.contains(g)))
+                    .cloned()
+                    .collect();
                 let run = self.runs.get_mut(run_id).expect("run exists");
                 let e = run.effects.get_mut(key).expect("effect exists");
                 e.approval = Some(Box::new(next));
@@ -666,7 +672,7 @@ impl Gate {
                     run.pending_approvals -= 1;
                     Ok((Reply::Decided(DecideStatus::Approved), true))
                 } else {
-                    Ok((Reply::Decided(DecideStatus::Pending { approvals, quorum }), true))
+                    Ok((Reply::Decided(DecideStatus::Pending { approvals, quorum, missing_groups }), true))
                 }
             }
         }

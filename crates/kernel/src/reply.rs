@@ -17,12 +17,12 @@ pub enum Verdict {
 }
 
 /// Progress of a decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecideStatus {
     /// Quorum reached: the agent's `wait` now admits it.
     Approved,
-    /// More approvers are needed.
-    Pending { approvals: u32, quorum: u32 },
+    /// More approvers are needed (`missing_groups`: groups no approver so far belongs to).
+    Pending { approvals: u32, quorum: u32, missing_groups: Vec<Box<str>> },
     Rejected,
 }
 

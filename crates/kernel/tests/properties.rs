@@ -1,0 +1,141 @@
+//! Property tests: random command sequences on a small domain, checking guarantees G1–G5 as
+//! properties of the trace (every transition is compared against the state before it), and that
+//! replaying the recorded commands reproduces the final state.
+
+mod support;
+
+use estop_kernel::state::Status;
+use estop_kernel::vocab::{EffectClass, HoldReason, PolicyAction, RefusalReason, RunState};
+use estop_kernel::{Command, Gate, Limits, RunId};
+use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
+use support::parse_line;
+
+fn op() -> impl Strategy<Value = String> {
+    let run = prop_oneof![Just("r1"), Just("r2")];
+    let key = prop_oneof![Just("a"), Just("b"), Just("c"), Just("d")];
+    let tool = prop_oneof![
+        Just("pay action=allow"),
+        Just("read class=read"),
+        Just("refund action=approve expiry=50"),
+        Just("refund action=approve quorum=2 expiry=80"),
+        Just("wipe action=deny"),
+    ];
+    let arg = prop_oneof![Just("x"), Just("y")];
+    let start = prop_oneof![Just(""), Just(" start=false")];
+    let who_op = prop_oneof![Just("alice"), Just("bob")];
+    prop_oneof![
+        6 => (run.clone(), key.clone(), tool, arg, start).prop_map(|(r, k, t, a, s)| {
+            let parent = if r == "r2" { " parent=r1" } else { "" };
+            let (name, rest) = t.split_once(' ').unwrap();
+            format!("agent admit {r} {k} {name} arg={a} {rest}{s}{parent}")
+        }),
+        3 => (run.clone(), key.clone()).prop_map(|(r, k)| format!("agent wait {r} {k}")),
+        3 => (run.clone(), key.clone()).prop_map(|(r, k)| format!("agent start {r} {k} last")),
+        2 => (run.clone(), key.clone(), prop_oneof![Just("ok"), Just("error"), Just("unknown")])
+            .prop_map(|(r, k, o)| format!("agent complete {r} {k} last {o}")),
+        4 => (who_op.clone(), run.clone(), key.clone(), prop_oneof![Just("approve"), Just("reject")])
+            .prop_map(|(w, r, k, d)| format!("{w} {d} {r} {k}")),
+        1 => (who_op, run.clone(), prop_oneof![Just("cancel"), Just("pause"), Just("resume"), Just("close")])
+            .prop_map(|(w, r, v)| format!("{w} {v} {r}")),
+        1 => run.prop_map(|r| format!("agent tick {r}")),
+    ]
+}
+
+fn chain(gate: &Gate, run: &RunId) -> Vec<RunId> {
+    let mut out = vec![run.clone()];
+    while let Some(p) = gate.run(out.last().unwrap()).and_then(|r| r.parent.clone()) {
+        out.push(p);
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn guarantees_hold_on_random_traces(ops in prop::collection::vec((op(), 0u64..30), 1..60)) {
+        let mut gate = Gate::new(Limits::default());
+        let mut now = 0u64;
+        let mut last_token = None;
+        let mut admissions: BTreeMap<(RunId, String), u32> = BTreeMap::new();
+        let mut rejected: BTreeSet<(RunId, [u8; 32])> = BTreeSet::new();
+        let mut cancelled: BTreeSet<RunId> = BTreeSet::new();
+        let mut log = Vec::new();
+        for (line, dt) in &ops {
+            now += dt;
+            let rec = parse_line(&format!("{now} {line}"), last_token);
+            let before = gate.clone();
+            let Ok(applied) = gate.apply(rec.at, &rec.principal, &rec.command) else {
+                prop_assert_eq!(&before, &gate, "an error changed state");
+                continue;
+            };
+            if applied.changed { log.push(rec.clone()); } else { prop_assert_eq!(&before, &gate); }
+            if let estop_kernel::Reply::Verdict(estop_kernel::Verdict::Admitted { token }) = applied.reply {
+                last_token = Some(token);
+            }
+            for (run_id, run) in gate.runs() {
+                let old_run = before.run(run_id);
+                // Terminal states absorb.
+                if let Some(old) = old_run {
+                    if old.state.is_terminal() { prop_assert_eq!(old.state, run.state); }
+                }
+                for (key, e) in &run.effects {
+                    let old = old_run.and_then(|r| r.effects.get(key));
+                    let was = old.map(|o| o.status);
+                    let admitted_now = matches!(e.status, Status::Admitted | Status::Started)
+                        && !matches!(was, Some(Status::Admitted | Status::Started));
+                    let started_now = e.status == Status::Started && was != Some(Status::Started);
+                    if admitted_now {
+                        // G3: one admission per identity, ever.
+                        let n = admissions.entry((run_id.clone(), key.to_string())).or_default();
+                        *n += 1;
+                        prop_assert_eq!(*n, 1, "double admission of {}/{}", run_id, key);
+                        // G1: approval before admission, unexpired, quorum met.
+                        if e.action == PolicyAction::Approve {
+                            let a = e.approval.as_ref().unwrap();
+                            prop_assert!(a.satisfied(), "admitted without quorum");
+                            prop_assert!(now < a.expires_at, "admitted on an expired approval (G5)");
+                        }
+                        prop_assert!(e.action != PolicyAction::Deny);
+                        // G2: a rejected call is never admitted again in the run.
+                        prop_assert!(!rejected.contains(&(run_id.clone(), e.digest.0)), "rejected digest admitted");
+                    }
+                    if admitted_now || started_now {
+                        // G4: nothing admitted or started after a cancel of the run or an ancestor.
+                        for r in chain(&gate, run_id) {
+                            prop_assert!(!cancelled.contains(&r), "effect {}/{} started after cancel of {}", run_id, key, r);
+                        }
+                    }
+                    if started_now && e.class == EffectClass::Write {
+                        // G1: no write starts while an approval is pending in the run's chain.
+                        for r in chain(&before, run_id) {
+                            let pending = before.run(&r).map_or(0, |x| x.pending_approvals);
+                            prop_assert_eq!(pending, 0, "write {}/{} started while {} awaits approval", run_id, key, r);
+                        }
+                        for r in chain(&gate, run_id) {
+                            let paused = gate.run(&r).is_some_and(|x| x.state == RunState::Paused);
+                            prop_assert!(!paused, "started while paused");
+                        }
+                    }
+                    if e.status == Status::Refused(RefusalReason::Rejected) && was != Some(e.status) {
+                        rejected.insert((run_id.clone(), e.digest.0));
+                    }
+                    // Invariant: the pending counter matches the held-for-approval effects.
+                }
+                let held = run.effects.values().filter(|e| e.status == Status::Held(HoldReason::Approval)).count();
+                prop_assert_eq!(held as u32, run.pending_approvals, "pending counter drifted in {}", run_id);
+                let flying = run.effects.values().filter(|e| e.status == Status::Started).count();
+                prop_assert_eq!(flying as u32, run.in_flight, "in-flight counter drifted in {}", run_id);
+            }
+            if let Command::Cancel { run, .. } = &rec.command {
+                cancelled.insert(run.clone());
+            }
+        }
+        let mut replayed = Gate::new(Limits::default());
+        for rec in &log {
+            replayed.apply(rec.at, &rec.principal, &rec.command).unwrap();
+        }
+        prop_assert_eq!(replayed, gate);
+    }
+}

@@ -1,0 +1,656 @@
+//! Kernel behaviour as data: each test is a script of commands and the transcript it must give.
+//! Regenerate after an intended change with `UPDATE_EXPECT=1 cargo test -p estop-kernel`, then
+//! read the diff: every line is a promise to users.
+
+mod support;
+
+use expect_test::expect;
+use support::check;
+
+#[test]
+fn allow_admits_and_starts_with_receipt_on_repeat() {
+    check(
+        "
+        0 agent admit r1 k1 search class=read
+        1 agent complete r1 k1 ok result=42
+        2 agent admit r1 k1 search class=read
+        3 agent admit r1 k1 search arg=other
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 search class=read        => admitted 1.1
+            1 agent complete r1 k1 ok result=42          => completed
+            2 agent admit r1 k1 search class=read        => duplicate completed ok result=42
+            3 agent admit r1 k1 search arg=other         => refused mismatch
+            --
+            run r1 active epoch=1 admitted=1 pending=0 in_flight=0
+              k1 search completed
+        "#]],
+    );
+}
+
+#[test]
+fn two_phase_prepare_start_complete() {
+    check(
+        "
+        0 agent admit r1 k1 pay start=false
+        1 agent admit r1 k1 pay start=false
+        2 agent start r1 k1 1.1
+        3 agent start r1 k1 1.1
+        4 agent admit r1 k1 pay
+        5 agent complete r1 k1 1.1 ok
+        6 agent complete r1 k1 1.1 ok
+        7 agent complete r1 k1 1.1 error
+        8 agent start r1 k1 9.9
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 pay start=false          => admitted 1.1
+            1 agent admit r1 k1 pay start=false          => admitted 1.1
+            2 agent start r1 k1 1.1                      => go
+            3 agent start r1 k1 1.1                      => duplicate started
+            4 agent admit r1 k1 pay                      => duplicate started
+            5 agent complete r1 k1 1.1 ok                => completed
+            6 agent complete r1 k1 1.1 ok                => completed
+            7 agent complete r1 k1 1.1 error             => error already_completed: effect k1 of run r1 already completed with outcome completed
+            8 agent start r1 k1 9.9                      => error bad_token: the token does not belong to effect k1 of run r1
+            --
+            run r1 active epoch=1 admitted=1 pending=0 in_flight=0
+              k1 pay completed
+        "#]],
+    );
+}
+
+#[test]
+fn approval_hold_approve_then_wait_admits_once() {
+    check(
+        "
+        0 agent admit r1 k1 refund action=approve expiry=100
+        1 agent wait r1 k1
+        2 alice approve r1 k1
+        3 agent wait r1 k1
+        4 agent wait r1 k1
+        5 agent admit r1 k1 refund action=approve expiry=100
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund action=approve expiry=100 => held approval #1 until 100
+            1 agent wait r1 k1                           => held approval #1 until 100
+            2 alice approve r1 k1                        => decided approved
+            3 agent wait r1 k1                           => admitted 1.1
+            4 agent wait r1 k1                           => duplicate started
+            5 agent admit r1 k1 refund action=approve expiry=100 => duplicate started
+            --
+            run r1 active epoch=1 admitted=1 pending=0 in_flight=1
+              k1 refund started approvers=alice
+        "#]],
+    );
+}
+
+#[test]
+fn sibling_write_is_held_while_approval_pending_and_read_proceeds() {
+    check(
+        "
+        0 agent admit r1 a refund action=approve
+        1 agent admit r1 b email
+        2 agent admit r1 c search class=read
+        3 agent admit r1 d email start=false
+        4 alice approve r1 a
+        5 agent wait r1 b
+        6 agent wait r1 a
+        ",
+        expect![[r#"
+            0 agent admit r1 a refund action=approve     => held approval #1 until 1000
+            1 agent admit r1 b email                     => held sibling
+            2 agent admit r1 c search class=read         => admitted 1.1
+            3 agent admit r1 d email start=false         => held sibling
+            4 alice approve r1 a                         => decided approved
+            5 agent wait r1 b                            => admitted 1.2
+            6 agent wait r1 a                            => admitted 1.3
+            --
+            run r1 active epoch=1 admitted=3 pending=0 in_flight=3
+              a refund started approvers=alice
+              b email started
+              c search started
+              d email held(sibling)
+        "#]],
+    );
+}
+
+#[test]
+fn sibling_hold_reaches_descendants_and_prepared_start() {
+    check(
+        "
+        0 agent admit parent p1 pay start=false
+        1 agent admit child c1 email parent=parent
+        2 agent admit parent p2 refund action=approve
+        3 agent start parent p1 1.1
+        4 agent admit child c2 email parent=parent
+        5 alice reject parent p2
+        6 agent start parent p1 1.1
+        7 agent wait child c2
+        ",
+        expect![[r#"
+            0 agent admit parent p1 pay start=false      => admitted 1.1
+            1 agent admit child c1 email parent=parent   => admitted 1.1
+            2 agent admit parent p2 refund action=approve => held approval #1 until 1002
+            3 agent start parent p1 1.1                  => held sibling
+            4 agent admit child c2 email parent=parent   => held sibling
+            5 alice reject parent p2                     => decided rejected
+            6 agent start parent p1 1.1                  => go
+            7 agent wait child c2                        => admitted 1.2
+            --
+            run child active epoch=1 admitted=2 pending=0 in_flight=2 parent=parent
+              c1 email started
+              c2 email started
+            run parent active epoch=1 admitted=1 pending=0 in_flight=1
+              p1 pay started
+              p2 refund refused(rejected)
+        "#]],
+    );
+}
+
+#[test]
+fn reject_sticks_across_retry_and_new_key() {
+    check(
+        "
+        0 agent admit r1 k1 refund arg=100 action=approve
+        1 alice reject r1 k1
+        2 agent admit r1 k1 refund arg=100 action=approve
+        3 agent wait r1 k1
+        4 agent admit r1 k2 refund arg=100 action=approve
+        5 agent admit r1 k3 refund arg=5 action=approve
+        6 alice approve r1 k1
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund arg=100 action=approve => held approval #1 until 1000
+            1 alice reject r1 k1                         => decided rejected
+            2 agent admit r1 k1 refund arg=100 action=approve => refused rejected
+            3 agent wait r1 k1                           => refused rejected
+            4 agent admit r1 k2 refund arg=100 action=approve => refused rejected
+            5 agent admit r1 k3 refund arg=5 action=approve => held approval #2 until 1005
+            6 alice approve r1 k1                        => error not_awaiting_approval: effect k1 of run r1 is not awaiting approval (it is rejected)
+            --
+            run r1 active epoch=1 admitted=0 pending=1 in_flight=0
+              k1 refund refused(rejected)
+              k2 refund refused(rejected)
+              k3 refund held(approval)
+        "#]],
+    );
+}
+
+#[test]
+fn quorum_needs_distinct_principals() {
+    check(
+        "
+        0 agent admit r1 k1 refund action=approve quorum=2
+        1 alice approve r1 k1
+        2 alice approve r1 k1
+        3 agent wait r1 k1
+        4 bob approve r1 k1
+        5 agent wait r1 k1
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund action=approve quorum=2 => held approval #1 until 1000
+            1 alice approve r1 k1                        => decided pending 1/2
+            2 alice approve r1 k1                        => error duplicate_approver: alice has already approved effect k1 of run r1; a quorum needs distinct approvers
+            3 agent wait r1 k1                           => held approval #1 until 1000
+            4 bob approve r1 k1                          => decided approved
+            5 agent wait r1 k1                           => admitted 1.1
+            --
+            run r1 active epoch=1 admitted=1 pending=0 in_flight=1
+              k1 refund started approvers=alice,bob
+        "#]],
+    );
+}
+
+#[test]
+fn quorum_groups_need_one_approver_from_each() {
+    check(
+        "
+        0 agent admit r1 k1 refund action=approve quorum=2 groups=finance,ops
+        1 alice approve r1 k1
+        2 carol approve r1 k1
+        3 bob approve r1 k1
+        4 agent admit r1 k2 refund arg=x action=approve quorum=2 groups=finance,ops
+        5 dave approve r1 k2
+        6 carol approve r1 k2
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund action=approve quorum=2 groups=finance,ops => held approval #1 until 1000
+            1 alice approve r1 k1                        => decided pending 1/2 missing finance,ops
+            2 carol approve r1 k1                        => decided pending 2/2 missing ops
+            3 bob approve r1 k1                          => decided approved
+            4 agent admit r1 k2 refund arg=x action=approve quorum=2 groups=finance,ops => held approval #2 until 1004
+            5 dave approve r1 k2                         => decided pending 1/2
+            6 carol approve r1 k2                        => decided approved
+            --
+            run r1 active epoch=1 admitted=0 pending=0 in_flight=0
+              k1 refund approved approvers=alice,carol,bob
+              k2 refund approved approvers=dave,carol
+        "#]],
+    );
+}
+
+#[test]
+fn agent_cannot_decide_pause_resume_or_kill() {
+    check(
+        "
+        0 agent admit r1 k1 refund action=approve
+        1 agent approve r1 k1
+        2 agent pause r1
+        3 agent resume r1
+        4 agent kill r1
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund action=approve    => held approval #1 until 1000
+            1 agent approve r1 k1                        => error forbidden: operation requires the operator role
+            2 agent pause r1                             => error forbidden: operation requires the operator role
+            3 agent resume r1                            => error forbidden: operation requires the operator role
+            4 agent kill r1                              => error forbidden: operation requires the operator role
+            --
+            run r1 active epoch=1 admitted=0 pending=1 in_flight=0
+              k1 refund held(approval)
+        "#]],
+    );
+}
+
+#[test]
+fn runs_of_other_agents_are_invisible() {
+    check(
+        "
+        0 agent admit r1 k1 pay
+        1 agent2 admit r1 k2 pay
+        2 agent2 cancel r1
+        3 agent2 wait r1 k1
+        4 agent2 admit r2 k1 pay parent=r1
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 pay                      => admitted 1.1
+            1 agent2 admit r1 k2 pay                     => error not_found: run r1 not found
+            2 agent2 cancel r1                           => error not_found: run r1 not found
+            3 agent2 wait r1 k1                          => error not_found: run r1 not found
+            4 agent2 admit r2 k1 pay parent=r1           => error not_found: run r1 not found
+            --
+            run r1 active epoch=1 admitted=1 pending=0 in_flight=1
+              k1 pay started
+        "#]],
+    );
+}
+
+#[test]
+fn expired_approval_is_a_refusal() {
+    check(
+        "
+        0 agent admit r1 k1 refund action=approve expiry=100
+        100 alice approve r1 k1
+        100 agent wait r1 k1
+        101 agent admit r1 k2 refund action=approve expiry=100
+        150 alice approve r1 k2
+        300 agent wait r1 k2
+        301 agent admit r1 k3 refund arg=z action=approve expiry=100
+        401 agent tick r1
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund action=approve expiry=100 => held approval #1 until 100
+            100 alice approve r1 k1                      => error not_awaiting_approval: effect k1 of run r1 is not awaiting approval (it is expired)
+            100 agent wait r1 k1                         => refused expired
+            101 agent admit r1 k2 refund action=approve expiry=100 => held approval #2 until 201
+            150 alice approve r1 k2                      => decided approved
+            300 agent wait r1 k2                         => refused expired
+            301 agent admit r1 k3 refund arg=z action=approve expiry=100 => held approval #3 until 401
+            401 agent tick r1                            => run active (1 changed)
+            --
+            run r1 active epoch=1 admitted=0 pending=0 in_flight=0
+              k1 refund refused(expired)
+              k2 refund refused(expired) approvers=alice
+              k3 refund refused(expired)
+        "#]],
+    );
+}
+
+#[test]
+fn cancel_fences_run_and_descendants() {
+    check(
+        "
+        0 agent admit root a pay start=false
+        1 agent admit child c pay parent=root
+        2 agent admit root b refund action=approve
+        3 agent admit child d pay start=false
+        4 alice cancel root
+        5 agent start root a 1.1
+        6 agent admit root e pay
+        7 agent admit child f pay
+        8 agent admit grandchild g pay parent=child
+        9 alice approve root b
+        10 agent complete child c 1.1 ok
+        11 agent cancel root
+        ",
+        expect![[r#"
+            0 agent admit root a pay start=false         => admitted 1.1
+            1 agent admit child c pay parent=root        => admitted 1.1
+            2 agent admit root b refund action=approve   => held approval #1 until 1002
+            3 agent admit child d pay start=false        => held sibling
+            4 alice cancel root                          => run cancelled (2 changed)
+            5 agent start root a 1.1                     => refused cancelled
+            6 agent admit root e pay                     => refused cancelled
+            7 agent admit child f pay                    => refused cancelled
+            8 agent admit grandchild g pay parent=child  => refused cancelled
+            9 alice approve root b                       => error not_awaiting_approval: effect b of run root is not awaiting approval (it is cancelled)
+            10 agent complete child c 1.1 ok             => completed late
+            11 agent cancel root                         => run cancelled (0 changed)
+            --
+            run child cancelled stop=cancelled from=root epoch=2 admitted=1 pending=0 in_flight=0 parent=root
+              c pay completed late
+              d pay refused(cancelled)
+            run grandchild cancelled stop=cancelled from=root epoch=2 admitted=0 pending=0 in_flight=0 parent=child
+            run root cancelled stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0
+              a pay refused(cancelled)
+              b refund refused(cancelled)
+        "#]],
+    );
+}
+
+#[test]
+fn cancel_before_first_admit_fences_the_run() {
+    check(
+        "
+        0 alice cancel r9
+        1 agent admit r9 k1 pay
+        2 agent2 admit r9 k1 pay
+        ",
+        expect![[r#"
+            0 alice cancel r9                            => run cancelled (1 changed)
+            1 agent admit r9 k1 pay                      => refused cancelled
+            2 agent2 admit r9 k1 pay                     => refused cancelled
+            --
+            run r9 cancelled stop=cancelled epoch=2 admitted=0 pending=0 in_flight=0
+        "#]],
+    );
+}
+
+#[test]
+fn late_completion_after_cancel_is_kept_and_flagged() {
+    check(
+        "
+        0 agent admit r1 k1 pay
+        1 agent admit r1 k2 pay start=false
+        2 agent cancel r1
+        3 agent complete r1 k1 1.1 ok
+        4 agent complete r1 k2 1.2 ok
+        5 agent admit r1 k1 pay
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 pay                      => admitted 1.1
+            1 agent admit r1 k2 pay start=false          => admitted 1.2
+            2 agent cancel r1                            => run finalizing (1 changed)
+            3 agent complete r1 k1 1.1 ok                => completed late
+            4 agent complete r1 k2 1.2 ok                => completed late
+            5 agent admit r1 k1 pay                      => duplicate completed ok
+            --
+            run r1 cancelled stop=cancelled epoch=2 admitted=2 pending=0 in_flight=0
+              k1 pay completed late
+              k2 pay refused(cancelled) late
+        "#]],
+    );
+}
+
+#[test]
+fn pause_holds_admits_and_starts_resume_releases() {
+    check(
+        "
+        0 agent admit r1 k0 pay start=false
+        1 alice pause r1
+        2 agent admit r1 k1 pay
+        3 agent start r1 k0 1.1
+        4 agent admit r1 k2 search class=read
+        5 alice pause r1
+        6 alice resume r1
+        7 agent wait r1 k1
+        8 agent start r1 k0 1.1
+        9 alice resume r1
+        ",
+        expect![[r#"
+            0 agent admit r1 k0 pay start=false          => admitted 1.1
+            1 alice pause r1                             => run paused (1 changed)
+            2 agent admit r1 k1 pay                      => held paused
+            3 agent start r1 k0 1.1                      => held paused
+            4 agent admit r1 k2 search class=read        => held paused
+            5 alice pause r1                             => run paused (0 changed)
+            6 alice resume r1                            => run active (1 changed)
+            7 agent wait r1 k1                           => admitted 1.2
+            8 agent start r1 k0 1.1                      => go
+            9 alice resume r1                            => run active (0 changed)
+            --
+            run r1 active epoch=1 admitted=2 pending=0 in_flight=2
+              k0 pay started
+              k1 pay started
+              k2 search held(paused)
+        "#]],
+    );
+}
+
+#[test]
+fn deadline_fences_like_a_cancel() {
+    check(
+        "
+        0 agent admit r1 k1 pay deadline=100 start=false
+        1 agent admit r1 k2 refund action=approve
+        50 agent admit r1 k3 pay
+        100 agent admit r1 k4 pay
+        101 agent start r1 k1 1.1
+        102 agent admit r1 k5 pay
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 pay deadline=100 start=false => admitted 1.1
+            1 agent admit r1 k2 refund action=approve    => held approval #1 until 1001
+            50 agent admit r1 k3 pay                     => held sibling
+            100 agent admit r1 k4 pay                    => refused deadline
+            101 agent start r1 k1 1.1                    => refused deadline
+            102 agent admit r1 k5 pay                    => refused deadline
+            --
+            run r1 cancelled stop=deadline epoch=2 admitted=1 pending=0 in_flight=0
+              k1 pay refused(deadline)
+              k2 refund refused(deadline)
+              k3 pay refused(deadline)
+              k4 pay refused(deadline)
+        "#]],
+    );
+}
+
+#[test]
+fn deadline_of_an_ancestor_fences_the_child() {
+    check(
+        "
+        0 agent admit root a pay deadline=100
+        1 agent admit child b pay parent=root
+        100 agent tick root
+        101 agent admit child c pay
+        ",
+        expect![[r#"
+            0 agent admit root a pay deadline=100        => admitted 1.1
+            1 agent admit child b pay parent=root        => admitted 1.1
+            100 agent tick root                          => run finalizing (2 changed)
+            101 agent admit child c pay                  => refused deadline
+            --
+            run child finalizing stop=deadline from=root epoch=2 admitted=1 pending=0 in_flight=1 parent=root
+              b pay started
+            run root finalizing stop=deadline epoch=2 admitted=1 pending=0 in_flight=1
+              a pay started
+        "#]],
+    );
+}
+
+#[test]
+fn effect_budget_fences_the_run() {
+    check(
+        "
+        0 agent admit r1 k1 pay max=2
+        1 agent admit r1 k2 pay
+        2 agent admit r1 k3 pay
+        3 agent admit r1 k4 search class=read
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 pay max=2                => admitted 1.1
+            1 agent admit r1 k2 pay                      => admitted 1.2
+            2 agent admit r1 k3 pay                      => refused budget
+            3 agent admit r1 k4 search class=read        => refused budget
+            --
+            run r1 finalizing stop=budget epoch=2 admitted=2 pending=0 in_flight=2
+              k1 pay started
+              k2 pay started
+              k3 pay refused(budget)
+        "#]],
+    );
+}
+
+#[test]
+fn deny_is_recorded_and_sticks() {
+    check(
+        "
+        0 agent admit r1 k1 drop_table action=deny
+        1 agent admit r1 k1 drop_table action=deny
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 drop_table action=deny   => refused denied
+            1 agent admit r1 k1 drop_table action=deny   => refused denied
+            --
+            run r1 active epoch=1 admitted=0 pending=0 in_flight=0
+              k1 drop_table refused(denied)
+        "#]],
+    );
+}
+
+#[test]
+fn close_completes_and_finalizes_after_in_flight() {
+    check(
+        "
+        0 agent admit r1 k1 pay
+        1 agent admit r1 k2 email action=approve
+        2 agent close r1
+        3 agent admit r1 k3 pay
+        4 agent complete r1 k1 1.1 unknown
+        5 agent complete r1 k1 1.1 ok
+        6 agent admit r2 k1 pay
+        7 agent fail r2
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 pay                      => admitted 1.1
+            1 agent admit r1 k2 email action=approve     => held approval #1 until 1001
+            2 agent close r1                             => run finalizing (1 changed)
+            3 agent admit r1 k3 pay                      => refused closed
+            4 agent complete r1 k1 1.1 unknown           => completed late
+            5 agent complete r1 k1 1.1 ok                => completed late
+            6 agent admit r2 k1 pay                      => admitted 1.1
+            7 agent fail r2                              => run finalizing (1 changed)
+            --
+            run r1 completed stop=closed epoch=2 admitted=1 pending=0 in_flight=0
+              k1 pay completed late
+              k2 email refused(closed)
+            run r2 finalizing stop=failed epoch=2 admitted=1 pending=0 in_flight=1
+              k1 pay started
+        "#]],
+    );
+}
+
+#[test]
+fn deciding_what_is_not_awaiting_approval_is_an_error() {
+    check(
+        "
+        0 agent admit r1 a refund action=approve
+        1 agent admit r1 b email
+        2 alice approve r1 b
+        3 alice approve r1 zz
+        4 alice approve r2 a
+        5 alice approve r1 a
+        6 alice approve r1 a
+        7 bob reject r1 a
+        ",
+        expect![[r#"
+            0 agent admit r1 a refund action=approve     => held approval #1 until 1000
+            1 agent admit r1 b email                     => held sibling
+            2 alice approve r1 b                         => error not_awaiting_approval: effect b of run r1 is not awaiting approval (it is held behind a sibling)
+            3 alice approve r1 zz                        => error not_found: effect zz of run r1 not found
+            4 alice approve r2 a                         => error not_found: run r2 not found
+            5 alice approve r1 a                         => decided approved
+            6 alice approve r1 a                         => error not_awaiting_approval: effect a of run r1 is not awaiting approval (it is approved)
+            7 bob reject r1 a                            => error not_awaiting_approval: effect a of run r1 is not awaiting approval (it is approved)
+            --
+            run r1 active epoch=1 admitted=0 pending=0 in_flight=0
+              a refund approved approvers=alice
+              b email held(sibling)
+        "#]],
+    );
+}
+
+#[test]
+fn bounds_are_typed_refusals() {
+    check(
+        "
+        0 agent admit r1 a refund arg=1 action=approve
+        0 agent admit r1 b refund arg=2 action=approve
+        0 agent admit r1 c refund arg=3 action=approve
+        0 agent admit r1 d refund arg=4 action=approve
+        0 agent admit r1 e refund arg=5 action=approve
+        ",
+        expect![[r#"
+            0 agent admit r1 a refund arg=1 action=approve => held approval #1 until 1000
+            0 agent admit r1 b refund arg=2 action=approve => held approval #2 until 1000
+            0 agent admit r1 c refund arg=3 action=approve => held approval #3 until 1000
+            0 agent admit r1 d refund arg=4 action=approve => held approval #4 until 1000
+            0 agent admit r1 e refund arg=5 action=approve => error limit: limit reached: pending_approvals_per_run_max = 4
+            --
+            run r1 active epoch=1 admitted=0 pending=4 in_flight=0
+              a refund held(approval)
+              b refund held(approval)
+              c refund held(approval)
+              d refund held(approval)
+        "#]],
+    );
+}
+
+#[test]
+fn complete_without_start_is_an_error() {
+    check(
+        "
+        0 agent admit r1 k1 pay start=false
+        1 agent complete r1 k1 1.1 ok
+        2 agent complete r1 k1 7.7 ok
+        3 agent complete r1 nope 1.1 ok
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 pay start=false          => admitted 1.1
+            1 agent complete r1 k1 1.1 ok                => error not_started: effect k1 of run r1 was not started (call start first)
+            2 agent complete r1 k1 7.7 ok                => error bad_token: the token does not belong to effect k1 of run r1
+            3 agent complete r1 nope 1.1 ok              => error not_found: effect nope of run r1 not found
+            --
+            run r1 active epoch=1 admitted=1 pending=0 in_flight=0
+              k1 pay admitted
+        "#]],
+    );
+}
+
+#[test]
+fn compaction_keeps_the_fence() {
+    check(
+        "
+        0 agent admit r1 k1 pay
+        1 agent complete r1 k1 1.1 ok
+        2 agent cancel r1
+        3 agent admit r2 k1 pay
+        10 agent compact 5
+        11 agent admit r1 k1 pay
+        12 agent admit r1 k9 pay
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 pay                      => admitted 1.1
+            1 agent complete r1 k1 1.1 ok                => completed
+            2 agent cancel r1                            => run cancelled (1 changed)
+            3 agent admit r2 k1 pay                      => admitted 1.1
+            10 agent compact 5                           => compacted 1
+            11 agent admit r1 k1 pay                     => refused cancelled
+            12 agent admit r1 k9 pay                     => refused cancelled
+            --
+            run r1 cancelled stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0 compacted
+            run r2 active epoch=1 admitted=1 pending=0 in_flight=1
+              k1 pay started
+        "#]],
+    );
+}
