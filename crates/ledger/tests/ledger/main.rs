@@ -1,0 +1,10 @@
+//! Integration tests of estop-ledger at its public boundary: round trips, torn tails, corruption,
+//! fail-closed recovery, group commit, snapshots, and a seeded randomized crash test.
+
+mod basic;
+mod common;
+mod concurrent;
+mod corruption;
+mod crash_fuzz;
+mod failure;
+mod snapshots;
