@@ -1,1 +1,34 @@
-//! estop protocol (placeholder until its issue lands).
+//! estop protocol: the only place that knows JSON shapes on the wire (SPEC §4.3).
+//!
+//! * [`parse_request`] turns one request line into a typed [`Request`] or a [`RequestError`]
+//!   with a stable [`ErrorCode`]; ids, keys, digests and vocabularies arrive as kernel types.
+//! * [`reply`] renders replies (`ok_line`, `error_line`) and events, and decodes them for clients.
+//! * [`codec::LineReader`] frames lines over any `AsyncRead`, bounded by `line_bytes_max`.
+//! * [`soundgate`] speaks the reference system's wire for its unchanged clients.
+//! * [`digest_of`] is the effect digest: SHA-256 of the RFC 8785 canonical `{tool, args}`.
+//!
+//! docs/PROTOCOL.md is the prose version of this crate and changes with it.
+
+pub mod codec;
+pub mod digest;
+pub mod error;
+pub mod id;
+pub mod limits;
+pub mod reply;
+pub mod request;
+pub mod soundgate;
+
+pub use codec::{Line, LineReader};
+pub use digest::{canonical_input, digest_of, write_canonical};
+pub use error::{ErrorCode, WireError};
+pub use id::Id;
+pub use reply::{
+    Ack, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply, LedgerEntry,
+    LedgerReply, PendingItem, PendingReply, Pong, Report, ReportItem, RunView, RunsReply,
+    ServerLine, TokenCreated, Verdict, parse_server_line,
+};
+pub use request::{
+    Admit, CloseOutcome, Complete, Limits, Op, Request, RequestError, RequestErrorKind, Secret,
+    Verb, parse_request,
+};
+pub use soundgate::{SgError, SgReply, SgRequest, parse_soundgate};

@@ -1,0 +1,419 @@
+//! Replies and events of protocol v1: typed payloads, one-line rendering with the echoed id,
+//! and the decoding side for clients (the CLI, tests).
+//!
+//! A reply is `{"id":…,"ok":true,…payload fields}` or
+//! `{"id":…,"ok":false,"error":{"code":…,"message":…}}`; an event is `{"event":…,"run":…,"at":…}`
+//! with no `id`. Payloads are plain structs with string and number fields: the server fills them
+//! from kernel state (kernel types stay free of serde).
+
+use std::collections::BTreeMap;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::{ErrorCode, WireError};
+use crate::id::Id;
+use crate::request::Secret;
+
+/// The protocol version `hello` reports.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Appends `{"id":…,"ok":true,…fields of body}\n` to `out`.
+///
+/// `body` must serialize as a JSON object whose fields are not `id` or `ok`; anything else is a
+/// bug in the caller (asserted).
+pub fn write_ok<T: Serialize + ?Sized>(out: &mut Vec<u8>, id: &Id, body: &T) {
+    out.extend_from_slice(b"{\"id\":");
+    out.extend_from_slice(id.as_json().as_bytes());
+    out.extend_from_slice(b",\"ok\":true");
+    let start = out.len();
+    serde_json::to_writer(&mut *out, body).expect("reply payloads serialize");
+    assert!(
+        out.get(start) == Some(&b'{'),
+        "a reply payload must be a JSON object"
+    );
+    if out.len() - start == 2 {
+        // `{}`: nothing to add after "ok".
+        out.truncate(start);
+        out.push(b'}');
+    } else {
+        // Splice the payload's fields into the envelope; its closing brace closes the reply.
+        out[start] = b',';
+    }
+    out.push(b'\n');
+}
+
+/// `{"id":…,"ok":true,…fields of body}\n`.
+pub fn ok_line<T: Serialize + ?Sized>(id: &Id, body: &T) -> Vec<u8> {
+    let mut out = Vec::with_capacity(96);
+    write_ok(&mut out, id, body);
+    out
+}
+
+/// Appends `{"id":…,"ok":false,"error":{"code":…,"message":…}}\n` to `out`.
+pub fn write_error(out: &mut Vec<u8>, id: &Id, code: ErrorCode, message: &str) {
+    out.extend_from_slice(b"{\"id\":");
+    out.extend_from_slice(id.as_json().as_bytes());
+    out.extend_from_slice(b",\"ok\":false,\"error\":{\"code\":\"");
+    out.extend_from_slice(code.as_str().as_bytes());
+    out.extend_from_slice(b"\",\"message\":");
+    serde_json::to_writer(&mut *out, message).expect("a str serializes");
+    out.extend_from_slice(b"}}\n");
+}
+
+/// `{"id":…,"ok":false,"error":{"code":…,"message":…}}\n`.
+pub fn error_line(id: &Id, code: ErrorCode, message: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(96 + message.len());
+    write_error(&mut out, id, code, message);
+    out
+}
+
+/// `{"id":…,"ok":true}\n`: the plain acknowledgement.
+pub fn ack_line(id: &Id) -> Vec<u8> {
+    ok_line(id, &Ack::default())
+}
+
+/// The reply to `ping`: `{"id":…,"ok":true,"pong":true}\n`.
+pub fn pong_line(id: &Id) -> Vec<u8> {
+    ok_line(id, &Pong { pong: true })
+}
+
+/// One unsolicited event line for a subscriber: `{"event":…,…}\n`.
+pub fn event_line(event: &Event) -> Vec<u8> {
+    let mut out = serde_json::to_vec(event).expect("events serialize");
+    out.push(b'\n');
+    out
+}
+
+/// `hello` succeeded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloReply {
+    /// `agent` or `operator`.
+    pub role: String,
+    /// The token's name: the run owner for an agent, the approver for an operator.
+    pub principal: String,
+    #[serde(default = "protocol_v1")]
+    pub protocol: u32,
+}
+
+fn protocol_v1() -> u32 {
+    PROTOCOL_VERSION
+}
+
+/// The answer to `admit`, `wait` and `start` (SPEC §4.3).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "verdict", rename_all = "snake_case")]
+pub enum Verdict {
+    /// Go ahead (with `start=false`: prepared; present `token` at `start`).
+    Admitted { token: String, epoch: u64 },
+    /// Not yet: call `wait`, then ask again.
+    Held {
+        /// The approval this effect waits for; `null` when held for a pause.
+        approval: Option<String>,
+        /// When the approval expires (Unix ms); `null` for `sibling` and `paused` holds.
+        expires_at: Option<u64>,
+        /// `approval`, `sibling` or `paused`.
+        reason: String,
+    },
+    /// Never, for this effect. `reason` is a kernel `RefusalReason`.
+    Refused {
+        reason: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        message: Option<String>,
+        /// The policy rule that decided, when one did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rule: Option<String>,
+    },
+    /// This identity was admitted before: the recorded status (and outcome once complete).
+    Duplicate {
+        /// `in_progress` while the first admission has not completed, else an effect status.
+        status: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        outcome: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        result: Option<Value>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+    },
+    /// `start` only: the effect may run now.
+    Go,
+}
+
+/// `{"ok":true}` plus what the verb has to add.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ack {
+    /// `complete` arrived after the run was stopped: recorded, and flagged in the report.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub late: bool,
+    /// The run's state after the request (cancel, pause, resume, kill, close).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// Every run the request fenced or changed (a cascading cancel lists the descendants).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub runs: Vec<String>,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// The reply to `ping`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pong {
+    pub pong: bool,
+}
+
+/// How many of a run's effects are in each state.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EffectCounts {
+    pub held: u64,
+    pub admitted: u64,
+    pub started: u64,
+    pub completed: u64,
+    pub failed: u64,
+    pub unknown: u64,
+    pub refused: u64,
+}
+
+/// One run as `status` and `runs` show it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunView {
+    pub run: String,
+    /// A kernel `RunState`.
+    pub state: String,
+    pub epoch: u64,
+    /// The agent principal that created the run.
+    pub owner: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    pub created_at: u64,
+    /// Why the run stopped (a kernel `StopCause`), once it has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped_at: Option<u64>,
+    /// The effective deadline (Unix ms), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_at: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_effects: Option<u64>,
+    #[serde(default)]
+    pub effects: EffectCounts,
+}
+
+/// The reply to `runs`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunsReply {
+    pub runs: Vec<RunView>,
+    /// More runs matched than `limit` allowed.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub more: bool,
+}
+
+/// One effect awaiting approval, as the approvals inbox shows it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PendingItem {
+    pub approval: String,
+    pub run: String,
+    pub key: String,
+    pub tool: String,
+    /// The exact arguments, when the agent sent them (absent for digest-only admits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<Value>,
+    /// Hex SHA-256 the approval is bound to.
+    pub digest: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
+    /// Distinct approvers needed.
+    pub quorum: u32,
+    /// Principals who approved so far.
+    #[serde(default)]
+    pub approvals: Vec<String>,
+    /// Groups an approver must come from, if the rule names any.
+    #[serde(default)]
+    pub groups: Vec<String>,
+    pub expires_at: u64,
+    pub created_at: u64,
+}
+
+/// The reply to `pending`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PendingReply {
+    pub pending: Vec<PendingItem>,
+}
+
+/// The reply to `decide`: where the approval stands after this vote.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecideReply {
+    /// `held` (quorum not reached yet), `approved` or `rejected`.
+    pub status: String,
+    #[serde(default)]
+    pub approvals: Vec<String>,
+    pub quorum: u32,
+}
+
+/// One ledger record, summarized.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LedgerEntry {
+    pub seq: u64,
+    /// When the gate accepted it (Unix ms), as recorded.
+    pub at: u64,
+    /// The record kind (e.g. `admit`, `decide`, `cancel`).
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// Kind-specific summary fields, inline in the entry.
+    #[serde(flatten)]
+    pub fields: serde_json::Map<String, Value>,
+}
+
+/// The reply to `ledger`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LedgerReply {
+    pub entries: Vec<LedgerEntry>,
+    /// Pass as `after` to read the next page; absent at the end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_after: Option<u64>,
+}
+
+/// One effect in the after-stop report.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReportItem {
+    pub key: String,
+    pub tool: String,
+    /// A kernel `EffectStatus`.
+    pub status: String,
+    /// A kernel `Reversibility`.
+    pub reversibility: String,
+    /// The compensating tool, if one is registered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensate: Option<String>,
+    /// Completed after the run was stopped.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub late: bool,
+    /// For refused effects: the refusal reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The after-stop report of one run (SPEC G8). An effect may appear in several lists (a done
+/// effect is also compensable or irreversible).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Report {
+    pub run: String,
+    pub state: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cause: Option<String>,
+    pub done: Vec<ReportItem>,
+    pub failed: Vec<ReportItem>,
+    pub refused: Vec<ReportItem>,
+    pub in_flight: Vec<ReportItem>,
+    pub unknown: Vec<ReportItem>,
+    pub compensable: Vec<ReportItem>,
+    pub irreversible: Vec<ReportItem>,
+    pub undeclared: Vec<ReportItem>,
+    pub held: Vec<ReportItem>,
+}
+
+/// The reply to `token`: the secret is shown this once and never again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenCreated {
+    pub name: String,
+    pub role: String,
+    pub token: Secret,
+    #[serde(default)]
+    pub groups: Vec<String>,
+}
+
+/// What an event line reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    Cancelled,
+    Paused,
+    Resumed,
+    Decided,
+    Held,
+    Completed,
+    Closed,
+    Finalizing,
+    /// A kind this client does not know yet (from a newer server).
+    #[serde(other)]
+    Other,
+}
+
+/// An unsolicited line to a `subscribe`r. It has no `id`, which is how clients tell it from a
+/// reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Event {
+    pub event: EventKind,
+    pub run: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// For `decided`: `approve` or `reject`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision: Option<String>,
+    /// For `completed`: the effect's outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
+    /// Unix ms.
+    pub at: u64,
+}
+
+/// A reply as a client receives it: the envelope decoded, the payload kept for [`Self::body`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClientReply {
+    pub id: Id,
+    pub ok: bool,
+    pub error: Option<WireError>,
+    /// The whole reply object.
+    pub raw: Value,
+}
+
+impl ClientReply {
+    /// Decodes the payload as the type the request's verb answers with (the caller knows which
+    /// verb it sent). Envelope fields are ignored.
+    pub fn body<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        T::deserialize(&self.raw)
+    }
+}
+
+/// One line from the server: a reply to a request, or an event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ServerLine {
+    Reply(ClientReply),
+    Event(Event),
+}
+
+/// Decodes one line the server sent.
+pub fn parse_server_line(line: &[u8]) -> Result<ServerLine, serde_json::Error> {
+    let raw: Value = serde_json::from_slice(line)?;
+    let is_event = raw.get("event").is_some() && raw.get("id").is_none();
+    if is_event {
+        return Ok(ServerLine::Event(Event::deserialize(&raw)?));
+    }
+    #[derive(Deserialize)]
+    struct Envelope {
+        #[serde(default)]
+        id: Id,
+        ok: bool,
+        #[serde(default)]
+        error: Option<WireError>,
+    }
+    let env = Envelope::deserialize(&raw)?;
+    Ok(ServerLine::Reply(ClientReply {
+        id: env.id,
+        ok: env.ok,
+        error: env.error,
+        raw,
+    }))
+}

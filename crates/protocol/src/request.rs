@@ -1,0 +1,1208 @@
+//! Requests of protocol v1: one JSON object per line, parsed in a single pass into a typed
+//! [`Request`] or refused with a [`RequestError`] that carries a stable code.
+//!
+//! Parsing is deliberately forgiving about what it does not know (unknown fields are skipped,
+//! `null` is the same as absent for every field except `args` and `result`) and strict about
+//! what it does (types, bounds, vocabularies), so newer clients work with older servers and a
+//! bad value never reaches the kernel.
+
+use std::borrow::Cow;
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::fmt;
+
+use estop_kernel::ids::{Digest, EffectKey, PrincipalName, Role, RunId, ToolName};
+use estop_kernel::vocab::{Decision, Outcome, RunState};
+use serde::Deserialize;
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde_json::Value;
+use serde_json::value::RawValue;
+
+use crate::digest::digest_of;
+use crate::error::ErrorCode;
+use crate::id::Id;
+use crate::limits::*;
+
+/// A secret (a bearer token) whose `Debug` form never shows it, so it cannot leak into logs.
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Secret {
+        Secret(s.into())
+    }
+    /// The secret itself; call only where it is checked or handed to its owner.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// One parsed request line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// Echoed in the reply; `Id::NULL` when the request had none.
+    pub id: Id,
+    pub op: Op,
+}
+
+/// Per-run limits an agent may ask for when its first `admit` creates the run. Policy may
+/// tighten them; it never loosens its own.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Limits {
+    /// Absolute deadline, Unix milliseconds.
+    pub deadline_ms: Option<u64>,
+    /// Deadline relative to the run's creation, milliseconds.
+    pub timeout_ms: Option<u64>,
+    /// Most effects the run may admit.
+    pub max_effects: Option<u64>,
+}
+
+impl Limits {
+    pub fn is_empty(&self) -> bool {
+        self.deadline_ms.is_none() && self.timeout_ms.is_none() && self.max_effects.is_none()
+    }
+}
+
+/// `admit`: ask to run one effect.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Admit {
+    pub run: RunId,
+    pub key: EffectKey,
+    pub tool: ToolName,
+    /// The call's arguments when the client sent them; `None` when it sent only a digest.
+    pub args: Option<Value>,
+    /// Sent by the client, or computed here from `tool` and `args`.
+    pub digest: Digest,
+    /// `true` (default): the admission is also the start (one round trip). `false`: two-phase;
+    /// the effect starts only at a later `start`.
+    pub start: bool,
+    pub parent: Option<RunId>,
+    /// Shown to operators, never consulted by policy.
+    pub labels: BTreeMap<String, String>,
+    /// The agent asks for approval even where policy would allow (it can only strengthen).
+    pub needs_approval: bool,
+    pub limits: Limits,
+}
+
+/// `complete`: report what happened to a started effect.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Complete {
+    pub run: RunId,
+    pub key: EffectKey,
+    pub token: String,
+    pub outcome: Outcome,
+    pub result: Option<Value>,
+    pub error: Option<String>,
+}
+
+/// How `close` ends a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CloseOutcome {
+    #[default]
+    Completed,
+    Failed,
+}
+
+impl CloseOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CloseOutcome::Completed => "completed",
+            CloseOutcome::Failed => "failed",
+        }
+    }
+    pub fn parse(s: &str) -> Option<CloseOutcome> {
+        match s {
+            "completed" => Some(CloseOutcome::Completed),
+            "failed" => Some(CloseOutcome::Failed),
+            _ => None,
+        }
+    }
+    /// The terminal state the run ends in.
+    pub fn run_state(self) -> RunState {
+        match self {
+            CloseOutcome::Completed => RunState::Completed,
+            CloseOutcome::Failed => RunState::Failed,
+        }
+    }
+}
+
+/// One verb of protocol v1 with its typed fields.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    Hello {
+        token: Secret,
+    },
+    Admit(Admit),
+    Start {
+        run: RunId,
+        key: EffectKey,
+        token: String,
+    },
+    Complete(Complete),
+    Wait {
+        run: RunId,
+        key: EffectKey,
+        timeout_ms: u64,
+    },
+    Subscribe {
+        run: RunId,
+    },
+    Unsubscribe {
+        run: RunId,
+    },
+    Status {
+        run: RunId,
+    },
+    Cancel {
+        run: RunId,
+        reason: Option<String>,
+        cascade: bool,
+    },
+    Ping,
+    Decide {
+        run: RunId,
+        key: EffectKey,
+        decision: Decision,
+        reason: Option<String>,
+    },
+    Pause {
+        run: RunId,
+    },
+    Resume {
+        run: RunId,
+    },
+    Kill {
+        run: RunId,
+        reason: Option<String>,
+    },
+    Close {
+        run: RunId,
+        outcome: CloseOutcome,
+    },
+    Runs {
+        state: Option<RunState>,
+        limit: Option<u32>,
+    },
+    Pending {
+        run: Option<RunId>,
+    },
+    Ledger {
+        run: Option<RunId>,
+        limit: Option<u32>,
+        after: Option<u64>,
+    },
+    Report {
+        run: RunId,
+    },
+    Token {
+        name: PrincipalName,
+        role: Role,
+        groups: Vec<String>,
+    },
+}
+
+macro_rules! verbs {
+    ($($variant:ident = $name:literal, $operator_only:literal;)+) => {
+        /// The verb of a request, without its fields.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub enum Verb { $($variant),+ }
+
+        impl Verb {
+            pub const ALL: &'static [Verb] = &[$(Verb::$variant),+];
+            pub fn as_str(self) -> &'static str {
+                match self { $(Verb::$variant => $name),+ }
+            }
+            pub fn parse(s: &str) -> Option<Verb> {
+                match s { $($name => Some(Verb::$variant),)+ _ => None }
+            }
+            /// Verbs only an operator token may use (SPEC §4.3, G7).
+            pub fn is_operator_only(self) -> bool {
+                match self { $(Verb::$variant => $operator_only),+ }
+            }
+        }
+    };
+}
+
+verbs! {
+    Hello = "hello", false;
+    Admit = "admit", false;
+    Start = "start", false;
+    Complete = "complete", false;
+    Wait = "wait", false;
+    Subscribe = "subscribe", false;
+    Unsubscribe = "unsubscribe", false;
+    Status = "status", false;
+    Cancel = "cancel", false;
+    Ping = "ping", false;
+    Decide = "decide", true;
+    Pause = "pause", true;
+    Resume = "resume", true;
+    Kill = "kill", true;
+    Close = "close", true;
+    Runs = "runs", true;
+    Pending = "pending", true;
+    Ledger = "ledger", true;
+    Report = "report", true;
+    Token = "token", true;
+}
+
+impl Verb {
+    /// Before a successful `hello`, only these verbs are answered; the rest get `unauthenticated`.
+    pub fn allowed_before_hello(self) -> bool {
+        matches!(self, Verb::Hello | Verb::Ping)
+    }
+}
+
+impl fmt::Display for Verb {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Op {
+    pub fn verb(&self) -> Verb {
+        match self {
+            Op::Hello { .. } => Verb::Hello,
+            Op::Admit(_) => Verb::Admit,
+            Op::Start { .. } => Verb::Start,
+            Op::Complete(_) => Verb::Complete,
+            Op::Wait { .. } => Verb::Wait,
+            Op::Subscribe { .. } => Verb::Subscribe,
+            Op::Unsubscribe { .. } => Verb::Unsubscribe,
+            Op::Status { .. } => Verb::Status,
+            Op::Cancel { .. } => Verb::Cancel,
+            Op::Ping => Verb::Ping,
+            Op::Decide { .. } => Verb::Decide,
+            Op::Pause { .. } => Verb::Pause,
+            Op::Resume { .. } => Verb::Resume,
+            Op::Kill { .. } => Verb::Kill,
+            Op::Close { .. } => Verb::Close,
+            Op::Runs { .. } => Verb::Runs,
+            Op::Pending { .. } => Verb::Pending,
+            Op::Ledger { .. } => Verb::Ledger,
+            Op::Report { .. } => Verb::Report,
+            Op::Token { .. } => Verb::Token,
+        }
+    }
+
+    /// The run the request is about, for the ownership check (an agent sees only its own runs).
+    pub fn run(&self) -> Option<&RunId> {
+        match self {
+            Op::Admit(a) => Some(&a.run),
+            Op::Complete(c) => Some(&c.run),
+            Op::Start { run, .. }
+            | Op::Wait { run, .. }
+            | Op::Subscribe { run }
+            | Op::Unsubscribe { run }
+            | Op::Status { run }
+            | Op::Cancel { run, .. }
+            | Op::Decide { run, .. }
+            | Op::Pause { run }
+            | Op::Resume { run }
+            | Op::Kill { run, .. }
+            | Op::Close { run, .. }
+            | Op::Report { run } => Some(run),
+            Op::Pending { run } | Op::Ledger { run, .. } => run.as_ref(),
+            Op::Hello { .. } | Op::Ping | Op::Runs { .. } | Op::Token { .. } => None,
+        }
+    }
+}
+
+/// Why a request line was refused. Carries the request's id when it could be read, so the
+/// error reply still reaches the right caller.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind}")]
+pub struct RequestError {
+    pub id: Id,
+    pub kind: RequestErrorKind,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestErrorKind {
+    #[error("malformed request: {detail}")]
+    BadJson { detail: String },
+    #[error("unknown op {op:?}; protocol v1 has: {}", verb_list())]
+    UnknownOp { op: String },
+    #[error("missing field `{field}`")]
+    MissingField { field: &'static str },
+    #[error("invalid field `{field}`: {why}")]
+    InvalidField { field: &'static str, why: String },
+    #[error("line is longer than {max} bytes; it was discarded")]
+    LineTooLong { max: usize },
+}
+
+fn verb_list() -> String {
+    Verb::ALL
+        .iter()
+        .map(|v| v.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl RequestError {
+    /// The error for a line the codec cut off; such a line's id is never read.
+    pub fn line_too_long(max: usize) -> RequestError {
+        RequestError {
+            id: Id::NULL,
+            kind: RequestErrorKind::LineTooLong { max },
+        }
+    }
+
+    pub fn code(&self) -> ErrorCode {
+        match self.kind {
+            RequestErrorKind::BadJson { .. } => ErrorCode::BadJson,
+            RequestErrorKind::UnknownOp { .. } => ErrorCode::UnknownOp,
+            RequestErrorKind::MissingField { .. } => ErrorCode::MissingField,
+            RequestErrorKind::InvalidField { .. } => ErrorCode::InvalidField,
+            RequestErrorKind::LineTooLong { .. } => ErrorCode::LineTooLong,
+        }
+    }
+
+    /// The field the error names, if any.
+    pub fn field(&self) -> Option<&'static str> {
+        match self.kind {
+            RequestErrorKind::MissingField { field }
+            | RequestErrorKind::InvalidField { field, .. } => Some(field),
+            _ => None,
+        }
+    }
+
+    /// The error reply line (`"ok": false`) for this error.
+    pub fn to_line(&self) -> Vec<u8> {
+        crate::reply::error_line(&self.id, self.code(), &self.kind.to_string())
+    }
+}
+
+/// Parses one request line (without or with its trailing newline).
+///
+/// Never panics, whatever the bytes; refuses with a typed error instead.
+pub fn parse_request(line: &[u8]) -> Result<Request, RequestError> {
+    parse(line, true)
+}
+
+fn parse(line: &[u8], may_retry: bool) -> Result<Request, RequestError> {
+    let failed = Cell::new(None);
+    let mut de = serde_json::Deserializer::from_slice(line);
+    let parsed = de
+        .deserialize_map(RawVisitor { failed: &failed })
+        .and_then(|raw| {
+            de.end()?;
+            Ok(raw)
+        });
+    let raw = match parsed {
+        Ok(raw) => raw,
+        Err(e) => return classify(line, &e, failed.get(), may_retry),
+    };
+
+    let id = match raw.id {
+        None => Id::NULL,
+        Some(text) => Id::from_raw_json(text.get()).map_err(|p| RequestError {
+            id: Id::NULL,
+            kind: RequestErrorKind::InvalidField {
+                field: "id",
+                why: p.why(),
+            },
+        })?,
+    };
+    match raw.build() {
+        Ok(op) => Ok(Request { id, op }),
+        Err(kind) => Err(RequestError { id, kind }),
+    }
+}
+
+/// Maps a serde_json failure to a code. A type error inside a known field names that field;
+/// anything else (syntax, truncation, a non-object) is `bad_json`.
+fn classify(
+    line: &[u8],
+    e: &serde_json::Error,
+    field: Option<Field>,
+    may_retry: bool,
+) -> Result<Request, RequestError> {
+    let kind = match (e.classify(), field) {
+        (serde_json::error::Category::Data, Some(f)) => {
+            // A field the verb does not read is ignored whatever its type: drop such fields
+            // and parse once more (rare, so the common path stays single-pass). Every field
+            // left is one the verb reads, so one retry is all it can take.
+            if may_retry && let Some(trimmed) = without_unread_fields(line, f) {
+                return parse(&trimmed, false);
+            }
+            RequestErrorKind::InvalidField {
+                field: f.name(),
+                why: without_position(e),
+            }
+        }
+        (serde_json::error::Category::Data, None) => RequestErrorKind::BadJson {
+            detail: "a request must be a JSON object".to_string(),
+        },
+        _ => RequestErrorKind::BadJson {
+            detail: e.to_string(),
+        },
+    };
+    Err(RequestError {
+        id: recover_id(line),
+        kind,
+    })
+}
+
+/// The line with only `id`, `op` and the fields `op` reads, when `failed` is not one of those;
+/// `None` otherwise (the type error stands). Values are copied as raw text, so the id stays exact.
+fn without_unread_fields(line: &[u8], failed: Field) -> Option<Vec<u8>> {
+    struct Entries<'a>(Vec<(Str<'a>, &'a RawValue)>);
+    impl<'de> Deserialize<'de> for Entries<'de> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Entries<'de>, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Entries<'de>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: MapAccess<'de>>(
+                    self,
+                    mut map: A,
+                ) -> Result<Entries<'de>, A::Error> {
+                    let mut out = Vec::new();
+                    while let Some(entry) = map.next_entry::<Str<'de>, &'de RawValue>()? {
+                        out.push(entry);
+                    }
+                    Ok(Entries(out))
+                }
+            }
+            d.deserialize_map(V)
+        }
+    }
+    let entries: Entries<'_> = serde_json::from_slice(line).ok()?;
+    let op = entries.0.iter().find(|(k, _)| k.0 == "op")?.1;
+    let verb = Verb::parse(&serde_json::from_str::<String>(op.get()).ok()?)?;
+    let read = verb_fields(verb);
+    if read & failed.bit() != 0 {
+        return None;
+    }
+    let mut out = b"{".to_vec();
+    for (k, v) in &entries.0 {
+        let Some(f) = Field::from_key(&k.0) else {
+            continue;
+        };
+        if read & f.bit() != 0 || matches!(f, Field::Id | Field::Op) {
+            if out.len() > 1 {
+                out.push(b',');
+            }
+            out.extend_from_slice(format!("\"{}\":", f.name()).as_bytes());
+            out.extend_from_slice(v.get().as_bytes());
+        }
+    }
+    out.push(b'}');
+    Some(out)
+}
+
+/// The fields each verb reads, as a mask of [`Field`] bits (`id` and `op` are implied).
+fn verb_fields(verb: Verb) -> u32 {
+    use Field as F;
+    let fields: &[Field] = match verb {
+        Verb::Hello => &[F::Token],
+        Verb::Admit => &[
+            F::Run,
+            F::Key,
+            F::Tool,
+            F::Args,
+            F::Digest,
+            F::Start,
+            F::Parent,
+            F::Labels,
+            F::NeedsApproval,
+            F::Limits,
+        ],
+        Verb::Start => &[F::Run, F::Key, F::Token],
+        Verb::Complete => &[F::Run, F::Key, F::Token, F::Outcome, F::Result, F::Error],
+        Verb::Wait => &[F::Run, F::Key, F::TimeoutMs],
+        Verb::Subscribe
+        | Verb::Unsubscribe
+        | Verb::Status
+        | Verb::Pause
+        | Verb::Resume
+        | Verb::Report => &[F::Run],
+        Verb::Pending => &[F::Run],
+        Verb::Cancel => &[F::Run, F::Reason, F::Cascade],
+        Verb::Ping => &[],
+        Verb::Decide => &[F::Run, F::Key, F::Decision, F::Reason],
+        Verb::Kill => &[F::Run, F::Reason],
+        Verb::Close => &[F::Run, F::Outcome],
+        Verb::Runs => &[F::State, F::Limit],
+        Verb::Ledger => &[F::Run, F::Limit, F::After],
+        Verb::Token => &[F::Name, F::Role, F::Groups],
+    };
+    fields.iter().fold(0, |m, f| m | f.bit())
+}
+
+impl Verb {
+    /// The fields this verb reads besides `id` and `op`; any other field is ignored.
+    pub fn fields(self) -> Vec<&'static str> {
+        let read = verb_fields(self);
+        FIELDS_ALL
+            .iter()
+            .filter(|f| read & f.bit() != 0)
+            .map(|f| f.name())
+            .collect()
+    }
+}
+
+fn without_position(e: &serde_json::Error) -> String {
+    let s = e.to_string();
+    match s.rfind(" at line ") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
+/// Second, lenient look at a line that failed, only to echo its id in the error reply.
+fn recover_id(line: &[u8]) -> Id {
+    #[derive(Deserialize)]
+    struct IdOnly<'a> {
+        #[serde(borrow)]
+        id: Option<&'a RawValue>,
+    }
+    serde_json::from_slice::<IdOnly<'_>>(line)
+        .ok()
+        .and_then(|x| x.id)
+        .and_then(|raw| Id::from_raw_json(raw.get()).ok())
+        .unwrap_or(Id::NULL)
+}
+
+macro_rules! fields {
+    ($($variant:ident = $name:literal),+ $(,)?) => {
+        /// Every field name any verb reads. Anything else is skipped unread.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        enum Field { $($variant),+ }
+
+        const FIELDS_ALL: &[Field] = &[$(Field::$variant),+];
+
+        impl Field {
+            fn name(self) -> &'static str {
+                match self { $(Field::$variant => $name),+ }
+            }
+            fn from_key(s: &str) -> Option<Field> {
+                match s { $($name => Some(Field::$variant),)+ _ => None }
+            }
+            fn bit(self) -> u32 {
+                1 << (self as u32)
+            }
+        }
+    };
+}
+
+fields! {
+    Id = "id", Op = "op", Run = "run", Key = "key", Tool = "tool", Args = "args",
+    Digest = "digest", Start = "start", Parent = "parent", Labels = "labels",
+    NeedsApproval = "needs_approval", Limits = "limits", Token = "token", Outcome = "outcome",
+    Result = "result", Error = "error", TimeoutMs = "timeout_ms", Reason = "reason",
+    Cascade = "cascade", Decision = "decision", State = "state", Limit = "limit",
+    After = "after", Name = "name", Role = "role", Groups = "groups",
+}
+
+/// A string borrowed from the line when it has no escapes, owned otherwise.
+struct Str<'a>(Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for Str<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Str<'de>, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Str<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Str<'de>, E> {
+                Ok(Str(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Str<'de>, E> {
+                Ok(Str(Cow::Owned(v.to_string())))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Str<'de>, E> {
+                Ok(Str(Cow::Owned(v)))
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+#[derive(Deserialize)]
+struct RawLimits {
+    deadline_ms: Option<u64>,
+    timeout_ms: Option<u64>,
+    max_effects: Option<u64>,
+}
+
+/// The union of every verb's fields, filled in one pass over the line.
+#[derive(Default)]
+struct Raw<'a> {
+    id: Option<&'a RawValue>,
+    op: Option<Str<'a>>,
+    run: Option<Str<'a>>,
+    key: Option<Str<'a>>,
+    tool: Option<Str<'a>>,
+    /// `Some(Value::Null)` when the client sent `"args": null` (a valid argument value).
+    args: Option<Value>,
+    digest: Option<Str<'a>>,
+    start: Option<bool>,
+    parent: Option<Str<'a>>,
+    labels: Option<BTreeMap<String, String>>,
+    needs_approval: Option<bool>,
+    limits: Option<RawLimits>,
+    token: Option<Str<'a>>,
+    outcome: Option<Str<'a>>,
+    result: Option<&'a RawValue>,
+    error: Option<Str<'a>>,
+    timeout_ms: Option<u64>,
+    reason: Option<Str<'a>>,
+    cascade: Option<bool>,
+    decision: Option<Str<'a>>,
+    state: Option<Str<'a>>,
+    limit: Option<u64>,
+    after: Option<u64>,
+    name: Option<Str<'a>>,
+    role: Option<Str<'a>>,
+    groups: Option<Vec<String>>,
+    seen: u32,
+    /// Fields given more than once.
+    duplicates: u32,
+}
+
+struct FieldSeed;
+
+impl<'de> DeserializeSeed<'de> for FieldSeed {
+    type Value = Option<Field>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<Field>, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Option<Field>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Option<Field>, E> {
+                Ok(Field::from_key(v))
+            }
+        }
+        d.deserialize_identifier(V)
+    }
+}
+
+/// Fills [`Raw`]; records which field was being read so a type error can name it.
+struct RawVisitor<'c> {
+    failed: &'c Cell<Option<Field>>,
+}
+
+impl<'de> Visitor<'de> for RawVisitor<'_> {
+    type Value = Raw<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Raw<'de>, A::Error> {
+        let mut raw = Raw::default();
+        while let Some(field) = map.next_key_seed(FieldSeed)? {
+            let Some(field) = field else {
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            };
+            if raw.seen & field.bit() != 0 {
+                // Which copy wins is parser-dependent elsewhere; refuse rather than guess.
+                raw.duplicates |= field.bit();
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            }
+            raw.seen |= field.bit();
+            self.failed.set(Some(field));
+            match field {
+                Field::Id => raw.id = Some(map.next_value()?),
+                Field::Op => raw.op = map.next_value()?,
+                Field::Run => raw.run = map.next_value()?,
+                Field::Key => raw.key = map.next_value()?,
+                Field::Tool => raw.tool = map.next_value()?,
+                Field::Args => raw.args = Some(map.next_value()?),
+                Field::Digest => raw.digest = map.next_value()?,
+                Field::Start => raw.start = map.next_value()?,
+                Field::Parent => raw.parent = map.next_value()?,
+                Field::Labels => raw.labels = map.next_value()?,
+                Field::NeedsApproval => raw.needs_approval = map.next_value()?,
+                Field::Limits => raw.limits = map.next_value()?,
+                Field::Token => raw.token = map.next_value()?,
+                Field::Outcome => raw.outcome = map.next_value()?,
+                Field::Result => raw.result = Some(map.next_value()?),
+                Field::Error => raw.error = map.next_value()?,
+                Field::TimeoutMs => raw.timeout_ms = map.next_value()?,
+                Field::Reason => raw.reason = map.next_value()?,
+                Field::Cascade => raw.cascade = map.next_value()?,
+                Field::Decision => raw.decision = map.next_value()?,
+                Field::State => raw.state = map.next_value()?,
+                Field::Limit => raw.limit = map.next_value()?,
+                Field::After => raw.after = map.next_value()?,
+                Field::Name => raw.name = map.next_value()?,
+                Field::Role => raw.role = map.next_value()?,
+                Field::Groups => raw.groups = map.next_value()?,
+            }
+            self.failed.set(None);
+        }
+        Ok(raw)
+    }
+}
+
+type Kind = RequestErrorKind;
+
+fn invalid(field: Field, why: impl Into<String>) -> Kind {
+    Kind::InvalidField {
+        field: field.name(),
+        why: why.into(),
+    }
+}
+
+fn required<T>(slot: Option<T>, field: Field) -> Result<T, Kind> {
+    slot.ok_or(Kind::MissingField {
+        field: field.name(),
+    })
+}
+
+fn run_id(s: Str<'_>, field: Field) -> Result<RunId, Kind> {
+    RunId::new(&s.0).map_err(|e| invalid(field, e.to_string()))
+}
+
+fn bounded(s: Str<'_>, field: Field, max: usize) -> Result<String, Kind> {
+    if s.0.len() > max {
+        return Err(invalid(field, format!("longer than {max} bytes")));
+    }
+    Ok(s.0.into_owned())
+}
+
+fn opt_bounded(s: Option<Str<'_>>, field: Field, max: usize) -> Result<Option<String>, Kind> {
+    s.map(|s| bounded(s, field, max)).transpose()
+}
+
+fn vocab<T>(
+    s: Str<'_>,
+    field: Field,
+    parse: fn(&str) -> Option<T>,
+    names: &str,
+) -> Result<T, Kind> {
+    parse(&s.0).ok_or_else(|| {
+        invalid(
+            field,
+            format!("{:?} is not one of {names}", truncated(&s.0)),
+        )
+    })
+}
+
+/// Echo at most a short prefix of a client's bad value in an error message.
+fn truncated(s: &str) -> &str {
+    let mut end = s.len().min(64);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn limit_u32(v: Option<u64>) -> Result<Option<u32>, Kind> {
+    v.map(|n| u32::try_from(n).map_err(|_| invalid(Field::Limit, "larger than 4294967295")))
+        .transpose()
+}
+
+impl<'a> Raw<'a> {
+    fn run(&mut self) -> Result<RunId, Kind> {
+        run_id(required(self.run.take(), Field::Run)?, Field::Run)
+    }
+
+    fn key(&mut self) -> Result<EffectKey, Kind> {
+        let s = required(self.key.take(), Field::Key)?;
+        EffectKey::new(&s.0).map_err(|e| invalid(Field::Key, e.to_string()))
+    }
+
+    fn opt_run(&mut self) -> Result<Option<RunId>, Kind> {
+        self.run.take().map(|s| run_id(s, Field::Run)).transpose()
+    }
+
+    fn admission_token(&mut self) -> Result<String, Kind> {
+        bounded(
+            required(self.token.take(), Field::Token)?,
+            Field::Token,
+            TOKEN_BYTES_MAX,
+        )
+    }
+
+    fn reason(&mut self) -> Result<Option<String>, Kind> {
+        opt_bounded(self.reason.take(), Field::Reason, REASON_BYTES_MAX)
+    }
+
+    fn build(mut self) -> Result<Op, Kind> {
+        if self.duplicates & Field::Op.bit() != 0 {
+            return Err(invalid(Field::Op, "given more than once"));
+        }
+        let op = required(self.op.take(), Field::Op)?;
+        let verb = Verb::parse(&op.0).ok_or_else(|| Kind::UnknownOp {
+            op: truncated(&op.0).to_string(),
+        })?;
+        let dup_read = self.duplicates & (verb_fields(verb) | Field::Id.bit());
+        if let Some(field) = FIELDS_ALL.iter().find(|f| dup_read & f.bit() != 0) {
+            return Err(invalid(*field, "given more than once"));
+        }
+        Ok(match verb {
+            Verb::Hello => Op::Hello {
+                token: Secret(bounded(
+                    required(self.token.take(), Field::Token)?,
+                    Field::Token,
+                    TOKEN_BYTES_MAX,
+                )?),
+            },
+            Verb::Admit => Op::Admit(self.admit()?),
+            Verb::Start => Op::Start {
+                run: self.run()?,
+                key: self.key()?,
+                token: self.admission_token()?,
+            },
+            Verb::Complete => Op::Complete(self.complete()?),
+            Verb::Wait => Op::Wait {
+                run: self.run()?,
+                key: self.key()?,
+                timeout_ms: required(self.timeout_ms, Field::TimeoutMs)?,
+            },
+            Verb::Subscribe => Op::Subscribe { run: self.run()? },
+            Verb::Unsubscribe => Op::Unsubscribe { run: self.run()? },
+            Verb::Status => Op::Status { run: self.run()? },
+            Verb::Cancel => Op::Cancel {
+                run: self.run()?,
+                reason: self.reason()?,
+                cascade: self.cascade.unwrap_or(true),
+            },
+            Verb::Ping => Op::Ping,
+            Verb::Decide => Op::Decide {
+                run: self.run()?,
+                key: self.key()?,
+                decision: vocab(
+                    required(self.decision.take(), Field::Decision)?,
+                    Field::Decision,
+                    Decision::parse,
+                    "approve, reject",
+                )?,
+                reason: self.reason()?,
+            },
+            Verb::Pause => Op::Pause { run: self.run()? },
+            Verb::Resume => Op::Resume { run: self.run()? },
+            Verb::Kill => Op::Kill {
+                run: self.run()?,
+                reason: self.reason()?,
+            },
+            Verb::Close => Op::Close {
+                run: self.run()?,
+                outcome: match self.outcome.take() {
+                    None => CloseOutcome::Completed,
+                    Some(s) => vocab(s, Field::Outcome, CloseOutcome::parse, "completed, failed")?,
+                },
+            },
+            Verb::Runs => Op::Runs {
+                state: self
+                    .state
+                    .take()
+                    .map(|s| {
+                        vocab(
+                            s,
+                            Field::State,
+                            RunState::parse,
+                            "active, paused, finalizing, completed, failed, cancelled",
+                        )
+                    })
+                    .transpose()?,
+                limit: limit_u32(self.limit)?,
+            },
+            Verb::Pending => Op::Pending {
+                run: self.opt_run()?,
+            },
+            Verb::Ledger => Op::Ledger {
+                run: self.opt_run()?,
+                limit: limit_u32(self.limit)?,
+                after: self.after,
+            },
+            Verb::Report => Op::Report { run: self.run()? },
+            Verb::Token => self.token_op()?,
+        })
+    }
+
+    fn admit(&mut self) -> Result<Admit, Kind> {
+        let run = self.run()?;
+        let key = self.key()?;
+        let tool = required(self.tool.take(), Field::Tool)?;
+        let tool = ToolName::new(&tool.0).map_err(|e| invalid(Field::Tool, e.to_string()))?;
+        let (args, digest) = match (self.args.take(), self.digest.take()) {
+            (Some(args), None) => {
+                let digest = digest_of(&tool, &args);
+                (Some(args), digest)
+            }
+            (None, Some(hex)) => {
+                let digest = Digest::from_hex(&hex.0)
+                    .ok_or_else(|| invalid(Field::Digest, "must be 64 hex digits (SHA-256)"))?;
+                (None, digest)
+            }
+            (Some(_), Some(_)) => {
+                return Err(invalid(Field::Args, "give args or digest, not both"));
+            }
+            (None, None) => {
+                return Err(invalid(Field::Args, "give exactly one of args and digest"));
+            }
+        };
+        let parent = self
+            .parent
+            .take()
+            .map(|s| run_id(s, Field::Parent))
+            .transpose()?;
+        let labels = self.labels.take().unwrap_or_default();
+        check_labels(&labels)?;
+        let limits = match self.limits.take() {
+            None => Limits::default(),
+            Some(l) => Limits {
+                deadline_ms: l.deadline_ms,
+                timeout_ms: l.timeout_ms,
+                max_effects: l.max_effects,
+            },
+        };
+        Ok(Admit {
+            run,
+            key,
+            tool,
+            args,
+            digest,
+            start: self.start.unwrap_or(true),
+            parent,
+            labels,
+            needs_approval: self.needs_approval.unwrap_or(false),
+            limits,
+        })
+    }
+
+    fn complete(&mut self) -> Result<Complete, Kind> {
+        let run = self.run()?;
+        let key = self.key()?;
+        let token = self.admission_token()?;
+        let outcome = vocab(
+            required(self.outcome.take(), Field::Outcome)?,
+            Field::Outcome,
+            Outcome::parse,
+            "ok, error, unknown",
+        )?;
+        let result = match self.result.take() {
+            None => None,
+            Some(raw) => {
+                if raw.get().len() > RESULT_BYTES_MAX {
+                    return Err(invalid(
+                        Field::Result,
+                        format!("larger than {RESULT_BYTES_MAX} bytes"),
+                    ));
+                }
+                Some(
+                    serde_json::from_str::<Value>(raw.get())
+                        .map_err(|e| invalid(Field::Result, without_position(&e)))?,
+                )
+            }
+        };
+        let error = opt_bounded(self.error.take(), Field::Error, ERROR_BYTES_MAX)?;
+        Ok(Complete {
+            run,
+            key,
+            token,
+            outcome,
+            result,
+            error,
+        })
+    }
+
+    fn token_op(&mut self) -> Result<Op, Kind> {
+        let name = required(self.name.take(), Field::Name)?;
+        let name = PrincipalName::new(&name.0).map_err(|e| invalid(Field::Name, e.to_string()))?;
+        let role = vocab(
+            required(self.role.take(), Field::Role)?,
+            Field::Role,
+            Role::parse,
+            "agent, operator",
+        )?;
+        let groups = self.groups.take().unwrap_or_default();
+        if groups.len() > GROUPS_MAX {
+            return Err(invalid(
+                Field::Groups,
+                format!("more than {GROUPS_MAX} groups"),
+            ));
+        }
+        for g in &groups {
+            if g.is_empty() || g.len() > GROUP_BYTES_MAX || g.chars().any(char::is_control) {
+                return Err(invalid(
+                    Field::Groups,
+                    format!(
+                        "a group name must be 1 to {GROUP_BYTES_MAX} bytes without control characters"
+                    ),
+                ));
+            }
+        }
+        Ok(Op::Token { name, role, groups })
+    }
+}
+
+fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), Kind> {
+    if labels.len() > LABELS_MAX {
+        return Err(invalid(
+            Field::Labels,
+            format!("more than {LABELS_MAX} labels"),
+        ));
+    }
+    for (k, v) in labels {
+        if k.is_empty() || k.len() > LABEL_KEY_BYTES_MAX {
+            return Err(invalid(
+                Field::Labels,
+                format!("a label key must be 1 to {LABEL_KEY_BYTES_MAX} bytes"),
+            ));
+        }
+        if v.len() > LABEL_VALUE_BYTES_MAX {
+            return Err(invalid(
+                Field::Labels,
+                format!(
+                    "label {:?}: value longer than {LABEL_VALUE_BYTES_MAX} bytes",
+                    truncated(k)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl Request {
+    pub fn new(id: Id, op: Op) -> Request {
+        Request { id, op }
+    }
+
+    /// The request as one JSON line (with `\n`), as a client sends it. An `admit` that carries
+    /// `args` sends them and not the digest (the gate computes it); one without sends the digest.
+    pub fn to_line(&self) -> Vec<u8> {
+        let mut m = serde_json::Map::new();
+        let id: Value = serde_json::from_str(self.id.as_json()).unwrap_or(Value::Null);
+        if !id.is_null() {
+            m.insert("id".into(), id);
+        }
+        m.insert("op".into(), self.op.verb().as_str().into());
+        fn put(m: &mut serde_json::Map<String, Value>, k: &str, v: impl Into<Value>) {
+            m.insert(k.to_string(), v.into());
+        }
+        fn put_opt(m: &mut serde_json::Map<String, Value>, k: &str, v: Option<impl Into<Value>>) {
+            if let Some(v) = v {
+                m.insert(k.to_string(), v.into());
+            }
+        }
+        match &self.op {
+            Op::Hello { token } => put(&mut m, "token", token.expose()),
+            Op::Admit(a) => {
+                put(&mut m, "run", a.run.as_str());
+                put(&mut m, "key", a.key.as_str());
+                put(&mut m, "tool", a.tool.as_str());
+                match &a.args {
+                    Some(args) => put(&mut m, "args", args.clone()),
+                    None => put(&mut m, "digest", a.digest.to_hex()),
+                }
+                put(&mut m, "start", a.start);
+                put_opt(&mut m, "parent", a.parent.as_ref().map(|p| p.as_str()));
+                if !a.labels.is_empty() {
+                    let labels: serde_json::Map<String, Value> = a
+                        .labels
+                        .iter()
+                        .map(|(k, v)| (k.clone(), Value::from(v.as_str())))
+                        .collect();
+                    put(&mut m, "labels", labels);
+                }
+                if a.needs_approval {
+                    put(&mut m, "needs_approval", true);
+                }
+                if !a.limits.is_empty() {
+                    let mut l = serde_json::Map::new();
+                    put_opt(&mut l, "deadline_ms", a.limits.deadline_ms);
+                    put_opt(&mut l, "timeout_ms", a.limits.timeout_ms);
+                    put_opt(&mut l, "max_effects", a.limits.max_effects);
+                    put(&mut m, "limits", l);
+                }
+            }
+            Op::Start { run, key, token } => {
+                put(&mut m, "run", run.as_str());
+                put(&mut m, "key", key.as_str());
+                put(&mut m, "token", token.as_str());
+            }
+            Op::Complete(c) => {
+                put(&mut m, "run", c.run.as_str());
+                put(&mut m, "key", c.key.as_str());
+                put(&mut m, "token", c.token.as_str());
+                put(&mut m, "outcome", c.outcome.as_str());
+                put_opt(&mut m, "result", c.result.clone());
+                put_opt(&mut m, "error", c.error.as_deref());
+            }
+            Op::Wait {
+                run,
+                key,
+                timeout_ms,
+            } => {
+                put(&mut m, "run", run.as_str());
+                put(&mut m, "key", key.as_str());
+                put(&mut m, "timeout_ms", *timeout_ms);
+            }
+            Op::Subscribe { run }
+            | Op::Unsubscribe { run }
+            | Op::Status { run }
+            | Op::Pause { run }
+            | Op::Resume { run }
+            | Op::Report { run } => put(&mut m, "run", run.as_str()),
+            Op::Cancel {
+                run,
+                reason,
+                cascade,
+            } => {
+                put(&mut m, "run", run.as_str());
+                put_opt(&mut m, "reason", reason.as_deref());
+                put(&mut m, "cascade", *cascade);
+            }
+            Op::Ping => {}
+            Op::Decide {
+                run,
+                key,
+                decision,
+                reason,
+            } => {
+                put(&mut m, "run", run.as_str());
+                put(&mut m, "key", key.as_str());
+                put(&mut m, "decision", decision.as_str());
+                put_opt(&mut m, "reason", reason.as_deref());
+            }
+            Op::Kill { run, reason } => {
+                put(&mut m, "run", run.as_str());
+                put_opt(&mut m, "reason", reason.as_deref());
+            }
+            Op::Close { run, outcome } => {
+                put(&mut m, "run", run.as_str());
+                put(&mut m, "outcome", outcome.as_str());
+            }
+            Op::Runs { state, limit } => {
+                put_opt(&mut m, "state", state.map(|s| s.as_str()));
+                put_opt(&mut m, "limit", *limit);
+            }
+            Op::Pending { run } => put_opt(&mut m, "run", run.as_ref().map(|r| r.as_str())),
+            Op::Ledger { run, limit, after } => {
+                put_opt(&mut m, "run", run.as_ref().map(|r| r.as_str()));
+                put_opt(&mut m, "limit", *limit);
+                put_opt(&mut m, "after", *after);
+            }
+            Op::Token { name, role, groups } => {
+                put(&mut m, "name", name.as_str());
+                put(&mut m, "role", role.as_str());
+                if !groups.is_empty() {
+                    put(&mut m, "groups", groups.clone());
+                }
+            }
+        }
+        let mut out = serde_json::to_vec(&Value::Object(m)).expect("a Value always serializes");
+        out.push(b'\n');
+        out
+    }
+}

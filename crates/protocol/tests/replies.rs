@@ -1,0 +1,394 @@
+//! Reply and event rendering: exact envelopes, and every payload decodes back to itself
+//! through the client-side parser.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+
+use estop_protocol::reply::{ack_line, error_line, event_line, ok_line, pong_line};
+use estop_protocol::{
+    Ack, ClientReply, DecideReply, EffectCounts, ErrorCode, Event, EventKind, HelloReply, Id,
+    LedgerEntry, LedgerReply, PendingItem, PendingReply, Pong, Report, ReportItem, RunView,
+    RunsReply, Secret, ServerLine, TokenCreated, Verdict, parse_request, parse_server_line,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+fn text(line: &[u8]) -> &str {
+    std::str::from_utf8(line).expect("utf8")
+}
+
+fn reply_of(line: &[u8]) -> ClientReply {
+    match parse_server_line(line) {
+        Ok(ServerLine::Reply(r)) => r,
+        other => panic!("{}: {other:?}", text(line)),
+    }
+}
+
+/// Renders `body` under several ids and checks the client decodes the same id and body.
+fn round_trip<T: Serialize + DeserializeOwned + PartialEq + Debug>(body: T) {
+    for id in [Id::from_u64(7), Id::from_text("req \"x\""), Id::NULL] {
+        let line = ok_line(&id, &body);
+        assert_eq!(line.last(), Some(&b'\n'));
+        assert_eq!(
+            line.iter().filter(|&&b| b == b'\n').count(),
+            1,
+            "one line: {}",
+            text(&line)
+        );
+        let r = reply_of(&line);
+        assert!(r.ok && r.error.is_none());
+        assert_eq!(r.id, id);
+        assert_eq!(
+            r.body::<T>().expect("body decodes"),
+            body,
+            "{}",
+            text(&line)
+        );
+    }
+}
+
+#[test]
+fn envelopes_are_exact() {
+    assert_eq!(
+        text(&ack_line(&Id::from_u64(1))),
+        "{\"id\":1,\"ok\":true}\n"
+    );
+    assert_eq!(
+        text(&pong_line(&Id::NULL)),
+        "{\"id\":null,\"ok\":true,\"pong\":true}\n"
+    );
+    assert_eq!(
+        text(&ok_line(
+            &Id::from_text("a"),
+            &Verdict::Admitted {
+                token: "tk".into(),
+                epoch: 3
+            }
+        )),
+        "{\"id\":\"a\",\"ok\":true,\"verdict\":\"admitted\",\"token\":\"tk\",\"epoch\":3}\n"
+    );
+    assert_eq!(
+        text(&ok_line(
+            &Id::from_u64(2),
+            &Verdict::Held {
+                approval: None,
+                expires_at: None,
+                reason: "sibling".into()
+            }
+        )),
+        "{\"id\":2,\"ok\":true,\"verdict\":\"held\",\"approval\":null,\"expires_at\":null,\"reason\":\"sibling\"}\n"
+    );
+    assert_eq!(
+        text(&ok_line(&Id::from_u64(3), &Verdict::Go)),
+        "{\"id\":3,\"ok\":true,\"verdict\":\"go\"}\n"
+    );
+    assert_eq!(
+        text(&error_line(
+            &Id::from_u64(4),
+            ErrorCode::NotFound,
+            "no run \"r\""
+        )),
+        "{\"id\":4,\"ok\":false,\"error\":{\"code\":\"not_found\",\"message\":\"no run \\\"r\\\"\"}}\n"
+    );
+    assert_eq!(
+        text(&ok_line(
+            &Id::from_u64(5),
+            &Ack {
+                late: true,
+                ..Ack::default()
+            }
+        )),
+        "{\"id\":5,\"ok\":true,\"late\":true}\n"
+    );
+}
+
+#[test]
+fn the_id_of_a_request_comes_back_byte_for_byte() {
+    for raw in ["1.50", "-0", "\"\\u0041\"", "12345678901234567890123"] {
+        let req =
+            parse_request(format!("{{\"id\":{raw},\"op\":\"ping\"}}").as_bytes()).expect("ping");
+        let line = pong_line(&req.id);
+        assert!(
+            text(&line).starts_with(&format!("{{\"id\":{raw},")),
+            "{}",
+            text(&line)
+        );
+    }
+}
+
+#[test]
+fn error_replies_decode() {
+    for &code in ErrorCode::ALL {
+        let r = reply_of(&error_line(&Id::from_u64(9), code, "why"));
+        assert!(!r.ok);
+        assert_eq!(r.id, Id::from_u64(9));
+        let e = r.error.expect("error object");
+        assert_eq!((e.kind(), e.message.as_str()), (Some(code), "why"));
+    }
+    let err = parse_request(br#"{"id":"x","op":"status"}"#).expect_err("missing run");
+    let r = reply_of(&err.to_line());
+    assert_eq!(r.id, Id::from_text("x"));
+    assert_eq!(
+        r.error.and_then(|e| e.kind()),
+        Some(ErrorCode::MissingField)
+    );
+}
+
+#[test]
+fn every_payload_round_trips() {
+    round_trip(HelloReply {
+        role: "agent".into(),
+        principal: "agent".into(),
+        protocol: 1,
+    });
+    round_trip(Verdict::Admitted {
+        token: "t1".into(),
+        epoch: 0,
+    });
+    round_trip(Verdict::Held {
+        approval: Some("ap-1".into()),
+        expires_at: Some(1_700_000_060_000),
+        reason: "approval".into(),
+    });
+    round_trip(Verdict::Held {
+        approval: None,
+        expires_at: None,
+        reason: "paused".into(),
+    });
+    round_trip(Verdict::Refused {
+        reason: "cancelled".into(),
+        message: None,
+        rule: None,
+    });
+    round_trip(Verdict::Refused {
+        reason: "denied".into(),
+        message: Some("when failed".into()),
+        rule: Some("no-prod".into()),
+    });
+    round_trip(Verdict::Duplicate {
+        status: "in_progress".into(),
+        outcome: None,
+        result: None,
+        error: None,
+    });
+    round_trip(Verdict::Duplicate {
+        status: "completed".into(),
+        outcome: Some("ok".into()),
+        result: Some(json!({"charge": "ch_1", "n": [1, 2.5]})),
+        error: None,
+    });
+    round_trip(Verdict::Go);
+    round_trip(Ack::default());
+    round_trip(Ack {
+        late: true,
+        state: Some("finalizing".into()),
+        runs: vec!["r1".into(), "r1.child".into()],
+    });
+    round_trip(Pong { pong: true });
+    let view = RunView {
+        run: "r1".into(),
+        state: "active".into(),
+        epoch: 2,
+        owner: "agent".into(),
+        parent: Some("r0".into()),
+        labels: BTreeMap::from([("team".into(), "pay".into())]),
+        created_at: 1_700_000_000_000,
+        cause: None,
+        stopped_at: None,
+        deadline_at: Some(1_700_000_100_000),
+        max_effects: Some(50),
+        effects: EffectCounts {
+            held: 1,
+            admitted: 2,
+            started: 3,
+            completed: 4,
+            failed: 5,
+            unknown: 6,
+            refused: 7,
+        },
+    };
+    round_trip(view.clone());
+    round_trip(RunsReply {
+        runs: vec![
+            view,
+            RunView {
+                run: "r2".into(),
+                state: "cancelled".into(),
+                cause: Some("cancelled".into()),
+                ..RunView::default()
+            },
+        ],
+        more: true,
+    });
+    round_trip(PendingReply {
+        pending: vec![PendingItem {
+            approval: "ap-1".into(),
+            run: "r1".into(),
+            key: "k1".into(),
+            tool: "refund".into(),
+            args: Some(json!({"amount": 10})),
+            digest: "ab".repeat(32),
+            rule: Some("refunds".into()),
+            quorum: 2,
+            approvals: vec!["alice".into()],
+            groups: vec!["finance".into(), "ops".into()],
+            expires_at: 2,
+            created_at: 1,
+        }],
+    });
+    round_trip(DecideReply {
+        status: "held".into(),
+        approvals: vec!["alice".into()],
+        quorum: 2,
+    });
+    let mut fields = serde_json::Map::new();
+    fields.insert("verdict".into(), json!("admitted"));
+    fields.insert("tool".into(), json!("refund"));
+    round_trip(LedgerReply {
+        entries: vec![
+            LedgerEntry {
+                seq: 1,
+                at: 10,
+                kind: "admit".into(),
+                run: Some("r1".into()),
+                key: Some("k1".into()),
+                fields,
+            },
+            LedgerEntry {
+                seq: 2,
+                at: 11,
+                kind: "token".into(),
+                run: None,
+                key: None,
+                fields: serde_json::Map::new(),
+            },
+        ],
+        next_after: Some(2),
+    });
+    let item = |key: &str, status: &str, rev: &str| ReportItem {
+        key: key.into(),
+        tool: "t".into(),
+        status: status.into(),
+        reversibility: rev.into(),
+        compensate: None,
+        late: false,
+        reason: None,
+    };
+    round_trip(Report {
+        run: "r1".into(),
+        state: "cancelled".into(),
+        cause: Some("cancelled".into()),
+        done: vec![ReportItem {
+            compensate: Some("refund.undo".into()),
+            ..item("a", "completed", "compensable")
+        }],
+        failed: vec![item("b", "failed", "undeclared")],
+        refused: vec![ReportItem {
+            reason: Some("cancelled".into()),
+            ..item("c", "refused", "undeclared")
+        }],
+        in_flight: vec![item("d", "started", "irreversible")],
+        unknown: vec![ReportItem {
+            late: true,
+            ..item("e", "unknown", "reversible")
+        }],
+        compensable: vec![item("a", "completed", "compensable")],
+        irreversible: vec![item("d", "started", "irreversible")],
+        undeclared: vec![item("b", "failed", "undeclared")],
+        held: vec![item("f", "held", "undeclared")],
+    });
+    round_trip(TokenCreated {
+        name: "bob".into(),
+        role: "operator".into(),
+        token: Secret::new("s3"),
+        groups: vec!["ops".into()],
+    });
+}
+
+#[test]
+fn token_secret_is_on_the_wire_but_not_in_debug() {
+    let created = TokenCreated {
+        name: "bob".into(),
+        role: "agent".into(),
+        token: Secret::new("hunter2"),
+        groups: vec![],
+    };
+    assert!(text(&ok_line(&Id::from_u64(1), &created)).contains("\"token\":\"hunter2\""));
+    assert!(!format!("{created:?}").contains("hunter2"));
+}
+
+#[test]
+fn events_have_no_id_and_decode_as_events() {
+    let ev = Event {
+        event: EventKind::Cancelled,
+        run: "r1".into(),
+        key: None,
+        reason: Some("operator".into()),
+        decision: None,
+        outcome: None,
+        at: 1_700_000_000_000,
+    };
+    let line = event_line(&ev);
+    assert_eq!(
+        text(&line),
+        "{\"event\":\"cancelled\",\"run\":\"r1\",\"reason\":\"operator\",\"at\":1700000000000}\n"
+    );
+    assert_eq!(parse_server_line(&line).ok(), Some(ServerLine::Event(ev)));
+    let decided = Event {
+        event: EventKind::Decided,
+        run: "r1".into(),
+        key: Some("k1".into()),
+        reason: None,
+        decision: Some("approve".into()),
+        outcome: None,
+        at: 5,
+    };
+    assert_eq!(
+        parse_server_line(&event_line(&decided)).ok(),
+        Some(ServerLine::Event(decided))
+    );
+    // A kind from a newer server still decodes.
+    let newer = parse_server_line(br#"{"event":"teleported","run":"r","at":1}"#);
+    assert!(matches!(
+        newer,
+        Ok(ServerLine::Event(Event {
+            event: EventKind::Other,
+            ..
+        }))
+    ));
+}
+
+#[test]
+fn every_event_kind_renders_its_name() {
+    for (kind, name) in [
+        (EventKind::Cancelled, "cancelled"),
+        (EventKind::Paused, "paused"),
+        (EventKind::Resumed, "resumed"),
+        (EventKind::Decided, "decided"),
+        (EventKind::Held, "held"),
+        (EventKind::Completed, "completed"),
+        (EventKind::Closed, "closed"),
+        (EventKind::Finalizing, "finalizing"),
+    ] {
+        let ev = Event {
+            event: kind,
+            run: "r".into(),
+            key: None,
+            reason: None,
+            decision: None,
+            outcome: None,
+            at: 0,
+        };
+        assert!(text(&event_line(&ev)).starts_with(&format!("{{\"event\":\"{name}\",")));
+    }
+}
+
+#[test]
+fn server_lines_that_are_not_json_are_errors() {
+    assert!(parse_server_line(b"nope").is_err());
+    assert!(
+        parse_server_line(br#"{"id":1}"#).is_err(),
+        "a reply needs ok"
+    );
+}
