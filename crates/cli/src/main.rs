@@ -1,1 +1,516 @@
-fn main() {}
+//! The `estop` binary: flags and wiring only. Exit codes: 0 ok, 1 error, 2 usage, 3 refused,
+//! 4 not found (docs in README.md).
+
+use anyhow::{Context, Result, anyhow};
+use clap::{Args, Parser, Subcommand};
+use estop_protocol::ErrorCode;
+use estop_server::client::Client;
+use serde_json::{Value, json};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "estop", version, about = "estop: make \"stop\" mean stop for AI agents", long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Args, Clone)]
+struct Conn {
+    /// Data directory of the daemon (its socket and operator token live there).
+    #[arg(long, env = "ESTOP_DATA", default_value = "estop-data", global = true)]
+    data: PathBuf,
+    /// Socket path or host:port of the daemon (default: DATA/estop.sock).
+    #[arg(long, env = "ESTOP_SOCKET", global = true)]
+    socket: Option<String>,
+    /// Token to authenticate with (default: the contents of DATA/operator.token).
+    #[arg(long, env = "ESTOP_TOKEN", global = true, hide_env_values = true)]
+    token: Option<String>,
+    /// Print JSON for scripts instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the gate daemon on the embedded ledger.
+    Serve(ServeArgs),
+    /// Manage named tokens.
+    Token {
+        #[command(subcommand)]
+        command: TokenCmd,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// List runs.
+    Runs {
+        /// Only runs in this state (active, paused, finalizing, completed, failed, cancelled).
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long, default_value_t = 1000)]
+        limit: u32,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// List effects awaiting approval.
+    Pending {
+        #[arg(long)]
+        run: Option<String>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Approve a held effect (your token is the approver).
+    Approve(DecideArgs),
+    /// Reject a held effect (final; the same call is refused in this run from now on).
+    Reject(DecideArgs),
+    /// Cancel a run and its descendants (a fence: nothing new starts).
+    Cancel(StopArgs),
+    /// Cancel a run without compensation.
+    Kill(StopArgs),
+    /// Hold new admissions and starts of a run and its descendants.
+    Pause(RunArgs),
+    /// Let a paused run proceed.
+    Resume(RunArgs),
+    /// Close a run normally.
+    Close {
+        run: String,
+        /// Close it as failed.
+        #[arg(long)]
+        failed: bool,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Show one run.
+    Status(RunArgs),
+    /// The after-stop report of a run: done, refused, in flight, unknown, undoable.
+    Report(RunArgs),
+    /// Inspect the ledger files (works with or without a running daemon).
+    Ledger {
+        #[command(subcommand)]
+        command: LedgerCmd,
+    },
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Data directory (ledger, tokens, socket).
+    #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
+    data: PathBuf,
+    /// Also listen for protocol v1 on this TCP address (e.g. 127.0.0.1:7420).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Listen for the SoundGate-compatible protocol on this TCP address.
+    #[arg(long)]
+    soundgate_listen: Option<String>,
+    /// Policy file (TOML). Without one, every tool needs one approval.
+    #[arg(long)]
+    policy: Option<PathBuf>,
+    /// Allow every tool (benchmarks only; ignored with --policy).
+    #[arg(long)]
+    allow_all: bool,
+    /// Most simultaneous connections.
+    #[arg(long, default_value_t = 4096)]
+    connections_max: usize,
+    /// Longest request line in bytes.
+    #[arg(long, default_value_t = 64 * 1024)]
+    line_bytes_max: usize,
+    /// How long a stopped run keeps its per-effect state (e.g. 7d, 12h); its fence stays.
+    #[arg(long, default_value = "7d")]
+    retention: String,
+}
+
+#[derive(Subcommand)]
+enum TokenCmd {
+    /// Create a named token; prints its secret once.
+    Create {
+        name: String,
+        #[arg(long)]
+        role: String,
+        /// Approver group this principal belongs to (repeatable).
+        #[arg(long = "group")]
+        groups: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum LedgerCmd {
+    /// Check every segment and snapshot; exit 0 if a daemon would start on it.
+    Verify {
+        #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
+        data: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the records (optionally of one run).
+    Show {
+        #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
+        data: PathBuf,
+        #[arg(long)]
+        run: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args)]
+struct DecideArgs {
+    run: String,
+    key: String,
+    #[arg(long)]
+    reason: Option<String>,
+    #[command(flatten)]
+    conn: Conn,
+}
+
+#[derive(Args)]
+struct StopArgs {
+    run: String,
+    #[arg(long)]
+    reason: Option<String>,
+    #[command(flatten)]
+    conn: Conn,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    run: String,
+    #[command(flatten)]
+    conn: Conn,
+}
+
+/// An error with the exit code it maps to.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => ExitCode::from(code),
+        Err(f) => {
+            eprintln!("estop: {}", f.message);
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+fn fail(e: anyhow::Error) -> Failure {
+    Failure { code: 1, message: format!("{e:#}") }
+}
+
+fn run(cli: Cli) -> Result<u8, Failure> {
+    match cli.command {
+        Cmd::Serve(a) => serve(a).map_err(fail),
+        Cmd::Ledger { command } => ledger(command).map_err(fail),
+        Cmd::Token { command: TokenCmd::Create { name, role, groups }, conn } => {
+            let v = request(&conn, json!({"op": "token", "name": name, "role": role, "groups": groups}))?;
+            if conn.json {
+                println!("{v}");
+            } else {
+                println!("{}", v["token"].as_str().unwrap_or(""));
+                eprintln!("created {} token {:?}; the secret above is shown only once", v["role"].as_str().unwrap_or(""), name);
+            }
+            Ok(0)
+        }
+        Cmd::Runs { state, limit, conn } => {
+            let mut req = json!({"op": "runs", "limit": limit});
+            if let Some(s) = state {
+                req["state"] = json!(s);
+            }
+            let v = request(&conn, req)?;
+            print_or(&conn, &v, || {
+                let rows: Vec<Vec<String>> = v["runs"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|r| {
+                        let e = &r["effects"];
+                        vec![
+                            s(&r["run"]),
+                            s(&r["state"]),
+                            s(&r["owner"]),
+                            r["parent"].as_str().unwrap_or("-").into(),
+                            format!("{}/{}/{}/{}", e["completed"], e["started"], e["held"], e["refused"]),
+                            r["cause"].as_str().unwrap_or("-").into(),
+                        ]
+                    })
+                    .collect();
+                table(&["RUN", "STATE", "OWNER", "PARENT", "DONE/FLYING/HELD/REFUSED", "CAUSE"], &rows);
+            });
+            Ok(0)
+        }
+        Cmd::Pending { run, conn } => {
+            let mut req = json!({"op": "pending"});
+            if let Some(r) = run {
+                req["run"] = json!(r);
+            }
+            let v = request(&conn, req)?;
+            print_or(&conn, &v, || {
+                let now = now_ms();
+                let rows: Vec<Vec<String>> = v["pending"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|p| {
+                        let left = p["expires_at"].as_u64().unwrap_or(0).saturating_sub(now) / 1000;
+                        let approvals = p["approvals"].as_array().map_or(0, Vec::len);
+                        vec![
+                            s(&p["run"]),
+                            s(&p["key"]),
+                            s(&p["tool"]),
+                            p.get("args").map_or("(digest only)".into(), |a| truncate(&a.to_string(), 60)),
+                            format!("{approvals}/{}", p["quorum"]),
+                            format!("{left}s"),
+                            s(&p["digest"])[..12.min(s(&p["digest"]).len())].to_string(),
+                        ]
+                    })
+                    .collect();
+                table(&["RUN", "KEY", "TOOL", "ARGS", "QUORUM", "EXPIRES IN", "DIGEST"], &rows);
+            });
+            Ok(0)
+        }
+        Cmd::Approve(a) => decide(a, "approve"),
+        Cmd::Reject(a) => decide(a, "reject"),
+        Cmd::Cancel(a) => stop(&a.conn, json!({"op": "cancel", "run": a.run, "reason": a.reason})),
+        Cmd::Kill(a) => stop(&a.conn, json!({"op": "kill", "run": a.run, "reason": a.reason})),
+        Cmd::Pause(a) => stop(&a.conn, json!({"op": "pause", "run": a.run})),
+        Cmd::Resume(a) => stop(&a.conn, json!({"op": "resume", "run": a.run})),
+        Cmd::Close { run, failed, conn } => {
+            stop(&conn, json!({"op": "close", "run": run, "outcome": if failed { "failed" } else { "completed" }}))
+        }
+        Cmd::Status(a) => {
+            let v = request(&a.conn, json!({"op": "status", "run": a.run}))?;
+            print_or(&a.conn, &v, || {
+                for k in ["run", "state", "owner", "parent", "cause", "epoch", "created_at", "deadline_at", "max_effects"] {
+                    if let Some(x) = v.get(k) {
+                        println!("{k:<12} {}", x.as_str().map_or_else(|| x.to_string(), str::to_string));
+                    }
+                }
+                println!("{:<12} {}", "effects", v["effects"]);
+            });
+            Ok(0)
+        }
+        Cmd::Report(a) => {
+            let v = request(&a.conn, json!({"op": "report", "run": a.run}))?;
+            print_or(&a.conn, &v, || {
+                println!("run {}  state {}  cause {}", s(&v["run"]), s(&v["state"]), v["cause"].as_str().unwrap_or("-"));
+                for section in ["done", "failed", "refused", "in_flight", "unknown", "held", "compensable", "irreversible", "undeclared"] {
+                    let items = v[section].as_array().cloned().unwrap_or_default();
+                    println!("\n{section} ({})", items.len());
+                    for i in items {
+                        let mut line = format!("  {:<24} {:<20} {}", s(&i["key"]), s(&i["tool"]), s(&i["status"]));
+                        if let Some(r) = i["reason"].as_str() {
+                            line.push_str(&format!(" ({r})"));
+                        }
+                        if i["late"].as_bool() == Some(true) {
+                            line.push_str(" [late]");
+                        }
+                        if let Some(c) = i["compensate"].as_str() {
+                            line.push_str(&format!(" undo: {c}"));
+                        }
+                        println!("{line}");
+                    }
+                }
+            });
+            Ok(0)
+        }
+    }
+}
+
+fn s(v: &Value) -> String {
+    v.as_str().map_or_else(|| v.to_string(), str::to_string)
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n { s.to_string() } else { format!("{}…", s.chars().take(n).collect::<String>()) }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+fn table(header: &[&str], rows: &[Vec<String>]) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let out: Vec<String> = cells.iter().enumerate().map(|(i, c)| format!("{c:<w$}", w = widths[i])).collect();
+        println!("{}", out.join("  ").trim_end());
+    };
+    line(header.iter().map(|h| (*h).to_string()).collect());
+    for r in rows {
+        line(r.clone());
+    }
+    if rows.is_empty() {
+        println!("(none)");
+    }
+}
+
+fn print_or(conn: &Conn, v: &Value, human: impl FnOnce()) {
+    if conn.json {
+        println!("{v}");
+    } else {
+        human();
+    }
+}
+
+fn target(conn: &Conn) -> String {
+    conn.socket.clone().unwrap_or_else(|| conn.data.join("estop.sock").display().to_string())
+}
+
+fn token(conn: &Conn) -> Result<String, Failure> {
+    if let Some(t) = &conn.token {
+        return Ok(t.clone());
+    }
+    let path = conn.data.join("operator.token");
+    std::fs::read_to_string(&path).map(|t| t.trim().to_string()).map_err(|e| Failure {
+        code: 1,
+        message: format!("cannot read the operator token {}: {e} (pass --data DIR or --token, or set ESTOP_TOKEN)", path.display()),
+    })
+}
+
+/// Sends one request as the operator; maps error replies to exit codes.
+fn request(conn: &Conn, req: Value) -> Result<Value, Failure> {
+    let token = token(conn)?;
+    let mut client = Client::connect_as(&target(conn), &token).map_err(|e| Failure { code: 1, message: e.to_string() })?;
+    let reply = client.call(req).map_err(|e| Failure { code: 1, message: e.to_string() })?;
+    if reply.ok {
+        return Ok(reply.raw);
+    }
+    let e = reply.error.unwrap_or(estop_protocol::WireError { code: "internal".into(), message: "no error detail".into() });
+    let code = match e.kind() {
+        Some(ErrorCode::NotFound) => 4,
+        Some(ErrorCode::NotPending | ErrorCode::Conflict | ErrorCode::Forbidden | ErrorCode::BadToken) => 3,
+        Some(ErrorCode::Unauthenticated) => 1,
+        _ => 1,
+    };
+    if conn.json {
+        println!("{}", reply.raw);
+    }
+    Err(Failure { code, message: format!("{}: {}", e.code, e.message) })
+}
+
+fn decide(a: DecideArgs, decision: &str) -> Result<u8, Failure> {
+    let v = request(&a.conn, json!({"op": "decide", "run": a.run, "key": a.key, "decision": decision, "reason": a.reason}))?;
+    print_or(&a.conn, &v, || {
+        let approvals = v["approvals"].as_array().map(|a| a.iter().map(s).collect::<Vec<_>>().join(", ")).unwrap_or_default();
+        match s(&v["status"]).as_str() {
+            "held" => println!("recorded; {}/{} approvals so far ({approvals})", v["approvals"].as_array().map_or(0, Vec::len), v["quorum"]),
+            st => println!("{st} ({} {}; approvers: {approvals})", a.run, a.key),
+        }
+    });
+    Ok(0)
+}
+
+fn stop(conn: &Conn, req: Value) -> Result<u8, Failure> {
+    let v = request(conn, req)?;
+    print_or(conn, &v, || {
+        let runs = v["runs"].as_array().map(|a| a.iter().map(s).collect::<Vec<_>>().join(", ")).unwrap_or_default();
+        if runs.is_empty() {
+            println!("run is {} (nothing changed)", s(&v["state"]));
+        } else {
+            println!("run is {}; changed: {runs}", s(&v["state"]));
+        }
+    });
+    Ok(0)
+}
+
+fn serve(a: ServeArgs) -> Result<u8> {
+    let mut opts = estop_server::ServeOptions::new(a.data);
+    opts.listen = a.listen;
+    opts.soundgate_listen = a.soundgate_listen;
+    opts.soundgate_secret = std::env::var("ESTOP_SOUNDGATE_SECRET").ok().filter(|s| !s.is_empty());
+    opts.policy = a.policy;
+    opts.allow_all = a.allow_all;
+    opts.connections_max = a.connections_max;
+    opts.conn.line_bytes_max = a.line_bytes_max;
+    opts.core.retention_ms = estop_policy::parse_duration_ms(&a.retention).map_err(|e| anyhow!("--retention {}: {e}", a.retention))?;
+    estop_server::run(opts, |ready| {
+        println!("{}", ready.line());
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+    })
+    .map_err(|e| anyhow!("{e}"))
+    .context("estop serve could not start")?;
+    Ok(0)
+}
+
+fn ledger(cmd: LedgerCmd) -> Result<u8> {
+    let (data, json_out) = match &cmd {
+        LedgerCmd::Verify { data, json } | LedgerCmd::Show { data, json, .. } => (data.clone(), *json),
+    };
+    let dir = data.join("ledger");
+    if !dir.is_dir() {
+        return Err(anyhow!("no ledger at {} (pass --data DIR)", dir.display()));
+    }
+    let storage = estop_ledger::FileStorage::open_read_only(&dir)?;
+    match cmd {
+        LedgerCmd::Verify { .. } => {
+            let r = estop_ledger::verify(&storage);
+            let out = json!({
+                "ok": r.is_ok(),
+                "segments": r.segments.len(),
+                "records": r.records,
+                "first_seq": r.first_seq,
+                "last_seq": r.last_seq,
+                "snapshot_seq": r.snapshot.as_ref().map(|s| s.seq),
+                "torn_tail": r.torn_tail.as_ref().map(|t| json!({"segment": t.segment, "offset": t.offset, "bytes": t.bytes_dropped})),
+                "error": r.error.as_ref().map(ToString::to_string),
+            });
+            if json_out {
+                println!("{out}");
+            } else {
+                println!("segments {}  records {}  seq {}..{}", r.segments.len(), r.records, r.first_seq.unwrap_or(0), r.last_seq);
+                if let Some(s) = &r.snapshot {
+                    println!("snapshot at seq {}", s.seq);
+                }
+                if let Some(t) = &r.torn_tail {
+                    println!("torn tail: {} bytes at {} offset {} (a restart truncates it)", t.bytes_dropped, t.segment, t.offset);
+                }
+                match &r.error {
+                    None => println!("ok"),
+                    Some(e) => println!("CORRUPT: {e}"),
+                }
+            }
+            Ok(if r.is_ok() { 0 } else { 1 })
+        }
+        LedgerCmd::Show { run, .. } => {
+            let mut bad = None;
+            let report = estop_ledger::inspect(&storage, |rv| match estop_kernel::codec::decode_record(rv.payload) {
+                Ok(rec) => {
+                    if run.as_deref().is_some_and(|r| rec.command.run().map(|x| x.as_str()) != Some(r)) {
+                        return;
+                    }
+                    let e = estop_server::describe::entry(rv.seq, &rec);
+                    if json_out {
+                        println!("{}", serde_json::to_string(&e).unwrap_or_default());
+                    } else {
+                        let fields: Vec<String> = e.fields.iter().map(|(k, v)| format!("{k}={}", s(v))).collect();
+                        println!(
+                            "{:>8} {} {:<8} {} {} {}",
+                            e.seq,
+                            e.at,
+                            e.kind,
+                            e.run.as_deref().unwrap_or("-"),
+                            e.key.as_deref().unwrap_or("-"),
+                            fields.join(" ")
+                        );
+                    }
+                }
+                Err(err) => bad = Some(format!("seq {} in {} at offset {}: {err}", rv.seq, rv.segment, rv.offset)),
+            });
+            if let Some(b) = bad {
+                return Err(anyhow!("undecodable record: {b}"));
+            }
+            if let Some(e) = report.error {
+                return Err(anyhow!("{e}"));
+            }
+            Ok(0)
+        }
+    }
+}

@@ -1,1 +1,17 @@
-//! estop server (placeholder until its issue lands).
+//! estop server: the imperative shell around the pure kernel. A single core thread owns the
+//! state (no lock on the hot path); connections parse, authenticate and evaluate policy in
+//! parallel; the ledger's sync thread group-commits; replies leave only once durable.
+
+pub mod client;
+pub mod conn;
+pub mod core;
+pub mod describe;
+pub mod durable;
+pub mod journal;
+pub mod log;
+pub mod render;
+pub mod serve;
+pub mod soundgate;
+pub mod tokens;
+
+pub use serve::{Ready, ServeError, ServeOptions, run};

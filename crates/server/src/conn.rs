@@ -1,0 +1,338 @@
+//! One client connection speaking protocol v1: a reader that parses, authenticates and turns
+//! requests into core messages (policy and digest work happens here, in parallel, not in the
+//! core), and a writer that renders replies once what they depend on is durable.
+
+use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
+use crate::durable::{self, After, DurableState, Durability};
+use crate::tokens::Tokens;
+use estop_kernel::vocab::PolicyAction;
+use estop_kernel::{Admit as KAdmit, Command, Principal, RunLimits, Token};
+use estop_ledger::{FileStorage, inspect};
+use estop_policy::{EvalError, Policy};
+use estop_protocol::reply::{self as wire, error_line, ok_line, pong_line};
+use estop_protocol::{ErrorCode, Id, Line, LineReader, Op, Request, parse_request};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{Semaphore, mpsc as tmpsc, watch};
+
+/// Bounds of the daemon's listeners.
+#[derive(Debug, Clone)]
+pub struct ConnOptions {
+    pub line_bytes_max: usize,
+    /// Requests one connection may have in flight (pipelining depth, waits included).
+    pub outstanding_per_connection_max: usize,
+    /// Longest `wait` a client may ask for.
+    pub wait_ms_max: u64,
+    /// Most runs one `runs` reply lists.
+    pub runs_reply_max: usize,
+    /// Most entries one `ledger` reply lists.
+    pub ledger_reply_max: usize,
+}
+
+impl Default for ConnOptions {
+    fn default() -> Self {
+        ConnOptions {
+            line_bytes_max: estop_protocol::limits::LINE_BYTES_MAX_DEFAULT,
+            outstanding_per_connection_max: 1024,
+            wait_ms_max: 15 * 60 * 1000,
+            runs_reply_max: 10_000,
+            ledger_reply_max: 10_000,
+        }
+    }
+}
+
+/// What every connection shares.
+#[derive(Debug)]
+pub struct Shared {
+    pub core_tx: mpsc::Sender<CoreMsg>,
+    pub tokens: Arc<Tokens>,
+    pub policy: Arc<Policy>,
+    pub durable_rx: watch::Receiver<DurableState>,
+    pub opts: ConnOptions,
+    pub ledger_dir: PathBuf,
+    pub next_conn: AtomicU64,
+}
+
+pub fn wall_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+fn err(code: ErrorCode, msg: impl Into<String>) -> Answer {
+    Answer::Error(code, msg.into())
+}
+
+/// Renders an answer in protocol v1.
+pub fn render(id: &Id, answer: &Answer) -> Vec<u8> {
+    match answer {
+        Answer::Verdict(v) => ok_line(id, v),
+        Answer::Ack(a) => ok_line(id, a),
+        Answer::Decided(d) => ok_line(id, d),
+        Answer::Run(r) => ok_line(id, r),
+        Answer::Runs(r) => ok_line(id, r),
+        Answer::Pending(p) => ok_line(id, p),
+        Answer::Report(r) => ok_line(id, r),
+        Answer::Ledger(l) => ok_line(id, l),
+        Answer::Hello(h) => ok_line(id, h),
+        Answer::TokenCreated(t) => ok_line(id, t),
+        Answer::Pong => pong_line(id),
+        Answer::Error(code, msg) => error_line(id, *code, msg),
+    }
+}
+
+/// Serves one connection until the client closes it.
+pub async fn serve<S>(stream: S, shared: Arc<Shared>)
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let (rd, wr) = tokio::io::split(stream);
+    let (out_tx, out_rx) = tmpsc::unbounded_channel::<Out>();
+    let permits = Arc::new(Semaphore::new(shared.opts.outstanding_per_connection_max));
+    let writer = tokio::spawn(write_loop(wr, out_rx, shared.durable_rx.clone(), Arc::clone(&permits), render));
+    let mut reader = LineReader::new(rd, shared.opts.line_bytes_max);
+    let mut principal: Option<Principal> = None;
+    loop {
+        let line = match reader.next_line().await {
+            Ok(Some(l)) => l,
+            Ok(None) | Err(_) => break,
+        };
+        // Bounded pipelining: a permit per request, returned when its reply is written.
+        match permits.acquire().await {
+            Ok(p) => p.forget(),
+            Err(_) => break,
+        }
+        let (id, answer) = match line {
+            Line::TooLong { bytes } => (
+                Id::default(),
+                Some(err(
+                    ErrorCode::LineTooLong,
+                    format!("line of {bytes} bytes is longer than line_bytes_max = {}; it was discarded", shared.opts.line_bytes_max),
+                )),
+            ),
+            Line::Text(bytes) => match parse_request(bytes) {
+                Err(e) => (e.id.clone(), Some(err(e.code(), e.to_string()))),
+                Ok(req) => {
+                    let id = req.id.clone();
+                    (id, dispatch(req, &mut principal, conn, &out_tx, &shared).await)
+                }
+            },
+        };
+        if let Some(answer) = answer {
+            let _ = out_tx.send(Out::Answer { id, answer, after: After::default() });
+        }
+    }
+    let _ = shared.core_tx.send(CoreMsg::Disconnect { conn });
+    drop(out_tx);
+    let _ = writer.await;
+}
+
+fn to_core(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
+    match shared.core_tx.send(msg) {
+        Ok(()) => None,
+        Err(_) => Some(err(ErrorCode::Unavailable, "the gate is shutting down")),
+    }
+}
+
+/// Handles one request. `Some(answer)` is answered at once; `None` means the core answers.
+async fn dispatch(req: Request, principal: &mut Option<Principal>, conn: u64, out: &tmpsc::UnboundedSender<Out>, shared: &Arc<Shared>) -> Option<Answer> {
+    let verb = req.op.verb();
+    if let Op::Hello { token } = &req.op {
+        return Some(match shared.tokens.authenticate(token.expose()) {
+            Some(p) => {
+                let hello = wire::HelloReply { role: p.role.as_str().into(), principal: p.name.to_string(), protocol: 1 };
+                *principal = Some(p);
+                Answer::Hello(hello)
+            }
+            None => err(ErrorCode::Unauthenticated, "unknown token: use the contents of DATA/agent.token or DATA/operator.token, or one made by `estop token create`"),
+        });
+    }
+    if let Op::Ping = req.op {
+        return Some(Answer::Pong);
+    }
+    let Some(p) = principal.clone() else {
+        return Some(err(ErrorCode::Unauthenticated, "send hello {token} first"));
+    };
+    if verb.is_operator_only() && p.role != estop_kernel::Role::Operator {
+        return Some(err(ErrorCode::Forbidden, format!("{} needs an operator token; {} is an agent", verb.as_str(), p.name)));
+    }
+    let to = ReplyTo { out: out.clone(), id: req.id.clone() };
+    let apply = |cmd: Command| to_core(shared, CoreMsg::Apply { principal: p.clone(), cmd, to: ReplyTo { out: out.clone(), id: req.id.clone() } });
+    match req.op {
+        Op::Hello { .. } | Op::Ping => unreachable!("handled above"),
+        Op::Admit(a) => match admit_command(&shared.policy, &p, a) {
+            Ok(cmd) => apply(cmd),
+            Err(answer) => Some(answer),
+        },
+        Op::Start { run, key, token } => match Token::parse(&token) {
+            Some(token) => apply(Command::Start { run, key, token }),
+            None => Some(err(ErrorCode::BadToken, "token is not one the gate issued (expected <epoch>.<serial>)")),
+        },
+        Op::Complete(c) => match Token::parse(&c.token) {
+            Some(token) => apply(Command::Complete {
+                run: c.run,
+                key: c.key,
+                token,
+                outcome: c.outcome,
+                result: c.result.map(|v| v.to_string().into_boxed_str()),
+                error: c.error.map(String::into_boxed_str),
+            }),
+            None => Some(err(ErrorCode::BadToken, "token is not one the gate issued (expected <epoch>.<serial>)")),
+        },
+        Op::Wait { run, key, timeout_ms } => {
+            if timeout_ms > shared.opts.wait_ms_max {
+                return Some(err(ErrorCode::LimitExceeded, format!("timeout_ms {timeout_ms} is above wait_ms_max = {}; wait again after it returns", shared.opts.wait_ms_max)));
+            }
+            to_core(shared, CoreMsg::Wait { principal: p, run, key, timeout: Duration::from_millis(timeout_ms), to })
+        }
+        Op::Subscribe { run } => to_core(shared, CoreMsg::Subscribe { principal: p, run, conn, out: out.clone(), to }),
+        Op::Unsubscribe { run } => {
+            let _ = shared.core_tx.send(CoreMsg::Unsubscribe { run, conn });
+            Some(Answer::Ack(wire::Ack::default()))
+        }
+        Op::Status { run } => to_core(shared, CoreMsg::Query { principal: p, query: Query::Status { run }, to }),
+        Op::Report { run } => to_core(shared, CoreMsg::Query { principal: p, query: Query::Report { run }, to }),
+        Op::Runs { state, limit } => {
+            let limit = limit.map_or(1000, |l| l as usize).min(shared.opts.runs_reply_max);
+            to_core(shared, CoreMsg::Query { principal: p, query: Query::Runs { state, limit }, to })
+        }
+        Op::Pending { run } => to_core(shared, CoreMsg::Query { principal: p, query: Query::Pending { run }, to }),
+        Op::Cancel { run, reason, cascade } => {
+            if !cascade {
+                return Some(err(ErrorCode::InvalidField, "cascade=false is not supported: a cancel always fences the run's descendants (G4)"));
+            }
+            apply(Command::Cancel { run, reason: reason.map(String::into_boxed_str), kill: false })
+        }
+        Op::Kill { run, reason } => apply(Command::Cancel { run, reason: reason.map(String::into_boxed_str), kill: true }),
+        Op::Decide { run, key, decision, reason } => apply(Command::Decide { run, key, decision, reason: reason.map(String::into_boxed_str) }),
+        Op::Pause { run } => apply(Command::Pause { run }),
+        Op::Resume { run } => apply(Command::Resume { run }),
+        Op::Close { run, outcome } => apply(Command::Close { run, failed: outcome == estop_protocol::CloseOutcome::Failed }),
+        Op::Token { name, role, groups } => {
+            let tokens = Arc::clone(&shared.tokens);
+            let res = tokio::task::spawn_blocking(move || tokens.create(name.as_str(), role, &groups).map(|s| (name, role, groups, s))).await;
+            Some(match res {
+                Ok(Ok((name, role, groups, secret))) => {
+                    crate::log::info(&format!("token created: {name} ({})", role.as_str()));
+                    Answer::TokenCreated(wire::TokenCreated { name: name.to_string(), role: role.as_str().into(), token: estop_protocol::Secret::new(secret), groups })
+                }
+                Ok(Err(e @ crate::tokens::TokenError::Exists(_))) => err(ErrorCode::Conflict, e.to_string()),
+                Ok(Err(e @ (crate::tokens::TokenError::Reserved(_) | crate::tokens::TokenError::Invalid(_)))) => err(ErrorCode::InvalidField, e.to_string()),
+                Ok(Err(e @ crate::tokens::TokenError::Full)) => err(ErrorCode::LimitExceeded, e.to_string()),
+                Ok(Err(e)) => err(ErrorCode::Unavailable, e.to_string()),
+                Err(e) => err(ErrorCode::Internal, e.to_string()),
+            })
+        }
+        Op::Ledger { run, limit, after } => {
+            let dir = shared.ledger_dir.clone();
+            let durable = shared.durable_rx.borrow().seq;
+            let limit = limit.map_or(1000, |l| l as usize).min(shared.opts.ledger_reply_max);
+            let res = tokio::task::spawn_blocking(move || ledger_entries(&dir, run.as_ref(), after.unwrap_or(0), durable, limit)).await;
+            Some(match res {
+                Ok(Ok(reply)) => Answer::Ledger(reply),
+                Ok(Err(e)) => err(ErrorCode::Unavailable, e),
+                Err(e) => err(ErrorCode::Internal, e.to_string()),
+            })
+        }
+    }
+}
+
+/// Evaluates policy for an admit and builds the kernel command (policy decided here, recorded
+/// with the admission, so replay never consults the policy file again).
+pub fn admit_command(policy: &Policy, p: &Principal, a: estop_protocol::Admit) -> Result<Command, Answer> {
+    let mut verdict = match policy.evaluate(&a.tool, a.args.as_ref(), p.name.as_str()) {
+        Ok(v) => v,
+        Err(e @ EvalError::ArgsRequired { .. }) => return Err(err(ErrorCode::ArgsRequired, e.to_string())),
+        Err(e) => {
+            // A condition that cannot be evaluated fails closed: refused, nothing recorded.
+            return Err(Answer::Verdict(wire::Verdict::Refused { reason: "denied".into(), message: Some(e.to_string()), rule: Some(e.rule().to_string()) }));
+        }
+    };
+    verdict.strengthen(a.needs_approval);
+    let now = wall_ms();
+    let mut limits: RunLimits = policy.run_limits(now);
+    let min = |x: Option<u64>, y: Option<u64>| match (x, y) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    limits.deadline_at = min(limits.deadline_at, min(a.limits.deadline_ms, a.limits.timeout_ms.map(|t| now.saturating_add(t))));
+    limits.max_effects = min(limits.max_effects, a.limits.max_effects);
+    let args = if verdict.action == PolicyAction::Approve { a.args.as_ref().map(|v| v.to_string().into_boxed_str()) } else { None };
+    Ok(Command::Admit(KAdmit {
+        run: a.run,
+        key: a.key,
+        tool: a.tool,
+        digest: a.digest,
+        args,
+        start: a.start,
+        parent: a.parent,
+        labels: a.labels.into_iter().map(|(k, v)| (k.into_boxed_str(), v.into_boxed_str())).collect(),
+        limits,
+        policy: verdict.into(),
+    }))
+}
+
+/// Reads the ledger on disk (durable records only) for the `ledger` verb.
+pub fn ledger_entries(dir: &std::path::Path, run: Option<&estop_kernel::RunId>, after: u64, durable: u64, limit: usize) -> Result<wire::LedgerReply, String> {
+    let storage = FileStorage::open_read_only(dir).map_err(|e| e.to_string())?;
+    let mut entries = Vec::new();
+    let mut next_after = None;
+    let report = inspect(&storage, |rv| {
+        if rv.seq <= after || rv.seq > durable || next_after.is_some() {
+            return;
+        }
+        let Ok(rec) = estop_kernel::codec::decode_record(rv.payload) else { return };
+        if run.is_some_and(|r| rec.command.run() != Some(r)) {
+            return;
+        }
+        if entries.len() >= limit {
+            next_after = Some(entries.last().map_or(after, |e: &wire::LedgerEntry| e.seq));
+            return;
+        }
+        entries.push(crate::describe::entry(rv.seq, &rec));
+    });
+    if let Some(e) = report.error {
+        return Err(format!("the ledger cannot be read: {e}"));
+    }
+    Ok(wire::LedgerReply { entries, next_after })
+}
+
+/// Writes a connection's replies and events in order, each once what it depends on is durable.
+pub async fn write_loop<W: AsyncWrite + Unpin>(
+    mut wr: W,
+    mut rx: tmpsc::UnboundedReceiver<Out>,
+    mut durable_rx: watch::Receiver<DurableState>,
+    permits: Arc<Semaphore>,
+    render: fn(&Id, &Answer) -> Vec<u8>,
+) {
+    let mut buf = Vec::with_capacity(4096);
+    while let Some(out) = rx.recv().await {
+        match out {
+            Out::Answer { id, answer, after } => {
+                let line = match durable::wait(&mut durable_rx, after).await {
+                    Durability::Durable => render(&id, &answer),
+                    Durability::Lost => render(&id, &err(ErrorCode::Unavailable, "the change could not be made durable (ledger failure); it was not applied — retry")),
+                };
+                buf.extend_from_slice(&line);
+                permits.add_permits(1);
+            }
+            Out::Event { event, after } => {
+                if durable::wait(&mut durable_rx, after).await == Durability::Durable {
+                    buf.extend_from_slice(&wire::event_line(&event));
+                }
+            }
+        }
+        // Write when nothing else is ready: one syscall for a burst of replies.
+        if rx.is_empty() || buf.len() >= 64 * 1024 {
+            if wr.write_all(&buf).await.is_err() || wr.flush().await.is_err() {
+                return;
+            }
+            buf.clear();
+        }
+    }
+    let _ = wr.write_all(&buf).await;
+    let _ = wr.flush().await;
+    let _ = wr.shutdown().await;
+}

@@ -1,0 +1,765 @@
+//! The core: one thread that owns the gate's state and applies every command in order, appends
+//! each state change to the ledger (group-committed by the ledger's sync thread), and hands each
+//! reply to its connection tagged with the ledger position it depends on. No lock guards the
+//! state: it has exactly one owner. Waiters, subscriptions and timers live here too.
+
+use crate::durable::{After, DurableState};
+use crate::journal::{Journal, JournalError, Opened};
+use estop_ledger::LedgerError;
+use crate::render;
+use estop_kernel::codec::encode_record;
+use estop_kernel::reply::{DecideStatus, EventKind};
+use estop_kernel::{Command, EffectKey, Gate, KernelError, Principal, PrincipalName, Record, Reply, Role, RunId, Verdict};
+use estop_kernel::vocab::RunState;
+use estop_protocol::ErrorCode;
+use estop_protocol::Id;
+use estop_protocol::reply as wire;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::watch;
+
+/// A connection's outgoing queue. Unbounded in type, bounded in use: each connection may have at
+/// most `outstanding_per_connection_max` requests in flight.
+pub type Outbox = tokio::sync::mpsc::UnboundedSender<Out>;
+
+/// Something to write to a client once `after` is durable.
+#[derive(Debug)]
+pub enum Out {
+    Answer { id: Id, answer: Answer, after: After },
+    Event { event: wire::Event, after: After },
+}
+
+/// A reply payload, rendered by the connection in its own protocol.
+#[derive(Debug, Clone)]
+pub enum Answer {
+    Verdict(wire::Verdict),
+    Ack(wire::Ack),
+    Decided(wire::DecideReply),
+    Run(wire::RunView),
+    Runs(wire::RunsReply),
+    Pending(wire::PendingReply),
+    Report(wire::Report),
+    Ledger(wire::LedgerReply),
+    Hello(wire::HelloReply),
+    TokenCreated(wire::TokenCreated),
+    Pong,
+    Error(ErrorCode, String),
+}
+
+/// Where a reply goes.
+#[derive(Debug)]
+pub struct ReplyTo {
+    pub out: Outbox,
+    pub id: Id,
+}
+
+#[derive(Debug)]
+pub enum Query {
+    Status { run: RunId },
+    Runs { state: Option<RunState>, limit: usize },
+    Pending { run: Option<RunId> },
+    Report { run: RunId },
+}
+
+#[derive(Debug)]
+pub enum CoreMsg {
+    Apply { principal: Principal, cmd: Command, to: ReplyTo },
+    Wait { principal: Principal, run: RunId, key: EffectKey, timeout: Duration, to: ReplyTo },
+    Subscribe { principal: Principal, run: RunId, conn: u64, out: Outbox, to: ReplyTo },
+    Unsubscribe { run: RunId, conn: u64 },
+    Disconnect { conn: u64 },
+    Query { principal: Principal, query: Query, to: ReplyTo },
+    /// A SoundGate `decide`: the decision and, once approved, the release in one step.
+    SgDecide { run: RunId, key: EffectKey, approved: bool, to: ReplyTo },
+    /// The ledger's sync thread reported a failure.
+    LedgerFailed,
+    /// Finish what is in flight, make it durable, and stop.
+    Shutdown { done: mpsc::Sender<()> },
+}
+
+/// Bounds the core enforces.
+#[derive(Debug, Clone)]
+pub struct CoreOptions {
+    pub subscriptions_per_run_max: usize,
+    pub waiters_max: usize,
+    /// Terminal runs keep per-effect state this long before compaction.
+    pub retention_ms: u64,
+    /// Take a snapshot after this many records (bounds recovery time).
+    pub snapshot_every_records: u64,
+}
+
+impl Default for CoreOptions {
+    fn default() -> Self {
+        CoreOptions {
+            subscriptions_per_run_max: 64,
+            waiters_max: 100_000,
+            retention_ms: 7 * 24 * 3600 * 1000,
+            snapshot_every_records: 1_000_000,
+        }
+    }
+}
+
+struct Waiter {
+    principal: Principal,
+    key: EffectKey,
+    deadline: Instant,
+    to: ReplyTo,
+}
+
+pub(crate) fn system_principal() -> Principal {
+    Principal { name: PrincipalName::new("estop").expect("valid name"), role: Role::Operator, groups: Vec::new() }
+}
+
+fn wall_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+pub fn kernel_error(e: &KernelError) -> (ErrorCode, String) {
+    let code = match e {
+        KernelError::RunNotFound(_) | KernelError::EffectNotFound(..) => ErrorCode::NotFound,
+        KernelError::NotAwaitingApproval { .. } => ErrorCode::NotPending,
+        KernelError::BadToken { .. } => ErrorCode::BadToken,
+        KernelError::Limit { .. } => ErrorCode::LimitExceeded,
+        KernelError::Forbidden => ErrorCode::Forbidden,
+        KernelError::DuplicateApprover { .. }
+        | KernelError::NotStarted { .. }
+        | KernelError::AlreadyCompleted { .. }
+        | KernelError::ParentMismatch { .. }
+        | KernelError::InvalidState { .. } => ErrorCode::Conflict,
+        KernelError::IllegalTransition { .. } => ErrorCode::Internal,
+    };
+    (code, e.to_string())
+}
+
+/// The core's state. Runs on its own thread (`run`).
+pub struct Core {
+    gate: Gate,
+    journal: Option<Journal>,
+    open: OpenFn,
+    self_tx: mpsc::Sender<CoreMsg>,
+    durable_tx: Arc<watch::Sender<DurableState>>,
+    generation: u64,
+    last_seq: u64,
+    records_since_snapshot: u64,
+    now: u64,
+    waiters: HashMap<RunId, Vec<Waiter>>,
+    waiter_count: usize,
+    subscribers: HashMap<RunId, Vec<(u64, Outbox)>>,
+    timers: BTreeSet<(u64, RunId)>,
+    timer_of: HashMap<RunId, u64>,
+    next_compaction: u64,
+    opts: CoreOptions,
+    buf: Vec<u8>,
+}
+
+impl Core {
+    /// `open(discard_after)` opens (or, after a failure, reopens) the ledger and rebuilds the
+    /// gate; `self_tx` is the core's own queue (the ledger reports failures through it).
+    pub fn new(
+        opts: CoreOptions,
+        durable_tx: Arc<watch::Sender<DurableState>>,
+        mut open: OpenFn,
+        self_tx: mpsc::Sender<CoreMsg>,
+    ) -> Result<Core, JournalError> {
+        let opened = open(None)?;
+        let last_seq = opened.report.last_seq;
+        durable_tx.send_modify(|s| {
+            s.generation = 0;
+            s.seq = last_seq;
+            s.failed = false;
+        });
+        let journal = Journal::start(opened.ledger, notifier(&durable_tx, 0, &self_tx))?;
+        let mut core = Core {
+            gate: opened.gate,
+            journal: Some(journal),
+            open,
+            self_tx,
+            durable_tx,
+            generation: 0,
+            last_seq,
+            records_since_snapshot: 0,
+            now: 0,
+            waiters: HashMap::new(),
+            waiter_count: 0,
+            subscribers: HashMap::new(),
+            timers: BTreeSet::new(),
+            timer_of: HashMap::new(),
+            next_compaction: 0,
+            opts,
+            buf: Vec::with_capacity(1024),
+        };
+        core.rearm_all_timers();
+        Ok(core)
+    }
+
+    pub fn gate(&self) -> &Gate {
+        &self.gate
+    }
+
+    fn after(&self) -> After {
+        After { generation: self.generation, seq: self.last_seq }
+    }
+
+    fn tick_clock(&mut self) -> u64 {
+        self.now = self.now.max(wall_ms());
+        self.now
+    }
+
+    fn rearm_all_timers(&mut self) {
+        self.timers.clear();
+        self.timer_of.clear();
+        let ids: Vec<RunId> = self.gate.runs().filter(|(_, r)| r.stop.is_none()).map(|(id, _)| id.clone()).collect();
+        for id in ids {
+            self.rearm(&id);
+        }
+    }
+
+    fn rearm(&mut self, run: &RunId) {
+        if let Some(old) = self.timer_of.remove(run) {
+            self.timers.remove(&(old, run.clone()));
+        }
+        if let Some(at) = self.gate.next_timer(run) {
+            self.timers.insert((at, run.clone()));
+            self.timer_of.insert(run.clone(), at);
+        }
+    }
+
+    /// Runs the core until shutdown. `rx` is the only way in.
+    pub fn run(mut self, rx: mpsc::Receiver<CoreMsg>) {
+        loop {
+            let timeout = self.next_wakeup().map(|at| Duration::from_millis(at.saturating_sub(wall_ms())));
+            let msg = match timeout {
+                Some(t) => match rx.recv_timeout(t) {
+                    Ok(m) => Some(m),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                },
+                None => match rx.recv() {
+                    Ok(m) => Some(m),
+                    Err(_) => return,
+                },
+            };
+            if let Some(msg) = msg {
+                if self.handle(msg) {
+                    return;
+                }
+                // Drain what else is queued before doing timer work: batching keeps the sync
+                // thread's group commits large under load.
+                while let Ok(msg) = rx.try_recv() {
+                    if self.handle(msg) {
+                        return;
+                    }
+                }
+            }
+            self.fire_timers();
+            if self.journal.is_none() {
+                self.recover();
+            }
+        }
+    }
+
+    fn next_wakeup(&self) -> Option<u64> {
+        let timer = self.timers.first().map(|(at, _)| *at);
+        let waiter = self
+            .waiters
+            .values()
+            .flat_map(|ws| ws.iter().map(|w| w.deadline))
+            .min()
+            .map(|d| wall_ms() + d.saturating_duration_since(Instant::now()).as_millis() as u64);
+        let compaction = Some(self.next_compaction.max(wall_ms() + 1000));
+        let recovery = self.journal.is_none().then(|| wall_ms() + 1000);
+        [timer, waiter, compaction, recovery].into_iter().flatten().min()
+    }
+
+    /// Handles one message; returns true to stop.
+    fn handle(&mut self, msg: CoreMsg) -> bool {
+        match msg {
+            CoreMsg::Apply { principal, cmd, to } => {
+                let answer = self.apply(&principal, cmd);
+                self.send(to, answer);
+            }
+            CoreMsg::Wait { principal, run, key, timeout, to } => {
+                let cmd = Command::Recheck { run: run.clone(), key: key.clone() };
+                match self.apply_verdict(&principal, cmd) {
+                    Ok(Verdict::Held { .. }) if !timeout.is_zero() => {
+                        if self.waiter_count >= self.opts.waiters_max {
+                            let msg = format!("limit reached: waiters_max = {}", self.opts.waiters_max);
+                            self.send(to, Answer::Error(ErrorCode::LimitExceeded, msg));
+                        } else {
+                            self.waiter_count += 1;
+                            let deadline = Instant::now() + timeout;
+                            self.waiters.entry(run).or_default().push(Waiter { principal, key, deadline, to });
+                        }
+                    }
+                    Ok(v) => {
+                        let answer = Answer::Verdict(render::verdict(&run, &v));
+                        self.send(to, answer);
+                    }
+                    Err(answer) => self.send(to, answer),
+                }
+            }
+            CoreMsg::Subscribe { principal, run, conn, out, to } => {
+                let answer = match self.gate.visible_run(&principal, &run) {
+                    Err(e) => {
+                        let (c, m) = kernel_error(&e);
+                        Answer::Error(c, m)
+                    }
+                    Ok(r) => {
+                        let view = render::run_view(&run, r);
+                        let subs = self.subscribers.entry(run).or_default();
+                        if subs.len() >= self.opts.subscriptions_per_run_max {
+                            let m = format!("limit reached: subscriptions_per_run_max = {}", self.opts.subscriptions_per_run_max);
+                            Answer::Error(ErrorCode::LimitExceeded, m)
+                        } else {
+                            if !subs.iter().any(|(c, _)| *c == conn) {
+                                subs.push((conn, out));
+                            }
+                            Answer::Run(view)
+                        }
+                    }
+                };
+                self.send(to, answer);
+            }
+            CoreMsg::Unsubscribe { run, conn } => {
+                if let Some(subs) = self.subscribers.get_mut(&run) {
+                    subs.retain(|(c, _)| *c != conn);
+                }
+            }
+            CoreMsg::Disconnect { conn } => {
+                self.subscribers.retain(|_, subs| {
+                    subs.retain(|(c, _)| *c != conn);
+                    !subs.is_empty()
+                });
+            }
+            CoreMsg::Query { principal, query, to } => {
+                let answer = self.query(&principal, query);
+                self.send(to, answer);
+            }
+            CoreMsg::SgDecide { run, key, approved, to } => {
+                let answer = self.sg_decide(run, key, approved);
+                self.send(to, answer);
+            }
+            CoreMsg::LedgerFailed => self.fail_journal(),
+            CoreMsg::Shutdown { done } => {
+                if let Some(j) = self.journal.take() {
+                    let _ = j.flush();
+                }
+                let _ = done.send(());
+                return true;
+            }
+        }
+        false
+    }
+
+    fn send(&self, to: ReplyTo, answer: Answer) {
+        let _ = to.out.send(Out::Answer { id: to.id, answer, after: self.after() });
+    }
+
+    fn unavailable() -> Answer {
+        Answer::Error(ErrorCode::Unavailable, "the ledger cannot make changes durable right now (see the daemon's log); nothing was applied, retry later".into())
+    }
+
+    /// Applies a command and records it if it changed state. `Err` is a ready error answer.
+    fn apply_reply(&mut self, principal: &Principal, cmd: Command) -> Result<(Reply, Vec<estop_kernel::Event>), Answer> {
+        if self.journal.is_none() {
+            return Err(Self::unavailable());
+        }
+        let now = self.tick_clock();
+        let applied = self.gate.apply(now, principal, &cmd).map_err(|e| {
+            let (c, m) = kernel_error(&e);
+            Answer::Error(c, m)
+        })?;
+        if applied.changed {
+            let record = Record { at: now, principal: principal.clone(), command: cmd };
+            self.buf.clear();
+            encode_record(&record, &mut self.buf);
+            let journal = self.journal.as_ref().expect("checked above");
+            match journal.append(&self.buf) {
+                Ok(seq) => {
+                    self.last_seq = seq;
+                    self.records_since_snapshot += 1;
+                }
+                Err(e) => {
+                    // The state moved but the record did not: fail closed and rebuild from disk.
+                    crate::log::error(&format!("ledger append failed: {e}; failing closed and recovering"));
+                    self.fail_journal();
+                    return Err(Self::unavailable());
+                }
+            }
+            if let Some(run) = record.command.run() {
+                let run = run.clone();
+                self.rearm(&run);
+            }
+            self.publish(&applied.events);
+        }
+        Ok((applied.reply, applied.events))
+    }
+
+    fn apply_verdict(&mut self, principal: &Principal, cmd: Command) -> Result<Verdict, Answer> {
+        match self.apply_reply(principal, cmd)? {
+            (Reply::Verdict(v), _) => Ok(v),
+            (other, _) => Err(Answer::Error(ErrorCode::Internal, format!("unexpected kernel reply {other:?}"))),
+        }
+    }
+
+    fn apply(&mut self, principal: &Principal, cmd: Command) -> Answer {
+        let run = cmd.run().cloned();
+        let decide_key = match &cmd {
+            Command::Decide { key, decision, .. } => Some((key.clone(), *decision)),
+            _ => None,
+        };
+        let (reply, events) = match self.apply_reply(principal, cmd) {
+            Ok(r) => r,
+            Err(a) => return a,
+        };
+        let run_id = run.unwrap_or_else(|| RunId::new("-").expect("valid"));
+        match reply {
+            Reply::Verdict(v) => Answer::Verdict(render::verdict(&run_id, &v)),
+            Reply::Completed { late } => Answer::Ack(wire::Ack { late, ..wire::Ack::default() }),
+            Reply::Decided(status) => {
+                let (key, _) = decide_key.expect("decide");
+                let approval = self.gate.run(&run_id).and_then(|r| r.effects.get(&key)).and_then(|e| e.approval.as_ref());
+                let approvals = approval.map(|a| a.approvers.iter().map(|x| x.name.to_string()).collect()).unwrap_or_default();
+                let quorum = approval.map_or(1, |a| a.quorum);
+                let status = match status {
+                    DecideStatus::Approved => "approved",
+                    DecideStatus::Rejected => "rejected",
+                    DecideStatus::Pending { .. } => "held",
+                };
+                Answer::Decided(wire::DecideReply { status: status.into(), approvals, quorum })
+            }
+            Reply::RunState { state, .. } => {
+                let runs = events
+                    .iter()
+                    .filter(|e| e.key.is_none() && matches!(e.kind, EventKind::Cancelled | EventKind::Finalizing | EventKind::Closed | EventKind::Paused | EventKind::Resumed))
+                    .map(|e| e.run.to_string())
+                    .collect();
+                Answer::Ack(wire::Ack { late: false, state: Some(state.as_str().into()), runs })
+            }
+            Reply::Compacted { .. } => Answer::Ack(wire::Ack::default()),
+        }
+    }
+
+    /// Tells subscribers and wakes the waiters a change concerns.
+    fn publish(&mut self, events: &[estop_kernel::Event]) {
+        let after = self.after();
+        let mut wake: Vec<RunId> = Vec::new();
+        for e in events {
+            if let Some(subs) = self.subscribers.get_mut(&e.run) {
+                let kind = match e.kind {
+                    EventKind::Cancelled => wire::EventKind::Cancelled,
+                    EventKind::Paused => wire::EventKind::Paused,
+                    EventKind::Resumed => wire::EventKind::Resumed,
+                    EventKind::Decided => wire::EventKind::Decided,
+                    EventKind::Held => wire::EventKind::Held,
+                    EventKind::Completed => wire::EventKind::Completed,
+                    EventKind::Closed => wire::EventKind::Closed,
+                    EventKind::Finalizing => wire::EventKind::Finalizing,
+                    EventKind::Expired | EventKind::Admitted => wire::EventKind::Other,
+                };
+                if kind != wire::EventKind::Other {
+                    let event = wire::Event {
+                        event: kind,
+                        run: e.run.to_string(),
+                        key: e.key.as_ref().map(ToString::to_string),
+                        reason: e.detail.map(str::to_string),
+                        decision: None,
+                        outcome: None,
+                        at: self.now,
+                    };
+                    subs.retain(|(_, out)| out.send(Out::Event { event: event.clone(), after }).is_ok());
+                }
+            }
+            if e.kind.wakes_waiters() && !wake.contains(&e.run) {
+                wake.push(e.run.clone());
+            }
+        }
+        for run in wake {
+            for id in self.gate.subtree(&run) {
+                self.recheck_waiters(&id);
+            }
+        }
+    }
+
+    /// Re-checks every waiter of a run; answers those whose effect is no longer held.
+    fn recheck_waiters(&mut self, run: &RunId) {
+        let Some(mut list) = self.waiters.remove(run) else { return };
+        let mut keep = Vec::new();
+        for w in list.drain(..) {
+            let cmd = Command::Recheck { run: run.clone(), key: w.key.clone() };
+            match self.apply_verdict(&w.principal, cmd) {
+                Ok(Verdict::Held { .. }) => keep.push(w),
+                Ok(v) => {
+                    self.waiter_count -= 1;
+                    let answer = Answer::Verdict(render::verdict(run, &v));
+                    self.send(w.to, answer);
+                }
+                Err(answer) => {
+                    self.waiter_count -= 1;
+                    self.send(w.to, answer);
+                }
+            }
+        }
+        if !keep.is_empty() {
+            // Waiters added while re-checking (none today) would be in the map already.
+            self.waiters.entry(run.clone()).or_default().extend(keep);
+        }
+    }
+
+    fn fire_timers(&mut self) {
+        let now = wall_ms();
+        // Deadlines and approval expiries.
+        while let Some((at, run)) = self.timers.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.timers.remove(&(at, run.clone()));
+            self.timer_of.remove(&run);
+            if self.journal.is_none() {
+                break;
+            }
+            let _ = self.apply_reply(&system_principal(), Command::Tick { run: run.clone() });
+            self.rearm(&run);
+        }
+        // Waiters whose time is up get the current verdict (held).
+        let expired: Vec<RunId> = self
+            .waiters
+            .iter()
+            .filter(|(_, ws)| ws.iter().any(|w| w.deadline <= Instant::now()))
+            .map(|(r, _)| r.clone())
+            .collect();
+        for run in expired {
+            let Some(list) = self.waiters.remove(&run) else { continue };
+            let (due, keep): (Vec<_>, Vec<_>) = list.into_iter().partition(|w| w.deadline <= Instant::now());
+            if !keep.is_empty() {
+                self.waiters.insert(run.clone(), keep);
+            }
+            for w in due {
+                self.waiter_count -= 1;
+                let cmd = Command::Recheck { run: run.clone(), key: w.key.clone() };
+                let answer = match self.apply_verdict(&w.principal, cmd) {
+                    Ok(v) => Answer::Verdict(render::verdict(&run, &v)),
+                    Err(a) => a,
+                };
+                self.send(w.to, answer);
+            }
+        }
+        // Retention and snapshots.
+        if now >= self.next_compaction && self.journal.is_some() {
+            self.next_compaction = now + 60_000;
+            let before = now.saturating_sub(self.opts.retention_ms);
+            let _ = self.apply_reply(&system_principal(), Command::Compact { before });
+        }
+        if self.records_since_snapshot >= self.opts.snapshot_every_records {
+            self.snapshot();
+        }
+    }
+
+    /// Writes a snapshot of the current state (covering every record so far).
+    pub fn snapshot(&mut self) {
+        let Some(journal) = &self.journal else { return };
+        let mut bytes = Vec::new();
+        estop_kernel::codec::encode_snapshot(&self.gate, &mut bytes);
+        match journal.snapshot(self.last_seq, bytes) {
+            Ok(()) => self.records_since_snapshot = 0,
+            Err(e) => crate::log::error(&format!("snapshot at seq {} failed: {e}", self.last_seq)),
+        }
+    }
+
+    fn fail_journal(&mut self) {
+        let Some(journal) = self.journal.take() else { return };
+        let durable = journal.durable_seq();
+        drop(journal);
+        let generation = self.generation;
+        self.durable_tx.send_modify(|s| {
+            if s.generation == generation {
+                s.failed = true;
+                s.seq = durable;
+            }
+        });
+        // Everything waiting is answered now: the state it waited on may not survive recovery.
+        let waiters: Vec<Waiter> = self.waiters.drain().flat_map(|(_, ws)| ws).collect();
+        self.waiter_count = 0;
+        for w in waiters {
+            self.send(w.to, Self::unavailable());
+        }
+        self.recover();
+    }
+
+    /// Reopens the ledger after a failure, dropping every record that was not durable, and
+    /// rebuilds the state from disk. Retried every second until the disk is back.
+    fn recover(&mut self) {
+        let durable = self.durable_tx.borrow().seq;
+        let opened = match (self.open)(Some(durable)) {
+            Ok(o) => o,
+            Err(e) => {
+                crate::log::error(&format!("ledger still unavailable: {e}; retrying in 1s"));
+                return;
+            }
+        };
+        let generation = self.generation + 1;
+        let seq = opened.report.last_seq;
+        self.durable_tx.send_modify(|s| {
+            let end = s.seq;
+            s.ended.push(end);
+            assert_eq!(s.ended.len() as u64, generation, "one end per finished generation");
+            s.generation = generation;
+            s.seq = seq;
+            s.failed = true;
+        });
+        self.generation = generation;
+        self.gate = opened.gate;
+        self.last_seq = seq;
+        match Journal::start(opened.ledger, notifier(&self.durable_tx, generation, &self.self_tx)) {
+            Ok(journal) => {
+                self.durable_tx.send_modify(|s| s.failed = false);
+                self.journal = Some(journal);
+                self.rearm_all_timers();
+                crate::log::info(&format!("ledger recovered at seq {seq}; accepting changes again"));
+            }
+            Err(e) => crate::log::error(&format!("ledger reopened but cannot start writing: {e}; retrying in 1s")),
+        }
+    }
+
+    /// The reference releases an approved effect in the `decide` itself; estop records the
+    /// approval and then consumes it for the compatibility client in the same step.
+    fn sg_decide(&mut self, run: RunId, key: EffectKey, approved: bool) -> Answer {
+        let operator = crate::soundgate::principal(Role::Operator);
+        let decision = if approved { estop_kernel::vocab::Decision::Approve } else { estop_kernel::vocab::Decision::Reject };
+        let cmd = Command::Decide { run: run.clone(), key: key.clone(), decision, reason: None };
+        match self.apply_reply(&operator, cmd) {
+            Ok((Reply::Decided(DecideStatus::Approved), _)) => {
+                let agent = crate::soundgate::principal(Role::Agent);
+                match self.apply_verdict(&agent, Command::Recheck { run: run.clone(), key }) {
+                    Ok(v) => Answer::Verdict(render::verdict(&run, &v)),
+                    Err(a) => a,
+                }
+            }
+            Ok((Reply::Decided(DecideStatus::Rejected), _)) => {
+                Answer::Verdict(wire::Verdict::Refused { reason: "rejected".into(), message: None, rule: None })
+            }
+            Ok((Reply::Decided(DecideStatus::Pending { .. }), _)) => {
+                Answer::Verdict(wire::Verdict::Held { approval: None, expires_at: None, reason: "approval".into() })
+            }
+            Ok(_) => Answer::Error(ErrorCode::Internal, "unexpected kernel reply to decide".into()),
+            Err(answer) => {
+                // Say what the effect's state is, in the reference's vocabulary where it has one.
+                let Some(r) = self.gate.run(&run) else { return answer };
+                if r.stop.is_some() {
+                    return Answer::Verdict(wire::Verdict::Refused { reason: "cancelled".into(), message: None, rule: None });
+                }
+                match r.effects.get(&key).map(|e| e.status) {
+                    Some(estop_kernel::state::Status::Refused(reason)) => {
+                        Answer::Verdict(wire::Verdict::Refused { reason: reason.as_str().into(), message: None, rule: None })
+                    }
+                    Some(s) if !s.is_held_or_prepared() => Answer::Verdict(wire::Verdict::Duplicate {
+                        status: s.kind().as_str().into(),
+                        outcome: None,
+                        result: None,
+                        error: None,
+                    }),
+                    _ => answer,
+                }
+            }
+        }
+    }
+
+    fn query(&mut self, principal: &Principal, q: Query) -> Answer {
+        let err = |e: KernelError| {
+            let (c, m) = kernel_error(&e);
+            Answer::Error(c, m)
+        };
+        match q {
+            Query::Status { run } => match self.gate.visible_run(principal, &run) {
+                Ok(r) => Answer::Run(render::run_view(&run, r)),
+                Err(e) => err(e),
+            },
+            Query::Report { run } => match self.gate.visible_run(principal, &run) {
+                Ok(r) => Answer::Report(render::report(&run, r)),
+                Err(e) => err(e),
+            },
+            Query::Runs { state, limit } => {
+                let mut runs = Vec::new();
+                let mut more = false;
+                for (id, r) in self.gate.runs() {
+                    if principal.role == Role::Agent && r.owner.as_ref() != Some(&principal.name) {
+                        continue;
+                    }
+                    if state.is_some_and(|s| s != r.state) {
+                        continue;
+                    }
+                    if runs.len() >= limit {
+                        more = true;
+                        break;
+                    }
+                    runs.push(render::run_view(id, r));
+                }
+                Answer::Runs(wire::RunsReply { runs, more })
+            }
+            Query::Pending { run } => {
+                let mut pending = Vec::new();
+                let mut push = |id: &RunId, r: &estop_kernel::state::Run| {
+                    if r.pending_approvals == 0 {
+                        return;
+                    }
+                    for (k, e) in &r.effects {
+                        if let Some(item) = render::pending_item(id, k, e) {
+                            pending.push(item);
+                        }
+                    }
+                };
+                match &run {
+                    Some(id) => match self.gate.visible_run(principal, id) {
+                        Ok(r) => push(id, r),
+                        Err(e) => return err(e),
+                    },
+                    None => {
+                        for (id, r) in self.gate.runs() {
+                            if principal.role == Role::Agent && r.owner.as_ref() != Some(&principal.name) {
+                                continue;
+                            }
+                            push(id, r);
+                        }
+                    }
+                }
+                pending.sort_by_key(|p| (p.expires_at, p.run.clone(), p.key.clone()));
+                Answer::Pending(wire::PendingReply { pending })
+            }
+        }
+    }
+}
+
+/// Opens the ledger (with `Some(discard_after)` after a failure) and rebuilds the gate.
+pub type OpenFn = Box<dyn FnMut(Option<u64>) -> Result<Opened, JournalError> + Send>;
+
+/// The ledger's sync thread reports here: durable progress to the repliers, failure to the core.
+fn notifier(
+    durable_tx: &Arc<watch::Sender<DurableState>>,
+    generation: u64,
+    core_tx: &mpsc::Sender<CoreMsg>,
+) -> impl Fn(Result<u64, LedgerError>) + Send + Sync + 'static {
+    let durable_tx = Arc::clone(durable_tx);
+    let core_tx = core_tx.clone();
+    move |r| match r {
+        Ok(seq) => {
+            durable_tx.send_if_modified(|s| {
+                let advance = s.generation == generation && seq > s.seq;
+                if advance {
+                    s.seq = seq;
+                }
+                advance
+            });
+        }
+        Err(e) => {
+            crate::log::error(&format!("ledger failed: {e}; no change is acknowledged until it recovers"));
+            durable_tx.send_modify(|s| {
+                if s.generation == generation {
+                    s.failed = true;
+                }
+            });
+            let _ = core_tx.send(CoreMsg::LedgerFailed);
+        }
+    }
+}

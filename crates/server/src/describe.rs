@@ -1,0 +1,76 @@
+//! Ledger records described for people and scripts (`ledger` verb, `estop ledger show`).
+
+use estop_kernel::{Command, Record};
+use estop_protocol::reply::LedgerEntry;
+use serde_json::{Map, Value, json};
+
+pub fn kind(c: &Command) -> &'static str {
+    match c {
+        Command::Admit(_) => "admit",
+        Command::Recheck { .. } => "recheck",
+        Command::Start { .. } => "start",
+        Command::Complete { .. } => "complete",
+        Command::Decide { .. } => "decide",
+        Command::Cancel { kill: false, .. } => "cancel",
+        Command::Cancel { kill: true, .. } => "kill",
+        Command::Pause { .. } => "pause",
+        Command::Resume { .. } => "resume",
+        Command::Close { .. } => "close",
+        Command::Tick { .. } => "tick",
+        Command::Compact { .. } => "compact",
+    }
+}
+
+pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
+    let mut fields = Map::new();
+    fields.insert("principal".into(), json!(rec.principal.name.as_str()));
+    let mut key = None;
+    match &rec.command {
+        Command::Admit(a) => {
+            key = Some(a.key.to_string());
+            fields.insert("tool".into(), json!(a.tool.as_str()));
+            fields.insert("digest".into(), json!(a.digest.to_hex()));
+            fields.insert("action".into(), json!(a.policy.action.as_str()));
+            fields.insert("rule".into(), json!(&*a.policy.rule));
+            fields.insert("class".into(), json!(a.policy.class.as_str()));
+            if !a.start {
+                fields.insert("start".into(), json!(false));
+            }
+            if let Some(p) = &a.parent {
+                fields.insert("parent".into(), json!(p.as_str()));
+            }
+        }
+        Command::Recheck { key: k, .. } => key = Some(k.to_string()),
+        Command::Start { key: k, token, .. } => {
+            key = Some(k.to_string());
+            fields.insert("token".into(), json!(token.to_string()));
+        }
+        Command::Complete { key: k, outcome, error, .. } => {
+            key = Some(k.to_string());
+            fields.insert("outcome".into(), json!(outcome.as_str()));
+            if let Some(e) = error {
+                fields.insert("error".into(), json!(&**e));
+            }
+        }
+        Command::Decide { key: k, decision, reason, .. } => {
+            key = Some(k.to_string());
+            fields.insert("decision".into(), json!(decision.as_str()));
+            if let Some(r) = reason {
+                fields.insert("reason".into(), json!(&**r));
+            }
+        }
+        Command::Cancel { reason, .. } => {
+            if let Some(r) = reason {
+                fields.insert("reason".into(), json!(&**r));
+            }
+        }
+        Command::Close { failed, .. } => {
+            fields.insert("outcome".into(), json!(if *failed { "failed" } else { "completed" }));
+        }
+        Command::Compact { before } => {
+            fields.insert("before".into(), Value::from(*before));
+        }
+        Command::Pause { .. } | Command::Resume { .. } | Command::Tick { .. } => {}
+    }
+    LedgerEntry { seq, at: rec.at, kind: kind(&rec.command).into(), run: rec.command.run().map(ToString::to_string), key, fields }
+}

@@ -1,0 +1,79 @@
+//! Durable-before-visible: every reply and event carries the ledger position it depends on and
+//! is written to the client only once that position is on stable storage (G6).
+
+use tokio::sync::watch;
+
+/// Where a reply must wait: the ledger generation and sequence number it depends on.
+/// A generation ends when the ledger fails; records of it past its last durable seq are lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct After {
+    pub generation: u64,
+    pub seq: u64,
+}
+
+/// Published by the ledger's sync thread.
+#[derive(Debug, Clone, Default)]
+pub struct DurableState {
+    pub generation: u64,
+    /// Highest durable seq of this generation.
+    pub seq: u64,
+    /// The generation failed (fail closed); the core is recovering.
+    pub failed: bool,
+    /// Last durable seq of each ended generation, indexed by generation.
+    pub ended: Vec<u64>,
+}
+
+/// What a waiting reply learns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    Durable,
+    /// Its record did not reach the disk: the client gets `storage_unavailable`.
+    Lost,
+}
+
+/// Waits until `after` is durable, or known lost.
+pub async fn wait(rx: &mut watch::Receiver<DurableState>, after: After) -> Durability {
+    if after.seq == 0 {
+        return Durability::Durable;
+    }
+    let mut verdict = None;
+    let _ = rx
+        .wait_for(|s| {
+            verdict = decide(s, after);
+            verdict.is_some()
+        })
+        .await;
+    verdict.unwrap_or(Durability::Lost)
+}
+
+pub fn decide(s: &DurableState, after: After) -> Option<Durability> {
+    if after.generation == s.generation {
+        if s.seq >= after.seq {
+            Some(Durability::Durable)
+        } else if s.failed {
+            Some(Durability::Lost)
+        } else {
+            None
+        }
+    } else {
+        let end = s.ended.get(after.generation as usize).copied().unwrap_or(0);
+        Some(if end >= after.seq { Durability::Durable } else { Durability::Lost })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waits_for_its_seq_and_reports_loss_after_failure() {
+        let mut s = DurableState { generation: 0, seq: 5, failed: false, ended: vec![] };
+        assert_eq!(decide(&s, After { generation: 0, seq: 5 }), Some(Durability::Durable));
+        assert_eq!(decide(&s, After { generation: 0, seq: 6 }), None);
+        s.failed = true;
+        assert_eq!(decide(&s, After { generation: 0, seq: 6 }), Some(Durability::Lost));
+        let s = DurableState { generation: 1, seq: 0, failed: false, ended: vec![5] };
+        assert_eq!(decide(&s, After { generation: 0, seq: 5 }), Some(Durability::Durable));
+        assert_eq!(decide(&s, After { generation: 0, seq: 7 }), Some(Durability::Lost));
+    }
+}

@@ -1,0 +1,88 @@
+//! The gate's ledger: recovery into a `Gate` (snapshot + replay through the kernel) and the
+//! committer the core appends records to.
+
+use estop_kernel::codec::{decode_record, decode_snapshot};
+use estop_kernel::{Gate, Limits};
+use estop_ledger::{Committer, Ledger, LedgerError, LedgerOptions, RecoveryReport, Storage};
+use std::sync::Arc;
+
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+}
+
+/// A ledger recovered into a gate, not yet accepting appends.
+#[derive(Debug)]
+pub struct Opened {
+    pub gate: Gate,
+    pub ledger: Ledger,
+    pub report: RecoveryReport,
+}
+
+/// Opens the ledger in `storage` and rebuilds the gate from it. `discard_after`: after a
+/// writer failure, the last durable seq (later records are dropped).
+pub fn open(storage: Arc<dyn Storage>, limits: &Limits, options: LedgerOptions) -> Result<Opened, JournalError> {
+    let gate = std::cell::RefCell::new(Gate::new(limits.clone()));
+    let recovered = Ledger::open(
+        storage,
+        options,
+        |_seq, bytes| -> Result<(), String> {
+            *gate.borrow_mut() = decode_snapshot(bytes, limits.clone()).map_err(|e| e.to_string())?;
+            Ok(())
+        },
+        |_seq, bytes| -> Result<(), String> {
+            let rec = decode_record(bytes).map_err(|e| e.to_string())?;
+            let applied = gate
+                .borrow_mut()
+                .apply(rec.at, &rec.principal, &rec.command)
+                .map_err(|e| format!("the recorded command no longer applies: {e}"))?;
+            if !applied.changed {
+                return Err("the recorded command changed nothing on replay".into());
+            }
+            Ok(())
+        },
+    )?;
+    Ok(Opened { gate: gate.into_inner(), ledger: recovered.ledger, report: recovered.report })
+}
+
+/// The appending side, owned by the core.
+#[derive(Debug)]
+pub struct Journal {
+    committer: Committer,
+}
+
+impl Journal {
+    pub fn start(ledger: Ledger, notify: impl Fn(Result<u64, LedgerError>) + Send + Sync + 'static) -> Result<Journal, JournalError> {
+        Ok(Journal { committer: ledger.spawn(notify)? })
+    }
+
+    /// Appends one record; returns its seq. When the commit buffer is full, waits for the sync
+    /// in progress (backpressure reaches the clients through the core's queue).
+    pub fn append(&self, payload: &[u8]) -> Result<u64, LedgerError> {
+        match self.committer.append(payload) {
+            Err(LedgerError::Backpressure { .. }) => {
+                self.committer.wait_durable(self.last_seq())?;
+                self.committer.append(payload)
+            }
+            other => other,
+        }
+    }
+
+    pub fn last_seq(&self) -> u64 {
+        self.committer.next_seq() - 1
+    }
+
+    pub fn durable_seq(&self) -> u64 {
+        self.committer.durable()
+    }
+
+    /// Makes everything appended durable (shutdown).
+    pub fn flush(&self) -> Result<u64, LedgerError> {
+        self.committer.flush()
+    }
+
+    pub fn snapshot(&self, seq: u64, bytes: Vec<u8>) -> Result<(), LedgerError> {
+        self.committer.snapshot(seq, &bytes).map(|_| ())
+    }
+}

@@ -1,0 +1,125 @@
+//! Kernel state and replies turned into the protocol's reply payloads (the only place where the
+//! two vocabularies meet).
+
+use estop_kernel::report::{self, Section, Undo};
+use estop_kernel::state::{Effect, Run, Status};
+use estop_kernel::vocab::{EffectStatus, HoldReason};
+use estop_kernel::{EffectKey, RunId, Verdict};
+use estop_protocol::reply as wire;
+use std::collections::BTreeMap;
+
+pub fn approval_id(run: &RunId, n: u64) -> String {
+    format!("{run}#{n}")
+}
+
+pub fn verdict(run: &RunId, v: &Verdict) -> wire::Verdict {
+    match v {
+        Verdict::Admitted { token } => wire::Verdict::Admitted { token: token.to_string(), epoch: u64::from(token.epoch) },
+        Verdict::Go => wire::Verdict::Go,
+        Verdict::Held { reason, approval, expires_at } => wire::Verdict::Held {
+            approval: approval.map(|n| approval_id(run, n)),
+            expires_at: *expires_at,
+            reason: reason.as_str().to_string(),
+        },
+        Verdict::Refused { reason } => wire::Verdict::Refused { reason: reason.as_str().to_string(), message: None, rule: None },
+        Verdict::Duplicate { status, outcome, result, error } => wire::Verdict::Duplicate {
+            status: match status {
+                EffectStatus::Started | EffectStatus::Admitted => "in_progress".to_string(),
+                s => s.as_str().to_string(),
+            },
+            outcome: outcome.map(|o| o.as_str().to_string()),
+            result: result.as_deref().and_then(|r| serde_json::from_str(r).ok()),
+            error: error.as_deref().map(str::to_string),
+        },
+    }
+}
+
+pub fn run_view(id: &RunId, run: &Run) -> wire::RunView {
+    let mut counts = wire::EffectCounts::default();
+    for e in run.effects.values() {
+        match e.status {
+            Status::Held(_) | Status::Approved => counts.held += 1,
+            Status::Admitted => counts.admitted += 1,
+            Status::Started => counts.started += 1,
+            Status::Completed | Status::Compensating | Status::Compensated | Status::CompensationFailed | Status::NeedsHuman => {
+                counts.completed += 1
+            }
+            Status::Failed => counts.failed += 1,
+            Status::Unknown => counts.unknown += 1,
+            Status::Refused(_) => counts.refused += 1,
+        }
+    }
+    wire::RunView {
+        run: id.to_string(),
+        state: run.state.as_str().to_string(),
+        epoch: u64::from(run.epoch),
+        owner: run.owner.as_ref().map_or_else(|| "-".to_string(), ToString::to_string),
+        parent: run.parent.as_ref().map(ToString::to_string),
+        labels: run.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>(),
+        created_at: run.created_at,
+        cause: run.stop.as_ref().map(|s| s.cause.as_str().to_string()),
+        stopped_at: run.stop.as_ref().map(|s| s.at),
+        deadline_at: run.limits.deadline_at,
+        max_effects: run.limits.max_effects,
+        effects: counts,
+    }
+}
+
+pub fn pending_item(run_id: &RunId, key: &EffectKey, e: &Effect) -> Option<wire::PendingItem> {
+    if e.status != Status::Held(HoldReason::Approval) {
+        return None;
+    }
+    let a = e.approval.as_ref()?;
+    Some(wire::PendingItem {
+        approval: approval_id(run_id, a.id),
+        run: run_id.to_string(),
+        key: key.to_string(),
+        tool: e.tool.to_string(),
+        args: e.args.as_deref().and_then(|t| serde_json::from_str(t).ok()),
+        digest: e.digest.to_hex(),
+        rule: Some(e.rule.to_string()),
+        quorum: a.quorum,
+        approvals: a.approvers.iter().map(|x| x.name.to_string()).collect(),
+        groups: a.groups.iter().map(ToString::to_string).collect(),
+        expires_at: a.expires_at,
+        created_at: a.requested_at,
+    })
+}
+
+pub fn report(id: &RunId, run: &Run) -> wire::Report {
+    let mut r = wire::Report {
+        run: id.to_string(),
+        state: run.state.as_str().to_string(),
+        cause: run.stop.as_ref().map(|s| s.cause.as_str().to_string()),
+        ..wire::Report::default()
+    };
+    for (section, key, e) in report::entries(run) {
+        let item = wire::ReportItem {
+            key: key.to_string(),
+            tool: e.tool.to_string(),
+            status: e.status.kind().as_str().to_string(),
+            reversibility: e.reversibility.as_str().to_string(),
+            compensate: e.compensate.as_ref().map(ToString::to_string),
+            late: e.late,
+            reason: match e.status {
+                Status::Refused(reason) => Some(reason.as_str().to_string()),
+                _ => None,
+            },
+        };
+        match report::undo(e) {
+            Undo::Compensable => r.compensable.push(item.clone()),
+            Undo::Irreversible => r.irreversible.push(item.clone()),
+            Undo::Undeclared => r.undeclared.push(item.clone()),
+            Undo::NotApplicable => {}
+        }
+        match section {
+            Section::Done | Section::Compensation => r.done.push(item),
+            Section::Failed => r.failed.push(item),
+            Section::Refused => r.refused.push(item),
+            Section::InFlight => r.in_flight.push(item),
+            Section::Unknown => r.unknown.push(item),
+            Section::Held | Section::Prepared => r.held.push(item),
+        }
+    }
+    r
+}

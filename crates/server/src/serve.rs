@@ -1,0 +1,303 @@
+//! `estop serve`: opens the data dir (tokens, policy, ledger), recovers the state, starts the
+//! core thread and the listeners, prints the ready line, and runs until SIGTERM or SIGINT.
+
+use crate::conn::{self, ConnOptions, Shared};
+use crate::core::{Core, CoreMsg, CoreOptions};
+use crate::durable::DurableState;
+use crate::journal;
+use crate::tokens::{TokenError, Tokens};
+use estop_kernel::Limits;
+use estop_ledger::{FileStorage, LedgerError, LedgerOptions, Storage};
+use estop_policy::{Policy, PolicyError};
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, mpsc};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{Semaphore, watch};
+
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub data: PathBuf,
+    /// Optional TCP address for protocol v1.
+    pub listen: Option<String>,
+    /// Optional TCP address for the SoundGate-compatible protocol.
+    pub soundgate_listen: Option<String>,
+    /// HMAC secret for SoundGate `decide` tags; without one, `decide` there is unauthenticated.
+    pub soundgate_secret: Option<String>,
+    pub policy: Option<PathBuf>,
+    /// Allow every tool (benchmarks); ignored when `policy` is given.
+    pub allow_all: bool,
+    pub connections_max: usize,
+    pub conn: ConnOptions,
+    pub core: CoreOptions,
+    pub limits: Limits,
+    pub ledger: LedgerOptions,
+}
+
+impl ServeOptions {
+    pub fn new(data: PathBuf) -> ServeOptions {
+        ServeOptions {
+            data,
+            listen: None,
+            soundgate_listen: None,
+            soundgate_secret: None,
+            policy: None,
+            allow_all: false,
+            connections_max: 4096,
+            conn: ConnOptions::default(),
+            core: CoreOptions::default(),
+            limits: Limits::default(),
+            ledger: LedgerOptions::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("policy: {0}")]
+    Policy(#[from] PolicyError),
+    #[error("tokens: {0}")]
+    Tokens(#[from] TokenError),
+    #[error("ledger: {0}")]
+    Ledger(#[from] LedgerError),
+    #[error("{0}")]
+    Setup(String),
+}
+
+impl ServeError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            ServeError::Policy(e) => e.code(),
+            ServeError::Tokens(_) => "tokens",
+            ServeError::Ledger(e) => e.code(),
+            ServeError::Setup(_) => "setup",
+        }
+    }
+}
+
+/// What `estop ready` reports.
+#[derive(Debug, Clone)]
+pub struct Ready {
+    pub socket: PathBuf,
+    pub tcp: Option<SocketAddr>,
+    pub soundgate: Option<SocketAddr>,
+    pub data: PathBuf,
+}
+
+impl Ready {
+    /// The ready line of SPEC §4.3.
+    pub fn line(&self) -> String {
+        let addr = |a: &Option<SocketAddr>| a.map_or_else(|| "-".to_string(), |a| a.to_string());
+        format!(
+            "estop ready socket={} tcp={} soundgate={} data={}",
+            self.socket.display(),
+            addr(&self.tcp),
+            addr(&self.soundgate),
+            self.data.display()
+        )
+    }
+}
+
+fn setup(msg: String) -> ServeError {
+    ServeError::Setup(msg)
+}
+
+/// Runs the daemon until SIGTERM/SIGINT. `on_ready` is called once everything is listening.
+pub fn run(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<(), ServeError> {
+    std::fs::create_dir_all(&opts.data).map_err(|e| setup(format!("cannot create data dir {}: {e}", opts.data.display())))?;
+    let _ = std::fs::set_permissions(&opts.data, std::fs::Permissions::from_mode(0o700));
+    let data = std::fs::canonicalize(&opts.data).map_err(|e| setup(format!("data dir {}: {e}", opts.data.display())))?;
+    let policy = Arc::new(match (&opts.policy, opts.allow_all) {
+        (Some(path), _) => Policy::load(path)?,
+        (None, true) => Policy::allow_all(),
+        (None, false) => Policy::default(),
+    });
+    let (tokens, created) = Tokens::open_or_bootstrap(&data)?;
+    if created {
+        crate::log::info(&format!(
+            "first start: wrote {} (operator \"admin\") and {} (agent \"agent\"), mode 0600",
+            data.join("operator.token").display(),
+            data.join("agent.token").display()
+        ));
+    }
+    let ledger_dir = data.join("ledger");
+    let storage: Arc<dyn Storage> = Arc::new(FileStorage::open(&ledger_dir)?);
+    let (durable_tx, durable_rx) = watch::channel(DurableState::default());
+    let durable_tx = Arc::new(durable_tx);
+    let (core_tx, core_rx) = mpsc::channel::<CoreMsg>();
+    let limits = opts.limits.clone();
+    let ledger_opts = opts.ledger.clone();
+    let open: crate::core::OpenFn = Box::new(move |discard_after| {
+        let o = journal::open(Arc::clone(&storage), &limits, LedgerOptions { discard_after, ..ledger_opts.clone() })?;
+        let r = &o.report;
+        crate::log::info(&format!(
+            "ledger recovered: {} records replayed{}, last seq {}{}",
+            r.records_replayed,
+            r.snapshot.as_ref().map_or(String::new(), |s| format!(" after snapshot at seq {}", s.seq)),
+            r.last_seq,
+            r.torn_tail.as_ref().map_or(String::new(), |t| format!("; truncated a torn tail of {} bytes in {} at offset {}", t.bytes_dropped, t.segment, t.offset)),
+        ));
+        Ok(o)
+    });
+    let core = Core::new(opts.core.clone(), Arc::clone(&durable_tx), open, core_tx.clone()).map_err(|e| match e {
+        journal::JournalError::Ledger(l) => ServeError::Ledger(l),
+    })?;
+    let core_thread = std::thread::Builder::new()
+        .name("estop-core".into())
+        .spawn(move || core.run(core_rx))
+        .map_err(|e| setup(format!("cannot start the core thread: {e}")))?;
+
+    let shared = Arc::new(Shared {
+        core_tx: core_tx.clone(),
+        tokens: Arc::new(tokens),
+        policy,
+        durable_rx,
+        opts: opts.conn.clone(),
+        ledger_dir,
+        next_conn: AtomicU64::new(1),
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("estop-io")
+        .build()
+        .map_err(|e| setup(format!("cannot start the runtime: {e}")))?;
+    let result = runtime.block_on(serve_async(&opts, &data, shared, on_ready));
+    // Finish in-flight syncs before exiting.
+    let (done_tx, done_rx) = mpsc::channel();
+    if core_tx.send(CoreMsg::Shutdown { done: done_tx }).is_ok() {
+        let _ = done_rx.recv();
+    }
+    let _ = core_thread.join();
+    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
+    let _ = std::fs::remove_file(data.join("estop.sock"));
+    crate::log::info("stopped");
+    result
+}
+
+async fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
+    if path.exists() {
+        if tokio::net::UnixStream::connect(path).await.is_ok() {
+            return Err(setup(format!("another estop serve is listening on {}", path.display())));
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    let l = UnixListener::bind(path).map_err(|e| setup(format!("cannot listen on {}: {e}", path.display())))?;
+    let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+    Ok(l)
+}
+
+async fn bind_tcp(addr: &str, what: &str) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr).await.map_err(|e| setup(format!("cannot listen for {what} on {addr}: {e}")))
+}
+
+async fn serve_async(opts: &ServeOptions, data: &Path, shared: Arc<Shared>, on_ready: impl FnOnce(&Ready)) -> Result<(), ServeError> {
+    let socket = data.join("estop.sock");
+    let unix = bind_unix(&socket).await?;
+    let tcp = match &opts.listen {
+        Some(a) => Some(bind_tcp(a, "protocol v1").await?),
+        None => None,
+    };
+    let sg = match &opts.soundgate_listen {
+        Some(a) => Some(bind_tcp(a, "the SoundGate-compatible protocol").await?),
+        None => None,
+    };
+    let secret = opts.soundgate_secret.as_ref().map(|s| Arc::new(s.as_bytes().to_vec()));
+    if let Some(l) = &sg {
+        if secret.is_none() {
+            crate::log::warn(&format!(
+                "the SoundGate-compatible listener on {} accepts unauthenticated decide: any client that reaches it can approve (set ESTOP_SOUNDGATE_SECRET to require HMAC tags)",
+                l.local_addr().map(|a| a.to_string()).unwrap_or_default()
+            ));
+        }
+    }
+    let ready = Ready {
+        socket: socket.clone(),
+        tcp: tcp.as_ref().and_then(|l| l.local_addr().ok()),
+        soundgate: sg.as_ref().and_then(|l| l.local_addr().ok()),
+        data: data.to_path_buf(),
+    };
+    on_ready(&ready);
+    let slots = Arc::new(Semaphore::new(opts.connections_max));
+    let max = opts.connections_max;
+    let mut tasks = Vec::new();
+    {
+        let (shared, slots) = (Arc::clone(&shared), Arc::clone(&slots));
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = unix.accept().await else { continue };
+                admit_connection(stream, &slots, max, |s| conn::serve(s, Arc::clone(&shared)));
+            }
+        }));
+    }
+    if let Some(tcp) = tcp {
+        let (shared, slots) = (Arc::clone(&shared), Arc::clone(&slots));
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = tcp.accept().await else { continue };
+                let _ = stream.set_nodelay(true);
+                admit_connection(stream, &slots, max, |s| conn::serve(s, Arc::clone(&shared)));
+            }
+        }));
+    }
+    if let Some(sg) = sg {
+        let (shared, slots) = (Arc::clone(&shared), Arc::clone(&slots));
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = sg.accept().await else { continue };
+                let _ = stream.set_nodelay(true);
+                let secret = secret.clone();
+                admit_connection(stream, &slots, max, |s| crate::soundgate::serve(s, Arc::clone(&shared), secret));
+            }
+        }));
+    }
+    wait_for_signal().await;
+    crate::log::info("shutting down: finishing in-flight syncs");
+    for t in tasks {
+        t.abort();
+    }
+    Ok(())
+}
+
+/// Serves a connection if a slot is free; otherwise tells the client why and closes it.
+fn admit_connection<S, F, Fut>(mut stream: S, slots: &Arc<Semaphore>, max: usize, serve: F)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+    F: FnOnce(S) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    match Arc::clone(slots).try_acquire_owned() {
+        Ok(permit) => {
+            let fut = serve(stream);
+            tokio::spawn(async move {
+                fut.await;
+                drop(permit);
+            });
+        }
+        Err(_) => {
+            tokio::spawn(async move {
+                let line = estop_protocol::reply::error_line(
+                    &estop_protocol::Id::default(),
+                    estop_protocol::ErrorCode::LimitExceeded,
+                    &format!("limit reached: connections_max = {max}; close idle connections or raise --connections-max"),
+                );
+                let _ = stream.write_all(&line).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    }
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
