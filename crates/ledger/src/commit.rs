@@ -54,7 +54,9 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // Critical sections do not panic midway; a poisoned lock still holds a consistent state.
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -74,7 +76,11 @@ impl Drop for Owner {
         if idle {
             self.shared.work.notify_one();
         }
-        let handle = self.thread.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        let handle = self
+            .thread
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
         if let Some(h) = handle {
             // A panic in the sync thread already failed every waiter; nothing more to do here.
             let _ = h.join();
@@ -91,7 +97,9 @@ pub struct Committer {
 
 impl std::fmt::Debug for Committer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Committer").field("durable", &self.durable()).finish()
+        f.debug_struct("Committer")
+            .field("durable", &self.durable())
+            .finish()
     }
 }
 
@@ -126,7 +134,12 @@ pub(crate) fn spawn(
         .name("estop-ledger-sync".to_owned())
         .spawn(move || sync_loop(&thread_shared, segment, next_seq - 1))
         .map_err(|e| LedgerError::io("spawn sync thread", "", e))?;
-    Ok(Committer { owner: Arc::new(Owner { shared, thread: Mutex::new(Some(thread)) }) })
+    Ok(Committer {
+        owner: Arc::new(Owner {
+            shared,
+            thread: Mutex::new(Some(thread)),
+        }),
+    })
 }
 
 fn sync_loop(shared: &Shared, mut segment: ActiveSegment, mut durable: u64) {
@@ -142,7 +155,10 @@ fn sync_loop(shared: &Shared, mut segment: ActiveSegment, mut durable: u64) {
                     return;
                 }
                 st.sync_idle = true;
-                st = shared.work.wait(st).unwrap_or_else(std::sync::PoisonError::into_inner);
+                st = shared
+                    .work
+                    .wait(st)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 st.sync_idle = false;
             }
             // Take the whole buffer; appends go on filling the (empty) spare meanwhile.
@@ -162,7 +178,9 @@ fn sync_loop(shared: &Shared, mut segment: ActiveSegment, mut durable: u64) {
             }
             Err(cause) => {
                 // Fail closed: never retry, never touch this file again.
-                let failed = LedgerError::Failed { cause: Arc::new(cause) };
+                let failed = LedgerError::Failed {
+                    cause: Arc::new(cause),
+                };
                 {
                     let mut st = shared.lock();
                     st.failed = Some(failed.clone());
@@ -178,16 +196,29 @@ fn sync_loop(shared: &Shared, mut segment: ActiveSegment, mut durable: u64) {
     }
 }
 
-fn write_batch(shared: &Shared, segment: &mut ActiveSegment, batch: &[u8], first_seq: u64) -> Result<(), LedgerError> {
+fn write_batch(
+    shared: &Shared,
+    segment: &mut ActiveSegment,
+    batch: &[u8],
+    first_seq: u64,
+) -> Result<(), LedgerError> {
     let opts = &shared.options;
-    if segment.bytes > SEGMENT_HEADER_BYTES as u64 && segment.bytes + batch.len() as u64 > opts.segment_bytes_max {
+    if segment.bytes > SEGMENT_HEADER_BYTES as u64
+        && segment.bytes + batch.len() as u64 > opts.segment_bytes_max
+    {
         // Everything in the old segment is durable already; it is never written again.
         *segment = ActiveSegment::create(&*shared.storage, first_seq)?;
     }
     debug_assert_eq!(format::decode_record_header(batch).seq, first_seq);
-    segment.file.write_all(batch).map_err(|e| LedgerError::io("write", &segment.name, e))?;
+    segment
+        .file
+        .write_all(batch)
+        .map_err(|e| LedgerError::io("write", &segment.name, e))?;
     segment.bytes += batch.len() as u64;
-    segment.file.sync_data().map_err(|e| LedgerError::io("sync", &segment.name, e))
+    segment
+        .file
+        .sync_data()
+        .map_err(|e| LedgerError::io("sync", &segment.name, e))
 }
 
 impl Committer {
@@ -202,7 +233,10 @@ impl Committer {
         let sh = self.shared();
         let max = sh.options.record_bytes_max;
         if payload.len() > max {
-            return Err(LedgerError::RecordTooLarge { bytes: payload.len(), max });
+            return Err(LedgerError::RecordTooLarge {
+                bytes: payload.len(),
+                max,
+            });
         }
         // Checksum the payload outside the lock; only len and seq are added under it.
         let payload_crc = crc32c::crc32c(payload);
@@ -215,7 +249,10 @@ impl Committer {
             return Err(LedgerError::Closed);
         }
         if st.buf.len() + framed > sh.options.buffer_bytes_max {
-            return Err(LedgerError::Backpressure { buffered_bytes: st.buf.len(), max: sh.options.buffer_bytes_max });
+            return Err(LedgerError::Backpressure {
+                buffered_bytes: st.buf.len(),
+                max: sh.options.buffer_bytes_max,
+            });
         }
         let seq = st.next_seq;
         st.next_seq += 1;
@@ -246,7 +283,10 @@ impl Committer {
             return Ok(());
         }
         let mut st = sh.lock();
-        assert!(seq < st.next_seq, "wait_durable({seq}) for a seq never appended");
+        assert!(
+            seq < st.next_seq,
+            "wait_durable({seq}) for a seq never appended"
+        );
         loop {
             if sh.durable.load(Ordering::Acquire) >= seq {
                 return Ok(());
@@ -258,7 +298,10 @@ impl Committer {
                 return Err(LedgerError::Closed);
             }
             st.waiters += 1;
-            st = sh.durable_cv.wait(st).unwrap_or_else(std::sync::PoisonError::into_inner);
+            st = sh
+                .durable_cv
+                .wait(st)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             st.waiters -= 1;
         }
     }
@@ -293,7 +336,10 @@ impl Committer {
                 ),
             });
         }
-        let _one_at_a_time = sh.snapshot_lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _one_at_a_time = sh
+            .snapshot_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         self.wait_durable(seq)?;
         if let Some(f) = &sh.lock().failed {
             return Err(f.clone());

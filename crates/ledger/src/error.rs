@@ -11,29 +11,49 @@ pub type ReplayCause = Arc<dyn std::error::Error + Send + Sync>;
 /// Every error of the ledger. `code()` is stable; the message says what to do.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum LedgerError {
-    #[error("ledger I/O error ({op} {file}): {source}; check the disk and permissions, then reopen the ledger")]
+    #[error(
+        "ledger I/O error ({op} {file}): {source}; check the disk and permissions, then reopen the ledger"
+    )]
     Io {
         op: &'static str,
         file: String,
         #[source]
         source: Arc<io::Error>,
     },
-    #[error("ledger disk is full ({op} {file}): {source}; free disk space, then reopen the ledger with discard_after = the last durable seq")]
+    #[error(
+        "ledger disk is full ({op} {file}): {source}; free disk space, then reopen the ledger with discard_after = the last durable seq"
+    )]
     Full {
         op: &'static str,
         file: String,
         #[source]
         source: Arc<io::Error>,
     },
-    #[error("ledger is corrupt in {file} at byte {offset}: {reason}; run `estop ledger verify`, then restore the directory from a copy or reopen with discard_after set to the last seq you accept")]
-    Corrupt { file: String, offset: u64, reason: String },
-    #[error("ledger file {file} has format version {version}, this build reads version {supported}; run a newer estop")]
-    UnsupportedVersion { file: String, version: u32, supported: u32 },
-    #[error("ledger writer failed earlier and accepts nothing more (cause: {cause}); drop the committer and reopen the ledger with discard_after = its durable seq")]
+    #[error(
+        "ledger is corrupt in {file} at byte {offset}: {reason}; run `estop ledger verify`, then restore the directory from a copy or reopen with discard_after set to the last seq you accept"
+    )]
+    Corrupt {
+        file: String,
+        offset: u64,
+        reason: String,
+    },
+    #[error(
+        "ledger file {file} has format version {version}, this build reads version {supported}; run a newer estop"
+    )]
+    UnsupportedVersion {
+        file: String,
+        version: u32,
+        supported: u32,
+    },
+    #[error(
+        "ledger writer failed earlier and accepts nothing more (cause: {cause}); drop the committer and reopen the ledger with discard_after = its durable seq"
+    )]
     Failed { cause: Arc<LedgerError> },
     #[error("ledger committer is closed; reopen the ledger")]
     Closed,
-    #[error("ledger directory {dir} is in use by another process; stop it or use another directory")]
+    #[error(
+        "ledger directory {dir} is in use by another process; stop it or use another directory"
+    )]
     Locked { dir: String },
     #[error("invalid ledger options: {reason}")]
     Options { reason: String },
@@ -43,9 +63,13 @@ pub enum LedgerError {
         #[source]
         source: ReplayCause,
     },
-    #[error("record of {bytes} bytes is larger than record_bytes_max = {max}; split it or raise the limit")]
+    #[error(
+        "record of {bytes} bytes is larger than record_bytes_max = {max}; split it or raise the limit"
+    )]
     RecordTooLarge { bytes: usize, max: usize },
-    #[error("ledger commit buffer is full ({buffered_bytes} bytes buffered, buffer_bytes_max = {max}); retry after the next sync")]
+    #[error(
+        "ledger commit buffer is full ({buffered_bytes} bytes buffered, buffer_bytes_max = {max}); retry after the next sync"
+    )]
     Backpressure { buffered_bytes: usize, max: usize },
 }
 
@@ -87,15 +111,21 @@ impl LedgerError {
     }
 
     pub(crate) fn corrupt(file: &str, offset: u64, reason: impl Into<String>) -> LedgerError {
-        LedgerError::Corrupt { file: file.to_owned(), offset, reason: reason.into() }
+        LedgerError::Corrupt {
+            file: file.to_owned(),
+            offset,
+            reason: reason.into(),
+        }
     }
 }
 
 fn is_full(e: &io::Error) -> bool {
     const ENOSPC: i32 = 28;
     const EDQUOT: i32 = 122;
-    matches!(e.kind(), io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded)
-        || matches!(e.raw_os_error(), Some(ENOSPC) | Some(EDQUOT))
+    matches!(
+        e.kind(),
+        io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded
+    ) || matches!(e.raw_os_error(), Some(ENOSPC) | Some(EDQUOT))
 }
 
 #[cfg(test)]

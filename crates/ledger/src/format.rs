@@ -101,7 +101,9 @@ pub fn decode_segment_header(h: &[u8]) -> Result<u64, HeaderError> {
         return Err(HeaderError::Version(version));
     }
     if u32_at(h, 12) != 0 || u32_at(h, 24) != 0 {
-        return Err(HeaderError::Bad("segment header has non-zero reserved fields"));
+        return Err(HeaderError::Bad(
+            "segment header has non-zero reserved fields",
+        ));
     }
     Ok(u64_at(h, 16))
 }
@@ -119,7 +121,10 @@ pub fn record_crc(payload_crc: u32, len: u32, seq: u64) -> u32 {
 /// Appends one framed record to `buf`. `payload_crc` must be `crc32c(payload)`.
 #[inline]
 pub fn append_record(buf: &mut Vec<u8>, seq: u64, payload: &[u8], payload_crc: u32) {
-    assert!(payload.len() <= RECORD_PAYLOAD_BYTES_LIMIT, "payload over the format limit");
+    assert!(
+        payload.len() <= RECORD_PAYLOAD_BYTES_LIMIT,
+        "payload over the format limit"
+    );
     debug_assert_eq!(payload_crc, crc32c::crc32c(payload));
     let len = payload.len() as u32;
     let crc = record_crc(payload_crc, len, seq);
@@ -142,7 +147,11 @@ pub struct RecordHeader {
 /// Splits a 16-byte record header into its fields (no check).
 #[inline]
 pub fn decode_record_header(h: &[u8]) -> RecordHeader {
-    RecordHeader { len: u32_at(h, 0), crc: u32_at(h, 4), seq: u64_at(h, 8) }
+    RecordHeader {
+        len: u32_at(h, 0),
+        crc: u32_at(h, 4),
+        seq: u64_at(h, 8),
+    }
 }
 
 /// True if `payload` matches the header's CRC.
@@ -189,9 +198,15 @@ pub fn decode_snapshot_header(h: &[u8]) -> Result<SnapshotHeader, HeaderError> {
         return Err(HeaderError::Version(version));
     }
     if u32_at(h, 32) != 0 {
-        return Err(HeaderError::Bad("snapshot header has non-zero reserved fields"));
+        return Err(HeaderError::Bad(
+            "snapshot header has non-zero reserved fields",
+        ));
     }
-    Ok(SnapshotHeader { seq: u64_at(h, 16), payload_len: u64_at(h, 24), payload_crc: u32_at(h, 12) })
+    Ok(SnapshotHeader {
+        seq: u64_at(h, 16),
+        payload_len: u64_at(h, 24),
+        payload_crc: u32_at(h, 12),
+    })
 }
 
 #[cfg(test)]
@@ -220,7 +235,10 @@ mod tests {
         }
         let s = encode_snapshot_header(5, b"state");
         let d = decode_snapshot_header(&s).expect("valid");
-        assert_eq!((d.seq, d.payload_len, d.payload_crc), (5, 5, crc32c::crc32c(b"state")));
+        assert_eq!(
+            (d.seq, d.payload_len, d.payload_crc),
+            (5, 5, crc32c::crc32c(b"state"))
+        );
     }
 
     #[test]

@@ -66,7 +66,8 @@ fn inspect_into(
 ) -> Result<(), LedgerError> {
     let listing = scan::list(storage)?;
     report.leftover_files = listing.tmp.clone();
-    let (chosen, invalid) = snapshot::newest_valid(storage, &listing.snapshots, u64::MAX, u64::MAX)?;
+    let (chosen, invalid) =
+        snapshot::newest_valid(storage, &listing.snapshots, u64::MAX, u64::MAX)?;
     report.snapshots_invalid = invalid;
     report.snapshot = chosen.map(|(info, _)| info);
     let snapshot_seq = report.snapshot.as_ref().map_or(0, |s| s.seq);
@@ -86,7 +87,12 @@ fn inspect_into(
         count += 1;
         first.get_or_insert(seq);
         last = last.max(seq);
-        on_record(RecordView { segment, offset, seq, payload });
+        on_record(RecordView {
+            segment,
+            offset,
+            seq,
+            payload,
+        });
         Ok(())
     });
     report.records = count;

@@ -46,7 +46,10 @@ impl LedgerOptions {
         let record_max = RECORD_HEADER_BYTES + self.record_bytes_max;
         let bad = |reason: String| Err(LedgerError::Options { reason });
         if self.record_bytes_max > format::RECORD_PAYLOAD_BYTES_LIMIT {
-            return bad(format!("record_bytes_max must be at most {}", format::RECORD_PAYLOAD_BYTES_LIMIT));
+            return bad(format!(
+                "record_bytes_max must be at most {}",
+                format::RECORD_PAYLOAD_BYTES_LIMIT
+            ));
         }
         if self.segment_bytes_max < (SEGMENT_HEADER_BYTES + record_max) as u64 {
             return bad("segment_bytes_max must hold a header and one largest record".to_owned());
@@ -94,16 +97,31 @@ pub(crate) struct ActiveSegment {
 impl ActiveSegment {
     /// Creates `seg-<first_seq>.log` atomically (tmp file with a synced header, rename,
     /// directory fsync), replacing a file of that name.
-    pub(crate) fn create(storage: &dyn Storage, first_seq: u64) -> Result<ActiveSegment, LedgerError> {
+    pub(crate) fn create(
+        storage: &dyn Storage,
+        first_seq: u64,
+    ) -> Result<ActiveSegment, LedgerError> {
         assert!(first_seq >= 1);
         let name = format::segment_name(first_seq);
         let tmp = format!("{name}{}", format::TMP_SUFFIX);
-        let mut file = storage.create(&tmp).map_err(|e| LedgerError::io("create", &tmp, e))?;
-        file.write_all(&format::encode_segment_header(first_seq)).map_err(|e| LedgerError::io("write", &tmp, e))?;
-        file.sync_data().map_err(|e| LedgerError::io("sync", &tmp, e))?;
-        storage.rename(&tmp, &name).map_err(|e| LedgerError::io("rename", &tmp, e))?;
-        storage.sync_dir().map_err(|e| LedgerError::io("sync directory", &name, e))?;
-        Ok(ActiveSegment { name, file, bytes: SEGMENT_HEADER_BYTES as u64 })
+        let mut file = storage
+            .create(&tmp)
+            .map_err(|e| LedgerError::io("create", &tmp, e))?;
+        file.write_all(&format::encode_segment_header(first_seq))
+            .map_err(|e| LedgerError::io("write", &tmp, e))?;
+        file.sync_data()
+            .map_err(|e| LedgerError::io("sync", &tmp, e))?;
+        storage
+            .rename(&tmp, &name)
+            .map_err(|e| LedgerError::io("rename", &tmp, e))?;
+        storage
+            .sync_dir()
+            .map_err(|e| LedgerError::io("sync directory", &name, e))?;
+        Ok(ActiveSegment {
+            name,
+            file,
+            bytes: SEGMENT_HEADER_BYTES as u64,
+        })
     }
 }
 
@@ -117,7 +135,10 @@ pub struct Ledger {
 
 impl std::fmt::Debug for Ledger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ledger").field("segment", &self.segment.name).field("next_seq", &self.next_seq).finish()
+        f.debug_struct("Ledger")
+            .field("segment", &self.segment.name)
+            .field("next_seq", &self.next_seq)
+            .finish()
     }
 }
 
@@ -129,7 +150,10 @@ pub struct Recovered {
 }
 
 fn replay_error<E: Into<Box<dyn std::error::Error + Send + Sync>>>(seq: u64, e: E) -> LedgerError {
-    LedgerError::Replay { seq, source: Arc::from(e.into()) }
+    LedgerError::Replay {
+        seq,
+        source: Arc::from(e.into()),
+    }
 }
 
 impl Ledger {
@@ -170,35 +194,42 @@ impl Ledger {
             skip_covered: true,
             deliver_from: snapshot_seq + 1,
         };
-        let out = walk.run(|_, _, seq, payload| on_record(seq, payload).map_err(|e| replay_error(seq, e)))?;
+        let out = walk
+            .run(|_, _, seq, payload| on_record(seq, payload).map_err(|e| replay_error(seq, e)))?;
 
         // From here on the directory changes; each step is safe to crash in and to redo.
         let mut removed = Vec::new();
         for tmp in &listing.tmp {
-            st.remove(tmp).map_err(|e| LedgerError::io("remove", tmp, e))?;
+            st.remove(tmp)
+                .map_err(|e| LedgerError::io("remove", tmp, e))?;
             removed.push(tmp.clone());
         }
         if let Some(torn) = &out.torn_tail {
-            st.truncate(&torn.segment, torn.offset).map_err(|e| LedgerError::io("truncate", &torn.segment, e))?;
+            st.truncate(&torn.segment, torn.offset)
+                .map_err(|e| LedgerError::io("truncate", &torn.segment, e))?;
         } else if let (None, Some(last)) = (options.discard_after, &out.last_live_segment) {
             // A killed writer may have left written but unsynced records; they were just
             // replayed, so they must be durable before anything is built on them.
-            st.sync(last).map_err(|e| LedgerError::io("sync", last, e))?;
+            st.sync(last)
+                .map_err(|e| LedgerError::io("sync", last, e))?;
         }
         let next_seq = out.last_seq + 1;
         if let Some(d) = options.discard_after {
             assert_eq!(out.last_seq, d, "the walk stops exactly at discard_after");
             for s in listing.snapshots.iter().filter(|s| s.seq > d) {
-                st.remove(&s.name).map_err(|e| LedgerError::io("remove", &s.name, e))?;
+                st.remove(&s.name)
+                    .map_err(|e| LedgerError::io("remove", &s.name, e))?;
                 removed.push(s.name.clone());
             }
             for s in listing.segments.iter().rev().filter(|s| s.seq > next_seq) {
-                st.remove(&s.name).map_err(|e| LedgerError::io("remove", &s.name, e))?;
+                st.remove(&s.name)
+                    .map_err(|e| LedgerError::io("remove", &s.name, e))?;
                 removed.push(s.name.clone());
             }
         }
         if !removed.is_empty() {
-            st.sync_dir().map_err(|e| LedgerError::io("sync directory", "ledger directory", e))?;
+            st.sync_dir()
+                .map_err(|e| LedgerError::io("sync directory", "ledger directory", e))?;
         }
         // Replaces seg-<next_seq> if it exists: it can only hold records after the live ones.
         let segment = ActiveSegment::create(st, next_seq)?;
@@ -213,7 +244,15 @@ impl Ledger {
             removed,
             segment: segment.name.clone(),
         };
-        Ok(Recovered { ledger: Ledger { storage, options, segment, next_seq }, report })
+        Ok(Recovered {
+            ledger: Ledger {
+                storage,
+                options,
+                segment,
+                next_seq,
+            },
+            report,
+        })
     }
 
     /// The seq the next append will get.
@@ -227,6 +266,12 @@ impl Ledger {
     where
         N: Fn(Result<u64, LedgerError>) + Send + Sync + 'static,
     {
-        commit::spawn(self.storage, self.options, self.segment, self.next_seq, Box::new(notify))
+        commit::spawn(
+            self.storage,
+            self.options,
+            self.segment,
+            self.next_seq,
+            Box::new(notify),
+        )
     }
 }

@@ -30,7 +30,11 @@ pub fn raw_fsync_probe(dir: &Path, syncs: u32, record_bytes: usize) -> io::Resul
 }
 
 fn probe(path: &Path, syncs: u32, record_bytes: usize) -> io::Result<FsyncProbe> {
-    let mut file = OpenOptions::new().write(true).create(true).truncate(true).open(path)?;
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)?;
     let record = vec![0x5au8; record_bytes];
     let mut lat_ns = Vec::with_capacity(syncs as usize);
     let start = Instant::now();

@@ -28,7 +28,9 @@ pub(crate) struct Listing {
 }
 
 pub(crate) fn list(storage: &dyn Storage) -> Result<Listing, LedgerError> {
-    let names = storage.list().map_err(|e| LedgerError::io("list", "ledger directory", e))?;
+    let names = storage
+        .list()
+        .map_err(|e| LedgerError::io("list", "ledger directory", e))?;
     let mut l = Listing::default();
     for name in names {
         if let Some(seq) = format::parse_segment_name(&name) {
@@ -48,7 +50,11 @@ pub(crate) fn list(storage: &dyn Storage) -> Result<Listing, LedgerError> {
 
 /// One step of a segment reader.
 pub(crate) enum Next<'a> {
-    Record { offset: u64, seq: u64, payload: &'a [u8] },
+    Record {
+        offset: u64,
+        seq: u64,
+        payload: &'a [u8],
+    },
     /// Clean end of file, exactly after a record.
     End,
     /// An incomplete or checksum-failing record at `offset`.
@@ -69,9 +75,21 @@ pub(crate) struct SegmentReader<'s> {
 
 impl<'s> SegmentReader<'s> {
     pub fn new(storage: &'s dyn Storage, name: &'s str) -> Result<SegmentReader<'s>, LedgerError> {
-        let file_len = storage.file_len(name).map_err(|e| LedgerError::io("stat", name, e))?;
-        let cap = usize::try_from(file_len).unwrap_or(usize::MAX).min(READ_CHUNK_BYTES);
-        Ok(SegmentReader { storage, name, file_len, buf: vec![0; cap], buf_offset: 0, pos: 0, end: 0 })
+        let file_len = storage
+            .file_len(name)
+            .map_err(|e| LedgerError::io("stat", name, e))?;
+        let cap = usize::try_from(file_len)
+            .unwrap_or(usize::MAX)
+            .min(READ_CHUNK_BYTES);
+        Ok(SegmentReader {
+            storage,
+            name,
+            file_len,
+            buf: vec![0; cap],
+            buf_offset: 0,
+            pos: 0,
+            end: 0,
+        })
     }
 
     pub fn file_len(&self) -> u64 {
@@ -117,7 +135,11 @@ impl<'s> SegmentReader<'s> {
     pub fn header(&mut self) -> Result<u64, LedgerError> {
         assert_eq!(self.offset(), 0, "the header is read first");
         if self.fill(SEGMENT_HEADER_BYTES)? < SEGMENT_HEADER_BYTES {
-            return Err(LedgerError::corrupt(self.name, 0, "segment header is incomplete"));
+            return Err(LedgerError::corrupt(
+                self.name,
+                0,
+                "segment header is incomplete",
+            ));
         }
         let h = &self.buf[self.pos..self.pos + SEGMENT_HEADER_BYTES];
         let first = format::decode_segment_header(h).map_err(|e| match e {
@@ -140,24 +162,40 @@ impl<'s> SegmentReader<'s> {
             return Ok(Next::End);
         }
         if avail < RECORD_HEADER_BYTES {
-            return Ok(Next::Bad { offset, reason: "incomplete record header" });
+            return Ok(Next::Bad {
+                offset,
+                reason: "incomplete record header",
+            });
         }
         let h = format::decode_record_header(&self.buf[self.pos..self.pos + RECORD_HEADER_BYTES]);
         let len = h.len as usize;
         let file_left = self.file_len - offset - RECORD_HEADER_BYTES as u64;
         if h.len as u64 > file_left || len > format::RECORD_PAYLOAD_BYTES_LIMIT {
-            return Ok(Next::Bad { offset, reason: "record runs past the end of the file" });
+            return Ok(Next::Bad {
+                offset,
+                reason: "record runs past the end of the file",
+            });
         }
         let total = RECORD_HEADER_BYTES + len;
         if self.fill(total)? < total {
-            return Ok(Next::Bad { offset, reason: "record runs past the end of the file" });
+            return Ok(Next::Bad {
+                offset,
+                reason: "record runs past the end of the file",
+            });
         }
         let start = self.pos + RECORD_HEADER_BYTES;
         if !format::record_ok(&h, &self.buf[start..start + len]) {
-            return Ok(Next::Bad { offset, reason: "record checksum mismatch" });
+            return Ok(Next::Bad {
+                offset,
+                reason: "record checksum mismatch",
+            });
         }
         self.pos += total;
-        Ok(Next::Record { offset, seq: h.seq, payload: &self.buf[start..start + len] })
+        Ok(Next::Record {
+            offset,
+            seq: h.seq,
+            payload: &self.buf[start..start + len],
+        })
     }
 }
 
@@ -170,7 +208,9 @@ fn find_valid_after(
     min_seq: u64,
 ) -> Result<Option<(u64, u64)>, LedgerError> {
     let data = storage::read_file(storage, name).map_err(|e| LedgerError::io("read", name, e))?;
-    let start = usize::try_from(from).unwrap_or(usize::MAX).saturating_add(1);
+    let start = usize::try_from(from)
+        .unwrap_or(usize::MAX)
+        .saturating_add(1);
     if data.len() < RECORD_HEADER_BYTES || start > data.len() - RECORD_HEADER_BYTES {
         return Ok(None);
     }
@@ -262,12 +302,22 @@ impl Walk<'_> {
         &self,
         mut on_record: impl FnMut(&str, u64, u64, &[u8]) -> Result<(), LedgerError>,
     ) -> Result<WalkOutcome, LedgerError> {
-        let mut out = WalkOutcome { last_seq: self.snapshot_seq, ..WalkOutcome::default() };
+        let mut out = WalkOutcome {
+            last_seq: self.snapshot_seq,
+            ..WalkOutcome::default()
+        };
         // The next seq the log must contain, once a segment has been read.
         let mut expected: Option<u64> = None;
         for (i, seg) in self.segments.iter().enumerate() {
-            if seg.seq > self.limit || seg.seq == 0 {
-                // Wholly after discard_after (or nonsense): superseded, never read.
+            if seg.seq == 0 {
+                return Err(LedgerError::corrupt(
+                    &seg.name,
+                    0,
+                    "a segment cannot start at seq 0",
+                ));
+            }
+            if seg.seq > self.limit {
+                // Wholly after discard_after: superseded, never read.
                 break;
             }
             let next_first = self.segments.get(i + 1).map(|s| s.seq);
@@ -298,7 +348,10 @@ impl Walk<'_> {
                 return Err(LedgerError::corrupt(
                     &seg.name,
                     0,
-                    format!("segment header says first seq {first}, the file name says {}", seg.seq),
+                    format!(
+                        "segment header says first seq {first}, the file name says {}",
+                        seg.seq
+                    ),
                 ));
             }
             let mut summary = SegmentSummary {
@@ -313,12 +366,20 @@ impl Walk<'_> {
                     let offset = reader.offset();
                     let rest = reader.file_len() - offset;
                     if rest > 0 {
-                        out.superseded.push(Superseded { segment: seg.name.clone(), offset, bytes: rest });
+                        out.superseded.push(Superseded {
+                            segment: seg.name.clone(),
+                            offset,
+                            bytes: rest,
+                        });
                     }
                     break;
                 }
                 match reader.next_record()? {
-                    Next::Record { offset, seq, payload } => {
+                    Next::Record {
+                        offset,
+                        seq,
+                        payload,
+                    } => {
                         if seq != next {
                             return Err(LedgerError::corrupt(
                                 &seg.name,
@@ -339,18 +400,29 @@ impl Walk<'_> {
                     Next::End if open_ended => break,
                     Next::End => {
                         let why = if next_first.is_some_and(|f| f - 1 == end) {
-                            format!("segment ends at seq {}, but the next segment starts at {}", next - 1, end + 1)
+                            format!(
+                                "segment ends at seq {}, but the next segment starts at {}",
+                                next - 1,
+                                end + 1
+                            )
                         } else {
-                            format!("log ends at seq {}, but discard_after = {end} says it was durable", next - 1)
+                            format!(
+                                "log ends at seq {}, but discard_after = {end} says it was durable",
+                                next - 1
+                            )
                         };
                         return Err(LedgerError::corrupt(&seg.name, reader.offset(), why));
                     }
                     Next::Bad { offset, reason } if open_ended => {
-                        if let Some((o, s)) = find_valid_after(self.storage, &seg.name, offset, next)? {
+                        if let Some((o, s)) =
+                            find_valid_after(self.storage, &seg.name, offset, next)?
+                        {
                             return Err(LedgerError::corrupt(
                                 &seg.name,
                                 offset,
-                                format!("{reason} (expected seq {next}), followed by a valid record (seq {s} at byte {o})"),
+                                format!(
+                                    "{reason} (expected seq {next}), followed by a valid record (seq {s} at byte {o})"
+                                ),
                             ));
                         }
                         out.torn_tail = Some(TornTail {
@@ -365,7 +437,10 @@ impl Walk<'_> {
                         return Err(LedgerError::corrupt(
                             &seg.name,
                             offset,
-                            format!("{reason} (expected seq {next}, which must exist: it is before seq {})", end + 1),
+                            format!(
+                                "{reason} (expected seq {next}, which must exist: it is before seq {})",
+                                end + 1
+                            ),
                         ));
                     }
                 }
@@ -380,7 +455,10 @@ impl Walk<'_> {
             return Err(LedgerError::corrupt(
                 &file,
                 0,
-                format!("the log ends at seq {}, before the snapshot's seq {}", out.last_seq, self.snapshot_seq),
+                format!(
+                    "the log ends at seq {}, before the snapshot's seq {}",
+                    out.last_seq, self.snapshot_seq
+                ),
             ));
         }
         if self.limit != u64::MAX && out.last_seq < self.limit {

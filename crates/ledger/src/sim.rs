@@ -102,7 +102,9 @@ impl SimState {
     }
 
     fn inode(&mut self, id: u64) -> &mut Inode {
-        self.inodes.get_mut(&id).expect("directory entry points at a live inode")
+        self.inodes
+            .get_mut(&id)
+            .expect("directory entry points at a live inode")
     }
 
     fn sync_inode(&mut self, id: u64) -> io::Result<()> {
@@ -149,11 +151,19 @@ impl CrashStorage {
             syncs_paused: false,
             stats: SimStats::default(),
         };
-        CrashStorage { inner: Arc::new(Inner { state: Mutex::new(state), resume: Condvar::new() }) }
+        CrashStorage {
+            inner: Arc::new(Inner {
+                state: Mutex::new(state),
+                resume: Condvar::new(),
+            }),
+        }
     }
 
     fn state(&self) -> MutexGuard<'_, SimState> {
-        self.inner.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Whether a crash keeps a random part of the unsynced tail (on by default).
@@ -178,8 +188,13 @@ impl CrashStorage {
             if kept.contains_key(&id) {
                 continue;
             }
-            let Some(mut ino) = st.inodes.remove(&id) else { continue };
-            assert!(ino.volatile.starts_with(&ino.durable), "durable bytes are a prefix of the volatile ones");
+            let Some(mut ino) = st.inodes.remove(&id) else {
+                continue;
+            };
+            assert!(
+                ino.volatile.starts_with(&ino.durable),
+                "durable bytes are a prefix of the volatile ones"
+            );
             let mut bytes = std::mem::take(&mut ino.durable);
             if st.torn_writes {
                 let tail = &ino.volatile[bytes.len()..];
@@ -190,7 +205,13 @@ impl CrashStorage {
                     bytes.resize(bytes.len() + zeros, 0);
                 }
             }
-            kept.insert(id, Inode { durable: bytes.clone(), volatile: bytes });
+            kept.insert(
+                id,
+                Inode {
+                    durable: bytes.clone(),
+                    volatile: bytes,
+                },
+            );
         }
         st.inodes = kept;
         drop(st);
@@ -236,7 +257,13 @@ impl CrashStorage {
         let mut st = self.state();
         let id = st.inode_next;
         st.inode_next += 1;
-        st.inodes.insert(id, Inode { durable: bytes.clone(), volatile: bytes });
+        st.inodes.insert(
+            id,
+            Inode {
+                durable: bytes.clone(),
+                volatile: bytes,
+            },
+        );
         st.dir.insert(name.to_owned(), id);
         st.dir_durable.insert(name.to_owned(), id);
     }
@@ -255,8 +282,16 @@ struct SimFile {
 
 impl SimFile {
     fn state(&self) -> io::Result<MutexGuard<'_, SimState>> {
-        let st = self.inner.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if st.epoch != self.epoch { Err(dead()) } else { Ok(st) }
+        let st = self
+            .inner
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if st.epoch != self.epoch {
+            Err(dead())
+        } else {
+            Ok(st)
+        }
     }
 }
 
@@ -291,7 +326,11 @@ impl StorageFile for SimFile {
     fn sync_data(&mut self) -> io::Result<()> {
         let mut st = self.state()?;
         while st.syncs_paused {
-            st = self.inner.resume.wait(st).unwrap_or_else(std::sync::PoisonError::into_inner);
+            st = self
+                .inner
+                .resume
+                .wait(st)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             if st.epoch != self.epoch {
                 return Err(dead());
             }
@@ -313,7 +352,9 @@ impl Storage for CrashStorage {
         let mut st = self.state();
         let id = st.inode_of(name)?;
         let data = &st.inode(id).volatile;
-        let start = usize::try_from(offset).unwrap_or(usize::MAX).min(data.len());
+        let start = usize::try_from(offset)
+            .unwrap_or(usize::MAX)
+            .min(data.len());
         let n = buf.len().min(data.len() - start);
         buf[..n].copy_from_slice(&data[start..start + n]);
         Ok(n)
@@ -324,13 +365,18 @@ impl Storage for CrashStorage {
         st.inode_next += 1;
         st.inodes.insert(id, Inode::default());
         st.dir.insert(name.to_owned(), id);
-        Ok(Box::new(SimFile { inner: self.inner.clone(), inode: id, epoch: st.epoch }))
+        Ok(Box::new(SimFile {
+            inner: self.inner.clone(),
+            inode: id,
+            epoch: st.epoch,
+        }))
     }
     fn truncate(&self, name: &str, len: u64) -> io::Result<()> {
         let mut st = self.state();
         let id = st.inode_of(name)?;
         let ino = st.inode(id);
-        ino.volatile.resize(usize::try_from(len).unwrap_or(usize::MAX), 0);
+        ino.volatile
+            .resize(usize::try_from(len).unwrap_or(usize::MAX), 0);
         ino.durable = ino.volatile.clone();
         Ok(())
     }
@@ -347,7 +393,10 @@ impl Storage for CrashStorage {
     }
     fn remove(&self, name: &str) -> io::Result<()> {
         let mut st = self.state();
-        st.dir.remove(name).map(|_| ()).ok_or_else(|| not_found(name))
+        st.dir
+            .remove(name)
+            .map(|_| ())
+            .ok_or_else(|| not_found(name))
     }
     fn sync_dir(&self) -> io::Result<()> {
         let mut st = self.state();
@@ -383,7 +432,10 @@ mod tests {
         s.crash();
         assert_eq!(s.file("a").as_deref(), Some(&b"durable"[..]));
         assert_eq!(s.file("b"), None);
-        assert!(f.write_all(b"x").is_err(), "handles of the dead process are dead");
+        assert!(
+            f.write_all(b"x").is_err(),
+            "handles of the dead process are dead"
+        );
     }
 
     #[test]

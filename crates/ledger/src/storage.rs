@@ -84,7 +84,15 @@ impl FileStorage {
     pub fn open(dir: impl AsRef<Path>) -> Result<FileStorage, LedgerError> {
         let dir = dir.as_ref().to_path_buf();
         let shown = dir.display().to_string();
-        fs::create_dir_all(&dir).map_err(|e| LedgerError::io("create directory", &shown, e))?;
+        if !dir.is_dir() {
+            fs::create_dir_all(&dir).map_err(|e| LedgerError::io("create directory", &shown, e))?;
+            // The new directory's own entry must be durable too, or a power loss loses the ledger.
+            if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                File::open(parent).and_then(|p| p.sync_all()).map_err(|e| {
+                    LedgerError::io("sync directory", &parent.display().to_string(), e)
+                })?;
+            }
+        }
         let lock = OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -96,8 +104,13 @@ impl FileStorage {
             Err(fs::TryLockError::WouldBlock) => return Err(LedgerError::Locked { dir: shown }),
             Err(fs::TryLockError::Error(e)) => return Err(LedgerError::io("lock", LOCK_FILE, e)),
         }
-        let dir_handle = File::open(&dir).map_err(|e| LedgerError::io("open directory", &shown, e))?;
-        Ok(FileStorage { dir, dir_handle, _lock: Some(lock) })
+        let dir_handle =
+            File::open(&dir).map_err(|e| LedgerError::io("open directory", &shown, e))?;
+        Ok(FileStorage {
+            dir,
+            dir_handle,
+            _lock: Some(lock),
+        })
     }
 
     /// Opens an existing ledger directory without taking its lock, for read-only inspection
@@ -105,8 +118,13 @@ impl FileStorage {
     pub fn open_read_only(dir: impl AsRef<Path>) -> Result<FileStorage, LedgerError> {
         let dir = dir.as_ref().to_path_buf();
         let shown = dir.display().to_string();
-        let dir_handle = File::open(&dir).map_err(|e| LedgerError::io("open directory", &shown, e))?;
-        Ok(FileStorage { dir, dir_handle, _lock: None })
+        let dir_handle =
+            File::open(&dir).map_err(|e| LedgerError::io("open directory", &shown, e))?;
+        Ok(FileStorage {
+            dir,
+            dir_handle,
+            _lock: None,
+        })
     }
 
     /// The directory.
@@ -159,7 +177,11 @@ impl Storage for FileStorage {
         }
     }
     fn create(&self, name: &str) -> io::Result<Box<dyn StorageFile>> {
-        let file = OpenOptions::new().write(true).create(true).truncate(true).open(self.path(name))?;
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(self.path(name))?;
         Ok(Box::new(RealFile { file }))
     }
     fn truncate(&self, name: &str, len: u64) -> io::Result<()> {
@@ -207,13 +229,21 @@ impl MemStorage {
 
     /// A directory holding copies of `files`.
     pub fn from_files(files: BTreeMap<String, Vec<u8>>) -> MemStorage {
-        let files = files.into_iter().map(|(k, v)| (k, Arc::new(Mutex::new(v)))).collect();
-        MemStorage { files: Arc::new(Mutex::new(files)) }
+        let files = files
+            .into_iter()
+            .map(|(k, v)| (k, Arc::new(Mutex::new(v))))
+            .collect();
+        MemStorage {
+            files: Arc::new(Mutex::new(files)),
+        }
     }
 
     /// A copy of every file.
     pub fn files(&self) -> BTreeMap<String, Vec<u8>> {
-        lock(&self.files).iter().map(|(k, v)| (k.clone(), lock(v).clone())).collect()
+        lock(&self.files)
+            .iter()
+            .map(|(k, v)| (k.clone(), lock(v).clone()))
+            .collect()
     }
 
     /// Replaces (or creates) a file's contents, for tests that damage a ledger on purpose.
@@ -222,7 +252,10 @@ impl MemStorage {
     }
 
     fn get(&self, name: &str) -> io::Result<MemFile> {
-        lock(&self.files).get(name).cloned().ok_or_else(|| not_found(name))
+        lock(&self.files)
+            .get(name)
+            .cloned()
+            .ok_or_else(|| not_found(name))
     }
 }
 
@@ -251,7 +284,9 @@ impl Storage for MemStorage {
     fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
         let file = self.get(name)?;
         let data = lock(&file);
-        let start = usize::try_from(offset).unwrap_or(usize::MAX).min(data.len());
+        let start = usize::try_from(offset)
+            .unwrap_or(usize::MAX)
+            .min(data.len());
         let n = buf.len().min(data.len() - start);
         buf[..n].copy_from_slice(&data[start..start + n]);
         Ok(n)
@@ -282,7 +317,10 @@ impl Storage for MemStorage {
         Ok(())
     }
     fn remove(&self, name: &str) -> io::Result<()> {
-        lock(&self.files).remove(name).map(|_| ()).ok_or_else(|| not_found(name))
+        lock(&self.files)
+            .remove(name)
+            .map(|_| ())
+            .ok_or_else(|| not_found(name))
     }
     fn sync_dir(&self) -> io::Result<()> {
         Ok(())

@@ -82,7 +82,11 @@ fn reopening_without_appends_does_not_pile_up_segments() {
         let o = open_ok(&s, small());
         assert_eq!(o.records.len(), 3);
     }
-    assert_eq!(segment_names(&m).len(), 2, "the data segment and one empty fresh one");
+    assert_eq!(
+        segment_names(&m).len(),
+        2,
+        "the data segment and one empty fresh one"
+    );
 }
 
 #[test]
@@ -94,9 +98,15 @@ fn oversized_records_and_bad_options_are_refused() {
     assert!(e.to_string().contains("record_bytes_max"));
     assert_eq!(c.append(&[0u8; 100]).expect("fits"), 1);
     drop(c);
-    let bad = LedgerOptions { buffer_bytes_max: 10, ..small() };
+    let bad = LedgerOptions {
+        buffer_bytes_max: 10,
+        ..small()
+    };
     assert_eq!(open(&s, bad).expect_err("options").code(), "ledger_options");
-    let bad = LedgerOptions { segment_bytes_max: 10, ..small() };
+    let bad = LedgerOptions {
+        segment_bytes_max: 10,
+        ..small()
+    };
     assert_eq!(open(&s, bad).expect_err("options").code(), "ledger_options");
 }
 
@@ -120,7 +130,10 @@ fn notify_reports_each_durable_seq_in_order() {
 #[test]
 fn replay_callback_errors_stop_recovery_and_change_nothing() {
     let (m, s) = mem();
-    let c = open_ok(&s, LedgerOptions::default()).ledger.spawn(|_| {}).expect("spawn");
+    let c = open_ok(&s, LedgerOptions::default())
+        .ledger
+        .spawn(|_| {})
+        .expect("spawn");
     append_n(&c, 1, 10);
     drop(c);
     let before = m.files();
@@ -128,7 +141,13 @@ fn replay_callback_errors_stop_recovery_and_change_nothing() {
         s.clone(),
         LedgerOptions::default(),
         |_, _| Ok::<(), String>(()),
-        |seq, _| if seq == 7 { Err("bad command".to_owned()) } else { Ok(()) },
+        |seq, _| {
+            if seq == 7 {
+                Err("bad command".to_owned())
+            } else {
+                Ok(())
+            }
+        },
     )
     .expect_err("refused");
     assert_eq!(e.code(), "ledger_replay");

@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use estop_ledger::{Ledger, LedgerError, LedgerOptions, MemStorage, RecoveryReport, Storage, inspect};
+use estop_ledger::{
+    Ledger, LedgerError, LedgerOptions, MemStorage, RecoveryReport, Storage, inspect,
+};
 
 /// Everything one `Ledger::open` handed out.
 #[derive(Debug)]
@@ -28,7 +30,12 @@ pub fn open(storage: &Arc<dyn Storage>, options: LedgerOptions) -> Result<Opened
             Ok(())
         },
     )?;
-    Ok(Opened { ledger: rec.ledger, report: rec.report, snapshot, records })
+    Ok(Opened {
+        ledger: rec.ledger,
+        report: rec.report,
+        snapshot,
+        records,
+    })
 }
 
 pub fn open_ok(storage: &Arc<dyn Storage>, options: LedgerOptions) -> Opened {
@@ -47,7 +54,10 @@ pub fn mem() -> (MemStorage, Arc<dyn Storage>) {
 /// A payload of varying length that names its index.
 pub fn payload(i: u64) -> Vec<u8> {
     let mut p = format!("record {i}:").into_bytes();
-    p.extend(std::iter::repeat_n(b'a' + (i % 26) as u8, (i % 37) as usize));
+    p.extend(std::iter::repeat_n(
+        b'a' + (i % 26) as u8,
+        (i % 37) as usize,
+    ));
     p
 }
 
@@ -79,7 +89,10 @@ pub fn append_n(c: &estop_ledger::Committer, first: u64, n: u64) {
 }
 
 pub fn segment_names(m: &MemStorage) -> Vec<String> {
-    m.files().into_keys().filter(|n| n.starts_with("seg-")).collect()
+    m.files()
+        .into_keys()
+        .filter(|n| n.starts_with("seg-"))
+        .collect()
 }
 
 /// Like `append_n`, flushing every `batch` records (so small segments roll and the buffer stays

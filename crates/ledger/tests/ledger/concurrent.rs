@@ -9,7 +9,10 @@ use estop_ledger::{CrashStorage, FileStorage, LedgerOptions, Storage};
 use crate::common::*;
 
 fn many_threads(storage: Arc<dyn Storage>, threads: u64, per_thread: u64) {
-    let c = open_ok(&storage, LedgerOptions::default()).ledger.spawn(|_| {}).expect("spawn");
+    let c = open_ok(&storage, LedgerOptions::default())
+        .ledger
+        .spawn(|_| {})
+        .expect("spawn");
     let mut handles = Vec::new();
     for t in 0..threads {
         let c = c.clone();
@@ -32,7 +35,10 @@ fn many_threads(storage: Arc<dyn Storage>, threads: u64, per_thread: u64) {
         }
     }
     let n = threads * per_thread;
-    assert_eq!(all.keys().copied().collect::<Vec<_>>(), (1..=n).collect::<Vec<_>>());
+    assert_eq!(
+        all.keys().copied().collect::<Vec<_>>(),
+        (1..=n).collect::<Vec<_>>()
+    );
     drop(c);
     let o = open_ok(&storage, LedgerOptions::default());
     assert_eq!(o.records, all.into_iter().collect::<Vec<_>>());
@@ -46,14 +52,21 @@ fn group_commit_in_memory_with_many_threads() {
 #[test]
 fn group_commit_on_real_files_with_many_threads() {
     let dir = tempfile::tempdir().expect("tempdir");
-    many_threads(Arc::new(FileStorage::open(dir.path()).expect("open")), 8, 200);
+    many_threads(
+        Arc::new(FileStorage::open(dir.path()).expect("open")),
+        8,
+        200,
+    );
 }
 
 #[test]
 fn one_sync_covers_many_appends() {
     let disk = CrashStorage::new(1);
     let s: Arc<dyn Storage> = Arc::new(disk.clone());
-    let c = open_ok(&s, LedgerOptions::default()).ledger.spawn(|_| {}).expect("spawn");
+    let c = open_ok(&s, LedgerOptions::default())
+        .ledger
+        .spawn(|_| {})
+        .expect("spawn");
     disk.pause_syncs(true);
     let first = c.append(b"first").expect("append");
     for i in 0..999 {
@@ -63,15 +76,25 @@ fn one_sync_covers_many_appends() {
     c.wait_durable(first).expect("durable");
     let syncs_before = disk.stats().syncs;
     assert_eq!(c.flush().expect("flush"), 1000);
-    assert!(disk.stats().syncs - syncs_before <= 2, "the 999 appends made during one sync share one more");
+    assert!(
+        disk.stats().syncs - syncs_before <= 2,
+        "the 999 appends made during one sync share one more"
+    );
 }
 
 #[test]
 fn a_full_buffer_is_backpressure_not_a_wait() {
     let disk = CrashStorage::new(2);
     let s: Arc<dyn Storage> = Arc::new(disk.clone());
-    let opts = LedgerOptions { record_bytes_max: 100, buffer_bytes_max: 1000, ..LedgerOptions::default() };
-    let c = open_ok(&s, opts.clone()).ledger.spawn(|_| {}).expect("spawn");
+    let opts = LedgerOptions {
+        record_bytes_max: 100,
+        buffer_bytes_max: 1000,
+        ..LedgerOptions::default()
+    };
+    let c = open_ok(&s, opts.clone())
+        .ledger
+        .spawn(|_| {})
+        .expect("spawn");
     disk.pause_syncs(true);
     let mut appended = 0;
     let err = loop {
@@ -92,7 +115,10 @@ fn a_full_buffer_is_backpressure_not_a_wait() {
 #[test]
 fn dropping_the_last_handle_flushes() {
     let (_, s) = mem();
-    let c = open_ok(&s, LedgerOptions::default()).ledger.spawn(|_| {}).expect("spawn");
+    let c = open_ok(&s, LedgerOptions::default())
+        .ledger
+        .spawn(|_| {})
+        .expect("spawn");
     let c2 = c.clone();
     for i in 1..=500 {
         assert_eq!(c2.append(&payload(i)).expect("append"), i);

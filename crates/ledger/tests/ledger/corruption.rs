@@ -13,7 +13,10 @@ const SEG1: &str = "seg-00000000000000000001.log";
 /// A ledger with records 1..=n in seg-1 (the last segment), and the offsets of its records.
 fn five_records(n: u64) -> (BTreeMap<String, Vec<u8>>, Vec<u64>) {
     let (m, s) = mem();
-    let c = open_ok(&s, LedgerOptions::default()).ledger.spawn(|_| {}).expect("spawn");
+    let c = open_ok(&s, LedgerOptions::default())
+        .ledger
+        .spawn(|_| {})
+        .expect("spawn");
     append_n(&c, 1, n);
     drop(c);
     let offsets = positions(&*s).into_iter().map(|(seg, off, _)| {
@@ -50,9 +53,17 @@ fn torn_tail_at_every_byte_of_the_last_record() {
             assert_eq!(o.report.torn_tail, None);
         } else {
             let t = o.report.torn_tail.clone().expect("torn tail reported");
-            assert_eq!((t.segment.as_str(), t.offset, t.bytes_dropped), (SEG1, last, cut - last), "cut {cut}");
+            assert_eq!(
+                (t.segment.as_str(), t.offset, t.bytes_dropped),
+                (SEG1, last, cut - last),
+                "cut {cut}"
+            );
         }
-        assert_eq!(m.files()[SEG1].len() as u64, last, "truncated at the torn record");
+        assert_eq!(
+            m.files()[SEG1].len() as u64,
+            last,
+            "truncated at the torn record"
+        );
 
         let c = o.ledger.spawn(|_| {}).expect("spawn");
         assert_eq!(c.append(b"after the tear").expect("append"), 5);
@@ -92,9 +103,11 @@ fn a_flipped_bit_in_a_middle_record_refuses_to_open_naming_segment_and_offset() 
     for byte in start..end {
         let bad = flip(&files, SEG1, byte as usize);
         let (m, s) = storage_with(&bad);
-        let e = open(&s, LedgerOptions::default()).err().expect("refused");
+        let e = open(&s, LedgerOptions::default()).expect_err("refused");
         assert_eq!(e.code(), "ledger_corrupt", "byte {byte}: {e}");
-        let estop_ledger::LedgerError::Corrupt { file, offset, .. } = &e else { unreachable!() };
+        let estop_ledger::LedgerError::Corrupt { file, offset, .. } = &e else {
+            unreachable!()
+        };
         assert_eq!((file.as_str(), *offset), (SEG1, start), "byte {byte}: {e}");
         assert!(e.to_string().contains(SEG1) && e.to_string().contains(&format!("byte {start}")));
         assert_eq!(m.files(), bad, "a refused open changes nothing");
@@ -121,9 +134,11 @@ fn a_bad_segment_header_refuses_to_open() {
     let (files, _) = five_records(3);
     for byte in 0..SEGMENT_HEADER_BYTES {
         let (_, s) = storage_with(&flip(&files, SEG1, byte));
-        let e = open(&s, LedgerOptions::default()).err().expect("refused");
+        let e = open(&s, LedgerOptions::default()).expect_err("refused");
         assert_eq!(e.code(), "ledger_corrupt", "byte {byte}");
-        let estop_ledger::LedgerError::Corrupt { file, offset, .. } = &e else { unreachable!() };
+        let estop_ledger::LedgerError::Corrupt { file, offset, .. } = &e else {
+            unreachable!()
+        };
         assert_eq!((file.as_str(), *offset), (SEG1, 0));
     }
     // A header from a newer format version is its own error.
@@ -133,7 +148,7 @@ fn a_bad_segment_header_refuses_to_open() {
     let crc = crc32c::crc32c(&seg[0..28]);
     seg[28..32].copy_from_slice(&crc.to_le_bytes());
     let (_, s) = storage_with(&files);
-    let e = open(&s, LedgerOptions::default()).err().expect("refused");
+    let e = open(&s, LedgerOptions::default()).expect_err("refused");
     assert_eq!(e.code(), "ledger_unsupported_version");
 }
 
@@ -148,11 +163,33 @@ fn segment(first: u64, seqs: &[u64]) -> Vec<u8> {
 
 #[test]
 fn seq_gaps_and_missing_segments_refuse_to_open() {
-    let cases: Vec<(&str, Vec<(u64, Vec<u64>)>, &str, u64)> = vec![
-        ("gap inside a segment", vec![(1, vec![1, 2, 4])], "seg-00000000000000000001.log", 2),
-        ("first seq does not match", vec![(1, vec![2, 3])], "seg-00000000000000000001.log", 0),
-        ("segment missing in the middle", vec![(1, vec![1, 2]), (5, vec![5, 6])], "seg-00000000000000000001.log", 2),
-        ("log does not start at 1", vec![(3, vec![3, 4])], "seg-00000000000000000003.log", 0),
+    // (what, segments as (first_seq, record seqs), the file named, index of the bad record)
+    type Case = (&'static str, Vec<(u64, Vec<u64>)>, &'static str, u64);
+    let cases: Vec<Case> = vec![
+        (
+            "gap inside a segment",
+            vec![(1, vec![1, 2, 4])],
+            "seg-00000000000000000001.log",
+            2,
+        ),
+        (
+            "first seq does not match",
+            vec![(1, vec![2, 3])],
+            "seg-00000000000000000001.log",
+            0,
+        ),
+        (
+            "segment missing in the middle",
+            vec![(1, vec![1, 2]), (5, vec![5, 6])],
+            "seg-00000000000000000001.log",
+            2,
+        ),
+        (
+            "log does not start at 1",
+            vec![(3, vec![3, 4])],
+            "seg-00000000000000000003.log",
+            0,
+        ),
     ];
     for (what, segs, bad_file, bad_record) in cases {
         let mut files = BTreeMap::new();
@@ -170,9 +207,15 @@ fn seq_gaps_and_missing_segments_refuse_to_open() {
             files.insert(format::segment_name(*first), bytes);
         }
         let (_, s) = storage_with(&files);
-        let e = open(&s, LedgerOptions::default()).err().expect(what);
-        let estop_ledger::LedgerError::Corrupt { file, offset, .. } = &e else { panic!("{what}: {e}") };
-        let want = if what == "log does not start at 1" { 0 } else { offsets[bad_record as usize] };
+        let e = open(&s, LedgerOptions::default()).expect_err(what);
+        let estop_ledger::LedgerError::Corrupt { file, offset, .. } = &e else {
+            panic!("{what}: {e}")
+        };
+        let want = if what == "log does not start at 1" {
+            0
+        } else {
+            offsets[bad_record as usize]
+        };
         assert_eq!((file.as_str(), *offset), (bad_file, want), "{what}: {e}");
     }
 }
@@ -187,21 +230,29 @@ fn damage_in_a_segment_that_is_not_the_last_refuses_to_open() {
     drop(c);
     let pos = positions(&*s);
     let first_seg = pos[0].0.clone();
-    let last_in_first = pos.iter().filter(|p| p.0 == first_seg).last().expect("one").clone();
+    let last_in_first = pos.iter().rfind(|p| p.0 == first_seg).expect("one").clone();
     assert_ne!(pos.last().expect("one").0, first_seg, "several segments");
     let files = m.files();
     // Its last record torn off.
     let mut cut = files.clone();
-    cut.get_mut(&first_seg).expect("seg").truncate(last_in_first.1 as usize + 5);
+    cut.get_mut(&first_seg)
+        .expect("seg")
+        .truncate(last_in_first.1 as usize + 5);
     let (_, s2) = storage_with(&cut);
-    let e = open(&s2, small()).err().expect("refused");
+    let e = open(&s2, small()).expect_err("refused");
     assert_eq!(e.code(), "ledger_corrupt");
-    assert!(e.to_string().contains(&first_seg) && e.to_string().contains(&format!("byte {}", last_in_first.1)), "{e}");
+    assert!(
+        e.to_string().contains(&first_seg)
+            && e.to_string().contains(&format!("byte {}", last_in_first.1)),
+        "{e}"
+    );
     // Its last record cleanly removed: the next segment no longer follows.
     let mut cut = files.clone();
-    cut.get_mut(&first_seg).expect("seg").truncate(last_in_first.1 as usize);
+    cut.get_mut(&first_seg)
+        .expect("seg")
+        .truncate(last_in_first.1 as usize);
     let (_, s3) = storage_with(&cut);
-    let e = open(&s3, small()).err().expect("refused");
+    let e = open(&s3, small()).expect_err("refused");
     assert!(e.to_string().contains("next segment starts"), "{e}");
 }
 
@@ -215,6 +266,6 @@ fn garbage_after_a_bad_record_is_torn_but_a_later_valid_record_is_not() {
     seg[offsets[4] as usize] ^= 0x40;
     seg.extend_from_slice(&rec5);
     let (_, s) = storage_with(&f);
-    let e = open(&s, LedgerOptions::default()).err().expect("refused");
+    let e = open(&s, LedgerOptions::default()).expect_err("refused");
     assert!(e.to_string().contains("followed by a valid record"), "{e}");
 }

@@ -1,7 +1,8 @@
 //! Seeded randomized crash test (sled/TigerBeetle style): random appends, flushes, snapshots,
 //! injected IO errors, clean reopens and power losses against a trivially correct model. After
 //! every reopen, every record acknowledged as durable must be there, in order, and nothing that
-//! was never appended. Run one seed with ESTOP_LEDGER_SEED=<n>; the seed is printed on failure.
+//! was never appended. Run one seed with ESTOP_LEDGER_SEED=<n> (printed on failure), or a longer
+//! soak with ESTOP_LEDGER_SEEDS=<count>.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -51,6 +52,18 @@ struct World {
     notified: Arc<AtomicU64>,
     notify_regressed: Arc<AtomicBool>,
     model: Model,
+    seen: Seen,
+}
+
+/// What the runs exercised, so the test fails if it silently stops testing what it claims.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    crashes: u64,
+    torn_tails: u64,
+    discards: u64,
+    snapshots_loaded: u64,
+    superseded: u64,
+    records: u64,
 }
 
 impl World {
@@ -58,7 +71,10 @@ impl World {
     /// adopts it.
     fn reopen(&mut self, discard_after: Option<u64>) {
         assert!(self.committer.is_none());
-        let opts = LedgerOptions { discard_after, ..self.opts.clone() };
+        let opts = LedgerOptions {
+            discard_after,
+            ..self.opts.clone()
+        };
         let mut tries = 0;
         let o = loop {
             match open(&self.storage, opts.clone()) {
@@ -71,11 +87,19 @@ impl World {
                 Err(e) => panic!("reopen failed: {e}"),
             }
         };
+        self.seen.torn_tails += u64::from(o.report.torn_tail.is_some());
+        self.seen.discards += u64::from(discard_after.is_some());
+        self.seen.snapshots_loaded += u64::from(o.snapshot.is_some());
+        self.seen.superseded += u64::from(!o.report.superseded.is_empty());
         let mut log: Vec<Vec<u8>> = Vec::new();
         if let Some((seq, state)) = &o.snapshot {
             let seq = *seq as usize;
             assert!(seq <= self.model.appended.len());
-            assert_eq!(*state, state_of(&self.model.appended[..seq]), "snapshot {seq} matches the model");
+            assert_eq!(
+                *state,
+                state_of(&self.model.appended[..seq]),
+                "snapshot {seq} matches the model"
+            );
             log.extend(self.model.appended[..seq].iter().cloned());
         }
         for (seq, payload) in o.records {
@@ -88,8 +112,14 @@ impl World {
             log.len(),
             self.model.acked
         );
-        assert!(log.len() <= self.model.appended.len(), "recovered a record never appended");
-        assert!(log[..] == self.model.appended[..log.len()], "recovered records differ from the appended ones");
+        assert!(
+            log.len() <= self.model.appended.len(),
+            "recovered a record never appended"
+        );
+        assert!(
+            log[..] == self.model.appended[..log.len()],
+            "recovered records differ from the appended ones"
+        );
         if let Some(d) = discard_after {
             assert_eq!(log.len() as u64, d);
         }
@@ -171,9 +201,26 @@ impl World {
                 }
             }
             62..=71 => {
-                // Power loss.
+                // Power loss, half the time with a batch written but its sync held open.
+                if self.rng.below(2) == 0 {
+                    self.disk.pause_syncs(true);
+                    let writes = self.disk.stats().writes;
+                    for _ in 0..=self.rng.below(10) {
+                        match c.append(&[0xAB; 20]) {
+                            Ok(_) => self.model.appended.push(vec![0xAB; 20]),
+                            Err(_) => break,
+                        }
+                    }
+                    for _ in 0..10_000 {
+                        if self.disk.stats().writes > writes {
+                            break;
+                        }
+                        std::thread::yield_now();
+                    }
+                }
                 self.ack(c.durable());
                 self.disk.crash();
+                self.seen.crashes += 1;
                 drop(c);
                 self.committer = None;
                 self.reopen(None);
@@ -192,7 +239,11 @@ impl World {
                         drop(c);
                         self.committer = None;
                         self.reopen(None);
-                        assert_eq!(self.model.acked, self.model.appended.len(), "a clean restart keeps all");
+                        assert_eq!(
+                            self.model.acked,
+                            self.model.appended.len(),
+                            "a clean restart keeps all"
+                        );
                     }
                     Err(_) => drop(c),
                 }
@@ -204,17 +255,23 @@ impl World {
                     let state = state_of(&self.model.appended[..seq as usize]);
                     if let Err(e) = c.snapshot(seq, &state) {
                         // A write error while writing the snapshot file only fails the snapshot.
-                        assert!(matches!(e.code(), "ledger_failed" | "ledger_io" | "ledger_full"), "{e}");
+                        assert!(
+                            matches!(e.code(), "ledger_failed" | "ledger_io" | "ledger_full"),
+                            "{e}"
+                        );
                         self.disk.set_space_left(None);
                     }
                 }
             }
         }
-        assert!(!self.notify_regressed.load(Ordering::SeqCst), "notify went backwards");
+        assert!(
+            !self.notify_regressed.load(Ordering::SeqCst),
+            "notify went backwards"
+        );
     }
 }
 
-fn run_seed(seed: u64, steps: usize) {
+fn run_seed(seed: u64, steps: usize) -> Seen {
     let mut rng = Rng(seed);
     let disk = CrashStorage::new(rng.next());
     let storage: Arc<dyn Storage> = Arc::new(disk.clone());
@@ -233,7 +290,11 @@ fn run_seed(seed: u64, steps: usize) {
         committer: None,
         notified: Arc::default(),
         notify_regressed: Arc::default(),
-        model: Model { appended: Vec::new(), acked: 0 },
+        model: Model {
+            appended: Vec::new(),
+            acked: 0,
+        },
+        seen: Seen::default(),
     };
     w.reopen(None);
     for _ in 0..steps {
@@ -249,6 +310,8 @@ fn run_seed(seed: u64, steps: usize) {
     w.reopen(None);
     let v = estop_ledger::verify(&*w.storage);
     assert!(v.is_ok(), "{:?}", v.error);
+    w.seen.records = w.model.appended.len() as u64;
+    w.seen
 }
 
 struct PrintSeedOnPanic(u64);
@@ -256,7 +319,10 @@ struct PrintSeedOnPanic(u64);
 impl Drop for PrintSeedOnPanic {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            eprintln!("crash_fuzz failed with seed {0}; rerun with ESTOP_LEDGER_SEED={0}", self.0);
+            eprintln!(
+                "crash_fuzz failed with seed {0}; rerun with ESTOP_LEDGER_SEED={0}",
+                self.0
+            );
         }
     }
 }
@@ -265,10 +331,33 @@ impl Drop for PrintSeedOnPanic {
 fn randomized_crashes_never_lose_an_acknowledged_record() {
     let seeds: Vec<u64> = match std::env::var("ESTOP_LEDGER_SEED") {
         Ok(s) => vec![s.parse().expect("ESTOP_LEDGER_SEED is a number")],
-        Err(_) => (0..64).collect(),
+        // ESTOP_LEDGER_SEEDS=<n> runs seeds 0..n (a longer soak).
+        Err(_) => (0..std::env::var("ESTOP_LEDGER_SEEDS")
+            .map_or(64, |n| n.parse().expect("a number")))
+            .collect(),
     };
+    let many = seeds.len() > 1;
+    let mut total = Seen::default();
     for seed in seeds {
         let _guard = PrintSeedOnPanic(seed);
-        run_seed(seed, 300);
+        let s = run_seed(seed, 300);
+        total.crashes += s.crashes;
+        total.torn_tails += s.torn_tails;
+        total.discards += s.discards;
+        total.snapshots_loaded += s.snapshots_loaded;
+        total.superseded += s.superseded;
+        total.records += s.records;
+    }
+    eprintln!("crash_fuzz exercised {total:?}");
+    if many {
+        let t = total;
+        assert!(
+            t.crashes > 100 && t.torn_tails > 10 && t.discards > 10,
+            "{t:?}"
+        );
+        assert!(
+            t.snapshots_loaded > 10 && t.superseded > 10 && t.records > 1000,
+            "{t:?}"
+        );
     }
 }

@@ -26,7 +26,10 @@ fn snapshot_bounds_recovery_and_retention_removes_covered_segments() {
 
     let o = open_ok(&s, small());
     assert_eq!(o.snapshot, Some((600, b"state@600".to_vec())));
-    assert_eq!(o.records, (601..=1000).map(|i| (i, payload(i))).collect::<Vec<_>>());
+    assert_eq!(
+        o.records,
+        (601..=1000).map(|i| (i, payload(i))).collect::<Vec<_>>()
+    );
     assert_eq!(o.report.records_replayed, 400);
     assert_eq!(o.report.segments_read, segs.len());
 
@@ -36,8 +39,15 @@ fn snapshot_bounds_recovery_and_retention_removes_covered_segments() {
     c.snapshot(900, b"state@900").expect("snapshot");
     let r = c.snapshot(950, b"state@950").expect("snapshot");
     assert!(r.removed.contains(&format::snapshot_name(600)));
-    let snaps: Vec<_> = m.files().into_keys().filter(|n| n.starts_with("snap-")).collect();
-    assert_eq!(snaps, vec![format::snapshot_name(900), format::snapshot_name(950)]);
+    let snaps: Vec<_> = m
+        .files()
+        .into_keys()
+        .filter(|n| n.starts_with("snap-"))
+        .collect();
+    assert_eq!(
+        snaps,
+        vec![format::snapshot_name(900), format::snapshot_name(950)]
+    );
     drop(c);
 
     // The newest snapshot damaged: recovery falls back to the older one and still has the records.
@@ -50,13 +60,19 @@ fn snapshot_bounds_recovery_and_retention_removes_covered_segments() {
     assert_eq!(o.snapshot, Some((900, b"state@900".to_vec())));
     assert_eq!(o.report.snapshots_invalid.len(), 1);
     assert_eq!(o.report.snapshots_invalid[0].file, name);
-    assert_eq!(o.records, (901..=1010).map(|i| (i, payload(i))).collect::<Vec<_>>());
+    assert_eq!(
+        o.records,
+        (901..=1010).map(|i| (i, payload(i))).collect::<Vec<_>>()
+    );
 }
 
 #[test]
 fn a_partial_snapshot_is_ignored() {
     let (m, s) = mem();
-    let c = open_ok(&s, LedgerOptions::default()).ledger.spawn(|_| {}).expect("spawn");
+    let c = open_ok(&s, LedgerOptions::default())
+        .ledger
+        .spawn(|_| {})
+        .expect("spawn");
     append_n(&c, 1, 20);
     c.snapshot(10, b"ten").expect("snapshot");
     drop(c);
@@ -68,14 +84,20 @@ fn a_partial_snapshot_is_ignored() {
     let o = open_ok(&s, LedgerOptions::default());
     assert_eq!(o.snapshot, None);
     assert_eq!(o.records.len(), 20);
-    assert_eq!(o.report.removed, vec!["snap-00000000000000000015.snap.tmp".to_owned()]);
+    assert_eq!(
+        o.report.removed,
+        vec!["snap-00000000000000000015.snap.tmp".to_owned()]
+    );
 }
 
 #[test]
 fn snapshot_waits_until_its_seq_is_durable() {
     let disk = CrashStorage::new(5);
     let s: Arc<dyn Storage> = Arc::new(disk.clone());
-    let c = open_ok(&s, LedgerOptions::default()).ledger.spawn(|_| {}).expect("spawn");
+    let c = open_ok(&s, LedgerOptions::default())
+        .ledger
+        .spawn(|_| {})
+        .expect("spawn");
     disk.pause_syncs(true);
     let seq = c.append(b"one").expect("append");
     let c2 = c.clone();
@@ -85,7 +107,10 @@ fn snapshot_waits_until_its_seq_is_durable() {
         std::thread::yield_now();
     }
     assert!(!t.is_finished());
-    assert!(disk.file(&format::snapshot_name(seq)).is_none(), "snapshot written before its seq was durable");
+    assert!(
+        disk.file(&format::snapshot_name(seq)).is_none(),
+        "snapshot written before its seq was durable"
+    );
     disk.pause_syncs(false);
     t.join().expect("thread").expect("snapshot");
     assert!(c.durable() >= seq);
@@ -96,10 +121,16 @@ fn snapshot_waits_until_its_seq_is_durable() {
 fn a_failed_committer_writes_no_snapshot() {
     let disk = CrashStorage::new(9);
     let s: Arc<dyn Storage> = Arc::new(disk.clone());
-    let c = open_ok(&s, LedgerOptions::default()).ledger.spawn(|_| {}).expect("spawn");
+    let c = open_ok(&s, LedgerOptions::default())
+        .ledger
+        .spawn(|_| {})
+        .expect("spawn");
     append_n(&c, 1, 3);
     disk.fail_next_sync();
     let seq = c.append(b"four").expect("append");
     assert!(c.wait_durable(seq).is_err());
-    assert_eq!(c.snapshot(3, b"x").expect_err("failed").code(), "ledger_failed");
+    assert_eq!(
+        c.snapshot(3, b"x").expect_err("failed").code(),
+        "ledger_failed"
+    );
 }
