@@ -269,3 +269,45 @@ fn garbage_after_a_bad_record_is_torn_but_a_later_valid_record_is_not() {
     let e = open(&s, LedgerOptions::default()).expect_err("refused");
     assert!(e.to_string().contains("followed by a valid record"), "{e}");
 }
+
+#[test]
+fn every_other_refusal_names_its_reason() {
+    let snap = |seq: u64, state: &[u8]| {
+        let mut v = format::encode_snapshot_header(seq, state).to_vec();
+        v.extend_from_slice(state);
+        v
+    };
+    // (what, files, a phrase the error must contain)
+    type Case = (&'static str, Vec<(String, Vec<u8>)>, &'static str);
+    let cases: Vec<Case> = vec![
+        (
+            "header disagrees with the name",
+            vec![(format::segment_name(1), segment(2, &[]))],
+            "the file name says 1",
+        ),
+        (
+            "segment at seq 0",
+            vec![(format::segment_name(0), segment(0, &[]))],
+            "seq 0",
+        ),
+        (
+            "log ends before the snapshot",
+            vec![
+                (format::segment_name(1), segment(1, &[1, 2])),
+                (format::snapshot_name(5), snap(5, b"s")),
+            ],
+            "before the snapshot's seq 5",
+        ),
+    ];
+    for (what, files, needle) in cases {
+        let (_, s) = storage_with(&files.into_iter().collect());
+        let e = open(&s, LedgerOptions::default()).expect_err(what);
+        assert_eq!(e.code(), "ledger_corrupt", "{what}: {e}");
+        assert!(e.to_string().contains(needle), "{what}: {e}");
+        assert_eq!(
+            verify(&*s).error.map(|e| e.code()),
+            Some("ledger_corrupt"),
+            "{what}"
+        );
+    }
+}
