@@ -245,11 +245,11 @@ verbs! {
     Pause = "pause", true;
     Resume = "resume", true;
     Kill = "kill", true;
-    Close = "close", true;
-    Runs = "runs", true;
-    Pending = "pending", true;
+    Close = "close", false;
+    Runs = "runs", false;
+    Pending = "pending", false;
     Ledger = "ledger", true;
-    Report = "report", true;
+    Report = "report", false;
     Token = "token", true;
 }
 
