@@ -197,20 +197,33 @@ fn main() -> ExitCode {
 }
 
 fn fail(e: anyhow::Error) -> Failure {
-    Failure { code: 1, message: format!("{e:#}") }
+    Failure {
+        code: 1,
+        message: format!("{e:#}"),
+    }
 }
 
 fn run(cli: Cli) -> Result<u8, Failure> {
     match cli.command {
         Cmd::Serve(a) => serve(a).map_err(fail),
         Cmd::Ledger { command } => ledger(command).map_err(fail),
-        Cmd::Token { command: TokenCmd::Create { name, role, groups }, conn } => {
-            let v = request(&conn, json!({"op": "token", "name": name, "role": role, "groups": groups}))?;
+        Cmd::Token {
+            command: TokenCmd::Create { name, role, groups },
+            conn,
+        } => {
+            let v = request(
+                &conn,
+                json!({"op": "token", "name": name, "role": role, "groups": groups}),
+            )?;
             if conn.json {
                 println!("{v}");
             } else {
                 println!("{}", v["token"].as_str().unwrap_or(""));
-                eprintln!("created {} token {:?}; the secret above is shown only once", v["role"].as_str().unwrap_or(""), name);
+                eprintln!(
+                    "created {} token {:?}; the secret above is shown only once",
+                    v["role"].as_str().unwrap_or(""),
+                    name
+                );
             }
             Ok(0)
         }
@@ -232,12 +245,25 @@ fn run(cli: Cli) -> Result<u8, Failure> {
                             s(&r["state"]),
                             s(&r["owner"]),
                             r["parent"].as_str().unwrap_or("-").into(),
-                            format!("{}/{}/{}/{}", e["completed"], e["started"], e["held"], e["refused"]),
+                            format!(
+                                "{}/{}/{}/{}",
+                                e["completed"], e["started"], e["held"], e["refused"]
+                            ),
                             r["cause"].as_str().unwrap_or("-").into(),
                         ]
                     })
                     .collect();
-                table(&["RUN", "STATE", "OWNER", "PARENT", "DONE/FLYING/HELD/REFUSED", "CAUSE"], &rows);
+                table(
+                    &[
+                        "RUN",
+                        "STATE",
+                        "OWNER",
+                        "PARENT",
+                        "DONE/FLYING/HELD/REFUSED",
+                        "CAUSE",
+                    ],
+                    &rows,
+                );
             });
             Ok(0)
         }
@@ -260,32 +286,64 @@ fn run(cli: Cli) -> Result<u8, Failure> {
                             s(&p["run"]),
                             s(&p["key"]),
                             s(&p["tool"]),
-                            p.get("args").map_or("(digest only)".into(), |a| truncate(&a.to_string(), 60)),
+                            p.get("args")
+                                .map_or("(digest only)".into(), |a| truncate(&a.to_string(), 60)),
                             format!("{approvals}/{}", p["quorum"]),
                             format!("{left}s"),
                             s(&p["digest"])[..12.min(s(&p["digest"]).len())].to_string(),
                         ]
                     })
                     .collect();
-                table(&["RUN", "KEY", "TOOL", "ARGS", "QUORUM", "EXPIRES IN", "DIGEST"], &rows);
+                table(
+                    &[
+                        "RUN",
+                        "KEY",
+                        "TOOL",
+                        "ARGS",
+                        "QUORUM",
+                        "EXPIRES IN",
+                        "DIGEST",
+                    ],
+                    &rows,
+                );
             });
             Ok(0)
         }
         Cmd::Approve(a) => decide(a, "approve"),
         Cmd::Reject(a) => decide(a, "reject"),
-        Cmd::Cancel(a) => stop(&a.conn, json!({"op": "cancel", "run": a.run, "reason": a.reason})),
-        Cmd::Kill(a) => stop(&a.conn, json!({"op": "kill", "run": a.run, "reason": a.reason})),
+        Cmd::Cancel(a) => stop(
+            &a.conn,
+            json!({"op": "cancel", "run": a.run, "reason": a.reason}),
+        ),
+        Cmd::Kill(a) => stop(
+            &a.conn,
+            json!({"op": "kill", "run": a.run, "reason": a.reason}),
+        ),
         Cmd::Pause(a) => stop(&a.conn, json!({"op": "pause", "run": a.run})),
         Cmd::Resume(a) => stop(&a.conn, json!({"op": "resume", "run": a.run})),
-        Cmd::Close { run, failed, conn } => {
-            stop(&conn, json!({"op": "close", "run": run, "outcome": if failed { "failed" } else { "completed" }}))
-        }
+        Cmd::Close { run, failed, conn } => stop(
+            &conn,
+            json!({"op": "close", "run": run, "outcome": if failed { "failed" } else { "completed" }}),
+        ),
         Cmd::Status(a) => {
             let v = request(&a.conn, json!({"op": "status", "run": a.run}))?;
             print_or(&a.conn, &v, || {
-                for k in ["run", "state", "owner", "parent", "cause", "epoch", "created_at", "deadline_at", "max_effects"] {
+                for k in [
+                    "run",
+                    "state",
+                    "owner",
+                    "parent",
+                    "cause",
+                    "epoch",
+                    "created_at",
+                    "deadline_at",
+                    "max_effects",
+                ] {
                     if let Some(x) = v.get(k) {
-                        println!("{k:<12} {}", x.as_str().map_or_else(|| x.to_string(), str::to_string));
+                        println!(
+                            "{k:<12} {}",
+                            x.as_str().map_or_else(|| x.to_string(), str::to_string)
+                        );
                     }
                 }
                 println!("{:<12} {}", "effects", v["effects"]);
@@ -295,12 +353,32 @@ fn run(cli: Cli) -> Result<u8, Failure> {
         Cmd::Report(a) => {
             let v = request(&a.conn, json!({"op": "report", "run": a.run}))?;
             print_or(&a.conn, &v, || {
-                println!("run {}  state {}  cause {}", s(&v["run"]), s(&v["state"]), v["cause"].as_str().unwrap_or("-"));
-                for section in ["done", "failed", "refused", "in_flight", "unknown", "held", "compensable", "irreversible", "undeclared"] {
+                println!(
+                    "run {}  state {}  cause {}",
+                    s(&v["run"]),
+                    s(&v["state"]),
+                    v["cause"].as_str().unwrap_or("-")
+                );
+                for section in [
+                    "done",
+                    "failed",
+                    "refused",
+                    "in_flight",
+                    "unknown",
+                    "held",
+                    "compensable",
+                    "irreversible",
+                    "undeclared",
+                ] {
                     let items = v[section].as_array().cloned().unwrap_or_default();
                     println!("\n{section} ({})", items.len());
                     for i in items {
-                        let mut line = format!("  {:<24} {:<20} {}", s(&i["key"]), s(&i["tool"]), s(&i["status"]));
+                        let mut line = format!(
+                            "  {:<24} {:<20} {}",
+                            s(&i["key"]),
+                            s(&i["tool"]),
+                            s(&i["status"])
+                        );
                         if let Some(r) = i["reason"].as_str() {
                             line.push_str(&format!(" ({r})"));
                         }
@@ -324,11 +402,17 @@ fn s(v: &Value) -> String {
 }
 
 fn truncate(s: &str, n: usize) -> String {
-    if s.chars().count() <= n { s.to_string() } else { format!("{}…", s.chars().take(n).collect::<String>()) }
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        format!("{}…", s.chars().take(n).collect::<String>())
+    }
 }
 
 fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn table(header: &[&str], rows: &[Vec<String>]) {
@@ -339,7 +423,11 @@ fn table(header: &[&str], rows: &[Vec<String>]) {
         }
     }
     let line = |cells: Vec<String>| {
-        let out: Vec<String> = cells.iter().enumerate().map(|(i, c)| format!("{c:<w$}", w = widths[i])).collect();
+        let out: Vec<String> = cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
+            .collect();
         println!("{}", out.join("  ").trim_end());
     };
     line(header.iter().map(|h| (*h).to_string()).collect());
@@ -360,7 +448,9 @@ fn print_or(conn: &Conn, v: &Value, human: impl FnOnce()) {
 }
 
 fn target(conn: &Conn) -> String {
-    conn.socket.clone().unwrap_or_else(|| conn.data.join("estop.sock").display().to_string())
+    conn.socket
+        .clone()
+        .unwrap_or_else(|| conn.data.join("estop.sock").display().to_string())
 }
 
 fn token(conn: &Conn) -> Result<String, Failure> {
@@ -377,30 +467,57 @@ fn token(conn: &Conn) -> Result<String, Failure> {
 /// Sends one request as the operator; maps error replies to exit codes.
 fn request(conn: &Conn, req: Value) -> Result<Value, Failure> {
     let token = token(conn)?;
-    let mut client = Client::connect_as(&target(conn), &token).map_err(|e| Failure { code: 1, message: e.to_string() })?;
-    let reply = client.call(req).map_err(|e| Failure { code: 1, message: e.to_string() })?;
+    let mut client = Client::connect_as(&target(conn), &token).map_err(|e| Failure {
+        code: 1,
+        message: e.to_string(),
+    })?;
+    let reply = client.call(req).map_err(|e| Failure {
+        code: 1,
+        message: e.to_string(),
+    })?;
     if reply.ok {
         return Ok(reply.raw);
     }
-    let e = reply.error.unwrap_or(estop_protocol::WireError { code: "internal".into(), message: "no error detail".into() });
+    let e = reply.error.unwrap_or(estop_protocol::WireError {
+        code: "internal".into(),
+        message: "no error detail".into(),
+    });
     let code = match e.kind() {
         Some(ErrorCode::NotFound) => 4,
-        Some(ErrorCode::NotPending | ErrorCode::Conflict | ErrorCode::Forbidden | ErrorCode::BadToken) => 3,
+        Some(
+            ErrorCode::NotPending
+            | ErrorCode::Conflict
+            | ErrorCode::Forbidden
+            | ErrorCode::BadToken,
+        ) => 3,
         Some(ErrorCode::Unauthenticated) => 1,
         _ => 1,
     };
     if conn.json {
         println!("{}", reply.raw);
     }
-    Err(Failure { code, message: format!("{}: {}", e.code, e.message) })
+    Err(Failure {
+        code,
+        message: format!("{}: {}", e.code, e.message),
+    })
 }
 
 fn decide(a: DecideArgs, decision: &str) -> Result<u8, Failure> {
-    let v = request(&a.conn, json!({"op": "decide", "run": a.run, "key": a.key, "decision": decision, "reason": a.reason}))?;
+    let v = request(
+        &a.conn,
+        json!({"op": "decide", "run": a.run, "key": a.key, "decision": decision, "reason": a.reason}),
+    )?;
     print_or(&a.conn, &v, || {
-        let approvals = v["approvals"].as_array().map(|a| a.iter().map(s).collect::<Vec<_>>().join(", ")).unwrap_or_default();
+        let approvals = v["approvals"]
+            .as_array()
+            .map(|a| a.iter().map(s).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default();
         match s(&v["status"]).as_str() {
-            "held" => println!("recorded; {}/{} approvals so far ({approvals})", v["approvals"].as_array().map_or(0, Vec::len), v["quorum"]),
+            "held" => println!(
+                "recorded; {}/{} approvals so far ({approvals})",
+                v["approvals"].as_array().map_or(0, Vec::len),
+                v["quorum"]
+            ),
             st => println!("{st} ({} {}; approvers: {approvals})", a.run, a.key),
         }
     });
@@ -410,7 +527,10 @@ fn decide(a: DecideArgs, decision: &str) -> Result<u8, Failure> {
 fn stop(conn: &Conn, req: Value) -> Result<u8, Failure> {
     let v = request(conn, req)?;
     print_or(conn, &v, || {
-        let runs = v["runs"].as_array().map(|a| a.iter().map(s).collect::<Vec<_>>().join(", ")).unwrap_or_default();
+        let runs = v["runs"]
+            .as_array()
+            .map(|a| a.iter().map(s).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default();
         if runs.is_empty() {
             println!("run is {} (nothing changed)", s(&v["state"]));
         } else {
@@ -424,12 +544,15 @@ fn serve(a: ServeArgs) -> Result<u8> {
     let mut opts = estop_server::ServeOptions::new(a.data);
     opts.listen = a.listen;
     opts.soundgate_listen = a.soundgate_listen;
-    opts.soundgate_secret = std::env::var("ESTOP_SOUNDGATE_SECRET").ok().filter(|s| !s.is_empty());
+    opts.soundgate_secret = std::env::var("ESTOP_SOUNDGATE_SECRET")
+        .ok()
+        .filter(|s| !s.is_empty());
     opts.policy = a.policy;
     opts.allow_all = a.allow_all;
     opts.connections_max = a.connections_max;
     opts.conn.line_bytes_max = a.line_bytes_max;
-    opts.core.retention_ms = estop_policy::parse_duration_ms(&a.retention).map_err(|e| anyhow!("--retention {}: {e}", a.retention))?;
+    opts.core.retention_ms = estop_policy::parse_duration_ms(&a.retention)
+        .map_err(|e| anyhow!("--retention {}: {e}", a.retention))?;
     estop_server::run(opts, |ready| {
         println!("{}", ready.line());
         use std::io::Write;
@@ -442,7 +565,9 @@ fn serve(a: ServeArgs) -> Result<u8> {
 
 fn ledger(cmd: LedgerCmd) -> Result<u8> {
     let (data, json_out) = match &cmd {
-        LedgerCmd::Verify { data, json } | LedgerCmd::Show { data, json, .. } => (data.clone(), *json),
+        LedgerCmd::Verify { data, json } | LedgerCmd::Show { data, json, .. } => {
+            (data.clone(), *json)
+        }
     };
     let dir = data.join("ledger");
     if !dir.is_dir() {
@@ -465,12 +590,21 @@ fn ledger(cmd: LedgerCmd) -> Result<u8> {
             if json_out {
                 println!("{out}");
             } else {
-                println!("segments {}  records {}  seq {}..{}", r.segments.len(), r.records, r.first_seq.unwrap_or(0), r.last_seq);
+                println!(
+                    "segments {}  records {}  seq {}..{}",
+                    r.segments.len(),
+                    r.records,
+                    r.first_seq.unwrap_or(0),
+                    r.last_seq
+                );
                 if let Some(s) = &r.snapshot {
                     println!("snapshot at seq {}", s.seq);
                 }
                 if let Some(t) = &r.torn_tail {
-                    println!("torn tail: {} bytes at {} offset {} (a restart truncates it)", t.bytes_dropped, t.segment, t.offset);
+                    println!(
+                        "torn tail: {} bytes at {} offset {} (a restart truncates it)",
+                        t.bytes_dropped, t.segment, t.offset
+                    );
                 }
                 match &r.error {
                     None => println!("ok"),
@@ -481,28 +615,42 @@ fn ledger(cmd: LedgerCmd) -> Result<u8> {
         }
         LedgerCmd::Show { run, .. } => {
             let mut bad = None;
-            let report = estop_ledger::inspect(&storage, |rv| match estop_kernel::codec::decode_record(rv.payload) {
-                Ok(rec) => {
-                    if run.as_deref().is_some_and(|r| rec.command.run().map(|x| x.as_str()) != Some(r)) {
-                        return;
+            let report = estop_ledger::inspect(&storage, |rv| {
+                match estop_kernel::codec::decode_record(rv.payload) {
+                    Ok(rec) => {
+                        if run
+                            .as_deref()
+                            .is_some_and(|r| rec.command.run().map(|x| x.as_str()) != Some(r))
+                        {
+                            return;
+                        }
+                        let e = estop_server::describe::entry(rv.seq, &rec);
+                        if json_out {
+                            println!("{}", serde_json::to_string(&e).unwrap_or_default());
+                        } else {
+                            let fields: Vec<String> = e
+                                .fields
+                                .iter()
+                                .map(|(k, v)| format!("{k}={}", s(v)))
+                                .collect();
+                            println!(
+                                "{:>8} {} {:<8} {} {} {}",
+                                e.seq,
+                                e.at,
+                                e.kind,
+                                e.run.as_deref().unwrap_or("-"),
+                                e.key.as_deref().unwrap_or("-"),
+                                fields.join(" ")
+                            );
+                        }
                     }
-                    let e = estop_server::describe::entry(rv.seq, &rec);
-                    if json_out {
-                        println!("{}", serde_json::to_string(&e).unwrap_or_default());
-                    } else {
-                        let fields: Vec<String> = e.fields.iter().map(|(k, v)| format!("{k}={}", s(v))).collect();
-                        println!(
-                            "{:>8} {} {:<8} {} {} {}",
-                            e.seq,
-                            e.at,
-                            e.kind,
-                            e.run.as_deref().unwrap_or("-"),
-                            e.key.as_deref().unwrap_or("-"),
-                            fields.join(" ")
-                        );
+                    Err(err) => {
+                        bad = Some(format!(
+                            "seq {} in {} at offset {}: {err}",
+                            rv.seq, rv.segment, rv.offset
+                        ))
                     }
                 }
-                Err(err) => bad = Some(format!("seq {} in {} at offset {}: {err}", rv.seq, rv.segment, rv.offset)),
             });
             if let Some(b) = bad {
                 return Err(anyhow!("undecodable record: {b}"));

@@ -9,28 +9,69 @@ use std::time::{Duration, Instant};
 
 #[test]
 fn ready_line_names_socket_tcp_soundgate_and_data() {
-    let d = Daemon::start_with(&["--listen", "127.0.0.1:0", "--soundgate-listen", "127.0.0.1:0"]);
+    let d = Daemon::start_with(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--soundgate-listen",
+        "127.0.0.1:0",
+    ]);
     assert!(d.ready.starts_with("estop ready socket="), "{}", d.ready);
-    assert_eq!(d.ready_field("socket"), d.socket().replace(&*d.data().display().to_string(), &std::fs::canonicalize(d.data()).unwrap().display().to_string()));
+    assert_eq!(
+        d.ready_field("socket"),
+        d.socket().replace(
+            &*d.data().display().to_string(),
+            &std::fs::canonicalize(d.data())
+                .unwrap()
+                .display()
+                .to_string()
+        )
+    );
     assert!(d.ready_field("tcp").starts_with("127.0.0.1:"));
     assert!(d.ready_field("soundgate").starts_with("127.0.0.1:"));
-    assert_ne!(d.ready_field("tcp"), "127.0.0.1:0", "the real port is resolved");
+    assert_ne!(
+        d.ready_field("tcp"),
+        "127.0.0.1:0",
+        "the real port is resolved"
+    );
     // The TCP listener speaks protocol v1 too.
-    let mut c = estop_server::client::Client::connect_as(&d.ready_field("tcp"), &d.token("agent.token")).unwrap();
-    assert_eq!(verdict(&admit(&mut c, "r", "k", "pay", json!({}))), "admitted");
+    let mut c =
+        estop_server::client::Client::connect_as(&d.ready_field("tcp"), &d.token("agent.token"))
+            .unwrap();
+    assert_eq!(
+        verdict(&admit(&mut c, "r", "k", "pay", json!({}))),
+        "admitted"
+    );
 }
 
 #[test]
 fn hello_is_required_and_roles_are_reported() {
     let d = Daemon::start();
     let mut c = estop_server::client::Client::connect(&d.socket()).unwrap();
-    assert_eq!(err_code(&mut c, json!({"op": "status", "run": "r"})), "unauthenticated");
-    assert_eq!(err_code(&mut c, json!({"op": "hello", "token": "wrong"})), "unauthenticated");
+    assert_eq!(
+        err_code(&mut c, json!({"op": "status", "run": "r"})),
+        "unauthenticated"
+    );
+    assert_eq!(
+        err_code(&mut c, json!({"op": "hello", "token": "wrong"})),
+        "unauthenticated"
+    );
     ok(&mut c, json!({"op": "ping"}));
-    let h = ok(&mut c, json!({"op": "hello", "token": d.token("agent.token")}));
-    assert_eq!((h["role"].as_str(), h["principal"].as_str()), (Some("agent"), Some("agent")));
-    let h = ok(&mut d.operator(), json!({"op": "hello", "token": d.token("operator.token")}));
-    assert_eq!((h["role"].as_str(), h["principal"].as_str()), (Some("operator"), Some("admin")));
+    let h = ok(
+        &mut c,
+        json!({"op": "hello", "token": d.token("agent.token")}),
+    );
+    assert_eq!(
+        (h["role"].as_str(), h["principal"].as_str()),
+        (Some("agent"), Some("agent"))
+    );
+    let h = ok(
+        &mut d.operator(),
+        json!({"op": "hello", "token": d.token("operator.token")}),
+    );
+    assert_eq!(
+        (h["role"].as_str(), h["principal"].as_str()),
+        (Some("operator"), Some("admin"))
+    );
 }
 
 #[test]
@@ -39,32 +80,69 @@ fn approval_flow_with_sibling_hold_and_receipts() {
     let mut a = d.agent();
     let mut op = d.operator();
     let held = admit(&mut a, "r1", "k1", "refund", json!({"amount": 120}));
-    assert_eq!((verdict(&held), held["reason"].as_str()), ("held", Some("approval")));
+    assert_eq!(
+        (verdict(&held), held["reason"].as_str()),
+        ("held", Some("approval"))
+    );
     assert!(held["expires_at"].as_u64().unwrap() > 0);
     // A parallel sibling write is held too (G1); a read proceeds.
     let sib = admit(&mut a, "r1", "k2", "pay", json!({"to": "bob"}));
-    assert_eq!((verdict(&sib), sib["reason"].as_str()), ("held", Some("sibling")));
-    assert_eq!(verdict(&admit(&mut a, "r1", "k3", "search_web", json!({"q": "x"}))), "admitted");
+    assert_eq!(
+        (verdict(&sib), sib["reason"].as_str()),
+        ("held", Some("sibling"))
+    );
+    assert_eq!(
+        verdict(&admit(&mut a, "r1", "k3", "search_web", json!({"q": "x"}))),
+        "admitted"
+    );
     // The inbox shows the exact call.
     let p = ok(&mut op, json!({"op": "pending"}));
     let item = &p["pending"][0];
-    assert_eq!((item["tool"].as_str(), item["args"]["amount"].as_i64()), (Some("refund"), Some(120)));
+    assert_eq!(
+        (item["tool"].as_str(), item["args"]["amount"].as_i64()),
+        (Some("refund"), Some(120))
+    );
     assert_eq!(item["digest"].as_str().unwrap().len(), 64);
-    let dec = ok(&mut op, json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"}));
+    let dec = ok(
+        &mut op,
+        json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"}),
+    );
     assert_eq!(dec["status"], "approved");
     // wait returns admitted exactly once; the sibling proceeds.
-    let w = ok(&mut a, json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 5000}));
+    let w = ok(
+        &mut a,
+        json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 5000}),
+    );
     assert_eq!(verdict(&w), "admitted");
-    let w = ok(&mut a, json!({"op": "wait", "run": "r1", "key": "k2", "timeout_ms": 5000}));
+    let w = ok(
+        &mut a,
+        json!({"op": "wait", "run": "r1", "key": "k2", "timeout_ms": 5000}),
+    );
     assert_eq!(verdict(&w), "admitted");
     let token = w["token"].as_str().unwrap().to_string();
-    ok(&mut a, json!({"op": "complete", "run": "r1", "key": "k2", "token": token, "outcome": "ok", "result": {"id": 7}}));
+    ok(
+        &mut a,
+        json!({"op": "complete", "run": "r1", "key": "k2", "token": token, "outcome": "ok", "result": {"id": 7}}),
+    );
     let again = admit(&mut a, "r1", "k2", "pay", json!({"to": "bob"}));
-    assert_eq!((verdict(&again), again["status"].as_str(), again["result"]["id"].as_i64()), ("duplicate", Some("completed"), Some(7)));
+    assert_eq!(
+        (
+            verdict(&again),
+            again["status"].as_str(),
+            again["result"]["id"].as_i64()
+        ),
+        ("duplicate", Some("completed"), Some(7))
+    );
     let mismatch = admit(&mut a, "r1", "k2", "pay", json!({"to": "eve"}));
-    assert_eq!((verdict(&mismatch), mismatch["reason"].as_str()), ("refused", Some("mismatch")));
+    assert_eq!(
+        (verdict(&mismatch), mismatch["reason"].as_str()),
+        ("refused", Some("mismatch"))
+    );
     let again = admit(&mut a, "r1", "k1", "refund", json!({"amount": 120}));
-    assert_eq!((verdict(&again), again["status"].as_str()), ("duplicate", Some("in_progress")));
+    assert_eq!(
+        (verdict(&again), again["status"].as_str()),
+        ("duplicate", Some("in_progress"))
+    );
 }
 
 #[test]
@@ -73,7 +151,8 @@ fn wait_blocks_until_decided_without_blocking_the_connection() {
     let mut a = d.agent();
     admit(&mut a, "r1", "k1", "refund", json!({}));
     // Send a long wait, then a ping on the same connection: the ping is answered first.
-    a.send_raw(br#"{"id":"w","op":"wait","run":"r1","key":"k1","timeout_ms":60000}"#).unwrap();
+    a.send_raw(br#"{"id":"w","op":"wait","run":"r1","key":"k1","timeout_ms":60000}"#)
+        .unwrap();
     a.send_raw(br#"{"id":"p","op":"ping"}"#).unwrap();
     let first = match a.read_line().unwrap() {
         estop_protocol::ServerLine::Reply(r) => r,
@@ -82,17 +161,26 @@ fn wait_blocks_until_decided_without_blocking_the_connection() {
     assert_eq!(first.id.as_json(), "\"p\"");
     let started = Instant::now();
     let mut op = d.operator();
-    ok(&mut op, json!({"op": "decide", "run": "r1", "key": "k1", "decision": "reject", "reason": "no"}));
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "r1", "key": "k1", "decision": "reject", "reason": "no"}),
+    );
     let w = match a.read_line().unwrap() {
         estop_protocol::ServerLine::Reply(r) => r,
         e => panic!("{e:?}"),
     };
     assert_eq!(w.id.as_json(), "\"w\"");
-    assert_eq!((w.raw["verdict"].as_str(), w.raw["reason"].as_str()), (Some("refused"), Some("rejected")));
+    assert_eq!(
+        (w.raw["verdict"].as_str(), w.raw["reason"].as_str()),
+        (Some("refused"), Some("rejected"))
+    );
     assert!(started.elapsed() < Duration::from_secs(30));
     // A timed-out wait answers held again.
     admit(&mut a, "r1", "k9", "refund", json!({"n": 1}));
-    let w = ok(&mut a, json!({"op": "wait", "run": "r1", "key": "k9", "timeout_ms": 50}));
+    let w = ok(
+        &mut a,
+        json!({"op": "wait", "run": "r1", "key": "k9", "timeout_ms": 50}),
+    );
     assert_eq!(verdict(&w), "held");
 }
 
@@ -102,9 +190,15 @@ fn reject_sticks_for_the_same_call_under_a_new_key() {
     let mut a = d.agent();
     let mut op = d.operator();
     admit(&mut a, "r1", "k1", "refund", json!({"amount": 9}));
-    ok(&mut op, json!({"op": "decide", "run": "r1", "key": "k1", "decision": "reject"}));
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "r1", "key": "k1", "decision": "reject"}),
+    );
     let v = admit(&mut a, "r1", "k-new", "refund", json!({"amount": 9}));
-    assert_eq!((verdict(&v), v["reason"].as_str()), ("refused", Some("rejected")));
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("refused", Some("rejected"))
+    );
     let v = admit(&mut a, "r1", "k-other", "refund", json!({"amount": 10}));
     assert_eq!(verdict(&v), "held");
 }
@@ -118,18 +212,51 @@ fn quorum_two_needs_two_operator_principals() {
     let mut a = d.agent();
     let mut admin = d.operator();
     let mut bob = d.client_with(&bob_token);
-    assert_eq!(verdict(&admit(&mut a, "r1", "k1", "wire", json!({"usd": 1000000}))), "held");
-    let v = ok(&mut admin, json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"}));
+    assert_eq!(
+        verdict(&admit(&mut a, "r1", "k1", "wire", json!({"usd": 1000000}))),
+        "held"
+    );
+    let v = ok(
+        &mut admin,
+        json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"}),
+    );
     assert_eq!(v["status"], "held");
     // The same principal deciding twice never meets a quorum.
-    assert_eq!(err_code(&mut admin, json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"})), "conflict");
+    assert_eq!(
+        err_code(
+            &mut admin,
+            json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"})
+        ),
+        "conflict"
+    );
     let mut admin2 = d.operator();
-    assert_eq!(err_code(&mut admin2, json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"})), "conflict");
-    assert_eq!(verdict(&ok(&mut a, json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 0}))), "held");
-    let v = ok(&mut bob, json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"}));
+    assert_eq!(
+        err_code(
+            &mut admin2,
+            json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"})
+        ),
+        "conflict"
+    );
+    assert_eq!(
+        verdict(&ok(
+            &mut a,
+            json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 0})
+        )),
+        "held"
+    );
+    let v = ok(
+        &mut bob,
+        json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"}),
+    );
     assert_eq!(v["status"], "approved");
     assert_eq!(v["approvals"], json!(["admin", "bob"]));
-    assert_eq!(verdict(&ok(&mut a, json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 1000}))), "admitted");
+    assert_eq!(
+        verdict(&ok(
+            &mut a,
+            json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 1000})
+        )),
+        "admitted"
+    );
 }
 
 #[test]
@@ -139,14 +266,44 @@ fn agents_cannot_approve_resume_or_touch_other_agents_runs() {
     let mut a = d.agent();
     let mut b = d.client_with(other.trim());
     admit(&mut a, "r1", "k1", "refund", json!({}));
-    assert_eq!(err_code(&mut a, json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"})), "forbidden");
-    assert_eq!(err_code(&mut a, json!({"op": "resume", "run": "r1"})), "forbidden");
-    assert_eq!(err_code(&mut a, json!({"op": "token", "name": "x", "role": "operator"})), "forbidden");
-    assert_eq!(err_code(&mut b, json!({"op": "status", "run": "r1"})), "not_found");
-    assert_eq!(err_code(&mut b, json!({"op": "cancel", "run": "r1"})), "not_found");
-    assert_eq!(err_code(&mut b, json!({"op": "admit", "run": "r1", "key": "x", "tool": "pay", "args": {}})), "not_found");
+    assert_eq!(
+        err_code(
+            &mut a,
+            json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"})
+        ),
+        "forbidden"
+    );
+    assert_eq!(
+        err_code(&mut a, json!({"op": "resume", "run": "r1"})),
+        "forbidden"
+    );
+    assert_eq!(
+        err_code(
+            &mut a,
+            json!({"op": "token", "name": "x", "role": "operator"})
+        ),
+        "forbidden"
+    );
+    assert_eq!(
+        err_code(&mut b, json!({"op": "status", "run": "r1"})),
+        "not_found"
+    );
+    assert_eq!(
+        err_code(&mut b, json!({"op": "cancel", "run": "r1"})),
+        "not_found"
+    );
+    assert_eq!(
+        err_code(
+            &mut b,
+            json!({"op": "admit", "run": "r1", "key": "x", "tool": "pay", "args": {}})
+        ),
+        "not_found"
+    );
     // An agent may always stop itself.
-    let v = ok(&mut a, json!({"op": "cancel", "run": "r1", "reason": "done"}));
+    let v = ok(
+        &mut a,
+        json!({"op": "cancel", "run": "r1", "reason": "done"}),
+    );
     assert_eq!(v["state"], "cancelled");
 }
 
@@ -155,24 +312,48 @@ fn cancel_fences_children_and_two_phase_tokens() {
     let d = Daemon::start();
     let mut a = d.agent();
     let mut op = d.operator();
-    let prep = ok(&mut a, json!({"op": "admit", "run": "root", "key": "p", "tool": "pay", "args": {}, "start": false}));
+    let prep = ok(
+        &mut a,
+        json!({"op": "admit", "run": "root", "key": "p", "tool": "pay", "args": {}, "start": false}),
+    );
     let token = prep["token"].as_str().unwrap().to_string();
-    let child = ok(&mut a, json!({"op": "admit", "run": "child", "key": "c", "tool": "pay", "args": {}, "parent": "root"}));
+    let child = ok(
+        &mut a,
+        json!({"op": "admit", "run": "child", "key": "c", "tool": "pay", "args": {}, "parent": "root"}),
+    );
     let ctoken = child["token"].as_str().unwrap().to_string();
     let mut sub = d.agent();
     ok(&mut sub, json!({"op": "subscribe", "run": "child"}));
-    let v = ok(&mut op, json!({"op": "cancel", "run": "root", "reason": "operator stop"}));
+    let v = ok(
+        &mut op,
+        json!({"op": "cancel", "run": "root", "reason": "operator stop"}),
+    );
     assert_eq!(v["runs"], json!(["root", "child"]));
     let ev = sub.next_event().unwrap().unwrap();
     assert_eq!(ev.run, "child");
-    let v = ok(&mut a, json!({"op": "start", "run": "root", "key": "p", "token": token}));
-    assert_eq!((verdict(&v), v["reason"].as_str()), ("refused", Some("cancelled")));
+    let v = ok(
+        &mut a,
+        json!({"op": "start", "run": "root", "key": "p", "token": token}),
+    );
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("refused", Some("cancelled"))
+    );
     let v = admit(&mut a, "child", "new", "pay", json!({}));
-    assert_eq!((verdict(&v), v["reason"].as_str()), ("refused", Some("cancelled")));
-    let v = ok(&mut a, json!({"op": "admit", "run": "grandchild", "key": "g", "tool": "pay", "args": {}, "parent": "child"}));
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("refused", Some("cancelled"))
+    );
+    let v = ok(
+        &mut a,
+        json!({"op": "admit", "run": "grandchild", "key": "g", "tool": "pay", "args": {}, "parent": "child"}),
+    );
     assert_eq!(verdict(&v), "refused");
     // The in-flight child effect settles late and shows in the report.
-    let v = ok(&mut a, json!({"op": "complete", "run": "child", "key": "c", "token": ctoken, "outcome": "ok"}));
+    let v = ok(
+        &mut a,
+        json!({"op": "complete", "run": "child", "key": "c", "token": ctoken, "outcome": "ok"}),
+    );
     assert_eq!(v["late"], true);
     let r = ok(&mut op, json!({"op": "report", "run": "child"}));
     assert_eq!(r["state"], "cancelled");
@@ -186,29 +367,75 @@ fn held_approval_survives_kill9_and_is_admitted_once_after_restart() {
     let mut d = Daemon::start();
     {
         let mut a = d.agent();
-        assert_eq!(verdict(&admit(&mut a, "r1", "k1", "refund", json!({"amount": 500}))), "held");
-        assert_eq!(verdict(&admit(&mut a, "r2", "k1", "pay", json!({}))), "admitted");
+        assert_eq!(
+            verdict(&admit(&mut a, "r1", "k1", "refund", json!({"amount": 500}))),
+            "held"
+        );
+        assert_eq!(
+            verdict(&admit(&mut a, "r2", "k1", "pay", json!({}))),
+            "admitted"
+        );
         let mut op = d.operator();
         ok(&mut op, json!({"op": "cancel", "run": "r2"}));
-        assert_eq!(verdict(&admit(&mut a, "r3", "k1", "wire", json!({"usd": 5}))), "held");
-        ok(&mut op, json!({"op": "decide", "run": "r3", "key": "k1", "decision": "approve"}));
+        assert_eq!(
+            verdict(&admit(&mut a, "r3", "k1", "wire", json!({"usd": 5}))),
+            "held"
+        );
+        ok(
+            &mut op,
+            json!({"op": "decide", "run": "r3", "key": "k1", "decision": "approve"}),
+        );
     }
     d.restart();
     let mut a = d.agent();
     let mut op = d.operator();
     let p = ok(&mut op, json!({"op": "pending"}));
-    let keys: Vec<_> = p["pending"].as_array().unwrap().iter().map(|x| (x["run"].as_str().unwrap().to_string(), x["approvals"].clone())).collect();
-    assert_eq!(keys, vec![("r1".to_string(), json!([])), ("r3".to_string(), json!(["admin"]))]);
+    let keys: Vec<_> = p["pending"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| {
+            (
+                x["run"].as_str().unwrap().to_string(),
+                x["approvals"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        keys,
+        vec![
+            ("r1".to_string(), json!([])),
+            ("r3".to_string(), json!(["admin"]))
+        ]
+    );
     // The cancel acknowledged before the crash still fences.
     let v = admit(&mut a, "r2", "k2", "pay", json!({}));
-    assert_eq!((verdict(&v), v["reason"].as_str()), ("refused", Some("cancelled")));
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("refused", Some("cancelled"))
+    );
     // Approve after restart: wait admits exactly once.
-    ok(&mut op, json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"}));
-    assert_eq!(verdict(&ok(&mut a, json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 1000}))), "admitted");
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"}),
+    );
+    assert_eq!(
+        verdict(&ok(
+            &mut a,
+            json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 1000})
+        )),
+        "admitted"
+    );
     d.restart();
     let mut a = d.agent();
-    let v = ok(&mut a, json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 100}));
-    assert_eq!((verdict(&v), v["status"].as_str()), ("duplicate", Some("in_progress")));
+    let v = ok(
+        &mut a,
+        json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 100}),
+    );
+    assert_eq!(
+        (verdict(&v), v["status"].as_str()),
+        ("duplicate", Some("in_progress"))
+    );
 }
 
 #[test]
@@ -243,7 +470,12 @@ fn kill9_under_load_loses_nothing_acknowledged_and_admits_nothing_twice() {
     let mut probe = d.operator();
     loop {
         let runs = ok(&mut probe, json!({"op": "runs"}));
-        let admitted: u64 = runs["runs"].as_array().unwrap().iter().map(|r| r["effects"]["started"].as_u64().unwrap()).sum();
+        let admitted: u64 = runs["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["effects"]["started"].as_u64().unwrap())
+            .sum();
         if admitted >= 500 || Instant::now() > deadline {
             break;
         }
@@ -257,12 +489,27 @@ fn kill9_under_load_loses_nothing_acknowledged_and_admits_nothing_twice() {
     let mut a = d.agent();
     for (t, keys) in acked.iter().enumerate() {
         for (i, key) in keys.iter().enumerate() {
-            let v = ok(&mut a, json!({"op": "admit", "run": format!("load{t}"), "key": key, "tool": "pay", "args": {"i": i}}));
-            assert_eq!((verdict(&v), v["status"].as_str()), ("duplicate", Some("in_progress")), "acknowledged admission {t}/{key} lost");
+            let v = ok(
+                &mut a,
+                json!({"op": "admit", "run": format!("load{t}"), "key": key, "tool": "pay", "args": {"i": i}}),
+            );
+            assert_eq!(
+                (verdict(&v), v["status"].as_str()),
+                ("duplicate", Some("in_progress")),
+                "acknowledged admission {t}/{key} lost"
+            );
         }
     }
-    let verify = std::process::Command::new(common::bin()).args(["ledger", "verify", "--data"]).arg(d.data()).output().unwrap();
-    assert!(verify.status.success(), "{}", String::from_utf8_lossy(&verify.stdout));
+    let verify = std::process::Command::new(common::bin())
+        .args(["ledger", "verify", "--data"])
+        .arg(d.data())
+        .output()
+        .unwrap();
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
 }
 
 #[test]
@@ -273,12 +520,20 @@ fn malformed_input_gets_errors_and_the_connection_stays_usable() {
         (b"{not json", "bad_json"),
         (br#"{"id":1,"op":"fly"}"#, "unknown_op"),
         (br#"{"id":2,"op":"admit","run":"r"}"#, "missing_field"),
-        (br#"{"id":3,"op":"admit","run":"r","key":"k","tool":"pay","args":{},"digest":"00"}"#, "invalid_field"),
+        (
+            br#"{"id":3,"op":"admit","run":"r","key":"k","tool":"pay","args":{},"digest":"00"}"#,
+            "invalid_field",
+        ),
     ];
     for (line, code) in cases {
         a.send_raw(line).unwrap();
         match a.read_line().unwrap() {
-            estop_protocol::ServerLine::Reply(r) => assert_eq!(r.error.unwrap().code, *code, "{}", String::from_utf8_lossy(line)),
+            estop_protocol::ServerLine::Reply(r) => assert_eq!(
+                r.error.unwrap().code,
+                *code,
+                "{}",
+                String::from_utf8_lossy(line)
+            ),
             e => panic!("{e:?}"),
         }
     }
@@ -288,7 +543,10 @@ fn malformed_input_gets_errors_and_the_connection_stays_usable() {
         estop_protocol::ServerLine::Reply(r) => assert_eq!(r.error.unwrap().code, "line_too_long"),
         e => panic!("{e:?}"),
     }
-    assert_eq!(verdict(&admit(&mut a, "r", "k", "pay", json!({}))), "admitted");
+    assert_eq!(
+        verdict(&admit(&mut a, "r", "k", "pay", json!({}))),
+        "admitted"
+    );
     // Nothing was half-applied: only the one admission is in the ledger.
     let mut op = d.operator();
     let l = ok(&mut op, json!({"op": "ledger"}));
@@ -299,7 +557,13 @@ fn malformed_input_gets_errors_and_the_connection_stays_usable() {
 fn bounds_give_clear_errors() {
     let d = Daemon::start_with(&["--connections-max", "3"]);
     let mut a = d.agent();
-    assert_eq!(err_code(&mut a, json!({"op": "wait", "run": "r", "key": "k", "timeout_ms": 999_999_999})), "limit_exceeded");
+    assert_eq!(
+        err_code(
+            &mut a,
+            json!({"op": "wait", "run": "r", "key": "k", "timeout_ms": 999_999_999})
+        ),
+        "limit_exceeded"
+    );
     let _b = d.agent();
     let _c = d.agent();
     let mut over = estop_server::client::Client::connect(&d.socket()).unwrap();
@@ -309,7 +573,10 @@ fn bounds_give_clear_errors() {
     }
     // Policy deny is a refusal, recorded.
     let v = admit(&mut a, "r", "drop", "drop_table", json!({}));
-    assert_eq!((verdict(&v), v["reason"].as_str()), ("refused", Some("denied")));
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("refused", Some("denied"))
+    );
 }
 
 #[test]
@@ -321,7 +588,13 @@ fn sigterm_exits_zero_and_keeps_state() {
     assert_eq!(d.terminate(), Some(0));
     d.spawn();
     let mut op = d.operator();
-    assert_eq!(ok(&mut op, json!({"op": "pending"}))["pending"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        ok(&mut op, json!({"op": "pending"}))["pending"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
 }
 
 #[test]
@@ -360,19 +633,49 @@ fn soundgate_clients_run_unchanged() {
         serde_json::from_str(&out).unwrap()
     };
     assert_eq!(call(r#"{"op":"ping"}"#)["verdict"], "pong");
-    assert_eq!(call(r#"{"op":"submit","run_id":"1","effect_key":"a","needs_approval":false}"#)["verdict"], "release");
-    assert_eq!(call(r#"{"op":"submit","run_id":"1","effect_key":"a","needs_approval":false}"#)["verdict"], "refused_duplicate");
+    assert_eq!(
+        call(r#"{"op":"submit","run_id":"1","effect_key":"a","needs_approval":false}"#)["verdict"],
+        "release"
+    );
+    assert_eq!(
+        call(r#"{"op":"submit","run_id":"1","effect_key":"a","needs_approval":false}"#)["verdict"],
+        "refused_duplicate"
+    );
     // Held effects of a run hold its other writes (estop's sibling rule) — submit b in run 2.
-    assert_eq!(call(r#"{"op":"submit","run_id":"2","effect_key":"b","needs_approval":true}"#)["verdict"], "held_for_approval");
-    assert_eq!(call(r#"{"op":"decide","run_id":"2","effect_key":"b","approved":true}"#)["verdict"], "release");
-    assert_eq!(call(r#"{"op":"submit","run_id":"2","effect_key":"b","needs_approval":true}"#)["verdict"], "refused_duplicate");
-    assert_eq!(call(r#"{"op":"submit","run_id":"3","effect_key":"c","needs_approval":true}"#)["verdict"], "held_for_approval");
-    assert_eq!(call(r#"{"op":"decide","run_id":"3","effect_key":"c","approved":false}"#)["verdict"], "refused_rejected");
-    assert_eq!(call(r#"{"op":"submit","run_id":"3","effect_key":"c","needs_approval":true}"#)["verdict"], "refused_rejected");
+    assert_eq!(
+        call(r#"{"op":"submit","run_id":"2","effect_key":"b","needs_approval":true}"#)["verdict"],
+        "held_for_approval"
+    );
+    assert_eq!(
+        call(r#"{"op":"decide","run_id":"2","effect_key":"b","approved":true}"#)["verdict"],
+        "release"
+    );
+    assert_eq!(
+        call(r#"{"op":"submit","run_id":"2","effect_key":"b","needs_approval":true}"#)["verdict"],
+        "refused_duplicate"
+    );
+    assert_eq!(
+        call(r#"{"op":"submit","run_id":"3","effect_key":"c","needs_approval":true}"#)["verdict"],
+        "held_for_approval"
+    );
+    assert_eq!(
+        call(r#"{"op":"decide","run_id":"3","effect_key":"c","approved":false}"#)["verdict"],
+        "refused_rejected"
+    );
+    assert_eq!(
+        call(r#"{"op":"submit","run_id":"3","effect_key":"c","needs_approval":true}"#)["verdict"],
+        "refused_rejected"
+    );
     assert_eq!(call(r#"{"op":"cancel","run_id":"4"}"#)["verdict"], "ack");
-    assert_eq!(call(r#"{"op":"submit","run_id":"4","effect_key":"z","needs_approval":false}"#)["verdict"], "refused_cancelled");
+    assert_eq!(
+        call(r#"{"op":"submit","run_id":"4","effect_key":"z","needs_approval":false}"#)["verdict"],
+        "refused_cancelled"
+    );
     // Policy only strengthens: `refund` needs approval whatever the client says.
-    assert_eq!(call(r#"{"op":"submit","run_id":"5","effect_key":"refund","needs_approval":false}"#)["verdict"], "held_for_approval");
+    assert_eq!(
+        call(r#"{"op":"submit","run_id":"5","effect_key":"refund","needs_approval":false}"#)["verdict"],
+        "held_for_approval"
+    );
     assert_eq!(call(r#"{"op":"nope"}"#)["verdict"], "error");
 }
 
@@ -397,12 +700,21 @@ fn soundgate_decide_requires_a_valid_mac_when_a_secret_is_set() {
         r.read_line(&mut out).unwrap();
         serde_json::from_str(&out).unwrap()
     };
-    assert_eq!(call(r#"{"op":"submit","run_id":"1","effect_key":"a","needs_approval":true}"#)["verdict"], "held_for_approval");
-    let forged = call(r#"{"op":"decide","run_id":"1","effect_key":"a","approved":true,"mac":"00"}"#);
+    assert_eq!(
+        call(r#"{"op":"submit","run_id":"1","effect_key":"a","needs_approval":true}"#)["verdict"],
+        "held_for_approval"
+    );
+    let forged =
+        call(r#"{"op":"decide","run_id":"1","effect_key":"a","approved":true,"mac":"00"}"#);
     assert_eq!(forged["verdict"], "error");
-    assert_eq!(call(r#"{"op":"decide","run_id":"1","effect_key":"a","approved":true}"#)["verdict"], "error");
+    assert_eq!(
+        call(r#"{"op":"decide","run_id":"1","effect_key":"a","approved":true}"#)["verdict"],
+        "error"
+    );
     let mac = estop_protocol::soundgate::decision_tag_hex(dir_secret.as_bytes(), "1", "a", true);
-    let good = call(&format!(r#"{{"op":"decide","run_id":"1","effect_key":"a","approved":true,"mac":"{mac}"}}"#));
+    let good = call(&format!(
+        r#"{{"op":"decide","run_id":"1","effect_key":"a","approved":true,"mac":"{mac}"}}"#
+    ));
     assert_eq!(good["verdict"], "release");
 }
 

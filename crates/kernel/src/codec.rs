@@ -82,10 +82,18 @@ struct R<'a> {
 
 impl<'a> R<'a> {
     fn err(&self, problem: impl Into<String>) -> CodecError {
-        CodecError { what: self.what, offset: self.pos, problem: problem.into() }
+        CodecError {
+            what: self.what,
+            offset: self.pos,
+            problem: problem.into(),
+        }
     }
     fn take(&mut self, n: usize) -> Result<&'a [u8], CodecError> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| self.err("truncated"))?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| self.err("truncated"))?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -118,7 +126,10 @@ impl<'a> R<'a> {
     fn boxed(&mut self) -> Result<Box<str>, CodecError> {
         Ok(self.str()?.into())
     }
-    fn opt<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T, CodecError>) -> Result<Option<T>, CodecError> {
+    fn opt<T>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<T, CodecError>,
+    ) -> Result<Option<T>, CodecError> {
         match self.u8()? {
             0 => Ok(None),
             1 => Ok(Some(f(self)?)),
@@ -160,7 +171,9 @@ impl<'a> R<'a> {
     }
     fn enum_of<T: Copy>(&mut self, all: &[T]) -> Result<T, CodecError> {
         let i = self.u8()? as usize;
-        all.get(i).copied().ok_or_else(|| self.err(format!("bad enum index {i}")))
+        all.get(i)
+            .copied()
+            .ok_or_else(|| self.err(format!("bad enum index {i}")))
     }
     fn done(&self) -> Result<(), CodecError> {
         if self.pos == self.buf.len() {
@@ -172,7 +185,9 @@ impl<'a> R<'a> {
 }
 
 fn idx<T: PartialEq>(all: &[T], v: &T) -> u8 {
-    all.iter().position(|x| x == v).expect("vocabulary value is in ALL") as u8
+    all.iter()
+        .position(|x| x == v)
+        .expect("vocabulary value is in ALL") as u8
 }
 
 fn put_role(w: &mut W, r: Role) {
@@ -231,7 +246,14 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
             w.u32(token.epoch);
             w.u64(token.serial);
         }
-        Command::Complete { run, key, token, outcome, result, error } => {
+        Command::Complete {
+            run,
+            key,
+            token,
+            outcome,
+            result,
+            error,
+        } => {
             w.u8(4);
             w.str(run.as_str());
             w.str(key.as_str());
@@ -241,7 +263,12 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
             w.opt_str(result.as_deref());
             w.opt_str(error.as_deref());
         }
-        Command::Decide { run, key, decision, reason } => {
+        Command::Decide {
+            run,
+            key,
+            decision,
+            reason,
+        } => {
             w.u8(5);
             w.str(run.as_str());
             w.str(key.as_str());
@@ -279,7 +306,11 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
 }
 
 pub fn decode_record(buf: &[u8]) -> Result<Record, CodecError> {
-    let mut r = R { buf, pos: 0, what: "record" };
+    let mut r = R {
+        buf,
+        pos: 0,
+        what: "record",
+    };
     let v = r.u8()?;
     if v != RECORD_VERSION {
         return Err(r.err(format!("unsupported record version {v}")));
@@ -307,7 +338,10 @@ pub fn decode_record(buf: &[u8]) -> Result<Record, CodecError> {
             for _ in 0..n {
                 labels.push((r.boxed()?, r.boxed()?));
             }
-            let limits = RunLimits { deadline_at: r.opt(R::u64)?, max_effects: r.opt(R::u64)? };
+            let limits = RunLimits {
+                deadline_at: r.opt(R::u64)?,
+                max_effects: r.opt(R::u64)?,
+            };
             let policy = PolicyDecision {
                 action: r.enum_of(PolicyAction::ALL)?,
                 class: r.enum_of(EffectClass::ALL)?,
@@ -318,29 +352,69 @@ pub fn decode_record(buf: &[u8]) -> Result<Record, CodecError> {
                 expiry_ms: r.u64()?,
                 rule: r.boxed()?,
             };
-            Command::Admit(Admit { run, key, tool, digest, args, start, parent, labels, limits, policy })
+            Command::Admit(Admit {
+                run,
+                key,
+                tool,
+                digest,
+                args,
+                start,
+                parent,
+                labels,
+                limits,
+                policy,
+            })
         }
-        2 => Command::Recheck { run: r.run()?, key: r.key()? },
-        3 => Command::Start { run: r.run()?, key: r.key()?, token: Token { epoch: r.u32()?, serial: r.u64()? } },
+        2 => Command::Recheck {
+            run: r.run()?,
+            key: r.key()?,
+        },
+        3 => Command::Start {
+            run: r.run()?,
+            key: r.key()?,
+            token: Token {
+                epoch: r.u32()?,
+                serial: r.u64()?,
+            },
+        },
         4 => Command::Complete {
             run: r.run()?,
             key: r.key()?,
-            token: Token { epoch: r.u32()?, serial: r.u64()? },
+            token: Token {
+                epoch: r.u32()?,
+                serial: r.u64()?,
+            },
             outcome: r.enum_of(Outcome::ALL)?,
             result: r.opt(R::boxed)?,
             error: r.opt(R::boxed)?,
         },
-        5 => Command::Decide { run: r.run()?, key: r.key()?, decision: r.enum_of(Decision::ALL)?, reason: r.opt(R::boxed)? },
-        6 => Command::Cancel { run: r.run()?, reason: r.opt(R::boxed)?, kill: r.bool()? },
+        5 => Command::Decide {
+            run: r.run()?,
+            key: r.key()?,
+            decision: r.enum_of(Decision::ALL)?,
+            reason: r.opt(R::boxed)?,
+        },
+        6 => Command::Cancel {
+            run: r.run()?,
+            reason: r.opt(R::boxed)?,
+            kill: r.bool()?,
+        },
         7 => Command::Pause { run: r.run()? },
         8 => Command::Resume { run: r.run()? },
-        9 => Command::Close { run: r.run()?, failed: r.bool()? },
+        9 => Command::Close {
+            run: r.run()?,
+            failed: r.bool()?,
+        },
         10 => Command::Tick { run: r.run()? },
         11 => Command::Compact { before: r.u64()? },
         t => return Err(r.err(format!("unknown command tag {t}"))),
     };
     r.done()?;
-    Ok(Record { at, principal, command })
+    Ok(Record {
+        at,
+        principal,
+        command,
+    })
 }
 
 // ---------------------------------------------------------------- snapshots
@@ -358,11 +432,17 @@ fn get_status(r: &mut R) -> Result<Status, CodecError> {
     let kind = r.enum_of(EffectStatus::ALL)?;
     let sub = r.u8()?;
     let sub_of = |all_len: usize, r: &R| {
-        if (sub as usize) < all_len { Ok(sub as usize) } else { Err(r.err(format!("bad status detail {sub}"))) }
+        if (sub as usize) < all_len {
+            Ok(sub as usize)
+        } else {
+            Err(r.err(format!("bad status detail {sub}")))
+        }
     };
     Ok(match kind {
         EffectStatus::Held => Status::Held(HoldReason::ALL[sub_of(HoldReason::ALL.len(), r)?]),
-        EffectStatus::Refused => Status::Refused(RefusalReason::ALL[sub_of(RefusalReason::ALL.len(), r)?]),
+        EffectStatus::Refused => {
+            Status::Refused(RefusalReason::ALL[sub_of(RefusalReason::ALL.len(), r)?])
+        }
         EffectStatus::Approved => Status::Approved,
         EffectStatus::Admitted => Status::Admitted,
         EffectStatus::Started => Status::Started,
@@ -453,21 +533,44 @@ fn get_effect(r: &mut R) -> Result<Effect, CodecError> {
         let n = r.count(16)?;
         let mut approvers = Vec::with_capacity(n);
         for _ in 0..n {
-            approvers.push(Approver { name: r.principal_name()?, groups: r.strs()?, at: r.u64()? });
+            approvers.push(Approver {
+                name: r.principal_name()?,
+                groups: r.strs()?,
+                at: r.u64()?,
+            });
         }
         let rejected_by = r.opt(R::principal_name)?;
         let reason = r.opt(R::boxed)?;
-        Ok(Box::new(Approval { id, quorum, groups, expiry_ms, requested_at, expires_at, approvers, rejected_by, reason }))
+        Ok(Box::new(Approval {
+            id,
+            quorum,
+            groups,
+            expiry_ms,
+            requested_at,
+            expires_at,
+            approvers,
+            rejected_by,
+            reason,
+        }))
     })?;
     let args = r.opt(R::boxed)?;
     let start_on_admit = r.bool()?;
     let status = get_status(r)?;
-    let token = r.opt(|r| Ok(Token { epoch: r.u32()?, serial: r.u64()? }))?;
+    let token = r.opt(|r| {
+        Ok(Token {
+            epoch: r.u32()?,
+            serial: r.u64()?,
+        })
+    })?;
     let created_at = r.u64()?;
     let updated_at = r.u64()?;
     let late = r.bool()?;
     let outcome = r.opt(|r| {
-        Ok(Box::new(OutcomeRecord { outcome: r.opt(|r| r.enum_of(Outcome::ALL))?, result: r.opt(R::boxed)?, error: r.opt(R::boxed)? }))
+        Ok(Box::new(OutcomeRecord {
+            outcome: r.opt(|r| r.enum_of(Outcome::ALL))?,
+            result: r.opt(R::boxed)?,
+            error: r.opt(R::boxed)?,
+        }))
     })?;
     Ok(Effect {
         tool,
@@ -542,7 +645,11 @@ pub fn encode_snapshot(gate: &Gate, out: &mut Vec<u8>) {
 }
 
 pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
-    let mut r = R { buf, pos: 0, what: "snapshot" };
+    let mut r = R {
+        buf,
+        pos: 0,
+        what: "snapshot",
+    };
     let v = r.u8()?;
     if v != SNAPSHOT_VERSION {
         return Err(r.err(format!("unsupported snapshot version {v}")));
@@ -572,7 +679,10 @@ pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
             })
         })?;
         let epoch = r.u32()?;
-        let limits = RunLimits { deadline_at: r.opt(R::u64)?, max_effects: r.opt(R::u64)? };
+        let limits = RunLimits {
+            deadline_at: r.opt(R::u64)?,
+            max_effects: r.opt(R::u64)?,
+        };
         let admitted = r.u64()?;
         let pending_approvals = r.u32()?;
         let in_flight = r.u32()?;

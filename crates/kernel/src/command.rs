@@ -44,7 +44,10 @@ impl Token {
     /// Parses the wire form `"<epoch>.<serial>"`.
     pub fn parse(s: &str) -> Option<Token> {
         let (e, n) = s.split_once('.')?;
-        Some(Token { epoch: e.parse().ok()?, serial: n.parse().ok()? })
+        Some(Token {
+            epoch: e.parse().ok()?,
+            serial: n.parse().ok()?,
+        })
     }
 }
 
@@ -75,9 +78,16 @@ pub enum Command {
     /// Propose an effect (creates the run on its first admit).
     Admit(Admit),
     /// Re-evaluate a held effect and consume its approval if one is due (`wait`).
-    Recheck { run: RunId, key: EffectKey },
+    Recheck {
+        run: RunId,
+        key: EffectKey,
+    },
     /// The commit point of a two-phase effect.
-    Start { run: RunId, key: EffectKey, token: Token },
+    Start {
+        run: RunId,
+        key: EffectKey,
+        token: Token,
+    },
     Complete {
         run: RunId,
         key: EffectKey,
@@ -86,17 +96,37 @@ pub enum Command {
         result: Option<Box<str>>,
         error: Option<Box<str>>,
     },
-    Decide { run: RunId, key: EffectKey, decision: Decision, reason: Option<Box<str>> },
+    Decide {
+        run: RunId,
+        key: EffectKey,
+        decision: Decision,
+        reason: Option<Box<str>>,
+    },
     /// Fence the run and its descendants. `kill` skips compensation.
-    Cancel { run: RunId, reason: Option<Box<str>>, kill: bool },
-    Pause { run: RunId },
-    Resume { run: RunId },
+    Cancel {
+        run: RunId,
+        reason: Option<Box<str>>,
+        kill: bool,
+    },
+    Pause {
+        run: RunId,
+    },
+    Resume {
+        run: RunId,
+    },
     /// Normal end of a run (`failed` closes it as failed).
-    Close { run: RunId, failed: bool },
+    Close {
+        run: RunId,
+        failed: bool,
+    },
     /// Apply what time alone decides for a run: deadline fence, approval expiry.
-    Tick { run: RunId },
+    Tick {
+        run: RunId,
+    },
     /// Drop per-effect state of terminal runs stopped at or before `before`; fences stay.
-    Compact { before: u64 },
+    Compact {
+        before: u64,
+    },
 }
 
 impl Command {

@@ -2,15 +2,15 @@
 //! any mutation, so a command that returns an error has changed nothing.
 
 use crate::command::{Admit, Command, PolicyDecision, Token};
+use crate::ids::Role;
 use crate::ids::{EffectKey, Principal, RunId};
 use crate::limits::Limits;
 use crate::reply::{Applied, DecideStatus, Event, EventKind, KernelError, Reply, Verdict};
 use crate::state::{Approval, Approver, Effect, OutcomeRecord, Run, Status, Stop};
 use crate::transitions::{effect_legal, run_legal};
-use crate::ids::Role;
 use crate::vocab::{
-    Decision, EffectClass, EffectStatus, HoldReason, Outcome, PolicyAction, RefusalReason, RunState,
-    StopCause,
+    Decision, EffectClass, EffectStatus, HoldReason, Outcome, PolicyAction, RefusalReason,
+    RunState, StopCause,
 };
 use std::collections::BTreeMap;
 
@@ -41,15 +41,27 @@ fn terminal_state(cause: StopCause) -> RunState {
     match cause {
         StopCause::Closed => RunState::Completed,
         StopCause::Failed => RunState::Failed,
-        StopCause::Cancelled | StopCause::Killed | StopCause::Deadline | StopCause::Budget => RunState::Cancelled,
+        StopCause::Cancelled | StopCause::Killed | StopCause::Deadline | StopCause::Budget => {
+            RunState::Cancelled
+        }
     }
 }
 
 fn event(run: &RunId, key: Option<&EffectKey>, kind: EventKind) -> Event {
-    Event { run: run.clone(), key: key.cloned(), kind, detail: None }
+    Event {
+        run: run.clone(),
+        key: key.cloned(),
+        kind,
+        detail: None,
+    }
 }
 
-fn check_effect(run: &RunId, key: &EffectKey, from: Option<Status>, to: Status) -> Result<(), KernelError> {
+fn check_effect(
+    run: &RunId,
+    key: &EffectKey,
+    from: Option<Status>,
+    to: Status,
+) -> Result<(), KernelError> {
     let (f, t) = (from.map(Status::kind), to.kind());
     if effect_legal(f, t) {
         Ok(())
@@ -65,14 +77,20 @@ fn check_effect(run: &RunId, key: &EffectKey, from: Option<Status>, to: Status) 
 
 fn bounded(text: &Option<Box<str>>, max: usize, limit: &'static str) -> Result<(), KernelError> {
     match text {
-        Some(t) if t.len() > max => Err(KernelError::Limit { limit, max: max as u64 }),
+        Some(t) if t.len() > max => Err(KernelError::Limit {
+            limit,
+            max: max as u64,
+        }),
         _ => Ok(()),
     }
 }
 
 impl Gate {
     pub fn new(limits: Limits) -> Gate {
-        Gate { runs: BTreeMap::new(), limits }
+        Gate {
+            runs: BTreeMap::new(),
+            limits,
+        }
     }
 
     pub fn limits(&self) -> &Limits {
@@ -93,8 +111,12 @@ impl Gate {
 
     /// A run as the principal may see it: agents see only their own runs (and operator fences).
     pub fn visible_run(&self, principal: &Principal, id: &RunId) -> Result<&Run, KernelError> {
-        let run = self.runs.get(id).ok_or_else(|| KernelError::RunNotFound(id.clone()))?;
-        if principal.role == Role::Agent && run.owner.as_ref().is_some_and(|o| *o != principal.name) {
+        let run = self
+            .runs
+            .get(id)
+            .ok_or_else(|| KernelError::RunNotFound(id.clone()))?;
+        if principal.role == Role::Agent && run.owner.as_ref().is_some_and(|o| *o != principal.name)
+        {
             return Err(KernelError::RunNotFound(id.clone()));
         }
         Ok(run)
@@ -125,7 +147,10 @@ impl Gate {
     }
 
     fn chain<'a>(&'a self, id: &'a RunId) -> impl Iterator<Item = (&'a RunId, &'a Run)> + 'a {
-        self.runs.get_key_value(id).into_iter().chain(self.ancestors(id))
+        self.runs
+            .get_key_value(id)
+            .into_iter()
+            .chain(self.ancestors(id))
     }
 
     fn paused_in_chain(&self, id: &RunId) -> bool {
@@ -151,14 +176,21 @@ impl Gate {
             return None;
         }
         let expiries = run.effects.values().filter_map(|e| match e.status {
-            Status::Held(HoldReason::Approval) | Status::Approved => e.approval.as_ref().map(|a| a.expires_at),
+            Status::Held(HoldReason::Approval) | Status::Approved => {
+                e.approval.as_ref().map(|a| a.expires_at)
+            }
             _ => None,
         });
         run.limits.deadline_at.into_iter().chain(expiries).min()
     }
 
     /// Applies one command at time `now` (Unix ms) on behalf of `principal`.
-    pub fn apply(&mut self, now: u64, principal: &Principal, cmd: &Command) -> Result<Applied, KernelError> {
+    pub fn apply(
+        &mut self,
+        now: u64,
+        principal: &Principal,
+        cmd: &Command,
+    ) -> Result<Applied, KernelError> {
         let mut events = Vec::new();
         let (reply, changed) = match cmd {
             Command::Admit(a) => self.admit(now, principal, a, &mut events)?,
@@ -166,48 +198,98 @@ impl Gate {
                 self.visible_run(principal, run)?;
                 self.existing(now, run, key, &mut events)?
             }
-            Command::Start { run, key, token } => self.start(now, principal, run, key, *token, &mut events)?,
-            Command::Complete { run, key, token, outcome, result, error } => {
-                self.complete(now, principal, run, key, *token, *outcome, result, error, &mut events)?
+            Command::Start { run, key, token } => {
+                self.start(now, principal, run, key, *token, &mut events)?
             }
-            Command::Decide { run, key, decision, reason } => {
-                self.decide(now, principal, run, key, *decision, reason, &mut events)?
+            Command::Complete {
+                run,
+                key,
+                token,
+                outcome,
+                result,
+                error,
+            } => self.complete(
+                now,
+                principal,
+                run,
+                key,
+                *token,
+                *outcome,
+                result,
+                error,
+                &mut events,
+            )?,
+            Command::Decide {
+                run,
+                key,
+                decision,
+                reason,
+            } => self.decide(now, principal, run, key, *decision, reason, &mut events)?,
+            Command::Cancel { run, reason, kill } => {
+                self.cancel(now, principal, run, reason, *kill, &mut events)?
             }
-            Command::Cancel { run, reason, kill } => self.cancel(now, principal, run, reason, *kill, &mut events)?,
             Command::Pause { run } => self.pause(principal, run, true, &mut events)?,
             Command::Resume { run } => self.pause(principal, run, false, &mut events)?,
-            Command::Close { run, failed } => self.close(now, principal, run, *failed, &mut events)?,
+            Command::Close { run, failed } => {
+                self.close(now, principal, run, *failed, &mut events)?
+            }
             Command::Tick { run } => self.tick(now, run, &mut events)?,
             Command::Compact { before } => self.compact(*before)?,
         };
-        debug_assert!(changed || events.is_empty(), "events without a change: {events:?}");
-        Ok(Applied { reply, changed, events })
+        debug_assert!(
+            changed || events.is_empty(),
+            "events without a change: {events:?}"
+        );
+        Ok(Applied {
+            reply,
+            changed,
+            events,
+        })
     }
 
     // ---------------------------------------------------------------- admit
 
-    fn admit(&mut self, now: u64, p: &Principal, a: &Admit, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
+    fn admit(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        a: &Admit,
+        ev: &mut Vec<Event>,
+    ) -> Result<(Reply, bool), KernelError> {
         bounded(&a.args, self.limits.args_bytes_max, "args_bytes_max")?;
         if let Some(run) = self.runs.get(&a.run) {
             self.visible_run(p, &a.run)?;
-            if let Some(given) = &a.parent {
-                if run.parent.as_ref() != Some(given) {
-                    return Err(KernelError::ParentMismatch {
-                        run: a.run.clone(),
-                        existing: run.parent.as_ref().map_or_else(|| "none".to_string(), |r| r.to_string()),
-                        given: given.clone(),
-                    });
-                }
+            if let Some(given) = &a.parent
+                && run.parent.as_ref() != Some(given)
+            {
+                return Err(KernelError::ParentMismatch {
+                    run: a.run.clone(),
+                    existing: run
+                        .parent
+                        .as_ref()
+                        .map_or_else(|| "none".to_string(), |r| r.to_string()),
+                    given: given.clone(),
+                });
             }
             if let Some(effect) = run.effects.get(&a.key) {
                 if effect.digest != a.digest {
-                    return Ok((Reply::Verdict(Verdict::Refused { reason: RefusalReason::Mismatch }), false));
+                    return Ok((
+                        Reply::Verdict(Verdict::Refused {
+                            reason: RefusalReason::Mismatch,
+                        }),
+                        false,
+                    ));
                 }
                 return self.existing(now, &a.run, &a.key, ev);
             }
             if let Some(stop) = &run.stop {
                 // Nothing new starts in a stopped run; the fence is already on record.
-                return Ok((Reply::Verdict(Verdict::Refused { reason: stop.cause.refusal() }), false));
+                return Ok((
+                    Reply::Verdict(Verdict::Refused {
+                        reason: stop.cause.refusal(),
+                    }),
+                    false,
+                ));
             }
             if run.effects.len() >= self.limits.effects_per_run_max {
                 return Err(KernelError::Limit {
@@ -218,7 +300,12 @@ impl Gate {
         } else {
             self.create_run(now, p, a)?;
             if let Some(stop) = &self.runs[&a.run].stop {
-                return Ok((Reply::Verdict(Verdict::Refused { reason: stop.cause.refusal() }), true));
+                return Ok((
+                    Reply::Verdict(Verdict::Refused {
+                        reason: stop.cause.refusal(),
+                    }),
+                    true,
+                ));
             }
         }
         // Insert the new effect, then run the same admission as a held effect's re-check.
@@ -229,33 +316,59 @@ impl Gate {
         }
         let plan = self.plan(now, &a.run, &effect)?;
         check_effect(&a.run, &a.key, None, planned_status(&plan, &effect))?;
-        let run = self.runs.get_mut(&a.run).ok_or_else(|| KernelError::RunNotFound(a.run.clone()))?;
+        let run = self
+            .runs
+            .get_mut(&a.run)
+            .ok_or_else(|| KernelError::RunNotFound(a.run.clone()))?;
         run.effects.insert(a.key.clone(), effect);
         let verdict = self.carry_out(now, &a.run, &a.key, plan, ev);
         Ok((Reply::Verdict(verdict), true))
     }
 
     fn create_run(&mut self, now: u64, p: &Principal, a: &Admit) -> Result<(), KernelError> {
-        let new_runs = 1 + usize::from(a.parent.as_ref().is_some_and(|par| !self.runs.contains_key(par)));
+        let new_runs = 1 + usize::from(
+            a.parent
+                .as_ref()
+                .is_some_and(|par| !self.runs.contains_key(par)),
+        );
         if self.runs.len() + new_runs > self.limits.runs_max {
-            return Err(KernelError::Limit { limit: "runs_max", max: self.limits.runs_max as u64 });
+            return Err(KernelError::Limit {
+                limit: "runs_max",
+                max: self.limits.runs_max as u64,
+            });
         }
         if a.labels.len() > self.limits.labels_max {
-            return Err(KernelError::Limit { limit: "labels_max", max: self.limits.labels_max as u64 });
+            return Err(KernelError::Limit {
+                limit: "labels_max",
+                max: self.limits.labels_max as u64,
+            });
         }
-        if a.labels.iter().any(|(k, v)| k.len() + v.len() > self.limits.label_bytes_max) {
-            return Err(KernelError::Limit { limit: "label_bytes_max", max: self.limits.label_bytes_max as u64 });
+        if a.labels
+            .iter()
+            .any(|(k, v)| k.len() + v.len() > self.limits.label_bytes_max)
+        {
+            return Err(KernelError::Limit {
+                limit: "label_bytes_max",
+                max: self.limits.label_bytes_max as u64,
+            });
         }
         let mut inherited = None;
         if let Some(parent) = &a.parent {
             if parent == &a.run {
-                return Err(KernelError::ParentMismatch { run: a.run.clone(), existing: "none".into(), given: parent.clone() });
+                return Err(KernelError::ParentMismatch {
+                    run: a.run.clone(),
+                    existing: "none".into(),
+                    given: parent.clone(),
+                });
             }
             if let Some(prun) = self.runs.get(parent) {
                 self.visible_run(p, parent)?;
                 let depth = 1 + self.chain(parent).count();
                 if depth > self.limits.run_depth_max {
-                    return Err(KernelError::Limit { limit: "run_depth_max", max: self.limits.run_depth_max as u64 });
+                    return Err(KernelError::Limit {
+                        limit: "run_depth_max",
+                        max: self.limits.run_depth_max as u64,
+                    });
                 }
                 if let Some(stop) = &prun.stop {
                     inherited = Some(Stop {
@@ -268,7 +381,8 @@ impl Gate {
                 }
             } else {
                 // A sub-agent may admit before its parent did: the parent run comes into being.
-                self.runs.insert(parent.clone(), Run::new(now, Some(p.name.clone()), None));
+                self.runs
+                    .insert(parent.clone(), Run::new(now, Some(p.name.clone()), None));
             }
         }
         let mut run = Run::new(now, Some(p.name.clone()), a.parent.clone());
@@ -279,10 +393,8 @@ impl Gate {
             run.epoch += 1;
             run.stop = Some(stop);
         }
-        if let Some(parent) = &a.parent {
-            if let Some(prun) = self.runs.get_mut(parent) {
-                prun.children.push(a.run.clone());
-            }
+        if let Some(prun) = a.parent.as_ref().and_then(|p| self.runs.get_mut(p)) {
+            prun.children.push(a.run.clone());
         }
         self.runs.insert(a.run.clone(), run);
         Ok(())
@@ -304,7 +416,11 @@ impl Gate {
         if effect.action == PolicyAction::Deny {
             return Ok(Plan::Refuse(RefusalReason::Denied));
         }
-        if run.limits.max_effects.is_some_and(|max| run.admitted >= max) {
+        if run
+            .limits
+            .max_effects
+            .is_some_and(|max| run.admitted >= max)
+        {
             return Ok(Plan::FenceBudget);
         }
         if self.paused_in_chain(run_id) {
@@ -326,7 +442,14 @@ impl Gate {
     }
 
     /// Carries out a plan on an effect already in the run's map. Infallible: `plan` checked all.
-    fn carry_out(&mut self, now: u64, run_id: &RunId, key: &EffectKey, plan: Plan, ev: &mut Vec<Event>) -> Verdict {
+    fn carry_out(
+        &mut self,
+        now: u64,
+        run_id: &RunId,
+        key: &EffectKey,
+        plan: Plan,
+        ev: &mut Vec<Event>,
+    ) -> Verdict {
         match plan {
             Plan::Fenced(reason) | Plan::Refuse(reason) => {
                 self.refuse_effect(now, run_id, key, reason);
@@ -335,19 +458,27 @@ impl Gate {
             Plan::FenceDeadline(root) => {
                 self.stop_subtree(now, &root, StopCause::Deadline, None, None, ev);
                 self.refuse_effect(now, run_id, key, RefusalReason::Deadline);
-                Verdict::Refused { reason: RefusalReason::Deadline }
+                Verdict::Refused {
+                    reason: RefusalReason::Deadline,
+                }
             }
             Plan::FenceBudget => {
                 self.stop_subtree(now, run_id, StopCause::Budget, None, None, ev);
                 self.refuse_effect(now, run_id, key, RefusalReason::Budget);
-                Verdict::Refused { reason: RefusalReason::Budget }
+                Verdict::Refused {
+                    reason: RefusalReason::Budget,
+                }
             }
             Plan::Hold(reason) => {
                 let e = self.effect_mut(run_id, key);
                 e.status = Status::Held(reason);
                 e.updated_at = now;
                 ev.push(event(run_id, Some(key), EventKind::Held));
-                Verdict::Held { reason, approval: None, expires_at: None }
+                Verdict::Held {
+                    reason,
+                    approval: None,
+                    expires_at: None,
+                }
             }
             Plan::HoldApproval => {
                 let run = self.runs.get_mut(run_id).map(|r| {
@@ -359,25 +490,39 @@ impl Gate {
                 let e = self.effect_mut(run_id, key);
                 e.status = Status::Held(HoldReason::Approval);
                 e.updated_at = now;
-                let approval = e.approval.as_mut().expect("an effect held for approval has an approval");
+                let approval = e
+                    .approval
+                    .as_mut()
+                    .expect("an effect held for approval has an approval");
                 approval.id = id;
                 approval.requested_at = now;
                 approval.expires_at = now.saturating_add(approval.expiry_ms);
                 let expires_at = approval.expires_at;
                 ev.push(event(run_id, Some(key), EventKind::Held));
-                Verdict::Held { reason: HoldReason::Approval, approval: Some(id), expires_at: Some(expires_at) }
+                Verdict::Held {
+                    reason: HoldReason::Approval,
+                    approval: Some(id),
+                    expires_at: Some(expires_at),
+                }
             }
             Plan::Admit => {
                 let run = self.runs.get_mut(run_id).expect("planned run exists");
                 run.admitted += 1;
-                let token = Token { epoch: run.epoch, serial: run.next_serial };
+                let token = Token {
+                    epoch: run.epoch,
+                    serial: run.next_serial,
+                };
                 run.next_serial += 1;
                 let start = run.effects[key].start_on_admit;
                 if start {
                     run.in_flight += 1;
                 }
                 let e = run.effects.get_mut(key).expect("planned effect exists");
-                e.status = if start { Status::Started } else { Status::Admitted };
+                e.status = if start {
+                    Status::Started
+                } else {
+                    Status::Admitted
+                };
                 e.token = Some(token);
                 e.args = None;
                 e.updated_at = now;
@@ -388,7 +533,10 @@ impl Gate {
     }
 
     fn effect_mut(&mut self, run: &RunId, key: &EffectKey) -> &mut Effect {
-        self.runs.get_mut(run).and_then(|r| r.effects.get_mut(key)).expect("effect exists")
+        self.runs
+            .get_mut(run)
+            .and_then(|r| r.effects.get_mut(key))
+            .expect("effect exists")
     }
 
     fn refuse_effect(&mut self, now: u64, run_id: &RunId, key: &EffectKey, reason: RefusalReason) {
@@ -403,13 +551,30 @@ impl Gate {
     }
 
     /// A repeat `admit` of a known identity, or a `wait` re-check.
-    fn existing(&mut self, now: u64, run_id: &RunId, key: &EffectKey, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
-        let run = self.runs.get(run_id).ok_or_else(|| KernelError::RunNotFound(run_id.clone()))?;
-        let effect = run.effects.get(key).ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+    fn existing(
+        &mut self,
+        now: u64,
+        run_id: &RunId,
+        key: &EffectKey,
+        ev: &mut Vec<Event>,
+    ) -> Result<(Reply, bool), KernelError> {
+        let run = self
+            .runs
+            .get(run_id)
+            .ok_or_else(|| KernelError::RunNotFound(run_id.clone()))?;
+        let effect = run
+            .effects
+            .get(key)
+            .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
         let verdict = |v| Ok((Reply::Verdict(v), false));
         match effect.status {
             Status::Refused(reason) => verdict(Verdict::Refused { reason }),
-            Status::Started => verdict(Verdict::Duplicate { status: EffectStatus::Started, outcome: None, result: None, error: None }),
+            Status::Started => verdict(Verdict::Duplicate {
+                status: EffectStatus::Started,
+                outcome: None,
+                result: None,
+                error: None,
+            }),
             Status::Completed
             | Status::Failed
             | Status::Unknown
@@ -418,7 +583,12 @@ impl Gate {
             | Status::CompensationFailed
             | Status::NeedsHuman => {
                 let rec = effect.outcome.as_deref().cloned().unwrap_or_default();
-                verdict(Verdict::Duplicate { status: effect.status.kind(), outcome: rec.outcome, result: rec.result, error: rec.error })
+                verdict(Verdict::Duplicate {
+                    status: effect.status.kind(),
+                    outcome: rec.outcome,
+                    result: rec.result,
+                    error: rec.error,
+                })
             }
             Status::Admitted => {
                 if let Some(stop) = &run.stop {
@@ -428,39 +598,79 @@ impl Gate {
                     return Ok((Reply::Verdict(Verdict::Refused { reason }), true));
                 }
                 // A lost reply costs nothing: the same token again.
-                verdict(Verdict::Admitted { token: effect.token.expect("admitted effects carry a token") })
+                verdict(Verdict::Admitted {
+                    token: effect.token.expect("admitted effects carry a token"),
+                })
             }
             Status::Held(HoldReason::Approval) => {
                 let approval = effect.approval.as_ref().expect("held for approval");
                 if now >= approval.expires_at {
                     self.expire(now, run_id, key, ev);
-                    return Ok((Reply::Verdict(Verdict::Refused { reason: RefusalReason::Expired }), true));
+                    return Ok((
+                        Reply::Verdict(Verdict::Refused {
+                            reason: RefusalReason::Expired,
+                        }),
+                        true,
+                    ));
                 }
-                verdict(Verdict::Held { reason: HoldReason::Approval, approval: Some(approval.id), expires_at: Some(approval.expires_at) })
+                verdict(Verdict::Held {
+                    reason: HoldReason::Approval,
+                    approval: Some(approval.id),
+                    expires_at: Some(approval.expires_at),
+                })
             }
             Status::Approved => {
                 let expires_at = effect.approval.as_ref().map_or(0, |a| a.expires_at);
                 let plan = self.plan(now, run_id, effect)?;
                 match plan {
                     // An approved effect behind a pause or a sibling keeps its approval and waits.
-                    Plan::Hold(reason) => verdict(Verdict::Held { reason, approval: None, expires_at: None }),
+                    Plan::Hold(reason) => verdict(Verdict::Held {
+                        reason,
+                        approval: None,
+                        expires_at: None,
+                    }),
                     Plan::Admit if now >= expires_at => {
                         self.expire(now, run_id, key, ev);
-                        Ok((Reply::Verdict(Verdict::Refused { reason: RefusalReason::Expired }), true))
+                        Ok((
+                            Reply::Verdict(Verdict::Refused {
+                                reason: RefusalReason::Expired,
+                            }),
+                            true,
+                        ))
                     }
                     plan => {
-                        check_effect(run_id, key, Some(effect.status), planned_status(&plan, effect))?;
-                        Ok((Reply::Verdict(self.carry_out(now, run_id, key, plan, ev)), true))
+                        check_effect(
+                            run_id,
+                            key,
+                            Some(effect.status),
+                            planned_status(&plan, effect),
+                        )?;
+                        Ok((
+                            Reply::Verdict(self.carry_out(now, run_id, key, plan, ev)),
+                            true,
+                        ))
                     }
                 }
             }
             Status::Held(reason) => {
                 let plan = self.plan(now, run_id, effect)?;
                 match plan {
-                    Plan::Hold(same) if same == reason => verdict(Verdict::Held { reason, approval: None, expires_at: None }),
+                    Plan::Hold(same) if same == reason => verdict(Verdict::Held {
+                        reason,
+                        approval: None,
+                        expires_at: None,
+                    }),
                     plan => {
-                        check_effect(run_id, key, Some(effect.status), planned_status(&plan, effect))?;
-                        Ok((Reply::Verdict(self.carry_out(now, run_id, key, plan, ev)), true))
+                        check_effect(
+                            run_id,
+                            key,
+                            Some(effect.status),
+                            planned_status(&plan, effect),
+                        )?;
+                        Ok((
+                            Reply::Verdict(self.carry_out(now, run_id, key, plan, ev)),
+                            true,
+                        ))
                     }
                 }
             }
@@ -474,18 +684,34 @@ impl Gate {
 
     // ---------------------------------------------------------------- start / complete
 
-    fn start(&mut self, now: u64, p: &Principal, run_id: &RunId, key: &EffectKey, token: Token, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
+    fn start(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+        token: Token,
+        ev: &mut Vec<Event>,
+    ) -> Result<(Reply, bool), KernelError> {
         let run = self.visible_run(p, run_id)?;
-        let effect = run.effects.get(key).ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        let effect = run
+            .effects
+            .get(key)
+            .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
         if effect.token != Some(token) {
             if let Status::Refused(reason) = effect.status {
                 return Ok((Reply::Verdict(Verdict::Refused { reason }), false));
             }
-            return Err(KernelError::BadToken { run: run_id.clone(), key: key.clone() });
+            return Err(KernelError::BadToken {
+                run: run_id.clone(),
+                key: key.clone(),
+            });
         }
         match effect.status {
             Status::Admitted => {}
-            Status::Refused(reason) => return Ok((Reply::Verdict(Verdict::Refused { reason }), false)),
+            Status::Refused(reason) => {
+                return Ok((Reply::Verdict(Verdict::Refused { reason }), false));
+            }
             _ => return self.existing(now, run_id, key, ev),
         }
         if let Some(stop) = &run.stop {
@@ -497,13 +723,32 @@ impl Gate {
         if let Some(root) = self.overdue_in_chain(run_id, now) {
             self.stop_subtree(now, &root, StopCause::Deadline, None, None, ev);
             self.refuse_effect(now, run_id, key, RefusalReason::Deadline);
-            return Ok((Reply::Verdict(Verdict::Refused { reason: RefusalReason::Deadline }), true));
+            return Ok((
+                Reply::Verdict(Verdict::Refused {
+                    reason: RefusalReason::Deadline,
+                }),
+                true,
+            ));
         }
         if self.paused_in_chain(run_id) {
-            return Ok((Reply::Verdict(Verdict::Held { reason: HoldReason::Paused, approval: None, expires_at: None }), false));
+            return Ok((
+                Reply::Verdict(Verdict::Held {
+                    reason: HoldReason::Paused,
+                    approval: None,
+                    expires_at: None,
+                }),
+                false,
+            ));
         }
         if effect.class == EffectClass::Write && self.pending_in_chain(run_id) {
-            return Ok((Reply::Verdict(Verdict::Held { reason: HoldReason::Sibling, approval: None, expires_at: None }), false));
+            return Ok((
+                Reply::Verdict(Verdict::Held {
+                    reason: HoldReason::Sibling,
+                    approval: None,
+                    expires_at: None,
+                }),
+                false,
+            ));
         }
         check_effect(run_id, key, Some(Status::Admitted), Status::Started)?;
         let run = self.runs.get_mut(run_id).expect("visible run exists");
@@ -528,14 +773,26 @@ impl Gate {
         ev: &mut Vec<Event>,
     ) -> Result<(Reply, bool), KernelError> {
         let run = self.visible_run(p, run_id)?;
-        let effect = run.effects.get(key).ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        let effect = run
+            .effects
+            .get(key)
+            .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
         if effect.token != Some(token) {
-            return Err(KernelError::BadToken { run: run_id.clone(), key: key.clone() });
+            return Err(KernelError::BadToken {
+                run: run_id.clone(),
+                key: key.clone(),
+            });
         }
         bounded(result, self.limits.result_bytes_max, "result_bytes_max")?;
         bounded(error, self.limits.result_bytes_max, "result_bytes_max")?;
         let late = run.stop.is_some();
-        let record = || Box::new(OutcomeRecord { outcome: Some(outcome), result: result.clone(), error: error.clone() });
+        let record = || {
+            Box::new(OutcomeRecord {
+                outcome: Some(outcome),
+                result: result.clone(),
+                error: error.clone(),
+            })
+        };
         let to = match outcome {
             Outcome::Ok => Status::Completed,
             Outcome::Error => Status::Failed,
@@ -566,7 +823,11 @@ impl Gate {
                 if same {
                     Ok((Reply::Completed { late: effect.late }, false))
                 } else {
-                    Err(KernelError::AlreadyCompleted { run: run_id.clone(), key: key.clone(), outcome: effect.status.kind().as_str() })
+                    Err(KernelError::AlreadyCompleted {
+                        run: run_id.clone(),
+                        key: key.clone(),
+                        outcome: effect.status.kind().as_str(),
+                    })
                 }
             }
             Status::Refused(_) => {
@@ -581,7 +842,10 @@ impl Gate {
                 ev.push(event(run_id, Some(key), EventKind::Completed));
                 Ok((Reply::Completed { late: true }, true))
             }
-            _ => Err(KernelError::NotStarted { run: run_id.clone(), key: key.clone() }),
+            _ => Err(KernelError::NotStarted {
+                run: run_id.clone(),
+                key: key.clone(),
+            }),
         }
     }
 
@@ -589,7 +853,12 @@ impl Gate {
     fn settle_run(&mut self, run_id: &RunId, ev: &mut Vec<Event>) {
         let run = self.runs.get_mut(run_id).expect("run exists");
         if run.state == RunState::Finalizing && run.in_flight == 0 {
-            let to = terminal_state(run.stop.as_ref().expect("finalizing runs are stopped").cause);
+            let to = terminal_state(
+                run.stop
+                    .as_ref()
+                    .expect("finalizing runs are stopped")
+                    .cause,
+            );
             assert!(run_legal(run.state, to));
             run.state = to;
             ev.push(event(run_id, None, EventKind::Closed));
@@ -613,9 +882,19 @@ impl Gate {
             return Err(KernelError::Forbidden);
         }
         bounded(reason, self.limits.reason_bytes_max, "reason_bytes_max")?;
-        let run = self.runs.get(run_id).ok_or_else(|| KernelError::RunNotFound(run_id.clone()))?;
-        let effect = run.effects.get(key).ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
-        let not_awaiting = |status| KernelError::NotAwaitingApproval { run: run_id.clone(), key: key.clone(), status };
+        let run = self
+            .runs
+            .get(run_id)
+            .ok_or_else(|| KernelError::RunNotFound(run_id.clone()))?;
+        let effect = run
+            .effects
+            .get(key)
+            .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        let not_awaiting = |status| KernelError::NotAwaitingApproval {
+            run: run_id.clone(),
+            key: key.clone(),
+            status,
+        };
         if effect.status != Status::Held(HoldReason::Approval) {
             let status = match effect.status {
                 Status::Held(HoldReason::Sibling) => "held behind a sibling",
@@ -631,12 +910,21 @@ impl Gate {
         }
         match decision {
             Decision::Reject => {
-                check_effect(run_id, key, Some(effect.status), Status::Refused(RefusalReason::Rejected))?;
+                check_effect(
+                    run_id,
+                    key,
+                    Some(effect.status),
+                    Status::Refused(RefusalReason::Rejected),
+                )?;
                 let digest = effect.digest;
                 self.refuse_effect(now, run_id, key, RefusalReason::Rejected);
                 let run = self.runs.get_mut(run_id).expect("run exists");
                 run.rejected.insert(digest);
-                let a = run.effects.get_mut(key).and_then(|e| e.approval.as_mut()).expect("approval");
+                let a = run
+                    .effects
+                    .get_mut(key)
+                    .and_then(|e| e.approval.as_mut())
+                    .expect("approval");
                 a.rejected_by = Some(p.name.clone());
                 a.reason = reason.clone();
                 ev.push(event(run_id, Some(key), EventKind::Decided));
@@ -644,10 +932,18 @@ impl Gate {
             }
             Decision::Approve => {
                 if approval.approvers.iter().any(|a| a.name == p.name) {
-                    return Err(KernelError::DuplicateApprover { run: run_id.clone(), key: key.clone(), principal: p.name.to_string() });
+                    return Err(KernelError::DuplicateApprover {
+                        run: run_id.clone(),
+                        key: key.clone(),
+                        principal: p.name.to_string(),
+                    });
                 }
                 let mut next = (**approval).clone();
-                next.approvers.push(Approver { name: p.name.clone(), groups: p.groups.clone(), at: now });
+                next.approvers.push(Approver {
+                    name: p.name.clone(),
+                    groups: p.groups.clone(),
+                    at: now,
+                });
                 if reason.is_some() {
                     next.reason = reason.clone();
                 }
@@ -672,7 +968,14 @@ impl Gate {
                     run.pending_approvals -= 1;
                     Ok((Reply::Decided(DecideStatus::Approved), true))
                 } else {
-                    Ok((Reply::Decided(DecideStatus::Pending { approvals, quorum, missing_groups }), true))
+                    Ok((
+                        Reply::Decided(DecideStatus::Pending {
+                            approvals,
+                            quorum,
+                            missing_groups,
+                        }),
+                        true,
+                    ))
                 }
             }
         }
@@ -680,7 +983,15 @@ impl Gate {
 
     // ---------------------------------------------------------------- stops
 
-    fn cancel(&mut self, now: u64, p: &Principal, run_id: &RunId, reason: &Option<Box<str>>, kill: bool, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
+    fn cancel(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        reason: &Option<Box<str>>,
+        kill: bool,
+        ev: &mut Vec<Event>,
+    ) -> Result<(Reply, bool), KernelError> {
         if kill && p.role != Role::Operator {
             return Err(KernelError::Forbidden);
         }
@@ -688,7 +999,10 @@ impl Gate {
         if !self.runs.contains_key(run_id) {
             // A fence may be set before the run's first admit; it then refuses every admit.
             if self.runs.len() >= self.limits.runs_max {
-                return Err(KernelError::Limit { limit: "runs_max", max: self.limits.runs_max as u64 });
+                return Err(KernelError::Limit {
+                    limit: "runs_max",
+                    max: self.limits.runs_max as u64,
+                });
             }
             let owner = (p.role == Role::Agent).then(|| p.name.clone());
             self.runs.insert(run_id.clone(), Run::new(now, owner, None));
@@ -697,35 +1011,88 @@ impl Gate {
         }
         let run = &self.runs[run_id];
         if run.stop.is_some() {
-            return Ok((Reply::RunState { state: run.state, runs_changed: 0 }, false));
+            return Ok((
+                Reply::RunState {
+                    state: run.state,
+                    runs_changed: 0,
+                },
+                false,
+            ));
         }
-        let cause = if kill { StopCause::Killed } else { StopCause::Cancelled };
+        let cause = if kill {
+            StopCause::Killed
+        } else {
+            StopCause::Cancelled
+        };
         let n = self.stop_subtree(now, run_id, cause, reason.clone(), Some(p), ev);
-        Ok((Reply::RunState { state: self.runs[run_id].state, runs_changed: n }, true))
+        Ok((
+            Reply::RunState {
+                state: self.runs[run_id].state,
+                runs_changed: n,
+            },
+            true,
+        ))
     }
 
-    fn close(&mut self, now: u64, p: &Principal, run_id: &RunId, failed: bool, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
+    fn close(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        failed: bool,
+        ev: &mut Vec<Event>,
+    ) -> Result<(Reply, bool), KernelError> {
         let run = self.visible_run(p, run_id)?;
         if run.stop.is_some() {
-            return Ok((Reply::RunState { state: run.state, runs_changed: 0 }, false));
+            return Ok((
+                Reply::RunState {
+                    state: run.state,
+                    runs_changed: 0,
+                },
+                false,
+            ));
         }
-        let cause = if failed { StopCause::Failed } else { StopCause::Closed };
+        let cause = if failed {
+            StopCause::Failed
+        } else {
+            StopCause::Closed
+        };
         let n = self.stop_subtree(now, run_id, cause, None, Some(p), ev);
-        Ok((Reply::RunState { state: self.runs[run_id].state, runs_changed: n }, true))
+        Ok((
+            Reply::RunState {
+                state: self.runs[run_id].state,
+                runs_changed: n,
+            },
+            true,
+        ))
     }
 
     /// Fences the run and every descendant not already stopped: bumps the epoch, voids what
     /// has not started, and moves each to finalizing (effects in flight) or its terminal state.
     /// Work is proportional to the size of the subtree, never to the whole gate.
-    fn stop_subtree(&mut self, now: u64, root: &RunId, cause: StopCause, reason: Option<Box<str>>, by: Option<&Principal>, ev: &mut Vec<Event>) -> u32 {
+    fn stop_subtree(
+        &mut self,
+        now: u64,
+        root: &RunId,
+        cause: StopCause,
+        reason: Option<Box<str>>,
+        by: Option<&Principal>,
+        ev: &mut Vec<Event>,
+    ) -> u32 {
         let refusal = cause.refusal();
         let mut changed = 0;
         for id in self.subtree(root) {
-            let Some(run) = self.runs.get_mut(&id) else { continue };
+            let Some(run) = self.runs.get_mut(&id) else {
+                continue;
+            };
             if run.stop.is_some() {
                 continue;
             }
-            let to = if run.in_flight > 0 { RunState::Finalizing } else { terminal_state(cause) };
+            let to = if run.in_flight > 0 {
+                RunState::Finalizing
+            } else {
+                terminal_state(cause)
+            };
             assert!(run_legal(run.state, to), "{} -> {}", run.state, to);
             run.epoch += 1;
             run.stop = Some(Stop {
@@ -747,40 +1114,94 @@ impl Gate {
             run.state = to;
             changed += 1;
             let kind = match cause {
-                StopCause::Closed | StopCause::Failed if to != RunState::Finalizing => EventKind::Closed,
+                StopCause::Closed | StopCause::Failed if to != RunState::Finalizing => {
+                    EventKind::Closed
+                }
                 _ if to == RunState::Finalizing => EventKind::Finalizing,
                 _ => EventKind::Cancelled,
             };
-            ev.push(Event { run: id.clone(), key: None, kind, detail: Some(cause.as_str()) });
+            ev.push(Event {
+                run: id.clone(),
+                key: None,
+                kind,
+                detail: Some(cause.as_str()),
+            });
         }
         changed
     }
 
-    fn pause(&mut self, p: &Principal, run_id: &RunId, pause: bool, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
+    fn pause(
+        &mut self,
+        p: &Principal,
+        run_id: &RunId,
+        pause: bool,
+        ev: &mut Vec<Event>,
+    ) -> Result<(Reply, bool), KernelError> {
         if p.role != Role::Operator {
             return Err(KernelError::Forbidden);
         }
-        let run = self.runs.get(run_id).ok_or_else(|| KernelError::RunNotFound(run_id.clone()))?;
+        let run = self
+            .runs
+            .get(run_id)
+            .ok_or_else(|| KernelError::RunNotFound(run_id.clone()))?;
         let (from, to) = match (run.state, pause) {
             (RunState::Active, true) => (RunState::Active, RunState::Paused),
             (RunState::Paused, false) => (RunState::Paused, RunState::Active),
             (RunState::Paused, true) | (RunState::Active, false) => {
-                return Ok((Reply::RunState { state: run.state, runs_changed: 0 }, false));
+                return Ok((
+                    Reply::RunState {
+                        state: run.state,
+                        runs_changed: 0,
+                    },
+                    false,
+                ));
             }
             (state, _) => {
-                return Err(KernelError::InvalidState { run: run_id.clone(), state: state.as_str(), what: if pause { "pause" } else { "resume" } });
+                return Err(KernelError::InvalidState {
+                    run: run_id.clone(),
+                    state: state.as_str(),
+                    what: if pause { "pause" } else { "resume" },
+                });
             }
         };
         assert!(run_legal(from, to));
         self.runs.get_mut(run_id).expect("run exists").state = to;
-        ev.push(event(run_id, None, if pause { EventKind::Paused } else { EventKind::Resumed }));
-        Ok((Reply::RunState { state: to, runs_changed: 1 }, true))
+        ev.push(event(
+            run_id,
+            None,
+            if pause {
+                EventKind::Paused
+            } else {
+                EventKind::Resumed
+            },
+        ));
+        Ok((
+            Reply::RunState {
+                state: to,
+                runs_changed: 1,
+            },
+            true,
+        ))
     }
 
-    fn tick(&mut self, now: u64, run_id: &RunId, ev: &mut Vec<Event>) -> Result<(Reply, bool), KernelError> {
-        let run = self.runs.get(run_id).ok_or_else(|| KernelError::RunNotFound(run_id.clone()))?;
+    fn tick(
+        &mut self,
+        now: u64,
+        run_id: &RunId,
+        ev: &mut Vec<Event>,
+    ) -> Result<(Reply, bool), KernelError> {
+        let run = self
+            .runs
+            .get(run_id)
+            .ok_or_else(|| KernelError::RunNotFound(run_id.clone()))?;
         if run.stop.is_some() {
-            return Ok((Reply::RunState { state: run.state, runs_changed: 0 }, false));
+            return Ok((
+                Reply::RunState {
+                    state: run.state,
+                    runs_changed: 0,
+                },
+                false,
+            ));
         }
         let mut changed = 0;
         if let Some(root) = self.overdue_in_chain(run_id, now) {
@@ -790,8 +1211,10 @@ impl Gate {
                 .effects
                 .iter()
                 .filter(|(_, e)| {
-                    matches!(e.status, Status::Held(HoldReason::Approval) | Status::Approved)
-                        && e.approval.as_ref().is_some_and(|a| now >= a.expires_at)
+                    matches!(
+                        e.status,
+                        Status::Held(HoldReason::Approval) | Status::Approved
+                    ) && e.approval.as_ref().is_some_and(|a| now >= a.expires_at)
                 })
                 .map(|(k, _)| k.clone())
                 .collect();
@@ -800,13 +1223,22 @@ impl Gate {
                 changed += 1;
             }
         }
-        Ok((Reply::RunState { state: self.runs[run_id].state, runs_changed: changed }, changed > 0))
+        Ok((
+            Reply::RunState {
+                state: self.runs[run_id].state,
+                runs_changed: changed,
+            },
+            changed > 0,
+        ))
     }
 
     fn compact(&mut self, before: u64) -> Result<(Reply, bool), KernelError> {
         let mut n = 0;
         for run in self.runs.values_mut() {
-            if run.state.is_terminal() && !run.compacted && run.stop.as_ref().is_some_and(|s| s.at <= before) {
+            if run.state.is_terminal()
+                && !run.compacted
+                && run.stop.as_ref().is_some_and(|s| s.at <= before)
+            {
                 run.effects = BTreeMap::new();
                 run.rejected = Default::default();
                 run.compacted = true;

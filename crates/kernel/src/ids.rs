@@ -11,7 +11,11 @@ pub enum IdError {
     #[error("{what} is empty")]
     Empty { what: &'static str },
     #[error("{what} is {len} bytes, longer than the limit of {max}")]
-    TooLong { what: &'static str, len: usize, max: usize },
+    TooLong {
+        what: &'static str,
+        len: usize,
+        max: usize,
+    },
     #[error("{what} contains a control character")]
     Control { what: &'static str },
 }
@@ -21,7 +25,11 @@ fn check(what: &'static str, s: &str) -> Result<(), IdError> {
         return Err(IdError::Empty { what });
     }
     if s.len() > NAME_BYTES_MAX {
-        return Err(IdError::TooLong { what, len: s.len(), max: NAME_BYTES_MAX });
+        return Err(IdError::TooLong {
+            what,
+            len: s.len(),
+            max: NAME_BYTES_MAX,
+        });
     }
     if s.chars().any(char::is_control) {
         return Err(IdError::Control { what });
@@ -175,6 +183,9 @@ mod tests {
         assert!(RunId::new("").is_err());
         assert!(RunId::new(&"x".repeat(NAME_BYTES_MAX + 1)).is_err());
         assert!(RunId::new("a\nb").is_err());
-        assert_eq!(RunId::new("run-1").map(|r| r.to_string()), Ok("run-1".to_string()));
+        assert_eq!(
+            RunId::new("run-1").map(|r| r.to_string()),
+            Ok("run-1".to_string())
+        );
     }
 }

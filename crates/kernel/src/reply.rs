@@ -7,13 +7,26 @@ use crate::vocab::{EffectStatus, HoldReason, Outcome, RefusalReason, RunState};
 /// The answer to `admit`, `wait` and `start`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
-    Admitted { token: Token },
+    Admitted {
+        token: Token,
+    },
     /// `start` said go (or `admit` with `start` admitted *and* started it).
     Go,
-    Held { reason: HoldReason, approval: Option<u64>, expires_at: Option<u64> },
-    Refused { reason: RefusalReason },
+    Held {
+        reason: HoldReason,
+        approval: Option<u64>,
+        expires_at: Option<u64>,
+    },
+    Refused {
+        reason: RefusalReason,
+    },
     /// The identity was admitted before: its recorded status and outcome (a receipt).
-    Duplicate { status: EffectStatus, outcome: Option<Outcome>, result: Option<Box<str>>, error: Option<Box<str>> },
+    Duplicate {
+        status: EffectStatus,
+        outcome: Option<Outcome>,
+        result: Option<Box<str>>,
+        error: Option<Box<str>>,
+    },
 }
 
 /// Progress of a decision.
@@ -22,7 +35,11 @@ pub enum DecideStatus {
     /// Quorum reached: the agent's `wait` now admits it.
     Approved,
     /// More approvers are needed (`missing_groups`: groups no approver so far belongs to).
-    Pending { approvals: u32, quorum: u32, missing_groups: Vec<Box<str>> },
+    Pending {
+        approvals: u32,
+        quorum: u32,
+        missing_groups: Vec<Box<str>>,
+    },
     Rejected,
 }
 
@@ -30,12 +47,19 @@ pub enum DecideStatus {
 pub enum Reply {
     Verdict(Verdict),
     /// `complete` was recorded; `late` when the run had been stopped before it arrived.
-    Completed { late: bool },
+    Completed {
+        late: bool,
+    },
     Decided(DecideStatus),
     /// The run's state after a cancel, pause, resume, close or tick, and how many runs changed.
-    RunState { state: RunState, runs_changed: u32 },
+    RunState {
+        state: RunState,
+        runs_changed: u32,
+    },
     /// Compaction: runs whose per-effect state was dropped.
-    Compacted { runs: u32 },
+    Compacted {
+        runs: u32,
+    },
 }
 
 /// Errors a client, an agent or an operator can cause. Each writes nothing.
@@ -46,23 +70,50 @@ pub enum KernelError {
     #[error("effect {1} of run {0} not found")]
     EffectNotFound(RunId, EffectKey),
     #[error("effect {key} of run {run} is not awaiting approval (it is {status})")]
-    NotAwaitingApproval { run: RunId, key: EffectKey, status: &'static str },
-    #[error("{principal} has already approved effect {key} of run {run}; a quorum needs distinct approvers")]
-    DuplicateApprover { run: RunId, key: EffectKey, principal: String },
+    NotAwaitingApproval {
+        run: RunId,
+        key: EffectKey,
+        status: &'static str,
+    },
+    #[error(
+        "{principal} has already approved effect {key} of run {run}; a quorum needs distinct approvers"
+    )]
+    DuplicateApprover {
+        run: RunId,
+        key: EffectKey,
+        principal: String,
+    },
     #[error("the token does not belong to effect {key} of run {run}")]
     BadToken { run: RunId, key: EffectKey },
     #[error("effect {key} of run {run} was not started (call start first)")]
     NotStarted { run: RunId, key: EffectKey },
     #[error("effect {key} of run {run} already completed with outcome {outcome}")]
-    AlreadyCompleted { run: RunId, key: EffectKey, outcome: &'static str },
+    AlreadyCompleted {
+        run: RunId,
+        key: EffectKey,
+        outcome: &'static str,
+    },
     #[error("run {run} already has parent {existing}, not {given}")]
-    ParentMismatch { run: RunId, existing: String, given: RunId },
+    ParentMismatch {
+        run: RunId,
+        existing: String,
+        given: RunId,
+    },
     #[error("run {run} is {state}: {what} is not possible")]
-    InvalidState { run: RunId, state: &'static str, what: &'static str },
+    InvalidState {
+        run: RunId,
+        state: &'static str,
+        what: &'static str,
+    },
     #[error("limit reached: {limit} = {max}")]
     Limit { limit: &'static str, max: u64 },
     #[error("illegal transition of effect {key} of run {run} from {from} to {to}")]
-    IllegalTransition { run: RunId, key: EffectKey, from: &'static str, to: &'static str },
+    IllegalTransition {
+        run: RunId,
+        key: EffectKey,
+        from: &'static str,
+        to: &'static str,
+    },
     #[error("operation requires the operator role")]
     Forbidden,
 }
@@ -119,7 +170,10 @@ impl EventKind {
 
     /// Whether waiters of the run (and its descendants) should re-check their held effects.
     pub fn wakes_waiters(self) -> bool {
-        !matches!(self, EventKind::Held | EventKind::Admitted | EventKind::Completed | EventKind::Finalizing)
+        !matches!(
+            self,
+            EventKind::Held | EventKind::Admitted | EventKind::Completed | EventKind::Finalizing
+        )
     }
 }
 

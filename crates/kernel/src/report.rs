@@ -43,9 +43,10 @@ pub fn section(e: &Effect) -> Section {
         Status::Unknown => Section::Unknown,
         Status::Held(_) | Status::Approved => Section::Held,
         Status::Admitted => Section::Prepared,
-        Status::Compensating | Status::Compensated | Status::CompensationFailed | Status::NeedsHuman => {
-            Section::Compensation
-        }
+        Status::Compensating
+        | Status::Compensated
+        | Status::CompensationFailed
+        | Status::NeedsHuman => Section::Compensation,
     }
 }
 
@@ -62,8 +63,10 @@ pub enum Undo {
 }
 
 pub fn undo(e: &Effect) -> Undo {
-    let happened = matches!(e.status, Status::Completed | Status::Unknown | Status::Started)
-        || (matches!(e.status, Status::Refused(_)) && e.late && e.outcome.is_some());
+    let happened = matches!(
+        e.status,
+        Status::Completed | Status::Unknown | Status::Started
+    ) || (matches!(e.status, Status::Refused(_)) && e.late && e.outcome.is_some());
     if !happened {
         return Undo::NotApplicable;
     }
@@ -76,7 +79,11 @@ pub fn undo(e: &Effect) -> Undo {
 
 /// Effects of a run in report order: by section, then key.
 pub fn entries(run: &Run) -> Vec<(Section, &EffectKey, &Effect)> {
-    let mut v: Vec<_> = run.effects.iter().map(|(k, e)| (section(e), k, e)).collect();
+    let mut v: Vec<_> = run
+        .effects
+        .iter()
+        .map(|(k, e)| (section(e), k, e))
+        .collect();
     v.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
     v
 }

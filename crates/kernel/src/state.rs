@@ -88,7 +88,9 @@ impl Approval {
         }
         // Assign a distinct approver to each group (tiny sizes: backtracking is exact and cheap).
         fn assign(groups: &[Box<str>], approvers: &[Approver], used: &mut Vec<bool>) -> bool {
-            let Some((first, rest)) = groups.split_first() else { return true };
+            let Some((first, rest)) = groups.split_first() else {
+                return true;
+            };
             for (i, a) in approvers.iter().enumerate() {
                 if !used[i] && a.groups.iter().any(|g| g == first) {
                     used[i] = true;
@@ -137,7 +139,13 @@ pub struct Effect {
 }
 
 impl Effect {
-    pub(crate) fn new(now: u64, tool: ToolName, digest: Digest, p: &PolicyDecision, start: bool) -> Effect {
+    pub(crate) fn new(
+        now: u64,
+        tool: ToolName,
+        digest: Digest,
+        p: &PolicyDecision,
+        start: bool,
+    ) -> Effect {
         Effect {
             tool,
             digest,

@@ -51,7 +51,9 @@ pub const RUN_TRANSITIONS: &[(R, R)] = &[
 ];
 
 pub fn effect_legal(from: Option<E>, to: E) -> bool {
-    EFFECT_TRANSITIONS.iter().any(|&(f, t)| f == from && t == to)
+    EFFECT_TRANSITIONS
+        .iter()
+        .any(|&(f, t)| f == from && t == to)
 }
 
 pub fn run_legal(from: R, to: R) -> bool {
@@ -83,7 +85,14 @@ mod tests {
     #[test]
     fn nothing_starts_without_passing_admission() {
         // Started is reachable only from creation (admit with start), held, approved or admitted.
-        let sources: Vec<_> = EFFECT_TRANSITIONS.iter().filter(|(_, t)| *t == E::Started).map(|(f, _)| *f).collect();
-        assert_eq!(sources, vec![None, Some(E::Held), Some(E::Approved), Some(E::Admitted)]);
+        let sources: Vec<_> = EFFECT_TRANSITIONS
+            .iter()
+            .filter(|(_, t)| *t == E::Started)
+            .map(|(f, _)| *f)
+            .collect();
+        assert_eq!(
+            sources,
+            vec![None, Some(E::Held), Some(E::Approved), Some(E::Admitted)]
+        );
     }
 }

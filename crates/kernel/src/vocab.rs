@@ -121,7 +121,10 @@ names!(
 impl RunState {
     /// Terminal states absorb: nothing leaves them.
     pub fn is_terminal(self) -> bool {
-        matches!(self, RunState::Completed | RunState::Failed | RunState::Cancelled)
+        matches!(
+            self,
+            RunState::Completed | RunState::Failed | RunState::Cancelled
+        )
     }
 }
 

@@ -77,8 +77,8 @@ proptest! {
             for (run_id, run) in gate.runs() {
                 let old_run = before.run(run_id);
                 // Terminal states absorb.
-                if let Some(old) = old_run {
-                    if old.state.is_terminal() { prop_assert_eq!(old.state, run.state); }
+                if let Some(old) = old_run.filter(|o| o.state.is_terminal()) {
+                    prop_assert_eq!(old.state, run.state);
                 }
                 for (key, e) in &run.effects {
                     let old = old_run.and_then(|r| r.effects.get(key));

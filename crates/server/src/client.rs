@@ -12,7 +12,10 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("cannot connect to {target}: {source} (is `estop serve` running?)")]
-    Connect { target: String, source: std::io::Error },
+    Connect {
+        target: String,
+        source: std::io::Error,
+    },
     #[error("connection to the gate failed: {0}")]
     Io(#[from] std::io::Error),
     #[error("the gate sent a line that is not protocol v1: {0}")]
@@ -35,16 +38,25 @@ pub struct Client {
 impl Client {
     /// Connects to `target`: a socket path, or `host:port` for TCP.
     pub fn connect(target: &str) -> Result<Client, ClientError> {
-        let connect_err = |source| ClientError::Connect { target: target.to_string(), source };
-        let (r, w): (Box<dyn Stream>, Box<dyn Stream>) = if target.contains('/') || Path::new(target).exists() {
-            let s = UnixStream::connect(target).map_err(connect_err)?;
-            (Box::new(s.try_clone()?), Box::new(s))
-        } else {
-            let s = TcpStream::connect(target).map_err(connect_err)?;
-            s.set_nodelay(true)?;
-            (Box::new(s.try_clone()?), Box::new(s))
+        let connect_err = |source| ClientError::Connect {
+            target: target.to_string(),
+            source,
         };
-        Ok(Client { reader: BufReader::new(r), writer: w, next_id: 1, events: Vec::new() })
+        let (r, w): (Box<dyn Stream>, Box<dyn Stream>) =
+            if target.contains('/') || Path::new(target).exists() {
+                let s = UnixStream::connect(target).map_err(connect_err)?;
+                (Box::new(s.try_clone()?), Box::new(s))
+            } else {
+                let s = TcpStream::connect(target).map_err(connect_err)?;
+                s.set_nodelay(true)?;
+                (Box::new(s.try_clone()?), Box::new(s))
+            };
+        Ok(Client {
+            reader: BufReader::new(r),
+            writer: w,
+            next_id: 1,
+            events: Vec::new(),
+        })
     }
 
     /// Connects and authenticates.
@@ -60,11 +72,15 @@ impl Client {
         let id = self.next_id;
         self.next_id += 1;
         request["id"] = json!(id);
-        self.send_raw(&serde_json::to_vec(&request).map_err(|e| ClientError::Protocol(e.to_string()))?)?;
+        self.send_raw(
+            &serde_json::to_vec(&request).map_err(|e| ClientError::Protocol(e.to_string()))?,
+        )?;
         loop {
             match self.read_line()? {
                 ServerLine::Event(e) => self.events.push(e),
-                ServerLine::Reply(r) if r.id.as_u64() == Some(id) || r.id.is_null() => return Ok(r),
+                ServerLine::Reply(r) if r.id.as_u64() == Some(id) || r.id.is_null() => {
+                    return Ok(r);
+                }
                 ServerLine::Reply(_) => continue,
             }
         }
@@ -83,7 +99,8 @@ impl Client {
         if self.reader.read_line(&mut line)? == 0 {
             return Err(ClientError::Closed);
         }
-        parse_server_line(line.trim_end().as_bytes()).map_err(|e| ClientError::Protocol(format!("{e}: {line}")))
+        parse_server_line(line.trim_end().as_bytes())
+            .map_err(|e| ClientError::Protocol(format!("{e}: {line}")))
     }
 
     /// Blocks until the next event line (`None` if a stray reply came instead).

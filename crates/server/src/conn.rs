@@ -3,7 +3,7 @@
 //! core), and a writer that renders replies once what they depend on is durable.
 
 use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
-use crate::durable::{self, After, DurableState, Durability};
+use crate::durable::{self, After, Durability, DurableState};
 use crate::tokens::Tokens;
 use estop_kernel::vocab::PolicyAction;
 use estop_kernel::{Admit as KAdmit, Command, Principal, RunLimits, Token};
@@ -57,7 +57,9 @@ pub struct Shared {
 }
 
 pub fn wall_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> Answer {
@@ -91,7 +93,13 @@ where
     let (rd, wr) = tokio::io::split(stream);
     let (out_tx, out_rx) = tmpsc::unbounded_channel::<Out>();
     let permits = Arc::new(Semaphore::new(shared.opts.outstanding_per_connection_max));
-    let writer = tokio::spawn(write_loop(wr, out_rx, shared.durable_rx.clone(), Arc::clone(&permits), render));
+    let writer = tokio::spawn(write_loop(
+        wr,
+        out_rx,
+        shared.durable_rx.clone(),
+        Arc::clone(&permits),
+        render,
+    ));
     let mut reader = LineReader::new(rd, shared.opts.line_bytes_max);
     let mut principal: Option<Principal> = None;
     loop {
@@ -109,19 +117,29 @@ where
                 Id::default(),
                 Some(err(
                     ErrorCode::LineTooLong,
-                    format!("line of {bytes} bytes is longer than line_bytes_max = {}; it was discarded", shared.opts.line_bytes_max),
+                    format!(
+                        "line of {bytes} bytes is longer than line_bytes_max = {}; it was discarded",
+                        shared.opts.line_bytes_max
+                    ),
                 )),
             ),
             Line::Text(bytes) => match parse_request(bytes) {
                 Err(e) => (e.id.clone(), Some(err(e.code(), e.to_string()))),
                 Ok(req) => {
                     let id = req.id.clone();
-                    (id, dispatch(req, &mut principal, conn, &out_tx, &shared).await)
+                    (
+                        id,
+                        dispatch(req, &mut principal, conn, &out_tx, &shared).await,
+                    )
                 }
             },
         };
         if let Some(answer) = answer {
-            let _ = out_tx.send(Out::Answer { id, answer, after: After::default() });
+            let _ = out_tx.send(Out::Answer {
+                id,
+                answer,
+                after: After::default(),
+            });
         }
     }
     let _ = shared.core_tx.send(CoreMsg::Disconnect { conn });
@@ -137,16 +155,29 @@ fn to_core(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
 }
 
 /// Handles one request. `Some(answer)` is answered at once; `None` means the core answers.
-async fn dispatch(req: Request, principal: &mut Option<Principal>, conn: u64, out: &tmpsc::UnboundedSender<Out>, shared: &Arc<Shared>) -> Option<Answer> {
+async fn dispatch(
+    req: Request,
+    principal: &mut Option<Principal>,
+    conn: u64,
+    out: &tmpsc::UnboundedSender<Out>,
+    shared: &Arc<Shared>,
+) -> Option<Answer> {
     let verb = req.op.verb();
     if let Op::Hello { token } = &req.op {
         return Some(match shared.tokens.authenticate(token.expose()) {
             Some(p) => {
-                let hello = wire::HelloReply { role: p.role.as_str().into(), principal: p.name.to_string(), protocol: 1 };
+                let hello = wire::HelloReply {
+                    role: p.role.as_str().into(),
+                    principal: p.name.to_string(),
+                    protocol: 1,
+                };
                 *principal = Some(p);
                 Answer::Hello(hello)
             }
-            None => err(ErrorCode::Unauthenticated, "unknown token: use the contents of DATA/agent.token or DATA/operator.token, or one made by `estop token create`"),
+            None => err(
+                ErrorCode::Unauthenticated,
+                "unknown token: use the contents of DATA/agent.token or DATA/operator.token, or one made by `estop token create`",
+            ),
         });
     }
     if let Op::Ping = req.op {
@@ -156,10 +187,32 @@ async fn dispatch(req: Request, principal: &mut Option<Principal>, conn: u64, ou
         return Some(err(ErrorCode::Unauthenticated, "send hello {token} first"));
     };
     if verb.is_operator_only() && p.role != estop_kernel::Role::Operator {
-        return Some(err(ErrorCode::Forbidden, format!("{} needs an operator token; {} is an agent", verb.as_str(), p.name)));
+        return Some(err(
+            ErrorCode::Forbidden,
+            format!(
+                "{} needs an operator token; {} is an agent",
+                verb.as_str(),
+                p.name
+            ),
+        ));
     }
-    let to = ReplyTo { out: out.clone(), id: req.id.clone() };
-    let apply = |cmd: Command| to_core(shared, CoreMsg::Apply { principal: p.clone(), cmd, to: ReplyTo { out: out.clone(), id: req.id.clone() } });
+    let to = ReplyTo {
+        out: out.clone(),
+        id: req.id.clone(),
+    };
+    let apply = |cmd: Command| {
+        to_core(
+            shared,
+            CoreMsg::Apply {
+                principal: p.clone(),
+                cmd,
+                to: ReplyTo {
+                    out: out.clone(),
+                    id: req.id.clone(),
+                },
+            },
+        )
+    };
     match req.op {
         Op::Hello { .. } | Op::Ping => unreachable!("handled above"),
         Op::Admit(a) => match admit_command(&shared.policy, &p, a) {
@@ -168,7 +221,10 @@ async fn dispatch(req: Request, principal: &mut Option<Principal>, conn: u64, ou
         },
         Op::Start { run, key, token } => match Token::parse(&token) {
             Some(token) => apply(Command::Start { run, key, token }),
-            None => Some(err(ErrorCode::BadToken, "token is not one the gate issued (expected <epoch>.<serial>)")),
+            None => Some(err(
+                ErrorCode::BadToken,
+                "token is not one the gate issued (expected <epoch>.<serial>)",
+            )),
         },
         Op::Complete(c) => match Token::parse(&c.token) {
             Some(token) => apply(Command::Complete {
@@ -179,48 +235,154 @@ async fn dispatch(req: Request, principal: &mut Option<Principal>, conn: u64, ou
                 result: c.result.map(|v| v.to_string().into_boxed_str()),
                 error: c.error.map(String::into_boxed_str),
             }),
-            None => Some(err(ErrorCode::BadToken, "token is not one the gate issued (expected <epoch>.<serial>)")),
+            None => Some(err(
+                ErrorCode::BadToken,
+                "token is not one the gate issued (expected <epoch>.<serial>)",
+            )),
         },
-        Op::Wait { run, key, timeout_ms } => {
+        Op::Wait {
+            run,
+            key,
+            timeout_ms,
+        } => {
             if timeout_ms > shared.opts.wait_ms_max {
-                return Some(err(ErrorCode::LimitExceeded, format!("timeout_ms {timeout_ms} is above wait_ms_max = {}; wait again after it returns", shared.opts.wait_ms_max)));
+                return Some(err(
+                    ErrorCode::LimitExceeded,
+                    format!(
+                        "timeout_ms {timeout_ms} is above wait_ms_max = {}; wait again after it returns",
+                        shared.opts.wait_ms_max
+                    ),
+                ));
             }
-            to_core(shared, CoreMsg::Wait { principal: p, run, key, timeout: Duration::from_millis(timeout_ms), to })
+            to_core(
+                shared,
+                CoreMsg::Wait {
+                    principal: p,
+                    run,
+                    key,
+                    timeout: Duration::from_millis(timeout_ms),
+                    to,
+                },
+            )
         }
-        Op::Subscribe { run } => to_core(shared, CoreMsg::Subscribe { principal: p, run, conn, out: out.clone(), to }),
+        Op::Subscribe { run } => to_core(
+            shared,
+            CoreMsg::Subscribe {
+                principal: p,
+                run,
+                conn,
+                out: out.clone(),
+                to,
+            },
+        ),
         Op::Unsubscribe { run } => {
             let _ = shared.core_tx.send(CoreMsg::Unsubscribe { run, conn });
             Some(Answer::Ack(wire::Ack::default()))
         }
-        Op::Status { run } => to_core(shared, CoreMsg::Query { principal: p, query: Query::Status { run }, to }),
-        Op::Report { run } => to_core(shared, CoreMsg::Query { principal: p, query: Query::Report { run }, to }),
+        Op::Status { run } => to_core(
+            shared,
+            CoreMsg::Query {
+                principal: p,
+                query: Query::Status { run },
+                to,
+            },
+        ),
+        Op::Report { run } => to_core(
+            shared,
+            CoreMsg::Query {
+                principal: p,
+                query: Query::Report { run },
+                to,
+            },
+        ),
         Op::Runs { state, limit } => {
-            let limit = limit.map_or(1000, |l| l as usize).min(shared.opts.runs_reply_max);
-            to_core(shared, CoreMsg::Query { principal: p, query: Query::Runs { state, limit }, to })
+            let limit = limit
+                .map_or(1000, |l| l as usize)
+                .min(shared.opts.runs_reply_max);
+            to_core(
+                shared,
+                CoreMsg::Query {
+                    principal: p,
+                    query: Query::Runs { state, limit },
+                    to,
+                },
+            )
         }
-        Op::Pending { run } => to_core(shared, CoreMsg::Query { principal: p, query: Query::Pending { run }, to }),
-        Op::Cancel { run, reason, cascade } => {
+        Op::Pending { run } => to_core(
+            shared,
+            CoreMsg::Query {
+                principal: p,
+                query: Query::Pending { run },
+                to,
+            },
+        ),
+        Op::Cancel {
+            run,
+            reason,
+            cascade,
+        } => {
             if !cascade {
-                return Some(err(ErrorCode::InvalidField, "cascade=false is not supported: a cancel always fences the run's descendants (G4)"));
+                return Some(err(
+                    ErrorCode::InvalidField,
+                    "cascade=false is not supported: a cancel always fences the run's descendants (G4)",
+                ));
             }
-            apply(Command::Cancel { run, reason: reason.map(String::into_boxed_str), kill: false })
+            apply(Command::Cancel {
+                run,
+                reason: reason.map(String::into_boxed_str),
+                kill: false,
+            })
         }
-        Op::Kill { run, reason } => apply(Command::Cancel { run, reason: reason.map(String::into_boxed_str), kill: true }),
-        Op::Decide { run, key, decision, reason } => apply(Command::Decide { run, key, decision, reason: reason.map(String::into_boxed_str) }),
+        Op::Kill { run, reason } => apply(Command::Cancel {
+            run,
+            reason: reason.map(String::into_boxed_str),
+            kill: true,
+        }),
+        Op::Decide {
+            run,
+            key,
+            decision,
+            reason,
+        } => apply(Command::Decide {
+            run,
+            key,
+            decision,
+            reason: reason.map(String::into_boxed_str),
+        }),
         Op::Pause { run } => apply(Command::Pause { run }),
         Op::Resume { run } => apply(Command::Resume { run }),
-        Op::Close { run, outcome } => apply(Command::Close { run, failed: outcome == estop_protocol::CloseOutcome::Failed }),
+        Op::Close { run, outcome } => apply(Command::Close {
+            run,
+            failed: outcome == estop_protocol::CloseOutcome::Failed,
+        }),
         Op::Token { name, role, groups } => {
             let tokens = Arc::clone(&shared.tokens);
-            let res = tokio::task::spawn_blocking(move || tokens.create(name.as_str(), role, &groups).map(|s| (name, role, groups, s))).await;
+            let res = tokio::task::spawn_blocking(move || {
+                tokens
+                    .create(name.as_str(), role, &groups)
+                    .map(|s| (name, role, groups, s))
+            })
+            .await;
             Some(match res {
                 Ok(Ok((name, role, groups, secret))) => {
                     crate::log::info(&format!("token created: {name} ({})", role.as_str()));
-                    Answer::TokenCreated(wire::TokenCreated { name: name.to_string(), role: role.as_str().into(), token: estop_protocol::Secret::new(secret), groups })
+                    Answer::TokenCreated(wire::TokenCreated {
+                        name: name.to_string(),
+                        role: role.as_str().into(),
+                        token: estop_protocol::Secret::new(secret),
+                        groups,
+                    })
                 }
-                Ok(Err(e @ crate::tokens::TokenError::Exists(_))) => err(ErrorCode::Conflict, e.to_string()),
-                Ok(Err(e @ (crate::tokens::TokenError::Reserved(_) | crate::tokens::TokenError::Invalid(_)))) => err(ErrorCode::InvalidField, e.to_string()),
-                Ok(Err(e @ crate::tokens::TokenError::Full)) => err(ErrorCode::LimitExceeded, e.to_string()),
+                Ok(Err(e @ crate::tokens::TokenError::Exists(_))) => {
+                    err(ErrorCode::Conflict, e.to_string())
+                }
+                Ok(Err(
+                    e @ (crate::tokens::TokenError::Reserved(_)
+                    | crate::tokens::TokenError::Invalid(_)),
+                )) => err(ErrorCode::InvalidField, e.to_string()),
+                Ok(Err(e @ crate::tokens::TokenError::Full)) => {
+                    err(ErrorCode::LimitExceeded, e.to_string())
+                }
                 Ok(Err(e)) => err(ErrorCode::Unavailable, e.to_string()),
                 Err(e) => err(ErrorCode::Internal, e.to_string()),
             })
@@ -228,8 +390,13 @@ async fn dispatch(req: Request, principal: &mut Option<Principal>, conn: u64, ou
         Op::Ledger { run, limit, after } => {
             let dir = shared.ledger_dir.clone();
             let durable = shared.durable_rx.borrow().seq;
-            let limit = limit.map_or(1000, |l| l as usize).min(shared.opts.ledger_reply_max);
-            let res = tokio::task::spawn_blocking(move || ledger_entries(&dir, run.as_ref(), after.unwrap_or(0), durable, limit)).await;
+            let limit = limit
+                .map_or(1000, |l| l as usize)
+                .min(shared.opts.ledger_reply_max);
+            let res = tokio::task::spawn_blocking(move || {
+                ledger_entries(&dir, run.as_ref(), after.unwrap_or(0), durable, limit)
+            })
+            .await;
             Some(match res {
                 Ok(Ok(reply)) => Answer::Ledger(reply),
                 Ok(Err(e)) => err(ErrorCode::Unavailable, e),
@@ -241,13 +408,23 @@ async fn dispatch(req: Request, principal: &mut Option<Principal>, conn: u64, ou
 
 /// Evaluates policy for an admit and builds the kernel command (policy decided here, recorded
 /// with the admission, so replay never consults the policy file again).
-pub fn admit_command(policy: &Policy, p: &Principal, a: estop_protocol::Admit) -> Result<Command, Answer> {
+pub fn admit_command(
+    policy: &Policy,
+    p: &Principal,
+    a: estop_protocol::Admit,
+) -> Result<Command, Answer> {
     let mut verdict = match policy.evaluate(&a.tool, a.args.as_ref(), p.name.as_str()) {
         Ok(v) => v,
-        Err(e @ EvalError::ArgsRequired { .. }) => return Err(err(ErrorCode::ArgsRequired, e.to_string())),
+        Err(e @ EvalError::ArgsRequired { .. }) => {
+            return Err(err(ErrorCode::ArgsRequired, e.to_string()));
+        }
         Err(e) => {
             // A condition that cannot be evaluated fails closed: refused, nothing recorded.
-            return Err(Answer::Verdict(wire::Verdict::Refused { reason: "denied".into(), message: Some(e.to_string()), rule: Some(e.rule().to_string()) }));
+            return Err(Answer::Verdict(wire::Verdict::Refused {
+                reason: "denied".into(),
+                message: Some(e.to_string()),
+                rule: Some(e.rule().to_string()),
+            }));
         }
     };
     verdict.strengthen(a.needs_approval);
@@ -257,9 +434,19 @@ pub fn admit_command(policy: &Policy, p: &Principal, a: estop_protocol::Admit) -
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     };
-    limits.deadline_at = min(limits.deadline_at, min(a.limits.deadline_ms, a.limits.timeout_ms.map(|t| now.saturating_add(t))));
+    limits.deadline_at = min(
+        limits.deadline_at,
+        min(
+            a.limits.deadline_ms,
+            a.limits.timeout_ms.map(|t| now.saturating_add(t)),
+        ),
+    );
     limits.max_effects = min(limits.max_effects, a.limits.max_effects);
-    let args = if verdict.action == PolicyAction::Approve { a.args.as_ref().map(|v| v.to_string().into_boxed_str()) } else { None };
+    let args = if verdict.action == PolicyAction::Approve {
+        a.args.as_ref().map(|v| v.to_string().into_boxed_str())
+    } else {
+        None
+    };
     Ok(Command::Admit(KAdmit {
         run: a.run,
         key: a.key,
@@ -268,14 +455,24 @@ pub fn admit_command(policy: &Policy, p: &Principal, a: estop_protocol::Admit) -
         args,
         start: a.start,
         parent: a.parent,
-        labels: a.labels.into_iter().map(|(k, v)| (k.into_boxed_str(), v.into_boxed_str())).collect(),
+        labels: a
+            .labels
+            .into_iter()
+            .map(|(k, v)| (k.into_boxed_str(), v.into_boxed_str()))
+            .collect(),
         limits,
         policy: verdict.into(),
     }))
 }
 
 /// Reads the ledger on disk (durable records only) for the `ledger` verb.
-pub fn ledger_entries(dir: &std::path::Path, run: Option<&estop_kernel::RunId>, after: u64, durable: u64, limit: usize) -> Result<wire::LedgerReply, String> {
+pub fn ledger_entries(
+    dir: &std::path::Path,
+    run: Option<&estop_kernel::RunId>,
+    after: u64,
+    durable: u64,
+    limit: usize,
+) -> Result<wire::LedgerReply, String> {
     let storage = FileStorage::open_read_only(dir).map_err(|e| e.to_string())?;
     let mut entries = Vec::new();
     let mut next_after = None;
@@ -283,7 +480,9 @@ pub fn ledger_entries(dir: &std::path::Path, run: Option<&estop_kernel::RunId>, 
         if rv.seq <= after || rv.seq > durable || next_after.is_some() {
             return;
         }
-        let Ok(rec) = estop_kernel::codec::decode_record(rv.payload) else { return };
+        let Ok(rec) = estop_kernel::codec::decode_record(rv.payload) else {
+            return;
+        };
         if run.is_some_and(|r| rec.command.run() != Some(r)) {
             return;
         }
@@ -296,7 +495,10 @@ pub fn ledger_entries(dir: &std::path::Path, run: Option<&estop_kernel::RunId>, 
     if let Some(e) = report.error {
         return Err(format!("the ledger cannot be read: {e}"));
     }
-    Ok(wire::LedgerReply { entries, next_after })
+    Ok(wire::LedgerReply {
+        entries,
+        next_after,
+    })
 }
 
 /// Writes a connection's replies and events in order, each once what it depends on is durable.
@@ -313,7 +515,13 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
             Out::Answer { id, answer, after } => {
                 let line = match durable::wait(&mut durable_rx, after).await {
                     Durability::Durable => render(&id, &answer),
-                    Durability::Lost => render(&id, &err(ErrorCode::Unavailable, "the change could not be made durable (ledger failure); it was not applied — retry")),
+                    Durability::Lost => render(
+                        &id,
+                        &err(
+                            ErrorCode::Unavailable,
+                            "the change could not be made durable (ledger failure); it was not applied — retry",
+                        ),
+                    ),
                 };
                 buf.extend_from_slice(&line);
                 permits.add_permits(1);

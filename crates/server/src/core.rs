@@ -5,18 +5,21 @@
 
 use crate::durable::{After, DurableState};
 use crate::journal::{Journal, JournalError, Opened};
-use estop_ledger::LedgerError;
 use crate::render;
 use estop_kernel::codec::encode_record;
 use estop_kernel::reply::{DecideStatus, EventKind};
-use estop_kernel::{Command, EffectKey, Gate, KernelError, Principal, PrincipalName, Record, Reply, Role, RunId, Verdict};
 use estop_kernel::vocab::RunState;
+use estop_kernel::{
+    Command, EffectKey, Gate, KernelError, Principal, PrincipalName, Record, Reply, Role, RunId,
+    Verdict,
+};
+use estop_ledger::LedgerError;
 use estop_protocol::ErrorCode;
 use estop_protocol::Id;
 use estop_protocol::reply as wire;
 use std::collections::{BTreeSet, HashMap};
-use std::sync::mpsc;
 use std::sync::Arc;
+use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 
@@ -27,8 +30,15 @@ pub type Outbox = tokio::sync::mpsc::UnboundedSender<Out>;
 /// Something to write to a client once `after` is durable.
 #[derive(Debug)]
 pub enum Out {
-    Answer { id: Id, answer: Answer, after: After },
-    Event { event: wire::Event, after: After },
+    Answer {
+        id: Id,
+        answer: Answer,
+        after: After,
+    },
+    Event {
+        event: wire::Event,
+        after: After,
+    },
 }
 
 /// A reply payload, rendered by the connection in its own protocol.
@@ -37,10 +47,10 @@ pub enum Answer {
     Verdict(wire::Verdict),
     Ack(wire::Ack),
     Decided(wire::DecideReply),
-    Run(wire::RunView),
+    Run(Box<wire::RunView>),
     Runs(wire::RunsReply),
     Pending(wire::PendingReply),
-    Report(wire::Report),
+    Report(Box<wire::Report>),
     Ledger(wire::LedgerReply),
     Hello(wire::HelloReply),
     TokenCreated(wire::TokenCreated),
@@ -57,26 +67,67 @@ pub struct ReplyTo {
 
 #[derive(Debug)]
 pub enum Query {
-    Status { run: RunId },
-    Runs { state: Option<RunState>, limit: usize },
-    Pending { run: Option<RunId> },
-    Report { run: RunId },
+    Status {
+        run: RunId,
+    },
+    Runs {
+        state: Option<RunState>,
+        limit: usize,
+    },
+    Pending {
+        run: Option<RunId>,
+    },
+    Report {
+        run: RunId,
+    },
 }
 
 #[derive(Debug)]
 pub enum CoreMsg {
-    Apply { principal: Principal, cmd: Command, to: ReplyTo },
-    Wait { principal: Principal, run: RunId, key: EffectKey, timeout: Duration, to: ReplyTo },
-    Subscribe { principal: Principal, run: RunId, conn: u64, out: Outbox, to: ReplyTo },
-    Unsubscribe { run: RunId, conn: u64 },
-    Disconnect { conn: u64 },
-    Query { principal: Principal, query: Query, to: ReplyTo },
+    Apply {
+        principal: Principal,
+        cmd: Command,
+        to: ReplyTo,
+    },
+    Wait {
+        principal: Principal,
+        run: RunId,
+        key: EffectKey,
+        timeout: Duration,
+        to: ReplyTo,
+    },
+    Subscribe {
+        principal: Principal,
+        run: RunId,
+        conn: u64,
+        out: Outbox,
+        to: ReplyTo,
+    },
+    Unsubscribe {
+        run: RunId,
+        conn: u64,
+    },
+    Disconnect {
+        conn: u64,
+    },
+    Query {
+        principal: Principal,
+        query: Query,
+        to: ReplyTo,
+    },
     /// A SoundGate `decide`: the decision and, once approved, the release in one step.
-    SgDecide { run: RunId, key: EffectKey, approved: bool, to: ReplyTo },
+    SgDecide {
+        run: RunId,
+        key: EffectKey,
+        approved: bool,
+        to: ReplyTo,
+    },
     /// The ledger's sync thread reported a failure.
     LedgerFailed,
     /// Finish what is in flight, make it durable, and stop.
-    Shutdown { done: mpsc::Sender<()> },
+    Shutdown {
+        done: mpsc::Sender<()>,
+    },
 }
 
 /// Bounds the core enforces.
@@ -109,11 +160,17 @@ struct Waiter {
 }
 
 pub(crate) fn system_principal() -> Principal {
-    Principal { name: PrincipalName::new("estop").expect("valid name"), role: Role::Operator, groups: Vec::new() }
+    Principal {
+        name: PrincipalName::new("estop").expect("valid name"),
+        role: Role::Operator,
+        groups: Vec::new(),
+    }
 }
 
 fn wall_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 pub fn kernel_error(e: &KernelError) -> (ErrorCode, String) {
@@ -199,7 +256,10 @@ impl Core {
     }
 
     fn after(&self) -> After {
-        After { generation: self.generation, seq: self.last_seq }
+        After {
+            generation: self.generation,
+            seq: self.last_seq,
+        }
     }
 
     fn tick_clock(&mut self) -> u64 {
@@ -210,7 +270,12 @@ impl Core {
     fn rearm_all_timers(&mut self) {
         self.timers.clear();
         self.timer_of.clear();
-        let ids: Vec<RunId> = self.gate.runs().filter(|(_, r)| r.stop.is_none()).map(|(id, _)| id.clone()).collect();
+        let ids: Vec<RunId> = self
+            .gate
+            .runs()
+            .filter(|(_, r)| r.stop.is_none())
+            .map(|(id, _)| id.clone())
+            .collect();
         for id in ids {
             self.rearm(&id);
         }
@@ -229,7 +294,9 @@ impl Core {
     /// Runs the core until shutdown. `rx` is the only way in.
     pub fn run(mut self, rx: mpsc::Receiver<CoreMsg>) {
         loop {
-            let timeout = self.next_wakeup().map(|at| Duration::from_millis(at.saturating_sub(wall_ms())));
+            let timeout = self
+                .next_wakeup()
+                .map(|at| Duration::from_millis(at.saturating_sub(wall_ms())));
             let msg = match timeout {
                 Some(t) => match rx.recv_timeout(t) {
                     Ok(m) => Some(m),
@@ -270,7 +337,10 @@ impl Core {
             .map(|d| wall_ms() + d.saturating_duration_since(Instant::now()).as_millis() as u64);
         let compaction = Some(self.next_compaction.max(wall_ms() + 1000));
         let recovery = self.journal.is_none().then(|| wall_ms() + 1000);
-        [timer, waiter, compaction, recovery].into_iter().flatten().min()
+        [timer, waiter, compaction, recovery]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Handles one message; returns true to stop.
@@ -280,17 +350,32 @@ impl Core {
                 let answer = self.apply(&principal, cmd);
                 self.send(to, answer);
             }
-            CoreMsg::Wait { principal, run, key, timeout, to } => {
-                let cmd = Command::Recheck { run: run.clone(), key: key.clone() };
+            CoreMsg::Wait {
+                principal,
+                run,
+                key,
+                timeout,
+                to,
+            } => {
+                let cmd = Command::Recheck {
+                    run: run.clone(),
+                    key: key.clone(),
+                };
                 match self.apply_verdict(&principal, cmd) {
                     Ok(Verdict::Held { .. }) if !timeout.is_zero() => {
                         if self.waiter_count >= self.opts.waiters_max {
-                            let msg = format!("limit reached: waiters_max = {}", self.opts.waiters_max);
+                            let msg =
+                                format!("limit reached: waiters_max = {}", self.opts.waiters_max);
                             self.send(to, Answer::Error(ErrorCode::LimitExceeded, msg));
                         } else {
                             self.waiter_count += 1;
                             let deadline = Instant::now() + timeout;
-                            self.waiters.entry(run).or_default().push(Waiter { principal, key, deadline, to });
+                            self.waiters.entry(run).or_default().push(Waiter {
+                                principal,
+                                key,
+                                deadline,
+                                to,
+                            });
                         }
                     }
                     Ok(v) => {
@@ -300,7 +385,13 @@ impl Core {
                     Err(answer) => self.send(to, answer),
                 }
             }
-            CoreMsg::Subscribe { principal, run, conn, out, to } => {
+            CoreMsg::Subscribe {
+                principal,
+                run,
+                conn,
+                out,
+                to,
+            } => {
                 let answer = match self.gate.visible_run(&principal, &run) {
                     Err(e) => {
                         let (c, m) = kernel_error(&e);
@@ -310,13 +401,16 @@ impl Core {
                         let view = render::run_view(&run, r);
                         let subs = self.subscribers.entry(run).or_default();
                         if subs.len() >= self.opts.subscriptions_per_run_max {
-                            let m = format!("limit reached: subscriptions_per_run_max = {}", self.opts.subscriptions_per_run_max);
+                            let m = format!(
+                                "limit reached: subscriptions_per_run_max = {}",
+                                self.opts.subscriptions_per_run_max
+                            );
                             Answer::Error(ErrorCode::LimitExceeded, m)
                         } else {
                             if !subs.iter().any(|(c, _)| *c == conn) {
                                 subs.push((conn, out));
                             }
-                            Answer::Run(view)
+                            Answer::Run(Box::new(view))
                         }
                     }
                 };
@@ -333,11 +427,20 @@ impl Core {
                     !subs.is_empty()
                 });
             }
-            CoreMsg::Query { principal, query, to } => {
+            CoreMsg::Query {
+                principal,
+                query,
+                to,
+            } => {
                 let answer = self.query(&principal, query);
                 self.send(to, answer);
             }
-            CoreMsg::SgDecide { run, key, approved, to } => {
+            CoreMsg::SgDecide {
+                run,
+                key,
+                approved,
+                to,
+            } => {
                 let answer = self.sg_decide(run, key, approved);
                 self.send(to, answer);
             }
@@ -354,7 +457,11 @@ impl Core {
     }
 
     fn send(&self, to: ReplyTo, answer: Answer) {
-        let _ = to.out.send(Out::Answer { id: to.id, answer, after: self.after() });
+        let _ = to.out.send(Out::Answer {
+            id: to.id,
+            answer,
+            after: self.after(),
+        });
     }
 
     fn unavailable() -> Answer {
@@ -362,7 +469,11 @@ impl Core {
     }
 
     /// Applies a command and records it if it changed state. `Err` is a ready error answer.
-    fn apply_reply(&mut self, principal: &Principal, cmd: Command) -> Result<(Reply, Vec<estop_kernel::Event>), Answer> {
+    fn apply_reply(
+        &mut self,
+        principal: &Principal,
+        cmd: Command,
+    ) -> Result<(Reply, Vec<estop_kernel::Event>), Answer> {
         if self.journal.is_none() {
             return Err(Self::unavailable());
         }
@@ -372,7 +483,11 @@ impl Core {
             Answer::Error(c, m)
         })?;
         if applied.changed {
-            let record = Record { at: now, principal: principal.clone(), command: cmd };
+            let record = Record {
+                at: now,
+                principal: principal.clone(),
+                command: cmd,
+            };
             self.buf.clear();
             encode_record(&record, &mut self.buf);
             let journal = self.journal.as_ref().expect("checked above");
@@ -383,7 +498,9 @@ impl Core {
                 }
                 Err(e) => {
                     // The state moved but the record did not: fail closed and rebuild from disk.
-                    crate::log::error(&format!("ledger append failed: {e}; failing closed and recovering"));
+                    crate::log::error(&format!(
+                        "ledger append failed: {e}; failing closed and recovering"
+                    ));
                     self.fail_journal();
                     return Err(Self::unavailable());
                 }
@@ -400,7 +517,10 @@ impl Core {
     fn apply_verdict(&mut self, principal: &Principal, cmd: Command) -> Result<Verdict, Answer> {
         match self.apply_reply(principal, cmd)? {
             (Reply::Verdict(v), _) => Ok(v),
-            (other, _) => Err(Answer::Error(ErrorCode::Internal, format!("unexpected kernel reply {other:?}"))),
+            (other, _) => Err(Answer::Error(
+                ErrorCode::Internal,
+                format!("unexpected kernel reply {other:?}"),
+            )),
         }
     }
 
@@ -417,26 +537,53 @@ impl Core {
         let run_id = run.unwrap_or_else(|| RunId::new("-").expect("valid"));
         match reply {
             Reply::Verdict(v) => Answer::Verdict(render::verdict(&run_id, &v)),
-            Reply::Completed { late } => Answer::Ack(wire::Ack { late, ..wire::Ack::default() }),
+            Reply::Completed { late } => Answer::Ack(wire::Ack {
+                late,
+                ..wire::Ack::default()
+            }),
             Reply::Decided(status) => {
                 let (key, _) = decide_key.expect("decide");
-                let approval = self.gate.run(&run_id).and_then(|r| r.effects.get(&key)).and_then(|e| e.approval.as_ref());
-                let approvals = approval.map(|a| a.approvers.iter().map(|x| x.name.to_string()).collect()).unwrap_or_default();
+                let approval = self
+                    .gate
+                    .run(&run_id)
+                    .and_then(|r| r.effects.get(&key))
+                    .and_then(|e| e.approval.as_ref());
+                let approvals = approval
+                    .map(|a| a.approvers.iter().map(|x| x.name.to_string()).collect())
+                    .unwrap_or_default();
                 let quorum = approval.map_or(1, |a| a.quorum);
                 let status = match status {
                     DecideStatus::Approved => "approved",
                     DecideStatus::Rejected => "rejected",
                     DecideStatus::Pending { .. } => "held",
                 };
-                Answer::Decided(wire::DecideReply { status: status.into(), approvals, quorum })
+                Answer::Decided(wire::DecideReply {
+                    status: status.into(),
+                    approvals,
+                    quorum,
+                })
             }
             Reply::RunState { state, .. } => {
                 let runs = events
                     .iter()
-                    .filter(|e| e.key.is_none() && matches!(e.kind, EventKind::Cancelled | EventKind::Finalizing | EventKind::Closed | EventKind::Paused | EventKind::Resumed))
+                    .filter(|e| {
+                        e.key.is_none()
+                            && matches!(
+                                e.kind,
+                                EventKind::Cancelled
+                                    | EventKind::Finalizing
+                                    | EventKind::Closed
+                                    | EventKind::Paused
+                                    | EventKind::Resumed
+                            )
+                    })
                     .map(|e| e.run.to_string())
                     .collect();
-                Answer::Ack(wire::Ack { late: false, state: Some(state.as_str().into()), runs })
+                Answer::Ack(wire::Ack {
+                    late: false,
+                    state: Some(state.as_str().into()),
+                    runs,
+                })
             }
             Reply::Compacted { .. } => Answer::Ack(wire::Ack::default()),
         }
@@ -469,7 +616,13 @@ impl Core {
                         outcome: None,
                         at: self.now,
                     };
-                    subs.retain(|(_, out)| out.send(Out::Event { event: event.clone(), after }).is_ok());
+                    subs.retain(|(_, out)| {
+                        out.send(Out::Event {
+                            event: event.clone(),
+                            after,
+                        })
+                        .is_ok()
+                    });
                 }
             }
             if e.kind.wakes_waiters() && !wake.contains(&e.run) {
@@ -485,10 +638,15 @@ impl Core {
 
     /// Re-checks every waiter of a run; answers those whose effect is no longer held.
     fn recheck_waiters(&mut self, run: &RunId) {
-        let Some(mut list) = self.waiters.remove(run) else { return };
+        let Some(mut list) = self.waiters.remove(run) else {
+            return;
+        };
         let mut keep = Vec::new();
         for w in list.drain(..) {
-            let cmd = Command::Recheck { run: run.clone(), key: w.key.clone() };
+            let cmd = Command::Recheck {
+                run: run.clone(),
+                key: w.key.clone(),
+            };
             match self.apply_verdict(&w.principal, cmd) {
                 Ok(Verdict::Held { .. }) => keep.push(w),
                 Ok(v) => {
@@ -531,14 +689,20 @@ impl Core {
             .map(|(r, _)| r.clone())
             .collect();
         for run in expired {
-            let Some(list) = self.waiters.remove(&run) else { continue };
-            let (due, keep): (Vec<_>, Vec<_>) = list.into_iter().partition(|w| w.deadline <= Instant::now());
+            let Some(list) = self.waiters.remove(&run) else {
+                continue;
+            };
+            let (due, keep): (Vec<_>, Vec<_>) =
+                list.into_iter().partition(|w| w.deadline <= Instant::now());
             if !keep.is_empty() {
                 self.waiters.insert(run.clone(), keep);
             }
             for w in due {
                 self.waiter_count -= 1;
-                let cmd = Command::Recheck { run: run.clone(), key: w.key.clone() };
+                let cmd = Command::Recheck {
+                    run: run.clone(),
+                    key: w.key.clone(),
+                };
                 let answer = match self.apply_verdict(&w.principal, cmd) {
                     Ok(v) => Answer::Verdict(render::verdict(&run, &v)),
                     Err(a) => a,
@@ -569,7 +733,9 @@ impl Core {
     }
 
     fn fail_journal(&mut self) {
-        let Some(journal) = self.journal.take() else { return };
+        let Some(journal) = self.journal.take() else {
+            return;
+        };
         let durable = journal.durable_seq();
         drop(journal);
         let generation = self.generation;
@@ -604,7 +770,11 @@ impl Core {
         self.durable_tx.send_modify(|s| {
             let end = s.seq;
             s.ended.push(end);
-            assert_eq!(s.ended.len() as u64, generation, "one end per finished generation");
+            assert_eq!(
+                s.ended.len() as u64,
+                generation,
+                "one end per finished generation"
+            );
             s.generation = generation;
             s.seq = seq;
             s.failed = true;
@@ -612,14 +782,21 @@ impl Core {
         self.generation = generation;
         self.gate = opened.gate;
         self.last_seq = seq;
-        match Journal::start(opened.ledger, notifier(&self.durable_tx, generation, &self.self_tx)) {
+        match Journal::start(
+            opened.ledger,
+            notifier(&self.durable_tx, generation, &self.self_tx),
+        ) {
             Ok(journal) => {
                 self.durable_tx.send_modify(|s| s.failed = false);
                 self.journal = Some(journal);
                 self.rearm_all_timers();
-                crate::log::info(&format!("ledger recovered at seq {seq}; accepting changes again"));
+                crate::log::info(&format!(
+                    "ledger recovered at seq {seq}; accepting changes again"
+                ));
             }
-            Err(e) => crate::log::error(&format!("ledger reopened but cannot start writing: {e}; retrying in 1s")),
+            Err(e) => crate::log::error(&format!(
+                "ledger reopened but cannot start writing: {e}; retrying in 1s"
+            )),
         }
     }
 
@@ -627,39 +804,77 @@ impl Core {
     /// approval and then consumes it for the compatibility client in the same step.
     fn sg_decide(&mut self, run: RunId, key: EffectKey, approved: bool) -> Answer {
         let operator = crate::soundgate::principal(Role::Operator);
-        let decision = if approved { estop_kernel::vocab::Decision::Approve } else { estop_kernel::vocab::Decision::Reject };
-        let cmd = Command::Decide { run: run.clone(), key: key.clone(), decision, reason: None };
+        let decision = if approved {
+            estop_kernel::vocab::Decision::Approve
+        } else {
+            estop_kernel::vocab::Decision::Reject
+        };
+        let cmd = Command::Decide {
+            run: run.clone(),
+            key: key.clone(),
+            decision,
+            reason: None,
+        };
         match self.apply_reply(&operator, cmd) {
             Ok((Reply::Decided(DecideStatus::Approved), _)) => {
                 let agent = crate::soundgate::principal(Role::Agent);
-                match self.apply_verdict(&agent, Command::Recheck { run: run.clone(), key }) {
+                match self.apply_verdict(
+                    &agent,
+                    Command::Recheck {
+                        run: run.clone(),
+                        key,
+                    },
+                ) {
                     Ok(v) => Answer::Verdict(render::verdict(&run, &v)),
                     Err(a) => a,
                 }
             }
             Ok((Reply::Decided(DecideStatus::Rejected), _)) => {
-                Answer::Verdict(wire::Verdict::Refused { reason: "rejected".into(), message: None, rule: None })
+                Answer::Verdict(wire::Verdict::Refused {
+                    reason: "rejected".into(),
+                    message: None,
+                    rule: None,
+                })
             }
             Ok((Reply::Decided(DecideStatus::Pending { .. }), _)) => {
-                Answer::Verdict(wire::Verdict::Held { approval: None, expires_at: None, reason: "approval".into() })
+                Answer::Verdict(wire::Verdict::Held {
+                    approval: None,
+                    expires_at: None,
+                    reason: "approval".into(),
+                })
             }
-            Ok(_) => Answer::Error(ErrorCode::Internal, "unexpected kernel reply to decide".into()),
+            Ok(_) => Answer::Error(
+                ErrorCode::Internal,
+                "unexpected kernel reply to decide".into(),
+            ),
             Err(answer) => {
                 // Say what the effect's state is, in the reference's vocabulary where it has one.
-                let Some(r) = self.gate.run(&run) else { return answer };
+                let Some(r) = self.gate.run(&run) else {
+                    return answer;
+                };
                 if r.stop.is_some() {
-                    return Answer::Verdict(wire::Verdict::Refused { reason: "cancelled".into(), message: None, rule: None });
+                    return Answer::Verdict(wire::Verdict::Refused {
+                        reason: "cancelled".into(),
+                        message: None,
+                        rule: None,
+                    });
                 }
                 match r.effects.get(&key).map(|e| e.status) {
                     Some(estop_kernel::state::Status::Refused(reason)) => {
-                        Answer::Verdict(wire::Verdict::Refused { reason: reason.as_str().into(), message: None, rule: None })
+                        Answer::Verdict(wire::Verdict::Refused {
+                            reason: reason.as_str().into(),
+                            message: None,
+                            rule: None,
+                        })
                     }
-                    Some(s) if !s.is_held_or_prepared() => Answer::Verdict(wire::Verdict::Duplicate {
-                        status: s.kind().as_str().into(),
-                        outcome: None,
-                        result: None,
-                        error: None,
-                    }),
+                    Some(s) if !s.is_held_or_prepared() => {
+                        Answer::Verdict(wire::Verdict::Duplicate {
+                            status: s.kind().as_str().into(),
+                            outcome: None,
+                            result: None,
+                            error: None,
+                        })
+                    }
                     _ => answer,
                 }
             }
@@ -673,11 +888,11 @@ impl Core {
         };
         match q {
             Query::Status { run } => match self.gate.visible_run(principal, &run) {
-                Ok(r) => Answer::Run(render::run_view(&run, r)),
+                Ok(r) => Answer::Run(Box::new(render::run_view(&run, r))),
                 Err(e) => err(e),
             },
             Query::Report { run } => match self.gate.visible_run(principal, &run) {
-                Ok(r) => Answer::Report(render::report(&run, r)),
+                Ok(r) => Answer::Report(Box::new(render::report(&run, r))),
                 Err(e) => err(e),
             },
             Query::Runs { state, limit } => {
@@ -717,7 +932,9 @@ impl Core {
                     },
                     None => {
                         for (id, r) in self.gate.runs() {
-                            if principal.role == Role::Agent && r.owner.as_ref() != Some(&principal.name) {
+                            if principal.role == Role::Agent
+                                && r.owner.as_ref() != Some(&principal.name)
+                            {
                                 continue;
                             }
                             push(id, r);
@@ -753,7 +970,9 @@ fn notifier(
             });
         }
         Err(e) => {
-            crate::log::error(&format!("ledger failed: {e}; no change is acknowledged until it recovers"));
+            crate::log::error(&format!(
+                "ledger failed: {e}; no change is acknowledged until it recovers"
+            ));
             durable_tx.send_modify(|s| {
                 if s.generation == generation {
                     s.failed = true;

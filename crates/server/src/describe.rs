@@ -45,14 +45,24 @@ pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
             key = Some(k.to_string());
             fields.insert("token".into(), json!(token.to_string()));
         }
-        Command::Complete { key: k, outcome, error, .. } => {
+        Command::Complete {
+            key: k,
+            outcome,
+            error,
+            ..
+        } => {
             key = Some(k.to_string());
             fields.insert("outcome".into(), json!(outcome.as_str()));
             if let Some(e) = error {
                 fields.insert("error".into(), json!(&**e));
             }
         }
-        Command::Decide { key: k, decision, reason, .. } => {
+        Command::Decide {
+            key: k,
+            decision,
+            reason,
+            ..
+        } => {
             key = Some(k.to_string());
             fields.insert("decision".into(), json!(decision.as_str()));
             if let Some(r) = reason {
@@ -65,12 +75,22 @@ pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
             }
         }
         Command::Close { failed, .. } => {
-            fields.insert("outcome".into(), json!(if *failed { "failed" } else { "completed" }));
+            fields.insert(
+                "outcome".into(),
+                json!(if *failed { "failed" } else { "completed" }),
+            );
         }
         Command::Compact { before } => {
             fields.insert("before".into(), Value::from(*before));
         }
         Command::Pause { .. } | Command::Resume { .. } | Command::Tick { .. } => {}
     }
-    LedgerEntry { seq, at: rec.at, kind: kind(&rec.command).into(), run: rec.command.run().map(ToString::to_string), key, fields }
+    LedgerEntry {
+        seq,
+        at: rec.at,
+        kind: kind(&rec.command).into(),
+        run: rec.command.run().map(ToString::to_string),
+        key,
+        fields,
+    }
 }

@@ -57,7 +57,11 @@ pub fn decide(s: &DurableState, after: After) -> Option<Durability> {
         }
     } else {
         let end = s.ended.get(after.generation as usize).copied().unwrap_or(0);
-        Some(if end >= after.seq { Durability::Durable } else { Durability::Lost })
+        Some(if end >= after.seq {
+            Durability::Durable
+        } else {
+            Durability::Lost
+        })
     }
 }
 
@@ -67,13 +71,68 @@ mod tests {
 
     #[test]
     fn waits_for_its_seq_and_reports_loss_after_failure() {
-        let mut s = DurableState { generation: 0, seq: 5, failed: false, ended: vec![] };
-        assert_eq!(decide(&s, After { generation: 0, seq: 5 }), Some(Durability::Durable));
-        assert_eq!(decide(&s, After { generation: 0, seq: 6 }), None);
+        let mut s = DurableState {
+            generation: 0,
+            seq: 5,
+            failed: false,
+            ended: vec![],
+        };
+        assert_eq!(
+            decide(
+                &s,
+                After {
+                    generation: 0,
+                    seq: 5
+                }
+            ),
+            Some(Durability::Durable)
+        );
+        assert_eq!(
+            decide(
+                &s,
+                After {
+                    generation: 0,
+                    seq: 6
+                }
+            ),
+            None
+        );
         s.failed = true;
-        assert_eq!(decide(&s, After { generation: 0, seq: 6 }), Some(Durability::Lost));
-        let s = DurableState { generation: 1, seq: 0, failed: false, ended: vec![5] };
-        assert_eq!(decide(&s, After { generation: 0, seq: 5 }), Some(Durability::Durable));
-        assert_eq!(decide(&s, After { generation: 0, seq: 7 }), Some(Durability::Lost));
+        assert_eq!(
+            decide(
+                &s,
+                After {
+                    generation: 0,
+                    seq: 6
+                }
+            ),
+            Some(Durability::Lost)
+        );
+        let s = DurableState {
+            generation: 1,
+            seq: 0,
+            failed: false,
+            ended: vec![5],
+        };
+        assert_eq!(
+            decide(
+                &s,
+                After {
+                    generation: 0,
+                    seq: 5
+                }
+            ),
+            Some(Durability::Durable)
+        );
+        assert_eq!(
+            decide(
+                &s,
+                After {
+                    generation: 0,
+                    seq: 7
+                }
+            ),
+            Some(Durability::Lost)
+        );
     }
 }

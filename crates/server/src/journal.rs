@@ -22,13 +22,18 @@ pub struct Opened {
 
 /// Opens the ledger in `storage` and rebuilds the gate from it. `discard_after`: after a
 /// writer failure, the last durable seq (later records are dropped).
-pub fn open(storage: Arc<dyn Storage>, limits: &Limits, options: LedgerOptions) -> Result<Opened, JournalError> {
+pub fn open(
+    storage: Arc<dyn Storage>,
+    limits: &Limits,
+    options: LedgerOptions,
+) -> Result<Opened, JournalError> {
     let gate = std::cell::RefCell::new(Gate::new(limits.clone()));
     let recovered = Ledger::open(
         storage,
         options,
         |_seq, bytes| -> Result<(), String> {
-            *gate.borrow_mut() = decode_snapshot(bytes, limits.clone()).map_err(|e| e.to_string())?;
+            *gate.borrow_mut() =
+                decode_snapshot(bytes, limits.clone()).map_err(|e| e.to_string())?;
             Ok(())
         },
         |_seq, bytes| -> Result<(), String> {
@@ -43,7 +48,11 @@ pub fn open(storage: Arc<dyn Storage>, limits: &Limits, options: LedgerOptions) 
             Ok(())
         },
     )?;
-    Ok(Opened { gate: gate.into_inner(), ledger: recovered.ledger, report: recovered.report })
+    Ok(Opened {
+        gate: gate.into_inner(),
+        ledger: recovered.ledger,
+        report: recovered.report,
+    })
 }
 
 /// The appending side, owned by the core.
@@ -53,8 +62,13 @@ pub struct Journal {
 }
 
 impl Journal {
-    pub fn start(ledger: Ledger, notify: impl Fn(Result<u64, LedgerError>) + Send + Sync + 'static) -> Result<Journal, JournalError> {
-        Ok(Journal { committer: ledger.spawn(notify)? })
+    pub fn start(
+        ledger: Ledger,
+        notify: impl Fn(Result<u64, LedgerError>) + Send + Sync + 'static,
+    ) -> Result<Journal, JournalError> {
+        Ok(Journal {
+            committer: ledger.spawn(notify)?,
+        })
     }
 
     /// Appends one record; returns its seq. When the commit buffer is full, waits for the sync

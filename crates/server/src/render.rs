@@ -14,15 +14,31 @@ pub fn approval_id(run: &RunId, n: u64) -> String {
 
 pub fn verdict(run: &RunId, v: &Verdict) -> wire::Verdict {
     match v {
-        Verdict::Admitted { token } => wire::Verdict::Admitted { token: token.to_string(), epoch: u64::from(token.epoch) },
+        Verdict::Admitted { token } => wire::Verdict::Admitted {
+            token: token.to_string(),
+            epoch: u64::from(token.epoch),
+        },
         Verdict::Go => wire::Verdict::Go,
-        Verdict::Held { reason, approval, expires_at } => wire::Verdict::Held {
+        Verdict::Held {
+            reason,
+            approval,
+            expires_at,
+        } => wire::Verdict::Held {
             approval: approval.map(|n| approval_id(run, n)),
             expires_at: *expires_at,
             reason: reason.as_str().to_string(),
         },
-        Verdict::Refused { reason } => wire::Verdict::Refused { reason: reason.as_str().to_string(), message: None, rule: None },
-        Verdict::Duplicate { status, outcome, result, error } => wire::Verdict::Duplicate {
+        Verdict::Refused { reason } => wire::Verdict::Refused {
+            reason: reason.as_str().to_string(),
+            message: None,
+            rule: None,
+        },
+        Verdict::Duplicate {
+            status,
+            outcome,
+            result,
+            error,
+        } => wire::Verdict::Duplicate {
             status: match status {
                 EffectStatus::Started | EffectStatus::Admitted => "in_progress".to_string(),
                 s => s.as_str().to_string(),
@@ -41,9 +57,11 @@ pub fn run_view(id: &RunId, run: &Run) -> wire::RunView {
             Status::Held(_) | Status::Approved => counts.held += 1,
             Status::Admitted => counts.admitted += 1,
             Status::Started => counts.started += 1,
-            Status::Completed | Status::Compensating | Status::Compensated | Status::CompensationFailed | Status::NeedsHuman => {
-                counts.completed += 1
-            }
+            Status::Completed
+            | Status::Compensating
+            | Status::Compensated
+            | Status::CompensationFailed
+            | Status::NeedsHuman => counts.completed += 1,
             Status::Failed => counts.failed += 1,
             Status::Unknown => counts.unknown += 1,
             Status::Refused(_) => counts.refused += 1,
@@ -53,9 +71,16 @@ pub fn run_view(id: &RunId, run: &Run) -> wire::RunView {
         run: id.to_string(),
         state: run.state.as_str().to_string(),
         epoch: u64::from(run.epoch),
-        owner: run.owner.as_ref().map_or_else(|| "-".to_string(), ToString::to_string),
+        owner: run
+            .owner
+            .as_ref()
+            .map_or_else(|| "-".to_string(), ToString::to_string),
         parent: run.parent.as_ref().map(ToString::to_string),
-        labels: run.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>(),
+        labels: run
+            .labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect::<BTreeMap<_, _>>(),
         created_at: run.created_at,
         cause: run.stop.as_ref().map(|s| s.cause.as_str().to_string()),
         stopped_at: run.stop.as_ref().map(|s| s.at),

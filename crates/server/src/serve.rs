@@ -107,9 +107,15 @@ fn setup(msg: String) -> ServeError {
 
 /// Runs the daemon until SIGTERM/SIGINT. `on_ready` is called once everything is listening.
 pub fn run(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<(), ServeError> {
-    std::fs::create_dir_all(&opts.data).map_err(|e| setup(format!("cannot create data dir {}: {e}", opts.data.display())))?;
+    std::fs::create_dir_all(&opts.data).map_err(|e| {
+        setup(format!(
+            "cannot create data dir {}: {e}",
+            opts.data.display()
+        ))
+    })?;
     let _ = std::fs::set_permissions(&opts.data, std::fs::Permissions::from_mode(0o700));
-    let data = std::fs::canonicalize(&opts.data).map_err(|e| setup(format!("data dir {}: {e}", opts.data.display())))?;
+    let data = std::fs::canonicalize(&opts.data)
+        .map_err(|e| setup(format!("data dir {}: {e}", opts.data.display())))?;
     let policy = Arc::new(match (&opts.policy, opts.allow_all) {
         (Some(path), _) => Policy::load(path)?,
         (None, true) => Policy::allow_all(),
@@ -131,18 +137,37 @@ pub fn run(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<(), Serv
     let limits = opts.limits.clone();
     let ledger_opts = opts.ledger.clone();
     let open: crate::core::OpenFn = Box::new(move |discard_after| {
-        let o = journal::open(Arc::clone(&storage), &limits, LedgerOptions { discard_after, ..ledger_opts.clone() })?;
+        let o = journal::open(
+            Arc::clone(&storage),
+            &limits,
+            LedgerOptions {
+                discard_after,
+                ..ledger_opts.clone()
+            },
+        )?;
         let r = &o.report;
         crate::log::info(&format!(
             "ledger recovered: {} records replayed{}, last seq {}{}",
             r.records_replayed,
-            r.snapshot.as_ref().map_or(String::new(), |s| format!(" after snapshot at seq {}", s.seq)),
+            r.snapshot.as_ref().map_or(String::new(), |s| format!(
+                " after snapshot at seq {}",
+                s.seq
+            )),
             r.last_seq,
-            r.torn_tail.as_ref().map_or(String::new(), |t| format!("; truncated a torn tail of {} bytes in {} at offset {}", t.bytes_dropped, t.segment, t.offset)),
+            r.torn_tail.as_ref().map_or(String::new(), |t| format!(
+                "; truncated a torn tail of {} bytes in {} at offset {}",
+                t.bytes_dropped, t.segment, t.offset
+            )),
         ));
         Ok(o)
     });
-    let core = Core::new(opts.core.clone(), Arc::clone(&durable_tx), open, core_tx.clone()).map_err(|e| match e {
+    let core = Core::new(
+        opts.core.clone(),
+        Arc::clone(&durable_tx),
+        open,
+        core_tx.clone(),
+    )
+    .map_err(|e| match e {
         journal::JournalError::Ledger(l) => ServeError::Ledger(l),
     })?;
     let core_thread = std::thread::Builder::new()
@@ -180,20 +205,31 @@ pub fn run(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<(), Serv
 async fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
     if path.exists() {
         if tokio::net::UnixStream::connect(path).await.is_ok() {
-            return Err(setup(format!("another estop serve is listening on {}", path.display())));
+            return Err(setup(format!(
+                "another estop serve is listening on {}",
+                path.display()
+            )));
         }
         let _ = std::fs::remove_file(path);
     }
-    let l = UnixListener::bind(path).map_err(|e| setup(format!("cannot listen on {}: {e}", path.display())))?;
+    let l = UnixListener::bind(path)
+        .map_err(|e| setup(format!("cannot listen on {}: {e}", path.display())))?;
     let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
     Ok(l)
 }
 
 async fn bind_tcp(addr: &str, what: &str) -> Result<TcpListener, ServeError> {
-    TcpListener::bind(addr).await.map_err(|e| setup(format!("cannot listen for {what} on {addr}: {e}")))
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| setup(format!("cannot listen for {what} on {addr}: {e}")))
 }
 
-async fn serve_async(opts: &ServeOptions, data: &Path, shared: Arc<Shared>, on_ready: impl FnOnce(&Ready)) -> Result<(), ServeError> {
+async fn serve_async(
+    opts: &ServeOptions,
+    data: &Path,
+    shared: Arc<Shared>,
+    on_ready: impl FnOnce(&Ready),
+) -> Result<(), ServeError> {
     let socket = data.join("estop.sock");
     let unix = bind_unix(&socket).await?;
     let tcp = match &opts.listen {
@@ -204,14 +240,17 @@ async fn serve_async(opts: &ServeOptions, data: &Path, shared: Arc<Shared>, on_r
         Some(a) => Some(bind_tcp(a, "the SoundGate-compatible protocol").await?),
         None => None,
     };
-    let secret = opts.soundgate_secret.as_ref().map(|s| Arc::new(s.as_bytes().to_vec()));
-    if let Some(l) = &sg {
-        if secret.is_none() {
-            crate::log::warn(&format!(
-                "the SoundGate-compatible listener on {} accepts unauthenticated decide: any client that reaches it can approve (set ESTOP_SOUNDGATE_SECRET to require HMAC tags)",
-                l.local_addr().map(|a| a.to_string()).unwrap_or_default()
-            ));
-        }
+    let secret = opts
+        .soundgate_secret
+        .as_ref()
+        .map(|s| Arc::new(s.as_bytes().to_vec()));
+    if let Some(l) = &sg
+        && secret.is_none()
+    {
+        crate::log::warn(&format!(
+            "the SoundGate-compatible listener on {} accepts unauthenticated decide: any client that reaches it can approve (set ESTOP_SOUNDGATE_SECRET to require HMAC tags)",
+            l.local_addr().map(|a| a.to_string()).unwrap_or_default()
+        ));
     }
     let ready = Ready {
         socket: socket.clone(),
@@ -227,7 +266,9 @@ async fn serve_async(opts: &ServeOptions, data: &Path, shared: Arc<Shared>, on_r
         let (shared, slots) = (Arc::clone(&shared), Arc::clone(&slots));
         tasks.push(tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = unix.accept().await else { continue };
+                let Ok((stream, _)) = unix.accept().await else {
+                    continue;
+                };
                 admit_connection(stream, &slots, max, |s| conn::serve(s, Arc::clone(&shared)));
             }
         }));
@@ -236,7 +277,9 @@ async fn serve_async(opts: &ServeOptions, data: &Path, shared: Arc<Shared>, on_r
         let (shared, slots) = (Arc::clone(&shared), Arc::clone(&slots));
         tasks.push(tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = tcp.accept().await else { continue };
+                let Ok((stream, _)) = tcp.accept().await else {
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 admit_connection(stream, &slots, max, |s| conn::serve(s, Arc::clone(&shared)));
             }
@@ -246,10 +289,14 @@ async fn serve_async(opts: &ServeOptions, data: &Path, shared: Arc<Shared>, on_r
         let (shared, slots) = (Arc::clone(&shared), Arc::clone(&slots));
         tasks.push(tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = sg.accept().await else { continue };
+                let Ok((stream, _)) = sg.accept().await else {
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let secret = secret.clone();
-                admit_connection(stream, &slots, max, |s| crate::soundgate::serve(s, Arc::clone(&shared), secret));
+                admit_connection(stream, &slots, max, |s| {
+                    crate::soundgate::serve(s, Arc::clone(&shared), secret)
+                });
             }
         }));
     }
@@ -281,7 +328,9 @@ where
                 let line = estop_protocol::reply::error_line(
                     &estop_protocol::Id::default(),
                     estop_protocol::ErrorCode::LimitExceeded,
-                    &format!("limit reached: connections_max = {max}; close idle connections or raise --connections-max"),
+                    &format!(
+                        "limit reached: connections_max = {max}; close idle connections or raise --connections-max"
+                    ),
                 );
                 let _ = stream.write_all(&line).await;
                 let _ = stream.shutdown().await;
@@ -292,7 +341,10 @@ where
 
 async fn wait_for_signal() {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         std::future::pending::<()>().await;
         return;
     };

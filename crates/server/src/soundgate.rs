@@ -17,7 +17,11 @@ use tokio::sync::{Semaphore, mpsc as tmpsc};
 
 /// The principal every compatibility client acts as (one shared identity, as in the reference).
 pub fn principal(role: Role) -> Principal {
-    Principal { name: PrincipalName::new("soundgate").expect("valid"), role, groups: Vec::new() }
+    Principal {
+        name: PrincipalName::new("soundgate").expect("valid"),
+        role,
+        groups: Vec::new(),
+    }
 }
 
 /// Renders an answer as the reference would.
@@ -34,7 +38,9 @@ pub fn render(_id: &Id, answer: &Answer) -> Vec<u8> {
             },
         },
         Answer::Pong => SgReply::Pong,
-        Answer::Error(_, message) => SgReply::Error { message: message.clone() },
+        Answer::Error(_, message) => SgReply::Error {
+            message: message.clone(),
+        },
         _ => SgReply::Ack,
     };
     reply.to_line()
@@ -49,7 +55,13 @@ where
     let (rd, wr) = tokio::io::split(stream);
     let (out_tx, out_rx) = tmpsc::unbounded_channel::<Out>();
     let permits = Arc::new(Semaphore::new(shared.opts.outstanding_per_connection_max));
-    let writer = tokio::spawn(write_loop(wr, out_rx, shared.durable_rx.clone(), Arc::clone(&permits), render));
+    let writer = tokio::spawn(write_loop(
+        wr,
+        out_rx,
+        shared.durable_rx.clone(),
+        Arc::clone(&permits),
+        render,
+    ));
     let mut reader = LineReader::new(rd, shared.opts.line_bytes_max);
     loop {
         let line = match reader.next_line().await {
@@ -62,18 +74,30 @@ where
         }
         let now = |answer| Some(answer);
         let answer = match line {
-            Line::TooLong { bytes } => now(Answer::Error(estop_protocol::ErrorCode::LineTooLong, format!("bad request: line of {bytes} bytes is too long"))),
+            Line::TooLong { bytes } => now(Answer::Error(
+                estop_protocol::ErrorCode::LineTooLong,
+                format!("bad request: line of {bytes} bytes is too long"),
+            )),
             Line::Text(bytes) => match parse_soundgate(bytes) {
                 Ok(None) => {
                     permits.add_permits(1);
                     continue;
                 }
-                Err(e) => now(Answer::Error(estop_protocol::ErrorCode::BadJson, e.to_string())),
-                Ok(Some(req)) => handle(req, &out_tx, &shared, secret.as_deref().map(Vec::as_slice)),
+                Err(e) => now(Answer::Error(
+                    estop_protocol::ErrorCode::BadJson,
+                    e.to_string(),
+                )),
+                Ok(Some(req)) => {
+                    handle(req, &out_tx, &shared, secret.as_deref().map(Vec::as_slice))
+                }
             },
         };
         if let Some(answer) = answer {
-            let _ = out_tx.send(Out::Answer { id: Id::default(), answer, after: After::default() });
+            let _ = out_tx.send(Out::Answer {
+                id: Id::default(),
+                answer,
+                after: After::default(),
+            });
         }
     }
     let _ = shared.core_tx.send(CoreMsg::Disconnect { conn });
@@ -81,24 +105,53 @@ where
     let _ = writer.await;
 }
 
-fn handle(req: SgRequest, out: &tmpsc::UnboundedSender<Out>, shared: &Shared, secret: Option<&[u8]>) -> Option<Answer> {
-    let to = ReplyTo { out: out.clone(), id: Id::default() };
+fn handle(
+    req: SgRequest,
+    out: &tmpsc::UnboundedSender<Out>,
+    shared: &Shared,
+    secret: Option<&[u8]>,
+) -> Option<Answer> {
+    let to = ReplyTo {
+        out: out.clone(),
+        id: Id::default(),
+    };
     let send = |msg| match shared.core_tx.send(msg) {
         Ok(()) => None,
-        Err(_) => Some(Answer::Error(estop_protocol::ErrorCode::Unavailable, "the gate is shutting down".into())),
+        Err(_) => Some(Answer::Error(
+            estop_protocol::ErrorCode::Unavailable,
+            "the gate is shutting down".into(),
+        )),
     };
     let agent = principal(Role::Agent);
     match req {
         SgRequest::Ping => Some(Answer::Pong),
-        SgRequest::Submit { run, key, tool, needs_approval } => {
+        SgRequest::Submit {
+            run,
+            key,
+            tool,
+            needs_approval,
+        } => {
             let args = serde_json::json!({});
-            let mut verdict = match shared.policy.evaluate(&tool, Some(&args), agent.name.as_str()) {
+            let mut verdict = match shared
+                .policy
+                .evaluate(&tool, Some(&args), agent.name.as_str())
+            {
                 Ok(v) => v,
-                Err(e) => return Some(Answer::Verdict(wire::Verdict::Refused { reason: "denied".into(), message: Some(e.to_string()), rule: None })),
+                Err(e) => {
+                    return Some(Answer::Verdict(wire::Verdict::Refused {
+                        reason: "denied".into(),
+                        message: Some(e.to_string()),
+                        rule: None,
+                    }));
+                }
             };
             if !verdict.matched {
                 // No rule speaks for this effect: the client's flag decides, as in the reference.
-                verdict.action = if needs_approval { PolicyAction::Approve } else { PolicyAction::Allow };
+                verdict.action = if needs_approval {
+                    PolicyAction::Approve
+                } else {
+                    PolicyAction::Allow
+                };
                 verdict.quorum = 1;
             } else {
                 verdict.strengthen(needs_approval);
@@ -116,18 +169,49 @@ fn handle(req: SgRequest, out: &tmpsc::UnboundedSender<Out>, shared: &Shared, se
                 limits: shared.policy.run_limits(crate::conn::wall_ms()),
                 policy: verdict.into(),
             });
-            send(CoreMsg::Apply { principal: agent, cmd, to })
+            send(CoreMsg::Apply {
+                principal: agent,
+                cmd,
+                to,
+            })
         }
-        SgRequest::Decide { run, key, approved, mac } => {
+        SgRequest::Decide {
+            run,
+            key,
+            approved,
+            mac,
+        } => {
             if let Some(secret) = secret {
-                let ok = mac.as_deref().is_some_and(|m| verify_decision_tag(secret, run.as_str(), key.as_str(), approved, m));
+                let ok = mac.as_deref().is_some_and(|m| {
+                    verify_decision_tag(secret, run.as_str(), key.as_str(), approved, m)
+                });
                 if !ok {
-                    return Some(Answer::Error(estop_protocol::ErrorCode::Unauthenticated, SG_BAD_MAC_MESSAGE.into()));
+                    return Some(Answer::Error(
+                        estop_protocol::ErrorCode::Unauthenticated,
+                        SG_BAD_MAC_MESSAGE.into(),
+                    ));
                 }
             }
-            send(CoreMsg::SgDecide { run, key, approved, to })
+            send(CoreMsg::SgDecide {
+                run,
+                key,
+                approved,
+                to,
+            })
         }
-        SgRequest::Cancel { run } => send(CoreMsg::Apply { principal: agent, cmd: Command::Cancel { run, reason: Some("soundgate cancel".into()), kill: false }, to }),
-        SgRequest::Close { run } => send(CoreMsg::Apply { principal: agent, cmd: Command::Close { run, failed: false }, to }),
+        SgRequest::Cancel { run } => send(CoreMsg::Apply {
+            principal: agent,
+            cmd: Command::Cancel {
+                run,
+                reason: Some("soundgate cancel".into()),
+                kill: false,
+            },
+            to,
+        }),
+        SgRequest::Close { run } => send(CoreMsg::Apply {
+            principal: agent,
+            cmd: Command::Close { run, failed: false },
+            to,
+        }),
     }
 }

@@ -58,7 +58,12 @@ impl Daemon {
     pub fn start_with(extra: &[&str]) -> Daemon {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("policy.toml"), POLICY).unwrap();
-        let mut d = Daemon { dir, child: None, ready: String::new(), extra: extra.iter().map(|s| s.to_string()).collect() };
+        let mut d = Daemon {
+            dir,
+            child: None,
+            ready: String::new(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
         d.spawn();
         d
     }
@@ -98,7 +103,11 @@ impl Daemon {
         let log = self.data().join("serve.log");
         std::thread::spawn(move || {
             use std::io::Write;
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(log)
+                .unwrap();
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 let _ = writeln!(f, "{line}");
             }
@@ -107,7 +116,8 @@ impl Daemon {
             Ok(line) => self.ready = line,
             Err(_) => {
                 let _ = child.kill();
-                let log = std::fs::read_to_string(self.data().join("serve.log")).unwrap_or_default();
+                let log =
+                    std::fs::read_to_string(self.data().join("serve.log")).unwrap_or_default();
                 panic!("estop serve did not become ready; log:\n{log}");
             }
         }
@@ -116,7 +126,11 @@ impl Daemon {
 
     /// The value of `key=` in the ready line.
     pub fn ready_field(&self, key: &str) -> String {
-        self.ready.split_whitespace().find_map(|w| w.strip_prefix(&format!("{key}="))).unwrap_or_default().to_string()
+        self.ready
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{key}=")))
+            .unwrap_or_default()
+            .to_string()
     }
 
     pub fn kill9(&mut self) {
@@ -136,13 +150,20 @@ impl Daemon {
         let c = self.child.take()?;
         let pid = c.id() as i32;
         // SAFETY-free: use the kill binary rather than libc.
-        Command::new("kill").arg("-TERM").arg(pid.to_string()).status().unwrap();
+        Command::new("kill")
+            .arg("-TERM")
+            .arg(pid.to_string())
+            .status()
+            .unwrap();
         let out = c.wait_with_output().unwrap();
         out.status.code()
     }
 
     pub fn token(&self, name: &str) -> String {
-        std::fs::read_to_string(self.data().join(name)).unwrap().trim().to_string()
+        std::fs::read_to_string(self.data().join(name))
+            .unwrap()
+            .trim()
+            .to_string()
     }
 
     pub fn agent(&self) -> Client {
@@ -159,8 +180,17 @@ impl Daemon {
 
     /// Runs the CLI against this daemon; returns (exit code, stdout, stderr).
     pub fn cli(&self, args: &[&str]) -> (i32, String, String) {
-        let out = Command::new(bin()).args(args).arg("--data").arg(self.data()).output().unwrap();
-        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+        let out = Command::new(bin())
+            .args(args)
+            .arg("--data")
+            .arg(self.data())
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into(),
+            String::from_utf8_lossy(&out.stderr).into(),
+        )
     }
 }
 
@@ -185,7 +215,10 @@ pub fn err_code(c: &mut Client, req: Value) -> String {
 }
 
 pub fn admit(c: &mut Client, run: &str, key: &str, tool: &str, args: Value) -> Value {
-    ok(c, json!({"op": "admit", "run": run, "key": key, "tool": tool, "args": args}))
+    ok(
+        c,
+        json!({"op": "admit", "run": run, "key": key, "tool": tool, "args": args}),
+    )
 }
 
 pub fn verdict(v: &Value) -> &str {

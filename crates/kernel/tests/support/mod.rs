@@ -9,8 +9,8 @@ use estop_kernel::reply::{DecideStatus, Reply, Verdict};
 use estop_kernel::state::Status;
 use estop_kernel::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
 use estop_kernel::{
-    Admit, Command, Digest, EffectKey, Gate, Limits, PolicyDecision, Principal, PrincipalName, Record, Role,
-    RunId, RunLimits, Token, ToolName,
+    Admit, Command, Digest, EffectKey, Gate, Limits, PolicyDecision, Principal, PrincipalName,
+    Record, Role, RunId, RunLimits, Token, ToolName,
 };
 use std::fmt::Write;
 
@@ -23,7 +23,11 @@ pub fn principal(name: &str) -> Principal {
         "dave" => (Role::Operator, &["finance", "ops"]),
         other => panic!("unknown principal {other}"),
     };
-    Principal { name: PrincipalName::new(name).unwrap(), role, groups: groups.iter().map(|g| (*g).into()).collect() }
+    Principal {
+        name: PrincipalName::new(name).unwrap(),
+        role,
+        groups: groups.iter().map(|g| (*g).into()).collect(),
+    }
 }
 
 /// A stand-in digest: the call text, zero-padded (collision-free for short test strings).
@@ -55,19 +59,32 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
     let at: u64 = words[0].trim_start_matches('@').parse().expect("time");
     let principal = principal(words[1]);
     let verb = words[2];
-    let pos: Vec<&str> = words[3..].iter().copied().filter(|w| !w.contains('=')).collect();
-    let opt = |name: &str| words[3..].iter().find_map(|w| w.strip_prefix(&format!("{name}=")));
+    let pos: Vec<&str> = words[3..]
+        .iter()
+        .copied()
+        .filter(|w| !w.contains('='))
+        .collect();
+    let opt = |name: &str| {
+        words[3..]
+            .iter()
+            .find_map(|w| w.strip_prefix(&format!("{name}=")))
+    };
     let run = || RunId::new(pos[0]).unwrap();
     let key = || EffectKey::new(pos[1]).unwrap();
     let token = |i: usize| match pos.get(i) {
-        None | Some(&"last") => last_token.unwrap_or(Token { epoch: 1, serial: 1 }),
+        None | Some(&"last") => last_token.unwrap_or(Token {
+            epoch: 1,
+            serial: 1,
+        }),
         Some(t) => Token::parse(t).expect("token"),
     };
     let command = match verb {
         "admit" => {
             let tool = pos[2];
             let arg = opt("arg").unwrap_or("");
-            let mut p = policy(opt("action").map_or(PolicyAction::Allow, |a| PolicyAction::parse(a).unwrap()));
+            let mut p = policy(
+                opt("action").map_or(PolicyAction::Allow, |a| PolicyAction::parse(a).unwrap()),
+            );
             if let Some(c) = opt("class") {
                 p.class = EffectClass::parse(c).unwrap();
             }
@@ -99,37 +116,89 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
                 policy: p,
             })
         }
-        "wait" => Command::Recheck { run: run(), key: key() },
-        "start" => Command::Start { run: run(), key: key(), token: token(2) },
+        "wait" => Command::Recheck {
+            run: run(),
+            key: key(),
+        },
+        "start" => Command::Start {
+            run: run(),
+            key: key(),
+            token: token(2),
+        },
         "complete" => {
-            let outcome = pos.iter().find_map(|w| Outcome::parse(w)).unwrap_or(Outcome::Ok);
-            let tok = pos.get(2).and_then(|t| Token::parse(t)).or(last_token).unwrap_or(Token { epoch: 1, serial: 1 });
-            Command::Complete { run: run(), key: key(), token: tok, outcome, result: opt("result").map(Into::into), error: None }
+            let outcome = pos
+                .iter()
+                .find_map(|w| Outcome::parse(w))
+                .unwrap_or(Outcome::Ok);
+            let tok = pos
+                .get(2)
+                .and_then(|t| Token::parse(t))
+                .or(last_token)
+                .unwrap_or(Token {
+                    epoch: 1,
+                    serial: 1,
+                });
+            Command::Complete {
+                run: run(),
+                key: key(),
+                token: tok,
+                outcome,
+                result: opt("result").map(Into::into),
+                error: None,
+            }
         }
         "approve" | "reject" => Command::Decide {
             run: run(),
             key: key(),
-            decision: if verb == "approve" { Decision::Approve } else { Decision::Reject },
+            decision: if verb == "approve" {
+                Decision::Approve
+            } else {
+                Decision::Reject
+            },
             reason: None,
         },
-        "cancel" => Command::Cancel { run: run(), reason: None, kill: false },
-        "kill" => Command::Cancel { run: run(), reason: None, kill: true },
+        "cancel" => Command::Cancel {
+            run: run(),
+            reason: None,
+            kill: false,
+        },
+        "kill" => Command::Cancel {
+            run: run(),
+            reason: None,
+            kill: true,
+        },
         "pause" => Command::Pause { run: run() },
         "resume" => Command::Resume { run: run() },
-        "close" => Command::Close { run: run(), failed: false },
-        "fail" => Command::Close { run: run(), failed: true },
+        "close" => Command::Close {
+            run: run(),
+            failed: false,
+        },
+        "fail" => Command::Close {
+            run: run(),
+            failed: true,
+        },
         "tick" => Command::Tick { run: run() },
-        "compact" => Command::Compact { before: pos[0].parse().unwrap() },
+        "compact" => Command::Compact {
+            before: pos[0].parse().unwrap(),
+        },
         v => panic!("unknown verb {v}"),
     };
-    Record { at, principal, command }
+    Record {
+        at,
+        principal,
+        command,
+    }
 }
 
 pub fn render_verdict(v: &Verdict) -> String {
     match v {
         Verdict::Admitted { token } => format!("admitted {token}"),
         Verdict::Go => "go".into(),
-        Verdict::Held { reason, approval, expires_at } => {
+        Verdict::Held {
+            reason,
+            approval,
+            expires_at,
+        } => {
             let mut s = format!("held {reason}");
             if let Some(a) = approval {
                 write!(s, " #{a}").unwrap();
@@ -140,7 +209,12 @@ pub fn render_verdict(v: &Verdict) -> String {
             s
         }
         Verdict::Refused { reason } => format!("refused {reason}"),
-        Verdict::Duplicate { status, outcome, result, .. } => {
+        Verdict::Duplicate {
+            status,
+            outcome,
+            result,
+            ..
+        } => {
             let mut s = format!("duplicate {status}");
             if let Some(o) = outcome {
                 write!(s, " {o}").unwrap();
@@ -156,17 +230,30 @@ pub fn render_verdict(v: &Verdict) -> String {
 pub fn render_reply(r: &Reply) -> String {
     match r {
         Reply::Verdict(v) => render_verdict(v),
-        Reply::Completed { late } => if *late { "completed late".into() } else { "completed".into() },
+        Reply::Completed { late } => {
+            if *late {
+                "completed late".into()
+            } else {
+                "completed".into()
+            }
+        }
         Reply::Decided(DecideStatus::Approved) => "decided approved".into(),
         Reply::Decided(DecideStatus::Rejected) => "decided rejected".into(),
-        Reply::Decided(DecideStatus::Pending { approvals, quorum, missing_groups }) => {
+        Reply::Decided(DecideStatus::Pending {
+            approvals,
+            quorum,
+            missing_groups,
+        }) => {
             let mut s = format!("decided pending {approvals}/{quorum}");
             if !missing_groups.is_empty() {
                 write!(s, " missing {}", missing_groups.join(",")).unwrap();
             }
             s
         }
-        Reply::RunState { state, runs_changed } => format!("run {state} ({runs_changed} changed)"),
+        Reply::RunState {
+            state,
+            runs_changed,
+        } => format!("run {state} ({runs_changed} changed)"),
         Reply::Compacted { runs } => format!("compacted {runs}"),
     }
 }
@@ -181,8 +268,12 @@ pub fn render_state(gate: &Gate) -> String {
                 write!(s, " from={from}").unwrap();
             }
         }
-        write!(s, " epoch={} admitted={} pending={} in_flight={}", run.epoch, run.admitted, run.pending_approvals, run.in_flight)
-            .unwrap();
+        write!(
+            s,
+            " epoch={} admitted={} pending={} in_flight={}",
+            run.epoch, run.admitted, run.pending_approvals, run.in_flight
+        )
+        .unwrap();
         if let Some(p) = &run.parent {
             write!(s, " parent={p}").unwrap();
         }
@@ -215,11 +306,18 @@ pub fn render_state(gate: &Gate) -> String {
 /// Runs a script; returns the transcript (each command and its reply, then the final state).
 /// Panics if replaying the recorded commands, or a snapshot, does not reproduce the state.
 pub fn run_script(script: &str) -> String {
-    let mut gate = Gate::new(Limits { pending_approvals_per_run_max: 4, ..Limits::default() });
+    let mut gate = Gate::new(Limits {
+        pending_approvals_per_run_max: 4,
+        ..Limits::default()
+    });
     let mut out = String::new();
     let mut log: Vec<Vec<u8>> = Vec::new();
     let mut last_token = None;
-    for line in script.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+    for line in script
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
         let rec = parse_line(line, last_token);
         let before = gate.clone();
         match gate.apply(rec.at, &rec.principal, &rec.command) {
@@ -234,11 +332,17 @@ pub fn run_script(script: &str) -> String {
                     assert_eq!(decode_record(&buf).as_ref(), Ok(&rec), "record round trip");
                     log.push(buf);
                 } else {
-                    assert_eq!(before, gate, "a command that reports no change changed the state: {line}");
+                    assert_eq!(
+                        before, gate,
+                        "a command that reports no change changed the state: {line}"
+                    );
                 }
             }
             Err(e) => {
-                assert_eq!(before, gate, "a command that failed changed the state: {line}");
+                assert_eq!(
+                    before, gate,
+                    "a command that failed changed the state: {line}"
+                );
                 writeln!(out, "{line:<44} => error {}: {e}", e.code()).unwrap();
             }
         }
@@ -247,13 +351,22 @@ pub fn run_script(script: &str) -> String {
     let mut replayed = Gate::new(gate.limits().clone());
     for buf in &log {
         let rec = decode_record(buf).unwrap();
-        let applied = replayed.apply(rec.at, &rec.principal, &rec.command).expect("a recorded command applies on replay");
-        assert!(applied.changed, "a recorded command changed nothing on replay");
+        let applied = replayed
+            .apply(rec.at, &rec.principal, &rec.command)
+            .expect("a recorded command applies on replay");
+        assert!(
+            applied.changed,
+            "a recorded command changed nothing on replay"
+        );
     }
     assert_eq!(replayed, gate, "replay diverged");
     let mut snap = Vec::new();
     encode_snapshot(&gate, &mut snap);
-    assert_eq!(decode_snapshot(&snap, gate.limits().clone()).as_ref(), Ok(&gate), "snapshot round trip");
+    assert_eq!(
+        decode_snapshot(&snap, gate.limits().clone()).as_ref(),
+        Ok(&gate),
+        "snapshot round trip"
+    );
     out.push_str("--\n");
     out.push_str(&render_state(&gate));
     out
