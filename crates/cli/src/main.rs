@@ -118,6 +118,9 @@ struct ServeArgs {
     /// How long a stopped run keeps its per-effect state (e.g. 7d, 12h); its fence stays.
     #[arg(long, default_value = "7d")]
     retention: String,
+    /// Write a snapshot after this many ledger records (bounds recovery time).
+    #[arg(long, default_value_t = 1_000_000)]
+    snapshot_every: u64,
 }
 
 #[derive(Subcommand)]
@@ -551,6 +554,7 @@ fn serve(a: ServeArgs) -> Result<u8> {
     opts.allow_all = a.allow_all;
     opts.connections_max = a.connections_max;
     opts.conn.line_bytes_max = a.line_bytes_max;
+    opts.core.snapshot_every_records = a.snapshot_every.max(1);
     opts.core.retention_ms = estop_policy::parse_duration_ms(&a.retention)
         .map_err(|e| anyhow!("--retention {}: {e}", a.retention))?;
     estop_server::run(opts, |ready| {

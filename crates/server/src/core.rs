@@ -207,6 +207,8 @@ pub struct Core {
     timers: BTreeSet<(u64, RunId)>,
     timer_of: HashMap<RunId, u64>,
     next_compaction: u64,
+    /// While the ledger is down, recovery is attempted at most this often.
+    next_recovery: Instant,
     opts: CoreOptions,
     buf: Vec<u8>,
 }
@@ -244,6 +246,7 @@ impl Core {
             timers: BTreeSet::new(),
             timer_of: HashMap::new(),
             next_compaction: 0,
+            next_recovery: Instant::now(),
             opts,
             buf: Vec::with_capacity(1024),
         };
@@ -321,7 +324,7 @@ impl Core {
                 }
             }
             self.fire_timers();
-            if self.journal.is_none() {
+            if self.journal.is_none() && Instant::now() >= self.next_recovery {
                 self.recover();
             }
         }
@@ -757,6 +760,8 @@ impl Core {
     /// Reopens the ledger after a failure, dropping every record that was not durable, and
     /// rebuilds the state from disk. Retried every second until the disk is back.
     fn recover(&mut self) {
+        // Each attempt re-reads the ledger: never more than once a second while the disk is down.
+        self.next_recovery = Instant::now() + Duration::from_secs(1);
         let durable = self.durable_tx.borrow().seq;
         let opened = match (self.open)(Some(durable)) {
             Ok(o) => o,

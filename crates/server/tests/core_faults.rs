@@ -1,0 +1,145 @@
+//! The core against a failing disk (crash-simulating storage): a failed write or fsync fails
+//! closed — nothing after the last durable record is acknowledged — and the core recovers by
+//! itself when the disk works again, with everything acknowledged intact.
+
+use estop_kernel::vocab::{EffectClass, PolicyAction, Reversibility};
+use estop_kernel::{Admit, Command, Digest, EffectKey, Limits, PolicyDecision, Principal, PrincipalName, Role, RunId, RunLimits, ToolName};
+use estop_ledger::{CrashStorage, LedgerOptions, Storage};
+use estop_protocol::{ErrorCode, Id, reply as wire};
+use estop_server::core::{Answer, Core, CoreMsg, CoreOptions, OpenFn, Out, ReplyTo};
+use estop_server::durable::{self, Durability, DurableState};
+use estop_server::journal;
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc as tmpsc, watch};
+
+struct Harness {
+    tx: mpsc::Sender<CoreMsg>,
+    durable: watch::Receiver<DurableState>,
+    out_tx: tmpsc::UnboundedSender<Out>,
+    out_rx: tmpsc::UnboundedReceiver<Out>,
+    rt: tokio::runtime::Runtime,
+}
+
+fn agent() -> Principal {
+    Principal { name: PrincipalName::new("agent").unwrap(), role: Role::Agent, groups: vec![] }
+}
+
+fn admit(key: &str) -> Command {
+    Command::Admit(Admit {
+        run: RunId::new("r1").unwrap(),
+        key: EffectKey::new(key).unwrap(),
+        tool: ToolName::new("pay").unwrap(),
+        digest: Digest([7; 32]),
+        args: None,
+        start: true,
+        parent: None,
+        labels: vec![],
+        limits: RunLimits::default(),
+        policy: PolicyDecision {
+            action: PolicyAction::Allow,
+            class: EffectClass::Write,
+            reversibility: Reversibility::Undeclared,
+            compensate: None,
+            quorum: 1,
+            groups: vec![],
+            expiry_ms: 60_000,
+            rule: "test".into(),
+        },
+    })
+}
+
+impl Harness {
+    fn start(storage: Arc<CrashStorage>) -> Harness {
+        let (durable_tx, durable) = watch::channel(DurableState::default());
+        let (tx, rx) = mpsc::channel();
+        let st: Arc<dyn Storage> = storage;
+        let open: OpenFn = Box::new(move |discard_after| {
+            journal::open(Arc::clone(&st), &Limits::default(), LedgerOptions { discard_after, ..LedgerOptions::default() })
+        });
+        let core = Core::new(CoreOptions::default(), Arc::new(durable_tx), open, tx.clone()).unwrap();
+        std::thread::spawn(move || core.run(rx));
+        let (out_tx, out_rx) = tmpsc::unbounded_channel();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        Harness { tx, durable, out_tx, out_rx, rt }
+    }
+
+    /// Sends a command and returns the answer the client would see (after durability).
+    fn call(&mut self, cmd: Command) -> Answer {
+        let to = ReplyTo { out: self.out_tx.clone(), id: Id::default() };
+        self.tx.send(CoreMsg::Apply { principal: agent(), cmd, to }).unwrap();
+        let out = self.rt.block_on(self.out_rx.recv()).unwrap();
+        let Out::Answer { answer, after, .. } = out else { panic!("expected an answer") };
+        let mut rx = self.durable.clone();
+        match self.rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), durable::wait(&mut rx, after)).await }) {
+            Ok(Durability::Durable) => answer,
+            Ok(Durability::Lost) => Answer::Error(ErrorCode::Unavailable, "lost".into()),
+            Err(_) => panic!("reply never became durable or lost"),
+        }
+    }
+}
+
+fn is_admitted(a: &Answer) -> bool {
+    matches!(a, Answer::Verdict(wire::Verdict::Admitted { .. }))
+}
+
+fn is_duplicate(a: &Answer) -> bool {
+    matches!(a, Answer::Verdict(wire::Verdict::Duplicate { .. }))
+}
+
+fn is_unavailable(a: &Answer) -> bool {
+    matches!(a, Answer::Error(ErrorCode::Unavailable, _))
+}
+
+#[test]
+fn disk_full_fails_closed_and_recovers_when_space_returns() {
+    let storage = Arc::new(CrashStorage::new(7));
+    let mut h = Harness::start(Arc::clone(&storage));
+    assert!(is_admitted(&h.call(admit("a"))));
+    assert!(is_admitted(&h.call(admit("b"))));
+    // The disk fills up: the next change cannot be made durable and is not acknowledged.
+    storage.set_space_left(Some(0));
+    let failed = h.call(admit("c"));
+    assert!(is_unavailable(&failed), "{failed:?}");
+    // While the disk is full every change is refused with a clear error.
+    let still = h.call(admit("d"));
+    assert!(is_unavailable(&still), "{still:?}");
+    // Space returns: the core recovers on its own (it retries every second).
+    storage.set_space_left(None);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let e = loop {
+        let a = h.call(admit("e"));
+        if !is_unavailable(&a) || Instant::now() > deadline {
+            break a;
+        }
+    };
+    assert!(is_admitted(&e), "the core did not recover: {e:?}");
+    // Everything acknowledged is intact; nothing unacknowledged was resurrected as admitted twice.
+    assert!(is_duplicate(&h.call(admit("a"))));
+    assert!(is_duplicate(&h.call(admit("b"))));
+    assert!(is_duplicate(&h.call(admit("e"))));
+    let c = h.call(admit("c"));
+    assert!(is_admitted(&c) || is_duplicate(&c), "{c:?}");
+}
+
+#[test]
+fn a_failed_fsync_is_never_retried_and_the_unsynced_record_is_not_acknowledged() {
+    let storage = Arc::new(CrashStorage::new(11));
+    let mut h = Harness::start(Arc::clone(&storage));
+    assert!(is_admitted(&h.call(admit("a"))));
+    storage.fail_next_sync();
+    let failed = h.call(admit("b"));
+    assert!(is_unavailable(&failed), "{failed:?}");
+    // The core reopened the ledger past the last durable record; a crash now keeps `a` and
+    // never resurrects `b` (its pages may have been dropped).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let x = h.call(admit("x"));
+        if is_admitted(&x) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no recovery: {x:?}");
+    }
+    assert!(is_duplicate(&h.call(admit("a"))));
+    assert!(is_admitted(&h.call(admit("b"))), "the unacknowledged record must not count as admitted");
+}
