@@ -1,6 +1,8 @@
 //! The `estop` binary: flags and wiring only. Exit codes: 0 ok, 1 error, 2 usage, 3 refused,
 //! 4 not found (docs in README.md).
 
+mod bench;
+
 use anyhow::{Context, Result, anyhow};
 use clap::{Args, Parser, Subcommand};
 use estop_protocol::ErrorCode;
@@ -90,6 +92,8 @@ enum Cmd {
         #[command(subcommand)]
         command: LedgerCmd,
     },
+    /// Measure: closed-loop durable admissions (default), or `kernel` / `recovery` figures.
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Args)]
@@ -208,6 +212,7 @@ fn fail(e: anyhow::Error) -> Failure {
 
 fn run(cli: Cli) -> Result<u8, Failure> {
     match cli.command {
+        Cmd::Bench(a) => bench::run(a).map_err(fail),
         Cmd::Serve(a) => serve(a).map_err(fail),
         Cmd::Ledger { command } => ledger(command).map_err(fail),
         Cmd::Token {

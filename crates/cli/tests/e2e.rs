@@ -751,20 +751,44 @@ fn approval_expiry_and_deadline_are_enforced_by_the_clock() {
     .unwrap();
     d.spawn();
     let mut a = d.agent();
-    assert_eq!(verdict(&admit(&mut a, "r1", "k1", "email", json!({}))), "held");
+    assert_eq!(
+        verdict(&admit(&mut a, "r1", "k1", "email", json!({}))),
+        "held"
+    );
     // Silence is no: the wait returns refused/expired once the approval expires.
-    let w = ok(&mut a, json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 30000}));
-    assert_eq!((verdict(&w), w["reason"].as_str()), ("refused", Some("expired")));
+    let w = ok(
+        &mut a,
+        json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 30000}),
+    );
+    assert_eq!(
+        (verdict(&w), w["reason"].as_str()),
+        ("refused", Some("expired"))
+    );
     let mut op = d.operator();
-    assert_eq!(err_code(&mut op, json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"})), "not_pending");
+    assert_eq!(
+        err_code(
+            &mut op,
+            json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"})
+        ),
+        "not_pending"
+    );
     // A run deadline fences the run like a cancel, and subscribers hear of it.
-    let v = ok(&mut a, json!({"op": "admit", "run": "r2", "key": "k1", "tool": "pay", "args": {}, "limits": {"timeout_ms": 300}}));
+    let v = ok(
+        &mut a,
+        json!({"op": "admit", "run": "r2", "key": "k1", "tool": "pay", "args": {}, "limits": {"timeout_ms": 300}}),
+    );
     assert_eq!(verdict(&v), "admitted");
     ok(&mut a, json!({"op": "subscribe", "run": "r2"}));
     let ev = a.next_event().unwrap().unwrap();
-    assert_eq!((ev.run.as_str(), ev.reason.as_deref()), ("r2", Some("deadline")));
+    assert_eq!(
+        (ev.run.as_str(), ev.reason.as_deref()),
+        ("r2", Some("deadline"))
+    );
     let v = admit(&mut a, "r2", "k2", "pay", json!({}));
-    assert_eq!((verdict(&v), v["reason"].as_str()), ("refused", Some("deadline")));
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("refused", Some("deadline"))
+    );
 }
 
 #[test]
@@ -773,19 +797,44 @@ fn recovery_from_a_snapshot_keeps_everything() {
     {
         let mut a = d.agent();
         for i in 0..45 {
-            assert_eq!(verdict(&admit(&mut a, "r1", &format!("k{i}"), "pay", json!({"i": i}))), "admitted");
+            assert_eq!(
+                verdict(&admit(
+                    &mut a,
+                    "r1",
+                    &format!("k{i}"),
+                    "pay",
+                    json!({"i": i})
+                )),
+                "admitted"
+            );
         }
-        assert_eq!(verdict(&admit(&mut a, "r1", "held", "refund", json!({}))), "held");
+        assert_eq!(
+            verdict(&admit(&mut a, "r1", "held", "refund", json!({}))),
+            "held"
+        );
     }
     d.restart();
-    let verify = std::process::Command::new(common::bin()).args(["ledger", "verify", "--json", "--data"]).arg(d.data()).output().unwrap();
+    let verify = std::process::Command::new(common::bin())
+        .args(["ledger", "verify", "--json", "--data"])
+        .arg(d.data())
+        .output()
+        .unwrap();
     let report: serde_json::Value = serde_json::from_slice(&verify.stdout).unwrap();
-    assert!(report["snapshot_seq"].as_u64().unwrap_or(0) >= 10, "{report}");
+    assert!(
+        report["snapshot_seq"].as_u64().unwrap_or(0) >= 10,
+        "{report}"
+    );
     let mut a = d.agent();
     for i in 0..45 {
         let v = admit(&mut a, "r1", &format!("k{i}"), "pay", json!({"i": i}));
         assert_eq!(v["status"], "in_progress", "k{i}: {v}");
     }
     let mut op = d.operator();
-    assert_eq!(ok(&mut op, json!({"op": "pending"}))["pending"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        ok(&mut op, json!({"op": "pending"}))["pending"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
 }

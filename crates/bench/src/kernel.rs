@@ -1,0 +1,285 @@
+//! In-process measurements of the kernel and the ledger: the CPU work of a cancel among many
+//! identities, memory per retained identity, and recovery speed with and without a snapshot.
+
+use estop_kernel::codec::{encode_record, encode_snapshot};
+use estop_kernel::vocab::{EffectClass, Outcome, PolicyAction, Reversibility};
+use estop_kernel::{
+    Admit, Command, Digest, EffectKey, Gate, Limits, PolicyDecision, Principal, PrincipalName,
+    Record, Role, RunId, RunLimits, Token, ToolName,
+};
+use estop_ledger::{FileStorage, LedgerOptions, Storage};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+fn agent() -> Principal {
+    Principal {
+        name: PrincipalName::new("agent").expect("valid"),
+        role: Role::Agent,
+        groups: vec![],
+    }
+}
+
+fn policy() -> PolicyDecision {
+    PolicyDecision {
+        action: PolicyAction::Allow,
+        class: EffectClass::Write,
+        reversibility: Reversibility::Undeclared,
+        compensate: None,
+        quorum: 1,
+        groups: vec![],
+        expiry_ms: 900_000,
+        rule: "default".into(),
+    }
+}
+
+fn admit(run: &RunId, k: u64) -> Command {
+    let mut d = [0u8; 32];
+    d[..8].copy_from_slice(&k.to_le_bytes());
+    Command::Admit(Admit {
+        run: run.clone(),
+        key: EffectKey::new(&format!("step-{k:06}")).expect("valid"),
+        tool: ToolName::new("pay").expect("valid"),
+        digest: Digest(d),
+        args: None,
+        start: true,
+        parent: None,
+        labels: vec![],
+        limits: RunLimits::default(),
+        policy: policy(),
+    })
+}
+
+fn run_id(i: u64) -> RunId {
+    RunId::new(&format!("run-{i:08}")).expect("valid")
+}
+
+/// A gate holding `runs × per_run` completed effect identities.
+pub fn populated(runs: u64, per_run: u64) -> Gate {
+    let mut gate = Gate::new(Limits {
+        runs_max: usize::MAX,
+        ..Limits::default()
+    });
+    let p = agent();
+    for r in 0..runs {
+        let run = run_id(r);
+        for k in 0..per_run {
+            gate.apply(1, &p, &admit(&run, k)).expect("admit applies");
+            let key = EffectKey::new(&format!("step-{k:06}")).expect("valid");
+            let token = Token {
+                epoch: 1,
+                serial: k + 1,
+            };
+            let c = Command::Complete {
+                run: run.clone(),
+                key,
+                token,
+                outcome: Outcome::Ok,
+                result: None,
+                error: None,
+            };
+            gate.apply(2, &p, &c).expect("complete applies");
+        }
+    }
+    gate
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct CancelReport {
+    pub identities: u64,
+    pub effects_per_run: u64,
+    pub cancels: u64,
+    pub p50_us: f64,
+    pub max_us: f64,
+}
+
+/// The CPU work of cancelling one `per_run`-effect run in a gate of `identities` identities
+/// (the fsync before the acknowledgement is not included: it is one group-committed record).
+pub fn cancel_cost(identities: u64, per_run: u64, cancels: u64) -> CancelReport {
+    let runs = identities / per_run;
+    let mut gate = populated(runs, per_run);
+    let p = Principal {
+        name: PrincipalName::new("admin").expect("valid"),
+        role: Role::Operator,
+        groups: vec![],
+    };
+    let mut ns = Vec::with_capacity(cancels as usize);
+    let step = (runs / cancels.max(1)).max(1);
+    for i in 0..cancels.min(runs) {
+        let cmd = Command::Cancel {
+            run: run_id(i * step),
+            reason: Some("bench".into()),
+            kill: false,
+        };
+        let t = Instant::now();
+        let applied = gate.apply(3, &p, &cmd).expect("cancel applies");
+        ns.push(t.elapsed().as_nanos() as f64);
+        assert!(applied.changed);
+        std::hint::black_box(applied);
+    }
+    ns.sort_by(f64::total_cmp);
+    CancelReport {
+        identities: runs * per_run,
+        effects_per_run: per_run,
+        cancels: ns.len() as u64,
+        p50_us: ns[ns.len() / 2] / 1000.0,
+        max_us: ns.last().copied().unwrap_or(0.0) / 1000.0,
+    }
+}
+
+fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct MemoryReport {
+    pub identities: u64,
+    pub bytes_per_identity: f64,
+}
+
+/// Resident memory per retained (completed) effect identity.
+pub fn memory_per_identity(identities: u64, per_run: u64) -> MemoryReport {
+    let before = rss_bytes();
+    let gate = populated(identities / per_run, per_run);
+    let after = rss_bytes();
+    std::hint::black_box(&gate);
+    MemoryReport {
+        identities,
+        bytes_per_identity: after.saturating_sub(before) as f64 / identities as f64,
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct RecoveryReport {
+    pub records: u64,
+    pub replay_seconds: f64,
+    pub replay_records_per_s: f64,
+    pub snapshot_bytes: u64,
+    pub snapshot_seconds: f64,
+}
+
+/// Writes a ledger of about `records` records (runs of 10 admits + 10 completes + close, with
+/// retention compaction as a daemon would do), then recovers it twice: by replaying every
+/// record, and from a snapshot.
+pub fn recovery(dir: &Path, records: u64) -> Result<RecoveryReport, Box<dyn std::error::Error>> {
+    let _ = std::fs::remove_dir_all(dir);
+    let storage: Arc<dyn Storage> = Arc::new(FileStorage::open(dir)?);
+    let opened = estop_server::journal::open(
+        Arc::clone(&storage),
+        &Limits {
+            runs_max: usize::MAX,
+            ..Limits::default()
+        },
+        LedgerOptions::default(),
+    )?;
+    let committer = opened.ledger.spawn(|_| {})?;
+    let mut gate = opened.gate;
+    let p = agent();
+    let mut buf = Vec::with_capacity(256);
+    let mut written = 0u64;
+    let mut last = 0;
+    let mut r = 0u64;
+    let mut push = |gate: &mut Gate,
+                    cmd: Command,
+                    written: &mut u64|
+     -> Result<(), Box<dyn std::error::Error>> {
+        let rec = Record {
+            at: 1000,
+            principal: p.clone(),
+            command: cmd,
+        };
+        let applied = gate.apply(rec.at, &rec.principal, &rec.command)?;
+        assert!(applied.changed);
+        buf.clear();
+        encode_record(&rec, &mut buf);
+        last = match committer.append(&buf) {
+            Err(estop_ledger::LedgerError::Backpressure { .. }) => {
+                committer.wait_durable(last)?;
+                committer.append(&buf)?
+            }
+            other => other?,
+        };
+        *written += 1;
+        Ok(())
+    };
+    while written < records {
+        let run = run_id(r);
+        for k in 0..10 {
+            push(&mut gate, admit(&run, k), &mut written)?;
+        }
+        for k in 0..10 {
+            let key = EffectKey::new(&format!("step-{k:06}"))?;
+            let c = Command::Complete {
+                run: run.clone(),
+                key,
+                token: Token {
+                    epoch: 1,
+                    serial: k + 1,
+                },
+                outcome: Outcome::Ok,
+                result: None,
+                error: None,
+            };
+            push(&mut gate, c, &mut written)?;
+        }
+        push(
+            &mut gate,
+            Command::Close {
+                run: run.clone(),
+                failed: false,
+            },
+            &mut written,
+        )?;
+        r += 1;
+        if r % 20_000 == 0 {
+            push(&mut gate, Command::Compact { before: 2000 }, &mut written)?;
+        }
+    }
+    committer.flush()?;
+    drop(committer);
+    drop(gate);
+
+    let t = Instant::now();
+    let opened = estop_server::journal::open(
+        Arc::clone(&storage),
+        &Limits {
+            runs_max: usize::MAX,
+            ..Limits::default()
+        },
+        LedgerOptions::default(),
+    )?;
+    let replay_seconds = t.elapsed().as_secs_f64();
+    let replayed = opened.report.records_replayed;
+    let mut snap = Vec::new();
+    encode_snapshot(&opened.gate, &mut snap);
+    let committer = opened.ledger.spawn(|_| {})?;
+    committer.snapshot(opened.report.last_seq, &snap)?;
+    drop(committer);
+    drop(opened.gate);
+    let t = Instant::now();
+    let from_snapshot = estop_server::journal::open(
+        storage,
+        &Limits {
+            runs_max: usize::MAX,
+            ..Limits::default()
+        },
+        LedgerOptions::default(),
+    )?;
+    let snapshot_seconds = t.elapsed().as_secs_f64();
+    assert!(from_snapshot.report.snapshot.is_some());
+    drop(from_snapshot);
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(RecoveryReport {
+        records: replayed,
+        replay_seconds,
+        replay_records_per_s: replayed as f64 / replay_seconds,
+        snapshot_bytes: snap.len() as u64,
+        snapshot_seconds,
+    })
+}
