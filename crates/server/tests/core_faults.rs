@@ -3,7 +3,10 @@
 //! itself when the disk works again, with everything acknowledged intact.
 
 use estop_kernel::vocab::{EffectClass, PolicyAction, Reversibility};
-use estop_kernel::{Admit, Command, Digest, EffectKey, Limits, PolicyDecision, Principal, PrincipalName, Role, RunId, RunLimits, ToolName};
+use estop_kernel::{
+    Admit, Command, Digest, EffectKey, Limits, PolicyDecision, Principal, PrincipalName, Role,
+    RunId, RunLimits, ToolName,
+};
 use estop_ledger::{CrashStorage, LedgerOptions, Storage};
 use estop_protocol::{ErrorCode, Id, reply as wire};
 use estop_server::core::{Answer, Core, CoreMsg, CoreOptions, OpenFn, Out, ReplyTo};
@@ -22,7 +25,11 @@ struct Harness {
 }
 
 fn agent() -> Principal {
-    Principal { name: PrincipalName::new("agent").unwrap(), role: Role::Agent, groups: vec![] }
+    Principal {
+        name: PrincipalName::new("agent").unwrap(),
+        role: Role::Agent,
+        groups: vec![],
+    }
 }
 
 fn admit(key: &str) -> Command {
@@ -55,23 +62,58 @@ impl Harness {
         let (tx, rx) = mpsc::channel();
         let st: Arc<dyn Storage> = storage;
         let open: OpenFn = Box::new(move |discard_after| {
-            journal::open(Arc::clone(&st), &Limits::default(), LedgerOptions { discard_after, ..LedgerOptions::default() })
+            journal::open(
+                Arc::clone(&st),
+                &Limits::default(),
+                LedgerOptions {
+                    discard_after,
+                    ..LedgerOptions::default()
+                },
+            )
         });
-        let core = Core::new(CoreOptions::default(), Arc::new(durable_tx), open, tx.clone()).unwrap();
+        let core = Core::new(
+            CoreOptions::default(),
+            Arc::new(durable_tx),
+            open,
+            tx.clone(),
+        )
+        .unwrap();
         std::thread::spawn(move || core.run(rx));
         let (out_tx, out_rx) = tmpsc::unbounded_channel();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        Harness { tx, durable, out_tx, out_rx, rt }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        Harness {
+            tx,
+            durable,
+            out_tx,
+            out_rx,
+            rt,
+        }
     }
 
     /// Sends a command and returns the answer the client would see (after durability).
     fn call(&mut self, cmd: Command) -> Answer {
-        let to = ReplyTo { out: self.out_tx.clone(), id: Id::default() };
-        self.tx.send(CoreMsg::Apply { principal: agent(), cmd, to }).unwrap();
+        let to = ReplyTo {
+            out: self.out_tx.clone(),
+            id: Id::default(),
+        };
+        self.tx
+            .send(CoreMsg::Apply {
+                principal: agent(),
+                cmd,
+                to,
+            })
+            .unwrap();
         let out = self.rt.block_on(self.out_rx.recv()).unwrap();
-        let Out::Answer { answer, after, .. } = out else { panic!("expected an answer") };
+        let Out::Answer { answer, after, .. } = out else {
+            panic!("expected an answer")
+        };
         let mut rx = self.durable.clone();
-        match self.rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), durable::wait(&mut rx, after)).await }) {
+        match self.rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(10), durable::wait(&mut rx, after)).await
+        }) {
             Ok(Durability::Durable) => answer,
             Ok(Durability::Lost) => Answer::Error(ErrorCode::Unavailable, "lost".into()),
             Err(_) => panic!("reply never became durable or lost"),
@@ -141,5 +183,8 @@ fn a_failed_fsync_is_never_retried_and_the_unsynced_record_is_not_acknowledged()
         assert!(Instant::now() < deadline, "no recovery: {x:?}");
     }
     assert!(is_duplicate(&h.call(admit("a"))));
-    assert!(is_admitted(&h.call(admit("b"))), "the unacknowledged record must not count as admitted");
+    assert!(
+        is_admitted(&h.call(admit("b"))),
+        "the unacknowledged record must not count as admitted"
+    );
 }
