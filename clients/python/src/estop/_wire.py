@@ -1,0 +1,81 @@
+"""Protocol v1 framing shared by the sync and asyncio clients: request lines, reply decoding."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .errors import error_from_reply
+from .verdicts import Verdict, parse_verdict
+
+#: Ops that are safe to send again after a lost reply (the gate answers a repeat from its state).
+#: `decide` and `token` are not: a second approval is `conflict`, a second token a new secret.
+IDEMPOTENT_OPS = frozenset(
+    {
+        "hello",
+        "ping",
+        "admit",
+        "start",
+        "complete",
+        "wait",
+        "subscribe",
+        "unsubscribe",
+        "status",
+        "cancel",
+        "close",
+        "runs",
+        "pending",
+        "report",
+        "ledger",
+        "pause",
+        "resume",
+        "kill",
+    }
+)
+
+_MISSING: Any = object()
+
+
+def request_line(rid: int, op: str, fields: dict[str, Any]) -> bytes:
+    req: dict[str, Any] = {"id": rid, "op": op}
+    for k, v in fields.items():
+        if v is _MISSING:
+            continue
+        if v is None and k not in ("args", "result"):
+            continue
+        req[k] = v
+    return (json.dumps(req, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n").encode()
+
+
+def check(reply: dict[str, Any]) -> dict[str, Any]:
+    if reply.get("ok") is True:
+        return reply
+    raise error_from_reply(reply)
+
+
+def verdict(reply: dict[str, Any]) -> Verdict:
+    return parse_verdict(check(reply))
+
+
+def admit_fields(
+    run: str,
+    key: str,
+    tool: str,
+    args: Any,
+    digest: str | None,
+    start: bool,
+    parent: str | None,
+    labels: dict[str, str] | None,
+    needs_approval: bool | None,
+    limits: dict[str, int] | None,
+) -> dict[str, Any]:
+    f: dict[str, Any] = {"run": run, "key": key, "tool": tool, "start": start}
+    if digest is not None:
+        f["digest"] = digest
+    else:
+        f["args"] = args
+    f["parent"] = parent
+    f["labels"] = labels or None
+    f["needs_approval"] = True if needs_approval else None
+    f["limits"] = limits or None
+    return f

@@ -1,0 +1,333 @@
+"""The asyncio client: same verbs as `estop.Client`, awaitable, for one event loop.
+
+Replies are matched by id by a reader task, so a long `wait` never holds up other requests.
+Cancelling an awaiting call drops its reply when it comes (the gate may still have applied it;
+every agent verb is safe to repeat with the same key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+from typing import Any
+
+from . import _wire
+from ._wire import _MISSING
+from .client import EventCallback
+from .config import Config
+from .errors import ConnectionLost, EstopTimeout, GateError, Unauthenticated
+from .verdicts import Verdict
+
+__all__ = ["AsyncClient"]
+
+_LIMIT_BYTES = 1 << 20  # a reply line can carry a 64 KiB result, well under this
+
+
+class _AConn:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, on_event: EventCallback) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.futs: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.alive = True
+        self.on_event = on_event
+        self.task = asyncio.get_running_loop().create_task(self._read(), name="estop-reader")
+
+    async def _read(self) -> None:
+        err: BaseException = ConnectionLost("the gate closed the connection")
+        try:
+            while True:
+                line = await self.reader.readline()
+                if not line:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(msg, dict):
+                    continue
+                if "event" in msg and "id" not in msg:
+                    try:
+                        self.on_event(msg)
+                    except Exception:
+                        pass
+                    continue
+                rid = msg.get("id")
+                fut = self.futs.pop(rid, None) if isinstance(rid, int) else None
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+            err = ConnectionLost(f"connection to the gate lost: {e}")
+        except asyncio.CancelledError:
+            err = ConnectionLost("client closed")
+        finally:
+            self.close(err)
+
+    async def send(self, rid: int, line: bytes) -> asyncio.Future[dict[str, Any]]:
+        if not self.alive:
+            raise ConnectionLost("connection to the gate is closed")
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.futs[rid] = fut
+        try:
+            self.writer.write(line)
+            await self.writer.drain()
+        except (OSError, RuntimeError) as e:
+            self.futs.pop(rid, None)
+            self.close(ConnectionLost(f"connection to the gate lost: {e}"))
+            raise ConnectionLost(f"connection to the gate lost: {e}") from e
+        return fut
+
+    def close(self, err: BaseException) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        futs = list(self.futs.values())
+        self.futs.clear()
+        for f in futs:
+            if not f.done():
+                f.set_exception(err)
+        try:
+            self.writer.close()
+        except (OSError, RuntimeError):
+            pass
+        if self.task is not asyncio.current_task() and not self.task.done():
+            self.task.cancel()
+
+
+class AsyncClient:
+    """An asyncio protocol v1 client; see `estop.Client` for configuration and reconnects."""
+
+    def __init__(
+        self,
+        socket: str | None = None,
+        addr: str | tuple[str, int] | None = None,
+        token: str | None = None,
+        *,
+        config: Config | None = None,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
+        reconnect_attempts: int = 6,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+    ) -> None:
+        self.config = config or Config.from_env(socket=socket, addr=addr, token=token)
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.reconnect_attempts = reconnect_attempts
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self._ids = itertools.count(1)
+        self._conn: _AConn | None = None
+        self._lock: asyncio.Lock | None = None
+        self._closed = False
+        self._subs: dict[str, int] = {}
+        self._listeners: list[EventCallback] = []
+        self.role: str | None = None
+        self.principal: str | None = None
+
+    async def _dial(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.config.socket:
+            coro = asyncio.open_unix_connection(self.config.socket, limit=_LIMIT_BYTES)
+        else:
+            assert self.config.addr is not None
+            coro = asyncio.open_connection(self.config.addr[0], self.config.addr[1], limit=_LIMIT_BYTES)
+        return await asyncio.wait_for(coro, self.connect_timeout_s)
+
+    async def _connection(self) -> _AConn:
+        conn = self._conn
+        if conn is not None and conn.alive:
+            return conn
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            conn = self._conn
+            if conn is not None and conn.alive:
+                return conn
+            if self._closed:
+                raise ConnectionLost("client is closed")
+            delay = self.backoff_initial_s
+            last: BaseException | None = None
+            for attempt in range(max(1, self.reconnect_attempts)):
+                if attempt:
+                    await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                    delay = min(delay * 2, self.backoff_max_s)
+                try:
+                    reader, writer = await self._dial()
+                except (OSError, asyncio.TimeoutError) as e:
+                    last = e
+                    continue
+                conn = _AConn(reader, writer, self._dispatch)
+                try:
+                    await self._handshake(conn)
+                except (ConnectionLost, EstopTimeout) as e:
+                    conn.close(ConnectionLost("handshake failed"))
+                    last = e
+                    continue
+                self._conn = conn
+                return conn
+            where = self.config.socket or f"{self.config.addr[0]}:{self.config.addr[1]}"  # type: ignore[index]
+            raise ConnectionLost(f"cannot reach the gate at {where}: {last}")
+
+    async def _roundtrip(self, conn: _AConn, op: str, fields: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        rid = next(self._ids)
+        fut = await conn.send(rid, _wire.request_line(rid, op, fields))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise EstopTimeout(f"no reply to {op} within {timeout_s:.1f}s") from None
+        finally:
+            conn.futs.pop(rid, None)
+
+    async def _handshake(self, conn: _AConn) -> None:
+        if self.config.token is None:
+            raise Unauthenticated("unauthenticated", "no token: set ESTOP_TOKEN or pass token=")
+        reply = _wire.check(await self._roundtrip(conn, "hello", {"token": self.config.token}, self.connect_timeout_s))
+        self.role = reply.get("role")
+        self.principal = reply.get("principal")
+        for run in list(self._subs):
+            try:
+                _wire.check(await self._roundtrip(conn, "subscribe", {"run": run}, self.connect_timeout_s))
+            except GateError:
+                pass
+
+    def _dispatch(self, event: dict[str, Any]) -> None:
+        for cb in list(self._listeners):
+            try:
+                cb(event)
+            except Exception:
+                pass
+
+    async def connect(self) -> "AsyncClient":
+        await self._connection()
+        return self
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._conn is not None:
+            self._conn.close(ConnectionLost("client closed"))
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def call(self, op: str, *, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        retries = self.reconnect_attempts if op in _wire.IDEMPOTENT_OPS else 0
+        attempt = 0
+        while True:
+            conn = await self._connection()
+            try:
+                return _wire.check(await self._roundtrip(conn, op, fields, timeout))
+            except ConnectionLost:
+                attempt += 1
+                if attempt > retries or self._closed:
+                    raise
+
+    def add_listener(self, cb: EventCallback) -> None:
+        """Calls `cb(event)` on the loop for every event line; keep it short."""
+        self._listeners.append(cb)
+
+    def remove_listener(self, cb: EventCallback) -> None:
+        if cb in self._listeners:
+            self._listeners.remove(cb)
+
+    # -- agent verbs --------------------------------------------------------------------------
+
+    async def hello(self) -> dict[str, Any]:
+        await self._connection()
+        return {"role": self.role, "principal": self.principal}
+
+    async def ping(self) -> bool:
+        return bool((await self.call("ping")).get("pong"))
+
+    async def admit(
+        self,
+        run: str,
+        key: str,
+        tool: str,
+        args: Any = None,
+        *,
+        digest: str | None = None,
+        start: bool = True,
+        parent: str | None = None,
+        labels: dict[str, str] | None = None,
+        needs_approval: bool | None = None,
+        limits: dict[str, int] | None = None,
+    ) -> Verdict:
+        f = _wire.admit_fields(run, key, tool, args, digest, start, parent, labels, needs_approval, limits)
+        return _wire.verdict(await self.call("admit", **f))
+
+    async def start(self, run: str, key: str, token: str) -> Verdict:
+        return _wire.verdict(await self.call("start", run=run, key=key, token=token))
+
+    async def complete(
+        self, run: str, key: str, token: str, outcome: str, result: Any = _MISSING, error: str | None = None
+    ) -> dict[str, Any]:
+        return await self.call("complete", run=run, key=key, token=token, outcome=outcome, result=result, error=error)
+
+    async def wait(self, run: str, key: str, timeout_ms: int) -> Verdict:
+        reply = await self.call(
+            "wait", run=run, key=key, timeout_ms=int(timeout_ms), timeout_s=timeout_ms / 1000 + self.timeout_s
+        )
+        return _wire.verdict(reply)
+
+    async def subscribe(self, run: str) -> None:
+        await self.call("subscribe", run=run)
+        self._subs[run] = self._subs.get(run, 0) + 1
+
+    async def unsubscribe(self, run: str) -> None:
+        n = self._subs.get(run, 0)
+        if n <= 1:
+            self._subs.pop(run, None)
+            await self.call("unsubscribe", run=run)
+        else:
+            self._subs[run] = n - 1
+
+    async def status(self, run: str) -> dict[str, Any]:
+        return await self.call("status", run=run)
+
+    async def cancel(self, run: str, reason: str | None = None) -> dict[str, Any]:
+        return await self.call("cancel", run=run, reason=reason)
+
+    async def close_run(self, run: str, outcome: str | None = None) -> dict[str, Any]:
+        return await self.call("close", run=run, outcome=outcome)
+
+    async def runs(self, state: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        return list((await self.call("runs", state=state, limit=limit)).get("runs", []))
+
+    async def pending(self, run: str | None = None) -> list[dict[str, Any]]:
+        return list((await self.call("pending", run=run)).get("pending", []))
+
+    async def report(self, run: str) -> dict[str, Any]:
+        return await self.call("report", run=run)
+
+    # -- operator verbs -----------------------------------------------------------------------
+
+    async def decide(self, run: str, key: str, decision: str, reason: str | None = None) -> dict[str, Any]:
+        return await self.call("decide", run=run, key=key, decision=decision, reason=reason)
+
+    async def approve(self, run: str, key: str, reason: str | None = None) -> dict[str, Any]:
+        return await self.decide(run, key, "approve", reason)
+
+    async def reject(self, run: str, key: str, reason: str | None = None) -> dict[str, Any]:
+        return await self.decide(run, key, "reject", reason)
+
+    async def pause(self, run: str) -> dict[str, Any]:
+        return await self.call("pause", run=run)
+
+    async def resume(self, run: str) -> dict[str, Any]:
+        return await self.call("resume", run=run)
+
+    async def kill(self, run: str, reason: str | None = None) -> dict[str, Any]:
+        return await self.call("kill", run=run, reason=reason)
+
+    async def ledger(self, run: str | None = None, limit: int | None = None, after: int | None = None) -> dict[str, Any]:
+        return await self.call("ledger", run=run, limit=limit, after=after)
+
+    async def create_token(self, name: str, role: str, groups: list[str] | None = None) -> str:
+        return str((await self.call("token", name=name, role=role, groups=groups))["token"])

@@ -1,0 +1,390 @@
+"""The blocking client: one connection, a reader thread, replies matched by id, reconnects.
+
+Thread-safe: any number of threads may share one `Client`; their requests are pipelined on the
+connection and a long `wait` does not block the others (docs/PROTOCOL.md, "Replies").
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import socket as _socket
+import threading
+import time
+from typing import Any, Callable
+
+from . import _wire
+from ._wire import _MISSING
+from .config import Config
+from .errors import ConnectionLost, EstopTimeout, GateError, Unauthenticated
+from .verdicts import Verdict
+
+__all__ = ["Client", "EventCallback"]
+
+EventCallback = Callable[[dict[str, Any]], None]
+
+
+class _Slot:
+    __slots__ = ("done", "reply", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.reply: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+
+
+class _Conn:
+    """One live socket and its reader thread."""
+
+    def __init__(self, sock: _socket.socket, on_event: Callable[[dict[str, Any]], None]) -> None:
+        self.sock = sock
+        self.rfile = sock.makefile("rb")
+        self.wlock = threading.Lock()
+        self.slots: dict[int, _Slot] = {}
+        self.slots_lock = threading.Lock()
+        self.alive = True
+        self.on_event = on_event
+        self.thread = threading.Thread(target=self._read, name="estop-reader", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        err: BaseException = ConnectionLost("the gate closed the connection")
+        try:
+            for line in self.rfile:
+                if not line.strip():
+                    continue
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(msg, dict):
+                    continue
+                if "event" in msg and "id" not in msg:
+                    try:
+                        self.on_event(msg)
+                    except Exception:  # a callback's bug must not kill the connection
+                        pass
+                    continue
+                rid = msg.get("id")
+                with self.slots_lock:
+                    slot = self.slots.pop(rid, None) if isinstance(rid, int) else None
+                if slot is not None:
+                    slot.reply = msg
+                    slot.done.set()
+        except (OSError, ValueError) as e:
+            err = ConnectionLost(f"connection to the gate lost: {e}")
+        finally:
+            self.close(err)
+
+    def send(self, rid: int, line: bytes) -> _Slot:
+        slot = _Slot()
+        with self.slots_lock:
+            if not self.alive:
+                raise ConnectionLost("connection to the gate is closed")
+            self.slots[rid] = slot
+        try:
+            with self.wlock:
+                self.sock.sendall(line)
+        except OSError as e:
+            with self.slots_lock:
+                self.slots.pop(rid, None)
+            self.close(ConnectionLost(f"connection to the gate lost: {e}"))
+            raise ConnectionLost(f"connection to the gate lost: {e}") from e
+        return slot
+
+    def forget(self, rid: int) -> None:
+        with self.slots_lock:
+            self.slots.pop(rid, None)
+
+    def close(self, err: BaseException) -> None:
+        with self.slots_lock:
+            if not self.alive:
+                return
+            self.alive = False
+            slots = list(self.slots.values())
+            self.slots.clear()
+        for s in slots:
+            s.error = err
+            s.done.set()
+        try:
+            self.sock.shutdown(_socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Client:
+    """A blocking protocol v1 client.
+
+    `Client()` reads ESTOP_SOCKET / ESTOP_ADDR / ESTOP_TOKEN (see `estop.config`). The connection
+    is opened on first use and re-opened after a loss with exponential backoff
+    (`reconnect_attempts`, `backoff_initial_s` .. `backoff_max_s`); requests whose reply was lost
+    are sent again when the gate answers repeats from its state (every agent verb).
+    """
+
+    def __init__(
+        self,
+        socket: str | None = None,
+        addr: str | tuple[str, int] | None = None,
+        token: str | None = None,
+        *,
+        config: Config | None = None,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
+        reconnect_attempts: int = 6,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+    ) -> None:
+        self.config = config or Config.from_env(socket=socket, addr=addr, token=token)
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.reconnect_attempts = reconnect_attempts
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self._ids = itertools.count(1)
+        self._conn: _Conn | None = None
+        self._conn_lock = threading.Lock()
+        self._closed = False
+        self._subs: dict[str, int] = {}
+        self._listeners: list[EventCallback] = []
+        self._listeners_lock = threading.Lock()
+        self.role: str | None = None
+        self.principal: str | None = None
+
+    # -- connection ---------------------------------------------------------------------------
+
+    def _dial(self) -> _socket.socket:
+        if self.config.socket:
+            s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            target: Any = self.config.socket
+        else:
+            assert self.config.addr is not None
+            s = _socket.socket(_socket.AF_INET6 if ":" in self.config.addr[0] else _socket.AF_INET)
+            target = self.config.addr
+        s.settimeout(self.connect_timeout_s)
+        try:
+            s.connect(target)
+        except OSError:
+            s.close()
+            raise
+        s.settimeout(None)
+        if not self.config.socket:
+            s.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+        return s
+
+    def _connection(self) -> _Conn:
+        conn = self._conn
+        if conn is not None and conn.alive:
+            return conn
+        with self._conn_lock:
+            conn = self._conn
+            if conn is not None and conn.alive:
+                return conn
+            if self._closed:
+                raise ConnectionLost("client is closed")
+            delay = self.backoff_initial_s
+            last: Exception | None = None
+            for attempt in range(max(1, self.reconnect_attempts)):
+                if attempt:
+                    time.sleep(delay * (0.5 + random.random() / 2))
+                    delay = min(delay * 2, self.backoff_max_s)
+                try:
+                    sock = self._dial()
+                except OSError as e:
+                    last = e
+                    continue
+                conn = _Conn(sock, self._dispatch)
+                try:
+                    self._handshake(conn)
+                except ConnectionLost as e:
+                    last = e
+                    continue
+                self._conn = conn
+                return conn
+            where = self.config.socket or f"{self.config.addr[0]}:{self.config.addr[1]}"  # type: ignore[index]
+            raise ConnectionLost(f"cannot reach the gate at {where}: {last}")
+
+    def _roundtrip(self, conn: _Conn, op: str, fields: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        rid = next(self._ids)
+        slot = conn.send(rid, _wire.request_line(rid, op, fields))
+        if not slot.done.wait(timeout_s):
+            conn.forget(rid)
+            raise EstopTimeout(f"no reply to {op} within {timeout_s:.1f}s")
+        if slot.error is not None:
+            raise slot.error
+        assert slot.reply is not None
+        return slot.reply
+
+    def _handshake(self, conn: _Conn) -> None:
+        if self.config.token is None:
+            raise Unauthenticated("unauthenticated", "no token: set ESTOP_TOKEN or pass token=")
+        reply = _wire.check(
+            self._roundtrip(conn, "hello", {"token": self.config.token}, self.connect_timeout_s)
+        )
+        self.role = reply.get("role")
+        self.principal = reply.get("principal")
+        for run in list(self._subs):
+            try:
+                _wire.check(self._roundtrip(conn, "subscribe", {"run": run}, self.connect_timeout_s))
+            except GateError:
+                pass
+
+    def _dispatch(self, event: dict[str, Any]) -> None:
+        with self._listeners_lock:
+            listeners = list(self._listeners)
+        for cb in listeners:
+            try:
+                cb(event)
+            except Exception:
+                pass
+
+    def connect(self) -> "Client":
+        """Opens the connection now (otherwise the first call does)."""
+        self._connection()
+        return self
+
+    def close(self) -> None:
+        self._closed = True
+        conn = self._conn
+        if conn is not None:
+            conn.close(ConnectionLost("client closed"))
+
+    def __enter__(self) -> "Client":
+        return self.connect()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def call(self, op: str, *, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Sends one request and returns its (successful) reply; `GateError` otherwise."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        retries = self.reconnect_attempts if op in _wire.IDEMPOTENT_OPS else 0
+        attempt = 0
+        while True:
+            conn = self._connection()
+            try:
+                return _wire.check(self._roundtrip(conn, op, fields, timeout))
+            except ConnectionLost:
+                attempt += 1
+                if attempt > retries or self._closed:
+                    raise
+
+    # -- events -------------------------------------------------------------------------------
+
+    def add_listener(self, cb: EventCallback) -> None:
+        """Calls `cb(event)` (on the reader thread; keep it short) for every event line."""
+        with self._listeners_lock:
+            self._listeners.append(cb)
+
+    def remove_listener(self, cb: EventCallback) -> None:
+        with self._listeners_lock:
+            if cb in self._listeners:
+                self._listeners.remove(cb)
+
+    # -- agent verbs --------------------------------------------------------------------------
+
+    def hello(self) -> dict[str, Any]:
+        self._connection()
+        return {"role": self.role, "principal": self.principal}
+
+    def ping(self) -> bool:
+        return bool(self.call("ping").get("pong"))
+
+    def admit(
+        self,
+        run: str,
+        key: str,
+        tool: str,
+        args: Any = None,
+        *,
+        digest: str | None = None,
+        start: bool = True,
+        parent: str | None = None,
+        labels: dict[str, str] | None = None,
+        needs_approval: bool | None = None,
+        limits: dict[str, int] | None = None,
+    ) -> Verdict:
+        f = _wire.admit_fields(run, key, tool, args, digest, start, parent, labels, needs_approval, limits)
+        return _wire.verdict(self.call("admit", **f))
+
+    def start(self, run: str, key: str, token: str) -> Verdict:
+        return _wire.verdict(self.call("start", run=run, key=key, token=token))
+
+    def complete(
+        self,
+        run: str,
+        key: str,
+        token: str,
+        outcome: str,
+        result: Any = _MISSING,
+        error: str | None = None,
+    ) -> dict[str, Any]:
+        return self.call(
+            "complete", run=run, key=key, token=token, outcome=outcome, result=result, error=error
+        )
+
+    def wait(self, run: str, key: str, timeout_ms: int) -> Verdict:
+        reply = self.call(
+            "wait", run=run, key=key, timeout_ms=int(timeout_ms), timeout_s=timeout_ms / 1000 + self.timeout_s
+        )
+        return _wire.verdict(reply)
+
+    def subscribe(self, run: str) -> None:
+        self.call("subscribe", run=run)
+        self._subs[run] = self._subs.get(run, 0) + 1
+
+    def unsubscribe(self, run: str) -> None:
+        n = self._subs.get(run, 0)
+        if n <= 1:
+            self._subs.pop(run, None)
+            self.call("unsubscribe", run=run)
+        else:
+            self._subs[run] = n - 1
+
+    def status(self, run: str) -> dict[str, Any]:
+        return self.call("status", run=run)
+
+    def cancel(self, run: str, reason: str | None = None) -> dict[str, Any]:
+        return self.call("cancel", run=run, reason=reason)
+
+    def close_run(self, run: str, outcome: str | None = None) -> dict[str, Any]:
+        return self.call("close", run=run, outcome=outcome)
+
+    def runs(self, state: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        return list(self.call("runs", state=state, limit=limit).get("runs", []))
+
+    def pending(self, run: str | None = None) -> list[dict[str, Any]]:
+        return list(self.call("pending", run=run).get("pending", []))
+
+    def report(self, run: str) -> dict[str, Any]:
+        return self.call("report", run=run)
+
+    # -- operator verbs -----------------------------------------------------------------------
+
+    def decide(self, run: str, key: str, decision: str, reason: str | None = None) -> dict[str, Any]:
+        return self.call("decide", run=run, key=key, decision=decision, reason=reason)
+
+    def approve(self, run: str, key: str, reason: str | None = None) -> dict[str, Any]:
+        return self.decide(run, key, "approve", reason)
+
+    def reject(self, run: str, key: str, reason: str | None = None) -> dict[str, Any]:
+        return self.decide(run, key, "reject", reason)
+
+    def pause(self, run: str) -> dict[str, Any]:
+        return self.call("pause", run=run)
+
+    def resume(self, run: str) -> dict[str, Any]:
+        return self.call("resume", run=run)
+
+    def kill(self, run: str, reason: str | None = None) -> dict[str, Any]:
+        return self.call("kill", run=run, reason=reason)
+
+    def ledger(self, run: str | None = None, limit: int | None = None, after: int | None = None) -> dict[str, Any]:
+        return self.call("ledger", run=run, limit=limit, after=after)
+
+    def create_token(self, name: str, role: str, groups: list[str] | None = None) -> str:
+        return str(self.call("token", name=name, role=role, groups=groups)["token"])

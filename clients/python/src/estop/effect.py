@@ -1,0 +1,346 @@
+"""`@effect`: a side effect admitted by the gate first, for sync and async functions.
+
+    @estop.effect(tool="refund")
+    def refund(charge: str, amount: int) -> dict: ...
+
+Each call: derive the key (run + step + tool + digest of the bound arguments) → `admit`
+(two-phase) → while held, `wait` (cancellable; or raise HeldForApproval with on_hold="raise")
+→ `start` (the commit point, re-checked at the instant of execution) → run → `complete`
+ok / error (an exception) / unknown (a cancellation after start). A duplicate returns the recorded
+result instead of running again; a refusal raises `Refused` (subclass by reason) and the function
+never runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, TypeVar, overload
+
+from ._jcs import digest as _digest
+from ._jcs import to_json_value
+from .errors import EffectFailed, EstopTimeout, HeldForApproval, InDoubt, refusal
+from .keys import derive_key
+from .run import Run, current_run, current_step
+from .verdicts import Admitted, Duplicate, Go, Held, RefusedVerdict, Verdict
+
+__all__ = ["effect", "Gated", "gate_sync", "gate_async", "EffectCall", "call_args"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_RESULT_BYTES_MAX = 60_000
+_ERROR_BYTES_MAX = 4000
+_WAIT_CHUNK_MS = 2_000
+_SKIP_PARAMS = frozenset({"self", "cls"})
+
+
+@dataclass
+class EffectCall:
+    """One proposed effect: where, what, and its identity."""
+
+    run: Run
+    tool: str
+    args: Any
+    key: str
+    needs_approval: bool = False
+
+    @property
+    def digest(self) -> str:
+        return _digest(self.tool, self.args)
+
+
+@dataclass
+class Gated:
+    """What the gate said: run it (`token`) or use the recorded result (`duplicate`)."""
+
+    token: str | None
+    duplicate: Duplicate | None = None
+
+
+def call_args(fn: Callable[..., Any], a: tuple[Any, ...], kw: dict[str, Any], exclude: frozenset[str]) -> dict[str, Any]:
+    """The bound arguments of a call as a JSON object (defaults applied), minus `exclude`."""
+    try:
+        sig = inspect.signature(fn)
+        bound = sig.bind(*a, **kw)
+        bound.apply_defaults()
+        items = dict(bound.arguments)
+        for name, p in sig.parameters.items():
+            if p.kind is inspect.Parameter.VAR_KEYWORD and name in items:
+                items.update(items.pop(name))
+    except (TypeError, ValueError):
+        items = {f"arg{i}": v for i, v in enumerate(a)} | dict(kw)
+    out: dict[str, Any] = {}
+    for k, v in items.items():
+        if k in exclude or k in _SKIP_PARAMS:
+            continue
+        try:
+            out[k] = to_json_value(v)
+        except TypeError as e:
+            raise TypeError(
+                f"argument {k!r} of {getattr(fn, '__name__', fn)!r} is not JSON ({e}); "
+                f"pass exclude={{{k!r}}} to leave it out of the effect's identity"
+            ) from None
+    return out
+
+
+def make_call(run: Run, tool: str, args: Any, *, step: str | None = None, key: str | None = None, needs_approval: bool = False) -> EffectCall:
+    if key is None:
+        d = _digest(tool, args)
+        st = current_step()
+        if step is not None:
+            name, n = step, 1 if st is None or st.name != step else st.occurrence(tool, d)
+        elif st is not None:
+            name, n = st.name, st.occurrence(tool, d)
+        else:
+            name, n = "run", _run_occurrence(run, tool, d)
+        key = derive_key(run.id, name, tool, d, n)
+    return EffectCall(run=run, tool=tool, args=args, key=key, needs_approval=needs_approval)
+
+
+def _run_occurrence(run: Run, tool: str, d: str) -> int:
+    counts: dict[tuple[str, str], int] = run.__dict__.setdefault("_occurrences", {})
+    with run._tasks_lock:
+        n = counts.get((tool, d), 0) + 1
+        counts[(tool, d)] = n
+    return n
+
+
+def _encode_result(value: Any) -> Any:
+    try:
+        v = to_json_value(value)
+    except TypeError:
+        v = {"repr": repr(value)[:1000]}
+    import json
+
+    if len(json.dumps(v, ensure_ascii=False)) > _RESULT_BYTES_MAX:
+        return {"truncated": True, "repr": repr(value)[:1000]}
+    return v
+
+
+def _refuse(call: EffectCall, v: RefusedVerdict) -> Exception:
+    return refusal(v.reason, run=call.run.id, key=call.key, tool=call.tool, message=v.message, rule=v.rule)
+
+
+def _duplicate(call: EffectCall, v: Duplicate) -> Gated:
+    if v.status == "completed":
+        return Gated(token=None, duplicate=v)
+    if v.status == "failed":
+        raise EffectFailed(call.run.id, call.key, v.error)
+    raise InDoubt(call.run.id, call.key, v.status)
+
+
+def _first_admit_fields(call: EffectCall) -> dict[str, Any]:
+    r = call.run
+    return {
+        "parent": r.parent_id,
+        "labels": r.labels,
+        "limits": r.limits,
+        "needs_approval": call.needs_approval,
+    }
+
+
+def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float | None = None) -> Gated:
+    """Asks the gate (blocking) until the effect may run now, is a duplicate, or is refused."""
+    run = call.run
+    run.check()
+    client = run.gate.client
+    deadline = None if hold_timeout_s is None else time.monotonic() + hold_timeout_s
+    v: Verdict = client.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
+    run._watch_sync()
+    backoff = 0.02
+    while True:
+        if isinstance(v, Admitted):
+            run.check()
+            s = client.start(run.id, call.key, v.token)
+            if isinstance(s, Go):
+                return Gated(token=v.token)
+            if isinstance(s, Held):
+                # `wait` answers at once for a prepared effect (docs: "call wait, then start
+                # again"), so poll `start` with a bounded backoff instead of spinning.
+                if on_hold == "raise":
+                    raise HeldForApproval(run.id, call.key, call.tool, s)
+                _check_deadline(deadline, call)
+                time.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 0.5)
+                continue
+            v = s
+            continue
+        if isinstance(v, Held):
+            if on_hold == "raise":
+                raise HeldForApproval(run.id, call.key, call.tool, v)
+            _check_deadline(deadline, call)
+            run.check()
+            chunk = _WAIT_CHUNK_MS if deadline is None else max(1, min(_WAIT_CHUNK_MS, int((deadline - time.monotonic()) * 1000)))
+            v = client.wait(run.id, call.key, chunk)
+            continue
+        if isinstance(v, RefusedVerdict):
+            raise _refuse(call, v)
+        if isinstance(v, Duplicate):
+            return _duplicate(call, v)
+        raise AssertionError(f"unexpected verdict {v!r}")
+
+
+async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float | None = None) -> Gated:
+    """`gate_sync` for asyncio; cancelling the awaiting task abandons the hold."""
+    run = call.run
+    run.check()
+    client = run.gate.aclient
+    deadline = None if hold_timeout_s is None else time.monotonic() + hold_timeout_s
+    v: Verdict = await client.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
+    await run._watch_async()
+    backoff = 0.02
+    while True:
+        if isinstance(v, Admitted):
+            run.check()
+            s = await client.start(run.id, call.key, v.token)
+            if isinstance(s, Go):
+                return Gated(token=v.token)
+            if isinstance(s, Held):
+                if on_hold == "raise":
+                    raise HeldForApproval(run.id, call.key, call.tool, s)
+                _check_deadline(deadline, call)
+                await asyncio.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 0.5)
+                continue
+            v = s
+            continue
+        if isinstance(v, Held):
+            if on_hold == "raise":
+                raise HeldForApproval(run.id, call.key, call.tool, v)
+            _check_deadline(deadline, call)
+            run.check()
+            chunk = _WAIT_CHUNK_MS if deadline is None else max(1, min(_WAIT_CHUNK_MS, int((deadline - time.monotonic()) * 1000)))
+            v = await client.wait(run.id, call.key, chunk)
+            continue
+        if isinstance(v, RefusedVerdict):
+            raise _refuse(call, v)
+        if isinstance(v, Duplicate):
+            return _duplicate(call, v)
+        raise AssertionError(f"unexpected verdict {v!r}")
+
+
+def _check_deadline(deadline: float | None, call: EffectCall) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        raise EstopTimeout(f"{call.tool} in run {call.run.id!r} still held after the hold timeout")
+
+
+def run_sync(call: EffectCall, fn: Callable[[], Any], *, on_hold: str = "wait", hold_timeout_s: float | None = None, decode: Callable[[Any], Any] | None = None) -> Any:
+    """Gate `fn` (a thunk that performs the effect) and report its outcome."""
+    g = gate_sync(call, on_hold=on_hold, hold_timeout_s=hold_timeout_s)
+    if g.duplicate is not None:
+        r = g.duplicate.result
+        return decode(r) if decode else r
+    assert g.token is not None
+    client = call.run.gate.client
+    try:
+        result = fn()
+    except Exception as e:
+        client.complete(call.run.id, call.key, g.token, "error", error=f"{type(e).__name__}: {e}"[:_ERROR_BYTES_MAX])
+        raise
+    except BaseException:
+        client.complete(call.run.id, call.key, g.token, "unknown", error="interrupted after start")
+        raise
+    client.complete(call.run.id, call.key, g.token, "ok", result=_encode_result(result))
+    return result
+
+
+async def run_async(call: EffectCall, fn: Callable[[], Awaitable[Any]], *, on_hold: str = "wait", hold_timeout_s: float | None = None, decode: Callable[[Any], Any] | None = None) -> Any:
+    task = asyncio.current_task()
+    run = call.run
+    if task is not None:
+        run.track(task)
+    try:
+        g = await gate_async(call, on_hold=on_hold, hold_timeout_s=hold_timeout_s)
+        if g.duplicate is not None:
+            r = g.duplicate.result
+            return decode(r) if decode else r
+        assert g.token is not None
+        client = run.gate.aclient
+        try:
+            result = await fn()
+        except asyncio.CancelledError:
+            await _shielded(client.complete(run.id, call.key, g.token, "unknown", error="cancelled after start"))
+            raise
+        except Exception as e:
+            await _shielded(client.complete(run.id, call.key, g.token, "error", error=f"{type(e).__name__}: {e}"[:_ERROR_BYTES_MAX]))
+            raise
+        await _shielded(client.complete(run.id, call.key, g.token, "ok", result=_encode_result(result)))
+        return result
+    finally:
+        if task is not None and task not in run._entered:
+            run.untrack(task)
+
+
+async def _shielded(aw: Awaitable[Any]) -> Any:
+    fut = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        # Cancelled again while reporting: let the report finish in the background.
+        raise
+
+
+@overload
+def effect(fn: F) -> F: ...
+
+
+@overload
+def effect(
+    fn: None = None,
+    *,
+    tool: str | None = None,
+    step: str | None = None,
+    needs_approval: bool = False,
+    on_hold: str = "wait",
+    hold_timeout_s: float | None = None,
+    exclude: set[str] | frozenset[str] | None = None,
+    decode: Callable[[Any], Any] | None = None,
+) -> Callable[[F], F]: ...
+
+
+def effect(
+    fn: Any = None,
+    *,
+    tool: str | None = None,
+    step: str | None = None,
+    needs_approval: bool = False,
+    on_hold: str = "wait",
+    hold_timeout_s: float | None = None,
+    exclude: set[str] | frozenset[str] | None = None,
+    decode: Callable[[Any], Any] | None = None,
+) -> Any:
+    """Makes a function a gated side effect (see the module doc). Works on sync and async
+    functions; the call must happen inside a run (`with gate.run(...)`, or ESTOP_RUN)."""
+
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        name = tool or getattr(f, "__name__", "effect")
+        skip = frozenset(exclude or ())
+        if inspect.iscoroutinefunction(f):
+
+            @functools.wraps(f)
+            async def awrapper(*a: Any, **kw: Any) -> Any:
+                run = current_run()
+                assert run is not None
+                call = make_call(run, name, call_args(f, a, kw, skip), step=step, needs_approval=needs_approval)
+                return await run_async(call, lambda: f(*a, **kw), on_hold=on_hold, hold_timeout_s=hold_timeout_s, decode=decode)
+
+            awrapper.__estop_tool__ = name  # type: ignore[attr-defined]
+            return awrapper
+
+        @functools.wraps(f)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            run = current_run()
+            assert run is not None
+            call = make_call(run, name, call_args(f, a, kw, skip), step=step, needs_approval=needs_approval)
+            return run_sync(call, lambda: f(*a, **kw), on_hold=on_hold, hold_timeout_s=hold_timeout_s, decode=decode)
+
+        wrapper.__estop_tool__ = name  # type: ignore[attr-defined]
+        return wrapper
+
+    if fn is not None and callable(fn):
+        return wrap(fn)
+    return wrap

@@ -1,0 +1,393 @@
+"""Runs in context: the gate handle, the current run (contextvars), steps, local fences, the watcher.
+
+    gate = estop.Estop()                      # ESTOP_SOCKET / ESTOP_ADDR / ESTOP_TOKEN
+    async with gate.run("order-42") as run:   # sets the current run; watches it once it exists
+        await refund(charge="ch_1", amount=10)  # an @estop.effect: admitted by the gate first
+
+The watcher subscribes to the run at its first admission. The moment the gate reports the run
+stopped (cancelled, killed, closed, past its deadline or budget) it fences the run locally — every
+later gate call of that run, from any thread, refuses at once without asking the gate — and
+cancels the asyncio tasks that belong to the run (the task that entered the run, tasks added with
+`run.track(task)`, and async effects in progress).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .aio import AsyncClient
+from .client import Client
+from .config import Config
+from .errors import NoRun, RunStopped
+
+__all__ = ["Estop", "Run", "Step", "current_run", "current_step", "step", "default", "configure"]
+
+_STOP_EVENTS = frozenset({"cancelled", "finalizing", "closed"})
+
+_current_run: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("estop_run", default=None)
+_current_step: contextvars.ContextVar["Step | None"] = contextvars.ContextVar("estop_step", default=None)
+
+
+class _Fences:
+    """Process-wide: which runs the gate said are stopped, and the live local Run objects."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stopped: dict[str, str] = {}
+        self.live: dict[str, "weakref.WeakSet[Run]"] = {}
+
+    def register(self, run: "Run") -> None:
+        with self.lock:
+            self.live.setdefault(run.id, weakref.WeakSet()).add(run)
+
+    def reason(self, run: "Run") -> str | None:
+        with self.lock:
+            r: Run | None = run
+            while r is not None:
+                why = self.stopped.get(r.id)
+                if why is not None:
+                    return why
+                r = r.parent
+        return None
+
+    def fence(self, run_id: str, reason: str) -> None:
+        with self.lock:
+            self.stopped.setdefault(run_id, reason)
+            victims = [r for runs in self.live.values() for r in list(runs) if r._descends_from(run_id)]
+        for r in victims:
+            r._cancel_tasks()
+
+    def unfence(self, run_id: str) -> None:
+        with self.lock:
+            self.stopped.pop(run_id, None)
+
+
+FENCES = _Fences()
+
+
+def _on_event(event: dict[str, Any]) -> None:
+    if event.get("event") in _STOP_EVENTS and isinstance(event.get("run"), str):
+        reason = str(event.get("reason") or event["event"])
+        FENCES.fence(event["run"], "cancelled" if event["event"] != "closed" else "closed")
+        _ = reason
+
+
+class Step:
+    """A logical step (a graph node at a superstep, a workflow step, a tool call): keys of
+    effects inside it are derived from its name and their order within it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._counts: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def occurrence(self, tool: str, digest: str) -> int:
+        with self._lock:
+            n = self._counts.get((tool, digest), 0) + 1
+            self._counts[(tool, digest)] = n
+            return n
+
+
+class _StepScope:
+    def __init__(self, name: str) -> None:
+        self.step = Step(name)
+        self._tok: contextvars.Token[Step | None] | None = None
+
+    def __enter__(self) -> Step:
+        self._tok = _current_step.set(self.step)
+        return self.step
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._tok is not None
+        _current_step.reset(self._tok)
+
+    async def __aenter__(self) -> Step:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.__exit__(*exc)
+
+
+def step(name: str) -> _StepScope:
+    """`with estop.step("node:charge@3"):` — effects inside get keys from this step."""
+    return _StepScope(name)
+
+
+def current_step() -> Step | None:
+    return _current_step.get()
+
+
+class Estop:
+    """The gate handle: configuration, one shared blocking client, one asyncio client per loop."""
+
+    def __init__(
+        self,
+        socket: str | None = None,
+        addr: str | tuple[str, int] | None = None,
+        token: str | None = None,
+        *,
+        config: Config | None = None,
+        **client_options: Any,
+    ) -> None:
+        self.config = config or Config.from_env(socket=socket, addr=addr, token=token)
+        self.client_options = client_options
+        self._client: Client | None = None
+        self._aclients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient]" = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> Client:
+        """The shared blocking client (thread-safe)."""
+        with self._lock:
+            if self._client is None:
+                self._client = Client(config=self.config, **self.client_options)
+                self._client.add_listener(_on_event)
+            return self._client
+
+    @property
+    def aclient(self) -> AsyncClient:
+        """The asyncio client of the running loop."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            c = self._aclients.get(loop)
+            if c is None:
+                c = AsyncClient(config=self.config, **self.client_options)
+                c.add_listener(_on_event)
+                self._aclients[loop] = c
+            return c
+
+    def run(
+        self,
+        run_id: str | None = None,
+        *,
+        parent: "Run | str | None" = None,
+        labels: dict[str, str] | None = None,
+        limits: dict[str, int] | None = None,
+    ) -> "Run":
+        """A run to enter with `with` / `async with` (or pass around). `run_id` defaults to
+        ESTOP_RUN, else a fresh id; `parent` defaults to the current run (a sub-agent)."""
+        if parent is None:
+            parent = _current_run.get()
+        rid = run_id or (self.config.run if parent is None else None) or f"run-{uuid.uuid4().hex[:12]}"
+        return Run(self, rid, parent=parent, labels=labels, limits=limits)
+
+    # Stop from the agent side. The local fence is raised first so that nothing of the run
+    # starts in this process while the cancel travels (an agent may always stop itself).
+    def cancel(self, run: "Run | str", reason: str | None = None) -> dict[str, Any] | None:
+        rid = run.id if isinstance(run, Run) else run
+        FENCES.fence(rid, "cancelled")
+        return _ignore_unknown_run(lambda: self.client.cancel(rid, reason))
+
+    async def acancel(self, run: "Run | str", reason: str | None = None) -> dict[str, Any] | None:
+        rid = run.id if isinstance(run, Run) else run
+        FENCES.fence(rid, "cancelled")
+        try:
+            return await self.aclient.cancel(rid, reason)
+        except Exception as e:  # noqa: BLE001 - see _ignore_unknown_run
+            from .errors import NotFound
+
+            if isinstance(e, NotFound):
+                return None
+            raise
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+def _ignore_unknown_run(fn: Any) -> Any:
+    from .errors import NotFound
+
+    try:
+        return fn()
+    except NotFound:
+        # The gate never saw an effect of this run; the local fence still holds it.
+        return None
+
+
+@dataclass(eq=False)
+class Run:
+    """One agent trajectory. Enter it with `with` / `async with` to make it the current run."""
+
+    gate: Estop
+    id: str
+    parent: "Run | str | None" = None
+    labels: dict[str, str] | None = None
+    limits: dict[str, int] | None = None
+    _tasks: "dict[asyncio.Task[Any], asyncio.AbstractEventLoop]" = field(default_factory=dict, repr=False)
+    _tasks_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _watched: bool = field(default=False, repr=False)
+    _created: bool = field(default=False, repr=False)
+    _tokens: list[Any] = field(default_factory=list, repr=False)
+    _entered: list["asyncio.Task[Any] | None"] = field(default_factory=list, repr=False)
+    _stopped_by_gate: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.parent, str):
+            self.parent = Run(self.gate, self.parent)
+        FENCES.register(self)
+
+    # -- identity -------------------------------------------------------------------------
+
+    @property
+    def parent_id(self) -> str | None:
+        return self.parent.id if isinstance(self.parent, Run) else None
+
+    def _descends_from(self, run_id: str) -> bool:
+        r: Run | None = self
+        while r is not None:
+            if r.id == run_id:
+                return True
+            r = r.parent if isinstance(r.parent, Run) else None
+        return False
+
+    def child(self, name: str, **kw: Any) -> "Run":
+        """A sub-agent's run: id `PARENT.name`; a cancel of this run reaches it (the gate cascades)."""
+        return Run(self.gate, f"{self.id}.{name}", parent=self, **kw)
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the run is fenced locally (the gate said so, or we cancelled it), else None."""
+        return FENCES.reason(self)
+
+    def check(self) -> None:
+        """Raises RunStopped if the run is fenced locally."""
+        why = self.stopped
+        if why is not None:
+            raise RunStopped(why, run=self.id, local=True)
+
+    # -- context ----------------------------------------------------------------------------
+
+    def __enter__(self) -> "Run":
+        self._tokens.append(_current_run.set(self))
+        self._entered.append(None)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _current_run.reset(self._tokens.pop())
+        self._entered.pop()
+
+    async def __aenter__(self) -> "Run":
+        self._tokens.append(_current_run.set(self))
+        task = asyncio.current_task()
+        self._entered.append(task)
+        if task is not None:
+            self.track(task)
+        return self
+
+    async def __aexit__(self, et: Any, ev: Any, tb: Any) -> bool:
+        task = self._entered.pop()
+        _current_run.reset(self._tokens.pop())
+        if task is not None:
+            self.untrack(task)
+        if et is asyncio.CancelledError and self._stopped_by_gate and task is not None:
+            # The watcher cancelled us because the gate stopped the run: say so, as a refusal.
+            if hasattr(task, "uncancel") and task.uncancel() == 0:
+                raise RunStopped(self.stopped or "cancelled", run=self.id) from ev
+        return False
+
+    # -- tasks --------------------------------------------------------------------------------
+
+    def track(self, task: "asyncio.Task[Any]") -> None:
+        """Cancel `task` when the gate says the run stopped."""
+        with self._tasks_lock:
+            self._tasks[task] = task.get_loop()
+        if self.stopped is not None:
+            self._cancel_tasks()
+
+    def untrack(self, task: "asyncio.Task[Any]") -> None:
+        with self._tasks_lock:
+            self._tasks.pop(task, None)
+
+    def _cancel_tasks(self) -> None:
+        self._stopped_by_gate = True
+        with self._tasks_lock:
+            tasks = list(self._tasks.items())
+        for task, loop in tasks:
+            if task.done():
+                continue
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:
+                pass  # its loop is closed
+
+    # -- watching -----------------------------------------------------------------------------
+
+    def _watch_sync(self) -> None:
+        if self._watched:
+            return
+        self._watched = True
+        try:
+            self.gate.client.subscribe(self.id)
+        except Exception:
+            self._watched = False
+
+    async def _watch_async(self) -> None:
+        if self._watched:
+            return
+        self._watched = True
+        try:
+            await self.gate.aclient.subscribe(self.id)
+        except Exception:
+            self._watched = False
+
+    # -- stopping -----------------------------------------------------------------------------
+
+    def cancel(self, reason: str | None = None) -> None:
+        self.gate.cancel(self, reason)
+
+    async def acancel(self, reason: str | None = None) -> None:
+        await self.gate.acancel(self, reason)
+
+
+def current_run(required: bool = True) -> Run | None:
+    """The run of this context; with `required`, NoRun when there is none (and no ESTOP_RUN)."""
+    r = _current_run.get()
+    if r is None and _default is not None and _default.config.run:
+        r = _default_run()
+    if r is None and required:
+        raise NoRun("no current run: wrap the agent in `with gate.run(...)` / `async with gate.run(...)`, or set ESTOP_RUN")
+    return r
+
+
+_default: Estop | None = None
+_default_runs: dict[str, Run] = {}
+
+
+def _default_run() -> Run:
+    assert _default is not None and _default.config.run
+    rid = _default.config.run
+    if rid not in _default_runs:
+        _default_runs[rid] = Run(_default, rid)
+    return _default_runs[rid]
+
+
+def default() -> Estop:
+    """The process-wide gate handle, configured from the environment on first use."""
+    global _default
+    if _default is None:
+        _default = Estop()
+    return _default
+
+
+def configure(**kw: Any) -> Estop:
+    """Sets the process-wide gate handle (same arguments as `Estop`)."""
+    global _default
+    _default = Estop(**kw)
+    _default_runs.clear()
+    return _default
+
+
+def iter_runs(run: Run) -> Iterator[Run]:
+    r: Run | None = run
+    while r is not None:
+        yield r
+        r = r.parent if isinstance(r.parent, Run) else None
