@@ -56,12 +56,17 @@ class _Fences:
                 r = r.parent
         return None
 
-    def fence(self, run_id: str, reason: str) -> None:
+    def fence(self, run_id: str, reason: str, spare: "asyncio.Task[Any] | None" = None) -> None:
+        """Marks the run stopped and cancels the tasks of it and its local descendants (except
+        `spare`: the task that is cancelling its own run keeps going to finish its cleanup).
+        A second fence of the same run changes nothing."""
         with self.lock:
-            self.stopped.setdefault(run_id, reason)
+            if run_id in self.stopped:
+                return
+            self.stopped[run_id] = reason
             victims = [r for runs in self.live.values() for r in list(runs) if r._descends_from(run_id)]
         for r in victims:
-            r._cancel_tasks()
+            r._cancel_tasks(spare)
 
     def unfence(self, run_id: str) -> None:
         with self.lock:
@@ -188,7 +193,7 @@ class Estop:
 
     async def acancel(self, run: "Run | str", reason: str | None = None) -> dict[str, Any] | None:
         rid = run.id if isinstance(run, Run) else run
-        FENCES.fence(rid, "cancelled")
+        FENCES.fence(rid, "cancelled", spare=asyncio.current_task())
         try:
             return await self.aclient.cancel(rid, reason)
         except Exception as e:  # noqa: BLE001 - see _ignore_unknown_run
@@ -226,8 +231,8 @@ class Run:
     _tasks_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _watched: bool = field(default=False, repr=False)
     _created: bool = field(default=False, repr=False)
-    _tokens: list[Any] = field(default_factory=list, repr=False)
-    _entered: list["asyncio.Task[Any] | None"] = field(default_factory=list, repr=False)
+    _prev: "dict[tuple[int, int], list[Run | None]]" = field(default_factory=dict, repr=False)
+    _entered: "list[asyncio.Task[Any]]" = field(default_factory=list, repr=False)
     _stopped_by_gate: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -266,27 +271,48 @@ class Run:
 
     # -- context ----------------------------------------------------------------------------
 
+    # A Run may be entered from several threads and tasks at once (worker-thread tools), so the
+    # previous current run is kept per (thread, task), not in one stack.
+    @staticmethod
+    def _where() -> tuple[int, int]:
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            task = None
+        return (threading.get_ident(), id(task) if task is not None else 0)
+
+    def _push(self) -> None:
+        self._prev.setdefault(self._where(), []).append(_current_run.get())
+        _current_run.set(self)
+
+    def _pop(self) -> None:
+        w = self._where()
+        stack = self._prev.get(w)
+        prev = stack.pop() if stack else None
+        if stack == []:
+            self._prev.pop(w, None)
+        _current_run.set(prev)
+
     def __enter__(self) -> "Run":
-        self._tokens.append(_current_run.set(self))
-        self._entered.append(None)
+        self._push()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _current_run.reset(self._tokens.pop())
-        self._entered.pop()
+        self._pop()
 
     async def __aenter__(self) -> "Run":
-        self._tokens.append(_current_run.set(self))
+        self._push()
         task = asyncio.current_task()
-        self._entered.append(task)
         if task is not None:
+            self._entered.append(task)
             self.track(task)
         return self
 
     async def __aexit__(self, et: Any, ev: Any, tb: Any) -> bool:
-        task = self._entered.pop()
-        _current_run.reset(self._tokens.pop())
-        if task is not None:
+        task = asyncio.current_task()
+        self._pop()
+        if task is not None and task in self._entered:
+            self._entered.remove(task)
             self.untrack(task)
         if et is asyncio.CancelledError and self._stopped_by_gate and task is not None:
             # The watcher cancelled us because the gate stopped the run: say so, as a refusal.
@@ -307,12 +333,12 @@ class Run:
         with self._tasks_lock:
             self._tasks.pop(task, None)
 
-    def _cancel_tasks(self) -> None:
+    def _cancel_tasks(self, spare: "asyncio.Task[Any] | None" = None) -> None:
         self._stopped_by_gate = True
         with self._tasks_lock:
             tasks = list(self._tasks.items())
         for task, loop in tasks:
-            if task.done():
+            if task.done() or task is spare:
                 continue
             try:
                 loop.call_soon_threadsafe(task.cancel)
