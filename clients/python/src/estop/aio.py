@@ -93,7 +93,11 @@ class _AConn:
             self.writer.close()
         except (OSError, RuntimeError):
             pass
-        if self.task is not asyncio.current_task() and not self.task.done():
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # no running loop: the loop is gone and its tasks with it
+            return
+        if self.task is not current and not self.task.done():
             self.task.cancel()
 
 

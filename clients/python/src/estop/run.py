@@ -191,9 +191,13 @@ class Estop:
         FENCES.fence(rid, "cancelled")
         return _ignore_unknown_run(lambda: self.client.cancel(rid, reason))
 
-    async def acancel(self, run: "Run | str", reason: str | None = None) -> dict[str, Any] | None:
+    async def acancel(
+        self, run: "Run | str", reason: str | None = None, *, spare: "asyncio.Task[Any] | None" = None
+    ) -> dict[str, Any] | None:
+        """Cancels the run at the gate. Its local tasks are cancelled too, except `spare`
+        (default: the calling task, which is usually cleaning up after a stop)."""
         rid = run.id if isinstance(run, Run) else run
-        FENCES.fence(rid, "cancelled", spare=asyncio.current_task())
+        FENCES.fence(rid, "cancelled", spare=spare or asyncio.current_task())
         try:
             return await self.aclient.cancel(rid, reason)
         except Exception as e:  # noqa: BLE001 - see _ignore_unknown_run
@@ -233,7 +237,7 @@ class Run:
     _created: bool = field(default=False, repr=False)
     _prev: "dict[tuple[int, int], list[Run | None]]" = field(default_factory=dict, repr=False)
     _entered: "list[asyncio.Task[Any]]" = field(default_factory=list, repr=False)
-    _stopped_by_gate: bool = field(default=False, repr=False)
+    _cancelled: "weakref.WeakSet[asyncio.Task[Any]]" = field(default_factory=weakref.WeakSet, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.parent, str):
@@ -314,7 +318,7 @@ class Run:
         if task is not None and task in self._entered:
             self._entered.remove(task)
             self.untrack(task)
-        if et is asyncio.CancelledError and self._stopped_by_gate and task is not None:
+        if et is asyncio.CancelledError and task is not None and task in self._cancelled:
             # The watcher cancelled us because the gate stopped the run: say so, as a refusal.
             if hasattr(task, "uncancel") and task.uncancel() == 0:
                 raise RunStopped(self.stopped or "cancelled", run=self.id) from ev
@@ -334,12 +338,12 @@ class Run:
             self._tasks.pop(task, None)
 
     def _cancel_tasks(self, spare: "asyncio.Task[Any] | None" = None) -> None:
-        self._stopped_by_gate = True
         with self._tasks_lock:
             tasks = list(self._tasks.items())
         for task, loop in tasks:
             if task.done() or task is spare:
                 continue
+            self._cancelled.add(task)
             try:
                 loop.call_soon_threadsafe(task.cancel)
             except RuntimeError:
@@ -370,8 +374,8 @@ class Run:
     def cancel(self, reason: str | None = None) -> None:
         self.gate.cancel(self, reason)
 
-    async def acancel(self, reason: str | None = None) -> None:
-        await self.gate.acancel(self, reason)
+    async def acancel(self, reason: str | None = None, *, spare: "asyncio.Task[Any] | None" = None) -> None:
+        await self.gate.acancel(self, reason, spare=spare)
 
 
 def current_run(required: bool = True) -> Run | None:

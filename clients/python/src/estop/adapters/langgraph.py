@@ -1,0 +1,203 @@
+"""LangGraph: gated tools and nodes, estop holds as `interrupt()`s, graph cancel/timeout → estop cancel.
+
+    from estop.adapters import langgraph as el
+
+    @el.effect(tool="refund")                 # in a node or a @tool body
+    def refund(charge: str, amount: int): ...
+
+    graph = el.EstopGraph(builder.compile(checkpointer=saver), gate)
+    graph.invoke(inputs, {"configurable": {"thread_id": "order-42"}})   # run = thread id
+
+* The run is the thread id (`configurable.thread_id`), or `run_id=` given to EstopGraph.
+* An effect's logical step is its node, superstep and task path (`langgraph_node`,
+  `langgraph_step`, `checkpoint_ns`), so a node re-executed on resume (LangGraph re-runs the whole
+  node) or replayed from a checkpoint presents the same keys: the gate answers `duplicate` and
+  the recorded result is returned instead of doing it again.
+* A held effect (approval, or a sibling of one: a pause is a whole pause) raises LangGraph's own
+  `interrupt()` with the hold's details (`on_hold="interrupt"`, the default inside a graph), or
+  blocks until decided (`on_hold="wait"`). The decision is made in estop by an operator
+  (`estop approve RUN KEY`, the console) — never by the agent. Resume the graph afterwards with
+  `graph.resume(config)`; an `approver` (an operator Client held by your approval UI) lets a
+  `Command(resume={"decision": "approve"|"reject"})` be recorded as that operator's decision.
+* `invoke`/`ainvoke`/`stream`/`astream` turn a cancel, a timeout (including the graph's own
+  `step_timeout`) or Ctrl-C into an estop cancel of the run, which fences every thread and task
+  of it — including tool threads LangGraph cannot stop.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, AsyncIterator, Callable, Iterator
+
+from langgraph.config import get_config
+from langgraph.types import Command, interrupt
+
+from .._jcs import digest
+from ..client import Client
+from ..keys import derive_key
+from ..effect import EffectCall, call_args, make_call, run_async, run_sync
+from ..errors import HeldForApproval
+from ..run import Estop, Run, Step, current_run
+from ._common import STOP_SIGNALS, aguarded, guarded, hold_payload
+
+__all__ = ["EstopGraph", "effect", "step_of", "thread_run_id"]
+
+_STEP_KEY = "__estop_step__"
+
+
+def thread_run_id(config: dict[str, Any] | None) -> str | None:
+    return ((config or {}).get("configurable") or {}).get("thread_id")
+
+
+def step_of(config: dict[str, Any] | None) -> Step | None:
+    """The logical step of the node execution that `config` belongs to (one Step per execution:
+    LangGraph hands each task execution its own config)."""
+    if not config:
+        return None
+    conf = config.setdefault("configurable", {})
+    st = conf.get(_STEP_KEY)
+    if st is None:
+        md = config.get("metadata") or {}
+        name = f"{md.get('langgraph_node', '?')}@{md.get('langgraph_step', '?')}:{conf.get('checkpoint_ns', '')}"
+        st = Step(name)
+        conf[_STEP_KEY] = st
+    return st
+
+
+def _config() -> dict[str, Any] | None:
+    try:
+        return get_config()
+    except RuntimeError:
+        return None
+
+
+def _call_for(tool: str, args: Any, needs_approval: bool) -> tuple[EffectCall, bool]:
+    cfg = _config()
+    run = current_run(required=False)
+    if run is None:
+        rid = thread_run_id(cfg)
+        if rid is None:
+            current_run()  # raises NoRun with the explanation
+        from ..run import default
+
+        run = default().run(rid)
+    st = step_of(cfg)
+    if st is not None:
+        d = digest(tool, args)
+        key = derive_key(run.id, st.name, tool, d, st.occurrence(tool, d))
+        return make_call(run, tool, args, key=key, needs_approval=needs_approval), True
+    return make_call(run, tool, args, needs_approval=needs_approval), False
+
+
+def effect(
+    fn: Any = None,
+    *,
+    tool: str | None = None,
+    needs_approval: bool = False,
+    on_hold: str | None = None,
+    hold_timeout_s: float | None = None,
+    exclude: set[str] | None = None,
+    approver: Client | None = None,
+) -> Any:
+    """`estop.effect` for LangGraph: keys from the node's step, holds as `interrupt()`."""
+
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        name = tool or f.__name__
+        skip = frozenset(exclude or ()) | {"config", "runtime", "state"}
+
+        def mode(in_graph: bool) -> str:
+            return on_hold or ("interrupt" if in_graph else "wait")
+
+        if inspect.iscoroutinefunction(f):
+
+            @functools.wraps(f)
+            async def awrapper(*a: Any, **kw: Any) -> Any:
+                call, in_graph = _call_for(name, call_args(f, a, kw, skip), needs_approval)
+                m = mode(in_graph)
+                while True:
+                    try:
+                        return await run_async(call, lambda: f(*a, **kw), on_hold="raise" if m == "interrupt" else "wait", hold_timeout_s=hold_timeout_s)
+                    except HeldForApproval as h:
+                        _interrupt(h, call, approver)
+
+            return awrapper
+
+        @functools.wraps(f)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            call, in_graph = _call_for(name, call_args(f, a, kw, skip), needs_approval)
+            m = mode(in_graph)
+            while True:
+                try:
+                    return run_sync(call, lambda: f(*a, **kw), on_hold="raise" if m == "interrupt" else "wait", hold_timeout_s=hold_timeout_s)
+                except HeldForApproval as h:
+                    _interrupt(h, call, approver)
+
+        return wrapper
+
+    if fn is not None and callable(fn):
+        return wrap(fn)
+    return wrap
+
+
+def _interrupt(h: HeldForApproval, call: EffectCall, approver: Client | None) -> None:
+    """Surfaces the hold as LangGraph's interrupt; returns when the graph is resumed."""
+    value = interrupt(hold_payload(h, call.args))
+    if approver is not None and isinstance(value, dict) and value.get("decision") in ("approve", "reject") and h.reason == "approval":
+        from ..errors import NotPending
+
+        try:
+            approver.decide(call.run.id, call.key, value["decision"], value.get("reason"))
+        except NotPending:
+            pass  # decided already (e.g. in the console)
+
+
+class EstopGraph:
+    """A compiled graph whose invocations are estop runs (run = thread id)."""
+
+    def __init__(self, graph: Any, gate: Estop, *, run_id: str | None = None, parent: Run | str | None = None, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS) -> None:
+        self.graph = graph
+        self.gate = gate
+        self.run_id = run_id
+        self.parent = parent
+        self.stop_on = stop_on
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.graph, name)
+
+    def run_for(self, config: dict[str, Any] | None) -> Run:
+        rid = self.run_id or thread_run_id(config)
+        if rid is None:
+            raise ValueError("EstopGraph needs a run: pass run_id= or configurable.thread_id")
+        return self.gate.run(rid, parent=self.parent)
+
+    def invoke(self, input: Any, config: dict[str, Any] | None = None, **kw: Any) -> Any:
+        with guarded(self.run_for(config), stop_on=self.stop_on):
+            return self.graph.invoke(input, config, **kw)
+
+    async def ainvoke(self, input: Any, config: dict[str, Any] | None = None, **kw: Any) -> Any:
+        async with aguarded(self.run_for(config), stop_on=self.stop_on):
+            return await self.graph.ainvoke(input, config, **kw)
+
+    def stream(self, input: Any, config: dict[str, Any] | None = None, **kw: Any) -> Iterator[Any]:
+        with guarded(self.run_for(config), stop_on=self.stop_on + (GeneratorExit,)):
+            yield from self.graph.stream(input, config, **kw)
+
+    async def astream(self, input: Any, config: dict[str, Any] | None = None, **kw: Any) -> AsyncIterator[Any]:
+        async with aguarded(self.run_for(config), stop_on=self.stop_on + (GeneratorExit,)):
+            async for chunk in self.graph.astream(input, config, **kw):
+                yield chunk
+
+    def pending_interrupts(self, config: dict[str, Any]) -> list[Any]:
+        snap = self.graph.get_state(config)
+        return [i for t in snap.tasks for i in t.interrupts]
+
+    def resume_command(self, config: dict[str, Any], value: Any = None) -> Command:
+        """A Command resuming every pending interrupt with `value` (holds re-ask the gate)."""
+        return Command(resume={i.id: value for i in self.pending_interrupts(config)})
+
+    def resume(self, config: dict[str, Any], value: Any = None, **kw: Any) -> Any:
+        return self.invoke(self.resume_command(config, value), config, **kw)
+
+    async def aresume(self, config: dict[str, Any], value: Any = None, **kw: Any) -> Any:
+        return await self.ainvoke(self.resume_command(config, value), config, **kw)

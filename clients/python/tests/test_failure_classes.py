@@ -1,0 +1,32 @@
+"""Every framework × failure class: the leak happens without estop and not with the adapter."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from .scenarios.common import CLASSES, new_trial
+
+FRAMEWORKS = {
+    "langgraph": "tests.scenarios.lg",
+}
+
+
+def _scenario(framework: str, klass: str):
+    mod = importlib.import_module(FRAMEWORKS[framework])
+    return mod.SCENARIOS[klass]
+
+
+@pytest.mark.parametrize("klass", CLASSES)
+@pytest.mark.parametrize("framework", list(FRAMEWORKS))
+def test_leaks_without_estop(daemon, framework, klass):
+    fn = _scenario(framework, klass)
+    assert fn(new_trial(daemon, framework, klass), False) >= 1, "expected the framework alone to leak"
+
+
+@pytest.mark.parametrize("klass", CLASSES)
+@pytest.mark.parametrize("framework", list(FRAMEWORKS))
+def test_no_leak_with_estop(daemon, framework, klass):
+    fn = _scenario(framework, klass)
+    assert fn(new_trial(daemon, framework, klass), True) == 0
