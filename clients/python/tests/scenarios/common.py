@@ -113,3 +113,44 @@ def new_trial(daemon: Any, framework: str, klass: str) -> Trial:
 
 def leaks_after(world: World, what: str, mark: str) -> int:
     return world.count(what, after=world.marks[mark])
+
+
+def effects(t: Trial, guarded: bool, wrap: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """The world's side-effect functions (API clients): plain, or gated by estop."""
+    w = t.world
+
+    def wire_money(to: str, amount: int) -> str:
+        w.do("wire", amount)
+        return "wired"
+
+    def send_email(to: str) -> str:
+        w.do("email", to)
+        return "sent"
+
+    def charge(amount: int) -> str:
+        w.do("charge", amount)
+        return f"ch_{amount}"
+
+    async def acharge(amount: int) -> str:
+        w.do("charge", amount)
+        return f"ch_{amount}"
+
+    fns: dict[str, Any] = {"wire_money": wire_money, "send_email": send_email, "charge": charge, "acharge": acharge}
+    if guarded:
+        deco = wrap or (lambda name: estop.effect(tool=name))
+        fns = {k: deco("charge" if k == "acharge" else k)(v) for k, v in fns.items()}
+    return fns
+
+
+def swallow_refusal(fn: Callable[..., Any], *a: Any) -> Any:
+    try:
+        return fn(*a)
+    except estop.Refused as e:
+        return f"refused: {e.reason}"
+
+
+async def aswallow_refusal(fn: Callable[..., Any], *a: Any) -> Any:
+    try:
+        return await fn(*a)
+    except estop.Refused as e:
+        return f"refused: {e.reason}"

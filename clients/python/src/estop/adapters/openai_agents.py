@@ -1,0 +1,102 @@
+"""OpenAI Agents SDK: gated function tools, `needs_approval` decided by an estop operator,
+runner cancel/timeout → estop cancel.
+
+    from estop.adapters import openai_agents as eo
+
+    agent = Agent(name="ops", tools=eo.gate_tools([wire_money, send_email]))
+    result = await eo.run(agent, "refund order 42", gate=gate, run_id="order-42")
+
+* Every call of a gated tool is admitted by the gate first (tool name → effect name, the parsed
+  arguments → its digest); the tool body runs only on `admitted`; its return value is the
+  effect's recorded result, returned again (not re-run) when the same call comes back on a
+  replay or a retried job.
+* A tool's `needs_approval` (bool or callable) no longer interrupts the SDK run: it becomes an
+  estop approval (`needs_approval` on admit; the gate's policy may require one anyway), decided by
+  an operator (`estop approve RUN KEY`, the console). The call waits for the decision, and so do
+  its siblings of the same turn (a pause is a whole pause). A rejection or other refusal is
+  returned to the model as the tool's output; a stopped run raises `RunStopped`.
+* `run`/`run_sync`/`run_streamed` run the agent inside the estop run; a cancel of the awaiting
+  task, a timeout (`asyncio.wait_for`, a tool's `timeout_seconds` with
+  `timeout_behavior="raise_exception"`) or Ctrl-C cancels the run at the gate, which fences tool
+  threads the SDK cannot stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import json
+from typing import Any, Iterable
+
+from agents import Runner
+from agents.exceptions import ToolTimeoutError
+from agents.tool import FunctionTool
+
+from ..effect import make_call, run_async
+from ..errors import Refused, RunStopped
+from ..run import Estop, Run, current_run
+from ._common import STOP_SIGNALS, arun_guarded, resolve_run, run_guarded
+
+__all__ = ["gate_tool", "gate_tools", "run", "run_sync", "STOP_ON"]
+
+#: What stops a run here: the common stop signals and the SDK's own tool timeout.
+STOP_ON: tuple[type[BaseException], ...] = STOP_SIGNALS + (ToolTimeoutError,)
+
+
+def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "wait", hold_timeout_s: float | None = None, refusal_as_output: bool = True) -> FunctionTool:
+    """A copy of `tool` whose every call is admitted by estop first. `effect` names the effect
+    at the gate (default: the tool's name)."""
+    if getattr(tool, "__estop_gated__", False):
+        return tool
+    name = effect or tool.name
+    inner = tool.on_invoke_tool
+    approval = tool.needs_approval
+
+    async def on_invoke_tool(ctx: Any, arguments: str) -> Any:
+        args = json.loads(arguments) if arguments else {}
+        if callable(approval):
+            na = approval(ctx, args, getattr(ctx, "tool_call_id", ""))
+            if inspect.isawaitable(na):
+                na = await na
+        else:
+            na = bool(approval)
+        run = current_run()
+        assert run is not None
+        call = make_call(run, name, args, needs_approval=bool(na))
+        try:
+            return await run_async(call, lambda: inner(ctx, arguments), on_hold=on_hold, hold_timeout_s=hold_timeout_s)
+        except RunStopped:
+            raise
+        except Refused as e:
+            if not refusal_as_output:
+                raise
+            return f"estop refused this call ({e.reason}); do not retry it"
+
+    gated = dataclasses.replace(tool, on_invoke_tool=on_invoke_tool, needs_approval=False)
+    object.__setattr__(gated, "__estop_gated__", True)
+    return gated
+
+
+def gate_tools(tools: Iterable[Any], *, effects: dict[str, str] | None = None, **kw: Any) -> list[Any]:
+    """`gate_tool` for every FunctionTool in `tools` (others are passed through). `effects` maps
+    a tool name to the effect it performs at the gate (e.g. two tools that move money)."""
+    eff = effects or {}
+    return [gate_tool(t, effect=eff.get(t.name), **kw) if isinstance(t, FunctionTool) else t for t in tools]
+
+
+async def run(agent: Any, input: Any, *, gate: Estop | None = None, run_id: str | Run | None = None, parent: Run | str | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **runner_kw: Any) -> Any:
+    """`Runner.run` inside the estop run `run_id`."""
+    r = resolve_run(gate, run_id, parent=parent) if parent else resolve_run(gate, run_id)
+
+    async def go() -> Any:
+        coro = Runner.run(agent, input, **runner_kw)
+        return await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+
+    return await arun_guarded(r, go, stop_on=stop_on)
+
+
+def run_sync(agent: Any, input: Any, *, gate: Estop | None = None, run_id: str | Run | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **runner_kw: Any) -> Any:
+    """`Runner.run_sync` inside the estop run `run_id`."""
+    r = resolve_run(gate, run_id)
+    return run_guarded(r, lambda: asyncio.run(run(agent, input, run_id=r, stop_on=stop_on, **runner_kw)), stop_on=stop_on)

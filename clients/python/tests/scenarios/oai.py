@@ -1,0 +1,218 @@
+"""OpenAI Agents SDK: the five failure classes, without estop and through
+estop.adapters.openai_agents, driven by the SDK's own ScriptedModel (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+from agents import Agent, Runner, function_tool
+from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+import estop
+from estop.adapters import openai_agents as eo
+
+from .common import DECIDE_AFTER_S, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, leaks_after, swallow_refusal
+
+
+def _agent(tools: list[Any], steps: list[Any], guarded: bool, effects_map: dict[str, str] | None = None) -> Agent:
+    model = ScriptedModel(steps)
+    if guarded:
+        tools = eo.gate_tools(tools, effects=effects_map)
+    return Agent(name="ops", model=model, tools=tools)
+
+
+def _done() -> ModelStep:
+    return ModelStep(output=[assistant_message("done")])
+
+
+def sibling(t: Trial, guarded: bool) -> int:
+    fx = effects(t, guarded)
+
+    @function_tool(needs_approval=True)
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        return fx["wire_money"](to, amount) if not guarded else "wired"
+
+    @function_tool
+    def notify(to: str) -> str:
+        """Tell someone."""
+        time.sleep(SIBLING_WORK_S)
+        return swallow_refusal(fx["send_email"], to)
+
+    if guarded:
+        # The tool call itself is the transfer: gate it as such (its body is the API call).
+        @function_tool(needs_approval=True)
+        def wire_money(to: str, amount: int) -> str:  # noqa: F811
+            """Wire money."""
+            t.world.do("wire", amount)
+            return "wired"
+
+    steps = [ModelStep(output=[function_call("wire_money", {"to": "acct-9", "amount": 100}, call_id="c1"), function_call("notify", {"to": "ops@example.com"}, call_id="c2")]), _done()]
+    agent = _agent([wire_money, notify], steps, guarded)
+
+    async def main() -> None:
+        if guarded:
+            th = t.decide_later("reject", tool="wire_money")
+            await eo.run(agent, "go", gate=t.gate, run_id=t.run_id)
+            th.join()
+        else:
+            r = await Runner.run(agent, "go")
+            assert r.interruptions
+            await asyncio.sleep(DECIDE_AFTER_S)
+            t.world.mark("decided")
+            st = r.to_state()
+            for it in r.interruptions:
+                st.reject(it)
+            await Runner.run(agent, st)
+
+    asyncio.run(main())
+    return t.world.count("email", before=t.world.marks["decided"])
+
+
+def reject(t: Trial, guarded: bool) -> int:
+    def transfer(to: str, amount: int) -> str:
+        t.world.do("wire", amount)
+        return "wired"
+
+    @function_tool(needs_approval=True)
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        return transfer(to, amount)
+
+    @function_tool
+    def pay_invoice(to: str, amount: int) -> str:
+        """Pay an invoice (moves money too; nobody flagged it for approval)."""
+        return transfer(to, amount)
+
+    steps = [
+        ModelStep(output=[function_call("wire_money", {"to": "acct-9", "amount": 100}, call_id="c1")]),
+        ModelStep(output=[function_call("pay_invoice", {"to": "acct-9", "amount": 100}, call_id="c2")]),
+        _done(),
+    ]
+    # With estop both tools are the same effect at the gate: "wire_money".
+    agent = _agent([wire_money, pay_invoice], steps, guarded, effects_map={"pay_invoice": "wire_money"})
+
+    async def main() -> None:
+        if guarded:
+            def operator() -> None:
+                p = t.pending("wire_money")
+                t.world.mark("rejected")
+                t.operator.reject(t.run_id, p["key"])
+
+            th = threading.Thread(target=operator)
+            th.start()
+            await eo.run(agent, "go", gate=t.gate, run_id=t.run_id)
+            th.join()
+        else:
+            r = await Runner.run(agent, "go")
+            t.world.mark("rejected")
+            st = r.to_state()
+            for it in r.interruptions:
+                st.reject(it)
+            await Runner.run(agent, st)
+
+    asyncio.run(main())
+    return leaks_after(t.world, "wire", "rejected")
+
+
+def replay(t: Trial, guarded: bool) -> int:
+    @function_tool
+    def charge(amount: int) -> str:
+        """Charge the customer."""
+        t.world.do("charge", amount)
+        return f"ch_{amount}"
+
+    def steps() -> list[Any]:
+        # The worker dies after the charge, before the run finished (the model call fails);
+        # the job queue redelivers the job, which runs the agent again for the same order.
+        return [ModelStep(output=[function_call("charge", {"amount": 42}, call_id="c1")]), ModelStep.raise_error(ConnectionError("worker lost"))]
+
+    async def attempt(steps_: list[Any]) -> None:
+        agent = _agent([charge], steps_, guarded)
+        try:
+            if guarded:
+                await eo.run(agent, "charge order 42", gate=t.gate, run_id=t.run_id)
+            else:
+                await Runner.run(agent, "charge order 42")
+        except ConnectionError:
+            pass
+
+    asyncio.run(attempt(steps()))
+    asyncio.run(attempt([ModelStep(output=[function_call("charge", {"amount": 42}, call_id="c1")]), _done()]))
+    return t.world.count("charge") - 1
+
+
+def cancel_thread(t: Trial, guarded: bool) -> int:
+    fx = effects(t, guarded)
+    done = threading.Event()
+
+    @function_tool
+    def refund(amount: int) -> str:
+        """Refund (a slow API in a worker thread)."""
+        try:
+            time.sleep(TOOL_DELAY_S)
+            return swallow_refusal(fx["charge"], -amount)
+        finally:
+            done.set()
+
+    agent = _agent([refund], [ModelStep(output=[function_call("refund", {"amount": 42}, call_id="c1")]), _done()], guarded)
+
+    async def main() -> None:
+        # The SDK's own tool timeout is for async tools only; a sync tool is bounded by the
+        # caller's timeout around the run.
+        try:
+            if guarded:
+                await eo.run(agent, "refund", gate=t.gate, run_id=t.run_id, timeout_s=TOOL_DELAY_S / 3)
+            else:
+                await asyncio.wait_for(Runner.run(agent, "refund"), TOOL_DELAY_S / 3)
+            raise AssertionError("expected the timeout")
+        except (TimeoutError, asyncio.TimeoutError):
+            t.world.mark("stopped")
+
+    asyncio.run(main())
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
+def cancel_async(t: Trial, guarded: bool) -> int:
+    fx = effects(t, guarded)
+    started = threading.Event()
+    finished = threading.Event()
+
+    async def write(amount: int) -> None:
+        try:
+            await asyncio.sleep(TOOL_DELAY_S)
+            await aswallow_refusal(fx["acharge"], -amount)
+        finally:
+            finished.set()
+
+    @function_tool
+    async def refund(amount: int) -> str:
+        """Refund (async API; the write is shielded so it is never half-done)."""
+        started.set()
+        await asyncio.shield(asyncio.ensure_future(write(amount)))
+        return "refunded"
+
+    agent = _agent([refund], [ModelStep(output=[function_call("refund", {"amount": 42}, call_id="c1")]), _done()], guarded)
+
+    async def main() -> None:
+        coro = eo.run(agent, "refund", gate=t.gate, run_id=t.run_id) if guarded else Runner.run(agent, "refund")
+        task = asyncio.ensure_future(coro)
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()  # the user pressed stop
+        try:
+            await task
+        except asyncio.CancelledError:
+            t.world.mark("stopped")
+        while not finished.is_set():
+            await asyncio.sleep(0.005)
+
+    asyncio.run(main())
+    return leaks_after(t.world, "charge", "stopped")
+
+
+SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async}
