@@ -11,6 +11,7 @@ from .scenarios.common import CLASSES, new_trial
 FRAMEWORKS = {
     "langgraph": "tests.scenarios.lg",
     "openai-agents": "tests.scenarios.oai",
+    "pydantic-ai": "tests.scenarios.pyd",
 }
 
 

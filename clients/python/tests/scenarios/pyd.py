@@ -1,0 +1,206 @@
+"""PydanticAI: the five failure classes, without estop and through estop.adapters.pydantic_ai,
+driven by PydanticAI's own FunctionModel (a scripted model, no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, Callable
+
+from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from estop.adapters import pydantic_ai as ep
+
+from .common import DECIDE_AFTER_S, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, leaks_after, swallow_refusal
+
+
+def _script(turns: list[Any]) -> FunctionModel:
+    """A model that answers turn i with turns[i] (a list of parts, or an exception to raise)."""
+    state = {"i": 0}
+
+    def fn(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        i = state["i"]
+        state["i"] += 1
+        turn = turns[i] if i < len(turns) else [TextPart("done")]
+        if isinstance(turn, BaseException):
+            raise turn
+        return ModelResponse(parts=turn)
+
+    return FunctionModel(fn)
+
+
+def _agent(turns: list[Any], guarded: bool, register: Callable[[Agent], None], effects_map: dict[str, str] | None = None) -> Agent:
+    agent: Agent = Agent(_script(turns), output_type=[str, DeferredToolRequests])
+    register(agent)
+    if guarded:
+        ep.gate_agent(agent, effects=effects_map)
+    return agent
+
+
+def sibling(t: Trial, guarded: bool) -> int:
+    fx = effects(t, guarded)
+
+    def register(agent: Agent) -> None:
+        @agent.tool_plain(requires_approval=True)
+        def wire_money(to: str, amount: int) -> str:
+            t.world.do("wire", amount)
+            return "wired"
+
+        @agent.tool_plain
+        def notify(to: str) -> str:
+            time.sleep(SIBLING_WORK_S)
+            return swallow_refusal(fx["send_email"], to)
+
+    turns = [[ToolCallPart("wire_money", {"to": "acct-9", "amount": 100}, tool_call_id="c1"), ToolCallPart("notify", {"to": "ops@example.com"}, tool_call_id="c2")]]
+    agent = _agent(turns, guarded, register)
+
+    async def main() -> None:
+        if guarded:
+            th = t.decide_later("reject", tool="wire_money")
+            await ep.run(agent, "go", gate=t.gate, run_id=t.run_id)
+            th.join()
+        else:
+            r = await agent.run("go")
+            assert isinstance(r.output, DeferredToolRequests)
+            await asyncio.sleep(DECIDE_AFTER_S)
+            t.world.mark("decided")
+            await agent.run(message_history=r.all_messages(), deferred_tool_results=DeferredToolResults(approvals={"c1": False}))
+
+    asyncio.run(main())
+    return t.world.count("email", before=t.world.marks["decided"])
+
+
+def reject(t: Trial, guarded: bool) -> int:
+    def register(agent: Agent) -> None:
+        @agent.tool_plain(requires_approval=True)
+        def wire_money(to: str, amount: int) -> str:
+            t.world.do("wire", amount)
+            return "wired"
+
+        @agent.tool_plain
+        def pay_invoice(to: str, amount: int) -> str:
+            """Moves money too; nobody flagged it for approval."""
+            t.world.do("wire", amount)
+            return "paid"
+
+    turns = [
+        [ToolCallPart("wire_money", {"to": "acct-9", "amount": 100}, tool_call_id="c1")],
+        [ToolCallPart("pay_invoice", {"to": "acct-9", "amount": 100}, tool_call_id="c2")],
+    ]
+    agent = _agent(turns, guarded, register, effects_map={"pay_invoice": "wire_money"})
+
+    async def main() -> None:
+        if guarded:
+            def operator() -> None:
+                p = t.pending("wire_money")
+                t.world.mark("rejected")
+                t.operator.reject(t.run_id, p["key"])
+
+            th = threading.Thread(target=operator)
+            th.start()
+            await ep.run(agent, "go", gate=t.gate, run_id=t.run_id)
+            th.join()
+        else:
+            r = await agent.run("go")
+            t.world.mark("rejected")
+            await agent.run(message_history=r.all_messages(), deferred_tool_results=DeferredToolResults(approvals={"c1": False}))
+
+    asyncio.run(main())
+    return leaks_after(t.world, "wire", "rejected")
+
+
+def replay(t: Trial, guarded: bool) -> int:
+    def register(agent: Agent) -> None:
+        @agent.tool_plain
+        def charge(amount: int) -> str:
+            t.world.do("charge", amount)
+            return f"ch_{amount}"
+
+    async def attempt(turns: list[Any]) -> None:
+        agent = _agent(turns, guarded, register)
+        try:
+            if guarded:
+                await ep.run(agent, "charge order 42", gate=t.gate, run_id=t.run_id)
+            else:
+                await agent.run("charge order 42")
+        except ConnectionError:
+            pass
+
+    call = [ToolCallPart("charge", {"amount": 42}, tool_call_id="c1")]
+    asyncio.run(attempt([call, ConnectionError("worker lost")]))  # dies after the charge
+    asyncio.run(attempt([call]))  # the job is redelivered
+    return t.world.count("charge") - 1
+
+
+def cancel_thread(t: Trial, guarded: bool) -> int:
+    fx = effects(t, guarded)
+    done = threading.Event()
+
+    def register(agent: Agent) -> None:
+        @agent.tool_plain
+        def refund(amount: int) -> str:
+            try:
+                time.sleep(TOOL_DELAY_S)
+                return swallow_refusal(fx["charge"], -amount)
+            finally:
+                done.set()
+
+    agent = _agent([[ToolCallPart("refund", {"amount": 42}, tool_call_id="c1")]], guarded, register)
+
+    async def main() -> None:
+        try:
+            if guarded:
+                await ep.run(agent, "refund", gate=t.gate, run_id=t.run_id, timeout_s=TOOL_DELAY_S / 3)
+            else:
+                await asyncio.wait_for(agent.run("refund"), TOOL_DELAY_S / 3)
+            raise AssertionError("expected the timeout")
+        except (TimeoutError, asyncio.TimeoutError):
+            t.world.mark("stopped")
+
+    asyncio.run(main())
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
+def cancel_async(t: Trial, guarded: bool) -> int:
+    fx = effects(t, guarded)
+    started = threading.Event()
+    finished = threading.Event()
+
+    async def write(amount: int) -> None:
+        try:
+            await asyncio.sleep(TOOL_DELAY_S)
+            await aswallow_refusal(fx["acharge"], -amount)
+        finally:
+            finished.set()
+
+    def register(agent: Agent) -> None:
+        @agent.tool_plain
+        async def refund(amount: int) -> str:
+            started.set()
+            await asyncio.shield(asyncio.ensure_future(write(amount)))
+            return "refunded"
+
+    agent = _agent([[ToolCallPart("refund", {"amount": 42}, tool_call_id="c1")]], guarded, register)
+
+    async def main() -> None:
+        coro = ep.run(agent, "refund", gate=t.gate, run_id=t.run_id) if guarded else agent.run("refund")
+        task = asyncio.ensure_future(coro)
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            t.world.mark("stopped")
+        while not finished.is_set():
+            await asyncio.sleep(0.005)
+
+    asyncio.run(main())
+    return leaks_after(t.world, "charge", "stopped")
+
+
+SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async}
