@@ -12,6 +12,7 @@ FRAMEWORKS = {
     "langgraph": "tests.scenarios.lg",
     "openai-agents": "tests.scenarios.oai",
     "pydantic-ai": "tests.scenarios.pyd",
+    "llamaindex-workflows": "tests.scenarios.lli",
 }
 
 

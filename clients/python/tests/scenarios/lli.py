@@ -1,0 +1,230 @@
+"""LlamaIndex Workflows: the five failure classes, without estop and through
+estop.adapters.llamaindex. Workflows have no model of their own; the steps are the script."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+from workflows import Context, Workflow, step
+from workflows.errors import WorkflowTimeoutError
+from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StartEvent, StopEvent
+
+import estop
+from estop.adapters import llamaindex as eli
+
+from .common import DECIDE_AFTER_S, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, leaks_after, swallow_refusal
+
+
+class WireEv(Event):
+    amount: int
+
+
+class EmailEv(Event):
+    to: str
+
+
+class PayEv(Event):
+    amount: int
+
+
+class DoneEv(Event):
+    what: str
+
+
+def _start(t: Trial, guarded: bool, wf: Workflow) -> Any:
+    return eli.run(wf, gate=t.gate, run_id=t.run_id) if guarded else wf.run()
+
+
+def sibling(t: Trial, guarded: bool) -> int:
+    fx = effects(t, guarded)
+
+    class W(Workflow):
+        @step
+        async def plan(self, ctx: Context, ev: StartEvent) -> WireEv | EmailEv | None:
+            ctx.send_event(WireEv(amount=100))
+            ctx.send_event(EmailEv(to="ops@example.com"))
+            return None
+
+        @step
+        async def wire(self, ctx: Context, ev: WireEv) -> DoneEv:
+            if guarded:
+                await aswallow_refusal(fx["awire"], "acct-9", ev.amount)  # held in estop
+            else:
+                r = await ctx.wait_for_event(HumanResponseEvent, waiter_event=InputRequiredEvent(prefix="approve wire?"), waiter_id="wire")
+                if r.response == "yes":
+                    t.world.do("wire", ev.amount)
+            return DoneEv(what="wire")
+
+        @step
+        def email(self, ev: EmailEv) -> DoneEv:
+            time.sleep(SIBLING_WORK_S)
+            swallow_refusal(fx["send_email"], ev.to)
+            return DoneEv(what="email")
+
+        @step
+        async def join(self, ctx: Context, ev: DoneEv) -> StopEvent | None:
+            if ctx.collect_events(ev, [DoneEv, DoneEv]) is None:
+                return None
+            return StopEvent(result="ok")
+
+    async def awire(to: str, amount: int) -> str:
+        t.world.do("wire", amount)
+        return "wired"
+
+    fx["awire"] = estop.effect(tool="wire_money")(awire) if guarded else awire
+
+    async def main() -> None:
+        h = _start(t, guarded, W(timeout=10))
+        if guarded:
+            th = t.decide_later("reject", tool="wire_money")
+            await h
+            th.join()
+            return
+        async for ev in h.stream_events():
+            if isinstance(ev, InputRequiredEvent):
+                await asyncio.sleep(DECIDE_AFTER_S)
+                t.world.mark("decided")
+                h.ctx.send_event(HumanResponseEvent(response="no"))
+        await h
+
+    asyncio.run(main())
+    return t.world.count("email", before=t.world.marks["decided"])
+
+
+def reject(t: Trial, guarded: bool) -> int:
+    async def transfer(to: str, amount: int) -> str:
+        t.world.do("wire", amount)
+        return "wired"
+
+    gated = estop.effect(tool="wire_money")(transfer) if guarded else transfer
+
+    class W(Workflow):
+        @step
+        async def wire(self, ctx: Context, ev: StartEvent) -> PayEv:
+            if guarded:
+                await aswallow_refusal(gated, "acct-9", 100)
+            else:
+                r = await ctx.wait_for_event(HumanResponseEvent, waiter_event=InputRequiredEvent(prefix="approve wire?"), waiter_id="wire")
+                if r.response == "yes":
+                    await gated("acct-9", 100)
+            # The agent re-plans: pay the invoice instead — the same transfer, another step.
+            return PayEv(amount=100)
+
+        @step
+        async def pay(self, ev: PayEv) -> StopEvent:
+            return StopEvent(result=await aswallow_refusal(gated, "acct-9", ev.amount))
+
+    async def main() -> None:
+        h = _start(t, guarded, W(timeout=10))
+        if guarded:
+            p = await asyncio.to_thread(t.pending, "wire_money")
+            t.world.mark("rejected")
+            await asyncio.to_thread(t.operator.reject, t.run_id, p["key"])
+            await h
+            return
+        async for ev in h.stream_events():
+            if isinstance(ev, InputRequiredEvent):
+                t.world.mark("rejected")
+                h.ctx.send_event(HumanResponseEvent(response="no"))
+        await h
+
+    asyncio.run(main())
+    return leaks_after(t.world, "wire", "rejected")
+
+
+def replay(t: Trial, guarded: bool) -> int:
+    fx = effects(t, guarded)
+
+    class W(Workflow):
+        def __init__(self, crash: bool, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.crash = crash
+
+        @step
+        async def charge(self, ev: StartEvent) -> DoneEv:
+            await fx["acharge"](42)
+            return DoneEv(what="charged")
+
+        @step
+        async def ship(self, ev: DoneEv) -> StopEvent:
+            if self.crash:
+                raise ConnectionError("worker lost")  # dies after the charge
+            return StopEvent(result="shipped")
+
+    async def attempt(crash: bool) -> None:
+        try:
+            await _start(t, guarded, W(crash, timeout=10))
+        except Exception:
+            pass
+
+    asyncio.run(attempt(True))
+    asyncio.run(attempt(False))  # the job is redelivered
+    return t.world.count("charge") - 1
+
+
+def cancel_thread(t: Trial, guarded: bool) -> int:
+    fx = effects(t, guarded)
+    done = threading.Event()
+
+    class W(Workflow):
+        @step
+        def refund(self, ev: StartEvent) -> StopEvent:
+            try:
+                time.sleep(TOOL_DELAY_S)
+                swallow_refusal(fx["charge"], -42)
+            finally:
+                done.set()
+            return StopEvent(result="refunded")
+
+    async def main() -> None:
+        try:
+            await _start(t, guarded, W(timeout=TOOL_DELAY_S / 3))  # the workflow's own timeout
+            raise AssertionError("expected the workflow timeout")
+        except WorkflowTimeoutError:
+            t.world.mark("stopped")
+
+    asyncio.run(main())
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
+def cancel_async(t: Trial, guarded: bool) -> int:
+    fx = effects(t, guarded)
+    started = threading.Event()
+    finished = threading.Event()
+
+    async def write() -> None:
+        try:
+            await asyncio.sleep(TOOL_DELAY_S)
+            await aswallow_refusal(fx["acharge"], -42)
+        finally:
+            finished.set()
+
+    class W(Workflow):
+        @step
+        async def refund(self, ev: StartEvent) -> StopEvent:
+            started.set()
+            await asyncio.shield(asyncio.ensure_future(write()))
+            return StopEvent(result="refunded")
+
+    async def main() -> None:
+        h = _start(t, guarded, W(timeout=10))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        await h.cancel_run()  # the framework's own cancel
+        t.world.mark("stopped")
+        try:
+            await h
+        except Exception:
+            pass
+        while not finished.is_set():
+            await asyncio.sleep(0.005)
+
+    asyncio.run(main())
+    return leaks_after(t.world, "charge", "stopped")
+
+
+SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async}
