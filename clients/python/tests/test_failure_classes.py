@@ -13,6 +13,7 @@ FRAMEWORKS = {
     "openai-agents": "tests.scenarios.oai",
     "pydantic-ai": "tests.scenarios.pyd",
     "llamaindex-workflows": "tests.scenarios.lli",
+    "agent-framework": "tests.scenarios.maf",
 }
 
 

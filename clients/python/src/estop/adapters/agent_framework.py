@@ -1,0 +1,118 @@
+"""Microsoft Agent Framework: a function middleware that admits every tool call through estop,
+tools with `approval_mode="always_require"` decided by an estop operator, run cancel/timeout →
+estop cancel.
+
+    from estop.adapters import agent_framework as eaf
+
+    agent = Agent(client=chat_client, tools=eaf.gate_tools([wire_money, send_email]),
+                  middleware=[eaf.EstopMiddleware()])
+    response = await eaf.run(agent, "refund order 42", gate=gate, run_id="order-42")
+
+* `EstopMiddleware` runs around each function invocation: admit (tool name → effect name, the
+  normalized arguments → digest) → wait while held → the tool → complete. A duplicate returns the
+  recorded result. A refusal becomes the tool's result (the model reads it); a stopped run raises
+  `MiddlewareFailure`, which aborts the run fail-closed.
+* `gate_tools` turns `approval_mode="always_require"` into an estop approval: the framework's
+  function loop no longer stops with approval requests; the call (and its siblings, whole-run
+  hold) waits for the operator's decision in estop (`estop approve RUN KEY`, the console).
+* `run` runs the agent inside the estop run; a cancel or timeout cancels the run at the gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any, Awaitable, Callable, Iterable
+
+from agent_framework import FunctionInvocationContext, FunctionMiddleware
+from agent_framework._middleware import MiddlewareFailure
+
+from ..effect import make_call, run_async
+from ..errors import Refused, RunStopped
+from ..run import Estop, Run, current_run
+from ._common import STOP_SIGNALS, arun_guarded, resolve_run
+
+__all__ = ["EstopMiddleware", "gate_tools", "run", "run_workflow", "APPROVAL_ATTR"]
+
+APPROVAL_ATTR = "__estop_needs_approval__"
+
+
+def gate_tools(tools: Iterable[Any]) -> list[Any]:
+    """Copies of `tools` whose framework approval (`always_require`) becomes an estop approval."""
+    out = []
+    for t in tools:
+        if getattr(t, "approval_mode", None) == "always_require":
+            t = copy.copy(t)
+            t.approval_mode = "never_require"
+            setattr(t, APPROVAL_ATTR, True)
+        out.append(t)
+    return out
+
+
+def _text(result: Any) -> Any:
+    if isinstance(result, (str, int, float, bool)) or result is None:
+        return result
+    if isinstance(result, list):
+        parts = [getattr(c, "text", None) for c in result]
+        if all(isinstance(p, str) for p in parts):
+            return "".join(parts)  # type: ignore[arg-type]
+    return repr(result)
+
+
+class EstopMiddleware(FunctionMiddleware):
+    """Admits every function call through estop (see the module doc)."""
+
+    def __init__(self, *, effects: dict[str, str] | None = None, approval: Iterable[str] = (), hold_timeout_s: float | None = None, refusal_as_output: bool = True) -> None:
+        self.effects = dict(effects or {})
+        self.approval = set(approval)
+        self.hold_timeout_s = hold_timeout_s
+        self.refusal_as_output = refusal_as_output
+
+    async def process(self, context: FunctionInvocationContext, call_next: Callable[[], Awaitable[None]]) -> None:
+        fn = context.function
+        name = fn.name
+        args = context.arguments
+        if hasattr(args, "model_dump"):
+            args = args.model_dump(mode="json")
+        run = current_run()
+        assert run is not None
+        needs = bool(getattr(fn, APPROVAL_ATTR, False)) or name in self.approval
+        call = make_call(run, self.effects.get(name, name), dict(args or {}), needs_approval=needs)
+
+        async def invoke() -> Any:
+            await call_next()
+            return _text(context.result)
+
+        try:
+            out = await run_async(call, invoke, hold_timeout_s=self.hold_timeout_s)
+        except RunStopped as e:
+            raise MiddlewareFailure(str(e)) from e
+        except Refused as e:
+            if not self.refusal_as_output:
+                raise
+            context.result = f"estop refused this call ({e.reason}); do not retry it"
+            return
+        context.result = out
+
+
+async def run(agent: Any, messages: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, **kw: Any) -> Any:
+    """`agent.run(...)` inside the estop run `run_id`; a cancel/timeout cancels the run at the gate."""
+    r = resolve_run(gate, run_id)
+
+    async def go() -> Any:
+        coro = agent.run(messages, **kw)
+        return await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+
+    return await arun_guarded(r, go, stop_on=stop_on)
+
+
+async def run_workflow(workflow: Any, message: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, **kw: Any) -> Any:
+    """`workflow.run(...)` (agents as executors, fan-out branches) inside one estop run: a hold in
+    one branch holds the writes of every other branch (G1)."""
+    r = resolve_run(gate, run_id)
+
+    async def go() -> Any:
+        coro = workflow.run(message, **kw)
+        return await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+
+    return await arun_guarded(r, go, stop_on=stop_on)
