@@ -730,6 +730,16 @@ impl Gate {
                 true,
             ));
         }
+        if run.rejected.contains(&effect.digest) {
+            // G2 at the commit point: the same call was rejected after this one was prepared.
+            self.refuse_effect(now, run_id, key, RefusalReason::Rejected);
+            return Ok((
+                Reply::Verdict(Verdict::Refused {
+                    reason: RefusalReason::Rejected,
+                }),
+                true,
+            ));
+        }
         if self.paused_in_chain(run_id) {
             return Ok((
                 Reply::Verdict(Verdict::Held {

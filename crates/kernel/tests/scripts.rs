@@ -654,3 +654,37 @@ fn compaction_keeps_the_fence() {
         "#]],
     );
 }
+
+// Postmortem (found by the model checker in crates/sim, property P3): `start` re-checked fence,
+// deadline, pause and sibling but not the run's rejected digests, so an effect prepared
+// (admitted, start=false) before an operator rejected the same call under another key could
+// still get `go` afterwards — the rejected call ran.
+#[test]
+fn regression_start_of_a_call_rejected_after_it_was_prepared_is_refused() {
+    check(
+        "
+        0 agent admit r1 b refund start=false action=approve
+        1 alice approve r1 b
+        2 agent wait r1 b
+        3 agent admit r1 a refund action=approve
+        4 alice reject r1 a
+        5 agent start r1 b 1.1
+        6 agent start r1 b 1.1
+        7 agent complete r1 b 1.1 ok
+        ",
+        expect![[r#"
+            0 agent admit r1 b refund start=false action=approve => held approval #1 until 1000
+            1 alice approve r1 b                         => decided approved
+            2 agent wait r1 b                            => admitted 1.1
+            3 agent admit r1 a refund action=approve     => held approval #2 until 1003
+            4 alice reject r1 a                          => decided rejected
+            5 agent start r1 b 1.1                       => refused rejected
+            6 agent start r1 b 1.1                       => refused rejected
+            7 agent complete r1 b 1.1 ok                 => completed late
+            --
+            run r1 active epoch=1 admitted=1 pending=0 in_flight=0
+              a refund refused(rejected)
+              b refund refused(rejected) late approvers=alice
+        "#]],
+    );
+}

@@ -1,0 +1,517 @@
+//! A bounded, exhaustive model checker of the kernel (our own breadth-first explorer with state
+//! hashing). The world: runs `p` and its child `c`; keys `a` (a quorum-2 `wire` call admitted
+//! with `start`), `b` (the *same* call, two-phase) and `c` (an allowed `pay`, two-phase);
+//! approvers `alice` and `bob`; cancel, pause/resume, start/complete, approval expiry as a clock
+//! tick, and crash + recovery through the real ledger (`estop_server::journal::open` on
+//! `CrashStorage`), clean and with a torn last record.
+//!
+//! Every transition runs the kernel *and* the reference model (their answers and states must
+//! agree), and a monitor checks the guarantees as properties of the trace of acknowledged
+//! answers, not only of states:
+//! * P1 no start (or admission) of an effect before a satisfying approval (quorum of distinct
+//!   approvers, acknowledged) was recorded for it;
+//! * P2 no other write effect of the run, or of a descendant, starts while an approval is pending;
+//! * P3 a rejected digest is never admitted, nor started, again in the run;
+//! * P4 at most one admission (one token) and one start per identity;
+//! * P5 nothing admitted or started after an acknowledged cancel of the run or an ancestor;
+//! * P6 an expired approval is never given nor consumed;
+//! * P7 terminal run states and refused effects absorb;
+//! * P8 recovery from the ledger rebuilds exactly the acknowledged state; a torn last record
+//!   rebuilds exactly the state before it.
+
+use crate::diff::Pair;
+use crate::world::{Op, Tok, Tool, Who, digest};
+use estop_kernel::codec::encode_record;
+use estop_kernel::vocab::Outcome;
+use estop_kernel::{Digest, Limits, Record};
+use estop_ledger::format;
+use estop_ledger::{CrashStorage, LedgerOptions, Storage};
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+const P: u8 = 0;
+const C: u8 = 1;
+/// One clock tick.
+pub const TICK_MS: u64 = 40;
+/// Wire approvals expire after 80 ms: two ticks.
+const T0: u64 = 1000;
+
+/// The fixed call each key makes.
+fn call(key: u8) -> (Tool, u8, bool) {
+    match key {
+        0 => (Tool::Wire, 0, true),
+        1 => (Tool::Wire, 0, false),
+        _ => (Tool::Pay, 0, false),
+    }
+}
+
+/// A transition of the checked world.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Step {
+    Op(Op),
+    /// The clock moves one tick and the server's timer ticks both runs.
+    Tick,
+}
+
+/// The alphabet explored from every state.
+pub fn alphabet() -> Vec<Step> {
+    let mut out = Vec::new();
+    for run in [P, C] {
+        for key in 0..3u8 {
+            let (tool, arg, start) = call(key);
+            out.push(Step::Op(Op::Admit {
+                who: Who::Agent,
+                run,
+                key,
+                tool,
+                arg,
+                start,
+                limits: 0,
+            }));
+            out.push(Step::Op(Op::Wait {
+                who: Who::Agent,
+                run,
+                key,
+            }));
+            out.push(Step::Op(Op::Start {
+                who: Who::Agent,
+                run,
+                key,
+                tok: Tok::Issued,
+            }));
+            out.push(Step::Op(Op::Complete {
+                who: Who::Agent,
+                run,
+                key,
+                tok: Tok::Issued,
+                outcome: Outcome::Ok,
+            }));
+            if tool == Tool::Wire {
+                out.push(Step::Op(Op::Decide {
+                    who: Who::Alice,
+                    run,
+                    key,
+                    approve: true,
+                }));
+                out.push(Step::Op(Op::Decide {
+                    who: Who::Bob,
+                    run,
+                    key,
+                    approve: true,
+                }));
+                out.push(Step::Op(Op::Decide {
+                    who: Who::Alice,
+                    run,
+                    key,
+                    approve: false,
+                }));
+            }
+        }
+        out.push(Step::Op(Op::Cancel {
+            who: Who::Alice,
+            run,
+            kill: false,
+        }));
+        out.push(Step::Op(Op::Pause {
+            who: Who::Alice,
+            run,
+        }));
+        out.push(Step::Op(Op::Resume {
+            who: Who::Alice,
+            run,
+        }));
+    }
+    out.push(Step::Tick);
+    out
+}
+
+/// What the clients have been told so far: the trace the properties are about.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Monitor {
+    token: BTreeMap<(u8, u8), String>,
+    started: BTreeSet<(u8, u8)>,
+    /// Approval requested: until when.
+    until: BTreeMap<(u8, u8), u64>,
+    approvers: BTreeMap<(u8, u8), BTreeSet<Who>>,
+    approved: BTreeSet<(u8, u8)>,
+    /// The decision no longer awaits anyone (approved, rejected, expired, voided).
+    settled: BTreeSet<(u8, u8)>,
+    rejected: BTreeSet<(u8, Digest)>,
+    cancelled: BTreeSet<u8>,
+}
+
+fn lineage(run: u8) -> &'static [u8] {
+    if run == C { &[C, P] } else { &[P] }
+}
+
+impl Monitor {
+    fn pending(&self, id: (u8, u8), now: u64) -> bool {
+        self.until.get(&id).is_some_and(|u| now < *u) && !self.settled.contains(&id)
+    }
+
+    /// Checks one acknowledged answer against the trace so far, then records it.
+    fn observe(&mut self, now: u64, op: &Op, answer: &str) -> Result<(), String> {
+        let violation = |p: &str, what: String| Err(format!("{p} violated: {what}"));
+        match *op {
+            Op::Admit { run, key, .. } | Op::Wait { run, key, .. } | Op::Start { run, key, .. } => {
+                let id = (run, key);
+                let (tool, arg, start_on_admit) = call(key);
+                // A repeat admit of a prepared effect returns the same token: not a new admission.
+                let admitted = answer
+                    .strip_prefix("admitted ")
+                    .is_some_and(|t| self.token.get(&id).is_none_or(|old| old != t));
+                let starts = answer == "go" || (admitted && start_on_admit);
+                if admitted || starts {
+                    if tool.action() == estop_kernel::vocab::PolicyAction::Approve {
+                        let n = self.approvers.get(&id).map_or(0, BTreeSet::len);
+                        if !self.approved.contains(&id) || n < tool.quorum() as usize {
+                            return violation(
+                                "P1",
+                                format!("{id:?} admitted/started with {n} acknowledged approvals"),
+                            );
+                        }
+                        if admitted && now >= self.until[&id] {
+                            return violation(
+                                "P6",
+                                format!(
+                                    "{id:?} consumed an approval expired at {}",
+                                    self.until[&id]
+                                ),
+                            );
+                        }
+                    }
+                    if self.rejected.contains(&(run, digest(tool, arg))) {
+                        return violation("P3", format!("{id:?} admitted/started a rejected call"));
+                    }
+                    if let Some(r) = lineage(run).iter().find(|r| self.cancelled.contains(r)) {
+                        return violation(
+                            "P5",
+                            format!("{id:?} admitted/started after the cancel of run {r}"),
+                        );
+                    }
+                }
+                if admitted {
+                    let token = answer["admitted ".len()..].to_string();
+                    if let Some(t) = self.token.get(&id) {
+                        return violation(
+                            "P4",
+                            format!("{id:?} admitted twice ({t}, then {token})"),
+                        );
+                    }
+                    self.token.insert(id, token);
+                }
+                if starts {
+                    if tool.is_write()
+                        && let Some(other) = self.until.keys().find(|o| {
+                            **o != id && lineage(run).contains(&o.0) && self.pending(**o, now)
+                        })
+                    {
+                        return violation(
+                            "P2",
+                            format!("write {id:?} started while {other:?} awaits approval"),
+                        );
+                    }
+                    if !self.started.insert(id) {
+                        return violation("P4", format!("{id:?} started twice"));
+                    }
+                }
+                if let Some(rest) = answer.strip_prefix("held approval #") {
+                    let until: u64 = rest
+                        .split(" until ")
+                        .nth(1)
+                        .and_then(|u| u.parse().ok())
+                        .expect("held approval has an expiry");
+                    self.until.entry(id).or_insert(until);
+                }
+                if answer == "refused expired" || answer.starts_with("refused ") {
+                    self.settled.insert(id);
+                }
+            }
+            Op::Decide {
+                who,
+                run,
+                key,
+                approve,
+            } => {
+                let id = (run, key);
+                if !answer.starts_with("decided") {
+                    return Ok(());
+                }
+                if self.until.get(&id).is_none_or(|u| now >= *u) {
+                    return violation(
+                        "P6",
+                        format!("{id:?} accepted a decision after its approval expired"),
+                    );
+                }
+                if approve {
+                    self.approvers.entry(id).or_default().insert(who);
+                    if answer == "decided approved" {
+                        self.approved.insert(id);
+                        self.settled.insert(id);
+                    }
+                } else {
+                    let (tool, arg, _) = call(key);
+                    self.rejected.insert((run, digest(tool, arg)));
+                    self.settled.insert(id);
+                }
+            }
+            Op::Cancel { run, .. } => {
+                if answer.starts_with("run ") {
+                    self.cancelled.insert(run);
+                    for id in self.until.keys().copied().collect::<Vec<_>>() {
+                        if lineage(id.0).contains(&run) {
+                            self.settled.insert(id);
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// A state of the explored world.
+#[derive(Debug, Clone)]
+pub struct Node {
+    pair: Pair,
+    monitor: Monitor,
+}
+
+fn fingerprint(n: &Node) -> u64 {
+    let mut h = DefaultHasher::new();
+    n.pair.now.hash(&mut h);
+    n.pair.model.hash(&mut h);
+    n.pair.view.hash(&mut h);
+    for (_, run) in n.pair.gate.runs() {
+        (run.next_serial, run.next_approval).hash(&mut h);
+    }
+    n.monitor.hash(&mut h);
+    h.finish()
+}
+
+/// Options of a check.
+#[derive(Debug, Clone)]
+pub struct CheckOptions {
+    /// Stop after this many steps from the empty gate.
+    pub depth_max: usize,
+    /// Stop after this many distinct states.
+    pub states_max: u64,
+    /// Clock ticks allowed in a trace.
+    pub ticks_max: u64,
+    /// Check recovery from the ledger at every state.
+    pub crash: bool,
+}
+
+/// What a check explored.
+#[derive(Debug, Clone, Default)]
+pub struct CheckStats {
+    pub states: u64,
+    pub transitions: u64,
+    pub depth: usize,
+    /// The frontier emptied: every reachable state (within the tick bound) was explored.
+    pub exhaustive: bool,
+    pub recoveries: u64,
+    pub torn_recoveries: u64,
+}
+
+/// A property violation with the trace that leads to it.
+#[derive(Debug, Clone)]
+pub struct Violation {
+    pub what: String,
+    pub trace: Vec<Step>,
+}
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "{}", self.what)?;
+        writeln!(f, "trace ({} steps):", self.trace.len())?;
+        for s in &self.trace {
+            match s {
+                Step::Op(op) => writeln!(f, "  {op}")?,
+                Step::Tick => writeln!(f, "  tick (+{TICK_MS}ms, timer ticks p and c)")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Applies one step; `Err` is a violation or a kernel/model disagreement.
+fn advance(node: &mut Node, step: &Step, ticks_max: u64) -> Result<bool, String> {
+    match step {
+        Step::Tick => {
+            if node.pair.now >= T0 + ticks_max * TICK_MS {
+                return Ok(false);
+            }
+            node.pair.step(&Op::Advance { ms: TICK_MS as u16 })?;
+            for run in [P, C] {
+                if node.pair.model.runs.contains_key(&run) {
+                    node.pair.step(&Op::Tick { run })?;
+                }
+            }
+            Ok(true)
+        }
+        Step::Op(op) => {
+            let before = node.pair.view.clone();
+            let now = node.pair.now;
+            let answer = node.pair.step(op)?.expect("an answer");
+            node.monitor.observe(now, op, &answer.text)?;
+            // P7: terminal states and refusals absorb.
+            let after = &node.pair.view;
+            for (id, old) in &before {
+                let new = &after[id];
+                if ["completed", "failed", "cancelled"].contains(&old.state.as_str())
+                    && new.state != old.state
+                {
+                    return Err(format!(
+                        "P7 violated: run {id} left terminal state {}",
+                        old.state
+                    ));
+                }
+                for (k, e) in &old.effects {
+                    if e.status.starts_with("refused") && new.effects[k].status != e.status {
+                        return Err(format!("P7 violated: effect {id}/{k} left {}", e.status));
+                    }
+                }
+            }
+            Ok(answer.changed)
+        }
+    }
+}
+
+/// Writes `records` as one durable segment (plus, with `torn`, half of the last record only) and
+/// recovers a gate from it through the server's recovery code.
+pub fn recover(records: &[Record], torn: bool) -> Result<estop_kernel::Gate, String> {
+    let disk = CrashStorage::new(records.len() as u64);
+    let mut seg = format::encode_segment_header(1).to_vec();
+    let mut payload = Vec::new();
+    let mut last_start = seg.len();
+    for (i, rec) in records.iter().enumerate() {
+        payload.clear();
+        encode_record(rec, &mut payload);
+        last_start = seg.len();
+        format::append_record(&mut seg, i as u64 + 1, &payload, crc32c::crc32c(&payload));
+    }
+    if torn && !records.is_empty() {
+        let cut = last_start + (seg.len() - last_start) / 2;
+        seg.truncate(cut);
+    }
+    disk.put(&format::segment_name(1), seg);
+    let storage: Arc<dyn Storage> = Arc::new(disk);
+    let opened = estop_server::journal::open(storage, &Limits::default(), LedgerOptions::default())
+        .map_err(|e| format!("recovery failed: {e}"))?;
+    let expect = records.len() as u64 - u64::from(torn && !records.is_empty());
+    if opened.report.last_seq != expect {
+        return Err(format!(
+            "recovery ended at seq {} instead of {expect}",
+            opened.report.last_seq
+        ));
+    }
+    if torn && !records.is_empty() && opened.report.torn_tail.is_none() {
+        return Err("a torn last record was not reported".into());
+    }
+    Ok(opened.gate)
+}
+
+fn check_recovery(node: &Node, stats: &mut CheckStats) -> Result<(), String> {
+    let log = &node.pair.log;
+    let g = recover(log, false)?;
+    if g != node.pair.gate {
+        return Err(
+            "P8 violated: recovery from the ledger differs from the acknowledged state".into(),
+        );
+    }
+    stats.recoveries += 1;
+    if !log.is_empty() {
+        let g = recover(log, true)?;
+        let mut expect = estop_kernel::Gate::new(Limits::default());
+        for r in &log[..log.len() - 1] {
+            expect
+                .apply(r.at, &r.principal, &r.command)
+                .map_err(|e| format!("replay: {e}"))?;
+        }
+        if g != expect {
+            return Err(
+                "P8 violated: recovery after a torn last record differs from the state before it"
+                    .into(),
+            );
+        }
+        stats.torn_recoveries += 1;
+    }
+    Ok(())
+}
+
+fn root() -> Node {
+    let mut pair = Pair::new();
+    pair.now = T0;
+    Node {
+        pair,
+        monitor: Monitor::default(),
+    }
+}
+
+/// Rebuilds a state by replaying its trace from the empty gate (frontiers hold traces, a few
+/// bytes each, not states: memory stays flat however wide the search gets).
+fn replay(alphabet: &[Step], trace: &[u8], ticks_max: u64) -> Node {
+    let mut n = root();
+    for &i in trace {
+        advance(&mut n, &alphabet[i as usize], ticks_max)
+            .expect("a trace that was checked replays");
+    }
+    n
+}
+
+/// Explores breadth first from the empty gate. Returns the statistics, or the first violation
+/// with a shortest trace to it.
+pub fn explore(opts: &CheckOptions) -> Result<CheckStats, Violation> {
+    let alphabet = alphabet();
+    assert!(alphabet.len() < 256);
+    let start = root();
+    let mut seen: HashSet<u64> = HashSet::new();
+    seen.insert(fingerprint(&start));
+    let mut stats = CheckStats {
+        states: 1,
+        ..CheckStats::default()
+    };
+    let mut frontier: Vec<Vec<u8>> = vec![Vec::new()];
+    while !frontier.is_empty() {
+        if stats.depth >= opts.depth_max || stats.states >= opts.states_max {
+            return Ok(stats);
+        }
+        let mut next = Vec::new();
+        for trace in &frontier {
+            let node = replay(&alphabet, trace, opts.ticks_max);
+            for (i, step) in alphabet.iter().enumerate() {
+                let mut n = node.clone();
+                let fail = |what: String| {
+                    let mut t: Vec<Step> = trace.iter().map(|i| alphabet[*i as usize]).collect();
+                    t.push(*step);
+                    Violation { what, trace: t }
+                };
+                match advance(&mut n, step, opts.ticks_max) {
+                    Err(what) => return Err(fail(what)),
+                    Ok(false) if matches!(step, Step::Tick) && n.pair.now == node.pair.now => {
+                        continue;
+                    }
+                    Ok(_) => {}
+                }
+                stats.transitions += 1;
+                if seen.insert(fingerprint(&n)) {
+                    stats.states += 1;
+                    if opts.crash {
+                        check_recovery(&n, &mut stats).map_err(fail)?;
+                    }
+                    let mut t = trace.clone();
+                    t.push(i as u8);
+                    next.push(t);
+                }
+            }
+        }
+        stats.depth += 1;
+        frontier = next;
+    }
+    stats.exhaustive = true;
+    Ok(stats)
+}

@@ -1,0 +1,444 @@
+//! Differential conformance: the kernel and the reference model driven by the same seeded random
+//! operation streams, comparing every answer (verdict, reply, error code, and whether a change was
+//! recorded) and the whole observable state after every step. A divergence is shrunk to the
+//! shortest trace that still diverges and printed with its seed.
+
+use crate::model::Model;
+use crate::rng::Rng;
+use crate::world::{self, Answer, Op, Tok, Tool, View, Who, answer_of, command, target, view_of};
+use estop_kernel::codec::{decode_record, decode_snapshot, encode_record, encode_snapshot};
+use estop_kernel::reply::Verdict;
+use estop_kernel::vocab::Outcome;
+use estop_kernel::{Gate, Limits, Record, Reply, Token};
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+/// Draws one random op of the small world. Two times in three it aims at an effect that exists
+/// (so traces go deep: approvals, starts, completions), otherwise anywhere.
+pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
+    let known: Vec<(u8, u8)> = model
+        .runs
+        .iter()
+        .flat_map(|(r, run)| run.effects.keys().map(move |k| (*r, *k)))
+        .collect();
+    let (run, key) = if !known.is_empty() && rng.below(3) != 0 {
+        *rng.pick(&known)
+    } else {
+        (*rng.pick(&[0u8, 0, 0, 1, 1, 1, 2, 2]), rng.below(4) as u8)
+    };
+    let agentish = |rng: &mut Rng| {
+        *rng.pick(&[
+            Who::Agent,
+            Who::Agent,
+            Who::Agent,
+            Who::Agent,
+            Who::Agent,
+            Who::Agent,
+            Who::Agent,
+            Who::Agent2,
+            Who::Alice,
+        ])
+    };
+    let operator = |rng: &mut Rng| {
+        *rng.pick(&[
+            Who::Alice,
+            Who::Alice,
+            Who::Bob,
+            Who::Bob,
+            Who::Carol,
+            Who::Carol,
+            Who::Agent,
+        ])
+    };
+    let tok = |rng: &mut Rng| {
+        if rng.below(12) == 0 {
+            Tok::Bogus
+        } else {
+            Tok::Issued
+        }
+    };
+    let existing = model
+        .runs
+        .get(&run)
+        .and_then(|r| r.effects.get(&key))
+        .map(|e| (e.tool, e.arg));
+    match rng.below(100) {
+        0..=31 => {
+            // A repeat of a known call (retry, replay) most of the time; a new call otherwise.
+            let (tool, arg) = match existing {
+                Some(call) if rng.below(4) != 0 => call,
+                _ => (
+                    *rng.pick(&[
+                        Tool::Pay,
+                        Tool::Pay,
+                        Tool::Search,
+                        Tool::Refund,
+                        Tool::Refund,
+                        Tool::Wire,
+                        Tool::Payout,
+                        Tool::Wipe,
+                    ]),
+                    u8::from(rng.below(5) == 0),
+                ),
+            };
+            Op::Admit {
+                who: agentish(rng),
+                run,
+                key,
+                tool,
+                arg,
+                start: rng.below(2) == 0,
+                limits: *rng.pick(&[0u8, 0, 0, 0, 0, 0, 1, 2]),
+            }
+        }
+        32..=39 => Op::Wait {
+            who: agentish(rng),
+            run,
+            key,
+        },
+        40..=51 => Op::Start {
+            who: agentish(rng),
+            run,
+            key,
+            tok: tok(rng),
+        },
+        52..=59 => Op::Complete {
+            who: agentish(rng),
+            run,
+            key,
+            tok: tok(rng),
+            outcome: *rng.pick(&[Outcome::Ok, Outcome::Ok, Outcome::Error, Outcome::Unknown]),
+        },
+        60..=74 => Op::Decide {
+            who: operator(rng),
+            run,
+            key,
+            approve: rng.below(5) != 0,
+        },
+        75..=76 => Op::Cancel {
+            who: *rng.pick(&[Who::Agent, Who::Alice, Who::Agent2]),
+            run,
+            kill: rng.below(4) == 0,
+        },
+        77..=80 => Op::Pause {
+            who: operator(rng),
+            run,
+        },
+        81..=84 => Op::Resume {
+            who: operator(rng),
+            run,
+        },
+        85 => Op::Close {
+            who: agentish(rng),
+            run,
+            failed: rng.below(3) == 0,
+        },
+        86..=89 => Op::Tick { run },
+        _ => Op::Advance {
+            ms: *rng.pick(&[1u16, 5, 10, 20, 30, 45, 60]),
+        },
+    }
+}
+
+/// Both sides in lockstep.
+#[derive(Debug, Clone)]
+pub struct Pair {
+    pub now: u64,
+    pub gate: Gate,
+    pub model: Model,
+    /// The commands the kernel recorded (replayed at the end to check determinism).
+    pub log: Vec<Record>,
+    /// The kernel's observable state after the last step (equal to the model's).
+    pub view: View,
+}
+
+/// One step where the sides disagree.
+#[derive(Debug, Clone)]
+pub struct Mismatch {
+    pub step: usize,
+    pub what: String,
+}
+
+impl Default for Pair {
+    fn default() -> Self {
+        Pair::new()
+    }
+}
+
+impl Pair {
+    pub fn new() -> Pair {
+        Pair::with_limits(Limits::default())
+    }
+
+    /// A pair whose kernel runs with other limits (tests use it to plant a divergence).
+    pub fn with_limits(limits: Limits) -> Pair {
+        Pair {
+            now: 1000,
+            gate: Gate::new(limits),
+            model: Model::new(),
+            log: Vec::new(),
+            view: View::new(),
+        }
+    }
+
+    /// The token the gate issued for the op's effect, if any.
+    pub fn issued(&self, op: &Op) -> Option<Token> {
+        let (run, key) = target(op)?;
+        let r = self
+            .gate
+            .run(&estop_kernel::RunId::new(world::RUNS[run as usize]).ok()?)?;
+        r.effects
+            .get(&estop_kernel::EffectKey::new(world::KEYS[key as usize]).ok()?)?
+            .token
+    }
+
+    /// Applies one op to both sides; `Err` describes a disagreement.
+    pub fn step(&mut self, op: &Op) -> Result<Option<Answer>, String> {
+        if let Op::Advance { ms } = op {
+            self.now += u64::from(*ms);
+            return Ok(None);
+        }
+        let (principal, cmd) = command(op, self.now, self.issued(op)).expect("a command");
+        let before = self.gate.clone();
+        let result = self.gate.apply(self.now, &principal, &cmd);
+        let k = answer_of(&result);
+        match &result {
+            Ok(a) if a.changed => self.log.push(Record {
+                at: self.now,
+                principal,
+                command: cmd,
+            }),
+            _ => {
+                if before != self.gate {
+                    return Err(format!(
+                        "`{op}` reported no change ({}) but changed the kernel's state",
+                        k.text
+                    ));
+                }
+            }
+        }
+        let m = self.model.apply(self.now, op).expect("an answer");
+        if k != m {
+            return Err(format!(
+                "`{op}` at t={}: kernel answered {:?} (changed={}), model {:?} (changed={})",
+                self.now, k.text, k.changed, m.text, m.changed
+            ));
+        }
+        let (kv, mv) = (view_of(&self.gate), self.model.view());
+        if kv != mv {
+            return Err(format!(
+                "after `{op}` at t={} the states differ:\n{}",
+                self.now,
+                view_diff(&kv, &mv)
+            ));
+        }
+        self.view = kv;
+        Ok(Some(k))
+    }
+
+    /// The recorded commands alone, and a snapshot, rebuild the same state (G6 in miniature).
+    pub fn check_replay(&self) -> Result<(), String> {
+        let mut replayed = Gate::new(self.gate.limits().clone());
+        let mut buf = Vec::new();
+        for rec in &self.log {
+            buf.clear();
+            encode_record(rec, &mut buf);
+            let back = decode_record(&buf).map_err(|e| format!("record does not decode: {e}"))?;
+            if &back != rec {
+                return Err(format!("record round trip changed {rec:?}"));
+            }
+            let a = replayed
+                .apply(back.at, &back.principal, &back.command)
+                .map_err(|e| format!("recorded command fails on replay: {e}"))?;
+            if !a.changed {
+                return Err("a recorded command changed nothing on replay".into());
+            }
+        }
+        if replayed != self.gate {
+            return Err("replaying the log does not rebuild the state".into());
+        }
+        let mut snap = Vec::new();
+        encode_snapshot(&self.gate, &mut snap);
+        match decode_snapshot(&snap, self.gate.limits().clone()) {
+            Ok(g) if g == self.gate => Ok(()),
+            Ok(_) => Err("snapshot round trip changed the state".into()),
+            Err(e) => Err(format!("snapshot does not decode: {e}")),
+        }
+    }
+}
+
+fn view_diff(k: &View, m: &View) -> String {
+    let mut s = String::new();
+    let runs: std::collections::BTreeSet<&String> = k.keys().chain(m.keys()).collect();
+    for r in runs {
+        match (k.get(r), m.get(r)) {
+            (Some(a), Some(b)) if a == b => {}
+            (a, b) => {
+                let _ = writeln!(s, "  run {r}:\n    kernel {a:?}\n    model  {b:?}");
+            }
+        }
+    }
+    s
+}
+
+/// Replays a trace on fresh sides; the first disagreement, if any.
+pub fn first_mismatch(ops: &[Op]) -> Option<Mismatch> {
+    first_mismatch_with(ops, &Limits::default())
+}
+
+/// As `first_mismatch`, with the kernel running under `limits`.
+pub fn first_mismatch_with(ops: &[Op], limits: &Limits) -> Option<Mismatch> {
+    let mut pair = Pair::with_limits(limits.clone());
+    for (i, op) in ops.iter().enumerate() {
+        if let Err(what) = pair.step(op) {
+            return Some(Mismatch { step: i, what });
+        }
+    }
+    pair.check_replay().err().map(|what| Mismatch {
+        step: ops.len(),
+        what,
+    })
+}
+
+/// Delta debugging: the shortest sub-trace (by removing chunks, then single ops) that still
+/// diverges.
+pub fn shrink(ops: &[Op]) -> Vec<Op> {
+    shrink_with(ops, &Limits::default())
+}
+
+/// As `shrink`, with the kernel running under `limits`.
+pub fn shrink_with(ops: &[Op], limits: &Limits) -> Vec<Op> {
+    let first_mismatch = |ops: &[Op]| first_mismatch_with(ops, limits);
+    let mut cur: Vec<Op> = match first_mismatch(ops) {
+        Some(m) => ops[..(m.step + 1).min(ops.len())].to_vec(),
+        None => return ops.to_vec(),
+    };
+    let mut chunk = cur.len() / 2;
+    while chunk >= 1 {
+        let mut i = 0;
+        let mut progressed = false;
+        while i < cur.len() {
+            let mut cand = cur.clone();
+            let end = (i + chunk).min(cand.len());
+            cand.drain(i..end);
+            if let Some(m) = first_mismatch(&cand) {
+                cand.truncate((m.step + 1).min(cand.len()));
+                cur = cand;
+                progressed = true;
+            } else {
+                i += chunk;
+            }
+        }
+        if !progressed {
+            chunk /= 2;
+        }
+    }
+    cur
+}
+
+/// Formats a (shrunk) failing trace with both sides' answers, for the report.
+pub fn explain(ops: &[Op]) -> String {
+    let mut pair = Pair::new();
+    let mut s = String::new();
+    for op in ops {
+        let before = pair.clone();
+        match pair.step(op) {
+            Ok(Some(a)) => {
+                let _ = writeln!(
+                    s,
+                    "  t={:<5} {op:<44} => {}{}",
+                    before.now,
+                    a.text,
+                    if a.changed { "" } else { " (no change)" }
+                );
+            }
+            Ok(None) => {
+                let _ = writeln!(s, "  {op}");
+            }
+            Err(e) => {
+                let _ = writeln!(s, "  t={:<5} {op:<44} => DIVERGES: {e}", before.now);
+                break;
+            }
+        }
+    }
+    s
+}
+
+/// Totals of a differential run.
+#[derive(Debug, Default, Clone)]
+pub struct DiffStats {
+    pub cases: u64,
+    pub ops: u64,
+    /// How often each kind of answer was seen (so a run proves it reached what it claims).
+    pub answers: BTreeMap<String, u64>,
+}
+
+/// The failure report of a differential run.
+#[derive(Debug, Clone)]
+pub struct Divergence {
+    pub seed: u64,
+    pub shrunk: Vec<Op>,
+    pub report: String,
+}
+
+/// Runs one case: a fresh pair and a random trace of up to `len_max` ops drawn from `seed`.
+pub fn run_case(seed: u64, len_max: usize, stats: &mut DiffStats) -> Result<(), Divergence> {
+    let mut rng = Rng::new(seed);
+    let len = 1 + rng.index(len_max);
+    let mut pair = Pair::new();
+    let mut ops = Vec::with_capacity(len);
+    for _ in 0..len {
+        let op = random_op(&mut rng, &pair.model);
+        ops.push(op);
+        match pair.step(&op) {
+            Ok(Some(a)) => {
+                let kind: String = a
+                    .text
+                    .split_whitespace()
+                    .take(2)
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                *stats.answers.entry(kind).or_default() += 1;
+            }
+            Ok(None) => {}
+            Err(_) => return Err(divergence(seed, &ops)),
+        }
+        stats.ops += 1;
+    }
+    if pair.check_replay().is_err() {
+        return Err(divergence(seed, &ops));
+    }
+    stats.cases += 1;
+    Ok(())
+}
+
+fn divergence(seed: u64, ops: &[Op]) -> Divergence {
+    let shrunk = shrink(ops);
+    let report = format!(
+        "kernel and reference model diverge: seed {seed} (replay: ESTOP_DIFF_SEED={seed}); shrunk from {} to {} ops:\n{}",
+        ops.len(),
+        shrunk.len(),
+        explain(&shrunk)
+    );
+    Divergence {
+        seed,
+        shrunk,
+        report,
+    }
+}
+
+/// Runs cases with seeds `first..` until `ops_target` operations were compared.
+pub fn run(first_seed: u64, ops_target: u64, len_max: usize) -> Result<DiffStats, Divergence> {
+    let mut stats = DiffStats::default();
+    let mut seed = first_seed;
+    while stats.ops < ops_target {
+        run_case(seed, len_max, &mut stats)?;
+        seed += 1;
+    }
+    Ok(stats)
+}
+
+/// Whether a verdict is an admission (for coverage summaries).
+pub fn is_admission(r: &Reply) -> bool {
+    matches!(r, Reply::Verdict(Verdict::Admitted { .. } | Verdict::Go))
+}

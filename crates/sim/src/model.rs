@@ -1,0 +1,817 @@
+//! The reference model: the gate as SPEC §2–§3 and docs/PROTOCOL.md describe it, written
+//! independently of `crates/kernel` and deliberately naive — flat maps, counters *derived* from
+//! effect statuses instead of stored, one function per verb following the precedence table line
+//! by line. It reads `Op`s of the small world directly. The differential runner and the model
+//! checker compare it with the kernel after every step; where they disagree, one of them is wrong.
+
+use crate::world::{
+    Answer, BOGUS_TOKEN, EffectView, KEYS, Op, RUNS, RunView, Tok, Tool, View, Who, digest,
+    parent_of,
+};
+use estop_kernel::Digest;
+use estop_kernel::vocab::Outcome;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// How many approvals may await a decision in one run (the kernel's default bound).
+pub const PENDING_PER_RUN_MAX: usize = 64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Cause {
+    Cancelled,
+    Killed,
+    Deadline,
+    Budget,
+    Closed,
+    Failed,
+}
+
+impl Cause {
+    fn name(self) -> &'static str {
+        match self {
+            Cause::Cancelled => "cancelled",
+            Cause::Killed => "killed",
+            Cause::Deadline => "deadline",
+            Cause::Budget => "budget",
+            Cause::Closed => "closed",
+            Cause::Failed => "failed",
+        }
+    }
+    /// What every later admission of a run stopped this way is told (PROTOCOL "refusal reasons").
+    fn refusal(self) -> &'static str {
+        match self {
+            Cause::Cancelled | Cause::Killed => "cancelled",
+            Cause::Deadline => "deadline",
+            Cause::Budget => "budget",
+            Cause::Closed | Cause::Failed => "closed",
+        }
+    }
+    /// The terminal state a stopped run ends in once nothing is in flight.
+    fn terminal(self) -> &'static str {
+        match self {
+            Cause::Closed => "completed",
+            Cause::Failed => "failed",
+            _ => "cancelled",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum St {
+    /// `sibling`, `paused` or `approval`.
+    Held(&'static str),
+    Approved,
+    Admitted,
+    Started,
+    Done(Outcome),
+    Refused(&'static str),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Eff {
+    pub tool: Tool,
+    pub arg: u8,
+    pub start_on_admit: bool,
+    pub st: St,
+    pub token: Option<(u32, u64)>,
+    /// (id, expires_at, approvers) once an approval was requested.
+    pub approval: Option<(u64, u64, Vec<Who>)>,
+    pub late: bool,
+    pub outcome: Option<Outcome>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MRun {
+    pub owner: Option<Who>,
+    pub parent: Option<u8>,
+    pub children: Vec<u8>,
+    pub paused: bool,
+    /// (cause, inherited from)
+    pub stop: Option<(Cause, Option<u8>)>,
+    pub epoch: u32,
+    pub deadline: Option<u64>,
+    pub max_effects: Option<u64>,
+    pub admissions: u64,
+    pub tokens_issued: u64,
+    pub approvals_requested: u64,
+    pub effects: BTreeMap<u8, Eff>,
+    pub rejected: BTreeSet<Digest>,
+}
+
+impl MRun {
+    fn new(owner: Option<Who>, parent: Option<u8>) -> MRun {
+        MRun {
+            owner,
+            parent,
+            children: vec![],
+            paused: false,
+            stop: None,
+            epoch: 1,
+            deadline: None,
+            max_effects: None,
+            admissions: 0,
+            tokens_issued: 0,
+            approvals_requested: 0,
+            effects: BTreeMap::new(),
+            rejected: BTreeSet::new(),
+        }
+    }
+    fn awaiting(&self) -> usize {
+        self.effects
+            .values()
+            .filter(|e| e.st == St::Held("approval"))
+            .count()
+    }
+    fn flying(&self) -> usize {
+        self.effects
+            .values()
+            .filter(|e| e.st == St::Started)
+            .count()
+    }
+    /// The run-level state the spec names.
+    fn state(&self) -> &'static str {
+        match self.stop {
+            Some(_) if self.flying() > 0 => "finalizing",
+            Some((cause, _)) => cause.terminal(),
+            None if self.paused => "paused",
+            None => "active",
+        }
+    }
+}
+
+/// The whole reference gate.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Model {
+    pub runs: BTreeMap<u8, MRun>,
+}
+
+type Res = Result<(String, bool), &'static str>;
+
+fn verdict(s: String) -> Res {
+    Ok((s, false))
+}
+
+fn changed(s: String) -> Res {
+    Ok((s, true))
+}
+
+enum Decision {
+    Refuse(&'static str),
+    FenceDeadline(u8),
+    FenceBudget,
+    Hold(&'static str),
+    AskApproval,
+    Admit,
+}
+
+impl Model {
+    pub fn new() -> Model {
+        Model::default()
+    }
+
+    /// Applies one op; `None` for time passing (nothing to answer).
+    pub fn apply(&mut self, now: u64, op: &Op) -> Option<Answer> {
+        let r = match *op {
+            Op::Advance { .. } => return None,
+            Op::Admit {
+                who,
+                run,
+                key,
+                tool,
+                arg,
+                start,
+                limits,
+            } => self.admit(now, who, run, key, tool, arg, start, limits),
+            Op::Wait { who, run, key } => self.wait(now, who, run, key),
+            Op::Start { who, run, key, tok } => self.start(now, who, run, key, tok),
+            Op::Complete {
+                who,
+                run,
+                key,
+                tok,
+                outcome,
+            } => self.complete(who, run, key, tok, outcome),
+            Op::Decide {
+                who,
+                run,
+                key,
+                approve,
+            } => self.decide(now, who, run, key, approve),
+            Op::Cancel { who, run, kill } => self.cancel(who, run, kill),
+            Op::Pause { who, run } => self.pause(who, run, true),
+            Op::Resume { who, run } => self.pause(who, run, false),
+            Op::Close { who, run, failed } => self.close(who, run, failed),
+            Op::Tick { run } => self.tick(now, run),
+        };
+        Some(match r {
+            Ok((text, changed)) => Answer { text, changed },
+            Err(code) => Answer {
+                text: format!("error {code}"),
+                changed: false,
+            },
+        })
+    }
+
+    /// An agent sees only its own runs (and fences an operator set on ids nobody owns).
+    fn visible(&self, who: Who, run: u8) -> Result<&MRun, &'static str> {
+        let r = self.runs.get(&run).ok_or("not_found")?;
+        if !who.is_operator() && r.owner.is_some_and(|o| o != who) {
+            return Err("not_found");
+        }
+        Ok(r)
+    }
+
+    /// The run, then its parent, grandparent, ...
+    fn lineage(&self, run: u8) -> Vec<u8> {
+        let mut out = vec![run];
+        while let Some(p) = self
+            .runs
+            .get(out.last().expect("non-empty"))
+            .and_then(|r| r.parent)
+        {
+            out.push(p);
+        }
+        out
+    }
+
+    fn descendants_and_self(&self, run: u8) -> Vec<u8> {
+        let mut out = vec![run];
+        let mut i = 0;
+        while i < out.len() {
+            if let Some(r) = self.runs.get(&out[i]) {
+                out.extend(r.children.iter().copied());
+            }
+            i += 1;
+        }
+        out
+    }
+
+    /// G5: the farthest run up the lineage whose deadline has passed (and is not yet stopped).
+    fn overdue_root(&self, run: u8, now: u64) -> Option<u8> {
+        self.lineage(run)
+            .into_iter()
+            .filter(|id| {
+                let r = &self.runs[id];
+                r.stop.is_none() && r.deadline.is_some_and(|d| now >= d)
+            })
+            .last()
+    }
+
+    fn paused_lineage(&self, run: u8) -> bool {
+        self.lineage(run).iter().any(|id| self.runs[id].paused)
+    }
+
+    fn awaiting_lineage(&self, run: u8) -> bool {
+        self.lineage(run)
+            .iter()
+            .any(|id| self.runs[id].awaiting() > 0)
+    }
+
+    /// G4: fence the run and its descendants; void what has not started.
+    fn stop(&mut self, root: u8, cause: Cause) -> u32 {
+        let mut n = 0;
+        for id in self.descendants_and_self(root) {
+            let Some(r) = self.runs.get_mut(&id) else {
+                continue;
+            };
+            if r.stop.is_some() {
+                continue;
+            }
+            r.stop = Some((cause, (id != root).then_some(root)));
+            r.epoch += 1;
+            r.paused = false;
+            for e in r.effects.values_mut() {
+                if matches!(e.st, St::Held(_) | St::Approved | St::Admitted) {
+                    e.st = St::Refused(cause.refusal());
+                }
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// The admission checks of docs/PROTOCOL.md, rows 3–12, for an effect that is new or held.
+    fn decide_admission(
+        &self,
+        now: u64,
+        run: u8,
+        tool: Tool,
+        arg: u8,
+        approved: bool,
+    ) -> Result<Decision, &'static str> {
+        let r = &self.runs[&run];
+        if let Some((cause, _)) = r.stop {
+            return Ok(Decision::Refuse(cause.refusal()));
+        }
+        if let Some(root) = self.overdue_root(run, now) {
+            return Ok(Decision::FenceDeadline(root));
+        }
+        if r.rejected.contains(&digest(tool, arg)) {
+            return Ok(Decision::Refuse("rejected"));
+        }
+        if tool == Tool::Wipe {
+            return Ok(Decision::Refuse("denied"));
+        }
+        if r.max_effects.is_some_and(|m| r.admissions >= m) {
+            return Ok(Decision::FenceBudget);
+        }
+        if self.paused_lineage(run) {
+            return Ok(Decision::Hold("paused"));
+        }
+        if matches!(tool, Tool::Refund | Tool::Wire | Tool::Payout) && !approved {
+            if r.awaiting() >= PENDING_PER_RUN_MAX {
+                return Err("limit");
+            }
+            return Ok(Decision::AskApproval);
+        }
+        if tool.is_write() && self.awaiting_lineage(run) {
+            return Ok(Decision::Hold("sibling"));
+        }
+        Ok(Decision::Admit)
+    }
+
+    /// Carries out an admission decision for the effect `run/key` (already in the map).
+    fn carry(&mut self, now: u64, run: u8, key: u8, d: Decision) -> String {
+        match d {
+            Decision::Refuse(why) => {
+                self.eff(run, key).st = St::Refused(why);
+                format!("refused {why}")
+            }
+            Decision::FenceDeadline(root) => {
+                self.stop(root, Cause::Deadline);
+                self.eff(run, key).st = St::Refused("deadline");
+                "refused deadline".into()
+            }
+            Decision::FenceBudget => {
+                self.stop(run, Cause::Budget);
+                self.eff(run, key).st = St::Refused("budget");
+                "refused budget".into()
+            }
+            Decision::Hold(why) => {
+                self.eff(run, key).st = St::Held(why);
+                format!("held {why}")
+            }
+            Decision::AskApproval => {
+                let r = self.runs.get_mut(&run).expect("run");
+                r.approvals_requested += 1;
+                let id = r.approvals_requested;
+                let e = r.effects.get_mut(&key).expect("effect");
+                let until = now + e.tool.expiry_ms();
+                e.approval = Some((id, until, vec![]));
+                e.st = St::Held("approval");
+                format!("held approval #{id} until {until}")
+            }
+            Decision::Admit => {
+                let r = self.runs.get_mut(&run).expect("run");
+                r.admissions += 1;
+                r.tokens_issued += 1;
+                let token = (r.epoch, r.tokens_issued);
+                let e = r.effects.get_mut(&key).expect("effect");
+                e.token = Some(token);
+                e.st = if e.start_on_admit {
+                    St::Started
+                } else {
+                    St::Admitted
+                };
+                format!("admitted {}.{}", token.0, token.1)
+            }
+        }
+    }
+
+    fn eff(&mut self, run: u8, key: u8) -> &mut Eff {
+        self.runs
+            .get_mut(&run)
+            .and_then(|r| r.effects.get_mut(&key))
+            .expect("effect exists")
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn admit(
+        &mut self,
+        now: u64,
+        who: Who,
+        run: u8,
+        key: u8,
+        tool: Tool,
+        arg: u8,
+        start: bool,
+        limits: u8,
+    ) -> Res {
+        let parent = parent_of(run);
+        if self.runs.contains_key(&run) {
+            let r = self.visible(who, run)?;
+            if parent.is_some() && r.parent != parent {
+                return Err("parent_mismatch");
+            }
+            if let Some(e) = r.effects.get(&key) {
+                if digest(e.tool, e.arg) != digest(tool, arg) {
+                    return verdict("refused mismatch".into());
+                }
+                return self.recheck(now, run, key);
+            }
+            if let Some((cause, _)) = r.stop {
+                return verdict(format!("refused {}", cause.refusal()));
+            }
+        } else {
+            // The first admit creates the run (and a parent nobody has seen yet).
+            let mut inherited = None;
+            if let Some(p) = parent {
+                if self.runs.contains_key(&p) {
+                    let pr = self.visible(who, p)?;
+                    if let Some((cause, from)) = pr.stop {
+                        inherited = Some((cause, Some(from.unwrap_or(p))));
+                    }
+                } else {
+                    self.runs.insert(p, MRun::new(Some(who), None));
+                }
+            }
+            let mut r = MRun::new(Some(who), parent);
+            if limits == 1 {
+                r.max_effects = Some(2);
+            }
+            if limits == 2 {
+                r.deadline = Some(now + 100);
+            }
+            if let Some(stop) = inherited {
+                r.stop = Some(stop);
+                r.epoch += 1;
+            }
+            self.runs.insert(run, r);
+            if let Some(p) = parent {
+                self.runs.get_mut(&p).expect("parent").children.push(run);
+            }
+            if let Some((cause, _)) = inherited {
+                return changed(format!("refused {}", cause.refusal()));
+            }
+        }
+        let d = self.decide_admission(now, run, tool, arg, false)?;
+        let e = Eff {
+            tool,
+            arg,
+            start_on_admit: start,
+            st: St::Held("new"),
+            token: None,
+            approval: None,
+            late: false,
+            outcome: None,
+        };
+        self.runs.get_mut(&run).expect("run").effects.insert(key, e);
+        changed(self.carry(now, run, key, d))
+    }
+
+    /// What a repeat admit or a `wait` answers for a known effect (row 2 of the table).
+    fn recheck(&mut self, now: u64, run: u8, key: u8) -> Res {
+        let r = &self.runs[&run];
+        let e = r.effects[&key].clone();
+        match e.st {
+            St::Refused(why) => verdict(format!("refused {why}")),
+            St::Started => verdict("duplicate started".into()),
+            St::Done(o) => {
+                let status = match o {
+                    Outcome::Ok => "completed",
+                    Outcome::Error => "failed",
+                    Outcome::Unknown => "unknown",
+                };
+                verdict(format!("duplicate {status} {o}"))
+            }
+            St::Admitted => match r.stop {
+                Some((cause, _)) => {
+                    self.eff(run, key).st = St::Refused(cause.refusal());
+                    changed(format!("refused {}", cause.refusal()))
+                }
+                None => {
+                    let (ep, n) = e.token.expect("admitted effects have a token");
+                    verdict(format!("admitted {ep}.{n}"))
+                }
+            },
+            St::Held("approval") => {
+                let (id, until, _) = e.approval.clone().expect("requested");
+                if now >= until {
+                    self.eff(run, key).st = St::Refused("expired");
+                    return changed("refused expired".into());
+                }
+                verdict(format!("held approval #{id} until {until}"))
+            }
+            St::Approved => {
+                let until = e.approval.as_ref().expect("approved").1;
+                match self.decide_admission(now, run, e.tool, e.arg, true)? {
+                    Decision::Hold(why) => verdict(format!("held {why}")),
+                    Decision::Admit if now >= until => {
+                        self.eff(run, key).st = St::Refused("expired");
+                        changed("refused expired".into())
+                    }
+                    d => changed(self.carry(now, run, key, d)),
+                }
+            }
+            St::Held(why) => match self.decide_admission(now, run, e.tool, e.arg, false)? {
+                Decision::Hold(w) if w == why => verdict(format!("held {why}")),
+                d => changed(self.carry(now, run, key, d)),
+            },
+        }
+    }
+
+    fn wait(&mut self, now: u64, who: Who, run: u8, key: u8) -> Res {
+        let r = self.visible(who, run)?;
+        if !r.effects.contains_key(&key) {
+            return Err("not_found");
+        }
+        self.recheck(now, run, key)
+    }
+
+    fn token_of(&self, run: u8, key: u8, tok: Tok) -> (u32, u64) {
+        match tok {
+            Tok::Issued => self.runs[&run].effects[&key].token.unwrap_or((1, 0)),
+            Tok::Bogus => (BOGUS_TOKEN.epoch, BOGUS_TOKEN.serial),
+        }
+    }
+
+    fn start(&mut self, now: u64, who: Who, run: u8, key: u8, tok: Tok) -> Res {
+        let r = self.visible(who, run)?;
+        let e = r.effects.get(&key).ok_or("not_found")?;
+        let presented = self.token_of(run, key, tok);
+        if e.token != Some(presented) {
+            if let St::Refused(why) = e.st {
+                return verdict(format!("refused {why}"));
+            }
+            return Err("bad_token");
+        }
+        match e.st {
+            St::Admitted => {}
+            St::Refused(why) => return verdict(format!("refused {why}")),
+            _ => return self.recheck(now, run, key),
+        }
+        let write = e.tool.is_write();
+        if let Some((cause, _)) = r.stop {
+            self.eff(run, key).st = St::Refused(cause.refusal());
+            return changed(format!("refused {}", cause.refusal()));
+        }
+        if let Some(root) = self.overdue_root(run, now) {
+            self.stop(root, Cause::Deadline);
+            self.eff(run, key).st = St::Refused("deadline");
+            return changed("refused deadline".into());
+        }
+        // "One reject is final and also rejects the same call (digest) for the rest of the run":
+        // the commit point re-checks it.
+        let call = {
+            let e = &self.runs[&run].effects[&key];
+            digest(e.tool, e.arg)
+        };
+        if self.runs[&run].rejected.contains(&call) {
+            self.eff(run, key).st = St::Refused("rejected");
+            return changed("refused rejected".into());
+        }
+        if self.paused_lineage(run) {
+            return verdict("held paused".into());
+        }
+        if write && self.awaiting_lineage(run) {
+            return verdict("held sibling".into());
+        }
+        self.eff(run, key).st = St::Started;
+        changed("go".into())
+    }
+
+    fn complete(&mut self, who: Who, run: u8, key: u8, tok: Tok, outcome: Outcome) -> Res {
+        let r = self.visible(who, run)?;
+        let e = r.effects.get(&key).ok_or("not_found")?;
+        if e.token != Some(self.token_of(run, key, tok)) {
+            return Err("bad_token");
+        }
+        let late = r.stop.is_some();
+        match e.st {
+            St::Started => {
+                let e = self.eff(run, key);
+                e.st = St::Done(outcome);
+                e.outcome = Some(outcome);
+                e.late |= late;
+                changed(format!("completed late={late}"))
+            }
+            St::Done(Outcome::Unknown) if outcome == Outcome::Unknown => {
+                verdict(format!("completed late={late}"))
+            }
+            St::Done(Outcome::Unknown) => {
+                let e = self.eff(run, key);
+                e.st = St::Done(outcome);
+                e.outcome = Some(outcome);
+                e.late |= late;
+                changed(format!("completed late={late}"))
+            }
+            St::Done(o) if o == outcome => verdict(format!("completed late={}", e.late)),
+            St::Done(_) => Err("already_completed"),
+            St::Refused(_) if e.outcome.is_some() => verdict("completed late=true".into()),
+            St::Refused(_) => {
+                let e = self.eff(run, key);
+                e.outcome = Some(outcome);
+                e.late = true;
+                changed("completed late=true".into())
+            }
+            _ => Err("not_started"),
+        }
+    }
+
+    fn decide(&mut self, now: u64, who: Who, run: u8, key: u8, approve: bool) -> Res {
+        if !who.is_operator() {
+            return Err("forbidden");
+        }
+        let r = self.runs.get(&run).ok_or("not_found")?;
+        let e = r.effects.get(&key).ok_or("not_found")?;
+        if e.st != St::Held("approval") {
+            return Err("not_awaiting_approval");
+        }
+        let (_, until, approvers) = e.approval.clone().expect("requested");
+        if now >= until {
+            return Err("not_awaiting_approval");
+        }
+        let (tool, arg) = (e.tool, e.arg);
+        if !approve {
+            let r = self.runs.get_mut(&run).expect("run");
+            r.rejected.insert(digest(tool, arg));
+            r.effects.get_mut(&key).expect("effect").st = St::Refused("rejected");
+            return changed("decided rejected".into());
+        }
+        if approvers.contains(&who) {
+            return Err("duplicate_approver");
+        }
+        let mut approvers = approvers;
+        approvers.push(who);
+        let missing: Vec<&str> = tool
+            .groups()
+            .iter()
+            .copied()
+            .filter(|g| !approvers.iter().any(|a| a.groups().contains(g)))
+            .collect();
+        let enough =
+            approvers.len() as u32 >= tool.quorum() && groups_covered(tool.groups(), &approvers);
+        let n = approvers.len();
+        let e = self.eff(run, key);
+        e.approval.as_mut().expect("requested").2 = approvers;
+        if enough {
+            e.st = St::Approved;
+            changed("decided approved".into())
+        } else {
+            changed(format!(
+                "decided pending {n}/{} missing=[{}]",
+                tool.quorum(),
+                missing.join(",")
+            ))
+        }
+    }
+
+    fn cancel(&mut self, who: Who, run: u8, kill: bool) -> Res {
+        if kill && !who.is_operator() {
+            return Err("forbidden");
+        }
+        if self.runs.contains_key(&run) {
+            self.visible(who, run)?;
+        } else {
+            // A fence may come before the run's first admit.
+            let owner = (!who.is_operator()).then_some(who);
+            self.runs.insert(run, MRun::new(owner, None));
+        }
+        self.stop_verb(
+            run,
+            if kill {
+                Cause::Killed
+            } else {
+                Cause::Cancelled
+            },
+        )
+    }
+
+    fn close(&mut self, who: Who, run: u8, failed: bool) -> Res {
+        self.visible(who, run)?;
+        self.stop_verb(run, if failed { Cause::Failed } else { Cause::Closed })
+    }
+
+    fn stop_verb(&mut self, run: u8, cause: Cause) -> Res {
+        if self.runs[&run].stop.is_some() {
+            return verdict(format!("run {} changed=0", self.runs[&run].state()));
+        }
+        let n = self.stop(run, cause);
+        changed(format!("run {} changed={n}", self.runs[&run].state()))
+    }
+
+    fn pause(&mut self, who: Who, run: u8, pause: bool) -> Res {
+        if !who.is_operator() {
+            return Err("forbidden");
+        }
+        let r = self.runs.get_mut(&run).ok_or("not_found")?;
+        let state = r.state();
+        match (state, pause) {
+            ("active", true) | ("paused", false) => {
+                r.paused = pause;
+                changed(format!("run {} changed=1", r.state()))
+            }
+            ("paused", true) | ("active", false) => verdict(format!("run {state} changed=0")),
+            _ => Err("invalid_state"),
+        }
+    }
+
+    fn tick(&mut self, now: u64, run: u8) -> Res {
+        let r = self.runs.get(&run).ok_or("not_found")?;
+        if r.stop.is_some() {
+            return verdict(format!("run {} changed=0", r.state()));
+        }
+        let n = if let Some(root) = self.overdue_root(run, now) {
+            self.stop(root, Cause::Deadline)
+        } else {
+            let mut n = 0;
+            for e in self.runs.get_mut(&run).expect("run").effects.values_mut() {
+                let due = e.approval.as_ref().is_some_and(|a| now >= a.1);
+                if due && matches!(e.st, St::Held("approval") | St::Approved) {
+                    e.st = St::Refused("expired");
+                    n += 1;
+                }
+            }
+            n
+        };
+        let text = format!("run {} changed={n}", self.runs[&run].state());
+        if n > 0 { changed(text) } else { verdict(text) }
+    }
+
+    /// The model's state as a `View`, comparable with the kernel's.
+    pub fn view(&self) -> View {
+        let mut out = View::new();
+        for (id, r) in &self.runs {
+            let effects = r
+                .effects
+                .iter()
+                .map(|(k, e)| {
+                    let status = match e.st {
+                        St::Held(w) => format!("held({w})"),
+                        St::Approved => "approved".into(),
+                        St::Admitted => "admitted".into(),
+                        St::Started => "started".into(),
+                        St::Done(Outcome::Ok) => "completed".into(),
+                        St::Done(Outcome::Error) => "failed".into(),
+                        St::Done(Outcome::Unknown) => "unknown".into(),
+                        St::Refused(w) => format!("refused({w})"),
+                    };
+                    let approval = e.approval.as_ref().map(|(id, until, who)| {
+                        (
+                            *id,
+                            *until,
+                            who.iter().map(|w| w.name().to_string()).collect(),
+                        )
+                    });
+                    (
+                        KEYS[*k as usize].to_string(),
+                        EffectView {
+                            tool: e.tool.name().into(),
+                            status,
+                            token: e.token,
+                            approval,
+                            late: e.late,
+                            outcome: e.outcome.map(|o| o.to_string()),
+                        },
+                    )
+                })
+                .collect();
+            out.insert(
+                RUNS[*id as usize].to_string(),
+                RunView {
+                    owner: r.owner.map(|o| o.name().to_string()),
+                    parent: r.parent.map(|p| RUNS[p as usize].to_string()),
+                    children: r
+                        .children
+                        .iter()
+                        .map(|c| RUNS[*c as usize].to_string())
+                        .collect(),
+                    state: r.state().into(),
+                    cause: r.stop.map(|(c, _)| c.name().to_string()),
+                    from: r
+                        .stop
+                        .and_then(|(_, f)| f)
+                        .map(|f| RUNS[f as usize].to_string()),
+                    epoch: r.epoch,
+                    admitted: r.admissions,
+                    pending: r.awaiting() as u32,
+                    in_flight: r.flying() as u32,
+                    deadline: r.deadline,
+                    max_effects: r.max_effects,
+                    rejected: r.rejected.iter().copied().collect(),
+                    effects,
+                },
+            );
+        }
+        out
+    }
+}
+
+/// Each required group needs its own approver carrying it.
+fn groups_covered(groups: &[&str], approvers: &[Who]) -> bool {
+    fn go(groups: &[&str], approvers: &[Who], used: &mut Vec<bool>) -> bool {
+        let Some((g, rest)) = groups.split_first() else {
+            return true;
+        };
+        for i in 0..approvers.len() {
+            if !used[i] && approvers[i].groups().contains(g) {
+                used[i] = true;
+                if go(rest, approvers, used) {
+                    return true;
+                }
+                used[i] = false;
+            }
+        }
+        false
+    }
+    go(groups, approvers, &mut vec![false; approvers.len()])
+}

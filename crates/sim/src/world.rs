@@ -1,0 +1,629 @@
+//! The small world every harness works in: three runs (`p`, its child `c`, and an unrelated
+//! `s`), four keys, six tools with fixed policy decisions, two agents and three operators. An
+//! `Op` is one thing a client can do (or time passing); it becomes a kernel `Command` here, and
+//! the reference model reads the same `Op` directly. `View` is what both sides must agree on
+//! after every step: the observable state of every run and effect.
+
+use estop_kernel::command::{Admit, PolicyDecision, RunLimits};
+use estop_kernel::reply::{DecideStatus, KernelError, Reply, Verdict};
+use estop_kernel::state::Status;
+use estop_kernel::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
+use estop_kernel::{
+    Command, Digest, EffectKey, Gate, Principal, PrincipalName, Role, RunId, Token, ToolName,
+};
+use std::collections::BTreeMap;
+use std::fmt;
+
+pub const RUNS: [&str; 3] = ["p", "c", "s"];
+pub const KEYS: [&str; 4] = ["a", "b", "c", "d"];
+
+/// The parent every admit of a run names (`c` is a sub-agent of `p`).
+pub fn parent_of(run: u8) -> Option<u8> {
+    (run == 1).then_some(0)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Who {
+    Agent,
+    Agent2,
+    Alice,
+    Bob,
+    Carol,
+}
+
+impl Who {
+    pub const ALL: [Who; 5] = [Who::Agent, Who::Agent2, Who::Alice, Who::Bob, Who::Carol];
+    pub fn name(self) -> &'static str {
+        match self {
+            Who::Agent => "agent",
+            Who::Agent2 => "agent2",
+            Who::Alice => "alice",
+            Who::Bob => "bob",
+            Who::Carol => "carol",
+        }
+    }
+    pub fn is_operator(self) -> bool {
+        matches!(self, Who::Alice | Who::Bob | Who::Carol)
+    }
+    /// Approver groups the principal's token carries.
+    pub fn groups(self) -> &'static [&'static str] {
+        match self {
+            Who::Bob => &["ops"],
+            Who::Carol => &["finance"],
+            _ => &[],
+        }
+    }
+    pub fn principal(self) -> Principal {
+        Principal {
+            name: PrincipalName::new(self.name()).expect("valid"),
+            role: if self.is_operator() {
+                Role::Operator
+            } else {
+                Role::Agent
+            },
+            groups: self.groups().iter().map(|g| (*g).into()).collect(),
+        }
+    }
+}
+
+/// A tool and the policy decision the shell would have evaluated for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Tool {
+    /// allow, write
+    Pay,
+    /// allow, read
+    Search,
+    /// approval by 1, expires after 50 ms
+    Refund,
+    /// approval by 2 distinct principals, expires after 80 ms
+    Wire,
+    /// approval by 2, one from `finance` and one from `ops`, expires after 80 ms
+    Payout,
+    /// deny
+    Wipe,
+}
+
+impl Tool {
+    pub const ALL: [Tool; 6] = [
+        Tool::Pay,
+        Tool::Search,
+        Tool::Refund,
+        Tool::Wire,
+        Tool::Payout,
+        Tool::Wipe,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Tool::Pay => "pay",
+            Tool::Search => "search",
+            Tool::Refund => "refund",
+            Tool::Wire => "wire",
+            Tool::Payout => "payout",
+            Tool::Wipe => "wipe",
+        }
+    }
+    pub fn action(self) -> PolicyAction {
+        match self {
+            Tool::Pay | Tool::Search => PolicyAction::Allow,
+            Tool::Refund | Tool::Wire | Tool::Payout => PolicyAction::Approve,
+            Tool::Wipe => PolicyAction::Deny,
+        }
+    }
+    pub fn is_write(self) -> bool {
+        self != Tool::Search
+    }
+    pub fn quorum(self) -> u32 {
+        match self {
+            Tool::Wire | Tool::Payout => 2,
+            _ => 1,
+        }
+    }
+    pub fn groups(self) -> &'static [&'static str] {
+        match self {
+            Tool::Payout => &["finance", "ops"],
+            _ => &[],
+        }
+    }
+    pub fn expiry_ms(self) -> u64 {
+        match self {
+            Tool::Refund => 50,
+            _ => 80,
+        }
+    }
+    pub fn policy(self) -> PolicyDecision {
+        PolicyDecision {
+            action: self.action(),
+            class: if self.is_write() {
+                EffectClass::Write
+            } else {
+                EffectClass::Read
+            },
+            reversibility: Reversibility::Undeclared,
+            compensate: None,
+            quorum: self.quorum(),
+            groups: self.groups().iter().map(|g| (*g).into()).collect(),
+            expiry_ms: self.expiry_ms(),
+            rule: self.name().into(),
+        }
+    }
+}
+
+/// The digest of a call: tool and argument (two calls are the same call iff both match).
+pub fn digest(tool: Tool, arg: u8) -> Digest {
+    let mut d = [0u8; 32];
+    d[0] = tool as u8 + 1;
+    d[1] = arg;
+    Digest(d)
+}
+
+/// Which token a `start`/`complete` presents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tok {
+    /// The one the gate issued for this effect (what an honest agent sends).
+    Issued,
+    /// One the gate never issued.
+    Bogus,
+}
+
+pub const BOGUS_TOKEN: Token = Token {
+    epoch: 7,
+    serial: 999,
+};
+
+/// One step of a trace: a client request, or time passing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// `limits`: 0 none, 1 `max_effects = 2`, 2 deadline 100 ms from now (apply at creation).
+    Admit {
+        who: Who,
+        run: u8,
+        key: u8,
+        tool: Tool,
+        arg: u8,
+        start: bool,
+        limits: u8,
+    },
+    Wait {
+        who: Who,
+        run: u8,
+        key: u8,
+    },
+    Start {
+        who: Who,
+        run: u8,
+        key: u8,
+        tok: Tok,
+    },
+    Complete {
+        who: Who,
+        run: u8,
+        key: u8,
+        tok: Tok,
+        outcome: Outcome,
+    },
+    Decide {
+        who: Who,
+        run: u8,
+        key: u8,
+        approve: bool,
+    },
+    Cancel {
+        who: Who,
+        run: u8,
+        kill: bool,
+    },
+    Pause {
+        who: Who,
+        run: u8,
+    },
+    Resume {
+        who: Who,
+        run: u8,
+    },
+    Close {
+        who: Who,
+        run: u8,
+        failed: bool,
+    },
+    Tick {
+        run: u8,
+    },
+    Advance {
+        ms: u16,
+    },
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = |i: &u8| RUNS[*i as usize];
+        let k = |i: &u8| KEYS[*i as usize];
+        match self {
+            Op::Admit {
+                who,
+                run,
+                key,
+                tool,
+                arg,
+                start,
+                limits,
+            } => {
+                write!(
+                    f,
+                    "{} admit {} {} {} arg={arg}",
+                    who.name(),
+                    r(run),
+                    k(key),
+                    tool.name()
+                )?;
+                if !start {
+                    f.write_str(" start=false")?;
+                }
+                match limits {
+                    1 => f.write_str(" max=2"),
+                    2 => f.write_str(" deadline=+100"),
+                    _ => Ok(()),
+                }
+            }
+            Op::Wait { who, run, key } => write!(f, "{} wait {} {}", who.name(), r(run), k(key)),
+            Op::Start { who, run, key, tok } => {
+                write!(f, "{} start {} {} {tok:?}", who.name(), r(run), k(key))
+            }
+            Op::Complete {
+                who,
+                run,
+                key,
+                tok,
+                outcome,
+            } => {
+                write!(
+                    f,
+                    "{} complete {} {} {tok:?} {outcome}",
+                    who.name(),
+                    r(run),
+                    k(key)
+                )
+            }
+            Op::Decide {
+                who,
+                run,
+                key,
+                approve,
+            } => {
+                let d = if *approve { "approve" } else { "reject" };
+                write!(f, "{} {d} {} {}", who.name(), r(run), k(key))
+            }
+            Op::Cancel { who, run, kill } => {
+                write!(
+                    f,
+                    "{} {} {}",
+                    who.name(),
+                    if *kill { "kill" } else { "cancel" },
+                    r(run)
+                )
+            }
+            Op::Pause { who, run } => write!(f, "{} pause {}", who.name(), r(run)),
+            Op::Resume { who, run } => write!(f, "{} resume {}", who.name(), r(run)),
+            Op::Close { who, run, failed } => {
+                write!(
+                    f,
+                    "{} {} {}",
+                    who.name(),
+                    if *failed { "fail" } else { "close" },
+                    r(run)
+                )
+            }
+            Op::Tick { run } => write!(f, "tick {}", r(run)),
+            Op::Advance { ms } => write!(f, "+{ms}ms"),
+        }
+    }
+}
+
+fn run_id(i: u8) -> RunId {
+    RunId::new(RUNS[i as usize]).expect("valid")
+}
+
+fn key_id(i: u8) -> EffectKey {
+    EffectKey::new(KEYS[i as usize]).expect("valid")
+}
+
+/// The kernel command for an op (`None` for time passing). `issued` is the token the gate gave
+/// this effect, if any.
+pub fn command(op: &Op, now: u64, issued: Option<Token>) -> Option<(Principal, Command)> {
+    let tok = |t: &Tok| match t {
+        Tok::Issued => issued.unwrap_or(Token {
+            epoch: 1,
+            serial: 0,
+        }),
+        Tok::Bogus => BOGUS_TOKEN,
+    };
+    let cmd = match op {
+        Op::Admit {
+            who,
+            run,
+            key,
+            tool,
+            arg,
+            start,
+            limits,
+        } => (
+            *who,
+            Command::Admit(Admit {
+                run: run_id(*run),
+                key: key_id(*key),
+                tool: ToolName::new(tool.name()).expect("valid"),
+                digest: digest(*tool, *arg),
+                args: None,
+                start: *start,
+                parent: parent_of(*run).map(run_id),
+                labels: vec![],
+                limits: RunLimits {
+                    deadline_at: (*limits == 2).then_some(now + 100),
+                    max_effects: (*limits == 1).then_some(2),
+                },
+                policy: tool.policy(),
+            }),
+        ),
+        Op::Wait { who, run, key } => (
+            *who,
+            Command::Recheck {
+                run: run_id(*run),
+                key: key_id(*key),
+            },
+        ),
+        Op::Start {
+            who,
+            run,
+            key,
+            tok: t,
+        } => (
+            *who,
+            Command::Start {
+                run: run_id(*run),
+                key: key_id(*key),
+                token: tok(t),
+            },
+        ),
+        Op::Complete {
+            who,
+            run,
+            key,
+            tok: t,
+            outcome,
+        } => (
+            *who,
+            Command::Complete {
+                run: run_id(*run),
+                key: key_id(*key),
+                token: tok(t),
+                outcome: *outcome,
+                result: None,
+                error: None,
+            },
+        ),
+        Op::Decide {
+            who,
+            run,
+            key,
+            approve,
+        } => (
+            *who,
+            Command::Decide {
+                run: run_id(*run),
+                key: key_id(*key),
+                decision: if *approve {
+                    Decision::Approve
+                } else {
+                    Decision::Reject
+                },
+                reason: None,
+            },
+        ),
+        Op::Cancel { who, run, kill } => (
+            *who,
+            Command::Cancel {
+                run: run_id(*run),
+                reason: None,
+                kill: *kill,
+            },
+        ),
+        Op::Pause { who, run } => (*who, Command::Pause { run: run_id(*run) }),
+        Op::Resume { who, run } => (*who, Command::Resume { run: run_id(*run) }),
+        Op::Close { who, run, failed } => (
+            *who,
+            Command::Close {
+                run: run_id(*run),
+                failed: *failed,
+            },
+        ),
+        // The server's timer ticks as the system operator.
+        Op::Tick { run } => (Who::Alice, Command::Tick { run: run_id(*run) }),
+        Op::Advance { .. } => return None,
+    };
+    Some((cmd.0.principal(), cmd.1))
+}
+
+/// The run and key an op addresses (for looking up its issued token).
+pub fn target(op: &Op) -> Option<(u8, u8)> {
+    match op {
+        Op::Admit { run, key, .. }
+        | Op::Wait { run, key, .. }
+        | Op::Start { run, key, .. }
+        | Op::Complete { run, key, .. }
+        | Op::Decide { run, key, .. } => Some((*run, *key)),
+        _ => None,
+    }
+}
+
+/// A normalized answer: what a client sees, plus whether the gate recorded a change.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Answer {
+    pub text: String,
+    pub changed: bool,
+}
+
+/// Renders a kernel result the way `Answer`s are compared.
+pub fn answer_of(r: &Result<estop_kernel::Applied, KernelError>) -> Answer {
+    match r {
+        Err(e) => Answer {
+            text: format!("error {}", e.code()),
+            changed: false,
+        },
+        Ok(a) => Answer {
+            text: render_reply(&a.reply),
+            changed: a.changed,
+        },
+    }
+}
+
+pub fn render_verdict(v: &Verdict) -> String {
+    match v {
+        Verdict::Admitted { token } => format!("admitted {token}"),
+        Verdict::Go => "go".into(),
+        Verdict::Held {
+            reason,
+            approval,
+            expires_at,
+        } => {
+            let mut s = format!("held {reason}");
+            if let Some(a) = approval {
+                s.push_str(&format!(" #{a}"));
+            }
+            if let Some(e) = expires_at {
+                s.push_str(&format!(" until {e}"));
+            }
+            s
+        }
+        Verdict::Refused { reason } => format!("refused {reason}"),
+        Verdict::Duplicate {
+            status, outcome, ..
+        } => match outcome {
+            Some(o) => format!("duplicate {status} {o}"),
+            None => format!("duplicate {status}"),
+        },
+    }
+}
+
+pub fn render_reply(r: &Reply) -> String {
+    match r {
+        Reply::Verdict(v) => render_verdict(v),
+        Reply::Completed { late } => format!("completed late={late}"),
+        Reply::Decided(DecideStatus::Approved) => "decided approved".into(),
+        Reply::Decided(DecideStatus::Rejected) => "decided rejected".into(),
+        Reply::Decided(DecideStatus::Pending {
+            approvals,
+            quorum,
+            missing_groups,
+        }) => {
+            format!(
+                "decided pending {approvals}/{quorum} missing=[{}]",
+                missing_groups.join(",")
+            )
+        }
+        Reply::RunState {
+            state,
+            runs_changed,
+        } => format!("run {state} changed={runs_changed}"),
+        Reply::Compacted { runs } => format!("compacted {runs}"),
+    }
+}
+
+/// The observable state of one effect.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct EffectView {
+    pub tool: String,
+    /// `held(approval)`, `approved`, `admitted`, `started`, `completed`, `refused(cancelled)`, ...
+    pub status: String,
+    pub token: Option<(u32, u64)>,
+    /// Once requested: (approval id, expires_at, approvers in order).
+    pub approval: Option<(u64, u64, Vec<String>)>,
+    pub late: bool,
+    pub outcome: Option<String>,
+}
+
+/// The observable state of one run.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RunView {
+    pub owner: Option<String>,
+    pub parent: Option<String>,
+    pub children: Vec<String>,
+    pub state: String,
+    pub cause: Option<String>,
+    pub from: Option<String>,
+    pub epoch: u32,
+    pub admitted: u64,
+    pub pending: u32,
+    pub in_flight: u32,
+    pub deadline: Option<u64>,
+    pub max_effects: Option<u64>,
+    pub rejected: Vec<Digest>,
+    pub effects: BTreeMap<String, EffectView>,
+}
+
+pub type View = BTreeMap<String, RunView>;
+
+pub fn status_text(s: Status) -> String {
+    match s {
+        Status::Held(r) => format!("held({r})"),
+        Status::Refused(r) => format!("refused({r})"),
+        other => other.kind().to_string(),
+    }
+}
+
+/// The kernel's state as a `View`.
+pub fn view_of(gate: &Gate) -> View {
+    let mut out = View::new();
+    for (id, run) in gate.runs() {
+        let effects = run
+            .effects
+            .iter()
+            .map(|(k, e)| {
+                let approval = e.approval.as_ref().filter(|a| a.id != 0).map(|a| {
+                    (
+                        a.id,
+                        a.expires_at,
+                        a.approvers.iter().map(|x| x.name.to_string()).collect(),
+                    )
+                });
+                (
+                    k.to_string(),
+                    EffectView {
+                        tool: e.tool.to_string(),
+                        status: status_text(e.status),
+                        token: e.token.map(|t| (t.epoch, t.serial)),
+                        approval,
+                        late: e.late,
+                        outcome: e
+                            .outcome
+                            .as_ref()
+                            .and_then(|o| o.outcome)
+                            .map(|o| o.to_string()),
+                    },
+                )
+            })
+            .collect();
+        out.insert(
+            id.to_string(),
+            RunView {
+                owner: run.owner.as_ref().map(ToString::to_string),
+                parent: run.parent.as_ref().map(ToString::to_string),
+                children: run.children.iter().map(ToString::to_string).collect(),
+                state: run.state.to_string(),
+                cause: run.stop.as_ref().map(|s| s.cause.to_string()),
+                from: run
+                    .stop
+                    .as_ref()
+                    .and_then(|s| s.from.as_ref())
+                    .map(ToString::to_string),
+                epoch: run.epoch,
+                admitted: run.admitted,
+                pending: run.pending_approvals,
+                in_flight: run.in_flight,
+                deadline: run.limits.deadline_at,
+                max_effects: run.limits.max_effects,
+                rejected: run.rejected.iter().copied().collect(),
+                effects,
+            },
+        );
+    }
+    out
+}
