@@ -167,7 +167,10 @@ fn sync_loop(shared: &Shared, mut segment: ActiveSegment, mut durable: u64) {
         };
         assert!(last_seq > durable, "a non-empty batch holds new records");
         match write_batch(shared, &mut segment, &batch, durable + 1) {
-            Ok(()) => {
+            Ok(sync) => {
+                if let Some(stats) = &shared.options.sync_stats.0 {
+                    stats.record_batch(sync, last_seq - durable, batch.len() as u64);
+                }
                 durable = last_seq;
                 shared.durable.store(durable, Ordering::Release);
                 let waiters = shared.lock().waiters;
@@ -201,7 +204,7 @@ fn write_batch(
     segment: &mut ActiveSegment,
     batch: &[u8],
     first_seq: u64,
-) -> Result<(), LedgerError> {
+) -> Result<std::time::Duration, LedgerError> {
     let opts = &shared.options;
     if segment.bytes > SEGMENT_HEADER_BYTES as u64
         && segment.bytes + batch.len() as u64 > opts.segment_bytes_max
@@ -215,10 +218,12 @@ fn write_batch(
         .write_all(batch)
         .map_err(|e| LedgerError::io("write", &segment.name, e))?;
     segment.bytes += batch.len() as u64;
+    let started = std::time::Instant::now();
     segment
         .file
         .sync_data()
-        .map_err(|e| LedgerError::io("sync", &segment.name, e))
+        .map_err(|e| LedgerError::io("sync", &segment.name, e))?;
+    Ok(started.elapsed())
 }
 
 impl Committer {

@@ -26,6 +26,8 @@ pub struct LedgerOptions {
     /// After a writer failure: the last durable seq. Records after it are superseded (not
     /// replayed) and appends continue at `discard_after + 1`. `None` for a normal open.
     pub discard_after: Option<u64>,
+    /// Where the sync thread reports each group commit's latency and size (metrics).
+    pub sync_stats: crate::stats::SyncObserver,
 }
 
 impl Default for LedgerOptions {
@@ -37,6 +39,7 @@ impl Default for LedgerOptions {
             snapshot_bytes_max: 1 << 30,
             snapshots_keep: 2,
             discard_after: None,
+            sync_stats: crate::stats::SyncObserver::default(),
         }
     }
 }

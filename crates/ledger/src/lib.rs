@@ -22,6 +22,7 @@ mod probe;
 mod scan;
 mod sim;
 mod snapshot;
+mod stats;
 mod storage;
 
 pub use commit::{Committer, Notify, SnapshotReport};
@@ -32,4 +33,5 @@ pub use probe::{FsyncProbe, raw_fsync_probe};
 pub use scan::{SegmentSummary, Superseded, TornTail};
 pub use sim::{CrashStorage, SimStats};
 pub use snapshot::{InvalidFile, SnapshotInfo};
+pub use stats::{Histogram, HistogramSnapshot, SyncObserver, SyncStats};
 pub use storage::{FileStorage, LOCK_FILE, MemStorage, Storage, StorageFile, read_file};

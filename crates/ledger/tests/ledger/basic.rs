@@ -128,6 +128,27 @@ fn notify_reports_each_durable_seq_in_order() {
 }
 
 #[test]
+fn sync_stats_count_every_record_once_across_batches() {
+    let (_, s) = mem();
+    let stats = Arc::new(estop_ledger::SyncStats::default());
+    let opts = LedgerOptions {
+        sync_stats: estop_ledger::SyncObserver(Some(stats.clone())),
+        ..LedgerOptions::default()
+    };
+    let c = open_ok(&s, opts).ledger.spawn(|_| {}).expect("spawn");
+    append_n(&c, 1, 50);
+    drop(c);
+    let batches = stats.batch_records.snapshot();
+    assert_eq!(batches.sum, 50, "every record is in exactly one batch");
+    assert_eq!(
+        stats.sync_us.snapshot().count(),
+        batches.count(),
+        "one sync per batch"
+    );
+    assert!(stats.bytes.load(std::sync::atomic::Ordering::Relaxed) > 50 * 8);
+}
+
+#[test]
 fn replay_callback_errors_stop_recovery_and_change_nothing() {
     let (m, s) = mem();
     let c = open_ok(&s, LedgerOptions::default())
