@@ -55,12 +55,16 @@ trait Conn: std::io::Read + Write + Send {}
 impl<T: std::io::Read + Write + Send> Conn for T {}
 
 fn connect(target: &str) -> std::io::Result<(Box<dyn Conn>, Box<dyn Conn>)> {
+    // A reply that never comes is a bug to report, not a benchmark that hangs.
+    let timeout = Some(Duration::from_secs(30));
     if target.contains('/') {
         let s = UnixStream::connect(target)?;
+        s.set_read_timeout(timeout)?;
         Ok((Box::new(s.try_clone()?), Box::new(s)))
     } else {
         let s = TcpStream::connect(target)?;
         s.set_nodelay(true)?;
+        s.set_read_timeout(timeout)?;
         Ok((Box::new(s.try_clone()?), Box::new(s)))
     }
 }
@@ -74,14 +78,21 @@ pub fn run(opts: &LoadOptions) -> std::io::Result<LoadReport> {
         let opts = opts.clone();
         let barrier = Arc::clone(&barrier);
         handles.push(std::thread::spawn(move || -> std::io::Result<(Vec<u32>, usize)> {
-            let (r, mut w) = connect(&opts.target)?;
+            // Reach the barrier even when connecting fails, or everyone else waits forever.
+            let connected = connect(&opts.target);
+            if connected.is_err() {
+                barrier.wait();
+            }
+            let (r, mut w) = connected?;
             let mut r = BufReader::with_capacity(64 * 1024, r);
             let mut line = String::new();
             if opts.protocol == Protocol::Native {
                 let token = opts.token.clone().unwrap_or_default();
                 w.write_all(format!("{{\"id\":0,\"op\":\"hello\",\"token\":\"{token}\"}}\n").as_bytes())?;
-                r.read_line(&mut line)?;
-                if !line.contains("\"ok\":true") {
+                let hello = r.read_line(&mut line);
+                if hello.is_err() || !line.contains("\"ok\":true") {
+                    barrier.wait();
+                    hello?;
                     return Err(std::io::Error::other(format!("hello failed: {line}")));
                 }
             }

@@ -189,7 +189,8 @@ pub fn run(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<(), Serv
         .thread_name("estop-io")
         .build()
         .map_err(|e| setup(format!("cannot start the runtime: {e}")))?;
-    let result = runtime.block_on(serve_async(&opts, &data, shared, on_ready));
+    let mut socket_id = None;
+    let result = runtime.block_on(serve_async(&opts, &data, shared, on_ready, &mut socket_id));
     // Finish in-flight syncs before exiting.
     let (done_tx, done_rx) = mpsc::channel();
     if core_tx.send(CoreMsg::Shutdown { done: done_tx }).is_ok() {
@@ -197,9 +198,23 @@ pub fn run(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<(), Serv
     }
     let _ = core_thread.join();
     runtime.shutdown_timeout(std::time::Duration::from_millis(500));
-    let _ = std::fs::remove_file(data.join("estop.sock"));
+    remove_own_socket(&data.join("estop.sock"), socket_id);
     crate::log::info("stopped");
     result
+}
+
+/// The (device, inode) of a socket file, to recognise our own at shutdown.
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// Removes the socket file only if it is still the one this daemon bound: a successor may
+/// already be listening at the same path.
+fn remove_own_socket(path: &Path, ours: Option<(u64, u64)>) {
+    if ours.is_some() && file_id(path) == ours {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 async fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
@@ -229,9 +244,11 @@ async fn serve_async(
     data: &Path,
     shared: Arc<Shared>,
     on_ready: impl FnOnce(&Ready),
+    socket_id: &mut Option<(u64, u64)>,
 ) -> Result<(), ServeError> {
     let socket = data.join("estop.sock");
     let unix = bind_unix(&socket).await?;
+    *socket_id = file_id(&socket);
     let tcp = match &opts.listen {
         Some(a) => Some(bind_tcp(a, "protocol v1").await?),
         None => None,
