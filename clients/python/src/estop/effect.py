@@ -146,7 +146,7 @@ def _first_admit_fields(call: EffectCall) -> dict[str, Any]:
 def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float | None = None) -> Gated:
     """Asks the gate (blocking) until the effect may run now, is a duplicate, or is refused."""
     run = call.run
-    run.check()
+    run.check(call.tool, call.key)
     client = run.gate.client
     deadline = None if hold_timeout_s is None else time.monotonic() + hold_timeout_s
     v: Verdict = client.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
@@ -154,7 +154,7 @@ def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float 
     backoff = 0.02
     while True:
         if isinstance(v, Admitted):
-            run.check()
+            run.check(call.tool, call.key)
             s = client.start(run.id, call.key, v.token)
             if isinstance(s, Go):
                 return Gated(token=v.token)
@@ -173,7 +173,7 @@ def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float 
             if on_hold == "raise":
                 raise HeldForApproval(run.id, call.key, call.tool, v)
             _check_deadline(deadline, call)
-            run.check()
+            run.check(call.tool, call.key)
             chunk = _WAIT_CHUNK_MS if deadline is None else max(1, min(_WAIT_CHUNK_MS, int((deadline - time.monotonic()) * 1000)))
             v = client.wait(run.id, call.key, chunk)
             continue
@@ -187,7 +187,7 @@ def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float 
 async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float | None = None) -> Gated:
     """`gate_sync` for asyncio; cancelling the awaiting task abandons the hold."""
     run = call.run
-    run.check()
+    run.check(call.tool, call.key)
     client = run.gate.aclient
     deadline = None if hold_timeout_s is None else time.monotonic() + hold_timeout_s
     v: Verdict = await client.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
@@ -195,7 +195,7 @@ async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s:
     backoff = 0.02
     while True:
         if isinstance(v, Admitted):
-            run.check()
+            run.check(call.tool, call.key)
             s = await client.start(run.id, call.key, v.token)
             if isinstance(s, Go):
                 return Gated(token=v.token)
@@ -212,7 +212,7 @@ async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s:
             if on_hold == "raise":
                 raise HeldForApproval(run.id, call.key, call.tool, v)
             _check_deadline(deadline, call)
-            run.check()
+            run.check(call.tool, call.key)
             chunk = _WAIT_CHUNK_MS if deadline is None else max(1, min(_WAIT_CHUNK_MS, int((deadline - time.monotonic()) * 1000)))
             v = await client.wait(run.id, call.key, chunk)
             continue

@@ -267,11 +267,11 @@ class Run:
         """Why the run is fenced locally (the gate said so, or we cancelled it), else None."""
         return FENCES.reason(self)
 
-    def check(self) -> None:
+    def check(self, tool: str | None = None, key: str | None = None) -> None:
         """Raises RunStopped if the run is fenced locally."""
         why = self.stopped
         if why is not None:
-            raise RunStopped(why, run=self.id, local=True)
+            raise RunStopped(why, run=self.id, tool=tool, key=key, local=True)
 
     # -- context ----------------------------------------------------------------------------
 
