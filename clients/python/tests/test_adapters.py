@@ -1,0 +1,185 @@
+"""Adapter paths the failure-class scenarios do not cover: approvals that are granted, the
+LangGraph approver, PydanticAI deferred holds, LlamaIndex hold events, a daemon restart."""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+import threading
+import time
+from typing import Annotated, TypedDict
+
+import pytest
+
+import estop
+from estop.testing import Daemon
+
+from .conftest import POLICY
+from .test_effect import wait_pending
+
+
+class S(TypedDict):
+    log: Annotated[list, operator.add]
+
+
+def test_langgraph_approve_and_approver(gate, daemon, run_id):
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.types import Command
+
+    from estop.adapters import langgraph as el
+
+    done = []
+
+    @el.effect(tool="wire_money", approver=daemon.operator)
+    def wire_money(to: str, amount: int) -> str:
+        done.append(("wire", amount))
+        return "wired"
+
+    @el.effect
+    def send_email(to: str) -> str:
+        done.append(("email", to))
+        return "sent"
+
+    g = StateGraph(S)
+    g.add_node("pay", lambda s: {"log": [wire_money("acct", 7)]})
+    g.add_node("notify", lambda s: (time.sleep(0.05), {"log": [send_email("ops")]})[1])
+    for n in ("pay", "notify"):
+        g.add_edge(START, n)
+        g.add_edge(n, END)
+    graph = el.EstopGraph(g.compile(checkpointer=InMemorySaver()), gate)
+    cfg = {"configurable": {"thread_id": run_id}}
+    out = graph.invoke({"log": []}, cfg)
+    reasons = sorted(i.value["estop"]["reason"] for i in out["__interrupt__"])
+    assert reasons == ["approval", "sibling"] and done == []
+    # The approval UI resumes with a decision; the adapter records it as the operator's.
+    pay = next(i for i in graph.pending_interrupts(cfg) if i.value["estop"]["reason"] == "approval")
+    out = graph.invoke(Command(resume={i.id: {"decision": "approve"} for i in graph.pending_interrupts(cfg)}), cfg)
+    assert pay.value["estop"]["tool"] == "wire_money"
+    if "__interrupt__" in out:  # the sibling re-asked before the decision landed: resume again
+        out = graph.resume(cfg)
+    assert sorted(out["log"]) == ["sent", "wired"]
+    assert sorted(done) == [("email", "ops"), ("wire", 7)]
+
+
+def test_langgraph_wait_mode_outside_graph(gate, daemon, run_id):
+    from estop.adapters import langgraph as el
+
+    @el.effect(tool="wire_money")
+    def wire_money(amount: int) -> str:
+        return "wired"
+
+    with gate.run(run_id):
+        th = threading.Thread(target=lambda: daemon.operator.approve(run_id, wait_pending(daemon.operator, run_id)["key"]))
+        th.start()
+        assert wire_money(5) == "wired"  # not in a graph: the hold blocks until decided
+        th.join()
+
+
+async def test_pydantic_ai_defer_mode(gate, daemon, run_id):
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import FunctionModel
+    from pydantic_ai.toolsets import FunctionToolset
+
+    from estop.adapters import pydantic_ai as ep
+
+    ran = []
+
+    def wire_money(to: str, amount: int) -> str:
+        ran.append(amount)
+        return "wired"
+
+    def llm(messages, info):
+        if sum(isinstance(m, ModelResponse) for m in messages) == 0:
+            return ModelResponse(parts=[ToolCallPart("wire_money", {"to": "a", "amount": 9}, tool_call_id="c1")])
+        return ModelResponse(parts=[TextPart("ok")])
+
+    toolset = ep.EstopToolset(FunctionToolset([wire_money]), on_hold="defer")
+    agent = Agent(FunctionModel(llm), toolsets=[toolset], output_type=[str, DeferredToolRequests])
+    r = await ep.run(agent, "pay", gate=gate, run_id=run_id)
+    assert isinstance(r.output, DeferredToolRequests) and ran == []
+    meta = r.output.metadata["c1"]["estop"]
+    assert meta["reason"] == "approval" and meta["tool"] == "wire_money"
+    await asyncio.to_thread(daemon.operator.approve, run_id, meta["key"])
+    # Run the same turn again (a new run of the agent for the same run id): same key, admitted.
+    agent2 = Agent(FunctionModel(llm), toolsets=[toolset], output_type=[str, DeferredToolRequests])
+    r2 = await ep.run(agent2, "pay", gate=gate, run_id=run_id)
+    assert r2.output == "ok" and ran == [9]
+
+
+async def test_llamaindex_hold_event(gate, daemon, run_id):
+    from workflows import Context, Workflow, step
+    from workflows.events import StartEvent, StopEvent
+
+    from estop.adapters import llamaindex as eli
+
+    @eli.effect(tool="wire_money")
+    async def wire(to: str, amount: int, ctx: Context | None = None) -> str:
+        return "wired"
+
+    class W(Workflow):
+        @step
+        async def go(self, ctx: Context, ev: StartEvent) -> StopEvent:
+            return StopEvent(result=await wire("a", 3, ctx=ctx))
+
+    h = eli.run(W(timeout=10), gate=gate, run_id=run_id)
+    async for ev in h.stream_events():
+        if isinstance(ev, eli.EstopHeld):
+            assert ev.estop["reason"] == "approval"
+            await asyncio.to_thread(daemon.operator.approve, run_id, ev.estop["key"])
+    assert await h == "wired"
+
+
+def test_openai_agents_callable_needs_approval_and_refusal_output(gate, daemon, run_id):
+    from agents import Agent, function_tool
+    from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+    from estop.adapters import openai_agents as eo
+
+    async def big(ctx, params, call_id) -> bool:
+        return params["amount"] > 100
+
+    @function_tool(needs_approval=big)
+    def refund(amount: int) -> str:
+        """Refund."""
+        return "refunded"
+
+    model = ScriptedModel([
+        ModelStep(output=[function_call("refund", {"amount": 5}, call_id="a"), function_call("refund", {"amount": 500}, call_id="b")]),
+        ModelStep(output=[assistant_message("done")]),
+    ])
+    agent = Agent(name="a", model=model, tools=eo.gate_tools([refund]))
+
+    def operator():
+        p = wait_pending(daemon.operator, run_id)
+        assert p["args"] == {"amount": 500}
+        daemon.operator.reject(run_id, p["key"])
+
+    th = threading.Thread(target=operator)
+    th.start()
+    r = asyncio.run(eo.run(agent, "go", gate=gate, run_id=run_id))
+    th.join()
+    outputs = [i.output for i in r.new_items if getattr(i, "type", "") == "tool_call_output_item"]
+    assert "refunded" in outputs and any("rejected" in str(o) for o in outputs)
+
+
+def test_reconnect_across_daemon_restart(run_id):
+    """kill -9 the gate mid-session: the client reconnects, and receipts and fences survived."""
+    with Daemon(policy=POLICY) as d:
+        gate = d.gate(backoff_initial_s=0.05, reconnect_attempts=10)
+        n = []
+
+        @estop.effect
+        def charge(amount: int) -> str:
+            n.append(amount)
+            return "ok"
+
+        with gate.run(run_id):
+            assert charge(1) == "ok"
+        d.kill9()
+        d.start()
+        with gate.run(run_id):
+            assert charge(1) == "ok"  # a receipt from before the crash: not run again
+        assert n == [1]
+        gate.close()
