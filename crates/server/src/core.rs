@@ -122,6 +122,16 @@ pub enum CoreMsg {
         approved: bool,
         to: ReplyTo,
     },
+    /// A gate-wide feed of changes (the console's server-sent events); agents see their own
+    /// runs only. Dropped when it falls `observe::FEED_QUEUE_MAX` events behind.
+    Feed {
+        principal: Principal,
+        tx: crate::observe::FeedTx,
+    },
+    /// Counters and gauges for `/metrics`.
+    Stats {
+        reply: tokio::sync::oneshot::Sender<crate::observe::GateStats>,
+    },
     /// The ledger's sync thread reported a failure.
     LedgerFailed,
     /// Finish what is in flight, make it durable, and stop.
@@ -211,6 +221,8 @@ pub struct Core {
     next_recovery: Instant,
     opts: CoreOptions,
     buf: Vec<u8>,
+    /// The console's feed and the metrics counters.
+    obs: crate::observe::Observer,
 }
 
 impl Core {
@@ -249,6 +261,7 @@ impl Core {
             next_recovery: Instant::now(),
             opts,
             buf: Vec::with_capacity(1024),
+            obs: crate::observe::Observer::default(),
         };
         core.rearm_all_timers();
         Ok(core)
@@ -447,6 +460,16 @@ impl Core {
                 let answer = self.sg_decide(run, key, approved);
                 self.send(to, answer);
             }
+            CoreMsg::Feed { principal, tx } => {
+                // At the bound the sender is dropped: the stream ends at once.
+                let _ = self.obs.subscribe(principal, tx);
+            }
+            CoreMsg::Stats { reply } => {
+                let stats =
+                    self.obs
+                        .stats(&self.gate, self.waiter_count, self.last_seq, self.after());
+                let _ = reply.send(stats);
+            }
             CoreMsg::LedgerFailed => self.fail_journal(),
             CoreMsg::Shutdown { done } => {
                 if let Some(j) = self.journal.take() {
@@ -459,7 +482,10 @@ impl Core {
         false
     }
 
-    fn send(&self, to: ReplyTo, answer: Answer) {
+    fn send(&mut self, to: ReplyTo, answer: Answer) {
+        if let Answer::Verdict(v) = &answer {
+            self.obs.answered(v);
+        }
         let _ = to.out.send(Out::Answer {
             id: to.id,
             answer,
@@ -513,6 +539,14 @@ impl Core {
                 self.rearm(&run);
             }
             self.publish(&applied.events);
+            let after = self.after();
+            self.obs.changed(
+                &self.gate,
+                record.command.run(),
+                &applied.events,
+                after,
+                now,
+            );
         }
         Ok((applied.reply, applied.events))
     }
@@ -555,6 +589,10 @@ impl Core {
                     .map(|a| a.approvers.iter().map(|x| x.name.to_string()).collect())
                     .unwrap_or_default();
                 let quorum = approval.map_or(1, |a| a.quorum);
+                if let Some(a) = approval {
+                    self.obs
+                        .decided(&status, self.now.saturating_sub(a.requested_at));
+                }
                 let status = match status {
                     DecideStatus::Approved => "approved",
                     DecideStatus::Rejected => "rejected",

@@ -9,9 +9,11 @@ pub mod describe;
 pub mod durable;
 pub mod journal;
 pub mod log;
+pub mod observe;
 pub mod render;
 pub mod serve;
+pub mod service;
 pub mod soundgate;
 pub mod tokens;
 
-pub use serve::{Ready, ServeError, ServeOptions, run};
+pub use serve::{Ready, ServeError, ServeOptions, run, run_with};

@@ -85,6 +85,10 @@ pub struct Ready {
     pub tcp: Option<SocketAddr>,
     pub soundgate: Option<SocketAddr>,
     pub data: PathBuf,
+    /// `key=value` pairs of the services (`console=…`), appended to the line.
+    pub extra: Vec<(String, String)>,
+    /// Lines for the operator's terminal after the ready line (a one-time login link).
+    pub notices: Vec<String>,
 }
 
 impl Ready {
@@ -97,7 +101,11 @@ impl Ready {
             addr(&self.tcp),
             addr(&self.soundgate),
             self.data.display()
-        )
+        ) + &self
+            .extra
+            .iter()
+            .map(|(k, v)| format!(" {k}={v}"))
+            .collect::<String>()
     }
 }
 
@@ -107,6 +115,15 @@ fn setup(msg: String) -> ServeError {
 
 /// Runs the daemon until SIGTERM/SIGINT. `on_ready` is called once everything is listening.
 pub fn run(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<(), ServeError> {
+    run_with(opts, Vec::new(), on_ready)
+}
+
+/// `run`, with services (the console) started beside the listeners before the ready line.
+pub fn run_with(
+    opts: ServeOptions,
+    services: Vec<Box<dyn crate::service::Service>>,
+    on_ready: impl FnOnce(&Ready),
+) -> Result<(), ServeError> {
     std::fs::create_dir_all(&opts.data).map_err(|e| {
         setup(format!(
             "cannot create data dir {}: {e}",
@@ -135,7 +152,9 @@ pub fn run(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<(), Serv
     let durable_tx = Arc::new(durable_tx);
     let (core_tx, core_rx) = mpsc::channel::<CoreMsg>();
     let limits = opts.limits.clone();
-    let ledger_opts = opts.ledger.clone();
+    let sync_stats = Arc::new(estop_ledger::SyncStats::default());
+    let mut ledger_opts = opts.ledger.clone();
+    ledger_opts.sync_stats = estop_ledger::SyncObserver(Some(Arc::clone(&sync_stats)));
     let open: crate::core::OpenFn = Box::new(move |discard_after| {
         let o = journal::open(
             Arc::clone(&storage),
@@ -190,7 +209,14 @@ pub fn run(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<(), Serv
         .build()
         .map_err(|e| setup(format!("cannot start the runtime: {e}")))?;
     let mut socket_id = None;
-    let result = runtime.block_on(serve_async(&opts, &data, shared, on_ready, &mut socket_id));
+    let result = runtime.block_on(serve_async(
+        &opts,
+        &data,
+        shared,
+        on_ready,
+        &mut socket_id,
+        (services, sync_stats),
+    ));
     // Finish in-flight syncs before exiting.
     let (done_tx, done_rx) = mpsc::channel();
     if core_tx.send(CoreMsg::Shutdown { done: done_tx }).is_ok() {
@@ -245,6 +271,10 @@ async fn serve_async(
     shared: Arc<Shared>,
     on_ready: impl FnOnce(&Ready),
     socket_id: &mut Option<(u64, u64)>,
+    (services, sync_stats): (
+        Vec<Box<dyn crate::service::Service>>,
+        Arc<estop_ledger::SyncStats>,
+    ),
 ) -> Result<(), ServeError> {
     let socket = data.join("estop.sock");
     let unix = bind_unix(&socket).await?;
@@ -269,16 +299,32 @@ async fn serve_async(
             l.local_addr().map(|a| a.to_string()).unwrap_or_default()
         ));
     }
-    let ready = Ready {
+    let slots = Arc::new(Semaphore::new(opts.connections_max));
+    let max = opts.connections_max;
+    let mut ready = Ready {
         socket: socket.clone(),
         tcp: tcp.as_ref().and_then(|l| l.local_addr().ok()),
         soundgate: sg.as_ref().and_then(|l| l.local_addr().ok()),
         data: data.to_path_buf(),
+        extra: Vec::new(),
+        notices: Vec::new(),
     };
-    on_ready(&ready);
-    let slots = Arc::new(Semaphore::new(opts.connections_max));
-    let max = opts.connections_max;
     let mut tasks = Vec::new();
+    for service in services {
+        let started = service
+            .start(crate::service::ServiceContext {
+                shared: Arc::clone(&shared),
+                data: data.to_path_buf(),
+                connections: Arc::clone(&slots),
+                connections_max: max,
+                sync_stats: Arc::clone(&sync_stats),
+            })
+            .map_err(setup)?;
+        ready.extra.extend(started.ready);
+        ready.notices.extend(started.notices);
+        tasks.push(tokio::spawn(started.task));
+    }
+    on_ready(&ready);
     {
         let (shared, slots) = (Arc::clone(&shared), Arc::clone(&slots));
         tasks.push(tokio::spawn(async move {
