@@ -317,7 +317,7 @@ def effect(
     functions; the call must happen inside a run (`with gate.run(...)`, or ESTOP_RUN)."""
 
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
-        name = tool or getattr(f, "__name__", "effect")
+        name: str = tool or str(getattr(f, "__name__", "effect"))
         skip = frozenset(exclude or ())
         if inspect.iscoroutinefunction(f):
 

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 from .aio import AsyncClient
 from .client import Client
 from .config import Config
-from .errors import NoRun, RunStopped
+from .errors import NoRun, NotFound, RunStopped
 
 __all__ = ["Estop", "Run", "Step", "current_run", "current_step", "step", "default", "configure"]
 
@@ -53,7 +53,7 @@ class _Fences:
                 why = self.stopped.get(r.id)
                 if why is not None:
                     return why
-                r = r.parent
+                r = r.parent if isinstance(r.parent, Run) else None
         return None
 
     def fence(self, run_id: str, reason: str, spare: "asyncio.Task[Any] | None" = None) -> None:
@@ -77,10 +77,9 @@ FENCES = _Fences()
 
 
 def _on_event(event: dict[str, Any]) -> None:
+    """The watcher: a stop event fences that run (and its local descendants) in this process."""
     if event.get("event") in _STOP_EVENTS and isinstance(event.get("run"), str):
-        reason = str(event.get("reason") or event["event"])
-        FENCES.fence(event["run"], "cancelled" if event["event"] != "closed" else "closed")
-        _ = reason
+        FENCES.fence(event["run"], "closed" if event["event"] == "closed" else "cancelled")
 
 
 class Step:
@@ -200,12 +199,8 @@ class Estop:
         FENCES.fence(rid, "cancelled", spare=spare or asyncio.current_task())
         try:
             return await self.aclient.cancel(rid, reason)
-        except Exception as e:  # noqa: BLE001 - see _ignore_unknown_run
-            from .errors import NotFound
-
-            if isinstance(e, NotFound):
-                return None
-            raise
+        except NotFound:
+            return None
 
     def close(self) -> None:
         if self._client is not None:
@@ -213,8 +208,6 @@ class Estop:
 
 
 def _ignore_unknown_run(fn: Any) -> Any:
-    from .errors import NotFound
-
     try:
         return fn()
     except NotFound:
@@ -312,7 +305,7 @@ class Run:
             self.track(task)
         return self
 
-    async def __aexit__(self, et: Any, ev: Any, tb: Any) -> bool:
+    async def __aexit__(self, et: Any, ev: Any, tb: Any) -> None:
         task = asyncio.current_task()
         self._pop()
         if task is not None and task in self._entered:
@@ -322,7 +315,6 @@ class Run:
             # The watcher cancelled us because the gate stopped the run: say so, as a refusal.
             if hasattr(task, "uncancel") and task.uncancel() == 0:
                 raise RunStopped(self.stopped or "cancelled", run=self.id) from ev
-        return False
 
     # -- tasks --------------------------------------------------------------------------------
 

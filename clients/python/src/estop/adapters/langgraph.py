@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator, cast
 
 from langgraph.config import get_config
 from langgraph.types import Command, interrupt
@@ -67,7 +67,7 @@ def step_of(config: dict[str, Any] | None) -> Step | None:
 
 def _config() -> dict[str, Any] | None:
     try:
-        return get_config()
+        return cast("dict[str, Any]", get_config())
     except RuntimeError:
         return None
 

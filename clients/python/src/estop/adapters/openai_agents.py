@@ -55,12 +55,11 @@ def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "
 
     async def on_invoke_tool(ctx: Any, arguments: str) -> Any:
         args = json.loads(arguments) if arguments else {}
+        na: Any = bool(approval)
         if callable(approval):
             na = approval(ctx, args, getattr(ctx, "tool_call_id", ""))
             if inspect.isawaitable(na):
                 na = await na
-        else:
-            na = bool(approval)
         run = current_run()
         assert run is not None
         call = make_call(run, name, args, needs_approval=bool(na))
