@@ -89,6 +89,41 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Some("sim") => {
+            let steps = arg(&args, "--steps").unwrap_or(3_000);
+            let seeds: Vec<u64> =
+                match estop_sim::rng::env_u64("ESTOP_SIM_SEED").or(arg(&args, "--seed")) {
+                    Some(s) => vec![s],
+                    None => {
+                        let first = arg(&args, "--first").unwrap_or(0);
+                        (first..first + arg(&args, "--seeds").unwrap_or(10_000)).collect()
+                    }
+                };
+            let (mut crashes, mut acked, mut recoveries, mut torn) = (0u64, 0u64, 0u64, 0u64);
+            for (i, seed) in seeds.iter().enumerate() {
+                match estop_sim::sim::run_seed(*seed, steps) {
+                    Ok(r) => {
+                        crashes += r.kills + r.power_losses;
+                        acked += r.acked;
+                        recoveries += r.recoveries;
+                        torn += r.torn_tails;
+                        if seeds.len() == 1 || i % 1000 == 0 {
+                            println!("{r}");
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("{e}");
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
+            println!(
+                "simulation: {} seeds x {steps} steps, {crashes} crashes, {recoveries} recoveries ({torn} torn tails), {acked} acknowledged replies audited, {:.1}s",
+                seeds.len(),
+                started.elapsed().as_secs_f64()
+            );
+            ExitCode::SUCCESS
+        }
         _ => {
             eprintln!("usage: estop-sim diff|check|sim [options] (see docs/TESTING.md)");
             ExitCode::from(2)
