@@ -90,6 +90,7 @@ def sibling(t: Trial, guarded: bool) -> int:
         assert "__interrupt__" in out
         th.join()
         eg.resume(cfg)
+        assert t.world.count("email") == 1, "the sibling proceeds once the decision is made"
     else:
         out = graph.invoke({"log": []}, cfg)
         assert "__interrupt__" in out

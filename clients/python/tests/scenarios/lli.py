@@ -82,6 +82,7 @@ def sibling(t: Trial, guarded: bool) -> int:
             th = t.decide_later("reject", tool="wire_money")
             await h
             th.join()
+            assert t.world.count("email") == 1, "the sibling proceeds once the decision is made"
             return
         async for ev in h.stream_events():
             if isinstance(ev, InputRequiredEvent):

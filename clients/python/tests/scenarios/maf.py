@@ -83,6 +83,7 @@ def sibling(t: Trial, guarded: bool) -> int:
             th = t.decide_later("reject", tool="wire_money")
             await eaf.run_workflow(wf, "go", gate=t.gate, run_id=t.run_id)
             th.join()
+            assert t.world.count("email") == 1, "the sibling proceeds once the decision is made"
         else:
             result = await wf.run("go")
             assert result.get_request_info_events(), "expected the payer's approval request"

@@ -58,6 +58,7 @@ def sibling(t: Trial, guarded: bool) -> int:
             th = t.decide_later("reject", tool="wire_money")
             await eo.run(agent, "go", gate=t.gate, run_id=t.run_id)
             th.join()
+            assert t.world.count("email") == 1, "the sibling proceeds once the decision is made"
         else:
             r = await Runner.run(agent, "go")
             assert r.interruptions

@@ -62,6 +62,7 @@ def sibling(t: Trial, guarded: bool) -> int:
             th = t.decide_later("reject", tool="wire_money")
             await ep.run(agent, "go", gate=t.gate, run_id=t.run_id)
             th.join()
+            assert t.world.count("email") == 1, "the sibling proceeds once the decision is made"
         else:
             r = await agent.run("go")
             assert isinstance(r.output, DeferredToolRequests)
