@@ -149,6 +149,8 @@ pub struct CoreOptions {
     pub retention_ms: u64,
     /// Take a snapshot after this many records (bounds recovery time).
     pub snapshot_every_records: u64,
+    /// How long the core looks for the next request before parking (0: park at once).
+    pub spin_us: u64,
 }
 
 impl Default for CoreOptions {
@@ -158,6 +160,7 @@ impl Default for CoreOptions {
             waiters_max: 100_000,
             retention_ms: 7 * 24 * 3600 * 1000,
             snapshot_every_records: 1_000_000,
+            spin_us: std::env::var("ESTOP_CORE_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
         }
     }
 }
@@ -298,10 +301,16 @@ impl Core {
     }
 
     fn rearm(&mut self, run: &RunId) {
-        if let Some(old) = self.timer_of.remove(run) {
-            self.timers.remove(&(old, run.clone()));
+        let next = self.gate.next_timer(run);
+        let current = self.timer_of.get(run).copied();
+        if next == current {
+            return;
         }
-        if let Some(at) = self.gate.next_timer(run) {
+        if let Some(old) = current {
+            self.timers.remove(&(old, run.clone()));
+            self.timer_of.remove(run);
+        }
+        if let Some(at) = next {
             self.timers.insert((at, run.clone()));
             self.timer_of.insert(run.clone(), at);
         }
@@ -309,7 +318,33 @@ impl Core {
 
     /// Runs the core until shutdown. `rx` is the only way in.
     pub fn run(mut self, rx: mpsc::Receiver<CoreMsg>) {
+        let spin = Duration::from_micros(self.opts.spin_us);
         loop {
+            // Under load the next request is usually microseconds away: look for it briefly
+            // before parking, which costs a context switch on both sides.
+            if !spin.is_zero() {
+                let until = Instant::now() + spin;
+                let mut got = None;
+                while Instant::now() < until {
+                    if let Ok(m) = rx.try_recv() {
+                        got = Some(m);
+                        break;
+                    }
+                    std::thread::yield_now();
+                }
+                if let Some(msg) = got {
+                    if self.handle(msg) {
+                        return;
+                    }
+                    while let Ok(msg) = rx.try_recv() {
+                        if self.handle(msg) {
+                            return;
+                        }
+                    }
+                    self.fire_timers();
+                    continue;
+                }
+            }
             let timeout = self
                 .next_wakeup()
                 .map(|at| Duration::from_millis(at.saturating_sub(wall_ms())));

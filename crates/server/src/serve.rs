@@ -31,6 +31,8 @@ pub struct ServeOptions {
     /// Allow every tool (benchmarks); ignored when `policy` is given.
     pub allow_all: bool,
     pub connections_max: usize,
+    /// Threads serving connections (1: a single IO thread).
+    pub io_threads: usize,
     pub conn: ConnOptions,
     pub core: CoreOptions,
     pub limits: Limits,
@@ -47,6 +49,7 @@ impl ServeOptions {
             policy: None,
             allow_all: false,
             connections_max: 4096,
+            io_threads: std::env::var("ESTOP_IO_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1),
             conn: ConnOptions::default(),
             core: CoreOptions::default(),
             limits: Limits::default(),
@@ -203,11 +206,12 @@ pub fn run_with(
         ledger_dir,
         next_conn: AtomicU64::new(1),
     });
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("estop-io")
-        .build()
-        .map_err(|e| setup(format!("cannot start the runtime: {e}")))?;
+    let runtime = match opts.io_threads {
+        // One IO thread beside the core and sync threads: no work stealing, fewer wakeups.
+        1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+        n => tokio::runtime::Builder::new_multi_thread().worker_threads(n.max(2)).enable_all().thread_name("estop-io").build(),
+    }
+    .map_err(|e| setup(format!("cannot start the runtime: {e}")))?;
     let mut socket_id = None;
     let result = runtime.block_on(serve_async(
         &opts,
