@@ -718,7 +718,10 @@ pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
             next_serial,
             next_approval,
             compacted,
+            expiries: BTreeSet::new(),
         };
+        let mut run = run;
+        run.index_expiries();
         runs.insert(id, run);
     }
     r.done()?;

@@ -175,13 +175,8 @@ impl Gate {
         if run.stop.is_some() {
             return None;
         }
-        let expiries = run.effects.values().filter_map(|e| match e.status {
-            Status::Held(HoldReason::Approval) | Status::Approved => {
-                e.approval.as_ref().map(|a| a.expires_at)
-            }
-            _ => None,
-        });
-        run.limits.deadline_at.into_iter().chain(expiries).min()
+        let expiry = run.expiries.first().map(|(at, _)| *at);
+        run.limits.deadline_at.into_iter().chain(expiry).min()
     }
 
     /// Applies one command at time `now` (Unix ms) on behalf of `principal`.
@@ -498,6 +493,9 @@ impl Gate {
                 approval.requested_at = now;
                 approval.expires_at = now.saturating_add(approval.expiry_ms);
                 let expires_at = approval.expires_at;
+                if let Some(run) = self.runs.get_mut(run_id) {
+                    run.expiries.insert((expires_at, key.clone()));
+                }
                 ev.push(event(run_id, Some(key), EventKind::Held));
                 Verdict::Held {
                     reason: HoldReason::Approval,
@@ -518,6 +516,11 @@ impl Gate {
                     run.in_flight += 1;
                 }
                 let e = run.effects.get_mut(key).expect("planned effect exists");
+                if e.status == Status::Approved
+                    && let Some(a) = &e.approval
+                {
+                    run.expiries.remove(&(a.expires_at, key.clone()));
+                }
                 e.status = if start {
                     Status::Started
                 } else {
@@ -544,6 +547,13 @@ impl Gate {
         let e = run.effects.get_mut(key).expect("effect exists");
         if e.status == Status::Held(HoldReason::Approval) {
             run.pending_approvals -= 1;
+        }
+        if matches!(
+            e.status,
+            Status::Held(HoldReason::Approval) | Status::Approved
+        ) && let Some(a) = &e.approval
+        {
+            run.expiries.remove(&(a.expires_at, key.clone()));
         }
         e.status = Status::Refused(reason);
         e.args = None;
@@ -1121,6 +1131,7 @@ impl Gate {
                 }
             }
             run.pending_approvals = 0;
+            run.expiries.clear();
             run.state = to;
             changed += 1;
             let kind = match cause {

@@ -205,6 +205,9 @@ pub struct Run {
     pub next_approval: u64,
     /// Per-effect state was dropped by retention; the fence remains.
     pub compacted: bool,
+    /// Expiry of every effect held for approval or approved and not yet consumed: the index
+    /// that makes `Gate::next_timer` O(log n). Derived state (rebuilt from effects on decode).
+    pub expiries: BTreeSet<(u64, EffectKey)>,
 }
 
 impl Run {
@@ -227,10 +230,21 @@ impl Run {
             next_serial: 1,
             next_approval: 1,
             compacted: false,
+            expiries: BTreeSet::new(),
         }
     }
 
     pub fn is_stopped(&self) -> bool {
         self.stop.is_some()
+    }
+
+    /// Rebuilds the expiry index from the effects (after decoding a snapshot).
+    pub(crate) fn index_expiries(&mut self) {
+        self.expiries = self
+            .effects
+            .iter()
+            .filter(|(_, e)| matches!(e.status, Status::Held(HoldReason::Approval) | Status::Approved))
+            .filter_map(|(k, e)| e.approval.as_ref().map(|a| (a.expires_at, k.clone())))
+            .collect();
     }
 }

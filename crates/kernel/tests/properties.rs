@@ -125,6 +125,11 @@ proptest! {
                 }
                 let held = run.effects.values().filter(|e| e.status == Status::Held(HoldReason::Approval)).count();
                 prop_assert_eq!(held as u32, run.pending_approvals, "pending counter drifted in {}", run_id);
+                let expected: std::collections::BTreeSet<_> = run.effects.iter()
+                    .filter(|(_, e)| matches!(e.status, Status::Held(HoldReason::Approval) | Status::Approved))
+                    .map(|(k, e)| (e.approval.as_ref().unwrap().expires_at, k.clone()))
+                    .collect();
+                prop_assert_eq!(&expected, &run.expiries, "expiry index drifted in {}", run_id);
                 let flying = run.effects.values().filter(|e| e.status == Status::Started).count();
                 prop_assert_eq!(flying as u32, run.in_flight, "in-flight counter drifted in {}", run_id);
             }
