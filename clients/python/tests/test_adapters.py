@@ -183,3 +183,48 @@ def test_reconnect_across_daemon_restart(run_id):
             assert charge(1) == "ok"  # a receipt from before the crash: not run again
         assert n == [1]
         gate.close()
+
+
+async def test_openai_agents_streamed_cancel_fences_threads(gate, daemon, run_id):
+    from agents import Agent, function_tool
+    from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+    from estop.adapters import openai_agents as eo
+
+    landed = []
+    release = threading.Event()
+    started = threading.Event()
+    refused = []
+
+    @estop.effect
+    def charge(amount: int) -> str:
+        landed.append(amount)
+        return "ok"
+
+    @function_tool
+    def slow_refund(amount: int) -> str:
+        """Slow refund in a worker thread."""
+        started.set()
+        release.wait(5)
+        try:
+            return charge(-amount)
+        except estop.RunStopped as e:
+            refused.append(e)
+            return "stopped"
+
+    model = ScriptedModel([ModelStep(output=[function_call("slow_refund", {"amount": 3}, call_id="a")]), ModelStep(output=[assistant_message("done")])])
+    agent = Agent(name="a", model=model, tools=eo.gate_tools([slow_refund]))
+    streamed = eo.run_streamed(agent, "go", gate=gate, run_id=run_id)
+    async for ev in streamed.stream_events():
+        if getattr(ev, "type", "") == "run_item_stream_event" and getattr(ev, "name", "") == "tool_called":
+            await asyncio.to_thread(started.wait, 5)  # the tool thread is running now
+            streamed.cancel()
+            break
+    release.set()
+    for _ in range(200):
+        if refused:
+            break
+        await asyncio.sleep(0.01)
+    assert landed == [] and refused
+    st = await asyncio.to_thread(daemon.operator.status, run_id)
+    assert st["state"] in ("cancelled", "finalizing")

@@ -38,7 +38,7 @@ from ..errors import Refused, RunStopped
 from ..run import Estop, Run, current_run
 from ._common import STOP_SIGNALS, arun_guarded, resolve_run, run_guarded
 
-__all__ = ["gate_tool", "gate_tools", "run", "run_sync", "STOP_ON"]
+__all__ = ["EstopStreamedRun", "gate_tool", "gate_tools", "run", "run_streamed", "run_sync", "STOP_ON"]
 
 #: What stops a run here: the common stop signals and the SDK's own tool timeout.
 STOP_ON: tuple[type[BaseException], ...] = STOP_SIGNALS + (ToolTimeoutError,)
@@ -99,3 +99,40 @@ def run_sync(agent: Any, input: Any, *, gate: Estop | None = None, run_id: str |
     """`Runner.run_sync` inside the estop run `run_id`."""
     r = resolve_run(gate, run_id)
     return run_guarded(r, lambda: asyncio.run(run(agent, input, run_id=r, stop_on=stop_on, **runner_kw)), stop_on=stop_on)
+
+
+class EstopStreamedRun:
+    """`Runner.run_streamed` as an estop run: `cancel()` fences the run at the gate first (every
+    thread and task of it refuses from that instant), then cancels the SDK's stream."""
+
+    def __init__(self, result: Any, run: Run) -> None:
+        self.result = result
+        self.run = run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.result, name)
+
+    async def stream_events(self) -> Any:
+        async with self.run:
+            try:
+                async for ev in self.result.stream_events():
+                    yield ev
+            except STOP_ON as e:
+                await asyncio.shield(self.run.acancel(f"{type(e).__name__} in the agent process", spare=asyncio.current_task()))
+                raise
+
+    def cancel(self, mode: str = "immediate", reason: str = "cancelled by the caller") -> None:
+        from ..run import FENCES
+
+        FENCES.fence(self.run.id, "cancelled", spare=asyncio.current_task())
+        loop = asyncio.get_running_loop()
+        loop.create_task(self.run.acancel(reason))
+        self.result.cancel(mode)
+
+
+def run_streamed(agent: Any, input: Any, *, gate: Estop | None = None, run_id: str | Run | None = None, **runner_kw: Any) -> EstopStreamedRun:
+    """`Runner.run_streamed` inside the estop run `run_id` (call it in a running loop)."""
+    r = resolve_run(gate, run_id)
+    with r:  # the SDK's background task copies this context: its tools see the run
+        result = Runner.run_streamed(agent, input, **runner_kw)
+    return EstopStreamedRun(result, r)
