@@ -160,7 +160,10 @@ impl Default for CoreOptions {
             waiters_max: 100_000,
             retention_ms: 7 * 24 * 3600 * 1000,
             snapshot_every_records: 1_000_000,
-            spin_us: std::env::var("ESTOP_CORE_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
+            spin_us: std::env::var("ESTOP_CORE_SPIN_US")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
         }
     }
 }
@@ -210,6 +213,8 @@ pub struct Core {
     open: OpenFn,
     self_tx: mpsc::Sender<CoreMsg>,
     durable_tx: Arc<watch::Sender<DurableState>>,
+    /// Replies waiting for their record's fsync; the sync thread releases them.
+    release: Arc<crate::durable::Release>,
     generation: u64,
     last_seq: u64,
     records_since_snapshot: u64,
@@ -244,13 +249,16 @@ impl Core {
             s.seq = last_seq;
             s.failed = false;
         });
-        let journal = Journal::start(opened.ledger, notifier(&durable_tx, 0, &self_tx))?;
+        let release = Arc::new(crate::durable::Release::default());
+        release.start(0, last_seq);
+        let journal = Journal::start(opened.ledger, notifier(&durable_tx, &release, 0, &self_tx))?;
         let mut core = Core {
             gate: opened.gate,
             journal: Some(journal),
             open,
             self_tx,
             durable_tx,
+            release,
             generation: 0,
             last_seq,
             records_since_snapshot: 0,
@@ -521,15 +529,20 @@ impl Core {
         if let Answer::Verdict(v) = &answer {
             self.obs.answered(v);
         }
-        let _ = to.out.send(Out::Answer {
-            id: to.id,
-            answer,
-            after: self.after(),
-        });
+        let after = self.after();
+        self.release.send(
+            after,
+            &to.out,
+            Out::Answer {
+                id: to.id,
+                answer,
+                after,
+            },
+        );
     }
 
     fn unavailable() -> Answer {
-        Answer::Error(ErrorCode::Unavailable, "the ledger cannot make changes durable right now (see the daemon's log); nothing was applied, retry later".into())
+        unavailable()
     }
 
     /// Applies a command and records it if it changed state. `Err` is a ready error answer.
@@ -692,13 +705,17 @@ impl Core {
                         outcome: None,
                         at: self.now,
                     };
-                    subs.retain(|(_, out)| {
-                        out.send(Out::Event {
-                            event: event.clone(),
+                    subs.retain(|(_, out)| !out.is_closed());
+                    for (_, out) in subs.iter() {
+                        self.release.send(
                             after,
-                        })
-                        .is_ok()
-                    });
+                            out,
+                            Out::Event {
+                                event: event.clone(),
+                                after,
+                            },
+                        );
+                    }
                 }
             }
             if e.kind.wakes_waiters() && !wake.contains(&e.run) {
@@ -821,6 +838,16 @@ impl Core {
                 s.seq = durable;
             }
         });
+        // Replies whose record did not reach the disk are not acknowledged.
+        for (out, item) in self.release.fail() {
+            if let Out::Answer { id, .. } = item {
+                let _ = out.send(Out::Answer {
+                    id,
+                    answer: Self::unavailable(),
+                    after: After::default(),
+                });
+            }
+        }
         // Everything waiting is answered now: the state it waited on may not survive recovery.
         let waiters: Vec<Waiter> = self.waiters.drain().flat_map(|(_, ws)| ws).collect();
         self.waiter_count = 0;
@@ -860,9 +887,10 @@ impl Core {
         self.generation = generation;
         self.gate = opened.gate;
         self.last_seq = seq;
+        self.release.start(generation, seq);
         match Journal::start(
             opened.ledger,
-            notifier(&self.durable_tx, generation, &self.self_tx),
+            notifier(&self.durable_tx, &self.release, generation, &self.self_tx),
         ) {
             Ok(journal) => {
                 self.durable_tx.send_modify(|s| s.failed = false);
@@ -1026,19 +1054,30 @@ impl Core {
     }
 }
 
+/// The answer to a change the ledger could not make durable.
+pub fn unavailable() -> Answer {
+    Answer::Error(
+        ErrorCode::Unavailable,
+        "the ledger cannot make changes durable right now (see the daemon's log); the change is not acknowledged, retry later with the same key".into(),
+    )
+}
+
 /// Opens the ledger (with `Some(discard_after)` after a failure) and rebuilds the gate.
 pub type OpenFn = Box<dyn FnMut(Option<u64>) -> Result<Opened, JournalError> + Send>;
 
 /// The ledger's sync thread reports here: durable progress to the repliers, failure to the core.
 fn notifier(
     durable_tx: &Arc<watch::Sender<DurableState>>,
+    release: &Arc<crate::durable::Release>,
     generation: u64,
     core_tx: &mpsc::Sender<CoreMsg>,
 ) -> impl Fn(Result<u64, LedgerError>) + Send + Sync + 'static {
     let durable_tx = Arc::clone(durable_tx);
+    let release = Arc::clone(release);
     let core_tx = core_tx.clone();
     move |r| match r {
         Ok(seq) => {
+            release.durable(generation, seq);
             durable_tx.send_if_modified(|s| {
                 let advance = s.generation == generation && seq > s.seq;
                 if advance {

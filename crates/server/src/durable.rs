@@ -136,3 +136,81 @@ mod tests {
         );
     }
 }
+
+/// Replies and events whose record is not durable yet, released by the ledger's sync thread
+/// the moment it is, in order. A connection is woken once, with something it can write.
+#[derive(Debug, Default)]
+pub struct Release {
+    inner: std::sync::Mutex<ReleaseInner>,
+}
+
+#[derive(Debug, Default)]
+struct ReleaseInner {
+    generation: u64,
+    durable: u64,
+    /// The generation failed: nothing past `durable` will ever be durable in it.
+    failed: bool,
+    queue: std::collections::VecDeque<(u64, crate::core::Outbox, crate::core::Out)>,
+}
+
+impl Release {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ReleaseInner> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Sends `item` now if `after` is durable, else when it becomes so.
+    pub fn send(&self, after: After, out: &crate::core::Outbox, item: crate::core::Out) {
+        let mut g = self.lock();
+        let pending = after.generation == g.generation && after.seq > g.durable;
+        if pending && g.failed {
+            // It depends on a record that was lost with the failed generation.
+            if let crate::core::Out::Answer { id, .. } = item {
+                let _ = out.send(crate::core::Out::Answer {
+                    id,
+                    answer: crate::core::unavailable(),
+                    after: After::default(),
+                });
+            }
+        } else if pending {
+            g.queue.push_back((after.seq, out.clone(), item));
+        } else {
+            // Earlier items of every connection have smaller seqs and are gone already.
+            let _ = out.send(item);
+        }
+    }
+
+    /// Called by the sync thread after each fdatasync: releases what is now durable.
+    pub fn durable(&self, generation: u64, seq: u64) {
+        let mut g = self.lock();
+        if g.generation != generation || seq <= g.durable {
+            return;
+        }
+        g.durable = seq;
+        while g.queue.front().is_some_and(|(s, _, _)| *s <= seq) {
+            if let Some((_, out, item)) = g.queue.pop_front() {
+                let _ = out.send(item);
+            }
+        }
+    }
+
+    /// The generation failed: hands back everything still waiting (none of it is durable).
+    pub fn fail(&self) -> Vec<(crate::core::Outbox, crate::core::Out)> {
+        let mut g = self.lock();
+        g.failed = true;
+        g.queue.drain(..).map(|(_, o, i)| (o, i)).collect()
+    }
+
+    /// A new generation starts with `seq` durable.
+    pub fn start(&self, generation: u64, seq: u64) {
+        let mut g = self.lock();
+        assert!(
+            g.queue.is_empty(),
+            "a new generation starts with nothing waiting"
+        );
+        g.generation = generation;
+        g.durable = seq;
+        g.failed = false;
+    }
+}
