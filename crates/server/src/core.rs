@@ -1077,7 +1077,7 @@ fn notifier(
     let core_tx = core_tx.clone();
     move |r| match r {
         Ok(seq) => {
-            release.durable(generation, seq);
+            // The watch first, so a released reply never waits on it again.
             durable_tx.send_if_modified(|s| {
                 let advance = s.generation == generation && seq > s.seq;
                 if advance {
@@ -1085,6 +1085,7 @@ fn notifier(
                 }
                 advance
             });
+            release.durable(generation, seq);
         }
         Err(e) => {
             crate::log::error(&format!(
