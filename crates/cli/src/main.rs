@@ -125,6 +125,10 @@ struct ServeArgs {
     /// Write a snapshot after this many ledger records (bounds recovery time).
     #[arg(long, default_value_t = 1_000_000)]
     snapshot_every: u64,
+    /// The operator console and HTTP API: host:port (port 0 picks one) or `off`; default
+    /// 127.0.0.1:7421, and if that is taken the gate starts without a console and says so.
+    #[arg(long, value_name = "ADDR")]
+    console: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -562,10 +566,28 @@ fn serve(a: ServeArgs) -> Result<u8> {
     opts.core.snapshot_every_records = a.snapshot_every.max(1);
     opts.core.retention_ms = estop_policy::parse_duration_ms(&a.retention)
         .map_err(|e| anyhow!("--retention {}: {e}", a.retention))?;
-    estop_server::run(opts, |ready| {
+    let mut services: Vec<Box<dyn estop_server::service::Service>> = Vec::new();
+    if a.console.as_deref() != Some("off") {
+        services.push(Box::new(estop_console::Console::new(
+            estop_console::ConsoleOptions {
+                required: a.console.is_some(),
+                addr: a
+                    .console
+                    .unwrap_or_else(|| estop_console::DEFAULT_ADDR.to_string()),
+                ..Default::default()
+            },
+        )));
+    }
+    estop_server::run_with(opts, services, |ready| {
         println!("{}", ready.line());
         use std::io::Write;
-        let _ = std::io::stdout().flush();
+        let mut out = std::io::stdout().lock();
+        // The login link goes to the operator's terminal only; a reader that stopped after
+        // the ready line must not kill the daemon (errors are ignored).
+        for notice in &ready.notices {
+            let _ = writeln!(out, "{notice}");
+        }
+        let _ = out.flush();
     })
     .map_err(|e| anyhow!("{e}"))
     .context("estop serve could not start")?;
