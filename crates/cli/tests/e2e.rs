@@ -441,6 +441,20 @@ fn held_approval_survives_kill9_and_is_admitted_once_after_restart() {
 #[test]
 fn kill9_under_load_loses_nothing_acknowledged_and_admits_nothing_twice() {
     let mut d = Daemon::start();
+    // Approvals are pending while the load runs and the daemon is killed.
+    let mut held = d.agent();
+    for i in 0..5 {
+        assert_eq!(
+            verdict(&admit(
+                &mut held,
+                &format!("held{i}"),
+                "k",
+                "refund",
+                json!({"i": i})
+            )),
+            "held"
+        );
+    }
     let threads = 8;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut handles = Vec::new();
@@ -510,6 +524,34 @@ fn kill9_under_load_loses_nothing_acknowledged_and_admits_nothing_twice() {
         "{}",
         String::from_utf8_lossy(&verify.stdout)
     );
+    let mut op = d.operator();
+    let pending = ok(&mut op, json!({"op": "pending"}));
+    assert_eq!(pending["pending"].as_array().unwrap().len(), 5, "{pending}");
+}
+
+#[test]
+fn a_bad_policy_is_refused_at_start_with_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("bad.toml");
+    std::fs::write(
+        &policy,
+        "[defaults]\nunknown_tool = \"approve\"\n\n[[rules]]\ntool = \"refund\"\nwhen = \"args.amount >\"\naction = \"approve\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(common::bin())
+        .args(["serve", "--data"])
+        .arg(dir.path().join("data"))
+        .arg("--policy")
+        .arg(&policy)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("bad.toml:6:"),
+        "the error names the file and line: {stderr}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("estop ready"));
 }
 
 #[test]
