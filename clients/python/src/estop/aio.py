@@ -198,6 +198,8 @@ class AsyncClient:
                 pass
 
     def _dispatch(self, event: dict[str, Any]) -> None:
+        if event.get("event") in ("cancelled", "closed") and event.get("run") in self._subs:
+            self._subs.pop(event["run"], None)  # terminal: no need to re-subscribe after a reconnect
         for cb in list(self._listeners):
             try:
                 cb(event)

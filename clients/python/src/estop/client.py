@@ -234,6 +234,8 @@ class Client:
                 pass
 
     def _dispatch(self, event: dict[str, Any]) -> None:
+        if event.get("event") in ("cancelled", "closed") and event.get("run") in self._subs:
+            self._subs.pop(event["run"], None)  # terminal: no need to re-subscribe after a reconnect
         with self._listeners_lock:
             listeners = list(self._listeners)
         for cb in listeners:

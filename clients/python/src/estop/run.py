@@ -226,7 +226,7 @@ class Run:
     limits: dict[str, int] | None = None
     _tasks: "dict[asyncio.Task[Any], asyncio.AbstractEventLoop]" = field(default_factory=dict, repr=False)
     _tasks_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _watched: bool = field(default=False, repr=False)
+    _watched: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet, repr=False)
     _created: bool = field(default=False, repr=False)
     _prev: "dict[tuple[int, int], list[Run | None]]" = field(default_factory=dict, repr=False)
     _entered: "list[asyncio.Task[Any]]" = field(default_factory=list, repr=False)
@@ -343,23 +343,27 @@ class Run:
 
     # -- watching -----------------------------------------------------------------------------
 
+    # One subscription per (run, client): the blocking client and each loop's asyncio client
+    # (a loop that ends takes its subscription with it; the next loop subscribes again).
     def _watch_sync(self) -> None:
-        if self._watched:
+        c = self.gate.client
+        if c in self._watched:
             return
-        self._watched = True
+        self._watched.add(c)
         try:
-            self.gate.client.subscribe(self.id)
+            c.subscribe(self.id)
         except Exception:
-            self._watched = False
+            self._watched.discard(c)
 
     async def _watch_async(self) -> None:
-        if self._watched:
+        c = self.gate.aclient
+        if c in self._watched:
             return
-        self._watched = True
+        self._watched.add(c)
         try:
-            await self.gate.aclient.subscribe(self.id)
+            await c.subscribe(self.id)
         except Exception:
-            self._watched = False
+            self._watched.discard(c)
 
     # -- stopping -----------------------------------------------------------------------------
 
