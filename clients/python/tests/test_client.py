@@ -177,3 +177,14 @@ def test_timeout(daemon, run_id):
         with pytest.raises(estop.EstopTimeout):
             c.call("wait", run=run_id, key="h", timeout_ms=2000, timeout_s=0.2)
         assert c.ping()  # the connection is still usable; the late reply is dropped
+
+
+def test_huge_args_go_as_digest(daemon, run_id):
+    big = {"blob": "x" * 100_000}
+    with daemon.client() as c:
+        v = c.admit(run_id, "big", "upload", big, start=False)
+        assert isinstance(v, Admitted)  # the line would be too long: the digest went instead
+        assert c.admit(run_id, "big", "upload", digest=estop.digest("upload", big), start=False) == v
+        with pytest.raises(estop.InvalidRequest):
+            c.complete(run_id, "big", v.token, "ok", result={"blob": "y" * 100_000})
+        assert c.ping()

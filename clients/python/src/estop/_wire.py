@@ -47,6 +47,26 @@ def request_line(rid: int, op: str, fields: dict[str, Any]) -> bytes:
     return (json.dumps(req, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n").encode()
 
 
+#: The gate's default `line_bytes_max` (docs/PROTOCOL.md, "Limits").
+LINE_BYTES_MAX = 65536
+
+
+def fit_admit(fields: dict[str, Any], line_bytes_max: int) -> dict[str, Any]:
+    """An admit whose arguments would make the line too long sends their digest instead (the
+    gate binds approvals and receipts to the digest either way; a tool whose policy has a `when`
+    then answers `args_required`)."""
+    if "args" not in fields:
+        return fields
+    size = len(request_line(0, "admit", fields))
+    if size <= line_bytes_max - 64:
+        return fields
+    from ._jcs import digest
+
+    out = dict(fields)
+    out["digest"] = digest(fields["tool"], out.pop("args"))
+    return out
+
+
 def check(reply: dict[str, Any]) -> dict[str, Any]:
     if reply.get("ok") is True:
         return reply

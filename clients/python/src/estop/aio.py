@@ -17,7 +17,7 @@ from . import _wire
 from ._wire import _MISSING
 from .client import EventCallback
 from .config import Config
-from .errors import ConnectionLost, EstopTimeout, GateError, Unauthenticated
+from .errors import ConnectionLost, EstopTimeout, GateError, InvalidRequest, Unauthenticated
 from .verdicts import Verdict
 
 __all__ = ["AsyncClient"]
@@ -116,6 +116,7 @@ class AsyncClient:
         reconnect_attempts: int = 6,
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
+        line_bytes_max: int = _wire.LINE_BYTES_MAX,
     ) -> None:
         self.config = config or Config.from_env(socket=socket, addr=addr, token=token)
         self.timeout_s = timeout_s
@@ -123,6 +124,7 @@ class AsyncClient:
         self.reconnect_attempts = reconnect_attempts
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
+        self.line_bytes_max = line_bytes_max
         self._ids = itertools.count(1)
         self._conn: _AConn | None = None
         self._lock: asyncio.Lock | None = None
@@ -177,7 +179,10 @@ class AsyncClient:
 
     async def _roundtrip(self, conn: _AConn, op: str, fields: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         rid = next(self._ids)
-        fut = await conn.send(rid, _wire.request_line(rid, op, fields))
+        line = _wire.request_line(rid, op, fields)
+        if len(line) - 1 > self.line_bytes_max:
+            raise InvalidRequest("line_too_long", f"{op} request is {len(line) - 1} bytes, over line_bytes_max {self.line_bytes_max}")
+        fut = await conn.send(rid, line)
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
@@ -265,7 +270,10 @@ class AsyncClient:
         needs_approval: bool | None = None,
         limits: dict[str, int] | None = None,
     ) -> Verdict:
-        f = _wire.admit_fields(run, key, tool, args, digest, start, parent, labels, needs_approval, limits)
+        f = _wire.fit_admit(
+            _wire.admit_fields(run, key, tool, args, digest, start, parent, labels, needs_approval, limits),
+            self.line_bytes_max,
+        )
         return _wire.verdict(await self.call("admit", **f))
 
     async def start(self, run: str, key: str, token: str) -> Verdict:

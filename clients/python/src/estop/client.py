@@ -17,7 +17,7 @@ from typing import Any, Callable
 from . import _wire
 from ._wire import _MISSING
 from .config import Config
-from .errors import ConnectionLost, EstopTimeout, GateError, Unauthenticated
+from .errors import ConnectionLost, EstopTimeout, GateError, InvalidRequest, Unauthenticated
 from .verdicts import Verdict
 
 __all__ = ["Client", "EventCallback"]
@@ -138,6 +138,7 @@ class Client:
         reconnect_attempts: int = 6,
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
+        line_bytes_max: int = _wire.LINE_BYTES_MAX,
     ) -> None:
         self.config = config or Config.from_env(socket=socket, addr=addr, token=token)
         self.timeout_s = timeout_s
@@ -145,6 +146,7 @@ class Client:
         self.reconnect_attempts = reconnect_attempts
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
+        self.line_bytes_max = line_bytes_max
         self._ids = itertools.count(1)
         self._conn: _Conn | None = None
         self._conn_lock = threading.Lock()
@@ -210,7 +212,10 @@ class Client:
 
     def _roundtrip(self, conn: _Conn, op: str, fields: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         rid = next(self._ids)
-        slot = conn.send(rid, _wire.request_line(rid, op, fields))
+        line = _wire.request_line(rid, op, fields)
+        if len(line) - 1 > self.line_bytes_max:
+            raise InvalidRequest("line_too_long", f"{op} request is {len(line) - 1} bytes, over line_bytes_max {self.line_bytes_max}")
+        slot = conn.send(rid, line)
         if not slot.done.wait(timeout_s):
             conn.forget(rid)
             raise EstopTimeout(f"no reply to {op} within {timeout_s:.1f}s")
@@ -310,7 +315,10 @@ class Client:
         needs_approval: bool | None = None,
         limits: dict[str, int] | None = None,
     ) -> Verdict:
-        f = _wire.admit_fields(run, key, tool, args, digest, start, parent, labels, needs_approval, limits)
+        f = _wire.fit_admit(
+            _wire.admit_fields(run, key, tool, args, digest, start, parent, labels, needs_approval, limits),
+            self.line_bytes_max,
+        )
         return _wire.verdict(self.call("admit", **f))
 
     def start(self, run: str, key: str, token: str) -> Verdict:

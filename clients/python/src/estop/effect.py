@@ -116,7 +116,7 @@ def _encode_result(value: Any) -> Any:
         v = {"repr": repr(value)[:1000]}
     import json
 
-    if len(json.dumps(v, ensure_ascii=False)) > _RESULT_BYTES_MAX:
+    if len(json.dumps(v, ensure_ascii=False).encode()) > _RESULT_BYTES_MAX:
         return {"truncated": True, "repr": repr(value)[:1000]}
     return v
 
