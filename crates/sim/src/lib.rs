@@ -10,9 +10,11 @@
 //!
 //! docs/TESTING.md says what each proves and how to run the long modes.
 
+#[cfg(feature = "server")]
 pub mod check;
 pub mod diff;
 pub mod model;
 pub mod rng;
+#[cfg(feature = "server")]
 pub mod sim;
 pub mod world;

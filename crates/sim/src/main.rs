@@ -124,6 +124,68 @@ fn main() -> ExitCode {
             );
             ExitCode::SUCCESS
         }
+        Some("corpus") => {
+            // Seeds for the fuzz corpora: real records, snapshots and segments of a random trace.
+            let dir = std::path::PathBuf::from(
+                args.get(2).cloned().unwrap_or_else(|| "fuzz/corpus".into()),
+            );
+            let mut pair = estop_sim::diff::Pair::new();
+            let mut rng = estop_sim::rng::Rng::new(7);
+            for _ in 0..60 {
+                let op = estop_sim::diff::random_op(&mut rng, &pair.model);
+                let _ = pair.step(&op);
+            }
+            let write = |sub: &str, name: String, bytes: &[u8]| {
+                let d = dir.join(sub);
+                std::fs::create_dir_all(&d).expect("corpus dir");
+                std::fs::write(d.join(name), bytes).expect("corpus file");
+            };
+            let mut seg = estop_ledger::format::encode_segment_header(1).to_vec();
+            for (i, rec) in pair.log.iter().enumerate().take(8) {
+                let mut b = Vec::new();
+                estop_kernel::codec::encode_record(rec, &mut b);
+                write("kernel_codec", format!("record-{i}"), &b);
+                estop_ledger::format::append_record(&mut seg, i as u64 + 1, &b, crc32c::crc32c(&b));
+            }
+            let mut snap = Vec::new();
+            estop_kernel::codec::encode_snapshot(&pair.gate, &mut snap);
+            write("kernel_codec", "snapshot".into(), &snap);
+            write(
+                "ledger_open",
+                "segment".into(),
+                &[&[0u8][..], &seg].concat(),
+            );
+            let mut torn = seg.clone();
+            torn.truncate(seg.len() - 5);
+            write("ledger_open", "torn".into(), &[&[0u8][..], &torn].concat());
+            let mut with_snap = vec![1u8, 64];
+            with_snap.extend_from_slice(&estop_ledger::format::encode_snapshot_header(
+                1,
+                &snap[..snap.len().min(40)],
+            ));
+            with_snap.extend_from_slice(&seg);
+            write("ledger_open", "snapshot".into(), &with_snap);
+            let mut ops = Vec::new();
+            for i in 0..64u64 {
+                ops.extend_from_slice(&(i * 0x9E37_79B9).to_le_bytes());
+            }
+            write("kernel_vs_model", "ops".into(), &ops);
+            let lines: &[&str] = &[
+                r#"{"id":1,"op":"hello","token":"secret"}"#,
+                r#"{"id":2,"op":"admit","run":"r","key":"k","tool":"pay","args":{"a":[1,2.5,"x",null,true]}}"#,
+                r#"{"id":"s","op":"admit","run":"r","key":"k","tool":"t","digest":"8833f3bd12786d1bfb0512eb3624a0de38e845d906c110a4bab60af53bbd1b96","start":false,"parent":"p","labels":{"a":"b"},"limits":{"timeout_ms":5}}"#,
+                r#"{"id":3,"op":"decide","run":"r","key":"k","decision":"approve"}"#,
+                r#"{"id":4,"op":"complete","run":"r","key":"k","token":"1.1","outcome":"ok","result":{"x":1}}"#,
+                r#"{"id":5,"op":"wait","run":"r","key":"k","timeout_ms":100}"#,
+                r#"{"op":"submit","run_id":"r1","effect_key":"send","needs_approval":true}"#,
+                r#"{"op":"decide","run_id":"r1","effect_key":"send","approved":true,"mac":"00"}"#,
+            ];
+            for (i, l) in lines.iter().enumerate() {
+                write("protocol_request", format!("line-{i}"), l.as_bytes());
+            }
+            println!("corpus written to {}", dir.display());
+            ExitCode::SUCCESS
+        }
         _ => {
             eprintln!("usage: estop-sim diff|check|sim [options] (see docs/TESTING.md)");
             ExitCode::from(2)
