@@ -203,8 +203,17 @@ class Estop:
             return None
 
     def close(self) -> None:
+        """Closes the blocking client (asyncio clients: `aclose` on their loop)."""
         if self._client is not None:
             self._client.close()
+
+    async def aclose(self) -> None:
+        """Closes the running loop's asyncio client."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            c = self._aclients.pop(loop, None)
+        if c is not None:
+            await c.close()
 
 
 def _ignore_unknown_run(fn: Any) -> Any:
