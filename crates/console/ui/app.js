@@ -1,0 +1,582 @@
+// estop console: plain JavaScript, no build step. Every text an agent controls (run ids, keys,
+// tools, arguments, labels) is put on the page with textContent, never parsed as HTML.
+"use strict";
+
+const S = {
+  me: null,          // {principal, role, csrf, expires_at}
+  pending: [],
+  runs: [],
+  route: { view: "inbox" },
+  run: null,         // {status, report, ledger, error}
+  events: null,
+  refreshTimer: null,
+  filter: { q: "", state: "" },
+};
+
+// ---------- small helpers ----------
+
+function h(tag, attrs, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k === "class") el.className = v;
+    else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else if (k === "text") el.textContent = v;
+    else el.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of children.flat()) {
+    if (c === undefined || c === null || c === false) continue;
+    el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return el;
+}
+
+function $(id) { return document.getElementById(id); }
+
+class ApiError extends Error {
+  constructor(status, code, message) { super(message); this.status = status; this.code = code; }
+}
+
+async function api(method, path, body) {
+  const headers = { "Accept": "application/json" };
+  const init = { method, headers, credentials: "same-origin" };
+  if (method !== "GET") {
+    headers["Content-Type"] = "application/json";
+    if (S.me && S.me.csrf) headers["X-CSRF-Token"] = S.me.csrf;
+    init.body = JSON.stringify(body || {});
+  }
+  const r = await fetch(path, init);
+  let data = null;
+  try { data = await r.json(); } catch (_) { data = null; }
+  if (!r.ok) {
+    const e = (data && data.error) || { code: "http_" + r.status, message: r.statusText };
+    throw new ApiError(r.status, e.code, e.message);
+  }
+  return data;
+}
+
+const enc = encodeURIComponent;
+const runPath = (run) => "/api/v1/runs/" + enc(run);
+
+function toast(msg, isError) {
+  const d = h("div", { class: isError ? "error" : "" }, msg);
+  $("toast").append(d);
+  setTimeout(() => d.remove(), isError ? 9000 : 4000);
+}
+
+function age(ms) {
+  const s = Math.max(0, Math.round((Date.now() - ms) / 1000));
+  if (s < 60) return s + "s";
+  if (s < 3600) return Math.floor(s / 60) + "m";
+  if (s < 86400) return Math.floor(s / 3600) + "h " + Math.floor((s % 3600) / 60) + "m";
+  return Math.floor(s / 86400) + "d";
+}
+
+function left(ms) {
+  const s = Math.round((ms - Date.now()) / 1000);
+  if (s <= 0) return "expired";
+  const m = Math.floor(s / 60), sec = s % 60;
+  if (m >= 60) return Math.floor(m / 60) + "h " + (m % 60) + "m";
+  return m + ":" + String(sec).padStart(2, "0");
+}
+
+function clock(ms) {
+  const d = new Date(ms);
+  return d.toLocaleTimeString([], { hour12: false }) + "." + String(d.getMilliseconds()).padStart(3, "0");
+}
+
+function when(ms) { return new Date(ms).toLocaleString(); }
+
+// Inline style attributes are refused by the CSP; CSSOM properties are not.
+function bar(pct) { const s = h("span", {}); s.style.width = pct + "%"; return s; }
+
+function badge(s) { return h("span", { class: "badge s-" + s }, s.replace(/_/g, " ")); }
+
+const isOperator = () => S.me && S.me.role === "operator";
+
+// ---------- routing ----------
+
+function parseRoute() {
+  const hash = location.hash.replace(/^#/, "") || "/inbox";
+  const parts = hash.split("/").filter(Boolean);
+  if (parts[0] === "runs" && parts.length > 1) return { view: "run", run: decodeURIComponent(parts.slice(1).join("/")) };
+  if (parts[0] === "runs") return { view: "runs" };
+  return { view: "inbox" };
+}
+
+function runHref(run) { return "#/runs/" + enc(run); }
+
+window.addEventListener("hashchange", () => { S.route = parseRoute(); S.run = null; render(); refresh(true); $("main").focus(); });
+
+// ---------- data ----------
+
+async function loadPending() {
+  const r = await api("GET", "/api/v1/pending");
+  S.pending = r.pending || [];
+}
+
+async function loadRuns() {
+  const r = await api("GET", "/api/v1/runs?limit=1000");
+  S.runs = (r.runs || []).sort((a, b) => b.created_at - a.created_at);
+}
+
+async function loadRun(run) {
+  const out = { run };
+  const [status, report] = await Promise.allSettled([
+    api("GET", runPath(run)),
+    api("GET", runPath(run) + "/report"),
+  ]);
+  if (status.status === "rejected") { out.error = status.reason; return out; }
+  out.status = status.value;
+  out.report = report.status === "fulfilled" ? report.value : null;
+  if (isOperator()) {
+    try {
+      const entries = [];
+      let after = 0;
+      for (let page = 0; page < 20; page++) {
+        const l = await api("GET", runPath(run) + "/ledger?limit=1000&after=" + after);
+        entries.push(...(l.entries || []));
+        if (l.next_after === undefined || l.next_after === null) break;
+        after = l.next_after;
+      }
+      out.ledger = entries;
+    } catch (e) { out.ledgerError = e.message; }
+  }
+  return out;
+}
+
+async function refresh(all) {
+  if (!S.me) return;
+  try {
+    const jobs = [loadPending()];
+    if (all || S.route.view === "runs") jobs.push(loadRuns());
+    if (S.route.view === "run") jobs.push(loadRun(S.route.run).then((r) => { S.run = r; }));
+    await Promise.all(jobs);
+    render();
+  } catch (e) {
+    if (e.status === 401) return showLogin(e.message);
+    toast(e.message, true);
+  }
+}
+
+// Events arrive in bursts: coalesce them, and re-read a run's ledger only for its own events.
+const dirty = { run: false };
+function scheduleRefresh(runChanged) {
+  if (runChanged) dirty.run = true;
+  if (S.refreshTimer) return;
+  S.refreshTimer = setTimeout(async () => {
+    S.refreshTimer = null;
+    const run = dirty.run;
+    dirty.run = false;
+    if (!S.me) return;
+    try {
+      const jobs = [loadPending()];
+      if (S.route.view === "runs") jobs.push(loadRuns());
+      if (S.route.view === "run" && (run || !S.run)) jobs.push(loadRun(S.route.run).then((r) => { S.run = r; }));
+      await Promise.all(jobs);
+      render();
+    } catch (e) {
+      if (e.status === 401) showLogin(e.message); else toast(e.message, true);
+    }
+  }, 250);
+}
+
+function live(state, text) {
+  const el = $("live");
+  el.className = "live " + state;
+  el.textContent = text;
+}
+
+function connectEvents() {
+  if (S.events) S.events.close();
+  const es = new EventSource("/api/v1/events");
+  S.events = es;
+  es.addEventListener("ready", () => { live("on", "live"); refresh(true); });
+  es.onmessage = (m) => {
+    let e = null;
+    try { e = JSON.parse(m.data); } catch (_) { return; }
+    scheduleRefresh(S.route.view === "run" && e.run === S.route.run);
+  };
+  es.onerror = async () => {
+    live("off", "reconnecting…");
+    // The stream ends when the session does: find out whether to log in again.
+    try { await api("GET", "/api/v1/session"); } catch (e) { if (e.status === 401) { es.close(); showLogin("Your session ended: log in again."); } }
+  };
+}
+
+// ---------- actions ----------
+
+async function act(button, method, path, body, done) {
+  button.disabled = true;
+  try {
+    const r = await api(method, path, body);
+    if (done) toast(done(r));
+    await refresh(true);
+  } catch (e) {
+    if (e.status === 401) return showLogin(e.message);
+    toast(e.message, true);
+  } finally {
+    button.disabled = false;
+  }
+}
+
+function decide(p, decision, reason, button) {
+  const path = runPath(p.run) + "/effects/" + enc(p.key) + "/decide";
+  const body = { decision };
+  if (reason) body.reason = reason;
+  return act(button, "POST", path, body, (r) => {
+    if (r.status === "held") return `Approved by you: ${r.approvals.length} of ${r.quorum} approvals for ${p.tool} (${p.key}).`;
+    return `${p.tool} (${p.key}) is ${r.status}.`;
+  });
+}
+
+// ---------- views ----------
+
+function pendingCard(p, index) {
+  const reasonId = "reason-" + index;
+  const reason = h("input", { id: reasonId, class: "grow", type: "text", maxlength: "1024", placeholder: "Reason (optional, recorded in the ledger)", "aria-label": `Reason for deciding ${p.tool} (${p.key})` });
+  const approvals = p.approvals || [];
+  const pct = Math.min(100, Math.round((approvals.length / Math.max(1, p.quorum)) * 100));
+  const argsText = p.args === undefined ? null : JSON.stringify(p.args, null, 2);
+  const countdown = h("span", { class: "countdown", "data-expires": String(p.expires_at), title: "expires " + when(p.expires_at) }, left(p.expires_at));
+  const label = `${p.tool} for run ${p.run}, key ${p.key}`;
+  const approve = h("button", { type: "button", class: "approve", "aria-label": "Approve " + label }, "Approve");
+  const reject = h("button", { type: "button", class: "reject", "aria-label": "Reject " + label, title: "A reject is final: the same call is refused in this run from now on" }, "Reject");
+  approve.addEventListener("click", () => decide(p, "approve", reason.value.trim(), approve));
+  reject.addEventListener("click", () => decide(p, "reject", reason.value.trim(), reject));
+  const fk = (what) => what + "\u0000" + p.run + "\u0000" + p.key;
+  reason.dataset.focus = fk("reason");
+  approve.dataset.focus = fk("approve");
+  reject.dataset.focus = fk("reject");
+  return h("article", { class: "card", "data-run": p.run, "data-key": p.key, "data-focus": fk("card"), "aria-label": "Approval: " + label, tabindex: "-1" },
+    h("header", {},
+      h("div", {}, h("span", { class: "tool" }, p.tool), " ",
+        h("span", { class: "muted" }, "run "), h("a", { href: runHref(p.run) }, p.run),
+        h("span", { class: "muted" }, " · key "), h("span", { class: "mono" }, p.key)),
+      h("div", {}, "Expires in ", countdown)),
+    h("dl", { class: "facts" },
+      h("dt", {}, "Call"),
+      h("dd", {}, argsText === null ? h("span", { class: "muted" }, "digest only: the agent did not send the arguments") : h("pre", { class: "args" }, argsText)),
+      h("dt", {}, "Digest"), h("dd", { class: "mono", title: "SHA-256 of the canonical {tool, args}: the approval binds to exactly this call" }, p.digest),
+      h("dt", {}, "Rule"), h("dd", { class: "mono" }, p.rule || "-"),
+      h("dt", {}, "Quorum"),
+      h("dd", {}, h("div", { class: "quorum" },
+        h("div", { class: "bar", role: "progressbar", "aria-valuemin": "0", "aria-valuemax": String(p.quorum), "aria-valuenow": String(approvals.length), "aria-label": "approvals" }, bar(pct)),
+        h("span", { class: "quorum-text" }, `${approvals.length} of ${p.quorum} approval${p.quorum === 1 ? "" : "s"}`),
+        approvals.length ? h("span", { class: "muted" }, "by " + approvals.join(", ")) : null,
+        (p.groups || []).length ? h("span", { class: "muted" }, "from groups " + p.groups.join(", ")) : null)),
+      h("dt", {}, "Held since"), h("dd", {}, when(p.created_at), h("span", { class: "muted" }, " (" + age(p.created_at) + " ago)"))),
+    isOperator()
+      ? h("div", { class: "decide" }, h("div", { class: "row" }, reason, approve, reject))
+      : h("p", { class: "muted" }, "Only an operator can decide."));
+}
+
+function viewInbox() {
+  const main = $("main");
+  main.replaceChildren(h("h1", {}, "Approvals inbox"));
+  if (!S.pending.length) {
+    main.append(h("div", { class: "empty" }, "Nothing awaits a decision. Held effects appear here the moment an agent asks."));
+    return;
+  }
+  main.append(h("p", { class: "muted" }, `${S.pending.length} effect${S.pending.length === 1 ? "" : "s"} held for a decision, soonest to expire first. Approving binds to the digest shown: a different call needs its own approval.`));
+  main.append(h("div", { class: "cards", id: "cards" }, S.pending.map(pendingCard)));
+}
+
+function limitsUsed(r) {
+  const e = r.effects || {};
+  const used = (e.admitted || 0) + (e.started || 0) + (e.completed || 0) + (e.failed || 0) + (e.unknown || 0);
+  const parts = [];
+  parts.push(r.max_effects ? `${used}/${r.max_effects} effects` : `${used} effects`);
+  if (r.deadline_at) parts.push(r.stopped_at ? "deadline " + when(r.deadline_at) : "deadline in " + left(r.deadline_at));
+  return parts.join(" · ");
+}
+
+function labels(r) {
+  return Object.entries(r.labels || {}).map(([k, v]) => h("span", { class: "chip" }, k + "=" + v));
+}
+
+function matches(r, q) {
+  if (!q) return true;
+  q = q.toLowerCase();
+  const hay = [r.run, r.owner, r.parent || "", r.cause || "", r.state, ...Object.entries(r.labels || {}).map(([k, v]) => k + "=" + v)].join(" ").toLowerCase();
+  return q.split(/\s+/).every((t) => hay.includes(t));
+}
+
+function viewRuns() {
+  const main = $("main");
+  const states = ["", "active", "paused", "finalizing", "completed", "failed", "cancelled"];
+  const search = h("input", { "data-focus": "search", id: "search", type: "search", class: "grow", placeholder: "Search run, owner, label (k=v), cause", value: S.filter.q, "aria-label": "Search runs" });
+  const select = h("select", { "data-focus": "state", id: "state", "aria-label": "Filter by state" }, states.map((s) => h("option", { value: s, selected: S.filter.state === s }, s || "all states")));
+  search.addEventListener("input", () => { S.filter.q = search.value; drawTable(); });
+  select.addEventListener("change", () => { S.filter.state = select.value; drawTable(); });
+  const holder = h("div", { id: "runs-table" });
+  main.replaceChildren(h("h1", {}, "Runs"), h("div", { class: "row panel" }, search, select), holder);
+  drawTable();
+}
+
+function drawTable() {
+  const holder = $("runs-table");
+  if (!holder) return;
+  const rows = S.runs.filter((r) => (!S.filter.state || r.state === S.filter.state) && matches(r, S.filter.q));
+  if (!rows.length) {
+    holder.replaceChildren(h("div", { class: "empty" }, S.runs.length ? "No run matches." : "No runs yet. A run appears with its first admit."));
+    return;
+  }
+  const cols = ["Run", "State", "Owner", "Labels", "Age", "Done / in flight / held / refused", "Limits used", "Cause"];
+  holder.replaceChildren(h("table", { class: "stack" },
+    h("thead", {}, h("tr", {}, cols.map((c) => h("th", { scope: "col" }, c)))),
+    h("tbody", {}, rows.map((r) => {
+      const e = r.effects || {};
+      return h("tr", { "data-run": r.run },
+        h("td", { "data-label": cols[0] }, h("a", { href: runHref(r.run), class: "mono" }, r.run), r.parent ? h("div", { class: "muted" }, "child of " + r.parent) : null),
+        h("td", { "data-label": cols[1] }, badge(r.state)),
+        h("td", { "data-label": cols[2] }, r.owner),
+        h("td", { "data-label": cols[3] }, labels(r)),
+        h("td", { "data-label": cols[4], class: "num", title: when(r.created_at) }, age(r.created_at)),
+        h("td", { "data-label": cols[5], class: "num" }, `${e.completed || 0} / ${e.started || 0} / ${e.held || 0} / ${e.refused || 0}`),
+        h("td", { "data-label": cols[6] }, limitsUsed(r)),
+        h("td", { "data-label": cols[7] }, r.cause || "-"));
+    }))));
+}
+
+const TERMINAL = ["completed", "failed", "cancelled"];
+
+function runActions(st) {
+  if (!isOperator()) return h("p", { class: "muted" }, "Read-only: you are logged in with an agent token.");
+  const box = h("div", {});
+  const bar = h("div", { class: "actions", role: "group", "aria-label": "Run actions" });
+  const stopped = TERMINAL.includes(st.state) || st.state === "finalizing";
+  const path = runPath(st.run);
+  const simple = (label, action, cls, msg) => {
+    const b = h("button", { type: "button", class: cls || "" }, label);
+    b.addEventListener("click", () => act(b, "POST", path + "/" + action, {}, () => msg));
+    return b;
+  };
+  const confirmStop = (action, label, text) => {
+    const b = h("button", { type: "button", class: "danger" }, label + "…");
+    b.addEventListener("click", () => {
+      const reason = h("input", { id: "stop-reason", type: "text", class: "grow", maxlength: "1024", placeholder: "Reason (recorded in the ledger)", "aria-label": label + " reason" });
+      const go = h("button", { type: "button", class: "danger" }, "Confirm " + label.toLowerCase());
+      const no = h("button", { type: "button" }, "Keep running");
+      go.addEventListener("click", () => act(go, "POST", path + "/" + action, reason.value.trim() ? { reason: reason.value.trim() } : {},
+        (r) => `${label}: ${(r.runs || [st.run]).join(", ")} fenced; state ${r.state}.`));
+      no.addEventListener("click", () => { box.querySelector(".confirm")?.remove(); b.focus(); });
+      box.querySelector(".confirm")?.remove();
+      box.append(h("div", { class: "confirm", role: "group", "aria-label": "Confirm " + label }, h("span", {}, text), reason, go, no));
+      reason.focus();
+    });
+    return b;
+  };
+  if (!stopped) {
+    if (st.state === "paused") bar.append(simple("Resume", "resume", "", "Resumed: held admissions may proceed."));
+    else bar.append(simple("Pause", "pause", "", "Paused: new admissions and starts are held."));
+    bar.append(confirmStop("cancel", "Cancel", "Fence this run and its sub-runs: nothing new is admitted or started."));
+    bar.append(confirmStop("kill", "Kill", "Cancel without compensation, and stop the run's processes where estop launched them."));
+    bar.append(simple("Close as completed", "close", "", "Closed."));
+  } else {
+    bar.append(h("span", { class: "muted" }, "This run is stopped: a stop is never undone."));
+  }
+  box.prepend(bar);
+  return box;
+}
+
+const SECTIONS = [
+  ["done", "Done", "good"],
+  ["refused", "Refused", "bad"],
+  ["in_flight", "In flight", "warn"],
+  ["unknown", "Unknown outcome", "bad"],
+  ["failed", "Failed", "bad"],
+  ["held", "Held / not started", "warn"],
+  ["compensable", "Compensable", ""],
+  ["irreversible", "Irreversible", "bad"],
+  ["undeclared", "Undeclared reversibility", "warn"],
+];
+
+const COMPENSATION = { compensating: "running", compensated: "succeeded", compensation_failed: "failed", needs_human: "needs a human" };
+
+function reportView(rep) {
+  if (!rep) return h("p", { class: "muted" }, "No report.");
+  const wrap = h("section", { id: "report", "aria-labelledby": "report-h" }, h("h2", { id: "report-h" }, "After-stop report"));
+  wrap.append(h("p", { class: "muted" }, rep.cause ? `Stopped (${rep.cause}): what was done, refused, still in flight or unknown, and what can be undone.` : `The run is ${rep.state}; the report shows what happened so far.`));
+  wrap.append(h("div", { class: "summary" }, SECTIONS.map(([k, label, tone]) =>
+    h("div", { class: tone, "data-section": k }, h("b", {}, String((rep[k] || []).length)), label))));
+  for (const [k, label] of SECTIONS) {
+    const items = rep[k] || [];
+    if (!items.length) continue;
+    const comp = k === "compensable";
+    wrap.append(h("h3", {}, label + " (" + items.length + ")"));
+    wrap.append(h("table", { class: "stack", "data-section": k },
+      h("thead", {}, h("tr", {}, ["Key", "Tool", "Status", "Reversibility", comp ? "Compensation" : "Why / note"].map((c) => h("th", { scope: "col" }, c)))),
+      h("tbody", {}, items.map((it) => h("tr", {},
+        h("td", { "data-label": "Key", class: "mono" }, it.key),
+        h("td", { "data-label": "Tool", class: "mono" }, it.tool),
+        h("td", { "data-label": "Status" }, badge(it.status)),
+        h("td", { "data-label": "Reversibility" }, it.reversibility + (it.compensate ? " → " + it.compensate : "")),
+        h("td", { "data-label": comp ? "Compensation" : "Why / note" },
+          comp ? (COMPENSATION[it.status] || "not run") : [it.reason ? "refused: " + it.reason : "", it.late ? " completed after the stop (late)" : ""].join("").trim() || "-"))))));
+  }
+  return wrap;
+}
+
+function timelineView(run) {
+  const sec = h("section", { "aria-labelledby": "tl-h" }, h("h2", { id: "tl-h" }, "Timeline (from the ledger)"));
+  if (!isOperator()) { sec.append(h("p", { class: "muted" }, "The ledger is for operators.")); return sec; }
+  if (run.ledgerError) { sec.append(h("p", { class: "muted" }, run.ledgerError)); return sec; }
+  const entries = run.ledger || [];
+  if (!entries.length) { sec.append(h("p", { class: "muted" }, "No records yet.")); return sec; }
+  const skip = new Set(["seq", "at", "kind", "run", "key", "principal"]);
+  sec.append(h("ol", { class: "timeline" }, entries.map((e) => {
+    const extra = Object.entries(e).filter(([k]) => !skip.has(k)).map(([k, v]) => h("span", { class: "chip" }, k + "=" + (typeof v === "string" ? v : JSON.stringify(v))));
+    return h("li", { class: "k-" + e.kind },
+      h("time", { datetime: new Date(e.at).toISOString(), title: when(e.at) }, clock(e.at)),
+      h("strong", {}, e.kind), e.key ? h("span", { class: "mono" }, " " + e.key) : null,
+      h("span", { class: "muted" }, " by " + e.principal + " · #" + e.seq), " ", extra);
+  })));
+  return sec;
+}
+
+// The ledger record of the run's stop, if the timeline holds it: who stopped it and why.
+function stopEntry(run) {
+  return (run.ledger || []).filter((e) => ["cancel", "kill", "close"].includes(e.kind)).pop();
+}
+
+function stopText(e) {
+  return `${e.kind} by ${e.principal} at ${when(e.at)}` + (e.reason ? ` — “${e.reason}”` : "");
+}
+
+function viewRun() {
+  const main = $("main");
+  const run = S.run;
+  if (!run) { main.replaceChildren(h("h1", {}, S.route.run), h("p", { class: "muted" }, "Loading…")); return; }
+  if (run.error) {
+    main.replaceChildren(h("h1", { class: "mono" }, run.run), h("div", { class: "empty" }, run.error.message));
+    return;
+  }
+  const st = run.status;
+  const facts = h("dl", { class: "facts" },
+    h("dt", {}, "State"), h("dd", {}, badge(st.state), st.cause && st.cause !== st.state ? " (" + st.cause + ")" : ""),
+    stopEntry(run) ? [h("dt", {}, "Stop"), h("dd", {}, stopText(stopEntry(run)))] : null,
+    h("dt", {}, "Owner"), h("dd", {}, st.owner),
+    st.parent ? [h("dt", {}, "Parent"), h("dd", {}, h("a", { href: runHref(st.parent), class: "mono" }, st.parent))] : null,
+    h("dt", {}, "Labels"), h("dd", {}, labels(st).length ? labels(st) : "-"),
+    h("dt", {}, "Created"), h("dd", {}, when(st.created_at), h("span", { class: "muted" }, " (" + age(st.created_at) + " ago)")),
+    st.stopped_at ? [h("dt", {}, "Stopped"), h("dd", {}, when(st.stopped_at))] : null,
+    h("dt", {}, "Limits used"), h("dd", {}, limitsUsed(st)),
+    h("dt", {}, "Epoch"), h("dd", {}, String(st.epoch)));
+  const mine = S.pending.filter((p) => p.run === st.run);
+  main.replaceChildren(...[
+    h("p", {}, h("a", { href: "#/runs" }, "← Runs")),
+    h("h1", {}, "Run ", h("span", { class: "mono" }, st.run)),
+    h("div", { class: "panel" }, facts, runActions(st)),
+    mine.length ? [h("h2", {}, "Awaiting approval"), h("div", { class: "cards" }, mine.map(pendingCard))] : null,
+    reportView(run.report),
+    timelineView(run)].flat().filter(Boolean));
+}
+
+function render() {
+  const route = S.route;
+  for (const [id, v] of [["nav-inbox", "inbox"], ["nav-runs", "runs"]]) {
+    const a = $(id);
+    if ((route.view === v) || (v === "runs" && route.view === "run")) a.setAttribute("aria-current", "page"); else a.removeAttribute("aria-current");
+  }
+  const c = $("inbox-count");
+  c.textContent = String(S.pending.length);
+  c.className = "count" + (S.pending.length ? "" : " zero");
+  document.title = (S.pending.length ? `(${S.pending.length}) ` : "") + "estop console";
+  // Keep what the user is typing: do not redraw a view while focus is in one of its inputs.
+  const active = document.activeElement;
+  const typing = active && (active.tagName === "INPUT" || active.tagName === "TEXTAREA") && $("main").contains(active);
+  if (typing && (active.value || active.closest(".confirm"))) return;
+  // Redraw only what changed, and give focus back to the same control (keyboard users).
+  const sig = JSON.stringify([route, S.pending, route.view === "runs" ? S.runs : null, route.view === "run" ? S.run : null]);
+  if (sig === S.drawn) return;
+  S.drawn = sig;
+  const focusKey = active && active.dataset ? active.dataset.focus : null;
+  if (route.view === "inbox") viewInbox();
+  else if (route.view === "runs") viewRuns();
+  else viewRun();
+  if (focusKey) {
+    const again = [...document.querySelectorAll("[data-focus]")].find((el) => el.dataset.focus === focusKey);
+    if (again) again.focus();
+  }
+}
+
+// ---------- login ----------
+
+function showLogin(message) {
+  S.me = null;
+  if (S.events) { S.events.close(); S.events = null; }
+  $("nav").hidden = true;
+  $("who").hidden = true;
+  const token = h("input", { id: "token", type: "password", autocomplete: "off", class: "grow", required: true, "aria-describedby": "token-help" });
+  const form = h("form", { class: "panel" },
+    h("label", { for: "token" }, "Token"),
+    h("p", { id: "token-help", class: "muted" }, "Open the one-time link that ", h("code", {}, "estop serve"), " printed, or paste a token: the contents of ", h("code", {}, "DATA/operator.token"), ", or one made by ", h("code", {}, "estop token create NAME --role operator"), "."),
+    h("div", { class: "row" }, token, h("button", { type: "submit", class: "approve" }, "Log in")));
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    try {
+      S.me = await api("POST", "/api/v1/session", { token: token.value.trim() });
+      token.value = "";
+      start();
+    } catch (e) { toast(e.message, true); }
+  });
+  $("main").replaceChildren(h("div", { class: "narrow" }, h("h1", {}, "Log in to estop"), message ? h("p", {}, message) : null, form));
+  token.focus();
+}
+
+async function start() {
+  $("nav").hidden = false;
+  $("who").hidden = false;
+  $("principal").textContent = `${S.me.principal} (${S.me.role})`;
+  S.route = parseRoute();
+  render();
+  connectEvents();
+  await refresh(true);
+}
+
+async function boot() {
+  $("logout").addEventListener("click", async () => {
+    try { await api("DELETE", "/api/v1/session"); } catch (_) { /* ended anyway */ }
+    showLogin("Logged out.");
+  });
+  try {
+    S.me = await api("GET", "/api/v1/session");
+    start();
+  } catch (e) {
+    showLogin(e.status === 401 ? "" : e.message);
+  }
+}
+
+// ---------- keyboard and clocks ----------
+
+document.addEventListener("keydown", (ev) => {
+  if (ev.ctrlKey || ev.metaKey || ev.altKey || !S.me) return;
+  const t = ev.target;
+  if (t && (t.tagName === "INPUT" || t.tagName === "TEXTAREA" || t.tagName === "SELECT")) return;
+  if (ev.key === "i") { location.hash = "#/inbox"; }
+  else if (ev.key === "r") { location.hash = "#/runs"; }
+  else if (ev.key === "/") {
+    ev.preventDefault();
+    if (S.route.view !== "runs") location.hash = "#/runs";
+    setTimeout(() => $("search")?.focus(), 50);
+  } else if (ev.key === "j" || ev.key === "k") {
+    const cards = [...document.querySelectorAll("article.card")];
+    if (!cards.length) return;
+    const i = cards.findIndex((c) => c.contains(document.activeElement));
+    const next = ev.key === "j" ? Math.min(cards.length - 1, i + 1) : Math.max(0, i < 0 ? 0 : i - 1);
+    // The card itself: Tab then reaches its reason, Approve and Reject.
+    cards[next].focus();
+    cards[next].scrollIntoView({ block: "nearest" });
+  }
+});
+
+setInterval(() => {
+  for (const el of document.querySelectorAll("[data-expires]")) {
+    const at = Number(el.getAttribute("data-expires"));
+    el.textContent = left(at);
+    el.classList.toggle("soon", at - Date.now() < 60000);
+  }
+}, 1000);
+
+boot();
