@@ -257,13 +257,11 @@ impl Monitor {
                     self.settled.insert(id);
                 }
             }
-            Op::Cancel { run, .. } => {
-                if answer.starts_with("run ") {
-                    self.cancelled.insert(run);
-                    for id in self.until.keys().copied().collect::<Vec<_>>() {
-                        if lineage(id.0).contains(&run) {
-                            self.settled.insert(id);
-                        }
+            Op::Cancel { run, .. } if answer.starts_with("run ") => {
+                self.cancelled.insert(run);
+                for id in self.until.keys().copied().collect::<Vec<_>>() {
+                    if lineage(id.0).contains(&run) {
+                        self.settled.insert(id);
                     }
                 }
             }

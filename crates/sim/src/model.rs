@@ -247,13 +247,10 @@ impl Model {
 
     /// G5: the farthest run up the lineage whose deadline has passed (and is not yet stopped).
     fn overdue_root(&self, run: u8, now: u64) -> Option<u8> {
-        self.lineage(run)
-            .into_iter()
-            .filter(|id| {
-                let r = &self.runs[id];
-                r.stop.is_none() && r.deadline.is_some_and(|d| now >= d)
-            })
-            .last()
+        self.lineage(run).into_iter().rev().find(|id| {
+            let r = &self.runs[id];
+            r.stop.is_none() && r.deadline.is_some_and(|d| now >= d)
+        })
     }
 
     fn paused_lineage(&self, run: u8) -> bool {
@@ -384,7 +381,7 @@ impl Model {
             .expect("effect exists")
     }
 
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments, clippy::map_entry)]
     fn admit(
         &mut self,
         now: u64,
@@ -655,6 +652,7 @@ impl Model {
         }
     }
 
+    #[allow(clippy::map_entry)]
     fn cancel(&mut self, who: Who, run: u8, kill: bool) -> Res {
         if kill && !who.is_operator() {
             return Err("forbidden");

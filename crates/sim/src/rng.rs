@@ -7,7 +7,7 @@ pub struct Rng(u64);
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng(seed ^ 0x5EED_0F_E570_u64)
+        Rng(seed ^ 0x005E_ED0F_E570_u64)
     }
 
     pub fn next_u64(&mut self) -> u64 {

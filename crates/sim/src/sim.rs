@@ -499,7 +499,7 @@ impl Auditor {
             }
         }
         for run in &self.cancelled {
-            if !gate.run(&rid(run)).is_some_and(|r| r.stop.is_some()) {
+            if gate.run(&rid(run)).is_none_or(|r| r.stop.is_none()) {
                 return Err(format!("acknowledged cancel of {run} lost after recovery"));
             }
         }
@@ -805,10 +805,8 @@ impl World {
                     });
                 }
             }
-            Ans::Reply(Reply::Verdict(Verdict::Held { .. })) => {
-                if self.rng.below(3) != 0 {
-                    c.todo.push_back(Req::Wait { run, key });
-                }
+            Ans::Reply(Reply::Verdict(Verdict::Held { .. })) if self.rng.below(3) != 0 => {
+                c.todo.push_back(Req::Wait { run, key });
             }
             _ => {}
         }
