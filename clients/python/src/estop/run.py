@@ -322,7 +322,8 @@ class Run:
             self.untrack(task)
         if et is asyncio.CancelledError and task is not None and task in self._cancelled:
             # The watcher cancelled us because the gate stopped the run: say so, as a refusal.
-            if hasattr(task, "uncancel") and task.uncancel() == 0:
+            # (Python < 3.11 has no cancel count to consult; the request was consumed already.)
+            if not hasattr(task, "uncancel") or task.uncancel() == 0:
                 raise RunStopped(self.stopped or "cancelled", run=self.id) from ev
 
     # -- tasks --------------------------------------------------------------------------------
