@@ -880,3 +880,100 @@ fn recovery_from_a_snapshot_keeps_everything() {
         1
     );
 }
+
+#[test]
+fn wait_on_a_held_start_blocks_until_start_would_go() {
+    let d = Daemon::start();
+    let mut a = d.agent();
+    let mut op = d.operator();
+    let prep = ok(
+        &mut a,
+        json!({"op": "admit", "run": "r1", "key": "p", "tool": "pay", "args": {}, "start": false}),
+    );
+    let token = prep["token"].as_str().unwrap().to_string();
+    ok(&mut op, json!({"op": "pause", "run": "r1"}));
+    let v = ok(
+        &mut a,
+        json!({"op": "start", "run": "r1", "key": "p", "token": token}),
+    );
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("held", Some("paused"))
+    );
+    // While paused, wait holds (it does not answer admitted at once).
+    let v = ok(
+        &mut a,
+        json!({"op": "wait", "run": "r1", "key": "p", "timeout_ms": 100}),
+    );
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("held", Some("paused"))
+    );
+    a.send_raw(br#"{"id":"w","op":"wait","run":"r1","key":"p","timeout_ms":30000}"#)
+        .unwrap();
+    ok(&mut op, json!({"op": "resume", "run": "r1"}));
+    let w = loop {
+        match a.read_line().unwrap() {
+            estop_protocol::ServerLine::Reply(r) if r.id.as_json() == "\"w\"" => break r,
+            _ => continue,
+        }
+    };
+    assert_eq!(
+        (w.raw["verdict"].as_str(), w.raw["token"].as_str()),
+        (Some("admitted"), Some(token.as_str()))
+    );
+    assert_eq!(
+        verdict(&ok(
+            &mut a,
+            json!({"op": "start", "run": "r1", "key": "p", "token": token})
+        )),
+        "go"
+    );
+}
+
+#[test]
+fn subscribe_before_the_first_admit_and_events_carry_their_details() {
+    let d = Daemon::start();
+    let mut a = d.agent();
+    let mut watcher = d.agent();
+    let mut op = d.operator();
+    let v = ok(&mut watcher, json!({"op": "subscribe", "run": "later"}));
+    assert!(v.get("state").is_none(), "{v}");
+    assert_eq!(
+        verdict(&admit(&mut a, "later", "k1", "refund", json!({}))),
+        "held"
+    );
+    let ev = watcher.next_event().unwrap().unwrap();
+    assert_eq!(
+        (ev.event, ev.reason.as_deref()),
+        (estop_protocol::EventKind::Held, Some("approval"))
+    );
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "later", "key": "k1", "decision": "reject"}),
+    );
+    let ev = watcher.next_event().unwrap().unwrap();
+    assert_eq!(
+        (ev.event, ev.decision.as_deref()),
+        (estop_protocol::EventKind::Decided, Some("reject"))
+    );
+    ok(
+        &mut op,
+        json!({"op": "cancel", "run": "later", "reason": "user pressed stop"}),
+    );
+    let ev = watcher.next_event().unwrap().unwrap();
+    assert_eq!(
+        (ev.event, ev.reason.as_deref()),
+        (
+            estop_protocol::EventKind::Cancelled,
+            Some("user pressed stop")
+        )
+    );
+    // Another agent's subscription to the same id hears nothing of a run it cannot see.
+    let (_, other, _) = d.cli(&["token", "create", "agent2", "--role", "agent"]);
+    let mut spy = d.client_with(other.trim());
+    ok(&mut spy, json!({"op": "subscribe", "run": "fresh"}));
+    admit(&mut a, "fresh", "k1", "refund", json!({}));
+    ok(&mut spy, json!({"op": "ping"}));
+    assert!(spy.events.is_empty(), "events leaked: {:?}", spy.events);
+}

@@ -169,6 +169,23 @@ impl Gate {
             .map(|(k, _)| k.clone())
     }
 
+    /// Why `start` of a prepared (admitted, not started) effect would be held now, if it would:
+    /// what `wait` on such an effect waits for.
+    pub fn start_hold(&self, run_id: &RunId, key: &EffectKey) -> Option<HoldReason> {
+        let run = self.runs.get(run_id)?;
+        let effect = run.effects.get(key)?;
+        if effect.status != Status::Admitted || run.stop.is_some() {
+            return None;
+        }
+        if self.paused_in_chain(run_id) {
+            Some(HoldReason::Paused)
+        } else if effect.class == EffectClass::Write && self.pending_in_chain(run_id) {
+            Some(HoldReason::Sibling)
+        } else {
+            None
+        }
+    }
+
     /// When time alone next changes this run (deadline or an approval's expiry).
     pub fn next_timer(&self, id: &RunId) -> Option<u64> {
         let run = self.runs.get(id)?;

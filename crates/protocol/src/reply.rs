@@ -344,6 +344,8 @@ pub enum EventKind {
     Completed,
     Closed,
     Finalizing,
+    /// An approval expired (silence is no): the effect is refused.
+    Expired,
     /// A kind this client does not know yet (from a newer server).
     #[serde(other)]
     Other,

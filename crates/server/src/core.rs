@@ -144,6 +144,8 @@ pub enum CoreMsg {
 #[derive(Debug, Clone)]
 pub struct CoreOptions {
     pub subscriptions_per_run_max: usize,
+    /// Subscriptions in all (a subscription may name a run that does not exist yet).
+    pub subscriptions_max: usize,
     pub waiters_max: usize,
     /// Terminal runs keep per-effect state this long before compaction.
     pub retention_ms: u64,
@@ -157,6 +159,7 @@ impl Default for CoreOptions {
     fn default() -> Self {
         CoreOptions {
             subscriptions_per_run_max: 64,
+            subscriptions_max: 100_000,
             waiters_max: 100_000,
             retention_ms: 7 * 24 * 3600 * 1000,
             snapshot_every_records: 1_000_000,
@@ -221,7 +224,8 @@ pub struct Core {
     now: u64,
     waiters: HashMap<RunId, Vec<Waiter>>,
     waiter_count: usize,
-    subscribers: HashMap<RunId, Vec<(u64, Outbox)>>,
+    subscribers: HashMap<RunId, Vec<(u64, Principal, Outbox)>>,
+    subscription_count: usize,
     timers: BTreeSet<(u64, RunId)>,
     timer_of: HashMap<RunId, u64>,
     next_compaction: u64,
@@ -266,6 +270,7 @@ impl Core {
             waiters: HashMap::new(),
             waiter_count: 0,
             subscribers: HashMap::new(),
+            subscription_count: 0,
             timers: BTreeSet::new(),
             timer_of: HashMap::new(),
             next_compaction: 0,
@@ -415,35 +420,28 @@ impl Core {
                 key,
                 timeout,
                 to,
-            } => {
-                let cmd = Command::Recheck {
-                    run: run.clone(),
-                    key: key.clone(),
-                };
-                match self.apply_verdict(&principal, cmd) {
-                    Ok(Verdict::Held { .. }) if !timeout.is_zero() => {
-                        if self.waiter_count >= self.opts.waiters_max {
-                            let msg =
-                                format!("limit reached: waiters_max = {}", self.opts.waiters_max);
-                            self.send(to, Answer::Error(ErrorCode::LimitExceeded, msg));
-                        } else {
-                            self.waiter_count += 1;
-                            let deadline = Instant::now() + timeout;
-                            self.waiters.entry(run).or_default().push(Waiter {
-                                principal,
-                                key,
-                                deadline,
-                                to,
-                            });
-                        }
+            } => match self.wait_verdict(&principal, &run, &key) {
+                Ok(Verdict::Held { .. }) if !timeout.is_zero() => {
+                    if self.waiter_count >= self.opts.waiters_max {
+                        let msg = format!("limit reached: waiters_max = {}", self.opts.waiters_max);
+                        self.send(to, Answer::Error(ErrorCode::LimitExceeded, msg));
+                    } else {
+                        self.waiter_count += 1;
+                        let deadline = Instant::now() + timeout;
+                        self.waiters.entry(run).or_default().push(Waiter {
+                            principal,
+                            key,
+                            deadline,
+                            to,
+                        });
                     }
-                    Ok(v) => {
-                        let answer = Answer::Verdict(render::verdict(&run, &v));
-                        self.send(to, answer);
-                    }
-                    Err(answer) => self.send(to, answer),
                 }
-            }
+                Ok(v) => {
+                    let answer = Answer::Verdict(render::verdict(&run, &v));
+                    self.send(to, answer);
+                }
+                Err(answer) => self.send(to, answer),
+            },
             CoreMsg::Subscribe {
                 principal,
                 run,
@@ -452,39 +450,41 @@ impl Core {
                 to,
             } => {
                 let answer = match self.gate.visible_run(&principal, &run) {
+                    // Not created yet: the subscription waits for its first admit.
+                    Err(KernelError::RunNotFound(_)) if self.gate.run(&run).is_none() => self
+                        .add_subscription(run, conn, principal, out)
+                        .unwrap_or_else(|| Answer::Ack(wire::Ack::default())),
                     Err(e) => {
                         let (c, m) = kernel_error(&e);
                         Answer::Error(c, m)
                     }
                     Ok(r) => {
                         let view = render::run_view(&run, r);
-                        let subs = self.subscribers.entry(run).or_default();
-                        if subs.len() >= self.opts.subscriptions_per_run_max {
-                            let m = format!(
-                                "limit reached: subscriptions_per_run_max = {}",
-                                self.opts.subscriptions_per_run_max
-                            );
-                            Answer::Error(ErrorCode::LimitExceeded, m)
-                        } else {
-                            if !subs.iter().any(|(c, _)| *c == conn) {
-                                subs.push((conn, out));
-                            }
-                            Answer::Run(Box::new(view))
-                        }
+                        self.add_subscription(run, conn, principal, out)
+                            .unwrap_or(Answer::Run(Box::new(view)))
                     }
                 };
                 self.send(to, answer);
             }
             CoreMsg::Unsubscribe { run, conn } => {
                 if let Some(subs) = self.subscribers.get_mut(&run) {
-                    subs.retain(|(c, _)| *c != conn);
+                    let before = subs.len();
+                    subs.retain(|(c, _, _)| *c != conn);
+                    self.subscription_count -= before - subs.len();
+                    if subs.is_empty() {
+                        self.subscribers.remove(&run);
+                    }
                 }
             }
             CoreMsg::Disconnect { conn } => {
+                let mut dropped = 0;
                 self.subscribers.retain(|_, subs| {
-                    subs.retain(|(c, _)| *c != conn);
+                    let before = subs.len();
+                    subs.retain(|(c, _, _)| *c != conn);
+                    dropped += before - subs.len();
                     !subs.is_empty()
                 });
+                self.subscription_count -= dropped;
             }
             CoreMsg::Query {
                 principal,
@@ -678,43 +678,83 @@ impl Core {
         }
     }
 
-    /// Tells subscribers and wakes the waiters a change concerns.
+    /// The wire event for a kernel event, with what the state now says about it.
+    fn wire_event(&self, e: &estop_kernel::Event) -> Option<wire::Event> {
+        use estop_kernel::state::Status;
+        let event = match e.kind {
+            EventKind::Cancelled => wire::EventKind::Cancelled,
+            EventKind::Paused => wire::EventKind::Paused,
+            EventKind::Resumed => wire::EventKind::Resumed,
+            EventKind::Decided => wire::EventKind::Decided,
+            EventKind::Held => wire::EventKind::Held,
+            EventKind::Completed => wire::EventKind::Completed,
+            EventKind::Closed => wire::EventKind::Closed,
+            EventKind::Finalizing => wire::EventKind::Finalizing,
+            EventKind::Expired => wire::EventKind::Expired,
+            EventKind::Admitted => return None,
+        };
+        let run = self.gate.run(&e.run);
+        let effect = e.key.as_ref().and_then(|k| run?.effects.get(k));
+        let mut out = wire::Event {
+            event,
+            run: e.run.to_string(),
+            key: e.key.as_ref().map(ToString::to_string),
+            reason: None,
+            decision: None,
+            outcome: None,
+            at: self.now,
+        };
+        match e.kind {
+            EventKind::Cancelled | EventKind::Finalizing | EventKind::Closed => {
+                let stop = run.and_then(|r| r.stop.as_ref());
+                out.reason = stop
+                    .and_then(|s| s.reason.as_deref().map(str::to_string))
+                    .or_else(|| e.detail.map(str::to_string));
+            }
+            EventKind::Held => {
+                if let Some(Status::Held(reason)) = effect.map(|x| x.status) {
+                    out.reason = Some(reason.as_str().to_string());
+                }
+            }
+            EventKind::Decided => {
+                out.decision = effect.map(|x| {
+                    match x.status {
+                        Status::Refused(estop_kernel::vocab::RefusalReason::Rejected) => "reject",
+                        _ => "approve",
+                    }
+                    .to_string()
+                });
+            }
+            EventKind::Completed => {
+                out.outcome = effect
+                    .and_then(|x| x.outcome.as_ref())
+                    .and_then(|o| o.outcome)
+                    .map(|o| o.as_str().to_string());
+            }
+            EventKind::Expired => out.reason = Some("expired".into()),
+            EventKind::Paused | EventKind::Resumed | EventKind::Admitted => {}
+        }
+        Some(out)
+    }
+
+    /// Tells subscribers and wakes the waiters a change concerns. A subscriber hears only of
+    /// runs it may see (a subscription may precede the run's first admit).
     fn publish(&mut self, events: &[estop_kernel::Event]) {
         let after = self.after();
         let mut wake: Vec<RunId> = Vec::new();
         for e in events {
-            if let Some(subs) = self.subscribers.get_mut(&e.run) {
-                let kind = match e.kind {
-                    EventKind::Cancelled => wire::EventKind::Cancelled,
-                    EventKind::Paused => wire::EventKind::Paused,
-                    EventKind::Resumed => wire::EventKind::Resumed,
-                    EventKind::Decided => wire::EventKind::Decided,
-                    EventKind::Held => wire::EventKind::Held,
-                    EventKind::Completed => wire::EventKind::Completed,
-                    EventKind::Closed => wire::EventKind::Closed,
-                    EventKind::Finalizing => wire::EventKind::Finalizing,
-                    EventKind::Expired | EventKind::Admitted => wire::EventKind::Other,
-                };
-                if kind != wire::EventKind::Other {
-                    let event = wire::Event {
-                        event: kind,
-                        run: e.run.to_string(),
-                        key: e.key.as_ref().map(ToString::to_string),
-                        reason: e.detail.map(str::to_string),
-                        decision: None,
-                        outcome: None,
-                        at: self.now,
-                    };
-                    subs.retain(|(_, out)| !out.is_closed());
-                    for (_, out) in subs.iter() {
-                        self.release.send(
+            if self.subscribers.contains_key(&e.run)
+                && let Some(event) = self.wire_event(e)
+                && let Some(subs) = self.subscribers.get_mut(&e.run)
+            {
+                subs.retain(|(_, _, out)| !out.is_closed());
+                for (_, principal, out) in subs.iter() {
+                    if self.gate.visible_run(principal, &e.run).is_ok() {
+                        let item = Out::Event {
+                            event: event.clone(),
                             after,
-                            out,
-                            Out::Event {
-                                event: event.clone(),
-                                after,
-                            },
-                        );
+                        };
+                        self.release.send(after, out, item);
                     }
                 }
             }
@@ -730,17 +770,63 @@ impl Core {
     }
 
     /// Re-checks every waiter of a run; answers those whose effect is no longer held.
+    /// Adds a subscription; `Some(error)` when a bound is reached.
+    fn add_subscription(
+        &mut self,
+        run: RunId,
+        conn: u64,
+        principal: Principal,
+        out: Outbox,
+    ) -> Option<Answer> {
+        let per_run = self.opts.subscriptions_per_run_max;
+        let total = self.opts.subscriptions_max;
+        let subs = self.subscribers.entry(run).or_default();
+        if subs.iter().any(|(c, _, _)| *c == conn) {
+            return None;
+        }
+        if subs.len() >= per_run || self.subscription_count >= total {
+            let m = format!(
+                "limit reached: subscriptions_per_run_max = {per_run}, subscriptions_max = {total}"
+            );
+            return Some(Answer::Error(ErrorCode::LimitExceeded, m));
+        }
+        subs.push((conn, principal, out));
+        self.subscription_count += 1;
+        None
+    }
+
+    /// What `wait` answers now: the admission verdict, except that a prepared effect whose
+    /// `start` would be held (pause, sibling) is still held — `wait` then `start` again.
+    fn wait_verdict(
+        &mut self,
+        principal: &Principal,
+        run: &RunId,
+        key: &EffectKey,
+    ) -> Result<Verdict, Answer> {
+        let cmd = Command::Recheck {
+            run: run.clone(),
+            key: key.clone(),
+        };
+        match self.apply_verdict(principal, cmd)? {
+            Verdict::Admitted { token } => match self.gate.start_hold(run, key) {
+                Some(reason) => Ok(Verdict::Held {
+                    reason,
+                    approval: None,
+                    expires_at: None,
+                }),
+                None => Ok(Verdict::Admitted { token }),
+            },
+            v => Ok(v),
+        }
+    }
+
     fn recheck_waiters(&mut self, run: &RunId) {
         let Some(mut list) = self.waiters.remove(run) else {
             return;
         };
         let mut keep = Vec::new();
         for w in list.drain(..) {
-            let cmd = Command::Recheck {
-                run: run.clone(),
-                key: w.key.clone(),
-            };
-            match self.apply_verdict(&w.principal, cmd) {
+            match self.wait_verdict(&w.principal, run, &w.key) {
                 Ok(Verdict::Held { .. }) => keep.push(w),
                 Ok(v) => {
                     self.waiter_count -= 1;
@@ -792,11 +878,7 @@ impl Core {
             }
             for w in due {
                 self.waiter_count -= 1;
-                let cmd = Command::Recheck {
-                    run: run.clone(),
-                    key: w.key.clone(),
-                };
-                let answer = match self.apply_verdict(&w.principal, cmd) {
+                let answer = match self.wait_verdict(&w.principal, &run, &w.key) {
                     Ok(v) => Answer::Verdict(render::verdict(&run, &v)),
                     Err(a) => a,
                 };
