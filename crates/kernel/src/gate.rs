@@ -269,10 +269,23 @@ impl Gate {
         ev: &mut Vec<Event>,
     ) -> Result<(Reply, bool), KernelError> {
         bounded(&a.args, self.limits.args_bytes_max, "args_bytes_max")?;
+        let mut adopted = false;
         if let Some(run) = self.runs.get(&a.run) {
             self.visible_run(p, &a.run)?;
             if let Some(given) = &a.parent
+                && run.parent.is_none()
+                && run.effects.is_empty()
+                && run.stop.is_none()
+            {
+                // A run that came into being as some sub-agent's parent learns its own parent
+                // at its first admit, so a cancel of that ancestor reaches the whole tree.
+                self.adopt(now, p, &a.run, given, ev)?;
+                adopted = true;
+            }
+            let run = &self.runs[&a.run];
+            if let Some(given) = &a.parent
                 && run.parent.as_ref() != Some(given)
+                && run.stop.is_none()
             {
                 return Err(KernelError::ParentMismatch {
                     run: a.run.clone(),
@@ -300,7 +313,7 @@ impl Gate {
                     Reply::Verdict(Verdict::Refused {
                         reason: stop.cause.refusal(),
                     }),
-                    false,
+                    adopted,
                 ));
             }
             if run.effects.len() >= self.limits.effects_per_run_max {
@@ -335,6 +348,74 @@ impl Gate {
         run.effects.insert(a.key.clone(), effect);
         let verdict = self.carry_out(now, &a.run, &a.key, plan, ev);
         Ok((Reply::Verdict(verdict), true))
+    }
+
+    /// Gives a parentless, effectless run the parent its first admit names. Checks everything
+    /// before changing anything; a stopped parent fences the adopted subtree at once.
+    fn adopt(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        parent: &RunId,
+        ev: &mut Vec<Event>,
+    ) -> Result<(), KernelError> {
+        let mismatch = || KernelError::ParentMismatch {
+            run: run_id.clone(),
+            existing: "none".into(),
+            given: parent.clone(),
+        };
+        let subtree = self.subtree(run_id);
+        if subtree.contains(parent) {
+            return Err(mismatch());
+        }
+        // Height of the adopted subtree (1 for a run without children).
+        let mut height = 1;
+        let mut level = vec![run_id.clone()];
+        while !level.is_empty() {
+            let next: Vec<RunId> = level
+                .iter()
+                .filter_map(|r| self.runs.get(r))
+                .flat_map(|r| r.children.iter().cloned())
+                .collect();
+            if !next.is_empty() {
+                height += 1;
+            }
+            level = next;
+        }
+        let above = if self.runs.contains_key(parent) {
+            self.visible_run(p, parent)?;
+            self.chain(parent).count()
+        } else {
+            if self.runs.len() >= self.limits.runs_max {
+                return Err(KernelError::Limit {
+                    limit: "runs_max",
+                    max: self.limits.runs_max as u64,
+                });
+            }
+            1
+        };
+        if above + height > self.limits.run_depth_max {
+            return Err(KernelError::Limit {
+                limit: "run_depth_max",
+                max: self.limits.run_depth_max as u64,
+            });
+        }
+        if !self.runs.contains_key(parent) {
+            self.runs
+                .insert(parent.clone(), Run::new(now, Some(p.name.clone()), None));
+        }
+        let inherited = self.runs[parent].stop.clone();
+        self.runs
+            .get_mut(parent)
+            .expect("exists")
+            .children
+            .push(run_id.clone());
+        self.runs.get_mut(run_id).expect("exists").parent = Some(parent.clone());
+        if let Some(stop) = inherited {
+            self.stop_subtree(now, run_id, stop.cause, stop.reason, None, ev);
+        }
+        Ok(())
     }
 
     fn create_run(&mut self, now: u64, p: &Principal, a: &Admit) -> Result<(), KernelError> {
@@ -898,7 +979,7 @@ impl Gate {
             );
             assert!(run_legal(run.state, to));
             run.state = to;
-            ev.push(event(run_id, None, EventKind::Closed));
+            ev.push(event(run_id, None, EventKind::Settled));
         }
     }
 
@@ -1034,15 +1115,19 @@ impl Gate {
         }
         bounded(reason, self.limits.reason_bytes_max, "reason_bytes_max")?;
         if !self.runs.contains_key(run_id) {
-            // A fence may be set before the run's first admit; it then refuses every admit.
+            // An operator may fence a run id before its first admit; it then refuses every
+            // admit. An agent may stop only runs it created: pre-fencing an id would let one
+            // agent squat on another's run.
+            if p.role == Role::Agent {
+                return Err(KernelError::RunNotFound(run_id.clone()));
+            }
             if self.runs.len() >= self.limits.runs_max {
                 return Err(KernelError::Limit {
                     limit: "runs_max",
                     max: self.limits.runs_max as u64,
                 });
             }
-            let owner = (p.role == Role::Agent).then(|| p.name.clone());
-            self.runs.insert(run_id.clone(), Run::new(now, owner, None));
+            self.runs.insert(run_id.clone(), Run::new(now, None, None));
         } else {
             self.visible_run(p, run_id)?;
         }
@@ -1152,10 +1237,7 @@ impl Gate {
             run.state = to;
             changed += 1;
             let kind = match cause {
-                StopCause::Closed | StopCause::Failed if to != RunState::Finalizing => {
-                    EventKind::Closed
-                }
-                _ if to == RunState::Finalizing => EventKind::Finalizing,
+                StopCause::Closed | StopCause::Failed => EventKind::Closed,
                 _ => EventKind::Cancelled,
             };
             ev.push(Event {
@@ -1164,6 +1246,14 @@ impl Gate {
                 kind,
                 detail: Some(cause.as_str()),
             });
+            if to == RunState::Finalizing {
+                ev.push(Event {
+                    run: id.clone(),
+                    key: None,
+                    kind: EventKind::Finalizing,
+                    detail: Some(cause.as_str()),
+                });
+            }
         }
         changed
     }

@@ -150,6 +150,8 @@ pub enum EventKind {
     Cancelled,
     Finalizing,
     Closed,
+    /// The last in-flight effect of a stopped run settled: the run is now terminal.
+    Settled,
 }
 
 impl EventKind {
@@ -165,6 +167,7 @@ impl EventKind {
             EventKind::Cancelled => "cancelled",
             EventKind::Finalizing => "finalizing",
             EventKind::Closed => "closed",
+            EventKind::Settled => "settled",
         }
     }
 
@@ -172,7 +175,11 @@ impl EventKind {
     pub fn wakes_waiters(self) -> bool {
         !matches!(
             self,
-            EventKind::Held | EventKind::Admitted | EventKind::Completed | EventKind::Finalizing
+            EventKind::Held
+                | EventKind::Admitted
+                | EventKind::Completed
+                | EventKind::Finalizing
+                | EventKind::Settled
         )
     }
 }

@@ -688,3 +688,70 @@ fn regression_start_of_a_call_rejected_after_it_was_prepared_is_refused() {
         "#]],
     );
 }
+
+#[test]
+fn a_parent_created_by_its_child_learns_its_own_parent_at_its_first_admit() {
+    check(
+        "
+        0 agent admit grandchild g pay parent=child
+        1 agent admit child c pay parent=root
+        2 agent admit root r pay
+        3 alice cancel root
+        4 agent admit grandchild g2 pay
+        5 agent admit child c2 pay parent=other
+        ",
+        expect![[r#"
+            0 agent admit grandchild g pay parent=child  => admitted 1.1
+            1 agent admit child c pay parent=root        => admitted 1.1
+            2 agent admit root r pay                     => admitted 1.1
+            3 alice cancel root                          => run finalizing (3 changed)
+            4 agent admit grandchild g2 pay              => refused cancelled
+            5 agent admit child c2 pay parent=other      => refused cancelled
+            --
+            run child finalizing stop=cancelled from=root epoch=2 admitted=1 pending=0 in_flight=1 parent=root
+              c pay started
+            run grandchild finalizing stop=cancelled from=root epoch=2 admitted=1 pending=0 in_flight=1 parent=child
+              g pay started
+            run root finalizing stop=cancelled epoch=2 admitted=1 pending=0 in_flight=1
+              r pay started
+        "#]],
+    );
+}
+
+#[test]
+fn adopting_a_stopped_parent_fences_the_subtree_and_cycles_are_refused() {
+    check(
+        "
+        0 agent admit b x pay parent=a
+        1 alice cancel top
+        2 agent admit a y pay parent=top
+        3 agent admit b z pay
+        4 agent admit p1 k pay parent=p2
+        5 agent admit p2 k pay parent=p1
+        6 agent admit p1 k2 pay parent=zz
+        7 agent admit solo k pay
+        8 agent admit solo k2 pay parent=p1
+        ",
+        expect![[r#"
+            0 agent admit b x pay parent=a               => admitted 1.1
+            1 alice cancel top                           => run cancelled (1 changed)
+            2 agent admit a y pay parent=top             => refused cancelled
+            3 agent admit b z pay                        => refused cancelled
+            4 agent admit p1 k pay parent=p2             => admitted 1.1
+            5 agent admit p2 k pay parent=p1             => error parent_mismatch: run p2 already has parent none, not p1
+            6 agent admit p1 k2 pay parent=zz            => error parent_mismatch: run p1 already has parent p2, not zz
+            7 agent admit solo k pay                     => admitted 1.1
+            8 agent admit solo k2 pay parent=p1          => error parent_mismatch: run solo already has parent none, not p1
+            --
+            run a cancelled stop=cancelled epoch=2 admitted=0 pending=0 in_flight=0 parent=top
+            run b finalizing stop=cancelled from=a epoch=2 admitted=1 pending=0 in_flight=1 parent=a
+              x pay started
+            run p1 active epoch=1 admitted=1 pending=0 in_flight=1 parent=p2
+              k pay started
+            run p2 active epoch=1 admitted=0 pending=0 in_flight=0
+            run solo active epoch=1 admitted=1 pending=0 in_flight=1
+              k pay started
+            run top cancelled stop=cancelled epoch=2 admitted=0 pending=0 in_flight=0
+        "#]],
+    );
+}

@@ -346,6 +346,8 @@ pub enum EventKind {
     Finalizing,
     /// An approval expired (silence is no): the effect is refused.
     Expired,
+    /// The last in-flight effect of a stopped run settled: the run is now terminal.
+    Settled,
     /// A kind this client does not know yet (from a newer server).
     #[serde(other)]
     Other,

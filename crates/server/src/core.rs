@@ -115,6 +115,11 @@ pub enum CoreMsg {
         query: Query,
         to: ReplyTo,
     },
+    /// A SoundGate `cancel`: fences a run id even before its first submit, as the reference does.
+    SgCancel {
+        run: RunId,
+        to: ReplyTo,
+    },
     /// A SoundGate `decide`: the decision and, once approved, the release in one step.
     SgDecide {
         run: RunId,
@@ -494,6 +499,22 @@ impl Core {
                 let answer = self.query(&principal, query);
                 self.send(to, answer);
             }
+            CoreMsg::SgCancel { run, to } => {
+                // The reference fences any run id, seen or not (its run ids are global); a run
+                // that exists is cancelled as the compatibility clients' own principal.
+                let role = if self.gate.run(&run).is_some() {
+                    Role::Agent
+                } else {
+                    Role::Operator
+                };
+                let cmd = Command::Cancel {
+                    run,
+                    reason: Some("soundgate cancel".into()),
+                    kill: false,
+                };
+                let answer = self.apply(&crate::soundgate::principal(role), cmd);
+                self.send(to, answer);
+            }
             CoreMsg::SgDecide {
                 run,
                 key,
@@ -660,7 +681,6 @@ impl Core {
                             && matches!(
                                 e.kind,
                                 EventKind::Cancelled
-                                    | EventKind::Finalizing
                                     | EventKind::Closed
                                     | EventKind::Paused
                                     | EventKind::Resumed
@@ -691,6 +711,7 @@ impl Core {
             EventKind::Closed => wire::EventKind::Closed,
             EventKind::Finalizing => wire::EventKind::Finalizing,
             EventKind::Expired => wire::EventKind::Expired,
+            EventKind::Settled => wire::EventKind::Settled,
             EventKind::Admitted => return None,
         };
         let run = self.gate.run(&e.run);
@@ -733,6 +754,9 @@ impl Core {
             }
             EventKind::Expired => out.reason = Some("expired".into()),
             EventKind::Paused | EventKind::Resumed | EventKind::Admitted => {}
+            EventKind::Settled => {
+                out.reason = run.map(|r| r.state.as_str().to_string());
+            }
         }
         Some(out)
     }

@@ -199,15 +199,7 @@ fn handle(
                 to,
             })
         }
-        SgRequest::Cancel { run } => send(CoreMsg::Apply {
-            principal: agent,
-            cmd: Command::Cancel {
-                run,
-                reason: Some("soundgate cancel".into()),
-                kill: false,
-            },
-            to,
-        }),
+        SgRequest::Cancel { run } => send(CoreMsg::SgCancel { run, to }),
         SgRequest::Close { run } => send(CoreMsg::Apply {
             principal: agent,
             cmd: Command::Close { run, failed: false },

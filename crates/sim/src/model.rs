@@ -394,9 +394,30 @@ impl Model {
         limits: u8,
     ) -> Res {
         let parent = parent_of(run);
+        let mut adopted = false;
         if self.runs.contains_key(&run) {
             let r = self.visible(who, run)?;
-            if parent.is_some() && r.parent != parent {
+            if let Some(p) = parent
+                && r.parent.is_none()
+                && r.effects.is_empty()
+                && r.stop.is_none()
+            {
+                // A run created as someone's parent takes its own parent at its first admit.
+                let inherited = if self.runs.contains_key(&p) {
+                    self.visible(who, p)?.stop.map(|(cause, _)| cause)
+                } else {
+                    self.runs.insert(p, MRun::new(Some(who), None));
+                    None
+                };
+                self.runs.get_mut(&p).expect("parent").children.push(run);
+                self.runs.get_mut(&run).expect("run").parent = Some(p);
+                if let Some(cause) = inherited {
+                    self.stop(run, cause);
+                }
+                adopted = true;
+            }
+            let r = &self.runs[&run];
+            if parent.is_some() && r.parent != parent && r.stop.is_none() {
                 return Err("parent_mismatch");
             }
             if let Some(e) = r.effects.get(&key) {
@@ -406,7 +427,12 @@ impl Model {
                 return self.recheck(now, run, key);
             }
             if let Some((cause, _)) = r.stop {
-                return verdict(format!("refused {}", cause.refusal()));
+                let answer = format!("refused {}", cause.refusal());
+                return if adopted {
+                    changed(answer)
+                } else {
+                    verdict(answer)
+                };
             }
         } else {
             // The first admit creates the run (and a parent nobody has seen yet).
@@ -659,10 +685,12 @@ impl Model {
         }
         if self.runs.contains_key(&run) {
             self.visible(who, run)?;
+        } else if who.is_operator() {
+            // An operator may fence a run id before its first admit.
+            self.runs.insert(run, MRun::new(None, None));
         } else {
-            // A fence may come before the run's first admit.
-            let owner = (!who.is_operator()).then_some(who);
-            self.runs.insert(run, MRun::new(owner, None));
+            // An agent stops only runs it created (no squatting on another's run id).
+            return Err("not_found");
         }
         self.stop_verb(
             run,
