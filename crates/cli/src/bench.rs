@@ -234,8 +234,9 @@ fn load_bench(a: LoadArgs) -> Result<u8> {
 }
 
 fn kernel(identities: u64, json_out: bool) -> Result<u8> {
-    let c = estop_bench::kernel::cancel_cost(identities, 10, 1000);
+    // Memory first: freed pages stay in the process, so a later measurement would read zero.
     let m = estop_bench::kernel::memory_per_identity(identities, 10);
+    let c = estop_bench::kernel::cancel_cost(identities, 10, 1000);
     if json_out {
         println!(
             "{}",
