@@ -690,7 +690,8 @@ impl Gate {
             | Status::Compensated
             | Status::CompensationFailed
             | Status::NeedsHuman => {
-                let rec = effect.outcome.as_deref().cloned().unwrap_or_default();
+                let mut rec = effect.outcome.as_deref().cloned().unwrap_or_default();
+                rec.outcome = effect.outcome_kind();
                 verdict(Verdict::Duplicate {
                     status: effect.status.kind(),
                     outcome: rec.outcome,
@@ -929,7 +930,8 @@ impl Gate {
                 }
                 let e = run.effects.get_mut(key).expect("effect exists");
                 e.status = to;
-                e.outcome = Some(record());
+                // The status says the outcome; only a result or an error needs a record.
+                e.outcome = (result.is_some() || error.is_some()).then(record);
                 e.late |= late;
                 e.updated_at = now;
                 ev.push(event(run_id, Some(key), EventKind::Completed));
@@ -937,7 +939,7 @@ impl Gate {
                 Ok((Reply::Completed { late }, true))
             }
             Status::Completed | Status::Failed => {
-                let same = effect.outcome.as_ref().and_then(|o| o.outcome) == Some(outcome);
+                let same = effect.outcome_kind() == Some(outcome);
                 if same {
                     Ok((Reply::Completed { late: effect.late }, false))
                 } else {

@@ -139,6 +139,25 @@ pub struct Effect {
 }
 
 impl Effect {
+    /// The outcome the agent reported: recorded explicitly when it came with a result or an
+    /// error (or late, after the effect was voided), otherwise implied by the status — which
+    /// saves an allocation per completed effect.
+    pub fn outcome_kind(&self) -> Option<Outcome> {
+        self.outcome
+            .as_ref()
+            .and_then(|o| o.outcome)
+            .or(match self.status {
+                Status::Completed
+                | Status::Compensating
+                | Status::Compensated
+                | Status::CompensationFailed
+                | Status::NeedsHuman => Some(Outcome::Ok),
+                Status::Failed => Some(Outcome::Error),
+                Status::Unknown => Some(Outcome::Unknown),
+                _ => None,
+            })
+    }
+
     pub(crate) fn new(
         now: u64,
         tool: ToolName,
@@ -243,7 +262,12 @@ impl Run {
         self.expiries = self
             .effects
             .iter()
-            .filter(|(_, e)| matches!(e.status, Status::Held(HoldReason::Approval) | Status::Approved))
+            .filter(|(_, e)| {
+                matches!(
+                    e.status,
+                    Status::Held(HoldReason::Approval) | Status::Approved
+                )
+            })
             .filter_map(|(k, e)| e.approval.as_ref().map(|a| (a.expires_at, k.clone())))
             .collect();
     }

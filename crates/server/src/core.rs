@@ -748,8 +748,7 @@ impl Core {
             }
             EventKind::Completed => {
                 out.outcome = effect
-                    .and_then(|x| x.outcome.as_ref())
-                    .and_then(|o| o.outcome)
+                    .and_then(|x| x.outcome_kind())
                     .map(|o| o.as_str().to_string());
             }
             EventKind::Expired => out.reason = Some("expired".into()),

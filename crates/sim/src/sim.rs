@@ -451,9 +451,7 @@ impl Auditor {
             }
         }
         for ((run, key), outcome) in &self.completed {
-            let got = effect(run, key)
-                .and_then(|e| e.outcome.as_ref())
-                .and_then(|o| o.outcome);
+            let got = effect(run, key).and_then(|e| e.outcome_kind());
             if got.is_none() {
                 return Err(format!(
                     "acknowledged completion {run}/{key} ({outcome}) lost after recovery"

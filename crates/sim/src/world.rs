@@ -592,11 +592,7 @@ pub fn view_of(gate: &Gate) -> View {
                         token: e.token.map(|t| (t.epoch, t.serial)),
                         approval,
                         late: e.late,
-                        outcome: e
-                            .outcome
-                            .as_ref()
-                            .and_then(|o| o.outcome)
-                            .map(|o| o.to_string()),
+                        outcome: e.outcome_kind().map(|o| o.to_string()),
                     },
                 )
             })
