@@ -22,6 +22,13 @@ pub struct Gate {
     pub(crate) limits: Limits,
 }
 
+/// What the parent chain of a run says (see `Gate::chain_flags`).
+struct ChainFlags<'a> {
+    overdue: Option<&'a RunId>,
+    paused: bool,
+    pending: bool,
+}
+
 /// What admission decided for an effect that is new or held behind a sibling or a pause.
 enum Plan {
     /// The run is stopped; the effect is refused with the stop's reason.
@@ -271,7 +278,9 @@ impl Gate {
         bounded(&a.args, self.limits.args_bytes_max, "args_bytes_max")?;
         let mut adopted = false;
         if let Some(run) = self.runs.get(&a.run) {
-            self.visible_run(p, &a.run)?;
+            if p.role == Role::Agent && run.owner.as_ref().is_some_and(|o| *o != p.name) {
+                return Err(KernelError::RunNotFound(a.run.clone()));
+            }
             if let Some(given) = &a.parent
                 && run.parent.is_none()
                 && run.effects.is_empty()
@@ -500,8 +509,10 @@ impl Gate {
         if let Some(stop) = &run.stop {
             return Ok(Plan::Fenced(stop.cause.refusal()));
         }
-        if let Some(root) = self.overdue_in_chain(run_id, now) {
-            return Ok(Plan::FenceDeadline(root));
+        // One walk up the parent chain answers every chain question below.
+        let chain = self.chain_flags(run_id, run, now);
+        if let Some(root) = chain.overdue {
+            return Ok(Plan::FenceDeadline(root.clone()));
         }
         if run.rejected.contains(&effect.digest) {
             return Ok(Plan::Refuse(RefusalReason::Rejected));
@@ -516,7 +527,7 @@ impl Gate {
         {
             return Ok(Plan::FenceBudget);
         }
-        if self.paused_in_chain(run_id) {
+        if chain.paused {
             return Ok(Plan::Hold(HoldReason::Paused));
         }
         if effect.action == PolicyAction::Approve && effect.status != Status::Approved {
@@ -528,10 +539,30 @@ impl Gate {
             }
             return Ok(Plan::HoldApproval);
         }
-        if effect.class == EffectClass::Write && self.pending_in_chain(run_id) {
+        if effect.class == EffectClass::Write && chain.pending {
             return Ok(Plan::Hold(HoldReason::Sibling));
         }
         Ok(Plan::Admit)
+    }
+
+    /// The run and its ancestors in one walk: the farthest overdue run (its deadline passed and
+    /// it is not stopped), whether any is paused, whether any has an approval pending.
+    fn chain_flags<'a>(&'a self, run_id: &'a RunId, run: &'a Run, now: u64) -> ChainFlags<'a> {
+        let mut flags = ChainFlags {
+            overdue: None,
+            paused: false,
+            pending: false,
+        };
+        let mut at = Some((run_id, run));
+        while let Some((id, r)) = at {
+            if r.stop.is_none() && r.limits.deadline_at.is_some_and(|d| now >= d) {
+                flags.overdue = Some(id);
+            }
+            flags.paused |= r.state == RunState::Paused;
+            flags.pending |= r.pending_approvals > 0;
+            at = r.parent.as_ref().and_then(|p| self.runs.get_key_value(p));
+        }
+        flags
     }
 
     /// Carries out a plan on an effect already in the run's map. Infallible: `plan` checked all.
