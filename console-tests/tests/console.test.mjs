@@ -15,6 +15,7 @@ let d, agent, browser, closeBrowser;
 
 async function shot(page, name) {
   const path = join(artifacts, name);
+  await page.evaluate(() => document.querySelector("#toast").replaceChildren());
   await page.screenshot({ path, fullPage: true });
   if (process.env.UPDATE_SCREENSHOTS === "1") copyFileSync(path, join(repo, "docs", name));
 }
@@ -89,7 +90,7 @@ test("approve a held effect in the inbox: the agent's wait returns admitted", as
   assert.equal(answer.ok, true);
   assert.equal(answer.verdict, "admitted", JSON.stringify(answer));
   await c.waitFor({ state: "detached" });
-  assert.deepEqual(page.errors, []);
+  assert.deepEqual(page.errors, [], page.errors.join("\n"));
   await context.close();
 });
 
@@ -189,7 +190,7 @@ test("cancel a run from the console and read its after-stop report", async () =>
   await page.waitForFunction(() => document.querySelector('.summary [data-section="in_flight"] b')?.textContent === "0");
   assert.equal(await count("done"), 4);
   assert.match(await page.textContent("#report"), /completed after the stop \(late\)/);
-  assert.deepEqual(page.errors, []);
+  assert.deepEqual(page.errors, [], page.errors.join("\n"));
   await context.close();
 });
 

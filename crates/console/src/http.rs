@@ -68,6 +68,20 @@ pub fn error(code: ErrorCode, message: impl Into<String>) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
+/// An error before any response exists (small, unlike `Response`); becomes one at the edge.
+#[derive(Debug)]
+pub struct Refusal(pub ErrorCode, pub String);
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        error(self.0, self.1)
+    }
+}
+
+fn refuse(code: ErrorCode, message: impl Into<String>) -> Refusal {
+    Refusal(code, message.into())
+}
+
 fn ok(v: Value) -> Response {
     (StatusCode::OK, axum::Json(v)).into_response()
 }
@@ -94,14 +108,14 @@ pub fn answer(a: Answer) -> Response {
     }
 }
 
-fn header_str<'a>(h: &'a HeaderMap, name: header::HeaderName) -> Option<&'a str> {
+fn header_str(h: &HeaderMap, name: header::HeaderName) -> Option<&str> {
     h.get(name).and_then(|v| v.to_str().ok())
 }
 
 /// Authenticates a request: `Authorization: Bearer <token>`, or the session cookie. For a
 /// state-changing request by cookie, the `X-CSRF-Token` header must carry the session's CSRF
 /// token and an `Origin` header, if sent, must be this console's.
-pub fn caller(app: &App, method: &Method, h: &HeaderMap) -> Result<Caller, Response> {
+pub fn caller(app: &App, method: &Method, h: &HeaderMap) -> Result<Caller, Refusal> {
     if let Some(v) = header_str(h, header::AUTHORIZATION) {
         let token = v
             .strip_prefix("Bearer ")
@@ -112,20 +126,20 @@ pub fn caller(app: &App, method: &Method, h: &HeaderMap) -> Result<Caller, Respo
                 principal,
                 session: None,
             }),
-            None => Err(error(
+            None => Err(refuse(
                 ErrorCode::Unauthenticated,
                 "unknown token in Authorization: use `Bearer <contents of DATA/operator.token>` or a token made by `estop token create`",
             )),
         };
     }
     let Some(id) = header_str(h, header::COOKIE).and_then(|c| auth::cookie(c, &app.cookie)) else {
-        return Err(error(
+        return Err(refuse(
             ErrorCode::Unauthenticated,
             "log in: open the link `estop serve` printed, or send Authorization: Bearer <token>",
         ));
     };
     let Some(session) = app.auth.session(id) else {
-        return Err(error(
+        return Err(refuse(
             ErrorCode::Unauthenticated,
             "the session expired or ended: log in again",
         ));
@@ -134,14 +148,14 @@ pub fn caller(app: &App, method: &Method, h: &HeaderMap) -> Result<Caller, Respo
         if let Some(origin) = header_str(h, header::ORIGIN)
             && !same_origin(origin, header_str(h, header::HOST))
         {
-            return Err(error(
+            return Err(refuse(
                 ErrorCode::Forbidden,
                 "cross-origin request refused (Origin does not match this console)",
             ));
         }
         let csrf = header_str(h, "x-csrf-token".parse().expect("valid name")).unwrap_or("");
         if !auth::same(csrf, &session.csrf) {
-            return Err(error(
+            return Err(refuse(
                 ErrorCode::Forbidden,
                 "missing or wrong X-CSRF-Token (the console sends the one GET /api/v1/session returns)",
             ));
@@ -168,14 +182,14 @@ fn request(
     path: &[(&str, String)],
     query: &HashMap<String, String>,
     body: &Bytes,
-) -> Result<Value, Response> {
+) -> Result<Value, Refusal> {
     let mut obj = if body.iter().all(u8::is_ascii_whitespace) {
         Map::new()
     } else {
         match serde_json::from_slice::<Value>(body) {
             Ok(Value::Object(m)) => m,
-            Ok(_) => return Err(error(ErrorCode::BadJson, "the body must be a JSON object")),
-            Err(e) => return Err(error(ErrorCode::BadJson, format!("the body: {e}"))),
+            Ok(_) => return Err(refuse(ErrorCode::BadJson, "the body must be a JSON object")),
+            Err(e) => return Err(refuse(ErrorCode::BadJson, format!("the body: {e}"))),
         }
     };
     for (k, v) in query {
@@ -200,7 +214,7 @@ async fn verb(
 ) -> Response {
     let c = match caller(app, &method, headers) {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     if method != Method::GET && c.principal.role != Role::Operator {
         return error(
@@ -212,7 +226,7 @@ async fn verb(
     }
     let req = match request(op, path, query, body) {
         Ok(r) => r,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     answer(gate::run(&app.shared, &c.principal, req).await).into_response()
 }
@@ -358,7 +372,7 @@ async fn whoami(State(app): State<AppState>, h: HeaderMap) -> Response {
                 s.as_ref().map(|s| s.expires_at),
             ))
         }
-        Err(r) => r,
+        Err(r) => r.into_response(),
     }
 }
 
@@ -406,7 +420,7 @@ async fn login_with_token(State(app): State<AppState>, h: HeaderMap, body: Bytes
 async fn logout(State(app): State<AppState>, h: HeaderMap) -> Response {
     let c = match caller(&app, &Method::DELETE, &h) {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     if let Some(id) = &c.session {
         app.auth.end(id);
@@ -421,7 +435,7 @@ async fn logout(State(app): State<AppState>, h: HeaderMap) -> Response {
 async fn new_login_link(State(app): State<AppState>, h: HeaderMap) -> Response {
     let c = match caller(&app, &Method::POST, &h) {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     if c.principal.role != Role::Operator {
         return error(ErrorCode::Forbidden, "login links are for operators");
@@ -434,7 +448,7 @@ async fn new_login_link(State(app): State<AppState>, h: HeaderMap) -> Response {
 async fn login_link(State(app): State<AppState>, Query(q): Q) -> Response {
     let page = |title: &str, body: &str| {
         format!(
-            "<!doctype html><html lang=en><meta charset=utf-8><meta name=viewport content='width=device-width,initial-scale=1'><meta http-equiv=refresh content='0;url=/'><title>{title}</title><link rel=stylesheet href=/app.css><main class=narrow><h1>{title}</h1><p>{body}</p><p><a href=/>Open the console</a></p></main></html>"
+            "<!doctype html><html lang=en><meta charset=utf-8><meta name=viewport content='width=device-width,initial-scale=1'><meta http-equiv=refresh content='0;url=/'><title>{title}</title><link rel=icon href=/favicon.svg><link rel=stylesheet href=/app.css><main class=narrow><h1>{title}</h1><p>{body}</p><p><a href=/>Open the console</a></p></main></html>"
         )
     };
     let Some(principal) = q.get("code").and_then(|c| app.auth.redeem(c)) else {
@@ -462,7 +476,7 @@ async fn login_link(State(app): State<AppState>, Query(q): Q) -> Response {
 async fn metrics_route(State(app): State<AppState>, h: HeaderMap) -> Response {
     let c = match caller(&app, &Method::GET, &h) {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     if c.principal.role != Role::Operator {
         return error(ErrorCode::Forbidden, "metrics need an operator token");
@@ -473,7 +487,7 @@ async fn metrics_route(State(app): State<AppState>, h: HeaderMap) -> Response {
 async fn events_route(State(app): State<AppState>, h: HeaderMap, Query(q): Q) -> Response {
     match caller(&app, &Method::GET, &h) {
         Ok(c) => events::stream(app, c, q.get("run").cloned()).await,
-        Err(r) => r,
+        Err(r) => r.into_response(),
     }
 }
 
@@ -483,7 +497,10 @@ async fn not_found() -> Response {
 
 /// Security headers on every response; `no-store` on everything but the static assets.
 async fn headers(req: Request, next: Next) -> Response {
-    let asset = matches!(req.uri().path(), "/app.js" | "/app.css" | "/favicon.svg");
+    let asset = matches!(
+        req.uri().path(),
+        "/app.js" | "/app.css" | "/favicon.svg" | "/favicon.ico"
+    );
     let mut r = next.run(req).await;
     let h = r.headers_mut();
     let set = |h: &mut HeaderMap, k: &'static str, v: &'static str| {
@@ -513,6 +530,7 @@ pub fn router(app: AppState) -> Router {
         .route("/app.js", get(ui::script))
         .route("/app.css", get(ui::style))
         .route("/favicon.svg", get(ui::favicon))
+        .route("/favicon.ico", get(ui::favicon))
         .route("/login", get(login_link))
         .route("/metrics", get(metrics_route))
         .route("/api/v1/openapi.yaml", get(ui::openapi))

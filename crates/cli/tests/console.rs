@@ -1,0 +1,551 @@
+//! The console's HTTP API against a real `estop serve`: authentication and roles, operator verbs
+//! with the same semantics and durability as protocol v1, server-sent events, login links,
+//! sessions and CSRF, and `/metrics`. A tiny HTTP/1.1 client over std keeps the test free of an
+//! HTTP stack.
+
+mod common;
+
+use common::*;
+use serde_json::{Value, json};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Resp {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn code(&self) -> String {
+        self.json()["error"]["code"]
+            .as_str()
+            .unwrap_or("")
+            .to_string()
+    }
+}
+
+/// One request, `Connection: close`, the whole response read back.
+fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if !body.is_empty() {
+        req.push_str("Content-Type: application/json\r\n");
+    }
+    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    s.write_all(req.as_bytes()).unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers = lines
+        .filter_map(|l| l.split_once(": "))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    Resp {
+        status,
+        headers,
+        body: body.to_string(),
+    }
+}
+
+struct Console {
+    d: Daemon,
+    addr: String,
+    op: String,
+}
+
+impl Console {
+    fn start() -> Console {
+        let d = Daemon::start_with(&["--console", "127.0.0.1:0"]);
+        let addr = d.ready_field("console");
+        assert!(addr.starts_with("127.0.0.1:"), "{}", d.ready);
+        let op = format!("Bearer {}", d.token("operator.token"));
+        Console { d, addr, op }
+    }
+
+    fn get(&self, path: &str) -> Resp {
+        http(&self.addr, "GET", path, &[("Authorization", &self.op)], "")
+    }
+
+    fn post(&self, path: &str, body: Value) -> Resp {
+        http(
+            &self.addr,
+            "POST",
+            path,
+            &[("Authorization", &self.op)],
+            &body.to_string(),
+        )
+    }
+
+    fn as_token(&self, token: &str, method: &str, path: &str) -> Resp {
+        http(
+            &self.addr,
+            method,
+            path,
+            &[("Authorization", &format!("Bearer {token}"))],
+            "",
+        )
+    }
+}
+
+#[test]
+fn the_ready_line_names_the_console_and_off_turns_it_off() {
+    let c = Console::start();
+    assert_eq!(c.get("/api/v1/runs").status, 200);
+    let off = Daemon::start_with(&["--console", "off"]);
+    assert!(!off.ready.contains("console="), "{}", off.ready);
+}
+
+#[test]
+fn an_address_that_is_asked_for_and_taken_stops_the_daemon_with_a_clear_error() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(bin())
+        .args(["serve", "--console", &addr, "--data"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot listen for the console"), "{err}");
+}
+
+#[test]
+fn no_token_is_unauthenticated_and_agents_only_read_their_own_runs() {
+    let c = Console::start();
+    let r = http(&c.addr, "GET", "/api/v1/runs", &[], "");
+    assert_eq!(r.status, 401);
+    assert_eq!(r.code(), "unauthenticated");
+    assert_eq!(r.header("cache-control"), Some("no-store"));
+    assert_eq!(c.as_token("nope", "GET", "/api/v1/runs").status, 401);
+
+    let mut a = c.d.agent();
+    admit(&mut a, "mine", "k1", "pay", json!({"n": 1}));
+    let made = c.post(
+        "/api/v1/tokens",
+        json!({"name": "other", "role": "agent", "groups": []}),
+    );
+    assert_eq!(made.status, 200, "{}", made.body);
+    let other = made.json()["token"].as_str().unwrap().to_string();
+    let mut b = c.d.client_with(&other);
+    admit(&mut b, "theirs", "k1", "refund", json!({"n": 2}));
+
+    let agent = c.d.token("agent.token");
+    let runs = c.as_token(&agent, "GET", "/api/v1/runs").json();
+    let ids: Vec<&str> = runs["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["run"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec!["mine"]);
+    // Another agent's run looks like no run at all.
+    let r = c.as_token(&agent, "GET", "/api/v1/runs/theirs");
+    assert_eq!((r.status, r.code().as_str()), (404, "not_found"));
+    let r = c.as_token(&agent, "GET", "/api/v1/runs/theirs/report");
+    assert_eq!(r.status, 404);
+    assert_eq!(
+        c.as_token(&agent, "GET", "/api/v1/runs/mine/report").status,
+        200
+    );
+    let pending = c.as_token(&other, "GET", "/api/v1/pending").json();
+    assert_eq!(pending["pending"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        c.as_token(&agent, "GET", "/api/v1/pending").json()["pending"],
+        json!([])
+    );
+    // Reads only: an agent cannot decide, stop, read the raw ledger or see metrics over HTTP.
+    for (method, path) in [
+        ("POST", "/api/v1/runs/mine/cancel"),
+        ("POST", "/api/v1/runs/theirs/effects/k1/approve"),
+        ("GET", "/api/v1/runs/mine/ledger"),
+        ("GET", "/metrics"),
+        ("POST", "/api/v1/login-links"),
+    ] {
+        let r = c.as_token(&agent, method, path);
+        assert_eq!(r.status, 403, "{method} {path}: {}", r.body);
+    }
+}
+
+#[test]
+fn approve_and_reject_over_http_answer_the_agents_wait() {
+    let c = Console::start();
+    let mut a = c.d.agent();
+    let held = admit(&mut a, "r1", "refund-1", "refund", json!({"amount": 250}));
+    assert_eq!(verdict(&held), "held");
+    let pending = c.get("/api/v1/pending").json();
+    let item = &pending["pending"][0];
+    assert_eq!(item["tool"], "refund");
+    assert_eq!(item["args"], json!({"amount": 250}));
+    assert_eq!(item["digest"].as_str().unwrap().len(), 64);
+    assert_eq!(item["quorum"], 1);
+    assert!(item["rule"].is_string());
+
+    let sock = c.d.socket();
+    let agent_token = c.d.token("agent.token");
+    let waiter = std::thread::spawn(move || {
+        let mut w = estop_server::client::Client::connect_as(&sock, &agent_token).unwrap();
+        ok(
+            &mut w,
+            json!({"op": "wait", "run": "r1", "key": "refund-1", "timeout_ms": 20000}),
+        )
+    });
+    let r = c.post(
+        "/api/v1/runs/r1/effects/refund-1/decide",
+        json!({"decision": "approve", "reason": "checked"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["status"], "approved");
+    assert_eq!(r.json()["approvals"], json!(["admin"]));
+    assert_eq!(verdict(&waiter.join().unwrap()), "admitted");
+    // Deciding what is no longer pending writes nothing: 409 not_pending, as in v1.
+    let again = c.post("/api/v1/runs/r1/effects/refund-1/approve", json!({}));
+    assert_eq!((again.status, again.code().as_str()), (409, "not_pending"));
+
+    admit(&mut a, "r1", "refund-2", "refund", json!({"amount": 9999}));
+    let r = c.post(
+        "/api/v1/runs/r1/effects/refund-2/reject",
+        json!({"reason": "too much"}),
+    );
+    assert_eq!(r.json()["status"], "rejected");
+    let w = ok(
+        &mut a,
+        json!({"op": "wait", "run": "r1", "key": "refund-2", "timeout_ms": 1000}),
+    );
+    assert_eq!(
+        (verdict(&w), w["reason"].as_str()),
+        ("refused", Some("rejected"))
+    );
+    // The same checks as v1: a bad decision, an unknown run, a body that is not an object.
+    let bad = c.post(
+        "/api/v1/runs/r1/effects/refund-1/decide",
+        json!({"decision": "maybe"}),
+    );
+    assert_eq!((bad.status, bad.code().as_str()), (400, "invalid_field"));
+    assert_eq!(
+        c.post("/api/v1/runs/nope/effects/k/approve", json!({}))
+            .status,
+        404
+    );
+    let r = http(
+        &c.addr,
+        "POST",
+        "/api/v1/runs/r1/pause",
+        &[("Authorization", &c.op)],
+        "[1]",
+    );
+    assert_eq!((r.status, r.code().as_str()), (400, "bad_json"));
+    // The ledger shows both decisions with their reasons and the approver.
+    let l = c.get("/api/v1/runs/r1/ledger").json();
+    let decides: Vec<&Value> = l["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "decide")
+        .collect();
+    assert_eq!(decides.len(), 2);
+    assert_eq!(decides[0]["reason"], "checked");
+    assert_eq!(decides[0]["principal"], "admin");
+}
+
+#[test]
+fn a_cancel_acknowledged_over_http_survives_kill_9_and_the_report_tells_the_truth() {
+    let mut c = Console::start();
+    let mut a = c.d.agent();
+    let done = admit(&mut a, "job", "pay-1", "pay", json!({"n": 1}));
+    ok(
+        &mut a,
+        json!({"op": "complete", "run": "job", "key": "pay-1", "token": done["token"], "outcome": "ok"}),
+    );
+    admit(&mut a, "job", "pay-2", "pay", json!({"n": 2}));
+    let r = c.post(
+        "/api/v1/runs/job/cancel",
+        json!({"reason": "stop now", "cascade": false}),
+    );
+    assert_eq!((r.status, r.code().as_str()), (400, "invalid_field"));
+    let r = c.post("/api/v1/runs/job/cancel", json!({"reason": "stop now"}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["runs"], json!(["job"]));
+    // Durable before visible: the 200 above means the fence is on disk.
+    c.d.restart();
+    c.addr = c.d.ready_field("console");
+    let s = c.get("/api/v1/runs/job").json();
+    assert_eq!(s["cause"], "cancelled");
+    let rep = c.get("/api/v1/runs/job/report").json();
+    assert_eq!(rep["done"][0]["key"], "pay-1");
+    assert_eq!(rep["in_flight"][0]["key"], "pay-2");
+    let mut a = c.d.agent();
+    let late = admit(&mut a, "job", "pay-3", "pay", json!({"n": 4}));
+    assert_eq!(
+        (verdict(&late), late["reason"].as_str()),
+        ("refused", Some("cancelled"))
+    );
+    // Pause, resume, kill and close answer like v1 (state after the request).
+    let k = admit(&mut a, "other", "k", "pay", json!({}));
+    ok(
+        &mut a,
+        json!({"op": "complete", "run": "other", "key": "k", "token": k["token"], "outcome": "ok"}),
+    );
+    assert_eq!(
+        c.post("/api/v1/runs/other/pause", json!({})).json()["state"],
+        "paused"
+    );
+    assert_eq!(
+        c.post("/api/v1/runs/other/resume", json!({})).json()["state"],
+        "active"
+    );
+    assert_eq!(
+        c.post("/api/v1/runs/other/close", json!({})).json()["state"],
+        "completed"
+    );
+    let filtered = c.get("/api/v1/runs?state=completed").json();
+    assert_eq!(filtered["runs"].as_array().unwrap().len(), 1);
+    let r = c.get("/api/v1/runs?limit=x");
+    assert_eq!((r.status, r.code().as_str()), (400, "invalid_field"));
+    assert_eq!(c.post("/api/v1/runs/other/explode", json!({})).status, 404);
+}
+
+/// Reads server-sent events until `want` appears in a data line, or panics after 20 s.
+fn read_events_until(addr: &str, auth: &str, path: &str, want: &str, act: impl FnOnce()) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: {auth}\r\nAccept: text/event-stream\r\n\r\n"
+    )
+    .unwrap();
+    let mut r = BufReader::new(s);
+    let mut seen = String::new();
+    let mut act = Some(act);
+    loop {
+        let mut line = String::new();
+        let n = r.read_line(&mut line).expect("an event within 20 s");
+        assert!(n > 0, "the stream ended; saw:\n{seen}");
+        seen.push_str(&line);
+        if line.starts_with("event: ready")
+            && let Some(f) = act.take()
+        {
+            f();
+        }
+        if line.starts_with("data: ") && line.contains(want) {
+            return seen;
+        }
+    }
+}
+
+#[test]
+fn server_sent_events_report_changes_once_durable_and_agents_see_only_their_own() {
+    let c = Console::start();
+    let sock = c.d.socket();
+    let agent = c.d.token("agent.token");
+    let seen = read_events_until(
+        &c.addr,
+        &c.op,
+        "/api/v1/events",
+        "\"event\":\"held\"",
+        || {
+            let mut a = estop_server::client::Client::connect_as(&sock, &agent).unwrap();
+            admit(&mut a, "live", "k", "refund", json!({}));
+        },
+    );
+    assert!(seen.contains("\"run\":\"live\""), "{seen}");
+    assert!(seen.contains("\"key\":\"k\""), "{seen}");
+
+    // An agent's feed carries its own runs only: another agent's hold never shows, its own does.
+    let made = c.post("/api/v1/tokens", json!({"name": "b", "role": "agent"}));
+    let other = made.json()["token"].as_str().unwrap().to_string();
+    let sock = c.d.socket();
+    let agent = c.d.token("agent.token");
+    let seen = read_events_until(
+        &c.addr,
+        &format!("Bearer {agent}"),
+        "/api/v1/events",
+        "\"run\":\"mine-2\"",
+        || {
+            let mut b = estop_server::client::Client::connect_as(&sock, &other).unwrap();
+            admit(&mut b, "secret-run", "k", "refund", json!({}));
+            let mut a = estop_server::client::Client::connect_as(&sock, &agent).unwrap();
+            admit(&mut a, "mine-2", "k", "refund", json!({}));
+        },
+    );
+    assert!(!seen.contains("secret-run"), "{seen}");
+}
+
+#[test]
+fn login_links_work_once_and_sessions_need_the_csrf_token_to_change_state() {
+    let c = Console::start();
+    let link = c.post("/api/v1/login-links", json!({})).json();
+    let url = link["url"].as_str().unwrap();
+    let path = &url[url.find("/login").unwrap()..];
+    let r = http(&c.addr, "GET", path, &[], "");
+    assert_eq!(r.status, 200);
+    let cookie = r.header("set-cookie").unwrap().to_string();
+    assert!(cookie.contains("HttpOnly"), "{cookie}");
+    assert!(cookie.contains("SameSite=Strict"), "{cookie}");
+    let pair = cookie.split(';').next().unwrap().to_string();
+    assert_eq!(http(&c.addr, "GET", path, &[], "").status, 401, "one-time");
+
+    let me = http(&c.addr, "GET", "/api/v1/session", &[("Cookie", &pair)], "").json();
+    assert_eq!(me["principal"], "admin");
+    let csrf = me["csrf"].as_str().unwrap().to_string();
+    let mut a = c.d.agent();
+    admit(&mut a, "s", "k", "pay", json!({}));
+    let pause =
+        |headers: &[(&str, &str)]| http(&c.addr, "POST", "/api/v1/runs/s/pause", headers, "{}");
+    assert_eq!(pause(&[("Cookie", &pair)]).status, 403, "no CSRF token");
+    assert_eq!(
+        pause(&[("Cookie", &pair), ("X-CSRF-Token", "wrong")]).status,
+        403
+    );
+    let origin = pause(&[
+        ("Cookie", &pair),
+        ("X-CSRF-Token", &csrf),
+        ("Origin", "http://evil.example"),
+    ]);
+    assert_eq!(origin.status, 403, "cross-origin");
+    assert_eq!(
+        pause(&[("Cookie", &pair), ("X-CSRF-Token", &csrf)]).status,
+        200
+    );
+    // Logging out ends the session.
+    let out = http(
+        &c.addr,
+        "DELETE",
+        "/api/v1/session",
+        &[("Cookie", &pair), ("X-CSRF-Token", &csrf)],
+        "",
+    );
+    assert_eq!(out.status, 200);
+    let r = http(&c.addr, "GET", "/api/v1/runs", &[("Cookie", &pair)], "");
+    assert_eq!(r.status, 401);
+    // A pasted token makes a session too; a wrong one does not.
+    let bad = http(
+        &c.addr,
+        "POST",
+        "/api/v1/session",
+        &[],
+        r#"{"token":"nope"}"#,
+    );
+    assert_eq!(bad.status, 401);
+    let body = json!({"token": c.d.token("operator.token")}).to_string();
+    let good = http(&c.addr, "POST", "/api/v1/session", &[], &body);
+    assert_eq!(good.status, 200);
+    assert!(good.header("set-cookie").unwrap().contains("HttpOnly"));
+    // The daemon's log never holds a secret.
+    let log = std::fs::read_to_string(c.d.data().join("serve.log")).unwrap();
+    assert!(!log.contains(&csrf));
+    assert!(!log.contains(&c.d.token("operator.token")));
+    assert!(!log.contains(&path["/login?code=".len()..]));
+}
+
+#[test]
+fn the_ui_is_served_with_a_strict_content_security_policy() {
+    let c = Console::start();
+    let r = http(&c.addr, "GET", "/", &[], "");
+    assert_eq!(r.status, 200);
+    assert!(r.body.contains("<script src=\"/app.js\""));
+    assert!(
+        r.header("content-security-policy")
+            .unwrap()
+            .contains("script-src 'self'")
+    );
+    assert_eq!(r.header("x-frame-options"), Some("DENY"));
+    assert!(
+        http(&c.addr, "GET", "/app.js", &[], "")
+            .body
+            .contains("textContent")
+    );
+    let spec = http(&c.addr, "GET", "/api/v1/openapi.yaml", &[], "");
+    assert!(
+        spec.body.starts_with("openapi: 3"),
+        "{}",
+        &spec.body[..spec.body.len().min(80)]
+    );
+}
+
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no series {series} in:\n{text}"))
+}
+
+#[test]
+fn metrics_count_admissions_decisions_runs_fsyncs_and_connections() {
+    let c = Console::start();
+    let mut a = c.d.agent();
+    admit(&mut a, "m1", "a", "pay", json!({}));
+    admit(&mut a, "m1", "b", "refund", json!({}));
+    admit(&mut a, "m2", "c", "drop_table", json!({}));
+    c.post("/api/v1/runs/m1/effects/b/approve", json!({}));
+    c.post("/api/v1/runs/m2/cancel", json!({}));
+    let r = c.get("/metrics");
+    assert_eq!(r.status, 200);
+    assert!(
+        r.header("content-type")
+            .unwrap()
+            .starts_with("text/plain; version=0.0.4")
+    );
+    let m = r.body;
+    assert_eq!(
+        metric(
+            &m,
+            r#"estop_admissions_total{verdict="admitted",reason=""}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"estop_admissions_total{verdict="held",reason="approval"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"estop_admissions_total{verdict="refused",reason="denied"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"estop_approval_decision_seconds_count{decision="approved"}"#
+        ),
+        1.0
+    );
+    assert_eq!(metric(&m, "estop_approvals_pending"), 0.0);
+    assert_eq!(metric(&m, r#"estop_runs{state="active"}"#), 1.0);
+    assert_eq!(metric(&m, r#"estop_runs{state="cancelled"}"#), 1.0);
+    assert!(metric(&m, "estop_ledger_fsync_seconds_count") >= 1.0);
+    assert!(metric(&m, "estop_ledger_batch_records_sum") >= 4.0);
+    assert!(metric(&m, r#"estop_ledger_batch_records_bucket{le="+Inf"}"#) >= 1.0);
+    assert!(metric(&m, r#"estop_connections{listener="protocol"}"#) >= 1.0);
+    assert!(metric(&m, r#"estop_connections{listener="console"}"#) >= 1.0);
+}
