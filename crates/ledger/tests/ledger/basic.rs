@@ -120,6 +120,9 @@ fn notify_reports_each_durable_seq_in_order() {
         .spawn(move |r| seen2.lock().expect("lock").push(r.map_err(|e| e.code())))
         .expect("spawn");
     append_n(&c, 1, 50);
+    // `flush` returns once seq 50 is durable, which the sync thread publishes just before it
+    // calls `notify`: stop the thread (drop joins it) so the last call has happened.
+    drop(c);
     let seen = seen.lock().expect("lock").clone();
     assert!(!seen.is_empty());
     let oks: Vec<u64> = seen.iter().map(|r| *r.as_ref().expect("ok")).collect();
