@@ -237,7 +237,7 @@ pub fn recovery(dir: &Path, records: u64) -> Result<RecoveryReport, Box<dyn std:
             &mut written,
         )?;
         r += 1;
-        if r % 20_000 == 0 {
+        if r.is_multiple_of(20_000) {
             push(&mut gate, Command::Compact { before: 2000 }, &mut written)?;
         }
     }

@@ -159,7 +159,7 @@ async fn run_async(opts: &LoadOptions) -> std::io::Result<LoadReport> {
         let opts = opts.clone();
         let barrier = std::sync::Arc::clone(&barrier);
         tasks.spawn(async move {
-            let res = if opts.target.contains('/') {
+            if opts.target.contains('/') {
                 match tokio::net::UnixStream::connect(&opts.target).await {
                     Ok(s) => one_connection(s, &opts, c, per, &barrier).await,
                     Err(e) => {
@@ -178,8 +178,7 @@ async fn run_async(opts: &LoadOptions) -> std::io::Result<LoadReport> {
                         Err(e)
                     }
                 }
-            };
-            res
+            }
         });
     }
     barrier.wait().await;

@@ -49,7 +49,10 @@ impl ServeOptions {
             policy: None,
             allow_all: false,
             connections_max: 4096,
-            io_threads: std::env::var("ESTOP_IO_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1),
+            io_threads: std::env::var("ESTOP_IO_THREADS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1),
             conn: ConnOptions::default(),
             core: CoreOptions::default(),
             limits: Limits::default(),
@@ -208,8 +211,14 @@ pub fn run_with(
     });
     let runtime = match opts.io_threads {
         // One IO thread beside the core and sync threads: no work stealing, fewer wakeups.
-        1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
-        n => tokio::runtime::Builder::new_multi_thread().worker_threads(n.max(2)).enable_all().thread_name("estop-io").build(),
+        1 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n.max(2))
+            .enable_all()
+            .thread_name("estop-io")
+            .build(),
     }
     .map_err(|e| setup(format!("cannot start the runtime: {e}")))?;
     let mut socket_id = None;
@@ -236,7 +245,9 @@ pub fn run_with(
 /// The (device, inode) of a socket file, to recognise our own at shutdown.
 fn file_id(path: &Path) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
-    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 /// Removes the socket file only if it is still the one this daemon bound: a successor may
