@@ -6,7 +6,7 @@ use crate::command::{Admit, Command, PolicyDecision, Record, RunLimits, Token};
 use crate::gate::Gate;
 use crate::ids::{Digest, EffectKey, IdError, Principal, PrincipalName, Role, RunId, ToolName};
 use crate::limits::Limits;
-use crate::state::{Approval, Approver, Effect, OutcomeRecord, Run, Status, Stop};
+use crate::state::{Approval, Approver, Effect, Interner, OutcomeRecord, Run, Status, Stop};
 use crate::vocab::{
     Decision, EffectClass, EffectStatus, HoldReason, Outcome, PolicyAction, RefusalReason,
     Reversibility, RunState, StopCause,
@@ -515,13 +515,13 @@ fn put_effect(w: &mut W, e: &Effect) {
     }
 }
 
-fn get_effect(r: &mut R) -> Result<Effect, CodecError> {
-    let tool = r.tool()?;
+fn get_effect(r: &mut R, interned: &mut Interner) -> Result<Effect, CodecError> {
+    let tool = interned.tool(&r.tool()?);
     let digest = r.digest()?;
     let class = r.enum_of(EffectClass::ALL)?;
     let reversibility = r.enum_of(Reversibility::ALL)?;
     let compensate = r.opt(R::tool)?;
-    let rule = r.boxed()?;
+    let rule = interned.rule(r.str()?);
     let action = r.enum_of(PolicyAction::ALL)?;
     let approval = r.opt(|r| {
         let id = r.u64()?;
@@ -645,6 +645,7 @@ pub fn encode_snapshot(gate: &Gate, out: &mut Vec<u8>) {
 }
 
 pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
+    let mut interned = Interner::default();
     let mut r = R {
         buf,
         pos: 0,
@@ -698,7 +699,7 @@ pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
         let mut effects = BTreeMap::new();
         for _ in 0..ne {
             let k = r.key()?;
-            effects.insert(k, get_effect(&mut r)?);
+            effects.insert(k, get_effect(&mut r, &mut interned)?);
         }
         let run = Run {
             parent,
@@ -725,5 +726,9 @@ pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
         runs.insert(id, run);
     }
     r.done()?;
-    Ok(Gate { runs, limits })
+    Ok(Gate {
+        runs,
+        limits,
+        interned,
+    })
 }

@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 pub struct Gate {
     pub(crate) runs: BTreeMap<RunId, Run>,
     pub(crate) limits: Limits,
+    pub(crate) interned: crate::state::Interner,
 }
 
 /// What the parent chain of a run says (see `Gate::chain_flags`).
@@ -97,6 +98,7 @@ impl Gate {
         Gate {
             runs: BTreeMap::new(),
             limits,
+            interned: Default::default(),
         }
     }
 
@@ -343,7 +345,9 @@ impl Gate {
             }
         }
         // Insert the new effect, then run the same admission as a held effect's re-check.
-        let mut effect = Effect::new(now, a.tool.clone(), a.digest, &a.policy, a.start);
+        let tool = self.interned.tool(&a.tool);
+        let rule = self.interned.rule(&a.policy.rule);
+        let mut effect = Effect::new(now, tool, rule, a.digest, &a.policy, a.start);
         effect.args = a.args.clone();
         if a.policy.action == PolicyAction::Approve {
             effect.approval = Some(Box::new(new_approval(&a.policy)));

@@ -39,9 +39,12 @@ fn check(what: &'static str, s: &str) -> Result<(), IdError> {
 
 macro_rules! name_type {
     ($(#[$doc:meta])* $name:ident, $what:literal) => {
+        name_type!($(#[$doc])* $name, $what, Box<str>);
+    };
+    ($(#[$doc:meta])* $name:ident, $what:literal, $store:ty) => {
         $(#[$doc])*
         #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-        pub struct $name(Box<str>);
+        pub struct $name($store);
 
         impl $name {
             pub fn new(s: &str) -> Result<Self, IdError> {
@@ -83,8 +86,9 @@ name_type!(
     EffectKey, "effect key"
 );
 name_type!(
-    /// The name of the tool an effect calls.
-    ToolName, "tool name"
+    /// The name of the tool an effect calls. Shared (`Arc`): the gate keeps one copy of each
+    /// name for all the effects that call it.
+    ToolName, "tool name", std::sync::Arc<str>
 );
 name_type!(
     /// The name of a token holder (an approver is a principal).

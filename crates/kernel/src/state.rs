@@ -7,6 +7,7 @@ use crate::vocab::{
     RunState, StopCause,
 };
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 pub use crate::ids::EffectKey;
 
@@ -123,7 +124,8 @@ pub struct Effect {
     pub class: EffectClass,
     pub reversibility: Reversibility,
     pub compensate: Option<ToolName>,
-    pub rule: Box<str>,
+    /// Shared with every effect the same rule decided (see `Interner`).
+    pub rule: Arc<str>,
     pub action: PolicyAction,
     pub approval: Option<Box<Approval>>,
     /// Canonical argument JSON, kept only while an operator may need to review it.
@@ -161,6 +163,7 @@ impl Effect {
     pub(crate) fn new(
         now: u64,
         tool: ToolName,
+        rule: Arc<str>,
         digest: Digest,
         p: &PolicyDecision,
         start: bool,
@@ -171,7 +174,7 @@ impl Effect {
             class: p.class,
             reversibility: p.reversibility,
             compensate: p.compensate.clone(),
-            rule: p.rule.clone(),
+            rule,
             action: p.action,
             approval: None,
             args: None,
@@ -270,5 +273,48 @@ impl Run {
             })
             .filter_map(|(k, e)| e.approval.as_ref().map(|a| (a.expires_at, k.clone())))
             .collect();
+    }
+}
+
+/// One shared copy of each tool and rule name, so a million effects that call `pay` under the
+/// same rule hold two pointers, not two million strings. Bounded: past the limit names are
+/// simply not shared. Derived state: it never takes part in equality.
+#[derive(Debug, Clone, Default)]
+pub struct Interner {
+    tools: BTreeSet<ToolName>,
+    rules: BTreeSet<Arc<str>>,
+}
+
+impl PartialEq for Interner {
+    fn eq(&self, _: &Interner) -> bool {
+        true
+    }
+}
+
+impl Eq for Interner {}
+
+/// Names shared at most (each kind).
+pub const INTERNED_MAX: usize = 65_536;
+
+impl Interner {
+    pub fn tool(&mut self, tool: &ToolName) -> ToolName {
+        if let Some(t) = self.tools.get(tool) {
+            return t.clone();
+        }
+        if self.tools.len() < INTERNED_MAX {
+            self.tools.insert(tool.clone());
+        }
+        tool.clone()
+    }
+
+    pub fn rule(&mut self, rule: &str) -> Arc<str> {
+        if let Some(r) = self.rules.get(rule) {
+            return Arc::clone(r);
+        }
+        let r: Arc<str> = Arc::from(rule);
+        if self.rules.len() < INTERNED_MAX {
+            self.rules.insert(Arc::clone(&r));
+        }
+        r
     }
 }

@@ -755,3 +755,39 @@ fn adopting_a_stopped_parent_fences_the_subtree_and_cycles_are_refused() {
         "#]],
     );
 }
+
+/// Tool and rule names are stored once for all the effects that use them (memory per identity).
+#[test]
+fn tool_and_rule_names_are_shared_between_effects_and_survive_a_snapshot() {
+    use estop_kernel::codec::{decode_snapshot, encode_snapshot};
+    use estop_kernel::{Gate, Limits, RunId};
+    let mut gate = Gate::new(Limits::default());
+    for line in [
+        "0 agent admit r1 a pay",
+        "1 agent admit r1 b pay arg=2",
+        "2 agent admit r2 c pay",
+    ] {
+        let rec = support::parse_line(line, None);
+        gate.apply(rec.at, &rec.principal, &rec.command).unwrap();
+    }
+    let shared = |g: &Gate| {
+        let e = |r: &str, k: &str| {
+            let run = g.run(&RunId::new(r).unwrap()).unwrap();
+            let eff = &run.effects[&estop_kernel::EffectKey::new(k).unwrap()];
+            (
+                eff.tool.as_str().as_ptr(),
+                std::sync::Arc::as_ptr(&eff.rule),
+            )
+        };
+        let (a, b, c) = (e("r1", "a"), e("r1", "b"), e("r2", "c"));
+        a == b && b == c
+    };
+    assert!(shared(&gate), "names are shared in the live gate");
+    let mut snap = Vec::new();
+    encode_snapshot(&gate, &mut snap);
+    let back = decode_snapshot(&snap, Limits::default()).unwrap();
+    assert!(
+        shared(&back),
+        "names are shared after recovery from a snapshot"
+    );
+}
