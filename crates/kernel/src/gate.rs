@@ -1168,29 +1168,38 @@ impl Gate {
         } else {
             self.visible_run(p, run_id)?;
         }
-        let run = &self.runs[run_id];
-        if run.stop.is_some() {
-            return Ok((
-                Reply::RunState {
-                    state: run.state,
-                    runs_changed: 0,
-                },
-                false,
-            ));
-        }
         let cause = if kill {
             StopCause::Killed
         } else {
             StopCause::Cancelled
         };
-        let n = self.stop_subtree(now, run_id, cause, reason.clone(), Some(p), ev);
-        Ok((
-            Reply::RunState {
-                state: self.runs[run_id].state,
-                runs_changed: n,
-            },
-            true,
-        ))
+        Ok(self.stop_verb(now, run_id, cause, reason.clone(), p, ev))
+    }
+
+    /// Stops a visible run unless it is stopped already (a stop is idempotent and never undone).
+    fn stop_verb(
+        &mut self,
+        now: u64,
+        run_id: &RunId,
+        cause: StopCause,
+        reason: Option<Box<str>>,
+        p: &Principal,
+        ev: &mut Vec<Event>,
+    ) -> (Reply, bool) {
+        let run = &self.runs[run_id];
+        if run.stop.is_some() {
+            let reply = Reply::RunState {
+                state: run.state,
+                runs_changed: 0,
+            };
+            return (reply, false);
+        }
+        let n = self.stop_subtree(now, run_id, cause, reason, Some(p), ev);
+        let reply = Reply::RunState {
+            state: self.runs[run_id].state,
+            runs_changed: n,
+        };
+        (reply, true)
     }
 
     fn close(
@@ -1201,29 +1210,13 @@ impl Gate {
         failed: bool,
         ev: &mut Vec<Event>,
     ) -> Result<(Reply, bool), KernelError> {
-        let run = self.visible_run(p, run_id)?;
-        if run.stop.is_some() {
-            return Ok((
-                Reply::RunState {
-                    state: run.state,
-                    runs_changed: 0,
-                },
-                false,
-            ));
-        }
+        self.visible_run(p, run_id)?;
         let cause = if failed {
             StopCause::Failed
         } else {
             StopCause::Closed
         };
-        let n = self.stop_subtree(now, run_id, cause, None, Some(p), ev);
-        Ok((
-            Reply::RunState {
-                state: self.runs[run_id].state,
-                runs_changed: n,
-            },
-            true,
-        ))
+        Ok(self.stop_verb(now, run_id, cause, None, p, ev))
     }
 
     /// Fences the run and every descendant not already stopped: bumps the epoch, voids what

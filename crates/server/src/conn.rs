@@ -89,18 +89,13 @@ pub async fn serve<S>(stream: S, shared: Arc<Shared>)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-    let (rd, wr) = tokio::io::split(stream);
-    let (out_tx, out_rx) = tmpsc::unbounded_channel::<Out>();
-    let permits = Arc::new(Semaphore::new(shared.opts.outstanding_per_connection_max));
-    let writer = tokio::spawn(write_loop(
-        wr,
-        out_rx,
-        shared.durable_rx.clone(),
-        Arc::clone(&permits),
-        render,
-    ));
-    let mut reader = LineReader::new(rd, shared.opts.line_bytes_max);
+    let Opened {
+        conn,
+        mut reader,
+        out_tx,
+        permits,
+        writer,
+    } = open(stream, &shared, render);
     let mut principal: Option<Principal> = None;
     loop {
         let line = match reader.next_line().await {
@@ -142,6 +137,52 @@ where
             });
         }
     }
+    close(&shared, conn, out_tx, writer).await;
+}
+
+/// One accepted connection, set up: its id, line reader, outgoing queue, pipelining permits and
+/// writer task (rendering with `render`, the listener's protocol).
+pub struct Opened<S> {
+    pub conn: u64,
+    pub reader: LineReader<tokio::io::ReadHalf<S>>,
+    pub out_tx: tmpsc::UnboundedSender<Out>,
+    pub permits: Arc<Semaphore>,
+    pub writer: tokio::task::JoinHandle<()>,
+}
+
+pub fn open<S>(stream: S, shared: &Shared, render: fn(&Id, &Answer) -> Vec<u8>) -> Opened<S>
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let (rd, wr) = tokio::io::split(stream);
+    let (out_tx, out_rx) = tmpsc::unbounded_channel::<Out>();
+    let permits = Arc::new(Semaphore::new(shared.opts.outstanding_per_connection_max));
+    let writer = tokio::spawn(write_loop(
+        wr,
+        out_rx,
+        shared.durable_rx.clone(),
+        Arc::clone(&permits),
+        render,
+    ));
+    let reader = LineReader::new(rd, shared.opts.line_bytes_max);
+    Opened {
+        conn,
+        reader,
+        out_tx,
+        permits,
+        writer,
+    }
+}
+
+/// The client closed its side: forget its subscriptions, then let the writer drain what is
+/// still owed to it.
+pub async fn close(
+    shared: &Shared,
+    conn: u64,
+    out_tx: tmpsc::UnboundedSender<Out>,
+    writer: tokio::task::JoinHandle<()>,
+) {
     let _ = shared.core_tx.send(CoreMsg::Disconnect { conn });
     drop(out_tx);
     let _ = writer.await;

@@ -2,18 +2,17 @@
 //! onto the native kernel, so its clients, probes and load generator run unchanged. Every place
 //! where the answer differs from the reference is listed in docs/PROTOCOL.md.
 
-use crate::conn::{Shared, write_loop};
+use crate::conn::{Opened, Shared, close, open};
 use crate::core::{Answer, CoreMsg, Out, ReplyTo};
 use crate::durable::After;
 use estop_kernel::vocab::PolicyAction;
 use estop_kernel::{Admit, Command, Principal, PrincipalName, Role};
 use estop_protocol::reply as wire;
 use estop_protocol::soundgate::{SG_BAD_MAC_MESSAGE, verify_decision_tag};
-use estop_protocol::{Id, Line, LineReader, SgReply, SgRequest, parse_soundgate};
+use estop_protocol::{Id, Line, SgReply, SgRequest, parse_soundgate};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::{Semaphore, mpsc as tmpsc};
+use tokio::sync::mpsc as tmpsc;
 
 /// The principal every compatibility client acts as (one shared identity, as in the reference).
 pub fn principal(role: Role) -> Principal {
@@ -51,18 +50,13 @@ pub async fn serve<S>(stream: S, shared: Arc<Shared>, secret: Option<Arc<Vec<u8>
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-    let (rd, wr) = tokio::io::split(stream);
-    let (out_tx, out_rx) = tmpsc::unbounded_channel::<Out>();
-    let permits = Arc::new(Semaphore::new(shared.opts.outstanding_per_connection_max));
-    let writer = tokio::spawn(write_loop(
-        wr,
-        out_rx,
-        shared.durable_rx.clone(),
-        Arc::clone(&permits),
-        render,
-    ));
-    let mut reader = LineReader::new(rd, shared.opts.line_bytes_max);
+    let Opened {
+        conn,
+        mut reader,
+        out_tx,
+        permits,
+        writer,
+    } = open(stream, &shared, render);
     loop {
         let line = match reader.next_line().await {
             Ok(Some(l)) => l,
@@ -100,9 +94,7 @@ where
             });
         }
     }
-    let _ = shared.core_tx.send(CoreMsg::Disconnect { conn });
-    drop(out_tx);
-    let _ = writer.await;
+    close(&shared, conn, out_tx, writer).await;
 }
 
 fn handle(
