@@ -30,6 +30,17 @@ struct ChainFlags<'a> {
     pending: bool,
 }
 
+/// Why `start` holds a prepared effect (a pause, then a pending approval for a write).
+fn start_hold_in(chain: &ChainFlags, effect: &Effect) -> Option<HoldReason> {
+    if chain.paused {
+        Some(HoldReason::Paused)
+    } else if effect.class == EffectClass::Write && chain.pending {
+        Some(HoldReason::Sibling)
+    } else {
+        None
+    }
+}
+
 /// What admission decided for an effect that is new or held behind a sibling or a pause.
 enum Plan {
     /// The run is stopped; the effect is refused with the stop's reason.
@@ -162,22 +173,6 @@ impl Gate {
             .chain(self.ancestors(id))
     }
 
-    fn paused_in_chain(&self, id: &RunId) -> bool {
-        self.chain(id).any(|(_, r)| r.state == RunState::Paused)
-    }
-
-    fn pending_in_chain(&self, id: &RunId) -> bool {
-        self.chain(id).any(|(_, r)| r.pending_approvals > 0)
-    }
-
-    /// The farthest run of the chain whose deadline has passed (fencing it fences the rest).
-    fn overdue_in_chain(&self, id: &RunId, now: u64) -> Option<RunId> {
-        self.chain(id)
-            .filter(|(_, r)| r.stop.is_none() && r.limits.deadline_at.is_some_and(|d| now >= d))
-            .last()
-            .map(|(k, _)| k.clone())
-    }
-
     /// Why `start` of a prepared (admitted, not started) effect would be held now, if it would:
     /// what `wait` on such an effect waits for.
     pub fn start_hold(&self, run_id: &RunId, key: &EffectKey) -> Option<HoldReason> {
@@ -186,13 +181,8 @@ impl Gate {
         if effect.status != Status::Admitted || run.stop.is_some() {
             return None;
         }
-        if self.paused_in_chain(run_id) {
-            Some(HoldReason::Paused)
-        } else if effect.class == EffectClass::Write && self.pending_in_chain(run_id) {
-            Some(HoldReason::Sibling)
-        } else {
-            None
-        }
+        // Only pause and sibling matter here; the deadline is checked by `start` itself.
+        start_hold_in(&self.chain_flags(run_id, run, 0), effect)
     }
 
     /// When time alone next changes this run (deadline or an approval's expiry).
@@ -864,7 +854,8 @@ impl Gate {
             self.refuse_effect(now, run_id, key, reason);
             return Ok((Reply::Verdict(Verdict::Refused { reason }), true));
         }
-        if let Some(root) = self.overdue_in_chain(run_id, now) {
+        let chain = self.chain_flags(run_id, run, now);
+        if let Some(root) = chain.overdue.cloned() {
             self.stop_subtree(now, &root, StopCause::Deadline, None, None, ev);
             self.refuse_effect(now, run_id, key, RefusalReason::Deadline);
             return Ok((
@@ -884,25 +875,13 @@ impl Gate {
                 true,
             ));
         }
-        if self.paused_in_chain(run_id) {
-            return Ok((
-                Reply::Verdict(Verdict::Held {
-                    reason: HoldReason::Paused,
-                    approval: None,
-                    expires_at: None,
-                }),
-                false,
-            ));
-        }
-        if effect.class == EffectClass::Write && self.pending_in_chain(run_id) {
-            return Ok((
-                Reply::Verdict(Verdict::Held {
-                    reason: HoldReason::Sibling,
-                    approval: None,
-                    expires_at: None,
-                }),
-                false,
-            ));
+        if let Some(reason) = start_hold_in(&chain, effect) {
+            let held = Verdict::Held {
+                reason,
+                approval: None,
+                expires_at: None,
+            };
+            return Ok((Reply::Verdict(held), false));
         }
         check_effect(run_id, key, Some(Status::Admitted), Status::Started)?;
         let run = self.runs.get_mut(run_id).expect("visible run exists");
@@ -1362,7 +1341,7 @@ impl Gate {
             ));
         }
         let mut changed = 0;
-        if let Some(root) = self.overdue_in_chain(run_id, now) {
+        if let Some(root) = self.chain_flags(run_id, run, now).overdue.cloned() {
             changed += self.stop_subtree(now, &root, StopCause::Deadline, None, None, ev);
         } else {
             let due: Vec<EffectKey> = run
