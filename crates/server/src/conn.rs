@@ -12,7 +12,7 @@ use estop_policy::{EvalError, Policy};
 use estop_protocol::reply::{self as wire, error_line, ok_line, pong_line};
 use estop_protocol::{ErrorCode, Id, Line, LineReader, Op, Request, parse_request};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
@@ -94,6 +94,7 @@ where
         mut reader,
         out_tx,
         permits,
+        backlog,
         writer,
     } = open(stream, &shared, render);
     let mut principal: Option<Principal> = None;
@@ -124,7 +125,7 @@ where
                     let id = req.id.clone();
                     (
                         id,
-                        dispatch(req, &mut principal, conn, &out_tx, &shared).await,
+                        dispatch(req, &mut principal, conn, &out_tx, &backlog, &shared).await,
                     )
                 }
             },
@@ -147,6 +148,8 @@ pub struct Opened<S> {
     pub reader: LineReader<tokio::io::ReadHalf<S>>,
     pub out_tx: tmpsc::UnboundedSender<Out>,
     pub permits: Arc<Semaphore>,
+    /// Events queued for this connection and not yet written (bounds a non-reading subscriber).
+    pub backlog: Arc<AtomicUsize>,
     pub writer: tokio::task::JoinHandle<()>,
 }
 
@@ -158,11 +161,13 @@ where
     let (rd, wr) = tokio::io::split(stream);
     let (out_tx, out_rx) = tmpsc::unbounded_channel::<Out>();
     let permits = Arc::new(Semaphore::new(shared.opts.outstanding_per_connection_max));
+    let backlog = Arc::new(AtomicUsize::new(0));
     let writer = tokio::spawn(write_loop(
         wr,
         out_rx,
         shared.durable_rx.clone(),
         Arc::clone(&permits),
+        Arc::clone(&backlog),
         render,
     ));
     let reader = LineReader::new(rd, shared.opts.line_bytes_max);
@@ -171,6 +176,7 @@ where
         reader,
         out_tx,
         permits,
+        backlog,
         writer,
     }
 }
@@ -201,6 +207,7 @@ async fn dispatch(
     principal: &mut Option<Principal>,
     conn: u64,
     out: &tmpsc::UnboundedSender<Out>,
+    backlog: &Arc<AtomicUsize>,
     shared: &Arc<Shared>,
 ) -> Option<Answer> {
     let verb = req.op.verb();
@@ -313,6 +320,7 @@ async fn dispatch(
                 run,
                 conn,
                 out: out.clone(),
+                backlog: Arc::clone(backlog),
                 to,
             },
         ),
@@ -548,6 +556,7 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
     mut rx: tmpsc::UnboundedReceiver<Out>,
     mut durable_rx: watch::Receiver<DurableState>,
     permits: Arc<Semaphore>,
+    backlog: Arc<AtomicUsize>,
     render: fn(&Id, &Answer) -> Vec<u8>,
 ) {
     let mut buf = Vec::with_capacity(4096);
@@ -556,18 +565,13 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
             Out::Answer { id, answer, after } => {
                 let line = match durable::wait(&mut durable_rx, after).await {
                     Durability::Durable => render(&id, &answer),
-                    Durability::Lost => render(
-                        &id,
-                        &err(
-                            ErrorCode::Unavailable,
-                            "the change could not be made durable (ledger failure); it was not applied — retry",
-                        ),
-                    ),
+                    Durability::Lost => render(&id, &crate::core::unavailable()),
                 };
                 buf.extend_from_slice(&line);
                 permits.add_permits(1);
             }
             Out::Event { event, after } => {
+                backlog.fetch_sub(1, Ordering::Relaxed);
                 if durable::wait(&mut durable_rx, after).await == Durability::Durable {
                     buf.extend_from_slice(&wire::event_line(&event));
                 }

@@ -19,6 +19,7 @@ use estop_protocol::Id;
 use estop_protocol::reply as wire;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
@@ -101,6 +102,8 @@ pub enum CoreMsg {
         run: RunId,
         conn: u64,
         out: Outbox,
+        /// Events queued for this connection and not yet written (the writer counts down).
+        backlog: Arc<AtomicUsize>,
         to: ReplyTo,
     },
     Unsubscribe {
@@ -151,13 +154,14 @@ pub struct CoreOptions {
     pub subscriptions_per_run_max: usize,
     /// Subscriptions in all (a subscription may name a run that does not exist yet).
     pub subscriptions_max: usize,
+    /// Events a subscriber's connection may have queued and unwritten before it loses the
+    /// subscription: a client that stops reading must not grow the daemon's memory.
+    pub event_backlog_max: usize,
     pub waiters_max: usize,
     /// Terminal runs keep per-effect state this long before compaction.
     pub retention_ms: u64,
     /// Take a snapshot after this many records (bounds recovery time).
     pub snapshot_every_records: u64,
-    /// How long the core looks for the next request before parking (0: park at once).
-    pub spin_us: u64,
 }
 
 impl Default for CoreOptions {
@@ -165,15 +169,20 @@ impl Default for CoreOptions {
         CoreOptions {
             subscriptions_per_run_max: 64,
             subscriptions_max: 100_000,
+            event_backlog_max: 4096,
             waiters_max: 100_000,
             retention_ms: 7 * 24 * 3600 * 1000,
             snapshot_every_records: 1_000_000,
-            spin_us: std::env::var("ESTOP_CORE_SPIN_US")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
         }
     }
+}
+
+/// One `subscribe` of one connection.
+struct Subscriber {
+    conn: u64,
+    principal: Principal,
+    out: Outbox,
+    backlog: Arc<AtomicUsize>,
 }
 
 struct Waiter {
@@ -229,7 +238,10 @@ pub struct Core {
     now: u64,
     waiters: HashMap<RunId, Vec<Waiter>>,
     waiter_count: usize,
-    subscribers: HashMap<RunId, Vec<(u64, Principal, Outbox)>>,
+    /// When some waiter of a run times out. Entries of waiters answered early go stale and are
+    /// dropped when they come due; each waiter adds at most one, so this stays bounded.
+    waiter_deadlines: BTreeSet<(Instant, RunId)>,
+    subscribers: HashMap<RunId, Vec<Subscriber>>,
     subscription_count: usize,
     timers: BTreeSet<(u64, RunId)>,
     timer_of: HashMap<RunId, u64>,
@@ -274,6 +286,7 @@ impl Core {
             now: 0,
             waiters: HashMap::new(),
             waiter_count: 0,
+            waiter_deadlines: BTreeSet::new(),
             subscribers: HashMap::new(),
             subscription_count: 0,
             timers: BTreeSet::new(),
@@ -336,33 +349,7 @@ impl Core {
 
     /// Runs the core until shutdown. `rx` is the only way in.
     pub fn run(mut self, rx: mpsc::Receiver<CoreMsg>) {
-        let spin = Duration::from_micros(self.opts.spin_us);
         loop {
-            // Under load the next request is usually microseconds away: look for it briefly
-            // before parking, which costs a context switch on both sides.
-            if !spin.is_zero() {
-                let until = Instant::now() + spin;
-                let mut got = None;
-                while Instant::now() < until {
-                    if let Ok(m) = rx.try_recv() {
-                        got = Some(m);
-                        break;
-                    }
-                    std::thread::yield_now();
-                }
-                if let Some(msg) = got {
-                    if self.handle(msg) {
-                        return;
-                    }
-                    while let Ok(msg) = rx.try_recv() {
-                        if self.handle(msg) {
-                            return;
-                        }
-                    }
-                    self.fire_timers();
-                    continue;
-                }
-            }
             let timeout = self
                 .next_wakeup()
                 .map(|at| Duration::from_millis(at.saturating_sub(wall_ms())));
@@ -398,12 +385,9 @@ impl Core {
 
     fn next_wakeup(&self) -> Option<u64> {
         let timer = self.timers.first().map(|(at, _)| *at);
-        let waiter = self
-            .waiters
-            .values()
-            .flat_map(|ws| ws.iter().map(|w| w.deadline))
-            .min()
-            .map(|d| wall_ms() + d.saturating_duration_since(Instant::now()).as_millis() as u64);
+        let waiter = self.waiter_deadlines.first().map(|(d, _)| {
+            wall_ms() + d.saturating_duration_since(Instant::now()).as_millis() as u64
+        });
         let compaction = Some(self.next_compaction.max(wall_ms() + 1000));
         let recovery = self.journal.is_none().then(|| wall_ms() + 1000);
         [timer, waiter, compaction, recovery]
@@ -433,6 +417,7 @@ impl Core {
                     } else {
                         self.waiter_count += 1;
                         let deadline = Instant::now() + timeout;
+                        self.waiter_deadlines.insert((deadline, run.clone()));
                         self.waiters.entry(run).or_default().push(Waiter {
                             principal,
                             key,
@@ -452,12 +437,19 @@ impl Core {
                 run,
                 conn,
                 out,
+                backlog,
                 to,
             } => {
-                let answer = match self.gate.visible_run(&principal, &run) {
+                let sub = Subscriber {
+                    conn,
+                    principal,
+                    out,
+                    backlog,
+                };
+                let answer = match self.gate.visible_run(&sub.principal, &run) {
                     // Not created yet: the subscription waits for its first admit.
                     Err(KernelError::RunNotFound(_)) if self.gate.run(&run).is_none() => self
-                        .add_subscription(run, conn, principal, out)
+                        .add_subscription(run, sub)
                         .unwrap_or_else(|| Answer::Ack(wire::Ack::default())),
                     Err(e) => {
                         let (c, m) = kernel_error(&e);
@@ -465,7 +457,7 @@ impl Core {
                     }
                     Ok(r) => {
                         let view = render::run_view(&run, r);
-                        self.add_subscription(run, conn, principal, out)
+                        self.add_subscription(run, sub)
                             .unwrap_or(Answer::Run(Box::new(view)))
                     }
                 };
@@ -474,7 +466,7 @@ impl Core {
             CoreMsg::Unsubscribe { run, conn } => {
                 if let Some(subs) = self.subscribers.get_mut(&run) {
                     let before = subs.len();
-                    subs.retain(|(c, _, _)| *c != conn);
+                    subs.retain(|x| x.conn != conn);
                     self.subscription_count -= before - subs.len();
                     if subs.is_empty() {
                         self.subscribers.remove(&run);
@@ -485,7 +477,7 @@ impl Core {
                 let mut dropped = 0;
                 self.subscribers.retain(|_, subs| {
                     let before = subs.len();
-                    subs.retain(|(c, _, _)| *c != conn);
+                    subs.retain(|x| x.conn != conn);
                     dropped += before - subs.len();
                     !subs.is_empty()
                 });
@@ -562,10 +554,6 @@ impl Core {
         );
     }
 
-    fn unavailable() -> Answer {
-        unavailable()
-    }
-
     /// Applies a command and records it if it changed state. `Err` is a ready error answer.
     fn apply_reply(
         &mut self,
@@ -573,7 +561,7 @@ impl Core {
         cmd: Command,
     ) -> Result<(Reply, Vec<estop_kernel::Event>), Answer> {
         if self.journal.is_none() {
-            return Err(Self::unavailable());
+            return Err(unavailable());
         }
         let now = self.tick_clock();
         let applied = self.gate.apply(now, principal, &cmd).map_err(|e| {
@@ -600,7 +588,7 @@ impl Core {
                         "ledger append failed: {e}; failing closed and recovering"
                     ));
                     self.fail_journal();
-                    return Err(Self::unavailable());
+                    return Err(unavailable());
                 }
             }
             if let Some(run) = record.command.run() {
@@ -770,14 +758,20 @@ impl Core {
                 && let Some(event) = self.wire_event(e)
                 && let Some(subs) = self.subscribers.get_mut(&e.run)
             {
-                subs.retain(|(_, _, out)| !out.is_closed());
-                for (_, principal, out) in subs.iter() {
-                    if self.gate.visible_run(principal, &e.run).is_ok() {
+                // A connection that is gone, or has stopped reading its events, loses the
+                // subscription rather than growing a queue without bound.
+                let before = subs.len();
+                let max = self.opts.event_backlog_max;
+                subs.retain(|x| !x.out.is_closed() && x.backlog.load(Ordering::Relaxed) < max);
+                self.subscription_count -= before - subs.len();
+                for x in subs.iter() {
+                    if self.gate.visible_run(&x.principal, &e.run).is_ok() {
+                        x.backlog.fetch_add(1, Ordering::Relaxed);
                         let item = Out::Event {
                             event: event.clone(),
                             after,
                         };
-                        self.release.send(after, out, item);
+                        self.release.send(after, &x.out, item);
                     }
                 }
             }
@@ -792,28 +786,21 @@ impl Core {
         }
     }
 
-    /// Re-checks every waiter of a run; answers those whose effect is no longer held.
     /// Adds a subscription; `Some(error)` when a bound is reached.
-    fn add_subscription(
-        &mut self,
-        run: RunId,
-        conn: u64,
-        principal: Principal,
-        out: Outbox,
-    ) -> Option<Answer> {
+    fn add_subscription(&mut self, run: RunId, sub: Subscriber) -> Option<Answer> {
         let per_run = self.opts.subscriptions_per_run_max;
         let total = self.opts.subscriptions_max;
         let subs = self.subscribers.entry(run).or_default();
-        if subs.iter().any(|(c, _, _)| *c == conn) {
+        if subs.iter().any(|x| x.conn == sub.conn) {
             return None;
         }
         if subs.len() >= per_run || self.subscription_count >= total {
             let m = format!(
-                "limit reached: subscriptions_per_run_max = {per_run}, subscriptions_max = {total}"
+                "limit reached: subscriptions_per_run_max = {per_run}, subscriptions_max = {total}; unsubscribe from runs you no longer follow"
             );
             return Some(Answer::Error(ErrorCode::LimitExceeded, m));
         }
-        subs.push((conn, principal, out));
+        subs.push(sub);
         self.subscription_count += 1;
         None
     }
@@ -843,6 +830,7 @@ impl Core {
         }
     }
 
+    /// Re-checks every waiter of a run; answers those whose effect is no longer held.
     fn recheck_waiters(&mut self, run: &RunId) {
         let Some(mut list) = self.waiters.remove(run) else {
             return;
@@ -884,12 +872,17 @@ impl Core {
             self.rearm(&run);
         }
         // Waiters whose time is up get the current verdict (held).
-        let expired: Vec<RunId> = self
-            .waiters
-            .iter()
-            .filter(|(_, ws)| ws.iter().any(|w| w.deadline <= Instant::now()))
-            .map(|(r, _)| r.clone())
-            .collect();
+        let mut expired: Vec<RunId> = Vec::new();
+        while let Some((at, _)) = self.waiter_deadlines.first() {
+            if *at > Instant::now() {
+                break;
+            }
+            if let Some((_, run)) = self.waiter_deadlines.pop_first()
+                && !expired.contains(&run)
+            {
+                expired.push(run);
+            }
+        }
         for run in expired {
             let Some(list) = self.waiters.remove(&run) else {
                 continue;
@@ -948,7 +941,7 @@ impl Core {
             if let Out::Answer { id, .. } = item {
                 let _ = out.send(Out::Answer {
                     id,
-                    answer: Self::unavailable(),
+                    answer: unavailable(),
                     after: After::default(),
                 });
             }
@@ -956,8 +949,9 @@ impl Core {
         // Everything waiting is answered now: the state it waited on may not survive recovery.
         let waiters: Vec<Waiter> = self.waiters.drain().flat_map(|(_, ws)| ws).collect();
         self.waiter_count = 0;
+        self.waiter_deadlines.clear();
         for w in waiters {
-            self.send(w.to, Self::unavailable());
+            self.send(w.to, unavailable());
         }
         self.recover();
     }

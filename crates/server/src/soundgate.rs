@@ -56,6 +56,7 @@ where
         out_tx,
         permits,
         writer,
+        ..
     } = open(stream, &shared, render);
     loop {
         let line = match reader.next_line().await {
@@ -66,9 +67,8 @@ where
             Ok(p) => p.forget(),
             Err(_) => break,
         }
-        let now = |answer| Some(answer);
         let answer = match line {
-            Line::TooLong { bytes } => now(Answer::Error(
+            Line::TooLong { bytes } => Some(Answer::Error(
                 estop_protocol::ErrorCode::LineTooLong,
                 format!("bad request: line of {bytes} bytes is too long"),
             )),
@@ -77,7 +77,7 @@ where
                     permits.add_permits(1);
                     continue;
                 }
-                Err(e) => now(Answer::Error(
+                Err(e) => Some(Answer::Error(
                     estop_protocol::ErrorCode::BadJson,
                     e.to_string(),
                 )),

@@ -58,6 +58,10 @@ fn admit(key: &str) -> Command {
 
 impl Harness {
     fn start(storage: Arc<CrashStorage>) -> Harness {
+        Harness::start_with(storage, CoreOptions::default())
+    }
+
+    fn start_with(storage: Arc<CrashStorage>, opts: CoreOptions) -> Harness {
         let (durable_tx, durable) = watch::channel(DurableState::default());
         let (tx, rx) = mpsc::channel();
         let st: Arc<dyn Storage> = storage;
@@ -71,13 +75,7 @@ impl Harness {
                 },
             )
         });
-        let core = Core::new(
-            CoreOptions::default(),
-            Arc::new(durable_tx),
-            open,
-            tx.clone(),
-        )
-        .unwrap();
+        let core = Core::new(opts, Arc::new(durable_tx), open, tx.clone()).unwrap();
         std::thread::spawn(move || core.run(rx));
         let (out_tx, out_rx) = tmpsc::unbounded_channel();
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -187,4 +185,59 @@ fn a_failed_fsync_is_never_retried_and_the_unsynced_record_is_not_acknowledged()
         is_admitted(&h.call(admit("b"))),
         "the unacknowledged record must not count as admitted"
     );
+}
+
+fn complete(key: &str, token: &str) -> Command {
+    Command::Complete {
+        run: RunId::new("r1").unwrap(),
+        key: EffectKey::new(key).unwrap(),
+        token: estop_kernel::Token::parse(token).unwrap(),
+        outcome: estop_kernel::vocab::Outcome::Ok,
+        result: None,
+        error: None,
+    }
+}
+
+#[test]
+fn a_subscriber_that_stops_reading_loses_its_subscription_instead_of_growing_a_queue() {
+    let storage = Arc::new(CrashStorage::new(3));
+    let opts = CoreOptions {
+        event_backlog_max: 5,
+        ..CoreOptions::default()
+    };
+    let mut h = Harness::start_with(Arc::clone(&storage), opts);
+    assert!(is_admitted(&h.call(admit("k0"))));
+    // A subscriber whose connection never writes anything out (its queue is never drained).
+    let (sub_tx, mut sub_rx) = tmpsc::unbounded_channel();
+    let backlog = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let to = ReplyTo {
+        out: sub_tx.clone(),
+        id: Id::default(),
+    };
+    h.tx.send(CoreMsg::Subscribe {
+        principal: agent(),
+        run: RunId::new("r1").unwrap(),
+        conn: 99,
+        out: sub_tx,
+        backlog: Arc::clone(&backlog),
+        to,
+    })
+    .unwrap();
+    for i in 1..=20 {
+        let key = format!("k{i}");
+        assert!(is_admitted(&h.call(admit(&key))));
+        let done = h.call(complete(&key, &format!("1.{}", i + 1)));
+        assert!(matches!(done, Answer::Ack(_)), "{done:?}");
+    }
+    let mut events = 0;
+    while let Ok(out) = sub_rx.try_recv() {
+        if matches!(out, Out::Event { .. }) {
+            events += 1;
+        }
+    }
+    assert_eq!(
+        events, 5,
+        "the subscription is dropped at the backlog bound, not after 20 events"
+    );
+    assert_eq!(backlog.load(std::sync::atomic::Ordering::Relaxed), 5);
 }
