@@ -160,7 +160,7 @@ async fn run_async(opts: &LoadOptions) -> std::io::Result<LoadReport> {
         let barrier = std::sync::Arc::clone(&barrier);
         tasks.spawn(async move {
             if opts.target.contains('/') {
-                match tokio::net::UnixStream::connect(&opts.target).await {
+                match estop_server::uds::UnixConn::connect(&opts.target).await {
                     Ok(s) => one_connection(s, &opts, c, per, &barrier).await,
                     Err(e) => {
                         barrier.wait().await;

@@ -230,7 +230,7 @@ pub struct Core {
     open: OpenFn,
     self_tx: mpsc::Sender<CoreMsg>,
     durable_tx: Arc<watch::Sender<DurableState>>,
-    /// Replies waiting for their record's fsync; the sync thread releases them.
+    /// Replies waiting for their record's fsync; released on the IO runtime once durable.
     release: Arc<crate::durable::Release>,
     generation: u64,
     last_seq: u64,
@@ -299,6 +299,12 @@ impl Core {
         };
         core.rearm_all_timers();
         Ok(core)
+    }
+
+    /// The queue of replies waiting for their fsync: whoever runs the IO runtime must run its
+    /// [`crate::durable::Release::deliver`] task there, or nothing is ever answered.
+    pub fn release(&self) -> Arc<crate::durable::Release> {
+        Arc::clone(&self.release)
     }
 
     pub fn gate(&self) -> &Gate {

@@ -137,11 +137,14 @@ mod tests {
     }
 }
 
-/// Replies and events whose record is not durable yet, released by the ledger's sync thread
-/// the moment it is, in order. A connection is woken once, with something it can write.
+/// Replies and events whose record is not durable yet. The ledger's sync thread only records
+/// how far the ledger is durable and wakes one task, [`Release::deliver`], on the IO runtime,
+/// which hands everything now durable to its connection in order: one cross-thread wakeup per
+/// fdatasync instead of one per reply.
 #[derive(Debug, Default)]
 pub struct Release {
     inner: std::sync::Mutex<ReleaseInner>,
+    wake: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
@@ -150,7 +153,24 @@ struct ReleaseInner {
     durable: u64,
     /// The generation failed: nothing past `durable` will ever be durable in it.
     failed: bool,
+    /// In seq order: the core is the only producer and its seqs never go back.
     queue: std::collections::VecDeque<(u64, crate::core::Outbox, crate::core::Out)>,
+}
+
+impl ReleaseInner {
+    /// Hands every queued item that is durable now to its connection. Runs under the lock, so
+    /// an item sent straight through by [`Release::send`] never overtakes one queued before it.
+    fn release_durable(&mut self) {
+        while self
+            .queue
+            .front()
+            .is_some_and(|(s, _, _)| *s <= self.durable)
+        {
+            if let Some((_, out, item)) = self.queue.pop_front() {
+                let _ = out.send(item);
+            }
+        }
+    }
 }
 
 impl Release {
@@ -160,7 +180,8 @@ impl Release {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Sends `item` now if `after` is durable, else when it becomes so.
+    /// Sends `item` now if `after` is durable and nothing is queued before it, else once it
+    /// and everything before it are durable.
     pub fn send(&self, after: After, out: &crate::core::Outbox, item: crate::core::Out) {
         let mut g = self.lock();
         let pending = after.generation == g.generation && after.seq > g.durable;
@@ -173,32 +194,48 @@ impl Release {
                     after: After::default(),
                 });
             }
-        } else if pending {
-            g.queue.push_back((after.seq, out.clone(), item));
+        } else if pending || !g.queue.is_empty() {
+            let seq = if pending { after.seq } else { g.durable };
+            g.queue.push_back((seq, out.clone(), item));
+            if !pending {
+                drop(g);
+                self.wake.notify_one();
+            }
         } else {
-            // Earlier items of every connection have smaller seqs and are gone already.
             let _ = out.send(item);
         }
     }
 
-    /// Called by the sync thread after each fdatasync: releases what is now durable.
+    /// Called by the sync thread after each fdatasync: notes how far the ledger is durable and
+    /// wakes [`Release::deliver`] if that releases something.
     pub fn durable(&self, generation: u64, seq: u64) {
         let mut g = self.lock();
         if g.generation != generation || seq <= g.durable {
             return;
         }
         g.durable = seq;
-        while g.queue.front().is_some_and(|(s, _, _)| *s <= seq) {
-            if let Some((_, out, item)) = g.queue.pop_front() {
-                let _ = out.send(item);
-            }
+        let releases = g.queue.front().is_some_and(|(s, _, _)| *s <= seq);
+        drop(g);
+        if releases {
+            self.wake.notify_one();
         }
     }
 
-    /// The generation failed: hands back everything still waiting (none of it is durable).
+    /// The task that hands durable replies to their connections; runs on the IO runtime for as
+    /// long as the daemon does.
+    pub async fn deliver(self: std::sync::Arc<Self>) {
+        loop {
+            self.wake.notified().await;
+            self.lock().release_durable();
+        }
+    }
+
+    /// The generation failed: delivers what was durable and hands back everything else (none
+    /// of it will ever be durable).
     pub fn fail(&self) -> Vec<(crate::core::Outbox, crate::core::Out)> {
         let mut g = self.lock();
         g.failed = true;
+        g.release_durable();
         g.queue.drain(..).map(|(_, o, i)| (o, i)).collect()
     }
 

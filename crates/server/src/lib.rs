@@ -15,5 +15,6 @@ pub mod serve;
 pub mod service;
 pub mod soundgate;
 pub mod tokens;
+pub mod uds;
 
 pub use serve::{Ready, ServeError, ServeOptions, run, run_with};

@@ -195,6 +195,7 @@ pub fn run_with(
     .map_err(|e| match e {
         journal::JournalError::Ledger(l) => ServeError::Ledger(l),
     })?;
+    let release = core.release();
     let core_thread = std::thread::Builder::new()
         .name("estop-core".into())
         .spawn(move || core.run(core_rx))
@@ -222,6 +223,7 @@ pub fn run_with(
     }
     .map_err(|e| setup(format!("cannot start the runtime: {e}")))?;
     let mut socket_id = None;
+    runtime.spawn(release.deliver());
     let result = runtime.block_on(serve_async(
         &opts,
         &data,
@@ -345,6 +347,9 @@ async fn serve_async(
         tasks.push(tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = unix.accept().await else {
+                    continue;
+                };
+                let Ok(stream) = crate::uds::UnixConn::from_tokio(stream) else {
                     continue;
                 };
                 admit_connection(stream, &slots, max, |s| conn::serve(s, Arc::clone(&shared)));
