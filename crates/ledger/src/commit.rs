@@ -24,11 +24,16 @@ pub struct SnapshotReport {
 }
 
 struct State {
-    /// Framed records not yet taken by the sync thread, in seq order.
+    /// Framed records not yet taken by a sync, in seq order.
     buf: Vec<u8>,
+    /// The buffer the last sync wrote, cleared, to swap in for `buf` at the next one.
+    spare: Vec<u8>,
     next_seq: u64,
     /// The sync thread is waiting for work (so an append must wake it).
     sync_idle: bool,
+    /// A batch is being written and synced (by the sync thread or by `sync_inline`); the next
+    /// one waits for it, so batches reach the file in seq order.
+    syncing: bool,
     /// Threads blocked in `wait_durable`.
     waiters: usize,
     /// Set once, by the sync thread, on the first error.
@@ -41,6 +46,8 @@ struct State {
 
 struct Shared {
     state: Mutex<State>,
+    /// The file and how far it is durable; held by whoever syncs.
+    writer: Mutex<Writer>,
     work: Condvar,
     durable_cv: Condvar,
     durable: AtomicU64,
@@ -49,6 +56,12 @@ struct Shared {
     notify: Notify,
     // Serializes snapshot writing and retention.
     snapshot_lock: Mutex<()>,
+}
+
+/// The active segment and the last seq synced into it.
+struct Writer {
+    segment: ActiveSegment,
+    durable: u64,
 }
 
 impl Shared {
@@ -114,12 +127,18 @@ pub(crate) fn spawn(
     let shared = Arc::new(Shared {
         state: Mutex::new(State {
             buf: Vec::with_capacity(options.buffer_bytes_max.min(1 << 20)),
+            spare: Vec::with_capacity(options.buffer_bytes_max.min(1 << 20)),
             next_seq,
             sync_idle: false,
+            syncing: false,
             waiters: 0,
             failed: None,
             closing: false,
             stopped: false,
+        }),
+        writer: Mutex::new(Writer {
+            segment,
+            durable: next_seq - 1,
         }),
         work: Condvar::new(),
         durable_cv: Condvar::new(),
@@ -132,7 +151,7 @@ pub(crate) fn spawn(
     let thread_shared = shared.clone();
     let thread = std::thread::Builder::new()
         .name("estop-ledger-sync".to_owned())
-        .spawn(move || sync_loop(&thread_shared, segment, next_seq - 1))
+        .spawn(move || sync_loop(&thread_shared))
         .map_err(|e| LedgerError::io("spawn sync thread", "", e))?;
     Ok(Committer {
         owner: Arc::new(Owner {
@@ -142,17 +161,19 @@ pub(crate) fn spawn(
     })
 }
 
-fn sync_loop(shared: &Shared, mut segment: ActiveSegment, mut durable: u64) {
-    let mut batch: Vec<u8> = Vec::with_capacity(shared.options.buffer_bytes_max.min(1 << 20));
+fn sync_loop(shared: &Shared) {
     loop {
-        let last_seq = {
+        let (batch, last_seq) = {
             let mut st = shared.lock();
-            while st.buf.is_empty() {
-                if st.closing {
+            while st.buf.is_empty() || st.syncing {
+                if st.closing && st.buf.is_empty() && !st.syncing {
                     st.stopped = true;
                     drop(st);
                     shared.durable_cv.notify_all();
                     return;
+                }
+                if st.stopped {
+                    return; // Failed (by an inline sync).
                 }
                 st.sync_idle = true;
                 st = shared
@@ -161,41 +182,78 @@ fn sync_loop(shared: &Shared, mut segment: ActiveSegment, mut durable: u64) {
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
                 st.sync_idle = false;
             }
-            // Take the whole buffer; appends go on filling the (empty) spare meanwhile.
-            std::mem::swap(&mut st.buf, &mut batch);
-            st.next_seq - 1
+            take_batch(&mut st)
         };
-        assert!(last_seq > durable, "a non-empty batch holds new records");
-        match write_batch(shared, &mut segment, &batch, durable + 1) {
-            Ok(sync) => {
-                if let Some(stats) = &shared.options.sync_stats.0 {
-                    stats.record_batch(sync, last_seq - durable, batch.len() as u64);
-                }
-                durable = last_seq;
-                shared.durable.store(durable, Ordering::Release);
-                let waiters = shared.lock().waiters;
-                if waiters > 0 {
-                    shared.durable_cv.notify_all();
-                }
-                (shared.notify)(Ok(durable));
-            }
-            Err(cause) => {
-                // Fail closed: never retry, never touch this file again.
-                let failed = LedgerError::Failed {
-                    cause: Arc::new(cause),
-                };
-                {
-                    let mut st = shared.lock();
-                    st.failed = Some(failed.clone());
-                    st.buf = Vec::new();
-                    st.stopped = true;
-                }
-                shared.durable_cv.notify_all();
-                (shared.notify)(Err(failed));
-                return;
-            }
+        if !sync_batch(shared, batch, last_seq) {
+            return;
         }
-        batch.clear();
+    }
+}
+
+/// Takes the whole buffer for one sync (appends go on filling the empty spare meanwhile).
+/// The caller must have seen `!syncing` and a non-empty buffer.
+fn take_batch(st: &mut State) -> (Vec<u8>, u64) {
+    debug_assert!(!st.syncing && !st.buf.is_empty());
+    st.syncing = true;
+    let spare = std::mem::take(&mut st.spare);
+    (std::mem::replace(&mut st.buf, spare), st.next_seq - 1)
+}
+
+/// Writes and syncs one batch taken with `take_batch`, publishes the new durable seq and hands
+/// the batch's buffer back. Returns false once the committer failed.
+fn sync_batch(shared: &Shared, mut batch: Vec<u8>, last_seq: u64) -> bool {
+    let mut w = shared
+        .writer
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    assert!(last_seq > w.durable, "a non-empty batch holds new records");
+    let first_seq = w.durable + 1;
+    match write_batch(shared, &mut w.segment, &batch, first_seq) {
+        Ok(sync) => {
+            if let Some(stats) = &shared.options.sync_stats.0 {
+                stats.record_batch(sync, last_seq - w.durable, batch.len() as u64);
+            }
+            w.durable = last_seq;
+            shared.durable.store(last_seq, Ordering::Release);
+            // Publish before the next batch can start: notifications arrive in seq order.
+            (shared.notify)(Ok(last_seq));
+            drop(w);
+            batch.clear();
+            let (waiters, wake_sync_thread) = {
+                let mut st = shared.lock();
+                st.syncing = false;
+                st.spare = batch;
+                (
+                    st.waiters,
+                    st.sync_idle && (!st.buf.is_empty() || st.closing),
+                )
+            };
+            if waiters > 0 {
+                shared.durable_cv.notify_all();
+            }
+            if wake_sync_thread {
+                shared.work.notify_one();
+            }
+            true
+        }
+        Err(cause) => {
+            // Fail closed: never retry, never touch this file again.
+            let failed = LedgerError::Failed {
+                cause: Arc::new(cause),
+            };
+            {
+                let mut st = shared.lock();
+                st.failed = Some(failed.clone());
+                st.buf = Vec::new();
+                st.stopped = true;
+                st.syncing = false;
+            }
+            drop(w);
+            shared.durable_cv.notify_all();
+            shared.work.notify_all();
+            (shared.notify)(Err(failed));
+            false
+        }
     }
 }
 
@@ -235,6 +293,15 @@ impl Committer {
     /// Never blocks on IO. Refuses with `record_too_large`, `backpressure` (buffer full: retry
     /// after the next sync) or `ledger_failed` (reopen with `discard_after`).
     pub fn append(&self, payload: &[u8]) -> Result<u64, LedgerError> {
+        let seq = self.append_deferred(payload)?;
+        self.commit(false);
+        Ok(seq)
+    }
+
+    /// Like `append`, but does not start a sync: the record waits in the buffer until the
+    /// next `commit`, `append`, `flush`, `wait_durable` or `snapshot`. Lets a caller that
+    /// appends a burst start one sync for all of it, and choose where that sync runs.
+    pub fn append_deferred(&self, payload: &[u8]) -> Result<u64, LedgerError> {
         let sh = self.shared();
         let max = sh.options.record_bytes_max;
         if payload.len() > max {
@@ -262,12 +329,29 @@ impl Committer {
         let seq = st.next_seq;
         st.next_seq += 1;
         format::append_record(&mut st.buf, seq, payload, payload_crc);
-        if st.sync_idle {
+        Ok(seq)
+    }
+
+    /// Starts syncing what is buffered, unless a sync is running (it takes the buffer when it
+    /// is done). With `inline`, and the sync thread idle, the caller writes and syncs on its own
+    /// thread — one thread handoff less per commit, for when nothing else would use the time —
+    /// and returns once that sync is done; the outcome reaches `notify` and `durable()` exactly
+    /// as from the sync thread. Otherwise it wakes the sync thread and returns at once.
+    pub fn commit(&self, inline: bool) {
+        let sh = self.shared();
+        let mut st = sh.lock();
+        if st.buf.is_empty() || st.syncing || !st.sync_idle || st.failed.is_some() {
+            return;
+        }
+        if inline {
+            let (batch, last_seq) = take_batch(&mut st);
+            drop(st);
+            sync_batch(sh, batch, last_seq);
+        } else {
             st.sync_idle = false;
             drop(st);
             sh.work.notify_one();
         }
-        Ok(seq)
     }
 
     /// The highest seq known durable (every record up to it is on stable storage).
@@ -287,6 +371,7 @@ impl Committer {
         if sh.durable.load(Ordering::Acquire) >= seq {
             return Ok(());
         }
+        self.commit(false);
         let mut st = sh.lock();
         assert!(
             seq < st.next_seq,

@@ -71,16 +71,22 @@ impl Journal {
         })
     }
 
-    /// Appends one record; returns its seq. When the commit buffer is full, waits for the sync
-    /// in progress (backpressure reaches the clients through the core's queue).
+    /// Appends one record; returns its seq. The record is synced by the next `commit` (the
+    /// core commits once per burst of messages). When the commit buffer is full, waits for the
+    /// sync in progress (backpressure reaches the clients through the core's queue).
     pub fn append(&self, payload: &[u8]) -> Result<u64, LedgerError> {
-        match self.committer.append(payload) {
+        match self.committer.append_deferred(payload) {
             Err(LedgerError::Backpressure { .. }) => {
                 self.committer.wait_durable(self.last_seq())?;
-                self.committer.append(payload)
+                self.committer.append_deferred(payload)
             }
             other => other,
         }
+    }
+
+    /// Starts the sync of everything appended; see `Committer::commit`.
+    pub fn commit(&self, inline: bool) {
+        self.committer.commit(inline);
     }
 
     pub fn last_seq(&self) -> u64 {

@@ -127,3 +127,121 @@ fn dropping_the_last_handle_flushes() {
     drop(c2);
     assert_eq!(open_ok(&s, LedgerOptions::default()).records.len(), 500);
 }
+
+#[test]
+fn a_deferred_append_waits_for_a_commit_and_an_inline_commit_syncs_on_the_callers_thread() {
+    let disk = CrashStorage::new(3);
+    let s: Arc<dyn Storage> = Arc::new(disk.clone());
+    let notified = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let n2 = notified.clone();
+    let c = open_ok(&s, LedgerOptions::default())
+        .ledger
+        .spawn(move |r| {
+            n2.lock()
+                .expect("lock")
+                .push((r.expect("ok"), std::thread::current().id()))
+        })
+        .expect("spawn");
+    // Let the sync thread go idle, then append without starting a sync.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let syncs = disk.stats().syncs;
+    for i in 1..=3 {
+        assert_eq!(c.append_deferred(&payload(i)).expect("append"), i);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(c.durable(), 0, "nothing is synced before a commit");
+    assert_eq!(disk.stats().syncs, syncs);
+    c.commit(true);
+    assert_eq!(
+        c.durable(),
+        3,
+        "an inline commit returns once it is durable"
+    );
+    assert_eq!(disk.stats().syncs, syncs + 1, "one sync for the burst");
+    assert_eq!(
+        *notified.lock().expect("lock"),
+        vec![(3, std::thread::current().id())],
+        "notified once, from the committing thread"
+    );
+    // Without `inline` the sync thread does it.
+    c.append_deferred(&payload(4)).expect("append");
+    c.commit(false);
+    c.wait_durable(4).expect("durable");
+    assert_ne!(
+        notified.lock().expect("lock")[1].1,
+        std::thread::current().id()
+    );
+    // A waiter starts the sync of what it waits for: a deferred append is never stranded.
+    let seq = c.append_deferred(&payload(5)).expect("append");
+    c.wait_durable(seq).expect("durable");
+    drop(c);
+    let o = open_ok(&s, LedgerOptions::default());
+    assert_eq!(
+        o.records,
+        (1..=5).map(|i| (i, payload(i))).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn inline_commits_and_the_sync_thread_write_every_record_once_in_order() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s: Arc<dyn Storage> = Arc::new(FileStorage::open(dir.path()).expect("open"));
+    let c = open_ok(&s, LedgerOptions::default())
+        .ledger
+        .spawn(|_| {})
+        .expect("spawn");
+    let mut handles = Vec::new();
+    for t in 0..6u64 {
+        let c = c.clone();
+        handles.push(std::thread::spawn(move || {
+            let mut mine = Vec::new();
+            for i in 0..150u64 {
+                let p = format!("thread {t} record {i}").into_bytes();
+                let seq = c.append_deferred(&p).expect("append");
+                // Half the threads sync inline when they can, half leave it to the sync thread.
+                c.commit(t % 2 == 0);
+                c.wait_durable(seq).expect("durable");
+                mine.push((seq, p));
+            }
+            mine
+        }));
+    }
+    let mut all = BTreeMap::new();
+    for h in handles {
+        for (seq, p) in h.join().expect("thread") {
+            assert!(all.insert(seq, p).is_none(), "seq {seq} handed out twice");
+        }
+    }
+    drop(c);
+    let o = open_ok(&s, LedgerOptions::default());
+    assert_eq!(o.records, all.into_iter().collect::<Vec<_>>());
+}
+
+#[test]
+fn a_failed_inline_sync_fails_the_committer_closed() {
+    let disk = CrashStorage::new(4);
+    let s: Arc<dyn Storage> = Arc::new(disk.clone());
+    let c = open_ok(&s, LedgerOptions::default())
+        .ledger
+        .spawn(|_| {})
+        .expect("spawn");
+    let first = c.append(&payload(1)).expect("append");
+    c.wait_durable(first).expect("durable");
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    disk.fail_next_sync();
+    let seq = c.append_deferred(&payload(2)).expect("append");
+    c.commit(true);
+    assert_eq!(c.durable(), 1);
+    assert_eq!(
+        c.wait_durable(seq).expect_err("lost").code(),
+        "ledger_failed"
+    );
+    assert_eq!(
+        c.append_deferred(b"more").expect_err("failed").code(),
+        "ledger_failed"
+    );
+    let syncs = disk.stats().syncs;
+    c.commit(true);
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    assert_eq!(disk.stats().syncs, syncs, "no sync after the failure");
+}
