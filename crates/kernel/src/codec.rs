@@ -6,6 +6,7 @@ use crate::command::{Admit, Command, PolicyDecision, Record, RunLimits, Token};
 use crate::gate::Gate;
 use crate::ids::{Digest, EffectKey, IdError, Principal, PrincipalName, Role, RunId, ToolName};
 use crate::limits::Limits;
+use crate::runs::Runs;
 use crate::state::{Approval, Approver, Effect, Interner, OutcomeRecord, Run, Status, Stop};
 use crate::vocab::{
     Decision, EffectClass, EffectStatus, HoldReason, Outcome, PolicyAction, RefusalReason,
@@ -146,7 +147,12 @@ impl<'a> R<'a> {
     }
     fn strs(&mut self) -> Result<Vec<Box<str>>, CodecError> {
         let n = self.count(4)?;
-        (0..n).map(|_| self.boxed()).collect()
+        // A loop, not `collect` over `Result`s: most lists are empty, and this is per record.
+        let mut v = Vec::with_capacity(n);
+        for _ in 0..n {
+            v.push(self.boxed()?);
+        }
+        Ok(v)
     }
     fn digest(&mut self) -> Result<Digest, CodecError> {
         let mut d = [0u8; 32];
@@ -597,7 +603,7 @@ pub fn encode_snapshot(gate: &Gate, out: &mut Vec<u8>) {
     let mut w = W(out);
     w.u8(SNAPSHOT_VERSION);
     w.u64(gate.runs.len() as u64);
-    for (id, run) in &gate.runs {
+    for (id, run) in gate.runs.iter() {
         w.str(id.as_str());
         w.opt_str(run.parent.as_ref().map(RunId::as_str));
         w.u32(run.children.len() as u32);
@@ -656,79 +662,82 @@ pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
         return Err(r.err(format!("unsupported snapshot version {v}")));
     }
     let n = r.u64()?;
-    let mut runs = BTreeMap::new();
-    for _ in 0..n {
-        let id = r.run()?;
-        let parent = r.opt(R::run)?;
-        let nc = r.count(4)?;
-        let children = (0..nc).map(|_| r.run()).collect::<Result<Vec<_>, _>>()?;
-        let owner = r.opt(R::principal_name)?;
-        let nl = r.count(8)?;
-        let mut labels = Vec::with_capacity(nl);
-        for _ in 0..nl {
-            labels.push((r.boxed()?, r.boxed()?));
-        }
-        let created_at = r.u64()?;
-        let state = r.enum_of(RunState::ALL)?;
-        let stop = r.opt(|r| {
-            Ok(Stop {
-                cause: r.enum_of(StopCause::ALL)?,
-                reason: r.opt(R::boxed)?,
-                by: r.opt(R::principal_name)?,
-                at: r.u64()?,
-                from: r.opt(R::run)?,
-            })
-        })?;
-        let epoch = r.u32()?;
-        let limits = RunLimits {
-            deadline_at: r.opt(R::u64)?,
-            max_effects: r.opt(R::u64)?,
-        };
-        let admitted = r.u64()?;
-        let pending_approvals = r.u32()?;
-        let in_flight = r.u32()?;
-        let next_serial = r.u64()?;
-        let next_approval = r.u64()?;
-        let compacted = r.bool()?;
-        let nr = r.count(32)?;
-        let mut rejected = BTreeSet::new();
-        for _ in 0..nr {
-            rejected.insert(r.digest()?);
-        }
-        let ne = r.count(40)?;
-        let mut effects = BTreeMap::new();
-        for _ in 0..ne {
-            let k = r.key()?;
-            effects.insert(k, get_effect(&mut r, &mut interned)?);
-        }
-        let run = Run {
-            parent,
-            children,
-            owner,
-            labels,
-            created_at,
-            state,
-            stop,
-            epoch,
-            limits,
-            admitted,
-            pending_approvals,
-            in_flight,
-            effects,
-            rejected,
-            next_serial,
-            next_approval,
-            compacted,
-            expiries: BTreeSet::new(),
-        };
-        let mut run = run;
-        run.index_expiries();
-        runs.insert(id, run);
-    }
+    // Collected in one go: the ids come in order, and the ordered index is then built in bulk.
+    let runs = (0..n)
+        .map(|_| get_run(&mut r, &mut interned))
+        .collect::<Result<Runs, _>>()?;
     r.done()?;
     Ok(Gate {
         runs,
         limits,
         interned,
     })
+}
+
+fn get_run(r: &mut R, interned: &mut Interner) -> Result<(RunId, Run), CodecError> {
+    let id = r.run()?;
+    let parent = r.opt(R::run)?;
+    let nc = r.count(4)?;
+    let children = (0..nc).map(|_| r.run()).collect::<Result<Vec<_>, _>>()?;
+    let owner = r.opt(R::principal_name)?;
+    let nl = r.count(8)?;
+    let mut labels = Vec::with_capacity(nl);
+    for _ in 0..nl {
+        labels.push((r.boxed()?, r.boxed()?));
+    }
+    let created_at = r.u64()?;
+    let state = r.enum_of(RunState::ALL)?;
+    let stop = r.opt(|r| {
+        Ok(Stop {
+            cause: r.enum_of(StopCause::ALL)?,
+            reason: r.opt(R::boxed)?,
+            by: r.opt(R::principal_name)?,
+            at: r.u64()?,
+            from: r.opt(R::run)?,
+        })
+    })?;
+    let epoch = r.u32()?;
+    let limits = RunLimits {
+        deadline_at: r.opt(R::u64)?,
+        max_effects: r.opt(R::u64)?,
+    };
+    let admitted = r.u64()?;
+    let pending_approvals = r.u32()?;
+    let in_flight = r.u32()?;
+    let next_serial = r.u64()?;
+    let next_approval = r.u64()?;
+    let compacted = r.bool()?;
+    let nr = r.count(32)?;
+    let mut rejected = BTreeSet::new();
+    for _ in 0..nr {
+        rejected.insert(r.digest()?);
+    }
+    let ne = r.count(40)?;
+    let mut effects = BTreeMap::new();
+    for _ in 0..ne {
+        let k = r.key()?;
+        effects.insert(k, get_effect(r, interned)?);
+    }
+    let mut run = Run {
+        parent,
+        children,
+        owner,
+        labels,
+        created_at,
+        state,
+        stop,
+        epoch,
+        limits,
+        admitted,
+        pending_approvals,
+        in_flight,
+        effects,
+        rejected,
+        next_serial,
+        next_approval,
+        compacted,
+        expiries: BTreeSet::new(),
+    };
+    run.index_expiries();
+    Ok((id, run))
 }

@@ -6,6 +6,7 @@ use crate::ids::Role;
 use crate::ids::{EffectKey, Principal, RunId};
 use crate::limits::Limits;
 use crate::reply::{Applied, DecideStatus, Event, EventKind, KernelError, Reply, Verdict};
+use crate::runs::Runs;
 use crate::state::{Approval, Approver, Effect, OutcomeRecord, Run, Status, Stop};
 use crate::transitions::{effect_legal, run_legal};
 use crate::vocab::{
@@ -18,7 +19,7 @@ use std::collections::BTreeMap;
 /// descendants, never the rest.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Gate {
-    pub(crate) runs: BTreeMap<RunId, Run>,
+    pub(crate) runs: Runs,
     pub(crate) limits: Limits,
     pub(crate) interned: crate::state::Interner,
 }
@@ -94,6 +95,11 @@ fn check_effect(
     }
 }
 
+/// Agents see only their own runs (and operator fences, which have no owner).
+fn hidden_from(principal: &Principal, run: &Run) -> bool {
+    principal.role == Role::Agent && run.owner.as_ref().is_some_and(|o| *o != principal.name)
+}
+
 fn bounded(text: &Option<Box<str>>, max: usize, limit: &'static str) -> Result<(), KernelError> {
     match text {
         Some(t) if t.len() > max => Err(KernelError::Limit {
@@ -107,7 +113,7 @@ fn bounded(text: &Option<Box<str>>, max: usize, limit: &'static str) -> Result<(
 impl Gate {
     pub fn new(limits: Limits) -> Gate {
         Gate {
-            runs: BTreeMap::new(),
+            runs: Runs::default(),
             limits,
             interned: Default::default(),
         }
@@ -131,15 +137,22 @@ impl Gate {
 
     /// A run as the principal may see it: agents see only their own runs (and operator fences).
     pub fn visible_run(&self, principal: &Principal, id: &RunId) -> Result<&Run, KernelError> {
-        let run = self
-            .runs
-            .get(id)
-            .ok_or_else(|| KernelError::RunNotFound(id.clone()))?;
-        if principal.role == Role::Agent && run.owner.as_ref().is_some_and(|o| *o != principal.name)
-        {
-            return Err(KernelError::RunNotFound(id.clone()));
+        match self.runs.get(id) {
+            Some(run) if !hidden_from(principal, run) => Ok(run),
+            _ => Err(KernelError::RunNotFound(id.clone())),
         }
-        Ok(run)
+    }
+
+    /// `visible_run` for a command about to change the run (one lookup for both).
+    fn visible_run_mut(
+        &mut self,
+        principal: &Principal,
+        id: &RunId,
+    ) -> Result<&mut Run, KernelError> {
+        match self.runs.get_mut(id) {
+            Some(run) if !hidden_from(principal, run) => Ok(run),
+            _ => Err(KernelError::RunNotFound(id.clone())),
+        }
     }
 
     /// The run and all its descendants, parents before children.
@@ -269,7 +282,8 @@ impl Gate {
     ) -> Result<(Reply, bool), KernelError> {
         bounded(&a.args, self.limits.args_bytes_max, "args_bytes_max")?;
         let mut adopted = false;
-        if let Some(run) = self.runs.get(&a.run) {
+        let run = if let Some(found) = self.runs.get(&a.run) {
+            let mut run = found;
             if p.role == Role::Agent && run.owner.as_ref().is_some_and(|o| *o != p.name) {
                 return Err(KernelError::RunNotFound(a.run.clone()));
             }
@@ -282,8 +296,8 @@ impl Gate {
                 // at its first admit, so a cancel of that ancestor reaches the whole tree.
                 self.adopt(now, p, &a.run, given, ev)?;
                 adopted = true;
+                run = &self.runs[&a.run];
             }
-            let run = &self.runs[&a.run];
             if let Some(given) = &a.parent
                 && run.parent.as_ref() != Some(given)
                 && run.stop.is_none()
@@ -323,9 +337,11 @@ impl Gate {
                     max: self.limits.effects_per_run_max as u64,
                 });
             }
+            run
         } else {
             self.create_run(now, p, a)?;
-            if let Some(stop) = &self.runs[&a.run].stop {
+            let run = &self.runs[&a.run];
+            if let Some(stop) = &run.stop {
                 return Ok((
                     Reply::Verdict(Verdict::Refused {
                         reason: stop.cause.refusal(),
@@ -333,7 +349,8 @@ impl Gate {
                     true,
                 ));
             }
-        }
+            run
+        };
         // Insert the new effect, then run the same admission as a held effect's re-check.
         let tool = self.interned.tool(&a.tool);
         let rule = self.interned.rule(&a.policy.rule);
@@ -342,12 +359,21 @@ impl Gate {
         if a.policy.action == PolicyAction::Approve {
             effect.approval = Some(Box::new(new_approval(&a.policy)));
         }
-        let plan = self.plan(now, &a.run, &effect)?;
+        let plan = self.plan(now, &a.run, run, &effect)?;
         check_effect(&a.run, &a.key, None, planned_status(&plan, &effect))?;
         let run = self
             .runs
             .get_mut(&a.run)
             .ok_or_else(|| KernelError::RunNotFound(a.run.clone()))?;
+        if let Plan::Admit = plan {
+            // The common case, as `carry_out` would do it but with the effect put in the map in
+            // its final state (one search of the run's effects fewer).
+            let token = run.issue_token(effect.start_on_admit);
+            effect.take_token(token, now);
+            run.effects.insert(a.key.clone(), effect);
+            ev.push(event(&a.run, Some(&a.key), EventKind::Admitted));
+            return Ok((Reply::Verdict(Verdict::Admitted { token }), true));
+        }
         run.effects.insert(a.key.clone(), effect);
         let verdict = self.carry_out(now, &a.run, &a.key, plan, ev);
         Ok((Reply::Verdict(verdict), true))
@@ -498,8 +524,13 @@ impl Gate {
 
     /// Decides what happens to an effect that is new or held behind a sibling or a pause.
     /// The precedence order is the table in docs/PROTOCOL.md.
-    fn plan(&self, now: u64, run_id: &RunId, effect: &Effect) -> Result<Plan, KernelError> {
-        let run = &self.runs[run_id];
+    fn plan(
+        &self,
+        now: u64,
+        run_id: &RunId,
+        run: &Run,
+        effect: &Effect,
+    ) -> Result<Plan, KernelError> {
         if let Some(stop) = &run.stop {
             return Ok(Plan::Fenced(stop.cause.refusal()));
         }
@@ -628,30 +659,16 @@ impl Gate {
             }
             Plan::Admit => {
                 let run = self.runs.get_mut(run_id).expect("planned run exists");
-                run.admitted += 1;
-                let token = Token {
-                    epoch: run.epoch,
-                    serial: run.next_serial,
-                };
-                run.next_serial += 1;
-                let start = run.effects[key].start_on_admit;
-                if start {
-                    run.in_flight += 1;
-                }
-                let e = run.effects.get_mut(key).expect("planned effect exists");
+                let e = run.effects.get(key).expect("planned effect exists");
+                let start = e.start_on_admit;
                 if e.status == Status::Approved
                     && let Some(a) = &e.approval
                 {
                     run.expiries.remove(&(a.expires_at, key.clone()));
                 }
-                e.status = if start {
-                    Status::Started
-                } else {
-                    Status::Admitted
-                };
-                e.token = Some(token);
-                e.args = None;
-                e.updated_at = now;
+                let token = run.issue_token(start);
+                let e = run.effects.get_mut(key).expect("planned effect exists");
+                e.take_token(token, now);
                 ev.push(event(run_id, Some(key), EventKind::Admitted));
                 Verdict::Admitted { token }
             }
@@ -755,7 +772,7 @@ impl Gate {
             }
             Status::Approved => {
                 let expires_at = effect.approval.as_ref().map_or(0, |a| a.expires_at);
-                let plan = self.plan(now, run_id, effect)?;
+                let plan = self.plan(now, run_id, run, effect)?;
                 match plan {
                     // An approved effect behind a pause or a sibling keeps its approval and waits.
                     Plan::Hold(reason) => verdict(Verdict::Held {
@@ -787,7 +804,7 @@ impl Gate {
                 }
             }
             Status::Held(reason) => {
-                let plan = self.plan(now, run_id, effect)?;
+                let plan = self.plan(now, run_id, run, effect)?;
                 match plan {
                     Plan::Hold(same) if same == reason => verdict(Verdict::Held {
                         reason,
@@ -905,10 +922,12 @@ impl Gate {
         error: &Option<Box<str>>,
         ev: &mut Vec<Event>,
     ) -> Result<(Reply, bool), KernelError> {
-        let run = self.visible_run(p, run_id)?;
+        let result_bytes_max = self.limits.result_bytes_max;
+        // One lookup: every check below reads through the same borrow before anything changes.
+        let run = self.visible_run_mut(p, run_id)?;
         let effect = run
             .effects
-            .get(key)
+            .get_mut(key)
             .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
         if effect.token != Some(token) {
             return Err(KernelError::BadToken {
@@ -916,8 +935,8 @@ impl Gate {
                 key: key.clone(),
             });
         }
-        bounded(result, self.limits.result_bytes_max, "result_bytes_max")?;
-        bounded(error, self.limits.result_bytes_max, "result_bytes_max")?;
+        bounded(result, result_bytes_max, "result_bytes_max")?;
+        bounded(error, result_bytes_max, "result_bytes_max")?;
         let late = run.stop.is_some();
         let record = || {
             Box::new(OutcomeRecord {
@@ -937,19 +956,16 @@ impl Gate {
                     return Ok((Reply::Completed { late }, false));
                 }
                 check_effect(run_id, key, Some(effect.status), to)?;
-                let was_in_flight = effect.status == Status::Started;
-                let run = self.runs.get_mut(run_id).expect("visible run exists");
-                if was_in_flight {
+                if effect.status == Status::Started {
                     run.in_flight -= 1;
                 }
-                let e = run.effects.get_mut(key).expect("effect exists");
-                e.status = to;
+                effect.status = to;
                 // The status says the outcome; only a result or an error needs a record.
-                e.outcome = (result.is_some() || error.is_some()).then(record);
-                e.late |= late;
-                e.updated_at = now;
+                effect.outcome = (result.is_some() || error.is_some()).then(record);
+                effect.late |= late;
+                effect.updated_at = now;
                 ev.push(event(run_id, Some(key), EventKind::Completed));
-                self.settle_run(run_id, ev);
+                Self::settle_run(run_id, run, ev);
                 Ok((Reply::Completed { late }, true))
             }
             Status::Completed | Status::Failed => {
@@ -969,10 +985,9 @@ impl Gate {
                 if effect.outcome.is_some() {
                     return Ok((Reply::Completed { late: true }, false));
                 }
-                let e = self.effect_mut(run_id, key);
-                e.outcome = Some(record());
-                e.late = true;
-                e.updated_at = now;
+                effect.outcome = Some(record());
+                effect.late = true;
+                effect.updated_at = now;
                 ev.push(event(run_id, Some(key), EventKind::Completed));
                 Ok((Reply::Completed { late: true }, true))
             }
@@ -984,8 +999,7 @@ impl Gate {
     }
 
     /// A stopped run whose last in-flight effect settled reaches its terminal state.
-    fn settle_run(&mut self, run_id: &RunId, ev: &mut Vec<Event>) {
-        let run = self.runs.get_mut(run_id).expect("run exists");
+    fn settle_run(run_id: &RunId, run: &mut Run, ev: &mut Vec<Event>) {
         if run.state == RunState::Finalizing && run.in_flight == 0 {
             let to = terminal_state(
                 run.stop
@@ -1371,7 +1385,7 @@ impl Gate {
 
     fn compact(&mut self, before: u64) -> Result<(Reply, bool), KernelError> {
         let mut n = 0;
-        for run in self.runs.values_mut() {
+        self.runs.for_each_mut(|_, run| {
             if run.state.is_terminal()
                 && !run.compacted
                 && run.stop.as_ref().is_some_and(|s| s.at <= before)
@@ -1381,7 +1395,7 @@ impl Gate {
                 run.compacted = true;
                 n += 1;
             }
-        }
+        });
         Ok((Reply::Compacted { runs: n }, n > 0))
     }
 }

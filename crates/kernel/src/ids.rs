@@ -31,7 +31,10 @@ fn check(what: &'static str, s: &str) -> Result<(), IdError> {
             max: NAME_BYTES_MAX,
         });
     }
-    if s.chars().any(char::is_control) {
+    // Ids are nearly always printable ASCII: one pass over the bytes proves that; decoding
+    // characters is left for the rest.
+    let printable = s.bytes().all(|b| matches!(b, b' '..=b'~'));
+    if !printable && s.chars().any(char::is_control) {
         return Err(IdError::Control { what });
     }
     Ok(())
@@ -78,8 +81,9 @@ macro_rules! name_type {
 }
 
 name_type!(
-    /// One agent trajectory.
-    RunId, "run id"
+    /// One agent trajectory. Shared (`Arc`): the gate's index, its ordered walk, parents,
+    /// children and events all point at one copy of the id.
+    RunId, "run id", std::sync::Arc<str>
 );
 name_type!(
     /// The idempotency key of one effect within its run.
@@ -180,6 +184,14 @@ mod tests {
         let d = Digest([0xab; 32]);
         assert_eq!(Digest::from_hex(&d.to_hex()), Some(d));
         assert_eq!(Digest::from_hex("zz"), None);
+    }
+
+    #[test]
+    fn control_characters_are_refused_exactly_as_char_is_control_says() {
+        for c in (0..=0x10ffff).filter_map(char::from_u32) {
+            let s = format!("a{c}b");
+            assert_eq!(check("id", &s).is_err(), c.is_control(), "{c:?}");
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@ pub mod ids;
 pub mod limits;
 pub mod reply;
 pub mod report;
+mod runs;
 pub mod state;
 pub mod transitions;
 pub mod vocab;

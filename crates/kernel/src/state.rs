@@ -160,6 +160,19 @@ impl Effect {
             })
     }
 
+    /// Takes the token `Run::issue_token` gave it: prepared, or in flight if it started on
+    /// admission.
+    pub(crate) fn take_token(&mut self, token: Token, now: u64) {
+        self.status = if self.start_on_admit {
+            Status::Started
+        } else {
+            Status::Admitted
+        };
+        self.token = Some(token);
+        self.args = None;
+        self.updated_at = now;
+    }
+
     pub(crate) fn new(
         now: u64,
         tool: ToolName,
@@ -254,6 +267,21 @@ impl Run {
             compacted: false,
             expiries: BTreeSet::new(),
         }
+    }
+
+    /// The token of the run's next admission (which counts against its budget); `start`: the
+    /// effect starts with it, so it is in flight.
+    pub(crate) fn issue_token(&mut self, start: bool) -> Token {
+        self.admitted += 1;
+        let token = Token {
+            epoch: self.epoch,
+            serial: self.next_serial,
+        };
+        self.next_serial += 1;
+        if start {
+            self.in_flight += 1;
+        }
+        token
     }
 
     pub fn is_stopped(&self) -> bool {
