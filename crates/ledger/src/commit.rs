@@ -31,7 +31,9 @@ struct State {
     next_seq: u64,
     /// The sync thread is waiting for work (so an append must wake it).
     sync_idle: bool,
-    /// A batch is being written and synced (by the sync thread or by `sync_inline`); the next
+    /// Records in the last batch synced.
+    last_batch_records: u64,
+    /// A batch is being written and synced (by the sync thread or by `commit`); the next
     /// one waits for it, so batches reach the file in seq order.
     syncing: bool,
     /// Threads blocked in `wait_durable`.
@@ -131,6 +133,7 @@ pub(crate) fn spawn(
             next_seq,
             sync_idle: false,
             syncing: false,
+            last_batch_records: 0,
             waiters: 0,
             failed: None,
             closing: false,
@@ -219,9 +222,11 @@ fn sync_batch(shared: &Shared, mut batch: Vec<u8>, last_seq: u64) -> bool {
             (shared.notify)(Ok(last_seq));
             drop(w);
             batch.clear();
+            let records = last_seq - first_seq + 1;
             let (waiters, wake_sync_thread) = {
                 let mut st = shared.lock();
                 st.syncing = false;
+                st.last_batch_records = records;
                 st.spare = batch;
                 (
                     st.waiters,
@@ -352,6 +357,12 @@ impl Committer {
             drop(st);
             sh.work.notify_one();
         }
+    }
+
+    /// How many records the last sync carried: a caller choosing `commit(inline)` can tell a
+    /// lone request from a stream of them.
+    pub fn last_batch_records(&self) -> u64 {
+        self.shared().lock().last_batch_records
     }
 
     /// The highest seq known durable (every record up to it is on stable storage).

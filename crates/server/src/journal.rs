@@ -89,6 +89,11 @@ impl Journal {
         self.committer.commit(inline);
     }
 
+    /// Records carried by the last sync.
+    pub fn last_batch_records(&self) -> u64 {
+        self.committer.last_batch_records()
+    }
+
     pub fn last_seq(&self) -> u64 {
         self.committer.next_seq() - 1
     }
