@@ -1,6 +1,7 @@
 //! Group commit: `Committer` is a cheap, cloneable handle; one sync thread owns the segment file,
-//! swaps out the whole append buffer, writes it with one write and one fdatasync, and publishes the
-//! durable seq. Any write or sync error fails the committer closed, for good.
+//! swaps out the whole append buffer, writes it with one positional write (into zeros it
+//! preallocated ahead of it) and one fdatasync, and publishes the durable seq. Any write or sync
+//! error fails the committer closed, for good.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -272,15 +273,14 @@ fn write_batch(
     if segment.bytes > SEGMENT_HEADER_BYTES as u64
         && segment.bytes + batch.len() as u64 > opts.segment_bytes_max
     {
-        // Everything in the old segment is durable already; it is never written again.
+        // Everything in the old segment is durable already; it is never written again. Its
+        // preallocated zeros are cut (durably) before the next segment exists, so a segment that
+        // is not the last never holds any.
+        segment.cut_zero_tail(&*shared.storage)?;
         *segment = ActiveSegment::create(&*shared.storage, first_seq)?;
     }
     debug_assert_eq!(format::decode_record_header(batch).seq, first_seq);
-    segment
-        .file
-        .write_all(batch)
-        .map_err(|e| LedgerError::io("write", &segment.name, e))?;
-    segment.bytes += batch.len() as u64;
+    segment.write(batch, opts)?;
     let started = std::time::Instant::now();
     segment
         .file

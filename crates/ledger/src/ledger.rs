@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::commit::{self, Committer};
 use crate::error::LedgerError;
 use crate::format::{self, RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES};
-use crate::scan::{self, Superseded, TornTail, Walk};
+use crate::scan::{self, Preallocated, Superseded, TornTail, Walk};
 use crate::snapshot::{self, InvalidFile, SnapshotInfo};
 use crate::storage::{Storage, StorageFile};
 
@@ -17,6 +17,14 @@ pub struct LedgerOptions {
     pub record_bytes_max: usize,
     /// A segment rolls before a write would take it past this (default 64 MiB).
     pub segment_bytes_max: u64,
+    /// Zeros the sync thread writes ahead of the write position of the active segment whenever
+    /// a batch would not fit in the zeros already there, at most up to `segment_bytes_max`
+    /// (default 1 MiB; 0 turns preallocation off). They become durable with the fdatasync of the
+    /// batch that needed them; later batches are overwrites inside the file, which sync without
+    /// a file-size change (on ext4: no journal commit), cheaper than appends. The batch that
+    /// extends pays for writing the whole chunk (about 1 ms per MiB on the project's machine),
+    /// so a larger chunk means rarer but longer stalls. docs/LEDGER.md, "Preallocation".
+    pub preallocate_bytes: u64,
     /// Bytes the commit buffer may hold before `append` answers `backpressure` (default 8 MiB).
     pub buffer_bytes_max: usize,
     /// Largest snapshot payload written or read (default 1 GiB).
@@ -35,6 +43,7 @@ impl Default for LedgerOptions {
         LedgerOptions {
             record_bytes_max: 1 << 20,
             segment_bytes_max: 64 << 20,
+            preallocate_bytes: 1 << 20,
             buffer_bytes_max: 8 << 20,
             snapshot_bytes_max: 1 << 30,
             snapshots_keep: 2,
@@ -84,6 +93,9 @@ pub struct RecoveryReport {
     pub torn_tail: Option<TornTail>,
     /// Bytes ignored by the supersede rule (e.g. what a failed writer left after `discard_after`).
     pub superseded: Vec<Superseded>,
+    /// Preallocated zero tails cut off segments that are no longer written (without
+    /// `discard_after` only).
+    pub preallocated_cut: Vec<Preallocated>,
     /// Files removed: `*.tmp` leftovers, and with `discard_after` newer snapshots and segments.
     pub removed: Vec<String>,
     /// The fresh segment new records go to.
@@ -94,8 +106,15 @@ pub struct RecoveryReport {
 pub(crate) struct ActiveSegment {
     pub name: String,
     pub file: Box<dyn StorageFile>,
+    /// The write position: the end of the last record written.
     pub bytes: u64,
+    /// The file holds zeros from `bytes` up to here (preallocation), and ends here.
+    pub zeroed: u64,
 }
+
+/// Zeros written per call while preallocating.
+const ZEROS_BYTES: usize = 256 << 10;
+static ZEROS: [u8; ZEROS_BYTES] = [0; ZEROS_BYTES];
 
 impl ActiveSegment {
     /// Creates `seg-<first_seq>.log` atomically (tmp file with a synced header, rename,
@@ -124,7 +143,54 @@ impl ActiveSegment {
             name,
             file,
             bytes: SEGMENT_HEADER_BYTES as u64,
+            zeroed: SEGMENT_HEADER_BYTES as u64,
         })
+    }
+
+    /// Writes `batch` at the write position, after extending the file with zeros first if the
+    /// batch and one zero record header would not fit in what is already zeroed. Not durable
+    /// until `file.sync_data()`.
+    pub(crate) fn write(
+        &mut self,
+        batch: &[u8],
+        options: &LedgerOptions,
+    ) -> Result<(), LedgerError> {
+        let end = self.bytes + batch.len() as u64;
+        // At least a whole zero header must follow the last record: that is how a reader
+        // tells the preallocated end from a torn write.
+        let need = end + RECORD_HEADER_BYTES as u64;
+        if options.preallocate_bytes > 0 && need > self.zeroed {
+            let target = need
+                .max(self.zeroed.saturating_add(options.preallocate_bytes))
+                .min(need.max(options.segment_bytes_max));
+            let mut at = self.zeroed;
+            while at < target {
+                let n = (target - at).min(ZEROS_BYTES as u64) as usize;
+                self.file
+                    .write_all_at(at, &ZEROS[..n])
+                    .map_err(|e| LedgerError::io("preallocate", &self.name, e))?;
+                at += n as u64;
+            }
+            self.zeroed = target;
+        }
+        self.file
+            .write_all_at(self.bytes, batch)
+            .map_err(|e| LedgerError::io("write", &self.name, e))?;
+        self.bytes = end;
+        self.zeroed = self.zeroed.max(end);
+        Ok(())
+    }
+
+    /// Cuts the preallocated zeros off a segment that will not be written again (ftruncate to
+    /// the end of its last record, then fsync). Its records must all be durable.
+    pub(crate) fn cut_zero_tail(&mut self, storage: &dyn Storage) -> Result<(), LedgerError> {
+        if self.zeroed > self.bytes {
+            storage
+                .truncate(&self.name, self.bytes)
+                .map_err(|e| LedgerError::io("truncate", &self.name, e))?;
+            self.zeroed = self.bytes;
+        }
+        Ok(())
     }
 }
 
@@ -207,14 +273,34 @@ impl Ledger {
                 .map_err(|e| LedgerError::io("remove", tmp, e))?;
             removed.push(tmp.clone());
         }
+        let mut preallocated_cut = Vec::new();
         if let Some(torn) = &out.torn_tail {
             st.truncate(&torn.segment, torn.offset)
                 .map_err(|e| LedgerError::io("truncate", &torn.segment, e))?;
-        } else if let (None, Some(last)) = (options.discard_after, &out.last_live_segment) {
-            // A killed writer may have left written but unsynced records; they were just
-            // replayed, so they must be durable before anything is built on them.
-            st.sync(last)
-                .map_err(|e| LedgerError::io("sync", last, e))?;
+        }
+        if options.discard_after.is_none() {
+            // No segment read here is written again: cut their preallocated zeros (durably, which
+            // also syncs what a killed writer left unsynced in them).
+            for s in out.segments.iter().filter(|s| s.preallocated_bytes > 0) {
+                let offset = s.bytes - s.preallocated_bytes;
+                st.truncate(&s.name, offset)
+                    .map_err(|e| LedgerError::io("truncate", &s.name, e))?;
+                preallocated_cut.push(Preallocated {
+                    segment: s.name.clone(),
+                    offset,
+                    bytes: s.preallocated_bytes,
+                });
+            }
+            if let Some(last) = &out.last_live_segment {
+                let done = out.torn_tail.as_ref().is_some_and(|t| &t.segment == last)
+                    || preallocated_cut.iter().any(|p| &p.segment == last);
+                if !done {
+                    // A killed writer may have left written but unsynced records; they were just
+                    // replayed, so they must be durable before anything is built on them.
+                    st.sync(last)
+                        .map_err(|e| LedgerError::io("sync", last, e))?;
+                }
+            }
         }
         let next_seq = out.last_seq + 1;
         if let Some(d) = options.discard_after {
@@ -244,6 +330,7 @@ impl Ledger {
             last_seq: out.last_seq,
             torn_tail: out.torn_tail,
             superseded: out.superseded,
+            preallocated_cut,
             removed,
             segment: segment.name.clone(),
         };

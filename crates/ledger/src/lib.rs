@@ -4,8 +4,9 @@
 //!
 //! Use:
 //! 1. `Ledger::open(storage, options, on_snapshot, on_record)` recovers: it hands the newest valid
-//!    snapshot and every later record to the callbacks, truncates a torn tail, refuses mid-log
-//!    corruption, and starts a fresh segment.
+//!    snapshot and every later record to the callbacks, truncates a torn tail, cuts preallocated
+//!    zeros off segments no longer written, refuses mid-log corruption, and starts a fresh
+//!    segment.
 //! 2. `recovered.ledger.spawn(notify)` starts the group-commit thread and returns a `Committer`.
 //! 3. `committer.append(payload)` returns the record's seq at once; it is durable when
 //!    `committer.durable() >= seq`, `wait_durable(seq)` returns, or `notify(Ok(d))` says `d >= seq`.
@@ -29,8 +30,8 @@ pub use commit::{Committer, Notify, SnapshotReport};
 pub use error::{LedgerError, ReplayCause};
 pub use inspect::{RecordView, VerifyReport, inspect, verify};
 pub use ledger::{Ledger, LedgerOptions, Recovered, RecoveryReport};
-pub use probe::{FsyncProbe, raw_fsync_probe};
-pub use scan::{SegmentSummary, Superseded, TornTail};
+pub use probe::{FsyncProbe, raw_fsync_probe, raw_overwrite_probe};
+pub use scan::{Preallocated, SegmentSummary, Superseded, TornTail};
 pub use sim::{CrashStorage, SimStats};
 pub use snapshot::{InvalidFile, SnapshotInfo};
 pub use stats::{Histogram, HistogramSnapshot, SyncObserver, SyncStats};

@@ -1,12 +1,14 @@
 //! `raw_fsync_probe`: how fast this disk does append + fdatasync of a small record, measured
 //! without the ledger, so benchmarks can print the ledger's figures next to the machine's.
+//! `raw_overwrite_probe`: the same for overwrites of zeros written (and synced) beforehand, which
+//! is what the ledger does with preallocation on.
 
 use std::fs::OpenOptions;
-use std::io::{self, Write};
+use std::io::{self, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::time::Instant;
 
-/// Latency of append + fdatasync of one small record on a real directory.
+/// Latency of append (or overwrite) + fdatasync of one small record on a real directory.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FsyncProbe {
     pub syncs: u32,
@@ -20,21 +22,45 @@ pub struct FsyncProbe {
 /// Appends a `record_bytes`-byte record and calls fdatasync, `syncs` times, to a scratch file in
 /// `dir` (removed afterwards).
 pub fn raw_fsync_probe(dir: &Path, syncs: u32, record_bytes: usize) -> io::Result<FsyncProbe> {
+    run_probe(dir, syncs, record_bytes, false)
+}
+
+/// Writes and syncs `syncs * record_bytes` zeros to a scratch file in `dir` (removed afterwards),
+/// then overwrites them from the start with a `record_bytes`-byte record and an fdatasync,
+/// `syncs` times: the file size never changes, as with the ledger's preallocated segments.
+pub fn raw_overwrite_probe(dir: &Path, syncs: u32, record_bytes: usize) -> io::Result<FsyncProbe> {
+    run_probe(dir, syncs, record_bytes, true)
+}
+
+fn run_probe(
+    dir: &Path,
+    syncs: u32,
+    record_bytes: usize,
+    overwrite: bool,
+) -> io::Result<FsyncProbe> {
     assert!(syncs >= 1);
     let path = dir.join(format!("estop-fsync-probe-{}.tmp", std::process::id()));
-    let result = probe(&path, syncs, record_bytes);
+    let result = probe(&path, syncs, record_bytes, overwrite);
     let removed = std::fs::remove_file(&path);
     let p = result?;
     removed?;
     Ok(p)
 }
 
-fn probe(path: &Path, syncs: u32, record_bytes: usize) -> io::Result<FsyncProbe> {
+fn probe(path: &Path, syncs: u32, record_bytes: usize, overwrite: bool) -> io::Result<FsyncProbe> {
     let mut file = OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .open(path)?;
+    if overwrite {
+        // Real zeros, not fallocate: unwritten extents would need a journal commit when first
+        // written, like an append.
+        let zeros = vec![0u8; record_bytes * syncs as usize];
+        file.write_all(&zeros)?;
+        file.sync_all()?;
+        file.seek(SeekFrom::Start(0))?;
+    }
     let record = vec![0x5au8; record_bytes];
     let mut lat_ns = Vec::with_capacity(syncs as usize);
     let start = Instant::now();

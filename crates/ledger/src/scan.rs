@@ -57,6 +57,9 @@ pub(crate) enum Next<'a> {
     },
     /// Clean end of file, exactly after a record.
     End,
+    /// Clean end of the records: a record header of 16 zero bytes at `offset`, and only zeros
+    /// after it up to the end of the file (preallocation).
+    ZeroTail { offset: u64 },
     /// An incomplete or checksum-failing record at `offset`.
     Bad { offset: u64, reason: &'static str },
 }
@@ -154,6 +157,19 @@ impl<'s> SegmentReader<'s> {
         Ok(first)
     }
 
+    /// Reads to the end of the file; true if every byte from here on is zero (or there is none).
+    pub fn rest_is_zero(&mut self) -> Result<bool, LedgerError> {
+        loop {
+            if self.pos == self.end && self.fill(1)? == 0 {
+                return Ok(true);
+            }
+            if self.buf[self.pos..self.end].iter().any(|b| *b != 0) {
+                return Ok(false);
+            }
+            self.pos = self.end;
+        }
+    }
+
     /// The next record.
     pub fn next_record(&mut self) -> Result<Next<'_>, LedgerError> {
         let offset = self.offset();
@@ -167,7 +183,20 @@ impl<'s> SegmentReader<'s> {
                 reason: "incomplete record header",
             });
         }
-        let h = format::decode_record_header(&self.buf[self.pos..self.pos + RECORD_HEADER_BYTES]);
+        let header = &self.buf[self.pos..self.pos + RECORD_HEADER_BYTES];
+        if header.iter().all(|b| *b == 0) {
+            // Never a record (no record has seq 0): the preallocated end, or a hole.
+            self.pos += RECORD_HEADER_BYTES;
+            return Ok(if self.rest_is_zero()? {
+                Next::ZeroTail { offset }
+            } else {
+                Next::Bad {
+                    offset,
+                    reason: "zero record header followed by non-zero bytes",
+                }
+            });
+        }
+        let h = format::decode_record_header(header);
         let len = h.len as usize;
         let file_left = self.file_len - offset - RECORD_HEADER_BYTES as u64;
         if h.len as u64 > file_left || len > format::RECORD_PAYLOAD_BYTES_LIMIT {
@@ -254,6 +283,16 @@ pub struct Superseded {
     pub bytes: u64,
 }
 
+/// Zeros after the last live record of a segment: what preallocation wrote ahead of the write
+/// position (a record header of 16 zero bytes, then only zeros to the end of the file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Preallocated {
+    pub segment: String,
+    /// Where the records end and the zeros begin.
+    pub offset: u64,
+    pub bytes: u64,
+}
+
 /// What the walk saw in one segment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SegmentSummary {
@@ -265,6 +304,9 @@ pub struct SegmentSummary {
     pub last_seq: Option<u64>,
     /// File length in bytes.
     pub bytes: u64,
+    /// Preallocated zeros after the last live record (neither torn nor superseded); the records
+    /// end at `bytes - preallocated_bytes`.
+    pub preallocated_bytes: u64,
 }
 
 /// How to walk.
@@ -360,12 +402,15 @@ impl Walk<'_> {
                 records: 0,
                 last_seq: None,
                 bytes: reader.file_len(),
+                preallocated_bytes: 0,
             };
             loop {
                 if next > end {
                     let offset = reader.offset();
                     let rest = reader.file_len() - offset;
-                    if rest > 0 {
+                    if rest >= RECORD_HEADER_BYTES as u64 && reader.rest_is_zero()? {
+                        summary.preallocated_bytes = rest;
+                    } else if rest > 0 {
                         out.superseded.push(Superseded {
                             segment: seg.name.clone(),
                             offset,
@@ -398,20 +443,28 @@ impl Walk<'_> {
                         next += 1;
                     }
                     Next::End if open_ended => break,
-                    Next::End => {
+                    Next::ZeroTail { offset } if open_ended => {
+                        summary.preallocated_bytes = reader.file_len() - offset;
+                        break;
+                    }
+                    ended @ (Next::End | Next::ZeroTail { .. }) => {
+                        let (offset, zeros) = match ended {
+                            Next::ZeroTail { offset } => (offset, " (zeros follow)"),
+                            _ => (reader.offset(), ""),
+                        };
                         let why = if next_first.is_some_and(|f| f - 1 == end) {
                             format!(
-                                "segment ends at seq {}, but the next segment starts at {}",
+                                "segment ends at seq {}{zeros}, but the next segment starts at {}",
                                 next - 1,
                                 end + 1
                             )
                         } else {
                             format!(
-                                "log ends at seq {}, but discard_after = {end} says it was durable",
+                                "log ends at seq {}{zeros}, but discard_after = {end} says it was durable",
                                 next - 1
                             )
                         };
-                        return Err(LedgerError::corrupt(&seg.name, reader.offset(), why));
+                        return Err(LedgerError::corrupt(&seg.name, offset, why));
                     }
                     Next::Bad { offset, reason } if open_ended => {
                         if let Some((o, s)) =

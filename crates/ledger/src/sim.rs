@@ -2,12 +2,16 @@
 //! deterministically from a seed, so recovery can be tested at every crash point.
 //!
 //! Model: every file (inode) has *durable* bytes (as of its last successful sync) and *volatile*
-//! bytes (what reads see); the directory likewise has a durable and a volatile set of entries.
-//! Durable bytes are always a prefix of the volatile ones (the ledger only appends and truncates).
-//! `crash()` keeps only durable entries and durable bytes, plus (with torn writes on) a random
-//! prefix of each file's unsynced tail, sometimes followed by zeros (a size that reached the disk
-//! before the data did). After a crash, files opened before it refuse every operation, like the
-//! file descriptors of a dead process.
+//! bytes (what reads see), and the byte range written since its last sync (appends and overwrites
+//! alike); the directory likewise has a durable and a volatile set of entries. `crash()` keeps
+//! only durable entries and durable bytes, except that with torn writes on, each file's unsynced
+//! range is torn: in offset order, a seeded prefix of it holds the new bytes and the rest the old
+//! ones (the durable bytes where the file already had them, nothing where it grew), and where
+//! the file grew its length may then run on in zeros (a size that reached the disk before the
+//! data did). With reordered writes on as well, each 512-byte sector of the unsynced range
+//! independently holds its old or its new bytes instead, and the length is any value between the
+//! durable and the volatile one: holes. After a crash, files opened before it refuse every
+//! operation, like the file descriptors of a dead process.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -17,6 +21,8 @@ use crate::storage::{Storage, StorageFile};
 
 const EIO: i32 = 5;
 const ENOSPC: i32 = 28;
+/// The unit in which the disk persists bytes when writes are reordered.
+const SECTOR_BYTES: usize = 512;
 
 /// A crash-simulating storage. Clones share the same simulated disk.
 #[derive(Debug, Clone)]
@@ -35,6 +41,40 @@ struct Inner {
 struct Inode {
     durable: Vec<u8>,
     volatile: Vec<u8>,
+    /// The byte range written since the last sync, `None` if nothing was. Outside it durable and
+    /// volatile bytes agree; the durable bytes are never longer than the volatile ones.
+    dirty: Option<(usize, usize)>,
+}
+
+impl Inode {
+    fn clean(bytes: Vec<u8>) -> Inode {
+        Inode {
+            durable: bytes.clone(),
+            volatile: bytes,
+            dirty: None,
+        }
+    }
+
+    /// Writes `buf` at `at` (at most the current length) and marks it unsynced.
+    fn write(&mut self, at: usize, buf: &[u8]) {
+        crate::storage::write_at(&mut self.volatile, at as u64, buf);
+        if buf.is_empty() {
+            return;
+        }
+        let (lo, hi) = (at, at + buf.len());
+        self.dirty = Some(match self.dirty {
+            Some((a, b)) => (a.min(lo), b.max(hi)),
+            None => (lo, hi),
+        });
+    }
+
+    /// Makes the unsynced bytes in `lo..hi` durable (`hi` at most the volatile length).
+    fn persist(&mut self, lo: usize, hi: usize) {
+        if self.durable.len() < hi {
+            self.durable.resize(hi, 0);
+        }
+        self.durable[lo..hi].copy_from_slice(&self.volatile[lo..hi]);
+    }
 }
 
 #[derive(Debug)]
@@ -45,6 +85,9 @@ struct SimState {
     dir_durable: BTreeMap<String, u64>,
     rng: u64,
     torn_writes: bool,
+    reordered_writes: bool,
+    /// Operations that change the disk left before a simulated power loss (`crash_at_op`).
+    crash_at_op: Option<u64>,
     // Bumped by every crash; handles from an older epoch are dead.
     epoch: u64,
     fail_next_write: bool,
@@ -62,6 +105,8 @@ pub struct SimStats {
     pub bytes_written: u64,
     pub syncs: u64,
     pub dir_syncs: u64,
+    /// Creates, truncates, renames and removes.
+    pub namespace_ops: u64,
     pub crashes: u64,
     pub injected_errors: u64,
 }
@@ -109,26 +154,115 @@ impl SimState {
 
     fn sync_inode(&mut self, id: u64) -> io::Result<()> {
         self.stats.syncs += 1;
+        let dirty = self.inode(id).dirty;
         if self.fail_next_sync {
             self.fail_next_sync = false;
             self.stats.injected_errors += 1;
             // The kernel wrote back some pages and dropped the others, yet reads still show the
             // volatile bytes: the case that makes a retried sync lie.
-            let (d, v) = {
+            if let Some((lo, hi)) = dirty {
+                let cut = lo + self.below((hi - lo) as u64 + 1) as usize;
                 let ino = self.inode(id);
-                (ino.durable.len() as u64, ino.volatile.len() as u64)
-            };
-            let keep = (d + self.below(v - d + 1)) as usize;
-            let ino = self.inode(id);
-            let tail = ino.volatile[ino.durable.len()..keep].to_vec();
-            ino.durable.extend_from_slice(&tail);
+                ino.persist(lo, cut);
+                ino.dirty = (cut < hi).then_some((cut, hi));
+            }
             return Err(eio("sync"));
         }
-        let ino = self.inode(id);
-        let from = ino.durable.len();
-        let tail = ino.volatile[from..].to_vec();
-        ino.durable.extend_from_slice(&tail);
+        if let Some((lo, hi)) = dirty {
+            let ino = self.inode(id);
+            ino.persist(lo, hi);
+            ino.dirty = None;
+            debug_assert_eq!(ino.durable.len(), ino.volatile.len());
+        }
         Ok(())
+    }
+
+    /// What a power loss leaves of one file.
+    fn crashed(&mut self, ino: Inode) -> Vec<u8> {
+        let Inode {
+            mut durable,
+            volatile,
+            dirty,
+        } = ino;
+        assert!(
+            durable.len() <= volatile.len(),
+            "only a truncate shrinks a file, and it is durable at once"
+        );
+        let Some((lo, hi)) = dirty.filter(|_| self.torn_writes) else {
+            return durable;
+        };
+        assert!(lo <= durable.len() && hi <= volatile.len() && lo < hi);
+        if self.reordered_writes {
+            // Each sector old or new on its own; the size anywhere from the old to the new one.
+            let len = if self.below(2) == 0 {
+                volatile.len()
+            } else {
+                durable.len() + self.below((volatile.len() - durable.len()) as u64 + 1) as usize
+            };
+            durable.resize(len.max(durable.len()), 0);
+            let mut at = lo;
+            while at < hi.min(len) {
+                let end = ((at / SECTOR_BYTES + 1) * SECTOR_BYTES).min(hi).min(len);
+                if self.below(2) == 0 {
+                    durable[at..end].copy_from_slice(&volatile[at..end]);
+                }
+                at = end;
+            }
+            return durable;
+        }
+        // A prefix of the unsynced range (in offset order) reached the disk, the rest did not.
+        let cut = lo + self.below((hi - lo) as u64 + 1) as usize;
+        if durable.len() < cut {
+            durable.resize(cut, 0);
+        }
+        durable[lo..cut].copy_from_slice(&volatile[lo..cut]);
+        if self.below(4) == 0 && volatile.len() > durable.len() {
+            let zeros = self.below((volatile.len() - durable.len()) as u64 + 1) as usize;
+            durable.resize(durable.len() + zeros, 0);
+        }
+        durable
+    }
+
+    /// Power loss: keep durable directory entries and what `crashed` leaves of each file.
+    fn crash(&mut self) {
+        self.epoch += 1;
+        self.stats.crashes += 1;
+        self.syncs_paused = false;
+        self.fail_next_write = false;
+        self.fail_next_sync = false;
+        self.fail_next_dir_sync = false;
+        self.crash_at_op = None;
+        self.dir = self.dir_durable.clone();
+        let live: Vec<u64> = self.dir.values().copied().collect();
+        let mut kept = BTreeMap::new();
+        for id in live {
+            if kept.contains_key(&id) {
+                continue;
+            }
+            let Some(ino) = self.inodes.remove(&id) else {
+                continue;
+            };
+            let bytes = self.crashed(ino);
+            kept.insert(id, Inode::clean(bytes));
+        }
+        self.inodes = kept;
+    }
+
+    /// Counts one operation that changes the disk; `Err` if the power fails just before it.
+    fn op(&mut self) -> io::Result<()> {
+        match self.crash_at_op {
+            Some(0) => {
+                self.crash();
+                Err(io::Error::other(
+                    "simulated power loss before this operation",
+                ))
+            }
+            Some(n) => {
+                self.crash_at_op = Some(n - 1);
+                Ok(())
+            }
+            None => Ok(()),
+        }
     }
 }
 
@@ -143,6 +277,8 @@ impl CrashStorage {
             dir_durable: BTreeMap::new(),
             rng: seed,
             torn_writes: true,
+            reordered_writes: false,
+            crash_at_op: None,
             epoch: 0,
             fail_next_write: false,
             fail_next_sync: false,
@@ -166,56 +302,50 @@ impl CrashStorage {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Locks the state for an operation that changes the disk (see `crash_at_op`).
+    fn begin_op(&self) -> io::Result<MutexGuard<'_, SimState>> {
+        let mut st = self.state();
+        match st.op() {
+            Ok(()) => Ok(st),
+            Err(e) => {
+                drop(st);
+                self.inner.resume.notify_all();
+                Err(e)
+            }
+        }
+    }
+
     /// Whether a crash keeps a random part of the unsynced tail (on by default).
     pub fn set_torn_writes(&self, on: bool) {
         self.state().torn_writes = on;
     }
 
+    /// Whether a crash persists the unsynced sectors of a file in any order (off by default:
+    /// in offset order). Reordered writes leave holes, which recovery refuses when a valid record
+    /// follows one (docs/LEDGER.md, "What we assume about the media").
+    pub fn set_reordered_writes(&self, on: bool) {
+        self.state().reordered_writes = on;
+    }
+
     /// Power loss: keep durable directory entries and durable bytes (plus, with torn writes, a
-    /// random prefix of each unsynced tail); every open file handle dies.
+    /// random part of each file's unsynced bytes); every open file handle dies.
     pub fn crash(&self) {
-        let mut st = self.state();
-        st.epoch += 1;
-        st.stats.crashes += 1;
-        st.syncs_paused = false;
-        st.fail_next_write = false;
-        st.fail_next_sync = false;
-        st.fail_next_dir_sync = false;
-        st.dir = st.dir_durable.clone();
-        let live: Vec<u64> = st.dir.values().copied().collect();
-        let mut kept = BTreeMap::new();
-        for id in live {
-            if kept.contains_key(&id) {
-                continue;
-            }
-            let Some(mut ino) = st.inodes.remove(&id) else {
-                continue;
-            };
-            assert!(
-                ino.volatile.starts_with(&ino.durable),
-                "durable bytes are a prefix of the volatile ones"
-            );
-            let mut bytes = std::mem::take(&mut ino.durable);
-            if st.torn_writes {
-                let tail = &ino.volatile[bytes.len()..];
-                let keep = st.below(tail.len() as u64 + 1) as usize;
-                bytes.extend_from_slice(&tail[..keep]);
-                if st.below(4) == 0 {
-                    let zeros = st.below((tail.len() - keep) as u64 + 1) as usize;
-                    bytes.resize(bytes.len() + zeros, 0);
-                }
-            }
-            kept.insert(
-                id,
-                Inode {
-                    durable: bytes.clone(),
-                    volatile: bytes,
-                },
-            );
-        }
-        st.inodes = kept;
-        drop(st);
+        self.state().crash();
         self.inner.resume.notify_all();
+    }
+
+    /// Power loss just before the `ops`-th next operation that changes the disk (0: the very
+    /// next one), counting file writes and syncs, creates, truncates, renames, removes and
+    /// directory syncs; that operation fails. `None` cancels. A test can so crash a writer at
+    /// every point of a sequence.
+    pub fn crash_at_op(&self, ops: Option<u64>) {
+        self.state().crash_at_op = ops;
+    }
+
+    /// Operations that changed the disk so far (what `crash_at_op` counts).
+    pub fn ops(&self) -> u64 {
+        let s = self.state().stats;
+        s.writes + s.syncs + s.dir_syncs + s.namespace_ops
     }
 
     /// The next write fails with EIO after writing a random prefix of its buffer.
@@ -257,13 +387,7 @@ impl CrashStorage {
         let mut st = self.state();
         let id = st.inode_next;
         st.inode_next += 1;
-        st.inodes.insert(
-            id,
-            Inode {
-                durable: bytes.clone(),
-                volatile: bytes,
-            },
-        );
+        st.inodes.insert(id, Inode::clean(bytes));
         st.dir.insert(name.to_owned(), id);
         st.dir_durable.insert(name.to_owned(), id);
     }
@@ -281,6 +405,19 @@ struct SimFile {
 }
 
 impl SimFile {
+    /// Locks the state for an operation that changes the disk (see `crash_at_op`).
+    fn begin_op(&self) -> io::Result<MutexGuard<'_, SimState>> {
+        let mut st = self.state()?;
+        match st.op() {
+            Ok(()) => Ok(st),
+            Err(e) => {
+                drop(st);
+                self.inner.resume.notify_all();
+                Err(e)
+            }
+        }
+    }
+
     fn state(&self) -> io::Result<MutexGuard<'_, SimState>> {
         let st = self
             .inner
@@ -293,11 +430,14 @@ impl SimFile {
             Ok(st)
         }
     }
-}
 
-impl StorageFile for SimFile {
-    fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
-        let mut st = self.state()?;
+    /// A write of `buf` at `at` (`None`: at the end), with the injected faults.
+    fn write(&mut self, at: Option<u64>, buf: &[u8]) -> io::Result<()> {
+        let mut st = self.begin_op()?;
+        let id = self.inode;
+        let len = st.inode(id).volatile.len();
+        let at = at.map_or(len, |a| usize::try_from(a).expect("offset fits in memory"));
+        assert!(at <= len, "a write may not leave a hole");
         st.stats.writes += 1;
         let mut n = buf.len();
         let mut err = None;
@@ -307,6 +447,8 @@ impl StorageFile for SimFile {
             n = st.below(buf.len() as u64 + 1) as usize;
             err = Some(eio("write"));
         }
+        // Every byte written takes space, overwrites included (as on a copy-on-write file
+        // system; ext4 or xfs would take none for an overwrite of written blocks).
         if let Some(left) = st.space_left_bytes {
             if (n as u64) > left {
                 n = left as usize;
@@ -315,12 +457,21 @@ impl StorageFile for SimFile {
             st.space_left_bytes = Some(left - n as u64);
         }
         st.stats.bytes_written += n as u64;
-        let id = self.inode;
-        st.inode(id).volatile.extend_from_slice(&buf[..n]);
+        st.inode(id).write(at, &buf[..n]);
         match err {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+impl StorageFile for SimFile {
+    fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
+        self.write(None, buf)
+    }
+
+    fn write_all_at(&mut self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        self.write(Some(offset), buf)
     }
 
     fn sync_data(&mut self) -> io::Result<()> {
@@ -334,6 +485,11 @@ impl StorageFile for SimFile {
             if st.epoch != self.epoch {
                 return Err(dead());
             }
+        }
+        if let Err(e) = st.op() {
+            drop(st);
+            self.inner.resume.notify_all();
+            return Err(e);
         }
         st.sync_inode(self.inode)
     }
@@ -360,7 +516,8 @@ impl Storage for CrashStorage {
         Ok(n)
     }
     fn create(&self, name: &str) -> io::Result<Box<dyn StorageFile>> {
-        let mut st = self.state();
+        let mut st = self.begin_op()?;
+        st.stats.namespace_ops += 1;
         let id = st.inode_next;
         st.inode_next += 1;
         st.inodes.insert(id, Inode::default());
@@ -372,34 +529,38 @@ impl Storage for CrashStorage {
         }))
     }
     fn truncate(&self, name: &str, len: u64) -> io::Result<()> {
-        let mut st = self.state();
+        let mut st = self.begin_op()?;
         let id = st.inode_of(name)?;
+        st.stats.namespace_ops += 1;
         let ino = st.inode(id);
         ino.volatile
             .resize(usize::try_from(len).unwrap_or(usize::MAX), 0);
         ino.durable = ino.volatile.clone();
+        ino.dirty = None;
         Ok(())
     }
     fn sync(&self, name: &str) -> io::Result<()> {
-        let mut st = self.state();
+        let mut st = self.begin_op()?;
         let id = st.inode_of(name)?;
         st.sync_inode(id)
     }
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
-        let mut st = self.state();
+        let mut st = self.begin_op()?;
+        st.stats.namespace_ops += 1;
         let id = st.dir.remove(from).ok_or_else(|| not_found(from))?;
         st.dir.insert(to.to_owned(), id);
         Ok(())
     }
     fn remove(&self, name: &str) -> io::Result<()> {
-        let mut st = self.state();
+        let mut st = self.begin_op()?;
+        st.stats.namespace_ops += 1;
         st.dir
             .remove(name)
             .map(|_| ())
             .ok_or_else(|| not_found(name))
     }
     fn sync_dir(&self) -> io::Result<()> {
-        let mut st = self.state();
+        let mut st = self.begin_op()?;
         st.stats.dir_syncs += 1;
         if st.fail_next_dir_sync {
             st.fail_next_dir_sync = false;
@@ -455,6 +616,98 @@ mod tests {
             assert!(b"456789".starts_with(&tail[..keep]), "seed {seed}: {got:?}");
             assert!(tail[keep..].iter().all(|b| *b == 0) && got.len() <= 10);
         }
+    }
+
+    /// A file holding "head" and 2044 zeros, all durable, with `fill` overwritten (unsynced)
+    /// over bytes 4..1504.
+    fn overwritten(s: &CrashStorage, fill: u8) -> Box<dyn StorageFile> {
+        let mut f = s.create("a").expect("create");
+        s.sync_dir().expect("dir sync");
+        f.write_all(b"head").expect("write");
+        f.write_all(&[0; 2044]).expect("zeros");
+        f.sync_data().expect("sync");
+        f.write_all_at(4, &[fill; 1500]).expect("overwrite");
+        f
+    }
+
+    #[test]
+    fn a_synced_overwrite_survives_and_an_unsynced_one_is_lost_or_torn_in_offset_order() {
+        let s = CrashStorage::new(3);
+        let mut f = overwritten(&s, 0xAA);
+        f.sync_data().expect("sync");
+        s.crash();
+        let got = s.file("a").expect("file");
+        assert!(got[4..1504].iter().all(|b| *b == 0xAA) && got.len() == 2048);
+
+        let s = CrashStorage::new(3);
+        s.set_torn_writes(false);
+        let _f = overwritten(&s, 0xAA);
+        s.crash();
+        let got = s.file("a").expect("file");
+        assert_eq!((&got[..4], got.len()), (&b"head"[..], 2048));
+        assert!(got[4..].iter().all(|b| *b == 0), "only the old bytes");
+
+        let mut partial = 0;
+        for seed in 0..50 {
+            let s = CrashStorage::new(seed);
+            let _f = overwritten(&s, 0xAA);
+            s.crash();
+            let got = s.file("a").expect("file");
+            assert_eq!(got.len(), 2048, "an overwrite does not change the size");
+            let new = got[4..].iter().take_while(|b| **b == 0xAA).count();
+            assert!(
+                got[4 + new..].iter().all(|b| *b == 0),
+                "seed {seed}: a prefix"
+            );
+            partial += u64::from(new > 0 && new < 1500);
+        }
+        assert!(partial > 10);
+    }
+
+    #[test]
+    fn reordered_writes_tear_by_sector_and_leave_holes() {
+        let mut holes = 0;
+        for seed in 0..50 {
+            let s = CrashStorage::new(seed);
+            s.set_reordered_writes(true);
+            let _f = overwritten(&s, 0xAA);
+            s.crash();
+            let got = s.file("a").expect("file");
+            assert_eq!(&got[..4], b"head");
+            // Sectors 0..512, 512..1024, 1024..1504 (the written part of each).
+            let sectors: Vec<bool> = [4..512, 512..1024, 1024..1504]
+                .into_iter()
+                .map(|r| {
+                    let new = got[r.clone()].iter().all(|b| *b == 0xAA);
+                    assert!(
+                        new || got[r].iter().all(|b| *b == 0),
+                        "seed {seed}: whole sectors"
+                    );
+                    new
+                })
+                .collect();
+            holes += u64::from(sectors.windows(2).any(|w| !w[0] && w[1]));
+        }
+        assert!(holes > 5, "{holes}");
+    }
+
+    #[test]
+    fn crash_at_op_fails_that_operation_and_loses_power() {
+        let s = CrashStorage::new(1);
+        s.set_torn_writes(false);
+        let mut f = s.create("a").expect("create");
+        s.sync_dir().expect("dir sync");
+        f.write_all(b"kept").expect("write");
+        f.sync_data().expect("sync");
+        let ops = s.ops();
+        s.crash_at_op(Some(1));
+        f.write_all(b" lost").expect("op 0 happens");
+        assert!(f.sync_data().is_err(), "op 1 does not");
+        assert_eq!(s.ops(), ops + 1);
+        assert_eq!(s.stats().crashes, 1);
+        assert_eq!(s.file("a").as_deref(), Some(&b"kept"[..]));
+        assert!(f.write_all(b"x").is_err(), "the writer died with the power");
+        assert!(s.create("b").is_ok(), "the next boot works");
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
+use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -15,7 +15,8 @@ use crate::LedgerError;
 /// A flat directory of files, as the ledger needs it and no more.
 ///
 /// Durability contract (the one `CrashStorage` simulates):
-/// * bytes written through a `StorageFile` survive a crash only after its `sync_data` returned Ok;
+/// * bytes written through a `StorageFile` survive a crash only after its `sync_data` returned Ok
+///   (until then, each written range may read back after a crash as its old or its new bytes);
 /// * `create`, `rename` and `remove` survive a crash only after `sync_dir` returned Ok;
 /// * `truncate` and `sync` are durable when they return Ok.
 ///
@@ -27,7 +28,7 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn file_len(&self, name: &str) -> io::Result<u64>;
     /// Reads up to `buf.len()` bytes at `offset`; returns how many were read (0 at the end).
     fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> io::Result<usize>;
-    /// Creates an empty file, replacing any file of that name, and opens it for appending.
+    /// Creates an empty file, replacing any file of that name, and opens it for writing.
     fn create(&self, name: &str) -> io::Result<Box<dyn StorageFile>>;
     /// Cuts a file to `len` bytes and makes the result durable (`ftruncate` + `fsync`).
     fn truncate(&self, name: &str, len: u64) -> io::Result<()>;
@@ -41,10 +42,15 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn sync_dir(&self) -> io::Result<()>;
 }
 
-/// A file opened for appending by `Storage::create`. It stays valid across a rename.
+/// A file opened for writing by `Storage::create`; the handle is the file's only writer. It
+/// stays valid across a rename.
 pub trait StorageFile: Send {
-    /// Appends all of `buf` (a failure may leave any prefix of it written).
+    /// Appends all of `buf` at the end of the file (a failure may leave any prefix of it written).
     fn write_all(&mut self, buf: &[u8]) -> io::Result<()>;
+    /// Writes all of `buf` at `offset` (`pwrite`): overwrites what is there and extends the file
+    /// if it runs past the end (`offset` must not be past the end). A failure may leave any prefix
+    /// of it written.
+    fn write_all_at(&mut self, offset: u64, buf: &[u8]) -> io::Result<()>;
     /// Makes everything written so far durable (`fdatasync`).
     fn sync_data(&mut self) -> io::Result<()>;
 }
@@ -141,11 +147,20 @@ impl FileStorage {
 
 struct RealFile {
     file: File,
+    /// End of the file as this handle (its only writer) wrote it: where `write_all` appends.
+    len: u64,
 }
 
 impl StorageFile for RealFile {
     fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
-        self.file.write_all(buf)
+        self.write_all_at(self.len, buf)
+    }
+    fn write_all_at(&mut self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        assert!(offset <= self.len, "a write may not leave a hole");
+        // pwrite: the file cursor is not used, so appends and overwrites can interleave.
+        FileExt::write_all_at(&self.file, buf, offset)?;
+        self.len = self.len.max(offset + buf.len() as u64);
+        Ok(())
     }
     fn sync_data(&mut self) -> io::Result<()> {
         self.file.sync_data()
@@ -182,7 +197,7 @@ impl Storage for FileStorage {
             .create(true)
             .truncate(true)
             .open(self.path(name))?;
-        Ok(Box::new(RealFile { file }))
+        Ok(Box::new(RealFile { file, len: 0 }))
     }
     fn truncate(&self, name: &str, len: u64) -> io::Result<()> {
         let file = OpenOptions::new().write(true).open(self.path(name))?;
@@ -219,6 +234,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 fn not_found(name: &str) -> io::Error {
     io::Error::new(io::ErrorKind::NotFound, format!("no file {name}"))
+}
+
+/// Writes `buf` at `offset` of `data`, growing it if needed (`offset` at most `data.len()`).
+pub(crate) fn write_at(data: &mut Vec<u8>, offset: u64, buf: &[u8]) {
+    let at = usize::try_from(offset).expect("offset fits in memory");
+    assert!(at <= data.len(), "a write may not leave a hole");
+    let end = at + buf.len();
+    if end > data.len() {
+        data.resize(end, 0);
+    }
+    data[at..end].copy_from_slice(buf);
 }
 
 impl MemStorage {
@@ -266,6 +292,10 @@ struct MemHandle {
 impl StorageFile for MemHandle {
     fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
         lock(&self.file).extend_from_slice(buf);
+        Ok(())
+    }
+    fn write_all_at(&mut self, offset: u64, buf: &[u8]) -> io::Result<()> {
+        write_at(&mut lock(&self.file), offset, buf);
         Ok(())
     }
     fn sync_data(&mut self) -> io::Result<()> {

@@ -4,19 +4,22 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use estop_ledger::format::{self, SEGMENT_HEADER_BYTES};
-use estop_ledger::{LedgerOptions, MemStorage, Storage, verify};
+use estop_ledger::{LedgerOptions, MemStorage, Preallocated, Storage, verify};
 
 use crate::common::*;
 
 const SEG1: &str = "seg-00000000000000000001.log";
 
 /// A ledger with records 1..=n in seg-1 (the last segment), and the offsets of its records.
+/// Written without preallocation, so the file ends with the last record (as every segment did
+/// before preallocation, and as every segment does once it is no longer written to).
 fn five_records(n: u64) -> (BTreeMap<String, Vec<u8>>, Vec<u64>) {
     let (m, s) = mem();
-    let c = open_ok(&s, LedgerOptions::default())
-        .ledger
-        .spawn(|_| {})
-        .expect("spawn");
+    let no_zeros = LedgerOptions {
+        preallocate_bytes: 0,
+        ..LedgerOptions::default()
+    };
+    let c = open_ok(&s, no_zeros).ledger.spawn(|_| {}).expect("spawn");
     append_n(&c, 1, n);
     drop(c);
     let offsets = positions(&*s).into_iter().map(|(seg, off, _)| {
@@ -77,16 +80,38 @@ fn torn_tail_at_every_byte_of_the_last_record() {
 }
 
 #[test]
-fn a_zero_filled_tail_is_torn() {
-    let (mut files, offsets) = five_records(5);
+fn a_zero_filled_tail_is_the_clean_end_and_is_cut() {
+    let (mut files, _) = five_records(5);
     let len = files[SEG1].len();
     files.get_mut(SEG1).expect("seg").resize(len + 4096, 0);
+    let (m, s) = storage_with(&files);
+    let v = verify(&*s);
+    assert!(v.is_ok() && v.torn_tail.is_none() && v.superseded.is_empty());
+    assert_eq!(v.segments[0].preallocated_bytes, 4096);
+    let o = open_ok(&s, LedgerOptions::default());
+    assert_eq!(o.records.len(), 5);
+    assert_eq!(o.report.torn_tail, None);
+    assert_eq!(
+        o.report.preallocated_cut,
+        vec![Preallocated {
+            segment: SEG1.to_owned(),
+            offset: len as u64,
+            bytes: 4096
+        }]
+    );
+    assert_eq!(m.files()[SEG1].len(), len);
+}
+
+#[test]
+fn fewer_zeros_than_a_record_header_are_a_torn_tail() {
+    let (mut files, _) = five_records(5);
+    let len = files[SEG1].len();
+    files.get_mut(SEG1).expect("seg").resize(len + 15, 0);
     let (m, s) = storage_with(&files);
     let o = open_ok(&s, LedgerOptions::default());
     assert_eq!(o.records.len(), 5);
     let t = o.report.torn_tail.expect("torn");
-    assert_eq!((t.offset, t.bytes_dropped), (len as u64, 4096));
-    assert!(offsets[4] < t.offset);
+    assert_eq!((t.offset, t.bytes_dropped), (len as u64, 15));
     assert_eq!(m.files()[SEG1].len(), len);
 }
 

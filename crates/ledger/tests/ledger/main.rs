@@ -1,5 +1,5 @@
 //! Integration tests of estop-ledger at its public boundary: round trips, torn tails, corruption,
-//! fail-closed recovery, group commit, snapshots, and a seeded randomized crash test.
+//! fail-closed recovery, group commit, snapshots, preallocation, and a seeded randomized crash test.
 
 mod basic;
 mod common;
@@ -7,4 +7,5 @@ mod concurrent;
 mod corruption;
 mod crash_fuzz;
 mod failure;
+mod prealloc;
 mod snapshots;
