@@ -79,6 +79,7 @@ fn inspect_into(
         limit: u64::MAX,
         skip_covered: false,
         deliver_from: 0,
+        batch_bytes_max: crate::LedgerOptions::default().buffer_bytes_max as u64,
     };
     let mut count = 0u64;
     let mut first = None;

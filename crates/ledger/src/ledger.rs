@@ -262,6 +262,7 @@ impl Ledger {
             limit,
             skip_covered: true,
             deliver_from: snapshot_seq + 1,
+            batch_bytes_max: options.buffer_bytes_max as u64,
         };
         let out = walk
             .run(|_, _, seq, payload| on_record(seq, payload).map_err(|e| replay_error(seq, e)))?;

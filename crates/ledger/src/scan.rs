@@ -262,6 +262,41 @@ fn find_valid_after(
     Ok(None)
 }
 
+/// Size of the sectors a disk writes atomically (the unit in which a power loss can leave some
+/// of an unsynced write persisted and some not).
+pub(crate) const SECTOR_BYTES: usize = 512;
+
+/// Whether the bad record at `from`, followed by a valid one at `valid_at`, is what a power loss
+/// leaves of the last batch when its sectors were persisted out of order: an aligned sector
+/// between them (from `from` on, for the first one) holds only zeros — it was never written
+/// (preallocated zeros, or past the old end of the file) — and every non-zero byte of the file
+/// from `from` on fits in one batch
+/// (`batch_bytes_max`). A batch is written only after the one before it was synced, so bytes
+/// after such a hole belong to the batch whose sync never returned: none was acknowledged.
+fn unsynced_batch_hole(
+    storage: &dyn Storage,
+    name: &str,
+    from: u64,
+    valid_at: u64,
+    batch_bytes_max: u64,
+) -> Result<bool, LedgerError> {
+    let data = storage::read_file(storage, name).map_err(|e| LedgerError::io("read", name, e))?;
+    let (from, valid_at) = (from as usize, (valid_at as usize).min(data.len()));
+    let Some(last_nonzero) = data.iter().rposition(|&b| b != 0) else {
+        return Ok(false);
+    };
+    if (last_nonzero.saturating_sub(from) as u64) >= batch_bytes_max {
+        return Ok(false);
+    }
+    // The batch starts at `from`, maybe inside a sector it shares with the last synced record:
+    // that sector counts from `from` on (its start is durable data).
+    let first_sector = from / SECTOR_BYTES * SECTOR_BYTES;
+    Ok((first_sector..valid_at)
+        .step_by(SECTOR_BYTES)
+        .take_while(|s| s + SECTOR_BYTES <= valid_at)
+        .any(|s| data[s.max(from)..s + SECTOR_BYTES].iter().all(|&b| b == 0)))
+}
+
 /// A torn write at the end of the log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TornTail {
@@ -322,6 +357,9 @@ pub(crate) struct Walk<'a> {
     pub skip_covered: bool,
     /// Records with seq `>= deliver_from` go to the callback.
     pub deliver_from: u64,
+    /// The largest batch the writer could have had in flight (`buffer_bytes_max`): a hole in
+    /// the last segment's final batch is a torn tail only within this many bytes of its end.
+    pub batch_bytes_max: u64,
 }
 
 #[derive(Debug, Default)]
@@ -466,10 +504,26 @@ impl Walk<'_> {
                         };
                         return Err(LedgerError::corrupt(&seg.name, offset, why));
                     }
-                    Next::Bad { offset, reason } if open_ended => {
+                    Next::Bad { offset, mut reason } if open_ended => {
                         if let Some((o, s)) =
                             find_valid_after(self.storage, &seg.name, offset, next)?
                         {
+                            if unsynced_batch_hole(
+                                self.storage,
+                                &seg.name,
+                                offset,
+                                o,
+                                self.batch_bytes_max,
+                            )? {
+                                reason = "a batch torn by a power loss: a sector of it was never written (a hole before later records of the same, unacknowledged batch)";
+                                out.torn_tail = Some(TornTail {
+                                    segment: seg.name.clone(),
+                                    offset,
+                                    bytes_dropped: reader.file_len() - offset,
+                                    reason,
+                                });
+                                break;
+                            }
                             return Err(LedgerError::corrupt(
                                 &seg.name,
                                 offset,
