@@ -608,6 +608,7 @@ fn ledger(cmd: LedgerCmd) -> Result<u8> {
     match cmd {
         LedgerCmd::Verify { .. } => {
             let r = estop_ledger::verify(&storage);
+            let preallocated: u64 = r.segments.iter().map(|s| s.preallocated_bytes).sum();
             let out = json!({
                 "ok": r.is_ok(),
                 "segments": r.segments.len(),
@@ -615,7 +616,8 @@ fn ledger(cmd: LedgerCmd) -> Result<u8> {
                 "first_seq": r.first_seq,
                 "last_seq": r.last_seq,
                 "snapshot_seq": r.snapshot.as_ref().map(|s| s.seq),
-                "torn_tail": r.torn_tail.as_ref().map(|t| json!({"segment": t.segment, "offset": t.offset, "bytes": t.bytes_dropped})),
+                "torn_tail": r.torn_tail.as_ref().map(|t| json!({"segment": t.segment, "offset": t.offset, "bytes": t.bytes_dropped, "reason": t.reason})),
+                "preallocated_bytes": preallocated,
                 "error": r.error.as_ref().map(ToString::to_string),
             });
             if json_out {
@@ -631,10 +633,13 @@ fn ledger(cmd: LedgerCmd) -> Result<u8> {
                 if let Some(s) = &r.snapshot {
                     println!("snapshot at seq {}", s.seq);
                 }
+                if preallocated > 0 {
+                    println!("preallocated zeros after the last record: {preallocated} bytes");
+                }
                 if let Some(t) = &r.torn_tail {
                     println!(
-                        "torn tail: {} bytes at {} offset {} (a restart truncates it)",
-                        t.bytes_dropped, t.segment, t.offset
+                        "torn tail: {} bytes at {} offset {}: {} (a restart truncates it)",
+                        t.bytes_dropped, t.segment, t.offset, t.reason
                     );
                 }
                 match &r.error {
