@@ -102,6 +102,7 @@ async fn one_connection<S: AsyncRead + AsyncWrite>(
     let mut lat = Vec::with_capacity(per);
     let mut errors = 0;
     let mut req = Vec::with_capacity(256);
+    let run_effects_max = estop_kernel::Limits::default().effects_per_run_max;
     for i in 0..per {
         use std::io::Write;
         req.clear();
@@ -109,7 +110,10 @@ async fn one_connection<S: AsyncRead + AsyncWrite>(
         let run = if opts.mix == Mix::HalfHeld {
             format!("{}-{c}-{i}", opts.tag)
         } else {
-            format!("{}-{c}", opts.tag)
+            // One run per connection, continued in a fresh one at the kernel's bound on a run's
+            // effects (so a long single-connection run measures admissions, not refusals).
+            let part = i / run_effects_max;
+            format!("{}-{c}-{part}", opts.tag)
         };
         match opts.protocol {
             Protocol::Native => {
