@@ -38,11 +38,11 @@ pub fn open(
         },
         |_seq, bytes| -> Result<(), String> {
             let rec = decode_record(bytes).map_err(|e| e.to_string())?;
-            let applied = gate
+            let changed = gate
                 .borrow_mut()
-                .apply(rec.at, &rec.principal, &rec.command)
+                .replay(rec.at, &rec.principal, &rec.command)
                 .map_err(|e| format!("the recorded command no longer applies: {e}"))?;
-            if !applied.changed {
+            if !changed {
                 return Err("the recorded command changed nothing on replay".into());
             }
             Ok(())
