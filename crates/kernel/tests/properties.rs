@@ -4,7 +4,7 @@
 
 mod support;
 
-use estop_kernel::codec::encode_snapshot;
+use estop_kernel::codec::{RecordDecoder, decode_record, encode_record, encode_snapshot};
 use estop_kernel::state::Status;
 use estop_kernel::vocab::{EffectClass, HoldReason, PolicyAction, RefusalReason, RunState};
 use estop_kernel::{Command, Gate, Limits, RunId};
@@ -143,6 +143,27 @@ proptest! {
             prop_assert!(replayed.replay(rec.at, &rec.principal, &rec.command).unwrap());
         }
         prop_assert_eq!(replayed, gate);
+    }
+
+    /// Decoding a ledger's records in order, sharing what repeats, gives exactly what decoding
+    /// each alone gives, for damaged records (their errors) as well.
+    #[test]
+    fn record_decoder_matches_decode_record(
+        ops in prop::collection::vec((op(), 0u64..30, prop::option::of((any::<prop::sample::Index>(), any::<u8>()))), 1..60),
+    ) {
+        let mut decoder = RecordDecoder::default();
+        let mut now = 0u64;
+        for (line, dt, damage) in &ops {
+            now += dt;
+            let rec = parse_line(&format!("{now} {line}"), None);
+            let mut buf = Vec::new();
+            encode_record(&rec, &mut buf);
+            if let Some((at, byte)) = damage {
+                let at = at.index(buf.len());
+                buf[at] = *byte;
+            }
+            prop_assert_eq!(decoder.decode(&buf), decode_record(&buf), "{}", line);
+        }
     }
 
     /// `replay` is `apply` without events: for every command, recorded or not, it gives the

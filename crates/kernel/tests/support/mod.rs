@@ -4,7 +4,9 @@
 
 #![allow(dead_code)]
 
-use estop_kernel::codec::{decode_record, decode_snapshot, encode_record, encode_snapshot};
+use estop_kernel::codec::{
+    RecordDecoder, decode_record, decode_snapshot, encode_record, encode_snapshot,
+};
 use estop_kernel::reply::{DecideStatus, Reply, Verdict};
 use estop_kernel::state::Status;
 use estop_kernel::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
@@ -350,8 +352,10 @@ pub fn run_script(script: &str) -> String {
     // Replay: the recorded commands alone, through `replay` (no events), rebuild the state that
     // `apply` built, down to the snapshot bytes.
     let mut replayed = Gate::new(gate.limits().clone());
+    let mut decoder = RecordDecoder::default();
     for buf in &log {
-        let rec = decode_record(buf).unwrap();
+        let rec = decoder.decode(buf).unwrap();
+        assert_eq!(Ok(&rec), decode_record(buf).as_ref(), "decoders differ");
         let changed = replayed
             .replay(rec.at, &rec.principal, &rec.command)
             .expect("a recorded command applies on replay");
