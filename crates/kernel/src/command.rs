@@ -20,7 +20,7 @@ pub struct PolicyDecision {
     pub groups: Vec<Box<str>>,
     pub expiry_ms: u64,
     /// The name of the rule that matched (or `unknown_tool`).
-    pub rule: Box<str>,
+    pub rule: std::sync::Arc<str>,
 }
 
 /// Per-run limits fixed when the run is created.

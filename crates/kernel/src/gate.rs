@@ -1,5 +1,6 @@
-//! The transition function: `Gate::apply(now, principal, command)`. Every check happens before
-//! any mutation, so a command that returns an error has changed nothing.
+//! The transition function: `Gate::apply(now, principal, command)` (and `Gate::replay`, the same
+//! transition without events, for recovery). Every check happens before any mutation, so a
+//! command that returns an error has changed nothing.
 
 use crate::command::{Admit, Command, PolicyDecision, Token};
 use crate::ids::Role;
@@ -63,6 +64,18 @@ fn terminal_state(cause: StopCause) -> RunState {
         StopCause::Failed => RunState::Failed,
         StopCause::Cancelled | StopCause::Killed | StopCause::Deadline | StopCause::Budget => {
             RunState::Cancelled
+        }
+    }
+}
+
+/// Where a command's events go: the caller's `Vec` (`apply`), or nowhere (`replay`). An event
+/// is built by a closure only when it is kept, so replay clones no ids for them.
+struct Sink<'a>(Option<&'a mut Vec<Event>>);
+
+impl Sink<'_> {
+    fn push(&mut self, event: impl FnOnce() -> Event) {
+        if let Some(events) = &mut self.0 {
+            events.push(event());
         }
     }
 }
@@ -216,50 +229,7 @@ impl Gate {
         cmd: &Command,
     ) -> Result<Applied, KernelError> {
         let mut events = Vec::new();
-        let (reply, changed) = match cmd {
-            Command::Admit(a) => self.admit(now, principal, a, &mut events)?,
-            Command::Recheck { run, key } => {
-                self.visible_run(principal, run)?;
-                self.existing(now, run, key, &mut events)?
-            }
-            Command::Start { run, key, token } => {
-                self.start(now, principal, run, key, *token, &mut events)?
-            }
-            Command::Complete {
-                run,
-                key,
-                token,
-                outcome,
-                result,
-                error,
-            } => self.complete(
-                now,
-                principal,
-                run,
-                key,
-                *token,
-                *outcome,
-                result,
-                error,
-                &mut events,
-            )?,
-            Command::Decide {
-                run,
-                key,
-                decision,
-                reason,
-            } => self.decide(now, principal, run, key, *decision, reason, &mut events)?,
-            Command::Cancel { run, reason, kill } => {
-                self.cancel(now, principal, run, reason, *kill, &mut events)?
-            }
-            Command::Pause { run } => self.pause(principal, run, true, &mut events)?,
-            Command::Resume { run } => self.pause(principal, run, false, &mut events)?,
-            Command::Close { run, failed } => {
-                self.close(now, principal, run, *failed, &mut events)?
-            }
-            Command::Tick { run } => self.tick(now, run, &mut events)?,
-            Command::Compact { before } => self.compact(*before)?,
-        };
+        let (reply, changed) = self.step(now, principal, cmd, &mut Sink(Some(&mut events)))?;
         debug_assert!(
             changed || events.is_empty(),
             "events without a change: {events:?}"
@@ -271,6 +241,60 @@ impl Gate {
         })
     }
 
+    /// `apply` for recovery: the same transition to the same state, but no events are built
+    /// (nobody is subscribed yet), so replay allocates neither their `Vec` nor their ids.
+    /// Returns whether the command changed the state.
+    pub fn replay(
+        &mut self,
+        now: u64,
+        principal: &Principal,
+        cmd: &Command,
+    ) -> Result<bool, KernelError> {
+        let (_, changed) = self.step(now, principal, cmd, &mut Sink(None))?;
+        Ok(changed)
+    }
+
+    fn step(
+        &mut self,
+        now: u64,
+        principal: &Principal,
+        cmd: &Command,
+        ev: &mut Sink,
+    ) -> Result<(Reply, bool), KernelError> {
+        match cmd {
+            Command::Admit(a) => self.admit(now, principal, a, ev),
+            Command::Recheck { run, key } => {
+                self.visible_run(principal, run)?;
+                self.existing(now, run, key, ev)
+            }
+            Command::Start { run, key, token } => self.start(now, principal, run, key, *token, ev),
+            Command::Complete {
+                run,
+                key,
+                token,
+                outcome,
+                result,
+                error,
+            } => self.complete(
+                now, principal, run, key, *token, *outcome, result, error, ev,
+            ),
+            Command::Decide {
+                run,
+                key,
+                decision,
+                reason,
+            } => self.decide(now, principal, run, key, *decision, reason, ev),
+            Command::Cancel { run, reason, kill } => {
+                self.cancel(now, principal, run, reason, *kill, ev)
+            }
+            Command::Pause { run } => self.pause(principal, run, true, ev),
+            Command::Resume { run } => self.pause(principal, run, false, ev),
+            Command::Close { run, failed } => self.close(now, principal, run, *failed, ev),
+            Command::Tick { run } => self.tick(now, run, ev),
+            Command::Compact { before } => self.compact(*before),
+        }
+    }
+
     // ---------------------------------------------------------------- admit
 
     fn admit(
@@ -278,7 +302,7 @@ impl Gate {
         now: u64,
         p: &Principal,
         a: &Admit,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         bounded(&a.args, self.limits.args_bytes_max, "args_bytes_max")?;
         let mut adopted = false;
@@ -371,7 +395,7 @@ impl Gate {
             let token = run.issue_token(effect.start_on_admit);
             effect.take_token(token, now);
             run.effects.insert(a.key.clone(), effect);
-            ev.push(event(&a.run, Some(&a.key), EventKind::Admitted));
+            ev.push(|| event(&a.run, Some(&a.key), EventKind::Admitted));
             return Ok((Reply::Verdict(Verdict::Admitted { token }), true));
         }
         run.effects.insert(a.key.clone(), effect);
@@ -387,7 +411,7 @@ impl Gate {
         p: &Principal,
         run_id: &RunId,
         parent: &RunId,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> Result<(), KernelError> {
         let mismatch = || KernelError::ParentMismatch {
             run: run_id.clone(),
@@ -597,7 +621,7 @@ impl Gate {
         run_id: &RunId,
         key: &EffectKey,
         plan: Plan,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> Verdict {
         match plan {
             Plan::Fenced(reason) | Plan::Refuse(reason) => {
@@ -622,7 +646,7 @@ impl Gate {
                 let e = self.effect_mut(run_id, key);
                 e.status = Status::Held(reason);
                 e.updated_at = now;
-                ev.push(event(run_id, Some(key), EventKind::Held));
+                ev.push(|| event(run_id, Some(key), EventKind::Held));
                 Verdict::Held {
                     reason,
                     approval: None,
@@ -650,7 +674,7 @@ impl Gate {
                 if let Some(run) = self.runs.get_mut(run_id) {
                     run.expiries.insert((expires_at, key.clone()));
                 }
-                ev.push(event(run_id, Some(key), EventKind::Held));
+                ev.push(|| event(run_id, Some(key), EventKind::Held));
                 Verdict::Held {
                     reason: HoldReason::Approval,
                     approval: Some(id),
@@ -669,7 +693,7 @@ impl Gate {
                 let token = run.issue_token(start);
                 let e = run.effects.get_mut(key).expect("planned effect exists");
                 e.take_token(token, now);
-                ev.push(event(run_id, Some(key), EventKind::Admitted));
+                ev.push(|| event(run_id, Some(key), EventKind::Admitted));
                 Verdict::Admitted { token }
             }
         }
@@ -706,7 +730,7 @@ impl Gate {
         now: u64,
         run_id: &RunId,
         key: &EffectKey,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         let run = self
             .runs
@@ -828,9 +852,9 @@ impl Gate {
         }
     }
 
-    fn expire(&mut self, now: u64, run_id: &RunId, key: &EffectKey, ev: &mut Vec<Event>) {
+    fn expire(&mut self, now: u64, run_id: &RunId, key: &EffectKey, ev: &mut Sink) {
         self.refuse_effect(now, run_id, key, RefusalReason::Expired);
-        ev.push(event(run_id, Some(key), EventKind::Expired));
+        ev.push(|| event(run_id, Some(key), EventKind::Expired));
     }
 
     // ---------------------------------------------------------------- start / complete
@@ -842,7 +866,7 @@ impl Gate {
         run_id: &RunId,
         key: &EffectKey,
         token: Token,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         let run = self.visible_run(p, run_id)?;
         let effect = run
@@ -920,7 +944,7 @@ impl Gate {
         outcome: Outcome,
         result: &Option<Box<str>>,
         error: &Option<Box<str>>,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         let result_bytes_max = self.limits.result_bytes_max;
         // One lookup: every check below reads through the same borrow before anything changes.
@@ -964,7 +988,7 @@ impl Gate {
                 effect.outcome = (result.is_some() || error.is_some()).then(record);
                 effect.late |= late;
                 effect.updated_at = now;
-                ev.push(event(run_id, Some(key), EventKind::Completed));
+                ev.push(|| event(run_id, Some(key), EventKind::Completed));
                 Self::settle_run(run_id, run, ev);
                 Ok((Reply::Completed { late }, true))
             }
@@ -988,7 +1012,7 @@ impl Gate {
                 effect.outcome = Some(record());
                 effect.late = true;
                 effect.updated_at = now;
-                ev.push(event(run_id, Some(key), EventKind::Completed));
+                ev.push(|| event(run_id, Some(key), EventKind::Completed));
                 Ok((Reply::Completed { late: true }, true))
             }
             _ => Err(KernelError::NotStarted {
@@ -999,7 +1023,7 @@ impl Gate {
     }
 
     /// A stopped run whose last in-flight effect settled reaches its terminal state.
-    fn settle_run(run_id: &RunId, run: &mut Run, ev: &mut Vec<Event>) {
+    fn settle_run(run_id: &RunId, run: &mut Run, ev: &mut Sink) {
         if run.state == RunState::Finalizing && run.in_flight == 0 {
             let to = terminal_state(
                 run.stop
@@ -1009,7 +1033,7 @@ impl Gate {
             );
             assert!(run_legal(run.state, to));
             run.state = to;
-            ev.push(event(run_id, None, EventKind::Settled));
+            ev.push(|| event(run_id, None, EventKind::Settled));
         }
     }
 
@@ -1024,7 +1048,7 @@ impl Gate {
         key: &EffectKey,
         decision: Decision,
         reason: &Option<Box<str>>,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         if p.role != Role::Operator {
             return Err(KernelError::Forbidden);
@@ -1075,7 +1099,7 @@ impl Gate {
                     .expect("approval");
                 a.rejected_by = Some(p.name.clone());
                 a.reason = reason.clone();
-                ev.push(event(run_id, Some(key), EventKind::Decided));
+                ev.push(|| event(run_id, Some(key), EventKind::Decided));
                 Ok((Reply::Decided(DecideStatus::Rejected), true))
             }
             Decision::Approve => {
@@ -1110,7 +1134,7 @@ impl Gate {
                 let e = run.effects.get_mut(key).expect("effect exists");
                 e.approval = Some(Box::new(next));
                 e.updated_at = now;
-                ev.push(event(run_id, Some(key), EventKind::Decided));
+                ev.push(|| event(run_id, Some(key), EventKind::Decided));
                 if satisfied {
                     e.status = Status::Approved;
                     run.pending_approvals -= 1;
@@ -1138,7 +1162,7 @@ impl Gate {
         run_id: &RunId,
         reason: &Option<Box<str>>,
         kill: bool,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         if kill && p.role != Role::Operator {
             return Err(KernelError::Forbidden);
@@ -1177,7 +1201,7 @@ impl Gate {
         cause: StopCause,
         reason: Option<Box<str>>,
         p: &Principal,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> (Reply, bool) {
         let run = &self.runs[run_id];
         if run.stop.is_some() {
@@ -1201,7 +1225,7 @@ impl Gate {
         p: &Principal,
         run_id: &RunId,
         failed: bool,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         self.visible_run(p, run_id)?;
         let cause = if failed {
@@ -1222,7 +1246,7 @@ impl Gate {
         cause: StopCause,
         reason: Option<Box<str>>,
         by: Option<&Principal>,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> u32 {
         let refusal = cause.refusal();
         let mut changed = 0;
@@ -1263,14 +1287,14 @@ impl Gate {
                 StopCause::Closed | StopCause::Failed => EventKind::Closed,
                 _ => EventKind::Cancelled,
             };
-            ev.push(Event {
+            ev.push(|| Event {
                 run: id.clone(),
                 key: None,
                 kind,
                 detail: Some(cause.as_str()),
             });
             if to == RunState::Finalizing {
-                ev.push(Event {
+                ev.push(|| Event {
                     run: id.clone(),
                     key: None,
                     kind: EventKind::Finalizing,
@@ -1286,7 +1310,7 @@ impl Gate {
         p: &Principal,
         run_id: &RunId,
         pause: bool,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         if p.role != Role::Operator {
             return Err(KernelError::Forbidden);
@@ -1317,15 +1341,12 @@ impl Gate {
         };
         assert!(run_legal(from, to));
         self.runs.get_mut(run_id).expect("run exists").state = to;
-        ev.push(event(
-            run_id,
-            None,
-            if pause {
-                EventKind::Paused
-            } else {
-                EventKind::Resumed
-            },
-        ));
+        let kind = if pause {
+            EventKind::Paused
+        } else {
+            EventKind::Resumed
+        };
+        ev.push(|| event(run_id, None, kind));
         Ok((
             Reply::RunState {
                 state: to,
@@ -1339,7 +1360,7 @@ impl Gate {
         &mut self,
         now: u64,
         run_id: &RunId,
-        ev: &mut Vec<Event>,
+        ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         let run = self
             .runs

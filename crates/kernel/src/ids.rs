@@ -95,8 +95,9 @@ name_type!(
     ToolName, "tool name", std::sync::Arc<str>
 );
 name_type!(
-    /// The name of a token holder (an approver is a principal).
-    PrincipalName, "principal name"
+    /// The name of a token holder (an approver is a principal). Shared (`Arc`): every run a
+    /// principal owns, and every record replay decodes for it, point at one copy of the name.
+    PrincipalName, "principal name", std::sync::Arc<str>
 );
 
 /// SHA-256 of the canonical JSON (RFC 8785) of `{tool, args}`.

@@ -200,7 +200,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Policy, PolicyError> {
     let mut rules: Vec<Rule> = Vec::with_capacity(raw.rules.len());
     // Lookups only (never iterated), so a HashMap keeps loading linear without costing
     // determinism. Both map to the index of the earlier rule.
-    let mut names: HashMap<String, usize> = HashMap::new();
+    let mut names: HashMap<std::sync::Arc<str>, usize> = HashMap::new();
     let mut unconditional_tools: HashMap<Box<str>, usize> = HashMap::new();
     let mut catch_all: Option<usize> = None;
     for (index, spanned) in raw.rules.into_iter().enumerate() {
@@ -395,7 +395,7 @@ fn build_rule(
         }
     };
     Ok(Rule {
-        name,
+        name: name.into(),
         name_span,
         tool_text: raw.tool.get_ref().as_str().into(),
         tool_span,

@@ -106,7 +106,8 @@ impl Defaults {
 /// One compiled rule.
 #[derive(Debug)]
 struct Rule {
-    name: String,
+    /// Shared with every verdict the rule gives (one copy of the name, no allocation per call).
+    name: Arc<str>,
     name_span: std::ops::Range<usize>,
     tool_text: Box<str>,
     tool_span: std::ops::Range<usize>,
@@ -160,7 +161,7 @@ pub struct Verdict {
     /// allow it is the default expiry, used if the agent strengthens the verdict).
     pub expiry_ms: u64,
     /// The deciding rule's name, or [`RULE_UNKNOWN_TOOL`] / [`RULE_DEFAULT`].
-    pub rule: String,
+    pub rule: Arc<str>,
     /// Whether a rule matched (false for [`RULE_UNKNOWN_TOOL`] and [`RULE_DEFAULT`]).
     pub matched: bool,
     /// Whether any rule whose glob matches this tool has a `when` (so a digest-only admit of
@@ -196,7 +197,7 @@ impl From<Verdict> for PolicyDecision {
             quorum: v.quorum,
             groups: v.groups.into_iter().map(String::into_boxed_str).collect(),
             expiry_ms: v.expiry_ms,
-            rule: v.rule.into_boxed_str(),
+            rule: v.rule,
         }
     }
 }
@@ -259,7 +260,7 @@ impl Policy {
             } else {
                 RULE_UNKNOWN_TOOL
             }
-            .to_string(),
+            .into(),
             matched: false,
             conditional: false,
             strengthened: false,
@@ -355,11 +356,11 @@ impl Policy {
             let Some(args) = args else {
                 return Err(EvalError::ArgsRequired {
                     tool: name.to_string(),
-                    rule: rule.name.clone(),
+                    rule: rule.name.to_string(),
                 });
             };
             let failed = |message: String| EvalError::WhenFailed {
-                rule: rule.name.clone(),
+                rule: rule.name.to_string(),
                 message,
             };
             let ctx = match &scope {
@@ -389,7 +390,7 @@ impl Policy {
             if args.is_none() {
                 return Err(EvalError::ArgsRequired {
                     tool: name.to_string(),
-                    rule: later.name.clone(),
+                    rule: later.name.to_string(),
                 });
             }
             conditional = true;

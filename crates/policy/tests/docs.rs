@@ -52,7 +52,7 @@ fn the_complete_example_decides_as_documented() {
     assert_eq!(eval("drop_table", json!({})).action, PolicyAction::Deny);
     let v = eval("send_email", json!({}));
     assert_eq!(
-        (v.action, v.quorum, v.rule.as_str()),
+        (v.action, v.quorum, &*v.rule),
         (PolicyAction::Approve, 1, "unknown_tool")
     );
 }

@@ -118,10 +118,7 @@ fn unknown_tools_get_the_default_action_as_writes() {
             Reversibility::Undeclared
         )
     );
-    assert_eq!(
-        (v.rule.as_str(), v.matched, v.quorum),
-        ("unknown_tool", false, 2)
-    );
+    assert_eq!((&*v.rule, v.matched, v.quorum), ("unknown_tool", false, 2));
     // defaults.class applies to rules that do not say.
     assert_eq!(eval(&p, "a", json!({})).unwrap().class, EffectClass::Read);
 
@@ -141,7 +138,7 @@ fn default_and_allow_all() {
         (v.action, v.quorum, v.expiry_ms),
         (PolicyAction::Approve, 1, 15 * 60 * 1000)
     );
-    assert_eq!((v.rule.as_str(), v.matched), ("default", false));
+    assert_eq!((&*v.rule, v.matched), ("default", false));
 
     let v = Policy::allow_all()
         .evaluate(&tool("anything"), None, "agent")
@@ -299,7 +296,7 @@ fn a_false_condition_falls_through() {
     let p = Policy::parse(REFUNDS).unwrap();
     let v = eval(&p, "refund", json!({"amount": 100})).unwrap();
     assert_eq!(
-        (v.action, v.rule.as_str(), v.conditional),
+        (v.action, &*v.rule, v.conditional),
         (PolicyAction::Allow, "rule 3", true)
     );
 }
@@ -325,7 +322,7 @@ fn digest_only_admits_of_conditional_tools_are_refused() {
         PolicyAction::Deny
     );
     assert_eq!(
-        p.evaluate(&tool("other"), None, "agent").unwrap().rule,
+        &*p.evaluate(&tool("other"), None, "agent").unwrap().rule,
         "unknown_tool"
     );
 }
@@ -345,7 +342,7 @@ fn a_conditional_rule_after_the_match_still_requires_args() {
     );
     let v = eval(&p, "refund", json!({"amount": 5})).unwrap();
     assert_eq!(
-        (v.action, v.rule.as_str(), v.conditional),
+        (v.action, &*v.rule, v.conditional),
         (PolicyAction::Approve, "rule 1", true)
     );
     // A later conditional rule for another tool does not matter.
@@ -433,7 +430,7 @@ fn strengthening_turns_allow_into_approve_and_never_weakens() {
         (PolicyAction::Approve, 1, 20 * 60 * 1000, true)
     );
     assert!(v.groups.is_empty());
-    assert_eq!(v.rule, "rule 1", "the deciding rule is kept");
+    assert_eq!(&*v.rule, "rule 1", "the deciding rule is kept");
 
     let mut v = eval(&p, "refund", json!({"amount": 500})).unwrap();
     let before = v.clone();
@@ -455,7 +452,12 @@ fn evaluation_is_deterministic_and_shareable() {
     let handles: Vec<_> = (0..4)
         .map(|i| {
             let p = std::sync::Arc::clone(&p);
-            std::thread::spawn(move || eval(&p, "refund", json!({"amount": 99 + i})).unwrap().rule)
+            std::thread::spawn(move || {
+                eval(&p, "refund", json!({"amount": 99 + i}))
+                    .unwrap()
+                    .rule
+                    .to_string()
+            })
         })
         .collect();
     let rules: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();

@@ -1,7 +1,7 @@
 //! The gate's ledger: recovery into a `Gate` (snapshot + replay through the kernel) and the
 //! committer the core appends records to.
 
-use estop_kernel::codec::{decode_record, decode_snapshot};
+use estop_kernel::codec::{RecordDecoder, decode_snapshot};
 use estop_kernel::{Gate, Limits};
 use estop_ledger::{Committer, Ledger, LedgerError, LedgerOptions, RecoveryReport, Storage};
 use std::sync::Arc;
@@ -28,6 +28,7 @@ pub fn open(
     options: LedgerOptions,
 ) -> Result<Opened, JournalError> {
     let gate = std::cell::RefCell::new(Gate::new(limits.clone()));
+    let mut decoder = RecordDecoder::default();
     let recovered = Ledger::open(
         storage,
         options,
@@ -37,12 +38,12 @@ pub fn open(
             Ok(())
         },
         |_seq, bytes| -> Result<(), String> {
-            let rec = decode_record(bytes).map_err(|e| e.to_string())?;
-            let applied = gate
+            let rec = decoder.decode(bytes).map_err(|e| e.to_string())?;
+            let changed = gate
                 .borrow_mut()
-                .apply(rec.at, &rec.principal, &rec.command)
+                .replay(rec.at, &rec.principal, &rec.command)
                 .map_err(|e| format!("the recorded command no longer applies: {e}"))?;
-            if !applied.changed {
+            if !changed {
                 return Err("the recorded command changed nothing on replay".into());
             }
             Ok(())

@@ -4,7 +4,9 @@
 
 #![allow(dead_code)]
 
-use estop_kernel::codec::{decode_record, decode_snapshot, encode_record, encode_snapshot};
+use estop_kernel::codec::{
+    RecordDecoder, decode_record, decode_snapshot, encode_record, encode_snapshot,
+};
 use estop_kernel::reply::{DecideStatus, Reply, Verdict};
 use estop_kernel::state::Status;
 use estop_kernel::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
@@ -347,21 +349,27 @@ pub fn run_script(script: &str) -> String {
             }
         }
     }
-    // Replay: the recorded commands alone rebuild the same state.
+    // Replay: the recorded commands alone, through `replay` (no events), rebuild the state that
+    // `apply` built, down to the snapshot bytes.
     let mut replayed = Gate::new(gate.limits().clone());
+    let mut decoder = RecordDecoder::default();
     for buf in &log {
-        let rec = decode_record(buf).unwrap();
-        let applied = replayed
-            .apply(rec.at, &rec.principal, &rec.command)
+        let rec = decoder.decode(buf).unwrap();
+        assert_eq!(Ok(&rec), decode_record(buf).as_ref(), "decoders differ");
+        let changed = replayed
+            .replay(rec.at, &rec.principal, &rec.command)
             .expect("a recorded command applies on replay");
-        assert!(
-            applied.changed,
-            "a recorded command changed nothing on replay"
-        );
+        assert!(changed, "a recorded command changed nothing on replay");
     }
     assert_eq!(replayed, gate, "replay diverged");
     let mut snap = Vec::new();
     encode_snapshot(&gate, &mut snap);
+    let mut replayed_snap = Vec::new();
+    encode_snapshot(&replayed, &mut replayed_snap);
+    assert!(
+        snap == replayed_snap,
+        "replay diverged in the snapshot bytes"
+    );
     assert_eq!(
         decode_snapshot(&snap, gate.limits().clone()).as_ref(),
         Ok(&gate),
