@@ -30,7 +30,7 @@
 //! let refund = ToolName::new("refund").unwrap();
 //!
 //! let mut verdict = policy.evaluate(&refund, Some(&json!({"amount": 150.5})), "agent")?;
-//! assert_eq!((verdict.action, verdict.quorum, verdict.rule.as_str()), (PolicyAction::Approve, 2, "big-refunds"));
+//! assert_eq!((verdict.action, verdict.quorum, &*verdict.rule), (PolicyAction::Approve, 2, "big-refunds"));
 //!
 //! verdict = policy.evaluate(&refund, Some(&json!({"amount": 20})), "agent")?;
 //! assert_eq!(verdict.action, PolicyAction::Allow);
