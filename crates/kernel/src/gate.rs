@@ -1283,6 +1283,7 @@ impl Gate {
             run.expiries.clear();
             run.state = to;
             changed += 1;
+            self.runs.stopped(&id);
             let kind = match cause {
                 StopCause::Closed | StopCause::Failed => EventKind::Closed,
                 _ => EventKind::Cancelled,
@@ -1404,18 +1405,18 @@ impl Gate {
         ))
     }
 
+    /// Drops the per-effect state of runs that stopped at or before `before` and are terminal
+    /// (a finalizing run waits for its effects); their fences stay. Visits only the runs
+    /// awaiting compaction, never the whole gate.
     fn compact(&mut self, before: u64) -> Result<(Reply, bool), KernelError> {
-        let mut n = 0;
-        self.runs.for_each_mut(|_, run| {
-            if run.state.is_terminal()
-                && !run.compacted
-                && run.stop.as_ref().is_some_and(|s| s.at <= before)
-            {
-                run.effects = BTreeMap::new();
-                run.rejected = Default::default();
-                run.compacted = true;
-                n += 1;
+        let n = self.runs.compact_stopped(before, |run| {
+            if !run.state.is_terminal() {
+                return false;
             }
+            run.effects = BTreeMap::new();
+            run.rejected = Default::default();
+            run.compacted = true;
+            true
         });
         Ok((Reply::Compacted { runs: n }, n > 0))
     }

@@ -23,6 +23,19 @@ pub(crate) struct Runs {
     /// The same ids, for walks in id order. A `RunId` is shared (`Arc`), so the second copy of
     /// each id is a pointer, not a string.
     order: BTreeSet<RunId>,
+    /// Runs that are stopped and not compacted yet, by the time they stopped: retention visits
+    /// these, not every run. Derived from the runs (rebuilt when a snapshot is loaded), kept by
+    /// `insert` and `stopped`, and compared by `==`, so a drift shows in every snapshot round
+    /// trip of the tests.
+    uncompacted: BTreeSet<(u64, RunId)>,
+}
+
+/// The entry of `run` in `Runs::uncompacted`, if it has one.
+fn uncompacted_entry(id: &RunId, run: &Run) -> Option<(u64, RunId)> {
+    match &run.stop {
+        Some(stop) if !run.compacted => Some((stop.at, id.clone())),
+        _ => None,
+    }
 }
 
 impl Runs {
@@ -48,23 +61,62 @@ impl Runs {
 
     /// Inserts or replaces, like `BTreeMap::insert`.
     pub(crate) fn insert(&mut self, id: RunId, run: Run) -> Option<Run> {
+        if let Some(entry) = uncompacted_entry(&id, &run) {
+            self.uncompacted.insert(entry);
+        }
         let old = self.by_id.insert(id.clone(), Box::new(run));
-        if old.is_none() {
-            self.order.insert(id);
+        match &old {
+            None => {
+                self.order.insert(id);
+            }
+            Some(old) => {
+                if let Some(entry) = uncompacted_entry(&id, old) {
+                    self.uncompacted.remove(&entry);
+                }
+            }
         }
         old.map(|r| *r)
+    }
+
+    /// Notes that run `id` has just stopped (its `stop` was set): retention will visit it.
+    pub(crate) fn stopped(&mut self, id: &RunId) {
+        if let Some(entry) = self.by_id.get(id).and_then(|r| uncompacted_entry(id, r)) {
+            self.uncompacted.insert(entry);
+        }
+    }
+
+    /// Calls `compact` on every run that stopped at or before `before` and is not compacted,
+    /// oldest stop first; a run for which it returns true is compacted and not visited again.
+    /// Work is proportional to the runs awaiting compaction, not to all runs.
+    pub(crate) fn compact_stopped(
+        &mut self,
+        before: u64,
+        mut compact: impl FnMut(&mut Run) -> bool,
+    ) -> u32 {
+        let due: Vec<(u64, RunId)> = self
+            .uncompacted
+            .iter()
+            .take_while(|(at, _)| *at <= before)
+            .cloned()
+            .collect();
+        let mut n = 0;
+        for entry in due {
+            let run = self
+                .by_id
+                .get_mut(&entry.1)
+                .expect("an uncompacted entry names a run");
+            if compact(run) {
+                debug_assert!(run.compacted, "compact sets the flag");
+                self.uncompacted.remove(&entry);
+                n += 1;
+            }
+        }
+        n
     }
 
     /// Every run, in id order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (&RunId, &Run)> {
         self.order.iter().map(|id| (id, &*self.by_id[id]))
-    }
-
-    /// Calls `f` on every run, in id order.
-    pub(crate) fn for_each_mut(&mut self, mut f: impl FnMut(&RunId, &mut Run)) {
-        for id in &self.order {
-            f(id, self.by_id.get_mut(id).expect("ordered ids are indexed"));
-        }
     }
 }
 
@@ -80,9 +132,14 @@ impl FromIterator<(RunId, Run)> for Runs {
             ids.push(id.clone());
             by_id.insert(id, Box::new(run));
         }
+        let uncompacted = by_id
+            .iter()
+            .filter_map(|(id, run)| uncompacted_entry(id, run))
+            .collect();
         Runs {
             by_id,
             order: ids.into_iter().collect(),
+            uncompacted,
         }
     }
 }
@@ -97,7 +154,9 @@ impl std::ops::Index<&RunId> for Runs {
 
 impl PartialEq for Runs {
     fn eq(&self, other: &Runs) -> bool {
-        self.order == other.order && self.iter().all(|(id, run)| other.get(id) == Some(run))
+        self.order == other.order
+            && self.uncompacted == other.uncompacted
+            && self.iter().all(|(id, run)| other.get(id) == Some(run))
     }
 }
 
@@ -160,5 +219,83 @@ mod tests {
         assert_eq!(runs.len(), 1);
         assert_eq!(runs[&id("r")].created_at, 2);
         assert_eq!(runs.iter().count(), 1);
+    }
+
+    #[test]
+    fn compaction_through_the_index_equals_a_walk_of_every_run() {
+        use crate::state::Stop;
+        use crate::vocab::{RunState, StopCause};
+        let mut seed = 7u64;
+        let mut next = move |n: u64| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) % n
+        };
+        for round in 0..50 {
+            let mut runs = Runs::default();
+            for i in 0..200 {
+                let mut run = Run::new(i, None, None);
+                match next(4) {
+                    0 => {} // running, never stopped
+                    k => {
+                        run.stop = Some(Stop {
+                            cause: StopCause::Cancelled,
+                            reason: None,
+                            by: None,
+                            at: next(1000),
+                            from: None,
+                        });
+                        run.state = if k == 1 {
+                            RunState::Finalizing
+                        } else {
+                            RunState::Cancelled
+                        };
+                        run.compacted = k == 3 && next(2) == 0;
+                    }
+                }
+                let stop_later = run.stop.is_none() && next(3) == 0;
+                runs.insert(id(&format!("r{round}-{i}")), run);
+                if stop_later {
+                    // Stopped after it was inserted, as `stop_subtree` does.
+                    let rid = id(&format!("r{round}-{i}"));
+                    let run = runs.get_mut(&rid).expect("inserted");
+                    run.stop = Some(Stop {
+                        cause: StopCause::Closed,
+                        reason: None,
+                        by: None,
+                        at: next(1000),
+                        from: None,
+                    });
+                    run.state = RunState::Completed;
+                    runs.stopped(&rid);
+                }
+            }
+            let compact = |run: &mut Run| {
+                if !run.state.is_terminal() {
+                    return false;
+                }
+                run.compacted = true;
+                true
+            };
+            for before in [100, 500, 500, 999] {
+                let mut walked = runs.clone();
+                let mut expected = 0;
+                for (_, run) in walked.by_id.iter_mut() {
+                    if !run.compacted && run.stop.as_ref().is_some_and(|s| s.at <= before) {
+                        expected += u32::from(compact(run));
+                    }
+                }
+                let n = runs.compact_stopped(before, compact);
+                assert_eq!(n, expected, "round {round}, before {before}");
+                let walked_runs: Vec<_> =
+                    walked.iter().map(|(k, r)| (k.clone(), r.clone())).collect();
+                let rebuilt: Runs = walked_runs.into_iter().collect();
+                assert_eq!(
+                    runs, rebuilt,
+                    "the same runs compacted; the index matches a rebuild"
+                );
+            }
+        }
     }
 }
