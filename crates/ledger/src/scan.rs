@@ -508,29 +508,22 @@ impl Walk<'_> {
                         if let Some((o, s)) =
                             find_valid_after(self.storage, &seg.name, offset, next)?
                         {
-                            if unsynced_batch_hole(
+                            if !unsynced_batch_hole(
                                 self.storage,
                                 &seg.name,
                                 offset,
                                 o,
                                 self.batch_bytes_max,
                             )? {
-                                reason = "a batch torn by a power loss: a sector of it was never written (a hole before later records of the same, unacknowledged batch)";
-                                out.torn_tail = Some(TornTail {
-                                    segment: seg.name.clone(),
+                                return Err(LedgerError::corrupt(
+                                    &seg.name,
                                     offset,
-                                    bytes_dropped: reader.file_len() - offset,
-                                    reason,
-                                });
-                                break;
+                                    format!(
+                                        "{reason} (expected seq {next}), followed by a valid record (seq {s} at byte {o})"
+                                    ),
+                                ));
                             }
-                            return Err(LedgerError::corrupt(
-                                &seg.name,
-                                offset,
-                                format!(
-                                    "{reason} (expected seq {next}), followed by a valid record (seq {s} at byte {o})"
-                                ),
-                            ));
+                            reason = "a batch torn by a power loss: a sector of it was never written (a hole before later records of the same, unacknowledged batch)";
                         }
                         out.torn_tail = Some(TornTail {
                             segment: seg.name.clone(),

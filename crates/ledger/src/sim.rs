@@ -37,6 +37,24 @@ struct Inner {
     resume: Condvar,
 }
 
+impl Inner {
+    /// Counts an operation that changes the disk on the locked state; if the power fails just
+    /// before it, wakes whoever waits on `resume` and returns the error.
+    fn begin_op<'a>(
+        &self,
+        mut st: MutexGuard<'a, SimState>,
+    ) -> io::Result<MutexGuard<'a, SimState>> {
+        match st.op() {
+            Ok(()) => Ok(st),
+            Err(e) => {
+                drop(st);
+                self.resume.notify_all();
+                Err(e)
+            }
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Inode {
     durable: Vec<u8>,
@@ -304,15 +322,7 @@ impl CrashStorage {
 
     /// Locks the state for an operation that changes the disk (see `crash_at_op`).
     fn begin_op(&self) -> io::Result<MutexGuard<'_, SimState>> {
-        let mut st = self.state();
-        match st.op() {
-            Ok(()) => Ok(st),
-            Err(e) => {
-                drop(st);
-                self.inner.resume.notify_all();
-                Err(e)
-            }
-        }
+        self.inner.begin_op(self.state())
     }
 
     /// Whether a crash keeps a random part of the unsynced tail (on by default).
@@ -407,15 +417,7 @@ struct SimFile {
 impl SimFile {
     /// Locks the state for an operation that changes the disk (see `crash_at_op`).
     fn begin_op(&self) -> io::Result<MutexGuard<'_, SimState>> {
-        let mut st = self.state()?;
-        match st.op() {
-            Ok(()) => Ok(st),
-            Err(e) => {
-                drop(st);
-                self.inner.resume.notify_all();
-                Err(e)
-            }
-        }
+        self.inner.begin_op(self.state()?)
     }
 
     fn state(&self) -> io::Result<MutexGuard<'_, SimState>> {

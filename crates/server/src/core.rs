@@ -404,8 +404,11 @@ impl Core {
     /// the next burst (pipelining: were the core to sync, the disk would idle while it applies).
     fn commit(&mut self) {
         const INLINE_SYNC_RECORDS_MAX: u64 = 2;
+        let burst = self.last_seq.saturating_sub(self.committed_seq);
+        if burst == 0 {
+            return; // Nothing appended since the last commit (a query, a timer that fired nothing).
+        }
         if let Some(journal) = &self.journal {
-            let burst = self.last_seq.saturating_sub(self.committed_seq);
             let inline = self.opts.inline_sync
                 && burst <= INLINE_SYNC_RECORDS_MAX
                 && journal.last_batch_records() <= INLINE_SYNC_RECORDS_MAX;

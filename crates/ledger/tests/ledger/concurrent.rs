@@ -8,7 +8,17 @@ use estop_ledger::{CrashStorage, FileStorage, LedgerOptions, Storage};
 
 use crate::common::*;
 
-fn many_threads(storage: Arc<dyn Storage>, threads: u64, per_thread: u64) {
+/// How each thread makes its records durable.
+#[derive(Clone, Copy, PartialEq)]
+enum Commit {
+    /// `append` (the sync thread syncs).
+    Append,
+    /// `append_deferred` + `commit(inline)`: threads of even number sync inline when the sync
+    /// thread is idle, the others leave it to the sync thread.
+    Mixed,
+}
+
+fn many_threads(storage: Arc<dyn Storage>, threads: u64, per_thread: u64, mode: Commit) {
     let c = open_ok(&storage, LedgerOptions::default())
         .ledger
         .spawn(|_| {})
@@ -20,7 +30,14 @@ fn many_threads(storage: Arc<dyn Storage>, threads: u64, per_thread: u64) {
             let mut mine = Vec::new();
             for i in 0..per_thread {
                 let p = format!("thread {t} record {i}").into_bytes();
-                let seq = c.append(&p).expect("append");
+                let seq = match mode {
+                    Commit::Append => c.append(&p).expect("append"),
+                    Commit::Mixed => {
+                        let seq = c.append_deferred(&p).expect("append");
+                        c.commit(t % 2 == 0);
+                        seq
+                    }
+                };
                 c.wait_durable(seq).expect("durable");
                 assert!(c.durable() >= seq);
                 mine.push((seq, p));
@@ -46,7 +63,7 @@ fn many_threads(storage: Arc<dyn Storage>, threads: u64, per_thread: u64) {
 
 #[test]
 fn group_commit_in_memory_with_many_threads() {
-    many_threads(mem().1, 16, 2000);
+    many_threads(mem().1, 16, 2000, Commit::Append);
 }
 
 #[test]
@@ -56,6 +73,7 @@ fn group_commit_on_real_files_with_many_threads() {
         Arc::new(FileStorage::open(dir.path()).expect("open")),
         8,
         200,
+        Commit::Append,
     );
 }
 
@@ -185,36 +203,12 @@ fn a_deferred_append_waits_for_a_commit_and_an_inline_commit_syncs_on_the_caller
 #[test]
 fn inline_commits_and_the_sync_thread_write_every_record_once_in_order() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let s: Arc<dyn Storage> = Arc::new(FileStorage::open(dir.path()).expect("open"));
-    let c = open_ok(&s, LedgerOptions::default())
-        .ledger
-        .spawn(|_| {})
-        .expect("spawn");
-    let mut handles = Vec::new();
-    for t in 0..6u64 {
-        let c = c.clone();
-        handles.push(std::thread::spawn(move || {
-            let mut mine = Vec::new();
-            for i in 0..150u64 {
-                let p = format!("thread {t} record {i}").into_bytes();
-                let seq = c.append_deferred(&p).expect("append");
-                // Half the threads sync inline when they can, half leave it to the sync thread.
-                c.commit(t % 2 == 0);
-                c.wait_durable(seq).expect("durable");
-                mine.push((seq, p));
-            }
-            mine
-        }));
-    }
-    let mut all = BTreeMap::new();
-    for h in handles {
-        for (seq, p) in h.join().expect("thread") {
-            assert!(all.insert(seq, p).is_none(), "seq {seq} handed out twice");
-        }
-    }
-    drop(c);
-    let o = open_ok(&s, LedgerOptions::default());
-    assert_eq!(o.records, all.into_iter().collect::<Vec<_>>());
+    many_threads(
+        Arc::new(FileStorage::open(dir.path()).expect("open")),
+        6,
+        150,
+        Commit::Mixed,
+    );
 }
 
 #[test]
