@@ -26,7 +26,7 @@ fn err(code: ErrorCode, msg: impl Into<String>) -> Answer {
 pub async fn ask(shared: &Shared, msg: impl FnOnce(ReplyTo) -> CoreMsg) -> Answer {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let to = ReplyTo {
-        out: tx,
+        out: tx.into(),
         id: Id::default(),
     };
     if shared.core_tx.send(msg(to)).is_err() {
@@ -44,7 +44,8 @@ pub async fn ask(shared: &Shared, msg: impl FnOnce(ReplyTo) -> CoreMsg) -> Answe
                     ),
                 };
             }
-            Some(Out::Event { .. }) => {}
+            // Events are not asked for here; rendered bytes go only to a socket's writer.
+            Some(Out::Event { .. } | Out::Rendered(_)) => {}
             None => return err(ErrorCode::Unavailable, "the gate is shutting down"),
         }
     }

@@ -4,6 +4,7 @@
 
 use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
 use crate::durable::{self, After, Durability, DurableState};
+use crate::outbox::{Direct, Outbox};
 use crate::tokens::Tokens;
 use estop_kernel::vocab::PolicyAction;
 use estop_kernel::{Admit as KAdmit, Command, Principal, RunLimits, Token};
@@ -11,6 +12,7 @@ use estop_ledger::{FileStorage, inspect};
 use estop_policy::{EvalError, Policy};
 use estop_protocol::reply::{self as wire, error_line, ok_line, pong_line};
 use estop_protocol::{ErrorCode, Id, Line, LineReader, Op, Request, parse_request};
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
@@ -84,8 +86,10 @@ pub fn render(id: &Id, answer: &Answer) -> Vec<u8> {
     }
 }
 
-/// Serves one connection until the client closes it.
-pub async fn serve<S>(stream: S, shared: Arc<Shared>)
+/// Serves one connection until the client closes it. `socket`, a duplicate of the stream's
+/// descriptor when it has one, lets durable replies be written straight to it
+/// ([`Outbox::release`]).
+pub async fn serve<S>(stream: S, socket: Option<OwnedFd>, shared: Arc<Shared>)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
@@ -96,7 +100,7 @@ where
         permits,
         backlog,
         writer,
-    } = open(stream, &shared, render);
+    } = open(stream, socket, &shared, render);
     let mut principal: Option<Principal> = None;
     loop {
         let line = match reader.next_line().await {
@@ -146,22 +150,29 @@ where
 pub struct Opened<S> {
     pub conn: u64,
     pub reader: LineReader<tokio::io::ReadHalf<S>>,
-    pub out_tx: tmpsc::UnboundedSender<Out>,
+    pub out_tx: Outbox,
     pub permits: Arc<Semaphore>,
     /// Events queued for this connection and not yet written (bounds a non-reading subscriber).
     pub backlog: Arc<AtomicUsize>,
     pub writer: tokio::task::JoinHandle<()>,
 }
 
-pub fn open<S>(stream: S, shared: &Shared, render: fn(&Id, &Answer) -> Vec<u8>) -> Opened<S>
+pub fn open<S>(
+    stream: S,
+    socket: Option<OwnedFd>,
+    shared: &Shared,
+    render: fn(&Id, &Answer) -> Vec<u8>,
+) -> Opened<S>
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     let (rd, wr) = tokio::io::split(stream);
-    let (out_tx, out_rx) = tmpsc::unbounded_channel::<Out>();
+    let (tx, out_rx) = tmpsc::unbounded_channel::<Out>();
     let permits = Arc::new(Semaphore::new(shared.opts.outstanding_per_connection_max));
     let backlog = Arc::new(AtomicUsize::new(0));
+    let direct = socket.map(|s| Direct::new(s, render, Arc::clone(&permits)));
+    let out_tx = Outbox::new(tx, direct.clone());
     let writer = tokio::spawn(write_loop(
         wr,
         out_rx,
@@ -169,6 +180,7 @@ where
         Arc::clone(&permits),
         Arc::clone(&backlog),
         render,
+        direct,
     ));
     let reader = LineReader::new(rd, shared.opts.line_bytes_max);
     Opened {
@@ -186,7 +198,7 @@ where
 pub async fn close(
     shared: &Shared,
     conn: u64,
-    out_tx: tmpsc::UnboundedSender<Out>,
+    out_tx: Outbox,
     writer: tokio::task::JoinHandle<()>,
 ) {
     let _ = shared.core_tx.send(CoreMsg::Disconnect { conn });
@@ -206,7 +218,7 @@ async fn dispatch(
     req: Request,
     principal: &mut Option<Principal>,
     conn: u64,
-    out: &tmpsc::UnboundedSender<Out>,
+    out: &Outbox,
     backlog: &Arc<AtomicUsize>,
     shared: &Arc<Shared>,
 ) -> Option<Answer> {
@@ -551,6 +563,8 @@ pub fn ledger_entries(
 }
 
 /// Writes a connection's replies and events in order, each once what it depends on is durable.
+/// With `direct`, it counts down what it has written, so durable replies may go straight to the
+/// socket whenever nothing is ahead of them.
 pub async fn write_loop<W: AsyncWrite + Unpin>(
     mut wr: W,
     mut rx: tmpsc::UnboundedReceiver<Out>,
@@ -558,9 +572,13 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
     permits: Arc<Semaphore>,
     backlog: Arc<AtomicUsize>,
     render: fn(&Id, &Answer) -> Vec<u8>,
+    direct: Option<Arc<Direct>>,
 ) {
     let mut buf = Vec::with_capacity(4096);
+    // Items whose bytes are in `buf`, not yet written.
+    let mut items = 0;
     while let Some(out) = rx.recv().await {
+        items += 1;
         match out {
             Out::Answer { id, answer, after } => {
                 let line = match durable::wait(&mut durable_rx, after).await {
@@ -576,6 +594,10 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
                     buf.extend_from_slice(&wire::event_line(&event));
                 }
             }
+            Out::Rendered(line) => {
+                buf.extend_from_slice(&line);
+                permits.add_permits(1);
+            }
         }
         // Write when nothing else is ready: one syscall for a burst of replies.
         if rx.is_empty() || buf.len() >= 64 * 1024 {
@@ -583,6 +605,10 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
                 return;
             }
             buf.clear();
+            if let Some(d) = &direct {
+                d.written(items);
+            }
+            items = 0;
         }
     }
     let _ = wr.write_all(&buf).await;

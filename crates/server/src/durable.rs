@@ -1,6 +1,8 @@
 //! Durable-before-visible: every reply and event carries the ledger position it depends on and
 //! is written to the client only once that position is on stable storage (G6).
 
+use crate::core::Out;
+use crate::outbox::Outbox;
 use tokio::sync::watch;
 
 /// Where a reply must wait: the ledger generation and sequence number it depends on.
@@ -65,9 +67,194 @@ pub fn decide(s: &DurableState, after: After) -> Option<Durability> {
     }
 }
 
+/// Replies and events whose record is not durable yet. The ledger's sync thread only records
+/// how far the ledger is durable and wakes one task, [`Release::deliver`], on the IO runtime,
+/// which hands everything now durable to its connection in order: one cross-thread wakeup per
+/// fdatasync instead of one per reply. When the core syncs a light burst itself
+/// ([`release_here`]), it hands the replies over itself, straight to their sockets
+/// ([`Outbox::release`]): the IO thread is not woken at all.
+#[derive(Debug, Default)]
+pub struct Release {
+    inner: std::sync::Mutex<ReleaseInner>,
+    wake: tokio::sync::Notify,
+}
+
+#[derive(Debug, Default)]
+struct ReleaseInner {
+    generation: u64,
+    durable: u64,
+    /// The generation failed: nothing past `durable` will ever be durable in it.
+    failed: bool,
+    /// In hand-over order: the core is the only producer. An item is released once its seq is
+    /// durable and everything before it is released.
+    queue: std::collections::VecDeque<(u64, Outbox, Out)>,
+    /// A thread is handing released items over (outside the lock): no item may overtake them,
+    /// and it takes whatever else becomes durable before it stops.
+    delivering: bool,
+}
+
+thread_local! {
+    static RELEASING_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (the core's inline commit) so that replies it makes durable are handed over on this
+/// thread instead of by [`Release::deliver`].
+pub fn release_here<T>(f: impl FnOnce() -> T) -> T {
+    RELEASING_HERE.set(true);
+    let r = f();
+    RELEASING_HERE.set(false);
+    r
+}
+
+impl Release {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ReleaseInner> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Sends `item` now if `after` is durable and nothing is queued before it, else once it
+    /// and everything before it are durable.
+    pub fn send(&self, after: After, out: &Outbox, item: Out) {
+        let mut g = self.lock();
+        let current = after.generation == g.generation;
+        let mut pending = current && after.seq > g.durable;
+        let item = if pending && g.failed {
+            // It depends on a record that was lost with the failed generation.
+            pending = false;
+            match item {
+                Out::Answer { id, .. } => lost(id),
+                Out::Event { .. } | Out::Rendered(_) => return,
+            }
+        } else {
+            item
+        };
+        if pending || !g.queue.is_empty() || g.delivering {
+            let seq = if pending { after.seq } else { g.durable };
+            g.queue.push_back((seq, out.clone(), item));
+            if !pending {
+                drop(g);
+                self.wake.notify_one();
+            }
+        } else {
+            // Nothing is queued or being handed over, and only the core (this caller) queues:
+            // nothing can overtake it outside the lock.
+            drop(g);
+            if current {
+                out.release(item);
+            } else {
+                // Of an earlier generation: the writer asks the durable state.
+                let _ = out.send(item);
+            }
+        }
+    }
+
+    /// Called after each fdatasync (by the sync thread, or by the core after an inline one):
+    /// notes how far the ledger is durable and hands over what that releases.
+    pub fn durable(&self, generation: u64, seq: u64) {
+        let mut g = self.lock();
+        if g.generation != generation || seq <= g.durable {
+            return;
+        }
+        g.durable = seq;
+        let releases = g.queue.front().is_some_and(|(s, _, _)| *s <= seq);
+        drop(g);
+        if releases {
+            if RELEASING_HERE.get() {
+                self.hand_over();
+            } else {
+                self.wake.notify_one();
+            }
+        }
+    }
+
+    /// Hands every released item to its connection, outside the lock, until none is left. If
+    /// another thread is already at it, leaves them to that thread, which looks again before it
+    /// stops.
+    fn hand_over(&self) {
+        {
+            let mut g = self.lock();
+            if g.delivering {
+                return;
+            }
+            g.delivering = true;
+        }
+        let mut batch = Vec::new();
+        loop {
+            {
+                let mut g = self.lock();
+                let durable = g.durable;
+                while g.queue.front().is_some_and(|(s, _, _)| *s <= durable) {
+                    if let Some((_, out, item)) = g.queue.pop_front() {
+                        batch.push((out, item));
+                    }
+                }
+                if batch.is_empty() {
+                    g.delivering = false;
+                    return;
+                }
+            }
+            for (out, item) in batch.drain(..) {
+                out.release(item);
+            }
+        }
+    }
+
+    /// The task that hands durable replies to their connections; runs on the IO runtime for as
+    /// long as the daemon does.
+    pub async fn deliver(self: std::sync::Arc<Self>) {
+        loop {
+            self.wake.notified().await;
+            self.hand_over();
+        }
+    }
+
+    /// The generation failed: what was durable is delivered; every answer that depends on a
+    /// record past that is answered `storage_unavailable` instead, in its place (none of it
+    /// will ever be durable), and such events are dropped.
+    pub fn fail(&self) {
+        let mut g = self.lock();
+        g.failed = true;
+        let durable = g.durable;
+        let queue = std::mem::take(&mut g.queue);
+        g.queue = queue
+            .into_iter()
+            .filter_map(|(seq, out, item)| match item {
+                _ if seq <= durable => Some((seq, out, item)),
+                Out::Answer { id, .. } => Some((durable, out, lost(id))),
+                Out::Event { .. } | Out::Rendered(_) => None,
+            })
+            .collect();
+        drop(g);
+        self.hand_over();
+    }
+
+    /// A new generation starts with `seq` durable. Anything still queued is of the failed one
+    /// and was released by [`Release::fail`]; whoever is handing it over goes on.
+    pub fn start(&self, generation: u64, seq: u64) {
+        let mut g = self.lock();
+        for (s, _, _) in g.queue.iter_mut() {
+            *s = 0;
+        }
+        g.generation = generation;
+        g.durable = seq;
+        g.failed = false;
+    }
+}
+
+/// The answer for a request whose record was lost with a failed generation.
+fn lost(id: estop_protocol::Id) -> Out {
+    Out::Answer {
+        id,
+        answer: crate::core::unavailable(),
+        after: After::default(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use estop_protocol::reply as wire;
 
     #[test]
     fn waits_for_its_seq_and_reports_loss_after_failure() {
@@ -135,119 +322,94 @@ mod tests {
             Some(Durability::Lost)
         );
     }
-}
 
-/// Replies and events whose record is not durable yet. The ledger's sync thread only records
-/// how far the ledger is durable and wakes one task, [`Release::deliver`], on the IO runtime,
-/// which hands everything now durable to its connection in order: one cross-thread wakeup per
-/// fdatasync instead of one per reply.
-#[derive(Debug, Default)]
-pub struct Release {
-    inner: std::sync::Mutex<ReleaseInner>,
-    wake: tokio::sync::Notify,
-}
-
-#[derive(Debug, Default)]
-struct ReleaseInner {
-    generation: u64,
-    durable: u64,
-    /// The generation failed: nothing past `durable` will ever be durable in it.
-    failed: bool,
-    /// In seq order: the core is the only producer and its seqs never go back.
-    queue: std::collections::VecDeque<(u64, crate::core::Outbox, crate::core::Out)>,
-}
-
-impl ReleaseInner {
-    /// Hands every queued item that is durable now to its connection. Runs under the lock, so
-    /// an item sent straight through by [`Release::send`] never overtakes one queued before it.
-    fn release_durable(&mut self) {
-        while self
-            .queue
-            .front()
-            .is_some_and(|(s, _, _)| *s <= self.durable)
-        {
-            if let Some((_, out, item)) = self.queue.pop_front() {
-                let _ = out.send(item);
-            }
-        }
-    }
-}
-
-impl Release {
-    fn lock(&self) -> std::sync::MutexGuard<'_, ReleaseInner> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Sends `item` now if `after` is durable and nothing is queued before it, else once it
-    /// and everything before it are durable.
-    pub fn send(&self, after: After, out: &crate::core::Outbox, item: crate::core::Out) {
-        let mut g = self.lock();
-        let pending = after.generation == g.generation && after.seq > g.durable;
-        if pending && g.failed {
-            // It depends on a record that was lost with the failed generation.
-            if let crate::core::Out::Answer { id, .. } = item {
-                let _ = out.send(crate::core::Out::Answer {
-                    id,
-                    answer: crate::core::unavailable(),
-                    after: After::default(),
-                });
-            }
-        } else if pending || !g.queue.is_empty() {
-            let seq = if pending { after.seq } else { g.durable };
-            g.queue.push_back((seq, out.clone(), item));
-            if !pending {
-                drop(g);
-                self.wake.notify_one();
-            }
-        } else {
-            let _ = out.send(item);
+    fn answer(n: u64) -> Out {
+        Out::Answer {
+            id: estop_protocol::Id::from_u64(n),
+            answer: crate::core::Answer::Pong,
+            after: After::default(),
         }
     }
 
-    /// Called by the sync thread after each fdatasync: notes how far the ledger is durable and
-    /// wakes [`Release::deliver`] if that releases something.
-    pub fn durable(&self, generation: u64, seq: u64) {
-        let mut g = self.lock();
-        if g.generation != generation || seq <= g.durable {
-            return;
-        }
-        g.durable = seq;
-        let releases = g.queue.front().is_some_and(|(s, _, _)| *s <= seq);
-        drop(g);
-        if releases {
-            self.wake.notify_one();
-        }
+    fn at(seq: u64) -> After {
+        After { generation: 0, seq }
     }
 
-    /// The task that hands durable replies to their connections; runs on the IO runtime for as
-    /// long as the daemon does.
-    pub async fn deliver(self: std::sync::Arc<Self>) {
-        loop {
-            self.wake.notified().await;
-            self.lock().release_durable();
+    /// What the connection was handed so far: answer ids (0 for `storage_unavailable`) and
+    /// `e` for each event.
+    fn handed(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Out>) -> Vec<String> {
+        let mut seen = Vec::new();
+        while let Ok(item) = rx.try_recv() {
+            seen.push(match item {
+                Out::Answer {
+                    answer: crate::core::Answer::Error(..),
+                    ..
+                } => "lost".to_string(),
+                Out::Answer { id, .. } => id.to_string(),
+                Out::Event { .. } => "e".to_string(),
+                Out::Rendered(_) => "bytes".to_string(),
+            });
         }
+        seen
     }
 
-    /// The generation failed: delivers what was durable and hands back everything else (none
-    /// of it will ever be durable).
-    pub fn fail(&self) -> Vec<(crate::core::Outbox, crate::core::Out)> {
-        let mut g = self.lock();
-        g.failed = true;
-        g.release_durable();
-        g.queue.drain(..).map(|(_, o, i)| (o, i)).collect()
+    #[test]
+    fn an_inline_sync_hands_replies_over_on_its_own_thread_in_order() {
+        let release = Release::default();
+        release.start(0, 0);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let out = Outbox::from(tx);
+        release.send(at(1), &out, answer(1));
+        release.send(at(2), &out, answer(2));
+        release.send(at(0), &out, answer(3)); // durable already, but behind the others
+        assert!(handed(&mut rx).is_empty(), "nothing is durable yet");
+
+        // From the sync thread, only the release task would hand them over.
+        release.durable(0, 1);
+        assert!(handed(&mut rx).is_empty());
+        // After an inline sync, the syncing thread hands over what is durable, in order.
+        release_here(|| release.durable(0, 2));
+        assert_eq!(handed(&mut rx), ["1", "2", "3"]);
+        release.send(at(2), &out, answer(4));
+        assert_eq!(handed(&mut rx), ["4"], "nothing queued: straight through");
     }
 
-    /// A new generation starts with `seq` durable.
-    pub fn start(&self, generation: u64, seq: u64) {
-        let mut g = self.lock();
-        assert!(
-            g.queue.is_empty(),
-            "a new generation starts with nothing waiting"
+    #[test]
+    fn a_failed_generation_answers_unavailable_in_place_and_drops_its_events() {
+        let release = Release::default();
+        release.start(0, 0);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let out = Outbox::from(tx);
+        let event = || Out::Event {
+            event: wire::Event {
+                event: wire::EventKind::Held,
+                run: "r".into(),
+                key: None,
+                reason: None,
+                decision: None,
+                outcome: None,
+                at: 0,
+            },
+            after: at(2),
+        };
+        release.send(at(1), &out, answer(1));
+        release.send(at(2), &out, event());
+        release.send(at(3), &out, answer(3));
+        release.durable(0, 1); // no release task runs here: still queued
+        release.fail();
+        assert_eq!(handed(&mut rx), ["1", "lost"]);
+        // A reply that depends on a lost record, sent after the failure.
+        release.send(at(4), &out, answer(4));
+        assert_eq!(handed(&mut rx), ["lost"]);
+        release.start(1, 1);
+        release.send(
+            After {
+                generation: 1,
+                seq: 1,
+            },
+            &out,
+            answer(5),
         );
-        g.generation = generation;
-        g.durable = seq;
-        g.failed = false;
+        assert_eq!(handed(&mut rx), ["5"]);
     }
 }

@@ -10,6 +10,7 @@ pub mod durable;
 pub mod journal;
 pub mod log;
 pub mod observe;
+pub mod outbox;
 pub mod render;
 pub mod serve;
 pub mod service;

@@ -352,7 +352,10 @@ async fn serve_async(
                 let Ok(stream) = crate::uds::UnixConn::from_tokio(stream) else {
                     continue;
                 };
-                admit_connection(stream, &slots, max, |s| conn::serve(s, Arc::clone(&shared)));
+                let socket = duplicate(&stream);
+                admit_connection(stream, &slots, max, |s| {
+                    conn::serve(s, socket, Arc::clone(&shared))
+                });
             }
         }));
     }
@@ -364,7 +367,10 @@ async fn serve_async(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                admit_connection(stream, &slots, max, |s| conn::serve(s, Arc::clone(&shared)));
+                let socket = duplicate(&stream);
+                admit_connection(stream, &slots, max, |s| {
+                    conn::serve(s, socket, Arc::clone(&shared))
+                });
             }
         }));
     }
@@ -377,8 +383,9 @@ async fn serve_async(
                 };
                 let _ = stream.set_nodelay(true);
                 let secret = secret.clone();
+                let socket = duplicate(&stream);
                 admit_connection(stream, &slots, max, |s| {
-                    crate::soundgate::serve(s, Arc::clone(&shared), secret)
+                    crate::soundgate::serve(s, socket, Arc::clone(&shared), secret)
                 });
             }
         }));
@@ -389,6 +396,13 @@ async fn serve_async(
         t.abort();
     }
     Ok(())
+}
+
+/// A duplicate of a connection's socket descriptor, for replies written straight to it
+/// ([`crate::outbox::Outbox::release`]); without one (the process is out of descriptors) every
+/// reply goes through the connection's writer.
+fn duplicate(stream: &impl std::os::fd::AsFd) -> Option<std::os::fd::OwnedFd> {
+    stream.as_fd().try_clone_to_owned().ok()
 }
 
 /// Serves a connection if a slot is free; otherwise tells the client why and closes it.

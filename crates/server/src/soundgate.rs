@@ -3,16 +3,16 @@
 //! where the answer differs from the reference is listed in docs/PROTOCOL.md.
 
 use crate::conn::{Opened, Shared, close, open};
-use crate::core::{Answer, CoreMsg, Out, ReplyTo};
+use crate::core::{Answer, CoreMsg, Out, Outbox, ReplyTo};
 use crate::durable::After;
 use estop_kernel::vocab::PolicyAction;
 use estop_kernel::{Admit, Command, Principal, PrincipalName, Role};
 use estop_protocol::reply as wire;
 use estop_protocol::soundgate::{SG_BAD_MAC_MESSAGE, verify_decision_tag};
 use estop_protocol::{Id, Line, SgReply, SgRequest, parse_soundgate};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::mpsc as tmpsc;
 
 /// The principal every compatibility client acts as (one shared identity, as in the reference).
 pub fn principal(role: Role) -> Principal {
@@ -46,8 +46,12 @@ pub fn render(_id: &Id, answer: &Answer) -> Vec<u8> {
 }
 
 /// Serves one compatibility connection.
-pub async fn serve<S>(stream: S, shared: Arc<Shared>, secret: Option<Arc<Vec<u8>>>)
-where
+pub async fn serve<S>(
+    stream: S,
+    socket: Option<OwnedFd>,
+    shared: Arc<Shared>,
+    secret: Option<Arc<Vec<u8>>>,
+) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let Opened {
@@ -57,7 +61,7 @@ where
         permits,
         writer,
         ..
-    } = open(stream, &shared, render);
+    } = open(stream, socket, &shared, render);
     loop {
         let line = match reader.next_line().await {
             Ok(Some(l)) => l,
@@ -97,12 +101,7 @@ where
     close(&shared, conn, out_tx, writer).await;
 }
 
-fn handle(
-    req: SgRequest,
-    out: &tmpsc::UnboundedSender<Out>,
-    shared: &Shared,
-    secret: Option<&[u8]>,
-) -> Option<Answer> {
+fn handle(req: SgRequest, out: &Outbox, shared: &Shared, secret: Option<&[u8]>) -> Option<Answer> {
     let to = ReplyTo {
         out: out.clone(),
         id: Id::default(),

@@ -46,6 +46,12 @@ impl UnixConn {
     }
 }
 
+impl AsFd for UnixConn {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.io.get_ref().as_fd()
+    }
+}
+
 impl AsyncRead for UnixConn {
     fn poll_read(
         self: Pin<&mut Self>,

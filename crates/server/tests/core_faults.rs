@@ -96,7 +96,7 @@ impl Harness {
     /// Sends a command and returns the answer the client would see (after durability).
     fn call(&mut self, cmd: Command) -> Answer {
         let to = ReplyTo {
-            out: self.out_tx.clone(),
+            out: self.out_tx.clone().into(),
             id: Id::default(),
         };
         self.tx
@@ -213,14 +213,14 @@ fn a_subscriber_that_stops_reading_loses_its_subscription_instead_of_growing_a_q
     let (sub_tx, mut sub_rx) = tmpsc::unbounded_channel();
     let backlog = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let to = ReplyTo {
-        out: sub_tx.clone(),
+        out: sub_tx.clone().into(),
         id: Id::default(),
     };
     h.tx.send(CoreMsg::Subscribe {
         principal: agent(),
         run: RunId::new("r1").unwrap(),
         conn: 99,
-        out: sub_tx,
+        out: sub_tx.into(),
         backlog: Arc::clone(&backlog),
         to,
     })

@@ -1,0 +1,276 @@
+//! A connection's outgoing queue, and the straight path around it.
+//!
+//! Everything a connection is owed goes to its writer task through one channel, in order. A
+//! reply that is durable already can skip the writer: [`Outbox::release`] renders it and writes
+//! it to the socket on the thread that learned it is durable — the core after an inline commit,
+//! or the release task — so a lone request's reply does not wake the IO thread only to be
+//! written there. Order is kept by one count per connection: items handed to the writer and not
+//! yet written. Only when it is zero, under the same lock that every hand-over takes, may a
+//! reply go straight to the socket; anything it could not write whole goes to the writer next.
+
+use crate::core::{Answer, Out};
+use estop_protocol::Id;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use tokio::sync::Semaphore;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// A connection's outgoing queue. Unbounded in type, bounded in use: each connection may have at
+/// most `outstanding_per_connection_max` requests in flight.
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    tx: UnboundedSender<Out>,
+    direct: Option<Arc<Direct>>,
+}
+
+/// The connection's writer is gone (the client went away); the item was dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Closed;
+
+/// The socket a connection's durable replies may be written to straight, and what writing one
+/// needs.
+#[derive(Debug)]
+pub struct Direct {
+    /// A duplicate of the connection's (non-blocking) socket descriptor.
+    socket: OwnedFd,
+    render: fn(&Id, &Answer) -> Vec<u8>,
+    /// The connection's pipelining permits: a reply written gives its request's back.
+    permits: Arc<Semaphore>,
+    /// Items handed to the writer and not yet written to the socket.
+    ahead: Mutex<usize>,
+}
+
+impl Direct {
+    pub fn new(
+        socket: OwnedFd,
+        render: fn(&Id, &Answer) -> Vec<u8>,
+        permits: Arc<Semaphore>,
+    ) -> Arc<Direct> {
+        Arc::new(Direct {
+            socket,
+            render,
+            permits,
+            ahead: Mutex::new(0),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, usize> {
+        self.ahead.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The writer wrote `items` of what it was handed.
+    pub fn written(&self, items: usize) {
+        let mut ahead = self.lock();
+        debug_assert!(
+            *ahead >= items,
+            "the writer wrote more items than it was handed"
+        );
+        *ahead = ahead.saturating_sub(items);
+    }
+}
+
+impl From<UnboundedSender<Out>> for Outbox {
+    /// An outbox whose every item goes through the channel (no socket to write to straight).
+    fn from(tx: UnboundedSender<Out>) -> Outbox {
+        Outbox { tx, direct: None }
+    }
+}
+
+impl Outbox {
+    pub fn new(tx: UnboundedSender<Out>, direct: Option<Arc<Direct>>) -> Outbox {
+        Outbox { tx, direct }
+    }
+
+    /// Hands `item` to the connection's writer, behind everything handed to it before.
+    pub fn send(&self, item: Out) -> Result<(), Closed> {
+        match &self.direct {
+            None => self.tx.send(item).map_err(|_| Closed),
+            Some(d) => {
+                let mut ahead = d.lock();
+                self.tx.send(item).map_err(|_| Closed)?;
+                *ahead += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// Delivers an item that is durable now: an answer is written straight to the socket when
+    /// nothing is ahead of it; anything else, or an answer behind others, goes to the writer.
+    pub fn release(&self, item: Out) {
+        let (Some(d), Out::Answer { id, answer, .. }) = (&self.direct, &item) else {
+            let _ = self.send(item);
+            return;
+        };
+        let mut ahead = d.lock();
+        if *ahead > 0 || self.tx.is_closed() {
+            if self.tx.send(item).is_ok() {
+                *ahead += 1;
+            }
+            return;
+        }
+        let line = (d.render)(id, answer);
+        match send_nowait(&d.socket, &line) {
+            Ok(n) if n == line.len() => d.permits.add_permits(1),
+            Ok(n) => {
+                // The socket took part of it: the writer writes the rest, before anything else.
+                if self.tx.send(Out::Rendered(line[n..].to_vec())).is_ok() {
+                    *ahead += 1;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if self.tx.send(Out::Rendered(line)).is_ok() {
+                    *ahead += 1;
+                }
+            }
+            // The connection is gone: its reader sees that and closes it.
+            Err(_) => {}
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+/// One `send(2)` that neither blocks nor raises SIGPIPE.
+#[allow(unsafe_code)]
+fn send_nowait(socket: &OwnedFd, data: &[u8]) -> io::Result<usize> {
+    loop {
+        // SAFETY: `data` is a live, initialized buffer of `data.len()` bytes, and `socket` an
+        // open descriptor owned for the duration of the call.
+        let n = unsafe {
+            libc::send(
+                socket.as_raw_fd(),
+                data.as_ptr().cast(),
+                data.len(),
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::durable::{After, DurableState};
+    use std::io::{BufRead, BufReader};
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
+    use tokio::sync::{mpsc, watch};
+
+    fn answer(n: u64) -> Out {
+        Out::Answer {
+            id: Id::from_u64(n),
+            answer: Answer::Pong,
+            after: After::default(),
+        }
+    }
+
+    fn id_of(line: &str) -> u64 {
+        let v: serde_json::Value = serde_json::from_str(line).expect("a reply is JSON");
+        v["id"].as_u64().expect("a numeric id")
+    }
+
+    #[test]
+    fn a_durable_reply_with_nothing_ahead_goes_straight_to_the_socket() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let permits = Arc::new(Semaphore::new(0));
+        let direct = Direct::new(
+            ours.as_fd().try_clone_to_owned().unwrap(),
+            crate::conn::render,
+            Arc::clone(&permits),
+        );
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let out = Outbox::new(tx, Some(Arc::clone(&direct)));
+
+        out.release(answer(1));
+        let mut lines = BufReader::new(theirs).lines();
+        assert_eq!(id_of(&lines.next().unwrap().unwrap()), 1);
+        assert!(rx.try_recv().is_err(), "the writer was not involved");
+        assert_eq!(
+            permits.available_permits(),
+            1,
+            "its request's permit is back"
+        );
+
+        // Behind an item the writer has not written, a durable reply waits its turn.
+        out.send(answer(2)).unwrap();
+        out.release(answer(3));
+        assert!(matches!(rx.try_recv(), Ok(Out::Answer { id, .. }) if id == Id::from_u64(2)));
+        assert!(matches!(rx.try_recv(), Ok(Out::Answer { id, .. }) if id == Id::from_u64(3)));
+        direct.written(2);
+        out.release(answer(4));
+        assert_eq!(id_of(&lines.next().unwrap().unwrap()), 4);
+        assert!(rx.try_recv().is_err());
+    }
+
+    /// Replies released from one thread (as the core does) and handed to the writer from the
+    /// same thread, through a socket that fills because the client reads slowly: every reply
+    /// arrives once, whole, in the order it was given.
+    #[test]
+    fn replies_keep_their_order_through_a_full_socket_and_the_writer() {
+        const N: u64 = 40_000;
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let socket = ours.as_fd().try_clone_to_owned().unwrap();
+        let permits = Arc::new(Semaphore::new(0));
+        let direct = Direct::new(socket, crate::conn::render, Arc::clone(&permits));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let out = Outbox::new(tx, Some(Arc::clone(&direct)));
+        let (_durable_tx, durable_rx) = watch::channel(DurableState::default());
+
+        let io = std::thread::spawn({
+            let permits = Arc::clone(&permits);
+            move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async move {
+                    let conn = crate::uds::UnixConn::new(ours).unwrap();
+                    crate::conn::write_loop(
+                        conn,
+                        rx,
+                        durable_rx,
+                        permits,
+                        Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+                        crate::conn::render,
+                        Some(direct),
+                    )
+                    .await;
+                });
+            }
+        });
+        let client = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            for line in BufReader::new(theirs).lines() {
+                seen.push(id_of(&line.unwrap()));
+                if seen.len() % 4096 == 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+            }
+            seen
+        });
+        for n in 0..N {
+            if n % 7 == 0 {
+                out.send(answer(n)).unwrap();
+            } else {
+                out.release(answer(n));
+            }
+        }
+        drop(out); // The writer drains what it holds, then closes the socket.
+        io.join().unwrap();
+        let seen = client.join().unwrap();
+        assert_eq!(seen, (0..N).collect::<Vec<_>>());
+        assert_eq!(permits.available_permits() as u64, N);
+    }
+}
