@@ -14,8 +14,8 @@ use estop_protocol::reply::{self as wire, error_line, ok_line, pong_line};
 use estop_protocol::{ErrorCode, Id, Line, LineReader, Op, Request, parse_request};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, mpsc};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Semaphore, mpsc as tmpsc, watch};
@@ -49,7 +49,7 @@ impl Default for ConnOptions {
 /// What every connection shares.
 #[derive(Debug)]
 pub struct Shared {
-    pub core_tx: mpsc::Sender<CoreMsg>,
+    pub core_tx: crate::handoff::CoreTx,
     pub tokens: Arc<Tokens>,
     pub policy: Arc<Policy>,
     pub durable_rx: watch::Receiver<DurableState>,

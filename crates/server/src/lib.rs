@@ -7,6 +7,7 @@ pub mod conn;
 pub mod core;
 pub mod describe;
 pub mod durable;
+pub mod handoff;
 pub mod journal;
 pub mod log;
 pub mod observe;

@@ -202,7 +202,7 @@ pub fn run_with(
         .map_err(|e| setup(format!("cannot start the core thread: {e}")))?;
 
     let shared = Arc::new(Shared {
-        core_tx: core_tx.clone(),
+        core_tx: core_tx.clone().into(),
         tokens: Arc::new(tokens),
         policy,
         durable_rx,
@@ -212,9 +212,15 @@ pub fn run_with(
     });
     let runtime = match opts.io_threads {
         // One IO thread beside the core and sync threads: no work stealing, fewer wakeups.
-        1 => tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build(),
+        // It hands requests to the core in batches (`handoff`): what it holds goes before it
+        // waits for IO.
+        1 => {
+            shared.core_tx.batch_on_this_thread();
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .on_thread_park(crate::handoff::flush)
+                .build()
+        }
         n => tokio::runtime::Builder::new_multi_thread()
             .worker_threads(n.max(2))
             .enable_all()
@@ -232,6 +238,7 @@ pub fn run_with(
         &mut socket_id,
         (services, sync_stats),
     ));
+    crate::handoff::end_batching();
     // Finish in-flight syncs before exiting.
     let (done_tx, done_rx) = mpsc::channel();
     if core_tx.send(CoreMsg::Shutdown { done: done_tx }).is_ok() {
