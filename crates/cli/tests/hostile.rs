@@ -264,3 +264,114 @@ fn forged_soundgate_decision_tags_are_refused_and_change_nothing() {
         "release"
     );
 }
+
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces): utime and stime are 14 and 15.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// Out of file descriptors, the daemon keeps serving the clients it has, makes a new one wait
+/// (without spinning on the listener), says why in its log, and serves it once others leave.
+#[test]
+fn out_of_descriptors_new_clients_wait_and_are_served_once_others_leave() {
+    let d = Daemon::start();
+    let pid = d.child.as_ref().unwrap().id();
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
+    // Room for a few more connections (each holds its socket and a duplicate of it).
+    let limit = open + 6;
+    let status = std::process::Command::new("prlimit")
+        .arg(format!("--pid={pid}"))
+        .arg(format!("--nofile={limit}:{limit}"))
+        .status()
+        .expect("prlimit (util-linux) runs");
+    assert!(status.success());
+
+    let ping = |c: &mut std::os::unix::net::UnixStream| {
+        c.write_all(b"{\"id\":1,\"op\":\"ping\"}\n").unwrap();
+    };
+    let replied = |c: &std::os::unix::net::UnixStream, wait_ms: u64| {
+        c.set_read_timeout(Some(std::time::Duration::from_millis(wait_ms)))
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(c).read_line(&mut line).is_ok() && line.contains("\"pong\":true")
+    };
+    let mut served = Vec::new();
+    let waiting = loop {
+        let mut c = std::os::unix::net::UnixStream::connect(d.socket()).unwrap();
+        ping(&mut c);
+        if !replied(&c, 2000) {
+            break c;
+        }
+        served.push(c);
+        assert!(served.len() <= 6, "the lowered limit never bit");
+    };
+    assert!(
+        served.len() >= 2,
+        "served {} before the limit",
+        served.len()
+    );
+
+    // While the new client waits, the daemon does not spin on its listener.
+    let before = cpu_ticks(pid);
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let spent = cpu_ticks(pid) - before;
+    assert!(
+        spent < 50,
+        "the daemon spent {spent} ticks of CPU in one second while a client waited"
+    );
+    // The clients it has are still served.
+    let mut first = served.remove(0);
+    ping(&mut first);
+    assert!(replied(&first, 5000));
+    let log = std::fs::read_to_string(d.data().join("serve.log")).unwrap();
+    assert!(log.contains("cannot accept connections"), "{log}");
+
+    drop(first);
+    drop(served);
+    assert!(
+        replied(&waiting, 10_000),
+        "the waiting client was served once others left"
+    );
+}
+
+/// Started with a low soft limit on open files (as many service managers do), the daemon raises
+/// it to what its connections need, up to the hard limit, and warns when the hard limit is lower.
+#[test]
+fn the_open_file_limit_is_raised_at_start_and_a_low_hard_limit_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new("prlimit")
+        .arg("--nofile=64:4096")
+        .arg("--")
+        .arg(common::bin())
+        .args(["serve", "--allow-all", "--console", "off", "--data"])
+        .arg(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("prlimit (util-linux) runs");
+    let mut ready = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    assert!(ready.starts_with("estop ready"), "{ready}");
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).unwrap();
+    let files = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap()
+        .split_whitespace()
+        .skip(3)
+        .take(2)
+        .collect::<Vec<_>>();
+    assert_eq!(files, ["4096", "4096"], "{limits}");
+    child.kill().unwrap();
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut log).unwrap();
+    child.wait().unwrap();
+    assert!(log.contains("open-file limit is 4096 (hard 4096)"), "{log}");
+}

@@ -119,6 +119,45 @@ fn setup(msg: String) -> ServeError {
     ServeError::Setup(msg)
 }
 
+/// Descriptors one connection may hold: its socket, the duplicate durable replies are written
+/// to ([`crate::outbox`]), and another while its writer waits for a full socket to drain.
+const FDS_PER_CONNECTION: u64 = 3;
+
+/// Raises the soft limit on open files to what `connections_max` connections need (at most the
+/// hard limit; many systems start services at a soft limit of 1024), and warns when the hard
+/// limit is lower. Past the limit, a new connection is refused at accept, not served half.
+#[allow(unsafe_code)]
+fn raise_open_file_limit(connections_max: usize) {
+    let want = (connections_max as u64)
+        .saturating_mul(FDS_PER_CONNECTION)
+        .saturating_add(256); // ledger segments, listeners, the console, spare
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit for the duration of the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return;
+    }
+    let target = want.min(lim.rlim_max);
+    if lim.rlim_cur < target {
+        let raised = libc::rlimit {
+            rlim_cur: target,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: `raised` is a valid rlimit for the duration of the call.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = target;
+        }
+    }
+    if lim.rlim_cur < want {
+        crate::log::warn(&format!(
+            "open-file limit is {} (hard {}); connections_max = {connections_max} needs about {want}: raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower --connections-max",
+            lim.rlim_cur, lim.rlim_max
+        ));
+    }
+}
+
 /// Runs the daemon until SIGTERM/SIGINT. `on_ready` is called once everything is listening.
 pub fn run(opts: ServeOptions, on_ready: impl FnOnce(&Ready)) -> Result<(), ServeError> {
     run_with(opts, Vec::new(), on_ready)
@@ -137,6 +176,7 @@ pub fn run_with(
         ))
     })?;
     let _ = std::fs::set_permissions(&opts.data, std::fs::Permissions::from_mode(0o700));
+    raise_open_file_limit(opts.connections_max);
     let data = std::fs::canonicalize(&opts.data)
         .map_err(|e| setup(format!("data dir {}: {e}", opts.data.display())))?;
     let policy = Arc::new(match (&opts.policy, opts.allow_all) {
@@ -353,8 +393,12 @@ async fn serve_async(
         let (shared, slots) = (Arc::clone(&shared), Arc::clone(&slots));
         tasks.push(tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = unix.accept().await else {
-                    continue;
+                let stream = match unix.accept().await {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        accept_failed(&e).await;
+                        continue;
+                    }
                 };
                 let Ok(stream) = crate::uds::UnixConn::from_tokio(stream) else {
                     continue;
@@ -370,8 +414,12 @@ async fn serve_async(
         let (shared, slots) = (Arc::clone(&shared), Arc::clone(&slots));
         tasks.push(tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = tcp.accept().await else {
-                    continue;
+                let stream = match tcp.accept().await {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        accept_failed(&e).await;
+                        continue;
+                    }
                 };
                 let _ = stream.set_nodelay(true);
                 let socket = duplicate(&stream);
@@ -385,8 +433,12 @@ async fn serve_async(
         let (shared, slots) = (Arc::clone(&shared), Arc::clone(&slots));
         tasks.push(tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = sg.accept().await else {
-                    continue;
+                let stream = match sg.accept().await {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        accept_failed(&e).await;
+                        continue;
+                    }
                 };
                 let _ = stream.set_nodelay(true);
                 let secret = secret.clone();
@@ -410,6 +462,30 @@ async fn serve_async(
 /// reply goes through the connection's writer.
 fn duplicate(stream: &impl std::os::fd::AsFd) -> Option<std::os::fd::OwnedFd> {
     stream.as_fd().try_clone_to_owned().ok()
+}
+
+/// An accept failed. Out of descriptors or memory, the pending connection stays queued and the
+/// listener stays readable: pause instead of spinning on it, and say why (at most once a
+/// minute). Anything else (the client gave up before it was accepted) concerns one connection.
+async fn accept_failed(e: &std::io::Error) {
+    use std::sync::atomic::AtomicU64;
+    static LAST_WARNED_S: AtomicU64 = AtomicU64::new(0);
+    let exhausted = matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    );
+    if !exhausted {
+        return;
+    }
+    let now_s = crate::conn::wall_ms() / 1000;
+    let last = LAST_WARNED_S.load(std::sync::atomic::Ordering::Relaxed);
+    if now_s >= last + 60 {
+        LAST_WARNED_S.store(now_s, std::sync::atomic::Ordering::Relaxed);
+        crate::log::warn(&format!(
+            "cannot accept connections: {e}; new clients wait until some close (see the open-file limit at startup)"
+        ));
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
 }
 
 /// Serves a connection if a slot is free; otherwise tells the client why and closes it.
