@@ -85,10 +85,110 @@ name_type!(
     /// children and events all point at one copy of the id.
     RunId, "run id", std::sync::Arc<str>
 );
-name_type!(
-    /// The idempotency key of one effect within its run.
-    EffectKey, "effect key"
-);
+/// Effect keys of at most this many bytes are stored inline, without an allocation.
+pub const KEY_INLINE_MAX: usize = 22;
+
+/// The idempotency key of one effect within its run.
+///
+/// Stored inline when it is at most `KEY_INLINE_MAX` bytes (nearly every key: a step name, a
+/// counter, a tool-call id), otherwise boxed. A run's effects map holds its keys, so an inline
+/// key costs no allocation when an effect is admitted and none to free when retention compacts
+/// the run; a search of the map compares keys without following a pointer. It behaves exactly
+/// as the string it holds: equality, order and hash are the string's.
+#[derive(Clone)]
+pub struct EffectKey(KeyRepr);
+
+/// The representation is canonical: a key that fits inline is always inline.
+#[derive(Clone)]
+enum KeyRepr {
+    Inline {
+        len: u8,
+        bytes: [u8; KEY_INLINE_MAX],
+    },
+    Heap(Box<str>),
+}
+
+impl EffectKey {
+    pub fn new(s: &str) -> Result<Self, IdError> {
+        check("effect key", s)?;
+        let repr = if s.len() <= KEY_INLINE_MAX {
+            let mut bytes = [0u8; KEY_INLINE_MAX];
+            bytes[..s.len()].copy_from_slice(s.as_bytes());
+            KeyRepr::Inline {
+                len: s.len() as u8,
+                bytes,
+            }
+        } else {
+            KeyRepr::Heap(s.into())
+        };
+        Ok(EffectKey(repr))
+    }
+
+    /// The key's bytes (UTF-8).
+    pub fn as_bytes(&self) -> &[u8] {
+        match &self.0 {
+            KeyRepr::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            KeyRepr::Heap(s) => s.as_bytes(),
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        match &self.0 {
+            KeyRepr::Inline { .. } => {
+                std::str::from_utf8(self.as_bytes()).expect("an inline key was copied from a str")
+            }
+            KeyRepr::Heap(s) => s,
+        }
+    }
+}
+
+impl PartialEq for EffectKey {
+    fn eq(&self, other: &EffectKey) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for EffectKey {}
+
+impl PartialOrd for EffectKey {
+    fn partial_cmp(&self, other: &EffectKey) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// The order of `str` (which compares bytes).
+impl Ord for EffectKey {
+    fn cmp(&self, other: &EffectKey) -> std::cmp::Ordering {
+        self.as_bytes().cmp(other.as_bytes())
+    }
+}
+
+/// The hash of `str`.
+impl std::hash::Hash for EffectKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write(self.as_bytes());
+        state.write_u8(0xff);
+    }
+}
+
+impl fmt::Display for EffectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl fmt::Debug for EffectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.as_str())
+    }
+}
+
+impl std::str::FromStr for EffectKey {
+    type Err = IdError;
+    fn from_str(s: &str) -> Result<Self, IdError> {
+        Self::new(s)
+    }
+}
 name_type!(
     /// The name of the tool an effect calls. Shared (`Arc`): the gate keeps one copy of each
     /// name for all the effects that call it.
@@ -193,6 +293,93 @@ mod tests {
             let s = format!("a{c}b");
             assert_eq!(check("id", &s).is_err(), c.is_control(), "{c:?}");
         }
+    }
+
+    /// Keys of every length up to the limit, ASCII and not, around the inline boundary.
+    fn sample_keys() -> Vec<String> {
+        let mut out = Vec::new();
+        for len in 1..=NAME_BYTES_MAX {
+            out.push("k".repeat(len));
+            out.push(format!("{}{}", "a".repeat(len - 1), "z"));
+            if len >= 2 {
+                // A two-byte character that ends exactly at `len` bytes.
+                out.push(format!("{}é", "a".repeat(len - 2)));
+            }
+            if len >= 3 {
+                out.push(format!("{}€", "b".repeat(len - 3)));
+            }
+        }
+        for s in [
+            "",
+            "a",
+            "ab",
+            "b",
+            "step-000001",
+            "step-000010",
+            "Z",
+            "~",
+            "é",
+            "a\u{7f}",
+        ] {
+            out.push(s.to_string());
+        }
+        out.retain(|s| EffectKey::new(s).is_ok());
+        out
+    }
+
+    #[test]
+    fn an_effect_key_behaves_as_the_string_it_holds() {
+        use std::collections::BTreeMap;
+        use std::hash::{BuildHasher, RandomState};
+        assert_eq!(std::mem::size_of::<EffectKey>(), 24);
+        let strings = sample_keys();
+        let keys: Vec<EffectKey> = strings
+            .iter()
+            .map(|s| EffectKey::new(s).expect("valid"))
+            .collect();
+        let hasher = RandomState::new();
+        for (s, k) in strings.iter().zip(&keys) {
+            assert_eq!(k.as_str(), s);
+            assert_eq!(k.as_bytes(), s.as_bytes());
+            assert_eq!(k.to_string(), *s);
+            assert_eq!(format!("{k:?}"), format!("{s:?}"));
+            assert_eq!(k.clone(), *k);
+            assert_eq!(s.parse::<EffectKey>().as_ref(), Ok(k));
+            assert_eq!(hasher.hash_one(k), hasher.hash_one(s.as_str()), "{s:?}");
+            assert_eq!(
+                matches!(k.0, KeyRepr::Inline { .. }),
+                s.len() <= KEY_INLINE_MAX,
+                "inline exactly when it fits: {s:?}"
+            );
+        }
+        for (a, ka) in strings.iter().zip(&keys) {
+            for (b, kb) in strings.iter().zip(&keys) {
+                assert_eq!(ka.cmp(kb), a.as_str().cmp(b.as_str()), "{a:?} {b:?}");
+                assert_eq!(ka == kb, a == b);
+                assert_eq!(ka.partial_cmp(kb), Some(a.as_str().cmp(b.as_str())));
+            }
+        }
+        // A map keyed by effect keys walks in the order of one keyed by the strings.
+        let by_key: BTreeMap<EffectKey, usize> = keys.iter().cloned().zip(0..).collect();
+        let by_str: BTreeMap<&str, usize> = strings.iter().map(String::as_str).zip(0..).collect();
+        assert!(
+            by_key
+                .iter()
+                .map(|(k, i)| (k.as_str(), *i))
+                .eq(by_str.into_iter())
+        );
+    }
+
+    #[test]
+    fn effect_keys_refuse_what_names_refuse() {
+        for s in ["", "a\nb", &"x".repeat(NAME_BYTES_MAX + 1)] {
+            assert_eq!(
+                EffectKey::new(s).map(|_| ()),
+                check("effect key", s),
+                "{s:?}"
+            );
+        }
+        assert!(EffectKey::new(&"x".repeat(NAME_BYTES_MAX)).is_ok());
     }
 
     #[test]
