@@ -41,13 +41,37 @@ fn check(what: &'static str, s: &str) -> Result<(), IdError> {
 }
 
 macro_rules! name_type {
-    ($(#[$doc:meta])* $name:ident, $what:literal) => {
-        name_type!($(#[$doc])* $name, $what, Box<str>);
-    };
     ($(#[$doc:meta])* $name:ident, $what:literal, $store:ty) => {
         $(#[$doc])*
-        #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        #[derive(Clone, Hash)]
         pub struct $name($store);
+
+        /// The string's equality; two handles on one shared copy are equal without comparing
+        /// bytes (the gate's lookups nearly always compare an id with its own copy).
+        impl PartialEq for $name {
+            fn eq(&self, other: &Self) -> bool {
+                std::sync::Arc::ptr_eq(&self.0, &other.0) || *self.0 == *other.0
+            }
+        }
+
+        impl Eq for $name {}
+
+        impl PartialOrd for $name {
+            fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+                Some(self.cmp(other))
+            }
+        }
+
+        /// The string's order.
+        impl Ord for $name {
+            fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+                if std::sync::Arc::ptr_eq(&self.0, &other.0) {
+                    std::cmp::Ordering::Equal
+                } else {
+                    self.0.cmp(&other.0)
+                }
+            }
+        }
 
         impl $name {
             pub fn new(s: &str) -> Result<Self, IdError> {
@@ -110,6 +134,7 @@ enum KeyRepr {
 
 impl EffectKey {
     pub fn new(s: &str) -> Result<Self, IdError> {
+        // `check` refuses control characters, NUL among them: `Ord` relies on it.
         check("effect key", s)?;
         let repr = if s.len() <= KEY_INLINE_MAX {
             let mut bytes = [0u8; KEY_INLINE_MAX];
@@ -144,7 +169,12 @@ impl EffectKey {
 
 impl PartialEq for EffectKey {
     fn eq(&self, other: &EffectKey) -> bool {
-        self.as_bytes() == other.as_bytes()
+        match (&self.0, &other.0) {
+            (KeyRepr::Inline { len: m, bytes: a }, KeyRepr::Inline { len: n, bytes: b }) => {
+                m == n && a == b
+            }
+            _ => self.as_bytes() == other.as_bytes(),
+        }
     }
 }
 
@@ -159,8 +189,25 @@ impl PartialOrd for EffectKey {
 /// The order of `str` (which compares bytes).
 impl Ord for EffectKey {
     fn cmp(&self, other: &EffectKey) -> std::cmp::Ordering {
-        self.as_bytes().cmp(other.as_bytes())
+        match (&self.0, &other.0) {
+            // No key contains a NUL (a control character), so the zero padding sorts before
+            // every byte of a longer key: the padded arrays, compared as big-endian integers,
+            // are in the order of the strings (without a call to `memcmp`).
+            (KeyRepr::Inline { bytes: a, .. }, KeyRepr::Inline { bytes: b, .. }) => {
+                inline_words(a).cmp(&inline_words(b))
+            }
+            _ => self.as_bytes().cmp(other.as_bytes()),
+        }
     }
+}
+
+/// An inline key's padded bytes as two big-endian integers (most significant first).
+fn inline_words(bytes: &[u8; KEY_INLINE_MAX]) -> (u128, u64) {
+    let mut hi = [0u8; 16];
+    let mut lo = [0u8; 8];
+    hi.copy_from_slice(&bytes[..16]);
+    lo[..KEY_INLINE_MAX - 16].copy_from_slice(&bytes[16..]);
+    (u128::from_be_bytes(hi), u64::from_be_bytes(lo))
 }
 
 /// The hash of `str`.
@@ -380,6 +427,36 @@ mod tests {
             );
         }
         assert!(EffectKey::new(&"x".repeat(NAME_BYTES_MAX)).is_ok());
+        assert!(
+            EffectKey::new("a\0").is_err(),
+            "the inline order needs keys without NUL"
+        );
+    }
+
+    #[test]
+    fn shared_names_compare_as_their_strings() {
+        let names = ["a", "ab", "b", "run-1", "run-10", "run-2", "é"];
+        for x in names {
+            for y in names {
+                let (a, b) = (RunId::new(x).expect("valid"), RunId::new(y).expect("valid"));
+                assert_eq!(a == b, x == y);
+                assert_eq!(a.cmp(&b), x.cmp(y), "{x:?} {y:?}");
+                assert_eq!(a.partial_cmp(&b), Some(x.cmp(y)));
+                let shared = a.clone();
+                assert_eq!(shared, a);
+                assert_eq!(shared.cmp(&a), std::cmp::Ordering::Equal);
+                let (t, u) = (
+                    ToolName::new(x).expect("valid"),
+                    ToolName::new(y).expect("valid"),
+                );
+                assert_eq!((t == u, t.cmp(&u)), (x == y, x.cmp(y)));
+                let (p, q) = (
+                    PrincipalName::new(x).expect("valid"),
+                    PrincipalName::new(y).expect("valid"),
+                );
+                assert_eq!((p == q, p.cmp(&q)), (x == y, x.cmp(y)));
+            }
+        }
     }
 
     #[test]
