@@ -149,7 +149,28 @@ impl EffectKey {
         Ok(EffectKey(repr))
     }
 
+    /// `new` for a key read as bytes (a decoder's): a short key of printable ASCII (which is
+    /// valid UTF-8 with no control character, so `new` would accept it and store it inline)
+    /// is built in one pass; anything else is `None`, for the caller to take the general
+    /// path (`from_utf8`, then `new`).
+    pub(crate) fn from_short_printable(b: &[u8]) -> Option<EffectKey> {
+        if b.is_empty() || b.len() > KEY_INLINE_MAX {
+            return None;
+        }
+        let mut bytes = [0u8; KEY_INLINE_MAX];
+        let mut printable = true;
+        for (to, &from) in bytes.iter_mut().zip(b) {
+            printable &= matches!(from, b' '..=b'~');
+            *to = from;
+        }
+        printable.then_some(EffectKey(KeyRepr::Inline {
+            len: b.len() as u8,
+            bytes,
+        }))
+    }
+
     /// The key's bytes (UTF-8).
+    #[inline]
     pub fn as_bytes(&self) -> &[u8] {
         match &self.0 {
             KeyRepr::Inline { len, bytes } => &bytes[..usize::from(*len)],
@@ -168,6 +189,7 @@ impl EffectKey {
 }
 
 impl PartialEq for EffectKey {
+    #[inline]
     fn eq(&self, other: &EffectKey) -> bool {
         match (&self.0, &other.0) {
             (KeyRepr::Inline { len: m, bytes: a }, KeyRepr::Inline { len: n, bytes: b }) => {
@@ -188,6 +210,7 @@ impl PartialOrd for EffectKey {
 
 /// The order of `str` (which compares bytes).
 impl Ord for EffectKey {
+    #[inline]
     fn cmp(&self, other: &EffectKey) -> std::cmp::Ordering {
         match (&self.0, &other.0) {
             // No key contains a NUL (a control character), so the zero padding sorts before
@@ -202,6 +225,7 @@ impl Ord for EffectKey {
 }
 
 /// An inline key's padded bytes as two big-endian integers (most significant first).
+#[inline]
 fn inline_words(bytes: &[u8; KEY_INLINE_MAX]) -> (u128, u64) {
     let mut hi = [0u8; 16];
     let mut lo = [0u8; 8];
@@ -431,6 +455,44 @@ mod tests {
             EffectKey::new("a\0").is_err(),
             "the inline order needs keys without NUL"
         );
+    }
+
+    #[test]
+    fn the_decoders_short_path_builds_what_new_builds() {
+        let mut inputs: Vec<Vec<u8>> = sample_keys().into_iter().map(String::into_bytes).collect();
+        inputs.extend([
+            vec![],
+            vec![0],
+            b"a\0".to_vec(),
+            b"tab\there".to_vec(),
+            vec![0x7f],
+            vec![0xff, b'a'],
+            vec![0xc3, 0xa9],
+            b"x".repeat(KEY_INLINE_MAX + 1),
+        ]);
+        for b in 0..=255u8 {
+            inputs.push(vec![b]);
+            inputs.push(vec![b'k', b, b'k']);
+        }
+        for b in &inputs {
+            let short = EffectKey::from_short_printable(b);
+            let printable_ascii = b.iter().all(|c| (b' '..=b'~').contains(c));
+            let fits = !b.is_empty() && b.len() <= KEY_INLINE_MAX;
+            assert_eq!(short.is_some(), fits && printable_ascii, "{b:?}");
+            if let Some(key) = short {
+                let s = std::str::from_utf8(b).expect("printable ASCII is UTF-8");
+                let general = EffectKey::new(s).expect("new accepts it too");
+                assert_eq!(key, general);
+                assert_eq!(key.as_bytes(), b.as_slice());
+                match (&key.0, &general.0) {
+                    (
+                        KeyRepr::Inline { len: m, bytes: x },
+                        KeyRepr::Inline { len: n, bytes: y },
+                    ) => assert_eq!((m, x), (n, y), "the same representation"),
+                    _ => panic!("both inline: {b:?}"),
+                }
+            }
+        }
     }
 
     #[test]
