@@ -43,8 +43,15 @@ fn check(what: &'static str, s: &str) -> Result<(), IdError> {
 macro_rules! name_type {
     ($(#[$doc:meta])* $name:ident, $what:literal, $store:ty) => {
         $(#[$doc])*
-        #[derive(Clone, Hash)]
+        #[derive(Clone)]
         pub struct $name($store);
+
+        /// The string's hash (as derived; written out because `PartialEq` is).
+        impl std::hash::Hash for $name {
+            fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+                self.0.hash(state);
+            }
+        }
 
         /// The string's equality; two handles on one shared copy are equal without comparing
         /// bytes (the gate's lookups nearly always compare an id with its own copy).
@@ -504,6 +511,9 @@ mod tests {
                 assert_eq!(a == b, x == y);
                 assert_eq!(a.cmp(&b), x.cmp(y), "{x:?} {y:?}");
                 assert_eq!(a.partial_cmp(&b), Some(x.cmp(y)));
+                let hasher = std::hash::RandomState::new();
+                use std::hash::BuildHasher;
+                assert_eq!(hasher.hash_one(&a), hasher.hash_one(x));
                 let shared = a.clone();
                 assert_eq!(shared, a);
                 assert_eq!(shared.cmp(&a), std::cmp::Ordering::Equal);
