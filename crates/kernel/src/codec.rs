@@ -180,6 +180,15 @@ impl<'a> R<'a> {
         self.id(RunId::new)
     }
     fn key(&mut self) -> Result<EffectKey, CodecError> {
+        let start = self.pos;
+        if let Some(key) = self
+            .raw_str()
+            .ok()
+            .and_then(EffectKey::from_short_printable)
+        {
+            return Ok(key);
+        }
+        self.pos = start;
         self.id(EffectKey::new)
     }
     fn tool(&mut self) -> Result<ToolName, CodecError> {

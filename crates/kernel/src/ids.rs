@@ -41,13 +41,44 @@ fn check(what: &'static str, s: &str) -> Result<(), IdError> {
 }
 
 macro_rules! name_type {
-    ($(#[$doc:meta])* $name:ident, $what:literal) => {
-        name_type!($(#[$doc])* $name, $what, Box<str>);
-    };
     ($(#[$doc:meta])* $name:ident, $what:literal, $store:ty) => {
         $(#[$doc])*
-        #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        #[derive(Clone)]
         pub struct $name($store);
+
+        /// The string's hash (as derived; written out because `PartialEq` is).
+        impl std::hash::Hash for $name {
+            fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+                self.0.hash(state);
+            }
+        }
+
+        /// The string's equality; two handles on one shared copy are equal without comparing
+        /// bytes (the gate's lookups nearly always compare an id with its own copy).
+        impl PartialEq for $name {
+            fn eq(&self, other: &Self) -> bool {
+                std::sync::Arc::ptr_eq(&self.0, &other.0) || *self.0 == *other.0
+            }
+        }
+
+        impl Eq for $name {}
+
+        impl PartialOrd for $name {
+            fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+                Some(self.cmp(other))
+            }
+        }
+
+        /// The string's order.
+        impl Ord for $name {
+            fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+                if std::sync::Arc::ptr_eq(&self.0, &other.0) {
+                    std::cmp::Ordering::Equal
+                } else {
+                    self.0.cmp(&other.0)
+                }
+            }
+        }
 
         impl $name {
             pub fn new(s: &str) -> Result<Self, IdError> {
@@ -85,10 +116,157 @@ name_type!(
     /// children and events all point at one copy of the id.
     RunId, "run id", std::sync::Arc<str>
 );
-name_type!(
-    /// The idempotency key of one effect within its run.
-    EffectKey, "effect key"
-);
+/// Effect keys of at most this many bytes are stored inline, without an allocation.
+pub const KEY_INLINE_MAX: usize = 22;
+
+/// The idempotency key of one effect within its run.
+///
+/// Stored inline when it is at most `KEY_INLINE_MAX` bytes (nearly every key: a step name, a
+/// counter, a tool-call id), otherwise boxed. A run's effects map holds its keys, so an inline
+/// key costs no allocation when an effect is admitted and none to free when retention compacts
+/// the run; a search of the map compares keys without following a pointer. It behaves exactly
+/// as the string it holds: equality, order and hash are the string's.
+#[derive(Clone)]
+pub struct EffectKey(KeyRepr);
+
+/// The representation is canonical: a key that fits inline is always inline.
+#[derive(Clone)]
+enum KeyRepr {
+    Inline {
+        len: u8,
+        bytes: [u8; KEY_INLINE_MAX],
+    },
+    Heap(Box<str>),
+}
+
+impl EffectKey {
+    pub fn new(s: &str) -> Result<Self, IdError> {
+        // `check` refuses control characters, NUL among them: `Ord` relies on it.
+        check("effect key", s)?;
+        let repr = if s.len() <= KEY_INLINE_MAX {
+            let mut bytes = [0u8; KEY_INLINE_MAX];
+            bytes[..s.len()].copy_from_slice(s.as_bytes());
+            KeyRepr::Inline {
+                len: s.len() as u8,
+                bytes,
+            }
+        } else {
+            KeyRepr::Heap(s.into())
+        };
+        Ok(EffectKey(repr))
+    }
+
+    /// `new` for a key read as bytes (a decoder's): a short key of printable ASCII (which is
+    /// valid UTF-8 with no control character, so `new` would accept it and store it inline)
+    /// is built in one pass; anything else is `None`, for the caller to take the general
+    /// path (`from_utf8`, then `new`).
+    pub(crate) fn from_short_printable(b: &[u8]) -> Option<EffectKey> {
+        if b.is_empty() || b.len() > KEY_INLINE_MAX {
+            return None;
+        }
+        let mut bytes = [0u8; KEY_INLINE_MAX];
+        let mut printable = true;
+        for (to, &from) in bytes.iter_mut().zip(b) {
+            printable &= matches!(from, b' '..=b'~');
+            *to = from;
+        }
+        printable.then_some(EffectKey(KeyRepr::Inline {
+            len: b.len() as u8,
+            bytes,
+        }))
+    }
+
+    /// The key's bytes (UTF-8).
+    #[inline]
+    pub fn as_bytes(&self) -> &[u8] {
+        match &self.0 {
+            KeyRepr::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            KeyRepr::Heap(s) => s.as_bytes(),
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        match &self.0 {
+            KeyRepr::Inline { .. } => {
+                std::str::from_utf8(self.as_bytes()).expect("an inline key was copied from a str")
+            }
+            KeyRepr::Heap(s) => s,
+        }
+    }
+}
+
+impl PartialEq for EffectKey {
+    #[inline]
+    fn eq(&self, other: &EffectKey) -> bool {
+        match (&self.0, &other.0) {
+            (KeyRepr::Inline { len: m, bytes: a }, KeyRepr::Inline { len: n, bytes: b }) => {
+                m == n && a == b
+            }
+            _ => self.as_bytes() == other.as_bytes(),
+        }
+    }
+}
+
+impl Eq for EffectKey {}
+
+impl PartialOrd for EffectKey {
+    fn partial_cmp(&self, other: &EffectKey) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// The order of `str` (which compares bytes).
+impl Ord for EffectKey {
+    #[inline]
+    fn cmp(&self, other: &EffectKey) -> std::cmp::Ordering {
+        match (&self.0, &other.0) {
+            // No key contains a NUL (a control character), so the zero padding sorts before
+            // every byte of a longer key: the padded arrays, compared as big-endian integers,
+            // are in the order of the strings (without a call to `memcmp`).
+            (KeyRepr::Inline { bytes: a, .. }, KeyRepr::Inline { bytes: b, .. }) => {
+                inline_words(a).cmp(&inline_words(b))
+            }
+            _ => self.as_bytes().cmp(other.as_bytes()),
+        }
+    }
+}
+
+/// An inline key's padded bytes as two big-endian integers (most significant first).
+#[inline]
+fn inline_words(bytes: &[u8; KEY_INLINE_MAX]) -> (u128, u64) {
+    let mut hi = [0u8; 16];
+    let mut lo = [0u8; 8];
+    hi.copy_from_slice(&bytes[..16]);
+    lo[..KEY_INLINE_MAX - 16].copy_from_slice(&bytes[16..]);
+    (u128::from_be_bytes(hi), u64::from_be_bytes(lo))
+}
+
+/// The hash of `str`.
+impl std::hash::Hash for EffectKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write(self.as_bytes());
+        state.write_u8(0xff);
+    }
+}
+
+impl fmt::Display for EffectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl fmt::Debug for EffectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.as_str())
+    }
+}
+
+impl std::str::FromStr for EffectKey {
+    type Err = IdError;
+    fn from_str(s: &str) -> Result<Self, IdError> {
+        Self::new(s)
+    }
+}
 name_type!(
     /// The name of the tool an effect calls. Shared (`Arc`): the gate keeps one copy of each
     /// name for all the effects that call it.
@@ -192,6 +370,164 @@ mod tests {
         for c in (0..=0x10ffff).filter_map(char::from_u32) {
             let s = format!("a{c}b");
             assert_eq!(check("id", &s).is_err(), c.is_control(), "{c:?}");
+        }
+    }
+
+    /// Keys of every length up to the limit, ASCII and not, around the inline boundary.
+    fn sample_keys() -> Vec<String> {
+        let mut out = Vec::new();
+        for len in 1..=NAME_BYTES_MAX {
+            out.push("k".repeat(len));
+            out.push(format!("{}{}", "a".repeat(len - 1), "z"));
+            if len >= 2 {
+                // A two-byte character that ends exactly at `len` bytes.
+                out.push(format!("{}é", "a".repeat(len - 2)));
+            }
+            if len >= 3 {
+                out.push(format!("{}€", "b".repeat(len - 3)));
+            }
+        }
+        for s in [
+            "",
+            "a",
+            "ab",
+            "b",
+            "step-000001",
+            "step-000010",
+            "Z",
+            "~",
+            "é",
+            "a\u{7f}",
+        ] {
+            out.push(s.to_string());
+        }
+        out.retain(|s| EffectKey::new(s).is_ok());
+        out
+    }
+
+    #[test]
+    fn an_effect_key_behaves_as_the_string_it_holds() {
+        use std::collections::BTreeMap;
+        use std::hash::{BuildHasher, RandomState};
+        assert_eq!(std::mem::size_of::<EffectKey>(), 24);
+        let strings = sample_keys();
+        let keys: Vec<EffectKey> = strings
+            .iter()
+            .map(|s| EffectKey::new(s).expect("valid"))
+            .collect();
+        let hasher = RandomState::new();
+        for (s, k) in strings.iter().zip(&keys) {
+            assert_eq!(k.as_str(), s);
+            assert_eq!(k.as_bytes(), s.as_bytes());
+            assert_eq!(k.to_string(), *s);
+            assert_eq!(format!("{k:?}"), format!("{s:?}"));
+            assert_eq!(k.clone(), *k);
+            assert_eq!(s.parse::<EffectKey>().as_ref(), Ok(k));
+            assert_eq!(hasher.hash_one(k), hasher.hash_one(s.as_str()), "{s:?}");
+            assert_eq!(
+                matches!(k.0, KeyRepr::Inline { .. }),
+                s.len() <= KEY_INLINE_MAX,
+                "inline exactly when it fits: {s:?}"
+            );
+        }
+        for (a, ka) in strings.iter().zip(&keys) {
+            for (b, kb) in strings.iter().zip(&keys) {
+                assert_eq!(ka.cmp(kb), a.as_str().cmp(b.as_str()), "{a:?} {b:?}");
+                assert_eq!(ka == kb, a == b);
+                assert_eq!(ka.partial_cmp(kb), Some(a.as_str().cmp(b.as_str())));
+            }
+        }
+        // A map keyed by effect keys walks in the order of one keyed by the strings.
+        let by_key: BTreeMap<EffectKey, usize> = keys.iter().cloned().zip(0..).collect();
+        let by_str: BTreeMap<&str, usize> = strings.iter().map(String::as_str).zip(0..).collect();
+        assert!(
+            by_key
+                .iter()
+                .map(|(k, i)| (k.as_str(), *i))
+                .eq(by_str.into_iter())
+        );
+    }
+
+    #[test]
+    fn effect_keys_refuse_what_names_refuse() {
+        for s in ["", "a\nb", &"x".repeat(NAME_BYTES_MAX + 1)] {
+            assert_eq!(
+                EffectKey::new(s).map(|_| ()),
+                check("effect key", s),
+                "{s:?}"
+            );
+        }
+        assert!(EffectKey::new(&"x".repeat(NAME_BYTES_MAX)).is_ok());
+        assert!(
+            EffectKey::new("a\0").is_err(),
+            "the inline order needs keys without NUL"
+        );
+    }
+
+    #[test]
+    fn the_decoders_short_path_builds_what_new_builds() {
+        let mut inputs: Vec<Vec<u8>> = sample_keys().into_iter().map(String::into_bytes).collect();
+        inputs.extend([
+            vec![],
+            vec![0],
+            b"a\0".to_vec(),
+            b"tab\there".to_vec(),
+            vec![0x7f],
+            vec![0xff, b'a'],
+            vec![0xc3, 0xa9],
+            b"x".repeat(KEY_INLINE_MAX + 1),
+        ]);
+        for b in 0..=255u8 {
+            inputs.push(vec![b]);
+            inputs.push(vec![b'k', b, b'k']);
+        }
+        for b in &inputs {
+            let short = EffectKey::from_short_printable(b);
+            let printable_ascii = b.iter().all(|c| (b' '..=b'~').contains(c));
+            let fits = !b.is_empty() && b.len() <= KEY_INLINE_MAX;
+            assert_eq!(short.is_some(), fits && printable_ascii, "{b:?}");
+            if let Some(key) = short {
+                let s = std::str::from_utf8(b).expect("printable ASCII is UTF-8");
+                let general = EffectKey::new(s).expect("new accepts it too");
+                assert_eq!(key, general);
+                assert_eq!(key.as_bytes(), b.as_slice());
+                match (&key.0, &general.0) {
+                    (
+                        KeyRepr::Inline { len: m, bytes: x },
+                        KeyRepr::Inline { len: n, bytes: y },
+                    ) => assert_eq!((m, x), (n, y), "the same representation"),
+                    _ => panic!("both inline: {b:?}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shared_names_compare_as_their_strings() {
+        let names = ["a", "ab", "b", "run-1", "run-10", "run-2", "é"];
+        for x in names {
+            for y in names {
+                let (a, b) = (RunId::new(x).expect("valid"), RunId::new(y).expect("valid"));
+                assert_eq!(a == b, x == y);
+                assert_eq!(a.cmp(&b), x.cmp(y), "{x:?} {y:?}");
+                assert_eq!(a.partial_cmp(&b), Some(x.cmp(y)));
+                let hasher = std::hash::RandomState::new();
+                use std::hash::BuildHasher;
+                assert_eq!(hasher.hash_one(&a), hasher.hash_one(x));
+                let shared = a.clone();
+                assert_eq!(shared, a);
+                assert_eq!(shared.cmp(&a), std::cmp::Ordering::Equal);
+                let (t, u) = (
+                    ToolName::new(x).expect("valid"),
+                    ToolName::new(y).expect("valid"),
+                );
+                assert_eq!((t == u, t.cmp(&u)), (x == y, x.cmp(y)));
+                let (p, q) = (
+                    PrincipalName::new(x).expect("valid"),
+                    PrincipalName::new(y).expect("valid"),
+                );
+                assert_eq!((p == q, p.cmp(&q)), (x == y, x.cmp(y)));
+            }
         }
     }
 

@@ -93,12 +93,20 @@ impl Runs {
         before: u64,
         mut compact: impl FnMut(&mut Run) -> bool,
     ) -> u32 {
-        let due: Vec<(u64, RunId)> = self
+        // The due entries are a prefix of the index: split them off whole (one walk, no
+        // rebalancing per entry) and put back the few that stay (runs still finalizing).
+        let first_not_due = self
             .uncompacted
             .iter()
-            .take_while(|(at, _)| *at <= before)
-            .cloned()
-            .collect();
+            .find(|(at, _)| *at > before)
+            .cloned();
+        let due = match first_not_due {
+            Some(entry) => {
+                let rest = self.uncompacted.split_off(&entry);
+                std::mem::replace(&mut self.uncompacted, rest)
+            }
+            None => std::mem::take(&mut self.uncompacted),
+        };
         let mut n = 0;
         for entry in due {
             let run = self
@@ -107,8 +115,9 @@ impl Runs {
                 .expect("an uncompacted entry names a run");
             if compact(run) {
                 debug_assert!(run.compacted, "compact sets the flag");
-                self.uncompacted.remove(&entry);
                 n += 1;
+            } else {
+                self.uncompacted.insert(entry);
             }
         }
         n

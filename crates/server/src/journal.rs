@@ -38,7 +38,13 @@ pub fn open(
             Ok(())
         },
         |_seq, bytes| -> Result<(), String> {
-            let rec = decoder.decode(bytes).map_err(|e| e.to_string())?;
+            // Borrowed where it was decoded: a record is ~300 bytes, and moving it out of the
+            // `Result` was a copy per record.
+            let decoded = decoder.decode(bytes);
+            let rec = match &decoded {
+                Ok(rec) => rec,
+                Err(e) => return Err(e.to_string()),
+            };
             let changed = gate
                 .borrow_mut()
                 .replay(rec.at, &rec.principal, &rec.command)
