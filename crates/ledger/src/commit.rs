@@ -342,20 +342,23 @@ impl Committer {
     /// thread — one thread handoff less per commit, for when nothing else would use the time —
     /// and returns once that sync is done; the outcome reaches `notify` and `durable()` exactly
     /// as from the sync thread. Otherwise it wakes the sync thread and returns at once.
-    pub fn commit(&self, inline: bool) {
+    /// Returns whether the sync ran on the caller's thread.
+    pub fn commit(&self, inline: bool) -> bool {
         let sh = self.shared();
         let mut st = sh.lock();
         if st.buf.is_empty() || st.syncing || !st.sync_idle || st.failed.is_some() {
-            return;
+            return false;
         }
         if inline {
             let (batch, last_seq) = take_batch(&mut st);
             drop(st);
             sync_batch(sh, batch, last_seq);
+            true
         } else {
             st.sync_idle = false;
             drop(st);
             sh.work.notify_one();
+            false
         }
     }
 

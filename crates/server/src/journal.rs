@@ -92,8 +92,9 @@ impl Journal {
     }
 
     /// Starts the sync of everything appended; see `Committer::commit`.
-    pub fn commit(&self, inline: bool) {
-        self.committer.commit(inline);
+    /// Returns whether the sync ran on this thread (see `Committer::commit`).
+    pub fn commit(&self, inline: bool) -> bool {
+        self.committer.commit(inline)
     }
 
     /// Records carried by the last sync.

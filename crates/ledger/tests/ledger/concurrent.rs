@@ -169,7 +169,7 @@ fn a_deferred_append_waits_for_a_commit_and_an_inline_commit_syncs_on_the_caller
     std::thread::sleep(std::time::Duration::from_millis(20));
     assert_eq!(c.durable(), 0, "nothing is synced before a commit");
     assert_eq!(disk.stats().syncs, syncs);
-    c.commit(true);
+    assert!(c.commit(true), "synced on this thread");
     assert_eq!(
         c.durable(),
         3,
@@ -183,7 +183,7 @@ fn a_deferred_append_waits_for_a_commit_and_an_inline_commit_syncs_on_the_caller
     );
     // Without `inline` the sync thread does it.
     c.append_deferred(&payload(4)).expect("append");
-    c.commit(false);
+    assert!(!c.commit(false));
     c.wait_durable(4).expect("durable");
     assert_ne!(
         notified.lock().expect("lock")[1].1,
@@ -235,7 +235,7 @@ fn a_failed_inline_sync_fails_the_committer_closed() {
         "ledger_failed"
     );
     let syncs = disk.stats().syncs;
-    c.commit(true);
+    assert!(!c.commit(true), "nothing to sync after the failure");
     std::thread::sleep(std::time::Duration::from_millis(5));
     assert_eq!(disk.stats().syncs, syncs, "no sync after the failure");
 }
