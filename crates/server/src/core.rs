@@ -318,12 +318,6 @@ impl Core {
         Ok(core)
     }
 
-    /// The queue of replies waiting for their fsync: whoever runs the IO runtime must run its
-    /// [`crate::durable::Release::deliver`] task there, or nothing is ever answered.
-    pub fn release(&self) -> Arc<crate::durable::Release> {
-        Arc::clone(&self.release)
-    }
-
     pub fn gate(&self) -> &Gate {
         &self.gate
     }
@@ -463,7 +457,7 @@ impl Core {
             && journal.last_batch_records() <= INLINE_SYNC_RECORDS_MAX;
         let synced_here = if inline {
             // Its replies are handed over here too, straight to their sockets.
-            crate::durable::release_here(|| journal.commit(true))
+            journal.commit(true)
         } else {
             journal.commit(false);
             false

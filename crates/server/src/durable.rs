@@ -67,16 +67,16 @@ pub fn decide(s: &DurableState, after: After) -> Option<Durability> {
     }
 }
 
-/// Replies and events whose record is not durable yet. The ledger's sync thread only records
-/// how far the ledger is durable and wakes one task, [`Release::deliver`], on the IO runtime,
-/// which hands everything now durable to its connection in order: one cross-thread wakeup per
-/// fdatasync instead of one per reply. When the core syncs a light burst itself
-/// ([`release_here`]), it hands the replies over itself, straight to their sockets
-/// ([`Outbox::release`]): the IO thread is not woken at all.
+/// Replies and events whose record is not durable yet. Whichever thread learns that the ledger
+/// is durable further — the ledger's sync thread after an fdatasync, or the core after syncing a
+/// light burst itself — hands what that releases to the connections, in order, straight to their
+/// sockets where it can ([`Outbox::release`]). Neither the IO thread nor the connections' writers
+/// are woken for it: under load that moves the reply writes off the IO thread, which parses the
+/// requests, onto the sync thread, which otherwise waits for the disk; for a lone request it
+/// spares a thread handoff.
 #[derive(Debug, Default)]
 pub struct Release {
     inner: std::sync::Mutex<ReleaseInner>,
-    wake: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
@@ -93,19 +93,6 @@ struct ReleaseInner {
     delivering: bool,
 }
 
-thread_local! {
-    static RELEASING_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Runs `f` (the core's inline commit) so that replies it makes durable are handed over on this
-/// thread instead of by [`Release::deliver`].
-pub fn release_here<T>(f: impl FnOnce() -> T) -> T {
-    RELEASING_HERE.set(true);
-    let r = f();
-    RELEASING_HERE.set(false);
-    r
-}
-
 impl Release {
     fn lock(&self) -> std::sync::MutexGuard<'_, ReleaseInner> {
         self.inner
@@ -115,6 +102,11 @@ impl Release {
 
     /// Sends `item` now if `after` is durable and nothing is queued before it, else once it
     /// and everything before it are durable.
+    ///
+    /// Nothing queued is ever stranded: while no thread is delivering, every queued item but
+    /// the newest waits for a seq that is not durable yet, so the newest is handed over with
+    /// them by the [`Release::durable`] that releases them; while a thread is delivering, it
+    /// looks at the queue again before it stops.
     pub fn send(&self, after: After, out: &Outbox, item: Out) {
         let mut g = self.lock();
         let current = after.generation == g.generation;
@@ -132,10 +124,6 @@ impl Release {
         if pending || !g.queue.is_empty() || g.delivering {
             let seq = if pending { after.seq } else { g.durable };
             g.queue.push_back((seq, out.clone(), item));
-            if !pending {
-                drop(g);
-                self.wake.notify_one();
-            }
         } else {
             // Nothing is queued or being handed over, and only the core (this caller) queues:
             // nothing can overtake it outside the lock.
@@ -149,8 +137,8 @@ impl Release {
         }
     }
 
-    /// Called after each fdatasync (by the sync thread, or by the core after an inline one):
-    /// notes how far the ledger is durable and hands over what that releases.
+    /// Called after each fdatasync, on the thread that ran it: notes how far the ledger is
+    /// durable and hands over what that releases.
     pub fn durable(&self, generation: u64, seq: u64) {
         let mut g = self.lock();
         if g.generation != generation || seq <= g.durable {
@@ -160,11 +148,7 @@ impl Release {
         let releases = g.queue.front().is_some_and(|(s, _, _)| *s <= seq);
         drop(g);
         if releases {
-            if RELEASING_HERE.get() {
-                self.hand_over();
-            } else {
-                self.wake.notify_one();
-            }
+            self.hand_over();
         }
     }
 
@@ -197,15 +181,6 @@ impl Release {
             for (out, item) in batch.drain(..) {
                 out.release(item);
             }
-        }
-    }
-
-    /// The task that hands durable replies to their connections; runs on the IO runtime for as
-    /// long as the daemon does.
-    pub async fn deliver(self: std::sync::Arc<Self>) {
-        loop {
-            self.wake.notified().await;
-            self.hand_over();
         }
     }
 
@@ -354,24 +329,76 @@ mod tests {
     }
 
     #[test]
-    fn an_inline_sync_hands_replies_over_on_its_own_thread_in_order() {
+    fn the_syncing_thread_hands_replies_over_in_order_once_durable() {
         let release = Release::default();
         release.start(0, 0);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let out = Outbox::from(tx);
         release.send(at(1), &out, answer(1));
-        release.send(at(2), &out, answer(2));
-        release.send(at(0), &out, answer(3)); // durable already, but behind the others
+        release.send(at(3), &out, answer(3));
+        release.send(at(0), &out, answer(4)); // durable already, but behind the others
         assert!(handed(&mut rx).is_empty(), "nothing is durable yet");
 
-        // From the sync thread, only the release task would hand them over.
-        release.durable(0, 1);
-        assert!(handed(&mut rx).is_empty());
-        // After an inline sync, the syncing thread hands over what is durable, in order.
-        release_here(|| release.durable(0, 2));
-        assert_eq!(handed(&mut rx), ["1", "2", "3"]);
-        release.send(at(2), &out, answer(4));
-        assert_eq!(handed(&mut rx), ["4"], "nothing queued: straight through");
+        release.durable(0, 2);
+        assert_eq!(handed(&mut rx), ["1"], "handed over by the call itself");
+        release.durable(0, 3);
+        assert_eq!(handed(&mut rx), ["3", "4"]);
+        release.send(at(3), &out, answer(5));
+        assert_eq!(handed(&mut rx), ["5"], "nothing queued: straight through");
+    }
+
+    /// Replies queued by one thread (the core) while another reports durability and hands
+    /// them over (the sync thread) arrive once each, in the order they were sent — also a reply
+    /// sent, already durable, while the other thread is still handing over those before it.
+    #[test]
+    fn replies_keep_their_order_while_another_thread_releases_them() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        const ROUNDS: u64 = 400;
+        const PENDING: u64 = 50;
+        const LATE: u64 = 5;
+        let release = std::sync::Arc::new(Release::default());
+        release.start(0, 0);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let out = Outbox::from(tx);
+        let produced = std::sync::Arc::new(AtomicU64::new(0));
+        let syncing = std::sync::Arc::new(AtomicU64::new(0));
+        let syncer = std::thread::spawn({
+            let (release, produced, syncing) = (release.clone(), produced.clone(), syncing.clone());
+            move || {
+                let mut durable = 0;
+                while durable < ROUNDS * PENDING {
+                    let p = produced.load(Ordering::Acquire);
+                    if p > durable {
+                        durable = p;
+                        syncing.store(durable, Ordering::Release);
+                        release.durable(0, durable);
+                    }
+                }
+            }
+        });
+        let mut n = 0;
+        let mut expected = Vec::new();
+        for round in 0..ROUNDS {
+            let base = round * PENDING;
+            for seq in base + 1..=base + PENDING {
+                n += 1;
+                release.send(at(seq), &out, answer(n));
+                expected.push(n.to_string());
+            }
+            produced.store(base + PENDING, Ordering::Release);
+            // As soon as the syncer is making them durable, send replies that depend on
+            // nothing newer: they must wait for the hand-over of the ones before them.
+            while syncing.load(Ordering::Acquire) < base + PENDING {
+                std::hint::spin_loop();
+            }
+            for _ in 0..LATE {
+                n += 1;
+                release.send(at(base + PENDING), &out, answer(n));
+                expected.push(n.to_string());
+            }
+        }
+        syncer.join().unwrap();
+        assert_eq!(handed(&mut rx), expected);
     }
 
     #[test]
@@ -395,9 +422,14 @@ mod tests {
         release.send(at(1), &out, answer(1));
         release.send(at(2), &out, event());
         release.send(at(3), &out, answer(3));
-        release.durable(0, 1); // no release task runs here: still queued
+        release.durable(0, 1);
+        assert_eq!(handed(&mut rx), ["1"]);
         release.fail();
-        assert_eq!(handed(&mut rx), ["1", "lost"]);
+        assert_eq!(
+            handed(&mut rx),
+            ["lost"],
+            "the event is dropped, the answer is lost"
+        );
         // A reply that depends on a lost record, sent after the failure.
         release.send(at(4), &out, answer(4));
         assert_eq!(handed(&mut rx), ["lost"]);

@@ -2,11 +2,12 @@
 //!
 //! Everything a connection is owed goes to its writer task through one channel, in order. A
 //! reply that is durable already can skip the writer: [`Outbox::release`] renders it and writes
-//! it to the socket on the thread that learned it is durable — the core after an inline commit,
-//! or the release task — so a lone request's reply does not wake the IO thread only to be
-//! written there. Order is kept by one count per connection: items handed to the writer and not
-//! yet written. Only when it is zero, under the same lock that every hand-over takes, may a
-//! reply go straight to the socket; anything it could not write whole goes to the writer next.
+//! it to the socket on the thread that learned it is durable — the ledger's sync thread, or the
+//! core after an inline commit — so no reply wakes the IO thread only to be written there. Order
+//! is kept by one count per connection: items handed to the writer and not yet written. Only
+//! when it is zero, under the same lock that every hand-over takes, may a reply go straight to
+//! the socket; anything it could not write whole goes to the writer next. Writes never block: a
+//! full socket sends the rest to the writer, which waits for the client to read.
 
 use crate::core::{Answer, Out};
 use estop_protocol::Id;

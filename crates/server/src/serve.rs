@@ -235,7 +235,6 @@ pub fn run_with(
     .map_err(|e| match e {
         journal::JournalError::Ledger(l) => ServeError::Ledger(l),
     })?;
-    let release = core.release();
     let core_thread = std::thread::Builder::new()
         .name("estop-core".into())
         .spawn(move || core.run(core_rx))
@@ -269,7 +268,6 @@ pub fn run_with(
     }
     .map_err(|e| setup(format!("cannot start the runtime: {e}")))?;
     let mut socket_id = None;
-    runtime.spawn(release.deliver());
     let result = runtime.block_on(serve_async(
         &opts,
         &data,

@@ -76,14 +76,12 @@ impl Harness {
             )
         });
         let core = Core::new(opts, Arc::new(durable_tx), open, tx.clone()).unwrap();
-        let release = core.release();
         std::thread::spawn(move || core.run(rx));
         let (out_tx, out_rx) = tmpsc::unbounded_channel();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
-        rt.spawn(release.deliver());
         Harness {
             tx,
             durable,
