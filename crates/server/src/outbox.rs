@@ -96,13 +96,18 @@ impl Outbox {
         }
     }
 
-    /// Delivers an item that is durable now: an answer is written straight to the socket when
-    /// nothing is ahead of it; anything else, or an answer behind others, goes to the writer.
+    /// Delivers an item that is durable now: a short answer (a verdict, an acknowledgement, an
+    /// error) is written straight to the socket when nothing is ahead of it; anything else goes
+    /// to the writer, so a long listing is never rendered on the core or the sync thread.
     pub fn release(&self, item: Out) {
         let (Some(d), Out::Answer { id, answer, .. }) = (&self.direct, &item) else {
             let _ = self.send(item);
             return;
         };
+        if !short(answer) {
+            let _ = self.send(item);
+            return;
+        }
         let mut ahead = d.lock();
         if *ahead > 0 || self.tx.is_closed() {
             if self.tx.send(item).is_ok() {
@@ -131,6 +136,24 @@ impl Outbox {
 
     pub fn is_closed(&self) -> bool {
         self.tx.is_closed()
+    }
+}
+
+/// An answer whose rendering is bounded and small (at most a few hundred bytes).
+fn short(answer: &Answer) -> bool {
+    match answer {
+        Answer::Verdict(_)
+        | Answer::Ack(_)
+        | Answer::Decided(_)
+        | Answer::Hello(_)
+        | Answer::TokenCreated(_)
+        | Answer::Pong
+        | Answer::Error(..) => true,
+        Answer::Run(_)
+        | Answer::Runs(_)
+        | Answer::Pending(_)
+        | Answer::Report(_)
+        | Answer::Ledger(_) => false,
     }
 }
 
@@ -212,6 +235,14 @@ mod tests {
         out.release(answer(4));
         assert_eq!(id_of(&lines.next().unwrap().unwrap()), 4);
         assert!(rx.try_recv().is_err());
+
+        // A listing is rendered by the writer, never on the releasing thread.
+        out.release(Out::Answer {
+            id: Id::from_u64(5),
+            answer: Answer::Runs(estop_protocol::reply::RunsReply::default()),
+            after: After::default(),
+        });
+        assert!(matches!(rx.try_recv(), Ok(Out::Answer { id, .. }) if id == Id::from_u64(5)));
     }
 
     /// Replies released from one thread (as the core does) and handed to the writer from the
