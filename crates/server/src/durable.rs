@@ -328,12 +328,17 @@ mod tests {
         seen
     }
 
-    #[test]
-    fn the_syncing_thread_hands_replies_over_in_order_once_durable() {
+    /// A release queue in generation 0 with nothing durable, and one connection's outbox.
+    fn started() -> (Release, Outbox, tokio::sync::mpsc::UnboundedReceiver<Out>) {
         let release = Release::default();
         release.start(0, 0);
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let out = Outbox::from(tx);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        (release, Outbox::from(tx), rx)
+    }
+
+    #[test]
+    fn the_syncing_thread_hands_replies_over_in_order_once_durable() {
+        let (release, out, mut rx) = started();
         release.send(at(1), &out, answer(1));
         release.send(at(3), &out, answer(3));
         release.send(at(0), &out, answer(4)); // durable already, but behind the others
@@ -356,10 +361,8 @@ mod tests {
         const ROUNDS: u64 = 400;
         const PENDING: u64 = 50;
         const LATE: u64 = 5;
-        let release = std::sync::Arc::new(Release::default());
-        release.start(0, 0);
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let out = Outbox::from(tx);
+        let (release, out, mut rx) = started();
+        let release = std::sync::Arc::new(release);
         let produced = std::sync::Arc::new(AtomicU64::new(0));
         let syncing = std::sync::Arc::new(AtomicU64::new(0));
         let syncer = std::thread::spawn({
@@ -403,10 +406,7 @@ mod tests {
 
     #[test]
     fn a_failed_generation_answers_unavailable_in_place_and_drops_its_events() {
-        let release = Release::default();
-        release.start(0, 0);
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let out = Outbox::from(tx);
+        let (release, out, mut rx) = started();
         let event = || Out::Event {
             event: wire::Event {
                 event: wire::EventKind::Held,
