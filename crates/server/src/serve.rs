@@ -253,13 +253,10 @@ pub fn run_with(
         // One IO thread beside the core and sync threads: no work stealing, fewer wakeups.
         // It hands requests to the core in batches (`handoff`): what it holds goes before it
         // waits for IO.
-        1 => {
-            shared.core_tx.batch_on_this_thread();
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .on_thread_park(crate::handoff::flush)
-                .build()
-        }
+        1 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .on_thread_park(crate::handoff::flush)
+            .build(),
         n => tokio::runtime::Builder::new_multi_thread()
             .worker_threads(n.max(2))
             .enable_all()
@@ -267,6 +264,10 @@ pub fn run_with(
             .build(),
     }
     .map_err(|e| setup(format!("cannot start the runtime: {e}")))?;
+    if opts.io_threads == 1 {
+        // This thread runs the runtime.
+        shared.core_tx.batch_on_this_thread();
+    }
     let mut socket_id = None;
     let result = runtime.block_on(serve_async(
         &opts,
