@@ -977,3 +977,51 @@ fn subscribe_before_the_first_admit_and_events_carry_their_details() {
     ok(&mut spy, json!({"op": "ping"}));
     assert!(spy.events.is_empty(), "events leaked: {:?}", spy.events);
 }
+
+/// An agent that goes away while waiting for an approval (killed, crashed) frees its connection
+/// at once: its wait is dropped, not kept until it times out holding a connection slot and its
+/// descriptors. The others' waits still end as they should.
+#[test]
+fn a_client_that_disconnects_while_waiting_frees_its_connection() {
+    let d = Daemon::start();
+    let pid = d.child.as_ref().unwrap().id();
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .count()
+    };
+    let mut a = d.agent();
+    admit(&mut a, "r1", "k1", "refund", json!({}));
+    a.send_raw(br#"{"id":"w","op":"wait","run":"r1","key":"k1","timeout_ms":60000}"#)
+        .unwrap();
+    let before = fds();
+    {
+        let mut gone = d.agent();
+        gone.send_raw(br#"{"id":"w","op":"wait","run":"r1","key":"k1","timeout_ms":60000}"#)
+            .unwrap();
+        // It is waiting once a ping behind the wait is answered.
+        assert_eq!(ok(&mut gone, json!({"op": "ping"}))["pong"], true);
+        assert!(fds() > before);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while fds() > before {
+        assert!(
+            Instant::now() < deadline,
+            "the connection of a client gone while waiting is still held: {} descriptors, {before} before it",
+            fds()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The wait still open on the other connection ends with the decision.
+    let mut op = d.operator();
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"}),
+    );
+    let w = match a.read_line().unwrap() {
+        estop_protocol::ServerLine::Reply(r) => r,
+        e => panic!("{e:?}"),
+    };
+    assert_eq!(w.id.as_json(), "\"w\"");
+    assert_eq!(w.raw["verdict"].as_str(), Some("admitted"));
+}

@@ -321,6 +321,7 @@ async fn dispatch(
                     run,
                     key,
                     timeout: Duration::from_millis(timeout_ms),
+                    conn,
                     to,
                 },
             )

@@ -96,6 +96,8 @@ pub enum CoreMsg {
         run: RunId,
         key: EffectKey,
         timeout: Duration,
+        /// The connection waiting: its waits end when it disconnects.
+        conn: u64,
         to: ReplyTo,
     },
     Subscribe {
@@ -203,6 +205,7 @@ struct Waiter {
     principal: Principal,
     key: EffectKey,
     deadline: Instant,
+    conn: u64,
     to: ReplyTo,
 }
 
@@ -254,6 +257,8 @@ pub struct Core {
     now: u64,
     waiters: HashMap<RunId, Vec<Waiter>>,
     waiter_count: usize,
+    /// Waiters per connection that has any: a disconnect looks for its waiters only then.
+    waiters_of_conn: HashMap<u64, usize>,
     /// When some waiter of a run times out. Entries of waiters answered early go stale and are
     /// dropped when they come due; each waiter adds at most one, so this stays bounded.
     waiter_deadlines: BTreeSet<(Instant, RunId)>,
@@ -303,6 +308,7 @@ impl Core {
             now: 0,
             waiters: HashMap::new(),
             waiter_count: 0,
+            waiters_of_conn: HashMap::new(),
             waiter_deadlines: BTreeSet::new(),
             subscribers: HashMap::new(),
             subscription_count: 0,
@@ -491,6 +497,7 @@ impl Core {
                 run,
                 key,
                 timeout,
+                conn,
                 to,
             } => match self.wait_verdict(&principal, &run, &key) {
                 Ok(Verdict::Held { .. }) if !timeout.is_zero() => {
@@ -499,12 +506,14 @@ impl Core {
                         self.send(to, Answer::Error(ErrorCode::LimitExceeded, msg));
                     } else {
                         self.waiter_count += 1;
+                        *self.waiters_of_conn.entry(conn).or_default() += 1;
                         let deadline = Instant::now() + timeout;
                         self.waiter_deadlines.insert((deadline, run.clone()));
                         self.waiters.entry(run).or_default().push(Waiter {
                             principal,
                             key,
                             deadline,
+                            conn,
                             to,
                         });
                     }
@@ -557,6 +566,15 @@ impl Core {
                 }
             }
             CoreMsg::Disconnect { conn } => {
+                // Its waits end with it: nobody is left to answer, and each would keep the
+                // connection's writer (and its descriptors and slot) alive until it timed out.
+                if let Some(n) = self.waiters_of_conn.remove(&conn) {
+                    self.waiters.retain(|_, ws| {
+                        ws.retain(|w| w.conn != conn);
+                        !ws.is_empty()
+                    });
+                    self.waiter_count -= n;
+                }
                 let mut dropped = 0;
                 self.subscribers.retain(|_, subs| {
                     let before = subs.len();
@@ -913,6 +931,17 @@ impl Core {
         }
     }
 
+    /// One waiter of `conn` was answered.
+    fn waiter_done(&mut self, conn: u64) {
+        self.waiter_count -= 1;
+        if let Some(n) = self.waiters_of_conn.get_mut(&conn) {
+            *n -= 1;
+            if *n == 0 {
+                self.waiters_of_conn.remove(&conn);
+            }
+        }
+    }
+
     /// Re-checks every waiter of a run; answers those whose effect is no longer held.
     fn recheck_waiters(&mut self, run: &RunId) {
         let Some(mut list) = self.waiters.remove(run) else {
@@ -923,12 +952,12 @@ impl Core {
             match self.wait_verdict(&w.principal, run, &w.key) {
                 Ok(Verdict::Held { .. }) => keep.push(w),
                 Ok(v) => {
-                    self.waiter_count -= 1;
+                    self.waiter_done(w.conn);
                     let answer = Answer::Verdict(render::verdict(run, &v));
                     self.send(w.to, answer);
                 }
                 Err(answer) => {
-                    self.waiter_count -= 1;
+                    self.waiter_done(w.conn);
                     self.send(w.to, answer);
                 }
             }
@@ -976,7 +1005,7 @@ impl Core {
                 self.waiters.insert(run.clone(), keep);
             }
             for w in due {
-                self.waiter_count -= 1;
+                self.waiter_done(w.conn);
                 let answer = match self.wait_verdict(&w.principal, &run, &w.key) {
                     Ok(v) => Answer::Verdict(render::verdict(&run, &v)),
                     Err(a) => a,
@@ -1024,6 +1053,7 @@ impl Core {
         // Everything waiting is answered now: the state it waited on may not survive recovery.
         let waiters: Vec<Waiter> = self.waiters.drain().flat_map(|(_, ws)| ws).collect();
         self.waiter_count = 0;
+        self.waiters_of_conn.clear();
         self.waiter_deadlines.clear();
         for w in waiters {
             self.send(w.to, unavailable());
