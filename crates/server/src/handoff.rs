@@ -1,9 +1,8 @@
 //! The way into the core, and batched hand-off from the IO thread.
 //!
-//! The core is faster than the IO thread that parses requests, so under load it empties its
-//! queue and goes to sleep between two requests: every request would cost the IO thread a futex
-//! wake and the core a sleep and a wakeup (together ≈ 2 µs of CPU, a tenth of an admission's).
-//! On the single IO thread, [`CoreTx::send`] therefore queues the message on the thread; the
+//! The core is faster than the IO thread that parses requests, so under load it often empties
+//! its queue and sleeps between requests; each time, the next request costs the IO thread a futex
+//! wake and the core a wakeup. On the single IO thread, [`CoreTx::send`] therefore queues the message on the thread; the
 //! queue goes to the core in one go when the thread is about to wait for IO ([`flush`], the
 //! runtime's park hook) or holds [`BATCH_MAX`] messages. Requests that arrive together wake the
 //! core once, and a lone request is handed over as soon as the IO thread has nothing else to do.
