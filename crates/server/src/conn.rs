@@ -256,7 +256,8 @@ async fn dispatch(
             ),
         ));
     }
-    let to = ReplyTo {
+    // Where the core answers; built only for a request that goes to the core.
+    let reply_to = || ReplyTo {
         out: out.clone(),
         id: req.id.clone(),
     };
@@ -266,10 +267,7 @@ async fn dispatch(
             CoreMsg::Apply {
                 principal: p.clone(),
                 cmd,
-                to: ReplyTo {
-                    out: out.clone(),
-                    id: req.id.clone(),
-                },
+                to: reply_to(),
             },
         )
     };
@@ -322,7 +320,7 @@ async fn dispatch(
                     key,
                     timeout: Duration::from_millis(timeout_ms),
                     conn,
-                    to,
+                    to: reply_to(),
                 },
             )
         }
@@ -334,7 +332,7 @@ async fn dispatch(
                 conn,
                 out: out.clone(),
                 backlog: Arc::clone(backlog),
-                to,
+                to: reply_to(),
             },
         ),
         Op::Unsubscribe { run } => {
@@ -346,7 +344,7 @@ async fn dispatch(
             CoreMsg::Query {
                 principal: p,
                 query: Query::Status { run },
-                to,
+                to: reply_to(),
             },
         ),
         Op::Report { run } => to_core(
@@ -354,7 +352,7 @@ async fn dispatch(
             CoreMsg::Query {
                 principal: p,
                 query: Query::Report { run },
-                to,
+                to: reply_to(),
             },
         ),
         Op::Runs { state, limit } => {
@@ -366,7 +364,7 @@ async fn dispatch(
                 CoreMsg::Query {
                     principal: p,
                     query: Query::Runs { state, limit },
-                    to,
+                    to: reply_to(),
                 },
             )
         }
@@ -375,7 +373,7 @@ async fn dispatch(
             CoreMsg::Query {
                 principal: p,
                 query: Query::Pending { run },
-                to,
+                to: reply_to(),
             },
         ),
         Op::Cancel {
