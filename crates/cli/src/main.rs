@@ -107,6 +107,11 @@ struct ServeArgs {
     /// Listen for the SoundGate-compatible protocol on this TCP address.
     #[arg(long)]
     soundgate_listen: Option<String>,
+    /// Accept unauthenticated `decide` on the SoundGate listener (as the reference does): anyone
+    /// who reaches it can approve that listener's own effects. Off by default; prefer
+    /// ESTOP_SOUNDGATE_SECRET (HMAC tags).
+    #[arg(long)]
+    soundgate_unauthenticated_decide: bool,
     /// Policy file (TOML). Without one, every tool needs one approval.
     #[arg(long)]
     policy: Option<PathBuf>,
@@ -556,6 +561,7 @@ fn serve(a: ServeArgs) -> Result<u8> {
     let mut opts = estop_server::ServeOptions::new(a.data);
     opts.listen = a.listen;
     opts.soundgate_listen = a.soundgate_listen;
+    opts.soundgate_unauthenticated_decide = a.soundgate_unauthenticated_decide;
     opts.soundgate_secret = std::env::var("ESTOP_SOUNDGATE_SECRET")
         .ok()
         .filter(|s| !s.is_empty());

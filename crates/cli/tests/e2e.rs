@@ -662,7 +662,11 @@ fn cli_exit_codes_mean_something() {
 
 #[test]
 fn soundgate_clients_run_unchanged() {
-    let d = Daemon::start_with(&["--soundgate-listen", "127.0.0.1:0"]);
+    let d = Daemon::start_with(&[
+        "--soundgate-listen",
+        "127.0.0.1:0",
+        "--soundgate-unauthenticated-decide",
+    ]);
     let addr = d.ready_field("soundgate");
     let s = std::net::TcpStream::connect(&addr).unwrap();
     let mut r = std::io::BufReader::new(s.try_clone().unwrap());
@@ -707,6 +711,12 @@ fn soundgate_clients_run_unchanged() {
     assert_eq!(
         call(r#"{"op":"submit","run_id":"3","effect_key":"c","needs_approval":true}"#)["verdict"],
         "refused_rejected"
+    );
+    // The listener is its own tenant: it fences its own runs, never an id it has not seen.
+    assert_eq!(call(r#"{"op":"cancel","run_id":"4"}"#)["verdict"], "error");
+    assert_eq!(
+        call(r#"{"op":"submit","run_id":"4","effect_key":"y","needs_approval":false}"#)["verdict"],
+        "release"
     );
     assert_eq!(call(r#"{"op":"cancel","run_id":"4"}"#)["verdict"], "ack");
     assert_eq!(

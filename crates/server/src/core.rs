@@ -121,9 +121,10 @@ pub enum CoreMsg {
         query: Query,
         to: ReplyTo,
     },
-    /// A SoundGate `cancel`: fences a run id even before its first submit, as the reference does.
-    SgCancel {
+    /// A SoundGate `cancel` (or `close`): reaches only runs created over that listener.
+    SgStop {
         run: RunId,
+        close: bool,
         to: ReplyTo,
     },
     /// A SoundGate `decide`: the decision and, once approved, the release in one step.
@@ -539,14 +540,12 @@ impl Core {
                     backlog,
                 };
                 let answer = match self.gate.visible_run(&sub.principal, &run) {
-                    // Not created yet: the subscription waits for its first admit.
-                    Err(KernelError::RunNotFound(_)) if self.gate.run(&run).is_none() => self
+                    // Not created yet — or another principal's, which must look the same, so
+                    // `subscribe` tells no one which run ids others use: the subscription
+                    // waits, and hears only of runs its principal may see (`publish`).
+                    Err(_) => self
                         .add_subscription(run, sub)
                         .unwrap_or_else(|| Answer::Ack(wire::Ack::default())),
-                    Err(e) => {
-                        let (c, m) = kernel_error(&e);
-                        Answer::Error(c, m)
-                    }
                     Ok(r) => {
                         let view = render::run_view(&run, r);
                         self.add_subscription(run, sub)
@@ -592,20 +591,23 @@ impl Core {
                 let answer = self.query(&principal, query);
                 self.send(to, answer);
             }
-            CoreMsg::SgCancel { run, to } => {
-                // The reference fences any run id, seen or not (its run ids are global); a run
-                // that exists is cancelled as the compatibility clients' own principal.
-                let role = if self.gate.run(&run).is_some() {
-                    Role::Agent
+            CoreMsg::SgStop { run, close, to } => {
+                // The listener is its own tenant: a run it did not create (a v1 run, or an id
+                // nobody used yet) is not found there, and it never pre-fences an unseen id.
+                let answer = if self.sg_owns(&run) {
+                    let cmd = if close {
+                        Command::Close { run, failed: false }
+                    } else {
+                        Command::Cancel {
+                            run,
+                            reason: Some("soundgate cancel".into()),
+                            kill: false,
+                        }
+                    };
+                    self.apply(&crate::soundgate::principal(Role::Agent), cmd)
                 } else {
-                    Role::Operator
+                    not_found(run)
                 };
-                let cmd = Command::Cancel {
-                    run,
-                    reason: Some("soundgate cancel".into()),
-                    kill: false,
-                };
-                let answer = self.apply(&crate::soundgate::principal(role), cmd);
                 self.send(to, answer);
             }
             CoreMsg::SgDecide {
@@ -1114,6 +1116,10 @@ impl Core {
     /// The reference releases an approved effect in the `decide` itself; estop records the
     /// approval and then consumes it for the compatibility client in the same step.
     fn sg_decide(&mut self, run: RunId, key: EffectKey, approved: bool) -> Answer {
+        if !self.sg_owns(&run) {
+            // Exactly what a missing run gets: the listener learns nothing of other tenants.
+            return not_found(run);
+        }
         let operator = crate::soundgate::principal(Role::Operator);
         let decision = if approved {
             estop_kernel::vocab::Decision::Approve
@@ -1192,6 +1198,14 @@ impl Core {
         }
     }
 
+    /// Whether the SoundGate listener created `run` (its runs belong to its principal).
+    fn sg_owns(&self, run: &RunId) -> bool {
+        self.gate
+            .run(run)
+            .and_then(|r| r.owner.as_ref())
+            .is_some_and(|o| o.as_str() == crate::soundgate::PRINCIPAL_NAME)
+    }
+
     fn query(&mut self, principal: &Principal, q: Query) -> Answer {
         let err = |e: KernelError| {
             let (c, m) = kernel_error(&e);
@@ -1257,6 +1271,12 @@ impl Core {
             }
         }
     }
+}
+
+/// The answer for a run that does not exist (or that the asker may not see: the same answer).
+fn not_found(run: RunId) -> Answer {
+    let (c, m) = kernel_error(&KernelError::RunNotFound(run));
+    Answer::Error(c, m)
 }
 
 /// The answer to a change the ledger could not make durable.

@@ -113,7 +113,7 @@ fn refuse(msg: CoreMsg) {
         | CoreMsg::Wait { to, .. }
         | CoreMsg::Subscribe { to, .. }
         | CoreMsg::Query { to, .. }
-        | CoreMsg::SgCancel { to, .. }
+        | CoreMsg::SgStop { to, .. }
         | CoreMsg::SgDecide { to, .. } => to,
         // The rest answer through channels of their own, which dropping them closes, or
         // answer nobody.

@@ -25,8 +25,11 @@ pub struct ServeOptions {
     pub listen: Option<String>,
     /// Optional TCP address for the SoundGate-compatible protocol.
     pub soundgate_listen: Option<String>,
-    /// HMAC secret for SoundGate `decide` tags; without one, `decide` there is unauthenticated.
+    /// HMAC secret for SoundGate `decide` tags.
     pub soundgate_secret: Option<String>,
+    /// Without a secret, accept SoundGate `decide` unauthenticated (off by default: holds are
+    /// then decided on the operator channel only).
+    pub soundgate_unauthenticated_decide: bool,
     pub policy: Option<PathBuf>,
     /// Allow every tool (benchmarks); ignored when `policy` is given.
     pub allow_all: bool,
@@ -46,6 +49,7 @@ impl ServeOptions {
             listen: None,
             soundgate_listen: None,
             soundgate_secret: None,
+            soundgate_unauthenticated_decide: false,
             policy: None,
             allow_all: false,
             connections_max: 4096,
@@ -350,15 +354,19 @@ async fn serve_async(
         Some(a) => Some(bind_tcp(a, "the SoundGate-compatible protocol").await?),
         None => None,
     };
-    let secret = opts
-        .soundgate_secret
-        .as_ref()
-        .map(|s| Arc::new(s.as_bytes().to_vec()));
+    let decisions = match (
+        &opts.soundgate_secret,
+        opts.soundgate_unauthenticated_decide,
+    ) {
+        (Some(s), _) => crate::soundgate::Decisions::Hmac(Arc::new(s.as_bytes().to_vec())),
+        (None, true) => crate::soundgate::Decisions::Open,
+        (None, false) => crate::soundgate::Decisions::Off,
+    };
     if let Some(l) = &sg
-        && secret.is_none()
+        && matches!(decisions, crate::soundgate::Decisions::Open)
     {
         crate::log::warn(&format!(
-            "the SoundGate-compatible listener on {} accepts unauthenticated decide: any client that reaches it can approve (set ESTOP_SOUNDGATE_SECRET to require HMAC tags)",
+            "the SoundGate-compatible listener on {} accepts unauthenticated decide (--soundgate-unauthenticated-decide): any client that reaches it can approve the effects of its own runs (set ESTOP_SOUNDGATE_SECRET to require HMAC tags instead)",
             l.local_addr().map(|a| a.to_string()).unwrap_or_default()
         ));
     }
@@ -369,7 +377,15 @@ async fn serve_async(
         tcp: tcp.as_ref().and_then(|l| l.local_addr().ok()),
         soundgate: sg.as_ref().and_then(|l| l.local_addr().ok()),
         data: data.to_path_buf(),
-        extra: Vec::new(),
+        extra: vec![(
+            "soundgate_decide".into(),
+            if sg.is_some() {
+                decisions.as_str()
+            } else {
+                "-"
+            }
+            .into(),
+        )],
         notices: Vec::new(),
     };
     let mut tasks = Vec::new();
@@ -440,10 +456,10 @@ async fn serve_async(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let secret = secret.clone();
+                let decisions = decisions.clone();
                 let socket = duplicate(&stream);
                 admit_connection(stream, &slots, max, |s| {
-                    crate::soundgate::serve(s, socket, Arc::clone(&shared), secret)
+                    crate::soundgate::serve(s, socket, Arc::clone(&shared), decisions)
                 });
             }
         }));

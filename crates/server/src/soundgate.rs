@@ -14,10 +14,39 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite};
 
+/// The name of the principal the compatibility clients act as; their runs are its own.
+pub const PRINCIPAL_NAME: &str = "soundgate";
+
+/// Whether and how this listener takes `decide` (SPEC §4.3: off unless the operator opts in).
+#[derive(Debug, Clone)]
+pub enum Decisions {
+    /// `decide` is refused: holds are decided on the operator channel only.
+    Off,
+    /// `decide` needs a valid HMAC-SHA256 tag under this secret.
+    Hmac(Arc<Vec<u8>>),
+    /// `decide` is accepted unauthenticated, as the reference does (explicit opt-in).
+    Open,
+}
+
+impl Decisions {
+    /// The ready line's `soundgate_decide=` value.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Decisions::Off => "off",
+            Decisions::Hmac(_) => "hmac",
+            Decisions::Open => "open",
+        }
+    }
+}
+
+/// What a refused `decide` says when decisions are off (the reference's clients look for
+/// "unauthenticated").
+pub const DECISIONS_OFF_MESSAGE: &str = "unauthenticated decision: decisions over the SoundGate listener are off; decide on the operator channel (estop approve), or start estop serve with ESTOP_SOUNDGATE_SECRET (HMAC tags) or --soundgate-unauthenticated-decide";
+
 /// The principal every compatibility client acts as (one shared identity, as in the reference).
 pub fn principal(role: Role) -> Principal {
     Principal {
-        name: PrincipalName::new("soundgate").expect("valid"),
+        name: PrincipalName::new(PRINCIPAL_NAME).expect("valid"),
         role,
         groups: Vec::new(),
     }
@@ -46,12 +75,8 @@ pub fn render(_id: &Id, answer: &Answer) -> Vec<u8> {
 }
 
 /// Serves one compatibility connection.
-pub async fn serve<S>(
-    stream: S,
-    socket: Option<OwnedFd>,
-    shared: Arc<Shared>,
-    secret: Option<Arc<Vec<u8>>>,
-) where
+pub async fn serve<S>(stream: S, socket: Option<OwnedFd>, shared: Arc<Shared>, decisions: Decisions)
+where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let Opened {
@@ -85,9 +110,7 @@ pub async fn serve<S>(
                     estop_protocol::ErrorCode::BadJson,
                     e.to_string(),
                 )),
-                Ok(Some(req)) => {
-                    handle(req, &out_tx, &shared, secret.as_deref().map(Vec::as_slice))
-                }
+                Ok(Some(req)) => handle(req, &out_tx, &shared, &decisions),
             },
         };
         if let Some(answer) = answer {
@@ -101,7 +124,7 @@ pub async fn serve<S>(
     close(&shared, conn, out_tx, writer).await;
 }
 
-fn handle(req: SgRequest, out: &Outbox, shared: &Shared, secret: Option<&[u8]>) -> Option<Answer> {
+fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) -> Option<Answer> {
     let to = ReplyTo {
         out: out.clone(),
         id: Id::default(),
@@ -172,16 +195,25 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, secret: Option<&[u8]>) 
             approved,
             mac,
         } => {
-            if let Some(secret) = secret {
-                let ok = mac.as_deref().is_some_and(|m| {
-                    verify_decision_tag(secret, run.as_str(), key.as_str(), approved, m)
-                });
-                if !ok {
+            match decisions {
+                Decisions::Off => {
                     return Some(Answer::Error(
                         estop_protocol::ErrorCode::Unauthenticated,
-                        SG_BAD_MAC_MESSAGE.into(),
+                        DECISIONS_OFF_MESSAGE.into(),
                     ));
                 }
+                Decisions::Hmac(secret) => {
+                    let ok = mac.as_deref().is_some_and(|m| {
+                        verify_decision_tag(secret, run.as_str(), key.as_str(), approved, m)
+                    });
+                    if !ok {
+                        return Some(Answer::Error(
+                            estop_protocol::ErrorCode::Unauthenticated,
+                            SG_BAD_MAC_MESSAGE.into(),
+                        ));
+                    }
+                }
+                Decisions::Open => {}
             }
             send(CoreMsg::SgDecide {
                 run,
@@ -190,10 +222,14 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, secret: Option<&[u8]>) 
                 to,
             })
         }
-        SgRequest::Cancel { run } => send(CoreMsg::SgCancel { run, to }),
-        SgRequest::Close { run } => send(CoreMsg::Apply {
-            principal: agent,
-            cmd: Command::Close { run, failed: false },
+        SgRequest::Cancel { run } => send(CoreMsg::SgStop {
+            run,
+            close: false,
+            to,
+        }),
+        SgRequest::Close { run } => send(CoreMsg::SgStop {
+            run,
+            close: true,
             to,
         }),
     }
