@@ -118,9 +118,34 @@ struct ServeArgs {
     /// Allow every tool (benchmarks only; ignored with --policy).
     #[arg(long)]
     allow_all: bool,
-    /// Most simultaneous connections.
+    /// Most simultaneous protocol v1 connections (Unix socket and TCP); 1/64 of them (4 to 64)
+    /// are kept for operators.
     #[arg(long, default_value_t = 4096)]
     connections_max: usize,
+    /// Protocol v1 connections one agent principal may hold (default: a quarter of the pool).
+    #[arg(long)]
+    connections_per_principal_max: Option<usize>,
+    /// Most simultaneous SoundGate connections (a pool of their own).
+    #[arg(long, default_value_t = 1024)]
+    soundgate_connections_max: usize,
+    /// A connection must send `hello` this soon after connecting (e.g. 10s).
+    #[arg(long, default_value = "10s")]
+    hello_timeout: String,
+    /// A connection with nothing in flight and no subscription is closed after this long silent.
+    #[arg(long, default_value = "10m")]
+    idle_timeout: String,
+    /// Blocked `wait`s in all; 1/64 of them (up to 1024) are kept for operators.
+    #[arg(long, default_value_t = 100_000)]
+    waiters_max: usize,
+    /// Blocked `wait`s one agent principal may hold (default: a quarter of --waiters-max).
+    #[arg(long)]
+    waiters_per_principal_max: Option<usize>,
+    /// Subscriptions in all; 1/64 of them (up to 1024) are kept for operators.
+    #[arg(long, default_value_t = 100_000)]
+    subscriptions_max: usize,
+    /// Subscriptions one agent principal may hold (default: a quarter of --subscriptions-max).
+    #[arg(long)]
+    subscriptions_per_principal_max: Option<usize>,
     /// Longest request line in bytes.
     #[arg(long, default_value_t = 64 * 1024)]
     line_bytes_max: usize,
@@ -567,7 +592,23 @@ fn serve(a: ServeArgs) -> Result<u8> {
         .filter(|s| !s.is_empty());
     opts.policy = a.policy;
     opts.allow_all = a.allow_all;
-    opts.connections_max = a.connections_max;
+    opts.connections_max = a.connections_max.max(1);
+    opts.connections_per_principal_max = a.connections_per_principal_max;
+    opts.soundgate_connections_max = a.soundgate_connections_max.max(1);
+    let ms = |flag: &str, v: &str| {
+        estop_policy::parse_duration_ms(v).map_err(|e| anyhow!("--{flag} {v}: {e}"))
+    };
+    opts.conn.hello_ms_max = ms("hello-timeout", &a.hello_timeout)?.max(1);
+    opts.conn.idle_ms_max = ms("idle-timeout", &a.idle_timeout)?.max(1);
+    let shares = |max: usize, per: Option<usize>| {
+        let mut o = estop_server::quota::ShareOptions::derived(max.max(1), 1024);
+        if let Some(n) = per {
+            o.per_principal_max = n;
+        }
+        o
+    };
+    opts.core.waiters = shares(a.waiters_max, a.waiters_per_principal_max);
+    opts.core.subscriptions = shares(a.subscriptions_max, a.subscriptions_per_principal_max);
     opts.conn.line_bytes_max = a.line_bytes_max;
     opts.core.snapshot_every_records = a.snapshot_every.max(1);
     opts.core.retention_ms = estop_policy::parse_duration_ms(&a.retention)

@@ -606,8 +606,14 @@ fn bounds_give_clear_errors() {
         ),
         "limit_exceeded"
     );
-    let _b = d.agent();
-    let _c = d.agent();
+    // Agents may hold 1 of 3 (the rest is the operators' reserve and room to say hello).
+    let mut b = estop_server::client::Client::connect(&d.socket()).unwrap();
+    let refused = b
+        .call(json!({"op": "hello", "token": d.token("agent.token")}))
+        .unwrap();
+    assert_eq!(refused.error.unwrap().code, "limit_exceeded");
+    let _b = d.operator();
+    let _c = d.operator();
     let mut over = estop_server::client::Client::connect(&d.socket()).unwrap();
     match over.read_line().unwrap() {
         estop_protocol::ServerLine::Reply(r) => assert_eq!(r.error.unwrap().code, "limit_exceeded"),

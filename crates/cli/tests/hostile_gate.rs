@@ -174,3 +174,259 @@ fn subscribe_does_not_tell_an_agent_whether_another_principals_run_exists() {
     ok(&mut mallory, json!({"op": "ping"}));
     assert!(mallory.events.is_empty(), "{:?}", mallory.events);
 }
+
+/// Reads one line from a raw connection: `None` at end of stream.
+fn read_line(r: &mut impl BufRead) -> Option<String> {
+    let mut line = String::new();
+    match r.read_line(&mut line) {
+        Ok(0) | Err(_) => None,
+        Ok(_) => Some(line),
+    }
+}
+
+fn connect_raw(d: &Daemon) -> std::os::unix::net::UnixStream {
+    std::os::unix::net::UnixStream::connect(d.socket()).unwrap()
+}
+
+/// Sends `hello` with `token` on a raw connection; returns the reply line.
+fn hello_raw(s: &mut std::os::unix::net::UnixStream, token: &str) -> Value {
+    writeln!(s, "{}", json!({"id": 1, "op": "hello", "token": token})).unwrap();
+    let mut r = BufReader::new(s.try_clone().unwrap());
+    serde_json::from_str(&read_line(&mut r).expect("a reply")).unwrap()
+}
+
+/// Finding 5: idle SoundGate connections took every slot of the shared pool, so the operator's
+/// CLI could not reach the Unix socket to cancel anything.
+#[test]
+fn idle_soundgate_connections_cannot_lock_the_operator_out() {
+    let d = sg_daemon(&["--connections-max", "32"]);
+    let mut idle = Vec::new();
+    for _ in 0..40 {
+        idle.push(TcpStream::connect(d.ready_field("soundgate")).unwrap());
+    }
+    // Every one of them is really open (each answers a ping), and the CLI still gets in.
+    for s in idle.iter_mut().take(33) {
+        s.write_all(b"{\"op\":\"ping\"}\n").unwrap();
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        assert_eq!(read_line(&mut r).unwrap().trim(), r#"{"verdict":"pong"}"#);
+    }
+    let (code, out, err) = d.cli(&["runs"]);
+    assert_eq!(code, 0, "the operator is locked out: {out}{err}");
+}
+
+/// Finding 5: one agent token could take every connection of the gate: other agents and the
+/// operator were refused `connections_max`.
+#[test]
+fn one_agent_cannot_take_every_connection_nor_the_operators_reserve() {
+    let d = Daemon::start_with(&["--connections-max", "32"]);
+    let mut op = d.operator();
+    let mut tokens = Vec::new();
+    for name in ["a1", "a2", "a3", "a4", "a5"] {
+        let t = ok(
+            &mut op,
+            json!({"op": "token", "name": name, "role": "agent"}),
+        );
+        tokens.push(t["token"].as_str().unwrap().to_string());
+    }
+    drop(op);
+    let agent = d.token("agent.token");
+    let mut held = Vec::new();
+    let mut refused = None;
+    for _ in 0..32 {
+        let mut s = connect_raw(&d);
+        let v = hello_raw(&mut s, &agent);
+        if v["ok"] == true {
+            held.push(s);
+        } else {
+            refused = Some(v);
+            break;
+        }
+    }
+    let refused = refused.expect("one agent took all 32 connections");
+    assert_eq!(refused["error"]["code"], "limit_exceeded", "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("connections_per_principal_max"),
+        "{refused}"
+    );
+    let share = held.len();
+    assert!((1..32).contains(&share), "a share of {share}");
+    // Another agent still gets in; a crowd of agents still leaves the operator's reserve.
+    let mut crowd_refused = false;
+    for t in &tokens {
+        for _ in 0..share {
+            let mut s = connect_raw(&d);
+            let v = hello_raw(&mut s, t);
+            if v["ok"] == true {
+                held.push(s);
+            } else {
+                assert!(
+                    v["error"]["message"]
+                        .as_str()
+                        .unwrap()
+                        .contains("reserved for operators"),
+                    "{v}"
+                );
+                crowd_refused = true;
+            }
+        }
+    }
+    assert!(crowd_refused, "agents took {} connections", held.len());
+    let (code, out, err) = d.cli(&["runs"]);
+    assert_eq!(code, 0, "the operator is locked out: {out}{err}");
+    let mut op = d.operator();
+    ok(&mut op, json!({"op": "ping"}));
+    // Closing a connection gives its slot back.
+    held.truncate(share - 1);
+    let mut s = connect_raw(&d);
+    let v = hello_raw(&mut s, &agent);
+    assert_eq!(v["ok"], true, "{v}");
+}
+
+/// Finding 5: connections that never authenticate held their slots forever. Now each must
+/// `hello` within `--hello-timeout`, and a flood of them only ever evicts the oldest silent
+/// ones: a client that says `hello` at once (the operator's CLI) always gets in.
+#[test]
+fn connections_that_never_say_hello_are_closed_and_cannot_lock_the_operator_out() {
+    let d = Daemon::start_with(&["--connections-max", "32", "--hello-timeout", "2s"]);
+    let started = std::time::Instant::now();
+    let silent: Vec<_> = (0..40).map(|_| connect_raw(&d)).collect();
+    // The operator gets in while they sit there.
+    let (code, out, err) = d.cli(&["runs"]);
+    assert_eq!(code, 0, "the operator is locked out: {out}{err}");
+    // Every silent one is told why and closed: the oldest evicted to make room at once, the
+    // rest when their time is up.
+    let (mut evicted, mut timed_out) = (0, 0);
+    for s in &silent {
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        let line = read_line(&mut r).expect("a reason before the close");
+        if line.contains("made room for a newer one") {
+            evicted += 1;
+        } else {
+            assert!(line.contains("no hello within hello_ms_max"), "{line}");
+            timed_out += 1;
+        }
+        assert_eq!(read_line(&mut r), None);
+    }
+    assert!(
+        evicted > 0 && timed_out > 0,
+        "{evicted} evicted, {timed_out} timed out"
+    );
+    assert!(started.elapsed() >= std::time::Duration::from_secs(2));
+}
+
+/// Idle connections are closed; one waiting for a decision or listening for events is not.
+#[test]
+fn idle_connections_are_closed_but_waiters_and_subscribers_stay() {
+    let d = Daemon::start_with(&["--idle-timeout", "1s"]);
+    let mut agent = d.agent();
+    assert_eq!(
+        verdict(&admit(&mut agent, "r", "k", "refund", json!({}))),
+        "held"
+    );
+    let mut listener = d.agent();
+    ok(&mut listener, json!({"op": "subscribe", "run": "r"}));
+    let mut waiter = d.agent();
+    waiter
+        .send_raw(br#"{"id":7,"op":"wait","run":"r","key":"k","timeout_ms":2500}"#)
+        .unwrap();
+    // The idle one is told and closed.
+    let started = std::time::Instant::now();
+    match agent.read_line().unwrap() {
+        estop_protocol::ServerLine::Reply(r) => {
+            let e = r.error.expect("an error");
+            assert_eq!(e.code, "limit_exceeded");
+            assert!(e.message.contains("idle"), "{}", e.message);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        agent.read_line(),
+        Err(estop_server::client::ClientError::Closed)
+    ));
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    // The waiter gets its answer when the wait ends, past the idle time.
+    match waiter.read_line().unwrap() {
+        estop_protocol::ServerLine::Reply(r) => assert!(r.ok, "{}", r.raw),
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() >= std::time::Duration::from_millis(1500));
+    // The subscriber is still there, past the idle time too.
+    ok(&mut listener, json!({"op": "ping"}));
+}
+
+/// Finding 5: one connection could take every waiter and every subscription of the gate.
+#[test]
+fn one_agent_cannot_take_every_waiter_or_subscription() {
+    let d = Daemon::start_with(&[
+        "--waiters-max",
+        "64",
+        "--waiters-per-principal-max",
+        "16",
+        "--subscriptions-max",
+        "64",
+        "--subscriptions-per-principal-max",
+        "16",
+    ]);
+    let mut op = d.operator();
+    let other = ok(
+        &mut op,
+        json!({"op": "token", "name": "b", "role": "agent"}),
+    );
+    let mut a = d.agent();
+    assert_eq!(
+        verdict(&admit(&mut a, "ra", "k", "refund", json!({}))),
+        "held"
+    );
+    for i in 0..16 {
+        let line =
+            json!({"id": 100 + i, "op": "wait", "run": "ra", "key": "k", "timeout_ms": 60_000});
+        a.send_raw(line.to_string().as_bytes()).unwrap();
+    }
+    let r = a
+        .call(json!({"op": "wait", "run": "ra", "key": "k", "timeout_ms": 60_000}))
+        .unwrap();
+    let e = r.error.expect("the 17th wait is refused");
+    assert_eq!(e.code, "limit_exceeded");
+    assert!(
+        e.message.contains("waiters_per_principal_max = 16"),
+        "{}",
+        e.message
+    );
+    for i in 0..16 {
+        let v = a
+            .call(json!({"op": "subscribe", "run": format!("s{i}")}))
+            .unwrap();
+        assert!(v.ok, "{}", v.raw);
+    }
+    let e = a
+        .call(json!({"op": "subscribe", "run": "s16"}))
+        .unwrap()
+        .error
+        .expect("the 17th subscription is refused");
+    assert!(
+        e.message.contains("subscriptions_per_principal_max = 16"),
+        "{}",
+        e.message
+    );
+    // Another agent still waits and subscribes.
+    let mut b = d.client_with(other["token"].as_str().unwrap());
+    assert_eq!(
+        verdict(&admit(&mut b, "rb", "k", "refund", json!({}))),
+        "held"
+    );
+    let v = ok(
+        &mut b,
+        json!({"op": "wait", "run": "rb", "key": "k", "timeout_ms": 50}),
+    );
+    assert_eq!(verdict(&v), "held");
+    ok(&mut b, json!({"op": "subscribe", "run": "rb"}));
+    // A's disconnect gives everything back.
+    drop(a);
+    let mut a = d.agent();
+    ok(&mut a, json!({"op": "subscribe", "run": "s16"}));
+}

@@ -182,15 +182,12 @@ pub async fn render(app: &App) -> Response {
     o.head(
         "estop_connections",
         "gauge",
-        "Open connections, by listener (protocol: v1 and SoundGate; console: HTTP).",
+        "Open connections, by listener (protocol: v1; console: HTTP).",
     );
     o.sample(
         "estop_connections",
         &[("listener", "protocol")],
-        open(
-            app.ctx.connections_max,
-            app.ctx.connections.available_permits(),
-        ),
+        app.ctx.connections.open(),
     );
     o.sample(
         "estop_connections",

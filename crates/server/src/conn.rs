@@ -5,6 +5,7 @@
 use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
 use crate::durable::{self, After, Durability, DurableState};
 use crate::outbox::{Direct, Outbox};
+use crate::quota::Slot;
 use crate::tokens::Tokens;
 use estop_kernel::vocab::PolicyAction;
 use estop_kernel::{Admit as KAdmit, Command, Principal, RunLimits, Token};
@@ -32,6 +33,11 @@ pub struct ConnOptions {
     pub runs_reply_max: usize,
     /// Most entries one `ledger` reply lists.
     pub ledger_reply_max: usize,
+    /// A connection that has not authenticated this long after its accept is closed.
+    pub hello_ms_max: u64,
+    /// A connection with nothing in flight and no subscription that sends nothing for this long
+    /// is closed (clients reconnect when they need the gate again).
+    pub idle_ms_max: u64,
 }
 
 impl Default for ConnOptions {
@@ -42,6 +48,8 @@ impl Default for ConnOptions {
             wait_ms_max: 15 * 60 * 1000,
             runs_reply_max: 10_000,
             ledger_reply_max: 10_000,
+            hello_ms_max: 10_000,
+            idle_ms_max: 10 * 60 * 1000,
         }
     }
 }
@@ -89,7 +97,7 @@ pub fn render(id: &Id, answer: &Answer) -> Vec<u8> {
 /// Serves one connection until the client closes it. `socket`, a duplicate of the stream's
 /// descriptor when it has one, lets durable replies be written straight to it
 /// ([`Outbox::release`]).
-pub async fn serve<S>(stream: S, socket: Option<OwnedFd>, shared: Arc<Shared>)
+pub async fn serve<S>(stream: S, socket: Option<OwnedFd>, shared: Arc<Shared>, mut slot: Slot)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
@@ -102,10 +110,41 @@ where
         writer,
     } = open(stream, socket, &shared, render);
     let mut principal: Option<Principal> = None;
+    let hello_by = tokio::time::Instant::now() + Duration::from_millis(shared.opts.hello_ms_max);
+    // Whether the connection ever subscribed: a subscriber may sit silent for as long as it likes.
+    let mut subscribed = false;
+    let mut over_share = false;
     loop {
-        let line = match reader.next_line().await {
-            Ok(Some(l)) => l,
-            Ok(None) | Err(_) => break,
+        let until = match principal {
+            None => hello_by,
+            Some(_) => tokio::time::Instant::now() + Duration::from_millis(shared.opts.idle_ms_max),
+        };
+        let read = tokio::select! {
+            read = tokio::time::timeout_at(until, reader.next_line()) => read,
+            () = slot.evicted(), if !slot.is_authenticated() => {
+                let _ = out_tx.send(Out::Answer {
+                    id: Id::default(),
+                    answer: err(ErrorCode::LimitExceeded, crate::quota::EVICTED_MESSAGE),
+                    after: After::default(),
+                });
+                break;
+            }
+        };
+        let line = match read {
+            Ok(Ok(Some(l))) => l,
+            Ok(Ok(None) | Err(_)) => break,
+            Err(_) => match idle_close(&shared.opts, principal.is_some(), subscribed, &permits) {
+                Some(why) => {
+                    crate::log::info(&format!("connection {conn} closed: {why}"));
+                    let _ = out_tx.send(Out::Answer {
+                        id: Id::default(),
+                        answer: err(ErrorCode::LimitExceeded, why),
+                        after: After::default(),
+                    });
+                    break;
+                }
+                None => continue,
+            },
         };
         // Bounded pipelining: a permit per request, returned when its reply is written.
         match permits.acquire().await {
@@ -127,10 +166,23 @@ where
                 Err(e) => (e.id.clone(), Some(err(e.code(), e.to_string()))),
                 Ok(req) => {
                     let id = req.id.clone();
-                    (
-                        id,
-                        dispatch(req, &mut principal, conn, &out_tx, &backlog, &shared).await,
-                    )
+                    subscribed |= matches!(req.op, Op::Subscribe { .. });
+                    let is_hello = matches!(req.op, Op::Hello { .. });
+                    let answer =
+                        dispatch(req, &mut principal, conn, &out_tx, &backlog, &shared).await;
+                    match &principal {
+                        Some(p) if is_hello => match slot.authenticate(p) {
+                            Ok(()) => (id, answer),
+                            Err(why) => {
+                                // Over its share: the connection ends here, before it can hold
+                                // anything.
+                                principal = None;
+                                over_share = true;
+                                (id, Some(err(ErrorCode::LimitExceeded, why)))
+                            }
+                        },
+                        _ => (id, answer),
+                    }
                 }
             },
         };
@@ -141,8 +193,35 @@ where
                 after: After::default(),
             });
         }
+        if over_share {
+            break;
+        }
     }
+    drop(slot);
     close(&shared, conn, out_tx, writer).await;
+}
+
+/// Why a connection whose read timed out is closed: not authenticated in time, or idle with
+/// nothing in flight and no subscription. `None`: it stays (a `wait` is pending, or it listens).
+pub fn idle_close(
+    opts: &ConnOptions,
+    authenticated: bool,
+    subscribed: bool,
+    permits: &Semaphore,
+) -> Option<String> {
+    if !authenticated {
+        return Some(format!(
+            "no hello within hello_ms_max = {} ms of connecting; the connection is closed",
+            opts.hello_ms_max
+        ));
+    }
+    let in_flight = permits.available_permits() < opts.outstanding_per_connection_max;
+    (!subscribed && !in_flight).then(|| {
+        format!(
+            "idle: nothing sent for idle_ms_max = {} ms and nothing in flight; the connection is closed (reconnect when needed)",
+            opts.idle_ms_max
+        )
+    })
 }
 
 /// One accepted connection, set up: its id, line reader, outgoing queue, pipelining permits and

@@ -5,6 +5,7 @@
 
 use crate::durable::{After, DurableState};
 use crate::journal::{Journal, JournalError, Opened};
+use crate::quota::{ShareOptions, Shares};
 use crate::render;
 use estop_kernel::codec::encode_record;
 use estop_kernel::reply::{DecideStatus, EventKind};
@@ -156,12 +157,14 @@ pub enum CoreMsg {
 #[derive(Debug, Clone)]
 pub struct CoreOptions {
     pub subscriptions_per_run_max: usize,
-    /// Subscriptions in all (a subscription may name a run that does not exist yet).
-    pub subscriptions_max: usize,
+    /// Subscriptions in all (a subscription may name a run that does not exist yet), what one
+    /// principal may hold, and the operators' reserve.
+    pub subscriptions: ShareOptions,
     /// Events a subscriber's connection may have queued and unwritten before it loses the
     /// subscription: a client that stops reading must not grow the daemon's memory.
     pub event_backlog_max: usize,
-    pub waiters_max: usize,
+    /// `wait`s blocked in all, per principal, and the operators' reserve.
+    pub waiters: ShareOptions,
     /// Terminal runs keep per-effect state this long before compaction.
     pub retention_ms: u64,
     /// Take a snapshot after this many records (bounds recovery time).
@@ -178,9 +181,9 @@ impl Default for CoreOptions {
     fn default() -> Self {
         CoreOptions {
             subscriptions_per_run_max: 64,
-            subscriptions_max: 100_000,
+            subscriptions: ShareOptions::derived(100_000, 1024),
             event_backlog_max: 4096,
-            waiters_max: 100_000,
+            waiters: ShareOptions::derived(100_000, 1024),
             retention_ms: 7 * 24 * 3600 * 1000,
             snapshot_every_records: 1_000_000,
             inline_sync: std::env::var("ESTOP_INLINE_SYNC").map_or(true, |v| v != "0"),
@@ -257,14 +260,16 @@ pub struct Core {
     records_since_snapshot: u64,
     now: u64,
     waiters: HashMap<RunId, Vec<Waiter>>,
-    waiter_count: usize,
+    /// Blocked waits, by principal (the count of all of them is `waiter_shares.total()`).
+    waiter_shares: Shares,
     /// Waiters per connection that has any: a disconnect looks for its waiters only then.
     waiters_of_conn: HashMap<u64, usize>,
     /// When some waiter of a run times out. Entries of waiters answered early go stale and are
     /// dropped when they come due; each waiter adds at most one, so this stays bounded.
     waiter_deadlines: BTreeSet<(Instant, RunId)>,
     subscribers: HashMap<RunId, Vec<Subscriber>>,
-    subscription_count: usize,
+    /// Subscriptions, by principal.
+    subscription_shares: Shares,
     timers: BTreeSet<(u64, RunId)>,
     timer_of: HashMap<RunId, u64>,
     next_compaction: u64,
@@ -308,11 +313,11 @@ impl Core {
             records_since_snapshot: 0,
             now: 0,
             waiters: HashMap::new(),
-            waiter_count: 0,
+            waiter_shares: Shares::new("waiters", opts.waiters),
             waiters_of_conn: HashMap::new(),
             waiter_deadlines: BTreeSet::new(),
             subscribers: HashMap::new(),
-            subscription_count: 0,
+            subscription_shares: Shares::new("subscriptions", opts.subscriptions),
             timers: BTreeSet::new(),
             timer_of: HashMap::new(),
             next_compaction: 0,
@@ -502,11 +507,9 @@ impl Core {
                 to,
             } => match self.wait_verdict(&principal, &run, &key) {
                 Ok(Verdict::Held { .. }) if !timeout.is_zero() => {
-                    if self.waiter_count >= self.opts.waiters_max {
-                        let msg = format!("limit reached: waiters_max = {}", self.opts.waiters_max);
+                    if let Err(msg) = self.waiter_shares.take(&principal) {
                         self.send(to, Answer::Error(ErrorCode::LimitExceeded, msg));
                     } else {
-                        self.waiter_count += 1;
                         *self.waiters_of_conn.entry(conn).or_default() += 1;
                         let deadline = Instant::now() + timeout;
                         self.waiter_deadlines.insert((deadline, run.clone()));
@@ -556,9 +559,14 @@ impl Core {
             }
             CoreMsg::Unsubscribe { run, conn } => {
                 if let Some(subs) = self.subscribers.get_mut(&run) {
-                    let before = subs.len();
-                    subs.retain(|x| x.conn != conn);
-                    self.subscription_count -= before - subs.len();
+                    let shares = &mut self.subscription_shares;
+                    subs.retain(|x| {
+                        let keep = x.conn != conn;
+                        if !keep {
+                            shares.give_back(&x.principal);
+                        }
+                        keep
+                    });
                     if subs.is_empty() {
                         self.subscribers.remove(&run);
                     }
@@ -567,21 +575,30 @@ impl Core {
             CoreMsg::Disconnect { conn } => {
                 // Its waits end with it: nobody is left to answer, and each would keep the
                 // connection's writer (and its descriptors and slot) alive until it timed out.
-                if let Some(n) = self.waiters_of_conn.remove(&conn) {
+                if self.waiters_of_conn.remove(&conn).is_some() {
+                    let shares = &mut self.waiter_shares;
                     self.waiters.retain(|_, ws| {
-                        ws.retain(|w| w.conn != conn);
+                        ws.retain(|w| {
+                            let keep = w.conn != conn;
+                            if !keep {
+                                shares.give_back(&w.principal);
+                            }
+                            keep
+                        });
                         !ws.is_empty()
                     });
-                    self.waiter_count -= n;
                 }
-                let mut dropped = 0;
+                let shares = &mut self.subscription_shares;
                 self.subscribers.retain(|_, subs| {
-                    let before = subs.len();
-                    subs.retain(|x| x.conn != conn);
-                    dropped += before - subs.len();
+                    subs.retain(|x| {
+                        let keep = x.conn != conn;
+                        if !keep {
+                            shares.give_back(&x.principal);
+                        }
+                        keep
+                    });
                     !subs.is_empty()
                 });
-                self.subscription_count -= dropped;
             }
             CoreMsg::Query {
                 principal,
@@ -624,9 +641,12 @@ impl Core {
                 let _ = self.obs.subscribe(principal, tx);
             }
             CoreMsg::Stats { reply } => {
-                let stats =
-                    self.obs
-                        .stats(&self.gate, self.waiter_count, self.last_seq, self.after());
+                let stats = self.obs.stats(
+                    &self.gate,
+                    self.waiter_shares.total(),
+                    self.last_seq,
+                    self.after(),
+                );
                 let _ = reply.send(stats);
             }
             CoreMsg::LedgerFailed => self.fail_journal(),
@@ -863,10 +883,15 @@ impl Core {
             {
                 // A connection that is gone, or has stopped reading its events, loses the
                 // subscription rather than growing a queue without bound.
-                let before = subs.len();
                 let max = self.opts.event_backlog_max;
-                subs.retain(|x| !x.out.is_closed() && x.backlog.load(Ordering::Relaxed) < max);
-                self.subscription_count -= before - subs.len();
+                let shares = &mut self.subscription_shares;
+                subs.retain(|x| {
+                    let keep = !x.out.is_closed() && x.backlog.load(Ordering::Relaxed) < max;
+                    if !keep {
+                        shares.give_back(&x.principal);
+                    }
+                    keep
+                });
                 for x in subs.iter() {
                     if self.gate.visible_run(&x.principal, &e.run).is_ok() {
                         x.backlog.fetch_add(1, Ordering::Relaxed);
@@ -892,19 +917,24 @@ impl Core {
     /// Adds a subscription; `Some(error)` when a bound is reached.
     fn add_subscription(&mut self, run: RunId, sub: Subscriber) -> Option<Answer> {
         let per_run = self.opts.subscriptions_per_run_max;
-        let total = self.opts.subscriptions_max;
-        let subs = self.subscribers.entry(run).or_default();
+        let subs = self.subscribers.entry(run.clone()).or_default();
         if subs.iter().any(|x| x.conn == sub.conn) {
             return None;
         }
-        if subs.len() >= per_run || self.subscription_count >= total {
-            let m = format!(
-                "limit reached: subscriptions_per_run_max = {per_run}, subscriptions_max = {total}; unsubscribe from runs you no longer follow"
-            );
+        let refused = if subs.len() >= per_run {
+            Some(format!(
+                "limit reached: subscriptions_per_run_max = {per_run}; unsubscribe from runs you no longer follow"
+            ))
+        } else {
+            self.subscription_shares.take(&sub.principal).err()
+        };
+        if let Some(m) = refused {
+            if subs.is_empty() {
+                self.subscribers.remove(&run);
+            }
             return Some(Answer::Error(ErrorCode::LimitExceeded, m));
         }
         subs.push(sub);
-        self.subscription_count += 1;
         None
     }
 
@@ -934,8 +964,8 @@ impl Core {
     }
 
     /// One waiter of `conn` was answered.
-    fn waiter_done(&mut self, conn: u64) {
-        self.waiter_count -= 1;
+    fn waiter_done(&mut self, conn: u64, principal: &Principal) {
+        self.waiter_shares.give_back(principal);
         if let Some(n) = self.waiters_of_conn.get_mut(&conn) {
             *n -= 1;
             if *n == 0 {
@@ -954,12 +984,12 @@ impl Core {
             match self.wait_verdict(&w.principal, run, &w.key) {
                 Ok(Verdict::Held { .. }) => keep.push(w),
                 Ok(v) => {
-                    self.waiter_done(w.conn);
+                    self.waiter_done(w.conn, &w.principal);
                     let answer = Answer::Verdict(render::verdict(run, &v));
                     self.send(w.to, answer);
                 }
                 Err(answer) => {
-                    self.waiter_done(w.conn);
+                    self.waiter_done(w.conn, &w.principal);
                     self.send(w.to, answer);
                 }
             }
@@ -1007,7 +1037,7 @@ impl Core {
                 self.waiters.insert(run.clone(), keep);
             }
             for w in due {
-                self.waiter_done(w.conn);
+                self.waiter_done(w.conn, &w.principal);
                 let answer = match self.wait_verdict(&w.principal, &run, &w.key) {
                     Ok(v) => Answer::Verdict(render::verdict(&run, &v)),
                     Err(a) => a,
@@ -1054,7 +1084,9 @@ impl Core {
         self.release.fail();
         // Everything waiting is answered now: the state it waited on may not survive recovery.
         let waiters: Vec<Waiter> = self.waiters.drain().flat_map(|(_, ws)| ws).collect();
-        self.waiter_count = 0;
+        for w in &waiters {
+            self.waiter_shares.give_back(&w.principal);
+        }
         self.waiters_of_conn.clear();
         self.waiter_deadlines.clear();
         for w in waiters {

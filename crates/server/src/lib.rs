@@ -12,6 +12,7 @@ pub mod journal;
 pub mod log;
 pub mod observe;
 pub mod outbox;
+pub mod quota;
 pub mod render;
 pub mod serve;
 pub mod service;

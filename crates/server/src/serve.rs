@@ -34,6 +34,10 @@ pub struct ServeOptions {
     /// Allow every tool (benchmarks); ignored when `policy` is given.
     pub allow_all: bool,
     pub connections_max: usize,
+    /// Protocol v1 connections one principal may hold (default: a quarter of `connections_max`).
+    pub connections_per_principal_max: Option<usize>,
+    /// Connections of the SoundGate listener, a pool of its own (it has no principals).
+    pub soundgate_connections_max: usize,
     /// Threads serving connections (1: a single IO thread).
     pub io_threads: usize,
     pub conn: ConnOptions,
@@ -53,6 +57,8 @@ impl ServeOptions {
             policy: None,
             allow_all: false,
             connections_max: 4096,
+            connections_per_principal_max: None,
+            soundgate_connections_max: 1024,
             io_threads: std::env::var("ESTOP_IO_THREADS")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -370,8 +376,14 @@ async fn serve_async(
             l.local_addr().map(|a| a.to_string()).unwrap_or_default()
         ));
     }
-    let slots = Arc::new(Semaphore::new(opts.connections_max));
+    let mut pool = crate::quota::ConnectionOptions::derived(opts.connections_max);
+    if let Some(n) = opts.connections_per_principal_max {
+        pool.shares.per_principal_max = n;
+    }
+    let slots = crate::quota::ConnectionSlots::new(pool);
     let max = opts.connections_max;
+    let sg_slots = Arc::new(Semaphore::new(opts.soundgate_connections_max));
+    let sg_max = opts.soundgate_connections_max;
     let mut ready = Ready {
         socket: socket.clone(),
         tcp: tcp.as_ref().and_then(|l| l.local_addr().ok()),
@@ -419,8 +431,8 @@ async fn serve_async(
                     continue;
                 };
                 let socket = duplicate(&stream);
-                admit_connection(stream, &slots, max, |s| {
-                    conn::serve(s, socket, Arc::clone(&shared))
+                admit_connection(stream, slots.accept(), |s, slot| {
+                    conn::serve(s, socket, Arc::clone(&shared), slot)
                 });
             }
         }));
@@ -438,14 +450,14 @@ async fn serve_async(
                 };
                 let _ = stream.set_nodelay(true);
                 let socket = duplicate(&stream);
-                admit_connection(stream, &slots, max, |s| {
-                    conn::serve(s, socket, Arc::clone(&shared))
+                admit_connection(stream, slots.accept(), |s, slot| {
+                    conn::serve(s, socket, Arc::clone(&shared), slot)
                 });
             }
         }));
     }
     if let Some(sg) = sg {
-        let (shared, slots) = (Arc::clone(&shared), Arc::clone(&slots));
+        let shared = Arc::clone(&shared);
         tasks.push(tokio::spawn(async move {
             loop {
                 let stream = match sg.accept().await {
@@ -458,8 +470,13 @@ async fn serve_async(
                 let _ = stream.set_nodelay(true);
                 let decisions = decisions.clone();
                 let socket = duplicate(&stream);
-                admit_connection(stream, &slots, max, |s| {
-                    crate::soundgate::serve(s, socket, Arc::clone(&shared), decisions)
+                let slot = Arc::clone(&sg_slots).try_acquire_owned().map_err(|_| {
+                    format!(
+                        "limit reached: soundgate_connections_max = {sg_max}; close idle connections"
+                    )
+                });
+                admit_connection(stream, slot, |s, slot| {
+                    crate::soundgate::serve(s, socket, Arc::clone(&shared), decisions, slot)
                 });
             }
         }));
@@ -503,29 +520,24 @@ async fn accept_failed(e: &std::io::Error) {
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
 }
 
-/// Serves a connection if a slot is free; otherwise tells the client why and closes it.
-fn admit_connection<S, F, Fut>(mut stream: S, slots: &Arc<Semaphore>, max: usize, serve: F)
+/// Serves a connection that got a slot (the slot lives as long as the connection); otherwise
+/// tells the client why and closes it.
+fn admit_connection<S, T, F, Fut>(mut stream: S, slot: Result<T, String>, serve: F)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
-    F: FnOnce(S) -> Fut,
+    F: FnOnce(S, T) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    match Arc::clone(slots).try_acquire_owned() {
-        Ok(permit) => {
-            let fut = serve(stream);
-            tokio::spawn(async move {
-                fut.await;
-                drop(permit);
-            });
+    match slot {
+        Ok(slot) => {
+            tokio::spawn(serve(stream, slot));
         }
-        Err(_) => {
+        Err(why) => {
             tokio::spawn(async move {
                 let line = estop_protocol::reply::error_line(
                     &estop_protocol::Id::default(),
                     estop_protocol::ErrorCode::LimitExceeded,
-                    &format!(
-                        "limit reached: connections_max = {max}; close idle connections or raise --connections-max"
-                    ),
+                    &why,
                 );
                 let _ = stream.write_all(&line).await;
                 let _ = stream.shutdown().await;

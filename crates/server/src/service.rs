@@ -8,7 +8,6 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
-use tokio::sync::Semaphore;
 
 /// What a service is handed when it starts.
 #[derive(Debug, Clone)]
@@ -17,8 +16,8 @@ pub struct ServiceContext {
     pub shared: Arc<Shared>,
     /// The daemon's data directory (canonical).
     pub data: PathBuf,
-    /// Protocol connection slots: open connections are `connections_max - available_permits()`.
-    pub connections: Arc<Semaphore>,
+    /// Protocol v1 connection slots (Unix socket and TCP): `open()` says how many are open.
+    pub connections: Arc<crate::quota::ConnectionSlots>,
     pub connections_max: usize,
     /// Group-commit latency and batch sizes of the ledger.
     pub sync_stats: Arc<SyncStats>,

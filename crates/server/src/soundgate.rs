@@ -12,6 +12,7 @@ use estop_protocol::soundgate::{SG_BAD_MAC_MESSAGE, verify_decision_tag};
 use estop_protocol::{Id, Line, SgReply, SgRequest, parse_soundgate};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 /// The name of the principal the compatibility clients act as; their runs are its own.
@@ -75,8 +76,13 @@ pub fn render(_id: &Id, answer: &Answer) -> Vec<u8> {
 }
 
 /// Serves one compatibility connection.
-pub async fn serve<S>(stream: S, socket: Option<OwnedFd>, shared: Arc<Shared>, decisions: Decisions)
-where
+pub async fn serve<S>(
+    stream: S,
+    socket: Option<OwnedFd>,
+    shared: Arc<Shared>,
+    decisions: Decisions,
+    slot: tokio::sync::OwnedSemaphorePermit,
+) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let Opened {
@@ -87,10 +93,24 @@ where
         writer,
         ..
     } = open(stream, socket, &shared, render);
+    let idle = Duration::from_millis(shared.opts.idle_ms_max);
     loop {
-        let line = match reader.next_line().await {
-            Ok(Some(l)) => l,
-            Ok(None) | Err(_) => break,
+        let line = match tokio::time::timeout(idle, reader.next_line()).await {
+            Ok(Ok(Some(l))) => l,
+            Ok(Ok(None) | Err(_)) => break,
+            // No hello on this wire: a connection counts as authenticated for the idle rule.
+            Err(_) => match crate::conn::idle_close(&shared.opts, true, false, &permits) {
+                Some(why) => {
+                    crate::log::info(&format!("SoundGate connection {conn} closed: {why}"));
+                    let _ = out_tx.send(Out::Answer {
+                        id: Id::default(),
+                        answer: Answer::Error(estop_protocol::ErrorCode::LimitExceeded, why),
+                        after: After::default(),
+                    });
+                    break;
+                }
+                None => continue,
+            },
         };
         match permits.acquire().await {
             Ok(p) => p.forget(),
@@ -122,6 +142,7 @@ where
         }
     }
     close(&shared, conn, out_tx, writer).await;
+    drop(slot);
 }
 
 fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) -> Option<Answer> {
