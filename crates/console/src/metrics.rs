@@ -121,6 +121,12 @@ pub async fn render(app: &App) -> Response {
         "Approvals that expired undecided (silence is no).",
     );
     o.sample("estop_approvals_expired_total", &[], s.approvals_expired);
+    o.head(
+        "estop_snapshot_failures_total",
+        "counter",
+        "Snapshots that failed (each retried with backoff; the daemon's log says why).",
+    );
+    o.sample("estop_snapshot_failures_total", &[], s.snapshot_failures);
     o.head("estop_runs", "gauge", "Runs the gate holds, by state.");
     for (state, n) in &s.runs_by_state {
         o.sample("estop_runs", &[("state", state)], n);

@@ -13,6 +13,8 @@ use crate::ledger::{ActiveSegment, LedgerOptions};
 use crate::snapshot::{self, SnapshotInfo};
 use crate::storage::Storage;
 
+/// The name of the ledger's sync thread (the daemon ends the process if it panics).
+pub const SYNC_THREAD_NAME: &str = "estop-ledger-sync";
 /// Called from the sync thread after each sync: `Ok(durable seq)`, or once `Err(Failed)`.
 pub type Notify = Box<dyn Fn(Result<u64, LedgerError>) + Send + Sync>;
 
@@ -154,7 +156,7 @@ pub(crate) fn spawn(
     });
     let thread_shared = shared.clone();
     let thread = std::thread::Builder::new()
-        .name("estop-ledger-sync".to_owned())
+        .name(SYNC_THREAD_NAME.to_owned())
         .spawn(move || sync_loop(&thread_shared))
         .map_err(|e| LedgerError::io("spawn sync thread", "", e))?;
     Ok(Committer {

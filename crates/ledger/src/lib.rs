@@ -26,7 +26,7 @@ mod snapshot;
 mod stats;
 mod storage;
 
-pub use commit::{Committer, Notify, SnapshotReport};
+pub use commit::{Committer, Notify, SYNC_THREAD_NAME, SnapshotReport};
 pub use error::{LedgerError, ReplayCause};
 pub use inspect::{RecordView, VerifyReport, inspect, verify};
 pub use ledger::{Ledger, LedgerOptions, Recovered, RecoveryReport};

@@ -259,6 +259,9 @@ pub struct Core {
     committed_seq: u64,
     records_since_snapshot: u64,
     now: u64,
+    clock: crate::clock::Clock,
+    /// The monotonic clock's origin for `clock`.
+    started: Instant,
     waiters: HashMap<RunId, Vec<Waiter>>,
     /// Blocked waits, by principal (the count of all of them is `waiter_shares.total()`).
     waiter_shares: Shares,
@@ -273,6 +276,8 @@ pub struct Core {
     timers: BTreeSet<(u64, RunId)>,
     timer_of: HashMap<RunId, u64>,
     next_compaction: u64,
+    /// After a failed snapshot: when the next may be tried, and the wait after that one.
+    snapshot_retry: Option<(Instant, Duration)>,
     /// While the ledger is down, recovery is attempted at most this often.
     next_recovery: Instant,
     opts: CoreOptions,
@@ -312,6 +317,8 @@ impl Core {
             committed_seq: last_seq,
             records_since_snapshot: 0,
             now: 0,
+            clock: crate::clock::Clock::default(),
+            started: Instant::now(),
             waiters: HashMap::new(),
             waiter_shares: Shares::new("waiters", opts.waiters),
             waiters_of_conn: HashMap::new(),
@@ -321,6 +328,7 @@ impl Core {
             timers: BTreeSet::new(),
             timer_of: HashMap::new(),
             next_compaction: 0,
+            snapshot_retry: None,
             next_recovery: Instant::now(),
             opts,
             buf: Vec::with_capacity(1024),
@@ -341,8 +349,11 @@ impl Core {
         }
     }
 
+    /// The gate's time now (`clock::Clock`: monotonic, not pushed ahead by one bad reading of
+    /// the wall clock).
     fn tick_clock(&mut self) -> u64 {
-        self.now = self.now.max(wall_ms());
+        let mono = self.started.elapsed().as_millis() as u64;
+        self.now = self.clock.read(wall_ms(), mono);
         self.now
     }
 
@@ -420,7 +431,7 @@ impl Core {
     /// The next message, after watching the queue for up to `spin` first; `Some(None)` when a
     /// timer is due first; `None` when every sender is gone.
     fn next_message(
-        &self,
+        &mut self,
         rx: &mpsc::Receiver<CoreMsg>,
         spin: Duration,
     ) -> Option<Option<CoreMsg>> {
@@ -437,9 +448,8 @@ impl Core {
                 }
             }
         }
-        let timeout = self
-            .next_wakeup()
-            .map(|at| Duration::from_millis(at.saturating_sub(wall_ms())));
+        let (at, now) = self.next_wakeup();
+        let timeout = at.map(|at| Duration::from_millis(at.saturating_sub(now)));
         match timeout {
             Some(t) => match rx.recv_timeout(t) {
                 Ok(m) => Some(Some(m)),
@@ -478,17 +488,21 @@ impl Core {
         Some(synced_here)
     }
 
-    fn next_wakeup(&self) -> Option<u64> {
+    /// When (gate time) the core must wake next, and the gate time now.
+    fn next_wakeup(&mut self) -> (Option<u64>, u64) {
+        let now = self.tick_clock();
         let timer = self.timers.first().map(|(at, _)| *at);
-        let waiter = self.waiter_deadlines.first().map(|(d, _)| {
-            wall_ms() + d.saturating_duration_since(Instant::now()).as_millis() as u64
-        });
-        let compaction = Some(self.next_compaction.max(wall_ms() + 1000));
-        let recovery = self.journal.is_none().then(|| wall_ms() + 1000);
-        [timer, waiter, compaction, recovery]
+        let waiter = self
+            .waiter_deadlines
+            .first()
+            .map(|(d, _)| now + d.saturating_duration_since(Instant::now()).as_millis() as u64);
+        let compaction = Some(self.next_compaction.max(now + 1000));
+        let recovery = self.journal.is_none().then(|| now + 1000);
+        let at = [timer, waiter, compaction, recovery]
             .into_iter()
             .flatten()
-            .min()
+            .min();
+        (at, now)
     }
 
     /// Handles one message; returns true to stop.
@@ -1001,7 +1015,7 @@ impl Core {
     }
 
     fn fire_timers(&mut self) {
-        let now = wall_ms();
+        let now = self.tick_clock();
         // Deadlines and approval expiries.
         while let Some((at, run)) = self.timers.first().cloned() {
             if at > now {
@@ -1051,19 +1065,47 @@ impl Core {
             let before = now.saturating_sub(self.opts.retention_ms);
             let _ = self.apply_reply(&system_principal(), Command::Compact { before });
         }
-        if self.records_since_snapshot >= self.opts.snapshot_every_records {
+        let due = self
+            .snapshot_retry
+            .is_none_or(|(at, _)| Instant::now() >= at);
+        if self.records_since_snapshot >= self.opts.snapshot_every_records && due {
             self.snapshot();
         }
     }
 
-    /// Writes a snapshot of the current state (covering every record so far).
-    pub fn snapshot(&mut self) {
+    /// Writes a snapshot of the current state (covering every record so far). A failure is
+    /// retried after a backoff (1 s, doubling up to 10 min), never on every loop: encoding the
+    /// whole state again each time would starve every client of the core.
+    fn snapshot(&mut self) {
+        const RETRY_FIRST: Duration = Duration::from_secs(1);
+        const RETRY_MAX: Duration = Duration::from_secs(600);
         let Some(journal) = &self.journal else { return };
         let mut bytes = Vec::new();
         estop_kernel::codec::encode_snapshot(&self.gate, &mut bytes);
+        let size = bytes.len();
         match journal.snapshot(self.last_seq, bytes) {
-            Ok(()) => self.records_since_snapshot = 0,
-            Err(e) => crate::log::error(&format!("snapshot at seq {} failed: {e}", self.last_seq)),
+            Ok(()) => {
+                self.records_since_snapshot = 0;
+                self.snapshot_retry = None;
+            }
+            Err(e) => {
+                let wait = self
+                    .snapshot_retry
+                    .map_or(RETRY_FIRST, |(_, w)| (w * 2).min(RETRY_MAX));
+                self.snapshot_retry = Some((Instant::now() + wait, wait));
+                self.obs.snapshot_failed();
+                let advice = match &e {
+                    LedgerError::Options { .. } => format!(
+                        "the gate's state is {size} bytes, more than a snapshot may hold: shorten --retention so stopped runs are compacted sooner, and close finished runs"
+                    ),
+                    _ => "see the error; the disk may be full or failing".to_string(),
+                };
+                crate::log::error(&format!(
+                    "snapshot at seq {} failed: {e}; {advice}. Nothing is lost (the ledger holds every record), but recovery replays more until a snapshot succeeds; retrying in {}s",
+                    self.last_seq,
+                    wait.as_secs()
+                ));
+            }
         }
     }
 

@@ -3,10 +3,12 @@
 //! parallel; the ledger's sync thread group-commits; replies leave only once durable.
 
 pub mod client;
+pub mod clock;
 pub mod conn;
 pub mod core;
 pub mod describe;
 pub mod durable;
+pub mod fatal;
 pub mod handoff;
 pub mod journal;
 pub mod log;

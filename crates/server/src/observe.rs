@@ -52,6 +52,8 @@ pub struct GateStats {
     pub approvals_expired: u64,
     pub waiters: usize,
     pub feeds: usize,
+    /// Snapshots that failed (each is retried later, with backoff).
+    pub snapshot_failures: u64,
     /// The last ledger seq the core appended.
     pub ledger_seq: u64,
     /// The gauges may reflect changes up to here: show them once it is durable.
@@ -70,6 +72,7 @@ pub struct Observer {
     approved: Histogram,
     rejected: Histogram,
     expired: u64,
+    snapshot_failures: u64,
 }
 
 impl Default for Observer {
@@ -88,6 +91,7 @@ impl Default for Observer {
             approved: Histogram::new(DECISION_MS_BUCKETS),
             rejected: Histogram::new(DECISION_MS_BUCKETS),
             expired: 0,
+            snapshot_failures: 0,
         }
     }
 }
@@ -135,6 +139,11 @@ impl Observer {
     }
 
     /// A recorded change of `run` (with the events it raised) at ledger position `after`.
+    /// A snapshot failed.
+    pub fn snapshot_failed(&mut self) {
+        self.snapshot_failures += 1;
+    }
+
     pub fn changed(
         &mut self,
         gate: &Gate,
@@ -217,6 +226,7 @@ impl Observer {
             approvals_expired: self.expired,
             waiters,
             feeds: self.feeds.len(),
+            snapshot_failures: self.snapshot_failures,
             ledger_seq,
             after,
         }

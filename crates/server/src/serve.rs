@@ -179,6 +179,7 @@ pub fn run_with(
     services: Vec<Box<dyn crate::service::Service>>,
     on_ready: impl FnOnce(&Ready),
 ) -> Result<(), ServeError> {
+    crate::fatal::install_panic_hook();
     std::fs::create_dir_all(&opts.data).map_err(|e| {
         setup(format!(
             "cannot create data dir {}: {e}",
@@ -246,7 +247,7 @@ pub fn run_with(
         journal::JournalError::Ledger(l) => ServeError::Ledger(l),
     })?;
     let core_thread = std::thread::Builder::new()
-        .name("estop-core".into())
+        .name(crate::fatal::CORE_THREAD_NAME.into())
         .spawn(move || core.run(core_rx))
         .map_err(|e| setup(format!("cannot start the core thread: {e}")))?;
 

@@ -62,6 +62,14 @@ impl Harness {
     }
 
     fn start_with(storage: Arc<CrashStorage>, opts: CoreOptions) -> Harness {
+        Harness::start_with_ledger(storage, opts, LedgerOptions::default())
+    }
+
+    fn start_with_ledger(
+        storage: Arc<CrashStorage>,
+        opts: CoreOptions,
+        ledger: LedgerOptions,
+    ) -> Harness {
         let (durable_tx, durable) = watch::channel(DurableState::default());
         let (tx, rx) = mpsc::channel();
         let st: Arc<dyn Storage> = storage;
@@ -71,7 +79,7 @@ impl Harness {
                 &Limits::default(),
                 LedgerOptions {
                     discard_after,
-                    ..LedgerOptions::default()
+                    ..ledger.clone()
                 },
             )
         });
@@ -89,6 +97,12 @@ impl Harness {
             out_rx,
             rt,
         }
+    }
+
+    fn stats(&self) -> estop_server::observe::GateStats {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.tx.send(CoreMsg::Stats { reply: tx }).unwrap();
+        self.rt.block_on(rx).unwrap()
     }
 
     /// Sends a command and returns the answer the client would see (after durability).
@@ -240,4 +254,29 @@ fn a_subscriber_that_stops_reading_loses_its_subscription_instead_of_growing_a_q
         "the subscription is dropped at the backlog bound, not after 20 events"
     );
     assert_eq!(backlog.load(std::sync::atomic::Ordering::Relaxed), 5);
+}
+
+/// Finding 6: a snapshot that fails (here: the state is over the snapshot bound) was retried on
+/// every loop of the core, re-encoding the whole state each time — a livelock under load. Now
+/// it backs off, and everything else goes on being served.
+#[test]
+fn a_failing_snapshot_backs_off_instead_of_being_retried_on_every_loop() {
+    let storage = Arc::new(CrashStorage::new(5));
+    let opts = CoreOptions {
+        snapshot_every_records: 1,
+        ..CoreOptions::default()
+    };
+    let ledger = LedgerOptions {
+        snapshot_bytes_max: 16,
+        ..LedgerOptions::default()
+    };
+    let mut h = Harness::start_with_ledger(Arc::clone(&storage), opts, ledger);
+    for i in 0..40 {
+        assert!(is_admitted(&h.call(admit(&format!("k{i}")))));
+    }
+    let failures = h.stats().snapshot_failures;
+    assert!(
+        (1..=2).contains(&failures),
+        "{failures} snapshot attempts for 40 requests in well under the first backoff"
+    );
 }
