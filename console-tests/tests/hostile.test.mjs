@@ -139,7 +139,7 @@ async function tryEverything(context, consolePage, evil) {
   assert.ok(read.error, "a cross-origin read fails: " + JSON.stringify(read));
   const headed = got.tries.find((t) => t.name === "approve with headers");
   assert.ok(headed.error, "a request with the session header is stopped by the browser: " + JSON.stringify(headed));
-  assert.match(got.tries.find((t) => t.name === "open console").error || "", /cross-origin|Blocked|denied|null/i, JSON.stringify(got.tries));
+  assert.match(got.tries.find((t) => t.name === "open console").error || "", /SecurityError|cross-origin|Blocked|null/i, JSON.stringify(got.tries));
 
   // The effect is still held, nobody approved it; the operator's page still works.
   const pending = await (await fetch(d.base + "/api/v1/pending", { headers: { Authorization: "Bearer " + d.operatorToken } })).json();

@@ -195,7 +195,7 @@ pub async fn render(app: &App) -> Response {
     o.sample(
         "estop_connections",
         &[("listener", "console")],
-        open(app.conns_max, app.conns.available_permits()),
+        app.conns.open(),
     );
     o.head(
         "estop_connections_max",
@@ -210,7 +210,7 @@ pub async fn render(app: &App) -> Response {
     o.sample(
         "estop_connections_max",
         &[("listener", "console")],
-        app.conns_max,
+        app.conns.max,
     );
     o.head(
         "estop_console_sessions",
@@ -223,11 +223,7 @@ pub async fn render(app: &App) -> Response {
         "gauge",
         "Open server-sent-event streams.",
     );
-    o.sample(
-        "estop_console_event_streams",
-        &[],
-        open(app.streams_max, app.streams.available_permits()),
-    );
+    o.sample("estop_console_event_streams", &[], app.streams.open());
     let mut r = o.0.into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,
