@@ -5,7 +5,12 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { createServer } from "node:http";
-import { startDaemon, connect, launch } from "../lib/estop.mjs";
+import { mkdirSync } from "node:fs";
+import { join } from "node:path";
+import { startDaemon, connect, launch, repo } from "../lib/estop.mjs";
+
+const artifacts = join(repo, "console-tests", "artifacts");
+mkdirSync(artifacts, { recursive: true });
 
 let d, agent, browser, closeBrowser;
 
@@ -170,6 +175,7 @@ test("agent-supplied bidi, zero-width and control characters show as visible esc
   assert.match(text, /k\\u\{200b\}y/);
   assert.match(await card.locator("pre.args").textContent(), /line1\\n\\u001b\[31mRED\\u\{202e\}done/);
   assert.equal(await card.locator(".esc").first().getAttribute("title"), "U+202E");
+  await card.screenshot({ path: join(artifacts, "console-escapes.png") });
   const label = await card.getByRole("button", { name: /^Approve/ }).getAttribute("aria-label");
   assert.ok(!label.includes("\u202E") && label.includes("\\u{202e}"), label);
   // The runs list and the stopped run's page: labels and the agent's stop reason.
