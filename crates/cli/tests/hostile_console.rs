@@ -366,19 +366,36 @@ fn idle_connections_do_not_lock_the_operator_out() {
     }
     assert!(started.elapsed() < Duration::from_secs(25));
 
-    // Under the bound, an idle connection is closed by the header-read timeout alone.
+    // Under the bound, a slow head is cut by the header-read timeout alone, a slow body by the
+    // body-read timeout (an answer, then the end).
     drop(idle);
     let mut lone = TcpStream::connect(&c.addr).unwrap();
     lone.write_all(b"GET / HTTP/1.1\r\n").unwrap();
+    let mut dribble = TcpStream::connect(&c.addr).unwrap();
+    let head = format!(
+        "POST /api/v1/runs/r/pause HTTP/1.1\r\nHost: {}\r\nAuthorization: {}\r\nContent-Length: 100\r\n\r\n{{",
+        c.addr, c.op
+    );
+    dribble.write_all(head.as_bytes()).unwrap();
+    let started = Instant::now();
     lone.set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
-    let started = Instant::now();
     let n = lone.read(&mut buf).unwrap_or(0);
     assert!(
         n == 0 || buf.starts_with(b"HTTP/1.1 408"),
         "{:?}",
         &buf[..n]
     );
+    dribble
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut answer = String::new();
+    let read = dribble.read_to_string(&mut answer);
+    assert!(
+        read.is_ok(),
+        "the slow body was cut, not waited for: {read:?}"
+    );
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "closed after {:?}",

@@ -275,13 +275,13 @@ impl Body for Deadline {
 }
 
 /// A connection's socket; a write that stays blocked for `write_stall` fails.
-struct Guarded {
-    stream: TcpStream,
+struct Guarded<S> {
+    stream: S,
     write_stall: Duration,
     stall: Option<Pin<Box<Sleep>>>,
 }
 
-impl Guarded {
+impl<S> Guarded<S> {
     fn stalled<T>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
         if r.is_ready() {
             self.stall = None;
@@ -301,7 +301,7 @@ impl Guarded {
     }
 }
 
-impl AsyncRead for Guarded {
+impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -311,7 +311,7 @@ impl AsyncRead for Guarded {
     }
 }
 
-impl AsyncWrite for Guarded {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -341,5 +341,32 @@ impl AsyncWrite for Guarded {
 
     fn is_write_vectored(&self) -> bool {
         self.stream.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt as _;
+
+    #[tokio::test]
+    async fn a_write_the_peer_does_not_take_fails_after_the_stall_bound() {
+        let (near, _far) = tokio::io::duplex(64);
+        let mut g = Guarded {
+            stream: near,
+            write_stall: Duration::from_millis(200),
+            stall: None,
+        };
+        let started = Instant::now();
+        let mut written = 0;
+        let err = loop {
+            match g.write(&[0u8; 16]).await {
+                Ok(n) => written += n,
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(written, 64, "what the peer's buffer takes is written");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(started.elapsed() >= Duration::from_millis(200));
     }
 }
