@@ -3,8 +3,9 @@
 //! one (a fresh connection, or a kept-alive one after its last answer: the same bound is the
 //! idle timeout), a request body within `body_read` of its head, and an answer the client does
 //! not read is given up after `write_stall`. At the bound on open connections, the connection
-//! idle the longest (no request in flight) is closed to make room: idle sockets, however many,
-//! never keep the operator's request waiting.
+//! idle the longest (no request in flight) is closed to make room, or failing that the one whose
+//! request body is still arriving (a legitimate client sends its body with its head): idle or
+//! dribbling sockets, however many, never keep the operator's request waiting.
 
 use axum::Router;
 use axum::body::Bytes;
@@ -48,6 +49,8 @@ pub struct Timeouts {
 struct Conn {
     /// Requests whose answer is not yet fully written.
     busy: AtomicUsize,
+    /// Of those, requests whose body is still arriving.
+    reading: AtomicUsize,
     idle_since: Mutex<Instant>,
     closing: AtomicBool,
     close: Notify,
@@ -90,12 +93,21 @@ impl Conns {
         }
     }
 
+    /// Closes the connection idle the longest, else the one with a body arriving that was idle
+    /// the longest before.
     fn evict_longest_idle(&self) {
         let live = self.live.lock().expect("conns lock");
         let victim = live
             .values()
-            .filter(|c| c.busy.load(Ordering::Acquire) == 0 && !c.closing.load(Ordering::Acquire))
-            .min_by_key(|c| *c.idle_since.lock().expect("idle lock"));
+            .filter(|c| !c.closing.load(Ordering::Acquire))
+            .filter_map(|c| {
+                let reading = c.reading.load(Ordering::Acquire) > 0;
+                let idle = c.busy.load(Ordering::Acquire) == 0;
+                let since = *c.idle_since.lock().expect("idle lock");
+                (idle || reading).then_some((reading, since, c))
+            })
+            .min_by_key(|(reading, since, _)| (*reading, *since))
+            .map(|(_, _, c)| c);
         if let Some(c) = victim {
             c.closing.store(true, Ordering::Release);
             c.close.notify_one();
@@ -106,6 +118,7 @@ impl Conns {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let conn = Arc::new(Conn {
             busy: AtomicUsize::new(0),
+            reading: AtomicUsize::new(0),
             idle_since: Mutex::new(Instant::now()),
             closing: AtomicBool::new(false),
             close: Notify::new(),
@@ -158,7 +171,7 @@ async fn connection(
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
         let busy = Busy::new(Arc::clone(&state));
         let router = router.clone();
-        let req = req.map(|b| Deadline::new(b, t.body_read));
+        let req = req.map(|b| Deadline::new(b, t.body_read, &state));
         async move {
             let resp = router.oneshot(req).await.unwrap_or_else(|e| match e {});
             Ok::<_, Infallible>(resp.map(|inner| Tracked { inner, _busy: busy }))
@@ -222,20 +235,36 @@ impl Body for Tracked {
     }
 }
 
-/// A request body that must arrive by a deadline (a client dribbling its body holds no slot).
+/// A request body that must arrive by a deadline; while it arrives its connection may be
+/// evicted (a client dribbling its body holds no slot).
 struct Deadline {
     inner: Incoming,
     by: Instant,
     timer: Option<Pin<Box<Sleep>>>,
+    reading: Option<Reading>,
 }
 
 impl Deadline {
-    fn new(inner: Incoming, within: Duration) -> Deadline {
+    fn new(inner: Incoming, within: Duration, conn: &Arc<Conn>) -> Deadline {
+        let reading = (!inner.is_end_stream()).then(|| {
+            conn.reading.fetch_add(1, Ordering::AcqRel);
+            Reading(Arc::clone(conn))
+        });
         Deadline {
             inner,
             by: Instant::now() + within,
             timer: None,
+            reading,
         }
+    }
+}
+
+/// A request body still arriving on a connection.
+struct Reading(Arc<Conn>);
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.0.reading.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -249,7 +278,12 @@ impl Body for Deadline {
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(f) => Poll::Ready(f.map(|r| r.map_err(Into::into))),
+            Poll::Ready(f) => {
+                if !matches!(f, Some(Ok(_))) || this.inner.is_end_stream() {
+                    this.reading = None;
+                }
+                Poll::Ready(f.map(|r| r.map_err(Into::into)))
+            }
             Poll::Pending => {
                 let by = this.by.into();
                 let timer = this
