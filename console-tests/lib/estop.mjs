@@ -1,7 +1,7 @@
 // Test support: starts a real `estop serve` on a temp data dir with the console on a free port,
 // waits for its ready line (never sleeps), and speaks protocol v1 over its Unix socket as an agent.
 import { spawn } from "node:child_process";
-import { mkdtempSync, writeFileSync, readFileSync, rmSync } from "node:fs";
+import { mkdtempSync, writeFileSync, readFileSync, rmSync, existsSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve, dirname } from "node:path";
 import { createConnection } from "node:net";
@@ -58,8 +58,8 @@ export async function startDaemon({ policy = POLICY } = {}) {
     const timer = setTimeout(() => rej(new Error("estop serve did not become ready:\n" + log.join("\n"))), 60000);
     lines.on("line", (l) => {
       if (l.startsWith("estop ready ")) found.ready = l;
-      if (l.startsWith("estop console ")) found.link = l.split(" ")[2];
-      if (found.ready && found.link) { clearTimeout(timer); res(found); }
+      if (l.startsWith("estop console ")) found.console = l;
+      if (found.ready && found.console) { clearTimeout(timer); res(found); }
     });
     child.on("exit", (code) => { clearTimeout(timer); rej(new Error(`estop serve exited ${code}:\n` + log.join("\n"))); });
   });
@@ -68,7 +68,9 @@ export async function startDaemon({ policy = POLICY } = {}) {
   return {
     dir, child, log,
     base: "http://" + console,
-    loginLink: ready.link,
+    // stdout is no terminal here: the one-time link is in DATA/console-login (mode 0600).
+    loginLink: existsSync(join(dir, "console-login")) ? readFileSync(join(dir, "console-login"), "utf8").trim() : ready.console.split(" ")[2],
+    consoleLine: ready.console,
     socket: field("socket"),
     operatorToken: readFileSync(join(dir, "operator.token"), "utf8").trim(),
     agentToken: readFileSync(join(dir, "agent.token"), "utf8").trim(),

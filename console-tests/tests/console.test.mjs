@@ -53,21 +53,25 @@ after(async () => {
   await d?.stop();
 });
 
-test("the printed one-time link logs in once; a second use is refused", async () => {
+test("the one-time link from DATA/console-login logs in once, with no cookie; a second use is refused", async () => {
+  assert.ok(!d.consoleLine.includes("code="), "the link is not printed when stdout is no terminal: " + d.consoleLine);
+  assert.match(d.loginLink, /\/login#code=[0-9a-f]{64}$/);
   const context = await browser.newContext();
   const page = await context.newPage();
   await page.goto(d.loginLink);
   await page.waitForURL(d.base + "/");
   await page.waitForSelector("#principal");
   assert.match(await page.textContent("#principal"), /admin \(operator\)/);
-  const cookies = await context.cookies();
-  const session = cookies.find((c) => c.name.startsWith("estop_session"));
-  assert.ok(session, "a session cookie");
-  assert.equal(session.httpOnly, true);
-  assert.equal(session.sameSite, "Strict");
+  assert.deepEqual(await context.cookies(), [], "no cookie: it would reach every port of the host");
+  const kept = JSON.parse(await page.evaluate(() => sessionStorage.getItem("estop.session")));
+  assert.match(kept.session, /^[0-9a-f]{64}$/);
+  assert.match(kept.csrf, /^[0-9a-f]{64}$/);
+  // The code left the address bar and the history.
+  assert.ok(!page.url().includes("code="), page.url());
   const again = await (await browser.newContext()).newPage();
-  const resp = await again.goto(d.loginLink);
-  assert.equal(resp.status(), 401, "the link works once");
+  await again.goto(d.loginLink);
+  await again.waitForSelector("#token");
+  assert.match(await again.textContent("main"), /used or has expired/);
   await context.close();
 });
 
@@ -267,16 +271,19 @@ test("a narrow screen: no sideways scrolling, the decision buttons stay reachabl
   await context.close();
 });
 
-test("state changes need the CSRF token; logging out ends the session", async () => {
+test("state changes need the session header and the CSRF token; logging out ends the session", async () => {
   const { page, context } = await loggedIn();
   const status = await page.evaluate(async () => {
-    const r = await fetch("/api/v1/runs/pause-run/pause", { method: "POST", headers: { "Content-Type": "application/json" }, body: "{}" });
-    return r.status;
+    const { session } = JSON.parse(sessionStorage.getItem("estop.session"));
+    const post = (headers) => fetch("/api/v1/runs/pause-run/pause", { method: "POST", headers: { "Content-Type": "application/json", ...headers }, body: "{}" }).then((r) => r.status);
+    return { none: await post({}), noCsrf: await post({ "X-Estop-Session": session }) };
   });
-  assert.equal(status, 403, "a cookie alone cannot change state");
+  assert.deepEqual(status, { none: 401, noCsrf: 403 }, "neither the page's origin nor the session alone can change state");
+  const { session } = JSON.parse(await page.evaluate(() => sessionStorage.getItem("estop.session")));
   await page.getByRole("button", { name: "Log out" }).click();
   await page.waitForSelector("#token");
-  const after = await page.evaluate(async () => (await fetch("/api/v1/runs")).status);
-  assert.equal(after, 401);
+  assert.equal(await page.evaluate(() => sessionStorage.getItem("estop.session")), null);
+  const after = await page.evaluate(async (s) => (await fetch("/api/v1/runs", { headers: { "X-Estop-Session": s } })).status, session);
+  assert.equal(after, 401, "the session ended on the server too");
   await context.close();
 });

@@ -629,8 +629,8 @@ fn serve(a: ServeArgs) -> Result<u8> {
         println!("{}", ready.line());
         use std::io::Write;
         let mut out = std::io::stdout().lock();
-        // The login link goes to the operator's terminal only; a reader that stopped after
-        // the ready line must not kill the daemon (errors are ignored).
+        // Notices (where the console's login link is; the link itself only on a terminal): a
+        // reader that stopped after the ready line must not kill the daemon (errors ignored).
         for notice in &ready.notices {
             let _ = writeln!(out, "{notice}");
         }

@@ -402,66 +402,79 @@ fn login_links_work_once_and_sessions_need_the_csrf_token_to_change_state() {
     let c = Console::start();
     let link = c.post("/api/v1/login-links", json!({})).json();
     let url = link["url"].as_str().unwrap();
-    let path = &url[url.find("/login").unwrap()..];
-    let r = http(&c.addr, "GET", path, &[], "");
-    assert_eq!(r.status, 200);
-    let cookie = r.header("set-cookie").unwrap().to_string();
-    assert!(cookie.contains("HttpOnly"), "{cookie}");
-    assert!(cookie.contains("SameSite=Strict"), "{cookie}");
-    let pair = cookie.split(';').next().unwrap().to_string();
-    assert_eq!(http(&c.addr, "GET", path, &[], "").status, 401, "one-time");
+    let code = &url[url.find("/login#code=").unwrap() + "/login#code=".len()..];
+    // The link opens the page; its script posts the code from the console's own origin.
+    let page = http(&c.addr, "GET", "/login", &[], "");
+    assert_eq!(page.status, 200);
+    assert!(page.header("set-cookie").is_none(), "no cookie");
+    let origin = format!("http://{}", c.addr);
+    let from_page = [("Origin", origin.as_str())];
+    let body = json!({"code": code}).to_string();
+    let r = http(&c.addr, "POST", "/api/v1/session", &from_page, &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.header("set-cookie").is_none(), "no cookie");
+    let login = r.json();
+    let secret = login["session"].as_str().unwrap().to_string();
+    let csrf = login["csrf"].as_str().unwrap().to_string();
+    assert_eq!(
+        http(&c.addr, "POST", "/api/v1/session", &from_page, &body).status,
+        401,
+        "one-time"
+    );
 
-    let me = http(&c.addr, "GET", "/api/v1/session", &[("Cookie", &pair)], "").json();
+    let session = [
+        ("X-Estop-Session", secret.as_str()),
+        ("Sec-Fetch-Site", "same-origin"),
+    ];
+    let me = http(&c.addr, "GET", "/api/v1/session", &session, "").json();
     assert_eq!(me["principal"], "admin");
-    let csrf = me["csrf"].as_str().unwrap().to_string();
+    assert!(me.get("csrf").is_none(), "no secret in whoami: {me}");
     let mut a = c.d.agent();
     admit(&mut a, "s", "k", "pay", json!({}));
     let pause =
         |headers: &[(&str, &str)]| http(&c.addr, "POST", "/api/v1/runs/s/pause", headers, "{}");
-    assert_eq!(pause(&[("Cookie", &pair)]).status, 403, "no CSRF token");
+    let with = |more: &[(&'static str, &str)]| {
+        let mut h: Vec<(&str, String)> = session.iter().map(|(k, v)| (*k, v.to_string())).collect();
+        h.extend(more.iter().map(|(k, v)| (*k, v.to_string())));
+        h
+    };
+    let send = |h: Vec<(&str, String)>| {
+        let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        pause(&h).status
+    };
+    assert_eq!(send(with(&[])), 403, "no CSRF token");
+    assert_eq!(send(with(&[("X-CSRF-Token", "wrong")])), 403);
+    let cross = with(&[("X-CSRF-Token", &csrf), ("Origin", "http://evil.example")]);
+    assert_eq!(send(cross), 403, "cross-origin");
+    assert_eq!(send(with(&[("X-CSRF-Token", &csrf)])), 200);
+    // Logging out ends the session.
+    let out = with(&[("X-CSRF-Token", &csrf)]);
+    let out: Vec<(&str, &str)> = out.iter().map(|(k, v)| (*k, v.as_str())).collect();
     assert_eq!(
-        pause(&[("Cookie", &pair), ("X-CSRF-Token", "wrong")]).status,
-        403
-    );
-    let origin = pause(&[
-        ("Cookie", &pair),
-        ("X-CSRF-Token", &csrf),
-        ("Origin", "http://evil.example"),
-    ]);
-    assert_eq!(origin.status, 403, "cross-origin");
-    assert_eq!(
-        pause(&[("Cookie", &pair), ("X-CSRF-Token", &csrf)]).status,
+        http(&c.addr, "DELETE", "/api/v1/session", &out, "").status,
         200
     );
-    // Logging out ends the session.
-    let out = http(
-        &c.addr,
-        "DELETE",
-        "/api/v1/session",
-        &[("Cookie", &pair), ("X-CSRF-Token", &csrf)],
-        "",
-    );
-    assert_eq!(out.status, 200);
-    let r = http(&c.addr, "GET", "/api/v1/runs", &[("Cookie", &pair)], "");
+    let r = http(&c.addr, "GET", "/api/v1/runs", &session, "");
     assert_eq!(r.status, 401);
     // A pasted token makes a session too; a wrong one does not.
     let bad = http(
         &c.addr,
         "POST",
         "/api/v1/session",
-        &[],
+        &from_page,
         r#"{"token":"nope"}"#,
     );
     assert_eq!(bad.status, 401);
     let body = json!({"token": c.d.token("operator.token")}).to_string();
-    let good = http(&c.addr, "POST", "/api/v1/session", &[], &body);
+    let good = http(&c.addr, "POST", "/api/v1/session", &from_page, &body);
     assert_eq!(good.status, 200);
-    assert!(good.header("set-cookie").unwrap().contains("HttpOnly"));
+    assert!(good.json()["session"].is_string());
     // The daemon's log never holds a secret.
     let log = std::fs::read_to_string(c.d.data().join("serve.log")).unwrap();
     assert!(!log.contains(&csrf));
+    assert!(!log.contains(&secret));
     assert!(!log.contains(&c.d.token("operator.token")));
-    assert!(!log.contains(&path["/login?code=".len()..]));
+    assert!(!log.contains(code));
 }
 
 #[test]

@@ -1,20 +1,38 @@
 //! Who is calling: a bearer token (scripts), or a browser session made from a one-time login
-//! link or a pasted token. Sessions live in memory only (a restart logs everyone out), are
-//! bounded, expire, and carry a CSRF token that every state-changing request must echo.
-//! Secrets are compared by hash; no secret is logged.
+//! code or a pasted token. A session's secret is no cookie: the console's page keeps it in
+//! sessionStorage (scoped to the console's origin: a page on another port cannot read it) and
+//! sends it in the `X-Estop-Session` header. Sessions live in memory only (a restart logs
+//! everyone out), expire, are bounded per principal with a share reserved for operators, and
+//! carry a CSRF token that every state-changing request must echo. Secrets are compared by
+//! hash; no secret is logged.
 
+use crate::quota::{Full, Shares, is_operator};
 use estop_kernel::Principal;
 use sha2::{Digest as _, Sha256};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// Sessions held at once; at the bound the one closest to expiry is dropped.
+/// Sessions held at once.
 pub const SESSIONS_MAX: usize = 1024;
+/// Sessions one principal holds at once (an agent over it is refused; an operator's own
+/// session closest to expiry ends instead, so an operator never locks themself out).
+pub const SESSIONS_PER_PRINCIPAL_MAX: usize = 64;
+/// Sessions only operators may take: agents together hold at most
+/// `SESSIONS_MAX - SESSIONS_OPERATOR_RESERVE`.
+pub const SESSIONS_OPERATOR_RESERVE: usize = 256;
+/// The session pool's shares.
+pub const SESSION_SHARES: Shares = Shares {
+    total_max: SESSIONS_MAX,
+    per_principal_max: SESSIONS_PER_PRINCIPAL_MAX,
+    operator_reserve: SESSIONS_OPERATOR_RESERVE,
+};
 /// Unused login links held at once; at the bound the oldest is dropped.
 pub const LOGIN_LINKS_MAX: usize = 64;
-/// The session cookie's name.
-pub const COOKIE: &str = "estop_session";
+/// The request header that carries a session's secret.
+pub const SESSION_HEADER: &str = "x-estop-session";
+/// The request header that carries a session's CSRF token.
+pub const CSRF_HEADER: &str = "x-csrf-token";
 
 /// A fresh random secret: 32 bytes from the OS, hex.
 pub fn random_hex() -> String {
@@ -103,8 +121,10 @@ impl Auth {
         (link.expires > Instant::now()).then_some(link.principal)
     }
 
-    /// Starts a session; returns its secret (for the cookie) and the session.
-    pub fn start(&self, principal: Principal) -> (String, Session) {
+    /// Starts a session; returns its secret (for the page) and the session. Refused when the
+    /// principal, or agents together, hold their share; an operator at a bound ends their own
+    /// (or, with the pool full, an operator's) session closest to expiry instead.
+    pub fn start(&self, principal: Principal) -> Result<(String, Session), Full> {
         let id = random_hex();
         let session = Session {
             principal,
@@ -115,19 +135,36 @@ impl Auth {
         let mut sessions = self.sessions.lock().expect("sessions lock");
         let now = Instant::now();
         sessions.retain(|_, s| s.expires > now);
-        if sessions.len() >= SESSIONS_MAX
-            && let Some(oldest) = sessions
+        let name = session.principal.name.as_str();
+        let operator = is_operator(&session.principal);
+        let agents = sessions
+            .values()
+            .filter(|s| !is_operator(&s.principal))
+            .count();
+        let mine = sessions
+            .values()
+            .filter(|s| s.principal.name.as_str() == name)
+            .count();
+        if let Err(full) = SESSION_SHARES.admit(operator, sessions.len(), agents, mine) {
+            if !operator {
+                return Err(full);
+            }
+            let victim = sessions
                 .iter()
+                .filter(|(_, s)| match full {
+                    Full::Principal(_) => s.principal.name.as_str() == name,
+                    Full::Agents(_) | Full::Total(_) => is_operator(&s.principal),
+                })
                 .min_by_key(|(_, s)| s.expires)
                 .map(|(k, _)| *k)
-        {
-            sessions.remove(&oldest);
+                .ok_or(full)?;
+            sessions.remove(&victim);
         }
         sessions.insert(digest(&id), session.clone());
-        (id, session)
+        Ok((id, session))
     }
 
-    /// The live session a cookie names.
+    /// The live session a secret names.
     pub fn session(&self, id: &str) -> Option<Session> {
         let h = digest(id);
         let mut sessions = self.sessions.lock().expect("sessions lock");
@@ -159,14 +196,6 @@ impl Auth {
     }
 }
 
-/// The value of cookie `name` in a `Cookie` header.
-pub fn cookie<'a>(header: &'a str, name: &str) -> Option<&'a str> {
-    header.split(';').find_map(|kv| {
-        let (k, v) = kv.trim().split_once('=')?;
-        (k == name).then_some(v)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,33 +221,64 @@ mod tests {
         assert!(auth.redeem("nope").is_none());
     }
 
+    fn agent(name: &str) -> Principal {
+        Principal {
+            name: PrincipalName::new(name).unwrap(),
+            role: Role::Agent,
+            groups: Vec::new(),
+        }
+    }
+
     #[test]
     fn sessions_expire_and_end() {
         let auth = Auth::new(Duration::from_secs(60), Duration::from_secs(60));
-        let (id, s) = auth.start(admin());
+        let (id, s) = auth.start(admin()).unwrap();
         assert_eq!(auth.session(&id).unwrap().csrf, s.csrf);
         auth.end(&id);
         assert!(auth.session(&id).is_none());
         let auth = Auth::new(Duration::ZERO, Duration::from_secs(60));
-        let (id, _) = auth.start(admin());
+        let (id, _) = auth.start(admin()).unwrap();
         assert!(auth.session(&id).is_none(), "expired");
     }
 
     #[test]
-    fn sessions_are_bounded() {
+    fn agents_are_refused_at_their_share_and_never_evict_an_operator() {
         let auth = Auth::new(Duration::from_secs(60), Duration::from_secs(60));
-        let (first, _) = auth.start(admin());
-        for _ in 0..SESSIONS_MAX {
-            auth.start(admin());
+        let (op, _) = auth.start(admin()).unwrap();
+        for _ in 0..SESSIONS_PER_PRINCIPAL_MAX {
+            auth.start(agent("a")).unwrap();
         }
-        assert_eq!(auth.session_count(), SESSIONS_MAX);
-        assert!(auth.session(&first).is_none(), "the oldest went first");
+        assert_eq!(
+            auth.start(agent("a")).unwrap_err(),
+            Full::Principal(SESSIONS_PER_PRINCIPAL_MAX)
+        );
+        let share = SESSIONS_MAX - SESSIONS_OPERATOR_RESERVE;
+        for i in 1..share / SESSIONS_PER_PRINCIPAL_MAX {
+            for _ in 0..SESSIONS_PER_PRINCIPAL_MAX {
+                auth.start(agent(&format!("a{i}"))).unwrap();
+            }
+        }
+        assert_eq!(auth.start(agent("late")).unwrap_err(), Full::Agents(share));
+        assert!(
+            auth.session(&op).is_some(),
+            "the operator's session survived"
+        );
+        // An operator at their own bound ends their own oldest session, nobody else's.
+        let mut first = None;
+        for _ in 0..SESSIONS_PER_PRINCIPAL_MAX {
+            let (id, _) = auth.start(admin()).unwrap();
+            first.get_or_insert(id);
+        }
+        assert!(
+            auth.session(&op).is_none(),
+            "the operator's own oldest ended"
+        );
+        assert!(auth.session(first.as_ref().unwrap()).is_some());
+        assert_eq!(auth.session_count(), share + SESSIONS_PER_PRINCIPAL_MAX);
     }
 
     #[test]
-    fn cookies_and_constant_time_compare() {
-        assert_eq!(cookie("a=1; estop_session=xyz; b=2", COOKIE), Some("xyz"));
-        assert_eq!(cookie("a=1", COOKIE), None);
+    fn constant_time_compare() {
         assert!(same("abc", "abc"));
         assert!(!same("abc", "abd"));
         assert!(!same("abc", "ab"));

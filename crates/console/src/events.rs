@@ -1,10 +1,11 @@
 //! Server-sent events: the gate-wide feed of changes (`CoreMsg::Feed`), each event shown only
 //! once the change it reports is durable (G6). Agents see their own runs only (the core
-//! filters). A stream that falls behind is ended by the core; the browser's EventSource
-//! reconnects and the console re-reads the state. A stream of a browser session ends when the
-//! session does.
+//! filters). A stream that falls behind is ended by the core; the console's page reconnects
+//! and re-reads the state. A stream of a browser session ends when the session does. Streams
+//! are shared out per principal, with a reserve for operators (`quota`).
 
 use crate::http::{AppState, Caller, error};
+use crate::quota::{Full, Slot};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use estop_protocol::ErrorCode;
@@ -14,7 +15,6 @@ use estop_server::observe::{FEED_QUEUE_MAX, FeedEvent, FeedRx};
 use serde_json::json;
 use std::convert::Infallible;
 use std::time::Duration;
-use tokio::sync::OwnedSemaphorePermit;
 
 /// How often a stream checks that its session is still alive (and sends a comment line).
 const CHECK_EVERY: Duration = Duration::from_secs(15);
@@ -35,19 +35,26 @@ struct Stream {
     caller: Caller,
     run: Option<String>,
     rx: FeedRx,
-    _permit: OwnedSemaphorePermit,
+    _slot: Slot,
     first: bool,
 }
 
 pub async fn stream(app: AppState, caller: Caller, run: Option<String>) -> Response {
-    let Ok(permit) = app.streams.clone().try_acquire_owned() else {
-        return error(
-            ErrorCode::LimitExceeded,
-            format!(
-                "limit reached: event streams = {}; close other console tabs",
-                app.streams_max
-            ),
-        );
+    let slot = match app.streams.take(&caller.principal) {
+        Ok(s) => s,
+        Err(full) => {
+            let what = match full {
+                Full::Principal(n) => format!("{n} event streams for {}", caller.principal.name),
+                Full::Agents(n) => {
+                    format!("{n} event streams held by agents (the rest are kept for operators)")
+                }
+                Full::Total(n) => format!("event streams = {n}"),
+            };
+            return error(
+                ErrorCode::LimitExceeded,
+                format!("limit reached: {what}; close other streams or console tabs"),
+            );
+        }
     };
     let (tx, rx) = tokio::sync::mpsc::channel(FEED_QUEUE_MAX);
     let msg = CoreMsg::Feed {
@@ -62,7 +69,7 @@ pub async fn stream(app: AppState, caller: Caller, run: Option<String>) -> Respo
         caller,
         run,
         rx,
-        _permit: permit,
+        _slot: slot,
         first: true,
     };
     let events = futures_util::stream::unfold(state, |mut s| async move {

@@ -1,8 +1,11 @@
-//! The HTTP surface: routes, authentication (bearer token or session cookie + CSRF token),
-//! the mapping from HTTP requests to v1 request objects and from answers to JSON responses,
-//! and security headers. Every route is documented in docs/HTTP.md and docs/openapi.yaml.
+//! The HTTP surface: routes, authentication (bearer token, or a session secret in a header +
+//! CSRF token + proof of the console's own origin), the mapping from HTTP requests to v1
+//! request objects and from answers to JSON responses, and security headers. Every route is
+//! documented in docs/HTTP.md and docs/openapi.yaml.
 
 use crate::auth::{self, Auth};
+use crate::listen::Conns;
+use crate::quota::{Counted, Full};
 use crate::{events, gate, metrics, ui};
 use axum::Router;
 use axum::body::Bytes;
@@ -19,23 +22,18 @@ use estop_server::service::ServiceContext;
 use serde_json::{Map, Value, json};
 use std::collections::HashMap;
 use std::sync::Arc;
-use tokio::sync::Semaphore;
 
 /// What every handler shares.
 pub struct App {
     pub shared: Arc<Shared>,
     pub ctx: ServiceContext,
     pub auth: Auth,
-    /// Open server-sent-event streams.
-    pub streams: Arc<Semaphore>,
-    pub streams_max: usize,
+    /// Open server-sent-event streams, per principal.
+    pub streams: Arc<Counted>,
     /// Open console connections.
-    pub conns: Arc<Semaphore>,
-    pub conns_max: usize,
+    pub conns: Arc<Conns>,
     /// `http://host:port` the console is reached at (for login links).
     pub base_url: String,
-    /// Name of the session cookie (per port: browsers share cookies across ports).
-    pub cookie: String,
 }
 
 pub type AppState = Arc<App>;
@@ -44,7 +42,7 @@ pub type AppState = Arc<App>;
 #[derive(Debug, Clone)]
 pub struct Caller {
     pub principal: Principal,
-    /// The session's secret when authenticated by cookie.
+    /// The session's secret when authenticated by a browser session.
     pub session: Option<String>,
 }
 
@@ -112,32 +110,79 @@ fn header_str(h: &HeaderMap, name: header::HeaderName) -> Option<&str> {
     h.get(name).and_then(|v| v.to_str().ok())
 }
 
-/// Authenticates a request: `Authorization: Bearer <token>`, or the session cookie. For a
-/// state-changing request by cookie, the `X-CSRF-Token` header must carry the session's CSRF
-/// token and an `Origin` header, if sent, must be this console's.
+/// Where a request says it comes from, by the headers a browser sets and a page cannot forge.
+#[derive(Debug, PartialEq, Eq)]
+enum Site {
+    /// `Origin` is this console's, or `Sec-Fetch-Site: same-origin` (and nothing says otherwise).
+    Own,
+    /// A foreign `Origin`, or `Sec-Fetch-Site` other than `same-origin` (`same-site` is another
+    /// port of the same host).
+    Elsewhere,
+    /// Neither header (curl, or a browser that sends neither).
+    Unknown,
+}
+
+fn site(h: &HeaderMap) -> Site {
+    let fetch = header_str(h, header::HeaderName::from_static("sec-fetch-site"));
+    let origin = header_str(h, header::ORIGIN);
+    let host = header_str(h, header::HOST);
+    if fetch.is_some_and(|s| s != "same-origin") || origin.is_some_and(|o| !same_origin(o, host)) {
+        Site::Elsewhere
+    } else if fetch.is_some() || origin.is_some() {
+        Site::Own
+    } else {
+        Site::Unknown
+    }
+}
+
+/// Refuses a browser-session request (or a login) that does not prove it comes from the
+/// console's own page.
+fn own_page(h: &HeaderMap) -> Result<(), Refusal> {
+    match site(h) {
+        Site::Own => Ok(()),
+        Site::Elsewhere => Err(refuse(
+            ErrorCode::Forbidden,
+            "cross-origin request refused: only the console's own page may use a session or log in",
+        )),
+        Site::Unknown => Err(refuse(
+            ErrorCode::Forbidden,
+            "refused: a session or login request must come from the console's page (an Origin equal to this console, or Sec-Fetch-Site: same-origin; open the console on loopback or over HTTPS); scripts send Authorization: Bearer <token>",
+        )),
+    }
+}
+
+fn bearer(app: &App, v: &str) -> Result<Caller, Refusal> {
+    let token = v
+        .strip_prefix("Bearer ")
+        .or_else(|| v.strip_prefix("bearer "))
+        .unwrap_or("");
+    match app.shared.tokens.authenticate(token) {
+        Some(principal) => Ok(Caller {
+            principal,
+            session: None,
+        }),
+        None => Err(refuse(
+            ErrorCode::Unauthenticated,
+            "unknown token in Authorization: use `Bearer <contents of DATA/operator.token>` or a token made by `estop token create`",
+        )),
+    }
+}
+
+/// Authenticates a request: `Authorization: Bearer <token>` (scripts), or a browser session:
+/// its secret in `X-Estop-Session`, from the console's own page (`own_page`), and for a
+/// state-changing request its CSRF token in `X-CSRF-Token`. No cookie is ever a credential: a
+/// cookie reaches every port of the host.
 pub fn caller(app: &App, method: &Method, h: &HeaderMap) -> Result<Caller, Refusal> {
     if let Some(v) = header_str(h, header::AUTHORIZATION) {
-        let token = v
-            .strip_prefix("Bearer ")
-            .or_else(|| v.strip_prefix("bearer "))
-            .unwrap_or("");
-        return match app.shared.tokens.authenticate(token) {
-            Some(principal) => Ok(Caller {
-                principal,
-                session: None,
-            }),
-            None => Err(refuse(
-                ErrorCode::Unauthenticated,
-                "unknown token in Authorization: use `Bearer <contents of DATA/operator.token>` or a token made by `estop token create`",
-            )),
-        };
+        return bearer(app, v);
     }
-    let Some(id) = header_str(h, header::COOKIE).and_then(|c| auth::cookie(c, &app.cookie)) else {
+    let Some(id) = header_str(h, header::HeaderName::from_static(auth::SESSION_HEADER)) else {
         return Err(refuse(
             ErrorCode::Unauthenticated,
-            "log in: open the link `estop serve` printed, or send Authorization: Bearer <token>",
+            "log in: open the link `estop serve` made (DATA/console-login), or send Authorization: Bearer <token>",
         ));
     };
+    own_page(h)?;
     let Some(session) = app.auth.session(id) else {
         return Err(refuse(
             ErrorCode::Unauthenticated,
@@ -145,19 +190,11 @@ pub fn caller(app: &App, method: &Method, h: &HeaderMap) -> Result<Caller, Refus
         ));
     };
     if !(method == Method::GET || method == Method::HEAD) {
-        if let Some(origin) = header_str(h, header::ORIGIN)
-            && !same_origin(origin, header_str(h, header::HOST))
-        {
-            return Err(refuse(
-                ErrorCode::Forbidden,
-                "cross-origin request refused (Origin does not match this console)",
-            ));
-        }
-        let csrf = header_str(h, "x-csrf-token".parse().expect("valid name")).unwrap_or("");
+        let csrf = header_str(h, header::HeaderName::from_static(auth::CSRF_HEADER)).unwrap_or("");
         if !auth::same(csrf, &session.csrf) {
             return Err(refuse(
                 ErrorCode::Forbidden,
-                "missing or wrong X-CSRF-Token (the console sends the one GET /api/v1/session returns)",
+                "missing or wrong X-CSRF-Token (the console's page sends the one its login returned)",
             ));
         }
     }
@@ -175,8 +212,12 @@ fn same_origin(origin: &str, host: Option<&str>) -> bool {
         .is_some_and(|o| o == host)
 }
 
+/// Query parameters the v1 parser reads as numbers; every other value stays a string
+/// (`?run=123` names run "123").
+const NUMERIC_QUERY: &[&str] = &["limit", "after"];
+
 /// Builds the v1 request object: query parameters and JSON body fields, then the verb and the
-/// ids from the path (which win). Numeric query values become numbers, as v1 expects.
+/// ids from the path (which win). Only the `NUMERIC_QUERY` values become numbers.
 fn request(
     op: &str,
     path: &[(&str, String)],
@@ -193,7 +234,11 @@ fn request(
         }
     };
     for (k, v) in query {
-        let value = v.parse::<u64>().map_or_else(|_| json!(v), |n| json!(n));
+        let number = NUMERIC_QUERY
+            .contains(&k.as_str())
+            .then(|| v.parse::<u64>().ok())
+            .flatten();
+        let value = number.map_or_else(|| json!(v), |n| json!(n));
         obj.insert(k.clone(), value);
     }
     obj.insert("op".into(), json!(op));
@@ -343,77 +388,86 @@ async fn tokens(State(app): State<AppState>, h: HeaderMap, Query(q): Q, body: By
     verb(&app, Method::POST, &h, "token", &[], &q, &body).await
 }
 
-fn session_json(p: &Principal, csrf: Option<&str>, expires_at: Option<u64>) -> Value {
+fn session_json(p: &Principal, expires_at: Option<u64>) -> Value {
     json!({
         "principal": p.name.as_str(),
         "role": p.role.as_str(),
         "groups": p.groups.iter().map(|g| &**g).collect::<Vec<_>>(),
-        "csrf": csrf,
         "expires_at": expires_at,
     })
 }
 
-fn session_cookie(app: &App, id: &str, max_age_s: u64) -> HeaderValue {
-    HeaderValue::from_str(&format!(
-        "{}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age_s}",
-        app.cookie
-    ))
-    .expect("a cookie of hex and ascii")
-}
-
-/// `GET /api/v1/session`: who am I (and, for a browser session, its CSRF token).
+/// `GET /api/v1/session`: who am I. It returns no secret (the page got the session's secret
+/// and CSRF token from its login and keeps them).
 async fn whoami(State(app): State<AppState>, h: HeaderMap) -> Response {
     match caller(&app, &Method::GET, &h) {
         Ok(c) => {
             let s = c.session.as_deref().and_then(|id| app.auth.session(id));
-            ok(session_json(
-                &c.principal,
-                s.as_ref().map(|s| s.csrf.as_str()),
-                s.as_ref().map(|s| s.expires_at),
-            ))
+            ok(session_json(&c.principal, s.as_ref().map(|s| s.expires_at)))
         }
         Err(r) => r.into_response(),
     }
 }
 
-/// `POST /api/v1/session {token}`: log in by pasting a token (the fallback when the one-time
-/// link is used up). JSON only, same origin only.
-async fn login_with_token(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> Response {
-    if let Some(origin) = header_str(&h, header::ORIGIN)
-        && !same_origin(origin, header_str(&h, header::HOST))
-    {
-        return error(ErrorCode::Forbidden, "cross-origin login refused");
+fn session_full(p: &Principal, full: Full) -> Refusal {
+    let what = match full {
+        Full::Principal(n) => format!("{n} console sessions for {}", p.name),
+        Full::Agents(n) => {
+            format!("{n} console sessions held by agents (the rest are kept for operators)")
+        }
+        Full::Total(n) => format!("console sessions = {n}"),
+    };
+    refuse(
+        ErrorCode::LimitExceeded,
+        format!(
+            "limit reached: {what}; log out of a session (DELETE /api/v1/session) or wait for one to expire"
+        ),
+    )
+}
+
+/// `POST /api/v1/session {code} | {token}`: the console's page logs in, with a one-time login
+/// code (from the link) or a pasted token. Only from the console's own page, JSON only. The
+/// answer carries the session's secret and CSRF token: the page keeps them in sessionStorage.
+async fn login(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = own_page(&h) {
+        return r.into_response();
     }
     if !header_str(&h, header::CONTENT_TYPE).is_some_and(|c| c.starts_with("application/json")) {
         return error(
             ErrorCode::BadJson,
-            "send {\"token\": …} as application/json",
+            "send {\"code\": …} or {\"token\": …} as application/json",
         );
     }
-    let token = serde_json::from_slice::<Value>(&body)
-        .ok()
-        .and_then(|v| v.get("token").and_then(Value::as_str).map(str::to_string));
-    let Some(token) = token else {
-        return error(ErrorCode::MissingField, "token");
+    let v = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
+    let field = |k: &str| v.get(k).and_then(Value::as_str);
+    let (principal, how) = match (field("code"), field("token")) {
+        (Some(code), None) => match app.auth.redeem(code) {
+            Some(p) => (p, "a one-time link"),
+            None => {
+                return error(
+                    ErrorCode::Unauthenticated,
+                    "this login link was used or has expired: log in with a token, or ask for a new link (POST /api/v1/login-links)",
+                );
+            }
+        },
+        (None, Some(token)) => match app.shared.tokens.authenticate(token) {
+            Some(p) => (p, "a token"),
+            None => return error(ErrorCode::Unauthenticated, "unknown token"),
+        },
+        _ => return error(ErrorCode::MissingField, "send one of code or token"),
     };
-    let Some(principal) = app.shared.tokens.authenticate(&token) else {
-        return error(ErrorCode::Unauthenticated, "unknown token");
+    let (id, s) = match app.auth.start(principal.clone()) {
+        Ok(x) => x,
+        Err(full) => return session_full(&principal, full).into_response(),
     };
-    let (id, s) = app.auth.start(principal);
     estop_server::log::info(&format!(
-        "console: {} logged in with a token",
+        "console: {} logged in with {how}",
         s.principal.name
     ));
-    let mut r = ok(session_json(
-        &s.principal,
-        Some(&s.csrf),
-        Some(s.expires_at),
-    ));
-    r.headers_mut().insert(
-        header::SET_COOKIE,
-        session_cookie(&app, &id, app.auth.session_ttl.as_secs()),
-    );
-    r
+    let mut v = session_json(&s.principal, Some(s.expires_at));
+    v["session"] = json!(id);
+    v["csrf"] = json!(s.csrf);
+    ok(v)
 }
 
 /// `DELETE /api/v1/session`: log out.
@@ -425,13 +479,12 @@ async fn logout(State(app): State<AppState>, h: HeaderMap) -> Response {
     if let Some(id) = &c.session {
         app.auth.end(id);
     }
-    let mut r = ok(json!({}));
-    r.headers_mut()
-        .insert(header::SET_COOKIE, session_cookie(&app, "", 0));
-    r
+    ok(json!({}))
 }
 
-/// `POST /api/v1/login-links`: a fresh one-time login link for the caller (operators).
+/// `POST /api/v1/login-links`: a fresh one-time login link for the caller (operators). The
+/// code is in the fragment: the browser never sends it in a request line (no proxy log holds
+/// it); the page's script posts it to `POST /api/v1/session`.
 async fn new_login_link(State(app): State<AppState>, h: HeaderMap) -> Response {
     let c = match caller(&app, &Method::POST, &h) {
         Ok(c) => c,
@@ -441,36 +494,7 @@ async fn new_login_link(State(app): State<AppState>, h: HeaderMap) -> Response {
         return error(ErrorCode::Forbidden, "login links are for operators");
     }
     let (code, expires_at) = app.auth.login_link(c.principal);
-    ok(json!({"url": format!("{}/login?code={code}", app.base_url), "expires_at": expires_at}))
-}
-
-/// `GET /login?code=…`: redeems a one-time link, sets the session cookie, goes to the console.
-async fn login_link(State(app): State<AppState>, Query(q): Q) -> Response {
-    let page = |title: &str, body: &str| {
-        format!(
-            "<!doctype html><html lang=en><meta charset=utf-8><meta name=viewport content='width=device-width,initial-scale=1'><meta http-equiv=refresh content='0;url=/'><title>{title}</title><link rel=icon href=/favicon.svg><link rel=stylesheet href=/app.css><main class=narrow><h1>{title}</h1><p>{body}</p><p><a href=/>Open the console</a></p></main></html>"
-        )
-    };
-    let Some(principal) = q.get("code").and_then(|c| app.auth.redeem(c)) else {
-        let mut r = axum::response::Html(page(
-            "This login link was used or has expired",
-            "Each link works once, for a short time. Log in with a token instead, or ask for a new link (POST /api/v1/login-links).",
-        ))
-        .into_response();
-        *r.status_mut() = StatusCode::UNAUTHORIZED;
-        return r;
-    };
-    let (id, s) = app.auth.start(principal);
-    estop_server::log::info(&format!(
-        "console: {} logged in with a one-time link",
-        s.principal.name
-    ));
-    let mut r = axum::response::Html(page("Logged in", "Opening the console…")).into_response();
-    r.headers_mut().insert(
-        header::SET_COOKIE,
-        session_cookie(&app, &id, app.auth.session_ttl.as_secs()),
-    );
-    r
+    ok(json!({"url": format!("{}/login#code={code}", app.base_url), "expires_at": expires_at}))
 }
 
 async fn metrics_route(State(app): State<AppState>, h: HeaderMap) -> Response {
@@ -512,6 +536,8 @@ async fn headers(req: Request, next: Next) -> Response {
     set(h, "x-content-type-options", "nosniff");
     set(h, "referrer-policy", "no-referrer");
     set(h, "x-frame-options", "DENY");
+    set(h, "cross-origin-resource-policy", "same-origin");
+    set(h, "cross-origin-opener-policy", "same-origin");
     set(
         h,
         "content-security-policy",
@@ -531,13 +557,10 @@ pub fn router(app: AppState) -> Router {
         .route("/app.css", get(ui::style))
         .route("/favicon.svg", get(ui::favicon))
         .route("/favicon.ico", get(ui::favicon))
-        .route("/login", get(login_link))
+        .route("/login", get(ui::index))
         .route("/metrics", get(metrics_route))
         .route("/api/v1/openapi.yaml", get(ui::openapi))
-        .route(
-            "/api/v1/session",
-            get(whoami).post(login_with_token).delete(logout),
-        )
+        .route("/api/v1/session", get(whoami).post(login).delete(logout))
         .route("/api/v1/login-links", post(new_login_link))
         .route("/api/v1/runs", get(runs))
         .route("/api/v1/runs/{run}", get(status))

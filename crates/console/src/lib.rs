@@ -9,16 +9,20 @@ mod gate;
 mod http;
 mod listen;
 mod metrics;
+mod quota;
 mod ui;
 
 use estop_server::service::{Service, ServiceContext, Started};
+use std::io::{IsTerminal as _, Write as _};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Semaphore;
 
 /// The default console address: loopback only.
 pub const DEFAULT_ADDR: &str = "127.0.0.1:7421";
+/// The file in the data directory (mode 0600) that holds the one-time login link.
+pub const LOGIN_FILE: &str = "console-login";
 
 #[derive(Debug, Clone)]
 pub struct ConsoleOptions {
@@ -31,10 +35,21 @@ pub struct ConsoleOptions {
     pub session_ttl: Duration,
     /// A login link works once, within this long.
     pub login_link_ttl: Duration,
-    /// Most console connections open at once.
+    /// Most console connections open at once (at the bound the longest-idle one is closed).
     pub connections_max: usize,
+    /// A request head must arrive within this long of the connection being ready for one (also
+    /// the idle timeout of a kept-alive connection).
+    pub header_read_timeout: Duration,
+    /// A request body must arrive within this long of its head.
+    pub body_read_timeout: Duration,
+    /// An answer the client does not read for this long ends its connection.
+    pub write_stall_timeout: Duration,
     /// Most server-sent-event streams open at once.
     pub event_streams_max: usize,
+    /// Most event streams one principal holds.
+    pub event_streams_per_principal_max: usize,
+    /// Event streams only operators may open.
+    pub event_streams_operator_reserve: usize,
 }
 
 impl Default for ConsoleOptions {
@@ -45,7 +60,12 @@ impl Default for ConsoleOptions {
             session_ttl: Duration::from_secs(12 * 3600),
             login_link_ttl: Duration::from_secs(15 * 60),
             connections_max: 256,
+            header_read_timeout: Duration::from_millis(listen::HEADER_READ_MS),
+            body_read_timeout: Duration::from_millis(listen::BODY_READ_MS),
+            write_stall_timeout: Duration::from_millis(listen::WRITE_STALL_MS),
             event_streams_max: 64,
+            event_streams_per_principal_max: 16,
+            event_streams_operator_reserve: 16,
         }
     }
 }
@@ -106,42 +126,76 @@ impl Service for Console {
         let app = Arc::new(http::App {
             shared: Arc::clone(&ctx.shared),
             auth: auth::Auth::new(o.session_ttl, o.login_link_ttl),
-            streams: Arc::new(Semaphore::new(o.event_streams_max)),
-            streams_max: o.event_streams_max,
-            conns: Arc::new(Semaphore::new(o.connections_max)),
-            conns_max: o.connections_max,
+            streams: quota::Counted::new(quota::Shares {
+                total_max: o.event_streams_max,
+                per_principal_max: o.event_streams_per_principal_max,
+                operator_reserve: o.event_streams_operator_reserve,
+            }),
+            conns: listen::Conns::new(o.connections_max),
             base_url: url.clone(),
-            cookie: format!("{}_{}", auth::COOKIE, bound.port()),
             ctx: ctx.clone(),
         });
-        let mut notices = Vec::new();
-        // The one-time login link is made for whoever DATA/operator.token names.
-        let operator = std::fs::read_to_string(ctx.data.join("operator.token"))
-            .ok()
-            .and_then(|t| ctx.shared.tokens.authenticate(&t));
-        match operator {
-            Some(p) => {
-                let (code, _) = app.auth.login_link(p);
-                notices.push(format!(
-                    "estop console {url}/login?code={code} (one-time login link, valid {} min; later, log in with a token)",
-                    o.login_link_ttl.as_secs() / 60
-                ));
-            }
-            None => notices.push(format!(
-                "estop console {url} (no one-time link: DATA/operator.token is missing; log in with an operator token)"
-            )),
-        }
-        let listener = listen::Bounded::new(listener, Arc::clone(&app.conns));
+        let notices = vec![login_notice(&app, &ctx, &url, o.login_link_ttl)?];
         let router = http::router(Arc::clone(&app));
-        let task = async move {
-            if let Err(e) = axum::serve(listener, router).await {
-                estop_server::log::error(&format!("console stopped: {e}"));
-            }
+        let timeouts = listen::Timeouts {
+            header_read: o.header_read_timeout,
+            body_read: o.body_read_timeout,
+            write_stall: o.write_stall_timeout,
         };
+        let task = listen::serve(listener, router, Arc::clone(&app.conns), timeouts);
         Ok(Started {
             ready: vec![("console".into(), bound.to_string())],
             notices,
             task: Box::pin(task),
         })
     }
+}
+
+/// Makes the one-time login link for whoever DATA/operator.token names, writes it to
+/// DATA/console-login (0600), and says where it is: the link itself is printed only to an
+/// interactive terminal (stdout under a supervisor ends up in journald or `docker logs`).
+fn login_notice(
+    app: &http::App,
+    ctx: &ServiceContext,
+    url: &str,
+    ttl: Duration,
+) -> Result<String, String> {
+    let operator = std::fs::read_to_string(ctx.data.join("operator.token"))
+        .ok()
+        .and_then(|t| ctx.shared.tokens.authenticate(&t));
+    let Some(p) = operator else {
+        return Ok(format!(
+            "estop console {url} (no one-time link: DATA/operator.token is missing; log in with an operator token)"
+        ));
+    };
+    let (code, _) = app.auth.login_link(p);
+    let link = format!("{url}/login#code={code}");
+    let file = ctx.data.join(LOGIN_FILE);
+    write_private(&file, &format!("{link}\n"))
+        .map_err(|e| format!("cannot write the login link to {}: {e}", file.display()))?;
+    let minutes = ttl.as_secs() / 60;
+    Ok(if std::io::stdout().is_terminal() {
+        format!(
+            "estop console {link} (one-time login link, valid {minutes} min; later, log in with a token)"
+        )
+    } else {
+        format!(
+            "estop console {url} (one-time login link in {}, valid {minutes} min; later, log in with a token)",
+            file.display()
+        )
+    })
+}
+
+/// Writes `text` to `path`, readable by the owner only (also when the file existed).
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()
 }

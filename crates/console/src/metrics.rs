@@ -184,7 +184,6 @@ pub async fn render(app: &App) -> Response {
     );
     o.sample("estop_ledger_seq", &[], s.ledger_seq);
 
-    let open = |max: usize, free: usize| max.saturating_sub(free);
     o.head(
         "estop_connections",
         "gauge",
@@ -198,7 +197,7 @@ pub async fn render(app: &App) -> Response {
     o.sample(
         "estop_connections",
         &[("listener", "console")],
-        open(app.conns_max, app.conns.available_permits()),
+        app.conns.open(),
     );
     o.head(
         "estop_connections_max",
@@ -213,7 +212,7 @@ pub async fn render(app: &App) -> Response {
     o.sample(
         "estop_connections_max",
         &[("listener", "console")],
-        app.conns_max,
+        app.conns.max,
     );
     o.head(
         "estop_console_sessions",
@@ -226,11 +225,7 @@ pub async fn render(app: &App) -> Response {
         "gauge",
         "Open server-sent-event streams.",
     );
-    o.sample(
-        "estop_console_event_streams",
-        &[],
-        open(app.streams_max, app.streams.available_permits()),
-    );
+    o.sample("estop_console_event_streams", &[], app.streams.open());
     let mut r = o.0.into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,

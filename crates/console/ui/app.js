@@ -1,5 +1,8 @@
 // estop console: plain JavaScript, no build step. Every text an agent controls (run ids, keys,
-// tools, arguments, labels) is put on the page with textContent, never parsed as HTML.
+// tools, arguments, labels, reasons, errors) is put on the page as text, never parsed as HTML,
+// and with its control, bidi and zero-width characters shown as visible escapes (\u{202e}).
+// The session is no cookie: its secret and CSRF token live in this tab's sessionStorage (which
+// a page of another port or host cannot read) and go in headers of the page's own requests.
 "use strict";
 
 const S = {
@@ -13,6 +16,46 @@ const S = {
   filter: { q: "", state: "" },
 };
 
+// ---------- showing text as it is ----------
+
+// Characters that do not show as themselves: controls (newline and ANSI escapes among them),
+// format characters (bidi overrides and isolates, zero-width spaces and joiners, soft hyphen,
+// tags), line and paragraph separators, lone surrogates, and the other default-ignorables.
+const HIDDEN = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}\p{Cs}\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u3164\ufe00-\ufe0f\uffa0\u{e0100}-\u{e01ef}]/gu;
+
+function escapeChar(c) {
+  if (c === "\n") return "\\n";
+  if (c === "\r") return "\\r";
+  if (c === "\t") return "\\t";
+  return "\\u{" + c.codePointAt(0).toString(16) + "}";
+}
+
+/** `s` with every hidden character as a visible escape (for attributes read aloud or shown). */
+function shown(s) { return String(s).replace(HIDDEN, escapeChar); }
+
+/** `s` as text nodes, each hidden character as a marked escape; `pre` keeps newlines. */
+function textNodes(s, pre) {
+  s = String(s);
+  const out = [];
+  let at = 0;
+  for (const m of s.matchAll(HIDDEN)) {
+    if (pre && m[0] === "\n") continue;
+    if (m.index > at) out.push(document.createTextNode(s.slice(at, m.index)));
+    const code = "U+" + m[0].codePointAt(0).toString(16).toUpperCase().padStart(4, "0");
+    const e = document.createElement("span");
+    e.className = "esc";
+    e.title = code;
+    e.textContent = escapeChar(m[0]);
+    out.push(e);
+    at = m.index + m[0].length;
+  }
+  if (at < s.length || !out.length) out.push(document.createTextNode(s.slice(at)));
+  return out;
+}
+
+// Attributes a person sees or hears; the others (data-*, href, value) keep the exact value.
+const SHOWN_ATTRS = new Set(["title", "aria-label", "placeholder"]);
+
 // ---------- small helpers ----------
 
 function h(tag, attrs, ...children) {
@@ -21,12 +64,12 @@ function h(tag, attrs, ...children) {
     if (v === undefined || v === null || v === false) continue;
     if (k === "class") el.className = v;
     else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
-    else if (k === "text") el.textContent = v;
-    else el.setAttribute(k, v === true ? "" : v);
+    else if (k === "text") el.replaceChildren(...textNodes(v));
+    else el.setAttribute(k, v === true ? "" : SHOWN_ATTRS.has(k) ? shown(v) : v);
   }
   for (const c of children.flat()) {
     if (c === undefined || c === null || c === false) continue;
-    el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    if (c instanceof Node) el.append(c); else el.append(...textNodes(c));
   }
   return el;
 }
@@ -37,12 +80,29 @@ class ApiError extends Error {
   constructor(status, code, message) { super(message); this.status = status; this.code = code; }
 }
 
+// This tab's session: {session, csrf}, or null.
+const STORE = "estop.session";
+function stored() {
+  try { return JSON.parse(sessionStorage.getItem(STORE)); } catch (_) { return null; }
+}
+function keep(login) { sessionStorage.setItem(STORE, JSON.stringify({ session: login.session, csrf: login.csrf })); }
+function forget() { sessionStorage.removeItem(STORE); }
+
+function authHeaders(headers, method) {
+  const s = stored();
+  if (s && s.session) {
+    headers["X-Estop-Session"] = s.session;
+    if (method !== "GET") headers["X-CSRF-Token"] = s.csrf;
+  }
+  return headers;
+}
+
 async function api(method, path, body) {
-  const headers = { "Accept": "application/json" };
-  const init = { method, headers, credentials: "same-origin" };
+  const headers = authHeaders({ "Accept": "application/json" }, method);
+  // No cookie is ever a credential here; send none.
+  const init = { method, headers, credentials: "omit", cache: "no-store" };
   if (method !== "GET") {
     headers["Content-Type"] = "application/json";
-    if (S.me && S.me.csrf) headers["X-CSRF-Token"] = S.me.csrf;
     init.body = JSON.stringify(body || {});
   }
   const r = await fetch(path, init);
@@ -187,21 +247,65 @@ function live(state, text) {
   el.textContent = text;
 }
 
+// The feed of changes: server-sent events read with fetch (EventSource cannot send the session
+// header). Reconnects with a growing pause; a 401 means the session ended.
 function connectEvents() {
-  if (S.events) S.events.close();
-  const es = new EventSource("/api/v1/events");
-  S.events = es;
-  es.addEventListener("ready", () => { live("on", "live"); refresh(true); });
-  es.onmessage = (m) => {
-    let e = null;
-    try { e = JSON.parse(m.data); } catch (_) { return; }
-    scheduleRefresh(S.route.view === "run" && e.run === S.route.run);
-  };
-  es.onerror = async () => {
+  if (S.events) S.events.abort();
+  const ctl = new AbortController();
+  S.events = ctl;
+  follow(ctl);
+}
+
+async function follow(ctl) {
+  let pause = 1000;
+  while (!ctl.signal.aborted) {
+    try {
+      const headers = authHeaders({ "Accept": "text/event-stream" }, "GET");
+      const r = await fetch("/api/v1/events", { headers, credentials: "omit", cache: "no-store", signal: ctl.signal });
+      if (r.status === 401) { showLogin("Your session ended: log in again."); return; }
+      if (r.ok && r.body) { pause = 1000; await readEvents(r.body, ctl); }
+    } catch (_) { /* the connection dropped: reconnect below */ }
+    if (ctl.signal.aborted) return;
     live("off", "reconnecting…");
-    // The stream ends when the session does: find out whether to log in again.
-    try { await api("GET", "/api/v1/session"); } catch (e) { if (e.status === 401) { es.close(); showLogin("Your session ended: log in again."); } }
-  };
+    await new Promise((res) => setTimeout(res, pause));
+    pause = Math.min(pause * 2, 15000);
+  }
+}
+
+// Most bytes of one event: the page stops reading a stream that sends more without an end.
+const EVENT_BYTES_MAX = 1 << 20;
+
+async function readEvents(body, ctl) {
+  const reader = body.pipeThrough(new TextDecoderStream()).getReader();
+  ctl.signal.addEventListener("abort", () => reader.cancel().catch(() => {}));
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += value;
+    let end;
+    while ((end = buf.indexOf("\n\n")) >= 0) {
+      const block = buf.slice(0, end);
+      buf = buf.slice(end + 2);
+      let type = "message";
+      const data = [];
+      for (const line of block.split("\n")) {
+        const m = /^([^:]*)(?::\s?(.*))?$/.exec(line);
+        if (!m || m[1] === "") continue;
+        if (m[1] === "event") type = m[2] || "";
+        else if (m[1] === "data") data.push(m[2] || "");
+      }
+      onEvent(type, data.join("\n"));
+    }
+    if (buf.length > EVENT_BYTES_MAX) { reader.cancel().catch(() => {}); return; }
+  }
+}
+
+function onEvent(type, data) {
+  if (type === "ready") { live("on", "live"); refresh(true); return; }
+  let e = null;
+  try { e = JSON.parse(data); } catch (_) { return; }
+  scheduleRefresh(S.route.view === "run" && e.run === S.route.run);
 }
 
 // ---------- actions ----------
@@ -237,7 +341,7 @@ function pendingCard(p, index) {
   const reason = h("input", { id: reasonId, class: "grow", type: "text", maxlength: "1024", placeholder: "Reason (optional, recorded in the ledger)", "aria-label": `Reason for deciding ${p.tool} (${p.key})` });
   const approvals = p.approvals || [];
   const pct = Math.min(100, Math.round((approvals.length / Math.max(1, p.quorum)) * 100));
-  const argsText = p.args === undefined ? null : JSON.stringify(p.args, null, 2);
+  const argsText = p.args === undefined ? null : textNodes(JSON.stringify(p.args, null, 2), true);
   const countdown = h("span", { class: "countdown", "data-expires": String(p.expires_at), title: "expires " + when(p.expires_at) }, left(p.expires_at));
   const label = `${p.tool} for run ${p.run}, key ${p.key}`;
   const approve = h("button", { type: "button", class: "approve", "aria-label": "Approve " + label }, "Approve");
@@ -505,19 +609,22 @@ function render() {
 
 function showLogin(message) {
   S.me = null;
-  if (S.events) { S.events.close(); S.events = null; }
+  forget();
+  if (S.events) { S.events.abort(); S.events = null; }
   $("nav").hidden = true;
   $("who").hidden = true;
   const token = h("input", { id: "token", type: "password", autocomplete: "off", class: "grow", required: true, "aria-describedby": "token-help" });
   const form = h("form", { class: "panel" },
     h("label", { for: "token" }, "Token"),
-    h("p", { id: "token-help", class: "muted" }, "Open the one-time link that ", h("code", {}, "estop serve"), " printed, or paste a token: the contents of ", h("code", {}, "DATA/operator.token"), ", or one made by ", h("code", {}, "estop token create NAME --role operator"), "."),
+    h("p", { id: "token-help", class: "muted" }, "Open the one-time link that ", h("code", {}, "estop serve"), " wrote to ", h("code", {}, "DATA/console-login"), ", or paste a token: the contents of ", h("code", {}, "DATA/operator.token"), ", or one made by ", h("code", {}, "estop token create NAME --role operator"), ". Each browser tab keeps its own session."),
     h("div", { class: "row" }, token, h("button", { type: "submit", class: "approve" }, "Log in")));
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
     try {
-      S.me = await api("POST", "/api/v1/session", { token: token.value.trim() });
+      const login = await api("POST", "/api/v1/session", { token: token.value.trim() });
       token.value = "";
+      keep(login);
+      S.me = login;
       start();
     } catch (e) { toast(e.message, true); }
   });
@@ -528,11 +635,27 @@ function showLogin(message) {
 async function start() {
   $("nav").hidden = false;
   $("who").hidden = false;
-  $("principal").textContent = `${S.me.principal} (${S.me.role})`;
+  $("principal").replaceChildren(...textNodes(`${S.me.principal} (${S.me.role})`));
   S.route = parseRoute();
   render();
   connectEvents();
   await refresh(true);
+}
+
+// A one-time login link is /login#code=…: the code never goes in a request line; the page
+// posts it, keeps the session it gets, and leaves the code out of the history.
+async function redeemLink() {
+  const code = new URLSearchParams(location.hash.replace(/^#/, "")).get("code");
+  history.replaceState(null, "", "/");
+  if (!code) return showLogin("");
+  try {
+    const login = await api("POST", "/api/v1/session", { code });
+    keep(login);
+    S.me = login;
+    start();
+  } catch (e) {
+    showLogin(e.status === 401 ? "This login link was used or has expired: log in with a token, or ask for a new link." : e.message);
+  }
 }
 
 async function boot() {
@@ -540,11 +663,13 @@ async function boot() {
     try { await api("DELETE", "/api/v1/session"); } catch (_) { /* ended anyway */ }
     showLogin("Logged out.");
   });
+  if (location.pathname === "/login") return redeemLink();
+  if (!stored()) return showLogin("");
   try {
     S.me = await api("GET", "/api/v1/session");
     start();
   } catch (e) {
-    showLogin(e.status === 401 ? "" : e.message);
+    showLogin(e.status === 401 ? "Your session ended: log in again." : e.message);
   }
 }
 
