@@ -99,6 +99,7 @@ pub fn answer(a: Answer) -> Response {
         Answer::Ledger(x) => serde_json::to_value(x),
         Answer::Hello(x) => serde_json::to_value(x),
         Answer::TokenCreated(x) => serde_json::to_value(x),
+        Answer::TokenRevoked(x) => serde_json::to_value(x),
         Answer::Pong => Ok(json!({"pong": true})),
         Answer::Error(code, msg) => return error(code, msg),
     };
@@ -343,6 +344,26 @@ async fn tokens(State(app): State<AppState>, h: HeaderMap, Query(q): Q, body: By
     verb(&app, Method::POST, &h, "token", &[], &q, &body).await
 }
 
+/// `DELETE /api/v1/tokens/{name}`: revokes a token at once (v1 `token_revoke`).
+async fn revoke_token(
+    State(app): State<AppState>,
+    h: HeaderMap,
+    Path(name): Path<String>,
+    Query(q): Q,
+) -> Response {
+    let path = [("name", name)];
+    verb(
+        &app,
+        Method::DELETE,
+        &h,
+        "token_revoke",
+        &path,
+        &q,
+        &Bytes::new(),
+    )
+    .await
+}
+
 fn session_json(p: &Principal, csrf: Option<&str>, expires_at: Option<u64>) -> Value {
     json!({
         "principal": p.name.as_str(),
@@ -478,8 +499,12 @@ async fn metrics_route(State(app): State<AppState>, h: HeaderMap) -> Response {
         Ok(c) => c,
         Err(r) => return r.into_response(),
     };
-    if c.principal.role != Role::Operator {
-        return error(ErrorCode::Forbidden, "metrics need an operator token");
+    // Prometheus needs a credential that reads, not one that can approve.
+    if c.principal.role == Role::Agent {
+        return error(
+            ErrorCode::Forbidden,
+            "metrics need an observer or operator token (`estop token create NAME --role observer`)",
+        );
     }
     metrics::render(&app).await
 }
@@ -551,6 +576,7 @@ pub fn router(app: AppState) -> Router {
         .route("/api/v1/pending", get(pending))
         .route("/api/v1/ledger", get(ledger))
         .route("/api/v1/tokens", post(tokens))
+        .route("/api/v1/tokens/{name}", axum::routing::delete(revoke_token))
         .route("/api/v1/events", get(events_route))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(body_max))

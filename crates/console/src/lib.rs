@@ -114,6 +114,13 @@ impl Service for Console {
             cookie: format!("{}_{}", auth::COOKIE, bound.port()),
             ctx: ctx.clone(),
         });
+        // A revoked token's console sessions and login links end with it, at once.
+        let weak = Arc::downgrade(&app);
+        ctx.shared.tokens.on_revoke(Box::new(move |name| {
+            if let Some(app) = weak.upgrade() {
+                app.auth.end_principal(name.as_str());
+            }
+        }));
         let mut notices = Vec::new();
         // The one-time login link is made for whoever DATA/operator.token names.
         let operator = std::fs::read_to_string(ctx.data.join("operator.token"))

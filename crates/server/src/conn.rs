@@ -5,7 +5,7 @@
 use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
 use crate::durable::{self, After, Durability, DurableState};
 use crate::outbox::{Direct, Outbox};
-use crate::tokens::Tokens;
+use crate::tokens::{Credential, Tokens};
 use estop_kernel::vocab::PolicyAction;
 use estop_kernel::{Admit as KAdmit, Command, Principal, RunLimits, Token};
 use estop_ledger::{FileStorage, inspect};
@@ -81,6 +81,7 @@ pub fn render(id: &Id, answer: &Answer) -> Vec<u8> {
         Answer::Ledger(l) => ok_line(id, l),
         Answer::Hello(h) => ok_line(id, h),
         Answer::TokenCreated(t) => ok_line(id, t),
+        Answer::TokenRevoked(t) => ok_line(id, t),
         Answer::Pong => pong_line(id),
         Answer::Error(code, msg) => error_line(id, *code, msg),
     }
@@ -101,11 +102,36 @@ where
         backlog,
         writer,
     } = open(stream, socket, &shared, render);
-    let mut principal: Option<Principal> = None;
+    let mut principal: Option<Credential> = None;
+    // Moves on every revocation: an idle connection whose token was revoked is closed at once.
+    let mut revocations = shared.tokens.revocations();
+    let mut watching = true;
     loop {
-        let line = match reader.next_line().await {
-            Ok(Some(l)) => l,
-            Ok(None) | Err(_) => break,
+        let next = tokio::select! {
+            biased;
+            line = reader.next_line() => Some(line),
+            seen = revocations.changed(), if watching && principal.is_some() => {
+                watching = seen.is_ok();
+                None
+            }
+        };
+        let line = match next {
+            Some(Ok(Some(l))) => l,
+            Some(Ok(None) | Err(_)) => break,
+            None if principal
+                .as_ref()
+                .is_some_and(|c| !shared.tokens.is_valid(c)) =>
+            {
+                // Said once, unasked (`id` null, as for a discarded line), then closed.
+                let answer = revoked_answer();
+                let _ = out_tx.send(Out::Answer {
+                    id: Id::default(),
+                    answer,
+                    after: After::default(),
+                });
+                break;
+            }
+            None => continue,
         };
         // Bounded pipelining: a permit per request, returned when its reply is written.
         match permits.acquire().await {
@@ -127,6 +153,12 @@ where
                 Err(e) => (e.id.clone(), Some(err(e.code(), e.to_string()))),
                 Ok(req) => {
                     let id = req.id.clone();
+                    if revoked(&mut revocations, principal.as_ref(), &shared.tokens) {
+                        let answer = revoked_answer();
+                        let after = After::default();
+                        let _ = out_tx.send(Out::Answer { id, answer, after });
+                        break;
+                    }
                     (
                         id,
                         dispatch(req, &mut principal, conn, &out_tx, &backlog, &shared).await,
@@ -143,6 +175,24 @@ where
         }
     }
     close(&shared, conn, out_tx, writer).await;
+}
+
+fn revoked_answer() -> Answer {
+    err(
+        ErrorCode::Unauthenticated,
+        "this connection's token was revoked; the connection is closed",
+    )
+}
+
+/// Whether the connection's credential was revoked since it last looked: one atomic load while
+/// no token was revoked.
+fn revoked(rx: &mut watch::Receiver<u64>, cred: Option<&Credential>, tokens: &Tokens) -> bool {
+    let Some(c) = cred else { return false };
+    if !rx.has_changed().unwrap_or(false) {
+        return false;
+    }
+    rx.borrow_and_update();
+    !tokens.is_valid(c)
 }
 
 /// One accepted connection, set up: its id, line reader, outgoing queue, pipelining permits and
@@ -206,6 +256,24 @@ pub async fn close(
     let _ = writer.await;
 }
 
+/// The refusal of a verb the principal's role may not use.
+pub fn forbidden(verb: estop_protocol::Verb, p: &Principal) -> Answer {
+    let needs = if verb.is_operator_only() {
+        "an operator token"
+    } else {
+        "an agent or operator token (observers only read)"
+    };
+    err(
+        ErrorCode::Forbidden,
+        format!(
+            "{} needs {needs}; {} is an {}",
+            verb.as_str(),
+            p.name,
+            p.role.as_str()
+        ),
+    )
+}
+
 fn to_core(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
     match shared.core_tx.send(msg) {
         Ok(()) => None,
@@ -216,7 +284,7 @@ fn to_core(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
 /// Handles one request. `Some(answer)` is answered at once; `None` means the core answers.
 async fn dispatch(
     req: Request,
-    principal: &mut Option<Principal>,
+    principal: &mut Option<Credential>,
     conn: u64,
     out: &Outbox,
     backlog: &Arc<AtomicUsize>,
@@ -224,14 +292,14 @@ async fn dispatch(
 ) -> Option<Answer> {
     let verb = req.op.verb();
     if let Op::Hello { token } = &req.op {
-        return Some(match shared.tokens.authenticate(token.expose()) {
-            Some(p) => {
+        return Some(match shared.tokens.credential(token.expose()) {
+            Some(c) => {
                 let hello = wire::HelloReply {
-                    role: p.role.as_str().into(),
-                    principal: p.name.to_string(),
+                    role: c.principal.role.as_str().into(),
+                    principal: c.principal.name.to_string(),
                     protocol: 1,
                 };
-                *principal = Some(p);
+                *principal = Some(c);
                 Answer::Hello(hello)
             }
             None => err(
@@ -243,18 +311,11 @@ async fn dispatch(
     if let Op::Ping = req.op {
         return Some(Answer::Pong);
     }
-    let Some(p) = principal.clone() else {
+    let Some(p) = principal.as_ref().map(|c| c.principal.clone()) else {
         return Some(err(ErrorCode::Unauthenticated, "send hello {token} first"));
     };
-    if verb.is_operator_only() && p.role != estop_kernel::Role::Operator {
-        return Some(err(
-            ErrorCode::Forbidden,
-            format!(
-                "{} needs an operator token; {} is an agent",
-                verb.as_str(),
-                p.name
-            ),
-        ));
+    if !verb.allowed_for(p.role) {
+        return Some(forbidden(verb, &p));
     }
     // Where the core answers; built only for a request that goes to the core.
     let reply_to = || ReplyTo {
@@ -416,37 +477,9 @@ async fn dispatch(
             failed: outcome == estop_protocol::CloseOutcome::Failed,
         }),
         Op::Token { name, role, groups } => {
-            let tokens = Arc::clone(&shared.tokens);
-            let res = tokio::task::spawn_blocking(move || {
-                tokens
-                    .create(name.as_str(), role, &groups)
-                    .map(|s| (name, role, groups, s))
-            })
-            .await;
-            Some(match res {
-                Ok(Ok((name, role, groups, secret))) => {
-                    crate::log::info(&format!("token created: {name} ({})", role.as_str()));
-                    Answer::TokenCreated(wire::TokenCreated {
-                        name: name.to_string(),
-                        role: role.as_str().into(),
-                        token: estop_protocol::Secret::new(secret),
-                        groups,
-                    })
-                }
-                Ok(Err(e @ crate::tokens::TokenError::Exists(_))) => {
-                    err(ErrorCode::Conflict, e.to_string())
-                }
-                Ok(Err(
-                    e @ (crate::tokens::TokenError::Reserved(_)
-                    | crate::tokens::TokenError::Invalid(_)),
-                )) => err(ErrorCode::InvalidField, e.to_string()),
-                Ok(Err(e @ crate::tokens::TokenError::Full)) => {
-                    err(ErrorCode::LimitExceeded, e.to_string())
-                }
-                Ok(Err(e)) => err(ErrorCode::Unavailable, e.to_string()),
-                Err(e) => err(ErrorCode::Internal, e.to_string()),
-            })
+            Some(crate::tokenops::create(shared, &p, name, role, groups).await)
         }
+        Op::TokenRevoke { name } => Some(crate::tokenops::revoke(shared, &p, name).await),
         Op::Ledger { run, limit, after } => {
             let dir = shared.ledger_dir.clone();
             let durable = shared.durable_rx.borrow().seq;
