@@ -265,6 +265,9 @@ pub fn run_with(
         ledger_dir,
         next_conn: AtomicU64::new(1),
     });
+    if created {
+        crate::tokenops::record_bootstrap(&shared);
+    }
     let runtime = match opts.io_threads {
         // One IO thread beside the core and sync threads: no work stealing, fewer wakeups.
         // It hands requests to the core in batches (`handoff`): what it holds goes before it

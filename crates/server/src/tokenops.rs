@@ -49,6 +49,29 @@ pub async fn ask(shared: &Shared, msg: impl FnOnce(ReplyTo) -> CoreMsg) -> Answe
     }
 }
 
+/// Records the bootstrap tokens a (first or `--reset-tokens`) start wrote, as the gate itself
+/// (`estop`), so the ledger's account of who holds a token starts at the beginning. Nobody
+/// waits for the answer.
+pub fn record_bootstrap(shared: &Shared) {
+    for (name, role) in [("admin", Role::Operator), ("agent", Role::Agent)] {
+        let (tx, _) = tokio::sync::mpsc::unbounded_channel();
+        let change = TokenChange {
+            action: TokenAction::Create,
+            name: PrincipalName::new(name).expect("a valid name"),
+            role,
+            groups: Vec::new(),
+        };
+        let _ = shared.core_tx.send(CoreMsg::Apply {
+            principal: crate::core::system_principal(),
+            cmd: Command::Token(change),
+            to: ReplyTo {
+                out: tx.into(),
+                id: Id::default(),
+            },
+        });
+    }
+}
+
 /// The answer for a registry error.
 pub fn token_error(e: &TokenError) -> Answer {
     let code = match e {
