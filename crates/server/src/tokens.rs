@@ -481,7 +481,7 @@ mod tests {
     fn revoke_keeps_an_operator_and_a_recreated_name_is_another_credential() {
         let dir = tempfile::tempdir().unwrap();
         let (tokens, _) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
-        let mut seen = tokens.revocations();
+        let seen = tokens.revocations();
         assert!(matches!(
             tokens.revoke("admin"),
             Err(TokenError::LastOperator(_))
