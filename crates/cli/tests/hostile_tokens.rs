@@ -550,6 +550,11 @@ fn the_data_dir_socket_ledger_and_token_files_are_private() {
     d.spawn();
     assert_eq!(mode(&seg), 0o600);
     assert_eq!(mode(d.data()), 0o700);
+    // A data dir whose mode cannot be set (procfs refuses chmod, even to root) stops the start
+    // with a clear error instead of running with whatever mode it has.
+    let (code, err) = serve_refuses(std::path::Path::new("/proc/self/fdinfo"), &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("private") && err.contains("chmod"), "{err}");
 }
 
 /// What a hostile agent writes into every free-text field it has.

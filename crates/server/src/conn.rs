@@ -5,7 +5,7 @@
 use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
 use crate::durable::{self, After, Durability, DurableState};
 use crate::outbox::{Direct, Outbox};
-use crate::tokens::{Credential, Tokens};
+use crate::tokens::{RevokeSignal, Tokens};
 use estop_kernel::vocab::PolicyAction;
 use estop_kernel::{Admit as KAdmit, Command, Principal, RunLimits, Token};
 use estop_ledger::{FileStorage, inspect};
@@ -102,36 +102,28 @@ where
         backlog,
         writer,
     } = open(stream, socket, &shared, render);
-    let mut principal: Option<Credential> = None;
-    // Moves on every revocation: an idle connection whose token was revoked is closed at once.
-    let mut revocations = shared.tokens.revocations();
-    let mut watching = true;
+    let mut principal: Option<Authed> = None;
     loop {
+        // An idle connection whose token is revoked is woken and closed at once.
         let next = tokio::select! {
             biased;
             line = reader.next_line() => Some(line),
-            seen = revocations.changed(), if watching && principal.is_some() => {
-                watching = seen.is_ok();
-                None
-            }
+            () = RevokeSignal::wait(principal.as_ref().map(|a| &*a.revoked)) => None,
         };
         let line = match next {
             Some(Ok(Some(l))) => l,
             Some(Ok(None) | Err(_)) => break,
-            None if principal
-                .as_ref()
-                .is_some_and(|c| !shared.tokens.is_valid(c)) =>
-            {
+            None => {
                 // Said once, unasked (`id` null, as for a discarded line), then closed.
                 let answer = revoked_answer();
+                let after = After::default();
                 let _ = out_tx.send(Out::Answer {
                     id: Id::default(),
                     answer,
-                    after: After::default(),
+                    after,
                 });
                 break;
             }
-            None => continue,
         };
         // Bounded pipelining: a permit per request, returned when its reply is written.
         match permits.acquire().await {
@@ -153,7 +145,7 @@ where
                 Err(e) => (e.id.clone(), Some(err(e.code(), e.to_string()))),
                 Ok(req) => {
                     let id = req.id.clone();
-                    if revoked(&mut revocations, principal.as_ref(), &shared.tokens) {
+                    if principal.as_ref().is_some_and(|a| a.revoked.is_set()) {
                         let answer = revoked_answer();
                         let after = After::default();
                         let _ = out_tx.send(Out::Answer { id, answer, after });
@@ -184,15 +176,10 @@ fn revoked_answer() -> Answer {
     )
 }
 
-/// Whether the connection's credential was revoked since it last looked: one atomic load while
-/// no token was revoked.
-fn revoked(rx: &mut watch::Receiver<u64>, cred: Option<&Credential>, tokens: &Tokens) -> bool {
-    let Some(c) = cred else { return false };
-    if !rx.has_changed().unwrap_or(false) {
-        return false;
-    }
-    rx.borrow_and_update();
-    !tokens.is_valid(c)
+/// Who a connection authenticated as, and the signal that its token was revoked.
+struct Authed {
+    principal: Principal,
+    revoked: Arc<RevokeSignal>,
 }
 
 /// One accepted connection, set up: its id, line reader, outgoing queue, pipelining permits and
@@ -252,6 +239,7 @@ pub async fn close(
     writer: tokio::task::JoinHandle<()>,
 ) {
     let _ = shared.core_tx.send(CoreMsg::Disconnect { conn });
+    shared.tokens.unwatch(conn);
     drop(out_tx);
     let _ = writer.await;
 }
@@ -284,7 +272,7 @@ fn to_core(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
 /// Handles one request. `Some(answer)` is answered at once; `None` means the core answers.
 async fn dispatch(
     req: Request,
-    principal: &mut Option<Credential>,
+    principal: &mut Option<Authed>,
     conn: u64,
     out: &Outbox,
     backlog: &Arc<AtomicUsize>,
@@ -299,7 +287,11 @@ async fn dispatch(
                     principal: c.principal.name.to_string(),
                     protocol: 1,
                 };
-                *principal = Some(c);
+                let revoked = shared.tokens.watch(conn, &c);
+                *principal = Some(Authed {
+                    principal: c.principal,
+                    revoked,
+                });
                 Answer::Hello(hello)
             }
             None => err(
@@ -311,7 +303,7 @@ async fn dispatch(
     if let Op::Ping = req.op {
         return Some(Answer::Pong);
     }
-    let Some(p) = principal.as_ref().map(|c| c.principal.clone()) else {
+    let Some(p) = principal.as_ref().map(|a| a.principal.clone()) else {
         return Some(err(ErrorCode::Unauthenticated, "send hello {token} first"));
     };
     if !verb.allowed_for(p.role) {

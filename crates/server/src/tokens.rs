@@ -4,18 +4,22 @@
 //!
 //! Every change rewrites the registry whole, one writer at a time, through a temp file of its
 //! own (fsync, rename, directory fsync), so concurrent creations all survive and a crash leaves
-//! the old file or the new one, never a torn one. A revocation takes effect at once: it bumps
-//! a counter that every open connection watches, and runs the hooks the console registered to
-//! end that principal's sessions.
+//! the old file or the new one, never a torn one. A revocation takes effect at once: it fires
+//! the signal of every connection that authenticated with that secret (one atomic load per
+//! request to check, no lock; an idle connection is woken), bumps a counter the console's event
+//! streams watch, and runs the hooks the console registered to end that principal's sessions.
 
 use estop_kernel::{Principal, PrincipalName, Role};
 use sha2::{Digest as _, Sha256};
+use std::collections::HashMap;
 use std::fs;
+use std::future::Future;
 use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::task::Poll;
 use tokio::sync::watch;
 
 /// Names the gate uses for itself and the compatibility listener; no token may take them.
@@ -76,6 +80,45 @@ pub struct Credential {
 /// Called with the name of every revoked principal (the console ends its sessions).
 pub type RevokeHook = Box<dyn Fn(&PrincipalName) + Send + Sync>;
 
+/// One connection's line to the registry: set, and the connection's task woken, when the secret
+/// it authenticated with is revoked.
+#[derive(Debug, Default)]
+pub struct RevokeSignal {
+    revoked: AtomicBool,
+    waker: atomic_waker::AtomicWaker,
+}
+
+impl RevokeSignal {
+    /// Whether the token was revoked (one atomic load: checked before every request).
+    pub fn is_set(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
+    }
+
+    /// Ready once the token is revoked; `None` never is (a connection before `hello`).
+    pub fn wait(signal: Option<&RevokeSignal>) -> impl Future<Output = ()> + '_ {
+        std::future::poll_fn(move |cx| {
+            let Some(s) = signal else {
+                return Poll::Pending;
+            };
+            if s.is_set() {
+                return Poll::Ready(());
+            }
+            s.waker.register(cx.waker());
+            // Set between the check and the registration: the wake may have been missed.
+            if s.is_set() {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+    }
+
+    fn fire(&self) {
+        self.revoked.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+}
+
 /// The token registry of one data dir.
 pub struct Tokens {
     path: PathBuf,
@@ -83,9 +126,18 @@ pub struct Tokens {
     /// Held while a change is computed and written: one writer of the file at a time, and the
     /// file always holds exactly what memory will.
     writer: Mutex<()>,
-    /// Counts revocations; open connections re-check their credential when it moves.
+    /// Counts revocations; the console's event streams re-check their principal when it moves.
     revocations: watch::Sender<u64>,
     hooks: Mutex<Vec<RevokeHook>>,
+    /// The revoke signal of every authenticated protocol connection, by connection id, with
+    /// the hash of the secret it showed.
+    watchers: Mutex<HashMap<u64, Watcher>>,
+}
+
+/// A connection registered for revocation: the hash of the secret it showed, and its signal.
+struct Watcher {
+    hash: [u8; 32],
+    signal: Arc<RevokeSignal>,
 }
 
 impl std::fmt::Debug for Tokens {
@@ -256,6 +308,7 @@ impl Tokens {
             writer: Mutex::new(()),
             revocations: watch::Sender::new(0),
             hooks: Mutex::new(Vec::new()),
+            watchers: Mutex::new(HashMap::new()),
         }
     }
 
@@ -340,22 +393,55 @@ impl Tokens {
     /// revoke hooks run. The last operator token cannot be revoked (`LastOperator`).
     pub fn revoke(&self, name: &str) -> Result<Principal, TokenError> {
         let gone = self.remove_where(name, true)?;
-        self.revocations.send_modify(|n| *n += 1);
+        self.revoked(&gone);
         for hook in self.hooks.lock().expect("tokens hooks").iter() {
-            hook(&gone.name);
+            hook(&gone.principal.name);
         }
-        Ok(gone)
+        Ok(gone.principal)
+    }
+
+    /// Fires the signals of the connections that hold `gone`'s secret, and tells the streams.
+    fn revoked(&self, gone: &Entry) {
+        for w in self.watchers.lock().expect("tokens watchers").values() {
+            if w.hash == gone.hash {
+                w.signal.fire();
+            }
+        }
+        self.revocations.send_modify(|n| *n += 1);
+    }
+
+    /// Registers connection `conn`, authenticated with `c`, for revocation (replacing what it
+    /// registered before, for a second `hello`). Unregister with [`Tokens::unwatch`].
+    pub fn watch(&self, conn: u64, c: &Credential) -> Arc<RevokeSignal> {
+        let signal = Arc::new(RevokeSignal::default());
+        self.watchers.lock().expect("tokens watchers").insert(
+            conn,
+            Watcher {
+                hash: c.hash,
+                signal: Arc::clone(&signal),
+            },
+        );
+        // A revocation between `credential` and the line above found no watcher to fire.
+        if !self.is_valid(c) {
+            signal.fire();
+        }
+        signal
+    }
+
+    /// Forgets connection `conn` (it closed).
+    pub fn unwatch(&self, conn: u64) {
+        self.watchers.lock().expect("tokens watchers").remove(&conn);
     }
 
     /// Takes back a token just created whose creation could not be recorded (nothing
     /// half-applied); its secret was never shown.
     pub fn forget(&self, name: &str) -> Result<Principal, TokenError> {
         let gone = self.remove_where(name, false)?;
-        self.revocations.send_modify(|n| *n += 1);
-        Ok(gone)
+        self.revoked(&gone);
+        Ok(gone.principal)
     }
 
-    fn remove_where(&self, name: &str, keep_an_operator: bool) -> Result<Principal, TokenError> {
+    fn remove_where(&self, name: &str, keep_an_operator: bool) -> Result<Entry, TokenError> {
         self.change(|entries| {
             let i = entries
                 .iter()
@@ -368,7 +454,7 @@ impl Tokens {
             if keep_an_operator && entries[i].principal.role == Role::Operator && operators <= 1 {
                 return Err(TokenError::LastOperator(name.into()));
             }
-            Ok(entries.remove(i).principal)
+            Ok(entries.remove(i))
         })
     }
 
@@ -493,11 +579,21 @@ mod tests {
         );
         let old = tokens.create("bob", Role::Operator, &[]).unwrap();
         let cred = tokens.credential(&old).unwrap();
+        let bob_conn = tokens.watch(1, &cred);
+        let admin = fs::read_to_string(dir.path().join("operator.token")).unwrap();
+        let admin_conn = tokens.watch(2, &tokens.credential(&admin).unwrap());
         let ended = std::sync::Arc::new(Mutex::new(Vec::new()));
         let log = std::sync::Arc::clone(&ended);
         tokens.on_revoke(Box::new(move |n| log.lock().unwrap().push(n.to_string())));
         tokens.revoke("bob").unwrap();
         assert!(seen.has_changed().unwrap());
+        assert!(bob_conn.is_set(), "bob's connection is told");
+        assert!(!admin_conn.is_set(), "nobody else's");
+        assert!(
+            tokens.watch(3, &cred).is_set(),
+            "a connection that registers after the revocation learns it at once"
+        );
+        tokens.unwatch(1);
         assert_eq!(*ended.lock().unwrap(), vec!["bob".to_string()]);
         assert!(!tokens.is_valid(&cred));
         let new = tokens.create("bob", Role::Operator, &[]).unwrap();
