@@ -347,9 +347,14 @@ impl Tokens {
             let tokens = Tokens::with(path, entries);
             return Ok((tokens, true));
         }
-        fs::set_permissions(&path, fs::Permissions::from_mode(0o600))
-            .map_err(io("make private (chmod 0600)", &path))?;
-        let text = fs::read_to_string(&path).map_err(io("read", &path))?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).map_err(io(
+            "make private (chmod 600; run estop serve as the owner of its data dir)",
+            &path,
+        ))?;
+        let text = fs::read_to_string(&path).map_err(io(
+            "read the token registry (restore it from a backup; it is never re-created over named tokens)",
+            &path,
+        ))?;
         let entries = parse(&path, &text)?;
         Ok((Tokens::with(path, entries), false))
     }
