@@ -94,8 +94,32 @@ fn revoking_a_token_ends_its_open_connections_and_console_sessions_at_once() {
     spy_r.read_line(&mut line).unwrap();
     assert!(line.contains("\"ok\":true"), "{line}");
 
+    // bob's event stream (server-sent events), followed until the first event.
+    let mut events = std::net::TcpStream::connect(&addr).unwrap();
+    events
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    write!(
+        events,
+        "GET /api/v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {bob}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut events = BufReader::new(events);
+    let mut seen = String::new();
+    while !seen.contains("event: ready") {
+        assert_ne!(events.read_line(&mut seen).unwrap(), 0, "{seen}");
+    }
+
     let (code, out, err) = d.cli(&["token", "revoke", "bob"]);
     assert_eq!(code, 0, "{out}{err}");
+    // The stream ends at once (not at its next 15 s check).
+    events
+        .get_ref()
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut rest = String::new();
+    let ended = events.read_to_string(&mut rest);
+    assert!(ended.is_ok(), "the event stream did not end: {ended:?}");
     let (code, _, err) = d.cli(&["token", "revoke", "spy"]);
     assert_eq!(code, 0, "{err}");
 
