@@ -41,6 +41,89 @@ fn http(
     (status, body.to_string())
 }
 
+/// One HTTP/1.1 request with `Connection: close`; returns (status, head, body).
+fn http_full(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String, String) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if !body.is_empty() {
+        req.push_str("Content-Type: application/json\r\n");
+    }
+    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    s.write_all(req.as_bytes()).unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, head.to_string(), body.to_string())
+}
+
+/// A console session, as the console's own page would hold it: whatever the login handed out
+/// (a session secret in the answer, or a cookie), sent back the way the page sends it.
+struct Session {
+    addr: String,
+    headers: Vec<(String, String)>,
+}
+
+impl Session {
+    /// Logs in with `token` as the console's page; `Err(status)` when refused.
+    fn login(addr: &str, token: &str) -> Result<Session, u16> {
+        let origin = format!("http://{addr}");
+        let own = [
+            ("Origin", origin.as_str()),
+            ("Sec-Fetch-Site", "same-origin"),
+        ];
+        let body = json!({"token": token}).to_string();
+        let (status, head, body) = http_full(addr, "POST", "/api/v1/session", &own, &body);
+        if status != 200 {
+            return Err(status);
+        }
+        let mut headers = vec![
+            ("Origin".to_string(), origin.clone()),
+            ("Sec-Fetch-Site".to_string(), "same-origin".to_string()),
+        ];
+        let v: Value = serde_json::from_str(&body).unwrap();
+        if let Some(id) = v["session"].as_str() {
+            headers.push(("X-Estop-Session".into(), id.into()));
+        }
+        let cookie = head.lines().find_map(|l| {
+            let (k, v) = l.split_once(": ")?;
+            k.eq_ignore_ascii_case("set-cookie")
+                .then(|| v.split(';').next().unwrap_or("").to_string())
+        });
+        if let Some(c) = cookie {
+            headers.push(("Cookie".into(), c));
+        }
+        assert!(
+            headers.len() > 2,
+            "the login handed out no session: {head}\n{body}"
+        );
+        Ok(Session {
+            addr: addr.to_string(),
+            headers,
+        })
+    }
+
+    /// `GET path` with the session; the status.
+    fn get(&self, path: &str) -> u16 {
+        let h: Vec<(&str, &str)> = self
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        http_full(&self.addr, "GET", path, &h, "").0
+    }
+}
+
 fn create_token(d: &Daemon, name: &str, role: &str) -> String {
     let (code, out, err) = d.cli(&["token", "create", name, "--role", role]);
     assert_eq!(code, 0, "token create {name}: {err}");
@@ -70,16 +153,8 @@ fn revoking_a_token_ends_its_open_connections_and_console_sessions_at_once() {
     // bob: two open v1 connections (one idle, one busy), a bearer token and a console session.
     let (_bob_idle_w, mut bob_idle) = raw_conn(&d, &bob);
     let (mut bob_w, mut bob_r) = raw_conn(&d, &bob);
-    let (status, body) = http(
-        &addr,
-        "POST",
-        "/api/v1/session",
-        &[],
-        &json!({"token": bob}).to_string(),
-    );
-    assert_eq!(status, 200, "{body}");
-    let me: Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(me["principal"], "bob");
+    let bob_session = Session::login(&addr, &bob).unwrap();
+    assert_eq!(bob_session.get("/api/v1/runs"), 200);
     // spy: an agent connection that only listens (it never sends another request).
     let mut a = d.client_with(&spy);
     admit(&mut a, "spy-run", "k", "pay", json!({}));
@@ -165,14 +240,12 @@ fn revoking_a_token_ends_its_open_connections_and_console_sessions_at_once() {
         .0,
         401
     );
-    let (status, _) = http(
-        &addr,
-        "POST",
-        "/api/v1/session",
-        &[],
-        &json!({"token": bob}).to_string(),
+    assert_eq!(bob_session.get("/api/v1/runs"), 401, "the session ended");
+    assert_eq!(
+        Session::login(&addr, &bob).err(),
+        Some(401),
+        "a revoked token cannot log in"
     );
-    assert_eq!(status, 401, "a revoked token cannot log in");
 }
 
 #[test]
@@ -180,41 +253,15 @@ fn a_console_session_ends_when_its_token_is_revoked() {
     let d = Daemon::start_with(&["--console", "127.0.0.1:0"]);
     let addr = d.ready_field("console");
     let carol = create_token(&d, "carol", "operator");
-    let (status, _) = http(
-        &addr,
-        "POST",
-        "/api/v1/session",
-        &[],
-        &json!({"token": carol}).to_string(),
-    );
-    assert_eq!(status, 200);
-    // The session cookie (or whatever the console hands out) is used as the browser would.
-    let mut s = std::net::TcpStream::connect(&addr).unwrap();
-    let body = json!({"token": carol}).to_string();
-    write!(
-        s,
-        "POST /api/v1/session HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let cookie = raw
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("set-cookie: ")
-                .or(l.strip_prefix("Set-Cookie: "))
-        })
-        .unwrap()
-        .split(';')
-        .next()
-        .unwrap()
-        .to_string();
-    let who = |c: &str| http(&addr, "GET", "/api/v1/session", &[("Cookie", c)], "").0;
-    assert_eq!(who(&cookie), 200);
+    let session = Session::login(&addr, &carol).unwrap();
+    assert_eq!(session.get("/api/v1/session"), 200);
     let (code, _, err) = d.cli(&["token", "revoke", "carol"]);
     assert_eq!(code, 0, "{err}");
-    assert_eq!(who(&cookie), 401, "the session of a revoked token ends");
+    assert_eq!(
+        session.get("/api/v1/session"),
+        401,
+        "the session of a revoked token ends"
+    );
 }
 
 #[test]

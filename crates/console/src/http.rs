@@ -221,7 +221,7 @@ async fn verb(
         return error(
             ErrorCode::Forbidden,
             format!(
-                "{op} needs an operator token; over HTTP an agent token may only read its own runs"
+                "{op} needs an operator token; over HTTP an agent token may only read its own runs, an observer token only read"
             ),
         );
     }
