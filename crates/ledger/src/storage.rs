@@ -126,7 +126,6 @@ impl FileStorage {
                 })?;
             }
         }
-        make_private(&dir)?;
         let lock = OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -139,6 +138,8 @@ impl FileStorage {
             Err(fs::TryLockError::WouldBlock) => return Err(LedgerError::Locked { dir: shown }),
             Err(fs::TryLockError::Error(e)) => return Err(LedgerError::io("lock", LOCK_FILE, e)),
         }
+        // Only the lock's holder touches the modes: a second opener changes nothing.
+        make_private(&dir)?;
         let dir_handle =
             File::open(&dir).map_err(|e| LedgerError::io("open directory", &shown, e))?;
         Ok(FileStorage {
