@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use estop_protocol::ErrorCode;
 use estop_server::client::Client;
 use serde_json::{Value, json};
+use std::borrow::Cow;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -159,6 +160,10 @@ struct ServeArgs {
     /// 127.0.0.1:7421, and if that is taken the gate starts without a console and says so.
     #[arg(long, value_name = "ADDR")]
     console: Option<String>,
+    /// Write fresh bootstrap tokens (admin, agent) although DATA/tokens is missing and the ledger
+    /// was written: the way out when the registry is lost. Every other token stays revoked.
+    #[arg(long)]
+    reset_tokens: bool,
 }
 
 #[derive(Subcommand)]
@@ -166,12 +171,16 @@ enum TokenCmd {
     /// Create a named token; prints its secret once.
     Create {
         name: String,
+        /// agent, operator, or observer (reads runs, reports and metrics; changes nothing).
         #[arg(long)]
         role: String,
         /// Approver group this principal belongs to (repeatable).
         #[arg(long = "group")]
         groups: Vec<String>,
     },
+    /// Revoke a named token at once: its open connections and console sessions end. The last
+    /// operator token cannot be revoked.
+    Revoke { name: String },
 }
 
 #[derive(Subcommand)]
@@ -231,7 +240,8 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => ExitCode::from(code),
         Err(f) => {
-            eprintln!("estop: {}", f.message);
+            // Error messages quote ids and text the gate was sent: escaped like everything else.
+            eprintln!("estop: {}", esc(&f.message));
             ExitCode::from(f.code)
         }
     }
@@ -269,6 +279,16 @@ fn run(cli: Cli) -> Result<u8, Failure> {
             }
             Ok(0)
         }
+        Cmd::Token {
+            command: TokenCmd::Revoke { name },
+            conn,
+        } => {
+            let v = request(&conn, json!({"op": "token_revoke", "name": name}))?;
+            print_or(&conn, &v, || {
+                println!("revoked {} token {}", s(&v["role"]), s(&v["name"]));
+            });
+            Ok(0)
+        }
         Cmd::Runs { state, limit, conn } => {
             let mut req = json!({"op": "runs", "limit": limit});
             if let Some(s) = state {
@@ -292,6 +312,9 @@ fn run(cli: Cli) -> Result<u8, Failure> {
                                 e["completed"], e["started"], e["held"], e["refused"]
                             ),
                             r["cause"].as_str().unwrap_or("-").into(),
+                            r["reason"]
+                                .as_str()
+                                .map_or_else(|| "-".into(), |x| truncate(x, 40)),
                         ]
                     })
                     .collect();
@@ -303,6 +326,7 @@ fn run(cli: Cli) -> Result<u8, Failure> {
                         "PARENT",
                         "DONE/FLYING/HELD/REFUSED",
                         "CAUSE",
+                        "REASON",
                     ],
                     &rows,
                 );
@@ -376,19 +400,17 @@ fn run(cli: Cli) -> Result<u8, Failure> {
                     "owner",
                     "parent",
                     "cause",
+                    "reason",
                     "epoch",
                     "created_at",
                     "deadline_at",
                     "max_effects",
                 ] {
                     if let Some(x) = v.get(k) {
-                        println!(
-                            "{k:<12} {}",
-                            x.as_str().map_or_else(|| x.to_string(), str::to_string)
-                        );
+                        println!("{k:<12} {}", s(x));
                     }
                 }
-                println!("{:<12} {}", "effects", v["effects"]);
+                println!("{:<12} {}", "effects", s(&v["effects"]));
             });
             Ok(0)
         }
@@ -399,8 +421,11 @@ fn run(cli: Cli) -> Result<u8, Failure> {
                     "run {}  state {}  cause {}",
                     s(&v["run"]),
                     s(&v["state"]),
-                    v["cause"].as_str().unwrap_or("-")
+                    v["cause"].as_str().map_or(Cow::Borrowed("-"), esc)
                 );
+                if let Some(r) = v["reason"].as_str() {
+                    println!("reason {}", esc(r));
+                }
                 for section in [
                     "done",
                     "failed",
@@ -422,13 +447,13 @@ fn run(cli: Cli) -> Result<u8, Failure> {
                             s(&i["status"])
                         );
                         if let Some(r) = i["reason"].as_str() {
-                            line.push_str(&format!(" ({r})"));
+                            line.push_str(&format!(" ({})", esc(r)));
                         }
                         if i["late"].as_bool() == Some(true) {
                             line.push_str(" [late]");
                         }
                         if let Some(c) = i["compensate"].as_str() {
-                            line.push_str(&format!(" undo: {c}"));
+                            line.push_str(&format!(" undo: {}", esc(c)));
                         }
                         println!("{line}");
                     }
@@ -439,13 +464,24 @@ fn run(cli: Cli) -> Result<u8, Failure> {
     }
 }
 
-fn s(v: &Value) -> String {
-    v.as_str().map_or_else(|| v.to_string(), str::to_string)
+/// Agent-supplied text as it may reach a terminal: control, bidi and zero-width characters
+/// shown escaped (`\u{202e}`), so a reason cannot forge a line or disguise an id. Every human
+/// output goes through it (`--json` prints exact JSON instead).
+fn esc(text: &str) -> Cow<'_, str> {
+    estop_protocol::text::escape(text)
 }
 
+/// A JSON value as table text, escaped.
+fn s(v: &Value) -> String {
+    let text = v.as_str().map_or_else(|| v.to_string(), str::to_string);
+    esc(&text).into_owned()
+}
+
+/// At most `n` characters of `s`, escaped (escaping first, so an escape is never cut short).
 fn truncate(s: &str, n: usize) -> String {
+    let s = esc(s);
     if s.chars().count() <= n {
-        s.to_string()
+        s.into_owned()
     } else {
         format!("{}…", s.chars().take(n).collect::<String>())
     }
@@ -461,14 +497,14 @@ fn table(header: &[&str], rows: &[Vec<String>]) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {
-            widths[i] = widths[i].max(c.chars().count());
+            widths[i] = widths[i].max(esc(c).chars().count());
         }
     }
     let line = |cells: Vec<String>| {
         let out: Vec<String> = cells
             .iter()
             .enumerate()
-            .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
+            .map(|(i, c)| format!("{:<w$}", esc(c), w = widths[i]))
             .collect();
         println!("{}", out.join("  ").trim_end());
     };
@@ -509,10 +545,23 @@ fn token(conn: &Conn) -> Result<String, Failure> {
 /// Sends one request as the operator; maps error replies to exit codes.
 fn request(conn: &Conn, req: Value) -> Result<Value, Failure> {
     let token = token(conn)?;
-    let mut client = Client::connect_as(&target(conn), &token).map_err(|e| Failure {
+    let io = |e: estop_server::client::ClientError| Failure {
         code: 1,
         message: e.to_string(),
-    })?;
+    };
+    let mut client = Client::connect(&target(conn)).map_err(io)?;
+    let hello = client
+        .call(json!({"op": "hello", "token": token}))
+        .map_err(io)?;
+    if let Some(e) = hello.error {
+        return Err(Failure {
+            code: 1,
+            message: format!(
+                "the gate refused the token ({}: {}); pass --token or ESTOP_TOKEN, or --data DIR",
+                e.code, e.message
+            ),
+        });
+    }
     let reply = client.call(req).map_err(|e| Failure {
         code: 1,
         message: e.to_string(),
@@ -560,7 +609,11 @@ fn decide(a: DecideArgs, decision: &str) -> Result<u8, Failure> {
                 v["approvals"].as_array().map_or(0, Vec::len),
                 v["quorum"]
             ),
-            st => println!("{st} ({} {}; approvers: {approvals})", a.run, a.key),
+            st => println!(
+                "{st} ({} {}; approvers: {approvals})",
+                esc(&a.run),
+                esc(&a.key)
+            ),
         }
     });
     Ok(0)
@@ -592,6 +645,7 @@ fn serve(a: ServeArgs) -> Result<u8> {
         .filter(|s| !s.is_empty());
     opts.policy = a.policy;
     opts.allow_all = a.allow_all;
+    opts.reset_tokens = a.reset_tokens;
     opts.connections_max = a.connections_max.max(1);
     opts.connections_per_principal_max = a.connections_per_principal_max;
     opts.soundgate_connections_max = a.soundgate_connections_max.max(1);
@@ -721,8 +775,8 @@ fn ledger(cmd: LedgerCmd) -> Result<u8> {
                                 e.seq,
                                 e.at,
                                 e.kind,
-                                e.run.as_deref().unwrap_or("-"),
-                                e.key.as_deref().unwrap_or("-"),
+                                esc(e.run.as_deref().unwrap_or("-")),
+                                esc(e.key.as_deref().unwrap_or("-")),
                                 fields.join(" ")
                             );
                         }

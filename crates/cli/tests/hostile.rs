@@ -111,8 +111,13 @@ fn hostile_input_gets_clear_errors_and_changes_nothing() {
         err_code(&mut anon, json!({"op": "hello", "token": "forged"})),
         "unauthenticated"
     );
-    // Nothing was half-applied: only the token creation touched the gate (tokens are not ledger records).
-    assert_eq!(ledger_len(&d), before, "hostile input changed the ledger");
+    // Nothing was half-applied: only the operator's token creation (one `token_create`
+    // record) touched the ledger.
+    assert_eq!(
+        ledger_len(&d),
+        before + 1,
+        "hostile input changed the ledger"
+    );
     assert_eq!(
         verdict(&admit(&mut a, "r", "k2", "pay", json!({}))),
         "admitted"

@@ -178,6 +178,19 @@ impl Auth {
         }
     }
 
+    /// Ends every session of, and drops every unused login link for, principal `name` (its
+    /// token was revoked).
+    pub fn end_principal(&self, name: &str) {
+        self.sessions
+            .lock()
+            .expect("sessions lock")
+            .retain(|_, s| s.principal.name.as_str() != name);
+        self.links
+            .lock()
+            .expect("links lock")
+            .retain(|(_, l)| l.principal.name.as_str() != name);
+    }
+
     pub fn end(&self, id: &str) {
         self.sessions
             .lock()

@@ -36,7 +36,19 @@ struct Stream {
     run: Option<String>,
     rx: FeedRx,
     _slot: Slot,
+    /// Moves on every token revocation: the stream ends at once if it was this caller's.
+    revocations: tokio::sync::watch::Receiver<u64>,
     first: bool,
+}
+
+/// Whether the stream may go on: its session (if it has one) is live and its token not revoked.
+fn alive(s: &Stream) -> bool {
+    let session_live = s
+        .caller
+        .session
+        .as_ref()
+        .is_none_or(|id| s.app.auth.session(id).is_some());
+    session_live && s.app.shared.tokens.is_current(&s.caller.principal)
 }
 
 pub async fn stream(app: AppState, caller: Caller, run: Option<String>) -> Response {
@@ -64,12 +76,14 @@ pub async fn stream(app: AppState, caller: Caller, run: Option<String>) -> Respo
     if app.shared.core_tx.send(msg).is_err() {
         return error(ErrorCode::Unavailable, "the gate is shutting down");
     }
+    let revocations = app.shared.tokens.revocations();
     let state = Stream {
         app,
         caller,
         run,
         rx,
         _slot: slot,
+        revocations,
         first: true,
     };
     let events = futures_util::stream::unfold(state, |mut s| async move {
@@ -80,7 +94,15 @@ pub async fn stream(app: AppState, caller: Caller, run: Option<String>) -> Respo
             return Some((Ok::<_, Infallible>(hello), s));
         }
         loop {
-            let next = tokio::time::timeout(CHECK_EVERY, s.rx.recv()).await;
+            let next = tokio::select! {
+                next = tokio::time::timeout(CHECK_EVERY, s.rx.recv()) => next,
+                Ok(()) = s.revocations.changed() => {
+                    if !alive(&s) {
+                        return None;
+                    }
+                    continue;
+                }
+            };
             match next {
                 Ok(Some(e)) => {
                     if s.run.as_ref().is_some_and(|r| *r != e.run) {
@@ -97,9 +119,7 @@ pub async fn stream(app: AppState, caller: Caller, run: Option<String>) -> Respo
                 // reconnects and re-reads.
                 Ok(None) => return None,
                 Err(_) => {
-                    if let Some(id) = &s.caller.session
-                        && s.app.auth.session(id).is_none()
-                    {
+                    if !alive(&s) {
                         return None;
                     }
                     return Some((Ok(Event::default().comment("alive")), s));

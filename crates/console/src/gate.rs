@@ -3,12 +3,12 @@
 //! object (`{"op": …, fields}`), parsed by `estop_protocol::parse_request`, and dispatched here,
 //! so both front doors have one set of rules, limits and errors.
 
-use estop_kernel::{Command, Principal, Role};
-use estop_protocol::reply as wire;
-use estop_protocol::{CloseOutcome, ErrorCode, Id, Op};
+use estop_kernel::{Command, Principal};
+use estop_protocol::{CloseOutcome, ErrorCode, Op};
 use estop_server::conn::{Shared, ledger_entries};
-use estop_server::core::{Answer, CoreMsg, Out, Query, ReplyTo};
-use estop_server::durable::{self, Durability};
+use estop_server::core::{Answer, CoreMsg, Query};
+use estop_server::tokenops;
+pub use estop_server::tokenops::ask;
 use serde_json::Value;
 use std::sync::Arc;
 
@@ -21,36 +21,6 @@ fn err(code: ErrorCode, msg: impl Into<String>) -> Answer {
     Answer::Error(code, msg.into())
 }
 
-/// Sends one message to the core and waits for its answer, then for the ledger position it
-/// depends on to be durable (G6), exactly as a v1 connection's writer does.
-pub async fn ask(shared: &Shared, msg: impl FnOnce(ReplyTo) -> CoreMsg) -> Answer {
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let to = ReplyTo {
-        out: tx.into(),
-        id: Id::default(),
-    };
-    if shared.core_tx.send(msg(to)).is_err() {
-        return err(ErrorCode::Unavailable, "the gate is shutting down");
-    }
-    loop {
-        match rx.recv().await {
-            Some(Out::Answer { answer, after, .. }) => {
-                let mut durable_rx = shared.durable_rx.clone();
-                return match durable::wait(&mut durable_rx, after).await {
-                    Durability::Durable => answer,
-                    Durability::Lost => err(
-                        ErrorCode::Unavailable,
-                        "the change could not be made durable (ledger failure); it was not applied — retry",
-                    ),
-                };
-            }
-            // Events are not asked for here; rendered bytes go only to a socket's writer.
-            Some(Out::Event { .. } | Out::Rendered(_)) => {}
-            None => return err(ErrorCode::Unavailable, "the gate is shutting down"),
-        }
-    }
-}
-
 /// Parses a v1 request object (the HTTP layer built it) and runs it as `principal`.
 pub async fn run(shared: &Arc<Shared>, principal: &Principal, request: Value) -> Answer {
     let line = serde_json::to_vec(&request).expect("a JSON value serializes");
@@ -59,15 +29,8 @@ pub async fn run(shared: &Arc<Shared>, principal: &Principal, request: Value) ->
         Err(e) => return err(e.code(), e.to_string()),
     };
     let verb = req.op.verb();
-    if verb.is_operator_only() && principal.role != Role::Operator {
-        return err(
-            ErrorCode::Forbidden,
-            format!(
-                "{} needs an operator token; {} is an agent",
-                verb.as_str(),
-                principal.name
-            ),
-        );
+    if !verb.allowed_for(principal.role) {
+        return estop_server::conn::forbidden(verb, principal);
     }
     let p = principal.clone();
     let apply = |cmd: Command| {
@@ -168,36 +131,9 @@ pub async fn run(shared: &Arc<Shared>, principal: &Principal, request: Value) ->
             }
         }
         Op::Token { name, role, groups } => {
-            let tokens = Arc::clone(&shared.tokens);
-            let res = tokio::task::spawn_blocking(move || {
-                tokens
-                    .create(name.as_str(), role, &groups)
-                    .map(|s| (name, role, groups, s))
-            })
-            .await;
-            use estop_server::tokens::TokenError;
-            match res {
-                Ok(Ok((name, role, groups, secret))) => {
-                    estop_server::log::info(&format!(
-                        "token created over the console API: {name} ({})",
-                        role.as_str()
-                    ));
-                    Answer::TokenCreated(wire::TokenCreated {
-                        name: name.to_string(),
-                        role: role.as_str().into(),
-                        token: estop_protocol::Secret::new(secret),
-                        groups,
-                    })
-                }
-                Ok(Err(e @ TokenError::Exists(_))) => err(ErrorCode::Conflict, e.to_string()),
-                Ok(Err(e @ (TokenError::Reserved(_) | TokenError::Invalid(_)))) => {
-                    err(ErrorCode::InvalidField, e.to_string())
-                }
-                Ok(Err(e @ TokenError::Full)) => err(ErrorCode::LimitExceeded, e.to_string()),
-                Ok(Err(e)) => err(ErrorCode::Unavailable, e.to_string()),
-                Err(e) => err(ErrorCode::Internal, e.to_string()),
-            }
+            tokenops::create(shared, principal, name, role, groups).await
         }
+        Op::TokenRevoke { name } => tokenops::revoke(shared, principal, name).await,
         Op::Hello { .. }
         | Op::Ping
         | Op::Admit(_)

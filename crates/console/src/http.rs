@@ -97,6 +97,7 @@ pub fn answer(a: Answer) -> Response {
         Answer::Ledger(x) => serde_json::to_value(x),
         Answer::Hello(x) => serde_json::to_value(x),
         Answer::TokenCreated(x) => serde_json::to_value(x),
+        Answer::TokenRevoked(x) => serde_json::to_value(x),
         Answer::Pong => Ok(json!({"pong": true})),
         Answer::Error(code, msg) => return error(code, msg),
     };
@@ -265,7 +266,7 @@ async fn verb(
         return error(
             ErrorCode::Forbidden,
             format!(
-                "{op} needs an operator token; over HTTP an agent token may only read its own runs"
+                "{op} needs an operator token; over HTTP an agent token may only read its own runs, an observer token only read"
             ),
         );
     }
@@ -388,6 +389,26 @@ async fn tokens(State(app): State<AppState>, h: HeaderMap, Query(q): Q, body: By
     verb(&app, Method::POST, &h, "token", &[], &q, &body).await
 }
 
+/// `DELETE /api/v1/tokens/{name}`: revokes a token at once (v1 `token_revoke`).
+async fn revoke_token(
+    State(app): State<AppState>,
+    h: HeaderMap,
+    Path(name): Path<String>,
+    Query(q): Q,
+) -> Response {
+    let path = [("name", name)];
+    verb(
+        &app,
+        Method::DELETE,
+        &h,
+        "token_revoke",
+        &path,
+        &q,
+        &Bytes::new(),
+    )
+    .await
+}
+
 fn session_json(p: &Principal, expires_at: Option<u64>) -> Value {
     json!({
         "principal": p.name.as_str(),
@@ -502,8 +523,12 @@ async fn metrics_route(State(app): State<AppState>, h: HeaderMap) -> Response {
         Ok(c) => c,
         Err(r) => return r.into_response(),
     };
-    if c.principal.role != Role::Operator {
-        return error(ErrorCode::Forbidden, "metrics need an operator token");
+    // Prometheus needs a credential that reads, not one that can approve.
+    if c.principal.role == Role::Agent {
+        return error(
+            ErrorCode::Forbidden,
+            "metrics need an observer or operator token (`estop token create NAME --role observer`)",
+        );
     }
     metrics::render(&app).await
 }
@@ -574,6 +599,7 @@ pub fn router(app: AppState) -> Router {
         .route("/api/v1/pending", get(pending))
         .route("/api/v1/ledger", get(ledger))
         .route("/api/v1/tokens", post(tokens))
+        .route("/api/v1/tokens/{name}", axum::routing::delete(revoke_token))
         .route("/api/v1/events", get(events_route))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(body_max))

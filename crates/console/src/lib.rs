@@ -135,6 +135,13 @@ impl Service for Console {
             base_url: url.clone(),
             ctx: ctx.clone(),
         });
+        // A revoked token's console sessions and login links end with it, at once.
+        let weak = Arc::downgrade(&app);
+        ctx.shared.tokens.on_revoke(Box::new(move |name| {
+            if let Some(app) = weak.upgrade() {
+                app.auth.end_principal(name.as_str());
+            }
+        }));
         let notices = vec![login_notice(&app, &ctx, &url, o.login_link_ttl)?];
         let router = http::router(Arc::clone(&app));
         let timeouts = listen::Timeouts {

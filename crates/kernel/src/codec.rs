@@ -2,7 +2,9 @@
 //! Hand-written so the format is ours, versioned and stable; decoding never panics on any input.
 //! Byte layout: docs/LEDGER.md, "Record payloads".
 
-use crate::command::{Admit, Command, PolicyDecision, Record, RunLimits, Token};
+use crate::command::{
+    Admit, Command, PolicyDecision, Record, RunLimits, Token, TokenAction, TokenChange,
+};
 use crate::gate::Gate;
 use crate::ids::{Digest, EffectKey, IdError, Principal, PrincipalName, Role, RunId, ToolName};
 use crate::limits::Limits;
@@ -222,6 +224,16 @@ fn role_byte(r: Role) -> u8 {
     match r {
         Role::Agent => 0,
         Role::Operator => 1,
+        Role::Observer => 2,
+    }
+}
+
+fn get_role(r: &mut R) -> Result<Role, CodecError> {
+    match r.u8()? {
+        0 => Ok(Role::Agent),
+        1 => Ok(Role::Operator),
+        2 => Ok(Role::Observer),
+        b => Err(r.err(format!("bad role {b}"))),
     }
 }
 
@@ -333,6 +345,13 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
         Command::Compact { before } => {
             w.u8(11);
             w.u64(*before);
+        }
+        Command::Token(t) => {
+            w.u8(12);
+            w.u8(idx(TokenAction::ALL, &t.action));
+            w.str(t.name.as_str());
+            put_role(&mut w, t.role);
+            w.strs(&t.groups);
         }
     }
 }
@@ -458,6 +477,12 @@ impl RecordDecoder {
                 run: self.run(&mut r)?,
             },
             11 => Command::Compact { before: r.u64()? },
+            12 => Command::Token(TokenChange {
+                action: r.enum_of(TokenAction::ALL)?,
+                name: r.principal_name()?,
+                role: get_role(&mut r)?,
+                groups: r.strs()?,
+            }),
             t => return Err(r.err(format!("unknown command tag {t}"))),
         };
         r.done()?;
@@ -480,11 +505,7 @@ impl RecordDecoder {
         }
         r.pos = start;
         let name = r.principal_name()?;
-        let role = match r.u8()? {
-            0 => Role::Agent,
-            1 => Role::Operator,
-            b => return Err(r.err(format!("bad role {b}"))),
-        };
+        let role = get_role(r)?;
         let groups = r.strs()?;
         let p = Principal { name, role, groups };
         self.principal = Some(p.clone());

@@ -1,7 +1,7 @@
 //! Commands: the only way state changes. Each accepted command is recorded in the ledger with
 //! the time it was applied at, so replay reproduces the state exactly.
 
-use crate::ids::{Digest, EffectKey, Principal, RunId, ToolName};
+use crate::ids::{Digest, EffectKey, Principal, PrincipalName, Role, RunId, ToolName};
 use crate::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
 use std::fmt;
 
@@ -73,6 +73,34 @@ pub struct Admit {
     pub policy: PolicyDecision,
 }
 
+/// Whether a token was made or revoked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenAction {
+    Create,
+    Revoke,
+}
+
+impl TokenAction {
+    pub const ALL: &'static [TokenAction] = &[TokenAction::Create, TokenAction::Revoke];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenAction::Create => "create",
+            TokenAction::Revoke => "revoke",
+        }
+    }
+}
+
+/// A change to the token registry, recorded so the ledger says who created or revoked which
+/// principal. It names the principal, never its secret or a hash of it, and changes no gate
+/// state: the credentials live in the registry file (`DATA/tokens`), the audit trail here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenChange {
+    pub action: TokenAction,
+    pub name: PrincipalName,
+    pub role: Role,
+    pub groups: Vec<Box<str>>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Command {
     /// Propose an effect (creates the run on its first admit).
@@ -127,6 +155,8 @@ pub enum Command {
     Compact {
         before: u64,
     },
+    /// A token was created or revoked (by the record's principal, an operator).
+    Token(TokenChange),
 }
 
 impl Command {
@@ -143,7 +173,7 @@ impl Command {
             | Command::Resume { run }
             | Command::Close { run, .. }
             | Command::Tick { run } => Some(run),
-            Command::Compact { .. } => None,
+            Command::Compact { .. } | Command::Token(_) => None,
         }
     }
 }

@@ -261,6 +261,11 @@ impl Gate {
         cmd: &Command,
         ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
+        // An observer reads; every command changes something or may (a recheck consumes an
+        // approval), so none is an observer's.
+        if principal.role == Role::Observer {
+            return Err(KernelError::Forbidden);
+        }
         match cmd {
             Command::Admit(a) => self.admit(now, principal, a, ev),
             Command::Recheck { run, key } => {
@@ -292,7 +297,18 @@ impl Gate {
             Command::Close { run, failed } => self.close(now, principal, run, *failed, ev),
             Command::Tick { run } => self.tick(now, run, ev),
             Command::Compact { before } => self.compact(*before),
+            Command::Token(_) => self.token(principal),
         }
+    }
+
+    /// Records a token change: only an operator makes one. The registry itself lives outside
+    /// the gate's state, so this always changes the record and nothing else.
+    fn token(&self, p: &Principal) -> Result<(Reply, bool), KernelError> {
+        if p.role != Role::Operator {
+            return Err(KernelError::Forbidden);
+        }
+        // Name and groups were checked and bounded by the registry before it got here.
+        Ok((Reply::TokenRecorded, true))
     }
 
     // ---------------------------------------------------------------- admit

@@ -327,6 +327,9 @@ pub enum Role {
     Agent,
     /// A person: can decide approvals, pause, resume, cancel and read every run.
     Operator,
+    /// Reads every run (metrics, dashboards) and changes nothing: no admission, decision,
+    /// stop or token change.
+    Observer,
 }
 
 impl Role {
@@ -334,12 +337,14 @@ impl Role {
         match self {
             Role::Agent => "agent",
             Role::Operator => "operator",
+            Role::Observer => "observer",
         }
     }
     pub fn parse(s: &str) -> Option<Role> {
         match s {
             "agent" => Some(Role::Agent),
             "operator" => Some(Role::Operator),
+            "observer" => Some(Role::Observer),
             _ => None,
         }
     }

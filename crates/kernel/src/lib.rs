@@ -12,7 +12,9 @@ pub mod state;
 pub mod transitions;
 pub mod vocab;
 
-pub use command::{Admit, Command, PolicyDecision, Record, RunLimits, Token};
+pub use command::{
+    Admit, Command, PolicyDecision, Record, RunLimits, Token, TokenAction, TokenChange,
+};
 pub use gate::Gate;
 pub use ids::{Digest, EffectKey, Principal, PrincipalName, Role, RunId, ToolName};
 pub use limits::Limits;

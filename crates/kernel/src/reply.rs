@@ -60,6 +60,8 @@ pub enum Reply {
     Compacted {
         runs: u32,
     },
+    /// A token change was recorded.
+    TokenRecorded,
 }
 
 /// Errors a client, an agent or an operator can cause. Each writes nothing.

@@ -253,6 +253,60 @@ fn agent_cannot_decide_pause_resume_or_kill() {
 }
 
 #[test]
+fn an_observer_changes_nothing() {
+    check(
+        "
+        0 agent admit r1 k1 refund action=approve
+        1 olive approve r1 k1
+        2 olive wait r1 k1
+        3 olive cancel r1
+        4 olive cancel unseen
+        5 olive pause r1
+        6 olive admit r2 k1 search class=read
+        7 olive close r1
+        8 olive token_create eve role=operator
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund action=approve    => held approval #1 until 1000
+            1 olive approve r1 k1                        => error forbidden: operation requires the operator role
+            2 olive wait r1 k1                           => error forbidden: operation requires the operator role
+            3 olive cancel r1                            => error forbidden: operation requires the operator role
+            4 olive cancel unseen                        => error forbidden: operation requires the operator role
+            5 olive pause r1                             => error forbidden: operation requires the operator role
+            6 olive admit r2 k1 search class=read        => error forbidden: operation requires the operator role
+            7 olive close r1                             => error forbidden: operation requires the operator role
+            8 olive token_create eve role=operator       => error forbidden: operation requires the operator role
+            --
+            run r1 active epoch=1 admitted=0 pending=1 in_flight=0
+              k1 refund held(approval)
+        "#]],
+    );
+}
+
+#[test]
+fn only_operators_record_token_changes_and_they_change_no_run() {
+    check(
+        "
+        0 agent admit r1 k1 search class=read
+        1 alice token_create eve role=operator groups=finance,ops
+        2 bob token_revoke eve role=operator groups=finance,ops
+        3 agent token_create mallory role=operator
+        4 agent token_revoke alice role=operator
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 search class=read        => admitted 1.1
+            1 alice token_create eve role=operator groups=finance,ops => token recorded
+            2 bob token_revoke eve role=operator groups=finance,ops => token recorded
+            3 agent token_create mallory role=operator   => error forbidden: operation requires the operator role
+            4 agent token_revoke alice role=operator     => error forbidden: operation requires the operator role
+            --
+            run r1 active epoch=1 admitted=1 pending=0 in_flight=1
+              k1 search started
+        "#]],
+    );
+}
+
+#[test]
 fn runs_of_other_agents_are_invisible() {
     check(
         "

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -82,6 +82,29 @@ pub struct FileStorage {
     _lock: Option<File>,
 }
 
+/// Mode of every ledger file: the records name principals and hold agents' arguments.
+const FILE_MODE: u32 = 0o600;
+
+/// Makes the ledger directory 0700 and every file in it 0600 (files an older version created
+/// 0644 included). A chmod that fails is an error: the ledger is not opened half private.
+fn make_private(dir: &Path) -> Result<(), LedgerError> {
+    let shown = dir.display().to_string();
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+        .map_err(|e| LedgerError::io("make private (chmod 700)", &shown, e))?;
+    let entries = fs::read_dir(dir).map_err(|e| LedgerError::io("list", &shown, e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| LedgerError::io("list", &shown, e))?;
+        let path = entry.path();
+        let is_file = entry.file_type().is_ok_and(|t| t.is_file());
+        if is_file {
+            fs::set_permissions(&path, fs::Permissions::from_mode(FILE_MODE)).map_err(|e| {
+                LedgerError::io("make private (chmod 600)", &path.display().to_string(), e)
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// Name of the lock file `FileStorage::open` holds.
 pub const LOCK_FILE: &str = "LOCK";
 
@@ -91,7 +114,11 @@ impl FileStorage {
         let dir = dir.as_ref().to_path_buf();
         let shown = dir.display().to_string();
         if !dir.is_dir() {
-            fs::create_dir_all(&dir).map_err(|e| LedgerError::io("create directory", &shown, e))?;
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&dir)
+                .map_err(|e| LedgerError::io("create directory", &shown, e))?;
             // The new directory's own entry must be durable too, or a power loss loses the ledger.
             if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
                 File::open(parent).and_then(|p| p.sync_all()).map_err(|e| {
@@ -103,6 +130,7 @@ impl FileStorage {
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(0o600)
             .open(dir.join(LOCK_FILE))
             .map_err(|e| LedgerError::io("open", LOCK_FILE, e))?;
         match lock.try_lock() {
@@ -110,6 +138,8 @@ impl FileStorage {
             Err(fs::TryLockError::WouldBlock) => return Err(LedgerError::Locked { dir: shown }),
             Err(fs::TryLockError::Error(e)) => return Err(LedgerError::io("lock", LOCK_FILE, e)),
         }
+        // Only the lock's holder touches the modes: a second opener changes nothing.
+        make_private(&dir)?;
         let dir_handle =
             File::open(&dir).map_err(|e| LedgerError::io("open directory", &shown, e))?;
         Ok(FileStorage {
@@ -196,7 +226,10 @@ impl Storage for FileStorage {
             .write(true)
             .create(true)
             .truncate(true)
+            .mode(FILE_MODE)
             .open(self.path(name))?;
+        // The umask can only narrow `mode`; an existing file keeps its old mode until set.
+        file.set_permissions(fs::Permissions::from_mode(FILE_MODE))?;
         Ok(Box::new(RealFile { file, len: 0 }))
     }
     fn truncate(&self, name: &str, len: u64) -> io::Result<()> {

@@ -5,6 +5,7 @@
 //! * [`reply`] renders replies (`ok_line`, `error_line`) and events, and decodes them for clients.
 //! * [`codec::LineReader`] frames lines over any `AsyncRead`, bounded by `line_bytes_max`.
 //! * [`soundgate`] speaks the reference system's wire for its unchanged clients.
+//! * [`text`] says which characters of agent text must be escaped on a terminal, and escapes them.
 //! * [`digest_of`] is the effect digest: SHA-256 of the RFC 8785 canonical `{tool, args}`.
 //!
 //! docs/PROTOCOL.md is the prose version of this crate and changes with it.
@@ -17,6 +18,7 @@ pub mod limits;
 pub mod reply;
 pub mod request;
 pub mod soundgate;
+pub mod text;
 
 pub use codec::{Line, LineReader};
 pub use digest::{canonical_input, digest_of, write_canonical};
@@ -25,7 +27,7 @@ pub use id::Id;
 pub use reply::{
     Ack, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply, LedgerEntry,
     LedgerReply, PendingItem, PendingReply, Pong, Report, ReportItem, RunView, RunsReply,
-    ServerLine, TokenCreated, Verdict, parse_server_line,
+    ServerLine, TokenCreated, TokenRevoked, Verdict, parse_server_line,
 };
 pub use request::{
     Admit, CloseOutcome, Complete, Limits, Op, Request, RequestError, RequestErrorKind, Secret,

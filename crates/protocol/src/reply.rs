@@ -194,6 +194,9 @@ pub struct RunView {
     /// Why the run stopped (a kernel `StopCause`), once it has.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cause: Option<String>,
+    /// The reason given with the stop (cancel, kill), exactly as sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped_at: Option<u64>,
     /// The effective deadline (Unix ms), if any.
@@ -311,6 +314,9 @@ pub struct Report {
     pub state: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cause: Option<String>,
+    /// The reason given with the stop, exactly as sent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     pub done: Vec<ReportItem>,
     pub failed: Vec<ReportItem>,
     pub refused: Vec<ReportItem>,
@@ -328,6 +334,15 @@ pub struct TokenCreated {
     pub name: String,
     pub role: String,
     pub token: Secret,
+    #[serde(default)]
+    pub groups: Vec<String>,
+}
+
+/// The reply to `token_revoke`: who no longer has a token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenRevoked {
+    pub name: String,
+    pub role: String,
     #[serde(default)]
     pub groups: Vec<String>,
 }

@@ -206,6 +206,9 @@ pub enum Op {
         role: Role,
         groups: Vec<String>,
     },
+    TokenRevoke {
+        name: PrincipalName,
+    },
 }
 
 macro_rules! verbs {
@@ -251,9 +254,36 @@ verbs! {
     Ledger = "ledger", true;
     Report = "report", false;
     Token = "token", true;
+    TokenRevoke = "token_revoke", true;
 }
 
 impl Verb {
+    /// Verbs that only read: all an `observer` token may use.
+    pub fn is_read_only(self) -> bool {
+        matches!(
+            self,
+            Verb::Hello
+                | Verb::Ping
+                | Verb::Status
+                | Verb::Runs
+                | Verb::Pending
+                | Verb::Ledger
+                | Verb::Report
+                | Verb::Subscribe
+                | Verb::Unsubscribe
+        )
+    }
+
+    /// Whether a token of `role` may use this verb (docs/PROTOCOL.md, roles): operators every
+    /// verb, agents all but the operator-only ones, observers only the reads.
+    pub fn allowed_for(self, role: Role) -> bool {
+        match role {
+            Role::Operator => true,
+            Role::Agent => !self.is_operator_only(),
+            Role::Observer => self.is_read_only(),
+        }
+    }
+
     /// Before a successful `hello`, only these verbs are answered; the rest get `unauthenticated`.
     pub fn allowed_before_hello(self) -> bool {
         matches!(self, Verb::Hello | Verb::Ping)
@@ -289,6 +319,7 @@ impl Op {
             Op::Ledger { .. } => Verb::Ledger,
             Op::Report { .. } => Verb::Report,
             Op::Token { .. } => Verb::Token,
+            Op::TokenRevoke { .. } => Verb::TokenRevoke,
         }
     }
 
@@ -310,7 +341,11 @@ impl Op {
             | Op::Close { run, .. }
             | Op::Report { run } => Some(run),
             Op::Pending { run } | Op::Ledger { run, .. } => run.as_ref(),
-            Op::Hello { .. } | Op::Ping | Op::Runs { .. } | Op::Token { .. } => None,
+            Op::Hello { .. }
+            | Op::Ping
+            | Op::Runs { .. }
+            | Op::Token { .. }
+            | Op::TokenRevoke { .. } => None,
         }
     }
 }
@@ -536,6 +571,7 @@ fn verb_fields(verb: Verb) -> u32 {
         Verb::Runs => &[F::State, F::Limit],
         Verb::Ledger => &[F::Run, F::Limit, F::After],
         Verb::Token => &[F::Name, F::Role, F::Groups],
+        Verb::TokenRevoke => &[F::Name],
     };
     fields.iter().fold(0, |m, f| m | f.bit())
 }
@@ -767,7 +803,22 @@ fn required<T>(slot: Option<T>, field: Field) -> Result<T, Kind> {
     })
 }
 
+/// Refuses an identifier holding a character that would show as something else on an
+/// operator's screen (control, bidi, zero-width: [`crate::text::is_hidden`]). Ids are compared
+/// by people; free text (reasons, errors, results, args, label values) keeps every character
+/// and is escaped where it is shown.
+fn visible(s: &str, field: Field) -> Result<(), Kind> {
+    if crate::text::has_hidden(s) {
+        return Err(invalid(
+            field,
+            "contains a control, bidi or zero-width character (ids must look like what they are)",
+        ));
+    }
+    Ok(())
+}
+
 fn run_id(s: Str<'_>, field: Field) -> Result<RunId, Kind> {
+    visible(&s.0, field)?;
     RunId::new(&s.0).map_err(|e| invalid(field, e.to_string()))
 }
 
@@ -817,6 +868,7 @@ impl<'a> Raw<'a> {
 
     fn key(&mut self) -> Result<EffectKey, Kind> {
         let s = required(self.key.take(), Field::Key)?;
+        visible(&s.0, Field::Key)?;
         EffectKey::new(&s.0).map_err(|e| invalid(Field::Key, e.to_string()))
     }
 
@@ -926,6 +978,7 @@ impl<'a> Raw<'a> {
             },
             Verb::Report => Op::Report { run: self.run()? },
             Verb::Token => self.token_op()?,
+            Verb::TokenRevoke => Op::TokenRevoke { name: self.name()? },
         })
     }
 
@@ -933,6 +986,7 @@ impl<'a> Raw<'a> {
         let run = self.run()?;
         let key = self.key()?;
         let tool = required(self.tool.take(), Field::Tool)?;
+        visible(&tool.0, Field::Tool)?;
         let tool = ToolName::new(&tool.0).map_err(|e| invalid(Field::Tool, e.to_string()))?;
         let (args, digest) = match (self.args.take(), self.digest.take()) {
             (Some(args), None) => {
@@ -1016,14 +1070,19 @@ impl<'a> Raw<'a> {
         })
     }
 
-    fn token_op(&mut self) -> Result<Op, Kind> {
+    fn name(&mut self) -> Result<PrincipalName, Kind> {
         let name = required(self.name.take(), Field::Name)?;
-        let name = PrincipalName::new(&name.0).map_err(|e| invalid(Field::Name, e.to_string()))?;
+        visible(&name.0, Field::Name)?;
+        PrincipalName::new(&name.0).map_err(|e| invalid(Field::Name, e.to_string()))
+    }
+
+    fn token_op(&mut self) -> Result<Op, Kind> {
+        let name = self.name()?;
         let role = vocab(
             required(self.role.take(), Field::Role)?,
             Field::Role,
             Role::parse,
-            "agent, operator",
+            "agent, operator, observer",
         )?;
         let groups = self.groups.take().unwrap_or_default();
         if groups.len() > GROUPS_MAX {
@@ -1033,11 +1092,11 @@ impl<'a> Raw<'a> {
             ));
         }
         for g in &groups {
-            if g.is_empty() || g.len() > GROUP_BYTES_MAX || g.chars().any(char::is_control) {
+            if g.is_empty() || g.len() > GROUP_BYTES_MAX || crate::text::has_hidden(g) {
                 return Err(invalid(
                     Field::Groups,
                     format!(
-                        "a group name must be 1 to {GROUP_BYTES_MAX} bytes without control characters"
+                        "a group name must be 1 to {GROUP_BYTES_MAX} bytes without control, bidi or zero-width characters"
                     ),
                 ));
             }
@@ -1054,10 +1113,12 @@ fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), Kind> {
         ));
     }
     for (k, v) in labels {
-        if k.is_empty() || k.len() > LABEL_KEY_BYTES_MAX {
+        if k.is_empty() || k.len() > LABEL_KEY_BYTES_MAX || crate::text::has_hidden(k) {
             return Err(invalid(
                 Field::Labels,
-                format!("a label key must be 1 to {LABEL_KEY_BYTES_MAX} bytes"),
+                format!(
+                    "a label key must be 1 to {LABEL_KEY_BYTES_MAX} bytes without control, bidi or zero-width characters"
+                ),
             ));
         }
         if v.len() > LABEL_VALUE_BYTES_MAX {
@@ -1200,6 +1261,7 @@ impl Request {
                     put(&mut m, "groups", groups.clone());
                 }
             }
+            Op::TokenRevoke { name } => put(&mut m, "name", name.as_str()),
         }
         let mut out = serde_json::to_vec(&Value::Object(m)).expect("a Value always serializes");
         out.push(b'\n');

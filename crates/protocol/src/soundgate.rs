@@ -140,13 +140,25 @@ fn need<'a, T: Deserialize<'a>>(raw: Option<&'a RawValue>, name: &str) -> Result
     typed(raw, name)?.ok_or_else(|| SgError::new(format!("missing field `{name}`")))
 }
 
+/// Ids that would show as something else on a screen are refused here as on protocol v1.
+fn visible(s: &str, name: &str) -> Result<(), SgError> {
+    if crate::text::has_hidden(s) {
+        return Err(SgError::new(format!(
+            "field `{name}`: contains a control, bidi or zero-width character"
+        )));
+    }
+    Ok(())
+}
+
 fn run_of(raw: Option<&RawValue>) -> Result<RunId, SgError> {
     let s: String = need(raw, "run_id")?;
+    visible(&s, "run_id")?;
     RunId::new(&s).map_err(|e| SgError::new(format!("field `run_id`: {e}")))
 }
 
 fn key_of(raw: Option<&RawValue>) -> Result<EffectKey, SgError> {
     let s: String = need(raw, "effect_key")?;
+    visible(&s, "effect_key")?;
     EffectKey::new(&s).map_err(|e| SgError::new(format!("field `effect_key`: {e}")))
 }
 

@@ -195,6 +195,7 @@ fn every_payload_round_trips() {
         labels: BTreeMap::from([("team".into(), "pay".into())]),
         created_at: 1_700_000_000_000,
         cause: None,
+        reason: None,
         stopped_at: None,
         deadline_at: Some(1_700_000_100_000),
         max_effects: Some(50),
@@ -216,6 +217,7 @@ fn every_payload_round_trips() {
                 run: "r2".into(),
                 state: "cancelled".into(),
                 cause: Some("cancelled".into()),
+                reason: Some("by hand \u{202e}".into()),
                 ..RunView::default()
             },
         ],
@@ -279,6 +281,7 @@ fn every_payload_round_trips() {
         run: "r1".into(),
         state: "cancelled".into(),
         cause: Some("cancelled".into()),
+        reason: Some("enough\n\u{1b}[0m".into()),
         done: vec![ReportItem {
             compensate: Some("refund.undo".into()),
             ..item("a", "completed", "compensable")

@@ -268,6 +268,20 @@ fn every_verb_parses() {
                 groups: vec![],
             },
         ),
+        (
+            r#"{"op":"token","name":"prom","role":"observer"}"#,
+            Op::Token {
+                name: PrincipalName::new("prom").expect("name"),
+                role: Role::Observer,
+                groups: vec![],
+            },
+        ),
+        (
+            r#"{"op":"token_revoke","name":"bot"}"#,
+            Op::TokenRevoke {
+                name: PrincipalName::new("bot").expect("name"),
+            },
+        ),
     ];
     let mut verbs_seen = std::collections::BTreeSet::new();
     for (line, expected) in table {
@@ -296,7 +310,58 @@ fn verbs_know_their_role_and_run() {
     assert_eq!(op(r#"{"op":"runs"}"#).run(), None);
     for v in Verb::ALL {
         assert_eq!(Verb::parse(v.as_str()), Some(*v));
+        // Operators use every verb; agents all but the operator-only ones; observers only
+        // the reads, and no read is operator-only but the raw ledger and token changes.
+        assert!(v.allowed_for(Role::Operator));
+        assert_eq!(v.allowed_for(Role::Agent), !v.is_operator_only(), "{v}");
+        assert_eq!(v.allowed_for(Role::Observer), v.is_read_only(), "{v}");
     }
+    for v in [
+        Verb::Decide,
+        Verb::Cancel,
+        Verb::Kill,
+        Verb::Pause,
+        Verb::Resume,
+        Verb::Close,
+    ]
+    .into_iter()
+    .chain([Verb::Admit, Verb::Start, Verb::Complete, Verb::Wait])
+    .chain([Verb::Token, Verb::TokenRevoke])
+    {
+        assert!(!v.allowed_for(Role::Observer), "{v}");
+    }
+    assert!(Verb::Ledger.allowed_for(Role::Observer) && !Verb::Ledger.allowed_for(Role::Agent));
+}
+
+#[test]
+fn ids_that_would_show_as_something_else_are_refused_and_free_text_is_kept() {
+    for (field, bad) in [
+        ("run", "r\u{202e}1"),
+        ("key", "k\u{200b}"),
+        ("tool", "pay\u{2066}"),
+        ("parent", "p\u{feff}"),
+    ] {
+        let mut v: serde_json::Value =
+            serde_json::from_str(r#"{"op":"admit","run":"r","key":"k","tool":"pay","args":{}}"#)
+                .unwrap();
+        v[field] = json!(bad);
+        refused(&v.to_string(), ErrorCode::InvalidField, Some(field));
+    }
+    refused(
+        r#"{"op":"admit","run":"r","key":"k","tool":"pay","args":{},"labels":{"a\u061cb":"x"}}"#,
+        ErrorCode::InvalidField,
+        Some("labels"),
+    );
+    let Op::Cancel { reason, .. } =
+        op(r#"{"op":"cancel","run":"r","reason":"a\u202e\n\u001b[0m"}"#)
+    else {
+        panic!("cancel")
+    };
+    assert_eq!(
+        reason.as_deref(),
+        Some("a\u{202e}\n\u{1b}[0m"),
+        "free text is kept exactly"
+    );
 }
 
 #[test]

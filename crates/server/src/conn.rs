@@ -6,7 +6,7 @@ use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
 use crate::durable::{self, After, Durability, DurableState};
 use crate::outbox::{Direct, Outbox};
 use crate::quota::Slot;
-use crate::tokens::Tokens;
+use crate::tokens::{RevokeSignal, Tokens};
 use estop_kernel::vocab::PolicyAction;
 use estop_kernel::{Admit as KAdmit, Command, Principal, RunLimits, Token};
 use estop_ledger::{FileStorage, inspect};
@@ -89,6 +89,7 @@ pub fn render(id: &Id, answer: &Answer) -> Vec<u8> {
         Answer::Ledger(l) => ok_line(id, l),
         Answer::Hello(h) => ok_line(id, h),
         Answer::TokenCreated(t) => ok_line(id, t),
+        Answer::TokenRevoked(t) => ok_line(id, t),
         Answer::Pong => pong_line(id),
         Answer::Error(code, msg) => error_line(id, *code, msg),
     }
@@ -109,7 +110,7 @@ where
         backlog,
         writer,
     } = open(stream, socket, &shared, render);
-    let mut principal: Option<Principal> = None;
+    let mut principal: Option<Authed> = None;
     let hello_by = tokio::time::Instant::now() + Duration::from_millis(shared.opts.hello_ms_max);
     // Whether the connection ever subscribed: a subscriber may sit silent for as long as it likes.
     let mut subscribed = false;
@@ -119,8 +120,20 @@ where
             None => hello_by,
             Some(_) => tokio::time::Instant::now() + Duration::from_millis(shared.opts.idle_ms_max),
         };
+        // An idle connection whose token is revoked is woken and closed at once; so is one
+        // that never authenticated when it is evicted to make room.
         let read = tokio::select! {
+            biased;
             read = tokio::time::timeout_at(until, reader.next_line()) => read,
+            () = RevokeSignal::wait(principal.as_ref().map(|a| &*a.revoked)) => {
+                // Said once, unasked (`id` null, as for a discarded line), then closed.
+                let _ = out_tx.send(Out::Answer {
+                    id: Id::default(),
+                    answer: revoked_answer(),
+                    after: After::default(),
+                });
+                break;
+            }
             () = slot.evicted(), if !slot.is_authenticated() => {
                 let _ = out_tx.send(Out::Answer {
                     id: Id::default(),
@@ -166,12 +179,18 @@ where
                 Err(e) => (e.id.clone(), Some(err(e.code(), e.to_string()))),
                 Ok(req) => {
                     let id = req.id.clone();
+                    if principal.as_ref().is_some_and(|a| a.revoked.is_set()) {
+                        let answer = revoked_answer();
+                        let after = After::default();
+                        let _ = out_tx.send(Out::Answer { id, answer, after });
+                        break;
+                    }
                     subscribed |= matches!(req.op, Op::Subscribe { .. });
                     let is_hello = matches!(req.op, Op::Hello { .. });
                     let answer =
                         dispatch(req, &mut principal, conn, &out_tx, &backlog, &shared).await;
                     match &principal {
-                        Some(p) if is_hello => match slot.authenticate(p) {
+                        Some(a) if is_hello => match slot.authenticate(&a.principal) {
                             Ok(()) => (id, answer),
                             Err(why) => {
                                 // Over its share: the connection ends here, before it can hold
@@ -222,6 +241,19 @@ pub fn idle_close(
             opts.idle_ms_max
         )
     })
+}
+
+fn revoked_answer() -> Answer {
+    err(
+        ErrorCode::Unauthenticated,
+        "this connection's token was revoked; the connection is closed",
+    )
+}
+
+/// Who a connection authenticated as, and the signal that its token was revoked.
+struct Authed {
+    principal: Principal,
+    revoked: Arc<RevokeSignal>,
 }
 
 /// One accepted connection, set up: its id, line reader, outgoing queue, pipelining permits and
@@ -281,8 +313,27 @@ pub async fn close(
     writer: tokio::task::JoinHandle<()>,
 ) {
     let _ = shared.core_tx.send(CoreMsg::Disconnect { conn });
+    shared.tokens.unwatch(conn);
     drop(out_tx);
     let _ = writer.await;
+}
+
+/// The refusal of a verb the principal's role may not use.
+pub fn forbidden(verb: estop_protocol::Verb, p: &Principal) -> Answer {
+    let needs = if verb.is_operator_only() {
+        "an operator token"
+    } else {
+        "an agent or operator token (observers only read)"
+    };
+    err(
+        ErrorCode::Forbidden,
+        format!(
+            "{} needs {needs}; {} is an {}",
+            verb.as_str(),
+            p.name,
+            p.role.as_str()
+        ),
+    )
 }
 
 fn to_core(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
@@ -295,7 +346,7 @@ fn to_core(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
 /// Handles one request. `Some(answer)` is answered at once; `None` means the core answers.
 async fn dispatch(
     req: Request,
-    principal: &mut Option<Principal>,
+    principal: &mut Option<Authed>,
     conn: u64,
     out: &Outbox,
     backlog: &Arc<AtomicUsize>,
@@ -303,14 +354,18 @@ async fn dispatch(
 ) -> Option<Answer> {
     let verb = req.op.verb();
     if let Op::Hello { token } = &req.op {
-        return Some(match shared.tokens.authenticate(token.expose()) {
-            Some(p) => {
+        return Some(match shared.tokens.credential(token.expose()) {
+            Some(c) => {
                 let hello = wire::HelloReply {
-                    role: p.role.as_str().into(),
-                    principal: p.name.to_string(),
+                    role: c.principal.role.as_str().into(),
+                    principal: c.principal.name.to_string(),
                     protocol: 1,
                 };
-                *principal = Some(p);
+                let revoked = shared.tokens.watch(conn, &c);
+                *principal = Some(Authed {
+                    principal: c.principal,
+                    revoked,
+                });
                 Answer::Hello(hello)
             }
             None => err(
@@ -322,18 +377,11 @@ async fn dispatch(
     if let Op::Ping = req.op {
         return Some(Answer::Pong);
     }
-    let Some(p) = principal.clone() else {
+    let Some(p) = principal.as_ref().map(|a| a.principal.clone()) else {
         return Some(err(ErrorCode::Unauthenticated, "send hello {token} first"));
     };
-    if verb.is_operator_only() && p.role != estop_kernel::Role::Operator {
-        return Some(err(
-            ErrorCode::Forbidden,
-            format!(
-                "{} needs an operator token; {} is an agent",
-                verb.as_str(),
-                p.name
-            ),
-        ));
+    if !verb.allowed_for(p.role) {
+        return Some(forbidden(verb, &p));
     }
     // Where the core answers; built only for a request that goes to the core.
     let reply_to = || ReplyTo {
@@ -495,37 +543,9 @@ async fn dispatch(
             failed: outcome == estop_protocol::CloseOutcome::Failed,
         }),
         Op::Token { name, role, groups } => {
-            let tokens = Arc::clone(&shared.tokens);
-            let res = tokio::task::spawn_blocking(move || {
-                tokens
-                    .create(name.as_str(), role, &groups)
-                    .map(|s| (name, role, groups, s))
-            })
-            .await;
-            Some(match res {
-                Ok(Ok((name, role, groups, secret))) => {
-                    crate::log::info(&format!("token created: {name} ({})", role.as_str()));
-                    Answer::TokenCreated(wire::TokenCreated {
-                        name: name.to_string(),
-                        role: role.as_str().into(),
-                        token: estop_protocol::Secret::new(secret),
-                        groups,
-                    })
-                }
-                Ok(Err(e @ crate::tokens::TokenError::Exists(_))) => {
-                    err(ErrorCode::Conflict, e.to_string())
-                }
-                Ok(Err(
-                    e @ (crate::tokens::TokenError::Reserved(_)
-                    | crate::tokens::TokenError::Invalid(_)),
-                )) => err(ErrorCode::InvalidField, e.to_string()),
-                Ok(Err(e @ crate::tokens::TokenError::Full)) => {
-                    err(ErrorCode::LimitExceeded, e.to_string())
-                }
-                Ok(Err(e)) => err(ErrorCode::Unavailable, e.to_string()),
-                Err(e) => err(ErrorCode::Internal, e.to_string()),
-            })
+            Some(crate::tokenops::create(shared, &p, name, role, groups).await)
         }
+        Op::TokenRevoke { name } => Some(crate::tokenops::revoke(shared, &p, name).await),
         Op::Ledger { run, limit, after } => {
             let dir = shared.ledger_dir.clone();
             let durable = shared.durable_rx.borrow().seq;

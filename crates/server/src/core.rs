@@ -57,6 +57,7 @@ pub enum Answer {
     Ledger(wire::LedgerReply),
     Hello(wire::HelloReply),
     TokenCreated(wire::TokenCreated),
+    TokenRevoked(wire::TokenRevoked),
     Pong,
     Error(ErrorCode, String),
 }
@@ -819,7 +820,7 @@ impl Core {
                     runs,
                 })
             }
-            Reply::Compacted { .. } => Answer::Ack(wire::Ack::default()),
+            Reply::Compacted { .. } | Reply::TokenRecorded => Answer::Ack(wire::Ack::default()),
         }
     }
 

@@ -1,6 +1,6 @@
 //! Ledger records described for people and scripts (`ledger` verb, `estop ledger show`).
 
-use estop_kernel::{Command, Record};
+use estop_kernel::{Command, Record, TokenAction};
 use estop_protocol::reply::LedgerEntry;
 use serde_json::{Map, Value, json};
 
@@ -18,6 +18,10 @@ pub fn kind(c: &Command) -> &'static str {
         Command::Close { .. } => "close",
         Command::Tick { .. } => "tick",
         Command::Compact { .. } => "compact",
+        Command::Token(t) => match t.action {
+            TokenAction::Create => "token_create",
+            TokenAction::Revoke => "token_revoke",
+        },
     }
 }
 
@@ -82,6 +86,15 @@ pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
         }
         Command::Compact { before } => {
             fields.insert("before".into(), Value::from(*before));
+        }
+        Command::Token(t) => {
+            // Who did it is the record's principal; the secret and its hash are never here.
+            fields.insert("name".into(), json!(t.name.as_str()));
+            fields.insert("role".into(), json!(t.role.as_str()));
+            if !t.groups.is_empty() {
+                let groups: Vec<&str> = t.groups.iter().map(|g| &**g).collect();
+                fields.insert("groups".into(), json!(groups.join(",")));
+            }
         }
         Command::Pause { .. } | Command::Resume { .. } | Command::Tick { .. } => {}
     }

@@ -19,6 +19,7 @@ pub mod render;
 pub mod serve;
 pub mod service;
 pub mod soundgate;
+pub mod tokenops;
 pub mod tokens;
 pub mod uds;
 

@@ -147,6 +147,7 @@ fn short(answer: &Answer) -> bool {
         | Answer::Decided(_)
         | Answer::Hello(_)
         | Answer::TokenCreated(_)
+        | Answer::TokenRevoked(_)
         | Answer::Pong
         | Answer::Error(..) => true,
         Answer::Run(_)

@@ -83,6 +83,10 @@ pub fn run_view(id: &RunId, run: &Run) -> wire::RunView {
             .collect::<BTreeMap<_, _>>(),
         created_at: run.created_at,
         cause: run.stop.as_ref().map(|s| s.cause.as_str().to_string()),
+        reason: run
+            .stop
+            .as_ref()
+            .and_then(|s| s.reason.as_deref().map(str::to_string)),
         stopped_at: run.stop.as_ref().map(|s| s.at),
         deadline_at: run.limits.deadline_at,
         max_effects: run.limits.max_effects,
@@ -116,6 +120,10 @@ pub fn report(id: &RunId, run: &Run) -> wire::Report {
         run: id.to_string(),
         state: run.state.as_str().to_string(),
         cause: run.stop.as_ref().map(|s| s.cause.as_str().to_string()),
+        reason: run
+            .stop
+            .as_ref()
+            .and_then(|s| s.reason.as_deref().map(str::to_string)),
         ..wire::Report::default()
     };
     for (section, key, e) in report::entries(run) {

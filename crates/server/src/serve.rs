@@ -10,7 +10,7 @@ use estop_kernel::Limits;
 use estop_ledger::{FileStorage, LedgerError, LedgerOptions, Storage};
 use estop_policy::{Policy, PolicyError};
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, mpsc};
@@ -44,6 +44,9 @@ pub struct ServeOptions {
     pub core: CoreOptions,
     pub limits: Limits,
     pub ledger: LedgerOptions,
+    /// Write fresh bootstrap tokens although the registry is missing and the ledger was
+    /// written (the way out of `TokenError::Missing`; every other token stays revoked).
+    pub reset_tokens: bool,
 }
 
 impl ServeOptions {
@@ -67,6 +70,7 @@ impl ServeOptions {
             core: CoreOptions::default(),
             limits: Limits::default(),
             ledger: LedgerOptions::default(),
+            reset_tokens: false,
         }
     }
 }
@@ -180,13 +184,19 @@ pub fn run_with(
     on_ready: impl FnOnce(&Ready),
 ) -> Result<(), ServeError> {
     crate::fatal::install_panic_hook();
-    std::fs::create_dir_all(&opts.data).map_err(|e| {
-        setup(format!(
-            "cannot create data dir {}: {e}",
-            opts.data.display()
-        ))
-    })?;
-    let _ = std::fs::set_permissions(&opts.data, std::fs::Permissions::from_mode(0o700));
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&opts.data)
+        .map_err(|e| {
+            setup(format!(
+                "cannot create data dir {}: {e}",
+                opts.data.display()
+            ))
+        })?;
+    // The data dir holds the secrets and the socket: only its owner may look inside. An
+    // existing dir is narrowed too; a chmod that fails stops the start rather than leave it open.
+    make_private(&opts.data, 0o700, "data dir")?;
     raise_open_file_limit(opts.connections_max);
     let data = std::fs::canonicalize(&opts.data)
         .map_err(|e| setup(format!("data dir {}: {e}", opts.data.display())))?;
@@ -195,7 +205,13 @@ pub fn run_with(
         (None, true) => Policy::allow_all(),
         (None, false) => Policy::default(),
     });
-    let (tokens, created) = Tokens::open_or_bootstrap(&data)?;
+    let (tokens, created) = Tokens::open_or_bootstrap(&data, opts.reset_tokens)?;
+    if created && opts.reset_tokens {
+        crate::log::warn(&format!(
+            "--reset-tokens: wrote fresh bootstrap tokens in {}; every other token is gone",
+            data.display()
+        ));
+    }
     if created {
         crate::log::info(&format!(
             "first start: wrote {} (operator \"admin\") and {} (agent \"agent\"), mode 0600",
@@ -260,6 +276,9 @@ pub fn run_with(
         ledger_dir,
         next_conn: AtomicU64::new(1),
     });
+    if created {
+        crate::tokenops::record_bootstrap(&shared);
+    }
     let runtime = match opts.io_threads {
         // One IO thread beside the core and sync threads: no work stealing, fewer wakeups.
         // It hands requests to the core in batches (`handoff`): what it holds goes before it
@@ -329,8 +348,18 @@ async fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
     }
     let l = UnixListener::bind(path)
         .map_err(|e| setup(format!("cannot listen on {}: {e}", path.display())))?;
-    let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+    make_private(path, 0o600, "socket")?;
     Ok(l)
+}
+
+/// Sets `path`'s mode exactly; a failure is fatal with a message that says what to do.
+fn make_private(path: &Path, mode: u32, what: &str) -> Result<(), ServeError> {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| {
+        setup(format!(
+            "cannot make the {what} {} private (chmod {mode:o}): {e}; run estop serve as the owner of its data dir",
+            path.display()
+        ))
+    })
 }
 
 async fn bind_tcp(addr: &str, what: &str) -> Result<TcpListener, ServeError> {

@@ -1,14 +1,26 @@
 //! Named tokens with roles (SPEC §3 "Principals"): the registry of who may talk to the gate.
 //! Only SHA-256 hashes of secrets are stored (`DATA/tokens`, mode 0600); the secrets themselves
 //! are shown once, and the bootstrap ones are written to `operator.token` and `agent.token`.
+//!
+//! Every change rewrites the registry whole, one writer at a time, through a temp file of its
+//! own (fsync, rename, directory fsync), so concurrent creations all survive and a crash leaves
+//! the old file or the new one, never a torn one. A revocation takes effect at once: it fires
+//! the signal of every connection that authenticated with that secret (one atomic load per
+//! request to check, no lock; an idle connection is woken), bumps a counter the console's event
+//! streams watch, and runs the hooks the console registered to end that principal's sessions.
 
 use estop_kernel::{Principal, PrincipalName, Role};
 use sha2::{Digest as _, Sha256};
+use std::collections::HashMap;
 use std::fs;
+use std::future::Future;
 use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::RwLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::task::Poll;
+use tokio::sync::watch;
 
 /// Names the gate uses for itself and the compatibility listener; no token may take them.
 pub const RESERVED_NAMES: &[&str] = &["estop", "soundgate"];
@@ -31,13 +43,23 @@ pub enum TokenError {
         line: usize,
         problem: String,
     },
+    #[error(
+        "{path} is missing, but {ledger} holds records: the token registry was lost or moved, and starting without it would drop every named token. Restore it from a backup (mode 0600); or start once with `estop serve --reset-tokens` to write fresh bootstrap tokens (admin, agent) — every other token stays revoked"
+    )]
+    Missing { path: PathBuf, ledger: PathBuf },
     #[error("a token named {0} already exists")]
     Exists(String),
+    #[error("no token named {0}")]
+    NotFound(String),
+    #[error(
+        "{0} is the last operator token: revoking it would lock every operator out. Create another first (`estop token create NAME --role operator`), then revoke this one"
+    )]
+    LastOperator(String),
     #[error("the name {0} is reserved")]
     Reserved(String),
     #[error("invalid token name or group: {0}")]
     Invalid(String),
-    #[error("limit reached: tokens_max = {TOKENS_MAX}")]
+    #[error("limit reached: tokens_max = {TOKENS_MAX}; revoke tokens no longer used")]
     Full,
 }
 
@@ -47,11 +69,81 @@ struct Entry {
     hash: [u8; 32],
 }
 
+/// What a connection authenticated with: the principal, and which secret (by hash) it showed,
+/// so a revocation — even of a name created again later — is recognised.
+#[derive(Debug, Clone)]
+pub struct Credential {
+    pub principal: Principal,
+    hash: [u8; 32],
+}
+
+/// Called with the name of every revoked principal (the console ends its sessions).
+pub type RevokeHook = Box<dyn Fn(&PrincipalName) + Send + Sync>;
+
+/// One connection's line to the registry: set, and the connection's task woken, when the secret
+/// it authenticated with is revoked.
+#[derive(Debug, Default)]
+pub struct RevokeSignal {
+    revoked: AtomicBool,
+    waker: atomic_waker::AtomicWaker,
+}
+
+impl RevokeSignal {
+    /// Whether the token was revoked (one atomic load: checked before every request).
+    pub fn is_set(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
+    }
+
+    /// Ready once the token is revoked; `None` never is (a connection before `hello`).
+    pub fn wait(signal: Option<&RevokeSignal>) -> impl Future<Output = ()> + '_ {
+        std::future::poll_fn(move |cx| {
+            let Some(s) = signal else {
+                return Poll::Pending;
+            };
+            if s.is_set() {
+                return Poll::Ready(());
+            }
+            s.waker.register(cx.waker());
+            // Set between the check and the registration: the wake may have been missed.
+            if s.is_set() {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+    }
+
+    fn fire(&self) {
+        self.revoked.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+}
+
 /// The token registry of one data dir.
-#[derive(Debug)]
 pub struct Tokens {
     path: PathBuf,
     entries: RwLock<Vec<Entry>>,
+    /// Held while a change is computed and written: one writer of the file at a time, and the
+    /// file always holds exactly what memory will.
+    writer: Mutex<()>,
+    /// Counts revocations; the console's event streams re-check their principal when it moves.
+    revocations: watch::Sender<u64>,
+    hooks: Mutex<Vec<RevokeHook>>,
+    /// The revoke signal of every authenticated protocol connection, by connection id, with
+    /// the hash of the secret it showed.
+    watchers: Mutex<HashMap<u64, Watcher>>,
+}
+
+/// A connection registered for revocation: the hash of the secret it showed, and its signal.
+struct Watcher {
+    hash: [u8; 32],
+    signal: Arc<RevokeSignal>,
+}
+
+impl std::fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokens").field("path", &self.path).finish()
+    }
 }
 
 fn hash(secret: &str) -> [u8; 32] {
@@ -74,6 +166,7 @@ pub fn new_secret(role: Role) -> Result<String, TokenError> {
     let prefix = match role {
         Role::Operator => "estop_op_",
         Role::Agent => "estop_ag_",
+        Role::Observer => "estop_ob_",
     };
     Ok(format!("{prefix}{}", hex(&b)))
 }
@@ -85,31 +178,145 @@ fn valid_name(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"-_.@".contains(&b))
 }
 
-/// Writes `bytes` to `path` atomically with mode 0600 (tmp + fsync + rename + dir fsync).
+/// Temp files of this process get distinct names, so two writers never share one.
+static TMP_SERIAL: AtomicU64 = AtomicU64::new(0);
+
+/// Writes `bytes` to `path` atomically with mode 0600: a temp file of its own beside it, fsync,
+/// rename, directory fsync. On failure the temp file is removed and `path` is unchanged.
 pub fn write_private(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    {
+    let name = path
+        .file_name()
+        .map_or_else(|| "file".into(), |n| n.to_string_lossy().into_owned());
+    let serial = TMP_SERIAL.fetch_add(1, Ordering::Relaxed);
+    let tmp = path.with_file_name(format!(".{name}.{}.{serial}.tmp", std::process::id()));
+    let written = (|| {
         let mut f = fs::OpenOptions::new()
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .write(true)
             .mode(0o600)
             .open(&tmp)?;
+        // The umask may have narrowed the mode, never widened it; set it exactly.
         f.set_permissions(fs::Permissions::from_mode(0o600))?;
         f.write_all(bytes)?;
         f.sync_all()?;
+        fs::rename(&tmp, path)
+    })();
+    if let Err(e) = written {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
     }
-    fs::rename(&tmp, path)?;
     if let Some(dir) = path.parent() {
         fs::File::open(dir)?.sync_all()?;
     }
     Ok(())
 }
 
+/// Whether the ledger in `data` has been written (a segment or a snapshot exists).
+fn ledger_written(data: &Path) -> bool {
+    fs::read_dir(data.join("ledger")).is_ok_and(|d| {
+        d.flatten().any(|e| {
+            let n = e.file_name();
+            let n = n.to_string_lossy();
+            n.starts_with("seg-") || n.starts_with("snap-")
+        })
+    })
+}
+
+/// A checked new entry and its secret.
+fn new_entry(name: &str, role: Role, groups: &[String]) -> Result<(Entry, String), TokenError> {
+    if RESERVED_NAMES.contains(&name) {
+        return Err(TokenError::Reserved(name.into()));
+    }
+    if !valid_name(name) {
+        return Err(TokenError::Invalid(format!(
+            "{name:?}: use 1-64 of A-Z a-z 0-9 - _ . @"
+        )));
+    }
+    if groups.len() > GROUPS_MAX || groups.iter().any(|g| !valid_name(g)) {
+        return Err(TokenError::Invalid(format!(
+            "groups {groups:?}: at most {GROUPS_MAX}, each 1-64 of A-Z a-z 0-9 - _ . @"
+        )));
+    }
+    let principal = Principal {
+        name: PrincipalName::new(name).map_err(|e| TokenError::Invalid(e.to_string()))?,
+        role,
+        groups: groups.iter().map(|g| g.as_str().into()).collect(),
+    };
+    let secret = new_secret(role)?;
+    let hash = hash(&secret);
+    Ok((Entry { principal, hash }, secret))
+}
+
+fn parse(path: &Path, text: &str) -> Result<Vec<Entry>, TokenError> {
+    let mut entries = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let corrupt = |problem: &str| TokenError::Corrupt {
+            path: path.to_path_buf(),
+            line: i + 1,
+            problem: problem.into(),
+        };
+        if line.trim().is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let f: Vec<&str> = line.split('\t').collect();
+        if f.len() != 4 {
+            return Err(corrupt(
+                "expected name, role, groups, sha256 separated by tabs",
+            ));
+        }
+        let name = PrincipalName::new(f[0]).map_err(|e| corrupt(&e.to_string()))?;
+        let role =
+            Role::parse(f[1]).ok_or_else(|| corrupt("role must be agent, operator or observer"))?;
+        let groups = f[2]
+            .split(',')
+            .filter(|g| !g.is_empty())
+            .map(Into::into)
+            .collect();
+        let mut h = [0u8; 32];
+        let digest = estop_kernel::Digest::from_hex(f[3]).ok_or_else(|| corrupt("bad sha256"))?;
+        h.copy_from_slice(&digest.0);
+        entries.push(Entry {
+            principal: Principal { name, role, groups },
+            hash: h,
+        });
+    }
+    Ok(entries)
+}
+
+fn render(entries: &[Entry]) -> String {
+    let mut text = String::from(
+        "# estop tokens: name, role, groups, sha256(secret). Secrets are never stored.\n",
+    );
+    for e in entries {
+        let groups: Vec<&str> = e.principal.groups.iter().map(|g| &**g).collect();
+        text.push_str(&format!(
+            "{}\t{}\t{}\t{}\n",
+            e.principal.name,
+            e.principal.role.as_str(),
+            groups.join(","),
+            hex(&e.hash)
+        ));
+    }
+    text
+}
+
 impl Tokens {
+    fn with(path: PathBuf, entries: Vec<Entry>) -> Tokens {
+        Tokens {
+            path,
+            entries: RwLock::new(entries),
+            writer: Mutex::new(()),
+            revocations: watch::Sender::new(0),
+            hooks: Mutex::new(Vec::new()),
+            watchers: Mutex::new(HashMap::new()),
+        }
+    }
+
     /// Opens the registry of `data`, creating the bootstrap tokens (`admin` operator and `agent`)
-    /// on first start. Returns the registry and whether it was created now.
-    pub fn open_or_bootstrap(data: &Path) -> Result<(Tokens, bool), TokenError> {
+    /// on first start. A registry that is missing although the ledger was written is refused
+    /// (`Missing`) unless `reset` asks for fresh bootstrap tokens. Returns the registry and
+    /// whether it was created now.
+    pub fn open_or_bootstrap(data: &Path, reset: bool) -> Result<(Tokens, bool), TokenError> {
         let path = data.join("tokens");
         let io = |op: &'static str, p: &Path| {
             let p = p.to_path_buf();
@@ -119,148 +326,189 @@ impl Tokens {
                 source,
             }
         };
-        if !path.exists() {
-            let tokens = Tokens {
-                path: path.clone(),
-                entries: RwLock::new(Vec::new()),
-            };
-            let op = tokens.create_entry("admin", Role::Operator, &[])?;
-            let ag = tokens.create_entry("agent", Role::Agent, &[])?;
-            // Secrets first, registry last: a crash in between leaves no registry, so the
-            // next start bootstraps again and overwrites the secret files.
+        let exists = fs::symlink_metadata(&path).is_ok();
+        if !exists {
+            if ledger_written(data) && !reset {
+                return Err(TokenError::Missing {
+                    path,
+                    ledger: data.join("ledger"),
+                });
+            }
+            let (admin, op) = new_entry("admin", Role::Operator, &[])?;
+            let (agent, ag) = new_entry("agent", Role::Agent, &[])?;
+            // Secrets first, registry last: a crash in between leaves no registry (and no
+            // ledger yet), so the next start bootstraps again and overwrites the secret files.
             write_private(&data.join("operator.token"), format!("{op}\n").as_bytes())
                 .map_err(io("write", &data.join("operator.token")))?;
             write_private(&data.join("agent.token"), format!("{ag}\n").as_bytes())
                 .map_err(io("write", &data.join("agent.token")))?;
-            tokens.save()?;
+            let entries = vec![admin, agent];
+            write_private(&path, render(&entries).as_bytes()).map_err(io("write", &path))?;
+            let tokens = Tokens::with(path, entries);
             return Ok((tokens, true));
         }
-        let text = fs::read_to_string(&path).map_err(io("read", &path))?;
-        let mut entries = Vec::new();
-        for (i, line) in text.lines().enumerate() {
-            let corrupt = |problem: &str| TokenError::Corrupt {
-                path: path.clone(),
-                line: i + 1,
-                problem: problem.into(),
-            };
-            if line.trim().is_empty() || line.starts_with('#') {
-                continue;
-            }
-            let f: Vec<&str> = line.split('\t').collect();
-            if f.len() != 4 {
-                return Err(corrupt(
-                    "expected name, role, groups, sha256 separated by tabs",
-                ));
-            }
-            let name = PrincipalName::new(f[0]).map_err(|e| corrupt(&e.to_string()))?;
-            let role =
-                Role::parse(f[1]).ok_or_else(|| corrupt("role must be agent or operator"))?;
-            let groups = f[2]
-                .split(',')
-                .filter(|g| !g.is_empty())
-                .map(Into::into)
-                .collect();
-            let mut h = [0u8; 32];
-            let digest =
-                estop_kernel::Digest::from_hex(f[3]).ok_or_else(|| corrupt("bad sha256"))?;
-            h.copy_from_slice(&digest.0);
-            entries.push(Entry {
-                principal: Principal { name, role, groups },
-                hash: h,
-            });
-        }
-        Ok((
-            Tokens {
-                path,
-                entries: RwLock::new(entries),
-            },
-            false,
-        ))
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).map_err(io(
+            "make private (chmod 600; run estop serve as the owner of its data dir)",
+            &path,
+        ))?;
+        let text = fs::read_to_string(&path).map_err(io(
+            "read the token registry (restore it from a backup; it is never re-created over named tokens)",
+            &path,
+        ))?;
+        let entries = parse(&path, &text)?;
+        Ok((Tokens::with(path, entries), false))
     }
 
-    fn save(&self) -> Result<(), TokenError> {
-        let mut text = String::from(
-            "# estop tokens: name, role, groups, sha256(secret). Secrets are never stored.\n",
-        );
-        for e in self.entries.read().expect("tokens lock").iter() {
-            let groups: Vec<&str> = e.principal.groups.iter().map(|g| &**g).collect();
-            text.push_str(&format!(
-                "{}\t{}\t{}\t{}\n",
-                e.principal.name,
-                e.principal.role.as_str(),
-                groups.join(","),
-                hex(&e.hash)
-            ));
-        }
-        write_private(&self.path, text.as_bytes()).map_err(|source| TokenError::Io {
+    /// Computes a change on a copy of the entries, writes it, and only then makes it current;
+    /// the file and memory never disagree, and writers never overlap.
+    fn change<T>(
+        &self,
+        f: impl FnOnce(&mut Vec<Entry>) -> Result<T, TokenError>,
+    ) -> Result<T, TokenError> {
+        let _writer = self.writer.lock().expect("tokens writer");
+        let mut next = self.entries.read().expect("tokens lock").clone();
+        let out = f(&mut next)?;
+        write_private(&self.path, render(&next).as_bytes()).map_err(|source| TokenError::Io {
             op: "write",
             path: self.path.clone(),
             source,
-        })
-    }
-
-    fn create_entry(
-        &self,
-        name: &str,
-        role: Role,
-        groups: &[String],
-    ) -> Result<String, TokenError> {
-        if RESERVED_NAMES.contains(&name) {
-            return Err(TokenError::Reserved(name.into()));
-        }
-        if !valid_name(name) {
-            return Err(TokenError::Invalid(format!(
-                "{name:?}: use 1-64 of A-Z a-z 0-9 - _ . @"
-            )));
-        }
-        if groups.len() > GROUPS_MAX || groups.iter().any(|g| !valid_name(g)) {
-            return Err(TokenError::Invalid(format!(
-                "groups {groups:?}: at most {GROUPS_MAX}, each 1-64 of A-Z a-z 0-9 - _ . @"
-            )));
-        }
-        let mut entries = self.entries.write().expect("tokens lock");
-        if entries.iter().any(|e| e.principal.name.as_str() == name) {
-            return Err(TokenError::Exists(name.into()));
-        }
-        if entries.len() >= TOKENS_MAX {
-            return Err(TokenError::Full);
-        }
-        let secret = new_secret(role)?;
-        let principal = Principal {
-            name: PrincipalName::new(name).map_err(|e| TokenError::Invalid(e.to_string()))?,
-            role,
-            groups: groups.iter().map(|g| g.as_str().into()).collect(),
-        };
-        entries.push(Entry {
-            principal,
-            hash: hash(&secret),
-        });
-        Ok(secret)
+        })?;
+        *self.entries.write().expect("tokens lock") = next;
+        Ok(out)
     }
 
     /// Creates a named token and persists the registry; returns the secret (shown once).
     pub fn create(&self, name: &str, role: Role, groups: &[String]) -> Result<String, TokenError> {
-        let secret = self.create_entry(name, role, groups)?;
-        if let Err(e) = self.save() {
-            // Nothing half-applied: forget the entry the file does not hold.
-            self.entries
-                .write()
-                .expect("tokens lock")
-                .retain(|x| x.principal.name.as_str() != name);
-            return Err(e);
-        }
+        let (entry, secret) = new_entry(name, role, groups)?;
+        self.change(|entries| {
+            if entries.iter().any(|e| e.principal.name.as_str() == name) {
+                return Err(TokenError::Exists(name.into()));
+            }
+            if entries.len() >= TOKENS_MAX {
+                return Err(TokenError::Full);
+            }
+            entries.push(entry);
+            Ok(())
+        })?;
         Ok(secret)
+    }
+
+    /// Revokes a named token at once: the registry no longer holds it, every connection that
+    /// authenticated with it is refused at its next request (or closed while idle), and the
+    /// revoke hooks run. The last operator token cannot be revoked (`LastOperator`).
+    pub fn revoke(&self, name: &str) -> Result<Principal, TokenError> {
+        let gone = self.remove_where(name, true)?;
+        self.revoked(&gone);
+        for hook in self.hooks.lock().expect("tokens hooks").iter() {
+            hook(&gone.principal.name);
+        }
+        Ok(gone.principal)
+    }
+
+    /// Fires the signals of the connections that hold `gone`'s secret, and tells the streams.
+    fn revoked(&self, gone: &Entry) {
+        for w in self.watchers.lock().expect("tokens watchers").values() {
+            if w.hash == gone.hash {
+                w.signal.fire();
+            }
+        }
+        self.revocations.send_modify(|n| *n += 1);
+    }
+
+    /// Registers connection `conn`, authenticated with `c`, for revocation (replacing what it
+    /// registered before, for a second `hello`). Unregister with [`Tokens::unwatch`].
+    pub fn watch(&self, conn: u64, c: &Credential) -> Arc<RevokeSignal> {
+        let signal = Arc::new(RevokeSignal::default());
+        self.watchers.lock().expect("tokens watchers").insert(
+            conn,
+            Watcher {
+                hash: c.hash,
+                signal: Arc::clone(&signal),
+            },
+        );
+        // A revocation between `credential` and the line above found no watcher to fire.
+        if !self.is_valid(c) {
+            signal.fire();
+        }
+        signal
+    }
+
+    /// Forgets connection `conn` (it closed).
+    pub fn unwatch(&self, conn: u64) {
+        self.watchers.lock().expect("tokens watchers").remove(&conn);
+    }
+
+    /// Takes back a token just created whose creation could not be recorded (nothing
+    /// half-applied); its secret was never shown.
+    pub fn forget(&self, name: &str) -> Result<Principal, TokenError> {
+        let gone = self.remove_where(name, false)?;
+        self.revoked(&gone);
+        Ok(gone.principal)
+    }
+
+    fn remove_where(&self, name: &str, keep_an_operator: bool) -> Result<Entry, TokenError> {
+        self.change(|entries| {
+            let i = entries
+                .iter()
+                .position(|e| e.principal.name.as_str() == name)
+                .ok_or_else(|| TokenError::NotFound(name.into()))?;
+            let operators = entries
+                .iter()
+                .filter(|e| e.principal.role == Role::Operator)
+                .count();
+            if keep_an_operator && entries[i].principal.role == Role::Operator && operators <= 1 {
+                return Err(TokenError::LastOperator(name.into()));
+            }
+            Ok(entries.remove(i))
+        })
     }
 
     /// The principal a secret belongs to.
     pub fn authenticate(&self, secret: &str) -> Option<Principal> {
+        self.credential(secret).map(|c| c.principal)
+    }
+
+    /// The principal a secret belongs to, with which secret it was.
+    pub fn credential(&self, secret: &str) -> Option<Credential> {
         let h = hash(secret.trim());
         self.entries
             .read()
             .expect("tokens lock")
             .iter()
             .find(|e| e.hash == h)
-            .map(|e| e.principal.clone())
+            .map(|e| Credential {
+                principal: e.principal.clone(),
+                hash: h,
+            })
+    }
+
+    /// Whether a credential is still in the registry (not revoked).
+    pub fn is_valid(&self, c: &Credential) -> bool {
+        self.entries
+            .read()
+            .expect("tokens lock")
+            .iter()
+            .any(|e| e.hash == c.hash)
+    }
+
+    /// Whether the registry still holds a token for exactly this principal (name, role and
+    /// groups): what a holder of a principal without its secret (a console stream) checks.
+    pub fn is_current(&self, p: &Principal) -> bool {
+        self.entries
+            .read()
+            .expect("tokens lock")
+            .iter()
+            .any(|e| e.principal == *p)
+    }
+
+    /// Moves on every revocation: a connection watching it re-checks its credential.
+    pub fn revocations(&self) -> watch::Receiver<u64> {
+        self.revocations.subscribe()
+    }
+
+    /// Runs `hook` with the name of every principal revoked from now on.
+    pub fn on_revoke(&self, hook: RevokeHook) {
+        self.hooks.lock().expect("tokens hooks").push(hook);
     }
 }
 
@@ -271,7 +519,7 @@ mod tests {
     #[test]
     fn bootstrap_creates_admin_and_agent_with_private_files() {
         let dir = tempfile::tempdir().unwrap();
-        let (tokens, created) = Tokens::open_or_bootstrap(dir.path()).unwrap();
+        let (tokens, created) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
         assert!(created);
         let op = fs::read_to_string(dir.path().join("operator.token")).unwrap();
         let ag = fs::read_to_string(dir.path().join("agent.token")).unwrap();
@@ -291,7 +539,7 @@ mod tests {
             "the registry must not hold secrets"
         );
         // Reopen: same principals, not re-created.
-        let (again, created) = Tokens::open_or_bootstrap(dir.path()).unwrap();
+        let (again, created) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
         assert!(!created);
         assert_eq!(again.authenticate(&op).unwrap().name.as_str(), "admin");
     }
@@ -299,7 +547,7 @@ mod tests {
     #[test]
     fn create_refuses_duplicates_reserved_and_bad_names() {
         let dir = tempfile::tempdir().unwrap();
-        let (tokens, _) = Tokens::open_or_bootstrap(dir.path()).unwrap();
+        let (tokens, _) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
         let s = tokens
             .create("bob", Role::Operator, &["finance".into()])
             .unwrap();
@@ -318,5 +566,95 @@ mod tests {
             Err(TokenError::Invalid(_))
         ));
         assert!(tokens.authenticate("nope").is_none());
+    }
+
+    #[test]
+    fn revoke_keeps_an_operator_and_a_recreated_name_is_another_credential() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tokens, _) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
+        let seen = tokens.revocations();
+        assert!(matches!(
+            tokens.revoke("admin"),
+            Err(TokenError::LastOperator(_))
+        ));
+        assert!(matches!(tokens.revoke("x"), Err(TokenError::NotFound(_))));
+        assert!(
+            !seen.has_changed().unwrap(),
+            "a refused revoke changes nothing"
+        );
+        let old = tokens.create("bob", Role::Operator, &[]).unwrap();
+        let cred = tokens.credential(&old).unwrap();
+        let bob_conn = tokens.watch(1, &cred);
+        let admin = fs::read_to_string(dir.path().join("operator.token")).unwrap();
+        let admin_conn = tokens.watch(2, &tokens.credential(&admin).unwrap());
+        let ended = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let log = std::sync::Arc::clone(&ended);
+        tokens.on_revoke(Box::new(move |n| log.lock().unwrap().push(n.to_string())));
+        tokens.revoke("bob").unwrap();
+        assert!(seen.has_changed().unwrap());
+        assert!(bob_conn.is_set(), "bob's connection is told");
+        assert!(!admin_conn.is_set(), "nobody else's");
+        assert!(
+            tokens.watch(3, &cred).is_set(),
+            "a connection that registers after the revocation learns it at once"
+        );
+        tokens.unwatch(1);
+        assert_eq!(*ended.lock().unwrap(), vec!["bob".to_string()]);
+        assert!(!tokens.is_valid(&cred));
+        let new = tokens.create("bob", Role::Operator, &[]).unwrap();
+        assert!(!tokens.is_valid(&cred), "the old secret stays revoked");
+        assert!(tokens.authenticate(&new).is_some());
+        // The file agrees with memory.
+        let (again, _) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
+        assert!(again.authenticate(&old).is_none());
+        assert!(again.authenticate(&new).is_some());
+    }
+
+    #[test]
+    fn a_missing_registry_after_the_ledger_was_written_is_refused_unless_reset() {
+        let dir = tempfile::tempdir().unwrap();
+        Tokens::open_or_bootstrap(dir.path(), false).unwrap();
+        fs::create_dir(dir.path().join("ledger")).unwrap();
+        fs::write(dir.path().join("ledger/seg-00000000000000000001.log"), b"x").unwrap();
+        fs::remove_file(dir.path().join("tokens")).unwrap();
+        let e = Tokens::open_or_bootstrap(dir.path(), false).unwrap_err();
+        assert!(matches!(e, TokenError::Missing { .. }), "{e}");
+        assert!(!dir.path().join("tokens").exists());
+        let (_, created) = Tokens::open_or_bootstrap(dir.path(), true).unwrap();
+        assert!(created);
+    }
+
+    #[test]
+    fn concurrent_changes_all_survive_in_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tokens, _) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
+        let tokens = std::sync::Arc::new(tokens);
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let tokens = std::sync::Arc::clone(&tokens);
+                std::thread::spawn(move || {
+                    (0..10)
+                        .map(|i| {
+                            tokens
+                                .create(&format!("t{t}-{i}"), Role::Agent, &[])
+                                .unwrap()
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let secrets: Vec<String> = threads
+            .into_iter()
+            .flat_map(|t| t.join().unwrap())
+            .collect();
+        let (again, _) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
+        for s in &secrets {
+            assert!(again.authenticate(s).is_some());
+        }
+        let names: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
     }
 }

@@ -37,6 +37,7 @@ pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
             Who::Agent,
             Who::Agent2,
             Who::Alice,
+            Who::Olive,
         ])
     };
     let operator = |rng: &mut Rng| {
@@ -48,6 +49,7 @@ pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
             Who::Carol,
             Who::Carol,
             Who::Agent,
+            Who::Olive,
         ])
     };
     let tok = |rng: &mut Rng| {

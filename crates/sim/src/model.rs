@@ -170,6 +170,13 @@ impl Model {
 
     /// Applies one op; `None` for time passing (nothing to answer).
     pub fn apply(&mut self, now: u64, op: &Op) -> Option<Answer> {
+        // SPEC §3: an observer reads and changes nothing; whatever it sends is refused.
+        if op.who() == Some(Who::Olive) {
+            return Some(Answer {
+                text: "error forbidden".into(),
+                changed: false,
+            });
+        }
         let r = match *op {
             Op::Advance { .. } => return None,
             Op::Admit {

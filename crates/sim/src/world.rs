@@ -29,10 +29,19 @@ pub enum Who {
     Alice,
     Bob,
     Carol,
+    /// An observer: reads, and every command it sends is refused.
+    Olive,
 }
 
 impl Who {
-    pub const ALL: [Who; 5] = [Who::Agent, Who::Agent2, Who::Alice, Who::Bob, Who::Carol];
+    pub const ALL: [Who; 6] = [
+        Who::Agent,
+        Who::Agent2,
+        Who::Alice,
+        Who::Bob,
+        Who::Carol,
+        Who::Olive,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             Who::Agent => "agent",
@@ -40,6 +49,7 @@ impl Who {
             Who::Alice => "alice",
             Who::Bob => "bob",
             Who::Carol => "carol",
+            Who::Olive => "olive",
         }
     }
     pub fn is_operator(self) -> bool {
@@ -56,10 +66,10 @@ impl Who {
     pub fn principal(self) -> Principal {
         Principal {
             name: PrincipalName::new(self.name()).expect("valid"),
-            role: if self.is_operator() {
-                Role::Operator
-            } else {
-                Role::Agent
+            role: match self {
+                Who::Olive => Role::Observer,
+                w if w.is_operator() => Role::Operator,
+                _ => Role::Agent,
             },
             groups: self.groups().iter().map(|g| (*g).into()).collect(),
         }
@@ -231,6 +241,24 @@ pub enum Op {
     Advance {
         ms: u16,
     },
+}
+
+impl Op {
+    /// Who sends it (`None` for time passing).
+    pub fn who(&self) -> Option<Who> {
+        match *self {
+            Op::Admit { who, .. }
+            | Op::Wait { who, .. }
+            | Op::Start { who, .. }
+            | Op::Complete { who, .. }
+            | Op::Decide { who, .. }
+            | Op::Cancel { who, .. }
+            | Op::Pause { who, .. }
+            | Op::Resume { who, .. }
+            | Op::Close { who, .. } => Some(who),
+            Op::Tick { .. } | Op::Advance { .. } => None,
+        }
+    }
 }
 
 impl fmt::Display for Op {
@@ -524,6 +552,7 @@ pub fn render_reply(r: &Reply) -> String {
             runs_changed,
         } => format!("run {state} changed={runs_changed}"),
         Reply::Compacted { runs } => format!("compacted {runs}"),
+        Reply::TokenRecorded => "token recorded".into(),
     }
 }
 

@@ -12,7 +12,7 @@ use estop_kernel::state::Status;
 use estop_kernel::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
 use estop_kernel::{
     Admit, Command, Digest, EffectKey, Gate, Limits, PolicyDecision, Principal, PrincipalName,
-    Record, Role, RunId, RunLimits, Token, ToolName,
+    Record, Role, RunId, RunLimits, Token, TokenAction, TokenChange, ToolName,
 };
 use std::fmt::Write;
 
@@ -23,6 +23,7 @@ pub fn principal(name: &str) -> Principal {
         "bob" => (Role::Operator, &["ops"]),
         "carol" => (Role::Operator, &["finance"]),
         "dave" => (Role::Operator, &["finance", "ops"]),
+        "olive" => (Role::Observer, &[]),
         other => panic!("unknown principal {other}"),
     };
     Principal {
@@ -183,6 +184,18 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
         "compact" => Command::Compact {
             before: pos[0].parse().unwrap(),
         },
+        "token_create" | "token_revoke" => Command::Token(TokenChange {
+            action: if verb == "token_create" {
+                TokenAction::Create
+            } else {
+                TokenAction::Revoke
+            },
+            name: PrincipalName::new(pos[0]).unwrap(),
+            role: Role::parse(opt("role").unwrap_or("agent")).unwrap(),
+            groups: opt("groups")
+                .map(|g| g.split(',').map(Into::into).collect())
+                .unwrap_or_default(),
+        }),
         v => panic!("unknown verb {v}"),
     };
     Record {
@@ -257,6 +270,7 @@ pub fn render_reply(r: &Reply) -> String {
             runs_changed,
         } => format!("run {state} ({runs_changed} changed)"),
         Reply::Compacted { runs } => format!("compacted {runs}"),
+        Reply::TokenRecorded => "token recorded".into(),
     }
 }
 
