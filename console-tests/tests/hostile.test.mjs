@@ -157,9 +157,14 @@ async function tryEverything(context, consolePage, evil) {
 }
 
 test("agent-supplied bidi, zero-width and control characters show as visible escapes", async () => {
-  const run = "esc\u202Erun";
-  const key = "k\u200By";
-  const held = await agent.call({ op: "admit", run, key, tool: "refund", args: { note: "line1\n\u001b[31mRED\u202Edone" }, labels: { team: "a\u2066b" } });
+  // Ids with such characters are refused at the edge (docs/PROTOCOL.md); free text is kept as
+  // sent and must be shown escaped.
+  const hidden = await agent.call({ op: "admit", run: "esc\u202Erun", key: "k\u200By", tool: "refund", args: {} });
+  assert.equal(hidden.ok, false, JSON.stringify(hidden));
+  assert.equal(hidden.error.code, "invalid_field", JSON.stringify(hidden));
+  const run = "esc-run";
+  const key = "k-y";
+  const held = await agent.call({ op: "admit", run, key, tool: "refund", args: { note: "line1\n\u001b[31mRED\u202Edone", to: "k\u200By" }, labels: { team: "a\u2066b" } });
   assert.equal(held.verdict, "held", JSON.stringify(held));
   const stop = "stop\u202E\n\u001b[31mFAKE decide principal=admin";
   await agent.call({ op: "admit", run: "esc-stopped", key: "k", tool: "send_email", args: {} });
@@ -171,13 +176,13 @@ test("agent-supplied bidi, zero-width and control characters show as visible esc
   await card.waitFor();
   const text = await card.textContent();
   for (const c of ["\u202E", "\u200B", "\u001b"]) assert.ok(!text.includes(c), `a raw ${JSON.stringify(c)} in the inbox: ${JSON.stringify(text)}`);
-  assert.match(text, /esc\\u\{202e\}run/);
-  assert.match(text, /k\\u\{200b\}y/);
-  assert.match(await card.locator("pre.args").textContent(), /line1\\n\\u001b\[31mRED\\u\{202e\}done/);
-  assert.equal(await card.locator(".esc").first().getAttribute("title"), "U+202E");
+  const args = await card.locator("pre.args").textContent();
+  assert.match(args, /line1\\n\\u001b\[31mRED\\u\{202e\}done/);
+  assert.match(args, /k\\u\{200b\}y/);
+  const titles = await card.locator(".esc").evaluateAll((els) => els.map((e) => e.getAttribute("title")));
+  assert.ok(titles.includes("U+202E") && titles.includes("U+200B"), JSON.stringify(titles));
   await card.screenshot({ path: join(artifacts, "console-escapes.png") });
-  const label = await card.getByRole("button", { name: /^Approve/ }).getAttribute("aria-label");
-  assert.ok(!label.includes("\u202E") && label.includes("\\u{202e}"), label);
+
   // The runs list and the stopped run's page: labels and the agent's stop reason.
   await page.goto(d.base + "/#/runs");
   await page.waitForSelector("#runs-table tbody tr");
