@@ -14,6 +14,7 @@ pub mod digest;
 pub mod error;
 pub mod id;
 pub mod limits;
+pub mod page;
 pub mod reply;
 pub mod request;
 pub mod soundgate;
@@ -24,9 +25,10 @@ pub use error::{ErrorCode, WireError};
 pub use id::Id;
 pub use reply::{
     Ack, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply, LedgerEntry,
-    LedgerReply, PendingItem, PendingReply, Pong, Report, ReportItem, RunView, RunsReply,
+    LedgerReply, PendingItem, PendingReply, Pong, RawJson, Report, ReportItem, RunView, RunsReply,
     ServerLine, TokenCreated, Verdict, parse_server_line,
 };
+pub use page::{PageBudget, PendingCursor, Weight};
 pub use request::{
     Admit, CloseOutcome, Complete, Limits, Op, Request, RequestError, RequestErrorKind, Secret,
     Verb, parse_request,

@@ -2,16 +2,17 @@
 //! requests into core messages (policy and digest work happens here, in parallel, not in the
 //! core), and a writer that renders replies once what they depend on is durable.
 
-use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
+use crate::core::{Answer, Charge, CoreMsg, Out, Query, ReplyTo};
 use crate::durable::{self, After, Durability, DurableState};
-use crate::outbox::{Direct, Outbox};
+use crate::outbox::{Direct, Outbox, Unwritten};
 use crate::tokens::Tokens;
 use estop_kernel::vocab::PolicyAction;
 use estop_kernel::{Admit as KAdmit, Command, Principal, RunLimits, Token};
 use estop_ledger::{FileStorage, inspect};
 use estop_policy::{EvalError, Policy};
+use estop_protocol::page::{PAGE_BYTES_MAX_DEFAULT, PAGE_ITEMS_DEFAULT, PAGE_ITEMS_MAX, Weight};
 use estop_protocol::reply::{self as wire, error_line, ok_line, pong_line};
-use estop_protocol::{ErrorCode, Id, Line, LineReader, Op, Request, parse_request};
+use estop_protocol::{ErrorCode, Id, Line, LineReader, Op, PageBudget, Request, parse_request};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -26,12 +27,20 @@ pub struct ConnOptions {
     pub line_bytes_max: usize,
     /// Requests one connection may have in flight (pipelining depth, waits included).
     pub outstanding_per_connection_max: usize,
+    /// Bytes of request lines one connection may have handed to the core and not had answered
+    /// yet (a line longer than this is let through alone): pipelining is bounded by bytes as
+    /// well as by count.
+    pub inflight_bytes_max: usize,
+    /// Bytes of replies and events one connection's writer may hold unwritten (beyond the one
+    /// it is writing) before the connection is closed: a client that does not read what it
+    /// asks for is disconnected rather than growing the daemon's memory.
+    pub output_bytes_max: usize,
     /// Longest `wait` a client may ask for.
     pub wait_ms_max: u64,
-    /// Most runs one `runs` reply lists.
-    pub runs_reply_max: usize,
-    /// Most entries one `ledger` reply lists.
-    pub ledger_reply_max: usize,
+    /// Most items one page of a listing (`runs`, `pending`, `report`, `ledger`) holds.
+    pub page_items_max: usize,
+    /// A page of a listing ends once its items reach this many bytes as rendered.
+    pub page_bytes_max: usize,
 }
 
 impl Default for ConnOptions {
@@ -39,10 +48,20 @@ impl Default for ConnOptions {
         ConnOptions {
             line_bytes_max: estop_protocol::limits::LINE_BYTES_MAX_DEFAULT,
             outstanding_per_connection_max: 1024,
+            inflight_bytes_max: 4 << 20,
+            output_bytes_max: 4 << 20,
             wait_ms_max: 15 * 60 * 1000,
-            runs_reply_max: 10_000,
-            ledger_reply_max: 10_000,
+            page_items_max: PAGE_ITEMS_MAX,
+            page_bytes_max: PAGE_BYTES_MAX_DEFAULT,
         }
+    }
+}
+
+impl ConnOptions {
+    /// The budget of one page of a listing that asked for `limit` items.
+    pub fn page(&self, limit: Option<u32>) -> PageBudget {
+        let limit = limit.map_or(PAGE_ITEMS_DEFAULT, |l| l as usize);
+        PageBudget::new(limit.min(self.page_items_max), self.page_bytes_max)
     }
 }
 
@@ -98,51 +117,91 @@ where
         mut reader,
         out_tx,
         permits,
+        inflight,
         backlog,
+        unwritten,
         writer,
     } = open(stream, socket, &shared, render);
-    let mut principal: Option<Principal> = None;
-    loop {
-        let line = match reader.next_line().await {
-            Ok(Some(l)) => l,
-            Ok(None) | Err(_) => break,
-        };
-        // Bounded pipelining: a permit per request, returned when its reply is written.
-        match permits.acquire().await {
-            Ok(p) => p.forget(),
-            Err(_) => break,
+    let requests = async {
+        let mut principal: Option<Principal> = None;
+        loop {
+            let line = match reader.next_line().await {
+                Ok(Some(l)) => l,
+                Ok(None) | Err(_) => break,
+            };
+            // Bounded pipelining: a permit per request, returned when its reply is written.
+            match permits.acquire().await {
+                Ok(p) => p.forget(),
+                Err(_) => break,
+            }
+            let bound = shared.opts.inflight_bytes_max.max(1);
+            let Some(charge) = Charge::acquire(&inflight, bound, line_bytes(&line)).await else {
+                break;
+            };
+            let call = (conn, &out_tx, &backlog);
+            request(line, charge, &mut principal, call, &shared).await;
         }
-        let (id, answer) = match line {
-            Line::TooLong { bytes } => (
-                Id::default(),
-                Some(err(
-                    ErrorCode::LineTooLong,
-                    format!(
-                        "line of {bytes} bytes is longer than line_bytes_max = {}; it was discarded",
-                        shared.opts.line_bytes_max
-                    ),
-                )),
-            ),
-            Line::Text(bytes) => match parse_request(bytes) {
-                Err(e) => (e.id.clone(), Some(err(e.code(), e.to_string()))),
-                Ok(req) => {
-                    let id = req.id.clone();
-                    (
-                        id,
-                        dispatch(req, &mut principal, conn, &out_tx, &backlog, &shared).await,
-                    )
-                }
-            },
-        };
-        if let Some(answer) = answer {
-            let _ = out_tx.send(Out::Answer {
-                id,
-                answer,
-                after: After::default(),
-            });
-        }
+    };
+    // A connection that falls too far behind its replies is closed whatever its reader does.
+    tokio::select! {
+        () = requests => {}
+        () = unwritten.crossed() => {}
     }
     close(&shared, conn, out_tx, writer).await;
+}
+
+fn line_bytes(line: &Line<'_>) -> usize {
+    match line {
+        Line::Text(bytes) => bytes.len(),
+        Line::TooLong { .. } => 0,
+    }
+}
+
+/// Answers one line, or hands it to the core (with `charge`, the line's share of the
+/// connection's input bound, held until the core answers). `conn` is the connection's id,
+/// outbox and event backlog.
+async fn request(
+    line: Line<'_>,
+    charge: Charge,
+    principal: &mut Option<Principal>,
+    conn: (u64, &Outbox, &Arc<AtomicUsize>),
+    shared: &Arc<Shared>,
+) {
+    let (conn, out_tx, backlog) = conn;
+    let (id, answer) = match line {
+        Line::TooLong { bytes } => (
+            Id::default(),
+            Some(err(
+                ErrorCode::LineTooLong,
+                format!(
+                    "line of {bytes} bytes is longer than line_bytes_max = {}; it was discarded",
+                    shared.opts.line_bytes_max
+                ),
+            )),
+        ),
+        Line::Text(bytes) => match parse_request(bytes) {
+            Err(e) => (e.id.clone(), Some(err(e.code(), e.to_string()))),
+            Ok(req) => {
+                let id = req.id.clone();
+                // Taken by the core message that carries the request, if one does.
+                let charge = std::sync::Mutex::new(Some(charge));
+                let call = Call {
+                    conn,
+                    out: out_tx,
+                    backlog,
+                    charge: &charge,
+                };
+                (id, dispatch(req, principal, call, shared).await)
+            }
+        },
+    };
+    if let Some(answer) = answer {
+        let _ = out_tx.send(Out::Answer {
+            id,
+            answer,
+            after: After::default(),
+        });
+    }
 }
 
 /// One accepted connection, set up: its id, line reader, outgoing queue, pipelining permits and
@@ -152,8 +211,12 @@ pub struct Opened<S> {
     pub reader: LineReader<tokio::io::ReadHalf<S>>,
     pub out_tx: Outbox,
     pub permits: Arc<Semaphore>,
+    /// Bytes of request lines in flight ([`ConnOptions::inflight_bytes_max`], see [`Charge`]).
+    pub inflight: Arc<Semaphore>,
     /// Events queued for this connection and not yet written (bounds a non-reading subscriber).
     pub backlog: Arc<AtomicUsize>,
+    /// Bytes its writer holds unwritten ([`ConnOptions::output_bytes_max`]).
+    pub unwritten: Arc<Unwritten>,
     pub writer: tokio::task::JoinHandle<()>,
 }
 
@@ -170,10 +233,12 @@ where
     let (rd, wr) = tokio::io::split(stream);
     let (tx, out_rx) = tmpsc::unbounded_channel::<Out>();
     let permits = Arc::new(Semaphore::new(shared.opts.outstanding_per_connection_max));
+    let inflight = Arc::new(Semaphore::new(shared.opts.inflight_bytes_max.max(1)));
     let backlog = Arc::new(AtomicUsize::new(0));
+    let unwritten = Unwritten::new(conn, shared.opts.output_bytes_max);
     let direct = socket.map(|s| Direct::new(s, render, Arc::clone(&permits)));
-    let out_tx = Outbox::new(tx, direct.clone());
-    let writer = tokio::spawn(write_loop(
+    let out_tx = Outbox::new(tx, direct.clone(), Some(Arc::clone(&unwritten)));
+    let write = write_loop(
         wr,
         out_rx,
         shared.durable_rx.clone(),
@@ -181,14 +246,25 @@ where
         Arc::clone(&backlog),
         render,
         direct,
-    ));
+        Some(Arc::clone(&unwritten)),
+    );
+    let crossed = Arc::clone(&unwritten);
+    // Past its output bound the connection is closed: the writer stops where it is.
+    let writer = tokio::spawn(async move {
+        tokio::select! {
+            () = write => {}
+            () = crossed.crossed() => {}
+        }
+    });
     let reader = LineReader::new(rd, shared.opts.line_bytes_max);
     Opened {
         conn,
         reader,
         out_tx,
         permits,
+        inflight,
         backlog,
+        unwritten,
         writer,
     }
 }
@@ -213,15 +289,28 @@ fn to_core(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
     }
 }
 
+/// The connection a request came on, and its share of the connection's input bound (taken by
+/// the core message that carries the request, if any).
+struct Call<'a> {
+    conn: u64,
+    out: &'a Outbox,
+    backlog: &'a Arc<AtomicUsize>,
+    charge: &'a std::sync::Mutex<Option<Charge>>,
+}
+
 /// Handles one request. `Some(answer)` is answered at once; `None` means the core answers.
 async fn dispatch(
     req: Request,
     principal: &mut Option<Principal>,
-    conn: u64,
-    out: &Outbox,
-    backlog: &Arc<AtomicUsize>,
+    call: Call<'_>,
     shared: &Arc<Shared>,
 ) -> Option<Answer> {
+    let Call {
+        conn,
+        out,
+        backlog,
+        charge,
+    } = call;
     let verb = req.op.verb();
     if let Op::Hello { token } = &req.op {
         return Some(match shared.tokens.authenticate(token.expose()) {
@@ -260,6 +349,10 @@ async fn dispatch(
     let reply_to = || ReplyTo {
         out: out.clone(),
         id: req.id.clone(),
+        charge: charge
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take(),
     };
     let apply = |cmd: Command| {
         to_core(
@@ -347,32 +440,43 @@ async fn dispatch(
                 to: reply_to(),
             },
         ),
-        Op::Report { run } => to_core(
+        Op::Report { run, limit, cursor } => to_core(
             shared,
             CoreMsg::Query {
                 principal: p,
-                query: Query::Report { run },
+                query: Query::Report {
+                    run,
+                    cursor,
+                    page: shared.opts.page(limit),
+                },
                 to: reply_to(),
             },
         ),
-        Op::Runs { state, limit } => {
-            let limit = limit
-                .map_or(1000, |l| l as usize)
-                .min(shared.opts.runs_reply_max);
-            to_core(
-                shared,
-                CoreMsg::Query {
-                    principal: p,
-                    query: Query::Runs { state, limit },
-                    to: reply_to(),
-                },
-            )
-        }
-        Op::Pending { run } => to_core(
+        Op::Runs {
+            state,
+            limit,
+            cursor,
+        } => to_core(
             shared,
             CoreMsg::Query {
                 principal: p,
-                query: Query::Pending { run },
+                query: Query::Runs {
+                    state,
+                    cursor,
+                    page: shared.opts.page(limit),
+                },
+                to: reply_to(),
+            },
+        ),
+        Op::Pending { run, limit, cursor } => to_core(
+            shared,
+            CoreMsg::Query {
+                principal: p,
+                query: Query::Pending {
+                    run,
+                    cursor,
+                    page: shared.opts.page(limit),
+                },
                 to: reply_to(),
             },
         ),
@@ -450,11 +554,9 @@ async fn dispatch(
         Op::Ledger { run, limit, after } => {
             let dir = shared.ledger_dir.clone();
             let durable = shared.durable_rx.borrow().seq;
-            let limit = limit
-                .map_or(1000, |l| l as usize)
-                .min(shared.opts.ledger_reply_max);
+            let page = shared.opts.page(limit);
             let res = tokio::task::spawn_blocking(move || {
-                ledger_entries(&dir, run.as_ref(), after.unwrap_or(0), durable, limit)
+                ledger_entries(&dir, run.as_ref(), after.unwrap_or(0), durable, page)
             })
             .await;
             Some(match res {
@@ -531,7 +633,7 @@ pub fn ledger_entries(
     run: Option<&estop_kernel::RunId>,
     after: u64,
     durable: u64,
-    limit: usize,
+    mut page: PageBudget,
 ) -> Result<wire::LedgerReply, String> {
     let storage = FileStorage::open_read_only(dir).map_err(|e| e.to_string())?;
     let mut entries = Vec::new();
@@ -546,11 +648,12 @@ pub fn ledger_entries(
         if run.is_some_and(|r| rec.command.run() != Some(r)) {
             return;
         }
-        if entries.len() >= limit {
+        let entry = crate::describe::entry(rv.seq, &rec);
+        if !page.take(entry.weight()) {
             next_after = Some(entries.last().map_or(after, |e: &wire::LedgerEntry| e.seq));
             return;
         }
-        entries.push(crate::describe::entry(rv.seq, &rec));
+        entries.push(entry);
     });
     if let Some(e) = report.error {
         return Err(format!("the ledger cannot be read: {e}"));
@@ -563,7 +666,8 @@ pub fn ledger_entries(
 
 /// Writes a connection's replies and events in order, each once what it depends on is durable.
 /// With `direct`, it counts down what it has written, so durable replies may go straight to the
-/// socket whenever nothing is ahead of them.
+/// socket whenever nothing is ahead of them; with `unwritten`, the bytes it still holds.
+#[allow(clippy::too_many_arguments)]
 pub async fn write_loop<W: AsyncWrite + Unpin>(
     mut wr: W,
     mut rx: tmpsc::UnboundedReceiver<Out>,
@@ -572,12 +676,17 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
     backlog: Arc<AtomicUsize>,
     render: fn(&Id, &Answer) -> Vec<u8>,
     direct: Option<Arc<Direct>>,
+    unwritten: Option<Arc<Unwritten>>,
 ) {
     let mut buf = Vec::with_capacity(4096);
-    // Items whose bytes are in `buf`, not yet written.
+    // Items whose bytes are in `buf`, not yet written, and what they weigh.
     let mut items = 0;
+    let mut weight = 0;
     while let Some(out) = rx.recv().await {
         items += 1;
+        if unwritten.is_some() {
+            weight += crate::outbox::weight(&out);
+        }
         match out {
             Out::Answer { id, answer, after } => {
                 let line = match durable::wait(&mut durable_rx, after).await {
@@ -603,11 +712,21 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
             if wr.write_all(&buf).await.is_err() || wr.flush().await.is_err() {
                 return;
             }
-            buf.clear();
+            if buf.capacity() > 1 << 20 {
+                // A large listing went through: give its buffer back rather than keep it for
+                // the connection's life.
+                buf = Vec::with_capacity(4096);
+            } else {
+                buf.clear();
+            }
             if let Some(d) = &direct {
                 d.written(items);
             }
+            if let Some(u) = &unwritten {
+                u.written(weight);
+            }
             items = 0;
+            weight = 0;
         }
     }
     let _ = wr.write_all(&buf).await;

@@ -151,6 +151,7 @@ mod tests {
             to: ReplyTo {
                 out: out.clone().into(),
                 id: Id::from_u64(n),
+                charge: None,
             },
         }
     }

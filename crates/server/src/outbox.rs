@@ -8,21 +8,135 @@
 //! when it is zero, under the same lock that every hand-over takes, may a reply go straight to
 //! the socket; anything it could not write whole goes to the writer next. Writes never block: a
 //! full socket sends the rest to the writer, which waits for the client to read.
+//!
+//! What the writer holds is bounded by bytes ([`Unwritten`]): a client that does not read what
+//! it asked for (a listing, say, again and again) is disconnected once it is more than
+//! `output_bytes_max` behind, rather than growing the daemon's memory.
 
 use crate::core::{Answer, Out};
-use estop_protocol::Id;
+use estop_protocol::page::{Weight, value_weight};
+use estop_protocol::{Id, reply as wire};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tokio::sync::Semaphore;
 use tokio::sync::mpsc::UnboundedSender;
 
 /// A connection's outgoing queue. Unbounded in type, bounded in use: each connection may have at
-/// most `outstanding_per_connection_max` requests in flight.
+/// most `outstanding_per_connection_max` requests in flight, and its writer may hold at most
+/// `output_bytes_max` bytes it has not written ([`Unwritten`]).
 #[derive(Debug, Clone)]
 pub struct Outbox {
     tx: UnboundedSender<Out>,
     direct: Option<Arc<Direct>>,
+    unwritten: Option<Arc<Unwritten>>,
+}
+
+/// The bytes a connection's writer holds and has not written, against the connection's bound.
+/// Past the bound the connection is closed: its reader and writer stop, the client sees the
+/// socket close, and the core forgets its waits and subscriptions (`CoreMsg::Disconnect`).
+#[derive(Debug)]
+pub struct Unwritten {
+    bytes: AtomicUsize,
+    max: usize,
+    conn: u64,
+    /// Closed (never acquired) once the bound is crossed: a one-shot signal any task can await.
+    over: Semaphore,
+}
+
+impl Unwritten {
+    pub fn new(conn: u64, max: usize) -> Arc<Unwritten> {
+        Arc::new(Unwritten {
+            bytes: AtomicUsize::new(0),
+            max,
+            conn,
+            over: Semaphore::new(0),
+        })
+    }
+
+    /// Counts `n` more bytes handed to the writer; `false` when that puts the connection past
+    /// its bound. A connection may always hold one item, whatever its size, while it holds
+    /// nothing else: the bound is on falling behind, not on the size of one reply.
+    fn charge(&self, n: usize) -> bool {
+        if self.over.is_closed() {
+            return false;
+        }
+        let before = self.bytes.fetch_add(n, Ordering::AcqRel);
+        if before > 0 && before + n > self.max {
+            self.bytes.fetch_sub(n, Ordering::AcqRel);
+            crate::log::warn(&format!(
+                "connection {}: closed, the client is not reading its replies ({} bytes unwritten, {n} more due; output_bytes_max = {})",
+                self.conn, before, self.max
+            ));
+            self.over.close();
+            return false;
+        }
+        true
+    }
+
+    /// The writer wrote (or dropped) items worth `n` bytes.
+    pub fn written(&self, n: usize) {
+        self.bytes.fetch_sub(n, Ordering::AcqRel);
+    }
+
+    pub fn is_over(&self) -> bool {
+        self.over.is_closed()
+    }
+
+    /// Returns once the connection has crossed its bound.
+    pub async fn crossed(&self) {
+        // Never acquired: `acquire` fails exactly when the semaphore is closed.
+        let _ = self.over.acquire().await;
+    }
+}
+
+/// About the bytes `item` renders to (see [`Weight`]): what [`Unwritten`] counts.
+pub fn weight(item: &Out) -> usize {
+    match item {
+        Out::Answer { answer, .. } => answer_weight(answer),
+        Out::Event { event, .. } => event.weight(),
+        Out::Rendered(line) => line.len(),
+    }
+}
+
+fn answer_weight(answer: &Answer) -> usize {
+    fn sum<T: Weight>(items: &[T]) -> usize {
+        items.iter().map(Weight::weight).sum()
+    }
+    const SMALL: usize = 256;
+    match answer {
+        Answer::Verdict(wire::Verdict::Duplicate { result, error, .. }) => {
+            SMALL
+                + result.as_ref().map_or(0, value_weight)
+                + error.as_ref().map_or(0, String::len)
+        }
+        Answer::Ack(a) => SMALL + a.runs.iter().map(|r| r.len() + 4).sum::<usize>(),
+        Answer::Error(_, message) => SMALL + message.len(),
+        Answer::Verdict(_)
+        | Answer::Decided(_)
+        | Answer::Hello(_)
+        | Answer::TokenCreated(_)
+        | Answer::Pong => SMALL,
+        Answer::Run(r) => r.weight(),
+        Answer::Runs(r) => SMALL + sum(&r.runs),
+        Answer::Pending(p) => SMALL + sum(&p.pending),
+        Answer::Report(r) => {
+            let lists = [
+                &r.done,
+                &r.failed,
+                &r.refused,
+                &r.in_flight,
+                &r.unknown,
+                &r.compensable,
+                &r.irreversible,
+                &r.undeclared,
+                &r.held,
+            ];
+            SMALL + lists.into_iter().map(|l| sum(l)).sum::<usize>()
+        }
+        Answer::Ledger(l) => SMALL + sum(&l.entries),
+    }
 }
 
 /// The connection's writer is gone (the client went away); the item was dropped.
@@ -72,28 +186,56 @@ impl Direct {
 }
 
 impl From<UnboundedSender<Out>> for Outbox {
-    /// An outbox whose every item goes through the channel (no socket to write to straight).
+    /// An outbox whose every item goes through the channel (no socket to write to straight),
+    /// without a byte bound: for one answer awaited in place (the console's requests).
     fn from(tx: UnboundedSender<Out>) -> Outbox {
-        Outbox { tx, direct: None }
+        Outbox {
+            tx,
+            direct: None,
+            unwritten: None,
+        }
     }
 }
 
 impl Outbox {
-    pub fn new(tx: UnboundedSender<Out>, direct: Option<Arc<Direct>>) -> Outbox {
-        Outbox { tx, direct }
+    pub fn new(
+        tx: UnboundedSender<Out>,
+        direct: Option<Arc<Direct>>,
+        unwritten: Option<Arc<Unwritten>>,
+    ) -> Outbox {
+        Outbox {
+            tx,
+            direct,
+            unwritten,
+        }
     }
 
     /// Hands `item` to the connection's writer, behind everything handed to it before.
     pub fn send(&self, item: Out) -> Result<(), Closed> {
         match &self.direct {
-            None => self.tx.send(item).map_err(|_| Closed),
+            None => self.to_writer(item),
             Some(d) => {
                 let mut ahead = d.lock();
-                self.tx.send(item).map_err(|_| Closed)?;
+                self.to_writer(item)?;
                 *ahead += 1;
                 Ok(())
             }
         }
+    }
+
+    /// Into the writer's channel, counted against the byte bound. Past it the item is dropped
+    /// and the connection closed: the socket is shut down at once, so the client sees it and
+    /// the connection's reader ends.
+    fn to_writer(&self, item: Out) -> Result<(), Closed> {
+        if let Some(u) = &self.unwritten
+            && !u.charge(weight(&item))
+        {
+            if let Some(d) = &self.direct {
+                shutdown(&d.socket);
+            }
+            return Err(Closed);
+        }
+        self.tx.send(item).map_err(|_| Closed)
     }
 
     /// Delivers an item that is durable now: a short answer (a verdict, an acknowledgement, an
@@ -109,8 +251,8 @@ impl Outbox {
             return;
         }
         let mut ahead = d.lock();
-        if *ahead > 0 || self.tx.is_closed() {
-            if self.tx.send(item).is_ok() {
+        if *ahead > 0 || self.is_closed() {
+            if self.to_writer(item).is_ok() {
                 *ahead += 1;
             }
             return;
@@ -120,12 +262,12 @@ impl Outbox {
             Ok(n) if n == line.len() => d.permits.add_permits(1),
             Ok(n) => {
                 // The socket took part of it: the writer writes the rest, before anything else.
-                if self.tx.send(Out::Rendered(line[n..].to_vec())).is_ok() {
+                if self.to_writer(Out::Rendered(line[n..].to_vec())).is_ok() {
                     *ahead += 1;
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if self.tx.send(Out::Rendered(line)).is_ok() {
+                if self.to_writer(Out::Rendered(line)).is_ok() {
                     *ahead += 1;
                 }
             }
@@ -134,8 +276,9 @@ impl Outbox {
         }
     }
 
+    /// The connection is gone, or is being closed for falling behind.
     pub fn is_closed(&self) -> bool {
-        self.tx.is_closed()
+        self.tx.is_closed() || self.unwritten.as_ref().is_some_and(|u| u.is_over())
     }
 }
 
@@ -154,6 +297,17 @@ fn short(answer: &Answer) -> bool {
         | Answer::Pending(_)
         | Answer::Report(_)
         | Answer::Ledger(_) => false,
+    }
+}
+
+/// Shuts a connection's socket down both ways: the client sees it closed at once (other
+/// descriptors of it may live a little longer), and the connection's own reads and writes end.
+#[allow(unsafe_code)]
+fn shutdown(socket: &OwnedFd) {
+    // SAFETY: `socket` is an open descriptor owned for the duration of the call; shutdown(2)
+    // touches no memory of ours.
+    unsafe {
+        libc::shutdown(socket.as_raw_fd(), libc::SHUT_RDWR);
     }
 }
 

@@ -59,44 +59,52 @@ pub async fn serve<S>(
         mut reader,
         out_tx,
         permits,
+        unwritten,
         writer,
         ..
     } = open(stream, socket, &shared, render);
-    loop {
-        let line = match reader.next_line().await {
-            Ok(Some(l)) => l,
-            Ok(None) | Err(_) => break,
-        };
-        match permits.acquire().await {
-            Ok(p) => p.forget(),
-            Err(_) => break,
-        }
-        let answer = match line {
-            Line::TooLong { bytes } => Some(Answer::Error(
-                estop_protocol::ErrorCode::LineTooLong,
-                format!("bad request: line of {bytes} bytes is too long"),
-            )),
-            Line::Text(bytes) => match parse_soundgate(bytes) {
-                Ok(None) => {
-                    permits.add_permits(1);
-                    continue;
-                }
-                Err(e) => Some(Answer::Error(
-                    estop_protocol::ErrorCode::BadJson,
-                    e.to_string(),
+    let requests = async {
+        loop {
+            let line = match reader.next_line().await {
+                Ok(Some(l)) => l,
+                Ok(None) | Err(_) => break,
+            };
+            match permits.acquire().await {
+                Ok(p) => p.forget(),
+                Err(_) => break,
+            }
+            let answer = match line {
+                Line::TooLong { bytes } => Some(Answer::Error(
+                    estop_protocol::ErrorCode::LineTooLong,
+                    format!("bad request: line of {bytes} bytes is too long"),
                 )),
-                Ok(Some(req)) => {
-                    handle(req, &out_tx, &shared, secret.as_deref().map(Vec::as_slice))
-                }
-            },
-        };
-        if let Some(answer) = answer {
-            let _ = out_tx.send(Out::Answer {
-                id: Id::default(),
-                answer,
-                after: After::default(),
-            });
+                Line::Text(bytes) => match parse_soundgate(bytes) {
+                    Ok(None) => {
+                        permits.add_permits(1);
+                        continue;
+                    }
+                    Err(e) => Some(Answer::Error(
+                        estop_protocol::ErrorCode::BadJson,
+                        e.to_string(),
+                    )),
+                    Ok(Some(req)) => {
+                        handle(req, &out_tx, &shared, secret.as_deref().map(Vec::as_slice))
+                    }
+                },
+            };
+            if let Some(answer) = answer {
+                let _ = out_tx.send(Out::Answer {
+                    id: Id::default(),
+                    answer,
+                    after: After::default(),
+                });
+            }
         }
+    };
+    // A connection that falls too far behind its replies is closed whatever its reader does.
+    tokio::select! {
+        () = requests => {}
+        () = unwritten.crossed() => {}
     }
     close(&shared, conn, out_tx, writer).await;
 }
@@ -105,6 +113,7 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, secret: Option<&[u8]>) 
     let to = ReplyTo {
         out: out.clone(),
         id: Id::default(),
+        charge: None,
     };
     let send = |msg| match shared.core_tx.send(msg) {
         Ok(()) => None,
