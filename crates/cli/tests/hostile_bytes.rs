@@ -160,3 +160,146 @@ fn all_pages(c: &mut estop_server::client::Client, req: Value, list: &str) -> Ve
     }
     panic!("the cursor never ended");
 }
+
+/// `GET path` on the console with a bearer token: (status, body as JSON).
+fn http_get(addr: &str, token: &str, path: &str) -> (u16, Value) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let req = format!(
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let raw = String::from_utf8(raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+/// Follows an HTTP listing's cursor (`?cursor=`, percent-encoded) to the end.
+fn http_all_pages(addr: &str, token: &str, path: &str, list: &str) -> Vec<Value> {
+    let sep = if path.contains('?') { '&' } else { '?' };
+    let mut items = Vec::new();
+    let mut url = path.to_string();
+    for _ in 0..10_000 {
+        let (status, page) = http_get(addr, token, &url);
+        assert_eq!(status, 200, "{url}: {page}");
+        items.extend(page[list].as_array().cloned().unwrap_or_default());
+        match page.get("next").and_then(Value::as_str) {
+            Some(next) => url = format!("{path}{sep}cursor={}", percent(next)),
+            None => return items,
+        }
+    }
+    panic!("the cursor never ended");
+}
+
+fn percent(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+fn strings(items: &[Value], field: &str) -> Vec<String> {
+    items
+        .iter()
+        .map(|i| i[field].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Every listing, over v1, HTTP and the CLI, comes in pages bounded by items and bytes; the
+/// cursor reads each item exactly once, in order; held arguments come back exactly as sent.
+#[test]
+fn every_listing_comes_in_pages_and_the_cursor_reads_everything_once() {
+    let d = Daemon::start_with(&["--console", "127.0.0.1:0"]);
+    hold_big_effects(&d);
+    let mut a = d.agent();
+    // A run with many effects for the report, and a run whose id looks like a number.
+    for i in 0..50 {
+        admit(&mut a, "rep", &format!("k{i:02}"), "pay", json!({"i": i}));
+    }
+    admit(&mut a, "123", "k", "pay", json!({}));
+    let mut op = d.operator();
+
+    // pending: the 64 held effects (~3.7 MB of arguments) in pages of at most ~1 MiB.
+    let first = ok(&mut op, json!({"op": "pending"}));
+    let n = first["pending"].as_array().unwrap().len();
+    assert!(
+        n > 1 && n < HELD && first["more"] == json!(true),
+        "the first page holds {n} of {HELD}"
+    );
+    let pending = all_pages(&mut op, json!({"op": "pending"}), "pending");
+    assert_eq!(pending.len(), HELD);
+    let mut runs = strings(&pending, "run");
+    runs.sort();
+    runs.dedup();
+    assert_eq!(runs.len(), HELD, "each held effect once");
+    let expiry: Vec<u64> = pending.iter().map(|p| p["expires_at"].as_u64().unwrap()).collect();
+    assert!(expiry.windows(2).all(|w| w[0] <= w[1]), "soonest to expire first");
+    assert_eq!(pending[0]["args"], big_args(), "arguments as sent");
+    let small = all_pages(&mut op, json!({"op": "pending", "limit": 5}), "pending");
+    assert_eq!(small, pending, "pages of 5 read the same inbox");
+    let one = all_pages(&mut op, json!({"op": "pending", "run": "big-7"}), "pending");
+    assert_eq!(strings(&one, "run"), ["big-7"]);
+
+    // runs: in id order, 66 of them, each once.
+    let all = strings(&all_pages(&mut op, json!({"op": "runs", "limit": 7}), "runs"), "run");
+    let mut sorted = all.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(all, sorted);
+    assert_eq!(all.len(), HELD + 2);
+
+    // report: a page of the run's effects at a time; the lists together are the whole report.
+    let req = json!({"op": "report", "run": "rep", "limit": 7});
+    let page = ok(&mut op, req.clone());
+    assert_eq!(page["in_flight"].as_array().unwrap().len(), 7);
+    assert_eq!(page["next"], json!("k06"));
+    let keys = strings(&all_pages(&mut op, req, "in_flight"), "key");
+    let want: Vec<String> = (0..50).map(|i| format!("k{i:02}")).collect();
+    assert_eq!(keys, want);
+
+    // A cursor the gate did not give out changes nothing and says what to do.
+    for bad in [
+        json!({"op": "pending", "cursor": "big-1"}),
+        json!({"op": "runs", "cursor": ""}),
+        json!({"op": "report", "run": "rep", "cursor": 5}),
+    ] {
+        let r = op.call(bad.clone()).unwrap();
+        let e = r.error.unwrap_or_else(|| panic!("{bad} was accepted"));
+        assert_eq!((e.code.as_str(), e.message.contains("cursor")), ("invalid_field", true));
+    }
+
+    // The same over HTTP; a cursor that looks like a number stays a string.
+    let addr = d.ready_field("console");
+    let t = d.token("operator.token");
+    let http_pending = http_all_pages(&addr, &t, "/api/v1/pending?limit=9", "pending");
+    assert_eq!(http_pending, pending);
+    let http_runs = http_all_pages(&addr, &t, "/api/v1/runs?limit=10", "runs");
+    assert_eq!(strings(&http_runs, "run"), all);
+    let (status, after_12) = http_get(&addr, &t, "/api/v1/runs?limit=1&cursor=12");
+    assert_eq!((status, after_12["runs"][0]["run"].clone()), (200, json!("123")));
+    let http_report = http_all_pages(&addr, &t, "/api/v1/runs/rep/report?limit=4", "in_flight");
+    assert_eq!(strings(&http_report, "key"), want);
+    let (status, _) = http_get(&addr, &t, "/api/v1/pending?cursor=nope");
+    assert_eq!(status, 400);
+
+    // The CLI follows the cursor to print everything, or stops at --limit.
+    let (code, out, err) = d.cli(&["pending", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["pending"].as_array().unwrap().len(), HELD);
+    assert!(v.get("next").is_none() && v.get("more").is_none(), "{}", &out[..200]);
+    let (_, out, _) = d.cli(&["runs", "--limit", "5", "--json"]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["runs"].as_array().unwrap().len(), 5);
+    assert_eq!(v["more"], json!(true));
+    let (_, out, _) = d.cli(&["report", "rep", "--json"]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(strings(v["in_flight"].as_array().unwrap(), "key"), want);
+    let (_, out, _) = d.cli(&["pending"]);
+    assert_eq!(out.lines().count(), HELD + 1, "a header and every held effect");
+}

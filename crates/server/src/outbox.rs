@@ -368,7 +368,7 @@ mod tests {
             Arc::clone(&permits),
         );
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let out = Outbox::new(tx, Some(Arc::clone(&direct)));
+        let out = Outbox::new(tx, Some(Arc::clone(&direct)), None);
 
         out.release(answer(1));
         let mut lines = BufReader::new(theirs).lines();
@@ -411,7 +411,7 @@ mod tests {
         let permits = Arc::new(Semaphore::new(0));
         let direct = Direct::new(socket, crate::conn::render, Arc::clone(&permits));
         let (tx, rx) = mpsc::unbounded_channel();
-        let out = Outbox::new(tx, Some(Arc::clone(&direct)));
+        let out = Outbox::new(tx, Some(Arc::clone(&direct)), None);
         let (_durable_tx, durable_rx) = watch::channel(DurableState::default());
 
         let io = std::thread::spawn({
@@ -431,6 +431,7 @@ mod tests {
                         Arc::new(std::sync::atomic::AtomicUsize::new(0)),
                         crate::conn::render,
                         Some(direct),
+                        None,
                     )
                     .await;
                 });
@@ -458,5 +459,41 @@ mod tests {
         let seen = client.join().unwrap();
         assert_eq!(seen, (0..N).collect::<Vec<_>>());
         assert_eq!(permits.available_permits() as u64, N);
+    }
+
+    /// A client that does not read falls behind by more than its bound: the item that crosses
+    /// it is dropped, the socket is shut down (the client sees it close), and the connection's
+    /// tasks are told to stop. Within the bound, what the writer writes makes room again.
+    #[test]
+    fn a_connection_past_its_output_bound_is_closed() {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let socket = ours.as_fd().try_clone_to_owned().unwrap();
+        let permits = Arc::new(Semaphore::new(0));
+        let direct = Direct::new(socket, crate::conn::render, permits);
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let unwritten = Unwritten::new(7, 1000);
+        let out = Outbox::new(tx, Some(direct), Some(Arc::clone(&unwritten)));
+
+        // One item is always taken, whatever its size; then 1000 bytes more at most.
+        out.send(Out::Rendered(vec![b'x'; 5000])).unwrap();
+        out.send(Out::Rendered(vec![b'y'; 900])).unwrap();
+        assert!(rx.try_recv().is_ok() && rx.try_recv().is_ok());
+        unwritten.written(5000);
+        out.send(Out::Rendered(vec![b'z'; 100])).unwrap();
+        assert!(!out.is_closed());
+
+        assert_eq!(out.send(Out::Rendered(vec![b'w'; 1])), Err(Closed));
+        assert!(rx.try_recv().is_err(), "the item past the bound was dropped");
+        assert!(out.is_closed() && unwritten.is_over());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(unwritten.crossed()); // Returns: the connection's tasks stop.
+        let mut rest = Vec::new();
+        std::io::Read::read_to_end(&mut theirs, &mut rest).unwrap();
+        assert!(rest.is_empty(), "the client sees the connection closed");
+        // Nothing more is taken, not even a short reply released straight to the socket.
+        out.release(answer(9));
+        assert!(rx.try_recv().is_err());
     }
 }
