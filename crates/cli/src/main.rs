@@ -123,6 +123,15 @@ struct ServeArgs {
     /// Longest request line in bytes.
     #[arg(long, default_value_t = 64 * 1024)]
     line_bytes_max: usize,
+    /// Bytes of replies one connection may leave unread before it is disconnected.
+    #[arg(long, default_value_t = 4 << 20)]
+    output_bytes_max: usize,
+    /// Bytes of request lines one connection may have in flight (the gate stops reading it).
+    #[arg(long, default_value_t = 4 << 20)]
+    inflight_bytes_max: usize,
+    /// A page of a listing (runs, pending, report, ledger) ends once it reaches this many bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    page_bytes_max: usize,
     /// How long a stopped run keeps its per-effect state (e.g. 7d, 12h); its fence stays.
     #[arg(long, default_value = "7d")]
     retention: String,
@@ -626,6 +635,9 @@ fn serve(a: ServeArgs) -> Result<u8> {
     opts.allow_all = a.allow_all;
     opts.connections_max = a.connections_max;
     opts.conn.line_bytes_max = a.line_bytes_max;
+    opts.conn.output_bytes_max = a.output_bytes_max;
+    opts.conn.inflight_bytes_max = a.inflight_bytes_max.max(1);
+    opts.conn.page_bytes_max = a.page_bytes_max;
     opts.core.snapshot_every_records = a.snapshot_every.max(1);
     opts.core.retention_ms = estop_policy::parse_duration_ms(&a.retention)
         .map_err(|e| anyhow!("--retention {}: {e}", a.retention))?;
