@@ -2,7 +2,7 @@
 //! requests into core messages (policy and digest work happens here, in parallel, not in the
 //! core), and a writer that renders replies once what they depend on is durable.
 
-use crate::core::{Answer, Charge, CoreMsg, Out, Query, ReplyTo};
+use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
 use crate::durable::{self, After, Durability, DurableState};
 use crate::outbox::{Direct, Outbox, Unwritten};
 use crate::tokens::Tokens;
@@ -31,9 +31,10 @@ pub struct ConnOptions {
     /// yet (a line longer than this is let through alone): pipelining is bounded by bytes as
     /// well as by count.
     pub inflight_bytes_max: usize,
-    /// Bytes of replies and events one connection's writer may hold unwritten (beyond the one
-    /// it is writing) before the connection is closed: a client that does not read what it
-    /// asks for is disconnected rather than growing the daemon's memory.
+    /// Bytes of replies and events one connection's writer may hold unwritten (one larger
+    /// item is still taken while nothing else waits) before the connection is closed: a client
+    /// that does not read what it asks for is disconnected rather than growing the daemon's
+    /// memory.
     pub output_bytes_max: usize,
     /// Longest `wait` a client may ask for.
     pub wait_ms_max: u64,
@@ -102,6 +103,37 @@ pub fn render(id: &Id, answer: &Answer) -> Vec<u8> {
         Answer::TokenCreated(t) => ok_line(id, t),
         Answer::Pong => pong_line(id),
         Answer::Error(code, msg) => error_line(id, *code, msg),
+    }
+}
+
+/// Bytes of a request line counted against its connection's `inflight_bytes_max` until the
+/// request is answered (dropped).
+#[derive(Debug)]
+pub struct Charge {
+    inflight: Arc<tokio::sync::Semaphore>,
+    bytes: u32,
+}
+
+impl Charge {
+    /// Waits until `bytes` more fit in the connection's `bound` (a line larger than the whole
+    /// bound waits until nothing else is in flight); `None` if the connection is closing.
+    pub async fn acquire(
+        inflight: &Arc<tokio::sync::Semaphore>,
+        bound: usize,
+        bytes: usize,
+    ) -> Option<Charge> {
+        let bytes = u32::try_from(bytes.min(bound)).unwrap_or(u32::MAX);
+        inflight.acquire_many(bytes).await.ok()?.forget();
+        Some(Charge {
+            inflight: Arc::clone(inflight),
+            bytes,
+        })
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.inflight.add_permits(self.bytes as usize);
     }
 }
 
@@ -732,4 +764,47 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
     let _ = wr.write_all(&buf).await;
     let _ = wr.flush().await;
     let _ = wr.shutdown().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Request bytes in flight are lent out of the connection's bound and given back when the
+    /// request is answered (its charge dropped); a line longer than the whole bound goes alone.
+    #[test]
+    fn request_bytes_in_flight_are_bounded_and_given_back() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let inflight = Arc::new(Semaphore::new(100));
+            let a = Charge::acquire(&inflight, 100, 60).await.unwrap();
+            let b = Charge::acquire(&inflight, 100, 40).await.unwrap();
+            let third = Charge::acquire(&inflight, 100, 1);
+            tokio::pin!(third);
+            assert!(
+                futures_poll(third.as_mut()).is_none(),
+                "the bound is spent: the next line waits"
+            );
+            drop(a);
+            let c = third.await.unwrap();
+            drop((b, c));
+            assert_eq!(inflight.available_permits(), 100, "everything given back");
+            let huge = Charge::acquire(&inflight, 100, 1 << 20).await.unwrap();
+            assert_eq!(inflight.available_permits(), 0, "a long line takes the whole bound");
+            drop(huge);
+            assert_eq!(inflight.available_permits(), 100);
+        });
+    }
+
+    /// Polls a future once.
+    fn futures_poll<F: std::future::Future>(f: std::pin::Pin<&mut F>) -> Option<F::Output> {
+        let waker = std::task::Waker::noop();
+        match f.poll(&mut std::task::Context::from_waker(waker)) {
+            std::task::Poll::Ready(v) => Some(v),
+            std::task::Poll::Pending => None,
+        }
+    }
 }

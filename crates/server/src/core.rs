@@ -66,39 +66,8 @@ pub struct ReplyTo {
     pub out: Outbox,
     pub id: Id,
     /// The request's share of its connection's input bound, given back when this is dropped:
-    /// once the core has answered.
-    pub charge: Option<Charge>,
-}
-
-/// Bytes of a request line counted against its connection's `inflight_bytes_max` until the
-/// request is answered (dropped).
-#[derive(Debug)]
-pub struct Charge {
-    inflight: Arc<tokio::sync::Semaphore>,
-    bytes: u32,
-}
-
-impl Charge {
-    /// Waits until `bytes` more fit in the connection's `bound` (a line larger than the whole
-    /// bound waits until nothing else is in flight); `None` if the connection is closing.
-    pub async fn acquire(
-        inflight: &Arc<tokio::sync::Semaphore>,
-        bound: usize,
-        bytes: usize,
-    ) -> Option<Charge> {
-        let bytes = u32::try_from(bytes.min(bound)).unwrap_or(u32::MAX);
-        inflight.acquire_many(bytes).await.ok()?.forget();
-        Some(Charge {
-            inflight: Arc::clone(inflight),
-            bytes,
-        })
-    }
-}
-
-impl Drop for Charge {
-    fn drop(&mut self) {
-        self.inflight.add_permits(self.bytes as usize);
-    }
+    /// once the core has answered (or parked it as a waiter).
+    pub charge: Option<crate::conn::Charge>,
 }
 
 /// A read. Listings come in pages: where the page starts (`cursor`) and its item and byte
@@ -539,13 +508,15 @@ impl Core {
                 key,
                 timeout,
                 conn,
-                to,
+                mut to,
             } => match self.wait_verdict(&principal, &run, &key) {
                 Ok(Verdict::Held { .. }) if !timeout.is_zero() => {
                     if self.waiter_count >= self.opts.waiters_max {
                         let msg = format!("limit reached: waiters_max = {}", self.opts.waiters_max);
                         self.send(to, Answer::Error(ErrorCode::LimitExceeded, msg));
                     } else {
+                        // A parked wait is a small waiter, not its request line.
+                        to.charge = None;
                         self.waiter_count += 1;
                         *self.waiters_of_conn.entry(conn).or_default() += 1;
                         let deadline = Instant::now() + timeout;

@@ -56,8 +56,8 @@ impl Unwritten {
     }
 
     /// Counts `n` more bytes handed to the writer; `false` when that puts the connection past
-    /// its bound. A connection may always hold one item, whatever its size, while it holds
-    /// nothing else: the bound is on falling behind, not on the size of one reply.
+    /// its bound. An item is always taken while nothing else is unwritten, whatever its size:
+    /// the bound is on falling behind, not on the size of one reply.
     fn charge(&self, n: usize) -> bool {
         if self.over.is_closed() {
             return false;
@@ -474,12 +474,14 @@ mod tests {
         let unwritten = Unwritten::new(7, 1000);
         let out = Outbox::new(tx, Some(direct), Some(Arc::clone(&unwritten)));
 
-        // One item is always taken, whatever its size; then 1000 bytes more at most.
+        // One item is always taken while nothing else waits, whatever its size; written, it
+        // makes room; then 1000 bytes in all at most.
         out.send(Out::Rendered(vec![b'x'; 5000])).unwrap();
-        out.send(Out::Rendered(vec![b'y'; 900])).unwrap();
-        assert!(rx.try_recv().is_ok() && rx.try_recv().is_ok());
+        assert!(rx.try_recv().is_ok());
         unwritten.written(5000);
+        out.send(Out::Rendered(vec![b'y'; 900])).unwrap();
         out.send(Out::Rendered(vec![b'z'; 100])).unwrap();
+        assert!(rx.try_recv().is_ok() && rx.try_recv().is_ok());
         assert!(!out.is_closed());
 
         assert_eq!(out.send(Out::Rendered(vec![b'w'; 1])), Err(Closed));
