@@ -93,7 +93,8 @@ fn a_client_that_never_reads_cannot_grow_the_daemon() {
     // Huge pipelined input on another connection that never reads: repeats of a held 60 KB
     // admit (each answered `held`, nothing recorded).
     let mut flood = deaf_agent(&d);
-    let admit = json!({"op": "admit", "run": "big-0", "key": "k", "tool": "refund", "args": big_args()});
+    let admit =
+        json!({"op": "admit", "run": "big-0", "key": "k", "tool": "refund", "args": big_args()});
     let line = format!("{admit}\n").into_bytes();
     let written = pipeline(&mut flood, &line, 4000);
     // Everything the two connections handed to the core is handled before this round trip.
@@ -238,8 +239,14 @@ fn every_listing_comes_in_pages_and_the_cursor_reads_everything_once() {
     runs.sort();
     runs.dedup();
     assert_eq!(runs.len(), HELD, "each held effect once");
-    let expiry: Vec<u64> = pending.iter().map(|p| p["expires_at"].as_u64().unwrap()).collect();
-    assert!(expiry.windows(2).all(|w| w[0] <= w[1]), "soonest to expire first");
+    let expiry: Vec<u64> = pending
+        .iter()
+        .map(|p| p["expires_at"].as_u64().unwrap())
+        .collect();
+    assert!(
+        expiry.windows(2).all(|w| w[0] <= w[1]),
+        "soonest to expire first"
+    );
     assert_eq!(pending[0]["args"], big_args(), "arguments as sent");
     let small = all_pages(&mut op, json!({"op": "pending", "limit": 5}), "pending");
     assert_eq!(small, pending, "pages of 5 read the same inbox");
@@ -247,7 +254,10 @@ fn every_listing_comes_in_pages_and_the_cursor_reads_everything_once() {
     assert_eq!(strings(&one, "run"), ["big-7"]);
 
     // runs: in id order, 66 of them, each once.
-    let all = strings(&all_pages(&mut op, json!({"op": "runs", "limit": 7}), "runs"), "run");
+    let all = strings(
+        &all_pages(&mut op, json!({"op": "runs", "limit": 7}), "runs"),
+        "run",
+    );
     let mut sorted = all.clone();
     sorted.sort();
     sorted.dedup();
@@ -271,7 +281,10 @@ fn every_listing_comes_in_pages_and_the_cursor_reads_everything_once() {
     ] {
         let r = op.call(bad.clone()).unwrap();
         let e = r.error.unwrap_or_else(|| panic!("{bad} was accepted"));
-        assert_eq!((e.code.as_str(), e.message.contains("cursor")), ("invalid_field", true));
+        assert_eq!(
+            (e.code.as_str(), e.message.contains("cursor")),
+            ("invalid_field", true)
+        );
     }
 
     // The same over HTTP; a cursor that looks like a number stays a string.
@@ -282,7 +295,10 @@ fn every_listing_comes_in_pages_and_the_cursor_reads_everything_once() {
     let http_runs = http_all_pages(&addr, &t, "/api/v1/runs?limit=10", "runs");
     assert_eq!(strings(&http_runs, "run"), all);
     let (status, after_12) = http_get(&addr, &t, "/api/v1/runs?limit=1&cursor=12");
-    assert_eq!((status, after_12["runs"][0]["run"].clone()), (200, json!("123")));
+    assert_eq!(
+        (status, after_12["runs"][0]["run"].clone()),
+        (200, json!("123"))
+    );
     let http_report = http_all_pages(&addr, &t, "/api/v1/runs/rep/report?limit=4", "in_flight");
     assert_eq!(strings(&http_report, "key"), want);
     let (status, _) = http_get(&addr, &t, "/api/v1/pending?cursor=nope");
@@ -293,7 +309,11 @@ fn every_listing_comes_in_pages_and_the_cursor_reads_everything_once() {
     assert_eq!(code, 0, "{err}");
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["pending"].as_array().unwrap().len(), HELD);
-    assert!(v.get("next").is_none() && v.get("more").is_none(), "{}", &out[..200]);
+    assert!(
+        v.get("next").is_none() && v.get("more").is_none(),
+        "{}",
+        &out[..200]
+    );
     let (_, out, _) = d.cli(&["runs", "--limit", "5", "--json"]);
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["runs"].as_array().unwrap().len(), 5);
@@ -302,5 +322,9 @@ fn every_listing_comes_in_pages_and_the_cursor_reads_everything_once() {
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(strings(v["in_flight"].as_array().unwrap(), "key"), want);
     let (_, out, _) = d.cli(&["pending"]);
-    assert_eq!(out.lines().count(), HELD + 1, "a header and every held effect");
+    assert_eq!(
+        out.lines().count(),
+        HELD + 1,
+        "a header and every held effect"
+    );
 }

@@ -23,12 +23,12 @@ pub use codec::{Line, LineReader};
 pub use digest::{canonical_input, digest_of, write_canonical};
 pub use error::{ErrorCode, WireError};
 pub use id::Id;
+pub use page::{PageBudget, PendingCursor, Weight};
 pub use reply::{
     Ack, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply, LedgerEntry,
     LedgerReply, PendingItem, PendingReply, Pong, RawJson, Report, ReportItem, RunView, RunsReply,
     ServerLine, TokenCreated, Verdict, parse_server_line,
 };
-pub use page::{PageBudget, PendingCursor, Weight};
 pub use request::{
     Admit, CloseOutcome, Complete, Limits, Op, Request, RequestError, RequestErrorKind, Secret,
     Verb, parse_request,

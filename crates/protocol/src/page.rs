@@ -190,7 +190,14 @@ mod tests {
             key: EffectKey::new("k,2]").unwrap(),
         };
         assert_eq!(PendingCursor::decode(&c.encode()), Some(c));
-        for bad in ["", "17", "[17,\"r\"]", "[17,\"\",\"k\"]", "[-1,\"r\",\"k\"]", "{}"] {
+        for bad in [
+            "",
+            "17",
+            "[17,\"r\"]",
+            "[17,\"\",\"k\"]",
+            "[-1,\"r\",\"k\"]",
+            "{}",
+        ] {
             assert_eq!(PendingCursor::decode(bad), None, "{bad}");
         }
     }

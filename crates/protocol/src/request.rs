@@ -530,11 +530,9 @@ fn verb_fields(verb: Verb) -> u32 {
         Verb::Start => &[F::Run, F::Key, F::Token],
         Verb::Complete => &[F::Run, F::Key, F::Token, F::Outcome, F::Result, F::Error],
         Verb::Wait => &[F::Run, F::Key, F::TimeoutMs],
-        Verb::Subscribe
-        | Verb::Unsubscribe
-        | Verb::Status
-        | Verb::Pause
-        | Verb::Resume => &[F::Run],
+        Verb::Subscribe | Verb::Unsubscribe | Verb::Status | Verb::Pause | Verb::Resume => {
+            &[F::Run]
+        }
         Verb::Report | Verb::Pending => &[F::Run, F::Limit, F::Cursor],
         Verb::Cancel => &[F::Run, F::Reason, F::Cascade],
         Verb::Ping => &[],

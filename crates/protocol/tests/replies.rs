@@ -7,8 +7,9 @@ use std::fmt::Debug;
 use estop_protocol::reply::{ack_line, error_line, event_line, ok_line, pong_line};
 use estop_protocol::{
     Ack, ClientReply, DecideReply, EffectCounts, ErrorCode, Event, EventKind, HelloReply, Id,
-    LedgerEntry, LedgerReply, PendingItem, PendingReply, Pong, RawJson, Report, ReportItem, RunView,
-    RunsReply, Secret, ServerLine, TokenCreated, Verdict, parse_request, parse_server_line,
+    LedgerEntry, LedgerReply, PendingItem, PendingReply, Pong, RawJson, Report, ReportItem,
+    RunView, RunsReply, Secret, ServerLine, TokenCreated, Verdict, parse_request,
+    parse_server_line,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;

@@ -7,9 +7,8 @@ use estop_kernel::ids::{Digest, EffectKey, PrincipalName, Role, RunId, ToolName}
 use estop_kernel::vocab::{Decision, Outcome, RunState};
 use estop_protocol::limits::*;
 use estop_protocol::{
-    PendingCursor,
-    Admit, CloseOutcome, Complete, ErrorCode, Id, Limits, Op, Request, Secret, Verb, digest_of,
-    parse_request,
+    Admit, CloseOutcome, Complete, ErrorCode, Id, Limits, Op, PendingCursor, Request, Secret, Verb,
+    digest_of, parse_request,
 };
 use proptest::prelude::*;
 use serde_json::{Value, json};

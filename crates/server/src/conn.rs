@@ -793,7 +793,11 @@ mod tests {
             drop((b, c));
             assert_eq!(inflight.available_permits(), 100, "everything given back");
             let huge = Charge::acquire(&inflight, 100, 1 << 20).await.unwrap();
-            assert_eq!(inflight.available_permits(), 0, "a long line takes the whole bound");
+            assert_eq!(
+                inflight.available_permits(),
+                0,
+                "a long line takes the whole bound"
+            );
             drop(huge);
             assert_eq!(inflight.available_permits(), 100);
         });

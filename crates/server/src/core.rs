@@ -15,8 +15,8 @@ use estop_kernel::{
 };
 use estop_ledger::LedgerError;
 use estop_protocol::page::{PageBudget, PendingCursor, Weight};
-use estop_protocol::{ErrorCode, Id};
 use estop_protocol::reply as wire;
+use estop_protocol::{ErrorCode, Id};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -107,9 +107,7 @@ fn answer_weight(answer: &Answer) -> usize {
     const SMALL: usize = 256;
     match answer {
         Answer::Verdict(wire::Verdict::Duplicate { result, error, .. }) => {
-            SMALL
-                + result.as_ref().map_or(0, value_weight)
-                + error.as_ref().map_or(0, String::len)
+            SMALL + result.as_ref().map_or(0, value_weight) + error.as_ref().map_or(0, String::len)
         }
         Answer::Ack(a) => SMALL + a.runs.iter().map(|r| r.len() + 4).sum::<usize>(),
         Answer::Error(_, message) => SMALL + message.len(),
@@ -485,7 +483,10 @@ mod tests {
         assert!(!out.is_closed());
 
         assert_eq!(out.send(Out::Rendered(vec![b'w'; 1])), Err(Closed));
-        assert!(rx.try_recv().is_err(), "the item past the bound was dropped");
+        assert!(
+            rx.try_recv().is_err(),
+            "the item past the bound was dropped"
+        );
         assert!(out.is_closed() && unwritten.is_over());
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()

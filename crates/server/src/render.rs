@@ -125,7 +125,12 @@ pub fn pending_item(run_id: &RunId, key: &EffectKey, e: &Effect) -> Option<wire:
 
 /// One page of a run's after-stop report: the effects after `after`, in key order (so each
 /// list is in key order), until `page` is full.
-pub fn report(id: &RunId, run: &Run, after: Option<&EffectKey>, mut page: PageBudget) -> wire::Report {
+pub fn report(
+    id: &RunId,
+    run: &Run,
+    after: Option<&EffectKey>,
+    mut page: PageBudget,
+) -> wire::Report {
     let mut r = wire::Report {
         run: id.to_string(),
         state: run.state.as_str().to_string(),
