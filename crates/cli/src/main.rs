@@ -123,7 +123,8 @@ struct ServeArgs {
     /// Longest request line in bytes.
     #[arg(long, default_value_t = 64 * 1024)]
     line_bytes_max: usize,
-    /// Bytes of replies one connection may leave unread before it is disconnected.
+    /// Bytes of replies one connection may leave unread: past a quarter of it the connection
+    /// is not read further; past all of it (events, say) it is disconnected.
     #[arg(long, default_value_t = 4 << 20)]
     output_bytes_max: usize,
     /// Bytes of request lines one connection may have in flight (the gate stops reading it).

@@ -31,10 +31,9 @@ pub struct ConnOptions {
     /// yet (a line longer than this is let through alone): pipelining is bounded by bytes as
     /// well as by count.
     pub inflight_bytes_max: usize,
-    /// Bytes of replies and events one connection's writer may hold unwritten (one larger
-    /// item is still taken while nothing else waits) before the connection is closed: a client
-    /// that does not read what it asks for is disconnected rather than growing the daemon's
-    /// memory.
+    /// Bytes of replies and events one connection's writer may hold unwritten: its next
+    /// request is read only below a quarter of it (a client that asks and does not read stops
+    /// being read), and what it is sent anyway past it closes the connection (`outbox`).
     pub output_bytes_max: usize,
     /// Longest `wait` a client may ask for.
     pub wait_ms_max: u64,
@@ -110,23 +109,22 @@ pub fn render(id: &Id, answer: &Answer) -> Vec<u8> {
 /// request is answered (dropped).
 #[derive(Debug)]
 pub struct Charge {
-    inflight: Arc<tokio::sync::Semaphore>,
+    inflight: Arc<Semaphore>,
     bytes: u32,
+    /// For a listing: its place among the connection's listings in flight.
+    listing: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Charge {
     /// Waits until `bytes` more fit in the connection's `bound` (a line larger than the whole
     /// bound waits until nothing else is in flight); `None` if the connection is closing.
-    pub async fn acquire(
-        inflight: &Arc<tokio::sync::Semaphore>,
-        bound: usize,
-        bytes: usize,
-    ) -> Option<Charge> {
+    pub async fn acquire(inflight: &Arc<Semaphore>, bound: usize, bytes: usize) -> Option<Charge> {
         let bytes = u32::try_from(bytes.min(bound)).unwrap_or(u32::MAX);
         inflight.acquire_many(bytes).await.ok()?.forget();
         Some(Charge {
             inflight: Arc::clone(inflight),
             bytes,
+            listing: None,
         })
     }
 }
@@ -150,6 +148,7 @@ where
         out_tx,
         permits,
         inflight,
+        listings,
         backlog,
         unwritten,
         writer,
@@ -157,6 +156,8 @@ where
     let requests = async {
         let mut principal: Option<Principal> = None;
         loop {
+            // A client that does not read what it asked for stops being read.
+            unwritten.paced().await;
             let line = match reader.next_line().await {
                 Ok(Some(l)) => l,
                 Ok(None) | Err(_) => break,
@@ -170,8 +171,14 @@ where
             let Some(charge) = Charge::acquire(&inflight, bound, line_bytes(&line)).await else {
                 break;
             };
-            let call = (conn, &out_tx, &backlog);
-            request(line, charge, &mut principal, call, &shared).await;
+            let call = Call {
+                conn,
+                out: &out_tx,
+                backlog: &backlog,
+                listings: &listings,
+                charge: &std::sync::Mutex::new(Some(charge)),
+            };
+            request(line, &mut principal, call, &shared).await;
         }
     };
     // A connection that falls too far behind its replies is closed whatever its reader does.
@@ -189,17 +196,15 @@ fn line_bytes(line: &Line<'_>) -> usize {
     }
 }
 
-/// Answers one line, or hands it to the core (with `charge`, the line's share of the
-/// connection's input bound, held until the core answers). `conn` is the connection's id,
-/// outbox and event backlog.
+/// Answers one line, or hands it to the core (with the line's charge, held until the core
+/// answers).
 async fn request(
     line: Line<'_>,
-    charge: Charge,
     principal: &mut Option<Principal>,
-    conn: (u64, &Outbox, &Arc<AtomicUsize>),
+    call: Call<'_>,
     shared: &Arc<Shared>,
 ) {
-    let (conn, out_tx, backlog) = conn;
+    let out_tx = call.out;
     let (id, answer) = match line {
         Line::TooLong { bytes } => (
             Id::default(),
@@ -215,14 +220,6 @@ async fn request(
             Err(e) => (e.id.clone(), Some(err(e.code(), e.to_string()))),
             Ok(req) => {
                 let id = req.id.clone();
-                // Taken by the core message that carries the request, if one does.
-                let charge = std::sync::Mutex::new(Some(charge));
-                let call = Call {
-                    conn,
-                    out: out_tx,
-                    backlog,
-                    charge: &charge,
-                };
                 (id, dispatch(req, principal, call, shared).await)
             }
         },
@@ -245,6 +242,8 @@ pub struct Opened<S> {
     pub permits: Arc<Semaphore>,
     /// Bytes of request lines in flight ([`ConnOptions::inflight_bytes_max`], see [`Charge`]).
     pub inflight: Arc<Semaphore>,
+    /// Listings in flight ([`LISTINGS_IN_FLIGHT_MAX`]).
+    pub listings: Arc<Semaphore>,
     /// Events queued for this connection and not yet written (bounds a non-reading subscriber).
     pub backlog: Arc<AtomicUsize>,
     /// Bytes its writer holds unwritten ([`ConnOptions::output_bytes_max`]).
@@ -266,6 +265,7 @@ where
     let (tx, out_rx) = tmpsc::unbounded_channel::<Out>();
     let permits = Arc::new(Semaphore::new(shared.opts.outstanding_per_connection_max));
     let inflight = Arc::new(Semaphore::new(shared.opts.inflight_bytes_max.max(1)));
+    let listings = Arc::new(Semaphore::new(LISTINGS_IN_FLIGHT_MAX));
     let backlog = Arc::new(AtomicUsize::new(0));
     let unwritten = Unwritten::new(conn, shared.opts.output_bytes_max);
     let direct = socket.map(|s| Direct::new(s, render, Arc::clone(&permits)));
@@ -295,6 +295,7 @@ where
         out_tx,
         permits,
         inflight,
+        listings,
         backlog,
         unwritten,
         writer,
@@ -321,13 +322,37 @@ fn to_core(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
     }
 }
 
-/// The connection a request came on, and its share of the connection's input bound (taken by
-/// the core message that carries the request, if any).
+/// Listings (`runs`, `pending`, `report`, `ledger`) one connection may have asked for and not
+/// had answered: with the reader paced by unwritten output, this bounds what a burst of
+/// pipelined listings can add to a connection's output (a page each) before it is read.
+pub const LISTINGS_IN_FLIGHT_MAX: usize = 1;
+
+/// The connection a request came on, and its line's charge ([`Charge`], taken by the core
+/// message that carries the request, if any).
 struct Call<'a> {
     conn: u64,
     out: &'a Outbox,
     backlog: &'a Arc<AtomicUsize>,
+    listings: &'a Arc<Semaphore>,
     charge: &'a std::sync::Mutex<Option<Charge>>,
+}
+
+impl Call<'_> {
+    /// Waits for a place among the connection's listings in flight; the request's charge holds
+    /// it until the listing is answered.
+    async fn listing(&self) {
+        let permit = Arc::clone(self.listings)
+            .acquire_owned()
+            .await
+            .expect("the listings semaphore is never closed");
+        let mut charge = self
+            .charge
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(c) = charge.as_mut() {
+            c.listing = Some(permit);
+        }
+    }
 }
 
 /// Handles one request. `Some(answer)` is answered at once; `None` means the core answers.
@@ -337,11 +362,18 @@ async fn dispatch(
     call: Call<'_>,
     shared: &Arc<Shared>,
 ) -> Option<Answer> {
+    if matches!(
+        req.op,
+        Op::Runs { .. } | Op::Pending { .. } | Op::Report { .. } | Op::Ledger { .. }
+    ) {
+        call.listing().await;
+    }
     let Call {
         conn,
         out,
         backlog,
         charge,
+        ..
     } = call;
     let verb = req.op.verb();
     if let Op::Hello { token } = &req.op {
@@ -714,10 +746,15 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
     // Items whose bytes are in `buf`, not yet written, and what they weigh.
     let mut items = 0;
     let mut weight = 0;
+    let mut pages = 0;
     while let Some(out) = rx.recv().await {
         items += 1;
         if unwritten.is_some() {
-            weight += crate::outbox::weight(&out);
+            let w = crate::outbox::weight(&out);
+            weight += w;
+            if crate::outbox::is_page(&out) {
+                pages += w;
+            }
         }
         match out {
             Out::Answer { id, answer, after } => {
@@ -755,10 +792,11 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
                 d.written(items);
             }
             if let Some(u) = &unwritten {
-                u.written(weight);
+                u.written(weight, pages);
             }
             items = 0;
             weight = 0;
+            pages = 0;
         }
     }
     let _ = wr.write_all(&buf).await;

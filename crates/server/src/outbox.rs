@@ -9,9 +9,11 @@
 //! the socket; anything it could not write whole goes to the writer next. Writes never block: a
 //! full socket sends the rest to the writer, which waits for the client to read.
 //!
-//! What the writer holds is bounded by bytes ([`Unwritten`]): a client that does not read what
-//! it asked for (a listing, say, again and again) is disconnected once it is more than
-//! `output_bytes_max` behind, rather than growing the daemon's memory.
+//! What the writer holds is bounded by bytes ([`Unwritten`]). A connection's requests are paced
+//! by it: its next request is read only while less than a quarter of `output_bytes_max` is
+//! unwritten, so a client that asks and does not read stops being read. What arrives anyway
+//! (events, replies to requests already in flight) past `output_bytes_max` closes the
+//! connection, rather than growing the daemon's memory.
 
 use crate::core::{Answer, Out};
 use estop_protocol::page::{Weight, value_weight};
@@ -38,31 +40,65 @@ pub struct Outbox {
 /// socket close, and the core forgets its waits and subscriptions (`CoreMsg::Disconnect`).
 #[derive(Debug)]
 pub struct Unwritten {
+    /// Everything unwritten: what the connection's reader is paced by.
     bytes: AtomicUsize,
+    /// Of which pages of listings.
+    pages: AtomicUsize,
     max: usize,
     conn: u64,
     /// Closed (never acquired) once the bound is crossed: a one-shot signal any task can await.
     over: Semaphore,
+    /// Woken when the writer has written something: a paced reader looks again.
+    drained: tokio::sync::Notify,
 }
 
 impl Unwritten {
     pub fn new(conn: u64, max: usize) -> Arc<Unwritten> {
         Arc::new(Unwritten {
             bytes: AtomicUsize::new(0),
+            pages: AtomicUsize::new(0),
             max,
             conn,
             over: Semaphore::new(0),
+            drained: tokio::sync::Notify::new(),
         })
     }
 
-    /// Counts `n` more bytes handed to the writer; `false` when that puts the connection past
-    /// its bound. An item is always taken while nothing else is unwritten, whatever its size:
-    /// the bound is on falling behind, not on the size of one reply.
-    fn charge(&self, n: usize) -> bool {
+    /// Below this, a connection's next request may be read.
+    fn pace_bytes(&self) -> usize {
+        self.max / 4
+    }
+
+    /// Returns once less than a quarter of the bound is unwritten (or the bound was crossed):
+    /// the connection's reader waits here before it reads the next request.
+    pub async fn paced(&self) {
+        loop {
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable();
+            if self.bytes.load(Ordering::Acquire) < self.pace_bytes() || self.is_over() {
+                return;
+            }
+            drained.await;
+        }
+    }
+
+    /// Counts `n` more bytes handed to the writer (`page`: a page of a listing); `false` when
+    /// that puts the connection past its bound. Pages count for pacing but never cut a client
+    /// off: the connection has one listing in flight at most and reads its next request only
+    /// once it has read most of what it was sent, so they are bounded already. Anything else is
+    /// taken while nothing else is unwritten, whatever its size (the bound is on falling
+    /// behind, not on the size of one reply), and within the bound otherwise.
+    fn charge(&self, n: usize, page: bool) -> bool {
         if self.over.is_closed() {
             return false;
         }
         let before = self.bytes.fetch_add(n, Ordering::AcqRel);
+        if page {
+            self.pages.fetch_add(n, Ordering::AcqRel);
+            return true;
+        }
+        let before = before.saturating_sub(self.pages.load(Ordering::Acquire));
         if before > 0 && before + n > self.max {
             self.bytes.fetch_sub(n, Ordering::AcqRel);
             crate::log::warn(&format!(
@@ -75,9 +111,13 @@ impl Unwritten {
         true
     }
 
-    /// The writer wrote (or dropped) items worth `n` bytes.
-    pub fn written(&self, n: usize) {
-        self.bytes.fetch_sub(n, Ordering::AcqRel);
+    /// The writer wrote (or dropped) items worth `n` bytes, `pages` of them pages of listings.
+    pub fn written(&self, n: usize, pages: usize) {
+        self.pages.fetch_sub(pages, Ordering::AcqRel);
+        let before = self.bytes.fetch_sub(n, Ordering::AcqRel);
+        if before >= self.pace_bytes() && before - n < self.pace_bytes() {
+            self.drained.notify_waiters();
+        }
     }
 
     pub fn is_over(&self) -> bool {
@@ -89,6 +129,17 @@ impl Unwritten {
         // Never acquired: `acquire` fails exactly when the semaphore is closed.
         let _ = self.over.acquire().await;
     }
+}
+
+/// Whether `item` is a page of a listing (see [`Unwritten::charge`]).
+pub fn is_page(item: &Out) -> bool {
+    matches!(
+        item,
+        Out::Answer {
+            answer: Answer::Runs(_) | Answer::Pending(_) | Answer::Report(_) | Answer::Ledger(_),
+            ..
+        }
+    )
 }
 
 /// About the bytes `item` renders to (see [`Weight`]): what [`Unwritten`] counts.
@@ -226,7 +277,7 @@ impl Outbox {
     /// the connection's reader ends.
     fn to_writer(&self, item: Out) -> Result<(), Closed> {
         if let Some(u) = &self.unwritten
-            && !u.charge(weight(&item))
+            && !u.charge(weight(&item), is_page(&item))
         {
             if let Some(d) = &self.direct {
                 shutdown(&d.socket);
@@ -476,11 +527,30 @@ mod tests {
         // makes room; then 1000 bytes in all at most.
         out.send(Out::Rendered(vec![b'x'; 5000])).unwrap();
         assert!(rx.try_recv().is_ok());
-        unwritten.written(5000);
+        unwritten.written(5000, 0);
         out.send(Out::Rendered(vec![b'y'; 900])).unwrap();
         out.send(Out::Rendered(vec![b'z'; 100])).unwrap();
         assert!(rx.try_recv().is_ok() && rx.try_recv().is_ok());
         assert!(!out.is_closed());
+        // A page of a listing counts (the reader is paced by it) but never cuts a client off.
+        let page = wire::PendingReply {
+            pending: vec![wire::PendingItem {
+                args: Some(wire::RawJson::new(
+                    format!("\"{}\"", "a".repeat(5000)).into(),
+                )),
+                ..wire::PendingItem::default()
+            }],
+            ..wire::PendingReply::default()
+        };
+        let page = Out::Answer {
+            id: Id::from_u64(8),
+            answer: Answer::Pending(page),
+            after: After::default(),
+        };
+        let w = weight(&page);
+        out.send(page).unwrap();
+        assert!(rx.try_recv().is_ok() && !out.is_closed());
+        unwritten.written(w, w);
 
         assert_eq!(out.send(Out::Rendered(vec![b'w'; 1])), Err(Closed));
         assert!(

@@ -65,6 +65,8 @@ pub async fn serve<S>(
     } = open(stream, socket, &shared, render);
     let requests = async {
         loop {
+            // A client that does not read what it asked for stops being read.
+            unwritten.paced().await;
             let line = match reader.next_line().await {
                 Ok(Some(l)) => l,
                 Ok(None) | Err(_) => break,
