@@ -44,10 +44,10 @@ export function estopBin() {
   return join(target, "debug", "estop");
 }
 
-export async function startDaemon({ policy = POLICY } = {}) {
+export async function startDaemon({ policy = POLICY, args = [] } = {}) {
   const dir = mkdtempSync(join(tmpdir(), "estop-console-"));
   writeFileSync(join(dir, "policy.toml"), policy);
-  const child = spawn(estopBin(), ["serve", "--data", dir, "--policy", join(dir, "policy.toml"), "--console", "127.0.0.1:0"], {
+  const child = spawn(estopBin(), ["serve", "--data", dir, "--policy", join(dir, "policy.toml"), "--console", "127.0.0.1:0", ...args], {
     stdio: ["ignore", "pipe", "pipe"],
   });
   const log = [];

@@ -51,8 +51,9 @@ enum Cmd {
         /// Only runs in this state (active, paused, finalizing, completed, failed, cancelled).
         #[arg(long)]
         state: Option<String>,
-        #[arg(long, default_value_t = 1000)]
-        limit: u32,
+        /// Show at most this many (default: every run, read page by page).
+        #[arg(long)]
+        limit: Option<u32>,
         #[command(flatten)]
         conn: Conn,
     },
@@ -60,6 +61,9 @@ enum Cmd {
     Pending {
         #[arg(long)]
         run: Option<String>,
+        /// Show at most this many (default: every one, read page by page).
+        #[arg(long)]
+        limit: Option<u32>,
         #[command(flatten)]
         conn: Conn,
     },
@@ -150,6 +154,16 @@ struct ServeArgs {
     /// Longest request line in bytes.
     #[arg(long, default_value_t = 64 * 1024)]
     line_bytes_max: usize,
+    /// Bytes of replies one connection may leave unread: past a quarter of it the connection
+    /// is not read further; past all of it (events, say) it is disconnected.
+    #[arg(long, default_value_t = 4 << 20)]
+    output_bytes_max: usize,
+    /// Bytes of request lines one connection may have in flight (the gate stops reading it).
+    #[arg(long, default_value_t = 4 << 20)]
+    inflight_bytes_max: usize,
+    /// A page of a listing (runs, pending, report, ledger) ends once it reaches this many bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    page_bytes_max: usize,
     /// How long a stopped run keeps its per-effect state (e.g. 7d, 12h); its fence stays.
     #[arg(long, default_value = "7d")]
     retention: String,
@@ -290,11 +304,11 @@ fn run(cli: Cli) -> Result<u8, Failure> {
             Ok(0)
         }
         Cmd::Runs { state, limit, conn } => {
-            let mut req = json!({"op": "runs", "limit": limit});
+            let mut req = json!({"op": "runs"});
             if let Some(s) = state {
                 req["state"] = json!(s);
             }
-            let v = request(&conn, req)?;
+            let v = listing(&conn, req, &["runs"], limit)?;
             print_or(&conn, &v, || {
                 let rows: Vec<Vec<String>> = v["runs"]
                     .as_array()
@@ -333,12 +347,12 @@ fn run(cli: Cli) -> Result<u8, Failure> {
             });
             Ok(0)
         }
-        Cmd::Pending { run, conn } => {
+        Cmd::Pending { run, limit, conn } => {
             let mut req = json!({"op": "pending"});
             if let Some(r) = run {
                 req["run"] = json!(r);
             }
-            let v = request(&conn, req)?;
+            let v = listing(&conn, req, &["pending"], limit)?;
             print_or(&conn, &v, || {
                 let now = now_ms();
                 let rows: Vec<Vec<String>> = v["pending"]
@@ -415,7 +429,12 @@ fn run(cli: Cli) -> Result<u8, Failure> {
             Ok(0)
         }
         Cmd::Report(a) => {
-            let v = request(&a.conn, json!({"op": "report", "run": a.run}))?;
+            let v = listing(
+                &a.conn,
+                json!({"op": "report", "run": a.run}),
+                &REPORT_LISTS,
+                None,
+            )?;
             print_or(&a.conn, &v, || {
                 println!(
                     "run {}  state {}  cause {}",
@@ -426,17 +445,7 @@ fn run(cli: Cli) -> Result<u8, Failure> {
                 if let Some(r) = v["reason"].as_str() {
                     println!("reason {}", esc(r));
                 }
-                for section in [
-                    "done",
-                    "failed",
-                    "refused",
-                    "in_flight",
-                    "unknown",
-                    "held",
-                    "compensable",
-                    "irreversible",
-                    "undeclared",
-                ] {
+                for section in REPORT_LISTS {
                     let items = v[section].as_array().cloned().unwrap_or_default();
                     println!("\n{section} ({})", items.len());
                     for i in items {
@@ -542,8 +551,25 @@ fn token(conn: &Conn) -> Result<String, Failure> {
     })
 }
 
+/// The lists of a report, in the order it is printed.
+const REPORT_LISTS: [&str; 9] = [
+    "done",
+    "failed",
+    "refused",
+    "in_flight",
+    "unknown",
+    "held",
+    "compensable",
+    "irreversible",
+    "undeclared",
+];
+
 /// Sends one request as the operator; maps error replies to exit codes.
 fn request(conn: &Conn, req: Value) -> Result<Value, Failure> {
+    call(conn, &mut connect(conn)?, req)
+}
+
+fn connect(conn: &Conn) -> Result<Client, Failure> {
     let token = token(conn)?;
     let io = |e: estop_server::client::ClientError| Failure {
         code: 1,
@@ -562,6 +588,54 @@ fn request(conn: &Conn, req: Value) -> Result<Value, Failure> {
             ),
         });
     }
+    Ok(client)
+}
+
+/// Reads a listing page by page, following its cursor, into one reply whose `lists` hold every
+/// page's items: all of them, or the first `limit` of `lists[0]` (then `more` says whether
+/// there were others).
+fn listing(conn: &Conn, req: Value, lists: &[&str], limit: Option<u32>) -> Result<Value, Failure> {
+    let mut client = connect(conn)?;
+    let mut req = req;
+    let mut all: Option<Value> = None;
+    let mut count = 0;
+    loop {
+        if let Some(l) = limit {
+            req["limit"] = json!(l.saturating_sub(count).max(1));
+        }
+        let mut page = call(conn, &mut client, req.clone())?;
+        count += page[lists[0]].as_array().map_or(0, Vec::len) as u32;
+        let next = page.get("next").and_then(Value::as_str).map(str::to_string);
+        match &mut all {
+            None => all = Some(page),
+            Some(all) => {
+                for list in lists {
+                    let items = page[*list].as_array_mut().map(std::mem::take);
+                    if let Some(dst) = all[*list].as_array_mut() {
+                        dst.extend(items.into_iter().flatten());
+                    }
+                }
+            }
+        }
+        let all = all.as_mut().expect("set above");
+        let done = limit.is_some_and(|l| count >= l);
+        match next {
+            Some(next) if !done => req["cursor"] = json!(next),
+            _ => {
+                if let Some(o) = all.as_object_mut() {
+                    o.remove("next");
+                    if next.is_none() {
+                        o.remove("more");
+                    }
+                }
+                return Ok(all.take());
+            }
+        }
+    }
+}
+
+/// Sends one request on `client`; maps error replies to exit codes.
+fn call(conn: &Conn, client: &mut Client, req: Value) -> Result<Value, Failure> {
     let reply = client.call(req).map_err(|e| Failure {
         code: 1,
         message: e.to_string(),
@@ -664,6 +738,9 @@ fn serve(a: ServeArgs) -> Result<u8> {
     opts.core.waiters = shares(a.waiters_max, a.waiters_per_principal_max);
     opts.core.subscriptions = shares(a.subscriptions_max, a.subscriptions_per_principal_max);
     opts.conn.line_bytes_max = a.line_bytes_max;
+    opts.conn.output_bytes_max = a.output_bytes_max;
+    opts.conn.inflight_bytes_max = a.inflight_bytes_max.max(1);
+    opts.conn.page_bytes_max = a.page_bytes_max;
     opts.core.snapshot_every_records = a.snapshot_every.max(1);
     opts.core.retention_ms = estop_policy::parse_duration_ms(&a.retention)
         .map_err(|e| anyhow!("--retention {}: {e}", a.retention))?;

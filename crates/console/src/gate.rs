@@ -12,11 +12,6 @@ pub use estop_server::tokenops::ask;
 use serde_json::Value;
 use std::sync::Arc;
 
-/// Most runs one `runs` reply lists by default (the v1 default).
-const RUNS_DEFAULT: usize = 1000;
-/// Most ledger entries one page holds by default (the v1 default).
-const LEDGER_DEFAULT: usize = 1000;
-
 fn err(code: ErrorCode, msg: impl Into<String>) -> Answer {
     Answer::Error(code, msg.into())
 }
@@ -57,14 +52,28 @@ pub async fn run(shared: &Arc<Shared>, principal: &Principal, request: Value) ->
     };
     match req.op {
         Op::Status { run } => query(Query::Status { run }).await,
-        Op::Report { run } => query(Query::Report { run }).await,
-        Op::Runs { state, limit } => {
-            let limit = limit
-                .map_or(RUNS_DEFAULT, |l| l as usize)
-                .min(shared.opts.runs_reply_max);
-            query(Query::Runs { state, limit }).await
+        // Listings in pages, bounded as over v1 (`ConnOptions::page`).
+        Op::Report { run, limit, cursor } => {
+            let page = shared.opts.page(limit);
+            query(Query::Report { run, cursor, page }).await
         }
-        Op::Pending { run } => query(Query::Pending { run }).await,
+        Op::Runs {
+            state,
+            limit,
+            cursor,
+        } => {
+            let page = shared.opts.page(limit);
+            query(Query::Runs {
+                state,
+                cursor,
+                page,
+            })
+            .await
+        }
+        Op::Pending { run, limit, cursor } => {
+            let page = shared.opts.page(limit);
+            query(Query::Pending { run, cursor, page }).await
+        }
         Op::Cancel {
             run,
             reason,
@@ -117,11 +126,9 @@ pub async fn run(shared: &Arc<Shared>, principal: &Principal, request: Value) ->
         Op::Ledger { run, limit, after } => {
             let dir = shared.ledger_dir.clone();
             let durable = shared.durable_rx.borrow().seq;
-            let limit = limit
-                .map_or(LEDGER_DEFAULT, |l| l as usize)
-                .min(shared.opts.ledger_reply_max);
+            let page = shared.opts.page(limit);
             let res = tokio::task::spawn_blocking(move || {
-                ledger_entries(&dir, run.as_ref(), after.unwrap_or(0), durable, limit)
+                ledger_entries(&dir, run.as_ref(), after.unwrap_or(0), durable, page)
             })
             .await;
             match res {

@@ -84,25 +84,31 @@ fn ok(v: Value) -> Response {
     (StatusCode::OK, axum::Json(v)).into_response()
 }
 
-/// An answer of the core as an HTTP response: the v1 payload fields as a JSON object.
+/// An answer of the core as an HTTP response: the v1 payload fields as a JSON object, written
+/// straight to bytes (a listing's arguments are copied as they are, never parsed into a tree).
 pub fn answer(a: Answer) -> Response {
-    let v = match a {
-        Answer::Verdict(v) => serde_json::to_value(v),
-        Answer::Ack(x) => serde_json::to_value(x),
-        Answer::Decided(x) => serde_json::to_value(x),
-        Answer::Run(x) => serde_json::to_value(x),
-        Answer::Runs(x) => serde_json::to_value(x),
-        Answer::Pending(x) => serde_json::to_value(x),
-        Answer::Report(x) => serde_json::to_value(x),
-        Answer::Ledger(x) => serde_json::to_value(x),
-        Answer::Hello(x) => serde_json::to_value(x),
-        Answer::TokenCreated(x) => serde_json::to_value(x),
-        Answer::TokenRevoked(x) => serde_json::to_value(x),
-        Answer::Pong => Ok(json!({"pong": true})),
+    let body = match a {
+        Answer::Verdict(v) => serde_json::to_vec(&v),
+        Answer::Ack(x) => serde_json::to_vec(&x),
+        Answer::Decided(x) => serde_json::to_vec(&x),
+        Answer::Run(x) => serde_json::to_vec(&x),
+        Answer::Runs(x) => serde_json::to_vec(&x),
+        Answer::Pending(x) => serde_json::to_vec(&x),
+        Answer::Report(x) => serde_json::to_vec(&x),
+        Answer::Ledger(x) => serde_json::to_vec(&x),
+        Answer::Hello(x) => serde_json::to_vec(&x),
+        Answer::TokenCreated(x) => serde_json::to_vec(&x),
+        Answer::TokenRevoked(x) => serde_json::to_vec(&x),
+        Answer::Pong => serde_json::to_vec(&json!({"pong": true})),
         Answer::Error(code, msg) => return error(code, msg),
     };
-    match v {
-        Ok(v) => ok(v),
+    match body {
+        Ok(body) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response(),
         Err(e) => error(ErrorCode::Internal, e.to_string()),
     }
 }

@@ -170,13 +170,27 @@ window.addEventListener("hashchange", () => { S.route = parseRoute(); S.run = nu
 
 // ---------- data ----------
 
+// A listing comes in pages (at most 1000 items or 1 MiB each): follow its cursor, up to
+// `maxPages`, appending each page's `lists` to the first page's.
+async function allPages(path, lists, maxPages) {
+  const sep = path.includes("?") ? "&" : "?";
+  const first = await api("GET", path);
+  let page = first;
+  for (let n = 1; page.more && page.next && n < maxPages; n++) {
+    page = await api("GET", path + sep + "cursor=" + enc(page.next));
+    for (const k of lists) first[k] = (first[k] || []).concat(page[k] || []);
+  }
+  first.more = !!page.more;
+  return first;
+}
+
 async function loadPending() {
-  const r = await api("GET", "/api/v1/pending");
+  const r = await allPages("/api/v1/pending", ["pending"], 100);
   S.pending = r.pending || [];
 }
 
 async function loadRuns() {
-  const r = await api("GET", "/api/v1/runs?limit=1000");
+  const r = await allPages("/api/v1/runs", ["runs"], 10);
   S.runs = (r.runs || []).sort((a, b) => b.created_at - a.created_at);
 }
 
@@ -184,7 +198,7 @@ async function loadRun(run) {
   const out = { run };
   const [status, report] = await Promise.allSettled([
     api("GET", runPath(run)),
-    api("GET", runPath(run) + "/report"),
+    allPages(runPath(run) + "/report", SECTIONS.map(([k]) => k), 100),
   ]);
   if (status.status === "rejected") { out.error = status.reason; return out; }
   out.status = status.value;

@@ -682,7 +682,7 @@ fn get_effect(r: &mut R, interned: &mut Interner) -> Result<Effect, CodecError> 
             reason,
         }))
     })?;
-    let args = r.opt(R::boxed)?;
+    let args = r.opt(R::boxed)?.map(std::sync::Arc::from);
     let start_on_admit = r.bool()?;
     let status = get_status(r)?;
     let token = r.opt(|r| {

@@ -15,6 +15,7 @@ use crate::vocab::{
     RunState, StopCause,
 };
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// The whole state of the gate. Commands touch one run, its ancestor chain and (for stops) its
 /// descendants, never the rest.
@@ -142,6 +143,11 @@ impl Gate {
 
     pub fn runs(&self) -> impl Iterator<Item = (&RunId, &Run)> {
         self.runs.iter()
+    }
+
+    /// The runs after `after` in id order (every run without it): where a listing's page starts.
+    pub fn runs_after(&self, after: Option<&RunId>) -> impl Iterator<Item = (&RunId, &Run)> {
+        self.runs.iter_after(after)
     }
 
     pub fn run_count(&self) -> usize {
@@ -395,7 +401,7 @@ impl Gate {
         let tool = self.interned.tool(&a.tool);
         let rule = self.interned.rule(&a.policy.rule);
         let mut effect = Effect::new(now, tool, rule, a.digest, &a.policy, a.start);
-        effect.args = a.args.clone();
+        effect.args = a.args.as_deref().map(Arc::from);
         if a.policy.action == PolicyAction::Approve {
             effect.approval = Some(Box::new(new_approval(&a.policy)));
         }

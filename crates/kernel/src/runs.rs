@@ -127,6 +127,15 @@ impl Runs {
     pub(crate) fn iter(&self) -> impl Iterator<Item = (&RunId, &Run)> {
         self.order.iter().map(|id| (id, &*self.by_id[id]))
     }
+
+    /// The runs after `after` (all of them without it), in id order: a listing's next page.
+    pub(crate) fn iter_after(&self, after: Option<&RunId>) -> impl Iterator<Item = (&RunId, &Run)> {
+        use std::ops::Bound;
+        let from = after.map_or(Bound::Unbounded, Bound::Excluded);
+        self.order
+            .range((from, Bound::Unbounded))
+            .map(|id| (id, &*self.by_id[id]))
+    }
 }
 
 /// Like repeated `insert`s (a later duplicate replaces the run), but the ordered index is built

@@ -128,8 +128,10 @@ pub struct Effect {
     pub rule: Arc<str>,
     pub action: PolicyAction,
     pub approval: Option<Box<Approval>>,
-    /// Canonical argument JSON, kept only while an operator may need to review it.
-    pub args: Option<Box<str>>,
+    /// The arguments as the compact JSON text the gate validated at admission, kept only while
+    /// an operator may need to review them. Shared (`Arc`), so a listing copies a pointer, not
+    /// the text, and never parses it again: the renderer writes it out as it is.
+    pub args: Option<Arc<str>>,
     pub start_on_admit: bool,
     pub status: Status,
     pub token: Option<Token>,

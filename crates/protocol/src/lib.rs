@@ -15,6 +15,7 @@ pub mod digest;
 pub mod error;
 pub mod id;
 pub mod limits;
+pub mod page;
 pub mod reply;
 pub mod request;
 pub mod soundgate;
@@ -24,9 +25,10 @@ pub use codec::{Line, LineReader};
 pub use digest::{canonical_input, digest_of, write_canonical};
 pub use error::{ErrorCode, WireError};
 pub use id::Id;
+pub use page::{PageBudget, PendingCursor, Weight};
 pub use reply::{
     Ack, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply, LedgerEntry,
-    LedgerReply, PendingItem, PendingReply, Pong, Report, ReportItem, RunView, RunsReply,
+    LedgerReply, PendingItem, PendingReply, Pong, RawJson, Report, ReportItem, RunView, RunsReply,
     ServerLine, TokenCreated, TokenRevoked, Verdict, parse_server_line,
 };
 pub use request::{

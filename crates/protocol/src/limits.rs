@@ -19,4 +19,7 @@ pub const LABEL_VALUE_BYTES_MAX: usize = 256;
 pub const GROUPS_MAX: usize = 16;
 pub const GROUP_BYTES_MAX: usize = 64;
 
+/// Longest `cursor` a listing accepts (the gate's own cursors are far shorter).
+pub const CURSOR_BYTES_MAX: usize = 1024;
+
 pub use crate::id::ID_BYTES_MAX;

@@ -7,10 +7,12 @@
 //! from kernel state (kernel types stay free of serde).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::error::{ErrorCode, WireError};
 use crate::id::Id;
@@ -208,13 +210,53 @@ pub struct RunView {
     pub effects: EffectCounts,
 }
 
-/// The reply to `runs`.
+/// The reply to `runs`: one page.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunsReply {
     pub runs: Vec<RunView>,
-    /// More runs matched than `limit` allowed.
+    /// More runs follow this page: pass `next` as `cursor` to read them.
     #[serde(default, skip_serializing_if = "is_false")]
     pub more: bool,
+    /// The cursor of the next page, present exactly when `more`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
+}
+
+/// JSON text the gate validated when it received it, written out as it is and never parsed
+/// into a tree again: the arguments of a held effect, shared with the gate's state (a listing
+/// copies a pointer, not the text).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawJson(Arc<str>);
+
+impl RawJson {
+    /// `text` must be one JSON value: the gate's own compact rendering of a value it parsed.
+    pub fn new(text: Arc<str>) -> RawJson {
+        RawJson(text)
+    }
+
+    pub fn get(&self) -> &str {
+        &self.0
+    }
+
+    /// The value as a tree, for clients that want to look inside.
+    pub fn to_value(&self) -> Value {
+        serde_json::from_str(&self.0).unwrap_or(Value::Null)
+    }
+}
+
+impl Serialize for RawJson {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        // Borrowed: a validating scan, no allocation, then the bytes are copied as they are.
+        let raw: &RawValue = serde_json::from_str(&self.0).map_err(serde::ser::Error::custom)?;
+        raw.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for RawJson {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<RawJson, D::Error> {
+        let raw = Box::<RawValue>::deserialize(d)?;
+        Ok(RawJson(Arc::from(raw.get())))
+    }
 }
 
 /// One effect awaiting approval, as the approvals inbox shows it.
@@ -226,7 +268,7 @@ pub struct PendingItem {
     pub tool: String,
     /// The exact arguments, when the agent sent them (absent for digest-only admits).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub args: Option<Value>,
+    pub args: Option<RawJson>,
     /// Hex SHA-256 the approval is bound to.
     pub digest: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -243,10 +285,15 @@ pub struct PendingItem {
     pub created_at: u64,
 }
 
-/// The reply to `pending`.
+/// The reply to `pending`: one page.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct PendingReply {
     pub pending: Vec<PendingItem>,
+    /// More items follow this page: pass `next` as `cursor` to read them.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub more: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
 }
 
 /// The reply to `decide`: where the approval stands after this vote.
@@ -326,6 +373,12 @@ pub struct Report {
     pub irreversible: Vec<ReportItem>,
     pub undeclared: Vec<ReportItem>,
     pub held: Vec<ReportItem>,
+    /// More of the run's effects follow this page (its lists hold only this page's effects):
+    /// pass `next` as `cursor` to read them.
+    #[serde(skip_serializing_if = "is_false")]
+    pub more: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
 }
 
 /// The reply to `token`: the secret is shown this once and never again.

@@ -22,6 +22,7 @@ use crate::digest::digest_of;
 use crate::error::ErrorCode;
 use crate::id::Id;
 use crate::limits::*;
+use crate::page::PendingCursor;
 
 /// A secret (a bearer token) whose `Debug` form never shows it, so it cannot leak into logs.
 #[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -186,20 +187,28 @@ pub enum Op {
         run: RunId,
         outcome: CloseOutcome,
     },
+    /// A page of runs, in id order, after `cursor` (the last run of the previous page).
     Runs {
         state: Option<RunState>,
         limit: Option<u32>,
+        cursor: Option<RunId>,
     },
+    /// A page of the inbox, in its order, after `cursor`.
     Pending {
         run: Option<RunId>,
+        limit: Option<u32>,
+        cursor: Option<PendingCursor>,
     },
     Ledger {
         run: Option<RunId>,
         limit: Option<u32>,
         after: Option<u64>,
     },
+    /// A page of the report: the effects after `cursor` (the last key of the previous page).
     Report {
         run: RunId,
+        limit: Option<u32>,
+        cursor: Option<EffectKey>,
     },
     Token {
         name: PrincipalName,
@@ -339,8 +348,8 @@ impl Op {
             | Op::Resume { run }
             | Op::Kill { run, .. }
             | Op::Close { run, .. }
-            | Op::Report { run } => Some(run),
-            Op::Pending { run } | Op::Ledger { run, .. } => run.as_ref(),
+            | Op::Report { run, .. } => Some(run),
+            Op::Pending { run, .. } | Op::Ledger { run, .. } => run.as_ref(),
             Op::Hello { .. }
             | Op::Ping
             | Op::Runs { .. }
@@ -556,19 +565,16 @@ fn verb_fields(verb: Verb) -> u32 {
         Verb::Start => &[F::Run, F::Key, F::Token],
         Verb::Complete => &[F::Run, F::Key, F::Token, F::Outcome, F::Result, F::Error],
         Verb::Wait => &[F::Run, F::Key, F::TimeoutMs],
-        Verb::Subscribe
-        | Verb::Unsubscribe
-        | Verb::Status
-        | Verb::Pause
-        | Verb::Resume
-        | Verb::Report => &[F::Run],
-        Verb::Pending => &[F::Run],
+        Verb::Subscribe | Verb::Unsubscribe | Verb::Status | Verb::Pause | Verb::Resume => {
+            &[F::Run]
+        }
+        Verb::Report | Verb::Pending => &[F::Run, F::Limit, F::Cursor],
         Verb::Cancel => &[F::Run, F::Reason, F::Cascade],
         Verb::Ping => &[],
         Verb::Decide => &[F::Run, F::Key, F::Decision, F::Reason],
         Verb::Kill => &[F::Run, F::Reason],
         Verb::Close => &[F::Run, F::Outcome],
-        Verb::Runs => &[F::State, F::Limit],
+        Verb::Runs => &[F::State, F::Limit, F::Cursor],
         Verb::Ledger => &[F::Run, F::Limit, F::After],
         Verb::Token => &[F::Name, F::Role, F::Groups],
         Verb::TokenRevoke => &[F::Name],
@@ -638,7 +644,7 @@ fields! {
     NeedsApproval = "needs_approval", Limits = "limits", Token = "token", Outcome = "outcome",
     Result = "result", Error = "error", TimeoutMs = "timeout_ms", Reason = "reason",
     Cascade = "cascade", Decision = "decision", State = "state", Limit = "limit",
-    After = "after", Name = "name", Role = "role", Groups = "groups",
+    After = "after", Name = "name", Role = "role", Groups = "groups", Cursor = "cursor",
 }
 
 /// A string borrowed from the line when it has no escapes, owned otherwise.
@@ -700,6 +706,7 @@ struct Raw<'a> {
     state: Option<Str<'a>>,
     limit: Option<u64>,
     after: Option<u64>,
+    cursor: Option<Str<'a>>,
     name: Option<Str<'a>>,
     role: Option<Str<'a>>,
     groups: Option<Vec<String>>,
@@ -778,6 +785,7 @@ impl<'de> Visitor<'de> for RawVisitor<'_> {
                 Field::State => raw.state = map.next_value()?,
                 Field::Limit => raw.limit = map.next_value()?,
                 Field::After => raw.after = map.next_value()?,
+                Field::Cursor => raw.cursor = map.next_value()?,
                 Field::Name => raw.name = map.next_value()?,
                 Field::Role => raw.role = map.next_value()?,
                 Field::Groups => raw.groups = map.next_value()?,
@@ -876,6 +884,20 @@ impl<'a> Raw<'a> {
         self.run.take().map(|s| run_id(s, Field::Run)).transpose()
     }
 
+    /// The listing's cursor, as `decode` reads it: a string this gate gave out as `next`.
+    fn cursor<T>(&mut self, decode: impl FnOnce(&str) -> Option<T>) -> Result<Option<T>, Kind> {
+        let Some(s) = self.cursor.take() else {
+            return Ok(None);
+        };
+        let s = bounded(s, Field::Cursor, CURSOR_BYTES_MAX)?;
+        decode(&s).map(Some).ok_or_else(|| {
+            invalid(
+                Field::Cursor,
+                "not a cursor of this listing: pass the `next` of the previous page as it is",
+            )
+        })
+    }
+
     fn admission_token(&mut self) -> Result<String, Kind> {
         bounded(
             required(self.token.take(), Field::Token)?,
@@ -967,16 +989,23 @@ impl<'a> Raw<'a> {
                     })
                     .transpose()?,
                 limit: limit_u32(self.limit)?,
+                cursor: self.cursor(|s| RunId::new(s).ok())?,
             },
             Verb::Pending => Op::Pending {
                 run: self.opt_run()?,
+                limit: limit_u32(self.limit)?,
+                cursor: self.cursor(PendingCursor::decode)?,
             },
             Verb::Ledger => Op::Ledger {
                 run: self.opt_run()?,
                 limit: limit_u32(self.limit)?,
                 after: self.after,
             },
-            Verb::Report => Op::Report { run: self.run()? },
+            Verb::Report => Op::Report {
+                run: self.run()?,
+                limit: limit_u32(self.limit)?,
+                cursor: self.cursor(|s| EffectKey::new(s).ok())?,
+            },
             Verb::Token => self.token_op()?,
             Verb::TokenRevoke => Op::TokenRevoke { name: self.name()? },
         })
@@ -1213,8 +1242,12 @@ impl Request {
             | Op::Unsubscribe { run }
             | Op::Status { run }
             | Op::Pause { run }
-            | Op::Resume { run }
-            | Op::Report { run } => put(&mut m, "run", run.as_str()),
+            | Op::Resume { run } => put(&mut m, "run", run.as_str()),
+            Op::Report { run, limit, cursor } => {
+                put(&mut m, "run", run.as_str());
+                put_opt(&mut m, "limit", *limit);
+                put_opt(&mut m, "cursor", cursor.as_ref().map(|c| c.as_str()));
+            }
             Op::Cancel {
                 run,
                 reason,
@@ -1244,11 +1277,20 @@ impl Request {
                 put(&mut m, "run", run.as_str());
                 put(&mut m, "outcome", outcome.as_str());
             }
-            Op::Runs { state, limit } => {
+            Op::Runs {
+                state,
+                limit,
+                cursor,
+            } => {
                 put_opt(&mut m, "state", state.map(|s| s.as_str()));
                 put_opt(&mut m, "limit", *limit);
+                put_opt(&mut m, "cursor", cursor.as_ref().map(|c| c.as_str()));
             }
-            Op::Pending { run } => put_opt(&mut m, "run", run.as_ref().map(|r| r.as_str())),
+            Op::Pending { run, limit, cursor } => {
+                put_opt(&mut m, "run", run.as_ref().map(|r| r.as_str()));
+                put_opt(&mut m, "limit", *limit);
+                put_opt(&mut m, "cursor", cursor.as_ref().map(PendingCursor::encode));
+            }
             Op::Ledger { run, limit, after } => {
                 put_opt(&mut m, "run", run.as_ref().map(|r| r.as_str()));
                 put_opt(&mut m, "limit", *limit);

@@ -54,6 +54,7 @@ fn limits_match_the_table() {
         LABEL_VALUE_BYTES_MAX,
         GROUPS_MAX,
         GROUP_BYTES_MAX,
+        CURSOR_BYTES_MAX,
     ] {
         assert!(
             doc.contains(&n.to_string()),

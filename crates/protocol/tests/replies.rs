@@ -7,8 +7,9 @@ use std::fmt::Debug;
 use estop_protocol::reply::{ack_line, error_line, event_line, ok_line, pong_line};
 use estop_protocol::{
     Ack, ClientReply, DecideReply, EffectCounts, ErrorCode, Event, EventKind, HelloReply, Id,
-    LedgerEntry, LedgerReply, PendingItem, PendingReply, Pong, Report, ReportItem, RunView,
-    RunsReply, Secret, ServerLine, TokenCreated, Verdict, parse_request, parse_server_line,
+    LedgerEntry, LedgerReply, PendingItem, PendingReply, Pong, RawJson, Report, ReportItem,
+    RunView, RunsReply, Secret, ServerLine, TokenCreated, Verdict, parse_request,
+    parse_server_line,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -222,6 +223,7 @@ fn every_payload_round_trips() {
             },
         ],
         more: true,
+        next: Some("r2".into()),
     });
     round_trip(PendingReply {
         pending: vec![PendingItem {
@@ -229,7 +231,7 @@ fn every_payload_round_trips() {
             run: "r1".into(),
             key: "k1".into(),
             tool: "refund".into(),
-            args: Some(json!({"amount": 10})),
+            args: Some(RawJson::new(r#"{"amount":10}"#.into())),
             digest: "ab".repeat(32),
             rule: Some("refunds".into()),
             quorum: 2,
@@ -238,6 +240,8 @@ fn every_payload_round_trips() {
             expires_at: 2,
             created_at: 1,
         }],
+        more: true,
+        next: Some(r#"[2,"r1","k1"]"#.into()),
     });
     round_trip(DecideReply {
         status: "held".into(),
@@ -300,6 +304,8 @@ fn every_payload_round_trips() {
         irreversible: vec![item("d", "started", "irreversible")],
         undeclared: vec![item("b", "failed", "undeclared")],
         held: vec![item("f", "held", "undeclared")],
+        more: false,
+        next: None,
     });
     round_trip(TokenCreated {
         name: "bob".into(),

@@ -7,8 +7,8 @@ use estop_kernel::ids::{Digest, EffectKey, PrincipalName, Role, RunId, ToolName}
 use estop_kernel::vocab::{Decision, Outcome, RunState};
 use estop_protocol::limits::*;
 use estop_protocol::{
-    Admit, CloseOutcome, Complete, ErrorCode, Id, Limits, Op, Request, Secret, Verb, digest_of,
-    parse_request,
+    Admit, CloseOutcome, Complete, ErrorCode, Id, Limits, Op, PendingCursor, Request, Secret, Verb,
+    digest_of, parse_request,
 };
 use proptest::prelude::*;
 use serde_json::{Value, json};
@@ -216,20 +216,35 @@ fn every_verb_parses() {
             Op::Runs {
                 state: None,
                 limit: None,
+                cursor: None,
             },
         ),
         (
-            r#"{"op":"runs","state":"paused","limit":50}"#,
+            r#"{"op":"runs","state":"paused","limit":50,"cursor":"r0"}"#,
             Op::Runs {
                 state: Some(RunState::Paused),
                 limit: Some(50),
+                cursor: Some(run("r0")),
             },
         ),
-        (r#"{"op":"pending"}"#, Op::Pending { run: None }),
         (
-            r#"{"op":"pending","run":"r1"}"#,
+            r#"{"op":"pending"}"#,
+            Op::Pending {
+                run: None,
+                limit: None,
+                cursor: None,
+            },
+        ),
+        (
+            r#"{"op":"pending","run":"r1","limit":3,"cursor":"[5,\"r1\",\"k\"]"}"#,
             Op::Pending {
                 run: Some(run("r1")),
+                limit: Some(3),
+                cursor: Some(PendingCursor {
+                    expires_at: 5,
+                    run: run("r1"),
+                    key: key("k"),
+                }),
             },
         ),
         (
@@ -250,7 +265,19 @@ fn every_verb_parses() {
         ),
         (
             r#"{"op":"report","run":"r1"}"#,
-            Op::Report { run: run("r1") },
+            Op::Report {
+                run: run("r1"),
+                limit: None,
+                cursor: None,
+            },
+        ),
+        (
+            r#"{"op":"report","run":"r1","limit":2,"cursor":"k9"}"#,
+            Op::Report {
+                run: run("r1"),
+                limit: Some(2),
+                cursor: Some(key("k9")),
+            },
         ),
         (
             r#"{"op":"token","name":"alice","role":"operator","groups":["finance"]}"#,
@@ -530,6 +557,11 @@ fn every_parse_error_code_fires() {
         (r#"{"op":"close","run":"r","outcome":"cancelled"}"#.into(), InvalidField, Some("outcome")),
         (r#"{"op":"runs","state":"sleeping"}"#.into(), InvalidField, Some("state")),
         (r#"{"op":"runs","limit":4294967296}"#.into(), InvalidField, Some("limit")),
+        (r#"{"op":"runs","cursor":""}"#.into(), InvalidField, Some("cursor")),
+        (r#"{"op":"runs","cursor":7}"#.into(), InvalidField, Some("cursor")),
+        (r#"{"op":"pending","cursor":"r1"}"#.into(), InvalidField, Some("cursor")),
+        (r#"{"op":"report","run":"r","cursor":"a\u0000"}"#.into(), InvalidField, Some("cursor")),
+        (format!(r#"{{"op":"report","run":"r","cursor":"{}"}}"#, "k".repeat(1025)), InvalidField, Some("cursor")),
         (r#"{"op":"token","name":"a","role":"root"}"#.into(), InvalidField, Some("role")),
         (r#"{"op":"token","name":"","role":"agent"}"#.into(), InvalidField, Some("name")),
         (r#"{"op":"token","name":"a","role":"agent","groups":[""]}"#.into(), InvalidField, Some("groups")),

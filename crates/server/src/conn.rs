@@ -4,15 +4,16 @@
 
 use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
 use crate::durable::{self, After, Durability, DurableState};
-use crate::outbox::{Direct, Outbox};
+use crate::outbox::{Direct, Outbox, Unwritten};
 use crate::quota::Slot;
 use crate::tokens::{RevokeSignal, Tokens};
 use estop_kernel::vocab::PolicyAction;
 use estop_kernel::{Admit as KAdmit, Command, Principal, RunLimits, Token};
 use estop_ledger::{FileStorage, inspect};
 use estop_policy::{EvalError, Policy};
+use estop_protocol::page::{PAGE_BYTES_MAX_DEFAULT, PAGE_ITEMS_DEFAULT, PAGE_ITEMS_MAX, Weight};
 use estop_protocol::reply::{self as wire, error_line, ok_line, pong_line};
-use estop_protocol::{ErrorCode, Id, Line, LineReader, Op, Request, parse_request};
+use estop_protocol::{ErrorCode, Id, Line, LineReader, Op, PageBudget, Request, parse_request};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -27,17 +28,25 @@ pub struct ConnOptions {
     pub line_bytes_max: usize,
     /// Requests one connection may have in flight (pipelining depth, waits included).
     pub outstanding_per_connection_max: usize,
+    /// Bytes of request lines one connection may have handed to the core and not had answered
+    /// yet (a line longer than this is let through alone): pipelining is bounded by bytes as
+    /// well as by count.
+    pub inflight_bytes_max: usize,
+    /// Bytes of replies and events one connection's writer may hold unwritten: its next
+    /// request is read only below a quarter of it (a client that asks and does not read stops
+    /// being read), and what it is sent anyway past it closes the connection (`outbox`).
+    pub output_bytes_max: usize,
     /// Longest `wait` a client may ask for.
     pub wait_ms_max: u64,
-    /// Most runs one `runs` reply lists.
-    pub runs_reply_max: usize,
-    /// Most entries one `ledger` reply lists.
-    pub ledger_reply_max: usize,
     /// A connection that has not authenticated this long after its accept is closed.
     pub hello_ms_max: u64,
     /// A connection with nothing in flight and no subscription that sends nothing for this long
     /// is closed (clients reconnect when they need the gate again).
     pub idle_ms_max: u64,
+    /// Most items one page of a listing (`runs`, `pending`, `report`, `ledger`) holds.
+    pub page_items_max: usize,
+    /// A page of a listing ends once its items reach this many bytes as rendered.
+    pub page_bytes_max: usize,
 }
 
 impl Default for ConnOptions {
@@ -45,12 +54,22 @@ impl Default for ConnOptions {
         ConnOptions {
             line_bytes_max: estop_protocol::limits::LINE_BYTES_MAX_DEFAULT,
             outstanding_per_connection_max: 1024,
+            inflight_bytes_max: 4 << 20,
+            output_bytes_max: 4 << 20,
             wait_ms_max: 15 * 60 * 1000,
-            runs_reply_max: 10_000,
-            ledger_reply_max: 10_000,
             hello_ms_max: 10_000,
             idle_ms_max: 10 * 60 * 1000,
+            page_items_max: PAGE_ITEMS_MAX,
+            page_bytes_max: PAGE_BYTES_MAX_DEFAULT,
         }
+    }
+}
+
+impl ConnOptions {
+    /// The budget of one page of a listing that asked for `limit` items.
+    pub fn page(&self, limit: Option<u32>) -> PageBudget {
+        let limit = limit.map_or(PAGE_ITEMS_DEFAULT, |l| l as usize);
+        PageBudget::new(limit.min(self.page_items_max), self.page_bytes_max)
     }
 }
 
@@ -95,6 +114,36 @@ pub fn render(id: &Id, answer: &Answer) -> Vec<u8> {
     }
 }
 
+/// Bytes of a request line counted against its connection's `inflight_bytes_max` until the
+/// request is answered (dropped).
+#[derive(Debug)]
+pub struct Charge {
+    inflight: Arc<Semaphore>,
+    bytes: u32,
+    /// For a listing: its place among the connection's listings in flight.
+    listing: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Charge {
+    /// Waits until `bytes` more fit in the connection's `bound` (a line larger than the whole
+    /// bound waits until nothing else is in flight); `None` if the connection is closing.
+    pub async fn acquire(inflight: &Arc<Semaphore>, bound: usize, bytes: usize) -> Option<Charge> {
+        let bytes = u32::try_from(bytes.min(bound)).unwrap_or(u32::MAX);
+        inflight.acquire_many(bytes).await.ok()?.forget();
+        Some(Charge {
+            inflight: Arc::clone(inflight),
+            bytes,
+            listing: None,
+        })
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.inflight.add_permits(self.bytes as usize);
+    }
+}
+
 /// Serves one connection until the client closes it. `socket`, a duplicate of the stream's
 /// descriptor when it has one, lets durable replies be written straight to it
 /// ([`Outbox::release`]).
@@ -107,117 +156,93 @@ where
         mut reader,
         out_tx,
         permits,
+        inflight,
+        listings,
         backlog,
+        unwritten,
         writer,
     } = open(stream, socket, &shared, render);
-    let mut principal: Option<Authed> = None;
-    let hello_by = tokio::time::Instant::now() + Duration::from_millis(shared.opts.hello_ms_max);
-    // Whether the connection ever subscribed: a subscriber may sit silent for as long as it likes.
-    let mut subscribed = false;
-    let mut over_share = false;
-    loop {
-        let until = match principal {
-            None => hello_by,
-            Some(_) => tokio::time::Instant::now() + Duration::from_millis(shared.opts.idle_ms_max),
-        };
-        // An idle connection whose token is revoked is woken and closed at once; so is one
-        // that never authenticated when it is evicted to make room.
-        let read = tokio::select! {
-            biased;
-            read = tokio::time::timeout_at(until, reader.next_line()) => read,
-            () = RevokeSignal::wait(principal.as_ref().map(|a| &*a.revoked)) => {
-                // Said once, unasked (`id` null, as for a discarded line), then closed.
-                let _ = out_tx.send(Out::Answer {
-                    id: Id::default(),
-                    answer: revoked_answer(),
-                    after: After::default(),
-                });
-                break;
-            }
-            () = slot.evicted(), if !slot.is_authenticated() => {
-                let _ = out_tx.send(Out::Answer {
-                    id: Id::default(),
-                    answer: err(ErrorCode::LimitExceeded, crate::quota::EVICTED_MESSAGE),
-                    after: After::default(),
-                });
-                break;
-            }
-        };
-        let line = match read {
-            Ok(Ok(Some(l))) => l,
-            Ok(Ok(None) | Err(_)) => break,
-            Err(_) => match idle_close(&shared.opts, principal.is_some(), subscribed, &permits) {
-                Some(why) => {
-                    crate::log::info(&format!("connection {conn} closed: {why}"));
-                    let _ = out_tx.send(Out::Answer {
-                        id: Id::default(),
-                        answer: err(ErrorCode::LimitExceeded, why),
-                        after: After::default(),
-                    });
+    let requests = async {
+        let mut principal: Option<Authed> = None;
+        let hello_by =
+            tokio::time::Instant::now() + Duration::from_millis(shared.opts.hello_ms_max);
+        // Whether the connection ever subscribed: a subscriber may sit silent for as long as
+        // it likes.
+        let mut subscribed = false;
+        loop {
+            // A client that does not read what it asked for stops being read.
+            unwritten.paced().await;
+            let until = match principal {
+                None => hello_by,
+                Some(_) => {
+                    tokio::time::Instant::now() + Duration::from_millis(shared.opts.idle_ms_max)
+                }
+            };
+            // An idle connection whose token is revoked is woken and closed at once; so is one
+            // that never authenticated when it is evicted to make room.
+            let read = tokio::select! {
+                biased;
+                read = tokio::time::timeout_at(until, reader.next_line()) => read,
+                () = RevokeSignal::wait(principal.as_ref().map(|a| &*a.revoked)) => {
+                    // Said once, unasked (`id` null, as for a discarded line), then closed.
+                    say_and_close(&out_tx, revoked_answer());
                     break;
                 }
-                None => continue,
-            },
-        };
-        // Bounded pipelining: a permit per request, returned when its reply is written.
-        match permits.acquire().await {
-            Ok(p) => p.forget(),
-            Err(_) => break,
-        }
-        let (id, answer) = match line {
-            Line::TooLong { bytes } => (
-                Id::default(),
-                Some(err(
-                    ErrorCode::LineTooLong,
-                    format!(
-                        "line of {bytes} bytes is longer than line_bytes_max = {}; it was discarded",
-                        shared.opts.line_bytes_max
-                    ),
-                )),
-            ),
-            Line::Text(bytes) => match parse_request(bytes) {
-                Err(e) => (e.id.clone(), Some(err(e.code(), e.to_string()))),
-                Ok(req) => {
-                    let id = req.id.clone();
-                    if principal.as_ref().is_some_and(|a| a.revoked.is_set()) {
-                        let answer = revoked_answer();
-                        let after = After::default();
-                        let _ = out_tx.send(Out::Answer { id, answer, after });
-                        break;
-                    }
-                    subscribed |= matches!(req.op, Op::Subscribe { .. });
-                    let is_hello = matches!(req.op, Op::Hello { .. });
-                    let answer =
-                        dispatch(req, &mut principal, conn, &out_tx, &backlog, &shared).await;
-                    match &principal {
-                        Some(a) if is_hello => match slot.authenticate(&a.principal) {
-                            Ok(()) => (id, answer),
-                            Err(why) => {
-                                // Over its share: the connection ends here, before it can hold
-                                // anything.
-                                principal = None;
-                                over_share = true;
-                                (id, Some(err(ErrorCode::LimitExceeded, why)))
-                            }
-                        },
-                        _ => (id, answer),
+                () = slot.evicted(), if !slot.is_authenticated() => {
+                    say_and_close(
+                        &out_tx,
+                        err(ErrorCode::LimitExceeded, crate::quota::EVICTED_MESSAGE),
+                    );
+                    break;
+                }
+            };
+            let line = match read {
+                Ok(Ok(Some(l))) => l,
+                Ok(Ok(None) | Err(_)) => break,
+                Err(_) => {
+                    match idle_close(&shared.opts, principal.is_some(), subscribed, &permits) {
+                        Some(why) => {
+                            crate::log::info(&format!("connection {conn} closed: {why}"));
+                            say_and_close(&out_tx, err(ErrorCode::LimitExceeded, why));
+                            break;
+                        }
+                        None => continue,
                     }
                 }
-            },
-        };
-        if let Some(answer) = answer {
-            let _ = out_tx.send(Out::Answer {
-                id,
-                answer,
-                after: After::default(),
-            });
+            };
+            // Bounded pipelining: a permit per request, returned when its reply is written.
+            match permits.acquire().await {
+                Ok(p) => p.forget(),
+                Err(_) => break,
+            }
+            let bound = shared.opts.inflight_bytes_max.max(1);
+            let Some(charge) = Charge::acquire(&inflight, bound, line_bytes(&line)).await else {
+                break;
+            };
+            let call = Call {
+                conn,
+                out: &out_tx,
+                backlog: &backlog,
+                listings: &listings,
+                charge: &std::sync::Mutex::new(Some(charge)),
+            };
+            let conn_state = ConnState {
+                principal: &mut principal,
+                slot: &mut slot,
+                subscribed: &mut subscribed,
+            };
+            if !request(line, conn_state, call, &shared).await {
+                break;
+            }
         }
-        if over_share {
-            break;
-        }
+    };
+    // A connection that falls too far behind its replies is closed whatever its reader does.
+    tokio::select! {
+        () = requests => {}
+        () = unwritten.crossed() => {}
     }
-    drop(slot);
     close(&shared, conn, out_tx, writer).await;
+    drop(slot);
 }
 
 /// Why a connection whose read timed out is closed: not authenticated in time, or idle with
@@ -256,6 +281,88 @@ struct Authed {
     revoked: Arc<RevokeSignal>,
 }
 
+/// Sends a last line, unasked (`id` null), before the connection closes.
+fn say_and_close(out: &Outbox, answer: Answer) {
+    let _ = out.send(Out::Answer {
+        id: Id::default(),
+        answer,
+        after: After::default(),
+    });
+}
+
+/// What a request may change of its connection: who it is, its pool slot, whether it listens.
+struct ConnState<'a> {
+    principal: &'a mut Option<Authed>,
+    slot: &'a mut Slot,
+    subscribed: &'a mut bool,
+}
+
+fn line_bytes(line: &Line<'_>) -> usize {
+    match line {
+        Line::Text(bytes) => bytes.len(),
+        Line::TooLong { .. } => 0,
+    }
+}
+
+/// Answers one line, or hands it to the core (with the line's charge, held until the core
+/// answers). False when the connection must close after it (its token was revoked, or its
+/// `hello` found its principal's share of connections full).
+async fn request(
+    line: Line<'_>,
+    state: ConnState<'_>,
+    call: Call<'_>,
+    shared: &Arc<Shared>,
+) -> bool {
+    let out_tx = call.out;
+    let mut keep = true;
+    let (id, answer) = match line {
+        Line::TooLong { bytes } => (
+            Id::default(),
+            Some(err(
+                ErrorCode::LineTooLong,
+                format!(
+                    "line of {bytes} bytes is longer than line_bytes_max = {}; it was discarded",
+                    shared.opts.line_bytes_max
+                ),
+            )),
+        ),
+        Line::Text(bytes) => match parse_request(bytes) {
+            Err(e) => (e.id.clone(), Some(err(e.code(), e.to_string()))),
+            Ok(req) if state.principal.as_ref().is_some_and(|a| a.revoked.is_set()) => {
+                keep = false;
+                (req.id.clone(), Some(revoked_answer()))
+            }
+            Ok(req) => {
+                let id = req.id.clone();
+                *state.subscribed |= matches!(req.op, Op::Subscribe { .. });
+                let is_hello = matches!(req.op, Op::Hello { .. });
+                let answer = dispatch(req, state.principal, call, shared).await;
+                match state.principal.as_ref() {
+                    Some(a) if is_hello => match state.slot.authenticate(&a.principal) {
+                        Ok(()) => (id, answer),
+                        Err(why) => {
+                            // Over its share: the connection ends here, before it can hold
+                            // anything.
+                            *state.principal = None;
+                            keep = false;
+                            (id, Some(err(ErrorCode::LimitExceeded, why)))
+                        }
+                    },
+                    _ => (id, answer),
+                }
+            }
+        },
+    };
+    if let Some(answer) = answer {
+        let _ = out_tx.send(Out::Answer {
+            id,
+            answer,
+            after: After::default(),
+        });
+    }
+    keep
+}
+
 /// One accepted connection, set up: its id, line reader, outgoing queue, pipelining permits and
 /// writer task (rendering with `render`, the listener's protocol).
 pub struct Opened<S> {
@@ -263,8 +370,14 @@ pub struct Opened<S> {
     pub reader: LineReader<tokio::io::ReadHalf<S>>,
     pub out_tx: Outbox,
     pub permits: Arc<Semaphore>,
+    /// Bytes of request lines in flight ([`ConnOptions::inflight_bytes_max`], see [`Charge`]).
+    pub inflight: Arc<Semaphore>,
+    /// Listings in flight ([`LISTINGS_IN_FLIGHT_MAX`]).
+    pub listings: Arc<Semaphore>,
     /// Events queued for this connection and not yet written (bounds a non-reading subscriber).
     pub backlog: Arc<AtomicUsize>,
+    /// Bytes its writer holds unwritten ([`ConnOptions::output_bytes_max`]).
+    pub unwritten: Arc<Unwritten>,
     pub writer: tokio::task::JoinHandle<()>,
 }
 
@@ -281,10 +394,13 @@ where
     let (rd, wr) = tokio::io::split(stream);
     let (tx, out_rx) = tmpsc::unbounded_channel::<Out>();
     let permits = Arc::new(Semaphore::new(shared.opts.outstanding_per_connection_max));
+    let inflight = Arc::new(Semaphore::new(shared.opts.inflight_bytes_max.max(1)));
+    let listings = Arc::new(Semaphore::new(LISTINGS_IN_FLIGHT_MAX));
     let backlog = Arc::new(AtomicUsize::new(0));
+    let unwritten = Unwritten::new(conn, shared.opts.output_bytes_max);
     let direct = socket.map(|s| Direct::new(s, render, Arc::clone(&permits)));
-    let out_tx = Outbox::new(tx, direct.clone());
-    let writer = tokio::spawn(write_loop(
+    let out_tx = Outbox::new(tx, direct.clone(), Some(Arc::clone(&unwritten)));
+    let write = write_loop(
         wr,
         out_rx,
         shared.durable_rx.clone(),
@@ -292,14 +408,26 @@ where
         Arc::clone(&backlog),
         render,
         direct,
-    ));
+        Some(Arc::clone(&unwritten)),
+    );
+    let crossed = Arc::clone(&unwritten);
+    // Past its output bound the connection is closed: the writer stops where it is.
+    let writer = tokio::spawn(async move {
+        tokio::select! {
+            () = write => {}
+            () = crossed.crossed() => {}
+        }
+    });
     let reader = LineReader::new(rd, shared.opts.line_bytes_max);
     Opened {
         conn,
         reader,
         out_tx,
         permits,
+        inflight,
+        listings,
         backlog,
+        unwritten,
         writer,
     }
 }
@@ -343,15 +471,59 @@ fn to_core(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
     }
 }
 
+/// Listings (`runs`, `pending`, `report`, `ledger`) one connection may have asked for and not
+/// had answered: with the reader paced by unwritten output, this bounds what a burst of
+/// pipelined listings can add to a connection's output (a page each) before it is read.
+pub const LISTINGS_IN_FLIGHT_MAX: usize = 1;
+
+/// The connection a request came on, and its line's charge ([`Charge`], taken by the core
+/// message that carries the request, if any).
+struct Call<'a> {
+    conn: u64,
+    out: &'a Outbox,
+    backlog: &'a Arc<AtomicUsize>,
+    listings: &'a Arc<Semaphore>,
+    charge: &'a std::sync::Mutex<Option<Charge>>,
+}
+
+impl Call<'_> {
+    /// Waits for a place among the connection's listings in flight; the request's charge holds
+    /// it until the listing is answered.
+    async fn listing(&self) {
+        let permit = Arc::clone(self.listings)
+            .acquire_owned()
+            .await
+            .expect("the listings semaphore is never closed");
+        let mut charge = self
+            .charge
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(c) = charge.as_mut() {
+            c.listing = Some(permit);
+        }
+    }
+}
+
 /// Handles one request. `Some(answer)` is answered at once; `None` means the core answers.
 async fn dispatch(
     req: Request,
     principal: &mut Option<Authed>,
-    conn: u64,
-    out: &Outbox,
-    backlog: &Arc<AtomicUsize>,
+    call: Call<'_>,
     shared: &Arc<Shared>,
 ) -> Option<Answer> {
+    if matches!(
+        req.op,
+        Op::Runs { .. } | Op::Pending { .. } | Op::Report { .. } | Op::Ledger { .. }
+    ) {
+        call.listing().await;
+    }
+    let Call {
+        conn,
+        out,
+        backlog,
+        charge,
+        ..
+    } = call;
     let verb = req.op.verb();
     if let Op::Hello { token } = &req.op {
         return Some(match shared.tokens.credential(token.expose()) {
@@ -387,6 +559,10 @@ async fn dispatch(
     let reply_to = || ReplyTo {
         out: out.clone(),
         id: req.id.clone(),
+        charge: charge
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take(),
     };
     let apply = |cmd: Command| {
         to_core(
@@ -474,32 +650,43 @@ async fn dispatch(
                 to: reply_to(),
             },
         ),
-        Op::Report { run } => to_core(
+        Op::Report { run, limit, cursor } => to_core(
             shared,
             CoreMsg::Query {
                 principal: p,
-                query: Query::Report { run },
+                query: Query::Report {
+                    run,
+                    cursor,
+                    page: shared.opts.page(limit),
+                },
                 to: reply_to(),
             },
         ),
-        Op::Runs { state, limit } => {
-            let limit = limit
-                .map_or(1000, |l| l as usize)
-                .min(shared.opts.runs_reply_max);
-            to_core(
-                shared,
-                CoreMsg::Query {
-                    principal: p,
-                    query: Query::Runs { state, limit },
-                    to: reply_to(),
-                },
-            )
-        }
-        Op::Pending { run } => to_core(
+        Op::Runs {
+            state,
+            limit,
+            cursor,
+        } => to_core(
             shared,
             CoreMsg::Query {
                 principal: p,
-                query: Query::Pending { run },
+                query: Query::Runs {
+                    state,
+                    cursor,
+                    page: shared.opts.page(limit),
+                },
+                to: reply_to(),
+            },
+        ),
+        Op::Pending { run, limit, cursor } => to_core(
+            shared,
+            CoreMsg::Query {
+                principal: p,
+                query: Query::Pending {
+                    run,
+                    cursor,
+                    page: shared.opts.page(limit),
+                },
                 to: reply_to(),
             },
         ),
@@ -549,11 +736,9 @@ async fn dispatch(
         Op::Ledger { run, limit, after } => {
             let dir = shared.ledger_dir.clone();
             let durable = shared.durable_rx.borrow().seq;
-            let limit = limit
-                .map_or(1000, |l| l as usize)
-                .min(shared.opts.ledger_reply_max);
+            let page = shared.opts.page(limit);
             let res = tokio::task::spawn_blocking(move || {
-                ledger_entries(&dir, run.as_ref(), after.unwrap_or(0), durable, limit)
+                ledger_entries(&dir, run.as_ref(), after.unwrap_or(0), durable, page)
             })
             .await;
             Some(match res {
@@ -630,7 +815,7 @@ pub fn ledger_entries(
     run: Option<&estop_kernel::RunId>,
     after: u64,
     durable: u64,
-    limit: usize,
+    mut page: PageBudget,
 ) -> Result<wire::LedgerReply, String> {
     let storage = FileStorage::open_read_only(dir).map_err(|e| e.to_string())?;
     let mut entries = Vec::new();
@@ -645,11 +830,12 @@ pub fn ledger_entries(
         if run.is_some_and(|r| rec.command.run() != Some(r)) {
             return;
         }
-        if entries.len() >= limit {
+        let entry = crate::describe::entry(rv.seq, &rec);
+        if !page.take(entry.weight()) {
             next_after = Some(entries.last().map_or(after, |e: &wire::LedgerEntry| e.seq));
             return;
         }
-        entries.push(crate::describe::entry(rv.seq, &rec));
+        entries.push(entry);
     });
     if let Some(e) = report.error {
         return Err(format!("the ledger cannot be read: {e}"));
@@ -662,7 +848,8 @@ pub fn ledger_entries(
 
 /// Writes a connection's replies and events in order, each once what it depends on is durable.
 /// With `direct`, it counts down what it has written, so durable replies may go straight to the
-/// socket whenever nothing is ahead of them.
+/// socket whenever nothing is ahead of them; with `unwritten`, the bytes it still holds.
+#[allow(clippy::too_many_arguments)]
 pub async fn write_loop<W: AsyncWrite + Unpin>(
     mut wr: W,
     mut rx: tmpsc::UnboundedReceiver<Out>,
@@ -671,12 +858,22 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
     backlog: Arc<AtomicUsize>,
     render: fn(&Id, &Answer) -> Vec<u8>,
     direct: Option<Arc<Direct>>,
+    unwritten: Option<Arc<Unwritten>>,
 ) {
     let mut buf = Vec::with_capacity(4096);
-    // Items whose bytes are in `buf`, not yet written.
+    // Items whose bytes are in `buf`, not yet written, and what they weigh.
     let mut items = 0;
+    let mut weight = 0;
+    let mut pages = 0;
     while let Some(out) = rx.recv().await {
         items += 1;
+        if unwritten.is_some() {
+            let w = crate::outbox::weight(&out);
+            weight += w;
+            if crate::outbox::is_page(&out) {
+                pages += w;
+            }
+        }
         match out {
             Out::Answer { id, answer, after } => {
                 let line = match durable::wait(&mut durable_rx, after).await {
@@ -702,14 +899,72 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
             if wr.write_all(&buf).await.is_err() || wr.flush().await.is_err() {
                 return;
             }
-            buf.clear();
+            if buf.capacity() > 1 << 20 {
+                // A large listing went through: give its buffer back rather than keep it for
+                // the connection's life.
+                buf = Vec::with_capacity(4096);
+            } else {
+                buf.clear();
+            }
             if let Some(d) = &direct {
                 d.written(items);
             }
+            if let Some(u) = &unwritten {
+                u.written(weight, pages);
+            }
             items = 0;
+            weight = 0;
+            pages = 0;
         }
     }
     let _ = wr.write_all(&buf).await;
     let _ = wr.flush().await;
     let _ = wr.shutdown().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Request bytes in flight are lent out of the connection's bound and given back when the
+    /// request is answered (its charge dropped); a line longer than the whole bound goes alone.
+    #[test]
+    fn request_bytes_in_flight_are_bounded_and_given_back() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let inflight = Arc::new(Semaphore::new(100));
+            let a = Charge::acquire(&inflight, 100, 60).await.unwrap();
+            let b = Charge::acquire(&inflight, 100, 40).await.unwrap();
+            let third = Charge::acquire(&inflight, 100, 1);
+            tokio::pin!(third);
+            assert!(
+                futures_poll(third.as_mut()).is_none(),
+                "the bound is spent: the next line waits"
+            );
+            drop(a);
+            let c = third.await.unwrap();
+            drop((b, c));
+            assert_eq!(inflight.available_permits(), 100, "everything given back");
+            let huge = Charge::acquire(&inflight, 100, 1 << 20).await.unwrap();
+            assert_eq!(
+                inflight.available_permits(),
+                0,
+                "a long line takes the whole bound"
+            );
+            drop(huge);
+            assert_eq!(inflight.available_permits(), 100);
+        });
+    }
+
+    /// Polls a future once.
+    fn futures_poll<F: std::future::Future>(f: std::pin::Pin<&mut F>) -> Option<F::Output> {
+        let waker = std::task::Waker::noop();
+        match f.poll(&mut std::task::Context::from_waker(waker)) {
+            std::task::Poll::Ready(v) => Some(v),
+            std::task::Poll::Pending => None,
+        }
+    }
 }

@@ -15,9 +15,9 @@ use estop_kernel::{
     Verdict,
 };
 use estop_ledger::LedgerError;
-use estop_protocol::ErrorCode;
-use estop_protocol::Id;
+use estop_protocol::page::{PageBudget, PendingCursor, Weight};
 use estop_protocol::reply as wire;
+use estop_protocol::{ErrorCode, Id};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -67,8 +67,13 @@ pub enum Answer {
 pub struct ReplyTo {
     pub out: Outbox,
     pub id: Id,
+    /// The request's share of its connection's input bound, given back when this is dropped:
+    /// once the core has answered (or parked it as a waiter).
+    pub charge: Option<crate::conn::Charge>,
 }
 
+/// A read. Listings come in pages: where the page starts (`cursor`) and its item and byte
+/// bounds (`page`).
 #[derive(Debug)]
 pub enum Query {
     Status {
@@ -76,13 +81,18 @@ pub enum Query {
     },
     Runs {
         state: Option<RunState>,
-        limit: usize,
+        cursor: Option<RunId>,
+        page: PageBudget,
     },
     Pending {
         run: Option<RunId>,
+        cursor: Option<PendingCursor>,
+        page: PageBudget,
     },
     Report {
         run: RunId,
+        cursor: Option<EffectKey>,
+        page: PageBudget,
     },
 }
 
@@ -519,12 +529,14 @@ impl Core {
                 key,
                 timeout,
                 conn,
-                to,
+                mut to,
             } => match self.wait_verdict(&principal, &run, &key) {
                 Ok(Verdict::Held { .. }) if !timeout.is_zero() => {
                     if let Err(msg) = self.waiter_shares.take(&principal) {
                         self.send(to, Answer::Error(ErrorCode::LimitExceeded, msg));
                     } else {
+                        // A parked wait is a small waiter, not its request line.
+                        to.charge = None;
                         *self.waiters_of_conn.entry(conn).or_default() += 1;
                         let deadline = Instant::now() + timeout;
                         self.waiter_deadlines.insert((deadline, run.clone()));
@@ -1291,61 +1303,99 @@ impl Core {
                 Ok(r) => Answer::Run(Box::new(render::run_view(&run, r))),
                 Err(e) => err(e),
             },
-            Query::Report { run } => match self.gate.visible_run(principal, &run) {
-                Ok(r) => Answer::Report(Box::new(render::report(&run, r))),
+            Query::Report { run, cursor, page } => match self.gate.visible_run(principal, &run) {
+                Ok(r) => Answer::Report(Box::new(render::report(&run, r, cursor.as_ref(), page))),
                 Err(e) => err(e),
             },
-            Query::Runs { state, limit } => {
-                let mut runs = Vec::new();
-                let mut more = false;
-                for (id, r) in self.gate.runs() {
+            Query::Runs {
+                state,
+                cursor,
+                mut page,
+            } => {
+                let mut runs: Vec<wire::RunView> = Vec::new();
+                let mut next = None;
+                for (id, r) in self.gate.runs_after(cursor.as_ref()) {
                     if principal.role == Role::Agent && r.owner.as_ref() != Some(&principal.name) {
                         continue;
                     }
                     if state.is_some_and(|s| s != r.state) {
                         continue;
                     }
-                    if runs.len() >= limit {
-                        more = true;
+                    let view = render::run_view(id, r);
+                    if !page.take(view.weight()) {
+                        next = runs.last().map(|v| v.run.clone());
                         break;
                     }
-                    runs.push(render::run_view(id, r));
+                    runs.push(view);
                 }
-                Answer::Runs(wire::RunsReply { runs, more })
+                Answer::Runs(wire::RunsReply {
+                    runs,
+                    more: next.is_some(),
+                    next,
+                })
             }
-            Query::Pending { run } => {
-                let mut pending = Vec::new();
-                let mut push = |id: &RunId, r: &estop_kernel::state::Run| {
-                    if r.pending_approvals == 0 {
-                        return;
-                    }
-                    for (k, e) in &r.effects {
-                        if let Some(item) = render::pending_item(id, k, e) {
-                            pending.push(item);
-                        }
-                    }
-                };
-                match &run {
-                    Some(id) => match self.gate.visible_run(principal, id) {
-                        Ok(r) => push(id, r),
-                        Err(e) => return err(e),
-                    },
-                    None => {
-                        for (id, r) in self.gate.runs() {
-                            if principal.role == Role::Agent
-                                && r.owner.as_ref() != Some(&principal.name)
-                            {
-                                continue;
-                            }
-                            push(id, r);
-                        }
-                    }
+            Query::Pending { run, cursor, page } => match &run {
+                Some(id) => match self.gate.visible_run(principal, id) {
+                    Ok(r) => Answer::Pending(pending_page([(id, r)], cursor, page)),
+                    Err(e) => err(e),
+                },
+                None => {
+                    let visible = self.gate.runs().filter(|(_, r)| {
+                        principal.role != Role::Agent || r.owner.as_ref() == Some(&principal.name)
+                    });
+                    Answer::Pending(pending_page(visible, cursor, page))
                 }
-                pending.sort_by_key(|p| (p.expires_at, p.run.clone(), p.key.clone()));
-                Answer::Pending(wire::PendingReply { pending })
+            },
+        }
+    }
+}
+
+/// One page of the inbox of `runs`: soonest to expire first, then by run and key, after
+/// `cursor`. Only the page's items are built; their arguments are shared, not copied.
+fn pending_page<'a>(
+    runs: impl IntoIterator<Item = (&'a RunId, &'a estop_kernel::state::Run)>,
+    cursor: Option<PendingCursor>,
+    mut page: PageBudget,
+) -> wire::PendingReply {
+    let mut held = Vec::new();
+    for (id, r) in runs {
+        if r.pending_approvals == 0 {
+            continue;
+        }
+        for (k, e) in &r.effects {
+            if let Some(expires_at) = render::pending_expiry(e) {
+                held.push((expires_at, id, k, e));
             }
         }
     }
+    held.sort_unstable_by(|a, b| (a.0, a.1, a.2).cmp(&(b.0, b.1, b.2)));
+    let start = cursor.map_or(0, |c| {
+        held.partition_point(|h| (h.0, h.1, h.2) <= (c.expires_at, &c.run, &c.key))
+    });
+    let mut reply = wire::PendingReply::default();
+    let mut last = None;
+    for &(expires_at, id, k, e) in &held[start..] {
+        let Some(item) = render::pending_item(id, k, e) else {
+            continue;
+        };
+        if !page.take(item.weight()) {
+            reply.more = true;
+            break;
+        }
+        last = Some((expires_at, id, k));
+        reply.pending.push(item);
+    }
+    if reply.more {
+        reply.next = last.map(|(expires_at, run, key)| {
+            PendingCursor {
+                expires_at,
+                run: run.clone(),
+                key: key.clone(),
+            }
+            .encode()
+        });
+    }
+    reply
 }
 
 /// The answer for a run that does not exist (or that the asker may not see: the same answer).

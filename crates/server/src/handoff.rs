@@ -147,10 +147,15 @@ mod tests {
                 role: estop_kernel::Role::Agent,
                 groups: Vec::new(),
             },
-            query: crate::core::Query::Pending { run: None },
+            query: crate::core::Query::Pending {
+                run: None,
+                cursor: None,
+                page: estop_protocol::PageBudget::new(10, 1 << 20),
+            },
             to: ReplyTo {
                 out: out.clone().into(),
                 id: Id::from_u64(n),
+                charge: None,
             },
         }
     }

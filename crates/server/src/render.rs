@@ -5,8 +5,11 @@ use estop_kernel::report::{self, Section, Undo};
 use estop_kernel::state::{Effect, Run, Status};
 use estop_kernel::vocab::{EffectStatus, HoldReason};
 use estop_kernel::{EffectKey, RunId, Verdict};
+use estop_protocol::PageBudget;
+use estop_protocol::page::Weight;
 use estop_protocol::reply as wire;
 use std::collections::BTreeMap;
+use std::ops::Bound;
 
 pub fn approval_id(run: &RunId, n: u64) -> String {
     format!("{run}#{n}")
@@ -94,17 +97,26 @@ pub fn run_view(id: &RunId, run: &Run) -> wire::RunView {
     }
 }
 
-pub fn pending_item(run_id: &RunId, key: &EffectKey, e: &Effect) -> Option<wire::PendingItem> {
+/// When the approval an effect awaits expires, if it awaits one: its place in the inbox.
+pub fn pending_expiry(e: &Effect) -> Option<u64> {
     if e.status != Status::Held(HoldReason::Approval) {
         return None;
     }
+    e.approval.as_ref().map(|a| a.expires_at)
+}
+
+/// An effect as the inbox shows it. Its arguments are the text the gate validated at admission,
+/// shared with the state (a pointer is copied) and written out as they are by the connection's
+/// writer: nothing is parsed here, on the core.
+pub fn pending_item(run_id: &RunId, key: &EffectKey, e: &Effect) -> Option<wire::PendingItem> {
+    pending_expiry(e)?;
     let a = e.approval.as_ref()?;
     Some(wire::PendingItem {
         approval: approval_id(run_id, a.id),
         run: run_id.to_string(),
         key: key.to_string(),
         tool: e.tool.to_string(),
-        args: e.args.as_deref().and_then(|t| serde_json::from_str(t).ok()),
+        args: e.args.clone().map(wire::RawJson::new),
         digest: e.digest.to_hex(),
         rule: Some(e.rule.to_string()),
         quorum: a.quorum,
@@ -115,7 +127,14 @@ pub fn pending_item(run_id: &RunId, key: &EffectKey, e: &Effect) -> Option<wire:
     })
 }
 
-pub fn report(id: &RunId, run: &Run) -> wire::Report {
+/// One page of a run's after-stop report: the effects after `after`, in key order (so each
+/// list is in key order), until `page` is full.
+pub fn report(
+    id: &RunId,
+    run: &Run,
+    after: Option<&EffectKey>,
+    mut page: PageBudget,
+) -> wire::Report {
     let mut r = wire::Report {
         run: id.to_string(),
         state: run.state.as_str().to_string(),
@@ -126,7 +145,10 @@ pub fn report(id: &RunId, run: &Run) -> wire::Report {
             .and_then(|s| s.reason.as_deref().map(str::to_string)),
         ..wire::Report::default()
     };
-    for (section, key, e) in report::entries(run) {
+    let from = after.map_or(Bound::Unbounded, Bound::Excluded);
+    let mut last = None;
+    for (key, e) in run.effects.range::<EffectKey, _>((from, Bound::Unbounded)) {
+        let section = report::section(e);
         let item = wire::ReportItem {
             key: key.to_string(),
             tool: e.tool.to_string(),
@@ -139,7 +161,15 @@ pub fn report(id: &RunId, run: &Run) -> wire::Report {
                 _ => None,
             },
         };
-        match report::undo(e) {
+        let undo = report::undo(e);
+        let copies = if undo == Undo::NotApplicable { 1 } else { 2 };
+        if !page.take(copies * item.weight()) {
+            r.more = true;
+            r.next = last.map(ToString::to_string);
+            break;
+        }
+        last = Some(key);
+        match undo {
             Undo::Compensable => r.compensable.push(item.clone()),
             Undo::Irreversible => r.irreversible.push(item.clone()),
             Undo::Undeclared => r.undeclared.push(item.clone()),

@@ -90,56 +90,66 @@ pub async fn serve<S>(
         mut reader,
         out_tx,
         permits,
+        unwritten,
         writer,
         ..
     } = open(stream, socket, &shared, render);
     let idle = Duration::from_millis(shared.opts.idle_ms_max);
-    loop {
-        let line = match tokio::time::timeout(idle, reader.next_line()).await {
-            Ok(Ok(Some(l))) => l,
-            Ok(Ok(None) | Err(_)) => break,
-            // No hello on this wire: a connection counts as authenticated for the idle rule.
-            Err(_) => match crate::conn::idle_close(&shared.opts, true, false, &permits) {
-                Some(why) => {
-                    crate::log::info(&format!("SoundGate connection {conn} closed: {why}"));
-                    let _ = out_tx.send(Out::Answer {
-                        id: Id::default(),
-                        answer: Answer::Error(estop_protocol::ErrorCode::LimitExceeded, why),
-                        after: After::default(),
-                    });
-                    break;
-                }
-                None => continue,
-            },
-        };
-        match permits.acquire().await {
-            Ok(p) => p.forget(),
-            Err(_) => break,
-        }
-        let answer = match line {
-            Line::TooLong { bytes } => Some(Answer::Error(
-                estop_protocol::ErrorCode::LineTooLong,
-                format!("bad request: line of {bytes} bytes is too long"),
-            )),
-            Line::Text(bytes) => match parse_soundgate(bytes) {
-                Ok(None) => {
-                    permits.add_permits(1);
-                    continue;
-                }
-                Err(e) => Some(Answer::Error(
-                    estop_protocol::ErrorCode::BadJson,
-                    e.to_string(),
+    let requests = async {
+        loop {
+            // A client that does not read what it asked for stops being read.
+            unwritten.paced().await;
+            let line = match tokio::time::timeout(idle, reader.next_line()).await {
+                Ok(Ok(Some(l))) => l,
+                Ok(Ok(None) | Err(_)) => break,
+                // No hello on this wire: a connection counts as authenticated for the idle rule.
+                Err(_) => match crate::conn::idle_close(&shared.opts, true, false, &permits) {
+                    Some(why) => {
+                        crate::log::info(&format!("SoundGate connection {conn} closed: {why}"));
+                        let _ = out_tx.send(Out::Answer {
+                            id: Id::default(),
+                            answer: Answer::Error(estop_protocol::ErrorCode::LimitExceeded, why),
+                            after: After::default(),
+                        });
+                        break;
+                    }
+                    None => continue,
+                },
+            };
+            match permits.acquire().await {
+                Ok(p) => p.forget(),
+                Err(_) => break,
+            }
+            let answer = match line {
+                Line::TooLong { bytes } => Some(Answer::Error(
+                    estop_protocol::ErrorCode::LineTooLong,
+                    format!("bad request: line of {bytes} bytes is too long"),
                 )),
-                Ok(Some(req)) => handle(req, &out_tx, &shared, &decisions),
-            },
-        };
-        if let Some(answer) = answer {
-            let _ = out_tx.send(Out::Answer {
-                id: Id::default(),
-                answer,
-                after: After::default(),
-            });
+                Line::Text(bytes) => match parse_soundgate(bytes) {
+                    Ok(None) => {
+                        permits.add_permits(1);
+                        continue;
+                    }
+                    Err(e) => Some(Answer::Error(
+                        estop_protocol::ErrorCode::BadJson,
+                        e.to_string(),
+                    )),
+                    Ok(Some(req)) => handle(req, &out_tx, &shared, &decisions),
+                },
+            };
+            if let Some(answer) = answer {
+                let _ = out_tx.send(Out::Answer {
+                    id: Id::default(),
+                    answer,
+                    after: After::default(),
+                });
+            }
         }
+    };
+    // A connection that falls too far behind its replies is closed whatever its reader does.
+    tokio::select! {
+        () = requests => {}
+        () = unwritten.crossed() => {}
     }
     close(&shared, conn, out_tx, writer).await;
     drop(slot);
@@ -149,6 +159,7 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
     let to = ReplyTo {
         out: out.clone(),
         id: Id::default(),
+        charge: None,
     };
     let send = |msg| match shared.core_tx.send(msg) {
         Ok(()) => None,

@@ -26,6 +26,7 @@ pub async fn ask(shared: &Shared, msg: impl FnOnce(ReplyTo) -> CoreMsg) -> Answe
     let to = ReplyTo {
         out: tx.into(),
         id: Id::default(),
+        charge: None,
     };
     if shared.core_tx.send(msg(to)).is_err() {
         return err(ErrorCode::Unavailable, "the gate is shutting down");
@@ -67,6 +68,7 @@ pub fn record_bootstrap(shared: &Shared) {
             to: ReplyTo {
                 out: tx.into(),
                 id: Id::default(),
+                charge: None,
             },
         });
     }

@@ -110,6 +110,7 @@ impl Harness {
         let to = ReplyTo {
             out: self.out_tx.clone().into(),
             id: Id::default(),
+            charge: None,
         };
         self.tx
             .send(CoreMsg::Apply {
@@ -227,6 +228,7 @@ fn a_subscriber_that_stops_reading_loses_its_subscription_instead_of_growing_a_q
     let to = ReplyTo {
         out: sub_tx.clone().into(),
         id: Id::default(),
+        charge: None,
     };
     h.tx.send(CoreMsg::Subscribe {
         principal: agent(),

@@ -47,6 +47,35 @@ def request_line(rid: int, op: str, fields: dict[str, Any]) -> bytes:
     return (json.dumps(req, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n").encode()
 
 
+#: The lists of a report; each page of a report holds those of its own effects.
+REPORT_LISTS = (
+    "done",
+    "failed",
+    "refused",
+    "in_flight",
+    "unknown",
+    "compensable",
+    "irreversible",
+    "undeclared",
+    "held",
+)
+
+
+def merge_page(acc: dict[str, Any] | None, page: dict[str, Any], lists: tuple[str, ...]) -> dict[str, Any]:
+    """Appends a listing page's `lists` to those of the pages before it (docs/PROTOCOL.md,
+    "Pages"); the result keeps the last page's `more`/`next`."""
+    if acc is None:
+        return dict(page)
+    for k in lists:
+        acc[k] = list(acc.get(k, [])) + list(page.get(k, []))
+    for k in ("more", "next"):
+        if k in page:
+            acc[k] = page[k]
+        else:
+            acc.pop(k, None)
+    return acc
+
+
 #: The gate's default `line_bytes_max` (docs/PROTOCOL.md, "Limits").
 LINE_BYTES_MAX = 65536
 

@@ -14,7 +14,7 @@ import random
 from typing import Any
 
 from . import _wire
-from ._wire import _MISSING
+from ._wire import _MISSING, REPORT_LISTS, merge_page
 from .client import EventCallback
 from .config import Config
 from .errors import ConnectionLost, EstopTimeout, GateError, InvalidRequest, Unauthenticated
@@ -311,14 +311,30 @@ class AsyncClient:
     async def close_run(self, run: str, outcome: str | None = None) -> dict[str, Any]:
         return await self.call("close", run=run, outcome=outcome)
 
+    async def _pages(self, op: str, lists: tuple[str, ...], limit: int | None = None, **fields: Any) -> dict[str, Any]:
+        """Reads a listing page by page, following its cursor (docs/PROTOCOL.md, "Pages"): every
+        item, or the first `limit` of `lists[0]`."""
+        acc: dict[str, Any] | None = None
+        cursor: str | None = None
+        while True:
+            left = None if limit is None else max(limit - (len(acc[lists[0]]) if acc else 0), 1)
+            page = await self.call(op, limit=left, cursor=cursor, **fields)
+            acc = merge_page(acc, page, lists)
+            cursor = page.get("next")
+            if not cursor or (limit is not None and len(acc[lists[0]]) >= limit):
+                return acc
+
     async def runs(self, state: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
-        return list((await self.call("runs", state=state, limit=limit)).get("runs", []))
+        """Every run (of this agent, for an agent token), or the first `limit`, in id order."""
+        return list((await self._pages("runs", ("runs",), limit, state=state)).get("runs", []))
 
     async def pending(self, run: str | None = None) -> list[dict[str, Any]]:
-        return list((await self.call("pending", run=run)).get("pending", []))
+        """The whole approvals inbox, soonest to expire first."""
+        return list((await self._pages("pending", ("pending",), run=run)).get("pending", []))
 
     async def report(self, run: str) -> dict[str, Any]:
-        return await self.call("report", run=run)
+        """The whole after-stop report of `run` (every page's lists together)."""
+        return await self._pages("report", REPORT_LISTS, run=run)
 
     # -- operator verbs -----------------------------------------------------------------------
 

@@ -58,13 +58,15 @@ def find_binary() -> str:
 
 
 class Daemon:
-    def __init__(self, policy: str | None = DEFAULT_POLICY, *, data: str | None = None, binary: str | None = None, tcp: bool = False, ready_timeout_s: float = 60.0) -> None:
+    def __init__(self, policy: str | None = DEFAULT_POLICY, *, data: str | None = None, binary: str | None = None, tcp: bool = False, ready_timeout_s: float = 60.0, args: tuple[str, ...] = ()) -> None:
         self._tmp = None if data else tempfile.TemporaryDirectory(prefix="estop-")
         self.data = Path(data or self._tmp.name)  # type: ignore[union-attr]
         self.binary = binary or find_binary()
         self.policy = policy
         self.tcp = tcp
         self.ready_timeout_s = ready_timeout_s
+        #: More `estop serve` options (e.g. `("--page-bytes-max", "600")`).
+        self.args = tuple(args)
         self.proc: subprocess.Popen[str] | None = None
         self.ready: dict[str, str] = {}
         self._operator: Client | None = None
@@ -77,6 +79,7 @@ class Daemon:
             cmd += ["--policy", str(pf)]
         if self.tcp:
             cmd += ["--listen", "127.0.0.1:0"]
+        cmd += list(self.args)
         log = open(self.data / "daemon.log", "a")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         line_box: list[str] = []
