@@ -235,15 +235,25 @@ fn load_bench(a: LoadArgs) -> Result<u8> {
 
 fn kernel(identities: u64, json_out: bool) -> Result<u8> {
     // Memory first: freed pages stay in the process, so a later measurement would read zero.
-    let m = estop_bench::kernel::memory_per_identity(identities, 10);
+    // Each measurement keeps its gate until all are done, so none reuses another's pages.
+    let (m, kept) = estop_bench::kernel::memory_per_identity(identities, 10);
+    let (t36, kept36) = estop_bench::kernel::memory_per_tombstone(identities, 36);
+    let (t12, kept12) = estop_bench::kernel::memory_per_tombstone(identities, 12);
+    drop((kept, kept36, kept12));
     let c = estop_bench::kernel::cancel_cost(identities, 10, 1000);
     if json_out {
         println!(
             "{}",
             json!({"identities": c.identities, "cancel_effects_per_run": c.effects_per_run, "cancels": c.cancels,
-                   "cancel_p50_us": c.p50_us, "cancel_max_us": c.max_us, "bytes_per_identity": m.bytes_per_identity.round()})
+                   "cancel_p50_us": c.p50_us, "cancel_max_us": c.max_us, "bytes_per_identity": m.bytes_per_identity.round(),
+                   "bytes_per_tombstone_36b_id": t36.bytes_per_identity.round(),
+                   "bytes_per_tombstone_12b_id": t12.bytes_per_identity.round()})
         );
     } else {
+        println!(
+            "memory: {:.0} bytes per tombstone with 36-byte run ids, {:.0} with 12-byte ids, at {} tombstones (RSS delta)",
+            t36.bytes_per_identity, t12.bytes_per_identity, t36.identities
+        );
         println!(
             "cancel of a {}-effect run among {} identities: p50 {:.1} us CPU, max {:.1} us ({} cancels; plus one group-committed fsync before the ack)",
             c.effects_per_run, c.identities, c.p50_us, c.max_us, c.cancels

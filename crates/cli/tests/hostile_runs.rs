@@ -25,7 +25,10 @@ fn admit_req(run: &str, key: &str, tool: &str) -> Value {
 /// A new agent principal's client.
 fn new_agent(d: &Daemon, name: &str) -> Client {
     let mut op = d.operator();
-    let t = ok(&mut op, json!({"op": "token", "name": name, "role": "agent"}))["token"]
+    let t = ok(
+        &mut op,
+        json!({"op": "token", "name": name, "role": "agent"}),
+    )["token"]
         .as_str()
         .unwrap()
         .to_string();
@@ -38,7 +41,7 @@ fn one_agent_cannot_take_every_run_or_every_held_slot() {
         "--console",
         "off",
         "--runs-max",
-        "20",
+        "16",
         "--runs-per-principal-max",
         "8",
         "--held-per-principal-max",
@@ -56,7 +59,10 @@ fn one_agent_cannot_take_every_run_or_every_held_slot() {
 
     // Another agent still gets runs.
     let mut b = new_agent(&d, "bob-agent");
-    assert_eq!(verdict(&admit(&mut b, "b0", "k", "pay", json!({}))), "admitted");
+    assert_eq!(
+        verdict(&admit(&mut b, "b0", "k", "pay", json!({}))),
+        "admitted"
+    );
 
     // Held approvals: the agent's share of held effects, not the gate's.
     for i in 0..3 {
@@ -66,13 +72,22 @@ fn one_agent_cannot_take_every_run_or_every_held_slot() {
     let (code, msg) = refusal(&mut a, admit_req("a0", "h3", "refund"));
     assert_eq!(code, "limit_exceeded");
     assert!(msg.contains("held_per_principal_max = 3"), "{msg}");
-    assert_eq!(verdict(&admit(&mut b, "b0", "h0", "refund", json!({}))), "held");
+    assert_eq!(
+        verdict(&admit(&mut b, "b0", "h0", "refund", json!({}))),
+        "held"
+    );
     // Deciding frees the slot.
     let mut op = d.operator();
-    ok(&mut op, json!({"op": "decide", "run": "a0", "key": "h0", "decision": "reject"}));
-    assert_eq!(verdict(&admit(&mut a, "a0", "h3", "refund", json!({"n": 3}))), "held");
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "a0", "key": "h0", "decision": "reject"}),
+    );
+    assert_eq!(
+        verdict(&admit(&mut a, "a0", "h3", "refund", json!({"n": 3}))),
+        "held"
+    );
 
-    // Agents together may fill the gate only up to its operator reserve (1 of 20 here): the
+    // Agents together may fill the gate only up to its operator reserve (1 of 16 here): the
     // operator can still fence a run id nobody has used yet.
     let mut c = new_agent(&d, "carol-agent");
     let mut made = 0;
@@ -86,14 +101,18 @@ fn one_agent_cannot_take_every_run_or_every_held_slot() {
         made += 1;
         assert!(made <= 8, "carol got more than her share");
     };
-    assert_eq!(made, 20 - 1 - 8 - 1, "8 of agent, 1 of bob-agent, 1 reserved");
-    assert!(msg.contains("runs_max = 20"), "{msg}");
+    assert_eq!(
+        made,
+        16 - 1 - 8 - 1,
+        "8 of agent, 1 of bob-agent, 1 reserved"
+    );
+    assert!(msg.contains("runs_max = 16"), "{msg}");
     assert!(msg.contains("reserved for operators"), "{msg}");
     let v = ok(&mut op, json!({"op": "cancel", "run": "squatted-later"}));
     assert_eq!(v["state"], "cancelled", "{v}");
     let (code, msg) = refusal(&mut op, json!({"op": "cancel", "run": "one-too-many"}));
     assert_eq!(code, "limit_exceeded");
-    assert!(msg.contains("runs_max = 20"), "{msg}");
+    assert!(msg.contains("runs_max = 16"), "{msg}");
     // The agent's fence still refuses it: the operator's fence is a real one.
     assert_eq!(
         verdict(&admit(&mut a, "squatted-later", "k", "pay", json!({}))),
@@ -137,14 +156,22 @@ fn stopped_runs_are_forgotten_and_a_cancelled_id_stays_fenced_across_kill_9() {
     ]);
     let mut a = d.agent();
     for i in 0..5 {
-        let v = admit(&mut a, &format!("r{i}"), "k", "pay", json!({}));
+        let run = format!("r{i}");
+        let v = admit(&mut a, &run, "k", "pay", json!({}));
         assert_eq!(verdict(&v), "admitted", "{v}");
+        // Settled: a run with an effect in flight is never forgotten (it is finalizing).
+        let done =
+            json!({"op": "complete", "run": run, "key": "k", "token": v["token"], "outcome": "ok"});
+        ok(&mut a, done);
     }
     let (code, msg) = refusal(&mut a, admit_req("fresh", "k", "pay"));
     assert_eq!(code, "limit_exceeded");
     assert!(msg.contains("runs_per_principal_max = 5"), "{msg}");
 
-    ok(&mut a, json!({"op": "cancel", "run": "r0", "reason": "runaway"}));
+    ok(
+        &mut a,
+        json!({"op": "cancel", "run": "r0", "reason": "runaway"}),
+    );
     for i in 1..5 {
         ok(&mut a, json!({"op": "close", "run": format!("r{i}")}));
     }
@@ -157,7 +184,10 @@ fn stopped_runs_are_forgotten_and_a_cancelled_id_stays_fenced_across_kill_9() {
         assert_eq!(verdict(&v), "refused", "{v}");
         assert_eq!(v["reason"], "cancelled", "{v}");
         let v = admit(a, "r0", "k", "pay", json!({}));
-        assert_eq!(v["reason"], "cancelled", "a repeat of a forgotten receipt: {v}");
+        assert_eq!(
+            v["reason"], "cancelled",
+            "a repeat of a forgotten receipt: {v}"
+        );
         let s = ok(a, json!({"op": "status", "run": "r0"}));
         assert_eq!(s["state"], "cancelled", "{s}");
         assert_eq!(s["cause"], "cancelled", "{s}");

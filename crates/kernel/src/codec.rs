@@ -790,17 +790,24 @@ pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
         return Err(r.err(format!("unsupported snapshot version {version}")));
     }
     let n = r.u64()?;
+    let mut owners = Owners::default();
     // Collected in one go: the ids come in order, and the ordered index is then built in bulk.
     let runs = (0..n)
-        .map(|_| get_run(&mut r, &mut interned, version))
+        .map(|_| get_run(&mut r, &mut interned, &mut owners, version))
         .collect::<Result<Runs, _>>()?;
     let tombstones = if version == 1 {
         Tombstones::default()
     } else {
         let n = r.u64()?;
-        (0..n)
-            .map(|_| get_tombstone(&mut r))
-            .collect::<Result<Tombstones, _>>()?
+        // Each takes at least 27 bytes: a hostile count cannot make us allocate.
+        if n.saturating_mul(27) > (buf.len() - r.pos) as u64 {
+            return Err(r.err(format!("tombstone count {n} exceeds the remaining bytes")));
+        }
+        let items = (0..n)
+            .map(|_| get_tombstone(&mut r, &mut owners))
+            .collect::<Result<Vec<_>, _>>()?;
+        Tombstones::try_from_iter(items.into_iter())
+            .map_err(|id| r.err(format!("run {id} has two tombstones")))?
     };
     r.done()?;
     if let Some((id, _)) = tombstones.iter().find(|(id, _)| runs.contains_key(id)) {
@@ -809,11 +816,11 @@ pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
     Ok(Gate::from_parts(runs, tombstones, limits, interned))
 }
 
-fn get_tombstone(r: &mut R) -> Result<(RunId, Tombstone), CodecError> {
+fn get_tombstone(r: &mut R, owners: &mut Owners) -> Result<(RunId, Tombstone), CodecError> {
     Ok((
         r.run()?,
         Tombstone {
-            owner: r.opt(R::principal_name)?,
+            owner: r.opt(|r| owners.get(r))?,
             cause: r.enum_of(StopCause::ALL)?,
             epoch: r.u32()?,
             created_at: r.u64()?,
@@ -824,12 +831,39 @@ fn get_tombstone(r: &mut R) -> Result<(RunId, Tombstone), CodecError> {
 
 /// One run; `version` 1 has a `compacted` byte (a run whose effects retention dropped: it is
 /// now an ordinary stopped run without effects, forgotten by the next compaction).
-fn get_run(r: &mut R, interned: &mut Interner, version: u8) -> Result<(RunId, Run), CodecError> {
+/// One shared copy of each owner's name while a snapshot is decoded (the gate shares them too:
+/// every run of a principal names it through one `Arc`). Few principals own runs; past
+/// `OWNERS_SHARED_MAX` names are simply not shared.
+#[derive(Default)]
+struct Owners(Vec<PrincipalName>);
+
+const OWNERS_SHARED_MAX: usize = 64;
+
+impl Owners {
+    fn get(&mut self, r: &mut R) -> Result<PrincipalName, CodecError> {
+        let name = r.str()?;
+        if let Some(p) = self.0.iter().find(|p| p.as_str() == name) {
+            return Ok(p.clone());
+        }
+        let p = PrincipalName::new(name).map_err(|e| r.err(e.to_string()))?;
+        if self.0.len() < OWNERS_SHARED_MAX {
+            self.0.push(p.clone());
+        }
+        Ok(p)
+    }
+}
+
+fn get_run(
+    r: &mut R,
+    interned: &mut Interner,
+    owners: &mut Owners,
+    version: u8,
+) -> Result<(RunId, Run), CodecError> {
     let id = r.run()?;
     let parent = r.opt(R::run)?;
     let nc = r.count(4)?;
     let children = (0..nc).map(|_| r.run()).collect::<Result<Vec<_>, _>>()?;
-    let owner = r.opt(R::principal_name)?;
+    let owner = r.opt(|r| owners.get(r))?;
     let nl = r.count(8)?;
     let mut labels = Vec::with_capacity(nl);
     for _ in 0..nl {

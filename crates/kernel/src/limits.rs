@@ -55,7 +55,7 @@ impl Default for Limits {
             runs_per_principal_max: 500_000,
             held_max: 100_000,
             held_per_principal_max: 20_000,
-            tombstones_max: 5_000_000,
+            tombstones_max: 4_000_000,
             effects_per_run_max: 100_000,
             pending_approvals_per_run_max: 64,
             run_depth_max: 16,

@@ -80,8 +80,12 @@ pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
                 json!(if *failed { "failed" } else { "completed" }),
             );
         }
-        Command::Compact { before } => {
+        Command::Compact {
+            before,
+            tombstones_before,
+        } => {
             fields.insert("before".into(), Value::from(*before));
+            fields.insert("tombstones_before".into(), Value::from(*tombstones_before));
         }
         Command::Pause { .. } | Command::Resume { .. } | Command::Tick { .. } => {}
     }
