@@ -133,7 +133,11 @@ pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
             run,
             failed: rng.below(3) == 0,
         },
-        86..=89 => Op::Tick { run },
+        86..=88 => Op::Tick { run },
+        89 => Op::Compact {
+            retention: *rng.pick(&[0u16, 0, 20, 60]),
+            grave_retention: *rng.pick(&[0u16, 40, 100, 300, 300]),
+        },
         _ => Op::Advance {
             ms: *rng.pick(&[1u16, 5, 10, 20, 30, 45, 60]),
         },
