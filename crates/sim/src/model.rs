@@ -185,7 +185,10 @@ impl Model {
     }
 
     fn grave(&self, run: u8) -> Option<&Grave> {
-        self.graves.iter().find(|(id, _)| *id == run).map(|(_, g)| g)
+        self.graves
+            .iter()
+            .find(|(id, _)| *id == run)
+            .map(|(_, g)| g)
     }
 
     /// Applies one op; `None` for time passing (nothing to answer).
