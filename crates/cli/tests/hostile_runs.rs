@@ -228,3 +228,26 @@ fn rand_suffix() -> u128 {
         .unwrap()
         .as_nanos()
 }
+
+/// Lowering a bound and restarting must not lock the operator out: the recorded runs were
+/// admitted under the old bound, recovery replays them, and only new runs are refused.
+#[test]
+fn a_lower_bound_after_a_restart_refuses_new_runs_and_still_recovers() {
+    let mut d = Daemon::start_with(&["--console", "off", "--runs-per-principal-max", "4"]);
+    let mut a = d.agent();
+    for i in 0..4 {
+        let v = admit(&mut a, &format!("r{i}"), "k", "pay", json!({}));
+        assert_eq!(verdict(&v), "admitted", "{v}");
+    }
+    d.extra = ["--console", "off", "--runs-per-principal-max", "2"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    d.restart();
+    let mut a = d.agent();
+    let s = ok(&mut a, json!({"op": "status", "run": "r3"}));
+    assert_eq!(s["state"], "active", "{s}");
+    let (code, msg) = refusal(&mut a, admit_req("r4", "k", "pay"));
+    assert_eq!(code, "limit_exceeded");
+    assert!(msg.contains("runs_per_principal_max = 2"), "{msg}");
+}

@@ -204,6 +204,12 @@ impl Gate {
         &self.limits
     }
 
+    /// Changes the bounds (after recovering under `Limits::for_replay`). State already over a
+    /// new bound stays; new work is refused until it is back under.
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+    }
+
     pub fn run(&self, id: &RunId) -> Option<&Run> {
         self.runs.get(id)
     }

@@ -40,6 +40,36 @@ pub struct Limits {
 }
 
 impl Limits {
+    /// The bounds to recover under: every bound that only refuses is lifted (a recorded command
+    /// passed the bounds of its day, and a lower bound configured since must not stop the gate
+    /// from starting: it refuses new work until the state is back under it). `tombstones_max`
+    /// stays: it decides how much a compaction forgets.
+    pub fn for_replay(&self) -> Limits {
+        Limits {
+            tombstones_max: self.tombstones_max,
+            ..Limits::unbounded()
+        }
+    }
+
+    /// No bound at all (but `tombstones_max`, which is set too).
+    fn unbounded() -> Limits {
+        Limits {
+            runs_max: usize::MAX,
+            runs_per_principal_max: usize::MAX,
+            held_max: usize::MAX,
+            held_per_principal_max: usize::MAX,
+            tombstones_max: usize::MAX,
+            effects_per_run_max: usize::MAX,
+            pending_approvals_per_run_max: usize::MAX,
+            run_depth_max: usize::MAX,
+            labels_max: usize::MAX,
+            label_bytes_max: usize::MAX,
+            result_bytes_max: usize::MAX,
+            args_bytes_max: usize::MAX,
+            reason_bytes_max: usize::MAX,
+        }
+    }
+
     /// Runs (of `runs_max`) that agents cannot take: `RUNS_OPERATOR_RESERVE_PERCENT`, rounded
     /// up, at least one.
     pub fn runs_operator_reserve(&self) -> usize {

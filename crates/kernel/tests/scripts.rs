@@ -951,3 +951,60 @@ fn tool_and_rule_names_are_shared_between_effects_and_survive_a_snapshot() {
         "names are shared after recovery from a snapshot"
     );
 }
+
+/// A version 1 snapshot (before runs were forgotten) still loads: its compacted run is a stopped
+/// run without effects, and the next compaction forgets it into a tombstone.
+#[test]
+fn a_version_1_snapshot_loads_and_its_compacted_runs_are_forgotten_next() {
+    use estop_kernel::codec::{decode_snapshot, encode_snapshot};
+    use estop_kernel::{Command, Limits, RunId};
+    let mut v1 = vec![1u8];
+    v1.extend_from_slice(&1u64.to_le_bytes()); // one run
+    let s = |v: &mut Vec<u8>, t: &str| {
+        v.extend_from_slice(&(t.len() as u32).to_le_bytes());
+        v.extend_from_slice(t.as_bytes());
+    };
+    s(&mut v1, "r1");
+    v1.push(0); // no parent
+    v1.extend_from_slice(&0u32.to_le_bytes()); // no children
+    v1.push(1);
+    s(&mut v1, "agent");
+    v1.extend_from_slice(&0u32.to_le_bytes()); // no labels
+    v1.extend_from_slice(&1u64.to_le_bytes()); // created_at
+    v1.push(3); // state: completed
+    v1.push(1); // stop
+    v1.push(4); // cause: closed
+    v1.extend_from_slice(&[0, 0]); // no reason, no by
+    v1.extend_from_slice(&5u64.to_le_bytes()); // at
+    v1.push(0); // not inherited
+    v1.extend_from_slice(&2u32.to_le_bytes()); // epoch
+    v1.extend_from_slice(&[0, 0]); // no deadline, no max effects
+    v1.extend_from_slice(&1u64.to_le_bytes()); // admitted
+    v1.extend_from_slice(&[0; 8]); // pending, in flight
+    v1.extend_from_slice(&2u64.to_le_bytes()); // next serial
+    v1.extend_from_slice(&1u64.to_le_bytes()); // next approval
+    v1.push(1); // compacted
+    v1.extend_from_slice(&[0; 8]); // no rejected digests, no effects
+    let mut gate = decode_snapshot(&v1, Limits::default()).expect("a v1 snapshot loads");
+    let r1 = RunId::new("r1").unwrap();
+    assert!(gate.run(&r1).unwrap().effects.is_empty());
+    let op = support::principal("alice");
+    let compact = Command::Compact {
+        before: 10,
+        tombstones_before: 0,
+    };
+    let applied = gate.apply(20, &op, &compact).unwrap();
+    assert_eq!(
+        support::render_reply(&applied.reply),
+        "forgot 1 runs, dropped 0 tombstones"
+    );
+    assert!(gate.run(&r1).is_none());
+    assert_eq!(gate.tombstone(&r1).unwrap().stopped_at, 5);
+    let mut v2 = Vec::new();
+    encode_snapshot(&gate, &mut v2);
+    assert_eq!(v2[0], 2, "written as version 2");
+    assert_eq!(decode_snapshot(&v2, Limits::default()).unwrap(), gate);
+    let mut bad = v1.clone();
+    bad[0] = 3;
+    assert!(decode_snapshot(&bad, Limits::default()).is_err());
+}

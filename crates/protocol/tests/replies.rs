@@ -207,6 +207,7 @@ fn every_payload_round_trips() {
             unknown: 6,
             refused: 7,
         },
+        forgotten: false,
     };
     round_trip(view.clone());
     round_trip(RunsReply {
@@ -216,6 +217,14 @@ fn every_payload_round_trips() {
                 run: "r2".into(),
                 state: "cancelled".into(),
                 cause: Some("cancelled".into()),
+                ..RunView::default()
+            },
+            RunView {
+                run: "r3".into(),
+                state: "completed".into(),
+                cause: Some("closed".into()),
+                stopped_at: Some(5),
+                forgotten: true,
                 ..RunView::default()
             },
         ],
@@ -276,9 +285,19 @@ fn every_payload_round_trips() {
         reason: None,
     };
     round_trip(Report {
+        run: "r0".into(),
+        state: "cancelled".into(),
+        cause: Some("cancelled".into()),
+        stopped_at: Some(7),
+        forgotten: true,
+        ..Report::default()
+    });
+    round_trip(Report {
         run: "r1".into(),
         state: "cancelled".into(),
         cause: Some("cancelled".into()),
+        stopped_at: Some(7),
+        forgotten: false,
         done: vec![ReportItem {
             compensate: Some("refund.undo".into()),
             ..item("a", "completed", "compensable")
