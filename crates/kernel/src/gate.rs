@@ -639,11 +639,17 @@ impl Gate {
         if !fresh {
             return Ok(()); // Planned before anything changes: `admit` checks exactly.
         }
-        let chain = a
+        let parent = a
             .parent
             .as_ref()
-            .and_then(|par| self.runs.get_key_value(par))
-            .map(|(id, r)| self.chain_flags(id, r, now));
+            .and_then(|par| self.runs.get_key_value(par));
+        if existing.is_some_and(|r| hidden_from(p, r))
+            || parent.is_some_and(|(_, r)| hidden_from(p, r))
+        {
+            // Another principal's run: `admit` answers `not_found`, and this must not tell more.
+            return Ok(());
+        }
+        let chain = parent.map(|(id, r)| self.chain_flags(id, r, now));
         let paused = chain.as_ref().is_some_and(|c| c.paused)
             || existing.is_some_and(|r| r.state == RunState::Paused);
         let pending = chain.as_ref().is_some_and(|c| c.pending);

@@ -185,6 +185,19 @@ impl Pair {
         }
     }
 
+    /// Both sides under the small world's tight bounds (`world::limits`): the differential.
+    pub fn tight() -> Pair {
+        Pair::tight_with(world::limits())
+    }
+
+    /// The model under the tight bounds, the kernel under `limits`.
+    pub fn tight_with(limits: Limits) -> Pair {
+        Pair {
+            model: Model::with_bounds(world::bounds()),
+            ..Pair::with_limits(limits)
+        }
+    }
+
     /// The token the gate issued for the op's effect, if any.
     pub fn issued(&self, op: &Op) -> Option<Token> {
         let (run, key) = target(op)?;
@@ -287,12 +300,13 @@ fn view_diff(k: &View, m: &View) -> String {
 
 /// Replays a trace on fresh sides; the first disagreement, if any.
 pub fn first_mismatch(ops: &[Op]) -> Option<Mismatch> {
-    first_mismatch_with(ops, &Limits::default())
+    first_mismatch_with(ops, &world::limits())
 }
 
-/// As `first_mismatch`, with the kernel running under `limits`.
+/// As `first_mismatch`, with the kernel running under `limits` (the model under the tight
+/// bounds).
 pub fn first_mismatch_with(ops: &[Op], limits: &Limits) -> Option<Mismatch> {
-    let mut pair = Pair::with_limits(limits.clone());
+    let mut pair = Pair::tight_with(limits.clone());
     for (i, op) in ops.iter().enumerate() {
         if let Err(what) = pair.step(op) {
             return Some(Mismatch { step: i, what });
@@ -307,7 +321,7 @@ pub fn first_mismatch_with(ops: &[Op], limits: &Limits) -> Option<Mismatch> {
 /// Delta debugging: the shortest sub-trace (by removing chunks, then single ops) that still
 /// diverges.
 pub fn shrink(ops: &[Op]) -> Vec<Op> {
-    shrink_with(ops, &Limits::default())
+    shrink_with(ops, &world::limits())
 }
 
 /// As `shrink`, with the kernel running under `limits`.
@@ -342,7 +356,7 @@ pub fn shrink_with(ops: &[Op], limits: &Limits) -> Vec<Op> {
 
 /// Formats a (shrunk) failing trace with both sides' answers, for the report.
 pub fn explain(ops: &[Op]) -> String {
-    let mut pair = Pair::new();
+    let mut pair = Pair::tight();
     let mut s = String::new();
     for op in ops {
         let before = pair.clone();
@@ -389,7 +403,7 @@ pub struct Divergence {
 pub fn run_case(seed: u64, len_max: usize, stats: &mut DiffStats) -> Result<(), Divergence> {
     let mut rng = Rng::new(seed);
     let len = 1 + rng.index(len_max);
-    let mut pair = Pair::new();
+    let mut pair = Pair::tight();
     let mut ops = Vec::with_capacity(len);
     for _ in 0..len {
         let op = random_op(&mut rng, &pair.model);

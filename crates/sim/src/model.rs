@@ -14,8 +14,28 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// How many approvals may await a decision in one run (the kernel's default bound).
 pub const PENDING_PER_RUN_MAX: usize = 64;
-/// How many forgotten runs' fences the gate keeps (the kernel's default bound).
-pub const TOMBSTONES_MAX: usize = 4_000_000;
+/// The gate's bounds on runs, held effects and tombstones (docs/PROTOCOL.md "Limits").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Bounds {
+    pub runs_max: usize,
+    pub runs_per_principal_max: usize,
+    pub held_max: usize,
+    pub held_per_principal_max: usize,
+    pub tombstones_max: usize,
+}
+
+impl Default for Bounds {
+    /// The defaults of `estop serve`.
+    fn default() -> Bounds {
+        Bounds {
+            runs_max: 1_000_000,
+            runs_per_principal_max: 500_000,
+            held_max: 100_000,
+            held_per_principal_max: 20_000,
+            tombstones_max: 4_000_000,
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Cause {
@@ -158,6 +178,7 @@ pub struct Model {
     pub runs: BTreeMap<u8, MRun>,
     /// Fences of forgotten runs, in the order the runs were forgotten.
     pub graves: Vec<(u8, Grave)>,
+    pub bounds: Bounds,
 }
 
 type Res = Result<(String, bool), &'static str>;
@@ -182,6 +203,82 @@ enum Decision {
 impl Model {
     pub fn new() -> Model {
         Model::default()
+    }
+
+    pub fn with_bounds(bounds: Bounds) -> Model {
+        Model {
+            bounds,
+            ..Model::default()
+        }
+    }
+
+    /// Room for `n` new runs of `owner` (`None`: an operator's fence), asked by `who`: the
+    /// gate's bound, minus the operators' reserve (1%, at least one) for agents, and the
+    /// owner's share.
+    fn room_for_runs(&self, who: Who, owner: Option<Who>, n: usize) -> Result<(), &'static str> {
+        let b = &self.bounds;
+        let live = self.runs.len();
+        let reserve = b.runs_max.div_ceil(100).max(1).min(b.runs_max);
+        let mine = self
+            .runs
+            .values()
+            .filter(|r| r.owner.is_some() && r.owner == owner)
+            .count();
+        if live + n > b.runs_max
+            || (!who.is_operator() && live + n > b.runs_max - reserve)
+            || (owner.is_some() && mine + n > b.runs_per_principal_max)
+        {
+            return Err("limit");
+        }
+        Ok(())
+    }
+
+    /// Held effects (held or approved, not yet consumed) in the runs of `owner`, or in all.
+    fn held(&self, owner: Option<Option<Who>>) -> usize {
+        self.runs
+            .values()
+            .filter(|r| owner.is_none_or(|o| r.owner == o))
+            .flat_map(|r| r.effects.values())
+            .filter(|e| matches!(e.st, St::Held(_) | St::Approved))
+            .count()
+    }
+
+    /// Room for one more held effect in a run of `owner`.
+    fn room_for_held(&self, owner: Option<Who>) -> Result<(), &'static str> {
+        if self.held(None) >= self.bounds.held_max
+            || (owner.is_some() && self.held(Some(owner)) >= self.bounds.held_per_principal_max)
+        {
+            return Err("limit");
+        }
+        Ok(())
+    }
+
+    /// An admit that would create (or adopt) its run checks for room for a held effect first,
+    /// whenever the effect could be held (approval asked, the parent's lineage paused or
+    /// awaiting approval, the run itself paused), so a refusal leaves no run behind. Not for
+    /// another principal's run or parent: that is `not_found`, answered later.
+    fn precheck_held(&self, who: Who, run: u8, tool: Tool) -> Result<(), &'static str> {
+        let parent = parent_of(run);
+        let existing = self.runs.get(&run);
+        let fresh = existing.is_none_or(|r| {
+            parent.is_some() && r.parent.is_none() && r.effects.is_empty() && r.stop.is_none()
+        });
+        let hidden = |r: &MRun| !who.is_operator() && r.owner.is_some_and(|o| o != who);
+        let live_parent = parent.filter(|p| self.runs.contains_key(p));
+        if !fresh
+            || existing.is_some_and(hidden)
+            || live_parent.is_some_and(|p| hidden(&self.runs[&p]))
+        {
+            return Ok(());
+        }
+        let paused = live_parent.is_some_and(|p| self.paused_lineage(p))
+            || existing.is_some_and(|r| r.paused && r.stop.is_none());
+        let pending = live_parent.is_some_and(|p| self.awaiting_lineage(p));
+        let asks = matches!(tool, Tool::Refund | Tool::Wire | Tool::Payout);
+        if asks || paused || (tool.is_write() && pending) {
+            return self.room_for_held(existing.map_or(Some(who), |r| r.owner));
+        }
+        Ok(())
     }
 
     fn grave(&self, run: u8) -> Option<&Grave> {
@@ -268,7 +365,7 @@ impl Model {
                 continue;
             }
             let needs_grave = r.stopped_at > graves_before;
-            if needs_grave && self.graves.len() >= TOMBSTONES_MAX {
+            if needs_grave && self.graves.len() >= self.bounds.tombstones_max {
                 break;
             }
             let r = self.runs.remove(&id).expect("due");
@@ -524,6 +621,7 @@ impl Model {
         limits: u8,
     ) -> Res {
         let parent = parent_of(run);
+        self.precheck_held(who, run, tool)?;
         let mut adopted = false;
         if self.runs.contains_key(&run) {
             let r = self.visible(who, run)?;
@@ -548,6 +646,7 @@ impl Model {
                 let inherited = if self.runs.contains_key(&p) {
                     self.visible(who, p)?.stop.map(|(cause, _)| cause)
                 } else {
+                    self.room_for_runs(who, Some(who), 1)?;
                     self.runs.insert(p, MRun::new(Some(who), None));
                     None
                 };
@@ -578,6 +677,9 @@ impl Model {
             }
         } else {
             // The first admit creates the run (and a parent nobody has seen yet).
+            let new_parent =
+                parent.is_some_and(|p| !self.runs.contains_key(&p) && self.grave(p).is_none());
+            self.room_for_runs(who, Some(who), 1 + usize::from(new_parent))?;
             let mut inherited = None;
             if let Some(p) = parent {
                 if self.runs.contains_key(&p) {
@@ -618,6 +720,9 @@ impl Model {
             }
         }
         let d = self.decide_admission(now, run, tool, arg, false)?;
+        if matches!(d, Decision::Hold(_) | Decision::AskApproval) {
+            self.room_for_held(self.runs[&run].owner)?;
+        }
         let e = Eff {
             tool,
             arg,
@@ -838,6 +943,7 @@ impl Model {
             self.visible(who, run)?;
         } else if who.is_operator() {
             // An operator may fence a run id before its first admit.
+            self.room_for_runs(who, None, 1)?;
             self.runs.insert(run, MRun::new(None, None));
         } else {
             // An agent stops only runs it created (no squatting on another's run id).

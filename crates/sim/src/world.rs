@@ -18,6 +18,31 @@ pub const RUNS: [&str; 3] = ["p", "c", "s"];
 pub const KEYS: [&str; 4] = ["a", "b", "c", "d"];
 
 /// The parent every admit of a run names (`c` is a sub-agent of `p`).
+/// The differential's bounds: tight enough that the per-principal shares of runs and held
+/// effects, the operators' reserve and the tombstone bound are all reached in three runs.
+pub fn limits() -> estop_kernel::Limits {
+    estop_kernel::Limits {
+        runs_max: 4,
+        runs_per_principal_max: 2,
+        held_max: 4,
+        held_per_principal_max: 3,
+        tombstones_max: 1,
+        ..estop_kernel::Limits::default()
+    }
+}
+
+/// `limits()` as the reference model reads them.
+pub fn bounds() -> crate::model::Bounds {
+    let l = limits();
+    crate::model::Bounds {
+        runs_max: l.runs_max,
+        runs_per_principal_max: l.runs_per_principal_max,
+        held_max: l.held_max,
+        held_per_principal_max: l.held_per_principal_max,
+        tombstones_max: l.tombstones_max,
+    }
+}
+
 pub fn parent_of(run: u8) -> Option<u8> {
     (run == 1).then_some(0)
 }
