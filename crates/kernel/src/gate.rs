@@ -755,50 +755,10 @@ impl Gate {
                 self.limits.label_bytes_max,
             ));
         }
-        let mut inherited = None;
-        if let Some(parent) = &a.parent {
-            if parent == &a.run {
-                return Err(KernelError::ParentMismatch {
-                    run: a.run.clone(),
-                    existing: "none".into(),
-                    given: parent.clone(),
-                });
-            }
-            if let Some(prun) = self.runs.get(parent) {
-                self.visible_run(p, parent)?;
-                let depth = 1 + self.chain(parent).count();
-                if depth > self.limits.run_depth_max {
-                    return Err(KernelError::limit(
-                        "run_depth_max",
-                        self.limits.run_depth_max,
-                    ));
-                }
-                if let Some(stop) = &prun.stop {
-                    inherited = Some(Stop {
-                        cause: stop.cause,
-                        reason: stop.reason.clone(),
-                        by: stop.by.clone(),
-                        at: now,
-                        from: Some(stop.from.clone().unwrap_or_else(|| parent.clone())),
-                    });
-                }
-            } else if let Some(t) = self.tombstones.get(parent) {
-                // A forgotten parent's fence: the sub-agent is born stopped, as under the run.
-                if hidden_owner(p, &t.owner) {
-                    return Err(KernelError::RunNotFound(parent.clone()));
-                }
-                inherited = Some(Stop {
-                    cause: t.cause,
-                    reason: None,
-                    by: None,
-                    at: now,
-                    from: Some(parent.clone()),
-                });
-            } else {
-                // A sub-agent may admit before its parent did: the parent run comes into being.
-                self.add_run(parent.clone(), Run::new(now, Some(p.name.clone()), None));
-            }
-        }
+        let inherited = match &a.parent {
+            Some(parent) => self.new_runs_parent(now, p, &a.run, parent)?,
+            None => None,
+        };
         let mut run = Run::new(now, Some(p.name.clone()), a.parent.clone());
         run.labels = a.labels.clone();
         run.limits = a.limits;
@@ -812,6 +772,58 @@ impl Gate {
         }
         self.add_run(a.run.clone(), run);
         Ok(())
+    }
+
+    /// Checks the parent a new run names and returns the stop it inherits, if any: a live
+    /// parent's, or a forgotten parent's (its tombstone). A parent nobody has seen yet comes
+    /// into being (the last step: everything was checked before).
+    fn new_runs_parent(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run: &RunId,
+        parent: &RunId,
+    ) -> Result<Option<Stop>, KernelError> {
+        if parent == run {
+            return Err(KernelError::ParentMismatch {
+                run: run.clone(),
+                existing: "none".into(),
+                given: parent.clone(),
+            });
+        }
+        if let Some(prun) = self.runs.get(parent) {
+            self.visible_run(p, parent)?;
+            let depth = 1 + self.chain(parent).count();
+            if depth > self.limits.run_depth_max {
+                return Err(KernelError::limit(
+                    "run_depth_max",
+                    self.limits.run_depth_max,
+                ));
+            }
+            return Ok(prun.stop.as_ref().map(|stop| Stop {
+                cause: stop.cause,
+                reason: stop.reason.clone(),
+                by: stop.by.clone(),
+                at: now,
+                from: Some(stop.from.clone().unwrap_or_else(|| parent.clone())),
+            }));
+        }
+        if let Some(t) = self.tombstones.get(parent) {
+            // A forgotten parent's fence: the sub-agent is born stopped, as under the run.
+            if hidden_owner(p, &t.owner) {
+                return Err(KernelError::RunNotFound(parent.clone()));
+            }
+            return Ok(Some(Stop {
+                cause: t.cause,
+                reason: None,
+                by: None,
+                at: now,
+                from: Some(parent.clone()),
+            }));
+        }
+        // A sub-agent may admit before its parent did: the parent run comes into being.
+        self.add_run(parent.clone(), Run::new(now, Some(p.name.clone()), None));
+        Ok(None)
     }
 
     /// Decides what happens to an effect that is new or held behind a sibling or a pause.

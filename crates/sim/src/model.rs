@@ -675,49 +675,8 @@ impl Model {
                     verdict(answer)
                 };
             }
-        } else {
-            // The first admit creates the run (and a parent nobody has seen yet).
-            let new_parent =
-                parent.is_some_and(|p| !self.runs.contains_key(&p) && self.grave(p).is_none());
-            self.room_for_runs(who, Some(who), 1 + usize::from(new_parent))?;
-            let mut inherited = None;
-            if let Some(p) = parent {
-                if self.runs.contains_key(&p) {
-                    let pr = self.visible(who, p)?;
-                    if let Some((cause, from)) = pr.stop {
-                        inherited = Some((cause, Some(from.unwrap_or(p))));
-                    }
-                } else if let Some(g) = self.grave(p) {
-                    // A forgotten parent's fence: the child is born stopped.
-                    if !who.is_operator() && g.owner.is_some_and(|o| o != who) {
-                        return Err("not_found");
-                    }
-                    inherited = Some((g.cause, Some(p)));
-                } else {
-                    self.runs.insert(p, MRun::new(Some(who), None));
-                }
-            }
-            let mut r = MRun::new(Some(who), parent);
-            if limits == 1 {
-                r.max_effects = Some(2);
-            }
-            if limits == 2 {
-                r.deadline = Some(now + 100);
-            }
-            if let Some(stop) = inherited {
-                r.stop = Some(stop);
-                r.stopped_at = now;
-                r.epoch += 1;
-            }
-            self.runs.insert(run, r);
-            if let Some(p) = parent
-                && let Some(pr) = self.runs.get_mut(&p)
-            {
-                pr.children.push(run);
-            }
-            if let Some((cause, _)) = inherited {
-                return changed(format!("refused {}", cause.refusal()));
-            }
+        } else if let Some(cause) = self.create(now, who, run, limits)? {
+            return changed(format!("refused {}", cause.refusal()));
         }
         let d = self.decide_admission(now, run, tool, arg, false)?;
         if matches!(d, Decision::Hold(_) | Decision::AskApproval) {
@@ -735,6 +694,57 @@ impl Model {
         };
         self.runs.get_mut(&run).expect("run").effects.insert(key, e);
         changed(self.carry(now, run, key, d))
+    }
+
+    /// The first admit creates the run (and a parent nobody has seen yet); returns the cause
+    /// of the stop it is born with, under a stopped or forgotten parent.
+    fn create(
+        &mut self,
+        now: u64,
+        who: Who,
+        run: u8,
+        limits: u8,
+    ) -> Result<Option<Cause>, &'static str> {
+        let parent = parent_of(run);
+        let new_parent =
+            parent.is_some_and(|p| !self.runs.contains_key(&p) && self.grave(p).is_none());
+        self.room_for_runs(who, Some(who), 1 + usize::from(new_parent))?;
+        let mut inherited = None;
+        if let Some(p) = parent {
+            if self.runs.contains_key(&p) {
+                let pr = self.visible(who, p)?;
+                if let Some((cause, from)) = pr.stop {
+                    inherited = Some((cause, Some(from.unwrap_or(p))));
+                }
+            } else if let Some(g) = self.grave(p) {
+                // A forgotten parent's fence: the child is born stopped.
+                if !who.is_operator() && g.owner.is_some_and(|o| o != who) {
+                    return Err("not_found");
+                }
+                inherited = Some((g.cause, Some(p)));
+            } else {
+                self.runs.insert(p, MRun::new(Some(who), None));
+            }
+        }
+        let mut r = MRun::new(Some(who), parent);
+        if limits == 1 {
+            r.max_effects = Some(2);
+        }
+        if limits == 2 {
+            r.deadline = Some(now + 100);
+        }
+        if let Some(stop) = inherited {
+            r.stop = Some(stop);
+            r.stopped_at = now;
+            r.epoch += 1;
+        }
+        self.runs.insert(run, r);
+        if let Some(p) = parent
+            && let Some(pr) = self.runs.get_mut(&p)
+        {
+            pr.children.push(run);
+        }
+        Ok(inherited.map(|(cause, _)| cause))
     }
 
     /// What a repeat admit or a `wait` answers for a known effect (row 2 of the table).
@@ -1080,29 +1090,31 @@ impl Model {
             );
         }
         for (id, g) in &self.graves {
-            out.insert(
-                RUNS[*id as usize].to_string(),
-                RunView {
-                    owner: g.owner.map(|o| o.name().to_string()),
-                    parent: None,
-                    children: vec![],
-                    state: g.cause.terminal().into(),
-                    cause: Some(g.cause.name().to_string()),
-                    from: None,
-                    epoch: g.epoch,
-                    admitted: 0,
-                    pending: 0,
-                    in_flight: 0,
-                    deadline: None,
-                    max_effects: None,
-                    rejected: vec![],
-                    effects: BTreeMap::new(),
-                    stopped_at: Some(g.stopped_at),
-                    forgotten: true,
-                },
-            );
+            out.insert(RUNS[*id as usize].to_string(), grave_view(g));
         }
         out
+    }
+}
+
+/// What is observable of a forgotten run: its fence.
+fn grave_view(g: &Grave) -> RunView {
+    RunView {
+        owner: g.owner.map(|o| o.name().to_string()),
+        parent: None,
+        children: vec![],
+        state: g.cause.terminal().into(),
+        cause: Some(g.cause.name().to_string()),
+        from: None,
+        epoch: g.epoch,
+        admitted: 0,
+        pending: 0,
+        in_flight: 0,
+        deadline: None,
+        max_effects: None,
+        rejected: vec![],
+        effects: BTreeMap::new(),
+        stopped_at: Some(g.stopped_at),
+        forgotten: true,
     }
 }
 
