@@ -1,6 +1,6 @@
 //! Compact binary encoding of ledger records (commands) and snapshots (the whole gate state).
 //! Hand-written so the format is ours, versioned and stable; decoding never panics on any input.
-//! Byte layout: docs/LEDGER.md, "Record payloads".
+//! Byte layout: docs/LEDGER.md, "Record payloads" and "Compaction records and snapshot payloads".
 
 use crate::command::{Admit, Command, PolicyDecision, Record, RunLimits, Token};
 use crate::gate::Gate;
@@ -338,8 +338,9 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
             before,
             tombstones_before,
         } => {
-            // Tag 11 (`before` alone) is the compaction of ledgers written before tombstones.
-            w.u8(12);
+            // Tag 11 (`before` alone) is the compaction of ledgers written before tombstones; 12
+            // is the token record.
+            w.u8(13);
             w.u64(*before);
             w.u64(*tombstones_before);
         }
@@ -472,7 +473,7 @@ impl RecordDecoder {
                 before: r.u64()?,
                 tombstones_before: 0,
             },
-            12 => Command::Compact {
+            13 => Command::Compact {
                 before: r.u64()?,
                 tombstones_before: r.u64()?,
             },
