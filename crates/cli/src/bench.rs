@@ -95,17 +95,22 @@ fn spawn_daemon(data: &Path) -> Result<Spawned> {
     let _ = std::fs::remove_dir_all(data);
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe)
-        .args([
-            "serve",
-            "--allow-all",
-            "--soundgate-listen",
-            "127.0.0.1:0",
-        ])
+        .args(["serve", "--allow-all", "--soundgate-listen", "127.0.0.1:0"])
         // The benchmark measures admissions: its one agent principal must not reach the shares
         // of runs and held effects (`--mix half-held` holds one effect in a fresh run per two
         // admits, far past the 20,000 held effects one principal may have by default).
-        .args(["--runs-max", "100000000", "--runs-per-principal-max", "100000000"])
-        .args(["--held-max", "100000000", "--held-per-principal-max", "100000000"])
+        .args([
+            "--runs-max",
+            "100000000",
+            "--runs-per-principal-max",
+            "100000000",
+        ])
+        .args([
+            "--held-max",
+            "100000000",
+            "--held-per-principal-max",
+            "100000000",
+        ])
         .arg("--data")
         .arg(data)
         .stdout(Stdio::piped())

@@ -368,6 +368,8 @@ fn run(cli: Cli) -> Result<u8, Failure> {
                     "owner",
                     "parent",
                     "cause",
+                    "stopped_at",
+                    "forgotten",
                     "epoch",
                     "created_at",
                     "deadline_at",
@@ -393,6 +395,12 @@ fn run(cli: Cli) -> Result<u8, Failure> {
                     s(&v["state"]),
                     v["cause"].as_str().unwrap_or("-")
                 );
+                if v["forgotten"].as_bool() == Some(true) {
+                    println!(
+                        "forgotten after retention (stopped at {}): only its fence is kept, so every section is empty; `estop ledger show --run` has what the ledger still holds",
+                        v["stopped_at"]
+                    );
+                }
                 for section in [
                     "done",
                     "failed",

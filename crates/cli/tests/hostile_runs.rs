@@ -251,3 +251,29 @@ fn a_lower_bound_after_a_restart_refuses_new_runs_and_still_recovers() {
     assert_eq!(code, "limit_exceeded");
     assert!(msg.contains("runs_per_principal_max = 2"), "{msg}");
 }
+
+/// The CLI says a forgotten run is forgotten (status and report), and the fence refuses.
+#[test]
+fn the_cli_shows_what_is_left_of_a_forgotten_run() {
+    let d = Daemon::start_with(&["--console", "off", "--retention", "1s"]);
+    let mut a = d.agent();
+    let v = admit(&mut a, "gone", "k", "pay", json!({}));
+    let done =
+        json!({"op": "complete", "run": "gone", "key": "k", "token": v["token"], "outcome": "ok"});
+    ok(&mut a, done);
+    ok(&mut a, json!({"op": "cancel", "run": "gone"}));
+    let start = Instant::now();
+    while ok(&mut a, json!({"op": "status", "run": "gone"}))["forgotten"] != true {
+        assert!(start.elapsed() < Duration::from_secs(30), "never forgotten");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (code, out, err) = d.cli(&["status", "gone"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("forgotten    true"), "{out}");
+    assert!(out.contains("cause        cancelled"), "{out}");
+    let (code, out, err) = d.cli(&["report", "gone"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("forgotten after retention"), "{out}");
+    let v = admit(&mut a, "gone", "k2", "pay", json!({}));
+    assert_eq!(v["reason"], "cancelled", "{v}");
+}
