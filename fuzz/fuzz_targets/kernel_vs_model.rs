@@ -8,7 +8,7 @@ use estop_sim::rng::Rng;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let mut pair = Pair::new();
+    let mut pair = Pair::tight();
     let mut ops = Vec::new();
     for chunk in data.chunks_exact(8).take(400) {
         let seed = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));

@@ -54,12 +54,19 @@ fn run_id(i: u64) -> RunId {
     RunId::new(&format!("run-{i:08}")).expect("valid")
 }
 
+/// Bounds that a benchmark's one principal never reaches.
+fn unbounded() -> Limits {
+    Limits {
+        runs_max: usize::MAX,
+        runs_per_principal_max: usize::MAX,
+        tombstones_max: usize::MAX,
+        ..Limits::default()
+    }
+}
+
 /// A gate holding `runs × per_run` completed effect identities.
 pub fn populated(runs: u64, per_run: u64) -> Gate {
-    let mut gate = Gate::new(Limits {
-        runs_max: usize::MAX,
-        ..Limits::default()
-    });
+    let mut gate = Gate::new(unbounded());
     let p = agent();
     for r in 0..runs {
         let run = run_id(r);
@@ -143,16 +150,50 @@ pub struct MemoryReport {
     pub bytes_per_identity: f64,
 }
 
-/// Resident memory per retained (completed) effect identity.
-pub fn memory_per_identity(identities: u64, per_run: u64) -> MemoryReport {
+/// Resident memory per retained (completed) effect identity. The gate is returned so the
+/// caller keeps its pages while it measures something else (freed pages would be reused).
+pub fn memory_per_identity(identities: u64, per_run: u64) -> (MemoryReport, Gate) {
     let before = rss_bytes();
     let gate = populated(identities / per_run, per_run);
     let after = rss_bytes();
-    std::hint::black_box(&gate);
-    MemoryReport {
+    let report = MemoryReport {
         identities,
         bytes_per_identity: after.saturating_sub(before) as f64 / identities as f64,
+    };
+    (report, gate)
+}
+
+/// Resident memory per tombstone (the fence a forgotten run leaves), with run ids of
+/// `id_bytes` bytes. The tombstones are loaded from a snapshot written here in the layout of
+/// docs/LEDGER.md (a gate of live runs forgotten in bulk would leave its freed pages for the
+/// tombstones to reuse, and the growth would read low). Returned like `memory_per_identity`.
+pub fn memory_per_tombstone(tombstones: u64, id_bytes: usize) -> (MemoryReport, Gate) {
+    let mut snap = Vec::with_capacity(17 + tombstones as usize * (id_bytes + 40));
+    snap.push(estop_kernel::codec::SNAPSHOT_VERSION);
+    snap.extend_from_slice(&0u64.to_le_bytes()); // no runs
+    snap.extend_from_slice(&tombstones.to_le_bytes());
+    for i in 0..tombstones {
+        let id = format!("{i:0>width$}", width = id_bytes);
+        snap.extend_from_slice(&(id.len() as u32).to_le_bytes());
+        snap.extend_from_slice(id.as_bytes());
+        snap.push(1); // owner
+        snap.extend_from_slice(&5u32.to_le_bytes());
+        snap.extend_from_slice(b"agent");
+        snap.push(0); // cause: cancelled
+        snap.extend_from_slice(&2u32.to_le_bytes()); // epoch
+        snap.extend_from_slice(&1000u64.to_le_bytes()); // created_at
+        snap.extend_from_slice(&(2000 + i).to_le_bytes()); // stopped_at
     }
+    let before = rss_bytes();
+    let gate = estop_kernel::codec::decode_snapshot(&snap, unbounded())
+        .expect("the snapshot written above decodes");
+    let after = rss_bytes();
+    assert_eq!(gate.tombstone_count() as u64, tombstones);
+    let report = MemoryReport {
+        identities: tombstones,
+        bytes_per_identity: after.saturating_sub(before) as f64 / tombstones as f64,
+    };
+    (report, gate)
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -170,14 +211,8 @@ pub struct RecoveryReport {
 pub fn recovery(dir: &Path, records: u64) -> Result<RecoveryReport, Box<dyn std::error::Error>> {
     let _ = std::fs::remove_dir_all(dir);
     let storage: Arc<dyn Storage> = Arc::new(FileStorage::open(dir)?);
-    let opened = estop_server::journal::open(
-        Arc::clone(&storage),
-        &Limits {
-            runs_max: usize::MAX,
-            ..Limits::default()
-        },
-        LedgerOptions::default(),
-    )?;
+    let opened =
+        estop_server::journal::open(Arc::clone(&storage), &unbounded(), LedgerOptions::default())?;
     let committer = opened.ledger.spawn(|_| {})?;
     let mut gate = opened.gate;
     let p = agent();
@@ -238,7 +273,11 @@ pub fn recovery(dir: &Path, records: u64) -> Result<RecoveryReport, Box<dyn std:
         )?;
         r += 1;
         if r.is_multiple_of(20_000) {
-            push(&mut gate, Command::Compact { before: 2000 }, &mut written)?;
+            let compact = Command::Compact {
+                before: 2000,
+                tombstones_before: 0,
+            };
+            push(&mut gate, compact, &mut written)?;
         }
     }
     committer.flush()?;
@@ -246,14 +285,8 @@ pub fn recovery(dir: &Path, records: u64) -> Result<RecoveryReport, Box<dyn std:
     drop(gate);
 
     let t = Instant::now();
-    let opened = estop_server::journal::open(
-        Arc::clone(&storage),
-        &Limits {
-            runs_max: usize::MAX,
-            ..Limits::default()
-        },
-        LedgerOptions::default(),
-    )?;
+    let opened =
+        estop_server::journal::open(Arc::clone(&storage), &unbounded(), LedgerOptions::default())?;
     let replay_seconds = t.elapsed().as_secs_f64();
     let replayed = opened.report.records_replayed;
     let mut snap = Vec::new();
@@ -263,14 +296,8 @@ pub fn recovery(dir: &Path, records: u64) -> Result<RecoveryReport, Box<dyn std:
     drop(committer);
     drop(opened.gate);
     let t = Instant::now();
-    let from_snapshot = estop_server::journal::open(
-        storage,
-        &Limits {
-            runs_max: usize::MAX,
-            ..Limits::default()
-        },
-        LedgerOptions::default(),
-    )?;
+    let from_snapshot =
+        estop_server::journal::open(storage, &unbounded(), LedgerOptions::default())?;
     let snapshot_seconds = t.elapsed().as_secs_f64();
     assert!(from_snapshot.report.snapshot.is_some());
     drop(from_snapshot);

@@ -95,13 +95,23 @@ fn spawn_daemon(data: &Path) -> Result<Spawned> {
     let _ = std::fs::remove_dir_all(data);
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe)
+        .args(["serve", "--allow-all", "--soundgate-listen", "127.0.0.1:0"])
+        // The benchmark measures admissions: its one agent principal must not reach the shares
+        // of runs and held effects (`--mix half-held` holds one effect in a fresh run per two
+        // admits, far past the 20,000 held effects one principal may have by default).
         .args([
-            "serve",
-            "--allow-all",
-            "--soundgate-listen",
-            "127.0.0.1:0",
-            "--data",
+            "--runs-max",
+            "100000000",
+            "--runs-per-principal-max",
+            "100000000",
         ])
+        .args([
+            "--held-max",
+            "100000000",
+            "--held-per-principal-max",
+            "100000000",
+        ])
+        .arg("--data")
         .arg(data)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -235,15 +245,25 @@ fn load_bench(a: LoadArgs) -> Result<u8> {
 
 fn kernel(identities: u64, json_out: bool) -> Result<u8> {
     // Memory first: freed pages stay in the process, so a later measurement would read zero.
-    let m = estop_bench::kernel::memory_per_identity(identities, 10);
+    // Each measurement keeps its gate until all are done, so none reuses another's pages.
+    let (m, kept) = estop_bench::kernel::memory_per_identity(identities, 10);
+    let (t36, kept36) = estop_bench::kernel::memory_per_tombstone(identities, 36);
+    let (t12, kept12) = estop_bench::kernel::memory_per_tombstone(identities, 12);
+    drop((kept, kept36, kept12));
     let c = estop_bench::kernel::cancel_cost(identities, 10, 1000);
     if json_out {
         println!(
             "{}",
             json!({"identities": c.identities, "cancel_effects_per_run": c.effects_per_run, "cancels": c.cancels,
-                   "cancel_p50_us": c.p50_us, "cancel_max_us": c.max_us, "bytes_per_identity": m.bytes_per_identity.round()})
+                   "cancel_p50_us": c.p50_us, "cancel_max_us": c.max_us, "bytes_per_identity": m.bytes_per_identity.round(),
+                   "bytes_per_tombstone_36b_id": t36.bytes_per_identity.round(),
+                   "bytes_per_tombstone_12b_id": t12.bytes_per_identity.round()})
         );
     } else {
+        println!(
+            "memory: {:.0} bytes per tombstone with 36-byte run ids, {:.0} with 12-byte ids, at {} tombstones (RSS delta)",
+            t36.bytes_per_identity, t12.bytes_per_identity, t36.identities
+        );
         println!(
             "cancel of a {}-effect run among {} identities: p50 {:.1} us CPU, max {:.1} us ({} cancels; plus one group-committed fsync before the ack)",
             c.effects_per_run, c.identities, c.p50_us, c.max_us, c.cancels

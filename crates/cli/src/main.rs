@@ -5,6 +5,7 @@ mod bench;
 
 use anyhow::{Context, Result, anyhow};
 use clap::{Args, Parser, Subcommand};
+use estop_kernel::Limits;
 use estop_protocol::ErrorCode;
 use estop_server::client::Client;
 use serde_json::{Value, json};
@@ -164,9 +165,30 @@ struct ServeArgs {
     /// A page of a listing (runs, pending, report, ledger) ends once it reaches this many bytes.
     #[arg(long, default_value_t = 1 << 20)]
     page_bytes_max: usize,
-    /// How long a stopped run keeps its per-effect state (e.g. 7d, 12h); its fence stays.
+    /// How long a stopped run is kept whole (e.g. 7d, 12h); then it is forgotten and its
+    /// fence stays as a tombstone.
     #[arg(long, default_value = "7d")]
     retention: String,
+    /// How long a forgotten run's tombstone keeps refusing its id (at least --retention);
+    /// after that the id is new to the gate.
+    #[arg(long, default_value = "28d")]
+    tombstone_retention: String,
+    /// Most runs held in state (live, and stopped ones not yet forgotten); 1% is reserved for
+    /// operators.
+    #[arg(long, default_value_t = Limits::default().runs_max)]
+    runs_max: usize,
+    /// Most runs held in state for one principal.
+    #[arg(long, default_value_t = Limits::default().runs_per_principal_max)]
+    runs_per_principal_max: usize,
+    /// Most held effects (awaiting approval, behind a sibling or a pause) in all runs.
+    #[arg(long, default_value_t = Limits::default().held_max)]
+    held_max: usize,
+    /// Most held effects in the runs of one principal.
+    #[arg(long, default_value_t = Limits::default().held_per_principal_max)]
+    held_per_principal_max: usize,
+    /// Most tombstones; at the bound, stopped runs are kept whole instead of forgotten.
+    #[arg(long, default_value_t = Limits::default().tombstones_max)]
+    tombstones_max: usize,
     /// Write a snapshot after this many ledger records (bounds recovery time).
     #[arg(long, default_value_t = 1_000_000)]
     snapshot_every: u64,
@@ -415,6 +437,8 @@ fn run(cli: Cli) -> Result<u8, Failure> {
                     "parent",
                     "cause",
                     "reason",
+                    "stopped_at",
+                    "forgotten",
                     "epoch",
                     "created_at",
                     "deadline_at",
@@ -444,6 +468,12 @@ fn run(cli: Cli) -> Result<u8, Failure> {
                 );
                 if let Some(r) = v["reason"].as_str() {
                     println!("reason {}", esc(r));
+                }
+                if v["forgotten"].as_bool() == Some(true) {
+                    println!(
+                        "forgotten after retention (stopped at {}): only its fence is kept, so every section is empty; `estop ledger show --run` has what the ledger still holds",
+                        v["stopped_at"]
+                    );
                 }
                 for section in REPORT_LISTS {
                     let items = v[section].as_array().cloned().unwrap_or_default();
@@ -744,6 +774,33 @@ fn serve(a: ServeArgs) -> Result<u8> {
     opts.core.snapshot_every_records = a.snapshot_every.max(1);
     opts.core.retention_ms = estop_policy::parse_duration_ms(&a.retention)
         .map_err(|e| anyhow!("--retention {}: {e}", a.retention))?;
+    opts.core.tombstone_retention_ms = estop_policy::parse_duration_ms(&a.tombstone_retention)
+        .map_err(|e| anyhow!("--tombstone-retention {}: {e}", a.tombstone_retention))?;
+    if opts.core.tombstone_retention_ms < opts.core.retention_ms {
+        return Err(anyhow!(
+            "--tombstone-retention {} is shorter than --retention {}: a forgotten run's fence must outlive the run; give a longer --tombstone-retention",
+            a.tombstone_retention,
+            a.retention
+        ));
+    }
+    for (flag, v) in [
+        ("--runs-max", a.runs_max),
+        ("--runs-per-principal-max", a.runs_per_principal_max),
+        ("--held-max", a.held_max),
+        ("--held-per-principal-max", a.held_per_principal_max),
+        ("--tombstones-max", a.tombstones_max),
+    ] {
+        if v == 0 {
+            return Err(anyhow!(
+                "{flag} 0: a bound of nothing refuses everything; give at least 1"
+            ));
+        }
+    }
+    opts.limits.runs_max = a.runs_max;
+    opts.limits.runs_per_principal_max = a.runs_per_principal_max;
+    opts.limits.held_max = a.held_max;
+    opts.limits.held_per_principal_max = a.held_per_principal_max;
+    opts.limits.tombstones_max = a.tombstones_max;
     let mut services: Vec<Box<dyn estop_server::service::Service>> = Vec::new();
     if a.console.as_deref() != Some("off") {
         services.push(Box::new(estop_console::Console::new(

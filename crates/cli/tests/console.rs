@@ -554,6 +554,9 @@ fn metrics_count_admissions_decisions_runs_fsyncs_and_connections() {
         1.0
     );
     assert_eq!(metric(&m, "estop_approvals_pending"), 0.0);
+    // Approved and not yet consumed by the agent's `wait`: still held.
+    assert_eq!(metric(&m, "estop_effects_held"), 1.0);
+    assert_eq!(metric(&m, "estop_tombstones"), 0.0);
     assert_eq!(metric(&m, r#"estop_runs{state="active"}"#), 1.0);
     assert_eq!(metric(&m, r#"estop_runs{state="cancelled"}"#), 1.0);
     assert!(metric(&m, "estop_ledger_fsync_seconds_count") >= 1.0);

@@ -138,6 +138,18 @@ pub async fn render(app: &App) -> Response {
     );
     o.sample("estop_effects_in_flight", &[], s.effects_in_flight);
     o.head(
+        "estop_effects_held",
+        "gauge",
+        "Effects held (for approval, behind a sibling or a pause) or approved and not yet consumed (bound: --held-max).",
+    );
+    o.sample("estop_effects_held", &[], s.effects_held);
+    o.head(
+        "estop_tombstones",
+        "gauge",
+        "Fences of forgotten runs (bound: --tombstones-max; at it, stopped runs are kept whole).",
+    );
+    o.sample("estop_tombstones", &[], s.tombstones);
+    o.head(
         "estop_waiters",
         "gauge",
         "Agents blocked in wait for a decision.",

@@ -1,6 +1,6 @@
 //! Compact binary encoding of ledger records (commands) and snapshots (the whole gate state).
 //! Hand-written so the format is ours, versioned and stable; decoding never panics on any input.
-//! Byte layout: docs/LEDGER.md, "Record payloads".
+//! Byte layout: docs/LEDGER.md, "Record payloads" and "Compaction records and snapshot payloads".
 
 use crate::command::{
     Admit, Command, PolicyDecision, Record, RunLimits, Token, TokenAction, TokenChange,
@@ -9,7 +9,10 @@ use crate::gate::Gate;
 use crate::ids::{Digest, EffectKey, IdError, Principal, PrincipalName, Role, RunId, ToolName};
 use crate::limits::Limits;
 use crate::runs::Runs;
-use crate::state::{Approval, Approver, Effect, Interner, OutcomeRecord, Run, Status, Stop};
+use crate::state::{
+    Approval, Approver, Effect, Interner, OutcomeRecord, Run, Status, Stop, Tombstone,
+};
+use crate::tombstones::Tombstones;
 use crate::vocab::{
     Decision, EffectClass, EffectStatus, HoldReason, Outcome, PolicyAction, RefusalReason,
     Reversibility, RunState, StopCause,
@@ -18,8 +21,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// Version byte at the start of every record payload.
 pub const RECORD_VERSION: u8 = 1;
-/// Version byte at the start of every snapshot.
-pub const SNAPSHOT_VERSION: u8 = 1;
+/// Version byte at the start of every snapshot. 2: runs lost their `compacted` byte (retention
+/// forgets a run instead) and the tombstones follow the runs. Version 1 is still read.
+pub const SNAPSHOT_VERSION: u8 = 2;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("cannot decode {what} at byte {offset}: {problem}")]
@@ -342,9 +346,15 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
             w.u8(10);
             w.str(run.as_str());
         }
-        Command::Compact { before } => {
-            w.u8(11);
+        Command::Compact {
+            before,
+            tombstones_before,
+        } => {
+            // Tag 11 (`before` alone) is the compaction of ledgers written before tombstones; 12
+            // is the token record.
+            w.u8(13);
             w.u64(*before);
+            w.u64(*tombstones_before);
         }
         Command::Token(t) => {
             w.u8(12);
@@ -476,13 +486,22 @@ impl RecordDecoder {
             10 => Command::Tick {
                 run: self.run(&mut r)?,
             },
-            11 => Command::Compact { before: r.u64()? },
+            // Written before runs were forgotten: it dropped per-effect state and kept every
+            // run. Replayed now it forgets them, and no tombstone ever expires by it.
+            11 => Command::Compact {
+                before: r.u64()?,
+                tombstones_before: 0,
+            },
             12 => Command::Token(TokenChange {
                 action: r.enum_of(TokenAction::ALL)?,
                 name: r.principal_name()?,
                 role: get_role(&mut r)?,
                 groups: r.strs()?,
             }),
+            13 => Command::Compact {
+                before: r.u64()?,
+                tombstones_before: r.u64()?,
+            },
             t => return Err(r.err(format!("unknown command tag {t}"))),
         };
         r.done()?;
@@ -760,7 +779,6 @@ pub fn encode_snapshot(gate: &Gate, out: &mut Vec<u8>) {
         w.u32(run.in_flight);
         w.u64(run.next_serial);
         w.u64(run.next_approval);
-        w.bool(run.compacted);
         w.u32(run.rejected.len() as u32);
         for d in &run.rejected {
             w.digest(d);
@@ -771,6 +789,15 @@ pub fn encode_snapshot(gate: &Gate, out: &mut Vec<u8>) {
             put_effect(&mut w, e);
         }
     }
+    w.u64(gate.tombstones.len() as u64);
+    for (id, t) in gate.tombstones.iter() {
+        w.str(id.as_str());
+        w.opt_str(t.owner.as_ref().map(PrincipalName::as_str));
+        w.u8(idx(StopCause::ALL, &t.cause));
+        w.u32(t.epoch);
+        w.u64(t.created_at);
+        w.u64(t.stopped_at);
+    }
 }
 
 pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
@@ -780,29 +807,85 @@ pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
         pos: 0,
         what: "snapshot",
     };
-    let v = r.u8()?;
-    if v != SNAPSHOT_VERSION {
-        return Err(r.err(format!("unsupported snapshot version {v}")));
+    let version = r.u8()?;
+    if version != SNAPSHOT_VERSION && version != 1 {
+        return Err(r.err(format!("unsupported snapshot version {version}")));
     }
     let n = r.u64()?;
+    let mut owners = Owners::default();
     // Collected in one go: the ids come in order, and the ordered index is then built in bulk.
     let runs = (0..n)
-        .map(|_| get_run(&mut r, &mut interned))
+        .map(|_| get_run(&mut r, &mut interned, &mut owners, version))
         .collect::<Result<Runs, _>>()?;
+    let tombstones = if version == 1 {
+        Tombstones::default()
+    } else {
+        let n = r.u64()?;
+        // Each takes at least 27 bytes: a hostile count cannot make us allocate.
+        if n.saturating_mul(27) > (buf.len() - r.pos) as u64 {
+            return Err(r.err(format!("tombstone count {n} exceeds the remaining bytes")));
+        }
+        let items = (0..n)
+            .map(|_| get_tombstone(&mut r, &mut owners))
+            .collect::<Result<Vec<_>, _>>()?;
+        Tombstones::try_from_iter(items.into_iter())
+            .map_err(|id| r.err(format!("run {id} has two tombstones")))?
+    };
     r.done()?;
-    Ok(Gate {
-        runs,
-        limits,
-        interned,
-    })
+    if let Some((id, _)) = tombstones.iter().find(|(id, _)| runs.contains_key(id)) {
+        return Err(r.err(format!("run {id} is both a run and a tombstone")));
+    }
+    Ok(Gate::from_parts(runs, tombstones, limits, interned))
 }
 
-fn get_run(r: &mut R, interned: &mut Interner) -> Result<(RunId, Run), CodecError> {
+fn get_tombstone(r: &mut R, owners: &mut Owners) -> Result<(RunId, Tombstone), CodecError> {
+    Ok((
+        r.run()?,
+        Tombstone {
+            owner: r.opt(|r| owners.get(r))?,
+            cause: r.enum_of(StopCause::ALL)?,
+            epoch: r.u32()?,
+            created_at: r.u64()?,
+            stopped_at: r.u64()?,
+        },
+    ))
+}
+
+/// One run; `version` 1 has a `compacted` byte (a run whose effects retention dropped: it is
+/// now an ordinary stopped run without effects, forgotten by the next compaction).
+/// One shared copy of each owner's name while a snapshot is decoded (the gate shares them too:
+/// every run of a principal names it through one `Arc`). Few principals own runs; past
+/// `OWNERS_SHARED_MAX` names are simply not shared.
+#[derive(Default)]
+struct Owners(Vec<PrincipalName>);
+
+const OWNERS_SHARED_MAX: usize = 64;
+
+impl Owners {
+    fn get(&mut self, r: &mut R) -> Result<PrincipalName, CodecError> {
+        let name = r.str()?;
+        if let Some(p) = self.0.iter().find(|p| p.as_str() == name) {
+            return Ok(p.clone());
+        }
+        let p = PrincipalName::new(name).map_err(|e| r.err(e.to_string()))?;
+        if self.0.len() < OWNERS_SHARED_MAX {
+            self.0.push(p.clone());
+        }
+        Ok(p)
+    }
+}
+
+fn get_run(
+    r: &mut R,
+    interned: &mut Interner,
+    owners: &mut Owners,
+    version: u8,
+) -> Result<(RunId, Run), CodecError> {
     let id = r.run()?;
     let parent = r.opt(R::run)?;
     let nc = r.count(4)?;
     let children = (0..nc).map(|_| r.run()).collect::<Result<Vec<_>, _>>()?;
-    let owner = r.opt(R::principal_name)?;
+    let owner = r.opt(|r| owners.get(r))?;
     let nl = r.count(8)?;
     let mut labels = Vec::with_capacity(nl);
     for _ in 0..nl {
@@ -829,7 +912,9 @@ fn get_run(r: &mut R, interned: &mut Interner) -> Result<(RunId, Run), CodecErro
     let in_flight = r.u32()?;
     let next_serial = r.u64()?;
     let next_approval = r.u64()?;
-    let compacted = r.bool()?;
+    if version == 1 {
+        r.bool()?;
+    }
     let nr = r.count(32)?;
     let mut rejected = BTreeSet::new();
     for _ in 0..nr {
@@ -858,9 +943,9 @@ fn get_run(r: &mut R, interned: &mut Interner) -> Result<(RunId, Run), CodecErro
         rejected,
         next_serial,
         next_approval,
-        compacted,
+        held: 0,
         expiries: BTreeSet::new(),
     };
-    run.index_expiries();
+    run.index();
     Ok((id, run))
 }

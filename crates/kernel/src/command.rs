@@ -151,9 +151,11 @@ pub enum Command {
     Tick {
         run: RunId,
     },
-    /// Drop per-effect state of terminal runs stopped at or before `before`; fences stay.
+    /// Retention: forget terminal runs stopped at or before `before` (each leaves its fence
+    /// as a tombstone), and drop tombstones of runs stopped at or before `tombstones_before`.
     Compact {
         before: u64,
+        tombstones_before: u64,
     },
     /// A token was created or revoked (by the record's principal, an operator).
     Token(TokenChange),

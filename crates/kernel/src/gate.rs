@@ -3,18 +3,22 @@
 //! command that returns an error has changed nothing.
 
 use crate::command::{Admit, Command, PolicyDecision, Token};
+use crate::ids::PrincipalName;
 use crate::ids::Role;
 use crate::ids::{EffectKey, Principal, RunId};
 use crate::limits::Limits;
 use crate::reply::{Applied, DecideStatus, Event, EventKind, KernelError, Reply, Verdict};
-use crate::runs::Runs;
-use crate::state::{Approval, Approver, Effect, OutcomeRecord, Run, Status, Stop};
+use crate::runs::{Due, Runs};
+use crate::state::{
+    Approval, Approver, Effect, OutcomeRecord, Run, Status, Stop, Tombstone, Usage,
+};
+use crate::tombstones::Tombstones;
 use crate::transitions::{effect_legal, run_legal};
 use crate::vocab::{
     Decision, EffectClass, EffectStatus, HoldReason, Outcome, PolicyAction, RefusalReason,
     RunState, StopCause,
 };
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 /// The whole state of the gate. Commands touch one run, its ancestor chain and (for stops) its
@@ -22,8 +26,14 @@ use std::sync::Arc;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Gate {
     pub(crate) runs: Runs,
+    /// Fences of forgotten runs.
+    pub(crate) tombstones: Tombstones,
     pub(crate) limits: Limits,
     pub(crate) interned: crate::state::Interner,
+    /// Per owner: runs held in state and held effects (derived; absent when both are zero).
+    usage: BTreeMap<PrincipalName, Usage>,
+    /// Held effects in all runs (derived).
+    held_total: u64,
 }
 
 /// What the parent chain of a run says (see `Gate::chain_flags`).
@@ -58,15 +68,8 @@ enum Plan {
     Admit,
 }
 
-/// Is the run, or an ancestor, in a state that holds new admissions and starts?
 fn terminal_state(cause: StopCause) -> RunState {
-    match cause {
-        StopCause::Closed => RunState::Completed,
-        StopCause::Failed => RunState::Failed,
-        StopCause::Cancelled | StopCause::Killed | StopCause::Deadline | StopCause::Budget => {
-            RunState::Cancelled
-        }
-    }
+    cause.terminal_state()
 }
 
 /// Where a command's events go: the caller's `Vec` (`apply`), or nowhere (`replay`). An event
@@ -111,30 +114,101 @@ fn check_effect(
 
 /// Agents see only their own runs (and operator fences, which have no owner).
 fn hidden_from(principal: &Principal, run: &Run) -> bool {
-    principal.role == Role::Agent && run.owner.as_ref().is_some_and(|o| *o != principal.name)
+    hidden_owner(principal, &run.owner)
+}
+
+fn hidden_owner(principal: &Principal, owner: &Option<PrincipalName>) -> bool {
+    principal.role == Role::Agent && owner.as_ref().is_some_and(|o| *o != principal.name)
 }
 
 fn bounded(text: &Option<Box<str>>, max: usize, limit: &'static str) -> Result<(), KernelError> {
     match text {
-        Some(t) if t.len() > max => Err(KernelError::Limit {
-            limit,
-            max: max as u64,
-        }),
+        Some(t) if t.len() > max => Err(KernelError::limit(limit, max)),
         _ => Ok(()),
     }
 }
 
 impl Gate {
     pub fn new(limits: Limits) -> Gate {
-        Gate {
-            runs: Runs::default(),
+        Gate::from_parts(
+            Runs::default(),
+            Tombstones::default(),
             limits,
-            interned: Default::default(),
+            Default::default(),
+        )
+    }
+
+    /// A gate of these runs and tombstones, its derived state computed (snapshot decoding).
+    pub(crate) fn from_parts(
+        runs: Runs,
+        tombstones: Tombstones,
+        limits: Limits,
+        interned: crate::state::Interner,
+    ) -> Gate {
+        let mut usage: BTreeMap<PrincipalName, Usage> = BTreeMap::new();
+        let mut held_total = 0;
+        for (_, run) in runs.iter() {
+            held_total += u64::from(run.held);
+            if let Some(owner) = &run.owner {
+                let u = usage.entry(owner.clone()).or_default();
+                u.runs += 1;
+                u.held += u64::from(run.held);
+            }
         }
+        Gate {
+            runs,
+            tombstones,
+            limits,
+            interned,
+            usage,
+            held_total,
+        }
+    }
+
+    /// The fence left of a forgotten run, if `id` is one.
+    pub fn tombstone(&self, id: &RunId) -> Option<&Tombstone> {
+        self.tombstones.get(id)
+    }
+
+    /// Fences of forgotten runs, oldest stop first.
+    pub fn tombstones(&self) -> impl Iterator<Item = (&RunId, &Tombstone)> {
+        self.tombstones.iter()
+    }
+
+    pub fn tombstone_count(&self) -> usize {
+        self.tombstones.len()
+    }
+
+    /// A forgotten run's fence as the principal may see it (as `visible_run`).
+    pub fn visible_tombstone(
+        &self,
+        principal: &Principal,
+        id: &RunId,
+    ) -> Result<&Tombstone, KernelError> {
+        match self.tombstones.get(id) {
+            Some(t) if !self.runs.contains_key(id) && !hidden_owner(principal, &t.owner) => Ok(t),
+            _ => Err(KernelError::RunNotFound(id.clone())),
+        }
+    }
+
+    /// What `owner` holds: runs not yet forgotten and held effects.
+    pub fn usage(&self, owner: &PrincipalName) -> Usage {
+        self.usage.get(owner).copied().unwrap_or_default()
+    }
+
+    /// Held effects in all runs.
+    pub fn held_count(&self) -> u64 {
+        self.held_total
     }
 
     pub fn limits(&self) -> &Limits {
         &self.limits
+    }
+
+    /// Changes the bounds (after recovering under `Limits::for_replay`). State already over a
+    /// new bound stays; new work is refused until it is back under.
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
     }
 
     pub fn run(&self, id: &RunId) -> Option<&Run> {
@@ -272,6 +346,12 @@ impl Gate {
         if principal.role == Role::Observer {
             return Err(KernelError::Forbidden);
         }
+        if let Some(run) = cmd.run()
+            && !self.runs.contains_key(run)
+            && let Some(t) = self.tombstones.get(run)
+        {
+            return self.on_tombstone(principal, cmd, run, t);
+        }
         match cmd {
             Command::Admit(a) => self.admit(now, principal, a, ev),
             Command::Recheck { run, key } => {
@@ -302,8 +382,148 @@ impl Gate {
             Command::Resume { run } => self.pause(principal, run, false, ev),
             Command::Close { run, failed } => self.close(now, principal, run, *failed, ev),
             Command::Tick { run } => self.tick(now, run, ev),
-            Command::Compact { before } => self.compact(*before),
+            Command::Compact {
+                before,
+                tombstones_before,
+            } => self.compact(*before, *tombstones_before),
             Command::Token(_) => self.token(principal),
+        }
+    }
+
+    /// A command on the id of a forgotten run: answered from its fence exactly as the stopped
+    /// run answered (refused with its stop's reason, or its terminal state), or an error where
+    /// it needs what was forgotten. Changes nothing.
+    fn on_tombstone(
+        &self,
+        p: &Principal,
+        cmd: &Command,
+        id: &RunId,
+        t: &Tombstone,
+    ) -> Result<(Reply, bool), KernelError> {
+        let operator_only = matches!(
+            cmd,
+            Command::Decide { .. }
+                | Command::Pause { .. }
+                | Command::Resume { .. }
+                | Command::Cancel { kill: true, .. }
+        );
+        if operator_only && p.role != Role::Operator {
+            return Err(KernelError::Forbidden);
+        }
+        if hidden_owner(p, &t.owner) {
+            return Err(KernelError::RunNotFound(id.clone()));
+        }
+        let state = t.cause.terminal_state();
+        let refused = Reply::Verdict(Verdict::Refused {
+            reason: t.cause.refusal(),
+        });
+        let stopped = Reply::RunState {
+            state,
+            runs_changed: 0,
+        };
+        let invalid = |what| KernelError::InvalidState {
+            run: id.clone(),
+            state: state.as_str(),
+            what,
+        };
+        let forgotten = |what| KernelError::Forgotten {
+            run: id.clone(),
+            what,
+        };
+        match cmd {
+            Command::Admit(_) | Command::Recheck { .. } | Command::Start { .. } => {
+                Ok((refused, false))
+            }
+            Command::Cancel { .. } | Command::Close { .. } | Command::Tick { .. } => {
+                Ok((stopped, false))
+            }
+            Command::Pause { .. } => Err(invalid("pause")),
+            Command::Resume { .. } => Err(invalid("resume")),
+            Command::Decide { .. } => Err(forgotten("decide")),
+            Command::Complete { .. } => Err(forgotten("complete")),
+            Command::Compact { .. } | Command::Token(_) => {
+                unreachable!("compaction and token records name no run")
+            }
+        }
+    }
+
+    /// Whether `n` new runs fit: in the gate (agents may not take the operators' reserve),
+    /// and in `owner`'s share.
+    fn room_for_runs(
+        &self,
+        role: Role,
+        owner: Option<&PrincipalName>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        let l = &self.limits;
+        let live = self.runs.len();
+        if live + n > l.runs_max {
+            if self.tombstones.len() >= l.tombstones_max {
+                // Stopped runs are kept whole for want of tombstone room: say so.
+                return Err(KernelError::limit("tombstones_max", l.tombstones_max));
+            }
+            return Err(KernelError::limit("runs_max", l.runs_max));
+        }
+        let reserve = l.runs_operator_reserve();
+        if role == Role::Agent && live + n > l.runs_max - reserve {
+            return Err(KernelError::Limit {
+                limit: "runs_max",
+                max: l.runs_max as u64,
+                hint: "; the rest is reserved for operators (1%): close or cancel runs that are done, a stopped run is forgotten after the retention period",
+            });
+        }
+        if let Some(owner) = owner
+            && self.usage(owner).runs as usize + n > l.runs_per_principal_max
+        {
+            return Err(KernelError::limit(
+                "runs_per_principal_max",
+                l.runs_per_principal_max,
+            ));
+        }
+        Ok(())
+    }
+
+    /// Adds a run that is not in the gate yet, counting it for its owner.
+    fn add_run(&mut self, id: RunId, run: Run) {
+        debug_assert!(
+            run.held == 0 && run.effects.is_empty(),
+            "a new run holds nothing"
+        );
+        if let Some(owner) = &run.owner {
+            self.usage.entry(owner.clone()).or_default().runs += 1;
+        }
+        let old = self.runs.insert(id, run);
+        assert!(old.is_none(), "a new run");
+    }
+
+    /// Whether one more effect of a run of `owner` may be held.
+    fn room_for_held(&self, owner: Option<&PrincipalName>) -> Result<(), KernelError> {
+        if self.held_total as usize >= self.limits.held_max {
+            return Err(KernelError::limit("held_max", self.limits.held_max));
+        }
+        if let Some(owner) = owner
+            && self.usage(owner).held as usize >= self.limits.held_per_principal_max
+        {
+            return Err(KernelError::limit(
+                "held_per_principal_max",
+                self.limits.held_per_principal_max,
+            ));
+        }
+        Ok(())
+    }
+
+    /// One effect of `run_id` became held (`up`) or stopped being held.
+    fn held_changed(&mut self, run_id: &RunId, up: bool) {
+        let run = self.runs.get_mut(run_id).expect("run exists");
+        let usage = run.owner.as_ref().and_then(|o| self.usage.get_mut(o));
+        if up {
+            run.held += 1;
+            self.held_total += 1;
+            usage.into_iter().for_each(|u| u.held += 1);
+        } else {
+            run.held -= 1;
+            self.held_total -= 1;
+            usage.into_iter().for_each(|u| u.held -= 1);
         }
     }
 
@@ -327,6 +547,7 @@ impl Gate {
         ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         bounded(&a.args, self.limits.args_bytes_max, "args_bytes_max")?;
+        self.precheck_held(now, p, a)?;
         let mut adopted = false;
         let run = if let Some(found) = self.runs.get(&a.run) {
             let mut run = found;
@@ -378,10 +599,10 @@ impl Gate {
                 ));
             }
             if run.effects.len() >= self.limits.effects_per_run_max {
-                return Err(KernelError::Limit {
-                    limit: "effects_per_run_max",
-                    max: self.limits.effects_per_run_max as u64,
-                });
+                return Err(KernelError::limit(
+                    "effects_per_run_max",
+                    self.limits.effects_per_run_max,
+                ));
             }
             run
         } else {
@@ -407,6 +628,9 @@ impl Gate {
         }
         let plan = self.plan(now, &a.run, run, &effect)?;
         check_effect(&a.run, &a.key, None, planned_status(&plan, &effect))?;
+        if matches!(plan, Plan::Hold(_) | Plan::HoldApproval) {
+            self.room_for_held(run.owner.as_ref())?;
+        }
         let run = self
             .runs
             .get_mut(&a.run)
@@ -420,9 +644,46 @@ impl Gate {
             ev.push(|| event(&a.run, Some(&a.key), EventKind::Admitted));
             return Ok((Reply::Verdict(Verdict::Admitted { token }), true));
         }
+        // It enters held (its placeholder status, `Effect::new`); `carry_out` moves it on.
+        debug_assert!(effect.status.is_held());
         run.effects.insert(a.key.clone(), effect);
+        self.held_changed(&a.run, true);
         let verdict = self.carry_out(now, &a.run, &a.key, plan, ev);
         Ok((Reply::Verdict(verdict), true))
+    }
+
+    /// For an admit that creates or adopts its run before the effect is planned: when the
+    /// effect could be held and there is no room for it, refuses up front, so the refusal
+    /// leaves no run behind. (Conservative: such an effect might have been refused instead.)
+    fn precheck_held(&self, now: u64, p: &Principal, a: &Admit) -> Result<(), KernelError> {
+        let existing = self.runs.get(&a.run);
+        let fresh = existing.is_none_or(|r| {
+            a.parent.is_some() && r.parent.is_none() && r.effects.is_empty() && r.stop.is_none()
+        });
+        if !fresh {
+            return Ok(()); // Planned before anything changes: `admit` checks exactly.
+        }
+        let parent = a
+            .parent
+            .as_ref()
+            .and_then(|par| self.runs.get_key_value(par));
+        if existing.is_some_and(|r| hidden_from(p, r))
+            || parent.is_some_and(|(_, r)| hidden_from(p, r))
+        {
+            // Another principal's run: `admit` answers `not_found`, and this must not tell more.
+            return Ok(());
+        }
+        let chain = parent.map(|(id, r)| self.chain_flags(id, r, now));
+        let paused = chain.as_ref().is_some_and(|c| c.paused)
+            || existing.is_some_and(|r| r.state == RunState::Paused);
+        let pending = chain.as_ref().is_some_and(|c| c.pending);
+        let may_hold = a.policy.action == PolicyAction::Approve
+            || paused
+            || (a.policy.class == EffectClass::Write && pending);
+        if !may_hold {
+            return Ok(());
+        }
+        self.room_for_held(existing.map_or(Some(&p.name), |r| r.owner.as_ref()))
     }
 
     /// Gives a parentless, effectless run the parent its first admit names. Checks everything
@@ -444,6 +705,18 @@ impl Gate {
         if subtree.contains(parent) {
             return Err(mismatch());
         }
+        if !self.runs.contains_key(parent)
+            && let Some(t) = self.tombstones.get(parent)
+        {
+            // A forgotten parent's fence reaches the run that names it.
+            if hidden_owner(p, &t.owner) {
+                return Err(KernelError::RunNotFound(parent.clone()));
+            }
+            let cause = t.cause;
+            self.runs.get_mut(run_id).expect("exists").parent = Some(parent.clone());
+            self.stop_subtree(now, run_id, cause, None, None, ev);
+            return Ok(());
+        }
         // Height of the adopted subtree (1 for a run without children).
         let mut height = 1;
         let mut level = vec![run_id.clone()];
@@ -462,23 +735,17 @@ impl Gate {
             self.visible_run(p, parent)?;
             self.chain(parent).count()
         } else {
-            if self.runs.len() >= self.limits.runs_max {
-                return Err(KernelError::Limit {
-                    limit: "runs_max",
-                    max: self.limits.runs_max as u64,
-                });
-            }
+            self.room_for_runs(p.role, Some(&p.name), 1)?;
             1
         };
         if above + height > self.limits.run_depth_max {
-            return Err(KernelError::Limit {
-                limit: "run_depth_max",
-                max: self.limits.run_depth_max as u64,
-            });
+            return Err(KernelError::limit(
+                "run_depth_max",
+                self.limits.run_depth_max,
+            ));
         }
         if !self.runs.contains_key(parent) {
-            self.runs
-                .insert(parent.clone(), Run::new(now, Some(p.name.clone()), None));
+            self.add_run(parent.clone(), Run::new(now, Some(p.name.clone()), None));
         }
         let inherited = self.runs[parent].stop.clone();
         self.runs
@@ -494,65 +761,28 @@ impl Gate {
     }
 
     fn create_run(&mut self, now: u64, p: &Principal, a: &Admit) -> Result<(), KernelError> {
-        let new_runs = 1 + usize::from(
-            a.parent
-                .as_ref()
-                .is_some_and(|par| !self.runs.contains_key(par)),
-        );
-        if self.runs.len() + new_runs > self.limits.runs_max {
-            return Err(KernelError::Limit {
-                limit: "runs_max",
-                max: self.limits.runs_max as u64,
-            });
-        }
+        // A parent that is neither a run nor a forgotten run's fence comes into being too.
+        let new_runs =
+            1 + usize::from(a.parent.as_ref().is_some_and(|par| {
+                !self.runs.contains_key(par) && self.tombstones.get(par).is_none()
+            }));
+        self.room_for_runs(p.role, Some(&p.name), new_runs)?;
         if a.labels.len() > self.limits.labels_max {
-            return Err(KernelError::Limit {
-                limit: "labels_max",
-                max: self.limits.labels_max as u64,
-            });
+            return Err(KernelError::limit("labels_max", self.limits.labels_max));
         }
         if a.labels
             .iter()
             .any(|(k, v)| k.len() + v.len() > self.limits.label_bytes_max)
         {
-            return Err(KernelError::Limit {
-                limit: "label_bytes_max",
-                max: self.limits.label_bytes_max as u64,
-            });
+            return Err(KernelError::limit(
+                "label_bytes_max",
+                self.limits.label_bytes_max,
+            ));
         }
-        let mut inherited = None;
-        if let Some(parent) = &a.parent {
-            if parent == &a.run {
-                return Err(KernelError::ParentMismatch {
-                    run: a.run.clone(),
-                    existing: "none".into(),
-                    given: parent.clone(),
-                });
-            }
-            if let Some(prun) = self.runs.get(parent) {
-                self.visible_run(p, parent)?;
-                let depth = 1 + self.chain(parent).count();
-                if depth > self.limits.run_depth_max {
-                    return Err(KernelError::Limit {
-                        limit: "run_depth_max",
-                        max: self.limits.run_depth_max as u64,
-                    });
-                }
-                if let Some(stop) = &prun.stop {
-                    inherited = Some(Stop {
-                        cause: stop.cause,
-                        reason: stop.reason.clone(),
-                        by: stop.by.clone(),
-                        at: now,
-                        from: Some(stop.from.clone().unwrap_or_else(|| parent.clone())),
-                    });
-                }
-            } else {
-                // A sub-agent may admit before its parent did: the parent run comes into being.
-                self.runs
-                    .insert(parent.clone(), Run::new(now, Some(p.name.clone()), None));
-            }
-        }
+        let inherited = match &a.parent {
+            Some(parent) => self.new_runs_parent(now, p, &a.run, parent)?,
+            None => None,
+        };
         let mut run = Run::new(now, Some(p.name.clone()), a.parent.clone());
         run.labels = a.labels.clone();
         run.limits = a.limits;
@@ -564,8 +794,60 @@ impl Gate {
         if let Some(prun) = a.parent.as_ref().and_then(|p| self.runs.get_mut(p)) {
             prun.children.push(a.run.clone());
         }
-        self.runs.insert(a.run.clone(), run);
+        self.add_run(a.run.clone(), run);
         Ok(())
+    }
+
+    /// Checks the parent a new run names and returns the stop it inherits, if any: a live
+    /// parent's, or a forgotten parent's (its tombstone). A parent nobody has seen yet comes
+    /// into being (the last step: everything was checked before).
+    fn new_runs_parent(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run: &RunId,
+        parent: &RunId,
+    ) -> Result<Option<Stop>, KernelError> {
+        if parent == run {
+            return Err(KernelError::ParentMismatch {
+                run: run.clone(),
+                existing: "none".into(),
+                given: parent.clone(),
+            });
+        }
+        if let Some(prun) = self.runs.get(parent) {
+            self.visible_run(p, parent)?;
+            let depth = 1 + self.chain(parent).count();
+            if depth > self.limits.run_depth_max {
+                return Err(KernelError::limit(
+                    "run_depth_max",
+                    self.limits.run_depth_max,
+                ));
+            }
+            return Ok(prun.stop.as_ref().map(|stop| Stop {
+                cause: stop.cause,
+                reason: stop.reason.clone(),
+                by: stop.by.clone(),
+                at: now,
+                from: Some(stop.from.clone().unwrap_or_else(|| parent.clone())),
+            }));
+        }
+        if let Some(t) = self.tombstones.get(parent) {
+            // A forgotten parent's fence: the sub-agent is born stopped, as under the run.
+            if hidden_owner(p, &t.owner) {
+                return Err(KernelError::RunNotFound(parent.clone()));
+            }
+            return Ok(Some(Stop {
+                cause: t.cause,
+                reason: None,
+                by: None,
+                at: now,
+                from: Some(parent.clone()),
+            }));
+        }
+        // A sub-agent may admit before its parent did: the parent run comes into being.
+        self.add_run(parent.clone(), Run::new(now, Some(p.name.clone()), None));
+        Ok(None)
     }
 
     /// Decides what happens to an effect that is new or held behind a sibling or a pause.
@@ -603,10 +885,10 @@ impl Gate {
         }
         if effect.action == PolicyAction::Approve && effect.status != Status::Approved {
             if run.pending_approvals as usize >= self.limits.pending_approvals_per_run_max {
-                return Err(KernelError::Limit {
-                    limit: "pending_approvals_per_run_max",
-                    max: self.limits.pending_approvals_per_run_max as u64,
-                });
+                return Err(KernelError::limit(
+                    "pending_approvals_per_run_max",
+                    self.limits.pending_approvals_per_run_max,
+                ));
             }
             return Ok(Plan::HoldApproval);
         }
@@ -714,7 +996,9 @@ impl Gate {
                 }
                 let token = run.issue_token(start);
                 let e = run.effects.get_mut(key).expect("planned effect exists");
+                debug_assert!(e.status.is_held(), "carried out from held or approved");
                 e.take_token(token, now);
+                self.held_changed(run_id, false);
                 ev.push(|| event(run_id, Some(key), EventKind::Admitted));
                 Verdict::Admitted { token }
             }
@@ -741,9 +1025,13 @@ impl Gate {
         {
             run.expiries.remove(&(a.expires_at, key.clone()));
         }
+        let was_held = e.status.is_held();
         e.status = Status::Refused(reason);
         e.args = None;
         e.updated_at = now;
+        if was_held {
+            self.held_changed(run_id, false);
+        }
     }
 
     /// A repeat `admit` of a known identity, or a `wait` re-check.
@@ -1197,13 +1485,8 @@ impl Gate {
             if p.role == Role::Agent {
                 return Err(KernelError::RunNotFound(run_id.clone()));
             }
-            if self.runs.len() >= self.limits.runs_max {
-                return Err(KernelError::Limit {
-                    limit: "runs_max",
-                    max: self.limits.runs_max as u64,
-                });
-            }
-            self.runs.insert(run_id.clone(), Run::new(now, None, None));
+            self.room_for_runs(p.role, None, 1)?;
+            self.add_run(run_id.clone(), Run::new(now, None, None));
         } else {
             self.visible_run(p, run_id)?;
         }
@@ -1303,6 +1586,12 @@ impl Gate {
             }
             run.pending_approvals = 0;
             run.expiries.clear();
+            // Every held effect was just refused.
+            let held = u64::from(std::mem::take(&mut run.held));
+            self.held_total -= held;
+            if let Some(u) = run.owner.as_ref().and_then(|o| self.usage.get_mut(o)) {
+                u.held -= held;
+            }
             run.state = to;
             changed += 1;
             self.runs.stopped(&id);
@@ -1427,20 +1716,78 @@ impl Gate {
         ))
     }
 
-    /// Drops the per-effect state of runs that stopped at or before `before` and are terminal
-    /// (a finalizing run waits for its effects); their fences stay. Visits only the runs
-    /// awaiting compaction, never the whole gate.
-    fn compact(&mut self, before: u64) -> Result<(Reply, bool), KernelError> {
-        let n = self.runs.compact_stopped(before, |run| {
+    /// Retention. Drops the tombstones of runs stopped at or before `tombstones_before` (their
+    /// ids are then unknown), then forgets the terminal runs stopped at or before `before`,
+    /// oldest first, each leaving its fence as a tombstone (none if `tombstones_before` has
+    /// passed for it too). A finalizing run waits for its effects. At `tombstones_max` no run
+    /// is forgotten: a stopped run keeps its whole state rather than lose its fence. Visits
+    /// only the runs and tombstones due, never the whole gate.
+    fn compact(
+        &mut self,
+        before: u64,
+        tombstones_before: u64,
+    ) -> Result<(Reply, bool), KernelError> {
+        let expired = self.tombstones.expire(tombstones_before);
+        let mut room = self
+            .limits
+            .tombstones_max
+            .saturating_sub(self.tombstones.len());
+        let forgotten = self.runs.forget_stopped(before, |run| {
+            let stop = run.stop.as_ref().expect("only stopped runs are visited");
             if !run.state.is_terminal() {
-                return false;
+                Due::Keep
+            } else if stop.at <= tombstones_before {
+                Due::Forget
+            } else if room == 0 {
+                Due::Halt // Later runs stopped later: none of them fits either.
+            } else {
+                room -= 1;
+                Due::Forget
             }
-            run.effects = BTreeMap::new();
-            run.rejected = Default::default();
-            run.compacted = true;
-            true
         });
-        Ok((Reply::Compacted { runs: n }, n > 0))
+        let n = forgotten.len() as u32;
+        // Children lists must not name forgotten runs: once a tombstone expires its id may
+        // belong to a new, unrelated run, which a cancel of the old parent must not reach.
+        let mut gone_children: BTreeMap<RunId, BTreeSet<RunId>> = BTreeMap::new();
+        for (id, run) in forgotten {
+            assert_eq!(run.held, 0, "a stopped run holds nothing");
+            if let Some(owner) = &run.owner {
+                let u = self.usage.get_mut(owner).expect("owners are counted");
+                u.runs -= 1;
+                if *u == Usage::default() {
+                    self.usage.remove(owner);
+                }
+            }
+            if let Some(parent) = &run.parent
+                && self.runs.contains_key(parent)
+            {
+                gone_children
+                    .entry(parent.clone())
+                    .or_default()
+                    .insert(id.clone());
+            }
+            let stop = run.stop.expect("only stopped runs are forgotten");
+            if stop.at > tombstones_before {
+                let tombstone = Tombstone {
+                    owner: run.owner,
+                    cause: stop.cause,
+                    epoch: run.epoch,
+                    created_at: run.created_at,
+                    stopped_at: stop.at,
+                };
+                self.tombstones.insert(id, tombstone);
+            }
+        }
+        for (parent, gone) in gone_children {
+            if let Some(run) = self.runs.get_mut(&parent) {
+                run.children.retain(|c| !gone.contains(c));
+            }
+        }
+        let reply = Reply::Compacted {
+            runs: n,
+            tombstones: expired,
+        };
+        Ok((reply, n > 0 || expired > 0))
     }
 }
 

@@ -9,6 +9,7 @@ pub mod reply;
 pub mod report;
 mod runs;
 pub mod state;
+mod tombstones;
 pub mod transitions;
 pub mod vocab;
 

@@ -1,10 +1,26 @@
 //! Bounds the kernel enforces; reaching one is a typed refusal (`KernelError::Limit`), never a wait.
 
+/// Percentage of `runs_max` that only operators may fill (their fences on run ids not yet
+/// seen): agents together may hold at most the rest, so no agent flood locks the operator out.
+pub const RUNS_OPERATOR_RESERVE_PERCENT: usize = 1;
+
 /// Every bound of the gate's state, with the unit last in the name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
-    /// Runs held in state (live and retained terminal ones).
+    /// Runs held in state: live ones and stopped ones not yet forgotten (retention forgets a
+    /// stopped run and keeps its fence as a tombstone, which does not count here).
     pub runs_max: usize,
+    /// Runs held in state that one principal created (its share of `runs_max`).
+    pub runs_per_principal_max: usize,
+    /// Effects held (for approval, behind a sibling or a pause, or approved and not yet
+    /// consumed), gate-wide: each keeps its arguments for an operator to review.
+    pub held_max: usize,
+    /// Held effects in the runs of one principal (its share of `held_max`).
+    pub held_per_principal_max: usize,
+    /// Tombstones: fences of forgotten runs, kept until their own retention passes. At the
+    /// bound, stopped runs are not forgotten (they keep their full state and count against
+    /// `runs_max`) rather than lose their fence.
+    pub tombstones_max: usize,
     /// Effects one run may record (every key ever proposed, refused ones included).
     pub effects_per_run_max: usize,
     /// Effects of one run awaiting an operator decision at the same time.
@@ -23,10 +39,53 @@ pub struct Limits {
     pub reason_bytes_max: usize,
 }
 
+impl Limits {
+    /// The bounds to recover under: every bound that only refuses is lifted (a recorded command
+    /// passed the bounds of its day, and a lower bound configured since must not stop the gate
+    /// from starting: it refuses new work until the state is back under it). `tombstones_max`
+    /// stays: it decides how much a compaction forgets.
+    pub fn for_replay(&self) -> Limits {
+        Limits {
+            tombstones_max: self.tombstones_max,
+            ..Limits::unbounded()
+        }
+    }
+
+    /// No bound at all (but `tombstones_max`, which is set too).
+    fn unbounded() -> Limits {
+        Limits {
+            runs_max: usize::MAX,
+            runs_per_principal_max: usize::MAX,
+            held_max: usize::MAX,
+            held_per_principal_max: usize::MAX,
+            tombstones_max: usize::MAX,
+            effects_per_run_max: usize::MAX,
+            pending_approvals_per_run_max: usize::MAX,
+            run_depth_max: usize::MAX,
+            labels_max: usize::MAX,
+            label_bytes_max: usize::MAX,
+            result_bytes_max: usize::MAX,
+            args_bytes_max: usize::MAX,
+            reason_bytes_max: usize::MAX,
+        }
+    }
+
+    /// Runs (of `runs_max`) that agents cannot take: `RUNS_OPERATOR_RESERVE_PERCENT`, rounded
+    /// up, at least one.
+    pub fn runs_operator_reserve(&self) -> usize {
+        let share = (self.runs_max as u128 * RUNS_OPERATOR_RESERVE_PERCENT as u128).div_ceil(100);
+        (share as usize).clamp(1.min(self.runs_max), self.runs_max)
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Limits {
             runs_max: 1_000_000,
+            runs_per_principal_max: 500_000,
+            held_max: 100_000,
+            held_per_principal_max: 20_000,
+            tombstones_max: 4_000_000,
             effects_per_run_max: 100_000,
             pending_approvals_per_run_max: 64,
             run_depth_max: 16,

@@ -56,9 +56,11 @@ pub enum Reply {
         state: RunState,
         runs_changed: u32,
     },
-    /// Compaction: runs whose per-effect state was dropped.
+    /// Retention: stopped runs forgotten (each leaving a tombstone, unless its tombstone's
+    /// retention had passed too), and tombstones dropped.
     Compacted {
         runs: u32,
+        tombstones: u32,
     },
     /// A token change was recorded.
     TokenRecorded,
@@ -107,8 +109,13 @@ pub enum KernelError {
         state: &'static str,
         what: &'static str,
     },
-    #[error("limit reached: {limit} = {max}")]
-    Limit { limit: &'static str, max: u64 },
+    /// `hint` says what to do, starting with "; " (or is empty).
+    #[error("limit reached: {limit} = {max}{hint}")]
+    Limit {
+        limit: &'static str,
+        max: u64,
+        hint: &'static str,
+    },
     #[error("illegal transition of effect {key} of run {run} from {from} to {to}")]
     IllegalTransition {
         run: RunId,
@@ -118,13 +125,43 @@ pub enum KernelError {
     },
     #[error("operation requires the operator role")]
     Forbidden,
+    #[error(
+        "run {run} was forgotten after its retention period (only its fence is kept: see status); {what} has nothing left to act on"
+    )]
+    Forgotten { run: RunId, what: &'static str },
 }
 
 impl KernelError {
+    /// The refusal at bound `limit`, with what to do about it.
+    pub fn limit(limit: &'static str, max: usize) -> KernelError {
+        let hint = match limit {
+            "runs_max" => {
+                "; close or cancel runs that are done: a stopped run is forgotten after the retention period (estop serve --retention), or raise --runs-max"
+            }
+            "runs_per_principal_max" => {
+                "; this principal holds that many runs: close or cancel those that are done (a stopped run is forgotten after the retention period), or raise --runs-per-principal-max"
+            }
+            "held_max" | "held_per_principal_max" => {
+                "; wait for held effects to be decided, expire or be cancelled before proposing more"
+            }
+            "tombstones_max" => {
+                "; every stopped run waits for room to leave its fence as a tombstone, so none is forgotten: raise --tombstones-max or shorten --tombstone-retention"
+            }
+            _ => "",
+        };
+        KernelError::Limit {
+            limit,
+            max: max as u64,
+            hint,
+        }
+    }
+
     /// Stable code for operators and scripts (documented in docs/PROTOCOL.md).
     pub fn code(&self) -> &'static str {
         match self {
-            KernelError::RunNotFound(_) | KernelError::EffectNotFound(..) => "not_found",
+            KernelError::RunNotFound(_)
+            | KernelError::EffectNotFound(..)
+            | KernelError::Forgotten { .. } => "not_found",
             KernelError::NotAwaitingApproval { .. } => "not_awaiting_approval",
             KernelError::DuplicateApprover { .. } => "duplicate_approver",
             KernelError::BadToken { .. } => "bad_token",

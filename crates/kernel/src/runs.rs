@@ -9,8 +9,7 @@ use foldhash::fast::FixedState;
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 
-/// Runs by id; walks are in id order. Runs are only ever added (retention compacts a run's
-/// effects, it never forgets the run).
+/// Runs by id; walks are in id order. Retention removes stopped runs (`forget_stopped`).
 #[derive(Clone, Default)]
 pub(crate) struct Runs {
     /// Lookups. A fixed seed: the kernel has no randomness, and since nothing iterates this map
@@ -23,19 +22,26 @@ pub(crate) struct Runs {
     /// The same ids, for walks in id order. A `RunId` is shared (`Arc`), so the second copy of
     /// each id is a pointer, not a string.
     order: BTreeSet<RunId>,
-    /// Runs that are stopped and not compacted yet, by the time they stopped: retention visits
-    /// these, not every run. Derived from the runs (rebuilt when a snapshot is loaded), kept by
-    /// `insert` and `stopped`, and compared by `==`, so a drift shows in every snapshot round
+    /// Every stopped run, by the time it stopped: retention visits these, not every run.
+    /// Derived from the runs (rebuilt when a snapshot is loaded), kept by `insert`, `stopped`
+    /// and `forget_stopped`, and compared by `==`, so a drift shows in every snapshot round
     /// trip of the tests.
-    uncompacted: BTreeSet<(u64, RunId)>,
+    stopped: BTreeSet<(u64, RunId)>,
 }
 
-/// The entry of `run` in `Runs::uncompacted`, if it has one.
-fn uncompacted_entry(id: &RunId, run: &Run) -> Option<(u64, RunId)> {
-    match &run.stop {
-        Some(stop) if !run.compacted => Some((stop.at, id.clone())),
-        _ => None,
-    }
+/// The entry of `run` in `Runs::stopped`, if it has one.
+fn stopped_entry(id: &RunId, run: &Run) -> Option<(u64, RunId)> {
+    run.stop.as_ref().map(|stop| (stop.at, id.clone()))
+}
+
+/// What retention does with a stopped run that is due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Due {
+    /// Not yet (still finalizing): visit it again next time.
+    Keep,
+    Forget,
+    /// Not this one nor any later one this time (no room for its tombstone).
+    Halt,
 }
 
 impl Runs {
@@ -61,8 +67,8 @@ impl Runs {
 
     /// Inserts or replaces, like `BTreeMap::insert`.
     pub(crate) fn insert(&mut self, id: RunId, run: Run) -> Option<Run> {
-        if let Some(entry) = uncompacted_entry(&id, &run) {
-            self.uncompacted.insert(entry);
+        if let Some(entry) = stopped_entry(&id, &run) {
+            self.stopped.insert(entry);
         }
         let old = self.by_id.insert(id.clone(), Box::new(run));
         match &old {
@@ -70,8 +76,8 @@ impl Runs {
                 self.order.insert(id);
             }
             Some(old) => {
-                if let Some(entry) = uncompacted_entry(&id, old) {
-                    self.uncompacted.remove(&entry);
+                if let Some(entry) = stopped_entry(&id, old) {
+                    self.stopped.remove(&entry);
                 }
             }
         }
@@ -80,47 +86,42 @@ impl Runs {
 
     /// Notes that run `id` has just stopped (its `stop` was set): retention will visit it.
     pub(crate) fn stopped(&mut self, id: &RunId) {
-        if let Some(entry) = self.by_id.get(id).and_then(|r| uncompacted_entry(id, r)) {
-            self.uncompacted.insert(entry);
+        if let Some(entry) = self.by_id.get(id).and_then(|r| stopped_entry(id, r)) {
+            self.stopped.insert(entry);
         }
     }
 
-    /// Calls `compact` on every run that stopped at or before `before` and is not compacted,
-    /// oldest stop first; a run for which it returns true is compacted and not visited again.
-    /// Work is proportional to the runs awaiting compaction, not to all runs.
-    pub(crate) fn compact_stopped(
+    /// Visits the runs that stopped at or before `before`, oldest stop first, and removes
+    /// those `due` says to forget; returns them in that order. Work is proportional to the
+    /// runs visited, never to all runs.
+    pub(crate) fn forget_stopped(
         &mut self,
         before: u64,
-        mut compact: impl FnMut(&mut Run) -> bool,
-    ) -> u32 {
-        // The due entries are a prefix of the index: split them off whole (one walk, no
-        // rebalancing per entry) and put back the few that stay (runs still finalizing).
-        let first_not_due = self
-            .uncompacted
-            .iter()
-            .find(|(at, _)| *at > before)
-            .cloned();
-        let due = match first_not_due {
-            Some(entry) => {
-                let rest = self.uncompacted.split_off(&entry);
-                std::mem::replace(&mut self.uncompacted, rest)
-            }
-            None => std::mem::take(&mut self.uncompacted),
-        };
-        let mut n = 0;
-        for entry in due {
+        mut due: impl FnMut(&Run) -> Due,
+    ) -> Vec<(RunId, Run)> {
+        let mut kept = Vec::new();
+        let mut forgotten = Vec::new();
+        while self.stopped.first().is_some_and(|(at, _)| *at <= before) {
+            let entry = self.stopped.pop_first().expect("checked above");
             let run = self
                 .by_id
-                .get_mut(&entry.1)
-                .expect("an uncompacted entry names a run");
-            if compact(run) {
-                debug_assert!(run.compacted, "compact sets the flag");
-                n += 1;
-            } else {
-                self.uncompacted.insert(entry);
+                .get(&entry.1)
+                .expect("a stopped entry names a run");
+            match due(run) {
+                Due::Keep => kept.push(entry),
+                Due::Forget => {
+                    let run = self.by_id.remove(&entry.1).expect("exists");
+                    self.order.remove(&entry.1);
+                    forgotten.push((entry.1, *run));
+                }
+                Due::Halt => {
+                    kept.push(entry);
+                    break;
+                }
             }
         }
-        n
+        self.stopped.extend(kept);
+        forgotten
     }
 
     /// Every run, in id order.
@@ -150,14 +151,14 @@ impl FromIterator<(RunId, Run)> for Runs {
             ids.push(id.clone());
             by_id.insert(id, Box::new(run));
         }
-        let uncompacted = by_id
+        let stopped = by_id
             .iter()
-            .filter_map(|(id, run)| uncompacted_entry(id, run))
+            .filter_map(|(id, run)| stopped_entry(id, run))
             .collect();
         Runs {
             by_id,
             order: ids.into_iter().collect(),
-            uncompacted,
+            stopped,
         }
     }
 }
@@ -173,7 +174,7 @@ impl std::ops::Index<&RunId> for Runs {
 impl PartialEq for Runs {
     fn eq(&self, other: &Runs) -> bool {
         self.order == other.order
-            && self.uncompacted == other.uncompacted
+            && self.stopped == other.stopped
             && self.iter().all(|(id, run)| other.get(id) == Some(run))
     }
 }
@@ -240,7 +241,7 @@ mod tests {
     }
 
     #[test]
-    fn compaction_through_the_index_equals_a_walk_of_every_run() {
+    fn forgetting_through_the_index_equals_a_walk_of_every_run() {
         use crate::state::Stop;
         use crate::vocab::{RunState, StopCause};
         let mut seed = 7u64;
@@ -250,26 +251,26 @@ mod tests {
                 .wrapping_add(1_442_695_040_888_963_407);
             (seed >> 33) % n
         };
+        let stop = |at| Stop {
+            cause: StopCause::Cancelled,
+            reason: None,
+            by: None,
+            at,
+            from: None,
+        };
         for round in 0..50 {
             let mut runs = Runs::default();
             for i in 0..200 {
                 let mut run = Run::new(i, None, None);
-                match next(4) {
+                match next(3) {
                     0 => {} // running, never stopped
                     k => {
-                        run.stop = Some(Stop {
-                            cause: StopCause::Cancelled,
-                            reason: None,
-                            by: None,
-                            at: next(1000),
-                            from: None,
-                        });
+                        run.stop = Some(stop(next(1000)));
                         run.state = if k == 1 {
                             RunState::Finalizing
                         } else {
                             RunState::Cancelled
                         };
-                        run.compacted = k == 3 && next(2) == 0;
                     }
                 }
                 let stop_later = run.stop.is_none() && next(3) == 0;
@@ -278,42 +279,48 @@ mod tests {
                     // Stopped after it was inserted, as `stop_subtree` does.
                     let rid = id(&format!("r{round}-{i}"));
                     let run = runs.get_mut(&rid).expect("inserted");
-                    run.stop = Some(Stop {
-                        cause: StopCause::Closed,
-                        reason: None,
-                        by: None,
-                        at: next(1000),
-                        from: None,
-                    });
+                    run.stop = Some(stop(next(1000)));
                     run.state = RunState::Completed;
                     runs.stopped(&rid);
                 }
             }
-            let compact = |run: &mut Run| {
-                if !run.state.is_terminal() {
-                    return false;
+            let due = |run: &Run| {
+                if run.state.is_terminal() {
+                    Due::Forget
+                } else {
+                    Due::Keep
                 }
-                run.compacted = true;
-                true
             };
             for before in [100, 500, 500, 999] {
-                let mut walked = runs.clone();
-                let mut expected = 0;
-                for (_, run) in walked.by_id.iter_mut() {
-                    if !run.compacted && run.stop.as_ref().is_some_and(|s| s.at <= before) {
-                        expected += u32::from(compact(run));
-                    }
-                }
-                let n = runs.compact_stopped(before, compact);
-                assert_eq!(n, expected, "round {round}, before {before}");
-                let walked_runs: Vec<_> =
-                    walked.iter().map(|(k, r)| (k.clone(), r.clone())).collect();
-                let rebuilt: Runs = walked_runs.into_iter().collect();
-                assert_eq!(
-                    runs, rebuilt,
-                    "the same runs compacted; the index matches a rebuild"
-                );
+                let expected: Vec<RunId> = {
+                    let mut v: Vec<(u64, RunId)> = runs
+                        .iter()
+                        .filter(|(_, r)| r.state.is_terminal())
+                        .filter_map(|(k, r)| r.stop.as_ref().map(|s| (s.at, k.clone())))
+                        .filter(|(at, _)| *at <= before)
+                        .collect();
+                    v.sort();
+                    v.into_iter().map(|(_, k)| k).collect()
+                };
+                let gone: Vec<RunId> = runs
+                    .forget_stopped(before, due)
+                    .into_iter()
+                    .map(|(k, _)| k)
+                    .collect();
+                assert_eq!(gone, expected, "round {round}, before {before}");
+                let rest: Vec<_> = runs.iter().map(|(k, r)| (k.clone(), r.clone())).collect();
+                let rebuilt: Runs = rest.into_iter().collect();
+                assert_eq!(runs, rebuilt, "the index matches a rebuild");
             }
+            // A halt keeps the run it halted at and every later one.
+            let mut n = 0;
+            let first_two = runs.forget_stopped(u64::MAX, |_| {
+                n += 1;
+                if n <= 2 { Due::Forget } else { Due::Halt }
+            });
+            assert!(first_two.len() <= 2);
+            let rest: Vec<_> = runs.iter().map(|(k, r)| (k.clone(), r.clone())).collect();
+            assert_eq!(runs, rest.into_iter().collect::<Runs>(), "after a halt");
         }
     }
 }

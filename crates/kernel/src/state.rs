@@ -49,6 +49,12 @@ impl Status {
         }
     }
 
+    /// Held before admission (for approval, a sibling or a pause), or approved and not yet
+    /// consumed: what counts against `held_max` and `held_per_principal_max`.
+    pub fn is_held(self) -> bool {
+        matches!(self, Status::Held(_) | Status::Approved)
+    }
+
     /// Still waiting for something before it may start.
     pub fn is_held_or_prepared(self) -> bool {
         matches!(self, Status::Held(_) | Status::Approved | Status::Admitted)
@@ -240,8 +246,8 @@ pub struct Run {
     pub rejected: BTreeSet<Digest>,
     pub next_serial: u64,
     pub next_approval: u64,
-    /// Per-effect state was dropped by retention; the fence remains.
-    pub compacted: bool,
+    /// Effects whose status `is_held`. Derived state (rebuilt from effects on decode).
+    pub held: u32,
     /// Expiry of every effect held for approval or approved and not yet consumed: the index
     /// that makes `Gate::next_timer` O(log n). Derived state (rebuilt from effects on decode).
     pub expiries: BTreeSet<(u64, EffectKey)>,
@@ -266,7 +272,7 @@ impl Run {
             rejected: BTreeSet::new(),
             next_serial: 1,
             next_approval: 1,
-            compacted: false,
+            held: 0,
             expiries: BTreeSet::new(),
         }
     }
@@ -290,8 +296,9 @@ impl Run {
         self.stop.is_some()
     }
 
-    /// Rebuilds the expiry index from the effects (after decoding a snapshot).
-    pub(crate) fn index_expiries(&mut self) {
+    /// Rebuilds the derived state from the effects (after decoding a snapshot).
+    pub(crate) fn index(&mut self) {
+        self.held = self.effects.values().filter(|e| e.status.is_held()).count() as u32;
         self.expiries = self
             .effects
             .iter()
@@ -304,6 +311,28 @@ impl Run {
             .filter_map(|(k, e)| e.approval.as_ref().map(|a| (a.expires_at, k.clone())))
             .collect();
     }
+}
+
+/// What is left of a forgotten run: its fence. Retention forgets a stopped run's state, and
+/// this stays until its own (longer) retention passes, so an admit on the id, or a sub-agent
+/// naming it as parent, is refused exactly as the stopped run refused it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tombstone {
+    /// As `Run::owner`: agents see only their own.
+    pub owner: Option<PrincipalName>,
+    pub cause: StopCause,
+    /// The run's last epoch (every token it issued is older).
+    pub epoch: u32,
+    pub created_at: u64,
+    pub stopped_at: u64,
+}
+
+/// What one principal holds in the gate: its runs not yet forgotten and its held effects.
+/// Derived state (kept by `Gate` as runs and effects change, rebuilt on decode).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub runs: u64,
+    pub held: u64,
 }
 
 /// One shared copy of each tool and rule name, so a million effects that call `pay` under the

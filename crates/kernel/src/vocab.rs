@@ -156,6 +156,17 @@ impl StopCause {
             StopCause::Closed | StopCause::Failed => RefusalReason::Closed,
         }
     }
+
+    /// The state a run stopped this way ends in once nothing of it is in flight.
+    pub fn terminal_state(self) -> RunState {
+        match self {
+            StopCause::Closed => RunState::Completed,
+            StopCause::Failed => RunState::Failed,
+            StopCause::Cancelled | StopCause::Killed | StopCause::Deadline | StopCause::Budget => {
+                RunState::Cancelled
+            }
+        }
+    }
 }
 
 names!(

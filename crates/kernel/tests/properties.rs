@@ -40,7 +40,70 @@ fn op() -> impl Strategy<Value = String> {
         1 => (who_op, run.clone(), prop_oneof![Just("cancel"), Just("pause"), Just("resume"), Just("close")])
             .prop_map(|(w, r, v)| format!("{w} {v} {r}")),
         1 => run.prop_map(|r| format!("agent tick {r}")),
+        1 => (0u64..60, 0u64..200).prop_map(|(a, b)| format!("agent compact-ago {a} {b}")),
     ]
+}
+
+/// Small bounds, so quotas, the operator reserve and the tombstone bound are reached.
+fn limits() -> Limits {
+    Limits {
+        runs_max: 3,
+        held_max: 4,
+        held_per_principal_max: 3,
+        tombstones_max: 1,
+        ..Limits::default()
+    }
+}
+
+/// The script line for `line` at `now` (`compact-ago A B`: retention cut-offs A and B ms ago).
+fn at(now: u64, line: &str) -> String {
+    match line.strip_prefix("agent compact-ago ") {
+        Some(ago) => {
+            let (a, b) = ago.split_once(' ').unwrap();
+            let cut = |x: &str| now.saturating_sub(x.parse().unwrap());
+            format!("{now} agent compact {} {}", cut(a), cut(b))
+        }
+        None => format!("{now} {line}"),
+    }
+}
+
+/// The derived counters and indexes agree with the state they summarize.
+fn check_counters(gate: &Gate) -> Result<(), TestCaseError> {
+    let mut usage: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    let mut held_total = 0;
+    for (id, run) in gate.runs() {
+        let held = run.effects.values().filter(|e| e.status.is_held()).count() as u64;
+        prop_assert_eq!(held, u64::from(run.held), "held counter drifted in {}", id);
+        held_total += held;
+        if let Some(o) = &run.owner {
+            let u = usage.entry(o.to_string()).or_default();
+            u.0 += 1;
+            u.1 += held;
+        }
+        for c in &run.children {
+            prop_assert!(gate.run(c).is_some(), "{} names forgotten child {}", id, c);
+        }
+        prop_assert!(
+            gate.tombstone(id).is_none(),
+            "{} is a run and a tombstone",
+            id
+        );
+    }
+    prop_assert_eq!(held_total, gate.held_count());
+    for (name, (runs, held)) in &usage {
+        let u = gate.usage(&estop_kernel::PrincipalName::new(name).unwrap());
+        prop_assert_eq!(
+            (u.runs, u.held),
+            (*runs, *held),
+            "usage of {} drifted",
+            name
+        );
+    }
+    let l = gate.limits();
+    prop_assert!(gate.run_count() <= l.runs_max);
+    prop_assert!(gate.tombstone_count() <= l.tombstones_max);
+    prop_assert!(gate.held_count() as usize <= l.held_max);
+    Ok(())
 }
 
 fn chain(gate: &Gate, run: &RunId) -> Vec<RunId> {
@@ -56,7 +119,7 @@ proptest! {
 
     #[test]
     fn guarantees_hold_on_random_traces(ops in prop::collection::vec((op(), 0u64..30), 1..60)) {
-        let mut gate = Gate::new(Limits::default());
+        let mut gate = Gate::new(limits());
         let mut now = 0u64;
         let mut last_token = None;
         let mut admissions: BTreeMap<(RunId, String), u32> = BTreeMap::new();
@@ -65,7 +128,7 @@ proptest! {
         let mut log = Vec::new();
         for (line, dt) in &ops {
             now += dt;
-            let rec = parse_line(&format!("{now} {line}"), last_token);
+            let rec = parse_line(&at(now, line), last_token);
             let before = gate.clone();
             let Ok(applied) = gate.apply(rec.at, &rec.principal, &rec.command) else {
                 prop_assert_eq!(&before, &gate, "an error changed state");
@@ -137,8 +200,14 @@ proptest! {
             if let Command::Cancel { run, .. } = &rec.command {
                 cancelled.insert(run.clone());
             }
+            check_counters(&gate)?;
+            // G2, G3 and G4 remember a run until its tombstone expires; then the id is new.
+            let known = |r: &RunId| gate.run(r).is_some() || gate.tombstone(r).is_some();
+            cancelled.retain(|r| known(r));
+            admissions.retain(|(r, _), _| known(r));
+            rejected.retain(|(r, _)| known(r));
         }
-        let mut replayed = Gate::new(Limits::default());
+        let mut replayed = Gate::new(limits());
         for rec in &log {
             prop_assert!(replayed.replay(rec.at, &rec.principal, &rec.command).unwrap());
         }
@@ -155,7 +224,7 @@ proptest! {
         let mut now = 0u64;
         for (line, dt, damage) in &ops {
             now += dt;
-            let rec = parse_line(&format!("{now} {line}"), None);
+            let rec = parse_line(&at(now, line), None);
             let mut buf = Vec::new();
             encode_record(&rec, &mut buf);
             if let Some((at, byte)) = damage {
@@ -170,13 +239,13 @@ proptest! {
     /// same change flag or the same error, and leaves the same state, down to the snapshot bytes.
     #[test]
     fn replay_matches_apply_command_by_command(ops in prop::collection::vec((op(), 0u64..30), 1..60)) {
-        let mut applied = Gate::new(Limits::default());
-        let mut replayed = Gate::new(Limits::default());
+        let mut applied = Gate::new(limits());
+        let mut replayed = Gate::new(limits());
         let mut now = 0u64;
         let mut last_token = None;
         for (line, dt) in &ops {
             now += dt;
-            let rec = parse_line(&format!("{now} {line}"), last_token);
+            let rec = parse_line(&at(now, line), last_token);
             let a = applied.apply(rec.at, &rec.principal, &rec.command);
             let r = replayed.replay(rec.at, &rec.principal, &rec.command);
             prop_assert_eq!(a.as_ref().map(|a| a.changed), r.as_ref().copied(), "{}", line);

@@ -682,29 +682,189 @@ fn complete_without_start_is_an_error() {
 }
 
 #[test]
-fn compaction_keeps_the_fence() {
+fn retention_forgets_stopped_runs_and_their_fences_stay_until_their_own_retention() {
     check(
         "
         0 agent admit r1 k1 pay
         1 agent complete r1 k1 1.1 ok
         2 agent cancel r1
         3 agent admit r2 k1 pay
+        4 agent admit c1 k1 pay parent=r1
+        5 agent close r2
         10 agent compact 5
         11 agent admit r1 k1 pay
         12 agent admit r1 k9 pay
+        13 agent admit kid k pay parent=r1
+        14 agent2 admit r1 k pay
+        15 agent start r1 k1 1.1
+        16 agent complete r1 k1 1.1 ok
+        17 agent wait r1 k1
+        18 alice approve r1 k1
+        19 alice pause r1
+        20 alice cancel r1
+        21 agent close r1
+        22 agent2 cancel r1
+        23 agent kill r1
+        24 agent complete r2 k1 1.1 ok
+        30 agent compact 25
+        31 agent admit r2 k2 pay
+        32 agent admit kid2 k pay parent=orphan
+        33 agent admit orphan k pay parent=r2
+        40 agent compact 35 12
+        41 agent admit r1 k1 pay
         ",
         expect![[r#"
             0 agent admit r1 k1 pay                      => admitted 1.1
             1 agent complete r1 k1 1.1 ok                => completed
             2 agent cancel r1                            => run cancelled (1 changed)
             3 agent admit r2 k1 pay                      => admitted 1.1
-            10 agent compact 5                           => compacted 1
+            4 agent admit c1 k1 pay parent=r1            => refused cancelled
+            5 agent close r2                             => run finalizing (1 changed)
+            10 agent compact 5                           => forgot 2 runs, dropped 0 tombstones
             11 agent admit r1 k1 pay                     => refused cancelled
             12 agent admit r1 k9 pay                     => refused cancelled
+            13 agent admit kid k pay parent=r1           => refused cancelled
+            14 agent2 admit r1 k pay                     => error not_found: run r1 not found
+            15 agent start r1 k1 1.1                     => refused cancelled
+            16 agent complete r1 k1 1.1 ok               => error not_found: run r1 was forgotten after its retention period (only its fence is kept: see status); complete has nothing left to act on
+            17 agent wait r1 k1                          => refused cancelled
+            18 alice approve r1 k1                       => error not_found: run r1 was forgotten after its retention period (only its fence is kept: see status); decide has nothing left to act on
+            19 alice pause r1                            => error invalid_state: run r1 is cancelled: pause is not possible
+            20 alice cancel r1                           => run cancelled (0 changed)
+            21 agent close r1                            => run cancelled (0 changed)
+            22 agent2 cancel r1                          => error not_found: run r1 not found
+            23 agent kill r1                             => error forbidden: operation requires the operator role
+            24 agent complete r2 k1 1.1 ok               => completed late
+            30 agent compact 25                          => forgot 2 runs, dropped 0 tombstones
+            31 agent admit r2 k2 pay                     => refused closed
+            32 agent admit kid2 k pay parent=orphan      => admitted 1.1
+            33 agent admit orphan k pay parent=r2        => refused closed
+            40 agent compact 35 12                       => forgot 1 runs, dropped 3 tombstones
+            41 agent admit r1 k1 pay                     => admitted 1.1
             --
-            run r1 cancelled stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0 compacted
-            run r2 active epoch=1 admitted=1 pending=0 in_flight=1
+            run kid2 finalizing stop=closed from=orphan epoch=2 admitted=1 pending=0 in_flight=1 parent=orphan
+              k pay started
+            run r1 active epoch=1 admitted=1 pending=0 in_flight=1
               k1 pay started
+            tombstone kid cancelled stop=cancelled at=13 epoch=2 owner=agent
+            tombstone orphan completed stop=closed at=33 epoch=2 owner=agent
+        "#]],
+    );
+}
+
+#[test]
+fn per_principal_shares_of_runs_and_held_effects_and_the_operator_reserve() {
+    check(
+        "
+        limits runs_max=7 runs_per_principal_max=3 held_max=3 held_per_principal_max=2
+        0 agent admit a1 k pay
+        1 agent admit a2 k pay
+        2 agent admit a3 k pay
+        3 agent admit a4 k pay
+        4 agent2 admit b1 k pay
+        5 agent2 admit b2 k pay parent=b0
+        6 agent2 admit b3 k pay
+        7 alice cancel x1
+        8 alice cancel x2
+        10 agent admit a1 h1 refund action=approve
+        11 agent admit a1 h2 email
+        12 agent admit a2 h3 refund action=approve
+        13 agent admit fresh h refund action=approve
+        14 agent2 admit b1 h1 refund action=approve
+        15 agent2 admit b1 h2 refund arg=2 action=approve
+        16 alice reject a1 h1
+        17 agent wait a1 h2
+        18 agent admit a2 h3 refund action=approve
+        19 agent cancel a2
+        ",
+        expect![[r#"
+            limits runs_max=7 runs_per_principal_max=3 held_max=3 held_per_principal_max=2
+            0 agent admit a1 k pay                       => admitted 1.1
+            1 agent admit a2 k pay                       => admitted 1.1
+            2 agent admit a3 k pay                       => admitted 1.1
+            3 agent admit a4 k pay                       => error limit: limit reached: runs_per_principal_max = 3; this principal holds that many runs: close or cancel those that are done (a stopped run is forgotten after the retention period), or raise --runs-per-principal-max
+            4 agent2 admit b1 k pay                      => admitted 1.1
+            5 agent2 admit b2 k pay parent=b0            => admitted 1.1
+            6 agent2 admit b3 k pay                      => error limit: limit reached: runs_max = 7; the rest is reserved for operators (1%): close or cancel runs that are done, a stopped run is forgotten after the retention period
+            7 alice cancel x1                            => run cancelled (1 changed)
+            8 alice cancel x2                            => error limit: limit reached: runs_max = 7; close or cancel runs that are done: a stopped run is forgotten after the retention period (estop serve --retention), or raise --runs-max
+            10 agent admit a1 h1 refund action=approve   => held approval #1 until 1010
+            11 agent admit a1 h2 email                   => held sibling
+            12 agent admit a2 h3 refund action=approve   => error limit: limit reached: held_per_principal_max = 2; wait for held effects to be decided, expire or be cancelled before proposing more
+            13 agent admit fresh h refund action=approve => error limit: limit reached: held_per_principal_max = 2; wait for held effects to be decided, expire or be cancelled before proposing more
+            14 agent2 admit b1 h1 refund action=approve  => held approval #1 until 1014
+            15 agent2 admit b1 h2 refund arg=2 action=approve => error limit: limit reached: held_max = 3; wait for held effects to be decided, expire or be cancelled before proposing more
+            16 alice reject a1 h1                        => decided rejected
+            17 agent wait a1 h2                          => admitted 1.2
+            18 agent admit a2 h3 refund action=approve   => held approval #1 until 1018
+            19 agent cancel a2                           => run finalizing (1 changed)
+            --
+            run a1 active epoch=1 admitted=2 pending=0 in_flight=2
+              h1 refund refused(rejected)
+              h2 email started
+              k pay started
+            run a2 finalizing stop=cancelled epoch=2 admitted=1 pending=0 in_flight=1
+              h3 refund refused(cancelled)
+              k pay started
+            run a3 active epoch=1 admitted=1 pending=0 in_flight=1
+              k pay started
+            run b0 active epoch=1 admitted=0 pending=0 in_flight=0
+            run b1 active epoch=1 admitted=1 pending=1 in_flight=1
+              h1 refund held(approval)
+              k pay started
+            run b2 active epoch=1 admitted=1 pending=0 in_flight=1 parent=b0
+              k pay started
+            run x1 cancelled stop=cancelled epoch=2 admitted=0 pending=0 in_flight=0
+            held 1
+            usage agent runs=3 held=0
+            usage agent2 runs=3 held=1
+        "#]],
+    );
+}
+
+#[test]
+fn at_the_tombstone_bound_stopped_runs_keep_their_state_rather_than_lose_their_fence() {
+    check(
+        "
+        limits runs_max=4 tombstones_max=1
+        0 agent admit r1 k pay start=false
+        1 agent close r1
+        2 agent admit r2 k pay start=false
+        3 agent close r2
+        4 agent admit r3 k pay start=false
+        5 agent admit r4 k pay
+        10 agent compact 5
+        11 agent admit r2 k2 pay
+        12 alice cancel x
+        13 alice cancel y
+        14 alice cancel z
+        20 agent compact 5 2
+        21 alice cancel r1
+        ",
+        expect![[r#"
+            limits runs_max=4 tombstones_max=1
+            0 agent admit r1 k pay start=false           => admitted 1.1
+            1 agent close r1                             => run completed (1 changed)
+            2 agent admit r2 k pay start=false           => admitted 1.1
+            3 agent close r2                             => run completed (1 changed)
+            4 agent admit r3 k pay start=false           => admitted 1.1
+            5 agent admit r4 k pay                       => error limit: limit reached: runs_max = 4; the rest is reserved for operators (1%): close or cancel runs that are done, a stopped run is forgotten after the retention period
+            10 agent compact 5                           => forgot 1 runs, dropped 0 tombstones
+            11 agent admit r2 k2 pay                     => refused closed
+            12 alice cancel x                            => run cancelled (1 changed)
+            13 alice cancel y                            => run cancelled (1 changed)
+            14 alice cancel z                            => error limit: limit reached: tombstones_max = 1; every stopped run waits for room to leave its fence as a tombstone, so none is forgotten: raise --tombstones-max or shorten --tombstone-retention
+            20 agent compact 5 2                         => forgot 1 runs, dropped 1 tombstones
+            21 alice cancel r1                           => run cancelled (1 changed)
+            --
+            run r1 cancelled stop=cancelled epoch=2 admitted=0 pending=0 in_flight=0
+            run r3 active epoch=1 admitted=1 pending=0 in_flight=0
+              k pay admitted
+            run x cancelled stop=cancelled epoch=2 admitted=0 pending=0 in_flight=0
+            run y cancelled stop=cancelled epoch=2 admitted=0 pending=0 in_flight=0
+            tombstone r2 completed stop=closed at=3 epoch=2 owner=agent
+            held 0
+            usage agent runs=1 held=0
         "#]],
     );
 }
@@ -844,4 +1004,61 @@ fn tool_and_rule_names_are_shared_between_effects_and_survive_a_snapshot() {
         shared(&back),
         "names are shared after recovery from a snapshot"
     );
+}
+
+/// A version 1 snapshot (before runs were forgotten) still loads: its compacted run is a stopped
+/// run without effects, and the next compaction forgets it into a tombstone.
+#[test]
+fn a_version_1_snapshot_loads_and_its_compacted_runs_are_forgotten_next() {
+    use estop_kernel::codec::{decode_snapshot, encode_snapshot};
+    use estop_kernel::{Command, Limits, RunId};
+    let mut v1 = vec![1u8];
+    v1.extend_from_slice(&1u64.to_le_bytes()); // one run
+    let s = |v: &mut Vec<u8>, t: &str| {
+        v.extend_from_slice(&(t.len() as u32).to_le_bytes());
+        v.extend_from_slice(t.as_bytes());
+    };
+    s(&mut v1, "r1");
+    v1.push(0); // no parent
+    v1.extend_from_slice(&0u32.to_le_bytes()); // no children
+    v1.push(1);
+    s(&mut v1, "agent");
+    v1.extend_from_slice(&0u32.to_le_bytes()); // no labels
+    v1.extend_from_slice(&1u64.to_le_bytes()); // created_at
+    v1.push(3); // state: completed
+    v1.push(1); // stop
+    v1.push(4); // cause: closed
+    v1.extend_from_slice(&[0, 0]); // no reason, no by
+    v1.extend_from_slice(&5u64.to_le_bytes()); // at
+    v1.push(0); // not inherited
+    v1.extend_from_slice(&2u32.to_le_bytes()); // epoch
+    v1.extend_from_slice(&[0, 0]); // no deadline, no max effects
+    v1.extend_from_slice(&1u64.to_le_bytes()); // admitted
+    v1.extend_from_slice(&[0; 8]); // pending, in flight
+    v1.extend_from_slice(&2u64.to_le_bytes()); // next serial
+    v1.extend_from_slice(&1u64.to_le_bytes()); // next approval
+    v1.push(1); // compacted
+    v1.extend_from_slice(&[0; 8]); // no rejected digests, no effects
+    let mut gate = decode_snapshot(&v1, Limits::default()).expect("a v1 snapshot loads");
+    let r1 = RunId::new("r1").unwrap();
+    assert!(gate.run(&r1).unwrap().effects.is_empty());
+    let op = support::principal("alice");
+    let compact = Command::Compact {
+        before: 10,
+        tombstones_before: 0,
+    };
+    let applied = gate.apply(20, &op, &compact).unwrap();
+    assert_eq!(
+        support::render_reply(&applied.reply),
+        "forgot 1 runs, dropped 0 tombstones"
+    );
+    assert!(gate.run(&r1).is_none());
+    assert_eq!(gate.tombstone(&r1).unwrap().stopped_at, 5);
+    let mut v2 = Vec::new();
+    encode_snapshot(&gate, &mut v2);
+    assert_eq!(v2[0], 2, "written as version 2");
+    assert_eq!(decode_snapshot(&v2, Limits::default()).unwrap(), gate);
+    let mut bad = v1.clone();
+    bad[0] = 3;
+    assert!(decode_snapshot(&bad, Limits::default()).is_err());
 }

@@ -208,6 +208,10 @@ pub struct RunView {
     pub max_effects: Option<u64>,
     #[serde(default)]
     pub effects: EffectCounts,
+    /// Retention forgot the run: only its fence is left (state, cause, `stopped_at`, owner,
+    /// epoch, `created_at`); labels, limits and effects are gone.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub forgotten: bool,
 }
 
 /// The reply to `runs`: one page.
@@ -364,6 +368,12 @@ pub struct Report {
     /// The reason given with the stop, exactly as sent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped_at: Option<u64>,
+    /// Retention forgot the run: what it did is no longer in the gate's state (the
+    /// ledger's history may still hold it); only its fence is left.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub forgotten: bool,
     pub done: Vec<ReportItem>,
     pub failed: Vec<ReportItem>,
     pub refused: Vec<ReportItem>,

@@ -209,6 +209,7 @@ fn every_payload_round_trips() {
             unknown: 6,
             refused: 7,
         },
+        forgotten: false,
     };
     round_trip(view.clone());
     round_trip(RunsReply {
@@ -219,6 +220,14 @@ fn every_payload_round_trips() {
                 state: "cancelled".into(),
                 cause: Some("cancelled".into()),
                 reason: Some("by hand \u{202e}".into()),
+                ..RunView::default()
+            },
+            RunView {
+                run: "r3".into(),
+                state: "completed".into(),
+                cause: Some("closed".into()),
+                stopped_at: Some(5),
+                forgotten: true,
                 ..RunView::default()
             },
         ],
@@ -282,10 +291,20 @@ fn every_payload_round_trips() {
         reason: None,
     };
     round_trip(Report {
+        run: "r0".into(),
+        state: "cancelled".into(),
+        cause: Some("cancelled".into()),
+        stopped_at: Some(7),
+        forgotten: true,
+        ..Report::default()
+    });
+    round_trip(Report {
         run: "r1".into(),
         state: "cancelled".into(),
         cause: Some("cancelled".into()),
         reason: Some("enough\n\u{1b}[0m".into()),
+        stopped_at: Some(7),
+        forgotten: false,
         done: vec![ReportItem {
             compensate: Some("refund.undo".into()),
             ..item("a", "completed", "compensable")

@@ -176,8 +176,11 @@ pub struct CoreOptions {
     pub event_backlog_max: usize,
     /// `wait`s blocked in all, per principal, and the operators' reserve.
     pub waiters: ShareOptions,
-    /// Terminal runs keep per-effect state this long before compaction.
+    /// A stopped run is kept whole this long (after its stop), then forgotten: its fence stays
+    /// as a tombstone.
     pub retention_ms: u64,
+    /// A forgotten run's tombstone stays this long (after its stop); then the id is unknown.
+    pub tombstone_retention_ms: u64,
     /// Take a snapshot after this many records (bounds recovery time).
     pub snapshot_every_records: u64,
     /// The core syncs a burst itself while the ledger's sync thread is idle (see
@@ -188,6 +191,19 @@ pub struct CoreOptions {
     pub idle_spin: Duration,
 }
 
+/// Retention runs at most this often, and at least as often as `COMPACTION_PERIOD_MAX_MS`.
+const COMPACTION_PERIOD_MIN_MS: u64 = 1_000;
+const COMPACTION_PERIOD_MAX_MS: u64 = 60_000;
+
+impl CoreOptions {
+    /// How often retention runs: a quarter of the shorter retention, within one second and a
+    /// minute, so a stopped run is forgotten at most that long after its retention passed.
+    pub fn compaction_period_ms(&self) -> u64 {
+        (self.retention_ms.min(self.tombstone_retention_ms) / 4)
+            .clamp(COMPACTION_PERIOD_MIN_MS, COMPACTION_PERIOD_MAX_MS)
+    }
+}
+
 impl Default for CoreOptions {
     fn default() -> Self {
         CoreOptions {
@@ -196,6 +212,7 @@ impl Default for CoreOptions {
             event_backlog_max: 4096,
             waiters: ShareOptions::derived(100_000, 1024),
             retention_ms: 7 * 24 * 3600 * 1000,
+            tombstone_retention_ms: 28 * 24 * 3600 * 1000,
             snapshot_every_records: 1_000_000,
             inline_sync: std::env::var("ESTOP_INLINE_SYNC").map_or(true, |v| v != "0"),
             idle_spin: Duration::from_micros(
@@ -240,7 +257,9 @@ fn wall_ms() -> u64 {
 
 pub fn kernel_error(e: &KernelError) -> (ErrorCode, String) {
     let code = match e {
-        KernelError::RunNotFound(_) | KernelError::EffectNotFound(..) => ErrorCode::NotFound,
+        KernelError::RunNotFound(_)
+        | KernelError::EffectNotFound(..)
+        | KernelError::Forgotten { .. } => ErrorCode::NotFound,
         KernelError::NotAwaitingApproval { .. } => ErrorCode::NotPending,
         KernelError::BadToken { .. } => ErrorCode::BadToken,
         KernelError::Limit { .. } => ErrorCode::LimitExceeded,
@@ -507,7 +526,7 @@ impl Core {
             .waiter_deadlines
             .first()
             .map(|(d, _)| now + d.saturating_duration_since(Instant::now()).as_millis() as u64);
-        let compaction = Some(self.next_compaction.max(now + 1000));
+        let compaction = Some(self.next_compaction.max(now + COMPACTION_PERIOD_MIN_MS));
         let recovery = self.journal.is_none().then(|| now + 1000);
         let at = [timer, waiter, compaction, recovery]
             .into_iter()
@@ -1074,9 +1093,12 @@ impl Core {
         }
         // Retention and snapshots.
         if now >= self.next_compaction && self.journal.is_some() {
-            self.next_compaction = now + 60_000;
-            let before = now.saturating_sub(self.opts.retention_ms);
-            let _ = self.apply_reply(&system_principal(), Command::Compact { before });
+            self.next_compaction = now + self.opts.compaction_period_ms();
+            let cmd = Command::Compact {
+                before: now.saturating_sub(self.opts.retention_ms),
+                tombstones_before: now.saturating_sub(self.opts.tombstone_retention_ms),
+            };
+            let _ = self.apply_reply(&system_principal(), cmd);
         }
         let due = self
             .snapshot_retry
@@ -1301,11 +1323,17 @@ impl Core {
         match q {
             Query::Status { run } => match self.gate.visible_run(principal, &run) {
                 Ok(r) => Answer::Run(Box::new(render::run_view(&run, r))),
-                Err(e) => err(e),
+                Err(e) => match self.gate.visible_tombstone(principal, &run) {
+                    Ok(t) => Answer::Run(Box::new(render::tombstone_view(&run, t))),
+                    Err(_) => err(e),
+                },
             },
             Query::Report { run, cursor, page } => match self.gate.visible_run(principal, &run) {
                 Ok(r) => Answer::Report(Box::new(render::report(&run, r, cursor.as_ref(), page))),
-                Err(e) => err(e),
+                Err(e) => match self.gate.visible_tombstone(principal, &run) {
+                    Ok(t) => Answer::Report(Box::new(render::tombstone_report(&run, t))),
+                    Err(_) => err(e),
+                },
             },
             Query::Runs {
                 state,

@@ -84,8 +84,12 @@ pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
                 json!(if *failed { "failed" } else { "completed" }),
             );
         }
-        Command::Compact { before } => {
+        Command::Compact {
+            before,
+            tombstones_before,
+        } => {
             fields.insert("before".into(), Value::from(*before));
+            fields.insert("tombstones_before".into(), Value::from(*tombstones_before));
         }
         Command::Token(t) => {
             // Who did it is the record's principal; the secret and its hash are never here.

@@ -27,14 +27,17 @@ pub fn open(
     limits: &Limits,
     options: LedgerOptions,
 ) -> Result<Opened, JournalError> {
-    let gate = std::cell::RefCell::new(Gate::new(limits.clone()));
+    // Recorded commands passed the bounds of their day: replay them under `for_replay`, then
+    // enforce today's.
+    let replay_limits = limits.for_replay();
+    let gate = std::cell::RefCell::new(Gate::new(replay_limits.clone()));
     let mut decoder = RecordDecoder::default();
     let recovered = Ledger::open(
         storage,
         options,
         |_seq, bytes| -> Result<(), String> {
             *gate.borrow_mut() =
-                decode_snapshot(bytes, limits.clone()).map_err(|e| e.to_string())?;
+                decode_snapshot(bytes, replay_limits.clone()).map_err(|e| e.to_string())?;
             Ok(())
         },
         |_seq, bytes| -> Result<(), String> {
@@ -55,8 +58,10 @@ pub fn open(
             Ok(())
         },
     )?;
+    let mut gate = gate.into_inner();
+    gate.set_limits(limits.clone());
     Ok(Opened {
-        gate: gate.into_inner(),
+        gate,
         ledger: recovered.ledger,
         report: recovered.report,
     })

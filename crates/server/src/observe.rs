@@ -45,6 +45,10 @@ pub struct GateStats {
     pub runs_by_state: Vec<(&'static str, u64)>,
     pub approvals_pending: u64,
     pub effects_in_flight: u64,
+    /// Effects held (approval, sibling, pause) or approved and not yet consumed.
+    pub effects_held: u64,
+    /// Fences of forgotten runs.
+    pub tombstones: u64,
     /// Verdicts answered (admit, wait, start) by verdict and reason (`""` when it has none).
     pub verdicts: Vec<(&'static str, &'static str, u64)>,
     /// Final decisions by outcome (`approved`, `rejected`): time from hold to decision.
@@ -218,6 +222,8 @@ impl Observer {
             runs_by_state: by_state,
             approvals_pending: pending,
             effects_in_flight: in_flight,
+            effects_held: gate.held_count(),
+            tombstones: gate.tombstone_count() as u64,
             verdicts: self.verdicts.clone(),
             decisions: vec![
                 ("approved", self.approved.snapshot()),

@@ -2,7 +2,7 @@
 //! two vocabularies meet).
 
 use estop_kernel::report::{self, Section, Undo};
-use estop_kernel::state::{Effect, Run, Status};
+use estop_kernel::state::{Effect, Run, Status, Tombstone};
 use estop_kernel::vocab::{EffectStatus, HoldReason};
 use estop_kernel::{EffectKey, RunId, Verdict};
 use estop_protocol::PageBudget;
@@ -94,6 +94,43 @@ pub fn run_view(id: &RunId, run: &Run) -> wire::RunView {
         deadline_at: run.limits.deadline_at,
         max_effects: run.limits.max_effects,
         effects: counts,
+        forgotten: false,
+    }
+}
+
+/// What `status` says of a forgotten run: its fence, and that the rest is gone.
+pub fn tombstone_view(id: &RunId, t: &Tombstone) -> wire::RunView {
+    wire::RunView {
+        run: id.to_string(),
+        state: t.cause.terminal_state().as_str().to_string(),
+        epoch: u64::from(t.epoch),
+        owner: t
+            .owner
+            .as_ref()
+            .map_or_else(|| "-".to_string(), ToString::to_string),
+        parent: None,
+        labels: BTreeMap::new(),
+        created_at: t.created_at,
+        cause: Some(t.cause.as_str().to_string()),
+        stopped_at: Some(t.stopped_at),
+        deadline_at: None,
+        max_effects: None,
+        effects: wire::EffectCounts::default(),
+        forgotten: true,
+        // The stop's free text is not kept in a tombstone (its cause is).
+        reason: None,
+    }
+}
+
+/// What `report` says of a forgotten run: how and when it stopped; its effects are gone.
+pub fn tombstone_report(id: &RunId, t: &Tombstone) -> wire::Report {
+    wire::Report {
+        run: id.to_string(),
+        state: t.cause.terminal_state().as_str().to_string(),
+        cause: Some(t.cause.as_str().to_string()),
+        stopped_at: Some(t.stopped_at),
+        forgotten: true,
+        ..wire::Report::default()
     }
 }
 
@@ -143,6 +180,7 @@ pub fn report(
             .stop
             .as_ref()
             .and_then(|s| s.reason.as_deref().map(str::to_string)),
+        stopped_at: run.stop.as_ref().map(|s| s.at),
         ..wire::Report::default()
     };
     let from = after.map_or(Bound::Unbounded, Bound::Excluded);

@@ -135,7 +135,11 @@ pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
             run,
             failed: rng.below(3) == 0,
         },
-        86..=89 => Op::Tick { run },
+        86..=88 => Op::Tick { run },
+        89 => Op::Compact {
+            retention: *rng.pick(&[0u16, 0, 20, 60]),
+            grave_retention: *rng.pick(&[0u16, 40, 100, 300, 300]),
+        },
         _ => Op::Advance {
             ms: *rng.pick(&[1u16, 5, 10, 20, 30, 45, 60]),
         },
@@ -180,6 +184,19 @@ impl Pair {
             model: Model::new(),
             log: Vec::new(),
             view: View::new(),
+        }
+    }
+
+    /// Both sides under the small world's tight bounds (`world::limits`): the differential.
+    pub fn tight() -> Pair {
+        Pair::tight_with(world::limits())
+    }
+
+    /// The model under the tight bounds, the kernel under `limits`.
+    pub fn tight_with(limits: Limits) -> Pair {
+        Pair {
+            model: Model::with_bounds(world::bounds()),
+            ..Pair::with_limits(limits)
         }
     }
 
@@ -285,12 +302,13 @@ fn view_diff(k: &View, m: &View) -> String {
 
 /// Replays a trace on fresh sides; the first disagreement, if any.
 pub fn first_mismatch(ops: &[Op]) -> Option<Mismatch> {
-    first_mismatch_with(ops, &Limits::default())
+    first_mismatch_with(ops, &world::limits())
 }
 
-/// As `first_mismatch`, with the kernel running under `limits`.
+/// As `first_mismatch`, with the kernel running under `limits` (the model under the tight
+/// bounds).
 pub fn first_mismatch_with(ops: &[Op], limits: &Limits) -> Option<Mismatch> {
-    let mut pair = Pair::with_limits(limits.clone());
+    let mut pair = Pair::tight_with(limits.clone());
     for (i, op) in ops.iter().enumerate() {
         if let Err(what) = pair.step(op) {
             return Some(Mismatch { step: i, what });
@@ -305,7 +323,7 @@ pub fn first_mismatch_with(ops: &[Op], limits: &Limits) -> Option<Mismatch> {
 /// Delta debugging: the shortest sub-trace (by removing chunks, then single ops) that still
 /// diverges.
 pub fn shrink(ops: &[Op]) -> Vec<Op> {
-    shrink_with(ops, &Limits::default())
+    shrink_with(ops, &world::limits())
 }
 
 /// As `shrink`, with the kernel running under `limits`.
@@ -340,7 +358,7 @@ pub fn shrink_with(ops: &[Op], limits: &Limits) -> Vec<Op> {
 
 /// Formats a (shrunk) failing trace with both sides' answers, for the report.
 pub fn explain(ops: &[Op]) -> String {
-    let mut pair = Pair::new();
+    let mut pair = Pair::tight();
     let mut s = String::new();
     for op in ops {
         let before = pair.clone();
@@ -387,7 +405,7 @@ pub struct Divergence {
 pub fn run_case(seed: u64, len_max: usize, stats: &mut DiffStats) -> Result<(), Divergence> {
     let mut rng = Rng::new(seed);
     let len = 1 + rng.index(len_max);
-    let mut pair = Pair::new();
+    let mut pair = Pair::tight();
     let mut ops = Vec::with_capacity(len);
     for _ in 0..len {
         let op = random_op(&mut rng, &pair.model);

@@ -14,6 +14,28 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// How many approvals may await a decision in one run (the kernel's default bound).
 pub const PENDING_PER_RUN_MAX: usize = 64;
+/// The gate's bounds on runs, held effects and tombstones (docs/PROTOCOL.md "Limits").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Bounds {
+    pub runs_max: usize,
+    pub runs_per_principal_max: usize,
+    pub held_max: usize,
+    pub held_per_principal_max: usize,
+    pub tombstones_max: usize,
+}
+
+impl Default for Bounds {
+    /// The defaults of `estop serve`.
+    fn default() -> Bounds {
+        Bounds {
+            runs_max: 1_000_000,
+            runs_per_principal_max: 500_000,
+            held_max: 100_000,
+            held_per_principal_max: 20_000,
+            tombstones_max: 4_000_000,
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Cause {
@@ -87,6 +109,8 @@ pub struct MRun {
     pub paused: bool,
     /// (cause, inherited from)
     pub stop: Option<(Cause, Option<u8>)>,
+    /// When it was stopped (retention counts from here).
+    pub stopped_at: u64,
     pub epoch: u32,
     pub deadline: Option<u64>,
     pub max_effects: Option<u64>,
@@ -105,6 +129,7 @@ impl MRun {
             children: vec![],
             paused: false,
             stop: None,
+            stopped_at: 0,
             epoch: 1,
             deadline: None,
             max_effects: None,
@@ -138,10 +163,22 @@ impl MRun {
     }
 }
 
+/// What is left of a forgotten run: its fence (docs/PROTOCOL.md "Runs end").
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Grave {
+    pub owner: Option<Who>,
+    pub cause: Cause,
+    pub epoch: u32,
+    pub stopped_at: u64,
+}
+
 /// The whole reference gate.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct Model {
     pub runs: BTreeMap<u8, MRun>,
+    /// Fences of forgotten runs, in the order the runs were forgotten.
+    pub graves: Vec<(u8, Grave)>,
+    pub bounds: Bounds,
 }
 
 type Res = Result<(String, bool), &'static str>;
@@ -168,6 +205,89 @@ impl Model {
         Model::default()
     }
 
+    pub fn with_bounds(bounds: Bounds) -> Model {
+        Model {
+            bounds,
+            ..Model::default()
+        }
+    }
+
+    /// Room for `n` new runs of `owner` (`None`: an operator's fence), asked by `who`: the
+    /// gate's bound, minus the operators' reserve (1%, at least one) for agents, and the
+    /// owner's share.
+    fn room_for_runs(&self, who: Who, owner: Option<Who>, n: usize) -> Result<(), &'static str> {
+        let b = &self.bounds;
+        let live = self.runs.len();
+        let reserve = b.runs_max.div_ceil(100).max(1).min(b.runs_max);
+        let mine = self
+            .runs
+            .values()
+            .filter(|r| r.owner.is_some() && r.owner == owner)
+            .count();
+        if live + n > b.runs_max
+            || (!who.is_operator() && live + n > b.runs_max - reserve)
+            || (owner.is_some() && mine + n > b.runs_per_principal_max)
+        {
+            return Err("limit");
+        }
+        Ok(())
+    }
+
+    /// Held effects (held or approved, not yet consumed) in the runs of `owner`, or in all.
+    fn held(&self, owner: Option<Option<Who>>) -> usize {
+        self.runs
+            .values()
+            .filter(|r| owner.is_none_or(|o| r.owner == o))
+            .flat_map(|r| r.effects.values())
+            .filter(|e| matches!(e.st, St::Held(_) | St::Approved))
+            .count()
+    }
+
+    /// Room for one more held effect in a run of `owner`.
+    fn room_for_held(&self, owner: Option<Who>) -> Result<(), &'static str> {
+        if self.held(None) >= self.bounds.held_max
+            || (owner.is_some() && self.held(Some(owner)) >= self.bounds.held_per_principal_max)
+        {
+            return Err("limit");
+        }
+        Ok(())
+    }
+
+    /// An admit that would create (or adopt) its run checks for room for a held effect first,
+    /// whenever the effect could be held (approval asked, the parent's lineage paused or
+    /// awaiting approval, the run itself paused), so a refusal leaves no run behind. Not for
+    /// another principal's run or parent: that is `not_found`, answered later.
+    fn precheck_held(&self, who: Who, run: u8, tool: Tool) -> Result<(), &'static str> {
+        let parent = parent_of(run);
+        let existing = self.runs.get(&run);
+        let fresh = existing.is_none_or(|r| {
+            parent.is_some() && r.parent.is_none() && r.effects.is_empty() && r.stop.is_none()
+        });
+        let hidden = |r: &MRun| !who.is_operator() && r.owner.is_some_and(|o| o != who);
+        let live_parent = parent.filter(|p| self.runs.contains_key(p));
+        if !fresh
+            || existing.is_some_and(hidden)
+            || live_parent.is_some_and(|p| hidden(&self.runs[&p]))
+        {
+            return Ok(());
+        }
+        let paused = live_parent.is_some_and(|p| self.paused_lineage(p))
+            || existing.is_some_and(|r| r.paused && r.stop.is_none());
+        let pending = live_parent.is_some_and(|p| self.awaiting_lineage(p));
+        let asks = matches!(tool, Tool::Refund | Tool::Wire | Tool::Payout);
+        if asks || paused || (tool.is_write() && pending) {
+            return self.room_for_held(existing.map_or(Some(who), |r| r.owner));
+        }
+        Ok(())
+    }
+
+    fn grave(&self, run: u8) -> Option<&Grave> {
+        self.graves
+            .iter()
+            .find(|(id, _)| *id == run)
+            .map(|(_, g)| g)
+    }
+
     /// Applies one op; `None` for time passing (nothing to answer).
     pub fn apply(&mut self, now: u64, op: &Op) -> Option<Answer> {
         // SPEC §3: an observer reads and changes nothing; whatever it sends is refused.
@@ -177,8 +297,120 @@ impl Model {
                 changed: false,
             });
         }
+        let r = match crate::world::run_of(op) {
+            Some(run) if !self.runs.contains_key(&run) && self.grave(run).is_some() => {
+                self.on_grave(op, run)
+            }
+            _ => self.apply_live(now, op)?,
+        };
+        Some(match r {
+            Ok((text, changed)) => Answer { text, changed },
+            Err(code) => Answer {
+                text: format!("error {code}"),
+                changed: false,
+            },
+        })
+    }
+
+    /// An op on the id of a forgotten run: answered from its fence as the stopped run would
+    /// have answered; what needs the forgotten effects is not found. Nothing changes.
+    fn on_grave(&self, op: &Op, run: u8) -> Res {
+        let g = self.grave(run).expect("a grave");
+        let (who, operator_only) = match *op {
+            Op::Decide { who, .. } | Op::Pause { who, .. } | Op::Resume { who, .. } => (who, true),
+            Op::Cancel { who, kill, .. } => (who, kill),
+            Op::Admit { who, .. }
+            | Op::Wait { who, .. }
+            | Op::Start { who, .. }
+            | Op::Complete { who, .. }
+            | Op::Close { who, .. } => (who, false),
+            Op::Tick { .. } => (Who::Alice, false),
+            Op::Advance { .. } | Op::Compact { .. } => unreachable!("names no run"),
+        };
+        if operator_only && !who.is_operator() {
+            return Err("forbidden");
+        }
+        if !who.is_operator() && g.owner.is_some_and(|o| o != who) {
+            return Err("not_found");
+        }
+        match op {
+            Op::Admit { .. } | Op::Wait { .. } | Op::Start { .. } => {
+                verdict(format!("refused {}", g.cause.refusal()))
+            }
+            Op::Cancel { .. } | Op::Close { .. } | Op::Tick { .. } => {
+                verdict(format!("run {} changed=0", g.cause.terminal()))
+            }
+            Op::Pause { .. } | Op::Resume { .. } => Err("invalid_state"),
+            _ => Err("not_found"),
+        }
+    }
+
+    /// Retention: fences of runs stopped at or before `graves_before` go, from the oldest
+    /// forgotten on; then stopped, settled runs stopped at or before `before` are forgotten,
+    /// earliest stop first (then by id), each leaving a fence unless its own retention passed
+    /// too; with no room for a fence, that run and every later one stay whole.
+    fn compact(&mut self, before: u64, graves_before: u64) -> Res {
+        let old = self.graves.len();
+        let keep = self
+            .graves
+            .iter()
+            .position(|(_, g)| g.stopped_at > graves_before)
+            .unwrap_or(old);
+        self.graves.drain(..keep);
+        let dropped = old - self.graves.len();
+        let mut due: Vec<(u64, &str, u8)> = self
+            .runs
+            .iter()
+            .filter(|(_, r)| r.stop.is_some() && r.stopped_at <= before)
+            .map(|(id, r)| (r.stopped_at, RUNS[*id as usize], *id))
+            .collect();
+        due.sort();
+        let mut forgotten = 0;
+        for (_, _, id) in due {
+            let r = &self.runs[&id];
+            if r.state() == "finalizing" {
+                continue;
+            }
+            let needs_grave = r.stopped_at > graves_before;
+            if needs_grave && self.graves.len() >= self.bounds.tombstones_max {
+                break;
+            }
+            let r = self.runs.remove(&id).expect("due");
+            if let Some(p) = r.parent
+                && let Some(pr) = self.runs.get_mut(&p)
+            {
+                pr.children.retain(|c| *c != id);
+            }
+            if needs_grave {
+                let (cause, _) = r.stop.expect("stopped");
+                let grave = Grave {
+                    owner: r.owner,
+                    cause,
+                    epoch: r.epoch,
+                    stopped_at: r.stopped_at,
+                };
+                self.graves.push((id, grave));
+            }
+            forgotten += 1;
+        }
+        let text = format!("forgot {forgotten} dropped {dropped}");
+        if forgotten + dropped > 0 {
+            changed(text)
+        } else {
+            verdict(text)
+        }
+    }
+
+    fn apply_live(&mut self, now: u64, op: &Op) -> Option<Res> {
         let r = match *op {
             Op::Advance { .. } => return None,
+            Op::Compact {
+                retention,
+                grave_retention,
+            } => self.compact(
+                now.saturating_sub(u64::from(retention)),
+                now.saturating_sub(u64::from(grave_retention)),
+            ),
             Op::Admit {
                 who,
                 run,
@@ -203,19 +435,13 @@ impl Model {
                 key,
                 approve,
             } => self.decide(now, who, run, key, approve),
-            Op::Cancel { who, run, kill } => self.cancel(who, run, kill),
+            Op::Cancel { who, run, kill } => self.cancel(now, who, run, kill),
             Op::Pause { who, run } => self.pause(who, run, true),
             Op::Resume { who, run } => self.pause(who, run, false),
-            Op::Close { who, run, failed } => self.close(who, run, failed),
+            Op::Close { who, run, failed } => self.close(now, who, run, failed),
             Op::Tick { run } => self.tick(now, run),
         };
-        Some(match r {
-            Ok((text, changed)) => Answer { text, changed },
-            Err(code) => Answer {
-                text: format!("error {code}"),
-                changed: false,
-            },
-        })
+        Some(r)
     }
 
     /// An agent sees only its own runs (and fences an operator set on ids nobody owns).
@@ -271,7 +497,7 @@ impl Model {
     }
 
     /// G4: fence the run and its descendants; void what has not started.
-    fn stop(&mut self, root: u8, cause: Cause) -> u32 {
+    fn stop(&mut self, now: u64, root: u8, cause: Cause) -> u32 {
         let mut n = 0;
         for id in self.descendants_and_self(root) {
             let Some(r) = self.runs.get_mut(&id) else {
@@ -281,6 +507,7 @@ impl Model {
                 continue;
             }
             r.stop = Some((cause, (id != root).then_some(root)));
+            r.stopped_at = now;
             r.epoch += 1;
             r.paused = false;
             for e in r.effects.values_mut() {
@@ -341,12 +568,12 @@ impl Model {
                 format!("refused {why}")
             }
             Decision::FenceDeadline(root) => {
-                self.stop(root, Cause::Deadline);
+                self.stop(now, root, Cause::Deadline);
                 self.eff(run, key).st = St::Refused("deadline");
                 "refused deadline".into()
             }
             Decision::FenceBudget => {
-                self.stop(run, Cause::Budget);
+                self.stop(now, run, Cause::Budget);
                 self.eff(run, key).st = St::Refused("budget");
                 "refused budget".into()
             }
@@ -401,6 +628,7 @@ impl Model {
         limits: u8,
     ) -> Res {
         let parent = parent_of(run);
+        self.precheck_held(who, run, tool)?;
         let mut adopted = false;
         if self.runs.contains_key(&run) {
             let r = self.visible(who, run)?;
@@ -410,16 +638,29 @@ impl Model {
                 && r.stop.is_none()
             {
                 // A run created as someone's parent takes its own parent at its first admit.
+                if !self.runs.contains_key(&p)
+                    && let Some(g) = self.grave(p)
+                {
+                    // A forgotten parent: its fence reaches the run (no children list).
+                    if !who.is_operator() && g.owner.is_some_and(|o| o != who) {
+                        return Err("not_found");
+                    }
+                    let cause = g.cause;
+                    self.runs.get_mut(&run).expect("run").parent = Some(p);
+                    self.stop(now, run, cause);
+                    return changed(format!("refused {}", cause.refusal()));
+                }
                 let inherited = if self.runs.contains_key(&p) {
                     self.visible(who, p)?.stop.map(|(cause, _)| cause)
                 } else {
+                    self.room_for_runs(who, Some(who), 1)?;
                     self.runs.insert(p, MRun::new(Some(who), None));
                     None
                 };
                 self.runs.get_mut(&p).expect("parent").children.push(run);
                 self.runs.get_mut(&run).expect("run").parent = Some(p);
                 if let Some(cause) = inherited {
-                    self.stop(run, cause);
+                    self.stop(now, run, cause);
                 }
                 adopted = true;
             }
@@ -441,39 +682,13 @@ impl Model {
                     verdict(answer)
                 };
             }
-        } else {
-            // The first admit creates the run (and a parent nobody has seen yet).
-            let mut inherited = None;
-            if let Some(p) = parent {
-                if self.runs.contains_key(&p) {
-                    let pr = self.visible(who, p)?;
-                    if let Some((cause, from)) = pr.stop {
-                        inherited = Some((cause, Some(from.unwrap_or(p))));
-                    }
-                } else {
-                    self.runs.insert(p, MRun::new(Some(who), None));
-                }
-            }
-            let mut r = MRun::new(Some(who), parent);
-            if limits == 1 {
-                r.max_effects = Some(2);
-            }
-            if limits == 2 {
-                r.deadline = Some(now + 100);
-            }
-            if let Some(stop) = inherited {
-                r.stop = Some(stop);
-                r.epoch += 1;
-            }
-            self.runs.insert(run, r);
-            if let Some(p) = parent {
-                self.runs.get_mut(&p).expect("parent").children.push(run);
-            }
-            if let Some((cause, _)) = inherited {
-                return changed(format!("refused {}", cause.refusal()));
-            }
+        } else if let Some(cause) = self.create(now, who, run, limits)? {
+            return changed(format!("refused {}", cause.refusal()));
         }
         let d = self.decide_admission(now, run, tool, arg, false)?;
+        if matches!(d, Decision::Hold(_) | Decision::AskApproval) {
+            self.room_for_held(self.runs[&run].owner)?;
+        }
         let e = Eff {
             tool,
             arg,
@@ -486,6 +701,57 @@ impl Model {
         };
         self.runs.get_mut(&run).expect("run").effects.insert(key, e);
         changed(self.carry(now, run, key, d))
+    }
+
+    /// The first admit creates the run (and a parent nobody has seen yet); returns the cause
+    /// of the stop it is born with, under a stopped or forgotten parent.
+    fn create(
+        &mut self,
+        now: u64,
+        who: Who,
+        run: u8,
+        limits: u8,
+    ) -> Result<Option<Cause>, &'static str> {
+        let parent = parent_of(run);
+        let new_parent =
+            parent.is_some_and(|p| !self.runs.contains_key(&p) && self.grave(p).is_none());
+        self.room_for_runs(who, Some(who), 1 + usize::from(new_parent))?;
+        let mut inherited = None;
+        if let Some(p) = parent {
+            if self.runs.contains_key(&p) {
+                let pr = self.visible(who, p)?;
+                if let Some((cause, from)) = pr.stop {
+                    inherited = Some((cause, Some(from.unwrap_or(p))));
+                }
+            } else if let Some(g) = self.grave(p) {
+                // A forgotten parent's fence: the child is born stopped.
+                if !who.is_operator() && g.owner.is_some_and(|o| o != who) {
+                    return Err("not_found");
+                }
+                inherited = Some((g.cause, Some(p)));
+            } else {
+                self.runs.insert(p, MRun::new(Some(who), None));
+            }
+        }
+        let mut r = MRun::new(Some(who), parent);
+        if limits == 1 {
+            r.max_effects = Some(2);
+        }
+        if limits == 2 {
+            r.deadline = Some(now + 100);
+        }
+        if let Some(stop) = inherited {
+            r.stop = Some(stop);
+            r.stopped_at = now;
+            r.epoch += 1;
+        }
+        self.runs.insert(run, r);
+        if let Some(p) = parent
+            && let Some(pr) = self.runs.get_mut(&p)
+        {
+            pr.children.push(run);
+        }
+        Ok(inherited.map(|(cause, _)| cause))
     }
 
     /// What a repeat admit or a `wait` answers for a known effect (row 2 of the table).
@@ -575,7 +841,7 @@ impl Model {
             return changed(format!("refused {}", cause.refusal()));
         }
         if let Some(root) = self.overdue_root(run, now) {
-            self.stop(root, Cause::Deadline);
+            self.stop(now, root, Cause::Deadline);
             self.eff(run, key).st = St::Refused("deadline");
             return changed("refused deadline".into());
         }
@@ -686,7 +952,7 @@ impl Model {
     }
 
     #[allow(clippy::map_entry)]
-    fn cancel(&mut self, who: Who, run: u8, kill: bool) -> Res {
+    fn cancel(&mut self, now: u64, who: Who, run: u8, kill: bool) -> Res {
         if kill && !who.is_operator() {
             return Err("forbidden");
         }
@@ -694,12 +960,14 @@ impl Model {
             self.visible(who, run)?;
         } else if who.is_operator() {
             // An operator may fence a run id before its first admit.
+            self.room_for_runs(who, None, 1)?;
             self.runs.insert(run, MRun::new(None, None));
         } else {
             // An agent stops only runs it created (no squatting on another's run id).
             return Err("not_found");
         }
         self.stop_verb(
+            now,
             run,
             if kill {
                 Cause::Killed
@@ -709,16 +977,17 @@ impl Model {
         )
     }
 
-    fn close(&mut self, who: Who, run: u8, failed: bool) -> Res {
+    fn close(&mut self, now: u64, who: Who, run: u8, failed: bool) -> Res {
         self.visible(who, run)?;
-        self.stop_verb(run, if failed { Cause::Failed } else { Cause::Closed })
+        let cause = if failed { Cause::Failed } else { Cause::Closed };
+        self.stop_verb(now, run, cause)
     }
 
-    fn stop_verb(&mut self, run: u8, cause: Cause) -> Res {
+    fn stop_verb(&mut self, now: u64, run: u8, cause: Cause) -> Res {
         if self.runs[&run].stop.is_some() {
             return verdict(format!("run {} changed=0", self.runs[&run].state()));
         }
-        let n = self.stop(run, cause);
+        let n = self.stop(now, run, cause);
         changed(format!("run {} changed={n}", self.runs[&run].state()))
     }
 
@@ -744,7 +1013,7 @@ impl Model {
             return verdict(format!("run {} changed=0", r.state()));
         }
         let n = if let Some(root) = self.overdue_root(run, now) {
-            self.stop(root, Cause::Deadline)
+            self.stop(now, root, Cause::Deadline)
         } else {
             let mut n = 0;
             for e in self.runs.get_mut(&run).expect("run").effects.values_mut() {
@@ -822,10 +1091,37 @@ impl Model {
                     max_effects: r.max_effects,
                     rejected: r.rejected.iter().copied().collect(),
                     effects,
+                    stopped_at: r.stop.map(|_| r.stopped_at),
+                    forgotten: false,
                 },
             );
         }
+        for (id, g) in &self.graves {
+            out.insert(RUNS[*id as usize].to_string(), grave_view(g));
+        }
         out
+    }
+}
+
+/// What is observable of a forgotten run: its fence.
+fn grave_view(g: &Grave) -> RunView {
+    RunView {
+        owner: g.owner.map(|o| o.name().to_string()),
+        parent: None,
+        children: vec![],
+        state: g.cause.terminal().into(),
+        cause: Some(g.cause.name().to_string()),
+        from: None,
+        epoch: g.epoch,
+        admitted: 0,
+        pending: 0,
+        in_flight: 0,
+        deadline: None,
+        max_effects: None,
+        rejected: vec![],
+        effects: BTreeMap::new(),
+        stopped_at: Some(g.stopped_at),
+        forgotten: true,
     }
 }
 

@@ -18,6 +18,31 @@ pub const RUNS: [&str; 3] = ["p", "c", "s"];
 pub const KEYS: [&str; 4] = ["a", "b", "c", "d"];
 
 /// The parent every admit of a run names (`c` is a sub-agent of `p`).
+/// The differential's bounds: tight enough that the per-principal shares of runs and held
+/// effects, the operators' reserve and the tombstone bound are all reached in three runs.
+pub fn limits() -> estop_kernel::Limits {
+    estop_kernel::Limits {
+        runs_max: 4,
+        runs_per_principal_max: 2,
+        held_max: 4,
+        held_per_principal_max: 3,
+        tombstones_max: 1,
+        ..estop_kernel::Limits::default()
+    }
+}
+
+/// `limits()` as the reference model reads them.
+pub fn bounds() -> crate::model::Bounds {
+    let l = limits();
+    crate::model::Bounds {
+        runs_max: l.runs_max,
+        runs_per_principal_max: l.runs_per_principal_max,
+        held_max: l.held_max,
+        held_per_principal_max: l.held_per_principal_max,
+        tombstones_max: l.tombstones_max,
+    }
+}
+
 pub fn parent_of(run: u8) -> Option<u8> {
     (run == 1).then_some(0)
 }
@@ -241,6 +266,29 @@ pub enum Op {
     Advance {
         ms: u16,
     },
+    /// Retention: forget runs stopped `retention` ms ago or earlier, drop the fences of runs
+    /// stopped `grave_retention` ms ago or earlier.
+    Compact {
+        retention: u16,
+        grave_retention: u16,
+    },
+}
+
+/// The run an op names, if it names one.
+pub fn run_of(op: &Op) -> Option<u8> {
+    match op {
+        Op::Admit { run, .. }
+        | Op::Wait { run, .. }
+        | Op::Start { run, .. }
+        | Op::Complete { run, .. }
+        | Op::Decide { run, .. }
+        | Op::Cancel { run, .. }
+        | Op::Pause { run, .. }
+        | Op::Resume { run, .. }
+        | Op::Close { run, .. }
+        | Op::Tick { run } => Some(*run),
+        Op::Advance { .. } | Op::Compact { .. } => None,
+    }
 }
 
 impl Op {
@@ -256,7 +304,7 @@ impl Op {
             | Op::Pause { who, .. }
             | Op::Resume { who, .. }
             | Op::Close { who, .. } => Some(who),
-            Op::Tick { .. } | Op::Advance { .. } => None,
+            Op::Tick { .. } | Op::Advance { .. } | Op::Compact { .. } => None,
         }
     }
 }
@@ -342,6 +390,10 @@ impl fmt::Display for Op {
             }
             Op::Tick { run } => write!(f, "tick {}", r(run)),
             Op::Advance { ms } => write!(f, "+{ms}ms"),
+            Op::Compact {
+                retention,
+                grave_retention,
+            } => write!(f, "compact -{retention}ms -{grave_retention}ms"),
         }
     }
 }
@@ -465,6 +517,17 @@ pub fn command(op: &Op, now: u64, issued: Option<Token>) -> Option<(Principal, C
         ),
         // The server's timer ticks as the system operator.
         Op::Tick { run } => (Who::Alice, Command::Tick { run: run_id(*run) }),
+        // The server's retention runs as the system operator.
+        Op::Compact {
+            retention,
+            grave_retention,
+        } => (
+            Who::Alice,
+            Command::Compact {
+                before: now.saturating_sub(u64::from(*retention)),
+                tombstones_before: now.saturating_sub(u64::from(*grave_retention)),
+            },
+        ),
         Op::Advance { .. } => return None,
     };
     Some((cmd.0.principal(), cmd.1))
@@ -551,7 +614,7 @@ pub fn render_reply(r: &Reply) -> String {
             state,
             runs_changed,
         } => format!("run {state} changed={runs_changed}"),
-        Reply::Compacted { runs } => format!("compacted {runs}"),
+        Reply::Compacted { runs, tombstones } => format!("forgot {runs} dropped {tombstones}"),
         Reply::TokenRecorded => "token recorded".into(),
     }
 }
@@ -586,6 +649,10 @@ pub struct RunView {
     pub max_effects: Option<u64>,
     pub rejected: Vec<Digest>,
     pub effects: BTreeMap<String, EffectView>,
+    /// When it was stopped, once it has.
+    pub stopped_at: Option<u64>,
+    /// Retention forgot it: only its fence is left (owner, state, cause, epoch, stop time).
+    pub forgotten: bool,
 }
 
 pub type View = BTreeMap<String, RunView>;
@@ -647,6 +714,31 @@ pub fn view_of(gate: &Gate) -> View {
                 max_effects: run.limits.max_effects,
                 rejected: run.rejected.iter().copied().collect(),
                 effects,
+                stopped_at: run.stop.as_ref().map(|s| s.at),
+                forgotten: false,
+            },
+        );
+    }
+    for (id, t) in gate.tombstones() {
+        out.insert(
+            id.to_string(),
+            RunView {
+                owner: t.owner.as_ref().map(ToString::to_string),
+                parent: None,
+                children: vec![],
+                state: t.cause.terminal_state().to_string(),
+                cause: Some(t.cause.to_string()),
+                from: None,
+                epoch: t.epoch,
+                admitted: 0,
+                pending: 0,
+                in_flight: 0,
+                deadline: None,
+                max_effects: None,
+                rejected: vec![],
+                effects: BTreeMap::new(),
+                stopped_at: Some(t.stopped_at),
+                forgotten: true,
             },
         );
     }

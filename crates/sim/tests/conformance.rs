@@ -55,6 +55,9 @@ fn kernel_agrees_with_the_reference_model_on_a_million_operations() {
         "error forbidden",
         "error bad_token",
         "error duplicate_approver",
+        "error limit",
+        "forgot 1",
+        "forgot 0",
     ] {
         let n = stats.answers.get(kind).copied().unwrap_or(0);
         assert!(
@@ -70,7 +73,7 @@ fn kernel_agrees_with_the_reference_model_on_a_million_operations() {
 fn a_planted_divergence_is_found_and_shrunk() {
     let limits = Limits {
         pending_approvals_per_run_max: 1,
-        ..Limits::default()
+        ..estop_sim::world::limits()
     };
     let admit = |key, tool| Op::Admit {
         who: Who::Agent,

@@ -183,6 +183,7 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
         "tick" => Command::Tick { run: run() },
         "compact" => Command::Compact {
             before: pos[0].parse().unwrap(),
+            tombstones_before: pos.get(1).map_or(0, |t| t.parse().unwrap()),
         },
         "token_create" | "token_revoke" => Command::Token(TokenChange {
             action: if verb == "token_create" {
@@ -269,7 +270,9 @@ pub fn render_reply(r: &Reply) -> String {
             state,
             runs_changed,
         } => format!("run {state} ({runs_changed} changed)"),
-        Reply::Compacted { runs } => format!("compacted {runs}"),
+        Reply::Compacted { runs, tombstones } => {
+            format!("forgot {runs} runs, dropped {tombstones} tombstones")
+        }
         Reply::TokenRecorded => "token recorded".into(),
     }
 }
@@ -293,9 +296,6 @@ pub fn render_state(gate: &Gate) -> String {
         if let Some(p) = &run.parent {
             write!(s, " parent={p}").unwrap();
         }
-        if run.compacted {
-            s.push_str(" compacted");
-        }
         s.push('\n');
         for (k, e) in &run.effects {
             let status = match e.status {
@@ -316,24 +316,56 @@ pub fn render_state(gate: &Gate) -> String {
             s.push('\n');
         }
     }
+    for (id, t) in gate.tombstones() {
+        let owner = t.owner.as_ref().map_or("-", |o| o.as_str());
+        writeln!(
+            s,
+            "tombstone {id} {} stop={} at={} epoch={} owner={owner}",
+            t.cause.terminal_state(),
+            t.cause,
+            t.stopped_at,
+            t.epoch
+        )
+        .unwrap();
+    }
     s
 }
 
 /// Runs a script; returns the transcript (each command and its reply, then the final state).
 /// Panics if replaying the recorded commands, or a snapshot, does not reproduce the state.
 pub fn run_script(script: &str) -> String {
-    let mut gate = Gate::new(Limits {
+    let mut limits = Limits {
         pending_approvals_per_run_max: 4,
         ..Limits::default()
-    });
+    };
     let mut out = String::new();
     let mut log: Vec<Vec<u8>> = Vec::new();
     let mut last_token = None;
-    for line in script
+    let mut show_usage = false;
+    let mut lines = script
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
-    {
+        .peekable();
+    // An optional first line `limits name=value ...` sets bounds for the script.
+    if let Some(first) = lines.next_if(|l| l.starts_with("limits ")) {
+        for word in first.split_whitespace().skip(1) {
+            let (name, value) = word.split_once('=').expect("limits name=value");
+            let value: usize = value.parse().expect("a number");
+            match name {
+                "runs_max" => limits.runs_max = value,
+                "runs_per_principal_max" => limits.runs_per_principal_max = value,
+                "held_max" => limits.held_max = value,
+                "held_per_principal_max" => limits.held_per_principal_max = value,
+                "tombstones_max" => limits.tombstones_max = value,
+                other => panic!("unknown limit {other}"),
+            }
+        }
+        writeln!(out, "{first}").unwrap();
+        show_usage = true;
+    }
+    let mut gate = Gate::new(limits);
+    for line in lines {
         let rec = parse_line(line, last_token);
         let before = gate.clone();
         match gate.apply(rec.at, &rec.principal, &rec.command) {
@@ -391,7 +423,22 @@ pub fn run_script(script: &str) -> String {
     );
     out.push_str("--\n");
     out.push_str(&render_state(&gate));
+    if show_usage {
+        out.push_str(&render_usage(&gate));
+    }
     out
+}
+
+/// What each owner holds, and the held effects in all (scripts that set limits show it).
+pub fn render_usage(gate: &Gate) -> String {
+    let owners: std::collections::BTreeSet<_> =
+        gate.runs().filter_map(|(_, r)| r.owner.clone()).collect();
+    let mut s = format!("held {}\n", gate.held_count());
+    for o in owners {
+        let u = gate.usage(&o);
+        writeln!(s, "usage {o} runs={} held={}", u.runs, u.held).unwrap();
+    }
+    s
 }
 
 pub fn check(script: &str, expect: expect_test::Expect) {

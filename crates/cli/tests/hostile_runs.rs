@@ -1,0 +1,279 @@
+//! Runs end (issue 11, finding 4): against a real `estop serve` with small bounds, one agent's
+//! flood of runs or held approvals takes only its own share (another principal and the operator
+//! still get through), stopped runs are forgotten after retention so their ids stop counting,
+//! and a cancelled run's id stays fenced after it is forgotten, also after kill -9 and recovery.
+
+mod common;
+
+use common::{Daemon, admit, ok, verdict};
+use estop_server::client::Client;
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+
+/// The error of a request that must fail: (code, message).
+fn refusal(c: &mut Client, req: Value) -> (String, String) {
+    let r = c.call(req.clone()).unwrap();
+    assert!(!r.ok, "request {req} unexpectedly succeeded: {}", r.raw);
+    let e = r.error.unwrap();
+    (e.code, e.message)
+}
+
+fn admit_req(run: &str, key: &str, tool: &str) -> Value {
+    json!({"op": "admit", "run": run, "key": key, "tool": tool, "args": {}})
+}
+
+/// A new agent principal's client.
+fn new_agent(d: &Daemon, name: &str) -> Client {
+    let mut op = d.operator();
+    let t = ok(
+        &mut op,
+        json!({"op": "token", "name": name, "role": "agent"}),
+    )["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    d.client_with(&t)
+}
+
+#[test]
+fn one_agent_cannot_take_every_run_or_every_held_slot() {
+    let d = Daemon::start_with(&[
+        "--console",
+        "off",
+        "--runs-max",
+        "16",
+        "--runs-per-principal-max",
+        "8",
+        "--held-per-principal-max",
+        "3",
+    ]);
+    let mut a = d.agent();
+    for i in 0..8 {
+        let v = admit(&mut a, &format!("a{i}"), "k", "pay", json!({}));
+        assert_eq!(verdict(&v), "admitted", "{v}");
+    }
+    // The ninth fresh run id of the same agent: its own share is used up.
+    let (code, msg) = refusal(&mut a, admit_req("a8", "k", "pay"));
+    assert_eq!(code, "limit_exceeded");
+    assert!(msg.contains("runs_per_principal_max = 8"), "{msg}");
+
+    // Another agent still gets runs.
+    let mut b = new_agent(&d, "bob-agent");
+    assert_eq!(
+        verdict(&admit(&mut b, "b0", "k", "pay", json!({}))),
+        "admitted"
+    );
+
+    // Held approvals: the agent's share of held effects, not the gate's.
+    for i in 0..3 {
+        let v = admit(&mut a, "a0", &format!("h{i}"), "refund", json!({"n": i}));
+        assert_eq!(verdict(&v), "held", "{v}");
+    }
+    let (code, msg) = refusal(&mut a, admit_req("a0", "h3", "refund"));
+    assert_eq!(code, "limit_exceeded");
+    assert!(msg.contains("held_per_principal_max = 3"), "{msg}");
+    assert_eq!(
+        verdict(&admit(&mut b, "b0", "h0", "refund", json!({}))),
+        "held"
+    );
+    // Deciding frees the slot.
+    let mut op = d.operator();
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "a0", "key": "h0", "decision": "reject"}),
+    );
+    assert_eq!(
+        verdict(&admit(&mut a, "a0", "h3", "refund", json!({"n": 3}))),
+        "held"
+    );
+
+    // Agents together may fill the gate only up to its operator reserve (1 of 16 here): the
+    // operator can still fence a run id nobody has used yet.
+    let mut c = new_agent(&d, "carol-agent");
+    let mut made = 0;
+    let msg = loop {
+        let r = c.call(admit_req(&format!("c{made}"), "k", "pay")).unwrap();
+        if !r.ok {
+            let e = r.error.unwrap();
+            assert_eq!(e.code, "limit_exceeded");
+            break e.message;
+        }
+        made += 1;
+        assert!(made <= 8, "carol got more than her share");
+    };
+    assert_eq!(
+        made,
+        16 - 1 - 8 - 1,
+        "8 of agent, 1 of bob-agent, 1 reserved"
+    );
+    assert!(msg.contains("runs_max = 16"), "{msg}");
+    assert!(msg.contains("reserved for operators"), "{msg}");
+    let v = ok(&mut op, json!({"op": "cancel", "run": "squatted-later"}));
+    assert_eq!(v["state"], "cancelled", "{v}");
+    let (code, msg) = refusal(&mut op, json!({"op": "cancel", "run": "one-too-many"}));
+    assert_eq!(code, "limit_exceeded");
+    assert!(msg.contains("runs_max = 16"), "{msg}");
+    // The agent's fence still refuses it: the operator's fence is a real one.
+    assert_eq!(
+        verdict(&admit(&mut a, "squatted-later", "k", "pay", json!({}))),
+        "refused"
+    );
+}
+
+/// Admits `run` until it is admitted or `limit` passes; retention is time-based, so this
+/// waits for the daemon's compaction (never for its readiness).
+fn admit_when_freed(c: &mut Client, run: &str, limit: Duration) -> Value {
+    let start = Instant::now();
+    loop {
+        let r = c.call(admit_req(run, "k", "pay")).unwrap();
+        if r.ok {
+            return r.raw;
+        }
+        let e = r.error.unwrap();
+        assert_eq!(e.code, "limit_exceeded", "{}", e.message);
+        assert!(
+            start.elapsed() < limit,
+            "run ids of stopped runs were never freed after retention: {}",
+            e.message
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn stopped_runs_are_forgotten_and_a_cancelled_id_stays_fenced_across_kill_9() {
+    let mut d = Daemon::start_with(&[
+        "--console",
+        "off",
+        "--runs-per-principal-max",
+        "5",
+        "--retention",
+        "1s",
+        "--tombstone-retention",
+        "1h",
+        "--snapshot-every",
+        "7",
+    ]);
+    let mut a = d.agent();
+    for i in 0..5 {
+        let run = format!("r{i}");
+        let v = admit(&mut a, &run, "k", "pay", json!({}));
+        assert_eq!(verdict(&v), "admitted", "{v}");
+        // Settled: a run with an effect in flight is never forgotten (it is finalizing).
+        let done =
+            json!({"op": "complete", "run": run, "key": "k", "token": v["token"], "outcome": "ok"});
+        ok(&mut a, done);
+    }
+    let (code, msg) = refusal(&mut a, admit_req("fresh", "k", "pay"));
+    assert_eq!(code, "limit_exceeded");
+    assert!(msg.contains("runs_per_principal_max = 5"), "{msg}");
+
+    ok(
+        &mut a,
+        json!({"op": "cancel", "run": "r0", "reason": "runaway"}),
+    );
+    for i in 1..5 {
+        ok(&mut a, json!({"op": "close", "run": format!("r{i}")}));
+    }
+    let v = admit_when_freed(&mut a, "fresh", Duration::from_secs(30));
+    assert_eq!(verdict(&v), "admitted", "{v}");
+
+    let check_fenced = |a: &mut Client| {
+        // The cancelled run's id: forgotten, still fenced, and it says so.
+        let v = admit(a, "r0", "k2", "pay", json!({}));
+        assert_eq!(verdict(&v), "refused", "{v}");
+        assert_eq!(v["reason"], "cancelled", "{v}");
+        let v = admit(a, "r0", "k", "pay", json!({}));
+        assert_eq!(
+            v["reason"], "cancelled",
+            "a repeat of a forgotten receipt: {v}"
+        );
+        let s = ok(a, json!({"op": "status", "run": "r0"}));
+        assert_eq!(s["state"], "cancelled", "{s}");
+        assert_eq!(s["cause"], "cancelled", "{s}");
+        assert_eq!(s["forgotten"], true, "{s}");
+        assert!(s["stopped_at"].as_u64().is_some(), "{s}");
+        let r = ok(a, json!({"op": "report", "run": "r0"}));
+        assert_eq!(r["forgotten"], true, "{r}");
+        assert_eq!(r["cause"], "cancelled", "{r}");
+        // A sub-agent naming it as parent is fenced too.
+        let v = ok(
+            a,
+            json!({"op": "admit", "run": format!("kid-{}", rand_suffix()), "key": "k",
+                   "tool": "pay", "args": {}, "parent": "r0"}),
+        );
+        assert_eq!(v["reason"], "cancelled", "{v}");
+        // A closed run's id refuses as closed.
+        let v = admit(a, "r1", "k9", "pay", json!({}));
+        assert_eq!(v["reason"], "closed", "{v}");
+    };
+    check_fenced(&mut a);
+    // Another agent does not learn of it.
+    let mut b = new_agent(&d, "other-agent");
+    let (code, _) = refusal(&mut b, json!({"op": "status", "run": "r0"}));
+    assert_eq!(code, "not_found");
+
+    d.restart(); // kill -9, then recovery (snapshot + records)
+    let mut a = d.agent();
+    check_fenced(&mut a);
+    // The forgotten runs stay freed after recovery: new runs of the agent are admitted.
+    let v = admit_when_freed(&mut a, "after-restart", Duration::from_secs(30));
+    assert_eq!(verdict(&v), "admitted", "{v}");
+}
+
+/// A run id no earlier call used (the kid runs are fenced at birth and forgotten later).
+fn rand_suffix() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// Lowering a bound and restarting must not lock the operator out: the recorded runs were
+/// admitted under the old bound, recovery replays them, and only new runs are refused.
+#[test]
+fn a_lower_bound_after_a_restart_refuses_new_runs_and_still_recovers() {
+    let mut d = Daemon::start_with(&["--console", "off", "--runs-per-principal-max", "4"]);
+    let mut a = d.agent();
+    for i in 0..4 {
+        let v = admit(&mut a, &format!("r{i}"), "k", "pay", json!({}));
+        assert_eq!(verdict(&v), "admitted", "{v}");
+    }
+    d.extra = ["--console", "off", "--runs-per-principal-max", "2"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    d.restart();
+    let mut a = d.agent();
+    let s = ok(&mut a, json!({"op": "status", "run": "r3"}));
+    assert_eq!(s["state"], "active", "{s}");
+    let (code, msg) = refusal(&mut a, admit_req("r4", "k", "pay"));
+    assert_eq!(code, "limit_exceeded");
+    assert!(msg.contains("runs_per_principal_max = 2"), "{msg}");
+}
+
+/// The CLI says a forgotten run is forgotten (status and report), and the fence refuses.
+#[test]
+fn the_cli_shows_what_is_left_of_a_forgotten_run() {
+    let d = Daemon::start_with(&["--console", "off", "--retention", "1s"]);
+    let mut a = d.agent();
+    let v = admit(&mut a, "gone", "k", "pay", json!({}));
+    let done =
+        json!({"op": "complete", "run": "gone", "key": "k", "token": v["token"], "outcome": "ok"});
+    ok(&mut a, done);
+    ok(&mut a, json!({"op": "cancel", "run": "gone"}));
+    let start = Instant::now();
+    while ok(&mut a, json!({"op": "status", "run": "gone"}))["forgotten"] != true {
+        assert!(start.elapsed() < Duration::from_secs(30), "never forgotten");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (code, out, err) = d.cli(&["status", "gone"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("forgotten    true"), "{out}");
+    assert!(out.contains("cause        cancelled"), "{out}");
+    let (code, out, err) = d.cli(&["report", "gone"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("forgotten after retention"), "{out}");
+    let v = admit(&mut a, "gone", "k2", "pay", json!({}));
+    assert_eq!(v["reason"], "cancelled", "{v}");
+}
