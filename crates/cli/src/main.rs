@@ -39,7 +39,7 @@ struct Conn {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the gate daemon on the embedded ledger.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Manage named tokens.
     Token {
         #[command(subcommand)]
@@ -293,7 +293,7 @@ fn fail(e: anyhow::Error) -> Failure {
 fn run(cli: Cli) -> Result<u8, Failure> {
     match cli.command {
         Cmd::Bench(a) => bench::run(a).map_err(fail),
-        Cmd::Serve(a) => serve(a).map_err(fail),
+        Cmd::Serve(a) => serve(*a).map_err(fail),
         Cmd::Ledger { command } => ledger(command).map_err(fail),
         Cmd::Token {
             command: TokenCmd::Create { name, role, groups },
