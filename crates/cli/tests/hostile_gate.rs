@@ -430,3 +430,79 @@ fn one_agent_cannot_take_every_waiter_or_subscription() {
     let mut a = d.agent();
     ok(&mut a, json!({"op": "subscribe", "run": "s16"}));
 }
+
+/// Finding 8: a panic on the core thread left a process that answered `unavailable` forever.
+/// With a core panic planted (debug builds only), the real daemon ends with status 70 and says
+/// why; restarted, it recovers everything that was acknowledged.
+#[test]
+fn a_panic_on_the_core_ends_the_daemon_and_a_restart_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policy.toml"), common::POLICY).unwrap();
+    let mut d = Daemon {
+        dir,
+        child: None,
+        ready: String::new(),
+        extra: vec![],
+    };
+    // A first start without the plant writes the bootstrap tokens (records of their own).
+    d.spawn();
+    let mut a = d.agent();
+    assert_eq!(
+        verdict(&admit(&mut a, "r", "k1", "pay", json!({}))),
+        "admitted"
+    );
+    d.kill9();
+    let mut child = std::process::Command::new(common::bin())
+        .args(["serve", "--data"])
+        .arg(d.data())
+        .arg("--policy")
+        .arg(d.data().join("policy.toml"))
+        .env("ESTOP_DEBUG_PANIC_CORE_AFTER", "2")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut ready = String::new();
+    while !ready.starts_with("estop ready") {
+        ready.clear();
+        assert!(out.read_line(&mut ready).unwrap() > 0, "daemon exited");
+    }
+    let mut a = d.agent();
+    assert_eq!(
+        verdict(&admit(&mut a, "r", "k2", "pay", json!({}))),
+        "admitted"
+    );
+    // The second record of this run panics the core: no reply comes (none is read here), and
+    // the process must end rather than sit there half alive.
+    a.send_raw(br#"{"id":99,"op":"admit","run":"r","key":"k3","tool":"pay","args":{}}"#)
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the daemon is still running 30 s after its core panicked (half alive)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(70), "{stderr}");
+    assert!(
+        stderr.contains("fatal: the estop-core thread panicked"),
+        "{stderr}"
+    );
+    // A supervisor's restart: everything acknowledged is there.
+    d.spawn();
+    let mut a = d.agent();
+    for k in ["k1", "k2"] {
+        assert_eq!(
+            verdict(&admit(&mut a, "r", k, "pay", json!({}))),
+            "duplicate",
+            "{k}"
+        );
+    }
+}

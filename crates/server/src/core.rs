@@ -189,6 +189,10 @@ pub struct CoreOptions {
     /// After a lone request whose record it synced itself, the core watches its queue this
     /// long before it sleeps (see `Core::run`); zero never.
     pub idle_spin: Duration,
+    /// A planted bug for the tests of the fatal panic hook: the core panics once it has
+    /// appended this many records. Set only by debug builds (`ESTOP_DEBUG_PANIC_CORE_AFTER`,
+    /// read in `serve`); `None` in every release build.
+    pub planted_panic_after_records: Option<u64>,
 }
 
 /// Retention runs at most this often, and at least as often as `COMPACTION_PERIOD_MAX_MS`.
@@ -221,6 +225,7 @@ impl Default for CoreOptions {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(150),
             ),
+            planted_panic_after_records: None,
         }
     }
 }
@@ -288,6 +293,8 @@ pub struct Core {
     /// `last_seq` at the last `commit`.
     committed_seq: u64,
     records_since_snapshot: u64,
+    /// Records this core appended (for `planted_panic_after_records`).
+    appended: u64,
     now: u64,
     clock: crate::clock::Clock,
     /// The monotonic clock's origin for `clock`.
@@ -346,6 +353,7 @@ impl Core {
             last_seq,
             committed_seq: last_seq,
             records_since_snapshot: 0,
+            appended: 0,
             now: 0,
             clock: crate::clock::Clock::default(),
             started: Instant::now(),
@@ -750,6 +758,13 @@ impl Core {
                 Ok(seq) => {
                     self.last_seq = seq;
                     self.records_since_snapshot += 1;
+                    self.appended += 1;
+                    if self.opts.planted_panic_after_records == Some(self.appended) {
+                        panic!(
+                            "planted bug: ESTOP_DEBUG_PANIC_CORE_AFTER={}",
+                            self.appended
+                        );
+                    }
                 }
                 Err(e) => {
                     // The state moved but the record did not: fail closed and rebuild from disk.

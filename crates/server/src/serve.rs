@@ -184,6 +184,15 @@ pub fn run_with(
     on_ready: impl FnOnce(&Ready),
 ) -> Result<(), ServeError> {
     crate::fatal::install_panic_hook();
+    // Debug builds only: a planted core panic for the tests of the hook above.
+    #[cfg(debug_assertions)]
+    let opts = {
+        let mut opts = opts;
+        opts.core.planted_panic_after_records = std::env::var("ESTOP_DEBUG_PANIC_CORE_AFTER")
+            .ok()
+            .and_then(|v| v.parse().ok());
+        opts
+    };
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
