@@ -22,6 +22,9 @@ pub struct Clock {
     last: Option<(u64, u64)>,
     /// Since when (monotonic) the wall clock has been ahead of the estimate by a step.
     step_since: Option<u64>,
+    /// While the wall clock is behind: the gate's time and the monotonic reading when it fell
+    /// behind (half speed is counted from there, so frequent readings still advance).
+    behind_since: Option<(u64, u64)>,
 }
 
 impl Clock {
@@ -43,10 +46,18 @@ impl Clock {
             }
         } else {
             self.step_since = None;
-            if wall_ms >= now + elapsed / 2 {
-                wall_ms.max(now)
+            if wall_ms >= now {
+                self.behind_since = None;
+                wall_ms
             } else {
-                now + elapsed / 2
+                let (t0, m0) = *self.behind_since.get_or_insert((now, at));
+                let half = t0 + mono_ms.saturating_sub(m0) / 2;
+                if wall_ms >= half {
+                    self.behind_since = None;
+                    wall_ms.max(now)
+                } else {
+                    half.max(now)
+                }
             }
         };
         self.last = Some((next, mono_ms));
@@ -113,7 +124,12 @@ mod tests {
         let mut met = None;
         for m in (400..=40_000).step_by(100) {
             let t = c.read(990_000 + m, m);
-            assert!(t > last, "time advances: {t} after {last}");
+            // At least half speed (100 ms of readings apart), never backwards.
+            assert!(
+                t >= last + 50 || t == 990_000 + m,
+                "time advances: {t} after {last}"
+            );
+            assert!(t >= last);
             last = t;
             if t == 990_000 + m && met.is_none() {
                 met = Some(m);
@@ -121,5 +137,17 @@ mod tests {
         }
         // Half speed closes a 10 s gap in 20 s of real time.
         assert!(met.is_some_and(|m| m <= 20_500), "met at {met:?}");
+    }
+
+    #[test]
+    fn behind_the_wall_clock_frequent_readings_still_advance() {
+        let mut c = Clock::default();
+        assert_eq!(c.read(1_000_000, 0), 1_000_000);
+        // Stepped back by 10 s, and read every millisecond.
+        let mut t = 0;
+        for m in 1..=4_000 {
+            t = c.read(990_000 + m, m);
+        }
+        assert_eq!(t, 1_002_000, "half speed over 4 s of readings");
     }
 }

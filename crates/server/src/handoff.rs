@@ -175,14 +175,17 @@ mod tests {
         // A thread that does not batch sends at once.
         core.send(query(&out, 0)).unwrap();
         assert_eq!(rx.try_iter().map(id).collect::<Vec<_>>(), ["0"]);
-        // A batching thread that ends hands over what it held.
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                core.batch_on_this_thread();
-                core.send(query(&out, 1)).unwrap();
-                core.send(query(&out, 2)).unwrap();
-            });
-        });
+        // A batching thread that ends hands over what it held. (Joined, not scoped: a scope
+        // may return before the thread's thread-locals are dropped, which is when it hands
+        // over; `join` waits for the thread to exit.)
+        let (thread_core, thread_out) = (core.clone(), out.clone());
+        std::thread::spawn(move || {
+            thread_core.batch_on_this_thread();
+            thread_core.send(query(&thread_out, 1)).unwrap();
+            thread_core.send(query(&thread_out, 2)).unwrap();
+        })
+        .join()
+        .unwrap();
         assert_eq!(rx.try_iter().map(id).collect::<Vec<_>>(), ["1", "2"]);
 
         let (tx, rx) = mpsc::channel();
