@@ -1,0 +1,120 @@
+//! The SoundGate listener's rules in the core: its own tenant (only runs created over it), and
+//! `decide` that releases the approved effect in the same step, as the reference does.
+
+use super::*;
+
+impl Core {
+    /// A SoundGate `cancel` or `close`. The listener is its own tenant: a run it did not create
+    /// (a v1 run, or an id nobody used yet) is not found there, and it never pre-fences an
+    /// unseen id.
+    pub(super) fn sg_stop(&mut self, run: RunId, close: bool, to: ReplyTo) {
+        let answer = if self.sg_owns(&run) {
+            let cmd = if close {
+                Command::Close { run, failed: false }
+            } else {
+                Command::Cancel {
+                    run,
+                    reason: Some("soundgate cancel".into()),
+                    kill: false,
+                }
+            };
+            self.apply(&crate::soundgate::principal(Role::Agent), cmd)
+        } else {
+            not_found(run)
+        };
+        self.send(to, answer);
+    }
+
+    /// The reference releases an approved effect in the `decide` itself; estop records the
+    /// approval and then consumes it for the compatibility client in the same step.
+    pub(super) fn sg_decide(&mut self, run: RunId, key: EffectKey, approved: bool) -> Answer {
+        if !self.sg_owns(&run) {
+            // Exactly what a missing run gets: the listener learns nothing of other tenants.
+            return not_found(run);
+        }
+        let operator = crate::soundgate::principal(Role::Operator);
+        let decision = if approved {
+            estop_kernel::vocab::Decision::Approve
+        } else {
+            estop_kernel::vocab::Decision::Reject
+        };
+        let cmd = Command::Decide {
+            run: run.clone(),
+            key: key.clone(),
+            decision,
+            reason: None,
+        };
+        match self.apply_reply(&operator, cmd) {
+            Ok((Reply::Decided(DecideStatus::Approved), _)) => {
+                let agent = crate::soundgate::principal(Role::Agent);
+                match self.apply_verdict(
+                    &agent,
+                    Command::Recheck {
+                        run: run.clone(),
+                        key,
+                    },
+                ) {
+                    Ok(v) => Answer::Verdict(render::verdict(&run, &v)),
+                    Err(a) => a,
+                }
+            }
+            Ok((Reply::Decided(DecideStatus::Rejected), _)) => {
+                Answer::Verdict(wire::Verdict::Refused {
+                    reason: "rejected".into(),
+                    message: None,
+                    rule: None,
+                })
+            }
+            Ok((Reply::Decided(DecideStatus::Pending { .. }), _)) => {
+                Answer::Verdict(wire::Verdict::Held {
+                    approval: None,
+                    expires_at: None,
+                    reason: "approval".into(),
+                })
+            }
+            Ok(_) => Answer::Error(
+                ErrorCode::Internal,
+                "unexpected kernel reply to decide".into(),
+            ),
+            Err(answer) => {
+                // Say what the effect's state is, in the reference's vocabulary where it has one.
+                let Some(r) = self.gate.run(&run) else {
+                    return answer;
+                };
+                if r.stop.is_some() {
+                    return Answer::Verdict(wire::Verdict::Refused {
+                        reason: "cancelled".into(),
+                        message: None,
+                        rule: None,
+                    });
+                }
+                match r.effects.get(&key).map(|e| e.status) {
+                    Some(estop_kernel::state::Status::Refused(reason)) => {
+                        Answer::Verdict(wire::Verdict::Refused {
+                            reason: reason.as_str().into(),
+                            message: None,
+                            rule: None,
+                        })
+                    }
+                    Some(s) if !s.is_held_or_prepared() => {
+                        Answer::Verdict(wire::Verdict::Duplicate {
+                            status: s.kind().as_str().into(),
+                            outcome: None,
+                            result: None,
+                            error: None,
+                        })
+                    }
+                    _ => answer,
+                }
+            }
+        }
+    }
+
+    /// Whether the SoundGate listener created `run` (its runs belong to its principal).
+    pub(super) fn sg_owns(&self, run: &RunId) -> bool {
+        self.gate
+            .run(run)
+            .and_then(|r| r.owner.as_ref())
+            .is_some_and(|o| o.as_str() == crate::soundgate::PRINCIPAL_NAME)
+    }
+}

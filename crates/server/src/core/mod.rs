@@ -1,0 +1,758 @@
+//! The core: one thread that owns the gate's state and applies every command in order, appends
+//! each state change to the ledger (group-committed by the ledger's sync thread), and hands each
+//! reply to its connection tagged with the ledger position it depends on. No lock guards the
+//! state: it has exactly one owner. Waiters, subscriptions and timers live here too.
+
+use crate::durable::{After, DurableState};
+use crate::journal::{Journal, JournalError, Opened};
+use crate::quota::{ShareOptions, Shares};
+use crate::render;
+use estop_kernel::codec::encode_record;
+use estop_kernel::reply::{DecideStatus, EventKind};
+use estop_kernel::vocab::RunState;
+use estop_kernel::{
+    Command, EffectKey, Gate, KernelError, Principal, PrincipalName, Record, Reply, Role, RunId,
+    Verdict,
+};
+use estop_ledger::LedgerError;
+use estop_protocol::page::{PageBudget, PendingCursor, Weight};
+use estop_protocol::reply as wire;
+use estop_protocol::{ErrorCode, Id};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::watch;
+
+mod compat;
+mod queries;
+mod recovery;
+mod subscriptions;
+mod timers;
+mod waiters;
+
+use queries::not_found;
+use recovery::notifier;
+use subscriptions::Subscriber;
+use waiters::Waiter;
+
+pub use crate::outbox::Outbox;
+
+/// Something to write to a client once `after` is durable.
+#[derive(Debug)]
+pub enum Out {
+    Answer {
+        id: Id,
+        answer: Answer,
+        after: After,
+    },
+    Event {
+        event: wire::Event,
+        after: After,
+    },
+    /// The rest of a durable reply that [`Outbox::release`] could not write whole: written as
+    /// it is, before anything behind it.
+    Rendered(Vec<u8>),
+}
+
+/// A reply payload, rendered by the connection in its own protocol.
+#[derive(Debug, Clone)]
+pub enum Answer {
+    Verdict(wire::Verdict),
+    Ack(wire::Ack),
+    Decided(wire::DecideReply),
+    Run(Box<wire::RunView>),
+    Runs(wire::RunsReply),
+    Pending(wire::PendingReply),
+    Report(Box<wire::Report>),
+    Ledger(wire::LedgerReply),
+    Hello(wire::HelloReply),
+    TokenCreated(wire::TokenCreated),
+    TokenRevoked(wire::TokenRevoked),
+    Pong,
+    Error(ErrorCode, String),
+}
+
+/// Where a reply goes.
+#[derive(Debug)]
+pub struct ReplyTo {
+    pub out: Outbox,
+    pub id: Id,
+    /// The request's share of its connection's input bound, given back when this is dropped:
+    /// once the core has answered (or parked it as a waiter).
+    pub charge: Option<crate::conn::Charge>,
+}
+
+/// A read. Listings come in pages: where the page starts (`cursor`) and its item and byte
+/// bounds (`page`).
+#[derive(Debug)]
+pub enum Query {
+    Status {
+        run: RunId,
+    },
+    Runs {
+        state: Option<RunState>,
+        cursor: Option<RunId>,
+        page: PageBudget,
+    },
+    Pending {
+        run: Option<RunId>,
+        cursor: Option<PendingCursor>,
+        page: PageBudget,
+    },
+    Report {
+        run: RunId,
+        cursor: Option<EffectKey>,
+        page: PageBudget,
+    },
+}
+
+#[derive(Debug)]
+pub enum CoreMsg {
+    Apply {
+        principal: Principal,
+        cmd: Command,
+        to: ReplyTo,
+    },
+    Wait {
+        principal: Principal,
+        run: RunId,
+        key: EffectKey,
+        timeout: Duration,
+        /// The connection waiting: its waits end when it disconnects.
+        conn: u64,
+        to: ReplyTo,
+    },
+    Subscribe {
+        principal: Principal,
+        run: RunId,
+        conn: u64,
+        out: Outbox,
+        /// Events queued for this connection and not yet written (the writer counts down).
+        backlog: Arc<AtomicUsize>,
+        to: ReplyTo,
+    },
+    Unsubscribe {
+        run: RunId,
+        conn: u64,
+    },
+    Disconnect {
+        conn: u64,
+    },
+    Query {
+        principal: Principal,
+        query: Query,
+        to: ReplyTo,
+    },
+    /// A SoundGate `cancel` (or `close`): reaches only runs created over that listener.
+    SgStop {
+        run: RunId,
+        close: bool,
+        to: ReplyTo,
+    },
+    /// A SoundGate `decide`: the decision and, once approved, the release in one step.
+    SgDecide {
+        run: RunId,
+        key: EffectKey,
+        approved: bool,
+        to: ReplyTo,
+    },
+    /// A gate-wide feed of changes (the console's server-sent events); agents see their own
+    /// runs only. Dropped when it falls `observe::FEED_QUEUE_MAX` events behind.
+    Feed {
+        principal: Principal,
+        tx: crate::observe::FeedTx,
+    },
+    /// Counters and gauges for `/metrics`.
+    Stats {
+        reply: tokio::sync::oneshot::Sender<crate::observe::GateStats>,
+    },
+    /// The ledger's sync thread reported a failure.
+    LedgerFailed,
+    /// Finish what is in flight, make it durable, and stop.
+    Shutdown {
+        done: mpsc::Sender<()>,
+    },
+}
+
+/// Bounds the core enforces.
+#[derive(Debug, Clone)]
+pub struct CoreOptions {
+    pub subscriptions_per_run_max: usize,
+    /// Subscriptions in all (a subscription may name a run that does not exist yet), what one
+    /// principal may hold, and the operators' reserve.
+    pub subscriptions: ShareOptions,
+    /// Events a subscriber's connection may have queued and unwritten before it loses the
+    /// subscription: a client that stops reading must not grow the daemon's memory.
+    pub event_backlog_max: usize,
+    /// `wait`s blocked in all, per principal, and the operators' reserve.
+    pub waiters: ShareOptions,
+    /// A stopped run is kept whole this long (after its stop), then forgotten: its fence stays
+    /// as a tombstone.
+    pub retention_ms: u64,
+    /// A forgotten run's tombstone stays this long (after its stop); then the id is unknown.
+    pub tombstone_retention_ms: u64,
+    /// Take a snapshot after this many records (bounds recovery time).
+    pub snapshot_every_records: u64,
+    /// The core syncs a burst itself while the ledger's sync thread is idle (see
+    /// `Core::commit`); off, every sync runs on the sync thread.
+    pub inline_sync: bool,
+    /// After a lone request whose record it synced itself, the core watches its queue this
+    /// long before it sleeps (see `Core::run`); zero never.
+    pub idle_spin: Duration,
+    /// A planted bug for the tests of the fatal panic hook: the core panics once it has
+    /// appended this many records. Set only by debug builds (`ESTOP_DEBUG_PANIC_CORE_AFTER`,
+    /// read in `serve`); `None` in every release build.
+    pub planted_panic_after_records: Option<u64>,
+}
+
+/// Retention runs at most this often, and at least as often as `COMPACTION_PERIOD_MAX_MS`.
+const COMPACTION_PERIOD_MIN_MS: u64 = 1_000;
+const COMPACTION_PERIOD_MAX_MS: u64 = 60_000;
+
+impl CoreOptions {
+    /// How often retention runs: a quarter of the shorter retention, within one second and a
+    /// minute, so a stopped run is forgotten at most that long after its retention passed.
+    pub fn compaction_period_ms(&self) -> u64 {
+        (self.retention_ms.min(self.tombstone_retention_ms) / 4)
+            .clamp(COMPACTION_PERIOD_MIN_MS, COMPACTION_PERIOD_MAX_MS)
+    }
+}
+
+impl Default for CoreOptions {
+    fn default() -> Self {
+        CoreOptions {
+            subscriptions_per_run_max: 64,
+            subscriptions: ShareOptions::derived(100_000, 1024),
+            event_backlog_max: 4096,
+            waiters: ShareOptions::derived(100_000, 1024),
+            retention_ms: 7 * 24 * 3600 * 1000,
+            tombstone_retention_ms: 28 * 24 * 3600 * 1000,
+            snapshot_every_records: 1_000_000,
+            inline_sync: std::env::var("ESTOP_INLINE_SYNC").map_or(true, |v| v != "0"),
+            idle_spin: Duration::from_micros(
+                std::env::var("ESTOP_CORE_SPIN_US")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(150),
+            ),
+            planted_panic_after_records: None,
+        }
+    }
+}
+
+pub(crate) fn system_principal() -> Principal {
+    Principal {
+        name: PrincipalName::new("estop").expect("valid name"),
+        role: Role::Operator,
+        groups: Vec::new(),
+    }
+}
+
+fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+pub fn kernel_error(e: &KernelError) -> (ErrorCode, String) {
+    let code = match e {
+        KernelError::RunNotFound(_)
+        | KernelError::EffectNotFound(..)
+        | KernelError::Forgotten { .. } => ErrorCode::NotFound,
+        KernelError::NotAwaitingApproval { .. } => ErrorCode::NotPending,
+        KernelError::BadToken { .. } => ErrorCode::BadToken,
+        KernelError::Limit { .. } => ErrorCode::LimitExceeded,
+        KernelError::Forbidden => ErrorCode::Forbidden,
+        KernelError::DuplicateApprover { .. }
+        | KernelError::NotStarted { .. }
+        | KernelError::AlreadyCompleted { .. }
+        | KernelError::ParentMismatch { .. }
+        | KernelError::InvalidState { .. } => ErrorCode::Conflict,
+        KernelError::IllegalTransition { .. } => ErrorCode::Internal,
+    };
+    (code, e.to_string())
+}
+
+/// The core's state. Runs on its own thread (`run`).
+pub struct Core {
+    gate: Gate,
+    journal: Option<Journal>,
+    open: OpenFn,
+    self_tx: mpsc::Sender<CoreMsg>,
+    durable_tx: Arc<watch::Sender<DurableState>>,
+    /// Replies waiting for their record's fsync; released on the IO runtime once durable.
+    release: Arc<crate::durable::Release>,
+    generation: u64,
+    last_seq: u64,
+    /// `last_seq` at the last `commit`.
+    committed_seq: u64,
+    records_since_snapshot: u64,
+    /// Records this core appended (for `planted_panic_after_records`).
+    appended: u64,
+    now: u64,
+    clock: crate::clock::Clock,
+    /// The monotonic clock's origin for `clock`.
+    started: Instant,
+    waiters: HashMap<RunId, Vec<Waiter>>,
+    /// Blocked waits, by principal (the count of all of them is `waiter_shares.total()`).
+    waiter_shares: Shares,
+    /// Waiters per connection that has any: a disconnect looks for its waiters only then.
+    waiters_of_conn: HashMap<u64, usize>,
+    /// When some waiter of a run times out. Entries of waiters answered early go stale and are
+    /// dropped when they come due; each waiter adds at most one, so this stays bounded.
+    waiter_deadlines: BTreeSet<(Instant, RunId)>,
+    subscribers: HashMap<RunId, Vec<Subscriber>>,
+    /// Subscriptions, by principal.
+    subscription_shares: Shares,
+    timers: BTreeSet<(u64, RunId)>,
+    timer_of: HashMap<RunId, u64>,
+    next_compaction: u64,
+    /// After a failed snapshot: when the next may be tried, and the wait after that one.
+    snapshot_retry: Option<(Instant, Duration)>,
+    /// While the ledger is down, recovery is attempted at most this often.
+    next_recovery: Instant,
+    opts: CoreOptions,
+    buf: Vec<u8>,
+    /// The console's feed and the metrics counters.
+    obs: crate::observe::Observer,
+}
+
+impl Core {
+    /// `open(discard_after)` opens (or, after a failure, reopens) the ledger and rebuilds the
+    /// gate; `self_tx` is the core's own queue (the ledger reports failures through it).
+    pub fn new(
+        opts: CoreOptions,
+        durable_tx: Arc<watch::Sender<DurableState>>,
+        mut open: OpenFn,
+        self_tx: mpsc::Sender<CoreMsg>,
+    ) -> Result<Core, JournalError> {
+        let opened = open(None)?;
+        let last_seq = opened.report.last_seq;
+        durable_tx.send_modify(|s| {
+            s.generation = 0;
+            s.seq = last_seq;
+            s.failed = false;
+        });
+        let release = Arc::new(crate::durable::Release::default());
+        release.start(0, last_seq);
+        let journal = Journal::start(opened.ledger, notifier(&durable_tx, &release, 0, &self_tx))?;
+        let mut core = Core {
+            gate: opened.gate,
+            journal: Some(journal),
+            open,
+            self_tx,
+            durable_tx,
+            release,
+            generation: 0,
+            last_seq,
+            committed_seq: last_seq,
+            records_since_snapshot: 0,
+            appended: 0,
+            now: 0,
+            clock: crate::clock::Clock::default(),
+            started: Instant::now(),
+            waiters: HashMap::new(),
+            waiter_shares: Shares::new("waiters", opts.waiters),
+            waiters_of_conn: HashMap::new(),
+            waiter_deadlines: BTreeSet::new(),
+            subscribers: HashMap::new(),
+            subscription_shares: Shares::new("subscriptions", opts.subscriptions),
+            timers: BTreeSet::new(),
+            timer_of: HashMap::new(),
+            next_compaction: 0,
+            snapshot_retry: None,
+            next_recovery: Instant::now(),
+            opts,
+            buf: Vec::with_capacity(1024),
+            obs: crate::observe::Observer::default(),
+        };
+        core.rearm_all_timers();
+        Ok(core)
+    }
+
+    pub fn gate(&self) -> &Gate {
+        &self.gate
+    }
+
+    fn after(&self) -> After {
+        After {
+            generation: self.generation,
+            seq: self.last_seq,
+        }
+    }
+
+    /// The gate's time now (`clock::Clock`: monotonic, not pushed ahead by one bad reading of
+    /// the wall clock).
+    fn tick_clock(&mut self) -> u64 {
+        let mono = self.started.elapsed().as_millis() as u64;
+        self.now = self.clock.read(wall_ms(), mono);
+        self.now
+    }
+
+    /// Runs the core until shutdown. `rx` is the only way in.
+    pub fn run(mut self, rx: mpsc::Receiver<CoreMsg>) {
+        let mut lone_synced = false;
+        loop {
+            // A client that sends one request at a time sends its next one within tens of µs
+            // of its reply, which the core has just written itself (after an inline sync):
+            // watching the queue that long spares the next request a wakeup of the core
+            // (15–30 µs on a VM). Only then, so under load the core never burns CPU the IO
+            // thread needs.
+            let spin = if lone_synced {
+                self.opts.idle_spin
+            } else {
+                Duration::ZERO
+            };
+            let Some(msg) = self.next_message(&rx, spin) else {
+                return; // Every sender is gone.
+            };
+            let mut handled = 0;
+            if let Some(msg) = msg {
+                handled += 1;
+                if self.handle(msg) {
+                    return;
+                }
+                // Drain what else is queued before doing timer work: batching keeps the sync
+                // thread's group commits large under load.
+                while let Ok(msg) = rx.try_recv() {
+                    handled += 1;
+                    if self.handle(msg) {
+                        return;
+                    }
+                }
+            }
+            self.fire_timers();
+            if self.journal.is_none() && Instant::now() >= self.next_recovery {
+                self.recover();
+            }
+            let synced_here = self.commit() == Some(true);
+            lone_synced = synced_here && handled == 1;
+        }
+    }
+
+    /// The next message, after watching the queue for up to `spin` first; `Some(None)` when a
+    /// timer is due first; `None` when every sender is gone.
+    fn next_message(
+        &mut self,
+        rx: &mpsc::Receiver<CoreMsg>,
+        spin: Duration,
+    ) -> Option<Option<CoreMsg>> {
+        if !spin.is_zero() {
+            let until = Instant::now() + spin;
+            loop {
+                match rx.try_recv() {
+                    Ok(m) => return Some(Some(m)),
+                    Err(mpsc::TryRecvError::Disconnected) => return None,
+                    Err(mpsc::TryRecvError::Empty) if Instant::now() < until => {
+                        std::hint::spin_loop();
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                }
+            }
+        }
+        let (at, now) = self.next_wakeup();
+        let timeout = at.map(|at| Duration::from_millis(at.saturating_sub(now)));
+        match timeout {
+            Some(t) => match rx.recv_timeout(t) {
+                Ok(m) => Some(Some(m)),
+                Err(mpsc::RecvTimeoutError::Timeout) => Some(None),
+                Err(mpsc::RecvTimeoutError::Disconnected) => None,
+            },
+            None => rx.recv().ok().map(Some),
+        }
+    }
+
+    /// Syncs the burst just applied. Under light load — this burst and the last sync each
+    /// carry at most `INLINE_SYNC_RECORDS_MAX` records, and the sync thread is idle — the core
+    /// syncs it itself and writes the replies it releases straight to their sockets: two thread
+    /// handoffs less for a lone request (to the sync thread, and back to the IO thread), and
+    /// nothing else is waiting for the core meanwhile. Under load the sync thread syncs while the core goes on applying
+    /// the next burst (pipelining: were the core to sync, the disk would idle while it applies).
+    /// Returns whether it synced the burst itself (`None`: nothing to commit).
+    fn commit(&mut self) -> Option<bool> {
+        const INLINE_SYNC_RECORDS_MAX: u64 = 2;
+        let burst = self.last_seq.saturating_sub(self.committed_seq);
+        if burst == 0 {
+            return None; // Nothing appended since the last commit (a query, a timer that fired nothing).
+        }
+        let journal = self.journal.as_ref()?;
+        let inline = self.opts.inline_sync
+            && burst <= INLINE_SYNC_RECORDS_MAX
+            && journal.last_batch_records() <= INLINE_SYNC_RECORDS_MAX;
+        let synced_here = if inline {
+            // Its replies are handed over here too, straight to their sockets.
+            journal.commit(true)
+        } else {
+            journal.commit(false);
+            false
+        };
+        self.committed_seq = self.last_seq;
+        Some(synced_here)
+    }
+
+    /// When (gate time) the core must wake next, and the gate time now.
+    fn next_wakeup(&mut self) -> (Option<u64>, u64) {
+        let now = self.tick_clock();
+        let timer = self.timers.first().map(|(at, _)| *at);
+        let waiter = self
+            .waiter_deadlines
+            .first()
+            .map(|(d, _)| now + d.saturating_duration_since(Instant::now()).as_millis() as u64);
+        let compaction = Some(self.next_compaction.max(now + COMPACTION_PERIOD_MIN_MS));
+        let recovery = self.journal.is_none().then(|| now + 1000);
+        let at = [timer, waiter, compaction, recovery]
+            .into_iter()
+            .flatten()
+            .min();
+        (at, now)
+    }
+
+    /// Handles one message; returns true to stop.
+    fn handle(&mut self, msg: CoreMsg) -> bool {
+        match msg {
+            CoreMsg::Apply { principal, cmd, to } => {
+                let answer = self.apply(&principal, cmd);
+                self.send(to, answer);
+            }
+            CoreMsg::Wait {
+                principal,
+                run,
+                key,
+                timeout,
+                conn,
+                to,
+            } => self.wait(principal, run, key, timeout, conn, to),
+            CoreMsg::Subscribe {
+                principal,
+                run,
+                conn,
+                out,
+                backlog,
+                to,
+            } => {
+                let sub = Subscriber {
+                    conn,
+                    principal,
+                    out,
+                    backlog,
+                };
+                self.subscribe(run, sub, to);
+            }
+            CoreMsg::Unsubscribe { run, conn } => self.unsubscribe(&run, conn),
+            CoreMsg::Disconnect { conn } => {
+                // Its waits end with it: nobody is left to answer, and each would keep the
+                // connection's writer (and its descriptors and slot) alive until it timed out.
+                self.disconnect_waiters(conn);
+                self.disconnect_subscriptions(conn);
+            }
+            CoreMsg::Query {
+                principal,
+                query,
+                to,
+            } => {
+                let answer = self.query(&principal, query);
+                self.send(to, answer);
+            }
+            CoreMsg::SgStop { run, close, to } => self.sg_stop(run, close, to),
+            CoreMsg::SgDecide {
+                run,
+                key,
+                approved,
+                to,
+            } => {
+                let answer = self.sg_decide(run, key, approved);
+                self.send(to, answer);
+            }
+            CoreMsg::Feed { principal, tx } => {
+                // At the bound the sender is dropped: the stream ends at once.
+                let _ = self.obs.subscribe(principal, tx);
+            }
+            CoreMsg::Stats { reply } => {
+                let stats = self.obs.stats(
+                    &self.gate,
+                    self.waiter_shares.total(),
+                    self.last_seq,
+                    self.after(),
+                );
+                let _ = reply.send(stats);
+            }
+            CoreMsg::LedgerFailed => self.fail_journal(),
+            CoreMsg::Shutdown { done } => {
+                if let Some(j) = self.journal.take() {
+                    let _ = j.flush();
+                }
+                let _ = done.send(());
+                return true;
+            }
+        }
+        false
+    }
+
+    fn send(&mut self, to: ReplyTo, answer: Answer) {
+        if let Answer::Verdict(v) = &answer {
+            self.obs.answered(v);
+        }
+        let after = self.after();
+        self.release.send(
+            after,
+            &to.out,
+            Out::Answer {
+                id: to.id,
+                answer,
+                after,
+            },
+        );
+    }
+
+    /// Applies a command and records it if it changed state. `Err` is a ready error answer.
+    fn apply_reply(
+        &mut self,
+        principal: &Principal,
+        cmd: Command,
+    ) -> Result<(Reply, Vec<estop_kernel::Event>), Answer> {
+        if self.journal.is_none() {
+            return Err(unavailable());
+        }
+        let now = self.tick_clock();
+        let applied = self.gate.apply(now, principal, &cmd).map_err(|e| {
+            let (c, m) = kernel_error(&e);
+            Answer::Error(c, m)
+        })?;
+        if applied.changed {
+            let record = Record {
+                at: now,
+                principal: principal.clone(),
+                command: cmd,
+            };
+            self.buf.clear();
+            encode_record(&record, &mut self.buf);
+            let journal = self.journal.as_ref().expect("checked above");
+            match journal.append(&self.buf) {
+                Ok(seq) => {
+                    self.last_seq = seq;
+                    self.records_since_snapshot += 1;
+                    self.appended += 1;
+                    if self.opts.planted_panic_after_records == Some(self.appended) {
+                        panic!(
+                            "planted bug: ESTOP_DEBUG_PANIC_CORE_AFTER={}",
+                            self.appended
+                        );
+                    }
+                }
+                Err(e) => {
+                    // The state moved but the record did not: fail closed and rebuild from disk.
+                    crate::log::error(&format!(
+                        "ledger append failed: {e}; failing closed and recovering"
+                    ));
+                    self.fail_journal();
+                    return Err(unavailable());
+                }
+            }
+            if let Some(run) = record.command.run() {
+                let run = run.clone();
+                self.rearm(&run);
+            }
+            self.publish(&applied.events);
+            let after = self.after();
+            self.obs.changed(
+                &self.gate,
+                record.command.run(),
+                &applied.events,
+                after,
+                now,
+            );
+        }
+        Ok((applied.reply, applied.events))
+    }
+
+    fn apply_verdict(&mut self, principal: &Principal, cmd: Command) -> Result<Verdict, Answer> {
+        match self.apply_reply(principal, cmd)? {
+            (Reply::Verdict(v), _) => Ok(v),
+            (other, _) => Err(Answer::Error(
+                ErrorCode::Internal,
+                format!("unexpected kernel reply {other:?}"),
+            )),
+        }
+    }
+
+    fn apply(&mut self, principal: &Principal, cmd: Command) -> Answer {
+        let run = cmd.run().cloned();
+        let decide_key = match &cmd {
+            Command::Decide { key, decision, .. } => Some((key.clone(), *decision)),
+            _ => None,
+        };
+        let (reply, events) = match self.apply_reply(principal, cmd) {
+            Ok(r) => r,
+            Err(a) => return a,
+        };
+        let run_id = run.unwrap_or_else(|| RunId::new("-").expect("valid"));
+        match reply {
+            Reply::Verdict(v) => Answer::Verdict(render::verdict(&run_id, &v)),
+            Reply::Completed { late } => Answer::Ack(wire::Ack {
+                late,
+                ..wire::Ack::default()
+            }),
+            Reply::Decided(status) => {
+                let (key, _) = decide_key.expect("decide");
+                let approval = self
+                    .gate
+                    .run(&run_id)
+                    .and_then(|r| r.effects.get(&key))
+                    .and_then(|e| e.approval.as_ref());
+                let approvals = approval
+                    .map(|a| a.approvers.iter().map(|x| x.name.to_string()).collect())
+                    .unwrap_or_default();
+                let quorum = approval.map_or(1, |a| a.quorum);
+                if let Some(a) = approval {
+                    self.obs
+                        .decided(&status, self.now.saturating_sub(a.requested_at));
+                }
+                let status = match status {
+                    DecideStatus::Approved => "approved",
+                    DecideStatus::Rejected => "rejected",
+                    DecideStatus::Pending { .. } => "held",
+                };
+                Answer::Decided(wire::DecideReply {
+                    status: status.into(),
+                    approvals,
+                    quorum,
+                })
+            }
+            Reply::RunState { state, .. } => {
+                let runs = events
+                    .iter()
+                    .filter(|e| {
+                        e.key.is_none()
+                            && matches!(
+                                e.kind,
+                                EventKind::Cancelled
+                                    | EventKind::Closed
+                                    | EventKind::Paused
+                                    | EventKind::Resumed
+                            )
+                    })
+                    .map(|e| e.run.to_string())
+                    .collect();
+                Answer::Ack(wire::Ack {
+                    late: false,
+                    state: Some(state.as_str().into()),
+                    runs,
+                })
+            }
+            Reply::Compacted { .. } | Reply::TokenRecorded => Answer::Ack(wire::Ack::default()),
+        }
+    }
+}
+
+/// The answer to a change the ledger could not make durable.
+pub fn unavailable() -> Answer {
+    Answer::Error(
+        ErrorCode::Unavailable,
+        "the ledger cannot make changes durable right now (see the daemon's log); the change is not acknowledged, retry later with the same key".into(),
+    )
+}
+
+/// Opens the ledger (with `Some(discard_after)` after a failure) and rebuilds the gate.
+pub type OpenFn = Box<dyn FnMut(Option<u64>) -> Result<Opened, JournalError> + Send>;

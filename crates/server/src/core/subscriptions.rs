@@ -1,0 +1,192 @@
+//! `subscribe`: event lines for a run's changes, each sent once durable and only to principals
+//! that may see the run; a subscriber that stops reading loses the subscription.
+
+use super::*;
+
+/// One `subscribe` of one connection.
+pub(super) struct Subscriber {
+    pub(super) conn: u64,
+    pub(super) principal: Principal,
+    pub(super) out: Outbox,
+    pub(super) backlog: Arc<AtomicUsize>,
+}
+
+impl Core {
+    /// A `subscribe`: the run's view (or a plain ack) once the subscription is in place.
+    pub(super) fn subscribe(&mut self, run: RunId, sub: Subscriber, to: ReplyTo) {
+        let answer = match self.gate.visible_run(&sub.principal, &run) {
+            // Not created yet — or another principal's, which must look the same, so
+            // `subscribe` tells no one which run ids others use: the subscription
+            // waits, and hears only of runs its principal may see (`publish`).
+            Err(_) => self
+                .add_subscription(run, sub)
+                .unwrap_or_else(|| Answer::Ack(wire::Ack::default())),
+            Ok(r) => {
+                let view = render::run_view(&run, r);
+                self.add_subscription(run, sub)
+                    .unwrap_or(Answer::Run(Box::new(view)))
+            }
+        };
+        self.send(to, answer);
+    }
+
+    pub(super) fn unsubscribe(&mut self, run: &RunId, conn: u64) {
+        if let Some(subs) = self.subscribers.get_mut(run) {
+            let shares = &mut self.subscription_shares;
+            subs.retain(|x| {
+                let keep = x.conn != conn;
+                if !keep {
+                    shares.give_back(&x.principal);
+                }
+                keep
+            });
+            if subs.is_empty() {
+                self.subscribers.remove(run);
+            }
+        }
+    }
+
+    /// The subscriptions of a connection that is gone end with it.
+    pub(super) fn disconnect_subscriptions(&mut self, conn: u64) {
+        let shares = &mut self.subscription_shares;
+        self.subscribers.retain(|_, subs| {
+            subs.retain(|x| {
+                let keep = x.conn != conn;
+                if !keep {
+                    shares.give_back(&x.principal);
+                }
+                keep
+            });
+            !subs.is_empty()
+        });
+    }
+
+    /// The wire event for a kernel event, with what the state now says about it.
+    pub(super) fn wire_event(&self, e: &estop_kernel::Event) -> Option<wire::Event> {
+        use estop_kernel::state::Status;
+        let event = match e.kind {
+            EventKind::Cancelled => wire::EventKind::Cancelled,
+            EventKind::Paused => wire::EventKind::Paused,
+            EventKind::Resumed => wire::EventKind::Resumed,
+            EventKind::Decided => wire::EventKind::Decided,
+            EventKind::Held => wire::EventKind::Held,
+            EventKind::Completed => wire::EventKind::Completed,
+            EventKind::Closed => wire::EventKind::Closed,
+            EventKind::Finalizing => wire::EventKind::Finalizing,
+            EventKind::Expired => wire::EventKind::Expired,
+            EventKind::Settled => wire::EventKind::Settled,
+            EventKind::Admitted => return None,
+        };
+        let run = self.gate.run(&e.run);
+        let effect = e.key.as_ref().and_then(|k| run?.effects.get(k));
+        let mut out = wire::Event {
+            event,
+            run: e.run.to_string(),
+            key: e.key.as_ref().map(ToString::to_string),
+            reason: None,
+            decision: None,
+            outcome: None,
+            at: self.now,
+        };
+        match e.kind {
+            EventKind::Cancelled | EventKind::Finalizing | EventKind::Closed => {
+                let stop = run.and_then(|r| r.stop.as_ref());
+                out.reason = stop
+                    .and_then(|s| s.reason.as_deref().map(str::to_string))
+                    .or_else(|| e.detail.map(str::to_string));
+            }
+            EventKind::Held => {
+                if let Some(Status::Held(reason)) = effect.map(|x| x.status) {
+                    out.reason = Some(reason.as_str().to_string());
+                }
+            }
+            EventKind::Decided => {
+                out.decision = effect.map(|x| {
+                    match x.status {
+                        Status::Refused(estop_kernel::vocab::RefusalReason::Rejected) => "reject",
+                        _ => "approve",
+                    }
+                    .to_string()
+                });
+            }
+            EventKind::Completed => {
+                out.outcome = effect
+                    .and_then(|x| x.outcome_kind())
+                    .map(|o| o.as_str().to_string());
+            }
+            EventKind::Expired => out.reason = Some("expired".into()),
+            EventKind::Paused | EventKind::Resumed | EventKind::Admitted => {}
+            EventKind::Settled => {
+                out.reason = run.map(|r| r.state.as_str().to_string());
+            }
+        }
+        Some(out)
+    }
+
+    /// Tells subscribers and wakes the waiters a change concerns. A subscriber hears only of
+    /// runs it may see (a subscription may precede the run's first admit).
+    pub(super) fn publish(&mut self, events: &[estop_kernel::Event]) {
+        let after = self.after();
+        let mut wake: Vec<RunId> = Vec::new();
+        for e in events {
+            if self.subscribers.contains_key(&e.run)
+                && let Some(event) = self.wire_event(e)
+                && let Some(subs) = self.subscribers.get_mut(&e.run)
+            {
+                // A connection that is gone, or has stopped reading its events, loses the
+                // subscription rather than growing a queue without bound.
+                let max = self.opts.event_backlog_max;
+                let shares = &mut self.subscription_shares;
+                subs.retain(|x| {
+                    let keep = !x.out.is_closed() && x.backlog.load(Ordering::Relaxed) < max;
+                    if !keep {
+                        shares.give_back(&x.principal);
+                    }
+                    keep
+                });
+                for x in subs.iter() {
+                    if self.gate.visible_run(&x.principal, &e.run).is_ok() {
+                        x.backlog.fetch_add(1, Ordering::Relaxed);
+                        let item = Out::Event {
+                            event: event.clone(),
+                            after,
+                        };
+                        self.release.send(after, &x.out, item);
+                    }
+                }
+            }
+            if e.kind.wakes_waiters() && !wake.contains(&e.run) {
+                wake.push(e.run.clone());
+            }
+        }
+        for run in wake {
+            for id in self.gate.subtree(&run) {
+                self.recheck_waiters(&id);
+            }
+        }
+    }
+
+    /// Adds a subscription; `Some(error)` when a bound is reached.
+    pub(super) fn add_subscription(&mut self, run: RunId, sub: Subscriber) -> Option<Answer> {
+        let per_run = self.opts.subscriptions_per_run_max;
+        let subs = self.subscribers.entry(run.clone()).or_default();
+        if subs.iter().any(|x| x.conn == sub.conn) {
+            return None;
+        }
+        let refused = if subs.len() >= per_run {
+            Some(format!(
+                "limit reached: subscriptions_per_run_max = {per_run}; unsubscribe from runs you no longer follow"
+            ))
+        } else {
+            self.subscription_shares.take(&sub.principal).err()
+        };
+        if let Some(m) = refused {
+            if subs.is_empty() {
+                self.subscribers.remove(&run);
+            }
+            return Some(Answer::Error(ErrorCode::LimitExceeded, m));
+        }
+        subs.push(sub);
+        None
+    }
+}

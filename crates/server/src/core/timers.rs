@@ -1,0 +1,105 @@
+//! Time-driven work of the core: deadlines and approval expiries (a `Tick` per run at its next
+//! due time), retention, and snapshots (with backoff after a failure).
+
+use super::*;
+
+impl Core {
+    pub(super) fn rearm_all_timers(&mut self) {
+        self.timers.clear();
+        self.timer_of.clear();
+        let ids: Vec<RunId> = self
+            .gate
+            .runs()
+            .filter(|(_, r)| r.stop.is_none())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ids {
+            self.rearm(&id);
+        }
+    }
+
+    pub(super) fn rearm(&mut self, run: &RunId) {
+        let next = self.gate.next_timer(run);
+        let current = self.timer_of.get(run).copied();
+        if next == current {
+            return;
+        }
+        if let Some(old) = current {
+            self.timers.remove(&(old, run.clone()));
+            self.timer_of.remove(run);
+        }
+        if let Some(at) = next {
+            self.timers.insert((at, run.clone()));
+            self.timer_of.insert(run.clone(), at);
+        }
+    }
+
+    pub(super) fn fire_timers(&mut self) {
+        let now = self.tick_clock();
+        // Deadlines and approval expiries.
+        while let Some((at, run)) = self.timers.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.timers.remove(&(at, run.clone()));
+            self.timer_of.remove(&run);
+            if self.journal.is_none() {
+                break;
+            }
+            let _ = self.apply_reply(&system_principal(), Command::Tick { run: run.clone() });
+            self.rearm(&run);
+        }
+        self.expire_waiters();
+        // Retention and snapshots.
+        if now >= self.next_compaction && self.journal.is_some() {
+            self.next_compaction = now + self.opts.compaction_period_ms();
+            let cmd = Command::Compact {
+                before: now.saturating_sub(self.opts.retention_ms),
+                tombstones_before: now.saturating_sub(self.opts.tombstone_retention_ms),
+            };
+            let _ = self.apply_reply(&system_principal(), cmd);
+        }
+        let due = self
+            .snapshot_retry
+            .is_none_or(|(at, _)| Instant::now() >= at);
+        if self.records_since_snapshot >= self.opts.snapshot_every_records && due {
+            self.snapshot();
+        }
+    }
+
+    /// Writes a snapshot of the current state (covering every record so far). A failure is
+    /// retried after a backoff (1 s, doubling up to 10 min), never on every loop: encoding the
+    /// whole state again each time would starve every client of the core.
+    pub(super) fn snapshot(&mut self) {
+        const RETRY_FIRST: Duration = Duration::from_secs(1);
+        const RETRY_MAX: Duration = Duration::from_secs(600);
+        let Some(journal) = &self.journal else { return };
+        let mut bytes = Vec::new();
+        estop_kernel::codec::encode_snapshot(&self.gate, &mut bytes);
+        let size = bytes.len();
+        match journal.snapshot(self.last_seq, bytes) {
+            Ok(()) => {
+                self.records_since_snapshot = 0;
+                self.snapshot_retry = None;
+            }
+            Err(e) => {
+                let wait = self
+                    .snapshot_retry
+                    .map_or(RETRY_FIRST, |(_, w)| (w * 2).min(RETRY_MAX));
+                self.snapshot_retry = Some((Instant::now() + wait, wait));
+                self.obs.snapshot_failed();
+                let advice = match &e {
+                    LedgerError::Options { .. } => format!(
+                        "the gate's state is {size} bytes, more than a snapshot may hold: shorten --retention so stopped runs are compacted sooner, and close finished runs"
+                    ),
+                    _ => "see the error; the disk may be full or failing".to_string(),
+                };
+                crate::log::error(&format!(
+                    "snapshot at seq {} failed: {e}; {advice}. Nothing is lost (the ledger holds every record), but recovery replays more until a snapshot succeeds; retrying in {}s",
+                    self.last_seq,
+                    wait.as_secs()
+                ));
+            }
+        }
+    }
+}
