@@ -14,6 +14,7 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, mpsc};
+use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{Semaphore, watch};
@@ -62,16 +63,39 @@ impl ServeOptions {
             connections_max: 4096,
             connections_per_principal_max: None,
             soundgate_connections_max: 1024,
-            io_threads: std::env::var("ESTOP_IO_THREADS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(1),
+            io_threads: 1,
             conn: ConnOptions::default(),
             core: CoreOptions::default(),
             limits: Limits::default(),
             ledger: LedgerOptions::default(),
             reset_tokens: false,
         }
+    }
+}
+
+impl ServeOptions {
+    /// The tuning knobs the environment may set, read once, here, at start (nothing below
+    /// `serve` reads the environment): `ESTOP_INLINE_SYNC=0` (every sync on the ledger's sync
+    /// thread), `ESTOP_CORE_SPIN_US` (how long the core watches its queue after a lone request),
+    /// `ESTOP_IO_THREADS` (threads serving connections), and in debug builds only
+    /// `ESTOP_DEBUG_PANIC_CORE_AFTER` (a planted core panic for the tests of the fatal hook).
+    pub fn with_environment(mut self) -> ServeOptions {
+        let var = |k: &str| std::env::var(k).ok();
+        if let Some(v) = var("ESTOP_INLINE_SYNC") {
+            self.core.inline_sync = v != "0";
+        }
+        if let Some(us) = var("ESTOP_CORE_SPIN_US").and_then(|v| v.parse().ok()) {
+            self.core.idle_spin = Duration::from_micros(us);
+        }
+        if let Some(n) = var("ESTOP_IO_THREADS").and_then(|v| v.parse().ok()) {
+            self.io_threads = n;
+        }
+        #[cfg(debug_assertions)]
+        {
+            self.core.planted_panic_after_records =
+                var("ESTOP_DEBUG_PANIC_CORE_AFTER").and_then(|v| v.parse().ok());
+        }
+        self
     }
 }
 
@@ -184,15 +208,7 @@ pub fn run_with(
     on_ready: impl FnOnce(&Ready),
 ) -> Result<(), ServeError> {
     crate::fatal::install_panic_hook();
-    // Debug builds only: a planted core panic for the tests of the hook above.
-    #[cfg(debug_assertions)]
-    let opts = {
-        let mut opts = opts;
-        opts.core.planted_panic_after_records = std::env::var("ESTOP_DEBUG_PANIC_CORE_AFTER")
-            .ok()
-            .and_then(|v| v.parse().ok());
-        opts
-    };
+    let opts = opts.with_environment();
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)

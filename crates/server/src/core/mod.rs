@@ -22,10 +22,11 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 mod compat;
+mod driver;
 mod queries;
 mod recovery;
 mod subscriptions;
@@ -176,6 +177,15 @@ pub enum CoreMsg {
     },
 }
 
+/// The clocks as the driver read them for one message (the core reads no clock itself).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Now {
+    /// Wall-clock Unix milliseconds (made monotonic and step-proof by the core's `Clock`).
+    pub wall_ms: u64,
+    /// Monotonic milliseconds since any fixed origin.
+    pub mono_ms: u64,
+}
+
 /// Bounds the core enforces.
 #[derive(Debug, Clone)]
 pub struct CoreOptions {
@@ -230,13 +240,8 @@ impl Default for CoreOptions {
             retention_ms: 7 * 24 * 3600 * 1000,
             tombstone_retention_ms: 28 * 24 * 3600 * 1000,
             snapshot_every_records: 1_000_000,
-            inline_sync: std::env::var("ESTOP_INLINE_SYNC").map_or(true, |v| v != "0"),
-            idle_spin: Duration::from_micros(
-                std::env::var("ESTOP_CORE_SPIN_US")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(150),
-            ),
+            inline_sync: true,
+            idle_spin: Duration::from_micros(150),
             planted_panic_after_records: None,
         }
     }
@@ -248,12 +253,6 @@ pub(crate) fn system_principal() -> Principal {
         role: Role::Operator,
         groups: Vec::new(),
     }
-}
-
-fn wall_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 pub fn kernel_error(e: &KernelError) -> (ErrorCode, String) {
@@ -293,26 +292,30 @@ pub struct Core {
     appended: u64,
     now: u64,
     clock: crate::clock::Clock,
-    /// The monotonic clock's origin for `clock`.
+    /// The driver's monotonic time (ms) at the message being handled.
+    mono: u64,
+    /// The driver's monotonic clock's origin (the core itself never reads it).
     started: Instant,
     waiters: HashMap<RunId, Vec<Waiter>>,
     /// Blocked waits, by principal (the count of all of them is `waiter_shares.total()`).
     waiter_shares: Shares,
     /// Waiters per connection that has any: a disconnect looks for its waiters only then.
     waiters_of_conn: HashMap<u64, usize>,
-    /// When some waiter of a run times out. Entries of waiters answered early go stale and are
-    /// dropped when they come due; each waiter adds at most one, so this stays bounded.
-    waiter_deadlines: BTreeSet<(Instant, RunId)>,
+    /// When (monotonic ms) some waiter of a run times out. Entries of waiters answered early go
+    /// stale and are dropped when they come due; each waiter adds at most one, so this stays
+    /// bounded.
+    waiter_deadlines: BTreeSet<(u64, RunId)>,
     subscribers: HashMap<RunId, Vec<Subscriber>>,
     /// Subscriptions, by principal.
     subscription_shares: Shares,
     timers: BTreeSet<(u64, RunId)>,
     timer_of: HashMap<RunId, u64>,
     next_compaction: u64,
-    /// After a failed snapshot: when the next may be tried, and the wait after that one.
-    snapshot_retry: Option<(Instant, Duration)>,
-    /// While the ledger is down, recovery is attempted at most this often.
-    next_recovery: Instant,
+    /// After a failed snapshot: when (monotonic ms) the next may be tried, and the wait after
+    /// that one.
+    snapshot_retry: Option<(u64, Duration)>,
+    /// While the ledger is down: when (monotonic ms) recovery may be tried again.
+    next_recovery: u64,
     opts: CoreOptions,
     buf: Vec<u8>,
     /// The console's feed and the metrics counters.
@@ -352,6 +355,7 @@ impl Core {
             appended: 0,
             now: 0,
             clock: crate::clock::Clock::default(),
+            mono: 0,
             started: Instant::now(),
             waiters: HashMap::new(),
             waiter_shares: Shares::new("waiters", opts.waiters),
@@ -363,7 +367,7 @@ impl Core {
             timer_of: HashMap::new(),
             next_compaction: 0,
             snapshot_retry: None,
-            next_recovery: Instant::now(),
+            next_recovery: 0,
             opts,
             buf: Vec::with_capacity(1024),
             obs: crate::observe::Observer::default(),
@@ -383,85 +387,12 @@ impl Core {
         }
     }
 
-    /// The gate's time now (`clock::Clock`: monotonic, not pushed ahead by one bad reading of
-    /// the wall clock).
-    fn tick_clock(&mut self) -> u64 {
-        let mono = self.started.elapsed().as_millis() as u64;
-        self.now = self.clock.read(wall_ms(), mono);
-        self.now
-    }
-
-    /// Runs the core until shutdown. `rx` is the only way in.
-    pub fn run(mut self, rx: mpsc::Receiver<CoreMsg>) {
-        let mut lone_synced = false;
-        loop {
-            // A client that sends one request at a time sends its next one within tens of µs
-            // of its reply, which the core has just written itself (after an inline sync):
-            // watching the queue that long spares the next request a wakeup of the core
-            // (15–30 µs on a VM). Only then, so under load the core never burns CPU the IO
-            // thread needs.
-            let spin = if lone_synced {
-                self.opts.idle_spin
-            } else {
-                Duration::ZERO
-            };
-            let Some(msg) = self.next_message(&rx, spin) else {
-                return; // Every sender is gone.
-            };
-            let mut handled = 0;
-            if let Some(msg) = msg {
-                handled += 1;
-                if self.handle(msg) {
-                    return;
-                }
-                // Drain what else is queued before doing timer work: batching keeps the sync
-                // thread's group commits large under load.
-                while let Ok(msg) = rx.try_recv() {
-                    handled += 1;
-                    if self.handle(msg) {
-                        return;
-                    }
-                }
-            }
-            self.fire_timers();
-            if self.journal.is_none() && Instant::now() >= self.next_recovery {
-                self.recover();
-            }
-            let synced_here = self.commit() == Some(true);
-            lone_synced = synced_here && handled == 1;
-        }
-    }
-
-    /// The next message, after watching the queue for up to `spin` first; `Some(None)` when a
-    /// timer is due first; `None` when every sender is gone.
-    fn next_message(
-        &mut self,
-        rx: &mpsc::Receiver<CoreMsg>,
-        spin: Duration,
-    ) -> Option<Option<CoreMsg>> {
-        if !spin.is_zero() {
-            let until = Instant::now() + spin;
-            loop {
-                match rx.try_recv() {
-                    Ok(m) => return Some(Some(m)),
-                    Err(mpsc::TryRecvError::Disconnected) => return None,
-                    Err(mpsc::TryRecvError::Empty) if Instant::now() < until => {
-                        std::hint::spin_loop();
-                    }
-                    Err(mpsc::TryRecvError::Empty) => break,
-                }
-            }
-        }
-        let (at, now) = self.next_wakeup();
-        let timeout = at.map(|at| Duration::from_millis(at.saturating_sub(now)));
-        match timeout {
-            Some(t) => match rx.recv_timeout(t) {
-                Ok(m) => Some(Some(m)),
-                Err(mpsc::RecvTimeoutError::Timeout) => Some(None),
-                Err(mpsc::RecvTimeoutError::Disconnected) => None,
-            },
-            None => rx.recv().ok().map(Some),
-        }
+    /// Takes the driver's reading of the clocks: the gate's time (`clock::Clock`: monotonic,
+    /// not pushed ahead by one bad reading of the wall clock) and the monotonic time that
+    /// waits, backoffs and retries are measured in.
+    fn at(&mut self, now: Now) {
+        self.mono = self.mono.max(now.mono_ms);
+        self.now = self.clock.read(now.wall_ms, self.mono);
     }
 
     /// Syncs the burst just applied. Under light load — this burst and the last sync each
@@ -470,8 +401,9 @@ impl Core {
     /// handoffs less for a lone request (to the sync thread, and back to the IO thread), and
     /// nothing else is waiting for the core meanwhile. Under load the sync thread syncs while the core goes on applying
     /// the next burst (pipelining: were the core to sync, the disk would idle while it applies).
-    /// Returns whether it synced the burst itself (`None`: nothing to commit).
-    fn commit(&mut self) -> Option<bool> {
+    /// Returns whether it synced the burst itself (`None`: nothing to commit). The driver
+    /// calls it at the end of each burst of messages.
+    pub fn commit(&mut self) -> Option<bool> {
         const INLINE_SYNC_RECORDS_MAX: u64 = 2;
         let burst = self.last_seq.saturating_sub(self.committed_seq);
         if burst == 0 {
@@ -492,25 +424,38 @@ impl Core {
         Some(synced_here)
     }
 
-    /// When (gate time) the core must wake next, and the gate time now.
-    fn next_wakeup(&mut self) -> (Option<u64>, u64) {
-        let now = self.tick_clock();
-        let timer = self.timers.first().map(|(at, _)| *at);
+    /// How long from `now` until the core has timer work to do (deadlines and expiries,
+    /// waits that end, retention, a recovery attempt); `None`: nothing but messages.
+    pub fn next_timeout(&mut self, now: Now) -> Option<Duration> {
+        self.at(now);
+        let (gate_now, mono) = (self.now, self.mono);
+        let timer = self
+            .timers
+            .first()
+            .map(|(at, _)| at.saturating_sub(gate_now));
         let waiter = self
             .waiter_deadlines
             .first()
-            .map(|(d, _)| now + d.saturating_duration_since(Instant::now()).as_millis() as u64);
-        let compaction = Some(self.next_compaction.max(now + COMPACTION_PERIOD_MIN_MS));
-        let recovery = self.journal.is_none().then(|| now + 1000);
-        let at = [timer, waiter, compaction, recovery]
+            .map(|(d, _)| d.saturating_sub(mono));
+        let compaction = Some(
+            self.next_compaction
+                .saturating_sub(gate_now)
+                .max(COMPACTION_PERIOD_MIN_MS),
+        );
+        let recovery = self
+            .journal
+            .is_none()
+            .then(|| self.next_recovery.saturating_sub(mono));
+        [timer, waiter, compaction, recovery]
             .into_iter()
             .flatten()
-            .min();
-        (at, now)
+            .min()
+            .map(Duration::from_millis)
     }
 
-    /// Handles one message; returns true to stop.
-    fn handle(&mut self, msg: CoreMsg) -> bool {
+    /// Handles one message at `now`; returns true to stop.
+    pub fn handle(&mut self, now: Now, msg: CoreMsg) -> bool {
+        self.at(now);
         match msg {
             CoreMsg::Apply { principal, cmd, to } => {
                 let answer = self.apply(&principal, cmd);
@@ -615,7 +560,7 @@ impl Core {
         if self.journal.is_none() {
             return Err(unavailable());
         }
-        let now = self.tick_clock();
+        let now = self.now;
         let applied = self.gate.apply(now, principal, &cmd).map_err(|e| {
             let (c, m) = kernel_error(&e);
             Answer::Error(c, m)

@@ -72,7 +72,7 @@ impl Core {
     /// rebuilds the state from disk. Retried every second until the disk is back.
     pub(super) fn recover(&mut self) {
         // Each attempt re-reads the ledger: never more than once a second while the disk is down.
-        self.next_recovery = Instant::now() + Duration::from_secs(1);
+        self.next_recovery = self.mono + 1000;
         let durable = self.durable_tx.borrow().seq;
         let opened = match (self.open)(Some(durable)) {
             Ok(o) => o,

@@ -34,8 +34,11 @@ impl Core {
         }
     }
 
-    pub(super) fn fire_timers(&mut self) {
-        let now = self.tick_clock();
+    /// Timer work due at `now`: deadlines and expiries, waits that end, retention, snapshots,
+    /// and a recovery attempt while the ledger is down.
+    pub fn fire_timers(&mut self, now: Now) {
+        self.at(now);
+        let now = self.now;
         // Deadlines and approval expiries.
         while let Some((at, run)) = self.timers.first().cloned() {
             if at > now {
@@ -59,11 +62,12 @@ impl Core {
             };
             let _ = self.apply_reply(&system_principal(), cmd);
         }
-        let due = self
-            .snapshot_retry
-            .is_none_or(|(at, _)| Instant::now() >= at);
+        let due = self.snapshot_retry.is_none_or(|(at, _)| self.mono >= at);
         if self.records_since_snapshot >= self.opts.snapshot_every_records && due {
             self.snapshot();
+        }
+        if self.journal.is_none() && self.mono >= self.next_recovery {
+            self.recover();
         }
     }
 
@@ -86,7 +90,7 @@ impl Core {
                 let wait = self
                     .snapshot_retry
                     .map_or(RETRY_FIRST, |(_, w)| (w * 2).min(RETRY_MAX));
-                self.snapshot_retry = Some((Instant::now() + wait, wait));
+                self.snapshot_retry = Some((self.mono + wait.as_millis() as u64, wait));
                 self.obs.snapshot_failed();
                 let advice = match &e {
                     LedgerError::Options { .. } => format!(

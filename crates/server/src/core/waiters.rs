@@ -6,7 +6,8 @@ use super::*;
 pub(super) struct Waiter {
     pub(super) principal: Principal,
     pub(super) key: EffectKey,
-    pub(super) deadline: Instant,
+    /// Monotonic ms.
+    pub(super) deadline: u64,
     pub(super) conn: u64,
     pub(super) to: ReplyTo,
 }
@@ -30,7 +31,7 @@ impl Core {
                     // A parked wait is a small waiter, not its request line.
                     to.charge = None;
                     *self.waiters_of_conn.entry(conn).or_default() += 1;
-                    let deadline = Instant::now() + timeout;
+                    let deadline = self.mono.saturating_add(timeout.as_millis() as u64);
                     self.waiter_deadlines.insert((deadline, run.clone()));
                     self.waiters.entry(run).or_default().push(Waiter {
                         principal,
@@ -132,7 +133,7 @@ impl Core {
     pub(super) fn expire_waiters(&mut self) {
         let mut expired: Vec<RunId> = Vec::new();
         while let Some((at, _)) = self.waiter_deadlines.first() {
-            if *at > Instant::now() {
+            if *at > self.mono {
                 break;
             }
             if let Some((_, run)) = self.waiter_deadlines.pop_first()
@@ -146,7 +147,7 @@ impl Core {
                 continue;
             };
             let (due, keep): (Vec<_>, Vec<_>) =
-                list.into_iter().partition(|w| w.deadline <= Instant::now());
+                list.into_iter().partition(|w| w.deadline <= self.mono);
             if !keep.is_empty() {
                 self.waiters.insert(run.clone(), keep);
             }
