@@ -85,6 +85,17 @@ struct Owner {
 
 impl Drop for Owner {
     fn drop(&mut self) {
+        if self.shared.options.caller_syncs {
+            // No thread: the last handle syncs what is buffered itself.
+            let mut st = self.shared.lock();
+            st.closing = true;
+            if !st.buf.is_empty() && !st.syncing && st.failed.is_none() {
+                let (batch, last_seq) = take_batch(&mut st);
+                drop(st);
+                sync_batch(&self.shared, batch, last_seq);
+            }
+            return;
+        }
         // The last handle: sync what is buffered, then stop the thread.
         let idle = {
             let mut st = self.shared.lock();
@@ -134,7 +145,8 @@ pub(crate) fn spawn(
             buf: Vec::with_capacity(options.buffer_bytes_max.min(1 << 20)),
             spare: Vec::with_capacity(options.buffer_bytes_max.min(1 << 20)),
             next_seq,
-            sync_idle: false,
+            // Without a sync thread the caller always finds the syncer idle: it syncs itself.
+            sync_idle: options.caller_syncs,
             syncing: false,
             last_batch_records: 0,
             waiters: 0,
@@ -154,15 +166,21 @@ pub(crate) fn spawn(
         notify,
         snapshot_lock: Mutex::new(()),
     });
-    let thread_shared = shared.clone();
-    let thread = std::thread::Builder::new()
-        .name(SYNC_THREAD_NAME.to_owned())
-        .spawn(move || sync_loop(&thread_shared))
-        .map_err(|e| LedgerError::io("spawn sync thread", "", e))?;
+    let thread = if shared.options.caller_syncs {
+        None
+    } else {
+        let thread_shared = shared.clone();
+        Some(
+            std::thread::Builder::new()
+                .name(SYNC_THREAD_NAME.to_owned())
+                .spawn(move || sync_loop(&thread_shared))
+                .map_err(|e| LedgerError::io("spawn sync thread", "", e))?,
+        )
+    };
     Ok(Committer {
         owner: Arc::new(Owner {
             shared,
-            thread: Mutex::new(Some(thread)),
+            thread: Mutex::new(thread),
         }),
     })
 }
@@ -344,14 +362,15 @@ impl Committer {
     /// thread — one thread handoff less per commit, for when nothing else would use the time —
     /// and returns once that sync is done; the outcome reaches `notify` and `durable()` exactly
     /// as from the sync thread. Otherwise it wakes the sync thread and returns at once.
-    /// Returns whether the sync ran on the caller's thread.
+    /// Returns whether the sync ran on the caller's thread. With `caller_syncs` every commit
+    /// is inline.
     pub fn commit(&self, inline: bool) -> bool {
         let sh = self.shared();
         let mut st = sh.lock();
         if st.buf.is_empty() || st.syncing || !st.sync_idle || st.failed.is_some() {
             return false;
         }
-        if inline {
+        if inline || sh.options.caller_syncs {
             let (batch, last_seq) = take_batch(&mut st);
             drop(st);
             sync_batch(sh, batch, last_seq);
@@ -393,6 +412,15 @@ impl Committer {
             seq < st.next_seq,
             "wait_durable({seq}) for a seq never appended"
         );
+        if sh.options.caller_syncs {
+            // The commit above synced on this thread, or the committer failed (or closed): no
+            // one else would ever make `seq` durable.
+            return if sh.durable.load(Ordering::Acquire) >= seq {
+                Ok(())
+            } else {
+                Err(st.failed.clone().unwrap_or(LedgerError::Closed))
+            };
+        }
         loop {
             if sh.durable.load(Ordering::Acquire) >= seq {
                 return Ok(());

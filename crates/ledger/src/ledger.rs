@@ -36,6 +36,10 @@ pub struct LedgerOptions {
     pub discard_after: Option<u64>,
     /// Where the sync thread reports each group commit's latency and size (metrics).
     pub sync_stats: crate::stats::SyncObserver,
+    /// No sync thread: every sync runs on the thread that commits, waits or flushes, so one
+    /// thread drives the whole pipeline (append, fdatasync, notify) in a deterministic order —
+    /// for the simulation that runs the shipped core on a crash-simulating disk. Off by default.
+    pub caller_syncs: bool,
 }
 
 impl Default for LedgerOptions {
@@ -49,6 +53,7 @@ impl Default for LedgerOptions {
             snapshots_keep: 2,
             discard_after: None,
             sync_stats: crate::stats::SyncObserver::default(),
+            caller_syncs: false,
         }
     }
 }

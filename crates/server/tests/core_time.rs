@@ -1,7 +1,9 @@
 //! Time is an input of the core (issue 12, first step of a sans-IO core): the test drives
 //! `Core::handle(now, msg)` and `Core::fire_timers(now)` with clocks it makes up — no sleep, no
-//! thread of the core's own — and a wait ends exactly when its time is up, an approval expires
-//! exactly at its expiry, and one wall-clock reading a year ahead changes nothing.
+//! thread of the core's own, and the ledger syncing on the test's thread (`caller_syncs`), so
+//! every step is deterministic: a reply is out only after the commit that makes it durable, a
+//! wait ends exactly when its time is up, an approval expires exactly at its expiry, and one
+//! wall-clock reading a year ahead changes nothing.
 
 use estop_kernel::vocab::{EffectClass, PolicyAction, Reversibility};
 use estop_kernel::{
@@ -60,17 +62,14 @@ fn core() -> Core {
             &Limits::default(),
             LedgerOptions {
                 discard_after,
+                // No sync thread: every step runs, and releases, on this test's thread.
+                caller_syncs: true,
                 ..LedgerOptions::default()
             },
         )
     });
     let (tx, _rx) = mpsc::channel();
-    // Syncs on the caller's thread, so what a step releases is out when the step returns.
-    let opts = CoreOptions {
-        inline_sync: true,
-        ..CoreOptions::default()
-    };
-    Core::new(opts, Arc::new(durable_tx), open, tx).unwrap()
+    Core::new(CoreOptions::default(), Arc::new(durable_tx), open, tx).unwrap()
 }
 
 fn at(wall_ms: u64, mono_ms: u64) -> Now {
@@ -110,12 +109,11 @@ fn a_wait_ends_exactly_when_its_time_is_up_on_the_clock_it_is_given() {
         to: reply_to(&tx, 1),
     };
     assert!(!c.handle(at(T0, 0), apply));
+    // Nothing is out before its record is durable; the commit syncs here and releases it.
+    assert!(drain(&mut rx).is_empty(), "a reply before its fdatasync");
     c.commit();
-    // Released once its record is durable (here or by the ledger's sync thread).
-    match rx.blocking_recv() {
-        Some(Out::Answer { answer, .. }) => assert!(is_held(&answer), "{answer:?}"),
-        other => panic!("{other:?}"),
-    }
+    let first = drain(&mut rx);
+    assert!(first.len() == 1 && is_held(&first[0].1), "{first:?}");
     let wait = CoreMsg::Wait {
         principal: agent(),
         run: RunId::new("r").unwrap(),

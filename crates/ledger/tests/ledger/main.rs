@@ -2,6 +2,7 @@
 //! fail-closed recovery, group commit, snapshots, preallocation, and a seeded randomized crash test.
 
 mod basic;
+mod caller_syncs;
 mod common;
 mod concurrent;
 mod corruption;
