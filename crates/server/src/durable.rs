@@ -91,6 +91,9 @@ struct ReleaseInner {
     /// A thread is handing released items over (outside the lock): no item may overtake them,
     /// and it takes whatever else becomes durable before it stops.
     delivering: bool,
+    /// A planted bug for the tests that must catch it (off unless `plant_early_release`): a
+    /// reply waits for one record less than it depends on.
+    planted_early: bool,
 }
 
 impl Release {
@@ -110,7 +113,8 @@ impl Release {
     pub fn send(&self, after: After, out: &Outbox, item: Out) {
         let mut g = self.lock();
         let current = after.generation == g.generation;
-        let mut pending = current && after.seq > g.durable;
+        let slack = u64::from(g.planted_early);
+        let mut pending = current && after.seq > g.durable + slack;
         let item = if pending && g.failed {
             // It depends on a record that was lost with the failed generation.
             pending = false;
@@ -135,6 +139,13 @@ impl Release {
                 let _ = out.send(item);
             }
         }
+    }
+
+    /// Plants a bug, for the simulation's test that it bites: from now on a reply is released
+    /// one record before the fdatasync it depends on. Never called by the daemon.
+    #[doc(hidden)]
+    pub fn plant_early_release(&self) {
+        self.lock().planted_early = true;
     }
 
     /// Called after each fdatasync, on the thread that ran it: notes how far the ledger is

@@ -5,6 +5,8 @@
 //! * [`diff`] — differential conformance of kernel and model over seeded random traces.
 //! * [`check`] — a bounded, exhaustive model checker of the kernel with trace properties
 //!   (G1–G5) and crash + recovery through the real ledger.
+//! * [`shipped`] — the shipped path (the daemon's core, committer and reply release) driven on
+//!   one thread under power loss and disk faults, with an auditor of everything acknowledged.
 //! * [`sim`] — a deterministic simulation of kernel + ledger + group commit + request handling
 //!   with a simulated clock, many clients, crashes and disk faults, and an auditor.
 //!
@@ -15,6 +17,8 @@ pub mod check;
 pub mod diff;
 pub mod model;
 pub mod rng;
+#[cfg(feature = "server")]
+pub mod shipped;
 #[cfg(feature = "server")]
 pub mod sim;
 pub mod world;

@@ -215,6 +215,9 @@ pub struct CoreOptions {
     /// appended this many records. Set only by debug builds (`ESTOP_DEBUG_PANIC_CORE_AFTER`,
     /// read in `serve`); `None` in every release build.
     pub planted_panic_after_records: Option<u64>,
+    /// A planted bug for the simulation's test that it bites: replies released one record
+    /// before their fdatasync (`durable::Release::plant_early_release`). Never set by `serve`.
+    pub planted_early_release: bool,
 }
 
 /// Retention runs at most this often, and at least as often as `COMPACTION_PERIOD_MAX_MS`.
@@ -243,6 +246,7 @@ impl Default for CoreOptions {
             inline_sync: true,
             idle_spin: Duration::from_micros(150),
             planted_panic_after_records: None,
+            planted_early_release: false,
         }
     }
 }
@@ -339,6 +343,9 @@ impl Core {
             s.failed = false;
         });
         let release = Arc::new(crate::durable::Release::default());
+        if opts.planted_early_release {
+            release.plant_early_release();
+        }
         release.start(0, last_seq);
         let journal = Journal::start(opened.ledger, notifier(&durable_tx, &release, 0, &self_tx))?;
         let mut core = Core {
