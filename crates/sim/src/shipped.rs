@@ -1,8 +1,8 @@
 //! The shipped path under power loss: the daemon's own core (`estop_server::core::Core`), its
 //! own committer (`estop_ledger::Committer`, syncing on the caller: `caller_syncs`) and its own
 //! reply release (`durable::Release` → `Outbox`), driven step by step on one thread by a seeded
-//! world of clients, a clock, and a crash-simulating disk (power loss with torn writes, failed
-//! writes and fsyncs). An auditor checks, after every recovery and at the end, that everything a
+//! world of clients, a clock, and a crash-simulating disk (power loss with torn writes, kill -9,
+//! failed writes and fsyncs, a full disk). An auditor checks, after every recovery and at the end, that everything a
 //! client was told is still true: an admission, a hold, a cancel, an approval that was
 //! acknowledged survives any crash (G6). No copy of the pipeline: what runs is what ships.
 //!
@@ -36,9 +36,15 @@ pub struct ShippedReport {
     pub requests: u64,
     pub acked: u64,
     pub power_losses: u64,
+    /// The process killed (kill -9): what was written stays in the page cache.
+    pub kills: u64,
+    /// Steps begun with the disk full.
+    pub disk_full: u64,
     pub failed_syncs: u64,
     pub failed_writes: u64,
     pub recoveries: u64,
+    /// Starts that failed on a fault of their own (and were started again).
+    pub failed_starts: u64,
 }
 
 /// A request a client is waiting on, by id.
@@ -80,6 +86,7 @@ pub struct ShippedWorld {
     next_id: u64,
     next_key: u64,
     mono: u64,
+    storage_full: bool,
     acked: Acked,
     report: ShippedReport,
 }
@@ -151,6 +158,7 @@ impl ShippedWorld {
             next_id: 1,
             next_key: 0,
             mono: 0,
+            storage_full: false,
             acked: Acked::default(),
             report: ShippedReport {
                 seed,
@@ -168,17 +176,36 @@ impl ShippedWorld {
         }
     }
 
-    /// Starts a core on what the disk holds (after a power loss: recovery).
+    /// Starts a core on what the disk holds (after a crash: recovery). A start can fail on a
+    /// fault of its own (an injected failed sync, a full disk): the daemon would exit and its
+    /// supervisor start it again, so the world heals the disk and starts again; a start that
+    /// keeps failing is a finding.
     fn boot(&mut self) {
-        let (durable_tx, _) = watch::channel(DurableState::default());
-        let core = Core::new(
-            self.opts.clone(),
-            Arc::new(durable_tx),
-            open_fn(Arc::clone(&self.storage)),
-            self.self_tx.clone(),
-        )
-        .expect("the ledger recovers after any crash");
-        self.core = Some(core);
+        let mut last = None;
+        for _ in 0..3 {
+            let (durable_tx, _) = watch::channel(DurableState::default());
+            match Core::new(
+                self.opts.clone(),
+                Arc::new(durable_tx),
+                open_fn(Arc::clone(&self.storage)),
+                self.self_tx.clone(),
+            ) {
+                Ok(core) => {
+                    self.core = Some(core);
+                    return;
+                }
+                Err(e) => {
+                    self.report.failed_starts += 1;
+                    self.storage.set_space_left(None);
+                    self.storage_full = false;
+                    last = Some(e);
+                }
+            }
+        }
+        panic!(
+            "seed {}: the ledger does not recover after a crash: {last:?}",
+            self.report.seed
+        );
     }
 
     fn core(&mut self) -> &mut Core {
@@ -343,23 +370,37 @@ impl ShippedWorld {
 
     /// Power loss: unsynced writes are lost (torn), the process is gone; then recovery.
     fn power_loss(&mut self) -> Result<(), String> {
+        self.report.power_losses += 1;
+        self.restart(true, "after a power loss")
+    }
+
+    /// kill -9: the process is gone, what it wrote stays (the page cache survives); then
+    /// recovery.
+    fn kill(&mut self) -> Result<(), String> {
+        self.report.kills += 1;
+        self.restart(false, "after kill -9")
+    }
+
+    fn restart(&mut self, power_loss: bool, when: &str) -> Result<(), String> {
         self.collect();
         // The process dies with everything in flight: no handle syncs on its way out.
         std::mem::forget(self.core.take());
-        self.storage.crash();
-        self.report.power_losses += 1;
+        if power_loss {
+            self.storage.crash();
+        }
         for c in &mut self.clients {
             c.asked.clear();
             while c.rx.try_recv().is_ok() {}
         }
         self.boot();
         self.report.recoveries += 1;
-        self.audit("after a power loss")
+        self.audit(when)
     }
 
     /// One step of the world.
     fn step(&mut self) -> Result<(), String> {
         self.report.steps += 1;
+        self.report.disk_full += u64::from(self.storage_full);
         self.mono += self.rng.below(5);
         let client = self.rng.index(self.clients.len());
         match self.rng.below(100) {
@@ -380,7 +421,15 @@ impl ShippedWorld {
                 self.storage.fail_next_write();
                 self.report.failed_writes += 1;
             }
-            91..=93 => return self.power_loss(),
+            91..=92 => return self.power_loss(),
+            93 => return self.kill(),
+            94 => {
+                // The disk fills up for a while: changes fail closed until it frees.
+                let full = self.storage_full;
+                self.storage
+                    .set_space_left(if full { None } else { Some(0) });
+                self.storage_full = !full;
+            }
             _ => {
                 let now = self.now();
                 self.core().fire_timers(now);
@@ -406,6 +455,9 @@ pub fn run_seed(
     for _ in 0..steps {
         w.step()?;
     }
+    // Heal, and check the last word after one more power loss.
+    w.storage.set_space_left(None);
+    w.storage_full = false;
     w.power_loss()?;
     Ok(w.report)
 }

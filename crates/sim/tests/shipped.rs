@@ -25,6 +25,8 @@ fn the_shipped_path_keeps_everything_acknowledged_across_power_loss() {
         total.requests += r.requests;
         total.acked += r.acked;
         total.power_losses += r.power_losses;
+        total.kills += r.kills;
+        total.disk_full += r.disk_full;
         total.failed_syncs += r.failed_syncs;
         total.failed_writes += r.failed_writes;
         total.recoveries += r.recoveries;
