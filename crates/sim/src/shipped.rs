@@ -26,6 +26,16 @@ use std::sync::{Arc, mpsc};
 use tokio::sync::{mpsc as tmpsc, watch};
 
 const RUNS: [&str; 4] = ["r0", "r1", "r2", "r3"];
+
+/// A bug planted in the shipped code for a run (the tests show the auditor catches each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Planted {
+    None,
+    /// Replies released one record before their fdatasync.
+    EarlyRelease,
+    /// A connection's waits kept after it disconnects.
+    WaiterLeak,
+}
 const WALL0: u64 = 1_800_000_000_000;
 
 /// What one seed did.
@@ -72,6 +82,8 @@ struct Client {
     tx: tmpsc::UnboundedSender<Out>,
     rx: tmpsc::UnboundedReceiver<Out>,
     asked: BTreeMap<u64, Asked>,
+    /// Its connection's id (a new one after each reconnect).
+    conn: u64,
 }
 
 pub struct ShippedWorld {
@@ -127,23 +139,25 @@ fn open_fn(storage: Arc<CrashStorage>) -> OpenFn {
 }
 
 impl ShippedWorld {
-    pub fn new(seed: u64, planted_early_release: bool) -> ShippedWorld {
+    pub fn new(seed: u64, planted: Planted) -> ShippedWorld {
         let mut rng = Rng::new(seed);
         let storage = Arc::new(CrashStorage::new(rng.next_u64()));
         storage.set_torn_writes(true);
         let opts = CoreOptions {
-            planted_early_release,
+            planted_early_release: planted == Planted::EarlyRelease,
+            planted_waiter_leak: planted == Planted::WaiterLeak,
             snapshot_every_records: 50,
             ..CoreOptions::default()
         };
         let (self_tx, self_rx) = mpsc::channel();
         let clients = (0..3)
-            .map(|_| {
+            .map(|i| {
                 let (tx, rx) = tmpsc::unbounded_channel();
                 Client {
                     tx,
                     rx,
                     asked: BTreeMap::new(),
+                    conn: i,
                 }
             })
             .collect();
@@ -271,6 +285,62 @@ impl ShippedWorld {
             reason: None,
         };
         self.send(client, admin(), cmd, Asked::Approve { run, key });
+    }
+
+    /// A long `wait` on an effect held for approval: parked in the core.
+    fn wait(&mut self, client: usize) {
+        if self.acked.held.is_empty() {
+            return;
+        }
+        let pick = self.rng.index(self.acked.held.len());
+        let Some((run, key)) = self.acked.held.iter().nth(pick).cloned() else {
+            return;
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        let to = ReplyTo {
+            out: self.clients[client].tx.clone().into(),
+            id: Id::from_u64(id),
+            charge: None,
+        };
+        self.report.requests += 1;
+        let msg = CoreMsg::Wait {
+            principal: agent(),
+            run: RunId::new(run).expect("valid"),
+            key: EffectKey::new(&key).expect("valid"),
+            timeout: std::time::Duration::from_secs(3_600),
+            conn: self.clients[client].conn,
+            to,
+        };
+        let now = self.now();
+        self.core().handle(now, msg);
+    }
+
+    /// The client's connection goes; it comes back as a new one.
+    fn reconnect(&mut self, client: usize) {
+        let conn = self.clients[client].conn;
+        let now = self.now();
+        self.core().handle(now, CoreMsg::Disconnect { conn });
+        self.clients[client].conn += 1_000;
+        self.clients[client].asked.clear();
+    }
+
+    /// Every client disconnects: the core must hold no wait of theirs.
+    fn all_leave(&mut self) -> Result<(), String> {
+        for c in 0..self.clients.len() {
+            self.reconnect(c);
+        }
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let now = self.now();
+        self.core().handle(now, CoreMsg::Stats { reply: tx });
+        let stats = rx.try_recv().map_err(|e| format!("no stats: {e}"))?;
+        if stats.waiters != 0 {
+            return Err(format!(
+                "seed {}: every connection is gone, the core still holds {} waits",
+                self.report.seed, stats.waiters
+            ));
+        }
+        Ok(())
     }
 
     fn cancel(&mut self, client: usize) {
@@ -405,8 +475,10 @@ impl ShippedWorld {
         let client = self.rng.index(self.clients.len());
         match self.rng.below(100) {
             0..=44 => self.admit(client),
-            45..=54 => self.approve(client),
-            55..=59 => self.cancel(client),
+            45..=47 => self.approve(client),
+            48..=51 => self.cancel(client),
+            52..=57 => self.wait(client),
+            58..=59 => self.reconnect(client),
             60..=84 => {
                 let now = self.now();
                 let core = self.core();
@@ -446,15 +518,12 @@ impl ShippedWorld {
 }
 
 /// Runs one seed for `steps` steps; `Err` says what the auditor found.
-pub fn run_seed(
-    seed: u64,
-    steps: u64,
-    planted_early_release: bool,
-) -> Result<ShippedReport, String> {
-    let mut w = ShippedWorld::new(seed, planted_early_release);
+pub fn run_seed(seed: u64, steps: u64, planted: Planted) -> Result<ShippedReport, String> {
+    let mut w = ShippedWorld::new(seed, planted);
     for _ in 0..steps {
         w.step()?;
     }
+    w.all_leave()?;
     // Heal, and check the last word after one more power loss.
     w.storage.set_space_left(None);
     w.storage_full = false;

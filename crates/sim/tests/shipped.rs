@@ -4,7 +4,7 @@
 //! one seed with `ESTOP_SHIPPED_SEED=<n>`; more with `ESTOP_SHIPPED_SEEDS=<count>`.
 
 use estop_sim::rng::env_u64;
-use estop_sim::shipped::{ShippedReport, run_seed};
+use estop_sim::shipped::{Planted, ShippedReport, run_seed};
 
 fn steps() -> u64 {
     env_u64("ESTOP_SHIPPED_STEPS").unwrap_or(2_000)
@@ -13,14 +13,14 @@ fn steps() -> u64 {
 #[test]
 fn the_shipped_path_keeps_everything_acknowledged_across_power_loss() {
     if let Some(seed) = env_u64("ESTOP_SHIPPED_SEED") {
-        let r = run_seed(seed, steps(), false).unwrap_or_else(|e| panic!("{e}"));
+        let r = run_seed(seed, steps(), Planted::None).unwrap_or_else(|e| panic!("{e}"));
         println!("{r:?}");
         return;
     }
     let seeds = env_u64("ESTOP_SHIPPED_SEEDS").unwrap_or(60);
     let mut total = ShippedReport::default();
     for seed in 0..seeds {
-        let r = run_seed(seed, steps(), false).unwrap_or_else(|e| panic!("{e}"));
+        let r = run_seed(seed, steps(), Planted::None).unwrap_or_else(|e| panic!("{e}"));
         total.steps += r.steps;
         total.requests += r.requests;
         total.acked += r.acked;
@@ -44,9 +44,19 @@ fn the_shipped_path_keeps_everything_acknowledged_across_power_loss() {
 #[test]
 fn a_reply_released_one_record_before_its_fdatasync_is_caught() {
     let seeds = env_u64("ESTOP_SHIPPED_SEEDS").unwrap_or(60);
-    let caught = (0..seeds).find_map(|seed| run_seed(seed, steps(), true).err());
+    let caught = (0..seeds).find_map(|seed| run_seed(seed, steps(), Planted::EarlyRelease).err());
     let e = caught
         .unwrap_or_else(|| panic!("the planted early release went unnoticed in {seeds} seeds"));
     println!("caught: {e}");
     assert!(e.contains("acknowledged"), "{e}");
+}
+
+#[test]
+fn a_wait_kept_after_its_connection_is_gone_is_caught() {
+    let seeds = env_u64("ESTOP_SHIPPED_SEEDS").unwrap_or(60);
+    let caught = (0..seeds).find_map(|seed| run_seed(seed, steps(), Planted::WaiterLeak).err());
+    let e =
+        caught.unwrap_or_else(|| panic!("the planted waiter leak went unnoticed in {seeds} seeds"));
+    println!("caught: {e}");
+    assert!(e.contains("still holds"), "{e}");
 }

@@ -218,6 +218,9 @@ pub struct CoreOptions {
     /// A planted bug for the simulation's test that it bites: replies released one record
     /// before their fdatasync (`durable::Release::plant_early_release`). Never set by `serve`.
     pub planted_early_release: bool,
+    /// A planted bug for the simulation's test that it bites: a connection's waits are kept
+    /// when it disconnects. Never set by `serve`.
+    pub planted_waiter_leak: bool,
 }
 
 /// Retention runs at most this often, and at least as often as `COMPACTION_PERIOD_MAX_MS`.
@@ -247,6 +250,7 @@ impl Default for CoreOptions {
             idle_spin: Duration::from_micros(150),
             planted_panic_after_records: None,
             planted_early_release: false,
+            planted_waiter_leak: false,
         }
     }
 }

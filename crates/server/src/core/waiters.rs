@@ -114,6 +114,9 @@ impl Core {
 
     /// The waits of a connection that is gone end with it.
     pub(super) fn disconnect_waiters(&mut self, conn: u64) {
+        if self.opts.planted_waiter_leak {
+            return;
+        }
         if self.waiters_of_conn.remove(&conn).is_some() {
             let shares = &mut self.waiter_shares;
             self.waiters.retain(|_, ws| {
