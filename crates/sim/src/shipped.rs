@@ -4,7 +4,8 @@
 //! world of clients, a clock, and a crash-simulating disk (power loss with torn writes, kill -9,
 //! failed writes and fsyncs, a full disk). An auditor checks, after every recovery and at the end, that everything a
 //! client was told is still true: an admission, a hold, a cancel, an approval that was
-//! acknowledged survives any crash (G6). No copy of the pipeline: what runs is what ships.
+//! acknowledged survives any crash (G6). No copy of the pipeline: what runs is what ships. How
+//! often each step and fault happens is drawn per seed (swarm testing).
 //!
 //! A planted bug (`CoreOptions::planted_early_release`: replies released one record before
 //! their fdatasync) must be caught within the CI seeds (test `simulation::the_shipped_path_*`).
@@ -37,6 +38,75 @@ pub enum Planted {
     WaiterLeak,
 }
 const WALL0: u64 = 1_800_000_000_000;
+
+/// The kinds of step the world takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Admit,
+    Approve,
+    Cancel,
+    Wait,
+    Reconnect,
+    Commit,
+    Timers,
+    FailSync,
+    FailWrite,
+    PowerLoss,
+    Kill,
+    DiskFull,
+}
+
+/// How often each step is taken: drawn per seed (swarm testing), so some seeds have no faults
+/// of a kind at all and others many, and a bug that needs one kind of fault without another is
+/// not drowned out.
+#[derive(Debug, Clone)]
+struct Mix {
+    weights: Vec<(Step, u64)>,
+    total: u64,
+}
+
+impl Mix {
+    fn draw(rng: &mut Rng) -> Mix {
+        // A fault is off in a quarter of the seeds; on, at one of several rates.
+        let mut fault = |max: u64| {
+            if rng.chance(0.25) {
+                0
+            } else {
+                1 + rng.below(max)
+            }
+        };
+        let faults = [
+            (Step::FailSync, fault(4)),
+            (Step::FailWrite, fault(3)),
+            (Step::PowerLoss, fault(3)),
+            (Step::Kill, fault(2)),
+            (Step::DiskFull, fault(2)),
+        ];
+        let mut weights = vec![
+            (Step::Admit, 30 + rng.below(30)),
+            (Step::Approve, 2 + rng.below(8)),
+            (Step::Cancel, 1 + rng.below(5)),
+            (Step::Wait, 2 + rng.below(8)),
+            (Step::Reconnect, 1 + rng.below(3)),
+            (Step::Commit, 10 + rng.below(30)),
+            (Step::Timers, 2 + rng.below(8)),
+        ];
+        weights.extend(faults);
+        let total = weights.iter().map(|(_, w)| w).sum();
+        Mix { weights, total }
+    }
+
+    fn pick(&self, rng: &mut Rng) -> Step {
+        let mut x = rng.below(self.total);
+        for (step, w) in &self.weights {
+            if x < *w {
+                return *step;
+            }
+            x -= w;
+        }
+        unreachable!("x is below the total of the weights")
+    }
+}
 
 /// What one seed did.
 #[derive(Debug, Clone, Default)]
@@ -99,6 +169,7 @@ pub struct ShippedWorld {
     next_key: u64,
     mono: u64,
     storage_full: bool,
+    mix: Mix,
     acked: Acked,
     report: ShippedReport,
 }
@@ -142,6 +213,7 @@ impl ShippedWorld {
     pub fn new(seed: u64, planted: Planted) -> ShippedWorld {
         let mut rng = Rng::new(seed);
         let storage = Arc::new(CrashStorage::new(rng.next_u64()));
+        let mut mix_rng = Rng::new(rng.next_u64());
         storage.set_torn_writes(true);
         let opts = CoreOptions {
             planted_early_release: planted == Planted::EarlyRelease,
@@ -173,6 +245,7 @@ impl ShippedWorld {
             next_key: 0,
             mono: 0,
             storage_full: false,
+            mix: Mix::draw(&mut mix_rng),
             acked: Acked::default(),
             report: ShippedReport {
                 seed,
@@ -473,36 +546,36 @@ impl ShippedWorld {
         self.report.disk_full += u64::from(self.storage_full);
         self.mono += self.rng.below(5);
         let client = self.rng.index(self.clients.len());
-        match self.rng.below(100) {
-            0..=44 => self.admit(client),
-            45..=47 => self.approve(client),
-            48..=51 => self.cancel(client),
-            52..=57 => self.wait(client),
-            58..=59 => self.reconnect(client),
-            60..=84 => {
+        match self.mix.pick(&mut self.rng) {
+            Step::Admit => self.admit(client),
+            Step::Approve => self.approve(client),
+            Step::Cancel => self.cancel(client),
+            Step::Wait => self.wait(client),
+            Step::Reconnect => self.reconnect(client),
+            Step::Commit => {
                 let now = self.now();
                 let core = self.core();
                 core.fire_timers(now);
                 core.commit();
             }
-            85..=88 => {
+            Step::FailSync => {
                 self.storage.fail_next_sync();
                 self.report.failed_syncs += 1;
             }
-            89..=90 => {
+            Step::FailWrite => {
                 self.storage.fail_next_write();
                 self.report.failed_writes += 1;
             }
-            91..=92 => return self.power_loss(),
-            93 => return self.kill(),
-            94 => {
+            Step::PowerLoss => return self.power_loss(),
+            Step::Kill => return self.kill(),
+            Step::DiskFull => {
                 // The disk fills up for a while: changes fail closed until it frees.
                 let full = self.storage_full;
                 self.storage
                     .set_space_left(if full { None } else { Some(0) });
                 self.storage_full = !full;
             }
-            _ => {
+            Step::Timers => {
                 let now = self.now();
                 self.core().fire_timers(now);
             }
