@@ -1,6 +1,7 @@
 //! Kernel state and replies turned into the protocol's reply payloads (the only place where the
 //! two vocabularies meet).
 
+use estop_kernel::reply::DecideStatus;
 use estop_kernel::report::{self, Section, Undo};
 use estop_kernel::state::{Effect, Run, Status, Tombstone};
 use estop_kernel::vocab::{EffectStatus, HoldReason};
@@ -223,4 +224,113 @@ pub fn report(
         }
     }
     r
+}
+
+/// The wire event for a kernel event, with what the state now says about it, stamped `at`.
+pub fn event(gate: &estop_kernel::Gate, e: &estop_kernel::Event, at: u64) -> Option<wire::Event> {
+    use estop_kernel::reply::EventKind;
+    use estop_kernel::state::Status;
+    let event = match e.kind {
+        EventKind::Cancelled => wire::EventKind::Cancelled,
+        EventKind::Paused => wire::EventKind::Paused,
+        EventKind::Resumed => wire::EventKind::Resumed,
+        EventKind::Decided => wire::EventKind::Decided,
+        EventKind::Held => wire::EventKind::Held,
+        EventKind::Completed => wire::EventKind::Completed,
+        EventKind::Closed => wire::EventKind::Closed,
+        EventKind::Finalizing => wire::EventKind::Finalizing,
+        EventKind::Expired => wire::EventKind::Expired,
+        EventKind::Settled => wire::EventKind::Settled,
+        EventKind::Admitted => return None,
+    };
+    let run = gate.run(&e.run);
+    let effect = e.key.as_ref().and_then(|k| run?.effects.get(k));
+    let mut out = wire::Event {
+        event,
+        run: e.run.to_string(),
+        key: e.key.as_ref().map(ToString::to_string),
+        reason: None,
+        decision: None,
+        outcome: None,
+        at,
+    };
+    match e.kind {
+        EventKind::Cancelled | EventKind::Finalizing | EventKind::Closed => {
+            let stop = run.and_then(|r| r.stop.as_ref());
+            out.reason = stop
+                .and_then(|s| s.reason.as_deref().map(str::to_string))
+                .or_else(|| e.detail.map(str::to_string));
+        }
+        EventKind::Held => {
+            if let Some(Status::Held(reason)) = effect.map(|x| x.status) {
+                out.reason = Some(reason.as_str().to_string());
+            }
+        }
+        EventKind::Decided => {
+            out.decision = effect.map(|x| {
+                match x.status {
+                    Status::Refused(estop_kernel::vocab::RefusalReason::Rejected) => "reject",
+                    _ => "approve",
+                }
+                .to_string()
+            });
+        }
+        EventKind::Completed => {
+            out.outcome = effect
+                .and_then(|x| x.outcome_kind())
+                .map(|o| o.as_str().to_string());
+        }
+        EventKind::Expired => out.reason = Some("expired".into()),
+        EventKind::Paused | EventKind::Resumed | EventKind::Admitted => {}
+        EventKind::Settled => {
+            out.reason = run.map(|r| r.state.as_str().to_string());
+        }
+    }
+    Some(out)
+}
+
+/// The answer to a `decide`: the status after it, who has approved, and the quorum.
+pub fn decided(
+    status: &DecideStatus,
+    approval: Option<&estop_kernel::state::Approval>,
+) -> wire::DecideReply {
+    let status = match status {
+        DecideStatus::Approved => "approved",
+        DecideStatus::Rejected => "rejected",
+        DecideStatus::Pending { .. } => "held",
+    };
+    wire::DecideReply {
+        status: status.into(),
+        approvals: approval
+            .map(|a| a.approvers.iter().map(|x| x.name.to_string()).collect())
+            .unwrap_or_default(),
+        quorum: approval.map_or(1, |a| a.quorum),
+    }
+}
+
+/// The answer to a stop or pause/resume: the run's state, and every run the command changed.
+pub fn run_state(
+    state: estop_kernel::vocab::RunState,
+    events: &[estop_kernel::Event],
+) -> wire::Ack {
+    use estop_kernel::reply::EventKind;
+    let runs = events
+        .iter()
+        .filter(|e| {
+            e.key.is_none()
+                && matches!(
+                    e.kind,
+                    EventKind::Cancelled
+                        | EventKind::Closed
+                        | EventKind::Paused
+                        | EventKind::Resumed
+                )
+        })
+        .map(|e| e.run.to_string())
+        .collect();
+    wire::Ack {
+        late: false,
+        state: Some(state.as_str().into()),
+        runs,
+    }
 }

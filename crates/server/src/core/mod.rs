@@ -8,7 +8,7 @@ use crate::journal::{Journal, JournalError, Opened};
 use crate::quota::{ShareOptions, Shares};
 use crate::render;
 use estop_kernel::codec::encode_record;
-use estop_kernel::reply::{DecideStatus, EventKind};
+use estop_kernel::reply::DecideStatus;
 use estop_kernel::vocab::RunState;
 use estop_kernel::{
     Command, EffectKey, Gate, KernelError, Principal, PrincipalName, Record, Reply, Role, RunId,
@@ -657,46 +657,13 @@ impl Core {
                     .run(&run_id)
                     .and_then(|r| r.effects.get(&key))
                     .and_then(|e| e.approval.as_ref());
-                let approvals = approval
-                    .map(|a| a.approvers.iter().map(|x| x.name.to_string()).collect())
-                    .unwrap_or_default();
-                let quorum = approval.map_or(1, |a| a.quorum);
                 if let Some(a) = approval {
                     self.obs
                         .decided(&status, self.now.saturating_sub(a.requested_at));
                 }
-                let status = match status {
-                    DecideStatus::Approved => "approved",
-                    DecideStatus::Rejected => "rejected",
-                    DecideStatus::Pending { .. } => "held",
-                };
-                Answer::Decided(wire::DecideReply {
-                    status: status.into(),
-                    approvals,
-                    quorum,
-                })
+                Answer::Decided(render::decided(&status, approval.map(|a| &**a)))
             }
-            Reply::RunState { state, .. } => {
-                let runs = events
-                    .iter()
-                    .filter(|e| {
-                        e.key.is_none()
-                            && matches!(
-                                e.kind,
-                                EventKind::Cancelled
-                                    | EventKind::Closed
-                                    | EventKind::Paused
-                                    | EventKind::Resumed
-                            )
-                    })
-                    .map(|e| e.run.to_string())
-                    .collect();
-                Answer::Ack(wire::Ack {
-                    late: false,
-                    state: Some(state.as_str().into()),
-                    runs,
-                })
-            }
+            Reply::RunState { state, .. } => Answer::Ack(render::run_state(state, &events)),
             Reply::Compacted { .. } | Reply::TokenRecorded => Answer::Ack(wire::Ack::default()),
         }
     }

@@ -61,68 +61,6 @@ impl Core {
         });
     }
 
-    /// The wire event for a kernel event, with what the state now says about it.
-    pub(super) fn wire_event(&self, e: &estop_kernel::Event) -> Option<wire::Event> {
-        use estop_kernel::state::Status;
-        let event = match e.kind {
-            EventKind::Cancelled => wire::EventKind::Cancelled,
-            EventKind::Paused => wire::EventKind::Paused,
-            EventKind::Resumed => wire::EventKind::Resumed,
-            EventKind::Decided => wire::EventKind::Decided,
-            EventKind::Held => wire::EventKind::Held,
-            EventKind::Completed => wire::EventKind::Completed,
-            EventKind::Closed => wire::EventKind::Closed,
-            EventKind::Finalizing => wire::EventKind::Finalizing,
-            EventKind::Expired => wire::EventKind::Expired,
-            EventKind::Settled => wire::EventKind::Settled,
-            EventKind::Admitted => return None,
-        };
-        let run = self.gate.run(&e.run);
-        let effect = e.key.as_ref().and_then(|k| run?.effects.get(k));
-        let mut out = wire::Event {
-            event,
-            run: e.run.to_string(),
-            key: e.key.as_ref().map(ToString::to_string),
-            reason: None,
-            decision: None,
-            outcome: None,
-            at: self.now,
-        };
-        match e.kind {
-            EventKind::Cancelled | EventKind::Finalizing | EventKind::Closed => {
-                let stop = run.and_then(|r| r.stop.as_ref());
-                out.reason = stop
-                    .and_then(|s| s.reason.as_deref().map(str::to_string))
-                    .or_else(|| e.detail.map(str::to_string));
-            }
-            EventKind::Held => {
-                if let Some(Status::Held(reason)) = effect.map(|x| x.status) {
-                    out.reason = Some(reason.as_str().to_string());
-                }
-            }
-            EventKind::Decided => {
-                out.decision = effect.map(|x| {
-                    match x.status {
-                        Status::Refused(estop_kernel::vocab::RefusalReason::Rejected) => "reject",
-                        _ => "approve",
-                    }
-                    .to_string()
-                });
-            }
-            EventKind::Completed => {
-                out.outcome = effect
-                    .and_then(|x| x.outcome_kind())
-                    .map(|o| o.as_str().to_string());
-            }
-            EventKind::Expired => out.reason = Some("expired".into()),
-            EventKind::Paused | EventKind::Resumed | EventKind::Admitted => {}
-            EventKind::Settled => {
-                out.reason = run.map(|r| r.state.as_str().to_string());
-            }
-        }
-        Some(out)
-    }
-
     /// Tells subscribers and wakes the waiters a change concerns. A subscriber hears only of
     /// runs it may see (a subscription may precede the run's first admit).
     pub(super) fn publish(&mut self, events: &[estop_kernel::Event]) {
@@ -130,7 +68,7 @@ impl Core {
         let mut wake: Vec<RunId> = Vec::new();
         for e in events {
             if self.subscribers.contains_key(&e.run)
-                && let Some(event) = self.wire_event(e)
+                && let Some(event) = render::event(&self.gate, e, self.now)
                 && let Some(subs) = self.subscribers.get_mut(&e.run)
             {
                 // A connection that is gone, or has stopped reading its events, loses the
