@@ -52,6 +52,8 @@ pub fn probe_ceiling(dir: &Path, duration: Duration) -> std::io::Result<Ceiling>
         record_bytes: PROBE_RECORD_BYTES,
         duration,
         overwrite,
+        turnaround: Duration::ZERO,
+        gather: Duration::ZERO,
     };
     Ok(Ceiling {
         append: estop_ledger::group_commit_probe(dir, options(false))?,

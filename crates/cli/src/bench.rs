@@ -19,6 +19,28 @@ pub struct BenchArgs {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// The disk's raw group-commit rate alone (no daemon): writers hand 128-byte records to one
+    /// syncer. With --turnaround-us and --gather-us, a model of the daemon's batching.
+    Ceiling {
+        #[arg(long, default_value_t = 64)]
+        writers: usize,
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        /// Append instead of overwriting preallocated zeros.
+        #[arg(long)]
+        append: bool,
+        /// How long each writer waits between its reply and its next record.
+        #[arg(long, default_value_t = 0)]
+        turnaround_us: u64,
+        /// How long the syncer waits for a record from every writer before each batch.
+        #[arg(long, default_value_t = 0)]
+        gather_us: u64,
+        /// Where the scratch file goes (on the disk you want to measure).
+        #[arg(long, default_value = "estop-bench-data")]
+        data: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// Cancel cost among many identities, and memory per retained identity (in process).
     Kernel {
         #[arg(long, default_value_t = 1_000_000)]
@@ -147,6 +169,51 @@ fn spawn_daemon(data: &Path) -> Result<Spawned> {
 
 pub fn run(a: BenchArgs) -> Result<u8> {
     match a.what {
+        Some(BenchCmd::Ceiling {
+            writers,
+            seconds,
+            append,
+            turnaround_us,
+            gather_us,
+            data,
+            json,
+        }) => {
+            std::fs::create_dir_all(&data)?;
+            let us = std::time::Duration::from_micros;
+            let o = estop_ledger::GroupCommitOptions {
+                writers: writers.max(1),
+                record_bytes: estop_bench::PROBE_RECORD_BYTES,
+                duration: std::time::Duration::from_secs_f64(seconds),
+                overwrite: !append,
+                turnaround: us(turnaround_us),
+                gather: us(gather_us),
+            };
+            let p = estop_ledger::group_commit_probe(&data, o).context("group-commit probe")?;
+            if json {
+                println!(
+                    "{}",
+                    json!({"writers": o.writers, "record_bytes": o.record_bytes, "overwrite": o.overwrite,
+                           "turnaround_us": turnaround_us, "gather_us": gather_us, "records": p.records,
+                           "records_per_s": p.records_per_s.round(), "syncs": p.syncs,
+                           "mean_batch_records": round1(p.mean_batch_records), "mean_sync_us": round1(p.mean_sync_us)})
+                );
+            } else {
+                println!(
+                    "raw group commit, {} writers x {} B, {}, turnaround {} us, gather {} us: {:.0} records/s, {} syncs, batch {:.1} (max {}), sync {:.0} us",
+                    o.writers,
+                    o.record_bytes,
+                    if o.overwrite { "overwrite" } else { "append" },
+                    turnaround_us,
+                    gather_us,
+                    p.records_per_s,
+                    p.syncs,
+                    p.mean_batch_records,
+                    p.batch_records_max,
+                    p.mean_sync_us
+                );
+            }
+            Ok(0)
+        }
         Some(BenchCmd::Kernel { identities, json }) => kernel(identities, json),
         Some(BenchCmd::Recovery {
             records,

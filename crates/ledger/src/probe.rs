@@ -95,6 +95,13 @@ pub struct GroupCommitOptions {
     /// Overwrite zeros written and synced beforehand (as the ledger's preallocated segments are)
     /// instead of appending.
     pub overwrite: bool,
+    /// How long a writer sleeps between its record's reply and handing over its next one (zero
+    /// for the ceiling): stands for a protocol's round trip and work, to study batching.
+    pub turnaround: std::time::Duration,
+    /// Zero for the ceiling. Otherwise the syncer waits up to this long, from the moment it has
+    /// records, for a record from every writer before it takes the next batch: a group-commit
+    /// delay (in a closed loop every writer is either handed over or on its way back).
+    pub gather: std::time::Duration,
 }
 
 /// The disk's raw group-commit rate: no protocol, no parsing, no state, one file.
@@ -145,7 +152,7 @@ mod group_commit {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Arc, Barrier, Condvar, Mutex, MutexGuard};
     use std::thread::Thread;
-    use std::time::Instant;
+    use std::time::{Duration, Instant};
 
     /// Bytes of zeros an overwriting probe writes first; batches wrap around inside them.
     const OVERWRITE_AREA_BYTES: usize = 16 << 20;
@@ -210,13 +217,15 @@ mod group_commit {
         let writers: Vec<_> = (0..o.writers)
             .map(|_| {
                 let (shared, start) = (Arc::clone(&shared), Arc::clone(&start));
-                std::thread::spawn(move || writer(&shared, &start, o.record_bytes))
+                std::thread::spawn(move || writer(&shared, &start, o.record_bytes, o.turnaround))
             })
             .collect();
         let syncer = {
             let (shared, start) = (Arc::clone(&shared), Arc::clone(&start));
             let area = if o.overwrite { Some(area) } else { None };
-            std::thread::spawn(move || syncer(&shared, &start, &mut file, area))
+            std::thread::spawn(move || {
+                syncer(&shared, &start, &mut file, area, o.gather, o.writers)
+            })
         };
         start.wait();
         let t = Instant::now();
@@ -255,11 +264,14 @@ mod group_commit {
         }
     }
 
-    fn writer(shared: &Shared, start: &Barrier, record_bytes: usize) {
+    fn writer(shared: &Shared, start: &Barrier, record_bytes: usize, turnaround: Duration) {
         let record = vec![0x5au8; record_bytes];
         let me = std::thread::current();
         start.wait();
-        loop {
+        for i in 0u64.. {
+            if i > 0 && !turnaround.is_zero() {
+                std::thread::sleep(turnaround);
+            }
             let seq = {
                 let mut q = shared.lock();
                 // Checked under the lock the syncer stops under, so no record is left behind.
@@ -286,6 +298,8 @@ mod group_commit {
         start: &Barrier,
         file: &mut File,
         overwrite_area: Option<usize>,
+        gather: Duration,
+        writers: usize,
     ) -> io::Result<Synced> {
         let mut batch = Vec::new();
         let mut woken: Vec<Thread> = Vec::new();
@@ -300,15 +314,33 @@ mod group_commit {
         loop {
             let last = {
                 let mut q = shared.lock();
-                while q.buf.is_empty() {
+                let mut deadline = None;
+                while q.buf.is_empty() || (!gather.is_zero() && q.waiting.len() < writers) {
                     if q.stop {
-                        return Ok(s);
+                        if q.buf.is_empty() {
+                            return Ok(s);
+                        }
+                        break;
                     }
                     q.syncer_idle = true;
-                    q = shared
-                        .work
-                        .wait(q)
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    if q.buf.is_empty() {
+                        q = shared
+                            .work
+                            .wait(q)
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    } else {
+                        let d = *deadline.get_or_insert_with(|| Instant::now() + gather);
+                        let left = d.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            q.syncer_idle = false;
+                            break;
+                        }
+                        q = shared
+                            .work
+                            .wait_timeout(q, left)
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .0;
+                    }
                     q.syncer_idle = false;
                 }
                 std::mem::swap(&mut q.buf, &mut batch);
@@ -352,6 +384,8 @@ mod tests {
             record_bytes: 128,
             duration: Duration::from_millis(60),
             overwrite,
+            turnaround: Duration::ZERO,
+            gather: Duration::ZERO,
         }
     }
 
@@ -382,6 +416,20 @@ mod tests {
         assert!(p.records >= 1, "{p:?}");
         assert_eq!(p.file_bytes, 16 << 20, "{p:?}");
         assert!(p.batch_records_max <= 8, "{p:?}");
+    }
+
+    #[test]
+    fn a_gathering_syncer_fills_its_batches_with_every_writer() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let o = GroupCommitOptions {
+            // Long enough that eight threads on any machine hand their records over in time.
+            gather: Duration::from_secs(5),
+            duration: Duration::from_millis(30),
+            ..options(false)
+        };
+        let p = group_commit_probe(dir.path(), o).expect("probe");
+        assert_eq!(p.batch_records_max, 8, "{p:?}");
+        assert_eq!(p.file_bytes, p.records * 128, "{p:?}");
     }
 
     #[test]
