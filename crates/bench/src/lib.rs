@@ -54,6 +54,7 @@ pub fn probe_ceiling(dir: &Path, duration: Duration) -> std::io::Result<Ceiling>
         overwrite,
         turnaround: Duration::ZERO,
         gather: Duration::ZERO,
+        syncers: 1,
     };
     Ok(Ceiling {
         append: estop_ledger::group_commit_probe(dir, options(false))?,

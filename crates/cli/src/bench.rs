@@ -35,6 +35,9 @@ enum BenchCmd {
         /// How long the syncer waits for a record from every writer before each batch.
         #[arg(long, default_value_t = 0)]
         gather_us: u64,
+        /// Syncer threads: more than one overlaps fdatasyncs of the file (replies stay in order).
+        #[arg(long, default_value_t = 1)]
+        syncers: usize,
         /// Where the scratch file goes (on the disk you want to measure).
         #[arg(long, default_value = "estop-bench-data")]
         data: PathBuf,
@@ -175,6 +178,7 @@ pub fn run(a: BenchArgs) -> Result<u8> {
             append,
             turnaround_us,
             gather_us,
+            syncers,
             data,
             json,
         }) => {
@@ -187,24 +191,26 @@ pub fn run(a: BenchArgs) -> Result<u8> {
                 overwrite: !append,
                 turnaround: us(turnaround_us),
                 gather: us(gather_us),
+                syncers: syncers.max(1),
             };
             let p = estop_ledger::group_commit_probe(&data, o).context("group-commit probe")?;
             if json {
                 println!(
                     "{}",
                     json!({"writers": o.writers, "record_bytes": o.record_bytes, "overwrite": o.overwrite,
-                           "turnaround_us": turnaround_us, "gather_us": gather_us, "records": p.records,
+                           "turnaround_us": turnaround_us, "gather_us": gather_us, "syncers": o.syncers, "records": p.records,
                            "records_per_s": p.records_per_s.round(), "syncs": p.syncs,
                            "mean_batch_records": round1(p.mean_batch_records), "mean_sync_us": round1(p.mean_sync_us)})
                 );
             } else {
                 println!(
-                    "raw group commit, {} writers x {} B, {}, turnaround {} us, gather {} us: {:.0} records/s, {} syncs, batch {:.1} (max {}), sync {:.0} us",
+                    "raw group commit, {} writers x {} B, {}, turnaround {} us, gather {} us, {} syncer(s): {:.0} records/s, {} syncs, batch {:.1} (max {}), sync {:.0} us",
                     o.writers,
                     o.record_bytes,
                     if o.overwrite { "overwrite" } else { "append" },
                     turnaround_us,
                     gather_us,
+                    o.syncers,
                     p.records_per_s,
                     p.syncs,
                     p.mean_batch_records,
