@@ -451,12 +451,15 @@ fn kernel(identities: u64, json_out: bool) -> Result<u8> {
     // Each measurement keeps its gate until all are done, so none reuses another's pages.
     let (m, kept) = estop_bench::kernel::memory_per_identity(identities, 10, KeyShape::Short);
     let (mc, kept_c) = estop_bench::kernel::memory_per_identity(identities, 10, KeyShape::Client);
+    let (ms, kept_s) =
+        estop_bench::kernel::memory_per_identity(identities, 10, KeyShape::ClientInStep);
     let (t36, kept36) = estop_bench::kernel::memory_per_tombstone(identities, 36);
     let (t12, kept12) = estop_bench::kernel::memory_per_tombstone(identities, 12);
-    drop((kept, kept_c, kept36, kept12));
+    drop((kept, kept_c, kept_s, kept36, kept12));
     let c = estop_bench::kernel::cancel_cost(identities, 10, 1000);
     let short_bytes = effect_key(KeyShape::Short, 0, 0).len();
     let client_bytes = effect_key(KeyShape::Client, 0, 0).len();
+    let step_bytes = effect_key(KeyShape::ClientInStep, 0, 0).len();
     if json_out {
         println!(
             "{}",
@@ -465,6 +468,8 @@ fn kernel(identities: u64, json_out: bool) -> Result<u8> {
                    "short_key_bytes": short_bytes,
                    "bytes_per_identity_client_keys": mc.bytes_per_identity.round(),
                    "client_key_bytes": client_bytes,
+                   "bytes_per_identity_client_step_keys": ms.bytes_per_identity.round(),
+                   "client_step_key_bytes": step_bytes,
                    "bytes_per_tombstone_36b_id": t36.bytes_per_identity.round(),
                    "bytes_per_tombstone_12b_id": t12.bytes_per_identity.round()})
         );
@@ -487,6 +492,13 @@ fn kernel(identities: u64, json_out: bool) -> Result<u8> {
             mc.identities,
             client_bytes,
             effect_key(KeyShape::Client, 0, 0)
+        );
+        println!(
+            "memory: {:.0} bytes per retained identity at {} identities with {}-byte keys of a call in a named step ({})",
+            ms.bytes_per_identity,
+            ms.identities,
+            step_bytes,
+            effect_key(KeyShape::ClientInStep, 0, 0)
         );
     }
     Ok(0)
