@@ -182,7 +182,6 @@ pub fn run(a: BenchArgs) -> Result<u8> {
             data,
             json,
         }) => {
-            std::fs::create_dir_all(&data)?;
             let us = std::time::Duration::from_micros;
             let o = estop_ledger::GroupCommitOptions {
                 writers: writers.max(1),
@@ -193,32 +192,7 @@ pub fn run(a: BenchArgs) -> Result<u8> {
                 gather: us(gather_us),
                 syncers: syncers.max(1),
             };
-            let p = estop_ledger::group_commit_probe(&data, o).context("group-commit probe")?;
-            if json {
-                println!(
-                    "{}",
-                    json!({"writers": o.writers, "record_bytes": o.record_bytes, "overwrite": o.overwrite,
-                           "turnaround_us": turnaround_us, "gather_us": gather_us, "syncers": o.syncers, "records": p.records,
-                           "records_per_s": p.records_per_s.round(), "syncs": p.syncs,
-                           "mean_batch_records": round1(p.mean_batch_records), "mean_sync_us": round1(p.mean_sync_us)})
-                );
-            } else {
-                println!(
-                    "raw group commit, {} writers x {} B, {}, turnaround {} us, gather {} us, {} syncer(s): {:.0} records/s, {} syncs, batch {:.1} (max {}), sync {:.0} us",
-                    o.writers,
-                    o.record_bytes,
-                    if o.overwrite { "overwrite" } else { "append" },
-                    turnaround_us,
-                    gather_us,
-                    o.syncers,
-                    p.records_per_s,
-                    p.syncs,
-                    p.mean_batch_records,
-                    p.batch_records_max,
-                    p.mean_sync_us
-                );
-            }
-            Ok(0)
+            ceiling(o, &data, json)
         }
         Some(BenchCmd::Kernel { identities, json }) => kernel(identities, json),
         Some(BenchCmd::Recovery {
@@ -282,24 +256,7 @@ fn load_bench(a: LoadArgs) -> Result<u8> {
         if let Some(c) = &ceiling {
             print_ceiling(c);
         }
-        println!(
-            "{:>11} {:>12} {:>7} {:>7} {:>7} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>8} {:>6}",
-            "connections",
-            "admissions/s",
-            "p50 us",
-            "p95 us",
-            "p99 us",
-            "p999 us",
-            "errors",
-            "p50/ovw",
-            "p50/app",
-            "%gc-ovw",
-            "%gc-app",
-            "batch",
-            "batches/s",
-            "sync us",
-            "busy%"
-        );
+        Row::print_header();
     }
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -323,59 +280,20 @@ fn load_bench(a: LoadArgs) -> Result<u8> {
             (Some(b), Some(after)) => Some(after.since(&b, r.seconds)),
             _ => None,
         };
-        let row = Row::new(&r, &disk, ceiling.as_ref());
+        let row = Row::new(&r, &disk, ceiling.as_ref(), ledger);
         if a.json {
-            let mut j = json!({
-                "connections": r.connections, "ops": r.ops, "admissions_per_s": r.admissions_per_s.round(),
-                "p50_us": r.p50_us, "p95_us": r.p95_us, "p99_us": r.p99_us, "p999_us": r.p999_us,
-                "errors": r.errors,
-                "raw_overwrite_p50_us": round1(disk.overwrite.p50_us), "raw_overwrite_syncs_per_s": disk.overwrite.syncs_per_s.round(),
-                "raw_fsync_p50_us": round1(disk.append.p50_us), "raw_syncs_per_s": disk.append.syncs_per_s.round(),
-                "p50_over_raw_overwrite": round2(row.over_overwrite),
-                "p50_over_raw_fsync": round2(row.over_append),
-                "protocol": match protocol { Protocol::Native => "native", Protocol::SoundGate => "soundgate" },
-                "mix": match a.mix { MixArg::Allow => "allow", MixArg::HalfHeld => "half-held" },
+            let mut j = row.json();
+            j["protocol"] = json!(match protocol {
+                Protocol::Native => "native",
+                Protocol::SoundGate => "soundgate",
             });
-            if let Some(c) = &ceiling {
-                j["group_commit_writers"] = json!(c.overwrite.options.writers);
-                j["group_commit_overwrite_per_s"] = json!(c.overwrite.records_per_s.round());
-                j["group_commit_append_per_s"] = json!(c.append.records_per_s.round());
-                j["group_commit_overwrite_mean_batch"] =
-                    json!(round1(c.overwrite.mean_batch_records));
-                j["group_commit_append_mean_batch"] = json!(round1(c.append.mean_batch_records));
-                j["share_of_group_commit_overwrite_pct"] = json!(round1(row.pct_overwrite));
-                j["share_of_group_commit_append_pct"] = json!(round1(row.pct_append));
-            }
-            if let Some(l) = &ledger {
-                j["ledger_batches"] = json!(l.batches);
-                j["ledger_mean_batch_records"] = json!(round1(l.mean_batch_records));
-                j["ledger_batches_per_s"] = json!(l.batches_per_s.round());
-                j["ledger_mean_sync_us"] = json!(round1(l.mean_sync_us));
-                j["ledger_disk_busy_pct"] = json!(round1(l.disk_busy_pct));
-            }
+            j["mix"] = json!(match a.mix {
+                MixArg::Allow => "allow",
+                MixArg::HalfHeld => "half-held",
+            });
             println!("{j}");
         } else {
-            let opt = |v: Option<f64>, digits: usize| {
-                v.map_or("-".to_string(), |v| format!("{v:.digits$}"))
-            };
-            println!(
-                "{:>11} {:>12.0} {:>7} {:>7} {:>7} {:>7} {:>6} {:>8.2}x {:>8.2}x {:>9} {:>9} {:>7} {:>9} {:>8} {:>6}",
-                r.connections,
-                r.admissions_per_s,
-                r.p50_us,
-                r.p95_us,
-                r.p99_us,
-                r.p999_us,
-                r.errors,
-                row.over_overwrite,
-                row.over_append,
-                opt(ceiling.map(|_| row.pct_overwrite), 1),
-                opt(ceiling.map(|_| row.pct_append), 1),
-                opt(ledger.map(|l| l.mean_batch_records), 1),
-                opt(ledger.map(|l| l.batches_per_s), 0),
-                opt(ledger.map(|l| l.mean_sync_us), 0),
-                opt(ledger.map(|l| l.disk_busy_pct), 0),
-            );
+            row.print();
         }
     }
     drop(spawned);
@@ -383,7 +301,12 @@ fn load_bench(a: LoadArgs) -> Result<u8> {
 }
 
 /// One load step's figures compared with the same run's raw probes.
-struct Row {
+struct Row<'a> {
+    r: &'a load::LoadReport,
+    disk: &'a estop_bench::Disk,
+    ceiling: Option<&'a estop_bench::Ceiling>,
+    /// The daemon's group commits during the step (when the bench started it).
+    ledger: Option<estop_bench::metrics::SyncDelta>,
     /// p50 over the raw overwrite+fdatasync p50 (what the ledger does).
     over_overwrite: f64,
     /// p50 over the raw append+fdatasync p50.
@@ -393,20 +316,100 @@ struct Row {
     pct_append: f64,
 }
 
-impl Row {
+impl<'a> Row<'a> {
     fn new(
-        r: &load::LoadReport,
-        disk: &estop_bench::Disk,
-        ceiling: Option<&estop_bench::Ceiling>,
-    ) -> Row {
+        r: &'a load::LoadReport,
+        disk: &'a estop_bench::Disk,
+        ceiling: Option<&'a estop_bench::Ceiling>,
+        ledger: Option<estop_bench::metrics::SyncDelta>,
+    ) -> Row<'a> {
         let p50 = f64::from(r.p50_us);
         let share = |c: f64| estop_bench::share_pct(r.admissions_per_s, c);
         Row {
+            r,
+            disk,
+            ceiling,
+            ledger,
             over_overwrite: estop_bench::latency_ratio(p50, disk.overwrite.p50_us),
             over_append: estop_bench::latency_ratio(p50, disk.append.p50_us),
             pct_overwrite: ceiling.map_or(0.0, |c| share(c.overwrite.records_per_s)),
             pct_append: ceiling.map_or(0.0, |c| share(c.append.records_per_s)),
         }
+    }
+
+    fn print_header() {
+        println!(
+            "{:>11} {:>12} {:>7} {:>7} {:>7} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>8} {:>6}",
+            "connections",
+            "admissions/s",
+            "p50 us",
+            "p95 us",
+            "p99 us",
+            "p999 us",
+            "errors",
+            "p50/ovw",
+            "p50/app",
+            "%gc-ovw",
+            "%gc-app",
+            "batch",
+            "batches/s",
+            "sync us",
+            "busy%"
+        );
+    }
+
+    fn print(&self) {
+        let (r, ledger) = (self.r, self.ledger);
+        let opt =
+            |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |v| format!("{v:.digits$}"));
+        println!(
+            "{:>11} {:>12.0} {:>7} {:>7} {:>7} {:>7} {:>6} {:>8.2}x {:>8.2}x {:>9} {:>9} {:>7} {:>9} {:>8} {:>6}",
+            r.connections,
+            r.admissions_per_s,
+            r.p50_us,
+            r.p95_us,
+            r.p99_us,
+            r.p999_us,
+            r.errors,
+            self.over_overwrite,
+            self.over_append,
+            opt(self.ceiling.map(|_| self.pct_overwrite), 1),
+            opt(self.ceiling.map(|_| self.pct_append), 1),
+            opt(ledger.map(|l| l.mean_batch_records), 1),
+            opt(ledger.map(|l| l.batches_per_s), 0),
+            opt(ledger.map(|l| l.mean_sync_us), 0),
+            opt(ledger.map(|l| l.disk_busy_pct), 0),
+        );
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let (r, disk) = (self.r, self.disk);
+        let mut j = json!({
+            "connections": r.connections, "ops": r.ops, "admissions_per_s": r.admissions_per_s.round(),
+            "p50_us": r.p50_us, "p95_us": r.p95_us, "p99_us": r.p99_us, "p999_us": r.p999_us,
+            "errors": r.errors,
+            "raw_overwrite_p50_us": round1(disk.overwrite.p50_us), "raw_overwrite_syncs_per_s": disk.overwrite.syncs_per_s.round(),
+            "raw_fsync_p50_us": round1(disk.append.p50_us), "raw_syncs_per_s": disk.append.syncs_per_s.round(),
+            "p50_over_raw_overwrite": round2(self.over_overwrite),
+            "p50_over_raw_fsync": round2(self.over_append),
+        });
+        if let Some(c) = self.ceiling {
+            j["group_commit_writers"] = json!(c.overwrite.options.writers);
+            j["group_commit_overwrite_per_s"] = json!(c.overwrite.records_per_s.round());
+            j["group_commit_append_per_s"] = json!(c.append.records_per_s.round());
+            j["group_commit_overwrite_mean_batch"] = json!(round1(c.overwrite.mean_batch_records));
+            j["group_commit_append_mean_batch"] = json!(round1(c.append.mean_batch_records));
+            j["share_of_group_commit_overwrite_pct"] = json!(round1(self.pct_overwrite));
+            j["share_of_group_commit_append_pct"] = json!(round1(self.pct_append));
+        }
+        if let Some(l) = &self.ledger {
+            j["ledger_batches"] = json!(l.batches);
+            j["ledger_mean_batch_records"] = json!(round1(l.mean_batch_records));
+            j["ledger_batches_per_s"] = json!(l.batches_per_s.round());
+            j["ledger_mean_sync_us"] = json!(round1(l.mean_sync_us));
+            j["ledger_disk_busy_pct"] = json!(round1(l.disk_busy_pct));
+        }
+        j
     }
 }
 
@@ -443,6 +446,37 @@ fn print_ceiling(c: &estop_bench::Ceiling) {
         c.append.mean_batch_records,
         c.append.mean_sync_us
     );
+}
+
+fn ceiling(o: estop_ledger::GroupCommitOptions, data: &Path, json_out: bool) -> Result<u8> {
+    std::fs::create_dir_all(data)?;
+    let p = estop_ledger::group_commit_probe(data, o).context("group-commit probe")?;
+    let (turnaround_us, gather_us) = (o.turnaround.as_micros(), o.gather.as_micros());
+    if json_out {
+        println!(
+            "{}",
+            json!({"writers": o.writers, "record_bytes": o.record_bytes, "overwrite": o.overwrite,
+                   "turnaround_us": turnaround_us, "gather_us": gather_us, "syncers": o.syncers, "records": p.records,
+                   "records_per_s": p.records_per_s.round(), "syncs": p.syncs,
+                   "mean_batch_records": round1(p.mean_batch_records), "mean_sync_us": round1(p.mean_sync_us)})
+        );
+    } else {
+        println!(
+            "raw group commit, {} writers x {} B, {}, turnaround {} us, gather {} us, {} syncer(s): {:.0} records/s, {} syncs, batch {:.1} (max {}), sync {:.0} us",
+            o.writers,
+            o.record_bytes,
+            if o.overwrite { "overwrite" } else { "append" },
+            turnaround_us,
+            gather_us,
+            o.syncers,
+            p.records_per_s,
+            p.syncs,
+            p.mean_batch_records,
+            p.batch_records_max,
+            p.mean_sync_us
+        );
+    }
+    Ok(0)
 }
 
 fn kernel(identities: u64, json_out: bool) -> Result<u8> {
