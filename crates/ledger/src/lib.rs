@@ -30,7 +30,10 @@ pub use commit::{Committer, Notify, SYNC_THREAD_NAME, SnapshotReport};
 pub use error::{LedgerError, ReplayCause};
 pub use inspect::{RecordView, VerifyReport, inspect, verify};
 pub use ledger::{Ledger, LedgerOptions, Recovered, RecoveryReport};
-pub use probe::{FsyncProbe, raw_fsync_probe, raw_overwrite_probe};
+pub use probe::{
+    FsyncProbe, GroupCommitOptions, GroupCommitProbe, group_commit_probe, raw_fsync_probe,
+    raw_overwrite_probe,
+};
 pub use scan::{Preallocated, SegmentSummary, Superseded, TornTail};
 pub use sim::{CrashStorage, SimStats};
 pub use snapshot::{InvalidFile, SnapshotInfo};
