@@ -451,3 +451,340 @@ pub async fn ask(shared: &Shared, msg: impl FnOnce(ReplyTo) -> CoreMsg) -> Answe
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The dispatcher as data: for every verb (and the requests a rule refuses), what each
+    //! principal gets. A front door that routes through `route` cannot drift from this table;
+    //! a new verb fails to compile in `sample` until it has a row.
+
+    use super::*;
+    use crate::conn::ConnOptions;
+    use crate::durable::DurableState;
+    use crate::tokens::Tokens;
+    use estop_kernel::vocab::{Decision, Outcome};
+    use estop_protocol::{Admit, Complete, Limits};
+    use std::fmt::Write as _;
+    use std::sync::atomic::AtomicU64;
+
+    /// Policy: `needs_args` reads its arguments, so an admit with only a digest cannot be
+    /// decided.
+    const POLICY: &str = r#"
+[[rules]]
+tool = "needs_args"
+when = "args.amount > 1"
+action = "approve"
+"#;
+
+    /// The expected table: one row per request, one column per principal (`-` has not said
+    /// `hello`). `apply X` and `query X` are core messages, `work X` runs beside the core,
+    /// `conn X` is the connection's; anything else is the code of an answer given at once.
+    const EXPECTED: &str = "
+request                    | operator         | agent            | observer         | -
+hello                      | conn hello       | conn hello       | conn hello       | conn hello
+admit                      | apply admit      | apply admit      | forbidden        | unauthenticated
+admit digest-only          | args_required    | args_required    | forbidden        | unauthenticated
+start                      | apply start      | apply start      | forbidden        | unauthenticated
+start bad-token            | bad_token        | bad_token        | forbidden        | unauthenticated
+complete                   | apply complete   | apply complete   | forbidden        | unauthenticated
+complete bad-token         | bad_token        | bad_token        | forbidden        | unauthenticated
+wait                       | conn wait        | conn wait        | forbidden        | unauthenticated
+wait over-max              | limit_exceeded   | limit_exceeded   | forbidden        | unauthenticated
+subscribe                  | conn subscribe   | conn subscribe   | conn subscribe   | unauthenticated
+unsubscribe                | conn unsubscribe | conn unsubscribe | conn unsubscribe | unauthenticated
+status                     | query status     | query status     | query status     | unauthenticated
+cancel                     | apply cancel     | apply cancel     | forbidden        | unauthenticated
+cancel cascade=false       | invalid_field    | invalid_field    | forbidden        | unauthenticated
+ping                       | pong             | pong             | pong             | pong
+decide                     | apply decide     | forbidden        | forbidden        | unauthenticated
+pause                      | apply pause      | forbidden        | forbidden        | unauthenticated
+resume                     | apply resume     | forbidden        | forbidden        | unauthenticated
+kill                       | apply kill       | forbidden        | forbidden        | unauthenticated
+close                      | apply close      | apply close      | forbidden        | unauthenticated
+runs                       | query runs 1000  | query runs 1000  | query runs 1000  | unauthenticated
+runs limit=5               | query runs 5     | query runs 5     | query runs 5     | unauthenticated
+runs limit=4294967295      | query runs 10000 | query runs 10000 | query runs 10000 | unauthenticated
+pending                    | query pending 1000 | query pending 1000 | query pending 1000 | unauthenticated
+ledger                     | work ledger 1000 | forbidden        | work ledger 1000 | unauthenticated
+report                     | query report 1000 | query report 1000 | query report 1000 | unauthenticated
+token                      | work token       | forbidden        | forbidden        | unauthenticated
+token_revoke               | work token_revoke | forbidden        | forbidden        | unauthenticated
+";
+
+    fn run() -> RunId {
+        RunId::new("r").unwrap()
+    }
+
+    fn key() -> EffectKey {
+        EffectKey::new("k").unwrap()
+    }
+
+    /// A request of each verb, and the variants a rule refuses. Exhaustive over `Verb`.
+    fn samples() -> Vec<(String, Op)> {
+        let admit = |tool: &str, args: Option<serde_json::Value>| {
+            let tool = estop_kernel::ToolName::new(tool).unwrap();
+            Op::Admit(Admit {
+                run: run(),
+                key: key(),
+                digest: estop_protocol::digest_of(&tool, &serde_json::json!({"amount": 5})),
+                tool,
+                args,
+                start: true,
+                parent: None,
+                labels: Default::default(),
+                needs_approval: false,
+                limits: Limits::default(),
+            })
+        };
+        let complete = |token: &str| {
+            Op::Complete(Complete {
+                run: run(),
+                key: key(),
+                token: token.into(),
+                outcome: Outcome::Ok,
+                result: None,
+                error: None,
+            })
+        };
+        let mut out = Vec::new();
+        for verb in Verb::ALL {
+            let mut add = |label: &str, op: Op| {
+                assert_eq!(op.verb(), *verb);
+                out.push((label.to_string(), op));
+            };
+            let v = verb.as_str();
+            match verb {
+                Verb::Hello => add(
+                    v,
+                    Op::Hello {
+                        token: Secret::new("whatever"),
+                    },
+                ),
+                Verb::Admit => {
+                    add(v, admit("send", Some(serde_json::json!({"amount": 5}))));
+                    add("admit digest-only", admit("needs_args", None));
+                }
+                Verb::Start => {
+                    let start = |token: &str| Op::Start {
+                        run: run(),
+                        key: key(),
+                        token: token.into(),
+                    };
+                    add(v, start("1.1"));
+                    add("start bad-token", start("nope"));
+                }
+                Verb::Complete => {
+                    add(v, complete("1.1"));
+                    add("complete bad-token", complete("nope"));
+                }
+                Verb::Wait => {
+                    let wait = |timeout_ms| Op::Wait {
+                        run: run(),
+                        key: key(),
+                        timeout_ms,
+                    };
+                    add(v, wait(1000));
+                    add(
+                        "wait over-max",
+                        wait(ConnOptions::default().wait_ms_max + 1),
+                    );
+                }
+                Verb::Subscribe => add(v, Op::Subscribe { run: run() }),
+                Verb::Unsubscribe => add(v, Op::Unsubscribe { run: run() }),
+                Verb::Status => add(v, Op::Status { run: run() }),
+                Verb::Cancel => {
+                    let cancel = |cascade| Op::Cancel {
+                        run: run(),
+                        reason: None,
+                        cascade,
+                    };
+                    add(v, cancel(true));
+                    add("cancel cascade=false", cancel(false));
+                }
+                Verb::Ping => add(v, Op::Ping),
+                Verb::Decide => add(
+                    v,
+                    Op::Decide {
+                        run: run(),
+                        key: key(),
+                        decision: Decision::Approve,
+                        reason: None,
+                    },
+                ),
+                Verb::Pause => add(v, Op::Pause { run: run() }),
+                Verb::Resume => add(v, Op::Resume { run: run() }),
+                Verb::Kill => add(
+                    v,
+                    Op::Kill {
+                        run: run(),
+                        reason: None,
+                    },
+                ),
+                Verb::Close => add(
+                    v,
+                    Op::Close {
+                        run: run(),
+                        outcome: CloseOutcome::Completed,
+                    },
+                ),
+                Verb::Runs => {
+                    let runs = |limit| Op::Runs {
+                        state: None,
+                        limit,
+                        cursor: None,
+                    };
+                    add(v, runs(None));
+                    add("runs limit=5", runs(Some(5)));
+                    add("runs limit=4294967295", runs(Some(u32::MAX)));
+                }
+                Verb::Pending => add(
+                    v,
+                    Op::Pending {
+                        run: None,
+                        limit: None,
+                        cursor: None,
+                    },
+                ),
+                Verb::Ledger => add(
+                    v,
+                    Op::Ledger {
+                        run: None,
+                        limit: None,
+                        after: None,
+                    },
+                ),
+                Verb::Report => add(
+                    v,
+                    Op::Report {
+                        run: run(),
+                        limit: None,
+                        cursor: None,
+                    },
+                ),
+                Verb::Token => add(
+                    v,
+                    Op::Token {
+                        name: PrincipalName::new("bob").unwrap(),
+                        role: Role::Agent,
+                        groups: Vec::new(),
+                    },
+                ),
+                Verb::TokenRevoke => add(
+                    v,
+                    Op::TokenRevoke {
+                        name: PrincipalName::new("bob").unwrap(),
+                    },
+                ),
+            }
+        }
+        out
+    }
+
+    /// Items a page holds (its byte budget aside).
+    fn items(mut page: PageBudget) -> usize {
+        std::iter::from_fn(|| page.take(0).then_some(())).count()
+    }
+
+    fn kind(route: &Route) -> String {
+        match route {
+            Route::Answer(Answer::Error(code, _)) => code.as_str().to_string(),
+            Route::Answer(Answer::Pong) => "pong".into(),
+            Route::Answer(other) => format!("answer {other:?}"),
+            Route::Core(Ask::Apply { cmd, .. }) => format!(
+                "apply {}",
+                match cmd {
+                    Command::Admit(_) => "admit",
+                    Command::Start { .. } => "start",
+                    Command::Complete { .. } => "complete",
+                    Command::Decide { .. } => "decide",
+                    Command::Cancel { kill: false, .. } => "cancel",
+                    Command::Cancel { kill: true, .. } => "kill",
+                    Command::Pause { .. } => "pause",
+                    Command::Resume { .. } => "resume",
+                    Command::Close { .. } => "close",
+                    other => unreachable!("no verb sends {other:?}"),
+                }
+            ),
+            Route::Core(Ask::Query { query, .. }) => match query {
+                Query::Status { .. } => "query status".into(),
+                Query::Runs { page, .. } => format!("query runs {}", items(page.clone())),
+                Query::Pending { page, .. } => format!("query pending {}", items(page.clone())),
+                Query::Report { page, .. } => format!("query report {}", items(page.clone())),
+            },
+            Route::Work(Work::Ledger { page, .. }) => {
+                format!("work ledger {}", items(page.clone()))
+            }
+            Route::Work(Work::TokenCreate { .. }) => "work token".into(),
+            Route::Work(Work::TokenRevoke { .. }) => "work token_revoke".into(),
+            Route::Conn(c) => format!("conn {}", c.verb()),
+        }
+    }
+
+    fn shared(dir: &std::path::Path) -> Shared {
+        let (core_tx, _) = std::sync::mpsc::channel();
+        let (tokens, _) = Tokens::open_or_bootstrap(dir, false).unwrap();
+        Shared {
+            core_tx: core_tx.into(),
+            tokens: Arc::new(tokens),
+            policy: Arc::new(Policy::parse(POLICY).unwrap()),
+            durable_rx: tokio::sync::watch::channel(DurableState::default()).1,
+            opts: ConnOptions::default(),
+            ledger_dir: dir.to_path_buf(),
+            next_conn: AtomicU64::new(1),
+        }
+    }
+
+    fn principal(role: Role) -> Principal {
+        Principal {
+            name: PrincipalName::new(role.as_str()).unwrap(),
+            role,
+            groups: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn every_verb_routes_by_role_as_the_table_says() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = shared(dir.path());
+        let who = [
+            Some(principal(Role::Operator)),
+            Some(principal(Role::Agent)),
+            Some(principal(Role::Observer)),
+            None,
+        ];
+        let mut table = String::from(
+            "\nrequest                    | operator         | agent            | observer         | -\n",
+        );
+        for (label, op) in samples() {
+            let cells: Vec<String> = who
+                .iter()
+                .map(|p| kind(&route(&shared, p.as_ref(), op.clone())))
+                .collect();
+            write!(table, "{label:<26}").unwrap();
+            for c in &cells[..3] {
+                write!(table, " | {c:<16}").unwrap();
+            }
+            writeln!(table, " | {}", cells[3]).unwrap();
+        }
+        assert_eq!(table, EXPECTED, "the routes are now:\n{table}");
+    }
+
+    /// The role check is `Verb::allowed_for`, and nothing else: every verb an authenticated
+    /// principal may not use is refused `forbidden`, and no other verb is.
+    #[test]
+    fn forbidden_is_exactly_what_roles_deny() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = shared(dir.path());
+        for role in [Role::Operator, Role::Agent, Role::Observer] {
+            let p = principal(role);
+            for (label, op) in samples() {
+                let verb = op.verb();
+                let refused = matches!(
+                    route(&shared, Some(&p), op),
+                    Route::Answer(Answer::Error(ErrorCode::Forbidden, _))
+                );
+                assert_eq!(refused, !verb.allowed_for(role), "{label} as {role:?}");
+            }
+        }
+    }
+}
