@@ -1,6 +1,7 @@
 //! The HTTP surface: routes, authentication (bearer token, or a session secret in a header +
-//! CSRF token + proof of the console's own origin), the mapping from HTTP requests to v1
-//! request objects and from answers to JSON responses, and security headers. Every route is
+//! CSRF token + proof of the console's own origin), the mapping from routes to v1 verbs (the
+//! typed request and its dispatch are `gate`'s) and from answers to JSON responses, and
+//! security headers. Every route is
 //! documented in docs/HTTP.md and docs/openapi.yaml.
 
 use crate::auth::{self, Auth};
