@@ -171,6 +171,9 @@ proptest! {
     }
 }
 
+/// Names and values, as a test writes them.
+type Named<'a> = &'a [(&'a str, &'a str)];
+
 fn owned<'a>(kv: &[(&'a str, &str)]) -> Vec<(&'a str, String)> {
     kv.iter().map(|(k, v)| (*k, v.to_string())).collect()
 }
@@ -178,7 +181,7 @@ fn owned<'a>(kv: &[(&'a str, &str)]) -> Vec<(&'a str, String)> {
 /// The console's requests, one by one: the same request or the same refusal as the line.
 #[test]
 fn console_requests_match_their_lines() {
-    let cases: &[(Verb, &str, &[(&str, &str)], &[(&str, &str)])] = &[
+    let cases: &[(Verb, &str, Named, Named)] = &[
         (Verb::Runs, "", &[("limit", "x")], &[]),
         (Verb::Runs, "", &[("limit", "5"), ("state", "paused")], &[]),
         (Verb::Ledger, "", &[("run", "123"), ("limit", "5")], &[]),

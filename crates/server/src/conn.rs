@@ -1,6 +1,7 @@
-//! One client connection speaking protocol v1: a reader that parses, authenticates and turns
-//! requests into core messages (policy and digest work happens here, in parallel, not in the
-//! core), and a writer that renders replies once what they depend on is durable.
+//! One client connection speaking protocol v1: a reader that parses, authenticates and hands
+//! each request to the one dispatcher (`dispatch`; policy and digest work happens on this
+//! thread, in parallel, not in the core), adding what is the connection's, and a writer that
+//! renders replies once what they depend on is durable.
 
 use crate::core::{Answer, CoreMsg, Out, ReplyTo};
 use crate::dispatch::{self, ConnVerb, Route};

@@ -317,7 +317,7 @@ fn admission_token(token: &str) -> Result<Token, Answer> {
 
 /// Evaluates policy for an admit and builds the kernel command (policy decided here, recorded
 /// with the admission, so replay never consults the policy file again).
-pub fn admit_command(
+fn admit_command(
     policy: &Policy,
     p: &Principal,
     a: estop_protocol::Admit,
@@ -375,7 +375,7 @@ pub fn admit_command(
 }
 
 /// Reads the ledger on disk (durable records only) for the `ledger` verb.
-pub fn ledger_entries(
+fn ledger_entries(
     dir: &std::path::Path,
     run: Option<&RunId>,
     after: u64,
