@@ -1,159 +1,101 @@
-//! The console's way into the gate: the same core messages protocol v1 sends, parsed by the same
-//! request parser, answered only once durable. An HTTP request is turned into a v1 request
-//! object (`{"op": …, fields}`), parsed by `estop_protocol::parse_request`, and dispatched here,
-//! so both front doors have one set of rules, limits and errors.
+//! The console's way into the gate. An HTTP request's JSON body, query parameters and path ids
+//! become a typed v1 request (`estop_protocol::Fields`: the same types, bounds and errors as a
+//! line), which the one dispatcher (`estop_server::dispatch::route`) serves as it serves
+//! protocol v1's: the same role check, rules, core messages and errors, answered only once
+//! durable. What is HTTP's alone: which verbs it carries and which query values are numbers.
 
-use estop_kernel::{Command, Principal};
-use estop_protocol::{CloseOutcome, ErrorCode, Op};
-use estop_server::conn::{Shared, ledger_entries};
-use estop_server::core::{Answer, CoreMsg, Query};
-use estop_server::tokenops;
-pub use estop_server::tokenops::ask;
-use serde_json::Value;
+use estop_kernel::Principal;
+use estop_protocol::{ErrorCode, Fields, Op, Verb};
+use estop_server::conn::Shared;
+use estop_server::core::Answer;
+use estop_server::dispatch::{self, Route};
+use serde_json::{Map, Value};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> Answer {
     Answer::Error(code, msg.into())
 }
 
-/// Parses a v1 request object (the HTTP layer built it) and runs it as `principal`.
-pub async fn run(shared: &Arc<Shared>, principal: &Principal, request: Value) -> Answer {
-    let line = serde_json::to_vec(&request).expect("a JSON value serializes");
-    let req = match estop_protocol::parse_request(&line) {
-        Ok(r) => r,
-        Err(e) => return err(e.code(), e.to_string()),
-    };
-    let verb = req.op.verb();
-    if !verb.allowed_for(principal.role) {
-        return estop_server::conn::forbidden(verb, principal);
-    }
-    let p = principal.clone();
-    let apply = |cmd: Command| {
-        let p = p.clone();
-        async move {
-            ask(shared, |to| CoreMsg::Apply {
-                principal: p,
-                cmd,
-                to,
-            })
-            .await
-        }
-    };
-    let query = |query: Query| {
-        let p = p.clone();
-        async move {
-            ask(shared, |to| CoreMsg::Query {
-                principal: p,
-                query,
-                to,
-            })
-            .await
-        }
-    };
-    match req.op {
-        Op::Status { run } => query(Query::Status { run }).await,
-        // Listings in pages, bounded as over v1 (`ConnOptions::page`).
-        Op::Report { run, limit, cursor } => {
-            let page = shared.opts.page(limit);
-            query(Query::Report { run, cursor, page }).await
-        }
-        Op::Runs {
-            state,
-            limit,
-            cursor,
-        } => {
-            let page = shared.opts.page(limit);
-            query(Query::Runs {
-                state,
-                cursor,
-                page,
-            })
-            .await
-        }
-        Op::Pending { run, limit, cursor } => {
-            let page = shared.opts.page(limit);
-            query(Query::Pending { run, cursor, page }).await
-        }
-        Op::Cancel {
-            run,
-            reason,
-            cascade,
-        } => {
-            if !cascade {
-                return err(
-                    ErrorCode::InvalidField,
-                    "cascade=false is not supported: a cancel always fences the run's descendants (G4)",
-                );
-            }
-            apply(Command::Cancel {
-                run,
-                reason: reason.map(String::into_boxed_str),
-                kill: false,
-            })
-            .await
-        }
-        Op::Kill { run, reason } => {
-            apply(Command::Cancel {
-                run,
-                reason: reason.map(String::into_boxed_str),
-                kill: true,
-            })
-            .await
-        }
-        Op::Decide {
-            run,
-            key,
-            decision,
-            reason,
-        } => {
-            apply(Command::Decide {
-                run,
-                key,
-                decision,
-                reason: reason.map(String::into_boxed_str),
-            })
-            .await
-        }
-        Op::Pause { run } => apply(Command::Pause { run }).await,
-        Op::Resume { run } => apply(Command::Resume { run }).await,
-        Op::Close { run, outcome } => {
-            apply(Command::Close {
-                run,
-                failed: outcome == CloseOutcome::Failed,
-            })
-            .await
-        }
-        Op::Ledger { run, limit, after } => {
-            let dir = shared.ledger_dir.clone();
-            let durable = shared.durable_rx.borrow().seq;
-            let page = shared.opts.page(limit);
-            let res = tokio::task::spawn_blocking(move || {
-                ledger_entries(&dir, run.as_ref(), after.unwrap_or(0), durable, page)
-            })
-            .await;
-            match res {
-                Ok(Ok(reply)) => Answer::Ledger(reply),
-                Ok(Err(e)) => err(ErrorCode::Unavailable, e),
-                Err(e) => err(ErrorCode::Internal, e.to_string()),
-            }
-        }
-        Op::Token { name, role, groups } => {
-            tokenops::create(shared, principal, name, role, groups).await
-        }
-        Op::TokenRevoke { name } => tokenops::revoke(shared, principal, name).await,
-        Op::Hello { .. }
-        | Op::Ping
-        | Op::Admit(_)
-        | Op::Start { .. }
-        | Op::Complete(_)
-        | Op::Wait { .. }
-        | Op::Subscribe { .. }
-        | Op::Unsubscribe { .. } => err(
-            ErrorCode::UnknownOp,
-            format!(
-                "{} is an agent verb of protocol v1; the HTTP API carries operator verbs and reads",
-                verb.as_str()
-            ),
+/// Query parameters read as numbers when they are one; every other value stays a string
+/// (`?run=123` names run "123").
+const NUMERIC_QUERY: &[&str] = &["limit", "after"];
+
+/// The verbs the HTTP API carries: operator verbs and reads. The others are about a
+/// connection or an agent's own effects.
+fn carried(verb: Verb) -> bool {
+    !matches!(
+        verb,
+        Verb::Hello
+            | Verb::Ping
+            | Verb::Admit
+            | Verb::Start
+            | Verb::Complete
+            | Verb::Wait
+            | Verb::Subscribe
+            | Verb::Unsubscribe
+    )
+}
+
+fn not_carried(verb: Verb) -> Answer {
+    err(
+        ErrorCode::UnknownOp,
+        format!(
+            "{} is an agent verb of protocol v1; the HTTP API carries operator verbs and reads",
+            verb.as_str()
         ),
+    )
+}
+
+/// The typed request for `verb`: the JSON body's fields, then the query parameters, then the
+/// ids from the path, each replacing a field of the same name given before it.
+pub fn request(
+    verb: Verb,
+    path: &[(&str, String)],
+    query: &HashMap<String, String>,
+    body: &[u8],
+) -> Result<Op, Answer> {
+    if !carried(verb) {
+        return Err(not_carried(verb));
+    }
+    let body = if body.iter().all(u8::is_ascii_whitespace) {
+        Map::new()
+    } else {
+        match serde_json::from_slice::<Value>(body) {
+            Ok(Value::Object(m)) => m,
+            Ok(_) => return Err(err(ErrorCode::BadJson, "the body must be a JSON object")),
+            Err(e) => return Err(err(ErrorCode::BadJson, format!("the body: {e}"))),
+        }
+    };
+    let mut fields = Fields::new();
+    for (k, v) in &body {
+        fields.json(k, v);
+    }
+    for (k, v) in query {
+        let number = NUMERIC_QUERY
+            .contains(&k.as_str())
+            .then(|| v.parse::<u64>().ok())
+            .flatten();
+        match number {
+            Some(n) => fields.number(k, n),
+            None => fields.text(k, v),
+        }
+    }
+    for (k, v) in path {
+        fields.text(k, v);
+    }
+    match fields.build(verb) {
+        Ok(req) => Ok(req.op),
+        Err(e) => Err(err(e.code(), e.to_string())),
+    }
+}
+
+/// Runs `op` as `principal` and waits for its answer (once durable).
+pub async fn run(shared: &Arc<Shared>, principal: &Principal, op: Op) -> Answer {
+    match dispatch::route(shared, Some(principal), op) {
+        Route::Answer(answer) => answer,
+        Route::Core(ask) => dispatch::ask(shared, |to| ask.message(to)).await,
+        Route::Work(work) => work.run(shared).await,
+        Route::Conn(c) => not_carried(c.verb()),
     }
 }

@@ -1,6 +1,7 @@
 //! The HTTP surface: routes, authentication (bearer token, or a session secret in a header +
-//! CSRF token + proof of the console's own origin), the mapping from HTTP requests to v1
-//! request objects and from answers to JSON responses, and security headers. Every route is
+//! CSRF token + proof of the console's own origin), the mapping from routes to v1 verbs (the
+//! typed request and its dispatch are `gate`'s) and from answers to JSON responses, and
+//! security headers. Every route is
 //! documented in docs/HTTP.md and docs/openapi.yaml.
 
 use crate::auth::{self, Auth};
@@ -15,11 +16,11 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use estop_kernel::{Principal, Role};
-use estop_protocol::ErrorCode;
+use estop_protocol::{ErrorCode, Verb};
 use estop_server::conn::Shared;
 use estop_server::core::Answer;
 use estop_server::service::ServiceContext;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -219,47 +220,13 @@ fn same_origin(origin: &str, host: Option<&str>) -> bool {
         .is_some_and(|o| o == host)
 }
 
-/// Query parameters the v1 parser reads as numbers; every other value stays a string
-/// (`?run=123` names run "123").
-const NUMERIC_QUERY: &[&str] = &["limit", "after"];
-
-/// Builds the v1 request object: query parameters and JSON body fields, then the verb and the
-/// ids from the path (which win). Only the `NUMERIC_QUERY` values become numbers.
-fn request(
-    op: &str,
-    path: &[(&str, String)],
-    query: &HashMap<String, String>,
-    body: &Bytes,
-) -> Result<Value, Refusal> {
-    let mut obj = if body.iter().all(u8::is_ascii_whitespace) {
-        Map::new()
-    } else {
-        match serde_json::from_slice::<Value>(body) {
-            Ok(Value::Object(m)) => m,
-            Ok(_) => return Err(refuse(ErrorCode::BadJson, "the body must be a JSON object")),
-            Err(e) => return Err(refuse(ErrorCode::BadJson, format!("the body: {e}"))),
-        }
-    };
-    for (k, v) in query {
-        let number = NUMERIC_QUERY
-            .contains(&k.as_str())
-            .then(|| v.parse::<u64>().ok())
-            .flatten();
-        let value = number.map_or_else(|| json!(v), |n| json!(n));
-        obj.insert(k.clone(), value);
-    }
-    obj.insert("op".into(), json!(op));
-    for (k, v) in path {
-        obj.insert((*k).into(), json!(v));
-    }
-    Ok(Value::Object(obj))
-}
-
-async fn verb(
+/// Serves one v1 verb over HTTP: the caller, HTTP's own rule that only operators change state,
+/// then the typed request (`gate`).
+async fn serve(
     app: &AppState,
     method: Method,
     headers: &HeaderMap,
-    op: &str,
+    verb: Verb,
     path: &[(&str, String)],
     query: &HashMap<String, String>,
     body: &Bytes,
@@ -272,21 +239,20 @@ async fn verb(
         return error(
             ErrorCode::Forbidden,
             format!(
-                "{op} needs an operator token; over HTTP an agent token may only read its own runs, an observer token only read"
+                "{verb} needs an operator token; over HTTP an agent token may only read its own runs, an observer token only read"
             ),
         );
     }
-    let req = match request(op, path, query, body) {
-        Ok(r) => r,
-        Err(r) => return r.into_response(),
-    };
-    answer(gate::run(&app.shared, &c.principal, req).await).into_response()
+    match gate::request(verb, path, query, body) {
+        Ok(op) => answer(gate::run(&app.shared, &c.principal, op).await),
+        Err(refusal) => answer(refusal),
+    }
 }
 
 type Q = Query<HashMap<String, String>>;
 
 async fn runs(State(app): State<AppState>, h: HeaderMap, Query(q): Q) -> Response {
-    verb(&app, Method::GET, &h, "runs", &[], &q, &Bytes::new()).await
+    serve(&app, Method::GET, &h, Verb::Runs, &[], &q, &Bytes::new()).await
 }
 
 async fn status(
@@ -295,11 +261,11 @@ async fn status(
     Path(run): Path<String>,
     Query(q): Q,
 ) -> Response {
-    verb(
+    serve(
         &app,
         Method::GET,
         &h,
-        "status",
+        Verb::Status,
         &[("run", run)],
         &q,
         &Bytes::new(),
@@ -313,11 +279,11 @@ async fn report(
     Path(run): Path<String>,
     Query(q): Q,
 ) -> Response {
-    verb(
+    serve(
         &app,
         Method::GET,
         &h,
-        "report",
+        Verb::Report,
         &[("run", run)],
         &q,
         &Bytes::new(),
@@ -331,11 +297,11 @@ async fn run_ledger(
     Path(run): Path<String>,
     Query(q): Q,
 ) -> Response {
-    verb(
+    serve(
         &app,
         Method::GET,
         &h,
-        "ledger",
+        Verb::Ledger,
         &[("run", run)],
         &q,
         &Bytes::new(),
@@ -344,11 +310,11 @@ async fn run_ledger(
 }
 
 async fn ledger(State(app): State<AppState>, h: HeaderMap, Query(q): Q) -> Response {
-    verb(&app, Method::GET, &h, "ledger", &[], &q, &Bytes::new()).await
+    serve(&app, Method::GET, &h, Verb::Ledger, &[], &q, &Bytes::new()).await
 }
 
 async fn pending(State(app): State<AppState>, h: HeaderMap, Query(q): Q) -> Response {
-    verb(&app, Method::GET, &h, "pending", &[], &q, &Bytes::new()).await
+    serve(&app, Method::GET, &h, Verb::Pending, &[], &q, &Bytes::new()).await
 }
 
 async fn run_action(
@@ -358,8 +324,12 @@ async fn run_action(
     Query(q): Q,
     body: Bytes,
 ) -> Response {
-    let op = match action.as_str() {
-        "cancel" | "kill" | "pause" | "resume" | "close" => action.as_str(),
+    let verb = match action.as_str() {
+        "cancel" => Verb::Cancel,
+        "kill" => Verb::Kill,
+        "pause" => Verb::Pause,
+        "resume" => Verb::Resume,
+        "close" => Verb::Close,
         _ => {
             return error(
                 ErrorCode::UnknownOp,
@@ -367,7 +337,7 @@ async fn run_action(
             );
         }
     };
-    verb(&app, Method::POST, &h, op, &[("run", run)], &q, &body).await
+    serve(&app, Method::POST, &h, verb, &[("run", run)], &q, &body).await
 }
 
 async fn effect_action(
@@ -388,11 +358,11 @@ async fn effect_action(
             );
         }
     }
-    verb(&app, Method::POST, &h, "decide", &path, &q, &body).await
+    serve(&app, Method::POST, &h, Verb::Decide, &path, &q, &body).await
 }
 
 async fn tokens(State(app): State<AppState>, h: HeaderMap, Query(q): Q, body: Bytes) -> Response {
-    verb(&app, Method::POST, &h, "token", &[], &q, &body).await
+    serve(&app, Method::POST, &h, Verb::Token, &[], &q, &body).await
 }
 
 /// `DELETE /api/v1/tokens/{name}`: revokes a token at once (v1 `token_revoke`).
@@ -403,11 +373,11 @@ async fn revoke_token(
     Query(q): Q,
 ) -> Response {
     let path = [("name", name)];
-    verb(
+    serve(
         &app,
         Method::DELETE,
         &h,
-        "token_revoke",
+        Verb::TokenRevoke,
         &path,
         &q,
         &Bytes::new(),

@@ -2,6 +2,7 @@
 //!
 //! * [`parse_request`] turns one request line into a typed [`Request`] or a [`RequestError`]
 //!   with a stable [`ErrorCode`]; ids, keys, digests and vocabularies arrive as kernel types.
+//!   [`Fields`] builds the same request from named values (the HTTP API), through the same checks.
 //! * [`reply`] renders replies (`ok_line`, `error_line`) and events, and decodes them for clients.
 //! * [`codec::LineReader`] frames lines over any `AsyncRead`, bounded by `line_bytes_max`.
 //! * [`soundgate`] speaks the reference system's wire for its unchanged clients.
@@ -32,7 +33,7 @@ pub use reply::{
     ServerLine, TokenCreated, TokenRevoked, Verdict, parse_server_line,
 };
 pub use request::{
-    Admit, CloseOutcome, Complete, Limits, Op, Request, RequestError, RequestErrorKind, Secret,
-    Verb, parse_request,
+    Admit, CloseOutcome, Complete, Fields, Limits, Op, Request, RequestError, RequestErrorKind,
+    Secret, Verb, parse_request,
 };
 pub use soundgate::{SgError, SgReply, SgRequest, parse_soundgate};

@@ -293,6 +293,14 @@ impl Verb {
         }
     }
 
+    /// Verbs answered with one page of a listing, read on with a cursor (`protocol::page`).
+    pub fn is_listing(self) -> bool {
+        matches!(
+            self,
+            Verb::Runs | Verb::Pending | Verb::Report | Verb::Ledger
+        )
+    }
+
     /// Before a successful `hello`, only these verbs are answered; the rest get `unauthenticated`.
     pub fn allowed_before_hello(self) -> bool {
         matches!(self, Verb::Hello | Verb::Ping)
@@ -445,20 +453,7 @@ fn parse(line: &[u8], may_retry: bool) -> Result<Request, RequestError> {
         Err(e) => return classify(line, &e, failed.get(), may_retry),
     };
 
-    let id = match raw.id {
-        None => Id::NULL,
-        Some(text) => Id::from_raw_json(text.get()).map_err(|p| RequestError {
-            id: Id::NULL,
-            kind: RequestErrorKind::InvalidField {
-                field: "id",
-                why: p.why(),
-            },
-        })?,
-    };
-    match raw.build() {
-        Ok(op) => Ok(Request { id, op }),
-        Err(kind) => Err(RequestError { id, kind }),
-    }
+    raw.finish()
 }
 
 /// Maps a serde_json failure to a code. A type error inside a known field names that field;
@@ -682,7 +677,8 @@ struct RawLimits {
 /// The union of every verb's fields, filled in one pass over the line.
 #[derive(Default)]
 struct Raw<'a> {
-    id: Option<&'a RawValue>,
+    /// Borrowed from a line; owned when given as a value ([`Fields`]).
+    id: Option<Cow<'a, RawValue>>,
     op: Option<Str<'a>>,
     run: Option<Str<'a>>,
     key: Option<Str<'a>>,
@@ -697,7 +693,8 @@ struct Raw<'a> {
     limits: Option<RawLimits>,
     token: Option<Str<'a>>,
     outcome: Option<Str<'a>>,
-    result: Option<&'a RawValue>,
+    /// Borrowed from a line; owned when given as a value ([`Fields`]).
+    result: Option<Cow<'a, RawValue>>,
     error: Option<Str<'a>>,
     timeout_ms: Option<u64>,
     reason: Option<Str<'a>>,
@@ -761,38 +758,56 @@ impl<'de> Visitor<'de> for RawVisitor<'_> {
             }
             raw.seen |= field.bit();
             self.failed.set(Some(field));
-            match field {
-                Field::Id => raw.id = Some(map.next_value()?),
-                Field::Op => raw.op = map.next_value()?,
-                Field::Run => raw.run = map.next_value()?,
-                Field::Key => raw.key = map.next_value()?,
-                Field::Tool => raw.tool = map.next_value()?,
-                Field::Args => raw.args = Some(map.next_value()?),
-                Field::Digest => raw.digest = map.next_value()?,
-                Field::Start => raw.start = map.next_value()?,
-                Field::Parent => raw.parent = map.next_value()?,
-                Field::Labels => raw.labels = map.next_value()?,
-                Field::NeedsApproval => raw.needs_approval = map.next_value()?,
-                Field::Limits => raw.limits = map.next_value()?,
-                Field::Token => raw.token = map.next_value()?,
-                Field::Outcome => raw.outcome = map.next_value()?,
-                Field::Result => raw.result = Some(map.next_value()?),
-                Field::Error => raw.error = map.next_value()?,
-                Field::TimeoutMs => raw.timeout_ms = map.next_value()?,
-                Field::Reason => raw.reason = map.next_value()?,
-                Field::Cascade => raw.cascade = map.next_value()?,
-                Field::Decision => raw.decision = map.next_value()?,
-                Field::State => raw.state = map.next_value()?,
-                Field::Limit => raw.limit = map.next_value()?,
-                Field::After => raw.after = map.next_value()?,
-                Field::Cursor => raw.cursor = map.next_value()?,
-                Field::Name => raw.name = map.next_value()?,
-                Field::Role => raw.role = map.next_value()?,
-                Field::Groups => raw.groups = map.next_value()?,
-            }
+            map.next_value_seed(Slot {
+                raw: &mut raw,
+                field,
+            })?;
             self.failed.set(None);
         }
         Ok(raw)
+    }
+}
+
+/// One field's value, read into its slot of [`Raw`].
+struct Slot<'r, 'a> {
+    raw: &'r mut Raw<'a>,
+    field: Field,
+}
+
+impl<'de> DeserializeSeed<'de> for Slot<'_, 'de> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        let raw = self.raw;
+        match self.field {
+            Field::Id => raw.id = Some(Cow::Borrowed(Deserialize::deserialize(d)?)),
+            Field::Op => raw.op = Deserialize::deserialize(d)?,
+            Field::Run => raw.run = Deserialize::deserialize(d)?,
+            Field::Key => raw.key = Deserialize::deserialize(d)?,
+            Field::Tool => raw.tool = Deserialize::deserialize(d)?,
+            Field::Args => raw.args = Some(Deserialize::deserialize(d)?),
+            Field::Digest => raw.digest = Deserialize::deserialize(d)?,
+            Field::Start => raw.start = Deserialize::deserialize(d)?,
+            Field::Parent => raw.parent = Deserialize::deserialize(d)?,
+            Field::Labels => raw.labels = Deserialize::deserialize(d)?,
+            Field::NeedsApproval => raw.needs_approval = Deserialize::deserialize(d)?,
+            Field::Limits => raw.limits = Deserialize::deserialize(d)?,
+            Field::Token => raw.token = Deserialize::deserialize(d)?,
+            Field::Outcome => raw.outcome = Deserialize::deserialize(d)?,
+            Field::Result => raw.result = Some(Cow::Borrowed(Deserialize::deserialize(d)?)),
+            Field::Error => raw.error = Deserialize::deserialize(d)?,
+            Field::TimeoutMs => raw.timeout_ms = Deserialize::deserialize(d)?,
+            Field::Reason => raw.reason = Deserialize::deserialize(d)?,
+            Field::Cascade => raw.cascade = Deserialize::deserialize(d)?,
+            Field::Decision => raw.decision = Deserialize::deserialize(d)?,
+            Field::State => raw.state = Deserialize::deserialize(d)?,
+            Field::Limit => raw.limit = Deserialize::deserialize(d)?,
+            Field::After => raw.after = Deserialize::deserialize(d)?,
+            Field::Cursor => raw.cursor = Deserialize::deserialize(d)?,
+            Field::Name => raw.name = Deserialize::deserialize(d)?,
+            Field::Role => raw.role = Deserialize::deserialize(d)?,
+            Field::Groups => raw.groups = Deserialize::deserialize(d)?,
+        }
+        Ok(())
     }
 }
 
@@ -908,6 +923,24 @@ impl<'a> Raw<'a> {
 
     fn reason(&mut self) -> Result<Option<String>, Kind> {
         opt_bounded(self.reason.take(), Field::Reason, REASON_BYTES_MAX)
+    }
+
+    /// The request: its id checked, then its verb's fields.
+    fn finish(mut self) -> Result<Request, RequestError> {
+        let id = match self.id.take() {
+            None => Id::NULL,
+            Some(text) => Id::from_raw_json(text.get()).map_err(|p| RequestError {
+                id: Id::NULL,
+                kind: RequestErrorKind::InvalidField {
+                    field: "id",
+                    why: p.why(),
+                },
+            })?,
+        };
+        match self.build() {
+            Ok(op) => Ok(Request { id, op }),
+            Err(kind) => Err(RequestError { id, kind }),
+        }
     }
 
     fn build(mut self) -> Result<Op, Kind> {
@@ -1131,6 +1164,144 @@ impl<'a> Raw<'a> {
             }
         }
         Ok(Op::Token { name, role, groups })
+    }
+}
+
+/// A request assembled from named values rather than read from one line: the HTTP API's path
+/// segments, query parameters and JSON body fields. Each value is read into its field exactly
+/// as the same value in a line would be (types, bounds, vocabularies, `null` as absent), and
+/// [`Fields::build`] checks the verb's fields exactly as [`parse_request`] does, so both front
+/// doors refuse the same requests with the same errors. As in a line, a name no verb reads is
+/// ignored, and so is a field the verb does not read, whatever it holds; a name given again
+/// replaces what it held (a JSON object keeps the last of duplicate keys too).
+#[derive(Default)]
+pub struct Fields<'a> {
+    raw: Raw<'a>,
+    /// Fields whose value has the wrong type, and why, in the order given.
+    wrong: Vec<(Field, String)>,
+}
+
+impl fmt::Debug for Fields<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Values are not shown: a `token` field holds a secret.
+        let names: Vec<_> = FIELDS_ALL
+            .iter()
+            .filter(|x| self.raw.seen & x.bit() != 0)
+            .map(|x| x.name())
+            .collect();
+        f.debug_struct("Fields").field("given", &names).finish()
+    }
+}
+
+impl<'a> Fields<'a> {
+    pub fn new() -> Fields<'a> {
+        Fields::default()
+    }
+
+    /// A field given as a JSON value (a field of a request body).
+    pub fn json(&mut self, name: &str, value: &'a Value) {
+        self.put(name, value, || serde_json::value::to_raw_value(value));
+    }
+
+    /// A field given as text (a path segment, a query parameter): read as a JSON string.
+    pub fn text(&mut self, name: &str, value: &'a str) {
+        self.put(name, Text(value), || serde_json::value::to_raw_value(value));
+    }
+
+    /// A field given as a number (a query parameter that reads as one).
+    pub fn number(&mut self, name: &str, value: u64) {
+        self.put(name, Number(value), || {
+            serde_json::value::to_raw_value(&value)
+        });
+    }
+
+    fn put<D: Deserializer<'a, Error = serde_json::Error>>(
+        &mut self,
+        name: &str,
+        value: D,
+        raw_json: impl FnOnce() -> Result<Box<RawValue>, serde_json::Error>,
+    ) {
+        // The verb is `build`'s argument, never a field's.
+        let Some(field) = Field::from_key(name).filter(|f| *f != Field::Op) else {
+            return;
+        };
+        self.raw.seen |= field.bit();
+        self.wrong.retain(|(f, _)| *f != field);
+        let read = match field {
+            // Kept as JSON text, as a line's are.
+            Field::Id => raw_json().map(|r| self.raw.id = Some(Cow::Owned(r))),
+            Field::Result => raw_json().map(|r| self.raw.result = Some(Cow::Owned(r))),
+            _ => Slot {
+                raw: &mut self.raw,
+                field,
+            }
+            .deserialize(value),
+        };
+        if let Err(e) = read {
+            self.wrong.push((field, without_position(&e)));
+        }
+    }
+
+    /// The request for `verb`, or why it is refused: a value of the wrong type in a field the
+    /// verb reads (the first by name, as in a line whose keys are in order), then the id, then
+    /// the verb's fields, in the same order and with the same errors as [`parse_request`].
+    pub fn build(mut self, verb: Verb) -> Result<Request, RequestError> {
+        let read = verb_fields(verb) | Field::Id.bit();
+        let wrong = self
+            .wrong
+            .iter()
+            .filter(|(f, _)| read & f.bit() != 0)
+            .min_by_key(|(f, _)| f.name());
+        if let Some((field, why)) = wrong {
+            let id = self
+                .raw
+                .id
+                .as_deref()
+                .and_then(|r| Id::from_raw_json(r.get()).ok())
+                .unwrap_or(Id::NULL);
+            return Err(RequestError {
+                id,
+                kind: invalid(*field, why.clone()),
+            });
+        }
+        self.raw.op = Some(Str(Cow::Borrowed(verb.as_str())));
+        self.raw.finish()
+    }
+}
+
+/// A text value as a JSON string would be read (`null` is never text).
+struct Text<'a>(&'a str);
+
+impl<'de> Deserializer<'de> for Text<'de> {
+    type Error = serde_json::Error;
+    fn deserialize_any<V: Visitor<'de>>(self, v: V) -> Result<V::Value, Self::Error> {
+        v.visit_borrowed_str(self.0)
+    }
+    fn deserialize_option<V: Visitor<'de>>(self, v: V) -> Result<V::Value, Self::Error> {
+        v.visit_some(self)
+    }
+    serde::forward_to_deserialize_any! {
+        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+        unit unit_struct newtype_struct seq tuple tuple_struct map struct enum identifier
+        ignored_any
+    }
+}
+
+/// A number value as a JSON number would be read.
+struct Number(u64);
+
+impl<'de> Deserializer<'de> for Number {
+    type Error = serde_json::Error;
+    fn deserialize_any<V: Visitor<'de>>(self, v: V) -> Result<V::Value, Self::Error> {
+        v.visit_u64(self.0)
+    }
+    fn deserialize_option<V: Visitor<'de>>(self, v: V) -> Result<V::Value, Self::Error> {
+        v.visit_some(self)
+    }
+    serde::forward_to_deserialize_any! {
+        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+        unit unit_struct newtype_struct seq tuple tuple_struct map struct enum identifier
+        ignored_any
     }
 }
 

@@ -1,19 +1,21 @@
-//! One client connection speaking protocol v1: a reader that parses, authenticates and turns
-//! requests into core messages (policy and digest work happens here, in parallel, not in the
-//! core), and a writer that renders replies once what they depend on is durable.
+//! One client connection speaking protocol v1: a reader that parses, authenticates and hands
+//! each request to the one dispatcher (`dispatch`; policy and digest work happens on this
+//! thread, in parallel, not in the core), adding what is the connection's, and a writer that
+//! renders replies once what they depend on is durable.
 
-use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
+use crate::core::{Answer, CoreMsg, Out, ReplyTo};
+use crate::dispatch::{self, ConnVerb, Route};
 use crate::durable::{self, After, Durability, DurableState};
 use crate::outbox::{Direct, Outbox, Unwritten};
 use crate::quota::Slot;
 use crate::tokens::{RevokeSignal, Tokens};
-use estop_kernel::vocab::PolicyAction;
-use estop_kernel::{Admit as KAdmit, Command, Principal, RunLimits, Token};
-use estop_ledger::{FileStorage, inspect};
-use estop_policy::{EvalError, Policy};
-use estop_protocol::page::{PAGE_BYTES_MAX_DEFAULT, PAGE_ITEMS_DEFAULT, PAGE_ITEMS_MAX, Weight};
+use estop_kernel::Principal;
+use estop_policy::Policy;
+use estop_protocol::page::{PAGE_BYTES_MAX_DEFAULT, PAGE_ITEMS_DEFAULT, PAGE_ITEMS_MAX};
 use estop_protocol::reply::{self as wire, error_line, ok_line, pong_line};
-use estop_protocol::{ErrorCode, Id, Line, LineReader, Op, PageBudget, Request, parse_request};
+use estop_protocol::{
+    ErrorCode, Id, Line, LineReader, Op, PageBudget, Request, Secret, parse_request,
+};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -446,31 +448,6 @@ pub async fn close(
     let _ = writer.await;
 }
 
-/// The refusal of a verb the principal's role may not use.
-pub fn forbidden(verb: estop_protocol::Verb, p: &Principal) -> Answer {
-    let needs = if verb.is_operator_only() {
-        "an operator token"
-    } else {
-        "an agent or operator token (observers only read)"
-    };
-    err(
-        ErrorCode::Forbidden,
-        format!(
-            "{} needs {needs}; {} is an {}",
-            verb.as_str(),
-            p.name,
-            p.role.as_str()
-        ),
-    )
-}
-
-fn to_core(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
-    match shared.core_tx.send(msg) {
-        Ok(()) => None,
-        Err(_) => Some(err(ErrorCode::Unavailable, "the gate is shutting down")),
-    }
-}
-
 /// Listings (`runs`, `pending`, `report`, `ledger`) one connection may have asked for and not
 /// had answered: with the reader paced by unwritten output, this bounds what a burst of
 /// pipelined listings can add to a connection's output (a page each) before it is read.
@@ -504,17 +481,17 @@ impl Call<'_> {
     }
 }
 
-/// Handles one request. `Some(answer)` is answered at once; `None` means the core answers.
+/// Handles one request through the one dispatcher ([`dispatch::route`]), adding what is the
+/// connection's: its listings in flight, its authentication, its waits and subscriptions, and
+/// the line's charge (held by the core message that answers it). `Some(answer)` is answered at
+/// once; `None` means the core answers.
 async fn dispatch(
     req: Request,
     principal: &mut Option<Authed>,
     call: Call<'_>,
     shared: &Arc<Shared>,
 ) -> Option<Answer> {
-    if matches!(
-        req.op,
-        Op::Runs { .. } | Op::Pending { .. } | Op::Report { .. } | Op::Ledger { .. }
-    ) {
+    if req.op.verb().is_listing() {
         call.listing().await;
     }
     let Call {
@@ -524,326 +501,70 @@ async fn dispatch(
         charge,
         ..
     } = call;
-    let verb = req.op.verb();
-    if let Op::Hello { token } = &req.op {
-        return Some(match shared.tokens.credential(token.expose()) {
-            Some(c) => {
-                let hello = wire::HelloReply {
-                    role: c.principal.role.as_str().into(),
-                    principal: c.principal.name.to_string(),
-                    protocol: 1,
-                };
-                let revoked = shared.tokens.watch(conn, &c);
-                *principal = Some(Authed {
-                    principal: c.principal,
-                    revoked,
-                });
-                Answer::Hello(hello)
-            }
-            None => err(
-                ErrorCode::Unauthenticated,
-                "unknown token: use the contents of DATA/agent.token or DATA/operator.token, or one made by `estop token create`",
-            ),
-        });
-    }
-    if let Op::Ping = req.op {
-        return Some(Answer::Pong);
-    }
-    let Some(p) = principal.as_ref().map(|a| a.principal.clone()) else {
-        return Some(err(ErrorCode::Unauthenticated, "send hello {token} first"));
-    };
-    if !verb.allowed_for(p.role) {
-        return Some(forbidden(verb, &p));
-    }
+    let Request { id, op } = req;
     // Where the core answers; built only for a request that goes to the core.
     let reply_to = || ReplyTo {
         out: out.clone(),
-        id: req.id.clone(),
+        id,
         charge: charge
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take(),
     };
-    let apply = |cmd: Command| {
-        to_core(
-            shared,
-            CoreMsg::Apply {
-                principal: p.clone(),
-                cmd,
-                to: reply_to(),
-            },
-        )
-    };
-    match req.op {
-        Op::Hello { .. } | Op::Ping => unreachable!("handled above"),
-        Op::Admit(a) => match admit_command(&shared.policy, &p, a) {
-            Ok(cmd) => apply(cmd),
-            Err(answer) => Some(answer),
-        },
-        Op::Start { run, key, token } => match Token::parse(&token) {
-            Some(token) => apply(Command::Start { run, key, token }),
-            None => Some(err(
-                ErrorCode::BadToken,
-                "token is not one the gate issued (expected <epoch>.<serial>)",
-            )),
-        },
-        Op::Complete(c) => match Token::parse(&c.token) {
-            Some(token) => apply(Command::Complete {
-                run: c.run,
-                key: c.key,
-                token,
-                outcome: c.outcome,
-                result: c.result.map(|v| v.to_string().into_boxed_str()),
-                error: c.error.map(String::into_boxed_str),
-            }),
-            None => Some(err(
-                ErrorCode::BadToken,
-                "token is not one the gate issued (expected <epoch>.<serial>)",
-            )),
-        },
-        Op::Wait {
+    let send = |msg| dispatch::send(shared, msg);
+    match dispatch::route(shared, principal.as_ref().map(|a| &a.principal), op) {
+        Route::Answer(answer) => Some(answer),
+        Route::Core(ask) => send(ask.message(reply_to())),
+        Route::Work(work) => Some(work.run(shared).await),
+        Route::Conn(ConnVerb::Hello { token }) => Some(hello(shared, conn, &token, principal)),
+        Route::Conn(ConnVerb::Wait {
+            principal,
             run,
             key,
-            timeout_ms,
-        } => {
-            if timeout_ms > shared.opts.wait_ms_max {
-                return Some(err(
-                    ErrorCode::LimitExceeded,
-                    format!(
-                        "timeout_ms {timeout_ms} is above wait_ms_max = {}; wait again after it returns",
-                        shared.opts.wait_ms_max
-                    ),
-                ));
-            }
-            to_core(
-                shared,
-                CoreMsg::Wait {
-                    principal: p,
-                    run,
-                    key,
-                    timeout: Duration::from_millis(timeout_ms),
-                    conn,
-                    to: reply_to(),
-                },
-            )
-        }
-        Op::Subscribe { run } => to_core(
-            shared,
-            CoreMsg::Subscribe {
-                principal: p,
-                run,
-                conn,
-                out: out.clone(),
-                backlog: Arc::clone(backlog),
-                to: reply_to(),
-            },
-        ),
-        Op::Unsubscribe { run } => {
+            timeout,
+        }) => send(CoreMsg::Wait {
+            principal,
+            run,
+            key,
+            timeout,
+            conn,
+            to: reply_to(),
+        }),
+        Route::Conn(ConnVerb::Subscribe { principal, run }) => send(CoreMsg::Subscribe {
+            principal,
+            run,
+            conn,
+            out: out.clone(),
+            backlog: Arc::clone(backlog),
+            to: reply_to(),
+        }),
+        Route::Conn(ConnVerb::Unsubscribe { run }) => {
             let _ = shared.core_tx.send(CoreMsg::Unsubscribe { run, conn });
             Some(Answer::Ack(wire::Ack::default()))
         }
-        Op::Status { run } => to_core(
-            shared,
-            CoreMsg::Query {
-                principal: p,
-                query: Query::Status { run },
-                to: reply_to(),
-            },
-        ),
-        Op::Report { run, limit, cursor } => to_core(
-            shared,
-            CoreMsg::Query {
-                principal: p,
-                query: Query::Report {
-                    run,
-                    cursor,
-                    page: shared.opts.page(limit),
-                },
-                to: reply_to(),
-            },
-        ),
-        Op::Runs {
-            state,
-            limit,
-            cursor,
-        } => to_core(
-            shared,
-            CoreMsg::Query {
-                principal: p,
-                query: Query::Runs {
-                    state,
-                    cursor,
-                    page: shared.opts.page(limit),
-                },
-                to: reply_to(),
-            },
-        ),
-        Op::Pending { run, limit, cursor } => to_core(
-            shared,
-            CoreMsg::Query {
-                principal: p,
-                query: Query::Pending {
-                    run,
-                    cursor,
-                    page: shared.opts.page(limit),
-                },
-                to: reply_to(),
-            },
-        ),
-        Op::Cancel {
-            run,
-            reason,
-            cascade,
-        } => {
-            if !cascade {
-                return Some(err(
-                    ErrorCode::InvalidField,
-                    "cascade=false is not supported: a cancel always fences the run's descendants (G4)",
-                ));
-            }
-            apply(Command::Cancel {
-                run,
-                reason: reason.map(String::into_boxed_str),
-                kill: false,
-            })
-        }
-        Op::Kill { run, reason } => apply(Command::Cancel {
-            run,
-            reason: reason.map(String::into_boxed_str),
-            kill: true,
-        }),
-        Op::Decide {
-            run,
-            key,
-            decision,
-            reason,
-        } => apply(Command::Decide {
-            run,
-            key,
-            decision,
-            reason: reason.map(String::into_boxed_str),
-        }),
-        Op::Pause { run } => apply(Command::Pause { run }),
-        Op::Resume { run } => apply(Command::Resume { run }),
-        Op::Close { run, outcome } => apply(Command::Close {
-            run,
-            failed: outcome == estop_protocol::CloseOutcome::Failed,
-        }),
-        Op::Token { name, role, groups } => {
-            Some(crate::tokenops::create(shared, &p, name, role, groups).await)
-        }
-        Op::TokenRevoke { name } => Some(crate::tokenops::revoke(shared, &p, name).await),
-        Op::Ledger { run, limit, after } => {
-            let dir = shared.ledger_dir.clone();
-            let durable = shared.durable_rx.borrow().seq;
-            let page = shared.opts.page(limit);
-            let res = tokio::task::spawn_blocking(move || {
-                ledger_entries(&dir, run.as_ref(), after.unwrap_or(0), durable, page)
-            })
-            .await;
-            Some(match res {
-                Ok(Ok(reply)) => Answer::Ledger(reply),
-                Ok(Err(e)) => err(ErrorCode::Unavailable, e),
-                Err(e) => err(ErrorCode::Internal, e.to_string()),
-            })
-        }
     }
 }
 
-/// Evaluates policy for an admit and builds the kernel command (policy decided here, recorded
-/// with the admission, so replay never consults the policy file again).
-pub fn admit_command(
-    policy: &Policy,
-    p: &Principal,
-    a: estop_protocol::Admit,
-) -> Result<Command, Answer> {
-    let mut verdict = match policy.evaluate(&a.tool, a.args.as_ref(), p.name.as_str()) {
-        Ok(v) => v,
-        Err(e @ EvalError::ArgsRequired { .. }) => {
-            return Err(err(ErrorCode::ArgsRequired, e.to_string()));
-        }
-        Err(e) => {
-            // A condition that cannot be evaluated fails closed: refused, nothing recorded.
-            return Err(Answer::Verdict(wire::Verdict::Refused {
-                reason: "denied".into(),
-                message: Some(e.to_string()),
-                rule: Some(e.rule().to_string()),
-            }));
-        }
+/// `hello`: the connection authenticates as the token's principal and watches for its
+/// revocation.
+fn hello(shared: &Shared, conn: u64, token: &Secret, principal: &mut Option<Authed>) -> Answer {
+    let Some(c) = shared.tokens.credential(token.expose()) else {
+        return err(
+            ErrorCode::Unauthenticated,
+            "unknown token: use the contents of DATA/agent.token or DATA/operator.token, or one made by `estop token create`",
+        );
     };
-    verdict.strengthen(a.needs_approval);
-    let now = wall_ms();
-    let mut limits: RunLimits = policy.run_limits(now);
-    let min = |x: Option<u64>, y: Option<u64>| match (x, y) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
+    let hello = wire::HelloReply {
+        role: c.principal.role.as_str().into(),
+        principal: c.principal.name.to_string(),
+        protocol: 1,
     };
-    limits.deadline_at = min(
-        limits.deadline_at,
-        min(
-            a.limits.deadline_ms,
-            a.limits.timeout_ms.map(|t| now.saturating_add(t)),
-        ),
-    );
-    limits.max_effects = min(limits.max_effects, a.limits.max_effects);
-    let args = if verdict.action == PolicyAction::Approve {
-        a.args.as_ref().map(|v| v.to_string().into_boxed_str())
-    } else {
-        None
-    };
-    Ok(Command::Admit(KAdmit {
-        run: a.run,
-        key: a.key,
-        tool: a.tool,
-        digest: a.digest,
-        args,
-        start: a.start,
-        parent: a.parent,
-        labels: a
-            .labels
-            .into_iter()
-            .map(|(k, v)| (k.into_boxed_str(), v.into_boxed_str()))
-            .collect(),
-        limits,
-        policy: verdict.into(),
-    }))
-}
-
-/// Reads the ledger on disk (durable records only) for the `ledger` verb.
-pub fn ledger_entries(
-    dir: &std::path::Path,
-    run: Option<&estop_kernel::RunId>,
-    after: u64,
-    durable: u64,
-    mut page: PageBudget,
-) -> Result<wire::LedgerReply, String> {
-    let storage = FileStorage::open_read_only(dir).map_err(|e| e.to_string())?;
-    let mut entries = Vec::new();
-    let mut next_after = None;
-    let report = inspect(&storage, |rv| {
-        if rv.seq <= after || rv.seq > durable || next_after.is_some() {
-            return;
-        }
-        let Ok(rec) = estop_kernel::codec::decode_record(rv.payload) else {
-            return;
-        };
-        if run.is_some_and(|r| rec.command.run() != Some(r)) {
-            return;
-        }
-        let entry = crate::describe::entry(rv.seq, &rec);
-        if !page.take(entry.weight()) {
-            next_after = Some(entries.last().map_or(after, |e: &wire::LedgerEntry| e.seq));
-            return;
-        }
-        entries.push(entry);
+    let revoked = shared.tokens.watch(conn, &c);
+    *principal = Some(Authed {
+        principal: c.principal,
+        revoked,
     });
-    if let Some(e) = report.error {
-        return Err(format!("the ledger cannot be read: {e}"));
-    }
-    Ok(wire::LedgerReply {
-        entries,
-        next_after,
-    })
+    Answer::Hello(hello)
 }
 
 /// Writes a connection's replies and events in order, each once what it depends on is durable.

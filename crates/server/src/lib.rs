@@ -7,6 +7,7 @@ pub mod clock;
 pub mod conn;
 pub mod core;
 pub mod describe;
+pub mod dispatch;
 pub mod durable;
 pub mod fatal;
 pub mod handoff;

@@ -161,13 +161,7 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
         id: Id::default(),
         charge: None,
     };
-    let send = |msg| match shared.core_tx.send(msg) {
-        Ok(()) => None,
-        Err(_) => Some(Answer::Error(
-            estop_protocol::ErrorCode::Unavailable,
-            "the gate is shutting down".into(),
-        )),
-    };
+    let send = |msg| crate::dispatch::send(shared, msg);
     let agent = principal(Role::Agent);
     match req {
         SgRequest::Ping => Some(Answer::Pong),

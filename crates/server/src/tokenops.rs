@@ -7,8 +7,8 @@
 //! safe) and the operator is told the ledger does not have it.
 
 use crate::conn::Shared;
-use crate::core::{Answer, CoreMsg, Out, ReplyTo};
-use crate::durable::{self, Durability};
+use crate::core::{Answer, CoreMsg, ReplyTo};
+use crate::dispatch::ask;
 use crate::tokens::TokenError;
 use estop_kernel::{Command, Principal, PrincipalName, Role, TokenAction, TokenChange};
 use estop_protocol::reply as wire;
@@ -17,37 +17,6 @@ use std::sync::Arc;
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> Answer {
     Answer::Error(code, msg.into())
-}
-
-/// Sends one message to the core and waits for its answer, then for the ledger position it
-/// depends on to be durable (G6), exactly as a v1 connection's writer does.
-pub async fn ask(shared: &Shared, msg: impl FnOnce(ReplyTo) -> CoreMsg) -> Answer {
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let to = ReplyTo {
-        out: tx.into(),
-        id: Id::default(),
-        charge: None,
-    };
-    if shared.core_tx.send(msg(to)).is_err() {
-        return err(ErrorCode::Unavailable, "the gate is shutting down");
-    }
-    loop {
-        match rx.recv().await {
-            Some(Out::Answer { answer, after, .. }) => {
-                let mut durable_rx = shared.durable_rx.clone();
-                return match durable::wait(&mut durable_rx, after).await {
-                    Durability::Durable => answer,
-                    Durability::Lost => err(
-                        ErrorCode::Unavailable,
-                        "the change could not be made durable (ledger failure); it was not applied — retry",
-                    ),
-                };
-            }
-            // Events are not asked for here; rendered bytes go only to a socket's writer.
-            Some(Out::Event { .. } | Out::Rendered(_)) => {}
-            None => return err(ErrorCode::Unavailable, "the gate is shutting down"),
-        }
-    }
 }
 
 /// Records the bootstrap tokens a (first or `--reset-tokens`) start wrote, as the gate itself
