@@ -143,6 +143,8 @@ fn spawn_daemon(data: &Path) -> Result<Spawned> {
             "--held-per-principal-max",
             "100000000",
         ])
+        // Nor the share of connections: every load connection is the same agent.
+        .args(["--connections-per-principal-max", "1000000"])
         .arg("--data")
         .arg(data)
         .stdout(Stdio::piped())

@@ -140,13 +140,14 @@ pub struct ConnectionOptions {
 
 impl ConnectionOptions {
     /// Bounds derived from `connections_max`: a principal may hold a quarter, operators keep a
-    /// sixteenth (1 to 64), connections not yet authenticated a sixteenth (1 to 256).
+    /// sixteenth (1 to 64), connections not yet authenticated a quarter (1 to 1024: a client
+    /// that opens many connections before it says `hello` on each must not evict its own).
     pub fn derived(connections_max: usize) -> ConnectionOptions {
         let mut shares = ShareOptions::derived(connections_max, 64);
         shares.operator_reserve = (connections_max / 16).clamp(1, 64);
         ConnectionOptions {
             shares,
-            unauthenticated_max: (connections_max / 16).clamp(1, 256),
+            unauthenticated_max: (connections_max / 4).clamp(1, 1024),
         }
     }
 }
