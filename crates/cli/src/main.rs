@@ -128,7 +128,7 @@ struct ServeArgs {
     /// are kept for operators.
     #[arg(long, default_value_t = 4096)]
     connections_max: usize,
-    /// Protocol v1 connections one agent principal may hold (default: a quarter of the pool).
+    /// Protocol v1 connections one principal may hold (default: a quarter of the pool).
     #[arg(long)]
     connections_per_principal_max: Option<usize>,
     /// Most simultaneous SoundGate connections (a pool of their own).
@@ -143,13 +143,13 @@ struct ServeArgs {
     /// Blocked `wait`s in all; 1/64 of them (up to 1024) are kept for operators.
     #[arg(long, default_value_t = 100_000)]
     waiters_max: usize,
-    /// Blocked `wait`s one agent principal may hold (default: a quarter of --waiters-max).
+    /// Blocked `wait`s one principal may hold (default: a quarter of --waiters-max).
     #[arg(long)]
     waiters_per_principal_max: Option<usize>,
     /// Subscriptions in all; 1/64 of them (up to 1024) are kept for operators.
     #[arg(long, default_value_t = 100_000)]
     subscriptions_max: usize,
-    /// Subscriptions one agent principal may hold (default: a quarter of --subscriptions-max).
+    /// Subscriptions one principal may hold (default: a quarter of --subscriptions-max).
     #[arg(long)]
     subscriptions_per_principal_max: Option<usize>,
     /// Longest request line in bytes.

@@ -6,7 +6,7 @@
 //! carry a CSRF token that every state-changing request must echo. Secrets are compared by
 //! hash; no secret is logged.
 
-use crate::quota::{Full, Shares, is_operator};
+use crate::quota::{Full, ShareOptions, is_operator};
 use estop_kernel::Principal;
 use sha2::{Digest as _, Sha256};
 use std::collections::HashMap;
@@ -22,8 +22,8 @@ pub const SESSIONS_PER_PRINCIPAL_MAX: usize = 64;
 /// `SESSIONS_MAX - SESSIONS_OPERATOR_RESERVE`.
 pub const SESSIONS_OPERATOR_RESERVE: usize = 256;
 /// The session pool's shares.
-pub const SESSION_SHARES: Shares = Shares {
-    total_max: SESSIONS_MAX,
+pub const SESSION_SHARES: ShareOptions = ShareOptions {
+    max: SESSIONS_MAX,
     per_principal_max: SESSIONS_PER_PRINCIPAL_MAX,
     operator_reserve: SESSIONS_OPERATOR_RESERVE,
 };
@@ -153,7 +153,7 @@ impl Auth {
                 .iter()
                 .filter(|(_, s)| match full {
                     Full::Principal(_) => s.principal.name.as_str() == name,
-                    Full::Agents(_) | Full::Total(_) => is_operator(&s.principal),
+                    Full::Others(_) | Full::Total(_) => is_operator(&s.principal),
                 })
                 .min_by_key(|(_, s)| s.expires)
                 .map(|(k, _)| *k)
@@ -271,7 +271,7 @@ mod tests {
                 auth.start(agent(&format!("a{i}"))).unwrap();
             }
         }
-        assert_eq!(auth.start(agent("late")).unwrap_err(), Full::Agents(share));
+        assert_eq!(auth.start(agent("late")).unwrap_err(), Full::Others(share));
         assert!(
             auth.session(&op).is_some(),
             "the operator's session survived"

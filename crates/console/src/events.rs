@@ -57,7 +57,7 @@ pub async fn stream(app: AppState, caller: Caller, run: Option<String>) -> Respo
         Err(full) => {
             let what = match full {
                 Full::Principal(n) => format!("{n} event streams for {}", caller.principal.name),
-                Full::Agents(n) => {
+                Full::Others(n) => {
                     format!("{n} event streams held by agents (the rest are kept for operators)")
                 }
                 Full::Total(n) => format!("event streams = {n}"),

@@ -409,7 +409,7 @@ async fn whoami(State(app): State<AppState>, h: HeaderMap) -> Response {
 fn session_full(p: &Principal, full: Full) -> Refusal {
     let what = match full {
         Full::Principal(n) => format!("{n} console sessions for {}", p.name),
-        Full::Agents(n) => {
+        Full::Others(n) => {
             format!("{n} console sessions held by agents (the rest are kept for operators)")
         }
         Full::Total(n) => format!("console sessions = {n}"),

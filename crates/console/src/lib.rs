@@ -126,8 +126,8 @@ impl Service for Console {
         let app = Arc::new(http::App {
             shared: Arc::clone(&ctx.shared),
             auth: auth::Auth::new(o.session_ttl, o.login_link_ttl),
-            streams: quota::Counted::new(quota::Shares {
-                total_max: o.event_streams_max,
+            streams: quota::Counted::new(quota::ShareOptions {
+                max: o.event_streams_max,
                 per_principal_max: o.event_streams_per_principal_max,
                 operator_reserve: o.event_streams_operator_reserve,
             }),

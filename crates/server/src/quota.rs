@@ -2,8 +2,10 @@
 //! of a pool, and a reserve at the top of every pool is for operators only, so no agent — nor a
 //! crowd of them — can take the gate away from the others or lock the operator out.
 //!
-//! [`Shares`] is the plain counter (the core owns the waiters' and subscriptions' instances);
-//! [`ConnectionSlots`] wraps one for connections, which are counted before they authenticate.
+//! The rule is one pure function, [`ShareOptions::admit`], for every pool of the daemon (the
+//! console's sessions and event streams use it too). [`Shares`] is the plain counter (the core
+//! owns the waiters' and subscriptions' instances); [`ConnectionSlots`] wraps one for
+//! connections, which are counted before they authenticate.
 
 use estop_kernel::{Principal, PrincipalName, Role};
 use std::collections::{HashMap, VecDeque};
@@ -15,7 +17,7 @@ use tokio::sync::Notify;
 pub struct ShareOptions {
     /// What the pool holds at most, operators included.
     pub max: usize,
-    /// What one principal (other than an operator) may hold.
+    /// What one principal may hold.
     pub per_principal_max: usize,
     /// The top of the pool that only operators may use.
     pub operator_reserve: usize,
@@ -38,6 +40,57 @@ impl ShareOptions {
     pub fn others_max(&self) -> usize {
         self.max.saturating_sub(self.operator_reserve)
     }
+
+    /// Whether a principal (an operator or not) may take one more, given what is held: `total`
+    /// in the pool, `others` by principals that are not operators, `mine` by this principal.
+    pub fn admit(
+        &self,
+        operator: bool,
+        total: usize,
+        others: usize,
+        mine: usize,
+    ) -> Result<(), Full> {
+        if mine >= self.per_principal_max {
+            return Err(Full::Principal(self.per_principal_max));
+        }
+        if !operator && others >= self.others_max() {
+            return Err(Full::Others(self.others_max()));
+        }
+        if total >= self.max {
+            return Err(Full::Total(self.max));
+        }
+        Ok(())
+    }
+}
+
+/// Why a pool refused one more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Full {
+    /// The principal holds `per_principal_max` already.
+    Principal(usize),
+    /// Principals other than operators hold their whole part (`max - operator_reserve`).
+    Others(usize),
+    /// The pool is full.
+    Total(usize),
+}
+
+impl Full {
+    /// The refusal's message for pool `what` (`waiters`, …), naming its bound and what to do.
+    pub fn message(self, what: &str, p: &Principal, opts: &ShareOptions) -> String {
+        match self {
+            Full::Principal(n) => format!(
+                "limit reached: {what}_per_principal_max = {n} for {}; release some of yours first",
+                p.name
+            ),
+            Full::Others(_) => format!(
+                "limit reached: {what}_max = {} with {} reserved for operators; release some, or retry later",
+                opts.max, opts.operator_reserve
+            ),
+            Full::Total(n) => {
+                format!("limit reached: {what}_max = {n}; release some (or raise the bound)")
+            }
+        }
+    }
 }
 
 /// Who holds how much of one pool.
@@ -49,6 +102,7 @@ pub struct Shares {
     total: usize,
     /// Held by principals that are not operators.
     others: usize,
+    /// Held by each principal (operators included).
     of: HashMap<PrincipalName, usize>,
 }
 
@@ -79,40 +133,20 @@ impl Shares {
 
     /// Takes one unit for `p`, or says which bound stops it (nothing taken then).
     pub fn take(&mut self, p: &Principal) -> Result<(), String> {
-        self.check(p)?;
-        self.total += 1;
-        if p.role != Role::Operator {
-            self.others += 1;
-            *self.of.entry(p.name.clone()).or_default() += 1;
-        }
-        Ok(())
+        self.try_take(p)
+            .map_err(|full| full.message(self.what, p, &self.opts))
     }
 
-    /// Whether `p` may take one unit.
-    fn check(&self, p: &Principal) -> Result<(), String> {
-        let o = self.opts;
-        let what = self.what;
-        if self.total >= o.max {
-            return Err(format!(
-                "limit reached: {what}_max = {}; release some (or raise the bound)",
-                o.max
-            ));
+    /// `take`, with the refusal as data (for a front door that words it its own way).
+    pub fn try_take(&mut self, p: &Principal) -> Result<(), Full> {
+        let operator = p.role == Role::Operator;
+        let mine = self.held_by(&p.name);
+        self.opts.admit(operator, self.total, self.others, mine)?;
+        self.total += 1;
+        if !operator {
+            self.others += 1;
         }
-        if p.role == Role::Operator {
-            return Ok(());
-        }
-        if self.held_by(&p.name) >= o.per_principal_max {
-            return Err(format!(
-                "limit reached: {what}_per_principal_max = {} for {}; release some of yours first",
-                o.per_principal_max, p.name
-            ));
-        }
-        if self.others >= o.others_max() {
-            return Err(format!(
-                "limit reached: {what}_max = {} with {} reserved for operators; release some, or retry later",
-                o.max, o.operator_reserve
-            ));
-        }
+        *self.of.entry(p.name.clone()).or_default() += 1;
         Ok(())
     }
 
@@ -121,11 +155,11 @@ impl Shares {
         self.total -= 1;
         if p.role != Role::Operator {
             self.others -= 1;
-            let n = self.of.get_mut(&p.name).expect("a share taken before");
-            *n -= 1;
-            if *n == 0 {
-                self.of.remove(&p.name);
-            }
+        }
+        let n = self.of.get_mut(&p.name).expect("a share taken before");
+        *n -= 1;
+        if *n == 0 {
+            self.of.remove(&p.name);
         }
     }
 }
