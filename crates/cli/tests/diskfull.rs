@@ -19,36 +19,55 @@ impl Drop for Mount {
     }
 }
 
-#[test]
-fn disk_full_fails_closed_and_recovers_when_space_returns() {
+/// A daemon (not started) whose data dir is a 4 MiB tmpfs, and the mount's guard; `Err` says why
+/// a tmpfs cannot be mounted here (the test then skips).
+fn on_small_tmpfs(extra: &[&str]) -> Result<(Daemon, Mount), String> {
     let dir = tempfile::tempdir().unwrap();
     let mounted = Command::new("mount")
         .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
         .arg(dir.path())
-        .output();
-    match mounted {
-        Ok(o) if o.status.success() => {}
-        Ok(o) => {
-            println!(
-                "SKIPPED disk_full_fails_closed_and_recovers_when_space_returns: cannot mount a tmpfs ({}); the simulation covers the fail-closed path",
-                String::from_utf8_lossy(&o.stderr).trim()
-            );
-            return;
-        }
-        Err(e) => {
-            println!(
-                "SKIPPED disk_full_fails_closed_and_recovers_when_space_returns: no mount command ({e})"
-            );
-            return;
-        }
+        .output()
+        .map_err(|e| format!("no mount command ({e})"))?;
+    if !mounted.status.success() {
+        return Err(format!(
+            "cannot mount a tmpfs ({})",
+            String::from_utf8_lossy(&mounted.stderr).trim()
+        ));
     }
     let guard = Mount(dir.path().to_path_buf());
     std::fs::write(dir.path().join("policy.toml"), common::POLICY).unwrap();
-    let mut d = Daemon {
+    let d = Daemon {
         dir,
         child: None,
         ready: String::new(),
-        extra: vec![],
+        extra: extra.iter().map(|s| s.to_string()).collect(),
+    };
+    Ok((d, guard))
+}
+
+/// Fills the disk `d`'s data dir is on; returns the filler file.
+fn fill_disk(d: &Daemon) -> std::path::PathBuf {
+    use std::io::Write;
+    let filler = d.data().join("filler");
+    let mut f = std::fs::File::create(&filler).unwrap();
+    for size in [64 * 1024, 4096, 512, 1] {
+        let chunk = vec![0u8; size];
+        while f.write_all(&chunk).is_ok() {}
+    }
+    let _ = f.sync_all();
+    filler
+}
+
+#[test]
+fn disk_full_fails_closed_and_recovers_when_space_returns() {
+    let (mut d, guard) = match on_small_tmpfs(&[]) {
+        Ok(x) => x,
+        Err(why) => {
+            println!(
+                "SKIPPED disk_full_fails_closed_and_recovers_when_space_returns: {why}; the simulation covers the fail-closed path"
+            );
+            return;
+        }
     };
     d.spawn();
     let mut a = d.agent();
@@ -60,17 +79,7 @@ fn disk_full_fails_closed_and_recovers_when_space_returns() {
         verdict(&admit(&mut a, "r2", "held", "refund", json!({}))),
         "held"
     );
-    // Fill the disk.
-    let filler = d.data().join("filler");
-    {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&filler).unwrap();
-        for size in [64 * 1024, 4096, 512, 1] {
-            let chunk = vec![0u8; size];
-            while f.write_all(&chunk).is_ok() {}
-        }
-        let _ = f.sync_all();
-    }
+    let filler = fill_disk(&d);
     // Fail closed: no change is acknowledged while the disk is full.
     // (The segment's preallocated zeros, up to 1 MiB, still take records: they are written
     // over, which needs no new space. Only the next zero-extension finds the disk full.)
@@ -145,22 +154,12 @@ fn disk_full_fails_closed_and_recovers_when_space_returns() {
 /// in the log, and the gate goes on serving.
 #[test]
 fn a_snapshot_that_cannot_be_written_backs_off_and_the_gate_goes_on() {
-    let dir = tempfile::tempdir().unwrap();
-    let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
-        .arg(dir.path())
-        .output();
-    if !mounted.as_ref().is_ok_and(|o| o.status.success()) {
-        println!("SKIPPED a_snapshot_that_cannot_be_written_backs_off: cannot mount a tmpfs");
-        return;
-    }
-    let guard = Mount(dir.path().to_path_buf());
-    std::fs::write(dir.path().join("policy.toml"), common::POLICY).unwrap();
-    let mut d = Daemon {
-        dir,
-        child: None,
-        ready: String::new(),
-        extra: vec!["--snapshot-every".into(), "1".into()],
+    let (mut d, guard) = match on_small_tmpfs(&["--snapshot-every", "1"]) {
+        Ok(x) => x,
+        Err(why) => {
+            println!("SKIPPED a_snapshot_that_cannot_be_written_backs_off: {why}");
+            return;
+        }
     };
     d.spawn();
     let mut a = d.agent();
@@ -168,16 +167,7 @@ fn a_snapshot_that_cannot_be_written_backs_off_and_the_gate_goes_on() {
         verdict(&admit(&mut a, "r", "k", "pay", json!({}))),
         "admitted"
     );
-    let filler = d.data().join("filler");
-    {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&filler).unwrap();
-        for size in [64 * 1024, 4096, 512, 1] {
-            let chunk = vec![0u8; size];
-            while f.write_all(&chunk).is_ok() {}
-        }
-        let _ = f.sync_all();
-    }
+    fill_disk(&d);
     let started = Instant::now();
     for i in 0..40 {
         let v = admit(&mut a, "r", &format!("k{i}"), "pay", json!({"i": i}));

@@ -436,38 +436,15 @@ fn one_agent_cannot_take_every_waiter_or_subscription() {
 /// why; restarted, it recovers everything that was acknowledged.
 #[test]
 fn a_panic_on_the_core_ends_the_daemon_and_a_restart_recovers() {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("policy.toml"), common::POLICY).unwrap();
-    let mut d = Daemon {
-        dir,
-        child: None,
-        ready: String::new(),
-        extra: vec![],
-    };
     // A first start without the plant writes the bootstrap tokens (records of their own).
-    d.spawn();
+    let mut d = Daemon::start();
     let mut a = d.agent();
     assert_eq!(
         verdict(&admit(&mut a, "r", "k1", "pay", json!({}))),
         "admitted"
     );
     d.kill9();
-    let mut child = std::process::Command::new(common::bin())
-        .args(["serve", "--data"])
-        .arg(d.data())
-        .arg("--policy")
-        .arg(d.data().join("policy.toml"))
-        .env("ESTOP_DEBUG_PANIC_CORE_AFTER", "2")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut ready = String::new();
-    while !ready.starts_with("estop ready") {
-        ready.clear();
-        assert!(out.read_line(&mut ready).unwrap() > 0, "daemon exited");
-    }
+    d.spawn_env(&[("ESTOP_DEBUG_PANIC_CORE_AFTER", "2")]);
     let mut a = d.agent();
     assert_eq!(
         verdict(&admit(&mut a, "r", "k2", "pay", json!({}))),
@@ -478,6 +455,7 @@ fn a_panic_on_the_core_ends_the_daemon_and_a_restart_recovers() {
     a.send_raw(br#"{"id":99,"op":"admit","run":"r","key":"k3","tool":"pay","args":{}}"#)
         .unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut child = d.child.take().unwrap();
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
@@ -488,12 +466,18 @@ fn a_panic_on_the_core_ends_the_daemon_and_a_restart_recovers() {
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
-    assert_eq!(status.code(), Some(70), "{stderr}");
+    // The harness copies the daemon's stderr to serve.log as it comes.
+    let log = loop {
+        let log = std::fs::read_to_string(d.data().join("serve.log")).unwrap_or_default();
+        if log.contains("fatal:") || std::time::Instant::now() > deadline {
+            break log;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(70), "{log}");
     assert!(
-        stderr.contains("fatal: the estop-core thread panicked"),
-        "{stderr}"
+        log.contains("fatal: the estop-core thread panicked"),
+        "{log}"
     );
     // A supervisor's restart: everything acknowledged is there.
     d.spawn();

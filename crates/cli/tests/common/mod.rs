@@ -78,6 +78,11 @@ impl Daemon {
 
     /// Starts the daemon and blocks until it prints `estop ready`.
     pub fn spawn(&mut self) {
+        self.spawn_env(&[]);
+    }
+
+    /// `spawn`, with these variables in the daemon's environment.
+    pub fn spawn_env(&mut self, env: &[(&str, &str)]) {
         let mut child = Command::new(bin())
             .arg("serve")
             .arg("--data")
@@ -85,6 +90,7 @@ impl Daemon {
             .arg("--policy")
             .arg(self.data().join("policy.toml"))
             .args(&self.extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
