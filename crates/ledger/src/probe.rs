@@ -252,7 +252,8 @@ mod group_commit {
         let t = Instant::now();
         std::thread::sleep(o.duration);
         shared.lock().stop = true;
-        shared.work.notify_one();
+        // Every syncer, not one: an idle syncer left waiting would never be joined.
+        shared.work.notify_all();
         for w in writers {
             w.join()
                 .map_err(|_| io::Error::other("a probe writer panicked"))?;
