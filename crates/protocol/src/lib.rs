@@ -29,8 +29,8 @@ pub use id::Id;
 pub use page::{PageBudget, PendingCursor, Weight};
 pub use reply::{
     Ack, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply, LedgerEntry,
-    LedgerReply, PendingItem, PendingReply, Pong, RawJson, Report, ReportItem, RunView, RunsReply,
-    ServerLine, TokenCreated, TokenRevoked, Verdict, parse_server_line,
+    LedgerReply, PendingItem, PendingReply, Pong, RawJson, ReplyBody, Report, ReportItem, RunView,
+    RunsReply, ServerLine, TokenCreated, TokenRevoked, Verdict, parse_server_line,
 };
 pub use request::{
     Admit, CloseOutcome, Complete, Fields, Limits, Op, Request, RequestError, RequestErrorKind,

@@ -16,7 +16,7 @@ use serde_json::value::RawValue;
 
 use crate::error::{ErrorCode, WireError};
 use crate::id::Id;
-use crate::request::Secret;
+use crate::request::{Secret, Verb};
 
 /// The protocol version `hello` reports.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -467,6 +467,113 @@ impl ClientReply {
     pub fn body<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
         T::deserialize(&self.raw)
     }
+}
+
+/// The payload of a successful reply, typed by the verb that was asked: what a client gets
+/// back for each request (the decoding side of the payload types above).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReplyBody {
+    Hello(HelloReply),
+    /// `admit`, `start` and `wait`.
+    Verdict(Verdict),
+    /// `complete`, `subscribe`, `unsubscribe`, `cancel`, `pause`, `resume`, `kill`, `close`.
+    Ack(Ack),
+    Pong(Pong),
+    Status(Box<RunView>),
+    Runs(RunsReply),
+    Pending(PendingReply),
+    Decided(DecideReply),
+    Ledger(LedgerReply),
+    Report(Box<Report>),
+    TokenCreated(TokenCreated),
+    TokenRevoked(TokenRevoked),
+}
+
+impl ReplyBody {
+    /// Decodes the payload of `reply`, a successful answer to a request of `verb`.
+    pub fn decode(verb: Verb, reply: &ClientReply) -> Result<ReplyBody, serde_json::Error> {
+        Ok(match verb {
+            Verb::Hello => ReplyBody::Hello(reply.body()?),
+            Verb::Admit | Verb::Start | Verb::Wait => ReplyBody::Verdict(reply.body()?),
+            Verb::Complete
+            | Verb::Subscribe
+            | Verb::Unsubscribe
+            | Verb::Cancel
+            | Verb::Pause
+            | Verb::Resume
+            | Verb::Kill
+            | Verb::Close => ReplyBody::Ack(reply.body()?),
+            Verb::Ping => ReplyBody::Pong(reply.body()?),
+            Verb::Status => ReplyBody::Status(Box::new(reply.body()?)),
+            Verb::Runs => ReplyBody::Runs(reply.body()?),
+            Verb::Pending => ReplyBody::Pending(reply.body()?),
+            Verb::Decide => ReplyBody::Decided(reply.body()?),
+            Verb::Ledger => ReplyBody::Ledger(reply.body()?),
+            Verb::Report => ReplyBody::Report(Box::new(reply.body()?)),
+            Verb::Token => ReplyBody::TokenCreated(reply.body()?),
+            Verb::TokenRevoke => ReplyBody::TokenRevoked(reply.body()?),
+        })
+    }
+
+    /// The payload as a JSON object, as the reply carried it (without `id` and `ok`).
+    pub fn to_value(&self) -> Value {
+        let v = match self {
+            ReplyBody::Hello(b) => serde_json::to_value(b),
+            ReplyBody::Verdict(b) => serde_json::to_value(b),
+            ReplyBody::Ack(b) => serde_json::to_value(b),
+            ReplyBody::Pong(b) => serde_json::to_value(b),
+            ReplyBody::Status(b) => serde_json::to_value(b),
+            ReplyBody::Runs(b) => serde_json::to_value(b),
+            ReplyBody::Pending(b) => serde_json::to_value(b),
+            ReplyBody::Decided(b) => serde_json::to_value(b),
+            ReplyBody::Ledger(b) => serde_json::to_value(b),
+            ReplyBody::Report(b) => serde_json::to_value(b),
+            ReplyBody::TokenCreated(b) => serde_json::to_value(b),
+            ReplyBody::TokenRevoked(b) => serde_json::to_value(b),
+        };
+        v.expect("reply payloads serialize")
+    }
+}
+
+/// `T::try_from(body)` for the payload type of each verb (the body back when it is another),
+/// and `ReplyBody::from(payload)`.
+macro_rules! reply_body_is {
+    ($($variant:ident($ty:ty) $(boxed $boxed:tt)?;)+) => {$(
+        impl TryFrom<ReplyBody> for $ty {
+            type Error = ReplyBody;
+            fn try_from(body: ReplyBody) -> Result<$ty, ReplyBody> {
+                match body {
+                    ReplyBody::$variant(b) => Ok(reply_body_is!(@unbox b $($boxed)?)),
+                    other => Err(other),
+                }
+            }
+        }
+
+        impl From<$ty> for ReplyBody {
+            fn from(b: $ty) -> ReplyBody {
+                ReplyBody::$variant(reply_body_is!(@box b $($boxed)?))
+            }
+        }
+    )+};
+    (@unbox $b:ident) => { $b };
+    (@unbox $b:ident *) => { *$b };
+    (@box $b:ident) => { $b };
+    (@box $b:ident *) => { Box::new($b) };
+}
+
+reply_body_is! {
+    Hello(HelloReply);
+    Verdict(Verdict);
+    Ack(Ack);
+    Pong(Pong);
+    Status(RunView) boxed *;
+    Runs(RunsReply);
+    Pending(PendingReply);
+    Decided(DecideReply);
+    Ledger(LedgerReply);
+    Report(Report) boxed *;
+    TokenCreated(TokenCreated);
+    TokenRevoked(TokenRevoked);
 }
 
 /// One line from the server: a reply to a request, or an event.

@@ -1339,15 +1339,25 @@ impl Request {
         Request { id, op }
     }
 
-    /// The request as one JSON line (with `\n`), as a client sends it. An `admit` that carries
-    /// `args` sends them and not the digest (the gate computes it); one without sends the digest.
+    /// The request as one JSON line (with `\n`), as a client sends it: [`Op::to_line`] under
+    /// this request's id.
     pub fn to_line(&self) -> Vec<u8> {
+        self.op.to_line(&self.id)
+    }
+}
+
+impl Op {
+    /// The request as one JSON line (with `\n`) under `id` (left out when `Id::NULL`), as a
+    /// client sends it; [`parse_request`] reads it back to the same request. An `admit` that
+    /// carries `args` sends them and not the digest (the gate computes it); one without sends
+    /// the digest.
+    pub fn to_line(&self, id: &Id) -> Vec<u8> {
         let mut m = serde_json::Map::new();
-        let id: Value = serde_json::from_str(self.id.as_json()).unwrap_or(Value::Null);
+        let id: Value = serde_json::from_str(id.as_json()).unwrap_or(Value::Null);
         if !id.is_null() {
             m.insert("id".into(), id);
         }
-        m.insert("op".into(), self.op.verb().as_str().into());
+        m.insert("op".into(), self.verb().as_str().into());
         fn put(m: &mut serde_json::Map<String, Value>, k: &str, v: impl Into<Value>) {
             m.insert(k.to_string(), v.into());
         }
@@ -1356,7 +1366,7 @@ impl Request {
                 m.insert(k.to_string(), v.into());
             }
         }
-        match &self.op {
+        match self {
             Op::Hello { token } => put(&mut m, "token", token.expose()),
             Op::Admit(a) => {
                 put(&mut m, "run", a.run.as_str());
