@@ -156,7 +156,9 @@ fn run(command: Cmd) -> Result<u8, Failure> {
         Cmd::Serve(a) => serve::serve(*a).map_err(fail),
         Cmd::Ledger { command } => ledger::ledger(command).map_err(fail),
         Cmd::Token { command, conn } => match command {
-            TokenCmd::Create { name, role, groups } => act::token_create(&conn, name, role, &groups),
+            TokenCmd::Create { name, role, groups } => {
+                act::token_create(&conn, name, role, &groups)
+            }
             TokenCmd::Revoke { name } => act::token_revoke(&conn, name),
         },
         Cmd::Runs { state, limit, conn } => read::runs(&conn, state, limit),
@@ -171,7 +173,9 @@ fn run(command: Cmd) -> Result<u8, Failure> {
         Cmd::Resume(a) => stop(&a.conn, Verb::Resume, a.run, None),
         Cmd::Close { run, failed, conn } => {
             let outcome = if failed { "failed" } else { "completed" };
-            let ask = Ask::new(Verb::Close).text("run", run).text("outcome", outcome);
+            let ask = Ask::new(Verb::Close)
+                .text("run", run)
+                .text("outcome", outcome);
             act::run_state(&conn, ask)
         }
     }
@@ -179,5 +183,8 @@ fn run(command: Cmd) -> Result<u8, Failure> {
 
 /// cancel, kill, pause or resume of `run`.
 fn stop(conn: &Conn, verb: Verb, run: String, reason: Option<String>) -> Result<u8, Failure> {
-    act::run_state(conn, Ask::new(verb).text("run", run).text_opt("reason", reason))
+    act::run_state(
+        conn,
+        Ask::new(verb).text("run", run).text_opt("reason", reason),
+    )
 }

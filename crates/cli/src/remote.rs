@@ -126,10 +126,7 @@ impl Session {
 
     /// Sends one request and returns its reply's payload as `T`; a refusal becomes the
     /// failure its code maps to (printed as JSON too with `--json`).
-    pub fn ask<T: TryFrom<ReplyBody, Error = ReplyBody>>(
-        &mut self,
-        op: &Op,
-    ) -> Result<T, Failure> {
+    pub fn ask<T: TryFrom<ReplyBody, Error = ReplyBody>>(&mut self, op: &Op) -> Result<T, Failure> {
         let body = self.client.ask(op);
         self.reply_id = self.client.last_id();
         body.map_err(|e| self.failure(e))
@@ -233,9 +230,10 @@ pub fn build(conn: &Conn, ask: &Ask) -> Result<Op, Failure> {
 fn exit_code(code: ErrorCode) -> u8 {
     match code {
         ErrorCode::NotFound => 4,
-        ErrorCode::NotPending | ErrorCode::Conflict | ErrorCode::Forbidden | ErrorCode::BadToken => {
-            3
-        }
+        ErrorCode::NotPending
+        | ErrorCode::Conflict
+        | ErrorCode::Forbidden
+        | ErrorCode::BadToken => 3,
         _ => 1,
     }
 }

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{Daemon, admit, err_code, ok, verdict};
+use common::{Daemon, Wire, admit, err_code, ok, verdict};
 use serde_json::json;
 use std::process::Command;
 use std::time::{Duration, Instant};

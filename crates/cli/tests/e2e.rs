@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Daemon, admit, err_code, ok, verdict};
+use common::{Daemon, Wire, admit, err_code, ok, verdict};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -620,7 +620,13 @@ fn bounds_give_clear_errors() {
         .unwrap();
     assert_eq!(refused.error.unwrap().code, "limit_exceeded");
     let _b = d.operator();
-    let _c = d.operator();
+    // A second operator session is over the operator's share too (refused at hello), but its
+    // connection stays open and holds a slot of the pool.
+    let mut _c = estop_server::client::Client::connect(&d.socket()).unwrap();
+    let refused = _c
+        .call(json!({"op": "hello", "token": d.token("operator.token")}))
+        .unwrap();
+    assert_eq!(refused.error.unwrap().code, "limit_exceeded");
     let mut over = estop_server::client::Client::connect(&d.socket()).unwrap();
     match over.read_line().unwrap() {
         estop_protocol::ServerLine::Reply(r) => assert_eq!(r.error.unwrap().code, "limit_exceeded"),
@@ -1047,4 +1053,147 @@ fn a_client_that_disconnects_while_waiting_frees_its_connection() {
     };
     assert_eq!(w.id.as_json(), "\"w\"");
     assert_eq!(w.raw["verdict"].as_str(), Some("admitted"));
+}
+
+/// The typed client against the real daemon: every verb it sends is encoded by the protocol's
+/// own encoder and its reply decoded as that verb's payload type; a refusal is a typed error.
+#[test]
+fn typed_client_speaks_every_verb() {
+    use estop_kernel::ids::{EffectKey, PrincipalName, Role, RunId, ToolName};
+    use estop_kernel::vocab::{Decision, HoldReason};
+    use estop_protocol::{
+        Ack, Admit, DecideReply, ErrorCode, EventKind, Op, PendingReply, Pong, Report, RunView,
+        RunsReply, TokenCreated, TokenRevoked, Verdict,
+    };
+    use estop_server::client::ClientError;
+
+    let d = Daemon::start();
+    let mut a = d.agent();
+    let mut o = d.operator();
+    let run = RunId::new("typed").unwrap();
+    let key = |k: &str| EffectKey::new(k).unwrap();
+    let admit = |k: &str, tool: &str| {
+        let tool = ToolName::new(tool).unwrap();
+        let args = json!({"n": 1});
+        Op::Admit(Admit {
+            run: run.clone(),
+            key: key(k),
+            digest: estop_protocol::digest_of(&tool, &args),
+            tool,
+            args: Some(args),
+            start: true,
+            parent: None,
+            labels: Default::default(),
+            needs_approval: false,
+            limits: Default::default(),
+        })
+    };
+    let pong: Pong = a.ask(&Op::Ping).unwrap();
+    assert!(pong.pong);
+    let ack: Ack = o.ask(&Op::Subscribe { run: run.clone() }).unwrap();
+    assert_eq!(ack, Ack::default());
+    let admitted: Verdict = a.ask(&admit("k1", "pay")).unwrap();
+    assert!(
+        matches!(admitted, Verdict::Admitted { epoch: 1, .. }),
+        "{admitted:?}"
+    );
+    let held: Verdict = a.ask(&admit("k2", "refund")).unwrap();
+    assert!(
+        matches!(
+            &held,
+            Verdict::Held {
+                reason: HoldReason::Approval,
+                approval: Some(_),
+                ..
+            }
+        ),
+        "{held:?}"
+    );
+    let view: RunView = o.ask(&Op::Status { run: run.clone() }).unwrap();
+    assert_eq!((view.effects.started, view.effects.held), (1, 1));
+    let runs: RunsReply = o
+        .ask(&Op::Runs {
+            state: None,
+            limit: None,
+            cursor: None,
+        })
+        .unwrap();
+    assert_eq!(runs.runs.len(), 1);
+    let pending: PendingReply = o
+        .ask(&Op::Pending {
+            run: Some(run.clone()),
+            limit: None,
+            cursor: None,
+        })
+        .unwrap();
+    assert_eq!(pending.pending[0].key, "k2");
+    let decided: DecideReply = o
+        .ask(&Op::Decide {
+            run: run.clone(),
+            key: key("k2"),
+            decision: Decision::Approve,
+            reason: None,
+        })
+        .unwrap();
+    assert_eq!(decided.status, "approved");
+    // The subscription's events arrived among the replies, decoded.
+    let ev = o.next_event().unwrap().unwrap();
+    assert_eq!((ev.event, ev.key.as_deref()), (EventKind::Held, Some("k2")));
+    // A refusal is its code and message, not a payload.
+    match o.ask::<DecideReply>(&Op::Decide {
+        run: run.clone(),
+        key: key("nope"),
+        decision: Decision::Approve,
+        reason: None,
+    }) {
+        Err(ClientError::Refused {
+            code: ErrorCode::NotFound,
+            message,
+        }) => {
+            assert!(message.contains("nope"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // Asking for the wrong payload type is a protocol error, not a silent default.
+    assert!(matches!(
+        o.ask::<RunsReply>(&Op::Status { run: run.clone() }),
+        Err(ClientError::Protocol(_))
+    ));
+    let stopped: Ack = o
+        .ask(&Op::Cancel {
+            run: run.clone(),
+            reason: Some("done".into()),
+            cascade: true,
+        })
+        .unwrap();
+    assert_eq!(stopped.runs, ["typed"]);
+    let report: Report = o
+        .ask(&Op::Report {
+            run: run.clone(),
+            limit: None,
+            cursor: None,
+        })
+        .unwrap();
+    assert_eq!(report.cause.as_deref(), Some("cancelled"));
+    let name = PrincipalName::new("typed-bob").unwrap();
+    let created: TokenCreated = o
+        .ask(&Op::Token {
+            name: name.clone(),
+            role: Role::Agent,
+            groups: vec![],
+        })
+        .unwrap();
+    let revoked: TokenRevoked = o.ask(&Op::TokenRevoke { name }).unwrap();
+    assert_eq!(
+        (created.role.as_str(), revoked.name.as_str()),
+        ("agent", "typed-bob")
+    );
+    // A token the gate does not know is refused at connect.
+    assert!(matches!(
+        estop_server::client::Client::connect_as(&d.socket(), created.token.expose()),
+        Err(ClientError::Refused {
+            code: ErrorCode::Unauthenticated,
+            ..
+        })
+    ));
 }

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{Daemon, admit, err_code, ok, verdict};
+use common::{Daemon, Wire, admit, err_code, ok, verdict};
 use estop_protocol::ServerLine;
 use serde_json::json;
 use std::io::{BufRead, BufReader, Write};

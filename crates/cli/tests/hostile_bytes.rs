@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{Daemon, admit, ok, verdict};
+use common::{Daemon, Wire, admit, ok, verdict};
 use serde_json::{Value, json};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;

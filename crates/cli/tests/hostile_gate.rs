@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{Daemon, admit, err_code, ok, verdict};
+use common::{Daemon, Wire, admit, err_code, ok, verdict};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;

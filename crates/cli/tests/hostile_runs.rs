@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{Daemon, admit, ok, verdict};
+use common::{Daemon, Wire, admit, ok, verdict};
 use estop_server::client::Client;
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};

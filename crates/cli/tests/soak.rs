@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{Daemon, ok, verdict};
+use common::{Daemon, Wire, ok, verdict};
 use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -4,6 +4,18 @@
 /// seen): agents together may hold at most the rest, so no agent flood locks the operator out.
 pub const RUNS_OPERATOR_RESERVE_PERCENT: usize = 1;
 
+/// Default labels per run; the protocol refuses more at parse time
+/// (`estop_protocol::limits` re-exports these bounds, so both edges agree by construction).
+pub const LABELS_MAX: usize = 16;
+/// Default bytes of a label key.
+pub const LABEL_KEY_BYTES_MAX: usize = 64;
+/// Default bytes of a label value.
+pub const LABEL_VALUE_BYTES_MAX: usize = 256;
+/// Default bytes of a recorded result (a `complete`'s `result`, measured as sent).
+pub const RESULT_BYTES_MAX: usize = 64 * 1024;
+/// Default bytes of a reason text (cancel, kill, decide).
+pub const REASON_BYTES_MAX: usize = 1024;
+
 /// Every bound of the gate's state, with the unit last in the name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
@@ -89,11 +101,11 @@ impl Default for Limits {
             effects_per_run_max: 100_000,
             pending_approvals_per_run_max: 64,
             run_depth_max: 16,
-            labels_max: 16,
-            label_bytes_max: 320,
-            result_bytes_max: 64 * 1024,
+            labels_max: LABELS_MAX,
+            label_bytes_max: LABEL_KEY_BYTES_MAX + LABEL_VALUE_BYTES_MAX,
+            result_bytes_max: RESULT_BYTES_MAX,
             args_bytes_max: 64 * 1024,
-            reason_bytes_max: 1024,
+            reason_bytes_max: REASON_BYTES_MAX,
         }
     }
 }

@@ -5,16 +5,15 @@
 pub const LINE_BYTES_MAX_DEFAULT: usize = 64 * 1024;
 /// Longest bearer or admission token.
 pub const TOKEN_BYTES_MAX: usize = 256;
-/// Longest free-text reason on `cancel`, `kill` and `decide`.
-pub const REASON_BYTES_MAX: usize = 1024;
 /// Longest `error` text on `complete`.
 pub const ERROR_BYTES_MAX: usize = 4 * 1024;
-/// Largest `result` on `complete`, measured as sent.
-pub const RESULT_BYTES_MAX: usize = 64 * 1024;
-/// Most labels on a run.
-pub const LABELS_MAX: usize = 16;
-pub const LABEL_KEY_BYTES_MAX: usize = 64;
-pub const LABEL_VALUE_BYTES_MAX: usize = 256;
+/// The bounds the kernel also keeps (its `Limits::default()` is built from them): longest
+/// free-text reason on `cancel`, `kill` and `decide`; largest `result` on `complete`, measured
+/// as sent; most labels on a run and the bytes of a label's key and value. Defined once, in
+/// the kernel, so what the protocol lets through the kernel's defaults accept.
+pub use estop_kernel::limits::{
+    LABEL_KEY_BYTES_MAX, LABEL_VALUE_BYTES_MAX, LABELS_MAX, REASON_BYTES_MAX, RESULT_BYTES_MAX,
+};
 /// Most approver groups on one token.
 pub const GROUPS_MAX: usize = 16;
 pub const GROUP_BYTES_MAX: usize = 64;
@@ -23,3 +22,21 @@ pub const GROUP_BYTES_MAX: usize = 64;
 pub const CURSOR_BYTES_MAX: usize = 1024;
 
 pub use crate::id::ID_BYTES_MAX;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use estop_kernel::Limits;
+
+    /// A request the protocol lets through is within the kernel's default bounds: a run with
+    /// the most labels, each at its longest, a longest reason, a largest result.
+    #[test]
+    fn what_the_protocol_accepts_the_kernel_defaults_accept() {
+        let k = Limits::default();
+        assert!(LABELS_MAX <= k.labels_max);
+        assert!(LABEL_KEY_BYTES_MAX + LABEL_VALUE_BYTES_MAX <= k.label_bytes_max);
+        assert!(REASON_BYTES_MAX <= k.reason_bytes_max);
+        assert!(RESULT_BYTES_MAX <= k.result_bytes_max);
+        assert!(ERROR_BYTES_MAX <= k.result_bytes_max);
+    }
+}

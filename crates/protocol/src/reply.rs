@@ -14,6 +14,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
 use serde_json::value::RawValue;
 
+use estop_kernel::vocab::{HoldReason, RefusalReason};
+
 use crate::error::{ErrorCode, WireError};
 use crate::id::Id;
 use crate::request::{Secret, Verb};
@@ -116,11 +118,13 @@ pub enum Verdict {
         /// When the approval expires (Unix ms); `null` for `sibling` and `paused` holds.
         expires_at: Option<u64>,
         /// `approval`, `sibling` or `paused`.
-        reason: String,
+        #[serde(with = "hold_reason")]
+        reason: HoldReason,
     },
-    /// Never, for this effect. `reason` is a kernel `RefusalReason`.
+    /// Never, for this effect.
     Refused {
-        reason: String,
+        #[serde(with = "refusal_reason")]
+        reason: RefusalReason,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         message: Option<String>,
         /// The policy rule that decided, when one did.
@@ -141,6 +145,30 @@ pub enum Verdict {
     /// `start` only: the effect may run now.
     Go,
 }
+
+/// A kernel vocabulary word on the wire: its stable name (`as_str`), read back with `parse`.
+/// (Kernel types stay free of serde; the protocol says how they are written.)
+macro_rules! vocab_serde {
+    ($module:ident, $ty:ty, $what:literal) => {
+        mod $module {
+            use super::*;
+
+            pub fn serialize<S: Serializer>(v: &$ty, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(v.as_str())
+            }
+
+            pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<$ty, D::Error> {
+                let name = std::borrow::Cow::<str>::deserialize(d)?;
+                <$ty>::parse(&name).ok_or_else(|| {
+                    serde::de::Error::custom(format!(concat!("unknown ", $what, " {:?}"), name))
+                })
+            }
+        }
+    };
+}
+
+vocab_serde!(hold_reason, HoldReason, "hold reason");
+vocab_serde!(refusal_reason, RefusalReason, "refusal reason");
 
 /// `{"ok":true}` plus what the verb has to add.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 
+use estop_kernel::vocab::{HoldReason, RefusalReason};
 use estop_protocol::reply::{ack_line, error_line, event_line, ok_line, pong_line};
 use estop_protocol::{
     Ack, ClientReply, DecideReply, EffectCounts, ErrorCode, Event, EventKind, HelloReply, Id,
@@ -75,7 +76,7 @@ fn envelopes_are_exact() {
             &Verdict::Held {
                 approval: None,
                 expires_at: None,
-                reason: "sibling".into()
+                reason: HoldReason::Sibling
             }
         )),
         "{\"id\":2,\"ok\":true,\"verdict\":\"held\",\"approval\":null,\"expires_at\":null,\"reason\":\"sibling\"}\n"
@@ -150,20 +151,20 @@ fn every_payload_round_trips() {
     round_trip(Verdict::Held {
         approval: Some("ap-1".into()),
         expires_at: Some(1_700_000_060_000),
-        reason: "approval".into(),
+        reason: HoldReason::Approval,
     });
     round_trip(Verdict::Held {
         approval: None,
         expires_at: None,
-        reason: "paused".into(),
+        reason: HoldReason::Paused,
     });
     round_trip(Verdict::Refused {
-        reason: "cancelled".into(),
+        reason: RefusalReason::Cancelled,
         message: None,
         rule: None,
     });
     round_trip(Verdict::Refused {
-        reason: "denied".into(),
+        reason: RefusalReason::Denied,
         message: Some("when failed".into()),
         rule: Some("no-prod".into()),
     });

@@ -187,6 +187,7 @@ impl Client {
 
     fn read_server_line(&mut self) -> Result<ServerLine, ClientError> {
         let line = self.raw_read_line()?;
-        parse_server_line(line.as_bytes()).map_err(|e| ClientError::Protocol(format!("{e}: {line}")))
+        parse_server_line(line.as_bytes())
+            .map_err(|e| ClientError::Protocol(format!("{e}: {line}")))
     }
 }

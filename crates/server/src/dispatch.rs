@@ -9,7 +9,7 @@
 use crate::conn::Shared;
 use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
 use crate::durable::{self, Durability};
-use estop_kernel::vocab::PolicyAction;
+use estop_kernel::vocab::{PolicyAction, RefusalReason};
 use estop_kernel::{
     Admit as KAdmit, Command, EffectKey, Principal, PrincipalName, Role, RunId, RunLimits, Token,
 };
@@ -330,7 +330,7 @@ fn admit_command(
         Err(e) => {
             // A condition that cannot be evaluated fails closed: refused, nothing recorded.
             return Err(Answer::Verdict(wire::Verdict::Refused {
-                reason: "denied".into(),
+                reason: RefusalReason::Denied,
                 message: Some(e.to_string()),
                 rule: Some(e.rule().to_string()),
             }));

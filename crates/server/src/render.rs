@@ -1,14 +1,14 @@
-//! Kernel state and replies turned into the protocol's reply payloads (the only place where the
-//! two vocabularies meet).
+//! Kernel state and replies turned into the protocol's reply payloads, and answers into the
+//! SoundGate wire's verdicts: the only place where the vocabularies meet.
 
 use estop_kernel::reply::DecideStatus;
 use estop_kernel::report::{self, Section, Undo};
 use estop_kernel::state::{Effect, Run, Status, Tombstone};
-use estop_kernel::vocab::{EffectStatus, HoldReason};
+use estop_kernel::vocab::{EffectStatus, HoldReason, RefusalReason};
 use estop_kernel::{EffectKey, RunId, Verdict};
-use estop_protocol::PageBudget;
 use estop_protocol::page::Weight;
 use estop_protocol::reply as wire;
+use estop_protocol::{PageBudget, SgReply};
 use std::collections::BTreeMap;
 use std::ops::Bound;
 
@@ -30,10 +30,10 @@ pub fn verdict(run: &RunId, v: &Verdict) -> wire::Verdict {
         } => wire::Verdict::Held {
             approval: approval.map(|n| approval_id(run, n)),
             expires_at: *expires_at,
-            reason: reason.as_str().to_string(),
+            reason: *reason,
         },
         Verdict::Refused { reason } => wire::Verdict::Refused {
-            reason: reason.as_str().to_string(),
+            reason: *reason,
             message: None,
             rule: None,
         },
@@ -332,5 +332,98 @@ pub fn run_state(
         late: false,
         state: Some(state.as_str().into()),
         runs,
+    }
+}
+
+/// What the SoundGate wire says for a verdict (SPEC §4.3): release, hold, or one of the
+/// reference's three refusals.
+pub fn soundgate_verdict(v: &wire::Verdict) -> SgReply {
+    match v {
+        wire::Verdict::Admitted { .. } | wire::Verdict::Go => SgReply::Release,
+        // The reference has one hold: for a sibling or a pause too, the effect waits.
+        wire::Verdict::Held { .. } => SgReply::HeldForApproval,
+        wire::Verdict::Duplicate { .. } => SgReply::RefusedDuplicate,
+        wire::Verdict::Refused { reason, .. } => soundgate_refusal(*reason),
+    }
+}
+
+/// The reference's three refusals: the run is over (`refused_cancelled`), the key was used
+/// (`refused_duplicate`), or this effect was said no to (`refused_rejected`). Every kernel
+/// reason is named here, so a new one does not compile until it is given its word.
+pub fn soundgate_refusal(reason: RefusalReason) -> SgReply {
+    match reason {
+        RefusalReason::Cancelled
+        | RefusalReason::Closed
+        | RefusalReason::Deadline
+        | RefusalReason::Budget => SgReply::RefusedCancelled,
+        RefusalReason::Mismatch => SgReply::RefusedDuplicate,
+        RefusalReason::Rejected | RefusalReason::Expired | RefusalReason::Denied => {
+            SgReply::RefusedRejected
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SoundGate word for every kernel refusal reason, as data: the reference's clients
+    /// branch on these, so a change here is a compatibility change (docs/PROTOCOL.md).
+    #[test]
+    fn every_refusal_reason_has_its_soundgate_word() {
+        let words: Vec<String> = RefusalReason::ALL
+            .iter()
+            .map(|&r| {
+                let line = soundgate_verdict(&wire::Verdict::Refused {
+                    reason: r,
+                    message: None,
+                    rule: None,
+                })
+                .to_line();
+                format!("{r} {}", String::from_utf8(line).unwrap().trim_end())
+            })
+            .collect();
+        assert_eq!(
+            words,
+            [
+                r#"cancelled {"verdict":"refused_cancelled"}"#,
+                r#"rejected {"verdict":"refused_rejected"}"#,
+                r#"expired {"verdict":"refused_rejected"}"#,
+                r#"denied {"verdict":"refused_rejected"}"#,
+                r#"budget {"verdict":"refused_cancelled"}"#,
+                r#"deadline {"verdict":"refused_cancelled"}"#,
+                r#"mismatch {"verdict":"refused_duplicate"}"#,
+                r#"closed {"verdict":"refused_cancelled"}"#,
+            ]
+        );
+    }
+
+    #[test]
+    fn every_hold_and_admission_has_its_soundgate_word() {
+        for &reason in HoldReason::ALL {
+            let held = wire::Verdict::Held {
+                approval: None,
+                expires_at: None,
+                reason,
+            };
+            assert_eq!(
+                soundgate_verdict(&held),
+                SgReply::HeldForApproval,
+                "{reason}"
+            );
+        }
+        let admitted = wire::Verdict::Admitted {
+            token: "t".into(),
+            epoch: 1,
+        };
+        assert_eq!(soundgate_verdict(&admitted), SgReply::Release);
+        assert_eq!(soundgate_verdict(&wire::Verdict::Go), SgReply::Release);
+        let duplicate = wire::Verdict::Duplicate {
+            status: "completed".into(),
+            outcome: None,
+            result: None,
+            error: None,
+        };
+        assert_eq!(soundgate_verdict(&duplicate), SgReply::RefusedDuplicate);
     }
 }

@@ -53,24 +53,25 @@ pub fn principal(role: Role) -> Principal {
     }
 }
 
-/// Renders an answer as the reference would.
+/// Renders an answer as the reference would: a verdict in its words (`render` translates),
+/// an error with its message, and an `ack` for every other successful answer.
 pub fn render(_id: &Id, answer: &Answer) -> Vec<u8> {
     let reply = match answer {
-        Answer::Verdict(v) => match v {
-            wire::Verdict::Admitted { .. } | wire::Verdict::Go => SgReply::Release,
-            wire::Verdict::Held { .. } => SgReply::HeldForApproval,
-            wire::Verdict::Duplicate { .. } => SgReply::RefusedDuplicate,
-            wire::Verdict::Refused { reason, .. } => match reason.as_str() {
-                "cancelled" | "closed" | "deadline" | "budget" => SgReply::RefusedCancelled,
-                "mismatch" => SgReply::RefusedDuplicate,
-                _ => SgReply::RefusedRejected,
-            },
-        },
+        Answer::Verdict(v) => crate::render::soundgate_verdict(v),
         Answer::Pong => SgReply::Pong,
         Answer::Error(_, message) => SgReply::Error {
             message: message.clone(),
         },
-        _ => SgReply::Ack,
+        Answer::Ack(_)
+        | Answer::Decided(_)
+        | Answer::Run(_)
+        | Answer::Runs(_)
+        | Answer::Pending(_)
+        | Answer::Report(_)
+        | Answer::Ledger(_)
+        | Answer::Hello(_)
+        | Answer::TokenCreated(_)
+        | Answer::TokenRevoked(_) => SgReply::Ack,
     };
     reply.to_line()
 }
@@ -179,7 +180,7 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
                 Ok(v) => v,
                 Err(e) => {
                     return Some(Answer::Verdict(wire::Verdict::Refused {
-                        reason: "denied".into(),
+                        reason: estop_kernel::vocab::RefusalReason::Denied,
                         message: Some(e.to_string()),
                         rule: None,
                     }));

@@ -26,8 +26,11 @@ use tokio::sync::watch;
 pub const RESERVED_NAMES: &[&str] = &["estop", "soundgate"];
 /// Tokens the registry holds at most.
 pub const TOKENS_MAX: usize = 10_000;
-/// Groups one principal may carry.
-pub const GROUPS_MAX: usize = 16;
+/// Groups one principal may carry, and the bytes of a group (or token) name: the protocol's
+/// bounds, so the registry holds what a `token` request may carry.
+pub use estop_protocol::limits::{GROUP_BYTES_MAX, GROUPS_MAX};
+/// Bytes of a token's name (its principal), bounded as a group name is.
+const NAME_BYTES_MAX: usize = GROUP_BYTES_MAX;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenError {
@@ -173,7 +176,7 @@ pub fn new_secret(role: Role) -> Result<String, TokenError> {
 
 fn valid_name(s: &str) -> bool {
     !s.is_empty()
-        && s.len() <= 64
+        && s.len() <= NAME_BYTES_MAX
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"-_.@".contains(&b))
 }
@@ -229,12 +232,12 @@ fn new_entry(name: &str, role: Role, groups: &[String]) -> Result<(Entry, String
     }
     if !valid_name(name) {
         return Err(TokenError::Invalid(format!(
-            "{name:?}: use 1-64 of A-Z a-z 0-9 - _ . @"
+            "{name:?}: use 1-{NAME_BYTES_MAX} of A-Z a-z 0-9 - _ . @"
         )));
     }
     if groups.len() > GROUPS_MAX || groups.iter().any(|g| !valid_name(g)) {
         return Err(TokenError::Invalid(format!(
-            "groups {groups:?}: at most {GROUPS_MAX}, each 1-64 of A-Z a-z 0-9 - _ . @"
+            "groups {groups:?}: at most {GROUPS_MAX}, each 1-{GROUP_BYTES_MAX} of A-Z a-z 0-9 - _ . @"
         )));
     }
     let principal = Principal {

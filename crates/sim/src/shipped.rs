@@ -442,7 +442,10 @@ impl ShippedWorld {
                         wire::Verdict::Admitted { .. } => {
                             self.acked.admitted.insert((run, key));
                         }
-                        wire::Verdict::Held { reason, .. } if reason == "approval" => {
+                        wire::Verdict::Held {
+                            reason: estop_kernel::vocab::HoldReason::Approval,
+                            ..
+                        } => {
                             self.acked.held.insert((run, key));
                         }
                         _ => {}

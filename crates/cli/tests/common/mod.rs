@@ -3,7 +3,8 @@
 
 #![allow(dead_code)]
 
-use estop_server::client::Client;
+use estop_protocol::{ClientReply, ServerLine, parse_server_line};
+use estop_server::client::{Client, ClientError};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -203,6 +204,46 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.kill9();
+    }
+}
+
+/// The wire as JSON, for tests that pin its shapes or send what no typed request can: a request
+/// written as a JSON object, a reply read back as the protocol crate decodes any line (the
+/// whole object kept). Typed requests go through `Client::request` instead.
+pub trait Wire {
+    /// Sends `req` with a fresh `id` and returns its reply; events that come first are kept
+    /// in the client's `events`.
+    fn call(&mut self, req: Value) -> Result<ClientReply, ClientError>;
+    /// Writes `line` as it is, plus a newline.
+    fn send_raw(&mut self, line: &[u8]) -> Result<(), ClientError>;
+    /// The next line, decoded.
+    fn read_line(&mut self) -> Result<ServerLine, ClientError>;
+}
+
+impl Wire for Client {
+    fn call(&mut self, mut req: Value) -> Result<ClientReply, ClientError> {
+        let id = self.raw_next_id();
+        req["id"] = json!(id);
+        self.raw_send_line(&serde_json::to_vec(&req).unwrap())?;
+        loop {
+            match self.read_line()? {
+                ServerLine::Event(e) => self.events.push(e),
+                ServerLine::Reply(r) if r.id.as_u64() == Some(id) || r.id.is_null() => {
+                    return Ok(r);
+                }
+                ServerLine::Reply(_) => continue,
+            }
+        }
+    }
+
+    fn send_raw(&mut self, line: &[u8]) -> Result<(), ClientError> {
+        self.raw_send_line(line)
+    }
+
+    fn read_line(&mut self) -> Result<ServerLine, ClientError> {
+        let line = self.raw_read_line()?;
+        parse_server_line(line.as_bytes())
+            .map_err(|e| ClientError::Protocol(format!("{e}: {line}")))
     }
 }
 

@@ -2,6 +2,7 @@
 //! `decide` that releases the approved effect in the same step, as the reference does.
 
 use super::*;
+use estop_kernel::vocab::{HoldReason, RefusalReason};
 
 impl Core {
     /// A SoundGate `cancel` or `close`. The listener is its own tenant: a run it did not create
@@ -60,7 +61,7 @@ impl Core {
             }
             Ok((Reply::Decided(DecideStatus::Rejected), _)) => {
                 Answer::Verdict(wire::Verdict::Refused {
-                    reason: "rejected".into(),
+                    reason: RefusalReason::Rejected,
                     message: None,
                     rule: None,
                 })
@@ -69,7 +70,7 @@ impl Core {
                 Answer::Verdict(wire::Verdict::Held {
                     approval: None,
                     expires_at: None,
-                    reason: "approval".into(),
+                    reason: HoldReason::Approval,
                 })
             }
             Ok(_) => Answer::Error(
@@ -83,7 +84,7 @@ impl Core {
                 };
                 if r.stop.is_some() {
                     return Answer::Verdict(wire::Verdict::Refused {
-                        reason: "cancelled".into(),
+                        reason: RefusalReason::Cancelled,
                         message: None,
                         rule: None,
                     });
@@ -91,7 +92,7 @@ impl Core {
                 match r.effects.get(&key).map(|e| e.status) {
                     Some(estop_kernel::state::Status::Refused(reason)) => {
                         Answer::Verdict(wire::Verdict::Refused {
-                            reason: reason.as_str().into(),
+                            reason,
                             message: None,
                             rule: None,
                         })
