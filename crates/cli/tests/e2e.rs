@@ -1197,3 +1197,109 @@ fn typed_client_speaks_every_verb() {
         })
     ));
 }
+
+/// The CLI's output, human and `--json`, pinned byte for byte (times masked as `T`, seconds
+/// left as `N`): scripts parse it and operators read it, so a change must be deliberate.
+#[test]
+fn cli_output_is_pinned() {
+    let d = Daemon::start();
+    let mut a = d.agent();
+    admit(&mut a, "r1", "k1", "pay", json!({"b": 1, "a": "x"}));
+    admit(
+        &mut a,
+        "r1",
+        "k2",
+        "refund",
+        json!({"z": [1, 2], "a": {"y": 1, "b": 2}}),
+    );
+    admit(&mut a, "r1", "k3", "drop_table", json!({}));
+    let run = |args: &[&str]| {
+        let (code, out, err) = d.cli(args);
+        format!("{code}\n{}{}", mask(&out), mask(&err))
+    };
+    let effects =
+        r#"{"admitted":0,"completed":0,"failed":0,"held":1,"refused":1,"started":1,"unknown":0}"#;
+    assert_eq!(
+        run(&["status", "r1", "--json"]),
+        format!(
+            "0\n{{\"created_at\":T,\"effects\":{effects},\"epoch\":1,\"id\":2,\"ok\":true,\"owner\":\"agent\",\"run\":\"r1\",\"state\":\"active\"}}\n"
+        )
+    );
+    assert_eq!(
+        run(&["status", "r1"]),
+        format!(
+            "0\nrun          r1\nstate        active\nowner        agent\nepoch        1\ncreated_at   T\neffects      {effects}\n"
+        )
+    );
+    assert_eq!(
+        run(&["pending"]),
+        "0\nRUN  KEY  TOOL    ARGS                           QUORUM  EXPIRES IN  DIGEST\n\
+         r1   k2   refund  {\"a\":{\"b\":2,\"y\":1},\"z\":[1,2]}  0/1     Ns        5963ea93c724\n"
+    );
+    assert_eq!(
+        run(&["pending", "--json"]),
+        "0\n{\"id\":2,\"ok\":true,\"pending\":[{\"approval\":\"r1#1\",\"approvals\":[],\"args\":{\"a\":{\"b\":2,\"y\":1},\"z\":[1,2]},\"created_at\":T,\"digest\":\"5963ea93c724b36e0362f47780a2b56de76b75a58800218c860f8a92c958ab16\",\"expires_at\":T,\"groups\":[],\"key\":\"k2\",\"quorum\":1,\"rule\":\"rule 3\",\"run\":\"r1\",\"tool\":\"refund\"}]}\n"
+    );
+    assert_eq!(
+        run(&["approve", "r1", "k2"]),
+        "0\napproved (r1 k2; approvers: admin)\n"
+    );
+    assert_eq!(
+        run(&["approve", "r1", "k2", "--json"]),
+        "3\n{\"error\":{\"code\":\"not_pending\",\"message\":\"effect k2 of run r1 is not awaiting approval (it is approved)\"},\"id\":2,\"ok\":false}\nestop: not_pending: effect k2 of run r1 is not awaiting approval (it is approved)\n"
+    );
+    assert_eq!(
+        run(&["cancel", "r1", "--reason", "stop \u{202e} it"]),
+        "0\nrun is finalizing; changed: r1\n"
+    );
+    assert_eq!(
+        run(&["cancel", "r1", "--json"]),
+        "0\n{\"id\":2,\"ok\":true,\"state\":\"finalizing\"}\n"
+    );
+    assert_eq!(
+        run(&["report", "r1"]),
+        "0\nrun r1  state finalizing  cause cancelled\nreason stop \\u{202e} it\n\n\
+         done (0)\n\nfailed (0)\n\nrefused (2)\n  k2                       refund               refused (cancelled)\n  k3                       drop_table           refused (denied)\n\n\
+         in_flight (1)\n  k1                       pay                  started\n\nunknown (0)\n\n\
+         held (0)\n\ncompensable (0)\n\n\
+         irreversible (0)\n\nundeclared (1)\n  k1                       pay                  started\n"
+    );
+    assert_eq!(
+        run(&["runs"]),
+        "0\nRUN  STATE       OWNER  PARENT  DONE/FLYING/HELD/REFUSED  CAUSE      REASON\n\
+         r1   finalizing  agent  -       0/1/0/2                   cancelled  stop \\u{202e} it\n"
+    );
+    assert_eq!(
+        run(&["status", "nope", "--json"]),
+        "4\n{\"error\":{\"code\":\"not_found\",\"message\":\"run nope not found\"},\"id\":2,\"ok\":false}\nestop: not_found: run nope not found\n"
+    );
+    // A request the gate would refuse is refused before anything is sent, in its words.
+    assert_eq!(
+        run(&["runs", "--state", "bogus"]),
+        "1\nestop: invalid_field: invalid field `state`: \"bogus\" is not one of active, paused, finalizing, completed, failed, cancelled\n"
+    );
+}
+
+/// Times (Unix ms) as `T` and seconds left as `Ns`, so output compares exactly.
+fn mask(text: &str) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(i) = rest.find(|c: char| c.is_ascii_digit()) {
+        let (head, tail) = rest.split_at(i);
+        out.push_str(head);
+        let n = tail
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(tail.len());
+        let (digits, after) = tail.split_at(n);
+        let is_time = digits.len() >= 12;
+        let is_seconds = after.starts_with("s ") && head.ends_with(' ');
+        out.push_str(match () {
+            _ if is_time => "T",
+            _ if is_seconds => "N",
+            _ => digits,
+        });
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
