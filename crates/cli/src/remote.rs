@@ -169,8 +169,8 @@ impl Session {
         }
     }
 
-    /// Prints the payload as JSON with `--json` (the reply object, `id` and `ok` included, as
-    /// the gate sent it), or else runs `human`.
+    /// Prints the payload as JSON with `--json` (the reply object with its `id` and `ok`,
+    /// keys in name order: what scripts have always read), or else runs `human`.
     pub fn print(&self, body: impl Into<ReplyBody>, human: impl FnOnce()) {
         if self.json {
             let mut v = body.into().to_value();
