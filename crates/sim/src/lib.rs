@@ -7,8 +7,6 @@
 //!   (G1–G5) and crash + recovery through the real ledger.
 //! * [`shipped`] — the shipped path (the daemon's core, committer and reply release) driven on
 //!   one thread under power loss and disk faults, with an auditor of everything acknowledged.
-//! * [`sim`] — a deterministic simulation of kernel + ledger + group commit + request handling
-//!   with a simulated clock, many clients, crashes and disk faults, and an auditor.
 //!
 //! docs/TESTING.md says what each proves and how to run the long modes.
 
@@ -19,6 +17,4 @@ pub mod model;
 pub mod rng;
 #[cfg(feature = "server")]
 pub mod shipped;
-#[cfg(feature = "server")]
-pub mod sim;
 pub mod world;
