@@ -182,11 +182,10 @@ pub struct ShippedReport {
     pub recoveries: u64,
     /// Starts that failed on a fault of their own (and were started again).
     pub failed_starts: u64,
-    /// Waits answered, by how: an operator's decision or the approval's expiry (`decided`),
-    /// their timeout (`timed_out`), the run's stop (`stopped`).
-    pub waits_decided: u64,
-    pub waits_timed_out: u64,
-    pub waits_stopped: u64,
+    /// Waits answered, by the answer: `admitted` (approved), `refused expired` (the
+    /// approval's expiry), `refused deadline` (the run's deadline), `refused cancelled`,
+    /// `held` (the wait's timeout) …
+    pub waits: BTreeMap<String, u64>,
     /// Run lives forgotten by retention (seen at a recovery).
     pub forgotten: u64,
     /// Completions acknowledged with an outcome other than `ok`.
@@ -208,9 +207,9 @@ impl ShippedReport {
         self.failed_writes += r.failed_writes;
         self.recoveries += r.recoveries;
         self.failed_starts += r.failed_starts;
-        self.waits_decided += r.waits_decided;
-        self.waits_timed_out += r.waits_timed_out;
-        self.waits_stopped += r.waits_stopped;
+        for (k, n) in &r.waits {
+            *self.waits.entry(k.clone()).or_default() += n;
+        }
         self.forgotten += r.forgotten;
         self.completed_not_ok += r.completed_not_ok;
         for (k, n) in &r.cuts {

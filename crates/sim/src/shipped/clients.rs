@@ -327,19 +327,19 @@ impl ShippedWorld {
                 },
                 Answer::Verdict(v),
             ) => {
-                match &v {
+                let how = match &v {
                     wire::Verdict::Held { .. } if self.mono < sent + timeout => {
                         return Err(format!(
                             "a wait on {run}/{key} sent at {sent} with a timeout of {timeout} ms was answered held at {}",
                             self.mono
                         ));
                     }
-                    wire::Verdict::Held { .. } => self.report.waits_timed_out += 1,
-                    wire::Verdict::Refused { reason, .. } if reason != "expired" => {
-                        self.report.waits_stopped += 1;
-                    }
-                    _ => self.report.waits_decided += 1,
-                }
+                    wire::Verdict::Held { .. } => "held".to_string(),
+                    wire::Verdict::Refused { reason, .. } => format!("refused {reason}"),
+                    wire::Verdict::Admitted { .. } => "admitted".to_string(),
+                    other => format!("{other:?}"),
+                };
+                *self.report.waits.entry(how).or_default() += 1;
                 self.on_verdict(c, id, at, run, key, digest, false, v)
             }
             (Asked::Start { run, key, at, .. }, Answer::Verdict(v)) => match v {
