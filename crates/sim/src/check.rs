@@ -189,7 +189,7 @@ fn ends_alphabet() -> Vec<Step> {
                 out.push(complete(run, key, outcome));
             }
         }
-    for who in [Who::Alice, Who::Bob] {
+        for who in [Who::Alice, Who::Bob] {
             out.push(Step::Op(Op::Decide {
                 who,
                 run,
@@ -492,7 +492,9 @@ fn monitored(node: &Node, op: &Op, answer: String, plant: Option<Plant>) -> Stri
                 ..
             },
         ) if !answer.starts_with("admitted")
-            && lineage(run).iter().any(|r| node.monitor.stopped.contains(r)) =>
+            && lineage(run)
+                .iter()
+                .any(|r| node.monitor.stopped.contains(r)) =>
         {
             "admitted 9.9".into()
         }
@@ -624,8 +626,7 @@ fn root() -> Node {
 fn replay(alphabet: &[Step], trace: &[u8], opts: &CheckOptions) -> Node {
     let mut n = root();
     for &i in trace {
-        advance(&mut n, &alphabet[i as usize], opts)
-            .expect("a trace that was checked replays");
+        advance(&mut n, &alphabet[i as usize], opts).expect("a trace that was checked replays");
     }
     n
 }

@@ -59,7 +59,10 @@ fn the_shipped_path_keeps_everything_acknowledged_across_power_loss() {
             total.waits
         );
     }
-    assert!(total.forgotten > 0 && total.completed_not_ok > 0, "{total:?}");
+    assert!(
+        total.forgotten > 0 && total.completed_not_ok > 0,
+        "{total:?}"
+    );
 }
 
 fn caught(planted: Planted) -> String {

@@ -38,7 +38,10 @@ struct Facts {
 #[derive(Debug, Clone)]
 pub enum Told {
     /// `admitted` (a token) to an admit, wait or start.
-    Admitted { digest: Digest, token: String },
+    Admitted {
+        digest: Digest,
+        token: String,
+    },
     /// `go` to a start.
     Go,
     /// Held for an operator's approval.
@@ -47,7 +50,9 @@ pub enum Told {
     Completed,
     /// The operator's approval completed the quorum.
     Approved,
-    Rejected { digest: Digest },
+    Rejected {
+        digest: Digest,
+    },
     /// The run's cancel (or kill) was acknowledged.
     Cancelled,
 }
@@ -135,9 +140,7 @@ impl Auditor {
                 if let Some(old) = facts.tokens.get(key)
                     && *old != token
                 {
-                    return Err(format!(
-                        "{run}/{key} admitted twice ({old}, then {token})"
-                    ));
+                    return Err(format!("{run}/{key} admitted twice ({old}, then {token})"));
                 }
                 if facts.rejected.contains(&digest) && !facts.tokens.contains_key(key) {
                     return Err(format!(
@@ -166,7 +169,10 @@ impl Auditor {
             }
             Told::Cancelled => {
                 facts.cancelled = true;
-                let stop = gate.run(&rid(run)).and_then(|r| r.stop.as_ref()).map(|s| s.at);
+                let stop = gate
+                    .run(&rid(run))
+                    .and_then(|r| r.stop.as_ref())
+                    .map(|s| s.at);
                 if let Some(stop) = stop {
                     self.fences.insert(run, (stop, id));
                 }
@@ -313,7 +319,9 @@ fn check_facts(gate: &Gate, run: &str, f: &Facts) -> Result<(), String> {
         return Err(format!("an acknowledged rejected call of {run} lost"));
     }
     if f.cancelled && r.stop.is_none() {
-        return Err(format!("acknowledged cancel of {run} lost: the run is not stopped"));
+        return Err(format!(
+            "acknowledged cancel of {run} lost: the run is not stopped"
+        ));
     }
     Ok(())
 }

@@ -51,7 +51,10 @@ pub enum Asked {
         digest: Digest,
     },
     /// Cancel, kill or close.
-    Stop { run: &'static str, at: u64 },
+    Stop {
+        run: &'static str,
+        at: u64,
+    },
     Pause,
 }
 
@@ -139,7 +142,9 @@ impl ShippedWorld {
             return;
         };
         match next {
-            Asked::Wait { run, key, digest, .. } => self.wait(client, run, key, digest),
+            Asked::Wait {
+                run, key, digest, ..
+            } => self.wait(client, run, key, digest),
             Asked::Start {
                 run, key, token, ..
             } => {
@@ -237,7 +242,8 @@ impl ShippedWorld {
 
     /// An operator pauses or resumes a run.
     pub(super) fn pause(&mut self, client: usize) {
-        let run = rid(*self.rng.pick(&RUNS));
+        let run: &&str = self.rng.pick(&RUNS);
+        let run = rid(run);
         let cmd = if self.rng.chance(0.5) {
             Command::Pause { run }
         } else {
@@ -299,12 +305,25 @@ impl ShippedWorld {
         Ok(())
     }
 
-    fn told(&mut self, id: u64, at: u64, run: &'static str, key: &str, t: Told) -> Result<(), String> {
+    fn told(
+        &mut self,
+        id: u64,
+        at: u64,
+        run: &'static str,
+        key: &str,
+        t: Told,
+    ) -> Result<(), String> {
         let gate = self.core.as_ref().expect("booted").gate();
         self.auditor.told(gate, id, at, run, key, t)
     }
 
-    fn read_answer(&mut self, c: usize, id: u64, asked: Asked, answer: Answer) -> Result<(), String> {
+    fn read_answer(
+        &mut self,
+        c: usize,
+        id: u64,
+        asked: Asked,
+        answer: Answer,
+    ) -> Result<(), String> {
         match (asked, answer) {
             (
                 Asked::Admit {
@@ -345,9 +364,12 @@ impl ShippedWorld {
             (Asked::Start { run, key, at, .. }, Answer::Verdict(v)) => match v {
                 wire::Verdict::Go => {
                     self.told(id, at, run, &key, Told::Go)?;
-                    let outcome = *self
-                        .rng
-                        .pick(&[Outcome::Ok, Outcome::Ok, Outcome::Error, Outcome::Unknown]);
+                    let outcome = *self.rng.pick(&[
+                        Outcome::Ok,
+                        Outcome::Ok,
+                        Outcome::Error,
+                        Outcome::Unknown,
+                    ]);
                     self.complete_later(c, run, key, outcome);
                     Ok(())
                 }
@@ -357,16 +379,18 @@ impl ShippedWorld {
                 }
                 _ => Ok(()),
             },
-            (Asked::Complete { run, key, outcome, .. }, Answer::Ack(_)) => {
+            (
+                Asked::Complete {
+                    run, key, outcome, ..
+                },
+                Answer::Ack(_),
+            ) => {
                 self.report.completed_not_ok += u64::from(outcome != Outcome::Ok);
                 self.told(id, 0, run, &key, Told::Completed)
             }
             (
                 Asked::Decide {
-                    run,
-                    key,
-                    digest,
-                    ..
+                    run, key, digest, ..
                 },
                 answer,
             ) => {

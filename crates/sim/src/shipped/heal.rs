@@ -83,9 +83,10 @@ impl ShippedWorld {
         self.power_loss()?;
         let v = estop_ledger::verify(&*self.storage);
         if !v.is_ok() {
-            return Err(format!("seed {seed}: the ledger does not verify at the end: {v:?}"));
+            return Err(format!(
+                "seed {seed}: the ledger does not verify at the end: {v:?}"
+            ));
         }
         Ok(())
     }
-
 }
