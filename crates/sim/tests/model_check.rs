@@ -1,7 +1,7 @@
 //! Bounded exhaustive model checking of the kernel in CI, over both alphabets of the checked
 //! world (2 runs, parent and child; quorum 2 with 2 approvers): every trace of up to 6 steps of
 //! approvals, rejection, expiry ticks, cancel, pause/resume, start/complete; and every trace of
-//! up to 4 steps of kill, close, deadlines (passed in three ticks), budgets (reached at the
+//! up to 5 steps of kill, close, deadlines (passed in three ticks), budgets (reached at the
 //! third admission) and outcomes `ok`/`error`/`unknown`. Trace
 //! properties P1–P10 and ledger recovery (clean and torn) at every distinct state. The long mode
 //! explores deeper: `ESTOP_CHECK_DEPTH=8 ESTOP_CHECK_ENDS_DEPTH=6`, or `estop-sim check --depth
@@ -46,10 +46,10 @@ fn guarantees_hold_on_every_trace_of_approvals() {
 
 #[test]
 fn guarantees_hold_on_every_trace_of_how_runs_end() {
-    let depth = env_u64("ESTOP_CHECK_ENDS_DEPTH").unwrap_or(4);
+    let depth = env_u64("ESTOP_CHECK_ENDS_DEPTH").unwrap_or(5);
     check(
         &opts(Alphabet::Ends, depth),
-        if depth < 4 { 0 } else { 10_000 },
+        if depth < 5 { 0 } else { 100_000 },
     );
 }
 
