@@ -246,10 +246,50 @@ impl Monitor {
         self.until.get(&id).is_some_and(|u| now < *u) && !self.settled.contains(&id)
     }
 
+    /// P1, P6, P3, P5, P10: may this admission (or start) of `id` happen at `now`?
+    fn check_admission(&self, now: u64, id: (u8, u8), admitted: bool) -> Result<(), String> {
+        let violation = |p: &str, what: String| Err(format!("{p} violated: {what}"));
+        let (run, key) = id;
+        let (tool, arg, _) = call(key);
+        if tool.action() == estop_kernel::vocab::PolicyAction::Approve {
+            let n = self.approvers.get(&id).map_or(0, BTreeSet::len);
+            if !self.approved.contains(&id) || n < tool.quorum() as usize {
+                return violation(
+                    "P1",
+                    format!("{id:?} admitted/started with {n} acknowledged approvals"),
+                );
+            }
+            if admitted && now >= self.until[&id] {
+                return violation(
+                    "P6",
+                    format!("{id:?} consumed an approval expired at {}", self.until[&id]),
+                );
+            }
+        }
+        if self.rejected.contains(&(run, digest(tool, arg))) {
+            return violation("P3", format!("{id:?} admitted/started a rejected call"));
+        }
+        if let Some(r) = lineage(run).iter().find(|r| self.stopped.contains(r)) {
+            return violation(
+                "P5",
+                format!("{id:?} admitted/started after the cancel or close of run {r}"),
+            );
+        }
+        if let Some(r) = lineage(run)
+            .iter()
+            .find(|r| self.deadline.get(r).is_some_and(|d| now >= *d))
+        {
+            return violation(
+                "P10",
+                format!("{id:?} admitted/started after the deadline of run {r}"),
+            );
+        }
+        Ok(())
+    }
+
     /// Checks one acknowledged answer against the trace so far, then records it. `created`:
     /// the op created its run (an admit's limits then bind the run).
     fn observe(&mut self, now: u64, op: &Op, answer: &str, created: bool) -> Result<(), String> {
-        let violation = |p: &str, what: String| Err(format!("{p} violated: {what}"));
         if let (true, Op::Admit { run, limits, .. }) = (created, *op) {
             match limits {
                 1 => {
@@ -263,128 +303,14 @@ impl Monitor {
         }
         match *op {
             Op::Admit { run, key, .. } | Op::Wait { run, key, .. } | Op::Start { run, key, .. } => {
-                let id = (run, key);
-                let (tool, arg, start_on_admit) = call(key);
-                // A repeat admit of a prepared effect returns the same token: not a new admission.
-                let admitted = answer
-                    .strip_prefix("admitted ")
-                    .is_some_and(|t| self.token.get(&id).is_none_or(|old| old != t));
-                let starts = answer == "go" || (admitted && start_on_admit);
-                if admitted || starts {
-                    if tool.action() == estop_kernel::vocab::PolicyAction::Approve {
-                        let n = self.approvers.get(&id).map_or(0, BTreeSet::len);
-                        if !self.approved.contains(&id) || n < tool.quorum() as usize {
-                            return violation(
-                                "P1",
-                                format!("{id:?} admitted/started with {n} acknowledged approvals"),
-                            );
-                        }
-                        if admitted && now >= self.until[&id] {
-                            return violation(
-                                "P6",
-                                format!(
-                                    "{id:?} consumed an approval expired at {}",
-                                    self.until[&id]
-                                ),
-                            );
-                        }
-                    }
-                    if self.rejected.contains(&(run, digest(tool, arg))) {
-                        return violation("P3", format!("{id:?} admitted/started a rejected call"));
-                    }
-                    if let Some(r) = lineage(run).iter().find(|r| self.stopped.contains(r)) {
-                        return violation(
-                            "P5",
-                            format!("{id:?} admitted/started after the cancel of run {r}"),
-                        );
-                    }
-                    if let Some(r) = lineage(run)
-                        .iter()
-                        .find(|r| self.deadline.get(r).is_some_and(|d| now >= *d))
-                    {
-                        return violation(
-                            "P10",
-                            format!("{id:?} admitted/started after the deadline of run {r}"),
-                        );
-                    }
-                }
-                if admitted {
-                    let n = self.admissions.entry(run).or_default();
-                    *n += 1;
-                    if let Some(max) = self.budget.get(&run)
-                        && *n > *max
-                    {
-                        return violation(
-                            "P9",
-                            format!("{id:?} is admission {n} of run {run}, its budget is {max}"),
-                        );
-                    }
-                }
-                if admitted {
-                    let token = answer["admitted ".len()..].to_string();
-                    if let Some(t) = self.token.get(&id) {
-                        return violation(
-                            "P4",
-                            format!("{id:?} admitted twice ({t}, then {token})"),
-                        );
-                    }
-                    self.token.insert(id, token);
-                }
-                if starts {
-                    if tool.is_write()
-                        && let Some(other) = self.until.keys().find(|o| {
-                            **o != id && lineage(run).contains(&o.0) && self.pending(**o, now)
-                        })
-                    {
-                        return violation(
-                            "P2",
-                            format!("write {id:?} started while {other:?} awaits approval"),
-                        );
-                    }
-                    if !self.started.insert(id) {
-                        return violation("P4", format!("{id:?} started twice"));
-                    }
-                }
-                if let Some(rest) = answer.strip_prefix("held approval #") {
-                    let until: u64 = rest
-                        .split(" until ")
-                        .nth(1)
-                        .and_then(|u| u.parse().ok())
-                        .expect("held approval has an expiry");
-                    self.until.entry(id).or_insert(until);
-                }
-                if answer == "refused expired" || answer.starts_with("refused ") {
-                    self.settled.insert(id);
-                }
+                return self.observe_verdict(now, (run, key), answer);
             }
             Op::Decide {
                 who,
                 run,
                 key,
                 approve,
-            } => {
-                let id = (run, key);
-                if !answer.starts_with("decided") {
-                    return Ok(());
-                }
-                if self.until.get(&id).is_none_or(|u| now >= *u) {
-                    return violation(
-                        "P6",
-                        format!("{id:?} accepted a decision after its approval expired"),
-                    );
-                }
-                if approve {
-                    self.approvers.entry(id).or_default().insert(who);
-                    if answer == "decided approved" {
-                        self.approved.insert(id);
-                        self.settled.insert(id);
-                    }
-                } else {
-                    let (tool, arg, _) = call(key);
-                    self.rejected.insert((run, digest(tool, arg)));
-                    self.settled.insert(id);
-                }
-            }
+            } => return self.observe_decision(now, who, (run, key), approve, answer),
             Op::Cancel { run, .. } | Op::Close { run, .. } if answer.starts_with("run ") => {
                 self.stopped.insert(run);
                 for id in self.until.keys().copied().collect::<Vec<_>>() {
@@ -394,6 +320,99 @@ impl Monitor {
                 }
             }
             _ => {}
+        }
+        Ok(())
+    }
+
+    /// P1–P6, P9, P10 for an answer to an admit, wait or start of `id`, then what it told.
+    fn observe_verdict(&mut self, now: u64, id: (u8, u8), answer: &str) -> Result<(), String> {
+        let violation = |p: &str, what: String| Err(format!("{p} violated: {what}"));
+        let (run, key) = id;
+        let (tool, _, start_on_admit) = call(key);
+        // A repeat admit of a prepared effect returns the same token: not a new admission.
+        let admitted = answer
+            .strip_prefix("admitted ")
+            .is_some_and(|t| self.token.get(&id).is_none_or(|old| old != t));
+        let starts = answer == "go" || (admitted && start_on_admit);
+        if admitted || starts {
+            self.check_admission(now, id, admitted)?;
+        }
+        if admitted {
+            let n = self.admissions.entry(run).or_default();
+            *n += 1;
+            if let Some(max) = self.budget.get(&run)
+                && *n > *max
+            {
+                return violation(
+                    "P9",
+                    format!("{id:?} is admission {n} of run {run}, its budget is {max}"),
+                );
+            }
+        }
+        if admitted {
+            let token = answer["admitted ".len()..].to_string();
+            if let Some(t) = self.token.get(&id) {
+                return violation("P4", format!("{id:?} admitted twice ({t}, then {token})"));
+            }
+            self.token.insert(id, token);
+        }
+        if starts {
+            if tool.is_write()
+                && let Some(other) = self
+                    .until
+                    .keys()
+                    .find(|o| **o != id && lineage(run).contains(&o.0) && self.pending(**o, now))
+            {
+                return violation(
+                    "P2",
+                    format!("write {id:?} started while {other:?} awaits approval"),
+                );
+            }
+            if !self.started.insert(id) {
+                return violation("P4", format!("{id:?} started twice"));
+            }
+        }
+        if let Some(rest) = answer.strip_prefix("held approval #") {
+            let until: u64 = rest
+                .split(" until ")
+                .nth(1)
+                .and_then(|u| u.parse().ok())
+                .expect("held approval has an expiry");
+            self.until.entry(id).or_insert(until);
+        }
+        if answer == "refused expired" || answer.starts_with("refused ") {
+            self.settled.insert(id);
+        }
+        Ok(())
+    }
+
+    /// P6 for an operator's decision, then the decision recorded.
+    fn observe_decision(
+        &mut self,
+        now: u64,
+        who: Who,
+        id: (u8, u8),
+        approve: bool,
+        answer: &str,
+    ) -> Result<(), String> {
+        if !answer.starts_with("decided") {
+            return Ok(());
+        }
+        if self.until.get(&id).is_none_or(|u| now >= *u) {
+            return Err(format!(
+                "P6 violated: {id:?} accepted a decision after its approval expired"
+            ));
+        }
+        if approve {
+            self.approvers.entry(id).or_default().insert(who);
+            if answer == "decided approved" {
+                self.approved.insert(id);
+                self.settled.insert(id);
+            }
+        } else {
+            let (tool, arg, _) = call(id.1);
+            self.rejected.insert((id.0, digest(tool, arg)));
+            self.settled.insert(id);
         }
         Ok(())
     }

@@ -335,50 +335,10 @@ impl ShippedWorld {
                 },
                 Answer::Verdict(v),
             ) => self.on_verdict(c, id, at, run, key, digest, start, v),
-            (
-                Asked::Wait {
-                    run,
-                    key,
-                    digest,
-                    sent,
-                    timeout,
-                    at,
-                },
-                Answer::Verdict(v),
-            ) => {
-                let how = match &v {
-                    wire::Verdict::Held { .. } if self.mono < sent + timeout => {
-                        return Err(format!(
-                            "a wait on {run}/{key} sent at {sent} with a timeout of {timeout} ms was answered held at {}",
-                            self.mono
-                        ));
-                    }
-                    wire::Verdict::Held { .. } => "held".to_string(),
-                    wire::Verdict::Refused { reason, .. } => format!("refused {reason}"),
-                    wire::Verdict::Admitted { .. } => "admitted".to_string(),
-                    other => format!("{other:?}"),
-                };
-                *self.report.waits.entry(how).or_default() += 1;
-                self.on_verdict(c, id, at, run, key, digest, false, v)
+            (wait @ Asked::Wait { .. }, Answer::Verdict(v)) => self.on_wait_answer(c, id, wait, v),
+            (Asked::Start { run, key, at, .. }, Answer::Verdict(v)) => {
+                self.on_start_answer(c, id, at, run, key, v)
             }
-            (Asked::Start { run, key, at, .. }, Answer::Verdict(v)) => match v {
-                wire::Verdict::Go => {
-                    self.told(id, at, run, &key, Told::Go)?;
-                    let outcome = *self.rng.pick(&[
-                        Outcome::Ok,
-                        Outcome::Ok,
-                        Outcome::Error,
-                        Outcome::Unknown,
-                    ]);
-                    self.complete_later(c, run, key, outcome);
-                    Ok(())
-                }
-                wire::Verdict::Duplicate { status, .. } if status == "started" => {
-                    self.complete_later(c, run, key, Outcome::Ok);
-                    Ok(())
-                }
-                _ => Ok(()),
-            },
             (
                 Asked::Complete {
                     run, key, outcome, ..
@@ -416,6 +376,68 @@ impl ShippedWorld {
             }
             _ => Ok(()),
         }
+    }
+
+    /// The answer to a parked `wait`: never `held` before its timeout.
+    fn on_wait_answer(
+        &mut self,
+        c: usize,
+        id: u64,
+        wait: Asked,
+        v: wire::Verdict,
+    ) -> Result<(), String> {
+        let Asked::Wait {
+            run,
+            key,
+            digest,
+            sent,
+            timeout,
+            at,
+        } = wait
+        else {
+            unreachable!("a wait")
+        };
+        let how = match &v {
+            wire::Verdict::Held { .. } if self.mono < sent + timeout => {
+                return Err(format!(
+                    "a wait on {run}/{key} sent at {sent} with a timeout of {timeout} ms was answered held at {}",
+                    self.mono
+                ));
+            }
+            wire::Verdict::Held { .. } => "held".to_string(),
+            wire::Verdict::Refused { reason, .. } => format!("refused {reason}"),
+            wire::Verdict::Admitted { .. } => "admitted".to_string(),
+            other => format!("{other:?}"),
+        };
+        *self.report.waits.entry(how).or_default() += 1;
+        self.on_verdict(c, id, at, run, key, digest, false, v)
+    }
+
+    /// The answer to a `start`: `go`, then a completion with some outcome.
+    fn on_start_answer(
+        &mut self,
+        c: usize,
+        id: u64,
+        at: u64,
+        run: &'static str,
+        key: String,
+        v: wire::Verdict,
+    ) -> Result<(), String> {
+        match v {
+            wire::Verdict::Go => {
+                self.told(id, at, run, &key, Told::Go)?;
+                let outcome =
+                    *self
+                        .rng
+                        .pick(&[Outcome::Ok, Outcome::Ok, Outcome::Error, Outcome::Unknown]);
+                self.complete_later(c, run, key, outcome);
+            }
+            wire::Verdict::Duplicate { status, .. } if status == "started" => {
+                self.complete_later(c, run, key, Outcome::Ok);
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     /// The answer to an admit or a wait: a fact, and what the client does next.
