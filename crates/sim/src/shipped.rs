@@ -583,10 +583,12 @@ impl ShippedWorld {
                 return self.kill();
             }
             Step::DiskFull => {
-                // The disk fills up for a while: changes fail closed until it frees.
+                // The disk fills up for a while (a write that does not fit writes what fits):
+                // changes fail closed until it frees.
                 let full = self.storage_full;
+                let left = self.rng.below(600);
                 self.storage
-                    .set_space_left(if full { None } else { Some(0) });
+                    .set_space_left(if full { None } else { Some(left) });
                 self.storage_full = !full;
             }
             Step::Timers => {
