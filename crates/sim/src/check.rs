@@ -25,8 +25,8 @@
 //! * P9 a run makes no more admissions than its budget (`max_effects`);
 //! * P10 nothing is admitted or started once the deadline of the run or an ancestor has passed.
 //!
-//! A planted bug ([`Plant`]) forges one answer the monitor reads; a test shows the monitor
-//! names exactly the property it breaks.
+//! A planted bug ([`Plant`]) forges one answer the monitor reads; tests show the monitor names
+//! exactly the property it breaks (P5, P9, P10).
 
 use crate::diff::Pair;
 use crate::world::{Op, Tok, Tool, Who, digest, run_of};
@@ -465,6 +465,10 @@ pub enum Plant {
     /// The monitor is told `admitted` for an allowed call in a run whose cancel (or close) was
     /// acknowledged, where the kernel refused it: P5, and only P5, must report it.
     AdmitAfterCancel,
+    /// `admitted` where the kernel refused the call for the run's budget: P9.
+    AdmitOverBudget,
+    /// `admitted` where the kernel refused the call for the run's deadline: P10.
+    AdmitAfterDeadline,
 }
 
 /// What a check explored.
@@ -502,23 +506,26 @@ impl std::fmt::Display for Violation {
 
 /// The answer the monitor reads for `op`: the kernel's, or, with a planted bug, a forged one.
 fn monitored(node: &Node, op: &Op, answer: String, plant: Option<Plant>) -> String {
-    match (plant, *op) {
-        (
-            Some(Plant::AdmitAfterCancel),
-            Op::Admit {
-                run,
-                tool: Tool::Pay,
-                ..
-            },
-        ) if !answer.starts_with("admitted")
-            && lineage(run)
-                .iter()
-                .any(|r| node.monitor.stopped.contains(r)) =>
-        {
-            "admitted 9.9".into()
+    let Op::Admit {
+        run,
+        tool: Tool::Pay,
+        ..
+    } = *op
+    else {
+        return answer;
+    };
+    let forge = match plant {
+        None => false,
+        Some(Plant::AdmitAfterCancel) => {
+            !answer.starts_with("admitted")
+                && lineage(run)
+                    .iter()
+                    .any(|r| node.monitor.stopped.contains(r))
         }
-        _ => answer,
-    }
+        Some(Plant::AdmitOverBudget) => answer == "refused budget",
+        Some(Plant::AdmitAfterDeadline) => answer == "refused deadline",
+    };
+    if forge { "admitted 9.9".into() } else { answer }
 }
 
 /// Applies one step; `Err` is a violation or a kernel/model disagreement.

@@ -5,8 +5,8 @@
 //! third admission) and outcomes `ok`/`error`/`unknown`. Trace
 //! properties P1–P10 and ledger recovery (clean and torn) at every distinct state. The long mode
 //! explores deeper: `ESTOP_CHECK_DEPTH=8 ESTOP_CHECK_ENDS_DEPTH=6`, or `estop-sim check --depth
-//! 9 [--ends]` (docs/TESTING.md). And the monitor bites: a forged admission after a cancel is
-//! reported as P5.
+//! 9 [--ends]` (docs/TESTING.md). And the monitor bites: a forged admission after a cancel,
+//! over a budget or after a deadline is reported as P5, P9 or P10.
 
 use estop_sim::check::{Alphabet, CheckOptions, Plant, explore};
 use estop_sim::rng::env_u64;
@@ -53,17 +53,37 @@ fn guarantees_hold_on_every_trace_of_how_runs_end() {
     );
 }
 
+/// The monitor has teeth: an admission the kernel refused, forged in the trace it reads, is
+/// reported as exactly the property it breaks, on a shortest trace.
 #[test]
 fn the_monitor_reports_a_forged_admission_after_a_cancel_as_p5() {
     for alphabet in [Alphabet::Approvals, Alphabet::Ends] {
-        let o = CheckOptions {
-            plant: Some(Plant::AdmitAfterCancel),
-            ..opts(alphabet, 4)
-        };
-        let v = explore(&o).expect_err("the forged admission went unnoticed");
-        println!("{alphabet:?}: {v}");
-        assert!(v.what.starts_with("P5 violated"), "{v}");
-        // The shortest trace: the run is stopped, then the allowed call is admitted.
-        assert_eq!(v.trace.len(), 2, "{v}");
+        // The run is stopped, then the allowed call is admitted.
+        caught(alphabet, Plant::AdmitAfterCancel, "P5", 2);
     }
+}
+
+#[test]
+fn the_monitor_reports_a_forged_admission_over_the_budget_as_p9() {
+    // Two admissions under a budget of two, a third call fences the run, a fourth is forged.
+    caught(Alphabet::Ends, Plant::AdmitOverBudget, "P9", 4);
+}
+
+#[test]
+fn the_monitor_reports_a_forged_admission_after_the_deadline_as_p10() {
+    // The run is created with a deadline, three ticks pass it, then a call is forged admitted.
+    caught(Alphabet::Ends, Plant::AdmitAfterDeadline, "P10", 5);
+}
+
+fn caught(alphabet: Alphabet, plant: Plant, property: &str, steps: usize) {
+    let o = CheckOptions {
+        plant: Some(plant),
+        // The monitor is what is tested: no ledger recoveries, to keep it quick.
+        crash: false,
+        ..opts(alphabet, steps as u64)
+    };
+    let v = explore(&o).expect_err("the forged admission went unnoticed");
+    println!("{alphabet:?}, {plant:?}: {v}");
+    assert!(v.what.starts_with(&format!("{property} violated")), "{v}");
+    assert_eq!(v.trace.len(), steps, "{v}");
 }
