@@ -621,11 +621,12 @@ impl ShippedWorld {
 
 /// Runs one seed for `steps` steps, then heals; `Err` says what the auditor found.
 pub fn run_seed(seed: u64, steps: u64, planted: Planted) -> Result<ShippedReport, String> {
+    let replay = |e: String| format!("{e} (replay: ESTOP_SHIPPED_SEED={seed})");
     let mut w = ShippedWorld::new(seed, planted);
     for _ in 0..steps {
-        w.step()?;
+        w.step().map_err(replay)?;
     }
-    w.heal_and_check()?;
+    w.heal_and_check().map_err(replay)?;
     w.report.cuts = w.disk.points();
     Ok(w.report)
 }
