@@ -1,9 +1,12 @@
 //! A bounded, exhaustive model checker of the kernel (our own breadth-first explorer with state
-//! hashing). The world: runs `p` and its child `c`; keys `a` (a quorum-2 `wire` call admitted
-//! with `start`), `b` (the *same* call, two-phase) and `c` (an allowed `pay`, two-phase);
-//! approvers `alice` and `bob`; cancel, pause/resume, start/complete, approval expiry as a clock
-//! tick, and crash + recovery through the real ledger (`estop_server::journal::open` on
-//! `CrashStorage`), clean and with a torn last record.
+//! hashing). The world: runs `p` and its child `c`; approvers `alice` and `bob`; a clock that
+//! ticks (the server's timer then ticks both runs); crash + recovery through the real ledger
+//! (`estop_server::journal::open` on `CrashStorage`), clean and with a torn last record. Two
+//! alphabets are explored ([`Alphabet`]): the approvals one (keys `a`, a quorum-2 `wire` call
+//! admitted with `start`, `b` the *same* call two-phase, `c` an allowed `pay`; approve, reject,
+//! expiry, cancel, pause/resume, start, complete `ok`) and the ends one (kill, close completed
+//! and failed, a deadline that passes, a budget of two admissions reached, complete `ok`,
+//! `error` and `unknown`).
 //!
 //! Every transition runs the kernel *and* the reference model (their answers and states must
 //! agree), and a monitor checks the guarantees as properties of the trace of acknowledged
@@ -13,14 +16,20 @@
 //! * P2 no other write effect of the run, or of a descendant, starts while an approval is pending;
 //! * P3 a rejected digest is never admitted, nor started, again in the run;
 //! * P4 at most one admission (one token) and one start per identity;
-//! * P5 nothing admitted or started after an acknowledged cancel of the run or an ancestor;
+//! * P5 nothing admitted or started after an acknowledged cancel, kill or close of the run or
+//!   an ancestor;
 //! * P6 an expired approval is never given nor consumed;
 //! * P7 terminal run states and refused effects absorb;
 //! * P8 recovery from the ledger rebuilds exactly the acknowledged state; a torn last record
-//!   rebuilds exactly the state before it.
+//!   rebuilds exactly the state before it;
+//! * P9 a run makes no more admissions than its budget (`max_effects`);
+//! * P10 nothing is admitted or started once the deadline of the run or an ancestor has passed.
+//!
+//! A planted bug ([`Plant`]) forges one answer the monitor reads; tests show the monitor names
+//! exactly the property it breaks (P5, P9, P10).
 
 use crate::diff::Pair;
-use crate::world::{Op, Tok, Tool, Who, digest};
+use crate::world::{Op, Tok, Tool, Who, digest, run_of};
 use estop_kernel::codec::encode_record;
 use estop_kernel::vocab::Outcome;
 use estop_kernel::{Digest, Limits, Record};
@@ -38,7 +47,8 @@ pub const TICK_MS: u64 = 40;
 /// Wire approvals expire after 80 ms: two ticks.
 const T0: u64 = 1000;
 
-/// The fixed call each key makes.
+/// The fixed call each key makes: `a` a quorum-2 `wire` admitted with `start`, `b` the same
+/// call two-phase, `c` and `d` the same allowed `pay` call, two-phase.
 fn call(key: u8) -> (Tool, u8, bool) {
     match key {
         0 => (Tool::Wire, 0, true),
@@ -55,39 +65,71 @@ pub enum Step {
     Tick,
 }
 
+/// Which steps a check explores from every state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alphabet {
+    /// Approvals and their quorum, rejection, expiry, cancel, pause/resume, start and a
+    /// successful complete.
+    Approvals,
+    /// How runs and effects end: kill, close (completed and failed), a deadline passing, a
+    /// budget (`max_effects`) reached, and complete with `error` and `unknown` as well as `ok`;
+    /// with one approver's approval and cancel, so the fences meet the approvals.
+    Ends,
+}
+
 /// The alphabet explored from every state.
-pub fn alphabet() -> Vec<Step> {
+pub fn alphabet(kind: Alphabet) -> Vec<Step> {
+    match kind {
+        Alphabet::Approvals => approvals_alphabet(),
+        Alphabet::Ends => ends_alphabet(),
+    }
+}
+
+fn admit(run: u8, key: u8, limits: u8) -> Step {
+    let (tool, arg, start) = call(key);
+    Step::Op(Op::Admit {
+        who: Who::Agent,
+        run,
+        key,
+        tool,
+        arg,
+        start,
+        limits,
+    })
+}
+
+fn complete(run: u8, key: u8, outcome: Outcome) -> Step {
+    Step::Op(Op::Complete {
+        who: Who::Agent,
+        run,
+        key,
+        tok: Tok::Issued,
+        outcome,
+    })
+}
+
+fn start(run: u8, key: u8) -> Step {
+    Step::Op(Op::Start {
+        who: Who::Agent,
+        run,
+        key,
+        tok: Tok::Issued,
+    })
+}
+
+fn approvals_alphabet() -> Vec<Step> {
     let mut out = Vec::new();
     for run in [P, C] {
         for key in 0..3u8 {
-            let (tool, arg, start) = call(key);
-            out.push(Step::Op(Op::Admit {
-                who: Who::Agent,
-                run,
-                key,
-                tool,
-                arg,
-                start,
-                limits: 0,
-            }));
+            let (tool, _, _) = call(key);
+            out.push(admit(run, key, 0));
             out.push(Step::Op(Op::Wait {
                 who: Who::Agent,
                 run,
                 key,
             }));
-            out.push(Step::Op(Op::Start {
-                who: Who::Agent,
-                run,
-                key,
-                tok: Tok::Issued,
-            }));
-            out.push(Step::Op(Op::Complete {
-                who: Who::Agent,
-                run,
-                key,
-                tok: Tok::Issued,
-                outcome: Outcome::Ok,
-            }));
+            out.push(start(run, key));
+            out.push(complete(run, key, Outcome::Ok));
             if tool == Tool::Wire {
                 out.push(Step::Op(Op::Decide {
                     who: Who::Alice,
@@ -127,6 +169,53 @@ pub fn alphabet() -> Vec<Step> {
     out
 }
 
+/// Keys `b` (wire, two-phase), `c` and `d` (the same allowed `pay` call, two-phase): three
+/// admissions reach a budget of two. The run is created with a deadline (`limits` 2: 100 ms,
+/// passed in three ticks) or a budget (`limits` 1: two admissions) by `c`'s admit, or with
+/// neither by any of them.
+fn ends_alphabet() -> Vec<Step> {
+    let mut out = Vec::new();
+    for run in [P, C] {
+        out.push(admit(run, 1, 0));
+        out.push(admit(run, 3, 0));
+        for limits in 0..3u8 {
+            out.push(admit(run, 2, limits));
+        }
+        out.push(start(run, 1));
+        out.push(complete(run, 1, Outcome::Ok));
+        for key in [2u8, 3] {
+            out.push(start(run, key));
+            for outcome in [Outcome::Ok, Outcome::Error, Outcome::Unknown] {
+                out.push(complete(run, key, outcome));
+            }
+        }
+        for who in [Who::Alice, Who::Bob] {
+            out.push(Step::Op(Op::Decide {
+                who,
+                run,
+                key: 1,
+                approve: true,
+            }));
+        }
+        for kill in [false, true] {
+            out.push(Step::Op(Op::Cancel {
+                who: Who::Alice,
+                run,
+                kill,
+            }));
+        }
+        for failed in [false, true] {
+            out.push(Step::Op(Op::Close {
+                who: Who::Agent,
+                run,
+                failed,
+            }));
+        }
+    }
+    out.push(Step::Tick);
+    out
+}
+
 /// What the clients have been told so far: the trace the properties are about.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct Monitor {
@@ -139,7 +228,13 @@ pub struct Monitor {
     /// The decision no longer awaits anyone (approved, rejected, expired, voided).
     settled: BTreeSet<(u8, u8)>,
     rejected: BTreeSet<(u8, Digest)>,
-    cancelled: BTreeSet<u8>,
+    /// Runs whose cancel, kill or close was acknowledged.
+    stopped: BTreeSet<u8>,
+    /// Admissions a run may make (`max_effects`, set by the admit that created it).
+    budget: BTreeMap<u8, u64>,
+    admissions: BTreeMap<u8, u64>,
+    /// When a run's deadline passes (set by the admit that created it).
+    deadline: BTreeMap<u8, u64>,
 }
 
 fn lineage(run: u8) -> &'static [u8] {
@@ -151,114 +246,73 @@ impl Monitor {
         self.until.get(&id).is_some_and(|u| now < *u) && !self.settled.contains(&id)
     }
 
-    /// Checks one acknowledged answer against the trace so far, then records it.
-    fn observe(&mut self, now: u64, op: &Op, answer: &str) -> Result<(), String> {
+    /// P1, P6, P3, P5, P10: may this admission (or start) of `id` happen at `now`?
+    fn check_admission(&self, now: u64, id: (u8, u8), admitted: bool) -> Result<(), String> {
         let violation = |p: &str, what: String| Err(format!("{p} violated: {what}"));
+        let (run, key) = id;
+        let (tool, arg, _) = call(key);
+        if tool.action() == estop_kernel::vocab::PolicyAction::Approve {
+            let n = self.approvers.get(&id).map_or(0, BTreeSet::len);
+            if !self.approved.contains(&id) || n < tool.quorum() as usize {
+                return violation(
+                    "P1",
+                    format!("{id:?} admitted/started with {n} acknowledged approvals"),
+                );
+            }
+            if admitted && now >= self.until[&id] {
+                return violation(
+                    "P6",
+                    format!("{id:?} consumed an approval expired at {}", self.until[&id]),
+                );
+            }
+        }
+        if self.rejected.contains(&(run, digest(tool, arg))) {
+            return violation("P3", format!("{id:?} admitted/started a rejected call"));
+        }
+        if let Some(r) = lineage(run).iter().find(|r| self.stopped.contains(r)) {
+            return violation(
+                "P5",
+                format!("{id:?} admitted/started after the cancel or close of run {r}"),
+            );
+        }
+        if let Some(r) = lineage(run)
+            .iter()
+            .find(|r| self.deadline.get(r).is_some_and(|d| now >= *d))
+        {
+            return violation(
+                "P10",
+                format!("{id:?} admitted/started after the deadline of run {r}"),
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks one acknowledged answer against the trace so far, then records it. `created`:
+    /// the op created its run (an admit's limits then bind the run).
+    fn observe(&mut self, now: u64, op: &Op, answer: &str, created: bool) -> Result<(), String> {
+        if let (true, Op::Admit { run, limits, .. }) = (created, *op) {
+            match limits {
+                1 => {
+                    self.budget.insert(run, 2);
+                }
+                2 => {
+                    self.deadline.insert(run, now + 100);
+                }
+                _ => {}
+            }
+        }
         match *op {
             Op::Admit { run, key, .. } | Op::Wait { run, key, .. } | Op::Start { run, key, .. } => {
-                let id = (run, key);
-                let (tool, arg, start_on_admit) = call(key);
-                // A repeat admit of a prepared effect returns the same token: not a new admission.
-                let admitted = answer
-                    .strip_prefix("admitted ")
-                    .is_some_and(|t| self.token.get(&id).is_none_or(|old| old != t));
-                let starts = answer == "go" || (admitted && start_on_admit);
-                if admitted || starts {
-                    if tool.action() == estop_kernel::vocab::PolicyAction::Approve {
-                        let n = self.approvers.get(&id).map_or(0, BTreeSet::len);
-                        if !self.approved.contains(&id) || n < tool.quorum() as usize {
-                            return violation(
-                                "P1",
-                                format!("{id:?} admitted/started with {n} acknowledged approvals"),
-                            );
-                        }
-                        if admitted && now >= self.until[&id] {
-                            return violation(
-                                "P6",
-                                format!(
-                                    "{id:?} consumed an approval expired at {}",
-                                    self.until[&id]
-                                ),
-                            );
-                        }
-                    }
-                    if self.rejected.contains(&(run, digest(tool, arg))) {
-                        return violation("P3", format!("{id:?} admitted/started a rejected call"));
-                    }
-                    if let Some(r) = lineage(run).iter().find(|r| self.cancelled.contains(r)) {
-                        return violation(
-                            "P5",
-                            format!("{id:?} admitted/started after the cancel of run {r}"),
-                        );
-                    }
-                }
-                if admitted {
-                    let token = answer["admitted ".len()..].to_string();
-                    if let Some(t) = self.token.get(&id) {
-                        return violation(
-                            "P4",
-                            format!("{id:?} admitted twice ({t}, then {token})"),
-                        );
-                    }
-                    self.token.insert(id, token);
-                }
-                if starts {
-                    if tool.is_write()
-                        && let Some(other) = self.until.keys().find(|o| {
-                            **o != id && lineage(run).contains(&o.0) && self.pending(**o, now)
-                        })
-                    {
-                        return violation(
-                            "P2",
-                            format!("write {id:?} started while {other:?} awaits approval"),
-                        );
-                    }
-                    if !self.started.insert(id) {
-                        return violation("P4", format!("{id:?} started twice"));
-                    }
-                }
-                if let Some(rest) = answer.strip_prefix("held approval #") {
-                    let until: u64 = rest
-                        .split(" until ")
-                        .nth(1)
-                        .and_then(|u| u.parse().ok())
-                        .expect("held approval has an expiry");
-                    self.until.entry(id).or_insert(until);
-                }
-                if answer == "refused expired" || answer.starts_with("refused ") {
-                    self.settled.insert(id);
-                }
+                return self.observe_verdict(now, (run, key), answer);
             }
             Op::Decide {
                 who,
                 run,
                 key,
                 approve,
-            } => {
-                let id = (run, key);
-                if !answer.starts_with("decided") {
-                    return Ok(());
-                }
-                if self.until.get(&id).is_none_or(|u| now >= *u) {
-                    return violation(
-                        "P6",
-                        format!("{id:?} accepted a decision after its approval expired"),
-                    );
-                }
-                if approve {
-                    self.approvers.entry(id).or_default().insert(who);
-                    if answer == "decided approved" {
-                        self.approved.insert(id);
-                        self.settled.insert(id);
-                    }
-                } else {
-                    let (tool, arg, _) = call(key);
-                    self.rejected.insert((run, digest(tool, arg)));
-                    self.settled.insert(id);
-                }
-            }
-            Op::Cancel { run, .. } if answer.starts_with("run ") => {
-                self.cancelled.insert(run);
+            } => return self.observe_decision(now, who, (run, key), approve, answer),
+            Op::Cancel { run, .. } | Op::Close { run, .. } if answer.starts_with("run ") => {
+                self.stopped.insert(run);
                 for id in self.until.keys().copied().collect::<Vec<_>>() {
                     if lineage(id.0).contains(&run) {
                         self.settled.insert(id);
@@ -266,6 +320,99 @@ impl Monitor {
                 }
             }
             _ => {}
+        }
+        Ok(())
+    }
+
+    /// P1–P6, P9, P10 for an answer to an admit, wait or start of `id`, then what it told.
+    fn observe_verdict(&mut self, now: u64, id: (u8, u8), answer: &str) -> Result<(), String> {
+        let violation = |p: &str, what: String| Err(format!("{p} violated: {what}"));
+        let (run, key) = id;
+        let (tool, _, start_on_admit) = call(key);
+        // A repeat admit of a prepared effect returns the same token: not a new admission.
+        let admitted = answer
+            .strip_prefix("admitted ")
+            .is_some_and(|t| self.token.get(&id).is_none_or(|old| old != t));
+        let starts = answer == "go" || (admitted && start_on_admit);
+        if admitted || starts {
+            self.check_admission(now, id, admitted)?;
+        }
+        if admitted {
+            let n = self.admissions.entry(run).or_default();
+            *n += 1;
+            if let Some(max) = self.budget.get(&run)
+                && *n > *max
+            {
+                return violation(
+                    "P9",
+                    format!("{id:?} is admission {n} of run {run}, its budget is {max}"),
+                );
+            }
+        }
+        if admitted {
+            let token = answer["admitted ".len()..].to_string();
+            if let Some(t) = self.token.get(&id) {
+                return violation("P4", format!("{id:?} admitted twice ({t}, then {token})"));
+            }
+            self.token.insert(id, token);
+        }
+        if starts {
+            if tool.is_write()
+                && let Some(other) = self
+                    .until
+                    .keys()
+                    .find(|o| **o != id && lineage(run).contains(&o.0) && self.pending(**o, now))
+            {
+                return violation(
+                    "P2",
+                    format!("write {id:?} started while {other:?} awaits approval"),
+                );
+            }
+            if !self.started.insert(id) {
+                return violation("P4", format!("{id:?} started twice"));
+            }
+        }
+        if let Some(rest) = answer.strip_prefix("held approval #") {
+            let until: u64 = rest
+                .split(" until ")
+                .nth(1)
+                .and_then(|u| u.parse().ok())
+                .expect("held approval has an expiry");
+            self.until.entry(id).or_insert(until);
+        }
+        if answer == "refused expired" || answer.starts_with("refused ") {
+            self.settled.insert(id);
+        }
+        Ok(())
+    }
+
+    /// P6 for an operator's decision, then the decision recorded.
+    fn observe_decision(
+        &mut self,
+        now: u64,
+        who: Who,
+        id: (u8, u8),
+        approve: bool,
+        answer: &str,
+    ) -> Result<(), String> {
+        if !answer.starts_with("decided") {
+            return Ok(());
+        }
+        if self.until.get(&id).is_none_or(|u| now >= *u) {
+            return Err(format!(
+                "P6 violated: {id:?} accepted a decision after its approval expired"
+            ));
+        }
+        if approve {
+            self.approvers.entry(id).or_default().insert(who);
+            if answer == "decided approved" {
+                self.approved.insert(id);
+                self.settled.insert(id);
+            }
+        } else {
+            let (tool, arg, _) = call(id.1);
+            self.rejected.insert((id.0, digest(tool, arg)));
+            self.settled.insert(id);
         }
         Ok(())
     }
@@ -307,6 +454,21 @@ pub struct CheckOptions {
     pub ticks_max: u64,
     /// Check recovery from the ledger at every state.
     pub crash: bool,
+    pub alphabet: Alphabet,
+    /// A bug planted in the trace the monitor reads (tests show the monitor catches it).
+    pub plant: Option<Plant>,
+}
+
+/// A bug planted for a test that the monitor bites.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plant {
+    /// The monitor is told `admitted` for an allowed call in a run whose cancel (or close) was
+    /// acknowledged, where the kernel refused it: P5, and only P5, must report it.
+    AdmitAfterCancel,
+    /// `admitted` where the kernel refused the call for the run's budget: P9.
+    AdmitOverBudget,
+    /// `admitted` where the kernel refused the call for the run's deadline: P10.
+    AdmitAfterDeadline,
 }
 
 /// What a check explored.
@@ -342,11 +504,35 @@ impl std::fmt::Display for Violation {
     }
 }
 
+/// The answer the monitor reads for `op`: the kernel's, or, with a planted bug, a forged one.
+fn monitored(node: &Node, op: &Op, answer: String, plant: Option<Plant>) -> String {
+    let Op::Admit {
+        run,
+        tool: Tool::Pay,
+        ..
+    } = *op
+    else {
+        return answer;
+    };
+    let forge = match plant {
+        None => false,
+        Some(Plant::AdmitAfterCancel) => {
+            !answer.starts_with("admitted")
+                && lineage(run)
+                    .iter()
+                    .any(|r| node.monitor.stopped.contains(r))
+        }
+        Some(Plant::AdmitOverBudget) => answer == "refused budget",
+        Some(Plant::AdmitAfterDeadline) => answer == "refused deadline",
+    };
+    if forge { "admitted 9.9".into() } else { answer }
+}
+
 /// Applies one step; `Err` is a violation or a kernel/model disagreement.
-fn advance(node: &mut Node, step: &Step, ticks_max: u64) -> Result<bool, String> {
+fn advance(node: &mut Node, step: &Step, opts: &CheckOptions) -> Result<bool, String> {
     match step {
         Step::Tick => {
-            if node.pair.now >= T0 + ticks_max * TICK_MS {
+            if node.pair.now >= T0 + opts.ticks_max * TICK_MS {
                 return Ok(false);
             }
             node.pair.step(&Op::Advance { ms: TICK_MS as u16 })?;
@@ -361,7 +547,12 @@ fn advance(node: &mut Node, step: &Step, ticks_max: u64) -> Result<bool, String>
             let before = node.pair.view.clone();
             let now = node.pair.now;
             let answer = node.pair.step(op)?.expect("an answer");
-            node.monitor.observe(now, op, &answer.text)?;
+            let created = run_of(op).is_some_and(|r| {
+                let name = crate::world::RUNS[r as usize];
+                !before.contains_key(name) && node.pair.view.contains_key(name)
+            });
+            let text = monitored(node, op, answer.text, opts.plant);
+            node.monitor.observe(now, op, &text, created)?;
             // P7: terminal states and refusals absorb.
             let after = &node.pair.view;
             for (id, old) in &before {
@@ -458,11 +649,10 @@ fn root() -> Node {
 
 /// Rebuilds a state by replaying its trace from the empty gate (frontiers hold traces, a few
 /// bytes each, not states: memory stays flat however wide the search gets).
-fn replay(alphabet: &[Step], trace: &[u8], ticks_max: u64) -> Node {
+fn replay(alphabet: &[Step], trace: &[u8], opts: &CheckOptions) -> Node {
     let mut n = root();
     for &i in trace {
-        advance(&mut n, &alphabet[i as usize], ticks_max)
-            .expect("a trace that was checked replays");
+        advance(&mut n, &alphabet[i as usize], opts).expect("a trace that was checked replays");
     }
     n
 }
@@ -470,7 +660,7 @@ fn replay(alphabet: &[Step], trace: &[u8], ticks_max: u64) -> Node {
 /// Explores breadth first from the empty gate. Returns the statistics, or the first violation
 /// with a shortest trace to it.
 pub fn explore(opts: &CheckOptions) -> Result<CheckStats, Violation> {
-    let alphabet = alphabet();
+    let alphabet = alphabet(opts.alphabet);
     assert!(alphabet.len() < 256);
     let start = root();
     let mut seen: HashSet<u64> = HashSet::new();
@@ -486,7 +676,7 @@ pub fn explore(opts: &CheckOptions) -> Result<CheckStats, Violation> {
         }
         let mut next = Vec::new();
         for trace in &frontier {
-            let node = replay(&alphabet, trace, opts.ticks_max);
+            let node = replay(&alphabet, trace, opts);
             for (i, step) in alphabet.iter().enumerate() {
                 let mut n = node.clone();
                 let fail = |what: String| {
@@ -494,7 +684,7 @@ pub fn explore(opts: &CheckOptions) -> Result<CheckStats, Violation> {
                     t.push(*step);
                     Violation { what, trace: t }
                 };
-                match advance(&mut n, step, opts.ticks_max) {
+                match advance(&mut n, step, opts) {
                     Err(what) => return Err(fail(what)),
                     Ok(false) if matches!(step, Step::Tick) && n.pair.now == node.pair.now => {
                         continue;

@@ -2,9 +2,11 @@
 //!
 //! ```text
 //! estop-sim diff  [--ops N] [--seed S] [--len L]   differential conformance, kernel vs model
-//! estop-sim check [--depth D] [--states N]         bounded model checking with trace properties
-//! estop-sim sim   [--seeds N] [--seed S] [--steps K] deterministic simulation with crashes
+//! estop-sim check [--depth D] [--states N] [--ends] bounded model checking with trace properties
 //! ```
+//!
+//! The simulation of the shipped path runs as a test: `ESTOP_SHIPPED_SEEDS=<n> cargo nextest run
+//! -p estop-sim --test shipped` (docs/SIMULATION.md).
 
 use std::process::ExitCode;
 
@@ -64,6 +66,12 @@ fn main() -> ExitCode {
                 states_max: arg(&args, "--states").unwrap_or(u64::MAX),
                 ticks_max: arg(&args, "--ticks").unwrap_or(3),
                 crash: !args.iter().any(|a| a == "--no-crash"),
+                alphabet: if args.iter().any(|a| a == "--ends") {
+                    estop_sim::check::Alphabet::Ends
+                } else {
+                    estop_sim::check::Alphabet::Approvals
+                },
+                plant: None,
             };
             match estop_sim::check::explore(&opts) {
                 Ok(s) => {
@@ -88,41 +96,6 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
-        }
-        Some("sim") => {
-            let steps = arg(&args, "--steps").unwrap_or(3_000);
-            let seeds: Vec<u64> =
-                match estop_sim::rng::env_u64("ESTOP_SIM_SEED").or(arg(&args, "--seed")) {
-                    Some(s) => vec![s],
-                    None => {
-                        let first = arg(&args, "--first").unwrap_or(0);
-                        (first..first + arg(&args, "--seeds").unwrap_or(10_000)).collect()
-                    }
-                };
-            let (mut crashes, mut acked, mut recoveries, mut torn) = (0u64, 0u64, 0u64, 0u64);
-            for (i, seed) in seeds.iter().enumerate() {
-                match estop_sim::sim::run_seed(*seed, steps) {
-                    Ok(r) => {
-                        crashes += r.kills + r.power_losses;
-                        acked += r.acked;
-                        recoveries += r.recoveries;
-                        torn += r.torn_tails;
-                        if seeds.len() == 1 || i % 1000 == 0 {
-                            println!("{r}");
-                        }
-                    }
-                    Err(e) => {
-                        eprintln!("{e}");
-                        return ExitCode::FAILURE;
-                    }
-                }
-            }
-            println!(
-                "simulation: {} seeds x {steps} steps, {crashes} crashes, {recoveries} recoveries ({torn} torn tails), {acked} acknowledged replies audited, {:.1}s",
-                seeds.len(),
-                started.elapsed().as_secs_f64()
-            );
-            ExitCode::SUCCESS
         }
         Some("corpus") => {
             // Seeds for the fuzz corpora: real records, snapshots and segments of a random trace.
@@ -187,7 +160,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         _ => {
-            eprintln!("usage: estop-sim diff|check|sim [options] (see docs/TESTING.md)");
+            eprintln!("usage: estop-sim diff|check|corpus [options] (see docs/TESTING.md)");
             ExitCode::from(2)
         }
     }

@@ -1,32 +1,66 @@
 //! The shipped path under power loss: the daemon's own core (`estop_server::core::Core`), its
 //! own committer (`estop_ledger::Committer`, syncing on the caller: `caller_syncs`) and its own
 //! reply release (`durable::Release` → `Outbox`), driven step by step on one thread by a seeded
-//! world of clients, a clock, and a crash-simulating disk (power loss with torn writes, kill -9,
-//! failed writes and fsyncs, a full disk). An auditor checks, after every recovery and at the end, that everything a
-//! client was told is still true: an admission, a hold, a cancel, an approval that was
-//! acknowledged survives any crash (G6). No copy of the pipeline: what runs is what ships. How
-//! often each step and fault happens is drawn per seed (swarm testing).
+//! world of clients, a clock, and a crash-simulating disk. No copy of the pipeline: what runs is
+//! what ships. How often each step and fault happens is drawn per seed (swarm testing), and so
+//! are the ledger's segment size (rolls every few records), the snapshot interval, retention,
+//! approval expiry, run deadlines and budgets, and wait timeouts.
 //!
-//! A planted bug (`CoreOptions::planted_early_release`: replies released one record before
-//! their fdatasync) must be caught within the CI seeds (test `simulation::the_shipped_path_*`).
+//! * Clients (`clients`): agents admit (some with `start`, some with a deadline or a budget),
+//!   start, complete (`ok`, `error`, `unknown`), park `wait`s on held effects, cancel, kill and
+//!   close their runs, and reconnect; two operators approve (a quorum of two for `wire`),
+//!   reject, cancel, pause and resume. The clock moves by milliseconds and by jumps past
+//!   expiries, deadlines and retention.
+//! * Faults: power loss with torn writes, kill -9 (page cache kept), failed writes and fsyncs,
+//!   a disk that fills and frees, and the process cut short at a chosen disk operation
+//!   (`disk`): any step of an append, a segment roll, a snapshot, retention's removals or
+//!   recovery itself.
+//! * The auditor (`auditor`) checks the whole history as answers arrive and every
+//!   acknowledged fact after every recovery; at the end the world heals (`heal`): every
+//!   pending request must be answered, new work admitted, retention must have run, no wait
+//!   may outlive its connection, and a last power loss must keep everything.
+//!
+//! Bugs planted in the shipped code (`Planted`) must be caught within the CI seeds (tests in
+//! `tests/shipped.rs`). Replay one seed with `ESTOP_SHIPPED_SEED=<n>`.
 
 use crate::rng::Rng;
-use estop_kernel::state::Status;
-use estop_kernel::vocab::{EffectClass, PolicyAction, Reversibility};
-use estop_kernel::{
-    Admit, Command, Digest, EffectKey, Limits, PolicyDecision, Principal, PrincipalName, Role,
-    RunId, RunLimits, ToolName,
-};
+use estop_kernel::{Command, Limits, Principal};
 use estop_ledger::{CrashStorage, LedgerOptions, Storage};
-use estop_protocol::{Id, reply as wire};
-use estop_server::core::{Answer, Core, CoreMsg, CoreOptions, Now, OpenFn, Out, ReplyTo};
+use estop_protocol::Id;
+use estop_server::core::{Core, CoreMsg, CoreOptions, Now, OpenFn, Out, ReplyTo};
 use estop_server::durable::DurableState;
 use estop_server::journal;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, mpsc};
 use tokio::sync::{mpsc as tmpsc, watch};
 
-const RUNS: [&str; 4] = ["r0", "r1", "r2", "r3"];
+mod auditor;
+mod clients;
+mod disk;
+mod heal;
+
+use auditor::Auditor;
+use clients::{Asked, Held};
+pub use disk::ROLL_AND_SNAPSHOT_POINTS;
+use disk::{Cut, Disk, Phase};
+
+/// The run ids clients use (`c0` and `c1` are sub-agents of `r0` and `r1`), and `fresh`, where
+/// new work goes after healing.
+const RUNS: [&str; 6] = ["r0", "r1", "r2", "r3", "c0", "c1"];
+const FRESH: &str = "fresh";
+
+/// The `&'static` name of a run id the world uses.
+pub fn run_name(id: &str) -> Option<&'static str> {
+    RUNS.iter().chain(&[FRESH]).find(|r| **r == id).copied()
+}
+
+fn parent_of(run: &str) -> Option<&'static str> {
+    match run {
+        "c0" => Some("r0"),
+        "c1" => Some("r1"),
+        _ => None,
+    }
+}
 
 /// A bug planted in the shipped code for a run (the tests show the auditor catches each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +70,8 @@ pub enum Planted {
     EarlyRelease,
     /// A connection's waits kept after it disconnects.
     WaiterLeak,
+    /// Retention forgets a stopped run with no tombstone (its fence gone with it).
+    TombstonesDropped,
 }
 const WALL0: u64 = 1_800_000_000_000;
 
@@ -43,12 +79,18 @@ const WALL0: u64 = 1_800_000_000_000;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Step {
     Admit,
+    FollowUp,
     Approve,
+    Reject,
     Cancel,
+    Close,
+    Pause,
     Wait,
     Reconnect,
     Commit,
     Timers,
+    Clock,
+    Cut,
     FailSync,
     FailWrite,
     PowerLoss,
@@ -81,15 +123,21 @@ impl Mix {
             (Step::PowerLoss, fault(3)),
             (Step::Kill, fault(2)),
             (Step::DiskFull, fault(2)),
+            (Step::Cut, fault(6)),
         ];
         let mut weights = vec![
             (Step::Admit, 30 + rng.below(30)),
+            (Step::FollowUp, 10 + rng.below(20)),
             (Step::Approve, 2 + rng.below(8)),
+            (Step::Reject, rng.below(3)),
             (Step::Cancel, 1 + rng.below(5)),
+            (Step::Close, rng.below(3)),
+            (Step::Pause, rng.below(3)),
             (Step::Wait, 2 + rng.below(8)),
             (Step::Reconnect, 1 + rng.below(3)),
             (Step::Commit, 10 + rng.below(30)),
             (Step::Timers, 2 + rng.below(8)),
+            (Step::Clock, 1 + rng.below(4)),
         ];
         weights.extend(faults);
         let total = weights.iter().map(|(_, w)| w).sum();
@@ -106,6 +154,15 @@ impl Mix {
         }
         unreachable!("x is below the total of the weights")
     }
+}
+
+/// Sizes and times drawn per seed.
+#[derive(Debug, Clone)]
+struct Shape {
+    segment_bytes_max: u64,
+    expiry_ms: u64,
+    /// Longest `wait` timeout and deadline a client asks for.
+    wait_ms_max: u64,
 }
 
 /// What one seed did.
@@ -125,33 +182,48 @@ pub struct ShippedReport {
     pub recoveries: u64,
     /// Starts that failed on a fault of their own (and were started again).
     pub failed_starts: u64,
+    /// Waits answered, by the answer: `admitted` (approved), `refused expired` (the
+    /// approval's expiry), `refused deadline` (the run's deadline), `refused cancelled`,
+    /// `held` (the wait's timeout) …
+    pub waits: BTreeMap<String, u64>,
+    /// Run lives forgotten by retention (seen at a recovery).
+    pub forgotten: u64,
+    /// Completions acknowledged with an outcome other than `ok`.
+    pub completed_not_ok: u64,
+    /// Where the process was cut short (power loss or kill at that disk operation).
+    pub cuts: BTreeMap<String, u64>,
 }
 
-/// A request a client is waiting on, by id.
-#[derive(Debug, Clone)]
-enum Asked {
-    Admit { run: &'static str, key: String },
-    Cancel { run: &'static str },
-    Approve { run: &'static str, key: String },
-}
-
-/// Facts a client was told, which must survive every crash.
-#[derive(Debug, Default)]
-struct Acked {
-    /// Admitted (token handed out): the effect is past its admission.
-    admitted: BTreeSet<(&'static str, String)>,
-    /// Held for approval: the effect exists and was not admitted without a decision.
-    held: BTreeSet<(&'static str, String)>,
-    /// Cancelled: the run is stopped.
-    cancelled: BTreeSet<&'static str>,
-    /// Approved by the operator: the approval is recorded.
-    approved: BTreeSet<(&'static str, String)>,
+impl ShippedReport {
+    /// Adds another seed's counts to these.
+    pub fn add(&mut self, r: &ShippedReport) {
+        self.steps += r.steps;
+        self.requests += r.requests;
+        self.acked += r.acked;
+        self.power_losses += r.power_losses;
+        self.kills += r.kills;
+        self.disk_full += r.disk_full;
+        self.failed_syncs += r.failed_syncs;
+        self.failed_writes += r.failed_writes;
+        self.recoveries += r.recoveries;
+        self.failed_starts += r.failed_starts;
+        for (k, n) in &r.waits {
+            *self.waits.entry(k.clone()).or_default() += n;
+        }
+        self.forgotten += r.forgotten;
+        self.completed_not_ok += r.completed_not_ok;
+        for (k, n) in &r.cuts {
+            *self.cuts.entry(k.clone()).or_default() += n;
+        }
+    }
 }
 
 struct Client {
     tx: tmpsc::UnboundedSender<Out>,
     rx: tmpsc::UnboundedReceiver<Out>,
     asked: BTreeMap<u64, Asked>,
+    /// Follow-ups to send (start after an admission, complete after go, wait while held).
+    todo: VecDeque<Asked>,
     /// Its connection's id (a new one after each reconnect).
     conn: u64,
 }
@@ -159,53 +231,50 @@ struct Client {
 pub struct ShippedWorld {
     rng: Rng,
     storage: Arc<CrashStorage>,
+    disk: Disk,
     core: Option<Core>,
     /// The core's own queue: the committer reports a failed sync through it.
     self_rx: mpsc::Receiver<CoreMsg>,
     self_tx: mpsc::Sender<CoreMsg>,
     opts: CoreOptions,
+    shape: Shape,
     clients: Vec<Client>,
     next_id: u64,
     next_key: u64,
     mono: u64,
     storage_full: bool,
     mix: Mix,
-    acked: Acked,
+    /// Whether this seed cuts the process short at disk operations.
+    cuts_on: bool,
+    /// Effects acknowledged as held for approval (what operators decide on).
+    held: BTreeSet<Held>,
+    /// Clients whose admission in `fresh` (after healing) was answered `admitted`.
+    fresh_admitted: BTreeSet<usize>,
+    auditor: Auditor,
     report: ShippedReport,
 }
 
-fn agent() -> Principal {
-    Principal {
-        name: PrincipalName::new("agent").expect("valid"),
-        role: Role::Agent,
-        groups: Vec::new(),
-    }
-}
-
-fn admin() -> Principal {
-    Principal {
-        name: PrincipalName::new("admin").expect("valid"),
-        role: Role::Operator,
-        groups: Vec::new(),
-    }
-}
-
-fn open_fn(storage: Arc<CrashStorage>) -> OpenFn {
-    let st: Arc<dyn Storage> = storage;
+/// Opens the ledger on `disk`: recovery, at a start and inside a running core after a failure
+/// (its disk operations are named as recovery's).
+fn open_fn(disk: Disk, segment_bytes_max: u64) -> OpenFn {
+    let storage: Arc<dyn Storage> = Arc::new(disk.clone());
     Box::new(move |discard_after| {
-        journal::open(
-            Arc::clone(&st),
+        disk.set_phase(Phase::Recovery);
+        let opened = journal::open(
+            Arc::clone(&storage),
             &Limits::default(),
             LedgerOptions {
                 discard_after,
                 caller_syncs: true,
                 // Small segments and records: rolls, preallocation and torn tails happen often.
-                record_bytes_max: 1024,
-                segment_bytes_max: 8192,
-                preallocate_bytes: 2048,
+                record_bytes_max: 512,
+                segment_bytes_max,
+                preallocate_bytes: 256,
                 ..LedgerOptions::default()
             },
-        )
+        );
+        disk.set_phase(Phase::Serving);
+        opened
     })
 }
 
@@ -215,43 +284,69 @@ impl ShippedWorld {
         let storage = Arc::new(CrashStorage::new(rng.next_u64()));
         let mut mix_rng = Rng::new(rng.next_u64());
         storage.set_torn_writes(true);
+        let retention_ms = *mix_rng.pick(&[500u64, 2_000, 10_000]);
         let opts = CoreOptions {
             planted_early_release: planted == Planted::EarlyRelease,
             planted_waiter_leak: planted == Planted::WaiterLeak,
-            snapshot_every_records: 50,
+            planted_tombstones_dropped: planted == Planted::TombstonesDropped,
+            snapshot_every_records: *mix_rng.pick(&[5u64, 20]),
+            retention_ms,
+            tombstone_retention_ms: retention_ms * *mix_rng.pick(&[2u64, 4]),
             ..CoreOptions::default()
         };
+        let shape = Shape {
+            segment_bytes_max: *mix_rng.pick(&[640u64, 1_024, 4_096]),
+            expiry_ms: *mix_rng.pick(&[100u64, 1_000, 10_000]),
+            wait_ms_max: *mix_rng.pick(&[500u64, 5_000, 60_000]),
+        };
         let (self_tx, self_rx) = mpsc::channel();
-        let clients = (0..3)
+        let clients = (0..2 + mix_rng.below(4))
             .map(|i| {
                 let (tx, rx) = tmpsc::unbounded_channel();
                 Client {
                     tx,
                     rx,
                     asked: BTreeMap::new(),
+                    todo: VecDeque::new(),
                     conn: i,
                 }
             })
             .collect();
+        let parents = RUNS
+            .iter()
+            .filter_map(|r| parent_of(r).map(|p| (*r, p)))
+            .collect();
+        let auditor = Auditor::new(
+            opts.retention_ms,
+            opts.tombstone_retention_ms,
+            opts.compaction_period_ms(),
+            parents,
+        );
         let mut w = ShippedWorld {
             rng,
+            disk: Disk::new(Arc::clone(&storage)),
             storage,
             core: None,
             self_rx,
             self_tx,
             opts,
+            shape,
             clients,
             next_id: 1,
             next_key: 0,
             mono: 0,
             storage_full: false,
+            cuts_on: false,
             mix: Mix::draw(&mut mix_rng),
-            acked: Acked::default(),
+            held: BTreeSet::new(),
+            fresh_admitted: BTreeSet::new(),
+            auditor,
             report: ShippedReport {
                 seed,
                 ..ShippedReport::default()
             },
         };
+        w.cuts_on = w.mix.weights.iter().any(|(s, n)| *s == Step::Cut && *n > 0);
         w.boot();
         w
     }
@@ -263,18 +358,24 @@ impl ShippedWorld {
         }
     }
 
+    /// The gate's time (the core's clock follows the wall clock this world gives it).
+    fn gate_now(&self) -> u64 {
+        WALL0 + self.mono
+    }
+
     /// Starts a core on what the disk holds (after a crash: recovery). A start can fail on a
-    /// fault of its own (an injected failed sync, a full disk): the daemon would exit and its
-    /// supervisor start it again, so the world heals the disk and starts again; a start that
-    /// keeps failing is a finding.
+    /// fault of its own (an injected failed sync, a full disk, the process cut short again):
+    /// the daemon would exit and its supervisor start it again, so the world heals the disk
+    /// and starts again; a start that keeps failing is a finding.
     fn boot(&mut self) {
         let mut last = None;
-        for _ in 0..3 {
+        for _ in 0..5 {
+            self.disk.revive();
             let (durable_tx, _) = watch::channel(DurableState::default());
             match Core::new(
                 self.opts.clone(),
                 Arc::new(durable_tx),
-                open_fn(Arc::clone(&self.storage)),
+                open_fn(self.disk.clone(), self.shape.segment_bytes_max),
                 self.self_tx.clone(),
             ) {
                 Ok(core) => {
@@ -283,6 +384,7 @@ impl ShippedWorld {
                 }
                 Err(e) => {
                     self.report.failed_starts += 1;
+                    self.disk.take_fired();
                     self.storage.set_space_left(None);
                     self.storage_full = false;
                     last = Some(e);
@@ -299,94 +401,23 @@ impl ShippedWorld {
         self.core.as_mut().expect("booted")
     }
 
-    fn send(&mut self, client: usize, principal: Principal, cmd: Command, asked: Asked) {
+    fn reply_to(&mut self, client: usize, asked: Asked) -> ReplyTo {
         let id = self.next_id;
         self.next_id += 1;
-        let to = ReplyTo {
+        self.clients[client].asked.insert(id, asked);
+        self.report.requests += 1;
+        ReplyTo {
             out: self.clients[client].tx.clone().into(),
             id: Id::from_u64(id),
             charge: None,
-        };
-        self.clients[client].asked.insert(id, asked);
-        self.report.requests += 1;
+        }
+    }
+
+    fn send(&mut self, client: usize, principal: Principal, cmd: Command, asked: Asked) {
+        let to = self.reply_to(client, asked);
         let now = self.now();
         self.core()
             .handle(now, CoreMsg::Apply { principal, cmd, to });
-    }
-
-    fn admit(&mut self, client: usize) {
-        let run = *self.rng.pick(&RUNS);
-        let key = format!("k{}", self.next_key);
-        self.next_key += 1;
-        let approve = self.rng.chance(0.3);
-        let cmd = Command::Admit(Admit {
-            run: RunId::new(run).expect("valid"),
-            key: EffectKey::new(&key).expect("valid"),
-            tool: ToolName::new(if approve { "refund" } else { "pay" }).expect("valid"),
-            digest: Digest([self.next_key as u8; 32]),
-            args: None,
-            start: false,
-            parent: None,
-            labels: Vec::new(),
-            limits: RunLimits::default(),
-            policy: PolicyDecision {
-                action: if approve {
-                    PolicyAction::Approve
-                } else {
-                    PolicyAction::Allow
-                },
-                class: EffectClass::Write,
-                reversibility: Reversibility::Undeclared,
-                compensate: None,
-                quorum: 1,
-                groups: Vec::new(),
-                expiry_ms: 3_600_000,
-                rule: "sim".into(),
-            },
-        });
-        self.send(client, agent(), cmd, Asked::Admit { run, key });
-    }
-
-    fn approve(&mut self, client: usize) {
-        let Some((run, key)) = self.acked.held.iter().next().cloned() else {
-            return;
-        };
-        let cmd = Command::Decide {
-            run: RunId::new(run).expect("valid"),
-            key: EffectKey::new(&key).expect("valid"),
-            decision: estop_kernel::vocab::Decision::Approve,
-            reason: None,
-        };
-        self.send(client, admin(), cmd, Asked::Approve { run, key });
-    }
-
-    /// A long `wait` on an effect held for approval: parked in the core.
-    fn wait(&mut self, client: usize) {
-        if self.acked.held.is_empty() {
-            return;
-        }
-        let pick = self.rng.index(self.acked.held.len());
-        let Some((run, key)) = self.acked.held.iter().nth(pick).cloned() else {
-            return;
-        };
-        let id = self.next_id;
-        self.next_id += 1;
-        let to = ReplyTo {
-            out: self.clients[client].tx.clone().into(),
-            id: Id::from_u64(id),
-            charge: None,
-        };
-        self.report.requests += 1;
-        let msg = CoreMsg::Wait {
-            principal: agent(),
-            run: RunId::new(run).expect("valid"),
-            key: EffectKey::new(&key).expect("valid"),
-            timeout: std::time::Duration::from_secs(3_600),
-            conn: self.clients[client].conn,
-            to,
-        };
-        let now = self.now();
-        self.core().handle(now, msg);
     }
 
     /// The client's connection goes; it comes back as a new one.
@@ -396,6 +427,7 @@ impl ShippedWorld {
         self.core().handle(now, CoreMsg::Disconnect { conn });
         self.clients[client].conn += 1_000;
         self.clients[client].asked.clear();
+        self.clients[client].todo.clear();
     }
 
     /// Every client disconnects: the core must hold no wait of theirs.
@@ -403,144 +435,105 @@ impl ShippedWorld {
         for c in 0..self.clients.len() {
             self.reconnect(c);
         }
+        self.check_waits_held()
+    }
+
+    /// The core holds no more waits than the connected clients still wait on: none of a
+    /// connection that is gone.
+    fn check_waits_held(&mut self) -> Result<(), String> {
         let (tx, mut rx) = tokio::sync::oneshot::channel();
         let now = self.now();
         self.core().handle(now, CoreMsg::Stats { reply: tx });
         let stats = rx.try_recv().map_err(|e| format!("no stats: {e}"))?;
-        if stats.waiters != 0 {
+        let waiting = self
+            .clients
+            .iter()
+            .flat_map(|c| c.asked.values())
+            .filter(|a| matches!(a, Asked::Wait { .. }))
+            .count();
+        if stats.waiters > waiting {
             return Err(format!(
-                "seed {}: every connection is gone, the core still holds {} waits",
+                "seed {}: the connected clients wait on {waiting} waits, the core still holds {} waits",
                 self.report.seed, stats.waiters
             ));
         }
         Ok(())
     }
 
-    fn cancel(&mut self, client: usize) {
-        let run = *self.rng.pick(&RUNS);
-        let cmd = Command::Cancel {
-            run: RunId::new(run).expect("valid"),
-            reason: None,
-            kill: false,
-        };
-        self.send(client, agent(), cmd, Asked::Cancel { run });
-    }
-
-    /// Reads what every client received: the facts it was told.
-    fn collect(&mut self) {
-        for c in &mut self.clients {
-            while let Ok(out) = c.rx.try_recv() {
-                let Out::Answer { id, answer, .. } = out else {
-                    continue;
-                };
-                let Some(asked) = id.as_u64().and_then(|id| c.asked.remove(&id)) else {
-                    continue;
-                };
-                self.report.acked += 1;
-                match (asked, answer) {
-                    (Asked::Admit { run, key }, Answer::Verdict(v)) => match v {
-                        wire::Verdict::Admitted { .. } => {
-                            self.acked.admitted.insert((run, key));
-                        }
-                        wire::Verdict::Held {
-                            reason: estop_kernel::vocab::HoldReason::Approval,
-                            ..
-                        } => {
-                            self.acked.held.insert((run, key));
-                        }
-                        _ => {}
-                    },
-                    (Asked::Cancel { run }, Answer::Ack(_)) => {
-                        self.acked.cancelled.insert(run);
-                    }
-                    (Asked::Approve { run, key }, Answer::Decided(d)) if d.status == "approved" => {
-                        self.acked.held.remove(&(run, key.clone()));
-                        self.acked.approved.insert((run, key));
-                    }
-                    (Asked::Approve { run, key }, Answer::Error(..)) => {
-                        // Not pending any more (cancelled, or the run stopped): stop asking.
-                        self.acked.held.remove(&(run, key));
-                    }
-                    _ => {}
-                }
-            }
-        }
-    }
-
     /// Everything a client was told is true of the state the core holds now.
-    fn audit(&self, when: &str) -> Result<(), String> {
+    fn audit(&mut self, when: &str) -> Result<(), String> {
+        let now = self.gate_now();
         let gate = self.core.as_ref().expect("booted").gate();
-        let effect = |run: &str, key: &str| {
-            gate.run(&RunId::new(run).expect("valid"))
-                .and_then(|r| r.effects.get(&EffectKey::new(key).expect("valid")))
-                .map(|e| e.status)
-        };
-        let seed = self.report.seed;
-        for (run, key) in &self.acked.admitted {
-            match effect(run, key) {
-                Some(Status::Held(_)) | None => {
-                    return Err(format!(
-                        "seed {seed}, {when}: admission of {run}/{key} was acknowledged, state has {:?}",
-                        effect(run, key)
-                    ));
-                }
-                Some(_) => {}
-            }
-        }
-        for (run, key) in self.acked.held.iter().chain(&self.acked.approved) {
-            if effect(run, key).is_none() {
-                return Err(format!(
-                    "seed {seed}, {when}: hold of {run}/{key} was acknowledged, the effect is gone"
-                ));
-            }
-        }
-        for (run, key) in &self.acked.approved {
-            if matches!(effect(run, key), Some(Status::Held(_))) {
-                return Err(format!(
-                    "seed {seed}, {when}: approval of {run}/{key} was acknowledged, still held"
-                ));
-            }
-        }
-        for run in &self.acked.cancelled {
-            let stopped = gate
-                .run(&RunId::new(run).expect("valid"))
-                .is_some_and(|r| r.stop.is_some());
-            if !stopped {
-                return Err(format!(
-                    "seed {seed}, {when}: cancel of {run} was acknowledged, the run is not stopped"
-                ));
-            }
-        }
+        let before = self.auditor.lives();
+        self.auditor
+            .check_recovered(gate, now)
+            .map_err(|e| format!("seed {}, {when}: {e}", self.report.seed))?;
+        self.report.forgotten += (before - self.auditor.lives()) as u64;
         Ok(())
     }
 
     /// Power loss: unsynced writes are lost (torn), the process is gone; then recovery.
     fn power_loss(&mut self) -> Result<(), String> {
         self.report.power_losses += 1;
-        self.restart(true, "after a power loss")
+        self.storage.crash();
+        self.restart("after a power loss")
     }
 
     /// kill -9: the process is gone, what it wrote stays (the page cache survives); then
     /// recovery.
     fn kill(&mut self) -> Result<(), String> {
         self.report.kills += 1;
-        self.restart(false, "after kill -9")
+        self.restart("after kill -9")
     }
 
-    fn restart(&mut self, power_loss: bool, when: &str) -> Result<(), String> {
-        self.collect();
+    /// The process is gone (the disk already crashed, if it did): every connection drops,
+    /// what the core queued for itself is lost; then a new process recovers.
+    fn restart(&mut self, when: &str) -> Result<(), String> {
+        self.collect()?;
         // The process dies with everything in flight: no handle syncs on its way out.
         std::mem::forget(self.core.take());
-        if power_loss {
-            self.storage.crash();
-        }
+        while self.self_rx.try_recv().is_ok() {}
         for c in &mut self.clients {
             c.asked.clear();
+            c.todo.clear();
             while c.rx.try_recv().is_ok() {}
+        }
+        if self.cuts_on && self.rng.chance(0.3) {
+            // The new process may be cut short too, in the middle of its recovery.
+            let (cut, ops) = (self.draw_cut(), self.rng.below(8));
+            self.disk.arm(cut, ops);
         }
         self.boot();
         self.report.recoveries += 1;
         self.audit(when)
+    }
+
+    /// The process was cut short at a disk operation during the last step: a restart.
+    fn after_cut(&mut self) -> Result<(), String> {
+        let Some((cut, at)) = self.disk.take_fired() else {
+            return Ok(());
+        };
+        match cut {
+            Cut::PowerLoss => self.report.power_losses += 1,
+            Cut::Kill => self.report.kills += 1,
+        }
+        self.restart(&format!("after {cut:?} at {at}"))
+    }
+
+    fn draw_cut(&mut self) -> Cut {
+        if self.rng.chance(0.7) {
+            Cut::PowerLoss
+        } else {
+            Cut::Kill
+        }
+    }
+
+    /// Timer work and a commit, as the driver does at the end of a burst.
+    fn tick_and_commit(&mut self) {
+        let now = self.now();
+        let core = self.core();
+        core.fire_timers(now);
+        core.commit();
     }
 
     /// One step of the world.
@@ -551,15 +544,27 @@ impl ShippedWorld {
         let client = self.rng.index(self.clients.len());
         match self.mix.pick(&mut self.rng) {
             Step::Admit => self.admit(client),
-            Step::Approve => self.approve(client),
+            Step::FollowUp => self.follow_up(client),
+            Step::Approve => self.decide(client, true),
+            Step::Reject => self.decide(client, false),
             Step::Cancel => self.cancel(client),
-            Step::Wait => self.wait(client),
-            Step::Reconnect => self.reconnect(client),
-            Step::Commit => {
-                let now = self.now();
-                let core = self.core();
-                core.fire_timers(now);
-                core.commit();
+            Step::Close => self.close(client),
+            Step::Pause => self.pause(client),
+            Step::Wait => self.wait_on_held(client),
+            Step::Reconnect => {
+                self.reconnect(client);
+                self.check_waits_held()?;
+            }
+            Step::Commit => self.tick_and_commit(),
+            Step::Clock => {
+                // Time jumps: past expiries, deadlines, wait timeouts and retention.
+                let far = self.shape.wait_ms_max.max(self.opts.retention_ms);
+                self.mono += self.rng.below(far);
+                self.tick_and_commit();
+            }
+            Step::Cut => {
+                let cut = self.draw_cut();
+                self.disk.arm(cut, self.rng.below(12));
             }
             Step::FailSync => {
                 self.storage.fail_next_sync();
@@ -569,13 +574,21 @@ impl ShippedWorld {
                 self.storage.fail_next_write();
                 self.report.failed_writes += 1;
             }
-            Step::PowerLoss => return self.power_loss(),
-            Step::Kill => return self.kill(),
+            Step::PowerLoss => {
+                self.disk.disarm();
+                return self.power_loss();
+            }
+            Step::Kill => {
+                self.disk.disarm();
+                return self.kill();
+            }
             Step::DiskFull => {
-                // The disk fills up for a while: changes fail closed until it frees.
+                // The disk fills up for a while (a write that does not fit writes what fits):
+                // changes fail closed until it frees.
                 let full = self.storage_full;
+                let left = self.rng.below(600);
                 self.storage
-                    .set_space_left(if full { None } else { Some(0) });
+                    .set_space_left(if full { None } else { Some(left) });
                 self.storage_full = !full;
             }
             Step::Timers => {
@@ -583,26 +596,37 @@ impl ShippedWorld {
                 self.core().fire_timers(now);
             }
         }
-        // What the committer reported (a failed sync) reaches the core as the daemon's would.
+        self.settle_step()
+    }
+
+    /// The end of a step: a cut process restarts; otherwise what the committer reported (a
+    /// failed sync) reaches the core as the daemon's would, and the clients read their answers.
+    fn settle_step(&mut self) -> Result<(), String> {
+        if self.disk.fired() {
+            return self.after_cut();
+        }
         while let Ok(msg) = self.self_rx.try_recv() {
             let now = self.now();
             self.core().handle(now, msg);
+            if self.disk.fired() {
+                return self.after_cut();
+            }
         }
-        self.collect();
+        self.collect()?;
+        let gate = self.core.as_ref().expect("booted").gate();
+        self.auditor.observe(gate);
         Ok(())
     }
 }
 
-/// Runs one seed for `steps` steps; `Err` says what the auditor found.
+/// Runs one seed for `steps` steps, then heals; `Err` says what the auditor found.
 pub fn run_seed(seed: u64, steps: u64, planted: Planted) -> Result<ShippedReport, String> {
+    let replay = |e: String| format!("{e} (replay: ESTOP_SHIPPED_SEED={seed})");
     let mut w = ShippedWorld::new(seed, planted);
     for _ in 0..steps {
-        w.step()?;
+        w.step().map_err(replay)?;
     }
-    w.all_leave()?;
-    // Heal, and check the last word after one more power loss.
-    w.storage.set_space_left(None);
-    w.storage_full = false;
-    w.power_loss()?;
+    w.heal_and_check().map_err(replay)?;
+    w.report.cuts = w.disk.points();
     Ok(w.report)
 }

@@ -221,6 +221,9 @@ pub struct CoreOptions {
     /// A planted bug for the simulation's test that it bites: a connection's waits are kept
     /// when it disconnects. Never set by `serve`.
     pub planted_waiter_leak: bool,
+    /// A planted bug for the simulation's test that it bites: retention forgets a stopped run
+    /// without leaving its tombstone (its fence). Never set by `serve`.
+    pub planted_tombstones_dropped: bool,
 }
 
 /// Retention runs at most this often, and at least as often as `COMPACTION_PERIOD_MAX_MS`.
@@ -251,6 +254,7 @@ impl Default for CoreOptions {
             planted_panic_after_records: None,
             planted_early_release: false,
             planted_waiter_leak: false,
+            planted_tombstones_dropped: false,
         }
     }
 }

@@ -58,7 +58,11 @@ impl Core {
             self.next_compaction = now + self.opts.compaction_period_ms();
             let cmd = Command::Compact {
                 before: now.saturating_sub(self.opts.retention_ms),
-                tombstones_before: now.saturating_sub(self.opts.tombstone_retention_ms),
+                tombstones_before: if self.opts.planted_tombstones_dropped {
+                    now
+                } else {
+                    now.saturating_sub(self.opts.tombstone_retention_ms)
+                },
             };
             let _ = self.apply_reply(&system_principal(), cmd);
         }
