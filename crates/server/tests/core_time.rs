@@ -12,7 +12,7 @@ use estop_kernel::{
 };
 use estop_ledger::{LedgerOptions, MemStorage, Storage};
 use estop_protocol::{Id, reply as wire};
-use estop_server::core::{Answer, Core, CoreMsg, CoreOptions, Now, OpenFn, Out, ReplyTo};
+use estop_server::core::{Answer, CoreMsg, CoreOptions, Now, OpenFn, Out, ReplyTo, Shell};
 use estop_server::durable::DurableState;
 use estop_server::journal;
 use std::sync::{Arc, mpsc};
@@ -53,7 +53,7 @@ fn held(key: &str, expiry_ms: u64) -> Command {
     })
 }
 
-fn core() -> Core {
+fn core() -> Shell {
     let (durable_tx, _durable_rx) = watch::channel(DurableState::default());
     let st: Arc<dyn Storage> = Arc::new(MemStorage::new());
     let open: OpenFn = Box::new(move |discard_after| {
@@ -69,7 +69,7 @@ fn core() -> Core {
         )
     });
     let (tx, _rx) = mpsc::channel();
-    Core::new(CoreOptions::default(), Arc::new(durable_tx), open, tx).unwrap()
+    Shell::new(CoreOptions::default(), Arc::new(durable_tx), open, tx).unwrap()
 }
 
 fn at(wall_ms: u64, mono_ms: u64) -> Now {
@@ -152,7 +152,7 @@ fn an_approval_expires_on_the_gate_clock_and_one_bad_wall_reading_changes_nothin
     // One reading a year ahead: no expiry (the gate's time follows the monotonic clock).
     let year = 365 * 24 * 3600 * 1000;
     c.fire_timers(at(T0 + year, 1_000));
-    let status = |c: &Core| {
+    let status = |c: &Shell| {
         let run = c.gate().run(&RunId::new("r").unwrap()).unwrap();
         run.pending_approvals
     };

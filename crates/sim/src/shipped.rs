@@ -1,4 +1,5 @@
-//! The shipped path under power loss: the daemon's own core (`estop_server::core::Core`), its
+//! The shipped path under power loss: the daemon's own core and the one executor of its actions
+//! (`estop_server::core::Shell`, as the daemon's core thread runs it), its
 //! own committer (`estop_ledger::Committer`, syncing on the caller: `caller_syncs`) and its own
 //! reply release (`durable::Release` → `Outbox`), driven step by step on one thread by a seeded
 //! world of clients, a clock, and a crash-simulating disk (power loss with torn writes, kill -9,
@@ -19,7 +20,7 @@ use estop_kernel::{
 };
 use estop_ledger::{CrashStorage, LedgerOptions, Storage};
 use estop_protocol::{Id, reply as wire};
-use estop_server::core::{Answer, Core, CoreMsg, CoreOptions, Now, OpenFn, Out, ReplyTo};
+use estop_server::core::{Answer, CoreMsg, CoreOptions, Now, OpenFn, Out, ReplyTo, Shell};
 use estop_server::durable::DurableState;
 use estop_server::journal;
 use std::collections::{BTreeMap, BTreeSet};
@@ -159,7 +160,7 @@ struct Client {
 pub struct ShippedWorld {
     rng: Rng,
     storage: Arc<CrashStorage>,
-    core: Option<Core>,
+    core: Option<Shell>,
     /// The core's own queue: the committer reports a failed sync through it.
     self_rx: mpsc::Receiver<CoreMsg>,
     self_tx: mpsc::Sender<CoreMsg>,
@@ -271,7 +272,7 @@ impl ShippedWorld {
         let mut last = None;
         for _ in 0..3 {
             let (durable_tx, _) = watch::channel(DurableState::default());
-            match Core::new(
+            match Shell::new(
                 self.opts.clone(),
                 Arc::new(durable_tx),
                 open_fn(Arc::clone(&self.storage)),
@@ -295,7 +296,7 @@ impl ShippedWorld {
         );
     }
 
-    fn core(&mut self) -> &mut Core {
+    fn core(&mut self) -> &mut Shell {
         self.core.as_mut().expect("booted")
     }
 

@@ -85,11 +85,11 @@ impl Core {
                 for x in subs.iter() {
                     if self.gate.visible_run(&x.principal, &e.run).is_ok() {
                         x.backlog.fetch_add(1, Ordering::Relaxed);
-                        let item = Out::Event {
+                        self.actions.push(Action::Event {
+                            out: x.out.clone(),
                             event: event.clone(),
                             after,
-                        };
-                        self.release.send(after, &x.out, item);
+                        });
                     }
                 }
             }
