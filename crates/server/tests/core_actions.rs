@@ -158,9 +158,11 @@ fn show(core: &Core, a: &Action) -> String {
             after.seq,
             answered(answer)
         ),
-        Action::Event { event, after, .. } => {
+        Action::Event {
+            event, after, conn, ..
+        } => {
             format!(
-                "event {:?} @{}/{}",
+                "event {:?} to {conn} @{}/{}",
                 event.event, after.generation, after.seq
             )
         }
@@ -387,4 +389,38 @@ fn a_feed_hears_each_change_until_it_is_gone_and_shutdown_flushes_then_stops() {
     let now = f.now();
     assert!(f.core.handle(now, CoreMsg::Shutdown { done }), "stops");
     assert_eq!(f.actions(), ["flush", "stopped"]);
+}
+
+#[test]
+fn a_subscriber_hears_each_change_after_its_record_until_the_shell_reports_it_gone() {
+    let mut f = Fixture::new(CoreOptions::default());
+    let msg = CoreMsg::Subscribe {
+        principal: agent(),
+        run: RunId::new("r").unwrap(),
+        conn: 9,
+        out: f.tx.clone().into(),
+        backlog: std::sync::Arc::default(),
+        to: f.to(1),
+    };
+    let now = f.now();
+    f.core.handle(now, msg);
+    assert_eq!(
+        f.actions(),
+        ["reply 1 @0/0 other"],
+        "an ack: the run is not there yet"
+    );
+    assert_eq!(
+        f.apply(2, agent(), admit("a", PolicyAction::Approve)),
+        [
+            "append 1 admit a",
+            "event Held to 9 @0/1",
+            "reply 2 @0/1 held:approval"
+        ]
+    );
+    // The shell found the connection gone (or not reading its events): no more events.
+    f.core.subscriber_gone(&RunId::new("r").unwrap(), 9);
+    assert_eq!(
+        f.apply(3, agent(), admit("b", PolicyAction::Approve)),
+        ["append 2 admit b", "reply 3 @0/2 held:approval"]
+    );
 }

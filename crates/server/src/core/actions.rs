@@ -9,10 +9,12 @@ use super::{Answer, ReplyTo};
 use crate::durable::After;
 use crate::observe::{FeedEvent, FeedTx, GateStats};
 use crate::outbox::Outbox;
-use estop_kernel::Record;
+use estop_kernel::{Record, RunId};
 use estop_protocol::reply as wire;
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
 
 /// One thing for the shell to do. In the order they are queued: a reply is queued after the
 /// append of the record it depends on, and is tagged with that record's seq.
@@ -31,9 +33,14 @@ pub enum Action {
         answer: Answer,
         after: After,
     },
-    /// Send a subscriber an event once `after` is durable.
+    /// Send connection `conn`'s subscription of `run` an event once `after` is durable — unless
+    /// the connection is gone or has `event_backlog_max` events unwritten (`backlog`, which the
+    /// writer counts down): that is reported with `Core::subscriber_gone`.
     Event {
+        run: RunId,
+        conn: u64,
         out: Outbox,
+        backlog: Arc<AtomicUsize>,
         event: wire::Event,
         after: After,
     },

@@ -126,8 +126,21 @@ impl Shell {
                     };
                     self.release.send(after, &to.out, item);
                 }
-                Action::Event { out, event, after } => {
-                    self.release.send(after, &out, Out::Event { event, after });
+                Action::Event {
+                    run,
+                    conn,
+                    out,
+                    backlog,
+                    event,
+                    after,
+                } => {
+                    let max = self.core.options().event_backlog_max;
+                    if out.is_closed() || backlog.load(Ordering::Relaxed) >= max {
+                        self.core.subscriber_gone(&run, conn);
+                    } else {
+                        backlog.fetch_add(1, Ordering::Relaxed);
+                        self.release.send(after, &out, Out::Event { event, after });
+                    }
                 }
                 Action::Feed { tx, event } => {
                     if tx.try_send(event).is_err() {
