@@ -515,16 +515,8 @@ impl Core {
                 let _ = self.obs.subscribe(principal, tx);
             }
             CoreMsg::Stats { reply } => {
-                let stats = self.obs.stats(
-                    &self.gate,
-                    self.waiter_shares.total(),
-                    self.last_seq,
-                    self.after(),
-                );
-                self.actions.push(Action::Stats {
-                    reply,
-                    stats: Box::new(stats),
-                });
+                let stats = Box::new(self.stats());
+                self.actions.push(Action::Stats { reply, stats });
             }
             CoreMsg::LedgerFailed => self.fail_journal(),
             CoreMsg::Shutdown { done } => {
