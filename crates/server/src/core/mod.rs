@@ -213,7 +213,7 @@ pub struct CoreOptions {
     /// `Core::commit`); off, every sync runs on the sync thread.
     pub inline_sync: bool,
     /// After a lone request whose record it synced itself, the core watches its queue this
-    /// long before it sleeps (see `Core::run`); zero never.
+    /// long before it sleeps (see `Shell::run`); zero never.
     pub idle_spin: Duration,
     /// A planted bug for the tests of the fatal panic hook: the core panics once it has
     /// appended this many records. Set only by debug builds (`ESTOP_DEBUG_PANIC_CORE_AFTER`,
