@@ -1,5 +1,6 @@
-//! Time is an input of the core (issue 12, first step of a sans-IO core): the test drives
-//! `Core::handle(now, msg)` and `Core::fire_timers(now)` with clocks it makes up — no sleep, no
+//! Time is an input of the core (issue 12): the test drives the core through the shell that
+//! executes its actions, as the daemon's core thread does (`Shell::handle(now, msg)`,
+//! `Shell::fire_timers(now)`), with clocks it makes up — no sleep, no
 //! thread of the core's own, and the ledger syncing on the test's thread (`caller_syncs`), so
 //! every step is deterministic: a reply is out only after the commit that makes it durable, a
 //! wait ends exactly when its time is up, an approval expires exactly at its expiry, and one
