@@ -62,6 +62,8 @@ struct Fixture {
     core: Core,
     tx: tmpsc::UnboundedSender<Out>,
     mono: u64,
+    /// The seq of the last append the core asked for (what the ledger holds once they are done).
+    last_seq: u64,
 }
 
 impl Fixture {
@@ -71,6 +73,7 @@ impl Fixture {
             core: Core::new(opts, Gate::new(Limits::default()), 0),
             tx,
             mono: 0,
+            last_seq: 0,
         }
     }
 
@@ -132,10 +135,25 @@ impl Fixture {
         self.actions()
     }
 
-    /// Every action queued, taken as the shell takes them, one line each.
+    /// Every action queued, taken as the shell takes them, one line each. Checked on the way,
+    /// whatever the test: appends are numbered one by one, as the ledger numbers them, and
+    /// nothing is tagged with a record that was not asked for before it.
     fn actions(&mut self) -> Vec<String> {
         let mut lines = Vec::new();
         while let Some(a) = self.core.poll_action() {
+            match &a {
+                Action::Append { seq, .. } => {
+                    assert_eq!(*seq, self.last_seq + 1, "appends out of sequence");
+                    self.last_seq = *seq;
+                }
+                Action::Reply { after, .. } | Action::Event { after, .. } => {
+                    assert!(
+                        after.seq <= self.last_seq,
+                        "tagged with a record not appended"
+                    );
+                }
+                _ => {}
+            }
             lines.push(show(&self.core, &a));
         }
         lines
@@ -324,6 +342,7 @@ fn a_failed_append_fails_closed_answers_the_waits_and_recovers_with_the_ledgers_
         last_seq: 1,
         writing: true,
     });
+    f.last_seq = 1;
     assert!(f.core.is_writing());
     assert_eq!(
         f.apply(5, agent(), admit_in("s", "b", PolicyAction::Allow)),
