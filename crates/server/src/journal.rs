@@ -1,5 +1,5 @@
 //! The gate's ledger: recovery into a `Gate` (snapshot + replay through the kernel) and the
-//! committer the core appends records to.
+//! committer the core's shell appends records to.
 
 use estop_kernel::codec::{RecordDecoder, decode_snapshot};
 use estop_kernel::{Gate, Limits};
@@ -67,7 +67,7 @@ pub fn open(
     })
 }
 
-/// The appending side, owned by the core.
+/// The appending side, owned by the core's shell (`core::Shell`).
 #[derive(Debug)]
 pub struct Journal {
     committer: Committer,
@@ -120,7 +120,7 @@ impl Journal {
         self.committer.flush()
     }
 
-    pub fn snapshot(&self, seq: u64, bytes: Vec<u8>) -> Result<(), LedgerError> {
-        self.committer.snapshot(seq, &bytes).map(|_| ())
+    pub fn snapshot(&self, seq: u64, bytes: &[u8]) -> Result<(), LedgerError> {
+        self.committer.snapshot(seq, bytes).map(|_| ())
     }
 }

@@ -142,12 +142,20 @@ impl Observer {
         }
     }
 
-    /// A recorded change of `run` (with the events it raised) at ledger position `after`.
     /// A snapshot failed.
     pub fn snapshot_failed(&mut self) {
         self.snapshot_failures += 1;
     }
 
+    /// A feed that was full or gone when offered an event: it is dropped (its stream ends; the
+    /// client re-reads the state when it reconnects).
+    pub fn feed_gone(&mut self, tx: &FeedTx) {
+        self.feeds.retain(|f| !f.tx.same_channel(tx));
+    }
+
+    /// A recorded change of `run` (with the events it raised) at ledger position `after`: each
+    /// feed that may see it is to be offered its events (`offer`, which the core turns into
+    /// actions; the observer sends nothing itself).
     pub fn changed(
         &mut self,
         gate: &Gate,
@@ -155,6 +163,7 @@ impl Observer {
         events: &[Event],
         after: After,
         at: u64,
+        mut offer: impl FnMut(FeedTx, FeedEvent),
     ) {
         self.expired += events
             .iter()
@@ -190,20 +199,16 @@ impl Observer {
                 .ok()
                 .and_then(|id| gate.run(&id).and_then(|r| r.owner.clone()))
         };
-        self.feeds.retain(|f| {
+        for f in &self.feeds {
             for e in &out {
                 if f.principal.role == Role::Agent
                     && owner(&e.run).as_ref() != Some(&f.principal.name)
                 {
                     continue;
                 }
-                if f.tx.try_send(e.clone()).is_err() {
-                    // Closed, or too far behind: drop it; the client re-reads on reconnect.
-                    return false;
-                }
+                offer(f.tx.clone(), e.clone());
             }
-            true
-        });
+        }
     }
 
     /// Counters and gauges now. Scans the runs: O(runs), on a scrape only.

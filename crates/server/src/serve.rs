@@ -2,7 +2,7 @@
 //! core thread and the listeners, prints the ready line, and runs until SIGTERM or SIGINT.
 
 use crate::conn::{self, ConnOptions, Shared};
-use crate::core::{Core, CoreMsg, CoreOptions};
+use crate::core::{CoreMsg, CoreOptions, Shell};
 use crate::durable::DurableState;
 use crate::journal;
 use crate::tokens::{TokenError, Tokens};
@@ -278,7 +278,7 @@ pub fn run_with(
         ));
         Ok(o)
     });
-    let core = Core::new(
+    let core = Shell::new(
         opts.core.clone(),
         Arc::clone(&durable_tx),
         open,

@@ -9,7 +9,7 @@ use estop_kernel::{
 };
 use estop_ledger::{CrashStorage, LedgerOptions, Storage};
 use estop_protocol::{ErrorCode, Id, reply as wire};
-use estop_server::core::{Answer, Core, CoreMsg, CoreOptions, OpenFn, Out, ReplyTo};
+use estop_server::core::{Answer, CoreMsg, CoreOptions, OpenFn, Out, ReplyTo, Shell};
 use estop_server::durable::{self, Durability, DurableState};
 use estop_server::journal;
 use std::sync::{Arc, mpsc};
@@ -83,7 +83,7 @@ impl Harness {
                 },
             )
         });
-        let core = Core::new(opts, Arc::new(durable_tx), open, tx.clone()).unwrap();
+        let core = Shell::new(opts, Arc::new(durable_tx), open, tx.clone()).unwrap();
         std::thread::spawn(move || core.run(rx));
         let (out_tx, out_rx) = tmpsc::unbounded_channel();
         let rt = tokio::runtime::Builder::new_current_thread()

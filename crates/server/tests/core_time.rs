@@ -1,5 +1,6 @@
-//! Time is an input of the core (issue 12, first step of a sans-IO core): the test drives
-//! `Core::handle(now, msg)` and `Core::fire_timers(now)` with clocks it makes up — no sleep, no
+//! Time is an input of the core (issue 12): the test drives the core through the shell that
+//! executes its actions, as the daemon's core thread does (`Shell::handle(now, msg)`,
+//! `Shell::fire_timers(now)`), with clocks it makes up — no sleep, no
 //! thread of the core's own, and the ledger syncing on the test's thread (`caller_syncs`), so
 //! every step is deterministic: a reply is out only after the commit that makes it durable, a
 //! wait ends exactly when its time is up, an approval expires exactly at its expiry, and one
@@ -12,7 +13,7 @@ use estop_kernel::{
 };
 use estop_ledger::{LedgerOptions, MemStorage, Storage};
 use estop_protocol::{Id, reply as wire};
-use estop_server::core::{Answer, Core, CoreMsg, CoreOptions, Now, OpenFn, Out, ReplyTo};
+use estop_server::core::{Answer, CoreMsg, CoreOptions, Now, OpenFn, Out, ReplyTo, Shell};
 use estop_server::durable::DurableState;
 use estop_server::journal;
 use std::sync::{Arc, mpsc};
@@ -53,7 +54,7 @@ fn held(key: &str, expiry_ms: u64) -> Command {
     })
 }
 
-fn core() -> Core {
+fn core() -> Shell {
     let (durable_tx, _durable_rx) = watch::channel(DurableState::default());
     let st: Arc<dyn Storage> = Arc::new(MemStorage::new());
     let open: OpenFn = Box::new(move |discard_after| {
@@ -69,7 +70,7 @@ fn core() -> Core {
         )
     });
     let (tx, _rx) = mpsc::channel();
-    Core::new(CoreOptions::default(), Arc::new(durable_tx), open, tx).unwrap()
+    Shell::new(CoreOptions::default(), Arc::new(durable_tx), open, tx).unwrap()
 }
 
 fn at(wall_ms: u64, mono_ms: u64) -> Now {
@@ -152,7 +153,7 @@ fn an_approval_expires_on_the_gate_clock_and_one_bad_wall_reading_changes_nothin
     // One reading a year ahead: no expiry (the gate's time follows the monotonic clock).
     let year = 365 * 24 * 3600 * 1000;
     c.fire_timers(at(T0 + year, 1_000));
-    let status = |c: &Core| {
+    let status = |c: &Shell| {
         let run = c.gate().run(&RunId::new("r").unwrap()).unwrap();
         run.pending_approvals
     };

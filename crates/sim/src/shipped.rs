@@ -1,4 +1,5 @@
-//! The shipped path under power loss: the daemon's own core (`estop_server::core::Core`), its
+//! The shipped path under power loss: the daemon's own core and the one executor of its actions
+//! (`estop_server::core::Shell`, as the daemon's core thread runs it), its
 //! own committer (`estop_ledger::Committer`, syncing on the caller: `caller_syncs`) and its own
 //! reply release (`durable::Release` → `Outbox`), driven step by step on one thread by a seeded
 //! world of clients, a clock, and a crash-simulating disk. No copy of the pipeline: what runs is
@@ -27,7 +28,7 @@ use crate::rng::Rng;
 use estop_kernel::{Command, Limits, Principal};
 use estop_ledger::{CrashStorage, LedgerOptions, Storage};
 use estop_protocol::Id;
-use estop_server::core::{Core, CoreMsg, CoreOptions, Now, OpenFn, Out, ReplyTo};
+use estop_server::core::{CoreMsg, CoreOptions, Now, OpenFn, Out, ReplyTo, Shell};
 use estop_server::durable::DurableState;
 use estop_server::journal;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -232,7 +233,7 @@ pub struct ShippedWorld {
     rng: Rng,
     storage: Arc<CrashStorage>,
     disk: Disk,
-    core: Option<Core>,
+    core: Option<Shell>,
     /// The core's own queue: the committer reports a failed sync through it.
     self_rx: mpsc::Receiver<CoreMsg>,
     self_tx: mpsc::Sender<CoreMsg>,
@@ -372,7 +373,7 @@ impl ShippedWorld {
         for _ in 0..5 {
             self.disk.revive();
             let (durable_tx, _) = watch::channel(DurableState::default());
-            match Core::new(
+            match Shell::new(
                 self.opts.clone(),
                 Arc::new(durable_tx),
                 open_fn(self.disk.clone(), self.shape.segment_bytes_max),
@@ -397,7 +398,7 @@ impl ShippedWorld {
         );
     }
 
-    fn core(&mut self) -> &mut Core {
+    fn core(&mut self) -> &mut Shell {
         self.core.as_mut().expect("booted")
     }
 

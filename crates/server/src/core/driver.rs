@@ -1,24 +1,25 @@
 //! The core's driver: the thread's loop that reads the core's queue and the clocks and hands
-//! both to the core (`Core::handle(now, msg)`), runs its timer work when it is due, and commits
-//! each burst. Everything that waits or reads a clock is here; the rest of the core takes time
-//! as an argument.
+//! both to the shell (`Shell::handle(now, msg)`: the core decides, the shell executes), runs
+//! the timer work when it is due, and commits each burst. Everything that waits or reads a
+//! clock is here; the core takes time as an argument.
 
 use super::*;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-impl Core {
-    /// The clocks now.
-    fn clocks(&self) -> Now {
-        Now {
-            wall_ms: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
-            mono_ms: self.started.elapsed().as_millis() as u64,
-        }
+/// The clocks now; monotonic time counts from `started`.
+fn clocks(started: Instant) -> Now {
+    Now {
+        wall_ms: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+        mono_ms: started.elapsed().as_millis() as u64,
     }
+}
 
+impl Shell {
     /// Runs the core until shutdown. `rx` is the only way in.
     pub fn run(mut self, rx: mpsc::Receiver<CoreMsg>) {
+        let started = Instant::now();
         let mut lone_synced = false;
         loop {
             // A client that sends one request at a time sends its next one within tens of µs
@@ -27,29 +28,29 @@ impl Core {
             // (15–30 µs on a VM). Only then, so under load the core never burns CPU the IO
             // thread needs.
             let spin = if lone_synced {
-                self.opts.idle_spin
+                self.core().options().idle_spin
             } else {
                 Duration::ZERO
             };
-            let Some(msg) = self.next_message(&rx, spin) else {
+            let Some(msg) = self.next_message(&rx, spin, started) else {
                 return; // Every sender is gone.
             };
             let mut handled = 0;
             if let Some(msg) = msg {
                 handled += 1;
-                if self.handle(self.clocks(), msg) {
+                if self.handle(clocks(started), msg) {
                     return;
                 }
                 // Drain what else is queued before doing timer work: batching keeps the sync
                 // thread's group commits large under load.
                 while let Ok(msg) = rx.try_recv() {
                     handled += 1;
-                    if self.handle(self.clocks(), msg) {
+                    if self.handle(clocks(started), msg) {
                         return;
                     }
                 }
             }
-            self.fire_timers(self.clocks());
+            self.fire_timers(clocks(started));
             let synced_here = self.commit() == Some(true);
             lone_synced = synced_here && handled == 1;
         }
@@ -61,6 +62,7 @@ impl Core {
         &mut self,
         rx: &mpsc::Receiver<CoreMsg>,
         spin: Duration,
+        started: Instant,
     ) -> Option<Option<CoreMsg>> {
         if !spin.is_zero() {
             let until = Instant::now() + spin;
@@ -75,7 +77,7 @@ impl Core {
                 }
             }
         }
-        match self.next_timeout(self.clocks()) {
+        match self.next_timeout(clocks(started)) {
             Some(t) => match rx.recv_timeout(t) {
                 Ok(m) => Some(Some(m)),
                 Err(mpsc::RecvTimeoutError::Timeout) => Some(None),

@@ -1,20 +1,20 @@
-//! The core: one thread that owns the gate's state and applies every command in order, appends
-//! each state change to the ledger (group-committed by the ledger's sync thread), and hands each
-//! reply to its connection tagged with the ledger position it depends on. No lock guards the
-//! state: it has exactly one owner. Waiters, subscriptions and timers live here too.
+//! The core: the single owner of the gate's state. It applies every command in order and decides
+//! what must happen — append this record, commit, release this reply once that record is durable,
+//! snapshot, reopen the ledger — as [`Action`]s, tagged with the ledger position each depends on.
+//! It does no IO: no ledger, no release queue, no thread, no clock, no environment. Time comes in
+//! as an argument (`Now`) and the outcomes of IO come back as inputs (`append_failed`,
+//! `reopened`, `snapshot_done`, …). The shell (`shell::Shell`) executes the actions; its driver
+//! (`driver`) is the core thread's loop. Waiters, subscriptions and timers live here too.
 
-use crate::durable::{After, DurableState};
-use crate::journal::{Journal, JournalError, Opened};
+use crate::durable::After;
 use crate::quota::{ShareOptions, Shares};
 use crate::render;
-use estop_kernel::codec::encode_record;
 use estop_kernel::reply::DecideStatus;
 use estop_kernel::vocab::RunState;
 use estop_kernel::{
     Command, EffectKey, Gate, KernelError, Principal, PrincipalName, Record, Reply, Role, RunId,
     Verdict,
 };
-use estop_ledger::LedgerError;
 use estop_protocol::page::{PageBudget, PendingCursor, Weight};
 use estop_protocol::reply as wire;
 use estop_protocol::{ErrorCode, Id};
@@ -22,23 +22,27 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
-use tokio::sync::watch;
+use std::time::Duration;
 
+mod actions;
 mod compat;
 mod driver;
 mod queries;
 mod recovery;
+mod shell;
 mod subscriptions;
 mod timers;
 mod waiters;
 
+use actions::Actions;
 use queries::not_found;
-use recovery::notifier;
 use subscriptions::Subscriber;
 use waiters::Waiter;
 
 pub use crate::outbox::Outbox;
+pub use actions::Action;
+pub use recovery::Reopened;
+pub use shell::{OpenFn, Shell};
 
 /// Something to write to a client once `after` is durable.
 #[derive(Debug)]
@@ -209,7 +213,7 @@ pub struct CoreOptions {
     /// `Core::commit`); off, every sync runs on the sync thread.
     pub inline_sync: bool,
     /// After a lone request whose record it synced itself, the core watches its queue this
-    /// long before it sleeps (see `Core::run`); zero never.
+    /// long before it sleeps (see `Shell::run`); zero never.
     pub idle_spin: Duration,
     /// A planted bug for the tests of the fatal panic hook: the core panics once it has
     /// appended this many records. Set only by debug builds (`ESTOP_DEBUG_PANIC_CORE_AFTER`,
@@ -286,16 +290,15 @@ pub fn kernel_error(e: &KernelError) -> (ErrorCode, String) {
     (code, e.to_string())
 }
 
-/// The core's state. Runs on its own thread (`run`).
+/// The core's state. Its shell runs it on its own thread (`Shell::run`), or a simulation steps it.
 pub struct Core {
     gate: Gate,
-    journal: Option<Journal>,
-    open: OpenFn,
-    self_tx: mpsc::Sender<CoreMsg>,
-    durable_tx: Arc<watch::Sender<DurableState>>,
-    /// Replies waiting for their record's fsync; released on the IO runtime once durable.
-    release: Arc<crate::durable::Release>,
+    /// The ledger takes appends: false from a failure until the shell reports it reopened.
+    writing: bool,
+    /// What the shell is to do next, in order (`poll_action`).
+    actions: Actions,
     generation: u64,
+    /// The seq of the last record appended (or queued to be: the ledger numbers them in order).
     last_seq: u64,
     /// `last_seq` at the last `commit`.
     committed_seq: u64,
@@ -306,8 +309,6 @@ pub struct Core {
     clock: crate::clock::Clock,
     /// The driver's monotonic time (ms) at the message being handled.
     mono: u64,
-    /// The driver's monotonic clock's origin (the core itself never reads it).
-    started: Instant,
     waiters: HashMap<RunId, Vec<Waiter>>,
     /// Blocked waits, by principal (the count of all of them is `waiter_shares.total()`).
     waiter_shares: Shares,
@@ -329,40 +330,17 @@ pub struct Core {
     /// While the ledger is down: when (monotonic ms) recovery may be tried again.
     next_recovery: u64,
     opts: CoreOptions,
-    buf: Vec<u8>,
     /// The console's feed and the metrics counters.
     obs: crate::observe::Observer,
 }
 
 impl Core {
-    /// `open(discard_after)` opens (or, after a failure, reopens) the ledger and rebuilds the
-    /// gate; `self_tx` is the core's own queue (the ledger reports failures through it).
-    pub fn new(
-        opts: CoreOptions,
-        durable_tx: Arc<watch::Sender<DurableState>>,
-        mut open: OpenFn,
-        self_tx: mpsc::Sender<CoreMsg>,
-    ) -> Result<Core, JournalError> {
-        let opened = open(None)?;
-        let last_seq = opened.report.last_seq;
-        durable_tx.send_modify(|s| {
-            s.generation = 0;
-            s.seq = last_seq;
-            s.failed = false;
-        });
-        let release = Arc::new(crate::durable::Release::default());
-        if opts.planted_early_release {
-            release.plant_early_release();
-        }
-        release.start(0, last_seq);
-        let journal = Journal::start(opened.ledger, notifier(&durable_tx, &release, 0, &self_tx))?;
+    /// A core over `gate`, rebuilt from a ledger whose last record is `last_seq` (generation 0).
+    pub fn new(opts: CoreOptions, gate: Gate, last_seq: u64) -> Core {
         let mut core = Core {
-            gate: opened.gate,
-            journal: Some(journal),
-            open,
-            self_tx,
-            durable_tx,
-            release,
+            gate,
+            writing: true,
+            actions: Actions::default(),
             generation: 0,
             last_seq,
             committed_seq: last_seq,
@@ -371,7 +349,6 @@ impl Core {
             now: 0,
             clock: crate::clock::Clock::default(),
             mono: 0,
-            started: Instant::now(),
             waiters: HashMap::new(),
             waiter_shares: Shares::new("waiters", opts.waiters),
             waiters_of_conn: HashMap::new(),
@@ -384,15 +361,34 @@ impl Core {
             snapshot_retry: None,
             next_recovery: 0,
             opts,
-            buf: Vec::with_capacity(1024),
             obs: crate::observe::Observer::default(),
         };
         core.rearm_all_timers();
-        Ok(core)
+        core
     }
 
     pub fn gate(&self) -> &Gate {
         &self.gate
+    }
+
+    pub fn options(&self) -> &CoreOptions {
+        &self.opts
+    }
+
+    /// The ledger takes appends (false from a failure until it is reopened).
+    pub fn is_writing(&self) -> bool {
+        self.writing
+    }
+
+    /// The next action for the shell, oldest first; `None` once all are taken. The shell takes
+    /// them all after each input, before the next.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop()
+    }
+
+    /// The encoded record of an `Action::Append` (valid until `poll_action` returns `None`).
+    pub fn record(&self, bytes: &std::ops::Range<usize>) -> &[u8] {
+        self.actions.record(bytes)
     }
 
     fn after(&self) -> After {
@@ -410,33 +406,28 @@ impl Core {
         self.now = self.clock.read(now.wall_ms, self.mono);
     }
 
-    /// Syncs the burst just applied. Under light load — this burst and the last sync each
-    /// carry at most `INLINE_SYNC_RECORDS_MAX` records, and the sync thread is idle — the core
-    /// syncs it itself and writes the replies it releases straight to their sockets: two thread
-    /// handoffs less for a lone request (to the sync thread, and back to the IO thread), and
-    /// nothing else is waiting for the core meanwhile. Under load the sync thread syncs while the core goes on applying
-    /// the next burst (pipelining: were the core to sync, the disk would idle while it applies).
-    /// Returns whether it synced the burst itself (`None`: nothing to commit). The driver
-    /// calls it at the end of each burst of messages.
-    pub fn commit(&mut self) -> Option<bool> {
+    /// Commits the burst just applied (`Action::Commit`). Under light load — this burst and
+    /// the last sync each carry at most `INLINE_SYNC_RECORDS_MAX` records, and the sync thread is
+    /// idle — the shell syncs it on the core's thread and writes the replies it releases
+    /// straight to their sockets: two thread handoffs less for a lone request (to the sync
+    /// thread, and back to the IO thread), and nothing else is waiting for the core meanwhile.
+    /// Under load the sync thread syncs while the core goes on applying the next burst
+    /// (pipelining: were the core to sync, the disk would idle while it applies).
+    /// `last_batch_records`: how many records the ledger's last sync carried (read only when
+    /// it matters). Returns whether it queued a commit (false: nothing appended since the last
+    /// one, or the ledger is down). The driver calls it at the end of each burst of messages.
+    pub fn commit(&mut self, last_batch_records: impl FnOnce() -> u64) -> bool {
         const INLINE_SYNC_RECORDS_MAX: u64 = 2;
         let burst = self.last_seq.saturating_sub(self.committed_seq);
-        if burst == 0 {
-            return None; // Nothing appended since the last commit (a query, a timer that fired nothing).
+        if burst == 0 || !self.writing {
+            return false; // Nothing appended since the last commit (a query, a timer that fired nothing).
         }
-        let journal = self.journal.as_ref()?;
         let inline = self.opts.inline_sync
             && burst <= INLINE_SYNC_RECORDS_MAX
-            && journal.last_batch_records() <= INLINE_SYNC_RECORDS_MAX;
-        let synced_here = if inline {
-            // Its replies are handed over here too, straight to their sockets.
-            journal.commit(true)
-        } else {
-            journal.commit(false);
-            false
-        };
+            && last_batch_records() <= INLINE_SYNC_RECORDS_MAX;
+        self.actions.push(Action::Commit { inline });
         self.committed_seq = self.last_seq;
-        Some(synced_here)
+        true
     }
 
     /// How long from `now` until the core has timer work to do (deadlines and expiries,
@@ -457,10 +448,7 @@ impl Core {
                 .saturating_sub(gate_now)
                 .max(COMPACTION_PERIOD_MIN_MS),
         );
-        let recovery = self
-            .journal
-            .is_none()
-            .then(|| self.next_recovery.saturating_sub(mono));
+        let recovery = (!self.writing).then(|| self.next_recovery.saturating_sub(mono));
         [timer, waiter, compaction, recovery]
             .into_iter()
             .flatten()
@@ -468,7 +456,8 @@ impl Core {
             .map(Duration::from_millis)
     }
 
-    /// Handles one message at `now`; returns true to stop.
+    /// Handles one message at `now`, queueing what is to be done (`poll_action`); returns true
+    /// to stop.
     pub fn handle(&mut self, now: Now, msg: CoreMsg) -> bool {
         self.at(now);
         match msg {
@@ -530,20 +519,15 @@ impl Core {
                 let _ = self.obs.subscribe(principal, tx);
             }
             CoreMsg::Stats { reply } => {
-                let stats = self.obs.stats(
-                    &self.gate,
-                    self.waiter_shares.total(),
-                    self.last_seq,
-                    self.after(),
-                );
-                let _ = reply.send(stats);
+                let stats = Box::new(self.stats());
+                self.actions.push(Action::Stats { reply, stats });
             }
             CoreMsg::LedgerFailed => self.fail_journal(),
             CoreMsg::Shutdown { done } => {
-                if let Some(j) = self.journal.take() {
-                    let _ = j.flush();
+                if self.writing {
+                    self.actions.push(Action::Flush);
                 }
-                let _ = done.send(());
+                self.actions.push(Action::Stopped { done });
                 return true;
             }
         }
@@ -555,15 +539,7 @@ impl Core {
             self.obs.answered(v);
         }
         let after = self.after();
-        self.release.send(
-            after,
-            &to.out,
-            Out::Answer {
-                id: to.id,
-                answer,
-                after,
-            },
-        );
+        self.actions.push(Action::Reply { to, answer, after });
     }
 
     /// Applies a command and records it if it changed state. `Err` is a ready error answer.
@@ -572,7 +548,7 @@ impl Core {
         principal: &Principal,
         cmd: Command,
     ) -> Result<(Reply, Vec<estop_kernel::Event>), Answer> {
-        if self.journal.is_none() {
+        if !self.writing {
             return Err(unavailable());
         }
         let now = self.now;
@@ -586,29 +562,19 @@ impl Core {
                 principal: principal.clone(),
                 command: cmd,
             };
-            self.buf.clear();
-            encode_record(&record, &mut self.buf);
-            let journal = self.journal.as_ref().expect("checked above");
-            match journal.append(&self.buf) {
-                Ok(seq) => {
-                    self.last_seq = seq;
-                    self.records_since_snapshot += 1;
-                    self.appended += 1;
-                    if self.opts.planted_panic_after_records == Some(self.appended) {
-                        panic!(
-                            "planted bug: ESTOP_DEBUG_PANIC_CORE_AFTER={}",
-                            self.appended
-                        );
-                    }
-                }
-                Err(e) => {
-                    // The state moved but the record did not: fail closed and rebuild from disk.
-                    crate::log::error(&format!(
-                        "ledger append failed: {e}; failing closed and recovering"
-                    ));
-                    self.fail_journal();
-                    return Err(unavailable());
-                }
+            // The ledger numbers records in order: this one will be `last_seq + 1` (the shell
+            // asserts it). An append that fails comes back as `append_failed`: everything
+            // tagged with this seq is then answered `unavailable`, and the state rebuilt.
+            let seq = self.last_seq + 1;
+            self.actions.append(seq, &record);
+            self.last_seq = seq;
+            self.records_since_snapshot += 1;
+            self.appended += 1;
+            if self.opts.planted_panic_after_records == Some(self.appended) {
+                panic!(
+                    "planted bug: ESTOP_DEBUG_PANIC_CORE_AFTER={}",
+                    self.appended
+                );
             }
             if let Some(run) = record.command.run() {
                 let run = run.clone();
@@ -616,12 +582,14 @@ impl Core {
             }
             self.publish(&applied.events);
             let after = self.after();
+            let actions = &mut self.actions;
             self.obs.changed(
                 &self.gate,
                 record.command.run(),
                 &applied.events,
                 after,
                 now,
+                |tx, event| actions.push(Action::Feed { tx, event }),
             );
         }
         Ok((applied.reply, applied.events))
@@ -680,6 +648,3 @@ pub fn unavailable() -> Answer {
         "the ledger cannot make changes durable right now (see the daemon's log); the change is not acknowledged, retry later with the same key".into(),
     )
 }
-
-/// Opens the ledger (with `Some(discard_after)` after a failure) and rebuilds the gate.
-pub type OpenFn = Box<dyn FnMut(Option<u64>) -> Result<Opened, JournalError> + Send>;

@@ -57,6 +57,16 @@ pub(super) fn not_found(run: RunId) -> Answer {
 }
 
 impl Core {
+    /// The counters and gauges for `/metrics`.
+    pub(super) fn stats(&self) -> crate::observe::GateStats {
+        self.obs.stats(
+            &self.gate,
+            self.waiter_shares.total(),
+            self.last_seq,
+            self.after(),
+        )
+    }
+
     pub(super) fn query(&mut self, principal: &Principal, q: Query) -> Answer {
         let err = |e: KernelError| {
             let (c, m) = kernel_error(&e);

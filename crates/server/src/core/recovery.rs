@@ -1,60 +1,41 @@
 //! When the ledger fails: everything not yet durable is answered `unavailable`, and the state
-//! is rebuilt from the durable prefix (retried every second until the disk is back).
+//! is rebuilt from the durable prefix (retried every second until the disk is back). The core
+//! decides; the shell fails the ledger, reopens it and reports back (`reopened`).
 
 use super::*;
 
-/// The ledger's sync thread reports here: durable progress to the repliers, failure to the core.
-pub(super) fn notifier(
-    durable_tx: &Arc<watch::Sender<DurableState>>,
-    release: &Arc<crate::durable::Release>,
-    generation: u64,
-    core_tx: &mpsc::Sender<CoreMsg>,
-) -> impl Fn(Result<u64, LedgerError>) + Send + Sync + 'static {
-    let durable_tx = Arc::clone(durable_tx);
-    let release = Arc::clone(release);
-    let core_tx = core_tx.clone();
-    move |r| match r {
-        Ok(seq) => {
-            // The watch first, so a released reply never waits on it again.
-            durable_tx.send_if_modified(|s| {
-                let advance = s.generation == generation && seq > s.seq;
-                if advance {
-                    s.seq = seq;
-                }
-                advance
-            });
-            release.durable(generation, seq);
-        }
-        Err(e) => {
-            crate::log::error(&format!(
-                "ledger failed: {e}; no change is acknowledged until it recovers"
-            ));
-            durable_tx.send_modify(|s| {
-                if s.generation == generation {
-                    s.failed = true;
-                }
-            });
-            let _ = core_tx.send(CoreMsg::LedgerFailed);
-        }
-    }
+/// The ledger reopened after a failure (`Action::Recover`), as the shell reports it.
+pub struct Reopened {
+    /// The state rebuilt from the durable prefix.
+    pub gate: Gate,
+    /// The new ledger generation (one more than the failed one).
+    pub generation: u64,
+    /// The last record recovered: the next append gets the seq after it.
+    pub last_seq: u64,
+    /// The ledger takes appends again (false: it opened but cannot start writing; recovery
+    /// is tried again after the usual wait).
+    pub writing: bool,
 }
 
 impl Core {
+    /// An append the shell could not make: the state moved but the record did not. Fail
+    /// closed and rebuild from disk.
+    pub fn append_failed(&mut self) {
+        self.fail_journal();
+    }
+
+    /// A feed that was full or gone when the shell offered it an event.
+    pub fn feed_gone(&mut self, tx: &crate::observe::FeedTx) {
+        self.obs.feed_gone(tx);
+    }
+
     pub(super) fn fail_journal(&mut self) {
-        let Some(journal) = self.journal.take() else {
+        if !self.writing {
             return;
-        };
-        let durable = journal.durable_seq();
-        drop(journal);
-        let generation = self.generation;
-        self.durable_tx.send_modify(|s| {
-            if s.generation == generation {
-                s.failed = true;
-                s.seq = durable;
-            }
-        });
+        }
+        self.writing = false;
         // Replies whose record did not reach the disk are not acknowledged.
-        self.release.fail();
+        self.actions.push(Action::FailLedger);
         // Everything waiting is answered now: the state it waited on may not survive recovery.
         let waiters: Vec<Waiter> = self.waiters.drain().flat_map(|(_, ws)| ws).collect();
         for w in &waiters {
@@ -68,53 +49,28 @@ impl Core {
         self.recover();
     }
 
-    /// Reopens the ledger after a failure, dropping every record that was not durable, and
-    /// rebuilds the state from disk. Retried every second until the disk is back.
+    /// Asks the shell to reopen the ledger, dropping every record that was not durable, and
+    /// to rebuild the state from disk. Retried every second until the disk is back.
     pub(super) fn recover(&mut self) {
         // Each attempt re-reads the ledger: never more than once a second while the disk is down.
         self.next_recovery = self.mono + 1000;
-        let durable = self.durable_tx.borrow().seq;
-        let opened = match (self.open)(Some(durable)) {
-            Ok(o) => o,
-            Err(e) => {
-                crate::log::error(&format!("ledger still unavailable: {e}; retrying in 1s"));
-                return;
-            }
-        };
-        let generation = self.generation + 1;
-        let seq = opened.report.last_seq;
-        self.durable_tx.send_modify(|s| {
-            let end = s.seq;
-            s.ended.push(end);
-            assert_eq!(
-                s.ended.len() as u64,
-                generation,
-                "one end per finished generation"
-            );
-            s.generation = generation;
-            s.seq = seq;
-            s.failed = true;
-        });
-        self.generation = generation;
-        self.gate = opened.gate;
-        self.last_seq = seq;
-        self.committed_seq = seq;
-        self.release.start(generation, seq);
-        match Journal::start(
-            opened.ledger,
-            notifier(&self.durable_tx, &self.release, generation, &self.self_tx),
-        ) {
-            Ok(journal) => {
-                self.durable_tx.send_modify(|s| s.failed = false);
-                self.journal = Some(journal);
-                self.rearm_all_timers();
-                crate::log::info(&format!(
-                    "ledger recovered at seq {seq}; accepting changes again"
-                ));
-            }
-            Err(e) => crate::log::error(&format!(
-                "ledger reopened but cannot start writing: {e}; retrying in 1s"
-            )),
+        self.actions.push(Action::Recover);
+    }
+
+    /// The shell reopened the ledger: the state is what it holds.
+    pub fn reopened(&mut self, r: Reopened) {
+        assert_eq!(
+            r.generation,
+            self.generation + 1,
+            "one generation per reopening"
+        );
+        self.generation = r.generation;
+        self.gate = r.gate;
+        self.last_seq = r.last_seq;
+        self.committed_seq = r.last_seq;
+        if r.writing {
+            self.writing = true;
+            self.rearm_all_timers();
         }
     }
 }

@@ -7,6 +7,8 @@ use super::*;
 pub(super) struct Subscriber {
     pub(super) conn: u64,
     pub(super) principal: Principal,
+    /// Where its events go, and how many it has queued and not yet written: the core only
+    /// passes them to the shell (`Action::Event`).
     pub(super) out: Outbox,
     pub(super) backlog: Arc<AtomicUsize>,
 }
@@ -46,6 +48,12 @@ impl Core {
         }
     }
 
+    /// A subscriber's connection was gone, or had `event_backlog_max` events unwritten, when the
+    /// shell was to hand it an event: its subscription of `run` ends.
+    pub fn subscriber_gone(&mut self, run: &RunId, conn: u64) {
+        self.unsubscribe(run, conn);
+    }
+
     /// The subscriptions of a connection that is gone end with it.
     pub(super) fn disconnect_subscriptions(&mut self, conn: u64) {
         let shares = &mut self.subscription_shares;
@@ -71,25 +79,19 @@ impl Core {
                 && let Some(event) = render::event(&self.gate, e, self.now)
                 && let Some(subs) = self.subscribers.get_mut(&e.run)
             {
-                // A connection that is gone, or has stopped reading its events, loses the
-                // subscription rather than growing a queue without bound.
-                let max = self.opts.event_backlog_max;
-                let shares = &mut self.subscription_shares;
-                subs.retain(|x| {
-                    let keep = !x.out.is_closed() && x.backlog.load(Ordering::Relaxed) < max;
-                    if !keep {
-                        shares.give_back(&x.principal);
-                    }
-                    keep
-                });
+                // The shell hands each event over only while the connection reads its events
+                // (`Shell::event`): one that is gone or has stopped reading loses the
+                // subscription (`subscriber_gone`) rather than growing a queue without bound.
                 for x in subs.iter() {
                     if self.gate.visible_run(&x.principal, &e.run).is_ok() {
-                        x.backlog.fetch_add(1, Ordering::Relaxed);
-                        let item = Out::Event {
+                        self.actions.push(Action::Event {
+                            run: e.run.clone(),
+                            conn: x.conn,
+                            out: x.out.clone(),
+                            backlog: Arc::clone(&x.backlog),
                             event: event.clone(),
                             after,
-                        };
-                        self.release.send(after, &x.out, item);
+                        });
                     }
                 }
             }

@@ -46,7 +46,7 @@ impl Core {
             }
             self.timers.remove(&(at, run.clone()));
             self.timer_of.remove(&run);
-            if self.journal.is_none() {
+            if !self.writing {
                 break;
             }
             let _ = self.apply_reply(&system_principal(), Command::Tick { run: run.clone() });
@@ -54,7 +54,7 @@ impl Core {
         }
         self.expire_waiters();
         // Retention and snapshots.
-        if now >= self.next_compaction && self.journal.is_some() {
+        if now >= self.next_compaction && self.writing {
             self.next_compaction = now + self.opts.compaction_period_ms();
             let cmd = Command::Compact {
                 before: now.saturating_sub(self.opts.retention_ms),
@@ -70,44 +70,42 @@ impl Core {
         if self.records_since_snapshot >= self.opts.snapshot_every_records && due {
             self.snapshot();
         }
-        if self.journal.is_none() && self.mono >= self.next_recovery {
+        if !self.writing && self.mono >= self.next_recovery {
             self.recover();
         }
     }
 
-    /// Writes a snapshot of the current state (covering every record so far). A failure is
-    /// retried after a backoff (1 s, doubling up to 10 min), never on every loop: encoding the
-    /// whole state again each time would starve every client of the core.
+    /// Asks for a snapshot of the current state (covering every record so far). A failure
+    /// (`snapshot_failed`) is retried after a backoff (1 s, doubling up to 10 min), never on
+    /// every loop: encoding the whole state again each time would starve every client of the
+    /// core.
     pub(super) fn snapshot(&mut self) {
-        const RETRY_FIRST: Duration = Duration::from_secs(1);
-        const RETRY_MAX: Duration = Duration::from_secs(600);
-        let Some(journal) = &self.journal else { return };
+        if !self.writing {
+            return;
+        }
         let mut bytes = Vec::new();
         estop_kernel::codec::encode_snapshot(&self.gate, &mut bytes);
-        let size = bytes.len();
-        match journal.snapshot(self.last_seq, bytes) {
-            Ok(()) => {
-                self.records_since_snapshot = 0;
-                self.snapshot_retry = None;
-            }
-            Err(e) => {
-                let wait = self
-                    .snapshot_retry
-                    .map_or(RETRY_FIRST, |(_, w)| (w * 2).min(RETRY_MAX));
-                self.snapshot_retry = Some((self.mono + wait.as_millis() as u64, wait));
-                self.obs.snapshot_failed();
-                let advice = match &e {
-                    LedgerError::Options { .. } => format!(
-                        "the gate's state is {size} bytes, more than a snapshot may hold: shorten --retention so stopped runs are compacted sooner, and close finished runs"
-                    ),
-                    _ => "see the error; the disk may be full or failing".to_string(),
-                };
-                crate::log::error(&format!(
-                    "snapshot at seq {} failed: {e}; {advice}. Nothing is lost (the ledger holds every record), but recovery replays more until a snapshot succeeds; retrying in {}s",
-                    self.last_seq,
-                    wait.as_secs()
-                ));
-            }
-        }
+        self.actions.push(Action::Snapshot {
+            seq: self.last_seq,
+            bytes,
+        });
+    }
+
+    /// The shell wrote the snapshot.
+    pub fn snapshot_done(&mut self) {
+        self.records_since_snapshot = 0;
+        self.snapshot_retry = None;
+    }
+
+    /// The shell could not write the snapshot: the next is tried after a backoff, returned.
+    pub fn snapshot_failed(&mut self) -> Duration {
+        const RETRY_FIRST: Duration = Duration::from_secs(1);
+        const RETRY_MAX: Duration = Duration::from_secs(600);
+        let wait = self
+            .snapshot_retry
+            .map_or(RETRY_FIRST, |(_, w)| (w * 2).min(RETRY_MAX));
+        self.snapshot_retry = Some((self.mono + wait.as_millis() as u64, wait));
+        self.obs.snapshot_failed();
+        wait
     }
 }
