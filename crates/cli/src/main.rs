@@ -2,6 +2,7 @@
 //! 4 not found (docs in README.md).
 
 mod bench;
+mod run;
 
 use anyhow::{Context, Result, anyhow};
 use clap::{Args, Parser, Subcommand};
@@ -100,6 +101,8 @@ enum Cmd {
     },
     /// Measure: closed-loop durable admissions (default), or `kernel` / `recovery` figures.
     Bench(bench::BenchArgs),
+    /// Run a command in a sandbox whose only way out is the gate (docs/EGRESS.md).
+    Run(run::RunArgs),
 }
 
 #[derive(Args)]
@@ -272,6 +275,9 @@ struct Failure {
 }
 
 fn main() -> ExitCode {
+    if let Some(code) = estop_egress::sandbox::stage_main() {
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => ExitCode::from(code),
@@ -293,6 +299,7 @@ fn fail(e: anyhow::Error) -> Failure {
 fn run(cli: Cli) -> Result<u8, Failure> {
     match cli.command {
         Cmd::Bench(a) => bench::run(a).map_err(fail),
+        Cmd::Run(a) => run::run(a).map_err(fail),
         Cmd::Serve(a) => serve(*a).map_err(fail),
         Cmd::Ledger { command } => ledger(command).map_err(fail),
         Cmd::Token {
