@@ -126,18 +126,17 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         principal: "agent".into(),
     };
     tokio::spawn(relay.serve(tokio::net::UnixListener::from_std(l.protocol)?));
-    let cg = Arc::new(cgroups);
+    let cg = cgroups;
     let killed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     tokio::spawn(watch_run(
         gate.clone(),
         plan.run.clone(),
         events,
         fence_tx,
-        cg.clone(),
         pid1,
         killed.clone(),
     ));
-    tokio::spawn(on_signal(cg.clone(), pid1, killed.clone()));
+    tokio::spawn(on_signal(pid1, killed.clone()));
     eprintln!(
         "estop run: run {} in a sandbox (pid {pid1}); proxy http://127.0.0.1:{PROXY_PORT}, socket {}",
         plan.run,
@@ -146,6 +145,10 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
     let mut stage1 = launched.stage1;
     let status = tokio::task::spawn_blocking(move || stage1.wait()).await??;
     let code = status.code().unwrap_or(125);
+    // PID 1's namespace is empty now; anything still in the cgroup got there some other way.
+    if cg.populated() == Some(true) {
+        cg.kill();
+    }
     let killed = killed.load(std::sync::atomic::Ordering::SeqCst);
     record_end(
         &gate,
@@ -276,14 +279,13 @@ async fn watch_run(
     run: String,
     mut events: tokio::sync::mpsc::UnboundedReceiver<Value>,
     fence: watch::Sender<bool>,
-    cgroups: Arc<cgroup::Cgroups>,
     pid1: i32,
     killed: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let _ = gate.call(json!({"op": "subscribe", "run": run})).await;
     // A stop that landed before the subscription is seen here.
     if let Ok(v) = gate.call(json!({"op": "status", "run": run})).await {
-        on_state(&v, &fence, &cgroups, pid1, &killed);
+        on_state(&v, &fence, pid1, &killed);
     }
     while let Some(ev) = events.recv().await {
         if ev["run"] != run.as_str() {
@@ -294,7 +296,7 @@ async fn watch_run(
             Some("cancelled" | "closed" | "finalizing" | "settled")
         ) {
             if let Ok(v) = gate.call(json!({"op": "status", "run": run})).await {
-                on_state(&v, &fence, &cgroups, pid1, &killed);
+                on_state(&v, &fence, pid1, &killed);
             }
         }
     }
@@ -303,7 +305,6 @@ async fn watch_run(
 fn on_state(
     status: &Value,
     fence: &watch::Sender<bool>,
-    cgroups: &cgroup::Cgroups,
     pid1: i32,
     killed: &std::sync::atomic::AtomicBool,
 ) {
@@ -312,25 +313,22 @@ fn on_state(
     }
     fence.send_replace(true);
     if status["cause"] == "killed" {
-        kill(cgroups, pid1, killed);
+        kill(pid1, killed);
     }
 }
 
-/// Ends every process of the sandbox at once: `cgroup.kill`, and SIGKILL to its PID 1 (which
-/// makes the kernel kill the rest of its PID namespace).
-fn kill(cgroups: &cgroup::Cgroups, pid1: i32, killed: &std::sync::atomic::AtomicBool) {
+/// Ends every process of the sandbox at once: SIGKILL to its PID 1 makes the kernel stop
+/// handing out PIDs in its namespace and kill the rest (a fork bomb included); stage 1's wait
+/// returns only once all of them are reaped. PID 1 cannot be recycled meanwhile: stage 1 has
+/// not reaped it. (`cgroup.kill` would also take stage 1, which must live to see the end.)
+fn kill(pid1: i32, killed: &std::sync::atomic::AtomicBool) {
     killed.store(true, std::sync::atomic::Ordering::SeqCst);
-    cgroups.kill();
     if let Some(pid) = rustix::process::Pid::from_raw(pid1) {
         let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
     }
 }
 
-async fn on_signal(
-    cgroups: Arc<cgroup::Cgroups>,
-    pid1: i32,
-    killed: Arc<std::sync::atomic::AtomicBool>,
-) {
+async fn on_signal(pid1: i32, killed: Arc<std::sync::atomic::AtomicBool>) {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut int), Ok(mut term)) = (
         signal(SignalKind::interrupt()),
@@ -339,7 +337,7 @@ async fn on_signal(
         return;
     };
     tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
-    kill(&cgroups, pid1, &killed);
+    kill(pid1, &killed);
 }
 
 /// Records the end on the ledger: the launch effect completes with the exit status (late if

@@ -64,10 +64,25 @@ impl Proxy {
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(move |req| {
                     let proxy = proxy.clone();
-                    async move { Ok::<_, Infallible>(proxy.handle(req).await) }
+                    // Its own task: a connection cut by the fence must not cancel the
+                    // request's completion on the ledger.
+                    let task = tokio::spawn(async move { proxy.handle(req).await });
+                    async move {
+                        Ok::<_, Infallible>(task.await.unwrap_or_else(|_| {
+                            refusal(
+                                StatusCode::INTERNAL_SERVER_ERROR,
+                                json!({"verdict": "error"}),
+                            )
+                        }))
+                    }
                 });
                 let io = hyper_util::rt::TokioIo::new(stream);
                 let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+                // Open when the run stops: cut. Opened after: served, every request refused.
+                if *fence.borrow_and_update() {
+                    let _ = conn.await;
+                    return;
+                }
                 tokio::select! {
                     _ = conn => {}
                     _ = fence.wait_for(|stopped| *stopped) => {}
