@@ -225,10 +225,11 @@ fn stage_config(
     let mut hide_dirs = vec![data.clone()];
     // Host resolvers reached through Unix sockets would resolve (and leak) names for the agent.
     for dir in ["/run/systemd/resolve", "/run/nscd", "/var/run/nscd"] {
-        if let Ok(d) = Path::new(dir).canonicalize() {
-            if d.is_dir() && !hide_dirs.contains(&d) {
-                hide_dirs.push(d);
-            }
+        if let Ok(d) = Path::new(dir).canonicalize()
+            && d.is_dir()
+            && !hide_dirs.contains(&d)
+        {
+            hide_dirs.push(d);
         }
     }
     let socket = Path::new(&plan.target).canonicalize()?;
@@ -291,13 +292,11 @@ async fn watch_run(
         if ev["run"] != run.as_str() {
             continue;
         }
-        if matches!(
-            ev["event"].as_str(),
-            Some("cancelled" | "closed" | "finalizing" | "settled")
-        ) {
-            if let Ok(v) = gate.call(json!({"op": "status", "run": run})).await {
-                on_state(&v, &fence, pid1, &killed);
-            }
+        let stop = ["cancelled", "closed", "finalizing", "settled"];
+        if stop.contains(&ev["event"].as_str().unwrap_or(""))
+            && let Ok(v) = gate.call(json!({"op": "status", "run": run})).await
+        {
+            on_state(&v, &fence, pid1, &killed);
         }
     }
 }

@@ -157,10 +157,10 @@ impl Proxy {
             .trim_start_matches('[')
             .trim_end_matches(']')
             .to_ascii_lowercase();
-        if let Ok(ip) = host.parse::<IpAddr>() {
-            if !self.destination_allowed(ip) {
-                return Err(Box::new(destination_refused(ip)));
-            }
+        if let Ok(ip) = host.parse::<IpAddr>()
+            && !self.destination_allowed(ip)
+        {
+            return Err(Box::new(destination_refused(ip)));
         }
         let body_sha256 = hex(&Sha256::digest(body));
         let url = uri.to_string();
