@@ -547,6 +547,21 @@ fn processes_of(supervisor: u32) -> Vec<String> {
 }
 
 fn kill_and_check(d: &Daemon, run: &str, argv: &[&str], extra: &str) {
+    stop_and_check(d, run, argv, extra, |_| {
+        let mut op = d.operator();
+        ok(
+            &mut op,
+            json!({"op": "kill", "run": run, "reason": "enough"}),
+        );
+    });
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": run}));
+    assert_eq!(report["cause"], "killed", "{report}");
+}
+
+/// Starts `argv` (which prints `ready`), stops it with `stop(pid of estop run)`, and checks
+/// that every process ended, with 128 + SIGKILL, and that the exit is on the ledger.
+fn stop_and_check(d: &Daemon, run: &str, argv: &[&str], extra: &str, stop: impl FnOnce(u32)) {
     let mut child = estop_run(d, run, extra, argv);
     let sup = child.id();
     let mut out = BufReader::new(child.stdout.take().unwrap());
@@ -560,11 +575,7 @@ fn kill_and_check(d: &Daemon, run: &str, argv: &[&str], extra: &str) {
             processes_of(sup)
         );
     }
-    let mut op = d.operator();
-    ok(
-        &mut op,
-        json!({"op": "kill", "run": run, "reason": "enough"}),
-    );
+    stop(sup);
     let (code, _, err) = finish(child);
     assert_eq!(code, 128 + 9, "{err}");
     assert_eq!(processes_of(sup), Vec::<String>::new(), "no process left");
@@ -574,9 +585,53 @@ fn kill_and_check(d: &Daemon, run: &str, argv: &[&str], extra: &str) {
         .find(|e| e["kind"] == "complete" && e["key"].as_str().unwrap().starts_with("sandbox:"))
         .unwrap_or_else(|| panic!("the exit is on the ledger: {entries:?}"));
     assert_eq!(end["outcome"], "error", "{end}");
+}
+
+#[test]
+fn sigterm_to_the_process_group_of_estop_run_ends_the_sandbox_and_records_it() {
+    let d = daemon();
+    let argv = ["sh", "-c", "sleep 1000 & (sleep 1000 &) ; echo ready; wait"];
+    let mut group = estop_run_in_own_group(&d, "term", &argv);
+    let sup = group.id();
+    let mut out = BufReader::new(group.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    // The whole group, as a terminal's Ctrl-C would (stage 1 must outlive PID 1 to see the end).
+    let target = format!("-{sup}");
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", "--", &target])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let (code, _, err) = finish(group);
+    // The command died of the SIGTERM itself, or of the SIGKILL that followed to its PID 1.
+    assert!(code == 128 + 15 || code == 128 + 9, "{code}: {err}");
+    assert_eq!(processes_of(sup), Vec::<String>::new(), "no process left");
     let mut op = d.operator();
-    let report = ok(&mut op, json!({"op": "report", "run": run}));
-    assert_eq!(report["cause"], "killed", "{report}");
+    let report = ok(&mut op, json!({"op": "report", "run": "term"}));
+    assert_eq!(
+        report["state"], "failed",
+        "closed as failed with the exit status: {report}"
+    );
+}
+
+/// `estop run` as the leader of a process group of its own.
+fn estop_run_in_own_group(d: &Daemon, run: &str, argv: &[&str]) -> Child {
+    use std::os::unix::process::CommandExt;
+    Command::new(bin())
+        .args(["run", "--data"])
+        .arg(d.data())
+        .args(["--run", run, "--"])
+        .args(argv)
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
 }
 
 #[test]

@@ -71,9 +71,9 @@ impl Cgroups {
         Some(text.lines().any(|l| l == "populated 1"))
     }
 
-    /// Removes the cgroups; they are empty once the sandbox's PID 1 was reaped, but the kernel
-    /// may take a moment to let go of a dead task's membership.
-    pub fn remove(&self) {
+    /// Removes the cgroups; they are empty once the sandbox's PID 1 was reaped (or when it
+    /// never started), but the kernel may take a moment to let go of a dead task's membership.
+    fn remove(&self) {
         let mut dirs: Vec<&PathBuf> = self.v2.iter().collect();
         if self.pids != self.v2 {
             dirs.extend(self.pids.iter());
@@ -88,6 +88,13 @@ impl Cgroups {
                 }
             }
         }
+    }
+}
+
+/// Whatever way `estop run` ends (a sandbox that did not start included), its cgroups go.
+impl Drop for Cgroups {
+    fn drop(&mut self) {
+        self.remove();
     }
 }
 

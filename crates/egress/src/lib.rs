@@ -161,7 +161,7 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         launched_at,
     )
     .await;
-    cg.remove();
+    drop(cg);
     Ok(code)
 }
 

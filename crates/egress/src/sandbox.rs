@@ -196,6 +196,9 @@ fn stage1(cfg: &StageConfig) -> Result<i32> {
     let proxy = TcpListener::bind(("127.0.0.1", cfg.proxy_port)).context("proxy listener")?;
     let dns = UdpSocket::bind(("127.0.0.1", DNS_PORT)).context("DNS stub listener")?;
     let protocol = UnixListener::bind(cfg.socket_path()).context("protocol socket")?;
+    // Stage 1 must outlive the sandbox's PID 1 to report the end of the whole tree: a Ctrl-C
+    // or SIGTERM aimed at the process group reaches the supervisor, which kills PID 1.
+    set_stop_signals(libc::SIG_IGN);
     let exe = std::env::current_exe()?;
     let mut stage2 = Command::new(exe)
         .arg(STAGE_ARG)
@@ -245,6 +248,8 @@ fn stage2(cfg: &StageConfig) -> Result<i32> {
     unsafe { rustix::thread::unshare_unsafe(U::NEWUSER | U::NEWNS) }
         .context("locking the sandbox's mounts")?;
     map_ids(cfg.uid, 0, cfg.gid, 0)?;
+    // Dispositions survive exec: the command gets the default ones back.
+    set_stop_signals(libc::SIG_DFL);
     let (program, args) = cfg.argv.split_first().context("no command given")?;
     let child = Command::new(program)
         .args(args)
@@ -302,6 +307,17 @@ fn mounts(cfg: &StageConfig) -> Result<()> {
         eprintln!("estop run: /etc/resolv.conf not replaced ({e}); lookups still fail");
     }
     Ok(())
+}
+
+/// Sets the disposition of SIGINT, SIGTERM, SIGHUP and SIGQUIT (ignore, or default).
+fn set_stop_signals(disposition: libc::sighandler_t) {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+        // SAFETY: SIG_IGN and SIG_DFL install no handler code; this process is single-threaded.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::signal(sig, disposition);
+        }
+    }
 }
 
 /// `ip link set lo up`, through the ioctl every Linux has.
