@@ -82,18 +82,69 @@ impl Server {
         }
     }
 
+    /// The same server over TLS, with a certificate for `ip` from a CA the test makes; the
+    /// CA's certificate is written to `roots` (the proxy is told to trust it).
+    fn start_tls(ip: &str, roots: &std::path::Path) -> Server {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(rcgen::DnType::CommonName, "egress test CA");
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        std::fs::write(roots, ca_cert.pem()).unwrap();
+        let issuer = rcgen::Issuer::new(ca, ca_key);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let leaf = rcgen::CertificateParams::new(vec![ip.to_string()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![leaf.der().clone()],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+            )
+            .unwrap();
+        let config = Arc::new(config);
+        let listener = TcpListener::bind((ip, 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let paths = Arc::new(Mutex::new(Vec::new()));
+        let (tx, slow_arrived) = mpsc::channel();
+        let (h, p) = (hits.clone(), paths.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { break };
+                let (h, p, tx) = (h.clone(), p.clone(), tx.clone());
+                let tls = rustls::ServerConnection::new(config.clone()).unwrap();
+                std::thread::spawn(move || {
+                    serve_one(rustls::StreamOwned::new(tls, conn), &h, &p, &tx)
+                });
+            }
+        });
+        Server {
+            port,
+            hits,
+            paths,
+            slow_arrived,
+        }
+    }
+
     fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
     }
 }
 
-fn serve_one(
-    conn: TcpStream,
+fn serve_one<S: Read + Write>(
+    conn: S,
     hits: &AtomicUsize,
     paths: &Mutex<Vec<String>>,
     slow: &mpsc::Sender<()>,
 ) {
-    let mut r = BufReader::new(conn.try_clone().unwrap());
+    let mut r = BufReader::new(conn);
     let mut line = String::new();
     if r.read_line(&mut line).unwrap_or(0) == 0 {
         return;
@@ -121,12 +172,13 @@ fn serve_one(
         return;
     }
     let text = format!("hit {n}");
-    let mut c = conn;
+    let c = r.get_mut();
     let _ = write!(
         c,
         "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
         text.len()
     );
+    let _ = c.flush();
 }
 
 /// `estop run` with a settings file allowing 127.0.0.2, running `argv`; stdio piped.
@@ -690,4 +742,43 @@ except Exception as e:
         "the hiding mount is locked: {out}"
     );
     assert!(!out.contains(&d.token("agent.token")) && !out.contains(&d.token("operator.token")));
+}
+
+#[test]
+fn https_through_connect_is_admitted_and_sent_with_the_sandboxs_ca() {
+    let d = daemon();
+    let roots = d.data().parent().unwrap().join("https-upstream-ca.pem");
+    let srv = Server::start_tls("127.0.0.2", &roots);
+    let extra = format!("upstream_roots = {:?}\n", roots.display().to_string());
+    let url = format!("https://127.0.0.2:{}/secure?x=1", srv.port);
+    let script = format!(
+        r#"
+import os, ssl, urllib.request
+print(urllib.request.urlopen("{url}", timeout=10).read().decode())
+print(os.environ["SSL_CERT_FILE"] == os.environ["CURL_CA_BUNDLE"] == os.environ["REQUESTS_CA_BUNDLE"])
+"#
+    );
+    let cmd = format!("curl -sS -w ' %{{http_code}}\\n' {url} && python3 -c '{script}'");
+    let (code, out, err) = finish(estop_run(&d, "tls", &extra, &["sh", "-c", &cmd]));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(out, "hit 1 200\nhit 2\nTrue\n", "{err}");
+    assert_eq!(
+        *srv.paths.lock().unwrap(),
+        vec!["/secure?x=1".to_string(); 2]
+    );
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": "tls"}));
+    let gets = report["done"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["tool"] == "http.GET")
+        .count();
+    assert_eq!(
+        gets, 2,
+        "each request inside the tunnel is an effect: {report}"
+    );
+    let ca = std::fs::metadata(d.data().join("egress-ca.key")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(ca.permissions().mode() & 0o777, 0o600);
 }

@@ -10,6 +10,7 @@ pub mod proxy;
 pub mod relay;
 pub mod sandbox;
 pub mod settings;
+pub mod tls;
 
 use anyhow::{Context, Result, bail};
 use gate::Gate;
@@ -99,6 +100,9 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
     for note in &cgroups.notes {
         eprintln!("estop run: {note}");
     }
+    // The CA the sandbox trusts for HTTPS through the proxy (its key stays in the data dir).
+    let ca = Arc::new(tls::Ca::load_or_create(&opts.data)?);
+    std::fs::write(tmp.path().join("ca.pem"), &ca.cert_pem)?;
     let cfg = stage_config(opts, &plan, &cgroups, private_dir, tmp.path(), &cwd)?;
     let socket_path = cfg.socket_path();
     let launched = sandbox::launch(cfg)?;
@@ -109,7 +113,10 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
     for s in [l.proxy.as_fd(), l.dns.as_fd(), l.protocol.as_fd()] {
         rustix::io::ioctl_fionbio(s, true)?;
     }
+    let connector = tls::connector(plan.settings.upstream_roots.as_deref())?;
     let proxy = Arc::new(proxy::Proxy {
+        ca,
+        connector,
         gate: gate.clone(),
         run: plan.run.clone(),
         settings: plan.settings.clone(),
@@ -243,6 +250,7 @@ fn stage_config(
         .filter(|(k, _)| !k.starts_with("ESTOP_") && !k.to_ascii_lowercase().ends_with("_proxy"))
         .collect();
     let sock = private_dir.join("estop.sock").display().to_string();
+    let ca = tmp.join("ca.pem").display().to_string();
     for (k, v) in [
         ("ESTOP_SOCKET", sock.as_str()),
         ("ESTOP_RUN", plan.run.as_str()),
@@ -254,6 +262,10 @@ fn stage_config(
         ("NO_PROXY", "localhost,127.0.0.1,::1"),
         ("no_proxy", "localhost,127.0.0.1,::1"),
         ("NODE_USE_ENV_PROXY", "1"),
+        ("SSL_CERT_FILE", ca.as_str()),
+        ("REQUESTS_CA_BUNDLE", ca.as_str()),
+        ("CURL_CA_BUNDLE", ca.as_str()),
+        ("NODE_EXTRA_CA_CERTS", ca.as_str()),
     ] {
         env.push((k.into(), v.into()));
     }

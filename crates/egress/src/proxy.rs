@@ -1,4 +1,5 @@
-//! The egress proxy (plain HTTP/1.1; `HTTP_PROXY` inside the sandbox). Every request is an
+//! The egress proxy (HTTP/1.1, and CONNECT with TLS terminated here; `HTTP_PROXY` and
+//! `HTTPS_PROXY` inside the sandbox). Every request is an
 //! effect of the run: the gate admits it (its policy decides, by method, host and path) before
 //! anything is resolved or dialled, and its outcome (status, bytes) is completed on the
 //! ledger. The mapping is documented in docs/EGRESS.md ("HTTP requests as effects").
@@ -20,7 +21,6 @@ use tokio::sync::watch;
 
 type Reply = Response<Full<Bytes>>;
 
-#[derive(Debug)]
 pub struct Proxy {
     pub gate: Gate,
     pub run: String,
@@ -31,6 +31,10 @@ pub struct Proxy {
     /// Distinguishes this proxy's keys for requests that are never deduplicated (GET…).
     pub nonce: String,
     pub seq: AtomicU64,
+    /// Signs the leaves the proxy presents inside CONNECT tunnels.
+    pub ca: Arc<crate::tls::Ca>,
+    /// Reaches real hosts over TLS.
+    pub connector: tokio_rustls::TlsConnector,
 }
 
 /// What the proxy will send, as the gate's policy sees it.
@@ -67,17 +71,12 @@ impl Proxy {
                     // Its own task: a connection cut by the fence must not cancel the
                     // request's completion on the ledger.
                     let task = tokio::spawn(async move { proxy.handle(req).await });
-                    async move {
-                        Ok::<_, Infallible>(task.await.unwrap_or_else(|_| {
-                            refusal(
-                                StatusCode::INTERNAL_SERVER_ERROR,
-                                json!({"verdict": "error"}),
-                            )
-                        }))
-                    }
+                    async move { Ok::<_, Infallible>(task.await.unwrap_or_else(|_| internal())) }
                 });
                 let io = hyper_util::rt::TokioIo::new(stream);
-                let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, service)
+                    .with_upgrades();
                 // Open when the run stops: cut. Opened after: served, every request refused.
                 if *fence.borrow_and_update() {
                     let _ = conn.await;
@@ -91,17 +90,93 @@ impl Proxy {
         }
     }
 
-    async fn handle(&self, req: Request<Incoming>) -> Reply {
+    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Reply {
         if req.method() == Method::CONNECT {
-            return refusal(
-                StatusCode::NOT_IMPLEMENTED,
-                json!({"verdict": "refused", "reason": "https_not_built",
-                    "message": "HTTPS through the proxy (CONNECT with TLS termination) is not \
-                        built yet; nothing was sent",
-                    "what_to_do": "use plain http:// URLs for now"}),
-            );
+            return self.tunnel(req);
         }
         let (parts, body) = req.into_parts();
+        self.request(parts, body).await
+    }
+
+    /// CONNECT: nothing is dialled here. The proxy answers 200, terminates TLS itself with a
+    /// leaf for the requested host, and every request inside the tunnel is admitted (and
+    /// sent) exactly like a plain one, as `https://HOST:PORT/…`.
+    fn tunnel(self: Arc<Self>, req: Request<Incoming>) -> Reply {
+        let Some(authority) = req.uri().authority().cloned() else {
+            return refusal(
+                StatusCode::BAD_REQUEST,
+                json!({"verdict": "refused",
+                "reason": "bad_request", "message": "CONNECT needs host:port"}),
+            );
+        };
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_ascii_lowercase();
+        if let Ok(ip) = host.parse::<IpAddr>()
+            && !self.destination_allowed(ip)
+        {
+            return destination_refused(ip);
+        }
+        if *self.fence.borrow() {
+            return stopped(&self.run, "-");
+        }
+        let acceptor = match self.ca.acceptor(&host) {
+            Ok(a) => a,
+            Err(e) => {
+                return refusal(
+                    StatusCode::BAD_GATEWAY,
+                    json!({"verdict": "failed",
+                    "message": format!("no certificate for {host}: {e:#}")}),
+                );
+            }
+        };
+        let origin = format!(
+            "{}:{}",
+            authority.host(),
+            authority.port_u16().unwrap_or(443)
+        );
+        tokio::spawn(async move {
+            let Ok(upgraded) = hyper::upgrade::on(req).await else {
+                return;
+            };
+            let io = hyper_util::rt::TokioIo::new(upgraded);
+            let Ok(tls) = acceptor.accept(io).await else {
+                return;
+            };
+            let mut fence = self.fence.clone();
+            let proxy = self.clone();
+            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let (proxy, origin) = (proxy.clone(), origin.clone());
+                let task = tokio::spawn(async move {
+                    let (mut parts, body) = req.into_parts();
+                    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+                    match format!("https://{origin}{pq}").parse() {
+                        Ok(uri) => parts.uri = uri,
+                        Err(_) => {
+                            return refusal(
+                                StatusCode::BAD_REQUEST,
+                                json!({"verdict": "refused",
+                            "reason": "bad_request", "message": "not a request target"}),
+                            );
+                        }
+                    }
+                    proxy.request(parts, body).await
+                });
+                async move { Ok::<_, Infallible>(task.await.unwrap_or_else(|_| internal())) }
+            });
+            let io = hyper_util::rt::TokioIo::new(tls);
+            let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+            tokio::select! {
+                _ = conn => {}
+                _ = fence.wait_for(|stopped| *stopped) => {}
+            }
+        });
+        Response::new(Full::new(Bytes::new()))
+    }
+
+    async fn request(&self, parts: hyper::http::request::Parts, body: Incoming) -> Reply {
         let body = match Limited::new(body, self.settings.body_bytes_max)
             .collect()
             .await
@@ -146,13 +221,17 @@ impl Proxy {
                 json!({"verdict": "refused", "reason": "bad_request", "message": message}),
             ))
         };
-        if uri.scheme_str() != Some("http") {
-            return Err(bad(
-                "the proxy takes absolute http:// URLs (set HTTP_PROXY)",
-            ));
-        }
+        let (scheme, default_port) = match uri.scheme_str() {
+            Some("http") => ("http", 80),
+            Some("https") => ("https", 443),
+            _ => {
+                return Err(bad(
+                    "the proxy takes absolute http:// URLs (set HTTP_PROXY)",
+                ));
+            }
+        };
         let host = uri.host().ok_or_else(|| bad("no host in the URL"))?;
-        let port = uri.port_u16().unwrap_or(80);
+        let port = uri.port_u16().unwrap_or(default_port);
         let host = host
             .trim_start_matches('[')
             .trim_end_matches(']')
@@ -165,7 +244,7 @@ impl Proxy {
         let body_sha256 = hex(&Sha256::digest(body));
         let url = uri.to_string();
         let method = parts.method.as_str();
-        let args = json!({"method": method, "url": url, "scheme": "http", "host": host,
+        let args = json!({"method": method, "url": url, "scheme": scheme, "host": host,
             "port": port, "path": uri.path(), "query": uri.query().unwrap_or(""),
             "body_sha256": body_sha256, "body_bytes": body.len()});
         let key = match parts.headers.get("idempotency-key") {
@@ -322,11 +401,19 @@ impl Proxy {
         let stream = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| failed(format!("cannot connect to {addr}: {e}")))?;
-        let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        let mut sender = if effect.args["scheme"] == "https" {
+            let name = rustls::pki_types::ServerName::try_from(host.to_string())
+                .map_err(|e| failed(format!("{host}: {e}")))?;
+            let tls = self
+                .connector
+                .connect(name, stream)
                 .await
-                .map_err(|e| failed(format!("{addr}: {e}")))?;
-        tokio::spawn(conn);
+                .map_err(|e| failed(format!("TLS with {host}: {e}")))?;
+            handshake(tls).await
+        } else {
+            handshake(stream).await
+        }
+        .map_err(|e| failed(format!("{addr}: {e}")))?;
         let mut up = Request::builder()
             .method(parts.method.clone())
             .uri(parts.uri.path_and_query().map_or("/", |p| p.as_str()))
@@ -362,6 +449,26 @@ impl Proxy {
             .insert("x-estop-verdict", HeaderValue::from_static("admitted"));
         Ok((reply, n))
     }
+}
+
+/// An HTTP/1.1 client connection over `io`, driven by its own task.
+async fn handshake<IO>(
+    io: IO,
+) -> hyper::Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io)).await?;
+    tokio::spawn(conn);
+    Ok(sender)
+}
+
+fn internal() -> Reply {
+    refusal(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        json!({"verdict": "error"}),
+    )
 }
 
 fn is_safe(m: &Method) -> bool {

@@ -20,6 +20,9 @@ pub struct Settings {
     pub body_bytes_max: usize,
     /// Largest response the proxy relays.
     pub response_bytes_max: usize,
+    /// Extra roots (PEM) the proxy trusts when it reaches hosts over TLS, beside the public web
+    /// PKI: a private CA of your own, or a test's.
+    pub upstream_roots: Option<std::path::PathBuf>,
 }
 
 impl Default for Settings {
@@ -30,6 +33,7 @@ impl Default for Settings {
             pids_max: 4096,
             body_bytes_max: 8 << 20,
             response_bytes_max: 64 << 20,
+            upstream_roots: None,
         }
     }
 }
@@ -48,6 +52,7 @@ struct Egress {
     pids_max: Option<u32>,
     body_bytes_max: Option<usize>,
     response_bytes_max: Option<usize>,
+    upstream_roots: Option<std::path::PathBuf>,
 }
 
 impl Settings {
@@ -64,6 +69,7 @@ impl Settings {
         s.pids_max = e.pids_max.unwrap_or(s.pids_max);
         s.body_bytes_max = e.body_bytes_max.unwrap_or(s.body_bytes_max);
         s.response_bytes_max = e.response_bytes_max.unwrap_or(s.response_bytes_max);
+        s.upstream_roots = e.upstream_roots;
         if s.pids_max < 4 {
             bail!("{}: pids_max must be at least 4", path.display());
         }
