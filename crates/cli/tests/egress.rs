@@ -15,6 +15,11 @@ use std::sync::{Arc, Mutex, mpsc};
 const POLICY: &str = r#"
 [[rules]]
 tool = "sandbox.run"
+when = 'args.argv.exists(a, a == "forbidden-agent")'
+action = "deny"
+
+[[rules]]
+tool = "sandbox.run"
 action = "allow"
 
 [[rules]]
@@ -781,4 +786,93 @@ print(os.environ["SSL_CERT_FILE"] == os.environ["CURL_CA_BUNDLE"] == os.environ[
     let ca = std::fs::metadata(d.data().join("egress-ca.key")).unwrap();
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(ca.permissions().mode() & 0o777, 0o600);
+}
+
+#[test]
+fn the_gate_decides_whether_the_sandbox_starts_at_all() {
+    let d = daemon();
+    let argv = ["sh", "-c", "echo ran", "forbidden-agent"];
+    let (code, out, err) = finish(estop_run(&d, "denied", "", &argv));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("refused to start the sandbox: denied"),
+        "{err}"
+    );
+    assert_eq!(out, "", "nothing ran");
+}
+
+/// As root, the same sandbox for an unprivileged user (nobody): user namespaces only, no
+/// cgroup of its own (the diagnostic says so), the network still closed, the proxy working.
+#[test]
+fn works_unprivileged_through_user_namespaces() {
+    use std::os::unix::process::CommandExt;
+    if !rustix_is_root() {
+        eprintln!("skipped: every other test already runs unprivileged here");
+        return;
+    }
+    let nobody = 65534;
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::chown(dir.path(), Some(nobody), Some(nobody)).unwrap();
+    let policy = dir.path().join("policy.toml");
+    std::fs::write(&policy, POLICY).unwrap();
+    let data = dir.path().join("data");
+    let mut serve = Command::new(bin())
+        .args(["serve", "--console", "off", "--data"])
+        .arg(&data)
+        .arg("--policy")
+        .arg(&policy)
+        .uid(nobody)
+        .gid(nobody)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Stop(Child);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut lines = BufReader::new(serve.stdout.take().unwrap()).lines();
+    let _serve = Stop(serve);
+    assert!(lines.next().unwrap().unwrap().starts_with("estop ready"));
+    let srv = Server::start("127.0.0.2");
+    let settings = dir.path().join("sandbox.toml");
+    std::fs::write(
+        &settings,
+        "[egress]\nallow_destinations = [\"127.0.0.2/32\"]\n",
+    )
+    .unwrap();
+    let script = format!(
+        "import errno, os, socket, urllib.request\n\
+         print(os.getuid())\n\
+         s = socket.socket()\n\
+         try:\n    s.connect((\"127.0.0.2\", {port}))\nexcept OSError as e:\n    print(errno.errorcode[e.errno])\n\
+         print(urllib.request.urlopen(\"http://127.0.0.2:{port}/u\", timeout=10).read().decode())\n",
+        port = srv.port
+    );
+    let out = Command::new(bin())
+        .args(["run", "--run", "unpriv", "--data"])
+        .arg(&data)
+        .arg("--policy")
+        .arg(&settings)
+        .args(["--", "/usr/bin/python3", "-c", &script])
+        .current_dir(dir.path())
+        .env("HOME", dir.path())
+        .uid(nobody)
+        .gid(nobody)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(stdout, "65534\nECONNREFUSED\nhit 1\n", "{stderr}");
+    assert!(
+        stderr.contains("no cgroup v2 of its own"),
+        "the diagnostic: {stderr}"
+    );
+    assert_eq!(srv.hits(), 1);
 }

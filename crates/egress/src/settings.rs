@@ -59,7 +59,11 @@ impl Settings {
     pub fn load(path: &Path) -> Result<Settings> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let file: File = toml::from_str(&text).with_context(|| format!("{}", path.display()))?;
+        Settings::parse(&text).with_context(|| format!("{}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<Settings> {
+        let file: File = toml::from_str(text)?;
         let mut s = Settings::default();
         let Some(e) = file.egress else { return Ok(s) };
         for cidr in e.allow_destinations.unwrap_or_default() {
@@ -71,7 +75,7 @@ impl Settings {
         s.response_bytes_max = e.response_bytes_max.unwrap_or(s.response_bytes_max);
         s.upstream_roots = e.upstream_roots;
         if s.pids_max < 4 {
-            bail!("{}: pids_max must be at least 4", path.display());
+            bail!("pids_max must be at least 4");
         }
         Ok(s)
     }
@@ -141,6 +145,27 @@ pub fn forbidden(addr: IpAddr) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// docs/EGRESS.md stays true: its `[egress]` example parses, and so does its policy example.
+    #[test]
+    fn the_documented_examples_parse() {
+        let doc = include_str!("../../../docs/EGRESS.md");
+        let blocks: Vec<&str> = doc
+            .split("```toml\n")
+            .skip(1)
+            .map(|b| b.split("```").next().unwrap())
+            .collect();
+        assert_eq!(blocks.len(), 2, "the settings and the policy example");
+        let s = Settings::parse(blocks[0]).unwrap();
+        assert_eq!(s.allow, vec![parse_cidr("127.0.0.2/32").unwrap()]);
+        assert_eq!(s.hold_ms, 30_000);
+        estop_policy::Policy::parse(blocks[1]).unwrap();
+        assert!(
+            Settings::parse("[egress]\nhold = 1\n").is_err(),
+            "unknown keys are refused"
+        );
+        assert!(Settings::parse("[egress]\npids_max = 1\n").is_err());
+    }
 
     #[test]
     fn cidrs_and_forbidden_destinations() {
