@@ -196,7 +196,12 @@ fn estop_run(d: &Daemon, run: &str, extra_settings: &str, argv: &[&str]) -> Chil
     std::fs::write(
         &settings,
         format!(
-            "[egress]\nallow_destinations = [\"127.0.0.2/32\"]\n{}{extra_settings}",
+            "[egress]\n{}{}{extra_settings}",
+            if extra_settings.contains("allow_destinations") {
+                ""
+            } else {
+                "allow_destinations = [\"127.0.0.2/32\"]\n"
+            },
             if extra_settings.contains("hold_ms") {
                 ""
             } else {
@@ -875,4 +880,63 @@ fn works_unprivileged_through_user_namespaces() {
         "the diagnostic: {stderr}"
     );
     assert_eq!(srv.hits(), 1);
+}
+
+#[test]
+fn refused_destinations_and_denied_requests_dial_nothing() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    // Raw requests to the proxy, so no client-side no_proxy rule can decide for us.
+    let script = format!(
+        r#"
+import json, socket
+def ask(line):
+    s = socket.create_connection(("127.0.0.1", 3128)); s.settimeout(10)
+    s.sendall(line.encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int([h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0])
+    while len(body) < length:
+        body += s.recv(65536)
+    status = head.split()[1].decode()
+    try:
+        e = json.loads(body)["estop"]
+        print(status, e["verdict"], e["reason"])
+    except ValueError:
+        print(status, "sent", body.decode())
+ask("GET http://127.0.0.2:{port}/a HTTP/1.1\r\nHost: x\r\n\r\n")
+ask("GET http://localhost:{port}/b HTTP/1.1\r\nHost: x\r\n\r\n")
+ask("POST http://forbidden.test/c HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx")
+ask("CONNECT 127.0.0.2:{port} HTTP/1.1\r\nHost: x\r\n\r\n")
+"#,
+        port = srv.port
+    );
+    let (code, out, err) = finish(estop_run(
+        &d,
+        "dest",
+        "allow_destinations = []\n",
+        &argv(&python(&script)),
+    ));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(
+        out,
+        "403 refused destination\n403 refused destination\n403 refused denied\n403 refused destination\n",
+        "a literal loopback, a name resolving to it (after admission), a denied host (never looked up), a CONNECT: {err}"
+    );
+    assert_eq!(srv.hits(), 0);
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": "dest"}));
+    let failed: Vec<&str> = report["failed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["tool"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        failed,
+        vec!["http.GET"],
+        "the admitted request to localhost failed, unsent: {report}"
+    );
 }
