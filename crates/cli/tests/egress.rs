@@ -940,3 +940,53 @@ ask("CONNECT 127.0.0.2:{port} HTTP/1.1\r\nHost: x\r\n\r\n")
         "the admitted request to localhost failed, unsent: {report}"
     );
 }
+
+/// The Python client's venv (clients/python/ci-install, run by CI before the tests) has
+/// `requests` and `httpx`; `ESTOP_TEST_PYTHON` names another interpreter that has them.
+fn python_with_http_libraries() -> Option<String> {
+    if let Ok(p) = std::env::var("ESTOP_TEST_PYTHON") {
+        return Some(p);
+    }
+    let venv = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../clients/python/.venv/bin/python"
+    );
+    std::path::Path::new(venv)
+        .exists()
+        .then(|| venv.to_string())
+}
+
+#[test]
+fn requests_and_httpx_go_through_the_proxy_over_http_and_https() {
+    let Some(py) = python_with_http_libraries() else {
+        eprintln!(
+            "skipped: no interpreter with requests and httpx (run clients/python/ci-install)"
+        );
+        return;
+    };
+    let d = daemon();
+    let roots = d.data().parent().unwrap().join("libs-upstream-ca.pem");
+    let tls = Server::start_tls("127.0.0.2", &roots);
+    let plain = Server::start("127.0.0.2");
+    let extra = format!("upstream_roots = {:?}\n", roots.display().to_string());
+    let script = format!(
+        r#"
+import requests, httpx
+s, p = "https://127.0.0.2:{tls}", "http://127.0.0.2:{plain}"
+r = requests.get(s + "/r", timeout=10); print("requests", r.status_code, r.text)
+r = httpx.get(s + "/h", timeout=10); print("httpx", r.status_code, r.text)
+r = requests.post(p + "/pay", data=b"q", timeout=10); print("post", r.status_code, r.text)
+r = requests.post(p + "/pay", data=b"q", timeout=10); print("again", r.status_code, r.json()["estop"]["verdict"])
+"#,
+        tls = tls.port,
+        plain = plain.port
+    );
+    let (code, out, err) = finish(estop_run(&d, "libs", &extra, &[&py, "-c", &script]));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(
+        out, "requests 200 hit 1\nhttpx 200 hit 2\npost 200 hit 1\nagain 409 duplicate\n",
+        "{err}"
+    );
+    assert_eq!(tls.hits(), 2);
+    assert_eq!(plain.hits(), 1, "the retried POST was not sent again");
+}

@@ -20,6 +20,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::watch;
 
 type Reply = Response<Full<Bytes>>;
+/// The answer for the agent, the outcome for the ledger and its error text.
+type Failure = (Reply, &'static str, String);
+type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
 pub struct Proxy {
     pub gate: Gate,
@@ -137,43 +140,52 @@ impl Proxy {
             authority.host(),
             authority.port_u16().unwrap_or(443)
         );
-        tokio::spawn(async move {
-            let Ok(upgraded) = hyper::upgrade::on(req).await else {
-                return;
-            };
-            let io = hyper_util::rt::TokioIo::new(upgraded);
-            let Ok(tls) = acceptor.accept(io).await else {
-                return;
-            };
-            let mut fence = self.fence.clone();
-            let proxy = self.clone();
-            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let (proxy, origin) = (proxy.clone(), origin.clone());
-                let task = tokio::spawn(async move {
-                    let (mut parts, body) = req.into_parts();
-                    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-                    match format!("https://{origin}{pq}").parse() {
-                        Ok(uri) => parts.uri = uri,
-                        Err(_) => {
-                            return refusal(
-                                StatusCode::BAD_REQUEST,
-                                json!({"verdict": "refused",
-                            "reason": "bad_request", "message": "not a request target"}),
-                            );
-                        }
-                    }
-                    proxy.request(parts, body).await
-                });
-                async move { Ok::<_, Infallible>(task.await.unwrap_or_else(|_| internal())) }
-            });
-            let io = hyper_util::rt::TokioIo::new(tls);
-            let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
-            tokio::select! {
-                _ = conn => {}
-                _ = fence.wait_for(|stopped| *stopped) => {}
-            }
-        });
+        tokio::spawn(self.serve_tunnel(req, acceptor, origin));
         Response::new(Full::new(Bytes::new()))
+    }
+
+    /// Inside one CONNECT tunnel: TLS terminated with the host's leaf, then every request
+    /// served like a plain one as `https://ORIGIN/…`; a stop of the run closes the tunnel.
+    async fn serve_tunnel(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        acceptor: tokio_rustls::TlsAcceptor,
+        origin: String,
+    ) {
+        let Ok(upgraded) = hyper::upgrade::on(req).await else {
+            return;
+        };
+        let io = hyper_util::rt::TokioIo::new(upgraded);
+        let Ok(tls) = acceptor.accept(io).await else {
+            return;
+        };
+        let mut fence = self.fence.clone();
+        let proxy = self.clone();
+        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+            let (proxy, origin) = (proxy.clone(), origin.clone());
+            let task = tokio::spawn(async move {
+                let (mut parts, body) = req.into_parts();
+                let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+                match format!("https://{origin}{pq}").parse() {
+                    Ok(uri) => parts.uri = uri,
+                    Err(_) => {
+                        return refusal(
+                            StatusCode::BAD_REQUEST,
+                            json!({"verdict": "refused",
+                        "reason": "bad_request", "message": "not a request target"}),
+                        );
+                    }
+                }
+                proxy.request(parts, body).await
+            });
+            async move { Ok::<_, Infallible>(task.await.unwrap_or_else(|_| internal())) }
+        });
+        let io = hyper_util::rt::TokioIo::new(tls);
+        let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+        tokio::select! {
+            _ = conn => {}
+            _ = fence.wait_for(|stopped| *stopped) => {}
+        }
     }
 
     async fn request(&self, parts: hyper::http::request::Parts, body: Incoming) -> Reply {
@@ -357,20 +369,19 @@ impl Proxy {
         }
     }
 
-    async fn send(
-        &self,
-        parts: &hyper::http::request::Parts,
-        body: Bytes,
-        effect: &Effect,
-    ) -> Result<(Reply, usize), (Reply, &'static str, String)> {
+    /// A failure before anything was sent: `502` for the agent, outcome `error`.
+    fn failed(&self, effect: &Effect, message: String) -> Failure {
+        let body = json!({"verdict": "failed", "run": self.run, "key": effect.key,
+            "message": message.clone()});
+        (refusal(StatusCode::BAD_GATEWAY, body), "error", message)
+    }
+
+    /// Resolves (only now, after admission: a name the gate refused is never looked up),
+    /// checks the address, checks the fence once more, and connects (over TLS for https).
+    async fn dial(&self, effect: &Effect) -> Result<(Sender, SocketAddr), Failure> {
         let host = effect.args["host"].as_str().unwrap_or_default();
         let port = effect.args["port"].as_u64().unwrap_or(80) as u16;
-        let failed = |message: String| {
-            let body = json!({"verdict": "failed", "run": self.run, "key": effect.key,
-                "message": message.clone()});
-            (refusal(StatusCode::BAD_GATEWAY, body), "error", message)
-        };
-        // Resolved only now, after admission: a name the gate refused is never looked up.
+        let failed = |message: String| self.failed(effect, message);
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
             .await
             .map_err(|e| failed(format!("cannot resolve {host}: {e}")))?
@@ -392,16 +403,13 @@ impl Proxy {
             ));
         };
         if *self.fence.borrow() {
-            return Err((
-                stopped(&self.run, &effect.key),
-                "error",
-                "not sent: the run was stopped".into(),
-            ));
+            let message = "not sent: the run was stopped".to_string();
+            return Err((stopped(&self.run, &effect.key), "error", message));
         }
         let stream = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| failed(format!("cannot connect to {addr}: {e}")))?;
-        let mut sender = if effect.args["scheme"] == "https" {
+        let sender = if effect.args["scheme"] == "https" {
             let name = rustls::pki_types::ServerName::try_from(host.to_string())
                 .map_err(|e| failed(format!("{host}: {e}")))?;
             let tls = self
@@ -414,6 +422,18 @@ impl Proxy {
             handshake(stream).await
         }
         .map_err(|e| failed(format!("{addr}: {e}")))?;
+        Ok((sender, addr))
+    }
+
+    /// Sends the admitted request and reads the whole response (up to its bound).
+    async fn send(
+        &self,
+        parts: &hyper::http::request::Parts,
+        body: Bytes,
+        effect: &Effect,
+    ) -> Result<(Reply, usize), Failure> {
+        let failed = |message: String| self.failed(effect, message);
+        let (mut sender, addr) = self.dial(effect).await?;
         let mut up = Request::builder()
             .method(parts.method.clone())
             .uri(parts.uri.path_and_query().map_or("/", |p| p.as_str()))
