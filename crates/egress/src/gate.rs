@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::sync::{mpsc, oneshot};
 
-type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Value>>>>;
+/// Callers waiting for their reply, by request id; `None` once the connection is gone, so a
+/// call made after that fails at once instead of waiting for ever.
+type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<Value>>>>>;
 
 /// A cheap handle; clones share the connection.
 #[derive(Clone, Debug)]
@@ -61,7 +63,7 @@ impl Gate {
     {
         let (lines, mut to_write) = mpsc::unbounded_channel::<String>();
         let (events_tx, events) = mpsc::unbounded_channel();
-        let pending: Pending = Arc::default();
+        let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
         tokio::spawn(async move {
             while let Some(line) = to_write.recv().await {
                 if w.write_all(line.as_bytes()).await.is_err() {
@@ -79,14 +81,19 @@ impl Gate {
                 if v.get("event").is_some() {
                     let _ = events_tx.send(v);
                 } else if let Some(id) = v["id"].as_u64() {
-                    let tx = waiting.lock().expect("not poisoned").remove(&id);
+                    let tx = waiting
+                        .lock()
+                        .expect("not poisoned")
+                        .as_mut()
+                        .and_then(|p| p.remove(&id));
                     if let Some(tx) = tx {
                         let _ = tx.send(v);
                     }
                 }
             }
-            // The gate is gone: every caller still waiting gets an error (dropped sender).
-            waiting.lock().expect("not poisoned").clear();
+            // The gate is gone: every caller still waiting gets an error (dropped sender), and
+            // every later call too.
+            waiting.lock().expect("not poisoned").take();
         });
         let gate = Gate {
             lines,
@@ -101,12 +108,36 @@ impl Gate {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         req["id"] = json!(id);
         let (tx, rx) = oneshot::channel();
-        self.pending.lock().expect("not poisoned").insert(id, tx);
+        match self.pending.lock().expect("not poisoned").as_mut() {
+            Some(p) => p.insert(id, tx),
+            None => bail!("the connection to the gate is closed"),
+        };
         let mut line = req.to_string();
         line.push('\n');
         if self.lines.send(line).is_err() {
             bail!("the connection to the gate is closed");
         }
         rx.await.context("the connection to the gate closed")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    /// A call made after the gate hung up fails at once (it used to wait for ever, and
+    /// `estop run` never exited after recording the end to a daemon that was gone).
+    #[tokio::test]
+    async fn a_call_after_the_gate_hung_up_fails_at_once() {
+        use tokio::io::AsyncWriteExt;
+        let (ours, mut theirs) = tokio::net::UnixStream::pair().unwrap();
+        let (r, w) = ours.into_split();
+        let (gate, _events) = super::Gate::start(r, w);
+        // The gate stops talking but still takes our lines: the writer stays alive, so only
+        // the reader's hang-up can tell a new call that no reply will ever come.
+        theirs.shutdown().await.unwrap();
+        assert!(gate.call(json!({"op": "ping"})).await.is_err());
+        assert!(gate.call(json!({"op": "ping"})).await.is_err());
+        drop(theirs);
     }
 }
