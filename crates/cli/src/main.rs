@@ -3,13 +3,14 @@
 //!
 //! Each command group lives in its own module: `serve`, `ledger` (the files), `read` (runs,
 //! pending, status, report) and `act` (decisions, stops, tokens) over `remote` (the typed
-//! client session), and `bench`.
+//! client session), `run` (the sandbox, crates/egress) and `bench`.
 
 mod act;
 mod bench;
 mod ledger;
 mod read;
 mod remote;
+mod run;
 mod serve;
 mod show;
 
@@ -89,6 +90,8 @@ enum Cmd {
     },
     /// Measure: closed-loop durable admissions (default), or `kernel` / `recovery` figures.
     Bench(bench::BenchArgs),
+    /// Run a command in a sandbox whose only way out is the gate (docs/EGRESS.md).
+    Run(run::RunArgs),
 }
 
 #[derive(Subcommand)]
@@ -135,6 +138,9 @@ struct RunArgs {
 }
 
 fn main() -> ExitCode {
+    if let Some(code) = estop_egress::sandbox::stage_main() {
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     let cli = Cli::parse();
     match run(cli.command) {
         Ok(code) => ExitCode::from(code),
@@ -153,6 +159,7 @@ fn fail(e: anyhow::Error) -> Failure {
 fn run(command: Cmd) -> Result<u8, Failure> {
     match command {
         Cmd::Bench(a) => bench::run(a).map_err(fail),
+        Cmd::Run(a) => run::run(a).map_err(fail),
         Cmd::Serve(a) => serve::serve(*a).map_err(fail),
         Cmd::Ledger { command } => ledger::ledger(command).map_err(fail),
         Cmd::Token { command, conn } => match command {

@@ -1,0 +1,46 @@
+//! `estop run`: the command's flags, handed to `estop_egress::run` (docs/EGRESS.md).
+
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args)]
+#[command(trailing_var_arg = true)]
+pub struct RunArgs {
+    /// The run's id (default: a fresh `run-…`); the sandbox's effects all belong to it.
+    #[arg(long)]
+    run: Option<String>,
+    /// The parent run (a cancel of the parent reaches this run).
+    #[arg(long)]
+    parent: Option<String>,
+    /// The sandbox's settings (TOML, table [egress]: allow_destinations, hold_ms, pids_max,
+    /// body_bytes_max, response_bytes_max). What requests may do is the gate's policy.
+    #[arg(long)]
+    policy: Option<PathBuf>,
+    /// Data directory of the daemon (its socket and agent token; hidden from the sandbox).
+    #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
+    data: PathBuf,
+    /// Socket path of the daemon (default: DATA/estop.sock).
+    #[arg(long, env = "ESTOP_SOCKET")]
+    socket: Option<String>,
+    /// The agent token the run belongs to (default: DATA/agent.token); never shown to the
+    /// command.
+    #[arg(long, env = "ESTOP_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// The command and its arguments, after `--`.
+    #[arg(required = true, num_args = 1.., allow_hyphen_values = true)]
+    command: Vec<String>,
+}
+
+/// Runs the command in the sandbox and returns its exit status (as estop's own).
+pub fn run(a: RunArgs) -> anyhow::Result<u8> {
+    let code = estop_egress::run(estop_egress::RunOptions {
+        data: a.data,
+        socket: a.socket,
+        token: a.token,
+        run: a.run,
+        parent: a.parent,
+        policy: a.policy,
+        argv: a.command,
+    })?;
+    Ok(u8::try_from(code).unwrap_or(1))
+}

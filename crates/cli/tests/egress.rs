@@ -1,0 +1,996 @@
+//! `estop run` with real processes: curl and Python inside the sandbox, a real daemon, and an
+//! HTTP server this test creates on the host's loopback (127.0.0.2, which the sandbox does not
+//! exempt from its proxy). Every address dialled is loopback or one the test adds itself.
+
+mod common;
+
+use common::{Daemon, bin, ok};
+use serde_json::{Value, json};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+
+const POLICY: &str = r#"
+[[rules]]
+tool = "sandbox.run"
+when = 'args.argv.exists(a, a == "forbidden-agent")'
+action = "deny"
+
+[[rules]]
+tool = "sandbox.run"
+action = "allow"
+
+[[rules]]
+tool = "http.GET"
+action = "allow"
+class = "read"
+
+[[rules]]
+tool = "http.POST"
+when = 'args.path.startsWith("/hold")'
+action = "approve"
+
+[[rules]]
+tool = "http.POST"
+when = 'args.host == "forbidden.test"'
+action = "deny"
+
+[[rules]]
+tool = "http.*"
+action = "allow"
+"#;
+
+fn daemon() -> Daemon {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policy.toml"), POLICY).unwrap();
+    let mut d = Daemon {
+        dir,
+        child: None,
+        ready: String::new(),
+        extra: vec!["--console".into(), "off".into()],
+    };
+    d.spawn();
+    d
+}
+
+/// An HTTP/1.1 server on 127.0.0.2 that counts what reaches it. `/slow` answers only when
+/// the test says so (or never), and tells the test when it arrived.
+struct Server {
+    port: u16,
+    hits: Arc<AtomicUsize>,
+    paths: Arc<Mutex<Vec<String>>>,
+    slow_arrived: mpsc::Receiver<()>,
+}
+
+impl Server {
+    fn start(ip: &str) -> Server {
+        let listener = TcpListener::bind((ip, 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let paths = Arc::new(Mutex::new(Vec::new()));
+        let (tx, slow_arrived) = mpsc::channel();
+        let (h, p) = (hits.clone(), paths.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { break };
+                let (h, p, tx) = (h.clone(), p.clone(), tx.clone());
+                std::thread::spawn(move || serve_one(conn, &h, &p, &tx));
+            }
+        });
+        Server {
+            port,
+            hits,
+            paths,
+            slow_arrived,
+        }
+    }
+
+    /// The same server over TLS, with a certificate for `ip` from a CA the test makes; the
+    /// CA's certificate is written to `roots` (the proxy is told to trust it).
+    fn start_tls(ip: &str, roots: &std::path::Path) -> Server {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(rcgen::DnType::CommonName, "egress test CA");
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        std::fs::write(roots, ca_cert.pem()).unwrap();
+        let issuer = rcgen::Issuer::new(ca, ca_key);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let leaf = rcgen::CertificateParams::new(vec![ip.to_string()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![leaf.der().clone()],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+            )
+            .unwrap();
+        let config = Arc::new(config);
+        let listener = TcpListener::bind((ip, 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let paths = Arc::new(Mutex::new(Vec::new()));
+        let (tx, slow_arrived) = mpsc::channel();
+        let (h, p) = (hits.clone(), paths.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { break };
+                let (h, p, tx) = (h.clone(), p.clone(), tx.clone());
+                let tls = rustls::ServerConnection::new(config.clone()).unwrap();
+                std::thread::spawn(move || {
+                    serve_one(rustls::StreamOwned::new(tls, conn), &h, &p, &tx)
+                });
+            }
+        });
+        Server {
+            port,
+            hits,
+            paths,
+            slow_arrived,
+        }
+    }
+
+    fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+fn serve_one<S: Read + Write>(
+    conn: S,
+    hits: &AtomicUsize,
+    paths: &Mutex<Vec<String>>,
+    slow: &mpsc::Sender<()>,
+) {
+    let mut r = BufReader::new(conn);
+    let mut line = String::new();
+    if r.read_line(&mut line).unwrap_or(0) == 0 {
+        return;
+    }
+    let mut len = 0usize;
+    loop {
+        let mut h = String::new();
+        r.read_line(&mut h).unwrap();
+        if h == "\r\n" || h.is_empty() {
+            break;
+        }
+        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap();
+        }
+    }
+    let mut body = vec![0; len];
+    r.read_exact(&mut body).unwrap();
+    let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
+    let n = hits.fetch_add(1, Ordering::SeqCst) + 1;
+    paths.lock().unwrap().push(path.clone());
+    if path == "/slow" {
+        let _ = slow.send(());
+        // Never answers: only a cut ends this request.
+        let _ = r.read(&mut [0u8; 1]);
+        return;
+    }
+    let text = format!("hit {n}");
+    let c = r.get_mut();
+    let _ = write!(
+        c,
+        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+        text.len()
+    );
+    let _ = c.flush();
+}
+
+/// `estop run` with a settings file allowing 127.0.0.2, running `argv`; stdio piped.
+fn estop_run(d: &Daemon, run: &str, extra_settings: &str, argv: &[&str]) -> Child {
+    let settings = d
+        .data()
+        .parent()
+        .unwrap()
+        .join(format!("{run}-sandbox.toml"));
+    std::fs::write(
+        &settings,
+        format!(
+            "[egress]\n{}{}{extra_settings}",
+            if extra_settings.contains("allow_destinations") {
+                ""
+            } else {
+                "allow_destinations = [\"127.0.0.2/32\"]\n"
+            },
+            if extra_settings.contains("hold_ms") {
+                ""
+            } else {
+                "hold_ms = 20000\n"
+            }
+        ),
+    )
+    .unwrap();
+    Command::new(bin())
+        .args(["run", "--data"])
+        .arg(d.data())
+        .args(["--run", run, "--policy"])
+        .arg(&settings)
+        .arg("--")
+        .args(argv)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn finish(child: Child) -> (i32, String, String) {
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+fn python(script: &str) -> Vec<String> {
+    vec!["python3".into(), "-c".into(), script.into()]
+}
+
+fn argv(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// The run's ledger entries (every page).
+fn ledger(d: &Daemon, run: &str) -> Vec<Value> {
+    let mut op = d.operator();
+    let v = ok(&mut op, json!({"op": "ledger", "run": run, "limit": 1000}));
+    v["entries"].as_array().unwrap().clone()
+}
+
+/// Blocks until an event of `kind` for `run` arrives on a subscribed client.
+fn wait_event(c: &mut estop_server::client::Client, run: &str, kind: &str) {
+    loop {
+        if let Some(e) = c.next_event().unwrap()
+            && e.run == run
+            && serde_json::to_value(e.event).unwrap() == kind
+        {
+            return;
+        }
+    }
+}
+
+#[test]
+fn the_network_is_closed_but_the_proxy_reaches_the_host_once_per_request() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    let script = format!(
+        r#"
+import errno, json, socket, urllib.request
+s = socket.socket()
+try:
+    s.connect(("127.0.0.2", {port})); print("direct: connected")
+except OSError as e:
+    print("direct:", errno.errorcode[e.errno])
+try:
+    socket.getaddrinfo("example.com", 80); print("dns: resolved")
+except socket.gaierror as e:
+    print("dns: failed")
+q = bytes([0x12, 0x34, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0]) + b"\x04test\x00\x00\x01\x00\x01"
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.settimeout(5)
+u.sendto(q, ("127.0.0.1", 53)); a = u.recv(512)
+print("dns rcode:", a[3] & 15)
+r = urllib.request.urlopen("http://127.0.0.2:{port}/hello?x=1", timeout=10)
+print("proxied:", r.status, r.read().decode(), r.headers["x-estop-verdict"])
+"#,
+        port = srv.port
+    );
+    let (code, out, err) = finish(estop_run(&d, "net", "", &argv(&python(&script))));
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        out.contains("direct: ECONNREFUSED"),
+        "the host's loopback is not the sandbox's: {out}"
+    );
+    assert!(out.contains("dns: failed"), "{out}");
+    assert!(
+        out.contains("dns rcode: 5"),
+        "the stub answers REFUSED: {out}"
+    );
+    assert!(out.contains("proxied: 200 hit 1 admitted"), "{out}\n{err}");
+    assert_eq!(srv.hits(), 1, "the direct attempt never reached the server");
+    assert_eq!(*srv.paths.lock().unwrap(), vec!["/hello?x=1".to_string()]);
+    let entries = ledger(&d, "net");
+    let kinds: Vec<String> = entries
+        .iter()
+        .map(|e| {
+            format!(
+                "{} {}",
+                e["kind"].as_str().unwrap(),
+                e["tool"].as_str().unwrap_or("")
+            )
+        })
+        .collect();
+    assert!(kinds.contains(&"admit http.GET".to_string()), "{kinds:?}");
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": "net"}));
+    assert_eq!(report["state"], "completed", "{report}");
+    let done: Vec<&str> = report["done"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["tool"].as_str().unwrap())
+        .collect();
+    assert!(
+        done.contains(&"http.GET") && done.contains(&"sandbox.run"),
+        "{report}"
+    );
+}
+
+/// Root only: a veth pair with an address the test picks, reachable from the host and
+/// not from the sandbox (no route: ENETUNREACH).
+#[test]
+fn a_direct_connection_to_another_host_is_unreachable() {
+    if !rustix_is_root() {
+        eprintln!("skipped: needs root to add a veth pair");
+        return;
+    }
+    let name = format!("estop{}", std::process::id() % 100_000);
+    let addr = format!("198.18.{}.1", std::process::id() % 250);
+    let addr = addr.as_str();
+    let ip = |args: &[&str]| Command::new("ip").args(args).status().unwrap().success();
+    let peer = format!("{name}p");
+    assert!(ip(&[
+        "link", "add", &name, "type", "veth", "peer", "name", &peer
+    ]));
+    struct Gone(String);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = Command::new("ip").args(["link", "del", &self.0]).status();
+        }
+    }
+    let _gone = Gone(name.clone());
+    assert!(ip(&["addr", "add", &format!("{addr}/32"), "dev", &name]));
+    assert!(ip(&["link", "set", &name, "up"]));
+    assert!(ip(&["link", "set", &peer, "up"]));
+    let srv = Server::start(addr);
+    TcpStream::connect((addr, srv.port)).expect("the host reaches the test's address");
+    let d = daemon();
+    let script = format!(
+        r#"
+import errno, socket
+s = socket.socket()
+try:
+    s.connect(("{addr}", {port})); print("direct: connected")
+except OSError as e:
+    print("direct:", errno.errorcode[e.errno])
+"#,
+        port = srv.port
+    );
+    let (code, out, err) = finish(estop_run(&d, "unreach", "", &argv(&python(&script))));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("direct: ENETUNREACH"), "{out}");
+    assert_eq!(srv.hits(), 0);
+}
+
+fn rustix_is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0"))
+}
+
+#[test]
+fn a_held_request_goes_through_once_approved_and_is_refused_once_rejected() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    let mut watcher = d.operator();
+    for run in ["appr", "rej"] {
+        ok(&mut watcher, json!({"op": "subscribe", "run": run}));
+    }
+    let post = |run: &str| {
+        let url = format!("http://127.0.0.2:{}/hold/refund", srv.port);
+        estop_run(
+            &d,
+            run,
+            "",
+            &[
+                "curl",
+                "-sS",
+                "-m",
+                "30",
+                "-X",
+                "POST",
+                "-d",
+                "amount=5",
+                "-w",
+                "\n%{http_code}",
+                &url,
+            ],
+        )
+    };
+    let appr = post("appr");
+    wait_event(&mut watcher, "appr", "held");
+    assert_eq!(srv.hits(), 0, "nothing is sent while held");
+    let mut op = d.operator();
+    let pending = ok(&mut op, json!({"op": "pending", "run": "appr"}));
+    let key = pending["pending"][0]["key"].as_str().unwrap().to_string();
+    assert_eq!(pending["pending"][0]["tool"], "http.POST");
+    assert_eq!(pending["pending"][0]["args"]["path"], "/hold/refund");
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "appr", "key": key, "decision": "approve"}),
+    );
+    let (code, out, err) = finish(appr);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.ends_with("hit 1\n200"),
+        "approved: it went through: {out}"
+    );
+    assert_eq!(srv.hits(), 1);
+
+    let rej = post("rej");
+    wait_event(&mut watcher, "rej", "held");
+    let pending = ok(&mut op, json!({"op": "pending", "run": "rej"}));
+    let key = pending["pending"][0]["key"].as_str().unwrap().to_string();
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "rej", "key": key, "decision": "reject"}),
+    );
+    let (_, out, err) = finish(rej);
+    assert!(out.ends_with("\n403"), "{out}\n{err}");
+    let body: Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!(body["estop"]["verdict"], "refused", "{body}");
+    assert_eq!(body["estop"]["reason"], "rejected", "{body}");
+    assert_eq!(srv.hits(), 1, "a rejected request is never sent");
+}
+
+#[test]
+fn a_held_request_answers_a_structured_refusal_with_its_approval_after_the_bound() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    let url = format!("http://127.0.0.2:{}/hold/x", srv.port);
+    let child = estop_run(
+        &d,
+        "bound",
+        "hold_ms = 100\n",
+        &[
+            "curl",
+            "-sS",
+            "-X",
+            "POST",
+            "-d",
+            "a",
+            "-w",
+            "\n%{http_code}",
+            &url,
+        ],
+    );
+    let (_, out, err) = finish(child);
+    assert!(out.ends_with("\n503"), "{out}\n{err}");
+    let body: Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!(body["estop"]["verdict"], "held", "{body}");
+    assert!(
+        body["estop"]["approval"]
+            .as_str()
+            .unwrap()
+            .starts_with("bound#"),
+        "{body}"
+    );
+    assert!(
+        body["estop"]["what_to_do"]
+            .as_str()
+            .unwrap()
+            .contains("estop approve bound"),
+        "{body}"
+    );
+    assert_eq!(srv.hits(), 0);
+}
+
+#[test]
+fn a_retried_identical_request_is_sent_once_and_a_denied_one_never() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    let script = format!(
+        r#"
+import json, urllib.request, urllib.error
+def post(path, body, headers={{}}):
+    req = urllib.request.Request("http://127.0.0.2:{port}" + path, data=body, method="POST", headers=headers)
+    try:
+        r = urllib.request.urlopen(req, timeout=10); return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())["estop"]
+print(post("/pay", b"x"))
+print(post("/pay", b"x"))
+print(post("/pay", b"y"))
+print(post("/pay", b"z", {{"Idempotency-Key": "k-1"}}))
+print(post("/pay", b"z2", {{"Idempotency-Key": "k-1"}}))
+"#,
+        port = srv.port
+    );
+    let (code, out, err) = finish(estop_run(&d, "dup", "", &argv(&python(&script))));
+    assert_eq!(code, 0, "{out}\n{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "(200, 'hit 1')", "{out}");
+    assert!(
+        lines[1].starts_with("(409, {") && lines[1].contains("'verdict': 'duplicate'"),
+        "{out}"
+    );
+    assert!(
+        lines[1].contains("'status': 200"),
+        "the recorded outcome comes back: {out}"
+    );
+    assert_eq!(
+        lines[2], "(200, 'hit 2')",
+        "another body is another request: {out}"
+    );
+    assert_eq!(lines[3], "(200, 'hit 3')", "{out}");
+    assert!(
+        lines[4].contains("'reason': 'mismatch'"),
+        "same key, other body: {out}"
+    );
+    assert_eq!(srv.hits(), 3);
+}
+
+#[test]
+fn a_cancel_fences_the_run_and_cuts_what_is_in_flight() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    let script = format!(
+        r#"
+import sys, urllib.request, urllib.error
+base = "http://127.0.0.2:{port}"
+print(urllib.request.urlopen(base + "/one", timeout=10).status, flush=True)
+try:
+    urllib.request.urlopen(base + "/slow", timeout=60); print("slow: answered")
+except urllib.error.HTTPError as e:
+    print("slow:", e.code, flush=True)
+except Exception as e:
+    print("slow: cut", type(e).__name__, flush=True)
+try:
+    urllib.request.urlopen(base + "/two", timeout=10); print("two: sent")
+except urllib.error.HTTPError as e:
+    print("two:", e.code, e.headers["x-estop-verdict"])
+"#,
+        port = srv.port
+    );
+    let mut child = estop_run(&d, "fence", "", &argv(&python(&script)));
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "200\n");
+    srv.slow_arrived.recv().unwrap();
+    let mut op = d.operator();
+    ok(
+        &mut op,
+        json!({"op": "cancel", "run": "fence", "reason": "stop now"}),
+    );
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    let (code, _, err) = finish(child);
+    assert_eq!(code, 0, "{rest}\n{err}");
+    assert!(
+        rest.contains("slow: 403") || rest.contains("slow: cut"),
+        "the stream in flight was cut: {rest}"
+    );
+    assert!(rest.contains("two: 403 refused"), "{rest}");
+    assert_eq!(
+        *srv.paths.lock().unwrap(),
+        vec!["/one".to_string(), "/slow".to_string()],
+        "nothing dialled after the fence"
+    );
+    let report = ok(&mut op, json!({"op": "report", "run": "fence"}));
+    let unknown: Vec<&str> = report["unknown"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["tool"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        unknown,
+        vec!["http.GET"],
+        "the cut request's outcome is unknown: {report}"
+    );
+}
+
+/// The sandbox's processes, found by the cgroup its supervisor made (`estop-run-<pid>`).
+fn processes_of(supervisor: u32) -> Vec<String> {
+    let tag = format!("estop-run-{supervisor}");
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.parse::<u32>().is_err() {
+            continue;
+        }
+        if std::fs::read_to_string(e.path().join("cgroup")).is_ok_and(|c| c.contains(&tag)) {
+            found.push(name);
+        }
+    }
+    found
+}
+
+fn kill_and_check(d: &Daemon, run: &str, argv: &[&str], extra: &str) {
+    stop_and_check(d, run, argv, extra, |_| {
+        let mut op = d.operator();
+        ok(
+            &mut op,
+            json!({"op": "kill", "run": run, "reason": "enough"}),
+        );
+    });
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": run}));
+    assert_eq!(report["cause"], "killed", "{report}");
+}
+
+/// Starts `argv` (which prints `ready`), stops it with `stop(pid of estop run)`, and checks
+/// that every process ended, with 128 + SIGKILL, and that the exit is on the ledger.
+fn stop_and_check(d: &Daemon, run: &str, argv: &[&str], extra: &str, stop: impl FnOnce(u32)) {
+    let mut child = estop_run(d, run, extra, argv);
+    let sup = child.id();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    if rustix_is_root() {
+        assert!(
+            processes_of(sup).len() >= 3,
+            "the sandbox runs in its own cgroup: {:?}",
+            processes_of(sup)
+        );
+    }
+    stop(sup);
+    let (code, _, err) = finish(child);
+    assert_eq!(code, 128 + 9, "{err}");
+    assert_eq!(processes_of(sup), Vec::<String>::new(), "no process left");
+    let entries = ledger(d, run);
+    let end = entries
+        .iter()
+        .find(|e| e["kind"] == "complete" && e["key"].as_str().unwrap().starts_with("sandbox:"))
+        .unwrap_or_else(|| panic!("the exit is on the ledger: {entries:?}"));
+    assert_eq!(end["outcome"], "error", "{end}");
+}
+
+#[test]
+fn sigterm_to_the_process_group_of_estop_run_ends_the_sandbox_and_records_it() {
+    let d = daemon();
+    let argv = ["sh", "-c", "sleep 1000 & (sleep 1000 &) ; echo ready; wait"];
+    let mut group = estop_run_in_own_group(&d, "term", &argv);
+    let sup = group.id();
+    let mut out = BufReader::new(group.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    // The whole group, as a terminal's Ctrl-C would (stage 1 must outlive PID 1 to see the end).
+    let target = format!("-{sup}");
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", "--", &target])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let (code, _, err) = finish(group);
+    // The command died of the SIGTERM itself, or of the SIGKILL that followed to its PID 1.
+    assert!(code == 128 + 15 || code == 128 + 9, "{code}: {err}");
+    assert_eq!(processes_of(sup), Vec::<String>::new(), "no process left");
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": "term"}));
+    assert_eq!(
+        report["state"], "failed",
+        "closed as failed with the exit status: {report}"
+    );
+}
+
+/// `estop run` as the leader of a process group of its own.
+fn estop_run_in_own_group(d: &Daemon, run: &str, argv: &[&str]) -> Child {
+    use std::os::unix::process::CommandExt;
+    Command::new(bin())
+        .args(["run", "--data"])
+        .arg(d.data())
+        .args(["--run", run, "--"])
+        .args(argv)
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn kill_leaves_no_process_behind() {
+    let d = daemon();
+    kill_and_check(
+        &d,
+        "killme",
+        &["sh", "-c", "sleep 1000 & (sleep 1000 &) ; echo ready; wait"],
+        "",
+    );
+}
+
+#[test]
+fn kill_ends_a_fork_bomb() {
+    let d = daemon();
+    // Every process forks for ever: the sandbox never ends by itself.
+    let bomb = "import os\nprint('ready', flush=True)\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n";
+    kill_and_check(&d, "bomb", &["python3", "-c", bomb], "pids_max = 64\n");
+}
+
+#[test]
+fn the_data_directory_and_the_token_are_out_of_reach() {
+    let d = daemon();
+    let data = d.data().display().to_string();
+    let script = format!(
+        r#"
+import json, os, socket
+print("data:", sorted(os.listdir("{data}")))
+print("token env:", "ESTOP_TOKEN" in os.environ)
+s = socket.socket(socket.AF_UNIX); s.connect(os.environ["ESTOP_SOCKET"]); f = s.makefile("rwb")
+def call(**req):
+    f.write((json.dumps(req) + "\n").encode()); f.flush(); return json.loads(f.readline())
+print(call(id=1, op="hello", token="anything")["ok"])
+print(call(id=2, op="status", run=os.environ["ESTOP_RUN"])["state"])
+print(call(id=3, op="runs")["error"]["code"])
+print(call(id=4, op="decide", run=os.environ["ESTOP_RUN"], key="k", decision="approve")["error"]["code"])
+print(call(id=5, op="admit", run="other", key="k", tool="t", args={{}})["error"]["code"])
+try:
+    import ctypes; libc = ctypes.CDLL(None, use_errno=True)
+    print("umount:", libc.umount2("{data}".encode(), 2), ctypes.get_errno())
+except Exception as e:
+    print("umount: error", e)
+"#
+    );
+    let (code, out, err) = finish(estop_run(&d, "hide", "", &argv(&python(&script))));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("data: []"), "{out}");
+    assert!(out.contains("token env: False"), "{out}");
+    assert!(
+        out.contains("True\nactive\nforbidden\nforbidden\nforbidden\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("umount: -1 "),
+        "the hiding mount is locked: {out}"
+    );
+    assert!(!out.contains(&d.token("agent.token")) && !out.contains(&d.token("operator.token")));
+}
+
+#[test]
+fn https_through_connect_is_admitted_and_sent_with_the_sandboxs_ca() {
+    let d = daemon();
+    let roots = d.data().parent().unwrap().join("https-upstream-ca.pem");
+    let srv = Server::start_tls("127.0.0.2", &roots);
+    let extra = format!("upstream_roots = {:?}\n", roots.display().to_string());
+    let url = format!("https://127.0.0.2:{}/secure?x=1", srv.port);
+    let script = format!(
+        r#"
+import os, ssl, urllib.request
+print(urllib.request.urlopen("{url}", timeout=10).read().decode())
+print(os.environ["SSL_CERT_FILE"] == os.environ["CURL_CA_BUNDLE"] == os.environ["REQUESTS_CA_BUNDLE"])
+"#
+    );
+    let cmd = format!("curl -sS -w ' %{{http_code}}\\n' {url} && python3 -c '{script}'");
+    let (code, out, err) = finish(estop_run(&d, "tls", &extra, &["sh", "-c", &cmd]));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(out, "hit 1 200\nhit 2\nTrue\n", "{err}");
+    assert_eq!(
+        *srv.paths.lock().unwrap(),
+        vec!["/secure?x=1".to_string(); 2]
+    );
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": "tls"}));
+    let gets = report["done"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["tool"] == "http.GET")
+        .count();
+    assert_eq!(
+        gets, 2,
+        "each request inside the tunnel is an effect: {report}"
+    );
+    let ca = std::fs::metadata(d.data().join("egress-ca.key")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(ca.permissions().mode() & 0o777, 0o600);
+}
+
+#[test]
+fn the_gate_decides_whether_the_sandbox_starts_at_all() {
+    let d = daemon();
+    let argv = ["sh", "-c", "echo ran", "forbidden-agent"];
+    let (code, out, err) = finish(estop_run(&d, "denied", "", &argv));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("refused to start the sandbox: denied"),
+        "{err}"
+    );
+    assert_eq!(out, "", "nothing ran");
+}
+
+/// As root, the same sandbox for an unprivileged user (nobody): user namespaces only, no
+/// cgroup of its own (the diagnostic says so), the network still closed, the proxy working.
+#[test]
+fn works_unprivileged_through_user_namespaces() {
+    use std::os::unix::process::CommandExt;
+    if !rustix_is_root() {
+        eprintln!("skipped: every other test already runs unprivileged here");
+        return;
+    }
+    let nobody = 65534;
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::chown(dir.path(), Some(nobody), Some(nobody)).unwrap();
+    let policy = dir.path().join("policy.toml");
+    std::fs::write(&policy, POLICY).unwrap();
+    let data = dir.path().join("data");
+    let mut serve = Command::new(bin())
+        .args(["serve", "--console", "off", "--data"])
+        .arg(&data)
+        .arg("--policy")
+        .arg(&policy)
+        .uid(nobody)
+        .gid(nobody)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Stop(Child);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut lines = BufReader::new(serve.stdout.take().unwrap()).lines();
+    let _serve = Stop(serve);
+    assert!(lines.next().unwrap().unwrap().starts_with("estop ready"));
+    let srv = Server::start("127.0.0.2");
+    let settings = dir.path().join("sandbox.toml");
+    std::fs::write(
+        &settings,
+        "[egress]\nallow_destinations = [\"127.0.0.2/32\"]\n",
+    )
+    .unwrap();
+    let script = format!(
+        "import errno, os, socket, urllib.request\n\
+         print(os.getuid())\n\
+         s = socket.socket()\n\
+         try:\n    s.connect((\"127.0.0.2\", {port}))\nexcept OSError as e:\n    print(errno.errorcode[e.errno])\n\
+         print(urllib.request.urlopen(\"http://127.0.0.2:{port}/u\", timeout=10).read().decode())\n",
+        port = srv.port
+    );
+    let out = Command::new(bin())
+        .args(["run", "--run", "unpriv", "--data"])
+        .arg(&data)
+        .arg("--policy")
+        .arg(&settings)
+        .args(["--", "/usr/bin/python3", "-c", &script])
+        .current_dir(dir.path())
+        .env("HOME", dir.path())
+        .uid(nobody)
+        .gid(nobody)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(stdout, "65534\nECONNREFUSED\nhit 1\n", "{stderr}");
+    assert!(
+        stderr.contains("no cgroup v2 of its own"),
+        "the diagnostic: {stderr}"
+    );
+    assert_eq!(srv.hits(), 1);
+}
+
+#[test]
+fn refused_destinations_and_denied_requests_dial_nothing() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    // Raw requests to the proxy, so no client-side no_proxy rule can decide for us.
+    let script = format!(
+        r#"
+import json, socket
+def ask(line):
+    s = socket.create_connection(("127.0.0.1", 3128)); s.settimeout(10)
+    s.sendall(line.encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int([h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0])
+    while len(body) < length:
+        body += s.recv(65536)
+    status = head.split()[1].decode()
+    try:
+        e = json.loads(body)["estop"]
+        print(status, e["verdict"], e["reason"])
+    except ValueError:
+        print(status, "sent", body.decode())
+ask("GET http://127.0.0.2:{port}/a HTTP/1.1\r\nHost: x\r\n\r\n")
+ask("GET http://localhost:{port}/b HTTP/1.1\r\nHost: x\r\n\r\n")
+ask("POST http://forbidden.test/c HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx")
+ask("CONNECT 127.0.0.2:{port} HTTP/1.1\r\nHost: x\r\n\r\n")
+"#,
+        port = srv.port
+    );
+    let (code, out, err) = finish(estop_run(
+        &d,
+        "dest",
+        "allow_destinations = []\n",
+        &argv(&python(&script)),
+    ));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(
+        out,
+        "403 refused destination\n403 refused destination\n403 refused denied\n403 refused destination\n",
+        "a literal loopback, a name resolving to it (after admission), a denied host (never looked up), a CONNECT: {err}"
+    );
+    assert_eq!(srv.hits(), 0);
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": "dest"}));
+    let failed: Vec<&str> = report["failed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["tool"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        failed,
+        vec!["http.GET"],
+        "the admitted request to localhost failed, unsent: {report}"
+    );
+}
+
+/// The Python client's venv (clients/python/ci-install, run by CI before the tests) has
+/// `requests` and `httpx`; `ESTOP_TEST_PYTHON` names another interpreter that has them.
+fn python_with_http_libraries() -> Option<String> {
+    if let Ok(p) = std::env::var("ESTOP_TEST_PYTHON") {
+        return Some(p);
+    }
+    let venv = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../clients/python/.venv/bin/python"
+    );
+    std::path::Path::new(venv)
+        .exists()
+        .then(|| venv.to_string())
+}
+
+#[test]
+fn requests_and_httpx_go_through_the_proxy_over_http_and_https() {
+    // Not a silent skip: CI installs the venv before the tests run, and a missing one is a
+    // failure there. Locally, ESTOP_TEST_SKIP_PYTHON=1 says on purpose that it is absent.
+    let Some(py) = python_with_http_libraries() else {
+        assert!(
+            std::env::var_os("ESTOP_TEST_SKIP_PYTHON").is_some(),
+            "no interpreter with requests and httpx: run clients/python/ci-install, set \
+             ESTOP_TEST_PYTHON, or ESTOP_TEST_SKIP_PYTHON=1 to skip this test"
+        );
+        return;
+    };
+    let d = daemon();
+    let roots = d.data().parent().unwrap().join("libs-upstream-ca.pem");
+    let tls = Server::start_tls("127.0.0.2", &roots);
+    let plain = Server::start("127.0.0.2");
+    let extra = format!("upstream_roots = {:?}\n", roots.display().to_string());
+    let script = format!(
+        r#"
+import requests, httpx
+s, p = "https://127.0.0.2:{tls}", "http://127.0.0.2:{plain}"
+r = requests.get(s + "/r", timeout=10); print("requests", r.status_code, r.text)
+r = httpx.get(s + "/h", timeout=10); print("httpx", r.status_code, r.text)
+r = requests.post(p + "/pay", data=b"q", timeout=10); print("post", r.status_code, r.text)
+r = requests.post(p + "/pay", data=b"q", timeout=10); print("again", r.status_code, r.json()["estop"]["verdict"])
+"#,
+        tls = tls.port,
+        plain = plain.port
+    );
+    let (code, out, err) = finish(estop_run(&d, "libs", &extra, &[&py, "-c", &script]));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(
+        out, "requests 200 hit 1\nhttpx 200 hit 2\npost 200 hit 1\nagain 409 duplicate\n",
+        "{err}"
+    );
+    assert_eq!(tls.hits(), 2);
+    assert_eq!(plain.hits(), 1, "the retried POST was not sent again");
+}

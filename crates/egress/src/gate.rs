@@ -1,0 +1,143 @@
+//! An asynchronous protocol v1 client to the daemon: one connection, requests pipelined and
+//! matched to replies by id (a long `wait` holds up nothing else), events handed to a channel.
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::sync::{mpsc, oneshot};
+
+/// Callers waiting for their reply, by request id; `None` once the connection is gone, so a
+/// call made after that fails at once instead of waiting for ever.
+type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<Value>>>>>;
+
+/// A cheap handle; clones share the connection.
+#[derive(Clone, Debug)]
+pub struct Gate {
+    lines: mpsc::UnboundedSender<String>,
+    pending: Pending,
+    next: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Gate {
+    /// Connects to `target` (a socket path, or host:port) and says hello with `token`.
+    /// Returns the handle and the stream of event lines.
+    pub async fn connect(
+        target: &str,
+        token: &str,
+    ) -> Result<(Gate, mpsc::UnboundedReceiver<Value>)> {
+        let (gate, events) = if target.contains('/') {
+            let s = tokio::net::UnixStream::connect(target)
+                .await
+                .with_context(|| {
+                    format!("cannot connect to {target} (is `estop serve` running?)")
+                })?;
+            let (r, w) = s.into_split();
+            Gate::start(r, w)
+        } else {
+            let s = tokio::net::TcpStream::connect(target)
+                .await
+                .with_context(|| format!("cannot connect to {target}"))?;
+            let (r, w) = s.into_split();
+            Gate::start(r, w)
+        };
+        let hello = gate.call(json!({"op": "hello", "token": token})).await?;
+        if hello["ok"] != true {
+            bail!("the gate refused the token: {}", hello["error"]);
+        }
+        if hello["role"] != "agent" {
+            bail!(
+                "estop run needs an agent token (the run belongs to it), not a {} token; \
+                 pass --token or ESTOP_TOKEN, or leave DATA/agent.token in place",
+                hello["role"]
+            );
+        }
+        Ok((gate, events))
+    }
+
+    fn start<R, W>(r: R, mut w: W) -> (Gate, mpsc::UnboundedReceiver<Value>)
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let (lines, mut to_write) = mpsc::unbounded_channel::<String>();
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
+        tokio::spawn(async move {
+            while let Some(line) = to_write.recv().await {
+                if w.write_all(line.as_bytes()).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let waiting = pending.clone();
+        tokio::spawn(async move {
+            let mut reader = BufReader::new(r).lines();
+            while let Ok(Some(line)) = reader.next_line().await {
+                let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                    continue;
+                };
+                if v.get("event").is_some() {
+                    let _ = events_tx.send(v);
+                } else if let Some(id) = v["id"].as_u64() {
+                    let tx = waiting
+                        .lock()
+                        .expect("not poisoned")
+                        .as_mut()
+                        .and_then(|p| p.remove(&id));
+                    if let Some(tx) = tx {
+                        let _ = tx.send(v);
+                    }
+                }
+            }
+            // The gate is gone: every caller still waiting gets an error (dropped sender), and
+            // every later call too.
+            waiting.lock().expect("not poisoned").take();
+        });
+        let gate = Gate {
+            lines,
+            pending,
+            next: Arc::new(1.into()),
+        };
+        (gate, events)
+    }
+
+    /// Sends one request and returns its reply object (ok or not).
+    pub async fn call(&self, mut req: Value) -> Result<Value> {
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        req["id"] = json!(id);
+        let (tx, rx) = oneshot::channel();
+        match self.pending.lock().expect("not poisoned").as_mut() {
+            Some(p) => p.insert(id, tx),
+            None => bail!("the connection to the gate is closed"),
+        };
+        let mut line = req.to_string();
+        line.push('\n');
+        if self.lines.send(line).is_err() {
+            bail!("the connection to the gate is closed");
+        }
+        rx.await.context("the connection to the gate closed")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    /// A call made after the gate hung up fails at once (it used to wait for ever, and
+    /// `estop run` never exited after recording the end to a daemon that was gone).
+    #[tokio::test]
+    async fn a_call_after_the_gate_hung_up_fails_at_once() {
+        use tokio::io::AsyncWriteExt;
+        let (ours, mut theirs) = tokio::net::UnixStream::pair().unwrap();
+        let (r, w) = ours.into_split();
+        let (gate, _events) = super::Gate::start(r, w);
+        // The gate stops talking but still takes our lines: the writer stays alive, so only
+        // the reader's hang-up can tell a new call that no reply will ever come.
+        theirs.shutdown().await.unwrap();
+        assert!(gate.call(json!({"op": "ping"})).await.is_err());
+        assert!(gate.call(json!({"op": "ping"})).await.is_err());
+        drop(theirs);
+    }
+}

@@ -1,0 +1,583 @@
+//! The egress proxy (HTTP/1.1, and CONNECT with TLS terminated here; `HTTP_PROXY` and
+//! `HTTPS_PROXY` inside the sandbox). Every request is an
+//! effect of the run: the gate admits it (its policy decides, by method, host and path) before
+//! anything is resolved or dialled, and its outcome (status, bytes) is completed on the
+//! ledger. The mapping is documented in docs/EGRESS.md ("HTTP requests as effects").
+
+use crate::gate::Gate;
+use crate::settings::{Settings, contains, forbidden};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderMap, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::sync::watch;
+
+type Reply = Response<Full<Bytes>>;
+/// The answer for the agent, the outcome for the ledger and its error text.
+type Failure = (Reply, &'static str, String);
+type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+pub struct Proxy {
+    pub gate: Gate,
+    pub run: String,
+    pub settings: Settings,
+    /// Turns true when the run is stopped: every request from then on is refused, and every
+    /// request and connection in flight is cut.
+    pub fence: watch::Receiver<bool>,
+    /// Distinguishes this proxy's keys for requests that are never deduplicated (GET…).
+    pub nonce: String,
+    pub seq: AtomicU64,
+    /// Signs the leaves the proxy presents inside CONNECT tunnels.
+    pub ca: Arc<crate::tls::Ca>,
+    /// Reaches real hosts over TLS.
+    pub connector: tokio_rustls::TlsConnector,
+}
+
+/// What the proxy will send, as the gate's policy sees it.
+#[derive(Debug)]
+pub struct Effect {
+    pub tool: String,
+    pub key: String,
+    pub args: Value,
+}
+
+/// Headers that belong to one hop (RFC 9110 §7.6.1) or to the proxy: never forwarded.
+const HOP: &[&str] = &[
+    "connection",
+    "proxy-connection",
+    "keep-alive",
+    "proxy-authorization",
+    "proxy-authenticate",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "idempotency-key",
+];
+
+impl Proxy {
+    /// Serves proxy connections; a stop of the run closes every one of them.
+    pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) {
+        while let Ok((stream, _)) = listener.accept().await {
+            let proxy = self.clone();
+            let mut fence = self.fence.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| {
+                    let proxy = proxy.clone();
+                    // Its own task: a connection cut by the fence must not cancel the
+                    // request's completion on the ledger.
+                    let task = tokio::spawn(async move { proxy.handle(req).await });
+                    async move { Ok::<_, Infallible>(task.await.unwrap_or_else(|_| internal())) }
+                });
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, service)
+                    .with_upgrades();
+                // Open when the run stops: cut. Opened after: served, every request refused.
+                if *fence.borrow_and_update() {
+                    let _ = conn.await;
+                    return;
+                }
+                tokio::select! {
+                    _ = conn => {}
+                    _ = fence.wait_for(|stopped| *stopped) => {}
+                }
+            });
+        }
+    }
+
+    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Reply {
+        if req.method() == Method::CONNECT {
+            return self.tunnel(req);
+        }
+        let (parts, body) = req.into_parts();
+        self.request(parts, body).await
+    }
+
+    /// CONNECT: nothing is dialled here. The proxy answers 200, terminates TLS itself with a
+    /// leaf for the requested host, and every request inside the tunnel is admitted (and
+    /// sent) exactly like a plain one, as `https://HOST:PORT/…`.
+    fn tunnel(self: Arc<Self>, req: Request<Incoming>) -> Reply {
+        let Some(authority) = req.uri().authority().cloned() else {
+            return refusal(
+                StatusCode::BAD_REQUEST,
+                json!({"verdict": "refused",
+                "reason": "bad_request", "message": "CONNECT needs host:port"}),
+            );
+        };
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_ascii_lowercase();
+        if let Ok(ip) = host.parse::<IpAddr>()
+            && !self.destination_allowed(ip)
+        {
+            return destination_refused(ip);
+        }
+        if *self.fence.borrow() {
+            return stopped(&self.run, "-");
+        }
+        let acceptor = match self.ca.acceptor(&host) {
+            Ok(a) => a,
+            Err(e) => {
+                return refusal(
+                    StatusCode::BAD_GATEWAY,
+                    json!({"verdict": "failed",
+                    "message": format!("no certificate for {host}: {e:#}")}),
+                );
+            }
+        };
+        let origin = format!(
+            "{}:{}",
+            authority.host(),
+            authority.port_u16().unwrap_or(443)
+        );
+        tokio::spawn(self.serve_tunnel(req, acceptor, origin));
+        Response::new(Full::new(Bytes::new()))
+    }
+
+    /// Inside one CONNECT tunnel: TLS terminated with the host's leaf, then every request
+    /// served like a plain one as `https://ORIGIN/…`; a stop of the run closes the tunnel.
+    async fn serve_tunnel(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        acceptor: tokio_rustls::TlsAcceptor,
+        origin: String,
+    ) {
+        let Ok(upgraded) = hyper::upgrade::on(req).await else {
+            return;
+        };
+        let io = hyper_util::rt::TokioIo::new(upgraded);
+        let Ok(tls) = acceptor.accept(io).await else {
+            return;
+        };
+        let mut fence = self.fence.clone();
+        let proxy = self.clone();
+        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+            let (proxy, origin) = (proxy.clone(), origin.clone());
+            let task = tokio::spawn(async move {
+                let (mut parts, body) = req.into_parts();
+                let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+                match format!("https://{origin}{pq}").parse() {
+                    Ok(uri) => parts.uri = uri,
+                    Err(_) => {
+                        return refusal(
+                            StatusCode::BAD_REQUEST,
+                            json!({"verdict": "refused",
+                        "reason": "bad_request", "message": "not a request target"}),
+                        );
+                    }
+                }
+                proxy.request(parts, body).await
+            });
+            async move { Ok::<_, Infallible>(task.await.unwrap_or_else(|_| internal())) }
+        });
+        let io = hyper_util::rt::TokioIo::new(tls);
+        let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+        tokio::select! {
+            _ = conn => {}
+            _ = fence.wait_for(|stopped| *stopped) => {}
+        }
+    }
+
+    async fn request(&self, parts: hyper::http::request::Parts, body: Incoming) -> Reply {
+        let body = match Limited::new(body, self.settings.body_bytes_max)
+            .collect()
+            .await
+        {
+            Ok(b) => b.to_bytes(),
+            Err(_) => {
+                return refusal(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    json!({"verdict": "refused", "reason": "body_too_large",
+                        "message": format!("request bodies over {} bytes are not sent",
+                            self.settings.body_bytes_max)}),
+                );
+            }
+        };
+        let effect = match self.effect(&parts, &body) {
+            Ok(e) => e,
+            Err(reply) => return *reply,
+        };
+        let token = match self.admit(&effect).await {
+            Ok(token) => token,
+            Err(reply) => return *reply,
+        };
+        let (reply, outcome) = self.forward(&parts, body, &effect).await;
+        let complete = json!({"op": "complete", "run": self.run, "key": effect.key,
+            "token": token, "outcome": outcome.0, "result": outcome.1, "error": outcome.2});
+        if let Err(e) = self.gate.call(complete).await {
+            eprintln!("estop run: completing {}: {e:#}", effect.key);
+        }
+        reply
+    }
+
+    /// The request as an effect: tool `http.METHOD`, arguments, idempotency key.
+    pub fn effect(
+        &self,
+        parts: &hyper::http::request::Parts,
+        body: &Bytes,
+    ) -> Result<Effect, Box<Reply>> {
+        let uri = &parts.uri;
+        let bad = |message: &str| {
+            Box::new(refusal(
+                StatusCode::BAD_REQUEST,
+                json!({"verdict": "refused", "reason": "bad_request", "message": message}),
+            ))
+        };
+        let (scheme, default_port) = match uri.scheme_str() {
+            Some("http") => ("http", 80),
+            Some("https") => ("https", 443),
+            _ => {
+                return Err(bad(
+                    "the proxy takes absolute http:// URLs (set HTTP_PROXY)",
+                ));
+            }
+        };
+        let host = uri.host().ok_or_else(|| bad("no host in the URL"))?;
+        let port = uri.port_u16().unwrap_or(default_port);
+        let host = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_ascii_lowercase();
+        if let Ok(ip) = host.parse::<IpAddr>()
+            && !self.destination_allowed(ip)
+        {
+            return Err(Box::new(destination_refused(ip)));
+        }
+        let body_sha256 = hex(&Sha256::digest(body));
+        let url = uri.to_string();
+        let method = parts.method.as_str();
+        let args = json!({"method": method, "url": url, "scheme": scheme, "host": host,
+            "port": port, "path": uri.path(), "query": uri.query().unwrap_or(""),
+            "body_sha256": body_sha256, "body_bytes": body.len()});
+        let key = match parts.headers.get("idempotency-key") {
+            Some(v) => format!(
+                "idem:{}",
+                v.to_str().map_err(|_| bad("Idempotency-Key is not text"))?
+            ),
+            None if is_safe(&parts.method) => {
+                format!(
+                    "http:{}:{}",
+                    self.nonce,
+                    self.seq.fetch_add(1, Ordering::Relaxed)
+                )
+            }
+            None => {
+                let id = Sha256::digest(format!("{method} {url} {body_sha256}"));
+                format!("http:{}", &hex(&id)[..32])
+            }
+        };
+        Ok(Effect {
+            tool: format!("http.{method}"),
+            key,
+            args,
+        })
+    }
+
+    /// Admits the effect (waiting up to the hold bound); the effect's token, or the answer the
+    /// agent gets instead.
+    async fn admit(&self, effect: &Effect) -> Result<String, Box<Reply>> {
+        if *self.fence.borrow() {
+            return Err(Box::new(stopped(&self.run, &effect.key)));
+        }
+        let admit = json!({"op": "admit", "run": self.run, "key": effect.key,
+            "tool": effect.tool, "args": effect.args, "start": true});
+        let mut v = self.gate.call(admit).await.map_err(|e| gate_down(&e))?;
+        if v["ok"] == true && v["verdict"] == "held" {
+            let wait = json!({"op": "wait", "run": self.run, "key": effect.key,
+                "timeout_ms": self.settings.hold_ms});
+            v = self.gate.call(wait).await.map_err(|e| gate_down(&e))?;
+        }
+        let who = json!({"run": self.run, "key": effect.key, "tool": effect.tool});
+        if v["ok"] != true {
+            let code = v["error"]["code"].as_str().unwrap_or("");
+            let status = match code {
+                "invalid_field" | "missing_field" | "bad_json" => StatusCode::BAD_REQUEST,
+                "not_found" | "forbidden" => StatusCode::FORBIDDEN,
+                _ => StatusCode::SERVICE_UNAVAILABLE,
+            };
+            return Err(Box::new(refusal(
+                status,
+                merge(
+                    who,
+                    json!({"verdict": "error",
+                "error": v["error"], "message": "the gate did not admit the request; nothing was sent"}),
+                ),
+            )));
+        }
+        match v["verdict"].as_str() {
+            Some("admitted") => Ok(v["token"].as_str().unwrap_or_default().to_string()),
+            Some("held") => Err(Box::new(held(who, &v))),
+            Some("duplicate") => Err(Box::new(refusal(
+                StatusCode::CONFLICT,
+                merge(
+                    who,
+                    json!({
+                "verdict": "duplicate", "status": v["status"], "outcome": v["outcome"],
+                "result": v["result"],
+                "message": "this request was sent before (same idempotency key); it is not sent again",
+                "what_to_do": "use the recorded outcome; send an Idempotency-Key of your own to send a new request"}),
+                ),
+            ))),
+            _ => Err(Box::new(refusal(
+                StatusCode::FORBIDDEN,
+                merge(
+                    who,
+                    json!({
+                "verdict": "refused", "reason": v["reason"], "rule": v["rule"], "message": v["message"],
+                "what_to_do": "do not retry this request: the gate refused it"}),
+                ),
+            ))),
+        }
+    }
+
+    fn destination_allowed(&self, ip: IpAddr) -> bool {
+        !forbidden(ip) || self.settings.allow.iter().any(|net| contains(*net, ip))
+    }
+
+    /// Resolves, dials and relays one admitted request. Returns the answer for the agent and
+    /// the outcome for the ledger: (outcome, result, error).
+    async fn forward(
+        &self,
+        parts: &hyper::http::request::Parts,
+        body: Bytes,
+        effect: &Effect,
+    ) -> (Reply, (&'static str, Value, Value)) {
+        let mut fence = self.fence.clone();
+        let work = self.send(parts, body, effect);
+        tokio::select! {
+            r = work => match r {
+                Ok((reply, bytes)) => {
+                    let status = reply.status().as_u16();
+                    (reply, ("ok", json!({"status": status, "bytes": bytes}), Value::Null))
+                }
+                Err((reply, outcome, error)) => (reply, (outcome, Value::Null, json!(error))),
+            },
+            _ = fence.wait_for(|stopped| *stopped) => (
+                stopped(&self.run, &effect.key),
+                ("unknown", Value::Null, json!("cut: the run was stopped while the request was in flight")),
+            ),
+        }
+    }
+
+    /// A failure before anything was sent: `502` for the agent, outcome `error`.
+    fn failed(&self, effect: &Effect, message: String) -> Failure {
+        let body = json!({"verdict": "failed", "run": self.run, "key": effect.key,
+            "message": message.clone()});
+        (refusal(StatusCode::BAD_GATEWAY, body), "error", message)
+    }
+
+    /// Resolves (only now, after admission: a name the gate refused is never looked up),
+    /// checks the address, checks the fence once more, and connects (over TLS for https).
+    async fn dial(&self, effect: &Effect) -> Result<(Sender, SocketAddr), Failure> {
+        let host = effect.args["host"].as_str().unwrap_or_default();
+        let port = effect.args["port"].as_u64().unwrap_or(80) as u16;
+        let failed = |message: String| self.failed(effect, message);
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
+            .await
+            .map_err(|e| failed(format!("cannot resolve {host}: {e}")))?
+            .collect();
+        let Some(addr) = addrs
+            .iter()
+            .find(|a| self.destination_allowed(a.ip()))
+            .copied()
+        else {
+            let ip = addrs.first().map(|a| a.ip());
+            let reply = ip.map_or_else(
+                || failed(format!("{host} has no address")).0,
+                destination_refused,
+            );
+            return Err((
+                reply,
+                "error",
+                format!("{host} resolves only to refused destinations"),
+            ));
+        };
+        if *self.fence.borrow() {
+            let message = "not sent: the run was stopped".to_string();
+            return Err((stopped(&self.run, &effect.key), "error", message));
+        }
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| failed(format!("cannot connect to {addr}: {e}")))?;
+        let sender = if effect.args["scheme"] == "https" {
+            let name = rustls::pki_types::ServerName::try_from(host.to_string())
+                .map_err(|e| failed(format!("{host}: {e}")))?;
+            let tls = self
+                .connector
+                .connect(name, stream)
+                .await
+                .map_err(|e| failed(format!("TLS with {host}: {e}")))?;
+            handshake(tls).await
+        } else {
+            handshake(stream).await
+        }
+        .map_err(|e| failed(format!("{addr}: {e}")))?;
+        Ok((sender, addr))
+    }
+
+    /// Sends the admitted request and reads the whole response (up to its bound).
+    async fn send(
+        &self,
+        parts: &hyper::http::request::Parts,
+        body: Bytes,
+        effect: &Effect,
+    ) -> Result<(Reply, usize), Failure> {
+        let failed = |message: String| self.failed(effect, message);
+        let (mut sender, addr) = self.dial(effect).await?;
+        let mut up = Request::builder()
+            .method(parts.method.clone())
+            .uri(parts.uri.path_and_query().map_or("/", |p| p.as_str()))
+            .body(Full::new(body))
+            .expect("parts of a parsed request");
+        copy_headers(&parts.headers, up.headers_mut());
+        if let Some(a) = parts.uri.authority() {
+            let value = HeaderValue::from_str(a.as_str()).expect("an authority is a header value");
+            up.headers_mut().insert(hyper::header::HOST, value);
+        }
+        let res = sender
+            .send_request(up)
+            .await
+            .map_err(|e| (failed(e.to_string()).0, "unknown", format!("{addr}: {e}")))?;
+        let (rparts, rbody) = res.into_parts();
+        let bytes = Limited::new(rbody, self.settings.response_bytes_max)
+            .collect()
+            .await
+            .map_err(|e| {
+                (
+                    failed(e.to_string()).0,
+                    "unknown",
+                    format!("reading the response: {e}"),
+                )
+            })?
+            .to_bytes();
+        let n = bytes.len();
+        let mut reply = Response::new(Full::new(bytes));
+        *reply.status_mut() = rparts.status;
+        copy_headers(&rparts.headers, reply.headers_mut());
+        reply
+            .headers_mut()
+            .insert("x-estop-verdict", HeaderValue::from_static("admitted"));
+        Ok((reply, n))
+    }
+}
+
+/// An HTTP/1.1 client connection over `io`, driven by its own task.
+async fn handshake<IO>(
+    io: IO,
+) -> hyper::Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io)).await?;
+    tokio::spawn(conn);
+    Ok(sender)
+}
+
+fn internal() -> Reply {
+    refusal(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        json!({"verdict": "error"}),
+    )
+}
+
+fn is_safe(m: &Method) -> bool {
+    matches!(
+        *m,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
+}
+
+fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    for (name, value) in from {
+        if !HOP.contains(&name.as_str()) {
+            to.append(name.clone(), value.clone());
+        }
+    }
+}
+
+fn merge(mut a: Value, b: Value) -> Value {
+    if let (Some(a), Value::Object(b)) = (a.as_object_mut(), b) {
+        a.extend(b.into_iter().filter(|(_, v)| !v.is_null()));
+    }
+    a
+}
+
+/// The structured answer the model reads: `{"estop": {...}}`, and `X-Estop-Verdict`.
+pub fn refusal(status: StatusCode, estop: Value) -> Reply {
+    let verdict = estop["verdict"].as_str().unwrap_or("refused").to_string();
+    let body = json!({"estop": estop}).to_string();
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    let h = r.headers_mut();
+    h.insert(
+        hyper::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.insert(
+        "x-estop-verdict",
+        HeaderValue::from_str(&verdict).expect("a verdict word"),
+    );
+    r
+}
+
+fn held(who: Value, v: &Value) -> Reply {
+    let run = who["run"].as_str().unwrap_or_default().to_string();
+    let key = who["key"].as_str().unwrap_or_default().to_string();
+    let mut r = refusal(
+        StatusCode::SERVICE_UNAVAILABLE,
+        merge(
+            who,
+            json!({
+        "verdict": "held", "reason": v["reason"], "approval": v["approval"],
+        "expires_at": v["expires_at"],
+        "message": "this request awaits an operator's approval; nothing was sent",
+        "what_to_do": format!("retry the same request later: it goes through once approved \
+            (operator: estop approve {run} {key}), and is refused if rejected or expired")}),
+        ),
+    );
+    r.headers_mut()
+        .insert(hyper::header::RETRY_AFTER, HeaderValue::from_static("30"));
+    r
+}
+
+fn stopped(run: &str, key: &str) -> Reply {
+    refusal(
+        StatusCode::FORBIDDEN,
+        json!({"verdict": "refused", "reason": "cancelled",
+        "run": run, "key": key, "message": "the run was stopped; nothing more is sent",
+        "what_to_do": "stop: the run is over"}),
+    )
+}
+
+fn destination_refused(ip: IpAddr) -> Reply {
+    refusal(
+        StatusCode::FORBIDDEN,
+        json!({"verdict": "refused", "reason": "destination",
+        "message": format!("{ip} is a loopback, link-local, metadata or otherwise private \
+            destination; the proxy does not reach it"),
+        "what_to_do": "use a public address (the operator may allow it with allow_destinations)"}),
+    )
+}
+
+fn gate_down(e: &anyhow::Error) -> Box<Reply> {
+    Box::new(refusal(
+        StatusCode::SERVICE_UNAVAILABLE,
+        json!({"verdict": "error",
+        "message": format!("the gate cannot be reached ({e:#}); nothing was sent")}),
+    ))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

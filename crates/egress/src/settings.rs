@@ -1,0 +1,198 @@
+//! The sandbox's own settings (`estop run --policy FILE`, table `[egress]`): which private
+//! destinations the proxy may reach, how long a held request waits, the sandbox's bounds.
+//! What an HTTP request *may do* is not here: the gate's policy decides that (G7).
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+use std::net::IpAddr;
+use std::path::Path;
+
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Destinations refused by default (loopback, link-local, metadata…) that the proxy may
+    /// reach anyway: address/prefix pairs.
+    pub allow: Vec<(IpAddr, u8)>,
+    /// How long a held request waits for an operator before the structured refusal.
+    pub hold_ms: u64,
+    /// Processes and threads the sandbox may have at once (where a pids controller exists).
+    pub pids_max: u32,
+    /// Largest request body the proxy buffers (it must digest it before admission).
+    pub body_bytes_max: usize,
+    /// Largest response the proxy relays.
+    pub response_bytes_max: usize,
+    /// Extra roots (PEM) the proxy trusts when it reaches hosts over TLS, beside the public web
+    /// PKI: a private CA of your own, or a test's.
+    pub upstream_roots: Option<std::path::PathBuf>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            allow: Vec::new(),
+            hold_ms: 30_000,
+            pids_max: 4096,
+            body_bytes_max: 8 << 20,
+            response_bytes_max: 64 << 20,
+            upstream_roots: None,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    egress: Option<Egress>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Egress {
+    allow_destinations: Option<Vec<String>>,
+    hold_ms: Option<u64>,
+    pids_max: Option<u32>,
+    body_bytes_max: Option<usize>,
+    response_bytes_max: Option<usize>,
+    upstream_roots: Option<std::path::PathBuf>,
+}
+
+impl Settings {
+    pub fn load(path: &Path) -> Result<Settings> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        Settings::parse(&text).with_context(|| format!("{}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<Settings> {
+        let file: File = toml::from_str(text)?;
+        let mut s = Settings::default();
+        let Some(e) = file.egress else { return Ok(s) };
+        for cidr in e.allow_destinations.unwrap_or_default() {
+            s.allow.push(parse_cidr(&cidr)?);
+        }
+        s.hold_ms = e.hold_ms.unwrap_or(s.hold_ms);
+        s.pids_max = e.pids_max.unwrap_or(s.pids_max);
+        s.body_bytes_max = e.body_bytes_max.unwrap_or(s.body_bytes_max);
+        s.response_bytes_max = e.response_bytes_max.unwrap_or(s.response_bytes_max);
+        s.upstream_roots = e.upstream_roots;
+        if s.pids_max < 4 {
+            bail!("pids_max must be at least 4");
+        }
+        Ok(s)
+    }
+}
+
+/// `10.0.0.0/8`, `127.0.0.1` (a single address), `::1/128`.
+pub fn parse_cidr(text: &str) -> Result<(IpAddr, u8)> {
+    let (addr, len) = match text.split_once('/') {
+        Some((a, l)) => (a, Some(l)),
+        None => (text, None),
+    };
+    let addr: IpAddr = addr
+        .parse()
+        .with_context(|| format!("{text:?} is not an address or address/prefix"))?;
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    let len = match len {
+        Some(l) => l.parse::<u8>().ok().filter(|&l| l <= max),
+        None => Some(max),
+    };
+    let len = len.with_context(|| format!("{text:?}: prefix length must be 0 to {max}"))?;
+    Ok((addr, len))
+}
+
+/// Whether `addr` lies in `net`/`len`.
+pub fn contains((net, len): (IpAddr, u8), addr: IpAddr) -> bool {
+    match (net, addr) {
+        (IpAddr::V4(n), IpAddr::V4(a)) => {
+            let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
+            u32::from(n) & mask == u32::from(a) & mask
+        }
+        (IpAddr::V6(n), IpAddr::V6(a)) => {
+            let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
+            u128::from(n) & mask == u128::from(a) & mask
+        }
+        _ => false,
+    }
+}
+
+/// Destinations refused unless allowed: loopback (the host's own services), link-local (cloud
+/// metadata lives at 169.254.169.254 and fd00:ec2::254), unspecified, multicast, broadcast,
+/// IPv4-mapped forms of those.
+pub fn forbidden(addr: IpAddr) -> bool {
+    match addr {
+        IpAddr::V4(a) => {
+            a.is_loopback()
+                || a.is_link_local()
+                || a.is_unspecified()
+                || a.is_multicast()
+                || a.is_broadcast()
+                || a.octets()[0] == 0
+        }
+        IpAddr::V6(a) => {
+            if let Some(v4) = a.to_ipv4_mapped() {
+                return forbidden(IpAddr::V4(v4));
+            }
+            a.is_loopback()
+                || a.is_unspecified()
+                || a.is_multicast()
+                || (a.segments()[0] & 0xffc0) == 0xfe80
+                || a == "fd00:ec2::254"
+                    .parse::<std::net::Ipv6Addr>()
+                    .expect("literal")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// docs/EGRESS.md stays true: its `[egress]` example parses, and so does its policy example.
+    #[test]
+    fn the_documented_examples_parse() {
+        let doc = include_str!("../../../docs/EGRESS.md");
+        let blocks: Vec<&str> = doc
+            .split("```toml\n")
+            .skip(1)
+            .map(|b| b.split("```").next().unwrap())
+            .collect();
+        assert_eq!(blocks.len(), 2, "the settings and the policy example");
+        let s = Settings::parse(blocks[0]).unwrap();
+        assert_eq!(s.allow, vec![parse_cidr("127.0.0.2/32").unwrap()]);
+        assert_eq!(s.hold_ms, 30_000);
+        estop_policy::Policy::parse(blocks[1]).unwrap();
+        assert!(
+            Settings::parse("[egress]\nhold = 1\n").is_err(),
+            "unknown keys are refused"
+        );
+        assert!(Settings::parse("[egress]\npids_max = 1\n").is_err());
+    }
+
+    #[test]
+    fn cidrs_and_forbidden_destinations() {
+        let lo = parse_cidr("127.0.0.0/8").unwrap();
+        assert!(contains(lo, "127.1.2.3".parse().unwrap()));
+        assert!(!contains(lo, "128.0.0.1".parse().unwrap()));
+        assert!(contains(
+            parse_cidr("0.0.0.0/0").unwrap(),
+            "8.8.8.8".parse().unwrap()
+        ));
+        assert!(contains(parse_cidr("::1").unwrap(), "::1".parse().unwrap()));
+        assert!(parse_cidr("10.0.0.0/33").is_err());
+        assert!(parse_cidr("nope").is_err());
+        for bad in [
+            "127.0.0.1",
+            "169.254.169.254",
+            "0.0.0.0",
+            "::1",
+            "fe80::1",
+            "::ffff:127.0.0.1",
+            "fd00:ec2::254",
+            "224.0.0.1",
+        ] {
+            assert!(forbidden(bad.parse().unwrap()), "{bad}");
+        }
+        for good in ["93.184.216.34", "10.1.2.3", "2001:db8::1"] {
+            assert!(!forbidden(good.parse().unwrap()), "{good}");
+        }
+    }
+}
