@@ -1131,16 +1131,7 @@ impl Gate {
             | Status::Compensating
             | Status::Compensated
             | Status::CompensationFailed
-            | Status::NeedsHuman => {
-                let mut rec = effect.outcome.as_deref().cloned().unwrap_or_default();
-                rec.outcome = effect.outcome_kind();
-                verdict(Verdict::Duplicate {
-                    status: effect.status.kind(),
-                    outcome: rec.outcome,
-                    result: rec.result,
-                    error: rec.error,
-                })
-            }
+            | Status::NeedsHuman => verdict(receipt(effect)),
             Status::Admitted => {
                 if let Some(stop) = &run.stop {
                     let reason = stop.cause.refusal();
@@ -1196,10 +1187,8 @@ impl Gate {
                             Some(effect.status),
                             planned_status(&plan, effect),
                         )?;
-                        Ok((
-                            Reply::Verdict(self.carry_out(now, run_id, key, plan, ev)),
-                            true,
-                        ))
+                        let verdict = self.carry_out(now, run_id, key, plan, ev);
+                        Ok((Reply::Verdict(verdict), true))
                     }
                 }
             }
@@ -1218,10 +1207,8 @@ impl Gate {
                             Some(effect.status),
                             planned_status(&plan, effect),
                         )?;
-                        Ok((
-                            Reply::Verdict(self.carry_out(now, run_id, key, plan, ev)),
-                            true,
-                        ))
+                        let verdict = self.carry_out(now, run_id, key, plan, ev);
+                        Ok((Reply::Verdict(verdict), true))
                     }
                 }
             }
@@ -1455,69 +1442,94 @@ impl Gate {
                     Some(effect.status),
                     Status::Refused(RefusalReason::Rejected),
                 )?;
-                let digest = effect.digest;
-                self.refuse_effect(now, run_id, key, RefusalReason::Rejected);
-                let run = self.runs.get_mut(run_id).expect("run exists");
-                run.rejected.insert(digest);
-                let a = run
-                    .effects
-                    .get_mut(key)
-                    .and_then(|e| e.approval.as_mut())
-                    .expect("approval");
-                a.rejected_by = Some(p.name.clone());
-                a.reason = reason.clone();
-                ev.push(|| event(run_id, Some(key), EventKind::Decided));
+                self.reject(now, p, run_id, key, reason, ev);
                 Ok((Reply::Decided(DecideStatus::Rejected), true))
             }
-            Decision::Approve => {
-                if approval.approvers.iter().any(|a| a.name == p.name) {
-                    return Err(KernelError::DuplicateApprover {
-                        run: run_id.clone(),
-                        key: key.clone(),
-                        principal: p.name.to_string(),
-                    });
-                }
-                let mut next = (**approval).clone();
-                next.approvers.push(Approver {
-                    name: p.name.clone(),
-                    groups: p.groups.clone(),
-                    at: now,
-                });
-                if reason.is_some() {
-                    next.reason = reason.clone();
-                }
-                let satisfied = next.satisfied();
-                if satisfied {
-                    check_effect(run_id, key, Some(effect.status), Status::Approved)?;
-                }
-                let (approvals, quorum) = (next.approvers.len() as u32, next.quorum);
-                let missing_groups: Vec<Box<str>> = next
-                    .groups
-                    .iter()
-                    .filter(|g| !next.approvers.iter().any(|a| a.groups.contains(g)))
-                    .cloned()
-                    .collect();
-                let run = self.runs.get_mut(run_id).expect("run exists");
-                let e = run.effects.get_mut(key).expect("effect exists");
-                e.approval = Some(Box::new(next));
-                e.updated_at = now;
-                ev.push(|| event(run_id, Some(key), EventKind::Decided));
-                if satisfied {
-                    e.status = Status::Approved;
-                    run.pending_approvals -= 1;
-                    Ok((Reply::Decided(DecideStatus::Approved), true))
-                } else {
-                    Ok((
-                        Reply::Decided(DecideStatus::Pending {
-                            approvals,
-                            quorum,
-                            missing_groups,
-                        }),
-                        true,
-                    ))
-                }
-            }
+            Decision::Approve => self.approve(now, p, run_id, key, reason, ev),
         }
+    }
+
+    /// Refuses an effect held for approval (checked by `decide`) and remembers its digest, so
+    /// the same call is never admitted again in the run (G2).
+    fn reject(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+        reason: &Option<Box<str>>,
+        ev: &mut Sink,
+    ) {
+        let digest = self.runs[run_id].effects[key].digest;
+        self.refuse_effect(now, run_id, key, RefusalReason::Rejected);
+        let run = self.runs.get_mut(run_id).expect("run exists");
+        run.rejected.insert(digest);
+        let a = run
+            .effects
+            .get_mut(key)
+            .and_then(|e| e.approval.as_mut())
+            .expect("approval");
+        a.rejected_by = Some(p.name.clone());
+        a.reason = reason.clone();
+        ev.push(|| event(run_id, Some(key), EventKind::Decided));
+    }
+
+    /// Adds `p`'s approval to an effect held for approval (unexpired, checked by `decide`);
+    /// the effect is approved once the quorum and every group are met.
+    fn approve(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+        reason: &Option<Box<str>>,
+        ev: &mut Sink,
+    ) -> Result<(Reply, bool), KernelError> {
+        let effect = &self.runs[run_id].effects[key];
+        let approval = effect.approval.as_ref().expect("held for approval");
+        if approval.approvers.iter().any(|a| a.name == p.name) {
+            return Err(KernelError::DuplicateApprover {
+                run: run_id.clone(),
+                key: key.clone(),
+                principal: p.name.to_string(),
+            });
+        }
+        let mut next = (**approval).clone();
+        next.approvers.push(Approver {
+            name: p.name.clone(),
+            groups: p.groups.clone(),
+            at: now,
+        });
+        if reason.is_some() {
+            next.reason = reason.clone();
+        }
+        let satisfied = next.satisfied();
+        if satisfied {
+            check_effect(run_id, key, Some(effect.status), Status::Approved)?;
+        }
+        let (approvals, quorum) = (next.approvers.len() as u32, next.quorum);
+        let missing_groups: Vec<Box<str>> = next
+            .groups
+            .iter()
+            .filter(|g| !next.approvers.iter().any(|a| a.groups.contains(g)))
+            .cloned()
+            .collect();
+        let run = self.runs.get_mut(run_id).expect("run exists");
+        let e = run.effects.get_mut(key).expect("effect exists");
+        e.approval = Some(Box::new(next));
+        e.updated_at = now;
+        ev.push(|| event(run_id, Some(key), EventKind::Decided));
+        if !satisfied {
+            let pending = DecideStatus::Pending {
+                approvals,
+                quorum,
+                missing_groups,
+            };
+            return Ok((Reply::Decided(pending), true));
+        }
+        e.status = Status::Approved;
+        run.pending_approvals -= 1;
+        Ok((Reply::Decided(DecideStatus::Approved), true))
     }
 
     // ---------------------------------------------------------------- stops
@@ -1869,6 +1881,18 @@ impl Gate {
             tombstones: expired,
         };
         Ok((reply, n > 0 || expired > 0))
+    }
+}
+
+/// What a repeat admit of an effect that has its outcome gets: its status and outcome.
+fn receipt(effect: &Effect) -> Verdict {
+    let mut rec = effect.outcome.as_deref().cloned().unwrap_or_default();
+    rec.outcome = effect.outcome_kind();
+    Verdict::Duplicate {
+        status: effect.status.kind(),
+        outcome: rec.outcome,
+        result: rec.result,
+        error: rec.error,
     }
 }
 
