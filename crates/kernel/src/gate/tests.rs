@@ -33,6 +33,16 @@ fn operator() -> Principal {
 }
 
 fn admit(run: &str, key: &str, parent: Option<&str>, limits: RunLimits) -> Command {
+    admit_as(PolicyAction::Allow, run, key, parent, limits)
+}
+
+fn admit_as(
+    action: PolicyAction,
+    run: &str,
+    key: &str,
+    parent: Option<&str>,
+    limits: RunLimits,
+) -> Command {
     Command::Admit(Admit {
         run: id(run),
         key: EffectKey::new(key).expect("valid key"),
@@ -44,7 +54,7 @@ fn admit(run: &str, key: &str, parent: Option<&str>, limits: RunLimits) -> Comma
         labels: Vec::new(),
         limits,
         policy: PolicyDecision {
-            action: PolicyAction::Allow,
+            action,
             class: EffectClass::Write,
             reversibility: Reversibility::Undeclared,
             compensate: None,
@@ -63,8 +73,8 @@ fn token_of(applied: Applied) -> Token {
     }
 }
 
-/// r1 (deadline 100, budget 1) → r2 → r3, each with one prepared effect `k`; returns the gate
-/// and r1's token.
+/// r1 (deadline 100, budget 1) → r2 → r3, each with one prepared effect `k`; r2 has `h` held
+/// for approval and r3 `s` held behind it (a sibling); returns the gate and r1's token.
 fn tree() -> (Gate, Token) {
     let mut gate = Gate::new(Limits::default());
     let r1_limits = RunLimits {
@@ -81,6 +91,12 @@ fn tree() -> (Gate, Token) {
         .unwrap();
     gate.apply(0, &a, &admit("r3", "k", Some("r2"), none))
         .unwrap();
+    let approve = admit_as(PolicyAction::Approve, "r2", "h", Some("r1"), none);
+    gate.apply(0, &a, &approve).unwrap();
+    let held = gate
+        .apply(0, &a, &admit("r3", "s", Some("r2"), none))
+        .unwrap();
+    assert!(matches!(held.reply, Reply::Verdict(Verdict::Held { .. })));
     (gate, token)
 }
 
@@ -109,7 +125,7 @@ fn cascades(token: Token) -> Vec<(u64, Principal, Command)> {
         // r1's budget of one admission is spent: the next admit fences its subtree.
         (10, agent(), admit("r1", "k2", None, none)),
         // Past r1's deadline: a tick of r1 or of a descendant, an admit under it (in a run that
-        // exists or one it creates), a start.
+        // exists or one it creates), a start, a wait on an effect held behind a sibling.
         (200, agent(), Command::Tick { run: id("r1") }),
         (200, agent(), Command::Tick { run: id("r2") }),
         (200, agent(), admit("r2", "k2", Some("r1"), none)),
@@ -121,6 +137,14 @@ fn cascades(token: Token) -> Vec<(u64, Principal, Command)> {
                 run: id("r1"),
                 key: EffectKey::new("k").expect("valid key"),
                 token,
+            },
+        ),
+        (
+            200,
+            agent(),
+            Command::Recheck {
+                run: id("r3"),
+                key: EffectKey::new("s").expect("valid key"),
             },
         ),
     ]
