@@ -116,10 +116,12 @@ pub enum KernelError {
         max: u64,
         hint: &'static str,
     },
-    #[error("illegal transition of effect {key} of run {run} from {from} to {to}")]
+    /// A change the tables in `transitions` do not allow: of effect `key` of the run, or of the
+    /// run itself when `key` is `None`. A bug, refused before anything changed.
+    #[error("illegal transition of {} from {from} to {to}", subject(.run, .key.as_ref()))]
     IllegalTransition {
         run: RunId,
-        key: EffectKey,
+        key: Option<EffectKey>,
         from: &'static str,
         to: &'static str,
     },
@@ -129,6 +131,14 @@ pub enum KernelError {
         "run {run} was forgotten after its retention period (only its fence is kept: see status); {what} has nothing left to act on"
     )]
     Forgotten { run: RunId, what: &'static str },
+}
+
+/// What an illegal transition was of: "effect K of run R", or "run R".
+fn subject(run: &RunId, key: Option<&EffectKey>) -> String {
+    match key {
+        Some(key) => format!("effect {key} of run {run}"),
+        None => format!("run {run}"),
+    }
 }
 
 impl KernelError {
