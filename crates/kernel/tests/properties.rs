@@ -4,7 +4,7 @@
 
 mod support;
 
-use estop_kernel::codec::{
+use estop_kernel::record_codec::{
     RecordDecoder, decode_record, decode_snapshot, encode_record, encode_snapshot,
 };
 use estop_kernel::state::Status;

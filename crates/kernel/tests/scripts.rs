@@ -975,7 +975,7 @@ fn adopting_a_stopped_parent_fences_the_subtree_and_cycles_are_refused() {
 /// Tool and rule names are stored once for all the effects that use them (memory per identity).
 #[test]
 fn tool_and_rule_names_are_shared_between_effects_and_survive_a_snapshot() {
-    use estop_kernel::codec::{decode_snapshot, encode_snapshot};
+    use estop_kernel::record_codec::{decode_snapshot, encode_snapshot};
     use estop_kernel::{Gate, Limits, RunId};
     let mut gate = Gate::new(Limits::default());
     for line in [
@@ -1012,7 +1012,7 @@ fn tool_and_rule_names_are_shared_between_effects_and_survive_a_snapshot() {
 /// run without effects, and the next compaction forgets it into a tombstone.
 #[test]
 fn a_version_1_snapshot_loads_and_its_compacted_runs_are_forgotten_next() {
-    use estop_kernel::codec::{decode_snapshot, encode_snapshot};
+    use estop_kernel::record_codec::{decode_snapshot, encode_snapshot};
     use estop_kernel::{Command, Limits, RunId};
     let mut v1 = vec![1u8];
     v1.extend_from_slice(&1u64.to_le_bytes()); // one run

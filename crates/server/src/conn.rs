@@ -12,7 +12,7 @@ use crate::tokens::{RevokeSignal, Tokens};
 use estop_kernel::Principal;
 use estop_policy::Policy;
 use estop_protocol::page::{PAGE_BYTES_MAX_DEFAULT, PAGE_ITEMS_DEFAULT, PAGE_ITEMS_MAX};
-use estop_protocol::reply::{self as wire, error_line, ok_line, pong_line};
+use estop_protocol::server_line::{self as wire, error_line, ok_line, pong_line};
 use estop_protocol::{
     ErrorCode, Id, Line, LineReader, Op, PageBudget, Request, Secret, parse_request,
 };

@@ -16,7 +16,7 @@ use estop_kernel::{
 use estop_ledger::{FileStorage, inspect};
 use estop_policy::{EvalError, Policy};
 use estop_protocol::page::Weight;
-use estop_protocol::reply as wire;
+use estop_protocol::server_line as wire;
 use estop_protocol::{CloseOutcome, ErrorCode, Id, Op, PageBudget, Secret, Verb};
 use std::sync::Arc;
 use std::time::Duration;
@@ -322,21 +322,21 @@ fn admit_command(
     p: &Principal,
     a: estop_protocol::Admit,
 ) -> Result<Command, Answer> {
-    let mut verdict = match policy.evaluate(&a.tool, a.args.as_ref(), p.name.as_str()) {
+    let mut ruling = match policy.evaluate(&a.tool, a.args.as_ref(), p.name.as_str()) {
         Ok(v) => v,
         Err(e @ EvalError::ArgsRequired { .. }) => {
             return Err(err(ErrorCode::ArgsRequired, e.to_string()));
         }
         Err(e) => {
             // A condition that cannot be evaluated fails closed: refused, nothing recorded.
-            return Err(Answer::Verdict(wire::Verdict::Refused {
+            return Err(Answer::Verdict(wire::VerdictReply::Refused {
                 reason: RefusalReason::Denied,
                 message: Some(e.to_string()),
                 rule: Some(e.rule().to_string()),
             }));
         }
     };
-    verdict.strengthen(a.needs_approval);
+    ruling.strengthen(a.needs_approval);
     let now = crate::conn::wall_ms();
     let mut limits: RunLimits = policy.run_limits(now);
     let min = |x: Option<u64>, y: Option<u64>| match (x, y) {
@@ -351,7 +351,7 @@ fn admit_command(
         ),
     );
     limits.max_effects = min(limits.max_effects, a.limits.max_effects);
-    let args = if verdict.action == PolicyAction::Approve {
+    let args = if ruling.action == PolicyAction::Approve {
         a.args.as_ref().map(|v| v.to_string().into_boxed_str())
     } else {
         None
@@ -370,7 +370,7 @@ fn admit_command(
             .map(|(k, v)| (k.into_boxed_str(), v.into_boxed_str()))
             .collect(),
         limits,
-        policy: verdict.into(),
+        policy: ruling.into(),
     }))
 }
 
@@ -389,7 +389,7 @@ fn ledger_entries(
         if rv.seq <= after || rv.seq > durable || next_after.is_some() {
             return;
         }
-        let Ok(rec) = estop_kernel::codec::decode_record(rv.payload) else {
+        let Ok(rec) = estop_kernel::record_codec::decode_record(rv.payload) else {
             return;
         };
         if run.is_some_and(|r| rec.command.run() != Some(r)) {
@@ -463,7 +463,7 @@ mod tests {
     use crate::durable::DurableState;
     use crate::tokens::Tokens;
     use estop_kernel::vocab::{Decision, Outcome};
-    use estop_protocol::{Admit, Complete, Limits};
+    use estop_protocol::{Admit, Complete, RequestedRunLimits};
     use std::fmt::Write as _;
     use std::sync::atomic::AtomicU64;
 
@@ -533,7 +533,7 @@ token_revoke               | work token_revoke | forbidden        | forbidden   
                 parent: None,
                 labels: Default::default(),
                 needs_approval: false,
-                limits: Limits::default(),
+                limits: RequestedRunLimits::default(),
             })
         };
         let complete = |token: &str| {

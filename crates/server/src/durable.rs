@@ -240,7 +240,7 @@ fn lost(id: estop_protocol::Id) -> Out {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use estop_protocol::reply as wire;
+    use estop_protocol::server_line as wire;
 
     #[test]
     fn waits_for_its_seq_and_reports_loss_after_failure() {

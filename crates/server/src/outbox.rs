@@ -17,7 +17,7 @@
 
 use crate::core::{Answer, Out};
 use estop_protocol::page::{Weight, value_weight};
-use estop_protocol::{Id, reply as wire};
+use estop_protocol::{Id, server_line as wire};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -157,7 +157,7 @@ fn answer_weight(answer: &Answer) -> usize {
     }
     const SMALL: usize = 256;
     match answer {
-        Answer::Verdict(wire::Verdict::Duplicate { result, error, .. }) => {
+        Answer::Verdict(wire::VerdictReply::Duplicate { result, error, .. }) => {
             SMALL + result.as_ref().map_or(0, value_weight) + error.as_ref().map_or(0, String::len)
         }
         Answer::Ack(a) => SMALL + a.runs.iter().map(|r| r.len() + 4).sum::<usize>(),
@@ -444,7 +444,7 @@ mod tests {
         // A listing is rendered by the writer, never on the releasing thread.
         out.release(Out::Answer {
             id: Id::from_u64(5),
-            answer: Answer::Runs(estop_protocol::reply::RunsReply::default()),
+            answer: Answer::Runs(estop_protocol::server_line::RunsReply::default()),
             after: After::default(),
         });
         assert!(matches!(rx.try_recv(), Ok(Out::Answer { id, .. }) if id == Id::from_u64(5)));

@@ -7,7 +7,7 @@ use crate::core::{Answer, CoreMsg, Out, Outbox, ReplyTo};
 use crate::durable::After;
 use estop_kernel::vocab::PolicyAction;
 use estop_kernel::{Admit, Command, Principal, PrincipalName, Role};
-use estop_protocol::reply as wire;
+use estop_protocol::server_line as wire;
 use estop_protocol::soundgate::{SG_BAD_MAC_MESSAGE, verify_decision_tag};
 use estop_protocol::{Id, Line, SgReply, SgRequest, parse_soundgate};
 use std::os::fd::OwnedFd;
@@ -173,29 +173,29 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
             needs_approval,
         } => {
             let args = serde_json::json!({});
-            let mut verdict = match shared
+            let mut ruling = match shared
                 .policy
                 .evaluate(&tool, Some(&args), agent.name.as_str())
             {
                 Ok(v) => v,
                 Err(e) => {
-                    return Some(Answer::Verdict(wire::Verdict::Refused {
+                    return Some(Answer::Verdict(wire::VerdictReply::Refused {
                         reason: estop_kernel::vocab::RefusalReason::Denied,
                         message: Some(e.to_string()),
                         rule: None,
                     }));
                 }
             };
-            if !verdict.matched {
+            if !ruling.matched {
                 // No rule speaks for this effect: the client's flag decides, as in the reference.
-                verdict.action = if needs_approval {
+                ruling.action = if needs_approval {
                     PolicyAction::Approve
                 } else {
                     PolicyAction::Allow
                 };
-                verdict.quorum = 1;
+                ruling.quorum = 1;
             } else {
-                verdict.strengthen(needs_approval);
+                ruling.strengthen(needs_approval);
             }
             let digest = estop_protocol::digest_of(&tool, &args);
             let cmd = Command::Admit(Admit {
@@ -208,7 +208,7 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
                 parent: None,
                 labels: Vec::new(),
                 limits: shared.policy.run_limits(crate::conn::wall_ms()),
-                policy: verdict.into(),
+                policy: ruling.into(),
             });
             send(CoreMsg::Apply {
                 principal: agent,

@@ -11,7 +11,7 @@ use crate::core::{Answer, CoreMsg, ReplyTo};
 use crate::dispatch::ask;
 use crate::tokens::TokenError;
 use estop_kernel::{Command, Principal, PrincipalName, Role, TokenAction, TokenChange};
-use estop_protocol::reply as wire;
+use estop_protocol::server_line as wire;
 use estop_protocol::{ErrorCode, Id};
 use std::sync::Arc;
 

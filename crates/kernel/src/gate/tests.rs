@@ -222,7 +222,7 @@ fn a_fence_of_an_adopted_subtree_is_checked_before_it_is_adopted() {
 
 #[test]
 fn a_snapshot_whose_run_state_and_stop_disagree_is_refused() {
-    use crate::codec::{decode_snapshot, encode_snapshot};
+    use crate::record_codec::{decode_snapshot, encode_snapshot};
     let (mut gate, _) = tree();
     let mut buf = Vec::new();
     encode_snapshot(&gate, &mut buf);

@@ -60,14 +60,14 @@ impl Core {
                 }
             }
             Ok((Reply::Decided(DecideStatus::Rejected), _)) => {
-                Answer::Verdict(wire::Verdict::Refused {
+                Answer::Verdict(wire::VerdictReply::Refused {
                     reason: RefusalReason::Rejected,
                     message: None,
                     rule: None,
                 })
             }
             Ok((Reply::Decided(DecideStatus::Pending { .. }), _)) => {
-                Answer::Verdict(wire::Verdict::Held {
+                Answer::Verdict(wire::VerdictReply::Held {
                     approval: None,
                     expires_at: None,
                     reason: HoldReason::Approval,
@@ -83,7 +83,7 @@ impl Core {
                     return answer;
                 };
                 if r.stop.is_some() {
-                    return Answer::Verdict(wire::Verdict::Refused {
+                    return Answer::Verdict(wire::VerdictReply::Refused {
                         reason: RefusalReason::Cancelled,
                         message: None,
                         rule: None,
@@ -91,14 +91,14 @@ impl Core {
                 }
                 match r.effects.get(&key).map(|e| e.status) {
                     Some(estop_kernel::state::Status::Refused(reason)) => {
-                        Answer::Verdict(wire::Verdict::Refused {
+                        Answer::Verdict(wire::VerdictReply::Refused {
                             reason,
                             message: None,
                             rule: None,
                         })
                     }
                     Some(s) if !s.is_held_or_prepared() => {
-                        Answer::Verdict(wire::Verdict::Duplicate {
+                        Answer::Verdict(wire::VerdictReply::Duplicate {
                             status: s.kind().as_str().into(),
                             outcome: None,
                             result: None,

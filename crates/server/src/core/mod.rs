@@ -16,7 +16,7 @@ use estop_kernel::{
     Verdict,
 };
 use estop_protocol::page::{PageBudget, PendingCursor, Weight};
-use estop_protocol::reply as wire;
+use estop_protocol::server_line as wire;
 use estop_protocol::{ErrorCode, Id};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -64,7 +64,7 @@ pub enum Out {
 /// A reply payload, rendered by the connection in its own protocol.
 #[derive(Debug, Clone)]
 pub enum Answer {
-    Verdict(wire::Verdict),
+    Verdict(wire::VerdictReply),
     Ack(wire::Ack),
     Decided(wire::DecideReply),
     Run(Box<wire::RunView>),
