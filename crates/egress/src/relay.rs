@@ -4,26 +4,30 @@
 //! only the agent verbs that name this run. Another run of the same principal, the listings of
 //! all its runs and every operator verb are refused here, before the daemon sees them.
 
-use serde_json::{Value, json};
+use estop_protocol::server_line::error_line;
+use estop_protocol::{ErrorCode, Op, Verb, parse_request};
+use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc;
 
-/// Longest request line forwarded (the daemon's default `line_bytes_max`).
-pub const LINE_BYTES_MAX: usize = 64 * 1024;
+/// Longest request line forwarded: the daemon's default, the protocol's one constant.
+pub const LINE_BYTES_MAX: usize = estop_protocol::limits::LINE_BYTES_MAX_DEFAULT;
 
-const RUN_VERBS: &[&str] = &[
-    "admit",
-    "start",
-    "complete",
-    "wait",
-    "subscribe",
-    "unsubscribe",
-    "status",
-    "cancel",
-    "close",
-    "report",
-    "pending",
+/// The agent verbs that name one run; the relay forwards them only for this run. `pending`
+/// counts only with a run (without one it lists all the principal's runs).
+const RUN_VERBS: &[Verb] = &[
+    Verb::Admit,
+    Verb::Start,
+    Verb::Complete,
+    Verb::Wait,
+    Verb::Subscribe,
+    Verb::Unsubscribe,
+    Verb::Status,
+    Verb::Cancel,
+    Verb::Close,
+    Verb::Report,
+    Verb::Pending,
 ];
 
 #[derive(Clone, Debug)]
@@ -93,45 +97,49 @@ impl Relay {
             match self.check(&line) {
                 None => up_w.write_all(&line).await?,
                 Some(reply) => {
-                    let _ = tx.send((reply.to_string() + "\n").into_bytes());
+                    let _ = tx.send(reply);
                 }
             }
         }
     }
 
-    /// None: forward the line as it is. Some: the answer given here instead.
-    pub fn check(&self, line: &[u8]) -> Option<Value> {
-        // Not JSON: the gate answers it (bad_json) exactly as it would anywhere else.
-        let v: Value = serde_json::from_slice(line).ok()?;
-        let id = v.get("id").cloned().unwrap_or(Value::Null);
-        let op = v.get("op").and_then(Value::as_str).unwrap_or("");
-        let refuse = |code: &str, message: String| {
-            Some(json!({"id": id, "ok": false, "error": {"code": code, "message": message}}))
+    /// None: forward the line as it is. Some: the answer given here instead (a whole line).
+    ///
+    /// The line is read by the gate's own parser (`estop_protocol::parse_request`), and only a
+    /// line it accepts is forwarded: a second reading of JSON here (duplicate keys, escapes)
+    /// could disagree with the gate's about which run a line names, and such a line must not
+    /// reach the gate unchecked. A line the parser refuses gets the gate's own refusal.
+    pub fn check(&self, line: &[u8]) -> Option<Vec<u8>> {
+        let line = line.strip_suffix(b"\n").unwrap_or(line);
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let req = match parse_request(line) {
+            Ok(req) => req,
+            Err(e) => return Some(error_line(&e.id, e.code(), &e.to_string())),
         };
-        match op {
-            "hello" => Some(json!({"id": id, "ok": true, "role": "agent",
-                "principal": self.principal, "protocol": 1, "run": self.run})),
-            "ping" => None,
-            op if RUN_VERBS.contains(&op) => {
-                if v.get("run").and_then(Value::as_str) == Some(self.run.as_str()) {
+        let refuse = |message: String| Some(error_line(&req.id, ErrorCode::Forbidden, &message));
+        match &req.op {
+            Op::Hello { .. } => Some(
+                (json!({"id": req.id, "ok": true, "role": "agent",
+                    "principal": self.principal, "protocol": 1, "run": self.run})
+                .to_string()
+                    + "\n")
+                    .into_bytes(),
+            ),
+            Op::Ping => None,
+            op if RUN_VERBS.contains(&op.verb()) => {
+                if op.run().map(|r| r.as_str()) == Some(self.run.as_str()) {
                     None
                 } else {
-                    refuse(
-                        "forbidden",
-                        format!(
-                            "inside `estop run` this socket serves run {:?} only",
-                            self.run
-                        ),
-                    )
+                    refuse(format!(
+                        "inside `estop run` this socket serves run {:?} only",
+                        self.run
+                    ))
                 }
             }
-            _ => refuse(
-                "forbidden",
-                format!(
-                    "inside `estop run` only the verbs of run {:?} are served",
-                    self.run
-                ),
-            ),
+            _ => refuse(format!(
+                "inside `estop run` only the verbs of run {:?} are served",
+                self.run
+            )),
         }
     }
 }
@@ -149,11 +157,26 @@ mod tests {
             principal: "agent".into(),
         };
         let pass = |l: &str| r.check(l.as_bytes()).is_none();
+        let answer = |l: &str| -> serde_json::Value {
+            serde_json::from_slice(&r.check(l.as_bytes()).expect("answered here")).unwrap()
+        };
         assert!(pass(
             r#"{"id":1,"op":"admit","run":"r1","key":"k","tool":"t","args":{}}"#
         ));
         assert!(pass(r#"{"op":"ping"}"#));
-        assert!(pass("not json"), "the gate answers bad_json itself");
+        // A line the gate's parser refuses is answered here with the gate's own refusal.
+        assert_eq!(answer("not json")["error"]["code"], "bad_json");
+        // Two readings of one line must not disagree about its run: a duplicate `run` is the
+        // gate's refusal here, never forwarded (a last-wins reader would see r1).
+        let dup =
+            answer(r#"{"id":2,"op":"admit","run":"r2","run":"r1","key":"k","tool":"t","args":{}}"#);
+        assert_eq!(dup["ok"], false, "{dup}");
+        assert_eq!(dup["id"], 2, "{dup}");
+        assert!(pass(r#"{"id":3,"op":"pending","run":"r1"}"#));
+        assert!(
+            !pass(r#"{"id":3,"op":"ledger","run":"r1"}"#),
+            "ledger is not an agent verb here"
+        );
         assert!(!pass(
             r#"{"id":1,"op":"admit","run":"r2","key":"k","tool":"t","args":{}}"#
         ));
@@ -162,7 +185,7 @@ mod tests {
         assert!(!pass(
             r#"{"id":1,"op":"decide","run":"r1","key":"k","decision":"approve"}"#
         ));
-        let hello = r.check(br#"{"id":7,"op":"hello","token":"x"}"#).unwrap();
+        let hello = answer(r#"{"id":7,"op":"hello","token":"x"}"#);
         assert_eq!(hello["ok"], true);
         assert_eq!(hello["id"], 7);
         assert!(
