@@ -61,6 +61,8 @@ struct Server {
     port: u16,
     hits: Arc<AtomicUsize>,
     paths: Arc<Mutex<Vec<String>>>,
+    /// Every request's head (request line and headers), as received.
+    heads: Arc<Mutex<Vec<String>>>,
     slow_arrived: mpsc::Receiver<()>,
 }
 
@@ -70,19 +72,21 @@ impl Server {
         let port = listener.local_addr().unwrap().port();
         let hits = Arc::new(AtomicUsize::new(0));
         let paths = Arc::new(Mutex::new(Vec::new()));
+        let heads = Arc::new(Mutex::new(Vec::new()));
         let (tx, slow_arrived) = mpsc::channel();
-        let (h, p) = (hits.clone(), paths.clone());
+        let (h, p, hd) = (hits.clone(), paths.clone(), heads.clone());
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(conn) = conn else { break };
-                let (h, p, tx) = (h.clone(), p.clone(), tx.clone());
-                std::thread::spawn(move || serve_one(conn, &h, &p, &tx));
+                let (h, p, hd, tx) = (h.clone(), p.clone(), hd.clone(), tx.clone());
+                std::thread::spawn(move || serve_one(conn, &h, &p, &hd, &tx));
             }
         });
         Server {
             port,
             hits,
             paths,
+            heads,
             slow_arrived,
         }
     }
@@ -118,15 +122,16 @@ impl Server {
         let port = listener.local_addr().unwrap().port();
         let hits = Arc::new(AtomicUsize::new(0));
         let paths = Arc::new(Mutex::new(Vec::new()));
+        let heads = Arc::new(Mutex::new(Vec::new()));
         let (tx, slow_arrived) = mpsc::channel();
-        let (h, p) = (hits.clone(), paths.clone());
+        let (h, p, hd) = (hits.clone(), paths.clone(), heads.clone());
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(conn) = conn else { break };
-                let (h, p, tx) = (h.clone(), p.clone(), tx.clone());
+                let (h, p, hd, tx) = (h.clone(), p.clone(), hd.clone(), tx.clone());
                 let tls = rustls::ServerConnection::new(config.clone()).unwrap();
                 std::thread::spawn(move || {
-                    serve_one(rustls::StreamOwned::new(tls, conn), &h, &p, &tx)
+                    serve_one(rustls::StreamOwned::new(tls, conn), &h, &p, &hd, &tx)
                 });
             }
         });
@@ -134,6 +139,7 @@ impl Server {
             port,
             hits,
             paths,
+            heads,
             slow_arrived,
         }
     }
@@ -147,6 +153,7 @@ fn serve_one<S: Read + Write>(
     conn: S,
     hits: &AtomicUsize,
     paths: &Mutex<Vec<String>>,
+    heads: &Mutex<Vec<String>>,
     slow: &mpsc::Sender<()>,
 ) {
     let mut r = BufReader::new(conn);
@@ -155,9 +162,11 @@ fn serve_one<S: Read + Write>(
         return;
     }
     let mut len = 0usize;
+    let mut head = line.clone();
     loop {
         let mut h = String::new();
         r.read_line(&mut h).unwrap();
+        head.push_str(&h);
         if h == "\r\n" || h.is_empty() {
             break;
         }
@@ -170,6 +179,16 @@ fn serve_one<S: Read + Write>(
     let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
     let n = hits.fetch_add(1, Ordering::SeqCst) + 1;
     paths.lock().unwrap().push(path.clone());
+    heads.lock().unwrap().push(head);
+    if let Some(to) = path.strip_prefix("/redirect?to=") {
+        let c = r.get_mut();
+        let _ = write!(
+            c,
+            "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        let _ = c.flush();
+        return;
+    }
     if path == "/slow" {
         let _ = slow.send(());
         // Never answers: only a cut ends this request.
@@ -188,6 +207,17 @@ fn serve_one<S: Read + Write>(
 
 /// `estop run` with a settings file allowing 127.0.0.2, running `argv`; stdio piped.
 fn estop_run(d: &Daemon, run: &str, extra_settings: &str, argv: &[&str]) -> Child {
+    estop_run_env(d, run, extra_settings, argv, &[])
+}
+
+/// `estop_run` with these variables in `estop run`'s own environment.
+fn estop_run_env(
+    d: &Daemon,
+    run: &str,
+    extra_settings: &str,
+    argv: &[&str],
+    env: &[(&str, &str)],
+) -> Child {
     let settings = d
         .data()
         .parent()
@@ -217,6 +247,7 @@ fn estop_run(d: &Daemon, run: &str, extra_settings: &str, argv: &[&str]) -> Chil
         .arg(&settings)
         .arg("--")
         .args(argv)
+        .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -993,4 +1024,198 @@ r = requests.post(p + "/pay", data=b"q", timeout=10); print("again", r.status_co
     );
     assert_eq!(tls.hits(), 2);
     assert_eq!(plain.hits(), 1, "the retried POST was not sent again");
+}
+
+/// Every file the agent can read in the places a secret could have been left for it (the test's
+/// and the supervisor's temp directories under /tmp, /etc, /run, /dev/shm, /var/tmp, its
+/// working directory, the data directory, the store's own path), every process's environment
+/// and command line in its /proc, and its own environment: where the needle turns up.
+const SEARCH: &str = r#"
+import os, sys
+# Given in hex, so the needles themselves are not on any command line.
+needles = [bytes.fromhex(n) for n in sys.argv[1:]]
+found, read = [], 0
+def look(path):
+    global read
+    try:
+        with open(path, "rb") as f:
+            data = f.read(4 << 20)
+    except OSError:
+        return
+    read += 1
+    if any(n in data for n in needles):
+        found.append(path)
+for root in ["/tmp", "/etc", "/run", "/dev/shm", "/var/tmp", os.getcwd(), os.environ["STORE_DIR"]]:
+    for d, dirs, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            if os.path.isfile(p) and not os.path.islink(p):
+                look(p)
+look(os.environ["STORE"])
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        look(f"/proc/{pid}/environ"); look(f"/proc/{pid}/cmdline")
+env = "\n".join(f"{k}={v}" for k, v in os.environ.items())
+if any(n.decode() in env for n in needles):
+    found.append("environment")
+print("files read:", read)
+print("found:", found)
+"#;
+
+#[test]
+fn credentials_are_injected_for_their_host_only_and_the_agent_never_sees_them() {
+    let d = daemon();
+    let secret_file = format!("file-secret-{}", std::process::id());
+    let secret_env = format!("env-secret-{}", std::process::id());
+    let a = Server::start("127.0.0.2");
+    let b = Server::start("127.0.0.3");
+    let store = d.data().parent().unwrap().join("credentials.toml");
+    std::fs::write(
+        &store,
+        format!(
+            "[[credential]]\nhost = \"127.0.0.2\"\nport = {}\nplain_http = true\nbearer_env = \"EGRESS_TEST_SECRET\"\n\n\
+             [[credential]]\nhost = \"127.0.0.2\"\nplain_http = true\nheader = \"X-Api-Key\"\nvalue = \"{secret_file}\"\n",
+            a.port
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let extra = format!(
+        "allow_destinations = [\"127.0.0.2/32\", \"127.0.0.3/32\"]\ncredentials = {:?}\n",
+        store.display().to_string()
+    );
+    let redirect = format!(
+        "http://127.0.0.2:{}/redirect?to=http://127.0.0.3:{}/landed",
+        a.port, b.port
+    );
+    let agent = format!(
+        r#"
+import urllib.request
+r = urllib.request.Request("http://127.0.0.2:{}/direct", headers={{"Authorization": "Bearer agent-made"}})
+print("direct:", urllib.request.urlopen(r, timeout=10).read().decode())
+print("redirected:", urllib.request.urlopen("{redirect}", timeout=10).read().decode())
+"#,
+        a.port
+    );
+    let cmd = format!(
+        "python3 -c '{agent}' && python3 -c '{SEARCH}' {} {}",
+        hex(&secret_file),
+        hex(&secret_env)
+    );
+    let store_dir = store.parent().unwrap().display().to_string();
+    let child = estop_run_env(
+        &d,
+        "creds",
+        &extra,
+        &["sh", "-c", &cmd],
+        &[
+            ("EGRESS_TEST_SECRET", secret_env.as_str()),
+            ("STORE", &store.display().to_string()),
+            ("STORE_DIR", &store_dir),
+        ],
+    );
+    let (code, out, err) = finish(child);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("direct: hit 1\nredirected: hit 1\n"),
+        "{out}\n{err}"
+    );
+    assert!(out.contains("found: []"), "the agent found a secret: {out}");
+    let files: usize = out
+        .lines()
+        .find_map(|l| l.strip_prefix("files read: "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(files > 10, "the search read files: {out}");
+    // The host it belongs to saw both credentials (the agent's own Authorization replaced),
+    // on the request and on the one that redirected; the other host saw neither.
+    let heads = a.heads.lock().unwrap().clone();
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    for head in &heads {
+        let lower = head.to_ascii_lowercase();
+        assert!(
+            lower.contains(&format!("authorization: bearer {secret_env}\r\n")),
+            "{head}"
+        );
+        assert!(
+            lower.contains(&format!("x-api-key: {secret_file}\r\n")),
+            "{head}"
+        );
+        assert!(!lower.contains("agent-made"), "{head}");
+    }
+    let other = b.heads.lock().unwrap().clone();
+    assert_eq!(other.len(), 1, "{other:?}");
+    let lower = other[0].to_ascii_lowercase();
+    assert!(
+        !lower.contains("authorization") && !lower.contains("x-api-key"),
+        "{other:?}"
+    );
+    // Nowhere on the record: not in estop run's output, the ledger's bytes, the report, or
+    // the daemon's log.
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": "creds"})).to_string();
+    let entries = serde_json::to_string(&ledger(&d, "creds")).unwrap();
+    let mut on_disk = Vec::new();
+    for f in walk(d.data()) {
+        on_disk.extend(std::fs::read(f).unwrap_or_default());
+    }
+    for secret in [&secret_file, &secret_env] {
+        for (what, text) in [
+            ("stderr", &err),
+            ("stdout", &out),
+            ("report", &report),
+            ("ledger", &entries),
+        ] {
+            assert!(
+                !text.contains(secret.as_str()),
+                "{what} holds the secret: {text}"
+            );
+        }
+        let on_disk = String::from_utf8_lossy(&on_disk);
+        assert!(
+            !on_disk.contains(secret.as_str()),
+            "the data directory holds the secret"
+        );
+    }
+    // The three requests themselves are on the record, without the credential.
+    assert_eq!(
+        entries
+            .matches(r#""kind":"admit","principal":"agent","rule":"rule 3""#)
+            .count(),
+        3,
+        "{entries}"
+    );
+}
+
+fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_credential_store_others_can_read_stops_the_sandbox_from_starting() {
+    let d = daemon();
+    let store = d.data().parent().unwrap().join("loose.toml");
+    std::fs::write(&store, "[[credential]]\nhost = \"a\"\nbearer = \"x\"\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let extra = format!("credentials = {:?}\n", store.display().to_string());
+    let (code, out, err) = finish(estop_run(&d, "loose", &extra, &["sh", "-c", "echo ran"]));
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(!out.contains("ran"), "{out}");
+    assert!(err.contains("0600"), "{err}");
 }

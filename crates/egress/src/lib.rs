@@ -4,6 +4,7 @@
 //! Everything here is described in docs/EGRESS.md, with what is not built yet.
 
 pub mod cgroup;
+pub mod credentials;
 pub mod dns;
 pub mod gate;
 pub mod proxy;
@@ -40,6 +41,7 @@ struct Plan {
     token: String,
     run: String,
     settings: Settings,
+    credentials: Arc<credentials::Credentials>,
 }
 
 /// Runs `opts.argv` in a sandbox; returns its exit code (128 + signal when killed).
@@ -71,11 +73,16 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         .run
         .clone()
         .unwrap_or_else(|| format!("run-{}", random_hex(8)));
+    let credentials = match &settings.credentials {
+        Some(p) => credentials::Credentials::load(p, &|name| std::env::var(name).ok())?,
+        None => credentials::Credentials::default(),
+    };
     let plan = Plan {
         target,
         token,
         run,
         settings,
+        credentials: Arc::new(credentials),
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -120,6 +127,7 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         gate: gate.clone(),
         run: plan.run.clone(),
         settings: plan.settings.clone(),
+        credentials: plan.credentials.clone(),
         fence: fence.clone(),
         nonce: random_hex(6),
         seq: 0.into(),
@@ -240,14 +248,19 @@ fn stage_config(
         }
     }
     let socket = Path::new(&plan.target).canonicalize()?;
-    let hide_files = if socket.starts_with(&data) {
-        vec![]
-    } else {
-        vec![socket]
-    };
+    // The daemon's socket and the credential store: /dev/null inside (unless already under a
+    // hidden directory).
+    let mut hide_files = vec![socket];
+    if let Some(store) = &plan.settings.credentials {
+        hide_files.push(store.canonicalize()?);
+    }
+    hide_files.retain(|f| !hide_dirs.iter().any(|d| f.starts_with(d)));
     let proxy_url = format!("http://127.0.0.1:{PROXY_PORT}");
+    // Variables a credential was read from stay with the supervisor.
+    let secret_vars = &plan.credentials.env_names;
     let mut env: Vec<(String, String)> = std::env::vars()
         .filter(|(k, _)| !k.starts_with("ESTOP_") && !k.to_ascii_lowercase().ends_with("_proxy"))
+        .filter(|(k, _)| !secret_vars.contains(k))
         .collect();
     let sock = private_dir.join("estop.sock").display().to_string();
     let ca = tmp.join("ca.pem").display().to_string();

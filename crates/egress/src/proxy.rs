@@ -28,6 +28,8 @@ pub struct Proxy {
     pub gate: Gate,
     pub run: String,
     pub settings: Settings,
+    /// Injected per host after admission (never in the effect's arguments).
+    pub credentials: Arc<crate::credentials::Credentials>,
     /// Turns true when the run is stopped: every request from then on is refused, and every
     /// request and connection in flight is cut.
     pub fence: watch::Receiver<bool>,
@@ -443,6 +445,16 @@ impl Proxy {
         if let Some(a) = parts.uri.authority() {
             let value = HeaderValue::from_str(a.as_str()).expect("an authority is a header value");
             up.headers_mut().insert(hyper::header::HOST, value);
+        }
+        // Only for the admitted destination itself; replaces whatever the agent sent there.
+        let (scheme, host) = (effect.args["scheme"].as_str(), effect.args["host"].as_str());
+        let port = effect.args["port"]
+            .as_u64()
+            .and_then(|p| u16::try_from(p).ok());
+        if let (Some(scheme), Some(host), Some(port)) = (scheme, host, port) {
+            for (name, value) in self.credentials.for_request(scheme, host, port) {
+                up.headers_mut().insert(name.clone(), value.clone());
+            }
         }
         let res = sender
             .send_request(up)
