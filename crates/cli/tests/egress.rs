@@ -40,6 +40,10 @@ action = "deny"
 [[rules]]
 tool = "http.*"
 action = "allow"
+
+[[rules]]
+tool = "model.call"
+action = "allow"
 "#;
 
 fn daemon() -> Daemon {
@@ -1218,4 +1222,273 @@ fn a_credential_store_others_can_read_stops_the_sandbox_from_starting() {
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(!out.contains("ran"), "{out}");
     assert!(err.contains("0600"), "{err}");
+}
+
+/// A scripted OpenAI-compatible provider on `ip`: what it does depends on the call's `model`:
+/// `plain` (usage with cached input), `stream` (three deltas, the usage chunk only when asked
+/// for it), `nousage`, `cut` (one delta, then the connection drops mid-stream), `hang` (one
+/// delta, then nothing: it tells the test and waits). It records every call's head and body.
+struct Provider {
+    port: u16,
+    calls: Arc<Mutex<Vec<(String, Value)>>>,
+    hanging: mpsc::Receiver<()>,
+}
+
+impl Provider {
+    fn start(ip: &str) -> Provider {
+        let listener = TcpListener::bind((ip, 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let (tx, hanging) = mpsc::channel();
+        let c = calls.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { break };
+                let (c, tx) = (c.clone(), tx.clone());
+                std::thread::spawn(move || provide(conn, &c, &tx));
+            }
+        });
+        Provider {
+            port,
+            calls,
+            hanging,
+        }
+    }
+}
+
+fn provide(conn: TcpStream, calls: &Mutex<Vec<(String, Value)>>, hanging: &mpsc::Sender<()>) {
+    let mut r = BufReader::new(conn);
+    let (mut head, mut len) = (String::new(), 0usize);
+    loop {
+        let mut h = String::new();
+        if r.read_line(&mut h).unwrap_or(0) == 0 {
+            return;
+        }
+        head.push_str(&h);
+        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap();
+        }
+        if h == "\r\n" {
+            break;
+        }
+    }
+    let mut body = vec![0; len];
+    r.read_exact(&mut body).unwrap();
+    let body: Value = serde_json::from_slice(&body).unwrap();
+    calls.lock().unwrap().push((head, body.clone()));
+    let c = r.get_mut();
+    let model = body["model"].as_str().unwrap_or("").to_string();
+    if !body["stream"].as_bool().unwrap_or(false) {
+        let mut answer = json!({"choices": [{"message": {"role": "assistant", "content": "ok"}}]});
+        if model == "plain" {
+            answer["usage"] = json!({"prompt_tokens": 100, "completion_tokens": 20,
+                "prompt_tokens_details": {"cached_tokens": 40}});
+        }
+        let text = answer.to_string();
+        let _ = write!(
+            c,
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+            text.len()
+        );
+        return;
+    }
+    let _ = write!(
+        c,
+        "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    );
+    let chunk = |c: &mut TcpStream, data: &str| {
+        let _ = write!(c, "{:x}\r\n{data}\r\n", data.len());
+        let _ = c.flush();
+    };
+    let delta = |t: &str| {
+        format!(
+            "data: {}\n\n",
+            json!({"choices": [{"delta": {"content": t}}]})
+        )
+    };
+    chunk(c, &delta("Hel"));
+    match model.as_str() {
+        "cut" => return,
+        "hang" => {
+            let _ = hanging.send(());
+            let _ = c.read(&mut [0u8; 1]);
+            return;
+        }
+        _ => {}
+    }
+    chunk(c, &delta("lo"));
+    chunk(c, &delta("!"));
+    if body["stream_options"]["include_usage"] == true {
+        let usage = json!({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5}});
+        chunk(c, &format!("data: {usage}\n\n"));
+    }
+    chunk(c, "data: [DONE]\n\n");
+    let _ = write!(c, "0\r\n\r\n");
+}
+
+/// The agent's side: calls to OPENAI_BASE_URL with the standard library, one per argument
+/// `model:stream:max_tokens`; prints status and body (or CUT when the stream broke off).
+const MODEL_AGENT: &str = r#"
+import json, os, sys, urllib.request, urllib.error
+base = os.environ["OPENAI_BASE_URL"]
+for spec in sys.argv[1:]:
+    model, stream, max_tokens = spec.split(":")
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    if stream == "s":
+        body["stream"] = True
+    if max_tokens:
+        body["max_tokens"] = int(max_tokens)
+    req = urllib.request.Request(base + "/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+    try:
+        r = urllib.request.urlopen(req, timeout=30)
+        print(model, "started", flush=True)
+        try:
+            data = r.read().decode()
+        except Exception as e:
+            data = "CUT " + type(e).__name__
+        print(model, r.status, data.replace("\n", " "), flush=True)
+    except urllib.error.HTTPError as e:
+        print(model, e.code, e.read().decode(), flush=True)
+"#;
+
+fn model_settings(d: &Daemon, provider: &Provider, budget_usd: &str) -> String {
+    let store = d.data().parent().unwrap().join("model-credentials.toml");
+    std::fs::write(
+        &store,
+        "[[credential]]\nhost = \"127.0.0.2\"\nplain_http = true\nbearer = \"provider-key\"\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o600)).unwrap();
+    format!(
+        "credentials = {:?}\n\n[egress.model]\nprovider = \"http://127.0.0.2:{}/v1\"\nbudget_usd = {budget_usd}\n\
+         usd_per_mtok_input = 1.0\nusd_per_mtok_cached_input = 0.5\nusd_per_mtok_output = 4.0\n",
+        store.display().to_string(),
+        provider.port
+    )
+}
+
+#[test]
+fn model_calls_are_metered_settled_on_usage_and_a_run_over_budget_is_fenced() {
+    let d = daemon();
+    let p = Provider::start("127.0.0.2");
+    // The messages of every call, as the endpoint estimates them: 4 bytes a token.
+    let messages = json!([{"role": "user", "content": "hi"}]).to_string();
+    let est = messages.len().div_ceil(4) as u64;
+    // plain: usage 60 uncached + 40 cached + 20 out = 60 + 20 + 80 = 160 µUSD, 120 tokens.
+    // stream: usage 10 + 5 out = 10 + 20 = 30 µUSD, 15 tokens.
+    // nousage (max 30): the reservation, est + 30 × 4.
+    // cut (max 10): max(observed est + 1 × 4, reservation est + 10 × 4).
+    let (nousage, cut) = (est + 120, est + 40);
+    let total = 160 + 30 + nousage + cut;
+    let budget = format!("{:.6}", total as f64 / 1e6);
+    let extra = model_settings(&d, &p, &budget);
+    let mut cmd = vec!["python3", "-c", MODEL_AGENT];
+    cmd.extend([
+        "plain::20",
+        "stream:s:10",
+        "nousage::30",
+        "cut:s:10",
+        "plain::20",
+    ]);
+    let (code, out, err) = finish(estop_run(&d, "meter", &extra, &cmd));
+    assert_eq!(code, 0, "{out}\n{err}");
+    let lines: Vec<&str> = out.lines().filter(|l| !l.contains(" started")).collect();
+    assert!(lines[0].starts_with("plain 200 {"), "{out}");
+    assert!(lines[1].starts_with("stream 200 data: "), "{out}");
+    assert!(
+        lines[1].contains("\"usage\""),
+        "the usage chunk is relayed: {out}"
+    );
+    assert!(lines[2].starts_with("nousage 200 "), "{out}");
+    assert_eq!(lines[3], "cut 200 CUT IncompleteRead", "{out}");
+    assert!(
+        lines[4].starts_with("plain 403 ") && lines[4].contains("\"dimension\":\"model_usd\""),
+        "the fifth call does not fit: {out}"
+    );
+    for want in [
+        "charged 160 µUSD 120 tokens (usage)".to_string(),
+        "charged 30 µUSD 15 tokens (usage)".to_string(),
+        format!("charged {nousage} µUSD {} tokens (reservation)", est + 30),
+        format!("charged {cut} µUSD {} tokens (reservation)", est + 10),
+        format!("budget: model_usd spent {total} of {total}"),
+    ] {
+        assert!(err.contains(&want), "{want:?} not in:\n{err}");
+    }
+    // What reached the provider: four calls, with the provider's key (not the agent's
+    // placeholder), include_usage forced on the streams, max_tokens on every call.
+    let calls = p.calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 4, "the fifth was never sent: {calls:?}");
+    for (head, body) in &calls {
+        assert!(head.contains("POST /v1/chat/completions "), "{head}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("authorization: bearer provider-key\r\n"),
+            "{head}"
+        );
+        assert!(!head.contains("estop-metered"), "{head}");
+        assert!(body["max_tokens"].is_u64(), "{body}");
+        if body["stream"] == true {
+            assert_eq!(body["stream_options"]["include_usage"], true, "{body}");
+        }
+    }
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": "meter"}));
+    assert_eq!(report["cause"], "cancelled", "{report}");
+    assert_eq!(
+        report["reason"],
+        format!("budget: model_usd spent {total} of {total}")
+    );
+    let calls_done = report["done"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["tool"] == "model.call")
+        .count();
+    assert_eq!(calls_done, 3, "{report}");
+    let unknown = report["unknown"].as_array().unwrap();
+    assert!(
+        unknown.iter().any(|e| e["tool"] == "model.call"),
+        "the cut stream: {report}"
+    );
+}
+
+#[test]
+fn a_stop_cuts_a_model_stream_in_flight() {
+    let d = daemon();
+    let p = Provider::start("127.0.0.2");
+    let extra = model_settings(&d, &p, "1.0");
+    let mut child = estop_run(
+        &d,
+        "meter-cut",
+        &extra,
+        &["python3", "-c", MODEL_AGENT, "hang:s:10"],
+    );
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line, "hang started\n");
+    p.hanging.recv().unwrap();
+    let mut op = d.operator();
+    ok(
+        &mut op,
+        json!({"op": "cancel", "run": "meter-cut", "reason": "stop"}),
+    );
+    // The agent's read ends (cut), so the command finishes by itself.
+    line.clear();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line, "hang 200 CUT IncompleteRead\n");
+    let (code, _, err) = finish(child);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("(reservation)"),
+        "charged its reservation: {err}"
+    );
+    let report = ok(&mut op, json!({"op": "report", "run": "meter-cut"}));
+    let unknown = report["unknown"].as_array().unwrap();
+    assert!(
+        unknown.iter().any(|e| e["tool"] == "model.call"),
+        "{report}"
+    );
 }

@@ -7,6 +7,7 @@ pub mod cgroup;
 pub mod credentials;
 pub mod dns;
 pub mod gate;
+pub mod meter;
 pub mod proxy;
 pub mod relay;
 pub mod sandbox;
@@ -131,6 +132,7 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         fence: fence.clone(),
         nonce: random_hex(6),
         seq: 0.into(),
+        meter: meter::Meter::default(),
     });
     tokio::spawn(proxy.serve(tokio::net::TcpListener::from_std(l.proxy)?));
     tokio::spawn(dns::serve(tokio::net::UdpSocket::from_std(l.dns)?));
@@ -281,6 +283,12 @@ fn stage_config(
         ("NODE_EXTRA_CA_CERTS", ca.as_str()),
     ] {
         env.push((k.into(), v.into()));
+    }
+    if plan.settings.model.is_some() {
+        // SDKs insist on a key; the provider's real one is the credential store's.
+        env.retain(|(k, _)| k != "OPENAI_BASE_URL" && k != "OPENAI_API_KEY");
+        env.push(("OPENAI_BASE_URL".into(), format!("{proxy_url}/v1")));
+        env.push(("OPENAI_API_KEY".into(), "estop-metered".into()));
     }
     Ok(sandbox::StageConfig {
         fd: -1,

@@ -26,6 +26,8 @@ pub struct Settings {
     /// The credential store (docs/EGRESS.md, "Credentials"): a file 0600, hidden inside the
     /// sandbox.
     pub credentials: Option<std::path::PathBuf>,
+    /// The metered model endpoint (`[egress.model]`), when a provider is configured.
+    pub model: Option<crate::meter::ModelSettings>,
 }
 
 impl Default for Settings {
@@ -38,6 +40,7 @@ impl Default for Settings {
             response_bytes_max: 64 << 20,
             upstream_roots: None,
             credentials: None,
+            model: None,
         }
     }
 }
@@ -58,6 +61,7 @@ struct Egress {
     response_bytes_max: Option<usize>,
     upstream_roots: Option<std::path::PathBuf>,
     credentials: Option<std::path::PathBuf>,
+    model: Option<crate::meter::ModelFile>,
 }
 
 impl Settings {
@@ -80,6 +84,10 @@ impl Settings {
         s.response_bytes_max = e.response_bytes_max.unwrap_or(s.response_bytes_max);
         s.upstream_roots = e.upstream_roots;
         s.credentials = e.credentials;
+        s.model = e
+            .model
+            .map(crate::meter::ModelSettings::from_file)
+            .transpose()?;
         if s.pids_max < 4 {
             bail!("pids_max must be at least 4");
         }
@@ -169,6 +177,11 @@ mod tests {
         let s = Settings::parse(blocks[0]).unwrap();
         assert_eq!(s.allow, vec![parse_cidr("127.0.0.2/32").unwrap()]);
         assert_eq!(s.hold_ms, 30_000);
+        let m = s.model.expect("the [egress.model] example");
+        assert_eq!(
+            (m.host.as_str(), m.budget_usd_micros, m.cached_input),
+            ("api.openai.com", Some(5_000_000), 1.25)
+        );
         let env = |_: &str| Some("from-env".to_string());
         let store = crate::credentials::Credentials::parse(blocks[1], &env).unwrap();
         assert_eq!(store.entries.len(), 3);
