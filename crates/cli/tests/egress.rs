@@ -364,7 +364,7 @@ print("proxied:", r.status, r.read().decode(), r.headers["x-estop-verdict"])
 /// Root only: a veth pair with an address the test picks, reachable from the host and
 /// not from the sandbox (no route: ENETUNREACH).
 #[test]
-fn a_direct_connection_to_another_host_is_unreachable() {
+fn a_direct_connection_or_a_raw_socket_to_another_host_is_unreachable() {
     if !rustix_is_root() {
         eprintln!("skipped: needs root to add a veth pair");
         return;
@@ -398,12 +398,36 @@ try:
     s.connect(("{addr}", {port})); print("direct: connected")
 except OSError as e:
     print("direct:", errno.errorcode[e.errno])
+# Raw sockets: the sandbox has CAP_NET_RAW over its own network namespace only, where there
+# is nothing but lo.
+print("interfaces:", [n for _, n in socket.if_nameindex()])
+try:
+    r = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    r.sendto(b"\x08\x00\xf7\xff\x00\x00\x00\x00", ("{addr}", 0)); print("raw: sent")
+except OSError as e:
+    print("raw:", errno.errorcode[e.errno])
+try:
+    p = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
+    p.bind(("{veth}", 0)); print("packet: bound")
+except OSError as e:
+    print("packet:", errno.errorcode[e.errno])
 "#,
-        port = srv.port
+        port = srv.port,
+        veth = name
     );
     let (code, out, err) = finish(estop_run(&d, "unreach", "", &argv(&python(&script))));
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("direct: ENETUNREACH"), "{out}");
+    assert!(out.contains("interfaces: ['lo']"), "{out}");
+    // Refused outright (the command holds no capability), or nowhere to go if it did.
+    assert!(
+        out.contains("raw: EPERM") || out.contains("raw: ENETUNREACH"),
+        "{out}"
+    );
+    assert!(
+        out.contains("packet: EPERM") || out.contains("packet: ENODEV"),
+        "{out}"
+    );
     assert_eq!(srv.hits(), 0);
 }
 
@@ -1491,4 +1515,113 @@ fn a_stop_cuts_a_model_stream_in_flight() {
         unknown.iter().any(|e| e["tool"] == "model.call"),
         "{report}"
     );
+}
+
+#[test]
+fn the_egress_benchmark_measures_both_paths_and_a_sandbox_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(bin())
+        .args([
+            "bench",
+            "egress",
+            "--requests",
+            "3",
+            "--starts",
+            "1",
+            "--connections",
+            "1,2",
+            "--json",
+            "--data",
+        ])
+        .arg(dir.path().join("data"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 3, "{text}");
+    assert_eq!(
+        (
+            rows[0]["connections"].as_u64(),
+            rows[0]["requests"].as_u64()
+        ),
+        (Some(1), Some(3))
+    );
+    assert_eq!(
+        (
+            rows[1]["connections"].as_u64(),
+            rows[1]["requests"].as_u64()
+        ),
+        (Some(2), Some(6))
+    );
+    for r in &rows[..2] {
+        assert!(
+            r["proxied_p50_us"].as_u64().unwrap() > 0 && r["direct_p50_us"].as_u64().unwrap() > 0,
+            "{r}"
+        );
+    }
+    assert_eq!(rows[2]["bench"], "sandbox_start");
+    assert_eq!(rows[2]["runs"], 1);
+}
+
+/// A Node agent: a direct connection and `fetch` (which ignores the proxy variables before
+/// Node 24) reach nothing; through the proxy, plain HTTP and HTTPS over CONNECT (trusting the
+/// egress CA through NODE_EXTRA_CA_CERTS, read at Node's start) are admitted and sent.
+const NODE_AGENT: &str = r#"
+const http = require("http"), net = require("net"), tls = require("tls");
+const [port, tport] = process.argv.slice(1).map(Number);
+const direct = () => new Promise(res => {
+  const s = net.connect(port, "127.0.0.2");
+  s.on("connect", () => { s.destroy(); res("connected"); });
+  s.on("error", e => res(e.code));
+});
+const plain = () => new Promise((res, rej) => {
+  http.get({ host: "127.0.0.1", port: 3128, path: `http://127.0.0.2:${port}/node` }, r => {
+    let b = ""; r.on("data", d => b += d); r.on("end", () => res(`${r.statusCode} ${b}`));
+  }).on("error", rej);
+});
+const secure = () => new Promise((res, rej) => {
+  http.request({ host: "127.0.0.1", port: 3128, method: "CONNECT", path: `127.0.0.2:${tport}` })
+    .on("connect", (r, socket) => {
+      const t = tls.connect({ socket, host: "127.0.0.2" }, () =>
+        t.write(`GET /node-tls HTTP/1.1\r\nHost: 127.0.0.2:${tport}\r\nConnection: close\r\n\r\n`));
+      let b = ""; t.on("data", d => b += d);
+      t.on("end", () => res(`${b.split("\r\n")[0]} ${b.split("\r\n\r\n")[1]}`));
+      t.on("error", e => res(`tls ${e.code}`));
+    }).on("error", rej).end();
+});
+(async () => {
+  console.log("direct:", await direct());
+  try { await fetch(`http://127.0.0.2:${port}/fetch`); console.log("fetch: answered"); }
+  catch (e) { console.log("fetch:", e.cause ? e.cause.code : e.message); }
+  console.log("plain:", await plain());
+  console.log("secure:", await secure());
+})();
+"#;
+
+#[test]
+fn a_node_agent_reaches_nothing_directly_and_goes_through_the_proxy() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    let roots = d.data().parent().unwrap().join("node-upstream-ca.pem");
+    let tls = Server::start_tls("127.0.0.2", &roots);
+    let extra = format!("upstream_roots = {:?}\n", roots.display().to_string());
+    let (p, tp) = (srv.port.to_string(), tls.port.to_string());
+    let argv = ["node", "-e", NODE_AGENT, &p, &tp];
+    let (code, out, err) = finish(estop_run(&d, "node", &extra, &argv));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(
+        out,
+        "direct: ECONNREFUSED\nfetch: ECONNREFUSED\nplain: 200 hit 1\nsecure: HTTP/1.1 200 OK hit 1\n",
+        "{err}"
+    );
+    assert_eq!(*srv.paths.lock().unwrap(), vec!["/node".to_string()]);
+    assert_eq!(*tls.paths.lock().unwrap(), vec!["/node-tls".to_string()]);
 }

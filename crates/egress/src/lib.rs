@@ -182,6 +182,36 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
     Ok(code)
 }
 
+/// The proxy `estop run` serves, on a listener of the caller's and with no sandbox around it,
+/// for run `run` (its requests are admitted and completed like a sandbox's): what `estop bench
+/// egress` measures against a direct connection. Serves until the task is dropped.
+pub async fn serve_proxy(
+    target: &str,
+    token: &str,
+    run: &str,
+    data: &Path,
+    settings: Settings,
+    listener: tokio::net::TcpListener,
+) -> Result<()> {
+    let (gate, _events) = Gate::connect(target, token).await?;
+    // Never stopped: the sender lives as long as the proxy (a dropped one would read as a stop).
+    let (_fence_tx, fence) = watch::channel(false);
+    let proxy = Arc::new(proxy::Proxy {
+        ca: Arc::new(tls::Ca::load_or_create(data)?),
+        connector: tls::connector(settings.upstream_roots.as_deref())?,
+        gate,
+        run: run.to_string(),
+        settings,
+        credentials: Arc::default(),
+        fence,
+        nonce: random_hex(6),
+        seq: 0.into(),
+        meter: meter::Meter::default(),
+    });
+    proxy.serve(listener).await;
+    Ok(())
+}
+
 /// The launch is itself an effect of the run (tool `sandbox.run`): it creates the run, the
 /// gate's policy decides whether the command may start at all, and its completion records the
 /// exit status. Returns the effect's token and the time it was admitted.
