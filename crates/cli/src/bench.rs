@@ -255,11 +255,18 @@ fn egress(
     let rows = estop_bench::egress::proxy_overhead(&o).context("the proxy benchmark")?;
     if !json {
         println!(
-            "egress proxy: GET through the proxy (admitted + completed, upstream dialled per request) vs direct keep-alive, same local server"
+            "egress proxy: GET through the proxy (admitted + completed, upstream dialled per request) vs direct keep-alive, same local server; https after the first handshake"
         );
         println!(
-            "{:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}",
-            "conns", "requests", "direct p50", "direct p99", "proxy p50", "proxy p99", "added p50"
+            "{:>6} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "scheme",
+            "conns",
+            "requests",
+            "direct p50",
+            "direct p99",
+            "proxy p50",
+            "proxy p99",
+            "added p50"
         );
     }
     for r in &rows {
@@ -267,14 +274,15 @@ fn egress(
         if json {
             println!(
                 "{}",
-                json!({"bench": "egress", "connections": r.connections, "requests": r.requests,
+                json!({"bench": "egress", "scheme": r.scheme, "connections": r.connections, "requests": r.requests,
                 "direct_p50_us": r.direct_p50_us, "direct_p99_us": r.direct_p99_us,
                 "proxied_p50_us": r.proxied_p50_us, "proxied_p99_us": r.proxied_p99_us,
                 "added_p50_us": added})
             );
         } else {
             println!(
-                "{:>5} {:>8} {:>8}us {:>8}us {:>8}us {:>8}us {:>8}us",
+                "{:>6} {:>5} {:>8} {:>8}us {:>8}us {:>8}us {:>8}us {:>8}us",
+                r.scheme,
                 r.connections,
                 r.requests,
                 r.direct_p50_us,

@@ -1546,29 +1546,36 @@ fn the_egress_benchmark_measures_both_paths_and_a_sandbox_start() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(rows.len(), 3, "{text}");
+    assert_eq!(rows.len(), 5, "{text}");
+    let shape: Vec<(String, u64, u64)> = rows[..4]
+        .iter()
+        .map(|r| {
+            assert!(
+                r["proxied_p50_us"].as_u64().unwrap() > 0
+                    && r["direct_p50_us"].as_u64().unwrap() > 0,
+                "{r}"
+            );
+            let n = |k: &str| r[k].as_u64().unwrap();
+            (
+                r["scheme"].as_str().unwrap().to_string(),
+                n("connections"),
+                n("requests"),
+            )
+        })
+        .collect();
+    let want = [
+        ("http", 1, 3),
+        ("http", 2, 6),
+        ("https", 1, 3),
+        ("https", 2, 6),
+    ];
     assert_eq!(
-        (
-            rows[0]["connections"].as_u64(),
-            rows[0]["requests"].as_u64()
-        ),
-        (Some(1), Some(3))
+        shape,
+        want.map(|(s, c, n)| (s.to_string(), c, n)).to_vec(),
+        "{text}"
     );
-    assert_eq!(
-        (
-            rows[1]["connections"].as_u64(),
-            rows[1]["requests"].as_u64()
-        ),
-        (Some(2), Some(6))
-    );
-    for r in &rows[..2] {
-        assert!(
-            r["proxied_p50_us"].as_u64().unwrap() > 0 && r["direct_p50_us"].as_u64().unwrap() > 0,
-            "{r}"
-        );
-    }
-    assert_eq!(rows[2]["bench"], "sandbox_start");
-    assert_eq!(rows[2]["runs"], 1);
+    assert_eq!(rows[4]["bench"], "sandbox_start");
+    assert_eq!(rows[4]["runs"], 1);
 }
 
 /// A Node agent: a direct connection and `fetch` (which ignores the proxy variables before
