@@ -782,6 +782,7 @@ fn the_data_directory_and_the_token_are_out_of_reach() {
         r#"
 import json, os, socket
 print("data:", sorted(os.listdir("{data}")))
+print("pid 1 environment:", open("/proc/1/environ", "rb").read())
 print("token env:", "ESTOP_TOKEN" in os.environ)
 s = socket.socket(socket.AF_UNIX); s.connect(os.environ["ESTOP_SOCKET"]); f = s.makefile("rwb")
 def call(**req):
@@ -798,7 +799,17 @@ except Exception as e:
     print("umount: error", e)
 "#
     );
-    let (code, out, err) = finish(estop_run(&d, "hide", "", &argv(&python(&script))));
+    // The caller's ESTOP_TOKEN is not passed in, not even in the environment of the
+    // sandbox's PID 1 (one of estop's own stages), which the agent can read.
+    let token = d.token("agent.token");
+    let child = estop_run_env(
+        &d,
+        "hide",
+        "",
+        &argv(&python(&script)),
+        &[("ESTOP_TOKEN", token.as_str())],
+    );
+    let (code, out, err) = finish(child);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("data: []"), "{out}");
     assert!(out.contains("token env: False"), "{out}");
