@@ -23,6 +23,11 @@ pub struct Settings {
     /// Extra roots (PEM) the proxy trusts when it reaches hosts over TLS, beside the public web
     /// PKI: a private CA of your own, or a test's.
     pub upstream_roots: Option<std::path::PathBuf>,
+    /// The credential store (docs/EGRESS.md, "Credentials"): a file 0600, hidden inside the
+    /// sandbox.
+    pub credentials: Option<std::path::PathBuf>,
+    /// The metered model endpoint (`[egress.model]`), when a provider is configured.
+    pub model: Option<crate::meter::ModelSettings>,
 }
 
 impl Default for Settings {
@@ -34,6 +39,8 @@ impl Default for Settings {
             body_bytes_max: 8 << 20,
             response_bytes_max: 64 << 20,
             upstream_roots: None,
+            credentials: None,
+            model: None,
         }
     }
 }
@@ -53,6 +60,8 @@ struct Egress {
     body_bytes_max: Option<usize>,
     response_bytes_max: Option<usize>,
     upstream_roots: Option<std::path::PathBuf>,
+    credentials: Option<std::path::PathBuf>,
+    model: Option<crate::meter::ModelFile>,
 }
 
 impl Settings {
@@ -74,6 +83,11 @@ impl Settings {
         s.body_bytes_max = e.body_bytes_max.unwrap_or(s.body_bytes_max);
         s.response_bytes_max = e.response_bytes_max.unwrap_or(s.response_bytes_max);
         s.upstream_roots = e.upstream_roots;
+        s.credentials = e.credentials;
+        s.model = e
+            .model
+            .map(crate::meter::ModelSettings::from_file)
+            .transpose()?;
         if s.pids_max < 4 {
             bail!("pids_max must be at least 4");
         }
@@ -155,11 +169,23 @@ mod tests {
             .skip(1)
             .map(|b| b.split("```").next().unwrap())
             .collect();
-        assert_eq!(blocks.len(), 2, "the settings and the policy example");
+        assert_eq!(
+            blocks.len(),
+            3,
+            "the settings, the credential store and the policy example"
+        );
         let s = Settings::parse(blocks[0]).unwrap();
         assert_eq!(s.allow, vec![parse_cidr("127.0.0.2/32").unwrap()]);
         assert_eq!(s.hold_ms, 30_000);
-        estop_policy::Policy::parse(blocks[1]).unwrap();
+        let m = s.model.expect("the [egress.model] example");
+        assert_eq!(
+            (m.host.as_str(), m.budget_usd_micros, m.cached_input),
+            ("api.openai.com", Some(5_000_000), 1.25)
+        );
+        let env = |_: &str| Some("from-env".to_string());
+        let store = crate::credentials::Credentials::parse(blocks[1], &env).unwrap();
+        assert_eq!(store.entries.len(), 3);
+        estop_policy::Policy::parse(blocks[2]).unwrap();
         assert!(
             Settings::parse("[egress]\nhold = 1\n").is_err(),
             "unknown keys are refused"
