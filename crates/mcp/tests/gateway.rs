@@ -327,7 +327,12 @@ async fn an_estop_cancel_cuts_the_call_in_flight_and_refuses_new_ones() {
     w.upstream_logged("call block ").await;
     let v = w.operator(json!({"op": "cancel", "run": "run-rcancel", "reason": "enough"}));
     assert_eq!(v["ok"], true, "{v}");
-    let r = inflight.await.unwrap().expect("an answer");
+    // Bounded only so that a gateway that never cuts the call fails instead of hanging.
+    let r = tokio::time::timeout(Duration::from_secs(60), inflight)
+        .await
+        .expect("the call in flight was cut by the cancel")
+        .unwrap()
+        .expect("an answer");
     assert_eq!(r.is_error, Some(true));
     assert!(text(&r).contains("the run was stopped"), "{}", text(&r));
     w.upstream_logged("cancelled block").await;
