@@ -75,6 +75,32 @@ impl World {
         echo_desc: &str,
         hold_ms: u64,
     ) -> RunningService<RoleClient, ()> {
+        self.client_as((), run, echo_desc, hold_ms).await
+    }
+
+    /// `client`, with `handler` as the client (its config says which protocol revision it asks).
+    async fn client_as<H: rmcp::ClientHandler>(
+        &self,
+        handler: H,
+        run: &str,
+        echo_desc: &str,
+        hold_ms: u64,
+    ) -> RunningService<RoleClient, H> {
+        let opts = self.options(run, echo_desc, hold_ms);
+        let (ours, theirs) = tokio::io::duplex(1 << 16);
+        tokio::spawn(async move {
+            estop_mcp::serve_io(opts, tokio::io::split(theirs))
+                .await
+                .unwrap();
+        });
+        handler
+            .serve(tokio::io::split(ours))
+            .await
+            .expect("the gateway initializes")
+    }
+
+    /// The gateway's options and configuration file for `run`.
+    fn options(&self, run: &str, echo_desc: &str, hold_ms: u64) -> Options {
         let config = self
             .data
             .parent()
@@ -88,23 +114,14 @@ impl World {
             echo_desc
         );
         std::fs::write(&config, text).unwrap();
-        let opts = Options {
+        Options {
             config,
             data: self.data.clone(),
             socket: Some(self.socket.clone()),
             token: None,
             run: Some(run.to_string()),
             parent: None,
-        };
-        let (ours, theirs) = tokio::io::duplex(1 << 16);
-        tokio::spawn(async move {
-            estop_mcp::serve_io(opts, tokio::io::split(theirs))
-                .await
-                .unwrap();
-        });
-        ().serve(tokio::io::split(ours))
-            .await
-            .expect("the gateway initializes")
+        }
     }
 
     /// The upstream's log lines so far.
@@ -162,7 +179,11 @@ impl World {
     }
 }
 
-async fn call(c: &RunningService<RoleClient, ()>, tool: &str, text: &str) -> CallToolResult {
+async fn call<H: rmcp::ClientHandler>(
+    c: &RunningService<RoleClient, H>,
+    tool: &str,
+    text: &str,
+) -> CallToolResult {
     let mut p = CallToolRequestParams::new(tool.to_string());
     let serde_json::Value::Object(args) = json!({"text": text}) else {
         unreachable!()
@@ -339,4 +360,79 @@ async fn an_estop_cancel_cuts_the_call_in_flight_and_refuses_new_ones() {
     let r = call(&c, "files__echo", "after").await;
     assert!(text(&r).starts_with("REFUSED, not run"), "{}", text(&r));
     assert!(!w.upstream().iter().any(|l| l.contains("after")));
+}
+
+/// The rmcp client asks for each revision that has an `initialize` handshake and gets it; every
+/// call is gated alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_protocol_revision_is_negotiated_and_gated() {
+    use rmcp::model::{ClientCapabilities, ClientConfig, Implementation, ProtocolVersion};
+    let w = world();
+    let revisions = [
+        ProtocolVersion::V_2024_11_05,
+        ProtocolVersion::V_2025_03_26,
+        ProtocolVersion::V_2025_06_18,
+        ProtocolVersion::V_2025_11_25,
+    ];
+    for (i, revision) in revisions.into_iter().enumerate() {
+        let mut config = ClientConfig::new(
+            ClientCapabilities::default(),
+            Implementation::new("test", "1"),
+        );
+        config.protocol_version = revision.clone();
+        let c = w.client_as(config, "run-rev", "Echoes text.", 30_000).await;
+        let agreed = c.peer().peer_info().map(|i| i.protocol_version.clone());
+        assert_eq!(agreed, Some(revision.clone()), "{revision}");
+        let said = format!("rev-{i}");
+        assert_eq!(
+            text(&call(&c, "files__echo", &said).await),
+            format!("echo: {said}")
+        );
+        let r = call(&c, "files__write", "no").await;
+        assert!(
+            text(&r).starts_with("REFUSED, not run: denied"),
+            "{revision}: {}",
+            text(&r)
+        );
+    }
+    let seen = [
+        "call echo rev-0",
+        "call echo rev-1",
+        "call echo rev-2",
+        "call echo rev-3",
+    ];
+    assert_eq!(w.upstream(), seen);
+}
+
+/// 2026-07-28 has no `initialize`: the client starts with `server/discover` and every request
+/// carries its own metadata. rmcp serves it; the gateway gates its calls the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_2026_07_28_stateless_revision_is_discovered_and_gated() {
+    use rmcp::model::ProtocolVersion;
+    use rmcp::service::{ClientLifecycleMode, ClientServiceExt};
+    let w = world();
+    let (ours, theirs) = tokio::io::duplex(1 << 16);
+    let opts = w.options("run-2026", "Echoes text.", 30_000);
+    tokio::spawn(async move {
+        estop_mcp::serve_io(opts, tokio::io::split(theirs))
+            .await
+            .unwrap();
+    });
+    let mode = ClientLifecycleMode::Discover {
+        preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+    };
+    let c = ().serve_with_lifecycle(tokio::io::split(ours), mode).await.expect("discovered");
+    let agreed = c.peer().peer_info().map(|i| i.protocol_version.clone());
+    assert_eq!(agreed, Some(ProtocolVersion::V_2026_07_28));
+    assert_eq!(
+        text(&call(&c, "files__echo", "stateless").await),
+        "echo: stateless"
+    );
+    let r = call(&c, "files__write", "no").await;
+    assert!(
+        text(&r).starts_with("REFUSED, not run: denied"),
+        "{}",
+        text(&r)
+    );
+    assert_eq!(w.upstream(), ["call echo stateless"]);
 }
