@@ -6,8 +6,10 @@ use crate::pins::{Pin, Pins, Seed, fingerprint};
 use crate::upstream::Upstream;
 use estop_egress::gate::Gate;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult,
-    PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, GetPromptRequestParams,
+    GetPromptResponse, ListPromptsResult, ListResourcesResult, ListToolsResult,
+    PaginatedRequestParams, ReadResourceRequestParams, ReadResourceResponse, ServerCapabilities,
+    ServerConfig, Tool,
 };
 use rmcp::service::{RequestContext, RoleServer};
 use rmcp::{ErrorData as McpError, ServerHandler};
@@ -42,6 +44,10 @@ struct Inner {
     subscribed: std::sync::atomic::AtomicBool,
     /// Calls of trusted read-only tools get a fresh key each (a re-read is not a replay).
     reads: std::sync::atomic::AtomicU64,
+    /// Which upstream each listed resource URI belongs to.
+    routes: Mutex<BTreeMap<String, usize>>,
+    /// Whether any upstream offers resources, prompts.
+    offers: (bool, bool),
     /// Tells this process's read keys from an earlier session's in the same run.
     session: String,
 }
@@ -72,6 +78,8 @@ impl Gateway {
     ) -> Gateway {
         Gateway {
             inner: Arc::new(Inner {
+                offers: crate::passthrough::offers(&upstreams),
+                routes: Mutex::new(BTreeMap::new()),
                 upstreams,
                 tools: Mutex::new(BTreeMap::new()),
                 pins: Mutex::new(pins),
@@ -395,7 +403,15 @@ impl Gateway {
 
 impl ServerHandler for Gateway {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(
+        let mut caps = ServerCapabilities::builder().enable_tools().build();
+        let (resources, prompts) = self.inner.offers;
+        if resources {
+            caps.resources = Some(Default::default());
+        }
+        if prompts {
+            caps.prompts = Some(Default::default());
+        }
+        ServerConfig::new(caps).with_instructions(
             "Every tool call passes estop's gate: a call may be held for a human's approval or \
              refused; the result then says why and what to do.",
         )
@@ -407,6 +423,59 @@ impl ServerHandler for Gateway {
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
         Ok(ListToolsResult::with_all_items(self.refresh().await?))
+    }
+
+    async fn list_resources(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListResourcesResult, McpError> {
+        let (all, routes) = crate::passthrough::resources(&self.inner.upstreams).await?;
+        *self.inner.routes.lock().expect("not poisoned") = routes;
+        Ok(ListResourcesResult::with_all_items(all))
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, McpError> {
+        let route = |g: &Gateway| {
+            g.inner
+                .routes
+                .lock()
+                .expect("not poisoned")
+                .get(&request.uri)
+                .copied()
+        };
+        let route = match route(self) {
+            Some(r) => r,
+            None => {
+                let (_, routes) = crate::passthrough::resources(&self.inner.upstreams).await?;
+                *self.inner.routes.lock().expect("not poisoned") = routes;
+                route(self).ok_or_else(|| {
+                    McpError::resource_not_found(format!("no resource {:?}", request.uri), None)
+                })?
+            }
+        };
+        crate::passthrough::read(&self.inner.upstreams, route, request).await
+    }
+
+    async fn list_prompts(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListPromptsResult, McpError> {
+        let all = crate::passthrough::prompts(&self.inner.upstreams).await?;
+        Ok(ListPromptsResult::with_all_items(all))
+    }
+
+    async fn get_prompt(
+        &self,
+        request: GetPromptRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<GetPromptResponse, McpError> {
+        crate::passthrough::get_prompt(&self.inner.upstreams, request).await
     }
 
     async fn call_tool(

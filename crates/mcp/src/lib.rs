@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod gateway;
+pub mod passthrough;
 pub mod pins;
 pub mod upstream;
 

@@ -436,3 +436,44 @@ async fn the_2026_07_28_stateless_revision_is_discovered_and_gated() {
     );
     assert_eq!(w.upstream(), ["call echo stateless"]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resources_and_prompts_pass_through_ungated() {
+    use rmcp::model::{GetPromptRequestParams, ReadResourceRequestParams};
+    let w = world();
+    let c = w.client("run-pass", "Echoes text.", 30_000).await;
+    let resources = c.peer().list_all_resources().await.unwrap();
+    assert_eq!(
+        resources.iter().map(|r| r.uri.as_str()).collect::<Vec<_>>(),
+        ["fixture://notes"]
+    );
+    let read = c
+        .peer()
+        .read_resource(ReadResourceRequestParams::new("fixture://notes"))
+        .await
+        .unwrap();
+    assert_eq!(
+        serde_json::to_value(&read.contents).unwrap()[0]["text"],
+        "the notes"
+    );
+    let prompts = c.peer().list_all_prompts().await.unwrap();
+    assert_eq!(
+        prompts.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(),
+        ["files__greet"]
+    );
+    let got = c
+        .peer()
+        .get_prompt(GetPromptRequestParams::new("files__greet"))
+        .await
+        .unwrap();
+    assert_eq!(
+        serde_json::to_value(&got.messages).unwrap()[0]["content"]["text"],
+        "hello from greet"
+    );
+    let unknown = c
+        .peer()
+        .get_prompt(GetPromptRequestParams::new("nobody__greet"))
+        .await;
+    assert!(unknown.is_err());
+    assert_eq!(w.upstream(), ["read fixture://notes"]);
+}

@@ -1,12 +1,16 @@
 //! A small upstream MCP server built on `rmcp`, for the gateway's tests: it writes one line to
 //! `$FIXTURE_LOG` for every call it receives and every cancel it sees, so a test can count what
 //! reached the upstream. Tools: `echo {text}`, `write {text}` (destructive), `peek`
-//! (read-only), `block` (runs until cancelled). `$FIXTURE_ECHO_DESC`, when set, is `echo`'s
+//! (read-only), `block` (runs until cancelled); a resource `fixture://notes` and a prompt
+//! `greet`. `$FIXTURE_ECHO_DESC`, when set, is `echo`'s
 //! description (a test changes it to play a server that rewrites its tools).
 
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult,
-    PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool, ToolAnnotations,
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, GetPromptRequestParams,
+    GetPromptResponse, GetPromptResult, ListPromptsResult, ListResourcesResult, ListToolsResult,
+    PaginatedRequestParams, Prompt, PromptMessage, ReadResourceRequestParams, ReadResourceResponse,
+    ReadResourceResult, Resource, ResourceContents, Role, ServerCapabilities, ServerConfig, Tool,
+    ToolAnnotations,
 };
 use rmcp::service::{RequestContext, RoleServer};
 use rmcp::{ErrorData as McpError, ServerHandler, ServiceExt};
@@ -37,7 +41,10 @@ fn tool(name: &'static str, desc: String, ann: ToolAnnotations) -> Tool {
 
 impl ServerHandler for Fixture {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+        let mut caps = ServerCapabilities::builder().enable_tools().build();
+        caps.resources = Some(Default::default());
+        caps.prompts = Some(Default::default());
+        ServerConfig::new(caps)
     }
 
     async fn list_tools(
@@ -64,6 +71,43 @@ impl ServerHandler for Fixture {
                 ToolAnnotations::new(),
             ),
         ]))
+    }
+
+    async fn list_resources(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListResourcesResult, McpError> {
+        let notes = Resource::new("fixture://notes", "notes");
+        Ok(ListResourcesResult::with_all_items(vec![notes]))
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, McpError> {
+        log(&format!("read {}", request.uri));
+        let text = ResourceContents::text("the notes", request.uri);
+        Ok(ReadResourceResult::new(vec![text]).into())
+    }
+
+    async fn list_prompts(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListPromptsResult, McpError> {
+        let greet = Prompt::new("greet", Some("Greets."), None);
+        Ok(ListPromptsResult::with_all_items(vec![greet]))
+    }
+
+    async fn get_prompt(
+        &self,
+        request: GetPromptRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<GetPromptResponse, McpError> {
+        let said = PromptMessage::new_text(Role::User, format!("hello from {}", request.name));
+        Ok(GetPromptResult::new(vec![said]).into())
     }
 
     async fn call_tool(
