@@ -56,16 +56,11 @@ pub struct Server {
 /// A configuration that cannot be used, with what is wrong.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("{path}: {source}")]
-    Parse {
-        path: String,
-        source: toml::de::Error,
-    },
+    // The cause is in the message, not a `source`, so that `{:#}` does not print it twice.
+    #[error("cannot read {path}: {err}")]
+    Read { path: String, err: std::io::Error },
+    #[error("{path}: {err}")]
+    Parse { path: String, err: toml::de::Error },
     #[error("server name {0:?}: use 1-32 of [A-Za-z0-9-] (it prefixes tool names, before `__`)")]
     BadName(String),
     #[error("server {0:?} is declared twice")]
@@ -76,23 +71,23 @@ pub enum ConfigError {
 
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read {
             path: path.display().to_string(),
-            source,
+            err,
         })?;
         Config::parse(&text).map_err(|e| match e {
-            ConfigError::Parse { source, .. } => ConfigError::Parse {
+            ConfigError::Parse { err, .. } => ConfigError::Parse {
                 path: path.display().to_string(),
-                source,
+                err,
             },
             e => e,
         })
     }
 
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
-        let config: Config = toml::from_str(text).map_err(|source| ConfigError::Parse {
+        let config: Config = toml::from_str(text).map_err(|err| ConfigError::Parse {
             path: String::new(),
-            source,
+            err,
         })?;
         if config.servers.is_empty() {
             return Err(ConfigError::Empty);
