@@ -151,12 +151,18 @@ impl Gateway {
 
     /// The effect's key within the run: the client's own (`_meta["io.estop/key"]`), else the
     /// call's digest, so the same call repeated in the session is the same effect.
-    fn key(&self, req: &CallToolRequestParams, digest: &str, e: &Entry, trusted: bool) -> String {
-        let own = req
-            .meta
-            .as_ref()
-            .and_then(|m| m.0.get(KEY_META))
-            .and_then(Value::as_str);
+    fn key(
+        &self,
+        req: &CallToolRequestParams,
+        meta: &rmcp::model::RequestMetaObject,
+        digest: &str,
+        e: &Entry,
+        trusted: bool,
+    ) -> String {
+        // rmcp hands a request's `_meta` to the handler in its context; the params may keep
+        // it too: either will do.
+        let meta = req.meta.as_ref().unwrap_or(meta);
+        let own = meta.0.get(KEY_META).and_then(Value::as_str);
         if let Some(k) = own {
             return format!("mcp:{k}");
         }
@@ -497,7 +503,7 @@ impl ServerHandler for Gateway {
             .map_err(|err| McpError::invalid_params(format!("tool name {name:?}: {err}"), None))?;
         let digest = estop_protocol::digest_of(&tool, &args).to_hex();
         let trusted = self.inner.upstreams[e.upstream].trusted;
-        let key = self.key(&request, &digest, &e, trusted);
+        let key = self.key(&request, &context.meta, &digest, &e, trusted);
         let token = match self.admit(&name, &key, &args, &e, &context.ct).await? {
             Admission::Go { token } => token,
             Admission::Answer(r) => return Ok(r.into()),

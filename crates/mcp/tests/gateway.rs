@@ -24,6 +24,11 @@ tool = "files__block"
 action = "allow"
 
 [[rules]]
+tool = "files__peek"
+action = "allow"
+class = "read"
+
+[[rules]]
 tool = "files__write"
 when = 'args.text.startsWith("hold")'
 action = "approve"
@@ -38,6 +43,8 @@ struct World {
     data: PathBuf,
     socket: String,
     log: PathBuf,
+    /// Whether the next gateway marks the fixture `trusted`.
+    trusted: std::cell::Cell<bool>,
 }
 
 /// A daemon on a fresh data dir with the policy above, started in a thread of this process
@@ -63,6 +70,7 @@ fn world() -> World {
         data,
         socket,
         log,
+        trusted: false.into(),
     }
 }
 
@@ -108,8 +116,10 @@ impl World {
             .join(format!("mcp-{run}-{hold_ms}.toml"));
         let text = format!(
             "[gateway]\nhold_ms = {hold_ms}\n\n[[server]]\nname = \"files\"\ncommand = {:?}\n\
+             trusted = {}\n\
              env = {{ FIXTURE_LOG = {:?}, FIXTURE_ECHO_DESC = {:?} }}\n",
             env!("CARGO_BIN_EXE_estop-mcp-fixture"),
+            self.trusted.get(),
             self.log.display().to_string(),
             echo_desc
         );
@@ -476,4 +486,41 @@ async fn resources_and_prompts_pass_through_ungated() {
         .await;
     assert!(unknown.is_err());
     assert_eq!(w.upstream(), ["read fixture://notes"]);
+}
+
+/// Replays are by call, except where the client names its own key or a trusted server says the
+/// tool only reads: then each call reaches the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn own_keys_and_trusted_reads_are_not_replays_and_untrusted_hints_are_ignored() {
+    let w = world();
+    // Untrusted: `peek` says read-only, but the hint counts for nothing: a repeat is a replay.
+    let c = w.client("run-keys", "Echoes text.", 30_000).await;
+    call(&c, "files__peek", "p").await;
+    call(&c, "files__peek", "p").await;
+    assert_eq!(w.upstream(), ["call peek p"]);
+    // The client's own keys: two keys, two calls; the same key again, a replay.
+    for key in ["k1", "k2", "k1"] {
+        let mut p = CallToolRequestParams::new("files__echo");
+        let serde_json::Value::Object(args) = json!({"text": "same"}) else {
+            unreachable!()
+        };
+        p.arguments = Some(args);
+        let serde_json::Value::Object(meta) = json!({"io.estop/key": key}) else {
+            unreachable!()
+        };
+        p.meta = Some(rmcp::model::RequestMetaObject(meta.into()));
+        let r = c.peer().call_tool(p).await.unwrap();
+        assert_eq!(text(&r), "echo: same");
+    }
+    assert_eq!(
+        w.upstream(),
+        ["call peek p", "call echo same", "call echo same"]
+    );
+    // Trusted: a read-only tool is read afresh each time.
+    w.trusted.set(true);
+    let c = w.client("run-keys", "Echoes text.", 30_000).await;
+    call(&c, "files__peek", "p").await;
+    call(&c, "files__peek", "p").await;
+    let peeks = w.upstream().iter().filter(|l| *l == "call peek p").count();
+    assert_eq!(peeks, 3);
 }
