@@ -6,9 +6,8 @@
 //! connection itself. Protocol v1 (`conn`) and the HTTP API (the console) only add their
 //! transport: where the answer goes and what a connection holds.
 
-use crate::conn::Shared;
-use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
-use crate::durable::{self, Durability};
+use crate::core::{Answer, CoreMsg, Query, ReplyTo};
+use crate::shared::Shared;
 use estop_kernel::vocab::{PolicyAction, RefusalReason};
 use estop_kernel::{
     Admit as KAdmit, Command, EffectKey, Principal, PrincipalName, Role, RunId, RunLimits, Token,
@@ -17,7 +16,7 @@ use estop_ledger::{FileStorage, inspect};
 use estop_policy::{EvalError, Policy};
 use estop_protocol::page::Weight;
 use estop_protocol::server_line as wire;
-use estop_protocol::{CloseOutcome, ErrorCode, Id, Op, PageBudget, Secret, Verb};
+use estop_protocol::{CloseOutcome, ErrorCode, Op, PageBudget, Secret, Verb};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -337,7 +336,7 @@ fn admit_command(
         }
     };
     ruling.strengthen(a.needs_approval);
-    let now = crate::conn::wall_ms();
+    let now = crate::shared::wall_ms();
     let mut limits: RunLimits = policy.run_limits(now);
     let min = |x: Option<u64>, y: Option<u64>| match (x, y) {
         (Some(a), Some(b)) => Some(a.min(b)),
@@ -411,46 +410,7 @@ fn ledger_entries(
     })
 }
 
-fn shutting_down() -> Answer {
-    err(ErrorCode::Unavailable, "the gate is shutting down")
-}
-
-/// Sends `msg` to the core, whose answer goes where the message says; `Some` is the answer
-/// when the core has stopped.
-pub fn send(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
-    shared.core_tx.send(msg).err().map(|_| shutting_down())
-}
-
-/// Sends one message to the core and waits for its answer, then for the ledger position it
-/// depends on to be durable (G6), exactly as a v1 connection's writer does.
-pub async fn ask(shared: &Shared, msg: impl FnOnce(ReplyTo) -> CoreMsg) -> Answer {
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let to = ReplyTo {
-        out: tx.into(),
-        id: Id::default(),
-        charge: None,
-    };
-    if let Some(answer) = send(shared, msg(to)) {
-        return answer;
-    }
-    loop {
-        match rx.recv().await {
-            Some(Out::Answer { answer, after, .. }) => {
-                let mut durable_rx = shared.durable_rx.clone();
-                return match durable::wait(&mut durable_rx, after).await {
-                    Durability::Durable => answer,
-                    Durability::Lost => err(
-                        ErrorCode::Unavailable,
-                        "the change could not be made durable (ledger failure); it was not applied — retry",
-                    ),
-                };
-            }
-            // Events are not asked for here; rendered bytes go only to a socket's writer.
-            Some(Out::Event { .. } | Out::Rendered(_)) => {}
-            None => return shutting_down(),
-        }
-    }
-}
+pub use crate::shared::{ask, send};
 
 #[cfg(test)]
 mod tests {
@@ -459,8 +419,8 @@ mod tests {
     //! a new verb fails to compile in `sample` until it has a row.
 
     use super::*;
-    use crate::conn::ConnOptions;
     use crate::durable::DurableState;
+    use crate::shared::ConnOptions;
     use crate::tokens::Tokens;
     use estop_kernel::vocab::{Decision, Outcome};
     use estop_protocol::{Admit, Complete, RequestedRunLimits};

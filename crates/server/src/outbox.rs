@@ -15,7 +15,7 @@
 //! (events, replies to requests already in flight) past `output_bytes_max` closes the
 //! connection, rather than growing the daemon's memory.
 
-use crate::core::{Answer, Out};
+use crate::answer::{Answer, Out};
 use estop_protocol::page::{Weight, value_weight};
 use estop_protocol::{Id, server_line as wire};
 use std::io;
@@ -415,7 +415,7 @@ mod tests {
         let permits = Arc::new(Semaphore::new(0));
         let direct = Direct::new(
             ours.as_fd().try_clone_to_owned().unwrap(),
-            crate::conn::render,
+            crate::answer::render,
             Arc::clone(&permits),
         );
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -460,7 +460,7 @@ mod tests {
         ours.set_nonblocking(true).unwrap();
         let socket = ours.as_fd().try_clone_to_owned().unwrap();
         let permits = Arc::new(Semaphore::new(0));
-        let direct = Direct::new(socket, crate::conn::render, Arc::clone(&permits));
+        let direct = Direct::new(socket, crate::answer::render, Arc::clone(&permits));
         let (tx, rx) = mpsc::unbounded_channel();
         let out = Outbox::new(tx, Some(Arc::clone(&direct)), None);
         let (_durable_tx, durable_rx) = watch::channel(DurableState::default());
@@ -480,7 +480,7 @@ mod tests {
                         durable_rx,
                         permits,
                         Arc::new(std::sync::atomic::AtomicUsize::new(0)),
-                        crate::conn::render,
+                        crate::answer::render,
                         Some(direct),
                         None,
                     )
@@ -520,7 +520,7 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         let socket = ours.as_fd().try_clone_to_owned().unwrap();
         let permits = Arc::new(Semaphore::new(0));
-        let direct = Direct::new(socket, crate::conn::render, permits);
+        let direct = Direct::new(socket, crate::answer::render, permits);
         let (tx, mut rx) = mpsc::unbounded_channel();
         let unwritten = Unwritten::new(7, 1000);
         let out = Outbox::new(tx, Some(direct), Some(Arc::clone(&unwritten)));

@@ -6,9 +6,9 @@
 //! before its secret was ever shown; a revocation whose record fails stays in force (failing
 //! safe) and the operator is told the ledger does not have it.
 
-use crate::conn::Shared;
 use crate::core::{Answer, CoreMsg, ReplyTo};
-use crate::dispatch::ask;
+use crate::shared::Shared;
+use crate::shared::ask;
 use crate::tokens::TokenError;
 use estop_kernel::{Command, Principal, PrincipalName, Role, TokenAction, TokenChange};
 use estop_protocol::server_line as wire;

@@ -19,7 +19,7 @@ impl Core {
                     kill: false,
                 }
             };
-            self.apply(&crate::soundgate::principal(Role::Agent), cmd)
+            self.apply(&soundgate_principal(Role::Agent), cmd)
         } else {
             not_found(run)
         };
@@ -33,7 +33,7 @@ impl Core {
             // Exactly what a missing run gets: the listener learns nothing of other tenants.
             return not_found(run);
         }
-        let operator = crate::soundgate::principal(Role::Operator);
+        let operator = soundgate_principal(Role::Operator);
         let decision = if approved {
             estop_kernel::vocab::Decision::Approve
         } else {
@@ -47,7 +47,7 @@ impl Core {
         };
         match self.apply_reply(&operator, cmd) {
             Ok((Reply::Decided(DecideStatus::Approved), _)) => {
-                let agent = crate::soundgate::principal(Role::Agent);
+                let agent = soundgate_principal(Role::Agent);
                 match self.apply_verdict(
                     &agent,
                     Command::Recheck {
@@ -116,6 +116,18 @@ impl Core {
         self.gate
             .run(run)
             .and_then(|r| r.owner.as_ref())
-            .is_some_and(|o| o.as_str() == crate::soundgate::PRINCIPAL_NAME)
+            .is_some_and(|o| o.as_str() == SOUNDGATE_PRINCIPAL_NAME)
+    }
+}
+
+/// The name of the principal the compatibility clients act as; their runs are its own.
+pub const SOUNDGATE_PRINCIPAL_NAME: &str = "soundgate";
+
+/// The principal every compatibility client acts as (one shared identity, as in the reference).
+pub fn soundgate_principal(role: Role) -> Principal {
+    Principal {
+        name: PrincipalName::new(SOUNDGATE_PRINCIPAL_NAME).expect("valid"),
+        role,
+        groups: Vec::new(),
     }
 }

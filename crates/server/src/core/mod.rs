@@ -39,45 +39,12 @@ use queries::not_found;
 use subscriptions::Subscriber;
 use waiters::Waiter;
 
+pub use crate::answer::{Answer, Out, unavailable};
 pub use crate::outbox::Outbox;
 pub use actions::Action;
+pub use compat::{SOUNDGATE_PRINCIPAL_NAME, soundgate_principal};
 pub use recovery::Reopened;
 pub use shell::{OpenFn, Shell};
-
-/// Something to write to a client once `after` is durable.
-#[derive(Debug)]
-pub enum Out {
-    Answer {
-        id: Id,
-        answer: Answer,
-        after: After,
-    },
-    Event {
-        event: wire::Event,
-        after: After,
-    },
-    /// The rest of a durable reply that [`Outbox::release`] could not write whole: written as
-    /// it is, before anything behind it.
-    Rendered(Vec<u8>),
-}
-
-/// A reply payload, rendered by the connection in its own protocol.
-#[derive(Debug, Clone)]
-pub enum Answer {
-    Verdict(wire::VerdictReply),
-    Ack(wire::Ack),
-    Decided(wire::DecideReply),
-    Run(Box<wire::RunView>),
-    Runs(wire::RunsReply),
-    Pending(wire::PendingReply),
-    Report(Box<wire::Report>),
-    Ledger(wire::LedgerReply),
-    Hello(wire::HelloReply),
-    TokenCreated(wire::TokenCreated),
-    TokenRevoked(wire::TokenRevoked),
-    Pong,
-    Error(ErrorCode, String),
-}
 
 /// Where a reply goes.
 #[derive(Debug)]
@@ -86,7 +53,7 @@ pub struct ReplyTo {
     pub id: Id,
     /// The request's share of its connection's input bound, given back when this is dropped:
     /// once the core has answered (or parked it as a waiter).
-    pub charge: Option<crate::conn::Charge>,
+    pub charge: Option<crate::answer::Charge>,
 }
 
 /// A read. Listings come in pages: where the page starts (`cursor`) and its item and byte
@@ -639,12 +606,4 @@ impl Core {
             Reply::Compacted { .. } | Reply::TokenRecorded => Answer::Ack(wire::Ack::default()),
         }
     }
-}
-
-/// The answer to a change the ledger could not make durable.
-pub fn unavailable() -> Answer {
-    Answer::Error(
-        ErrorCode::Unavailable,
-        "the ledger cannot make changes durable right now (see the daemon's log); the change is not acknowledged, retry later with the same key".into(),
-    )
 }
