@@ -1443,7 +1443,7 @@ impl Gate {
                     Status::Refused(RefusalReason::Rejected),
                 )?;
                 self.reject(now, p, run_id, key, reason, ev);
-                Ok((Reply::Decided(DecideStatus::Rejected), true))
+                Ok((self.decided(run_id, key, DecideStatus::Rejected), true))
             }
             Decision::Approve => self.approve(now, p, run_id, key, reason, ev),
         }
@@ -1525,11 +1525,25 @@ impl Gate {
                 quorum,
                 missing_groups,
             };
-            return Ok((Reply::Decided(pending), true));
+            return Ok((self.decided(run_id, key, pending), true));
         }
         e.status = Status::Approved;
         run.pending_approvals -= 1;
-        Ok((Reply::Decided(DecideStatus::Approved), true))
+        Ok((self.decided(run_id, key, DecideStatus::Approved), true))
+    }
+
+    /// The answer to a decision just applied to `run_id/key`, with its approval as it is now.
+    fn decided(&self, run_id: &RunId, key: &EffectKey, status: DecideStatus) -> Reply {
+        let approval = self.runs[run_id].effects[key]
+            .approval
+            .as_deref()
+            .expect("a decided effect has an approval");
+        Reply::Decided(crate::reply::Decided {
+            status,
+            approvers: approval.approvers.iter().map(|a| a.name.clone()).collect(),
+            quorum: approval.quorum,
+            requested_at: approval.requested_at,
+        })
     }
 
     // ---------------------------------------------------------------- stops

@@ -1,7 +1,7 @@
 //! What the kernel answers: verdicts, acknowledgements, typed errors, and events for subscribers.
 
 use crate::command::Token;
-use crate::ids::{EffectKey, RunId};
+use crate::ids::{EffectKey, PrincipalName, RunId};
 use crate::vocab::{EffectStatus, HoldReason, Outcome, RefusalReason, RunState};
 
 /// The answer to `admit`, `wait` and `start`.
@@ -43,6 +43,18 @@ pub enum DecideStatus {
     Rejected,
 }
 
+/// The answer to `decide`: its progress, and what the wire shows of the approval after it (so
+/// the shell renders it without reading the gate's state).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decided {
+    pub status: DecideStatus,
+    /// Who has approved so far, in order.
+    pub approvers: Vec<PrincipalName>,
+    pub quorum: u32,
+    /// When the approval was requested (gate time, ms): how long the decision took.
+    pub requested_at: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     Verdict(Verdict),
@@ -50,7 +62,7 @@ pub enum Reply {
     Completed {
         late: bool,
     },
-    Decided(DecideStatus),
+    Decided(Decided),
     /// The run's state after a cancel, pause, resume, close or tick, and how many runs changed.
     RunState {
         state: RunState,

@@ -290,21 +290,16 @@ pub fn event(gate: &estop_kernel::Gate, e: &estop_kernel::Event, at: u64) -> Opt
 }
 
 /// The answer to a `decide`: the status after it, who has approved, and the quorum.
-pub fn decided(
-    status: &DecideStatus,
-    approval: Option<&estop_kernel::state::Approval>,
-) -> wire::DecideReply {
-    let status = match status {
+pub fn decided(d: &estop_kernel::reply::Decided) -> wire::DecideReply {
+    let status = match d.status {
         DecideStatus::Approved => "approved",
         DecideStatus::Rejected => "rejected",
         DecideStatus::Pending { .. } => "held",
     };
     wire::DecideReply {
         status: status.into(),
-        approvals: approval
-            .map(|a| a.approvers.iter().map(|x| x.name.to_string()).collect())
-            .unwrap_or_default(),
-        quorum: approval.map_or(1, |a| a.quorum),
+        approvals: d.approvers.iter().map(ToString::to_string).collect(),
+        quorum: d.quorum,
     }
 }
 

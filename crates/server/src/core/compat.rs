@@ -2,6 +2,7 @@
 //! `decide` that releases the approved effect in the same step, as the reference does.
 
 use super::*;
+use estop_kernel::reply::Decided;
 use estop_kernel::vocab::{HoldReason, RefusalReason};
 
 impl Core {
@@ -46,7 +47,13 @@ impl Core {
             reason: None,
         };
         match self.apply_reply(&operator, cmd) {
-            Ok((Reply::Decided(DecideStatus::Approved), _)) => {
+            Ok((
+                Reply::Decided(Decided {
+                    status: DecideStatus::Approved,
+                    ..
+                }),
+                _,
+            )) => {
                 let agent = soundgate_principal(Role::Agent);
                 match self.apply_verdict(
                     &agent,
@@ -59,20 +66,28 @@ impl Core {
                     Err(a) => a,
                 }
             }
-            Ok((Reply::Decided(DecideStatus::Rejected), _)) => {
-                Answer::Verdict(wire::VerdictReply::Refused {
-                    reason: RefusalReason::Rejected,
-                    message: None,
-                    rule: None,
-                })
-            }
-            Ok((Reply::Decided(DecideStatus::Pending { .. }), _)) => {
-                Answer::Verdict(wire::VerdictReply::Held {
-                    approval: None,
-                    expires_at: None,
-                    reason: HoldReason::Approval,
-                })
-            }
+            Ok((
+                Reply::Decided(Decided {
+                    status: DecideStatus::Rejected,
+                    ..
+                }),
+                _,
+            )) => Answer::Verdict(wire::VerdictReply::Refused {
+                reason: RefusalReason::Rejected,
+                message: None,
+                rule: None,
+            }),
+            Ok((
+                Reply::Decided(Decided {
+                    status: DecideStatus::Pending { .. },
+                    ..
+                }),
+                _,
+            )) => Answer::Verdict(wire::VerdictReply::Held {
+                approval: None,
+                expires_at: None,
+                reason: HoldReason::Approval,
+            }),
             Ok(_) => Answer::Error(
                 ErrorCode::Internal,
                 "unexpected kernel reply to decide".into(),

@@ -574,10 +574,6 @@ impl Core {
 
     fn apply(&mut self, principal: &Principal, cmd: Command) -> Answer {
         let run = cmd.run().cloned();
-        let decide_key = match &cmd {
-            Command::Decide { key, decision, .. } => Some((key.clone(), *decision)),
-            _ => None,
-        };
         let (reply, events) = match self.apply_reply(principal, cmd) {
             Ok(r) => r,
             Err(a) => return a,
@@ -589,18 +585,10 @@ impl Core {
                 late,
                 ..wire::Ack::default()
             }),
-            Reply::Decided(status) => {
-                let (key, _) = decide_key.expect("decide");
-                let approval = self
-                    .gate
-                    .run(&run_id)
-                    .and_then(|r| r.effects.get(&key))
-                    .and_then(|e| e.approval.as_ref());
-                if let Some(a) = approval {
-                    self.obs
-                        .decided(&status, self.now.saturating_sub(a.requested_at));
-                }
-                Answer::Decided(render::decided(&status, approval.map(|a| &**a)))
+            Reply::Decided(d) => {
+                self.obs
+                    .decided(&d.status, self.now.saturating_sub(d.requested_at));
+                Answer::Decided(render::decided(&d))
             }
             Reply::RunState { state, .. } => Answer::Ack(render::run_state(state, &events)),
             Reply::Compacted { .. } | Reply::TokenRecorded => Answer::Ack(wire::Ack::default()),
