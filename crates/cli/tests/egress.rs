@@ -308,7 +308,7 @@ try:
 except OSError as e:
     print("direct:", errno.errorcode[e.errno])
 try:
-    socket.getaddrinfo("example.com", 80); print("dns: resolved")
+    socket.getaddrinfo("estop-egress-probe.test", 80); print("dns: resolved")
 except socket.gaierror as e:
     print("dns: failed")
 q = bytes([0x12, 0x34, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0]) + b"\x04test\x00\x00\x01\x00\x01"
@@ -1642,4 +1642,51 @@ fn a_node_agent_reaches_nothing_directly_and_goes_through_the_proxy() {
     );
     assert_eq!(*srv.paths.lock().unwrap(), vec!["/node".to_string()]);
     assert_eq!(*tls.paths.lock().unwrap(), vec!["/node-tls".to_string()]);
+}
+
+/// The supervisor's memory is the host's: an agent that opens connection after connection to
+/// the proxy or to its protocol socket (each may buffer a request body, a response, replies it
+/// never reads) is refused at `connections_max`, with a reply that says so, and a connection
+/// given back makes room again.
+#[test]
+fn connections_past_the_bound_are_refused_with_a_reason_and_room_comes_back() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    let script = format!(
+        r#"
+import os, socket, urllib.request
+def proxy():
+    s = socket.create_connection(("127.0.0.1", 3128)); return s
+def gate():
+    s = socket.socket(socket.AF_UNIX); s.connect(os.environ["ESTOP_SOCKET"]); return s
+for name, open_ in (("proxy", proxy), ("gate", gate)):
+    held = [open_(), open_()]
+    extra = open_(); extra.settimeout(10)
+    print(name, "third:", extra.recv(4096).decode(errors="replace").replace("\r\n", " "))
+    held.pop().close()
+    import time; time.sleep(0.2)
+    again = open_()
+    if name == "gate":
+        again.sendall(b'{{"id":1,"op":"ping"}}\n'); again.settimeout(10)
+        print(name, "after:", again.recv(4096).decode())
+    for s in held + [again, extra]: s.close()
+    time.sleep(0.2)
+r = urllib.request.urlopen("http://127.0.0.2:{port}/ok", timeout=10)
+print("proxied:", r.status)
+"#,
+        port = srv.port
+    );
+    let extra = "connections_max = 2\n";
+    let (code, out, err) = finish(estop_run(&d, "conns", extra, &argv(&python(&script))));
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        out.contains("proxy third: HTTP/1.1 503") && out.contains("connections_max = 2"),
+        "{out}"
+    );
+    assert!(
+        out.contains("gate third: {") && out.contains("limit_exceeded"),
+        "{out}"
+    );
+    assert!(out.contains("gate after: {\"id\":1,\"ok\":true"), "{out}");
+    assert!(out.contains("proxied: 200"), "{out}");
 }

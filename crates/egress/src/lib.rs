@@ -141,6 +141,7 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         token: plan.token.clone(),
         run: plan.run.clone(),
         principal: "agent".into(),
+        connections_max: plan.settings.connections_max,
     };
     tokio::spawn(relay.serve(tokio::net::UnixListener::from_std(l.protocol)?));
     let cg = cgroups;

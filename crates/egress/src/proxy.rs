@@ -70,8 +70,15 @@ const HOP: &[&str] = &[
 
 impl Proxy {
     /// Serves proxy connections; a stop of the run closes every one of them.
+    /// At most `connections_max` at once; one past it gets a `503` saying so and is closed.
     pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) {
+        let slots = Arc::new(tokio::sync::Semaphore::new(self.settings.connections_max));
         while let Ok((stream, _)) = listener.accept().await {
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                // Best effort and without waiting: the accept loop never stalls on it.
+                let _ = stream.try_write(too_many(self.settings.connections_max).as_bytes());
+                continue;
+            };
             let proxy = self.clone();
             let mut fence = self.fence.clone();
             tokio::spawn(async move {
@@ -95,6 +102,7 @@ impl Proxy {
                     _ = conn => {}
                     _ = fence.wait_for(|stopped| *stopped) => {}
                 }
+                drop(slot);
             });
         }
     }
@@ -606,4 +614,15 @@ fn gate_down(e: &anyhow::Error) -> Box<Reply> {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The whole reply to a connection past `connections_max`.
+fn too_many(max: usize) -> String {
+    let body = format!(
+        "{{\"estop\":{{\"verdict\":\"refused\",\"reason\":\"limit_exceeded\",\"what_to_do\":\"this sandbox already holds connections_max = {max} connections to the proxy; close one (or reuse it) and retry\"}}}}"
+    );
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
 }

@@ -5,10 +5,12 @@
 //! all its runs and every operator verb are refused here, before the daemon sees them.
 
 use estop_protocol::server_line::error_line;
-use estop_protocol::{ErrorCode, Op, Verb, parse_request};
+use estop_protocol::{ErrorCode, Id, Op, Verb, parse_request};
 use serde_json::json;
+use std::sync::Arc;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::Semaphore;
 use tokio::sync::mpsc;
 
 /// Longest request line forwarded: the daemon's default, the protocol's one constant.
@@ -36,16 +38,35 @@ pub struct Relay {
     pub token: String,
     pub run: String,
     pub principal: String,
+    /// Connections the sandbox may hold to this socket at once (`[egress] connections_max`).
+    pub connections_max: usize,
 }
 
+/// Lines queued for an agent that does not read them before the relay stops reading the gate
+/// for it (the gate then applies its own output bound to the relay's connection).
+const QUEUE_LINES_MAX: usize = 256;
+
 impl Relay {
+    /// At most `connections_max` at once; one past it gets a `limit_exceeded` line and is
+    /// closed.
     pub async fn serve(self, listener: UnixListener) {
+        let slots = Arc::new(Semaphore::new(self.connections_max));
         while let Ok((conn, _)) = listener.accept().await {
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                let message = format!(
+                    "this sandbox already holds connections_max = {} connections to the gate's socket; close one (or pipeline on one) and retry",
+                    self.connections_max
+                );
+                // Best effort and without waiting: the accept loop never stalls on it.
+                let _ = conn.try_write(&error_line(&Id::NULL, ErrorCode::LimitExceeded, &message));
+                continue;
+            };
             let relay = self.clone();
             tokio::spawn(async move {
                 if let Err(e) = relay.connection(conn).await {
                     eprintln!("estop run: protocol socket: {e:#}");
                 }
+                drop(slot);
             });
         }
     }
@@ -63,7 +84,7 @@ impl Relay {
             "the gate refused the run's token"
         );
         let (client_r, mut client_w) = conn.into_split();
-        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(QUEUE_LINES_MAX);
         tokio::spawn(async move {
             while let Some(line) = rx.recv().await {
                 if client_w.write_all(&line).await.is_err() {
@@ -75,7 +96,7 @@ impl Relay {
         tokio::spawn(async move {
             let mut line = Vec::new();
             while matches!(up_r.read_until(b'\n', &mut line).await, Ok(n) if n > 0) {
-                if back.send(std::mem::take(&mut line)).is_err() {
+                if back.send(std::mem::take(&mut line)).await.is_err() {
                     break;
                 }
             }
@@ -97,7 +118,9 @@ impl Relay {
             match self.check(&line) {
                 None => up_w.write_all(&line).await?,
                 Some(reply) => {
-                    let _ = tx.send(reply);
+                    if tx.send(reply).await.is_err() {
+                        return Ok(()); // The agent's side is gone.
+                    }
                 }
             }
         }
@@ -155,6 +178,7 @@ mod tests {
             token: "secret".into(),
             run: "r1".into(),
             principal: "agent".into(),
+            connections_max: 1,
         };
         let pass = |l: &str| r.check(l.as_bytes()).is_none();
         let answer = |l: &str| -> serde_json::Value {

@@ -20,6 +20,10 @@ pub struct Settings {
     pub body_bytes_max: usize,
     /// Largest response the proxy relays.
     pub response_bytes_max: usize,
+    /// Connections the sandbox may hold open at once to the proxy, and as many to its protocol
+    /// socket: each may buffer a body and a response in the supervisor, whose memory is the
+    /// host's. Past it a connection is refused with a reply that says so.
+    pub connections_max: usize,
     /// Extra roots (PEM) the proxy trusts when it reaches hosts over TLS, beside the public web
     /// PKI: a private CA of your own, or a test's.
     pub upstream_roots: Option<std::path::PathBuf>,
@@ -38,6 +42,7 @@ impl Default for Settings {
             pids_max: 4096,
             body_bytes_max: 8 << 20,
             response_bytes_max: 64 << 20,
+            connections_max: 64,
             upstream_roots: None,
             credentials: None,
             model: None,
@@ -59,6 +64,7 @@ struct Egress {
     pids_max: Option<u32>,
     body_bytes_max: Option<usize>,
     response_bytes_max: Option<usize>,
+    connections_max: Option<usize>,
     upstream_roots: Option<std::path::PathBuf>,
     credentials: Option<std::path::PathBuf>,
     model: Option<crate::meter::ModelFile>,
@@ -82,12 +88,16 @@ impl Settings {
         s.pids_max = e.pids_max.unwrap_or(s.pids_max);
         s.body_bytes_max = e.body_bytes_max.unwrap_or(s.body_bytes_max);
         s.response_bytes_max = e.response_bytes_max.unwrap_or(s.response_bytes_max);
+        s.connections_max = e.connections_max.unwrap_or(s.connections_max);
         s.upstream_roots = e.upstream_roots;
         s.credentials = e.credentials;
         s.model = e
             .model
             .map(crate::meter::ModelSettings::from_file)
             .transpose()?;
+        if s.connections_max < 1 {
+            bail!("connections_max must be at least 1");
+        }
         if s.pids_max < 4 {
             bail!("pids_max must be at least 4");
         }
@@ -200,7 +210,7 @@ mod tests {
         assert!(!contains(lo, "128.0.0.1".parse().unwrap()));
         assert!(contains(
             parse_cidr("0.0.0.0/0").unwrap(),
-            "8.8.8.8".parse().unwrap()
+            "203.0.113.8".parse().unwrap()
         ));
         assert!(contains(parse_cidr("::1").unwrap(), "::1".parse().unwrap()));
         assert!(parse_cidr("10.0.0.0/33").is_err());
@@ -217,7 +227,7 @@ mod tests {
         ] {
             assert!(forbidden(bad.parse().unwrap()), "{bad}");
         }
-        for good in ["93.184.216.34", "10.1.2.3", "2001:db8::1"] {
+        for good in ["198.51.100.34", "10.1.2.3", "2001:db8::1"] {
             assert!(!forbidden(good.parse().unwrap()), "{good}");
         }
     }
