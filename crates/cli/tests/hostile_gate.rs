@@ -359,6 +359,31 @@ fn idle_connections_are_closed_but_waiters_and_subscribers_stay() {
     ok(&mut listener, json!({"op": "ping"}));
 }
 
+/// Idle is counted from a connection's last line: one that speaks more often than the idle time
+/// stays however long it lives (the daemon re-arms one timer per connection rather than one
+/// per line, so this is what that must keep), and is closed once it falls silent.
+#[test]
+fn a_connection_that_keeps_speaking_is_never_idle() {
+    let d = Daemon::start_with(&["--idle-timeout", "1s"]);
+    let mut agent = d.agent();
+    let started = std::time::Instant::now();
+    // Three idle times' worth of pings, each well within one idle time of the last.
+    while started.elapsed() < std::time::Duration::from_millis(3000) {
+        ok(&mut agent, json!({"op": "ping"}));
+        std::thread::sleep(std::time::Duration::from_millis(400));
+    }
+    let silent_from = std::time::Instant::now();
+    match agent.read_line().unwrap() {
+        estop_protocol::ServerLine::Reply(r) => {
+            let e = r.error.expect("an error");
+            assert!(e.message.contains("idle"), "{}", e.message);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Closed about one idle time after its last line, not before.
+    assert!(silent_from.elapsed() >= std::time::Duration::from_millis(500));
+}
+
 /// Finding 5: one connection could take every waiter and every subscription of the gate.
 #[test]
 fn one_agent_cannot_take_every_waiter_or_subscription() {

@@ -563,10 +563,15 @@ impl Gate {
         ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         bounded(&a.args, self.limits.args_bytes_max, "args_bytes_max")?;
-        self.precheck_held(now, p, a)?;
-        self.precheck_fence(now, p, a)?;
+        // One lookup of the run for the common case (a run that exists and is not adopted
+        // here); the prechecks only concern a run this admit creates or adopts.
+        let existing = self.runs.get(&a.run);
+        if existing.is_none_or(|r| fresh_for(a, r)) {
+            self.precheck_held(now, p, a)?;
+            self.precheck_fence(now, p, a)?;
+        }
         let mut adopted = false;
-        let run = if let Some(found) = self.runs.get(&a.run) {
+        let run = if let Some(found) = existing {
             let mut run = found;
             if p.role == Role::Agent && run.owner.as_ref().is_some_and(|o| *o != p.name) {
                 return Err(KernelError::RunNotFound(a.run.clone()));
@@ -674,9 +679,7 @@ impl Gate {
     /// leaves no run behind. (Conservative: such an effect might have been refused instead.)
     fn precheck_held(&self, now: u64, p: &Principal, a: &Admit) -> Result<(), KernelError> {
         let existing = self.runs.get(&a.run);
-        let fresh = existing.is_none_or(|r| {
-            a.parent.is_some() && r.parent.is_none() && r.effects.is_empty() && r.stop.is_none()
-        });
+        let fresh = existing.is_none_or(|r| fresh_for(a, r));
         if !fresh {
             return Ok(()); // Planned before anything changes: `admit` checks exactly.
         }
@@ -709,9 +712,7 @@ impl Gate {
     /// (A stopped parent fences the run in `create_run` or `adopt`, which check it themselves.)
     fn precheck_fence(&self, now: u64, p: &Principal, a: &Admit) -> Result<(), KernelError> {
         let existing = self.runs.get(&a.run);
-        let fresh = existing.is_none_or(|r| {
-            a.parent.is_some() && r.parent.is_none() && r.effects.is_empty() && r.stop.is_none()
-        });
+        let fresh = existing.is_none_or(|r| fresh_for(a, r));
         let parent = a
             .parent
             .as_ref()
@@ -1908,6 +1909,12 @@ fn receipt(effect: &Effect) -> Verdict {
         result: rec.result,
         error: rec.error,
     }
+}
+
+/// Whether `a` creates its run or adopts it (a run that came into being as some sub-agent's
+/// parent, learning its own parent now): what the admit prechecks look at.
+fn fresh_for(a: &Admit, r: &Run) -> bool {
+    a.parent.is_some() && r.parent.is_none() && r.effects.is_empty() && r.stop.is_none()
 }
 
 fn new_approval(p: &PolicyDecision) -> Approval {

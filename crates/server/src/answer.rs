@@ -93,7 +93,15 @@ impl Charge {
     /// bound waits until nothing else is in flight); `None` if the connection is closing.
     pub async fn acquire(inflight: &Arc<Semaphore>, bound: usize, bytes: usize) -> Option<Charge> {
         let bytes = u32::try_from(bytes.min(bound)).unwrap_or(u32::MAX);
-        inflight.acquire_many(bytes).await.ok()?.forget();
+        // Without waiting when the bytes fit, as they nearly always do: no `Acquire` future per
+        // request.
+        match inflight.try_acquire_many(bytes) {
+            Ok(p) => p.forget(),
+            Err(tokio::sync::TryAcquireError::NoPermits) => {
+                inflight.acquire_many(bytes).await.ok()?.forget();
+            }
+            Err(tokio::sync::TryAcquireError::Closed) => return None,
+        }
         Some(Charge {
             inflight: Arc::clone(inflight),
             bytes,

@@ -46,25 +46,34 @@ where
     } = open(stream, socket, &shared, render);
     let requests = async {
         let mut principal: Option<Authed> = None;
-        let hello_by =
-            tokio::time::Instant::now() + Duration::from_millis(shared.opts.hello_ms_max);
+        let idle_for = Duration::from_millis(shared.opts.idle_ms_max);
+        // One timer for the connection's life, re-armed only when it fires: registering a
+        // timeout for every line read costs the IO threads a lock on the timer wheel per request.
+        let deadline = tokio::time::sleep_until(
+            tokio::time::Instant::now() + Duration::from_millis(shared.opts.hello_ms_max),
+        );
+        tokio::pin!(deadline);
         // Whether the connection ever subscribed: a subscriber may sit silent for as long as
         // it likes.
         let mut subscribed = false;
+        // Since when the connection has waited for its next line, and whether a line was read
+        // since that was last noted.
+        let mut waiting_since = tokio::time::Instant::now();
+        let mut line_read = false;
         loop {
             // A client that does not read what it asked for stops being read.
             unwritten.paced().await;
-            let until = match principal {
-                None => hello_by,
-                Some(_) => {
-                    tokio::time::Instant::now() + Duration::from_millis(shared.opts.idle_ms_max)
-                }
-            };
+            // Idle is counted from here, where the connection starts waiting for a line.
+            if line_read {
+                waiting_since = tokio::time::Instant::now();
+                line_read = false;
+            }
             // An idle connection whose token is revoked is woken and closed at once; so is one
             // that never authenticated when it is evicted to make room.
             let read = tokio::select! {
                 biased;
-                read = tokio::time::timeout_at(until, reader.next_line()) => read,
+                read = reader.next_line() => Some(read),
+                () = &mut deadline => None,
                 () = RevokeSignal::wait(principal.as_ref().map(|a| &*a.revoked)) => {
                     // Said once, unasked (`id` null, as for a discarded line), then closed.
                     say_and_close(&out_tx, revoked_answer());
@@ -79,23 +88,38 @@ where
                 }
             };
             let line = match read {
-                Ok(Ok(Some(l))) => l,
-                Ok(Ok(None) | Err(_)) => break,
-                Err(_) => {
-                    match idle_close(&shared.opts, principal.is_some(), subscribed, &permits) {
-                        Some(why) => {
-                            crate::log::info(&format!("connection {conn} closed: {why}"));
-                            say_and_close(&out_tx, err(ErrorCode::LimitExceeded, why));
-                            break;
-                        }
-                        None => continue,
-                    }
+                Some(Ok(Some(l))) => {
+                    line_read = true;
+                    l
                 }
+                Some(Ok(None) | Err(_)) => break,
+                None if principal.is_some() && waiting_since + idle_for > deadline.deadline() => {
+                    // Armed before the last line: idle only once that line is idle_for old.
+                    deadline.as_mut().reset(waiting_since + idle_for);
+                    continue;
+                }
+                None => match idle_close(&shared.opts, principal.is_some(), subscribed, &permits) {
+                    Some(why) => {
+                        crate::log::info(&format!("connection {conn} closed: {why}"));
+                        say_and_close(&out_tx, err(ErrorCode::LimitExceeded, why));
+                        break;
+                    }
+                    None => {
+                        deadline
+                            .as_mut()
+                            .reset(tokio::time::Instant::now() + idle_for);
+                        continue;
+                    }
+                },
             };
             // Bounded pipelining: a permit per request, returned when its reply is written.
-            match permits.acquire().await {
+            match permits.try_acquire() {
                 Ok(p) => p.forget(),
-                Err(_) => break,
+                Err(tokio::sync::TryAcquireError::Closed) => break,
+                Err(tokio::sync::TryAcquireError::NoPermits) => match permits.acquire().await {
+                    Ok(p) => p.forget(),
+                    Err(_) => break,
+                },
             }
             let bound = shared.opts.inflight_bytes_max.max(1);
             let Some(charge) = Charge::acquire(&inflight, bound, line_bytes(&line)).await else {
@@ -108,6 +132,7 @@ where
                 listings: &listings,
                 charge: &std::sync::Mutex::new(Some(charge)),
             };
+            let authenticated = principal.is_some();
             let conn_state = ConnState {
                 principal: &mut principal,
                 slot: &mut slot,
@@ -116,10 +141,18 @@ where
             if !request(line, conn_state, call, &shared).await {
                 break;
             }
+            if !authenticated && principal.is_some() {
+                // From the hello's deadline to the idle one.
+                deadline
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + idle_for);
+            }
         }
     };
     // A connection that falls too far behind its replies is closed whatever its reader does.
+    // Biased: the requests first, without drawing a random number on every wake.
     tokio::select! {
+        biased;
         () = requests => {}
         () = unwritten.crossed() => {}
     }
