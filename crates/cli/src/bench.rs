@@ -255,7 +255,7 @@ fn egress(
     let rows = estop_bench::egress::proxy_overhead(&o).context("the proxy benchmark")?;
     if !json {
         println!(
-            "egress proxy: GET through the proxy (admitted + completed, upstream dialled per request) vs direct keep-alive, same local server; https after the first handshake"
+            "egress proxy: GET through the proxy (admitted durably, outcome completed behind the response, upstream connections kept) vs direct keep-alive, same local server; https after the first handshake"
         );
         println!(
             "{:>6} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}",

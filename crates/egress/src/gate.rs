@@ -104,7 +104,16 @@ impl Gate {
     }
 
     /// Sends one request and returns its reply object (ok or not).
-    pub async fn call(&self, mut req: Value) -> Result<Value> {
+    pub async fn call(&self, req: Value) -> Result<Value> {
+        self.send(req)?.await
+    }
+
+    /// Sends one request now (it is on its way to the gate, after every request sent before
+    /// it, when this returns) and returns the wait for its reply.
+    pub fn send(
+        &self,
+        mut req: Value,
+    ) -> Result<impl std::future::Future<Output = Result<Value>> + Send + 'static> {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         req["id"] = json!(id);
         let (tx, rx) = oneshot::channel();
@@ -117,7 +126,7 @@ impl Gate {
         if self.lines.send(line).is_err() {
             bail!("the connection to the gate is closed");
         }
-        rx.await.context("the connection to the gate closed")
+        Ok(async move { rx.await.context("the connection to the gate closed") })
     }
 }
 

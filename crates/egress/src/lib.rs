@@ -8,6 +8,7 @@ pub mod credentials;
 pub mod dns;
 pub mod gate;
 pub mod meter;
+pub mod pool;
 pub mod proxy;
 pub mod relay;
 pub mod sandbox;
@@ -133,6 +134,7 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         nonce: random_hex(6),
         seq: 0.into(),
         meter: meter::Meter::default(),
+        pool: pool::Pool::default(),
     });
     tokio::spawn(proxy.serve(tokio::net::TcpListener::from_std(l.proxy)?));
     tokio::spawn(dns::serve(tokio::net::UdpSocket::from_std(l.dns)?));
@@ -208,6 +210,7 @@ pub async fn serve_proxy(
         nonce: random_hex(6),
         seq: 0.into(),
         meter: meter::Meter::default(),
+        pool: pool::Pool::default(),
     });
     proxy.serve(listener).await;
     Ok(())

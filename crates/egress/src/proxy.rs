@@ -44,6 +44,8 @@ pub struct Proxy {
     pub connector: tokio_rustls::TlsConnector,
     /// The model-call account (`OPENAI_BASE_URL` is this proxy's `/v1`).
     pub meter: crate::meter::Meter,
+    /// Idle upstream connections, by the origin they were dialled for.
+    pub pool: crate::pool::Pool,
 }
 
 /// What the proxy will send, as the gate's policy sees it.
@@ -73,6 +75,12 @@ impl Proxy {
     /// At most `connections_max` at once; one past it gets a `503` saying so and is closed.
     pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) {
         let slots = Arc::new(tokio::sync::Semaphore::new(self.settings.connections_max));
+        // A stopped run keeps no connection to anywhere.
+        let (proxy, mut fence) = (self.clone(), self.fence.clone());
+        tokio::spawn(async move {
+            let _ = fence.wait_for(|stopped| *stopped).await;
+            proxy.pool.clear();
+        });
         while let Ok((stream, _)) = listener.accept().await {
             let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
                 // Best effort and without waiting: the accept loop never stalls on it.
@@ -233,8 +241,21 @@ impl Proxy {
         let (reply, outcome) = self.forward(&parts, body, &effect).await;
         let complete = json!({"op": "complete", "run": self.run, "key": effect.key,
             "token": token, "outcome": outcome.0, "result": outcome.1, "error": outcome.2});
-        if let Err(e) = self.gate.call(complete).await {
-            eprintln!("estop run: completing {}: {e:#}", effect.key);
+        // The outcome goes to the gate before the response goes to the agent, on the one
+        // connection whose requests the gate takes in order (so the agent's next request, and
+        // the run's close, come after it), but the agent does not wait for it to be durable:
+        // the admission had to be, before anything was sent; the outcome may follow (a crash
+        // in between leaves the effect `unknown`, docs/EGRESS.md).
+        match self.gate.send(complete) {
+            Ok(reply) => {
+                let key = effect.key.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = reply.await {
+                        eprintln!("estop run: completing {key}: {e:#}");
+                    }
+                });
+            }
+            Err(e) => eprintln!("estop run: completing {}: {e:#}", effect.key),
         }
         reply
     }
@@ -401,6 +422,15 @@ impl Proxy {
         let host = effect.args["host"].as_str().unwrap_or_default();
         let port = effect.args["port"].as_u64().unwrap_or(80) as u16;
         let failed = |message: String| self.failed(effect, message);
+        if *self.fence.borrow() {
+            let message = "not sent: the run was stopped".to_string();
+            return Err((stopped(&self.run, &effect.key), "error", message));
+        }
+        // A connection kept from an earlier request to the same origin: its address was
+        // resolved and checked when it was dialled.
+        if let Some(kept) = self.pool.take(&origin(effect)).await {
+            return Ok(kept);
+        }
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
             .await
             .map_err(|e| failed(format!("cannot resolve {host}: {e}")))?
@@ -489,6 +519,8 @@ impl Proxy {
                 )
             })?
             .to_bytes();
+        // Read whole: the connection can take the next request to this origin.
+        self.pool.put(origin(effect), sender, addr);
         let n = bytes.len();
         let mut reply = Response::new(full(bytes));
         *reply.status_mut() = rparts.status;
@@ -497,6 +529,21 @@ impl Proxy {
             .headers_mut()
             .insert("x-estop-verdict", HeaderValue::from_static("admitted"));
         Ok((reply, n))
+    }
+}
+
+/// The origin an admitted effect goes to (its arguments, as the gate saw them).
+fn origin(effect: &Effect) -> crate::pool::Origin {
+    crate::pool::Origin {
+        scheme: effect.args["scheme"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+        host: effect.args["host"].as_str().unwrap_or_default().to_string(),
+        port: effect.args["port"]
+            .as_u64()
+            .and_then(|p| u16::try_from(p).ok())
+            .unwrap_or(0),
     }
 }
 
