@@ -193,6 +193,28 @@ fn serve_one<S: Read + Write>(
         let _ = c.flush();
         return;
     }
+    if let Some(id) = path.strip_prefix("/go?id=") {
+        release(id);
+    }
+    if let Some(id) = path.strip_prefix("/stream?id=") {
+        // The head and a first line now; the rest only once `/go?id=` arrived (the client can
+        // ask for it only if the proxy relayed the first line already), or after 10 s.
+        let c = r.get_mut();
+        let _ = write!(
+            c,
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n6\r\nfirst\n\r\n"
+        );
+        let _ = c.flush();
+        let how = if released(id, std::time::Duration::from_secs(10)) {
+            "go"
+        } else {
+            "timeout"
+        };
+        let tail = format!("second {how}\n");
+        let _ = write!(c, "{:x}\r\n{tail}\r\n0\r\n\r\n", tail.len());
+        let _ = c.flush();
+        return;
+    }
     if path == "/slow" {
         let _ = slow.send(());
         // Never answers: only a cut ends this request.
@@ -207,6 +229,24 @@ fn serve_one<S: Read + Write>(
         text.len()
     );
     let _ = c.flush();
+}
+
+/// Streams (`/stream?id=`) that `/go?id=` has released.
+static RELEASED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+static RELEASE: std::sync::Condvar = std::sync::Condvar::new();
+
+fn release(id: &str) {
+    RELEASED.lock().unwrap().push(id.to_string());
+    RELEASE.notify_all();
+}
+
+/// Whether `id` was released within `within`.
+fn released(id: &str, within: std::time::Duration) -> bool {
+    let guard = RELEASED.lock().unwrap();
+    let (guard, _) = RELEASE
+        .wait_timeout_while(guard, within, |r| !r.iter().any(|x| x == id))
+        .unwrap();
+    guard.iter().any(|x| x == id)
 }
 
 /// `estop run` with a settings file allowing 127.0.0.2, running `argv`; stdio piped.
@@ -359,6 +399,43 @@ print("proxied:", r.status, r.read().decode(), r.headers["x-estop-verdict"])
         done.contains(&"http.GET") && done.contains(&"sandbox.run"),
         "{report}"
     );
+}
+
+/// A response is relayed as it arrives, not once it is whole: the agent reads the first line
+/// while the upstream still holds the rest (which it sends only after the agent's next request,
+/// or after 10 s), and the effect completes `ok` with every byte counted once the body ends.
+#[test]
+fn a_response_is_relayed_as_it_arrives_and_completed_at_its_end() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    let script = format!(
+        r#"
+import urllib.request
+base = "http://127.0.0.2:{port}"
+r = urllib.request.urlopen(base + "/stream?id=s1", timeout=30)
+first = r.readline().decode().strip()
+urllib.request.urlopen(base + "/go?id=s1", timeout=30).read()
+print("got:", first, "|", r.read().decode().strip())
+"#,
+        port = srv.port
+    );
+    let (code, out, err) = finish(estop_run(&d, "stream", "", &argv(&python(&script))));
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        out.contains("got: first | second go"),
+        "the first line reached the agent before the upstream's end: {out}\n{err}"
+    );
+    // The stream's outcome is `ok`, recorded at its end: after the `/go` request was admitted.
+    let entries = ledger(&d, "stream");
+    let seq_of = |kind: &str, suffix: &str| {
+        entries
+            .iter()
+            .find(|e| e["kind"] == kind && e["key"].as_str().is_some_and(|k| k.ends_with(suffix)))
+            .unwrap_or_else(|| panic!("{kind} of *{suffix}: {entries:?}"))
+    };
+    let (done, go) = (seq_of("complete", ":0"), seq_of("admit", ":1"));
+    assert_eq!(done["outcome"], "ok", "{done}");
+    assert!(done["seq"].as_u64() > go["seq"].as_u64(), "{done} {go}");
 }
 
 /// Root only: a veth pair with an address the test picks, reachable from the host and

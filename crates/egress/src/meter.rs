@@ -9,10 +9,11 @@
 //! with a reason naming the dimension (`model_usd`, `model_tokens`). docs/EGRESS.md, "Model
 //! calls".
 
+use crate::proxy::until_stopped;
 use crate::proxy::{Effect, Proxy, Reply, full, refusal, stopped};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
-use hyper::body::{Frame, Incoming};
+use hyper::body::Incoming;
 use hyper::header::HeaderValue;
 use hyper::{Request, Response, StatusCode};
 use serde::Deserialize;
@@ -461,7 +462,7 @@ impl Call {
             self.finish(outcome, usage, sse.output_bytes, error, status)
                 .await;
         });
-        let mut reply = Response::new(BodyExt::boxed(Channel(rx)));
+        let mut reply = Response::new(BodyExt::boxed(crate::proxy::Channel(rx)));
         *reply.status_mut() = rparts.status;
         let h = reply.headers_mut();
         h.insert(
@@ -562,27 +563,6 @@ impl Sse {
             }
         }
     }
-}
-
-/// A response body fed by the relay task; an error item cuts the agent's stream.
-struct Channel(tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>);
-
-impl hyper::body::Body for Channel {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        self.0.poll_recv(cx).map(|o| o.map(|r| r.map(Frame::data)))
-    }
-}
-
-/// Resolves once the run is stopped (the guard `wait_for` hands back is not held across the
-/// branch's awaits).
-async fn until_stopped(fence: &mut tokio::sync::watch::Receiver<bool>) {
-    let _ = fence.wait_for(|s| *s).await;
 }
 
 #[cfg(test)]

@@ -215,7 +215,11 @@ impl Proxy {
         }
     }
 
-    async fn request(&self, parts: hyper::http::request::Parts, body: Incoming) -> Reply {
+    async fn request(
+        self: &Arc<Self>,
+        parts: hyper::http::request::Parts,
+        body: Incoming,
+    ) -> Reply {
         let body = match Limited::new(body, self.settings.body_bytes_max)
             .collect()
             .await
@@ -238,25 +242,107 @@ impl Proxy {
             Ok(token) => token,
             Err(reply) => return *reply,
         };
-        let (reply, outcome) = self.forward(&parts, body, &effect).await;
-        let complete = json!({"op": "complete", "run": self.run, "key": effect.key,
+        match self.forward(&parts, body, &effect).await {
+            Forwarded::Done(reply, outcome) => {
+                self.complete(&effect.key, &token, outcome);
+                reply
+            }
+            Forwarded::Answered(res, sender, addr) => {
+                self.relay(res, (sender, addr), effect, token)
+            }
+        }
+    }
+
+    /// Sends the effect's outcome to the gate now and does not wait for it to be durable. It
+    /// goes out before the agent learns the request's end, on the one connection whose
+    /// requests the gate applies in order, so the agent's next request (a repeat of the same
+    /// key included) and the run's close follow it; the agent does not wait for its fdatasync
+    /// (the admission had to be durable before anything was sent; a crash in between leaves
+    /// the effect `unknown`, docs/EGRESS.md).
+    fn complete(&self, key: &str, token: &str, outcome: Outcome) {
+        let complete = json!({"op": "complete", "run": self.run, "key": key,
             "token": token, "outcome": outcome.0, "result": outcome.1, "error": outcome.2});
-        // The outcome goes to the gate before the response goes to the agent, on the one
-        // connection whose requests the gate takes in order (so the agent's next request, and
-        // the run's close, come after it), but the agent does not wait for it to be durable:
-        // the admission had to be, before anything was sent; the outcome may follow (a crash
-        // in between leaves the effect `unknown`, docs/EGRESS.md).
         match self.gate.send(complete) {
             Ok(reply) => {
-                let key = effect.key.clone();
+                let key = key.to_string();
                 tokio::spawn(async move {
                     if let Err(e) = reply.await {
                         eprintln!("estop run: completing {key}: {e:#}");
                     }
                 });
             }
-            Err(e) => eprintln!("estop run: completing {}: {e:#}", effect.key),
+            Err(e) => eprintln!("estop run: completing {key}: {e:#}"),
         }
+    }
+
+    /// Relays an answered request's response to the agent as it arrives (backpressure through a
+    /// short queue), counting its bytes; completes the effect when it ends (`ok`) or is cut
+    /// (`unknown`: a stop, a broken upstream, the bound, the agent gone), and keeps the
+    /// connection for the next request to the origin if it was read whole.
+    fn relay(
+        self: &Arc<Self>,
+        res: Response<Incoming>,
+        (sender, addr): (Sender, SocketAddr),
+        effect: Effect,
+        token: String,
+    ) -> Reply {
+        let (rparts, mut rbody) = res.into_parts();
+        let status = rparts.status.as_u16();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+        let proxy = Arc::clone(self);
+        tokio::spawn(async move {
+            let max = proxy.settings.response_bytes_max;
+            let mut fence = proxy.fence.clone();
+            let mut bytes = 0usize;
+            let end = loop {
+                let frame = tokio::select! {
+                    f = rbody.frame() => f,
+                    () = until_stopped(&mut fence) => {
+                        break Some("cut: the run was stopped while the response was relayed".to_string());
+                    }
+                };
+                let data = match frame {
+                    None => break None,
+                    Some(Err(e)) => break Some(format!("reading the response: {e}")),
+                    // Trailers are not relayed.
+                    Some(Ok(f)) => match f.into_data() {
+                        Ok(d) => d,
+                        Err(_) => continue,
+                    },
+                };
+                bytes += data.len();
+                if bytes > max {
+                    break Some(format!(
+                        "the response is longer than response_bytes_max = {max}; cut"
+                    ));
+                }
+                if tx.send(Ok(data)).await.is_err() {
+                    break Some("the agent hung up before the response's end".to_string());
+                }
+            };
+            let outcome = match &end {
+                None => ("ok", json!({"status": status, "bytes": bytes}), Value::Null),
+                Some(why) => (
+                    "unknown",
+                    Value::Null,
+                    json!(format!("{why} (status {status}, {bytes} bytes relayed)")),
+                ),
+            };
+            // Before the agent sees the end of the body.
+            proxy.complete(&effect.key, &token, outcome);
+            match end {
+                None => proxy.pool.put(origin(&effect), sender, addr),
+                Some(why) => {
+                    let _ = tx.try_send(Err(std::io::Error::other(why)));
+                }
+            }
+        });
+        let mut reply = Response::new(BodyExt::boxed(Channel(rx)));
+        *reply.status_mut() = rparts.status;
+        copy_headers(&rparts.headers, reply.headers_mut());
+        reply
+            .headers_mut()
+            .insert("x-estop-verdict", HeaderValue::from_static("admitted"));
         reply
     }
 
@@ -384,25 +470,24 @@ impl Proxy {
         !forbidden(ip) || self.settings.allow.iter().any(|net| contains(*net, ip))
     }
 
-    /// Resolves, dials and relays one admitted request. Returns the answer for the agent and
-    /// the outcome for the ledger: (outcome, result, error).
+    /// Resolves, dials and sends one admitted request, up to the response's head: the
+    /// response to relay, or the answer for the agent and the outcome for the ledger.
     async fn forward(
         &self,
         parts: &hyper::http::request::Parts,
         body: Bytes,
         effect: &Effect,
-    ) -> (Reply, (&'static str, Value, Value)) {
+    ) -> Forwarded {
         let mut fence = self.fence.clone();
         let work = self.send(parts, body, effect);
         tokio::select! {
             r = work => match r {
-                Ok((reply, bytes)) => {
-                    let status = reply.status().as_u16();
-                    (reply, ("ok", json!({"status": status, "bytes": bytes}), Value::Null))
+                Ok((res, sender, addr)) => Forwarded::Answered(res, sender, addr),
+                Err((reply, outcome, error)) => {
+                    Forwarded::Done(reply, (outcome, Value::Null, json!(error)))
                 }
-                Err((reply, outcome, error)) => (reply, (outcome, Value::Null, json!(error))),
             },
-            _ = fence.wait_for(|stopped| *stopped) => (
+            () = until_stopped(&mut fence) => Forwarded::Done(
                 stopped(&self.run, &effect.key),
                 ("unknown", Value::Null, json!("cut: the run was stopped while the request was in flight")),
             ),
@@ -474,13 +559,13 @@ impl Proxy {
         Ok((sender, addr))
     }
 
-    /// Sends the admitted request and reads the whole response (up to its bound).
+    /// Sends the admitted request and waits for the response's head.
     async fn send(
         &self,
         parts: &hyper::http::request::Parts,
         body: Bytes,
         effect: &Effect,
-    ) -> Result<(Reply, usize), Failure> {
+    ) -> Result<(Response<Incoming>, Sender, SocketAddr), Failure> {
         let failed = |message: String| self.failed(effect, message);
         let (mut sender, addr) = self.dial(effect).await?;
         let mut up = Request::builder()
@@ -507,29 +592,44 @@ impl Proxy {
             .send_request(up)
             .await
             .map_err(|e| (failed(e.to_string()).0, "unknown", format!("{addr}: {e}")))?;
-        let (rparts, rbody) = res.into_parts();
-        let bytes = Limited::new(rbody, self.settings.response_bytes_max)
-            .collect()
-            .await
-            .map_err(|e| {
-                (
-                    failed(e.to_string()).0,
-                    "unknown",
-                    format!("reading the response: {e}"),
-                )
-            })?
-            .to_bytes();
-        // Read whole: the connection can take the next request to this origin.
-        self.pool.put(origin(effect), sender, addr);
-        let n = bytes.len();
-        let mut reply = Response::new(full(bytes));
-        *reply.status_mut() = rparts.status;
-        copy_headers(&rparts.headers, reply.headers_mut());
-        reply
-            .headers_mut()
-            .insert("x-estop-verdict", HeaderValue::from_static("admitted"));
-        Ok((reply, n))
+        Ok((res, sender, addr))
     }
+}
+
+/// What became of an admitted request: answered (its response to relay), or done.
+enum Forwarded {
+    Answered(Response<Incoming>, Sender, SocketAddr),
+    Done(Reply, Outcome),
+}
+
+/// The outcome for the ledger: (outcome, result, error).
+type Outcome = (&'static str, Value, Value);
+
+/// A response body fed by a relay task; an error item cuts the agent's stream.
+pub(crate) struct Channel(pub(crate) tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>);
+
+impl hyper::body::Body for Channel {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|o| o.map(|r| r.map(hyper::body::Frame::data)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_closed() && self.0.is_empty()
+    }
+}
+
+/// Resolves once the run is stopped (the guard `wait_for` hands back is not held across the
+/// branch's awaits).
+pub(crate) async fn until_stopped(fence: &mut watch::Receiver<bool>) {
+    let _ = fence.wait_for(|s| *s).await;
 }
 
 /// The origin an admitted effect goes to (its arguments, as the gate saw them).
