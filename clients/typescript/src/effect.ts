@@ -44,6 +44,8 @@ export function effectKey(run: Run, opts: EffectOptions): string {
   if (opts.key !== undefined) return opts.key;
   if (opts.callId !== undefined) return callKey(opts.tool, opts.callId);
   const d = digestOf(opts.tool, toJson(opts.args ?? null));
+  const scope = run.gate.currentStep();
+  if (opts.step === undefined && scope) return deriveKey(run.id, scope.name, opts.tool, d, scope.occurrence(opts.tool, d));
   const step = opts.step ?? "run";
   return deriveKey(run.id, step, opts.tool, d, run.occurrence(step, opts.tool, d));
 }
@@ -112,7 +114,7 @@ export async function gate(run: Run, opts: EffectOptions, key: string = effectKe
 }
 
 async function hold(run: Run, key: string, tool: string, held: Held, opts: EffectOptions, deadline: number | undefined, call: CallOptions): Promise<Verdict> {
-  if (opts.onHold === "raise") throw new HeldForApproval(run.id, key, tool, held);
+  if ((opts.onHold ?? run.gate.currentStep()?.onHold) === "raise") throw new HeldForApproval(run.id, key, tool, held);
   run.check(tool, key);
   const left = deadline === undefined ? WAIT_CHUNK_MS : deadline - Date.now();
   if (left <= 0) throw new EstopTimeout(`${tool} in run ${JSON.stringify(run.id)} still held (${held.reason}) after ${opts.holdTimeoutMs} ms`);

@@ -10,7 +10,7 @@ export type { Json } from "./jcs.js";
 export { deriveKey, callKey } from "./keys.js";
 export { parseVerdict } from "./verdicts.js";
 export type { Verdict, Admitted, Go, Held, RefusedVerdict, Duplicate } from "./verdicts.js";
-export { Estop, Run, requireRun } from "./run.js";
+export { Estop, Run, Step, requireRun } from "./run.js";
 export type { EstopOptions, RunOptions } from "./run.js";
 export { gate, runEffect, effectKey, wrap, identityArgs } from "./effect.js";
 export type { EffectOptions, WrapOptions, Gated } from "./effect.js";

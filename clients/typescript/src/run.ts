@@ -32,9 +32,23 @@ export interface EstopOptions extends ClientOptions {
   client?: Client;
 }
 
+/** A logical step (a graph node's execution, a tool call): effects inside are counted from 1. */
+export class Step {
+  private readonly counts = new Map<string, number>();
+  constructor(readonly name: string, readonly onHold?: "wait" | "raise") {}
+  /** The n-th identical call in this step (n from 1). */
+  occurrence(tool: string, digest: string): number {
+    const k = `${tool}\u0000${digest}`;
+    const n = (this.counts.get(k) ?? 0) + 1;
+    this.counts.set(k, n);
+    return n;
+  }
+}
+
 export class Estop {
   readonly client: Client;
   private readonly als = new AsyncLocalStorage<Run>();
+  private readonly steps = new AsyncLocalStorage<Step>();
   private readonly stopped = new Map<string, string>();
   private readonly live = new Map<string, Set<WeakRef<Run>>>();
   private readonly watched = new Set<string>();
@@ -60,6 +74,20 @@ export class Estop {
   /** The run the calling async context is in (`run.enter`), if any. */
   current(): Run | undefined {
     return this.als.getStore();
+  }
+
+  /**
+   * Runs `fn` as one logical step: effects inside without a key or call id get keys from the
+   * step's name and their order within this execution — so a re-execution of the step (a
+   * retry, a resume, a replay) presents the same keys, and the gate answers with receipts.
+   */
+  step<T>(name: string, fn: () => T, onHold?: "wait" | "raise"): T {
+    return this.steps.run(new Step(name, onHold), fn);
+  }
+
+  /** The step the calling async context is in, if any. */
+  currentStep(): Step | undefined {
+    return this.steps.getStore();
   }
 
   /** @internal */
