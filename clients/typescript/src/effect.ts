@@ -156,7 +156,10 @@ export async function runEffect<T>(run: Run, opts: EffectOptions, fn: (signal: A
   const signal = combined(run, opts.signal);
   let result: T;
   try {
-    result = await fn(signal);
+    // The function runs in its run, as a step named by this effect's key: effects it makes
+    // itself (an API call wrapped with gate.effect) get keys under it — the same on a retry or
+    // a replay of this call, distinct from another call's.
+    result = await run.enter(() => run.gate.step(g.key, () => fn(signal)));
   } catch (e) {
     // Interrupted after start (run stopped, caller aborted): nobody can tell whether it happened.
     await report(run, g.key, g.token, signal.aborted ? "unknown" : "error", { error: errorText(e) });

@@ -218,7 +218,7 @@ export async function invoke(gate: Estop, graph: Invokable, input: unknown, conf
   const run = threadRun(gate, config as Config);
   run.check();
   try {
-    return await graph.invoke(input, withRunSignal(run, config));
+    return await run.enter(() => graph.invoke(input, withRunSignal(run, config)));
   } catch (e) {
     throw stopped(run, config, e);
   }
