@@ -404,6 +404,11 @@ export class Client {
     this.subs.set(run, (this.subs.get(run) ?? 0) + 1);
   }
 
+  /** The runs this client is subscribed to (re-subscribed after a reconnect). */
+  subscribed(): string[] {
+    return [...this.subs.keys()];
+  }
+
   async unsubscribe(run: string, opts: CallOptions = {}): Promise<void> {
     const n = this.subs.get(run) ?? 0;
     if (n > 1) return void this.subs.set(run, n - 1);

@@ -17,6 +17,8 @@ const STOP_EVENTS = new Set(["cancelled", "finalizing", "closed"]);
 const TERMINAL_STATES = new Set(["finalizing", "completed", "failed", "cancelled"]);
 /** Stopped run ids remembered locally; the gate keeps the real fence, this only saves a trip. */
 const STOPPED_REMEMBERED_MAX = 10_000;
+/** Live-run entries past which dead ones are swept before adding another. */
+const LIVE_SWEEP_AT = 4_096;
 
 export interface RunOptions {
   /** The parent run (a sub-agent): a cancel of the parent reaches this run at the gate. */
@@ -97,9 +99,18 @@ export class Estop {
 
   /** @internal Keeps the run findable by the watcher while it is referenced. */
   register(run: Run): void {
+    if (this.live.size >= LIVE_SWEEP_AT) this.sweep();
     let set = this.live.get(run.id);
     if (!set) this.live.set(run.id, (set = new Set()));
     set.add(new WeakRef(run));
+  }
+
+  /** Drops the entries of runs nobody references any more. */
+  private sweep(): void {
+    for (const [id, refs] of this.live) {
+      for (const ref of refs) if (!ref.deref()) refs.delete(ref);
+      if (!refs.size) this.live.delete(id);
+    }
   }
 
   /** Why the run (or an ancestor) is fenced locally, else undefined. */
@@ -115,6 +126,8 @@ export class Estop {
   fence(runId: string, reason: string): void {
     if (this.stopped.has(runId)) return;
     this.stopped.set(runId, reason);
+    // A stopped run has nothing more to say: its subscription goes (the gate bounds them).
+    if (this.watched.delete(runId)) this.client.unsubscribe(runId).catch(() => {});
     if (this.stopped.size > STOPPED_REMEMBERED_MAX) this.stopped.delete(this.stopped.keys().next().value as string);
     for (const [id, refs] of this.live) {
       for (const ref of refs) {

@@ -166,3 +166,18 @@ test("a paused run holds the start; resume lets the same token go", async () => 
   assert.equal(await p, "sent");
   off();
 });
+
+test("a run that stops or closes gives its subscription back (the gate bounds them)", async () => {
+  const d = daemon.get();
+  const g = d.gate();
+  const a = g.run(runId());
+  const b = g.run(runId());
+  await a.effect({ tool: "lookup_a", args: {} }, () => 1);
+  await b.effect({ tool: "lookup_b", args: {} }, () => 1);
+  assert.deepEqual(g.client.subscribed().sort(), [a.id, b.id].sort());
+  await a.close();
+  const stopped = once(b.signal, "abort");
+  await d.operator.cancel(b.id);
+  await stopped;
+  assert.deepEqual(g.client.subscribed(), []);
+});
