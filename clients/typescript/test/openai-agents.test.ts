@@ -7,7 +7,7 @@ import { test } from "node:test";
 import { Agent, RunState, Usage, setTracingDisabled, tool, type Model, type ModelRequest, type ModelResponse } from "@openai/agents";
 import { z } from "zod";
 import { Aborted, RunStopped } from "../src/index.js";
-import { applyDecisions, gateAgentTools, runAgent } from "../src/adapters/openai-agents.js";
+import { applyDecisions, gateAgentTools, runAgent, subAgentTool } from "../src/adapters/openai-agents.js";
 import { daemonPerFile, runId } from "./helpers.js";
 
 setTracingDisabled(true);
@@ -118,4 +118,36 @@ test("an operator cancel aborts the agent and the tool in flight; the caller's a
   await d.operator.cancel(run.id, "operator stop");
   await assert.rejects(p2, RunStopped);
   await assert.rejects(runAgent(run, agentFor("s3"), "go"), RunStopped);
+});
+
+test("an asTool sub-agent runs in a child run: its tools are keyed there, and a cancel of the parent stops it", async () => {
+  const d = daemon.get();
+  const gate = d.gate();
+  let started = 0;
+  let looked = 0;
+  const lookup = tool({ name: "lookup_order", description: "look", parameters: z.object({ id: z.string() }), execute: async () => (looked++, "order 7: paid") });
+  const slow = tool({
+    name: "slow_export",
+    description: "slow",
+    parameters: z.object({ q: z.string() }),
+    execute: async (_input, _ctx, details): Promise<string> => {
+      started++;
+      await once(details!.signal!, "abort");
+      throw details!.signal!.reason;
+    },
+  });
+  const researcher = new Agent({ name: "researcher", model: new ScriptedModel([[["l1", "lookup_order", { id: "7" }]], [["x1", "slow_export", { q: "7" }]], "found"]), tools: gateAgentTools(gate, [lookup, slow]) });
+  const lead = new Agent({ name: "lead", model: new ScriptedModel([[["r1", "research", { input: "order 7" }]], "done"]), tools: [subAgentTool(gate, researcher, { toolName: "research", toolDescription: "research an order" })] });
+  const run = gate.run(runId("oa"));
+  const p = runAgent(run, lead, "look into order 7");
+  while (started < 1) await new Promise((r) => setImmediate(r));
+  const child = `${run.id}.research:r1`;
+  assert.equal((await d.operator.status(child)).parent, run.id);
+  await d.operator.cancel(run.id, "operator stop");
+  await assert.rejects(p, RunStopped);
+  assert.equal(looked, 1);
+  const rep = await d.operator.report(child);
+  assert.equal(rep.state, "cancelled");
+  assert.deepEqual((rep.done as Array<{ key: string }>).map((e) => e.key), ["call:lookup_order:l1"]);
+  assert.deepEqual((rep.unknown as Array<{ key: string }>).map((e) => e.key), ["call:slow_export:x1"]);
 });

@@ -42,8 +42,13 @@ function parseArgs(input: string): unknown {
   }
 }
 
+export interface GateToolOptions {
+  /** Run the tool's body in a child run (`PARENT.<tool>:<callId>`): for `agent.asTool()` sub-agents. */
+  childRun?: boolean;
+}
+
 /** A function tool, gated: same name, schema and description; keys from the call id. */
-export function gateTool<T extends Tool>(gate: Estop, t: T): T {
+export function gateTool<T extends Tool>(gate: Estop, t: T, opts: GateToolOptions = {}): T {
   if (t.type !== "function") return t; // hosted tools run at the provider: not gateable here
   const f = t as unknown as FunctionTool;
   const gated: FunctionTool = {
@@ -70,7 +75,14 @@ export function gateTool<T extends Tool>(gate: Estop, t: T): T {
       try {
         return await run.effect(
           { tool: f.name, args: parseArgs(input), callId: details?.toolCall?.callId, signal: details?.signal },
-          (signal) => f.invoke(ctx, input, { ...details, signal }),
+          (signal) => {
+            if (!opts.childRun) return f.invoke(ctx, input, { ...details, signal });
+            // The sub-agent is a run of its own under this one: its tools find it current, a
+            // cancel of the parent reaches it at the gate, and a replay of this call (same call
+            // id) finds the same child run and its receipts.
+            const child = run.child(`${f.name}:${details?.toolCall?.callId ?? "call"}`);
+            return child.enter(() => f.invoke(ctx, input, { ...details, signal: AbortSignal.any([signal, child.signal]) }));
+          },
         );
       } catch (e) {
         // A refusal is the tool's output: the model re-plans. A stopped run stops the agent.
@@ -84,6 +96,15 @@ export function gateTool<T extends Tool>(gate: Estop, t: T): T {
 
 export function gateAgentTools<T extends Tool>(gate: Estop, tools: T[]): T[] {
   return tools.map((t) => gateTool(gate, t));
+}
+
+/**
+ * `agent.asTool(options)`, gated, with the sub-agent in a child run. Gate the sub-agent's own
+ * tools with `gateAgentTools` as usual: they find the child run. (Handoffs stay in the same run:
+ * they hand over the same conversation; gate each agent's tools.)
+ */
+export function subAgentTool(gate: Estop, agent: Agent<any, any>, options: { toolName?: string; toolDescription?: string; [k: string]: unknown }): Tool {
+  return gateTool(gate, agent.asTool(options as never) as unknown as Tool, { childRun: true });
 }
 
 /**
