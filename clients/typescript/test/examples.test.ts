@@ -17,3 +17,10 @@ test("examples/quickstart: approved once, replayed as a receipt", async () => {
   assert.match(stdout, /again: \{ amount: 1999, refund: 're_ch_1' \}/);
   assert.match(stdout, /done: lookup_user, wire_money\n/);
 });
+
+for (const [name, answer] of [["langgraph", /paused: wire_money awaits an operator's approval[\s\S]*answer: Refund sent\./], ["ai-sdk", /approval requested: wire_money estop[\s\S]*answer: Refund sent\./], ["openai-agents", /paused on: wire_money\nanswer: Refund sent\./]] as const) {
+  test(`examples/${name}: paused, approved in estop, answered`, async () => {
+    const { stdout } = await promisify(execFile)(process.execPath, [join(examples, `${name}.js`)], { timeout: 60_000 });
+    assert.match(stdout, answer);
+  });
+}
