@@ -11,8 +11,9 @@
 //                    effect `wire_money` at the gate, and a rejected call stays rejected).
 // * replay         — one logical charge done twice after a crash (LangGraph: a node re-run on
 //                    resume; elsewhere the worker dies after the charge and the job is redelivered).
-// * cancel_blocking — after the user pressed stop, a tool that blocks the event loop (sync work,
-//                    no chance to see a signal) lands its write.
+// * cancel_blocking — the user presses stop while a tool is in flight; its API call outlasts
+//                    that (the tool goes on once the stop is pressed), then it blocks the event
+//                    loop (sync work: it cannot see a signal) and writes.
 // * cancel_async   — the same for an async tool whose write does not listen to the signal.
 // * interrupt_continue — not a leak but the opposite failure: after an interrupt (the caller's
 //                    AbortSignal) the conversation's next turn cannot do its effect (counted 1).

@@ -84,10 +84,12 @@ async function replay(t: Trial): Promise<number> {
   return t.world.count("charge") - 1;
 }
 
-async function stopMidTool(t: Trial, body: (fx: ReturnType<typeof api>) => Promise<void>): Promise<number> {
+async function stopMidTool(t: Trial, body: (fx: ReturnType<typeof api>, pressed: Promise<void>) => Promise<void>): Promise<number> {
   const fx = api(t);
   let started = false;
   let done = false;
+  let press = () => {};
+  const pressed = new Promise<void>((r) => (press = r));
   const refund = tool({
     name: "refund",
     description: "refund",
@@ -95,7 +97,7 @@ async function stopMidTool(t: Trial, body: (fx: ReturnType<typeof api>) => Promi
     execute: async () => {
       started = true;
       try {
-        await body(fx);
+        await body(fx, pressed);
       } finally {
         done = true;
       }
@@ -107,8 +109,11 @@ async function stopMidTool(t: Trial, body: (fx: ReturnType<typeof api>) => Promi
   p.catch(() => {});
   await until(() => started);
   t.world.mark("stopped");
-  if (t.guarded) await t.gate.run(t.runId).cancel("user pressed stop");
-  else ac.abort(new Error("user pressed stop"));
+  // The stop first (a cancel fences this process at once), then the tool goes on: its API
+  // call outlasted the user's patience, so its write comes after the stop by construction.
+  const stop = t.guarded ? t.gate.run(t.runId).cancel("user pressed stop") : ac.abort(new Error("user pressed stop"));
+  press();
+  await stop;
   await p.catch(() => undefined);
   await until(() => done);
   return t.world.count("refund", { after: "stopped" });
@@ -133,13 +138,14 @@ export const scenarios: Scenarios = {
   sibling,
   reject,
   replay,
-  cancel_blocking: (t) => stopMidTool(t, async (fx) => {
-    await sleep(5);
-    blockFor(TOOL_DELAY_MS);
+  cancel_blocking: (t) => stopMidTool(t, async (fx, pressed) => {
+    await pressed;
+    blockFor(TOOL_DELAY_MS); // sync work: no signal can be seen meanwhile
     await quietly(fx.refund({ amount: 42 }));
   }),
-  cancel_async: (t) => stopMidTool(t, async (fx) => {
-    await sleep(TOOL_DELAY_MS);
+  cancel_async: (t) => stopMidTool(t, async (fx, pressed) => {
+    await pressed;
+    await sleep(TOOL_DELAY_MS); // an API call that does not listen to the signal
     await quietly(fx.refund({ amount: 42 }));
   }),
   interrupt_continue: interruptContinue,
