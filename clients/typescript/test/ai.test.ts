@@ -93,6 +93,7 @@ test("an operator cancel aborts generateText and the tool in flight; the caller'
   // The caller aborts first: an interrupt of this generation. The run goes on.
   const ac = new AbortController();
   const p1 = generateText(withEstop(run, { model: slowTurn("s1"), tools: { slow_search: slow }, prompt: "go", abortSignal: ac.signal, stopWhen: isStepCount(3) }));
+  p1.catch(() => {}); // it may settle before the operator's reply does; asserted below
   while (started < 1) await new Promise((r) => setImmediate(r));
   ac.abort(new Error("user left"));
   await p1.catch(() => undefined); // the SDK may end the step with a tool error or reject
@@ -100,6 +101,7 @@ test("an operator cancel aborts generateText and the tool in flight; the caller'
   assert.equal(run.signal.aborted, false);
   // Then the operator stops the run: the generation in flight is aborted with its tool.
   const p2 = generateText(withEstop(run, { model: slowTurn("s2"), tools: { slow_search: slow }, prompt: "go", stopWhen: isStepCount(3) }));
+  p2.catch(() => {}); // it may settle before the operator's reply does; asserted below
   while (started < 2) await new Promise((r) => setImmediate(r));
   await d.operator.cancel(run.id, "operator stop");
   await assert.rejects(p2); // the next step's model call sees the aborted signal

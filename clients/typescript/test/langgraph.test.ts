@@ -9,7 +9,7 @@ import { tool } from "@langchain/core/tools";
 import { END, MemorySaver, MessagesAnnotation, START, StateGraph } from "@langchain/langgraph";
 import { z } from "zod";
 import { Aborted, RunStopped } from "../src/index.js";
-import { awaitDecision, gateNode, invoke, pendingHolds, resume, toolNode, type LcTool } from "../src/adapters/langgraph.js";
+import { awaitDecision, gateNode, invoke, pendingHolds, resume, stream, toolNode, type LcTool } from "../src/adapters/langgraph.js";
 import { ScriptedChatModel } from "./lc-helpers.js";
 import { daemonPerFile, runId } from "./helpers.js";
 
@@ -114,6 +114,7 @@ test("interrupt is not cancel: aborting the invocation leaves the thread's run u
   const thread = runId("lg");
   const ac = new AbortController();
   const p = invoke(gate, app, { messages: [new HumanMessage("go")] }, { configurable: { thread_id: thread }, signal: ac.signal });
+  p.catch(() => {}); // it may settle before the operator's reply does; asserted below
   while (!started.slow) await new Promise((r) => setImmediate(r));
   ac.abort(new Error("user closed the tab"));
   await assert.rejects(p, Aborted);
@@ -134,9 +135,31 @@ test("an operator cancel aborts the tool in flight and the graph: RunStopped", a
   const { gate, app } = agentGraph([slow], [new AIMessage({ content: "", tool_calls: [call("u1", "slow_upload", { q: "x" })] }), new AIMessage("done")]);
   const thread = runId("lg");
   const p = invoke(gate, app, { messages: [new HumanMessage("go")] }, { configurable: { thread_id: thread } });
+  p.catch(() => {}); // it may settle before the operator's reply does; asserted below
   while (!started.slow) await new Promise((r) => setImmediate(r));
   await daemon.get().operator.cancel(thread, "operator stop");
   await assert.rejects(p, RunStopped);
   const rep = await daemon.get().operator.report(thread);
   assert.deepEqual((rep.unknown as Array<{ tool: string }>).map((e) => e.tool), ["slow_upload"]);
+});
+
+test("breaking out of a stream early is an interrupt: the thread's run goes on", async () => {
+  const n = { send_email: 0 };
+  const email = tool(async () => (n.send_email++, "ok"), { name: "send_email", description: "mail", schema: z.object({ to: z.string() }) });
+  // The model answers the last message: a request to mail → the call; a tool result → done.
+  const { gate, app } = agentGraph([email], [(m) => {
+    const last = m.at(-1)!;
+    if (last.getType() !== "human") return new AIMessage("done");
+    const to = String(last.content).endsWith("a") ? "a" : "b";
+    return new AIMessage({ content: "", tool_calls: [call(`e-${to}`, "send_email", { to })] });
+  }]);
+  const config = { configurable: { thread_id: runId("lg") } };
+  let chunks = 0;
+  for await (const _ of stream(gate, app, { messages: [new HumanMessage("mail a")] }, config)) {
+    if (++chunks === 2) break; // the agent's turn, then its tools: the user has seen enough
+  }
+  assert.equal(n.send_email, 1);
+  assert.equal((await daemon.get().operator.status(config.configurable.thread_id)).state, "active");
+  await invoke(gate, app, { messages: [new HumanMessage("and b")] }, config);
+  assert.equal(n.send_email, 2);
 });

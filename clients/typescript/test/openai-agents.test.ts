@@ -109,11 +109,13 @@ test("an operator cancel aborts the agent and the tool in flight; the caller's a
   const run = gate.run(runId("oa"));
   const ac = new AbortController();
   const p1 = runAgent(run, agentFor("s1"), "go", { signal: ac.signal });
+  p1.catch(() => {}); // it may settle before the operator's reply does; asserted below
   while (started < 1) await new Promise((r) => setImmediate(r));
   ac.abort(new Error("user left"));
   await assert.rejects(p1, Aborted);
   assert.equal((await run.status()).state, "active");
   const p2 = runAgent(run, agentFor("s2"), "go");
+  p2.catch(() => {}); // it may settle before the operator's reply does; asserted below
   while (started < 2) await new Promise((r) => setImmediate(r));
   await d.operator.cancel(run.id, "operator stop");
   await assert.rejects(p2, RunStopped);
@@ -140,6 +142,7 @@ test("an asTool sub-agent runs in a child run: its tools are keyed there, and a 
   const lead = new Agent({ name: "lead", model: new ScriptedModel([[["r1", "research", { input: "order 7" }]], "done"]), tools: [subAgentTool(gate, researcher, { toolName: "research", toolDescription: "research an order" })] });
   const run = gate.run(runId("oa"));
   const p = runAgent(run, lead, "look into order 7");
+  p.catch(() => {}); // it may settle before the operator's reply does; asserted below
   while (started < 1) await new Promise((r) => setImmediate(r));
   const child = `${run.id}.research:r1`;
   assert.equal((await d.operator.status(child)).parent, run.id);

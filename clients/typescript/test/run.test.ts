@@ -41,6 +41,7 @@ test("held for approval: waits, the operator approves, it runs once", async () =
   const run = g.run(runId());
   let ran = 0;
   const p = run.effect({ tool: "wire_money", args: { amount: 7 } }, () => ++ran);
+  p.catch(() => {}); // it may settle before the operator's reply does; asserted below
   const key = await heldKey(run.id);
   assert.equal(ran, 0);
   await d.operator.approve(run.id, key);
@@ -51,6 +52,7 @@ test("rejected: Rejected, the function never runs, and the same call stays rejec
   const d = daemon.get();
   const run = d.gate().run(runId());
   const p = run.effect({ tool: "wire_money", args: { amount: 9 } }, () => assert.fail("ran"));
+  p.catch(() => {}); // it may settle before the operator's reply does; asserted below
   await d.operator.reject(run.id, await heldKey(run.id));
   await assert.rejects(p, (e: unknown) => e instanceof Rejected && e.reason === "rejected");
   await assert.rejects(run.effect({ tool: "wire_money", args: { amount: 9 }, step: "re-plan" }, () => assert.fail("ran")), Rejected);
@@ -74,6 +76,7 @@ test("an interrupt is not a cancel: caller abort and hold timeout leave the run 
   // approved and run. The hold outlives each interruption; nothing is cancelled.
   const call = { tool: "wire_money", args: { amount: 1 }, callId: "call_1" };
   const p = run.effect({ ...call, signal: ac.signal }, () => assert.fail("ran"));
+  p.catch(() => {}); // it may settle before the operator's reply does; asserted below
   const key = await heldKey(run.id);
   ac.abort();
   await assert.rejects(p, Aborted);
@@ -95,6 +98,7 @@ test("the watcher: an operator cancel aborts the run's signal and controllers at
   const started = new Promise<void>((r) => (began = r));
   const p = run.effect({ tool: "slow_upload", args: {} }, async (signal) => {
     began();
+  p.catch(() => {}); // it may settle before the operator's reply does; asserted below
     await once(signal, "abort");
     throw signal.reason;
   });
@@ -161,6 +165,7 @@ test("a paused run holds the start; resume lets the same token go", async () => 
   const off = d.operator.onEvent((e) => void events.push(e.event));
   await d.operator.subscribe(run.id);
   const p = run.effect({ tool: "send_email", args: {} }, () => "sent");
+  p.catch(() => {}); // it may settle before the operator's reply does; asserted below
   await nextEvent(d.operator.onEvent.bind(d.operator), (e) => e.run === run.id && e.event === "held");
   await d.operator.resume(run.id);
   assert.equal(await p, "sent");

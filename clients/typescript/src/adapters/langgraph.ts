@@ -4,6 +4,7 @@
 //   graph.addNode("tools", toolNode(gate, [refund, lookup]))      // tools gated, keys = tool_call_id
 //   graph.addNode("charge", gateNode(gate, "charge", chargeNode), { retryPolicy })  // effects inside gated
 //   await invoke(gate, app, input, { configurable: { thread_id: "order-42" } })   // run = thread id
+//   for await (const chunk of stream(gate, app, input, config)) ...               // the same, streamed
 //
 // * A tool call's key is `call:<tool>:<tool_call_id>`, so a resume, a retry and a replay of the
 //   same call present the same key and the gate answers with the receipt: exactly once.
@@ -219,6 +220,21 @@ export async function invoke(gate: Estop, graph: Invokable, input: unknown, conf
   run.check();
   try {
     return await run.enter(() => graph.invoke(input, withRunSignal(run, config)));
+  } catch (e) {
+    throw stopped(run, config, e);
+  }
+}
+
+/**
+ * `graph.stream` in the thread's run, wired like `invoke`. Breaking out of the loop early is an
+ * interrupt of this invocation: the thread's run goes on (nothing here cancels it).
+ */
+export async function* stream(gate: Estop, graph: Invokable & { stream(input: unknown, config?: RunnableConfig): Promise<AsyncIterable<unknown>> }, input: unknown, config: RunnableConfig): AsyncGenerator<unknown> {
+  const run = threadRun(gate, config as Config);
+  run.check();
+  try {
+    const chunks = await run.enter(() => graph.stream(input, withRunSignal(run, config)));
+    for await (const chunk of chunks) yield chunk;
   } catch (e) {
     throw stopped(run, config, e);
   }
