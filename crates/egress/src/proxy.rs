@@ -333,7 +333,10 @@ impl Proxy {
             match end {
                 None => proxy.pool.put(origin(&effect), sender, addr),
                 Some(why) => {
-                    let _ = tx.try_send(Err(std::io::Error::other(why)));
+                    // Waited for, not tried: a full queue must not turn a cut into a clean end
+                    // of a chunked body. It cannot hang: a stop closes the agent's connection,
+                    // which drops the receiver.
+                    let _ = tx.send(Err(std::io::Error::other(why))).await;
                 }
             }
         });
