@@ -279,3 +279,21 @@ async def test_child_runs_cascade(gate, daemon, run_id):
         async with child:
             with pytest.raises(estop.RunStopped):
                 await charge(3)
+
+
+def test_named_step_counts_repeated_calls(gate, run_id):
+    """Regression (issue 18): `@estop.effect(step=...)` forced occurrence 1, so three identical
+    calls collapsed into one effect (the 2nd and 3rd returned the 1st's receipt). The README
+    promises identical calls in one step are told apart by their order."""
+    n = []
+
+    @estop.effect(step="charge-card")
+    def charge(amount: int) -> int:
+        n.append(amount)
+        return len(n)
+
+    with gate.run(run_id):
+        assert [charge(5), charge(5), charge(5)] == [1, 2, 3]
+    with gate.run(run_id):  # the same invocation again (a replay): the three receipts
+        assert [charge(5), charge(5), charge(5)] == [1, 2, 3]
+    assert n == [5, 5, 5]

@@ -91,25 +91,28 @@ def make_call(run: Run, tool: str, args: Any, *, step: str | None = None, key: s
     if key is None:
         d = _digest(tool, args)
         st = current_step()
-        if step is not None:
-            name, n = step, 1 if st is None or st.name != step else st.occurrence(tool, d)
-        elif st is not None:
+        if st is not None and (step is None or st.name == step):
             name, n = st.name, st.occurrence(tool, d)
+        elif step is not None:
+            # A named step outside a scope of that name: identical calls are still told apart
+            # by their order within this run object (one invocation), as in an `estop.step`.
+            name, n = step, _run_occurrence(run, step, tool, d)
         else:
-            name, n = "run", _run_occurrence(run, tool, d)
+            name, n = "run", _run_occurrence(run, "run", tool, d)
         key = derive_key(run.id, name, tool, d, n)
     return EffectCall(run=run, tool=tool, args=args, key=key, needs_approval=needs_approval)
 
 
-def _run_occurrence(run: Run, tool: str, d: str) -> int:
-    counts: dict[tuple[str, str], int] = run.__dict__.setdefault("_occurrences", {})
+def _run_occurrence(run: Run, step: str, tool: str, d: str) -> int:
+    """The n-th call of (step, tool, digest) through this Run object (one invocation)."""
+    counts: dict[tuple[str, str, str], int] = run.__dict__.setdefault("_occurrences", {})
     with run._tasks_lock:
-        n = counts.get((tool, d), 0) + 1
-        counts[(tool, d)] = n
+        n = counts.get((step, tool, d), 0) + 1
+        counts[(step, tool, d)] = n
     return n
 
 
-def _encode_result(value: Any) -> Any:
+def encode_result(value: Any) -> Any:
     try:
         v = to_json_value(value)
     except TypeError:
@@ -244,7 +247,7 @@ def run_sync(call: EffectCall, fn: Callable[[], Any], *, on_hold: str = "wait", 
     except BaseException:
         client.complete(call.run.id, call.key, g.token, "unknown", error="interrupted after start")
         raise
-    client.complete(call.run.id, call.key, g.token, "ok", result=_encode_result(result))
+    client.complete(call.run.id, call.key, g.token, "ok", result=encode_result(result))
     return result
 
 
@@ -263,19 +266,19 @@ async def run_async(call: EffectCall, fn: Callable[[], Awaitable[Any]], *, on_ho
         try:
             result = await fn()
         except asyncio.CancelledError:
-            await _shielded(client.complete(run.id, call.key, g.token, "unknown", error="cancelled after start"))
+            await shielded(client.complete(run.id, call.key, g.token, "unknown", error="cancelled after start"))
             raise
         except Exception as e:
-            await _shielded(client.complete(run.id, call.key, g.token, "error", error=f"{type(e).__name__}: {e}"[:_ERROR_BYTES_MAX]))
+            await shielded(client.complete(run.id, call.key, g.token, "error", error=f"{type(e).__name__}: {e}"[:_ERROR_BYTES_MAX]))
             raise
-        await _shielded(client.complete(run.id, call.key, g.token, "ok", result=_encode_result(result)))
+        await shielded(client.complete(run.id, call.key, g.token, "ok", result=encode_result(result)))
         return result
     finally:
         if task is not None and task not in run._entered:
             run.untrack(task)
 
 
-async def _shielded(aw: Awaitable[Any]) -> Any:
+async def shielded(aw: Awaitable[Any]) -> Any:
     fut = asyncio.ensure_future(aw)
     try:
         return await asyncio.shield(fut)

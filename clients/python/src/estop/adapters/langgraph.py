@@ -56,13 +56,24 @@ def step_of(config: dict[str, Any] | None) -> Step | None:
     if not config:
         return None
     conf = config.setdefault("configurable", {})
-    st = conf.get(_STEP_KEY)
-    if st is None:
+    attempt = _attempt(conf)
+    cached = conf.get(_STEP_KEY)
+    # A RetryPolicy re-runs the node with (a copy of) the same configurable: the cached Step's
+    # counts belong to the failed attempt, so each attempt starts a fresh count and the retry
+    # presents the same keys as the first attempt (its effects read their receipts).
+    if cached is None or cached[0] != attempt:
         md = config.get("metadata") or {}
         name = f"{md.get('langgraph_node', '?')}@{md.get('langgraph_step', '?')}:{conf.get('checkpoint_ns', '')}"
-        st = Step(name)
-        conf[_STEP_KEY] = st
-    return st
+        cached = (attempt, Step(name))
+        conf[_STEP_KEY] = cached
+    return cast(Step, cached[1])
+
+
+def _attempt(conf: dict[str, Any]) -> int:
+    """The node's attempt number (1-based) from LangGraph's runtime execution info."""
+    runtime = conf.get("__pregel_runtime")
+    info = getattr(runtime, "execution_info", None)
+    return int(getattr(info, "node_attempt", 1) or 1)
 
 
 def _config() -> dict[str, Any] | None:

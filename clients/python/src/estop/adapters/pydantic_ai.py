@@ -21,6 +21,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +30,8 @@ from typing import Any
 from pydantic_ai.exceptions import ApprovalRequired
 from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 
-from ..effect import make_call, run_async
-from ..errors import HeldForApproval, Refused, RunStopped
+from ..effect import EffectCall, encode_result, gate_async, make_call, run_async, shielded
+from ..errors import EstopError, HeldForApproval, InDoubt, Refused, RunStopped
 from ..run import Estop, Run, current_run
 from ._common import STOP_SIGNALS, arun_guarded, hold_payload, resolve_run, run_guarded
 
@@ -39,9 +41,18 @@ __all__ = ["EstopToolset", "gate_agent", "run", "run_sync"]
 async def _gated_call(owner: Any, inner_call: Any, name: str, tool_args: dict[str, Any], ctx: Any, tool: Any) -> Any:
     run = current_run()
     assert run is not None
-    call = make_call(run, owner.effects.get(name, name), tool_args, needs_approval=name in owner._approval)
+    effect = owner.effects.get(name, name)
+    call = make_call(run, effect, tool_args, needs_approval=name in owner._approval)
+    # The model's retry of a call whose thread PydanticAI abandoned at its timeout is that same
+    # call: it takes the abandoned call's key, so it reads that outcome instead of charging again.
+    if (earlier := _abandoned(run).pop((effect, call.digest), None)) is not None:
+        call.key = earlier.key
+        await earlier.settled(getattr(tool.tool_def, "timeout", None))
+    hold = "raise" if owner.on_hold == "defer" else "wait"
     try:
-        return await run_async(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold="raise" if owner.on_hold == "defer" else "wait", hold_timeout_s=owner.hold_timeout_s)
+        if _is_thread_tool(tool):
+            return await _run_thread_tool(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold=hold, hold_timeout_s=owner.hold_timeout_s)
+        return await run_async(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold=hold, hold_timeout_s=owner.hold_timeout_s)
     except HeldForApproval as h:
         raise ApprovalRequired(metadata=hold_payload(h, tool_args)) from None
     except RunStopped:
@@ -50,6 +61,8 @@ async def _gated_call(owner: Any, inner_call: Any, name: str, tool_args: dict[st
         if not owner.refusal_as_output:
             raise
         return f"estop refused this call ({e.reason}); do not retry it"
+    except InDoubt as e:
+        return f"estop: an earlier identical call may still have happened ({e.status}); do not retry it"
 
 
 async def _gated_tools(owner: Any, tools: dict[str, Any]) -> dict[str, Any]:
@@ -58,8 +71,112 @@ async def _gated_tools(owner: Any, tools: dict[str, Any]) -> dict[str, Any]:
         if t.tool_def.kind == "unapproved":
             owner._approval.add(name)
             t = dataclasses.replace(t, tool_def=dataclasses.replace(t.tool_def, kind="function"))
+        if _is_thread_tool(t):
+            t = dataclasses.replace(t, call_func=_abandonable(t.call_func))
         out[name] = t
     return out
+
+
+# -- sync tools past their timeout ------------------------------------------------------------
+#
+# PydanticAI runs a sync tool in a worker thread; at the tool's `timeout` it stops waiting
+# (`abandon_threads_on_cancel`) and asks the model to retry, while the thread runs on and may
+# still do the effect. So a timed-out call is `unknown` (never `error`), and the thread's own
+# end settles it (`ok`/`error`, which the gate accepts after `unknown`).
+
+
+@dataclass
+class _Abandoned:
+    """A started effect whose thread PydanticAI stopped waiting for."""
+
+    key: str
+    done: "asyncio.Future[Any]"
+
+    async def settled(self, timeout_s: float | None) -> None:
+        """Waits (at most the tool's timeout) for the thread's outcome to reach the gate."""
+        with contextlib.suppress(asyncio.TimeoutError, Exception):
+            await asyncio.wait_for(asyncio.shield(self.done), timeout_s)
+
+
+@dataclass
+class _Started:
+    """Shared by `_run_thread_tool` and the tool's `call_func`: the effect and its token."""
+
+    call: EffectCall
+    token: str
+    abandoned: bool = False
+
+
+_STARTED: "contextvars.ContextVar[_Started | None]" = contextvars.ContextVar("estop_pyd_started", default=None)
+
+
+def _abandoned(run: Run) -> dict[tuple[str, str], _Abandoned]:
+    out: dict[tuple[str, str], _Abandoned] = run.__dict__.setdefault("_pyd_abandoned", {})
+    return out
+
+
+def _is_thread_tool(tool: Any) -> bool:
+    return getattr(tool, "is_async", True) is False and callable(getattr(tool, "call_func", None))
+
+
+def _abandonable(call_func: Any) -> Any:
+    """`call_func` of a sync tool: the thread's work runs in its own task, so when PydanticAI
+    gives up on it (timeout) the work goes on and its outcome is still reported."""
+
+    async def gated_call_func(args: dict[str, Any], ctx: Any) -> Any:
+        started = _STARTED.get()
+        work = asyncio.ensure_future(call_func(args, ctx))
+        if started is None:
+            return await work
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            started.abandoned = True
+            call = started.call
+            done = asyncio.ensure_future(_settle_late(call, started.token, work))
+            _abandoned(call.run)[(call.tool, call.digest)] = _Abandoned(call.key, done)
+            raise
+
+    return gated_call_func
+
+
+async def _settle_late(call: EffectCall, token: str, work: "asyncio.Future[Any]") -> None:
+    client = call.run.gate.aclient
+    with contextlib.suppress(EstopError):
+        await client.complete(call.run.id, call.key, token, "unknown", error="the tool timed out; its thread runs on")
+    try:
+        result = await work
+    except Exception as e:
+        outcome: dict[str, Any] = {"outcome": "error", "error": f"{type(e).__name__}: {e}"[:4000]}
+    except BaseException:
+        return  # cancelled with the loop: stays unknown
+    else:
+        outcome = {"outcome": "ok", "result": encode_result(result)}
+    with contextlib.suppress(EstopError):
+        await client.complete(call.run.id, call.key, token, **outcome)
+
+
+async def _run_thread_tool(call: EffectCall, fn: Any, *, on_hold: str, hold_timeout_s: float | None) -> Any:
+    """`run_async` for a sync tool: the same gate, but a call PydanticAI abandoned is reported by
+    `_settle_late`, not here."""
+    g = await gate_async(call, on_hold=on_hold, hold_timeout_s=hold_timeout_s)
+    if g.duplicate is not None:
+        return g.duplicate.result
+    assert g.token is not None
+    started = _Started(call, g.token)
+    reset = _STARTED.set(started)
+    client = call.run.gate.aclient
+    try:
+        result = await fn()
+    except BaseException as e:
+        if not started.abandoned:
+            outcome = "error" if isinstance(e, Exception) else "unknown"
+            await shielded(client.complete(call.run.id, call.key, g.token, outcome, error=f"{type(e).__name__}: {e}"[:4000]))
+        raise
+    finally:
+        _STARTED.reset(reset)
+    await shielded(client.complete(call.run.id, call.key, g.token, "ok", result=encode_result(result)))
+    return result
 
 
 @dataclass
