@@ -25,7 +25,7 @@ from ._jcs import digest as _digest
 from ._jcs import to_json_value
 from .errors import EffectFailed, EstopTimeout, HeldForApproval, InDoubt, refusal
 from .keys import derive_key
-from .run import Run, current_run, current_step
+from .run import Run, current_invocation, current_run, current_step
 from .verdicts import Admitted, Duplicate, Go, Held, RefusedVerdict, Verdict
 
 __all__ = ["effect", "Gated", "gate_sync", "gate_async", "EffectCall", "call_args"]
@@ -136,6 +136,15 @@ def _duplicate(call: EffectCall, v: Duplicate) -> Gated:
     raise InDoubt(call.run.id, call.key, v.status)
 
 
+def _check(call: EffectCall) -> None:
+    """The local fences: the run stopped (RunStopped), or this invocation was interrupted
+    (Interrupted). Both refuse without asking the gate."""
+    call.run.check(call.tool, call.key)
+    inv = current_invocation()
+    if inv is not None:
+        inv.check(call.tool, call.key)
+
+
 def _first_admit_fields(call: EffectCall) -> dict[str, Any]:
     r = call.run
     return {
@@ -149,7 +158,7 @@ def _first_admit_fields(call: EffectCall) -> dict[str, Any]:
 def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float | None = None) -> Gated:
     """Asks the gate (blocking) until the effect may run now, is a duplicate, or is refused."""
     run = call.run
-    run.check(call.tool, call.key)
+    _check(call)
     client = run.gate.client
     deadline = None if hold_timeout_s is None else time.monotonic() + hold_timeout_s
     v: Verdict = client.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
@@ -157,7 +166,7 @@ def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float 
     backoff = 0.02
     while True:
         if isinstance(v, Admitted):
-            run.check(call.tool, call.key)
+            _check(call)
             s = client.start(run.id, call.key, v.token)
             if isinstance(s, Go):
                 return Gated(token=v.token)
@@ -176,7 +185,7 @@ def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float 
             if on_hold == "raise":
                 raise HeldForApproval(run.id, call.key, call.tool, v)
             _check_deadline(deadline, call)
-            run.check(call.tool, call.key)
+            _check(call)
             chunk = _WAIT_CHUNK_MS if deadline is None else max(1, min(_WAIT_CHUNK_MS, int((deadline - time.monotonic()) * 1000)))
             v = client.wait(run.id, call.key, chunk)
             continue
@@ -190,7 +199,7 @@ def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float 
 async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float | None = None) -> Gated:
     """`gate_sync` for asyncio; cancelling the awaiting task abandons the hold."""
     run = call.run
-    run.check(call.tool, call.key)
+    _check(call)
     client = run.gate.aclient
     deadline = None if hold_timeout_s is None else time.monotonic() + hold_timeout_s
     v: Verdict = await client.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
@@ -198,7 +207,7 @@ async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s:
     backoff = 0.02
     while True:
         if isinstance(v, Admitted):
-            run.check(call.tool, call.key)
+            _check(call)
             s = await client.start(run.id, call.key, v.token)
             if isinstance(s, Go):
                 return Gated(token=v.token)
@@ -215,7 +224,7 @@ async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s:
             if on_hold == "raise":
                 raise HeldForApproval(run.id, call.key, call.tool, v)
             _check_deadline(deadline, call)
-            run.check(call.tool, call.key)
+            _check(call)
             chunk = _WAIT_CHUNK_MS if deadline is None else max(1, min(_WAIT_CHUNK_MS, int((deadline - time.monotonic()) * 1000)))
             v = await client.wait(run.id, call.key, chunk)
             continue

@@ -24,14 +24,17 @@ from typing import Any, Iterator
 from .aio import AsyncClient
 from .client import Client
 from .config import Config
-from .errors import NoRun, NotFound, RunStopped
+from .errors import Interrupted, NoRun, NotFound, RunStopped
 
-__all__ = ["Estop", "Run", "Step", "current_run", "current_step", "step", "default", "configure"]
+__all__ = [
+    "Estop", "Invocation", "Run", "Step", "current_invocation", "current_run", "current_step", "step", "default", "configure",
+]
 
 _STOP_EVENTS = frozenset({"cancelled", "finalizing", "closed"})
 
 _current_run: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("estop_run", default=None)
 _current_step: contextvars.ContextVar["Step | None"] = contextvars.ContextVar("estop_step", default=None)
+_current_invocation: contextvars.ContextVar["Invocation | None"] = contextvars.ContextVar("estop_invocation", default=None)
 
 
 class _Fences:
@@ -80,6 +83,75 @@ def _on_event(event: dict[str, Any]) -> None:
     """The watcher: a stop event fences that run (and its local descendants) in this process."""
     if event.get("event") in _STOP_EVENTS and isinstance(event.get("run"), str):
         FENCES.fence(event["run"], "closed" if event["event"] == "closed" else "cancelled")
+
+
+class Invocation:
+    """One call into the agent within a run (an `invoke`, a `stream`, one `Runner.run`).
+
+    A local interruption — a stream closed early, a step timeout, Ctrl-C, a cancelled task, a
+    client-side timeout — ends the invocation, not the run (seed 004: interrupt is not cancel).
+    The gate is not told; what this invocation left behind (a worker thread still inside a
+    tool, a shielded write, a task the framework forgot) refuses any new effect with
+    `Interrupted`, and the next invocation of the same run goes on. Threads and tasks inherit
+    the invocation through `contextvars`, as they inherit the run."""
+
+    def __init__(self, run: "Run", owner: "asyncio.Task[Any] | None" = None) -> None:
+        self.run = run
+        self.owner = owner
+        self._why: str | None = None
+        self._tasks: "weakref.WeakSet[asyncio.Task[Any]]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    @property
+    def interrupted(self) -> str | None:
+        """Why this invocation is over, else None. A cancel of the task that runs it counts from
+        the instant it is requested (`cancelling()`), before the framework lets it out."""
+        if self._why is not None:
+            return self._why
+        o = self.owner
+        if o is not None and not o.done() and getattr(o, "cancelling", lambda: 0)() > 0:
+            return "the invocation's task is being cancelled"
+        return None
+
+    def check(self, tool: str | None = None, key: str | None = None) -> None:
+        why = self.interrupted
+        if why is not None:
+            raise Interrupted(why, run=self.run.id, tool=tool, key=key)
+
+    def track(self, task: "asyncio.Task[Any]") -> None:
+        with self._lock:
+            self._tasks.add(task)
+
+    def interrupt(self, reason: str, spare: "asyncio.Task[Any] | None" = None) -> None:
+        """Ends the invocation locally: its tracked tasks are cancelled (except `spare`) and
+        every later effect of it refuses. The run, and the gate, are untouched."""
+        with self._lock:
+            if self._why is not None:
+                return
+            self._why = reason
+            tasks = list(self._tasks)
+        for t in tasks:
+            if not t.done() and t is not spare:
+                try:
+                    t.get_loop().call_soon_threadsafe(t.cancel)
+                except RuntimeError:
+                    pass  # its loop is closed
+
+    def __enter__(self) -> "Invocation":
+        self._tok = _current_invocation.set(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            _current_invocation.reset(self._tok)
+        except ValueError:
+            # Left from another context (a generator closed by the garbage collector).
+            _current_invocation.set(None)
+
+
+def current_invocation() -> Invocation | None:
+    """The invocation of this context (set by the adapters), else None."""
+    return _current_invocation.get()
 
 
 class Step:

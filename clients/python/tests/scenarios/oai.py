@@ -14,7 +14,7 @@ from agents.testing import ModelStep, ScriptedModel, assistant_message, function
 import estop
 from estop.adapters import openai_agents as eo
 
-from .common import DECIDE_AFTER_S, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, leaks_after, swallow_refusal
+from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, swallow_refusal
 
 
 def _agent(tools: list[Any], steps: list[Any], guarded: bool, effects_map: dict[str, str] | None = None) -> Agent:
@@ -216,4 +216,21 @@ def cancel_async(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
-SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async}
+def next_turn(t: Trial, guarded: bool) -> None:
+    """The next turn of the same conversation (run id): the model charges."""
+
+    @function_tool
+    def charge(amount: int) -> str:
+        """Charge."""
+        t.world.do("charge", amount)
+        return "charged"
+
+    agent = _agent([charge], [ModelStep(output=[function_call("charge", {"amount": NEXT_TURN_AMOUNT}, call_id="n1")]), _done()], guarded)
+    asyncio.run(eo.run(agent, "charge", gate=t.gate, run_id=t.run_id) if guarded else Runner.run(agent, "charge"))
+
+
+def interrupt_continue(t: Trial, guarded: bool) -> int:
+    return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
+
+
+SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

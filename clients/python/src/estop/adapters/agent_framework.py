@@ -15,7 +15,8 @@ estop cancel.
 * `gate_tools` turns `approval_mode="always_require"` into an estop approval: the framework's
   function loop no longer stops with approval requests; the call (and its siblings, whole-run
   hold) waits for the operator's decision in estop (`estop approve RUN KEY`, the console).
-* `run` runs the agent inside the estop run; a cancel or timeout cancels the run at the gate.
+* `run` runs the agent as an invocation of the estop run: a task cancel, `timeout_s` or Ctrl-C
+  interrupts the invocation and the run stays usable; `run.cancel()` or an operator stops it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from agent_framework._middleware import MiddlewareFailure
 from ..effect import make_call, run_async
 from ..errors import Refused, RunStopped
 from ..run import Estop, Run, current_run
-from ._common import STOP_SIGNALS, arun_guarded, resolve_run
+from ._common import STOP_ON, arun_guarded, resolve_run
 
 __all__ = ["EstopMiddleware", "gate_tools", "run", "run_workflow", "APPROVAL_ATTR"]
 
@@ -95,8 +96,8 @@ class EstopMiddleware(FunctionMiddleware):
         context.result = out
 
 
-async def run(agent: Any, messages: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, **kw: Any) -> Any:
-    """`agent.run(...)` inside the estop run `run_id`; a cancel/timeout cancels the run at the gate."""
+async def run(agent: Any, messages: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **kw: Any) -> Any:
+    """`agent.run(...)` as an invocation of the estop run `run_id` (a cancel/timeout interrupts it)."""
     r = resolve_run(gate, run_id)
 
     async def go() -> Any:
@@ -106,7 +107,7 @@ async def run(agent: Any, messages: Any = None, *, gate: Estop | None = None, ru
     return await arun_guarded(r, go, stop_on=stop_on)
 
 
-async def run_workflow(workflow: Any, message: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, **kw: Any) -> Any:
+async def run_workflow(workflow: Any, message: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **kw: Any) -> Any:
     """`workflow.run(...)` (agents as executors, fan-out branches) inside one estop run: a hold in
     one branch holds the writes of every other branch (G1)."""
     r = resolve_run(gate, run_id)

@@ -19,9 +19,11 @@
   (`estop approve RUN KEY`, the console) — never by the agent. Resume the graph afterwards with
   `graph.resume(config)`; an `approver` (an operator Client held by your approval UI) lets a
   `Command(resume={"decision": "approve"|"reject"})` be recorded as that operator's decision.
-* `invoke`/`ainvoke`/`stream`/`astream` turn a cancel, a timeout (including the graph's own
-  `step_timeout`) or Ctrl-C into an estop cancel of the run, which fences every thread and task
-  of it — including tool threads LangGraph cannot stop.
+* `invoke`/`ainvoke`/`stream`/`astream` are invocations of the run: breaking out of a stream, a
+  task cancel, a timeout (including the graph's own `step_timeout`) or Ctrl-C *interrupts* the
+  invocation — tool threads LangGraph cannot stop refuse new effects (`Interrupted`) — and the
+  thread stays usable for the next turn. `graph.cancel(config)` (or an operator's cancel) stops
+  the run for good.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from ..keys import derive_key
 from ..effect import EffectCall, call_args, make_call, run_async, run_sync
 from ..errors import HeldForApproval
 from ..run import Estop, Run, Step, current_run
-from ._common import STOP_SIGNALS, aguarded, guarded, hold_payload
+from ._common import STOP_ON, aguarded, guarded, hold_payload
 
 __all__ = ["EstopGraph", "effect", "step_of", "thread_run_id"]
 
@@ -166,7 +168,7 @@ def _interrupt(h: HeldForApproval, call: EffectCall, approver: Client | None) ->
 class EstopGraph:
     """A compiled graph whose invocations are estop runs (run = thread id)."""
 
-    def __init__(self, graph: Any, gate: Estop, *, run_id: str | None = None, parent: Run | str | None = None, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS) -> None:
+    def __init__(self, graph: Any, gate: Estop, *, run_id: str | None = None, parent: Run | str | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON) -> None:
         self.graph = graph
         self.gate = gate
         self.run_id = run_id
@@ -191,13 +193,23 @@ class EstopGraph:
             return await self.graph.ainvoke(input, config, **kw)
 
     def stream(self, input: Any, config: dict[str, Any] | None = None, **kw: Any) -> Iterator[Any]:
-        with guarded(self.run_for(config), stop_on=self.stop_on + (GeneratorExit,)):
+        with guarded(self.run_for(config), stop_on=self.stop_on):
             yield from self.graph.stream(input, config, **kw)
 
     async def astream(self, input: Any, config: dict[str, Any] | None = None, **kw: Any) -> AsyncIterator[Any]:
-        async with aguarded(self.run_for(config), stop_on=self.stop_on + (GeneratorExit,)):
+        async with aguarded(self.run_for(config), stop_on=self.stop_on):
             async for chunk in self.graph.astream(input, config, **kw):
                 yield chunk
+
+    def cancel(self, config: dict[str, Any] | None = None, reason: str = "cancelled by the caller") -> None:
+        """Stops the run (the thread) at the gate: the explicit stop. Every thread and task of it,
+        in this process and wherever it runs, refuses new effects; later invocations of the
+        thread are refused `cancelled`. (Breaking out of a stream, a step timeout or Ctrl-C only
+        interrupt the invocation.)"""
+        self.run_for(config).cancel(reason)
+
+    async def acancel(self, config: dict[str, Any] | None = None, reason: str = "cancelled by the caller") -> None:
+        await self.run_for(config).acancel(reason)
 
     def pending_interrupts(self, config: dict[str, Any]) -> list[Any]:
         snap = self.graph.get_state(config)

@@ -15,10 +15,12 @@ runner cancel/timeout → estop cancel.
   an operator (`estop approve RUN KEY`, the console). The call waits for the decision, and so do
   its siblings of the same turn (a pause is a whole pause). A rejection or other refusal is
   returned to the model as the tool's output; a stopped run raises `RunStopped`.
-* `run`/`run_sync`/`run_streamed` run the agent inside the estop run; a cancel of the awaiting
-  task, a timeout (`asyncio.wait_for`, a tool's `timeout_seconds` with
-  `timeout_behavior="raise_exception"`) or Ctrl-C cancels the run at the gate, which fences tool
-  threads the SDK cannot stop.
+* `run`/`run_sync`/`run_streamed` are invocations of the estop run: a cancel of the awaiting
+  task, a timeout (`timeout_s`, a tool's `timeout_seconds` with `timeout_behavior=
+  "raise_exception"`), breaking out of `stream_events()` or Ctrl-C *interrupts* the invocation —
+  tool threads the SDK cannot stop refuse new effects — and the run stays usable for the next
+  turn. The SDK's explicit stop, `streamed.cancel()`, cancels the run at the gate (`immediate`:
+  at once; `after_turn`: when the turn has finished), as do `run.cancel()` and an operator.
 """
 
 from __future__ import annotations
@@ -30,18 +32,19 @@ import json
 from typing import Any, Iterable
 
 from agents import Runner
-from agents.exceptions import ToolTimeoutError
 from agents.tool import FunctionTool
 
 from ..effect import make_call, run_async
 from ..errors import Refused, RunStopped
-from ..run import Estop, Run, current_run
-from ._common import STOP_SIGNALS, arun_guarded, resolve_run, run_guarded
+from ..run import Estop, Invocation, Run, current_run
+from ._common import STOP_ON as _NO_STOP, arun_guarded, resolve_run, run_guarded
 
 __all__ = ["EstopStreamedRun", "gate_tool", "gate_tools", "run", "run_streamed", "run_sync", "STOP_ON"]
 
-#: What stops a run here: the common stop signals and the SDK's own tool timeout.
-STOP_ON: tuple[type[BaseException], ...] = STOP_SIGNALS + (ToolTimeoutError,)
+#: Exceptions that cancel the run by default: none (a timeout, the SDK's `ToolTimeoutError`, a
+#: task cancel or Ctrl-C interrupt the invocation; `EstopStreamedRun.cancel()` and
+#: `run.cancel()` stop the run).
+STOP_ON: tuple[type[BaseException], ...] = _NO_STOP
 
 
 def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "wait", hold_timeout_s: float | None = None, refusal_as_output: bool = True) -> FunctionTool:
@@ -105,9 +108,11 @@ class EstopStreamedRun:
     """`Runner.run_streamed` as an estop run: `cancel()` fences the run at the gate first (every
     thread and task of it refuses from that instant), then cancels the SDK's stream."""
 
-    def __init__(self, result: Any, run: Run) -> None:
+    def __init__(self, result: Any, run: Run, invocation: Invocation) -> None:
         self.result = result
         self.run = run
+        self.invocation = invocation
+        self._after_turn: str | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.result, name)
@@ -117,11 +122,23 @@ class EstopStreamedRun:
             try:
                 async for ev in self.result.stream_events():
                     yield ev
-            except STOP_ON as e:
-                await asyncio.shield(self.run.acancel(f"{type(e).__name__} in the agent process", spare=asyncio.current_task()))
+            except BaseException as e:
+                # Breaking out of the stream, a cancel, Ctrl-C: this invocation is over (the SDK's
+                # background task and its tool threads start nothing more); the run is not.
+                self.invocation.interrupt(f"{type(e).__name__} in the agent process", spare=asyncio.current_task())
                 raise
+        if self._after_turn is not None:
+            # `cancel("after_turn")`: the turn has finished; now the run is stopped.
+            await self.run.acancel(self._after_turn)
 
     def cancel(self, mode: str = "immediate", reason: str = "cancelled by the caller") -> None:
+        """The SDK's explicit stop, and estop's: `immediate` fences the run at once (every thread
+        and task of it refuses from this instant) and cancels it at the gate; `after_turn` lets
+        the current turn finish (its tools run) and cancels the run when the stream ends."""
+        if mode == "after_turn":
+            self._after_turn = reason
+            self.result.cancel(mode)
+            return
         from ..run import FENCES
 
         FENCES.fence(self.run.id, "cancelled", spare=asyncio.current_task())
@@ -133,6 +150,7 @@ class EstopStreamedRun:
 def run_streamed(agent: Any, input: Any, *, gate: Estop | None = None, run_id: str | Run | None = None, **runner_kw: Any) -> EstopStreamedRun:
     """`Runner.run_streamed` inside the estop run `run_id` (call it in a running loop)."""
     r = resolve_run(gate, run_id)
-    with r:  # the SDK's background task copies this context: its tools see the run
+    inv = Invocation(r)
+    with r, inv:  # the SDK's background task copies this context: its tools see run and invocation
         result = Runner.run_streamed(agent, input, **runner_kw)
-    return EstopStreamedRun(result, r)
+    return EstopStreamedRun(result, r, inv)

@@ -15,7 +15,9 @@
   `DeferredToolRequests`; run it again with the message history once the operator decided (the
   same call presents the same key).
 * A refusal is returned to the model as the tool's output (`ModelRetry` would make it try again);
-  a stopped run raises `RunStopped`. `run`/`run_sync` turn a cancel or timeout into an estop cancel.
+  a stopped run raises `RunStopped`. `run`/`run_sync` are invocations of the run: a task cancel,
+  `timeout_s` or Ctrl-C interrupts the invocation (what it left running refuses new effects) and
+  the run stays usable; `run.cancel()` or an operator's cancel stops it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 from ..effect import EffectCall, encode_result, gate_async, make_call, run_async, shielded
 from ..errors import EstopError, HeldForApproval, InDoubt, Refused, RunStopped
 from ..run import Estop, Run, current_run
-from ._common import STOP_SIGNALS, arun_guarded, hold_payload, resolve_run, run_guarded
+from ._common import STOP_ON, arun_guarded, hold_payload, resolve_run, run_guarded
 
 __all__ = ["EstopToolset", "gate_agent", "run", "run_sync"]
 
@@ -226,8 +228,8 @@ def gate_agent(agent: Any, *, effects: dict[str, str] | None = None, on_hold: st
     return agent
 
 
-async def run(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, **kw: Any) -> Any:
-    """`agent.run(...)` inside the estop run `run_id`; a cancel/timeout cancels the run at the gate."""
+async def run(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **kw: Any) -> Any:
+    """`agent.run(...)` as an invocation of the estop run `run_id` (a cancel/timeout interrupts it)."""
     r = resolve_run(gate, run_id)
 
     async def go() -> Any:
@@ -237,6 +239,6 @@ async def run(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_
     return await arun_guarded(r, go, stop_on=stop_on)
 
 
-def run_sync(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, **kw: Any) -> Any:
+def run_sync(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **kw: Any) -> Any:
     r = resolve_run(gate, run_id)
     return run_guarded(r, lambda: asyncio.run(run(agent, prompt, run_id=r, stop_on=stop_on, **kw)), stop_on=stop_on)
