@@ -16,7 +16,7 @@ from ._jcs import canonical, digest
 from .aio import AsyncClient
 from .client import Client
 from .config import Config
-from .effect import EffectCall, call_args, effect, gate_async, gate_sync, make_call, run_async, run_sync
+from .effect import EffectCall, call_args, call_key, effect, gate_async, gate_sync, make_call, run_async, run_sync
 from .errors import (
     BadToken,
     ConnectionLost,
@@ -54,6 +54,6 @@ __all__ = [
     "Forbidden", "GateError", "Go", "Held", "HeldForApproval", "InDoubt", "Interrupted", "InvalidRequest",
     "LimitExceeded", "Mismatch", "NoRun", "NotFound", "NotPending", "Refused", "RefusedVerdict",
     "Invocation", "Rejected", "Run", "RunStopped", "Step", "Unauthenticated", "Unavailable", "Verdict",
-    "call_args", "canonical", "configure", "current_invocation", "current_run", "current_step", "default", "derive_key",
+    "call_args", "call_key", "canonical", "configure", "current_invocation", "current_run", "current_step", "default", "derive_key",
     "digest", "effect", "gate_async", "gate_sync", "make_call", "run_async", "run_sync", "step",
 ]

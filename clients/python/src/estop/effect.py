@@ -28,7 +28,7 @@ from .keys import derive_key
 from .run import Run, current_invocation, current_run, current_step
 from .verdicts import Admitted, Duplicate, Go, Held, RefusedVerdict, Verdict
 
-__all__ = ["effect", "Gated", "gate_sync", "gate_async", "EffectCall", "call_args"]
+__all__ = ["effect", "Gated", "gate_sync", "gate_async", "EffectCall", "call_args", "call_key", "make_call"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -101,6 +101,14 @@ def make_call(run: Run, tool: str, args: Any, *, step: str | None = None, key: s
             name, n = "run", _run_occurrence(run, "run", tool, d)
         key = derive_key(run.id, name, tool, d, n)
     return EffectCall(run=run, tool=tool, args=args, key=key, needs_approval=needs_approval)
+
+
+def call_key(run: Run, tool: str, call_id: str, args: Any) -> str:
+    """The key of a tool call the framework names (LangGraph/PydanticAI `tool_call_id`, the Agents
+    SDK's `call_id`, …): the same on resume and retry, whatever ran before it in the step, and
+    distinct for two identical calls of one turn or of two turns. The digest stays in it, so an
+    id a provider reuses with other arguments is another effect, not a `mismatch`."""
+    return derive_key(run.id, f"call:{call_id}", tool, _digest(tool, args), 1)
 
 
 def _run_occurrence(run: Run, step: str, tool: str, d: str) -> int:

@@ -28,22 +28,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Any, AsyncIterator, Callable, Iterator, cast
+import json
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, cast
 
 from langgraph.config import get_config
 from langgraph.types import Command, interrupt
 
-from .._jcs import digest
+from .._jcs import digest, to_json_value
 from ..client import Client
 from ..keys import derive_key
-from ..effect import EffectCall, call_args, make_call, run_async, run_sync
-from ..errors import HeldForApproval
-from ..run import Estop, Run, Step, current_run
+from ..effect import EffectCall, call_args, call_key, encode_result, make_call, run_async, run_sync
+from ..errors import HeldForApproval, Interrupted, Refused, RunStopped
+from ..run import Estop, Run, Step, current_run, current_step, step
 from ._common import STOP_ON, aguarded, guarded, hold_payload
 
-__all__ = ["EstopGraph", "effect", "step_of", "thread_run_id"]
+__all__ = ["EstopGraph", "effect", "step_of", "thread_run_id", "tool_node", "gate_tool_calls"]
 
 _STEP_KEY = "__estop_step__"
 
@@ -95,6 +97,9 @@ def _call_for(tool: str, args: Any, needs_approval: bool) -> tuple[EffectCall, b
         from ..run import default
 
         run = default().run(rid)
+    if current_step() is not None:
+        # Inside a gated tool call (`tool_node`): keys come from the call's id.
+        return make_call(run, tool, args, needs_approval=needs_approval), True
     st = step_of(cfg)
     if st is not None:
         d = digest(tool, args)
@@ -224,3 +229,111 @@ class EstopGraph:
 
     async def aresume(self, config: dict[str, Any], value: Any = None, **kw: Any) -> Any:
         return await self.ainvoke(self.resume_command(config, value), config, **kw)
+
+
+# -- ToolNode: every tool call gated, keyed by its tool_call_id ----------------------------------
+
+
+def gate_tool_calls(*, effects: dict[str, str] | None = None, approval: Iterable[str] = (), skip: Iterable[str] = (), on_hold: str = "interrupt", hold_timeout_s: float | None = None, approver: Client | None = None) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """`(wrap_tool_call, awrap_tool_call)` for LangGraph's `ToolNode` (the public interception
+    hook): each tool call is admitted by estop first, keyed by the model's `tool_call_id` (+ the
+    digest), so a resumed or retried tools node reads receipts instead of calling again. Tools
+    named in `approval` ask for an estop approval; a hold is an `interrupt()` (`on_hold="wait"`
+    blocks instead). A refusal becomes the tool's error message; a stopped or interrupted run
+    raises. Tools in `skip` are not gated as a whole (a read, or a tool that calls `interrupt()`
+    itself: a tool call is one effect, started before its body runs); `el.effect`s inside any
+    tool are keyed from its call id."""
+    eff = dict(effects or {})
+    ask = frozenset(approval)
+    skipped = frozenset(skip)
+    mode = "raise" if on_hold == "interrupt" else "wait"
+
+    def prepare(request: Any) -> tuple[EffectCall, str, str]:
+        tc = request.tool_call
+        name, call_id = str(tc["name"]), str(tc.get("id") or "")
+        cfg = getattr(getattr(request, "runtime", None), "config", None) or _config()
+        run = current_run(required=False) or _thread_run(cfg)
+        args = to_json_value(tc.get("args") or {})
+        effect = eff.get(name, name)
+        key = call_key(run, effect, call_id, args) if call_id else None
+        return make_call(run, effect, args, key=key, needs_approval=name in ask), name, call_id
+
+    def wrap(request: Any, execute: Callable[[Any], Any]) -> Any:
+        call, name, call_id = prepare(request)
+        with step(f"call:{call_id}") if call_id else contextlib.nullcontext():
+            if name in skipped:
+                return execute(request)
+            while True:
+                try:
+                    return _message(run_sync(call, lambda: _content(execute(request)), on_hold=mode, hold_timeout_s=hold_timeout_s), name, call_id)
+                except HeldForApproval as h:
+                    _interrupt(h, call, approver)
+                except (RunStopped, Interrupted):
+                    raise
+                except Refused as e:
+                    return _refused(e, name, call_id)
+
+    async def awrap(request: Any, execute: Callable[[Any], Any]) -> Any:
+        call, name, call_id = prepare(request)
+        with step(f"call:{call_id}") if call_id else contextlib.nullcontext():
+            if name in skipped:
+                return await execute(request)
+            while True:
+                try:
+                    async def go() -> Any:
+                        return _content(await execute(request))
+
+                    return _message(await run_async(call, go, on_hold=mode, hold_timeout_s=hold_timeout_s), name, call_id)
+                except HeldForApproval as h:
+                    _interrupt(h, call, approver)
+                except (RunStopped, Interrupted):
+                    raise
+                except Refused as e:
+                    return _refused(e, name, call_id)
+
+    return wrap, awrap
+
+
+def tool_node(tools: Any, **kw: Any) -> Any:
+    """`langgraph.prebuilt.ToolNode(tools)` with every call gated (`gate_tool_calls(**estop_kw)`);
+    other keyword arguments go to ToolNode."""
+    from langgraph.prebuilt import ToolNode
+
+    mine = {k: kw.pop(k) for k in ("effects", "approval", "skip", "on_hold", "hold_timeout_s", "approver") if k in kw}
+    wrap, awrap = gate_tool_calls(**mine)
+    return ToolNode(tools, wrap_tool_call=wrap, awrap_tool_call=awrap, **kw)
+
+
+def _thread_run(cfg: dict[str, Any] | None) -> Run:
+    rid = thread_run_id(cfg)
+    if rid is None:
+        current_run()  # raises NoRun with the explanation
+    from ..run import default
+
+    return default().run(rid)
+
+
+# What is recorded for a tool call is the ToolMessage's content and status (JSON); a receipt is
+# turned back into the ToolMessage the model would have seen.
+def _content(out: Any) -> Any:
+    from langchain_core.messages import ToolMessage
+
+    if isinstance(out, ToolMessage):
+        return {"content": out.content, "status": out.status}
+    return {"content": encode_result(out), "status": "success"}
+
+
+def _message(recorded: Any, name: str, call_id: str) -> Any:
+    from langchain_core.messages import ToolMessage
+
+    r = recorded if isinstance(recorded, dict) else {"content": recorded}
+    content = r.get("content")
+    if not isinstance(content, (str, list)):
+        content = json.dumps(content)
+    return ToolMessage(content=content, name=name, tool_call_id=call_id, status=r.get("status", "success"))
+
+
+def _refused(e: Refused, name: str, call_id: str) -> Any:
+    from langchain_core.messages import ToolMessage
+
+    return ToolMessage(content=f"estop refused this call ({e.reason}); do not retry it", name=name, tool_call_id=call_id, status="error")

@@ -9,7 +9,9 @@ runner cancel/timeout → estop cancel.
 * Every call of a gated tool is admitted by the gate first (tool name → effect name, the parsed
   arguments → its digest); the tool body runs only on `admitted`; its return value is the
   effect's recorded result, returned again (not re-run) when the same call comes back on a
-  replay or a retried job.
+  replay, a resumed `RunState` or a retried job. The key is the SDK's `call_id` (+ the digest),
+  so it does not depend on what ran before it; `@estop.effect`s the body calls are keyed from
+  the call too.
 * A tool's `needs_approval` (bool or callable) no longer interrupts the SDK run: it becomes an
   estop approval (`needs_approval` on admit; the gate's policy may require one anyway), decided by
   an operator (`estop approve RUN KEY`, the console). The call waits for the decision, and so do
@@ -26,6 +28,7 @@ runner cancel/timeout → estop cancel.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -34,9 +37,9 @@ from typing import Any, Iterable
 from agents import Runner
 from agents.tool import FunctionTool
 
-from ..effect import make_call, run_async
-from ..errors import Refused, RunStopped
-from ..run import Estop, Invocation, Run, current_run
+from ..effect import call_key, make_call, run_async
+from ..errors import Interrupted, Refused, RunStopped
+from ..run import Estop, Invocation, Run, current_run, step
 from ._common import STOP_ON as _NO_STOP, arun_guarded, resolve_run, run_guarded
 
 __all__ = ["EstopStreamedRun", "gate_tool", "gate_tools", "run", "run_streamed", "run_sync", "STOP_ON"]
@@ -65,10 +68,14 @@ def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "
                 na = await na
         run = current_run()
         assert run is not None
-        call = make_call(run, name, args, needs_approval=bool(na))
+        call_id = getattr(ctx, "tool_call_id", None)
+        key = call_key(run, name, call_id, args) if call_id else None
+        call = make_call(run, name, args, key=key, needs_approval=bool(na))
         try:
-            return await run_async(call, lambda: inner(ctx, arguments), on_hold=on_hold, hold_timeout_s=hold_timeout_s)
-        except RunStopped:
+            # Effects the body gates itself (`@estop.effect`) take their keys from this call.
+            with step(f"call:{call_id}") if call_id else contextlib.nullcontext():
+                return await run_async(call, lambda: inner(ctx, arguments), on_hold=on_hold, hold_timeout_s=hold_timeout_s)
+        except (RunStopped, Interrupted):
             raise
         except Refused as e:
             if not refusal_as_output:

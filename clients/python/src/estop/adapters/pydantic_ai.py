@@ -7,7 +7,8 @@
     result = await ep.run(agent, "refund order 42", gate=gate, run_id="order-42")
 
 * Every tool call is admitted by the gate first; the tool runs only on `admitted`; a duplicate
-  (a replayed or retried run) returns the recorded result.
+  (a replayed or retried run) returns the recorded result. The key is PydanticAI's
+  `tool_call_id` (+ the digest); `@estop.effect`s the tool body calls are keyed from the call.
 * Tools declared `requires_approval=True` (deferred approval tools) are no longer deferred by
   PydanticAI: the approval is an estop approval decided by an operator, and the call — with its
   siblings of the same turn — waits for it (`on_hold="wait"`, the default). With
@@ -32,9 +33,9 @@ from typing import Any
 from pydantic_ai.exceptions import ApprovalRequired
 from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 
-from ..effect import EffectCall, encode_result, gate_async, make_call, run_async, shielded
-from ..errors import EstopError, HeldForApproval, InDoubt, Refused, RunStopped
-from ..run import Estop, Run, current_run
+from ..effect import EffectCall, call_key, encode_result, gate_async, make_call, run_async, shielded
+from ..errors import EstopError, HeldForApproval, InDoubt, Interrupted, Refused, RunStopped
+from ..run import Estop, Run, current_run, step
 from ._common import STOP_ON, arun_guarded, hold_payload, resolve_run, run_guarded
 
 __all__ = ["EstopToolset", "gate_agent", "run", "run_sync"]
@@ -44,7 +45,9 @@ async def _gated_call(owner: Any, inner_call: Any, name: str, tool_args: dict[st
     run = current_run()
     assert run is not None
     effect = owner.effects.get(name, name)
-    call = make_call(run, effect, tool_args, needs_approval=name in owner._approval)
+    call_id = getattr(ctx, "tool_call_id", None)
+    key = call_key(run, effect, call_id, tool_args) if call_id else None
+    call = make_call(run, effect, tool_args, key=key, needs_approval=name in owner._approval)
     # The model's retry of a call whose thread PydanticAI abandoned at its timeout is that same
     # call: it takes the abandoned call's key, so it reads that outcome instead of charging again.
     if (earlier := _abandoned(run).pop((effect, call.digest), None)) is not None:
@@ -52,12 +55,14 @@ async def _gated_call(owner: Any, inner_call: Any, name: str, tool_args: dict[st
         await earlier.settled(getattr(tool.tool_def, "timeout", None))
     hold = "raise" if owner.on_hold == "defer" else "wait"
     try:
-        if _is_thread_tool(tool):
-            return await _run_thread_tool(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold=hold, hold_timeout_s=owner.hold_timeout_s)
-        return await run_async(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold=hold, hold_timeout_s=owner.hold_timeout_s)
+        # Effects the body gates itself (`@estop.effect`) take their keys from this call.
+        with step(f"call:{call_id}") if call_id else contextlib.nullcontext():
+            if _is_thread_tool(tool):
+                return await _run_thread_tool(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold=hold, hold_timeout_s=owner.hold_timeout_s)
+            return await run_async(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold=hold, hold_timeout_s=owner.hold_timeout_s)
     except HeldForApproval as h:
         raise ApprovalRequired(metadata=hold_payload(h, tool_args)) from None
-    except RunStopped:
+    except (RunStopped, Interrupted):
         raise
     except Refused as e:
         if not owner.refusal_as_output:
