@@ -274,6 +274,65 @@ class Estop:
         except NotFound:
             return None
 
+    def wait_decided(self, run: "Run | str", keys: "list[str] | set[str] | tuple[str, ...]", timeout_s: float | None = None) -> dict[str, str]:
+        """Blocks until each held effect in `keys` of `run` is decided by an operator, and
+        returns key → `approve` | `reject` | `expired` | `cancelled` (the run stopped) for those
+        decided in time. Woken by the gate's events (`subscribe`: `decided`, `expired`,
+        `cancelled`, `closed`), never by polling; one `wait` of 0 ms per key after subscribing
+        covers a decision made before it."""
+        rid = run.id if isinstance(run, Run) else run
+        want = set(keys)
+        got: dict[str, str] = {}
+        cv = threading.Condition()
+
+        def on_event(ev: dict[str, Any]) -> None:
+            with cv:
+                if _decision_event(ev, rid, want, got):
+                    cv.notify_all()
+
+        client = self.client
+        client.add_listener(on_event)
+        try:
+            client.subscribe(rid)
+            for k in want:
+                _settle_now(got, k, client.wait(rid, k, 0), cv)
+            with cv:
+                cv.wait_for(lambda: want <= got.keys(), timeout_s)
+                return dict(got)
+        finally:
+            client.remove_listener(on_event)
+
+    async def await_decided(self, run: "Run | str", keys: "list[str] | set[str] | tuple[str, ...]", timeout_s: float | None = None) -> dict[str, str]:
+        """`wait_decided` for asyncio (the running loop's client and its events)."""
+        rid = run.id if isinstance(run, Run) else run
+        want = set(keys)
+        got: dict[str, str] = {}
+        changed = asyncio.Event()
+
+        def on_event(ev: dict[str, Any]) -> None:
+            if _decision_event(ev, rid, want, got):
+                changed.set()
+
+        client = self.aclient
+        client.add_listener(on_event)
+        try:
+            await client.subscribe(rid)
+            for k in want:
+                _settle_now(got, k, await client.wait(rid, k, 0), None)
+
+            async def all_in() -> None:
+                while not want <= got.keys():
+                    changed.clear()
+                    await changed.wait()
+
+            try:
+                await asyncio.wait_for(all_in(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+            return dict(got)
+        finally:
+            client.remove_listener(on_event)
+
     def close(self) -> None:
         """Closes the blocking client (asyncio clients: `aclose` on their loop)."""
         if self._client is not None:
@@ -286,6 +345,42 @@ class Estop:
             c = self._aclients.pop(loop, None)
         if c is not None:
             await c.close()
+
+
+def _decision_event(ev: dict[str, Any], run: str, want: set[str], got: dict[str, str]) -> bool:
+    """Records what an event line says about the keys awaited; True if it changed anything."""
+    kind, key = ev.get("event"), ev.get("key")
+    if kind == "decided" and ev.get("run") == run and key in want:
+        got.setdefault(key, "approve" if ev.get("decision") in ("approve", "approved") else "reject")
+        return True
+    if kind == "expired" and ev.get("run") == run and key in want:
+        got.setdefault(key, "expired")
+        return True
+    if kind in _STOP_EVENTS and ev.get("run") == run:  # (an ancestor's cancel reaches the run too)
+        for k in want:
+            got.setdefault(k, "cancelled")
+        return True
+    return False
+
+
+def _settle_now(got: dict[str, str], key: str, v: Any, cv: "threading.Condition | None") -> None:
+    """A `wait` answered at once: held (still pending), or what the decision made of it."""
+    from .verdicts import Admitted, Duplicate, Held, RefusedVerdict
+
+    if isinstance(v, Held):
+        return
+    if isinstance(v, (Admitted, Duplicate)):
+        what = "approve"
+    elif isinstance(v, RefusedVerdict):
+        what = {"rejected": "reject", "expired": "expired"}.get(v.reason, "cancelled")
+    else:
+        return
+    if cv is None:
+        got.setdefault(key, what)
+        return
+    with cv:
+        got.setdefault(key, what)
+        cv.notify_all()
 
 
 def _ignore_unknown_run(fn: Any) -> Any:

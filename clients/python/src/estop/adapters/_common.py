@@ -90,6 +90,23 @@ async def aguarded(run: Run, *, stop_on: tuple[type[BaseException], ...] = STOP_
                 raise
 
 
+def human_interrupt(h: Any, args: Any = None) -> dict[str, Any]:
+    """A held effect as LangGraph's `HumanInterrupt` (what agent-inbox style UIs render:
+    `action_request`, `config`, `description`), with estop's details under `estop`. Accept and
+    ignore are the only answers, and they count only from an operator (`approver=`); the
+    decision is estop's."""
+    est = hold_payload(h, args)
+    return {
+        "action_request": {"action": h.tool, "args": args if isinstance(args, dict) else {"args": args}},
+        "config": {"allow_ignore": True, "allow_respond": False, "allow_edit": False, "allow_accept": True},
+        "description": (
+            f"estop holds {h.tool} ({h.held.reason}) in run {h.run}. An operator decides: "
+            f"estop approve {h.run} {h.key} (or reject), or the console; the agent cannot approve."
+        ),
+        **est,
+    }
+
+
 def hold_payload(h: Any, args: Any = None) -> dict[str, Any]:
     """What an adapter shows the framework's human-in-the-loop UI for a held effect."""
     return {

@@ -14,11 +14,14 @@
   node) or replayed from a checkpoint presents the same keys: the gate answers `duplicate` and
   the recorded result is returned instead of doing it again.
 * A held effect (approval, or a sibling of one: a pause is a whole pause) raises LangGraph's own
-  `interrupt()` with the hold's details (`on_hold="interrupt"`, the default inside a graph), or
-  blocks until decided (`on_hold="wait"`). The decision is made in estop by an operator
-  (`estop approve RUN KEY`, the console) — never by the agent. Resume the graph afterwards with
-  `graph.resume(config)`; an `approver` (an operator Client held by your approval UI) lets a
-  `Command(resume={"decision": "approve"|"reject"})` be recorded as that operator's decision.
+  `interrupt()` with a `HumanInterrupt` (`action_request`, `config`, `description`, and the
+  hold's details under `estop`) — what agent-inbox style UIs render (`on_hold="interrupt"`, the
+  default inside a graph) — or blocks until decided (`on_hold="wait"`). The decision is made in
+  estop by an operator (`estop approve RUN KEY`, the console) — never by the agent.
+  `graph.wait_for_decision(config)` blocks until it is made (the gate's events, no polling);
+  then `graph.resume(config)`. An `approver` (an operator Client held by your approval UI) lets a
+  HumanResponse (`{"type": "accept"|"ignore"}`) or `{"decision": "approve"|"reject"}` resume
+  value be recorded as that operator's decision.
 * `invoke`/`ainvoke`/`stream`/`astream` are invocations of the run: breaking out of a stream, a
   task cancel, a timeout (including the graph's own `step_timeout`) or Ctrl-C *interrupts* the
   invocation — tool threads LangGraph cannot stop refuse new effects (`Interrupted`) — and the
@@ -43,7 +46,7 @@ from ..keys import derive_key
 from ..effect import EffectCall, call_args, call_key, encode_result, make_call, run_async, run_sync
 from ..errors import HeldForApproval, Interrupted, Refused, RunStopped
 from ..run import Estop, Run, Step, current_run, current_step, step
-from ._common import STOP_ON, aguarded, guarded, hold_payload
+from ._common import STOP_ON, aguarded, guarded, human_interrupt
 
 __all__ = ["EstopGraph", "effect", "step_of", "thread_run_id", "tool_node", "gate_tool_calls"]
 
@@ -159,15 +162,29 @@ def effect(
 
 
 def _interrupt(h: HeldForApproval, call: EffectCall, approver: Client | None) -> None:
-    """Surfaces the hold as LangGraph's interrupt; returns when the graph is resumed."""
-    value = interrupt(hold_payload(h, call.args))
-    if approver is not None and isinstance(value, dict) and value.get("decision") in ("approve", "reject") and h.reason == "approval":
+    """Surfaces the hold as LangGraph's interrupt (a `HumanInterrupt`); returns when the graph is
+    resumed. The resume value counts only through `approver` (an operator's client): an agent
+    cannot approve (G7), so without it the hold simply asks the gate again."""
+    value = interrupt(human_interrupt(h, call.args))
+    decision = _decision_of(value)
+    if approver is not None and decision is not None and h.reason == "approval":
         from ..errors import NotPending
 
         try:
-            approver.decide(call.run.id, call.key, value["decision"], value.get("reason"))
+            approver.decide(call.run.id, call.key, decision, value.get("reason") if isinstance(value, dict) else None)
         except NotPending:
             pass  # decided already (e.g. in the console)
+
+
+def _decision_of(value: Any) -> str | None:
+    """`{"decision": "approve"|"reject"}`, or a HumanResponse (`{"type": "accept"|"ignore"}`)."""
+    if isinstance(value, list) and value:
+        value = value[0]  # agent-inbox resumes with a list of HumanResponses
+    if not isinstance(value, dict):
+        return None
+    if value.get("decision") in ("approve", "reject"):
+        return str(value["decision"])
+    return {"accept": "approve", "ignore": "reject"}.get(str(value.get("type")))
 
 
 class EstopGraph:
@@ -219,6 +236,27 @@ class EstopGraph:
     def pending_interrupts(self, config: dict[str, Any]) -> list[Any]:
         snap = self.graph.get_state(config)
         return [i for t in snap.tasks for i in t.interrupts]
+
+    def pending_holds(self, config: dict[str, Any]) -> list[dict[str, Any]]:
+        """The estop holds among the pending interrupts (their `estop` part: run, key, reason…)."""
+        return [i.value["estop"] for i in self.pending_interrupts(config) if isinstance(i.value, dict) and "estop" in i.value]
+
+    def wait_for_decision(self, config: dict[str, Any], timeout_s: float | None = None) -> dict[str, str]:
+        """Blocks until the operator decided the thread's pending approvals (woken by the gate's
+        events, not by polling); returns key → `approve` | `reject` | `expired` | `cancelled`.
+        Then `resume(config)`: the held calls ask the gate again and go, or are refused."""
+        keys = [h["key"] for h in self.pending_holds(config) if h.get("reason") == "approval"]
+        if not keys:
+            return {}
+        return self.gate.wait_decided(self.run_for(config).id, keys, timeout_s)
+
+    async def await_decision(self, config: dict[str, Any], timeout_s: float | None = None) -> dict[str, str]:
+        """`wait_for_decision` for asyncio."""
+        snap = await self.graph.aget_state(config)
+        keys = [i.value["estop"]["key"] for t in snap.tasks for i in t.interrupts if isinstance(i.value, dict) and i.value.get("estop", {}).get("reason") == "approval"]
+        if not keys:
+            return {}
+        return await self.gate.await_decided(self.run_for(config).id, keys, timeout_s)
 
     def resume_command(self, config: dict[str, Any], value: Any = None) -> Command:
         """A Command resuming every pending interrupt with `value` (holds re-ask the gate)."""
