@@ -158,7 +158,15 @@ def test_openai_agents_callable_needs_approval_and_refusal_output(gate, daemon, 
 
     th = threading.Thread(target=operator)
     th.start()
-    r = asyncio.run(eo.run(agent, "go", gate=gate, run_id=run_id))
+
+    async def go():
+        r = await eo.run(agent, "go", gate=gate, run_id=run_id)
+        assert len(r.interruptions) == 1  # only the big refund is held: the SDK's own pause
+        state = r.to_state()
+        assert await eo.resolve(agent, state, gate=gate, run_id=run_id, timeout_s=10) == {eo.holds(agent, r.interruptions, run_id)[0]: "reject"}
+        return await eo.run(agent, state, gate=gate, run_id=run_id)
+
+    r = asyncio.run(go())
     th.join()
     outputs = [i.output for i in r.new_items if getattr(i, "type", "") == "tool_call_output_item"]
     assert "refunded" in outputs and any("rejected" in str(o) for o in outputs)

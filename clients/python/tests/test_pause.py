@@ -102,3 +102,76 @@ def test_langgraph_inbox_accept_counts_only_through_an_operator(gate, daemon, ru
     intr2 = graph2.invoke({"log": []}, cfg2)["__interrupt__"][0]
     out2 = graph2.invoke(Command(resume={intr2.id: [{"type": "accept", "args": None}]}), cfg2)
     assert out2["log"] == ["wired"] and wired2 == [100]
+
+
+def _oai_agent(charged, steps):
+    from agents import Agent, function_tool
+    from agents.testing import ScriptedModel
+
+    from estop.adapters import openai_agents as eo
+
+    @function_tool(needs_approval=True)
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        charged.append(amount)
+        return "wired"
+
+    return Agent(name="ops", model=ScriptedModel(steps), tools=eo.gate_tools([wire_money]))
+
+
+def test_openai_agents_hold_is_a_native_interruption_that_survives_a_restart(daemon, run_id):
+    """Old: the adapter blocked inside the tool call until the operator decided (a restart lost
+    the pause). Now the run ends with the SDK's own `interruptions`; its RunState, saved and
+    loaded by a new process, resumes exactly once after the estop decision."""
+    from agents import RunState
+    from agents.testing import ModelStep, assistant_message, function_call
+
+    from estop.adapters import openai_agents as eo
+
+    steps = lambda: [ModelStep(output=[function_call("wire_money", {"to": "acct-9", "amount": 100}, call_id="w1")]), ModelStep(output=[assistant_message("done")])]
+    charged = []
+    gate1 = daemon.gate()
+    r = asyncio.run(eo.run(_oai_agent(charged, steps()), "pay", gate=gate1, run_id=run_id))
+    assert [i.tool_name for i in r.interruptions] == ["wire_money"] and charged == []
+    saved = r.to_state().to_string()
+    p = wait_pending(daemon.operator, run_id)  # the approval is in estop's inbox
+    assert p["tool"] == "wire_money"
+    gate1.close()
+
+    # A new process: a fresh agent and gate client; the operator decides meanwhile.
+    gate2 = daemon.gate()
+    agent2 = _oai_agent(charged, steps()[1:])
+    state = asyncio.run(RunState.from_string(agent2, saved))
+    assert eo.holds(agent2, state.get_interruptions(), run_id) == [p["key"]]
+    threading.Timer(0.2, daemon.operator.approve, args=(run_id, p["key"])).start()
+    assert asyncio.run(eo.resolve(agent2, state, gate=gate2, run_id=run_id, timeout_s=10)) == {p["key"]: "approve"}
+    r2 = asyncio.run(eo.run(agent2, state, gate=gate2, run_id=run_id))
+    assert r2.final_output == "done" and charged == [100]
+    # The same saved state resumed again (a redelivered job): the receipt, not a second transfer.
+    agent3 = _oai_agent(charged, steps()[1:])
+    state3 = asyncio.run(RunState.from_string(agent3, saved))
+    asyncio.run(eo.resolve(agent3, state3, gate=gate2, run_id=run_id, timeout_s=10))
+    r3 = asyncio.run(eo.run(agent3, state3, gate=gate2, run_id=run_id))
+    assert r3.final_output == "done" and charged == [100]
+    gate2.close()
+
+
+def test_openai_agents_agent_side_approval_is_not_trusted(gate, daemon, run_id):
+    """`state.approve(item)` in the agent process does not let the call run: it waits for the
+    operator's decision at the gate (here a rejection)."""
+    from agents.testing import ModelStep, assistant_message, function_call
+
+    from estop.adapters import openai_agents as eo
+
+    charged = []
+    steps = [ModelStep(output=[function_call("wire_money", {"to": "acct-9", "amount": 100}, call_id="w1")]), ModelStep(output=[assistant_message("done")])]
+    agent = _oai_agent(charged, steps)
+    r = asyncio.run(eo.run(agent, "pay", gate=gate, run_id=run_id))
+    state = r.to_state()
+    for item in state.get_interruptions():
+        state.approve(item)  # the agent approves itself
+    threading.Timer(0.3, lambda: daemon.operator.reject(run_id, wait_pending(daemon.operator, run_id)["key"])).start()
+    r2 = asyncio.run(eo.run(agent, state, gate=gate, run_id=run_id))
+    assert charged == []
+    outputs = [i.output for i in r2.new_items if getattr(i, "type", "") == "tool_call_output_item"]
+    assert any("rejected" in str(o) for o in outputs), outputs

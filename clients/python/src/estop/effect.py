@@ -103,12 +103,12 @@ def make_call(run: Run, tool: str, args: Any, *, step: str | None = None, key: s
     return EffectCall(run=run, tool=tool, args=args, key=key, needs_approval=needs_approval)
 
 
-def call_key(run: Run, tool: str, call_id: str, args: Any) -> str:
+def call_key(run: "Run | str", tool: str, call_id: str, args: Any) -> str:
     """The key of a tool call the framework names (LangGraph/PydanticAI `tool_call_id`, the Agents
     SDK's `call_id`, …): the same on resume and retry, whatever ran before it in the step, and
     distinct for two identical calls of one turn or of two turns. The digest stays in it, so an
     id a provider reuses with other arguments is another effect, not a `mismatch`."""
-    return derive_key(run.id, f"call:{call_id}", tool, _digest(tool, args), 1)
+    return derive_key(run.id if isinstance(run, Run) else run, f"call:{call_id}", tool, _digest(tool, args), 1)
 
 
 def _run_occurrence(run: Run, step: str, tool: str, d: str) -> int:
@@ -241,6 +241,17 @@ async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s:
         if isinstance(v, Duplicate):
             return _duplicate(call, v)
         raise AssertionError(f"unexpected verdict {v!r}")
+
+
+async def admit_prepared(call: EffectCall) -> Verdict:
+    """What the gate says of `call` now, without waiting or starting: admitted (prepared: a
+    repeat admit of the key returns the same token, so the effect's own `gate_async` goes on from
+    there), held, refused or duplicate. Raises if the run is fenced or the invocation over."""
+    _check(call)
+    run = call.run
+    v = await run.gate.aclient.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
+    await run._watch_async()
+    return v
 
 
 def _check_deadline(deadline: float | None, call: EffectCall) -> None:

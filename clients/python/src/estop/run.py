@@ -277,7 +277,9 @@ class Estop:
     def wait_decided(self, run: "Run | str", keys: "list[str] | set[str] | tuple[str, ...]", timeout_s: float | None = None) -> dict[str, str]:
         """Blocks until each held effect in `keys` of `run` is decided by an operator, and
         returns key → `approve` | `reject` | `expired` | `cancelled` (the run stopped) for those
-        decided in time. Woken by the gate's events (`subscribe`: `decided`, `expired`,
+        decided in time. A key held as the sibling of an approval, or by a pause, has no decision
+        of its own: it is answered `sibling` / `paused` at once (it goes when that is lifted).
+        Woken by the gate's events (`subscribe`: `decided`, `expired`,
         `cancelled`, `closed`), never by polling; one `wait` of 0 ms per key after subscribing
         covers a decision made before it."""
         rid = run.id if isinstance(run, Run) else run
@@ -294,8 +296,8 @@ class Estop:
         client.add_listener(on_event)
         try:
             client.subscribe(rid)
-            for k in want:
-                _settle_now(got, k, client.wait(rid, k, 0), cv)
+            for k in list(want):
+                _settle_now(got, want, k, client.wait(rid, k, 0), cv)
             with cv:
                 cv.wait_for(lambda: want <= got.keys(), timeout_s)
                 return dict(got)
@@ -317,8 +319,8 @@ class Estop:
         client.add_listener(on_event)
         try:
             await client.subscribe(rid)
-            for k in want:
-                _settle_now(got, k, await client.wait(rid, k, 0), None)
+            for k in list(want):
+                _settle_now(got, want, k, await client.wait(rid, k, 0), None)
 
             async def all_in() -> None:
                 while not want <= got.keys():
@@ -363,11 +365,15 @@ def _decision_event(ev: dict[str, Any], run: str, want: set[str], got: dict[str,
     return False
 
 
-def _settle_now(got: dict[str, str], key: str, v: Any, cv: "threading.Condition | None") -> None:
-    """A `wait` answered at once: held (still pending), or what the decision made of it."""
+def _settle_now(got: dict[str, str], want: set[str], key: str, v: Any, cv: "threading.Condition | None") -> None:
+    """A `wait` answered at once: held (still pending), or what the decision made of it. A key
+    held as the sibling of an approval (or by a pause) is answered with that reason."""
     from .verdicts import Admitted, Duplicate, Held, RefusedVerdict
 
     if isinstance(v, Held):
+        if v.reason != "approval":
+            want.discard(key)
+            got.setdefault(key, str(v.reason))
         return
     if isinstance(v, (Admitted, Duplicate)):
         what = "approve"

@@ -24,6 +24,15 @@ def _agent(tools: list[Any], steps: list[Any], guarded: bool, effects_map: dict[
     return Agent(name="ops", model=model, tools=tools)
 
 
+async def _pause_then_resume(t: Trial, agent: Agent, result: Any) -> Any:
+    """The native pause: the run ended with interruptions; wait for estop's decision, resume."""
+    while result.interruptions:
+        state = result.to_state()
+        await eo.resolve(agent, state, gate=t.gate, run_id=t.run_id, timeout_s=10)
+        result = await eo.run(agent, state, gate=t.gate, run_id=t.run_id)
+    return result
+
+
 def _done() -> ModelStep:
     return ModelStep(output=[assistant_message("done")])
 
@@ -55,8 +64,9 @@ def sibling(t: Trial, guarded: bool) -> int:
 
     async def main() -> None:
         if guarded:
+            # The hold is the SDK's own interruption; the operator decides in estop.
             th = t.decide_later("reject", tool="wire_money")
-            await eo.run(agent, "go", gate=t.gate, run_id=t.run_id)
+            await _pause_then_resume(t, agent, await eo.run(agent, "go", gate=t.gate, run_id=t.run_id))
             th.join()
             assert t.world.count("email") == 1, "the sibling proceeds once the decision is made"
         else:
@@ -105,7 +115,7 @@ def reject(t: Trial, guarded: bool) -> int:
 
             th = threading.Thread(target=operator)
             th.start()
-            await eo.run(agent, "go", gate=t.gate, run_id=t.run_id)
+            await _pause_then_resume(t, agent, await eo.run(agent, "go", gate=t.gate, run_id=t.run_id))
             th.join()
         else:
             r = await Runner.run(agent, "go")
