@@ -175,3 +175,69 @@ def test_openai_agents_agent_side_approval_is_not_trusted(gate, daemon, run_id):
     assert charged == []
     outputs = [i.output for i in r2.new_items if getattr(i, "type", "") == "tool_call_output_item"]
     assert any("rejected" in str(o) for o in outputs), outputs
+
+
+def _pyd_agent(ran, *, again=False):
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import FunctionModel
+    from pydantic_ai.toolsets import FunctionToolset
+
+    from estop.adapters import pydantic_ai as ep
+
+    def llm(messages, info):
+        n = sum(isinstance(m, ModelResponse) for m in messages)
+        if n == 0:
+            return ModelResponse(parts=[ToolCallPart("wire_money", {"to": "a", "amount": 9}, tool_call_id="d1")])
+        if n == 1 and again:  # the model re-plans: the same transfer through a second call
+            return ModelResponse(parts=[ToolCallPart("wire_money", {"to": "a", "amount": 9}, tool_call_id="d2")])
+        return ModelResponse(parts=[TextPart("ok")])
+
+    def wire_money(to: str, amount: int) -> str:
+        ran.append(amount)
+        return "wired"
+
+    toolset = ep.EstopToolset(FunctionToolset([wire_money]), on_hold="defer")
+    return Agent(FunctionModel(llm), toolsets=[toolset], output_type=[str, DeferredToolRequests])
+
+
+def test_pydantic_ai_native_deny_is_an_estop_reject_only_through_an_operator(gate, daemon, run_id):
+    """Old: `on_hold="defer"` ignored a native deny (the estop approval stayed pending, and the
+    same transfer asked again later was held again instead of refused)."""
+    from pydantic_ai import DeferredToolRequests, DeferredToolResults, ToolDenied
+
+    from estop.adapters import pydantic_ai as ep
+
+    ran = []
+    agent = _pyd_agent(ran, again=True)
+    r = asyncio.run(ep.run(agent, "pay", gate=gate, run_id=run_id))
+    assert isinstance(r.output, DeferredToolRequests)
+    key = r.output.metadata["d1"]["estop"]["key"]
+    # An agent-side deny without an operator credential: nothing is decided at the gate.
+    denied = DeferredToolResults(approvals={"d1": ToolDenied("no")})
+    asyncio.run(ep.run(_pyd_agent(ran), gate=gate, run_id=run_id, message_history=r.all_messages(), deferred_tool_results=denied))
+    assert [p["key"] for p in daemon.operator.pending(run_id)] == [key]
+    # The approval UI holds an operator client: the native deny is that operator's reject.
+    r2 = asyncio.run(ep.run(agent, gate=gate, run_id=run_id, message_history=r.all_messages(), deferred_tool_results=denied, approver=daemon.operator))
+    assert daemon.operator.pending(run_id) == []
+    # The model re-plans the same transfer (call d2): refused for the rest of the run (G2).
+    assert r2.output == "ok" and ran == []
+    outputs = [p.content for m in r2.all_messages() for p in getattr(m, "parts", []) if getattr(p, "tool_call_id", None) == "d2" and hasattr(p, "content")]
+    assert any("rejected" in str(o) for o in outputs), outputs
+
+
+def test_pydantic_ai_native_approve_without_operator_is_deferred_again(gate, daemon, run_id):
+    from pydantic_ai import DeferredToolRequests, DeferredToolResults
+
+    from estop.adapters import pydantic_ai as ep
+
+    ran = []
+    r = asyncio.run(ep.run(_pyd_agent(ran), "pay", gate=gate, run_id=run_id))
+    ok = DeferredToolResults(approvals={"d1": True})
+    r2 = asyncio.run(ep.run(_pyd_agent(ran), gate=gate, run_id=run_id, message_history=r.all_messages(), deferred_tool_results=ok))
+    assert isinstance(r2.output, DeferredToolRequests) and ran == []  # still held: not trusted
+    key = r.output.metadata["d1"]["estop"]["key"]
+    threading.Timer(0.2, daemon.operator.approve, args=(run_id, key)).start()
+    assert asyncio.run(gate.await_decided(run_id, [key], timeout_s=10)) == {key: "approve"}
+    r3 = asyncio.run(ep.run(_pyd_agent(ran), gate=gate, run_id=run_id, message_history=r.all_messages(), deferred_tool_results=ok))
+    assert r3.output == "ok" and ran == [9]

@@ -13,8 +13,11 @@
   PydanticAI: the approval is an estop approval decided by an operator, and the call — with its
   siblings of the same turn — waits for it (`on_hold="wait"`, the default). With
   `on_hold="defer"` a hold raises PydanticAI's `ApprovalRequired` instead, so the run ends with
-  `DeferredToolRequests`; run it again with the message history once the operator decided (the
-  same call presents the same key).
+  `DeferredToolRequests` (PydanticAI's native pause: serialisable with the message history);
+  `gate.await_decided(run, keys)` waits for the operator, then run it again with the message
+  history and `deferred_tool_results` (the same call presents the same key). `run(...,
+  approver=operator_client)` records the native answers (`approvals`: True / False /
+  `ToolDenied`) as that operator's decision; without an operator credential they decide nothing.
 * A refusal is returned to the model as the tool's output (`ModelRetry` would make it try again);
   a stopped run raises `RunStopped`. `run`/`run_sync` are invocations of the run: a task cancel,
   `timeout_s` or Ctrl-C interrupts the invocation (what it left running refuses new effects) and
@@ -34,7 +37,8 @@ from pydantic_ai.exceptions import ApprovalRequired
 from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 
 from ..effect import EffectCall, call_key, encode_result, gate_async, make_call, run_async, shielded
-from ..errors import EstopError, HeldForApproval, InDoubt, Interrupted, Refused, RunStopped
+from ..client import Client
+from ..errors import EstopError, HeldForApproval, InDoubt, Interrupted, NotFound, NotPending, Refused, RunStopped
 from ..run import Estop, Run, current_run, step
 from ._common import STOP_ON, arun_guarded, hold_payload, resolve_run, run_guarded
 
@@ -233,9 +237,19 @@ def gate_agent(agent: Any, *, effects: dict[str, str] | None = None, on_hold: st
     return agent
 
 
-async def run(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **kw: Any) -> Any:
-    """`agent.run(...)` as an invocation of the estop run `run_id` (a cancel/timeout interrupts it)."""
+async def run(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, approver: Client | None = None, effects: dict[str, str] | None = None, **kw: Any) -> Any:
+    """`agent.run(...)` as an invocation of the estop run `run_id` (a cancel/timeout interrupts it).
+
+    With `deferred_tool_results` (the answer to a run that ended with `DeferredToolRequests`)
+    and an `approver` (an operator's client, e.g. held by your approval UI), each native
+    approval becomes that operator's decision in estop — a deny (`False`, `ToolDenied`) a reject,
+    sticky for the run (G2) — before the run goes on. Without an operator credential the native
+    answer decides nothing at the gate: an approved call asks the gate and is deferred again
+    while held, and a denied one stays pending in estop's inbox until an operator decides."""
     r = resolve_run(gate, run_id)
+    results = kw.get("deferred_tool_results")
+    if approver is not None and results is not None:
+        await asyncio.to_thread(_decide_natively, approver, r.id, results, kw.get("message_history") or [], effects or {})
 
     async def go() -> Any:
         coro = agent.run(prompt, **kw)
@@ -247,3 +261,24 @@ async def run(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_
 def run_sync(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **kw: Any) -> Any:
     r = resolve_run(gate, run_id)
     return run_guarded(r, lambda: asyncio.run(run(agent, prompt, run_id=r, stop_on=stop_on, **kw)), stop_on=stop_on)
+
+
+def _decide_natively(approver: Client, run_id: str, results: Any, history: list[Any], effects: dict[str, str]) -> None:
+    """Records PydanticAI's approval answers as the operator's decisions (see `run`)."""
+    from pydantic_ai.messages import ModelResponse, ToolCallPart
+
+    calls = {p.tool_call_id: p for m in history if isinstance(m, ModelResponse) for p in m.parts if isinstance(p, ToolCallPart)}
+    for call_id, answer in results.approvals.items():
+        part = calls.get(call_id)
+        if part is None:
+            continue
+        approved = answer is True or getattr(answer, "kind", None) == "tool-approved"
+        denied = answer is False or getattr(answer, "kind", None) == "tool-denied"
+        if not (approved or denied):
+            continue
+        effect = effects.get(part.tool_name, part.tool_name)
+        key = call_key(run_id, effect, call_id, part.args_as_dict())
+        try:
+            approver.decide(run_id, key, "approve" if approved else "reject", getattr(answer, "message", None))
+        except (NotPending, NotFound):
+            pass  # decided already (the console), or never held
