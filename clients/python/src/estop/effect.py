@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Any, Awaitable, Callable, TypeVar, overload
 
 from ._jcs import digest as _digest
 from ._jcs import to_json_value
-from .errors import EffectFailed, EstopTimeout, HeldForApproval, InDoubt, refusal
+from .errors import EffectFailed, EstopError, EstopTimeout, HeldForApproval, InDoubt, refusal
 from .keys import derive_key
 from .run import Run, current_invocation, current_run, current_step
 from .verdicts import Admitted, Duplicate, Go, Held, RefusedVerdict, Verdict
@@ -31,6 +32,8 @@ from .verdicts import Admitted, Duplicate, Go, Held, RefusedVerdict, Verdict
 __all__ = ["effect", "Gated", "gate_sync", "gate_async", "EffectCall", "call_args", "call_key", "make_call"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+log = logging.getLogger("estop")
 
 _RESULT_BYTES_MAX = 60_000
 _ERROR_BYTES_MAX = 4000
@@ -267,16 +270,30 @@ def run_sync(call: EffectCall, fn: Callable[[], Any], *, on_hold: str = "wait", 
         return decode(r) if decode else r
     assert g.token is not None
     client = call.run.gate.client
+    token = g.token
+
+    def report(outcome: str, **kw: Any) -> None:
+        try:
+            client.complete(call.run.id, call.key, token, outcome, **kw)
+        except EstopError:
+            _report_lost(call, outcome)
+
     try:
         result = fn()
     except Exception as e:
-        client.complete(call.run.id, call.key, g.token, "error", error=f"{type(e).__name__}: {e}"[:_ERROR_BYTES_MAX])
+        report("error", error=f"{type(e).__name__}: {e}"[:_ERROR_BYTES_MAX])
         raise
     except BaseException:
-        client.complete(call.run.id, call.key, g.token, "unknown", error="interrupted after start")
+        report("unknown", error="interrupted after start")
         raise
-    client.complete(call.run.id, call.key, g.token, "ok", result=encode_result(result))
+    report("ok", result=encode_result(result))
     return result
+
+
+def _report_lost(call: EffectCall, outcome: str) -> None:
+    # The effect ran: its outcome must reach the caller even if the gate cannot be told now
+    # (the gate shows it started, in flight, until a lookup of its key settles it).
+    log.warning("estop: %s of run %r key %r ran (%s) but its completion could not be recorded", call.tool, call.run.id, call.key, outcome, exc_info=True)
 
 
 async def run_async(call: EffectCall, fn: Callable[[], Awaitable[Any]], *, on_hold: str = "wait", hold_timeout_s: float | None = None, decode: Callable[[Any], Any] | None = None) -> Any:
@@ -291,15 +308,23 @@ async def run_async(call: EffectCall, fn: Callable[[], Awaitable[Any]], *, on_ho
             return decode(r) if decode else r
         assert g.token is not None
         client = run.gate.aclient
+        token = g.token
+
+        async def report(outcome: str, **kw: Any) -> None:
+            try:
+                await shielded(client.complete(run.id, call.key, token, outcome, **kw))
+            except EstopError:
+                _report_lost(call, outcome)
+
         try:
             result = await fn()
         except asyncio.CancelledError:
-            await shielded(client.complete(run.id, call.key, g.token, "unknown", error="cancelled after start"))
+            await report("unknown", error="cancelled after start")
             raise
         except Exception as e:
-            await shielded(client.complete(run.id, call.key, g.token, "error", error=f"{type(e).__name__}: {e}"[:_ERROR_BYTES_MAX]))
+            await report("error", error=f"{type(e).__name__}: {e}"[:_ERROR_BYTES_MAX])
             raise
-        await shielded(client.complete(run.id, call.key, g.token, "ok", result=encode_result(result)))
+        await report("ok", result=encode_result(result))
         return result
     finally:
         if task is not None and task not in run._entered:

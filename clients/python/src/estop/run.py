@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import threading
 import uuid
 import weakref
@@ -29,6 +30,8 @@ from .errors import Interrupted, NoRun, NotFound, RunStopped
 __all__ = [
     "Estop", "Invocation", "Run", "Step", "current_invocation", "current_run", "current_step", "step", "default", "configure",
 ]
+
+log = logging.getLogger("estop")
 
 _STOP_EVENTS = frozenset({"cancelled", "finalizing", "closed"})
 
@@ -67,6 +70,7 @@ class _Fences:
             if run_id in self.stopped:
                 return
             self.stopped[run_id] = reason
+            log.info("estop: run %r fenced locally (%s)", run_id, reason)
             victims = [r for runs in self.live.values() for r in list(runs) if r._descends_from(run_id)]
         for r in victims:
             r._cancel_tasks(spare)
@@ -130,6 +134,7 @@ class Invocation:
                 return
             self._why = reason
             tasks = list(self._tasks)
+        log.info("estop: an invocation of run %r interrupted (%s); the run goes on", self.run.id, reason)
         for t in tasks:
             if not t.done() and t is not spare:
                 try:
@@ -536,6 +541,7 @@ class Run:
         try:
             c.subscribe(self.id)
         except Exception:
+            log.warning("estop: could not watch run %r (stops reach it at its next gate call)", self.id, exc_info=True)
             self._watched.discard(c)
 
     async def _watch_async(self) -> None:
@@ -546,6 +552,7 @@ class Run:
         try:
             await c.subscribe(self.id)
         except Exception:
+            log.warning("estop: could not watch run %r (stops reach it at its next gate call)", self.id, exc_info=True)
             self._watched.discard(c)
 
     # -- stopping -----------------------------------------------------------------------------

@@ -44,11 +44,13 @@ action = "approve"
 
 
 def find_binary() -> str:
+    """$ESTOP_BIN, else (in a checkout of the estop repository) `cargo build -p estop`, else
+    `estop` on PATH."""
     env = os.environ.get("ESTOP_BIN")
     if env:
         return env
     built = _REPO / "target" / "debug" / "estop"
-    if (_REPO / "Cargo.toml").exists():
+    if (_REPO / "Cargo.toml").exists() and (_REPO / "crates" / "cli").is_dir():
         subprocess.run(["cargo", "build", "-q", "-p", "estop"], cwd=_REPO, check=True)
         return str(built)
     found = shutil.which("estop")

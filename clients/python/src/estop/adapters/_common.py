@@ -23,6 +23,11 @@ T = TypeVar("T")
 STOP_ON: tuple[type[BaseException], ...] = ()
 
 
+def missing_extra(module: str, framework: str, extra: str, error: ImportError) -> ImportError:
+    """The error an adapter raises when its framework is not installed: names the extra."""
+    return ImportError(f"estop.adapters.{module} needs {framework} ({error}): pip install 'estop-agents[{extra}]'")
+
+
 def resolve_run(gate: Estop | None, run: Run | str | None, **kw: Any) -> Run:
     """A Run for `run` (an id or a Run); with neither, the current run (or a fresh one)."""
     if isinstance(run, Run):

@@ -26,8 +26,12 @@ import contextlib
 import copy
 from typing import Any, Awaitable, Callable, Iterable
 
-from agent_framework import FunctionInvocationContext, FunctionMiddleware
-from agent_framework._middleware import MiddlewareFailure
+from ._common import missing_extra
+
+try:
+    from agent_framework import FunctionInvocationContext, FunctionMiddleware, MiddlewareFailure
+except ImportError as e:
+    raise missing_extra("agent_framework", "Microsoft Agent Framework", "agent-framework", e) from e
 
 from ..effect import call_key, make_call, run_async
 from ..errors import Interrupted, Refused, RunStopped

@@ -37,8 +37,13 @@ import inspect
 import json
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, cast
 
-from langgraph.config import get_config
-from langgraph.types import Command, interrupt
+from ._common import missing_extra
+
+try:
+    from langgraph.config import get_config
+    from langgraph.types import Command, interrupt
+except ImportError as e:
+    raise missing_extra("langgraph", "LangGraph", "langgraph", e) from e
 
 from .._jcs import digest, to_json_value
 from ..client import Client

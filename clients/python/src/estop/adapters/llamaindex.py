@@ -24,7 +24,12 @@ import functools
 import inspect
 from typing import Any, AsyncIterator, Callable, Generator
 
-from workflows.events import InputRequiredEvent
+from ._common import missing_extra
+
+try:
+    from workflows.events import InputRequiredEvent
+except ImportError as e:
+    raise missing_extra("llamaindex", "LlamaIndex Workflows", "llamaindex", e) from e
 
 from ..effect import call_args, make_call, run_async, run_sync
 from ..errors import HeldForApproval

@@ -42,8 +42,13 @@ import inspect
 import json
 from typing import Any, Iterable
 
-from agents import Runner
-from agents.tool import FunctionTool
+from ._common import missing_extra
+
+try:
+    from agents import Runner
+    from agents.tool import FunctionTool
+except ImportError as e:
+    raise missing_extra("openai_agents", "the OpenAI Agents SDK", "openai-agents", e) from e
 
 from ..effect import EffectCall, admit_prepared, call_key, make_call, run_async
 from ..errors import EstopError, Interrupted, Refused, RunStopped

@@ -33,8 +33,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic_ai.exceptions import ApprovalRequired
-from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
+from ._common import missing_extra
+
+try:
+    from pydantic_ai.exceptions import ApprovalRequired
+    from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
+except ImportError as e:
+    raise missing_extra("pydantic_ai", "PydanticAI", "pydantic-ai", e) from e
 
 from ..effect import EffectCall, call_key, encode_result, gate_async, make_call, run_async, shielded
 from ..client import Client
