@@ -35,6 +35,12 @@ import estop
 
 CLASSES = ["sibling", "reject", "replay", "cancel_thread", "cancel_async", "interrupt_continue"]
 
+#: Failure classes of one framework's own feature (its SCENARIOS has them when it has the feature):
+#: retry_policy  — a LangGraph RetryPolicy re-runs a node that charged before failing: extra charges.
+#: timeout_retry — a PydanticAI sync tool past its `timeout` (its thread goes on and charges) and
+#:                 the model's retry of the same call: extra charges.
+EXTRA_CLASSES = ["retry_policy", "timeout_retry"]
+
 NEXT_TURN_AMOUNT = 7
 
 SIBLING_WORK_S = 0.05

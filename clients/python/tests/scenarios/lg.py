@@ -223,6 +223,29 @@ def cancel_async(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
+def retry_policy(t: Trial, guarded: bool) -> int:
+    from langgraph.types import RetryPolicy
+
+    fx = _effects(t, guarded)
+    attempts = []
+
+    def checkout(state: S) -> dict:
+        receipt = fx["charge"](42)
+        attempts.append(receipt)
+        if len(attempts) == 1:
+            raise ConnectionError("the shipping API flaked after the charge")
+        return {"log": [receipt]}
+
+    g = StateGraph(S)
+    g.add_node("checkout", checkout, retry_policy=RetryPolicy(max_attempts=3, initial_interval=0.01, jitter=False))
+    g.add_edge(START, "checkout")
+    g.add_edge("checkout", END)
+    graph = g.compile(checkpointer=InMemorySaver())
+    runner: Any = el.EstopGraph(graph, t.gate) if guarded else graph
+    runner.invoke({"log": []}, _cfg(t))
+    return t.world.count("charge") - 1
+
+
 def next_turn(t: Trial, guarded: bool) -> None:
     """The user's next message on the same thread: a node that charges."""
     fx = _effects(t, guarded)
@@ -242,4 +265,5 @@ SCENARIOS = {
     "cancel_thread": cancel_thread,
     "cancel_async": cancel_async,
     "interrupt_continue": interrupt_continue,
+    "retry_policy": retry_policy,
 }
