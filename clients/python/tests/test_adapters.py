@@ -318,3 +318,22 @@ def test_pydantic_ai_timed_out_thread_tool_is_unknown_then_settled(gate, daemon,
     rep = daemon.operator.report(run_id)
     assert rep["failed"] == [] and seen["after_timeout"]["failed"] == [], "a timed-out thread tool is never `error`"
     assert len(rep["done"]) == 1 and rep["unknown"] == [] and rep["in_flight"] == [], rep
+
+
+def test_openai_agents_operator_cancel_before_the_first_admission_is_run_stopped(gate, daemon, run_id):
+    """Regression (issue 18): an operator's cancel of a run id before its first admission
+    surfaced as the SDK's `UserError("Error running tool …")` instead of `RunStopped`."""
+    from agents import Agent, function_tool
+    from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+    from estop.adapters import openai_agents as eo
+
+    @function_tool
+    def charge(amount: int) -> str:
+        """Charge."""
+        raise AssertionError("never runs")
+
+    daemon.operator.cancel(run_id, "stopped before it started")
+    model = ScriptedModel([ModelStep(output=[function_call("charge", {"amount": 1}, call_id="c1")]), ModelStep(output=[assistant_message("ok")])])
+    with pytest.raises(estop.RunStopped):
+        asyncio.run(eo.run(Agent(name="a", model=model, tools=eo.gate_tools([charge])), "go", gate=gate, run_id=run_id))

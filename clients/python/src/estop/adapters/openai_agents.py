@@ -46,6 +46,7 @@ from ._common import missing_extra
 
 try:
     from agents import Runner
+    from agents.exceptions import AgentsException
     from agents.tool import FunctionTool
 except ImportError as e:
     raise missing_extra("openai_agents", "the OpenAI Agents SDK", "openai-agents", e) from e
@@ -168,6 +169,15 @@ async def resolve(agent: Any, state: Any, *, gate: Estop | None = None, run_id: 
     return decided
 
 
+def _estop_stop(e: BaseException) -> BaseException | None:
+    seen: BaseException | None = e
+    for _ in range(8):  # a short chain: the SDK wraps once or twice
+        seen = seen.__cause__ or seen.__context__ if seen is not None else None
+        if isinstance(seen, (RunStopped, Interrupted)):
+            return seen
+    return None
+
+
 _REFUSED = {"reject": "rejected", "expired": "expired", "cancelled": "cancelled"}
 
 
@@ -184,7 +194,15 @@ async def run(agent: Any, input: Any, *, gate: Estop | None = None, run_id: str 
 
     async def go() -> Any:
         coro = Runner.run(agent, input, **runner_kw)
-        return await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+        try:
+            return await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+        except AgentsException as e:
+            # The SDK wraps what a tool raised ("Error running tool …"): a stopped run or an
+            # interrupted invocation is estop's, and surfaces as itself.
+            stop = _estop_stop(e)
+            if stop is not None:
+                raise stop from e
+            raise
 
     return await arun_guarded(r, go, stop_on=stop_on)
 
@@ -217,6 +235,9 @@ class EstopStreamedRun:
                 # Breaking out of the stream, a cancel, Ctrl-C: this invocation is over (the SDK's
                 # background task and its tool threads start nothing more); the run is not.
                 self.invocation.interrupt(f"{type(e).__name__} in the agent process", spare=asyncio.current_task())
+                stop = _estop_stop(e) if isinstance(e, AgentsException) else None
+                if stop is not None:
+                    raise stop from e
                 raise
         if self._after_turn is not None:
             # `cancel("after_turn")`: the turn has finished; now the run is stopped.
