@@ -41,6 +41,7 @@ from ._common import missing_extra
 
 try:
     from langgraph.config import get_config
+    from langgraph.runtime import get_runtime
     from langgraph.types import Command, interrupt
 except ImportError as e:
     raise missing_extra("langgraph", "LangGraph", "langgraph", e) from e
@@ -82,8 +83,13 @@ def step_of(config: dict[str, Any] | None) -> Step | None:
 
 
 def _attempt(conf: dict[str, Any]) -> int:
-    """The node's attempt number (1-based) from LangGraph's runtime execution info."""
-    runtime = conf.get("__pregel_runtime")
+    """The node's attempt number (1-based): `Runtime.execution_info.node_attempt`
+    (`get_runtime()`, public; the config's runtime entry when called outside the node's
+    context)."""
+    try:
+        runtime: Any = get_runtime()
+    except RuntimeError:
+        runtime = conf.get("__pregel_runtime")
     info = getattr(runtime, "execution_info", None)
     return int(getattr(info, "node_attempt", 1) or 1)
 
