@@ -215,3 +215,28 @@ async def test_llamaindex_cancel_run_interrupts_and_stop_cancels(gate, daemon, r
 async def charge_in(gate, run_id, charge):
     async with gate.run(run_id):
         await charge(1)
+
+
+def test_a_cancel_the_task_swallowed_before_the_invocation_is_not_an_interrupt(gate, run_id):
+    """Code that caught its own task's CancelledError without `uncancel()` leaves
+    `cancelling() > 0` for good; that old request must not interrupt later invocations."""
+    from estop.adapters._common import aguarded
+
+    charged = []
+
+    @estop.effect
+    async def charge(amount: int) -> None:
+        charged.append(amount)
+
+    async def agent():
+        me = asyncio.current_task()
+        me.cancel()
+        try:
+            await asyncio.sleep(1)
+        except asyncio.CancelledError:
+            pass  # swallowed, no uncancel(): me.cancelling() stays 1
+        async with aguarded(gate.run(run_id)):
+            await charge(1)
+
+    asyncio.run(agent())
+    assert charged == [1]

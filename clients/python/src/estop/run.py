@@ -102,6 +102,8 @@ class Invocation:
     def __init__(self, run: "Run", owner: "asyncio.Task[Any] | None" = None) -> None:
         self.run = run
         self.owner = owner
+        # Cancel requests the task already had (one swallowed without `uncancel()`) are not ours.
+        self._cancelling_base = _cancelling(owner)
         self._why: str | None = None
         self._tasks: "weakref.WeakSet[asyncio.Task[Any]]" = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -113,7 +115,7 @@ class Invocation:
         if self._why is not None:
             return self._why
         o = self.owner
-        if o is not None and not o.done() and getattr(o, "cancelling", lambda: 0)() > 0:
+        if o is not None and not o.done() and _cancelling(o) > self._cancelling_base:
             return "the invocation's task is being cancelled"
         return None
 
@@ -152,6 +154,11 @@ class Invocation:
         except ValueError:
             # Left from another context (a generator closed by the garbage collector).
             _current_invocation.set(None)
+
+
+def _cancelling(task: "asyncio.Task[Any] | None") -> int:
+    """How many cancel requests `task` has pending (0 before Python 3.11, which cannot tell)."""
+    return int(getattr(task, "cancelling", lambda: 0)()) if task is not None else 0
 
 
 def current_invocation() -> Invocation | None:
