@@ -82,8 +82,9 @@ class Daemon:
         if self.tcp:
             cmd += ["--listen", "127.0.0.1:0"]
         cmd += list(self.args)
-        log = open(self.data / "daemon.log", "a")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        # The child holds its own copy of the descriptor: ours is closed at once.
+        with open(self.data / "daemon.log", "a") as log:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         line_box: list[str] = []
 
         def read_ready() -> None:
