@@ -46,7 +46,7 @@ def slow_charge(customer: str, amount: int) -> str:
     time.sleep(1.0)  # a blocking SDK call
     try:
         return charge(customer, amount)
-    except estop.RunStopped as e:
+    except (estop.RunStopped, estop.Interrupted) as e:
         print(f"  -> not charged: {e}")
         return "stopped"
 
@@ -73,7 +73,7 @@ async def main() -> None:
     try:
         await eaf.run(agent, "bill", gate=g, run_id="af-demo-2", timeout_s=0.3)
     except (TimeoutError, asyncio.TimeoutError):
-        print("   timed out; estop cancelled the run")
+        print("   timed out; estop interrupted this invocation (its tool thread starts nothing more; the run goes on)")
     await asyncio.sleep(1.2)
 
 

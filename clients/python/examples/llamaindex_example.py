@@ -1,4 +1,4 @@
-"""LlamaIndex Workflows + estop: `cancel_run` fences a step thread that LlamaIndex cannot stop.
+"""LlamaIndex Workflows + estop: `stop()` fences a step thread that LlamaIndex cannot stop.
    python examples/llamaindex_example.py"""
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ async def main() -> None:
     g, _ = gate()
     handler = eli.run(Refunds(timeout=30), gate=g, run_id="li-demo-1")
     await asyncio.sleep(0.5)
-    print("cancel_run: estop first (the run is fenced), then the workflow")
-    await handler.cancel_run("user pressed stop")
+    print("stop: estop first (the run is fenced), then the workflow (cancel_run would only interrupt)")
+    await handler.stop("user pressed stop")
     try:
         await handler
     except Exception as e:

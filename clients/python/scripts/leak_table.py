@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE / "src"))
 
 from estop.testing import Daemon  # noqa: E402
 from tests.conftest import POLICY  # noqa: E402
-from tests.scenarios.common import CLASSES, new_trial  # noqa: E402
+from tests.scenarios.common import CLASSES, EXTRA_CLASSES, new_trial  # noqa: E402
 from tests.test_failure_classes import FRAMEWORKS  # noqa: E402
 
 
@@ -33,13 +33,15 @@ def main() -> int:
     ap.add_argument("--klass", action="append", help="only these failure classes (repeatable)")
     a = ap.parse_args()
     frameworks = a.framework or list(FRAMEWORKS)
-    classes = a.klass or CLASSES
+    classes = a.klass or CLASSES + EXTRA_CLASSES
     rows = []
     t0 = time.monotonic()
     with Daemon(policy=POLICY) as d:
         for fw in frameworks:
             mod = importlib.import_module(FRAMEWORKS[fw])
             for k in classes:
+                if k not in mod.SCENARIOS:
+                    continue  # a framework-specific class this framework does not have
                 cell = {}
                 for guarded in (False, True):
                     leaked_trials = leaked = 0

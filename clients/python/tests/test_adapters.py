@@ -158,7 +158,15 @@ def test_openai_agents_callable_needs_approval_and_refusal_output(gate, daemon, 
 
     th = threading.Thread(target=operator)
     th.start()
-    r = asyncio.run(eo.run(agent, "go", gate=gate, run_id=run_id))
+
+    async def go():
+        r = await eo.run(agent, "go", gate=gate, run_id=run_id)
+        assert len(r.interruptions) == 1  # only the big refund is held: the SDK's own pause
+        state = r.to_state()
+        assert await eo.resolve(agent, state, gate=gate, run_id=run_id, timeout_s=10) == {eo.holds(agent, r.interruptions, run_id)[0]: "reject"}
+        return await eo.run(agent, state, gate=gate, run_id=run_id)
+
+    r = asyncio.run(go())
     th.join()
     outputs = [i.output for i in r.new_items if getattr(i, "type", "") == "tool_call_output_item"]
     assert "refunded" in outputs and any("rejected" in str(o) for o in outputs)
@@ -228,3 +236,104 @@ async def test_openai_agents_streamed_cancel_fences_threads(gate, daemon, run_id
     assert landed == [] and refused
     st = await asyncio.to_thread(daemon.operator.status, run_id)
     assert st["state"] in ("cancelled", "finalizing")
+
+
+def test_langgraph_retry_policy_reuses_the_key(gate, daemon, run_id):
+    """Regression (issue 18): the node's Step was cached in its config, so a RetryPolicy's second
+    attempt got occurrence 2 and a new key (`…:charge:1:` then `…:charge:2:`): charged twice."""
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.types import RetryPolicy
+
+    from estop.adapters import langgraph as el
+
+    charged = []
+    attempts = []
+
+    @el.effect
+    def charge(amount: int) -> str:
+        charged.append(amount)
+        return "ch_1"
+
+    def checkout(state: S) -> dict:
+        receipt = charge(42)
+        attempts.append(receipt)
+        if len(attempts) == 1:
+            raise ConnectionError("the shipping API flaked after the charge")
+        return {"log": [receipt]}
+
+    g = StateGraph(S)
+    g.add_node("checkout", checkout, retry_policy=RetryPolicy(max_attempts=3, initial_interval=0.01, jitter=False))
+    g.add_edge(START, "checkout")
+    g.add_edge("checkout", END)
+    graph = el.EstopGraph(g.compile(checkpointer=InMemorySaver()), gate)
+    out = graph.invoke({"log": []}, {"configurable": {"thread_id": run_id}})
+    assert out["log"] == ["ch_1"] and attempts == ["ch_1", "ch_1"]
+    assert charged == [42], "the retried node must reuse its key and read the receipt"
+    rep = daemon.operator.report(run_id)
+    assert len(rep["done"]) == 1, rep
+
+
+def test_pydantic_ai_timed_out_thread_tool_is_unknown_then_settled(gate, daemon, run_id):
+    """Regression (issue 18): `tool_plain(timeout=…)` on a sync tool: PydanticAI abandons the
+    thread and tells the model to retry. The adapter recorded `error` although the thread went on
+    and charged, and the model's retry got a new key and charged again (2 charges, report: failed).
+    Now the timed-out call is `unknown`, its thread's completion settles it, and the retry of the
+    same call reads that outcome instead of charging again."""
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import FunctionModel
+
+    from estop.adapters import pydantic_ai as ep
+
+    charged = []
+    finished = threading.Event()
+    seen = {}
+
+    def llm(messages, info):
+        turn = sum(isinstance(m, ModelResponse) for m in messages)
+        if turn == 0:
+            return ModelResponse(parts=[ToolCallPart("charge", {"amount": 42}, tool_call_id="c1")])
+        if turn == 1:  # the retry prompt came back: the model tries the same charge again
+            finished.wait(5)  # (the abandoned thread has charged by now)
+            seen["after_timeout"] = daemon.operator.report(run_id)
+            return ModelResponse(parts=[ToolCallPart("charge", {"amount": 42}, tool_call_id="c2")])
+        return ModelResponse(parts=[TextPart("done")])
+
+    agent = Agent(FunctionModel(llm))
+
+    @agent.tool_plain(timeout=0.05, retries=3)
+    def charge(amount: int) -> str:
+        try:
+            time.sleep(0.3)  # a slow payment API
+            charged.append(amount)
+            return "ch_42"
+        finally:
+            finished.set()
+
+    ep.gate_agent(agent)
+    r = asyncio.run(ep.run(agent, "charge", gate=gate, run_id=run_id))
+    assert r.output == "done"
+    assert charged == [42], "the model's retry of the timed-out call charged again"
+    rep = daemon.operator.report(run_id)
+    assert rep["failed"] == [] and seen["after_timeout"]["failed"] == [], "a timed-out thread tool is never `error`"
+    assert len(rep["done"]) == 1 and rep["unknown"] == [] and rep["in_flight"] == [], rep
+
+
+def test_openai_agents_operator_cancel_before_the_first_admission_is_run_stopped(gate, daemon, run_id):
+    """Regression (issue 18): an operator's cancel of a run id before its first admission
+    surfaced as the SDK's `UserError("Error running tool …")` instead of `RunStopped`."""
+    from agents import Agent, function_tool
+    from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+    from estop.adapters import openai_agents as eo
+
+    @function_tool
+    def charge(amount: int) -> str:
+        """Charge."""
+        raise AssertionError("never runs")
+
+    daemon.operator.cancel(run_id, "stopped before it started")
+    model = ScriptedModel([ModelStep(output=[function_call("charge", {"amount": 1}, call_id="c1")]), ModelStep(output=[assistant_message("ok")])])
+    with pytest.raises(estop.RunStopped):
+        asyncio.run(eo.run(Agent(name="a", model=model, tools=eo.gate_tools([charge])), "go", gate=gate, run_id=run_id))

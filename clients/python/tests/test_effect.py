@@ -279,3 +279,45 @@ async def test_child_runs_cascade(gate, daemon, run_id):
         async with child:
             with pytest.raises(estop.RunStopped):
                 await charge(3)
+
+
+def test_named_step_counts_repeated_calls(gate, run_id):
+    """Regression (issue 18): `@estop.effect(step=...)` forced occurrence 1, so three identical
+    calls collapsed into one effect (the 2nd and 3rd returned the 1st's receipt). The README
+    promises identical calls in one step are told apart by their order."""
+    n = []
+
+    @estop.effect(step="charge-card")
+    def charge(amount: int) -> int:
+        n.append(amount)
+        return len(n)
+
+    with gate.run(run_id):
+        assert [charge(5), charge(5), charge(5)] == [1, 2, 3]
+    with gate.run(run_id):  # the same invocation again (a replay): the three receipts
+        assert [charge(5), charge(5), charge(5)] == [1, 2, 3]
+    assert n == [5, 5, 5]
+
+
+def test_a_failed_complete_does_not_lose_the_result(gate, run_id, caplog):
+    """Regression (issue 18): a `complete` that failed after the effect ran (the gate went away
+    for a moment) turned into the tool's failure and the result was lost. Now the result is
+    returned and the lost report is logged (the gate shows the effect in flight)."""
+    n = []
+
+    @estop.effect
+    def charge(amount: int) -> str:
+        n.append(amount)
+        return "ch_1"
+
+    def lost(*a, **kw):
+        raise estop.ConnectionLost("the gate went away")
+
+    with gate.run(run_id):
+        gate.client.complete = lost
+        try:
+            assert charge(3) == "ch_1"
+        finally:
+            del gate.client.complete
+    assert n == [3]
+    assert any("could not be recorded" in r.getMessage() for r in caplog.records)

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from .scenarios.common import CLASSES, new_trial
+from .scenarios.common import CLASSES, EXTRA_CLASSES, new_trial
 
 FRAMEWORKS = {
     "langgraph": "tests.scenarios.lg",
@@ -22,8 +22,12 @@ def _scenario(framework: str, klass: str):
     return mod.SCENARIOS[klass]
 
 
-@pytest.mark.parametrize("klass", CLASSES)
-@pytest.mark.parametrize("framework", list(FRAMEWORKS))
+def _cells() -> list[tuple[str, str]]:
+    """Every framework × every shared class, and the framework-specific classes it has."""
+    return [(fw, k) for fw in FRAMEWORKS for k in CLASSES + EXTRA_CLASSES if k in importlib.import_module(FRAMEWORKS[fw]).SCENARIOS]
+
+
+@pytest.mark.parametrize(("framework", "klass"), _cells())
 def test_leaks_without_estop(daemon, framework, klass):
     """The scenarios reach the leaky window by construction; a loaded machine gets 3 tries."""
     fn = _scenario(framework, klass)
@@ -33,8 +37,7 @@ def test_leaks_without_estop(daemon, framework, klass):
     assert any(leaks), "expected the framework alone to leak"
 
 
-@pytest.mark.parametrize("klass", CLASSES)
-@pytest.mark.parametrize("framework", list(FRAMEWORKS))
+@pytest.mark.parametrize(("framework", "klass"), _cells())
 def test_no_leak_with_estop(daemon, framework, klass):
     fn = _scenario(framework, klass)
     assert fn(new_trial(daemon, framework, klass), True) == 0

@@ -16,7 +16,7 @@ from ._jcs import canonical, digest
 from .aio import AsyncClient
 from .client import Client
 from .config import Config
-from .effect import EffectCall, call_args, effect, gate_async, gate_sync, make_call, run_async, run_sync
+from .effect import EffectCall, call_args, call_key, effect, gate_async, gate_sync, make_call, run_async, run_sync
 from .errors import (
     BadToken,
     ConnectionLost,
@@ -29,6 +29,7 @@ from .errors import (
     GateError,
     HeldForApproval,
     InDoubt,
+    Interrupted,
     InvalidRequest,
     LimitExceeded,
     Mismatch,
@@ -42,7 +43,7 @@ from .errors import (
     Unavailable,
 )
 from .keys import derive_key
-from .run import Estop, Run, Step, configure, current_run, current_step, default, step
+from .run import Estop, Invocation, Run, Step, configure, current_invocation, current_run, current_step, default, step
 from .verdicts import Admitted, Duplicate, Go, Held, RefusedVerdict, Verdict
 
 __version__ = "0.1.0"
@@ -50,9 +51,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Admitted", "AsyncClient", "BadToken", "Client", "Config", "Conflict", "ConnectionLost",
     "Denied", "Duplicate", "EffectCall", "EffectFailed", "Estop", "EstopError", "EstopTimeout",
-    "Forbidden", "GateError", "Go", "Held", "HeldForApproval", "InDoubt", "InvalidRequest",
+    "Forbidden", "GateError", "Go", "Held", "HeldForApproval", "InDoubt", "Interrupted", "InvalidRequest",
     "LimitExceeded", "Mismatch", "NoRun", "NotFound", "NotPending", "Refused", "RefusedVerdict",
-    "Rejected", "Run", "RunStopped", "Step", "Unauthenticated", "Unavailable", "Verdict",
-    "call_args", "canonical", "configure", "current_run", "current_step", "default", "derive_key",
+    "Invocation", "Rejected", "Run", "RunStopped", "Step", "Unauthenticated", "Unavailable", "Verdict",
+    "call_args", "call_key", "canonical", "configure", "current_invocation", "current_run", "current_step", "default", "derive_key",
     "digest", "effect", "gate_async", "gate_sync", "make_call", "run_async", "run_sync", "step",
 ]

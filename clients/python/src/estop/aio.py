@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import random
 from typing import Any
 
@@ -19,6 +20,8 @@ from .client import EventCallback
 from .config import Config
 from .errors import ConnectionLost, EstopTimeout, GateError, InvalidRequest, Unauthenticated
 from .verdicts import Verdict
+
+log = logging.getLogger("estop")
 
 __all__ = ["AsyncClient"]
 
@@ -53,7 +56,7 @@ class _AConn:
                     try:
                         self.on_event(msg)
                     except Exception:
-                        pass
+                        log.exception("estop: an event handler failed on %r", msg)
                     continue
                 rid = msg.get("id")
                 fut = self.futs.pop(rid, None) if isinstance(rid, int) else None
@@ -209,7 +212,7 @@ class AsyncClient:
             try:
                 cb(event)
             except Exception:
-                pass
+                log.exception("estop: event listener %r failed on %r", cb, event)
 
     async def connect(self) -> "AsyncClient":
         await self._connection()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import random
 import socket as _socket
 import threading
@@ -19,6 +20,8 @@ from ._wire import _MISSING, REPORT_LISTS, merge_page
 from .config import Config
 from .errors import ConnectionLost, EstopTimeout, GateError, InvalidRequest, Unauthenticated
 from .verdicts import Verdict
+
+log = logging.getLogger("estop")
 
 __all__ = ["Client", "EventCallback"]
 
@@ -64,7 +67,7 @@ class _Conn:
                     try:
                         self.on_event(msg)
                     except Exception:  # a callback's bug must not kill the connection
-                        pass
+                        log.exception("estop: an event handler failed on %r", msg)
                     continue
                 rid = msg.get("id")
                 with self.slots_lock:
@@ -247,7 +250,7 @@ class Client:
             try:
                 cb(event)
             except Exception:
-                pass
+                log.exception("estop: event listener %r failed on %r", cb, event)
 
     def connect(self) -> "Client":
         """Opens the connection now (otherwise the first call does)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -23,14 +24,16 @@ from typing import Any, Awaitable, Callable, TypeVar, overload
 
 from ._jcs import digest as _digest
 from ._jcs import to_json_value
-from .errors import EffectFailed, EstopTimeout, HeldForApproval, InDoubt, refusal
+from .errors import EffectFailed, EstopError, EstopTimeout, HeldForApproval, InDoubt, refusal
 from .keys import derive_key
-from .run import Run, current_run, current_step
+from .run import Run, current_invocation, current_run, current_step
 from .verdicts import Admitted, Duplicate, Go, Held, RefusedVerdict, Verdict
 
-__all__ = ["effect", "Gated", "gate_sync", "gate_async", "EffectCall", "call_args"]
+__all__ = ["effect", "Gated", "gate_sync", "gate_async", "EffectCall", "call_args", "call_key", "make_call"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+log = logging.getLogger("estop")
 
 _RESULT_BYTES_MAX = 60_000
 _ERROR_BYTES_MAX = 4000
@@ -91,25 +94,36 @@ def make_call(run: Run, tool: str, args: Any, *, step: str | None = None, key: s
     if key is None:
         d = _digest(tool, args)
         st = current_step()
-        if step is not None:
-            name, n = step, 1 if st is None or st.name != step else st.occurrence(tool, d)
-        elif st is not None:
+        if st is not None and (step is None or st.name == step):
             name, n = st.name, st.occurrence(tool, d)
+        elif step is not None:
+            # A named step outside a scope of that name: identical calls are still told apart
+            # by their order within this run object (one invocation), as in an `estop.step`.
+            name, n = step, _run_occurrence(run, step, tool, d)
         else:
-            name, n = "run", _run_occurrence(run, tool, d)
+            name, n = "run", _run_occurrence(run, "run", tool, d)
         key = derive_key(run.id, name, tool, d, n)
     return EffectCall(run=run, tool=tool, args=args, key=key, needs_approval=needs_approval)
 
 
-def _run_occurrence(run: Run, tool: str, d: str) -> int:
-    counts: dict[tuple[str, str], int] = run.__dict__.setdefault("_occurrences", {})
+def call_key(run: "Run | str", tool: str, call_id: str, args: Any) -> str:
+    """The key of a tool call the framework names (LangGraph/PydanticAI `tool_call_id`, the Agents
+    SDK's `call_id`, …): the same on resume and retry, whatever ran before it in the step, and
+    distinct for two identical calls of one turn or of two turns. The digest stays in it, so an
+    id a provider reuses with other arguments is another effect, not a `mismatch`."""
+    return derive_key(run.id if isinstance(run, Run) else run, f"call:{call_id}", tool, _digest(tool, args), 1)
+
+
+def _run_occurrence(run: Run, step: str, tool: str, d: str) -> int:
+    """The n-th call of (step, tool, digest) through this Run object (one invocation)."""
+    counts: dict[tuple[str, str, str], int] = run.__dict__.setdefault("_occurrences", {})
     with run._tasks_lock:
-        n = counts.get((tool, d), 0) + 1
-        counts[(tool, d)] = n
+        n = counts.get((step, tool, d), 0) + 1
+        counts[(step, tool, d)] = n
     return n
 
 
-def _encode_result(value: Any) -> Any:
+def encode_result(value: Any) -> Any:
     try:
         v = to_json_value(value)
     except TypeError:
@@ -133,6 +147,15 @@ def _duplicate(call: EffectCall, v: Duplicate) -> Gated:
     raise InDoubt(call.run.id, call.key, v.status)
 
 
+def _check(call: EffectCall) -> None:
+    """The local fences: the run stopped (RunStopped), or this invocation was interrupted
+    (Interrupted). Both refuse without asking the gate."""
+    call.run.check(call.tool, call.key)
+    inv = current_invocation()
+    if inv is not None:
+        inv.check(call.tool, call.key)
+
+
 def _first_admit_fields(call: EffectCall) -> dict[str, Any]:
     r = call.run
     return {
@@ -146,7 +169,7 @@ def _first_admit_fields(call: EffectCall) -> dict[str, Any]:
 def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float | None = None) -> Gated:
     """Asks the gate (blocking) until the effect may run now, is a duplicate, or is refused."""
     run = call.run
-    run.check(call.tool, call.key)
+    _check(call)
     client = run.gate.client
     deadline = None if hold_timeout_s is None else time.monotonic() + hold_timeout_s
     v: Verdict = client.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
@@ -154,7 +177,7 @@ def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float 
     backoff = 0.02
     while True:
         if isinstance(v, Admitted):
-            run.check(call.tool, call.key)
+            _check(call)
             s = client.start(run.id, call.key, v.token)
             if isinstance(s, Go):
                 return Gated(token=v.token)
@@ -173,7 +196,7 @@ def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float 
             if on_hold == "raise":
                 raise HeldForApproval(run.id, call.key, call.tool, v)
             _check_deadline(deadline, call)
-            run.check(call.tool, call.key)
+            _check(call)
             chunk = _WAIT_CHUNK_MS if deadline is None else max(1, min(_WAIT_CHUNK_MS, int((deadline - time.monotonic()) * 1000)))
             v = client.wait(run.id, call.key, chunk)
             continue
@@ -187,7 +210,7 @@ def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float 
 async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float | None = None) -> Gated:
     """`gate_sync` for asyncio; cancelling the awaiting task abandons the hold."""
     run = call.run
-    run.check(call.tool, call.key)
+    _check(call)
     client = run.gate.aclient
     deadline = None if hold_timeout_s is None else time.monotonic() + hold_timeout_s
     v: Verdict = await client.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
@@ -195,7 +218,7 @@ async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s:
     backoff = 0.02
     while True:
         if isinstance(v, Admitted):
-            run.check(call.tool, call.key)
+            _check(call)
             s = await client.start(run.id, call.key, v.token)
             if isinstance(s, Go):
                 return Gated(token=v.token)
@@ -212,7 +235,7 @@ async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s:
             if on_hold == "raise":
                 raise HeldForApproval(run.id, call.key, call.tool, v)
             _check_deadline(deadline, call)
-            run.check(call.tool, call.key)
+            _check(call)
             chunk = _WAIT_CHUNK_MS if deadline is None else max(1, min(_WAIT_CHUNK_MS, int((deadline - time.monotonic()) * 1000)))
             v = await client.wait(run.id, call.key, chunk)
             continue
@@ -221,6 +244,17 @@ async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s:
         if isinstance(v, Duplicate):
             return _duplicate(call, v)
         raise AssertionError(f"unexpected verdict {v!r}")
+
+
+async def admit_prepared(call: EffectCall) -> Verdict:
+    """What the gate says of `call` now, without waiting or starting: admitted (prepared: a
+    repeat admit of the key returns the same token, so the effect's own `gate_async` goes on from
+    there), held, refused or duplicate. Raises if the run is fenced or the invocation over."""
+    _check(call)
+    run = call.run
+    v = await run.gate.aclient.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
+    await run._watch_async()
+    return v
 
 
 def _check_deadline(deadline: float | None, call: EffectCall) -> None:
@@ -236,16 +270,30 @@ def run_sync(call: EffectCall, fn: Callable[[], Any], *, on_hold: str = "wait", 
         return decode(r) if decode else r
     assert g.token is not None
     client = call.run.gate.client
+    token = g.token
+
+    def report(outcome: str, **kw: Any) -> None:
+        try:
+            client.complete(call.run.id, call.key, token, outcome, **kw)
+        except EstopError:
+            _report_lost(call, outcome)
+
     try:
         result = fn()
     except Exception as e:
-        client.complete(call.run.id, call.key, g.token, "error", error=f"{type(e).__name__}: {e}"[:_ERROR_BYTES_MAX])
+        report("error", error=f"{type(e).__name__}: {e}"[:_ERROR_BYTES_MAX])
         raise
     except BaseException:
-        client.complete(call.run.id, call.key, g.token, "unknown", error="interrupted after start")
+        report("unknown", error="interrupted after start")
         raise
-    client.complete(call.run.id, call.key, g.token, "ok", result=_encode_result(result))
+    report("ok", result=encode_result(result))
     return result
+
+
+def _report_lost(call: EffectCall, outcome: str) -> None:
+    # The effect ran: its outcome must reach the caller even if the gate cannot be told now
+    # (the gate shows it started, in flight, until a lookup of its key settles it).
+    log.warning("estop: %s of run %r key %r ran (%s) but its completion could not be recorded", call.tool, call.run.id, call.key, outcome, exc_info=True)
 
 
 async def run_async(call: EffectCall, fn: Callable[[], Awaitable[Any]], *, on_hold: str = "wait", hold_timeout_s: float | None = None, decode: Callable[[Any], Any] | None = None) -> Any:
@@ -260,22 +308,30 @@ async def run_async(call: EffectCall, fn: Callable[[], Awaitable[Any]], *, on_ho
             return decode(r) if decode else r
         assert g.token is not None
         client = run.gate.aclient
+        token = g.token
+
+        async def report(outcome: str, **kw: Any) -> None:
+            try:
+                await shielded(client.complete(run.id, call.key, token, outcome, **kw))
+            except EstopError:
+                _report_lost(call, outcome)
+
         try:
             result = await fn()
         except asyncio.CancelledError:
-            await _shielded(client.complete(run.id, call.key, g.token, "unknown", error="cancelled after start"))
+            await report("unknown", error="cancelled after start")
             raise
         except Exception as e:
-            await _shielded(client.complete(run.id, call.key, g.token, "error", error=f"{type(e).__name__}: {e}"[:_ERROR_BYTES_MAX]))
+            await report("error", error=f"{type(e).__name__}: {e}"[:_ERROR_BYTES_MAX])
             raise
-        await _shielded(client.complete(run.id, call.key, g.token, "ok", result=_encode_result(result)))
+        await report("ok", result=encode_result(result))
         return result
     finally:
         if task is not None and task not in run._entered:
             run.untrack(task)
 
 
-async def _shielded(aw: Awaitable[Any]) -> Any:
+async def shielded(aw: Awaitable[Any]) -> Any:
     fut = asyncio.ensure_future(aw)
     try:
         return await asyncio.shield(fut)

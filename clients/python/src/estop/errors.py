@@ -20,6 +20,7 @@ __all__ = [
     "Unavailable",
     "Refused",
     "RunStopped",
+    "Interrupted",
     "Rejected",
     "Denied",
     "Mismatch",
@@ -153,6 +154,17 @@ class Refused(EstopError):
 
 class RunStopped(Refused):
     """The run (or an ancestor) was stopped: cancelled, killed, closed, past its deadline or budget."""
+
+
+class Interrupted(Refused):
+    """This invocation of the agent was interrupted locally (a stream closed early, a step
+    timeout, Ctrl-C, a task cancel, a client-side timeout): its leftover threads and tasks start
+    nothing more. Not a stop of the run: the gate was not told, and the next invocation of the
+    same run goes on (seed 004: interrupt is not cancel). Always local."""
+
+    def __init__(self, reason: str = "interrupted", **kw: Any) -> None:
+        kw.setdefault("local", True)
+        super().__init__("interrupted", message=reason, **kw)
 
 
 class Rejected(Refused):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import threading
 import uuid
 import weakref
@@ -24,14 +25,19 @@ from typing import Any, Iterator
 from .aio import AsyncClient
 from .client import Client
 from .config import Config
-from .errors import NoRun, NotFound, RunStopped
+from .errors import Interrupted, NoRun, NotFound, RunStopped
 
-__all__ = ["Estop", "Run", "Step", "current_run", "current_step", "step", "default", "configure"]
+__all__ = [
+    "Estop", "Invocation", "Run", "Step", "current_invocation", "current_run", "current_step", "step", "default", "configure",
+]
+
+log = logging.getLogger("estop")
 
 _STOP_EVENTS = frozenset({"cancelled", "finalizing", "closed"})
 
 _current_run: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("estop_run", default=None)
 _current_step: contextvars.ContextVar["Step | None"] = contextvars.ContextVar("estop_step", default=None)
+_current_invocation: contextvars.ContextVar["Invocation | None"] = contextvars.ContextVar("estop_invocation", default=None)
 
 
 class _Fences:
@@ -64,6 +70,7 @@ class _Fences:
             if run_id in self.stopped:
                 return
             self.stopped[run_id] = reason
+            log.info("estop: run %r fenced locally (%s)", run_id, reason)
             victims = [r for runs in self.live.values() for r in list(runs) if r._descends_from(run_id)]
         for r in victims:
             r._cancel_tasks(spare)
@@ -80,6 +87,83 @@ def _on_event(event: dict[str, Any]) -> None:
     """The watcher: a stop event fences that run (and its local descendants) in this process."""
     if event.get("event") in _STOP_EVENTS and isinstance(event.get("run"), str):
         FENCES.fence(event["run"], "closed" if event["event"] == "closed" else "cancelled")
+
+
+class Invocation:
+    """One call into the agent within a run (an `invoke`, a `stream`, one `Runner.run`).
+
+    A local interruption — a stream closed early, a step timeout, Ctrl-C, a cancelled task, a
+    client-side timeout — ends the invocation, not the run (seed 004: interrupt is not cancel).
+    The gate is not told; what this invocation left behind (a worker thread still inside a
+    tool, a shielded write, a task the framework forgot) refuses any new effect with
+    `Interrupted`, and the next invocation of the same run goes on. Threads and tasks inherit
+    the invocation through `contextvars`, as they inherit the run."""
+
+    def __init__(self, run: "Run", owner: "asyncio.Task[Any] | None" = None) -> None:
+        self.run = run
+        self.owner = owner
+        # Cancel requests the task already had (one swallowed without `uncancel()`) are not ours.
+        self._cancelling_base = _cancelling(owner)
+        self._why: str | None = None
+        self._tasks: "weakref.WeakSet[asyncio.Task[Any]]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    @property
+    def interrupted(self) -> str | None:
+        """Why this invocation is over, else None. A cancel of the task that runs it counts from
+        the instant it is requested (`cancelling()`), before the framework lets it out."""
+        if self._why is not None:
+            return self._why
+        o = self.owner
+        if o is not None and not o.done() and _cancelling(o) > self._cancelling_base:
+            return "the invocation's task is being cancelled"
+        return None
+
+    def check(self, tool: str | None = None, key: str | None = None) -> None:
+        why = self.interrupted
+        if why is not None:
+            raise Interrupted(why, run=self.run.id, tool=tool, key=key)
+
+    def track(self, task: "asyncio.Task[Any]") -> None:
+        with self._lock:
+            self._tasks.add(task)
+
+    def interrupt(self, reason: str, spare: "asyncio.Task[Any] | None" = None) -> None:
+        """Ends the invocation locally: its tracked tasks are cancelled (except `spare`) and
+        every later effect of it refuses. The run, and the gate, are untouched."""
+        with self._lock:
+            if self._why is not None:
+                return
+            self._why = reason
+            tasks = list(self._tasks)
+        log.info("estop: an invocation of run %r interrupted (%s); the run goes on", self.run.id, reason)
+        for t in tasks:
+            if not t.done() and t is not spare:
+                try:
+                    t.get_loop().call_soon_threadsafe(t.cancel)
+                except RuntimeError:
+                    pass  # its loop is closed
+
+    def __enter__(self) -> "Invocation":
+        self._tok = _current_invocation.set(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            _current_invocation.reset(self._tok)
+        except ValueError:
+            # Left from another context (a generator closed by the garbage collector).
+            _current_invocation.set(None)
+
+
+def _cancelling(task: "asyncio.Task[Any] | None") -> int:
+    """How many cancel requests `task` has pending (0 before Python 3.11, which cannot tell)."""
+    return int(getattr(task, "cancelling", lambda: 0)()) if task is not None else 0
+
+
+def current_invocation() -> Invocation | None:
+    """The invocation of this context (set by the adapters), else None."""
+    return _current_invocation.get()
 
 
 class Step:
@@ -202,6 +286,67 @@ class Estop:
         except NotFound:
             return None
 
+    def wait_decided(self, run: "Run | str", keys: "list[str] | set[str] | tuple[str, ...]", timeout_s: float | None = None) -> dict[str, str]:
+        """Blocks until each held effect in `keys` of `run` is decided by an operator, and
+        returns key → `approve` | `reject` | `expired` | `cancelled` (the run stopped) for those
+        decided in time. A key held as the sibling of an approval, or by a pause, has no decision
+        of its own: it is answered `sibling` / `paused` at once (it goes when that is lifted).
+        Woken by the gate's events (`subscribe`: `decided`, `expired`,
+        `cancelled`, `closed`), never by polling; one `wait` of 0 ms per key after subscribing
+        covers a decision made before it."""
+        rid = run.id if isinstance(run, Run) else run
+        want = set(keys)
+        got: dict[str, str] = {}
+        cv = threading.Condition()
+
+        def on_event(ev: dict[str, Any]) -> None:
+            with cv:
+                if _decision_event(ev, rid, want, got):
+                    cv.notify_all()
+
+        client = self.client
+        client.add_listener(on_event)
+        try:
+            client.subscribe(rid)
+            for k in list(want):
+                _settle_now(got, want, k, client.wait(rid, k, 0), cv)
+            with cv:
+                cv.wait_for(lambda: want <= got.keys(), timeout_s)
+                return dict(got)
+        finally:
+            client.remove_listener(on_event)
+
+    async def await_decided(self, run: "Run | str", keys: "list[str] | set[str] | tuple[str, ...]", timeout_s: float | None = None) -> dict[str, str]:
+        """`wait_decided` for asyncio (the running loop's client and its events)."""
+        rid = run.id if isinstance(run, Run) else run
+        want = set(keys)
+        got: dict[str, str] = {}
+        changed = asyncio.Event()
+
+        def on_event(ev: dict[str, Any]) -> None:
+            if _decision_event(ev, rid, want, got):
+                changed.set()
+
+        client = self.aclient
+        client.add_listener(on_event)
+        try:
+            await client.subscribe(rid)
+            for k in list(want):
+                _settle_now(got, want, k, await client.wait(rid, k, 0), None)
+
+            async def all_in() -> None:
+                while not want <= got.keys():
+                    changed.clear()
+                    await changed.wait()
+
+            try:
+                await asyncio.wait_for(all_in(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+            return dict(got)
+        finally:
+            client.remove_listener(on_event)
+
     def close(self) -> None:
         """Closes the blocking client (asyncio clients: `aclose` on their loop)."""
         if self._client is not None:
@@ -214,6 +359,46 @@ class Estop:
             c = self._aclients.pop(loop, None)
         if c is not None:
             await c.close()
+
+
+def _decision_event(ev: dict[str, Any], run: str, want: set[str], got: dict[str, str]) -> bool:
+    """Records what an event line says about the keys awaited; True if it changed anything."""
+    kind, key = ev.get("event"), ev.get("key")
+    if kind == "decided" and ev.get("run") == run and key in want:
+        got.setdefault(key, "approve" if ev.get("decision") in ("approve", "approved") else "reject")
+        return True
+    if kind == "expired" and ev.get("run") == run and key in want:
+        got.setdefault(key, "expired")
+        return True
+    if kind in _STOP_EVENTS and ev.get("run") == run:  # (an ancestor's cancel reaches the run too)
+        for k in want:
+            got.setdefault(k, "cancelled")
+        return True
+    return False
+
+
+def _settle_now(got: dict[str, str], want: set[str], key: str, v: Any, cv: "threading.Condition | None") -> None:
+    """A `wait` answered at once: held (still pending), or what the decision made of it. A key
+    held as the sibling of an approval (or by a pause) is answered with that reason."""
+    from .verdicts import Admitted, Duplicate, Held, RefusedVerdict
+
+    if isinstance(v, Held):
+        if v.reason != "approval":
+            want.discard(key)
+            got.setdefault(key, str(v.reason))
+        return
+    if isinstance(v, (Admitted, Duplicate)):
+        what = "approve"
+    elif isinstance(v, RefusedVerdict):
+        what = {"rejected": "reject", "expired": "expired"}.get(v.reason, "cancelled")
+    else:
+        return
+    if cv is None:
+        got.setdefault(key, what)
+        return
+    with cv:
+        got.setdefault(key, what)
+        cv.notify_all()
 
 
 def _ignore_unknown_run(fn: Any) -> Any:
@@ -363,6 +548,7 @@ class Run:
         try:
             c.subscribe(self.id)
         except Exception:
+            log.warning("estop: could not watch run %r (stops reach it at its next gate call)", self.id, exc_info=True)
             self._watched.discard(c)
 
     async def _watch_async(self) -> None:
@@ -373,6 +559,7 @@ class Run:
         try:
             await c.subscribe(self.id)
         except Exception:
+            log.warning("estop: could not watch run %r (stops reach it at its next gate call)", self.id, exc_info=True)
             self._watched.discard(c)
 
     # -- stopping -----------------------------------------------------------------------------

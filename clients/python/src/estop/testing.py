@@ -44,11 +44,13 @@ action = "approve"
 
 
 def find_binary() -> str:
+    """$ESTOP_BIN, else (in a checkout of the estop repository) `cargo build -p estop`, else
+    `estop` on PATH."""
     env = os.environ.get("ESTOP_BIN")
     if env:
         return env
     built = _REPO / "target" / "debug" / "estop"
-    if (_REPO / "Cargo.toml").exists():
+    if (_REPO / "Cargo.toml").exists() and (_REPO / "crates" / "cli").is_dir():
         subprocess.run(["cargo", "build", "-q", "-p", "estop"], cwd=_REPO, check=True)
         return str(built)
     found = shutil.which("estop")
@@ -80,8 +82,9 @@ class Daemon:
         if self.tcp:
             cmd += ["--listen", "127.0.0.1:0"]
         cmd += list(self.args)
-        log = open(self.data / "daemon.log", "a")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        # The child holds its own copy of the descriptor: ours is closed at once.
+        with open(self.data / "daemon.log", "a") as log:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         line_box: list[str] = []
 
         def read_ready() -> None:

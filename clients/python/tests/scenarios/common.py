@@ -14,6 +14,10 @@ Each scenario is `fn(t: Trial, guarded: bool) -> int`, the number of leaked effe
                   by a blocking tool running in a worker thread.
 * cancel_async  — the same for an async tool whose write runs on (shielded from cancellation, as
                   SDKs do to avoid half-done writes) after the cancel.
+* interrupt_continue — the cancel_thread interruption (a timeout: a local interruption, not a
+                  stop), then the next turn of the same run charges: the leftover thread's
+                  effects after the interruption, plus 1 if the next turn could not charge (the
+                  run was left unusable).
 
 `guarded=False` is the framework alone; `guarded=True` is the same agent through its estop
 adapter against the real gate.
@@ -29,7 +33,15 @@ from typing import Any, Callable
 
 import estop
 
-CLASSES = ["sibling", "reject", "replay", "cancel_thread", "cancel_async"]
+CLASSES = ["sibling", "reject", "replay", "cancel_thread", "cancel_async", "interrupt_continue"]
+
+#: Failure classes of one framework's own feature (its SCENARIOS has them when it has the feature):
+#: retry_policy  — a LangGraph RetryPolicy re-runs a node that charged before failing: extra charges.
+#: timeout_retry — a PydanticAI sync tool past its `timeout` (its thread goes on and charges) and
+#:                 the model's retry of the same call: extra charges.
+EXTRA_CLASSES = ["retry_policy", "timeout_retry"]
+
+NEXT_TURN_AMOUNT = 7
 
 SIBLING_WORK_S = 0.05
 DECIDE_AFTER_S = 0.15
@@ -53,12 +65,15 @@ class World:
         self.marks[name] = t
         return t
 
-    def count(self, what: str, after: float | None = None, before: float | None = None) -> int:
+    def count(self, what: str, after: float | None = None, before: float | None = None, detail: Any = None) -> int:
         with self.lock:
             return sum(
                 1
-                for (t, w, _) in self.landed
-                if w == what and (after is None or t > after) and (before is None or t < before)
+                for (t, w, d) in self.landed
+                if w == what
+                and (after is None or t > after)
+                and (before is None or t < before)
+                and (detail is None or d == detail)
             )
 
 
@@ -154,3 +169,14 @@ async def aswallow_refusal(fn: Callable[..., Any], *a: Any) -> Any:
         return await fn(*a)
     except estop.Refused as e:
         return f"refused: {e.reason}"
+
+
+def interrupt_then_continue(t: Trial, guarded: bool, interrupted: Callable[[Trial, bool], int], next_turn: Callable[[Trial, bool], Any]) -> int:
+    """`interrupted` (a cancel_thread scenario: the invocation ends by a local timeout), then
+    `next_turn` (a new invocation of the same run that charges NEXT_TURN_AMOUNT)."""
+    leaked = interrupted(t, guarded)
+    try:
+        next_turn(t, guarded)
+    except estop.Refused:
+        pass
+    return leaked + (0 if t.world.count("charge", detail=NEXT_TURN_AMOUNT) == 1 else 1)

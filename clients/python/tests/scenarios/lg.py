@@ -15,7 +15,7 @@ from langgraph.types import Command, interrupt
 import estop
 from estop.adapters import langgraph as el
 
-from .common import SIBLING_WORK_S, TOOL_DELAY_S, DECIDE_AFTER_S, Trial, leaks_after
+from .common import NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, DECIDE_AFTER_S, Trial, interrupt_then_continue, leaks_after
 
 
 class S(TypedDict):
@@ -223,10 +223,47 @@ def cancel_async(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
+def retry_policy(t: Trial, guarded: bool) -> int:
+    from langgraph.types import RetryPolicy
+
+    fx = _effects(t, guarded)
+    attempts = []
+
+    def checkout(state: S) -> dict:
+        receipt = fx["charge"](42)
+        attempts.append(receipt)
+        if len(attempts) == 1:
+            raise ConnectionError("the shipping API flaked after the charge")
+        return {"log": [receipt]}
+
+    g = StateGraph(S)
+    g.add_node("checkout", checkout, retry_policy=RetryPolicy(max_attempts=3, initial_interval=0.01, jitter=False))
+    g.add_edge(START, "checkout")
+    g.add_edge("checkout", END)
+    graph = g.compile(checkpointer=InMemorySaver())
+    runner: Any = el.EstopGraph(graph, t.gate) if guarded else graph
+    runner.invoke({"log": []}, _cfg(t))
+    return t.world.count("charge") - 1
+
+
+def next_turn(t: Trial, guarded: bool) -> None:
+    """The user's next message on the same thread: a node that charges."""
+    fx = _effects(t, guarded)
+    graph = _graph({"pay": lambda s: {"log": [fx["charge"](NEXT_TURN_AMOUNT)]}}, [(START, "pay"), ("pay", END)])
+    runner: Any = el.EstopGraph(graph, t.gate) if guarded else graph
+    runner.invoke({"log": []}, _cfg(t))
+
+
+def interrupt_continue(t: Trial, guarded: bool) -> int:
+    return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
+
+
 SCENARIOS = {
     "sibling": sibling,
     "reject": reject,
     "replay": replay,
     "cancel_thread": cancel_thread,
     "cancel_async": cancel_async,
+    "interrupt_continue": interrupt_continue,
+    "retry_policy": retry_policy,
 }

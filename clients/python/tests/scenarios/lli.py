@@ -15,7 +15,7 @@ from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, Star
 import estop
 from estop.adapters import llamaindex as eli
 
-from .common import DECIDE_AFTER_S, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, leaks_after, swallow_refusal
+from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, swallow_refusal
 
 
 class WireEv(Event):
@@ -228,4 +228,23 @@ def cancel_async(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
-SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async}
+def next_turn(t: Trial, guarded: bool) -> None:
+    """The next run of a workflow for the same run id: a step that charges."""
+    fx = effects(t, guarded)
+
+    class W(Workflow):
+        @step
+        def pay(self, ev: StartEvent) -> StopEvent:
+            return StopEvent(result=fx["charge"](NEXT_TURN_AMOUNT))
+
+    async def main() -> None:
+        await _start(t, guarded, W(timeout=10))
+
+    asyncio.run(main())
+
+
+def interrupt_continue(t: Trial, guarded: bool) -> int:
+    return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
+
+
+SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

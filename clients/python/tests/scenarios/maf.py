@@ -14,7 +14,7 @@ from agent_framework._tools import FunctionInvocationLayer
 
 from estop.adapters import agent_framework as eaf
 
-from .common import DECIDE_AFTER_S, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, leaks_after, swallow_refusal
+from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, swallow_refusal
 
 
 class ScriptedChatClient(FunctionInvocationLayer, ChatMiddlewareLayer, BaseChatClient):
@@ -226,4 +226,21 @@ def cancel_async(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
-SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async}
+def next_turn(t: Trial, guarded: bool) -> None:
+    """The next turn of the same conversation (run id): the model charges."""
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge."""
+        t.world.do("charge", amount)
+        return "charged"
+
+    agent = _agent([[call("charge", "n1", amount=NEXT_TURN_AMOUNT)]], [charge], guarded)
+    asyncio.run(eaf.run(agent, "charge", gate=t.gate, run_id=t.run_id) if guarded else agent.run("charge"))
+
+
+def interrupt_continue(t: Trial, guarded: bool) -> int:
+    return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
+
+
+SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

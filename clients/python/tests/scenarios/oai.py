@@ -14,7 +14,7 @@ from agents.testing import ModelStep, ScriptedModel, assistant_message, function
 import estop
 from estop.adapters import openai_agents as eo
 
-from .common import DECIDE_AFTER_S, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, leaks_after, swallow_refusal
+from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, swallow_refusal
 
 
 def _agent(tools: list[Any], steps: list[Any], guarded: bool, effects_map: dict[str, str] | None = None) -> Agent:
@@ -22,6 +22,15 @@ def _agent(tools: list[Any], steps: list[Any], guarded: bool, effects_map: dict[
     if guarded:
         tools = eo.gate_tools(tools, effects=effects_map)
     return Agent(name="ops", model=model, tools=tools)
+
+
+async def _pause_then_resume(t: Trial, agent: Agent, result: Any) -> Any:
+    """The native pause: the run ended with interruptions; wait for estop's decision, resume."""
+    while result.interruptions:
+        state = result.to_state()
+        await eo.resolve(agent, state, gate=t.gate, run_id=t.run_id, timeout_s=10)
+        result = await eo.run(agent, state, gate=t.gate, run_id=t.run_id)
+    return result
 
 
 def _done() -> ModelStep:
@@ -55,8 +64,9 @@ def sibling(t: Trial, guarded: bool) -> int:
 
     async def main() -> None:
         if guarded:
+            # The hold is the SDK's own interruption; the operator decides in estop.
             th = t.decide_later("reject", tool="wire_money")
-            await eo.run(agent, "go", gate=t.gate, run_id=t.run_id)
+            await _pause_then_resume(t, agent, await eo.run(agent, "go", gate=t.gate, run_id=t.run_id))
             th.join()
             assert t.world.count("email") == 1, "the sibling proceeds once the decision is made"
         else:
@@ -105,7 +115,7 @@ def reject(t: Trial, guarded: bool) -> int:
 
             th = threading.Thread(target=operator)
             th.start()
-            await eo.run(agent, "go", gate=t.gate, run_id=t.run_id)
+            await _pause_then_resume(t, agent, await eo.run(agent, "go", gate=t.gate, run_id=t.run_id))
             th.join()
         else:
             r = await Runner.run(agent, "go")
@@ -216,4 +226,21 @@ def cancel_async(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
-SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async}
+def next_turn(t: Trial, guarded: bool) -> None:
+    """The next turn of the same conversation (run id): the model charges."""
+
+    @function_tool
+    def charge(amount: int) -> str:
+        """Charge."""
+        t.world.do("charge", amount)
+        return "charged"
+
+    agent = _agent([charge], [ModelStep(output=[function_call("charge", {"amount": NEXT_TURN_AMOUNT}, call_id="n1")]), _done()], guarded)
+    asyncio.run(eo.run(agent, "charge", gate=t.gate, run_id=t.run_id) if guarded else Runner.run(agent, "charge"))
+
+
+def interrupt_continue(t: Trial, guarded: bool) -> int:
+    return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
+
+
+SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

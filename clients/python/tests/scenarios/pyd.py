@@ -14,7 +14,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from estop.adapters import pydantic_ai as ep
 
-from .common import DECIDE_AFTER_S, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, leaks_after, swallow_refusal
+from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, swallow_refusal
 
 
 def _script(turns: list[Any]) -> FunctionModel:
@@ -204,4 +204,43 @@ def cancel_async(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
-SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async}
+def timeout_retry(t: Trial, guarded: bool) -> int:
+    """The documented integration (`gate_agent`): the tool call is the effect."""
+    threads = []
+
+    def register(agent: Agent) -> None:
+        @agent.tool_plain(timeout=TOOL_DELAY_S / 3, retries=3)
+        def charge(amount: int) -> str:
+            threads.append(1)
+            try:
+                time.sleep(TOOL_DELAY_S)  # a slow payment API: past PydanticAI's timeout
+                t.world.do("charge", amount)
+                return "ch_42"
+            finally:
+                threads.pop()
+
+    call = lambda cid: [ToolCallPart("charge", {"amount": 42}, tool_call_id=cid)]  # noqa: E731
+    agent = _agent([call("c1"), call("c2")], guarded, register)  # the model retries the charge
+    asyncio.run(ep.run(agent, "charge", gate=t.gate, run_id=t.run_id) if guarded else agent.run("charge"))
+    t.wait_for(lambda: not threads)  # every abandoned thread has finished
+    return t.world.count("charge") - 1
+
+
+def next_turn(t: Trial, guarded: bool) -> None:
+    """The next turn of the same conversation (run id): the model charges."""
+
+    def register(agent: Agent) -> None:
+        @agent.tool_plain
+        def charge(amount: int) -> str:
+            t.world.do("charge", amount)
+            return "charged"
+
+    agent = _agent([[ToolCallPart("charge", {"amount": NEXT_TURN_AMOUNT}, tool_call_id="n1")]], guarded, register)
+    asyncio.run(ep.run(agent, "charge", gate=t.gate, run_id=t.run_id) if guarded else agent.run("charge"))
+
+
+def interrupt_continue(t: Trial, guarded: bool) -> int:
+    return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
+
+
+SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue, "timeout_retry": timeout_retry}

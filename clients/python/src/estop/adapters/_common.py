@@ -1,5 +1,13 @@
-"""What every adapter shares: running a framework invocation inside an estop run, and turning
-the framework's stop signals (task cancel, timeout, Ctrl-C) into a gate cancel."""
+"""What every adapter shares: running a framework invocation inside an estop run, and telling an
+interruption of that invocation from a stop of the run (seed 004: cancel, interrupt and pause are
+different actions).
+
+* Any exception out of the invocation (a generator closed early, a step timeout, Ctrl-C, a
+  cancelled task, a client-side `EstopTimeout`, a crash) **interrupts** it: what it left running
+  refuses new effects (`Interrupted`), locally; the gate is not told and the run stays usable.
+* Only an explicit stop **cancels** the run at the gate: `run.cancel()`, an operator's cancel,
+  an adapter's `cancel(...)` for the framework's own "stop this run" API, or an exception type
+  the caller lists in `stop_on`."""
 
 from __future__ import annotations
 
@@ -7,12 +15,17 @@ import asyncio
 import contextlib
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
-from ..run import Estop, Run, current_run
+from ..run import Estop, Invocation, Run, current_run
 
 T = TypeVar("T")
 
-#: Exceptions that mean "the caller stopped this run" (not a crash, which a resume continues).
-STOP_SIGNALS: tuple[type[BaseException], ...] = (asyncio.CancelledError, TimeoutError, asyncio.TimeoutError, KeyboardInterrupt)
+#: Exceptions that cancel the run by default: none. A local interruption is not a stop.
+STOP_ON: tuple[type[BaseException], ...] = ()
+
+
+def missing_extra(module: str, framework: str, extra: str, error: ImportError) -> ImportError:
+    """The error an adapter raises when its framework is not installed: names the extra."""
+    return ImportError(f"estop.adapters.{module} needs {framework} ({error}): pip install 'estop-agents[{extra}]'")
 
 
 def resolve_run(gate: Estop | None, run: Run | str | None, **kw: Any) -> Run:
@@ -30,46 +43,73 @@ def resolve_run(gate: Estop | None, run: Run | str | None, **kw: Any) -> Run:
     return gate.run(run, **kw)
 
 
-async def arun_guarded(run: Run, fn: Callable[[], Awaitable[T]], *, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, reason: str | None = None) -> T:
-    """Awaits `fn()` as the current run; a cancel/timeout of it cancels the run at the gate
-    (the local fence first, so no worker thread of this run starts an effect meanwhile)."""
-    async with run:
-        try:
-            return await fn()
-        except stop_on as e:
-            why = reason or f"{type(e).__name__} in the agent process"
-            await asyncio.shield(run.acancel(why, spare=asyncio.current_task()))
-            raise
+def _why(e: BaseException, reason: str | None) -> str:
+    return reason or f"{type(e).__name__} in the agent process"
 
 
-def run_guarded(run: Run, fn: Callable[[], T], *, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, reason: str | None = None) -> T:
+def _task() -> "asyncio.Task[Any] | None":
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
+
+
+async def arun_guarded(run: Run, fn: Callable[[], Awaitable[T]], *, stop_on: tuple[type[BaseException], ...] = STOP_ON, reason: str | None = None) -> T:
+    """Awaits `fn()` as one invocation of `run`; an exception out of it interrupts the invocation
+    (and cancels the run at the gate only if it is one of `stop_on`)."""
+    async with aguarded(run, stop_on=stop_on, reason=reason):
+        return await fn()
+
+
+def run_guarded(run: Run, fn: Callable[[], T], *, stop_on: tuple[type[BaseException], ...] = STOP_ON, reason: str | None = None) -> T:
     """The blocking form of `arun_guarded`."""
-    with run:
-        try:
-            return fn()
-        except stop_on as e:
-            run.cancel(reason or f"{type(e).__name__} in the agent process")
-            raise
+    with guarded(run, stop_on=stop_on, reason=reason):
+        return fn()
 
 
 @contextlib.contextmanager
-def guarded(run: Run, *, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, reason: str | None = None) -> Iterator[Run]:
-    with run:
+def guarded(run: Run, *, stop_on: tuple[type[BaseException], ...] = STOP_ON, reason: str | None = None) -> Iterator[Invocation]:
+    inv = Invocation(run, owner=_task())
+    with run, inv:
         try:
-            yield run
-        except stop_on as e:
-            run.cancel(reason or f"{type(e).__name__} in the agent process")
+            yield inv
+        except BaseException as e:
+            inv.interrupt(_why(e, reason))
+            if stop_on and isinstance(e, stop_on):
+                run.cancel(_why(e, reason))
             raise
 
 
 @contextlib.asynccontextmanager
-async def aguarded(run: Run, *, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, reason: str | None = None) -> AsyncIterator[Run]:
+async def aguarded(run: Run, *, stop_on: tuple[type[BaseException], ...] = STOP_ON, reason: str | None = None) -> AsyncIterator[Invocation]:
+    me = asyncio.current_task()
+    inv = Invocation(run, owner=me)
     async with run:
-        try:
-            yield run
-        except stop_on as e:
-            await asyncio.shield(run.acancel(reason or f"{type(e).__name__} in the agent process", spare=asyncio.current_task()))
-            raise
+        with inv:
+            try:
+                yield inv
+            except BaseException as e:
+                inv.interrupt(_why(e, reason), spare=me)
+                if stop_on and isinstance(e, stop_on):
+                    await asyncio.shield(run.acancel(_why(e, reason), spare=me))
+                raise
+
+
+def human_interrupt(h: Any, args: Any = None) -> dict[str, Any]:
+    """A held effect as LangGraph's `HumanInterrupt` (what agent-inbox style UIs render:
+    `action_request`, `config`, `description`), with estop's details under `estop`. Accept and
+    ignore are the only answers, and they count only from an operator (`approver=`); the
+    decision is estop's."""
+    est = hold_payload(h, args)
+    return {
+        "action_request": {"action": h.tool, "args": args if isinstance(args, dict) else {"args": args}},
+        "config": {"allow_ignore": True, "allow_respond": False, "allow_edit": False, "allow_accept": True},
+        "description": (
+            f"estop holds {h.tool} ({h.held.reason}) in run {h.run}. An operator decides: "
+            f"estop approve {h.run} {h.key} (or reject), or the console; the agent cannot approve."
+        ),
+        **est,
+    }
 
 
 def hold_payload(h: Any, args: Any = None) -> dict[str, Any]:

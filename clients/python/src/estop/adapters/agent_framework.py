@@ -9,28 +9,34 @@ estop cancel.
     response = await eaf.run(agent, "refund order 42", gate=gate, run_id="order-42")
 
 * `EstopMiddleware` runs around each function invocation: admit (tool name → effect name, the
-  normalized arguments → digest) → wait while held → the tool → complete. A duplicate returns the
-  recorded result. A refusal becomes the tool's result (the model reads it); a stopped run raises
+  normalized arguments → digest; key: the framework's `call_id` + the digest) → wait while held
+  → the tool → complete. A duplicate returns the recorded result. A refusal becomes the tool's result (the model reads it); a stopped run raises
   `MiddlewareFailure`, which aborts the run fail-closed.
 * `gate_tools` turns `approval_mode="always_require"` into an estop approval: the framework's
   function loop no longer stops with approval requests; the call (and its siblings, whole-run
   hold) waits for the operator's decision in estop (`estop approve RUN KEY`, the console).
-* `run` runs the agent inside the estop run; a cancel or timeout cancels the run at the gate.
+* `run` runs the agent as an invocation of the estop run: a task cancel, `timeout_s` or Ctrl-C
+  interrupts the invocation and the run stays usable; `run.cancel()` or an operator stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 from typing import Any, Awaitable, Callable, Iterable
 
-from agent_framework import FunctionInvocationContext, FunctionMiddleware
-from agent_framework._middleware import MiddlewareFailure
+from ._common import missing_extra
 
-from ..effect import make_call, run_async
-from ..errors import Refused, RunStopped
-from ..run import Estop, Run, current_run
-from ._common import STOP_SIGNALS, arun_guarded, resolve_run
+try:
+    from agent_framework import FunctionInvocationContext, FunctionMiddleware, MiddlewareFailure
+except ImportError as e:
+    raise missing_extra("agent_framework", "Microsoft Agent Framework", "agent-framework", e) from e
+
+from ..effect import call_key, make_call, run_async
+from ..errors import Interrupted, Refused, RunStopped
+from ..run import Estop, Run, current_run, step
+from ._common import STOP_ON, arun_guarded, resolve_run
 
 __all__ = ["EstopMiddleware", "gate_tools", "run", "run_workflow", "APPROVAL_ATTR"]
 
@@ -77,15 +83,20 @@ class EstopMiddleware(FunctionMiddleware):
         run = current_run()
         assert run is not None
         needs = bool(getattr(fn, APPROVAL_ATTR, False)) or name in self.approval
-        call = make_call(run, self.effects.get(name, name), dict(args or {}), needs_approval=needs)
+        effect, arguments = self.effects.get(name, name), dict(args or {})
+        call_id = context.metadata.get("call_id")
+        key = call_key(run, effect, call_id, arguments) if isinstance(call_id, str) and call_id else None
+        call = make_call(run, effect, arguments, key=key, needs_approval=needs)
 
         async def invoke() -> Any:
             await call_next()
             return _text(context.result)
 
         try:
-            out = await run_async(call, invoke, hold_timeout_s=self.hold_timeout_s)
-        except RunStopped as e:
+            # Effects the body gates itself (`@estop.effect`) take their keys from this call.
+            with step(f"call:{call_id}") if key else contextlib.nullcontext():
+                out = await run_async(call, invoke, hold_timeout_s=self.hold_timeout_s)
+        except (RunStopped, Interrupted) as e:
             raise MiddlewareFailure(str(e)) from e
         except Refused as e:
             if not self.refusal_as_output:
@@ -95,8 +106,8 @@ class EstopMiddleware(FunctionMiddleware):
         context.result = out
 
 
-async def run(agent: Any, messages: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, **kw: Any) -> Any:
-    """`agent.run(...)` inside the estop run `run_id`; a cancel/timeout cancels the run at the gate."""
+async def run(agent: Any, messages: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **kw: Any) -> Any:
+    """`agent.run(...)` as an invocation of the estop run `run_id` (a cancel/timeout interrupts it)."""
     r = resolve_run(gate, run_id)
 
     async def go() -> Any:
@@ -106,7 +117,7 @@ async def run(agent: Any, messages: Any = None, *, gate: Estop | None = None, ru
     return await arun_guarded(r, go, stop_on=stop_on)
 
 
-async def run_workflow(workflow: Any, message: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, **kw: Any) -> Any:
+async def run_workflow(workflow: Any, message: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **kw: Any) -> Any:
     """`workflow.run(...)` (agents as executors, fan-out branches) inside one estop run: a hold in
     one branch holds the writes of every other branch (G1)."""
     r = resolve_run(gate, run_id)

@@ -1,80 +1,184 @@
-"""OpenAI Agents SDK: gated function tools, `needs_approval` decided by an estop operator,
-runner cancel/timeout → estop cancel.
+"""OpenAI Agents SDK: gated function tools; a hold is the SDK's own interruption (RunState),
+decided by an estop operator; a timeout interrupts, `streamed.cancel()` stops.
 
     from estop.adapters import openai_agents as eo
 
     agent = Agent(name="ops", tools=eo.gate_tools([wire_money, send_email]))
     result = await eo.run(agent, "refund order 42", gate=gate, run_id="order-42")
+    if result.interruptions:                       # held: save result.to_state().to_string()
+        state = result.to_state()                  # (or RunState.from_string in a new process)
+        await eo.resolve(agent, state, gate=gate, run_id="order-42")   # the operator decides
+        result = await eo.run(agent, state, gate=gate, run_id="order-42")
 
 * Every call of a gated tool is admitted by the gate first (tool name → effect name, the parsed
   arguments → its digest); the tool body runs only on `admitted`; its return value is the
   effect's recorded result, returned again (not re-run) when the same call comes back on a
-  replay or a retried job.
-* A tool's `needs_approval` (bool or callable) no longer interrupts the SDK run: it becomes an
-  estop approval (`needs_approval` on admit; the gate's policy may require one anyway), decided by
-  an operator (`estop approve RUN KEY`, the console). The call waits for the decision, and so do
-  its siblings of the same turn (a pause is a whole pause). A rejection or other refusal is
-  returned to the model as the tool's output; a stopped run raises `RunStopped`.
-* `run`/`run_sync`/`run_streamed` run the agent inside the estop run; a cancel of the awaiting
-  task, a timeout (`asyncio.wait_for`, a tool's `timeout_seconds` with
-  `timeout_behavior="raise_exception"`) or Ctrl-C cancels the run at the gate, which fences tool
-  threads the SDK cannot stop.
+  replay, a resumed `RunState` or a retried job. The key is the SDK's `call_id` (+ the digest),
+  so it does not depend on what ran before it; `@estop.effect`s the body calls are keyed from
+  the call too.
+* A tool's `needs_approval` (bool or callable) becomes an estop approval (`needs_approval` on
+  admit; the gate's policy may require one anyway), decided by an operator (`estop approve RUN
+  KEY`, the console). Before the SDK runs a call, its `needs_approval` hook asks the gate; a held
+  call (an approval, its siblings of the same turn, a paused run) is the SDK's own interruption
+  (`result.interruptions`, a serialisable `RunState`) — the pause survives a restart. `resolve`
+  waits for the decision (gate events) and writes it into the state; the resumed call still asks
+  the gate, so only the operator's decision counts. (`on_hold="wait"`: the call blocks instead.)
+  A rejection or other refusal is returned to the model as the tool's output; a stopped run
+  raises `RunStopped`.
+* `run`/`run_sync`/`run_streamed` are invocations of the estop run: a cancel of the awaiting
+  task, a timeout (`timeout_s`, a tool's `timeout_seconds` with `timeout_behavior=
+  "raise_exception"`), breaking out of `stream_events()` or Ctrl-C *interrupts* the invocation —
+  tool threads the SDK cannot stop refuse new effects — and the run stays usable for the next
+  turn. The SDK's explicit stop, `streamed.cancel()`, cancels the run at the gate (`immediate`:
+  at once; `after_turn`: when the turn has finished), as do `run.cancel()` and an operator.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import json
 from typing import Any, Iterable
 
-from agents import Runner
-from agents.exceptions import ToolTimeoutError
-from agents.tool import FunctionTool
+from ._common import missing_extra
 
-from ..effect import make_call, run_async
-from ..errors import Refused, RunStopped
-from ..run import Estop, Run, current_run
-from ._common import STOP_SIGNALS, arun_guarded, resolve_run, run_guarded
+try:
+    from agents import Runner
+    from agents.exceptions import AgentsException
+    from agents.tool import FunctionTool
+except ImportError as e:
+    raise missing_extra("openai_agents", "the OpenAI Agents SDK", "openai-agents", e) from e
 
-__all__ = ["EstopStreamedRun", "gate_tool", "gate_tools", "run", "run_streamed", "run_sync", "STOP_ON"]
+from ..effect import EffectCall, admit_prepared, call_key, make_call, run_async
+from ..errors import EstopError, Interrupted, Refused, RunStopped
+from ..verdicts import Held
+from ..run import Estop, Invocation, Run, current_run, step
+from ._common import STOP_ON as _NO_STOP, arun_guarded, resolve_run, run_guarded
 
-#: What stops a run here: the common stop signals and the SDK's own tool timeout.
-STOP_ON: tuple[type[BaseException], ...] = STOP_SIGNALS + (ToolTimeoutError,)
+__all__ = ["EstopStreamedRun", "gate_tool", "gate_tools", "holds", "run", "run_streamed", "run_sync", "resolve", "STOP_ON"]
+
+#: Exceptions that cancel the run by default: none (a timeout, the SDK's `ToolTimeoutError`, a
+#: task cancel or Ctrl-C interrupt the invocation; `EstopStreamedRun.cancel()` and
+#: `run.cancel()` stop the run).
+STOP_ON: tuple[type[BaseException], ...] = _NO_STOP
 
 
-def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "wait", hold_timeout_s: float | None = None, refusal_as_output: bool = True) -> FunctionTool:
+def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "interrupt", hold_timeout_s: float | None = None, refusal_as_output: bool = True) -> FunctionTool:
     """A copy of `tool` whose every call is admitted by estop first. `effect` names the effect
-    at the gate (default: the tool's name)."""
+    at the gate (default: the tool's name). `on_hold="interrupt"` (default): before the SDK runs
+    a call it asks estop (the tool's `needs_approval` hook), and a held call becomes the SDK's
+    own interruption (`result.interruptions`, a `RunState` to save); `on_hold="wait"`: the call
+    waits for the decision inside the tool."""
     if getattr(tool, "__estop_gated__", False):
         return tool
     name = effect or tool.name
     inner = tool.on_invoke_tool
     approval = tool.needs_approval
 
-    async def on_invoke_tool(ctx: Any, arguments: str) -> Any:
-        args = json.loads(arguments) if arguments else {}
-        na: Any = bool(approval)
+    async def wants_approval(ctx: Any, args: Any, call_id: str) -> bool:
+        na: Any = approval
         if callable(approval):
-            na = approval(ctx, args, getattr(ctx, "tool_call_id", ""))
+            na = approval(ctx, args, call_id)
             if inspect.isawaitable(na):
                 na = await na
+        return bool(na)
+
+    def call_for(args: Any, call_id: str | None, na: bool) -> EffectCall:
         run = current_run()
         assert run is not None
-        call = make_call(run, name, args, needs_approval=bool(na))
+        key = call_key(run, name, call_id, args) if call_id else None
+        return make_call(run, name, args, key=key, needs_approval=na)
+
+    async def needs_approval(ctx: Any, params: Any, call_id: str) -> bool:
+        """The SDK's question "interrupt for approval?", answered by the gate: held → yes."""
+        call = call_for(params, call_id, await wants_approval(ctx, params, call_id))
         try:
-            return await run_async(call, lambda: inner(ctx, arguments), on_hold=on_hold, hold_timeout_s=hold_timeout_s)
-        except RunStopped:
+            return isinstance(await admit_prepared(call), Held)
+        except (RunStopped, Interrupted):
+            raise
+        except EstopError:
+            return False  # the call itself meets the refusal (as its output)
+
+    async def on_invoke_tool(ctx: Any, arguments: str) -> Any:
+        args = json.loads(arguments) if arguments else {}
+        call_id = getattr(ctx, "tool_call_id", None)
+        call = call_for(args, call_id, await wants_approval(ctx, args, call_id or ""))
+        try:
+            # Effects the body gates itself (`@estop.effect`) take their keys from this call.
+            with step(f"call:{call_id}") if call_id else contextlib.nullcontext():
+                return await run_async(call, lambda: inner(ctx, arguments), on_hold="wait", hold_timeout_s=hold_timeout_s)
+        except (RunStopped, Interrupted):
             raise
         except Refused as e:
             if not refusal_as_output:
                 raise
             return f"estop refused this call ({e.reason}); do not retry it"
 
-    gated = dataclasses.replace(tool, on_invoke_tool=on_invoke_tool, needs_approval=False)
+    gated = dataclasses.replace(tool, on_invoke_tool=on_invoke_tool, needs_approval=needs_approval if on_hold == "interrupt" else False)
     object.__setattr__(gated, "__estop_gated__", True)
+    object.__setattr__(gated, "__estop_effect__", name)
     return gated
+
+
+def holds(agent: Any, interruptions: Iterable[Any], run_id: str | Run) -> list[str]:
+    """The estop keys of the SDK interruptions (`result.interruptions`,
+    `state.get_interruptions()`) of gated tools: what the operator decides. Works in a new
+    process from a loaded RunState (the key is the call id + tool + arguments)."""
+    effects = {t.name: getattr(t, "__estop_effect__", None) for t in getattr(agent, "tools", [])}
+    rid = run_id.id if isinstance(run_id, Run) else run_id
+    keys = []
+    for item in interruptions:
+        raw = item.raw_item
+        get = raw.get if isinstance(raw, dict) else lambda k, d=None: getattr(raw, k, d)
+        eff = effects.get(item.tool_name or get("name"))
+        call_id, arguments = get("call_id"), get("arguments")
+        if eff and call_id:
+            keys.append(call_key(rid, eff, call_id, json.loads(arguments) if arguments else {}))
+    return keys
+
+
+async def resolve(agent: Any, state: Any, *, gate: Estop | None = None, run_id: str | Run, timeout_s: float | None = None) -> dict[str, str]:
+    """Waits for the operator's decisions on the interruptions of a `RunState` (woken by the
+    gate's events, no polling), then writes them into the state — `approve` (and `sibling` /
+    `paused`: held by another call's approval or a pause, they wait at the gate) →
+    `state.approve`, anything else → `state.reject` — and returns key → decision. Then resume with `eo.run(agent, state, ...)`. The state only mirrors the gate:
+    an approved call still asks the gate when it runs, so an approval written into the state by
+    the agent process counts for nothing (G7)."""
+    rid = run_id.id if isinstance(run_id, Run) else run_id
+    items = list(state.get_interruptions())
+    keys = holds(agent, items, rid)
+    if not keys:
+        return {}
+    if gate is None:
+        from ..run import default
+
+        gate = default()
+    decided = await gate.await_decided(rid, keys, timeout_s)
+    by_key = dict(zip(holds(agent, items, rid), items))
+    for key, decision in decided.items():
+        item = by_key.get(key)
+        if item is not None:
+            # A sibling of an approval (or a paused call) has no decision of its own: let it run,
+            # and it waits at the gate until what holds it is lifted.
+            if decision in ("approve", "sibling", "paused"):
+                state.approve(item)
+            else:
+                state.reject(item, rejection_message=f"estop refused this call ({_REFUSED.get(decision, decision)}); do not retry it")
+    return decided
+
+
+def _estop_stop(e: BaseException) -> BaseException | None:
+    seen: BaseException | None = e
+    for _ in range(8):  # a short chain: the SDK wraps once or twice
+        seen = seen.__cause__ or seen.__context__ if seen is not None else None
+        if isinstance(seen, (RunStopped, Interrupted)):
+            return seen
+    return None
+
+
+_REFUSED = {"reject": "rejected", "expired": "expired", "cancelled": "cancelled"}
 
 
 def gate_tools(tools: Iterable[Any], *, effects: dict[str, str] | None = None, **kw: Any) -> list[Any]:
@@ -90,7 +194,15 @@ async def run(agent: Any, input: Any, *, gate: Estop | None = None, run_id: str 
 
     async def go() -> Any:
         coro = Runner.run(agent, input, **runner_kw)
-        return await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+        try:
+            return await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+        except AgentsException as e:
+            # The SDK wraps what a tool raised ("Error running tool …"): a stopped run or an
+            # interrupted invocation is estop's, and surfaces as itself.
+            stop = _estop_stop(e)
+            if stop is not None:
+                raise stop from e
+            raise
 
     return await arun_guarded(r, go, stop_on=stop_on)
 
@@ -105,9 +217,11 @@ class EstopStreamedRun:
     """`Runner.run_streamed` as an estop run: `cancel()` fences the run at the gate first (every
     thread and task of it refuses from that instant), then cancels the SDK's stream."""
 
-    def __init__(self, result: Any, run: Run) -> None:
+    def __init__(self, result: Any, run: Run, invocation: Invocation) -> None:
         self.result = result
         self.run = run
+        self.invocation = invocation
+        self._after_turn: str | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.result, name)
@@ -117,11 +231,26 @@ class EstopStreamedRun:
             try:
                 async for ev in self.result.stream_events():
                     yield ev
-            except STOP_ON as e:
-                await asyncio.shield(self.run.acancel(f"{type(e).__name__} in the agent process", spare=asyncio.current_task()))
+            except BaseException as e:
+                # Breaking out of the stream, a cancel, Ctrl-C: this invocation is over (the SDK's
+                # background task and its tool threads start nothing more); the run is not.
+                self.invocation.interrupt(f"{type(e).__name__} in the agent process", spare=asyncio.current_task())
+                stop = _estop_stop(e) if isinstance(e, AgentsException) else None
+                if stop is not None:
+                    raise stop from e
                 raise
+        if self._after_turn is not None:
+            # `cancel("after_turn")`: the turn has finished; now the run is stopped.
+            await self.run.acancel(self._after_turn)
 
     def cancel(self, mode: str = "immediate", reason: str = "cancelled by the caller") -> None:
+        """The SDK's explicit stop, and estop's: `immediate` fences the run at once (every thread
+        and task of it refuses from this instant) and cancels it at the gate; `after_turn` lets
+        the current turn finish (its tools run) and cancels the run when the stream ends."""
+        if mode == "after_turn":
+            self._after_turn = reason
+            self.result.cancel(mode)
+            return
         from ..run import FENCES
 
         FENCES.fence(self.run.id, "cancelled", spare=asyncio.current_task())
@@ -133,6 +262,7 @@ class EstopStreamedRun:
 def run_streamed(agent: Any, input: Any, *, gate: Estop | None = None, run_id: str | Run | None = None, **runner_kw: Any) -> EstopStreamedRun:
     """`Runner.run_streamed` inside the estop run `run_id` (call it in a running loop)."""
     r = resolve_run(gate, run_id)
-    with r:  # the SDK's background task copies this context: its tools see the run
+    inv = Invocation(r)
+    with r, inv:  # the SDK's background task copies this context: its tools see run and invocation
         result = Runner.run_streamed(agent, input, **runner_kw)
-    return EstopStreamedRun(result, r)
+    return EstopStreamedRun(result, r, inv)

@@ -7,31 +7,45 @@
     result = await ep.run(agent, "refund order 42", gate=gate, run_id="order-42")
 
 * Every tool call is admitted by the gate first; the tool runs only on `admitted`; a duplicate
-  (a replayed or retried run) returns the recorded result.
+  (a replayed or retried run) returns the recorded result. The key is PydanticAI's
+  `tool_call_id` (+ the digest); `@estop.effect`s the tool body calls are keyed from the call.
 * Tools declared `requires_approval=True` (deferred approval tools) are no longer deferred by
   PydanticAI: the approval is an estop approval decided by an operator, and the call — with its
   siblings of the same turn — waits for it (`on_hold="wait"`, the default). With
   `on_hold="defer"` a hold raises PydanticAI's `ApprovalRequired` instead, so the run ends with
-  `DeferredToolRequests`; run it again with the message history once the operator decided (the
-  same call presents the same key).
+  `DeferredToolRequests` (PydanticAI's native pause: serialisable with the message history);
+  `gate.await_decided(run, keys)` waits for the operator, then run it again with the message
+  history and `deferred_tool_results` (the same call presents the same key). `run(...,
+  approver=operator_client)` records the native answers (`approvals`: True / False /
+  `ToolDenied`) as that operator's decision; without an operator credential they decide nothing.
 * A refusal is returned to the model as the tool's output (`ModelRetry` would make it try again);
-  a stopped run raises `RunStopped`. `run`/`run_sync` turn a cancel or timeout into an estop cancel.
+  a stopped run raises `RunStopped`. `run`/`run_sync` are invocations of the run: a task cancel,
+  `timeout_s` or Ctrl-C interrupts the invocation (what it left running refuses new effects) and
+  the run stays usable; `run.cancel()` or an operator's cancel stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic_ai.exceptions import ApprovalRequired
-from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
+from ._common import missing_extra
 
-from ..effect import make_call, run_async
-from ..errors import HeldForApproval, Refused, RunStopped
-from ..run import Estop, Run, current_run
-from ._common import STOP_SIGNALS, arun_guarded, hold_payload, resolve_run, run_guarded
+try:
+    from pydantic_ai.exceptions import ApprovalRequired
+    from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
+except ImportError as e:
+    raise missing_extra("pydantic_ai", "PydanticAI", "pydantic-ai", e) from e
+
+from ..effect import EffectCall, call_key, encode_result, gate_async, make_call, run_async, shielded
+from ..client import Client
+from ..errors import EstopError, HeldForApproval, InDoubt, Interrupted, NotFound, NotPending, Refused, RunStopped
+from ..run import Estop, Run, current_run, step
+from ._common import STOP_ON, arun_guarded, hold_payload, resolve_run, run_guarded
 
 __all__ = ["EstopToolset", "gate_agent", "run", "run_sync"]
 
@@ -39,17 +53,32 @@ __all__ = ["EstopToolset", "gate_agent", "run", "run_sync"]
 async def _gated_call(owner: Any, inner_call: Any, name: str, tool_args: dict[str, Any], ctx: Any, tool: Any) -> Any:
     run = current_run()
     assert run is not None
-    call = make_call(run, owner.effects.get(name, name), tool_args, needs_approval=name in owner._approval)
+    effect = owner.effects.get(name, name)
+    call_id = getattr(ctx, "tool_call_id", None)
+    key = call_key(run, effect, call_id, tool_args) if call_id else None
+    call = make_call(run, effect, tool_args, key=key, needs_approval=name in owner._approval)
+    # The model's retry of a call whose thread PydanticAI abandoned at its timeout is that same
+    # call: it takes the abandoned call's key, so it reads that outcome instead of charging again.
+    if (earlier := _abandoned(run).pop((effect, call.digest), None)) is not None:
+        call.key = earlier.key
+        await earlier.settled(getattr(tool.tool_def, "timeout", None))
+    hold = "raise" if owner.on_hold == "defer" else "wait"
     try:
-        return await run_async(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold="raise" if owner.on_hold == "defer" else "wait", hold_timeout_s=owner.hold_timeout_s)
+        # Effects the body gates itself (`@estop.effect`) take their keys from this call.
+        with step(f"call:{call_id}") if call_id else contextlib.nullcontext():
+            if _is_thread_tool(tool):
+                return await _run_thread_tool(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold=hold, hold_timeout_s=owner.hold_timeout_s)
+            return await run_async(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold=hold, hold_timeout_s=owner.hold_timeout_s)
     except HeldForApproval as h:
         raise ApprovalRequired(metadata=hold_payload(h, tool_args)) from None
-    except RunStopped:
+    except (RunStopped, Interrupted):
         raise
     except Refused as e:
         if not owner.refusal_as_output:
             raise
         return f"estop refused this call ({e.reason}); do not retry it"
+    except InDoubt as e:
+        return f"estop: an earlier identical call may still have happened ({e.status}); do not retry it"
 
 
 async def _gated_tools(owner: Any, tools: dict[str, Any]) -> dict[str, Any]:
@@ -58,8 +87,112 @@ async def _gated_tools(owner: Any, tools: dict[str, Any]) -> dict[str, Any]:
         if t.tool_def.kind == "unapproved":
             owner._approval.add(name)
             t = dataclasses.replace(t, tool_def=dataclasses.replace(t.tool_def, kind="function"))
+        if _is_thread_tool(t):
+            t = dataclasses.replace(t, call_func=_abandonable(t.call_func))
         out[name] = t
     return out
+
+
+# -- sync tools past their timeout ------------------------------------------------------------
+#
+# PydanticAI runs a sync tool in a worker thread; at the tool's `timeout` it stops waiting
+# (`abandon_threads_on_cancel`) and asks the model to retry, while the thread runs on and may
+# still do the effect. So a timed-out call is `unknown` (never `error`), and the thread's own
+# end settles it (`ok`/`error`, which the gate accepts after `unknown`).
+
+
+@dataclass
+class _Abandoned:
+    """A started effect whose thread PydanticAI stopped waiting for."""
+
+    key: str
+    done: "asyncio.Future[Any]"
+
+    async def settled(self, timeout_s: float | None) -> None:
+        """Waits (at most the tool's timeout) for the thread's outcome to reach the gate."""
+        with contextlib.suppress(asyncio.TimeoutError, Exception):
+            await asyncio.wait_for(asyncio.shield(self.done), timeout_s)
+
+
+@dataclass
+class _Started:
+    """Shared by `_run_thread_tool` and the tool's `call_func`: the effect and its token."""
+
+    call: EffectCall
+    token: str
+    abandoned: bool = False
+
+
+_STARTED: "contextvars.ContextVar[_Started | None]" = contextvars.ContextVar("estop_pyd_started", default=None)
+
+
+def _abandoned(run: Run) -> dict[tuple[str, str], _Abandoned]:
+    out: dict[tuple[str, str], _Abandoned] = run.__dict__.setdefault("_pyd_abandoned", {})
+    return out
+
+
+def _is_thread_tool(tool: Any) -> bool:
+    return getattr(tool, "is_async", True) is False and callable(getattr(tool, "call_func", None))
+
+
+def _abandonable(call_func: Any) -> Any:
+    """`call_func` of a sync tool: the thread's work runs in its own task, so when PydanticAI
+    gives up on it (timeout) the work goes on and its outcome is still reported."""
+
+    async def gated_call_func(args: dict[str, Any], ctx: Any) -> Any:
+        started = _STARTED.get()
+        work = asyncio.ensure_future(call_func(args, ctx))
+        if started is None:
+            return await work
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            started.abandoned = True
+            call = started.call
+            done = asyncio.ensure_future(_settle_late(call, started.token, work))
+            _abandoned(call.run)[(call.tool, call.digest)] = _Abandoned(call.key, done)
+            raise
+
+    return gated_call_func
+
+
+async def _settle_late(call: EffectCall, token: str, work: "asyncio.Future[Any]") -> None:
+    client = call.run.gate.aclient
+    with contextlib.suppress(EstopError):
+        await client.complete(call.run.id, call.key, token, "unknown", error="the tool timed out; its thread runs on")
+    try:
+        result = await work
+    except Exception as e:
+        outcome: dict[str, Any] = {"outcome": "error", "error": f"{type(e).__name__}: {e}"[:4000]}
+    except BaseException:
+        return  # cancelled with the loop: stays unknown
+    else:
+        outcome = {"outcome": "ok", "result": encode_result(result)}
+    with contextlib.suppress(EstopError):
+        await client.complete(call.run.id, call.key, token, **outcome)
+
+
+async def _run_thread_tool(call: EffectCall, fn: Any, *, on_hold: str, hold_timeout_s: float | None) -> Any:
+    """`run_async` for a sync tool: the same gate, but a call PydanticAI abandoned is reported by
+    `_settle_late`, not here."""
+    g = await gate_async(call, on_hold=on_hold, hold_timeout_s=hold_timeout_s)
+    if g.duplicate is not None:
+        return g.duplicate.result
+    assert g.token is not None
+    started = _Started(call, g.token)
+    reset = _STARTED.set(started)
+    client = call.run.gate.aclient
+    try:
+        result = await fn()
+    except BaseException as e:
+        if not started.abandoned:
+            outcome = "error" if isinstance(e, Exception) else "unknown"
+            await shielded(client.complete(call.run.id, call.key, g.token, outcome, error=f"{type(e).__name__}: {e}"[:4000]))
+        raise
+    finally:
+        _STARTED.reset(reset)
+    await shielded(client.complete(call.run.id, call.key, g.token, "ok", result=encode_result(result)))
+    return result
 
 
 @dataclass
@@ -109,9 +242,19 @@ def gate_agent(agent: Any, *, effects: dict[str, str] | None = None, on_hold: st
     return agent
 
 
-async def run(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, **kw: Any) -> Any:
-    """`agent.run(...)` inside the estop run `run_id`; a cancel/timeout cancels the run at the gate."""
+async def run(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, approver: Client | None = None, effects: dict[str, str] | None = None, **kw: Any) -> Any:
+    """`agent.run(...)` as an invocation of the estop run `run_id` (a cancel/timeout interrupts it).
+
+    With `deferred_tool_results` (the answer to a run that ended with `DeferredToolRequests`)
+    and an `approver` (an operator's client, e.g. held by your approval UI), each native
+    approval becomes that operator's decision in estop — a deny (`False`, `ToolDenied`) a reject,
+    sticky for the run (G2) — before the run goes on. Without an operator credential the native
+    answer decides nothing at the gate: an approved call asks the gate and is deferred again
+    while held, and a denied one stays pending in estop's inbox until an operator decides."""
     r = resolve_run(gate, run_id)
+    results = kw.get("deferred_tool_results")
+    if approver is not None and results is not None:
+        await asyncio.to_thread(_decide_natively, approver, r.id, results, kw.get("message_history") or [], effects or {})
 
     async def go() -> Any:
         coro = agent.run(prompt, **kw)
@@ -120,6 +263,27 @@ async def run(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_
     return await arun_guarded(r, go, stop_on=stop_on)
 
 
-def run_sync(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, stop_on: tuple[type[BaseException], ...] = STOP_SIGNALS, **kw: Any) -> Any:
+def run_sync(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **kw: Any) -> Any:
     r = resolve_run(gate, run_id)
     return run_guarded(r, lambda: asyncio.run(run(agent, prompt, run_id=r, stop_on=stop_on, **kw)), stop_on=stop_on)
+
+
+def _decide_natively(approver: Client, run_id: str, results: Any, history: list[Any], effects: dict[str, str]) -> None:
+    """Records PydanticAI's approval answers as the operator's decisions (see `run`)."""
+    from pydantic_ai.messages import ModelResponse, ToolCallPart
+
+    calls = {p.tool_call_id: p for m in history if isinstance(m, ModelResponse) for p in m.parts if isinstance(p, ToolCallPart)}
+    for call_id, answer in results.approvals.items():
+        part = calls.get(call_id)
+        if part is None:
+            continue
+        approved = answer is True or getattr(answer, "kind", None) == "tool-approved"
+        denied = answer is False or getattr(answer, "kind", None) == "tool-denied"
+        if not (approved or denied):
+            continue
+        effect = effects.get(part.tool_name, part.tool_name)
+        key = call_key(run_id, effect, call_id, part.args_as_dict())
+        try:
+            approver.decide(run_id, key, "approve" if approved else "reject", getattr(answer, "message", None))
+        except (NotPending, NotFound):
+            pass  # decided already (the console), or never held
