@@ -38,12 +38,19 @@ impl Default for Gateway {
     }
 }
 
-/// One upstream MCP server, started as a child process speaking MCP over stdio.
+/// One upstream MCP server: a child process speaking MCP over stdio (`command`), or a server
+/// reached over streamable HTTP (`url`, with `headers` sent on every request, e.g. its
+/// `Authorization`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Server {
     pub name: String,
-    pub command: String,
+    #[serde(default)]
+    pub command: Option<String>,
+    #[serde(default)]
+    pub url: Option<String>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
     #[serde(default)]
     pub args: Vec<String>,
     #[serde(default)]
@@ -67,6 +74,8 @@ pub enum ConfigError {
     Duplicate(String),
     #[error("no [[server]] declared: the gateway would front nothing")]
     Empty,
+    #[error("server {name:?}: {why}")]
+    Transport { name: String, why: String },
 }
 
 impl Config {
@@ -105,14 +114,96 @@ impl Config {
             if !seen.insert(s.name.as_str()) {
                 return Err(ConfigError::Duplicate(s.name.clone()));
             }
+            s.transport().map_err(|why| ConfigError::Transport {
+                name: s.name.clone(),
+                why,
+            })?;
         }
         Ok(config)
+    }
+}
+
+/// How the gateway reaches one upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transport<'a> {
+    Command(&'a str),
+    Http {
+        url: &'a str,
+        headers: Vec<(http::HeaderName, http::HeaderValue)>,
+    },
+}
+
+impl Server {
+    /// The server's transport: exactly one of `command` and `url`; `headers` only with `url`,
+    /// each a valid HTTP header.
+    pub fn transport(&self) -> Result<Transport<'_>, String> {
+        match (&self.command, &self.url) {
+            (Some(c), None) if self.headers.is_empty() => Ok(Transport::Command(c)),
+            (Some(_), None) => Err("headers go with url, not command".into()),
+            (None, Some(url)) => {
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    return Err(format!("url {url:?}: use an http:// or https:// URL"));
+                }
+                let headers = self
+                    .headers
+                    .iter()
+                    .map(|(k, v)| {
+                        let name = http::HeaderName::from_bytes(k.as_bytes()).map_err(|_| {
+                            format!("header name {k:?} is not a valid HTTP header name")
+                        })?;
+                        // The value is the operator's (often a credential): never echoed.
+                        let value = http::HeaderValue::from_str(v).map_err(|_| {
+                            format!("header {k:?}: its value is not a valid HTTP header value")
+                        })?;
+                        Ok((name, value))
+                    })
+                    .collect::<Result<_, String>>()?;
+                Ok(Transport::Http { url, headers })
+            }
+            (Some(_), Some(_)) => Err("give command or url, not both".into()),
+            (None, None) => Err("give command (a stdio server) or url (streamable HTTP)".into()),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_server_is_a_command_or_a_url_and_headers_go_with_the_url() {
+        let http = "[[server]]\nname = \"remote\"\nurl = \"https://mcp.example/mcp\"\nheaders = { Authorization = \"Bearer s3cret\" }\n";
+        let c = Config::parse(http).unwrap();
+        match c.servers[0].transport().unwrap() {
+            Transport::Http { url, headers } => {
+                assert_eq!(url, "https://mcp.example/mcp");
+                assert_eq!(headers[0].0, "authorization");
+            }
+            other => panic!("{other:?}"),
+        }
+        for (bad, says) in [
+            ("url = \"ftp://x\"", "http:// or https://"),
+            ("command = \"x\"\nurl = \"http://x\"", "not both"),
+            ("args = []", "command (a stdio server) or url"),
+            (
+                "command = \"x\"\nheaders = { A = \"b\" }",
+                "headers go with url",
+            ),
+            (
+                "url = \"http://x\"\nheaders = { \"bad name\" = \"b\" }",
+                "not a valid HTTP header name",
+            ),
+            (
+                "url = \"http://x\"\nheaders = { A = \"s3cret\\n\" }",
+                "value is not a valid",
+            ),
+        ] {
+            let text = format!("[[server]]\nname = \"r\"\n{bad}\n");
+            let e = Config::parse(&text).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+            assert!(!e.contains("s3cret"), "a header value is never echoed: {e}");
+        }
+    }
 
     #[test]
     fn bad_configs_are_refused_with_the_reason() {

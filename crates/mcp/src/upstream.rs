@@ -1,9 +1,13 @@
-//! The upstream MCP servers: each a child process the gateway speaks to as an `rmcp` client.
+//! The upstream MCP servers: each a child process (stdio) or a streamable HTTP server the
+//! gateway speaks to as an `rmcp` client.
 
-use crate::config::Server;
+use crate::config::{Server, Transport};
 use anyhow::{Context, Result};
 use rmcp::service::{RoleClient, RunningService, ServiceExt};
 use rmcp::transport::TokioChildProcess;
+use rmcp::transport::streamable_http_client::{
+    StreamableHttpClientTransport, StreamableHttpClientTransportConfig,
+};
 
 #[derive(Debug)]
 pub struct Upstream {
@@ -13,17 +17,28 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    /// Starts the server's command and completes MCP's initialization with it.
+    /// Starts the server's command, or connects to its URL, and completes MCP's initialization
+    /// with it.
     pub async fn start(server: &Server) -> Result<Upstream> {
-        let mut cmd = tokio::process::Command::new(&server.command);
-        cmd.args(&server.args).envs(&server.env);
-        let transport = TokioChildProcess::new(cmd).with_context(|| {
-            format!(
-                "cannot start upstream {:?} ({})",
-                server.name, server.command
-            )
-        })?;
-        let client = ().serve(transport).await.with_context(|| {
+        let client = match server.transport().map_err(anyhow::Error::msg)? {
+            Transport::Command(command) => {
+                let mut cmd = tokio::process::Command::new(command);
+                cmd.args(&server.args).envs(&server.env);
+                let transport = TokioChildProcess::new(cmd).with_context(|| {
+                    format!("cannot start upstream {:?} ({command})", server.name)
+                })?;
+                ().serve(transport).await
+            }
+            Transport::Http { url, headers } => {
+                // reqwest's TLS without a provider of its own: the same ring as the rest of estop.
+                let _ = rustls::crypto::ring::default_provider().install_default();
+                let config = StreamableHttpClientTransportConfig::with_uri(url)
+                    .custom_headers(headers.into_iter().collect());
+                ().serve(StreamableHttpClientTransport::from_config(config))
+                    .await
+            }
+        }
+        .with_context(|| {
             format!(
                 "upstream {:?} did not complete MCP initialization",
                 server.name

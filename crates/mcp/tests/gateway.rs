@@ -524,3 +524,84 @@ async fn own_keys_and_trusted_reads_are_not_replays_and_untrusted_hints_are_igno
     let peeks = w.upstream().iter().filter(|l| *l == "call peek p").count();
     assert_eq!(peeks, 3);
 }
+
+/// An upstream reached over streamable HTTP (`url` instead of `command`): its tools are gated
+/// exactly like a stdio upstream's (allowed once and replayed, denied never sent), and the
+/// configured `headers` (its credential) reach it on every request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_upstream_is_gated_like_a_stdio_one_and_gets_its_headers() {
+    let w = world();
+    let mut fixture = tokio::process::Command::new(env!("CARGO_BIN_EXE_estop-mcp-fixture"))
+        .args(["--http", "127.0.0.1:0"])
+        .env("FIXTURE_LOG", &w.log)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(
+        fixture.stdout.take().unwrap(),
+    ));
+    let listening = lines
+        .next_line()
+        .await
+        .unwrap()
+        .expect("the fixture listens");
+    let addr = listening.strip_prefix("listening ").unwrap().to_string();
+    let mut opts = w.options("run-http", "Echoes text.", 30_000);
+    std::fs::write(
+        &opts.config,
+        format!(
+            "[[server]]\nname = \"files\"\nurl = \"http://{addr}/mcp\"\n\
+             headers = {{ Authorization = \"Bearer upstream-secret\" }}\n"
+        ),
+    )
+    .unwrap();
+    opts.run = Some("run-http".into());
+    let (ours, theirs) = tokio::io::duplex(1 << 16);
+    tokio::spawn(async move {
+        estop_mcp::serve_io(opts, tokio::io::split(theirs))
+            .await
+            .unwrap();
+    });
+    let c = ().serve(tokio::io::split(ours)).await.expect("the gateway initializes");
+    let names: Vec<String> = c
+        .peer()
+        .list_all_tools()
+        .await
+        .unwrap()
+        .iter()
+        .map(|t| t.name.to_string())
+        .collect();
+    assert!(names.contains(&"files__echo".to_string()), "{names:?}");
+    assert_eq!(
+        text(&call(&c, "files__echo", "over http").await),
+        "echo: over http"
+    );
+    assert_eq!(
+        text(&call(&c, "files__echo", "over http").await),
+        "echo: over http"
+    );
+    let denied = call(&c, "files__write", "rm -rf /").await;
+    assert_eq!(denied.is_error, Some(true), "{}", text(&denied));
+    let calls: Vec<String> = w
+        .upstream()
+        .into_iter()
+        .filter(|l| l.starts_with("call "))
+        .collect();
+    assert_eq!(
+        calls,
+        ["call echo over http"],
+        "replayed once, the denied one never sent"
+    );
+    let http: Vec<String> = w
+        .upstream()
+        .into_iter()
+        .filter(|l| l.starts_with("http "))
+        .collect();
+    assert!(!http.is_empty());
+    assert!(
+        http.iter()
+            .all(|l| l.ends_with("authorization Bearer upstream-secret")),
+        "{http:?}"
+    );
+}

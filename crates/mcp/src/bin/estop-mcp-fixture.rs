@@ -136,9 +136,52 @@ impl ServerHandler for Fixture {
     }
 }
 
+/// On stdio; with `--http 127.0.0.1:0`, over streamable HTTP on that address instead (printing
+/// `listening ADDR` once it listens), every request's `authorization` header logged.
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, flag, addr] = args.as_slice()
+        && flag == "--http"
+    {
+        return serve_http(addr).await;
+    }
     let service = Fixture.serve(rmcp::transport::stdio()).await?;
     service.waiting().await?;
     Ok(())
+}
+
+async fn serve_http(addr: &str) -> anyhow::Result<()> {
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService,
+    };
+    let service = StreamableHttpService::new(
+        || Ok(Fixture),
+        std::sync::Arc::new(LocalSessionManager::default()),
+        StreamableHttpServerConfig::default(),
+    );
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    println!("listening {}", listener.local_addr()?);
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let service = service.clone();
+        tokio::spawn(async move {
+            let logged =
+                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let auth = req
+                        .headers()
+                        .get("authorization")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("none")
+                        .to_string();
+                    log(&format!("http {} authorization {auth}", req.method()));
+                    let mut service = service.clone();
+                    async move { tower_service::Service::call(&mut service, req).await }
+                });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), logged)
+                .await;
+        });
+    }
 }
