@@ -73,6 +73,18 @@ pub struct Admit {
     pub policy: PolicyDecision,
 }
 
+/// An operator's word on one effect of the reverse saga (`saga.rs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SagaAction {
+    /// Settles an effect of unknown outcome: it happened (`ok`) or it did not (`error`). The
+    /// saga waits for this before compensating anything older.
+    Settle(Outcome),
+    /// Gives a failed or abandoned compensation a fresh budget of attempts, due at once.
+    Retry,
+    /// Leaves the effect uncompensated, for the recorded reason; the saga goes on past it.
+    Skip { reason: Box<str> },
+}
+
 /// Whether a token was made or revoked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TokenAction {
@@ -159,6 +171,28 @@ pub enum Command {
     },
     /// A token was created or revoked (by the record's principal, an operator).
     Token(TokenChange),
+    /// An executor begins attempt `attempt` of the compensation of `key` (the saga's head),
+    /// with the compensating call's arguments as the shell derived them.
+    CompensationBegin {
+        run: RunId,
+        key: EffectKey,
+        attempt: u32,
+        args: Option<Box<str>>,
+    },
+    /// The executor reports how attempt `attempt` of the compensation of `key` ended.
+    CompensationEnd {
+        run: RunId,
+        key: EffectKey,
+        attempt: u32,
+        outcome: Outcome,
+        error: Option<Box<str>>,
+    },
+    /// An operator settles, retries or skips one effect of the saga.
+    Saga {
+        run: RunId,
+        key: EffectKey,
+        action: SagaAction,
+    },
 }
 
 impl Command {
@@ -174,7 +208,10 @@ impl Command {
             | Command::Pause { run }
             | Command::Resume { run }
             | Command::Close { run, .. }
-            | Command::Tick { run } => Some(run),
+            | Command::Tick { run }
+            | Command::CompensationBegin { run, .. }
+            | Command::CompensationEnd { run, .. }
+            | Command::Saga { run, .. } => Some(run),
             Command::Compact { .. } | Command::Token(_) => None,
         }
     }

@@ -74,17 +74,17 @@ fn terminal_state(cause: StopCause) -> RunState {
 
 /// Where a command's events go: the caller's `Vec` (`apply`), or nowhere (`replay`). An event
 /// is built by a closure only when it is kept, so replay clones no ids for them.
-struct Sink<'a>(Option<&'a mut Vec<Event>>);
+pub(crate) struct Sink<'a>(Option<&'a mut Vec<Event>>);
 
 impl Sink<'_> {
-    fn push(&mut self, event: impl FnOnce() -> Event) {
+    pub(crate) fn push(&mut self, event: impl FnOnce() -> Event) {
         if let Some(events) = &mut self.0 {
             events.push(event());
         }
     }
 }
 
-fn event(run: &RunId, key: Option<&EffectKey>, kind: EventKind) -> Event {
+pub(crate) fn event(run: &RunId, key: Option<&EffectKey>, kind: EventKind) -> Event {
     Event {
         run: run.clone(),
         key: key.cloned(),
@@ -93,7 +93,7 @@ fn event(run: &RunId, key: Option<&EffectKey>, kind: EventKind) -> Event {
     }
 }
 
-fn check_effect(
+pub(crate) fn check_effect(
     run: &RunId,
     key: &EffectKey,
     from: Option<Status>,
@@ -121,7 +121,7 @@ fn hidden_owner(principal: &Principal, owner: &Option<PrincipalName>) -> bool {
     principal.role == Role::Agent && owner.as_ref().is_some_and(|o| *o != principal.name)
 }
 
-fn bounded(text: &Option<Box<str>>, max: usize, limit: &'static str) -> Result<(), KernelError> {
+pub(crate) fn bounded(text: &Option<Box<str>>, max: usize, limit: &'static str) -> Result<(), KernelError> {
     match text {
         Some(t) if t.len() > max => Err(KernelError::limit(limit, max)),
         _ => Ok(()),
@@ -387,6 +387,22 @@ impl Gate {
                 tombstones_before,
             } => self.compact(*before, *tombstones_before),
             Command::Token(_) => self.token(principal),
+            Command::CompensationBegin {
+                run,
+                key,
+                attempt,
+                args,
+            } => self.compensation_begin(now, principal, run, key, *attempt, args, ev),
+            Command::CompensationEnd {
+                run,
+                key,
+                attempt,
+                outcome,
+                error,
+            } => self.compensation_end(now, principal, run, key, *attempt, *outcome, error, ev),
+            Command::Saga { run, key, action } => {
+                self.saga_action(now, principal, run, key, action, ev)
+            }
         }
     }
 
@@ -406,6 +422,7 @@ impl Gate {
                 | Command::Pause { .. }
                 | Command::Resume { .. }
                 | Command::Cancel { kill: true, .. }
+                | Command::Saga { .. }
         );
         if operator_only && p.role != Role::Operator {
             return Err(KernelError::Forbidden);
@@ -441,6 +458,10 @@ impl Gate {
             Command::Resume { .. } => Err(invalid("resume")),
             Command::Decide { .. } => Err(forgotten("decide")),
             Command::Complete { .. } => Err(forgotten("complete")),
+            Command::CompensationBegin { .. } | Command::CompensationEnd { .. } => {
+                Err(forgotten("compensation"))
+            }
+            Command::Saga { .. } => Err(forgotten("saga")),
             Command::Compact { .. } | Command::Token(_) => {
                 unreachable!("compaction and token records name no run")
             }
@@ -1005,7 +1026,7 @@ impl Gate {
         }
     }
 
-    fn effect_mut(&mut self, run: &RunId, key: &EffectKey) -> &mut Effect {
+    pub(crate) fn effect_mut(&mut self, run: &RunId, key: &EffectKey) -> &mut Effect {
         self.runs
             .get_mut(run)
             .and_then(|r| r.effects.get_mut(key))
@@ -1065,7 +1086,8 @@ impl Gate {
             | Status::Compensating
             | Status::Compensated
             | Status::CompensationFailed
-            | Status::NeedsHuman => {
+            | Status::NeedsHuman
+            | Status::CompensationSkipped => {
                 let mut rec = effect.outcome.as_deref().cloned().unwrap_or_default();
                 rec.outcome = effect.outcome_kind();
                 verdict(Verdict::Duplicate {
@@ -1302,7 +1324,13 @@ impl Gate {
                 Self::settle_run(run_id, run, ev);
                 Ok((Reply::Completed { late }, true))
             }
-            Status::Completed | Status::Failed => {
+            Status::Completed
+            | Status::Failed
+            | Status::Compensating
+            | Status::Compensated
+            | Status::CompensationFailed
+            | Status::NeedsHuman
+            | Status::CompensationSkipped => {
                 let same = effect.outcome_kind() == Some(outcome);
                 if same {
                     Ok((Reply::Completed { late: effect.late }, false))
@@ -1332,9 +1360,13 @@ impl Gate {
         }
     }
 
-    /// A stopped run whose last in-flight effect settled reaches its terminal state.
-    fn settle_run(run_id: &RunId, run: &mut Run, ev: &mut Sink) {
-        if run.state == RunState::Finalizing && run.in_flight == 0 {
+    /// A stopped run whose last in-flight effect settled, and whose saga (after a cancel) is
+    /// settled too, reaches its terminal state.
+    pub(crate) fn settle_run(run_id: &RunId, run: &mut Run, ev: &mut Sink) {
+        if run.state == RunState::Finalizing
+            && run.in_flight == 0
+            && !crate::saga::unsettled(run)
+        {
             let to = terminal_state(
                 run.stop
                     .as_ref()
@@ -1562,7 +1594,9 @@ impl Gate {
             if run.stop.is_some() {
                 continue;
             }
-            let to = if run.in_flight > 0 {
+            // A cancel (not a kill) owes the reverse saga of what already happened.
+            let to = if run.in_flight > 0 || (cause == StopCause::Cancelled && crate::saga::owed(run))
+            {
                 RunState::Finalizing
             } else {
                 terminal_state(cause)

@@ -64,6 +64,13 @@ pub enum Reply {
     },
     /// A token change was recorded.
     TokenRecorded,
+    /// Where the compensation of one effect stands after a saga command: its status, the
+    /// attempt it is at, and when a failed attempt may be retried.
+    Compensation {
+        status: EffectStatus,
+        attempt: u32,
+        retry_at: Option<u64>,
+    },
 }
 
 /// Errors a client, an agent or an operator can cause. Each writes nothing.
@@ -123,6 +130,13 @@ pub enum KernelError {
         from: &'static str,
         to: &'static str,
     },
+    /// A saga command that does not fit where the saga stands (`what` says why and what to do).
+    #[error("effect {key} of run {run}: {what}")]
+    Saga {
+        run: RunId,
+        key: EffectKey,
+        what: String,
+    },
     #[error("operation requires the operator role")]
     Forbidden,
     #[error(
@@ -171,6 +185,7 @@ impl KernelError {
             KernelError::InvalidState { .. } => "invalid_state",
             KernelError::Limit { .. } => "limit",
             KernelError::IllegalTransition { .. } => "illegal_transition",
+            KernelError::Saga { .. } => "saga",
             KernelError::Forbidden => "forbidden",
         }
     }
@@ -191,6 +206,9 @@ pub enum EventKind {
     Closed,
     /// The last in-flight effect of a stopped run settled: the run is now terminal.
     Settled,
+    /// The compensation of an effect moved (began, ended, retried, skipped) or its unknown
+    /// outcome was settled: executors look for the saga's next step.
+    Compensation,
 }
 
 impl EventKind {
@@ -207,6 +225,7 @@ impl EventKind {
             EventKind::Finalizing => "finalizing",
             EventKind::Closed => "closed",
             EventKind::Settled => "settled",
+            EventKind::Compensation => "compensation",
         }
     }
 
@@ -219,6 +238,7 @@ impl EventKind {
                 | EventKind::Completed
                 | EventKind::Finalizing
                 | EventKind::Settled
+                | EventKind::Compensation
         )
     }
 }

@@ -29,6 +29,7 @@ pub enum Status {
     Compensated,
     CompensationFailed,
     NeedsHuman,
+    CompensationSkipped,
 }
 
 impl Status {
@@ -46,6 +47,7 @@ impl Status {
             Status::Compensated => EffectStatus::Compensated,
             Status::CompensationFailed => EffectStatus::CompensationFailed,
             Status::NeedsHuman => EffectStatus::NeedsHuman,
+            Status::CompensationSkipped => EffectStatus::CompensationSkipped,
         }
     }
 
@@ -122,6 +124,24 @@ pub struct OutcomeRecord {
     pub error: Option<Box<str>>,
 }
 
+/// How far the compensation of one effect got (the reverse saga, `saga.rs`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Compensation {
+    /// Attempts begun (each numbered from 1; an attempt's begin and end name its number, so a
+    /// repeated report is recognised, never applied twice).
+    pub attempts: u32,
+    /// Attempts allowed before a human is asked (an operator's retry raises it).
+    pub granted: u32,
+    /// A failed attempt may be retried from this instant (exponential backoff).
+    pub retry_at: u64,
+    /// The compensating call's arguments as the last attempt began with them.
+    pub args: Option<Box<str>>,
+    /// The last attempt's error, or the reason an operator skipped it.
+    pub note: Option<Box<str>>,
+    /// The operator who last retried or skipped it.
+    pub by: Option<PrincipalName>,
+}
+
 /// One side effect of a run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Effect {
@@ -146,6 +166,8 @@ pub struct Effect {
     /// Its outcome arrived after the run was stopped.
     pub late: bool,
     pub outcome: Option<Box<OutcomeRecord>>,
+    /// Its compensation, once the reverse saga or an operator touched it.
+    pub saga: Option<Box<Compensation>>,
 }
 
 impl Effect {
@@ -161,7 +183,8 @@ impl Effect {
                 | Status::Compensating
                 | Status::Compensated
                 | Status::CompensationFailed
-                | Status::NeedsHuman => Some(Outcome::Ok),
+                | Status::NeedsHuman
+                | Status::CompensationSkipped => Some(Outcome::Ok),
                 Status::Failed => Some(Outcome::Error),
                 Status::Unknown => Some(Outcome::Unknown),
                 _ => None,
@@ -206,6 +229,7 @@ impl Effect {
             updated_at: now,
             late: false,
             outcome: None,
+            saga: None,
         }
     }
 }

@@ -454,6 +454,9 @@ pub enum EventKind {
     Expired,
     /// The last in-flight effect of a stopped run settled: the run is now terminal.
     Settled,
+    /// The compensation of an effect moved (the reverse saga after a cancel); `outcome` is the
+    /// effect's status now (`compensating`, `compensated`, `compensation_failed`, …).
+    Compensation,
     /// A kind this client does not know yet (from a newer server).
     #[serde(other)]
     Other,

@@ -65,7 +65,8 @@ pub fn run_view(id: &RunId, run: &Run) -> wire::RunView {
             | Status::Compensating
             | Status::Compensated
             | Status::CompensationFailed
-            | Status::NeedsHuman => counts.completed += 1,
+            | Status::NeedsHuman
+            | Status::CompensationSkipped => counts.completed += 1,
             Status::Failed => counts.failed += 1,
             Status::Unknown => counts.unknown += 1,
             Status::Refused(_) => counts.refused += 1,
@@ -241,6 +242,7 @@ pub fn event(gate: &estop_kernel::Gate, e: &estop_kernel::Event, at: u64) -> Opt
         EventKind::Finalizing => wire::EventKind::Finalizing,
         EventKind::Expired => wire::EventKind::Expired,
         EventKind::Settled => wire::EventKind::Settled,
+        EventKind::Compensation => wire::EventKind::Compensation,
         EventKind::Admitted => return None,
     };
     let run = gate.run(&e.run);
@@ -284,6 +286,9 @@ pub fn event(gate: &estop_kernel::Gate, e: &estop_kernel::Event, at: u64) -> Opt
         EventKind::Paused | EventKind::Resumed | EventKind::Admitted => {}
         EventKind::Settled => {
             out.reason = run.map(|r| r.state.as_str().to_string());
+        }
+        EventKind::Compensation => {
+            out.outcome = effect.map(|x| x.status.kind().as_str().to_string());
         }
     }
     Some(out)

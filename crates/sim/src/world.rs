@@ -616,6 +616,11 @@ pub fn render_reply(r: &Reply) -> String {
         } => format!("run {state} changed={runs_changed}"),
         Reply::Compacted { runs, tombstones } => format!("forgot {runs} dropped {tombstones}"),
         Reply::TokenRecorded => "token recorded".into(),
+        Reply::Compensation {
+            status,
+            attempt,
+            retry_at,
+        } => format!("compensation {status} attempt={attempt} retry_at={retry_at:?}"),
     }
 }
 

@@ -284,7 +284,8 @@ pub fn kernel_error(e: &KernelError) -> (ErrorCode, String) {
         | KernelError::NotStarted { .. }
         | KernelError::AlreadyCompleted { .. }
         | KernelError::ParentMismatch { .. }
-        | KernelError::InvalidState { .. } => ErrorCode::Conflict,
+        | KernelError::InvalidState { .. }
+        | KernelError::Saga { .. } => ErrorCode::Conflict,
         KernelError::IllegalTransition { .. } => ErrorCode::Internal,
     };
     (code, e.to_string())
@@ -636,7 +637,10 @@ impl Core {
                 Answer::Decided(render::decided(&status, approval.map(|a| &**a)))
             }
             Reply::RunState { state, .. } => Answer::Ack(render::run_state(state, &events)),
-            Reply::Compacted { .. } | Reply::TokenRecorded => Answer::Ack(wire::Ack::default()),
+            // Saga commands have no verb yet (issue 14): nothing on the wire reaches them.
+            Reply::Compacted { .. } | Reply::TokenRecorded | Reply::Compensation { .. } => {
+                Answer::Ack(wire::Ack::default())
+            }
         }
     }
 }
