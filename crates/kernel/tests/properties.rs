@@ -6,7 +6,10 @@ mod support;
 
 use estop_kernel::codec::{RecordDecoder, decode_record, encode_record, encode_snapshot};
 use estop_kernel::state::Status;
-use estop_kernel::vocab::{EffectClass, HoldReason, PolicyAction, RefusalReason, RunState};
+use estop_kernel::saga;
+use estop_kernel::vocab::{
+    EffectClass, HoldReason, PolicyAction, RefusalReason, RunState, StopCause,
+};
 use estop_kernel::{Command, Gate, Limits, RunId};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -21,6 +24,7 @@ fn op() -> impl Strategy<Value = String> {
         Just("refund action=approve expiry=50"),
         Just("refund action=approve quorum=2 expiry=80"),
         Just("wipe action=deny"),
+        Just("give comp=ungive"),
     ];
     let arg = prop_oneof![Just("x"), Just("y")];
     let start = prop_oneof![Just(""), Just(" start=false")];
@@ -37,9 +41,16 @@ fn op() -> impl Strategy<Value = String> {
             .prop_map(|(r, k, o)| format!("agent complete {r} {k} last {o}")),
         4 => (who_op.clone(), run.clone(), key.clone(), prop_oneof![Just("approve"), Just("reject")])
             .prop_map(|(w, r, k, d)| format!("{w} {d} {r} {k}")),
-        1 => (who_op, run.clone(), prop_oneof![Just("cancel"), Just("pause"), Just("resume"), Just("close")])
+        1 => (who_op.clone(), run.clone(), prop_oneof![Just("cancel"), Just("kill"), Just("pause"), Just("resume"), Just("close")])
             .prop_map(|(w, r, v)| format!("{w} {v} {r}")),
-        1 => run.prop_map(|r| format!("agent tick {r}")),
+        1 => run.clone().prop_map(|r| format!("agent tick {r}")),
+        // The reverse saga: executors begin and end numbered attempts, operators settle, retry
+        // and skip.
+        3 => (run.clone(), key.clone(), 1u32..4).prop_map(|(r, k, n)| format!("agent begin {r} {k} {n}")),
+        3 => (run.clone(), key.clone(), 1u32..4, prop_oneof![Just("ok"), Just("error"), Just("unknown")])
+            .prop_map(|(r, k, n, o)| format!("agent end {r} {k} {n} {o}")),
+        2 => (who_op, run.clone(), key.clone(), prop_oneof![Just("settle {} {} ok"), Just("settle {} {} error"), Just("retry {} {}"), Just("skip {} {} reason=x")])
+            .prop_map(|(w, r, k, v)| format!("{w} {}", v.replacen("{}", r, 1).replacen("{}", k, 1))),
         1 => (0u64..60, 0u64..200).prop_map(|(a, b)| format!("agent compact-ago {a} {b}")),
     ]
 }
@@ -125,6 +136,8 @@ proptest! {
         let mut admissions: BTreeMap<(RunId, String), u32> = BTreeMap::new();
         let mut rejected: BTreeSet<(RunId, [u8; 32])> = BTreeSet::new();
         let mut cancelled: BTreeSet<RunId> = BTreeSet::new();
+        let mut compensated: BTreeSet<(RunId, String)> = BTreeSet::new();
+        let mut begun: BTreeMap<(RunId, String), u32> = BTreeMap::new();
         let mut log = Vec::new();
         for (line, dt) in &ops {
             now += dt;
@@ -185,7 +198,32 @@ proptest! {
                     if e.status == Status::Refused(RefusalReason::Rejected) && was != Some(e.status) {
                         rejected.insert((run_id.clone(), e.digest.0));
                     }
-                    // Invariant: the pending counter matches the held-for-approval effects.
+                    let id = (run_id.clone(), key.to_string());
+                    if e.status == Status::Compensating && was != Some(Status::Compensating) {
+                        // Never for a kill, a deadline, a budget or a close: only after a cancel.
+                        let cause = run.stop.as_ref().map(|s| s.cause);
+                        prop_assert_eq!(cause, Some(StopCause::Cancelled), "compensation of {}/{} without a cancel", run_id, key);
+                        // Each attempt begins once, numbered upwards: a repeat begins nothing.
+                        let attempt = e.saga.as_ref().unwrap().attempts;
+                        let last = begun.insert(id.clone(), attempt).unwrap_or(0);
+                        prop_assert!(attempt > last, "attempt {} of {}/{} began again", attempt, run_id, key);
+                        // Newest first: nothing newer in the saga is still open.
+                        let serial = e.token.unwrap().serial;
+                        for (k2, e2) in &run.effects {
+                            if saga::member(e2) && e2.token.unwrap().serial > serial {
+                                prop_assert!(matches!(e2.status, Status::Compensated | Status::CompensationSkipped),
+                                    "{}/{} compensated before newer {} ({})", run_id, key, k2, e2.status.kind());
+                            }
+                        }
+                    }
+                    if e.status == Status::Compensated && was != Some(Status::Compensated) {
+                        // No compensation completes twice.
+                        prop_assert!(compensated.insert(id), "{}/{} compensated twice", run_id, key);
+                    }
+                }
+                // A cancelled run is cancelled only once its saga is settled.
+                if run.state == RunState::Cancelled && run.stop.as_ref().is_some_and(|s| s.cause == StopCause::Cancelled) {
+                    prop_assert!(!saga::owed(run), "{} cancelled with its saga open", run_id);
                 }
                 let held = run.effects.values().filter(|e| e.status == Status::Held(HoldReason::Approval)).count();
                 prop_assert_eq!(held as u32, run.pending_approvals, "pending counter drifted in {}", run_id);
@@ -204,6 +242,8 @@ proptest! {
             // G2, G3 and G4 remember a run until its tombstone expires; then the id is new.
             let known = |r: &RunId| gate.run(r).is_some() || gate.tombstone(r).is_some();
             cancelled.retain(|r| known(r));
+            compensated.retain(|(r, _)| known(r));
+            begun.retain(|(r, _), _| known(r));
             admissions.retain(|(r, _), _| known(r));
             rejected.retain(|(r, _)| known(r));
         }
