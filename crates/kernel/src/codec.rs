@@ -3,16 +3,14 @@
 //! Byte layout: docs/LEDGER.md, "Record payloads" and "Compaction records and snapshot payloads".
 
 use crate::command::{
-    Admit, Command, PolicyDecision, Record, RunLimits, SagaAction, Token, TokenAction,
-    TokenChange,
+    Admit, Command, PolicyDecision, Record, RunLimits, SagaAction, Token, TokenAction, TokenChange,
 };
 use crate::gate::Gate;
 use crate::ids::{Digest, EffectKey, IdError, Principal, PrincipalName, Role, RunId, ToolName};
 use crate::limits::Limits;
 use crate::runs::Runs;
 use crate::state::{
-    Approval, Approver, Compensation, Effect, Interner, OutcomeRecord, Run, Status, Stop,
-    Tombstone,
+    Approval, Approver, Compensation, Effect, Interner, OutcomeRecord, Run, Status, Stop, Tombstone,
 };
 use crate::tombstones::Tombstones;
 use crate::vocab::{
@@ -261,7 +259,13 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
     w.strs(&rec.principal.groups);
     match &rec.command {
         Command::Admit(a) => {
-            w.u8(1);
+            // Tag 17 is an admission whose policy says how to build its compensation's
+            // arguments; without that it is written as before (tag 1).
+            w.u8(if a.policy.compensate_args.is_some() {
+                17
+            } else {
+                1
+            });
             w.str(a.run.as_str());
             w.str(a.key.as_str());
             w.str(a.tool.as_str());
@@ -285,6 +289,9 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
             w.strs(&p.groups);
             w.u64(p.expiry_ms);
             w.str(&p.rule);
+            if let Some(m) = &p.compensate_args {
+                w.str(m);
+            }
         }
         Command::Recheck { run, key } => {
             w.u8(2);
@@ -445,7 +452,7 @@ impl RecordDecoder {
         let at = r.u64()?;
         let principal = self.principal(&mut r)?;
         let command = match r.u8()? {
-            1 => {
+            tag @ (1 | 17) => {
                 let run = self.run(&mut r)?;
                 let key = r.key()?;
                 let tool = self.tool(&mut r)?;
@@ -467,10 +474,18 @@ impl RecordDecoder {
                     class: r.enum_of(EffectClass::ALL)?,
                     reversibility: r.enum_of(Reversibility::ALL)?,
                     compensate: r.opt(R::tool)?,
+                    compensate_args: None,
                     quorum: r.u32()?,
                     groups: r.strs()?,
                     expiry_ms: r.u64()?,
                     rule: self.rule(&mut r)?,
+                };
+                let policy = PolicyDecision {
+                    compensate_args: match tag {
+                        17 => Some(r.str()?.into()),
+                        _ => None,
+                    },
+                    ..policy
                 };
                 Command::Admit(Admit {
                     run,
@@ -567,9 +582,7 @@ impl RecordDecoder {
                 action: match r.u8()? {
                     0 => SagaAction::Settle(r.enum_of(Outcome::ALL)?),
                     1 => SagaAction::Retry,
-                    2 => SagaAction::Skip {
-                        reason: r.boxed()?,
-                    },
+                    2 => SagaAction::Skip { reason: r.boxed()? },
                     t => return Err(r.err(format!("unknown saga action {t}"))),
                 },
             },
@@ -733,6 +746,7 @@ fn put_effect(w: &mut W, e: &Effect) {
             w.opt_str(o.error.as_deref());
         }
     }
+    w.opt_str(e.compensate_args.as_deref());
     match &e.saga {
         None => w.u8(0),
         Some(c) => {
@@ -805,10 +819,11 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
             error: r.opt(R::boxed)?,
         }))
     })?;
-    let saga = if version < 3 {
-        None
+    let (compensate_args, saga) = if version < 3 {
+        (None, None)
     } else {
-        r.opt(|r| {
+        let args = r.opt(R::str)?.map(std::sync::Arc::from);
+        let saga = r.opt(|r| {
             Ok(Box::new(Compensation {
                 attempts: r.u32()?,
                 granted: r.u32()?,
@@ -817,7 +832,8 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
                 note: r.opt(R::boxed)?,
                 by: r.opt(R::principal_name)?,
             }))
-        })?
+        })?;
+        (args, saga)
     };
     Ok(Effect {
         tool,
@@ -825,6 +841,7 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
         class,
         reversibility,
         compensate,
+        compensate_args,
         rule,
         action,
         approval,

@@ -14,6 +14,9 @@ pub struct PolicyDecision {
     pub class: EffectClass,
     pub reversibility: Reversibility,
     pub compensate: Option<ToolName>,
+    /// How the compensating call's arguments are built (`compensate_args`, CEL text), kept as
+    /// the policy said it at admission; the shell evaluates it when the saga gets there.
+    pub compensate_args: Option<std::sync::Arc<str>>,
     /// Distinct approvers needed (≥ 1 when `action` is approve).
     pub quorum: u32,
     /// Each group needs at least one distinct approver carrying it.

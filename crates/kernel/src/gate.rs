@@ -121,7 +121,11 @@ fn hidden_owner(principal: &Principal, owner: &Option<PrincipalName>) -> bool {
     principal.role == Role::Agent && owner.as_ref().is_some_and(|o| *o != principal.name)
 }
 
-pub(crate) fn bounded(text: &Option<Box<str>>, max: usize, limit: &'static str) -> Result<(), KernelError> {
+pub(crate) fn bounded(
+    text: &Option<Box<str>>,
+    max: usize,
+    limit: &'static str,
+) -> Result<(), KernelError> {
     match text {
         Some(t) if t.len() > max => Err(KernelError::limit(limit, max)),
         _ => Ok(()),
@@ -1363,10 +1367,7 @@ impl Gate {
     /// A stopped run whose last in-flight effect settled, and whose saga (after a cancel) is
     /// settled too, reaches its terminal state.
     pub(crate) fn settle_run(run_id: &RunId, run: &mut Run, ev: &mut Sink) {
-        if run.state == RunState::Finalizing
-            && run.in_flight == 0
-            && !crate::saga::unsettled(run)
-        {
+        if run.state == RunState::Finalizing && run.in_flight == 0 && !crate::saga::unsettled(run) {
             let to = terminal_state(
                 run.stop
                     .as_ref()
@@ -1595,12 +1596,12 @@ impl Gate {
                 continue;
             }
             // A cancel (not a kill) owes the reverse saga of what already happened.
-            let to = if run.in_flight > 0 || (cause == StopCause::Cancelled && crate::saga::owed(run))
-            {
-                RunState::Finalizing
-            } else {
-                terminal_state(cause)
-            };
+            let to =
+                if run.in_flight > 0 || (cause == StopCause::Cancelled && crate::saga::owed(run)) {
+                    RunState::Finalizing
+                } else {
+                    terminal_state(cause)
+                };
             assert!(run_legal(run.state, to), "{} -> {}", run.state, to);
             run.epoch += 1;
             run.stop = Some(Stop {

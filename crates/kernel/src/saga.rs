@@ -162,7 +162,50 @@ fn reply(e: &Effect) -> Reply {
     }
 }
 
+/// When attempt `attempt` of the compensation of `key` may begin, or why it may not: it must
+/// be the saga's head, waiting for that very attempt.
+fn due(
+    run: &Run,
+    run_id: &RunId,
+    key: &EffectKey,
+    effect: &Effect,
+    attempt: u32,
+) -> Result<u64, KernelError> {
+    match next(run) {
+        Some((head, Next::Begin { attempt: due, at })) if head == key => {
+            if attempt != due {
+                return Err(saga_error(
+                    run_id,
+                    key,
+                    format!("the next attempt of its compensation is {due}, not {attempt}"),
+                ));
+            }
+            Ok(at)
+        }
+        Some((head, _)) if head == key => Err(saga_error(
+            run_id,
+            key,
+            format!(
+                "its compensation cannot begin while it is {}",
+                effect.status.kind()
+            ),
+        )),
+        Some((head, _)) => Err(saga_error(
+            run_id,
+            key,
+            format!("the saga compensates newest first: {head} comes before it"),
+        )),
+        None => Err(saga_error(
+            run_id,
+            key,
+            "it is not awaiting compensation (only a cancelled run's open compensable effects \
+             are)",
+        )),
+    }
+}
+
 impl Gate {
+    #[allow(clippy::too_many_arguments)]
     /// `CompensationBegin`: attempt `attempt` of the head's compensation begins. The same
     /// begin again (a retried request) answers as it did and changes nothing.
     pub(crate) fn compensation_begin(
@@ -185,43 +228,7 @@ impl Gate {
         if effect.status == Status::Compensating && attempts == attempt {
             return Ok((reply(effect), false));
         }
-        let at = match next(run) {
-            Some((head, Next::Begin { attempt: due, at })) if head == key => {
-                if attempt != due {
-                    return Err(saga_error(
-                        run_id,
-                        key,
-                        format!("the next attempt of its compensation is {due}, not {attempt}"),
-                    ));
-                }
-                at
-            }
-            Some((head, _)) if head == key => {
-                return Err(saga_error(
-                    run_id,
-                    key,
-                    format!(
-                        "its compensation cannot begin while it is {}",
-                        effect.status.kind()
-                    ),
-                ));
-            }
-            Some((head, _)) => {
-                return Err(saga_error(
-                    run_id,
-                    key,
-                    format!("the saga compensates newest first: {head} comes before it"),
-                ));
-            }
-            None => {
-                return Err(saga_error(
-                    run_id,
-                    key,
-                    "it is not awaiting compensation (only a cancelled run's open compensable \
-                     effects are)",
-                ));
-            }
-        };
+        let at = due(run, run_id, key, effect, attempt)?;
         if now < at {
             return Err(saga_error(
                 run_id,

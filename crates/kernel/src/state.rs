@@ -150,6 +150,8 @@ pub struct Effect {
     pub class: EffectClass,
     pub reversibility: Reversibility,
     pub compensate: Option<ToolName>,
+    /// `compensate_args` as recorded with the admission (CEL text).
+    pub compensate_args: Option<Arc<str>>,
     /// Shared with every effect the same rule decided (see `Interner`).
     pub rule: Arc<str>,
     pub action: PolicyAction,
@@ -218,6 +220,7 @@ impl Effect {
             class: p.class,
             reversibility: p.reversibility,
             compensate: p.compensate.clone(),
+            compensate_args: p.compensate_args.clone(),
             rule,
             action: p.action,
             approval: None,

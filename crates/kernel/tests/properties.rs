@@ -5,8 +5,8 @@
 mod support;
 
 use estop_kernel::codec::{RecordDecoder, decode_record, encode_record, encode_snapshot};
-use estop_kernel::state::Status;
 use estop_kernel::saga;
+use estop_kernel::state::Status;
 use estop_kernel::vocab::{
     EffectClass, HoldReason, PolicyAction, RefusalReason, RunState, StopCause,
 };
@@ -125,7 +125,6 @@ fn chain(gate: &Gate, run: &RunId) -> Vec<RunId> {
     out
 }
 
-
 /// What the saga checks remember across steps.
 #[derive(Default)]
 struct SagaSeen {
@@ -147,26 +146,50 @@ fn check_saga_step(
         let id = (run_id.clone(), key.to_string());
         if e.status == Status::Compensating && was != Some(Status::Compensating) {
             let cause = run.stop.as_ref().map(|s| s.cause);
-            prop_assert_eq!(cause, Some(StopCause::Cancelled), "compensation of {}/{} without a cancel", run_id, key);
+            prop_assert_eq!(
+                cause,
+                Some(StopCause::Cancelled),
+                "compensation of {}/{} without a cancel",
+                run_id,
+                key
+            );
             let attempt = e.saga.as_ref().unwrap().attempts;
             let last = seen.begun.insert(id.clone(), attempt).unwrap_or(0);
-            prop_assert!(attempt > last, "attempt {} of {}/{} began again", attempt, run_id, key);
+            prop_assert!(
+                attempt > last,
+                "attempt {} of {}/{} began again",
+                attempt,
+                run_id,
+                key
+            );
             let serial = e.token.unwrap().serial;
             for (k2, e2) in &run.effects {
                 if saga::member(e2) && e2.token.unwrap().serial > serial {
                     prop_assert!(
                         matches!(e2.status, Status::Compensated | Status::CompensationSkipped),
-                        "{}/{} compensated before newer {} ({})", run_id, key, k2, e2.status.kind()
+                        "{}/{} compensated before newer {} ({})",
+                        run_id,
+                        key,
+                        k2,
+                        e2.status.kind()
                     );
                 }
             }
         }
         if e.status == Status::Compensated && was != Some(Status::Compensated) {
-            prop_assert!(seen.compensated.insert(id), "{}/{} compensated twice", run_id, key);
+            prop_assert!(
+                seen.compensated.insert(id),
+                "{}/{} compensated twice",
+                run_id,
+                key
+            );
         }
     }
     if run.state == RunState::Cancelled
-        && run.stop.as_ref().is_some_and(|s| s.cause == StopCause::Cancelled)
+        && run
+            .stop
+            .as_ref()
+            .is_some_and(|s| s.cause == StopCause::Cancelled)
     {
         prop_assert!(!saga::owed(run), "{} cancelled with its saga open", run_id);
     }

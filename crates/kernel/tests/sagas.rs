@@ -10,8 +10,8 @@ use support::check;
 #[test]
 fn cancel_compensates_newest_first_then_the_run_is_cancelled() {
     check(
-        "
-        0 agent admit r1 k1 refund comp=unrefund
+        r#"
+        0 agent admit r1 k1 refund comp=unrefund cargs={"id":result}
         1 agent complete r1 k1 1.1 ok
         2 agent admit r1 k2 email
         3 agent complete r1 k2 1.2 ok
@@ -25,9 +25,9 @@ fn cancel_compensates_newest_first_then_the_run_is_cancelled() {
         11 agent end r1 k3 1 ok
         12 agent begin r1 k1 1
         13 agent end r1 k1 1 ok
-        ",
+        "#,
         expect![[r#"
-            0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
+            0 agent admit r1 k1 refund comp=unrefund cargs={"id":result} => admitted 1.1
             1 agent complete r1 k1 1.1 ok                => completed
             2 agent admit r1 k2 email                    => admitted 1.2
             3 agent complete r1 k2 1.2 ok                => completed
@@ -43,7 +43,7 @@ fn cancel_compensates_newest_first_then_the_run_is_cancelled() {
             13 agent end r1 k1 1 ok                      => compensation compensated attempt=1
             --
             run r1 cancelled stop=cancelled epoch=2 admitted=3 pending=0 in_flight=0
-              k1 refund compensated undo=unrefund attempts=1/5
+              k1 refund compensated undo=unrefund undo_args={"id":result} attempts=1/5
               k2 email completed
               k3 refund compensated undo=unrefund attempts=1/5
         "#]],

@@ -46,6 +46,7 @@
 mod duration;
 mod error;
 mod file;
+mod mapping;
 mod pattern;
 mod when;
 
@@ -59,6 +60,7 @@ use estop_kernel::{PolicyDecision, RunLimits};
 pub use duration::{DURATION_MS_MAX, parse_ms as parse_duration_ms};
 pub use error::{EvalError, PolicyError};
 pub use file::{POLICY_BYTES_MAX, QUORUM_MAX, RULES_MAX};
+pub use mapping::{Mapping, compensation_args};
 pub use when::{ARGS_DEPTH_MAX, WHEN_BYTES_MAX};
 
 use pattern::ToolPattern;
@@ -117,6 +119,7 @@ struct Rule {
     class: EffectClass,
     reversibility: Reversibility,
     compensate: Option<ToolName>,
+    compensate_args: Option<Arc<str>>,
     quorum: u32,
     groups: Vec<String>,
     expiry_ms: u64,
@@ -134,6 +137,7 @@ impl Rule {
             class: self.class,
             reversibility: self.reversibility,
             compensate: self.compensate.clone(),
+            compensate_args: self.compensate_args.clone(),
             quorum: self.quorum,
             groups: self.groups.clone(),
             expiry_ms: self.expiry_ms,
@@ -153,6 +157,8 @@ pub struct Verdict {
     pub reversibility: Reversibility,
     /// The tool that undoes this one, if the rule names one.
     pub compensate: Option<ToolName>,
+    /// How its arguments are built from the forward call (`compensate_args`, CEL text).
+    pub compensate_args: Option<Arc<str>>,
     /// Distinct approvers needed (meaningful when `action` is approve; 1 otherwise).
     pub quorum: u32,
     /// Groups that must each supply at least one of the approvers (approve only).
@@ -194,6 +200,7 @@ impl From<Verdict> for PolicyDecision {
             class: v.class,
             reversibility: v.reversibility,
             compensate: v.compensate,
+            compensate_args: v.compensate_args,
             quorum: v.quorum,
             groups: v.groups.into_iter().map(String::into_boxed_str).collect(),
             expiry_ms: v.expiry_ms,
@@ -203,7 +210,7 @@ impl From<Verdict> for PolicyDecision {
 }
 
 /// The shared CEL environment (standard library and macros), built once per process.
-fn cel_env() -> Arc<cel::Env> {
+pub(crate) fn cel_env() -> Arc<cel::Env> {
     static ENV: OnceLock<Arc<cel::Env>> = OnceLock::new();
     Arc::clone(ENV.get_or_init(|| Arc::new(cel::Env::stdlib())))
 }
@@ -248,6 +255,7 @@ impl Policy {
             class: EffectClass::Write,
             reversibility: Reversibility::Undeclared,
             compensate: None,
+            compensate_args: None,
             quorum: if defaults.unknown_tool == PolicyAction::Approve {
                 defaults.quorum
             } else {

@@ -175,6 +175,7 @@ impl Tool {
             },
             reversibility: Reversibility::Undeclared,
             compensate: None,
+            compensate_args: None,
             quorum: self.quorum(),
             groups: self.groups().iter().map(|g| (*g).into()).collect(),
             expiry_ms: self.expiry_ms(),

@@ -49,6 +49,7 @@ pub fn policy(action: PolicyAction) -> PolicyDecision {
         class: EffectClass::Write,
         reversibility: Reversibility::Undeclared,
         compensate: None,
+        compensate_args: None,
         quorum: 1,
         groups: vec![],
         expiry_ms: 1000,
@@ -106,6 +107,9 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
             if let Some(c) = opt("comp") {
                 p.compensate = Some(ToolName::new(c).unwrap());
                 p.reversibility = Reversibility::Compensable;
+            }
+            if let Some(m) = opt("cargs") {
+                p.compensate_args = Some(m.into());
             }
             Command::Admit(Admit {
                 run: run(),
@@ -360,6 +364,9 @@ pub fn render_state(gate: &Gate) -> String {
             }
             if let Some(c) = &e.compensate {
                 write!(s, " undo={c}").unwrap();
+            }
+            if let Some(m) = &e.compensate_args {
+                write!(s, " undo_args={m}").unwrap();
             }
             if let Some(c) = &e.saga {
                 write!(s, " attempts={}/{}", c.attempts, c.granted).unwrap();
