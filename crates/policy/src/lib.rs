@@ -191,6 +191,84 @@ impl Verdict {
     }
 }
 
+/// A client's own declaration of how a call is undone, sent with its admission.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Declared {
+    pub reversibility: Option<Reversibility>,
+    pub compensate: Option<ToolName>,
+    /// `compensate_args` (CEL text), as in a policy rule.
+    pub compensate_args: Option<String>,
+}
+
+impl Verdict {
+    /// Adds a client's declaration to the verdict. It may only add to what policy says, never
+    /// take away or contradict it: a compensation the policy names stays (another tool is
+    /// refused), a mapping the policy gives stays, and a call policy calls irreversible cannot
+    /// be declared undoable. Where policy said nothing, the client's word is recorded. The
+    /// error says what conflicts; the caller refuses the admission and records nothing.
+    pub fn declare(&mut self, d: &Declared) -> Result<(), String> {
+        if let Some(tool) = &d.compensate {
+            if tool.as_str().contains(['*', '?']) {
+                return Err(format!("compensate {tool:?} names one tool, not a pattern"));
+            }
+            match &self.compensate {
+                Some(required) if required != tool => {
+                    return Err(format!(
+                        "policy rule {:?} compensates this call with {required}; a client \
+                         cannot replace it with {tool}",
+                        self.rule
+                    ));
+                }
+                _ => {}
+            }
+            if self.reversibility == Reversibility::Irreversible
+                || d.reversibility == Some(Reversibility::Irreversible)
+            {
+                return Err(
+                    "an irreversible call has no compensation: drop compensate or the \
+                     irreversible declaration"
+                        .into(),
+                );
+            }
+        }
+        if let Some(source) = &d.compensate_args {
+            if d.compensate.is_none() && self.compensate.is_none() {
+                return Err("compensate_args without a compensating tool".into());
+            }
+            if self.compensate_args.is_some() {
+                return Err(format!(
+                    "policy rule {:?} already says how the compensation's arguments are built",
+                    self.rule
+                ));
+            }
+            mapping::Mapping::compile(&cel_env(), source)?;
+        }
+        if let Some(r) = d.reversibility
+            && self.reversibility != Reversibility::Undeclared
+            && self.reversibility != r
+        {
+            return Err(format!(
+                "policy rule {:?} declares the call {}; a client cannot declare it {r}",
+                self.rule, self.reversibility
+            ));
+        }
+        // Everything checked: now add.
+        if let Some(tool) = &d.compensate {
+            self.compensate = Some(tool.clone());
+        }
+        if let Some(source) = &d.compensate_args {
+            self.compensate_args = Some(Arc::from(source.as_str()));
+        }
+        if let Some(r) = d.reversibility {
+            self.reversibility = r;
+        }
+        if self.compensate.is_some() && self.reversibility == Reversibility::Undeclared {
+            self.reversibility = Reversibility::Compensable;
+        }
+        Ok(())
+    }
+}
+
 /// The kernel's record of the decision: what the server stores with the admission, so replay
 /// and later policy edits never change it.
 impl From<Verdict> for PolicyDecision {
