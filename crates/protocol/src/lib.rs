@@ -33,7 +33,7 @@ pub use reply::{
     RunsReply, ServerLine, TokenCreated, TokenRevoked, Verdict, parse_server_line,
 };
 pub use request::{
-    Admit, CloseOutcome, Complete, Fields, Limits, Op, Request, RequestError, RequestErrorKind,
-    Secret, Verb, parse_request,
+    Admit, CloseOutcome, Complete, Declare, Fields, Limits, Op, Request, RequestError,
+    RequestErrorKind, Secret, Verb, parse_request,
 };
 pub use soundgate::{SgError, SgReply, SgRequest, parse_soundgate};

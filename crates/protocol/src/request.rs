@@ -90,6 +90,20 @@ pub struct Admit {
     /// The agent asks for approval even where policy would allow (it can only strengthen).
     pub needs_approval: bool,
     pub limits: Limits,
+    /// The client's own word on how the call is undone (it can only add to policy's).
+    pub declare: Option<Declare>,
+}
+
+/// Longest `declare.compensate_args`, in bytes (as a policy's `when`).
+pub const COMPENSATE_ARGS_BYTES_MAX: usize = 4096;
+
+/// `admit`'s `declare`: the policy keys a client may add for its own call (docs/POLICY.md).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Declare {
+    pub reversibility: Option<estop_kernel::vocab::Reversibility>,
+    pub compensate: Option<ToolName>,
+    /// CEL text building the compensating call's arguments.
+    pub compensate_args: Option<String>,
 }
 
 /// `complete`: report what happened to a started effect.
@@ -556,6 +570,7 @@ fn verb_fields(verb: Verb) -> u32 {
             F::Labels,
             F::NeedsApproval,
             F::Limits,
+            F::Declare,
         ],
         Verb::Start => &[F::Run, F::Key, F::Token],
         Verb::Complete => &[F::Run, F::Key, F::Token, F::Outcome, F::Result, F::Error],
@@ -640,6 +655,7 @@ fields! {
     Result = "result", Error = "error", TimeoutMs = "timeout_ms", Reason = "reason",
     Cascade = "cascade", Decision = "decision", State = "state", Limit = "limit",
     After = "after", Name = "name", Role = "role", Groups = "groups", Cursor = "cursor",
+    Declare = "declare",
 }
 
 /// A string borrowed from the line when it has no escapes, owned otherwise.
@@ -668,6 +684,48 @@ impl<'de> Deserialize<'de> for Str<'de> {
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDeclare {
+    reversibility: Option<String>,
+    compensate: Option<String>,
+    compensate_args: Option<String>,
+}
+
+impl RawDeclare {
+    fn parse(self) -> Result<Declare, Kind> {
+        let bad = |why: String| invalid(Field::Declare, why);
+        let reversibility = self
+            .reversibility
+            .map(|r| {
+                estop_kernel::vocab::Reversibility::parse(&r).ok_or_else(|| {
+                    bad(format!(
+                        "reversibility {:?} is not one of reversible, compensable, irreversible, \
+                         undeclared",
+                        truncated(&r)
+                    ))
+                })
+            })
+            .transpose()?;
+        let compensate = self
+            .compensate
+            .map(|t| ToolName::new(&t).map_err(|e| bad(format!("compensate: {e}"))))
+            .transpose()?;
+        if let Some(m) = &self.compensate_args
+            && m.len() > COMPENSATE_ARGS_BYTES_MAX
+        {
+            return Err(bad(format!(
+                "compensate_args is longer than {COMPENSATE_ARGS_BYTES_MAX} bytes"
+            )));
+        }
+        Ok(Declare {
+            reversibility,
+            compensate,
+            compensate_args: self.compensate_args,
+        })
+    }
+}
+
+#[derive(Deserialize)]
 struct RawLimits {
     deadline_ms: Option<u64>,
     timeout_ms: Option<u64>,
@@ -691,6 +749,7 @@ struct Raw<'a> {
     labels: Option<BTreeMap<String, String>>,
     needs_approval: Option<bool>,
     limits: Option<RawLimits>,
+    declare: Option<RawDeclare>,
     token: Option<Str<'a>>,
     outcome: Option<Str<'a>>,
     /// Borrowed from a line; owned when given as a value ([`Fields`]).
@@ -791,6 +850,7 @@ impl<'de> DeserializeSeed<'de> for Slot<'_, 'de> {
             Field::Labels => raw.labels = Deserialize::deserialize(d)?,
             Field::NeedsApproval => raw.needs_approval = Deserialize::deserialize(d)?,
             Field::Limits => raw.limits = Deserialize::deserialize(d)?,
+            Field::Declare => raw.declare = Deserialize::deserialize(d)?,
             Field::Token => raw.token = Deserialize::deserialize(d)?,
             Field::Outcome => raw.outcome = Deserialize::deserialize(d)?,
             Field::Result => raw.result = Some(Cow::Borrowed(Deserialize::deserialize(d)?)),
@@ -1093,6 +1153,7 @@ impl<'a> Raw<'a> {
             labels,
             needs_approval: self.needs_approval.unwrap_or(false),
             limits,
+            declare: self.declare.take().map(RawDeclare::parse).transpose()?,
         })
     }
 
@@ -1395,6 +1456,17 @@ impl Op {
                     put_opt(&mut l, "timeout_ms", a.limits.timeout_ms);
                     put_opt(&mut l, "max_effects", a.limits.max_effects);
                     put(&mut m, "limits", l);
+                }
+                if let Some(d) = &a.declare {
+                    let mut o = serde_json::Map::new();
+                    put_opt(&mut o, "reversibility", d.reversibility.map(|r| r.as_str()));
+                    put_opt(
+                        &mut o,
+                        "compensate",
+                        d.compensate.as_ref().map(|t| t.as_str()),
+                    );
+                    put_opt(&mut o, "compensate_args", d.compensate_args.as_deref());
+                    put(&mut m, "declare", o);
                 }
             }
             Op::Start { run, key, token } => {

@@ -59,6 +59,7 @@ fn admit_base() -> Admit {
         parent: None,
         labels: BTreeMap::new(),
         needs_approval: false,
+        declare: None,
         limits: Limits::default(),
     }
 }
@@ -92,6 +93,7 @@ fn every_verb_parses() {
                 parent: Some(run("p0")),
                 labels: BTreeMap::from([("team".to_string(), "pay".to_string())]),
                 needs_approval: true,
+                declare: None,
                 limits: Limits {
                     deadline_ms: Some(1_700_000_000_000),
                     timeout_ms: Some(5000),
@@ -818,4 +820,43 @@ proptest! {
         let _ = parse_request(&line);
         let _ = parse_request(&base[..cut.min(base.len())]);
     }
+}
+
+/// `admit`'s `declare`: the client's own word on how its call is undone, parsed into typed
+/// values (round trip included) or refused naming the field.
+#[test]
+fn admit_declare_parses_and_bad_declarations_are_refused() {
+    let line = r#"{"op":"admit","run":"r1","key":"k1","tool":"refund","args":{"to":"acct-1","amount":10},
+        "declare":{"reversibility":"compensable","compensate":"reverse_refund","compensate_args":"{\"id\": result.id}"}}"#;
+    let got = op(line);
+    let expected = Op::Admit(Admit {
+        declare: Some(estop_protocol::Declare {
+            reversibility: Some(estop_kernel::vocab::Reversibility::Compensable),
+            compensate: Some(tool("reverse_refund")),
+            compensate_args: Some(r#"{"id": result.id}"#.into()),
+        }),
+        ..admit_base()
+    });
+    assert_eq!(got, expected);
+    let req = Request::new(Id::from_u64(1), got);
+    assert_eq!(ok(std::str::from_utf8(&req.to_line()).unwrap()), req);
+    let base = r#"{"op":"admit","run":"r1","key":"k1","tool":"t","args":{},"declare":"#;
+    for bad in [
+        r#"{"reversibility":"undoable"}"#,
+        r#"{"compensate":""}"#,
+        r#"{"compensate":"x","surprise":1}"#,
+        r#""reverse_refund""#,
+    ] {
+        refused(
+            &format!("{base}{bad}}}"),
+            ErrorCode::InvalidField,
+            Some("declare"),
+        );
+    }
+    let long = "x".repeat(estop_protocol::request::COMPENSATE_ARGS_BYTES_MAX + 1);
+    refused(
+        &format!(r#"{base}{{"compensate":"u","compensate_args":"{long}"}}}}"#),
+        ErrorCode::InvalidField,
+        Some("declare"),
+    );
 }

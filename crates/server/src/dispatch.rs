@@ -341,6 +341,17 @@ fn admit_command(
         }
     };
     verdict.strengthen(a.needs_approval);
+    if let Some(d) = &a.declare {
+        // The client's word may only add to policy's; a conflict refuses the admit, unrecorded.
+        let declared = estop_policy::Declared {
+            reversibility: d.reversibility,
+            compensate: d.compensate.clone(),
+            compensate_args: d.compensate_args.clone(),
+        };
+        verdict
+            .declare(&declared)
+            .map_err(|e| err(ErrorCode::InvalidField, format!("declare: {e}")))?;
+    }
     let now = crate::conn::wall_ms();
     let mut limits: RunLimits = policy.run_limits(now);
     let min = |x: Option<u64>, y: Option<u64>| match (x, y) {
@@ -538,6 +549,7 @@ token_revoke               | work token_revoke | forbidden        | forbidden   
                 labels: Default::default(),
                 needs_approval: false,
                 limits: Limits::default(),
+                declare: None,
             })
         };
         let complete = |token: &str| {
@@ -771,6 +783,62 @@ token_revoke               | work token_revoke | forbidden        | forbidden   
             writeln!(table, " | {}", cells[3]).unwrap();
         }
         assert_eq!(table, EXPECTED, "the routes are now:\n{table}");
+    }
+
+    /// An admit's `declare` reaches the recorded policy decision when it only adds to policy,
+    /// and a declaration that contradicts policy is refused before anything is recorded.
+    #[test]
+    fn an_admit_declaration_is_recorded_or_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = shared(dir.path());
+        let agent = principal(Role::Agent);
+        let admit = |declare: estop_protocol::Declare| {
+            let tool = estop_kernel::ToolName::new("book").unwrap();
+            let args = serde_json::json!({"room": 1});
+            Op::Admit(Admit {
+                run: run(),
+                key: key(),
+                digest: estop_protocol::digest_of(&tool, &args),
+                tool,
+                args: Some(args),
+                start: true,
+                parent: None,
+                labels: Default::default(),
+                needs_approval: false,
+                limits: Limits::default(),
+                declare: Some(declare),
+            })
+        };
+        let unbook = estop_kernel::ToolName::new("unbook").unwrap();
+        let added = estop_protocol::Declare {
+            compensate: Some(unbook.clone()),
+            compensate_args: Some(r#"{"id": result.id}"#.into()),
+            ..Default::default()
+        };
+        match route(&shared, Some(&agent), admit(added)) {
+            Route::Core(Ask::Apply {
+                cmd: Command::Admit(a),
+                ..
+            }) => {
+                assert_eq!(a.policy.compensate, Some(unbook));
+                assert_eq!(
+                    a.policy.reversibility,
+                    estop_kernel::vocab::Reversibility::Compensable
+                );
+                assert_eq!(
+                    a.policy.compensate_args.as_deref(),
+                    Some(r#"{"id": result.id}"#)
+                );
+            }
+            other => panic!("{}", kind(&other)),
+        }
+        let contradicts = estop_protocol::Declare {
+            compensate: Some(estop_kernel::ToolName::new("unbook").unwrap()),
+            reversibility: Some(estop_kernel::vocab::Reversibility::Irreversible),
+            ..Default::default()
+        };
+        let refused = route(&shared, Some(&agent), admit(contradicts));
+        assert_eq!(kind(&refused), "invalid_field");
     }
 
     /// The role check is `Verb::allowed_for`, and nothing else: every verb an authenticated
