@@ -157,7 +157,8 @@ pub struct Effect {
     pub action: PolicyAction,
     pub approval: Option<Box<Approval>>,
     /// The arguments as the compact JSON text the gate validated at admission, kept only while
-    /// an operator may need to review them. Shared (`Arc`), so a listing copies a pointer, not
+    /// an operator may need to review them, or for good when `compensate_args` builds the
+    /// compensating call from them. Shared (`Arc`), so a listing copies a pointer, not
     /// the text, and never parses it again: the renderer writes it out as it is.
     pub args: Option<Arc<str>>,
     pub start_on_admit: bool,
@@ -202,7 +203,11 @@ impl Effect {
             Status::Admitted
         };
         self.token = Some(token);
-        self.args = None;
+        // The arguments were kept for an operator's review; an effect whose compensation is
+        // built from them (`compensate_args`) keeps them for the saga.
+        if self.compensate_args.is_none() {
+            self.args = None;
+        }
         self.updated_at = now;
     }
 

@@ -43,7 +43,7 @@ fn cancel_compensates_newest_first_then_the_run_is_cancelled() {
             13 agent end r1 k1 1 ok                      => compensation compensated attempt=1
             --
             run r1 cancelled stop=cancelled epoch=2 admitted=3 pending=0 in_flight=0
-              k1 refund compensated undo=unrefund undo_args={"id":result} attempts=1/5
+              k1 refund compensated undo=unrefund undo_args={"id":result} args={"arg":""} attempts=1/5
               k2 email completed
               k3 refund compensated undo=unrefund attempts=1/5
         "#]],

@@ -366,7 +366,8 @@ fn admit_command(
         ),
     );
     limits.max_effects = min(limits.max_effects, a.limits.max_effects);
-    let args = if verdict.action == PolicyAction::Approve {
+    // Kept for an operator's review, or for the saga when the compensation is built from them.
+    let args = if verdict.action == PolicyAction::Approve || verdict.compensate_args.is_some() {
         a.args.as_ref().map(|v| v.to_string().into_boxed_str())
     } else {
         None
@@ -829,6 +830,8 @@ token_revoke               | work token_revoke | forbidden        | forbidden   
                     a.policy.compensate_args.as_deref(),
                     Some(r#"{"id": result.id}"#)
                 );
+                // The saga builds the compensation from the forward arguments: they are kept.
+                assert_eq!(a.args.as_deref(), Some(r#"{"room":1}"#));
             }
             other => panic!("{}", kind(&other)),
         }

@@ -367,6 +367,9 @@ pub fn render_state(gate: &Gate) -> String {
             }
             if let Some(m) = &e.compensate_args {
                 write!(s, " undo_args={m}").unwrap();
+                if let Some(a) = &e.args {
+                    write!(s, " args={a}").unwrap();
+                }
             }
             if let Some(c) = &e.saga {
                 write!(s, " attempts={}/{}", c.attempts, c.granted).unwrap();
