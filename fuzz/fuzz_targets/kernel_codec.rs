@@ -3,7 +3,7 @@
 #![no_main]
 
 use estop_kernel::Limits;
-use estop_kernel::codec::{
+use estop_kernel::record_codec::{
     RecordDecoder, decode_record, decode_snapshot, encode_record, encode_snapshot,
 };
 use libfuzzer_sys::fuzz_target;

@@ -2,7 +2,7 @@
 //! identities, memory per retained identity (with short keys and with keys shaped like the
 //! Python client's), and recovery speed with and without a snapshot, warm and cold.
 
-use estop_kernel::codec::{encode_record, encode_snapshot};
+use estop_kernel::record_codec::{encode_record, encode_snapshot};
 use estop_kernel::vocab::{EffectClass, Outcome, PolicyAction, Reversibility};
 use estop_kernel::{
     Admit, Command, Digest, EffectKey, Gate, Limits, PolicyDecision, Principal, PrincipalName,
@@ -229,7 +229,7 @@ pub fn memory_per_identity(identities: u64, per_run: u64, shape: KeyShape) -> (M
 /// tombstones to reuse, and the growth would read low). Returned like `memory_per_identity`.
 pub fn memory_per_tombstone(tombstones: u64, id_bytes: usize) -> (MemoryReport, Gate) {
     let mut snap = Vec::with_capacity(17 + tombstones as usize * (id_bytes + 40));
-    snap.push(estop_kernel::codec::SNAPSHOT_VERSION);
+    snap.push(estop_kernel::record_codec::SNAPSHOT_VERSION);
     snap.extend_from_slice(&0u64.to_le_bytes()); // no runs
     snap.extend_from_slice(&tombstones.to_le_bytes());
     for i in 0..tombstones {
@@ -245,7 +245,7 @@ pub fn memory_per_tombstone(tombstones: u64, id_bytes: usize) -> (MemoryReport, 
         snap.extend_from_slice(&(2000 + i).to_le_bytes()); // stopped_at
     }
     let before = rss_bytes();
-    let gate = estop_kernel::codec::decode_snapshot(&snap, unbounded())
+    let gate = estop_kernel::record_codec::decode_snapshot(&snap, unbounded())
         .expect("the snapshot written above decodes");
     let after = rss_bytes();
     assert_eq!(gate.tombstone_count() as u64, tombstones);

@@ -5,6 +5,7 @@
 //! throughput with the disk's raw group-commit rate at the same number of writers.
 
 pub mod cache;
+pub mod egress;
 pub mod kernel;
 pub mod load;
 pub mod metrics;

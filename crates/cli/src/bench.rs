@@ -51,6 +51,24 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// The egress proxy's overhead per request against a direct connection (p50/p99), and
+    /// the start time of `estop run -- true` (docs/PERFORMANCE.md, "Egress").
+    Egress {
+        /// Concurrent connections; a list runs each in turn.
+        #[arg(long, value_delimiter = ',', default_value = "1,32")]
+        connections: Vec<usize>,
+        /// Requests per connection.
+        #[arg(long, default_value_t = 500)]
+        requests: usize,
+        /// `estop run -- true` to time (0 skips it).
+        #[arg(long, default_value_t = 20)]
+        starts: usize,
+        /// Data dir of the daemon the bench starts.
+        #[arg(long, default_value = "estop-bench-data")]
+        data: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// Recovery speed from a large ledger, with and without a snapshot.
     Recovery {
         #[arg(long, default_value_t = 10_000_000)]
@@ -197,6 +215,13 @@ pub fn run(a: BenchArgs) -> Result<u8> {
             ceiling(o, &data, json)
         }
         Some(BenchCmd::Kernel { identities, json }) => kernel(identities, json),
+        Some(BenchCmd::Egress {
+            connections,
+            requests,
+            starts,
+            data,
+            json,
+        }) => egress(connections, requests, starts, &data, json),
         Some(BenchCmd::Recovery {
             records,
             data,
@@ -204,6 +229,86 @@ pub fn run(a: BenchArgs) -> Result<u8> {
         }) => recovery(records, &data, json),
         None => load_bench(a.load),
     }
+}
+
+fn egress(
+    connections: Vec<usize>,
+    requests: usize,
+    starts: usize,
+    data: &Path,
+    json: bool,
+) -> Result<u8> {
+    let spawned = spawn_daemon(data)?;
+    let token = std::fs::read_to_string(data.join("agent.token"))
+        .context("reading DATA/agent.token")?
+        .trim()
+        .to_string();
+    let o = estop_bench::egress::EgressOptions {
+        socket: spawned.socket.clone(),
+        token,
+        data: data.to_path_buf(),
+        connections,
+        requests: requests.max(1),
+        starts,
+        estop: std::env::current_exe()?,
+    };
+    let rows = estop_bench::egress::proxy_overhead(&o).context("the proxy benchmark")?;
+    if !json {
+        println!(
+            "egress proxy: GET through the proxy (admitted + completed, upstream dialled per request) vs direct keep-alive, same local server; https after the first handshake"
+        );
+        println!(
+            "{:>6} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "scheme",
+            "conns",
+            "requests",
+            "direct p50",
+            "direct p99",
+            "proxy p50",
+            "proxy p99",
+            "added p50"
+        );
+    }
+    for r in &rows {
+        let added = i64::from(r.proxied_p50_us) - i64::from(r.direct_p50_us);
+        if json {
+            println!(
+                "{}",
+                json!({"bench": "egress", "scheme": r.scheme, "connections": r.connections, "requests": r.requests,
+                "direct_p50_us": r.direct_p50_us, "direct_p99_us": r.direct_p99_us,
+                "proxied_p50_us": r.proxied_p50_us, "proxied_p99_us": r.proxied_p99_us,
+                "added_p50_us": added})
+            );
+        } else {
+            println!(
+                "{:>6} {:>5} {:>8} {:>8}us {:>8}us {:>8}us {:>8}us {:>8}us",
+                r.scheme,
+                r.connections,
+                r.requests,
+                r.direct_p50_us,
+                r.direct_p99_us,
+                r.proxied_p50_us,
+                r.proxied_p99_us,
+                added
+            );
+        }
+    }
+    if starts > 0 {
+        let s = estop_bench::egress::sandbox_start(&o).context("timing estop run -- true")?;
+        if json {
+            println!(
+                "{}",
+                json!({"bench": "sandbox_start", "runs": s.runs, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms})
+            );
+        } else {
+            println!(
+                "estop run -- true: p50 {:.1} ms, p99 {:.1} ms ({} runs, spawn to exit)",
+                s.p50_ms, s.p99_ms, s.runs
+            );
+        }
+    }
+    drop(spawned);
+    Ok(0)
 }
 
 fn load_bench(a: LoadArgs) -> Result<u8> {

@@ -105,7 +105,7 @@ fn show(storage: &FileStorage, run: Option<&str>, json_out: bool) -> Result<u8> 
 }
 
 fn show_record(rv: &RecordView<'_>, run: Option<&str>, json_out: bool) -> Result<(), String> {
-    let rec = estop_kernel::codec::decode_record(rv.payload).map_err(|err| {
+    let rec = estop_kernel::record_codec::decode_record(rv.payload).map_err(|err| {
         format!(
             "seq {} in {} at offset {}: {err}",
             rv.seq, rv.segment, rv.offset

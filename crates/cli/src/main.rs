@@ -3,11 +3,13 @@
 //!
 //! Each command group lives in its own module: `serve`, `ledger` (the files), `read` (runs,
 //! pending, status, report) and `act` (decisions, stops, tokens) over `remote` (the typed
-//! client session), `run` (the sandbox, crates/egress) and `bench`.
+//! client session), `run` (the sandbox, crates/egress), `mcp` (the MCP gateway, crates/mcp)
+//! and `bench`.
 
 mod act;
 mod bench;
 mod ledger;
+mod mcp;
 mod read;
 mod remote;
 mod run;
@@ -92,6 +94,8 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Run a command in a sandbox whose only way out is the gate (docs/EGRESS.md).
     Run(run::RunArgs),
+    /// Serve MCP on stdio, fronting upstream MCP servers; every tool call admitted by the gate (docs/MCP.md).
+    Mcp(mcp::McpArgs),
 }
 
 #[derive(Subcommand)]
@@ -160,6 +164,7 @@ fn run(command: Cmd) -> Result<u8, Failure> {
     match command {
         Cmd::Bench(a) => bench::run(a).map_err(fail),
         Cmd::Run(a) => run::run(a).map_err(fail),
+        Cmd::Mcp(a) => mcp::run(a).map_err(fail),
         Cmd::Serve(a) => serve::serve(*a).map_err(fail),
         Cmd::Ledger { command } => ledger::ledger(command).map_err(fail),
         Cmd::Token { command, conn } => match command {

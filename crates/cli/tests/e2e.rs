@@ -1063,7 +1063,7 @@ fn typed_client_speaks_every_verb() {
     use estop_kernel::vocab::{Decision, HoldReason};
     use estop_protocol::{
         Ack, Admit, DecideReply, ErrorCode, EventKind, Op, PendingReply, Pong, Report, RunView,
-        RunsReply, TokenCreated, TokenRevoked, Verdict,
+        RunsReply, TokenCreated, TokenRevoked, VerdictReply,
     };
     use estop_server::client::ClientError;
 
@@ -1093,16 +1093,16 @@ fn typed_client_speaks_every_verb() {
     assert!(pong.pong);
     let ack: Ack = o.ask(&Op::Subscribe { run: run.clone() }).unwrap();
     assert_eq!(ack, Ack::default());
-    let admitted: Verdict = a.ask(&admit("k1", "pay")).unwrap();
+    let admitted: VerdictReply = a.ask(&admit("k1", "pay")).unwrap();
     assert!(
-        matches!(admitted, Verdict::Admitted { epoch: 1, .. }),
+        matches!(admitted, VerdictReply::Admitted { epoch: 1, .. }),
         "{admitted:?}"
     );
-    let held: Verdict = a.ask(&admit("k2", "refund")).unwrap();
+    let held: VerdictReply = a.ask(&admit("k2", "refund")).unwrap();
     assert!(
         matches!(
             &held,
-            Verdict::Held {
+            VerdictReply::Held {
                 reason: HoldReason::Approval,
                 approval: Some(_),
                 ..

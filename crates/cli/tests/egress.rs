@@ -40,6 +40,10 @@ action = "deny"
 [[rules]]
 tool = "http.*"
 action = "allow"
+
+[[rules]]
+tool = "model.call"
+action = "allow"
 "#;
 
 fn daemon() -> Daemon {
@@ -61,6 +65,8 @@ struct Server {
     port: u16,
     hits: Arc<AtomicUsize>,
     paths: Arc<Mutex<Vec<String>>>,
+    /// Every request's head (request line and headers), as received.
+    heads: Arc<Mutex<Vec<String>>>,
     slow_arrived: mpsc::Receiver<()>,
 }
 
@@ -70,19 +76,21 @@ impl Server {
         let port = listener.local_addr().unwrap().port();
         let hits = Arc::new(AtomicUsize::new(0));
         let paths = Arc::new(Mutex::new(Vec::new()));
+        let heads = Arc::new(Mutex::new(Vec::new()));
         let (tx, slow_arrived) = mpsc::channel();
-        let (h, p) = (hits.clone(), paths.clone());
+        let (h, p, hd) = (hits.clone(), paths.clone(), heads.clone());
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(conn) = conn else { break };
-                let (h, p, tx) = (h.clone(), p.clone(), tx.clone());
-                std::thread::spawn(move || serve_one(conn, &h, &p, &tx));
+                let (h, p, hd, tx) = (h.clone(), p.clone(), hd.clone(), tx.clone());
+                std::thread::spawn(move || serve_one(conn, &h, &p, &hd, &tx));
             }
         });
         Server {
             port,
             hits,
             paths,
+            heads,
             slow_arrived,
         }
     }
@@ -118,15 +126,16 @@ impl Server {
         let port = listener.local_addr().unwrap().port();
         let hits = Arc::new(AtomicUsize::new(0));
         let paths = Arc::new(Mutex::new(Vec::new()));
+        let heads = Arc::new(Mutex::new(Vec::new()));
         let (tx, slow_arrived) = mpsc::channel();
-        let (h, p) = (hits.clone(), paths.clone());
+        let (h, p, hd) = (hits.clone(), paths.clone(), heads.clone());
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(conn) = conn else { break };
-                let (h, p, tx) = (h.clone(), p.clone(), tx.clone());
+                let (h, p, hd, tx) = (h.clone(), p.clone(), hd.clone(), tx.clone());
                 let tls = rustls::ServerConnection::new(config.clone()).unwrap();
                 std::thread::spawn(move || {
-                    serve_one(rustls::StreamOwned::new(tls, conn), &h, &p, &tx)
+                    serve_one(rustls::StreamOwned::new(tls, conn), &h, &p, &hd, &tx)
                 });
             }
         });
@@ -134,6 +143,7 @@ impl Server {
             port,
             hits,
             paths,
+            heads,
             slow_arrived,
         }
     }
@@ -147,6 +157,7 @@ fn serve_one<S: Read + Write>(
     conn: S,
     hits: &AtomicUsize,
     paths: &Mutex<Vec<String>>,
+    heads: &Mutex<Vec<String>>,
     slow: &mpsc::Sender<()>,
 ) {
     let mut r = BufReader::new(conn);
@@ -155,9 +166,11 @@ fn serve_one<S: Read + Write>(
         return;
     }
     let mut len = 0usize;
+    let mut head = line.clone();
     loop {
         let mut h = String::new();
         r.read_line(&mut h).unwrap();
+        head.push_str(&h);
         if h == "\r\n" || h.is_empty() {
             break;
         }
@@ -170,6 +183,16 @@ fn serve_one<S: Read + Write>(
     let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
     let n = hits.fetch_add(1, Ordering::SeqCst) + 1;
     paths.lock().unwrap().push(path.clone());
+    heads.lock().unwrap().push(head);
+    if let Some(to) = path.strip_prefix("/redirect?to=") {
+        let c = r.get_mut();
+        let _ = write!(
+            c,
+            "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        let _ = c.flush();
+        return;
+    }
     if path == "/slow" {
         let _ = slow.send(());
         // Never answers: only a cut ends this request.
@@ -188,6 +211,17 @@ fn serve_one<S: Read + Write>(
 
 /// `estop run` with a settings file allowing 127.0.0.2, running `argv`; stdio piped.
 fn estop_run(d: &Daemon, run: &str, extra_settings: &str, argv: &[&str]) -> Child {
+    estop_run_env(d, run, extra_settings, argv, &[])
+}
+
+/// `estop_run` with these variables in `estop run`'s own environment.
+fn estop_run_env(
+    d: &Daemon,
+    run: &str,
+    extra_settings: &str,
+    argv: &[&str],
+    env: &[(&str, &str)],
+) -> Child {
     let settings = d
         .data()
         .parent()
@@ -217,6 +251,7 @@ fn estop_run(d: &Daemon, run: &str, extra_settings: &str, argv: &[&str]) -> Chil
         .arg(&settings)
         .arg("--")
         .args(argv)
+        .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -273,7 +308,7 @@ try:
 except OSError as e:
     print("direct:", errno.errorcode[e.errno])
 try:
-    socket.getaddrinfo("example.com", 80); print("dns: resolved")
+    socket.getaddrinfo("estop-egress-probe.test", 80); print("dns: resolved")
 except socket.gaierror as e:
     print("dns: failed")
 q = bytes([0x12, 0x34, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0]) + b"\x04test\x00\x00\x01\x00\x01"
@@ -329,7 +364,7 @@ print("proxied:", r.status, r.read().decode(), r.headers["x-estop-verdict"])
 /// Root only: a veth pair with an address the test picks, reachable from the host and
 /// not from the sandbox (no route: ENETUNREACH).
 #[test]
-fn a_direct_connection_to_another_host_is_unreachable() {
+fn a_direct_connection_or_a_raw_socket_to_another_host_is_unreachable() {
     if !rustix_is_root() {
         eprintln!("skipped: needs root to add a veth pair");
         return;
@@ -363,12 +398,36 @@ try:
     s.connect(("{addr}", {port})); print("direct: connected")
 except OSError as e:
     print("direct:", errno.errorcode[e.errno])
+# Raw sockets: the sandbox has CAP_NET_RAW over its own network namespace only, where there
+# is nothing but lo.
+print("interfaces:", [n for _, n in socket.if_nameindex()])
+try:
+    r = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    r.sendto(b"\x08\x00\xf7\xff\x00\x00\x00\x00", ("{addr}", 0)); print("raw: sent")
+except OSError as e:
+    print("raw:", errno.errorcode[e.errno])
+try:
+    p = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
+    p.bind(("{veth}", 0)); print("packet: bound")
+except OSError as e:
+    print("packet:", errno.errorcode[e.errno])
 "#,
-        port = srv.port
+        port = srv.port,
+        veth = name
     );
     let (code, out, err) = finish(estop_run(&d, "unreach", "", &argv(&python(&script))));
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("direct: ENETUNREACH"), "{out}");
+    assert!(out.contains("interfaces: ['lo']"), "{out}");
+    // Refused outright (the command holds no capability), or nowhere to go if it did.
+    assert!(
+        out.contains("raw: EPERM") || out.contains("raw: ENETUNREACH"),
+        "{out}"
+    );
+    assert!(
+        out.contains("packet: EPERM") || out.contains("packet: ENODEV"),
+        "{out}"
+    );
     assert_eq!(srv.hits(), 0);
 }
 
@@ -723,6 +782,7 @@ fn the_data_directory_and_the_token_are_out_of_reach() {
         r#"
 import json, os, socket
 print("data:", sorted(os.listdir("{data}")))
+print("pid 1 environment:", open("/proc/1/environ", "rb").read())
 print("token env:", "ESTOP_TOKEN" in os.environ)
 s = socket.socket(socket.AF_UNIX); s.connect(os.environ["ESTOP_SOCKET"]); f = s.makefile("rwb")
 def call(**req):
@@ -739,7 +799,17 @@ except Exception as e:
     print("umount: error", e)
 "#
     );
-    let (code, out, err) = finish(estop_run(&d, "hide", "", &argv(&python(&script))));
+    // The caller's ESTOP_TOKEN is not passed in, not even in the environment of the
+    // sandbox's PID 1 (one of estop's own stages), which the agent can read.
+    let token = d.token("agent.token");
+    let child = estop_run_env(
+        &d,
+        "hide",
+        "",
+        &argv(&python(&script)),
+        &[("ESTOP_TOKEN", token.as_str())],
+    );
+    let (code, out, err) = finish(child);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("data: []"), "{out}");
     assert!(out.contains("token env: False"), "{out}");
@@ -993,4 +1063,630 @@ r = requests.post(p + "/pay", data=b"q", timeout=10); print("again", r.status_co
     );
     assert_eq!(tls.hits(), 2);
     assert_eq!(plain.hits(), 1, "the retried POST was not sent again");
+}
+
+/// Every file the agent can read in the places a secret could have been left for it (the test's
+/// and the supervisor's temp directories under /tmp, /etc, /run, /dev/shm, /var/tmp, its
+/// working directory, the data directory, the store's own path), every process's environment
+/// and command line in its /proc, and its own environment: where the needle turns up.
+const SEARCH: &str = r#"
+import os, sys
+# Given in hex, so the needles themselves are not on any command line.
+needles = [bytes.fromhex(n) for n in sys.argv[1:]]
+found, read = [], 0
+def look(path):
+    global read
+    try:
+        with open(path, "rb") as f:
+            data = f.read(4 << 20)
+    except OSError:
+        return
+    read += 1
+    if any(n in data for n in needles):
+        found.append(path)
+for root in ["/tmp", "/etc", "/run", "/dev/shm", "/var/tmp", os.getcwd(), os.environ["STORE_DIR"]]:
+    for d, dirs, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            if os.path.isfile(p) and not os.path.islink(p):
+                look(p)
+look(os.environ["STORE"])
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        look(f"/proc/{pid}/environ"); look(f"/proc/{pid}/cmdline")
+env = "\n".join(f"{k}={v}" for k, v in os.environ.items())
+if any(n.decode() in env for n in needles):
+    found.append("environment")
+print("files read:", read)
+print("found:", found)
+"#;
+
+#[test]
+fn credentials_are_injected_for_their_host_only_and_the_agent_never_sees_them() {
+    let d = daemon();
+    let secret_file = format!("file-secret-{}", std::process::id());
+    let secret_env = format!("env-secret-{}", std::process::id());
+    let a = Server::start("127.0.0.2");
+    let b = Server::start("127.0.0.3");
+    let store = d.data().parent().unwrap().join("credentials.toml");
+    std::fs::write(
+        &store,
+        format!(
+            "[[credential]]\nhost = \"127.0.0.2\"\nport = {}\nplain_http = true\nbearer_env = \"EGRESS_TEST_SECRET\"\n\n\
+             [[credential]]\nhost = \"127.0.0.2\"\nplain_http = true\nheader = \"X-Api-Key\"\nvalue = \"{secret_file}\"\n",
+            a.port
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let extra = format!(
+        "allow_destinations = [\"127.0.0.2/32\", \"127.0.0.3/32\"]\ncredentials = {:?}\n",
+        store.display().to_string()
+    );
+    let redirect = format!(
+        "http://127.0.0.2:{}/redirect?to=http://127.0.0.3:{}/landed",
+        a.port, b.port
+    );
+    let agent = format!(
+        r#"
+import urllib.request
+r = urllib.request.Request("http://127.0.0.2:{}/direct", headers={{"Authorization": "Bearer agent-made"}})
+print("direct:", urllib.request.urlopen(r, timeout=10).read().decode())
+print("redirected:", urllib.request.urlopen("{redirect}", timeout=10).read().decode())
+"#,
+        a.port
+    );
+    let cmd = format!(
+        "python3 -c '{agent}' && python3 -c '{SEARCH}' {} {}",
+        hex(&secret_file),
+        hex(&secret_env)
+    );
+    let store_dir = store.parent().unwrap().display().to_string();
+    let child = estop_run_env(
+        &d,
+        "creds",
+        &extra,
+        &["sh", "-c", &cmd],
+        &[
+            ("EGRESS_TEST_SECRET", secret_env.as_str()),
+            ("STORE", &store.display().to_string()),
+            ("STORE_DIR", &store_dir),
+        ],
+    );
+    let (code, out, err) = finish(child);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("direct: hit 1\nredirected: hit 1\n"),
+        "{out}\n{err}"
+    );
+    assert!(out.contains("found: []"), "the agent found a secret: {out}");
+    let files: usize = out
+        .lines()
+        .find_map(|l| l.strip_prefix("files read: "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(files > 10, "the search read files: {out}");
+    // The host it belongs to saw both credentials (the agent's own Authorization replaced),
+    // on the request and on the one that redirected; the other host saw neither.
+    let heads = a.heads.lock().unwrap().clone();
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    for head in &heads {
+        let lower = head.to_ascii_lowercase();
+        assert!(
+            lower.contains(&format!("authorization: bearer {secret_env}\r\n")),
+            "{head}"
+        );
+        assert!(
+            lower.contains(&format!("x-api-key: {secret_file}\r\n")),
+            "{head}"
+        );
+        assert!(!lower.contains("agent-made"), "{head}");
+    }
+    let other = b.heads.lock().unwrap().clone();
+    assert_eq!(other.len(), 1, "{other:?}");
+    let lower = other[0].to_ascii_lowercase();
+    assert!(
+        !lower.contains("authorization") && !lower.contains("x-api-key"),
+        "{other:?}"
+    );
+    // Nowhere on the record: not in estop run's output, the ledger's bytes, the report, or
+    // the daemon's log.
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": "creds"})).to_string();
+    let entries = serde_json::to_string(&ledger(&d, "creds")).unwrap();
+    let mut on_disk = Vec::new();
+    for f in walk(d.data()) {
+        on_disk.extend(std::fs::read(f).unwrap_or_default());
+    }
+    for secret in [&secret_file, &secret_env] {
+        for (what, text) in [
+            ("stderr", &err),
+            ("stdout", &out),
+            ("report", &report),
+            ("ledger", &entries),
+        ] {
+            assert!(
+                !text.contains(secret.as_str()),
+                "{what} holds the secret: {text}"
+            );
+        }
+        let on_disk = String::from_utf8_lossy(&on_disk);
+        assert!(
+            !on_disk.contains(secret.as_str()),
+            "the data directory holds the secret"
+        );
+    }
+    // The three requests themselves are on the record, without the credential.
+    assert_eq!(
+        entries
+            .matches(r#""kind":"admit","principal":"agent","rule":"rule 3""#)
+            .count(),
+        3,
+        "{entries}"
+    );
+}
+
+fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_credential_store_others_can_read_stops_the_sandbox_from_starting() {
+    let d = daemon();
+    let store = d.data().parent().unwrap().join("loose.toml");
+    std::fs::write(&store, "[[credential]]\nhost = \"a\"\nbearer = \"x\"\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let extra = format!("credentials = {:?}\n", store.display().to_string());
+    let (code, out, err) = finish(estop_run(&d, "loose", &extra, &["sh", "-c", "echo ran"]));
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(!out.contains("ran"), "{out}");
+    assert!(err.contains("0600"), "{err}");
+}
+
+/// A scripted OpenAI-compatible provider on `ip`: what it does depends on the call's `model`:
+/// `plain` (usage with cached input), `stream` (three deltas, the usage chunk only when asked
+/// for it), `nousage`, `cut` (one delta, then the connection drops mid-stream), `hang` (one
+/// delta, then nothing: it tells the test and waits). It records every call's head and body.
+struct Provider {
+    port: u16,
+    calls: Arc<Mutex<Vec<(String, Value)>>>,
+    hanging: mpsc::Receiver<()>,
+}
+
+impl Provider {
+    fn start(ip: &str) -> Provider {
+        let listener = TcpListener::bind((ip, 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let (tx, hanging) = mpsc::channel();
+        let c = calls.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { break };
+                let (c, tx) = (c.clone(), tx.clone());
+                std::thread::spawn(move || provide(conn, &c, &tx));
+            }
+        });
+        Provider {
+            port,
+            calls,
+            hanging,
+        }
+    }
+}
+
+fn provide(conn: TcpStream, calls: &Mutex<Vec<(String, Value)>>, hanging: &mpsc::Sender<()>) {
+    let mut r = BufReader::new(conn);
+    let (mut head, mut len) = (String::new(), 0usize);
+    loop {
+        let mut h = String::new();
+        if r.read_line(&mut h).unwrap_or(0) == 0 {
+            return;
+        }
+        head.push_str(&h);
+        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap();
+        }
+        if h == "\r\n" {
+            break;
+        }
+    }
+    let mut body = vec![0; len];
+    r.read_exact(&mut body).unwrap();
+    let body: Value = serde_json::from_slice(&body).unwrap();
+    calls.lock().unwrap().push((head, body.clone()));
+    let c = r.get_mut();
+    let model = body["model"].as_str().unwrap_or("").to_string();
+    if !body["stream"].as_bool().unwrap_or(false) {
+        let mut answer = json!({"choices": [{"message": {"role": "assistant", "content": "ok"}}]});
+        if model == "plain" {
+            answer["usage"] = json!({"prompt_tokens": 100, "completion_tokens": 20,
+                "prompt_tokens_details": {"cached_tokens": 40}});
+        }
+        let text = answer.to_string();
+        let _ = write!(
+            c,
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+            text.len()
+        );
+        return;
+    }
+    let _ = write!(
+        c,
+        "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    );
+    let chunk = |c: &mut TcpStream, data: &str| {
+        let _ = write!(c, "{:x}\r\n{data}\r\n", data.len());
+        let _ = c.flush();
+    };
+    let delta = |t: &str| {
+        format!(
+            "data: {}\n\n",
+            json!({"choices": [{"delta": {"content": t}}]})
+        )
+    };
+    chunk(c, &delta("Hel"));
+    match model.as_str() {
+        "cut" => return,
+        "hang" => {
+            let _ = hanging.send(());
+            let _ = c.read(&mut [0u8; 1]);
+            return;
+        }
+        _ => {}
+    }
+    chunk(c, &delta("lo"));
+    chunk(c, &delta("!"));
+    if body["stream_options"]["include_usage"] == true {
+        let usage = json!({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5}});
+        chunk(c, &format!("data: {usage}\n\n"));
+    }
+    chunk(c, "data: [DONE]\n\n");
+    let _ = write!(c, "0\r\n\r\n");
+}
+
+/// The agent's side: calls to OPENAI_BASE_URL with the standard library, one per argument
+/// `model:stream:max_tokens`; prints status and body (or CUT when the stream broke off).
+const MODEL_AGENT: &str = r#"
+import json, os, sys, urllib.request, urllib.error
+base = os.environ["OPENAI_BASE_URL"]
+for spec in sys.argv[1:]:
+    model, stream, max_tokens = spec.split(":")
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    if stream == "s":
+        body["stream"] = True
+    if max_tokens:
+        body["max_tokens"] = int(max_tokens)
+    req = urllib.request.Request(base + "/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+    try:
+        r = urllib.request.urlopen(req, timeout=30)
+        print(model, "started", flush=True)
+        try:
+            data = r.read().decode()
+        except Exception as e:
+            data = "CUT " + type(e).__name__
+        print(model, r.status, data.replace("\n", " "), flush=True)
+    except urllib.error.HTTPError as e:
+        print(model, e.code, e.read().decode(), flush=True)
+"#;
+
+fn model_settings(d: &Daemon, provider: &Provider, budget_usd: &str) -> String {
+    let store = d.data().parent().unwrap().join("model-credentials.toml");
+    std::fs::write(
+        &store,
+        "[[credential]]\nhost = \"127.0.0.2\"\nplain_http = true\nbearer = \"provider-key\"\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o600)).unwrap();
+    format!(
+        "credentials = {:?}\n\n[egress.model]\nprovider = \"http://127.0.0.2:{}/v1\"\nbudget_usd = {budget_usd}\n\
+         usd_per_mtok_input = 1.0\nusd_per_mtok_cached_input = 0.5\nusd_per_mtok_output = 4.0\n",
+        store.display().to_string(),
+        provider.port
+    )
+}
+
+#[test]
+fn model_calls_are_metered_settled_on_usage_and_a_run_over_budget_is_fenced() {
+    let d = daemon();
+    let p = Provider::start("127.0.0.2");
+    // The messages of every call, as the endpoint estimates them: 4 bytes a token.
+    let messages = json!([{"role": "user", "content": "hi"}]).to_string();
+    let est = messages.len().div_ceil(4) as u64;
+    // plain: usage 60 uncached + 40 cached + 20 out = 60 + 20 + 80 = 160 µUSD, 120 tokens.
+    // stream: usage 10 + 5 out = 10 + 20 = 30 µUSD, 15 tokens.
+    // nousage (max 30): the reservation, est + 30 × 4.
+    // cut (max 10): max(observed est + 1 × 4, reservation est + 10 × 4).
+    let (nousage, cut) = (est + 120, est + 40);
+    let total = 160 + 30 + nousage + cut;
+    let budget = format!("{:.6}", total as f64 / 1e6);
+    let extra = model_settings(&d, &p, &budget);
+    let mut cmd = vec!["python3", "-c", MODEL_AGENT];
+    cmd.extend([
+        "plain::20",
+        "stream:s:10",
+        "nousage::30",
+        "cut:s:10",
+        "plain::20",
+    ]);
+    let (code, out, err) = finish(estop_run(&d, "meter", &extra, &cmd));
+    assert_eq!(code, 0, "{out}\n{err}");
+    let lines: Vec<&str> = out.lines().filter(|l| !l.contains(" started")).collect();
+    assert!(lines[0].starts_with("plain 200 {"), "{out}");
+    assert!(lines[1].starts_with("stream 200 data: "), "{out}");
+    assert!(
+        lines[1].contains("\"usage\""),
+        "the usage chunk is relayed: {out}"
+    );
+    assert!(lines[2].starts_with("nousage 200 "), "{out}");
+    assert_eq!(lines[3], "cut 200 CUT IncompleteRead", "{out}");
+    assert!(
+        lines[4].starts_with("plain 403 ") && lines[4].contains("\"dimension\":\"model_usd\""),
+        "the fifth call does not fit: {out}"
+    );
+    for want in [
+        "charged 160 µUSD 120 tokens (usage)".to_string(),
+        "charged 30 µUSD 15 tokens (usage)".to_string(),
+        format!("charged {nousage} µUSD {} tokens (reservation)", est + 30),
+        format!("charged {cut} µUSD {} tokens (reservation)", est + 10),
+        format!("budget: model_usd spent {total} of {total}"),
+    ] {
+        assert!(err.contains(&want), "{want:?} not in:\n{err}");
+    }
+    // What reached the provider: four calls, with the provider's key (not the agent's
+    // placeholder), include_usage forced on the streams, max_tokens on every call.
+    let calls = p.calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 4, "the fifth was never sent: {calls:?}");
+    for (head, body) in &calls {
+        assert!(head.contains("POST /v1/chat/completions "), "{head}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("authorization: bearer provider-key\r\n"),
+            "{head}"
+        );
+        assert!(!head.contains("estop-metered"), "{head}");
+        assert!(body["max_tokens"].is_u64(), "{body}");
+        if body["stream"] == true {
+            assert_eq!(body["stream_options"]["include_usage"], true, "{body}");
+        }
+    }
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": "meter"}));
+    assert_eq!(report["cause"], "cancelled", "{report}");
+    assert_eq!(
+        report["reason"],
+        format!("budget: model_usd spent {total} of {total}")
+    );
+    let calls_done = report["done"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["tool"] == "model.call")
+        .count();
+    assert_eq!(calls_done, 3, "{report}");
+    let unknown = report["unknown"].as_array().unwrap();
+    assert!(
+        unknown.iter().any(|e| e["tool"] == "model.call"),
+        "the cut stream: {report}"
+    );
+}
+
+#[test]
+fn a_stop_cuts_a_model_stream_in_flight() {
+    let d = daemon();
+    let p = Provider::start("127.0.0.2");
+    let extra = model_settings(&d, &p, "1.0");
+    let mut child = estop_run(
+        &d,
+        "meter-cut",
+        &extra,
+        &["python3", "-c", MODEL_AGENT, "hang:s:10"],
+    );
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line, "hang started\n");
+    p.hanging.recv().unwrap();
+    let mut op = d.operator();
+    ok(
+        &mut op,
+        json!({"op": "cancel", "run": "meter-cut", "reason": "stop"}),
+    );
+    // The agent's read ends (cut), so the command finishes by itself.
+    line.clear();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line, "hang 200 CUT IncompleteRead\n");
+    let (code, _, err) = finish(child);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("(reservation)"),
+        "charged its reservation: {err}"
+    );
+    let report = ok(&mut op, json!({"op": "report", "run": "meter-cut"}));
+    let unknown = report["unknown"].as_array().unwrap();
+    assert!(
+        unknown.iter().any(|e| e["tool"] == "model.call"),
+        "{report}"
+    );
+}
+
+#[test]
+fn the_egress_benchmark_measures_both_paths_and_a_sandbox_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(bin())
+        .args([
+            "bench",
+            "egress",
+            "--requests",
+            "3",
+            "--starts",
+            "1",
+            "--connections",
+            "1,2",
+            "--json",
+            "--data",
+        ])
+        .arg(dir.path().join("data"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 5, "{text}");
+    let shape: Vec<(String, u64, u64)> = rows[..4]
+        .iter()
+        .map(|r| {
+            assert!(
+                r["proxied_p50_us"].as_u64().unwrap() > 0
+                    && r["direct_p50_us"].as_u64().unwrap() > 0,
+                "{r}"
+            );
+            let n = |k: &str| r[k].as_u64().unwrap();
+            (
+                r["scheme"].as_str().unwrap().to_string(),
+                n("connections"),
+                n("requests"),
+            )
+        })
+        .collect();
+    let want = [
+        ("http", 1, 3),
+        ("http", 2, 6),
+        ("https", 1, 3),
+        ("https", 2, 6),
+    ];
+    assert_eq!(
+        shape,
+        want.map(|(s, c, n)| (s.to_string(), c, n)).to_vec(),
+        "{text}"
+    );
+    assert_eq!(rows[4]["bench"], "sandbox_start");
+    assert_eq!(rows[4]["runs"], 1);
+}
+
+/// A Node agent: a direct connection and `fetch` (which ignores the proxy variables before
+/// Node 24) reach nothing; through the proxy, plain HTTP and HTTPS over CONNECT (trusting the
+/// egress CA through NODE_EXTRA_CA_CERTS, read at Node's start) are admitted and sent.
+const NODE_AGENT: &str = r#"
+const http = require("http"), net = require("net"), tls = require("tls");
+const [port, tport] = process.argv.slice(1).map(Number);
+const direct = () => new Promise(res => {
+  const s = net.connect(port, "127.0.0.2");
+  s.on("connect", () => { s.destroy(); res("connected"); });
+  s.on("error", e => res(e.code));
+});
+const plain = () => new Promise((res, rej) => {
+  http.get({ host: "127.0.0.1", port: 3128, path: `http://127.0.0.2:${port}/node` }, r => {
+    let b = ""; r.on("data", d => b += d); r.on("end", () => res(`${r.statusCode} ${b}`));
+  }).on("error", rej);
+});
+const secure = () => new Promise((res, rej) => {
+  http.request({ host: "127.0.0.1", port: 3128, method: "CONNECT", path: `127.0.0.2:${tport}` })
+    .on("connect", (r, socket) => {
+      const t = tls.connect({ socket, host: "127.0.0.2" }, () =>
+        t.write(`GET /node-tls HTTP/1.1\r\nHost: 127.0.0.2:${tport}\r\nConnection: close\r\n\r\n`));
+      let b = ""; t.on("data", d => b += d);
+      t.on("end", () => res(`${b.split("\r\n")[0]} ${b.split("\r\n\r\n")[1]}`));
+      t.on("error", e => res(`tls ${e.code}`));
+    }).on("error", rej).end();
+});
+(async () => {
+  console.log("direct:", await direct());
+  try { await fetch(`http://127.0.0.2:${port}/fetch`); console.log("fetch: answered"); }
+  catch (e) { console.log("fetch:", e.cause ? e.cause.code : e.message); }
+  console.log("plain:", await plain());
+  console.log("secure:", await secure());
+})();
+"#;
+
+#[test]
+fn a_node_agent_reaches_nothing_directly_and_goes_through_the_proxy() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    let roots = d.data().parent().unwrap().join("node-upstream-ca.pem");
+    let tls = Server::start_tls("127.0.0.2", &roots);
+    let extra = format!("upstream_roots = {:?}\n", roots.display().to_string());
+    let (p, tp) = (srv.port.to_string(), tls.port.to_string());
+    let argv = ["node", "-e", NODE_AGENT, &p, &tp];
+    let (code, out, err) = finish(estop_run(&d, "node", &extra, &argv));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(
+        out,
+        "direct: ECONNREFUSED\nfetch: ECONNREFUSED\nplain: 200 hit 1\nsecure: HTTP/1.1 200 OK hit 1\n",
+        "{err}"
+    );
+    assert_eq!(*srv.paths.lock().unwrap(), vec!["/node".to_string()]);
+    assert_eq!(*tls.paths.lock().unwrap(), vec!["/node-tls".to_string()]);
+}
+
+/// The supervisor's memory is the host's: an agent that opens connection after connection to
+/// the proxy or to its protocol socket (each may buffer a request body, a response, replies it
+/// never reads) is refused at `connections_max`, with a reply that says so, and a connection
+/// given back makes room again.
+#[test]
+fn connections_past_the_bound_are_refused_with_a_reason_and_room_comes_back() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    let script = format!(
+        r#"
+import os, socket, urllib.request
+def proxy():
+    s = socket.create_connection(("127.0.0.1", 3128)); return s
+def gate():
+    s = socket.socket(socket.AF_UNIX); s.connect(os.environ["ESTOP_SOCKET"]); return s
+for name, open_ in (("proxy", proxy), ("gate", gate)):
+    held = [open_(), open_()]
+    extra = open_(); extra.settimeout(10)
+    print(name, "third:", extra.recv(4096).decode(errors="replace").replace("\r\n", " "))
+    held.pop().close()
+    import time; time.sleep(0.2)
+    again = open_()
+    if name == "gate":
+        again.sendall(b'{{"id":1,"op":"ping"}}\n'); again.settimeout(10)
+        print(name, "after:", again.recv(4096).decode())
+    for s in held + [again, extra]: s.close()
+    time.sleep(0.2)
+r = urllib.request.urlopen("http://127.0.0.2:{port}/ok", timeout=10)
+print("proxied:", r.status)
+"#,
+        port = srv.port
+    );
+    let extra = "connections_max = 2\n";
+    let (code, out, err) = finish(estop_run(&d, "conns", extra, &argv(&python(&script))));
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        out.contains("proxy third: HTTP/1.1 503") && out.contains("connections_max = 2"),
+        "{out}"
+    );
+    assert!(
+        out.contains("gate third: {") && out.contains("limit_exceeded"),
+        "{out}"
+    );
+    assert!(out.contains("gate after: {\"id\":1,\"ok\":true"), "{out}");
+    assert!(out.contains("proxied: 200"), "{out}");
 }

@@ -1,13 +1,13 @@
 //! The HTTP surface: routes, authentication (bearer token, or a session secret in a header +
 //! CSRF token + proof of the console's own origin), the mapping from routes to v1 verbs (the
-//! typed request and its dispatch are `gate`'s) and from answers to JSON responses, and
+//! typed request and its dispatch are `api`'s) and from answers to JSON responses, and
 //! security headers. Every route is
 //! documented in docs/HTTP.md and docs/openapi.yaml.
 
 use crate::auth::{self, Auth};
 use crate::listen::Conns;
 use crate::quota::{Counted, Full};
-use crate::{events, gate, metrics, ui};
+use crate::{api, events, metrics, ui};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
@@ -221,7 +221,7 @@ fn same_origin(origin: &str, host: Option<&str>) -> bool {
 }
 
 /// Serves one v1 verb over HTTP: the caller, HTTP's own rule that only operators change state,
-/// then the typed request (`gate`).
+/// then the typed request (`api`).
 async fn serve(
     app: &AppState,
     method: Method,
@@ -243,8 +243,8 @@ async fn serve(
             ),
         );
     }
-    match gate::request(verb, path, query, body) {
-        Ok(op) => answer(gate::run(&app.shared, &c.principal, op).await),
+    match api::request(verb, path, query, body) {
+        Ok(op) => answer(api::run(&app.shared, &c.principal, op).await),
         Err(refusal) => answer(refusal),
     }
 }

@@ -3,9 +3,9 @@
 //! Prometheus metrics and an embedded web UI. `estop serve` runs it as a service beside its
 //! listeners (`Console` implements `estop_server::service::Service`). See docs/HTTP.md.
 
+mod api;
 mod auth;
 mod events;
-mod gate;
 mod http;
 mod listen;
 mod metrics;

@@ -4,8 +4,10 @@
 //! Everything here is described in docs/EGRESS.md, with what is not built yet.
 
 pub mod cgroup;
+pub mod credentials;
 pub mod dns;
 pub mod gate;
+pub mod meter;
 pub mod proxy;
 pub mod relay;
 pub mod sandbox;
@@ -40,6 +42,7 @@ struct Plan {
     token: String,
     run: String,
     settings: Settings,
+    credentials: Arc<credentials::Credentials>,
 }
 
 /// Runs `opts.argv` in a sandbox; returns its exit code (128 + signal when killed).
@@ -71,11 +74,16 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         .run
         .clone()
         .unwrap_or_else(|| format!("run-{}", random_hex(8)));
+    let credentials = match &settings.credentials {
+        Some(p) => credentials::Credentials::load(p, &|name| std::env::var(name).ok())?,
+        None => credentials::Credentials::default(),
+    };
     let plan = Plan {
         target,
         token,
         run,
         settings,
+        credentials: Arc::new(credentials),
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -120,9 +128,11 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         gate: gate.clone(),
         run: plan.run.clone(),
         settings: plan.settings.clone(),
+        credentials: plan.credentials.clone(),
         fence: fence.clone(),
         nonce: random_hex(6),
         seq: 0.into(),
+        meter: meter::Meter::default(),
     });
     tokio::spawn(proxy.serve(tokio::net::TcpListener::from_std(l.proxy)?));
     tokio::spawn(dns::serve(tokio::net::UdpSocket::from_std(l.dns)?));
@@ -131,6 +141,7 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         token: plan.token.clone(),
         run: plan.run.clone(),
         principal: "agent".into(),
+        connections_max: plan.settings.connections_max,
     };
     tokio::spawn(relay.serve(tokio::net::UnixListener::from_std(l.protocol)?));
     let cg = cgroups;
@@ -170,6 +181,36 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
     .await;
     drop(cg);
     Ok(code)
+}
+
+/// The proxy `estop run` serves, on a listener of the caller's and with no sandbox around it,
+/// for run `run` (its requests are admitted and completed like a sandbox's): what `estop bench
+/// egress` measures against a direct connection. Serves until the task is dropped.
+pub async fn serve_proxy(
+    target: &str,
+    token: &str,
+    run: &str,
+    data: &Path,
+    settings: Settings,
+    listener: tokio::net::TcpListener,
+) -> Result<()> {
+    let (gate, _events) = Gate::connect(target, token).await?;
+    // Never stopped: the sender lives as long as the proxy (a dropped one would read as a stop).
+    let (_fence_tx, fence) = watch::channel(false);
+    let proxy = Arc::new(proxy::Proxy {
+        ca: Arc::new(tls::Ca::load_or_create(data)?),
+        connector: tls::connector(settings.upstream_roots.as_deref())?,
+        gate,
+        run: run.to_string(),
+        settings,
+        credentials: Arc::default(),
+        fence,
+        nonce: random_hex(6),
+        seq: 0.into(),
+        meter: meter::Meter::default(),
+    });
+    proxy.serve(listener).await;
+    Ok(())
 }
 
 /// The launch is itself an effect of the run (tool `sandbox.run`): it creates the run, the
@@ -240,14 +281,19 @@ fn stage_config(
         }
     }
     let socket = Path::new(&plan.target).canonicalize()?;
-    let hide_files = if socket.starts_with(&data) {
-        vec![]
-    } else {
-        vec![socket]
-    };
+    // The daemon's socket and the credential store: /dev/null inside (unless already under a
+    // hidden directory).
+    let mut hide_files = vec![socket];
+    if let Some(store) = &plan.settings.credentials {
+        hide_files.push(store.canonicalize()?);
+    }
+    hide_files.retain(|f| !hide_dirs.iter().any(|d| f.starts_with(d)));
     let proxy_url = format!("http://127.0.0.1:{PROXY_PORT}");
+    // Variables a credential was read from stay with the supervisor.
+    let secret_vars = &plan.credentials.env_names;
     let mut env: Vec<(String, String)> = std::env::vars()
         .filter(|(k, _)| !k.starts_with("ESTOP_") && !k.to_ascii_lowercase().ends_with("_proxy"))
+        .filter(|(k, _)| !secret_vars.contains(k))
         .collect();
     let sock = private_dir.join("estop.sock").display().to_string();
     let ca = tmp.join("ca.pem").display().to_string();
@@ -268,6 +314,12 @@ fn stage_config(
         ("NODE_EXTRA_CA_CERTS", ca.as_str()),
     ] {
         env.push((k.into(), v.into()));
+    }
+    if plan.settings.model.is_some() {
+        // SDKs insist on a key; the provider's real one is the credential store's.
+        env.retain(|(k, _)| k != "OPENAI_BASE_URL" && k != "OPENAI_API_KEY");
+        env.push(("OPENAI_BASE_URL".into(), format!("{proxy_url}/v1")));
+        env.push(("OPENAI_API_KEY".into(), "estop-metered".into()));
     }
     Ok(sandbox::StageConfig {
         fd: -1,

@@ -19,15 +19,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::watch;
 
-type Reply = Response<Full<Bytes>>;
+/// What the agent gets: a whole body, or (model calls) a stream relayed as it arrives.
+pub type Body = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
+pub type Reply = Response<Body>;
 /// The answer for the agent, the outcome for the ledger and its error text.
-type Failure = (Reply, &'static str, String);
-type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+pub(crate) type Failure = (Reply, &'static str, String);
+pub(crate) type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
 pub struct Proxy {
     pub gate: Gate,
     pub run: String,
     pub settings: Settings,
+    /// Injected per host after admission (never in the effect's arguments).
+    pub credentials: Arc<crate::credentials::Credentials>,
     /// Turns true when the run is stopped: every request from then on is refused, and every
     /// request and connection in flight is cut.
     pub fence: watch::Receiver<bool>,
@@ -38,6 +42,8 @@ pub struct Proxy {
     pub ca: Arc<crate::tls::Ca>,
     /// Reaches real hosts over TLS.
     pub connector: tokio_rustls::TlsConnector,
+    /// The model-call account (`OPENAI_BASE_URL` is this proxy's `/v1`).
+    pub meter: crate::meter::Meter,
 }
 
 /// What the proxy will send, as the gate's policy sees it.
@@ -64,8 +70,15 @@ const HOP: &[&str] = &[
 
 impl Proxy {
     /// Serves proxy connections; a stop of the run closes every one of them.
+    /// At most `connections_max` at once; one past it gets a `503` saying so and is closed.
     pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) {
+        let slots = Arc::new(tokio::sync::Semaphore::new(self.settings.connections_max));
         while let Ok((stream, _)) = listener.accept().await {
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                // Best effort and without waiting: the accept loop never stalls on it.
+                let _ = stream.try_write(too_many(self.settings.connections_max).as_bytes());
+                continue;
+            };
             let proxy = self.clone();
             let mut fence = self.fence.clone();
             tokio::spawn(async move {
@@ -89,6 +102,7 @@ impl Proxy {
                     _ = conn => {}
                     _ = fence.wait_for(|stopped| *stopped) => {}
                 }
+                drop(slot);
             });
         }
     }
@@ -96,6 +110,11 @@ impl Proxy {
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Reply {
         if req.method() == Method::CONNECT {
             return self.tunnel(req);
+        }
+        // Origin-form (`POST /v1/chat/completions`): addressed to the proxy itself, which is
+        // the metered model endpoint (`OPENAI_BASE_URL`).
+        if req.uri().scheme().is_none() && req.uri().path().starts_with("/v1/") {
+            return crate::meter::call(self, req).await;
         }
         let (parts, body) = req.into_parts();
         self.request(parts, body).await
@@ -141,7 +160,7 @@ impl Proxy {
             authority.port_u16().unwrap_or(443)
         );
         tokio::spawn(self.serve_tunnel(req, acceptor, origin));
-        Response::new(Full::new(Bytes::new()))
+        Response::new(full(Bytes::new()))
     }
 
     /// Inside one CONNECT tunnel: TLS terminated with the host's leaf, then every request
@@ -285,7 +304,7 @@ impl Proxy {
 
     /// Admits the effect (waiting up to the hold bound); the effect's token, or the answer the
     /// agent gets instead.
-    async fn admit(&self, effect: &Effect) -> Result<String, Box<Reply>> {
+    pub(crate) async fn admit(&self, effect: &Effect) -> Result<String, Box<Reply>> {
         if *self.fence.borrow() {
             return Err(Box::new(stopped(&self.run, &effect.key)));
         }
@@ -370,7 +389,7 @@ impl Proxy {
     }
 
     /// A failure before anything was sent: `502` for the agent, outcome `error`.
-    fn failed(&self, effect: &Effect, message: String) -> Failure {
+    pub(crate) fn failed(&self, effect: &Effect, message: String) -> Failure {
         let body = json!({"verdict": "failed", "run": self.run, "key": effect.key,
             "message": message.clone()});
         (refusal(StatusCode::BAD_GATEWAY, body), "error", message)
@@ -378,7 +397,7 @@ impl Proxy {
 
     /// Resolves (only now, after admission: a name the gate refused is never looked up),
     /// checks the address, checks the fence once more, and connects (over TLS for https).
-    async fn dial(&self, effect: &Effect) -> Result<(Sender, SocketAddr), Failure> {
+    pub(crate) async fn dial(&self, effect: &Effect) -> Result<(Sender, SocketAddr), Failure> {
         let host = effect.args["host"].as_str().unwrap_or_default();
         let port = effect.args["port"].as_u64().unwrap_or(80) as u16;
         let failed = |message: String| self.failed(effect, message);
@@ -444,6 +463,16 @@ impl Proxy {
             let value = HeaderValue::from_str(a.as_str()).expect("an authority is a header value");
             up.headers_mut().insert(hyper::header::HOST, value);
         }
+        // Only for the admitted destination itself; replaces whatever the agent sent there.
+        let (scheme, host) = (effect.args["scheme"].as_str(), effect.args["host"].as_str());
+        let port = effect.args["port"]
+            .as_u64()
+            .and_then(|p| u16::try_from(p).ok());
+        if let (Some(scheme), Some(host), Some(port)) = (scheme, host, port) {
+            for (name, value) in self.credentials.for_request(scheme, host, port) {
+                up.headers_mut().insert(name.clone(), value.clone());
+            }
+        }
         let res = sender
             .send_request(up)
             .await
@@ -461,7 +490,7 @@ impl Proxy {
             })?
             .to_bytes();
         let n = bytes.len();
-        let mut reply = Response::new(Full::new(bytes));
+        let mut reply = Response::new(full(bytes));
         *reply.status_mut() = rparts.status;
         copy_headers(&rparts.headers, reply.headers_mut());
         reply
@@ -471,8 +500,13 @@ impl Proxy {
     }
 }
 
+/// A whole body for the agent.
+pub fn full(bytes: Bytes) -> Body {
+    Full::new(bytes).map_err(|never| match never {}).boxed()
+}
+
 /// An HTTP/1.1 client connection over `io`, driven by its own task.
-async fn handshake<IO>(
+pub async fn handshake<IO>(
     io: IO,
 ) -> hyper::Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>>
 where
@@ -517,7 +551,7 @@ fn merge(mut a: Value, b: Value) -> Value {
 pub fn refusal(status: StatusCode, estop: Value) -> Reply {
     let verdict = estop["verdict"].as_str().unwrap_or("refused").to_string();
     let body = json!({"estop": estop}).to_string();
-    let mut r = Response::new(Full::new(Bytes::from(body)));
+    let mut r = Response::new(full(Bytes::from(body)));
     *r.status_mut() = status;
     let h = r.headers_mut();
     h.insert(
@@ -551,7 +585,7 @@ fn held(who: Value, v: &Value) -> Reply {
     r
 }
 
-fn stopped(run: &str, key: &str) -> Reply {
+pub(crate) fn stopped(run: &str, key: &str) -> Reply {
     refusal(
         StatusCode::FORBIDDEN,
         json!({"verdict": "refused", "reason": "cancelled",
@@ -580,4 +614,15 @@ fn gate_down(e: &anyhow::Error) -> Box<Reply> {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The whole reply to a connection past `connections_max`.
+fn too_many(max: usize) -> String {
+    let body = format!(
+        "{{\"estop\":{{\"verdict\":\"refused\",\"reason\":\"limit_exceeded\",\"what_to_do\":\"this sandbox already holds connections_max = {max} connections to the proxy; close one (or reuse it) and retry\"}}}}"
+    );
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
 }

@@ -4,26 +4,32 @@
 //! only the agent verbs that name this run. Another run of the same principal, the listings of
 //! all its runs and every operator verb are refused here, before the daemon sees them.
 
-use serde_json::{Value, json};
+use estop_protocol::server_line::error_line;
+use estop_protocol::{ErrorCode, Id, Op, Verb, parse_request};
+use serde_json::json;
+use std::sync::Arc;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::Semaphore;
 use tokio::sync::mpsc;
 
-/// Longest request line forwarded (the daemon's default `line_bytes_max`).
-pub const LINE_BYTES_MAX: usize = 64 * 1024;
+/// Longest request line forwarded: the daemon's default, the protocol's one constant.
+pub const LINE_BYTES_MAX: usize = estop_protocol::limits::LINE_BYTES_MAX_DEFAULT;
 
-const RUN_VERBS: &[&str] = &[
-    "admit",
-    "start",
-    "complete",
-    "wait",
-    "subscribe",
-    "unsubscribe",
-    "status",
-    "cancel",
-    "close",
-    "report",
-    "pending",
+/// The agent verbs that name one run; the relay forwards them only for this run. `pending`
+/// counts only with a run (without one it lists all the principal's runs).
+const RUN_VERBS: &[Verb] = &[
+    Verb::Admit,
+    Verb::Start,
+    Verb::Complete,
+    Verb::Wait,
+    Verb::Subscribe,
+    Verb::Unsubscribe,
+    Verb::Status,
+    Verb::Cancel,
+    Verb::Close,
+    Verb::Report,
+    Verb::Pending,
 ];
 
 #[derive(Clone, Debug)]
@@ -32,16 +38,35 @@ pub struct Relay {
     pub token: String,
     pub run: String,
     pub principal: String,
+    /// Connections the sandbox may hold to this socket at once (`[egress] connections_max`).
+    pub connections_max: usize,
 }
 
+/// Lines queued for an agent that does not read them before the relay stops reading the gate
+/// for it (the gate then applies its own output bound to the relay's connection).
+const QUEUE_LINES_MAX: usize = 256;
+
 impl Relay {
+    /// At most `connections_max` at once; one past it gets a `limit_exceeded` line and is
+    /// closed.
     pub async fn serve(self, listener: UnixListener) {
+        let slots = Arc::new(Semaphore::new(self.connections_max));
         while let Ok((conn, _)) = listener.accept().await {
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                let message = format!(
+                    "this sandbox already holds connections_max = {} connections to the gate's socket; close one (or pipeline on one) and retry",
+                    self.connections_max
+                );
+                // Best effort and without waiting: the accept loop never stalls on it.
+                let _ = conn.try_write(&error_line(&Id::NULL, ErrorCode::LimitExceeded, &message));
+                continue;
+            };
             let relay = self.clone();
             tokio::spawn(async move {
                 if let Err(e) = relay.connection(conn).await {
                     eprintln!("estop run: protocol socket: {e:#}");
                 }
+                drop(slot);
             });
         }
     }
@@ -59,7 +84,7 @@ impl Relay {
             "the gate refused the run's token"
         );
         let (client_r, mut client_w) = conn.into_split();
-        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(QUEUE_LINES_MAX);
         tokio::spawn(async move {
             while let Some(line) = rx.recv().await {
                 if client_w.write_all(&line).await.is_err() {
@@ -71,7 +96,7 @@ impl Relay {
         tokio::spawn(async move {
             let mut line = Vec::new();
             while matches!(up_r.read_until(b'\n', &mut line).await, Ok(n) if n > 0) {
-                if back.send(std::mem::take(&mut line)).is_err() {
+                if back.send(std::mem::take(&mut line)).await.is_err() {
                     break;
                 }
             }
@@ -93,45 +118,51 @@ impl Relay {
             match self.check(&line) {
                 None => up_w.write_all(&line).await?,
                 Some(reply) => {
-                    let _ = tx.send((reply.to_string() + "\n").into_bytes());
+                    if tx.send(reply).await.is_err() {
+                        return Ok(()); // The agent's side is gone.
+                    }
                 }
             }
         }
     }
 
-    /// None: forward the line as it is. Some: the answer given here instead.
-    pub fn check(&self, line: &[u8]) -> Option<Value> {
-        // Not JSON: the gate answers it (bad_json) exactly as it would anywhere else.
-        let v: Value = serde_json::from_slice(line).ok()?;
-        let id = v.get("id").cloned().unwrap_or(Value::Null);
-        let op = v.get("op").and_then(Value::as_str).unwrap_or("");
-        let refuse = |code: &str, message: String| {
-            Some(json!({"id": id, "ok": false, "error": {"code": code, "message": message}}))
+    /// None: forward the line as it is. Some: the answer given here instead (a whole line).
+    ///
+    /// The line is read by the gate's own parser (`estop_protocol::parse_request`), and only a
+    /// line it accepts is forwarded: a second reading of JSON here (duplicate keys, escapes)
+    /// could disagree with the gate's about which run a line names, and such a line must not
+    /// reach the gate unchecked. A line the parser refuses gets the gate's own refusal.
+    pub fn check(&self, line: &[u8]) -> Option<Vec<u8>> {
+        let line = line.strip_suffix(b"\n").unwrap_or(line);
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let req = match parse_request(line) {
+            Ok(req) => req,
+            Err(e) => return Some(error_line(&e.id, e.code(), &e.to_string())),
         };
-        match op {
-            "hello" => Some(json!({"id": id, "ok": true, "role": "agent",
-                "principal": self.principal, "protocol": 1, "run": self.run})),
-            "ping" => None,
-            op if RUN_VERBS.contains(&op) => {
-                if v.get("run").and_then(Value::as_str) == Some(self.run.as_str()) {
+        let refuse = |message: String| Some(error_line(&req.id, ErrorCode::Forbidden, &message));
+        match &req.op {
+            Op::Hello { .. } => Some(
+                (json!({"id": req.id, "ok": true, "role": "agent",
+                    "principal": self.principal, "protocol": 1, "run": self.run})
+                .to_string()
+                    + "\n")
+                    .into_bytes(),
+            ),
+            Op::Ping => None,
+            op if RUN_VERBS.contains(&op.verb()) => {
+                if op.run().map(|r| r.as_str()) == Some(self.run.as_str()) {
                     None
                 } else {
-                    refuse(
-                        "forbidden",
-                        format!(
-                            "inside `estop run` this socket serves run {:?} only",
-                            self.run
-                        ),
-                    )
+                    refuse(format!(
+                        "inside `estop run` this socket serves run {:?} only",
+                        self.run
+                    ))
                 }
             }
-            _ => refuse(
-                "forbidden",
-                format!(
-                    "inside `estop run` only the verbs of run {:?} are served",
-                    self.run
-                ),
-            ),
+            _ => refuse(format!(
+                "inside `estop run` only the verbs of run {:?} are served",
+                self.run
+            )),
         }
     }
 }
@@ -147,13 +178,29 @@ mod tests {
             token: "secret".into(),
             run: "r1".into(),
             principal: "agent".into(),
+            connections_max: 1,
         };
         let pass = |l: &str| r.check(l.as_bytes()).is_none();
+        let answer = |l: &str| -> serde_json::Value {
+            serde_json::from_slice(&r.check(l.as_bytes()).expect("answered here")).unwrap()
+        };
         assert!(pass(
             r#"{"id":1,"op":"admit","run":"r1","key":"k","tool":"t","args":{}}"#
         ));
         assert!(pass(r#"{"op":"ping"}"#));
-        assert!(pass("not json"), "the gate answers bad_json itself");
+        // A line the gate's parser refuses is answered here with the gate's own refusal.
+        assert_eq!(answer("not json")["error"]["code"], "bad_json");
+        // Two readings of one line must not disagree about its run: a duplicate `run` is the
+        // gate's refusal here, never forwarded (a last-wins reader would see r1).
+        let dup =
+            answer(r#"{"id":2,"op":"admit","run":"r2","run":"r1","key":"k","tool":"t","args":{}}"#);
+        assert_eq!(dup["ok"], false, "{dup}");
+        assert_eq!(dup["id"], 2, "{dup}");
+        assert!(pass(r#"{"id":3,"op":"pending","run":"r1"}"#));
+        assert!(
+            !pass(r#"{"id":3,"op":"ledger","run":"r1"}"#),
+            "ledger is not an agent verb here"
+        );
         assert!(!pass(
             r#"{"id":1,"op":"admit","run":"r2","key":"k","tool":"t","args":{}}"#
         ));
@@ -162,7 +209,7 @@ mod tests {
         assert!(!pass(
             r#"{"id":1,"op":"decide","run":"r1","key":"k","decision":"approve"}"#
         ));
-        let hello = r.check(br#"{"id":7,"op":"hello","token":"x"}"#).unwrap();
+        let hello = answer(r#"{"id":7,"op":"hello","token":"x"}"#);
         assert_eq!(hello["ok"], true);
         assert_eq!(hello["id"], 7);
         assert!(

@@ -107,10 +107,14 @@ pub fn launch(mut cfg: StageConfig) -> Result<Launched> {
     rustix::io::fcntl_setfd(&theirs, rustix::io::FdFlags::empty())?;
     cfg.fd = theirs.as_raw_fd();
     let exe = std::env::current_exe().context("locating the estop binary")?;
+    // The stages get the sandbox's environment, not the supervisor's: stage 2 is the
+    // sandbox's PID 1, whose /proc/1/environ the agent can read (ESTOP_TOKEN, credentials).
     let stage1 = Command::new(exe)
         .arg(STAGE_ARG)
         .arg("stage1")
         .arg(serde_json::to_string(&cfg)?)
+        .env_clear()
+        .envs(cfg.env.iter().map(|(k, v)| (k, v)))
         .spawn()
         .context("starting the sandbox")?;
     drop(theirs);

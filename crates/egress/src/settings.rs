@@ -20,9 +20,18 @@ pub struct Settings {
     pub body_bytes_max: usize,
     /// Largest response the proxy relays.
     pub response_bytes_max: usize,
+    /// Connections the sandbox may hold open at once to the proxy, and as many to its protocol
+    /// socket: each may buffer a body and a response in the supervisor, whose memory is the
+    /// host's. Past it a connection is refused with a reply that says so.
+    pub connections_max: usize,
     /// Extra roots (PEM) the proxy trusts when it reaches hosts over TLS, beside the public web
     /// PKI: a private CA of your own, or a test's.
     pub upstream_roots: Option<std::path::PathBuf>,
+    /// The credential store (docs/EGRESS.md, "Credentials"): a file 0600, hidden inside the
+    /// sandbox.
+    pub credentials: Option<std::path::PathBuf>,
+    /// The metered model endpoint (`[egress.model]`), when a provider is configured.
+    pub model: Option<crate::meter::ModelSettings>,
 }
 
 impl Default for Settings {
@@ -33,7 +42,10 @@ impl Default for Settings {
             pids_max: 4096,
             body_bytes_max: 8 << 20,
             response_bytes_max: 64 << 20,
+            connections_max: 64,
             upstream_roots: None,
+            credentials: None,
+            model: None,
         }
     }
 }
@@ -52,7 +64,10 @@ struct Egress {
     pids_max: Option<u32>,
     body_bytes_max: Option<usize>,
     response_bytes_max: Option<usize>,
+    connections_max: Option<usize>,
     upstream_roots: Option<std::path::PathBuf>,
+    credentials: Option<std::path::PathBuf>,
+    model: Option<crate::meter::ModelFile>,
 }
 
 impl Settings {
@@ -73,7 +88,16 @@ impl Settings {
         s.pids_max = e.pids_max.unwrap_or(s.pids_max);
         s.body_bytes_max = e.body_bytes_max.unwrap_or(s.body_bytes_max);
         s.response_bytes_max = e.response_bytes_max.unwrap_or(s.response_bytes_max);
+        s.connections_max = e.connections_max.unwrap_or(s.connections_max);
         s.upstream_roots = e.upstream_roots;
+        s.credentials = e.credentials;
+        s.model = e
+            .model
+            .map(crate::meter::ModelSettings::from_file)
+            .transpose()?;
+        if s.connections_max < 1 {
+            bail!("connections_max must be at least 1");
+        }
         if s.pids_max < 4 {
             bail!("pids_max must be at least 4");
         }
@@ -155,11 +179,23 @@ mod tests {
             .skip(1)
             .map(|b| b.split("```").next().unwrap())
             .collect();
-        assert_eq!(blocks.len(), 2, "the settings and the policy example");
+        assert_eq!(
+            blocks.len(),
+            3,
+            "the settings, the credential store and the policy example"
+        );
         let s = Settings::parse(blocks[0]).unwrap();
         assert_eq!(s.allow, vec![parse_cidr("127.0.0.2/32").unwrap()]);
         assert_eq!(s.hold_ms, 30_000);
-        estop_policy::Policy::parse(blocks[1]).unwrap();
+        let m = s.model.expect("the [egress.model] example");
+        assert_eq!(
+            (m.host.as_str(), m.budget_usd_micros, m.cached_input),
+            ("api.openai.com", Some(5_000_000), 1.25)
+        );
+        let env = |_: &str| Some("from-env".to_string());
+        let store = crate::credentials::Credentials::parse(blocks[1], &env).unwrap();
+        assert_eq!(store.entries.len(), 3);
+        estop_policy::Policy::parse(blocks[2]).unwrap();
         assert!(
             Settings::parse("[egress]\nhold = 1\n").is_err(),
             "unknown keys are refused"
@@ -174,7 +210,7 @@ mod tests {
         assert!(!contains(lo, "128.0.0.1".parse().unwrap()));
         assert!(contains(
             parse_cidr("0.0.0.0/0").unwrap(),
-            "8.8.8.8".parse().unwrap()
+            "203.0.113.8".parse().unwrap()
         ));
         assert!(contains(parse_cidr("::1").unwrap(), "::1".parse().unwrap()));
         assert!(parse_cidr("10.0.0.0/33").is_err());
@@ -191,7 +227,7 @@ mod tests {
         ] {
             assert!(forbidden(bad.parse().unwrap()), "{bad}");
         }
-        for good in ["93.184.216.34", "10.1.2.3", "2001:db8::1"] {
+        for good in ["198.51.100.34", "10.1.2.3", "2001:db8::1"] {
             assert!(!forbidden(good.parse().unwrap()), "{good}");
         }
     }

@@ -45,6 +45,16 @@ impl Ca {
     /// Loads the CA from `dir`, or makes it there (key 0600) the first time.
     pub fn load_or_create(dir: &Path) -> Result<Ca> {
         let (key_path, cert_path) = (dir.join("egress-ca.key"), dir.join("egress-ca.pem"));
+        // Two first uses at once (two `estop run`s on a fresh data directory) would each make
+        // a CA and leave one's key beside the other's certificate: one at a time.
+        let lock = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(dir.join("egress-ca.lock"))
+            .with_context(|| format!("locking the egress CA in {}", dir.display()))?;
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive)?;
         let (key, cert_pem) = if key_path.exists() && cert_path.exists() {
             let key = KeyPair::from_pem(&std::fs::read_to_string(&key_path)?)
                 .with_context(|| format!("{} is not a key", key_path.display()))?;
@@ -135,6 +145,22 @@ pub fn connector(extra_roots: Option<&Path>) -> Result<tokio_rustls::TlsConnecto
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn first_uses_at_once_make_one_ca() {
+        let dir = tempfile::tempdir().unwrap();
+        let pems: Vec<String> = std::thread::scope(|s| {
+            let all: Vec<_> = (0..8)
+                .map(|_| s.spawn(|| super::Ca::load_or_create(dir.path()).unwrap().cert_pem))
+                .collect();
+            all.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let on_disk = std::fs::read_to_string(dir.path().join("egress-ca.pem")).unwrap();
+        assert!(
+            pems.iter().all(|p| *p == on_disk),
+            "every caller holds the CA on disk"
+        );
+    }
+
     #[test]
     fn the_ca_is_made_once_with_a_private_key_and_signs_leaves() {
         use std::os::unix::fs::PermissionsExt;

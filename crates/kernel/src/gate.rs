@@ -13,7 +13,7 @@ use crate::state::{
     Approval, Approver, Effect, OutcomeRecord, Run, Status, Stop, Tombstone, Usage,
 };
 use crate::tombstones::Tombstones;
-use crate::transitions::{effect_legal, run_legal};
+use crate::transitions::{self, check_run, effect_legal};
 use crate::vocab::{
     Decision, EffectClass, EffectStatus, HoldReason, Outcome, PolicyAction, RefusalReason,
     RunState, StopCause,
@@ -58,10 +58,10 @@ fn start_hold_in(chain: &ChainFlags, effect: &Effect) -> Option<HoldReason> {
 enum Plan {
     /// The run is stopped; the effect is refused with the stop's reason.
     Fenced(RefusalReason),
-    /// A deadline in the run's chain passed: fence that run's subtree first.
-    FenceDeadline(RunId),
-    /// The run's effect budget is used up: fence it.
-    FenceBudget,
+    /// A deadline in the run's chain passed: fence that run's subtree first (planned).
+    FenceDeadline(StopPlan),
+    /// The run's effect budget is used up: fence it (planned).
+    FenceBudget(StopPlan),
     Refuse(RefusalReason),
     Hold(HoldReason),
     HoldApproval,
@@ -70,6 +70,15 @@ enum Plan {
 
 fn terminal_state(cause: StopCause) -> RunState {
     cause.terminal_state()
+}
+
+/// What a stop will do: each run of the subtree not stopped yet, parents before children, and
+/// the state it moves to. Only `Gate::stop_plan` builds one, checking every move against the
+/// table, so carrying it out (`Gate::stop_subtree`) cannot fail half-way.
+struct StopPlan {
+    root: RunId,
+    cause: StopCause,
+    moves: Vec<(RunId, RunState)>,
 }
 
 /// Where a command's events go: the caller's `Vec` (`apply`), or nowhere (`replay`). An event
@@ -99,17 +108,27 @@ pub(crate) fn check_effect(
     from: Option<Status>,
     to: Status,
 ) -> Result<(), KernelError> {
-    let (f, t) = (from.map(Status::kind), to.kind());
-    if effect_legal(f, t) {
-        Ok(())
-    } else {
-        Err(KernelError::IllegalTransition {
-            run: run.clone(),
-            key: key.clone(),
-            from: f.map_or("new", EffectStatus::as_str),
-            to: t.as_str(),
-        })
+    transitions::check_effect(run, key, from.map(Status::kind), to.kind())
+}
+
+/// The terminal state a run in `state` with `in_flight` effects left after an outcome reaches:
+/// a stopped run whose last effect in flight settled and whose saga (after a cancel) is not
+/// open (`saga_open`, computed as it will be after the change). Checked before the change is
+/// recorded, so a refusal changes nothing.
+pub(crate) fn settles(
+    run_id: &RunId,
+    state: RunState,
+    in_flight: u32,
+    saga_open: bool,
+    stop: Option<&Stop>,
+) -> Result<Option<RunState>, KernelError> {
+    if state != RunState::Finalizing || in_flight > 0 || saga_open {
+        return Ok(None);
     }
+    let stop = stop.expect("finalizing runs are stopped");
+    let to = terminal_state(stop.cause);
+    check_run(run_id, state, to)?;
+    Ok(Some(to))
 }
 
 /// Agents see only their own runs (and operator fences, which have no owner).
@@ -573,6 +592,7 @@ impl Gate {
     ) -> Result<(Reply, bool), KernelError> {
         bounded(&a.args, self.limits.args_bytes_max, "args_bytes_max")?;
         self.precheck_held(now, p, a)?;
+        self.precheck_fence(now, p, a)?;
         let mut adopted = false;
         let run = if let Some(found) = self.runs.get(&a.run) {
             let mut run = found;
@@ -711,6 +731,42 @@ impl Gate {
         self.room_for_held(existing.map_or(Some(&p.name), |r| r.owner.as_ref()))
     }
 
+    /// For an admit that creates or adopts its run before the effect is planned: when the plan
+    /// will fence a subtree (a deadline passed in the run's new chain, or the run's budget is
+    /// spent), checks that stop's moves up front, so a refusal leaves no run created or adopted.
+    /// (A stopped parent fences the run in `create_run` or `adopt`, which check it themselves.)
+    fn precheck_fence(&self, now: u64, p: &Principal, a: &Admit) -> Result<(), KernelError> {
+        let existing = self.runs.get(&a.run);
+        let fresh = existing.is_none_or(|r| {
+            a.parent.is_some() && r.parent.is_none() && r.effects.is_empty() && r.stop.is_none()
+        });
+        let parent = a
+            .parent
+            .as_ref()
+            .and_then(|par| self.runs.get_key_value(par));
+        if !fresh
+            || existing.is_some_and(|r| hidden_from(p, r))
+            || parent.is_some_and(|(_, r)| hidden_from(p, r) || r.stop.is_some())
+        {
+            // Planned before anything changes, answered `not_found`, or fenced on creation.
+            return Ok(());
+        }
+        let above = parent.and_then(|(id, r)| self.chain_flags(id, r, now).overdue);
+        let (limits, admitted) = existing.map_or((a.limits, 0), |r| (r.limits, r.admitted));
+        let cause = if above.is_some() || limits.deadline_at.is_some_and(|d| now >= d) {
+            StopCause::Deadline
+        } else if limits.max_effects.is_some_and(|max| admitted >= max) {
+            StopCause::Budget
+        } else {
+            return Ok(());
+        };
+        // The stop reaches the farthest overdue run's subtree, the run's own subtree under it.
+        if let Some(root) = above {
+            self.stop_plan(root, cause)?;
+        }
+        self.stop_plan(&a.run, cause).map(drop)
+    }
+
     /// Gives a parentless, effectless run the parent its first admit names. Checks everything
     /// before changing anything; a stopped parent fences the adopted subtree at once.
     fn adopt(
@@ -737,9 +793,9 @@ impl Gate {
             if hidden_owner(p, &t.owner) {
                 return Err(KernelError::RunNotFound(parent.clone()));
             }
-            let cause = t.cause;
+            let stop = self.stop_plan(run_id, t.cause)?;
             self.runs.get_mut(run_id).expect("exists").parent = Some(parent.clone());
-            self.stop_subtree(now, run_id, cause, None, None, ev);
+            self.stop_subtree(now, stop, None, None, ev);
             return Ok(());
         }
         // Height of the adopted subtree (1 for a run without children).
@@ -769,18 +825,22 @@ impl Gate {
                 self.limits.run_depth_max,
             ));
         }
+        // A stopped parent fences the adopted subtree: planned (checked) before anything changes.
+        let fence = match self.runs.get(parent).and_then(|r| r.stop.as_ref()) {
+            Some(stop) => Some((self.stop_plan(run_id, stop.cause)?, stop.reason.clone())),
+            None => None,
+        };
         if !self.runs.contains_key(parent) {
             self.add_run(parent.clone(), Run::new(now, Some(p.name.clone()), None));
         }
-        let inherited = self.runs[parent].stop.clone();
         self.runs
             .get_mut(parent)
             .expect("exists")
             .children
             .push(run_id.clone());
         self.runs.get_mut(run_id).expect("exists").parent = Some(parent.clone());
-        if let Some(stop) = inherited {
-            self.stop_subtree(now, run_id, stop.cause, stop.reason, None, ev);
+        if let Some((stop, reason)) = fence {
+            self.stop_subtree(now, stop, reason, None, ev);
         }
         Ok(())
     }
@@ -809,6 +869,11 @@ impl Gate {
             None => None,
         };
         let mut run = Run::new(now, Some(p.name.clone()), a.parent.clone());
+        if let Some(stop) = &inherited {
+            // Born under a stopped parent, the run is fenced at once. (`new_runs_parent` changed
+            // nothing when it returned a stop, so this refusal leaves nothing behind.)
+            check_run(&a.run, run.state, terminal_state(stop.cause))?;
+        }
         run.labels = a.labels.clone();
         run.limits = a.limits;
         if let Some(stop) = inherited {
@@ -890,7 +955,9 @@ impl Gate {
         // One walk up the parent chain answers every chain question below.
         let chain = self.chain_flags(run_id, run, now);
         if let Some(root) = chain.overdue {
-            return Ok(Plan::FenceDeadline(root.clone()));
+            return Ok(Plan::FenceDeadline(
+                self.stop_plan(root, StopCause::Deadline)?,
+            ));
         }
         if run.rejected.contains(&effect.digest) {
             return Ok(Plan::Refuse(RefusalReason::Rejected));
@@ -903,7 +970,9 @@ impl Gate {
             .max_effects
             .is_some_and(|max| run.admitted >= max)
         {
-            return Ok(Plan::FenceBudget);
+            return Ok(Plan::FenceBudget(
+                self.stop_plan(run_id, StopCause::Budget)?,
+            ));
         }
         if chain.paused {
             return Ok(Plan::Hold(HoldReason::Paused));
@@ -957,15 +1026,15 @@ impl Gate {
                 self.refuse_effect(now, run_id, key, reason);
                 Verdict::Refused { reason }
             }
-            Plan::FenceDeadline(root) => {
-                self.stop_subtree(now, &root, StopCause::Deadline, None, None, ev);
+            Plan::FenceDeadline(stop) => {
+                self.stop_subtree(now, stop, None, None, ev);
                 self.refuse_effect(now, run_id, key, RefusalReason::Deadline);
                 Verdict::Refused {
                     reason: RefusalReason::Deadline,
                 }
             }
-            Plan::FenceBudget => {
-                self.stop_subtree(now, run_id, StopCause::Budget, None, None, ev);
+            Plan::FenceBudget(stop) => {
+                self.stop_subtree(now, stop, None, None, ev);
                 self.refuse_effect(now, run_id, key, RefusalReason::Budget);
                 Verdict::Refused {
                     reason: RefusalReason::Budget,
@@ -1091,16 +1160,7 @@ impl Gate {
             | Status::Compensated
             | Status::CompensationFailed
             | Status::NeedsHuman
-            | Status::CompensationSkipped => {
-                let mut rec = effect.outcome.as_deref().cloned().unwrap_or_default();
-                rec.outcome = effect.outcome_kind();
-                verdict(Verdict::Duplicate {
-                    status: effect.status.kind(),
-                    outcome: rec.outcome,
-                    result: rec.result,
-                    error: rec.error,
-                })
-            }
+            | Status::CompensationSkipped => verdict(receipt(effect)),
             Status::Admitted => {
                 if let Some(stop) = &run.stop {
                     let reason = stop.cause.refusal();
@@ -1156,10 +1216,8 @@ impl Gate {
                             Some(effect.status),
                             planned_status(&plan, effect),
                         )?;
-                        Ok((
-                            Reply::Verdict(self.carry_out(now, run_id, key, plan, ev)),
-                            true,
-                        ))
+                        let verdict = self.carry_out(now, run_id, key, plan, ev);
+                        Ok((Reply::Verdict(verdict), true))
                     }
                 }
             }
@@ -1178,10 +1236,8 @@ impl Gate {
                             Some(effect.status),
                             planned_status(&plan, effect),
                         )?;
-                        Ok((
-                            Reply::Verdict(self.carry_out(now, run_id, key, plan, ev)),
-                            true,
-                        ))
+                        let verdict = self.carry_out(now, run_id, key, plan, ev);
+                        Ok((Reply::Verdict(verdict), true))
                     }
                 }
             }
@@ -1232,8 +1288,9 @@ impl Gate {
             return Ok((Reply::Verdict(Verdict::Refused { reason }), true));
         }
         let chain = self.chain_flags(run_id, run, now);
-        if let Some(root) = chain.overdue.cloned() {
-            self.stop_subtree(now, &root, StopCause::Deadline, None, None, ev);
+        if let Some(root) = chain.overdue {
+            let stop = self.stop_plan(root, StopCause::Deadline)?;
+            self.stop_subtree(now, stop, None, None, ev);
             self.refuse_effect(now, run_id, key, RefusalReason::Deadline);
             return Ok((
                 Reply::Verdict(Verdict::Refused {
@@ -1285,6 +1342,13 @@ impl Gate {
         let result_bytes_max = self.limits.result_bytes_max;
         // One lookup: every check below reads through the same borrow before anything changes.
         let run = self.visible_run_mut(p, run_id)?;
+        let to = match outcome {
+            Outcome::Ok => Status::Completed,
+            Outcome::Error => Status::Failed,
+            Outcome::Unknown => Status::Unknown,
+        };
+        // Only a finalizing run can settle, so only its saga is looked at (the hot path is not).
+        let saga_open = run.state == RunState::Finalizing && crate::saga::open_after(run, key, to);
         let effect = run
             .effects
             .get_mut(key)
@@ -1305,17 +1369,14 @@ impl Gate {
                 error: error.clone(),
             })
         };
-        let to = match outcome {
-            Outcome::Ok => Status::Completed,
-            Outcome::Error => Status::Failed,
-            Outcome::Unknown => Status::Unknown,
-        };
         match effect.status {
             Status::Started | Status::Unknown => {
                 if effect.status == Status::Unknown && to == Status::Unknown {
                     return Ok((Reply::Completed { late }, false));
                 }
                 check_effect(run_id, key, Some(effect.status), to)?;
+                let in_flight = run.in_flight - u32::from(effect.status == Status::Started);
+                let settled = settles(run_id, run.state, in_flight, saga_open, run.stop.as_ref())?;
                 if effect.status == Status::Started {
                     run.in_flight -= 1;
                 }
@@ -1325,7 +1386,10 @@ impl Gate {
                 effect.late |= late;
                 effect.updated_at = now;
                 ev.push(|| event(run_id, Some(key), EventKind::Completed));
-                Self::settle_run(run_id, run, ev);
+                if let Some(to) = settled {
+                    run.state = to;
+                    ev.push(|| event(run_id, None, EventKind::Settled));
+                }
                 Ok((Reply::Completed { late }, true))
             }
             Status::Completed
@@ -1361,22 +1425,6 @@ impl Gate {
                 run: run_id.clone(),
                 key: key.clone(),
             }),
-        }
-    }
-
-    /// A stopped run whose last in-flight effect settled, and whose saga (after a cancel) is
-    /// settled too, reaches its terminal state.
-    pub(crate) fn settle_run(run_id: &RunId, run: &mut Run, ev: &mut Sink) {
-        if run.state == RunState::Finalizing && run.in_flight == 0 && !crate::saga::unsettled(run) {
-            let to = terminal_state(
-                run.stop
-                    .as_ref()
-                    .expect("finalizing runs are stopped")
-                    .cause,
-            );
-            assert!(run_legal(run.state, to));
-            run.state = to;
-            ev.push(|| event(run_id, None, EventKind::Settled));
         }
     }
 
@@ -1431,69 +1479,108 @@ impl Gate {
                     Some(effect.status),
                     Status::Refused(RefusalReason::Rejected),
                 )?;
-                let digest = effect.digest;
-                self.refuse_effect(now, run_id, key, RefusalReason::Rejected);
-                let run = self.runs.get_mut(run_id).expect("run exists");
-                run.rejected.insert(digest);
-                let a = run
-                    .effects
-                    .get_mut(key)
-                    .and_then(|e| e.approval.as_mut())
-                    .expect("approval");
-                a.rejected_by = Some(p.name.clone());
-                a.reason = reason.clone();
-                ev.push(|| event(run_id, Some(key), EventKind::Decided));
-                Ok((Reply::Decided(DecideStatus::Rejected), true))
+                self.reject(now, p, run_id, key, reason, ev);
+                Ok((self.decided(run_id, key, DecideStatus::Rejected), true))
             }
-            Decision::Approve => {
-                if approval.approvers.iter().any(|a| a.name == p.name) {
-                    return Err(KernelError::DuplicateApprover {
-                        run: run_id.clone(),
-                        key: key.clone(),
-                        principal: p.name.to_string(),
-                    });
-                }
-                let mut next = (**approval).clone();
-                next.approvers.push(Approver {
-                    name: p.name.clone(),
-                    groups: p.groups.clone(),
-                    at: now,
-                });
-                if reason.is_some() {
-                    next.reason = reason.clone();
-                }
-                let satisfied = next.satisfied();
-                if satisfied {
-                    check_effect(run_id, key, Some(effect.status), Status::Approved)?;
-                }
-                let (approvals, quorum) = (next.approvers.len() as u32, next.quorum);
-                let missing_groups: Vec<Box<str>> = next
-                    .groups
-                    .iter()
-                    .filter(|g| !next.approvers.iter().any(|a| a.groups.contains(g)))
-                    .cloned()
-                    .collect();
-                let run = self.runs.get_mut(run_id).expect("run exists");
-                let e = run.effects.get_mut(key).expect("effect exists");
-                e.approval = Some(Box::new(next));
-                e.updated_at = now;
-                ev.push(|| event(run_id, Some(key), EventKind::Decided));
-                if satisfied {
-                    e.status = Status::Approved;
-                    run.pending_approvals -= 1;
-                    Ok((Reply::Decided(DecideStatus::Approved), true))
-                } else {
-                    Ok((
-                        Reply::Decided(DecideStatus::Pending {
-                            approvals,
-                            quorum,
-                            missing_groups,
-                        }),
-                        true,
-                    ))
-                }
-            }
+            Decision::Approve => self.approve(now, p, run_id, key, reason, ev),
         }
+    }
+
+    /// Refuses an effect held for approval (checked by `decide`) and remembers its digest, so
+    /// the same call is never admitted again in the run (G2).
+    fn reject(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+        reason: &Option<Box<str>>,
+        ev: &mut Sink,
+    ) {
+        let digest = self.runs[run_id].effects[key].digest;
+        self.refuse_effect(now, run_id, key, RefusalReason::Rejected);
+        let run = self.runs.get_mut(run_id).expect("run exists");
+        run.rejected.insert(digest);
+        let a = run
+            .effects
+            .get_mut(key)
+            .and_then(|e| e.approval.as_mut())
+            .expect("approval");
+        a.rejected_by = Some(p.name.clone());
+        a.reason = reason.clone();
+        ev.push(|| event(run_id, Some(key), EventKind::Decided));
+    }
+
+    /// Adds `p`'s approval to an effect held for approval (unexpired, checked by `decide`);
+    /// the effect is approved once the quorum and every group are met.
+    fn approve(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+        reason: &Option<Box<str>>,
+        ev: &mut Sink,
+    ) -> Result<(Reply, bool), KernelError> {
+        let effect = &self.runs[run_id].effects[key];
+        let approval = effect.approval.as_ref().expect("held for approval");
+        if approval.approvers.iter().any(|a| a.name == p.name) {
+            return Err(KernelError::DuplicateApprover {
+                run: run_id.clone(),
+                key: key.clone(),
+                principal: p.name.to_string(),
+            });
+        }
+        let mut next = (**approval).clone();
+        next.approvers.push(Approver {
+            name: p.name.clone(),
+            groups: p.groups.clone(),
+            at: now,
+        });
+        if reason.is_some() {
+            next.reason = reason.clone();
+        }
+        let satisfied = next.satisfied();
+        if satisfied {
+            check_effect(run_id, key, Some(effect.status), Status::Approved)?;
+        }
+        let (approvals, quorum) = (next.approvers.len() as u32, next.quorum);
+        let missing_groups: Vec<Box<str>> = next
+            .groups
+            .iter()
+            .filter(|g| !next.approvers.iter().any(|a| a.groups.contains(g)))
+            .cloned()
+            .collect();
+        let run = self.runs.get_mut(run_id).expect("run exists");
+        let e = run.effects.get_mut(key).expect("effect exists");
+        e.approval = Some(Box::new(next));
+        e.updated_at = now;
+        ev.push(|| event(run_id, Some(key), EventKind::Decided));
+        if !satisfied {
+            let pending = DecideStatus::Pending {
+                approvals,
+                quorum,
+                missing_groups,
+            };
+            return Ok((self.decided(run_id, key, pending), true));
+        }
+        e.status = Status::Approved;
+        run.pending_approvals -= 1;
+        Ok((self.decided(run_id, key, DecideStatus::Approved), true))
+    }
+
+    /// The answer to a decision just applied to `run_id/key`, with its approval as it is now.
+    fn decided(&self, run_id: &RunId, key: &EffectKey, status: DecideStatus) -> Reply {
+        let approval = self.runs[run_id].effects[key]
+            .approval
+            .as_deref()
+            .expect("a decided effect has an approval");
+        Reply::Decided(crate::reply::Decided {
+            status,
+            approvers: approval.approvers.iter().map(|a| a.name.clone()).collect(),
+            quorum: approval.quorum,
+            requested_at: approval.requested_at,
+        })
     }
 
     // ---------------------------------------------------------------- stops
@@ -1519,7 +1606,6 @@ impl Gate {
                 return Err(KernelError::RunNotFound(run_id.clone()));
             }
             self.room_for_runs(p.role, None, 1)?;
-            self.add_run(run_id.clone(), Run::new(now, None, None));
         } else {
             self.visible_run(p, run_id)?;
         }
@@ -1528,10 +1614,12 @@ impl Gate {
         } else {
             StopCause::Cancelled
         };
-        Ok(self.stop_verb(now, run_id, cause, reason.clone(), p, ev))
+        self.stop_verb(now, run_id, cause, reason.clone(), p, ev)
     }
 
     /// Stops a visible run unless it is stopped already (a stop is idempotent and never undone).
+    /// A run not in the gate yet (an operator's fence of an id before its first admit) is
+    /// created, once the stop's every move has been checked.
     fn stop_verb(
         &mut self,
         now: u64,
@@ -1540,21 +1628,26 @@ impl Gate {
         reason: Option<Box<str>>,
         p: &Principal,
         ev: &mut Sink,
-    ) -> (Reply, bool) {
-        let run = &self.runs[run_id];
-        if run.stop.is_some() {
+    ) -> Result<(Reply, bool), KernelError> {
+        if let Some(run) = self.runs.get(run_id)
+            && run.stop.is_some()
+        {
             let reply = Reply::RunState {
                 state: run.state,
                 runs_changed: 0,
             };
-            return (reply, false);
+            return Ok((reply, false));
         }
-        let n = self.stop_subtree(now, run_id, cause, reason, Some(p), ev);
+        let stop = self.stop_plan(run_id, cause)?;
+        if !self.runs.contains_key(run_id) {
+            self.add_run(run_id.clone(), Run::new(now, None, None));
+        }
+        let n = self.stop_subtree(now, stop, reason, Some(p), ev);
         let reply = Reply::RunState {
             state: self.runs[run_id].state,
             runs_changed: n,
         };
-        (reply, true)
+        Ok((reply, true))
     }
 
     fn close(
@@ -1571,45 +1664,63 @@ impl Gate {
         } else {
             StopCause::Closed
         };
-        Ok(self.stop_verb(now, run_id, cause, None, p, ev))
+        self.stop_verb(now, run_id, cause, None, p, ev)
     }
 
-    /// Fences the run and every descendant not already stopped: bumps the epoch, voids what
-    /// has not started, and moves each to finalizing (effects in flight) or its terminal state.
-    /// Work is proportional to the size of the subtree, never to the whole gate.
+    /// Plans a stop of `root` and every descendant not already stopped: each moves to
+    /// finalizing (effects in flight) or its terminal state, and every move is checked against
+    /// the table before the first is made. A root not in the gate yet is planned as the new run
+    /// an operator's cancel creates (active, nothing in flight). Work is proportional to the
+    /// size of the subtree, never to the whole gate.
+    fn stop_plan(&self, root: &RunId, cause: StopCause) -> Result<StopPlan, KernelError> {
+        let mut moves = Vec::new();
+        for id in self.subtree(root) {
+            let (from, in_flight) = match self.runs.get(&id) {
+                Some(run) if run.stop.is_some() => continue,
+                Some(run) => (run.state, run.in_flight),
+                None if &id == root => (RunState::Active, 0),
+                None => continue,
+            };
+            // A cancel (not a kill) owes the reverse saga of what already happened.
+            let owes =
+                cause == StopCause::Cancelled && self.runs.get(&id).is_some_and(crate::saga::owed);
+            let to = if in_flight > 0 || owes {
+                RunState::Finalizing
+            } else {
+                terminal_state(cause)
+            };
+            check_run(&id, from, to)?;
+            moves.push((id, to));
+        }
+        Ok(StopPlan {
+            root: root.clone(),
+            cause,
+            moves,
+        })
+    }
+
+    /// Carries out a stop planned by `stop_plan`: fences each run (bumps the epoch, voids what
+    /// has not started) and moves it as planned. Returns how many runs changed.
     fn stop_subtree(
         &mut self,
         now: u64,
-        root: &RunId,
-        cause: StopCause,
+        stop: StopPlan,
         reason: Option<Box<str>>,
         by: Option<&Principal>,
         ev: &mut Sink,
     ) -> u32 {
+        let StopPlan { root, cause, moves } = stop;
         let refusal = cause.refusal();
         let mut changed = 0;
-        for id in self.subtree(root) {
-            let Some(run) = self.runs.get_mut(&id) else {
-                continue;
-            };
-            if run.stop.is_some() {
-                continue;
-            }
-            // A cancel (not a kill) owes the reverse saga of what already happened.
-            let to =
-                if run.in_flight > 0 || (cause == StopCause::Cancelled && crate::saga::owed(run)) {
-                    RunState::Finalizing
-                } else {
-                    terminal_state(cause)
-                };
-            assert!(run_legal(run.state, to), "{} -> {}", run.state, to);
+        for (id, to) in moves {
+            let run = self.runs.get_mut(&id).expect("a planned run exists");
             run.epoch += 1;
             run.stop = Some(Stop {
                 cause,
                 reason: reason.clone(),
                 by: by.map(|p| p.name.clone()),
                 at: now,
-                from: (&id != root).then(|| root.clone()),
+                from: (id != root).then(|| root.clone()),
             });
             for e in run.effects.values_mut() {
                 if e.status.is_held_or_prepared() {
@@ -1686,7 +1797,7 @@ impl Gate {
                 });
             }
         };
-        assert!(run_legal(from, to));
+        check_run(run_id, from, to)?;
         self.runs.get_mut(run_id).expect("run exists").state = to;
         let kind = if pause {
             EventKind::Paused
@@ -1723,8 +1834,9 @@ impl Gate {
             ));
         }
         let mut changed = 0;
-        if let Some(root) = self.chain_flags(run_id, run, now).overdue.cloned() {
-            changed += self.stop_subtree(now, &root, StopCause::Deadline, None, None, ev);
+        if let Some(root) = self.chain_flags(run_id, run, now).overdue {
+            let stop = self.stop_plan(root, StopCause::Deadline)?;
+            changed += self.stop_subtree(now, stop, None, None, ev);
         } else {
             let due: Vec<EffectKey> = run
                 .effects
@@ -1826,6 +1938,18 @@ impl Gate {
     }
 }
 
+/// What a repeat admit of an effect that has its outcome gets: its status and outcome.
+fn receipt(effect: &Effect) -> Verdict {
+    let mut rec = effect.outcome.as_deref().cloned().unwrap_or_default();
+    rec.outcome = effect.outcome_kind();
+    Verdict::Duplicate {
+        status: effect.status.kind(),
+        outcome: rec.outcome,
+        result: rec.result,
+        error: rec.error,
+    }
+}
+
 fn new_approval(p: &PolicyDecision) -> Approval {
     Approval {
         id: 0,
@@ -1844,10 +1968,13 @@ fn planned_status(plan: &Plan, effect: &Effect) -> Status {
     match plan {
         Plan::Fenced(r) | Plan::Refuse(r) => Status::Refused(*r),
         Plan::FenceDeadline(_) => Status::Refused(RefusalReason::Deadline),
-        Plan::FenceBudget => Status::Refused(RefusalReason::Budget),
+        Plan::FenceBudget(_) => Status::Refused(RefusalReason::Budget),
         Plan::Hold(r) => Status::Held(*r),
         Plan::HoldApproval => Status::Held(HoldReason::Approval),
         Plan::Admit if effect.start_on_admit => Status::Started,
         Plan::Admit => Status::Admitted,
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,10 +1,10 @@
 //! estop kernel: the pure per-run state machine and admission logic.
 //! No IO, no clock (time is an argument), no threads, no randomness; same inputs, same outputs.
-pub mod codec;
 pub mod command;
 pub mod gate;
 pub mod ids;
 pub mod limits;
+pub mod record_codec;
 pub mod reply;
 pub mod report;
 mod runs;

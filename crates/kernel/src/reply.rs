@@ -1,7 +1,7 @@
 //! What the kernel answers: verdicts, acknowledgements, typed errors, and events for subscribers.
 
 use crate::command::Token;
-use crate::ids::{EffectKey, RunId};
+use crate::ids::{EffectKey, PrincipalName, RunId};
 use crate::vocab::{EffectStatus, HoldReason, Outcome, RefusalReason, RunState};
 
 /// The answer to `admit`, `wait` and `start`.
@@ -43,6 +43,18 @@ pub enum DecideStatus {
     Rejected,
 }
 
+/// The answer to `decide`: its progress, and what the wire shows of the approval after it (so
+/// the shell renders it without reading the gate's state).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decided {
+    pub status: DecideStatus,
+    /// Who has approved so far, in order.
+    pub approvers: Vec<PrincipalName>,
+    pub quorum: u32,
+    /// When the approval was requested (gate time, ms): how long the decision took.
+    pub requested_at: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     Verdict(Verdict),
@@ -50,7 +62,7 @@ pub enum Reply {
     Completed {
         late: bool,
     },
-    Decided(DecideStatus),
+    Decided(Decided),
     /// The run's state after a cancel, pause, resume, close or tick, and how many runs changed.
     RunState {
         state: RunState,
@@ -123,10 +135,12 @@ pub enum KernelError {
         max: u64,
         hint: &'static str,
     },
-    #[error("illegal transition of effect {key} of run {run} from {from} to {to}")]
+    /// A change the tables in `transitions` do not allow: of effect `key` of the run, or of the
+    /// run itself when `key` is `None`. A bug, refused before anything changed.
+    #[error("illegal transition of {} from {from} to {to}", subject(.run, .key.as_ref()))]
     IllegalTransition {
         run: RunId,
-        key: EffectKey,
+        key: Option<EffectKey>,
         from: &'static str,
         to: &'static str,
     },
@@ -143,6 +157,14 @@ pub enum KernelError {
         "run {run} was forgotten after its retention period (only its fence is kept: see status); {what} has nothing left to act on"
     )]
     Forgotten { run: RunId, what: &'static str },
+}
+
+/// What an illegal transition was of: "effect K of run R", or "run R".
+fn subject(run: &RunId, key: Option<&EffectKey>) -> String {
+    match key {
+        Some(key) => format!("effect {key} of run {run}"),
+        None => format!("run {run}"),
+    }
 }
 
 impl KernelError {

@@ -14,11 +14,11 @@
 //! the past).
 
 use crate::command::SagaAction;
-use crate::gate::{Gate, Sink, check_effect, event};
+use crate::gate::{Gate, Sink, check_effect, event, settles};
 use crate::ids::{EffectKey, Principal, Role, RunId};
 use crate::reply::{EventKind, KernelError, Reply};
 use crate::state::{Compensation, Effect, Run, Status};
-use crate::vocab::{Outcome, StopCause};
+use crate::vocab::{Outcome, RunState, StopCause};
 
 /// Attempts of one compensation before a human is asked.
 pub const COMPENSATION_ATTEMPTS_MAX: u32 = 5;
@@ -60,7 +60,31 @@ pub fn member(e: &Effect) -> bool {
 
 /// Whether a member still needs something (an outcome, a compensation, a human).
 fn open(e: &Effect) -> bool {
-    member(e) && !matches!(e.status, Status::Compensated | Status::CompensationSkipped)
+    open_as(e, e.status)
+}
+
+/// Whether the effect would be an open member with status `status`.
+fn open_as(e: &Effect, status: Status) -> bool {
+    e.compensate.is_some()
+        && matches!(
+            status,
+            Status::Started
+                | Status::Unknown
+                | Status::Completed
+                | Status::Compensating
+                | Status::CompensationFailed
+                | Status::NeedsHuman
+        )
+}
+
+/// Whether the run's saga would still keep it `finalizing` once effect `key` moves to `to`
+/// (asked before the move, so the run's settling is checked before anything changes).
+pub fn open_after(run: &Run, key: &EffectKey, to: Status) -> bool {
+    applies(run)
+        && run
+            .effects
+            .iter()
+            .any(|(k, e)| if k == key { open_as(e, to) } else { open(e) })
 }
 
 /// Whether the run runs a saga at all: it was cancelled (a kill, a deadline, a budget or a
@@ -204,6 +228,23 @@ fn due(
     }
 }
 
+/// The state the run reaches once effect `key` moves to `to`, if that settles it; checked
+/// against the table before anything changes.
+fn settles_after(
+    run: &Run,
+    run_id: &RunId,
+    key: &EffectKey,
+    to: Status,
+) -> Result<Option<RunState>, KernelError> {
+    settles(
+        run_id,
+        run.state,
+        run.in_flight,
+        open_after(run, key, to),
+        run.stop.as_ref(),
+    )
+}
+
 impl Gate {
     #[allow(clippy::too_many_arguments)]
     /// `CompensationBegin`: attempt `attempt` of the head's compensation begins. The same
@@ -293,6 +334,7 @@ impl Gate {
             Outcome::Error => Status::CompensationFailed,
         };
         check_effect(run_id, key, Some(effect.status), to)?;
+        let settled = settles_after(run, run_id, key, to)?;
         let e = self.effect_mut(run_id, key);
         let c = e.saga.as_mut().expect("a compensation began");
         c.note = error.clone();
@@ -303,7 +345,7 @@ impl Gate {
         e.updated_at = now;
         let answer = reply(e);
         ev.push(|| event(run_id, Some(key), EventKind::Compensation));
-        self.settle_saga(run_id, ev);
+        self.settle_saga(run_id, settled, ev);
         Ok((answer, true))
     }
 
@@ -372,7 +414,7 @@ impl Gate {
             ));
         }
         check_effect(run_id, key, Some(effect.status), to)?;
-        let in_saga = applies(run);
+        let settled = settles_after(run, run_id, key, to)?;
         let e = self.effect_mut(run_id, key);
         match action {
             SagaAction::Settle(_) => {}
@@ -392,16 +434,18 @@ impl Gate {
         e.updated_at = now;
         let answer = reply(e);
         ev.push(|| event(run_id, Some(key), EventKind::Compensation));
-        if in_saga {
-            self.settle_saga(run_id, ev);
-        }
+        self.settle_saga(run_id, settled, ev);
         Ok((answer, true))
     }
 
-    /// A finalizing run whose saga settled (and with nothing in flight) reaches its end.
-    fn settle_saga(&mut self, run_id: &RunId, ev: &mut Sink) {
-        let run = self.runs.get_mut(run_id).expect("run exists");
-        Gate::settle_run(run_id, run, ev);
+    /// A finalizing run whose saga settled (and with nothing in flight) reaches its end,
+    /// `settled` as `settles_after` planned it before the change.
+    fn settle_saga(&mut self, run_id: &RunId, settled: Option<RunState>, ev: &mut Sink) {
+        if let Some(to) = settled {
+            let run = self.runs.get_mut(run_id).expect("run exists");
+            run.state = to;
+            ev.push(|| event(run_id, None, EventKind::Settled));
+        }
     }
 
     /// The saga's head and what it waits for (`None`: no saga, or it is settled).

@@ -1,6 +1,11 @@
 //! The closed tables of legal transitions, as data: printable, testable, and checked before
-//! every change of state (an illegal one is a typed refusal, never a panic).
+//! every change of state (an illegal one is a typed refusal, never a panic). `check_effect` and
+//! `check_run` are the guards: the gate calls one before each change of an effect's status or a
+//! run's state, and for a change of several runs (a stop reaches the whole subtree) it checks
+//! every one before it changes any.
 
+use crate::ids::{EffectKey, RunId};
+use crate::reply::KernelError;
 use crate::vocab::{EffectStatus as E, RunState as R};
 
 /// Legal effect transitions. `None` as the source is the creation of the effect.
@@ -69,6 +74,37 @@ pub fn run_legal(from: R, to: R) -> bool {
     RUN_TRANSITIONS.iter().any(|&(f, t)| f == from && t == to)
 }
 
+/// The guard of effect `key` of `run` moving `from` (`None`: its creation) `to`.
+pub fn check_effect(
+    run: &RunId,
+    key: &EffectKey,
+    from: Option<E>,
+    to: E,
+) -> Result<(), KernelError> {
+    if effect_legal(from, to) {
+        return Ok(());
+    }
+    Err(KernelError::IllegalTransition {
+        run: run.clone(),
+        key: Some(key.clone()),
+        from: from.map_or("new", E::as_str),
+        to: to.as_str(),
+    })
+}
+
+/// The guard of `run` moving `from` `to`.
+pub fn check_run(run: &RunId, from: R, to: R) -> Result<(), KernelError> {
+    if run_legal(from, to) {
+        return Ok(());
+    }
+    Err(KernelError::IllegalTransition {
+        run: run.clone(),
+        key: None,
+        from: from.as_str(),
+        to: to.as_str(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,6 +116,51 @@ mod tests {
                 assert!(!run_legal(from, to), "{from} -> {to} must be illegal");
             }
         }
+    }
+
+    #[test]
+    fn every_move_a_stop_makes_is_in_the_table() {
+        use crate::vocab::StopCause;
+        // What `Gate::stop_plan` and the settling of a finalizing run ask for, from every state
+        // a run that is not stopped can be in; a missing entry would make every stop refused.
+        for &cause in StopCause::ALL {
+            let end = cause.terminal_state();
+            for from in [R::Active, R::Paused] {
+                assert!(run_legal(from, R::Finalizing), "{from} -> finalizing");
+                assert!(run_legal(from, end), "{from} -> {end}");
+            }
+            assert!(run_legal(R::Finalizing, end), "finalizing -> {end}");
+        }
+        assert!(run_legal(R::Active, R::Paused) && run_legal(R::Paused, R::Active));
+    }
+
+    #[test]
+    fn the_guards_refuse_with_the_typed_error_what_the_tables_leave_out() {
+        let run = RunId::new("r").expect("valid");
+        let key = EffectKey::new("k").expect("valid");
+        for &from in R::ALL {
+            for &to in R::ALL {
+                match check_run(&run, from, to) {
+                    Ok(()) => assert!(RUN_TRANSITIONS.contains(&(from, to))),
+                    Err(e) => {
+                        assert!(!RUN_TRANSITIONS.contains(&(from, to)));
+                        assert_eq!(e.code(), "illegal_transition");
+                        assert_eq!(
+                            e.to_string(),
+                            format!("illegal transition of run r from {from} to {to}")
+                        );
+                    }
+                }
+            }
+        }
+        let from = Some(E::Refused);
+        let e = check_effect(&run, &key, from, E::Started).expect_err("refused absorbs");
+        assert_eq!(
+            e.to_string(),
+            "illegal transition of effect k of run r from refused to started"
+        );
+        let e = check_effect(&run, &key, None, E::Completed).expect_err("no creation as done");
+        assert!(e.to_string().ends_with("from new to completed"), "{e}");
     }
 
     #[test]

@@ -4,9 +4,12 @@
 
 mod support;
 
-use estop_kernel::codec::{RecordDecoder, decode_record, encode_record, encode_snapshot};
+use estop_kernel::record_codec::{
+    RecordDecoder, decode_record, decode_snapshot, encode_record, encode_snapshot,
+};
 use estop_kernel::saga;
 use estop_kernel::state::Status;
+use estop_kernel::transitions::RUN_TRANSITIONS;
 use estop_kernel::vocab::{
     EffectClass, HoldReason, PolicyAction, RefusalReason, RunState, StopCause,
 };
@@ -51,6 +54,38 @@ fn op() -> impl Strategy<Value = String> {
             .prop_map(|(r, k, n, o)| format!("agent end {r} {k} {n} {o}")),
         2 => (who_op, run.clone(), key.clone(), prop_oneof![Just("settle {} {} ok"), Just("settle {} {} error"), Just("retry {} {}"), Just("skip {} {} reason=x")])
             .prop_map(|(w, r, k, v)| format!("{w} {}", v.replacen("{}", r, 1).replacen("{}", k, 1))),
+        1 => (0u64..60, 0u64..200).prop_map(|(a, b)| format!("agent compact-ago {a} {b}")),
+    ]
+}
+
+/// Commands that move runs, on a three-level tree whose root may have a deadline and a budget:
+/// every stop verb, from operators and the agent, and the outcomes that settle a stopped run.
+fn run_op() -> impl Strategy<Value = String> {
+    let run = prop_oneof![Just("r1"), Just("r2"), Just("r3")];
+    let parent = |r: &str| match r {
+        "r2" => " parent=r1",
+        "r3" => " parent=r2",
+        _ => " deadline=300 max=4",
+    };
+    let key = prop_oneof![Just("a"), Just("b")];
+    let who = prop_oneof![Just("agent"), Just("alice")];
+    let verb = prop_oneof![
+        Just("cancel"),
+        Just("kill"),
+        Just("pause"),
+        Just("resume"),
+        Just("close"),
+        Just("fail"),
+        Just("tick"),
+    ];
+    prop_oneof![
+        4 => (run.clone(), key.clone(), prop_oneof![Just(""), Just(" start=false"), Just(" action=approve")])
+            .prop_map(move |(r, k, o)| format!("agent admit {r} {k} pay{o}{}", parent(r))),
+        2 => (run.clone(), key.clone()).prop_map(|(r, k)| format!("agent start {r} {k} last")),
+        2 => (run.clone(), key.clone(), prop_oneof![Just("ok"), Just("error"), Just("unknown")])
+            .prop_map(|(r, k, o)| format!("agent complete {r} {k} last {o}")),
+        1 => (run.clone(), key).prop_map(|(r, k)| format!("alice approve {r} {k}")),
+        3 => (who, verb, run).prop_map(|(w, v, r)| format!("{w} {v} {r}")),
         1 => (0u64..60, 0u64..200).prop_map(|(a, b)| format!("agent compact-ago {a} {b}")),
     ]
 }
@@ -399,5 +434,42 @@ proptest! {
         encode_snapshot(&applied, &mut a);
         encode_snapshot(&replayed, &mut r);
         prop_assert!(a == r, "snapshot bytes differ");
+    }
+
+    /// Whatever the commands, no panic: runs move only along the table (a stop reaching a whole
+    /// subtree included), a refusal changes nothing, a run is stopped exactly when it is
+    /// finalizing or terminal, and the state survives a snapshot.
+    #[test]
+    fn runs_move_only_along_the_table(ops in prop::collection::vec((run_op(), 0u64..40), 1..80)) {
+        let mut gate = Gate::new(limits());
+        let mut now = 0u64;
+        let mut last_token = None;
+        for (line, dt) in &ops {
+            now += dt;
+            let rec = parse_line(&at(now, line), last_token);
+            let before = gate.clone();
+            match gate.apply(rec.at, &rec.principal, &rec.command) {
+                Err(e) => {
+                    prop_assert_eq!(&before, &gate, "{} changed the state", line);
+                    prop_assert_ne!(e.code(), "illegal_transition", "{}: {}", line, e);
+                }
+                Ok(applied) => {
+                    if let estop_kernel::Reply::Verdict(estop_kernel::Verdict::Admitted { token }) = applied.reply {
+                        last_token = Some(token);
+                    }
+                }
+            }
+            for (id, run) in gate.runs() {
+                if let Some(from) = before.run(id).map(|r| r.state) {
+                    let to = run.state;
+                    prop_assert!(from == to || RUN_TRANSITIONS.contains(&(from, to)), "{}: {} {} -> {}", line, id, from, to);
+                }
+                let stopped = run.state == RunState::Finalizing || run.state.is_terminal();
+                prop_assert_eq!(stopped, run.stop.is_some(), "{}: {} is {}", line, id, run.state);
+            }
+        }
+        let mut snap = Vec::new();
+        encode_snapshot(&gate, &mut snap);
+        prop_assert_eq!(decode_snapshot(&snap, limits()), Ok(gate));
     }
 }

@@ -4,7 +4,9 @@
 
 mod support;
 
+use estop_kernel::{Gate, Limits, RunId};
 use expect_test::expect;
+use std::fmt::Write;
 use support::check;
 
 #[test]
@@ -973,7 +975,7 @@ fn adopting_a_stopped_parent_fences_the_subtree_and_cycles_are_refused() {
 /// Tool and rule names are stored once for all the effects that use them (memory per identity).
 #[test]
 fn tool_and_rule_names_are_shared_between_effects_and_survive_a_snapshot() {
-    use estop_kernel::codec::{decode_snapshot, encode_snapshot};
+    use estop_kernel::record_codec::{decode_snapshot, encode_snapshot};
     use estop_kernel::{Gate, Limits, RunId};
     let mut gate = Gate::new(Limits::default());
     for line in [
@@ -1010,7 +1012,7 @@ fn tool_and_rule_names_are_shared_between_effects_and_survive_a_snapshot() {
 /// run without effects, and the next compaction forgets it into a tombstone.
 #[test]
 fn a_version_1_snapshot_loads_and_its_compacted_runs_are_forgotten_next() {
-    use estop_kernel::codec::{decode_snapshot, encode_snapshot};
+    use estop_kernel::record_codec::{decode_snapshot, encode_snapshot};
     use estop_kernel::{Command, Limits, RunId};
     let mut v1 = vec![1u8];
     v1.extend_from_slice(&1u64.to_le_bytes()); // one run
@@ -1058,12 +1060,12 @@ fn a_version_1_snapshot_loads_and_its_compacted_runs_are_forgotten_next() {
     encode_snapshot(&gate, &mut v2);
     assert_eq!(
         v2[0],
-        estop_kernel::codec::SNAPSHOT_VERSION,
+        estop_kernel::record_codec::SNAPSHOT_VERSION,
         "written as the current version"
     );
     assert_eq!(decode_snapshot(&v2, Limits::default()).unwrap(), gate);
     let mut bad = v1.clone();
-    bad[0] = estop_kernel::codec::SNAPSHOT_VERSION + 1;
+    bad[0] = estop_kernel::record_codec::SNAPSHOT_VERSION + 1;
     assert!(decode_snapshot(&bad, Limits::default()).is_err());
 }
 
@@ -1071,7 +1073,7 @@ fn a_version_1_snapshot_loads_and_its_compacted_runs_are_forgotten_next() {
 /// It is the version 3 encoding without the effect's last two bytes (0, 0: none).
 #[test]
 fn a_version_2_snapshot_loads_with_effects_that_have_no_compensation() {
-    use estop_kernel::codec::{decode_snapshot, encode_snapshot};
+    use estop_kernel::record_codec::{decode_snapshot, encode_snapshot};
     use estop_kernel::{Gate, Limits};
     let mut gate = Gate::new(Limits::default());
     for line in [
@@ -1098,4 +1100,142 @@ fn a_version_2_snapshot_loads_with_effects_that_have_no_compensation() {
     // Read as version 3, the same bytes lack a field: an error, never a guess.
     v2[0] = 3;
     assert!(decode_snapshot(&v2, Limits::default()).is_err());
+}
+
+/// Every verb that moves a run, from every state a run can be in: each either moves it along
+/// the table (`transitions::RUN_TRANSITIONS`), changes nothing, or is a typed refusal that
+/// changes nothing. Never a panic.
+#[test]
+fn every_run_verb_from_every_run_state() {
+    use estop_kernel::transitions::RUN_TRANSITIONS;
+    use support::{parse_line, render_reply};
+    // One effect in flight (`k`, token 1.1), then the steps that reach each state.
+    let states: [(&str, &[&str]); 6] = [
+        ("active", &[]),
+        ("paused", &["1 alice pause r1"]),
+        ("finalizing", &["1 alice cancel r1"]),
+        (
+            "completed",
+            &["1 agent complete r1 k 1.1 ok", "2 agent close r1"],
+        ),
+        (
+            "failed",
+            &["1 agent complete r1 k 1.1 ok", "2 agent fail r1"],
+        ),
+        (
+            "cancelled",
+            &["1 agent complete r1 k 1.1 ok", "2 agent cancel r1"],
+        ),
+    ];
+    let verbs = [
+        "alice pause r1",
+        "alice resume r1",
+        "agent cancel r1",
+        "alice kill r1",
+        "agent close r1",
+        "agent fail r1",
+        "agent tick r1",
+        "agent complete r1 k 1.1 ok",
+    ];
+    let mut out = String::new();
+    for (name, steps) in states {
+        let mut gate = Gate::new(Limits::default());
+        for line in ["0 agent admit r1 k pay deadline=100"].iter().chain(steps) {
+            let rec = parse_line(line, None);
+            gate.apply(rec.at, &rec.principal, &rec.command).unwrap();
+        }
+        let from = gate.run(&RunId::new("r1").unwrap()).unwrap().state;
+        assert_eq!(from.as_str(), name);
+        for verb in verbs {
+            let rec = parse_line(&format!("5 {verb}"), None);
+            let mut after = gate.clone();
+            let reply = match after.apply(rec.at, &rec.principal, &rec.command) {
+                Ok(applied) => render_reply(&applied.reply),
+                Err(e) => {
+                    assert_eq!(after, gate, "{name}: {verb} failed and changed the state");
+                    format!("error {}", e.code())
+                }
+            };
+            let to = after.run(&RunId::new("r1").unwrap()).unwrap().state;
+            assert!(
+                to == from || RUN_TRANSITIONS.contains(&(from, to)),
+                "{name}: {verb} moved it to {to}"
+            );
+            writeln!(out, "{name:<10} {verb:<27} => {reply:<26} {to}").unwrap();
+        }
+        // Past the deadline a tick stops it like a cancel.
+        let rec = parse_line("200 agent tick r1", None);
+        let mut after = gate.clone();
+        let reply = render_reply(
+            &after
+                .apply(rec.at, &rec.principal, &rec.command)
+                .unwrap()
+                .reply,
+        );
+        let to = after.run(&RunId::new("r1").unwrap()).unwrap().state;
+        assert!(to == from || RUN_TRANSITIONS.contains(&(from, to)));
+        writeln!(
+            out,
+            "{name:<10} {:<27} => {reply:<26} {to}",
+            "agent tick r1 (at 200)"
+        )
+        .unwrap();
+    }
+    expect![[r#"
+        active     alice pause r1              => run paused (1 changed)     paused
+        active     alice resume r1             => run active (0 changed)     active
+        active     agent cancel r1             => run finalizing (1 changed) finalizing
+        active     alice kill r1               => run finalizing (1 changed) finalizing
+        active     agent close r1              => run finalizing (1 changed) finalizing
+        active     agent fail r1               => run finalizing (1 changed) finalizing
+        active     agent tick r1               => run active (0 changed)     active
+        active     agent complete r1 k 1.1 ok  => completed                  active
+        active     agent tick r1 (at 200)      => run finalizing (1 changed) finalizing
+        paused     alice pause r1              => run paused (0 changed)     paused
+        paused     alice resume r1             => run active (1 changed)     active
+        paused     agent cancel r1             => run finalizing (1 changed) finalizing
+        paused     alice kill r1               => run finalizing (1 changed) finalizing
+        paused     agent close r1              => run finalizing (1 changed) finalizing
+        paused     agent fail r1               => run finalizing (1 changed) finalizing
+        paused     agent tick r1               => run paused (0 changed)     paused
+        paused     agent complete r1 k 1.1 ok  => completed                  paused
+        paused     agent tick r1 (at 200)      => run finalizing (1 changed) finalizing
+        finalizing alice pause r1              => error invalid_state        finalizing
+        finalizing alice resume r1             => error invalid_state        finalizing
+        finalizing agent cancel r1             => run finalizing (0 changed) finalizing
+        finalizing alice kill r1               => run finalizing (0 changed) finalizing
+        finalizing agent close r1              => run finalizing (0 changed) finalizing
+        finalizing agent fail r1               => run finalizing (0 changed) finalizing
+        finalizing agent tick r1               => run finalizing (0 changed) finalizing
+        finalizing agent complete r1 k 1.1 ok  => completed late             cancelled
+        finalizing agent tick r1 (at 200)      => run finalizing (0 changed) finalizing
+        completed  alice pause r1              => error invalid_state        completed
+        completed  alice resume r1             => error invalid_state        completed
+        completed  agent cancel r1             => run completed (0 changed)  completed
+        completed  alice kill r1               => run completed (0 changed)  completed
+        completed  agent close r1              => run completed (0 changed)  completed
+        completed  agent fail r1               => run completed (0 changed)  completed
+        completed  agent tick r1               => run completed (0 changed)  completed
+        completed  agent complete r1 k 1.1 ok  => completed                  completed
+        completed  agent tick r1 (at 200)      => run completed (0 changed)  completed
+        failed     alice pause r1              => error invalid_state        failed
+        failed     alice resume r1             => error invalid_state        failed
+        failed     agent cancel r1             => run failed (0 changed)     failed
+        failed     alice kill r1               => run failed (0 changed)     failed
+        failed     agent close r1              => run failed (0 changed)     failed
+        failed     agent fail r1               => run failed (0 changed)     failed
+        failed     agent tick r1               => run failed (0 changed)     failed
+        failed     agent complete r1 k 1.1 ok  => completed                  failed
+        failed     agent tick r1 (at 200)      => run failed (0 changed)     failed
+        cancelled  alice pause r1              => error invalid_state        cancelled
+        cancelled  alice resume r1             => error invalid_state        cancelled
+        cancelled  agent cancel r1             => run cancelled (0 changed)  cancelled
+        cancelled  alice kill r1               => run cancelled (0 changed)  cancelled
+        cancelled  agent close r1              => run cancelled (0 changed)  cancelled
+        cancelled  agent fail r1               => run cancelled (0 changed)  cancelled
+        cancelled  agent tick r1               => run cancelled (0 changed)  cancelled
+        cancelled  agent complete r1 k 1.1 ok  => completed                  cancelled
+        cancelled  agent tick r1 (at 200)      => run cancelled (0 changed)  cancelled
+    "#]]
+    .assert_eq(&out);
 }

@@ -15,18 +15,19 @@
 //!    writing.
 
 mod commit;
+mod crash_storage;
 mod error;
 pub mod format;
 mod inspect;
 mod ledger;
 mod probe;
 mod scan;
-mod sim;
 mod snapshot;
 mod stats;
 mod storage;
 
 pub use commit::{Committer, Notify, SYNC_THREAD_NAME, SnapshotReport};
+pub use crash_storage::{CrashStats, CrashStorage};
 pub use error::{LedgerError, ReplayCause};
 pub use inspect::{RecordView, VerifyReport, inspect, verify};
 pub use ledger::{Ledger, LedgerOptions, Recovered, RecoveryReport};
@@ -35,7 +36,6 @@ pub use probe::{
     raw_overwrite_probe,
 };
 pub use scan::{Preallocated, SegmentSummary, Superseded, TornTail};
-pub use sim::{CrashStorage, SimStats};
 pub use snapshot::{InvalidFile, SnapshotInfo};
 pub use stats::{Histogram, HistogramSnapshot, SyncObserver, SyncStats};
 pub use storage::{FileStorage, LOCK_FILE, MemStorage, Storage, StorageFile, read_file};

@@ -1,6 +1,6 @@
 //! The tiny `Storage` trait through which the ledger reaches disk (one flat directory of files),
 //! and its real (`FileStorage`) and in-memory (`MemStorage`) implementations.
-//! The crash-simulating one is in `sim.rs`.
+//! The crash-simulating one is in `crash_storage.rs`.
 
 use std::collections::BTreeMap;
 use std::fmt;

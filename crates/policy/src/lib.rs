@@ -4,11 +4,11 @@
 //! and, optionally, a CEL condition (`when`) over `tool`, `args` and `principal`; the first
 //! matching rule decides allow / approve / deny, the effect's class, reversibility, compensating
 //! tool, and for approvals the quorum, approver groups and expiry. Nothing the agent sends can
-//! weaken a decision (G7): the agent may only [`Verdict::strengthen`] it.
+//! weaken a decision (G7): the agent may only [`Ruling::strengthen`] it.
 //!
 //! Evaluation is pure and deterministic (no clock, no IO), so the same call under the same
-//! policy always gets the same [`Verdict`]. The server records the verdict in the ledger; replay
-//! uses the recorded verdict, never a re-evaluation.
+//! policy always gets the same [`Ruling`]. The server records the ruling in the ledger; replay
+//! uses the recorded ruling, never a re-evaluation.
 //!
 //! ```
 //! use estop_kernel::{ToolName, vocab::PolicyAction};
@@ -29,13 +29,13 @@
 //! "#)?;
 //! let refund = ToolName::new("refund").unwrap();
 //!
-//! let mut verdict = policy.evaluate(&refund, Some(&json!({"amount": 150.5})), "agent")?;
-//! assert_eq!((verdict.action, verdict.quorum, &*verdict.rule), (PolicyAction::Approve, 2, "big-refunds"));
+//! let mut ruling = policy.evaluate(&refund, Some(&json!({"amount": 150.5})), "agent")?;
+//! assert_eq!((ruling.action, ruling.quorum, &*ruling.rule), (PolicyAction::Approve, 2, "big-refunds"));
 //!
-//! verdict = policy.evaluate(&refund, Some(&json!({"amount": 20})), "agent")?;
-//! assert_eq!(verdict.action, PolicyAction::Allow);
-//! verdict.strengthen(true); // the agent asked for approval
-//! assert_eq!(verdict.action, PolicyAction::Approve);
+//! ruling = policy.evaluate(&refund, Some(&json!({"amount": 20})), "agent")?;
+//! assert_eq!(ruling.action, PolicyAction::Allow);
+//! ruling.strengthen(true); // the agent asked for approval
+//! assert_eq!(ruling.action, PolicyAction::Approve);
 //!
 //! // Hiding the arguments cannot skip the condition.
 //! let err = policy.evaluate(&refund, None, "agent").unwrap_err();
@@ -66,9 +66,9 @@ pub use when::{ARGS_DEPTH_MAX, WHEN_BYTES_MAX};
 use pattern::ToolPattern;
 use when::{Condition, Scope};
 
-/// The `rule` of a verdict when a policy with rules has none that matches the tool.
+/// The `rule` of a ruling when a policy with rules has none that matches the tool.
 pub const RULE_UNKNOWN_TOOL: &str = "unknown_tool";
-/// The `rule` of a verdict from a policy that has no rules at all (no policy file, or
+/// The `rule` of a ruling from a policy that has no rules at all (no policy file, or
 /// [`Policy::allow_all`]).
 pub const RULE_DEFAULT: &str = "default";
 
@@ -108,7 +108,7 @@ impl Defaults {
 /// One compiled rule.
 #[derive(Debug)]
 struct Rule {
-    /// Shared with every verdict the rule gives (one copy of the name, no allocation per call).
+    /// Shared with every ruling the rule gives (one copy of the name, no allocation per call).
     name: Arc<str>,
     name_span: std::ops::Range<usize>,
     tool_text: Box<str>,
@@ -131,8 +131,8 @@ struct Rule {
 }
 
 impl Rule {
-    fn verdict(&self) -> Verdict {
-        Verdict {
+    fn ruling(&self) -> Ruling {
+        Ruling {
             action: self.action,
             class: self.class,
             reversibility: self.reversibility,
@@ -151,7 +151,7 @@ impl Rule {
 
 /// What the policy says about one call. Record it with the admission: it is the decision.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Verdict {
+pub struct Ruling {
     pub action: PolicyAction,
     pub class: EffectClass,
     pub reversibility: Reversibility,
@@ -164,7 +164,7 @@ pub struct Verdict {
     /// Groups that must each supply at least one of the approvers (approve only).
     pub groups: Vec<String>,
     /// How long an approval request stays open (meaningful when `action` is approve; for
-    /// allow it is the default expiry, used if the agent strengthens the verdict).
+    /// allow it is the default expiry, used if the agent strengthens the ruling).
     pub expiry_ms: u64,
     /// The deciding rule's name, or [`RULE_UNKNOWN_TOOL`] / [`RULE_DEFAULT`].
     pub rule: Arc<str>,
@@ -173,13 +173,13 @@ pub struct Verdict {
     /// Whether any rule whose glob matches this tool has a `when` (so a digest-only admit of
     /// this tool is refused).
     pub conditional: bool,
-    /// Whether [`Verdict::strengthen`] turned an allow into an approve.
+    /// Whether [`Ruling::strengthen`] turned an allow into an approve.
     pub strengthened: bool,
 }
 
-impl Verdict {
+impl Ruling {
     /// Applies the agent's `needs_approval`: an allow becomes an approve with quorum 1, no
-    /// groups and the verdict's expiry (the policy default). Deny and approve are never changed,
+    /// groups and the ruling's expiry (the policy default). Deny and approve are never changed,
     /// and `needs_approval = false` changes nothing: the agent can strengthen, never weaken.
     pub fn strengthen(&mut self, needs_approval: bool) {
         if needs_approval && self.action == PolicyAction::Allow {
@@ -200,8 +200,8 @@ pub struct Declared {
     pub compensate_args: Option<String>,
 }
 
-impl Verdict {
-    /// Adds a client's declaration to the verdict. It may only add to what policy says, never
+impl Ruling {
+    /// Adds a client's declaration to the ruling. It may only add to what policy says, never
     /// take away or contradict it: a compensation the policy names stays (another tool is
     /// refused), a mapping the policy gives stays, and a call policy calls irreversible cannot
     /// be declared undoable. Where policy said nothing, the client's word is recorded. The
@@ -271,8 +271,8 @@ impl Verdict {
 
 /// The kernel's record of the decision: what the server stores with the admission, so replay
 /// and later policy edits never change it.
-impl From<Verdict> for PolicyDecision {
-    fn from(v: Verdict) -> PolicyDecision {
+impl From<Ruling> for PolicyDecision {
+    fn from(v: Ruling) -> PolicyDecision {
         PolicyDecision {
             action: v.action,
             class: v.class,
@@ -298,8 +298,8 @@ pub struct Policy {
     defaults: Defaults,
     rules: Vec<Rule>,
     env: Arc<cel::Env>,
-    /// Verdict for tools no rule matches.
-    fallback: Verdict,
+    /// Ruling for tools no rule matches.
+    fallback: Ruling,
 }
 
 impl std::fmt::Debug for Policy {
@@ -328,7 +328,7 @@ impl Policy {
             rule.when_after = later_when;
             later_when |= rule.when.is_some();
         }
-        let fallback = Verdict {
+        let fallback = Ruling {
             action: defaults.unknown_tool,
             class: EffectClass::Write,
             reversibility: Reversibility::Undeclared,
@@ -425,7 +425,7 @@ impl Policy {
         tool: &ToolName,
         args: Option<&serde_json::Value>,
         principal: &str,
-    ) -> Result<Verdict, EvalError> {
+    ) -> Result<Ruling, EvalError> {
         let name = tool.as_str();
         let mut scope: Option<Scope> = None;
         let mut conditional = false;
@@ -459,7 +459,7 @@ impl Policy {
             }
         }
         let Some(index) = decided else {
-            return Ok(Verdict {
+            return Ok(Ruling {
                 conditional,
                 ..self.fallback.clone()
             });
@@ -481,9 +481,9 @@ impl Policy {
             }
             conditional = true;
         }
-        Ok(Verdict {
+        Ok(Ruling {
             conditional,
-            ..rule.verdict()
+            ..rule.ruling()
         })
     }
 }

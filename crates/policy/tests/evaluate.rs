@@ -3,14 +3,14 @@
 
 use estop_kernel::ids::ToolName;
 use estop_kernel::vocab::{EffectClass, PolicyAction, Reversibility};
-use estop_policy::{EvalError, Policy, Verdict};
+use estop_policy::{EvalError, Policy, Ruling};
 use serde_json::{Value, json};
 
 fn tool(name: &str) -> ToolName {
     ToolName::new(name).unwrap()
 }
 
-fn eval(p: &Policy, name: &str, args: Value) -> Result<Verdict, EvalError> {
+fn eval(p: &Policy, name: &str, args: Value) -> Result<Ruling, EvalError> {
     p.evaluate(&tool(name), Some(&args), "agent")
 }
 
@@ -77,7 +77,7 @@ fn verdict_carries_the_rule() {
     let v = eval(&p, "refund", json!({"amount": 500})).unwrap();
     assert_eq!(
         v,
-        Verdict {
+        Ruling {
             action: PolicyAction::Approve,
             class: EffectClass::Write,
             reversibility: Reversibility::Compensable,
@@ -100,7 +100,7 @@ fn verdict_carries_the_rule() {
     assert_eq!(
         v.expiry_ms,
         20 * 60 * 1000,
-        "allow verdicts carry the default expiry for strengthening"
+        "allow rulings carry the default expiry for strengthening"
     );
 }
 

@@ -6,8 +6,8 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use estop_protocol::reply::ok_line;
-use estop_protocol::{Id, Op, Verdict, parse_request};
+use estop_protocol::server_line::ok_line;
+use estop_protocol::{Id, Op, VerdictReply, parse_request};
 
 fn main() {
     let lines: Vec<Vec<u8>> = (0..1000)
@@ -52,7 +52,7 @@ fn main() {
         digest.as_secs_f64() * 1e6 / n as f64
     );
 
-    let verdict = Verdict::Admitted {
+    let verdict = VerdictReply::Admitted {
         token: "t.0123456789abcdef0123456789abcdef".into(),
         epoch: 0,
     };

@@ -3,37 +3,37 @@
 //! * [`parse_request`] turns one request line into a typed [`Request`] or a [`RequestError`]
 //!   with a stable [`ErrorCode`]; ids, keys, digests and vocabularies arrive as kernel types.
 //!   [`Fields`] builds the same request from named values (the HTTP API), through the same checks.
-//! * [`reply`] renders replies (`ok_line`, `error_line`) and events, and decodes them for clients.
-//! * [`codec::LineReader`] frames lines over any `AsyncRead`, bounded by `line_bytes_max`.
+//! * [`server_line`] renders replies (`ok_line`, `error_line`) and events, and decodes them for clients.
+//! * [`line_codec::LineReader`] frames lines over any `AsyncRead`, bounded by `line_bytes_max`.
 //! * [`soundgate`] speaks the reference system's wire for its unchanged clients.
 //! * [`text`] says which characters of agent text must be escaped on a terminal, and escapes them.
 //! * [`digest_of`] is the effect digest: SHA-256 of the RFC 8785 canonical `{tool, args}`.
 //!
 //! docs/PROTOCOL.md is the prose version of this crate and changes with it.
 
-pub mod codec;
 pub mod digest;
 pub mod error;
 pub mod id;
 pub mod limits;
+pub mod line_codec;
 pub mod page;
-pub mod reply;
 pub mod request;
+pub mod server_line;
 pub mod soundgate;
 pub mod text;
 
-pub use codec::{Line, LineReader};
 pub use digest::{canonical_input, digest_of, write_canonical};
 pub use error::{ErrorCode, WireError};
 pub use id::Id;
+pub use line_codec::{Line, LineReader};
 pub use page::{PageBudget, PendingCursor, Weight};
-pub use reply::{
+pub use request::{
+    Admit, CloseOutcome, Complete, Declare, Fields, Op, Request, RequestError, RequestErrorKind,
+    RequestedRunLimits, Secret, Verb, parse_request,
+};
+pub use server_line::{
     Ack, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply, LedgerEntry,
     LedgerReply, PendingItem, PendingReply, Pong, RawJson, ReplyBody, Report, ReportItem, RunView,
-    RunsReply, ServerLine, TokenCreated, TokenRevoked, Verdict, parse_server_line,
-};
-pub use request::{
-    Admit, CloseOutcome, Complete, Declare, Fields, Limits, Op, Request, RequestError,
-    RequestErrorKind, Secret, Verb, parse_request,
+    RunsReply, ServerLine, TokenCreated, TokenRevoked, VerdictReply, parse_server_line,
 };
 pub use soundgate::{SgError, SgReply, SgRequest, parse_soundgate};

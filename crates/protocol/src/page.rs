@@ -7,7 +7,7 @@
 use estop_kernel::ids::{EffectKey, RunId};
 use serde_json::Value;
 
-use crate::reply::{Event, LedgerEntry, PendingItem, ReportItem, RunView};
+use crate::server_line::{Event, LedgerEntry, PendingItem, ReportItem, RunView};
 
 /// Items per page when the request gives no `limit`.
 pub const PAGE_ITEMS_DEFAULT: usize = 1000;

@@ -56,7 +56,7 @@ pub struct Request {
 /// Per-run limits an agent may ask for when its first `admit` creates the run. Policy may
 /// tighten them; it never loosens its own.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Limits {
+pub struct RequestedRunLimits {
     /// Absolute deadline, Unix milliseconds.
     pub deadline_ms: Option<u64>,
     /// Deadline relative to the run's creation, milliseconds.
@@ -65,7 +65,7 @@ pub struct Limits {
     pub max_effects: Option<u64>,
 }
 
-impl Limits {
+impl RequestedRunLimits {
     pub fn is_empty(&self) -> bool {
         self.deadline_ms.is_none() && self.timeout_ms.is_none() && self.max_effects.is_none()
     }
@@ -89,7 +89,7 @@ pub struct Admit {
     pub labels: BTreeMap<String, String>,
     /// The agent asks for approval even where policy would allow (it can only strengthen).
     pub needs_approval: bool,
-    pub limits: Limits,
+    pub limits: RequestedRunLimits,
     /// The client's own word on how the call is undone (it can only add to policy's).
     pub declare: Option<Declare>,
 }
@@ -442,7 +442,7 @@ impl RequestError {
 
     /// The error reply line (`"ok": false`) for this error.
     pub fn to_line(&self) -> Vec<u8> {
-        crate::reply::error_line(&self.id, self.code(), &self.kind.to_string())
+        crate::server_line::error_line(&self.id, self.code(), &self.kind.to_string())
     }
 }
 
@@ -1135,8 +1135,8 @@ impl<'a> Raw<'a> {
         let labels = self.labels.take().unwrap_or_default();
         check_labels(&labels)?;
         let limits = match self.limits.take() {
-            None => Limits::default(),
-            Some(l) => Limits {
+            None => RequestedRunLimits::default(),
+            Some(l) => RequestedRunLimits {
                 deadline_ms: l.deadline_ms,
                 timeout_ms: l.timeout_ms,
                 max_effects: l.max_effects,

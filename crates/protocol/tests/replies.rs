@@ -5,11 +5,11 @@ use std::collections::BTreeMap;
 use std::fmt::Debug;
 
 use estop_kernel::vocab::{HoldReason, RefusalReason};
-use estop_protocol::reply::{ack_line, error_line, event_line, ok_line, pong_line};
+use estop_protocol::server_line::{ack_line, error_line, event_line, ok_line, pong_line};
 use estop_protocol::{
     Ack, ClientReply, DecideReply, EffectCounts, ErrorCode, Event, EventKind, HelloReply, Id,
     LedgerEntry, LedgerReply, PendingItem, PendingReply, Pong, RawJson, Report, ReportItem,
-    RunView, RunsReply, Secret, ServerLine, TokenCreated, Verdict, parse_request,
+    RunView, RunsReply, Secret, ServerLine, TokenCreated, VerdictReply, parse_request,
     parse_server_line,
 };
 use serde::Serialize;
@@ -63,7 +63,7 @@ fn envelopes_are_exact() {
     assert_eq!(
         text(&ok_line(
             &Id::from_text("a"),
-            &Verdict::Admitted {
+            &VerdictReply::Admitted {
                 token: "tk".into(),
                 epoch: 3
             }
@@ -73,7 +73,7 @@ fn envelopes_are_exact() {
     assert_eq!(
         text(&ok_line(
             &Id::from_u64(2),
-            &Verdict::Held {
+            &VerdictReply::Held {
                 approval: None,
                 expires_at: None,
                 reason: HoldReason::Sibling
@@ -82,7 +82,7 @@ fn envelopes_are_exact() {
         "{\"id\":2,\"ok\":true,\"verdict\":\"held\",\"approval\":null,\"expires_at\":null,\"reason\":\"sibling\"}\n"
     );
     assert_eq!(
-        text(&ok_line(&Id::from_u64(3), &Verdict::Go)),
+        text(&ok_line(&Id::from_u64(3), &VerdictReply::Go)),
         "{\"id\":3,\"ok\":true,\"verdict\":\"go\"}\n"
     );
     assert_eq!(
@@ -144,43 +144,43 @@ fn every_payload_round_trips() {
         principal: "agent".into(),
         protocol: 1,
     });
-    round_trip(Verdict::Admitted {
+    round_trip(VerdictReply::Admitted {
         token: "t1".into(),
         epoch: 0,
     });
-    round_trip(Verdict::Held {
+    round_trip(VerdictReply::Held {
         approval: Some("ap-1".into()),
         expires_at: Some(1_700_000_060_000),
         reason: HoldReason::Approval,
     });
-    round_trip(Verdict::Held {
+    round_trip(VerdictReply::Held {
         approval: None,
         expires_at: None,
         reason: HoldReason::Paused,
     });
-    round_trip(Verdict::Refused {
+    round_trip(VerdictReply::Refused {
         reason: RefusalReason::Cancelled,
         message: None,
         rule: None,
     });
-    round_trip(Verdict::Refused {
+    round_trip(VerdictReply::Refused {
         reason: RefusalReason::Denied,
         message: Some("when failed".into()),
         rule: Some("no-prod".into()),
     });
-    round_trip(Verdict::Duplicate {
+    round_trip(VerdictReply::Duplicate {
         status: "in_progress".into(),
         outcome: None,
         result: None,
         error: None,
     });
-    round_trip(Verdict::Duplicate {
+    round_trip(VerdictReply::Duplicate {
         status: "completed".into(),
         outcome: Some("ok".into()),
         result: Some(json!({"charge": "ch_1", "n": [1, 2.5]})),
         error: None,
     });
-    round_trip(Verdict::Go);
+    round_trip(VerdictReply::Go);
     round_trip(Ack::default());
     round_trip(Ack {
         late: true,

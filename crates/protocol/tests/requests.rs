@@ -7,8 +7,8 @@ use estop_kernel::ids::{Digest, EffectKey, PrincipalName, Role, RunId, ToolName}
 use estop_kernel::vocab::{Decision, Outcome, RunState};
 use estop_protocol::limits::*;
 use estop_protocol::{
-    Admit, CloseOutcome, Complete, ErrorCode, Id, Limits, Op, PendingCursor, Request, Secret, Verb,
-    digest_of, parse_request,
+    Admit, CloseOutcome, Complete, ErrorCode, Id, Op, PendingCursor, Request, RequestedRunLimits,
+    Secret, Verb, digest_of, parse_request,
 };
 use proptest::prelude::*;
 use serde_json::{Value, json};
@@ -60,7 +60,7 @@ fn admit_base() -> Admit {
         labels: BTreeMap::new(),
         needs_approval: false,
         declare: None,
-        limits: Limits::default(),
+        limits: RequestedRunLimits::default(),
     }
 }
 
@@ -94,7 +94,7 @@ fn every_verb_parses() {
                 labels: BTreeMap::from([("team".to_string(), "pay".to_string())]),
                 needs_approval: true,
                 declare: None,
-                limits: Limits {
+                limits: RequestedRunLimits {
                     deadline_ms: Some(1_700_000_000_000),
                     timeout_ms: Some(5000),
                     max_effects: Some(9),

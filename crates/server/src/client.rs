@@ -7,7 +7,7 @@
 //! typed [`ClientError::Refused`] with its [`ErrorCode`]. Tests of the wire itself (malformed
 //! lines, exact shapes) have the `raw_*` methods, which send and read lines as bytes.
 
-use estop_protocol::reply::{ServerLine, parse_server_line};
+use estop_protocol::server_line::{ServerLine, parse_server_line};
 use estop_protocol::{ErrorCode, Event, HelloReply, Id, Op, ReplyBody, Secret};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;

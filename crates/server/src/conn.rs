@@ -8,142 +8,22 @@ use crate::dispatch::{self, ConnVerb, Route};
 use crate::durable::{self, After, Durability, DurableState};
 use crate::outbox::{Direct, Outbox, Unwritten};
 use crate::quota::Slot;
-use crate::tokens::{RevokeSignal, Tokens};
+use crate::tokens::RevokeSignal;
 use estop_kernel::Principal;
-use estop_policy::Policy;
-use estop_protocol::page::{PAGE_BYTES_MAX_DEFAULT, PAGE_ITEMS_DEFAULT, PAGE_ITEMS_MAX};
-use estop_protocol::reply::{self as wire, error_line, ok_line, pong_line};
-use estop_protocol::{
-    ErrorCode, Id, Line, LineReader, Op, PageBudget, Request, Secret, parse_request,
-};
+use estop_protocol::server_line::{self as wire};
+use estop_protocol::{ErrorCode, Id, Line, LineReader, Op, Request, Secret, parse_request};
 use std::os::fd::OwnedFd;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Semaphore, mpsc as tmpsc, watch};
 
-/// Bounds of the daemon's listeners.
-#[derive(Debug, Clone)]
-pub struct ConnOptions {
-    pub line_bytes_max: usize,
-    /// Requests one connection may have in flight (pipelining depth, waits included).
-    pub outstanding_per_connection_max: usize,
-    /// Bytes of request lines one connection may have handed to the core and not had answered
-    /// yet (a line longer than this is let through alone): pipelining is bounded by bytes as
-    /// well as by count.
-    pub inflight_bytes_max: usize,
-    /// Bytes of replies and events one connection's writer may hold unwritten: its next
-    /// request is read only below a quarter of it (a client that asks and does not read stops
-    /// being read), and what it is sent anyway past it closes the connection (`outbox`).
-    pub output_bytes_max: usize,
-    /// Longest `wait` a client may ask for.
-    pub wait_ms_max: u64,
-    /// A connection that has not authenticated this long after its accept is closed.
-    pub hello_ms_max: u64,
-    /// A connection with nothing in flight and no subscription that sends nothing for this long
-    /// is closed (clients reconnect when they need the gate again).
-    pub idle_ms_max: u64,
-    /// Most items one page of a listing (`runs`, `pending`, `report`, `ledger`) holds.
-    pub page_items_max: usize,
-    /// A page of a listing ends once its items reach this many bytes as rendered.
-    pub page_bytes_max: usize,
-}
-
-impl Default for ConnOptions {
-    fn default() -> Self {
-        ConnOptions {
-            line_bytes_max: estop_protocol::limits::LINE_BYTES_MAX_DEFAULT,
-            outstanding_per_connection_max: 1024,
-            inflight_bytes_max: 4 << 20,
-            output_bytes_max: 4 << 20,
-            wait_ms_max: 15 * 60 * 1000,
-            hello_ms_max: 10_000,
-            idle_ms_max: 10 * 60 * 1000,
-            page_items_max: PAGE_ITEMS_MAX,
-            page_bytes_max: PAGE_BYTES_MAX_DEFAULT,
-        }
-    }
-}
-
-impl ConnOptions {
-    /// The budget of one page of a listing that asked for `limit` items.
-    pub fn page(&self, limit: Option<u32>) -> PageBudget {
-        let limit = limit.map_or(PAGE_ITEMS_DEFAULT, |l| l as usize);
-        PageBudget::new(limit.min(self.page_items_max), self.page_bytes_max)
-    }
-}
-
-/// What every connection shares.
-#[derive(Debug)]
-pub struct Shared {
-    pub core_tx: crate::handoff::CoreTx,
-    pub tokens: Arc<Tokens>,
-    pub policy: Arc<Policy>,
-    pub durable_rx: watch::Receiver<DurableState>,
-    pub opts: ConnOptions,
-    pub ledger_dir: PathBuf,
-    pub next_conn: AtomicU64,
-}
-
-pub fn wall_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+pub use crate::answer::{Charge, render};
+pub use crate::shared::{ConnOptions, Shared, wall_ms};
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> Answer {
     Answer::Error(code, msg.into())
-}
-
-/// Renders an answer in protocol v1.
-pub fn render(id: &Id, answer: &Answer) -> Vec<u8> {
-    match answer {
-        Answer::Verdict(v) => ok_line(id, v),
-        Answer::Ack(a) => ok_line(id, a),
-        Answer::Decided(d) => ok_line(id, d),
-        Answer::Run(r) => ok_line(id, r),
-        Answer::Runs(r) => ok_line(id, r),
-        Answer::Pending(p) => ok_line(id, p),
-        Answer::Report(r) => ok_line(id, r),
-        Answer::Ledger(l) => ok_line(id, l),
-        Answer::Hello(h) => ok_line(id, h),
-        Answer::TokenCreated(t) => ok_line(id, t),
-        Answer::TokenRevoked(t) => ok_line(id, t),
-        Answer::Pong => pong_line(id),
-        Answer::Error(code, msg) => error_line(id, *code, msg),
-    }
-}
-
-/// Bytes of a request line counted against its connection's `inflight_bytes_max` until the
-/// request is answered (dropped).
-#[derive(Debug)]
-pub struct Charge {
-    inflight: Arc<Semaphore>,
-    bytes: u32,
-    /// For a listing: its place among the connection's listings in flight.
-    listing: Option<tokio::sync::OwnedSemaphorePermit>,
-}
-
-impl Charge {
-    /// Waits until `bytes` more fit in the connection's `bound` (a line larger than the whole
-    /// bound waits until nothing else is in flight); `None` if the connection is closing.
-    pub async fn acquire(inflight: &Arc<Semaphore>, bound: usize, bytes: usize) -> Option<Charge> {
-        let bytes = u32::try_from(bytes.min(bound)).unwrap_or(u32::MAX);
-        inflight.acquire_many(bytes).await.ok()?.forget();
-        Some(Charge {
-            inflight: Arc::clone(inflight),
-            bytes,
-            listing: None,
-        })
-    }
-}
-
-impl Drop for Charge {
-    fn drop(&mut self) {
-        self.inflight.add_permits(self.bytes as usize);
-    }
 }
 
 /// Serves one connection until the client closes it. `socket`, a duplicate of the stream's

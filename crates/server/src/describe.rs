@@ -1,7 +1,7 @@
 //! Ledger records described for people and scripts (`ledger` verb, `estop ledger show`).
 
 use estop_kernel::{Command, Record, SagaAction, TokenAction};
-use estop_protocol::reply::LedgerEntry;
+use estop_protocol::server_line::LedgerEntry;
 use serde_json::{Map, Value, json};
 
 pub fn kind(c: &Command) -> &'static str {

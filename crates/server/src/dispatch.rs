@@ -6,9 +6,8 @@
 //! connection itself. Protocol v1 (`conn`) and the HTTP API (the console) only add their
 //! transport: where the answer goes and what a connection holds.
 
-use crate::conn::Shared;
-use crate::core::{Answer, CoreMsg, Out, Query, ReplyTo};
-use crate::durable::{self, Durability};
+use crate::core::{Answer, CoreMsg, Query, ReplyTo};
+use crate::shared::Shared;
 use estop_kernel::vocab::{PolicyAction, RefusalReason};
 use estop_kernel::{
     Admit as KAdmit, Command, EffectKey, Principal, PrincipalName, Role, RunId, RunLimits, Token,
@@ -16,8 +15,8 @@ use estop_kernel::{
 use estop_ledger::{FileStorage, inspect};
 use estop_policy::{EvalError, Policy};
 use estop_protocol::page::Weight;
-use estop_protocol::reply as wire;
-use estop_protocol::{CloseOutcome, ErrorCode, Id, Op, PageBudget, Secret, Verb};
+use estop_protocol::server_line as wire;
+use estop_protocol::{CloseOutcome, ErrorCode, Op, PageBudget, Secret, Verb};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -326,21 +325,21 @@ fn admit_command(
     p: &Principal,
     a: estop_protocol::Admit,
 ) -> Result<Command, Answer> {
-    let mut verdict = match policy.evaluate(&a.tool, a.args.as_ref(), p.name.as_str()) {
+    let mut ruling = match policy.evaluate(&a.tool, a.args.as_ref(), p.name.as_str()) {
         Ok(v) => v,
         Err(e @ EvalError::ArgsRequired { .. }) => {
             return Err(err(ErrorCode::ArgsRequired, e.to_string()));
         }
         Err(e) => {
             // A condition that cannot be evaluated fails closed: refused, nothing recorded.
-            return Err(Answer::Verdict(wire::Verdict::Refused {
+            return Err(Answer::Verdict(wire::VerdictReply::Refused {
                 reason: RefusalReason::Denied,
                 message: Some(e.to_string()),
                 rule: Some(e.rule().to_string()),
             }));
         }
     };
-    verdict.strengthen(a.needs_approval);
+    ruling.strengthen(a.needs_approval);
     if let Some(d) = &a.declare {
         // The client's word may only add to policy's; a conflict refuses the admit, unrecorded.
         let declared = estop_policy::Declared {
@@ -348,11 +347,11 @@ fn admit_command(
             compensate: d.compensate.clone(),
             compensate_args: d.compensate_args.clone(),
         };
-        verdict
+        ruling
             .declare(&declared)
             .map_err(|e| err(ErrorCode::InvalidField, format!("declare: {e}")))?;
     }
-    let now = crate::conn::wall_ms();
+    let now = crate::shared::wall_ms();
     let mut limits: RunLimits = policy.run_limits(now);
     let min = |x: Option<u64>, y: Option<u64>| match (x, y) {
         (Some(a), Some(b)) => Some(a.min(b)),
@@ -367,7 +366,7 @@ fn admit_command(
     );
     limits.max_effects = min(limits.max_effects, a.limits.max_effects);
     // Kept for an operator's review, or for the saga when the compensation is built from them.
-    let args = if verdict.action == PolicyAction::Approve || verdict.compensate_args.is_some() {
+    let args = if ruling.action == PolicyAction::Approve || ruling.compensate_args.is_some() {
         a.args.as_ref().map(|v| v.to_string().into_boxed_str())
     } else {
         None
@@ -386,7 +385,7 @@ fn admit_command(
             .map(|(k, v)| (k.into_boxed_str(), v.into_boxed_str()))
             .collect(),
         limits,
-        policy: verdict.into(),
+        policy: ruling.into(),
     }))
 }
 
@@ -405,7 +404,7 @@ fn ledger_entries(
         if rv.seq <= after || rv.seq > durable || next_after.is_some() {
             return;
         }
-        let Ok(rec) = estop_kernel::codec::decode_record(rv.payload) else {
+        let Ok(rec) = estop_kernel::record_codec::decode_record(rv.payload) else {
             return;
         };
         if run.is_some_and(|r| rec.command.run() != Some(r)) {
@@ -427,46 +426,7 @@ fn ledger_entries(
     })
 }
 
-fn shutting_down() -> Answer {
-    err(ErrorCode::Unavailable, "the gate is shutting down")
-}
-
-/// Sends `msg` to the core, whose answer goes where the message says; `Some` is the answer
-/// when the core has stopped.
-pub fn send(shared: &Shared, msg: CoreMsg) -> Option<Answer> {
-    shared.core_tx.send(msg).err().map(|_| shutting_down())
-}
-
-/// Sends one message to the core and waits for its answer, then for the ledger position it
-/// depends on to be durable (G6), exactly as a v1 connection's writer does.
-pub async fn ask(shared: &Shared, msg: impl FnOnce(ReplyTo) -> CoreMsg) -> Answer {
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let to = ReplyTo {
-        out: tx.into(),
-        id: Id::default(),
-        charge: None,
-    };
-    if let Some(answer) = send(shared, msg(to)) {
-        return answer;
-    }
-    loop {
-        match rx.recv().await {
-            Some(Out::Answer { answer, after, .. }) => {
-                let mut durable_rx = shared.durable_rx.clone();
-                return match durable::wait(&mut durable_rx, after).await {
-                    Durability::Durable => answer,
-                    Durability::Lost => err(
-                        ErrorCode::Unavailable,
-                        "the change could not be made durable (ledger failure); it was not applied — retry",
-                    ),
-                };
-            }
-            // Events are not asked for here; rendered bytes go only to a socket's writer.
-            Some(Out::Event { .. } | Out::Rendered(_)) => {}
-            None => return shutting_down(),
-        }
-    }
-}
+pub use crate::shared::{ask, send};
 
 #[cfg(test)]
 mod tests {
@@ -475,11 +435,11 @@ mod tests {
     //! a new verb fails to compile in `sample` until it has a row.
 
     use super::*;
-    use crate::conn::ConnOptions;
     use crate::durable::DurableState;
+    use crate::shared::ConnOptions;
     use crate::tokens::Tokens;
     use estop_kernel::vocab::{Decision, Outcome};
-    use estop_protocol::{Admit, Complete, Limits};
+    use estop_protocol::{Admit, Complete, RequestedRunLimits};
     use std::fmt::Write as _;
     use std::sync::atomic::AtomicU64;
 
@@ -549,7 +509,7 @@ token_revoke               | work token_revoke | forbidden        | forbidden   
                 parent: None,
                 labels: Default::default(),
                 needs_approval: false,
-                limits: Limits::default(),
+                limits: RequestedRunLimits::default(),
                 declare: None,
             })
         };
@@ -806,7 +766,7 @@ token_revoke               | work token_revoke | forbidden        | forbidden   
                 parent: None,
                 labels: Default::default(),
                 needs_approval: false,
-                limits: Limits::default(),
+                limits: RequestedRunLimits::default(),
                 declare: Some(declare),
             })
         };

@@ -1,17 +1,11 @@
 //! Durable-before-visible: every reply and event carries the ledger position it depends on and
 //! is written to the client only once that position is on stable storage (G6).
 
-use crate::core::Out;
+use crate::answer::Out;
 use crate::outbox::Outbox;
 use tokio::sync::watch;
 
-/// Where a reply must wait: the ledger generation and sequence number it depends on.
-/// A generation ends when the ledger fails; records of it past its last durable seq are lost.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct After {
-    pub generation: u64,
-    pub seq: u64,
-}
+pub use crate::answer::After;
 
 /// Published by the ledger's sync thread.
 #[derive(Debug, Clone, Default)]
@@ -232,7 +226,7 @@ impl Release {
 fn lost(id: estop_protocol::Id) -> Out {
     Out::Answer {
         id,
-        answer: crate::core::unavailable(),
+        answer: crate::answer::unavailable(),
         after: After::default(),
     }
 }
@@ -240,7 +234,7 @@ fn lost(id: estop_protocol::Id) -> Out {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use estop_protocol::reply as wire;
+    use estop_protocol::server_line as wire;
 
     #[test]
     fn waits_for_its_seq_and_reports_loss_after_failure() {
@@ -312,7 +306,7 @@ mod tests {
     fn answer(n: u64) -> Out {
         Out::Answer {
             id: estop_protocol::Id::from_u64(n),
-            answer: crate::core::Answer::Pong,
+            answer: crate::answer::Answer::Pong,
             after: After::default(),
         }
     }
@@ -328,7 +322,7 @@ mod tests {
         while let Ok(item) = rx.try_recv() {
             seen.push(match item {
                 Out::Answer {
-                    answer: crate::core::Answer::Error(..),
+                    answer: crate::answer::Answer::Error(..),
                     ..
                 } => "lost".to_string(),
                 Out::Answer { id, .. } => id.to_string(),

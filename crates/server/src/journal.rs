@@ -1,7 +1,7 @@
 //! The gate's ledger: recovery into a `Gate` (snapshot + replay through the kernel) and the
 //! committer the core's shell appends records to.
 
-use estop_kernel::codec::{RecordDecoder, decode_snapshot};
+use estop_kernel::record_codec::{RecordDecoder, decode_snapshot};
 use estop_kernel::{Gate, Limits};
 use estop_ledger::{Committer, Ledger, LedgerError, LedgerOptions, RecoveryReport, Storage};
 use std::sync::Arc;

@@ -2,6 +2,7 @@
 //! state (no lock on the hot path); connections parse, authenticate and evaluate policy in
 //! parallel; the ledger's sync thread group-commits; replies leave only once durable.
 
+pub mod answer;
 pub mod client;
 pub mod clock;
 pub mod conn;
@@ -19,6 +20,7 @@ pub mod quota;
 pub mod render;
 pub mod serve;
 pub mod service;
+pub mod shared;
 pub mod soundgate;
 pub mod tokenops;
 pub mod tokens;

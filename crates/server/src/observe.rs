@@ -8,7 +8,7 @@ use estop_kernel::reply::{DecideStatus, Event, EventKind};
 use estop_kernel::vocab::{HoldReason, RefusalReason, RunState};
 use estop_kernel::{Gate, Principal, Role, RunId};
 use estop_ledger::{Histogram, HistogramSnapshot};
-use estop_protocol::reply as wire;
+use estop_protocol::server_line as wire;
 
 /// Events buffered for one feed subscriber; a subscriber that falls this far behind is dropped
 /// (its stream ends, and the console reconnects and re-reads the state).
@@ -112,13 +112,13 @@ impl Observer {
     }
 
     /// Counts a verdict the core answered.
-    pub fn answered(&mut self, v: &wire::Verdict) {
+    pub fn answered(&mut self, v: &wire::VerdictReply) {
         let (verdict, reason) = match v {
-            wire::Verdict::Admitted { .. } => ("admitted", ""),
-            wire::Verdict::Go => ("go", ""),
-            wire::Verdict::Duplicate { .. } => ("duplicate", ""),
-            wire::Verdict::Held { reason, .. } => ("held", reason.as_str()),
-            wire::Verdict::Refused { reason, .. } => ("refused", reason.as_str()),
+            wire::VerdictReply::Admitted { .. } => ("admitted", ""),
+            wire::VerdictReply::Go => ("go", ""),
+            wire::VerdictReply::Duplicate { .. } => ("duplicate", ""),
+            wire::VerdictReply::Held { reason, .. } => ("held", reason.as_str()),
+            wire::VerdictReply::Refused { reason, .. } => ("refused", reason.as_str()),
         };
         let slot = self
             .verdicts

@@ -15,9 +15,9 @@
 //! (events, replies to requests already in flight) past `output_bytes_max` closes the
 //! connection, rather than growing the daemon's memory.
 
-use crate::core::{Answer, Out};
+use crate::answer::{Answer, Out};
 use estop_protocol::page::{Weight, value_weight};
-use estop_protocol::{Id, reply as wire};
+use estop_protocol::{Id, server_line as wire};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -157,7 +157,7 @@ fn answer_weight(answer: &Answer) -> usize {
     }
     const SMALL: usize = 256;
     match answer {
-        Answer::Verdict(wire::Verdict::Duplicate { result, error, .. }) => {
+        Answer::Verdict(wire::VerdictReply::Duplicate { result, error, .. }) => {
             SMALL + result.as_ref().map_or(0, value_weight) + error.as_ref().map_or(0, String::len)
         }
         Answer::Ack(a) => SMALL + a.runs.iter().map(|r| r.len() + 4).sum::<usize>(),
@@ -415,7 +415,7 @@ mod tests {
         let permits = Arc::new(Semaphore::new(0));
         let direct = Direct::new(
             ours.as_fd().try_clone_to_owned().unwrap(),
-            crate::conn::render,
+            crate::answer::render,
             Arc::clone(&permits),
         );
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -444,7 +444,7 @@ mod tests {
         // A listing is rendered by the writer, never on the releasing thread.
         out.release(Out::Answer {
             id: Id::from_u64(5),
-            answer: Answer::Runs(estop_protocol::reply::RunsReply::default()),
+            answer: Answer::Runs(estop_protocol::server_line::RunsReply::default()),
             after: After::default(),
         });
         assert!(matches!(rx.try_recv(), Ok(Out::Answer { id, .. }) if id == Id::from_u64(5)));
@@ -460,7 +460,7 @@ mod tests {
         ours.set_nonblocking(true).unwrap();
         let socket = ours.as_fd().try_clone_to_owned().unwrap();
         let permits = Arc::new(Semaphore::new(0));
-        let direct = Direct::new(socket, crate::conn::render, Arc::clone(&permits));
+        let direct = Direct::new(socket, crate::answer::render, Arc::clone(&permits));
         let (tx, rx) = mpsc::unbounded_channel();
         let out = Outbox::new(tx, Some(Arc::clone(&direct)), None);
         let (_durable_tx, durable_rx) = watch::channel(DurableState::default());
@@ -480,7 +480,7 @@ mod tests {
                         durable_rx,
                         permits,
                         Arc::new(std::sync::atomic::AtomicUsize::new(0)),
-                        crate::conn::render,
+                        crate::answer::render,
                         Some(direct),
                         None,
                     )
@@ -520,7 +520,7 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         let socket = ours.as_fd().try_clone_to_owned().unwrap();
         let permits = Arc::new(Semaphore::new(0));
-        let direct = Direct::new(socket, crate::conn::render, permits);
+        let direct = Direct::new(socket, crate::answer::render, permits);
         let (tx, mut rx) = mpsc::unbounded_channel();
         let unwritten = Unwritten::new(7, 1000);
         let out = Outbox::new(tx, Some(direct), Some(Arc::clone(&unwritten)));

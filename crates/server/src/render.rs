@@ -7,7 +7,7 @@ use estop_kernel::state::{Effect, Run, Status, Tombstone};
 use estop_kernel::vocab::{EffectStatus, HoldReason, RefusalReason};
 use estop_kernel::{EffectKey, RunId, Verdict};
 use estop_protocol::page::Weight;
-use estop_protocol::reply as wire;
+use estop_protocol::server_line as wire;
 use estop_protocol::{PageBudget, SgReply};
 use std::collections::BTreeMap;
 use std::ops::Bound;
@@ -16,23 +16,23 @@ pub fn approval_id(run: &RunId, n: u64) -> String {
     format!("{run}#{n}")
 }
 
-pub fn verdict(run: &RunId, v: &Verdict) -> wire::Verdict {
+pub fn verdict(run: &RunId, v: &Verdict) -> wire::VerdictReply {
     match v {
-        Verdict::Admitted { token } => wire::Verdict::Admitted {
+        Verdict::Admitted { token } => wire::VerdictReply::Admitted {
             token: token.to_string(),
             epoch: u64::from(token.epoch),
         },
-        Verdict::Go => wire::Verdict::Go,
+        Verdict::Go => wire::VerdictReply::Go,
         Verdict::Held {
             reason,
             approval,
             expires_at,
-        } => wire::Verdict::Held {
+        } => wire::VerdictReply::Held {
             approval: approval.map(|n| approval_id(run, n)),
             expires_at: *expires_at,
             reason: *reason,
         },
-        Verdict::Refused { reason } => wire::Verdict::Refused {
+        Verdict::Refused { reason } => wire::VerdictReply::Refused {
             reason: *reason,
             message: None,
             rule: None,
@@ -42,7 +42,7 @@ pub fn verdict(run: &RunId, v: &Verdict) -> wire::Verdict {
             outcome,
             result,
             error,
-        } => wire::Verdict::Duplicate {
+        } => wire::VerdictReply::Duplicate {
             status: match status {
                 EffectStatus::Started | EffectStatus::Admitted => "in_progress".to_string(),
                 s => s.as_str().to_string(),
@@ -295,21 +295,16 @@ pub fn event(gate: &estop_kernel::Gate, e: &estop_kernel::Event, at: u64) -> Opt
 }
 
 /// The answer to a `decide`: the status after it, who has approved, and the quorum.
-pub fn decided(
-    status: &DecideStatus,
-    approval: Option<&estop_kernel::state::Approval>,
-) -> wire::DecideReply {
-    let status = match status {
+pub fn decided(d: &estop_kernel::reply::Decided) -> wire::DecideReply {
+    let status = match d.status {
         DecideStatus::Approved => "approved",
         DecideStatus::Rejected => "rejected",
         DecideStatus::Pending { .. } => "held",
     };
     wire::DecideReply {
         status: status.into(),
-        approvals: approval
-            .map(|a| a.approvers.iter().map(|x| x.name.to_string()).collect())
-            .unwrap_or_default(),
-        quorum: approval.map_or(1, |a| a.quorum),
+        approvals: d.approvers.iter().map(ToString::to_string).collect(),
+        quorum: d.quorum,
     }
 }
 
@@ -342,13 +337,13 @@ pub fn run_state(
 
 /// What the SoundGate wire says for a verdict (SPEC §4.3): release, hold, or one of the
 /// reference's three refusals.
-pub fn soundgate_verdict(v: &wire::Verdict) -> SgReply {
+pub fn soundgate_verdict(v: &wire::VerdictReply) -> SgReply {
     match v {
-        wire::Verdict::Admitted { .. } | wire::Verdict::Go => SgReply::Release,
+        wire::VerdictReply::Admitted { .. } | wire::VerdictReply::Go => SgReply::Release,
         // The reference has one hold: for a sibling or a pause too, the effect waits.
-        wire::Verdict::Held { .. } => SgReply::HeldForApproval,
-        wire::Verdict::Duplicate { .. } => SgReply::RefusedDuplicate,
-        wire::Verdict::Refused { reason, .. } => soundgate_refusal(*reason),
+        wire::VerdictReply::Held { .. } => SgReply::HeldForApproval,
+        wire::VerdictReply::Duplicate { .. } => SgReply::RefusedDuplicate,
+        wire::VerdictReply::Refused { reason, .. } => soundgate_refusal(*reason),
     }
 }
 
@@ -379,7 +374,7 @@ mod tests {
         let words: Vec<String> = RefusalReason::ALL
             .iter()
             .map(|&r| {
-                let line = soundgate_verdict(&wire::Verdict::Refused {
+                let line = soundgate_verdict(&wire::VerdictReply::Refused {
                     reason: r,
                     message: None,
                     rule: None,
@@ -406,7 +401,7 @@ mod tests {
     #[test]
     fn every_hold_and_admission_has_its_soundgate_word() {
         for &reason in HoldReason::ALL {
-            let held = wire::Verdict::Held {
+            let held = wire::VerdictReply::Held {
                 approval: None,
                 expires_at: None,
                 reason,
@@ -417,13 +412,13 @@ mod tests {
                 "{reason}"
             );
         }
-        let admitted = wire::Verdict::Admitted {
+        let admitted = wire::VerdictReply::Admitted {
             token: "t".into(),
             epoch: 1,
         };
         assert_eq!(soundgate_verdict(&admitted), SgReply::Release);
-        assert_eq!(soundgate_verdict(&wire::Verdict::Go), SgReply::Release);
-        let duplicate = wire::Verdict::Duplicate {
+        assert_eq!(soundgate_verdict(&wire::VerdictReply::Go), SgReply::Release);
+        let duplicate = wire::VerdictReply::Duplicate {
             status: "completed".into(),
             outcome: None,
             result: None,

@@ -589,7 +589,7 @@ where
         }
         Err(why) => {
             tokio::spawn(async move {
-                let line = estop_protocol::reply::error_line(
+                let line = estop_protocol::server_line::error_line(
                     &estop_protocol::Id::default(),
                     estop_protocol::ErrorCode::LimitExceeded,
                     &why,

@@ -2,7 +2,7 @@
 //! one before its ready line, hands it the shared state, and stops it at shutdown. This crate
 //! knows nothing of HTTP: the `estop` binary plugs the console in (`serve::run_with`).
 
-use crate::conn::Shared;
+use crate::shared::Shared;
 use estop_ledger::SyncStats;
 use std::future::Future;
 use std::path::PathBuf;

@@ -2,12 +2,13 @@
 //! onto the native kernel, so its clients, probes and load generator run unchanged. Every place
 //! where the answer differs from the reference is listed in docs/PROTOCOL.md.
 
-use crate::conn::{Opened, Shared, close, open};
+use crate::conn::{Opened, close, open};
 use crate::core::{Answer, CoreMsg, Out, Outbox, ReplyTo};
 use crate::durable::After;
+use crate::shared::Shared;
 use estop_kernel::vocab::PolicyAction;
-use estop_kernel::{Admit, Command, Principal, PrincipalName, Role};
-use estop_protocol::reply as wire;
+use estop_kernel::{Admit, Command, Role};
+use estop_protocol::server_line as wire;
 use estop_protocol::soundgate::{SG_BAD_MAC_MESSAGE, verify_decision_tag};
 use estop_protocol::{Id, Line, SgReply, SgRequest, parse_soundgate};
 use std::os::fd::OwnedFd;
@@ -15,8 +16,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
-/// The name of the principal the compatibility clients act as; their runs are its own.
-pub const PRINCIPAL_NAME: &str = "soundgate";
+pub use crate::core::{
+    SOUNDGATE_PRINCIPAL_NAME as PRINCIPAL_NAME, soundgate_principal as principal,
+};
 
 /// Whether and how this listener takes `decide` (SPEC §4.3: off unless the operator opts in).
 #[derive(Debug, Clone)]
@@ -43,15 +45,6 @@ impl Decisions {
 /// What a refused `decide` says when decisions are off (the reference's clients look for
 /// "unauthenticated").
 pub const DECISIONS_OFF_MESSAGE: &str = "unauthenticated decision: decisions over the SoundGate listener are off; decide on the operator channel (estop approve), or start estop serve with ESTOP_SOUNDGATE_SECRET (HMAC tags) or --soundgate-unauthenticated-decide";
-
-/// The principal every compatibility client acts as (one shared identity, as in the reference).
-pub fn principal(role: Role) -> Principal {
-    Principal {
-        name: PrincipalName::new(PRINCIPAL_NAME).expect("valid"),
-        role,
-        groups: Vec::new(),
-    }
-}
 
 /// Renders an answer as the reference would: a verdict in its words (`render` translates),
 /// an error with its message, and an `ack` for every other successful answer.
@@ -162,7 +155,7 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
         id: Id::default(),
         charge: None,
     };
-    let send = |msg| crate::dispatch::send(shared, msg);
+    let send = |msg| crate::shared::send(shared, msg);
     let agent = principal(Role::Agent);
     match req {
         SgRequest::Ping => Some(Answer::Pong),
@@ -173,29 +166,29 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
             needs_approval,
         } => {
             let args = serde_json::json!({});
-            let mut verdict = match shared
+            let mut ruling = match shared
                 .policy
                 .evaluate(&tool, Some(&args), agent.name.as_str())
             {
                 Ok(v) => v,
                 Err(e) => {
-                    return Some(Answer::Verdict(wire::Verdict::Refused {
+                    return Some(Answer::Verdict(wire::VerdictReply::Refused {
                         reason: estop_kernel::vocab::RefusalReason::Denied,
                         message: Some(e.to_string()),
                         rule: None,
                     }));
                 }
             };
-            if !verdict.matched {
+            if !ruling.matched {
                 // No rule speaks for this effect: the client's flag decides, as in the reference.
-                verdict.action = if needs_approval {
+                ruling.action = if needs_approval {
                     PolicyAction::Approve
                 } else {
                     PolicyAction::Allow
                 };
-                verdict.quorum = 1;
+                ruling.quorum = 1;
             } else {
-                verdict.strengthen(needs_approval);
+                ruling.strengthen(needs_approval);
             }
             let digest = estop_protocol::digest_of(&tool, &args);
             let cmd = Command::Admit(Admit {
@@ -207,8 +200,8 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
                 start: true,
                 parent: None,
                 labels: Vec::new(),
-                limits: shared.policy.run_limits(crate::conn::wall_ms()),
-                policy: verdict.into(),
+                limits: shared.policy.run_limits(crate::shared::wall_ms()),
+                policy: ruling.into(),
             });
             send(CoreMsg::Apply {
                 principal: agent,

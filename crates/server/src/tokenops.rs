@@ -6,12 +6,12 @@
 //! before its secret was ever shown; a revocation whose record fails stays in force (failing
 //! safe) and the operator is told the ledger does not have it.
 
-use crate::conn::Shared;
 use crate::core::{Answer, CoreMsg, ReplyTo};
-use crate::dispatch::ask;
+use crate::shared::Shared;
+use crate::shared::ask;
 use crate::tokens::TokenError;
 use estop_kernel::{Command, Principal, PrincipalName, Role, TokenAction, TokenChange};
-use estop_protocol::reply as wire;
+use estop_protocol::server_line as wire;
 use estop_protocol::{ErrorCode, Id};
 use std::sync::Arc;
 

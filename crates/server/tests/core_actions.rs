@@ -4,13 +4,13 @@
 //! `append <seq>`, `reply <id> @<generation>/<seq> <answer>`, `commit [inline]`, `fail`,
 //! `recover`, `snapshot <seq>`, … so what the core asks of its shell reads as a table.
 
-use estop_kernel::codec::RecordDecoder;
+use estop_kernel::record_codec::RecordDecoder;
 use estop_kernel::vocab::{Decision, EffectClass, PolicyAction, Reversibility};
 use estop_kernel::{
     Admit, Command, Digest, EffectKey, Gate, Limits, PolicyDecision, Principal, PrincipalName,
     Role, RunId, RunLimits, ToolName,
 };
-use estop_protocol::{Id, reply as wire};
+use estop_protocol::{Id, server_line as wire};
 use estop_server::core::{Action, Answer, Core, CoreMsg, CoreOptions, Now, Out, Reopened, ReplyTo};
 use std::time::Duration;
 use tokio::sync::mpsc as tmpsc;
@@ -210,9 +210,9 @@ fn command(c: &Command) -> String {
 
 fn answered(a: &Answer) -> String {
     match a {
-        Answer::Verdict(wire::Verdict::Admitted { .. }) => "admitted".into(),
-        Answer::Verdict(wire::Verdict::Held { reason, .. }) => format!("held:{reason}"),
-        Answer::Verdict(wire::Verdict::Duplicate { .. }) => "duplicate".into(),
+        Answer::Verdict(wire::VerdictReply::Admitted { .. }) => "admitted".into(),
+        Answer::Verdict(wire::VerdictReply::Held { reason, .. }) => format!("held:{reason}"),
+        Answer::Verdict(wire::VerdictReply::Duplicate { .. }) => "duplicate".into(),
         Answer::Verdict(v) => format!("{v:?}"),
         Answer::Decided(d) => format!("decided:{}", d.status),
         Answer::Error(code, _) => format!("error:{code:?}"),

@@ -8,7 +8,7 @@ use estop_kernel::{
     RunId, RunLimits, ToolName,
 };
 use estop_ledger::{CrashStorage, LedgerOptions, Storage};
-use estop_protocol::{ErrorCode, Id, reply as wire};
+use estop_protocol::{ErrorCode, Id, server_line as wire};
 use estop_server::core::{Answer, CoreMsg, CoreOptions, OpenFn, Out, ReplyTo, Shell};
 use estop_server::durable::{self, Durability, DurableState};
 use estop_server::journal;
@@ -136,11 +136,11 @@ impl Harness {
 }
 
 fn is_admitted(a: &Answer) -> bool {
-    matches!(a, Answer::Verdict(wire::Verdict::Admitted { .. }))
+    matches!(a, Answer::Verdict(wire::VerdictReply::Admitted { .. }))
 }
 
 fn is_duplicate(a: &Answer) -> bool {
-    matches!(a, Answer::Verdict(wire::Verdict::Duplicate { .. }))
+    matches!(a, Answer::Verdict(wire::VerdictReply::Duplicate { .. }))
 }
 
 fn is_unavailable(a: &Answer) -> bool {

@@ -12,7 +12,7 @@ use estop_kernel::{
     RunId, RunLimits, ToolName,
 };
 use estop_ledger::{LedgerOptions, MemStorage, Storage};
-use estop_protocol::{Id, reply as wire};
+use estop_protocol::{Id, server_line as wire};
 use estop_server::core::{Answer, CoreMsg, CoreOptions, Now, OpenFn, Out, ReplyTo, Shell};
 use estop_server::durable::DurableState;
 use estop_server::journal;
@@ -98,7 +98,7 @@ fn reply_to(tx: &tmpsc::UnboundedSender<Out>, id: u64) -> ReplyTo {
 }
 
 fn is_held(a: &Answer) -> bool {
-    matches!(a, Answer::Verdict(wire::Verdict::Held { .. }))
+    matches!(a, Answer::Verdict(wire::VerdictReply::Held { .. }))
 }
 
 #[test]

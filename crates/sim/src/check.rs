@@ -30,7 +30,7 @@
 
 use crate::diff::Pair;
 use crate::world::{Op, Tok, Tool, Who, digest, run_of};
-use estop_kernel::codec::encode_record;
+use estop_kernel::record_codec::encode_record;
 use estop_kernel::vocab::Outcome;
 use estop_kernel::{Digest, Limits, Record};
 use estop_ledger::format;

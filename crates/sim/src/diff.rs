@@ -6,7 +6,7 @@
 use crate::model::Model;
 use crate::rng::Rng;
 use crate::world::{self, Answer, Op, Tok, Tool, View, Who, answer_of, command, target, view_of};
-use estop_kernel::codec::{decode_record, decode_snapshot, encode_record, encode_snapshot};
+use estop_kernel::record_codec::{decode_record, decode_snapshot, encode_record, encode_snapshot};
 use estop_kernel::reply::Verdict;
 use estop_kernel::vocab::Outcome;
 use estop_kernel::{Gate, Limits, Record, Reply, Token};

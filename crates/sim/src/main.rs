@@ -116,12 +116,12 @@ fn main() -> ExitCode {
             let mut seg = estop_ledger::format::encode_segment_header(1).to_vec();
             for (i, rec) in pair.log.iter().enumerate().take(8) {
                 let mut b = Vec::new();
-                estop_kernel::codec::encode_record(rec, &mut b);
+                estop_kernel::record_codec::encode_record(rec, &mut b);
                 write("kernel_codec", format!("record-{i}"), &b);
                 estop_ledger::format::append_record(&mut seg, i as u64 + 1, &b, crc32c::crc32c(&b));
             }
             let mut snap = Vec::new();
-            estop_kernel::codec::encode_snapshot(&pair.gate, &mut snap);
+            estop_kernel::record_codec::encode_snapshot(&pair.gate, &mut snap);
             write("kernel_codec", "snapshot".into(), &snap);
             write(
                 "ledger_open",

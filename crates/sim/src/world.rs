@@ -5,7 +5,7 @@
 //! after every step: the observable state of every run and effect.
 
 use estop_kernel::command::{Admit, PolicyDecision, RunLimits};
-use estop_kernel::reply::{DecideStatus, KernelError, Reply, Verdict};
+use estop_kernel::reply::{DecideStatus, Decided, KernelError, Reply, Verdict};
 use estop_kernel::state::Status;
 use estop_kernel::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
 use estop_kernel::{
@@ -599,12 +599,22 @@ pub fn render_reply(r: &Reply) -> String {
     match r {
         Reply::Verdict(v) => render_verdict(v),
         Reply::Completed { late } => format!("completed late={late}"),
-        Reply::Decided(DecideStatus::Approved) => "decided approved".into(),
-        Reply::Decided(DecideStatus::Rejected) => "decided rejected".into(),
-        Reply::Decided(DecideStatus::Pending {
-            approvals,
-            quorum,
-            missing_groups,
+        Reply::Decided(Decided {
+            status: DecideStatus::Approved,
+            ..
+        }) => "decided approved".into(),
+        Reply::Decided(Decided {
+            status: DecideStatus::Rejected,
+            ..
+        }) => "decided rejected".into(),
+        Reply::Decided(Decided {
+            status:
+                DecideStatus::Pending {
+                    approvals,
+                    quorum,
+                    missing_groups,
+                },
+            ..
         }) => {
             format!(
                 "decided pending {approvals}/{quorum} missing=[{}]",

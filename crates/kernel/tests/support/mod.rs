@@ -4,10 +4,10 @@
 
 #![allow(dead_code)]
 
-use estop_kernel::codec::{
+use estop_kernel::record_codec::{
     RecordDecoder, decode_record, decode_snapshot, encode_record, encode_snapshot,
 };
-use estop_kernel::reply::{DecideStatus, Reply, Verdict};
+use estop_kernel::reply::{DecideStatus, Decided, Reply, Verdict};
 use estop_kernel::state::Status;
 use estop_kernel::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
 use estop_kernel::{
@@ -291,12 +291,22 @@ pub fn render_reply(r: &Reply) -> String {
                 "completed".into()
             }
         }
-        Reply::Decided(DecideStatus::Approved) => "decided approved".into(),
-        Reply::Decided(DecideStatus::Rejected) => "decided rejected".into(),
-        Reply::Decided(DecideStatus::Pending {
-            approvals,
-            quorum,
-            missing_groups,
+        Reply::Decided(Decided {
+            status: DecideStatus::Approved,
+            ..
+        }) => "decided approved".into(),
+        Reply::Decided(Decided {
+            status: DecideStatus::Rejected,
+            ..
+        }) => "decided rejected".into(),
+        Reply::Decided(Decided {
+            status:
+                DecideStatus::Pending {
+                    approvals,
+                    quorum,
+                    missing_groups,
+                },
+            ..
         }) => {
             let mut s = format!("decided pending {approvals}/{quorum}");
             if !missing_groups.is_empty() {

@@ -10,7 +10,7 @@ use crate::durable::After;
 use crate::observe::{FeedEvent, FeedTx, GateStats};
 use crate::outbox::Outbox;
 use estop_kernel::{Record, RunId};
-use estop_protocol::reply as wire;
+use estop_protocol::server_line as wire;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
@@ -82,7 +82,7 @@ impl Actions {
     /// Encodes `record` after the others of this round and queues its append.
     pub(super) fn append(&mut self, seq: u64, record: &Record) {
         let start = self.records.len();
-        estop_kernel::codec::encode_record(record, &mut self.records);
+        estop_kernel::record_codec::encode_record(record, &mut self.records);
         self.push(Action::Append {
             seq,
             bytes: start..self.records.len(),

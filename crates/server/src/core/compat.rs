@@ -2,6 +2,7 @@
 //! `decide` that releases the approved effect in the same step, as the reference does.
 
 use super::*;
+use estop_kernel::reply::Decided;
 use estop_kernel::vocab::{HoldReason, RefusalReason};
 
 impl Core {
@@ -19,7 +20,7 @@ impl Core {
                     kill: false,
                 }
             };
-            self.apply(&crate::soundgate::principal(Role::Agent), cmd)
+            self.apply(&soundgate_principal(Role::Agent), cmd)
         } else {
             not_found(run)
         };
@@ -33,7 +34,7 @@ impl Core {
             // Exactly what a missing run gets: the listener learns nothing of other tenants.
             return not_found(run);
         }
-        let operator = crate::soundgate::principal(Role::Operator);
+        let operator = soundgate_principal(Role::Operator);
         let decision = if approved {
             estop_kernel::vocab::Decision::Approve
         } else {
@@ -46,8 +47,14 @@ impl Core {
             reason: None,
         };
         match self.apply_reply(&operator, cmd) {
-            Ok((Reply::Decided(DecideStatus::Approved), _)) => {
-                let agent = crate::soundgate::principal(Role::Agent);
+            Ok((
+                Reply::Decided(Decided {
+                    status: DecideStatus::Approved,
+                    ..
+                }),
+                _,
+            )) => {
+                let agent = soundgate_principal(Role::Agent);
                 match self.apply_verdict(
                     &agent,
                     Command::Recheck {
@@ -59,20 +66,28 @@ impl Core {
                     Err(a) => a,
                 }
             }
-            Ok((Reply::Decided(DecideStatus::Rejected), _)) => {
-                Answer::Verdict(wire::Verdict::Refused {
-                    reason: RefusalReason::Rejected,
-                    message: None,
-                    rule: None,
-                })
-            }
-            Ok((Reply::Decided(DecideStatus::Pending { .. }), _)) => {
-                Answer::Verdict(wire::Verdict::Held {
-                    approval: None,
-                    expires_at: None,
-                    reason: HoldReason::Approval,
-                })
-            }
+            Ok((
+                Reply::Decided(Decided {
+                    status: DecideStatus::Rejected,
+                    ..
+                }),
+                _,
+            )) => Answer::Verdict(wire::VerdictReply::Refused {
+                reason: RefusalReason::Rejected,
+                message: None,
+                rule: None,
+            }),
+            Ok((
+                Reply::Decided(Decided {
+                    status: DecideStatus::Pending { .. },
+                    ..
+                }),
+                _,
+            )) => Answer::Verdict(wire::VerdictReply::Held {
+                approval: None,
+                expires_at: None,
+                reason: HoldReason::Approval,
+            }),
             Ok(_) => Answer::Error(
                 ErrorCode::Internal,
                 "unexpected kernel reply to decide".into(),
@@ -83,7 +98,7 @@ impl Core {
                     return answer;
                 };
                 if r.stop.is_some() {
-                    return Answer::Verdict(wire::Verdict::Refused {
+                    return Answer::Verdict(wire::VerdictReply::Refused {
                         reason: RefusalReason::Cancelled,
                         message: None,
                         rule: None,
@@ -91,14 +106,14 @@ impl Core {
                 }
                 match r.effects.get(&key).map(|e| e.status) {
                     Some(estop_kernel::state::Status::Refused(reason)) => {
-                        Answer::Verdict(wire::Verdict::Refused {
+                        Answer::Verdict(wire::VerdictReply::Refused {
                             reason,
                             message: None,
                             rule: None,
                         })
                     }
                     Some(s) if !s.is_held_or_prepared() => {
-                        Answer::Verdict(wire::Verdict::Duplicate {
+                        Answer::Verdict(wire::VerdictReply::Duplicate {
                             status: s.kind().as_str().into(),
                             outcome: None,
                             result: None,
@@ -116,6 +131,18 @@ impl Core {
         self.gate
             .run(run)
             .and_then(|r| r.owner.as_ref())
-            .is_some_and(|o| o.as_str() == crate::soundgate::PRINCIPAL_NAME)
+            .is_some_and(|o| o.as_str() == SOUNDGATE_PRINCIPAL_NAME)
+    }
+}
+
+/// The name of the principal the compatibility clients act as; their runs are its own.
+pub const SOUNDGATE_PRINCIPAL_NAME: &str = "soundgate";
+
+/// The principal every compatibility client acts as (one shared identity, as in the reference).
+pub fn soundgate_principal(role: Role) -> Principal {
+    Principal {
+        name: PrincipalName::new(SOUNDGATE_PRINCIPAL_NAME).expect("valid"),
+        role,
+        groups: Vec::new(),
     }
 }

@@ -16,7 +16,7 @@ use estop_kernel::{
     Verdict,
 };
 use estop_protocol::page::{PageBudget, PendingCursor, Weight};
-use estop_protocol::reply as wire;
+use estop_protocol::server_line as wire;
 use estop_protocol::{ErrorCode, Id};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -39,45 +39,12 @@ use queries::not_found;
 use subscriptions::Subscriber;
 use waiters::Waiter;
 
+pub use crate::answer::{Answer, Out, unavailable};
 pub use crate::outbox::Outbox;
 pub use actions::Action;
+pub use compat::{SOUNDGATE_PRINCIPAL_NAME, soundgate_principal};
 pub use recovery::Reopened;
 pub use shell::{OpenFn, Shell};
-
-/// Something to write to a client once `after` is durable.
-#[derive(Debug)]
-pub enum Out {
-    Answer {
-        id: Id,
-        answer: Answer,
-        after: After,
-    },
-    Event {
-        event: wire::Event,
-        after: After,
-    },
-    /// The rest of a durable reply that [`Outbox::release`] could not write whole: written as
-    /// it is, before anything behind it.
-    Rendered(Vec<u8>),
-}
-
-/// A reply payload, rendered by the connection in its own protocol.
-#[derive(Debug, Clone)]
-pub enum Answer {
-    Verdict(wire::Verdict),
-    Ack(wire::Ack),
-    Decided(wire::DecideReply),
-    Run(Box<wire::RunView>),
-    Runs(wire::RunsReply),
-    Pending(wire::PendingReply),
-    Report(Box<wire::Report>),
-    Ledger(wire::LedgerReply),
-    Hello(wire::HelloReply),
-    TokenCreated(wire::TokenCreated),
-    TokenRevoked(wire::TokenRevoked),
-    Pong,
-    Error(ErrorCode, String),
-}
 
 /// Where a reply goes.
 #[derive(Debug)]
@@ -86,7 +53,7 @@ pub struct ReplyTo {
     pub id: Id,
     /// The request's share of its connection's input bound, given back when this is dropped:
     /// once the core has answered (or parked it as a waiter).
-    pub charge: Option<crate::conn::Charge>,
+    pub charge: Option<crate::answer::Charge>,
 }
 
 /// A read. Listings come in pages: where the page starts (`cursor`) and its item and byte
@@ -608,10 +575,6 @@ impl Core {
 
     fn apply(&mut self, principal: &Principal, cmd: Command) -> Answer {
         let run = cmd.run().cloned();
-        let decide_key = match &cmd {
-            Command::Decide { key, decision, .. } => Some((key.clone(), *decision)),
-            _ => None,
-        };
         let (reply, events) = match self.apply_reply(principal, cmd) {
             Ok(r) => r,
             Err(a) => return a,
@@ -623,18 +586,10 @@ impl Core {
                 late,
                 ..wire::Ack::default()
             }),
-            Reply::Decided(status) => {
-                let (key, _) = decide_key.expect("decide");
-                let approval = self
-                    .gate
-                    .run(&run_id)
-                    .and_then(|r| r.effects.get(&key))
-                    .and_then(|e| e.approval.as_ref());
-                if let Some(a) = approval {
-                    self.obs
-                        .decided(&status, self.now.saturating_sub(a.requested_at));
-                }
-                Answer::Decided(render::decided(&status, approval.map(|a| &**a)))
+            Reply::Decided(d) => {
+                self.obs
+                    .decided(&d.status, self.now.saturating_sub(d.requested_at));
+                Answer::Decided(render::decided(&d))
             }
             Reply::RunState { state, .. } => Answer::Ack(render::run_state(state, &events)),
             // Saga commands have no verb yet (issue 14): nothing on the wire reaches them.
@@ -643,12 +598,4 @@ impl Core {
             }
         }
     }
-}
-
-/// The answer to a change the ledger could not make durable.
-pub fn unavailable() -> Answer {
-    Answer::Error(
-        ErrorCode::Unavailable,
-        "the ledger cannot make changes durable right now (see the daemon's log); the change is not acknowledged, retry later with the same key".into(),
-    )
 }

@@ -84,7 +84,7 @@ impl Core {
             return;
         }
         let mut bytes = Vec::new();
-        estop_kernel::codec::encode_snapshot(&self.gate, &mut bytes);
+        estop_kernel::record_codec::encode_snapshot(&self.gate, &mut bytes);
         self.actions.push(Action::Snapshot {
             seq: self.last_seq,
             bytes,

@@ -7,7 +7,7 @@ use crate::world::{Tool, Who, digest};
 use estop_kernel::vocab::{Decision, Outcome};
 use estop_kernel::{Admit, Command, Digest, EffectKey, RunId, RunLimits, Token, ToolName};
 use estop_protocol::ErrorCode;
-use estop_protocol::reply as wire;
+use estop_protocol::server_line as wire;
 use estop_server::core::{Answer, CoreMsg, Out};
 
 /// An effect acknowledged as held for approval: run, key, and its call's digest.
@@ -384,7 +384,7 @@ impl ShippedWorld {
         c: usize,
         id: u64,
         wait: Asked,
-        v: wire::Verdict,
+        v: wire::VerdictReply,
     ) -> Result<(), String> {
         let Asked::Wait {
             run,
@@ -398,15 +398,15 @@ impl ShippedWorld {
             unreachable!("a wait")
         };
         let how = match &v {
-            wire::Verdict::Held { .. } if self.mono < sent + timeout => {
+            wire::VerdictReply::Held { .. } if self.mono < sent + timeout => {
                 return Err(format!(
                     "a wait on {run}/{key} sent at {sent} with a timeout of {timeout} ms was answered held at {}",
                     self.mono
                 ));
             }
-            wire::Verdict::Held { .. } => "held".to_string(),
-            wire::Verdict::Refused { reason, .. } => format!("refused {reason}"),
-            wire::Verdict::Admitted { .. } => "admitted".to_string(),
+            wire::VerdictReply::Held { .. } => "held".to_string(),
+            wire::VerdictReply::Refused { reason, .. } => format!("refused {reason}"),
+            wire::VerdictReply::Admitted { .. } => "admitted".to_string(),
             other => format!("{other:?}"),
         };
         *self.report.waits.entry(how).or_default() += 1;
@@ -421,10 +421,10 @@ impl ShippedWorld {
         at: u64,
         run: &'static str,
         key: String,
-        v: wire::Verdict,
+        v: wire::VerdictReply,
     ) -> Result<(), String> {
         match v {
-            wire::Verdict::Go => {
+            wire::VerdictReply::Go => {
                 self.told(id, at, run, &key, Told::Go)?;
                 let outcome =
                     *self
@@ -432,7 +432,7 @@ impl ShippedWorld {
                         .pick(&[Outcome::Ok, Outcome::Ok, Outcome::Error, Outcome::Unknown]);
                 self.complete_later(c, run, key, outcome);
             }
-            wire::Verdict::Duplicate { status, .. } if status == "started" => {
+            wire::VerdictReply::Duplicate { status, .. } if status == "started" => {
                 self.complete_later(c, run, key, Outcome::Ok);
             }
             _ => {}
@@ -451,10 +451,10 @@ impl ShippedWorld {
         key: String,
         digest: Digest,
         started: bool,
-        v: wire::Verdict,
+        v: wire::VerdictReply,
     ) -> Result<(), String> {
         match v {
-            wire::Verdict::Admitted { token, .. } => {
+            wire::VerdictReply::Admitted { token, .. } => {
                 let told = Told::Admitted {
                     digest,
                     token: token.clone(),
@@ -476,7 +476,7 @@ impl ShippedWorld {
                     });
                 }
             }
-            wire::Verdict::Held { reason, .. } => {
+            wire::VerdictReply::Held { reason, .. } => {
                 if reason == estop_kernel::vocab::HoldReason::Approval {
                     self.told(id, at, run, &key, Told::HeldForApproval)?;
                     self.held.insert((run, key.clone(), digest));

@@ -108,7 +108,7 @@ fn protocol_v1() -> u32 {
 /// The answer to `admit`, `wait` and `start` (SPEC §4.3).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "verdict", rename_all = "snake_case")]
-pub enum Verdict {
+pub enum VerdictReply {
     /// Go ahead (with `start=false`: prepared; present `token` at `start`).
     Admitted { token: String, epoch: u64 },
     /// Not yet: call `wait`, then ask again.
@@ -506,7 +506,7 @@ impl ClientReply {
 pub enum ReplyBody {
     Hello(HelloReply),
     /// `admit`, `start` and `wait`.
-    Verdict(Verdict),
+    VerdictReply(VerdictReply),
     /// `complete`, `subscribe`, `unsubscribe`, `cancel`, `pause`, `resume`, `kill`, `close`.
     Ack(Ack),
     Pong(Pong),
@@ -525,7 +525,7 @@ impl ReplyBody {
     pub fn decode(verb: Verb, reply: &ClientReply) -> Result<ReplyBody, serde_json::Error> {
         Ok(match verb {
             Verb::Hello => ReplyBody::Hello(reply.body()?),
-            Verb::Admit | Verb::Start | Verb::Wait => ReplyBody::Verdict(reply.body()?),
+            Verb::Admit | Verb::Start | Verb::Wait => ReplyBody::VerdictReply(reply.body()?),
             Verb::Complete
             | Verb::Subscribe
             | Verb::Unsubscribe
@@ -550,7 +550,7 @@ impl ReplyBody {
     pub fn to_value(&self) -> Value {
         let v = match self {
             ReplyBody::Hello(b) => serde_json::to_value(b),
-            ReplyBody::Verdict(b) => serde_json::to_value(b),
+            ReplyBody::VerdictReply(b) => serde_json::to_value(b),
             ReplyBody::Ack(b) => serde_json::to_value(b),
             ReplyBody::Pong(b) => serde_json::to_value(b),
             ReplyBody::Status(b) => serde_json::to_value(b),
@@ -594,7 +594,7 @@ macro_rules! reply_body_is {
 
 reply_body_is! {
     Hello(HelloReply);
-    Verdict(Verdict);
+    VerdictReply(VerdictReply);
     Ack(Ack);
     Pong(Pong);
     Status(RunView) boxed *;

@@ -1019,6 +1019,13 @@ fn get_run(
             from: r.opt(R::run)?,
         })
     })?;
+    // Stopped exactly when finalizing or terminal (a stop sets both at once): a run that says
+    // otherwise could make a later stop or settle illegal (`kernel::transitions`).
+    let stopped = state == RunState::Finalizing || state.is_terminal();
+    if stopped != stop.is_some() {
+        let has = if stop.is_some() { "a stop" } else { "no stop" };
+        return Err(r.err(format!("run {id} is {state} with {has}")));
+    }
     let epoch = r.u32()?;
     let limits = RunLimits {
         deadline_at: r.opt(R::u64)?,

@@ -113,12 +113,12 @@ struct SimState {
     fail_next_dir_sync: bool,
     space_left_bytes: Option<u64>,
     syncs_paused: bool,
-    stats: SimStats,
+    stats: CrashStats,
 }
 
 /// Counters of what the simulated disk has seen.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SimStats {
+pub struct CrashStats {
     pub writes: u64,
     pub bytes_written: u64,
     pub syncs: u64,
@@ -303,7 +303,7 @@ impl CrashStorage {
             fail_next_dir_sync: false,
             space_left_bytes: None,
             syncs_paused: false,
-            stats: SimStats::default(),
+            stats: CrashStats::default(),
         };
         CrashStorage {
             inner: Arc::new(Inner {
@@ -403,7 +403,7 @@ impl CrashStorage {
     }
 
     /// Counters.
-    pub fn stats(&self) -> SimStats {
+    pub fn stats(&self) -> CrashStats {
         self.state().stats
     }
 }

@@ -1,0 +1,40 @@
+//! `estop mcp`: the command's flags, handed to `estop_mcp::serve_stdio` (docs/MCP.md).
+
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct McpArgs {
+    /// The gateway's configuration (TOML: [gateway] hold_ms, [[server]] name, command, args,
+    /// env, trusted).
+    #[arg(long)]
+    config: PathBuf,
+    /// The run every tool call belongs to (default: a fresh `mcp-…` per session).
+    #[arg(long)]
+    run: Option<String>,
+    /// The parent run (a cancel of the parent reaches this run).
+    #[arg(long)]
+    parent: Option<String>,
+    /// Data directory of the daemon (its socket and agent token; the tool pins are kept here).
+    #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
+    data: PathBuf,
+    /// Socket path of the daemon (default: DATA/estop.sock).
+    #[arg(long, env = "ESTOP_SOCKET")]
+    socket: Option<String>,
+    /// The agent token the run belongs to (default: DATA/agent.token).
+    #[arg(long, env = "ESTOP_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+/// Serves MCP on stdin/stdout until the client closes it.
+pub fn run(a: McpArgs) -> anyhow::Result<u8> {
+    estop_mcp::serve_stdio(estop_mcp::Options {
+        config: a.config,
+        data: a.data,
+        socket: a.socket,
+        token: a.token,
+        run: a.run,
+        parent: a.parent,
+    })?;
+    Ok(0)
+}
