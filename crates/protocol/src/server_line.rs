@@ -182,6 +182,15 @@ pub struct Ack {
     /// Every run the request fenced or changed (a cascading cancel lists the descendants).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub runs: Vec<String>,
+    /// `compensated` and `saga`: the effect's status now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<String>,
+    /// `compensated` and `saga`: the compensation's latest attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    /// `compensated` and `saga`: when a failed compensation is offered again (Unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_at: Option<u64>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -457,6 +466,8 @@ pub enum EventKind {
     /// The compensation of an effect moved (the reverse saga after a cancel); `outcome` is the
     /// effect's status now (`compensating`, `compensated`, `compensation_failed`, …).
     Compensation,
+    /// To an executor (`compensations`) only: run this attempt of a compensation.
+    Compensate,
     /// A kind this client does not know yet (from a newer server).
     #[serde(other)]
     Other,
@@ -478,6 +489,16 @@ pub struct Event {
     /// For `completed`: the effect's outcome.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<String>,
+    /// For `compensate`: the attempt, the compensating tool, its arguments (absent: none) and
+    /// the idempotency key to pass downstream (the same for every attempt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
     /// Unix ms.
     pub at: u64,
 }
@@ -507,7 +528,8 @@ pub enum ReplyBody {
     Hello(HelloReply),
     /// `admit`, `start` and `wait`.
     VerdictReply(VerdictReply),
-    /// `complete`, `subscribe`, `unsubscribe`, `cancel`, `pause`, `resume`, `kill`, `close`.
+    /// `complete`, `subscribe`, `unsubscribe`, `cancel`, `pause`, `resume`, `kill`, `close`,
+    /// `compensations`, `compensated`, `saga`.
     Ack(Ack),
     Pong(Pong),
     Status(Box<RunView>),
@@ -533,7 +555,10 @@ impl ReplyBody {
             | Verb::Pause
             | Verb::Resume
             | Verb::Kill
-            | Verb::Close => ReplyBody::Ack(reply.body()?),
+            | Verb::Close
+            | Verb::Compensations
+            | Verb::Compensated
+            | Verb::Saga => ReplyBody::Ack(reply.body()?),
             Verb::Ping => ReplyBody::Pong(reply.body()?),
             Verb::Status => ReplyBody::Status(Box::new(reply.body()?)),
             Verb::Runs => ReplyBody::Runs(reply.body()?),

@@ -186,6 +186,13 @@ fn every_payload_round_trips() {
         late: true,
         state: Some("finalizing".into()),
         runs: vec!["r1".into(), "r1.child".into()],
+        ..Ack::default()
+    });
+    round_trip(Ack {
+        status: Some("compensation_failed".into()),
+        attempt: Some(2),
+        retry_at: Some(1_700_000_002_000),
+        ..Ack::default()
     });
     round_trip(Pong { pong: true });
     let view = RunView {
@@ -356,6 +363,10 @@ fn events_have_no_id_and_decode_as_events() {
         reason: Some("operator".into()),
         decision: None,
         outcome: None,
+        attempt: None,
+        tool: None,
+        args: None,
+        idempotency_key: None,
         at: 1_700_000_000_000,
     };
     let line = event_line(&ev);
@@ -371,11 +382,39 @@ fn events_have_no_id_and_decode_as_events() {
         reason: None,
         decision: Some("approve".into()),
         outcome: None,
+        attempt: None,
+        tool: None,
+        args: None,
+        idempotency_key: None,
         at: 5,
     };
     assert_eq!(
         parse_server_line(&event_line(&decided)).ok(),
         Some(ServerLine::Event(decided))
+    );
+    // An executor's `compensate`: what to run, with the key to pass downstream.
+    let compensate = br#"{"event":"compensate","run":"r1","key":"k1","attempt":2,"tool":"unrefund","args":{"charge":"ch_1"},"idempotency_key":"k1/undo","at":9}"#;
+    let Ok(ServerLine::Event(ev)) = parse_server_line(compensate) else {
+        panic!("a compensate event decodes as an event");
+    };
+    assert_eq!(
+        (
+            ev.event,
+            ev.attempt,
+            ev.tool.as_deref(),
+            ev.idempotency_key.as_deref()
+        ),
+        (
+            EventKind::Compensate,
+            Some(2),
+            Some("unrefund"),
+            Some("k1/undo")
+        )
+    );
+    assert_eq!(ev.args, Some(json!({"charge": "ch_1"})));
+    assert_eq!(
+        parse_server_line(&event_line(&ev)).ok(),
+        Some(ServerLine::Event(ev))
     );
     // A kind from a newer server still decodes.
     let newer = parse_server_line(br#"{"event":"teleported","run":"r","at":1}"#);
@@ -399,6 +438,8 @@ fn every_event_kind_renders_its_name() {
         (EventKind::Completed, "completed"),
         (EventKind::Closed, "closed"),
         (EventKind::Finalizing, "finalizing"),
+        (EventKind::Compensation, "compensation"),
+        (EventKind::Compensate, "compensate"),
     ] {
         let ev = Event {
             event: kind,
@@ -407,6 +448,10 @@ fn every_event_kind_renders_its_name() {
             reason: None,
             decision: None,
             outcome: None,
+            attempt: None,
+            tool: None,
+            args: None,
+            idempotency_key: None,
             at: 0,
         };
         assert!(text(&event_line(&ev)).starts_with(&format!("{{\"event\":\"{name}\",")));

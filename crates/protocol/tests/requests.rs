@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use estop_kernel::SagaAction;
 use estop_kernel::ids::{Digest, EffectKey, PrincipalName, Role, RunId, ToolName};
 use estop_kernel::vocab::{Decision, Outcome, RunState};
 use estop_protocol::limits::*;
@@ -311,6 +312,49 @@ fn every_verb_parses() {
                 name: PrincipalName::new("bot").expect("name"),
             },
         ),
+        (r#"{"op":"compensations"}"#, Op::Compensations { run: None }),
+        (
+            r#"{"op":"compensations","run":"r1"}"#,
+            Op::Compensations {
+                run: Some(run("r1")),
+            },
+        ),
+        (
+            r#"{"op":"compensated","run":"r1","key":"k1","attempt":2,"outcome":"error","error":"503"}"#,
+            Op::Compensated {
+                run: run("r1"),
+                key: key("k1"),
+                attempt: 2,
+                outcome: Outcome::Error,
+                error: Some("503".into()),
+            },
+        ),
+        (
+            r#"{"op":"saga","run":"r1","key":"k1","action":"settle","outcome":"ok"}"#,
+            Op::Saga {
+                run: run("r1"),
+                key: key("k1"),
+                action: SagaAction::Settle(Outcome::Ok),
+            },
+        ),
+        (
+            r#"{"op":"saga","run":"r1","key":"k1","action":"retry"}"#,
+            Op::Saga {
+                run: run("r1"),
+                key: key("k1"),
+                action: SagaAction::Retry,
+            },
+        ),
+        (
+            r#"{"op":"saga","run":"r1","key":"k1","action":"skip","reason":"refunded by hand"}"#,
+            Op::Saga {
+                run: run("r1"),
+                key: key("k1"),
+                action: SagaAction::Skip {
+                    reason: "refunded by hand".into(),
+                },
+            },
+        ),
     ];
     let mut verbs_seen = std::collections::BTreeSet::new();
     for (line, expected) in table {
@@ -558,6 +602,17 @@ fn every_parse_error_code_fires() {
         (r#"{"op":"decide","run":"r","key":"k","decision":"yes"}"#.into(), InvalidField, Some("decision")),
         (r#"{"op":"close","run":"r","outcome":"cancelled"}"#.into(), InvalidField, Some("outcome")),
         (r#"{"op":"runs","state":"sleeping"}"#.into(), InvalidField, Some("state")),
+        // the saga's verbs
+        (r#"{"op":"compensated","run":"r","key":"k","outcome":"ok"}"#.into(), MissingField, Some("attempt")),
+        (r#"{"op":"compensated","run":"r","key":"k","attempt":0,"outcome":"ok"}"#.into(), InvalidField, Some("attempt")),
+        (r#"{"op":"compensated","run":"r","key":"k","attempt":4294967296,"outcome":"ok"}"#.into(), InvalidField, Some("attempt")),
+        (r#"{"op":"compensated","run":"r","key":"k","attempt":1,"outcome":"done"}"#.into(), InvalidField, Some("outcome")),
+        (r#"{"op":"saga","run":"r","key":"k"}"#.into(), MissingField, Some("action")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"undo"}"#.into(), InvalidField, Some("action")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"settle"}"#.into(), MissingField, Some("outcome")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"settle","outcome":"unknown"}"#.into(), InvalidField, Some("outcome")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"skip"}"#.into(), MissingField, Some("reason")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"skip","reason":"  "}"#.into(), MissingField, Some("reason")),
         (r#"{"op":"runs","limit":4294967296}"#.into(), InvalidField, Some("limit")),
         (r#"{"op":"runs","cursor":""}"#.into(), InvalidField, Some("cursor")),
         (r#"{"op":"runs","cursor":7}"#.into(), InvalidField, Some("cursor")),

@@ -129,6 +129,11 @@ pub enum ConnVerb {
     Subscribe { principal: Principal, run: RunId },
     /// No more events of `run` on this connection; answered at once.
     Unsubscribe { run: RunId },
+    /// This connection runs compensations (of `run`, or of every run the principal sees).
+    Compensations {
+        principal: Principal,
+        run: Option<RunId>,
+    },
 }
 
 impl ConnVerb {
@@ -138,6 +143,7 @@ impl ConnVerb {
             ConnVerb::Wait { .. } => Verb::Wait,
             ConnVerb::Subscribe { .. } => Verb::Subscribe,
             ConnVerb::Unsubscribe { .. } => Verb::Unsubscribe,
+            ConnVerb::Compensations { .. } => Verb::Compensations,
         }
     }
 }
@@ -273,6 +279,24 @@ fn authorized(shared: &Shared, principal: &Principal, op: Op) -> Route {
             actor: principal.clone(),
             name,
         }),
+        Op::Compensations { run } => Route::Conn(ConnVerb::Compensations {
+            principal: principal.clone(),
+            run,
+        }),
+        Op::Compensated {
+            run,
+            key,
+            attempt,
+            outcome,
+            error,
+        } => apply(Command::CompensationEnd {
+            run,
+            key,
+            attempt,
+            outcome,
+            error: error.map(String::into_boxed_str),
+        }),
+        Op::Saga { run, key, action } => apply(Command::Saga { run, key, action }),
     }
 }
 
@@ -438,6 +462,7 @@ mod tests {
     use crate::durable::DurableState;
     use crate::shared::ConnOptions;
     use crate::tokens::Tokens;
+    use estop_kernel::SagaAction;
     use estop_kernel::vocab::{Decision, Outcome};
     use estop_protocol::{Admit, Complete, RequestedRunLimits};
     use std::fmt::Write as _;
@@ -485,6 +510,11 @@ ledger                     | work ledger 1000 | forbidden        | work ledger 1
 report                     | query report 1000 | query report 1000 | query report 1000 | unauthenticated
 token                      | work token       | forbidden        | forbidden        | unauthenticated
 token_revoke               | work token_revoke | forbidden        | forbidden        | unauthenticated
+compensations              | conn compensations | conn compensations | forbidden        | unauthenticated
+compensated                | apply compensated | apply compensated | forbidden        | unauthenticated
+saga settle                | apply saga       | forbidden        | forbidden        | unauthenticated
+saga skip                  | apply saga       | forbidden        | forbidden        | unauthenticated
+saga retry                 | apply saga       | forbidden        | forbidden        | unauthenticated
 ";
 
     fn run() -> RunId {
@@ -652,6 +682,33 @@ token_revoke               | work token_revoke | forbidden        | forbidden   
                         name: PrincipalName::new("bob").unwrap(),
                     },
                 ),
+                Verb::Compensations => add(v, Op::Compensations { run: None }),
+                Verb::Compensated => add(
+                    v,
+                    Op::Compensated {
+                        run: run(),
+                        key: key(),
+                        attempt: 1,
+                        outcome: Outcome::Ok,
+                        error: None,
+                    },
+                ),
+                Verb::Saga => {
+                    // An agent may never settle, skip or retry the undoing of its own effects.
+                    let saga = |action| Op::Saga {
+                        run: run(),
+                        key: key(),
+                        action,
+                    };
+                    add("saga settle", saga(SagaAction::Settle(Outcome::Error)));
+                    add(
+                        "saga skip",
+                        saga(SagaAction::Skip {
+                            reason: "irrelevant".into(),
+                        }),
+                    );
+                    add("saga retry", saga(SagaAction::Retry));
+                }
             }
         }
         out
@@ -679,6 +736,8 @@ token_revoke               | work token_revoke | forbidden        | forbidden   
                     Command::Pause { .. } => "pause",
                     Command::Resume { .. } => "resume",
                     Command::Close { .. } => "close",
+                    Command::CompensationEnd { .. } => "compensated",
+                    Command::Saga { .. } => "saga",
                     other => unreachable!("no verb sends {other:?}"),
                 }
             ),

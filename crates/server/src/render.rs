@@ -254,6 +254,10 @@ pub fn event(gate: &estop_kernel::Gate, e: &estop_kernel::Event, at: u64) -> Opt
         reason: None,
         decision: None,
         outcome: None,
+        attempt: None,
+        tool: None,
+        args: None,
+        idempotency_key: None,
         at,
     };
     match e.kind {
@@ -329,9 +333,9 @@ pub fn run_state(
         .map(|e| e.run.to_string())
         .collect();
     wire::Ack {
-        late: false,
         state: Some(state.as_str().into()),
         runs,
+        ..wire::Ack::default()
     }
 }
 
