@@ -21,6 +21,11 @@ compensate = "unrefund"
 compensate_args = '{"refund": result.id, "amount": args.amount}'
 
 [[rules]]
+tool = "charge"
+action = "allow"
+compensate = "uncharge"
+
+[[rules]]
 tool = "email"
 action = "allow"
 reversibility = "irreversible"
@@ -267,4 +272,78 @@ fn an_attempt_under_way_survives_its_executor_and_a_kill9_and_lands_once() {
     );
     assert_eq!(records(&mut op, "r1", "compensation_begin"), 1);
     assert_eq!(records(&mut op, "r1", "compensation_end"), 1);
+}
+
+/// The operator's part, over the wire: an unknown outcome blocks everything older until it is
+/// settled; an undo whose outcome is unknown asks a human, who retries it; one that cannot be
+/// undone is skipped with a reason, and the run ends `cancelled`.
+#[test]
+fn an_operator_settles_retries_and_skips_what_the_saga_cannot_decide() {
+    let d = Daemon::start_with_policy(SAGA_POLICY, &[]);
+    let mut a = d.agent();
+    let mut op = d.operator();
+    done(
+        &mut a,
+        "r1",
+        "k1",
+        "refund",
+        json!({"amount": 10}),
+        json!({"id": "re_1"}),
+    );
+    // k2 was started and never confirmed: its outcome is unknown (and it has no result for a
+    // mapping to read: its undo takes no arguments).
+    let v = admit(&mut a, "r1", "k2", "charge", json!({"amount": 20}));
+    ok(
+        &mut a,
+        json!({"op": "complete", "run": "r1", "key": "k2", "token": v["token"],
+               "outcome": "unknown"}),
+    );
+    let mut ex = d.agent();
+    ok(&mut ex, json!({"op": "compensations", "run": "r1"}));
+    ok(&mut a, json!({"op": "cancel", "run": "r1"}));
+    // Nothing is offered while k2's outcome is unknown; retrying it is refused (nothing began).
+    let retry = |key: &str| json!({"op": "saga", "run": "r1", "key": key, "action": "retry"});
+    assert_eq!(err_code(&mut op, retry("k2")), "conflict");
+    ok(&mut ex, json!({"op": "ping"}));
+    assert!(
+        ex.events.is_empty(),
+        "offered before the unknown was settled: {:?}",
+        ex.events
+    );
+    // The operator finds it happened: it is undone next.
+    let r = ok(
+        &mut op,
+        json!({"op": "saga", "run": "r1", "key": "k2", "action": "settle", "outcome": "ok"}),
+    );
+    assert_eq!(r["status"], "completed", "{r}");
+    let e = next_compensate(&mut ex);
+    assert_eq!(
+        (e.key.as_deref(), e.attempt, e.tool.as_deref(), &e.args),
+        (Some("k2"), Some(1), Some("uncharge"), &None)
+    );
+    // Whether the undo landed is unknown: a human is asked, never a blind retry.
+    let r = compensated(&mut ex, "r1", &e, "unknown");
+    assert_eq!(r["status"], "needs_human", "{r}");
+    let r = ok(&mut op, retry("k2"));
+    assert_eq!(r["status"], "compensation_failed", "{r}");
+    let e = next_compensate(&mut ex);
+    assert_eq!((e.key.as_deref(), e.attempt), (Some("k2"), Some(2)));
+    compensated(&mut ex, "r1", &e, "ok");
+    // k1's undo ends unknown too; the operator skips it, with a reason.
+    let e = next_compensate(&mut ex);
+    assert_eq!((e.key.as_deref(), e.attempt), (Some("k1"), Some(1)));
+    compensated(&mut ex, "r1", &e, "unknown");
+    let no_reason = json!({"op": "saga", "run": "r1", "key": "k1", "action": "skip"});
+    assert_eq!(err_code(&mut op, no_reason), "missing_field");
+    assert_eq!(state(&mut op, "r1"), "finalizing");
+    let r = ok(
+        &mut op,
+        json!({"op": "saga", "run": "r1", "key": "k1", "action": "skip",
+               "reason": "refunded by hand"}),
+    );
+    assert_eq!(r["status"], "compensation_skipped", "{r}");
+    assert_eq!(state(&mut op, "r1"), "cancelled");
+    assert_eq!(records(&mut op, "r1", "saga_settle"), 1);
+    assert_eq!(records(&mut op, "r1", "saga_retry"), 1);
+    assert_eq!(records(&mut op, "r1", "saga_skip"), 1);
 }

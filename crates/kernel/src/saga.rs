@@ -186,6 +186,19 @@ fn reply(e: &Effect) -> Reply {
     }
 }
 
+/// Whether an operator's retry or skip applies to an effect in `status`: a retry to an undo that
+/// failed or waits for a human, a skip to those and to one not yet undone.
+fn takes(action: &SagaAction, status: Status) -> bool {
+    match action {
+        SagaAction::Settle(_) => status == Status::Unknown,
+        SagaAction::Retry => matches!(status, Status::CompensationFailed | Status::NeedsHuman),
+        SagaAction::Skip { .. } => matches!(
+            status,
+            Status::Completed | Status::CompensationFailed | Status::NeedsHuman
+        ),
+    }
+}
+
 /// When attempt `attempt` of the compensation of `key` may begin, or why it may not: it must
 /// be the saga's head, waiting for that very attempt.
 fn due(
@@ -411,6 +424,13 @@ impl Gate {
                 run_id,
                 key,
                 format!("{what}: it declares no compensating tool"),
+            ));
+        } else if !takes(action, effect.status) {
+            // Refused here, as an operator's mistake, before the table would call it a bug.
+            return Err(saga_error(
+                run_id,
+                key,
+                format!("{what}: it is {}", effect.status.kind()),
             ));
         }
         check_effect(run_id, key, Some(effect.status), to)?;

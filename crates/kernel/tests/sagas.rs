@@ -264,6 +264,8 @@ fn saga_commands_are_refused_where_they_do_not_fit() {
         11 agent begin r1 k9 1
         12 agent2 begin r1 k1 1
         13 bob begin r1 k1 1
+        14 alice retry r1 k1
+        15 alice skip r1 k1 reason=x
         ",
         expect![[r#"
             0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
@@ -280,6 +282,8 @@ fn saga_commands_are_refused_where_they_do_not_fit() {
             11 agent begin r1 k9 1                       => error not_found: effect k9 of run r1 not found
             12 agent2 begin r1 k1 1                      => error not_found: run r1 not found
             13 bob begin r1 k1 1                         => compensation compensating attempt=1
+            14 alice retry r1 k1                         => error saga: effect k1 of run r1: retry: it is compensating
+            15 alice skip r1 k1 reason=x                 => error saga: effect k1 of run r1: skip: it is compensating
             --
             run r1 finalizing stop=cancelled epoch=2 admitted=2 pending=0 in_flight=0
               k1 refund compensating undo=unrefund attempts=1/5
