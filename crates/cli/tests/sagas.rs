@@ -336,13 +336,49 @@ fn an_operator_settles_retries_and_skips_what_the_saga_cannot_decide() {
     let no_reason = json!({"op": "saga", "run": "r1", "key": "k1", "action": "skip"});
     assert_eq!(err_code(&mut op, no_reason), "missing_field");
     assert_eq!(state(&mut op, "r1"), "finalizing");
-    let r = ok(
-        &mut op,
-        json!({"op": "saga", "run": "r1", "key": "k1", "action": "skip",
-               "reason": "refunded by hand"}),
+    // The report says what the saga waits for, and how far each undo got.
+    let (code, out, err) = d.cli(&["report", "r1"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("saga waits for an operator: `estop compensate retry|skip RUN k1`"),
+        "{out}"
     );
-    assert_eq!(r["status"], "compensation_skipped", "{r}");
+    let line = |key: &str| {
+        out.lines()
+            .find(|l| l.trim_start().starts_with(key))
+            .unwrap_or_else(|| panic!("no {key} in {out}"))
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(
+        line("k1"),
+        "k1 refund needs_human undo: unrefund attempts 1/5"
+    );
+    assert_eq!(
+        line("k2"),
+        "k2 charge compensated undo: uncharge attempts 2/6 by admin"
+    );
+    let report = ok(&mut op, json!({"op": "report", "run": "r1"}));
+    assert_eq!(report["saga_next"], json!({"key": "k1", "waits": "human"}));
+    // The operator skips it from the CLI, with a reason.
+    let (code, out, err) = d.cli(&[
+        "compensate",
+        "skip",
+        "r1",
+        "k1",
+        "--reason",
+        "refunded by hand",
+    ]);
+    assert_eq!(
+        (code, out.trim()),
+        (0, "compensation_skipped (attempt 1)"),
+        "{err}"
+    );
     assert_eq!(state(&mut op, "r1"), "cancelled");
+    let (_, out, _) = d.cli(&["report", "r1"]);
+    assert!(out.contains("note: refunded by hand by admin"), "{out}");
+    assert!(!out.contains("saga waits"), "{out}");
     assert_eq!(records(&mut op, "r1", "saga_settle"), 1);
     assert_eq!(records(&mut op, "r1", "saga_retry"), 1);
     assert_eq!(records(&mut op, "r1", "saga_skip"), 1);

@@ -34,6 +34,6 @@ pub use request::{
 pub use server_line::{
     Ack, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply, LedgerEntry,
     LedgerReply, PendingItem, PendingReply, Pong, RawJson, ReplyBody, Report, ReportItem, RunView,
-    RunsReply, ServerLine, TokenCreated, TokenRevoked, VerdictReply, parse_server_line,
+    RunsReply, SagaNext, ServerLine, TokenCreated, TokenRevoked, VerdictReply, parse_server_line,
 };
 pub use soundgate::{SgError, SgReply, SgRequest, parse_soundgate};

@@ -391,6 +391,36 @@ pub struct ReportItem {
     /// For refused effects: the refusal reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// Once its undo began or an operator acted on it (the reverse saga): attempts so far, out
+    /// of how many before a human is asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts_max: Option<u32>,
+    /// When a failed undo is offered again (Unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_at: Option<u64>,
+    /// The last attempt's error, or the reason an operator skipped it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    /// The operator who last retried or skipped it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+}
+
+/// What a cancelled run's reverse saga waits for: its head (the newest effect still to undo)
+/// and why it is not moving.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SagaNext {
+    pub key: String,
+    /// `outcome` (the effect is in flight), `settle` (its outcome is unknown: an operator
+    /// settles it), `executor` (attempt `attempt` may begin from `at`: an executor runs it),
+    /// `running` (attempt `attempt` is under way), `human` (an operator retries or skips).
+    pub waits: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<u64>,
 }
 
 /// The after-stop report of one run (SPEC G8). An effect may appear in several lists (a done
@@ -420,6 +450,10 @@ pub struct Report {
     pub irreversible: Vec<ReportItem>,
     pub undeclared: Vec<ReportItem>,
     pub held: Vec<ReportItem>,
+    /// What the reverse saga waits for, while it is open (each effect's own progress is on
+    /// its item; the saga's history is in the ledger).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub saga_next: Option<SagaNext>,
     /// More of the run's effects follow this page (its lists hold only this page's effects):
     /// pass `next` as `cursor` to read them.
     #[serde(skip_serializing_if = "is_false")]

@@ -297,6 +297,11 @@ fn every_payload_round_trips() {
         compensate: None,
         late: false,
         reason: None,
+        attempts: None,
+        attempts_max: None,
+        retry_at: None,
+        note: None,
+        by: None,
     };
     round_trip(Report {
         run: "r0".into(),
@@ -313,10 +318,21 @@ fn every_payload_round_trips() {
         reason: Some("enough\n\u{1b}[0m".into()),
         stopped_at: Some(7),
         forgotten: false,
-        done: vec![ReportItem {
-            compensate: Some("refund.undo".into()),
-            ..item("a", "completed", "compensable")
-        }],
+        done: vec![
+            ReportItem {
+                compensate: Some("refund.undo".into()),
+                ..item("a", "completed", "compensable")
+            },
+            ReportItem {
+                compensate: Some("refund.undo".into()),
+                attempts: Some(2),
+                attempts_max: Some(5),
+                retry_at: Some(9),
+                note: Some("503".into()),
+                by: Some("alice".into()),
+                ..item("g", "compensation_failed", "compensable")
+            },
+        ],
         failed: vec![item("b", "failed", "undeclared")],
         refused: vec![ReportItem {
             reason: Some("cancelled".into()),
@@ -331,6 +347,12 @@ fn every_payload_round_trips() {
         irreversible: vec![item("d", "started", "irreversible")],
         undeclared: vec![item("b", "failed", "undeclared")],
         held: vec![item("f", "held", "undeclared")],
+        saga_next: Some(estop_protocol::SagaNext {
+            key: "g".into(),
+            waits: "executor".into(),
+            attempt: Some(3),
+            at: Some(9),
+        }),
         more: false,
         next: None,
     });
