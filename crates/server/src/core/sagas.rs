@@ -229,7 +229,16 @@ impl Core {
             .unwrap_or(serde_json::Value::Null);
         let result = e.outcome.as_ref().and_then(|o| o.result.as_deref());
         let args = estop_policy::compensation_args(source, e.tool.as_str(), &forward, result)?;
-        Ok(Some(args.to_string().into_boxed_str()))
+        let args = args.to_string();
+        // Refused by the kernel, it would never begin: an error an operator sees instead.
+        let max = self.gate.limits().args_bytes_max;
+        if args.len() > max {
+            return Err(format!(
+                "`compensate_args` built {} bytes of arguments, above args_bytes_max = {max}",
+                args.len()
+            ));
+        }
+        Ok(Some(args.into_boxed_str()))
     }
 
     fn effect(&self, run: &RunId, key: &EffectKey) -> &estop_kernel::state::Effect {
