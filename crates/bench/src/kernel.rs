@@ -27,6 +27,7 @@ fn policy() -> PolicyDecision {
         class: EffectClass::Write,
         reversibility: Reversibility::Undeclared,
         compensate: None,
+        compensate_args: None,
         quorum: 1,
         groups: vec![],
         expiry_ms: 900_000,

@@ -43,6 +43,26 @@ pub fn decide(
     Ok(0)
 }
 
+/// `estop compensate settle|retry|skip`: the effect's status after the operator's word.
+pub fn saga(conn: &Conn, ask: Ask) -> Result<u8, Failure> {
+    let op = build(conn, &ask)?;
+    let mut session = Session::open(conn)?;
+    let a: Ack = session.ask(&op)?;
+    let mut line = a
+        .status
+        .as_deref()
+        .map_or("recorded".into(), esc)
+        .into_owned();
+    if let Some(n) = a.attempt.filter(|n| *n > 0) {
+        line.push_str(&format!(" (attempt {n})"));
+    }
+    if let Some(at) = a.retry_at {
+        line.push_str(&format!("; offered again from {at}"));
+    }
+    session.print(a, || println!("{line}"));
+    Ok(0)
+}
+
 /// A request answered with the run's state and the runs it changed: cancel, kill, pause,
 /// resume, close.
 pub fn run_state(conn: &Conn, ask: Ask) -> Result<u8, Failure> {

@@ -81,6 +81,13 @@ enum Cmd {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Move a cancelled run's reverse saga where it waits for a human (operator).
+    Compensate {
+        #[command(subcommand)]
+        action: CompensateCmd,
+        #[command(flatten)]
+        conn: Conn,
+    },
     /// Show one run.
     Status(RunArgs),
     /// The after-stop report of a run: done, refused, in flight, unknown, undoable.
@@ -113,6 +120,28 @@ enum TokenCmd {
     /// Revoke a named token at once: its open connections and console sessions end. The last
     /// operator token cannot be revoked.
     Revoke { name: String },
+}
+
+#[derive(Subcommand)]
+enum CompensateCmd {
+    /// Say whether an effect of unknown outcome happened (`ok`: it is undone next; `error`:
+    /// nothing to undo).
+    Settle {
+        run: String,
+        key: String,
+        /// ok or error.
+        #[arg(long)]
+        outcome: String,
+    },
+    /// Give a failed undo (or one waiting for a human) 5 more attempts, the next at once.
+    Retry { run: String, key: String },
+    /// Give up undoing an effect, for a reason that is recorded.
+    Skip {
+        run: String,
+        key: String,
+        #[arg(long)]
+        reason: String,
+    },
 }
 
 #[derive(Args)]
@@ -177,6 +206,24 @@ fn run(command: Cmd) -> Result<u8, Failure> {
         Cmd::Pending { run, limit, conn } => read::pending(&conn, run, limit),
         Cmd::Status(a) => read::status(&a.conn, a.run),
         Cmd::Report(a) => read::report(&a.conn, a.run),
+        Cmd::Compensate { action, conn } => {
+            let ask = |action: &str, run: String, key: String| {
+                Ask::new(Verb::Saga)
+                    .text("run", run)
+                    .text("key", key)
+                    .text("action", action)
+            };
+            let ask = match action {
+                CompensateCmd::Settle { run, key, outcome } => {
+                    ask("settle", run, key).text("outcome", outcome)
+                }
+                CompensateCmd::Retry { run, key } => ask("retry", run, key),
+                CompensateCmd::Skip { run, key, reason } => {
+                    ask("skip", run, key).text("reason", reason)
+                }
+            };
+            act::saga(&conn, ask)
+        }
         Cmd::Approve(a) => act::decide(&a.conn, a.run, a.key, "approve", a.reason),
         Cmd::Reject(a) => act::decide(&a.conn, a.run, a.key, "reject", a.reason),
         Cmd::Cancel(a) => stop(&a.conn, Verb::Cancel, a.run, a.reason),

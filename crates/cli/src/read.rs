@@ -3,7 +3,9 @@
 
 use crate::remote::{Ask, Conn, Failure, Session, build};
 use crate::show::{cell, esc, now_ms, table, truncate};
-use estop_protocol::{EffectCounts, PendingReply, Report, ReportItem, RunView, RunsReply, Verb};
+use estop_protocol::{
+    EffectCounts, PendingReply, Report, ReportItem, RunView, RunsReply, SagaNext, Verb,
+};
 
 pub fn runs(conn: &Conn, state: Option<String>, limit: Option<u32>) -> Result<u8, Failure> {
     let ask = Ask::new(Verb::Runs).text_opt("state", state);
@@ -168,6 +170,9 @@ fn report_lines(r: &Report) -> Vec<String> {
     if let Some(reason) = &r.reason {
         out.push(format!("reason {}", esc(reason)));
     }
+    if let Some(s) = &r.saga_next {
+        out.push(saga_line(s));
+    }
     if r.forgotten {
         let at = r.stopped_at.map_or("null".into(), |t| t.to_string());
         out.push(format!(
@@ -197,5 +202,41 @@ fn report_item(i: &ReportItem) -> String {
     if let Some(c) = &i.compensate {
         line.push_str(&format!(" undo: {}", esc(c)));
     }
+    if let (Some(n), Some(max)) = (i.attempts, i.attempts_max) {
+        line.push_str(&format!(" attempts {n}/{max}"));
+    }
+    if let Some(at) = i.retry_at {
+        line.push_str(&format!(" retry at {at}"));
+    }
+    if let Some(note) = &i.note {
+        line.push_str(&format!(" note: {}", esc(note)));
+    }
+    if let Some(by) = &i.by {
+        line.push_str(&format!(" by {}", esc(by)));
+    }
     line
+}
+
+/// What the reverse saga waits for, said for an operator.
+fn saga_line(s: &SagaNext) -> String {
+    let key = esc(&s.key);
+    let what = match s.waits.as_str() {
+        "outcome" => format!("{key} to finish (in flight)"),
+        "settle" => format!(
+            "{key}'s unknown outcome: `estop compensate settle RUN {key} --outcome ok|error`"
+        ),
+        "executor" => format!(
+            "an executor (`compensations`) to run attempt {} of {key}'s undo{}",
+            s.attempt.unwrap_or(1),
+            s.at.filter(|at| *at > 0)
+                .map_or(String::new(), |at| format!(" from {at}"))
+        ),
+        "running" => format!(
+            "attempt {} of {key}'s undo to be reported",
+            s.attempt.unwrap_or(1)
+        ),
+        "human" => format!("an operator: `estop compensate retry|skip RUN {key}`"),
+        other => format!("{} on {key}", esc(other)),
+    };
+    format!("saga waits for {what}")
 }

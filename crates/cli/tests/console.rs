@@ -184,6 +184,10 @@ fn no_token_is_unauthenticated_and_agents_only_read_their_own_runs() {
     for (method, path) in [
         ("POST", "/api/v1/runs/mine/cancel"),
         ("POST", "/api/v1/runs/theirs/effects/k1/approve"),
+        // Nor move the reverse saga of its own run.
+        ("POST", "/api/v1/runs/mine/effects/k1/settle"),
+        ("POST", "/api/v1/runs/mine/effects/k1/retry"),
+        ("POST", "/api/v1/runs/mine/effects/k1/skip"),
         ("GET", "/api/v1/runs/mine/ledger"),
         ("GET", "/metrics"),
         ("POST", "/api/v1/login-links"),
@@ -253,6 +257,16 @@ fn approve_and_reject_over_http_answer_the_agents_wait() {
             .status,
         404
     );
+    // The saga's operator actions go the same way: checked as v1 `saga`, then the kernel.
+    let skip = c.post("/api/v1/runs/r1/effects/refund-1/skip", json!({}));
+    assert_eq!((skip.status, skip.code().as_str()), (400, "missing_field"));
+    let settle = c.post(
+        "/api/v1/runs/r1/effects/refund-1/settle",
+        json!({"outcome": "ok"}),
+    );
+    assert_eq!((settle.status, settle.code().as_str()), (409, "conflict"));
+    let undo = c.post("/api/v1/runs/r1/effects/refund-1/undo", json!({}));
+    assert_eq!((undo.status, undo.code().as_str()), (404, "unknown_op"));
     let r = http(
         &c.addr,
         "POST",

@@ -1085,6 +1085,7 @@ fn typed_client_speaks_every_verb() {
             parent: None,
             labels: Default::default(),
             needs_approval: false,
+            declare: None,
             limits: Default::default(),
         })
     };

@@ -34,6 +34,8 @@ fn carried(verb: Verb) -> bool {
             | Verb::Wait
             | Verb::Subscribe
             | Verb::Unsubscribe
+            | Verb::Compensations
+            | Verb::Compensated
     )
 }
 

@@ -348,17 +348,27 @@ async fn effect_action(
     body: Bytes,
 ) -> Response {
     let mut path = vec![("run", run), ("key", key)];
-    match action.as_str() {
-        "decide" => {}
-        "approve" | "reject" => path.push(("decision", action.clone())),
+    let verb = match action.as_str() {
+        "decide" => Verb::Decide,
+        "approve" | "reject" => {
+            path.push(("decision", action.clone()));
+            Verb::Decide
+        }
+        // The reverse saga's operator actions (v1 `saga`).
+        "settle" | "retry" | "skip" => {
+            path.push(("action", action.clone()));
+            Verb::Saga
+        }
         _ => {
             return error(
                 ErrorCode::UnknownOp,
-                format!("no effect action {action:?}: use decide, approve or reject"),
+                format!(
+                    "no effect action {action:?}: use decide, approve, reject, settle, retry or skip"
+                ),
             );
         }
-    }
-    serve(&app, Method::POST, &h, Verb::Decide, &path, &q, &body).await
+    };
+    serve(&app, Method::POST, &h, verb, &path, &q, &body).await
 }
 
 async fn tokens(State(app): State<AppState>, h: HeaderMap, Query(q): Q, body: Bytes) -> Response {

@@ -14,6 +14,9 @@ pub struct PolicyDecision {
     pub class: EffectClass,
     pub reversibility: Reversibility,
     pub compensate: Option<ToolName>,
+    /// How the compensating call's arguments are built (`compensate_args`, CEL text), kept as
+    /// the policy said it at admission; the shell evaluates it when the saga gets there.
+    pub compensate_args: Option<std::sync::Arc<str>>,
     /// Distinct approvers needed (≥ 1 when `action` is approve).
     pub quorum: u32,
     /// Each group needs at least one distinct approver carrying it.
@@ -71,6 +74,18 @@ pub struct Admit {
     pub labels: Vec<(Box<str>, Box<str>)>,
     pub limits: RunLimits,
     pub policy: PolicyDecision,
+}
+
+/// An operator's word on one effect of the reverse saga (`saga.rs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SagaAction {
+    /// Settles an effect of unknown outcome: it happened (`ok`) or it did not (`error`). The
+    /// saga waits for this before compensating anything older.
+    Settle(Outcome),
+    /// Gives a failed or abandoned compensation a fresh budget of attempts, due at once.
+    Retry,
+    /// Leaves the effect uncompensated, for the recorded reason; the saga goes on past it.
+    Skip { reason: Box<str> },
 }
 
 /// Whether a token was made or revoked.
@@ -159,6 +174,28 @@ pub enum Command {
     },
     /// A token was created or revoked (by the record's principal, an operator).
     Token(TokenChange),
+    /// An executor begins attempt `attempt` of the compensation of `key` (the saga's head),
+    /// with the compensating call's arguments as the shell derived them.
+    CompensationBegin {
+        run: RunId,
+        key: EffectKey,
+        attempt: u32,
+        args: Option<Box<str>>,
+    },
+    /// The executor reports how attempt `attempt` of the compensation of `key` ended.
+    CompensationEnd {
+        run: RunId,
+        key: EffectKey,
+        attempt: u32,
+        outcome: Outcome,
+        error: Option<Box<str>>,
+    },
+    /// An operator settles, retries or skips one effect of the saga.
+    Saga {
+        run: RunId,
+        key: EffectKey,
+        action: SagaAction,
+    },
 }
 
 impl Command {
@@ -174,7 +211,10 @@ impl Command {
             | Command::Pause { run }
             | Command::Resume { run }
             | Command::Close { run, .. }
-            | Command::Tick { run } => Some(run),
+            | Command::Tick { run }
+            | Command::CompensationBegin { run, .. }
+            | Command::CompensationEnd { run, .. }
+            | Command::Saga { run, .. } => Some(run),
             Command::Compact { .. } | Command::Token(_) => None,
         }
     }

@@ -83,17 +83,17 @@ struct StopPlan {
 
 /// Where a command's events go: the caller's `Vec` (`apply`), or nowhere (`replay`). An event
 /// is built by a closure only when it is kept, so replay clones no ids for them.
-struct Sink<'a>(Option<&'a mut Vec<Event>>);
+pub(crate) struct Sink<'a>(Option<&'a mut Vec<Event>>);
 
 impl Sink<'_> {
-    fn push(&mut self, event: impl FnOnce() -> Event) {
+    pub(crate) fn push(&mut self, event: impl FnOnce() -> Event) {
         if let Some(events) = &mut self.0 {
             events.push(event());
         }
     }
 }
 
-fn event(run: &RunId, key: Option<&EffectKey>, kind: EventKind) -> Event {
+pub(crate) fn event(run: &RunId, key: Option<&EffectKey>, kind: EventKind) -> Event {
     Event {
         run: run.clone(),
         key: key.cloned(),
@@ -102,7 +102,7 @@ fn event(run: &RunId, key: Option<&EffectKey>, kind: EventKind) -> Event {
     }
 }
 
-fn check_effect(
+pub(crate) fn check_effect(
     run: &RunId,
     key: &EffectKey,
     from: Option<Status>,
@@ -112,14 +112,17 @@ fn check_effect(
 }
 
 /// The terminal state a run in `state` with `in_flight` effects left after an outcome reaches:
-/// a stopped run whose last effect in flight settled. Checked before the outcome is recorded.
-fn settles(
+/// a stopped run whose last effect in flight settled and whose saga (after a cancel) is not
+/// open (`saga_open`, computed as it will be after the change). Checked before the change is
+/// recorded, so a refusal changes nothing.
+pub(crate) fn settles(
     run_id: &RunId,
     state: RunState,
     in_flight: u32,
+    saga_open: bool,
     stop: Option<&Stop>,
 ) -> Result<Option<RunState>, KernelError> {
-    if state != RunState::Finalizing || in_flight > 0 {
+    if state != RunState::Finalizing || in_flight > 0 || saga_open {
         return Ok(None);
     }
     let stop = stop.expect("finalizing runs are stopped");
@@ -137,7 +140,11 @@ fn hidden_owner(principal: &Principal, owner: &Option<PrincipalName>) -> bool {
     principal.role == Role::Agent && owner.as_ref().is_some_and(|o| *o != principal.name)
 }
 
-fn bounded(text: &Option<Box<str>>, max: usize, limit: &'static str) -> Result<(), KernelError> {
+pub(crate) fn bounded(
+    text: &Option<Box<str>>,
+    max: usize,
+    limit: &'static str,
+) -> Result<(), KernelError> {
     match text {
         Some(t) if t.len() > max => Err(KernelError::limit(limit, max)),
         _ => Ok(()),
@@ -403,6 +410,22 @@ impl Gate {
                 tombstones_before,
             } => self.compact(*before, *tombstones_before),
             Command::Token(_) => self.token(principal),
+            Command::CompensationBegin {
+                run,
+                key,
+                attempt,
+                args,
+            } => self.compensation_begin(now, principal, run, key, *attempt, args, ev),
+            Command::CompensationEnd {
+                run,
+                key,
+                attempt,
+                outcome,
+                error,
+            } => self.compensation_end(now, principal, run, key, *attempt, *outcome, error, ev),
+            Command::Saga { run, key, action } => {
+                self.saga_action(now, principal, run, key, action, ev)
+            }
         }
     }
 
@@ -422,6 +445,7 @@ impl Gate {
                 | Command::Pause { .. }
                 | Command::Resume { .. }
                 | Command::Cancel { kill: true, .. }
+                | Command::Saga { .. }
         );
         if operator_only && p.role != Role::Operator {
             return Err(KernelError::Forbidden);
@@ -457,6 +481,10 @@ impl Gate {
             Command::Resume { .. } => Err(invalid("resume")),
             Command::Decide { .. } => Err(forgotten("decide")),
             Command::Complete { .. } => Err(forgotten("complete")),
+            Command::CompensationBegin { .. } | Command::CompensationEnd { .. } => {
+                Err(forgotten("compensation"))
+            }
+            Command::Saga { .. } => Err(forgotten("saga")),
             Command::Compact { .. } | Command::Token(_) => {
                 unreachable!("compaction and token records name no run")
             }
@@ -1072,7 +1100,7 @@ impl Gate {
         }
     }
 
-    fn effect_mut(&mut self, run: &RunId, key: &EffectKey) -> &mut Effect {
+    pub(crate) fn effect_mut(&mut self, run: &RunId, key: &EffectKey) -> &mut Effect {
         self.runs
             .get_mut(run)
             .and_then(|r| r.effects.get_mut(key))
@@ -1132,7 +1160,8 @@ impl Gate {
             | Status::Compensating
             | Status::Compensated
             | Status::CompensationFailed
-            | Status::NeedsHuman => verdict(receipt(effect)),
+            | Status::NeedsHuman
+            | Status::CompensationSkipped => verdict(receipt(effect)),
             Status::Admitted => {
                 if let Some(stop) = &run.stop {
                     let reason = stop.cause.refusal();
@@ -1314,6 +1343,13 @@ impl Gate {
         let result_bytes_max = self.limits.result_bytes_max;
         // One lookup: every check below reads through the same borrow before anything changes.
         let run = self.visible_run_mut(p, run_id)?;
+        let to = match outcome {
+            Outcome::Ok => Status::Completed,
+            Outcome::Error => Status::Failed,
+            Outcome::Unknown => Status::Unknown,
+        };
+        // Only a finalizing run can settle, so only its saga is looked at (the hot path is not).
+        let saga_open = run.state == RunState::Finalizing && crate::saga::open_after(run, key, to);
         let effect = run
             .effects
             .get_mut(key)
@@ -1334,11 +1370,6 @@ impl Gate {
                 error: error.clone(),
             })
         };
-        let to = match outcome {
-            Outcome::Ok => Status::Completed,
-            Outcome::Error => Status::Failed,
-            Outcome::Unknown => Status::Unknown,
-        };
         match effect.status {
             Status::Started | Status::Unknown => {
                 if effect.status == Status::Unknown && to == Status::Unknown {
@@ -1346,7 +1377,7 @@ impl Gate {
                 }
                 check_effect(run_id, key, Some(effect.status), to)?;
                 let in_flight = run.in_flight - u32::from(effect.status == Status::Started);
-                let settled = settles(run_id, run.state, in_flight, run.stop.as_ref())?;
+                let settled = settles(run_id, run.state, in_flight, saga_open, run.stop.as_ref())?;
                 if effect.status == Status::Started {
                     run.in_flight -= 1;
                 }
@@ -1362,7 +1393,13 @@ impl Gate {
                 }
                 Ok((Reply::Completed { late }, true))
             }
-            Status::Completed | Status::Failed => {
+            Status::Completed
+            | Status::Failed
+            | Status::Compensating
+            | Status::Compensated
+            | Status::CompensationFailed
+            | Status::NeedsHuman
+            | Status::CompensationSkipped => {
                 let same = effect.outcome_kind() == Some(outcome);
                 if same {
                     Ok((Reply::Completed { late: effect.late }, false))
@@ -1645,7 +1682,10 @@ impl Gate {
                 None if &id == root => (RunState::Active, 0),
                 None => continue,
             };
-            let to = if in_flight > 0 {
+            // A cancel (not a kill) owes the reverse saga of what already happened.
+            let owes =
+                cause == StopCause::Cancelled && self.runs.get(&id).is_some_and(crate::saga::owed);
+            let to = if in_flight > 0 || owes {
                 RunState::Finalizing
             } else {
                 terminal_state(cause)

@@ -8,13 +8,14 @@ pub mod record_codec;
 pub mod reply;
 pub mod report;
 mod runs;
+pub mod saga;
 pub mod state;
 mod tombstones;
 pub mod transitions;
 pub mod vocab;
 
 pub use command::{
-    Admit, Command, PolicyDecision, Record, RunLimits, Token, TokenAction, TokenChange,
+    Admit, Command, PolicyDecision, Record, RunLimits, SagaAction, Token, TokenAction, TokenChange,
 };
 pub use gate::Gate;
 pub use ids::{Digest, EffectKey, Principal, PrincipalName, Role, RunId, ToolName};

@@ -3,14 +3,14 @@
 //! Byte layout: docs/LEDGER.md, "Record payloads" and "Compaction records and snapshot payloads".
 
 use crate::command::{
-    Admit, Command, PolicyDecision, Record, RunLimits, Token, TokenAction, TokenChange,
+    Admit, Command, PolicyDecision, Record, RunLimits, SagaAction, Token, TokenAction, TokenChange,
 };
 use crate::gate::Gate;
 use crate::ids::{Digest, EffectKey, IdError, Principal, PrincipalName, Role, RunId, ToolName};
 use crate::limits::Limits;
 use crate::runs::Runs;
 use crate::state::{
-    Approval, Approver, Effect, Interner, OutcomeRecord, Run, Status, Stop, Tombstone,
+    Approval, Approver, Compensation, Effect, Interner, OutcomeRecord, Run, Status, Stop, Tombstone,
 };
 use crate::tombstones::Tombstones;
 use crate::vocab::{
@@ -22,8 +22,10 @@ use std::collections::{BTreeMap, BTreeSet};
 /// Version byte at the start of every record payload.
 pub const RECORD_VERSION: u8 = 1;
 /// Version byte at the start of every snapshot. 2: runs lost their `compacted` byte (retention
-/// forgets a run instead) and the tombstones follow the runs. Version 1 is still read.
-pub const SNAPSHOT_VERSION: u8 = 2;
+/// forgets a run instead) and the tombstones follow the runs.
+/// 3: each effect ends with its compensation (the reverse saga). Versions 1 and 2 are still
+/// read (their effects have none).
+pub const SNAPSHOT_VERSION: u8 = 3;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("cannot decode {what} at byte {offset}: {problem}")]
@@ -257,7 +259,13 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
     w.strs(&rec.principal.groups);
     match &rec.command {
         Command::Admit(a) => {
-            w.u8(1);
+            // Tag 17 is an admission whose policy says how to build its compensation's
+            // arguments; without that it is written as before (tag 1).
+            w.u8(if a.policy.compensate_args.is_some() {
+                17
+            } else {
+                1
+            });
             w.str(a.run.as_str());
             w.str(a.key.as_str());
             w.str(a.tool.as_str());
@@ -281,6 +289,9 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
             w.strs(&p.groups);
             w.u64(p.expiry_ms);
             w.str(&p.rule);
+            if let Some(m) = &p.compensate_args {
+                w.str(m);
+            }
         }
         Command::Recheck { run, key } => {
             w.u8(2);
@@ -363,6 +374,48 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
             put_role(&mut w, t.role);
             w.strs(&t.groups);
         }
+        Command::CompensationBegin {
+            run,
+            key,
+            attempt,
+            args,
+        } => {
+            w.u8(14);
+            w.str(run.as_str());
+            w.str(key.as_str());
+            w.u32(*attempt);
+            w.opt_str(args.as_deref());
+        }
+        Command::CompensationEnd {
+            run,
+            key,
+            attempt,
+            outcome,
+            error,
+        } => {
+            w.u8(15);
+            w.str(run.as_str());
+            w.str(key.as_str());
+            w.u32(*attempt);
+            w.u8(idx(Outcome::ALL, outcome));
+            w.opt_str(error.as_deref());
+        }
+        Command::Saga { run, key, action } => {
+            w.u8(16);
+            w.str(run.as_str());
+            w.str(key.as_str());
+            match action {
+                SagaAction::Settle(o) => {
+                    w.u8(0);
+                    w.u8(idx(Outcome::ALL, o));
+                }
+                SagaAction::Retry => w.u8(1),
+                SagaAction::Skip { reason } => {
+                    w.u8(2);
+                    w.str(reason);
+                }
+            }
+        }
     }
 }
 
@@ -399,7 +452,7 @@ impl RecordDecoder {
         let at = r.u64()?;
         let principal = self.principal(&mut r)?;
         let command = match r.u8()? {
-            1 => {
+            tag @ (1 | 17) => {
                 let run = self.run(&mut r)?;
                 let key = r.key()?;
                 let tool = self.tool(&mut r)?;
@@ -421,10 +474,18 @@ impl RecordDecoder {
                     class: r.enum_of(EffectClass::ALL)?,
                     reversibility: r.enum_of(Reversibility::ALL)?,
                     compensate: r.opt(R::tool)?,
+                    compensate_args: None,
                     quorum: r.u32()?,
                     groups: r.strs()?,
                     expiry_ms: r.u64()?,
                     rule: self.rule(&mut r)?,
+                };
+                let policy = PolicyDecision {
+                    compensate_args: match tag {
+                        17 => Some(r.str()?.into()),
+                        _ => None,
+                    },
+                    ..policy
                 };
                 Command::Admit(Admit {
                     run,
@@ -501,6 +562,29 @@ impl RecordDecoder {
             13 => Command::Compact {
                 before: r.u64()?,
                 tombstones_before: r.u64()?,
+            },
+            14 => Command::CompensationBegin {
+                run: self.run(&mut r)?,
+                key: r.key()?,
+                attempt: r.u32()?,
+                args: r.opt(R::boxed)?,
+            },
+            15 => Command::CompensationEnd {
+                run: self.run(&mut r)?,
+                key: r.key()?,
+                attempt: r.u32()?,
+                outcome: r.enum_of(Outcome::ALL)?,
+                error: r.opt(R::boxed)?,
+            },
+            16 => Command::Saga {
+                run: self.run(&mut r)?,
+                key: r.key()?,
+                action: match r.u8()? {
+                    0 => SagaAction::Settle(r.enum_of(Outcome::ALL)?),
+                    1 => SagaAction::Retry,
+                    2 => SagaAction::Skip { reason: r.boxed()? },
+                    t => return Err(r.err(format!("unknown saga action {t}"))),
+                },
             },
             t => return Err(r.err(format!("unknown command tag {t}"))),
         };
@@ -601,6 +685,7 @@ fn get_status(r: &mut R) -> Result<Status, CodecError> {
         EffectStatus::Compensated => Status::Compensated,
         EffectStatus::CompensationFailed => Status::CompensationFailed,
         EffectStatus::NeedsHuman => Status::NeedsHuman,
+        EffectStatus::CompensationSkipped => Status::CompensationSkipped,
     })
 }
 
@@ -661,9 +746,23 @@ fn put_effect(w: &mut W, e: &Effect) {
             w.opt_str(o.error.as_deref());
         }
     }
+    w.opt_str(e.compensate_args.as_deref());
+    match &e.saga {
+        None => w.u8(0),
+        Some(c) => {
+            w.u8(1);
+            w.u32(c.attempts);
+            w.u32(c.granted);
+            w.u64(c.retry_at);
+            w.opt_str(c.args.as_deref());
+            w.opt_str(c.note.as_deref());
+            w.opt_str(c.by.as_ref().map(PrincipalName::as_str));
+        }
+    }
 }
 
-fn get_effect(r: &mut R, interned: &mut Interner) -> Result<Effect, CodecError> {
+/// One effect; before `version` 3 it has no compensation.
+fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect, CodecError> {
     let tool = interned.tool(&r.tool()?);
     let digest = r.digest()?;
     let class = r.enum_of(EffectClass::ALL)?;
@@ -720,12 +819,29 @@ fn get_effect(r: &mut R, interned: &mut Interner) -> Result<Effect, CodecError> 
             error: r.opt(R::boxed)?,
         }))
     })?;
+    let (compensate_args, saga) = if version < 3 {
+        (None, None)
+    } else {
+        let args = r.opt(R::str)?.map(std::sync::Arc::from);
+        let saga = r.opt(|r| {
+            Ok(Box::new(Compensation {
+                attempts: r.u32()?,
+                granted: r.u32()?,
+                retry_at: r.u64()?,
+                args: r.opt(R::boxed)?,
+                note: r.opt(R::boxed)?,
+                by: r.opt(R::principal_name)?,
+            }))
+        })?;
+        (args, saga)
+    };
     Ok(Effect {
         tool,
         digest,
         class,
         reversibility,
         compensate,
+        compensate_args,
         rule,
         action,
         approval,
@@ -737,6 +853,7 @@ fn get_effect(r: &mut R, interned: &mut Interner) -> Result<Effect, CodecError> 
         updated_at,
         late,
         outcome,
+        saga,
     })
 }
 
@@ -808,7 +925,7 @@ pub fn decode_snapshot(buf: &[u8], limits: Limits) -> Result<Gate, CodecError> {
         what: "snapshot",
     };
     let version = r.u8()?;
-    if version != SNAPSHOT_VERSION && version != 1 {
+    if !(1..=SNAPSHOT_VERSION).contains(&version) {
         return Err(r.err(format!("unsupported snapshot version {version}")));
     }
     let n = r.u64()?;
@@ -931,7 +1048,7 @@ fn get_run(
     let mut effects = BTreeMap::new();
     for _ in 0..ne {
         let k = r.key()?;
-        effects.insert(k, get_effect(r, interned)?);
+        effects.insert(k, get_effect(r, interned, version)?);
     }
     let mut run = Run {
         parent,

@@ -76,6 +76,13 @@ pub enum Reply {
     },
     /// A token change was recorded.
     TokenRecorded,
+    /// Where the compensation of one effect stands after a saga command: its status, the
+    /// attempt it is at, and when a failed attempt may be retried.
+    Compensation {
+        status: EffectStatus,
+        attempt: u32,
+        retry_at: Option<u64>,
+    },
 }
 
 /// Errors a client, an agent or an operator can cause. Each writes nothing.
@@ -137,6 +144,13 @@ pub enum KernelError {
         from: &'static str,
         to: &'static str,
     },
+    /// A saga command that does not fit where the saga stands (`what` says why and what to do).
+    #[error("effect {key} of run {run}: {what}")]
+    Saga {
+        run: RunId,
+        key: EffectKey,
+        what: String,
+    },
     #[error("operation requires the operator role")]
     Forbidden,
     #[error(
@@ -193,6 +207,7 @@ impl KernelError {
             KernelError::InvalidState { .. } => "invalid_state",
             KernelError::Limit { .. } => "limit",
             KernelError::IllegalTransition { .. } => "illegal_transition",
+            KernelError::Saga { .. } => "saga",
             KernelError::Forbidden => "forbidden",
         }
     }
@@ -213,6 +228,9 @@ pub enum EventKind {
     Closed,
     /// The last in-flight effect of a stopped run settled: the run is now terminal.
     Settled,
+    /// The compensation of an effect moved (began, ended, retried, skipped) or its unknown
+    /// outcome was settled: executors look for the saga's next step.
+    Compensation,
 }
 
 impl EventKind {
@@ -229,6 +247,7 @@ impl EventKind {
             EventKind::Finalizing => "finalizing",
             EventKind::Closed => "closed",
             EventKind::Settled => "settled",
+            EventKind::Compensation => "compensation",
         }
     }
 
@@ -241,6 +260,7 @@ impl EventKind {
                 | EventKind::Completed
                 | EventKind::Finalizing
                 | EventKind::Settled
+                | EventKind::Compensation
         )
     }
 }

@@ -46,7 +46,8 @@ pub fn section(e: &Effect) -> Section {
         Status::Compensating
         | Status::Compensated
         | Status::CompensationFailed
-        | Status::NeedsHuman => Section::Compensation,
+        | Status::NeedsHuman
+        | Status::CompensationSkipped => Section::Compensation,
     }
 }
 

@@ -29,6 +29,7 @@ pub enum Status {
     Compensated,
     CompensationFailed,
     NeedsHuman,
+    CompensationSkipped,
 }
 
 impl Status {
@@ -46,6 +47,7 @@ impl Status {
             Status::Compensated => EffectStatus::Compensated,
             Status::CompensationFailed => EffectStatus::CompensationFailed,
             Status::NeedsHuman => EffectStatus::NeedsHuman,
+            Status::CompensationSkipped => EffectStatus::CompensationSkipped,
         }
     }
 
@@ -122,6 +124,24 @@ pub struct OutcomeRecord {
     pub error: Option<Box<str>>,
 }
 
+/// How far the compensation of one effect got (the reverse saga, `saga.rs`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Compensation {
+    /// Attempts begun (each numbered from 1; an attempt's begin and end name its number, so a
+    /// repeated report is recognised, never applied twice).
+    pub attempts: u32,
+    /// Attempts allowed before a human is asked (an operator's retry raises it).
+    pub granted: u32,
+    /// A failed attempt may be retried from this instant (exponential backoff).
+    pub retry_at: u64,
+    /// The compensating call's arguments as the last attempt began with them.
+    pub args: Option<Box<str>>,
+    /// The last attempt's error, or the reason an operator skipped it.
+    pub note: Option<Box<str>>,
+    /// The operator who last retried or skipped it.
+    pub by: Option<PrincipalName>,
+}
+
 /// One side effect of a run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Effect {
@@ -130,12 +150,15 @@ pub struct Effect {
     pub class: EffectClass,
     pub reversibility: Reversibility,
     pub compensate: Option<ToolName>,
+    /// `compensate_args` as recorded with the admission (CEL text).
+    pub compensate_args: Option<Arc<str>>,
     /// Shared with every effect the same rule decided (see `Interner`).
     pub rule: Arc<str>,
     pub action: PolicyAction,
     pub approval: Option<Box<Approval>>,
     /// The arguments as the compact JSON text the gate validated at admission, kept only while
-    /// an operator may need to review them. Shared (`Arc`), so a listing copies a pointer, not
+    /// an operator may need to review them, or for good when `compensate_args` builds the
+    /// compensating call from them. Shared (`Arc`), so a listing copies a pointer, not
     /// the text, and never parses it again: the renderer writes it out as it is.
     pub args: Option<Arc<str>>,
     pub start_on_admit: bool,
@@ -146,6 +169,8 @@ pub struct Effect {
     /// Its outcome arrived after the run was stopped.
     pub late: bool,
     pub outcome: Option<Box<OutcomeRecord>>,
+    /// Its compensation, once the reverse saga or an operator touched it.
+    pub saga: Option<Box<Compensation>>,
 }
 
 impl Effect {
@@ -161,7 +186,8 @@ impl Effect {
                 | Status::Compensating
                 | Status::Compensated
                 | Status::CompensationFailed
-                | Status::NeedsHuman => Some(Outcome::Ok),
+                | Status::NeedsHuman
+                | Status::CompensationSkipped => Some(Outcome::Ok),
                 Status::Failed => Some(Outcome::Error),
                 Status::Unknown => Some(Outcome::Unknown),
                 _ => None,
@@ -177,7 +203,11 @@ impl Effect {
             Status::Admitted
         };
         self.token = Some(token);
-        self.args = None;
+        // The arguments were kept for an operator's review; an effect whose compensation is
+        // built from them (`compensate_args`) keeps them for the saga.
+        if self.compensate_args.is_none() {
+            self.args = None;
+        }
         self.updated_at = now;
     }
 
@@ -195,6 +225,7 @@ impl Effect {
             class: p.class,
             reversibility: p.reversibility,
             compensate: p.compensate.clone(),
+            compensate_args: p.compensate_args.clone(),
             rule,
             action: p.action,
             approval: None,
@@ -206,6 +237,7 @@ impl Effect {
             updated_at: now,
             late: false,
             outcome: None,
+            saga: None,
         }
     }
 }

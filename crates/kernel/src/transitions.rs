@@ -30,12 +30,21 @@ pub const EFFECT_TRANSITIONS: &[(Option<E>, E)] = &[
     // An unknown outcome may be settled later, by the agent or by a lookup of its key.
     (Some(E::Unknown), E::Completed),
     (Some(E::Unknown), E::Failed),
+    // The reverse saga (SPEC §4.8, `saga.rs`): an attempt begins, then ends compensated,
+    // failed (retried after a backoff) or with a human to ask (the bound reached, or the
+    // compensation's own outcome unknown: never a blind retry).
     (Some(E::Completed), E::Compensating),
     (Some(E::Compensating), E::Compensated),
     (Some(E::Compensating), E::CompensationFailed),
     (Some(E::Compensating), E::NeedsHuman),
     (Some(E::CompensationFailed), E::Compensating),
-    (Some(E::CompensationFailed), E::NeedsHuman),
+    // An operator's retry gives a failed or abandoned compensation a fresh budget.
+    (Some(E::CompensationFailed), E::CompensationFailed),
+    (Some(E::NeedsHuman), E::CompensationFailed),
+    // An operator's skip, with a reason: the saga goes on past it.
+    (Some(E::Completed), E::CompensationSkipped),
+    (Some(E::CompensationFailed), E::CompensationSkipped),
+    (Some(E::NeedsHuman), E::CompensationSkipped),
 ];
 
 /// Legal run transitions. Terminal states have no way out: a stop is never undone.
@@ -159,8 +168,23 @@ mod tests {
         for &to in E::ALL {
             assert!(!effect_legal(Some(E::Refused), to));
             assert!(!effect_legal(Some(E::Compensated), to));
-            assert!(!effect_legal(Some(E::NeedsHuman), to));
+            assert!(!effect_legal(Some(E::CompensationSkipped), to));
         }
+    }
+
+    #[test]
+    fn a_compensation_runs_only_after_its_forward_effect_completed() {
+        // Compensating is entered from completed (the first attempt) or from a failed attempt
+        // (a retry): never from an effect that did not happen or whose outcome is unknown.
+        let sources: Vec<_> = EFFECT_TRANSITIONS
+            .iter()
+            .filter(|(_, t)| *t == E::Compensating)
+            .map(|(f, _)| *f)
+            .collect();
+        assert_eq!(
+            sources,
+            vec![Some(E::Completed), Some(E::CompensationFailed)]
+        );
     }
 
     #[test]

@@ -184,5 +184,8 @@ names!(
         Compensated = "compensated",
         CompensationFailed = "compensation_failed",
         NeedsHuman = "needs_human",
+        /// An operator decided not to compensate it (the reason is recorded). Listed last: the
+        /// codec stores a status by its position.
+        CompensationSkipped = "compensation_skipped",
     }
 );

@@ -7,9 +7,12 @@ mod support;
 use estop_kernel::record_codec::{
     RecordDecoder, decode_record, decode_snapshot, encode_record, encode_snapshot,
 };
+use estop_kernel::saga;
 use estop_kernel::state::Status;
 use estop_kernel::transitions::RUN_TRANSITIONS;
-use estop_kernel::vocab::{EffectClass, HoldReason, PolicyAction, RefusalReason, RunState};
+use estop_kernel::vocab::{
+    EffectClass, HoldReason, PolicyAction, RefusalReason, RunState, StopCause,
+};
 use estop_kernel::{Command, Gate, Limits, RunId};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -24,6 +27,7 @@ fn op() -> impl Strategy<Value = String> {
         Just("refund action=approve expiry=50"),
         Just("refund action=approve quorum=2 expiry=80"),
         Just("wipe action=deny"),
+        Just("give comp=ungive"),
     ];
     let arg = prop_oneof![Just("x"), Just("y")];
     let start = prop_oneof![Just(""), Just(" start=false")];
@@ -40,9 +44,16 @@ fn op() -> impl Strategy<Value = String> {
             .prop_map(|(r, k, o)| format!("agent complete {r} {k} last {o}")),
         4 => (who_op.clone(), run.clone(), key.clone(), prop_oneof![Just("approve"), Just("reject")])
             .prop_map(|(w, r, k, d)| format!("{w} {d} {r} {k}")),
-        1 => (who_op, run.clone(), prop_oneof![Just("cancel"), Just("pause"), Just("resume"), Just("close")])
+        1 => (who_op.clone(), run.clone(), prop_oneof![Just("cancel"), Just("kill"), Just("pause"), Just("resume"), Just("close")])
             .prop_map(|(w, r, v)| format!("{w} {v} {r}")),
-        1 => run.prop_map(|r| format!("agent tick {r}")),
+        1 => run.clone().prop_map(|r| format!("agent tick {r}")),
+        // The reverse saga: executors begin and end numbered attempts, operators settle, retry
+        // and skip.
+        3 => (run.clone(), key.clone(), 1u32..4).prop_map(|(r, k, n)| format!("agent begin {r} {k} {n}")),
+        3 => (run.clone(), key.clone(), 1u32..4, prop_oneof![Just("ok"), Just("error"), Just("unknown")])
+            .prop_map(|(r, k, n, o)| format!("agent end {r} {k} {n} {o}")),
+        2 => (who_op, run.clone(), key.clone(), prop_oneof![Just("settle {} {} ok"), Just("settle {} {} error"), Just("retry {} {}"), Just("skip {} {} reason=x")])
+            .prop_map(|(w, r, k, v)| format!("{w} {}", v.replacen("{}", r, 1).replacen("{}", k, 1))),
         1 => (0u64..60, 0u64..200).prop_map(|(a, b)| format!("agent compact-ago {a} {b}")),
     ]
 }
@@ -149,6 +160,99 @@ fn chain(gate: &Gate, run: &RunId) -> Vec<RunId> {
     out
 }
 
+/// What the saga checks remember across steps.
+#[derive(Default)]
+struct SagaSeen {
+    compensated: BTreeSet<(RunId, String)>,
+    begun: BTreeMap<(RunId, String), u32>,
+}
+
+/// The saga's guarantees over one step of one run: a compensation begins only after a cancel,
+/// each attempt once and numbered upwards, newest first; none completes twice; a cancelled run
+/// is cancelled only with its saga settled.
+fn check_saga_step(
+    run_id: &RunId,
+    old_run: Option<&estop_kernel::state::Run>,
+    run: &estop_kernel::state::Run,
+    seen: &mut SagaSeen,
+) -> Result<(), TestCaseError> {
+    for (key, e) in &run.effects {
+        let was = old_run.and_then(|r| r.effects.get(key)).map(|o| o.status);
+        let id = (run_id.clone(), key.to_string());
+        if e.status == Status::Compensating && was != Some(Status::Compensating) {
+            let cause = run.stop.as_ref().map(|s| s.cause);
+            prop_assert_eq!(
+                cause,
+                Some(StopCause::Cancelled),
+                "compensation of {}/{} without a cancel",
+                run_id,
+                key
+            );
+            let attempt = e.saga.as_ref().unwrap().attempts;
+            let last = seen.begun.insert(id.clone(), attempt).unwrap_or(0);
+            prop_assert!(
+                attempt > last,
+                "attempt {} of {}/{} began again",
+                attempt,
+                run_id,
+                key
+            );
+            let serial = e.token.unwrap().serial;
+            for (k2, e2) in &run.effects {
+                if saga::member(e2) && e2.token.unwrap().serial > serial {
+                    prop_assert!(
+                        matches!(e2.status, Status::Compensated | Status::CompensationSkipped),
+                        "{}/{} compensated before newer {} ({})",
+                        run_id,
+                        key,
+                        k2,
+                        e2.status.kind()
+                    );
+                }
+            }
+        }
+        if e.status == Status::Compensated && was != Some(Status::Compensated) {
+            prop_assert!(
+                seen.compensated.insert(id),
+                "{}/{} compensated twice",
+                run_id,
+                key
+            );
+        }
+    }
+    if run.state == RunState::Cancelled
+        && run
+            .stop
+            .as_ref()
+            .is_some_and(|s| s.cause == StopCause::Cancelled)
+    {
+        prop_assert!(!saga::owed(run), "{} cancelled with its saga open", run_id);
+    }
+    Ok(())
+}
+
+/// Steps of one run's life with compensable effects: each admission comes with its outcome (so
+/// the token is the right one), then stops, executors' attempts and operators' words.
+fn saga_op() -> impl Strategy<Value = Vec<String>> {
+    let key = prop_oneof![Just("a"), Just("b"), Just("c")];
+    prop_oneof![
+        3 => (key.clone(), prop_oneof![Just("ok"), Just("unknown"), Just("error"), Just("")]).prop_map(|(k, o)| {
+            let mut v = vec![format!("agent admit r1 {k} give arg={k} comp=ungive")];
+            if !o.is_empty() {
+                v.push(format!("agent complete r1 {k} last {o}"));
+            }
+            v
+        }),
+        1 => prop_oneof![Just("alice cancel r1"), Just("alice kill r1"), Just("agent close r1")]
+            .prop_map(|l| vec![l.to_string()]),
+        4 => (key.clone(), 1u32..4).prop_map(|(k, n)| vec![format!("agent begin r1 {k} {n}")]),
+        4 => (key.clone(), 1u32..4, prop_oneof![Just("ok"), Just("error"), Just("unknown")])
+            .prop_map(|(k, n, o)| vec![format!("agent end r1 {k} {n} {o}")]),
+        2 => (key, prop_oneof![Just("settle {} ok"), Just("settle {} error"), Just("retry {}"), Just("skip {} reason=x")])
+            .prop_map(|(k, v)| vec![format!("alice {}", v.replacen("{}", &format!("r1 {k}"), 1))]),
+    ]
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
@@ -160,6 +264,7 @@ proptest! {
         let mut admissions: BTreeMap<(RunId, String), u32> = BTreeMap::new();
         let mut rejected: BTreeSet<(RunId, [u8; 32])> = BTreeSet::new();
         let mut cancelled: BTreeSet<RunId> = BTreeSet::new();
+        let mut saga_seen = SagaSeen::default();
         let mut log = Vec::new();
         for (line, dt) in &ops {
             now += dt;
@@ -220,8 +325,8 @@ proptest! {
                     if e.status == Status::Refused(RefusalReason::Rejected) && was != Some(e.status) {
                         rejected.insert((run_id.clone(), e.digest.0));
                     }
-                    // Invariant: the pending counter matches the held-for-approval effects.
                 }
+                check_saga_step(run_id, old_run, run, &mut saga_seen)?;
                 let held = run.effects.values().filter(|e| e.status == Status::Held(HoldReason::Approval)).count();
                 prop_assert_eq!(held as u32, run.pending_approvals, "pending counter drifted in {}", run_id);
                 let expected: std::collections::BTreeSet<_> = run.effects.iter()
@@ -239,8 +344,44 @@ proptest! {
             // G2, G3 and G4 remember a run until its tombstone expires; then the id is new.
             let known = |r: &RunId| gate.run(r).is_some() || gate.tombstone(r).is_some();
             cancelled.retain(|r| known(r));
+            saga_seen.compensated.retain(|(r, _)| known(r));
+            saga_seen.begun.retain(|(r, _), _| known(r));
             admissions.retain(|(r, _), _| known(r));
             rejected.retain(|(r, _)| known(r));
+        }
+        let mut replayed = Gate::new(limits());
+        for rec in &log {
+            prop_assert!(replayed.replay(rec.at, &rec.principal, &rec.command).unwrap());
+        }
+        prop_assert_eq!(replayed, gate);
+    }
+
+    /// The reverse saga on one run whose effects are compensable: the saga's guarantees hold
+    /// on every step, and replay reproduces the state.
+    #[test]
+    fn saga_guarantees_hold_on_random_traces(ops in prop::collection::vec((saga_op(), 0u64..3000), 1..40)) {
+        let mut gate = Gate::new(limits());
+        let mut now = 0u64;
+        let mut last_token = None;
+        let mut seen = SagaSeen::default();
+        let mut log = Vec::new();
+        for (lines, dt) in &ops {
+            now += dt;
+            for line in lines {
+                let rec = parse_line(&at(now, line), last_token);
+                let before = gate.clone();
+                let Ok(applied) = gate.apply(rec.at, &rec.principal, &rec.command) else {
+                    prop_assert_eq!(&before, &gate, "an error changed state");
+                    continue;
+                };
+                if applied.changed { log.push(rec.clone()); } else { prop_assert_eq!(&before, &gate); }
+                if let estop_kernel::Reply::Verdict(estop_kernel::Verdict::Admitted { token }) = applied.reply {
+                    last_token = Some(token);
+                }
+                for (run_id, run) in gate.runs() {
+                    check_saga_step(run_id, before.run(run_id), run, &mut seen)?;
+                }
+            }
         }
         let mut replayed = Gate::new(limits());
         for rec in &log {

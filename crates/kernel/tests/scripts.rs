@@ -1058,11 +1058,48 @@ fn a_version_1_snapshot_loads_and_its_compacted_runs_are_forgotten_next() {
     assert_eq!(gate.tombstone(&r1).unwrap().stopped_at, 5);
     let mut v2 = Vec::new();
     encode_snapshot(&gate, &mut v2);
-    assert_eq!(v2[0], 2, "written as version 2");
+    assert_eq!(
+        v2[0],
+        estop_kernel::record_codec::SNAPSHOT_VERSION,
+        "written as the current version"
+    );
     assert_eq!(decode_snapshot(&v2, Limits::default()).unwrap(), gate);
     let mut bad = v1.clone();
-    bad[0] = 3;
+    bad[0] = estop_kernel::record_codec::SNAPSHOT_VERSION + 1;
     assert!(decode_snapshot(&bad, Limits::default()).is_err());
+}
+
+/// A version 2 snapshot (before compensations were kept) still loads: its effects have none.
+/// It is the version 3 encoding without the effect's last two bytes (0, 0: none).
+#[test]
+fn a_version_2_snapshot_loads_with_effects_that_have_no_compensation() {
+    use estop_kernel::record_codec::{decode_snapshot, encode_snapshot};
+    use estop_kernel::{Gate, Limits};
+    let mut gate = Gate::new(Limits::default());
+    for line in [
+        "0 agent admit r1 k1 refund comp=unrefund",
+        "1 agent complete r1 k1 1.1 ok",
+    ] {
+        let rec = support::parse_line(line, None);
+        gate.apply(rec.at, &rec.principal, &rec.command).unwrap();
+    }
+    let mut v3 = Vec::new();
+    encode_snapshot(&gate, &mut v3);
+    // The snapshot ends with the one effect's `compensate_args` byte and compensation byte
+    // (version 3 added both), then 8 bytes: no tombstones.
+    let added = v3.len() - 10;
+    assert_eq!(
+        v3[added..added + 2],
+        [0, 0],
+        "no mapping, no compensation yet"
+    );
+    let mut v2 = v3.clone();
+    v2.drain(added..added + 2);
+    v2[0] = 2;
+    assert_eq!(decode_snapshot(&v2, Limits::default()).unwrap(), gate);
+    // Read as version 3, the same bytes lack a field: an error, never a guess.
+    v2[0] = 3;
+    assert!(decode_snapshot(&v2, Limits::default()).is_err());
 }
 
 /// Every verb that moves a run, from every state a run can be in: each either moves it along

@@ -98,6 +98,7 @@ struct RawRule {
     class: Option<ClassDe>,
     reversibility: Option<Spanned<ReversibilityDe>>,
     compensate: Option<Spanned<String>>,
+    compensate_args: Option<Spanned<String>>,
     quorum: Option<Spanned<i64>>,
     groups: Option<Spanned<Vec<Spanned<String>>>>,
     expiry: Option<Spanned<DurationDe>>,
@@ -394,6 +395,21 @@ fn build_rule(
             Some(tool)
         }
     };
+    let compensate_args = match &raw.compensate_args {
+        None => None,
+        Some(m) if compensate.is_none() => {
+            return lines.err(
+                m.span(),
+                "`compensate_args` without `compensate` builds arguments for no tool; name the \
+                 compensating tool with `compensate`",
+            );
+        }
+        Some(m) => {
+            crate::mapping::Mapping::compile(env, m.get_ref())
+                .or_else(|e| lines.err(m.span(), e))?;
+            Some(std::sync::Arc::from(m.get_ref().as_str()))
+        }
+    };
     Ok(Rule {
         name: name.into(),
         name_span,
@@ -405,6 +421,7 @@ fn build_rule(
         class: raw.class.map_or(defaults.class, |c| c.0),
         reversibility,
         compensate,
+        compensate_args,
         quorum,
         groups,
         expiry_ms: raw

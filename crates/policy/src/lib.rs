@@ -46,6 +46,7 @@
 mod duration;
 mod error;
 mod file;
+mod mapping;
 mod pattern;
 mod when;
 
@@ -59,6 +60,7 @@ use estop_kernel::{PolicyDecision, RunLimits};
 pub use duration::{DURATION_MS_MAX, parse_ms as parse_duration_ms};
 pub use error::{EvalError, PolicyError};
 pub use file::{POLICY_BYTES_MAX, QUORUM_MAX, RULES_MAX};
+pub use mapping::{Mapping, compensation_args};
 pub use when::{ARGS_DEPTH_MAX, WHEN_BYTES_MAX};
 
 use pattern::ToolPattern;
@@ -117,6 +119,7 @@ struct Rule {
     class: EffectClass,
     reversibility: Reversibility,
     compensate: Option<ToolName>,
+    compensate_args: Option<Arc<str>>,
     quorum: u32,
     groups: Vec<String>,
     expiry_ms: u64,
@@ -134,6 +137,7 @@ impl Rule {
             class: self.class,
             reversibility: self.reversibility,
             compensate: self.compensate.clone(),
+            compensate_args: self.compensate_args.clone(),
             quorum: self.quorum,
             groups: self.groups.clone(),
             expiry_ms: self.expiry_ms,
@@ -153,6 +157,8 @@ pub struct Ruling {
     pub reversibility: Reversibility,
     /// The tool that undoes this one, if the rule names one.
     pub compensate: Option<ToolName>,
+    /// How its arguments are built from the forward call (`compensate_args`, CEL text).
+    pub compensate_args: Option<Arc<str>>,
     /// Distinct approvers needed (meaningful when `action` is approve; 1 otherwise).
     pub quorum: u32,
     /// Groups that must each supply at least one of the approvers (approve only).
@@ -185,6 +191,84 @@ impl Ruling {
     }
 }
 
+/// A client's own declaration of how a call is undone, sent with its admission.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Declared {
+    pub reversibility: Option<Reversibility>,
+    pub compensate: Option<ToolName>,
+    /// `compensate_args` (CEL text), as in a policy rule.
+    pub compensate_args: Option<String>,
+}
+
+impl Ruling {
+    /// Adds a client's declaration to the ruling. It may only add to what policy says, never
+    /// take away or contradict it: a compensation the policy names stays (another tool is
+    /// refused), a mapping the policy gives stays, and a call policy calls irreversible cannot
+    /// be declared undoable. Where policy said nothing, the client's word is recorded. The
+    /// error says what conflicts; the caller refuses the admission and records nothing.
+    pub fn declare(&mut self, d: &Declared) -> Result<(), String> {
+        if let Some(tool) = &d.compensate {
+            if tool.as_str().contains(['*', '?']) {
+                return Err(format!("compensate {tool:?} names one tool, not a pattern"));
+            }
+            match &self.compensate {
+                Some(required) if required != tool => {
+                    return Err(format!(
+                        "policy rule {:?} compensates this call with {required}; a client \
+                         cannot replace it with {tool}",
+                        self.rule
+                    ));
+                }
+                _ => {}
+            }
+            if self.reversibility == Reversibility::Irreversible
+                || d.reversibility == Some(Reversibility::Irreversible)
+            {
+                return Err(
+                    "an irreversible call has no compensation: drop compensate or the \
+                     irreversible declaration"
+                        .into(),
+                );
+            }
+        }
+        if let Some(source) = &d.compensate_args {
+            if d.compensate.is_none() && self.compensate.is_none() {
+                return Err("compensate_args without a compensating tool".into());
+            }
+            if self.compensate_args.is_some() {
+                return Err(format!(
+                    "policy rule {:?} already says how the compensation's arguments are built",
+                    self.rule
+                ));
+            }
+            mapping::Mapping::compile(&cel_env(), source)?;
+        }
+        if let Some(r) = d.reversibility
+            && self.reversibility != Reversibility::Undeclared
+            && self.reversibility != r
+        {
+            return Err(format!(
+                "policy rule {:?} declares the call {}; a client cannot declare it {r}",
+                self.rule, self.reversibility
+            ));
+        }
+        // Everything checked: now add.
+        if let Some(tool) = &d.compensate {
+            self.compensate = Some(tool.clone());
+        }
+        if let Some(source) = &d.compensate_args {
+            self.compensate_args = Some(Arc::from(source.as_str()));
+        }
+        if let Some(r) = d.reversibility {
+            self.reversibility = r;
+        }
+        if self.compensate.is_some() && self.reversibility == Reversibility::Undeclared {
+            self.reversibility = Reversibility::Compensable;
+        }
+        Ok(())
+    }
+}
+
 /// The kernel's record of the decision: what the server stores with the admission, so replay
 /// and later policy edits never change it.
 impl From<Ruling> for PolicyDecision {
@@ -194,6 +278,7 @@ impl From<Ruling> for PolicyDecision {
             class: v.class,
             reversibility: v.reversibility,
             compensate: v.compensate,
+            compensate_args: v.compensate_args,
             quorum: v.quorum,
             groups: v.groups.into_iter().map(String::into_boxed_str).collect(),
             expiry_ms: v.expiry_ms,
@@ -203,7 +288,7 @@ impl From<Ruling> for PolicyDecision {
 }
 
 /// The shared CEL environment (standard library and macros), built once per process.
-fn cel_env() -> Arc<cel::Env> {
+pub(crate) fn cel_env() -> Arc<cel::Env> {
     static ENV: OnceLock<Arc<cel::Env>> = OnceLock::new();
     Arc::clone(ENV.get_or_init(|| Arc::new(cel::Env::stdlib())))
 }
@@ -248,6 +333,7 @@ impl Policy {
             class: EffectClass::Write,
             reversibility: Reversibility::Undeclared,
             compensate: None,
+            compensate_args: None,
             quorum: if defaults.unknown_tool == PolicyAction::Approve {
                 defaults.quorum
             } else {

@@ -82,6 +82,7 @@ fn verdict_carries_the_rule() {
             class: EffectClass::Write,
             reversibility: Reversibility::Compensable,
             compensate: Some(tool("reverse_refund")),
+            compensate_args: None,
             quorum: 2,
             groups: vec!["finance".into(), "ops".into()],
             expiry_ms: 10 * 60 * 1000,
@@ -487,4 +488,88 @@ fn converts_into_the_kernel_decision_and_run_limits() {
         (Some(2_000), Some(7))
     );
     assert_eq!(p.run_limits(u64::MAX).deadline_at, Some(u64::MAX));
+}
+
+/// A client's declaration at admit time may only add to what policy says.
+#[test]
+fn a_client_declaration_adds_and_never_takes_away() {
+    use estop_policy::Declared;
+    let p = Policy::parse(
+        r#"
+[[rules]]
+tool = "refund"
+action = "allow"
+compensate = "reverse_refund"
+
+[[rules]]
+tool = "email"
+action = "allow"
+reversibility = "irreversible"
+
+[[rules]]
+tool = "*"
+action = "allow"
+name = "rest"
+"#,
+    )
+    .unwrap();
+    let verdict = |t: &str| p.evaluate(&tool(t), Some(&json!({})), "agent").unwrap();
+    let declared = |comp: Option<&str>, args: Option<&str>, rev: Option<Reversibility>| Declared {
+        reversibility: rev,
+        compensate: comp.map(tool),
+        compensate_args: args.map(str::to_string),
+    };
+
+    // Where policy said nothing, the client's word is recorded (a tool makes it compensable).
+    let mut v = verdict("book");
+    assert_eq!(v.reversibility, Reversibility::Undeclared);
+    v.declare(&declared(
+        Some("unbook"),
+        Some(r#"{"id": result.id}"#),
+        None,
+    ))
+    .unwrap();
+    assert_eq!(v.compensate, Some(tool("unbook")));
+    assert_eq!(v.reversibility, Reversibility::Compensable);
+    assert_eq!(v.compensate_args.as_deref(), Some(r#"{"id": result.id}"#));
+
+    // Policy's compensation stays: the same tool is fine, a mapping may be added.
+    let mut v = verdict("refund");
+    v.declare(&declared(
+        Some("reverse_refund"),
+        Some(r#"{"a": args}"#),
+        None,
+    ))
+    .unwrap();
+    assert_eq!(v.compensate, Some(tool("reverse_refund")));
+    let before = verdict("refund");
+    // Each refusal leaves the verdict as it was.
+    for (d, needle) in [
+        (
+            declared(Some("other"), None, None),
+            "cannot replace it with other",
+        ),
+        (
+            declared(None, None, Some(Reversibility::Irreversible)),
+            "cannot declare it irreversible",
+        ),
+        (declared(Some("undo_*"), None, None), "not a pattern"),
+        (declared(None, Some("{"), None), "does not compile"),
+    ] {
+        let mut v = before.clone();
+        let e = v.declare(&d).unwrap_err();
+        assert!(e.contains(needle), "{e:?} lacks {needle:?}");
+        assert_eq!(v, before, "a refused declaration changed the verdict");
+    }
+
+    // An irreversible call cannot be declared undoable.
+    let mut v = verdict("email");
+    let e = v
+        .declare(&declared(Some("unsend"), None, None))
+        .unwrap_err();
+    assert!(e.contains("irreversible"), "{e}");
+    // A mapping needs a tool.
+    let mut v = verdict("book");
+    let e = v.declare(&declared(None, Some("{}"), None)).unwrap_err();
+    assert!(e.contains("without a compensating tool"), "{e}");
 }

@@ -273,6 +273,58 @@ fn bad_compensate() {
 }
 
 #[test]
+fn bad_compensate_args() {
+    refused(
+        &rule("tool = \"a\"\naction = \"allow\"\ncompensate_args = '{\"id\": result.id}'\n"),
+        9,
+        "`compensate_args` without `compensate`",
+    );
+    refused(
+        &rule(
+            "tool = \"a\"\naction = \"allow\"\ncompensate = \"undo_a\"\ncompensate_args = '{\"id\": '\n",
+        ),
+        10,
+        "does not compile",
+    );
+    refused(
+        &rule(
+            "tool = \"a\"\naction = \"allow\"\ncompensate = \"undo_a\"\ncompensate_args = \" \"\n",
+        ),
+        10,
+        "is empty",
+    );
+}
+
+/// A rule's `compensate_args` reaches the verdict as written, so the admission records it and
+/// the saga evaluates exactly that text later, whatever the policy file says by then.
+#[test]
+fn compensate_args_is_recorded_as_written() {
+    let text = r#"
+[[rules]]
+tool = "refund"
+action = "allow"
+compensate = "reverse_refund"
+compensate_args = '{"charge": result.id, "amount": args.amount}'
+"#;
+    let p = Policy::parse(text).unwrap();
+    let tool = estop_kernel::ToolName::new("refund").unwrap();
+    let v = p
+        .evaluate(&tool, Some(&serde_json::json!({"amount": 5})), "agent")
+        .unwrap();
+    let source = v.compensate_args.expect("recorded");
+    assert_eq!(&*source, r#"{"charge": result.id, "amount": args.amount}"#);
+    assert_eq!(
+        estop_policy::compensation_args(
+            &source,
+            "refund",
+            &serde_json::json!({"amount": 5}),
+            Some(r#"{"id":"ch_9"}"#)
+        ),
+        Ok(serde_json::json!({"charge": "ch_9", "amount": 5}))
+    );
+}
+
+#[test]
 fn bad_names() {
     refused(
         &rule("tool = \"a\"\naction = \"allow\"\nname = \"unknown_tool\"\n"),

@@ -28,12 +28,12 @@ pub use id::Id;
 pub use line_codec::{Line, LineReader};
 pub use page::{PageBudget, PendingCursor, Weight};
 pub use request::{
-    Admit, CloseOutcome, Complete, Fields, Op, Request, RequestError, RequestErrorKind,
+    Admit, CloseOutcome, Complete, Declare, Fields, Op, Request, RequestError, RequestErrorKind,
     RequestedRunLimits, Secret, Verb, parse_request,
 };
 pub use server_line::{
     Ack, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply, LedgerEntry,
     LedgerReply, PendingItem, PendingReply, Pong, RawJson, ReplyBody, Report, ReportItem, RunView,
-    RunsReply, ServerLine, TokenCreated, TokenRevoked, VerdictReply, parse_server_line,
+    RunsReply, SagaNext, ServerLine, TokenCreated, TokenRevoked, VerdictReply, parse_server_line,
 };
 pub use soundgate::{SgError, SgReply, SgRequest, parse_soundgate};

@@ -100,6 +100,11 @@ impl Weight for ReportItem {
             + text(&self.reversibility)
             + self.compensate.as_deref().map_or(0, text)
             + self.reason.as_deref().map_or(0, text)
+            // An undo's attempts and times (~100 bytes), its note and who acted.
+            + if self.attempts.is_some() { 100 } else { 0 }
+            // A note is free text: escaping may double it.
+            + self.note.as_deref().map_or(0, |n| 2 * text(n))
+            + self.by.as_deref().map_or(0, text)
     }
 }
 

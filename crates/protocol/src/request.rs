@@ -11,6 +11,7 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fmt;
 
+use estop_kernel::SagaAction;
 use estop_kernel::ids::{Digest, EffectKey, PrincipalName, Role, RunId, ToolName};
 use estop_kernel::vocab::{Decision, Outcome, RunState};
 use serde::Deserialize;
@@ -90,6 +91,20 @@ pub struct Admit {
     /// The agent asks for approval even where policy would allow (it can only strengthen).
     pub needs_approval: bool,
     pub limits: RequestedRunLimits,
+    /// The client's own word on how the call is undone (it can only add to policy's).
+    pub declare: Option<Declare>,
+}
+
+/// Longest `declare.compensate_args`, in bytes (as a policy's `when`).
+pub const COMPENSATE_ARGS_BYTES_MAX: usize = 4096;
+
+/// `admit`'s `declare`: the policy keys a client may add for its own call (docs/POLICY.md).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Declare {
+    pub reversibility: Option<estop_kernel::vocab::Reversibility>,
+    pub compensate: Option<ToolName>,
+    /// CEL text building the compensating call's arguments.
+    pub compensate_args: Option<String>,
 }
 
 /// `complete`: report what happened to a started effect.
@@ -218,6 +233,24 @@ pub enum Op {
     TokenRevoke {
         name: PrincipalName,
     },
+    /// This connection runs compensations (of `run`, or of every run its principal sees).
+    Compensations {
+        run: Option<RunId>,
+    },
+    /// How an attempt of a compensation ended.
+    Compensated {
+        run: RunId,
+        key: EffectKey,
+        attempt: u32,
+        outcome: Outcome,
+        error: Option<String>,
+    },
+    /// An operator settles, retries or skips a step of the reverse saga.
+    Saga {
+        run: RunId,
+        key: EffectKey,
+        action: SagaAction,
+    },
 }
 
 macro_rules! verbs {
@@ -264,6 +297,9 @@ verbs! {
     Report = "report", false;
     Token = "token", true;
     TokenRevoke = "token_revoke", true;
+    Compensations = "compensations", false;
+    Compensated = "compensated", false;
+    Saga = "saga", true;
 }
 
 impl Verb {
@@ -337,6 +373,9 @@ impl Op {
             Op::Report { .. } => Verb::Report,
             Op::Token { .. } => Verb::Token,
             Op::TokenRevoke { .. } => Verb::TokenRevoke,
+            Op::Compensations { .. } => Verb::Compensations,
+            Op::Compensated { .. } => Verb::Compensated,
+            Op::Saga { .. } => Verb::Saga,
         }
     }
 
@@ -356,8 +395,12 @@ impl Op {
             | Op::Resume { run }
             | Op::Kill { run, .. }
             | Op::Close { run, .. }
-            | Op::Report { run, .. } => Some(run),
-            Op::Pending { run, .. } | Op::Ledger { run, .. } => run.as_ref(),
+            | Op::Report { run, .. }
+            | Op::Compensated { run, .. }
+            | Op::Saga { run, .. } => Some(run),
+            Op::Pending { run, .. } | Op::Ledger { run, .. } | Op::Compensations { run } => {
+                run.as_ref()
+            }
             Op::Hello { .. }
             | Op::Ping
             | Op::Runs { .. }
@@ -556,6 +599,7 @@ fn verb_fields(verb: Verb) -> u32 {
             F::Labels,
             F::NeedsApproval,
             F::Limits,
+            F::Declare,
         ],
         Verb::Start => &[F::Run, F::Key, F::Token],
         Verb::Complete => &[F::Run, F::Key, F::Token, F::Outcome, F::Result, F::Error],
@@ -573,6 +617,9 @@ fn verb_fields(verb: Verb) -> u32 {
         Verb::Ledger => &[F::Run, F::Limit, F::After],
         Verb::Token => &[F::Name, F::Role, F::Groups],
         Verb::TokenRevoke => &[F::Name],
+        Verb::Compensations => &[F::Run],
+        Verb::Compensated => &[F::Run, F::Key, F::Attempt, F::Outcome, F::Error],
+        Verb::Saga => &[F::Run, F::Key, F::Action, F::Outcome, F::Reason],
     };
     fields.iter().fold(0, |m, f| m | f.bit())
 }
@@ -640,6 +687,7 @@ fields! {
     Result = "result", Error = "error", TimeoutMs = "timeout_ms", Reason = "reason",
     Cascade = "cascade", Decision = "decision", State = "state", Limit = "limit",
     After = "after", Name = "name", Role = "role", Groups = "groups", Cursor = "cursor",
+    Declare = "declare", Attempt = "attempt", Action = "action",
 }
 
 /// A string borrowed from the line when it has no escapes, owned otherwise.
@@ -668,6 +716,48 @@ impl<'de> Deserialize<'de> for Str<'de> {
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDeclare {
+    reversibility: Option<String>,
+    compensate: Option<String>,
+    compensate_args: Option<String>,
+}
+
+impl RawDeclare {
+    fn parse(self) -> Result<Declare, Kind> {
+        let bad = |why: String| invalid(Field::Declare, why);
+        let reversibility = self
+            .reversibility
+            .map(|r| {
+                estop_kernel::vocab::Reversibility::parse(&r).ok_or_else(|| {
+                    bad(format!(
+                        "reversibility {:?} is not one of reversible, compensable, irreversible, \
+                         undeclared",
+                        truncated(&r)
+                    ))
+                })
+            })
+            .transpose()?;
+        let compensate = self
+            .compensate
+            .map(|t| ToolName::new(&t).map_err(|e| bad(format!("compensate: {e}"))))
+            .transpose()?;
+        if let Some(m) = &self.compensate_args
+            && m.len() > COMPENSATE_ARGS_BYTES_MAX
+        {
+            return Err(bad(format!(
+                "compensate_args is longer than {COMPENSATE_ARGS_BYTES_MAX} bytes"
+            )));
+        }
+        Ok(Declare {
+            reversibility,
+            compensate,
+            compensate_args: self.compensate_args,
+        })
+    }
+}
+
+#[derive(Deserialize)]
 struct RawLimits {
     deadline_ms: Option<u64>,
     timeout_ms: Option<u64>,
@@ -691,6 +781,7 @@ struct Raw<'a> {
     labels: Option<BTreeMap<String, String>>,
     needs_approval: Option<bool>,
     limits: Option<RawLimits>,
+    declare: Option<RawDeclare>,
     token: Option<Str<'a>>,
     outcome: Option<Str<'a>>,
     /// Borrowed from a line; owned when given as a value ([`Fields`]).
@@ -707,6 +798,8 @@ struct Raw<'a> {
     name: Option<Str<'a>>,
     role: Option<Str<'a>>,
     groups: Option<Vec<String>>,
+    attempt: Option<u64>,
+    action: Option<Str<'a>>,
     seen: u32,
     /// Fields given more than once.
     duplicates: u32,
@@ -791,6 +884,7 @@ impl<'de> DeserializeSeed<'de> for Slot<'_, 'de> {
             Field::Labels => raw.labels = Deserialize::deserialize(d)?,
             Field::NeedsApproval => raw.needs_approval = Deserialize::deserialize(d)?,
             Field::Limits => raw.limits = Deserialize::deserialize(d)?,
+            Field::Declare => raw.declare = Deserialize::deserialize(d)?,
             Field::Token => raw.token = Deserialize::deserialize(d)?,
             Field::Outcome => raw.outcome = Deserialize::deserialize(d)?,
             Field::Result => raw.result = Some(Cow::Borrowed(Deserialize::deserialize(d)?)),
@@ -806,6 +900,8 @@ impl<'de> DeserializeSeed<'de> for Slot<'_, 'de> {
             Field::Name => raw.name = Deserialize::deserialize(d)?,
             Field::Role => raw.role = Deserialize::deserialize(d)?,
             Field::Groups => raw.groups = Deserialize::deserialize(d)?,
+            Field::Attempt => raw.attempt = Deserialize::deserialize(d)?,
+            Field::Action => raw.action = Deserialize::deserialize(d)?,
         }
         Ok(())
     }
@@ -1041,7 +1137,69 @@ impl<'a> Raw<'a> {
             },
             Verb::Token => self.token_op()?,
             Verb::TokenRevoke => Op::TokenRevoke { name: self.name()? },
+            Verb::Compensations => Op::Compensations {
+                run: self.opt_run()?,
+            },
+            Verb::Compensated => self.compensated()?,
+            Verb::Saga => self.saga()?,
         })
+    }
+
+    fn compensated(&mut self) -> Result<Op, Kind> {
+        let run = self.run()?;
+        let key = self.key()?;
+        let attempt = required(self.attempt, Field::Attempt)?;
+        let attempt = u32::try_from(attempt)
+            .ok()
+            .filter(|a| *a >= 1)
+            .ok_or_else(|| invalid(Field::Attempt, "an attempt is numbered from 1 (a u32)"))?;
+        let outcome = vocab(
+            required(self.outcome.take(), Field::Outcome)?,
+            Field::Outcome,
+            Outcome::parse,
+            "ok, error, unknown",
+        )?;
+        let error = opt_bounded(self.error.take(), Field::Error, ERROR_BYTES_MAX)?;
+        Ok(Op::Compensated {
+            run,
+            key,
+            attempt,
+            outcome,
+            error,
+        })
+    }
+
+    /// `saga`: the action with what it needs (`settle` an outcome, `skip` a reason).
+    fn saga(&mut self) -> Result<Op, Kind> {
+        let run = self.run()?;
+        let key = self.key()?;
+        let action = required(self.action.take(), Field::Action)?;
+        let action = match action.0.as_ref() {
+            "settle" => {
+                let outcome = vocab(
+                    required(self.outcome.take(), Field::Outcome)?,
+                    Field::Outcome,
+                    |s| Outcome::parse(s).filter(|o| *o != Outcome::Unknown),
+                    "ok, error (settling says whether it happened)",
+                )?;
+                SagaAction::Settle(outcome)
+            }
+            "retry" => SagaAction::Retry,
+            "skip" => {
+                let reason = self.reason()?.filter(|r| !r.trim().is_empty());
+                let reason = required(reason, Field::Reason)?;
+                SagaAction::Skip {
+                    reason: reason.into_boxed_str(),
+                }
+            }
+            other => {
+                return Err(invalid(
+                    Field::Action,
+                    format!("{:?} is not one of settle, retry, skip", truncated(other)),
+                ));
+            }
+        };
+        Ok(Op::Saga { run, key, action })
     }
 
     fn admit(&mut self) -> Result<Admit, Kind> {
@@ -1093,6 +1251,7 @@ impl<'a> Raw<'a> {
             labels,
             needs_approval: self.needs_approval.unwrap_or(false),
             limits,
+            declare: self.declare.take().map(RawDeclare::parse).transpose()?,
         })
     }
 
@@ -1396,6 +1555,17 @@ impl Op {
                     put_opt(&mut l, "max_effects", a.limits.max_effects);
                     put(&mut m, "limits", l);
                 }
+                if let Some(d) = &a.declare {
+                    let mut o = serde_json::Map::new();
+                    put_opt(&mut o, "reversibility", d.reversibility.map(|r| r.as_str()));
+                    put_opt(
+                        &mut o,
+                        "compensate",
+                        d.compensate.as_ref().map(|t| t.as_str()),
+                    );
+                    put_opt(&mut o, "compensate_args", d.compensate_args.as_deref());
+                    put(&mut m, "declare", o);
+                }
             }
             Op::Start { run, key, token } => {
                 put(&mut m, "run", run.as_str());
@@ -1485,6 +1655,37 @@ impl Op {
                 }
             }
             Op::TokenRevoke { name } => put(&mut m, "name", name.as_str()),
+            Op::Compensations { run } => {
+                put_opt(&mut m, "run", run.as_ref().map(|r| r.as_str()));
+            }
+            Op::Compensated {
+                run,
+                key,
+                attempt,
+                outcome,
+                error,
+            } => {
+                put(&mut m, "run", run.as_str());
+                put(&mut m, "key", key.as_str());
+                put(&mut m, "attempt", *attempt);
+                put(&mut m, "outcome", outcome.as_str());
+                put_opt(&mut m, "error", error.as_deref());
+            }
+            Op::Saga { run, key, action } => {
+                put(&mut m, "run", run.as_str());
+                put(&mut m, "key", key.as_str());
+                match action {
+                    SagaAction::Settle(o) => {
+                        put(&mut m, "action", "settle");
+                        put(&mut m, "outcome", o.as_str());
+                    }
+                    SagaAction::Retry => put(&mut m, "action", "retry"),
+                    SagaAction::Skip { reason } => {
+                        put(&mut m, "action", "skip");
+                        put(&mut m, "reason", &**reason);
+                    }
+                }
+            }
         }
         let mut out = serde_json::to_vec(&Value::Object(m)).expect("a Value always serializes");
         out.push(b'\n');

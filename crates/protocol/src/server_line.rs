@@ -182,6 +182,15 @@ pub struct Ack {
     /// Every run the request fenced or changed (a cascading cancel lists the descendants).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub runs: Vec<String>,
+    /// `compensated` and `saga`: the effect's status now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<String>,
+    /// `compensated` and `saga`: the compensation's latest attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    /// `compensated` and `saga`: when a failed compensation is offered again (Unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_at: Option<u64>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -382,6 +391,36 @@ pub struct ReportItem {
     /// For refused effects: the refusal reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// Once its undo began or an operator acted on it (the reverse saga): attempts so far, out
+    /// of how many before a human is asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts_max: Option<u32>,
+    /// When a failed undo is offered again (Unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_at: Option<u64>,
+    /// The last attempt's error, or the reason an operator skipped it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    /// The operator who last retried or skipped it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+}
+
+/// What a cancelled run's reverse saga waits for: its head (the newest effect still to undo)
+/// and why it is not moving.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SagaNext {
+    pub key: String,
+    /// `outcome` (the effect is in flight), `settle` (its outcome is unknown: an operator
+    /// settles it), `executor` (attempt `attempt` may begin from `at`: an executor runs it),
+    /// `running` (attempt `attempt` is under way), `human` (an operator retries or skips).
+    pub waits: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<u64>,
 }
 
 /// The after-stop report of one run (SPEC G8). An effect may appear in several lists (a done
@@ -411,6 +450,10 @@ pub struct Report {
     pub irreversible: Vec<ReportItem>,
     pub undeclared: Vec<ReportItem>,
     pub held: Vec<ReportItem>,
+    /// What the reverse saga waits for, while it is open (each effect's own progress is on
+    /// its item; the saga's history is in the ledger).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub saga_next: Option<SagaNext>,
     /// More of the run's effects follow this page (its lists hold only this page's effects):
     /// pass `next` as `cursor` to read them.
     #[serde(skip_serializing_if = "is_false")]
@@ -454,6 +497,11 @@ pub enum EventKind {
     Expired,
     /// The last in-flight effect of a stopped run settled: the run is now terminal.
     Settled,
+    /// The compensation of an effect moved (the reverse saga after a cancel); `outcome` is the
+    /// effect's status now (`compensating`, `compensated`, `compensation_failed`, …).
+    Compensation,
+    /// To an executor (`compensations`) only: run this attempt of a compensation.
+    Compensate,
     /// A kind this client does not know yet (from a newer server).
     #[serde(other)]
     Other,
@@ -475,6 +523,16 @@ pub struct Event {
     /// For `completed`: the effect's outcome.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<String>,
+    /// For `compensate`: the attempt, the compensating tool, its arguments (absent: none) and
+    /// the idempotency key to pass downstream (the same for every attempt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
     /// Unix ms.
     pub at: u64,
 }
@@ -504,7 +562,8 @@ pub enum ReplyBody {
     Hello(HelloReply),
     /// `admit`, `start` and `wait`.
     VerdictReply(VerdictReply),
-    /// `complete`, `subscribe`, `unsubscribe`, `cancel`, `pause`, `resume`, `kill`, `close`.
+    /// `complete`, `subscribe`, `unsubscribe`, `cancel`, `pause`, `resume`, `kill`, `close`,
+    /// `compensations`, `compensated`, `saga`.
     Ack(Ack),
     Pong(Pong),
     Status(Box<RunView>),
@@ -530,7 +589,10 @@ impl ReplyBody {
             | Verb::Pause
             | Verb::Resume
             | Verb::Kill
-            | Verb::Close => ReplyBody::Ack(reply.body()?),
+            | Verb::Close
+            | Verb::Compensations
+            | Verb::Compensated
+            | Verb::Saga => ReplyBody::Ack(reply.body()?),
             Verb::Ping => ReplyBody::Pong(reply.body()?),
             Verb::Status => ReplyBody::Status(Box::new(reply.body()?)),
             Verb::Runs => ReplyBody::Runs(reply.body()?),

@@ -186,6 +186,13 @@ fn every_payload_round_trips() {
         late: true,
         state: Some("finalizing".into()),
         runs: vec!["r1".into(), "r1.child".into()],
+        ..Ack::default()
+    });
+    round_trip(Ack {
+        status: Some("compensation_failed".into()),
+        attempt: Some(2),
+        retry_at: Some(1_700_000_002_000),
+        ..Ack::default()
     });
     round_trip(Pong { pong: true });
     let view = RunView {
@@ -290,6 +297,11 @@ fn every_payload_round_trips() {
         compensate: None,
         late: false,
         reason: None,
+        attempts: None,
+        attempts_max: None,
+        retry_at: None,
+        note: None,
+        by: None,
     };
     round_trip(Report {
         run: "r0".into(),
@@ -306,10 +318,21 @@ fn every_payload_round_trips() {
         reason: Some("enough\n\u{1b}[0m".into()),
         stopped_at: Some(7),
         forgotten: false,
-        done: vec![ReportItem {
-            compensate: Some("refund.undo".into()),
-            ..item("a", "completed", "compensable")
-        }],
+        done: vec![
+            ReportItem {
+                compensate: Some("refund.undo".into()),
+                ..item("a", "completed", "compensable")
+            },
+            ReportItem {
+                compensate: Some("refund.undo".into()),
+                attempts: Some(2),
+                attempts_max: Some(5),
+                retry_at: Some(9),
+                note: Some("503".into()),
+                by: Some("alice".into()),
+                ..item("g", "compensation_failed", "compensable")
+            },
+        ],
         failed: vec![item("b", "failed", "undeclared")],
         refused: vec![ReportItem {
             reason: Some("cancelled".into()),
@@ -324,6 +347,12 @@ fn every_payload_round_trips() {
         irreversible: vec![item("d", "started", "irreversible")],
         undeclared: vec![item("b", "failed", "undeclared")],
         held: vec![item("f", "held", "undeclared")],
+        saga_next: Some(estop_protocol::SagaNext {
+            key: "g".into(),
+            waits: "executor".into(),
+            attempt: Some(3),
+            at: Some(9),
+        }),
         more: false,
         next: None,
     });
@@ -356,6 +385,10 @@ fn events_have_no_id_and_decode_as_events() {
         reason: Some("operator".into()),
         decision: None,
         outcome: None,
+        attempt: None,
+        tool: None,
+        args: None,
+        idempotency_key: None,
         at: 1_700_000_000_000,
     };
     let line = event_line(&ev);
@@ -371,11 +404,39 @@ fn events_have_no_id_and_decode_as_events() {
         reason: None,
         decision: Some("approve".into()),
         outcome: None,
+        attempt: None,
+        tool: None,
+        args: None,
+        idempotency_key: None,
         at: 5,
     };
     assert_eq!(
         parse_server_line(&event_line(&decided)).ok(),
         Some(ServerLine::Event(decided))
+    );
+    // An executor's `compensate`: what to run, with the key to pass downstream.
+    let compensate = br#"{"event":"compensate","run":"r1","key":"k1","attempt":2,"tool":"unrefund","args":{"charge":"ch_1"},"idempotency_key":"k1/undo","at":9}"#;
+    let Ok(ServerLine::Event(ev)) = parse_server_line(compensate) else {
+        panic!("a compensate event decodes as an event");
+    };
+    assert_eq!(
+        (
+            ev.event,
+            ev.attempt,
+            ev.tool.as_deref(),
+            ev.idempotency_key.as_deref()
+        ),
+        (
+            EventKind::Compensate,
+            Some(2),
+            Some("unrefund"),
+            Some("k1/undo")
+        )
+    );
+    assert_eq!(ev.args, Some(json!({"charge": "ch_1"})));
+    assert_eq!(
+        parse_server_line(&event_line(&ev)).ok(),
+        Some(ServerLine::Event(ev))
     );
     // A kind from a newer server still decodes.
     let newer = parse_server_line(br#"{"event":"teleported","run":"r","at":1}"#);
@@ -399,6 +460,8 @@ fn every_event_kind_renders_its_name() {
         (EventKind::Completed, "completed"),
         (EventKind::Closed, "closed"),
         (EventKind::Finalizing, "finalizing"),
+        (EventKind::Compensation, "compensation"),
+        (EventKind::Compensate, "compensate"),
     ] {
         let ev = Event {
             event: kind,
@@ -407,6 +470,10 @@ fn every_event_kind_renders_its_name() {
             reason: None,
             decision: None,
             outcome: None,
+            attempt: None,
+            tool: None,
+            args: None,
+            idempotency_key: None,
             at: 0,
         };
         assert!(text(&event_line(&ev)).starts_with(&format!("{{\"event\":\"{name}\",")));

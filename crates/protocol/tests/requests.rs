@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use estop_kernel::SagaAction;
 use estop_kernel::ids::{Digest, EffectKey, PrincipalName, Role, RunId, ToolName};
 use estop_kernel::vocab::{Decision, Outcome, RunState};
 use estop_protocol::limits::*;
@@ -59,6 +60,7 @@ fn admit_base() -> Admit {
         parent: None,
         labels: BTreeMap::new(),
         needs_approval: false,
+        declare: None,
         limits: RequestedRunLimits::default(),
     }
 }
@@ -92,6 +94,7 @@ fn every_verb_parses() {
                 parent: Some(run("p0")),
                 labels: BTreeMap::from([("team".to_string(), "pay".to_string())]),
                 needs_approval: true,
+                declare: None,
                 limits: RequestedRunLimits {
                     deadline_ms: Some(1_700_000_000_000),
                     timeout_ms: Some(5000),
@@ -307,6 +310,49 @@ fn every_verb_parses() {
             r#"{"op":"token_revoke","name":"bot"}"#,
             Op::TokenRevoke {
                 name: PrincipalName::new("bot").expect("name"),
+            },
+        ),
+        (r#"{"op":"compensations"}"#, Op::Compensations { run: None }),
+        (
+            r#"{"op":"compensations","run":"r1"}"#,
+            Op::Compensations {
+                run: Some(run("r1")),
+            },
+        ),
+        (
+            r#"{"op":"compensated","run":"r1","key":"k1","attempt":2,"outcome":"error","error":"503"}"#,
+            Op::Compensated {
+                run: run("r1"),
+                key: key("k1"),
+                attempt: 2,
+                outcome: Outcome::Error,
+                error: Some("503".into()),
+            },
+        ),
+        (
+            r#"{"op":"saga","run":"r1","key":"k1","action":"settle","outcome":"ok"}"#,
+            Op::Saga {
+                run: run("r1"),
+                key: key("k1"),
+                action: SagaAction::Settle(Outcome::Ok),
+            },
+        ),
+        (
+            r#"{"op":"saga","run":"r1","key":"k1","action":"retry"}"#,
+            Op::Saga {
+                run: run("r1"),
+                key: key("k1"),
+                action: SagaAction::Retry,
+            },
+        ),
+        (
+            r#"{"op":"saga","run":"r1","key":"k1","action":"skip","reason":"refunded by hand"}"#,
+            Op::Saga {
+                run: run("r1"),
+                key: key("k1"),
+                action: SagaAction::Skip {
+                    reason: "refunded by hand".into(),
+                },
             },
         ),
     ];
@@ -556,6 +602,17 @@ fn every_parse_error_code_fires() {
         (r#"{"op":"decide","run":"r","key":"k","decision":"yes"}"#.into(), InvalidField, Some("decision")),
         (r#"{"op":"close","run":"r","outcome":"cancelled"}"#.into(), InvalidField, Some("outcome")),
         (r#"{"op":"runs","state":"sleeping"}"#.into(), InvalidField, Some("state")),
+        // the saga's verbs
+        (r#"{"op":"compensated","run":"r","key":"k","outcome":"ok"}"#.into(), MissingField, Some("attempt")),
+        (r#"{"op":"compensated","run":"r","key":"k","attempt":0,"outcome":"ok"}"#.into(), InvalidField, Some("attempt")),
+        (r#"{"op":"compensated","run":"r","key":"k","attempt":4294967296,"outcome":"ok"}"#.into(), InvalidField, Some("attempt")),
+        (r#"{"op":"compensated","run":"r","key":"k","attempt":1,"outcome":"done"}"#.into(), InvalidField, Some("outcome")),
+        (r#"{"op":"saga","run":"r","key":"k"}"#.into(), MissingField, Some("action")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"undo"}"#.into(), InvalidField, Some("action")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"settle"}"#.into(), MissingField, Some("outcome")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"settle","outcome":"unknown"}"#.into(), InvalidField, Some("outcome")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"skip"}"#.into(), MissingField, Some("reason")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"skip","reason":"  "}"#.into(), MissingField, Some("reason")),
         (r#"{"op":"runs","limit":4294967296}"#.into(), InvalidField, Some("limit")),
         (r#"{"op":"runs","cursor":""}"#.into(), InvalidField, Some("cursor")),
         (r#"{"op":"runs","cursor":7}"#.into(), InvalidField, Some("cursor")),
@@ -818,4 +875,43 @@ proptest! {
         let _ = parse_request(&line);
         let _ = parse_request(&base[..cut.min(base.len())]);
     }
+}
+
+/// `admit`'s `declare`: the client's own word on how its call is undone, parsed into typed
+/// values (round trip included) or refused naming the field.
+#[test]
+fn admit_declare_parses_and_bad_declarations_are_refused() {
+    let line = r#"{"op":"admit","run":"r1","key":"k1","tool":"refund","args":{"to":"acct-1","amount":10},
+        "declare":{"reversibility":"compensable","compensate":"reverse_refund","compensate_args":"{\"id\": result.id}"}}"#;
+    let got = op(line);
+    let expected = Op::Admit(Admit {
+        declare: Some(estop_protocol::Declare {
+            reversibility: Some(estop_kernel::vocab::Reversibility::Compensable),
+            compensate: Some(tool("reverse_refund")),
+            compensate_args: Some(r#"{"id": result.id}"#.into()),
+        }),
+        ..admit_base()
+    });
+    assert_eq!(got, expected);
+    let req = Request::new(Id::from_u64(1), got);
+    assert_eq!(ok(std::str::from_utf8(&req.to_line()).unwrap()), req);
+    let base = r#"{"op":"admit","run":"r1","key":"k1","tool":"t","args":{},"declare":"#;
+    for bad in [
+        r#"{"reversibility":"undoable"}"#,
+        r#"{"compensate":""}"#,
+        r#"{"compensate":"x","surprise":1}"#,
+        r#""reverse_refund""#,
+    ] {
+        refused(
+            &format!("{base}{bad}}}"),
+            ErrorCode::InvalidField,
+            Some("declare"),
+        );
+    }
+    let long = "x".repeat(estop_protocol::request::COMPENSATE_ARGS_BYTES_MAX + 1);
+    refused(
+        &format!(r#"{base}{{"compensate":"u","compensate_args":"{long}"}}}}"#),
+        ErrorCode::InvalidField,
+        Some("declare"),
+    );
 }

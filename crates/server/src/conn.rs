@@ -451,6 +451,14 @@ async fn dispatch(
             backlog: Arc::clone(backlog),
             to: reply_to(),
         }),
+        Route::Conn(ConnVerb::Compensations { principal, run }) => send(CoreMsg::Executor {
+            principal,
+            run,
+            conn,
+            out: out.clone(),
+            backlog: Arc::clone(backlog),
+            to: reply_to(),
+        }),
         Route::Conn(ConnVerb::Unsubscribe { run }) => {
             let _ = shared.core_tx.send(CoreMsg::Unsubscribe { run, conn });
             Some(Answer::Ack(wire::Ack::default()))

@@ -1,6 +1,6 @@
 //! Ledger records described for people and scripts (`ledger` verb, `estop ledger show`).
 
-use estop_kernel::{Command, Record, TokenAction};
+use estop_kernel::{Command, Record, SagaAction, TokenAction};
 use estop_protocol::server_line::LedgerEntry;
 use serde_json::{Map, Value, json};
 
@@ -21,6 +21,13 @@ pub fn kind(c: &Command) -> &'static str {
         Command::Token(t) => match t.action {
             TokenAction::Create => "token_create",
             TokenAction::Revoke => "token_revoke",
+        },
+        Command::CompensationBegin { .. } => "compensation_begin",
+        Command::CompensationEnd { .. } => "compensation_end",
+        Command::Saga { action, .. } => match action {
+            SagaAction::Settle(_) => "saga_settle",
+            SagaAction::Retry => "saga_retry",
+            SagaAction::Skip { .. } => "saga_skip",
         },
     }
 }
@@ -98,6 +105,38 @@ pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
             if !t.groups.is_empty() {
                 let groups: Vec<&str> = t.groups.iter().map(|g| &**g).collect();
                 fields.insert("groups".into(), json!(groups.join(",")));
+            }
+        }
+        Command::CompensationBegin {
+            key: k, attempt, ..
+        } => {
+            key = Some(k.to_string());
+            fields.insert("attempt".into(), Value::from(*attempt));
+        }
+        Command::CompensationEnd {
+            key: k,
+            attempt,
+            outcome,
+            error,
+            ..
+        } => {
+            key = Some(k.to_string());
+            fields.insert("attempt".into(), Value::from(*attempt));
+            fields.insert("outcome".into(), json!(outcome.as_str()));
+            if let Some(e) = error {
+                fields.insert("error".into(), json!(&**e));
+            }
+        }
+        Command::Saga { key: k, action, .. } => {
+            key = Some(k.to_string());
+            match action {
+                SagaAction::Settle(o) => {
+                    fields.insert("outcome".into(), json!(o.as_str()));
+                }
+                SagaAction::Retry => {}
+                SagaAction::Skip { reason } => {
+                    fields.insert("reason".into(), json!(&**reason));
+                }
             }
         }
         Command::Pause { .. } | Command::Resume { .. } | Command::Tick { .. } => {}

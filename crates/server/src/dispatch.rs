@@ -21,6 +21,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// What serves a request.
+// `Ask` carries the command inline (an admission with its policy decision); a route is built
+// and moved once per request, so boxing it would cost an allocation on the hot path to save
+// bytes that are never copied in bulk.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Route {
     /// Answered at once, without the core: a refusal, or `ping`.
@@ -125,6 +129,11 @@ pub enum ConnVerb {
     Subscribe { principal: Principal, run: RunId },
     /// No more events of `run` on this connection; answered at once.
     Unsubscribe { run: RunId },
+    /// This connection runs compensations (of `run`, or of every run the principal sees).
+    Compensations {
+        principal: Principal,
+        run: Option<RunId>,
+    },
 }
 
 impl ConnVerb {
@@ -134,6 +143,7 @@ impl ConnVerb {
             ConnVerb::Wait { .. } => Verb::Wait,
             ConnVerb::Subscribe { .. } => Verb::Subscribe,
             ConnVerb::Unsubscribe { .. } => Verb::Unsubscribe,
+            ConnVerb::Compensations { .. } => Verb::Compensations,
         }
     }
 }
@@ -269,6 +279,24 @@ fn authorized(shared: &Shared, principal: &Principal, op: Op) -> Route {
             actor: principal.clone(),
             name,
         }),
+        Op::Compensations { run } => Route::Conn(ConnVerb::Compensations {
+            principal: principal.clone(),
+            run,
+        }),
+        Op::Compensated {
+            run,
+            key,
+            attempt,
+            outcome,
+            error,
+        } => apply(Command::CompensationEnd {
+            run,
+            key,
+            attempt,
+            outcome,
+            error: error.map(String::into_boxed_str),
+        }),
+        Op::Saga { run, key, action } => apply(Command::Saga { run, key, action }),
     }
 }
 
@@ -336,6 +364,17 @@ fn admit_command(
         }
     };
     ruling.strengthen(a.needs_approval);
+    if let Some(d) = &a.declare {
+        // The client's word may only add to policy's; a conflict refuses the admit, unrecorded.
+        let declared = estop_policy::Declared {
+            reversibility: d.reversibility,
+            compensate: d.compensate.clone(),
+            compensate_args: d.compensate_args.clone(),
+        };
+        ruling
+            .declare(&declared)
+            .map_err(|e| err(ErrorCode::InvalidField, format!("declare: {e}")))?;
+    }
     let now = crate::shared::wall_ms();
     let mut limits: RunLimits = policy.run_limits(now);
     let min = |x: Option<u64>, y: Option<u64>| match (x, y) {
@@ -350,7 +389,8 @@ fn admit_command(
         ),
     );
     limits.max_effects = min(limits.max_effects, a.limits.max_effects);
-    let args = if ruling.action == PolicyAction::Approve {
+    // Kept for an operator's review, or for the saga when the compensation is built from them.
+    let args = if ruling.action == PolicyAction::Approve || ruling.compensate_args.is_some() {
         a.args.as_ref().map(|v| v.to_string().into_boxed_str())
     } else {
         None
@@ -422,6 +462,7 @@ mod tests {
     use crate::durable::DurableState;
     use crate::shared::ConnOptions;
     use crate::tokens::Tokens;
+    use estop_kernel::SagaAction;
     use estop_kernel::vocab::{Decision, Outcome};
     use estop_protocol::{Admit, Complete, RequestedRunLimits};
     use std::fmt::Write as _;
@@ -469,6 +510,11 @@ ledger                     | work ledger 1000 | forbidden        | work ledger 1
 report                     | query report 1000 | query report 1000 | query report 1000 | unauthenticated
 token                      | work token       | forbidden        | forbidden        | unauthenticated
 token_revoke               | work token_revoke | forbidden        | forbidden        | unauthenticated
+compensations              | conn compensations | conn compensations | forbidden        | unauthenticated
+compensated                | apply compensated | apply compensated | forbidden        | unauthenticated
+saga settle                | apply saga       | forbidden        | forbidden        | unauthenticated
+saga skip                  | apply saga       | forbidden        | forbidden        | unauthenticated
+saga retry                 | apply saga       | forbidden        | forbidden        | unauthenticated
 ";
 
     fn run() -> RunId {
@@ -494,6 +540,7 @@ token_revoke               | work token_revoke | forbidden        | forbidden   
                 labels: Default::default(),
                 needs_approval: false,
                 limits: RequestedRunLimits::default(),
+                declare: None,
             })
         };
         let complete = |token: &str| {
@@ -635,6 +682,33 @@ token_revoke               | work token_revoke | forbidden        | forbidden   
                         name: PrincipalName::new("bob").unwrap(),
                     },
                 ),
+                Verb::Compensations => add(v, Op::Compensations { run: None }),
+                Verb::Compensated => add(
+                    v,
+                    Op::Compensated {
+                        run: run(),
+                        key: key(),
+                        attempt: 1,
+                        outcome: Outcome::Ok,
+                        error: None,
+                    },
+                ),
+                Verb::Saga => {
+                    // An agent may never settle, skip or retry the undoing of its own effects.
+                    let saga = |action| Op::Saga {
+                        run: run(),
+                        key: key(),
+                        action,
+                    };
+                    add("saga settle", saga(SagaAction::Settle(Outcome::Error)));
+                    add(
+                        "saga skip",
+                        saga(SagaAction::Skip {
+                            reason: "irrelevant".into(),
+                        }),
+                    );
+                    add("saga retry", saga(SagaAction::Retry));
+                }
             }
         }
         out
@@ -662,6 +736,8 @@ token_revoke               | work token_revoke | forbidden        | forbidden   
                     Command::Pause { .. } => "pause",
                     Command::Resume { .. } => "resume",
                     Command::Close { .. } => "close",
+                    Command::CompensationEnd { .. } => "compensated",
+                    Command::Saga { .. } => "saga",
                     other => unreachable!("no verb sends {other:?}"),
                 }
             ),
@@ -727,6 +803,64 @@ token_revoke               | work token_revoke | forbidden        | forbidden   
             writeln!(table, " | {}", cells[3]).unwrap();
         }
         assert_eq!(table, EXPECTED, "the routes are now:\n{table}");
+    }
+
+    /// An admit's `declare` reaches the recorded policy decision when it only adds to policy,
+    /// and a declaration that contradicts policy is refused before anything is recorded.
+    #[test]
+    fn an_admit_declaration_is_recorded_or_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = shared(dir.path());
+        let agent = principal(Role::Agent);
+        let admit = |declare: estop_protocol::Declare| {
+            let tool = estop_kernel::ToolName::new("book").unwrap();
+            let args = serde_json::json!({"room": 1});
+            Op::Admit(Admit {
+                run: run(),
+                key: key(),
+                digest: estop_protocol::digest_of(&tool, &args),
+                tool,
+                args: Some(args),
+                start: true,
+                parent: None,
+                labels: Default::default(),
+                needs_approval: false,
+                limits: RequestedRunLimits::default(),
+                declare: Some(declare),
+            })
+        };
+        let unbook = estop_kernel::ToolName::new("unbook").unwrap();
+        let added = estop_protocol::Declare {
+            compensate: Some(unbook.clone()),
+            compensate_args: Some(r#"{"id": result.id}"#.into()),
+            ..Default::default()
+        };
+        match route(&shared, Some(&agent), admit(added)) {
+            Route::Core(Ask::Apply {
+                cmd: Command::Admit(a),
+                ..
+            }) => {
+                assert_eq!(a.policy.compensate, Some(unbook));
+                assert_eq!(
+                    a.policy.reversibility,
+                    estop_kernel::vocab::Reversibility::Compensable
+                );
+                assert_eq!(
+                    a.policy.compensate_args.as_deref(),
+                    Some(r#"{"id": result.id}"#)
+                );
+                // The saga builds the compensation from the forward arguments: they are kept.
+                assert_eq!(a.args.as_deref(), Some(r#"{"room":1}"#));
+            }
+            other => panic!("{}", kind(&other)),
+        }
+        let contradicts = estop_protocol::Declare {
+            compensate: Some(estop_kernel::ToolName::new("unbook").unwrap()),
+            reversibility: Some(estop_kernel::vocab::Reversibility::Irreversible),
+            ..Default::default()
+        };
+        let refused = route(&shared, Some(&agent), admit(contradicts));
+        assert_eq!(kind(&refused), "invalid_field");
     }
 
     /// The role check is `Verb::allowed_for`, and nothing else: every verb an authenticated

@@ -112,6 +112,7 @@ fn refuse(msg: CoreMsg) {
         CoreMsg::Apply { to, .. }
         | CoreMsg::Wait { to, .. }
         | CoreMsg::Subscribe { to, .. }
+        | CoreMsg::Executor { to, .. }
         | CoreMsg::Query { to, .. }
         | CoreMsg::SgStop { to, .. }
         | CoreMsg::SgDecide { to, .. } => to,

@@ -65,7 +65,8 @@ pub fn run_view(id: &RunId, run: &Run) -> wire::RunView {
             | Status::Compensating
             | Status::Compensated
             | Status::CompensationFailed
-            | Status::NeedsHuman => counts.completed += 1,
+            | Status::NeedsHuman
+            | Status::CompensationSkipped => counts.completed += 1,
             Status::Failed => counts.failed += 1,
             Status::Unknown => counts.unknown += 1,
             Status::Refused(_) => counts.refused += 1,
@@ -184,22 +185,12 @@ pub fn report(
         stopped_at: run.stop.as_ref().map(|s| s.at),
         ..wire::Report::default()
     };
+    r.saga_next = saga_next(run);
     let from = after.map_or(Bound::Unbounded, Bound::Excluded);
     let mut last = None;
     for (key, e) in run.effects.range::<EffectKey, _>((from, Bound::Unbounded)) {
         let section = report::section(e);
-        let item = wire::ReportItem {
-            key: key.to_string(),
-            tool: e.tool.to_string(),
-            status: e.status.kind().as_str().to_string(),
-            reversibility: e.reversibility.as_str().to_string(),
-            compensate: e.compensate.as_ref().map(ToString::to_string),
-            late: e.late,
-            reason: match e.status {
-                Status::Refused(reason) => Some(reason.as_str().to_string()),
-                _ => None,
-            },
-        };
+        let item = report_item(key, e);
         let undo = report::undo(e);
         let copies = if undo == Undo::NotApplicable { 1 } else { 2 };
         if !page.take(copies * item.weight()) {
@@ -226,6 +217,50 @@ pub fn report(
     r
 }
 
+/// One effect as the report shows it, with how far its undo got.
+fn report_item(key: &EffectKey, e: &estop_kernel::state::Effect) -> wire::ReportItem {
+    let c = e.saga.as_deref();
+    wire::ReportItem {
+        key: key.to_string(),
+        tool: e.tool.to_string(),
+        status: e.status.kind().as_str().to_string(),
+        reversibility: e.reversibility.as_str().to_string(),
+        compensate: e.compensate.as_ref().map(ToString::to_string),
+        late: e.late,
+        reason: match e.status {
+            Status::Refused(reason) => Some(reason.as_str().to_string()),
+            _ => None,
+        },
+        attempts: c.map(|c| c.attempts),
+        attempts_max: c.map(|c| c.granted),
+        retry_at: c
+            .filter(|_| e.status == Status::CompensationFailed)
+            .map(|c| c.retry_at),
+        note: c.and_then(|c| c.note.as_deref().map(str::to_string)),
+        by: c.and_then(|c| c.by.as_ref().map(ToString::to_string)),
+    }
+}
+
+/// What the run's reverse saga waits for, while it is open.
+fn saga_next(run: &Run) -> Option<wire::SagaNext> {
+    use estop_kernel::saga::{self, Next};
+    saga::next(run).map(|(key, next)| {
+        let (waits, attempt, at) = match next {
+            Next::InFlight => ("outcome", None, None),
+            Next::Settle => ("settle", None, None),
+            Next::Begin { attempt, at } => ("executor", Some(attempt), Some(at)),
+            Next::Running { attempt } => ("running", Some(attempt), None),
+            Next::Human => ("human", None, None),
+        };
+        wire::SagaNext {
+            key: key.to_string(),
+            waits: waits.into(),
+            attempt,
+            at,
+        }
+    })
+}
+
 /// The wire event for a kernel event, with what the state now says about it, stamped `at`.
 pub fn event(gate: &estop_kernel::Gate, e: &estop_kernel::Event, at: u64) -> Option<wire::Event> {
     use estop_kernel::reply::EventKind;
@@ -241,6 +276,7 @@ pub fn event(gate: &estop_kernel::Gate, e: &estop_kernel::Event, at: u64) -> Opt
         EventKind::Finalizing => wire::EventKind::Finalizing,
         EventKind::Expired => wire::EventKind::Expired,
         EventKind::Settled => wire::EventKind::Settled,
+        EventKind::Compensation => wire::EventKind::Compensation,
         EventKind::Admitted => return None,
     };
     let run = gate.run(&e.run);
@@ -252,6 +288,10 @@ pub fn event(gate: &estop_kernel::Gate, e: &estop_kernel::Event, at: u64) -> Opt
         reason: None,
         decision: None,
         outcome: None,
+        attempt: None,
+        tool: None,
+        args: None,
+        idempotency_key: None,
         at,
     };
     match e.kind {
@@ -284,6 +324,9 @@ pub fn event(gate: &estop_kernel::Gate, e: &estop_kernel::Event, at: u64) -> Opt
         EventKind::Paused | EventKind::Resumed | EventKind::Admitted => {}
         EventKind::Settled => {
             out.reason = run.map(|r| r.state.as_str().to_string());
+        }
+        EventKind::Compensation => {
+            out.outcome = effect.map(|x| x.status.kind().as_str().to_string());
         }
     }
     Some(out)
@@ -324,9 +367,9 @@ pub fn run_state(
         .map(|e| e.run.to_string())
         .collect();
     wire::Ack {
-        late: false,
         state: Some(state.as_str().into()),
         runs,
+        ..wire::Ack::default()
     }
 }
 

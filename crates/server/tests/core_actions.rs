@@ -49,6 +49,7 @@ fn admit_in(run: &str, key: &str, action: PolicyAction) -> Command {
             class: EffectClass::Write,
             reversibility: Reversibility::Undeclared,
             compensate: None,
+            compensate_args: None,
             quorum: 1,
             groups: vec![],
             expiry_ms: 3_600_000,

@@ -48,6 +48,7 @@ fn admit(key: &str) -> Command {
             class: EffectClass::Write,
             reversibility: Reversibility::Undeclared,
             compensate: None,
+            compensate_args: None,
             quorum: 1,
             groups: vec![],
             expiry_ms: 60_000,

@@ -46,6 +46,7 @@ fn held(key: &str, expiry_ms: u64) -> Command {
             class: EffectClass::Write,
             reversibility: Reversibility::Undeclared,
             compensate: None,
+            compensate_args: None,
             quorum: 1,
             groups: vec![],
             expiry_ms,

@@ -79,6 +79,7 @@ pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
                         Tool::Wire,
                         Tool::Payout,
                         Tool::Wipe,
+                        Tool::Charge,
                     ]),
                     u8::from(rng.below(5) == 0),
                 ),

@@ -146,6 +146,18 @@ impl MRun {
             .filter(|e| e.st == St::Held("approval"))
             .count()
     }
+    /// Whether an effect of the run is owed its undo: a compensable call that did or may have
+    /// happened (the sim runs no executor, so an owed saga never settles).
+    fn owes(&self) -> bool {
+        self.effects.values().any(|e| {
+            e.tool.compensable()
+                && matches!(
+                    e.st,
+                    St::Started | St::Done(Outcome::Ok) | St::Done(Outcome::Unknown)
+                )
+        })
+    }
+
     fn flying(&self) -> usize {
         self.effects
             .values()
@@ -156,6 +168,8 @@ impl MRun {
     fn state(&self) -> &'static str {
         match self.stop {
             Some(_) if self.flying() > 0 => "finalizing",
+            // A cancel (never a kill) waits for the reverse saga of what happened.
+            Some((Cause::Cancelled, _)) if self.owes() => "finalizing",
             Some((cause, _)) => cause.terminal(),
             None if self.paused => "paused",
             None => "active",

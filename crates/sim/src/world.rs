@@ -116,16 +116,19 @@ pub enum Tool {
     Payout,
     /// deny
     Wipe,
+    /// allow, write, undone by `uncharge` (the reverse saga after a cancel)
+    Charge,
 }
 
 impl Tool {
-    pub const ALL: [Tool; 6] = [
+    pub const ALL: [Tool; 7] = [
         Tool::Pay,
         Tool::Search,
         Tool::Refund,
         Tool::Wire,
         Tool::Payout,
         Tool::Wipe,
+        Tool::Charge,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -135,17 +138,22 @@ impl Tool {
             Tool::Wire => "wire",
             Tool::Payout => "payout",
             Tool::Wipe => "wipe",
+            Tool::Charge => "charge",
         }
     }
     pub fn action(self) -> PolicyAction {
         match self {
-            Tool::Pay | Tool::Search => PolicyAction::Allow,
+            Tool::Pay | Tool::Search | Tool::Charge => PolicyAction::Allow,
             Tool::Refund | Tool::Wire | Tool::Payout => PolicyAction::Approve,
             Tool::Wipe => PolicyAction::Deny,
         }
     }
     pub fn is_write(self) -> bool {
         self != Tool::Search
+    }
+    /// Whether a cancel owes its undo (the run stays finalizing until the saga settles).
+    pub fn compensable(self) -> bool {
+        self == Tool::Charge
     }
     pub fn quorum(self) -> u32 {
         match self {
@@ -173,8 +181,15 @@ impl Tool {
             } else {
                 EffectClass::Read
             },
-            reversibility: Reversibility::Undeclared,
-            compensate: None,
+            reversibility: if self.compensable() {
+                Reversibility::Compensable
+            } else {
+                Reversibility::Undeclared
+            },
+            compensate: self
+                .compensable()
+                .then(|| ToolName::new("uncharge").expect("valid")),
+            compensate_args: None,
             quorum: self.quorum(),
             groups: self.groups().iter().map(|g| (*g).into()).collect(),
             expiry_ms: self.expiry_ms(),
@@ -626,6 +641,11 @@ pub fn render_reply(r: &Reply) -> String {
         } => format!("run {state} changed={runs_changed}"),
         Reply::Compacted { runs, tombstones } => format!("forgot {runs} dropped {tombstones}"),
         Reply::TokenRecorded => "token recorded".into(),
+        Reply::Compensation {
+            status,
+            attempt,
+            retry_at,
+        } => format!("compensation {status} attempt={attempt} retry_at={retry_at:?}"),
     }
 }
 

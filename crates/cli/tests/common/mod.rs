@@ -57,8 +57,13 @@ impl Daemon {
     }
 
     pub fn start_with(extra: &[&str]) -> Daemon {
+        Daemon::start_with_policy(POLICY, extra)
+    }
+
+    /// A daemon under `policy` (TOML text).
+    pub fn start_with_policy(policy: &str, extra: &[&str]) -> Daemon {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("policy.toml"), POLICY).unwrap();
+        std::fs::write(dir.path().join("policy.toml"), policy).unwrap();
         let mut d = Daemon {
             dir,
             child: None,

@@ -58,6 +58,7 @@ fn admit_as(
             class: EffectClass::Write,
             reversibility: Reversibility::Undeclared,
             compensate: None,
+            compensate_args: None,
             quorum: 1,
             groups: Vec::new(),
             expiry_ms: 1000,

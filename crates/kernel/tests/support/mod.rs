@@ -12,7 +12,7 @@ use estop_kernel::state::Status;
 use estop_kernel::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
 use estop_kernel::{
     Admit, Command, Digest, EffectKey, Gate, Limits, PolicyDecision, Principal, PrincipalName,
-    Record, Role, RunId, RunLimits, Token, TokenAction, TokenChange, ToolName,
+    Record, Role, RunId, RunLimits, SagaAction, Token, TokenAction, TokenChange, ToolName,
 };
 use std::fmt::Write;
 
@@ -49,6 +49,7 @@ pub fn policy(action: PolicyAction) -> PolicyDecision {
         class: EffectClass::Write,
         reversibility: Reversibility::Undeclared,
         compensate: None,
+        compensate_args: None,
         quorum: 1,
         groups: vec![],
         expiry_ms: 1000,
@@ -102,6 +103,13 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
             }
             if let Some(r) = opt("rev") {
                 p.reversibility = Reversibility::parse(r).unwrap();
+            }
+            if let Some(c) = opt("comp") {
+                p.compensate = Some(ToolName::new(c).unwrap());
+                p.reversibility = Reversibility::Compensable;
+            }
+            if let Some(m) = opt("cargs") {
+                p.compensate_args = Some(m.into());
             }
             Command::Admit(Admit {
                 run: run(),
@@ -197,6 +205,36 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
                 .map(|g| g.split(',').map(Into::into).collect())
                 .unwrap_or_default(),
         }),
+        "begin" => Command::CompensationBegin {
+            run: run(),
+            key: key(),
+            attempt: pos[2].parse().expect("attempt"),
+            args: opt("args").map(Into::into),
+        },
+        "end" => Command::CompensationEnd {
+            run: run(),
+            key: key(),
+            attempt: pos[2].parse().expect("attempt"),
+            outcome: Outcome::parse(pos[3]).expect("outcome"),
+            error: opt("error").map(Into::into),
+        },
+        "settle" => Command::Saga {
+            run: run(),
+            key: key(),
+            action: SagaAction::Settle(Outcome::parse(pos[2]).expect("outcome")),
+        },
+        "retry" => Command::Saga {
+            run: run(),
+            key: key(),
+            action: SagaAction::Retry,
+        },
+        "skip" => Command::Saga {
+            run: run(),
+            key: key(),
+            action: SagaAction::Skip {
+                reason: opt("reason").unwrap_or("").into(),
+            },
+        },
         v => panic!("unknown verb {v}"),
     };
     Record {
@@ -284,6 +322,17 @@ pub fn render_reply(r: &Reply) -> String {
             format!("forgot {runs} runs, dropped {tombstones} tombstones")
         }
         Reply::TokenRecorded => "token recorded".into(),
+        Reply::Compensation {
+            status,
+            attempt,
+            retry_at,
+        } => {
+            let mut s = format!("compensation {status} attempt={attempt}");
+            if let Some(at) = retry_at {
+                write!(s, " retry_at={at}").unwrap();
+            }
+            s
+        }
     }
 }
 
@@ -323,7 +372,28 @@ pub fn render_state(gate: &Gate) -> String {
                     write!(s, " approvers={}", names.join(",")).unwrap();
                 }
             }
+            if let Some(c) = &e.compensate {
+                write!(s, " undo={c}").unwrap();
+            }
+            if let Some(m) = &e.compensate_args {
+                write!(s, " undo_args={m}").unwrap();
+                if let Some(a) = &e.args {
+                    write!(s, " args={a}").unwrap();
+                }
+            }
+            if let Some(c) = &e.saga {
+                write!(s, " attempts={}/{}", c.attempts, c.granted).unwrap();
+                if let Some(n) = &c.note {
+                    write!(s, " note={n:?}").unwrap();
+                }
+                if let Some(by) = &c.by {
+                    write!(s, " by={by}").unwrap();
+                }
+            }
             s.push('\n');
+        }
+        if let Some((key, next)) = estop_kernel::saga::next(run) {
+            writeln!(s, "  saga next: {key} {next:?}").unwrap();
         }
     }
     for (id, t) in gate.tombstones() {

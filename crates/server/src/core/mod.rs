@@ -29,6 +29,7 @@ mod compat;
 mod driver;
 mod queries;
 mod recovery;
+mod sagas;
 mod shell;
 mod subscriptions;
 mod timers;
@@ -36,6 +37,7 @@ mod waiters;
 
 use actions::Actions;
 use queries::not_found;
+use sagas::{Executor, Offered};
 use subscriptions::Subscriber;
 use waiters::Waiter;
 
@@ -108,6 +110,16 @@ pub enum CoreMsg {
     Unsubscribe {
         run: RunId,
         conn: u64,
+    },
+    /// `compensations`: the connection runs compensations (of `run`, or of every run its
+    /// principal may see) until it ends (`sagas`).
+    Executor {
+        principal: Principal,
+        run: Option<RunId>,
+        conn: u64,
+        out: Outbox,
+        backlog: Arc<AtomicUsize>,
+        to: ReplyTo,
     },
     Disconnect {
         conn: u64,
@@ -251,7 +263,10 @@ pub fn kernel_error(e: &KernelError) -> (ErrorCode, String) {
         | KernelError::NotStarted { .. }
         | KernelError::AlreadyCompleted { .. }
         | KernelError::ParentMismatch { .. }
-        | KernelError::InvalidState { .. } => ErrorCode::Conflict,
+        | KernelError::InvalidState { .. }
+        // A step of the reverse saga that is not due or not in a state the action takes
+        // (docs/PROTOCOL.md, `conflict`): the message says what comes first.
+        | KernelError::Saga { .. } => ErrorCode::Conflict,
         KernelError::IllegalTransition { .. } => ErrorCode::Internal,
     };
     (code, e.to_string())
@@ -290,6 +305,15 @@ pub struct Core {
     subscription_shares: Shares,
     timers: BTreeSet<(u64, RunId)>,
     timer_of: HashMap<RunId, u64>,
+    /// Connections that run compensations (`sagas`).
+    executors: Vec<Executor>,
+    /// The attempt each run's saga head was offered, and to whom.
+    offered: HashMap<RunId, Offered>,
+    /// Runs whose saga may have something to offer, looked at in `fire_timers`.
+    saga_due: BTreeSet<RunId>,
+    /// When a failed compensation's backoff ends (gate time), by run; stale entries are
+    /// looked at once and dropped.
+    saga_timers: BTreeSet<(u64, RunId)>,
     next_compaction: u64,
     /// After a failed snapshot: when (monotonic ms) the next may be tried, and the wait after
     /// that one.
@@ -324,6 +348,10 @@ impl Core {
             subscription_shares: Shares::new("subscriptions", opts.subscriptions),
             timers: BTreeSet::new(),
             timer_of: HashMap::new(),
+            executors: Vec::new(),
+            offered: HashMap::new(),
+            saga_due: BTreeSet::new(),
+            saga_timers: BTreeSet::new(),
             next_compaction: 0,
             snapshot_retry: None,
             next_recovery: 0,
@@ -331,6 +359,7 @@ impl Core {
             obs: crate::observe::Observer::default(),
         };
         core.rearm_all_timers();
+        core.restart_sagas();
         core
     }
 
@@ -416,7 +445,8 @@ impl Core {
                 .max(COMPACTION_PERIOD_MIN_MS),
         );
         let recovery = (!self.writing).then(|| self.next_recovery.saturating_sub(mono));
-        [timer, waiter, compaction, recovery]
+        let saga = self.saga_timeout(gate_now);
+        [timer, waiter, compaction, recovery, saga]
             .into_iter()
             .flatten()
             .min()
@@ -457,11 +487,29 @@ impl Core {
                 self.subscribe(run, sub, to);
             }
             CoreMsg::Unsubscribe { run, conn } => self.unsubscribe(&run, conn),
+            CoreMsg::Executor {
+                principal,
+                run,
+                conn,
+                out,
+                backlog,
+                to,
+            } => {
+                let ex = Executor {
+                    conn,
+                    principal,
+                    run,
+                    out,
+                    backlog,
+                };
+                self.add_executor(ex, to);
+            }
             CoreMsg::Disconnect { conn } => {
                 // Its waits end with it: nobody is left to answer, and each would keep the
                 // connection's writer (and its descriptors and slot) alive until it timed out.
                 self.disconnect_waiters(conn);
                 self.disconnect_subscriptions(conn);
+                self.executor_gone(conn);
             }
             CoreMsg::Query {
                 principal,
@@ -548,6 +596,7 @@ impl Core {
                 self.rearm(&run);
             }
             self.publish(&applied.events);
+            self.saga_touched(&applied.events);
             let after = self.after();
             let actions = &mut self.actions;
             self.obs.changed(
@@ -591,6 +640,16 @@ impl Core {
                 Answer::Decided(render::decided(&d))
             }
             Reply::RunState { state, .. } => Answer::Ack(render::run_state(state, &events)),
+            Reply::Compensation {
+                status,
+                attempt,
+                retry_at,
+            } => Answer::Ack(wire::Ack {
+                status: Some(status.as_str().into()),
+                attempt: Some(attempt),
+                retry_at,
+                ..wire::Ack::default()
+            }),
             Reply::Compacted { .. } | Reply::TokenRecorded => Answer::Ack(wire::Ack::default()),
         }
     }

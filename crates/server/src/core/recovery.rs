@@ -71,6 +71,7 @@ impl Core {
         if r.writing {
             self.writing = true;
             self.rearm_all_timers();
+            self.restart_sagas();
         }
     }
 }

@@ -52,6 +52,9 @@ impl Core {
     /// shell was to hand it an event: its subscription of `run` ends.
     pub fn subscriber_gone(&mut self, run: &RunId, conn: u64) {
         self.unsubscribe(run, conn);
+        // An executor that stops reading misses its `compensate` events: what it was offered
+        // goes to another.
+        self.executor_gone(conn);
     }
 
     /// The subscriptions of a connection that is gone end with it.

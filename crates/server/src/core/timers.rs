@@ -53,6 +53,7 @@ impl Core {
             self.rearm(&run);
         }
         self.expire_waiters();
+        self.offer_due();
         // Retention and snapshots.
         if now >= self.next_compaction && self.writing {
             self.next_compaction = now + self.opts.compaction_period_ms();

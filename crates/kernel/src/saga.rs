@@ -1,0 +1,475 @@
+//! The reverse saga (SPEC G8, §4.8): after a cancel (never after a kill) a run stays
+//! `finalizing` while its completed compensable effects are undone, newest first, one at a time.
+//!
+//! The saga is computed from the run's effects, never stored beside them: its members are the
+//! effects that name a compensating tool and did (or may have) happen, ordered by admission
+//! (token serial), and its *head* is the newest member not yet settled. Walking strictly one
+//! at a time is what makes "newest first" and "unknown outcomes first" hold: a member whose
+//! outcome is unknown is the head until an operator settles it, so nothing older is
+//! compensated before it. An executor begins an attempt on the head (`CompensationBegin`,
+//! numbered, so a repeated begin or end is recognised and applied once) and reports its end
+//! (`CompensationEnd`); a failed attempt is retried after an exponential backoff, up to a
+//! bound, then a human is asked (`needs_human`). Time is the command's `now`, so replay is
+//! exact; the bounds are constants for the same reason (a changed setting must not change
+//! the past).
+
+use crate::command::SagaAction;
+use crate::gate::{Gate, Sink, check_effect, event, settles};
+use crate::ids::{EffectKey, Principal, Role, RunId};
+use crate::reply::{EventKind, KernelError, Reply};
+use crate::state::{Compensation, Effect, Run, Status};
+use crate::vocab::{Outcome, RunState, StopCause};
+
+/// Attempts of one compensation before a human is asked.
+pub const COMPENSATION_ATTEMPTS_MAX: u32 = 5;
+/// The wait after the first failed attempt; it doubles after each further failure.
+pub const COMPENSATION_BACKOFF_MS: u64 = 1_000;
+/// The longest wait between two attempts.
+pub const COMPENSATION_BACKOFF_MAX_MS: u64 = 300_000;
+
+/// The wait after `failed` failed attempts (≥ 1): 1 s, 2 s, 4 s, … capped at 5 minutes.
+pub fn backoff_ms(failed: u32) -> u64 {
+    let doublings = failed.saturating_sub(1).min(32);
+    COMPENSATION_BACKOFF_MS
+        .saturating_mul(1u64 << doublings)
+        .min(COMPENSATION_BACKOFF_MAX_MS)
+}
+
+/// The idempotency key the compensating call carries downstream: the same for every attempt,
+/// so a retry of an attempt that did land is deduplicated by the system it reaches.
+pub fn derived_key(key: &EffectKey) -> String {
+    format!("{key}/undo")
+}
+
+/// Whether the effect belongs to the saga: it names a compensating tool and it did, or may
+/// have, happened (a failed or refused call is not undone; one still in flight may yet land).
+pub fn member(e: &Effect) -> bool {
+    e.compensate.is_some()
+        && matches!(
+            e.status,
+            Status::Started
+                | Status::Unknown
+                | Status::Completed
+                | Status::Compensating
+                | Status::Compensated
+                | Status::CompensationFailed
+                | Status::NeedsHuman
+                | Status::CompensationSkipped
+        )
+}
+
+/// Whether a member still needs something (an outcome, a compensation, a human).
+fn open(e: &Effect) -> bool {
+    open_as(e, e.status)
+}
+
+/// Whether the effect would be an open member with status `status`.
+fn open_as(e: &Effect, status: Status) -> bool {
+    e.compensate.is_some()
+        && matches!(
+            status,
+            Status::Started
+                | Status::Unknown
+                | Status::Completed
+                | Status::Compensating
+                | Status::CompensationFailed
+                | Status::NeedsHuman
+        )
+}
+
+/// Whether the run's saga would still keep it `finalizing` once effect `key` moves to `to`
+/// (asked before the move, so the run's settling is checked before anything changes).
+pub fn open_after(run: &Run, key: &EffectKey, to: Status) -> bool {
+    applies(run)
+        && run
+            .effects
+            .iter()
+            .any(|(k, e)| if k == key { open_as(e, to) } else { open(e) })
+}
+
+/// Whether the run runs a saga at all: it was cancelled (a kill, a deadline, a budget or a
+/// close compensates nothing).
+pub fn applies(run: &Run) -> bool {
+    run.stop
+        .as_ref()
+        .is_some_and(|s| s.cause == StopCause::Cancelled)
+}
+
+/// Whether anything of the run would keep a saga open (checked when the cancel lands).
+pub fn owed(run: &Run) -> bool {
+    run.effects.values().any(open)
+}
+
+/// Whether the run's saga keeps it `finalizing`.
+pub fn unsettled(run: &Run) -> bool {
+    applies(run) && owed(run)
+}
+
+/// The saga's head: the newest open member (by admission), if the run runs a saga.
+pub fn head(run: &Run) -> Option<(&EffectKey, &Effect)> {
+    if !applies(run) {
+        return None;
+    }
+    run.effects
+        .iter()
+        .filter(|(_, e)| open(e))
+        .max_by_key(|(_, e)| e.token.map(|t| t.serial))
+}
+
+/// The members of a run's saga, newest first (what the report lists as its timeline order).
+pub fn members(run: &Run) -> Vec<(&EffectKey, &Effect)> {
+    let mut v: Vec<_> = run.effects.iter().filter(|(_, e)| member(e)).collect();
+    v.sort_by_key(|(_, e)| std::cmp::Reverse(e.token.map(|t| t.serial)));
+    v
+}
+
+/// What the saga of a run waits for next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// The head is in flight: its outcome is awaited from the agent.
+    InFlight,
+    /// The head's outcome is unknown: an operator must settle it.
+    Settle,
+    /// An executor may begin attempt `attempt` from `at` on.
+    Begin { attempt: u32, at: u64 },
+    /// An attempt is under way.
+    Running { attempt: u32 },
+    /// The bound was reached or the compensation's outcome is unknown: an operator decides.
+    Human,
+}
+
+/// The head and what it waits for, if the run's saga is open.
+pub fn next(run: &Run) -> Option<(&EffectKey, Next)> {
+    let (key, e) = head(run)?;
+    let c = e.saga.as_deref();
+    let attempts = c.map_or(0, |c| c.attempts);
+    let next = match e.status {
+        Status::Started => Next::InFlight,
+        Status::Unknown => Next::Settle,
+        Status::Completed => Next::Begin {
+            attempt: attempts + 1,
+            at: c.map_or(0, |c| c.retry_at),
+        },
+        Status::CompensationFailed => Next::Begin {
+            attempt: attempts + 1,
+            at: c.map_or(0, |c| c.retry_at),
+        },
+        Status::Compensating => Next::Running { attempt: attempts },
+        Status::NeedsHuman => Next::Human,
+        s => unreachable!("an open member is never {}", s.kind()),
+    };
+    Some((key, next))
+}
+
+/// A compensation not yet attempted, with the full budget of attempts.
+fn fresh() -> Box<Compensation> {
+    Box::new(Compensation {
+        granted: COMPENSATION_ATTEMPTS_MAX,
+        ..Compensation::default()
+    })
+}
+
+fn saga_error(run: &RunId, key: &EffectKey, what: impl Into<String>) -> KernelError {
+    KernelError::Saga {
+        run: run.clone(),
+        key: key.clone(),
+        what: what.into(),
+    }
+}
+
+fn reply(e: &Effect) -> Reply {
+    let c = e.saga.as_deref();
+    Reply::Compensation {
+        status: e.status.kind(),
+        attempt: c.map_or(0, |c| c.attempts),
+        retry_at: (e.status == Status::CompensationFailed).then(|| c.map_or(0, |c| c.retry_at)),
+    }
+}
+
+/// Whether an operator's retry or skip applies to an effect in `status`: a retry to an undo that
+/// failed or waits for a human, a skip to those and to one not yet undone.
+fn takes(action: &SagaAction, status: Status) -> bool {
+    match action {
+        SagaAction::Settle(_) => status == Status::Unknown,
+        SagaAction::Retry => matches!(status, Status::CompensationFailed | Status::NeedsHuman),
+        SagaAction::Skip { .. } => matches!(
+            status,
+            Status::Completed | Status::CompensationFailed | Status::NeedsHuman
+        ),
+    }
+}
+
+/// When attempt `attempt` of the compensation of `key` may begin, or why it may not: it must
+/// be the saga's head, waiting for that very attempt.
+fn due(
+    run: &Run,
+    run_id: &RunId,
+    key: &EffectKey,
+    effect: &Effect,
+    attempt: u32,
+) -> Result<u64, KernelError> {
+    match next(run) {
+        Some((head, Next::Begin { attempt: due, at })) if head == key => {
+            if attempt != due {
+                return Err(saga_error(
+                    run_id,
+                    key,
+                    format!("the next attempt of its compensation is {due}, not {attempt}"),
+                ));
+            }
+            Ok(at)
+        }
+        Some((head, _)) if head == key => Err(saga_error(
+            run_id,
+            key,
+            format!(
+                "its compensation cannot begin while it is {}",
+                effect.status.kind()
+            ),
+        )),
+        Some((head, _)) => Err(saga_error(
+            run_id,
+            key,
+            format!("the saga compensates newest first: {head} comes before it"),
+        )),
+        None => Err(saga_error(
+            run_id,
+            key,
+            "it is not awaiting compensation (only a cancelled run's open compensable effects \
+             are)",
+        )),
+    }
+}
+
+/// The state the run reaches once effect `key` moves to `to`, if that settles it; checked
+/// against the table before anything changes.
+fn settles_after(
+    run: &Run,
+    run_id: &RunId,
+    key: &EffectKey,
+    to: Status,
+) -> Result<Option<RunState>, KernelError> {
+    settles(
+        run_id,
+        run.state,
+        run.in_flight,
+        open_after(run, key, to),
+        run.stop.as_ref(),
+    )
+}
+
+impl Gate {
+    #[allow(clippy::too_many_arguments)]
+    /// `CompensationBegin`: attempt `attempt` of the head's compensation begins. The same
+    /// begin again (a retried request) answers as it did and changes nothing.
+    pub(crate) fn compensation_begin(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+        attempt: u32,
+        args: &Option<Box<str>>,
+        ev: &mut Sink,
+    ) -> Result<(Reply, bool), KernelError> {
+        crate::gate::bounded(args, self.limits.args_bytes_max, "args_bytes_max")?;
+        let run = self.visible_run(p, run_id)?;
+        let effect = run
+            .effects
+            .get(key)
+            .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        let attempts = effect.saga.as_ref().map_or(0, |c| c.attempts);
+        if effect.status == Status::Compensating && attempts == attempt {
+            return Ok((reply(effect), false));
+        }
+        let at = due(run, run_id, key, effect, attempt)?;
+        if now < at {
+            return Err(saga_error(
+                run_id,
+                key,
+                format!("the retry is due at {at} (backoff); try again then"),
+            ));
+        }
+        check_effect(run_id, key, Some(effect.status), Status::Compensating)?;
+        let e = self.effect_mut(run_id, key);
+        let c = e.saga.get_or_insert_with(fresh);
+        c.attempts = attempt;
+        c.args = args.clone();
+        e.status = Status::Compensating;
+        e.updated_at = now;
+        ev.push(|| event(run_id, Some(key), EventKind::Compensation));
+        Ok((reply(e), true))
+    }
+
+    /// `CompensationEnd`: attempt `attempt` ended. The same report again changes nothing.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn compensation_end(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+        attempt: u32,
+        outcome: Outcome,
+        error: &Option<Box<str>>,
+        ev: &mut Sink,
+    ) -> Result<(Reply, bool), KernelError> {
+        crate::gate::bounded(error, self.limits.result_bytes_max, "result_bytes_max")?;
+        let run = self.visible_run(p, run_id)?;
+        let effect = run
+            .effects
+            .get(key)
+            .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        let Some(c) = effect.saga.as_deref() else {
+            return Err(saga_error(run_id, key, "no compensation of it began"));
+        };
+        if attempt != c.attempts || effect.status != Status::Compensating {
+            if attempt <= c.attempts && effect.status != Status::Compensating {
+                // A repeated report of an attempt already ended: its answer is the current one.
+                return Ok((reply(effect), false));
+            }
+            return Err(saga_error(
+                run_id,
+                key,
+                format!(
+                    "attempt {attempt} of its compensation is not under way (attempt {} is, \
+                     and it is {})",
+                    c.attempts,
+                    effect.status.kind()
+                ),
+            ));
+        }
+        let to = match outcome {
+            Outcome::Ok => Status::Compensated,
+            // Never a blind retry: whether the undo landed is for a human to find out.
+            Outcome::Unknown => Status::NeedsHuman,
+            Outcome::Error if attempt >= c.granted => Status::NeedsHuman,
+            Outcome::Error => Status::CompensationFailed,
+        };
+        check_effect(run_id, key, Some(effect.status), to)?;
+        let settled = settles_after(run, run_id, key, to)?;
+        let e = self.effect_mut(run_id, key);
+        let c = e.saga.as_mut().expect("a compensation began");
+        c.note = error.clone();
+        if to == Status::CompensationFailed {
+            c.retry_at = now.saturating_add(backoff_ms(attempt));
+        }
+        e.status = to;
+        e.updated_at = now;
+        let answer = reply(e);
+        ev.push(|| event(run_id, Some(key), EventKind::Compensation));
+        self.settle_saga(run_id, settled, ev);
+        Ok((answer, true))
+    }
+
+    /// `Saga`: an operator settles an unknown outcome, retries or skips a compensation.
+    pub(crate) fn saga_action(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+        action: &SagaAction,
+        ev: &mut Sink,
+    ) -> Result<(Reply, bool), KernelError> {
+        if p.role != Role::Operator {
+            return Err(KernelError::Forbidden);
+        }
+        if let SagaAction::Skip { reason } = action {
+            crate::gate::bounded(
+                &Some(reason.clone()),
+                self.limits.reason_bytes_max,
+                "reason_bytes_max",
+            )?;
+            if reason.trim().is_empty() {
+                return Err(saga_error(run_id, key, "a skip needs a reason"));
+            }
+        }
+        let run = self.visible_run(p, run_id)?;
+        let effect = run
+            .effects
+            .get(key)
+            .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        let to = match action {
+            SagaAction::Settle(Outcome::Ok) => Status::Completed,
+            SagaAction::Settle(Outcome::Error) => Status::Failed,
+            SagaAction::Settle(Outcome::Unknown) => {
+                return Err(saga_error(
+                    run_id,
+                    key,
+                    "settling says whether it happened: ok or error",
+                ));
+            }
+            SagaAction::Retry => Status::CompensationFailed,
+            SagaAction::Skip { .. } => Status::CompensationSkipped,
+        };
+        let what = match action {
+            SagaAction::Settle(_) => "settle",
+            SagaAction::Retry => "retry",
+            SagaAction::Skip { .. } => "skip",
+        };
+        if matches!(action, SagaAction::Settle(_)) {
+            if effect.status != Status::Unknown {
+                return Err(saga_error(
+                    run_id,
+                    key,
+                    format!(
+                        "only an unknown outcome is settled; it is {}",
+                        effect.status.kind()
+                    ),
+                ));
+            }
+        } else if effect.compensate.is_none() {
+            return Err(saga_error(
+                run_id,
+                key,
+                format!("{what}: it declares no compensating tool"),
+            ));
+        } else if !takes(action, effect.status) {
+            // Refused here, as an operator's mistake, before the table would call it a bug.
+            return Err(saga_error(
+                run_id,
+                key,
+                format!("{what}: it is {}", effect.status.kind()),
+            ));
+        }
+        check_effect(run_id, key, Some(effect.status), to)?;
+        let settled = settles_after(run, run_id, key, to)?;
+        let e = self.effect_mut(run_id, key);
+        match action {
+            SagaAction::Settle(_) => {}
+            SagaAction::Retry => {
+                let c = e.saga.get_or_insert_with(fresh);
+                c.granted = c.attempts + COMPENSATION_ATTEMPTS_MAX;
+                c.retry_at = now;
+                c.by = Some(p.name.clone());
+            }
+            SagaAction::Skip { reason } => {
+                let c = e.saga.get_or_insert_with(fresh);
+                c.note = Some(reason.clone());
+                c.by = Some(p.name.clone());
+            }
+        }
+        e.status = to;
+        e.updated_at = now;
+        let answer = reply(e);
+        ev.push(|| event(run_id, Some(key), EventKind::Compensation));
+        self.settle_saga(run_id, settled, ev);
+        Ok((answer, true))
+    }
+
+    /// A finalizing run whose saga settled (and with nothing in flight) reaches its end,
+    /// `settled` as `settles_after` planned it before the change.
+    fn settle_saga(&mut self, run_id: &RunId, settled: Option<RunState>, ev: &mut Sink) {
+        if let Some(to) = settled {
+            let run = self.runs.get_mut(run_id).expect("run exists");
+            run.state = to;
+            ev.push(|| event(run_id, None, EventKind::Settled));
+        }
+    }
+
+    /// The saga's head and what it waits for (`None`: no saga, or it is settled).
+    pub fn saga_next(&self, run_id: &RunId) -> Option<(&EffectKey, Next)> {
+        next(self.runs.get(run_id)?)
+    }
+}

@@ -1,0 +1,177 @@
+//! `compensate_args`: the CEL expression that builds a compensating call's arguments from the
+//! forward call's `args` and its recorded `result` (SPEC §4.8). It is compiled when the policy
+//! loads (a typo is a load error, not a failed undo at cancel time), recorded as text with each
+//! admission, and evaluated by the shell only when the saga reaches the effect, so a policy
+//! edited later never changes how an admitted effect is undone.
+//!
+//! Variables: `args` (the forward call's arguments), `result` (its recorded result parsed as
+//! JSON, or the text itself when it is not JSON; `null` when none was reported), `tool` (the
+//! forward tool). The expression must give a map, which becomes the compensating call's JSON
+//! arguments, e.g. `{"charge_id": result.id, "amount": args.amount}`.
+
+use std::sync::Arc;
+
+use cel::{Context, Env, Program, Value};
+
+use crate::when::{WHEN_BYTES_MAX, json_to_cel};
+
+/// A compiled `compensate_args`.
+#[derive(Debug)]
+pub struct Mapping {
+    program: Program,
+}
+
+impl Mapping {
+    /// Compiles `source`; the error says what is wrong with it.
+    pub fn compile(env: &Env, source: &str) -> Result<Mapping, String> {
+        if source.trim().is_empty() {
+            return Err(
+                "`compensate_args` is empty; remove it or write a map such as \
+                 {\"id\": result.id}"
+                    .into(),
+            );
+        }
+        if source.len() > WHEN_BYTES_MAX {
+            return Err(format!(
+                "`compensate_args` is {} bytes, longer than the limit of {WHEN_BYTES_MAX}",
+                source.len()
+            ));
+        }
+        env.compile(source)
+            .map(|program| Mapping { program })
+            .map_err(|e| format!("`compensate_args` {source:?} does not compile: {e}"))
+    }
+
+    /// The compensating call's arguments for one forward call. Anything but a map of JSON
+    /// values is an error (the saga then asks a human rather than guess).
+    pub fn eval(
+        &self,
+        env: &Arc<Env>,
+        tool: &str,
+        args: &serde_json::Value,
+        result: Option<&str>,
+    ) -> Result<serde_json::Value, String> {
+        let result = match result {
+            None => serde_json::Value::Null,
+            Some(text) => serde_json::from_str(text)
+                .unwrap_or_else(|_| serde_json::Value::String(text.to_string())),
+        };
+        let mut context = Context::with_env(Arc::clone(env));
+        context.add_variable_from_value("tool", tool);
+        context.add_variable_from_value("args", json_to_cel(args, 0)?);
+        context.add_variable_from_value("result", json_to_cel(&result, 0)?);
+        let value = self
+            .program
+            .execute(&context)
+            .map_err(|e| format!("`compensate_args` failed: {e}"))?;
+        match value {
+            Value::Map(_) => cel_to_json(&value, 0),
+            other => Err(format!(
+                "`compensate_args` gave {}, not a map of arguments",
+                other.type_of()
+            )),
+        }
+    }
+}
+
+/// Evaluates a recorded `compensate_args` text (as the saga does, long after the admission).
+pub fn compensation_args(
+    source: &str,
+    tool: &str,
+    args: &serde_json::Value,
+    result: Option<&str>,
+) -> Result<serde_json::Value, String> {
+    let env = crate::cel_env();
+    Mapping::compile(&env, source)?.eval(&env, tool, args, result)
+}
+
+/// Converts a CEL value back to JSON: only what JSON has (no bytes, durations or functions).
+fn cel_to_json(value: &Value, depth: usize) -> Result<serde_json::Value, String> {
+    use serde_json::Value as J;
+    if depth > crate::ARGS_DEPTH_MAX {
+        return Err("`compensate_args` nests too deep".into());
+    }
+    Ok(match value {
+        Value::Null => J::Null,
+        Value::Bool(b) => J::Bool(*b),
+        Value::Int(i) => J::from(*i),
+        Value::UInt(u) => J::from(*u),
+        Value::Float(f) => serde_json::Number::from_f64(*f)
+            .map(J::Number)
+            .ok_or_else(|| format!("`compensate_args` gave the number {f}, which JSON lacks"))?,
+        Value::String(s) => J::String(s.to_string()),
+        Value::List(items) => J::Array(
+            items
+                .iter()
+                .map(|v| cel_to_json(v, depth + 1))
+                .collect::<Result<_, _>>()?,
+        ),
+        Value::Map(m) => {
+            let mut out = serde_json::Map::new();
+            for (k, v) in m.map.iter() {
+                let cel::objects::Key::String(k) = k else {
+                    return Err(format!(
+                        "`compensate_args` has the key {k:?}; argument names are strings"
+                    ));
+                };
+                out.insert(k.to_string(), cel_to_json(v, depth + 1)?);
+            }
+            J::Object(out)
+        }
+        other => {
+            return Err(format!(
+                "`compensate_args` gave a {}, which JSON lacks",
+                other.type_of()
+            ));
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn builds_the_undo_from_the_arguments_and_the_result() {
+        let got = compensation_args(
+            r#"{"charge": result.id, "amount": args.amount, "why": "cancelled"}"#,
+            "refund",
+            &json!({"amount": 250, "to": "a@b"}),
+            Some(r#"{"id": "ch_1"}"#),
+        );
+        assert_eq!(
+            got,
+            Ok(json!({"charge": "ch_1", "amount": 250, "why": "cancelled"}))
+        );
+    }
+
+    #[test]
+    fn a_result_that_is_not_json_is_its_text_and_none_is_null() {
+        let src = r#"{"r": result}"#;
+        let args = json!({});
+        assert_eq!(
+            compensation_args(src, "t", &args, Some("ok 42")),
+            Ok(json!({"r": "ok 42"}))
+        );
+        assert_eq!(
+            compensation_args(src, "t", &args, None),
+            Ok(json!({"r": null}))
+        );
+    }
+
+    #[test]
+    fn anything_but_a_map_or_a_missing_field_is_an_error() {
+        let args = json!({"amount": 1});
+        let err = |src| compensation_args(src, "t", &args, None).unwrap_err();
+        assert!(
+            err("args.amount").contains("not a map"),
+            "{}",
+            err("args.amount")
+        );
+        assert!(err(r#"{"x": args.missing}"#).contains("failed"));
+        assert!(err(r#"{1: 2}"#).contains("argument names are strings"));
+        assert!(err("").contains("empty"));
+        assert!(err("{").contains("does not compile"));
+    }
+}
