@@ -122,6 +122,7 @@ fn refuse(msg: CoreMsg) {
         | CoreMsg::Feed { .. }
         | CoreMsg::Stats { .. }
         | CoreMsg::LedgerFailed
+        | CoreMsg::CatchUp
         | CoreMsg::Shutdown { .. } => return,
     };
     to.out.release(Out::Answer {

@@ -25,8 +25,10 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 mod actions;
+mod catchup;
 mod compat;
 mod driver;
+mod pgshell;
 mod queries;
 mod recovery;
 mod shell;
@@ -43,6 +45,7 @@ pub use crate::answer::{Answer, Out, unavailable};
 pub use crate::outbox::Outbox;
 pub use actions::Action;
 pub use compat::{SOUNDGATE_PRINCIPAL_NAME, soundgate_principal};
+pub use pgshell::{PgOpenFn, PgShell};
 pub use recovery::Reopened;
 pub use shell::{OpenFn, Shell};
 
@@ -142,6 +145,9 @@ pub enum CoreMsg {
     },
     /// The ledger's sync thread reported a failure.
     LedgerFailed,
+    /// Another node committed records (the PostgreSQL store): the burst this message starts
+    /// catches up with them (`PgShell::begin`); the core itself has nothing more to do.
+    CatchUp,
     /// Finish what is in flight, make it durable, and stop.
     Shutdown {
         done: mpsc::Sender<()>,
@@ -490,6 +496,7 @@ impl Core {
                 self.actions.push(Action::Stats { reply, stats });
             }
             CoreMsg::LedgerFailed => self.fail_journal(),
+            CoreMsg::CatchUp => {}
             CoreMsg::Shutdown { done } => {
                 if self.writing {
                     self.actions.push(Action::Flush);
