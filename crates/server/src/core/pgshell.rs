@@ -83,9 +83,21 @@ impl PgShell {
     }
 
     /// Starts a burst: its transaction, the writers' lock, and the records committed
-    /// elsewhere since this node's last, applied first.
+    /// elsewhere since this node's last, applied first. A connection found broken here is
+    /// replaced at once (the failure's recovery) and the burst begins on the new one; with
+    /// the database still down the core stays failed closed and answers `unavailable`.
     pub fn begin(&mut self) {
         self.wake.store(false, Ordering::SeqCst);
+        for _ in 0..2 {
+            self.try_begin();
+            self.execute();
+            if self.in_tx || !self.core.is_writing() {
+                return;
+            }
+        }
+    }
+
+    fn try_begin(&mut self) {
         if !self.core.is_writing() {
             return; // Down: the core answers `unavailable`; recovery runs on its timer.
         }
@@ -110,11 +122,17 @@ impl PgShell {
             }
             Err(e) => self.fail(&format!("starting a transaction: {e}")),
         }
-        self.execute();
     }
 
     /// Handles one message at `now` and does what it asks; returns true to stop.
     pub fn handle(&mut self, now: Now, msg: CoreMsg) -> bool {
+        if matches!(msg, CoreMsg::CatchUp) {
+            // Taken in the middle of a burst, it needs no catch-up of its own: while this
+            // burst holds the writers' lock no other node commits, so what it announces was
+            // read at `begin`. Cleared here too, else the wake-up flag would stay set with no
+            // message queued, and the listener would never wake the core again.
+            self.wake.store(false, Ordering::SeqCst);
+        }
         let stop = self.core.handle(now, msg);
         self.execute();
         stop
