@@ -9,7 +9,6 @@ use crate::journal::replay_record;
 use estop_kernel::record_codec::RecordDecoder;
 use estop_kernel::{Gate, Limits};
 use postgres::{Client, Config, GenericClient, NoTls};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// The schema version this binary writes and reads (`estop_schema`).
@@ -55,6 +54,8 @@ pub enum StoreError {
     Newer { found: i32, known: i32 },
     #[error("the ledger in the database cannot be replayed: {0}")]
     Corrupt(String),
+    #[error("cannot start the node: {0}")]
+    Node(String),
 }
 
 impl StoreError {
@@ -64,6 +65,7 @@ impl StoreError {
             StoreError::Db(_) => "store_unavailable",
             StoreError::Newer { .. } => "store_schema_newer",
             StoreError::Corrupt(_) => "store_corrupt",
+            StoreError::Node(_) => "setup",
         }
     }
 }
@@ -149,8 +151,7 @@ pub fn records_after(
         &[&(seq as i64)],
     )?;
     let mut out = Vec::with_capacity(rows.len());
-    let mut expect = seq + 1;
-    for row in rows {
+    for (expect, row) in (seq + 1..).zip(rows) {
         let got = row.get::<_, i64>(0) as u64;
         if got != expect {
             return Err(StoreError::Corrupt(format!(
@@ -158,7 +159,6 @@ pub fn records_after(
             )));
         }
         out.push((got, row.get::<_, Vec<u8>>(1)));
-        expect += 1;
     }
     Ok(out)
 }
@@ -235,98 +235,4 @@ pub fn open(target: &Target, limits: &Limits) -> Result<(Client, Gate, u64), Sto
     migrate(&mut client)?;
     let (gate, last) = load(&mut client, limits)?;
     Ok((client, gate, last))
-}
-
-/// How often a node looks for other nodes' records without a notification (a fallback: a
-/// notification lost with a connection is made up by a catch-up at every reconnect already).
-const POLL: Duration = Duration::from_secs(5);
-/// The listener's pause before it reconnects to a database that is down.
-const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
-
-/// The core's shell over the database at `url`, with the listener that wakes it when other
-/// nodes commit (a thread of its own, with its own connection).
-pub fn shell(
-    opts: &crate::ServeOptions,
-    url: &str,
-    durable_tx: &std::sync::Arc<tokio::sync::watch::Sender<crate::durable::DurableState>>,
-    core_tx: &std::sync::mpsc::Sender<crate::core::CoreMsg>,
-) -> Result<crate::core::PgShell, crate::ServeError> {
-    use std::sync::Arc;
-    let target = Target::parse(url)?;
-    let mut node = [0u8; 8];
-    getrandom::fill(&mut node)
-        .map_err(|e| crate::ServeError::Setup(format!("no randomness for the node id: {e}")))?;
-    let node: String = node.iter().map(|b| format!("{b:02x}")).collect();
-    let wake = Arc::new(AtomicBool::new(false));
-    let mut core = opts.core.clone();
-    // The database keeps every record; snapshots of the gate are not written there yet.
-    core.snapshot_every_records = u64::MAX;
-    let limits = opts.limits.clone();
-    let open_target = target.clone();
-    let open: crate::core::PgOpenFn = Box::new(move || {
-        let opened = open(&open_target, &limits)?;
-        crate::log::info(&format!(
-            "store: PostgreSQL schema version {SCHEMA_VERSION}, gate rebuilt from {} records",
-            opened.2
-        ));
-        Ok(opened)
-    });
-    let planted = cfg!(debug_assertions)
-        && std::env::var("ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT").is_ok_and(|v| v == "1");
-    let shell = crate::core::PgShell::new(
-        core,
-        Arc::clone(durable_tx),
-        open,
-        Arc::clone(&wake),
-        node.clone(),
-        planted,
-    )?;
-    let core_tx = core_tx.clone();
-    std::thread::Builder::new()
-        .name("estop-pg-listen".into())
-        .spawn(move || listen(&target, &node, &wake, &core_tx))
-        .map_err(|e| crate::ServeError::Setup(format!("cannot start the listener: {e}")))?;
-    Ok(shell)
-}
-
-/// Wakes the core to catch up, unless a wake-up is already queued; false once the core is gone.
-fn poke(wake: &AtomicBool, core_tx: &std::sync::mpsc::Sender<crate::core::CoreMsg>) -> bool {
-    if wake.swap(true, Ordering::SeqCst) {
-        return true;
-    }
-    core_tx.send(crate::core::CoreMsg::CatchUp).is_ok()
-}
-
-/// The listener: LISTENs on `CHANNEL` and wakes the core for every other node's commit, and
-/// every `POLL` in any case; reconnects while the database is down.
-fn listen(
-    target: &Target,
-    node: &str,
-    wake: &AtomicBool,
-    core_tx: &std::sync::mpsc::Sender<crate::core::CoreMsg>,
-) {
-    use postgres::fallible_iterator::FallibleIterator;
-    let own = format!("{node} ");
-    loop {
-        if let Ok(mut client) = target.connect()
-            && client.batch_execute(&format!("LISTEN {CHANNEL}")).is_ok()
-        {
-            // What was committed while this node was not listening.
-            if !poke(wake, core_tx) {
-                return;
-            }
-            loop {
-                let next = client.notifications().timeout_iter(POLL).next();
-                let woke = match next {
-                    Ok(Some(n)) if n.payload().starts_with(&own) => true,
-                    Ok(_) => poke(wake, core_tx),
-                    Err(_) => break, // The connection is gone: reconnect.
-                };
-                if !woke {
-                    return;
-                }
-            }
-        }
-        std::thread::sleep(RECONNECT_PAUSE);
-    }
 }

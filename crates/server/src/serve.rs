@@ -261,7 +261,7 @@ pub fn run_with(
             Box::new(move || core.run(core_rx))
         }
         Some(url) => {
-            let core = crate::pgstore::shell(&opts, url, &durable_tx, &core_tx)?;
+            let core = crate::pgnode::shell(&opts.core, &opts.limits, url, &durable_tx, &core_tx)?;
             Box::new(move || core.run(core_rx))
         }
     };
