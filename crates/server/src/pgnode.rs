@@ -41,15 +41,12 @@ pub fn shell(
         ));
         Ok(opened)
     });
-    let planted = cfg!(debug_assertions)
-        && std::env::var("ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT").is_ok_and(|v| v == "1");
     let shell = crate::core::PgShell::new(
         core,
         Arc::clone(durable_tx),
         open,
         Arc::clone(&wake),
         node.clone(),
-        planted,
     )?;
     let core_tx = core_tx.clone();
     std::thread::Builder::new()

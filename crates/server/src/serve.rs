@@ -81,7 +81,8 @@ impl ServeOptions {
     /// `serve` reads the environment): `ESTOP_INLINE_SYNC=0` (every sync on the ledger's sync
     /// thread), `ESTOP_CORE_SPIN_US` (how long the core watches its queue after a lone request),
     /// `ESTOP_IO_THREADS` (threads serving connections), and in debug builds only
-    /// `ESTOP_DEBUG_PANIC_CORE_AFTER` (a planted core panic for the tests of the fatal hook).
+    /// `ESTOP_DEBUG_PANIC_CORE_AFTER` (a planted core panic for the tests of the fatal hook) and
+    /// `ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT` (the PostgreSQL store's planted bug).
     pub fn with_environment(mut self) -> ServeOptions {
         let var = |k: &str| std::env::var(k).ok();
         if let Some(v) = var("ESTOP_INLINE_SYNC") {
@@ -97,6 +98,8 @@ impl ServeOptions {
         {
             self.core.planted_panic_after_records =
                 var("ESTOP_DEBUG_PANIC_CORE_AFTER").and_then(|v| v.parse().ok());
+            self.core.planted_reply_before_commit =
+                var("ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT").is_some_and(|v| v == "1");
         }
         self
     }

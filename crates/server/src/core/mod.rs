@@ -195,6 +195,10 @@ pub struct CoreOptions {
     /// A planted bug for the simulation's test that it bites: replies released one record
     /// before their fdatasync (`durable::Release::plant_early_release`). Never set by `serve`.
     pub planted_early_release: bool,
+    /// A planted bug for the PostgreSQL store's test that it bites: replies are released
+    /// before the COMMIT they depend on (`core::PgShell`). Set only by debug builds
+    /// (`ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT=1`, read in `serve`).
+    pub planted_reply_before_commit: bool,
     /// A planted bug for the simulation's test that it bites: a connection's waits are kept
     /// when it disconnects. Never set by `serve`.
     pub planted_waiter_leak: bool,
@@ -230,6 +234,7 @@ impl Default for CoreOptions {
             idle_spin: Duration::from_micros(150),
             planted_panic_after_records: None,
             planted_early_release: false,
+            planted_reply_before_commit: false,
             planted_waiter_leak: false,
             planted_tombstones_dropped: false,
         }

@@ -39,8 +39,8 @@ pub struct PgShell {
     wake: Arc<AtomicBool>,
     /// Sent with every notification, so the listener ignores this node's own.
     node: String,
-    /// A planted bug for the test that must catch it (`ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT`,
-    /// debug builds only): replies are released before the COMMIT they depend on.
+    /// A planted bug for the test that must catch it (`CoreOptions::planted_reply_before_commit`):
+    /// replies are released before the COMMIT they depend on.
     planted_reply_before_commit: bool,
 }
 
@@ -52,7 +52,6 @@ impl PgShell {
         mut open: PgOpenFn,
         wake: Arc<AtomicBool>,
         node: String,
-        planted_reply_before_commit: bool,
     ) -> Result<PgShell, StoreError> {
         let (db, gate, last_seq) = open()?;
         durable_tx.send_modify(|s| {
@@ -63,6 +62,7 @@ impl PgShell {
         let release = Arc::new(Release::default());
         release.start(0, last_seq);
         Ok(PgShell {
+            planted_reply_before_commit: opts.planted_reply_before_commit,
             core: Core::new(opts, gate, last_seq),
             db: Some(db),
             open,
@@ -74,7 +74,6 @@ impl PgShell {
             generation: 0,
             wake,
             node,
-            planted_reply_before_commit,
         })
     }
 
@@ -177,12 +176,14 @@ impl PgShell {
     }
 
     fn append(&mut self, seq: u64, bytes: &std::ops::Range<usize>) {
-        if !self.core.is_writing() || !self.in_tx {
-            // After a failure the rest of the round is not kept: the core failed closed.
-            assert!(
-                !self.core.is_writing(),
-                "an append outside a burst's transaction"
-            );
+        if !self.core.is_writing() {
+            return; // After a failure the rest of the round is not kept: the core failed closed.
+        }
+        if !self.in_tx {
+            // The store failed and recovered in the middle of this burst: the lock is not held,
+            // so this record's seq may be another node's. Fail closed again; the next burst
+            // begins afresh.
+            self.fail(&format!("record {seq} outside a transaction"));
             return;
         }
         let next = self.durable_tx.borrow().seq + self.pending.len() as u64 + 1;
