@@ -181,10 +181,15 @@ fn a_cancel_on_one_node_fences_a_start_on_the_other() {
         json!({"op": "admit", "run": "r1", "key": "p", "tool": "pay", "args": {}, "start": false}),
     );
     let token = prep["token"].as_str().unwrap().to_string();
+    let mut sub = n2.agent();
+    ok(&mut sub, json!({"op": "subscribe", "run": "r1"}));
     ok(
         &mut n1.operator(),
         json!({"op": "cancel", "run": "r1", "reason": "stop"}),
     );
+    // Node 2's subscriber hears of node 1's cancel (caught up, then published there).
+    let ev = sub.next_event().unwrap().unwrap();
+    assert_eq!(ev.run, "r1");
     let v = ok(
         &mut b,
         json!({"op": "start", "run": "r1", "key": "p", "token": token}),
@@ -456,4 +461,47 @@ fn a_database_with_a_newer_schema_is_refused_at_start() {
         stderr.contains("schema version 999, newer than this estop"),
         "{stderr}"
     );
+}
+
+#[test]
+fn two_nodes_under_load_number_every_record_once() {
+    let Some(url) = database() else { return };
+    let (n1, n2) = (node(&url), node(&url));
+    let threads: Vec<_> = (0..6)
+        .map(|t| {
+            let mut c = if t % 2 == 0 { n1.agent() } else { n2.agent() };
+            std::thread::spawn(move || {
+                for i in 0..40 {
+                    // Runs shared by the nodes, keys of their own.
+                    let v = admit(
+                        &mut c,
+                        &format!("r{}", i % 3),
+                        &format!("t{t}-{i}"),
+                        "pay",
+                        json!({}),
+                    );
+                    assert_eq!(verdict(&v), "admitted", "{v}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let row = sql(&url)
+        .query_one(
+            "SELECT count(*), max(seq), count(*) FILTER (WHERE command = 'admit') FROM estop_ledger",
+            &[],
+        )
+        .unwrap();
+    let (n, max, admits): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!(n, max, "seqs 1..=max, no gap");
+    assert_eq!(admits, 240);
+    // Either node answers for every admission made through the other.
+    let (mut c1, mut c2) = (n1.agent(), n2.agent());
+    for t in 0..6 {
+        let c = if t % 2 == 0 { &mut c2 } else { &mut c1 };
+        let v = admit(c, "r0", &format!("t{t}-0"), "pay", json!({}));
+        assert_eq!(verdict(&v), "duplicate", "{v}");
+    }
 }
