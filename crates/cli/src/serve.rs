@@ -105,6 +105,11 @@ pub struct ServeArgs {
     /// was written: the way out when the registry is lost. Every other token stays revoked.
     #[arg(long)]
     pub reset_tokens: bool,
+    /// Where the gate's truth lives: the embedded ledger in DATA/ledger (default), or a
+    /// PostgreSQL database shared by several `estop serve` nodes: `postgres://USER@HOST:PORT/DB`
+    /// (docs/STORES.md; no TLS yet: a local socket or a trusted network).
+    #[arg(long, value_name = "URL")]
+    pub store: Option<String>,
 }
 
 pub fn serve(a: ServeArgs) -> Result<u8> {
@@ -151,6 +156,7 @@ fn options(a: ServeArgs) -> Result<ServeOptions> {
     opts.policy = a.policy;
     opts.allow_all = a.allow_all;
     opts.reset_tokens = a.reset_tokens;
+    opts.store = a.store;
     opts.connections_max = a.connections_max.max(1);
     opts.connections_per_principal_max = a.connections_per_principal_max;
     opts.soundgate_connections_max = a.soundgate_connections_max.max(1);

@@ -123,6 +123,7 @@ fn refuse(msg: CoreMsg) {
         | CoreMsg::Feed { .. }
         | CoreMsg::Stats { .. }
         | CoreMsg::LedgerFailed
+        | CoreMsg::CatchUp
         | CoreMsg::Shutdown { .. } => return,
     };
     to.out.release(Out::Answer {

@@ -40,23 +40,7 @@ pub fn open(
                 decode_snapshot(bytes, replay_limits.clone()).map_err(|e| e.to_string())?;
             Ok(())
         },
-        |_seq, bytes| -> Result<(), String> {
-            // Borrowed where it was decoded: a record is ~300 bytes, and moving it out of the
-            // `Result` was a copy per record.
-            let decoded = decoder.decode(bytes);
-            let rec = match &decoded {
-                Ok(rec) => rec,
-                Err(e) => return Err(e.to_string()),
-            };
-            let changed = gate
-                .borrow_mut()
-                .replay(rec.at, &rec.principal, &rec.command)
-                .map_err(|e| format!("the recorded command no longer applies: {e}"))?;
-            if !changed {
-                return Err("the recorded command changed nothing on replay".into());
-            }
-            Ok(())
-        },
+        |_seq, bytes| replay_record(&mut gate.borrow_mut(), &mut decoder, bytes),
     )?;
     let mut gate = gate.into_inner();
     gate.set_limits(limits.clone());
@@ -65,6 +49,30 @@ pub fn open(
         ledger: recovered.ledger,
         report: recovered.report,
     })
+}
+
+/// Replays one recorded command into `gate` (recovery, from the ledger or from PostgreSQL:
+/// `pgstore::load`). A record that does not apply, or changes nothing, is refused: the state
+/// it was recorded against is not the one being rebuilt.
+pub fn replay_record(
+    gate: &mut Gate,
+    decoder: &mut RecordDecoder,
+    bytes: &[u8],
+) -> Result<(), String> {
+    // Borrowed where it was decoded: a record is ~300 bytes, and moving it out of the
+    // `Result` was a copy per record.
+    let decoded = decoder.decode(bytes);
+    let rec = match &decoded {
+        Ok(rec) => rec,
+        Err(e) => return Err(e.to_string()),
+    };
+    let changed = gate
+        .replay(rec.at, &rec.principal, &rec.command)
+        .map_err(|e| format!("the recorded command no longer applies: {e}"))?;
+    if !changed {
+        return Err("the recorded command changed nothing on replay".into());
+    }
+    Ok(())
 }
 
 /// The appending side, owned by the core's shell (`core::Shell`).

@@ -16,6 +16,8 @@ pub mod journal;
 pub mod log;
 pub mod observe;
 pub mod outbox;
+pub mod pgnode;
+pub mod pgstore;
 pub mod quota;
 pub mod render;
 pub mod serve;

@@ -45,6 +45,8 @@ pub struct ServeOptions {
     pub core: CoreOptions,
     pub limits: Limits,
     pub ledger: LedgerOptions,
+    /// `Some(url)`: the PostgreSQL store (docs/STORES.md) instead of the embedded ledger.
+    pub store: Option<String>,
     /// Write fresh bootstrap tokens although the registry is missing and the ledger was
     /// written (the way out of `TokenError::Missing`; every other token stays revoked).
     pub reset_tokens: bool,
@@ -68,6 +70,7 @@ impl ServeOptions {
             core: CoreOptions::default(),
             limits: Limits::default(),
             ledger: LedgerOptions::default(),
+            store: None,
             reset_tokens: false,
         }
     }
@@ -78,7 +81,8 @@ impl ServeOptions {
     /// `serve` reads the environment): `ESTOP_INLINE_SYNC=0` (every sync on the ledger's sync
     /// thread), `ESTOP_CORE_SPIN_US` (how long the core watches its queue after a lone request),
     /// `ESTOP_IO_THREADS` (threads serving connections), and in debug builds only
-    /// `ESTOP_DEBUG_PANIC_CORE_AFTER` (a planted core panic for the tests of the fatal hook).
+    /// `ESTOP_DEBUG_PANIC_CORE_AFTER` (a planted core panic for the tests of the fatal hook) and
+    /// `ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT` (the PostgreSQL store's planted bug).
     pub fn with_environment(mut self) -> ServeOptions {
         let var = |k: &str| std::env::var(k).ok();
         if let Some(v) = var("ESTOP_INLINE_SYNC") {
@@ -94,6 +98,8 @@ impl ServeOptions {
         {
             self.core.planted_panic_after_records =
                 var("ESTOP_DEBUG_PANIC_CORE_AFTER").and_then(|v| v.parse().ok());
+            self.core.planted_reply_before_commit =
+                var("ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT").is_some_and(|v| v == "1");
         }
         self
     }
@@ -107,6 +113,8 @@ pub enum ServeError {
     Tokens(#[from] TokenError),
     #[error("ledger: {0}")]
     Ledger(#[from] LedgerError),
+    #[error("store: {0}")]
+    Store(#[from] crate::pgstore::StoreError),
     #[error("{0}")]
     Setup(String),
 }
@@ -117,6 +125,7 @@ impl ServeError {
             ServeError::Policy(e) => e.code(),
             ServeError::Tokens(_) => "tokens",
             ServeError::Ledger(e) => e.code(),
+            ServeError::Store(e) => e.code(),
             ServeError::Setup(_) => "setup",
         }
     }
@@ -245,51 +254,23 @@ pub fn run_with(
         ));
     }
     let ledger_dir = data.join("ledger");
-    let storage: Arc<dyn Storage> = Arc::new(FileStorage::open(&ledger_dir)?);
     let (durable_tx, durable_rx) = watch::channel(DurableState::default());
     let durable_tx = Arc::new(durable_tx);
     let (core_tx, core_rx) = mpsc::channel::<CoreMsg>();
-    let limits = opts.limits.clone();
     let sync_stats = Arc::new(estop_ledger::SyncStats::default());
-    let mut ledger_opts = opts.ledger.clone();
-    ledger_opts.sync_stats = estop_ledger::SyncObserver(Some(Arc::clone(&sync_stats)));
-    let open: crate::core::OpenFn = Box::new(move |discard_after| {
-        let o = journal::open(
-            Arc::clone(&storage),
-            &limits,
-            LedgerOptions {
-                discard_after,
-                ..ledger_opts.clone()
-            },
-        )?;
-        let r = &o.report;
-        crate::log::info(&format!(
-            "ledger recovered: {} records replayed{}, last seq {}{}",
-            r.records_replayed,
-            r.snapshot.as_ref().map_or(String::new(), |s| format!(
-                " after snapshot at seq {}",
-                s.seq
-            )),
-            r.last_seq,
-            r.torn_tail.as_ref().map_or(String::new(), |t| format!(
-                "; truncated a torn tail of {} bytes in {} at offset {}",
-                t.bytes_dropped, t.segment, t.offset
-            )),
-        ));
-        Ok(o)
-    });
-    let core = Shell::new(
-        opts.core.clone(),
-        Arc::clone(&durable_tx),
-        open,
-        core_tx.clone(),
-    )
-    .map_err(|e| match e {
-        journal::JournalError::Ledger(l) => ServeError::Ledger(l),
-    })?;
+    let run_core: Box<dyn FnOnce() + Send> = match &opts.store {
+        None => {
+            let core = ledger_shell(&opts, &ledger_dir, &durable_tx, &core_tx, &sync_stats)?;
+            Box::new(move || core.run(core_rx))
+        }
+        Some(url) => {
+            let core = crate::pgnode::shell(&opts.core, &opts.limits, url, &durable_tx, &core_tx)?;
+            Box::new(move || core.run(core_rx))
+        }
+    };
     let core_thread = std::thread::Builder::new()
         .name(crate::fatal::CORE_THREAD_NAME.into())
-        .spawn(move || core.run(core_rx))
+        .spawn(run_core)
         .map_err(|e| setup(format!("cannot start the core thread: {e}")))?;
 
     let shared = Arc::new(Shared {
@@ -343,6 +324,54 @@ pub fn run_with(
     remove_own_socket(&data.join("estop.sock"), socket_id);
     crate::log::info("stopped");
     result
+}
+
+/// The core's shell over the embedded ledger in `ledger_dir`.
+fn ledger_shell(
+    opts: &ServeOptions,
+    ledger_dir: &Path,
+    durable_tx: &Arc<watch::Sender<DurableState>>,
+    core_tx: &mpsc::Sender<CoreMsg>,
+    sync_stats: &Arc<estop_ledger::SyncStats>,
+) -> Result<Shell, ServeError> {
+    let storage: Arc<dyn Storage> = Arc::new(FileStorage::open(ledger_dir)?);
+    let limits = opts.limits.clone();
+    let mut ledger_opts = opts.ledger.clone();
+    ledger_opts.sync_stats = estop_ledger::SyncObserver(Some(Arc::clone(sync_stats)));
+    let open: crate::core::OpenFn = Box::new(move |discard_after| {
+        let o = journal::open(
+            Arc::clone(&storage),
+            &limits,
+            LedgerOptions {
+                discard_after,
+                ..ledger_opts.clone()
+            },
+        )?;
+        let r = &o.report;
+        crate::log::info(&format!(
+            "ledger recovered: {} records replayed{}, last seq {}{}",
+            r.records_replayed,
+            r.snapshot.as_ref().map_or(String::new(), |s| format!(
+                " after snapshot at seq {}",
+                s.seq
+            )),
+            r.last_seq,
+            r.torn_tail.as_ref().map_or(String::new(), |t| format!(
+                "; truncated a torn tail of {} bytes in {} at offset {}",
+                t.bytes_dropped, t.segment, t.offset
+            )),
+        ));
+        Ok(o)
+    });
+    Shell::new(
+        opts.core.clone(),
+        Arc::clone(durable_tx),
+        open,
+        core_tx.clone(),
+    )
+    .map_err(|e| match e {
+        journal::JournalError::Ledger(l) => ServeError::Ledger(l),
+    })
 }
 
 /// The (device, inode) of a socket file, to recognise our own at shutdown.

@@ -25,8 +25,10 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 mod actions;
+mod catchup;
 mod compat;
 mod driver;
+mod pgshell;
 mod queries;
 mod recovery;
 mod sagas;
@@ -45,6 +47,7 @@ pub use crate::answer::{Answer, Out, unavailable};
 pub use crate::outbox::Outbox;
 pub use actions::Action;
 pub use compat::{SOUNDGATE_PRINCIPAL_NAME, soundgate_principal};
+pub use pgshell::{PgOpenFn, PgShell};
 pub use recovery::Reopened;
 pub use shell::{OpenFn, Shell};
 
@@ -154,6 +157,9 @@ pub enum CoreMsg {
     },
     /// The ledger's sync thread reported a failure.
     LedgerFailed,
+    /// Another node committed records (the PostgreSQL store): the burst this message starts
+    /// catches up with them (`PgShell::begin`); the core itself has nothing more to do.
+    CatchUp,
     /// Finish what is in flight, make it durable, and stop.
     Shutdown {
         done: mpsc::Sender<()>,
@@ -201,6 +207,10 @@ pub struct CoreOptions {
     /// A planted bug for the simulation's test that it bites: replies released one record
     /// before their fdatasync (`durable::Release::plant_early_release`). Never set by `serve`.
     pub planted_early_release: bool,
+    /// A planted bug for the PostgreSQL store's test that it bites: replies are released
+    /// before the COMMIT they depend on (`core::PgShell`). Set only by debug builds
+    /// (`ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT=1`, read in `serve`).
+    pub planted_reply_before_commit: bool,
     /// A planted bug for the simulation's test that it bites: a connection's waits are kept
     /// when it disconnects. Never set by `serve`.
     pub planted_waiter_leak: bool,
@@ -236,6 +246,7 @@ impl Default for CoreOptions {
             idle_spin: Duration::from_micros(150),
             planted_panic_after_records: None,
             planted_early_release: false,
+            planted_reply_before_commit: false,
             planted_waiter_leak: false,
             planted_tombstones_dropped: false,
         }
@@ -538,6 +549,7 @@ impl Core {
                 self.actions.push(Action::Stats { reply, stats });
             }
             CoreMsg::LedgerFailed => self.fail_journal(),
+            CoreMsg::CatchUp => {}
             CoreMsg::Shutdown { done } => {
                 if self.writing {
                     self.actions.push(Action::Flush);

@@ -118,50 +118,15 @@ impl Shell {
                         self.synced_inline = j.commit(inline);
                     }
                 }
-                Action::Reply { to, answer, after } => {
-                    let item = Out::Answer {
-                        id: to.id,
-                        answer,
-                        after,
-                    };
-                    self.release.send(after, &to.out, item);
-                }
-                Action::Event {
-                    run,
-                    conn,
-                    out,
-                    backlog,
-                    event,
-                    after,
-                } => {
-                    let max = self.core.options().event_backlog_max;
-                    if out.is_closed() || backlog.load(Ordering::Relaxed) >= max {
-                        self.core.subscriber_gone(&run, conn);
-                    } else {
-                        backlog.fetch_add(1, Ordering::Relaxed);
-                        self.release.send(after, &out, Out::Event { event, after });
-                    }
-                }
-                Action::Feed { tx, event } => {
-                    if tx.try_send(event).is_err() {
-                        // Closed, or too far behind.
-                        self.core.feed_gone(&tx);
-                    }
-                }
                 Action::Snapshot { seq, bytes } => self.snapshot(seq, &bytes),
                 Action::FailLedger => self.fail_ledger(),
                 Action::Recover => self.recover(),
-                Action::Stats { reply, stats } => {
-                    let _ = reply.send(*stats);
-                }
                 Action::Flush => {
                     if let Some(j) = self.journal.take() {
                         let _ = j.flush();
                     }
                 }
-                Action::Stopped { done } => {
-                    let _ = done.send(());
-                }
+                other => deliver(&mut self.core, &self.release, other),
             }
         }
     }
@@ -276,6 +241,56 @@ impl Shell {
             last_seq: seq,
             writing,
         });
+    }
+}
+
+/// Carries out the actions every store's shell does alike: replies and events into the release
+/// queue (handed over once durable), feeds, stats, the end of a shutdown. The store's own
+/// actions (append, commit, snapshot, fail, recover, flush) are the caller's.
+pub(super) fn deliver(core: &mut Core, release: &Release, action: Action) {
+    match action {
+        Action::Reply { to, answer, after } => {
+            let item = Out::Answer {
+                id: to.id,
+                answer,
+                after,
+            };
+            release.send(after, &to.out, item);
+        }
+        Action::Event {
+            run,
+            conn,
+            out,
+            backlog,
+            event,
+            after,
+        } => {
+            let max = core.options().event_backlog_max;
+            if out.is_closed() || backlog.load(Ordering::Relaxed) >= max {
+                core.subscriber_gone(&run, conn);
+            } else {
+                backlog.fetch_add(1, Ordering::Relaxed);
+                release.send(after, &out, Out::Event { event, after });
+            }
+        }
+        Action::Feed { tx, event } => {
+            if tx.try_send(event).is_err() {
+                // Closed, or too far behind.
+                core.feed_gone(&tx);
+            }
+        }
+        Action::Stats { reply, stats } => {
+            let _ = reply.send(*stats);
+        }
+        Action::Stopped { done } => {
+            let _ = done.send(());
+        }
+        Action::Append { .. }
+        | Action::Commit { .. }
+        | Action::Snapshot { .. }
+        | Action::FailLedger
+        | Action::Recover
+        | Action::Flush => unreachable!("a store's own action: {action:?}"),
     }
 }
 

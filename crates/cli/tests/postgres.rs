@@ -1,0 +1,507 @@
+//! The PostgreSQL store (docs/STORES.md) against real `estop serve --store` processes and a real
+//! PostgreSQL server (`scripts/postgres`, started once per test run and shared; each test has a
+//! database of its own). When the server cannot start these tests fail, unless
+//! `ESTOP_TEST_SKIP_POSTGRES=1` says to skip them.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::fs::File;
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The URL of the shared test server's `postgres` database; `None`: skipped by request.
+fn server() -> Option<&'static str> {
+    static URL: OnceLock<Option<String>> = OnceLock::new();
+    URL.get_or_init(|| {
+        if std::env::var("ESTOP_TEST_SKIP_POSTGRES").is_ok_and(|v| v == "1") {
+            eprintln!("ESTOP_TEST_SKIP_POSTGRES=1: skipping the PostgreSQL store's tests");
+            return None;
+        }
+        Some(start_server())
+    })
+    .as_deref()
+}
+
+/// Starts the server for this test run (nextest runs each test in a process of its own: the
+/// run is the parent process), or finds the one another test of the run started.
+fn start_server() -> String {
+    let run = std::os::unix::process::parent_id();
+    let dir = std::env::temp_dir().join(format!("estop-test-pg-{run}"));
+    let url_file = PathBuf::from(format!("{}.url", dir.display()));
+    let lock = File::create(format!("{}.lock", dir.display())).unwrap();
+    lock.lock().unwrap(); // Blocks while another test of the run starts it.
+    if let Ok(url) = std::fs::read_to_string(&url_file) {
+        return url;
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/postgres");
+    let out = Command::new(script)
+        .arg("start")
+        .arg(&dir)
+        .arg(run.to_string())
+        .output()
+        .expect("run scripts/postgres");
+    assert!(
+        out.status.success(),
+        "scripts/postgres could not start PostgreSQL (set ESTOP_TEST_SKIP_POSTGRES=1 to skip these tests):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let url = stdout.lines().last().unwrap().trim().to_string();
+    std::fs::write(&url_file, &url).unwrap();
+    url
+}
+
+/// A fresh database on the test server; its URL. `None`: skipped.
+fn database() -> Option<String> {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let base = server()?;
+    let name = format!(
+        "estop_{}_{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut admin = postgres::Client::connect(base, postgres::NoTls).unwrap();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .unwrap();
+    Some(format!("{}/{name}", base.rsplit_once('/').unwrap().0))
+}
+
+fn sql(url: &str) -> postgres::Client {
+    postgres::Client::connect(url, postgres::NoTls).unwrap()
+}
+
+/// A node on the database at `url`.
+fn node(url: &str) -> Daemon {
+    Daemon::start_with(&["--store", url, "--console", "off"])
+}
+
+/// How many admit records of `run`/`key` the database holds (decoded by estop's own reader
+/// would need the codec: the key is checked through a node instead; this counts the run's).
+fn admits(url: &str, run: &str) -> i64 {
+    sql(url)
+        .query_one(
+            "SELECT count(*) FROM estop_ledger WHERE run_id = $1 AND command = 'admit'",
+            &[&run],
+        )
+        .unwrap()
+        .get(0)
+}
+
+#[test]
+fn one_node_admits_decides_waits_and_cancels_and_a_restart_rebuilds_from_the_database() {
+    let Some(url) = database() else { return };
+    let mut d = node(&url);
+    let (mut a, mut op) = (d.agent(), d.operator());
+    assert_eq!(
+        verdict(&admit(&mut a, "r1", "k1", "refund", json!({"usd": 5}))),
+        "held"
+    );
+    let v = ok(
+        &mut op,
+        json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"}),
+    );
+    assert_eq!(v["status"], "approved");
+    let v = ok(
+        &mut a,
+        json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 5000}),
+    );
+    assert_eq!(verdict(&v), "admitted");
+    ok(
+        &mut op,
+        json!({"op": "cancel", "run": "r1", "reason": "enough"}),
+    );
+    let v = admit(&mut a, "r1", "k2", "pay", json!({}));
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("refused", Some("cancelled"))
+    );
+    assert_eq!(
+        admits(&url, "r1"),
+        1,
+        "the refused admission changed nothing"
+    );
+    // The node keeps nothing of its own: restarted, it rebuilds the gate from the database.
+    d.restart();
+    let mut a = d.agent();
+    let v = admit(&mut a, "r1", "k1", "refund", json!({"usd": 5}));
+    assert_eq!(verdict(&v), "duplicate", "{v}");
+    let v = admit(&mut a, "r1", "k3", "pay", json!({}));
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("refused", Some("cancelled"))
+    );
+}
+
+#[test]
+fn the_same_identity_admitted_through_two_nodes_at_once_is_admitted_once() {
+    let Some(url) = database() else { return };
+    let (n1, n2) = (node(&url), node(&url));
+    for round in 0..20 {
+        let run = format!("r{round}");
+        let verdicts = Arc::new(Mutex::new(Vec::new()));
+        let threads: Vec<_> = [&n1, &n2, &n1, &n2]
+            .iter()
+            .map(|n| {
+                let (mut c, run, verdicts) = (n.agent(), run.clone(), Arc::clone(&verdicts));
+                std::thread::spawn(move || {
+                    let v = admit(&mut c, &run, "once", "pay", json!({"usd": 1}));
+                    verdicts.lock().unwrap().push(verdict(&v).to_string());
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let verdicts = verdicts.lock().unwrap();
+        let admitted = verdicts.iter().filter(|v| *v == "admitted").count();
+        assert_eq!(admitted, 1, "round {round}: {verdicts:?}");
+        assert!(
+            verdicts
+                .iter()
+                .all(|v| ["admitted", "duplicate", "in_progress"].contains(&v.as_str())),
+            "round {round}: {verdicts:?}"
+        );
+        assert_eq!(admits(&url, &run), 1, "round {round}");
+    }
+}
+
+#[test]
+fn a_cancel_on_one_node_fences_a_start_on_the_other() {
+    let Some(url) = database() else { return };
+    let (n1, n2) = (node(&url), node(&url));
+    let mut b = n2.agent();
+    let prep = ok(
+        &mut b,
+        json!({"op": "admit", "run": "r1", "key": "p", "tool": "pay", "args": {}, "start": false}),
+    );
+    let token = prep["token"].as_str().unwrap().to_string();
+    let mut sub = n2.agent();
+    ok(&mut sub, json!({"op": "subscribe", "run": "r1"}));
+    ok(
+        &mut n1.operator(),
+        json!({"op": "cancel", "run": "r1", "reason": "stop"}),
+    );
+    // Node 2's subscriber hears of node 1's cancel (caught up, then published there).
+    let ev = sub.next_event().unwrap().unwrap();
+    assert_eq!(ev.run, "r1");
+    let v = ok(
+        &mut b,
+        json!({"op": "start", "run": "r1", "key": "p", "token": token}),
+    );
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("refused", Some("cancelled"))
+    );
+}
+
+#[test]
+fn an_approval_on_one_node_releases_a_wait_on_the_other() {
+    let Some(url) = database() else { return };
+    let (n1, n2) = (node(&url), node(&url));
+    let mut a = n1.agent();
+    let reply = |a: &mut estop_server::client::Client| match a.read_line().unwrap() {
+        estop_protocol::ServerLine::Reply(r) => r,
+        other => panic!("{other:?}"),
+    };
+    // Several rounds: a wake-up of node 1 lost once (its flag left set) is lost for good.
+    for round in 0..5 {
+        let run = format!("r{round}");
+        assert_eq!(
+            verdict(&admit(&mut a, &run, "k1", "refund", json!({}))),
+            "held"
+        );
+        // The wait, then a status on the same connection: the core takes a connection's
+        // requests in order, so the status's reply arriving first shows the wait is parked.
+        let wait = json!({"id": 100, "op": "wait", "run": run, "key": "k1", "timeout_ms": 60000});
+        a.send_raw(wait.to_string().as_bytes()).unwrap();
+        let status = json!({"id": 101, "op": "status", "run": run});
+        a.send_raw(status.to_string().as_bytes()).unwrap();
+        assert_eq!(reply(&mut a).id.as_u64(), Some(101));
+        let decided = std::time::Instant::now();
+        let v = ok(
+            &mut n2.operator(),
+            json!({"op": "decide", "run": run, "key": "k1", "decision": "approve"}),
+        );
+        assert_eq!(v["status"], "approved");
+        let r = reply(&mut a);
+        assert_eq!(r.id.as_u64(), Some(100));
+        assert_eq!(verdict(&r.raw), "admitted", "{}", r.raw);
+        // Released by the approval, not by the wait's own end (which answers `admitted` too,
+        // re-checking then): far sooner than its 60 s.
+        assert!(
+            decided.elapsed() < std::time::Duration::from_secs(30),
+            "round {round}: the wait ended at its timeout, not at the approval"
+        );
+    }
+}
+
+#[test]
+fn a_quorum_gathered_across_nodes_counts_each_principal_once() {
+    let Some(url) = database() else { return };
+    let (n1, n2) = (node(&url), node(&url));
+    let (code, secret, stderr) = n2.cli(&["token", "create", "bob", "--role", "operator"]);
+    assert_eq!(code, 0, "{stderr}");
+    let mut a = n1.agent();
+    assert_eq!(
+        verdict(&admit(&mut a, "r1", "k1", "wire", json!({"usd": 1e6}))),
+        "held"
+    );
+    let decide = json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"});
+    let v = ok(&mut n1.operator(), decide.clone());
+    assert_eq!(v["status"], "held", "one approval of two");
+    // `admin` again, through the other node: the same principal, not a second approver.
+    assert_eq!(err_code(&mut n2.operator(), decide.clone()), "conflict");
+    let v = ok(
+        &mut a,
+        json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 0}),
+    );
+    assert_eq!(verdict(&v), "held");
+    let v = ok(&mut n2.client_with(secret.trim()), decide);
+    assert_eq!(v["status"], "approved");
+    let v = ok(
+        &mut a,
+        json!({"op": "wait", "run": "r1", "key": "k1", "timeout_ms": 5000}),
+    );
+    assert_eq!(verdict(&v), "admitted");
+}
+
+#[test]
+fn kill9_mid_load_loses_no_acknowledged_admission() {
+    let Some(url) = database() else { return };
+    let mut d = node(&url);
+    let acked = Arc::new(Mutex::new(Vec::new()));
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let (mut c, acked) = (d.agent(), Arc::clone(&acked));
+            std::thread::spawn(move || {
+                for i in 0.. {
+                    let req = json!({"op": "admit", "run": format!("t{t}"), "key": format!("k{i}"),
+                                     "tool": "pay", "args": {"i": i}});
+                    match c.call(req) {
+                        Ok(r) if r.ok => acked.lock().unwrap().push((t, i)),
+                        _ => return, // The node is gone.
+                    }
+                }
+            })
+        })
+        .collect();
+    // Kill it once some admissions are acknowledged (the clients keep going meanwhile).
+    while acked.lock().unwrap().len() < 200 {
+        std::thread::yield_now();
+    }
+    d.kill9();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let acked = acked.lock().unwrap().clone();
+    let mut db = sql(&url);
+    for t in 0..4 {
+        let n: i64 = db
+            .query_one(
+                "SELECT count(*) FROM estop_ledger WHERE run_id = $1 AND command = 'admit'",
+                &[&format!("t{t}")],
+            )
+            .unwrap()
+            .get(0);
+        let acked_here = acked.iter().filter(|(x, _)| *x == t).count() as i64;
+        assert!(
+            n >= acked_here,
+            "run t{t}: {acked_here} acknowledged, {n} recorded"
+        );
+    }
+    d.spawn();
+    let mut c = d.agent();
+    for (t, i) in acked {
+        let v = admit(
+            &mut c,
+            &format!("t{t}"),
+            &format!("k{i}"),
+            "pay",
+            json!({"i": i}),
+        );
+        assert_eq!(verdict(&v), "duplicate", "t{t}/k{i} was acknowledged: {v}");
+    }
+}
+
+/// Makes every commit that inserts a record of run `doomed` fail at COMMIT (a deferred
+/// constraint trigger): the insert succeeds, the commit does not.
+fn doom_commits(url: &str) {
+    sql(url)
+        .batch_execute(
+            "CREATE FUNCTION estop_test_doom() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               IF NEW.run_id = 'doomed' THEN RAISE EXCEPTION 'doomed at commit'; END IF;
+               RETURN NULL;
+             END $$;
+             CREATE CONSTRAINT TRIGGER estop_test_doom AFTER INSERT ON estop_ledger
+               DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION estop_test_doom();",
+        )
+        .unwrap();
+}
+
+#[test]
+fn a_commit_that_fails_is_never_acknowledged_and_the_node_recovers() {
+    let Some(url) = database() else { return };
+    let mut d = node(&url); // Migrated: the table exists.
+    doom_commits(&url);
+    let plant = std::env::var("ESTOP_TEST_PLANT_REPLY_BEFORE_COMMIT").is_ok_and(|v| v == "1");
+    if plant {
+        d.kill9();
+        d.spawn_env(&[("ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT", "1")]);
+    }
+    let mut a = d.agent();
+    let r = a
+        .call(json!({"op": "admit", "run": "doomed", "key": "k", "tool": "pay", "args": {}}))
+        .unwrap();
+    assert!(!r.ok, "a reply for a record whose commit failed: {}", r.raw);
+    assert_eq!(r.error.unwrap().code, "unavailable");
+    assert_eq!(admits(&url, "doomed"), 0);
+    // The node rebuilt its gate from the database and goes on.
+    let v = admit(&mut d.agent(), "fine", "k", "pay", json!({}));
+    assert_eq!(verdict(&v), "admitted", "{v}");
+    assert_eq!(admits(&url, "fine"), 1);
+}
+
+/// Ends the connections of the nodes on the database of `url` (waiting until they are gone).
+fn cut(url: &str) -> i64 {
+    let db_name = url.rsplit_once('/').unwrap().1.to_string();
+    sql(server().unwrap())
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity
+              WHERE datname = $1 AND application_name = 'estop') t",
+            &[&db_name],
+        )
+        .unwrap()
+        .get(0)
+}
+
+fn allow_connections(url: &str, allow: bool) {
+    let db_name = url.rsplit_once('/').unwrap().1.to_string();
+    sql(server().unwrap())
+        .batch_execute(&format!(
+            "ALTER DATABASE {db_name} WITH ALLOW_CONNECTIONS {allow}"
+        ))
+        .unwrap();
+}
+
+#[test]
+fn a_node_that_loses_its_database_fails_closed_and_recovers() {
+    let Some(url) = database() else { return };
+    let d = node(&url);
+    let mut a = d.agent();
+    assert_eq!(
+        verdict(&admit(&mut a, "r1", "k1", "pay", json!({}))),
+        "admitted"
+    );
+    // A cut connection is replaced before the next burst begins.
+    assert!(cut(&url) >= 1, "the node's connections");
+    assert_eq!(
+        verdict(&admit(&mut a, "r1", "k2", "pay", json!({}))),
+        "admitted"
+    );
+    // The database refuses the node: nothing is acknowledged.
+    allow_connections(&url, false);
+    assert!(cut(&url) >= 1);
+    let r = a
+        .call(json!({"op": "admit", "run": "r1", "key": "k3", "tool": "pay", "args": {}}))
+        .unwrap();
+    assert!(!r.ok, "no reply without a commit: {}", r.raw);
+    assert_eq!(r.error.unwrap().code, "unavailable");
+    // Back: the node rebuilds its gate from the database (it retries every second) and goes
+    // on. Every answer meanwhile is `unavailable` or an admission that is recorded.
+    allow_connections(&url, true);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let r = a
+            .call(json!({"op": "admit", "run": "r1", "key": "k4", "tool": "pay", "args": {}}))
+            .unwrap();
+        if r.ok {
+            assert_eq!(verdict(&r.raw), "admitted", "{}", r.raw);
+            break;
+        }
+        assert_eq!(r.error.unwrap().code, "unavailable");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the node did not recover"
+        );
+    }
+    assert_eq!(admits(&url, "r1"), 3, "k1, k2 and k4; never k3");
+}
+
+#[test]
+fn a_database_with_a_newer_schema_is_refused_at_start() {
+    let Some(url) = database() else { return };
+    drop(node(&url)); // Migrated to this binary's version.
+    sql(&url)
+        .batch_execute("INSERT INTO estop_schema (version) VALUES (999)")
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(bin())
+        .args(["serve", "--console", "off", "--store", &url, "--data"])
+        .arg(dir.path())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("schema version 999, newer than this estop"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn two_nodes_under_load_number_every_record_once() {
+    let Some(url) = database() else { return };
+    let (n1, n2) = (node(&url), node(&url));
+    let threads: Vec<_> = (0..6)
+        .map(|t| {
+            let mut c = if t % 2 == 0 { n1.agent() } else { n2.agent() };
+            std::thread::spawn(move || {
+                for i in 0..40 {
+                    // Runs shared by the nodes, keys of their own.
+                    let v = admit(
+                        &mut c,
+                        &format!("r{}", i % 3),
+                        &format!("t{t}-{i}"),
+                        "pay",
+                        json!({}),
+                    );
+                    assert_eq!(verdict(&v), "admitted", "{v}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let row = sql(&url)
+        .query_one(
+            "SELECT count(*), max(seq), count(*) FILTER (WHERE command = 'admit') FROM estop_ledger",
+            &[],
+        )
+        .unwrap();
+    let (n, max, admits): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!(n, max, "seqs 1..=max, no gap");
+    assert_eq!(admits, 240);
+    // Either node answers for every admission made through the other.
+    let (mut c1, mut c2) = (n1.agent(), n2.agent());
+    for t in 0..6 {
+        let c = if t % 2 == 0 { &mut c2 } else { &mut c1 };
+        let v = admit(c, "r0", &format!("t{t}-0"), "pay", json!({}));
+        assert_eq!(verdict(&v), "duplicate", "{v}");
+    }
+}

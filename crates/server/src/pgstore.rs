@@ -1,0 +1,238 @@
+//! The PostgreSQL store (`estop serve --store postgres://…`, docs/STORES.md): the database
+//! holds the one truth, an append-only table of ledger records in the embedded ledger's own
+//! encoding (`estop_kernel::record_codec`); each node keeps the gate in memory and commits a
+//! burst of commands in one transaction under an advisory lock (`core::PgShell`). This module
+//! is the database side: connecting, the migrations estop owns, reading and inserting records,
+//! and rebuilding a gate from them.
+
+use crate::journal::replay_record;
+use estop_kernel::record_codec::RecordDecoder;
+use estop_kernel::{Gate, Limits};
+use postgres::{Client, Config, GenericClient, NoTls};
+use std::time::Duration;
+
+/// The schema version this binary writes and reads (`estop_schema`).
+pub const SCHEMA_VERSION: i32 = 1;
+
+/// Migrations, in order: each brings the schema from the version before it to its own.
+const MIGRATIONS: &[(i32, &str)] = &[(
+    1,
+    "CREATE TABLE estop_ledger (
+         seq bigint PRIMARY KEY CHECK (seq > 0),
+         at_ms bigint NOT NULL,
+         run_id text,
+         principal text NOT NULL,
+         command text NOT NULL,
+         record bytea NOT NULL
+     );
+     CREATE INDEX estop_ledger_run ON estop_ledger (run_id, seq) WHERE run_id IS NOT NULL;",
+)];
+
+/// `pg_advisory_xact_lock` keys ("estop" in ASCII, then a number): the writers' lock every
+/// burst takes, and the migrations' lock taken at start.
+pub const LEDGER_LOCK: i64 = 0x6573_746f_7001;
+pub const MIGRATION_LOCK: i64 = 0x6573_746f_7002;
+
+/// The channel a node notifies after each commit that inserted records (payload: its node id
+/// and the last seq), so the other nodes catch up at once.
+pub const CHANNEL: &str = "estop_ledger";
+
+/// How long connecting may take, and any one statement (a lost network must not hold the
+/// core forever: past it the node fails closed and retries).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+const STATEMENT_TIMEOUT_MS: u64 = 10_000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("bad database URL: {0}")]
+    Url(String),
+    #[error("database: {0}")]
+    Db(#[from] postgres::Error),
+    #[error(
+        "the database holds estop schema version {found}, newer than this estop knows ({known}): run a newer estop, or point this one at another database"
+    )]
+    Newer { found: i32, known: i32 },
+    #[error("the ledger in the database cannot be replayed: {0}")]
+    Corrupt(String),
+    #[error("cannot start the node: {0}")]
+    Node(String),
+}
+
+impl StoreError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            StoreError::Url(_) => "store_url",
+            StoreError::Db(_) => "store_unavailable",
+            StoreError::Newer { .. } => "store_schema_newer",
+            StoreError::Corrupt(_) => "store_corrupt",
+            StoreError::Node(_) => "setup",
+        }
+    }
+}
+
+/// Where the store is: a parsed `postgres://` URL (or libpq key=value string).
+#[derive(Clone)]
+pub struct Target {
+    config: Config,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The config may hold a password: show where, never it.
+        write!(
+            f,
+            "Target({:?} {:?})",
+            self.config.get_hosts(),
+            self.config.get_dbname()
+        )
+    }
+}
+
+impl Target {
+    pub fn parse(url: &str) -> Result<Target, StoreError> {
+        let mut config: Config = url
+            .parse()
+            .map_err(|e: postgres::Error| StoreError::Url(e.to_string()))?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(CONNECT_TIMEOUT);
+        }
+        config.application_name("estop");
+        Ok(Target { config })
+    }
+
+    /// A connection with durability forced on for its session: a commit returns only once
+    /// its WAL is flushed (and replicated, where the server is set up so), whatever the
+    /// server's default says (G6: a reply never precedes a durable commit).
+    pub fn connect(&self) -> Result<Client, StoreError> {
+        let mut client = self.config.connect(NoTls)?;
+        client.batch_execute(&format!(
+            "SET synchronous_commit = on; SET statement_timeout = {STATEMENT_TIMEOUT_MS}"
+        ))?;
+        Ok(client)
+    }
+}
+
+/// Brings the schema to `SCHEMA_VERSION` under the migrations' advisory lock (nodes starting
+/// together migrate once); refuses a database whose schema is newer than this binary.
+pub fn migrate(client: &mut Client) -> Result<i32, StoreError> {
+    let mut tx = client.transaction()?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])?;
+    tx.batch_execute(
+        "CREATE TABLE IF NOT EXISTS estop_schema (
+             version integer PRIMARY KEY,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         )",
+    )?;
+    let found: i32 = tx
+        .query_one("SELECT coalesce(max(version), 0) FROM estop_schema", &[])?
+        .get(0);
+    if found > SCHEMA_VERSION {
+        return Err(StoreError::Newer {
+            found,
+            known: SCHEMA_VERSION,
+        });
+    }
+    for (version, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > found) {
+        tx.batch_execute(sql)?;
+        tx.execute("INSERT INTO estop_schema (version) VALUES ($1)", &[version])?;
+        crate::log::info(&format!("store: migrated the schema to version {version}"));
+    }
+    tx.commit()?;
+    Ok(SCHEMA_VERSION)
+}
+
+/// The records after `seq`, in order; an error if they are not numbered on from it.
+pub fn records_after(
+    db: &mut impl GenericClient,
+    seq: u64,
+) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+    let rows = db.query(
+        "SELECT seq, record FROM estop_ledger WHERE seq > $1 ORDER BY seq",
+        &[&(seq as i64)],
+    )?;
+    let mut out = Vec::with_capacity(rows.len());
+    for (expect, row) in (seq + 1..).zip(rows) {
+        let got = row.get::<_, i64>(0) as u64;
+        if got != expect {
+            return Err(StoreError::Corrupt(format!(
+                "seq {expect} is missing (the next record is {got})"
+            )));
+        }
+        out.push((got, row.get::<_, Vec<u8>>(1)));
+    }
+    Ok(out)
+}
+
+/// One record to insert, with the columns queries use beside its bytes.
+#[derive(Debug)]
+pub struct NewRecord {
+    pub seq: u64,
+    pub at_ms: u64,
+    pub run: Option<String>,
+    pub principal: String,
+    pub command: &'static str,
+    pub bytes: Vec<u8>,
+}
+
+impl NewRecord {
+    /// Reads the columns from the encoded record.
+    pub fn new(
+        seq: u64,
+        bytes: &[u8],
+        decoder: &mut RecordDecoder,
+    ) -> Result<NewRecord, StoreError> {
+        let rec = decoder
+            .decode(bytes)
+            .map_err(|e| StoreError::Corrupt(format!("the core encoded a bad record: {e}")))?;
+        Ok(NewRecord {
+            seq,
+            at_ms: rec.at,
+            run: rec.command.run().map(|r| r.as_str().to_string()),
+            principal: rec.principal.name.as_str().to_string(),
+            command: crate::describe::kind(&rec.command),
+            bytes: bytes.to_vec(),
+        })
+    }
+}
+
+/// Inserts a burst's records with one statement. A seq another writer took is a
+/// primary-key violation: the transaction fails and nothing of it is acknowledged.
+pub fn insert(db: &mut impl GenericClient, records: &[NewRecord]) -> Result<(), StoreError> {
+    let seqs: Vec<i64> = records.iter().map(|r| r.seq as i64).collect();
+    let ats: Vec<i64> = records.iter().map(|r| r.at_ms as i64).collect();
+    let runs: Vec<Option<&str>> = records.iter().map(|r| r.run.as_deref()).collect();
+    let principals: Vec<&str> = records.iter().map(|r| r.principal.as_str()).collect();
+    let commands: Vec<&str> = records.iter().map(|r| r.command).collect();
+    let bytes: Vec<&[u8]> = records.iter().map(|r| r.bytes.as_slice()).collect();
+    db.execute(
+        "INSERT INTO estop_ledger (seq, at_ms, run_id, principal, command, record)
+         SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[], $6::bytea[])",
+        &[&seqs, &ats, &runs, &principals, &commands, &bytes],
+    )?;
+    Ok(())
+}
+
+/// Rebuilds the gate from every record in the database, through the replay recovery uses
+/// (`journal::replay_record`), under `limits.for_replay()`, then today's limits. Returns the
+/// gate and the last seq.
+pub fn load(db: &mut Client, limits: &Limits) -> Result<(Gate, u64), StoreError> {
+    let replay_limits = limits.for_replay();
+    let mut gate = Gate::new(replay_limits);
+    let mut decoder = RecordDecoder::default();
+    let records = records_after(db, 0)?;
+    let last = records.last().map_or(0, |(seq, _)| *seq);
+    for (seq, bytes) in &records {
+        replay_record(&mut gate, &mut decoder, bytes)
+            .map_err(|e| StoreError::Corrupt(format!("record {seq}: {e}")))?;
+    }
+    gate.set_limits(limits.clone());
+    Ok((gate, last))
+}
+
+/// Connects, migrates and rebuilds the gate: what a node does at start and after a failure.
+pub fn open(target: &Target, limits: &Limits) -> Result<(Client, Gate, u64), StoreError> {
+    let mut client = target.connect()?;
+    migrate(&mut client)?;
+    let (gate, last) = load(&mut client, limits)?;
+    Ok((client, gate, last))
+}
