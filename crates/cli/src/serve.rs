@@ -107,8 +107,10 @@ pub struct ServeArgs {
     pub reset_tokens: bool,
     /// Where the gate's truth lives: the embedded ledger in DATA/ledger (default), or a
     /// PostgreSQL database shared by several `estop serve` nodes: `postgres://USER@HOST:PORT/DB`
-    /// (docs/STORES.md; no TLS yet: a local socket or a trusted network).
-    #[arg(long, value_name = "URL")]
+    /// (docs/STORES.md; no TLS yet: a local socket or a trusted network). A URL with a
+    /// password belongs in ESTOP_STORE, not on the command line, which every local user can
+    /// read in the process list.
+    #[arg(long, value_name = "URL", env = "ESTOP_STORE", hide_env_values = true)]
     pub store: Option<String>,
 }
 

@@ -505,3 +505,33 @@ fn two_nodes_under_load_number_every_record_once() {
         assert_eq!(verdict(&v), "duplicate", "{v}");
     }
 }
+
+/// The store's URL (with its password) can come from ESTOP_STORE instead of the command line,
+/// where every local user could read it in the process list: the node then keeps its truth in
+/// that database, and its command line names none.
+#[test]
+fn the_store_url_can_stay_out_of_the_process_list() {
+    let Some(url) = database() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policy.toml"), POLICY).unwrap();
+    let mut d = Daemon {
+        dir,
+        child: None,
+        ready: String::new(),
+        extra: vec!["--console".into(), "off".into()],
+    };
+    d.spawn_env(&[("ESTOP_STORE", url.as_str())]);
+    let pid = d.child.as_ref().unwrap().id();
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    assert!(
+        !String::from_utf8_lossy(&cmdline).contains("postgres://"),
+        "the URL is not in argv"
+    );
+    let mut agent = d.agent();
+    let v = ok(
+        &mut agent,
+        json!({"op": "admit", "run": "env", "key": "k", "tool": "search", "args": {}}),
+    );
+    assert_eq!(v["verdict"], "admitted", "{v}");
+    assert_eq!(admits(&url, "env"), 1, "the admission is in the database");
+}
