@@ -15,6 +15,7 @@ mod remote;
 mod run;
 mod serve;
 mod show;
+mod store;
 
 use clap::{Args, Parser, Subcommand};
 use estop_protocol::Verb;
@@ -96,6 +97,11 @@ enum Cmd {
     Ledger {
         #[command(subcommand)]
         command: ledger::LedgerCmd,
+    },
+    /// Move the gate's records between the embedded ledger and PostgreSQL (daemons stopped).
+    Store {
+        #[command(subcommand)]
+        command: store::StoreCmd,
     },
     /// Measure: closed-loop durable admissions (default), or `kernel` / `recovery` figures.
     Bench(bench::BenchArgs),
@@ -196,6 +202,7 @@ fn run(command: Cmd) -> Result<u8, Failure> {
         Cmd::Mcp(a) => mcp::run(a).map_err(fail),
         Cmd::Serve(a) => serve::serve(*a).map_err(fail),
         Cmd::Ledger { command } => ledger::ledger(command).map_err(fail),
+        Cmd::Store { command } => store::run(command).map_err(fail),
         Cmd::Token { command, conn } => match command {
             TokenCmd::Create { name, role, groups } => {
                 act::token_create(&conn, name, role, &groups)

@@ -535,3 +535,109 @@ fn the_store_url_can_stay_out_of_the_process_list() {
     assert_eq!(v["verdict"], "admitted", "{v}");
     assert_eq!(admits(&url, "env"), 1, "the admission is in the database");
 }
+
+/// `estop store export` and `import` move one history between the stores, both ways, and only
+/// into an empty destination: a gate started on the copy knows every effect (a repeat is a
+/// duplicate, a cancelled run stays fenced, a held effect is still held) and numbers on from it.
+#[test]
+fn a_history_moves_between_the_embedded_ledger_and_postgresql_both_ways() {
+    let Some(url) = database() else { return };
+    // An embedded gate with a history: an admitted call, a held one, a cancelled run.
+    let mut embedded = Daemon::start_with(&["--console", "off"]);
+    let (mut a, mut op) = (embedded.agent(), embedded.operator());
+    assert_eq!(
+        verdict(&admit(&mut a, "m1", "k1", "pay", json!({"usd": 1}))),
+        "admitted"
+    );
+    assert_eq!(
+        verdict(&admit(&mut a, "m1", "k2", "refund", json!({"usd": 2}))),
+        "held"
+    );
+    assert_eq!(
+        verdict(&admit(&mut a, "m2", "k1", "pay", json!({}))),
+        "admitted"
+    );
+    ok(
+        &mut op,
+        json!({"op": "cancel", "run": "m2", "reason": "moved"}),
+    );
+    let data = embedded.data().to_path_buf();
+    embedded.kill9();
+    let store = |args: &[&str]| {
+        let out = Command::new(bin())
+            .arg("store")
+            .args(args)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    };
+    let data_arg = data.display().to_string();
+    let (ok1, said) = store(&["export", "--data", &data_arg, "--to", &url]);
+    assert!(ok1, "{said}");
+    assert!(said.contains("exported"), "{said}");
+    let exported = admits(&url, "m1") + admits(&url, "m2");
+    assert_eq!(exported, 3);
+    // Never a second history into the same database: refused, nothing added.
+    let (again, said) = store(&["export", "--data", &data_arg, "--to", &url]);
+    assert!(!again && said.contains("already holds"), "{said}");
+    assert_eq!(admits(&url, "m1") + admits(&url, "m2"), 3);
+
+    // A node on the database knows the history, and goes on from it.
+    let node_pg = node(&url);
+    let mut a = node_pg.agent();
+    assert_eq!(
+        verdict(&admit(&mut a, "m1", "k1", "pay", json!({"usd": 1}))),
+        "duplicate"
+    );
+    assert_eq!(
+        verdict(&admit(&mut a, "m1", "k2", "refund", json!({"usd": 2}))),
+        "held"
+    );
+    let v = admit(&mut a, "m2", "k9", "pay", json!({}));
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("refused", Some("cancelled"))
+    );
+    assert_eq!(
+        verdict(&admit(&mut a, "m3", "k1", "pay", json!({}))),
+        "admitted"
+    );
+    drop(node_pg);
+
+    // And back: into a fresh data directory, which a gate then starts on.
+    let fresh = tempfile::tempdir().unwrap();
+    std::fs::write(fresh.path().join("policy.toml"), POLICY).unwrap();
+    let fresh_arg = fresh.path().display().to_string();
+    let (ok2, said) = store(&["import", "--from", &url, "--data", &fresh_arg]);
+    assert!(ok2, "{said}");
+    assert!(
+        said.contains("imported") && said.contains("--reset-tokens"),
+        "{said}"
+    );
+    let (twice, said) = store(&["import", "--from", &url, "--data", &fresh_arg]);
+    assert!(!twice && said.contains("already holds a ledger"), "{said}");
+    let mut back = Daemon {
+        dir: fresh,
+        child: None,
+        ready: String::new(),
+        extra: vec!["--console".into(), "off".into(), "--reset-tokens".into()],
+    };
+    back.spawn();
+    let (mut a, mut op) = (back.agent(), back.operator());
+    assert_eq!(
+        verdict(&admit(&mut a, "m3", "k1", "pay", json!({}))),
+        "duplicate"
+    );
+    let v = admit(&mut a, "m2", "k9", "pay", json!({}));
+    assert_eq!(
+        (verdict(&v), v["reason"].as_str()),
+        ("refused", Some("cancelled"))
+    );
+    let pending = ok(&mut op, json!({"op": "pending", "run": "m1"}));
+    assert_eq!(pending["pending"][0]["key"], "k2", "{pending}");
+}

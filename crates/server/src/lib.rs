@@ -24,6 +24,7 @@ pub mod serve;
 pub mod service;
 pub mod shared;
 pub mod soundgate;
+pub mod storemove;
 pub mod tokenops;
 pub mod tokens;
 pub mod uds;

@@ -56,6 +56,8 @@ pub enum StoreError {
     Corrupt(String),
     #[error("cannot start the node: {0}")]
     Node(String),
+    #[error("{0}")]
+    Move(String),
 }
 
 impl StoreError {
@@ -66,6 +68,7 @@ impl StoreError {
             StoreError::Newer { .. } => "store_schema_newer",
             StoreError::Corrupt(_) => "store_corrupt",
             StoreError::Node(_) => "setup",
+            StoreError::Move(_) => "store_move",
         }
     }
 }
