@@ -69,6 +69,9 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Durable admissions through 1 and 2 nodes over one PostgreSQL database, next to the
+    /// server's raw single-row commit rate measured in the same run (docs/STORES.md).
+    Store(crate::bench_store::StoreBenchArgs),
     /// Recovery speed from a large ledger, with and without a snapshot.
     Recovery {
         #[arg(long, default_value_t = 10_000_000)]
@@ -124,9 +127,9 @@ struct LoadArgs {
     json: bool,
 }
 
-struct Spawned {
+pub(crate) struct Spawned {
     child: Child,
-    socket: String,
+    pub(crate) socket: String,
     soundgate: String,
     /// The console's address, for the group-commit counters in its `/metrics`.
     console: String,
@@ -140,10 +143,16 @@ impl Drop for Spawned {
 }
 
 fn spawn_daemon(data: &Path) -> Result<Spawned> {
+    spawn_daemon_with(data, &[])
+}
+
+/// `spawn_daemon` with more `estop serve` arguments (`--store URL`).
+pub(crate) fn spawn_daemon_with(data: &Path, extra: &[&str]) -> Result<Spawned> {
     let _ = std::fs::remove_dir_all(data);
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe)
         .args(["serve", "--allow-all", "--soundgate-listen", "127.0.0.1:0"])
+        .args(extra)
         // A port of its own: another gate (or CI) may hold the default one.
         .args(["--console", "127.0.0.1:0"])
         // The benchmark measures admissions: its one agent principal must not reach the shares
@@ -227,6 +236,7 @@ pub fn run(a: BenchArgs) -> Result<u8> {
             data,
             json,
         }) => recovery(records, &data, json),
+        Some(BenchCmd::Store(s)) => crate::bench_store::run(s),
         None => load_bench(a.load),
     }
 }

@@ -8,6 +8,7 @@
 
 mod act;
 mod bench;
+mod bench_store;
 mod ledger;
 mod mcp;
 mod read;

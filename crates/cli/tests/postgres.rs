@@ -641,3 +641,58 @@ fn a_history_moves_between_the_embedded_ledger_and_postgresql_both_ways() {
     let pending = ok(&mut op, json!({"op": "pending", "run": "m1"}));
     assert_eq!(pending["pending"][0]["key"], "k2", "{pending}");
 }
+
+/// `estop bench store` runs end to end against a real server: the raw commit probe, then one
+/// and two nodes, every admission answered (no errors).
+#[test]
+fn the_store_benchmark_measures_one_and_two_nodes() {
+    let Some(url) = database() else { return };
+    let data = tempfile::tempdir().unwrap();
+    let out = Command::new(bin())
+        .args([
+            "bench",
+            "store",
+            "--connections",
+            "1,4",
+            "--ops",
+            "200",
+            "--probe-seconds",
+            "0.2",
+            "--json",
+            "--data",
+        ])
+        .arg(data.path())
+        .env("ESTOP_STORE", &url)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        rows[0]["raw_commit"]["commits_per_s"].as_f64().unwrap() > 0.0,
+        "{text}"
+    );
+    let steps: Vec<_> = rows[1..]
+        .iter()
+        .map(|r| {
+            (
+                r["nodes"].as_u64().unwrap(),
+                r["connections"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(steps, [(1, 1), (1, 4), (2, 1), (2, 4)], "{text}");
+    assert!(
+        rows[1..]
+            .iter()
+            .all(|r| r["errors"] == 0 && r["admissions_per_s"].as_f64().unwrap() > 0.0),
+        "{text}"
+    );
+}
