@@ -15,6 +15,7 @@ Every side effect is admitted by the estop gate first (docs/PROTOCOL.md). Start 
 from ._jcs import canonical, digest
 from .aio import AsyncClient
 from .client import Client
+from .compensation import CompensationUnknown, CompensationWorker
 from .config import Config
 from .effect import EffectCall, call_args, call_key, effect, gate_async, gate_sync, make_call, run_async, run_sync
 from .errors import (
@@ -49,7 +50,7 @@ from .verdicts import Admitted, Duplicate, Go, Held, RefusedVerdict, Verdict
 __version__ = "0.1.0"
 
 __all__ = [
-    "Admitted", "AsyncClient", "BadToken", "Client", "Config", "Conflict", "ConnectionLost",
+    "Admitted", "AsyncClient", "BadToken", "Client", "CompensationUnknown", "CompensationWorker", "Config", "Conflict", "ConnectionLost",
     "Denied", "Duplicate", "EffectCall", "EffectFailed", "Estop", "EstopError", "EstopTimeout",
     "Forbidden", "GateError", "Go", "Held", "HeldForApproval", "InDoubt", "Interrupted", "InvalidRequest",
     "LimitExceeded", "Mismatch", "NoRun", "NotFound", "NotPending", "Refused", "RefusedVerdict",

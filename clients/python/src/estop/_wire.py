@@ -117,6 +117,7 @@ def admit_fields(
     labels: dict[str, str] | None,
     needs_approval: bool | None,
     limits: dict[str, int] | None,
+    declare: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     f: dict[str, Any] = {"run": run, "key": key, "tool": tool, "start": start}
     if digest is not None:
@@ -127,4 +128,5 @@ def admit_fields(
     f["labels"] = labels or None
     f["needs_approval"] = True if needs_approval else None
     f["limits"] = limits or None
+    f["declare"] = declare or None
     return f

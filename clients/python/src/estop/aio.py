@@ -133,6 +133,9 @@ class AsyncClient:
         self._lock: asyncio.Lock | None = None
         self._closed = False
         self._subs: dict[str, int] = {}
+        # What this connection executes compensations of (`compensations`), said again after a
+        # reconnect: `""` for every run the principal sees.
+        self._executes: set[str] = set()
         self._listeners: list[EventCallback] = []
         self.role: str | None = None
         self.principal: str | None = None
@@ -204,6 +207,12 @@ class AsyncClient:
                 _wire.check(await self._roundtrip(conn, "subscribe", {"run": run}, self.connect_timeout_s))
             except GateError:
                 pass
+        for run in list(self._executes):
+            fields = {"run": run} if run else {}
+            try:
+                _wire.check(await self._roundtrip(conn, "compensations", fields, self.connect_timeout_s))
+            except GateError:
+                log.warning("estop: the gate refused this connection as an executor of %r again", run or "every run")
 
     def _dispatch(self, event: dict[str, Any]) -> None:
         if event.get("event") in ("cancelled", "closed") and event.get("run") in self._subs:
@@ -272,9 +281,12 @@ class AsyncClient:
         labels: dict[str, str] | None = None,
         needs_approval: bool | None = None,
         limits: dict[str, int] | None = None,
+        declare: dict[str, str] | None = None,
     ) -> Verdict:
+        """`declare`: how this call is undone, in the keys of a policy rule (`compensate`,
+        `compensate_args`, `reversibility`); it may only add to what policy says."""
         f = _wire.fit_admit(
-            _wire.admit_fields(run, key, tool, args, digest, start, parent, labels, needs_approval, limits),
+            _wire.admit_fields(run, key, tool, args, digest, start, parent, labels, needs_approval, limits, declare),
             self.line_bytes_max,
         )
         return _wire.verdict(await self.call("admit", **f))
@@ -304,6 +316,20 @@ class AsyncClient:
             await self.call("unsubscribe", run=run)
         else:
             self._subs[run] = n - 1
+
+    async def compensations(self, run: str | None = None) -> None:
+        """Makes this connection an executor of the reverse saga's compensations (of `run`, or of
+        every run the principal sees): `compensate` events reach the listeners; report each with
+        `compensated`. Said again after a reconnect."""
+        await self.call("compensations", run=run)
+        self._executes.add(run or "")
+
+    async def compensated(
+        self, run: str, key: str, attempt: int, outcome: str, error: str | None = None
+    ) -> dict[str, Any]:
+        """Reports how attempt `attempt` of the compensation of `(run, key)` ended (`ok`, `error`,
+        or `unknown`)."""
+        return await self.call("compensated", run=run, key=key, attempt=attempt, outcome=outcome, error=error)
 
     async def status(self, run: str) -> dict[str, Any]:
         return await self.call("status", run=run)

@@ -317,9 +317,12 @@ class Client:
         labels: dict[str, str] | None = None,
         needs_approval: bool | None = None,
         limits: dict[str, int] | None = None,
+        declare: dict[str, str] | None = None,
     ) -> Verdict:
+        """`declare`: how this call is undone, in the keys of a policy rule (`compensate`,
+        `compensate_args`, `reversibility`); it may only add to what policy says."""
         f = _wire.fit_admit(
-            _wire.admit_fields(run, key, tool, args, digest, start, parent, labels, needs_approval, limits),
+            _wire.admit_fields(run, key, tool, args, digest, start, parent, labels, needs_approval, limits, declare),
             self.line_bytes_max,
         )
         return _wire.verdict(self.call("admit", **f))

@@ -50,6 +50,8 @@ class EffectCall:
     args: Any
     key: str
     needs_approval: bool = False
+    #: How the call is undone (admit's `declare`): `compensate`, `compensate_args`, …
+    declare: dict[str, str] | None = None
 
     @property
     def digest(self) -> str:
@@ -90,7 +92,16 @@ def call_args(fn: Callable[..., Any], a: tuple[Any, ...], kw: dict[str, Any], ex
     return out
 
 
-def make_call(run: Run, tool: str, args: Any, *, step: str | None = None, key: str | None = None, needs_approval: bool = False) -> EffectCall:
+def make_call(
+    run: Run,
+    tool: str,
+    args: Any,
+    *,
+    step: str | None = None,
+    key: str | None = None,
+    needs_approval: bool = False,
+    declare: dict[str, str] | None = None,
+) -> EffectCall:
     if key is None:
         d = _digest(tool, args)
         st = current_step()
@@ -103,7 +114,7 @@ def make_call(run: Run, tool: str, args: Any, *, step: str | None = None, key: s
         else:
             name, n = "run", _run_occurrence(run, "run", tool, d)
         key = derive_key(run.id, name, tool, d, n)
-    return EffectCall(run=run, tool=tool, args=args, key=key, needs_approval=needs_approval)
+    return EffectCall(run=run, tool=tool, args=args, key=key, needs_approval=needs_approval, declare=declare)
 
 
 def call_key(run: "Run | str", tool: str, call_id: str, args: Any) -> str:
@@ -163,6 +174,7 @@ def _first_admit_fields(call: EffectCall) -> dict[str, Any]:
         "labels": r.labels,
         "limits": r.limits,
         "needs_approval": call.needs_approval,
+        "declare": call.declare,
     }
 
 
@@ -355,6 +367,8 @@ def effect(
     hold_timeout_s: float | None = None,
     exclude: set[str] | frozenset[str] | None = None,
     decode: Callable[[Any], Any] | None = None,
+    compensate: str | None = None,
+    compensate_args: str | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -368,9 +382,17 @@ def effect(
     hold_timeout_s: float | None = None,
     exclude: set[str] | frozenset[str] | None = None,
     decode: Callable[[Any], Any] | None = None,
+    compensate: str | None = None,
+    compensate_args: str | None = None,
 ) -> Any:
     """Makes a function a gated side effect (see the module doc). Works on sync and async
-    functions; the call must happen inside a run (`with gate.run(...)`, or ESTOP_RUN)."""
+    functions; the call must happen inside a run (`with gate.run(...)`, or ESTOP_RUN).
+
+    `compensate` names the tool that undoes it after a cancel (the reverse saga; run by an
+    `estop.CompensationWorker`), `compensate_args` the CEL map that builds that tool's arguments
+    from this call's `args` and its recorded `result` (docs/POLICY.md). They are declared to the
+    gate with each admission and may only add to what its policy says."""
+    declare = {k: v for k, v in (("compensate", compensate), ("compensate_args", compensate_args)) if v is not None} or None
 
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
         name: str = tool or str(getattr(f, "__name__", "effect"))
@@ -381,7 +403,7 @@ def effect(
             async def awrapper(*a: Any, **kw: Any) -> Any:
                 run = current_run()
                 assert run is not None
-                call = make_call(run, name, call_args(f, a, kw, skip), step=step, needs_approval=needs_approval)
+                call = make_call(run, name, call_args(f, a, kw, skip), step=step, needs_approval=needs_approval, declare=declare)
                 return await run_async(call, lambda: f(*a, **kw), on_hold=on_hold, hold_timeout_s=hold_timeout_s, decode=decode)
 
             awrapper.__estop_tool__ = name  # type: ignore[attr-defined]
@@ -391,7 +413,7 @@ def effect(
         def wrapper(*a: Any, **kw: Any) -> Any:
             run = current_run()
             assert run is not None
-            call = make_call(run, name, call_args(f, a, kw, skip), step=step, needs_approval=needs_approval)
+            call = make_call(run, name, call_args(f, a, kw, skip), step=step, needs_approval=needs_approval, declare=declare)
             return run_sync(call, lambda: f(*a, **kw), on_hold=on_hold, hold_timeout_s=hold_timeout_s, decode=decode)
 
         wrapper.__estop_tool__ = name  # type: ignore[attr-defined]
