@@ -562,6 +562,18 @@ fn a_history_moves_between_the_embedded_ledger_and_postgresql_both_ways() {
         json!({"op": "cancel", "run": "m2", "reason": "moved"}),
     );
     let data = embedded.data().to_path_buf();
+    // Not while a gate runs on it: what it appended after the copy would be lost to it.
+    let busy = Command::new(bin())
+        .args(["store", "export", "--data"])
+        .arg(&data)
+        .args(["--to", &url])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&busy.stderr);
+    assert!(
+        !busy.status.success() && said.contains("in use by a running estop serve"),
+        "{said}"
+    );
     embedded.kill9();
     let store = |args: &[&str]| {
         let out = Command::new(bin())

@@ -59,11 +59,23 @@ fn check(records: &[(u64, Vec<u8>)]) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Every record of the embedded ledger in `data` (read only, as `estop ledger show` does).
+/// Every record of the embedded ledger in `data`, read under the ledger's lock: a daemon
+/// running on it is refused (what it appended after the copy would be lost to it).
 fn read_ledger(data: &Path) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
     let dir = data.join("ledger");
-    let storage = FileStorage::open_read_only(&dir)
-        .map_err(|e| refused(format!("cannot read {}: {e}", dir.display())))?;
+    if !dir.is_dir() {
+        return Err(refused(format!(
+            "no ledger at {} (pass --data DIR)",
+            dir.display()
+        )));
+    }
+    let storage = FileStorage::open(&dir).map_err(|e| match e {
+        LedgerError::Locked { .. } => refused(format!(
+            "{} is in use by a running estop serve: stop it first (what it appends after the              copy would not be moved); nothing was moved",
+            dir.display()
+        )),
+        e => refused(format!("cannot open {}: {e}", dir.display())),
+    })?;
     let mut records = Vec::new();
     let report = estop_ledger::inspect(&storage, |r| records.push((r.seq, r.payload.to_vec())));
     if let Some(e) = report.error {
@@ -76,7 +88,7 @@ fn read_ledger(data: &Path) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
 }
 
 /// Copies the embedded ledger in `data` into the database at `target`, which must hold no
-/// estop record yet. Stop the daemon on `data` first: what it appends later is not copied.
+/// estop record yet. A daemon running on `data` is refused.
 pub fn export(data: &Path, target: &Target) -> Result<Moved, StoreError> {
     let records = read_ledger(data)?;
     check(&records)?;
