@@ -91,9 +91,13 @@ class CompensationWorker:
             outcome, error = "error", f"no handler for {tool!r} in this worker (it has {sorted(self.handlers)})"
         else:
             try:
-                result = handler(event.get("args"), idem)
-                if inspect.isawaitable(result):
-                    await result
+                if inspect.iscoroutinefunction(handler):
+                    await handler(event.get("args"), idem)
+                else:
+                    # A blocking handler runs on a thread: the connection keeps being read.
+                    result = await asyncio.to_thread(handler, event.get("args"), idem)
+                    if inspect.isawaitable(result):
+                        await result
                 outcome = "ok"
             except CompensationUnknown as e:
                 outcome, error = "unknown", str(e) or "the handler could not tell whether it took effect"
