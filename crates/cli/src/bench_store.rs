@@ -39,8 +39,8 @@ pub struct StoreBenchArgs {
 /// The server's raw commit: one row inserted and committed per transaction, one client.
 struct RawCommit {
     commits_per_s: f64,
-    p50_us: u64,
-    p99_us: u64,
+    p50_us: u32,
+    p99_us: u32,
 }
 
 fn raw_commit(url: &str, seconds: f64) -> Result<RawCommit> {
@@ -61,15 +61,14 @@ fn raw_commit(url: &str, seconds: f64) -> Result<RawCommit> {
             &[&n, &payload],
         )?;
         tx.commit()?;
-        lat.push(t.elapsed().as_micros() as u64);
+        lat.push(u32::try_from(t.elapsed().as_micros()).unwrap_or(u32::MAX));
         n += 1;
     }
     lat.sort_unstable();
-    let at = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)];
     Ok(RawCommit {
         commits_per_s: lat.len() as f64 / start.elapsed().as_secs_f64(),
-        p50_us: at(0.50),
-        p99_us: at(0.99),
+        p50_us: estop_bench::percentile(&lat, 0.50),
+        p99_us: estop_bench::percentile(&lat, 0.99),
     })
 }
 
@@ -113,7 +112,7 @@ pub fn run(a: StoreBenchArgs) -> Result<u8> {
                 a.ops,
                 format!("s{stamp}-{nodes}-{connections}"),
             )?;
-            let ratio = f64::from(r.p50_us) / raw.p50_us.max(1) as f64;
+            let ratio = f64::from(r.p50_us) / f64::from(raw.p50_us.max(1));
             if a.json {
                 println!(
                     "{}",

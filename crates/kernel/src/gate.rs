@@ -259,6 +259,21 @@ impl Gate {
         }
     }
 
+    /// A visible run's effect, with its run: `RunNotFound` or `EffectNotFound` otherwise.
+    pub(crate) fn visible_effect(
+        &self,
+        principal: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+    ) -> Result<(&Run, &Effect), KernelError> {
+        let run = self.visible_run(principal, run_id)?;
+        let effect = run
+            .effects
+            .get(key)
+            .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        Ok((run, effect))
+    }
+
     /// `visible_run` for a command about to change the run (one lookup for both).
     fn visible_run_mut(
         &mut self,
@@ -1261,11 +1276,7 @@ impl Gate {
         token: Token,
         ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
-        let run = self.visible_run(p, run_id)?;
-        let effect = run
-            .effects
-            .get(key)
-            .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        let (run, effect) = self.visible_effect(p, run_id, key)?;
         if effect.token != Some(token) {
             if let Status::Refused(reason) = effect.status {
                 return Ok((Reply::Verdict(Verdict::Refused { reason }), false));

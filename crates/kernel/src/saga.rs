@@ -273,11 +273,7 @@ impl Gate {
         ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         crate::gate::bounded(args, self.limits.args_bytes_max, "args_bytes_max")?;
-        let run = self.visible_run(p, run_id)?;
-        let effect = run
-            .effects
-            .get(key)
-            .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        let (run, effect) = self.visible_effect(p, run_id, key)?;
         let attempts = effect.saga.as_ref().map_or(0, |c| c.attempts);
         if effect.status == Status::Compensating && attempts == attempt {
             return Ok((reply(effect), false));
@@ -315,11 +311,7 @@ impl Gate {
         ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         crate::gate::bounded(error, self.limits.result_bytes_max, "result_bytes_max")?;
-        let run = self.visible_run(p, run_id)?;
-        let effect = run
-            .effects
-            .get(key)
-            .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        let (run, effect) = self.visible_effect(p, run_id, key)?;
         let Some(c) = effect.saga.as_deref() else {
             return Err(saga_error(run_id, key, "no compensation of it began"));
         };
@@ -385,11 +377,7 @@ impl Gate {
                 return Err(saga_error(run_id, key, "a skip needs a reason"));
             }
         }
-        let run = self.visible_run(p, run_id)?;
-        let effect = run
-            .effects
-            .get(key)
-            .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        let (run, effect) = self.visible_effect(p, run_id, key)?;
         let to = match action {
             SagaAction::Settle(Outcome::Ok) => Status::Completed,
             SagaAction::Settle(Outcome::Error) => Status::Failed,
