@@ -383,3 +383,75 @@ fn an_operator_settles_retries_and_skips_what_the_saga_cannot_decide() {
     assert_eq!(records(&mut op, "r1", "saga_retry"), 1);
     assert_eq!(records(&mut op, "r1", "saga_skip"), 1);
 }
+
+/// Hostile: another agent that makes itself an executor of "every run it sees" is offered none
+/// of this agent's compensations (they are neither sent to it nor claimed under its name), and
+/// one agent cannot take more executor places than its share of subscriptions.
+#[test]
+fn another_agents_executor_gets_nothing_and_executors_are_bounded_per_principal() {
+    let d = Daemon::start_with_policy(SAGA_POLICY, &["--subscriptions-per-principal-max", "2"]);
+    let mut op = d.operator();
+    let b_token = ok(
+        &mut op,
+        json!({"op": "token", "name": "b", "role": "agent"}),
+    );
+    let b_secret = b_token["token"].as_str().unwrap().to_string();
+    let mut b1 = d.client_with(&b_secret);
+    let mut b2 = d.client_with(&b_secret);
+    let mut b3 = d.client_with(&b_secret);
+    ok(&mut b1, json!({"op": "compensations"}));
+    ok(&mut b2, json!({"op": "compensations"}));
+    let r = b3.call(json!({"op": "compensations"})).unwrap();
+    let e = r
+        .error
+        .expect("a third executor of the same principal is refused");
+    assert_eq!(e.code, "limit_exceeded", "{}", e.message);
+
+    let mut a = d.agent();
+    let mut ex = d.agent();
+    ok(&mut ex, json!({"op": "compensations", "run": "victim"}));
+    done(
+        &mut a,
+        "victim",
+        "c1",
+        "charge",
+        json!({"amount": 7}),
+        json!({"id": "ch_7"}),
+    );
+    ok(&mut op, json!({"op": "cancel", "run": "victim"}));
+    // The attempt is claimed under A's executor, never under B's (bounded: a claim that never
+    // comes fails here rather than hanging on the executor's events).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    let begin = loop {
+        let l = ok(&mut op, json!({"op": "ledger", "run": "victim"}));
+        let begins: Vec<Value> = l["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["kind"] == "compensation_begin")
+            .cloned()
+            .collect();
+        if let Some(b) = begins.first() {
+            assert_eq!(begins.len(), 1, "{l}");
+            break b.clone();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no compensation began for A's executor: {l}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(begin["principal"], "agent", "{begin}");
+    let ev = next_compensate(&mut ex);
+    assert_eq!(ev.run, "victim");
+    compensated(&mut ex, "victim", &ev, "ok");
+    assert_eq!(state(&mut op, "victim"), "cancelled");
+    // B's executors were sent nothing: the next line each reads is the reply to its ping.
+    for b in [&mut b1, &mut b2] {
+        b.send_raw(br#"{"id":77,"op":"ping"}"#).unwrap();
+        match b.read_line().unwrap() {
+            estop_protocol::ServerLine::Reply(r) => assert!(r.ok, "{}", r.raw),
+            other => panic!("another agent's executor was sent {other:?}"),
+        }
+    }
+}
