@@ -98,19 +98,7 @@ impl Server {
     /// The same server over TLS, with a certificate for `ip` from a CA the test makes; the
     /// CA's certificate is written to `roots` (the proxy is told to trust it).
     fn start_tls(ip: &str, roots: &std::path::Path) -> Server {
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca.distinguished_name
-            .push(rcgen::DnType::CommonName, "egress test CA");
-        let ca_cert = ca.self_signed(&ca_key).unwrap();
-        std::fs::write(roots, ca_cert.pem()).unwrap();
-        let issuer = rcgen::Issuer::new(ca, ca_key);
-        let key = rcgen::KeyPair::generate().unwrap();
-        let leaf = rcgen::CertificateParams::new(vec![ip.to_string()])
-            .unwrap()
-            .signed_by(&key, &issuer)
-            .unwrap();
+        let (leaf, key) = certificate_for(ip, roots);
         let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
         let config = rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
@@ -151,6 +139,24 @@ impl Server {
     fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
     }
+}
+
+/// A certificate for `ip` from a CA the test makes; the CA's certificate is written to `roots`.
+fn certificate_for(ip: &str, roots: &std::path::Path) -> (rcgen::Certificate, rcgen::KeyPair) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "egress test CA");
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    std::fs::write(roots, ca_cert.pem()).unwrap();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let leaf = rcgen::CertificateParams::new(vec![ip.to_string()])
+        .unwrap()
+        .signed_by(&key, &issuer)
+        .unwrap();
+    (leaf, key)
 }
 
 fn serve_one<S: Read + Write>(
@@ -1766,4 +1772,85 @@ print("proxied:", r.status)
     );
     assert!(out.contains("gate after: {\"id\":1,\"ok\":true"), "{out}");
     assert!(out.contains("proxied: 200"), "{out}");
+}
+
+/// An HTTP/2-only server (Node's `http2`, no HTTP/1.1 fallback): prints `port N` once
+/// listening, then one line per request: `SESSION METHOD PATH AUTHORITY`.
+const H2_SERVER: &str = r#"
+const http2 = require("http2"), fs = require("fs");
+const [key, cert] = process.argv.slice(1);
+let sessions = 0;
+const s = http2.createSecureServer({ key: fs.readFileSync(key), cert: fs.readFileSync(cert) });
+s.on("session", sess => { sess.n = ++sessions; });
+s.on("stream", (stream, h) => {
+  console.log(`${stream.session.n} ${h[":method"]} ${h[":path"]} ${h[":authority"]}`);
+  stream.respond({ ":status": 200, "content-type": "text/plain" });
+  stream.end(`h2 ${h[":path"]}`);
+});
+s.listen(0, "127.0.0.2", () => console.log(`port ${s.address().port}`));
+"#;
+
+/// HTTP/2 on both sides: the agent's client negotiates h2 inside its CONNECT tunnel, the proxy
+/// speaks h2 to an origin that offers nothing else, each request is still its own admitted
+/// effect, and the proxy's requests share one upstream connection (HTTP/2 streams).
+#[test]
+fn http2_is_spoken_with_the_agent_and_with_an_http2_only_origin() {
+    let d = daemon();
+    let dir = d.data().parent().unwrap().to_path_buf();
+    let roots = dir.join("h2-upstream-ca.pem");
+    let (leaf, key) = certificate_for("127.0.0.2", &roots);
+    std::fs::write(dir.join("h2.key"), key.serialize_pem()).unwrap();
+    std::fs::write(dir.join("h2.crt"), leaf.pem()).unwrap();
+    /// Ends the server however the test ends.
+    struct Killed(Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut server = Killed(
+        Command::new("node")
+            .args(["-e", H2_SERVER])
+            .arg(dir.join("h2.key"))
+            .arg(dir.join("h2.crt"))
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("node is installed (scripts/test)"),
+    );
+    let mut lines = BufReader::new(server.0.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let port: u16 = first.strip_prefix("port ").unwrap().parse().unwrap();
+    let extra = format!("upstream_roots = {:?}\n", roots.display().to_string());
+    let url = |p: &str| format!("https://127.0.0.2:{port}{p}");
+    // One curl, two URLs: one tunnel, one HTTP/2 connection to the proxy.
+    let cmd = format!(
+        "curl -sS --http2 -w ' %{{http_version}}\\n' {} {}",
+        url("/one"),
+        url("/two?x=1")
+    );
+    let (code, out, err) = finish(estop_run(&d, "h2", &extra, &["sh", "-c", &cmd]));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(out, "h2 /one 2\nh2 /two?x=1 2\n", "{err}");
+    drop(server);
+    let seen: Vec<String> = lines.map_while(Result::ok).collect();
+    let authority = format!("127.0.0.2:{port}");
+    assert_eq!(
+        seen,
+        vec![
+            format!("1 GET /one {authority}"),
+            format!("1 GET /two?x=1 {authority}")
+        ],
+        "both requests over HTTP/2, on one upstream connection"
+    );
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": "h2"}));
+    let urls: Vec<&str> = report["done"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["tool"] == "http.GET")
+        .map(|e| e["args"]["url"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(urls.len(), 2, "each HTTP/2 stream is an effect: {report}");
 }

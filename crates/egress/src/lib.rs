@@ -14,6 +14,7 @@ pub mod relay;
 pub mod sandbox;
 pub mod settings;
 pub mod tls;
+pub mod upstream;
 
 use anyhow::{Context, Result, bail};
 use gate::Gate;

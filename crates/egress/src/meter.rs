@@ -367,7 +367,7 @@ impl Call {
         }
         let mut fence = self.proxy.fence.clone();
         let res = tokio::select! {
-            r = sender.send_request(up) => r,
+            r = sender.send(up, &self.m.scheme) => r,
             _ = until_stopped(&mut fence) => {
                 self.finish("unknown", None, 0, "cut: the run was stopped", 0).await;
                 return stopped(&self.proxy.run, &self.effect.key);

@@ -4,9 +4,10 @@
 //! connection is shared: every request is still admitted on its own before it is sent, and a
 //! pooled connection goes only to the origin (scheme, host, port) it was dialled and checked
 //! for. Bounded: `PER_ORIGIN_MAX` idle connections per origin and `ORIGINS_MAX` origins; past
-//! either, a connection is closed instead of kept.
+//! either, a connection is closed instead of kept. An HTTP/2 connection is not taken but shared:
+//! each request gets a handle on it (a stream of its own), and one connection per origin is kept.
 
-use crate::proxy::Sender;
+use crate::upstream::Sender;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Mutex;
@@ -51,7 +52,11 @@ impl Pool {
             let (mut sender, addr) = {
                 let mut idle = self.lock();
                 let list = idle.get_mut(origin)?;
-                let next = list.pop();
+                let shared = list
+                    .last()
+                    .and_then(|(s, a)| s.share().map(|s| (s, *a)))
+                    .filter(|(s, _)| !s.is_closed());
+                let next = shared.or_else(|| list.pop());
                 if list.is_empty() {
                     idle.remove(origin);
                 }
@@ -75,6 +80,13 @@ impl Pool {
             return;
         }
         let list = idle.entry(origin).or_default();
+        // The connection another request shares is kept already: a closed one is replaced.
+        if sender.is_shared() {
+            list.retain(|(s, _)| !s.is_shared() || !s.is_closed());
+            if list.iter().any(|(s, _)| s.is_shared()) {
+                return;
+            }
+        }
         if list.len() < PER_ORIGIN_MAX {
             list.push((sender, addr));
         }
@@ -141,7 +153,7 @@ mod tests {
             .header("host", "upstream.test")
             .body(http_body_util::Full::new(bytes::Bytes::new()))
             .unwrap();
-        let res = sender.send_request(req).await.unwrap();
+        let res = sender.send(req, "http").await.unwrap();
         res.into_body().collect().await.unwrap().to_bytes()
     }
 
@@ -158,7 +170,7 @@ mod tests {
         let (addr, conns) = server().await;
         let pool = Pool::default();
         let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let mut sender = crate::proxy::handshake(stream).await.unwrap();
+        let mut sender = crate::upstream::http1(stream).await.unwrap();
         assert_eq!(get(&mut sender).await, "ok");
         pool.put(origin("a.test"), sender, addr);
         assert!(
@@ -191,7 +203,7 @@ mod tests {
         });
         let pool = Pool::default();
         let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let mut sender = crate::proxy::handshake(stream).await.unwrap();
+        let mut sender = crate::upstream::http1(stream).await.unwrap();
         assert_eq!(get(&mut sender).await, "ok");
         pool.put(origin("a.test"), sender, addr);
         assert!(pool.take(&origin("a.test")).await.is_none());
@@ -205,14 +217,14 @@ mod tests {
         for i in 0..(ORIGINS_MAX + 2) {
             for _ in 0..2 {
                 let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-                let sender = crate::proxy::handshake(stream).await.unwrap();
+                let sender = crate::upstream::http1(stream).await.unwrap();
                 pool.put(origin(&format!("h{i}.test")), sender, addr);
             }
         }
         assert_eq!(pool.len(), ORIGINS_MAX * 2);
         for _ in 0..(PER_ORIGIN_MAX + 3) {
             let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-            let sender = crate::proxy::handshake(stream).await.unwrap();
+            let sender = crate::upstream::http1(stream).await.unwrap();
             pool.put(origin("h0.test"), sender, addr);
         }
         assert_eq!(pool.len(), ORIGINS_MAX * 2 - 2 + PER_ORIGIN_MAX);

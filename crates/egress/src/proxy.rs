@@ -24,7 +24,7 @@ pub type Body = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
 pub type Reply = Response<Body>;
 /// The answer for the agent, the outcome for the ledger and its error text.
 pub(crate) type Failure = (Reply, &'static str, String);
-pub(crate) type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+pub(crate) use crate::upstream::Sender;
 
 pub struct Proxy {
     pub gate: Gate,
@@ -55,6 +55,10 @@ pub struct Effect {
     pub key: String,
     pub args: Value,
 }
+
+/// Requests at once on one HTTP/2 connection from the agent (its `SETTINGS_MAX_CONCURRENT_STREAMS`):
+/// a connection is one of `connections_max`, and its streams are bounded like them.
+pub const H2_STREAMS_MAX: u32 = 32;
 
 /// Headers that belong to one hop (RFC 9110 §7.6.1) or to the proxy: never forwarded.
 const HOP: &[&str] = &[
@@ -207,7 +211,20 @@ impl Proxy {
             });
             async move { Ok::<_, Infallible>(task.await.unwrap_or_else(|_| internal())) }
         });
+        // The agent's client chose the protocol in its hello (the acceptor offers h2 first).
+        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
         let io = hyper_util::rt::TokioIo::new(tls);
+        if h2 {
+            let conn =
+                hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .max_concurrent_streams(H2_STREAMS_MAX)
+                    .serve_connection(io, service);
+            tokio::select! {
+                _ = conn => {}
+                _ = fence.wait_for(|stopped| *stopped) => {}
+            }
+            return;
+        }
         let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
         tokio::select! {
             _ = conn => {}
@@ -554,9 +571,9 @@ impl Proxy {
                 .connect(name, stream)
                 .await
                 .map_err(|e| failed(format!("TLS with {host}: {e}")))?;
-            handshake(tls).await
+            crate::upstream::over_tls(tls).await
         } else {
-            handshake(stream).await
+            crate::upstream::http1(stream).await
         }
         .map_err(|e| failed(format!("{addr}: {e}")))?;
         Ok((sender, addr))
@@ -591,8 +608,9 @@ impl Proxy {
                 up.headers_mut().insert(name.clone(), value.clone());
             }
         }
+        let scheme = effect.args["scheme"].as_str().unwrap_or("http");
         let res = sender
-            .send_request(up)
+            .send(up, scheme)
             .await
             .map_err(|e| (failed(e.to_string()).0, "unknown", format!("{addr}: {e}")))?;
         Ok((res, sender, addr))
@@ -653,19 +671,6 @@ fn origin(effect: &Effect) -> crate::pool::Origin {
 /// A whole body for the agent.
 pub fn full(bytes: Bytes) -> Body {
     Full::new(bytes).map_err(|never| match never {}).boxed()
-}
-
-/// An HTTP/1.1 client connection over `io`, driven by its own task.
-pub async fn handshake<IO>(
-    io: IO,
-) -> hyper::Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>>
-where
-    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let (sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io)).await?;
-    tokio::spawn(conn);
-    Ok(sender)
 }
 
 fn internal() -> Reply {

@@ -106,10 +106,12 @@ impl Ca {
     /// CONNECT to, whatever name the client hello carries (none, for an IP address).
     pub fn acceptor(&self, host: &str) -> Result<tokio_rustls::TlsAcceptor> {
         let leaf = self.leaf(host)?;
-        let config = rustls::ServerConfig::builder_with_provider(self.provider.clone())
+        let mut config = rustls::ServerConfig::builder_with_provider(self.provider.clone())
             .with_safe_default_protocol_versions()?
             .with_no_client_auth()
             .with_cert_resolver(Arc::new(Fixed(leaf)));
+        // HTTP/2 when the agent's client offers it, HTTP/1.1 otherwise (or with no ALPN).
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
     }
 }
@@ -136,10 +138,11 @@ pub fn connector(extra_roots: Option<&Path>) -> Result<tokio_rustls::TlsConnecto
         }
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?
         .with_root_certificates(roots)
         .with_no_client_auth();
+    config.alpn_protocols = crate::upstream::ALPN.iter().map(|p| p.to_vec()).collect();
     Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
 }
 
