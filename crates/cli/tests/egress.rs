@@ -1854,3 +1854,34 @@ fn http2_is_spoken_with_the_agent_and_with_an_http2_only_origin() {
         .collect();
     assert_eq!(urls.len(), 2, "each HTTP/2 stream is an effect: {report}");
 }
+
+/// A CONNECT tunnel outlives the HTTP/1.1 exchange that opened it (hyper hands the connection
+/// over at the upgrade): it must still hold its connection's place under `connections_max`, or
+/// an agent opens tunnels without end.
+#[test]
+fn open_tunnels_hold_their_place_under_the_connection_bound() {
+    let d = daemon();
+    let script = r#"
+import socket, time
+def tunnel():
+    s = socket.create_connection(("127.0.0.1", 3128)); s.settimeout(10)
+    s.sendall(b"CONNECT 127.0.0.2:443 HTTP/1.1\r\nHost: 127.0.0.2:443\r\n\r\n")
+    return s, s.recv(4096).decode(errors="replace").split("\r\n")[0]
+held = [tunnel(), tunnel()]
+print("tunnels:", [line for _, line in held])
+third, line = tunnel()
+print("third:", line)
+held.pop()[0].close(); third.close()
+time.sleep(0.3)
+again, line = tunnel()
+print("after:", line)
+"#;
+    let extra = "connections_max = 2\n";
+    let (code, out, err) = finish(estop_run(&d, "tunnels", extra, &argv(&python(script))));
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(
+        out,
+        "tunnels: ['HTTP/1.1 200 OK', 'HTTP/1.1 200 OK']\nthird: HTTP/1.1 503 Service Unavailable\nafter: HTTP/1.1 200 OK\n",
+        "{err}"
+    );
+}

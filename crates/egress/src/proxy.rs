@@ -19,6 +19,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::watch;
 
+/// A connection's place under `connections_max`.
+type Place = Arc<tokio::sync::OwnedSemaphorePermit>;
+
 /// What the agent gets: a whole body, or (model calls) a stream relayed as it arrives.
 pub type Body = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
 pub type Reply = Response<Body>;
@@ -93,12 +96,16 @@ impl Proxy {
             };
             let proxy = self.clone();
             let mut fence = self.fence.clone();
+            // Shared with a CONNECT tunnel, which outlives this exchange (hyper hands the
+            // connection over at the upgrade): the place is given back when both are done.
+            let slot = Arc::new(slot);
             tokio::spawn(async move {
+                let place = slot.clone();
                 let service = hyper::service::service_fn(move |req| {
-                    let proxy = proxy.clone();
+                    let (proxy, place) = (proxy.clone(), place.clone());
                     // Its own task: a connection cut by the fence must not cancel the
                     // request's completion on the ledger.
-                    let task = tokio::spawn(async move { proxy.handle(req).await });
+                    let task = tokio::spawn(async move { proxy.handle(req, place).await });
                     async move { Ok::<_, Infallible>(task.await.unwrap_or_else(|_| internal())) }
                 });
                 let io = hyper_util::rt::TokioIo::new(stream);
@@ -119,9 +126,9 @@ impl Proxy {
         }
     }
 
-    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Reply {
+    async fn handle(self: Arc<Self>, req: Request<Incoming>, place: Place) -> Reply {
         if req.method() == Method::CONNECT {
-            return self.tunnel(req);
+            return self.tunnel(req, place);
         }
         // Origin-form (`POST /v1/chat/completions`): addressed to the proxy itself, which is
         // the metered model endpoint (`OPENAI_BASE_URL`).
@@ -135,7 +142,7 @@ impl Proxy {
     /// CONNECT: nothing is dialled here. The proxy answers 200, terminates TLS itself with a
     /// leaf for the requested host, and every request inside the tunnel is admitted (and
     /// sent) exactly like a plain one, as `https://HOST:PORT/…`.
-    fn tunnel(self: Arc<Self>, req: Request<Incoming>) -> Reply {
+    fn tunnel(self: Arc<Self>, req: Request<Incoming>, place: Place) -> Reply {
         let Some(authority) = req.uri().authority().cloned() else {
             return refusal(
                 StatusCode::BAD_REQUEST,
@@ -171,7 +178,7 @@ impl Proxy {
             authority.host(),
             authority.port_u16().unwrap_or(443)
         );
-        tokio::spawn(self.serve_tunnel(req, acceptor, origin));
+        tokio::spawn(self.serve_tunnel(req, acceptor, origin, place));
         Response::new(full(Bytes::new()))
     }
 
@@ -182,6 +189,8 @@ impl Proxy {
         req: Request<Incoming>,
         acceptor: tokio_rustls::TlsAcceptor,
         origin: String,
+        // Held until the tunnel ends.
+        _place: Place,
     ) {
         let Ok(upgraded) = hyper::upgrade::on(req).await else {
             return;
