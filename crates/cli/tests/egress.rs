@@ -1885,3 +1885,54 @@ print("after:", line)
         "{err}"
     );
 }
+
+/// A client that pins its server's certificate (here: trusts only the origin's own CA) cannot
+/// go through a terminating tunnel; for an origin named in `passthrough` the tunnel is passed
+/// through opaque, and the tunnel itself is the admitted, recorded effect (`http.CONNECT`).
+#[test]
+fn a_pinned_origin_is_passed_through_opaque_and_the_tunnel_is_the_effect() {
+    let d = daemon();
+    let dir = d.data().parent().unwrap().to_path_buf();
+    let roots = dir.join("pinned-ca.pem");
+    let srv = Server::start_tls("127.0.0.2", &roots);
+    let pinned = format!(
+        "curl -sS --cacert {} https://127.0.0.2:{}/pinned",
+        roots.display(),
+        srv.port
+    );
+    // Terminated (not listed): the pinning client sees the egress CA's leaf and refuses it.
+    let extra = format!("upstream_roots = {:?}\n", roots.display().to_string());
+    let (code, out, err) = finish(estop_run(&d, "terminated", &extra, &["sh", "-c", &pinned]));
+    assert_ne!(code, 0, "a pinning client accepted the proxy's leaf: {out}");
+    assert!(err.contains("SSL certificate problem"), "{err}");
+    assert_eq!(srv.hits(), 0);
+    // Listed: the origin's own certificate reaches the client; one tunnel, one effect.
+    let extra = format!("{extra}passthrough = [\"127.0.0.2:{}\"]\n", srv.port);
+    let (code, out, err) = finish(estop_run(&d, "pinned", &extra, &["sh", "-c", &pinned]));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(out, "hit 1", "{err}");
+    let mut op = d.operator();
+    let report = ok(&mut op, json!({"op": "report", "run": "pinned"}));
+    let tools: Vec<&str> = report["done"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["tool"].as_str())
+        .filter(|t| t.starts_with("http."))
+        .collect();
+    assert_eq!(tools, ["http.CONNECT"], "{report}");
+    let entries = ledger(&d, "pinned");
+    let of = |kind: &str| {
+        entries
+            .iter()
+            .find(|e| {
+                e["kind"] == kind && e["key"].as_str().is_some_and(|k| k.starts_with("tunnel:"))
+            })
+            .unwrap_or_else(|| panic!("{kind}: {entries:?}"))
+            .clone()
+    };
+    let (admit, complete) = (of("admit"), of("complete"));
+    assert_eq!(admit["class"], "write", "{admit}");
+    assert_eq!(complete["outcome"], "ok", "{complete}");
+    assert_eq!(srv.hits(), 1);
+}

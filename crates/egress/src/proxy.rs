@@ -128,7 +128,7 @@ impl Proxy {
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>, place: Place) -> Reply {
         if req.method() == Method::CONNECT {
-            return self.tunnel(req, place);
+            return self.tunnel(req, place).await;
         }
         // Origin-form (`POST /v1/chat/completions`): addressed to the proxy itself, which is
         // the metered model endpoint (`OPENAI_BASE_URL`).
@@ -142,7 +142,7 @@ impl Proxy {
     /// CONNECT: nothing is dialled here. The proxy answers 200, terminates TLS itself with a
     /// leaf for the requested host, and every request inside the tunnel is admitted (and
     /// sent) exactly like a plain one, as `https://HOST:PORT/…`.
-    fn tunnel(self: Arc<Self>, req: Request<Incoming>, place: Place) -> Reply {
+    async fn tunnel(self: Arc<Self>, req: Request<Incoming>, place: Place) -> Reply {
         let Some(authority) = req.uri().authority().cloned() else {
             return refusal(
                 StatusCode::BAD_REQUEST,
@@ -163,6 +163,15 @@ impl Proxy {
         if *self.fence.borrow() {
             return stopped(&self.run, "-");
         }
+        let port = authority.port_u16().unwrap_or(443);
+        if self
+            .settings
+            .passthrough
+            .iter()
+            .any(|(h, p)| *h == host && *p == port)
+        {
+            return self.passthrough(req, host, port, place).await;
+        }
         let acceptor = match self.ca.acceptor(&host) {
             Ok(a) => a,
             Err(e) => {
@@ -179,6 +188,61 @@ impl Proxy {
             authority.port_u16().unwrap_or(443)
         );
         tokio::spawn(self.serve_tunnel(req, acceptor, origin, place));
+        Response::new(full(Bytes::new()))
+    }
+
+    /// A pass-through tunnel (`passthrough` in `[egress]`): the tunnel itself is the effect,
+    /// `http.CONNECT`, admitted before anything is resolved or dialled; the origin is dialled
+    /// before the agent gets its `200`, then bytes are copied both ways unseen. Its outcome,
+    /// completed when it closes: `ok` with the bytes each way, or `unknown` when a stop cut it
+    /// or it broke (what crossed it is not known).
+    async fn passthrough(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        host: String,
+        port: u16,
+        place: Place,
+    ) -> Reply {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let effect = Effect {
+            tool: "http.CONNECT".into(),
+            key: format!("tunnel:{}:{seq}", self.nonce),
+            args: json!({"method": "CONNECT", "url": format!("tunnel://{host}:{port}"),
+                "scheme": "tunnel", "host": host, "port": port, "path": "", "query": "",
+                "passthrough": true}),
+        };
+        let token = match self.admit(&effect).await {
+            Ok(token) => token,
+            Err(reply) => return *reply,
+        };
+        let (mut upstream, _) = match self.connect(&effect).await {
+            Ok(c) => c,
+            Err((reply, outcome, error)) => {
+                self.complete(&effect.key, &token, (outcome, Value::Null, json!(error)));
+                return reply;
+            }
+        };
+        tokio::spawn(async move {
+            let _place = place;
+            let mut fence = self.fence.clone();
+            let copied = async {
+                let upgraded = hyper::upgrade::on(req)
+                    .await
+                    .map_err(std::io::Error::other)?;
+                let mut agent = hyper_util::rt::TokioIo::new(upgraded);
+                tokio::io::copy_bidirectional(&mut agent, &mut upstream).await
+            };
+            let outcome = tokio::select! {
+                r = copied => match r {
+                    Ok((up, down)) => ("ok", json!({"passthrough": true,
+                        "bytes_up": up, "bytes_down": down}), Value::Null),
+                    Err(e) => ("unknown", Value::Null, json!(format!("the tunnel broke: {e}"))),
+                },
+                () = until_stopped(&mut fence) => ("unknown", Value::Null,
+                    json!("cut: the run was stopped while the tunnel was open")),
+            };
+            self.complete(&effect.key, &token, outcome);
+        });
         Response::new(full(Bytes::new()))
     }
 
@@ -530,11 +594,10 @@ impl Proxy {
         (refusal(StatusCode::BAD_GATEWAY, body), "error", message)
     }
 
-    /// Resolves (only now, after admission: a name the gate refused is never looked up),
-    /// checks the address, checks the fence once more, and connects (over TLS for https).
+    /// A connection to the admitted effect's origin: one kept from an earlier request, or a
+    /// new one (over TLS for https, in the protocol the origin picks).
     pub(crate) async fn dial(&self, effect: &Effect) -> Result<(Sender, SocketAddr), Failure> {
         let host = effect.args["host"].as_str().unwrap_or_default();
-        let port = effect.args["port"].as_u64().unwrap_or(80) as u16;
         let failed = |message: String| self.failed(effect, message);
         if *self.fence.borrow() {
             let message = "not sent: the run was stopped".to_string();
@@ -545,6 +608,32 @@ impl Proxy {
         if let Some(kept) = self.pool.take(&origin(effect)).await {
             return Ok(kept);
         }
+        let (stream, addr) = self.connect(effect).await?;
+        let sender = if effect.args["scheme"] == "https" {
+            let name = rustls::pki_types::ServerName::try_from(host.to_string())
+                .map_err(|e| failed(format!("{host}: {e}")))?;
+            let tls = self
+                .connector
+                .connect(name, stream)
+                .await
+                .map_err(|e| failed(format!("TLS with {host}: {e}")))?;
+            crate::upstream::over_tls(tls).await
+        } else {
+            crate::upstream::http1(stream).await
+        }
+        .map_err(|e| failed(format!("{addr}: {e}")))?;
+        Ok((sender, addr))
+    }
+
+    /// Resolves (only now, after admission: a name the gate refused is never looked up),
+    /// checks the address and the fence once more, and opens a TCP connection.
+    pub(crate) async fn connect(
+        &self,
+        effect: &Effect,
+    ) -> Result<(tokio::net::TcpStream, SocketAddr), Failure> {
+        let host = effect.args["host"].as_str().unwrap_or_default();
+        let port = effect.args["port"].as_u64().unwrap_or(80) as u16;
+        let failed = |message: String| self.failed(effect, message);
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
             .await
             .map_err(|e| failed(format!("cannot resolve {host}: {e}")))?
@@ -572,20 +661,7 @@ impl Proxy {
         let stream = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| failed(format!("cannot connect to {addr}: {e}")))?;
-        let sender = if effect.args["scheme"] == "https" {
-            let name = rustls::pki_types::ServerName::try_from(host.to_string())
-                .map_err(|e| failed(format!("{host}: {e}")))?;
-            let tls = self
-                .connector
-                .connect(name, stream)
-                .await
-                .map_err(|e| failed(format!("TLS with {host}: {e}")))?;
-            crate::upstream::over_tls(tls).await
-        } else {
-            crate::upstream::http1(stream).await
-        }
-        .map_err(|e| failed(format!("{addr}: {e}")))?;
-        Ok((sender, addr))
+        Ok((stream, addr))
     }
 
     /// Sends the admitted request and waits for the response's head.

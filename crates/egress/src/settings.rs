@@ -32,6 +32,10 @@ pub struct Settings {
     pub credentials: Option<std::path::PathBuf>,
     /// The metered model endpoint (`[egress.model]`), when a provider is configured.
     pub model: Option<crate::meter::ModelSettings>,
+    /// Origins (`host:port`) whose CONNECT tunnels are passed through opaque instead of
+    /// terminated: for clients that pin their server's certificate. The tunnel itself is the
+    /// effect (`http.CONNECT`); what travels inside it is not seen, so not gated one by one.
+    pub passthrough: Vec<(String, u16)>,
 }
 
 impl Default for Settings {
@@ -46,6 +50,7 @@ impl Default for Settings {
             upstream_roots: None,
             credentials: None,
             model: None,
+            passthrough: Vec::new(),
         }
     }
 }
@@ -68,6 +73,7 @@ struct Egress {
     upstream_roots: Option<std::path::PathBuf>,
     credentials: Option<std::path::PathBuf>,
     model: Option<crate::meter::ModelFile>,
+    passthrough: Option<Vec<String>>,
 }
 
 impl Settings {
@@ -95,6 +101,9 @@ impl Settings {
             .model
             .map(crate::meter::ModelSettings::from_file)
             .transpose()?;
+        for origin in e.passthrough.unwrap_or_default() {
+            s.passthrough.push(parse_origin(&origin)?);
+        }
         if s.connections_max < 1 {
             bail!("connections_max must be at least 1");
         }
@@ -103,6 +112,25 @@ impl Settings {
         }
         Ok(s)
     }
+}
+
+/// `host:port` of a pass-through origin: a host name or address (IPv6 in brackets), lower-cased,
+/// and a port; no patterns (each pinned origin is named).
+pub fn parse_origin(text: &str) -> Result<(String, u16)> {
+    let bad = || {
+        anyhow::anyhow!("passthrough {text:?} is not host:port (e.g. \"pinned.example.com:443\")")
+    };
+    let (host, port) = text.rsplit_once(':').ok_or_else(bad)?;
+    let port: u16 = port.parse().ok().filter(|&p| p > 0).ok_or_else(bad)?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let name_ok = !host.is_empty()
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':'));
+    if !name_ok {
+        return Err(bad());
+    }
+    Ok((host.to_ascii_lowercase(), port))
 }
 
 /// `10.0.0.0/8`, `127.0.0.1` (a single address), `::1/128`.
@@ -201,6 +229,32 @@ mod tests {
             "unknown keys are refused"
         );
         assert!(Settings::parse("[egress]\npids_max = 1\n").is_err());
+    }
+
+    #[test]
+    fn passthrough_origins_are_named_host_and_port() {
+        let s = Settings::parse(
+            "[egress]\npassthrough = [\"Pinned.Example.com:443\", \"[2001:db8::1]:8443\"]\n",
+        )
+        .unwrap();
+        assert_eq!(
+            s.passthrough,
+            vec![
+                ("pinned.example.com".to_string(), 443),
+                ("2001:db8::1".to_string(), 8443)
+            ]
+        );
+        for bad in [
+            "pinned.example.com",
+            "*.example.com:443",
+            "a.com:0",
+            ":443",
+            "a b:1",
+        ] {
+            let text = format!("[egress]\npassthrough = [{bad:?}]\n");
+            let e = Settings::parse(&text).unwrap_err();
+            assert!(format!("{e:#}").contains("host:port"), "{bad}: {e:#}");
+        }
     }
 
     #[test]
