@@ -1936,3 +1936,53 @@ fn a_pinned_origin_is_passed_through_opaque_and_the_tunnel_is_the_effect() {
     assert_eq!(complete["outcome"], "ok", "{complete}");
     assert_eq!(srv.hits(), 1);
 }
+
+/// `[egress.filesystem]`: with a Landlock ruleset the command reads only beneath `read` and
+/// writes only beneath `write`; a file of the caller's outside both is refused although the
+/// uid may read it, and so is a write beside the writable directory.
+#[test]
+fn a_filesystem_ruleset_confines_what_the_sandbox_reads_and_writes() {
+    let d = daemon();
+    let dir = d.data().parent().unwrap().to_path_buf();
+    let (secret, work, other) = (dir.join("secret.txt"), dir.join("work"), dir.join("other"));
+    std::fs::write(&secret, "the caller's secret").unwrap();
+    std::fs::create_dir_all(&work).unwrap();
+    std::fs::create_dir_all(&other).unwrap();
+    let cmd = format!(
+        "cat /etc/hostname \"$SSL_CERT_FILE\" >/dev/null && echo readable; \
+         cat {s} 2>/dev/null || echo secret refused; \
+         echo kept > {w}/out && echo written; \
+         (echo x > {o}/out) 2>/dev/null || echo other refused",
+        s = secret.display(),
+        w = work.display(),
+        o = other.display()
+    );
+    // Without a ruleset the caller's filesystem is the sandbox's (documented).
+    let (code, out, err) = finish(estop_run(&d, "open-fs", "", &["sh", "-c", &cmd]));
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, "readable\nthe caller's secretwritten\n", "{err}");
+    std::fs::remove_file(other.join("out")).unwrap();
+    let read: Vec<String> = ["/usr", "/bin", "/lib", "/lib64", "/etc"]
+        .iter()
+        .filter(|p| std::path::Path::new(p).exists())
+        .map(|p| format!("{p:?}"))
+        .collect();
+    let extra = format!(
+        "[egress.filesystem]\nread = [{}]\nwrite = [{:?}]\n",
+        read.join(", "),
+        work.display().to_string()
+    );
+    let (code, out, err) = finish(estop_run(&d, "ruled-fs", &extra, &["sh", "-c", &cmd]));
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        out, "readable\nsecret refused\nwritten\nother refused\n",
+        "{err}"
+    );
+    assert_eq!(std::fs::read_to_string(work.join("out")).unwrap(), "kept\n");
+    assert!(!other.join("out").exists());
+    // A listed path that does not exist stops the sandbox from starting, saying which.
+    let extra = "[egress.filesystem]\nread = [\"/no/such/dir\"]\n";
+    let (code, _, err) = finish(estop_run(&d, "bad-fs", extra, &["true"]));
+    assert_ne!(code, 0);
+    assert!(err.contains("/no/such/dir"), "{err}");
+}

@@ -6,6 +6,7 @@
 pub mod cgroup;
 pub mod credentials;
 pub mod dns;
+pub mod fsrules;
 pub mod gate;
 pub mod meter;
 pub mod pool;
@@ -338,6 +339,8 @@ fn stage_config(
         argv: opts.argv.clone(),
         env,
         cwd: cwd.to_path_buf(),
+        filesystem: plan.settings.filesystem.clone(),
+        readable: vec![tmp.join("ca.pem")],
     })
 }
 

@@ -54,6 +54,10 @@ pub struct StageConfig {
     pub argv: Vec<String>,
     pub env: Vec<(String, String)>,
     pub cwd: PathBuf,
+    /// The Landlock ruleset, when `[egress.filesystem]` gives one.
+    pub filesystem: Option<crate::fsrules::Filesystem>,
+    /// Files the ruleset must leave readable (the egress CA's certificate).
+    pub readable: Vec<PathBuf>,
 }
 
 impl StageConfig {
@@ -254,6 +258,9 @@ fn stage2(cfg: &StageConfig) -> Result<i32> {
     map_ids(cfg.uid, 0, cfg.gid, 0)?;
     // Dispositions survive exec: the command gets the default ones back.
     set_stop_signals(libc::SIG_DFL);
+    if let Some(fs) = &cfg.filesystem {
+        fs.restrict(&cfg.private_dir, &cfg.readable)?;
+    }
     let (program, args) = cfg.argv.split_first().context("no command given")?;
     let child = Command::new(program)
         .args(args)

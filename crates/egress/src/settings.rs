@@ -36,6 +36,8 @@ pub struct Settings {
     /// terminated: for clients that pin their server's certificate. The tunnel itself is the
     /// effect (`http.CONNECT`); what travels inside it is not seen, so not gated one by one.
     pub passthrough: Vec<(String, u16)>,
+    /// The Landlock filesystem ruleset (`[egress.filesystem]`); none: the caller's filesystem.
+    pub filesystem: Option<crate::fsrules::Filesystem>,
 }
 
 impl Default for Settings {
@@ -51,6 +53,7 @@ impl Default for Settings {
             credentials: None,
             model: None,
             passthrough: Vec::new(),
+            filesystem: None,
         }
     }
 }
@@ -74,6 +77,7 @@ struct Egress {
     credentials: Option<std::path::PathBuf>,
     model: Option<crate::meter::ModelFile>,
     passthrough: Option<Vec<String>>,
+    filesystem: Option<crate::fsrules::Filesystem>,
 }
 
 impl Settings {
@@ -104,6 +108,10 @@ impl Settings {
         for origin in e.passthrough.unwrap_or_default() {
             s.passthrough.push(parse_origin(&origin)?);
         }
+        if let Some(fs) = &e.filesystem {
+            fs.check()?;
+        }
+        s.filesystem = e.filesystem;
         if s.connections_max < 1 {
             bail!("connections_max must be at least 1");
         }
