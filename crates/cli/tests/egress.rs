@@ -272,7 +272,7 @@ fn estop_run_env(
         .data()
         .parent()
         .unwrap()
-        .join(format!("{run}-sandbox.toml"));
+        .join(format!("{}-sandbox.toml", run.replace('/', "_")));
     std::fs::write(
         &settings,
         format!(
@@ -1985,4 +1985,59 @@ fn a_filesystem_ruleset_confines_what_the_sandbox_reads_and_writes() {
     let (code, _, err) = finish(estop_run(&d, "bad-fs", extra, &["true"]));
     assert_ne!(code, 0);
     assert!(err.contains("/no/such/dir"), "{err}");
+}
+
+/// Sub-agents inside a sandbox: over its protocol socket the agent admits into sub-runs named
+/// under its run (`RUN/…`, each admit naming its parent), never into a run outside its tree;
+/// a cancel of the sandbox's run reaches them. A sandbox cannot be started under a name that
+/// would put another run's tree under its prefix.
+#[test]
+fn a_sandbox_opens_sub_runs_under_its_run_and_a_cancel_reaches_them() {
+    let d = daemon();
+    let script = r#"
+import json, os, socket, sys
+run = os.environ["ESTOP_RUN"]
+s = socket.socket(socket.AF_UNIX); s.connect(os.environ["ESTOP_SOCKET"]); f = s.makefile("rwb")
+def call(**req):
+    f.write((json.dumps(req) + "\n").encode()); f.flush(); return json.loads(f.readline())
+def admit(sub, **extra):
+    v = call(id=1, op="admit", tool="http.GET", args={}, key="k", run=sub, **extra)
+    return v.get("verdict") or v["error"]["code"]
+print(admit(run + "/child", parent=run))
+print(admit(run + "/child/grand", parent=run + "/child"))
+print(admit(run + "/orphan"))
+print(admit("elsewhere", parent=run))
+print("ready", flush=True)
+sys.stdin.readline()
+"#;
+    let mut op = d.operator();
+    let mut child = estop_run(&d, "boss", "", &argv(&python(script)));
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut seen = String::new();
+    while !seen.ends_with("ready\n") {
+        assert_ne!(out.read_line(&mut seen).unwrap(), 0, "{seen}");
+    }
+    assert_eq!(
+        seen, "admitted\nadmitted\nforbidden\nforbidden\nready\n",
+        "sub-runs under the run's name with their parent; nothing else"
+    );
+    ok(
+        &mut op,
+        json!({"op": "cancel", "run": "boss", "reason": "stop all"}),
+    );
+    for sub in ["boss/child", "boss/child/grand"] {
+        // Fenced: `finalizing` while its started effect is settled, then `cancelled`.
+        let v = ok(&mut op, json!({"op": "status", "run": sub}));
+        assert_eq!(v["cause"], "cancelled", "{sub}: {v}");
+        assert!(
+            v["state"] == "finalizing" || v["state"] == "cancelled",
+            "{v}"
+        );
+    }
+    drop(child.stdin.take());
+    let _ = child.wait();
+    // `--run a/b` without `--parent a` would let sandbox `a` reach it by name.
+    let (code, _, err) = finish(estop_run(&d, "boss/stray", "", &["true"]));
+    assert_ne!(code, 0);
+    assert!(err.contains("--parent"), "{err}");
 }

@@ -48,6 +48,21 @@ struct Plan {
     credentials: Arc<credentials::Credentials>,
 }
 
+/// A sandbox serves its run and the sub-runs named under it (`RUN/…`, docs/EGRESS.md): a run
+/// named `X/Y` must be started with `--parent X`, so that names and the run tree agree and no
+/// sandbox's prefix covers a run outside its tree.
+fn check_run_name(run: &str, parent: Option<&str>) -> Result<()> {
+    if let Some((above, _)) = run.rsplit_once('/') {
+        if parent != Some(above) {
+            bail!(
+                "run {run:?} has a `/` in its name: that names a sub-run, so pass --parent with \
+                 the run it is under (e.g. --parent {above:?}), or choose a name without `/`"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Runs `opts.argv` in a sandbox; returns its exit code (128 + signal when killed).
 pub fn run(opts: RunOptions) -> Result<i32> {
     let settings = match &opts.policy {
@@ -77,6 +92,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         .run
         .clone()
         .unwrap_or_else(|| format!("run-{}", random_hex(8)));
+    check_run_name(&run, opts.parent.as_deref())?;
     let credentials = match &settings.credentials {
         Some(p) => credentials::Credentials::load(p, &|name| std::env::var(name).ok())?,
         None => credentials::Credentials::default(),

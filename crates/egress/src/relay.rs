@@ -126,6 +126,14 @@ impl Relay {
         }
     }
 
+    /// A sub-run of this run: `RUN/…` (any depth). Only this sandbox's relay serves names
+    /// under its run's prefix, so another sandbox cannot create or reach them.
+    fn in_tree(&self, run: &str) -> bool {
+        run.strip_prefix(self.run.as_str())
+            .and_then(|rest| rest.strip_prefix('/'))
+            .is_some_and(|rest| !rest.is_empty())
+    }
+
     /// None: forward the line as it is. Some: the answer given here instead (a whole line).
     ///
     /// The line is read by the gate's own parser (`estop_protocol::parse_request`), and only a
@@ -150,13 +158,28 @@ impl Relay {
             ),
             Op::Ping => None,
             op if RUN_VERBS.contains(&op.verb()) => {
-                if op.run().map(|r| r.as_str()) == Some(self.run.as_str()) {
-                    None
-                } else {
-                    refuse(format!(
-                        "inside `estop run` this socket serves run {:?} only",
-                        self.run
-                    ))
+                let run = op.run().map_or("", |r| r.as_str());
+                if run == self.run {
+                    return None;
+                }
+                if !self.in_tree(run) {
+                    return refuse(format!(
+                        "inside `estop run` this socket serves run {:?} and its sub-runs \
+                         {:?} only",
+                        self.run,
+                        format!("{}/…", self.run)
+                    ));
+                }
+                // A sub-run `X/Y` names its parent `X` on every admit (the first creates it):
+                // names and the run tree agree, and a cancel of this run reaches it.
+                let above = run.rsplit_once('/').map_or("", |(above, _)| above);
+                match op {
+                    Op::Admit(a) if a.parent.as_ref().map(|p| p.as_str()) != Some(above) => {
+                        refuse(format!(
+                            "an admit to sub-run {run:?} names its parent: \"parent\": {above:?}"
+                        ))
+                    }
+                    _ => None,
                 }
             }
             _ => refuse(format!(
@@ -209,6 +232,27 @@ mod tests {
         assert!(!pass(
             r#"{"id":1,"op":"decide","run":"r1","key":"k","decision":"approve"}"#
         ));
+        // Sub-runs: `r1/…`, each admit naming its parent by the name's prefix.
+        assert!(pass(
+            r#"{"id":1,"op":"admit","run":"r1/a","parent":"r1","key":"k","tool":"t","args":{}}"#
+        ));
+        assert!(pass(
+            r#"{"id":1,"op":"admit","run":"r1/a/b","parent":"r1/a","key":"k","tool":"t","args":{}}"#
+        ));
+        assert!(pass(r#"{"id":1,"op":"cancel","run":"r1/a"}"#));
+        for refused in [
+            // No parent: the sub-run would not be in this run's tree.
+            r#"{"id":1,"op":"admit","run":"r1/a","key":"k","tool":"t","args":{}}"#,
+            // A parent that is not the name's prefix.
+            r#"{"id":1,"op":"admit","run":"r1/a/b","parent":"r1","key":"k","tool":"t","args":{}}"#,
+            // Names that only look like sub-runs.
+            r#"{"id":1,"op":"admit","run":"r10","parent":"r1","key":"k","tool":"t","args":{}}"#,
+            r#"{"id":1,"op":"admit","run":"r1/","parent":"r1","key":"k","tool":"t","args":{}}"#,
+            r#"{"id":1,"op":"cancel","run":"r2/a"}"#,
+        ] {
+            let v = answer(refused);
+            assert_eq!(v["error"]["code"], "forbidden", "{refused}: {v}");
+        }
         let hello = answer(r#"{"id":7,"op":"hello","token":"x"}"#);
         assert_eq!(hello["ok"], true);
         assert_eq!(hello["id"], 7);
