@@ -52,13 +52,13 @@ struct Plan {
 /// named `X/Y` must be started with `--parent X`, so that names and the run tree agree and no
 /// sandbox's prefix covers a run outside its tree.
 fn check_run_name(run: &str, parent: Option<&str>) -> Result<()> {
-    if let Some((above, _)) = run.rsplit_once('/') {
-        if parent != Some(above) {
-            bail!(
-                "run {run:?} has a `/` in its name: that names a sub-run, so pass --parent with \
-                 the run it is under (e.g. --parent {above:?}), or choose a name without `/`"
-            );
-        }
+    if let Some((above, _)) = run.rsplit_once('/')
+        && parent != Some(above)
+    {
+        bail!(
+            "run {run:?} has a `/` in its name: that names a sub-run, so pass --parent with \
+             the run it is under (e.g. --parent {above:?}), or choose a name without `/`"
+        );
     }
     Ok(())
 }
