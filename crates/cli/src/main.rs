@@ -133,11 +133,11 @@ enum TokenCmd {
 #[derive(Subcommand)]
 enum CompensateCmd {
     /// Say whether an effect of unknown outcome happened (`ok`: it is undone next; `error`:
-    /// nothing to undo).
+    /// nothing to undo), or stop waiting for a call a stopped run's agent left in flight.
     Settle {
         run: String,
         key: String,
-        /// ok or error.
+        /// ok or error; for a call left in flight also unknown (then its lookup or you settle it).
         #[arg(long)]
         outcome: String,
         /// With `ok`: the call's result as JSON, if known, so an undo built from `result.*`

@@ -230,7 +230,10 @@ fn report_item(i: &ReportItem) -> String {
 fn saga_line(s: &SagaNext) -> String {
     let key = esc(&s.key);
     let what = match s.waits.as_str() {
-        "outcome" => format!("{key} to finish (in flight)"),
+        "outcome" => format!(
+            "{key} to finish (in flight; if its agent is gone: `estop compensate settle RUN {key} \
+             --outcome ok|error|unknown`)"
+        ),
         "settle" => format!(
             "{key}'s unknown outcome: `estop compensate settle RUN {key} --outcome ok|error`"
         ),

@@ -220,7 +220,7 @@ fn reply(e: &Effect) -> Reply {
 /// failed or waits for a human, a skip to those and to one not yet undone.
 fn takes(action: &SagaAction, status: Status) -> bool {
     match action {
-        SagaAction::Settle { .. } => status == Status::Unknown,
+        SagaAction::Settle { .. } => matches!(status, Status::Unknown | Status::Started),
         SagaAction::Compensate => matches!(status, Status::Completed | Status::Unknown),
         SagaAction::Retry => matches!(status, Status::CompensationFailed | Status::NeedsHuman),
         SagaAction::Skip { .. } => matches!(
@@ -291,66 +291,28 @@ fn settles_after(
 
 /// The status an operator's settle, retry or skip moves the effect to, or why it may not.
 fn saga_target(
+    run: &Run,
     run_id: &RunId,
     key: &EffectKey,
     effect: &Effect,
     action: &SagaAction,
 ) -> Result<Status, KernelError> {
     let (to, what) = match action {
-        SagaAction::Settle {
-            outcome: Outcome::Unknown,
-            ..
-        } => {
-            return Err(saga_error(
-                run_id,
-                key,
-                "settling says whether it happened: ok or error",
-            ));
+        SagaAction::Settle { outcome, result } => {
+            return settle_target(run, run_id, key, effect, *outcome, result.is_some());
         }
-        SagaAction::Settle {
-            outcome: Outcome::Error,
-            result: Some(_),
-        } => {
-            return Err(saga_error(
-                run_id,
-                key,
-                "a result settles it as ok: a call that did not happen has none",
-            ));
-        }
-        SagaAction::Settle {
-            outcome: Outcome::Ok,
-            ..
-        } => (Status::Completed, "settle"),
-        SagaAction::Settle { .. } => (Status::Failed, "settle"),
         SagaAction::Retry => (Status::CompensationFailed, "retry"),
         SagaAction::Skip { .. } => (Status::CompensationSkipped, "skip"),
         SagaAction::Compensate => unreachable!("compensate_one"),
     };
-    if what == "settle" {
-        if effect.status != Status::Unknown {
-            return Err(saga_error(
-                run_id,
-                key,
-                format!(
-                    "only an unknown outcome is settled; it is {}",
-                    effect.status.kind()
-                ),
-            ));
-        }
-        if steps::looking_up(effect) {
-            return Err(saga_error(
-                run_id,
-                key,
-                "its lookup is under way; settle it when the lookup could not tell",
-            ));
-        }
-    } else if effect.compensate.is_none() {
+    if effect.compensate.is_none() {
         return Err(saga_error(
             run_id,
             key,
             format!("{what}: it declares no compensating tool"),
         ));
-    } else if !takes(action, effect.status) {
+    }
+    if !takes(action, effect.status) {
         // Refused here, as an operator's mistake, before the table would call it a bug.
         return Err(saga_error(
             run_id,
@@ -359,6 +321,48 @@ fn saga_target(
         ));
     }
     Ok(to)
+}
+
+/// What an operator's settle makes of the effect: an unknown outcome becomes what happened; a
+/// call a stopped run's agent left in flight (it died, or will never report) becomes what
+/// happened, or `unknown` — stop waiting for the agent; its lookup or an operator settles it.
+fn settle_target(
+    run: &Run,
+    run_id: &RunId,
+    key: &EffectKey,
+    effect: &Effect,
+    outcome: Outcome,
+    with_result: bool,
+) -> Result<Status, KernelError> {
+    let refuse = |what: String| Err(saga_error(run_id, key, what));
+    if with_result && outcome != Outcome::Ok {
+        return refuse("a result settles it as ok: a call that did not happen has none".into());
+    }
+    let happened = |unknown| match outcome {
+        Outcome::Ok => Status::Completed,
+        Outcome::Error => Status::Failed,
+        Outcome::Unknown => unknown,
+    };
+    match effect.status {
+        Status::Unknown if steps::looking_up(effect) => {
+            refuse("its lookup is under way; settle it when the lookup could not tell".into())
+        }
+        Status::Unknown if outcome == Outcome::Unknown => {
+            refuse("it is unknown already: settling says whether it happened: ok or error".into())
+        }
+        Status::Unknown => Ok(happened(Status::Unknown)),
+        Status::Started if run.stop.is_none() => refuse(
+            "it is in flight and its run is not stopped: its agent reports it (stop the run to \
+             settle it by hand)"
+                .into(),
+        ),
+        Status::Started => Ok(happened(Status::Unknown)),
+        s => refuse(format!(
+            "only an unknown outcome, or a call a stopped run left in flight, is settled; it is \
+             {}",
+            s.kind()
+        )),
+    }
 }
 
 impl Gate {
@@ -495,9 +499,20 @@ impl Gate {
         if *action == SagaAction::Compensate {
             return self.compensate_one(now, p, run_id, key, ev);
         }
-        let to = saga_target(run_id, key, effect, action)?;
+        let to = saga_target(run, run_id, key, effect, action)?;
         check_effect(run_id, key, Some(effect.status), to)?;
-        let settled = settles_after(run, run_id, key, to)?;
+        // A call left in flight that an operator settles is no longer in flight.
+        let landed = effect.status == Status::Started;
+        let settled = settles(
+            run_id,
+            run.state,
+            run.in_flight - u32::from(landed),
+            open_after(run, key, to),
+            run.stop.as_ref(),
+        )?;
+        if landed {
+            self.runs.get_mut(run_id).expect("visible run").in_flight -= 1;
+        }
         let e = self.effect_mut(run_id, key);
         match action {
             SagaAction::Settle { outcome, result } => {

@@ -175,8 +175,8 @@ fn an_unknown_outcome_is_settled_before_anything_older_is_compensated() {
             8 agent end r1 k3 1 ok                       => compensation compensated attempt=1
             9 agent begin r1 k1 1                        => error saga: effect k1 of run r1: the saga compensates newest first: k2 comes before it
             10 agent begin r1 k2 1                       => error saga: effect k2 of run r1: its compensation cannot begin while it is unknown
-            11 alice settle r1 k2 unknown                => error saga: effect k2 of run r1: settling says whether it happened: ok or error
-            12 alice settle r1 k1 ok                     => error saga: effect k1 of run r1: only an unknown outcome is settled; it is completed
+            11 alice settle r1 k2 unknown                => error saga: effect k2 of run r1: it is unknown already: settling says whether it happened: ok or error
+            12 alice settle r1 k1 ok                     => error saga: effect k1 of run r1: only an unknown outcome, or a call a stopped run left in flight, is settled; it is completed
             13 alice settle r1 k2 ok                     => compensation completed attempt=0
             14 agent begin r1 k2 1                       => compensation compensating attempt=1
             15 agent end r1 k2 1 unknown                 => compensation needs_human attempt=1
@@ -276,7 +276,7 @@ fn saga_commands_are_refused_where_they_do_not_fit() {
             5 agent end r1 k1 1 ok                       => error saga: effect k1 of run r1: no compensation of it began
             6 alice cancel r1                            => run finalizing (1 changed)
             7 alice retry r1 k2                          => error saga: effect k2 of run r1: retry: it declares no compensating tool
-            8 alice settle r1 k1 ok                      => error saga: effect k1 of run r1: only an unknown outcome is settled; it is completed
+            8 alice settle r1 k1 ok                      => error saga: effect k1 of run r1: only an unknown outcome, or a call a stopped run left in flight, is settled; it is completed
             9 agent skip r1 k1 reason=x                  => error forbidden: operation requires the operator role
             10 agent end r1 k1 1 ok                      => error saga: effect k1 of run r1: no compensation of it began
             11 agent begin r1 k9 1                       => error not_found: effect k9 of run r1 not found
@@ -495,6 +495,60 @@ fn a_compensation_that_cannot_be_issued_asks_a_human_at_once() {
             --
             run r1 cancelled stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0
               k1 refund compensated undo=unrefund attempts=1/5 by=alice
+        "#]],
+    );
+}
+
+#[test]
+fn a_call_a_stopped_runs_agent_left_in_flight_is_settled_by_an_operator() {
+    // k2 started and its agent died: the saga waits for its outcome, the run stays finalizing.
+    // Settled unknown, it is looked up (here: no lookup, so an operator says); settled ok, it is
+    // undone. A late report of the agent still lands where it agrees, and is refused where not.
+    check(
+        "
+        0 agent admit r1 k1 refund comp=unrefund
+        1 agent complete r1 k1 1.1 ok
+        2 agent admit r1 k2 charge comp=uncharge lookup=find_charge arg=b
+        3 alice settle r1 k2 unknown
+        4 alice cancel r1
+        5 alice settle r1 k1 unknown
+        6 alice settle r1 k2 error result={}
+        7 alice settle r1 k2 unknown
+        8 alice settle r1 k2 unknown
+        9 agent lookup r1 k2 1
+        10 agent found r1 k2 1 unknown error=provider-down
+        11 alice settle r1 k2 ok
+        12 agent complete r1 k2 1.2 ok
+        13 agent complete r1 k2 1.2 error
+        14 agent admit r2 k1 refund comp=unrefund
+        15 alice kill r2
+        16 alice settle r2 k1 error
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
+            1 agent complete r1 k1 1.1 ok                => completed
+            2 agent admit r1 k2 charge comp=uncharge lookup=find_charge arg=b => admitted 1.2
+            3 alice settle r1 k2 unknown                 => error saga: effect k2 of run r1: it is in flight and its run is not stopped: its agent reports it (stop the run to settle it by hand)
+            4 alice cancel r1                            => run finalizing (1 changed)
+            5 alice settle r1 k1 unknown                 => error saga: effect k1 of run r1: only an unknown outcome, or a call a stopped run left in flight, is settled; it is completed
+            6 alice settle r1 k2 error result={}         => error saga: effect k2 of run r1: a result settles it as ok: a call that did not happen has none
+            7 alice settle r1 k2 unknown                 => compensation unknown attempt=0
+            8 alice settle r1 k2 unknown                 => error saga: effect k2 of run r1: it is unknown already: settling says whether it happened: ok or error
+            9 agent lookup r1 k2 1                       => compensation unknown attempt=1
+            10 agent found r1 k2 1 unknown error=provider-down => compensation unknown attempt=1
+            11 alice settle r1 k2 ok                     => compensation completed attempt=0
+            12 agent complete r1 k2 1.2 ok               => completed
+            13 agent complete r1 k2 1.2 error            => error already_completed: effect k2 of run r1 already completed with outcome completed
+            14 agent admit r2 k1 refund comp=unrefund    => admitted 1.1
+            15 alice kill r2                             => run finalizing (1 changed)
+            16 alice settle r2 k1 error                  => compensation failed attempt=0
+            --
+            run r1 finalizing stop=cancelled epoch=2 admitted=2 pending=0 in_flight=0
+              k1 refund completed undo=unrefund
+              k2 charge completed undo=uncharge lookup=find_charge attempts=0/5 lookups=1/1 note="provider-down"
+              saga next: k2 Begin { attempt: 1, at: 0 }
+            run r2 cancelled stop=killed epoch=2 admitted=1 pending=0 in_flight=0
+              k1 refund failed undo=unrefund
         "#]],
     );
 }

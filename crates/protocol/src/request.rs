@@ -1243,8 +1243,9 @@ impl<'a> Raw<'a> {
                 let outcome = vocab(
                     required(self.outcome.take(), Field::Outcome)?,
                     Field::Outcome,
-                    |s| Outcome::parse(s).filter(|o| *o != Outcome::Unknown),
-                    "ok, error (settling says whether it happened)",
+                    Outcome::parse,
+                    "ok, error (whether it happened), unknown (a call left in flight: stop \
+                     waiting for its agent)",
                 )?;
                 let result = self.result()?;
                 if result.is_some() && outcome != Outcome::Ok {

@@ -352,6 +352,17 @@ fn every_verb_parses() {
             },
         ),
         (
+            r#"{"op":"saga","run":"r1","key":"k1","action":"settle","outcome":"unknown"}"#,
+            Op::Saga {
+                run: run("r1"),
+                key: key("k1"),
+                action: SagaAction::Settle {
+                    outcome: Outcome::Unknown,
+                    result: None,
+                },
+            },
+        ),
+        (
             r#"{"op":"saga","run":"r1","key":"k1","action":"compensate"}"#,
             Op::Saga {
                 run: run("r1"),
@@ -643,7 +654,7 @@ fn every_parse_error_code_fires() {
         (r#"{"op":"saga","run":"r","key":"k"}"#.into(), MissingField, Some("action")),
         (r#"{"op":"saga","run":"r","key":"k","action":"undo"}"#.into(), InvalidField, Some("action")),
         (r#"{"op":"saga","run":"r","key":"k","action":"settle"}"#.into(), MissingField, Some("outcome")),
-        (r#"{"op":"saga","run":"r","key":"k","action":"settle","outcome":"unknown"}"#.into(), InvalidField, Some("outcome")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"settle","outcome":"maybe"}"#.into(), InvalidField, Some("outcome")),
         (r#"{"op":"saga","run":"r","key":"k","action":"settle","outcome":"error","result":{}}"#.into(), InvalidField, Some("result")),
         (r#"{"op":"looked_up","run":"r","key":"k","attempt":1,"outcome":"unknown","result":1}"#.into(), InvalidField, Some("result")),
         (r#"{"op":"looked_up","run":"r","key":"k","attempt":1,"outcome":"found"}"#.into(), InvalidField, Some("outcome")),
