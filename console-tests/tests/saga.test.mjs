@@ -137,3 +137,30 @@ test("compensate one effect of a killed run from the report page", async () => {
   assert.deepEqual(page.errors, [], page.errors.join("\n"));
   await context.close();
 });
+
+test("stop waiting for a call a cancelled run's agent left in flight, then say it did not happen", async () => {
+  const run = "orphan-run";
+  await done(run, "refund-1", "refund", { id: "re_5" });
+  // Started, never reported: its agent died.
+  const v = await agent.call({ op: "admit", run, key: "charge-2", tool: "charge", args: { n: 2 } });
+  assert.equal(v.verdict, "admitted");
+  const stop = await fetch(d.base + "/api/v1/runs/" + run + "/cancel", { method: "POST", headers: { Authorization: "Bearer " + d.operatorToken } });
+  assert.equal(stop.status, 200);
+  const { page, context } = await loggedIn();
+  await page.goto(d.base + "/#/runs/" + run);
+  await page.waitForSelector("#saga");
+  assert.match(await page.textContent("#saga-next"), /charge-2 to finish \(in flight\)/);
+  await page.getByRole("button", { name: "Stop waiting charge-2" }).click();
+  await page.waitForFunction(() => /an operator to say whether charge-2 happened/.test(document.querySelector("#saga-next")?.textContent || ""));
+  assert.equal((await report(run)).in_flight.length, 0);
+  await page.getByRole("button", { name: "It did not happen charge-2" }).click();
+  // Nothing to undo for it; the refund's undo is offered next.
+  const e = await executor.nextEvent(offered(run, "refund-1", 1));
+  assert.deepEqual(e.args, { refund: "re_5" });
+  await executor.call({ op: "compensated", run, key: "refund-1", attempt: 1, outcome: "ok" });
+  await page.waitForFunction(() => /cancelled/.test(document.querySelector("dl.facts")?.textContent || ""));
+  const rep = await report(run);
+  assert.equal(rep.failed.find((i) => i.key === "charge-2").status, "failed");
+  assert.deepEqual(page.errors, [], page.errors.join("\n"));
+  await context.close();
+});

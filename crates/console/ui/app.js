@@ -553,7 +553,7 @@ const WAITS = {
 function undoItems(rep) {
   const seen = new Map();
   for (const [k] of SECTIONS) for (const it of rep[k] || []) {
-    if ((it.compensate || it.status === "unknown") && !seen.has(it.key)) seen.set(it.key, it);
+    if ((it.compensate || it.status === "unknown" || (it.status === "started" && rep.cause)) && !seen.has(it.key)) seen.set(it.key, it);
   }
   return [...seen.values()];
 }
@@ -575,6 +575,11 @@ function undoActions(st, rep, it) {
   const out = [];
   const stopped = TERMINAL.includes(st.state) || st.state === "finalizing";
   if (!stopped) return out;
+  if (it.status === "started") {
+    // Its agent died or will never report: the operator says what happened, or stops waiting.
+    out.push(button("It happened", "settle", { outcome: "ok" }, "approve"), button("It did not happen", "settle", { outcome: "error" }),
+      button("Stop waiting", "settle", { outcome: "unknown" }));
+  }
   if (it.status === "unknown") {
     const result = h("input", { type: "text", class: "grow", placeholder: "Result as JSON (optional)", "aria-label": label("Result of") });
     out.push(button("It happened", "settle", () => {
