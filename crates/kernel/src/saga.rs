@@ -475,22 +475,7 @@ impl Gate {
         if p.role != Role::Operator {
             return Err(KernelError::Forbidden);
         }
-        match action {
-            SagaAction::Skip { reason } => {
-                crate::gate::bounded(
-                    &Some(reason.clone()),
-                    self.limits.reason_bytes_max,
-                    "reason_bytes_max",
-                )?;
-                if reason.trim().is_empty() {
-                    return Err(saga_error(run_id, key, "a skip needs a reason"));
-                }
-            }
-            SagaAction::Settle { result, .. } => {
-                crate::gate::bounded(result, self.limits.result_bytes_max, "result_bytes_max")?;
-            }
-            SagaAction::Retry | SagaAction::Compensate => {}
-        }
+        self.saga_text_bounded(run_id, key, action)?;
         let (run, effect) = self.visible_effect(p, run_id, key)?;
         if let Some(retry) = steps::lookup_retry(run_id, key, effect, action) {
             retry?;
@@ -546,6 +531,32 @@ impl Gate {
         ev.push(|| event(run_id, Some(key), EventKind::Compensation));
         self.settle_saga(run_id, settled, ev);
         Ok((answer, true))
+    }
+
+    /// The operator's text (a skip's reason, a settle's result) within its bound; a skip needs one.
+    fn saga_text_bounded(
+        &self,
+        run_id: &RunId,
+        key: &EffectKey,
+        action: &SagaAction,
+    ) -> Result<(), KernelError> {
+        match action {
+            SagaAction::Skip { reason } => {
+                crate::gate::bounded(
+                    &Some(reason.clone()),
+                    self.limits.reason_bytes_max,
+                    "reason_bytes_max",
+                )?;
+                if reason.trim().is_empty() {
+                    return Err(saga_error(run_id, key, "a skip needs a reason"));
+                }
+                Ok(())
+            }
+            SagaAction::Settle { result, .. } => {
+                crate::gate::bounded(result, self.limits.result_bytes_max, "result_bytes_max")
+            }
+            SagaAction::Retry | SagaAction::Compensate => Ok(()),
+        }
     }
 
     /// `Saga compensate`: an operator asks for the compensation of one effect of a run stopped
