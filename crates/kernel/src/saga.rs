@@ -105,7 +105,8 @@ pub fn chosen(e: &Effect) -> bool {
 /// Whether the run has an open saga of an effect an operator chose (its run compensates
 /// nothing by itself).
 pub fn chosen_open(run: &Run) -> bool {
-    !applies(run) && run.effects.values().any(|e| chosen(e) && open(e))
+    // Only a stopped run's effect can be chosen: a running one is not looked into.
+    run.stop.is_some() && !applies(run) && run.effects.values().any(|e| chosen(e) && open(e))
 }
 
 /// Whether the run runs a saga of all its compensable effects: it was cancelled (a kill, a
