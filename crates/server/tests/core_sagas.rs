@@ -490,3 +490,20 @@ fn an_operator_compensates_one_effect_of_a_killed_run() {
     assert_eq!(offers(&mut ex), vec![(1, args)]);
     assert_eq!(c.gate().run(&run()).unwrap().state.as_str(), "cancelled");
 }
+
+#[test]
+fn an_operator_asking_for_one_compensation_approves_it() {
+    let mut c = core_with(policy(
+        r#"
+        [[rules]]
+        tool = "unrefund"
+        action = "approve"
+        name = "undo-needs-a-human"
+        "#,
+    ));
+    let mut ex = stopped_with(&mut c, refund(), Outcome::Ok, Some(r#"{"id":"re_4"}"#), true);
+    operator(&mut c, 10, SagaAction::Compensate);
+    fire(&mut c, 10);
+    let args = Some(serde_json::json!({"refund": "re_4", "amount": 5}));
+    assert_eq!(offers(&mut ex), vec![(1, args)]);
+}
