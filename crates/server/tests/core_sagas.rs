@@ -501,7 +501,13 @@ fn an_operator_asking_for_one_compensation_approves_it() {
         name = "undo-needs-a-human"
         "#,
     ));
-    let mut ex = stopped_with(&mut c, refund(), Outcome::Ok, Some(r#"{"id":"re_4"}"#), true);
+    let mut ex = stopped_with(
+        &mut c,
+        refund(),
+        Outcome::Ok,
+        Some(r#"{"id":"re_4"}"#),
+        true,
+    );
     operator(&mut c, 10, SagaAction::Compensate);
     fire(&mut c, 10);
     let args = Some(serde_json::json!({"refund": "re_4", "amount": 5}));
