@@ -88,10 +88,26 @@ export async function connect(socket, token) {
   await new Promise((res, rej) => { sock.once("connect", res); sock.once("error", rej); });
   const waiting = new Map();
   let next = 1;
+  // Events (lines without an id: `subscribe`, an executor's `compensate`) queue here.
+  const events = [];
+  const eventWaiters = [];
   createInterface({ input: sock }).on("line", (line) => {
     const msg = JSON.parse(line);
-    if (msg.id !== undefined && waiting.has(msg.id)) { waiting.get(msg.id)(msg); waiting.delete(msg.id); }
+    if (msg.id !== undefined && waiting.has(msg.id)) { waiting.get(msg.id)(msg); waiting.delete(msg.id); return; }
+    if (msg.event !== undefined) {
+      const w = eventWaiters.findIndex(([pred]) => pred(msg));
+      if (w >= 0) eventWaiters.splice(w, 1)[0][1](msg); else events.push(msg);
+    }
   });
+  /** The first event `pred` accepts, queued or to come. */
+  const nextEvent = (pred, ms = 30000) => {
+    const i = events.findIndex(pred);
+    if (i >= 0) return Promise.resolve(events.splice(i, 1)[0]);
+    return new Promise((res, rej) => {
+      const t = setTimeout(() => rej(new Error("no such event within " + ms + " ms; have " + JSON.stringify(events))), ms);
+      eventWaiters.push([pred, (m) => { clearTimeout(t); res(m); }]);
+    });
+  };
   const call = (req) => new Promise((res) => {
     const id = next++;
     waiting.set(id, res);
@@ -99,7 +115,7 @@ export async function connect(socket, token) {
   });
   const hello = await call({ op: "hello", token });
   if (!hello.ok) throw new Error("hello failed: " + JSON.stringify(hello));
-  return { call, close: () => sock.end() };
+  return { call, nextEvent, events, close: () => sock.end() };
 }
 
 export async function launch() {

@@ -26,6 +26,14 @@ action = "approve"
 [[rules]]
 tool = "drop_*"
 action = "deny"
+
+# The reverse saga's lookup of an unknown outcome (test_compensation.py).
+[[rules]]
+tool = "saga_pay"
+action = "allow"
+compensate = "unpay"
+compensate_args = '{"payment": result.id}'
+lookup = "find_payment"
 """
 
 

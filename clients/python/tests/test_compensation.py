@@ -95,3 +95,38 @@ def test_a_failing_undo_is_retried_with_the_same_key_and_a_missing_handler_is_an
     report = operator.report(run_id)
     undo = [e for e in report["done"] if e.get("compensate") == "refund_charge"]
     assert undo and undo[0]["status"] == "compensated", report
+
+
+def test_an_unknown_outcome_is_looked_up_first_and_undone_with_what_was_found(operator, run_id, daemon):
+    """A declared lookup (policy `lookup`) answers an unknown outcome before anything is undone:
+    found, the undo is built from what the lookup returned."""
+    client = estop.Client(socket=daemon.socket, token=daemon.agent_token)
+    v = client.admit(run_id, "p1", "saga_pay", args={"amount": 5})
+    assert isinstance(v, estop.Admitted), v
+    client.complete(run_id, "p1", v.token, "unknown", error="the connection dropped")
+    seen: list[str] = []
+
+    def find_payment(args: object, idempotency_key: str) -> dict[str, str]:
+        seen.append(f"find {idempotency_key} {args}")
+        return {"id": "pay_7"}
+
+    async def unpay(args: object, idempotency_key: str) -> None:
+        seen.append(f"unpay {args}")
+
+    async def main() -> None:
+        worker = estop.CompensationWorker(
+            {"find_payment": find_payment, "unpay": unpay}, run=run_id, socket=daemon.socket, token=daemon.agent_token
+        )
+        await worker.start()
+        operator.cancel(run_id)
+        task = asyncio.create_task(worker.serve())
+        deadline = time.monotonic() + 30
+        while _state(operator, run_id) != "cancelled":
+            assert time.monotonic() < deadline, (seen, operator.report(run_id))
+            await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert [o for *_, o in worker.reported] == ["ok", "ok"]
+
+    asyncio.run(main())
+    assert seen == ["find p1 {'amount': 5}", "unpay {'payment': 'pay_7'}"]

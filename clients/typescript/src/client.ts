@@ -18,6 +18,8 @@ export const REPLY_BYTES_MAX = 1 << 20;
 const IDEMPOTENT = new Set([
   "hello", "ping", "admit", "start", "complete", "wait", "subscribe", "unsubscribe", "status",
   "cancel", "close", "runs", "pending", "report", "ledger", "pause", "resume", "kill",
+  // A repeated executor registration or report answers the same and records nothing.
+  "compensations", "compensated", "looked_up",
 ]);
 
 export interface ClientOptions extends Endpoint {
@@ -51,6 +53,17 @@ export interface AdmitOptions extends CallOptions {
   labels?: Record<string, string> | undefined;
   needsApproval?: boolean | undefined;
   limits?: { deadline_ms?: number; timeout_ms?: number; max_effects?: number } | undefined;
+  /** How the call is undone, in the client's own words; it may only add to policy's. */
+  declare?: Declare | undefined;
+}
+
+/** A client's declaration of how a call is undone (`admit.declare`, docs/PROTOCOL.md). */
+export interface Declare {
+  reversibility?: "reversible" | "compensable" | "irreversible" | "undeclared";
+  /** The compensating tool. */
+  compensate?: string;
+  /** CEL building the compensating call's arguments from `args` and `result` (docs/POLICY.md). */
+  compensate_args?: string;
 }
 
 type Reply = Record<string, unknown>;
@@ -162,6 +175,8 @@ export class Client {
   private connecting: Promise<Conn> | undefined;
   private closed = false;
   private readonly subs = new Map<string, number>();
+  /** The runs this connection is an executor of ("" for every run), said again after a reconnect. */
+  private readonly executes = new Set<string>();
   private readonly listeners = new Set<EventListener>();
   private readonly reconnectListeners = new Set<() => void>();
 
@@ -282,6 +297,9 @@ export class Client {
     for (const run of this.subs.keys()) {
       check(await this.roundtrip(conn, "subscribe", { run }, { timeoutMs: this.connectTimeoutMs }));
     }
+    for (const run of this.executes) {
+      check(await this.roundtrip(conn, "compensations", run ? { run } : {}, { timeoutMs: this.connectTimeoutMs }));
+    }
   }
 
   private roundtrip(conn: Conn, op: string, fields: Record<string, unknown>, opts: CallOptions): Promise<Reply> {
@@ -368,6 +386,7 @@ export class Client {
     if (opts.labels && Object.keys(opts.labels).length) f.labels = opts.labels;
     if (opts.needsApproval) f.needs_approval = true;
     if (opts.limits && Object.keys(opts.limits).length) f.limits = opts.limits;
+    if (opts.declare && Object.keys(opts.declare).length) f.declare = opts.declare;
     return parseVerdict(await this.call("admit", this.fitAdmit(f), opts));
   }
 
@@ -414,6 +433,31 @@ export class Client {
     if (n > 1) return void this.subs.set(run, n - 1);
     this.subs.delete(run);
     await this.call("unsubscribe", { run }, opts);
+  }
+
+  /**
+   * Makes this connection an executor of the reverse saga (of `run`, or of every run the
+   * principal sees): `compensate` and `lookup` events reach the listeners; report each with
+   * `compensated` / `lookedUp`. Said again after a reconnect.
+   */
+  async compensations(run?: string, opts: CallOptions = {}): Promise<void> {
+    await this.call("compensations", run === undefined ? {} : { run }, opts);
+    this.executes.add(run ?? "");
+  }
+
+  /** How attempt `attempt` of the compensation of `(run, key)` ended. */
+  compensated(run: string, key: string, attempt: number, outcome: "ok" | "error" | "unknown", error?: string, opts: CallOptions = {}): Promise<Reply> {
+    const f: Record<string, unknown> = { run, key, attempt, outcome };
+    if (error !== undefined) f.error = error;
+    return this.call("compensated", f, opts);
+  }
+
+  /** What lookup `attempt` of an unknown outcome found: `ok` (with its result), `error` (not found), `unknown`. */
+  lookedUp(run: string, key: string, attempt: number, outcome: "ok" | "error" | "unknown", detail: { result?: Json; error?: string } = {}, opts: CallOptions = {}): Promise<Reply> {
+    const f: Record<string, unknown> = { run, key, attempt, outcome };
+    if ("result" in detail) f.result = detail.result;
+    if (detail.error !== undefined) f.error = detail.error;
+    return this.call("looked_up", f, opts);
   }
 
   status(run: string, opts: CallOptions = {}): Promise<Reply> {
@@ -485,6 +529,10 @@ export class Client {
   }
   revokeToken(name: string, opts: CallOptions = {}): Promise<Reply> {
     return this.call("token_revoke", { name }, opts);
+  }
+  /** The operator's word on one effect of the reverse saga (docs/PROTOCOL.md, `saga`). */
+  saga(run: string, key: string, action: "settle" | "retry" | "skip" | "compensate", fields: { outcome?: "ok" | "error"; result?: Json; reason?: string } = {}, opts: CallOptions = {}): Promise<Reply> {
+    return this.call("saga", { run, key, action, ...fields }, opts);
   }
 }
 

@@ -2,7 +2,7 @@
 // start (the commit point, checked at the instant of execution) → run → complete ok / error /
 // unknown. A duplicate returns the recorded result without running; a refusal throws `Refused`
 // (by reason) and the function never runs.
-import type { CallOptions } from "./client.js";
+import type { CallOptions, Declare } from "./client.js";
 import { Aborted, EffectFailed, EstopTimeout, HeldForApproval, InDoubt, NoRun, RunStopped, refusal } from "./errors.js";
 import { digest as digestOf, toJson, type Json } from "./jcs.js";
 import { callKey, deriveKey } from "./keys.js";
@@ -34,6 +34,19 @@ export interface EffectOptions {
   holdTimeoutMs?: number | undefined;
   /** The caller's signal: interrupts this call only (`Aborted`), never cancels the run. */
   signal?: AbortSignal | undefined;
+  /** The tool that undoes this one (run by a `CompensationWorker` after a cancel). */
+  compensate?: string | undefined;
+  /** CEL building the undo's arguments from `args` and `result`, e.g. `{"charge": result.id}`. */
+  compensateArgs?: string | undefined;
+}
+
+/** The declaration an effect's options make (`undefined`: none). */
+function declared(opts: EffectOptions): Declare | undefined {
+  if (opts.compensate === undefined && opts.compensateArgs === undefined) return undefined;
+  const d: Declare = {};
+  if (opts.compensate !== undefined) d.compensate = opts.compensate;
+  if (opts.compensateArgs !== undefined) d.compensate_args = opts.compensateArgs;
+  return d;
 }
 
 /** What the gate said: run it now (`token`), or the recorded outcome (`duplicate`). */
@@ -77,6 +90,7 @@ export async function gate(run: Run, opts: EffectOptions, key: string = effectKe
       labels: run.labels,
       limits: run.limits,
       needsApproval: opts.needsApproval,
+      declare: declared(opts),
     });
     run.created = true;
     await run.gate.watch(run.id, call);

@@ -1,7 +1,9 @@
 // estop for TypeScript: the protocol v1 client, runs, the effect wrapper and the watcher.
 // Adapters live under "estop/langgraph", "estop/ai" and "estop/openai-agents".
 export { Client, LINE_BYTES_MAX, REPLY_BYTES_MAX } from "./client.js";
-export type { ClientOptions, CallOptions, AdmitOptions, GateEvent, EventListener } from "./client.js";
+export type { ClientOptions, CallOptions, AdmitOptions, Declare, GateEvent, EventListener } from "./client.js";
+export { CompensationWorker, CompensationUnknown } from "./compensation.js";
+export type { CompensationHandler, CompensationWorkerOptions, Reported } from "./compensation.js";
 export { resolveConfig, parseAddr } from "./config.js";
 export type { Config, Endpoint } from "./config.js";
 export * from "./errors.js";

@@ -28,6 +28,7 @@ fn policy() -> PolicyDecision {
         reversibility: Reversibility::Undeclared,
         compensate: None,
         compensate_args: None,
+        lookup: None,
         quorum: 1,
         groups: vec![],
         expiry_ms: 900_000,

@@ -43,7 +43,7 @@ pub fn decide(
     Ok(0)
 }
 
-/// `estop compensate settle|retry|skip`: the effect's status after the operator's word.
+/// `estop compensate settle|retry|skip|effect`: the effect's status after the operator's word.
 pub fn saga(conn: &Conn, ask: Ask) -> Result<u8, Failure> {
     let op = build(conn, &ask)?;
     let mut session = Session::open(conn)?;

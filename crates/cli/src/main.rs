@@ -83,7 +83,8 @@ enum Cmd {
         #[command(flatten)]
         conn: Conn,
     },
-    /// Move a cancelled run's reverse saga where it waits for a human (operator).
+    /// Move a reverse saga where it waits for a human, or compensate one effect of a stopped
+    /// run (operator).
     Compensate {
         #[command(subcommand)]
         action: CompensateCmd,
@@ -132,16 +133,24 @@ enum TokenCmd {
 #[derive(Subcommand)]
 enum CompensateCmd {
     /// Say whether an effect of unknown outcome happened (`ok`: it is undone next; `error`:
-    /// nothing to undo).
+    /// nothing to undo), or stop waiting for a call a stopped run's agent left in flight.
     Settle {
         run: String,
         key: String,
-        /// ok or error.
+        /// ok or error; for a call left in flight also unknown (then its lookup or you settle it).
         #[arg(long)]
         outcome: String,
+        /// With `ok`: the call's result as JSON, if known, so an undo built from `result.*`
+        /// can be built.
+        #[arg(long)]
+        result: Option<String>,
     },
-    /// Give a failed undo (or one waiting for a human) 5 more attempts, the next at once.
+    /// Give a failed undo (or one waiting for a human) 5 more attempts, the next at once; of
+    /// an unknown outcome whose lookup could not tell, ask the lookup again.
     Retry { run: String, key: String },
+    /// Compensate one effect of a run stopped without a saga (killed, closed, out of time or
+    /// budget): it gets a saga of its own, run by an executor.
+    Effect { run: String, key: String },
     /// Give up undoing an effect, for a reason that is recorded.
     Skip {
         run: String,
@@ -222,10 +231,27 @@ fn run(command: Cmd) -> Result<u8, Failure> {
                     .text("action", action)
             };
             let ask = match action {
-                CompensateCmd::Settle { run, key, outcome } => {
-                    ask("settle", run, key).text("outcome", outcome)
+                CompensateCmd::Settle {
+                    run,
+                    key,
+                    outcome,
+                    result,
+                } => {
+                    let result = match result.as_deref().map(serde_json::from_str) {
+                        Some(Err(e)) => {
+                            return Err(Failure {
+                                code: 2,
+                                message: format!("--result is not JSON: {e}"),
+                            });
+                        }
+                        r => r.transpose().expect("errors returned above"),
+                    };
+                    ask("settle", run, key)
+                        .text("outcome", outcome)
+                        .json_opt("result", result)
                 }
                 CompensateCmd::Retry { run, key } => ask("retry", run, key),
+                CompensateCmd::Effect { run, key } => ask("compensate", run, key),
                 CompensateCmd::Skip { run, key, reason } => {
                     ask("skip", run, key).text("reason", reason)
                 }

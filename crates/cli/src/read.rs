@@ -202,6 +202,15 @@ fn report_item(i: &ReportItem) -> String {
     if let Some(c) = &i.compensate {
         line.push_str(&format!(" undo: {}", esc(c)));
     }
+    if let Some(l) = &i.lookup {
+        line.push_str(&format!(" lookup: {}", esc(l)));
+    }
+    if let Some(n) = i.lookups {
+        line.push_str(&format!(" looked up {n}x"));
+    }
+    if i.chosen {
+        line.push_str(" [asked for]");
+    }
     if let (Some(n), Some(max)) = (i.attempts, i.attempts_max) {
         line.push_str(&format!(" attempts {n}/{max}"));
     }
@@ -221,9 +230,20 @@ fn report_item(i: &ReportItem) -> String {
 fn saga_line(s: &SagaNext) -> String {
     let key = esc(&s.key);
     let what = match s.waits.as_str() {
-        "outcome" => format!("{key} to finish (in flight)"),
+        "outcome" => format!(
+            "{key} to finish (in flight; if its agent is gone: `estop compensate settle RUN {key} \
+             --outcome ok|error|unknown`)"
+        ),
         "settle" => format!(
             "{key}'s unknown outcome: `estop compensate settle RUN {key} --outcome ok|error`"
+        ),
+        "lookup" => format!(
+            "an executor (`compensations`) to run lookup {} of {key}'s unknown outcome",
+            s.attempt.unwrap_or(1)
+        ),
+        "looking_up" => format!(
+            "lookup {} of {key}'s unknown outcome to be reported",
+            s.attempt.unwrap_or(1)
         ),
         "executor" => format!(
             "an executor (`compensations`) to run attempt {} of {key}'s undo{}",

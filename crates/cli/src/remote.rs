@@ -48,6 +48,8 @@ pub struct Ask {
     verb: Verb,
     text: Vec<(&'static str, String)>,
     groups: Option<Value>,
+    /// JSON fields (`result`).
+    json: Vec<(&'static str, Value)>,
 }
 
 impl Ask {
@@ -56,6 +58,7 @@ impl Ask {
             verb,
             text: Vec::new(),
             groups: None,
+            json: Vec::new(),
         }
     }
 
@@ -73,6 +76,14 @@ impl Ask {
         }
     }
 
+    /// A JSON field, when it was given (a `settle`'s `result`).
+    pub fn json_opt(mut self, name: &'static str, value: Option<Value>) -> Ask {
+        if let Some(v) = value {
+            self.json.push((name, v));
+        }
+        self
+    }
+
     /// The approver groups of a `token` request.
     pub fn groups(mut self, groups: &[String]) -> Ask {
         self.groups = Some(json!(groups));
@@ -87,6 +98,9 @@ impl Ask {
         }
         if let Some(groups) = &self.groups {
             f.json("groups", groups);
+        }
+        for (name, value) in &self.json {
+            f.json(name, value);
         }
         if let Some(l) = limit {
             f.number("limit", u64::from(l));

@@ -188,6 +188,7 @@ fn no_token_is_unauthenticated_and_agents_only_read_their_own_runs() {
         ("POST", "/api/v1/runs/mine/effects/k1/settle"),
         ("POST", "/api/v1/runs/mine/effects/k1/retry"),
         ("POST", "/api/v1/runs/mine/effects/k1/skip"),
+        ("POST", "/api/v1/runs/mine/effects/k1/compensate"),
         ("GET", "/api/v1/runs/mine/ledger"),
         ("GET", "/metrics"),
         ("POST", "/api/v1/login-links"),
@@ -265,6 +266,18 @@ fn approve_and_reject_over_http_answer_the_agents_wait() {
         json!({"outcome": "ok"}),
     );
     assert_eq!((settle.status, settle.code().as_str()), (409, "conflict"));
+    // A result says it happened: only with `ok`.
+    let settle = c.post(
+        "/api/v1/runs/r1/effects/refund-1/settle",
+        json!({"outcome": "error", "result": {"id": 1}}),
+    );
+    assert_eq!(
+        (settle.status, settle.code().as_str()),
+        (400, "invalid_field")
+    );
+    // Compensating one effect is for a stopped run's effect that names its undo.
+    let one = c.post("/api/v1/runs/r1/effects/refund-1/compensate", json!({}));
+    assert_eq!((one.status, one.code().as_str()), (409, "conflict"));
     let undo = c.post("/api/v1/runs/r1/effects/refund-1/undo", json!({}));
     assert_eq!((undo.status, undo.code().as_str()), (404, "unknown_op"));
     let r = http(

@@ -455,3 +455,156 @@ fn another_agents_executor_gets_nothing_and_executors_are_bounded_per_principal(
         }
     }
 }
+
+const LOOKUP_POLICY: &str = r#"
+[[rules]]
+tool = "charge"
+action = "allow"
+compensate = "uncharge"
+compensate_args = '{"charge": result.id}'
+lookup = "find_charge"
+
+[[rules]]
+tool = "refund"
+action = "allow"
+compensate = "unrefund"
+compensate_args = '{"refund": result.id, "amount": args.amount}'
+"#;
+
+/// The next event of `kind` the executor is sent (blocks until it comes).
+fn next_of(ex: &mut Client, kind: EventKind) -> Event {
+    loop {
+        let ev = ex.next_event().unwrap().expect("an event, not a reply");
+        if ev.event == kind {
+            return ev;
+        }
+    }
+}
+
+#[test]
+fn an_unknown_outcome_is_looked_up_by_its_key_then_undone_with_the_result_found() {
+    let d = Daemon::start_with_policy(LOOKUP_POLICY, &[]);
+    let mut a = d.agent();
+    let mut op = d.operator();
+    let v = admit(&mut a, "r1", "k1", "charge", json!({"amount": 30}));
+    ok(
+        &mut a,
+        json!({"op": "complete", "run": "r1", "key": "k1", "token": v["token"],
+               "outcome": "unknown", "error": "timed out"}),
+    );
+    let mut ex = d.agent();
+    ok(&mut ex, json!({"op": "compensations", "run": "r1"}));
+    ok(&mut a, json!({"op": "cancel", "run": "r1"}));
+    // Asked by the forward call's own key, before anything is undone.
+    let l = next_of(&mut ex, EventKind::Lookup);
+    assert_eq!(
+        (
+            l.key.as_deref(),
+            l.attempt,
+            l.tool.as_deref(),
+            l.idempotency_key.as_deref()
+        ),
+        (Some("k1"), Some(1), Some("find_charge"), Some("k1"))
+    );
+    assert_eq!(l.args, Some(json!({"amount": 30})));
+    let report = ok(&mut op, json!({"op": "report", "run": "r1"}));
+    assert_eq!(
+        report["saga_next"],
+        json!({"key": "k1", "waits": "looking_up", "attempt": 1})
+    );
+    // Found: it happened, with this result; the undo is built from it.
+    let r = ok(
+        &mut ex,
+        json!({"op": "looked_up", "run": "r1", "key": "k1", "attempt": 1, "outcome": "ok",
+               "result": {"id": "ch_7"}}),
+    );
+    assert_eq!(r["status"], "completed", "{r}");
+    let e = next_compensate(&mut ex);
+    assert_eq!(
+        (e.key.as_deref(), e.tool.as_deref(), &e.args),
+        (
+            Some("k1"),
+            Some("uncharge"),
+            &Some(json!({"charge": "ch_7"}))
+        )
+    );
+    compensated(&mut ex, "r1", &e, "ok");
+    assert_eq!(state(&mut op, "r1"), "cancelled");
+    assert_eq!(records(&mut op, "r1", "lookup_begin"), 1);
+    assert_eq!(records(&mut op, "r1", "lookup_end"), 1);
+    let (_, out, _) = d.cli(&["report", "r1"]);
+    assert!(out.contains("lookup: find_charge looked up 1x"), "{out}");
+}
+
+#[test]
+fn an_operator_compensates_one_effect_of_a_killed_run_from_the_cli() {
+    let d = Daemon::start_with_policy(LOOKUP_POLICY, &[]);
+    let mut a = d.agent();
+    let mut op = d.operator();
+    done(
+        &mut a,
+        "r2",
+        "k1",
+        "refund",
+        json!({"amount": 10}),
+        json!({"id": "re_1"}),
+    );
+    done(
+        &mut a,
+        "r2",
+        "k2",
+        "refund",
+        json!({"amount": 20}),
+        json!({"id": "re_2"}),
+    );
+    let mut ex = d.agent();
+    ok(&mut ex, json!({"op": "compensations", "run": "r2"}));
+    let (code, _, err) = d.cli(&["kill", "r2"]);
+    assert_eq!(code, 0, "{err}");
+    ok(&mut ex, json!({"op": "ping"}));
+    assert!(
+        ex.events.is_empty(),
+        "a kill undid something: {:?}",
+        ex.events
+    );
+    // Only the effect asked for, and the run stays killed.
+    let (code, out, err) = d.cli(&["compensate", "effect", "r2", "k1"]);
+    assert_eq!((code, out.trim()), (0, "completed"), "{err}");
+    let e = next_compensate(&mut ex);
+    assert_eq!(
+        (e.key.as_deref(), &e.args),
+        (Some("k1"), &Some(json!({"refund": "re_1", "amount": 10})))
+    );
+    compensated(&mut ex, "r2", &e, "ok");
+    assert_eq!(state(&mut op, "r2"), "cancelled");
+    let (_, out, _) = d.cli(&["report", "r2"]);
+    let k1 = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("k1"))
+        .unwrap();
+    assert!(
+        k1.contains("compensated") && k1.contains("[asked for]"),
+        "{out}"
+    );
+    let k2 = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("k2"))
+        .unwrap();
+    assert!(k2.contains("completed"), "{out}");
+    assert_eq!(records(&mut op, "r2", "saga_compensate"), 1);
+    // A cancelled run's effects are its saga's; an effect without an undo has none.
+    let (code, _, err) = d.cli(&["compensate", "effect", "r2", "nope"]);
+    assert_eq!(code, 4, "{err}");
+    let (code, _, err) = d.cli(&[
+        "compensate",
+        "settle",
+        "r2",
+        "k2",
+        "--outcome",
+        "ok",
+        "--result",
+        "{",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--result is not JSON"), "{err}");
+}

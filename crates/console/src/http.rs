@@ -355,7 +355,7 @@ async fn effect_action(
             Verb::Decide
         }
         // The reverse saga's operator actions (v1 `saga`).
-        "settle" | "retry" | "skip" => {
+        "settle" | "retry" | "skip" | "compensate" => {
             path.push(("action", action.clone()));
             Verb::Saga
         }
@@ -363,7 +363,8 @@ async fn effect_action(
             return error(
                 ErrorCode::UnknownOp,
                 format!(
-                    "no effect action {action:?}: use decide, approve, reject, settle, retry or skip"
+                    "no effect action {action:?}: use decide, approve, reject, settle, retry, skip or \
+                     compensate"
                 ),
             );
         }

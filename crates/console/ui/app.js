@@ -536,6 +536,100 @@ function reportView(rep) {
   return wrap;
 }
 
+// ---------- the reverse saga: what is undone, and the operator's word on it ----------
+
+const WAITS = {
+  outcome: (k) => `${k} to finish (in flight)`,
+  lookup: (k) => `an executor to look up ${k}'s unknown outcome`,
+  looking_up: (k) => `the lookup of ${k}'s unknown outcome to be reported`,
+  settle: (k) => `an operator to say whether ${k} happened`,
+  executor: (k) => `an executor to run ${k}'s undo`,
+  running: (k) => `${k}'s undo to be reported`,
+  human: (k) => `an operator: retry or skip ${k}'s undo`,
+};
+
+// Every effect the saga may touch once: a compensable or unknown one (the report lists an effect
+// in several sections).
+function undoItems(rep) {
+  const seen = new Map();
+  for (const [k] of SECTIONS) for (const it of rep[k] || []) {
+    if ((it.compensate || it.status === "unknown" || (it.status === "started" && rep.cause)) && !seen.has(it.key)) seen.set(it.key, it);
+  }
+  return [...seen.values()];
+}
+
+// The operator's buttons for one effect: what its status and the run's stop allow (the gate
+// checks again and says why when it refuses).
+function undoActions(st, rep, it) {
+  const path = runPath(st.run) + "/effects/" + enc(it.key) + "/";
+  const label = (verb) => `${verb} ${shown(it.key)}`;
+  const say = (r) => `${it.key}: ${r.status}` + (r.attempt ? ` (attempt ${r.attempt})` : "");
+  const button = (text, action, body, cls) => {
+    const b = h("button", { type: "button", class: cls || "", "data-focus": action + ":" + it.key, "aria-label": label(text) }, text);
+    b.addEventListener("click", () => {
+      const sent = typeof body === "function" ? body() : body;
+      if (sent) act(b, "POST", path + action, sent, say);
+    });
+    return b;
+  };
+  const out = [];
+  const stopped = TERMINAL.includes(st.state) || st.state === "finalizing";
+  if (!stopped) return out;
+  if (it.status === "started") {
+    // Its agent died or will never report: the operator says what happened, or stops waiting.
+    out.push(button("It happened", "settle", { outcome: "ok" }, "approve"), button("It did not happen", "settle", { outcome: "error" }),
+      button("Stop waiting", "settle", { outcome: "unknown" }));
+  }
+  if (it.status === "unknown") {
+    const result = h("input", { type: "text", class: "grow", placeholder: "Result as JSON (optional)", "aria-label": label("Result of") });
+    out.push(button("It happened", "settle", () => {
+      const body = { outcome: "ok" };
+      if (result.value.trim()) {
+        try { body.result = JSON.parse(result.value); } catch (e) { toast("The result is not JSON: " + e.message, true); return null; }
+      }
+      return body;
+    }, "approve"), result, button("It did not happen", "settle", { outcome: "error" }));
+    if (it.lookup && it.lookups) out.push(button("Look up again", "retry", {}));
+  }
+  if (it.status === "compensation_failed" || it.status === "needs_human") out.push(button("Retry", "retry", {}, "approve"));
+  const skippable = ["compensation_failed", "needs_human"].includes(it.status) || (it.status === "completed" && rep.cause === "cancelled");
+  if (it.compensate && skippable) {
+    const reason = h("input", { type: "text", class: "grow", maxlength: "1024", placeholder: "Why skip (recorded)", "aria-label": label("Reason to skip") });
+    const b = h("button", { type: "button", class: "danger", "aria-label": label("Skip") }, "Skip");
+    b.addEventListener("click", () => {
+      if (!reason.value.trim()) { toast("A skip needs a reason.", true); reason.focus(); return; }
+      act(b, "POST", path + "skip", { reason: reason.value.trim() }, say);
+    });
+    out.push(reason, b);
+  }
+  if (it.compensate && it.status === "completed" && rep.cause && rep.cause !== "cancelled" && !it.chosen) {
+    out.push(button("Compensate", "compensate", {}, "approve"));
+  }
+  return out;
+}
+
+function sagaView(st, rep) {
+  if (!rep) return null;
+  const items = undoItems(rep);
+  if (!items.length) return null;
+  const sec = h("section", { id: "saga", "aria-labelledby": "saga-h" }, h("h2", { id: "saga-h" }, "Undo (reverse saga)"));
+  const next = rep.saga_next;
+  sec.append(h("p", { id: "saga-next", class: next ? "" : "muted" }, next ? "The saga waits for " + (WAITS[next.waits] || ((k) => next.waits + " on " + k))(next.key) + "." :
+    rep.cause === "cancelled" || items.some((i) => i.chosen) ? "Nothing is waiting." : "A kill, a close or a limit undoes nothing by itself: compensate an effect here to undo it."));
+  const cols = ["Key", "Tool", "Status", "Undo", "Attempts", "Note", isOperator() ? "Operator" : null].filter(Boolean);
+  sec.append(h("table", { class: "stack" },
+    h("thead", {}, h("tr", {}, cols.map((c) => h("th", { scope: "col" }, c)))),
+    h("tbody", {}, items.map((it) => h("tr", { "data-key": it.key },
+      h("td", { "data-label": "Key", class: "mono" }, it.key),
+      h("td", { "data-label": "Tool", class: "mono" }, it.tool),
+      h("td", { "data-label": "Status" }, badge(it.status)),
+      h("td", { "data-label": "Undo", class: "mono" }, (it.compensate || "-") + (it.lookup ? " (lookup " + it.lookup + ")" : "")),
+      h("td", { "data-label": "Attempts", class: "num" }, it.attempts_max ? `${it.attempts}/${it.attempts_max}` : "-"),
+      h("td", { "data-label": "Note" }, [it.note || "", it.by ? " by " + it.by : ""].join("").trim() || "-"),
+      isOperator() ? h("td", { "data-label": "Operator" }, h("div", { class: "row" }, undoActions(st, rep, it))) : null)))));
+  return sec;
+}
+
 function timelineView(run) {
   const sec = h("section", { "aria-labelledby": "tl-h" }, h("h2", { id: "tl-h" }, "Timeline (from the ledger)"));
   if (!isOperator()) { sec.append(h("p", { class: "muted" }, "The ledger is for operators.")); return sec; }
@@ -588,6 +682,7 @@ function viewRun() {
     h("div", { class: "panel" }, facts, runActions(st)),
     mine.length ? [h("h2", {}, "Awaiting approval"), h("div", { class: "cards" }, mine.map(pendingCard))] : null,
     reportView(run.report),
+    sagaView(st, run.report),
     timelineView(run)].flat().filter(Boolean));
 }
 

@@ -17,6 +17,9 @@ pub struct PolicyDecision {
     /// How the compensating call's arguments are built (`compensate_args`, CEL text), kept as
     /// the policy said it at admission; the shell evaluates it when the saga gets there.
     pub compensate_args: Option<std::sync::Arc<str>>,
+    /// The tool that finds out, by the call's idempotency key, whether a call whose outcome is
+    /// unknown happened (`lookup`); the saga asks it before asking a human.
+    pub lookup: Option<ToolName>,
     /// Distinct approvers needed (≥ 1 when `action` is approve).
     pub quorum: u32,
     /// Each group needs at least one distinct approver carrying it.
@@ -79,13 +82,41 @@ pub struct Admit {
 /// An operator's word on one effect of the reverse saga (`saga.rs`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SagaAction {
-    /// Settles an effect of unknown outcome: it happened (`ok`) or it did not (`error`). The
-    /// saga waits for this before compensating anything older.
-    Settle(Outcome),
+    /// Settles an effect of unknown outcome: it happened (`ok`, with its result if the
+    /// operator knows it, so a compensation built from `result` can be built) or it did not
+    /// (`error`). The saga waits for this before compensating anything older.
+    Settle {
+        outcome: Outcome,
+        result: Option<Box<str>>,
+    },
     /// Gives a failed or abandoned compensation a fresh budget of attempts, due at once.
     Retry,
     /// Leaves the effect uncompensated, for the recorded reason; the saga goes on past it.
     Skip { reason: Box<str> },
+    /// Compensates one effect of a run stopped without a saga (killed, closed, out of time or
+    /// budget): opens a saga of that one effect, run like a cancelled run's.
+    Compensate,
+}
+
+/// A step of the reverse saga the shell takes for the gate itself: settling an unknown outcome
+/// by the tool's lookup, or finding that the due compensation cannot be issued.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SagaStep {
+    /// An executor begins lookup `attempt` of an unknown outcome (the effect's `lookup` tool,
+    /// asked by its idempotency key).
+    LookupBegin { attempt: u32 },
+    /// How lookup `attempt` ended: `ok` it happened (with its result), `error` it did not,
+    /// `unknown` the lookup could not tell (a human settles it).
+    LookupEnd {
+        attempt: u32,
+        outcome: Outcome,
+        result: Option<Box<str>>,
+        error: Option<Box<str>>,
+    },
+    /// Attempt `attempt` of the compensation is due but cannot be issued: its arguments cannot
+    /// be built, or the policy refuses the compensating call. Deterministic, so no backoff: a
+    /// human is asked at once, with `reason`.
+    Blocked { attempt: u32, reason: Box<str> },
 }
 
 /// Whether a token was made or revoked.
@@ -190,11 +221,17 @@ pub enum Command {
         outcome: Outcome,
         error: Option<Box<str>>,
     },
-    /// An operator settles, retries or skips one effect of the saga.
+    /// An operator settles, retries, skips or compensates one effect of the saga.
     Saga {
         run: RunId,
         key: EffectKey,
         action: SagaAction,
+    },
+    /// The shell's own step of the saga of effect `key` (a lookup, a blocked compensation).
+    SagaStep {
+        run: RunId,
+        key: EffectKey,
+        step: SagaStep,
     },
 }
 
@@ -214,7 +251,8 @@ impl Command {
             | Command::Tick { run }
             | Command::CompensationBegin { run, .. }
             | Command::CompensationEnd { run, .. }
-            | Command::Saga { run, .. } => Some(run),
+            | Command::Saga { run, .. }
+            | Command::SagaStep { run, .. } => Some(run),
             Command::Compact { .. } | Command::Token(_) => None,
         }
     }

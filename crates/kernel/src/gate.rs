@@ -441,6 +441,9 @@ impl Gate {
             Command::Saga { run, key, action } => {
                 self.saga_action(now, principal, run, key, action, ev)
             }
+            Command::SagaStep { run, key, step } => {
+                self.saga_step(now, principal, run, key, step, ev)
+            }
         }
     }
 
@@ -496,9 +499,9 @@ impl Gate {
             Command::Resume { .. } => Err(invalid("resume")),
             Command::Decide { .. } => Err(forgotten("decide")),
             Command::Complete { .. } => Err(forgotten("complete")),
-            Command::CompensationBegin { .. } | Command::CompensationEnd { .. } => {
-                Err(forgotten("compensation"))
-            }
+            Command::CompensationBegin { .. }
+            | Command::CompensationEnd { .. }
+            | Command::SagaStep { .. } => Err(forgotten("compensation")),
             Command::Saga { .. } => Err(forgotten("saga")),
             Command::Compact { .. } | Command::Token(_) => {
                 unreachable!("compaction and token records name no run")
@@ -1893,7 +1896,8 @@ impl Gate {
             .saturating_sub(self.tombstones.len());
         let forgotten = self.runs.forget_stopped(before, |run| {
             let stop = run.stop.as_ref().expect("only stopped runs are visited");
-            if !run.state.is_terminal() {
+            // A run whose saga (or an effect's own saga) is open is kept until it settles.
+            if !run.state.is_terminal() || crate::saga::chosen_open(run) {
                 Due::Keep
             } else if stop.at <= tombstones_before {
                 Due::Forget

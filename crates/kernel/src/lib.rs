@@ -15,7 +15,8 @@ pub mod transitions;
 pub mod vocab;
 
 pub use command::{
-    Admit, Command, PolicyDecision, Record, RunLimits, SagaAction, Token, TokenAction, TokenChange,
+    Admit, Command, PolicyDecision, Record, RunLimits, SagaAction, SagaStep, Token, TokenAction,
+    TokenChange,
 };
 pub use gate::Gate;
 pub use ids::{Digest, EffectKey, Principal, PrincipalName, Role, RunId, ToolName};

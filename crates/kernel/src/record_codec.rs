@@ -3,7 +3,8 @@
 //! Byte layout: docs/LEDGER.md, "Record payloads" and "Compaction records and snapshot payloads".
 
 use crate::command::{
-    Admit, Command, PolicyDecision, Record, RunLimits, SagaAction, Token, TokenAction, TokenChange,
+    Admit, Command, PolicyDecision, Record, RunLimits, SagaAction, SagaStep, Token, TokenAction,
+    TokenChange,
 };
 use crate::gate::Gate;
 use crate::ids::{Digest, EffectKey, IdError, Principal, PrincipalName, Role, RunId, ToolName};
@@ -25,7 +26,9 @@ pub const RECORD_VERSION: u8 = 1;
 /// forgets a run instead) and the tombstones follow the runs.
 /// 3: each effect ends with its compensation (the reverse saga). Versions 1 and 2 are still
 /// read (their effects have none).
-pub const SNAPSHOT_VERSION: u8 = 3;
+/// 4: each effect also has its `lookup` tool, and its compensation the lookups and whether an
+/// operator chose it. Version 3 is still read (no lookup; one lookup granted; not chosen).
+pub const SNAPSHOT_VERSION: u8 = 4;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("cannot decode {what} at byte {offset}: {problem}")]
@@ -260,11 +263,12 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
     match &rec.command {
         Command::Admit(a) => {
             // Tag 17 is an admission whose policy says how to build its compensation's
-            // arguments; without that it is written as before (tag 1).
-            w.u8(if a.policy.compensate_args.is_some() {
-                17
-            } else {
-                1
+            // arguments, 18 one whose tool declares a lookup (with either mapping or none);
+            // without those it is written as before (tag 1).
+            w.u8(match (&a.policy.compensate_args, &a.policy.lookup) {
+                (_, Some(_)) => 18,
+                (Some(_), None) => 17,
+                (None, None) => 1,
             });
             w.str(a.run.as_str());
             w.str(a.key.as_str());
@@ -289,8 +293,16 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
             w.strs(&p.groups);
             w.u64(p.expiry_ms);
             w.str(&p.rule);
-            if let Some(m) = &p.compensate_args {
-                w.str(m);
+            match &p.lookup {
+                Some(lookup) => {
+                    w.opt_str(p.compensate_args.as_deref());
+                    w.str(lookup.as_str());
+                }
+                None => {
+                    if let Some(m) = &p.compensate_args {
+                        w.str(m);
+                    }
+                }
             }
         }
         Command::Recheck { run, key } => {
@@ -405,13 +417,46 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
             w.str(run.as_str());
             w.str(key.as_str());
             match action {
-                SagaAction::Settle(o) => {
-                    w.u8(0);
-                    w.u8(idx(Outcome::ALL, o));
+                // 0 is a settle without a result, as written before results could be given.
+                SagaAction::Settle { outcome, result } => {
+                    w.u8(if result.is_some() { 3 } else { 0 });
+                    w.u8(idx(Outcome::ALL, outcome));
+                    if let Some(r) = result {
+                        w.str(r);
+                    }
                 }
                 SagaAction::Retry => w.u8(1),
                 SagaAction::Skip { reason } => {
                     w.u8(2);
+                    w.str(reason);
+                }
+                SagaAction::Compensate => w.u8(4),
+            }
+        }
+        Command::SagaStep { run, key, step } => {
+            w.u8(19);
+            w.str(run.as_str());
+            w.str(key.as_str());
+            match step {
+                SagaStep::LookupBegin { attempt } => {
+                    w.u8(0);
+                    w.u32(*attempt);
+                }
+                SagaStep::LookupEnd {
+                    attempt,
+                    outcome,
+                    result,
+                    error,
+                } => {
+                    w.u8(1);
+                    w.u32(*attempt);
+                    w.u8(idx(Outcome::ALL, outcome));
+                    w.opt_str(result.as_deref());
+                    w.opt_str(error.as_deref());
+                }
+                SagaStep::Blocked { attempt, reason } => {
+                    w.u8(2);
+                    w.u32(*attempt);
                     w.str(reason);
                 }
             }
@@ -452,7 +497,7 @@ impl RecordDecoder {
         let at = r.u64()?;
         let principal = self.principal(&mut r)?;
         let command = match r.u8()? {
-            tag @ (1 | 17) => {
+            tag @ (1 | 17 | 18) => {
                 let run = self.run(&mut r)?;
                 let key = r.key()?;
                 let tool = self.tool(&mut r)?;
@@ -475,16 +520,20 @@ impl RecordDecoder {
                     reversibility: r.enum_of(Reversibility::ALL)?,
                     compensate: r.opt(R::tool)?,
                     compensate_args: None,
+                    lookup: None,
                     quorum: r.u32()?,
                     groups: r.strs()?,
                     expiry_ms: r.u64()?,
                     rule: self.rule(&mut r)?,
                 };
+                let (compensate_args, lookup) = match tag {
+                    17 => (Some(r.str()?.into()), None),
+                    18 => (r.opt(R::str)?.map(Into::into), Some(r.tool()?)),
+                    _ => (None, None),
+                };
                 let policy = PolicyDecision {
-                    compensate_args: match tag {
-                        17 => Some(r.str()?.into()),
-                        _ => None,
-                    },
+                    compensate_args,
+                    lookup,
                     ..policy
                 };
                 Command::Admit(Admit {
@@ -580,10 +629,32 @@ impl RecordDecoder {
                 run: self.run(&mut r)?,
                 key: r.key()?,
                 action: match r.u8()? {
-                    0 => SagaAction::Settle(r.enum_of(Outcome::ALL)?),
+                    t @ (0 | 3) => SagaAction::Settle {
+                        outcome: r.enum_of(Outcome::ALL)?,
+                        result: if t == 3 { Some(r.boxed()?) } else { None },
+                    },
                     1 => SagaAction::Retry,
                     2 => SagaAction::Skip { reason: r.boxed()? },
+                    4 => SagaAction::Compensate,
                     t => return Err(r.err(format!("unknown saga action {t}"))),
+                },
+            },
+            19 => Command::SagaStep {
+                run: self.run(&mut r)?,
+                key: r.key()?,
+                step: match r.u8()? {
+                    0 => SagaStep::LookupBegin { attempt: r.u32()? },
+                    1 => SagaStep::LookupEnd {
+                        attempt: r.u32()?,
+                        outcome: r.enum_of(Outcome::ALL)?,
+                        result: r.opt(R::boxed)?,
+                        error: r.opt(R::boxed)?,
+                    },
+                    2 => SagaStep::Blocked {
+                        attempt: r.u32()?,
+                        reason: r.boxed()?,
+                    },
+                    t => return Err(r.err(format!("unknown saga step {t}"))),
                 },
             },
             t => return Err(r.err(format!("unknown command tag {t}"))),
@@ -747,6 +818,7 @@ fn put_effect(w: &mut W, e: &Effect) {
         }
     }
     w.opt_str(e.compensate_args.as_deref());
+    w.opt_str(e.lookup.as_ref().map(ToolName::as_str));
     match &e.saga {
         None => w.u8(0),
         Some(c) => {
@@ -757,6 +829,10 @@ fn put_effect(w: &mut W, e: &Effect) {
             w.opt_str(c.args.as_deref());
             w.opt_str(c.note.as_deref());
             w.opt_str(c.by.as_ref().map(PrincipalName::as_str));
+            w.u32(c.lookups);
+            w.u32(c.lookups_granted);
+            w.bool(c.lookup_open);
+            w.bool(c.chosen);
         }
     }
 }
@@ -819,21 +895,33 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
             error: r.opt(R::boxed)?,
         }))
     })?;
-    let (compensate_args, saga) = if version < 3 {
-        (None, None)
+    let (compensate_args, lookup, saga) = if version < 3 {
+        (None, None, None)
     } else {
         let args = r.opt(R::str)?.map(std::sync::Arc::from);
+        let lookup = if version >= 4 { r.opt(R::tool)? } else { None };
         let saga = r.opt(|r| {
-            Ok(Box::new(Compensation {
+            let mut c = Compensation {
                 attempts: r.u32()?,
                 granted: r.u32()?,
                 retry_at: r.u64()?,
                 args: r.opt(R::boxed)?,
                 note: r.opt(R::boxed)?,
                 by: r.opt(R::principal_name)?,
-            }))
+                lookups: 0,
+                lookups_granted: 1,
+                lookup_open: false,
+                chosen: false,
+            };
+            if version >= 4 {
+                c.lookups = r.u32()?;
+                c.lookups_granted = r.u32()?;
+                c.lookup_open = r.bool()?;
+                c.chosen = r.bool()?;
+            }
+            Ok(Box::new(c))
         })?;
-        (args, saga)
+        (args, lookup, saga)
     };
     Ok(Effect {
         tool,
@@ -842,6 +930,7 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
         reversibility,
         compensate,
         compensate_args,
+        lookup,
         rule,
         action,
         approval,

@@ -12,6 +12,16 @@
 //! bound, then a human is asked (`needs_human`). Time is the command's `now`, so replay is
 //! exact; the bounds are constants for the same reason (a changed setting must not change
 //! the past).
+//!
+//! An unknown outcome at the head is settled first: by the tool's declared `lookup`, asked by
+//! the call's idempotency key through an executor like a compensation (`steps.rs`), and when
+//! there is none or it cannot tell, by an operator. Never by a blind retry.
+//!
+//! A run stopped without a saga (a kill, a close, a deadline or budget) compensates nothing by
+//! itself; an operator may ask for one effect's compensation (`SagaAction::Compensate`), which
+//! gives that effect a saga of its own (`Compensation::chosen`), walked the same way.
+
+mod steps;
 
 use crate::command::SagaAction;
 use crate::gate::{Gate, Sink, check_effect, event, settles};
@@ -87,8 +97,21 @@ pub fn open_after(run: &Run, key: &EffectKey, to: Status) -> bool {
             .any(|(k, e)| if k == key { open_as(e, to) } else { open(e) })
 }
 
-/// Whether the run runs a saga at all: it was cancelled (a kill, a deadline, a budget or a
-/// close compensates nothing).
+/// Whether an operator gave the effect a saga of its own (`SagaAction::Compensate`).
+pub fn chosen(e: &Effect) -> bool {
+    e.saga.as_ref().is_some_and(|c| c.chosen)
+}
+
+/// Whether the run has an open saga of an effect an operator chose (its run compensates
+/// nothing by itself).
+pub fn chosen_open(run: &Run) -> bool {
+    // Only a stopped run's effect can be chosen: a running one is not looked into.
+    run.stop.is_some() && !applies(run) && run.effects.values().any(|e| chosen(e) && open(e))
+}
+
+/// Whether the run runs a saga of all its compensable effects: it was cancelled (a kill, a
+/// deadline, a budget or a close compensates nothing unless an operator asks, one effect at a
+/// time).
 pub fn applies(run: &Run) -> bool {
     run.stop
         .as_ref()
@@ -105,14 +128,16 @@ pub fn unsettled(run: &Run) -> bool {
     applies(run) && owed(run)
 }
 
-/// The saga's head: the newest open member (by admission), if the run runs a saga.
+/// The saga's head: the newest open member (by admission) of a cancelled run's saga, or of the
+/// effects an operator chose in a run stopped otherwise.
 pub fn head(run: &Run) -> Option<(&EffectKey, &Effect)> {
-    if !applies(run) {
+    let all = applies(run);
+    if !all && run.stop.is_none() {
         return None;
     }
     run.effects
         .iter()
-        .filter(|(_, e)| open(e))
+        .filter(|(_, e)| open(e) && (all || chosen(e)))
         .max_by_key(|(_, e)| e.token.map(|t| t.serial))
 }
 
@@ -128,8 +153,13 @@ pub fn members(run: &Run) -> Vec<(&EffectKey, &Effect)> {
 pub enum Next {
     /// The head is in flight: its outcome is awaited from the agent.
     InFlight,
-    /// The head's outcome is unknown: an operator must settle it.
+    /// The head's outcome is unknown and no lookup may tell: an operator must settle it.
     Settle,
+    /// The head's outcome is unknown: an executor may begin lookup `attempt` (its tool's
+    /// `lookup`, by the call's idempotency key).
+    Lookup { attempt: u32 },
+    /// A lookup of the head's unknown outcome is under way.
+    LookingUp { attempt: u32 },
     /// An executor may begin attempt `attempt` from `at` on.
     Begin { attempt: u32, at: u64 },
     /// An attempt is under way.
@@ -145,7 +175,7 @@ pub fn next(run: &Run) -> Option<(&EffectKey, Next)> {
     let attempts = c.map_or(0, |c| c.attempts);
     let next = match e.status {
         Status::Started => Next::InFlight,
-        Status::Unknown => Next::Settle,
+        Status::Unknown => steps::lookup_next(e).unwrap_or(Next::Settle),
         Status::Completed => Next::Begin {
             attempt: attempts + 1,
             at: c.map_or(0, |c| c.retry_at),
@@ -165,11 +195,12 @@ pub fn next(run: &Run) -> Option<(&EffectKey, Next)> {
 fn fresh() -> Box<Compensation> {
     Box::new(Compensation {
         granted: COMPENSATION_ATTEMPTS_MAX,
+        lookups_granted: 1,
         ..Compensation::default()
     })
 }
 
-fn saga_error(run: &RunId, key: &EffectKey, what: impl Into<String>) -> KernelError {
+pub(crate) fn saga_error(run: &RunId, key: &EffectKey, what: impl Into<String>) -> KernelError {
     KernelError::Saga {
         run: run.clone(),
         key: key.clone(),
@@ -190,7 +221,8 @@ fn reply(e: &Effect) -> Reply {
 /// failed or waits for a human, a skip to those and to one not yet undone.
 fn takes(action: &SagaAction, status: Status) -> bool {
     match action {
-        SagaAction::Settle(_) => status == Status::Unknown,
+        SagaAction::Settle { .. } => matches!(status, Status::Unknown | Status::Started),
+        SagaAction::Compensate => matches!(status, Status::Completed | Status::Unknown),
         SagaAction::Retry => matches!(status, Status::CompensationFailed | Status::NeedsHuman),
         SagaAction::Skip { .. } => matches!(
             status,
@@ -236,7 +268,7 @@ fn due(
             run_id,
             key,
             "it is not awaiting compensation (only a cancelled run's open compensable effects \
-             are)",
+             are, and those an operator asked to compensate)",
         )),
     }
 }
@@ -256,6 +288,82 @@ fn settles_after(
         open_after(run, key, to),
         run.stop.as_ref(),
     )
+}
+
+/// The status an operator's settle, retry or skip moves the effect to, or why it may not.
+fn saga_target(
+    run: &Run,
+    run_id: &RunId,
+    key: &EffectKey,
+    effect: &Effect,
+    action: &SagaAction,
+) -> Result<Status, KernelError> {
+    let (to, what) = match action {
+        SagaAction::Settle { outcome, result } => {
+            return settle_target(run, run_id, key, effect, *outcome, result.is_some());
+        }
+        SagaAction::Retry => (Status::CompensationFailed, "retry"),
+        SagaAction::Skip { .. } => (Status::CompensationSkipped, "skip"),
+        SagaAction::Compensate => unreachable!("compensate_one"),
+    };
+    if effect.compensate.is_none() {
+        return Err(saga_error(
+            run_id,
+            key,
+            format!("{what}: it declares no compensating tool"),
+        ));
+    }
+    if !takes(action, effect.status) {
+        // Refused here, as an operator's mistake, before the table would call it a bug.
+        return Err(saga_error(
+            run_id,
+            key,
+            format!("{what}: it is {}", effect.status.kind()),
+        ));
+    }
+    Ok(to)
+}
+
+/// What an operator's settle makes of the effect: an unknown outcome becomes what happened; a
+/// call a stopped run's agent left in flight (it died, or will never report) becomes what
+/// happened, or `unknown` — stop waiting for the agent; its lookup or an operator settles it.
+fn settle_target(
+    run: &Run,
+    run_id: &RunId,
+    key: &EffectKey,
+    effect: &Effect,
+    outcome: Outcome,
+    with_result: bool,
+) -> Result<Status, KernelError> {
+    let refuse = |what: String| Err(saga_error(run_id, key, what));
+    if with_result && outcome != Outcome::Ok {
+        return refuse("a result settles it as ok: a call that did not happen has none".into());
+    }
+    let happened = |unknown| match outcome {
+        Outcome::Ok => Status::Completed,
+        Outcome::Error => Status::Failed,
+        Outcome::Unknown => unknown,
+    };
+    match effect.status {
+        Status::Unknown if steps::looking_up(effect) => {
+            refuse("its lookup is under way; settle it when the lookup could not tell".into())
+        }
+        Status::Unknown if outcome == Outcome::Unknown => {
+            refuse("it is unknown already: settling says whether it happened: ok or error".into())
+        }
+        Status::Unknown => Ok(happened(Status::Unknown)),
+        Status::Started if run.stop.is_none() => refuse(
+            "it is in flight and its run is not stopped: its agent reports it (stop the run to \
+             settle it by hand)"
+                .into(),
+        ),
+        Status::Started => Ok(happened(Status::Unknown)),
+        s => refuse(format!(
+            "only an unknown outcome, or a call a stopped run left in flight, is settled; it is \
+             {}",
+            s.kind()
+        )),
+    }
 }
 
 impl Gate {
@@ -354,7 +462,8 @@ impl Gate {
         Ok((answer, true))
     }
 
-    /// `Saga`: an operator settles an unknown outcome, retries or skips a compensation.
+    /// `Saga`: an operator settles an unknown outcome, retries, skips or asks for a
+    /// compensation.
     pub(crate) fn saga_action(
         &mut self,
         now: u64,
@@ -367,65 +476,43 @@ impl Gate {
         if p.role != Role::Operator {
             return Err(KernelError::Forbidden);
         }
-        if let SagaAction::Skip { reason } = action {
-            crate::gate::bounded(
-                &Some(reason.clone()),
-                self.limits.reason_bytes_max,
-                "reason_bytes_max",
-            )?;
-            if reason.trim().is_empty() {
-                return Err(saga_error(run_id, key, "a skip needs a reason"));
-            }
-        }
+        self.saga_text_bounded(run_id, key, action)?;
         let (run, effect) = self.visible_effect(p, run_id, key)?;
-        let to = match action {
-            SagaAction::Settle(Outcome::Ok) => Status::Completed,
-            SagaAction::Settle(Outcome::Error) => Status::Failed,
-            SagaAction::Settle(Outcome::Unknown) => {
-                return Err(saga_error(
-                    run_id,
-                    key,
-                    "settling says whether it happened: ok or error",
-                ));
-            }
-            SagaAction::Retry => Status::CompensationFailed,
-            SagaAction::Skip { .. } => Status::CompensationSkipped,
-        };
-        let what = match action {
-            SagaAction::Settle(_) => "settle",
-            SagaAction::Retry => "retry",
-            SagaAction::Skip { .. } => "skip",
-        };
-        if matches!(action, SagaAction::Settle(_)) {
-            if effect.status != Status::Unknown {
-                return Err(saga_error(
-                    run_id,
-                    key,
-                    format!(
-                        "only an unknown outcome is settled; it is {}",
-                        effect.status.kind()
-                    ),
-                ));
-            }
-        } else if effect.compensate.is_none() {
-            return Err(saga_error(
-                run_id,
-                key,
-                format!("{what}: it declares no compensating tool"),
-            ));
-        } else if !takes(action, effect.status) {
-            // Refused here, as an operator's mistake, before the table would call it a bug.
-            return Err(saga_error(
-                run_id,
-                key,
-                format!("{what}: it is {}", effect.status.kind()),
-            ));
+        if let Some(retry) = steps::lookup_retry(run_id, key, effect, action) {
+            retry?;
+            return self.retry_lookup(now, p, run_id, key, ev);
         }
+        if *action == SagaAction::Compensate {
+            return self.compensate_one(now, p, run_id, key, ev);
+        }
+        let to = saga_target(run, run_id, key, effect, action)?;
         check_effect(run_id, key, Some(effect.status), to)?;
-        let settled = settles_after(run, run_id, key, to)?;
+        // A call left in flight that an operator settles is no longer in flight.
+        let landed = effect.status == Status::Started;
+        let settled = settles(
+            run_id,
+            run.state,
+            run.in_flight - u32::from(landed),
+            open_after(run, key, to),
+            run.stop.as_ref(),
+        )?;
+        if landed {
+            self.runs.get_mut(run_id).expect("visible run").in_flight -= 1;
+        }
         let e = self.effect_mut(run_id, key);
         match action {
-            SagaAction::Settle(_) => {}
+            SagaAction::Settle { outcome, result } => {
+                // What the operator found replaces the unknown: a result lets a compensation
+                // built from `result` be built; the agent's error stays for the record.
+                let error = e.outcome.as_ref().and_then(|o| o.error.clone());
+                if result.is_some() || error.is_some() {
+                    e.outcome = Some(Box::new(crate::state::OutcomeRecord {
+                        outcome: Some(*outcome),
+                        result: result.clone(),
+                        error,
+                    }));
+                }
+            }
             SagaAction::Retry => {
                 let c = e.saga.get_or_insert_with(fresh);
                 c.granted = c.attempts + COMPENSATION_ATTEMPTS_MAX;
@@ -437,12 +524,93 @@ impl Gate {
                 c.note = Some(reason.clone());
                 c.by = Some(p.name.clone());
             }
+            SagaAction::Compensate => unreachable!("answered above"),
         }
         e.status = to;
         e.updated_at = now;
         let answer = reply(e);
         ev.push(|| event(run_id, Some(key), EventKind::Compensation));
         self.settle_saga(run_id, settled, ev);
+        Ok((answer, true))
+    }
+
+    /// The operator's text (a skip's reason, a settle's result) within its bound; a skip needs one.
+    fn saga_text_bounded(
+        &self,
+        run_id: &RunId,
+        key: &EffectKey,
+        action: &SagaAction,
+    ) -> Result<(), KernelError> {
+        match action {
+            SagaAction::Skip { reason } => {
+                crate::gate::bounded(
+                    &Some(reason.clone()),
+                    self.limits.reason_bytes_max,
+                    "reason_bytes_max",
+                )?;
+                if reason.trim().is_empty() {
+                    return Err(saga_error(run_id, key, "a skip needs a reason"));
+                }
+                Ok(())
+            }
+            SagaAction::Settle { result, .. } => {
+                crate::gate::bounded(result, self.limits.result_bytes_max, "result_bytes_max")
+            }
+            SagaAction::Retry | SagaAction::Compensate => Ok(()),
+        }
+    }
+
+    /// `Saga compensate`: an operator asks for the compensation of one effect of a run stopped
+    /// without a saga; the effect gets a saga of its own (an unknown outcome is settled first,
+    /// by its lookup or a human). Asked again while it is open, it answers as it stands.
+    fn compensate_one(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+        ev: &mut Sink,
+    ) -> Result<(Reply, bool), KernelError> {
+        let (run, effect) = self.visible_effect(p, run_id, key)?;
+        if effect.compensate.is_none() {
+            return Err(saga_error(
+                run_id,
+                key,
+                "compensate: it declares no compensating tool",
+            ));
+        }
+        if run.stop.is_none() {
+            return Err(saga_error(
+                run_id,
+                key,
+                "compensate: its run is not stopped (cancel it, or kill or close it first)",
+            ));
+        }
+        if applies(run) {
+            return Err(saga_error(
+                run_id,
+                key,
+                "compensate: its run was cancelled, so its saga compensates it (retry or skip \
+                 it there)",
+            ));
+        }
+        if chosen(effect) && open(effect) {
+            return Ok((reply(effect), false));
+        }
+        if !matches!(effect.status, Status::Completed | Status::Unknown) {
+            return Err(saga_error(
+                run_id,
+                key,
+                format!("compensate: it is {}", effect.status.kind()),
+            ));
+        }
+        let e = self.effect_mut(run_id, key);
+        let c = e.saga.get_or_insert_with(fresh);
+        c.chosen = true;
+        c.by = Some(p.name.clone());
+        e.updated_at = now;
+        let answer = reply(e);
+        ev.push(|| event(run_id, Some(key), EventKind::Compensation));
         Ok((answer, true))
     }
 

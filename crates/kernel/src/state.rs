@@ -138,8 +138,17 @@ pub struct Compensation {
     pub args: Option<Box<str>>,
     /// The last attempt's error, or the reason an operator skipped it.
     pub note: Option<Box<str>>,
-    /// The operator who last retried or skipped it.
+    /// The operator who last retried, skipped or asked for it.
     pub by: Option<PrincipalName>,
+    /// Lookups of an unknown outcome begun (the effect's `lookup` tool, numbered from 1).
+    pub lookups: u32,
+    /// Lookups allowed before a human settles it (1; an operator's retry raises it).
+    pub lookups_granted: u32,
+    /// The latest lookup is under way.
+    pub lookup_open: bool,
+    /// An operator asked for this one compensation on a run stopped without a saga (a kill, a
+    /// close, a deadline or budget): the effect has a saga of its own.
+    pub chosen: bool,
 }
 
 /// One side effect of a run.
@@ -152,6 +161,8 @@ pub struct Effect {
     pub compensate: Option<ToolName>,
     /// `compensate_args` as recorded with the admission (CEL text).
     pub compensate_args: Option<Arc<str>>,
+    /// The tool that looks up whether the call happened, by its idempotency key (`lookup`).
+    pub lookup: Option<ToolName>,
     /// Shared with every effect the same rule decided (see `Interner`).
     pub rule: Arc<str>,
     pub action: PolicyAction,
@@ -204,8 +215,9 @@ impl Effect {
         };
         self.token = Some(token);
         // The arguments were kept for an operator's review; an effect whose compensation is
-        // built from them (`compensate_args`) keeps them for the saga.
-        if self.compensate_args.is_none() {
+        // built from them (`compensate_args`), or that a lookup may need to find, keeps them
+        // for the saga.
+        if self.compensate_args.is_none() && self.lookup.is_none() {
             self.args = None;
         }
         self.updated_at = now;
@@ -226,6 +238,7 @@ impl Effect {
             reversibility: p.reversibility,
             compensate: p.compensate.clone(),
             compensate_args: p.compensate_args.clone(),
+            lookup: p.lookup.clone(),
             rule,
             action: p.action,
             approval: None,

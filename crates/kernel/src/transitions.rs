@@ -38,6 +38,10 @@ pub const EFFECT_TRANSITIONS: &[(Option<E>, E)] = &[
     (Some(E::Compensating), E::CompensationFailed),
     (Some(E::Compensating), E::NeedsHuman),
     (Some(E::CompensationFailed), E::Compensating),
+    // A due compensation that cannot be issued (its arguments cannot be built, the policy
+    // refuses the compensating call) asks a human at once: the reason is deterministic.
+    (Some(E::Completed), E::NeedsHuman),
+    (Some(E::CompensationFailed), E::NeedsHuman),
     // An operator's retry gives a failed or abandoned compensation a fresh budget.
     (Some(E::CompensationFailed), E::CompensationFailed),
     (Some(E::NeedsHuman), E::CompensationFailed),

@@ -67,11 +67,11 @@ fn a_kill_and_other_stops_compensate_nothing() {
             0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
             1 agent complete r1 k1 1.1 ok                => completed
             2 alice kill r1                              => run cancelled (1 changed)
-            3 agent begin r1 k1 1                        => error saga: effect k1 of run r1: it is not awaiting compensation (only a cancelled run's open compensable effects are)
+            3 agent begin r1 k1 1                        => error saga: effect k1 of run r1: it is not awaiting compensation (only a cancelled run's open compensable effects are, and those an operator asked to compensate)
             4 agent admit r2 k1 refund comp=unrefund     => admitted 1.1
             5 agent complete r2 k1 1.1 ok                => completed
             6 agent close r2                             => run completed (1 changed)
-            7 agent begin r2 k1 1                        => error saga: effect k1 of run r2: it is not awaiting compensation (only a cancelled run's open compensable effects are)
+            7 agent begin r2 k1 1                        => error saga: effect k1 of run r2: it is not awaiting compensation (only a cancelled run's open compensable effects are, and those an operator asked to compensate)
             --
             run r1 cancelled stop=killed epoch=2 admitted=1 pending=0 in_flight=0
               k1 refund completed undo=unrefund
@@ -175,8 +175,8 @@ fn an_unknown_outcome_is_settled_before_anything_older_is_compensated() {
             8 agent end r1 k3 1 ok                       => compensation compensated attempt=1
             9 agent begin r1 k1 1                        => error saga: effect k1 of run r1: the saga compensates newest first: k2 comes before it
             10 agent begin r1 k2 1                       => error saga: effect k2 of run r1: its compensation cannot begin while it is unknown
-            11 alice settle r1 k2 unknown                => error saga: effect k2 of run r1: settling says whether it happened: ok or error
-            12 alice settle r1 k1 ok                     => error saga: effect k1 of run r1: only an unknown outcome is settled; it is completed
+            11 alice settle r1 k2 unknown                => error saga: effect k2 of run r1: it is unknown already: settling says whether it happened: ok or error
+            12 alice settle r1 k1 ok                     => error saga: effect k1 of run r1: only an unknown outcome, or a call a stopped run left in flight, is settled; it is completed
             13 alice settle r1 k2 ok                     => compensation completed attempt=0
             14 agent begin r1 k2 1                       => compensation compensating attempt=1
             15 agent end r1 k2 1 unknown                 => compensation needs_human attempt=1
@@ -272,11 +272,11 @@ fn saga_commands_are_refused_where_they_do_not_fit() {
             1 agent complete r1 k1 1.1 ok                => completed
             2 agent admit r1 k2 email                    => admitted 1.2
             3 agent complete r1 k2 1.2 ok                => completed
-            4 agent begin r1 k1 1                        => error saga: effect k1 of run r1: it is not awaiting compensation (only a cancelled run's open compensable effects are)
+            4 agent begin r1 k1 1                        => error saga: effect k1 of run r1: it is not awaiting compensation (only a cancelled run's open compensable effects are, and those an operator asked to compensate)
             5 agent end r1 k1 1 ok                       => error saga: effect k1 of run r1: no compensation of it began
             6 alice cancel r1                            => run finalizing (1 changed)
             7 alice retry r1 k2                          => error saga: effect k2 of run r1: retry: it declares no compensating tool
-            8 alice settle r1 k1 ok                      => error saga: effect k1 of run r1: only an unknown outcome is settled; it is completed
+            8 alice settle r1 k1 ok                      => error saga: effect k1 of run r1: only an unknown outcome, or a call a stopped run left in flight, is settled; it is completed
             9 agent skip r1 k1 reason=x                  => error forbidden: operation requires the operator role
             10 agent end r1 k1 1 ok                      => error saga: effect k1 of run r1: no compensation of it began
             11 agent begin r1 k9 1                       => error not_found: effect k9 of run r1 not found
@@ -289,6 +289,266 @@ fn saga_commands_are_refused_where_they_do_not_fit() {
               k1 refund compensating undo=unrefund attempts=1/5
               k2 email completed
               saga next: k1 Running { attempt: 1 }
+        "#]],
+    );
+}
+
+#[test]
+fn an_unknown_outcome_is_settled_by_its_lookup_before_a_human() {
+    // k2 found by its lookup: completed with the result it found, then compensated; k1's
+    // lookup finds nothing: it did not happen, nothing to undo.
+    check(
+        r#"
+        0 agent admit r1 k1 charge comp=uncharge lookup=find_charge
+        1 agent complete r1 k1 1.1 unknown
+        2 agent admit r1 k2 charge comp=uncharge lookup=find_charge arg=b
+        3 agent complete r1 k2 1.2 unknown
+        4 alice cancel r1
+        5 agent begin r1 k2 1
+        6 agent lookup r1 k1 1
+        7 agent lookup r1 k2 2
+        8 agent lookup r1 k2 1
+        9 agent lookup r1 k2 1
+        10 alice settle r1 k2 ok
+        11 agent found r1 k2 1 error result={"id":"ch_1"}
+        12 agent found r1 k2 1 ok result={"id":"ch_1"}
+        13 agent found r1 k2 1 ok result={"id":"ch_1"}
+        14 agent begin r1 k2 1 args={"id":"ch_1"}
+        15 agent end r1 k2 1 ok
+        16 agent lookup r1 k1 1
+        17 agent found r1 k1 1 error error=no-such-charge
+        "#,
+        expect![[r#"
+            0 agent admit r1 k1 charge comp=uncharge lookup=find_charge => admitted 1.1
+            1 agent complete r1 k1 1.1 unknown           => completed
+            2 agent admit r1 k2 charge comp=uncharge lookup=find_charge arg=b => admitted 1.2
+            3 agent complete r1 k2 1.2 unknown           => completed
+            4 alice cancel r1                            => run finalizing (1 changed)
+            5 agent begin r1 k2 1                        => error saga: effect k2 of run r1: its compensation cannot begin while it is unknown
+            6 agent lookup r1 k1 1                       => error saga: effect k1 of run r1: the saga settles newest first: k2 comes before it
+            7 agent lookup r1 k2 2                       => error saga: effect k2 of run r1: the next lookup of its outcome is 1, not 2
+            8 agent lookup r1 k2 1                       => compensation unknown attempt=1
+            9 agent lookup r1 k2 1                       => compensation unknown attempt=1
+            10 alice settle r1 k2 ok                     => error saga: effect k2 of run r1: its lookup is under way; settle it when the lookup could not tell
+            11 agent found r1 k2 1 error result={"id":"ch_1"} => error saga: effect k2 of run r1: a lookup's result says the call happened: report it with outcome ok
+            12 agent found r1 k2 1 ok result={"id":"ch_1"} => compensation completed attempt=1
+            13 agent found r1 k2 1 ok result={"id":"ch_1"} => compensation completed attempt=1
+            14 agent begin r1 k2 1 args={"id":"ch_1"}    => compensation compensating attempt=1
+            15 agent end r1 k2 1 ok                      => compensation compensated attempt=1
+            16 agent lookup r1 k1 1                      => compensation unknown attempt=1
+            17 agent found r1 k1 1 error error=no-such-charge => compensation failed attempt=1
+            --
+            run r1 cancelled stop=cancelled epoch=2 admitted=2 pending=0 in_flight=0
+              k1 charge failed undo=uncharge lookup=find_charge attempts=0/5 lookups=1/1 note="no-such-charge"
+              k2 charge compensated undo=uncharge lookup=find_charge result={"id":"ch_1"} attempts=1/5 lookups=1/1
+        "#]],
+    );
+}
+
+#[test]
+fn a_lookup_that_cannot_tell_asks_a_human_who_may_ask_it_again() {
+    check(
+        "
+        0 agent admit r1 k1 charge comp=uncharge lookup=find_charge
+        1 agent complete r1 k1 1.1 unknown
+        2 alice cancel r1
+        3 alice retry r1 k1
+        4 agent lookup r1 k1 1
+        5 alice retry r1 k1
+        6 agent found r1 k1 1 unknown error=lookup-unavailable
+        7 agent found r1 k1 1 unknown
+        8 agent lookup r1 k1 2
+        9 alice retry r1 k1
+        10 agent lookup r1 k1 2
+        11 agent found r1 k1 2 unknown error=still-down
+        12 alice settle r1 k1 error
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 charge comp=uncharge lookup=find_charge => admitted 1.1
+            1 agent complete r1 k1 1.1 unknown           => completed
+            2 alice cancel r1                            => run finalizing (1 changed)
+            3 alice retry r1 k1                          => error saga: effect k1 of run r1: retry: its lookup is due already
+            4 agent lookup r1 k1 1                       => compensation unknown attempt=1
+            5 alice retry r1 k1                          => error saga: effect k1 of run r1: retry: its lookup 1 is under way
+            6 agent found r1 k1 1 unknown error=lookup-unavailable => compensation unknown attempt=1
+            7 agent found r1 k1 1 unknown                => compensation unknown attempt=1
+            8 agent lookup r1 k1 2                       => error saga: effect k1 of run r1: it awaits no lookup (it is unknown; only the saga's unknown outcome whose tool declares a lookup does)
+            9 alice retry r1 k1                          => compensation unknown attempt=1
+            10 agent lookup r1 k1 2                      => compensation unknown attempt=2
+            11 agent found r1 k1 2 unknown error=still-down => compensation unknown attempt=2
+            12 alice settle r1 k1 error                  => compensation failed attempt=0
+            --
+            run r1 cancelled stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0
+              k1 charge failed undo=uncharge lookup=find_charge attempts=0/5 lookups=2/2 note="still-down" by=alice
+        "#]],
+    );
+}
+
+#[test]
+fn an_operator_compensates_one_effect_of_a_run_stopped_without_a_saga() {
+    // r1 was killed: nothing is compensated until an operator asks, and then only that effect
+    // (k1 stays done); the run stays cancelled throughout and is not forgotten while the
+    // effect's saga is open. r2 was closed; its unknown outcome is settled first.
+    check(
+        "
+        0 agent admit r1 k1 refund comp=unrefund
+        1 agent complete r1 k1 1.1 ok
+        2 agent admit r1 k2 refund comp=unrefund arg=b
+        3 agent complete r1 k2 1.2 ok
+        4 agent admit r1 k3 email arg=c
+        5 agent complete r1 k3 1.3 ok
+        6 alice compensate r1 k2
+        7 alice kill r1
+        8 agent begin r1 k2 1
+        9 agent compensate r1 k2
+        10 alice compensate r1 k3
+        11 alice compensate r1 k2
+        12 alice compensate r1 k2
+        13 alice compact 100 100
+        14 agent begin r1 k1 1
+        15 agent begin r1 k2 1
+        16 agent end r1 k2 1 ok
+        17 alice compensate r1 k2
+        18 agent admit r2 k1 charge comp=uncharge
+        19 agent complete r2 k1 1.1 unknown
+        20 agent close r2
+        21 alice compensate r2 k1
+        22 agent begin r2 k1 1
+        23 alice settle r2 k1 ok result={\"id\":\"ch_9\"}
+        24 agent begin r2 k1 1
+        25 agent end r2 k1 1 error
+        26 agent admit r3 k1 refund comp=unrefund
+        27 agent complete r3 k1 1.1 ok
+        28 alice cancel r3
+        29 alice compensate r3 k1
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
+            1 agent complete r1 k1 1.1 ok                => completed
+            2 agent admit r1 k2 refund comp=unrefund arg=b => admitted 1.2
+            3 agent complete r1 k2 1.2 ok                => completed
+            4 agent admit r1 k3 email arg=c              => admitted 1.3
+            5 agent complete r1 k3 1.3 ok                => completed
+            6 alice compensate r1 k2                     => error saga: effect k2 of run r1: compensate: its run is not stopped (cancel it, or kill or close it first)
+            7 alice kill r1                              => run cancelled (1 changed)
+            8 agent begin r1 k2 1                        => error saga: effect k2 of run r1: it is not awaiting compensation (only a cancelled run's open compensable effects are, and those an operator asked to compensate)
+            9 agent compensate r1 k2                     => error forbidden: operation requires the operator role
+            10 alice compensate r1 k3                    => error saga: effect k3 of run r1: compensate: it declares no compensating tool
+            11 alice compensate r1 k2                    => compensation completed attempt=0
+            12 alice compensate r1 k2                    => compensation completed attempt=0
+            13 alice compact 100 100                     => forgot 0 runs, dropped 0 tombstones
+            14 agent begin r1 k1 1                       => error saga: effect k1 of run r1: the saga compensates newest first: k2 comes before it
+            15 agent begin r1 k2 1                       => compensation compensating attempt=1
+            16 agent end r1 k2 1 ok                      => compensation compensated attempt=1
+            17 alice compensate r1 k2                    => error saga: effect k2 of run r1: compensate: it is compensated
+            18 agent admit r2 k1 charge comp=uncharge    => admitted 1.1
+            19 agent complete r2 k1 1.1 unknown          => completed
+            20 agent close r2                            => run completed (1 changed)
+            21 alice compensate r2 k1                    => compensation unknown attempt=0
+            22 agent begin r2 k1 1                       => error saga: effect k1 of run r2: its compensation cannot begin while it is unknown
+            23 alice settle r2 k1 ok result={"id":"ch_9"} => compensation completed attempt=0
+            24 agent begin r2 k1 1                       => compensation compensating attempt=1
+            25 agent end r2 k1 1 error                   => compensation compensation_failed attempt=1 retry_at=1025
+            26 agent admit r3 k1 refund comp=unrefund    => admitted 1.1
+            27 agent complete r3 k1 1.1 ok               => completed
+            28 alice cancel r3                           => run finalizing (1 changed)
+            29 alice compensate r3 k1                    => error saga: effect k1 of run r3: compensate: its run was cancelled, so its saga compensates it (retry or skip it there)
+            --
+            run r1 cancelled stop=killed epoch=2 admitted=3 pending=0 in_flight=0
+              k1 refund completed undo=unrefund
+              k2 refund compensated undo=unrefund attempts=1/5 chosen by=alice
+              k3 email completed
+            run r2 completed stop=closed epoch=2 admitted=1 pending=0 in_flight=0
+              k1 charge compensation_failed undo=uncharge result={"id":"ch_9"} attempts=1/5 chosen by=alice
+              saga next: k1 Begin { attempt: 2, at: 1025 }
+            run r3 finalizing stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0
+              k1 refund completed undo=unrefund
+              saga next: k1 Begin { attempt: 1, at: 0 }
+        "#]],
+    );
+}
+
+#[test]
+fn a_compensation_that_cannot_be_issued_asks_a_human_at_once() {
+    check(
+        "
+        0 agent admit r1 k1 refund comp=unrefund
+        1 agent complete r1 k1 1.1 ok
+        2 alice cancel r1
+        3 alice blocked r1 k1 2 reason=x
+        4 alice blocked r1 k1 1 reason=policy-denies-unrefund
+        5 agent begin r1 k1 1
+        6 alice retry r1 k1
+        7 agent begin r1 k1 1
+        8 agent end r1 k1 1 ok
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
+            1 agent complete r1 k1 1.1 ok                => completed
+            2 alice cancel r1                            => run finalizing (1 changed)
+            3 alice blocked r1 k1 2 reason=x             => error saga: effect k1 of run r1: the next attempt of its compensation is 1, not 2
+            4 alice blocked r1 k1 1 reason=policy-denies-unrefund => compensation needs_human attempt=0
+            5 agent begin r1 k1 1                        => error saga: effect k1 of run r1: its compensation cannot begin while it is needs_human
+            6 alice retry r1 k1                          => compensation compensation_failed attempt=0 retry_at=6
+            7 agent begin r1 k1 1                        => compensation compensating attempt=1
+            8 agent end r1 k1 1 ok                       => compensation compensated attempt=1
+            --
+            run r1 cancelled stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0
+              k1 refund compensated undo=unrefund attempts=1/5 by=alice
+        "#]],
+    );
+}
+
+#[test]
+fn a_call_a_stopped_runs_agent_left_in_flight_is_settled_by_an_operator() {
+    // k2 started and its agent died: the saga waits for its outcome, the run stays finalizing.
+    // Settled unknown, it is looked up (here: no lookup, so an operator says); settled ok, it is
+    // undone. A late report of the agent still lands where it agrees, and is refused where not.
+    check(
+        "
+        0 agent admit r1 k1 refund comp=unrefund
+        1 agent complete r1 k1 1.1 ok
+        2 agent admit r1 k2 charge comp=uncharge lookup=find_charge arg=b
+        3 alice settle r1 k2 unknown
+        4 alice cancel r1
+        5 alice settle r1 k1 unknown
+        6 alice settle r1 k2 error result={}
+        7 alice settle r1 k2 unknown
+        8 alice settle r1 k2 unknown
+        9 agent lookup r1 k2 1
+        10 agent found r1 k2 1 unknown error=provider-down
+        11 alice settle r1 k2 ok
+        12 agent complete r1 k2 1.2 ok
+        13 agent complete r1 k2 1.2 error
+        14 agent admit r2 k1 refund comp=unrefund
+        15 alice kill r2
+        16 alice settle r2 k1 error
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
+            1 agent complete r1 k1 1.1 ok                => completed
+            2 agent admit r1 k2 charge comp=uncharge lookup=find_charge arg=b => admitted 1.2
+            3 alice settle r1 k2 unknown                 => error saga: effect k2 of run r1: it is in flight and its run is not stopped: its agent reports it (stop the run to settle it by hand)
+            4 alice cancel r1                            => run finalizing (1 changed)
+            5 alice settle r1 k1 unknown                 => error saga: effect k1 of run r1: only an unknown outcome, or a call a stopped run left in flight, is settled; it is completed
+            6 alice settle r1 k2 error result={}         => error saga: effect k2 of run r1: a result settles it as ok: a call that did not happen has none
+            7 alice settle r1 k2 unknown                 => compensation unknown attempt=0
+            8 alice settle r1 k2 unknown                 => error saga: effect k2 of run r1: it is unknown already: settling says whether it happened: ok or error
+            9 agent lookup r1 k2 1                       => compensation unknown attempt=1
+            10 agent found r1 k2 1 unknown error=provider-down => compensation unknown attempt=1
+            11 alice settle r1 k2 ok                     => compensation completed attempt=0
+            12 agent complete r1 k2 1.2 ok               => completed
+            13 agent complete r1 k2 1.2 error            => error already_completed: effect k2 of run r1 already completed with outcome completed
+            14 agent admit r2 k1 refund comp=unrefund    => admitted 1.1
+            15 alice kill r2                             => run finalizing (1 changed)
+            16 alice settle r2 k1 error                  => compensation failed attempt=0
+            --
+            run r1 finalizing stop=cancelled epoch=2 admitted=2 pending=0 in_flight=0
+              k1 refund completed undo=unrefund
+              k2 charge completed undo=uncharge lookup=find_charge attempts=0/5 lookups=1/1 note="provider-down"
+              saga next: k2 Begin { attempt: 1, at: 0 }
+            run r2 cancelled stop=killed epoch=2 admitted=1 pending=0 in_flight=0
+              k1 refund failed undo=unrefund
         "#]],
     );
 }

@@ -25,7 +25,7 @@ fn allow_admits_and_starts_with_receipt_on_repeat() {
             3 agent admit r1 k1 search arg=other         => refused mismatch
             --
             run r1 active epoch=1 admitted=1 pending=0 in_flight=0
-              k1 search completed
+              k1 search completed result=42
         "#]],
     );
 }
@@ -1069,10 +1069,11 @@ fn a_version_1_snapshot_loads_and_its_compacted_runs_are_forgotten_next() {
     assert!(decode_snapshot(&bad, Limits::default()).is_err());
 }
 
-/// A version 2 snapshot (before compensations were kept) still loads: its effects have none.
-/// It is the version 3 encoding without the effect's last two bytes (0, 0: none).
+/// Version 2 and 3 snapshots (before compensations, before lookups) still load: their effects
+/// have no compensation, or no lookup. They are the version 4 encoding without the effect's
+/// last bytes (a compensation is none here, a `0`).
 #[test]
-fn a_version_2_snapshot_loads_with_effects_that_have_no_compensation() {
+fn a_version_2_or_3_snapshot_loads_with_effects_that_have_no_compensation_or_lookup() {
     use estop_kernel::record_codec::{decode_snapshot, encode_snapshot};
     use estop_kernel::{Gate, Limits};
     let mut gate = Gate::new(Limits::default());
@@ -1083,23 +1084,29 @@ fn a_version_2_snapshot_loads_with_effects_that_have_no_compensation() {
         let rec = support::parse_line(line, None);
         gate.apply(rec.at, &rec.principal, &rec.command).unwrap();
     }
-    let mut v3 = Vec::new();
-    encode_snapshot(&gate, &mut v3);
-    // The snapshot ends with the one effect's `compensate_args` byte and compensation byte
-    // (version 3 added both), then 8 bytes: no tombstones.
-    let added = v3.len() - 10;
+    let mut v4 = Vec::new();
+    encode_snapshot(&gate, &mut v4);
+    // The snapshot ends with the one effect's `compensate_args` byte (version 3), `lookup`
+    // byte (version 4) and compensation byte, then 8 bytes: no tombstones.
+    let added = v4.len() - 11;
     assert_eq!(
-        v3[added..added + 2],
-        [0, 0],
-        "no mapping, no compensation yet"
+        v4[added..added + 3],
+        [0, 0, 0],
+        "no mapping, no lookup, no compensation yet"
     );
-    let mut v2 = v3.clone();
-    v2.drain(added..added + 2);
+    let mut v3 = v4.clone();
+    v3.remove(added + 1);
+    v3[0] = 3;
+    assert_eq!(decode_snapshot(&v3, Limits::default()).unwrap(), gate);
+    let mut v2 = v4.clone();
+    v2.drain(added..added + 3);
     v2[0] = 2;
     assert_eq!(decode_snapshot(&v2, Limits::default()).unwrap(), gate);
-    // Read as version 3, the same bytes lack a field: an error, never a guess.
+    // Read as a later version, the same bytes lack a field: an error, never a guess.
     v2[0] = 3;
     assert!(decode_snapshot(&v2, Limits::default()).is_err());
+    v3[0] = 4;
+    assert!(decode_snapshot(&v3, Limits::default()).is_err());
 }
 
 /// Every verb that moves a run, from every state a run can be in: each either moves it along

@@ -99,6 +99,7 @@ struct RawRule {
     reversibility: Option<Spanned<ReversibilityDe>>,
     compensate: Option<Spanned<String>>,
     compensate_args: Option<Spanned<String>>,
+    lookup: Option<Spanned<String>>,
     quorum: Option<Spanned<i64>>,
     groups: Option<Spanned<Vec<Spanned<String>>>>,
     expiry: Option<Spanned<DurationDe>>,
@@ -368,18 +369,7 @@ fn build_rule(
                      is nothing to undo; remove it",
                 );
             }
-            let tool = ToolName::new(c.get_ref())
-                .map_err(|e| e.to_string())
-                .and_then(|t| {
-                    if t.as_str().contains(['*', '?']) {
-                        Err("it names one tool, not a pattern".to_string())
-                    } else {
-                        Ok(t)
-                    }
-                })
-                .or_else(|e| {
-                    lines.err(c.span(), format!("bad `compensate` {:?}: {e}", c.get_ref()))
-                })?;
+            let tool = one_tool(lines, c, "compensate")?;
             match reversibility {
                 Reversibility::Undeclared => reversibility = Reversibility::Compensable,
                 Reversibility::Irreversible => {
@@ -410,6 +400,17 @@ fn build_rule(
             Some(std::sync::Arc::from(m.get_ref().as_str()))
         }
     };
+    let lookup = match &raw.lookup {
+        None => None,
+        Some(l) if compensate.is_none() => {
+            return lines.err(
+                l.span(),
+                "`lookup` without `compensate`: only the reverse saga looks an unknown outcome \
+                 up, before undoing it; name the compensating tool with `compensate`",
+            );
+        }
+        Some(l) => Some(one_tool(lines, l, "lookup")?),
+    };
     Ok(Rule {
         name: name.into(),
         name_span,
@@ -422,6 +423,7 @@ fn build_rule(
         reversibility,
         compensate,
         compensate_args,
+        lookup,
         quorum,
         groups,
         expiry_ms: raw
@@ -430,4 +432,18 @@ fn build_rule(
         line,
         when_after: false,
     })
+}
+
+/// A rule's key naming one tool (`compensate`, `lookup`): a valid name, not a pattern.
+fn one_tool(lines: &Lines<'_>, c: &Spanned<String>, key: &str) -> Result<ToolName, PolicyError> {
+    ToolName::new(c.get_ref())
+        .map_err(|e| e.to_string())
+        .and_then(|t| {
+            if t.as_str().contains(['*', '?']) {
+                Err("it names one tool, not a pattern".to_string())
+            } else {
+                Ok(t)
+            }
+        })
+        .or_else(|e| lines.err(c.span(), format!("bad `{key}` {:?}: {e}", c.get_ref())))
 }

@@ -120,6 +120,7 @@ struct Rule {
     reversibility: Reversibility,
     compensate: Option<ToolName>,
     compensate_args: Option<Arc<str>>,
+    lookup: Option<ToolName>,
     quorum: u32,
     groups: Vec<String>,
     expiry_ms: u64,
@@ -138,6 +139,7 @@ impl Rule {
             reversibility: self.reversibility,
             compensate: self.compensate.clone(),
             compensate_args: self.compensate_args.clone(),
+            lookup: self.lookup.clone(),
             quorum: self.quorum,
             groups: self.groups.clone(),
             expiry_ms: self.expiry_ms,
@@ -159,6 +161,9 @@ pub struct Ruling {
     pub compensate: Option<ToolName>,
     /// How its arguments are built from the forward call (`compensate_args`, CEL text).
     pub compensate_args: Option<Arc<str>>,
+    /// The tool that finds out whether a call of unknown outcome happened, by its
+    /// idempotency key (`lookup`).
+    pub lookup: Option<ToolName>,
     /// Distinct approvers needed (meaningful when `action` is approve; 1 otherwise).
     pub quorum: u32,
     /// Groups that must each supply at least one of the approvers (approve only).
@@ -279,6 +284,7 @@ impl From<Ruling> for PolicyDecision {
             reversibility: v.reversibility,
             compensate: v.compensate,
             compensate_args: v.compensate_args,
+            lookup: v.lookup,
             quorum: v.quorum,
             groups: v.groups.into_iter().map(String::into_boxed_str).collect(),
             expiry_ms: v.expiry_ms,
@@ -334,6 +340,7 @@ impl Policy {
             reversibility: Reversibility::Undeclared,
             compensate: None,
             compensate_args: None,
+            lookup: None,
             quorum: if defaults.unknown_tool == PolicyAction::Approve {
                 defaults.quorum
             } else {

@@ -83,6 +83,7 @@ fn verdict_carries_the_rule() {
             reversibility: Reversibility::Compensable,
             compensate: Some(tool("reverse_refund")),
             compensate_args: None,
+            lookup: None,
             quorum: 2,
             groups: vec!["finance".into(), "ops".into()],
             expiry_ms: 10 * 60 * 1000,

@@ -295,6 +295,34 @@ fn bad_compensate_args() {
     );
 }
 
+#[test]
+fn bad_lookup() {
+    refused(
+        &rule("tool = \"a\"\naction = \"allow\"\nlookup = \"find_a\"\n"),
+        9,
+        "`lookup` without `compensate`",
+    );
+    refused(
+        &rule("tool = \"a\"\naction = \"allow\"\ncompensate = \"undo_a\"\nlookup = \"find_*\"\n"),
+        10,
+        "bad `lookup` \"find_*\": it names one tool, not a pattern",
+    );
+}
+
+/// A rule's `lookup` reaches the ruling (and so the admission's record).
+#[test]
+fn lookup_is_recorded() {
+    let p = Policy::parse(
+        "[[rules]]\ntool = \"charge\"\naction = \"allow\"\ncompensate = \"refund\"\nlookup = \"find_charge\"\n",
+    )
+    .unwrap();
+    let tool = estop_kernel::ToolName::new("charge").unwrap();
+    let v = p
+        .evaluate(&tool, Some(&serde_json::json!({})), "agent")
+        .unwrap();
+    assert_eq!(v.lookup.as_ref().map(|t| t.as_str()), Some("find_charge"));
+}
+
 /// A rule's `compensate_args` reaches the verdict as written, so the admission records it and
 /// the saga evaluates exactly that text later, whatever the policy file says by then.
 #[test]

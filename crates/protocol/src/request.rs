@@ -245,11 +245,21 @@ pub enum Op {
         outcome: Outcome,
         error: Option<String>,
     },
-    /// An operator settles, retries or skips a step of the reverse saga.
+    /// An operator settles, retries, skips or compensates one effect of the reverse saga.
     Saga {
         run: RunId,
         key: EffectKey,
         action: SagaAction,
+    },
+    /// How a lookup of an unknown outcome ended (`ok` found, with its result; `error` not
+    /// found; `unknown` the lookup could not tell).
+    LookedUp {
+        run: RunId,
+        key: EffectKey,
+        attempt: u32,
+        outcome: Outcome,
+        result: Option<Value>,
+        error: Option<String>,
     },
 }
 
@@ -300,6 +310,7 @@ verbs! {
     Compensations = "compensations", false;
     Compensated = "compensated", false;
     Saga = "saga", true;
+    LookedUp = "looked_up", false;
 }
 
 impl Verb {
@@ -376,6 +387,7 @@ impl Op {
             Op::Compensations { .. } => Verb::Compensations,
             Op::Compensated { .. } => Verb::Compensated,
             Op::Saga { .. } => Verb::Saga,
+            Op::LookedUp { .. } => Verb::LookedUp,
         }
     }
 
@@ -397,7 +409,8 @@ impl Op {
             | Op::Close { run, .. }
             | Op::Report { run, .. }
             | Op::Compensated { run, .. }
-            | Op::Saga { run, .. } => Some(run),
+            | Op::Saga { run, .. }
+            | Op::LookedUp { run, .. } => Some(run),
             Op::Pending { run, .. } | Op::Ledger { run, .. } | Op::Compensations { run } => {
                 run.as_ref()
             }
@@ -619,7 +632,8 @@ fn verb_fields(verb: Verb) -> u32 {
         Verb::TokenRevoke => &[F::Name],
         Verb::Compensations => &[F::Run],
         Verb::Compensated => &[F::Run, F::Key, F::Attempt, F::Outcome, F::Error],
-        Verb::Saga => &[F::Run, F::Key, F::Action, F::Outcome, F::Reason],
+        Verb::Saga => &[F::Run, F::Key, F::Action, F::Outcome, F::Reason, F::Result],
+        Verb::LookedUp => &[F::Run, F::Key, F::Attempt, F::Outcome, F::Result, F::Error],
     };
     fields.iter().fold(0, |m, f| m | f.bit())
 }
@@ -1142,17 +1156,67 @@ impl<'a> Raw<'a> {
             },
             Verb::Compensated => self.compensated()?,
             Verb::Saga => self.saga()?,
+            Verb::LookedUp => self.looked_up()?,
         })
+    }
+
+    fn attempt(&mut self) -> Result<u32, Kind> {
+        let attempt = required(self.attempt, Field::Attempt)?;
+        u32::try_from(attempt)
+            .ok()
+            .filter(|a| *a >= 1)
+            .ok_or_else(|| invalid(Field::Attempt, "an attempt is numbered from 1 (a u32)"))
+    }
+
+    /// `looked_up`: how a lookup of an unknown outcome ended.
+    fn looked_up(&mut self) -> Result<Op, Kind> {
+        let run = self.run()?;
+        let key = self.key()?;
+        let attempt = self.attempt()?;
+        let outcome = vocab(
+            required(self.outcome.take(), Field::Outcome)?,
+            Field::Outcome,
+            Outcome::parse,
+            "ok (found), error (not found), unknown (the lookup could not tell)",
+        )?;
+        let result = self.result()?;
+        if result.is_some() && outcome != Outcome::Ok {
+            return Err(invalid(
+                Field::Result,
+                "a result says the call happened: report it with outcome ok",
+            ));
+        }
+        let error = opt_bounded(self.error.take(), Field::Error, ERROR_BYTES_MAX)?;
+        Ok(Op::LookedUp {
+            run,
+            key,
+            attempt,
+            outcome,
+            result,
+            error,
+        })
+    }
+
+    /// The `result` field: any JSON value, bounded.
+    fn result(&mut self) -> Result<Option<Value>, Kind> {
+        let Some(raw) = self.result.take() else {
+            return Ok(None);
+        };
+        if raw.get().len() > RESULT_BYTES_MAX {
+            return Err(invalid(
+                Field::Result,
+                format!("larger than {RESULT_BYTES_MAX} bytes"),
+            ));
+        }
+        serde_json::from_str::<Value>(raw.get())
+            .map(Some)
+            .map_err(|e| invalid(Field::Result, without_position(&e)))
     }
 
     fn compensated(&mut self) -> Result<Op, Kind> {
         let run = self.run()?;
         let key = self.key()?;
-        let attempt = required(self.attempt, Field::Attempt)?;
-        let attempt = u32::try_from(attempt)
-            .ok()
-            .filter(|a| *a >= 1)
-            .ok_or_else(|| invalid(Field::Attempt, "an attempt is numbered from 1 (a u32)"))?;
+        let attempt = self.attempt()?;
         let outcome = vocab(
             required(self.outcome.take(), Field::Outcome)?,
             Field::Outcome,
@@ -1179,12 +1243,24 @@ impl<'a> Raw<'a> {
                 let outcome = vocab(
                     required(self.outcome.take(), Field::Outcome)?,
                     Field::Outcome,
-                    |s| Outcome::parse(s).filter(|o| *o != Outcome::Unknown),
-                    "ok, error (settling says whether it happened)",
+                    Outcome::parse,
+                    "ok, error (whether it happened), unknown (a call left in flight: stop \
+                     waiting for its agent)",
                 )?;
-                SagaAction::Settle(outcome)
+                let result = self.result()?;
+                if result.is_some() && outcome != Outcome::Ok {
+                    return Err(invalid(
+                        Field::Result,
+                        "a result says the call happened: settle it ok",
+                    ));
+                }
+                SagaAction::Settle {
+                    outcome,
+                    result: result.map(|v| v.to_string().into_boxed_str()),
+                }
             }
             "retry" => SagaAction::Retry,
+            "compensate" => SagaAction::Compensate,
             "skip" => {
                 let reason = self.reason()?.filter(|r| !r.trim().is_empty());
                 let reason = required(reason, Field::Reason)?;
@@ -1195,7 +1271,10 @@ impl<'a> Raw<'a> {
             other => {
                 return Err(invalid(
                     Field::Action,
-                    format!("{:?} is not one of settle, retry, skip", truncated(other)),
+                    format!(
+                        "{:?} is not one of settle, retry, skip, compensate",
+                        truncated(other)
+                    ),
                 ));
             }
         };
@@ -1265,21 +1344,7 @@ impl<'a> Raw<'a> {
             Outcome::parse,
             "ok, error, unknown",
         )?;
-        let result = match self.result.take() {
-            None => None,
-            Some(raw) => {
-                if raw.get().len() > RESULT_BYTES_MAX {
-                    return Err(invalid(
-                        Field::Result,
-                        format!("larger than {RESULT_BYTES_MAX} bytes"),
-                    ));
-                }
-                Some(
-                    serde_json::from_str::<Value>(raw.get())
-                        .map_err(|e| invalid(Field::Result, without_position(&e)))?,
-                )
-            }
-        };
+        let result = self.result()?;
         let error = opt_bounded(self.error.take(), Field::Error, ERROR_BYTES_MAX)?;
         Ok(Complete {
             run,
@@ -1675,16 +1740,36 @@ impl Op {
                 put(&mut m, "run", run.as_str());
                 put(&mut m, "key", key.as_str());
                 match action {
-                    SagaAction::Settle(o) => {
+                    SagaAction::Settle { outcome, result } => {
                         put(&mut m, "action", "settle");
-                        put(&mut m, "outcome", o.as_str());
+                        put(&mut m, "outcome", outcome.as_str());
+                        if let Some(r) = result {
+                            let v: Value = serde_json::from_str(r).expect("kept as JSON text");
+                            put(&mut m, "result", v);
+                        }
                     }
                     SagaAction::Retry => put(&mut m, "action", "retry"),
                     SagaAction::Skip { reason } => {
                         put(&mut m, "action", "skip");
                         put(&mut m, "reason", &**reason);
                     }
+                    SagaAction::Compensate => put(&mut m, "action", "compensate"),
                 }
+            }
+            Op::LookedUp {
+                run,
+                key,
+                attempt,
+                outcome,
+                result,
+                error,
+            } => {
+                put(&mut m, "run", run.as_str());
+                put(&mut m, "key", key.as_str());
+                put(&mut m, "attempt", *attempt);
+                put(&mut m, "outcome", outcome.as_str());
+                put_opt(&mut m, "result", result.clone());
+                put_opt(&mut m, "error", error.as_deref());
             }
         }
         let mut out = serde_json::to_vec(&Value::Object(m)).expect("a Value always serializes");

@@ -403,9 +403,18 @@ pub struct ReportItem {
     /// The last attempt's error, or the reason an operator skipped it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
-    /// The operator who last retried or skipped it.
+    /// The operator who last retried, skipped or asked for its compensation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub by: Option<String>,
+    /// The tool that looks up an unknown outcome by its idempotency key, if one is declared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookup: Option<String>,
+    /// Lookups of its unknown outcome asked so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookups: Option<u32>,
+    /// An operator asked for this one compensation (its run was stopped without a saga).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub chosen: bool,
 }
 
 /// What a cancelled run's reverse saga waits for: its head (the newest effect still to undo)
@@ -413,9 +422,11 @@ pub struct ReportItem {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SagaNext {
     pub key: String,
-    /// `outcome` (the effect is in flight), `settle` (its outcome is unknown: an operator
-    /// settles it), `executor` (attempt `attempt` may begin from `at`: an executor runs it),
-    /// `running` (attempt `attempt` is under way), `human` (an operator retries or skips).
+    /// `outcome` (the effect is in flight), `lookup` (its outcome is unknown: an executor asks
+    /// the tool's lookup, attempt `attempt`), `looking_up` (that lookup is under way), `settle`
+    /// (its outcome is unknown and no lookup can tell: an operator settles it), `executor`
+    /// (attempt `attempt` may begin from `at`: an executor runs it), `running` (attempt
+    /// `attempt` is under way), `human` (an operator retries or skips).
     pub waits: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
@@ -502,6 +513,9 @@ pub enum EventKind {
     Compensation,
     /// To an executor (`compensations`) only: run this attempt of a compensation.
     Compensate,
+    /// To an executor (`compensations`) only: ask the tool's lookup whether the call with this
+    /// `idempotency_key` happened; report with `looked_up`.
+    Lookup,
     /// A kind this client does not know yet (from a newer server).
     #[serde(other)]
     Other,
@@ -592,7 +606,8 @@ impl ReplyBody {
             | Verb::Close
             | Verb::Compensations
             | Verb::Compensated
-            | Verb::Saga => ReplyBody::Ack(reply.body()?),
+            | Verb::Saga
+            | Verb::LookedUp => ReplyBody::Ack(reply.body()?),
             Verb::Ping => ReplyBody::Pong(reply.body()?),
             Verb::Status => ReplyBody::Status(Box::new(reply.body()?)),
             Verb::Runs => ReplyBody::Runs(reply.body()?),

@@ -302,6 +302,9 @@ fn every_payload_round_trips() {
         retry_at: None,
         note: None,
         by: None,
+        lookup: Some("find_t".into()),
+        lookups: Some(1),
+        chosen: true,
     };
     round_trip(Report {
         run: "r0".into(),

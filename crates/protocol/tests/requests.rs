@@ -334,7 +334,51 @@ fn every_verb_parses() {
             Op::Saga {
                 run: run("r1"),
                 key: key("k1"),
-                action: SagaAction::Settle(Outcome::Ok),
+                action: SagaAction::Settle {
+                    outcome: Outcome::Ok,
+                    result: None,
+                },
+            },
+        ),
+        (
+            r#"{"op":"saga","run":"r1","key":"k1","action":"settle","outcome":"ok","result":{"id":"ch_1"}}"#,
+            Op::Saga {
+                run: run("r1"),
+                key: key("k1"),
+                action: SagaAction::Settle {
+                    outcome: Outcome::Ok,
+                    result: Some(r#"{"id":"ch_1"}"#.into()),
+                },
+            },
+        ),
+        (
+            r#"{"op":"saga","run":"r1","key":"k1","action":"settle","outcome":"unknown"}"#,
+            Op::Saga {
+                run: run("r1"),
+                key: key("k1"),
+                action: SagaAction::Settle {
+                    outcome: Outcome::Unknown,
+                    result: None,
+                },
+            },
+        ),
+        (
+            r#"{"op":"saga","run":"r1","key":"k1","action":"compensate"}"#,
+            Op::Saga {
+                run: run("r1"),
+                key: key("k1"),
+                action: SagaAction::Compensate,
+            },
+        ),
+        (
+            r#"{"op":"looked_up","run":"r1","key":"k1","attempt":1,"outcome":"ok","result":{"id":"ch_1"}}"#,
+            Op::LookedUp {
+                run: run("r1"),
+                key: key("k1"),
+                attempt: 1,
+                outcome: Outcome::Ok,
+                result: Some(serde_json::json!({"id": "ch_1"})),
+                error: None,
             },
         ),
         (
@@ -610,7 +654,11 @@ fn every_parse_error_code_fires() {
         (r#"{"op":"saga","run":"r","key":"k"}"#.into(), MissingField, Some("action")),
         (r#"{"op":"saga","run":"r","key":"k","action":"undo"}"#.into(), InvalidField, Some("action")),
         (r#"{"op":"saga","run":"r","key":"k","action":"settle"}"#.into(), MissingField, Some("outcome")),
-        (r#"{"op":"saga","run":"r","key":"k","action":"settle","outcome":"unknown"}"#.into(), InvalidField, Some("outcome")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"settle","outcome":"maybe"}"#.into(), InvalidField, Some("outcome")),
+        (r#"{"op":"saga","run":"r","key":"k","action":"settle","outcome":"error","result":{}}"#.into(), InvalidField, Some("result")),
+        (r#"{"op":"looked_up","run":"r","key":"k","attempt":1,"outcome":"unknown","result":1}"#.into(), InvalidField, Some("result")),
+        (r#"{"op":"looked_up","run":"r","key":"k","attempt":1,"outcome":"found"}"#.into(), InvalidField, Some("outcome")),
+        (r#"{"op":"looked_up","run":"r","key":"k","outcome":"ok"}"#.into(), MissingField, Some("attempt")),
         (r#"{"op":"saga","run":"r","key":"k","action":"skip"}"#.into(), MissingField, Some("reason")),
         (r#"{"op":"saga","run":"r","key":"k","action":"skip","reason":"  "}"#.into(), MissingField, Some("reason")),
         (r#"{"op":"runs","limit":4294967296}"#.into(), InvalidField, Some("limit")),

@@ -1,6 +1,6 @@
 //! Ledger records described for people and scripts (`ledger` verb, `estop ledger show`).
 
-use estop_kernel::{Command, Record, SagaAction, TokenAction};
+use estop_kernel::{Command, Record, SagaAction, SagaStep, TokenAction};
 use estop_protocol::server_line::LedgerEntry;
 use serde_json::{Map, Value, json};
 
@@ -25,9 +25,15 @@ pub fn kind(c: &Command) -> &'static str {
         Command::CompensationBegin { .. } => "compensation_begin",
         Command::CompensationEnd { .. } => "compensation_end",
         Command::Saga { action, .. } => match action {
-            SagaAction::Settle(_) => "saga_settle",
+            SagaAction::Settle { .. } => "saga_settle",
             SagaAction::Retry => "saga_retry",
             SagaAction::Skip { .. } => "saga_skip",
+            SagaAction::Compensate => "saga_compensate",
+        },
+        Command::SagaStep { step, .. } => match step {
+            SagaStep::LookupBegin { .. } => "lookup_begin",
+            SagaStep::LookupEnd { .. } => "lookup_end",
+            SagaStep::Blocked { .. } => "compensation_blocked",
         },
     }
 }
@@ -130,14 +136,21 @@ pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
         Command::Saga { key: k, action, .. } => {
             key = Some(k.to_string());
             match action {
-                SagaAction::Settle(o) => {
-                    fields.insert("outcome".into(), json!(o.as_str()));
+                SagaAction::Settle { outcome, result } => {
+                    fields.insert("outcome".into(), json!(outcome.as_str()));
+                    if let Some(r) = result {
+                        fields.insert("result".into(), json!(&**r));
+                    }
                 }
-                SagaAction::Retry => {}
+                SagaAction::Retry | SagaAction::Compensate => {}
                 SagaAction::Skip { reason } => {
                     fields.insert("reason".into(), json!(&**reason));
                 }
             }
+        }
+        Command::SagaStep { key: k, step, .. } => {
+            key = Some(k.to_string());
+            step_fields(step, &mut fields);
         }
         Command::Pause { .. } | Command::Resume { .. } | Command::Tick { .. } => {}
     }
@@ -148,5 +161,34 @@ pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
         run: rec.command.run().map(ToString::to_string),
         key,
         fields,
+    }
+}
+
+/// What a shell's step of the saga records: a lookup's attempt and finding, or why a due
+/// compensation could not be issued.
+fn step_fields(step: &SagaStep, fields: &mut Map<String, Value>) {
+    match step {
+        SagaStep::LookupBegin { attempt } => {
+            fields.insert("attempt".into(), Value::from(*attempt));
+        }
+        SagaStep::LookupEnd {
+            attempt,
+            outcome,
+            result,
+            error,
+        } => {
+            fields.insert("attempt".into(), Value::from(*attempt));
+            fields.insert("outcome".into(), json!(outcome.as_str()));
+            if let Some(r) = result {
+                fields.insert("result".into(), json!(&**r));
+            }
+            if let Some(e) = error {
+                fields.insert("error".into(), json!(&**e));
+            }
+        }
+        SagaStep::Blocked { attempt, reason } => {
+            fields.insert("attempt".into(), Value::from(*attempt));
+            fields.insert("reason".into(), json!(&**reason));
+        }
     }
 }

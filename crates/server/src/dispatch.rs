@@ -10,7 +10,8 @@ use crate::core::{Answer, CoreMsg, Query, ReplyTo};
 use crate::shared::Shared;
 use estop_kernel::vocab::{PolicyAction, RefusalReason};
 use estop_kernel::{
-    Admit as KAdmit, Command, EffectKey, Principal, PrincipalName, Role, RunId, RunLimits, Token,
+    Admit as KAdmit, Command, EffectKey, Principal, PrincipalName, Role, RunId, RunLimits,
+    SagaStep, Token,
 };
 use estop_ledger::{FileStorage, inspect};
 use estop_policy::{EvalError, Policy};
@@ -297,6 +298,23 @@ fn authorized(shared: &Shared, principal: &Principal, op: Op) -> Route {
             error: error.map(String::into_boxed_str),
         }),
         Op::Saga { run, key, action } => apply(Command::Saga { run, key, action }),
+        Op::LookedUp {
+            run,
+            key,
+            attempt,
+            outcome,
+            result,
+            error,
+        } => apply(Command::SagaStep {
+            run,
+            key,
+            step: SagaStep::LookupEnd {
+                attempt,
+                outcome,
+                result: result.map(|v| v.to_string().into_boxed_str()),
+                error: error.map(String::into_boxed_str),
+            },
+        }),
     }
 }
 
@@ -389,8 +407,12 @@ fn admit_command(
         ),
     );
     limits.max_effects = min(limits.max_effects, a.limits.max_effects);
-    // Kept for an operator's review, or for the saga when the compensation is built from them.
-    let args = if ruling.action == PolicyAction::Approve || ruling.compensate_args.is_some() {
+    // Kept for an operator's review, or for the saga when the compensation is built from them
+    // or a lookup may need them.
+    let args = if ruling.action == PolicyAction::Approve
+        || ruling.compensate_args.is_some()
+        || ruling.lookup.is_some()
+    {
         a.args.as_ref().map(|v| v.to_string().into_boxed_str())
     } else {
         None
@@ -515,6 +537,8 @@ compensated                | apply compensated | apply compensated | forbidden  
 saga settle                | apply saga       | forbidden        | forbidden        | unauthenticated
 saga skip                  | apply saga       | forbidden        | forbidden        | unauthenticated
 saga retry                 | apply saga       | forbidden        | forbidden        | unauthenticated
+saga compensate            | apply saga       | forbidden        | forbidden        | unauthenticated
+looked_up                  | apply looked_up  | apply looked_up  | forbidden        | unauthenticated
 ";
 
     fn run() -> RunId {
@@ -700,7 +724,13 @@ saga retry                 | apply saga       | forbidden        | forbidden    
                         key: key(),
                         action,
                     };
-                    add("saga settle", saga(SagaAction::Settle(Outcome::Error)));
+                    add(
+                        "saga settle",
+                        saga(SagaAction::Settle {
+                            outcome: Outcome::Error,
+                            result: None,
+                        }),
+                    );
                     add(
                         "saga skip",
                         saga(SagaAction::Skip {
@@ -708,7 +738,19 @@ saga retry                 | apply saga       | forbidden        | forbidden    
                         }),
                     );
                     add("saga retry", saga(SagaAction::Retry));
+                    add("saga compensate", saga(SagaAction::Compensate));
                 }
+                Verb::LookedUp => add(
+                    v,
+                    Op::LookedUp {
+                        run: run(),
+                        key: key(),
+                        attempt: 1,
+                        outcome: Outcome::Ok,
+                        result: None,
+                        error: None,
+                    },
+                ),
             }
         }
         out
@@ -738,6 +780,7 @@ saga retry                 | apply saga       | forbidden        | forbidden    
                     Command::Close { .. } => "close",
                     Command::CompensationEnd { .. } => "compensated",
                     Command::Saga { .. } => "saga",
+                    Command::SagaStep { .. } => "looked_up",
                     other => unreachable!("no verb sends {other:?}"),
                 }
             ),

@@ -238,6 +238,9 @@ fn report_item(key: &EffectKey, e: &estop_kernel::state::Effect) -> wire::Report
             .map(|c| c.retry_at),
         note: c.and_then(|c| c.note.as_deref().map(str::to_string)),
         by: c.and_then(|c| c.by.as_ref().map(ToString::to_string)),
+        lookup: e.lookup.as_ref().map(ToString::to_string),
+        lookups: c.map(|c| c.lookups).filter(|n| *n > 0),
+        chosen: c.is_some_and(|c| c.chosen),
     }
 }
 
@@ -248,6 +251,8 @@ fn saga_next(run: &Run) -> Option<wire::SagaNext> {
         let (waits, attempt, at) = match next {
             Next::InFlight => ("outcome", None, None),
             Next::Settle => ("settle", None, None),
+            Next::Lookup { attempt } => ("lookup", Some(attempt), None),
+            Next::LookingUp { attempt } => ("looking_up", Some(attempt), None),
             Next::Begin { attempt, at } => ("executor", Some(attempt), Some(at)),
             Next::Running { attempt } => ("running", Some(attempt), None),
             Next::Human => ("human", None, None),

@@ -217,7 +217,7 @@ pub fn run_with(
     on_ready: impl FnOnce(&Ready),
 ) -> Result<(), ServeError> {
     crate::fatal::install_panic_hook();
-    let opts = opts.with_environment();
+    let mut opts = opts.with_environment();
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -239,6 +239,8 @@ pub fn run_with(
         (None, true) => Policy::allow_all(),
         (None, false) => Policy::default(),
     });
+    // Compensating calls are checked against the policy that admits the calls they undo.
+    opts.core.compensation_policy = Some(Arc::clone(&policy));
     let (tokens, created) = Tokens::open_or_bootstrap(&data, opts.reset_tokens)?;
     if created && opts.reset_tokens {
         crate::log::warn(&format!(

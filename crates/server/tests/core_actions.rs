@@ -50,6 +50,7 @@ fn admit_in(run: &str, key: &str, action: PolicyAction) -> Command {
             reversibility: Reversibility::Undeclared,
             compensate: None,
             compensate_args: None,
+            lookup: None,
             quorum: 1,
             groups: vec![],
             expiry_ms: 3_600_000,

@@ -49,6 +49,7 @@ fn admit(key: &str) -> Command {
             reversibility: Reversibility::Undeclared,
             compensate: None,
             compensate_args: None,
+            lookup: None,
             quorum: 1,
             groups: vec![],
             expiry_ms: 60_000,

@@ -1,15 +1,17 @@
 //! The core's executors of the reverse saga (`core::sagas`), driven through the shell with
 //! clocks the test makes up (as `core_time.rs`): a failed attempt is offered again exactly when
 //! its backoff ends, never before; a `compensate_args` that cannot be built from the recorded
-//! result is recorded as failed attempts, on the same backoff, until a human is asked — and no
-//! executor is ever sent a call without its arguments.
+//! result asks a human at once (no attempt spent, no executor sent a call without its
+//! arguments), and an operator's settle that carries the result lets it be built; an unknown
+//! outcome is looked up through an executor before anything is undone; the policy's rules on
+//! the compensating tool are applied; an operator's compensation of one effect of a killed run
+//! is offered like a saga's.
 
-use estop_kernel::saga::COMPENSATION_ATTEMPTS_MAX;
 use estop_kernel::state::Status;
 use estop_kernel::vocab::{EffectClass, Outcome, PolicyAction, Reversibility};
 use estop_kernel::{
     Admit, Command, Digest, EffectKey, Limits, PolicyDecision, Principal, PrincipalName, Role,
-    RunId, RunLimits, ToolName,
+    RunId, RunLimits, SagaAction, ToolName,
 };
 use estop_ledger::{LedgerOptions, MemStorage, Storage};
 use estop_protocol::{Id, server_line as wire};
@@ -38,8 +40,21 @@ fn key() -> EffectKey {
     EffectKey::new("k").unwrap()
 }
 
+fn alice() -> Principal {
+    Principal {
+        name: PrincipalName::new("alice").unwrap(),
+        role: Role::Operator,
+        groups: vec![],
+    }
+}
+
 /// A refund whose undo is `unrefund`, its arguments built from the result's `id`.
 fn refund() -> Command {
+    refund_looked_up_by(None)
+}
+
+/// `refund()`, whose unknown outcome `lookup` (if any) finds.
+fn refund_looked_up_by(lookup: Option<&str>) -> Command {
     Command::Admit(Admit {
         run: run(),
         key: key(),
@@ -56,6 +71,7 @@ fn refund() -> Command {
             reversibility: Reversibility::Compensable,
             compensate: Some(ToolName::new("unrefund").unwrap()),
             compensate_args: Some(r#"{"refund": result.id, "amount": args.amount}"#.into()),
+            lookup: lookup.map(|l| ToolName::new(l).unwrap()),
             quorum: 1,
             groups: vec![],
             expiry_ms: 1000,
@@ -65,6 +81,10 @@ fn refund() -> Command {
 }
 
 fn core() -> Shell {
+    core_with(CoreOptions::default())
+}
+
+fn core_with(opts: CoreOptions) -> Shell {
     let (durable_tx, _durable_rx) = watch::channel(DurableState::default());
     let st: Arc<dyn Storage> = Arc::new(MemStorage::new());
     let open: OpenFn = Box::new(move |discard_after| {
@@ -79,7 +99,7 @@ fn core() -> Shell {
         )
     });
     let (tx, _rx) = mpsc::channel();
-    Shell::new(CoreOptions::default(), Arc::new(durable_tx), open, tx).unwrap()
+    Shell::new(opts, Arc::new(durable_tx), open, tx).unwrap()
 }
 
 fn at(ms: u64) -> Now {
@@ -99,10 +119,20 @@ fn reply_to(tx: &tmpsc::UnboundedSender<Out>, id: u64) -> ReplyTo {
 
 /// Applies `cmd` at `ms` and makes it durable.
 fn apply(c: &mut Shell, ms: u64, cmd: Command, tx: &tmpsc::UnboundedSender<Out>) {
+    apply_as(c, agent(), ms, cmd, tx);
+}
+
+fn apply_as(
+    c: &mut Shell,
+    principal: Principal,
+    ms: u64,
+    cmd: Command,
+    tx: &tmpsc::UnboundedSender<Out>,
+) {
     c.handle(
         at(ms),
         CoreMsg::Apply {
-            principal: agent(),
+            principal,
             cmd,
             to: reply_to(tx, 0),
         },
@@ -110,32 +140,61 @@ fn apply(c: &mut Shell, ms: u64, cmd: Command, tx: &tmpsc::UnboundedSender<Out>)
     c.commit();
 }
 
+/// An operator's saga action on the effect, at `ms`.
+fn operator(c: &mut Shell, ms: u64, action: SagaAction) {
+    let (tx, _) = tmpsc::unbounded_channel();
+    let cmd = Command::Saga {
+        run: run(),
+        key: key(),
+        action,
+    };
+    apply_as(c, alice(), ms, cmd, &tx);
+}
+
 /// A refund completed with `result`, the run cancelled, an executor connected (conn 7): the
 /// saga is due. Returns the executor's line queue.
 fn cancelled_with(c: &mut Shell, result: &str) -> tmpsc::UnboundedReceiver<Out> {
+    stopped_with(c, refund(), Outcome::Ok, Some(result), false)
+}
+
+/// `admit` completed with `outcome` and `result`, the run cancelled (or killed), an executor
+/// connected (conn 7). Returns the executor's line queue.
+fn stopped_with(
+    c: &mut Shell,
+    admit: Command,
+    outcome: Outcome,
+    result: Option<&str>,
+    kill: bool,
+) -> tmpsc::UnboundedReceiver<Out> {
     let (tx, _) = tmpsc::unbounded_channel();
-    apply(c, 0, refund(), &tx);
+    apply(c, 0, admit, &tx);
     let token = c.gate().run(&run()).unwrap().effects[&key()].token.unwrap();
     let complete = Command::Complete {
         run: run(),
         key: key(),
         token,
-        outcome: Outcome::Ok,
-        result: Some(result.into()),
+        outcome,
+        result: result.map(Into::into),
         error: None,
     };
     apply(c, 0, complete, &tx);
     let cancel = Command::Cancel {
         run: run(),
         reason: None,
-        kill: false,
+        kill,
     };
-    apply(c, 0, cancel, &tx);
+    apply_as(c, alice(), 0, cancel, &tx);
+    assert!(c.gate().run(&run()).unwrap().stop.is_some(), "stopped");
+    executor(c, 7)
+}
+
+/// Connection `conn` becomes an executor of every run; returns its line queue.
+fn executor(c: &mut Shell, conn: u64) -> tmpsc::UnboundedReceiver<Out> {
     let (ex_tx, ex_rx) = tmpsc::unbounded_channel();
     let executor = CoreMsg::Executor {
         principal: agent(),
         run: None,
-        conn: 7,
+        conn,
         out: ex_tx.clone().into(),
         backlog: Arc::new(AtomicUsize::new(0)),
         to: reply_to(&ex_tx, 1),
@@ -146,15 +205,41 @@ fn cancelled_with(c: &mut Shell, result: &str) -> tmpsc::UnboundedReceiver<Out> 
 
 /// The `compensate` events released to the executor so far, as (attempt, args).
 fn offers(rx: &mut tmpsc::UnboundedReceiver<Out>) -> Vec<(u32, Option<serde_json::Value>)> {
+    events(rx)
+        .into_iter()
+        .map(|event| {
+            assert_eq!(event.event, wire::EventKind::Compensate);
+            assert_eq!(event.idempotency_key.as_deref(), Some("k/undo"));
+            (event.attempt.unwrap(), event.args)
+        })
+        .collect()
+}
+
+/// Every event released to the executor so far.
+fn events(rx: &mut tmpsc::UnboundedReceiver<Out>) -> Vec<wire::Event> {
     let mut got = Vec::new();
     while let Ok(out) = rx.try_recv() {
         if let Out::Event { event, .. } = out {
-            assert_eq!(event.event, wire::EventKind::Compensate);
-            assert_eq!(event.idempotency_key.as_deref(), Some("k/undo"));
-            got.push((event.attempt.unwrap(), event.args));
+            got.push(event);
         }
     }
     got
+}
+
+/// Fires the core's timers at `ms` and makes what they recorded durable (events are released
+/// only then).
+fn fire(c: &mut Shell, ms: u64) {
+    c.fire_timers(at(ms));
+    c.commit();
+}
+
+fn note(c: &Shell) -> String {
+    let e = &c.gate().run(&run()).unwrap().effects[&key()];
+    e.saga
+        .as_deref()
+        .and_then(|s| s.note.as_deref())
+        .unwrap_or("")
+        .to_string()
 }
 
 fn status(c: &Shell) -> Status {
@@ -212,35 +297,219 @@ fn a_failed_attempt_is_offered_again_exactly_when_its_backoff_ends() {
 }
 
 #[test]
-fn arguments_that_cannot_be_built_fail_attempts_on_the_backoff_until_a_human_is_asked() {
+fn arguments_that_cannot_be_built_ask_a_human_at_once() {
     let mut c = core();
-    // The result has no `id`: the mapping cannot build the undo's arguments.
+    // The result has no `id`: the mapping cannot build the undo's arguments, and never will.
     let mut ex = cancelled_with(&mut c, r#"{"refunded":true}"#);
-    let mut now = 0;
-    for attempt in 1..=COMPENSATION_ATTEMPTS_MAX {
-        c.fire_timers(at(now));
-        c.commit();
-        let e = &c.gate().run(&run()).unwrap().effects[&key()];
-        let saga = e.saga.as_deref().unwrap();
-        assert_eq!(saga.attempts, attempt);
-        assert!(
-            saga.note.as_deref().unwrap().contains("compensate_args"),
-            "{:?}",
-            saga.note
-        );
-        if attempt < COMPENSATION_ATTEMPTS_MAX {
-            assert_eq!(e.status, Status::CompensationFailed);
-            now = saga.retry_at - T0;
-        }
-    }
-    assert_eq!(status(&c), Status::NeedsHuman);
+    fire(&mut c, 0);
+    assert_eq!(status(&c), Status::NeedsHuman, "{}", note(&c));
+    let e = &c.gate().run(&run()).unwrap().effects[&key()];
+    assert_eq!(
+        e.saga.as_deref().unwrap().attempts,
+        0,
+        "no attempt was spent"
+    );
+    assert!(note(&c).contains("compensate_args"), "{}", note(&c));
     assert!(
         offers(&mut ex).is_empty(),
         "a call was sent without its arguments"
     );
     // Nothing is left for the core to wake for but its routine work.
-    c.fire_timers(at(now + 600_000));
-    c.commit();
+    fire(&mut c, 600_000);
     assert_eq!(status(&c), Status::NeedsHuman);
     assert_eq!(c.gate().run(&run()).unwrap().state.as_str(), "finalizing");
+}
+
+#[test]
+fn an_unknown_outcome_settled_with_its_result_is_undone_with_arguments_built_from_it() {
+    let mut c = core();
+    let mut ex = stopped_with(&mut c, refund(), Outcome::Unknown, None, false);
+    fire(&mut c, 0);
+    assert!(
+        events(&mut ex).is_empty(),
+        "nothing is undone before it is settled"
+    );
+    let settle = SagaAction::Settle {
+        outcome: Outcome::Ok,
+        result: Some(r#"{"id":"re_9"}"#.into()),
+    };
+    operator(&mut c, 10, settle);
+    fire(&mut c, 10);
+    let args = Some(serde_json::json!({"refund": "re_9", "amount": 5}));
+    assert_eq!(offers(&mut ex), vec![(1, args)]);
+}
+
+#[test]
+fn an_unknown_outcome_is_looked_up_through_an_executor_before_it_is_undone() {
+    let mut c = core();
+    let admit = refund_looked_up_by(Some("find_refund"));
+    let mut ex = stopped_with(&mut c, admit, Outcome::Unknown, None, false);
+    fire(&mut c, 0);
+    let got = events(&mut ex);
+    assert_eq!(got.len(), 1, "{got:?}");
+    let lookup = &got[0];
+    assert_eq!(lookup.event, wire::EventKind::Lookup);
+    assert_eq!(lookup.tool.as_deref(), Some("find_refund"));
+    assert_eq!(lookup.attempt, Some(1));
+    // Asked by the forward call's own key, with its arguments.
+    assert_eq!(lookup.idempotency_key.as_deref(), Some("k"));
+    assert_eq!(lookup.args, Some(serde_json::json!({"amount": 5})));
+    // Its executor goes away: the same lookup is offered again to the next one, not a new one.
+    c.handle(at(5), CoreMsg::Disconnect { conn: 7 });
+    let mut ex = executor(&mut c, 8);
+    fire(&mut c, 5);
+    let again = events(&mut ex);
+    assert_eq!(again.len(), 1, "{again:?}");
+    assert_eq!(
+        (again[0].event, again[0].attempt),
+        (wire::EventKind::Lookup, Some(1))
+    );
+    // Found: it happened, with this result, and the undo is built from it.
+    let (tx, _) = tmpsc::unbounded_channel();
+    let found = Command::SagaStep {
+        run: run(),
+        key: key(),
+        step: estop_kernel::SagaStep::LookupEnd {
+            attempt: 1,
+            outcome: Outcome::Ok,
+            result: Some(r#"{"id":"re_7"}"#.into()),
+            error: None,
+        },
+    };
+    apply(&mut c, 20, found, &tx);
+    fire(&mut c, 20);
+    let args = Some(serde_json::json!({"refund": "re_7", "amount": 5}));
+    assert_eq!(offers(&mut ex), vec![(1, args)]);
+}
+
+#[test]
+fn a_lookup_that_cannot_tell_leaves_the_outcome_to_a_human() {
+    let mut c = core();
+    let admit = refund_looked_up_by(Some("find_refund"));
+    let mut ex = stopped_with(&mut c, admit, Outcome::Unknown, None, false);
+    fire(&mut c, 0);
+    assert_eq!(events(&mut ex).len(), 1);
+    let (tx, _) = tmpsc::unbounded_channel();
+    let unsure = Command::SagaStep {
+        run: run(),
+        key: key(),
+        step: estop_kernel::SagaStep::LookupEnd {
+            attempt: 1,
+            outcome: Outcome::Unknown,
+            result: None,
+            error: Some("provider down".into()),
+        },
+    };
+    apply(&mut c, 20, unsure, &tx);
+    fire(&mut c, 20);
+    fire(&mut c, 600_000);
+    assert!(
+        events(&mut ex).is_empty(),
+        "no blind retry, of the lookup or the call"
+    );
+    assert_eq!(status(&c), Status::Unknown);
+    let next = c.gate().saga_next(&run()).map(|(_, n)| n);
+    assert_eq!(next, Some(estop_kernel::saga::Next::Settle));
+}
+
+fn policy(text: &str) -> CoreOptions {
+    CoreOptions {
+        compensation_policy: Some(Arc::new(estop_policy::Policy::parse(text).unwrap())),
+        ..CoreOptions::default()
+    }
+}
+
+#[test]
+fn a_deny_rule_on_the_compensating_tool_refuses_the_compensation() {
+    let mut c = core_with(policy(
+        r#"
+        [[rules]]
+        tool = "unrefund"
+        when = "args.amount > 1"
+        action = "deny"
+        name = "no-unrefunds"
+        "#,
+    ));
+    let mut ex = cancelled_with(&mut c, r#"{"id":"re_1"}"#);
+    fire(&mut c, 0);
+    assert!(offers(&mut ex).is_empty(), "a denied compensation was sent");
+    assert_eq!(status(&c), Status::NeedsHuman);
+    assert!(note(&c).contains("no-unrefunds"), "{}", note(&c));
+    // An operator's retry does not overrule a deny: it is refused again, recorded.
+    operator(&mut c, 10, SagaAction::Retry);
+    fire(&mut c, 10);
+    assert!(offers(&mut ex).is_empty(), "a denied compensation was sent");
+    assert_eq!(status(&c), Status::NeedsHuman);
+}
+
+#[test]
+fn an_approve_rule_holds_the_compensation_for_an_operator_whose_retry_approves_it() {
+    let mut c = core_with(policy(
+        r#"
+        [defaults]
+        unknown_tool = "deny"
+
+        [[rules]]
+        tool = "unrefund"
+        action = "approve"
+        name = "undo-needs-a-human"
+        "#,
+    ));
+    let mut ex = cancelled_with(&mut c, r#"{"id":"re_1"}"#);
+    fire(&mut c, 0);
+    assert!(
+        offers(&mut ex).is_empty(),
+        "sent before an operator approved it"
+    );
+    assert_eq!(status(&c), Status::NeedsHuman);
+    assert!(note(&c).contains("undo-needs-a-human"), "{}", note(&c));
+    operator(&mut c, 10, SagaAction::Retry);
+    fire(&mut c, 10);
+    let args = Some(serde_json::json!({"refund": "re_1", "amount": 5}));
+    assert_eq!(offers(&mut ex), vec![(1, args)]);
+}
+
+#[test]
+fn an_operator_compensates_one_effect_of_a_killed_run() {
+    let mut c = core();
+    let mut ex = stopped_with(
+        &mut c,
+        refund(),
+        Outcome::Ok,
+        Some(r#"{"id":"re_3"}"#),
+        true,
+    );
+    fire(&mut c, 0);
+    assert!(
+        events(&mut ex).is_empty(),
+        "a kill compensates nothing by itself"
+    );
+    operator(&mut c, 10, SagaAction::Compensate);
+    fire(&mut c, 10);
+    let args = Some(serde_json::json!({"refund": "re_3", "amount": 5}));
+    assert_eq!(offers(&mut ex), vec![(1, args)]);
+    assert_eq!(c.gate().run(&run()).unwrap().state.as_str(), "cancelled");
+}
+
+#[test]
+fn an_operator_asking_for_one_compensation_approves_it() {
+    let mut c = core_with(policy(
+        r#"
+        [[rules]]
+        tool = "unrefund"
+        action = "approve"
+        name = "undo-needs-a-human"
+        "#,
+    ));
+    let mut ex = stopped_with(
+        &mut c,
+        refund(),
+        Outcome::Ok,
+        Some(r#"{"id":"re_4"}"#),
+        true,
+    );
+    operator(&mut c, 10, SagaAction::Compensate);
+    fire(&mut c, 10);
+    let args = Some(serde_json::json!({"refund": "re_4", "amount": 5}));
+    assert_eq!(offers(&mut ex), vec![(1, args)]);
 }

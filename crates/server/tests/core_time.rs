@@ -47,6 +47,7 @@ fn held(key: &str, expiry_ms: u64) -> Command {
             reversibility: Reversibility::Undeclared,
             compensate: None,
             compensate_args: None,
+            lookup: None,
             quorum: 1,
             groups: vec![],
             expiry_ms,

@@ -190,6 +190,7 @@ impl Tool {
                 .compensable()
                 .then(|| ToolName::new("uncharge").expect("valid")),
             compensate_args: None,
+            lookup: None,
             quorum: self.quorum(),
             groups: self.groups().iter().map(|g| (*g).into()).collect(),
             expiry_ms: self.expiry_ms(),

@@ -14,6 +14,12 @@ reported (a crash, a lost connection) is offered again with the same key. A hand
 returns reports `ok`; one that raises reports `error` (retried by the gate with backoff, then a
 human is asked); `estop.CompensationUnknown` reports `unknown` (whether it landed is not known:
 a human is asked at once). A tool with no handler here is reported `error` with that reason.
+
+The gate also asks declared lookups (policy `lookup = "tool"`) about a call whose outcome is
+unknown, before undoing anything older: a lookup handler gets the forward call's args and its own
+idempotency key, and returns what the call returned if it happened (reported `ok`, recorded as
+its result), or `None` if it did not (`error`: nothing to undo); one that raises, or a lookup
+tool with no handler here, is reported `unknown` (an operator settles it).
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ class CompensationWorker:
         self.reported: list[tuple[str, str, int, str]] = []
 
     def _on_event(self, event: dict[str, Any]) -> None:
-        if event.get("event") == "compensate" and (self.run is None or event.get("run") == self.run):
+        if event.get("event") in ("compensate", "lookup") and (self.run is None or event.get("run") == self.run):
             self._queue.put_nowait(event)
 
     async def start(self) -> "CompensationWorker":
@@ -82,7 +88,9 @@ class CompensationWorker:
             await self.client.close()
 
     async def run_one(self, event: dict[str, Any]) -> str:
-        """Runs one offered compensation and reports it; returns the outcome reported."""
+        """Runs one offered compensation (or lookup) and reports it; returns the outcome reported."""
+        if event.get("event") == "lookup":
+            return await self._look_up(event)
         run, key, attempt = event["run"], event["key"], int(event["attempt"])
         tool, idem = event.get("tool", ""), event["idempotency_key"]
         handler = self.handlers.get(tool)
@@ -107,5 +115,34 @@ class CompensationWorker:
             error = error.encode()[:_ERROR_BYTES_MAX].decode(errors="ignore")
             log.warning("estop: compensation %s of %s/%s attempt %d: %s: %s", tool, run, key, attempt, outcome, error)
         await self.client.compensated(run, key, attempt, outcome, error)
+        self.reported.append((run, key, attempt, outcome))
+        return outcome
+
+    async def _look_up(self, event: dict[str, Any]) -> str:
+        """Asks a lookup handler whether the call with this key happened, and reports it."""
+        run, key, attempt = event["run"], event["key"], int(event["attempt"])
+        tool, idem = event.get("tool", ""), event["idempotency_key"]
+        handler = self.handlers.get(tool)
+        result: Any = None
+        error: str | None = None
+        if handler is None:
+            outcome, error = "unknown", f"no handler for {tool!r} in this worker (it has {sorted(self.handlers)})"
+        else:
+            try:
+                if inspect.iscoroutinefunction(handler):
+                    result = await handler(event.get("args"), idem)
+                else:
+                    result = await asyncio.to_thread(handler, event.get("args"), idem)
+                    if inspect.isawaitable(result):
+                        result = await result
+                outcome = "error" if result is None else "ok"
+            except Exception as e:  # noqa: BLE001 - a lookup that fails cannot tell
+                outcome, error = "unknown", f"{type(e).__name__}: {e}"
+        if error is not None:
+            error = error.encode()[:_ERROR_BYTES_MAX].decode(errors="ignore")
+            log.warning("estop: lookup %s of %s/%s attempt %d: %s: %s", tool, run, key, attempt, outcome, error)
+        # `result` only when found: a null result would say it happened (the gate refuses it).
+        found = {"result": result} if outcome == "ok" else {}
+        await self.client.call("looked_up", run=run, key=key, attempt=attempt, outcome=outcome, error=error, **found)
         self.reported.append((run, key, attempt, outcome))
         return outcome

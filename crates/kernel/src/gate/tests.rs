@@ -59,6 +59,7 @@ fn admit_as(
             reversibility: Reversibility::Undeclared,
             compensate: None,
             compensate_args: None,
+            lookup: None,
             quorum: 1,
             groups: Vec::new(),
             expiry_ms: 1000,

@@ -12,7 +12,8 @@ use estop_kernel::state::Status;
 use estop_kernel::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
 use estop_kernel::{
     Admit, Command, Digest, EffectKey, Gate, Limits, PolicyDecision, Principal, PrincipalName,
-    Record, Role, RunId, RunLimits, SagaAction, Token, TokenAction, TokenChange, ToolName,
+    Record, Role, RunId, RunLimits, SagaAction, SagaStep, Token, TokenAction, TokenChange,
+    ToolName,
 };
 use std::fmt::Write;
 
@@ -50,6 +51,7 @@ pub fn policy(action: PolicyAction) -> PolicyDecision {
         reversibility: Reversibility::Undeclared,
         compensate: None,
         compensate_args: None,
+        lookup: None,
         quorum: 1,
         groups: vec![],
         expiry_ms: 1000,
@@ -110,6 +112,9 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
             }
             if let Some(m) = opt("cargs") {
                 p.compensate_args = Some(m.into());
+            }
+            if let Some(l) = opt("lookup") {
+                p.lookup = Some(ToolName::new(l).unwrap());
             }
             Command::Admit(Admit {
                 run: run(),
@@ -221,7 +226,40 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
         "settle" => Command::Saga {
             run: run(),
             key: key(),
-            action: SagaAction::Settle(Outcome::parse(pos[2]).expect("outcome")),
+            action: SagaAction::Settle {
+                outcome: Outcome::parse(pos[2]).expect("outcome"),
+                result: opt("result").map(Into::into),
+            },
+        },
+        "compensate" => Command::Saga {
+            run: run(),
+            key: key(),
+            action: SagaAction::Compensate,
+        },
+        "lookup" => Command::SagaStep {
+            run: run(),
+            key: key(),
+            step: SagaStep::LookupBegin {
+                attempt: pos[2].parse().expect("attempt"),
+            },
+        },
+        "found" => Command::SagaStep {
+            run: run(),
+            key: key(),
+            step: SagaStep::LookupEnd {
+                attempt: pos[2].parse().expect("attempt"),
+                outcome: Outcome::parse(pos[3]).expect("outcome"),
+                result: opt("result").map(Into::into),
+                error: opt("error").map(Into::into),
+            },
+        },
+        "blocked" => Command::SagaStep {
+            run: run(),
+            key: key(),
+            step: SagaStep::Blocked {
+                attempt: pos[2].parse().expect("attempt"),
+                reason: opt("reason").unwrap_or("").into(),
+            },
         },
         "retry" => Command::Saga {
             run: run(),
@@ -381,8 +419,23 @@ pub fn render_state(gate: &Gate) -> String {
                     write!(s, " args={a}").unwrap();
                 }
             }
+            if let Some(l) = &e.lookup {
+                write!(s, " lookup={l}").unwrap();
+            }
+            if let Some(r) = e.outcome.as_ref().and_then(|o| o.result.as_deref()) {
+                write!(s, " result={r}").unwrap();
+            }
             if let Some(c) = &e.saga {
                 write!(s, " attempts={}/{}", c.attempts, c.granted).unwrap();
+                if c.lookups > 0 || c.lookups_granted > 1 {
+                    write!(s, " lookups={}/{}", c.lookups, c.lookups_granted).unwrap();
+                    if c.lookup_open {
+                        s.push_str(" looking");
+                    }
+                }
+                if c.chosen {
+                    s.push_str(" chosen");
+                }
                 if let Some(n) = &c.note {
                     write!(s, " note={n:?}").unwrap();
                 }

@@ -217,6 +217,9 @@ pub struct CoreOptions {
     /// A planted bug for the simulation's test that it bites: retention forgets a stopped run
     /// without leaving its tombstone (its fence). Never set by `serve`.
     pub planted_tombstones_dropped: bool,
+    /// The policy each compensating call is checked against before it is offered (`sagas`);
+    /// `serve` sets the one it admits by. `None`: not checked.
+    pub compensation_policy: Option<Arc<estop_policy::Policy>>,
 }
 
 /// Retention runs at most this often, and at least as often as `COMPACTION_PERIOD_MAX_MS`.
@@ -249,6 +252,7 @@ impl Default for CoreOptions {
             planted_reply_before_commit: false,
             planted_waiter_leak: false,
             planted_tombstones_dropped: false,
+            compensation_policy: None,
         }
     }
 }

@@ -10,10 +10,17 @@
 //! arguments, same derived idempotency key — so the system downstream applies it once.
 //! Offering happens in `fire_timers`, after the burst of messages that made a saga due, never
 //! in the middle of applying another command.
+//!
+//! An unknown outcome whose tool declares a `lookup` is offered the same way: a `lookup` event
+//! (the forward call's arguments and idempotency key) claimed by a `LookupBegin` record, and
+//! answered with `looked_up`. A due compensation that cannot be issued — its arguments cannot
+//! be built, or the policy refuses the compensating call — is recorded `Blocked` at once and
+//! waits for a human; nothing is sent.
 
 use super::*;
-use estop_kernel::saga::{Next, derived_key};
-use estop_kernel::vocab::Outcome;
+use estop_kernel::SagaStep;
+use estop_kernel::saga::{self, Next, derived_key};
+use estop_kernel::vocab::PolicyAction;
 
 /// One connection that said `compensations`.
 pub(super) struct Executor {
@@ -30,6 +37,8 @@ pub(super) struct Executor {
 pub(super) struct Offered {
     key: EffectKey,
     attempt: u32,
+    /// A lookup of an unknown outcome, not a compensation.
+    lookup: bool,
     conn: u64,
 }
 
@@ -49,7 +58,7 @@ impl Core {
             Some(run) => {
                 self.saga_due.insert(run.clone());
             }
-            None => self.saga_due.extend(finalizing(&self.gate)),
+            None => self.saga_due.extend(open_sagas(&self.gate)),
         }
         self.executors.push(ex);
         self.send(to, Answer::Ack(wire::Ack::default()));
@@ -83,17 +92,26 @@ impl Core {
     pub(super) fn restart_sagas(&mut self) {
         self.offered.clear();
         self.saga_timers.clear();
-        self.saga_due = finalizing(&self.gate).collect();
+        self.saga_due = open_sagas(&self.gate).collect();
     }
 
-    /// A change to these runs may have made their sagas due.
+    /// A change to these runs may have made their sagas due: a finalizing run's, or the saga
+    /// of the one effect an operator chose in a stopped run (looked at through the event's
+    /// effect, so this stays constant work per event).
     pub(super) fn saga_touched(&mut self, events: &[estop_kernel::Event]) {
         for e in events {
-            let finalizing = self
-                .gate
-                .run(&e.run)
-                .is_some_and(|r| r.state == RunState::Finalizing);
-            if finalizing && !self.saga_due.contains(&e.run) {
+            let Some(run) = self.gate.run(&e.run) else {
+                continue;
+            };
+            let chosen = || {
+                run.stop.is_some()
+                    && e.key
+                        .as_ref()
+                        .and_then(|k| run.effects.get(k))
+                        .is_some_and(saga::chosen)
+            };
+            let due = run.state == RunState::Finalizing || chosen();
+            if due && !self.saga_due.contains(&e.run) {
                 self.saga_due.insert(e.run.clone());
             }
         }
@@ -136,22 +154,25 @@ impl Core {
             return;
         };
         let key = key.clone();
-        let attempt = match next {
+        let (attempt, lookup) = match next {
             Next::Begin { at, .. } if at > self.now => {
                 self.saga_timers.insert((at, run.clone()));
                 return;
             }
-            Next::Begin { attempt, .. } => attempt,
-            Next::Running { attempt } => {
+            Next::Begin { attempt, .. } => (attempt, false),
+            Next::Lookup { attempt } => (attempt, true),
+            Next::Running { attempt } | Next::LookingUp { attempt } => {
+                let lookup = matches!(next, Next::LookingUp { .. });
                 let live = self.offered.get(run).is_some_and(|o| {
                     o.key == key
                         && o.attempt == attempt
+                        && o.lookup == lookup
                         && self.executors.iter().any(|x| x.conn == o.conn)
                 });
                 if live {
                     return;
                 }
-                attempt
+                (attempt, lookup)
             }
             Next::InFlight | Next::Settle | Next::Human => {
                 self.offered.remove(run);
@@ -161,10 +182,19 @@ impl Core {
         let Some(i) = self.executor_for(run) else {
             return; // Offered when an executor that may run it connects.
         };
-        if matches!(next, Next::Begin { .. }) && !self.begin(run, &key, attempt, i) {
+        let claimed = match next {
+            Next::Begin { .. } => self.begin(run, &key, attempt, i),
+            Next::Lookup { .. } => self.begin_lookup(run, &key, attempt, i),
+            _ => true,
+        };
+        if !claimed {
             return;
         }
-        let event = self.compensate_event(run, &key, attempt);
+        let event = if lookup {
+            self.lookup_event(run, &key, attempt)
+        } else {
+            self.compensate_event(run, &key, attempt)
+        };
         let ex = &self.executors[i];
         let conn = ex.conn;
         self.actions.push(Action::Event {
@@ -176,34 +206,38 @@ impl Core {
             after: self.after(),
         });
         self.saga_due.remove(run);
-        self.offered
-            .insert(run.clone(), Offered { key, attempt, conn });
+        self.offered.insert(
+            run.clone(),
+            Offered {
+                key,
+                attempt,
+                lookup,
+                conn,
+            },
+        );
     }
 
-    /// Claims attempt `attempt` for executor `i`: its arguments built now, its begin recorded.
-    /// False when there is nothing to send (the arguments could not be built: the attempt is
-    /// recorded as failed with the reason, so the bound asks a human; or the kernel refused).
+    /// Claims attempt `attempt` for executor `i`: its arguments built now and checked against
+    /// the policy, its begin recorded. False when there is nothing to send: the call cannot be
+    /// issued (recorded `Blocked` with the reason: a human is asked at once, since building it
+    /// again would fail again), or the kernel refused.
     fn begin(&mut self, run: &RunId, key: &EffectKey, attempt: u32, i: usize) -> bool {
         let principal = self.executors[i].principal.clone();
-        let args = match self.compensation_args(run, key) {
+        let args = self
+            .compensation_args(run, key)
+            .and_then(|args| self.compensation_allowed(run, key, &principal, args));
+        let args = match args {
             Ok(args) => args,
             Err(why) => {
-                let system = system_principal();
-                let begin = Command::CompensationBegin {
+                let blocked = Command::SagaStep {
                     run: run.clone(),
                     key: key.clone(),
-                    attempt,
-                    args: None,
+                    step: SagaStep::Blocked {
+                        attempt,
+                        reason: why.into_boxed_str(),
+                    },
                 };
-                let end = Command::CompensationEnd {
-                    run: run.clone(),
-                    key: key.clone(),
-                    attempt,
-                    outcome: Outcome::Error,
-                    error: Some(why.into_boxed_str()),
-                };
-                let _ = self.apply_reply(&system, begin);
-                let _ = self.apply_reply(&system, end);
+                let _ = self.apply_reply(&system_principal(), blocked);
                 return false;
             }
         };
@@ -214,6 +248,65 @@ impl Core {
             args,
         };
         self.apply_reply(&principal, cmd).is_ok()
+    }
+
+    /// Claims lookup `attempt` of an unknown outcome for executor `i`.
+    fn begin_lookup(&mut self, run: &RunId, key: &EffectKey, attempt: u32, i: usize) -> bool {
+        let principal = self.executors[i].principal.clone();
+        let cmd = Command::SagaStep {
+            run: run.clone(),
+            key: key.clone(),
+            step: SagaStep::LookupBegin { attempt },
+        };
+        self.apply_reply(&principal, cmd).is_ok()
+    }
+
+    /// The compensating call, checked against the policy as any call is, with the arguments the
+    /// saga built: a matching `deny` rule refuses it; a matching `approve` rule holds it for an
+    /// operator, whose `retry` (recorded, with who) is that approval. A tool no rule matches is
+    /// not refused by `unknown_tool`: naming it as the compensation is what declared it. No
+    /// policy (the core's tests): nothing is checked.
+    fn compensation_allowed(
+        &self,
+        run: &RunId,
+        key: &EffectKey,
+        principal: &Principal,
+        args: Option<Box<str>>,
+    ) -> Result<Option<Box<str>>, String> {
+        let Some(policy) = &self.opts.compensation_policy else {
+            return Ok(args);
+        };
+        let e = self.effect(run, key);
+        let tool = e
+            .compensate
+            .as_ref()
+            .expect("a saga member names its compensation");
+        let value: serde_json::Value = match args.as_deref() {
+            Some(a) => serde_json::from_str(a).map_err(|e| e.to_string())?,
+            None => serde_json::Value::Object(Default::default()),
+        };
+        let ruling = policy
+            .evaluate(tool, Some(&value), principal.name.as_str())
+            .map_err(|err| {
+                format!("the policy cannot evaluate the compensating call {tool}: {err}")
+            })?;
+        if !ruling.matched {
+            return Ok(args);
+        }
+        let approved = e.saga.as_ref().is_some_and(|c| c.by.is_some());
+        match ruling.action {
+            PolicyAction::Allow => Ok(args),
+            PolicyAction::Approve if approved => Ok(args),
+            PolicyAction::Approve => Err(format!(
+                "policy rule {:?} requires approval of the compensating call {tool}: an \
+                 operator's retry approves it",
+                ruling.rule
+            )),
+            PolicyAction::Deny => Err(format!(
+                "policy rule {:?} denies the compensating call {tool}",
+                ruling.rule
+            )),
+        }
     }
 
     /// The compensating call's arguments, from the effect's recorded mapping (none without).
@@ -246,6 +339,25 @@ impl Core {
             .run(run)
             .and_then(|r| r.effects.get(key))
             .expect("the saga's head is an effect of the run")
+    }
+
+    /// The `lookup` event of the lookup under way: the tool's lookup, asked with the forward
+    /// call's arguments and its idempotency key (the effect's key).
+    fn lookup_event(&self, run: &RunId, key: &EffectKey, attempt: u32) -> wire::Event {
+        let e = self.effect(run, key);
+        wire::Event {
+            event: wire::EventKind::Lookup,
+            run: run.to_string(),
+            key: Some(key.to_string()),
+            reason: None,
+            decision: None,
+            outcome: None,
+            attempt: Some(attempt),
+            tool: e.lookup.as_ref().map(ToString::to_string),
+            args: e.args.as_deref().and_then(|a| serde_json::from_str(a).ok()),
+            idempotency_key: Some(key.to_string()),
+            at: self.now,
+        }
     }
 
     /// The `compensate` event of the attempt under way, as its begin recorded it.
@@ -284,9 +396,11 @@ impl Core {
     }
 }
 
-/// The runs that may have a saga open.
-fn finalizing(gate: &Gate) -> impl Iterator<Item = RunId> + '_ {
+/// The runs that may have a saga open: finalizing ones, and stopped ones with an effect an
+/// operator chose to compensate. Every run is looked at (and a stopped one's effects): this runs
+/// at a restart and when an executor of every run registers, not per request.
+fn open_sagas(gate: &Gate) -> impl Iterator<Item = RunId> + '_ {
     gate.runs()
-        .filter(|(_, r)| r.state == RunState::Finalizing)
+        .filter(|(_, r)| r.state == RunState::Finalizing || saga::chosen_open(r))
         .map(|(id, _)| id.clone())
 }
