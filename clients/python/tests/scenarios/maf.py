@@ -36,9 +36,9 @@ def call(name: str, call_id: str, **args: Any) -> Content:
     return Content.from_function_call(call_id=call_id, name=name, arguments=args)
 
 
-def _agent(steps: list[Any], tools: list[Any], guarded: bool, effects_map: dict[str, str] | None = None) -> Agent:
+def _agent(steps: list[Any], tools: list[Any], guarded: bool, effects_map: dict[str, str] | None = None, on_hold: str = "pause") -> Agent:
     if guarded:
-        return Agent(client=ScriptedChatClient(steps), tools=eaf.gate_tools(tools), middleware=[eaf.EstopMiddleware(effects=effects_map)])
+        return Agent(client=ScriptedChatClient(steps), tools=eaf.gate_tools(tools), middleware=eaf.middleware(effects=effects_map, on_hold=on_hold))
     return Agent(client=ScriptedChatClient(steps), tools=tools)
 
 
@@ -72,8 +72,10 @@ def sibling(t: Trial, guarded: bool) -> int:
         time.sleep(SIBLING_WORK_S)
         return swallow_refusal(fx["send_email"], to)
 
-    payer = _agent([[call("wire_money", "c1", to="acct-9", amount=100)]], [wire_money], guarded)
-    notifier = _agent([[call("notify", "c2", to="ops@example.com")]], [notify], guarded)
+    # In a workflow the held call waits in its branch (on_hold="wait"): the hold of the payer's
+    # branch is what must hold the notifier's.
+    payer = _agent([[call("wire_money", "c1", to="acct-9", amount=100)]], [wire_money], guarded, on_hold="wait")
+    notifier = _agent([[call("notify", "c2", to="ops@example.com")]], [notify], guarded, on_hold="wait")
     payer.name, notifier.name = "payer", "notifier"
     start = _Start(id="start")
     wf = WorkflowBuilder(start_executor=start).add_fan_out_edges(start, [AgentExecutor(payer), AgentExecutor(notifier)]).build()
@@ -119,10 +121,15 @@ def reject(t: Trial, guarded: bool) -> int:
                 t.world.mark("rejected")
                 t.operator.reject(t.run_id, p["key"])
 
+            # The held transfer is the framework's own pause (an approval request); the operator's
+            # reject in estop is what answers it.
             th = threading.Thread(target=operator)
             th.start()
-            await eaf.run(agent, "go", gate=t.gate, run_id=t.run_id)
+            session = agent.create_session()
+            r = await eaf.run(agent, "go", gate=t.gate, run_id=t.run_id, session=session)
+            answers = await eaf.resolve(r.user_input_requests, gate=t.gate, run_id=t.run_id, timeout_s=10)
             th.join()
+            await eaf.run(agent, Message(role="user", contents=answers), gate=t.gate, run_id=t.run_id, session=session)
         else:
             session = agent.create_session()
             r = await agent.run("go", session=session)

@@ -36,7 +36,9 @@ def _agent(turns: list[Any], guarded: bool, register: Callable[[Agent], None], e
     agent: Agent = Agent(_script(turns), output_type=[str, DeferredToolRequests])
     register(agent)
     if guarded:
-        ep.gate_agent(agent, effects=effects_map)
+        # The scenarios measure the gate's hold itself: the held call waits (on_hold="wait")
+        # rather than ending the run with DeferredToolRequests.
+        ep.gate_agent(agent, effects=effects_map, on_hold="wait")
     return agent
 
 

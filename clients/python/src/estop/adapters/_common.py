@@ -126,3 +126,42 @@ def hold_payload(h: Any, args: Any = None) -> dict[str, Any]:
             "how": f"estop approve {h.run} {h.key}  (or reject); an agent cannot approve",
         }
     }
+
+
+async def await_released(gate: Estop, run_id: str, keys: list[str], timeout_s: float | None = None) -> dict[str, str]:
+    """Waits until estop lets each held key of `run_id` go or refuses it, and returns key →
+    `approve` (it may run now) or the refusal (`reject`, `expired`, `cancelled`). An approval is
+    an operator's decision (the gate's events, `await_decided`); a call held as the sibling of
+    another's approval or by a pause has none of its own, so it is released when the gate would
+    start it (the gate's blocking `wait`, not a poll). Keys not settled within `timeout_s` are
+    left out."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    decided = await gate.await_decided(run_id, keys, timeout_s)
+    for k, d in list(decided.items()):
+        if d in ("sibling", "paused"):
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            got = await _released(gate, run_id, k, left)
+            if got is None:
+                del decided[k]
+            else:
+                decided[k] = got
+    return decided
+
+
+async def _released(gate: Estop, run_id: str, key: str, timeout_s: float | None) -> str | None:
+    from ..verdicts import Admitted, Duplicate, Go, Held, RefusedVerdict
+
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    while True:
+        left = 2000 if deadline is None else int(max(1.0, min(2000.0, (deadline - loop.time()) * 1000)))
+        v = await gate.aclient.wait(run_id, key, left)
+        if isinstance(v, (Admitted, Go, Duplicate)):
+            return "approve"
+        if isinstance(v, RefusedVerdict):
+            return {"rejected": "reject"}.get(v.reason, v.reason)
+        assert isinstance(v, Held), v
+        if deadline is not None and loop.time() >= deadline:
+            return None
+
