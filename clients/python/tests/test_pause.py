@@ -271,7 +271,8 @@ def _maf_agent(charged, steps, *, slow_first=None):
                 await asyncio.sleep(0.3)
             await call_next()
 
-    return Agent(client=ScriptedChatClient(steps), tools=eaf.gate_tools([wire_money, notify]), middleware=[Slow(), *eaf.middleware()])
+    mw = eaf.middleware()
+    return Agent(client=ScriptedChatClient(steps), tools=eaf.gate_tools([wire_money, notify]), middleware=[mw[0], Slow(), mw[1]])
 
 
 def test_agent_framework_hold_is_a_native_approval_request_that_survives_a_restart(daemon, run_id):
@@ -345,6 +346,34 @@ def test_agent_framework_agent_side_approval_is_not_trusted(gate, daemon, run_id
     assert charged == [] and not r3.user_input_requests
     results = [c.result for m in r3.messages for c in m.contents if c.type == "function_result"]
     assert any("rejected" in str(x) for x in results), results
+
+
+def test_agent_framework_whole_turn_is_admitted_before_any_call_starts(gate, daemon, run_id):
+    """The model asks for an email and a transfer in one turn, and the transfer reaches estop's
+    call middleware late (another middleware is slow for it). Without whole-turn admission the
+    email was admitted, started and sent before the transfer's approval existed; with it, the
+    transfer's approval is asked when the turn arrives, and the email is held as its sibling
+    (a native pause of its own) until the operator decides."""
+    from agent_framework import Content, Message
+
+    from estop.adapters import agent_framework as eaf
+
+    from .scenarios.maf import call
+
+    charged = []
+    turn = [call("notify", "n1", to="ops@example.com"), call("wire_money", "w1", to="acct-9", amount=100)]
+    agent = _maf_agent(charged, [turn, [Content.from_text("done")]], slow_first="wire_money")
+    session = agent.create_session()
+    r = asyncio.run(eaf.run(agent, "pay and tell", gate=gate, run_id=run_id, session=session))
+    assert charged == [], "nothing of the turn ran while its approval was pending"
+    assert sorted(q.function_call.name for q in r.user_input_requests) == ["notify", "wire_money"]
+    reasons = {q.function_call.name: q.additional_properties["estop"]["reason"] for q in r.user_input_requests}
+    assert reasons == {"notify": "sibling", "wire_money": "approval"}
+    threading.Timer(0.2, daemon.operator.reject, args=(run_id, wait_pending(daemon.operator, run_id)["key"])).start()
+    answers = asyncio.run(eaf.resolve(r.user_input_requests, gate=gate, run_id=run_id, timeout_s=10))
+    assert {a.function_call.name: a.approved for a in answers} == {"notify": True, "wire_money": False}
+    asyncio.run(eaf.run(agent, Message(role="user", contents=answers), gate=gate, run_id=run_id, session=session))
+    assert charged == [("email", "ops@example.com")]
 
 
 def _li_workflow(wired):
@@ -588,3 +617,97 @@ def test_openai_agents_agent_tool_is_a_child_run(gate, daemon, run_id):
     assert child["parent"] == run_id, child
     assert len(daemon.operator.report(f"{run_id}.ask_billing-a1")["done"]) == 1
 
+
+def test_langgraph_whole_turn_is_admitted_before_any_call_starts(gate, daemon, run_id):
+    """ToolNode runs a turn's calls in parallel; here the transfer reaches estop's wrapper late
+    (another wrapper is slow for it). Without whole-turn admission the email was admitted,
+    started and sent before the transfer's approval existed; with it, the transfer's approval is
+    asked with the turn, the email is held as its sibling (an interrupt) and nothing is sent."""
+    import time as _time
+
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+
+    from estop.adapters import langgraph as el
+
+    sent = []
+
+    @tool
+    def notify(to: str) -> str:
+        """Tell someone."""
+        sent.append(to)
+        return "sent"
+
+    @tool
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        sent.append(f"wire {amount}")
+        return "wired"
+
+    wrap, _ = el.gate_tool_calls(approval={"wire_money"})
+
+    def slow_then_estop(request, execute):
+        if request.tool_call["name"] == "wire_money":
+            _time.sleep(0.3)  # another interceptor (validation, a lookup) takes a while
+        return wrap(request, execute)
+
+    g = StateGraph(MessagesState)
+    g.add_node("tools", ToolNode([notify, wire_money], wrap_tool_call=slow_then_estop))
+    g.add_edge(START, "tools")
+    graph = el.EstopGraph(g.compile(checkpointer=InMemorySaver()), gate)
+    turn = AIMessage(content="", tool_calls=[
+        {"name": "notify", "args": {"to": "ops@example.com"}, "id": "n1"},
+        {"name": "wire_money", "args": {"to": "acct-9", "amount": 100}, "id": "w1"},
+    ])
+    out = graph.invoke({"messages": [turn]}, {"configurable": {"thread_id": run_id}})
+    assert sent == [], "nothing of the turn ran while its approval was pending"
+    held = {i.value["estop"]["tool"]: i.value["estop"]["reason"] for i in out["__interrupt__"]}
+    assert held.get("notify") == "sibling", held  # (ToolNode may surface only the first interrupt)
+    assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]
+
+
+async def test_pydantic_ai_whole_turn_is_admitted_before_any_call_starts(gate, daemon, run_id):
+    """The same for PydanticAI: another capability delays the transfer; the email is deferred
+    with it instead of being sent before the approval existed."""
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.capabilities import AbstractCapability
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import FunctionModel
+
+    from estop.adapters import pydantic_ai as ep
+
+    sent = []
+
+    def llm(messages, info):
+        if sum(isinstance(m, ModelResponse) for m in messages) == 0:
+            return ModelResponse(parts=[ToolCallPart("notify", {"to": "ops"}, tool_call_id="n1"), ToolCallPart("wire_money", {"to": "a", "amount": 9}, tool_call_id="w1")])
+        return ModelResponse(parts=[TextPart("ok")])
+
+    class Slow(AbstractCapability):
+        async def wrap_tool_execute(self, ctx, *, call, tool_def, args, handler):
+            if call.tool_name == "wire_money":
+                await asyncio.sleep(0.3)
+            return await handler(args)
+
+    agent = Agent(FunctionModel(llm), output_type=[str, DeferredToolRequests], capabilities=[Slow(), ep.EstopCapability()])
+
+    @agent.tool_plain
+    def notify(to: str) -> str:
+        sent.append(to)
+        return "sent"
+
+    @agent.tool_plain(requires_approval=True)
+    def wire_money(to: str, amount: int) -> str:
+        sent.append(amount)
+        return "wired"
+
+    r = await asyncio.wait_for(ep.run(agent, "pay and tell", gate=gate, run_id=run_id), 10)
+    assert sent == [], "nothing of the turn ran while its approval was pending"
+    assert isinstance(r.output, DeferredToolRequests)
+    assert r.output.metadata["n1"]["estop"]["reason"] == "sibling"
+    # The transfer's approval was asked with the turn (PydanticAI may defer the delayed call
+    # itself once the email deferred, before it reaches the gate).
+    assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]

@@ -29,16 +29,16 @@ from typing import Any, Awaitable, Callable, Iterable
 from ._common import missing_extra
 
 try:
-    from agent_framework import Content, FunctionInvocationContext, FunctionMiddleware, MiddlewareFailure, UserInputRequiredException
+    from agent_framework import ChatContext, ChatMiddleware, Content, FunctionInvocationContext, FunctionMiddleware, MiddlewareFailure, UserInputRequiredException
 except ImportError as e:
     raise missing_extra("agent_framework", "Microsoft Agent Framework", "agent-framework", e) from e
 
 from ..effect import call_key, make_call, run_async
 from ..errors import HeldForApproval, Interrupted, Refused, RunStopped
 from ..run import Estop, Run, current_run, step
-from ._common import STOP_ON, arun_guarded, await_released, hold_payload, resolve_run
+from ._common import STOP_ON, admit_turn, arun_guarded, await_released, hold_payload, resolve_run
 
-__all__ = ["EstopMiddleware", "middleware", "holds", "resolve", "gate_tools", "run", "run_workflow", "APPROVAL_ATTR"]
+__all__ = ["EstopMiddleware", "EstopTurnMiddleware", "middleware", "holds", "resolve", "gate_tools", "run", "run_workflow", "APPROVAL_ATTR"]
 
 APPROVAL_ATTR = "__estop_needs_approval__"
 
@@ -132,9 +132,37 @@ class EstopMiddleware(FunctionMiddleware):
         context.result = out
 
 
+class EstopTurnMiddleware(ChatMiddleware):
+    """Admits all the function calls of a model turn before any of them starts (prepared:
+    admitted, not started; approval calls first), so an approval asked by one call holds its
+    parallel siblings at the gate whatever order the framework starts them in. Calls to tools it
+    cannot see are left to `EstopMiddleware`, which admits every call anyway."""
+
+    def __init__(self, opts: _Options) -> None:
+        self.opts = opts
+
+    async def process(self, context: ChatContext, call_next: Callable[[], Awaitable[None]]) -> None:
+        await call_next()
+        result: Any = context.result
+        run = current_run(required=False)
+        if context.stream or run is None or not hasattr(result, "messages"):
+            return
+        tools = {getattr(t, "name", None): t for t in (context.options or {}).get("tools") or []}
+        found = [c for m in result.messages for c in m.contents if c.type == "function_call" and not c.hosted and c.call_id and c.name]
+        mine = [c for c in found if c.name in tools]
+
+        def calls() -> list[Any]:
+            return [self.opts.call(run, tools[c.name], c.name, c.call_id, dict(c.parse_arguments() or {}))[0] for c in mine]
+
+        if mine:
+            await admit_turn(run, tuple(c.call_id for c in found), calls)
+
+
 def middleware(*, effects: dict[str, str] | None = None, approval: Iterable[str] = (), on_hold: str = "pause", hold_timeout_s: float | None = None, refusal_as_output: bool = True) -> list[Any]:
-    """The agent's estop middleware (`middleware=eaf.middleware(...)`): every function call gated."""
-    return [EstopMiddleware(effects=effects, approval=approval, on_hold=on_hold, hold_timeout_s=hold_timeout_s, refusal_as_output=refusal_as_output)]
+    """The agent's estop middleware: `[EstopTurnMiddleware, EstopMiddleware]` sharing one
+    configuration (whole-turn admission, then each call gated)."""
+    calls = EstopMiddleware(effects=effects, approval=approval, on_hold=on_hold, hold_timeout_s=hold_timeout_s, refusal_as_output=refusal_as_output)
+    return [EstopTurnMiddleware(calls.opts), calls]
 
 
 def holds(requests: Iterable[Any]) -> list[str]:

@@ -51,7 +51,7 @@ from ..effect import EffectCall, call_key, encode_result, gate_async, make_call,
 from ..client import Client
 from ..errors import EstopError, HeldForApproval, InDoubt, Interrupted, NotFound, NotPending, Refused, RunStopped
 from ..run import Estop, Run, current_run, step
-from ._common import STOP_ON, arun_guarded, hold_payload, resolve_run, run_guarded
+from ._common import STOP_ON, admit_turn, arun_guarded, hold_payload, resolve_run, run_guarded
 
 __all__ = ["EstopCapability", "EstopToolset", "gate_agent", "run", "run_sync"]
 
@@ -97,6 +97,7 @@ async def _gated_call(owner: Any, inner_call: Any, name: str, tool_args: dict[st
     if (earlier := _abandoned(run).pop((effect, call.digest), None)) is not None:
         call.key = earlier.key
         await earlier.settled(getattr(tool.tool_def, "timeout", None))
+    await _admit_turn(owner, run, ctx, skip_id=call_id if earlier is not None else None)
     hold = "raise" if _defers(owner.on_hold, ctx) else "wait"
     try:
         # Effects the body gates itself (`@estop.effect`) take their keys from this call.
@@ -116,7 +117,34 @@ async def _gated_call(owner: Any, inner_call: Any, name: str, tool_args: dict[st
         return f"estop: an earlier identical call may still have happened ({e.status}); do not retry it"
 
 
+async def _admit_turn(owner: Any, run: Run, ctx: Any, *, skip_id: str | None) -> None:
+    """Whole-turn admission (see `_common.admit_turn`): the tool calls of the model response
+    this call belongs to, those of this toolset's tools, all admitted before any starts."""
+    from pydantic_ai.messages import ModelResponse, ToolCallPart
+
+    call_id = getattr(ctx, "tool_call_id", None)
+    for m in reversed(getattr(ctx, "messages", None) or []):
+        if not isinstance(m, ModelResponse):
+            continue
+        parts = [p for p in m.parts if isinstance(p, ToolCallPart)]
+        if not call_id or all(p.tool_call_id != call_id for p in parts):
+            continue
+        # (A retry that takes an abandoned call's key is not admitted under its own.)
+        mine = [p for p in parts if p.tool_name in owner._names and p.tool_call_id != skip_id]
+
+        def calls() -> list[EffectCall]:
+            out = []
+            for p in mine:
+                effect, args = owner.effects.get(p.tool_name, p.tool_name), p.args_as_dict()
+                out.append(make_call(run, effect, args, key=call_key(run, effect, p.tool_call_id, args), needs_approval=p.tool_name in owner._approval))
+            return out
+
+        await admit_turn(run, (id(owner), tuple(p.tool_call_id for p in parts)), calls)
+        return
+
+
 async def _gated_tools(owner: Any, tools: dict[str, Any]) -> dict[str, Any]:
+    owner._names.update(tools)
     out = {}
     for name, t in tools.items():
         if t.tool_def.kind == "unapproved":
@@ -239,6 +267,7 @@ class EstopToolset(WrapperToolset[Any]):
     hold_timeout_s: float | None = None
     refusal_as_output: bool = True
     _approval: set[str] = field(default_factory=set)
+    _names: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.on_hold not in _ON_HOLD:
