@@ -15,6 +15,7 @@ FRAMEWORKS = {
     "llamaindex-workflows": "tests.scenarios.lli",
     "agent-framework": "tests.scenarios.maf",
     "langchain": "tests.scenarios.lc",
+    "google-adk": "tests.scenarios.adk",
 }
 
 
