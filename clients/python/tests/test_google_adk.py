@@ -91,3 +91,26 @@ async def test_adk_replayed_call_returns_the_receipt(gate, daemon, run_id):
         evs = await eadk.run(r, gate=gate, run_id=run_id, user_id="u", session_id=s.id, new_message=user("tell"))
         assert tool_results(evs)["n1"] == {"result": "sent"}
     assert sent == [("email", "ops")]
+
+
+async def test_adk_whole_turn_is_admitted_before_any_call_starts(gate, daemon, run_id):
+    """Another plugin delays the transfer; without whole-turn admission the email was admitted,
+    started and sent before the transfer's approval existed. With it the email is held as the
+    transfer's sibling (a confirmation of its own) and nothing is sent."""
+    from google.adk.plugins.base_plugin import BasePlugin
+
+    class Slow(BasePlugin):
+        async def before_tool_callback(self, *, tool, tool_args, tool_context):
+            if tool.name == "wire_money":
+                await asyncio.sleep(0.3)  # validation, a lookup: it takes a while
+            return None
+
+    sent = []
+    turn = [call("notify", "n1", to="ops"), call("wire_money", "w1", to="acct-9", amount=100)]
+    r = runner([turn], _tools(sent), [Slow(name="slow"), eadk.EstopPlugin(approval={"wire_money"})])
+    s = await r.session_service.create_session(app_name="ops", user_id="u")
+    evs = await eadk.run(r, gate=gate, run_id=run_id, user_id="u", session_id=s.id, new_message=user("pay and tell"))
+    assert sent == [], "nothing of the turn ran while its approval was pending"
+    reasons = sorted(fc.args["toolConfirmation"]["payload"]["estop"]["reason"] for fc in eadk._confirmations(evs))
+    assert reasons == ["approval", "sibling"], reasons
+    assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]

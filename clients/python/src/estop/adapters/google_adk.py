@@ -26,6 +26,8 @@
 * `run` runs `runner.run_async(...)` as an invocation of the estop run: a task cancel, a
   timeout or Ctrl-C interrupts the invocation and the run stays usable; `run.cancel()` or an
   operator stops it. (ADK has no "stop this run" API of its own.)
+* The model turn's function calls (the session's latest model event) are all admitted before any
+  of them starts, so an approval holds its parallel siblings whatever order ADK runs them in.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ except ImportError as e:
 from ..effect import EffectCall, call_key, encode_result, gate_async, make_call, shielded
 from ..errors import EstopError, HeldForApproval, InDoubt, Interrupted, Refused, RunStopped
 from ..run import Estop, Run, current_run
-from ._common import STOP_ON, aguarded, await_released, hold_payload, resolve_run
+from ._common import STOP_ON, admit_turn, aguarded, await_released, hold_payload, resolve_run
 
 __all__ = ["EstopPlugin", "CONFIRMATION", "holds", "resolve", "run"]
 
@@ -74,9 +76,31 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         key = call_key(run, effect, call_id, tool_args) if call_id else None
         return make_call(run, effect, dict(tool_args), key=key, needs_approval=tool.name in self.approval), call_id
 
+    async def _admit_turn(self, run: Run, tool_context: Any) -> None:
+        """Whole-turn admission (`_common.admit_turn`): the function calls of the model event this
+        call belongs to (the session's events) are all admitted before any starts."""
+        call_id = tool_context.function_call_id
+        for ev in reversed(list(getattr(tool_context.session, "events", None) or [])):
+            calls = [p.function_call for p in (ev.content.parts or []) if p.function_call] if ev.content else []
+            if not call_id or all(fc.id != call_id for fc in calls):
+                continue
+            mine = [fc for fc in calls if fc.id and fc.name and not fc.name.startswith("adk_")]
+
+            def build() -> list[EffectCall]:
+                out = []
+                for fc in mine:
+                    effect, args = self.effects.get(fc.name, fc.name), dict(fc.args or {})
+                    out.append(make_call(run, effect, args, key=call_key(run, effect, fc.id, args), needs_approval=fc.name in self.approval))
+                return out
+
+            await admit_turn(run, tuple(fc.id for fc in calls), build)
+            return
+
     async def before_tool_callback(self, *, tool: Any, tool_args: dict[str, Any], tool_context: Any) -> dict[str, Any] | None:
         call, _ = self._call(tool, tool_args, tool_context)
         try:
+            if tool_context.tool_confirmation is None:  # (a resumed call's turn was admitted before)
+                await self._admit_turn(call.run, tool_context)
             g = await gate_async(call, on_hold="raise")
         except HeldForApproval as h:
             pay = hold_payload(h, call.args)
