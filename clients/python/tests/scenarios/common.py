@@ -39,7 +39,10 @@ CLASSES = ["sibling", "reject", "replay", "cancel_thread", "cancel_async", "inte
 #: retry_policy  — a LangGraph RetryPolicy re-runs a node that charged before failing: extra charges.
 #: timeout_retry — a PydanticAI sync tool past its `timeout` (its thread goes on and charges) and
 #:                 the model's retry of the same call: extra charges.
-EXTRA_CLASSES = ["retry_policy", "timeout_retry"]
+#: restart_pause — the worker restarts during an approval pause: resumed from the saved pause
+#:                 after the approval, it transfers and dies before saving; the job is
+#:                 redelivered from the saved pause: extra transfers.
+EXTRA_CLASSES = ["retry_policy", "timeout_retry", "restart_pause"]
 
 NEXT_TURN_AMOUNT = 7
 

@@ -162,6 +162,49 @@ def replay(t: Trial, guarded: bool) -> int:
     return t.world.count("charge") - 1
 
 
+def restart_pause(t: Trial, guarded: bool) -> int:
+    """A restart during the pause (see common.EXTRA_CLASSES): the session and its approval
+    request are saved; after the approval the worker resumes, transfers and dies before saving;
+    the job is redelivered from the saved pause."""
+    import json
+
+    from agent_framework import AgentSession
+
+    @tool(approval_mode="always_require")
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        t.world.do("wire", amount)
+        return "wired"
+
+    async def resume(saved: str, steps: list[Any]) -> None:
+        data = json.loads(saved)
+        agent = _agent(steps, [wire_money], guarded)
+        session = AgentSession.from_dict(data["session"])
+        requests = [Content.from_dict(d) for d in data["requests"]]
+        try:
+            if guarded:
+                answers = await eaf.resolve(requests, gate=t.gate, run_id=t.run_id, timeout_s=10)
+                await eaf.run(agent, Message(role="user", contents=answers), gate=t.gate, run_id=t.run_id, session=session)
+            else:  # the human approved (the answer is in the saved job)
+                await agent.run(Message(role="user", contents=[r.to_function_approval_response(True) for r in requests]), session=session)
+        except ConnectionError:
+            pass
+
+    async def main() -> None:
+        agent = _agent([[call("wire_money", "w1", to="acct-9", amount=100)]], [wire_money], guarded)
+        session = agent.create_session()
+        r = await (eaf.run(agent, "pay", gate=t.gate, run_id=t.run_id, session=session) if guarded else agent.run("pay", session=session))
+        assert r.user_input_requests, "expected the approval pause"
+        saved = json.dumps({"session": session.to_dict(), "requests": [q.to_dict() for q in r.user_input_requests]})
+        if guarded:
+            await asyncio.to_thread(t.operator.approve, t.run_id, t.pending("wire_money")["key"])
+        await resume(saved, [ConnectionError("worker lost")])
+        await resume(saved, [[Content.from_text("done")]])
+
+    asyncio.run(main())
+    return t.world.count("wire") - 1
+
+
 def cancel_thread(t: Trial, guarded: bool) -> int:
     fx = effects(t, guarded)
     done = threading.Event()
@@ -250,4 +293,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"restart_pause": restart_pause, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

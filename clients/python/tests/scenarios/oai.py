@@ -156,6 +156,49 @@ def replay(t: Trial, guarded: bool) -> int:
     return t.world.count("charge") - 1
 
 
+def restart_pause(t: Trial, guarded: bool) -> int:
+    """A restart during the pause: the paused run's RunState is saved; after the approval the
+    worker resumes it, the transfer runs, and the worker dies before it can save the finished
+    run (the model call after the tool fails); the job is redelivered from the saved pause and
+    resumed again. Leak: extra transfers."""
+    from agents import RunState
+
+    @function_tool(needs_approval=True)
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        t.world.do("wire", amount)
+        return "wired"
+
+    first = [ModelStep(output=[function_call("wire_money", {"to": "acct-9", "amount": 100}, call_id="w1")])]
+
+    async def resume(saved: str, steps: list[Any]) -> None:
+        agent = _agent([wire_money], steps, guarded)
+        state = await RunState.from_string(agent, saved)
+        try:
+            if guarded:
+                await eo.resolve(agent, state, gate=t.gate, run_id=t.run_id, timeout_s=10)
+                await eo.run(agent, state, gate=t.gate, run_id=t.run_id)
+            else:
+                for item in state.get_interruptions():
+                    state.approve(item)  # the human approved (the approval is in the saved job)
+                await Runner.run(agent, state)
+        except ConnectionError:
+            pass
+
+    async def main() -> None:
+        agent = _agent([wire_money], list(first), guarded)
+        r = await (eo.run(agent, "pay", gate=t.gate, run_id=t.run_id) if guarded else Runner.run(agent, "pay"))
+        assert r.interruptions, "expected the approval pause"
+        saved = r.to_state().to_string()
+        if guarded:
+            await asyncio.to_thread(t.operator.approve, t.run_id, t.pending("wire_money")["key"])
+        await resume(saved, [ModelStep.raise_error(ConnectionError("worker lost"))])
+        await resume(saved, [_done()])
+
+    asyncio.run(main())
+    return t.world.count("wire") - 1
+
+
 def cancel_thread(t: Trial, guarded: bool) -> int:
     fx = effects(t, guarded)
     done = threading.Event()
@@ -243,4 +286,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"restart_pause": restart_pause, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
