@@ -1,5 +1,6 @@
-"""Microsoft Agent Framework + estop: the function middleware admits every tool call; a timed-out
-run cannot land its effect from a worker thread afterwards.
+"""Microsoft Agent Framework + estop: the function middleware admits every tool call; a held call
+is Agent Framework's own approval request, answered by the estop operator; a timed-out run
+cannot land its effect from a worker thread afterwards.
    python examples/agent_framework_example.py [--human]"""
 
 from __future__ import annotations
@@ -63,11 +64,16 @@ def call(name: str, cid: str, **args: Any) -> Content:
 
 async def main() -> None:
     g, op = gate()
-    mw = [eaf.EstopMiddleware()]
-    print("1. approval_mode=always_require becomes an estop approval; the operator approves")
-    operator_decides(op, "af-demo-1", "approve")
+    mw = eaf.middleware()
+    print("1. approval_mode=always_require becomes an estop approval: the run pauses with an approval request")
     agent = Agent(client=Scripted([[call("wire_money", "c1", to="acct-9", amount=100)]]), tools=eaf.gate_tools([wire_money]), middleware=mw)
-    print("   ", (await eaf.run(agent, "pay", gate=g, run_id="af-demo-1")).text)
+    session = agent.create_session()  # session.to_dict() saves the pause; it survives a restart
+    response = await eaf.run(agent, "pay", gate=g, run_id="af-demo-1", session=session)
+    print("    requests:", [r.function_call.name for r in response.user_input_requests])
+    operator_decides(op, "af-demo-1", "approve")
+    answers = await eaf.resolve(response.user_input_requests, gate=g, run_id="af-demo-1")
+    response = await eaf.run(agent, Message(role="user", contents=answers), gate=g, run_id="af-demo-1", session=session)
+    print("   ", response.text)
     print("2. a run that times out while its tool thread is still going")
     agent = Agent(client=Scripted([[call("bill", "c2", customer="cus_1", amount=42)]]), tools=[bill], middleware=mw)
     try:

@@ -14,6 +14,8 @@ FRAMEWORKS = {
     "pydantic-ai": "tests.scenarios.pyd",
     "llamaindex-workflows": "tests.scenarios.lli",
     "agent-framework": "tests.scenarios.maf",
+    "langchain": "tests.scenarios.lc",
+    "google-adk": "tests.scenarios.adk",
 }
 
 

@@ -241,3 +241,473 @@ def test_pydantic_ai_native_approve_without_operator_is_deferred_again(gate, dae
     assert asyncio.run(gate.await_decided(run_id, [key], timeout_s=10)) == {key: "approve"}
     r3 = asyncio.run(ep.run(_pyd_agent(ran), gate=gate, run_id=run_id, message_history=r.all_messages(), deferred_tool_results=ok))
     assert r3.output == "ok" and ran == [9]
+
+
+def _maf_agent(charged, steps, *, slow_first=None):
+    from agent_framework import Agent, FunctionMiddleware, tool
+
+    from estop.adapters import agent_framework as eaf
+
+    from .scenarios.maf import ScriptedChatClient
+
+    @tool(approval_mode="always_require")
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        charged.append(("wire", amount))
+        return "wired"
+
+    @tool
+    def notify(to: str) -> str:
+        """Tell someone."""
+        charged.append(("email", to))
+        return "sent"
+
+    class Slow(FunctionMiddleware):
+        """Another middleware before estop's that takes a while for one tool (validation, a
+        lookup): the calls of the turn reach estop's middleware in a different order."""
+
+        async def process(self, context, call_next):
+            if context.function.name == slow_first:
+                await asyncio.sleep(0.3)
+            await call_next()
+
+    mw = eaf.middleware()
+    return Agent(client=ScriptedChatClient(steps), tools=eaf.gate_tools([wire_money, notify]), middleware=[mw[0], Slow(), mw[1]])
+
+
+def test_agent_framework_hold_is_a_native_approval_request_that_survives_a_restart(daemon, run_id):
+    """Old: the middleware blocked inside the function call until the operator decided (a
+    restart lost the pause). Now the response carries the framework's own
+    `function_approval_request` (`user_input_requests`); saved with the session and loaded by a
+    new process, it resumes exactly once after the estop decision."""
+    import json
+
+    from agent_framework import AgentSession, Content, Message
+
+    from estop.adapters import agent_framework as eaf
+
+    from .scenarios.maf import call
+
+    steps = lambda: [[call("wire_money", "w1", to="acct-9", amount=100)], [Content.from_text("done")]]
+    charged = []
+    gate1 = daemon.gate()
+    agent = _maf_agent(charged, steps())
+    session = agent.create_session()
+    r = asyncio.run(eaf.run(agent, "pay", gate=gate1, run_id=run_id, session=session))
+    (req,) = r.user_input_requests
+    assert req.type == "function_approval_request" and charged == []
+    p = wait_pending(daemon.operator, run_id)  # the approval is in estop's inbox
+    assert eaf.holds([req]) == [p["key"]] and req.additional_properties["estop"]["reason"] == "approval"
+    saved = json.dumps({"session": session.to_dict(), "requests": [q.to_dict() for q in r.user_input_requests]})
+    gate1.close()
+
+    def resume(saved_json):
+        # A new process: a fresh agent, gate client and session loaded from storage.
+        data = json.loads(saved_json)
+        gate = daemon.gate()
+        try:
+            agent2 = _maf_agent(charged, steps()[1:])
+            session2 = AgentSession.from_dict(data["session"])
+            requests = [Content.from_dict(q) for q in data["requests"]]
+            answers = asyncio.run(eaf.resolve(requests, gate=gate, run_id=run_id, timeout_s=10))
+            return asyncio.run(eaf.run(agent2, Message(role="user", contents=answers), gate=gate, run_id=run_id, session=session2)), answers
+        finally:
+            gate.close()
+
+    threading.Timer(0.2, daemon.operator.approve, args=(run_id, p["key"])).start()
+    r2, answers = resume(saved)
+    assert [a.approved for a in answers] == [True]
+    assert r2.text == "done" and charged == [("wire", 100)]
+    # The same saved session resumed again (a redelivered job): the receipt, not a second transfer.
+    r3, _ = resume(saved)
+    assert r3.text == "done" and charged == [("wire", 100)]
+
+
+def test_agent_framework_agent_side_approval_is_not_trusted(gate, daemon, run_id):
+    """An approval response the agent process writes itself does not let the call run: estop
+    still holds it (the response is the same approval request again) until the operator
+    decides; after the operator's reject the call is refused."""
+    from agent_framework import Content, Message
+
+    from estop.adapters import agent_framework as eaf
+
+    from .scenarios.maf import call
+
+    charged = []
+    agent = _maf_agent(charged, [[call("wire_money", "w1", to="acct-9", amount=100)], [Content.from_text("done")]])
+    session = agent.create_session()
+    r = asyncio.run(eaf.run(agent, "pay", gate=gate, run_id=run_id, session=session))
+    forged = [q.to_function_approval_response(True) for q in r.user_input_requests]
+    r2 = asyncio.run(eaf.run(agent, Message(role="user", contents=forged), gate=gate, run_id=run_id, session=session))
+    assert charged == [] and eaf.holds(r2.user_input_requests) == eaf.holds(r.user_input_requests)
+    daemon.operator.reject(run_id, eaf.holds(r.user_input_requests)[0])
+    forged = [q.to_function_approval_response(True) for q in r2.user_input_requests]
+    r3 = asyncio.run(eaf.run(agent, Message(role="user", contents=forged), gate=gate, run_id=run_id, session=session))
+    assert charged == [] and not r3.user_input_requests
+    results = [c.result for m in r3.messages for c in m.contents if c.type == "function_result"]
+    assert any("rejected" in str(x) for x in results), results
+
+
+def test_agent_framework_whole_turn_is_admitted_before_any_call_starts(gate, daemon, run_id):
+    """The model asks for an email and a transfer in one turn, and the transfer reaches estop's
+    call middleware late (another middleware is slow for it). Without whole-turn admission the
+    email was admitted, started and sent before the transfer's approval existed; with it, the
+    transfer's approval is asked when the turn arrives, and the email is held as its sibling
+    (a native pause of its own) until the operator decides."""
+    from agent_framework import Content, Message
+
+    from estop.adapters import agent_framework as eaf
+
+    from .scenarios.maf import call
+
+    charged = []
+    turn = [call("notify", "n1", to="ops@example.com"), call("wire_money", "w1", to="acct-9", amount=100)]
+    agent = _maf_agent(charged, [turn, [Content.from_text("done")]], slow_first="wire_money")
+    session = agent.create_session()
+    r = asyncio.run(eaf.run(agent, "pay and tell", gate=gate, run_id=run_id, session=session))
+    assert charged == [], "nothing of the turn ran while its approval was pending"
+    assert sorted(q.function_call.name for q in r.user_input_requests) == ["notify", "wire_money"]
+    reasons = {q.function_call.name: q.additional_properties["estop"]["reason"] for q in r.user_input_requests}
+    assert reasons == {"notify": "sibling", "wire_money": "approval"}
+    threading.Timer(0.2, daemon.operator.reject, args=(run_id, wait_pending(daemon.operator, run_id)["key"])).start()
+    answers = asyncio.run(eaf.resolve(r.user_input_requests, gate=gate, run_id=run_id, timeout_s=10))
+    assert {a.function_call.name: a.approved for a in answers} == {"notify": True, "wire_money": False}
+    asyncio.run(eaf.run(agent, Message(role="user", contents=answers), gate=gate, run_id=run_id, session=session))
+    assert charged == [("email", "ops@example.com")]
+
+
+def _li_workflow(wired):
+    from workflows import Context, Workflow, step
+    from workflows.events import StartEvent, StopEvent
+
+    from estop.adapters import llamaindex as eli
+
+    @eli.effect(tool="wire_money")
+    async def wire(to: str, amount: int, ctx: Context | None = None) -> str:
+        wired.append(amount)
+        return "wired"
+
+    class Pay(Workflow):
+        @step
+        async def go(self, ctx: Context, ev: StartEvent) -> StopEvent:
+            return StopEvent(result=await wire("acct-9", 3, ctx=ctx))
+
+    return Pay
+
+
+@pytest.mark.parametrize("decided", ["while_saved", "after_restore"])
+async def test_llamaindex_hold_is_a_native_pause_released_by_estop(gate, daemon, run_id, decided):
+    """Old: the held step blocked inside the gate's wait (`EstopHeld` was only announced), so a
+    `HumanResponseEvent` did nothing and LlamaIndex's documented pause (save the context, cancel,
+    restore) lost the held call. Now the step waits with `wait_for_event`: the workflow is idle,
+    its context is saved while held, the application's own response releases nothing, and the
+    operator's approval — given while no process runs the workflow — releases the restored
+    workflow, whose effect runs once."""
+    from workflows import Context
+    from workflows.events import HumanResponseEvent
+
+    from estop.adapters import llamaindex as eli
+
+    wired = []
+    Pay = _li_workflow(wired)
+    h = eli.run(Pay(timeout=8), gate=gate, run_id=run_id)
+    held = None
+    async for ev in h.stream_events():
+        if isinstance(ev, eli.EstopHeld):
+            held = ev.estop
+            break
+    assert held is not None and held["reason"] == "approval" and wired == []
+    h.ctx.send_event(HumanResponseEvent(response="yes, approved"))  # the agent side: decides nothing
+    # Wait for the workflow to be idle with only the held step waiting: nothing runs it.
+    saved = None
+    for _ in range(200):
+        saved = h.ctx.to_dict()
+        if h.ctx.is_running and wired == [] and "estop:" in str(saved):
+            break
+        await asyncio.sleep(0.01)
+    assert wired == [] and [p["key"] for p in daemon.operator.pending(run_id)] == [held["key"]]
+    await h.cancel_run()  # LlamaIndex's pause: the context is saved, the process may go
+    if decided == "while_saved":
+        await asyncio.to_thread(daemon.operator.approve, run_id, held["key"])
+
+    h2 = eli.run(Pay(timeout=8), gate=gate, run_id=run_id, ctx=Context.from_dict(Pay(), saved))
+    if decided == "after_restore":
+        await asyncio.sleep(0.3)
+        assert wired == [], "the restored step is still held"
+        await asyncio.to_thread(daemon.operator.approve, run_id, held["key"])
+    assert await h2 == "wired" and wired == [3]
+
+
+async def test_llamaindex_reject_releases_the_step_with_a_refusal(gate, daemon, run_id):
+    import estop
+    from estop.adapters import llamaindex as eli
+
+    wired = []
+    h = eli.run(_li_workflow(wired)(timeout=30), gate=gate, run_id=run_id)
+    async for ev in h.stream_events():
+        if isinstance(ev, eli.EstopHeld):
+            await asyncio.to_thread(daemon.operator.reject, run_id, ev.estop["key"])
+    with pytest.raises(estop.Rejected):
+        await h
+    assert wired == []
+
+
+def _pyd_llm():
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import FunctionModel
+
+    def llm(messages, info):
+        if sum(isinstance(m, ModelResponse) for m in messages) == 0:
+            return ModelResponse(parts=[ToolCallPart("wire_money", {"to": "a", "amount": 9}, tool_call_id="d1"), ToolCallPart("lookup", {"q": "x"}, tool_call_id="l1")])
+        return ModelResponse(parts=[TextPart("ok")])
+
+    return FunctionModel(llm)
+
+
+def _pyd_capability_agent(ran, output_type):
+    from pydantic_ai import Agent
+    from pydantic_ai.toolsets import FunctionToolset
+
+    from estop.adapters import pydantic_ai as ep
+
+    def lookup(q: str) -> str:
+        ran.append(("lookup", q))
+        return "found"
+
+    agent = Agent(_pyd_llm(), toolsets=[FunctionToolset([lookup])], output_type=output_type, capabilities=[ep.EstopCapability()])
+
+    @agent.tool_plain(requires_approval=True)
+    def wire_money(to: str, amount: int) -> str:
+        ran.append(("wire", amount))
+        return "wired"
+
+    return agent
+
+
+async def test_pydantic_ai_capability_gates_agent_and_toolset_tools_and_defers_natively(gate, daemon, run_id):
+    """`Agent(capabilities=[ep.EstopCapability()])` gates the agent's own tools and its toolsets'
+    through PydanticAI's public hook (no private attribute is touched), and with the agent able
+    to return `DeferredToolRequests` the default hold is PydanticAI's deferral. Old: no
+    capability, `gate_agent` patched `agent._function_toolset`, and the default hold blocked."""
+    from pydantic_ai import DeferredToolRequests, DeferredToolResults
+
+    from estop.adapters import pydantic_ai as ep
+
+    ran = []
+    agent = _pyd_capability_agent(ran, [str, DeferredToolRequests])
+    r = await asyncio.wait_for(ep.run(agent, "pay", gate=gate, run_id=run_id), 10)
+    assert isinstance(r.output, DeferredToolRequests) and ran == [("lookup", "x")]
+    key = r.output.metadata["d1"]["estop"]["key"]
+    assert [p["key"] for p in daemon.operator.pending(run_id)] == [key]
+    assert "get_tools" not in vars(agent._function_toolset), "a private attribute was patched"
+    await asyncio.to_thread(daemon.operator.approve, run_id, key)
+    r2 = await ep.run(agent, gate=gate, run_id=run_id, message_history=r.all_messages(), deferred_tool_results=DeferredToolResults(approvals={"d1": True}))
+    assert r2.output == "ok" and ran == [("lookup", "x"), ("wire", 9)]
+    rep = daemon.operator.report(run_id)
+    assert len(rep["done"]) == 2, rep  # both tools went through the gate
+
+
+async def test_pydantic_ai_agent_that_cannot_defer_waits_for_the_operator(gate, daemon, run_id):
+    """`on_hold="auto"` with an agent whose output type has no `DeferredToolRequests`: the held
+    call waits for the operator (PydanticAI could not defer it)."""
+    ran = []
+    agent = _pyd_capability_agent(ran, str)
+
+    async def operator():
+        p = await asyncio.to_thread(wait_pending, daemon.operator, run_id)
+        await asyncio.to_thread(daemon.operator.approve, run_id, p["key"])
+
+    from estop.adapters import pydantic_ai as ep
+
+    decide = asyncio.ensure_future(operator())
+    r = await asyncio.wait_for(ep.run(agent, "pay", gate=gate, run_id=run_id), 10)
+    await decide
+    assert r.output == "ok" and sorted(ran) == [("lookup", "x"), ("wire", 9)]
+
+
+async def test_pydantic_ai_gate_agent_uses_the_public_per_run_capability(gate, daemon, run_id):
+    from pydantic_ai import Agent
+
+    from estop.adapters import pydantic_ai as ep
+
+    ran = []
+    agent = Agent(_pyd_llm())
+
+    @agent.tool_plain
+    def wire_money(to: str, amount: int) -> str:
+        ran.append(amount)
+        return "wired"
+
+    @agent.tool_plain
+    def lookup(q: str) -> str:
+        return "found"
+
+    ep.gate_agent(agent, on_hold="wait")
+    assert "get_tools" not in vars(agent._function_toolset)
+
+    async def operator():
+        p = await asyncio.to_thread(wait_pending, daemon.operator, run_id)
+        await asyncio.to_thread(daemon.operator.reject, run_id, p["key"])
+
+    decide = asyncio.ensure_future(operator())
+    r = await asyncio.wait_for(ep.run(agent, "pay", gate=gate, run_id=run_id), 10)
+    await decide
+    assert r.output == "ok" and ran == []  # wire_money is an approval by the gate's policy, rejected
+
+
+def _oai_refunder(refunded, steps, *, before=None):
+    from agents import Agent, function_tool
+    from agents.testing import ScriptedModel
+
+    @function_tool
+    def lookup(order: str) -> str:
+        """Look the order up."""
+        if before is not None:
+            before()
+        return "order found"
+
+    @function_tool
+    def refund(amount: int) -> str:
+        """Refund."""
+        refunded.append(amount)
+        return "refunded"
+
+    return Agent(name="billing", model=ScriptedModel(steps), tools=[lookup, refund])
+
+
+def test_openai_agents_handoff_acts_in_a_child_run_and_a_parent_cancel_reaches_it(gate, daemon, run_id):
+    """`eo.gate_agent(triage)` gates the agents it hands off to as well: the billing agent's calls
+    act in the child run `RUN.billing` (parent link at the gate), so an operator's cancel of the
+    conversation's run stops the billing agent's next call. Old: a handed-off agent's tools were
+    not gated at all unless wrapped one by one."""
+    from agents import Agent
+    from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+    from estop.adapters import openai_agents as eo
+
+    refunded = []
+    billing = _oai_refunder(refunded, [
+        ModelStep(output=[function_call("lookup", {"order": "42"}, call_id="l1")]),
+        ModelStep(output=[function_call("refund", {"amount": 5}, call_id="r1")]),
+        ModelStep(output=[assistant_message("refunded")]),
+    ], before=lambda: daemon.operator.cancel(run_id, "the customer hung up"))
+    triage = Agent(name="triage", model=ScriptedModel([ModelStep(output=[function_call("transfer_to_billing", {}, call_id="h1")])]), handoffs=[billing])
+    with pytest.raises(estop.RunStopped):
+        asyncio.run(eo.run(eo.gate_agent(triage), "refund order 42", gate=gate, run_id=run_id))
+    assert refunded == [], "the cancel of the parent run reached the handed-off agent"
+    child = daemon.operator.status(f"{run_id}.billing")
+    assert child["parent"] == run_id and child["state"] == "cancelled", child
+
+
+def test_openai_agents_agent_tool_is_a_child_run(gate, daemon, run_id):
+    from agents import Agent
+    from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+    from estop.adapters import openai_agents as eo
+
+    refunded = []
+    billing = _oai_refunder(refunded, [ModelStep(output=[function_call("refund", {"amount": 5}, call_id="r1")]), ModelStep(output=[assistant_message("done")])])
+    main = Agent(name="ops", model=ScriptedModel([
+        ModelStep(output=[function_call("ask_billing", {"input": "refund 5"}, call_id="a1")]),
+        ModelStep(output=[assistant_message("all done")]),
+    ]), tools=[eo.agent_tool(billing, "ask_billing", "Ask billing")])
+    r = asyncio.run(eo.run(main, "refund", gate=gate, run_id=run_id))
+    assert r.final_output == "all done" and refunded == [5]
+    child = daemon.operator.status(f"{run_id}.ask_billing-a1")
+    assert child["parent"] == run_id, child
+    assert len(daemon.operator.report(f"{run_id}.ask_billing-a1")["done"]) == 1
+
+
+def test_langgraph_whole_turn_is_admitted_before_any_call_starts(gate, daemon, run_id):
+    """ToolNode runs a turn's calls in parallel; here the transfer reaches estop's wrapper late
+    (another wrapper is slow for it). Without whole-turn admission the email was admitted,
+    started and sent before the transfer's approval existed; with it, the transfer's approval is
+    asked with the turn, the email is held as its sibling (an interrupt) and nothing is sent."""
+    import time as _time
+
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+
+    from estop.adapters import langgraph as el
+
+    sent = []
+
+    @tool
+    def notify(to: str) -> str:
+        """Tell someone."""
+        sent.append(to)
+        return "sent"
+
+    @tool
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        sent.append(f"wire {amount}")
+        return "wired"
+
+    wrap, _ = el.gate_tool_calls(approval={"wire_money"})
+
+    def slow_then_estop(request, execute):
+        if request.tool_call["name"] == "wire_money":
+            _time.sleep(0.3)  # another interceptor (validation, a lookup) takes a while
+        return wrap(request, execute)
+
+    g = StateGraph(MessagesState)
+    g.add_node("tools", ToolNode([notify, wire_money], wrap_tool_call=slow_then_estop))
+    g.add_edge(START, "tools")
+    graph = el.EstopGraph(g.compile(checkpointer=InMemorySaver()), gate)
+    turn = AIMessage(content="", tool_calls=[
+        {"name": "notify", "args": {"to": "ops@example.com"}, "id": "n1"},
+        {"name": "wire_money", "args": {"to": "acct-9", "amount": 100}, "id": "w1"},
+    ])
+    out = graph.invoke({"messages": [turn]}, {"configurable": {"thread_id": run_id}})
+    assert sent == [], "nothing of the turn ran while its approval was pending"
+    held = {i.value["estop"]["tool"]: i.value["estop"]["reason"] for i in out["__interrupt__"]}
+    assert held.get("notify") == "sibling", held  # (ToolNode may surface only the first interrupt)
+    assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]
+
+
+async def test_pydantic_ai_whole_turn_is_admitted_before_any_call_starts(gate, daemon, run_id):
+    """The same for PydanticAI: another capability delays the transfer; the email is deferred
+    with it instead of being sent before the approval existed."""
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.capabilities import AbstractCapability
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import FunctionModel
+
+    from estop.adapters import pydantic_ai as ep
+
+    sent = []
+
+    def llm(messages, info):
+        if sum(isinstance(m, ModelResponse) for m in messages) == 0:
+            return ModelResponse(parts=[ToolCallPart("notify", {"to": "ops"}, tool_call_id="n1"), ToolCallPart("wire_money", {"to": "a", "amount": 9}, tool_call_id="w1")])
+        return ModelResponse(parts=[TextPart("ok")])
+
+    class Slow(AbstractCapability):
+        async def wrap_tool_execute(self, ctx, *, call, tool_def, args, handler):
+            if call.tool_name == "wire_money":
+                await asyncio.sleep(0.3)
+            return await handler(args)
+
+    agent = Agent(FunctionModel(llm), output_type=[str, DeferredToolRequests], capabilities=[Slow(), ep.EstopCapability()])
+
+    @agent.tool_plain
+    def notify(to: str) -> str:
+        sent.append(to)
+        return "sent"
+
+    @agent.tool_plain(requires_approval=True)
+    def wire_money(to: str, amount: int) -> str:
+        sent.append(amount)
+        return "wired"
+
+    r = await asyncio.wait_for(ep.run(agent, "pay and tell", gate=gate, run_id=run_id), 10)
+    assert sent == [], "nothing of the turn ran while its approval was pending"
+    assert isinstance(r.output, DeferredToolRequests)
+    assert r.output.metadata["n1"]["estop"]["reason"] == "sibling"
+    # The transfer's approval was asked with the turn (PydanticAI may defer the delayed call
+    # itself once the email deferred, before it reaches the gate).
+    assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]

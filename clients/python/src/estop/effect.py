@@ -269,6 +269,15 @@ async def admit_prepared(call: EffectCall) -> Verdict:
     return v
 
 
+def admit_prepared_sync(call: EffectCall) -> Verdict:
+    """The blocking form of `admit_prepared`."""
+    _check(call)
+    run = call.run
+    v = run.gate.client.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
+    run._watch_sync()
+    return v
+
+
 def _check_deadline(deadline: float | None, call: EffectCall) -> None:
     if deadline is not None and time.monotonic() >= deadline:
         raise EstopTimeout(f"{call.tool} in run {call.run.id!r} still held after the hold timeout")

@@ -39,7 +39,15 @@ CLASSES = ["sibling", "reject", "replay", "cancel_thread", "cancel_async", "inte
 #: retry_policy  — a LangGraph RetryPolicy re-runs a node that charged before failing: extra charges.
 #: timeout_retry — a PydanticAI sync tool past its `timeout` (its thread goes on and charges) and
 #:                 the model's retry of the same call: extra charges.
-EXTRA_CLASSES = ["retry_policy", "timeout_retry"]
+#: restart_pause — the worker restarts during an approval pause: resumed from the saved pause
+#:                 after the approval, it transfers and dies before saving; the job is
+#:                 redelivered from the saved pause: extra transfers.
+#: operator_cancel — a run stopped while a thread tool is mid-work: with estop an operator's cancel
+#:                 (`estop cancel RUN`), without it the application's task cancel (the only stop
+#:                 the framework has): the thread's effect after the stop.
+#: framework_cancel — the same through the framework's own cancel API (Agents SDK
+#:                 `streamed.cancel()`).
+EXTRA_CLASSES = ["retry_policy", "timeout_retry", "restart_pause", "operator_cancel", "framework_cancel"]
 
 NEXT_TURN_AMOUNT = 7
 
@@ -180,3 +188,21 @@ def interrupt_then_continue(t: Trial, guarded: bool, interrupted: Callable[[Tria
     except estop.Refused:
         pass
     return leaked + (0 if t.world.count("charge", detail=NEXT_TURN_AMOUNT) == 1 else 1)
+
+
+async def stop_mid_tool(t: Trial, guarded: bool, started: threading.Event, run: Any) -> None:
+    """operator_cancel: awaits `run` (a coroutine) and stops it once the tool started: an operator's
+    cancel at the gate with estop, a task cancel without; marks "stopped" when the stop returned."""
+    import asyncio
+    import contextlib
+
+    task = asyncio.ensure_future(run)
+    while not started.is_set():
+        await asyncio.sleep(0.005)
+    if guarded:
+        await asyncio.to_thread(t.operator.cancel, t.run_id, "stopped by the operator")
+    else:
+        task.cancel()
+    t.world.mark("stopped")
+    with contextlib.suppress(BaseException):
+        await task

@@ -155,6 +155,43 @@ def replay(t: Trial, guarded: bool) -> int:
     return t.world.count("charge") - 1
 
 
+def restart_pause(t: Trial, guarded: bool) -> int:
+    """A restart during the pause (see common.EXTRA_CLASSES): the thread's checkpoints are in a
+    store both workers share; after the approval worker A resumes, transfers and dies inside the
+    node; the job is redelivered and worker B resumes the same thread."""
+    fx = _effects(t, guarded)
+    crashes = [ConnectionError("worker lost")]
+    saver = InMemorySaver()  # the durable checkpoint store
+
+    def pay(state: S) -> dict:
+        if not guarded:
+            interrupt({"approve": "wire 100 to acct-9?"})  # LangGraph's own approval
+        receipt = fx["wire_money"]("acct-9", 100)  # guarded: held by estop's policy (an interrupt)
+        if crashes:
+            raise crashes.pop()
+        return {"log": [receipt]}
+
+    def worker() -> Any:
+        g = StateGraph(S)
+        g.add_node("pay", pay)
+        g.add_edge(START, "pay")
+        g.add_edge("pay", END)
+        graph = g.compile(checkpointer=saver)
+        return el.EstopGraph(graph, t.gate) if guarded else graph
+
+    cfg = _cfg(t)
+    out = worker().invoke({"log": []}, cfg)
+    assert "__interrupt__" in out, "expected the approval pause"
+    if guarded:
+        t.operator.approve(t.run_id, t.pending("wire_money")["key"])
+    try:
+        worker().invoke(Command(resume=True), cfg)
+    except ConnectionError:
+        pass
+    worker().invoke(Command(resume=True), cfg)
+    return t.world.count("wire") - 1
+
+
 def cancel_thread(t: Trial, guarded: bool) -> int:
     fx = _effects(t, guarded)
     done = threading.Event()
@@ -258,7 +295,7 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {
+SCENARIOS = {"restart_pause": restart_pause, 
     "sibling": sibling,
     "reject": reject,
     "replay": replay,

@@ -36,9 +36,9 @@ def call(name: str, call_id: str, **args: Any) -> Content:
     return Content.from_function_call(call_id=call_id, name=name, arguments=args)
 
 
-def _agent(steps: list[Any], tools: list[Any], guarded: bool, effects_map: dict[str, str] | None = None) -> Agent:
+def _agent(steps: list[Any], tools: list[Any], guarded: bool, effects_map: dict[str, str] | None = None, on_hold: str = "pause") -> Agent:
     if guarded:
-        return Agent(client=ScriptedChatClient(steps), tools=eaf.gate_tools(tools), middleware=[eaf.EstopMiddleware(effects=effects_map)])
+        return Agent(client=ScriptedChatClient(steps), tools=eaf.gate_tools(tools), middleware=eaf.middleware(effects=effects_map, on_hold=on_hold))
     return Agent(client=ScriptedChatClient(steps), tools=tools)
 
 
@@ -72,8 +72,10 @@ def sibling(t: Trial, guarded: bool) -> int:
         time.sleep(SIBLING_WORK_S)
         return swallow_refusal(fx["send_email"], to)
 
-    payer = _agent([[call("wire_money", "c1", to="acct-9", amount=100)]], [wire_money], guarded)
-    notifier = _agent([[call("notify", "c2", to="ops@example.com")]], [notify], guarded)
+    # In a workflow the held call waits in its branch (on_hold="wait"): the hold of the payer's
+    # branch is what must hold the notifier's.
+    payer = _agent([[call("wire_money", "c1", to="acct-9", amount=100)]], [wire_money], guarded, on_hold="wait")
+    notifier = _agent([[call("notify", "c2", to="ops@example.com")]], [notify], guarded, on_hold="wait")
     payer.name, notifier.name = "payer", "notifier"
     start = _Start(id="start")
     wf = WorkflowBuilder(start_executor=start).add_fan_out_edges(start, [AgentExecutor(payer), AgentExecutor(notifier)]).build()
@@ -119,10 +121,15 @@ def reject(t: Trial, guarded: bool) -> int:
                 t.world.mark("rejected")
                 t.operator.reject(t.run_id, p["key"])
 
+            # The held transfer is the framework's own pause (an approval request); the operator's
+            # reject in estop is what answers it.
             th = threading.Thread(target=operator)
             th.start()
-            await eaf.run(agent, "go", gate=t.gate, run_id=t.run_id)
+            session = agent.create_session()
+            r = await eaf.run(agent, "go", gate=t.gate, run_id=t.run_id, session=session)
+            answers = await eaf.resolve(r.user_input_requests, gate=t.gate, run_id=t.run_id, timeout_s=10)
             th.join()
+            await eaf.run(agent, Message(role="user", contents=answers), gate=t.gate, run_id=t.run_id, session=session)
         else:
             session = agent.create_session()
             r = await agent.run("go", session=session)
@@ -153,6 +160,49 @@ def replay(t: Trial, guarded: bool) -> int:
     asyncio.run(attempt([[call("charge", "c1", amount=42)], ConnectionError("worker lost")]))  # dies after the charge
     asyncio.run(attempt([[call("charge", "c1", amount=42)]]))  # the job is redelivered
     return t.world.count("charge") - 1
+
+
+def restart_pause(t: Trial, guarded: bool) -> int:
+    """A restart during the pause (see common.EXTRA_CLASSES): the session and its approval
+    request are saved; after the approval the worker resumes, transfers and dies before saving;
+    the job is redelivered from the saved pause."""
+    import json
+
+    from agent_framework import AgentSession
+
+    @tool(approval_mode="always_require")
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        t.world.do("wire", amount)
+        return "wired"
+
+    async def resume(saved: str, steps: list[Any]) -> None:
+        data = json.loads(saved)
+        agent = _agent(steps, [wire_money], guarded)
+        session = AgentSession.from_dict(data["session"])
+        requests = [Content.from_dict(d) for d in data["requests"]]
+        try:
+            if guarded:
+                answers = await eaf.resolve(requests, gate=t.gate, run_id=t.run_id, timeout_s=10)
+                await eaf.run(agent, Message(role="user", contents=answers), gate=t.gate, run_id=t.run_id, session=session)
+            else:  # the human approved (the answer is in the saved job)
+                await agent.run(Message(role="user", contents=[r.to_function_approval_response(True) for r in requests]), session=session)
+        except ConnectionError:
+            pass
+
+    async def main() -> None:
+        agent = _agent([[call("wire_money", "w1", to="acct-9", amount=100)]], [wire_money], guarded)
+        session = agent.create_session()
+        r = await (eaf.run(agent, "pay", gate=t.gate, run_id=t.run_id, session=session) if guarded else agent.run("pay", session=session))
+        assert r.user_input_requests, "expected the approval pause"
+        saved = json.dumps({"session": session.to_dict(), "requests": [q.to_dict() for q in r.user_input_requests]})
+        if guarded:
+            await asyncio.to_thread(t.operator.approve, t.run_id, t.pending("wire_money")["key"])
+        await resume(saved, [ConnectionError("worker lost")])
+        await resume(saved, [[Content.from_text("done")]])
+
+    asyncio.run(main())
+    return t.world.count("wire") - 1
 
 
 def cancel_thread(t: Trial, guarded: bool) -> int:
@@ -243,4 +293,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"restart_pause": restart_pause, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

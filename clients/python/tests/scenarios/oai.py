@@ -4,6 +4,7 @@ estop.adapters.openai_agents, driven by the SDK's own ScriptedModel (no network)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from typing import Any
@@ -14,7 +15,7 @@ from agents.testing import ModelStep, ScriptedModel, assistant_message, function
 import estop
 from estop.adapters import openai_agents as eo
 
-from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, swallow_refusal
+from .common import stop_mid_tool, DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, swallow_refusal
 
 
 def _agent(tools: list[Any], steps: list[Any], guarded: bool, effects_map: dict[str, str] | None = None) -> Agent:
@@ -156,6 +157,49 @@ def replay(t: Trial, guarded: bool) -> int:
     return t.world.count("charge") - 1
 
 
+def restart_pause(t: Trial, guarded: bool) -> int:
+    """A restart during the pause: the paused run's RunState is saved; after the approval the
+    worker resumes it, the transfer runs, and the worker dies before it can save the finished
+    run (the model call after the tool fails); the job is redelivered from the saved pause and
+    resumed again. Leak: extra transfers."""
+    from agents import RunState
+
+    @function_tool(needs_approval=True)
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        t.world.do("wire", amount)
+        return "wired"
+
+    first = [ModelStep(output=[function_call("wire_money", {"to": "acct-9", "amount": 100}, call_id="w1")])]
+
+    async def resume(saved: str, steps: list[Any]) -> None:
+        agent = _agent([wire_money], steps, guarded)
+        state = await RunState.from_string(agent, saved)
+        try:
+            if guarded:
+                await eo.resolve(agent, state, gate=t.gate, run_id=t.run_id, timeout_s=10)
+                await eo.run(agent, state, gate=t.gate, run_id=t.run_id)
+            else:
+                for item in state.get_interruptions():
+                    state.approve(item)  # the human approved (the approval is in the saved job)
+                await Runner.run(agent, state)
+        except ConnectionError:
+            pass
+
+    async def main() -> None:
+        agent = _agent([wire_money], list(first), guarded)
+        r = await (eo.run(agent, "pay", gate=t.gate, run_id=t.run_id) if guarded else Runner.run(agent, "pay"))
+        assert r.interruptions, "expected the approval pause"
+        saved = r.to_state().to_string()
+        if guarded:
+            await asyncio.to_thread(t.operator.approve, t.run_id, t.pending("wire_money")["key"])
+        await resume(saved, [ModelStep.raise_error(ConnectionError("worker lost"))])
+        await resume(saved, [_done()])
+
+    asyncio.run(main())
+    return t.world.count("wire") - 1
+
+
 def cancel_thread(t: Trial, guarded: bool) -> int:
     fx = effects(t, guarded)
     done = threading.Event()
@@ -182,6 +226,56 @@ def cancel_thread(t: Trial, guarded: bool) -> int:
             raise AssertionError("expected the timeout")
         except (TimeoutError, asyncio.TimeoutError):
             t.world.mark("stopped")
+
+    asyncio.run(main())
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
+def _slow_refund(t: Trial, guarded: bool) -> tuple[Any, threading.Event, threading.Event]:
+    fx = effects(t, guarded)
+    started, done = threading.Event(), threading.Event()
+
+    @function_tool
+    def refund(amount: int) -> str:
+        """Refund (a slow API in a worker thread)."""
+        started.set()
+        try:
+            time.sleep(TOOL_DELAY_S)
+            return swallow_refusal(fx["charge"], -amount)
+        finally:
+            done.set()
+
+    agent = _agent([refund], [ModelStep(output=[function_call("refund", {"amount": 42}, call_id="c1")]), _done()], guarded)
+    return agent, started, done
+
+
+def operator_cancel(t: Trial, guarded: bool) -> int:
+    agent, started, done = _slow_refund(t, guarded)
+    run = eo.run(agent, "refund", gate=t.gate, run_id=t.run_id) if guarded else Runner.run(agent, "refund")
+    asyncio.run(stop_mid_tool(t, guarded, started, run))
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
+def framework_cancel(t: Trial, guarded: bool) -> int:
+    """The SDK's own stop, `streamed.cancel()`, while a thread tool is mid-work."""
+    agent, started, done = _slow_refund(t, guarded)
+
+    async def main() -> None:
+        streamed = eo.run_streamed(agent, "refund", gate=t.gate, run_id=t.run_id) if guarded else Runner.run_streamed(agent, "refund")
+
+        async def consume() -> None:
+            async for _ in streamed.stream_events():
+                pass
+
+        task = asyncio.ensure_future(consume())
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        streamed.cancel()
+        t.world.mark("stopped")
+        with contextlib.suppress(BaseException):
+            await task
 
     asyncio.run(main())
     done.wait(5)
@@ -243,4 +337,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"operator_cancel": operator_cancel, "framework_cancel": framework_cancel, "restart_pause": restart_pause, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

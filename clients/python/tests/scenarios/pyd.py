@@ -14,7 +14,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from estop.adapters import pydantic_ai as ep
 
-from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, swallow_refusal
+from .common import stop_mid_tool, DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, swallow_refusal
 
 
 def _script(turns: list[Any]) -> FunctionModel:
@@ -36,7 +36,9 @@ def _agent(turns: list[Any], guarded: bool, register: Callable[[Agent], None], e
     agent: Agent = Agent(_script(turns), output_type=[str, DeferredToolRequests])
     register(agent)
     if guarded:
-        ep.gate_agent(agent, effects=effects_map)
+        # The scenarios measure the gate's hold itself: the held call waits (on_hold="wait")
+        # rather than ending the run with DeferredToolRequests.
+        ep.gate_agent(agent, effects=effects_map, on_hold="wait")
     return agent
 
 
@@ -166,6 +168,27 @@ def cancel_thread(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
+def operator_cancel(t: Trial, guarded: bool) -> int:
+    fx = effects(t, guarded)
+    started, done = threading.Event(), threading.Event()
+
+    def register(agent: Agent) -> None:
+        @agent.tool_plain
+        def refund(amount: int) -> str:
+            started.set()
+            try:
+                time.sleep(TOOL_DELAY_S)
+                return swallow_refusal(fx["charge"], -amount)
+            finally:
+                done.set()
+
+    agent = _agent([[ToolCallPart("refund", {"amount": 42}, tool_call_id="c1")]], guarded, register)
+    run = ep.run(agent, "refund", gate=t.gate, run_id=t.run_id) if guarded else agent.run("refund")
+    asyncio.run(stop_mid_tool(t, guarded, started, run))
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
 def cancel_async(t: Trial, guarded: bool) -> int:
     fx = effects(t, guarded)
     started = threading.Event()
@@ -243,4 +266,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue, "timeout_retry": timeout_retry}
+SCENARIOS = {"operator_cancel": operator_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue, "timeout_retry": timeout_retry}

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
+import threading
+from collections import OrderedDict
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, TypeVar
 
 from ..run import Estop, Invocation, Run, current_run
 
@@ -126,3 +128,144 @@ def hold_payload(h: Any, args: Any = None) -> dict[str, Any]:
             "how": f"estop approve {h.run} {h.key}  (or reject); an agent cannot approve",
         }
     }
+
+
+async def await_released(gate: Estop, run_id: str, keys: list[str], timeout_s: float | None = None) -> dict[str, str]:
+    """Waits until estop lets each held key of `run_id` go or refuses it, and returns key →
+    `approve` (it may run now) or the refusal (`reject`, `expired`, `cancelled`). An approval is
+    an operator's decision (the gate's events, `await_decided`); a call held as the sibling of
+    another's approval or by a pause has none of its own, so it is released when the gate would
+    start it (the gate's blocking `wait`, not a poll). Keys not settled within `timeout_s` are
+    left out."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    decided = await gate.await_decided(run_id, keys, timeout_s)
+    for k, d in list(decided.items()):
+        if d in ("sibling", "paused"):
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            got = await _released(gate, run_id, k, left)
+            if got is None:
+                del decided[k]
+            else:
+                decided[k] = got
+    return decided
+
+
+async def _released(gate: Estop, run_id: str, key: str, timeout_s: float | None) -> str | None:
+    from ..verdicts import Admitted, Duplicate, Go, Held, RefusedVerdict
+
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    while True:
+        left = 2000 if deadline is None else int(max(1.0, min(2000.0, (deadline - loop.time()) * 1000)))
+        v = await gate.aclient.wait(run_id, key, left)
+        if isinstance(v, (Admitted, Go, Duplicate)):
+            return "approve"
+        if isinstance(v, RefusedVerdict):
+            return {"rejected": "reject"}.get(v.reason, v.reason)
+        assert isinstance(v, Held), v
+        if deadline is not None and loop.time() >= deadline:
+            return None
+
+
+# -- whole-turn admission -----------------------------------------------------------------------
+#
+# A model turn asks for several calls at once and the framework runs them in parallel. If one
+# call is admitted and started before another call's approval is asked, it is not held by that
+# approval. So the first call of a turn to reach its gate admits the whole turn (prepared:
+# admitted, not started; approval calls first) before it goes on, and the others wait for that:
+# every `start` of the turn then comes after every admission, and a pending approval holds its
+# siblings whatever order the framework starts them in.
+
+_TURNS_KEPT = 256
+
+
+class _Admitted:
+    """Set once a turn is admitted; waited on by threads (`wait`) and tasks (`await_set`)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._waiters: "list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]" = []
+
+    def set(self) -> None:
+        with self._lock:
+            self._done.set()
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_resolve, fut)
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    async def await_set(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._done.is_set():
+                return
+            fut: "asyncio.Future[None]" = loop.create_future()
+            self._waiters.append((loop, fut))
+        await fut
+
+
+def _resolve(fut: "asyncio.Future[None]") -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _turn_slot(run: Run, turn: Any) -> tuple[bool, _Admitted]:
+    turns: "OrderedDict[Any, _Admitted]" = run.__dict__.setdefault("_turns_admitted", OrderedDict())
+    with run._tasks_lock:
+        ev = turns.get(turn)
+        if ev is not None:
+            return False, ev
+        ev = turns[turn] = _Admitted()
+        while len(turns) > _TURNS_KEPT:
+            turns.popitem(last=False)
+        return True, ev
+
+
+def _ordered(calls: Iterable[Any]) -> list[Any]:
+    return sorted(calls, key=lambda c: not c.needs_approval)
+
+
+def admit_turn_sync(run: Run, turn: Any, calls: Callable[[], Iterable[Any]]) -> None:
+    """Admits the calls of `turn` (built by `calls()`) once per run object; see above."""
+    from ..effect import admit_prepared_sync
+    from ..errors import EstopError, Interrupted, RunStopped
+
+    first, ev = _turn_slot(run, turn)
+    if not first:
+        ev.wait()
+        return
+    try:
+        for c in _ordered(calls()):
+            try:
+                admit_prepared_sync(c)
+            except (RunStopped, Interrupted):
+                raise
+            except EstopError:
+                pass  # the call itself meets the refusal when it is gated
+    finally:
+        ev.set()
+
+
+async def admit_turn(run: Run, turn: Any, calls: Callable[[], Iterable[Any]]) -> None:
+    """`admit_turn_sync` for asyncio."""
+    from ..effect import admit_prepared
+    from ..errors import EstopError, Interrupted, RunStopped
+
+    first, ev = _turn_slot(run, turn)
+    if not first:
+        await ev.await_set()
+        return
+    try:
+        for c in _ordered(calls()):
+            try:
+                await admit_prepared(c)
+            except (RunStopped, Interrupted):
+                raise
+            except EstopError:
+                pass
+    finally:
+        ev.set()

@@ -52,7 +52,7 @@ from ..keys import derive_key
 from ..effect import EffectCall, call_args, call_key, encode_result, make_call, run_async, run_sync
 from ..errors import HeldForApproval, Interrupted, Refused, RunStopped
 from ..run import Estop, Run, Step, current_run, current_step, step
-from ._common import STOP_ON, aguarded, guarded, human_interrupt
+from ._common import STOP_ON, admit_turn, admit_turn_sync, aguarded, guarded, human_interrupt
 
 __all__ = ["EstopGraph", "effect", "step_of", "thread_run_id", "tool_node", "gate_tool_calls"]
 
@@ -286,7 +286,9 @@ class EstopGraph:
 def gate_tool_calls(*, effects: dict[str, str] | None = None, approval: Iterable[str] = (), skip: Iterable[str] = (), on_hold: str = "interrupt", hold_timeout_s: float | None = None, approver: Client | None = None) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """`(wrap_tool_call, awrap_tool_call)` for LangGraph's `ToolNode` (the public interception
     hook): each tool call is admitted by estop first, keyed by the model's `tool_call_id` (+ the
-    digest), so a resumed or retried tools node reads receipts instead of calling again. Tools
+    digest), so a resumed or retried tools node reads receipts instead of calling again. The
+    first call of a model turn to arrive admits all the turn's calls before any starts (so an
+    approval holds its parallel siblings whatever order ToolNode runs them in). Tools
     named in `approval` ask for an estop approval; a hold is an `interrupt()` (`on_hold="wait"`
     blocks instead). A refusal becomes the tool's error message; a stopped or interrupted run
     raises. Tools in `skip` are not gated as a whole (a read, or a tool that calls `interrupt()`
@@ -297,21 +299,28 @@ def gate_tool_calls(*, effects: dict[str, str] | None = None, approval: Iterable
     skipped = frozenset(skip)
     mode = "raise" if on_hold == "interrupt" else "wait"
 
-    def prepare(request: Any) -> tuple[EffectCall, str, str]:
-        tc = request.tool_call
+    def call_for(run: Run, tc: Any) -> EffectCall:
         name, call_id = str(tc["name"]), str(tc.get("id") or "")
-        cfg = getattr(getattr(request, "runtime", None), "config", None) or _config()
-        run = current_run(required=False) or _thread_run(cfg)
         args = to_json_value(tc.get("args") or {})
         effect = eff.get(name, name)
         key = call_key(run, effect, call_id, args) if call_id else None
-        return make_call(run, effect, args, key=key, needs_approval=name in ask), name, call_id
+        return make_call(run, effect, args, key=key, needs_approval=name in ask)
+
+    def prepare(request: Any) -> tuple[EffectCall, str, str, Any]:
+        tc = request.tool_call
+        cfg = getattr(getattr(request, "runtime", None), "config", None) or _config()
+        run = current_run(required=False) or _thread_run(cfg)
+        turn = _turn(request.state, tc, skipped)
+        admit = (run, turn[0], lambda: [call_for(run, t) for t in turn[1]]) if turn else None
+        return call_for(run, tc), str(tc["name"]), str(tc.get("id") or ""), admit
 
     def wrap(request: Any, execute: Callable[[Any], Any]) -> Any:
-        call, name, call_id = prepare(request)
+        call, name, call_id, turn = prepare(request)
         with step(f"call:{call_id}") if call_id else contextlib.nullcontext():
             if name in skipped:
                 return execute(request)
+            if turn:
+                admit_turn_sync(*turn)
             while True:
                 try:
                     return _message(run_sync(call, lambda: _content(execute(request)), on_hold=mode, hold_timeout_s=hold_timeout_s), name, call_id)
@@ -323,10 +332,12 @@ def gate_tool_calls(*, effects: dict[str, str] | None = None, approval: Iterable
                     return _refused(e, name, call_id)
 
     async def awrap(request: Any, execute: Callable[[Any], Any]) -> Any:
-        call, name, call_id = prepare(request)
+        call, name, call_id, turn = prepare(request)
         with step(f"call:{call_id}") if call_id else contextlib.nullcontext():
             if name in skipped:
                 return await execute(request)
+            if turn:
+                await admit_turn(*turn)
             while True:
                 try:
                     async def go() -> Any:
@@ -341,6 +352,21 @@ def gate_tool_calls(*, effects: dict[str, str] | None = None, approval: Iterable
                     return _refused(e, name, call_id)
 
     return wrap, awrap
+
+
+def _turn(state: Any, tc: Any, skipped: frozenset[str]) -> tuple[tuple[str, ...], list[Any]] | None:
+    """The model turn `tc` belongs to — the tool calls of the AI message that asked for it, as
+    (their ids, the gated ones) — for whole-turn admission; None without call ids."""
+    messages = state.get("messages") if isinstance(state, dict) else getattr(state, "messages", state)
+    if not tc.get("id") or not isinstance(messages, list):
+        return None
+    for m in reversed(messages):
+        calls = getattr(m, "tool_calls", None) or []
+        if any(c.get("id") == tc["id"] for c in calls):
+            if not all(c.get("id") for c in calls):
+                return None
+            return tuple(str(c["id"]) for c in calls), [c for c in calls if c["name"] not in skipped]
+    return None
 
 
 def tool_node(tools: Any, **kw: Any) -> Any:

@@ -11,32 +11,47 @@ timeout and `cancel_run` interrupt the invocation, `handler.stop()` stops the ru
 * Steps run inside the estop run (workflow tasks and step threads inherit it), so every
   `estop.effect` they call — and `eli.effect` — is admitted by the gate first, with the
   sibling hold, reject stickiness and duplicate receipts of the gate.
-* `eli.effect(ctx=...)`-wrapped calls write an `EstopHeld` event (an `InputRequiredEvent`) to the
-  workflow's stream when held, so the UI that used to answer `wait_for_event` approvals shows the
-  estop approval instead; the decision is an operator's (`estop approve RUN KEY`), and the step
-  waits for it.
+* A held `eli.effect(..., ctx=ctx)` call is LlamaIndex's own pause: the step waits with
+  `ctx.wait_for_event(EstopDecided, waiter_event=EstopHeld(...))` — it does not block: the
+  workflow is idle, `EstopHeld` (an `InputRequiredEvent`) is on the stream, and the context can be
+  saved (`ctx.to_dict()`), the handler dropped and the workflow restored later. The release is
+  estop's: when an operator decides (`estop approve RUN KEY`, the console) the handler sends the
+  step an `EstopDecided` (a `HumanResponseEvent`), and the step, replayed as LlamaIndex does,
+  asks the gate again: approved → the effect runs once; rejected → `Rejected`. A response the
+  application sends itself decides nothing (the replayed step asks the gate, and waits there for
+  the operator).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import inspect
+import logging
 from typing import Any, AsyncIterator, Callable, Generator
 
 from ._common import missing_extra
 
 try:
-    from workflows.events import InputRequiredEvent
+    from workflows.events import HumanResponseEvent, InputRequiredEvent
 except ImportError as e:
     raise missing_extra("llamaindex", "LlamaIndex Workflows", "llamaindex", e) from e
 
 from ..effect import call_args, make_call, run_async, run_sync
 from ..errors import HeldForApproval
 from ..run import Estop, Invocation, Run, current_run
-from ._common import STOP_ON as _NO_STOP, hold_payload, resolve_run
+from ._common import STOP_ON as _NO_STOP, await_released, hold_payload, resolve_run
 
-__all__ = ["EstopHandler", "EstopHeld", "run", "effect", "STOP_ON"]
+__all__ = ["EstopHandler", "EstopHeld", "EstopDecided", "run", "effect", "STOP_ON"]
+
+log = logging.getLogger("estop")
+
+#: Where a held step records its call (key, tool, digest) in the workflow's state store
+#: (`ctx.store`): a handler restored from a saved context knows which decisions to wait for, and
+#: the replayed step presents the same key.
+HELD_STORE_KEY = "estop_held"
 
 #: Exceptions that cancel the run by default: none. The workflow's `timeout`
 #: (`WorkflowTimeoutError`), `cancel_run()` (`WorkflowCancelledByUser`), a task cancel or Ctrl-C
@@ -50,14 +65,62 @@ class EstopHeld(InputRequiredEvent):
     estop: dict[str, Any]
 
 
+class EstopDecided(HumanResponseEvent):
+    """Sent to a held step by its handler when estop lets the effect go or refuses it. It only
+    wakes the step: the replayed step asks the gate, whose answer is what counts."""
+
+    key: str
+    decision: str
+    response: str = ""
+
+
+_RELEASER: "contextvars.ContextVar[_Releaser | None]" = contextvars.ContextVar("estop_li_releaser", default=None)
+
+
+class _Releaser:
+    """Waits for estop to settle each held key of the run, then sends the step its
+    `EstopDecided` through the handler's context."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.handler: Any = None
+        self.watching: dict[str, asyncio.Task[None]] = {}
+
+    def watch(self, key: str) -> None:
+        if key not in self.watching:
+            self.watching[key] = asyncio.get_running_loop().create_task(self._release(key))
+
+    async def _release(self, key: str) -> None:
+        decided = await await_released(self.run.gate, self.run.id, [key])
+        if key in decided and self.handler is not None:
+            self.handler.ctx.send_event(EstopDecided(key=key, decision=decided[key], response=decided[key]))
+
+    async def serve(self) -> None:
+        """Stops watching when the workflow ends. (A restored context needs nothing more: the
+        runtime runs a waiting step again from its start, which asks the gate, and a call still
+        held pauses again and is watched from here.)"""
+        try:
+            with contextlib.suppress(Exception):
+                await self.handler.stop_event_result()
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        for t in self.watching.values():
+            t.cancel()
+
+
 class EstopHandler:
     """A workflow handler whose run is an estop run."""
 
-    def __init__(self, handler: Any, run: Run, stop_on: tuple[type[BaseException], ...], invocation: Invocation) -> None:
+    def __init__(self, handler: Any, run: Run, stop_on: tuple[type[BaseException], ...], invocation: Invocation, releaser: _Releaser) -> None:
         self.handler = handler
         self.run = run
         self.stop_on = stop_on
         self.invocation = invocation
+        self.releaser = releaser
+        releaser.handler = handler
+        self._releasing = asyncio.get_running_loop().create_task(releaser.serve())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.handler, name)
@@ -102,24 +165,26 @@ def run(workflow: Any, *, gate: Estop | None = None, run_id: str | Run | None = 
     """`workflow.run(**start_kw)` as the estop run `run_id` (call it inside a running loop)."""
     r = resolve_run(gate, run_id)
     inv = Invocation(r)
-    with r, inv:
-        handler = workflow.run(**start_kw)
-    # The workflow's tasks copied the context above: their steps see `r` as the current run and
-    # this invocation.
-    return EstopHandler(handler, r, stop_on, inv)
+    releaser = _Releaser(r)
+    reset = _RELEASER.set(releaser)
+    try:
+        with r, inv:
+            handler = workflow.run(**start_kw)
+    finally:
+        _RELEASER.reset(reset)
+    # The workflow's tasks copied the context above: their steps see `r` as the current run, this
+    # invocation and the releaser. (A saved context: `run(workflow, ctx=Context.from_dict(...))`.)
+    return EstopHandler(handler, r, stop_on, inv, releaser)
 
 
 def effect(fn: Any = None, *, tool: str | None = None, needs_approval: bool = False, ctx_arg: str = "ctx", exclude: set[str] | None = None, hold_timeout_s: float | None = None) -> Any:
-    """`estop.effect` for workflow steps: pass the step's Context as `ctx=` (keyword) and a hold
-    is also written to the workflow's event stream as `EstopHeld`."""
+    """`estop.effect` for workflow steps. Pass the step's Context as `ctx=` (keyword): a hold is
+    then LlamaIndex's own pause (`wait_for_event`, `EstopHeld` on the stream; see the module
+    doc), released by estop. Without `ctx` (or in a sync step) a hold waits in the call."""
 
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
         name = tool or f.__name__
         skip = frozenset(exclude or ()) | {ctx_arg}
-
-        def announce(ctx: Any, call: Any, h: HeldForApproval) -> None:
-            if ctx is not None:
-                ctx.write_event_to_stream(EstopHeld(estop=hold_payload(h, call.args)["estop"]))
 
         if inspect.iscoroutinefunction(f):
 
@@ -129,11 +194,18 @@ def effect(fn: Any = None, *, tool: str | None = None, needs_approval: bool = Fa
                 run = current_run()
                 assert run is not None
                 call = make_call(run, name, call_args(f, a, kw, skip), needs_approval=needs_approval)
+                if ctx is None:
+                    return await run_async(call, lambda: f(*a, **kw), hold_timeout_s=hold_timeout_s)
+                # A step replayed after its pause presents the call it held, whatever the
+                # occurrence count says now.
+                call.key = await _held_key(ctx, call) or call.key
                 try:
                     return await run_async(call, lambda: f(*a, **kw), on_hold="raise")
                 except HeldForApproval as h:
-                    announce(ctx, call, h)
-                    return await run_async(call, lambda: f(*a, **kw), hold_timeout_s=hold_timeout_s)
+                    await _pause(ctx, call, h)
+                # Woken by an EstopDecided (the step was replayed up to here): the gate's answer
+                # counts. One the application sent itself while estop still holds the call waits.
+                return await run_async(call, lambda: f(*a, **kw), hold_timeout_s=hold_timeout_s)
 
             return awrapper
 
@@ -142,7 +214,7 @@ def effect(fn: Any = None, *, tool: str | None = None, needs_approval: bool = Fa
             run = current_run()
             assert run is not None
             call = make_call(run, name, call_args(f, a, kw, skip), needs_approval=needs_approval)
-            # (A step thread cannot write to the stream safely: a sync hold just waits.)
+            # (A step thread cannot pause the workflow safely: a sync hold just waits.)
             return run_sync(call, lambda: f(*a, **kw), hold_timeout_s=hold_timeout_s)
 
         return wrapper
@@ -150,3 +222,27 @@ def effect(fn: Any = None, *, tool: str | None = None, needs_approval: bool = Fa
     if fn is not None and callable(fn):
         return wrap(fn)
     return wrap
+
+
+async def _pause(ctx: Any, call: Any, h: HeldForApproval) -> None:
+    """Parks the step until estop settles `h.key` (LlamaIndex's `wait_for_event`: raises its
+    control-flow exception the first time, returns the `EstopDecided` on the replay)."""
+    held = await ctx.store.get(HELD_STORE_KEY, default=[])
+    if all(e["key"] != h.key for e in held):
+        await ctx.store.set(HELD_STORE_KEY, [*held, {"key": h.key, "tool": call.tool, "digest": call.digest}])
+    releaser = _RELEASER.get()
+    if releaser is not None:
+        releaser.watch(h.key)
+    else:
+        log.warning("estop: %s of run %r is held outside eli.run: nothing will wake the step", call.tool, call.run.id)
+    await ctx.wait_for_event(EstopDecided, waiter_event=EstopHeld(estop=hold_payload(h, call.args)["estop"]), waiter_id=f"estop:{h.key}", requirements={"key": h.key}, timeout=None)
+    held = await ctx.store.get(HELD_STORE_KEY, default=[])
+    await ctx.store.set(HELD_STORE_KEY, [e for e in held if e["key"] != h.key])
+
+
+async def _held_key(ctx: Any, call: Any) -> str | None:
+    """The key of the same call (tool + digest) that a step of this workflow holds."""
+    for e in await ctx.store.get(HELD_STORE_KEY, default=[]):
+        if e.get("tool") == call.tool and e.get("digest") == call.digest:
+            return str(e["key"])
+    return None

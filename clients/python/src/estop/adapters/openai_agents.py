@@ -40,12 +40,13 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import re
 from typing import Any, Iterable
 
 from ._common import missing_extra
 
 try:
-    from agents import Runner
+    from agents import Handoff, Runner
     from agents.exceptions import AgentsException
     from agents.tool import FunctionTool
 except ImportError as e:
@@ -57,7 +58,7 @@ from ..verdicts import Held
 from ..run import Estop, Invocation, Run, current_run, step
 from ._common import STOP_ON as _NO_STOP, arun_guarded, resolve_run, run_guarded
 
-__all__ = ["EstopStreamedRun", "gate_tool", "gate_tools", "holds", "run", "run_streamed", "run_sync", "resolve", "STOP_ON"]
+__all__ = ["EstopStreamedRun", "agent_tool", "gate_agent", "gate_tool", "gate_tools", "holds", "run", "run_streamed", "run_sync", "resolve", "STOP_ON"]
 
 #: Exceptions that cancel the run by default: none (a timeout, the SDK's `ToolTimeoutError`, a
 #: task cancel or Ctrl-C interrupt the invocation; `EstopStreamedRun.cancel()` and
@@ -65,12 +66,29 @@ __all__ = ["EstopStreamedRun", "gate_tool", "gate_tools", "holds", "run", "run_s
 STOP_ON: tuple[type[BaseException], ...] = _NO_STOP
 
 
-def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "interrupt", hold_timeout_s: float | None = None, refusal_as_output: bool = True) -> FunctionTool:
+def _scoped(run: Run, scope: str | None) -> Run:
+    """The run a tool of a handed-off agent acts in: the child `RUN.scope` (one Run object per
+    parent, so its watcher and fence are shared by the agent's calls)."""
+    if scope is None:
+        return run
+    kids: dict[str, Run] = run.__dict__.setdefault("_eo_children", {})
+    with run._tasks_lock:
+        if scope not in kids:
+            kids[scope] = run.child(scope)
+        return kids[scope]
+
+
+def _scope_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-") or "agent"
+
+
+def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "interrupt", hold_timeout_s: float | None = None, refusal_as_output: bool = True, scope: str | None = None) -> FunctionTool:
     """A copy of `tool` whose every call is admitted by estop first. `effect` names the effect
     at the gate (default: the tool's name). `on_hold="interrupt"` (default): before the SDK runs
     a call it asks estop (the tool's `needs_approval` hook), and a held call becomes the SDK's
     own interruption (`result.interruptions`, a `RunState` to save); `on_hold="wait"`: the call
-    waits for the decision inside the tool."""
+    waits for the decision inside the tool. `scope`: the call acts in the child run
+    `RUN.scope` (a handed-off agent's, see `gate_agent`)."""
     if getattr(tool, "__estop_gated__", False):
         return tool
     name = effect or tool.name
@@ -88,6 +106,7 @@ def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "
     def call_for(args: Any, call_id: str | None, na: bool) -> EffectCall:
         run = current_run()
         assert run is not None
+        run = _scoped(run, scope)
         key = call_key(run, name, call_id, args) if call_id else None
         return make_call(run, name, args, key=key, needs_approval=na)
 
@@ -119,24 +138,33 @@ def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "
     gated = dataclasses.replace(tool, on_invoke_tool=on_invoke_tool, needs_approval=needs_approval if on_hold == "interrupt" else False)
     object.__setattr__(gated, "__estop_gated__", True)
     object.__setattr__(gated, "__estop_effect__", name)
+    object.__setattr__(gated, "__estop_scope__", scope)
     return gated
+
+
+def _held(agent: Any, interruptions: Iterable[Any], run_id: str) -> list[tuple[str, str, Any]]:
+    """(run id, key, item) of each interruption of a gated tool; a handed-off agent's tools act
+    in its child run."""
+    out = []
+    for item in interruptions:
+        tools = list(getattr(getattr(item, "agent", None), "tools", None) or []) + list(getattr(agent, "tools", []))
+        raw = item.raw_item
+        get = raw.get if isinstance(raw, dict) else lambda k, d=None: getattr(raw, k, d)
+        name = item.tool_name or get("name")
+        tool = next((t for t in tools if getattr(t, "name", None) == name and getattr(t, "__estop_effect__", None)), None)
+        call_id, arguments = get("call_id"), get("arguments")
+        if tool is not None and call_id:
+            scope = getattr(tool, "__estop_scope__", None)
+            rid = f"{run_id}.{scope}" if scope else run_id
+            out.append((rid, call_key(rid, tool.__estop_effect__, call_id, json.loads(arguments) if arguments else {}), item))
+    return out
 
 
 def holds(agent: Any, interruptions: Iterable[Any], run_id: str | Run) -> list[str]:
     """The estop keys of the SDK interruptions (`result.interruptions`,
     `state.get_interruptions()`) of gated tools: what the operator decides. Works in a new
     process from a loaded RunState (the key is the call id + tool + arguments)."""
-    effects = {t.name: getattr(t, "__estop_effect__", None) for t in getattr(agent, "tools", [])}
-    rid = run_id.id if isinstance(run_id, Run) else run_id
-    keys = []
-    for item in interruptions:
-        raw = item.raw_item
-        get = raw.get if isinstance(raw, dict) else lambda k, d=None: getattr(raw, k, d)
-        eff = effects.get(item.tool_name or get("name"))
-        call_id, arguments = get("call_id"), get("arguments")
-        if eff and call_id:
-            keys.append(call_key(rid, eff, call_id, json.loads(arguments) if arguments else {}))
-    return keys
+    return [k for _, k, _ in _held(agent, interruptions, run_id.id if isinstance(run_id, Run) else run_id)]
 
 
 async def resolve(agent: Any, state: Any, *, gate: Estop | None = None, run_id: str | Run, timeout_s: float | None = None) -> dict[str, str]:
@@ -147,26 +175,79 @@ async def resolve(agent: Any, state: Any, *, gate: Estop | None = None, run_id: 
     an approved call still asks the gate when it runs, so an approval written into the state by
     the agent process counts for nothing (G7)."""
     rid = run_id.id if isinstance(run_id, Run) else run_id
-    items = list(state.get_interruptions())
-    keys = holds(agent, items, rid)
-    if not keys:
+    held = _held(agent, list(state.get_interruptions()), rid)
+    if not held:
         return {}
     if gate is None:
         from ..run import default
 
         gate = default()
-    decided = await gate.await_decided(rid, keys, timeout_s)
-    by_key = dict(zip(holds(agent, items, rid), items))
-    for key, decision in decided.items():
-        item = by_key.get(key)
-        if item is not None:
-            # A sibling of an approval (or a paused call) has no decision of its own: let it run,
-            # and it waits at the gate until what holds it is lifted.
-            if decision in ("approve", "sibling", "paused"):
-                state.approve(item)
-            else:
-                state.reject(item, rejection_message=f"estop refused this call ({_REFUSED.get(decision, decision)}); do not retry it")
+    decided: dict[str, str] = {}
+    for sub in dict.fromkeys(r for r, _, _ in held):
+        decided |= await gate.await_decided(sub, [k for r, k, _ in held if r == sub], timeout_s)
+    for _, key, item in held:
+        decision = decided.get(key)
+        # A sibling of an approval (or a paused call) has no decision of its own: let it run,
+        # and it waits at the gate until what holds it is lifted.
+        if decision in ("approve", "sibling", "paused"):
+            state.approve(item)
+        elif decision is not None:
+            state.reject(item, rejection_message=f"estop refused this call ({_REFUSED.get(decision, decision)}); do not retry it")
     return decided
+
+
+def gate_agent(agent: Any, *, effects: dict[str, str] | None = None, **kw: Any) -> Any:
+    """A copy of `agent` with every FunctionTool gated, and so for each agent it can hand off to
+    (recursively, cycles kept): a handed-off agent's calls act in the child run `RUN.<its
+    name>` (parent link sent on its first admission, so a cancel of the run reaches it at the
+    gate). `Handoff` objects hand off to the gated copy of what they return. Sub-agents used as
+    tools: `agent_tool`."""
+    return _gate_tree(agent, None, dict(effects or {}), kw, {})
+
+
+def _gate_tree(agent: Any, scope: str | None, effects: dict[str, str], kw: dict[str, Any], seen: dict[int, Any]) -> Any:
+    if id(agent) in seen:
+        return seen[id(agent)]
+    tools = [gate_tool(t, effect=effects.get(t.name), scope=scope, **kw) if isinstance(t, FunctionTool) else t for t in agent.tools]
+    gated = agent.clone(tools=tools, handoffs=[])
+    seen[id(agent)] = gated
+    out: list[Any] = []
+    for h in agent.handoffs:
+        if isinstance(h, Handoff):
+            out.append(_gate_handoff(h, effects, kw, seen))
+        else:
+            out.append(_gate_tree(h, _scope_name(h.name), effects, kw, seen))
+    gated.handoffs = out
+    return gated
+
+
+def _gate_handoff(h: Any, effects: dict[str, str], kw: dict[str, Any], seen: dict[int, Any]) -> Any:
+    inner = h.on_invoke_handoff
+
+    async def on_invoke_handoff(ctx: Any, input_json: str) -> Any:
+        return _gate_tree(await inner(ctx, input_json), _scope_name(h.agent_name), effects, kw, seen)
+
+    return dataclasses.replace(h, on_invoke_handoff=on_invoke_handoff)
+
+
+def agent_tool(agent: Any, tool_name: str | None = None, tool_description: str | None = None, *, effects: dict[str, str] | None = None, gate_kw: dict[str, Any] | None = None, **as_tool_kw: Any) -> FunctionTool:
+    """`agent.as_tool(...)` whose every invocation is a child run of the calling run —
+    `RUN.<tool name>-<call id>`, the parent link sent on its first admission, so a cancel of the
+    parent reaches the sub-agent at the gate — with the sub-agent's tools gated (`gate_agent`)."""
+    sub = gate_agent(agent, effects=effects, **(gate_kw or {}))
+    t = sub.as_tool(tool_name, tool_description, **as_tool_kw)
+    inner = t.on_invoke_tool
+
+    async def on_invoke_tool(ctx: Any, arguments: str) -> Any:
+        parent = current_run()
+        assert parent is not None
+        call_id = getattr(ctx, "tool_call_id", None) or "call"
+        async with parent.child(_scope_name(f"{t.name}-{call_id}")):
+            return await inner(ctx, arguments)
+
+    gated = dataclasses.replace(t, on_invoke_tool=on_invoke_tool)
+    object.__setattr__(gated, "__estop_gated__", True)
+    return gated
 
 
 def _estop_stop(e: BaseException) -> BaseException | None:

@@ -1,19 +1,23 @@
-"""PydanticAI: gated tools (a toolset wrapper), approval tools decided in estop, run cancel/timeout → estop cancel.
+"""PydanticAI: every tool gated through a capability, approval tools decided in estop, a hold
+as PydanticAI's own deferral; a cancel/timeout interrupts, `run.cancel()` stops.
 
     from estop.adapters import pydantic_ai as ep
 
-    agent = Agent(model, toolsets=[ep.EstopToolset(FunctionToolset([wire_money, send_email]))])
-    ep.gate_agent(agent)     # or gate the tools registered with @agent.tool / @agent.tool_plain
+    agent = Agent(model, tools=[wire_money, send_email], capabilities=[ep.EstopCapability()])
     result = await ep.run(agent, "refund order 42", gate=gate, run_id="order-42")
+
+(`ep.EstopToolset(toolset)` gates one toolset; `ep.gate_agent(agent)` gates an agent built
+elsewhere for the runs `ep.run` makes.)
 
 * Every tool call is admitted by the gate first; the tool runs only on `admitted`; a duplicate
   (a replayed or retried run) returns the recorded result. The key is PydanticAI's
   `tool_call_id` (+ the digest); `@estop.effect`s the tool body calls are keyed from the call.
-* Tools declared `requires_approval=True` (deferred approval tools) are no longer deferred by
-  PydanticAI: the approval is an estop approval decided by an operator, and the call — with its
-  siblings of the same turn — waits for it (`on_hold="wait"`, the default). With
-  `on_hold="defer"` a hold raises PydanticAI's `ApprovalRequired` instead, so the run ends with
-  `DeferredToolRequests` (PydanticAI's native pause: serialisable with the message history);
+* Tools declared `requires_approval=True` (deferred approval tools) become estop approvals,
+  decided by an operator. A hold (that approval, its siblings of the same turn, a pause) is
+  PydanticAI's native deferral when the agent can return `DeferredToolRequests` (its
+  `output_type` names it: `on_hold="auto"`, the default; `"defer"` always): `ApprovalRequired`,
+  so the run ends with `DeferredToolRequests` (serialisable with the message history). An agent
+  that cannot defer (PydanticAI would raise `UserError`) waits in the call instead (`"wait"`).
   `gate.await_decided(run, keys)` waits for the operator, then run it again with the message
   history and `deferred_tool_results` (the same call presents the same key). `run(...,
   approver=operator_client)` records the native answers (`approvals`: True / False /
@@ -36,6 +40,8 @@ from typing import Any
 from ._common import missing_extra
 
 try:
+    from pydantic_ai import DeferredToolRequests
+    from pydantic_ai.capabilities import AbstractCapability
     from pydantic_ai.exceptions import ApprovalRequired
     from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 except ImportError as e:
@@ -45,9 +51,38 @@ from ..effect import EffectCall, call_key, encode_result, gate_async, make_call,
 from ..client import Client
 from ..errors import EstopError, HeldForApproval, InDoubt, Interrupted, NotFound, NotPending, Refused, RunStopped
 from ..run import Estop, Run, current_run, step
-from ._common import STOP_ON, arun_guarded, hold_payload, resolve_run, run_guarded
+from ._common import STOP_ON, admit_turn, arun_guarded, hold_payload, resolve_run, run_guarded
 
-__all__ = ["EstopToolset", "gate_agent", "run", "run_sync"]
+__all__ = ["EstopCapability", "EstopToolset", "gate_agent", "run", "run_sync"]
+
+_ON_HOLD = ("auto", "defer", "wait")
+_GATES_LEAVES = "__estop_gates_leaves__"
+
+
+def _defers(on_hold: str, ctx: Any) -> bool:
+    """Whether a hold becomes PydanticAI's deferral (`ApprovalRequired`). `auto`: when the run
+    can end with `DeferredToolRequests` (the agent's output type names it), as a PydanticAI
+    user who declared it expects; otherwise PydanticAI could not defer, and the call waits."""
+    if on_hold != "auto":
+        return on_hold == "defer"
+    agent = getattr(ctx, "agent", None)
+    return _names_deferred(getattr(agent, "output_type", None))
+
+
+def _names_deferred(t: Any, depth: int = 0) -> bool:
+    if t is DeferredToolRequests:
+        return True
+    if depth > 4 or t is None or isinstance(t, (str, bytes)):
+        return False
+    import typing
+
+    parts: list[Any] = list(typing.get_args(t))
+    if isinstance(t, (list, tuple, set, frozenset)):
+        parts += list(t)
+    inner = getattr(t, "output", None)  # ToolOutput / NativeOutput / … wrappers
+    if inner is not None and inner is not t:
+        parts.append(inner)
+    return any(_names_deferred(p, depth + 1) for p in parts)
 
 
 async def _gated_call(owner: Any, inner_call: Any, name: str, tool_args: dict[str, Any], ctx: Any, tool: Any) -> Any:
@@ -62,7 +97,8 @@ async def _gated_call(owner: Any, inner_call: Any, name: str, tool_args: dict[st
     if (earlier := _abandoned(run).pop((effect, call.digest), None)) is not None:
         call.key = earlier.key
         await earlier.settled(getattr(tool.tool_def, "timeout", None))
-    hold = "raise" if owner.on_hold == "defer" else "wait"
+    await _admit_turn(owner, run, ctx, skip_id=call_id if earlier is not None else None)
+    hold = "raise" if _defers(owner.on_hold, ctx) else "wait"
     try:
         # Effects the body gates itself (`@estop.effect`) take their keys from this call.
         with step(f"call:{call_id}") if call_id else contextlib.nullcontext():
@@ -81,7 +117,34 @@ async def _gated_call(owner: Any, inner_call: Any, name: str, tool_args: dict[st
         return f"estop: an earlier identical call may still have happened ({e.status}); do not retry it"
 
 
+async def _admit_turn(owner: Any, run: Run, ctx: Any, *, skip_id: str | None) -> None:
+    """Whole-turn admission (see `_common.admit_turn`): the tool calls of the model response
+    this call belongs to, those of this toolset's tools, all admitted before any starts."""
+    from pydantic_ai.messages import ModelResponse, ToolCallPart
+
+    call_id = getattr(ctx, "tool_call_id", None)
+    for m in reversed(getattr(ctx, "messages", None) or []):
+        if not isinstance(m, ModelResponse):
+            continue
+        parts = [p for p in m.parts if isinstance(p, ToolCallPart)]
+        if not call_id or all(p.tool_call_id != call_id for p in parts):
+            continue
+        # (A retry that takes an abandoned call's key is not admitted under its own.)
+        mine = [p for p in parts if p.tool_name in owner._names and p.tool_call_id != skip_id]
+
+        def calls() -> list[EffectCall]:
+            out = []
+            for p in mine:
+                effect, args = owner.effects.get(p.tool_name, p.tool_name), p.args_as_dict()
+                out.append(make_call(run, effect, args, key=call_key(run, effect, p.tool_call_id, args), needs_approval=p.tool_name in owner._approval))
+            return out
+
+        await admit_turn(run, (id(owner), tuple(p.tool_call_id for p in parts)), calls)
+        return
+
+
 async def _gated_tools(owner: Any, tools: dict[str, Any]) -> dict[str, Any]:
+    owner._names.update(tools)
     out = {}
     for name, t in tools.items():
         if t.tool_def.kind == "unapproved":
@@ -200,46 +263,76 @@ class EstopToolset(WrapperToolset[Any]):
     """Wraps a toolset so that every call is admitted by estop first."""
 
     effects: dict[str, str] = field(default_factory=dict)
-    on_hold: str = "wait"
+    on_hold: str = "auto"
     hold_timeout_s: float | None = None
     refusal_as_output: bool = True
     _approval: set[str] = field(default_factory=set)
+    _names: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.on_hold not in _ON_HOLD:
+            raise ValueError(f"on_hold must be one of {_ON_HOLD}, not {self.on_hold!r}")
 
     async def get_tools(self, ctx: Any) -> dict[str, Any]:
         return await _gated_tools(self, await self.wrapped.get_tools(ctx))
+
+    def visit_and_replace(self, visitor: Any) -> Any:
+        # An `EstopCapability` gating the run's toolsets leaves this (already gated) one alone;
+        # any other visitor (durable execution, …) reaches the leaves inside as usual.
+        if getattr(visitor, _GATES_LEAVES, False):
+            return self
+        return super().visit_and_replace(visitor)
 
     async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: Any, tool: Any) -> Any:
         return await _gated_call(self, self.wrapped.call_tool, name, tool_args, ctx, tool)
 
 
 @dataclass
-class _Options:
+class EstopCapability(AbstractCapability[Any]):
+    """Gates every tool the agent runs — its own (`@agent.tool`, `tools=[...]`), its toolsets',
+    MCP servers' — through PydanticAI's public capability hook (`get_wrapper_toolset`: each leaf
+    toolset of the run is wrapped in an `EstopToolset`, with `visit_and_replace`):
+
+        agent = Agent(model, capabilities=[ep.EstopCapability()])
+    """
+
     effects: dict[str, str] = field(default_factory=dict)
-    on_hold: str = "wait"
+    on_hold: str = "auto"
     hold_timeout_s: float | None = None
     refusal_as_output: bool = True
-    _approval: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.on_hold not in _ON_HOLD:
+            raise ValueError(f"on_hold must be one of {_ON_HOLD}, not {self.on_hold!r}")
+
+    def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
+        # Each leaf toolset (function tools, MCP servers, …) is wrapped, not the assembled one:
+        # a leaf's own tools are what PydanticAI calls (a sync tool's thread, its timeout).
+        def gate(leaf: AbstractToolset[Any]) -> AbstractToolset[Any]:
+            return EstopToolset(leaf, effects=self.effects, on_hold=self.on_hold, hold_timeout_s=self.hold_timeout_s, refusal_as_output=self.refusal_as_output)
+
+        setattr(gate, _GATES_LEAVES, True)
+        return toolset.visit_and_replace(gate)
 
 
-def gate_agent(agent: Any, *, effects: dict[str, str] | None = None, on_hold: str = "wait", hold_timeout_s: float | None = None, refusal_as_output: bool = True) -> Any:
-    """Gates the tools registered on the agent itself (`@agent.tool`, `tools=[...]`), in place.
-    (PydanticAI has no public hook for that toolset; this wraps its two methods on the instance.)"""
-    ts: AbstractToolset[Any] = agent._function_toolset
-    if getattr(ts, "__estop_gated__", False):
-        return agent
-    opts = _Options(effects=dict(effects or {}), on_hold=on_hold, hold_timeout_s=hold_timeout_s, refusal_as_output=refusal_as_output)
-    get_tools, call_tool = ts.get_tools, ts.call_tool
+_CAPABILITY_ATTR = "__estop_capability__"
 
-    async def gated_get_tools(ctx: Any) -> dict[str, Any]:
-        return await _gated_tools(opts, await get_tools(ctx))
 
-    async def gated_call_tool(name: str, tool_args: dict[str, Any], ctx: Any, tool: Any) -> Any:
-        return await _gated_call(opts, call_tool, name, tool_args, ctx, tool)
-
-    object.__setattr__(ts, "get_tools", gated_get_tools)
-    object.__setattr__(ts, "call_tool", gated_call_tool)
-    object.__setattr__(ts, "__estop_gated__", True)
+def gate_agent(agent: Any, *, effects: dict[str, str] | None = None, on_hold: str = "auto", hold_timeout_s: float | None = None, refusal_as_output: bool = True) -> Any:
+    """Gates every tool of an agent built elsewhere, for the runs `ep.run`/`ep.run_sync` make:
+    each gets an `EstopCapability` (passed as the run's `capabilities=`, PydanticAI's public
+    per-run hook). Where you build the agent, `Agent(..., capabilities=[ep.EstopCapability()])`
+    gates `agent.run` too."""
+    cap = EstopCapability(effects=dict(effects or {}), on_hold=on_hold, hold_timeout_s=hold_timeout_s, refusal_as_output=refusal_as_output)
+    object.__setattr__(agent, _CAPABILITY_ATTR, cap)  # estop's own attribute; nothing of PydanticAI's is touched
     return agent
+
+
+def _with_gate(agent: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    cap = getattr(agent, _CAPABILITY_ATTR, None)
+    if cap is None:
+        return kw
+    return {**kw, "capabilities": [cap, *(kw.get("capabilities") or [])]}
 
 
 async def run(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_id: str | Run | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, approver: Client | None = None, effects: dict[str, str] | None = None, **kw: Any) -> Any:
@@ -256,8 +349,10 @@ async def run(agent: Any, prompt: Any = None, *, gate: Estop | None = None, run_
     if approver is not None and results is not None:
         await asyncio.to_thread(_decide_natively, approver, r.id, results, kw.get("message_history") or [], effects or {})
 
+    run_kw = _with_gate(agent, kw)
+
     async def go() -> Any:
-        coro = agent.run(prompt, **kw)
+        coro = agent.run(prompt, **run_kw)
         return await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
 
     return await arun_guarded(r, go, stop_on=stop_on)

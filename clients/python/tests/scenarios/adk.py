@@ -1,0 +1,215 @@
+"""Google ADK: the failure classes, without estop (ADK's own tool confirmation for approvals) and
+through estop.adapters.google_adk, driven by a scripted model (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+from google.adk.tools import FunctionTool
+from google.genai import types
+
+import estop
+from estop.adapters import google_adk as eadk
+
+from .adk_support import call, runner, user
+from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, effects, interrupt_then_continue, leaks_after, swallow_refusal
+
+
+def _runner(t: Trial, guarded: bool, steps: list[Any], tools: list[Any], *, approval: set[str] = frozenset(), effects_map: dict[str, str] | None = None) -> Any:
+    if guarded:
+        return runner(steps, tools, [eadk.EstopPlugin(approval=approval, effects=effects_map)])
+    return runner(steps, [FunctionTool(f, require_confirmation=True) if f.__name__ in approval else f for f in tools], [])
+
+
+async def _go(t: Trial, guarded: bool, r: Any, message: Any, session: Any = None, **kw: Any) -> tuple[list[Any], Any]:
+    s = session or await r.session_service.create_session(app_name="ops", user_id="u")
+    if guarded:
+        return await eadk.run(r, gate=t.gate, run_id=t.run_id, user_id="u", session_id=s.id, new_message=message, **kw), s
+    return [ev async for ev in r.run_async(user_id="u", session_id=s.id, new_message=message)], s
+
+
+def _answer(events: list[Any], confirmed: bool) -> types.Content:
+    confs = [p.function_call for ev in events if ev.content for p in ev.content.parts or [] if p.function_call and p.function_call.name == eadk.CONFIRMATION]
+    return types.Content(role="user", parts=[types.Part(function_response=types.FunctionResponse(name=eadk.CONFIRMATION, id=c.id, response={"confirmed": confirmed})) for c in confs])
+
+
+def sibling(t: Trial, guarded: bool) -> int:
+    """One turn: a transfer that needs approval and an email (50 ms of work first). ADK pauses
+    the transfer for its confirmation and runs the email at once."""
+    fx = effects(t, guarded)
+
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        t.world.do("wire", amount)
+        return "wired"
+
+    def notify(to: str) -> str:
+        """Tell someone."""
+        time.sleep(SIBLING_WORK_S)
+        return str(swallow_refusal(fx["send_email"], to))
+
+    async def anotify(to: str) -> str:
+        """Tell someone."""
+        return await asyncio.to_thread(notify, to)
+
+    anotify.__name__ = "notify"
+    turn = [call("wire_money", "w1", to="acct-9", amount=100), call("notify", "n1", to="ops@example.com")]
+    r = _runner(t, guarded, [turn], [wire_money, anotify], approval={"wire_money"})
+
+    async def main() -> None:
+        if guarded:
+            th = t.decide_later("reject", tool="wire_money")
+            await _go(t, guarded, r, user("pay and tell"))
+            th.join()
+            return
+        await _go(t, guarded, r, user("pay and tell"))
+        await asyncio.sleep(DECIDE_AFTER_S)  # the human decides after the request
+        t.world.mark("decided")
+
+    asyncio.run(main())
+    return t.world.count("email", before=t.world.marks["decided"])
+
+
+def reject(t: Trial, guarded: bool) -> int:
+    """The human rejects the transfer; the model re-plans and pays the invoice instead."""
+
+    def transfer(to: str, amount: int) -> str:
+        t.world.do("wire", amount)
+        return "wired"
+
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        return transfer(to, amount)
+
+    def pay_invoice(to: str, amount: int) -> str:
+        """Pay an invoice (moves money too)."""
+        return transfer(to, amount)
+
+    steps = [[call("wire_money", "w1", to="acct-9", amount=100)], [call("pay_invoice", "c2", to="acct-9", amount=100)]]
+    r = _runner(t, guarded, steps, [wire_money, pay_invoice], approval={"wire_money"}, effects_map={"pay_invoice": "wire_money"})
+
+    async def main() -> None:
+        evs, s = await _go(t, guarded, r, user("pay"))
+        if guarded:
+            p = await asyncio.to_thread(t.pending, "wire_money")
+            t.world.mark("rejected")
+            await asyncio.to_thread(t.operator.reject, t.run_id, p["key"])
+            answers = types.Content(role="user", parts=await eadk.resolve(evs, gate=t.gate, run_id=t.run_id, timeout_s=10))
+        else:
+            t.world.mark("rejected")
+            answers = _answer(evs, False)
+        await _go(t, guarded, r, answers, s)
+
+    asyncio.run(main())
+    return leaks_after(t.world, "wire", "rejected")
+
+
+def replay(t: Trial, guarded: bool) -> int:
+    """The worker dies after the charge (the next model call fails); the job is redelivered."""
+
+    def charge(amount: int) -> str:
+        """Charge the customer."""
+        t.world.do("charge", amount)
+        return f"ch_{amount}"
+
+    async def attempt(steps: list[Any]) -> None:
+        try:
+            await _go(t, guarded, _runner(t, guarded, steps, [charge]), user("charge order 42"))
+        except ConnectionError:
+            pass
+
+    asyncio.run(attempt([[call("charge", "c1", amount=42)], ConnectionError("worker lost")]))
+    asyncio.run(attempt([[call("charge", "c1", amount=42)]]))
+    return t.world.count("charge") - 1
+
+
+def cancel_thread(t: Trial, guarded: bool) -> int:
+    """A blocking refund in a worker thread lands after the run's timeout returned."""
+    fx = effects(t, guarded)
+    done = threading.Event()
+
+    def slow_refund(amount: int) -> str:
+        try:
+            time.sleep(TOOL_DELAY_S)
+            return str(swallow_refusal(fx["charge"], -amount))
+        finally:
+            done.set()
+
+    async def refund(amount: int) -> str:
+        """Refund through a blocking SDK, run in a worker thread."""
+        return await asyncio.to_thread(slow_refund, amount)
+
+    r = _runner(t, guarded, [[call("refund", "c1", amount=42)]], [refund])
+
+    async def main() -> None:
+        try:
+            if guarded:
+                await _go(t, guarded, r, user("refund"), timeout_s=TOOL_DELAY_S / 3)
+            else:
+                await asyncio.wait_for(_go(t, guarded, r, user("refund")), TOOL_DELAY_S / 3)
+            raise AssertionError("expected the timeout")
+        except (TimeoutError, asyncio.TimeoutError):
+            t.world.mark("stopped")
+
+    asyncio.run(main())
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
+def cancel_async(t: Trial, guarded: bool) -> int:
+    """An async refund whose write is shielded lands after the task was cancelled."""
+    fx = effects(t, guarded)
+    started = threading.Event()
+    finished = threading.Event()
+
+    async def write(amount: int) -> None:
+        try:
+            await asyncio.sleep(TOOL_DELAY_S)
+            try:
+                await fx["acharge"](-amount)
+            except estop.Refused:
+                pass
+        finally:
+            finished.set()
+
+    async def refund(amount: int) -> str:
+        """Refund (async API; the write is shielded)."""
+        started.set()
+        await asyncio.shield(asyncio.ensure_future(write(amount)))
+        return "refunded"
+
+    r = _runner(t, guarded, [[call("refund", "c1", amount=42)]], [refund])
+
+    async def main() -> None:
+        task = asyncio.ensure_future(_go(t, guarded, r, user("refund")))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            t.world.mark("stopped")
+        while not finished.is_set():
+            await asyncio.sleep(0.005)
+
+    asyncio.run(main())
+    return leaks_after(t.world, "charge", "stopped")
+
+
+def next_turn(t: Trial, guarded: bool) -> None:
+    def charge(amount: int) -> str:
+        """Charge."""
+        t.world.do("charge", amount)
+        return "charged"
+
+    asyncio.run(_go(t, guarded, _runner(t, guarded, [[call("charge", "n1", amount=NEXT_TURN_AMOUNT)]], [charge]), user("charge")))
+
+
+def interrupt_continue(t: Trial, guarded: bool) -> int:
+    return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
+
+
+SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
