@@ -9,5 +9,7 @@
 pub mod budget;
 pub mod chat;
 pub mod machine;
+pub mod model;
 pub mod record;
 pub mod scheduler;
+pub mod scripted;
