@@ -6,10 +6,15 @@
 //! The core (`machine`, `record`, `budget`, `scheduler`) is pure: no IO, no clock (time is an
 //! argument in Unix milliseconds), no threads, deterministic. The IO lives in other modules.
 
+pub mod agent;
 pub mod budget;
 pub mod chat;
+pub mod config;
+pub mod gate;
+pub mod journal;
 pub mod machine;
 pub mod model;
 pub mod record;
+pub mod runner;
 pub mod scheduler;
 pub mod scripted;

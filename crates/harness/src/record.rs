@@ -97,8 +97,9 @@ pub enum Phase {
     Proposed,
     /// Admitted by the gate (two-phase: not started).
     Admitted { token: String },
-    /// Dispatched; its result is accepted until the deadline.
-    Dispatched { deadline_ms: u64 },
+    /// Dispatched; its result is accepted until the deadline. The token is kept so that a
+    /// call cancelled or timed out (or found started after a restart) is completed `unknown`.
+    Dispatched { deadline_ms: u64, token: String },
 }
 
 /// A call held by the gate for approval.
@@ -672,7 +673,10 @@ impl Record {
                     call: p.call.clone(),
                     token: token.clone(),
                 });
-                p.phase = Phase::Dispatched { deadline_ms };
+                p.phase = Phase::Dispatched {
+                    deadline_ms,
+                    token: token.clone(),
+                };
             }
         }
         actions
@@ -770,7 +774,7 @@ impl Record {
         }
         let (due, keep): (Vec<_>, Vec<_>) =
             std::mem::take(&mut self.pending).into_iter().partition(
-                |p| matches!(p.phase, Phase::Dispatched { deadline_ms } if deadline_ms <= now_ms),
+                |p| matches!(p.phase, Phase::Dispatched { deadline_ms, .. } if deadline_ms <= now_ms),
             );
         self.pending = keep;
         if due.is_empty() {
@@ -787,9 +791,13 @@ impl Record {
                     "the call passed its deadline; its outcome is unknown",
                 ),
             });
+            let token = match p.phase {
+                Phase::Dispatched { token, .. } => Some(token),
+                _ => None,
+            };
             actions.push(Action::MarkUnknown {
                 call: p.call,
-                token: None,
+                token,
             });
         }
         actions.extend(self.after_result(now_ms)?);
@@ -811,7 +819,7 @@ impl Record {
         let mut actions = Vec::new();
         for p in std::mem::take(&mut self.pending) {
             match p.phase {
-                Phase::Dispatched { .. } => {
+                Phase::Dispatched { token, .. } => {
                     actions.push(Action::CancelTool {
                         call_id: p.call.id.clone(),
                     });
@@ -824,7 +832,7 @@ impl Record {
                     });
                     actions.push(Action::MarkUnknown {
                         call: p.call,
-                        token: None,
+                        token: Some(token),
                     });
                 }
                 Phase::Admitted { .. } | Phase::Proposed => actions.push(Action::Observe {

@@ -118,7 +118,7 @@ proptest! {
                 }
                 Step::Pending(on) => {
                     rec.pending = if on {
-                        vec![PendingCall { call: call.clone(), phase: Phase::Dispatched { deadline_ms: 9 } }]
+                        vec![PendingCall { call: call.clone(), phase: Phase::Dispatched { deadline_ms: 9, token: "k".into() } }]
                     } else { Vec::new() }
                 }
                 Step::Held(on) => {
@@ -171,7 +171,10 @@ fn guards_refuse_what_the_table_allows() {
     rec.state = State::WaitingTool;
     rec.pending = vec![PendingCall {
         call: ToolCall::new("c", "t", "{}"),
-        phase: Phase::Dispatched { deadline_ms: 5 },
+        phase: Phase::Dispatched {
+            deadline_ms: 5,
+            token: "k".into(),
+        },
     }];
     assert!(transition(&mut rec, State::Ready, Cause::ToolsDone).is_err());
     rec.state = State::AwaitingApproval;

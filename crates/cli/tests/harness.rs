@@ -1,0 +1,347 @@
+//! The harness (`estop-harness`) end to end: a real `estop serve` admits every tool call of a
+//! trajectory the runner drives against the scripted model server.
+
+mod common;
+
+use common::Daemon;
+use estop_harness::budget::{Limits, Prices};
+use estop_harness::gate::GateConfig;
+use estop_harness::machine::State;
+use estop_harness::model::ModelClient;
+use estop_harness::record::{CallLimits, Exit};
+use estop_harness::runner::{CommandTool, Runner, RunnerOptions};
+use estop_harness::scripted::{self, Script, Scripted, Seen, Step};
+use estop_protocol::{EventKind, Fields, Op, Verb};
+use serde_json::json;
+use std::time::Duration;
+
+const POLICY: &str = r#"
+[defaults]
+unknown_tool = "approve"
+approval_expiry = "10m"
+
+[[rules]]
+tool = "lookup"
+action = "allow"
+class = "read"
+
+[[rules]]
+tool = "drop_table"
+action = "approve"
+reversibility = "irreversible"
+"#;
+
+fn op(verb: Verb, v: serde_json::Value) -> Op {
+    let mut f = Fields::new();
+    for (k, x) in v.as_object().unwrap() {
+        f.json(k, x);
+    }
+    f.build(verb).unwrap().op
+}
+
+fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions {
+    let append = |tag: &str| {
+        vec![
+            "sh".into(),
+            "-c".into(),
+            format!("echo {tag} >> {}; cat", effects.display()),
+        ]
+    };
+    RunnerOptions {
+        data: d.data().join("harness"),
+        gate: GateConfig {
+            target: d.socket(),
+            token: d.token("agent.token"),
+        },
+        model: ModelClient::new(model, None).unwrap(),
+        call_limits: CallLimits {
+            model: "m".into(),
+            max_output_tokens: 256,
+            call_deadline_ms: 60_000,
+            tool_deadline_ms: 60_000,
+        },
+        limits: Limits {
+            turns_max: Some(10),
+            ..Limits::default()
+        },
+        prices: Prices {
+            input: 3.0,
+            cached_input: 0.3,
+            output: 15.0,
+        },
+        tools: vec![
+            CommandTool {
+                name: "lookup".into(),
+                description: "read".into(),
+                parameters: json!({"type": "object"}),
+                command: append("lookup"),
+                read_only: true,
+            },
+            CommandTool {
+                name: "drop_table".into(),
+                description: "drop".into(),
+                parameters: json!({"type": "object"}),
+                command: append("drop_table"),
+                read_only: false,
+            },
+        ],
+        system: "You are a careful agent.".into(),
+        grace: Duration::from_millis(100),
+        workers: 4,
+        tpm: 1_000_000,
+        rpm: 1_000,
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A read runs at once; an irreversible call is held at the gate, rejected by an operator, and
+/// the model sees a structured refusal instead — the call never ran. The model then answers
+/// and the trajectory completes; the gate's run is closed.
+#[test]
+fn a_rejected_call_never_runs_and_the_model_sees_the_refusal() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let rt = runtime();
+    let server = rt
+        .block_on(Scripted::start(
+            "127.0.0.1:0",
+            Script {
+                responses: vec![
+                    scripted::call("c1", "lookup", "{\"q\": \"orders\"}"),
+                    scripted::call(
+                        "c2",
+                        "drop_table",
+                        "{\"db\": \"prod\", \"table\": \"orders_staging\"}",
+                    ),
+                    scripted::answer("left the table in place"),
+                ],
+            },
+        ))
+        .unwrap();
+    let mut runner = rt
+        .block_on(async { Runner::open(options(&d, &server.base_url(), &effects)) })
+        .unwrap();
+    rt.block_on(async { runner.start("traj-1", None, "clean up staging") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    // The run exists once the lookup was admitted (before the second model call).
+    rt.block_on(server.wait_for(&Seen::Call { n: 1 }));
+    let mut op_client = d.operator();
+    op_client
+        .request(&op(Verb::Subscribe, json!({"run": "traj-1"})))
+        .unwrap();
+    let held_now = |c: &mut estop_server::client::Client| {
+        let p = c
+            .request(&op(Verb::Pending, json!({"run": "traj-1"})))
+            .unwrap();
+        format!("{p:?}").contains("c2")
+    };
+    if !held_now(&mut op_client) {
+        loop {
+            let e = op_client.next_event().unwrap();
+            if e.is_some_and(|e| e.event == EventKind::Held) {
+                break;
+            }
+        }
+    }
+    let (code, _, err) = d.cli(&["reject", "traj-1", "c2", "--reason", "not in prod"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+
+    let rec = runner.record("traj-1").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(rec.exit, Some(Exit::Completed { check_passed: true }));
+    assert_eq!(
+        std::fs::read_to_string(&effects).unwrap(),
+        "lookup\n",
+        "drop_table never ran"
+    );
+    let calls = server.calls();
+    assert_eq!(calls.len(), 3);
+    let last = calls[2]["messages"].as_array().unwrap();
+    let refusal = last
+        .iter()
+        .find(|m| m["tool_call_id"] == "c2")
+        .expect("an observation for c2");
+    let body: serde_json::Value =
+        serde_json::from_str(refusal["content"].as_str().unwrap()).unwrap();
+    assert_eq!(body["status"], "REFUSED");
+    assert_eq!(body["reason"], "APPROVAL_DENIED");
+    let lookup = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    assert_eq!(lookup["content"], "{\"q\": \"orders\"}");
+    let (code, out, _) = d.cli(&["status", "traj-1", "--json"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("completed"), "{out}");
+}
+
+/// `estop cancel` of the run while the model is streaming: the stream is cut (the server sees
+/// the client go), the trajectory ends CANCELED through FINALIZING, and no other call is made.
+#[test]
+fn a_cancel_at_the_gate_cuts_the_open_stream_and_ends_the_trajectory() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let rt = runtime();
+    let server = rt
+        .block_on(Scripted::start(
+            "127.0.0.1:0",
+            Script {
+                responses: vec![
+                    scripted::call("c1", "lookup", "{}"),
+                    vec![
+                        scripted::text("I will now drop"),
+                        Step::Gate,
+                        scripted::finish("stop"),
+                        Step::Done,
+                    ],
+                ],
+            },
+        ))
+        .unwrap();
+    let mut opts = options(&d, &server.base_url(), &effects);
+    // Without the cut, the call would end only at its deadline (and the test would fail).
+    opts.call_limits.call_deadline_ms = 5_000;
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("traj-2", None, "work") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    rt.block_on(server.wait_for(&Seen::Call { n: 1 }));
+    let (code, _, err) = d.cli(&["cancel", "traj-2", "--reason", "operator stop"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("traj-2").unwrap();
+    assert_eq!(rec.state, State::Canceled);
+    assert!(
+        matches!(&rec.exit, Some(Exit::Canceled { .. })),
+        "{:?}",
+        rec.exit
+    );
+    rt.block_on(server.wait_for(&Seen::Gone { n: 1, step: 1 }));
+    assert_eq!(server.calls().len(), 2, "no call after the cancel");
+    assert!(
+        rec.budget.spend.turns == 2 && rec.budget.reserved.is_none(),
+        "the cut call is settled"
+    );
+    let marker = runner
+        .context("traj-2")
+        .iter()
+        .filter_map(|m| m.content.as_deref())
+        .any(|c| c.starts_with("[interrupted"));
+    assert!(marker, "the model-visible marker of the cut reply");
+}
+
+/// The harness dies while a tool call runs (its effect started at the gate, its result never
+/// came back). A new runner on the same journal resumes the trajectory: the call is asked about
+/// by its key, found started and never completed, and observed as UNKNOWN — it is not run
+/// again — and the trajectory goes on to complete.
+#[test]
+fn a_crash_mid_tool_resumes_from_the_journal_without_running_the_call_again() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let (fifo_out, fifo_in) = (d.data().join("out"), d.data().join("in"));
+    for f in [&fifo_out, &fifo_in] {
+        assert!(
+            std::process::Command::new("mkfifo")
+                .arg(f)
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+    let script = Script {
+        responses: vec![
+            scripted::call("c1", "lookup", "{}"),
+            scripted::answer("the lookup's outcome is unknown; stopping here"),
+        ],
+    };
+    // The model server outlives the harness's crash: it runs on a runtime of its own.
+    let server_rt = runtime();
+    let server = server_rt
+        .block_on(Scripted::start("127.0.0.1:0", script))
+        .unwrap();
+    let rt = runtime();
+    let mut opts = options(&d, &server.base_url(), &effects);
+    opts.tools[0].command = vec![
+        "sh".into(),
+        "-c".into(),
+        format!(
+            "echo started >> {e}; echo started > {o}; read x < {i}; cat",
+            e = effects.display(),
+            o = fifo_out.display(),
+            i = fifo_in.display()
+        ),
+    ];
+    let mut runner = rt.block_on(async { Runner::open(opts.clone()) }).unwrap();
+    rt.block_on(async { runner.start("traj-3", None, "look it up") })
+        .unwrap();
+    let task = rt.spawn(async move { runner.run().await });
+    // Opening the fifo blocks until the tool writes to it: the tool is running now.
+    let line = std::fs::read_to_string(&fifo_out).unwrap();
+    assert_eq!(line, "started\n");
+    task.abort();
+    // The crash: every task of the harness gone, the tool's process killed with it.
+    rt.shutdown_timeout(Duration::from_secs(10));
+
+    let rt = runtime();
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    let rec = runner.record("traj-3").unwrap();
+    assert_eq!(
+        rec.state,
+        State::WaitingTool,
+        "the journal had the call dispatched"
+    );
+    let runner = rt.block_on(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    let rec = runner.record("traj-3").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(
+        std::fs::read_to_string(&effects).unwrap(),
+        "started\n",
+        "the call ran once"
+    );
+    let calls = server.calls();
+    assert_eq!(calls.len(), 2);
+    let obs = calls[1]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["tool_call_id"] == "c1")
+        .cloned()
+        .unwrap();
+    assert!(
+        obs["content"].as_str().unwrap().contains("UNKNOWN"),
+        "{obs}"
+    );
+    // The gate was told too: the effect is settled as unknown, not left in flight.
+    let (code, out, _) = d.cli(&["report", "traj-3", "--json"]);
+    assert_eq!(code, 0);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let item = find_key(&report, "c1").unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(item["status"], "unknown", "{report:#}");
+}
+
+/// The object of a JSON tree whose `key` is `key`.
+fn find_key<'a>(v: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+    match v {
+        serde_json::Value::Object(m) if m.get("key").and_then(|k| k.as_str()) == Some(key) => {
+            Some(v)
+        }
+        serde_json::Value::Object(m) => m.values().find_map(|x| find_key(x, key)),
+        serde_json::Value::Array(a) => a.iter().find_map(|x| find_key(x, key)),
+        _ => None,
+    }
+}
