@@ -345,3 +345,70 @@ fn find_key<'a>(v: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::V
         _ => None,
     }
 }
+
+/// `estop agent run` with a config file: a tool call, then the budget's turn ceiling stops the
+/// trajectory before a second model call (FAILED, BUDGET_EXCEEDED naming `turns`, exit 3); the
+/// same with room for two turns completes with the model's answer (exit 0).
+#[test]
+fn estop_agent_run_follows_its_config_file() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let script = Script {
+        responses: vec![
+            scripted::call("c1", "lookup", "{\"q\": \"x\"}"),
+            scripted::call("c2", "lookup", "{\"q\": \"y\"}"),
+            scripted::answer("found it"),
+        ],
+    };
+    let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
+    let config = |turns: u64| {
+        format!(
+            r#"
+[harness]
+system = "Be brief."
+
+[[model]]
+name = "scripted"
+base_url = "{}"
+usd_per_mtok_input = 3.0
+usd_per_mtok_output = 15.0
+
+[budget]
+turns = {turns}
+
+[[tool]]
+name = "lookup"
+command = ["cat"]
+read_only = true
+"#,
+            server.base_url()
+        )
+    };
+    let path = d.data().join("agent.toml");
+    std::fs::write(&path, config(1)).unwrap();
+    let path_s = path.display().to_string();
+    let run = |id: &str| {
+        d.cli(&[
+            "agent", "run", "--config", &path_s, "--model", "scripted", "--tools", "lookup",
+            "--id", id, "find x",
+        ])
+    };
+    let (code, out, err) = run("a-1");
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(out.starts_with("a-1 FAILED turns=1"), "{out}");
+    assert!(
+        out.contains(r#""exit":"BUDGET_EXCEEDED","dimension":"turns""#),
+        "{out}"
+    );
+    assert_eq!(server.calls().len(), 1, "no call past the ceiling");
+    assert_eq!(server.calls()[0]["messages"][0]["content"], "Be brief.");
+    std::fs::write(&path, config(2)).unwrap();
+    let (code, out, err) = run("a-2");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("a-2 COMPLETED turns=2"), "{out}");
+    assert!(out.trim_end().ends_with("found it"), "{out}");
+    // An unknown model is an error that names what the file has.
+    let (code, _, err) = d.cli(&["agent", "run", "--config", &path_s, "--model", "gpt", "x"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("\"scripted\""), "{err}");
+}

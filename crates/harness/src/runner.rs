@@ -376,40 +376,58 @@ impl Runner {
     }
 
     fn act(&mut self, rec: &Record, a: Action) {
-        let id = rec.identity.id.clone();
-        let gate = self.opts.gate.clone();
-        let tx = self.tx.clone();
+        let (id, gate, tx) = (
+            rec.identity.id.clone(),
+            self.opts.gate.clone(),
+            self.tx.clone(),
+        );
         match a {
             Action::Observe { message } => self.ctx.entry(id).or_default().push(message),
             Action::CallModel { reservation, steer } => {
-                let mut messages = self.context(&id).to_vec();
-                if let Some(s) = steer {
-                    messages.push(Message::system(s));
-                }
-                let tools = self.opts.tools.iter().filter(|t| rec.grants.allows(&t.name)).map(|t| {
-                    json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}})
-                }).collect();
-                let req = CallRequest {
-                    model: rec.limits.model.clone(),
-                    messages,
-                    tools,
-                    max_tokens: reservation.max_output_tokens,
-                    deadline: Duration::from_millis(rec.limits.call_deadline_ms),
-                };
-                let (cut_tx, cut) = watch::channel(false);
-                self.cuts.insert(id.clone(), cut_tx);
-                self.in_flight += 1;
-                let (model, grace) = (self.opts.model.clone(), self.opts.grace);
-                tokio::spawn(async move {
-                    let reply = model.call(&req, cut, grace).await;
-                    let _ = tx.send(Input::Reply { id, reply });
-                });
+                self.call_model(rec, reservation.max_output_tokens, steer)
             }
             Action::CutModel => {
                 if let Some(c) = self.cuts.get(&id) {
                     let _ = c.send(true);
                 }
             }
+            Action::Dispatch { call, token } => {
+                let tool = self
+                    .opts
+                    .tools
+                    .iter()
+                    .find(|t| t.name == call.function.name)
+                    .cloned();
+                let call_id = call.id.clone();
+                let handle = tokio::spawn(async move {
+                    let result = dispatch(&gate, &id, &call, &token, tool).await;
+                    let _ = tx.send(Input::ToolDone {
+                        id,
+                        call: call.id,
+                        result,
+                    });
+                });
+                self.tools.insert(call_id, handle.abort_handle());
+            }
+            Action::CancelTool { call_id } => {
+                if let Some(h) = self.tools.remove(&call_id) {
+                    h.abort();
+                }
+            }
+            Action::Release { .. } | Action::Dropped { .. } => {}
+            other => self.gate_work(rec, other),
+        }
+    }
+
+    /// The actions that are a conversation with the gate, each on the blocking pool.
+    fn gate_work(&self, rec: &Record, a: Action) {
+        let (id, gate, tx) = (
+            rec.identity.id.clone(),
+            self.opts.gate.clone(),
+            self.tx.clone(),
+        );
+        let tokens = &self.tokens;
+        match a {
             Action::Admit { calls } => {
                 let parent = rec.identity.parent.clone();
                 tokio::task::spawn_blocking(move || {
@@ -439,31 +457,8 @@ impl Runner {
                     });
                 });
             }
-            Action::Dispatch { call, token } => {
-                let tool = self
-                    .opts
-                    .tools
-                    .iter()
-                    .find(|t| t.name == call.function.name)
-                    .cloned();
-                let call_id = call.id.clone();
-                let handle = tokio::spawn(async move {
-                    let result = dispatch(&gate, &id, &call, &token, tool).await;
-                    let _ = tx.send(Input::ToolDone {
-                        id,
-                        call: call.id,
-                        result,
-                    });
-                });
-                self.tools.insert(call_id, handle.abort_handle());
-            }
-            Action::CancelTool { call_id } => {
-                if let Some(h) = self.tools.remove(&call_id) {
-                    h.abort();
-                }
-            }
             Action::MarkUnknown { call, token } => {
-                if let Some(token) = token.or_else(|| self.tokens.get(&call.id).cloned()) {
+                if let Some(token) = token.or_else(|| tokens.get(&call.id).cloned()) {
                     tokio::task::spawn_blocking(move || {
                         let _ = gate.complete(
                             &id,
@@ -475,7 +470,6 @@ impl Runner {
                     });
                 }
             }
-            Action::Release { .. } | Action::Dropped { .. } => {}
             Action::Ended { state } => {
                 tokio::task::spawn_blocking(move || {
                     let _ = match state {
@@ -484,7 +478,36 @@ impl Runner {
                     };
                 });
             }
+            other => unreachable!("not the gate's: {other:?}"),
         }
+    }
+
+    /// Sends the context (and a budget notice for this call only) with the tools the grants
+    /// allow now; the reply comes back as an input.
+    fn call_model(&mut self, rec: &Record, max_tokens: u64, steer: Option<String>) {
+        let (id, tx) = (rec.identity.id.clone(), self.tx.clone());
+        let mut messages = self.context(&id).to_vec();
+        if let Some(s) = steer {
+            messages.push(Message::system(s));
+        }
+        let tools = self.opts.tools.iter().filter(|t| rec.grants.allows(&t.name)).map(|t| {
+                    json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}})
+                }).collect();
+        let req = CallRequest {
+            model: rec.limits.model.clone(),
+            messages,
+            tools,
+            max_tokens: max_tokens,
+            deadline: Duration::from_millis(rec.limits.call_deadline_ms),
+        };
+        let (cut_tx, cut) = watch::channel(false);
+        self.cuts.insert(id.clone(), cut_tx);
+        self.in_flight += 1;
+        let (model, grace) = (self.opts.model.clone(), self.opts.grace);
+        tokio::spawn(async move {
+            let reply = model.call(&req, cut, grace).await;
+            let _ = tx.send(Input::Reply { id, reply });
+        });
     }
 
     /// The gate's stops, pauses and resumes of this run reach the loop as control requests.
@@ -534,61 +557,7 @@ impl Runner {
                     .collect();
                 self.act(&rec, Action::Admit { calls });
             }
-            State::WaitingTool => {
-                let (gate, tx, id) = (self.opts.gate.clone(), self.tx.clone(), id.to_string());
-                let calls: Vec<_> = rec
-                    .pending
-                    .iter()
-                    .map(|p| {
-                        let token = match &p.phase {
-                            Phase::Dispatched { token, .. } => token.clone(),
-                            _ => String::new(),
-                        };
-                        (p.call.clone(), token)
-                    })
-                    .collect();
-                tokio::task::spawn_blocking(move || {
-                    for (c, token) in calls {
-                        let result = match gate.admit(
-                            &id,
-                            None,
-                            &c.id,
-                            &c.function.name,
-                            &c.function.arguments,
-                        ) {
-                            Admission::Duplicate {
-                                outcome: Some(o), ..
-                            } => o,
-                            Admission::Admitted { token } => {
-                                // Prepared, never started: it may run now.
-                                let _ = tx.send(Input::Restart {
-                                    id: id.clone(),
-                                    call: c.id.clone(),
-                                    token,
-                                });
-                                continue;
-                            }
-                            // Started and never completed: its outcome is unknown, and the gate is
-                            // told so (the report shows it; nothing runs it again).
-                            other => {
-                                let _ = gate.complete(
-                                    &id,
-                                    &c.id,
-                                    &token,
-                                    "unknown",
-                                    "the harness restarted while the call ran",
-                                );
-                                json!({"status": "UNKNOWN", "message": format!("the harness restarted while this call ran; its outcome is unknown ({other:?})")}).to_string()
-                            }
-                        };
-                        let _ = tx.send(Input::ToolDone {
-                            id: id.clone(),
-                            call: c.id,
-                            result,
-                        });
-                    }
-                });
-            }
+            State::WaitingTool => self.resume_dispatched(&rec),
             State::AwaitingApproval => {
                 for h in &rec.held {
                     self.act(
@@ -603,6 +572,66 @@ impl Runner {
             State::Finalizing | State::Completed | State::Failed | State::Canceled => {}
         }
         Ok(())
+    }
+
+    /// After a restart, each dispatched call is asked about by its key: a recorded outcome is
+    /// its result; prepared and never started, it may start now; started and never completed,
+    /// its outcome is unknown and it is never run again.
+    fn resume_dispatched(&self, rec: &Record) {
+        let id = rec.identity.id.as_str();
+        let (gate, tx, id) = (self.opts.gate.clone(), self.tx.clone(), id.to_string());
+        let calls: Vec<_> = rec
+            .pending
+            .iter()
+            .map(|p| {
+                let token = match &p.phase {
+                    Phase::Dispatched { token, .. } => token.clone(),
+                    _ => String::new(),
+                };
+                (p.call.clone(), token)
+            })
+            .collect();
+        tokio::task::spawn_blocking(move || {
+            for (c, token) in calls {
+                let result = match gate.admit(
+                    &id,
+                    None,
+                    &c.id,
+                    &c.function.name,
+                    &c.function.arguments,
+                ) {
+                    Admission::Duplicate {
+                        outcome: Some(o), ..
+                    } => o,
+                    Admission::Admitted { token } => {
+                        // Prepared, never started: it may run now.
+                        let _ = tx.send(Input::Restart {
+                            id: id.clone(),
+                            call: c.id.clone(),
+                            token,
+                        });
+                        continue;
+                    }
+                    // Started and never completed: its outcome is unknown, and the gate is
+                    // told so (the report shows it; nothing runs it again).
+                    other => {
+                        let _ = gate.complete(
+                            &id,
+                            &c.id,
+                            &token,
+                            "unknown",
+                            "the harness restarted while the call ran",
+                        );
+                        json!({"status": "UNKNOWN", "message": format!("the harness restarted while this call ran; its outcome is unknown ({other:?})")}).to_string()
+                    }
+                };
+                let _ = tx.send(Input::ToolDone {
+                    id: id.clone(),
+                    call: c.id,
+                    result,
+                });
+            }
+        });
     }
 }
 
@@ -642,6 +671,18 @@ async fn dispatch(
     text
 }
 
+/// Kills the tool's whole process group when dropped: a tool cancelled (its task aborted),
+/// timed out or finished leaves no process behind.
+struct Group(Option<rustix::process::Pid>);
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0 {
+            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
 async fn run_command(tool: &CommandTool, args: &str) -> (&'static str, String) {
     use tokio::io::AsyncWriteExt;
     let Some((prog, rest)) = tool.command.split_first() else {
@@ -659,6 +700,11 @@ async fn run_command(tool: &CommandTool, args: &str) -> (&'static str, String) {
         Ok(c) => c,
         Err(e) => return ("error", format!("cannot start {prog}: {e}")),
     };
+    let _group = Group(
+        child
+            .id()
+            .and_then(|p| rustix::process::Pid::from_raw(p as i32)),
+    );
     if let Some(mut stdin) = child.stdin.take() {
         let _ = stdin.write_all(args.as_bytes()).await;
     }
