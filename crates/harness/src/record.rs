@@ -505,11 +505,7 @@ impl Record {
             },
         }];
         // The boundary after the reply is parsed, before anything is dispatched.
-        if self
-            .control
-            .iter()
-            .any(|c| !matches!(c, Control::Budget { .. }))
-        {
+        if self.control_waiting() {
             for c in calls.iter().filter(|_| finish == Finish::ToolCalls) {
                 actions.push(Action::Observe {
                     message: marker(
@@ -644,12 +640,37 @@ impl Record {
             actions.extend(self.stop_if_asked()?);
             return Ok(actions);
         }
-        if self.pending.is_empty() {
+        if self.pending.is_empty() || self.control_waiting() {
+            let mut actions = self.withhold();
             self.go(State::Ready, Cause::Observed)?;
-            return self.boundary(now_ms);
+            actions.extend(self.boundary(now_ms)?);
+            return Ok(actions);
         }
         self.go(State::WaitingTool, Cause::Dispatched)?;
         Ok(self.dispatch_admitted(now_ms))
+    }
+
+    /// A control request (other than a budget change) is waiting for the next boundary: the
+    /// last point before a dispatch is one, so nothing new starts before it applies.
+    fn control_waiting(&self) -> bool {
+        self.control
+            .iter()
+            .any(|c| !matches!(c, Control::Budget { .. }))
+    }
+
+    /// Admitted calls not dispatched because a control request came first: each gets a
+    /// model-visible marker, and the pending set empties.
+    fn withhold(&mut self) -> Vec<Action> {
+        std::mem::take(&mut self.pending)
+            .into_iter()
+            .map(|p| Action::Observe {
+                message: marker(
+                    &p.call,
+                    "INTERRUPTED",
+                    "not dispatched: a control request came first",
+                ),
+            })
+            .collect()
     }
 
     fn stop_if_asked(&mut self) -> Step {
@@ -721,7 +742,8 @@ impl Record {
         if !self.held.is_empty() {
             return Ok(actions);
         }
-        if self.pending.is_empty() {
+        if self.pending.is_empty() || self.control_waiting() {
+            actions.extend(self.withhold());
             self.go(State::Ready, Cause::Refused)?;
             actions.extend(self.boundary(now_ms)?);
             return Ok(actions);

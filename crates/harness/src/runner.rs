@@ -77,6 +77,11 @@ pub enum Input {
         id: String,
         control: Control,
     },
+    /// An audit line for the journal.
+    Note {
+        id: String,
+        line: String,
+    },
     /// After a restart: a dispatched call the gate holds prepared and never started.
     Restart {
         id: String,
@@ -202,8 +207,8 @@ impl Runner {
                 .map(|m| Action::Observe { message: m })
                 .collect(),
         )?;
+        // Queued by `commit`: the record is new and READY.
         self.watch(id);
-        self.sched.push(id.to_string(), Class::Standard, 4_096);
         Ok(())
     }
 
@@ -234,17 +239,30 @@ impl Runner {
                 continue;
             }
             let mut rec = rec.clone();
-            let est = self
-                .context(&id)
-                .iter()
-                .map(|m| m.content.as_deref().map_or(0, str::len) as u64 / 4 + 4)
-                .sum();
-            match rec.begin_turn(now_ms(), est) {
+            match rec.begin_turn(now_ms(), self.prompt_estimate(&id)) {
                 Ok(actions) => self.commit(rec, actions)?,
                 Err(e) => self.log(&id, format!("turn refused: {e}"))?,
             }
         }
         Ok(())
+    }
+
+    /// The prompt's tokens, estimated from its characters (about four per token); the
+    /// provider's usage report settles the truth after the call.
+    fn prompt_estimate(&self, id: &str) -> u64 {
+        let chars: usize = self
+            .context(id)
+            .iter()
+            .map(|m| m.content.as_deref().map_or(0, str::len) + 16)
+            .sum();
+        chars as u64 / 4
+    }
+
+    /// Queues a READY trajectory, charged by its next turn's estimated tokens.
+    fn queue(&mut self, id: &str) {
+        let out = self.recs.get(id).map_or(0, |r| r.limits.max_output_tokens);
+        let est = self.prompt_estimate(id) + out;
+        self.sched.push(id.to_string(), Class::Standard, est);
     }
 
     fn tick(&mut self) -> Result<(), RunnerError> {
@@ -288,6 +306,7 @@ impl Runner {
                 self.apply(&id, |r, now| r.on_tool_result(now, &call, result))
             }
             Input::Control { id, control } => self.apply(&id, |r, now| r.on_control(now, control)),
+            Input::Note { id, line } => self.log(&id, line),
             Input::Restart { id, call, token } => {
                 let Some(rec) = self.recs.get(&id).cloned() else {
                     return Ok(());
@@ -331,10 +350,11 @@ impl Runner {
     }
 
     fn log(&mut self, id: &str, line: String) -> Result<(), RunnerError> {
-        self.journal.write(&[Entry::Log {
+        let entry = Entry::Log {
             trajectory: id.into(),
             line,
-        }])?;
+        };
+        tokio::task::block_in_place(|| self.journal.write(&[entry]))?;
         Ok(())
     }
 
@@ -368,7 +388,7 @@ impl Runner {
             self.act(&rec, a);
         }
         if rec.state == State::Ready && !was_ready {
-            self.sched.push(id, Class::Standard, 4_096);
+            self.queue(&id);
         } else if rec.state != State::Ready {
             self.sched.remove(&id);
         }
@@ -470,13 +490,20 @@ impl Runner {
                     });
                 }
             }
+            // The run's end is told before the runner can return (a process that exits right
+            // after must not lose it); a gate that cannot be told is logged, not fatal: the
+            // trajectory's end is already durable in the journal.
             Action::Ended { state } => {
-                tokio::task::spawn_blocking(move || {
-                    let _ = match state {
-                        State::Canceled => gate.cancel(&id, "the trajectory was cancelled"),
-                        s => gate.close(&id, s == State::Completed),
-                    };
+                let told = tokio::task::block_in_place(|| match state {
+                    State::Canceled => gate.cancel(&id, "the trajectory was cancelled"),
+                    s => gate.close(&id, s == State::Completed),
                 });
+                if let Err(e) = told {
+                    let _ = tx.send(Input::Note {
+                        id,
+                        line: format!("the gate was not told the end: {e}"),
+                    });
+                }
             }
             other => unreachable!("not the gate's: {other:?}"),
         }
@@ -497,7 +524,7 @@ impl Runner {
             model: rec.limits.model.clone(),
             messages,
             tools,
-            max_tokens: max_tokens,
+            max_tokens,
             deadline: Duration::from_millis(rec.limits.call_deadline_ms),
         };
         let (cut_tx, cut) = watch::channel(false);
@@ -533,7 +560,7 @@ impl Runner {
         self.watch(id);
         let rec = self.recs[id].clone();
         match rec.state {
-            State::Ready => self.sched.push(id.to_string(), Class::Standard, 4_096),
+            State::Ready => self.queue(id),
             State::CallingModel if rec.budget.reserved.is_some() => {
                 self.in_flight += 1;
                 let reply = Reply::Failed {

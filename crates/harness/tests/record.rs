@@ -263,6 +263,40 @@ fn pause_waits_for_ready_and_resume_returns() {
     assert_eq!(r.state, State::CallingModel);
 }
 
+/// A control request that arrives while the gate answers the admissions applies at the last
+/// boundary before dispatch: nothing is dispatched, each call gets a marker, and the pause
+/// takes effect. The same after an approval.
+#[test]
+fn a_control_waiting_at_dispatch_stops_the_dispatch() {
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(1, calls(&[("c1", "read")])).unwrap();
+    r.on_control(2, Control::Pause).unwrap();
+    let a = r.on_admission(3, "c1", admitted("k")).unwrap();
+    assert!(dispatched(&a).is_empty(), "{a:?}");
+    assert!(observed(&a).iter().any(|o| o.contains("INTERRUPTED")));
+    assert_eq!(r.state, State::Paused);
+
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(1, calls(&[("c1", "write")])).unwrap();
+    r.on_admission(1, "c1", Admission::Held { expires_at_ms: 100 })
+        .unwrap();
+    r.on_control(
+        2,
+        Control::Interrupt {
+            message: "wait, not that".into(),
+        },
+    )
+    .unwrap();
+    let a = r
+        .on_decision(3, "c1", Decision::Approved { token: "k".into() })
+        .unwrap();
+    assert!(dispatched(&a).is_empty(), "{a:?}");
+    assert_eq!(r.state, State::Ready);
+    assert_eq!(observed(&a).last().unwrap(), "wait, not that");
+}
+
 #[test]
 fn kill_is_immediate_even_mid_call() {
     let mut r = record(Limits::default());
@@ -481,6 +515,9 @@ proptest! {
                         cleared.insert(id(*c));
                     }
                     if let Input::Decide(c, 0) = &i { cleared.insert(id(*c)); }
+                    let waiting = before.control.iter().any(|c| !matches!(c, Control::Budget { .. }));
+                    prop_assert!(!waiting || dispatched(actions).is_empty(),
+                        "dispatched past a waiting control request: {:?} {:?}", before.control, i);
                     for d in dispatched(actions) {
                         prop_assert!(cleared.contains(&d), "{} dispatched without admission: {:?}", d, i);
                     }
