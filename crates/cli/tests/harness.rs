@@ -412,3 +412,67 @@ read_only = true
     assert_eq!(code, 1);
     assert!(err.contains("\"scripted\""), "{err}");
 }
+
+/// `estop kill` of the run while a tool call runs: the kill reaches the loop at once (not at a
+/// boundary: the tool would never return), the call is cancelled and settled `unknown` at the
+/// gate, and the trajectory ends FAILED with the kill as its exit; no model call follows.
+#[test]
+fn a_kill_at_the_gate_acts_at_once_mid_tool() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let fifo_out = d.data().join("out");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo_out)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let rt = runtime();
+    let script = Script {
+        responses: vec![
+            scripted::call("c1", "lookup", "{}"),
+            scripted::answer("never asked"),
+        ],
+    };
+    let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
+    let mut opts = options(&d, &server.base_url(), &effects);
+    // Announces itself, then never returns on its own.
+    opts.tools[0].command = vec![
+        "sh".into(),
+        "-c".into(),
+        format!("echo started > {}; exec sleep 1000", fifo_out.display()),
+    ];
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("traj-4", None, "look") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    assert_eq!(std::fs::read_to_string(&fifo_out).unwrap(), "started\n");
+    let (code, _, err) = d.cli(&["kill", "traj-4", "--reason", "runaway"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("traj-4").unwrap();
+    assert_eq!(rec.state, State::Failed);
+    assert!(
+        matches!(&rec.exit, Some(Exit::Killed { .. })),
+        "{:?}",
+        rec.exit
+    );
+    assert_eq!(server.calls().len(), 1, "no model call after the kill");
+    let obs = runner
+        .context("traj-4")
+        .iter()
+        .find(|m| m.tool_call_id.as_deref() == Some("c1"))
+        .cloned()
+        .unwrap();
+    assert!(obs.content.unwrap().contains("INTERRUPTED"));
+    // Killed mid-call: its outcome is unknown, and the gate's report says so.
+    let (code, out, _) = d.cli(&["report", "traj-4", "--json"]);
+    assert_eq!(code, 0);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let item = find_key(&report, "c1").unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(item["status"], "unknown", "{report:#}");
+}

@@ -139,6 +139,11 @@ impl GateConfig {
                 .clone()
                 .unwrap_or_else(|| "stopped at the gate".into());
             let control = match e.event {
+                // A kill is a cancel on the wire; the run's stop cause tells them apart, and a
+                // kill acts at once, even mid-turn.
+                EventKind::Cancelled | EventKind::Finalizing if killed(&mut c, run) => {
+                    Control::Kill { reason }
+                }
                 EventKind::Cancelled | EventKind::Finalizing => Control::Cancel { reason },
                 EventKind::Paused => Control::Pause,
                 EventKind::Resumed => Control::Resume,
@@ -148,6 +153,16 @@ impl GateConfig {
                 return Ok(());
             }
         }
+    }
+}
+
+fn killed(c: &mut Client, run: &str) -> bool {
+    let Ok(status) = op(Verb::Status, &json!({"run": run})) else {
+        return false;
+    };
+    match c.request(&status) {
+        Ok(estop_protocol::ReplyBody::Status(v)) => v.cause.as_deref() == Some("killed"),
+        _ => false,
     }
 }
 

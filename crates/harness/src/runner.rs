@@ -478,16 +478,16 @@ impl Runner {
                 });
             }
             Action::MarkUnknown { call, token } => {
+                // Told before the runner goes on, like the run's end: the gate's report must
+                // not show the call in flight once the trajectory has ended.
                 if let Some(token) = token.or_else(|| tokens.get(&call.id).cloned()) {
-                    tokio::task::spawn_blocking(move || {
-                        let _ = gate.complete(
-                            &id,
-                            &call.id,
-                            &token,
-                            "unknown",
-                            "cancelled by the harness",
-                        );
+                    let told = tokio::task::block_in_place(|| {
+                        gate.complete(&id, &call.id, &token, "unknown", "cancelled by the harness")
                     });
+                    if let Err(e) = told {
+                        let line = format!("the gate was not told {} is unknown: {e}", call.id);
+                        let _ = tx.send(Input::Note { id, line });
+                    }
                 }
             }
             // The run's end is told before the runner can return (a process that exits right
