@@ -407,6 +407,11 @@ read_only = true
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.starts_with("a-2 COMPLETED turns=2"), "{out}");
     assert!(out.trim_end().ends_with("found it"), "{out}");
+    // A trajectory id the gate would refuse as a run id is refused before anything starts.
+    let (code, _, err) = run("bad\u{202e}id");
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("cannot be a run id"), "{err}");
+    assert_eq!(server.calls().len(), 3, "no model call for it");
     // An unknown model is an error that names what the file has.
     let (code, _, err) = d.cli(&["agent", "run", "--config", &path_s, "--model", "gpt", "x"]);
     assert_eq!(code, 1);

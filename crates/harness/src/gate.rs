@@ -26,6 +26,12 @@ fn op(verb: Verb, fields: &Value) -> Result<Op, String> {
     f.build(verb).map(|r| r.op).map_err(|e| e.to_string())
 }
 
+/// Whether `id` is a run id the gate accepts (checked by the protocol's own parser), so a
+/// trajectory that could never act is refused before it starts.
+pub fn check_run_id(id: &str) -> Result<(), String> {
+    op(Verb::Status, &json!({ "run": id })).map(|_| ())
+}
+
 impl GateConfig {
     fn connect(&self) -> Result<Client, String> {
         Client::connect_as(&self.target, &self.token).map_err(|e| e.to_string())

@@ -175,6 +175,15 @@ impl Runner {
 
     /// Starts a new trajectory for `task`.
     pub fn start(&mut self, id: &str, parent: Option<&str>, task: &str) -> Result<(), RunnerError> {
+        for run in std::iter::once(id).chain(parent) {
+            crate::gate::check_run_id(run)
+                .map_err(|e| RunnerError::Other(format!("{run:?} cannot be a run id: {e}")))?;
+        }
+        if self.recs.contains_key(id) {
+            return Err(RunnerError::Other(format!(
+                "trajectory {id:?} exists already"
+            )));
+        }
         let o = &self.opts;
         let grants = Grants {
             tools: o
