@@ -9,7 +9,7 @@ use estop_harness::gate::GateConfig;
 use estop_harness::machine::State;
 use estop_harness::model::ModelClient;
 use estop_harness::record::{CallLimits, Exit};
-use estop_harness::runner::{CommandTool, Runner, RunnerOptions};
+use estop_harness::runner::{Runner, RunnerOptions, Tool};
 use estop_harness::scripted::{self, Script, Scripted, Seen, Step};
 use estop_protocol::{EventKind, Fields, Op, Verb};
 use serde_json::json;
@@ -24,6 +24,10 @@ approval_expiry = "10m"
 tool = "lookup"
 action = "allow"
 class = "read"
+
+[[rules]]
+tool = "fetch"
+action = "allow"
 
 [[rules]]
 tool = "drop_table"
@@ -70,18 +74,20 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
             output: 15.0,
         },
         tools: vec![
-            CommandTool {
+            Tool {
                 name: "lookup".into(),
                 description: "read".into(),
                 parameters: json!({"type": "object"}),
                 command: append("lookup"),
+                url: None,
                 read_only: true,
             },
-            CommandTool {
+            Tool {
                 name: "drop_table".into(),
                 description: "drop".into(),
                 parameters: json!({"type": "object"}),
                 command: append("drop_table"),
+                url: None,
                 read_only: false,
             },
         ],
@@ -480,4 +486,81 @@ fn a_kill_at_the_gate_acts_at_once_mid_tool() {
     let report: serde_json::Value = serde_json::from_str(&out).unwrap();
     let item = find_key(&report, "c1").unwrap_or_else(|| panic!("{report:#}"));
     assert_eq!(item["status"], "unknown", "{report:#}");
+}
+
+/// An HTTP tool: the arguments are POSTed as JSON to its URL (after the gate admitted the
+/// call), and the answer's body is the model's observation; a 5xx answer is an error
+/// observation the gate records as the effect's error.
+#[test]
+fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let model = rt
+        .block_on(Scripted::start(
+            "127.0.0.1:0",
+            Script {
+                responses: vec![
+                    scripted::call("c1", "fetch", "{\"id\": 7}"),
+                    scripted::call("c2", "fetch", "{\"id\": 8}"),
+                    scripted::answer("order 7 has 3 rows"),
+                ],
+            },
+        ))
+        .unwrap();
+    let tool = rt
+        .block_on(Scripted::start(
+            "127.0.0.1:0",
+            Script {
+                responses: vec![
+                    vec![Step::Status {
+                        status: 200,
+                        body: "{\"rows\": 3}".into(),
+                    }],
+                    vec![Step::Status {
+                        status: 503,
+                        body: "down".into(),
+                    }],
+                ],
+            },
+        ))
+        .unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.tools = vec![Tool {
+        name: "fetch".into(),
+        description: "fetch an order".into(),
+        parameters: json!({"type": "object"}),
+        command: Vec::new(),
+        url: Some(format!("http://{}/orders", tool.addr)),
+        read_only: true,
+    }];
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("traj-5", None, "count order 7") })
+        .unwrap();
+    let runner = rt.block_on(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    assert_eq!(runner.record("traj-5").unwrap().state, State::Completed);
+    assert_eq!(tool.calls(), [json!({"id": 7}), json!({"id": 8})]);
+    let last = model.calls()[2]["messages"].as_array().unwrap().clone();
+    let obs = |id: &str| last.iter().find(|m| m["tool_call_id"] == id).unwrap()["content"].clone();
+    assert_eq!(obs("c1"), "{\"rows\": 3}");
+    assert!(
+        obs("c2").as_str().unwrap().contains("HTTP 503"),
+        "{}",
+        obs("c2")
+    );
+    let (code, out, _) = d.cli(&["report", "traj-5", "--json"]);
+    assert_eq!(code, 0);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        find_key(&report, "c1").unwrap()["status"],
+        "completed",
+        "{report:#}"
+    );
+    assert_eq!(
+        find_key(&report, "c2").unwrap()["status"],
+        "failed",
+        "{report:#}"
+    );
 }

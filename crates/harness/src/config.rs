@@ -2,7 +2,7 @@
 //! budget, and the tools. Parsed whole at start; anything wrong is an error naming the field.
 
 use crate::budget::{Limits, Prices};
-use crate::runner::CommandTool;
+use crate::runner::Tool;
 use serde::Deserialize;
 use std::path::Path;
 
@@ -114,7 +114,10 @@ pub struct ToolSection {
     #[serde(default = "object_schema")]
     pub parameters: toml::Value,
     /// A sandboxed command: the arguments (JSON) on stdin, the result on stdout.
+    #[serde(default)]
     pub command: Vec<String>,
+    /// Or an HTTP tool: the arguments POSTed as JSON here, the answer's body the result.
+    pub url: Option<String>,
     #[serde(default)]
     pub read_only: bool,
 }
@@ -182,8 +185,16 @@ impl Config {
             return bad("budget.usd must be finite and not negative".into());
         }
         for t in &self.tools {
-            if t.command.is_empty() {
-                return bad(format!("tool {:?}: command is empty", t.name));
+            if t.command.is_empty() == t.url.is_none() {
+                return bad(format!(
+                    "tool {:?}: give exactly one of command and url",
+                    t.name
+                ));
+            }
+            if let Some(url) = &t.url
+                && let Err(e) = crate::model::Endpoint::new(url, None)
+            {
+                return bad(format!("tool {:?}: {e}", t.name));
             }
         }
         if self.harness.workers == 0 {
@@ -202,7 +213,7 @@ impl Config {
     }
 
     /// The tools `names` picks (all of them when empty); an unknown name is an error.
-    pub fn tools(&self, names: &[String]) -> Result<Vec<CommandTool>, ConfigError> {
+    pub fn tools(&self, names: &[String]) -> Result<Vec<Tool>, ConfigError> {
         let pick: Vec<&ToolSection> = if names.is_empty() {
             self.tools.iter().collect()
         } else {
@@ -218,11 +229,12 @@ impl Config {
         };
         Ok(pick
             .into_iter()
-            .map(|t| CommandTool {
+            .map(|t| Tool {
                 name: t.name.clone(),
                 description: t.description.clone(),
                 parameters: serde_json::to_value(&t.parameters).unwrap_or_default(),
                 command: t.command.clone(),
+                url: t.url.clone(),
                 read_only: t.read_only,
             })
             .collect())
@@ -291,5 +303,14 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         let c: Config = toml::from_str(&neg).unwrap();
         assert!(c.check().is_err());
         assert!(toml::from_str::<Config>(&format!("{ok}\nsurprise = 1")).is_err());
+        let both = ok.replace(
+            "command = [\"cat\"]",
+            "command = [\"cat\"]\nurl = \"http://127.0.0.1:1/\"",
+        );
+        let c: Config = toml::from_str(&both).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("exactly one"));
+        let url = ok.replace("command = [\"cat\"]", "url = \"ftp://x/\"");
+        let c: Config = toml::from_str(&url).unwrap();
+        assert!(c.check().is_err());
     }
 }

@@ -14,8 +14,14 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 /// Where the provider is, and how to reach it.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct ModelClient {
+    ep: Endpoint,
+}
+
+/// An HTTP(S) endpoint JSON is posted to: the model provider, or an HTTP tool.
+#[derive(Clone)]
+pub struct Endpoint {
     https: bool,
     host: String,
     port: u16,
@@ -25,13 +31,9 @@ pub struct ModelClient {
     tls: Option<tokio_rustls::TlsConnector>,
 }
 
-impl std::fmt::Debug for ModelClient {
+impl std::fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "ModelClient({}:{}{})",
-            self.host, self.port, self.base_path
-        )
+        write!(f, "Endpoint({}:{}{})", self.host, self.port, self.base_path)
     }
 }
 
@@ -57,6 +59,15 @@ pub struct CallRequest {
 impl ModelClient {
     /// `base_url` like `https://api.openai.com/v1` or `http://127.0.0.1:8080/v1`.
     pub fn new(base_url: &str, api_key: Option<String>) -> Result<ModelClient, ModelError> {
+        Ok(ModelClient {
+            ep: Endpoint::new(base_url, api_key)?,
+        })
+    }
+}
+
+impl Endpoint {
+    /// `url` like `https://api.openai.com/v1` or `http://127.0.0.1:8080/lookup`.
+    pub fn new(base_url: &str, api_key: Option<String>) -> Result<Endpoint, ModelError> {
         let bad = || ModelError::Url(base_url.to_string());
         let uri: hyper::Uri = base_url.parse().map_err(|_| bad())?;
         let https = match uri.scheme_str() {
@@ -71,7 +82,7 @@ impl ModelClient {
         } else {
             None
         };
-        Ok(ModelClient {
+        Ok(Endpoint {
             https,
             host,
             port,
@@ -81,6 +92,73 @@ impl ModelClient {
         })
     }
 
+    async fn post(
+        &self,
+        path: &str,
+        accept: &str,
+        body: String,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, String> {
+        let tcp = tokio::net::TcpStream::connect((self.host.as_str(), self.port))
+            .await
+            .map_err(|e| format!("connect {}:{}: {e}", self.host, self.port))?;
+        tcp.set_nodelay(true).ok();
+        let mut builder = Request::post(format!("{}{path}", self.base_path))
+            .header("host", &self.host)
+            .header("content-type", "application/json")
+            .header("accept", accept);
+        if let Some(k) = &self.api_key {
+            builder = builder.header("authorization", format!("Bearer {k}"));
+        }
+        let request = builder
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| e.to_string())?;
+        macro_rules! send {
+            ($io:expr) => {{
+                let (mut sender, conn) =
+                    hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new($io))
+                        .await
+                        .map_err(|e| format!("handshake: {e}"))?;
+                tokio::spawn(conn);
+                sender
+                    .send_request(request)
+                    .await
+                    .map_err(|e| format!("request: {e}"))
+            }};
+        }
+        match (&self.tls, self.https) {
+            (Some(tls), true) => {
+                let name = rustls::pki_types::ServerName::try_from(self.host.clone())
+                    .map_err(|e| format!("server name: {e}"))?;
+                let io = tls
+                    .connect(name, tcp)
+                    .await
+                    .map_err(|e| format!("TLS: {e}"))?;
+                send!(io)
+            }
+            _ => send!(tcp),
+        }
+    }
+
+    /// Posts `body` (JSON) to the URL itself and reads the whole answer, up to `bytes_max`.
+    pub async fn post_json(&self, body: String, bytes_max: usize) -> Result<(u16, String), String> {
+        let resp = self.post("", "application/json", body).await?;
+        let status = resp.status().as_u16();
+        let mut incoming = resp.into_body();
+        let mut out = Vec::new();
+        while let Some(frame) = incoming.frame().await {
+            let frame = frame.map_err(|e| format!("body: {e}"))?;
+            if let Ok(d) = frame.into_data() {
+                out.extend_from_slice(&d);
+                if out.len() > bytes_max {
+                    return Err(format!("the answer is over {bytes_max} bytes"));
+                }
+            }
+        }
+        Ok((status, String::from_utf8_lossy(&out).into_owned()))
+    }
+}
+
+impl ModelClient {
     /// Makes one streamed call. When `cut` turns true, the stream is read on for at most
     /// `grace` (a terminal event already on its way still counts) and then dropped, which
     /// closes the connection so the provider stops generating (and billing).
@@ -136,7 +214,11 @@ impl ModelClient {
         if !req.tools.is_empty() {
             body["tools"] = Value::Array(req.tools.clone());
         }
-        let resp = match self.post(body.to_string()).await {
+        let resp = match self
+            .ep
+            .post("/chat/completions", "text/event-stream", body.to_string())
+            .await
+        {
             Ok(r) => r,
             Err(e) => return failed(e, true),
         };
@@ -169,48 +251,6 @@ impl ModelClient {
                 }
                 None => return acc.end(),
             }
-        }
-    }
-
-    async fn post(&self, body: String) -> Result<hyper::Response<hyper::body::Incoming>, String> {
-        let tcp = tokio::net::TcpStream::connect((self.host.as_str(), self.port))
-            .await
-            .map_err(|e| format!("connect {}:{}: {e}", self.host, self.port))?;
-        tcp.set_nodelay(true).ok();
-        let mut builder = Request::post(format!("{}/chat/completions", self.base_path))
-            .header("host", &self.host)
-            .header("content-type", "application/json")
-            .header("accept", "text/event-stream");
-        if let Some(k) = &self.api_key {
-            builder = builder.header("authorization", format!("Bearer {k}"));
-        }
-        let request = builder
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| e.to_string())?;
-        macro_rules! send {
-            ($io:expr) => {{
-                let (mut sender, conn) =
-                    hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new($io))
-                        .await
-                        .map_err(|e| format!("handshake: {e}"))?;
-                tokio::spawn(conn);
-                sender
-                    .send_request(request)
-                    .await
-                    .map_err(|e| format!("request: {e}"))
-            }};
-        }
-        match (&self.tls, self.https) {
-            (Some(tls), true) => {
-                let name = rustls::pki_types::ServerName::try_from(self.host.clone())
-                    .map_err(|e| format!("server name: {e}"))?;
-                let io = tls
-                    .connect(name, tcp)
-                    .await
-                    .map_err(|e| format!("TLS: {e}"))?;
-                send!(io)
-            }
-            _ => send!(tcp),
         }
     }
 }

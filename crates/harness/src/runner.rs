@@ -21,13 +21,18 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, watch};
 
-/// A sandboxed command tool: the arguments (JSON) on its stdin, its stdout the result.
+/// A tool: a sandboxed command (the arguments, JSON, on its stdin; its stdout the result) or
+/// an HTTP tool (the arguments POSTed as JSON to `url`; the answer's body the result). Exactly
+/// one of `command` and `url`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct CommandTool {
+pub struct Tool {
     pub name: String,
     pub description: String,
     pub parameters: Value,
+    #[serde(default)]
     pub command: Vec<String>,
+    #[serde(default)]
+    pub url: Option<String>,
     /// Reads only: still allowed once the budget restricts the trajectory.
     #[serde(default)]
     pub read_only: bool,
@@ -41,7 +46,7 @@ pub struct RunnerOptions {
     pub call_limits: CallLimits,
     pub limits: Limits,
     pub prices: Prices,
-    pub tools: Vec<CommandTool>,
+    pub tools: Vec<Tool>,
     pub system: String,
     /// How long a cut stream may still be read for its terminal event.
     pub grace: Duration,
@@ -677,7 +682,7 @@ async fn dispatch(
     run: &str,
     call: &crate::chat::ToolCall,
     token: &str,
-    tool: Option<CommandTool>,
+    tool: Option<Tool>,
 ) -> String {
     let (g, r, k, t) = (
         gate.clone(),
@@ -692,6 +697,7 @@ async fn dispatch(
         return json!({"status": "REFUSED", "reason": "NOT_STARTED", "message": why}).to_string();
     }
     let (outcome, text) = match tool {
+        Some(Tool { url: Some(url), .. }) => run_http(&url, &call.function.arguments).await,
         Some(tool) => run_command(&tool, &call.function.arguments).await,
         None => ("error", format!("no tool named {}", call.function.name)),
     };
@@ -707,6 +713,21 @@ async fn dispatch(
     text
 }
 
+/// Largest answer an HTTP tool may give (what the model will read of it).
+const HTTP_TOOL_BYTES_MAX: usize = 1 << 20;
+
+async fn run_http(url: &str, args: &str) -> (&'static str, String) {
+    let ep = match crate::model::Endpoint::new(url, None) {
+        Ok(ep) => ep,
+        Err(e) => return ("error", e.to_string()),
+    };
+    match ep.post_json(args.to_string(), HTTP_TOOL_BYTES_MAX).await {
+        Ok((status, body)) if (200..300).contains(&status) => ("ok", body),
+        Ok((status, body)) => ("error", format!("HTTP {status}: {body}")),
+        Err(e) => ("error", e),
+    }
+}
+
 /// Kills the tool's whole process group when dropped: a tool cancelled (its task aborted),
 /// timed out or finished leaves no process behind.
 struct Group(Option<rustix::process::Pid>);
@@ -719,7 +740,7 @@ impl Drop for Group {
     }
 }
 
-async fn run_command(tool: &CommandTool, args: &str) -> (&'static str, String) {
+async fn run_command(tool: &Tool, args: &str) -> (&'static str, String) {
     use tokio::io::AsyncWriteExt;
     let Some((prog, rest)) = tool.command.split_first() else {
         return ("error", "empty command".into());
