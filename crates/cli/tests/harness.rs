@@ -564,3 +564,50 @@ fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
         "{report:#}"
     );
 }
+
+/// A trajectory started under a parent run (a sub-agent): the gate's cancel of the parent
+/// cascades to the trajectory's run, and the trajectory stops — its open stream cut — though
+/// nobody cancelled it by name.
+#[test]
+fn a_parents_cancel_reaches_a_sub_agent_trajectory() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let script = Script {
+        responses: vec![
+            scripted::call("c1", "lookup", "{}"),
+            vec![
+                scripted::text("thinking"),
+                Step::Gate,
+                scripted::finish("stop"),
+                Step::Done,
+            ],
+        ],
+    };
+    let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
+    // The parent: a run of the same agent, created by its first admission.
+    let mut agent = d.agent();
+    agent
+        .request(&op(
+            Verb::Admit,
+            json!({"run": "parent-1", "key": "k", "tool": "lookup", "args": {}}),
+        ))
+        .unwrap();
+    let opts = options(&d, &server.base_url(), &d.data().join("effects"));
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("child-1", Some("parent-1"), "help the parent") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    rt.block_on(server.wait_for(&Seen::Call { n: 1 }));
+    let (code, _, err) = d.cli(&["cancel", "parent-1", "--reason", "the parent is done"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("child-1").unwrap();
+    assert_eq!(rec.state, State::Canceled);
+    assert_eq!(rec.identity.parent.as_deref(), Some("parent-1"));
+    rt.block_on(server.wait_for(&Seen::Gone { n: 1, step: 1 }));
+    let (_, out, _) = d.cli(&["status", "child-1", "--json"]);
+    assert!(out.contains("parent-1"), "{out}");
+}
