@@ -7,6 +7,7 @@
 //! and `bench`.
 
 mod act;
+mod agent;
 mod bench;
 mod bench_store;
 mod ledger;
@@ -111,6 +112,11 @@ enum Cmd {
     Run(run::RunArgs),
     /// Serve MCP on stdio, fronting upstream MCP servers; every tool call admitted by the gate (docs/MCP.md).
     Mcp(mcp::McpArgs),
+    /// Run agent loops under the gate: trajectories, budgets, approvals (docs/HARNESS.md).
+    Agent {
+        #[command(subcommand)]
+        command: agent::AgentCmd,
+    },
 }
 
 #[derive(Subcommand)]
@@ -210,6 +216,7 @@ fn run(command: Cmd) -> Result<u8, Failure> {
         Cmd::Bench(a) => bench::run(a).map_err(fail),
         Cmd::Run(a) => run::run(a).map_err(fail),
         Cmd::Mcp(a) => mcp::run(a).map_err(fail),
+        Cmd::Agent { command } => agent::run(command).map_err(fail),
         Cmd::Serve(a) => serve::serve(*a).map_err(fail),
         Cmd::Ledger { command } => ledger::ledger(command).map_err(fail),
         Cmd::Store { command } => store::run(command).map_err(fail),

@@ -1,0 +1,613 @@
+//! The harness (`estop-harness`) end to end: a real `estop serve` admits every tool call of a
+//! trajectory the runner drives against the scripted model server.
+
+mod common;
+
+use common::Daemon;
+use estop_harness::budget::{Limits, Prices};
+use estop_harness::gate::GateConfig;
+use estop_harness::machine::State;
+use estop_harness::model::ModelClient;
+use estop_harness::record::{CallLimits, Exit};
+use estop_harness::runner::{Runner, RunnerOptions, Tool};
+use estop_harness::scripted::{self, Script, Scripted, Seen, Step};
+use estop_protocol::{EventKind, Fields, Op, Verb};
+use serde_json::json;
+use std::time::Duration;
+
+const POLICY: &str = r#"
+[defaults]
+unknown_tool = "approve"
+approval_expiry = "10m"
+
+[[rules]]
+tool = "lookup"
+action = "allow"
+class = "read"
+
+[[rules]]
+tool = "fetch"
+action = "allow"
+
+[[rules]]
+tool = "drop_table"
+action = "approve"
+reversibility = "irreversible"
+"#;
+
+fn op(verb: Verb, v: serde_json::Value) -> Op {
+    let mut f = Fields::new();
+    for (k, x) in v.as_object().unwrap() {
+        f.json(k, x);
+    }
+    f.build(verb).unwrap().op
+}
+
+fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions {
+    let append = |tag: &str| {
+        vec![
+            "sh".into(),
+            "-c".into(),
+            format!("echo {tag} >> {}; cat", effects.display()),
+        ]
+    };
+    RunnerOptions {
+        data: d.data().join("harness"),
+        gate: GateConfig {
+            target: d.socket(),
+            token: d.token("agent.token"),
+        },
+        model: ModelClient::new(model, None).unwrap(),
+        call_limits: CallLimits {
+            model: "m".into(),
+            max_output_tokens: 256,
+            call_deadline_ms: 60_000,
+            tool_deadline_ms: 60_000,
+        },
+        limits: Limits {
+            turns_max: Some(10),
+            ..Limits::default()
+        },
+        prices: Prices {
+            input: 3.0,
+            cached_input: 0.3,
+            output: 15.0,
+        },
+        tools: vec![
+            Tool {
+                name: "lookup".into(),
+                description: "read".into(),
+                parameters: json!({"type": "object"}),
+                command: append("lookup"),
+                url: None,
+                read_only: true,
+            },
+            Tool {
+                name: "drop_table".into(),
+                description: "drop".into(),
+                parameters: json!({"type": "object"}),
+                command: append("drop_table"),
+                url: None,
+                read_only: false,
+            },
+        ],
+        system: "You are a careful agent.".into(),
+        grace: Duration::from_millis(100),
+        workers: 4,
+        tpm: 1_000_000,
+        rpm: 1_000,
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A read runs at once; an irreversible call is held at the gate, rejected by an operator, and
+/// the model sees a structured refusal instead — the call never ran. The model then answers
+/// and the trajectory completes; the gate's run is closed.
+#[test]
+fn a_rejected_call_never_runs_and_the_model_sees_the_refusal() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let rt = runtime();
+    let server = rt
+        .block_on(Scripted::start(
+            "127.0.0.1:0",
+            Script {
+                responses: vec![
+                    scripted::call("c1", "lookup", "{\"q\": \"orders\"}"),
+                    scripted::call(
+                        "c2",
+                        "drop_table",
+                        "{\"db\": \"prod\", \"table\": \"orders_staging\"}",
+                    ),
+                    scripted::answer("left the table in place"),
+                ],
+            },
+        ))
+        .unwrap();
+    let mut runner = rt
+        .block_on(async { Runner::open(options(&d, &server.base_url(), &effects)) })
+        .unwrap();
+    rt.block_on(async { runner.start("traj-1", None, "clean up staging") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    // The run exists once the lookup was admitted (before the second model call).
+    rt.block_on(server.wait_for(&Seen::Call { n: 1 }));
+    let mut op_client = d.operator();
+    op_client
+        .request(&op(Verb::Subscribe, json!({"run": "traj-1"})))
+        .unwrap();
+    let held_now = |c: &mut estop_server::client::Client| {
+        let p = c
+            .request(&op(Verb::Pending, json!({"run": "traj-1"})))
+            .unwrap();
+        format!("{p:?}").contains("c2")
+    };
+    if !held_now(&mut op_client) {
+        loop {
+            let e = op_client.next_event().unwrap();
+            if e.is_some_and(|e| e.event == EventKind::Held) {
+                break;
+            }
+        }
+    }
+    let (code, _, err) = d.cli(&["reject", "traj-1", "c2", "--reason", "not in prod"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+
+    let rec = runner.record("traj-1").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(rec.exit, Some(Exit::Completed { check_passed: true }));
+    assert_eq!(
+        std::fs::read_to_string(&effects).unwrap(),
+        "lookup\n",
+        "drop_table never ran"
+    );
+    let calls = server.calls();
+    assert_eq!(calls.len(), 3);
+    let last = calls[2]["messages"].as_array().unwrap();
+    let refusal = last
+        .iter()
+        .find(|m| m["tool_call_id"] == "c2")
+        .expect("an observation for c2");
+    let body: serde_json::Value =
+        serde_json::from_str(refusal["content"].as_str().unwrap()).unwrap();
+    assert_eq!(body["status"], "REFUSED");
+    assert_eq!(body["reason"], "APPROVAL_DENIED");
+    let lookup = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    assert_eq!(lookup["content"], "{\"q\": \"orders\"}");
+    let (code, out, _) = d.cli(&["status", "traj-1", "--json"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("completed"), "{out}");
+}
+
+/// `estop cancel` of the run while the model is streaming: the stream is cut (the server sees
+/// the client go), the trajectory ends CANCELED through FINALIZING, and no other call is made.
+#[test]
+fn a_cancel_at_the_gate_cuts_the_open_stream_and_ends_the_trajectory() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let rt = runtime();
+    let server = rt
+        .block_on(Scripted::start(
+            "127.0.0.1:0",
+            Script {
+                responses: vec![
+                    scripted::call("c1", "lookup", "{}"),
+                    vec![
+                        scripted::text("I will now drop"),
+                        Step::Gate,
+                        scripted::finish("stop"),
+                        Step::Done,
+                    ],
+                ],
+            },
+        ))
+        .unwrap();
+    let mut opts = options(&d, &server.base_url(), &effects);
+    // Without the cut, the call would end only at its deadline (and the test would fail).
+    opts.call_limits.call_deadline_ms = 5_000;
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("traj-2", None, "work") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    rt.block_on(server.wait_for(&Seen::Call { n: 1 }));
+    let (code, _, err) = d.cli(&["cancel", "traj-2", "--reason", "operator stop"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("traj-2").unwrap();
+    assert_eq!(rec.state, State::Canceled);
+    assert!(
+        matches!(&rec.exit, Some(Exit::Canceled { .. })),
+        "{:?}",
+        rec.exit
+    );
+    rt.block_on(server.wait_for(&Seen::Gone { n: 1, step: 1 }));
+    assert_eq!(server.calls().len(), 2, "no call after the cancel");
+    assert!(
+        rec.budget.spend.turns == 2 && rec.budget.reserved.is_none(),
+        "the cut call is settled"
+    );
+    let marker = runner
+        .context("traj-2")
+        .iter()
+        .filter_map(|m| m.content.as_deref())
+        .any(|c| c.starts_with("[interrupted"));
+    assert!(marker, "the model-visible marker of the cut reply");
+}
+
+/// The harness dies while a tool call runs (its effect started at the gate, its result never
+/// came back). A new runner on the same journal resumes the trajectory: the call is asked about
+/// by its key, found started and never completed, and observed as UNKNOWN — it is not run
+/// again — and the trajectory goes on to complete.
+#[test]
+fn a_crash_mid_tool_resumes_from_the_journal_without_running_the_call_again() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let (fifo_out, fifo_in) = (d.data().join("out"), d.data().join("in"));
+    for f in [&fifo_out, &fifo_in] {
+        assert!(
+            std::process::Command::new("mkfifo")
+                .arg(f)
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+    let script = Script {
+        responses: vec![
+            scripted::call("c1", "lookup", "{}"),
+            scripted::answer("the lookup's outcome is unknown; stopping here"),
+        ],
+    };
+    // The model server outlives the harness's crash: it runs on a runtime of its own.
+    let server_rt = runtime();
+    let server = server_rt
+        .block_on(Scripted::start("127.0.0.1:0", script))
+        .unwrap();
+    let rt = runtime();
+    let mut opts = options(&d, &server.base_url(), &effects);
+    opts.tools[0].command = vec![
+        "sh".into(),
+        "-c".into(),
+        format!(
+            "echo started >> {e}; echo started > {o}; read x < {i}; cat",
+            e = effects.display(),
+            o = fifo_out.display(),
+            i = fifo_in.display()
+        ),
+    ];
+    let mut runner = rt.block_on(async { Runner::open(opts.clone()) }).unwrap();
+    rt.block_on(async { runner.start("traj-3", None, "look it up") })
+        .unwrap();
+    let task = rt.spawn(async move { runner.run().await });
+    // Opening the fifo blocks until the tool writes to it: the tool is running now.
+    let line = std::fs::read_to_string(&fifo_out).unwrap();
+    assert_eq!(line, "started\n");
+    task.abort();
+    // The crash: every task of the harness gone, the tool's process killed with it.
+    rt.shutdown_timeout(Duration::from_secs(10));
+
+    let rt = runtime();
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    let rec = runner.record("traj-3").unwrap();
+    assert_eq!(
+        rec.state,
+        State::WaitingTool,
+        "the journal had the call dispatched"
+    );
+    let runner = rt.block_on(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    let rec = runner.record("traj-3").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(
+        std::fs::read_to_string(&effects).unwrap(),
+        "started\n",
+        "the call ran once"
+    );
+    let calls = server.calls();
+    assert_eq!(calls.len(), 2);
+    let obs = calls[1]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["tool_call_id"] == "c1")
+        .cloned()
+        .unwrap();
+    assert!(
+        obs["content"].as_str().unwrap().contains("UNKNOWN"),
+        "{obs}"
+    );
+    // The gate was told too: the effect is settled as unknown, not left in flight.
+    let (code, out, _) = d.cli(&["report", "traj-3", "--json"]);
+    assert_eq!(code, 0);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let item = find_key(&report, "c1").unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(item["status"], "unknown", "{report:#}");
+}
+
+/// The object of a JSON tree whose `key` is `key`.
+fn find_key<'a>(v: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+    match v {
+        serde_json::Value::Object(m) if m.get("key").and_then(|k| k.as_str()) == Some(key) => {
+            Some(v)
+        }
+        serde_json::Value::Object(m) => m.values().find_map(|x| find_key(x, key)),
+        serde_json::Value::Array(a) => a.iter().find_map(|x| find_key(x, key)),
+        _ => None,
+    }
+}
+
+/// `estop agent run` with a config file: a tool call, then the budget's turn ceiling stops the
+/// trajectory before a second model call (FAILED, BUDGET_EXCEEDED naming `turns`, exit 3); the
+/// same with room for two turns completes with the model's answer (exit 0).
+#[test]
+fn estop_agent_run_follows_its_config_file() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let script = Script {
+        responses: vec![
+            scripted::call("c1", "lookup", "{\"q\": \"x\"}"),
+            scripted::call("c2", "lookup", "{\"q\": \"y\"}"),
+            scripted::answer("found it"),
+        ],
+    };
+    let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
+    let config = |turns: u64| {
+        format!(
+            r#"
+[harness]
+system = "Be brief."
+
+[[model]]
+name = "scripted"
+base_url = "{}"
+usd_per_mtok_input = 3.0
+usd_per_mtok_output = 15.0
+
+[budget]
+turns = {turns}
+
+[[tool]]
+name = "lookup"
+command = ["cat"]
+read_only = true
+"#,
+            server.base_url()
+        )
+    };
+    let path = d.data().join("agent.toml");
+    std::fs::write(&path, config(1)).unwrap();
+    let path_s = path.display().to_string();
+    let run = |id: &str| {
+        d.cli(&[
+            "agent", "run", "--config", &path_s, "--model", "scripted", "--tools", "lookup",
+            "--id", id, "find x",
+        ])
+    };
+    let (code, out, err) = run("a-1");
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(out.starts_with("a-1 FAILED turns=1"), "{out}");
+    assert!(
+        out.contains(r#""exit":"BUDGET_EXCEEDED","dimension":"turns""#),
+        "{out}"
+    );
+    assert_eq!(server.calls().len(), 1, "no call past the ceiling");
+    assert_eq!(server.calls()[0]["messages"][0]["content"], "Be brief.");
+    std::fs::write(&path, config(2)).unwrap();
+    let (code, out, err) = run("a-2");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("a-2 COMPLETED turns=2"), "{out}");
+    assert!(out.trim_end().ends_with("found it"), "{out}");
+    // A trajectory id the gate would refuse as a run id is refused before anything starts.
+    let (code, _, err) = run("bad\u{202e}id");
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("cannot be a run id"), "{err}");
+    assert_eq!(server.calls().len(), 3, "no model call for it");
+    // An unknown model is an error that names what the file has.
+    let (code, _, err) = d.cli(&["agent", "run", "--config", &path_s, "--model", "gpt", "x"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("\"scripted\""), "{err}");
+}
+
+/// `estop kill` of the run while a tool call runs: the kill reaches the loop at once (not at a
+/// boundary: the tool would never return), the call is cancelled and settled `unknown` at the
+/// gate, and the trajectory ends FAILED with the kill as its exit; no model call follows.
+#[test]
+fn a_kill_at_the_gate_acts_at_once_mid_tool() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let fifo_out = d.data().join("out");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo_out)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let rt = runtime();
+    let script = Script {
+        responses: vec![
+            scripted::call("c1", "lookup", "{}"),
+            scripted::answer("never asked"),
+        ],
+    };
+    let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
+    let mut opts = options(&d, &server.base_url(), &effects);
+    // Announces itself, then never returns on its own.
+    opts.tools[0].command = vec![
+        "sh".into(),
+        "-c".into(),
+        format!("echo started > {}; exec sleep 1000", fifo_out.display()),
+    ];
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("traj-4", None, "look") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    assert_eq!(std::fs::read_to_string(&fifo_out).unwrap(), "started\n");
+    let (code, _, err) = d.cli(&["kill", "traj-4", "--reason", "runaway"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("traj-4").unwrap();
+    assert_eq!(rec.state, State::Failed);
+    assert!(
+        matches!(&rec.exit, Some(Exit::Killed { .. })),
+        "{:?}",
+        rec.exit
+    );
+    assert_eq!(server.calls().len(), 1, "no model call after the kill");
+    let obs = runner
+        .context("traj-4")
+        .iter()
+        .find(|m| m.tool_call_id.as_deref() == Some("c1"))
+        .cloned()
+        .unwrap();
+    assert!(obs.content.unwrap().contains("INTERRUPTED"));
+    // Killed mid-call: its outcome is unknown, and the gate's report says so.
+    let (code, out, _) = d.cli(&["report", "traj-4", "--json"]);
+    assert_eq!(code, 0);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let item = find_key(&report, "c1").unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(item["status"], "unknown", "{report:#}");
+}
+
+/// An HTTP tool: the arguments are POSTed as JSON to its URL (after the gate admitted the
+/// call), and the answer's body is the model's observation; a 5xx answer is an error
+/// observation the gate records as the effect's error.
+#[test]
+fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let model = rt
+        .block_on(Scripted::start(
+            "127.0.0.1:0",
+            Script {
+                responses: vec![
+                    scripted::call("c1", "fetch", "{\"id\": 7}"),
+                    scripted::call("c2", "fetch", "{\"id\": 8}"),
+                    scripted::answer("order 7 has 3 rows"),
+                ],
+            },
+        ))
+        .unwrap();
+    let tool = rt
+        .block_on(Scripted::start(
+            "127.0.0.1:0",
+            Script {
+                responses: vec![
+                    vec![Step::Status {
+                        status: 200,
+                        body: "{\"rows\": 3}".into(),
+                    }],
+                    vec![Step::Status {
+                        status: 503,
+                        body: "down".into(),
+                    }],
+                ],
+            },
+        ))
+        .unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.tools = vec![Tool {
+        name: "fetch".into(),
+        description: "fetch an order".into(),
+        parameters: json!({"type": "object"}),
+        command: Vec::new(),
+        url: Some(format!("http://{}/orders", tool.addr)),
+        read_only: true,
+    }];
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("traj-5", None, "count order 7") })
+        .unwrap();
+    let runner = rt.block_on(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    assert_eq!(runner.record("traj-5").unwrap().state, State::Completed);
+    assert_eq!(tool.calls(), [json!({"id": 7}), json!({"id": 8})]);
+    let last = model.calls()[2]["messages"].as_array().unwrap().clone();
+    let obs = |id: &str| last.iter().find(|m| m["tool_call_id"] == id).unwrap()["content"].clone();
+    assert_eq!(obs("c1"), "{\"rows\": 3}");
+    assert!(
+        obs("c2").as_str().unwrap().contains("HTTP 503"),
+        "{}",
+        obs("c2")
+    );
+    let (code, out, _) = d.cli(&["report", "traj-5", "--json"]);
+    assert_eq!(code, 0);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        find_key(&report, "c1").unwrap()["status"],
+        "completed",
+        "{report:#}"
+    );
+    assert_eq!(
+        find_key(&report, "c2").unwrap()["status"],
+        "failed",
+        "{report:#}"
+    );
+}
+
+/// A trajectory started under a parent run (a sub-agent): the gate's cancel of the parent
+/// cascades to the trajectory's run, and the trajectory stops — its open stream cut — though
+/// nobody cancelled it by name.
+#[test]
+fn a_parents_cancel_reaches_a_sub_agent_trajectory() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let script = Script {
+        responses: vec![
+            scripted::call("c1", "lookup", "{}"),
+            vec![
+                scripted::text("thinking"),
+                Step::Gate,
+                scripted::finish("stop"),
+                Step::Done,
+            ],
+        ],
+    };
+    let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
+    // The parent: a run of the same agent, created by its first admission.
+    let mut agent = d.agent();
+    agent
+        .request(&op(
+            Verb::Admit,
+            json!({"run": "parent-1", "key": "k", "tool": "lookup", "args": {}}),
+        ))
+        .unwrap();
+    let opts = options(&d, &server.base_url(), &d.data().join("effects"));
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("child-1", Some("parent-1"), "help the parent") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    rt.block_on(server.wait_for(&Seen::Call { n: 1 }));
+    let (code, _, err) = d.cli(&["cancel", "parent-1", "--reason", "the parent is done"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("child-1").unwrap();
+    assert_eq!(rec.state, State::Canceled);
+    assert_eq!(rec.identity.parent.as_deref(), Some("parent-1"));
+    rt.block_on(server.wait_for(&Seen::Gone { n: 1, step: 1 }));
+    let (_, out, _) = d.cli(&["status", "child-1", "--json"]);
+    assert!(out.contains("parent-1"), "{out}");
+}

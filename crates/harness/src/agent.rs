@@ -1,0 +1,93 @@
+//! `estop agent run`: one trajectory from the command line, under a config file, against a
+//! running gate. Returns when the trajectory is terminal (or resumes it, when its id is found
+//! live in the journal).
+
+use crate::config::Config;
+use crate::gate::GateConfig;
+use crate::machine::State;
+use crate::model::ModelClient;
+use crate::record::{CallLimits, Record};
+use crate::runner::{Runner, RunnerOptions};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct AgentRun {
+    pub config: PathBuf,
+    pub model: String,
+    /// Tool names from the config (all of them when empty).
+    pub tools: Vec<String>,
+    pub task: String,
+    /// The trajectory (and gate run) id; a fresh one when `None`.
+    pub id: Option<String>,
+    pub parent: Option<String>,
+    /// The journal directory.
+    pub journal: PathBuf,
+    pub gate: GateConfig,
+}
+
+/// How the trajectory ended: its record and the model's last answer.
+#[derive(Debug)]
+pub struct Outcome {
+    pub record: Record,
+    pub answer: Option<String>,
+}
+
+pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
+    let config = Config::load(&a.config)?;
+    let m = config.model(&a.model)?;
+    let key = match &m.api_key_env {
+        Some(var) => Some(
+            std::env::var(var)
+                .map_err(|_| anyhow::anyhow!("the model's api_key_env {var} is not set"))?,
+        ),
+        None => None,
+    };
+    let opts = RunnerOptions {
+        data: a.journal.clone(),
+        gate: a.gate.clone(),
+        model: ModelClient::new(&m.base_url, key)?,
+        call_limits: CallLimits {
+            model: m.name.clone(),
+            max_output_tokens: m.max_output_tokens,
+            call_deadline_ms: m.call_deadline_ms,
+            tool_deadline_ms: config.harness.tool_deadline_ms,
+        },
+        limits: config.limits(),
+        prices: m.prices(),
+        tools: config.tools(&a.tools)?,
+        system: config.harness.system.clone(),
+        grace: Duration::from_millis(config.harness.grace_ms),
+        workers: config.harness.workers,
+        // A local bucket a tenth under the provider's limits.
+        tpm: (m.tpm - m.tpm / 10).max(1),
+        rpm: (m.rpm - m.rpm / 10).max(1),
+    };
+    let id =
+        a.id.clone()
+            .unwrap_or_else(|| format!("agent-{}", crate::runner::now_ms()));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let mut runner = Runner::open(opts)?;
+        match runner.record(&id) {
+            None => runner.start(&id, a.parent.as_deref(), &a.task)?,
+            Some(r) if r.state.is_terminal() => {
+                anyhow::bail!("trajectory {id} already ended ({})", r.state)
+            }
+            Some(_) => {}
+        }
+        runner.run().await?;
+        let record = runner.record(&id).expect("started").clone();
+        let answer = runner
+            .context(&id)
+            .iter()
+            .rev()
+            .find(|m| m.role == crate::chat::Role::Assistant && m.content.is_some())
+            .and_then(|m| m.content.clone())
+            .filter(|_| record.state == State::Completed);
+        Ok(Outcome { record, answer })
+    })
+}

@@ -1,0 +1,134 @@
+//! The chat vocabulary shared by the core and the model client: messages as the
+//! OpenAI-compatible chat-completions API has them, a proposed tool call, and how a model call
+//! ended. Pure data.
+
+use crate::budget::Usage;
+use serde::{Deserialize, Serialize};
+
+/// One message of a trajectory's context.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: Role,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+impl Message {
+    pub fn system(text: impl Into<String>) -> Message {
+        Message::text(Role::System, text)
+    }
+    pub fn user(text: impl Into<String>) -> Message {
+        Message::text(Role::User, text)
+    }
+    pub fn text(role: Role, text: impl Into<String>) -> Message {
+        Message {
+            role,
+            content: Some(text.into()),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+    /// The observation of one tool call: its result, or the structured refusal or marker the
+    /// harness put in its place.
+    pub fn tool(call_id: &str, content: String) -> Message {
+        Message {
+            role: Role::Tool,
+            content: Some(content),
+            tool_calls: Vec::new(),
+            tool_call_id: Some(call_id.to_string()),
+        }
+    }
+}
+
+/// A tool call the model proposed, complete (only a reply that ended normally has any).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type", default = "function")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+fn function() -> String {
+    "function".to_string()
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    pub name: String,
+    /// The arguments as the model wrote them (JSON text).
+    pub arguments: String,
+}
+
+impl ToolCall {
+    pub fn new(id: &str, name: &str, arguments: &str) -> ToolCall {
+        ToolCall {
+            id: id.to_string(),
+            kind: function(),
+            function: FunctionCall {
+                name: name.to_string(),
+                arguments: arguments.to_string(),
+            },
+        }
+    }
+}
+
+/// The provider's `finish_reason`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Finish {
+    /// The model ended its turn (`stop`): a request to run the completion check.
+    Stop,
+    ToolCalls,
+    /// Truncated at the output bound: never dispatched.
+    Length,
+    ContentFilter,
+    Other(String),
+}
+
+impl Finish {
+    pub fn parse(s: &str) -> Finish {
+        match s {
+            "stop" => Finish::Stop,
+            "tool_calls" | "function_call" => Finish::ToolCalls,
+            "length" => Finish::Length,
+            "content_filter" => Finish::ContentFilter,
+            other => Finish::Other(other.to_string()),
+        }
+    }
+}
+
+/// How one model call ended, as the core is told.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Reply {
+    /// The stream reached its terminal event.
+    Finished {
+        finish: Finish,
+        text: String,
+        tool_calls: Vec<ToolCall>,
+        usage: Option<Usage>,
+    },
+    /// The harness cut the stream (a control request): the partial reply is discarded.
+    Cut { usage: Option<Usage> },
+    /// The call failed (HTTP error, 429, 5xx, a stream that ended without its terminal event,
+    /// the call deadline): retried at the next turn while the budget allows.
+    Failed {
+        error: String,
+        retryable: bool,
+        usage: Option<Usage>,
+    },
+}

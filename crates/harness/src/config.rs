@@ -1,0 +1,316 @@
+//! `estop agent`'s configuration file (TOML): models with their prices and rate limits, the
+//! budget, and the tools. Parsed whole at start; anything wrong is an error naming the field.
+
+use crate::budget::{Limits, Prices};
+use crate::runner::Tool;
+use serde::Deserialize;
+use std::path::Path;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub harness: HarnessSection,
+    #[serde(rename = "model", default)]
+    pub models: Vec<ModelSection>,
+    #[serde(default)]
+    pub budget: BudgetSection,
+    #[serde(rename = "tool", default)]
+    pub tools: Vec<ToolSection>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HarnessSection {
+    /// The system prompt of every trajectory.
+    #[serde(default = "default_system")]
+    pub system: String,
+    /// How long a cut stream may still be read for its end.
+    #[serde(default = "default_grace")]
+    pub grace_ms: u64,
+    /// Model calls in flight at once.
+    #[serde(default = "default_workers")]
+    pub workers: usize,
+    #[serde(default = "default_tool_deadline")]
+    pub tool_deadline_ms: u64,
+}
+
+impl Default for HarnessSection {
+    fn default() -> Self {
+        HarnessSection {
+            system: default_system(),
+            grace_ms: default_grace(),
+            workers: default_workers(),
+            tool_deadline_ms: default_tool_deadline(),
+        }
+    }
+}
+
+fn default_system() -> String {
+    "You are an agent. Use the tools to do the task, then answer.".into()
+}
+fn default_grace() -> u64 {
+    500
+}
+fn default_workers() -> usize {
+    4
+}
+fn default_tool_deadline() -> u64 {
+    120_000
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// The name `--model` picks, and the model sent to the provider.
+    pub name: String,
+    /// The provider's OpenAI-compatible base URL (`https://api.openai.com/v1`).
+    pub base_url: String,
+    /// The environment variable holding the API key (never the key itself).
+    pub api_key_env: Option<String>,
+    pub usd_per_mtok_input: f64,
+    pub usd_per_mtok_cached_input: Option<f64>,
+    pub usd_per_mtok_output: f64,
+    #[serde(default = "default_max_output")]
+    pub max_output_tokens: u64,
+    #[serde(default = "default_call_deadline")]
+    pub call_deadline_ms: u64,
+    /// The provider's limits; the harness's bucket is set under them.
+    #[serde(default = "default_tpm")]
+    pub tpm: u64,
+    #[serde(default = "default_rpm")]
+    pub rpm: u64,
+}
+
+fn default_max_output() -> u64 {
+    1024
+}
+fn default_call_deadline() -> u64 {
+    120_000
+}
+fn default_tpm() -> u64 {
+    200_000
+}
+fn default_rpm() -> u64 {
+    500
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetSection {
+    pub turns: Option<u64>,
+    pub tokens: Option<u64>,
+    pub wall_clock_ms: Option<u64>,
+    pub usd: Option<f64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolSection {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// The JSON schema of the arguments (a TOML table).
+    #[serde(default = "object_schema")]
+    pub parameters: toml::Value,
+    /// A sandboxed command: the arguments (JSON) on stdin, the result on stdout.
+    #[serde(default)]
+    pub command: Vec<String>,
+    /// Or an HTTP tool: the arguments POSTed as JSON here, the answer's body the result.
+    pub url: Option<String>,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+fn object_schema() -> toml::Value {
+    toml::Value::Table(toml::map::Map::from_iter([(
+        "type".to_string(),
+        toml::Value::String("object".into()),
+    )]))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Parse {
+        path: String,
+        source: Box<toml::de::Error>,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        let c: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: shown,
+            source: Box::new(e),
+        })?;
+        c.check()?;
+        Ok(c)
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        let bad = |s: String| Err(ConfigError::Invalid(s));
+        for m in &self.models {
+            let prices = [
+                m.usd_per_mtok_input,
+                m.usd_per_mtok_cached_input.unwrap_or(0.0),
+                m.usd_per_mtok_output,
+            ];
+            if prices.iter().any(|p| !p.is_finite() || *p < 0.0) {
+                return bad(format!(
+                    "model {:?}: prices must be finite and not negative",
+                    m.name
+                ));
+            }
+            if m.tpm == 0 || m.rpm == 0 || m.max_output_tokens == 0 {
+                return bad(format!(
+                    "model {:?}: tpm, rpm and max_output_tokens must be above 0",
+                    m.name
+                ));
+            }
+        }
+        if self.budget.usd.is_some_and(|u| !u.is_finite() || u < 0.0) {
+            return bad("budget.usd must be finite and not negative".into());
+        }
+        for t in &self.tools {
+            if t.command.is_empty() == t.url.is_none() {
+                return bad(format!(
+                    "tool {:?}: give exactly one of command and url",
+                    t.name
+                ));
+            }
+            if let Some(url) = &t.url
+                && let Err(e) = crate::model::Endpoint::new(url, None)
+            {
+                return bad(format!("tool {:?}: {e}", t.name));
+            }
+        }
+        if self.harness.workers == 0 {
+            return bad("harness.workers must be above 0".into());
+        }
+        Ok(())
+    }
+
+    pub fn model(&self, name: &str) -> Result<&ModelSection, ConfigError> {
+        self.models.iter().find(|m| m.name == name).ok_or_else(|| {
+            let known: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+            ConfigError::Invalid(format!(
+                "no [[model]] named {name:?} (the file has {known:?})"
+            ))
+        })
+    }
+
+    /// The tools `names` picks (all of them when empty); an unknown name is an error.
+    pub fn tools(&self, names: &[String]) -> Result<Vec<Tool>, ConfigError> {
+        let pick: Vec<&ToolSection> = if names.is_empty() {
+            self.tools.iter().collect()
+        } else {
+            names
+                .iter()
+                .map(|n| {
+                    self.tools
+                        .iter()
+                        .find(|t| &t.name == n)
+                        .ok_or_else(|| ConfigError::Invalid(format!("no [[tool]] named {n:?}")))
+                })
+                .collect::<Result<_, _>>()?
+        };
+        Ok(pick
+            .into_iter()
+            .map(|t| Tool {
+                name: t.name.clone(),
+                description: t.description.clone(),
+                parameters: serde_json::to_value(&t.parameters).unwrap_or_default(),
+                command: t.command.clone(),
+                url: t.url.clone(),
+                read_only: t.read_only,
+            })
+            .collect())
+    }
+
+    pub fn limits(&self) -> Limits {
+        Limits {
+            turns_max: self.budget.turns,
+            tokens_max: self.budget.tokens,
+            wall_ms_max: self.budget.wall_clock_ms,
+            usd_micros_max: self.budget.usd.map(|u| (u * 1e6).round() as u64),
+        }
+    }
+}
+
+impl ModelSection {
+    /// Prices in micro-dollars per token (= dollars per million tokens).
+    pub fn prices(&self) -> Prices {
+        Prices {
+            input: self.usd_per_mtok_input,
+            cached_input: self
+                .usd_per_mtok_cached_input
+                .unwrap_or(self.usd_per_mtok_input),
+            output: self.usd_per_mtok_output,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_config_parses_and_bad_ones_say_why() {
+        let ok = r#"
+[[model]]
+name = "m"
+base_url = "http://127.0.0.1:1/v1"
+usd_per_mtok_input = 3.0
+usd_per_mtok_output = 15.0
+
+[budget]
+turns = 5
+usd = 0.5
+
+[[tool]]
+name = "echo"
+command = ["cat"]
+read_only = true
+parameters = { type = "object", properties = { q = { type = "string" } } }
+"#;
+        let c: Config = toml::from_str(ok).unwrap();
+        c.check().unwrap();
+        assert_eq!(c.limits().usd_micros_max, Some(500_000));
+        assert_eq!(c.model("m").unwrap().prices().cached_input, 3.0);
+        let tools = c.tools(&[]).unwrap();
+        assert_eq!(tools[0].parameters["properties"]["q"]["type"], "string");
+        assert!(
+            c.tools(&["nope".into()])
+                .unwrap_err()
+                .to_string()
+                .contains("nope")
+        );
+        assert!(c.model("x").unwrap_err().to_string().contains("\"m\""));
+        let neg = ok.replace("usd = 0.5", "usd = -1.0");
+        let c: Config = toml::from_str(&neg).unwrap();
+        assert!(c.check().is_err());
+        assert!(toml::from_str::<Config>(&format!("{ok}\nsurprise = 1")).is_err());
+        let both = ok.replace(
+            "command = [\"cat\"]",
+            "command = [\"cat\"]\nurl = \"http://127.0.0.1:1/\"",
+        );
+        let c: Config = toml::from_str(&both).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("exactly one"));
+        let url = ok.replace("command = [\"cat\"]", "url = \"ftp://x/\"");
+        let c: Config = toml::from_str(&url).unwrap();
+        assert!(c.check().is_err());
+    }
+}

@@ -1,0 +1,208 @@
+//! The harness's way to the estop gate, through the typed blocking client
+//! (`estop_server::client`): a trajectory is a run, each tool call an effect keyed by the
+//! model's tool call id, admitted two-phase (admit, then start at dispatch, then complete).
+//! Each call runs on the blocking pool with its own connection; `wait` is chunked so a
+//! decision is read as soon as it is made.
+
+use crate::record::{Admission, Control, Decision};
+use estop_protocol::server_line::VerdictReply;
+use estop_protocol::{EventKind, Fields, Op, Verb};
+use estop_server::client::Client;
+use serde_json::{Value, json};
+
+#[derive(Debug, Clone)]
+pub struct GateConfig {
+    /// The daemon's socket path (or host:port).
+    pub target: String,
+    /// An agent token: the runs belong to it.
+    pub token: String,
+}
+
+fn op(verb: Verb, fields: &Value) -> Result<Op, String> {
+    let mut f = Fields::new();
+    for (k, v) in fields.as_object().expect("an object") {
+        f.json(k, v);
+    }
+    f.build(verb).map(|r| r.op).map_err(|e| e.to_string())
+}
+
+/// Whether `id` is a run id the gate accepts (checked by the protocol's own parser), so a
+/// trajectory that could never act is refused before it starts.
+pub fn check_run_id(id: &str) -> Result<(), String> {
+    op(Verb::Status, &json!({ "run": id })).map(|_| ())
+}
+
+impl GateConfig {
+    fn connect(&self) -> Result<Client, String> {
+        Client::connect_as(&self.target, &self.token).map_err(|e| e.to_string())
+    }
+
+    fn verdict(&self, verb: Verb, fields: Value) -> Result<VerdictReply, String> {
+        let mut c = self.connect()?;
+        c.ask(&op(verb, &fields)?).map_err(|e| e.to_string())
+    }
+
+    fn ack(&self, verb: Verb, fields: Value) -> Result<(), String> {
+        let mut c = self.connect()?;
+        c.request(&op(verb, &fields)?)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Admits one proposed call, two-phase. Arguments that are not JSON are refused here.
+    pub fn admit(
+        &self,
+        run: &str,
+        parent: Option<&str>,
+        key: &str,
+        tool: &str,
+        args: &str,
+    ) -> Admission {
+        let Ok(args) = serde_json::from_str::<Value>(args) else {
+            return Admission::Refused {
+                reason: "invalid_arguments".into(),
+            };
+        };
+        let mut fields =
+            json!({"run": run, "key": key, "tool": tool, "args": args, "start": false});
+        if let Some(p) = parent {
+            fields["parent"] = json!(p);
+        }
+        match self.verdict(Verb::Admit, fields) {
+            Ok(v) => admission(v),
+            Err(e) => Admission::Refused {
+                reason: format!("gate: {e}"),
+            },
+        }
+    }
+
+    /// Waits for the decision on a held call. Only an admission is an approval; everything
+    /// else, the gate unreachable included, is a refusal (silence is no).
+    pub fn decision(&self, run: &str, key: &str) -> Decision {
+        loop {
+            let fields = json!({"run": run, "key": key, "timeout_ms": 30_000});
+            match self.verdict(Verb::Wait, fields) {
+                Ok(VerdictReply::Held { .. }) => continue,
+                Ok(VerdictReply::Admitted { token, .. }) => return Decision::Approved { token },
+                Ok(VerdictReply::Refused { reason, .. }) => {
+                    return match reason.as_str() {
+                        "expired" => Decision::Expired,
+                        "cancelled" | "closed" => Decision::Canceled,
+                        _ => Decision::Denied,
+                    };
+                }
+                Ok(_) | Err(_) => return Decision::Canceled,
+            }
+        }
+    }
+
+    /// The commit point: `Ok(())` on `go`; otherwise why it may not start.
+    pub fn start(&self, run: &str, key: &str, token: &str) -> Result<(), String> {
+        match self.verdict(Verb::Start, json!({"run": run, "key": key, "token": token}))? {
+            VerdictReply::Go => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    }
+
+    pub fn complete(
+        &self,
+        run: &str,
+        key: &str,
+        token: &str,
+        outcome: &str,
+        result: &str,
+    ) -> Result<(), String> {
+        let mut fields = json!({"run": run, "key": key, "token": token, "outcome": outcome});
+        if outcome == "ok" {
+            fields["result"] = json!(result);
+        } else {
+            fields["error"] = json!(result);
+        }
+        self.ack(Verb::Complete, fields)
+    }
+
+    pub fn close(&self, run: &str, completed: bool) -> Result<(), String> {
+        let outcome = if completed { "completed" } else { "failed" };
+        self.ack(Verb::Close, json!({"run": run, "outcome": outcome}))
+    }
+
+    pub fn cancel(&self, run: &str, reason: &str) -> Result<(), String> {
+        self.ack(Verb::Cancel, json!({"run": run, "reason": reason}))
+    }
+
+    /// Subscribes to the run's events on a connection of its own and hands each stop, pause
+    /// and resume to `on` as a control request; returns when the connection ends.
+    pub fn watch(&self, run: &str, mut on: impl FnMut(Control) -> bool) -> Result<(), String> {
+        let mut c = self.connect()?;
+        c.request(&op(Verb::Subscribe, &json!({"run": run}))?)
+            .map_err(|e| e.to_string())?;
+        loop {
+            let Some(e) = c.next_event().map_err(|e| e.to_string())? else {
+                continue;
+            };
+            let reason = e
+                .reason
+                .clone()
+                .unwrap_or_else(|| "stopped at the gate".into());
+            let control = match e.event {
+                // A kill is a cancel on the wire; the run's stop cause tells them apart, and a
+                // kill acts at once, even mid-turn.
+                EventKind::Cancelled | EventKind::Finalizing if killed(&mut c, run) => {
+                    Control::Kill { reason }
+                }
+                EventKind::Cancelled | EventKind::Finalizing => Control::Cancel { reason },
+                EventKind::Paused => Control::Pause,
+                EventKind::Resumed => Control::Resume,
+                _ => continue,
+            };
+            if !on(control) {
+                return Ok(());
+            }
+        }
+    }
+}
+
+fn killed(c: &mut Client, run: &str) -> bool {
+    let Ok(status) = op(Verb::Status, &json!({"run": run})) else {
+        return false;
+    };
+    match c.request(&status) {
+        Ok(estop_protocol::ReplyBody::Status(v)) => v.cause.as_deref() == Some("killed"),
+        _ => false,
+    }
+}
+
+fn admission(v: VerdictReply) -> Admission {
+    match v {
+        VerdictReply::Admitted { token, .. } => Admission::Admitted { token },
+        VerdictReply::Held { expires_at, .. } => Admission::Held {
+            // A sibling or pause hold has no expiry of its own: the gate's wait decides.
+            expires_at_ms: expires_at.unwrap_or(u64::MAX),
+        },
+        VerdictReply::Refused { reason, .. } => Admission::Refused {
+            reason: reason.as_str().to_string(),
+        },
+        VerdictReply::Duplicate {
+            status,
+            outcome,
+            result,
+            error,
+        } => Admission::Duplicate {
+            status,
+            outcome: match (outcome.as_deref(), result, error) {
+                (Some("ok"), Some(r), _) => Some(
+                    r.as_str()
+                        .map(str::to_string)
+                        .unwrap_or_else(|| r.to_string()),
+                ),
+                (Some(o), _, e) => {
+                    Some(json!({"status": "REPLAYED", "outcome": o, "error": e}).to_string())
+                }
+                (None, _, _) => None,
+            },
+        },
+        VerdictReply::Go => Admission::Refused {
+            reason: "unexpected go".into(),
+        },
+    }
+}

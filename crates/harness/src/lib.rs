@@ -1,0 +1,20 @@
+//! estop-harness: the agent loop run by estop itself (SPEC §4.9, seed 004). Every control fact
+//! of a trajectory — its state, budget, pending work, control requests — lives in a
+//! [`record::Record`] outside the model, changes only through the guarded
+//! [`machine::transition`], and is journalled before the harness acts on it.
+//!
+//! The core (`machine`, `record`, `budget`, `scheduler`) is pure: no IO, no clock (time is an
+//! argument in Unix milliseconds), no threads, deterministic. The IO lives in other modules.
+
+pub mod agent;
+pub mod budget;
+pub mod chat;
+pub mod config;
+pub mod gate;
+pub mod journal;
+pub mod machine;
+pub mod model;
+pub mod record;
+pub mod runner;
+pub mod scheduler;
+pub mod scripted;

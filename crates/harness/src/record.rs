@@ -1,0 +1,882 @@
+//! The trajectory record (seed 004, Table 2) and the turn logic that reads and writes it.
+//!
+//! The record is estop's, never the model's: what the model says is an observation the harness
+//! evaluates, not an update. Every method takes the time as an argument, changes the record
+//! only through [`transition`] and returns [`Action`]s for the runner to carry out once the
+//! record is journalled. Control requests are stored on arrival and applied at the next turn
+//! boundary (before a model call, after a reply is parsed and before anything is dispatched,
+//! after tool results are accepted, on entering an approval wait); kill and resume act at once.
+
+use crate::budget::{Budget, Dimension, Reservation, Stage};
+use crate::chat::{Finish, Message, Reply, ToolCall};
+use crate::machine::{Cause, State, TransitionError, transition};
+use serde::{Deserialize, Serialize};
+
+/// Why a trajectory exits; recorded before it enters FINALIZING.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "exit", rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Exit {
+    /// The model ended its turn; the completion check decides COMPLETED or FAILED.
+    Completed {
+        check_passed: bool,
+    },
+    Canceled {
+        reason: String,
+    },
+    Killed {
+        reason: String,
+    },
+    BudgetExceeded {
+        dimension: Dimension,
+    },
+    Error {
+        error: String,
+    },
+}
+
+/// Per-call ceilings (seed 004: the call contract).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallLimits {
+    pub model: String,
+    pub max_output_tokens: u64,
+    pub call_deadline_ms: u64,
+    /// How long a dispatched tool call may take before it is timed out.
+    pub tool_deadline_ms: u64,
+}
+
+/// Identity: routes control requests, bills the right tenant, links retries and sub-agents.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    /// Also the gate's run id: every tool call is an effect of this run.
+    pub id: String,
+    pub parent: Option<String>,
+    pub tenant: String,
+    pub task: String,
+}
+
+/// Tool grants; restriction narrows them to read-only tools (the 90% stage).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grants {
+    pub tools: Vec<GrantedTool>,
+    pub restricted: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantedTool {
+    pub name: String,
+    pub read_only: bool,
+}
+
+impl Grants {
+    pub fn allows(&self, tool: &str) -> bool {
+        self.tools
+            .iter()
+            .any(|t| t.name == tool && (t.read_only || !self.restricted))
+    }
+}
+
+/// A resource held on the trajectory's behalf (a workspace, a credential handle), released in
+/// FINALIZING.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub id: String,
+    pub kind: String,
+}
+
+/// A tool call in the pending set, from proposal to result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingCall {
+    pub call: ToolCall,
+    pub phase: Phase,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "phase", rename_all = "snake_case")]
+pub enum Phase {
+    /// Proposed in a reply that ended normally; admission not yet answered.
+    Proposed,
+    /// Admitted by the gate (two-phase: not started).
+    Admitted { token: String },
+    /// Dispatched; its result is accepted until the deadline. The token is kept so that a
+    /// call cancelled or timed out (or found started after a restart) is completed `unknown`.
+    Dispatched { deadline_ms: u64, token: String },
+}
+
+/// A call held by the gate for approval.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldCall {
+    pub call: ToolCall,
+    pub expires_at_ms: u64,
+}
+
+/// A control request from outside the loop (seed 004, "Control actions").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "control", rename_all = "snake_case")]
+pub enum Control {
+    Cancel { reason: String },
+    Interrupt { message: String },
+    Pause,
+    Resume,
+    Kill { reason: String },
+    Budget { limits: crate::budget::Limits },
+}
+
+/// Where the bulky state lives: the record points at it, never holds it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pointers {
+    /// Messages of the context journalled so far.
+    pub context_len: u64,
+    pub log: String,
+    pub workspace: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    pub identity: Identity,
+    pub state: State,
+    pub exit: Option<Exit>,
+    /// Model calls made.
+    pub turns: u64,
+    pub limits: CallLimits,
+    pub budget: Budget,
+    pub grants: Grants,
+    pub leases: Vec<Lease>,
+    pub pending: Vec<PendingCall>,
+    pub held: Vec<HeldCall>,
+    pub control: Vec<Control>,
+    pub pointers: Pointers,
+    /// Transitions taken (the journal keeps each one).
+    pub transitions: u64,
+}
+
+/// What the runner is to do, in order, once the record is durable.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "action", rename_all = "snake_case")]
+pub enum Action {
+    /// Append to the context the next call sees.
+    Observe {
+        message: Message,
+    },
+    /// Make the model call with these ceilings; `steer` is a notice for this call only.
+    CallModel {
+        reservation: Reservation,
+        steer: Option<String>,
+    },
+    /// Cut the open model stream within the grace (a control request is pending).
+    CutModel,
+    /// Ask the gate to admit these calls (run = trajectory, key = the call's id).
+    Admit {
+        calls: Vec<ToolCall>,
+    },
+    /// Start and run an admitted call.
+    Dispatch {
+        call: ToolCall,
+        token: String,
+    },
+    /// Wait for the gate's decision on a held call.
+    AwaitDecision {
+        call: ToolCall,
+    },
+    /// Cancel a dispatched call; its outcome is unknown unless the tool settles it.
+    CancelTool {
+        call_id: String,
+    },
+    /// Record at the gate that a dispatched call's outcome is unknown.
+    MarkUnknown {
+        call: ToolCall,
+        token: Option<String>,
+    },
+    Release {
+        lease: Lease,
+    },
+    /// A late or unknown tool result was dropped: an audit line, never an observation.
+    Dropped {
+        call_id: String,
+        why: String,
+    },
+    /// The trajectory reached a terminal state (FINALIZING ran).
+    Ended {
+        state: State,
+    },
+}
+
+/// How the gate answered one admission.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "verdict", rename_all = "snake_case")]
+pub enum Admission {
+    Admitted {
+        token: String,
+    },
+    Held {
+        expires_at_ms: u64,
+    },
+    Refused {
+        reason: String,
+    },
+    /// Already recorded (a resume): its recorded outcome stands in for a run.
+    Duplicate {
+        status: String,
+        outcome: Option<String>,
+    },
+}
+
+/// How a held call was decided.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "decision", rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Decision {
+    Approved { token: String },
+    Denied,
+    Expired,
+    Canceled,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    #[error(transparent)]
+    Transition(#[from] TransitionError),
+    #[error("{0} is not expected in state {1}")]
+    Unexpected(&'static str, State),
+}
+
+type Step = Result<Vec<Action>, RecordError>;
+
+/// The refusal observation of seed 004 (approval gate): what the model sees instead of a call
+/// that was not run.
+pub fn refusal(call: &ToolCall, reason: &str, message: &str) -> Message {
+    let v = serde_json::json!({
+        "status": "REFUSED",
+        "reason": reason,
+        "call": format!("{}({})", call.function.name, call.function.arguments),
+        "message": message,
+    });
+    Message::tool(&call.id, v.to_string())
+}
+
+fn marker(call: &ToolCall, status: &str, message: &str) -> Message {
+    let v = serde_json::json!({"status": status, "message": message});
+    Message::tool(&call.id, v.to_string())
+}
+
+impl Record {
+    pub fn new(
+        identity: Identity,
+        limits: CallLimits,
+        budget: Budget,
+        grants: Grants,
+        log: String,
+    ) -> Record {
+        Record {
+            identity,
+            state: State::Ready,
+            exit: None,
+            turns: 0,
+            limits,
+            budget,
+            grants,
+            leases: Vec::new(),
+            pending: Vec::new(),
+            held: Vec::new(),
+            control: Vec::new(),
+            pointers: Pointers {
+                context_len: 0,
+                log,
+                workspace: None,
+            },
+            transitions: 0,
+        }
+    }
+
+    fn go(&mut self, to: State, cause: Cause) -> Result<(), RecordError> {
+        transition(self, to, cause)?;
+        Ok(())
+    }
+
+    /// Begins an exit: records the reason and enters FINALIZING.
+    fn exit(&mut self, exit: Exit) -> Result<(), RecordError> {
+        let before = self.exit.replace(exit);
+        if let Err(e) = self.go(State::Finalizing, Cause::Exit) {
+            self.exit = before;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// A control request arrives: stored, and applied now where the trajectory is at a
+    /// boundary; kill acts at once in every live state, resume at once from PAUSED.
+    pub fn on_control(&mut self, now_ms: u64, c: Control) -> Step {
+        if self.state.is_terminal() || self.state == State::Finalizing {
+            return Ok(Vec::new());
+        }
+        match c {
+            Control::Kill { reason } => return self.kill(reason),
+            Control::Resume if self.state == State::Paused => {
+                self.control.retain(|c| *c != Control::Pause);
+                self.go(State::Ready, Cause::Resume)?;
+                return Ok(Vec::new());
+            }
+            // A resume before the pause took effect withdraws the pause.
+            Control::Resume => {
+                self.control.retain(|c| *c != Control::Pause);
+                return Ok(Vec::new());
+            }
+            c => self.control.push(c),
+        }
+        match self.state {
+            State::CallingModel => Ok(vec![Action::CutModel]),
+            State::Ready | State::Paused => self.boundary(now_ms),
+            // A wait for tools or a decision is a boundary for a stop: the outstanding work
+            // is cancelled in FINALIZING. A pause or interrupt waits for the results.
+            State::WaitingTool | State::AwaitingApproval => {
+                match self.control.iter().find_map(|c| match c {
+                    Control::Cancel { reason } => Some(reason.clone()),
+                    _ => None,
+                }) {
+                    Some(reason) => {
+                        self.control.clear();
+                        self.exit(Exit::Canceled { reason })?;
+                        self.finalize()
+                    }
+                    None => Ok(Vec::new()),
+                }
+            }
+            State::Finalizing | State::Completed | State::Failed | State::Canceled => {
+                unreachable!("returned above")
+            }
+        }
+    }
+
+    fn kill(&mut self, reason: String) -> Step {
+        let mut actions = Vec::new();
+        if self.state == State::CallingModel {
+            actions.push(Action::CutModel);
+        }
+        self.control.clear();
+        self.exit(Exit::Killed { reason })?;
+        actions.extend(self.finalize()?);
+        Ok(actions)
+    }
+
+    /// The boundary at READY (and PAUSED): stored controls first, then the budget. Leaves the
+    /// trajectory READY (to be scheduled), PAUSED, or ended.
+    pub fn boundary(&mut self, now_ms: u64) -> Step {
+        let mut actions = Vec::new();
+        while !self.control.is_empty() {
+            let c = self.control.remove(0);
+            match c {
+                Control::Cancel { reason } => {
+                    self.control.clear();
+                    self.exit(Exit::Canceled { reason })?;
+                    actions.extend(self.finalize()?);
+                    return Ok(actions);
+                }
+                Control::Interrupt { message } => {
+                    if self.state == State::Paused {
+                        // A paused trajectory keeps the message for when it resumes.
+                        self.control.insert(0, Control::Interrupt { message });
+                        return Ok(actions);
+                    }
+                    actions.push(Action::Observe {
+                        message: Message::user(message),
+                    });
+                }
+                Control::Pause if self.state == State::Ready => {
+                    self.go(State::Paused, Cause::Pause)?
+                }
+                Control::Pause => {}
+                Control::Budget { limits } => self.budget.limits = limits,
+                Control::Kill { .. } | Control::Resume => unreachable!("acted on at arrival"),
+            }
+        }
+        if self.state == State::Ready
+            && let Stage::Stop { binding } = self.budget.stage(now_ms)
+        {
+            self.exit(Exit::BudgetExceeded { dimension: binding })?;
+            actions.extend(self.finalize()?);
+        }
+        Ok(actions)
+    }
+
+    /// The scheduler gave this READY trajectory a turn: reserve and call the model, or stop
+    /// when the budget cannot cover one more call.
+    pub fn begin_turn(&mut self, now_ms: u64, prompt_estimate: u64) -> Step {
+        if self.state != State::Ready {
+            return Err(RecordError::Unexpected("a turn", self.state));
+        }
+        let mut actions = self.boundary(now_ms)?;
+        if self.state != State::Ready {
+            return Ok(actions);
+        }
+        let stage = self.budget.stage(now_ms);
+        let r = match self
+            .budget
+            .reserve(now_ms, prompt_estimate, self.limits.max_output_tokens)
+        {
+            Ok(r) => r,
+            Err(e) => {
+                self.exit(Exit::BudgetExceeded { dimension: e.0 })?;
+                actions.extend(self.finalize()?);
+                return Ok(actions);
+            }
+        };
+        self.grants.restricted |= matches!(stage, Stage::Restrict { .. });
+        let steer = match stage {
+            Stage::Steer { binding, permille } => Some(format!(
+                "Budget notice: {permille}\u{2030} of the {} budget is used. Converge on an answer.",
+                binding.as_str()
+            )),
+            Stage::Restrict { binding, permille } => Some(format!(
+                "Budget notice: {permille}\u{2030} of the {} budget is used. Only read-only tools \
+                 remain and no sub-agents may start: give your final answer now.",
+                binding.as_str()
+            )),
+            Stage::Normal | Stage::Stop { .. } => None,
+        };
+        self.turns += 1;
+        self.go(State::CallingModel, Cause::Scheduled)?;
+        actions.push(Action::CallModel {
+            reservation: r,
+            steer,
+        });
+        Ok(actions)
+    }
+
+    /// The model call ended. Usage is charged first (a cut stream pays for what it produced);
+    /// a truncated, cut or failed reply is never dispatched.
+    pub fn on_reply(&mut self, now_ms: u64, reply: Reply) -> Step {
+        // One reply per call: after it, the turn is admitting what it proposed.
+        if self.state != State::CallingModel || self.budget.reserved.is_none() {
+            return Err(RecordError::Unexpected("a model reply", self.state));
+        }
+        let usage = match &reply {
+            Reply::Finished { usage, .. } | Reply::Cut { usage } | Reply::Failed { usage, .. } => {
+                *usage
+            }
+        };
+        self.budget.settle(usage);
+        let observe = |text: &str| Action::Observe {
+            message: Message::user(text.to_string()),
+        };
+        let mut actions = Vec::new();
+        match reply {
+            Reply::Cut { .. } => {
+                actions.push(observe(
+                    "[interrupted: the reply was cut by a control request]",
+                ));
+                self.go(State::Ready, Cause::Observed)?;
+            }
+            Reply::Failed {
+                error, retryable, ..
+            } if !retryable => {
+                self.exit(Exit::Error { error })?;
+                actions.extend(self.finalize()?);
+                return Ok(actions);
+            }
+            Reply::Failed { .. } => self.go(State::Ready, Cause::Observed)?,
+            Reply::Finished {
+                finish,
+                text,
+                tool_calls,
+                ..
+            } => {
+                return self.on_finished(now_ms, finish, text, tool_calls);
+            }
+        }
+        actions.extend(self.boundary(now_ms)?);
+        Ok(actions)
+    }
+
+    fn on_finished(
+        &mut self,
+        now_ms: u64,
+        finish: Finish,
+        text: String,
+        calls: Vec<ToolCall>,
+    ) -> Step {
+        let mut actions = vec![Action::Observe {
+            message: Message {
+                role: crate::chat::Role::Assistant,
+                content: (!text.is_empty()).then(|| text.clone()),
+                tool_calls: if finish == Finish::ToolCalls {
+                    calls.clone()
+                } else {
+                    Vec::new()
+                },
+                tool_call_id: None,
+            },
+        }];
+        // The boundary after the reply is parsed, before anything is dispatched.
+        if self.control_waiting() {
+            for c in calls.iter().filter(|_| finish == Finish::ToolCalls) {
+                actions.push(Action::Observe {
+                    message: marker(
+                        c,
+                        "INTERRUPTED",
+                        "not dispatched: a control request came first",
+                    ),
+                });
+            }
+            self.go(State::Ready, Cause::Observed)?;
+            actions.extend(self.boundary(now_ms)?);
+            return Ok(actions);
+        }
+        match finish {
+            Finish::ToolCalls if !calls.is_empty() => {
+                self.pending = calls
+                    .iter()
+                    .map(|c| PendingCall {
+                        call: c.clone(),
+                        phase: Phase::Proposed,
+                    })
+                    .collect();
+                actions.push(Action::Admit { calls });
+                Ok(actions)
+            }
+            Finish::Stop | Finish::ToolCalls => {
+                self.exit(Exit::Completed {
+                    check_passed: !text.trim().is_empty(),
+                })?;
+                actions.extend(self.finalize()?);
+                Ok(actions)
+            }
+            Finish::Length => {
+                actions.push(Action::Observe {
+                    message: Message::user(
+                        "[truncated: the reply hit the output limit and nothing in it was run; \
+                         answer in shorter steps]",
+                    ),
+                });
+                self.go(State::Ready, Cause::Observed)?;
+                actions.extend(self.boundary(now_ms)?);
+                Ok(actions)
+            }
+            Finish::ContentFilter | Finish::Other(_) => {
+                self.go(State::Ready, Cause::Observed)?;
+                actions.extend(self.boundary(now_ms)?);
+                Ok(actions)
+            }
+        }
+    }
+
+    /// The gate answered one proposed call's admission. Once every proposal is answered, the
+    /// calls are dispatched, or held for approval, or (none left) the turn observes and ends.
+    pub fn on_admission(&mut self, now_ms: u64, call_id: &str, a: Admission) -> Step {
+        if self.state != State::CallingModel {
+            return Err(RecordError::Unexpected("an admission", self.state));
+        }
+        let Some(i) = self
+            .pending
+            .iter()
+            .position(|p| p.call.id == call_id && p.phase == Phase::Proposed)
+        else {
+            return Ok(vec![Action::Dropped {
+                call_id: call_id.to_string(),
+                why: "admission for a call not proposed".into(),
+            }]);
+        };
+        let mut actions = Vec::new();
+        match a {
+            Admission::Admitted { token }
+                if self.grants.allows(&self.pending[i].call.function.name) =>
+            {
+                self.pending[i].phase = Phase::Admitted { token }
+            }
+            Admission::Admitted { token } => {
+                let p = self.pending.remove(i);
+                actions.push(Action::Observe {
+                    message: refusal(
+                        &p.call,
+                        "NOT_GRANTED",
+                        "this tool is not granted to the trajectory now",
+                    ),
+                });
+                actions.push(Action::MarkUnknown {
+                    call: p.call,
+                    token: Some(token),
+                });
+            }
+            Admission::Held { expires_at_ms } => {
+                let p = self.pending.remove(i);
+                self.held.push(HeldCall {
+                    call: p.call,
+                    expires_at_ms,
+                });
+            }
+            Admission::Refused { reason } => {
+                let p = self.pending.remove(i);
+                actions.push(Action::Observe {
+                    message: refusal(
+                        &p.call,
+                        &reason.to_uppercase(),
+                        "the gate refused this call",
+                    ),
+                });
+            }
+            Admission::Duplicate { status, outcome } => {
+                let p = self.pending.remove(i);
+                let text = outcome.unwrap_or_else(|| format!("{{\"status\":\"{status}\"}}"));
+                actions.push(Action::Observe {
+                    message: Message::tool(&p.call.id, text),
+                });
+            }
+        }
+        if self.pending.iter().any(|p| p.phase == Phase::Proposed) {
+            return Ok(actions);
+        }
+        actions.extend(self.after_admissions(now_ms)?);
+        Ok(actions)
+    }
+
+    fn after_admissions(&mut self, now_ms: u64) -> Step {
+        if !self.held.is_empty() {
+            self.go(State::AwaitingApproval, Cause::Held)?;
+            let mut actions: Vec<Action> = self
+                .held
+                .iter()
+                .map(|h| Action::AwaitDecision {
+                    call: h.call.clone(),
+                })
+                .collect();
+            // Entering an approval wait is a boundary: a stop applies now.
+            actions.extend(self.stop_if_asked()?);
+            return Ok(actions);
+        }
+        if self.pending.is_empty() || self.control_waiting() {
+            let mut actions = self.withhold();
+            self.go(State::Ready, Cause::Observed)?;
+            actions.extend(self.boundary(now_ms)?);
+            return Ok(actions);
+        }
+        self.go(State::WaitingTool, Cause::Dispatched)?;
+        Ok(self.dispatch_admitted(now_ms))
+    }
+
+    /// A control request (other than a budget change) is waiting for the next boundary: the
+    /// last point before a dispatch is one, so nothing new starts before it applies.
+    fn control_waiting(&self) -> bool {
+        self.control
+            .iter()
+            .any(|c| !matches!(c, Control::Budget { .. }))
+    }
+
+    /// Admitted calls not dispatched because a control request came first: each gets a
+    /// model-visible marker, and the pending set empties.
+    fn withhold(&mut self) -> Vec<Action> {
+        std::mem::take(&mut self.pending)
+            .into_iter()
+            .map(|p| Action::Observe {
+                message: marker(
+                    &p.call,
+                    "INTERRUPTED",
+                    "not dispatched: a control request came first",
+                ),
+            })
+            .collect()
+    }
+
+    fn stop_if_asked(&mut self) -> Step {
+        if let Some(reason) = self.control.iter().find_map(|c| match c {
+            Control::Cancel { reason } => Some(reason.clone()),
+            _ => None,
+        }) {
+            self.control.clear();
+            self.exit(Exit::Canceled { reason })?;
+            return self.finalize();
+        }
+        Ok(Vec::new())
+    }
+
+    fn dispatch_admitted(&mut self, now_ms: u64) -> Vec<Action> {
+        let deadline_ms = now_ms + self.limits.tool_deadline_ms;
+        let mut actions = Vec::new();
+        for p in &mut self.pending {
+            if let Phase::Admitted { token } = &p.phase {
+                actions.push(Action::Dispatch {
+                    call: p.call.clone(),
+                    token: token.clone(),
+                });
+                p.phase = Phase::Dispatched {
+                    deadline_ms,
+                    token: token.clone(),
+                };
+            }
+        }
+        actions
+    }
+
+    /// The gate decided a held call. Silence is no: only `Approved` dispatches.
+    pub fn on_decision(&mut self, now_ms: u64, call_id: &str, d: Decision) -> Step {
+        let Some(i) = self.held.iter().position(|h| h.call.id == call_id) else {
+            return Ok(vec![Action::Dropped {
+                call_id: call_id.to_string(),
+                why: format!("decision for a call not held (state {})", self.state),
+            }]);
+        };
+        if self.state != State::AwaitingApproval {
+            return Err(RecordError::Unexpected("a decision", self.state));
+        }
+        let h = self.held.remove(i);
+        let mut actions = Vec::new();
+        let (reason, message) = match d {
+            Decision::Approved { token } if self.grants.allows(&h.call.function.name) => {
+                self.pending.push(PendingCall {
+                    call: h.call.clone(),
+                    phase: Phase::Admitted { token },
+                });
+                ("", "")
+            }
+            Decision::Approved { .. } => {
+                ("NOT_GRANTED", "approved, but the tool is no longer granted")
+            }
+            Decision::Denied => ("APPROVAL_DENIED", "A reviewer denied this call."),
+            Decision::Expired => (
+                "APPROVAL_EXPIRED",
+                "No approval was recorded before the request expired.",
+            ),
+            Decision::Canceled => ("APPROVAL_CANCELED", "The approval request was cancelled."),
+        };
+        if !reason.is_empty() {
+            actions.push(Action::Observe {
+                message: refusal(&h.call, reason, message),
+            });
+        }
+        if !self.held.is_empty() {
+            return Ok(actions);
+        }
+        if self.pending.is_empty() || self.control_waiting() {
+            actions.extend(self.withhold());
+            self.go(State::Ready, Cause::Refused)?;
+            actions.extend(self.boundary(now_ms)?);
+            return Ok(actions);
+        }
+        self.go(State::WaitingTool, Cause::Decided)?;
+        actions.extend(self.dispatch_admitted(now_ms));
+        Ok(actions)
+    }
+
+    /// A tool result arrives: accepted only in WAITING_TOOL for a call still pending
+    /// (seed 004 listing 2); anything else is dropped and logged, never observed.
+    pub fn on_tool_result(&mut self, now_ms: u64, call_id: &str, result: String) -> Step {
+        let found = self
+            .pending
+            .iter()
+            .position(|p| p.call.id == call_id && matches!(p.phase, Phase::Dispatched { .. }));
+        let (State::WaitingTool, Some(i)) = (self.state, found) else {
+            return Ok(vec![Action::Dropped {
+                call_id: call_id.to_string(),
+                why: format!("late or unknown tool result (state {})", self.state),
+            }]);
+        };
+        self.pending.remove(i);
+        let mut actions = vec![Action::Observe {
+            message: Message::tool(call_id, result),
+        }];
+        actions.extend(self.after_result(now_ms)?);
+        Ok(actions)
+    }
+
+    /// Deadlines: a dispatched call past its deadline leaves the pending set *before* its
+    /// timeout is observed, so its late result finds no match; a held call past its expiry is
+    /// refused (silence is no).
+    pub fn on_tick(&mut self, now_ms: u64) -> Step {
+        let mut actions = Vec::new();
+        if self.state == State::AwaitingApproval {
+            let due: Vec<String> = self
+                .held
+                .iter()
+                .filter(|h| h.expires_at_ms <= now_ms)
+                .map(|h| h.call.id.clone())
+                .collect();
+            for id in due {
+                actions.extend(self.on_decision(now_ms, &id, Decision::Expired)?);
+            }
+            return Ok(actions);
+        }
+        if self.state != State::WaitingTool {
+            return Ok(actions);
+        }
+        let (due, keep): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.pending).into_iter().partition(
+                |p| matches!(p.phase, Phase::Dispatched { deadline_ms, .. } if deadline_ms <= now_ms),
+            );
+        self.pending = keep;
+        if due.is_empty() {
+            return Ok(actions);
+        }
+        for p in due {
+            actions.push(Action::CancelTool {
+                call_id: p.call.id.clone(),
+            });
+            actions.push(Action::Observe {
+                message: marker(
+                    &p.call,
+                    "TIMEOUT",
+                    "the call passed its deadline; its outcome is unknown",
+                ),
+            });
+            let token = match p.phase {
+                Phase::Dispatched { token, .. } => Some(token),
+                _ => None,
+            };
+            actions.push(Action::MarkUnknown {
+                call: p.call,
+                token,
+            });
+        }
+        actions.extend(self.after_result(now_ms)?);
+        Ok(actions)
+    }
+
+    fn after_result(&mut self, now_ms: u64) -> Step {
+        if !self.pending.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.go(State::Ready, Cause::ToolsDone)?;
+        self.boundary(now_ms)
+    }
+
+    /// FINALIZING: cancel outstanding work (dispatched calls become unknown, held calls are
+    /// withdrawn), release leases, then the terminal state the exit calls for.
+    fn finalize(&mut self) -> Step {
+        assert_eq!(self.state, State::Finalizing);
+        let mut actions = Vec::new();
+        for p in std::mem::take(&mut self.pending) {
+            match p.phase {
+                Phase::Dispatched { token, .. } => {
+                    actions.push(Action::CancelTool {
+                        call_id: p.call.id.clone(),
+                    });
+                    actions.push(Action::Observe {
+                        message: marker(
+                            &p.call,
+                            "INTERRUPTED",
+                            "cancelled before its result; outcome unknown",
+                        ),
+                    });
+                    actions.push(Action::MarkUnknown {
+                        call: p.call,
+                        token: Some(token),
+                    });
+                }
+                Phase::Admitted { .. } | Phase::Proposed => actions.push(Action::Observe {
+                    message: marker(&p.call, "INTERRUPTED", "not dispatched"),
+                }),
+            }
+        }
+        for h in std::mem::take(&mut self.held) {
+            actions.push(Action::Observe {
+                message: refusal(&h.call, "APPROVAL_CANCELED", "the trajectory ended"),
+            });
+        }
+        for lease in std::mem::take(&mut self.leases) {
+            actions.push(Action::Release { lease });
+        }
+        let to = self
+            .exit
+            .as_ref()
+            .expect("FINALIZING has its exit")
+            .terminal();
+        self.go(to, Cause::Finalized)?;
+        actions.push(Action::Ended { state: to });
+        Ok(actions)
+    }
+}

@@ -1,0 +1,776 @@
+//! The runner: drives trajectories through the record's turn logic. One task owns every record
+//! (no lock); everything slow — model calls, admissions, tool runs, approval waits, the gate's
+//! run events — runs elsewhere and comes back as an [`Input`]. Each input changes a record, the
+//! change (and the messages it adds) is journalled and fsync'd, and only then are its actions
+//! carried out. The scheduler picks READY trajectories; a waiting one holds no model slot.
+
+use crate::budget::{Budget, Limits, Prices};
+use crate::chat::{Message, Reply};
+use crate::gate::GateConfig;
+use crate::journal::{Entry, Journal, JournalError, Recovered};
+use crate::machine::State;
+use crate::model::{CallRequest, ModelClient};
+use crate::record::{
+    Action, Admission, CallLimits, Control, Decision, GrantedTool, Grants, Identity, Phase, Record,
+};
+use crate::scheduler::{Class, Next, Scheduler, TokenBucket, Weights};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, watch};
+
+/// A tool: a sandboxed command (the arguments, JSON, on its stdin; its stdout the result) or
+/// an HTTP tool (the arguments POSTed as JSON to `url`; the answer's body the result). Exactly
+/// one of `command` and `url`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Tool {
+    pub name: String,
+    pub description: String,
+    pub parameters: Value,
+    #[serde(default)]
+    pub command: Vec<String>,
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Reads only: still allowed once the budget restricts the trajectory.
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct RunnerOptions {
+    pub data: PathBuf,
+    pub gate: GateConfig,
+    pub model: ModelClient,
+    pub call_limits: CallLimits,
+    pub limits: Limits,
+    pub prices: Prices,
+    pub tools: Vec<Tool>,
+    pub system: String,
+    /// How long a cut stream may still be read for its terminal event.
+    pub grace: Duration,
+    /// Model calls in flight at once.
+    pub workers: usize,
+    pub tpm: u64,
+    pub rpm: u64,
+}
+
+/// What comes back to the runner.
+#[derive(Debug)]
+pub enum Input {
+    Reply {
+        id: String,
+        reply: Reply,
+    },
+    Admitted {
+        id: String,
+        call: String,
+        admission: Admission,
+    },
+    Decided {
+        id: String,
+        call: String,
+        decision: Decision,
+    },
+    ToolDone {
+        id: String,
+        call: String,
+        result: String,
+    },
+    Control {
+        id: String,
+        control: Control,
+    },
+    /// An audit line for the journal.
+    Note {
+        id: String,
+        line: String,
+    },
+    /// After a restart: a dispatched call the gate holds prepared and never started.
+    Restart {
+        id: String,
+        call: String,
+        token: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunnerError {
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    #[error("{0}")]
+    Other(String),
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+pub struct Runner {
+    opts: RunnerOptions,
+    journal: Journal,
+    recs: BTreeMap<String, Record>,
+    ctx: BTreeMap<String, Vec<Message>>,
+    sched: Scheduler<String>,
+    cuts: BTreeMap<String, watch::Sender<bool>>,
+    tools: BTreeMap<String, tokio::task::AbortHandle>,
+    tokens: BTreeMap<String, String>,
+    in_flight: usize,
+    tx: mpsc::UnboundedSender<Input>,
+    rx: mpsc::UnboundedReceiver<Input>,
+}
+
+impl std::fmt::Debug for Runner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Runner({} trajectories)", self.recs.len())
+    }
+}
+
+impl Runner {
+    /// Opens the journal in `DATA/journal` and resumes every live trajectory found there.
+    pub fn open(opts: RunnerOptions) -> Result<Runner, RunnerError> {
+        let (
+            journal,
+            Recovered {
+                records, contexts, ..
+            },
+        ) = Journal::open(&opts.data.join("journal"))?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let bucket = TokenBucket::new(opts.tpm, opts.rpm, now_ms());
+        let mut r = Runner {
+            sched: Scheduler::new(Weights::default(), 4_096, bucket),
+            opts,
+            journal,
+            recs: records,
+            ctx: contexts,
+            cuts: BTreeMap::new(),
+            tools: BTreeMap::new(),
+            tokens: BTreeMap::new(),
+            in_flight: 0,
+            tx,
+            rx,
+        };
+        let live: Vec<String> = r
+            .recs
+            .iter()
+            .filter(|(_, x)| !x.state.is_terminal())
+            .map(|(k, _)| k.clone())
+            .collect();
+        for id in live {
+            r.resume(&id)?;
+        }
+        Ok(r)
+    }
+
+    pub fn record(&self, id: &str) -> Option<&Record> {
+        self.recs.get(id)
+    }
+
+    pub fn context(&self, id: &str) -> &[Message] {
+        self.ctx.get(id).map_or(&[], Vec::as_slice)
+    }
+
+    /// A sender of inputs (control requests from outside).
+    pub fn inputs(&self) -> mpsc::UnboundedSender<Input> {
+        self.tx.clone()
+    }
+
+    /// Starts a new trajectory for `task`.
+    pub fn start(&mut self, id: &str, parent: Option<&str>, task: &str) -> Result<(), RunnerError> {
+        for run in std::iter::once(id).chain(parent) {
+            crate::gate::check_run_id(run)
+                .map_err(|e| RunnerError::Other(format!("{run:?} cannot be a run id: {e}")))?;
+        }
+        if self.recs.contains_key(id) {
+            return Err(RunnerError::Other(format!(
+                "trajectory {id:?} exists already"
+            )));
+        }
+        let o = &self.opts;
+        let grants = Grants {
+            tools: o
+                .tools
+                .iter()
+                .map(|t| GrantedTool {
+                    name: t.name.clone(),
+                    read_only: t.read_only,
+                })
+                .collect(),
+            restricted: false,
+        };
+        let identity = Identity {
+            id: id.into(),
+            parent: parent.map(Into::into),
+            tenant: "default".into(),
+            task: task.into(),
+        };
+        let rec = Record::new(
+            identity,
+            o.call_limits.clone(),
+            Budget::new(o.limits, o.prices, now_ms()),
+            grants,
+            "journal".into(),
+        );
+        let msgs = vec![Message::system(o.system.clone()), Message::user(task)];
+        self.commit(
+            rec,
+            msgs.into_iter()
+                .map(|m| Action::Observe { message: m })
+                .collect(),
+        )?;
+        // Queued by `commit`: the record is new and READY.
+        self.watch(id);
+        Ok(())
+    }
+
+    /// Runs until every trajectory is terminal.
+    pub async fn run(&mut self) -> Result<(), RunnerError> {
+        loop {
+            self.schedule()?;
+            if self.recs.values().all(|r| r.state.is_terminal()) {
+                return Ok(());
+            }
+            let next_tick = tokio::time::sleep(Duration::from_millis(100));
+            tokio::select! {
+                Some(input) = self.rx.recv() => self.on_input(input)?,
+                _ = next_tick => self.tick()?,
+            }
+        }
+    }
+
+    fn schedule(&mut self) -> Result<(), RunnerError> {
+        while self.in_flight < self.opts.workers {
+            let Next::Run(id) = self.sched.next(now_ms()) else {
+                return Ok(());
+            };
+            let Some(rec) = self.recs.get(&id) else {
+                continue;
+            };
+            if rec.state != State::Ready {
+                continue;
+            }
+            let mut rec = rec.clone();
+            match rec.begin_turn(now_ms(), self.prompt_estimate(&id)) {
+                Ok(actions) => self.commit(rec, actions)?,
+                Err(e) => self.log(&id, format!("turn refused: {e}"))?,
+            }
+        }
+        Ok(())
+    }
+
+    /// The prompt's tokens, estimated from its characters (about four per token); the
+    /// provider's usage report settles the truth after the call.
+    fn prompt_estimate(&self, id: &str) -> u64 {
+        let chars: usize = self
+            .context(id)
+            .iter()
+            .map(|m| m.content.as_deref().map_or(0, str::len) + 16)
+            .sum();
+        chars as u64 / 4
+    }
+
+    /// Queues a READY trajectory, charged by its next turn's estimated tokens.
+    fn queue(&mut self, id: &str) {
+        let out = self.recs.get(id).map_or(0, |r| r.limits.max_output_tokens);
+        let est = self.prompt_estimate(id) + out;
+        self.sched.push(id.to_string(), Class::Standard, est);
+    }
+
+    fn tick(&mut self) -> Result<(), RunnerError> {
+        let ids: Vec<String> = self
+            .recs
+            .iter()
+            .filter(|(_, r)| matches!(r.state, State::WaitingTool | State::AwaitingApproval))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for id in ids {
+            self.apply(&id, |r, now| r.on_tick(now))?;
+        }
+        Ok(())
+    }
+
+    fn on_input(&mut self, input: Input) -> Result<(), RunnerError> {
+        match input {
+            Input::Reply { id, reply } => {
+                self.in_flight -= 1;
+                self.cuts.remove(&id);
+                self.apply(&id, |r, now| r.on_reply(now, reply))
+            }
+            Input::Admitted {
+                id,
+                call,
+                admission,
+            } => {
+                if let Admission::Admitted { token } = &admission {
+                    self.tokens.insert(call.clone(), token.clone());
+                }
+                self.apply(&id, |r, now| r.on_admission(now, &call, admission))
+            }
+            Input::Decided { id, call, decision } => {
+                if let Decision::Approved { token } = &decision {
+                    self.tokens.insert(call.clone(), token.clone());
+                }
+                self.apply(&id, |r, now| r.on_decision(now, &call, decision))
+            }
+            Input::ToolDone { id, call, result } => {
+                self.tools.remove(&call);
+                self.apply(&id, |r, now| r.on_tool_result(now, &call, result))
+            }
+            Input::Control { id, control } => self.apply(&id, |r, now| r.on_control(now, control)),
+            Input::Note { id, line } => self.log(&id, line),
+            Input::Restart { id, call, token } => {
+                let Some(rec) = self.recs.get(&id).cloned() else {
+                    return Ok(());
+                };
+                let found = rec
+                    .pending
+                    .iter()
+                    .find(|p| p.call.id == call && matches!(p.phase, Phase::Dispatched { .. }));
+                if let (State::WaitingTool, Some(p)) = (rec.state, found) {
+                    self.tokens.insert(call, token.clone());
+                    self.act(
+                        &rec,
+                        Action::Dispatch {
+                            call: p.call.clone(),
+                            token,
+                        },
+                    );
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// One input on one record: computed on a copy, journalled, then acted on.
+    fn apply(
+        &mut self,
+        id: &str,
+        f: impl FnOnce(&mut Record, u64) -> Result<Vec<Action>, crate::record::RecordError>,
+    ) -> Result<(), RunnerError> {
+        let Some(rec) = self.recs.get(id) else {
+            return self.log(id, "input for an unknown trajectory".into());
+        };
+        let mut rec = rec.clone();
+        match f(&mut rec, now_ms()) {
+            Ok(actions) if actions.is_empty() && &rec == self.recs.get(id).expect("present") => {
+                Ok(())
+            }
+            Ok(actions) => self.commit(rec, actions),
+            Err(e) => self.log(id, format!("refused input: {e}")),
+        }
+    }
+
+    fn log(&mut self, id: &str, line: String) -> Result<(), RunnerError> {
+        let entry = Entry::Log {
+            trajectory: id.into(),
+            line,
+        };
+        tokio::task::block_in_place(|| self.journal.write(&[entry]))?;
+        Ok(())
+    }
+
+    /// Journals the record and the messages it adds (durable), then carries out the actions.
+    fn commit(&mut self, mut rec: Record, actions: Vec<Action>) -> Result<(), RunnerError> {
+        let id = rec.identity.id.clone();
+        let mut entries = Vec::new();
+        for a in &actions {
+            match a {
+                Action::Observe { message } => {
+                    rec.pointers.context_len += 1;
+                    entries.push(Entry::Context {
+                        trajectory: id.clone(),
+                        message: message.clone(),
+                    });
+                }
+                Action::Dropped { call_id, why } => entries.push(Entry::Log {
+                    trajectory: id.clone(),
+                    line: format!("dropped {call_id}: {why}"),
+                }),
+                _ => {}
+            }
+        }
+        entries.push(Entry::Record {
+            record: Box::new(rec.clone()),
+        });
+        tokio::task::block_in_place(|| self.journal.write(&entries))?;
+        let was_ready = self.recs.get(&id).is_some_and(|r| r.state == State::Ready);
+        self.recs.insert(id.clone(), rec.clone());
+        for a in actions {
+            self.act(&rec, a);
+        }
+        if rec.state == State::Ready && !was_ready {
+            self.queue(&id);
+        } else if rec.state != State::Ready {
+            self.sched.remove(&id);
+        }
+        Ok(())
+    }
+
+    fn act(&mut self, rec: &Record, a: Action) {
+        let (id, gate, tx) = (
+            rec.identity.id.clone(),
+            self.opts.gate.clone(),
+            self.tx.clone(),
+        );
+        match a {
+            Action::Observe { message } => self.ctx.entry(id).or_default().push(message),
+            Action::CallModel { reservation, steer } => {
+                self.call_model(rec, reservation.max_output_tokens, steer)
+            }
+            Action::CutModel => {
+                if let Some(c) = self.cuts.get(&id) {
+                    let _ = c.send(true);
+                }
+            }
+            Action::Dispatch { call, token } => {
+                let tool = self
+                    .opts
+                    .tools
+                    .iter()
+                    .find(|t| t.name == call.function.name)
+                    .cloned();
+                let call_id = call.id.clone();
+                let handle = tokio::spawn(async move {
+                    let result = dispatch(&gate, &id, &call, &token, tool).await;
+                    let _ = tx.send(Input::ToolDone {
+                        id,
+                        call: call.id,
+                        result,
+                    });
+                });
+                self.tools.insert(call_id, handle.abort_handle());
+            }
+            Action::CancelTool { call_id } => {
+                if let Some(h) = self.tools.remove(&call_id) {
+                    h.abort();
+                }
+            }
+            Action::Release { .. } | Action::Dropped { .. } => {}
+            other => self.gate_work(rec, other),
+        }
+    }
+
+    /// The actions that are a conversation with the gate, each on the blocking pool.
+    fn gate_work(&self, rec: &Record, a: Action) {
+        let (id, gate, tx) = (
+            rec.identity.id.clone(),
+            self.opts.gate.clone(),
+            self.tx.clone(),
+        );
+        let tokens = &self.tokens;
+        match a {
+            Action::Admit { calls } => {
+                let parent = rec.identity.parent.clone();
+                tokio::task::spawn_blocking(move || {
+                    for c in calls {
+                        let admission = gate.admit(
+                            &id,
+                            parent.as_deref(),
+                            &c.id,
+                            &c.function.name,
+                            &c.function.arguments,
+                        );
+                        let _ = tx.send(Input::Admitted {
+                            id: id.clone(),
+                            call: c.id,
+                            admission,
+                        });
+                    }
+                });
+            }
+            Action::AwaitDecision { call } => {
+                tokio::task::spawn_blocking(move || {
+                    let decision = gate.decision(&id, &call.id);
+                    let _ = tx.send(Input::Decided {
+                        id,
+                        call: call.id,
+                        decision,
+                    });
+                });
+            }
+            Action::MarkUnknown { call, token } => {
+                // Told before the runner goes on, like the run's end: the gate's report must
+                // not show the call in flight once the trajectory has ended.
+                if let Some(token) = token.or_else(|| tokens.get(&call.id).cloned()) {
+                    let told = tokio::task::block_in_place(|| {
+                        gate.complete(&id, &call.id, &token, "unknown", "cancelled by the harness")
+                    });
+                    if let Err(e) = told {
+                        let line = format!("the gate was not told {} is unknown: {e}", call.id);
+                        let _ = tx.send(Input::Note { id, line });
+                    }
+                }
+            }
+            // The run's end is told before the runner can return (a process that exits right
+            // after must not lose it); a gate that cannot be told is logged, not fatal: the
+            // trajectory's end is already durable in the journal.
+            Action::Ended { state } => {
+                let told = tokio::task::block_in_place(|| match state {
+                    State::Canceled => gate.cancel(&id, "the trajectory was cancelled"),
+                    s => gate.close(&id, s == State::Completed),
+                });
+                if let Err(e) = told {
+                    let _ = tx.send(Input::Note {
+                        id,
+                        line: format!("the gate was not told the end: {e}"),
+                    });
+                }
+            }
+            other => unreachable!("not the gate's: {other:?}"),
+        }
+    }
+
+    /// Sends the context (and a budget notice for this call only) with the tools the grants
+    /// allow now; the reply comes back as an input.
+    fn call_model(&mut self, rec: &Record, max_tokens: u64, steer: Option<String>) {
+        let (id, tx) = (rec.identity.id.clone(), self.tx.clone());
+        let mut messages = self.context(&id).to_vec();
+        if let Some(s) = steer {
+            messages.push(Message::system(s));
+        }
+        let tools = self.opts.tools.iter().filter(|t| rec.grants.allows(&t.name)).map(|t| {
+                    json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}})
+                }).collect();
+        let req = CallRequest {
+            model: rec.limits.model.clone(),
+            messages,
+            tools,
+            max_tokens,
+            deadline: Duration::from_millis(rec.limits.call_deadline_ms),
+        };
+        let (cut_tx, cut) = watch::channel(false);
+        self.cuts.insert(id.clone(), cut_tx);
+        self.in_flight += 1;
+        let (model, grace) = (self.opts.model.clone(), self.opts.grace);
+        tokio::spawn(async move {
+            let reply = model.call(&req, cut, grace).await;
+            let _ = tx.send(Input::Reply { id, reply });
+        });
+    }
+
+    /// The gate's stops, pauses and resumes of this run reach the loop as control requests.
+    fn watch(&self, id: &str) {
+        let (gate, tx, id) = (self.opts.gate.clone(), self.tx.clone(), id.to_string());
+        std::thread::spawn(move || {
+            let _ = gate.watch(&id, |control| {
+                tx.send(Input::Control {
+                    id: id.clone(),
+                    control,
+                })
+                .is_ok()
+            });
+        });
+    }
+
+    /// A trajectory found live in the journal after a restart: nothing it did is done again.
+    /// A model call in flight is lost (settled at its reservation, retried); proposals are
+    /// admitted again under the same keys (the gate answers what it answered); a dispatched
+    /// call is asked about by its key — a recorded outcome is its result, a start without a
+    /// completion is unknown — and held calls are waited for again.
+    fn resume(&mut self, id: &str) -> Result<(), RunnerError> {
+        self.watch(id);
+        let rec = self.recs[id].clone();
+        match rec.state {
+            State::Ready => self.queue(id),
+            State::CallingModel if rec.budget.reserved.is_some() => {
+                self.in_flight += 1;
+                let reply = Reply::Failed {
+                    error: "the harness restarted during the call".into(),
+                    retryable: true,
+                    usage: None,
+                };
+                self.tx
+                    .send(Input::Reply {
+                        id: id.into(),
+                        reply,
+                    })
+                    .ok();
+            }
+            State::CallingModel => {
+                let calls = rec
+                    .pending
+                    .iter()
+                    .filter(|p| p.phase == Phase::Proposed)
+                    .map(|p| p.call.clone())
+                    .collect();
+                self.act(&rec, Action::Admit { calls });
+            }
+            State::WaitingTool => self.resume_dispatched(&rec),
+            State::AwaitingApproval => {
+                for h in &rec.held {
+                    self.act(
+                        &rec,
+                        Action::AwaitDecision {
+                            call: h.call.clone(),
+                        },
+                    );
+                }
+            }
+            State::Paused => {}
+            State::Finalizing | State::Completed | State::Failed | State::Canceled => {}
+        }
+        Ok(())
+    }
+
+    /// After a restart, each dispatched call is asked about by its key: a recorded outcome is
+    /// its result; prepared and never started, it may start now; started and never completed,
+    /// its outcome is unknown and it is never run again.
+    fn resume_dispatched(&self, rec: &Record) {
+        let id = rec.identity.id.as_str();
+        let (gate, tx, id) = (self.opts.gate.clone(), self.tx.clone(), id.to_string());
+        let calls: Vec<_> = rec
+            .pending
+            .iter()
+            .map(|p| {
+                let token = match &p.phase {
+                    Phase::Dispatched { token, .. } => token.clone(),
+                    _ => String::new(),
+                };
+                (p.call.clone(), token)
+            })
+            .collect();
+        tokio::task::spawn_blocking(move || {
+            for (c, token) in calls {
+                let result = match gate.admit(
+                    &id,
+                    None,
+                    &c.id,
+                    &c.function.name,
+                    &c.function.arguments,
+                ) {
+                    Admission::Duplicate {
+                        outcome: Some(o), ..
+                    } => o,
+                    Admission::Admitted { token } => {
+                        // Prepared, never started: it may run now.
+                        let _ = tx.send(Input::Restart {
+                            id: id.clone(),
+                            call: c.id.clone(),
+                            token,
+                        });
+                        continue;
+                    }
+                    // Started and never completed: its outcome is unknown, and the gate is
+                    // told so (the report shows it; nothing runs it again).
+                    other => {
+                        let _ = gate.complete(
+                            &id,
+                            &c.id,
+                            &token,
+                            "unknown",
+                            "the harness restarted while the call ran",
+                        );
+                        json!({"status": "UNKNOWN", "message": format!("the harness restarted while this call ran; its outcome is unknown ({other:?})")}).to_string()
+                    }
+                };
+                let _ = tx.send(Input::ToolDone {
+                    id: id.clone(),
+                    call: c.id,
+                    result,
+                });
+            }
+        });
+    }
+}
+
+/// Start at the gate (the commit point), run the tool, complete with its outcome.
+async fn dispatch(
+    gate: &GateConfig,
+    run: &str,
+    call: &crate::chat::ToolCall,
+    token: &str,
+    tool: Option<Tool>,
+) -> String {
+    let (g, r, k, t) = (
+        gate.clone(),
+        run.to_string(),
+        call.id.clone(),
+        token.to_string(),
+    );
+    let started = tokio::task::spawn_blocking(move || g.start(&r, &k, &t))
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()));
+    if let Err(why) = started {
+        return json!({"status": "REFUSED", "reason": "NOT_STARTED", "message": why}).to_string();
+    }
+    let (outcome, text) = match tool {
+        Some(Tool { url: Some(url), .. }) => run_http(&url, &call.function.arguments).await,
+        Some(tool) => run_command(&tool, &call.function.arguments).await,
+        None => ("error", format!("no tool named {}", call.function.name)),
+    };
+    let (g, r, k, t, o, x) = (
+        gate.clone(),
+        run.to_string(),
+        call.id.clone(),
+        token.to_string(),
+        outcome,
+        text.clone(),
+    );
+    let _ = tokio::task::spawn_blocking(move || g.complete(&r, &k, &t, o, &x)).await;
+    text
+}
+
+/// Largest answer an HTTP tool may give (what the model will read of it).
+const HTTP_TOOL_BYTES_MAX: usize = 1 << 20;
+
+async fn run_http(url: &str, args: &str) -> (&'static str, String) {
+    let ep = match crate::model::Endpoint::new(url, None) {
+        Ok(ep) => ep,
+        Err(e) => return ("error", e.to_string()),
+    };
+    match ep.post_json(args.to_string(), HTTP_TOOL_BYTES_MAX).await {
+        Ok((status, body)) if (200..300).contains(&status) => ("ok", body),
+        Ok((status, body)) => ("error", format!("HTTP {status}: {body}")),
+        Err(e) => ("error", e),
+    }
+}
+
+/// Kills the tool's whole process group when dropped: a tool cancelled (its task aborted),
+/// timed out or finished leaves no process behind.
+struct Group(Option<rustix::process::Pid>);
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0 {
+            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+async fn run_command(tool: &Tool, args: &str) -> (&'static str, String) {
+    use tokio::io::AsyncWriteExt;
+    let Some((prog, rest)) = tool.command.split_first() else {
+        return ("error", "empty command".into());
+    };
+    let child = tokio::process::Command::new(prog)
+        .args(rest)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => return ("error", format!("cannot start {prog}: {e}")),
+    };
+    let _group = Group(
+        child
+            .id()
+            .and_then(|p| rustix::process::Pid::from_raw(p as i32)),
+    );
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(args.as_bytes()).await;
+    }
+    match child.wait_with_output().await {
+        Ok(o) if o.status.success() => ("ok", String::from_utf8_lossy(&o.stdout).into_owned()),
+        Ok(o) => (
+            "error",
+            format!("{}: {}", o.status, String::from_utf8_lossy(&o.stderr)),
+        ),
+        Err(e) => ("error", e.to_string()),
+    }
+}

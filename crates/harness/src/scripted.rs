@@ -1,0 +1,274 @@
+//! A scripted OpenAI-compatible chat-completions server, for tests and the README example: the
+//! n-th call gets the n-th scripted response, streamed step by step; a step may wait for the
+//! test's signal (so a test knows exactly where the stream is when it acts), and a response
+//! may be an HTTP error, a stream cut short, or a `length` finish in the middle of a tool call.
+//! It records every request body and whether the client went away mid-stream.
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use tokio::sync::{Semaphore, mpsc};
+
+/// One step of a scripted response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "step", rename_all = "snake_case")]
+pub enum Step {
+    /// One SSE event `data: <chunk>`.
+    Event { chunk: Value },
+    /// `data: [DONE]`.
+    Done,
+    /// Wait for one [`Scripted::release`] before the next step.
+    Gate,
+    /// The whole response is this status and body (only as the first step).
+    Status { status: u16, body: String },
+    /// End the body here, without a terminal event.
+    Hangup,
+}
+
+/// What the server saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Seen {
+    /// Call `n` began (its body is in [`Scripted::calls`]).
+    Call { n: usize },
+    /// The client went away during call `n`, before step `step` was sent.
+    Gone { n: usize, step: usize },
+    /// Call `n` was served to its end.
+    Served { n: usize },
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    calls: Vec<Value>,
+    seen: Vec<Seen>,
+}
+
+/// A running scripted server; dropped, it stops.
+#[derive(Debug)]
+pub struct Scripted {
+    pub addr: SocketAddr,
+    shared: Arc<Mutex<Shared>>,
+    gates: Arc<Semaphore>,
+    changed: Arc<tokio::sync::Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Scripted {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The script file of the `estop-harness-scripted` binary: one response per call.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Script {
+    pub responses: Vec<Vec<Step>>,
+}
+
+impl Scripted {
+    /// Binds `listen` (port 0 for any) and serves `script` on the current tokio runtime.
+    pub async fn start(listen: &str, script: Script) -> std::io::Result<Scripted> {
+        let listener = tokio::net::TcpListener::bind(listen).await?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let gates = Arc::new(Semaphore::new(0));
+        let changed = Arc::new(tokio::sync::Notify::new());
+        let script = Arc::new(script);
+        let (sh, g, ch) = (shared.clone(), gates.clone(), changed.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let (sh, g, ch, script) = (sh.clone(), g.clone(), ch.clone(), script.clone());
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| {
+                        serve(req, script.clone(), sh.clone(), g.clone(), ch.clone())
+                    });
+                    let io = hyper_util::rt::TokioIo::new(tcp);
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(io, svc)
+                        .await;
+                });
+            }
+        });
+        Ok(Scripted {
+            addr,
+            shared,
+            gates,
+            changed,
+            task,
+        })
+    }
+
+    /// The base URL a client is given (`http://ADDR/v1`).
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Every request body received, in order.
+    pub fn calls(&self) -> Vec<Value> {
+        self.shared.lock().expect("not poisoned").calls.clone()
+    }
+
+    pub fn seen(&self) -> Vec<Seen> {
+        self.shared.lock().expect("not poisoned").seen.clone()
+    }
+
+    /// Lets `n` gated steps proceed.
+    pub fn release(&self, n: usize) {
+        self.gates.add_permits(n);
+    }
+
+    /// Waits until the server has seen `what` (no sleep: woken by each change).
+    pub async fn wait_for(&self, what: &Seen) {
+        loop {
+            let notified = self.changed.notified();
+            if self.seen().contains(what) {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+type Body = BoxBody<Bytes, Infallible>;
+
+async fn serve(
+    req: Request<Incoming>,
+    script: Arc<Script>,
+    shared: Arc<Mutex<Shared>>,
+    gates: Arc<Semaphore>,
+    changed: Arc<tokio::sync::Notify>,
+) -> Result<Response<Body>, Infallible> {
+    let bytes = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let n = {
+        let mut s = shared.lock().expect("not poisoned");
+        s.calls.push(body);
+        let n = s.calls.len() - 1;
+        s.seen.push(Seen::Call { n });
+        n
+    };
+    changed.notify_waiters();
+    let Some(steps) = script.responses.get(n).cloned() else {
+        return Ok(whole(500, format!("no scripted response for call {n}")));
+    };
+    if let Some(Step::Status { status, body }) = steps.first() {
+        let (status, body) = (*status, body.clone());
+        note(&shared, &changed, Seen::Served { n });
+        return Ok(whole(status, body));
+    }
+    let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(4);
+    tokio::spawn(async move {
+        for (i, step) in steps.into_iter().enumerate() {
+            let data = match step {
+                Step::Event { chunk } => format!("data: {chunk}\n\n"),
+                Step::Done => "data: [DONE]\n\n".to_string(),
+                Step::Hangup => break,
+                Step::Status { .. } => continue,
+                Step::Gate => {
+                    tokio::select! {
+                        p = gates.acquire() => { p.expect("never closed").forget(); continue }
+                        _ = tx.closed() => { note(&shared, &changed, Seen::Gone { n, step: i }); return }
+                    }
+                }
+            };
+            if tx.send(Ok(Frame::data(Bytes::from(data)))).await.is_err() {
+                note(&shared, &changed, Seen::Gone { n, step: i });
+                return;
+            }
+        }
+        note(&shared, &changed, Seen::Served { n });
+    });
+    let stream = futures_stream(rx);
+    let body = StreamBody::new(stream).boxed();
+    Ok(Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(body)
+        .expect("valid response"))
+}
+
+fn note(shared: &Mutex<Shared>, changed: &tokio::sync::Notify, s: Seen) {
+    shared.lock().expect("not poisoned").seen.push(s);
+    changed.notify_waiters();
+}
+
+fn whole(status: u16, body: String) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)).boxed())
+        .expect("valid response")
+}
+
+/// An mpsc receiver as the `Stream` a `StreamBody` takes.
+fn futures_stream<T>(rx: mpsc::Receiver<T>) -> impl futures_core::Stream<Item = T> {
+    struct S<T>(mpsc::Receiver<T>);
+    impl<T> futures_core::Stream for S<T> {
+        type Item = T;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<T>> {
+            self.0.poll_recv(cx)
+        }
+    }
+    S(rx)
+}
+
+// Chunk builders: the shapes OpenAI-compatible providers stream.
+
+pub fn text(delta: &str) -> Step {
+    event(json!({"choices": [{"index": 0, "delta": {"content": delta}}]}))
+}
+
+/// The first delta of a tool call: its id and name, and the first fragment of its arguments.
+pub fn tool_start(index: u64, id: &str, name: &str, args: &str) -> Step {
+    event(json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": args}}
+    ]}}]}))
+}
+
+pub fn tool_args(index: u64, args: &str) -> Step {
+    event(json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": index, "function": {"arguments": args}}
+    ]}}]}))
+}
+
+pub fn finish(reason: &str) -> Step {
+    event(json!({"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]}))
+}
+
+pub fn usage(prompt: u64, cached: u64, completion: u64) -> Step {
+    event(json!({"choices": [], "usage": {
+        "prompt_tokens": prompt, "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": cached}
+    }}))
+}
+
+fn event(chunk: Value) -> Step {
+    Step::Event { chunk }
+}
+
+/// A whole reply that ends the turn with `answer`.
+pub fn answer(answer: &str) -> Vec<Step> {
+    vec![text(answer), finish("stop"), usage(20, 0, 5), Step::Done]
+}
+
+/// A whole reply proposing one tool call.
+pub fn call(id: &str, name: &str, args: &str) -> Vec<Step> {
+    vec![
+        tool_start(0, id, name, args),
+        finish("tool_calls"),
+        usage(30, 10, 8),
+        Step::Done,
+    ]
+}

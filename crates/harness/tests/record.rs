@@ -1,0 +1,544 @@
+//! The turn logic on the record: control actions at each boundary, late results dropped,
+//! approvals (silence is no), truncated or cut replies never dispatched, budgets at each stage;
+//! and a random walk over every input, checked after each step.
+
+use estop_harness::budget::{Budget, Dimension, Limits, Prices, Usage};
+use estop_harness::chat::{Finish, Reply, ToolCall};
+use estop_harness::machine::State;
+use estop_harness::record::{
+    Action, Admission, CallLimits, Control, Decision, Exit, GrantedTool, Grants, Identity, Record,
+};
+use proptest::prelude::*;
+
+fn record(limits: Limits) -> Record {
+    Record::new(
+        Identity {
+            id: "t1".into(),
+            parent: None,
+            tenant: "acme".into(),
+            task: "task".into(),
+        },
+        CallLimits {
+            model: "m".into(),
+            max_output_tokens: 100,
+            call_deadline_ms: 1_000,
+            tool_deadline_ms: 500,
+        },
+        Budget::new(
+            limits,
+            Prices {
+                input: 1.0,
+                cached_input: 0.1,
+                output: 2.0,
+            },
+            0,
+        ),
+        Grants {
+            tools: vec![
+                GrantedTool {
+                    name: "read".into(),
+                    read_only: true,
+                },
+                GrantedTool {
+                    name: "write".into(),
+                    read_only: false,
+                },
+            ],
+            restricted: false,
+        },
+        "log".into(),
+    )
+}
+
+fn usage() -> Option<Usage> {
+    Some(Usage {
+        uncached_input: 10,
+        cached_input: 0,
+        output: 5,
+    })
+}
+
+fn calls(names: &[(&str, &str)]) -> Reply {
+    Reply::Finished {
+        finish: Finish::ToolCalls,
+        text: String::new(),
+        tool_calls: names
+            .iter()
+            .map(|(id, n)| ToolCall::new(id, n, "{}"))
+            .collect(),
+        usage: usage(),
+    }
+}
+
+fn dispatched(a: &[Action]) -> Vec<String> {
+    a.iter()
+        .filter_map(|a| match a {
+            Action::Dispatch { call, .. } => Some(call.id.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn observed(a: &[Action]) -> Vec<String> {
+    a.iter()
+        .filter_map(|a| match a {
+            Action::Observe { message } => message.content.clone(),
+            _ => None,
+        })
+        .collect()
+}
+
+fn admitted(tok: &str) -> Admission {
+    Admission::Admitted { token: tok.into() }
+}
+
+#[test]
+fn a_turn_dispatches_only_after_admission_and_accepts_only_pending_results() {
+    let mut r = record(Limits::default());
+    let a = r.begin_turn(0, 10).unwrap();
+    assert!(matches!(a[..], [Action::CallModel { .. }]));
+    let a = r
+        .on_reply(1, calls(&[("c1", "read"), ("c2", "write")]))
+        .unwrap();
+    assert!(
+        dispatched(&a).is_empty(),
+        "nothing runs before the gate answers"
+    );
+    assert!(
+        a.iter()
+            .any(|a| matches!(a, Action::Admit { calls } if calls.len() == 2))
+    );
+    assert!(dispatched(&r.on_admission(2, "c1", admitted("k1")).unwrap()).is_empty());
+    let a = r.on_admission(2, "c2", admitted("k2")).unwrap();
+    assert_eq!(dispatched(&a), ["c1", "c2"]);
+    assert_eq!(r.state, State::WaitingTool);
+    // An unknown id is dropped and logged, never observed.
+    let a = r.on_tool_result(3, "zz", "x".into()).unwrap();
+    assert!(matches!(&a[..], [Action::Dropped { call_id, .. }] if call_id == "zz"));
+    r.on_tool_result(3, "c1", "one".into()).unwrap();
+    assert_eq!(r.state, State::WaitingTool);
+    // c2 passes its deadline: removed before its timeout is observed, so its late result
+    // finds no match (observation crossing, seed 004).
+    let a = r.on_tick(600).unwrap();
+    assert!(
+        a.iter()
+            .any(|a| matches!(a, Action::MarkUnknown { call, .. } if call.id == "c2"))
+    );
+    assert_eq!(r.state, State::Ready);
+    let a = r.on_tool_result(601, "c2", "late".into()).unwrap();
+    assert!(matches!(&a[..], [Action::Dropped { .. }]));
+    assert!(observed(&a).is_empty());
+}
+
+#[test]
+fn truncated_cut_and_failed_replies_are_never_dispatched() {
+    for reply in [
+        Reply::Finished {
+            finish: Finish::Length,
+            text: String::new(),
+            tool_calls: vec![ToolCall::new(
+                "c1",
+                "write",
+                "{\"action\": \"drop_table\", \"target\": \"cust",
+            )],
+            usage: usage(),
+        },
+        Reply::Cut { usage: None },
+        Reply::Failed {
+            error: "503".into(),
+            retryable: true,
+            usage: None,
+        },
+    ] {
+        let mut r = record(Limits::default());
+        r.begin_turn(0, 10).unwrap();
+        let a = r.on_reply(1, reply.clone()).unwrap();
+        assert!(
+            !a.iter()
+                .any(|a| matches!(a, Action::Admit { .. } | Action::Dispatch { .. })),
+            "{reply:?} → {a:?}"
+        );
+        assert_eq!(r.state, State::Ready, "{reply:?}");
+        assert!(r.pending.is_empty());
+        assert_eq!(r.budget.reserved, None, "the call is settled");
+    }
+}
+
+#[test]
+fn cancel_at_each_boundary_ends_canceled_through_finalizing() {
+    // At READY: at once.
+    let mut r = record(Limits::default());
+    let a = r
+        .on_control(
+            0,
+            Control::Cancel {
+                reason: "stop".into(),
+            },
+        )
+        .unwrap();
+    assert_eq!(r.state, State::Canceled);
+    assert!(matches!(
+        a.last(),
+        Some(Action::Ended {
+            state: State::Canceled
+        })
+    ));
+    // During a model call: the stream is cut; the cut reply reaches READY, where it applies.
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    assert_eq!(
+        r.on_control(
+            1,
+            Control::Cancel {
+                reason: "stop".into()
+            }
+        )
+        .unwrap(),
+        [Action::CutModel]
+    );
+    assert_eq!(r.state, State::CallingModel);
+    r.on_reply(2, Reply::Cut { usage: None }).unwrap();
+    assert_eq!(r.state, State::Canceled);
+    // A reply that finished before the cut arrived: parsed, nothing dispatched.
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_control(
+        1,
+        Control::Cancel {
+            reason: "stop".into(),
+        },
+    )
+    .unwrap();
+    let a = r.on_reply(2, calls(&[("c1", "write")])).unwrap();
+    assert!(dispatched(&a).is_empty() && !a.iter().any(|a| matches!(a, Action::Admit { .. })));
+    assert_eq!(r.state, State::Canceled);
+    // While tools run: outstanding calls cancelled and marked unknown, with an observation.
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(1, calls(&[("c1", "write")])).unwrap();
+    r.on_admission(1, "c1", admitted("k")).unwrap();
+    let a = r
+        .on_control(
+            2,
+            Control::Cancel {
+                reason: "stop".into(),
+            },
+        )
+        .unwrap();
+    assert!(a.contains(&Action::CancelTool {
+        call_id: "c1".into()
+    }));
+    assert!(a.iter().any(|a| matches!(a, Action::MarkUnknown { .. })));
+    assert_eq!(r.state, State::Canceled);
+    assert!(r.pending.is_empty());
+}
+
+#[test]
+fn pause_waits_for_ready_and_resume_returns() {
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(1, calls(&[("c1", "read")])).unwrap();
+    r.on_admission(1, "c1", admitted("k")).unwrap();
+    r.on_control(2, Control::Pause).unwrap();
+    assert_eq!(
+        r.state,
+        State::WaitingTool,
+        "a pause waits for the boundary"
+    );
+    r.on_tool_result(3, "c1", "ok".into()).unwrap();
+    assert_eq!(r.state, State::Paused);
+    assert!(r.begin_turn(4, 10).is_err(), "no turn while paused");
+    // An interrupt while paused waits for the resume.
+    r.on_control(
+        5,
+        Control::Interrupt {
+            message: "new plan".into(),
+        },
+    )
+    .unwrap();
+    r.on_control(6, Control::Resume).unwrap();
+    assert_eq!(r.state, State::Ready);
+    let a = r.begin_turn(7, 10).unwrap();
+    assert_eq!(observed(&a), ["new plan"]);
+    assert_eq!(r.state, State::CallingModel);
+}
+
+/// A control request that arrives while the gate answers the admissions applies at the last
+/// boundary before dispatch: nothing is dispatched, each call gets a marker, and the pause
+/// takes effect. The same after an approval.
+#[test]
+fn a_control_waiting_at_dispatch_stops_the_dispatch() {
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(1, calls(&[("c1", "read")])).unwrap();
+    r.on_control(2, Control::Pause).unwrap();
+    let a = r.on_admission(3, "c1", admitted("k")).unwrap();
+    assert!(dispatched(&a).is_empty(), "{a:?}");
+    assert!(observed(&a).iter().any(|o| o.contains("INTERRUPTED")));
+    assert_eq!(r.state, State::Paused);
+
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(1, calls(&[("c1", "write")])).unwrap();
+    r.on_admission(1, "c1", Admission::Held { expires_at_ms: 100 })
+        .unwrap();
+    r.on_control(
+        2,
+        Control::Interrupt {
+            message: "wait, not that".into(),
+        },
+    )
+    .unwrap();
+    let a = r
+        .on_decision(3, "c1", Decision::Approved { token: "k".into() })
+        .unwrap();
+    assert!(dispatched(&a).is_empty(), "{a:?}");
+    assert_eq!(r.state, State::Ready);
+    assert_eq!(observed(&a).last().unwrap(), "wait, not that");
+}
+
+#[test]
+fn kill_is_immediate_even_mid_call() {
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    let a = r
+        .on_control(
+            1,
+            Control::Kill {
+                reason: "escape".into(),
+            },
+        )
+        .unwrap();
+    assert_eq!(a[0], Action::CutModel);
+    assert_eq!(r.state, State::Failed);
+    assert_eq!(
+        r.exit,
+        Some(Exit::Killed {
+            reason: "escape".into()
+        })
+    );
+    // The cut reply that arrives after is not expected: a typed error, nothing changes.
+    let before = r.clone();
+    assert!(r.on_reply(2, Reply::Cut { usage: None }).is_err());
+    assert_eq!(r, before);
+}
+
+#[test]
+fn approvals_dispatch_only_on_approved_and_silence_is_no() {
+    for (decision, dispatches) in [
+        (Decision::Approved { token: "k".into() }, true),
+        (Decision::Denied, false),
+        (Decision::Expired, false),
+        (Decision::Canceled, false),
+    ] {
+        let mut r = record(Limits::default());
+        r.begin_turn(0, 10).unwrap();
+        r.on_reply(1, calls(&[("c1", "write")])).unwrap();
+        let a = r
+            .on_admission(1, "c1", Admission::Held { expires_at_ms: 100 })
+            .unwrap();
+        assert_eq!(r.state, State::AwaitingApproval);
+        assert!(a.iter().any(|a| matches!(a, Action::AwaitDecision { .. })));
+        let a = r.on_decision(2, "c1", decision.clone()).unwrap();
+        assert_eq!(!dispatched(&a).is_empty(), dispatches, "{decision:?}");
+        if !dispatches {
+            assert_eq!(r.state, State::Ready);
+            let o = observed(&a);
+            assert!(o[0].contains("\"status\":\"REFUSED\""), "{o:?}");
+        }
+    }
+    // No answer by the expiry: refused as expired.
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(1, calls(&[("c1", "write")])).unwrap();
+    r.on_admission(1, "c1", Admission::Held { expires_at_ms: 100 })
+        .unwrap();
+    assert!(r.on_tick(99).unwrap().is_empty());
+    let a = r.on_tick(100).unwrap();
+    assert!(observed(&a)[0].contains("APPROVAL_EXPIRED"));
+    assert!(dispatched(&a).is_empty());
+    assert_eq!(r.state, State::Ready);
+}
+
+#[test]
+fn budget_stages_steer_restrict_then_stop_naming_the_dimension() {
+    let mut r = record(Limits {
+        turns_max: Some(10),
+        ..Limits::default()
+    });
+    let mut notices = Vec::new();
+    for t in 0..10u64 {
+        let a = r.begin_turn(t, 10).unwrap();
+        let Some(Action::CallModel { steer, .. }) = a.last() else {
+            panic!("{a:?}")
+        };
+        notices.push(steer.clone());
+        if t == 9 {
+            // Restricted: a write is refused even when the gate admits it.
+            r.on_reply(t, calls(&[("w", "write")])).unwrap();
+            let a = r.on_admission(t, "w", admitted("k")).unwrap();
+            assert!(dispatched(&a).is_empty());
+            assert!(observed(&a)[0].contains("NOT_GRANTED"));
+        } else {
+            r.on_reply(
+                t,
+                Reply::Finished {
+                    finish: Finish::Length,
+                    text: String::new(),
+                    tool_calls: vec![],
+                    usage: usage(),
+                },
+            )
+            .unwrap();
+        }
+    }
+    assert!(notices[..7].iter().all(Option::is_none));
+    assert!(notices[7].as_deref().unwrap().contains("turns"));
+    assert!(notices[9].as_deref().unwrap().contains("read-only"));
+    assert!(r.grants.restricted);
+    assert_eq!(r.state, State::Failed);
+    assert_eq!(
+        r.exit,
+        Some(Exit::BudgetExceeded {
+            dimension: Dimension::Turns
+        })
+    );
+}
+
+#[test]
+fn a_model_end_runs_the_completion_check() {
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    let done = Reply::Finished {
+        finish: Finish::Stop,
+        text: "42".into(),
+        tool_calls: vec![],
+        usage: usage(),
+    };
+    let a = r.on_reply(1, done).unwrap();
+    assert_eq!(r.state, State::Completed);
+    assert!(matches!(
+        a.last(),
+        Some(Action::Ended {
+            state: State::Completed
+        })
+    ));
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    let empty = Reply::Finished {
+        finish: Finish::Stop,
+        text: " ".into(),
+        tool_calls: vec![],
+        usage: usage(),
+    };
+    r.on_reply(1, empty).unwrap();
+    assert_eq!(r.state, State::Failed, "an empty answer fails the check");
+}
+
+#[derive(Debug, Clone)]
+enum Input {
+    Turn,
+    Reply(u8),
+    Admit(u8, u8),
+    Decide(u8, u8),
+    Result(u8),
+    Tick(u64),
+    Control(u8),
+}
+
+fn input() -> impl Strategy<Value = Input> {
+    prop_oneof![
+        2 => Just(Input::Turn),
+        2 => (0u8..6).prop_map(Input::Reply),
+        3 => (0u8..3, 0u8..4).prop_map(|(c, v)| Input::Admit(c, v)),
+        2 => (0u8..3, 0u8..4).prop_map(|(c, v)| Input::Decide(c, v)),
+        3 => (0u8..3).prop_map(Input::Result),
+        1 => (0u64..2_000).prop_map(Input::Tick),
+        1 => (0u8..6).prop_map(Input::Control),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
+
+    /// Any sequence of inputs: state invariants hold after every step, terminal states absorb,
+    /// a refused input changes nothing, and a call is dispatched only after its admission or
+    /// approval, never from a truncated or cut reply.
+    #[test]
+    fn random_inputs_keep_the_invariants(inputs in proptest::collection::vec(input(), 1..80)) {
+        let mut r = record(Limits { turns_max: Some(12), ..Limits::default() });
+        let mut now = 0u64;
+        let mut cleared: std::collections::BTreeSet<String> = Default::default();
+        for i in inputs {
+            now += 10;
+            let before = r.clone();
+            let id = |c: u8| format!("c{c}");
+            let res = match i.clone() {
+                Input::Turn => r.begin_turn(now, 10),
+                Input::Reply(k) => r.on_reply(now, match k {
+                    0 => calls(&[("c0", "read"), ("c1", "write")]),
+                    1 => calls(&[("c2", "write")]),
+                    2 => Reply::Finished { finish: Finish::Length, text: String::new(), tool_calls: vec![ToolCall::new("c0", "read", "{")], usage: usage() },
+                    3 => Reply::Cut { usage: None },
+                    4 => Reply::Failed { error: "429".into(), retryable: true, usage: None },
+                    _ => Reply::Finished { finish: Finish::Stop, text: "done".into(), tool_calls: vec![], usage: usage() },
+                }),
+                Input::Admit(c, v) => r.on_admission(now, &id(c), match v {
+                    0 => admitted("k"),
+                    1 => Admission::Held { expires_at_ms: now + 100 },
+                    2 => Admission::Refused { reason: "denied".into() },
+                    _ => Admission::Duplicate { status: "completed".into(), outcome: Some("r".into()) },
+                }),
+                Input::Decide(c, v) => r.on_decision(now, &id(c), match v {
+                    0 => Decision::Approved { token: "k".into() },
+                    1 => Decision::Denied,
+                    2 => Decision::Expired,
+                    _ => Decision::Canceled,
+                }),
+                Input::Result(c) => r.on_tool_result(now, &id(c), "ok".into()),
+                Input::Tick(dt) => { now += dt; r.on_tick(now) }
+                Input::Control(k) => r.on_control(now, match k {
+                    0 => Control::Cancel { reason: "x".into() },
+                    1 => Control::Interrupt { message: "m".into() },
+                    2 => Control::Pause,
+                    3 => Control::Resume,
+                    4 => Control::Kill { reason: "k".into() },
+                    _ => Control::Budget { limits: Limits { turns_max: Some(3), ..Limits::default() } },
+                }),
+            };
+            match &res {
+                Err(_) => prop_assert_eq!(&r, &before, "a refused input changed the record"),
+                Ok(actions) => {
+                    if let Input::Admit(c, 0) = &i
+                        && before.pending.iter().any(|p| p.call.id == id(*c))
+                    {
+                        cleared.insert(id(*c));
+                    }
+                    if let Input::Decide(c, 0) = &i { cleared.insert(id(*c)); }
+                    let waiting = before.control.iter().any(|c| !matches!(c, Control::Budget { .. }));
+                    prop_assert!(!waiting || dispatched(actions).is_empty(),
+                        "dispatched past a waiting control request: {:?} {:?}", before.control, i);
+                    for d in dispatched(actions) {
+                        prop_assert!(cleared.contains(&d), "{} dispatched without admission: {:?}", d, i);
+                    }
+                    if before.state.is_terminal() {
+                        prop_assert_eq!(r.state, before.state);
+                        prop_assert!(actions.iter().all(|a| matches!(a, Action::Dropped { .. })), "{:?}", actions);
+                    }
+                }
+            }
+            match r.state {
+                State::WaitingTool => prop_assert!(!r.pending.is_empty() && r.held.is_empty()),
+                State::AwaitingApproval => prop_assert!(!r.held.is_empty()),
+                State::Ready | State::Paused => prop_assert!(r.pending.is_empty() && r.held.is_empty()),
+                State::Finalizing => prop_assert!(false, "FINALIZING is never left standing"),
+                State::Completed | State::Failed | State::Canceled => {
+                    prop_assert!(r.pending.is_empty() && r.held.is_empty() && r.leases.is_empty());
+                    prop_assert_eq!(r.exit.as_ref().unwrap().terminal(), r.state);
+                }
+                State::CallingModel => {}
+            }
+            prop_assert!(r.budget.spend.turns <= 12);
+        }
+    }
+}
