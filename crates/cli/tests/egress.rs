@@ -2041,3 +2041,46 @@ sys.stdin.readline()
     assert_ne!(code, 0);
     assert!(err.contains("--parent"), "{err}");
 }
+
+/// An HTTP/2 agent multiplies requests on one connection: without a bound of their own, 32
+/// streams on each of `connections_max` connections could each hold a buffered body in the
+/// supervisor. Requests in flight are bounded by `connections_max` over all connections; a
+/// stream past it is answered `503 limit_exceeded` at once.
+const H2_FLOOD: &str = r#"
+const http = require("http"), http2 = require("http2"), tls = require("tls");
+const port = process.argv[1];
+http.request({ host: "127.0.0.1", port: 3128, method: "CONNECT", path: `127.0.0.2:${port}` })
+  .on("connect", (res, socket) => {
+    const s = http2.connect(`https://127.0.0.2:${port}`, {
+      createConnection: () => tls.connect({ socket, host: "127.0.0.2", ALPNProtocols: ["h2"] }) });
+    // Two uploads that never end hold their requests open.
+    for (const p of ["/a", "/b"]) s.request({ ":method": "POST", ":path": p }).write("x");
+    const third = s.request({ ":method": "GET", ":path": "/third" });
+    third.end();
+    let body = "";
+    third.on("response", h => console.log("third:", h[":status"]));
+    third.on("data", d => body += d);
+    third.on("end", () => { console.log(JSON.parse(body).estop.reason); process.exit(0); });
+  }).end();
+"#;
+
+#[test]
+fn http2_streams_past_the_bound_are_refused() {
+    let d = daemon();
+    let roots = d.data().parent().unwrap().join("flood-ca.pem");
+    let srv = Server::start_tls("127.0.0.2", &roots);
+    let extra = format!(
+        "upstream_roots = {:?}\nconnections_max = 2\n",
+        roots.display().to_string()
+    );
+    let port = srv.port.to_string();
+    let (code, out, err) = finish(estop_run(
+        &d,
+        "flood",
+        &extra,
+        &["node", "-e", H2_FLOOD, &port],
+    ));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(out, "third: 503\nlimit_exceeded\n", "{err}");
+    assert_eq!(srv.hits(), 0);
+}

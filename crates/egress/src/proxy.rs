@@ -22,6 +22,32 @@ use tokio::sync::watch;
 /// A connection's place under `connections_max`.
 type Place = Arc<tokio::sync::OwnedSemaphorePermit>;
 
+/// Requests in flight at once (from their head to the head of their answer), over every
+/// connection of the proxy: at most `connections_max`. HTTP/1.1 never meets this bound (one
+/// request per connection); HTTP/2 streams would otherwise multiply the memory one sandbox can
+/// hold in buffered bodies by the streams per connection.
+#[derive(Clone)]
+struct Requests(Arc<tokio::sync::Semaphore>, usize);
+
+impl Requests {
+    fn new(max: usize) -> Requests {
+        Requests(Arc::new(tokio::sync::Semaphore::new(max)), max)
+    }
+
+    fn try_take(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.0.clone().try_acquire_owned().ok()
+    }
+
+    fn refusal(&self) -> Reply {
+        refusal(
+            StatusCode::SERVICE_UNAVAILABLE,
+            json!({"verdict": "refused", "reason": "limit_exceeded",
+                "message": format!("this sandbox already has connections_max = {} requests in flight", self.1),
+                "what_to_do": "wait for an answer before sending more requests at once"}),
+        )
+    }
+}
+
 /// What the agent gets: a whole body, or (model calls) a stream relayed as it arrives.
 pub type Body = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
 pub type Reply = Response<Body>;
@@ -82,6 +108,7 @@ impl Proxy {
     /// At most `connections_max` at once; one past it gets a `503` saying so and is closed.
     pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) {
         let slots = Arc::new(tokio::sync::Semaphore::new(self.settings.connections_max));
+        let requests = Requests::new(self.settings.connections_max);
         // A stopped run keeps no connection to anywhere.
         let (proxy, mut fence) = (self.clone(), self.fence.clone());
         tokio::spawn(async move {
@@ -99,13 +126,20 @@ impl Proxy {
             // Shared with a CONNECT tunnel, which outlives this exchange (hyper hands the
             // connection over at the upgrade): the place is given back when both are done.
             let slot = Arc::new(slot);
+            let requests = requests.clone();
             tokio::spawn(async move {
                 let place = slot.clone();
                 let service = hyper::service::service_fn(move |req| {
                     let (proxy, place) = (proxy.clone(), place.clone());
+                    let (requests, permit) = (requests.clone(), requests.try_take());
                     // Its own task: a connection cut by the fence must not cancel the
                     // request's completion on the ledger.
-                    let task = tokio::spawn(async move { proxy.handle(req, place).await });
+                    let task = tokio::spawn(async move {
+                        let Some(_permit) = permit else {
+                            return requests.refusal();
+                        };
+                        proxy.handle(req, place, requests).await
+                    });
                     async move { Ok::<_, Infallible>(task.await.unwrap_or_else(|_| internal())) }
                 });
                 let io = hyper_util::rt::TokioIo::new(stream);
@@ -126,9 +160,14 @@ impl Proxy {
         }
     }
 
-    async fn handle(self: Arc<Self>, req: Request<Incoming>, place: Place) -> Reply {
+    async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        place: Place,
+        requests: Requests,
+    ) -> Reply {
         if req.method() == Method::CONNECT {
-            return self.tunnel(req, place).await;
+            return self.tunnel(req, place, requests).await;
         }
         // Origin-form (`POST /v1/chat/completions`): addressed to the proxy itself, which is
         // the metered model endpoint (`OPENAI_BASE_URL`).
@@ -142,7 +181,12 @@ impl Proxy {
     /// CONNECT: nothing is dialled here. The proxy answers 200, terminates TLS itself with a
     /// leaf for the requested host, and every request inside the tunnel is admitted (and
     /// sent) exactly like a plain one, as `https://HOST:PORT/…`.
-    async fn tunnel(self: Arc<Self>, req: Request<Incoming>, place: Place) -> Reply {
+    async fn tunnel(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        place: Place,
+        requests: Requests,
+    ) -> Reply {
         let Some(authority) = req.uri().authority().cloned() else {
             return refusal(
                 StatusCode::BAD_REQUEST,
@@ -187,7 +231,7 @@ impl Proxy {
             authority.host(),
             authority.port_u16().unwrap_or(443)
         );
-        tokio::spawn(self.serve_tunnel(req, acceptor, origin, place));
+        tokio::spawn(self.serve_tunnel(req, acceptor, origin, (place, requests)));
         Response::new(full(Bytes::new()))
     }
 
@@ -253,8 +297,8 @@ impl Proxy {
         req: Request<Incoming>,
         acceptor: tokio_rustls::TlsAcceptor,
         origin: String,
-        // Held until the tunnel ends.
-        _place: Place,
+        // The place is held until the tunnel ends.
+        (_place, requests): (Place, Requests),
     ) {
         let Ok(upgraded) = hyper::upgrade::on(req).await else {
             return;
@@ -267,7 +311,12 @@ impl Proxy {
         let proxy = self.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let (proxy, origin) = (proxy.clone(), origin.clone());
+            // Taken in the order the requests (HTTP/2 streams) arrive.
+            let (requests, permit) = (requests.clone(), requests.try_take());
             let task = tokio::spawn(async move {
+                let Some(_permit) = permit else {
+                    return requests.refusal();
+                };
                 let (mut parts, body) = req.into_parts();
                 let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
                 match format!("https://{origin}{pq}").parse() {
