@@ -1,10 +1,10 @@
 //! The MCP server the agent talks to: tools of every upstream under `server__tool`, and every
 //! `tools/call` admitted by the gate as an effect before the upstream is called.
 
-use crate::config::SEPARATOR;
+use crate::config::{Runs, SEPARATOR};
 use crate::pins::{Pin, Pins, Seed, fingerprint};
+use crate::principal::Principal;
 use crate::upstream::Upstream;
-use estop_egress::gate::Gate;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, GetPromptRequestParams,
     GetPromptResponse, ListPromptsResult, ListResourcesResult, ListToolsResult,
@@ -15,41 +15,61 @@ use rmcp::service::{RequestContext, RoleServer};
 use rmcp::{ErrorData as McpError, ServerHandler};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
 /// The `_meta` field a client may set to name a call's idempotency key itself.
 pub const KEY_META: &str = "io.estop/key";
+/// The `_meta` field that names a call's run, where `[runs] meta = true` lets it.
+pub const RUN_META: &str = "io.estop/run";
+/// The `_meta` field that says a call is a sub-agent's: it goes to the child run `RUN/NAME`.
+pub const SUBAGENT_META: &str = "io.estop/subagent";
 
 /// A recorded result larger than this is not kept (protocol v1 takes 64 KiB of `result`).
 const RESULT_BYTES_MAX: usize = 60 * 1024;
 
+/// One MCP session's handler: what every session shares, and the session's own run.
 #[derive(Clone, Debug)]
 pub struct Gateway {
-    inner: Arc<Inner>,
+    shared: Arc<Shared>,
+    session: Arc<Session>,
 }
 
+/// What every session of the gateway shares: the upstreams, their tools and pins.
 #[derive(Debug)]
-struct Inner {
+pub struct Shared {
     upstreams: Vec<Upstream>,
     tools: Mutex<BTreeMap<String, Entry>>,
     pins: Mutex<Pins>,
-    gate: Gate,
-    run: String,
-    parent: Option<String>,
     hold_ms: u64,
-    /// True once the run is stopped (cancelled, killed, closed): in-flight calls are cut.
-    fence: watch::Sender<bool>,
-    /// Whether this gateway subscribed to the run's events yet (it can once the run exists).
-    subscribed: std::sync::atomic::AtomicBool,
-    /// Calls of trusted read-only tools get a fresh key each (a re-read is not a replay).
-    reads: std::sync::atomic::AtomicU64,
+    runs: Runs,
     /// Which upstream each listed resource URI belongs to.
     routes: Mutex<BTreeMap<String, usize>>,
     /// Whether any upstream offers resources, prompts.
     offers: (bool, bool),
-    /// Tells this process's read keys from an earlier session's in the same run.
-    session: String,
+    /// Names this gateway process: the run of its stateless calls is `<instance>-<principal>`.
+    instance: String,
+}
+
+#[derive(Debug)]
+struct Session {
+    /// On stdio, the one principal; over HTTP each request brings its own (`None` here).
+    principal: Option<Arc<Principal>>,
+    /// The operator's `--run`, which no header or `_meta` overrides.
+    fixed: Option<String>,
+    /// This session's own run (a fresh `mcp-…`), when nothing else names one.
+    own: String,
+    parent: Option<String>,
+    /// Calls of trusted read-only tools get a fresh key each (a re-read is not a replay).
+    reads: AtomicU64,
+}
+
+/// Where a call goes: whose it is, and in which run.
+struct Place {
+    principal: Arc<Principal>,
+    run: String,
+    parent: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -66,34 +86,48 @@ enum Admission {
     Answer(CallToolResult),
 }
 
+/// A fresh run name: unique to this process and moment.
+pub fn fresh_run() -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    format!("mcp-{nanos:x}-{}-{n}", std::process::id())
+}
+
+impl Shared {
+    pub fn new(upstreams: Vec<Upstream>, pins: Pins, hold_ms: u64, runs: Runs) -> Arc<Shared> {
+        Arc::new(Shared {
+            offers: crate::passthrough::offers(&upstreams),
+            routes: Mutex::new(BTreeMap::new()),
+            upstreams,
+            tools: Mutex::new(BTreeMap::new()),
+            pins: Mutex::new(pins),
+            hold_ms,
+            runs,
+            instance: fresh_run(),
+        })
+    }
+}
+
 impl Gateway {
+    /// A session's handler. `principal`: the stdio session's; `None` over HTTP, where each
+    /// request carries its caller. `run`: the operator's `--run`, else a fresh one per session.
     pub fn new(
-        upstreams: Vec<Upstream>,
-        pins: Pins,
-        gate: Gate,
-        run: String,
+        shared: Arc<Shared>,
+        principal: Option<Arc<Principal>>,
+        run: Option<String>,
         parent: Option<String>,
-        hold_ms: u64,
-        fence: watch::Sender<bool>,
     ) -> Gateway {
         Gateway {
-            inner: Arc::new(Inner {
-                offers: crate::passthrough::offers(&upstreams),
-                routes: Mutex::new(BTreeMap::new()),
-                upstreams,
-                tools: Mutex::new(BTreeMap::new()),
-                pins: Mutex::new(pins),
-                gate,
-                run,
+            shared,
+            session: Arc::new(Session {
+                principal,
+                fixed: run,
+                own: fresh_run(),
                 parent,
-                hold_ms,
-                fence,
-                subscribed: false.into(),
                 reads: 0.into(),
-                session: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos())
-                    .to_string(),
             }),
         }
     }
@@ -101,14 +135,14 @@ impl Gateway {
     /// Lists every upstream's tools again, checking each against its pin.
     async fn refresh(&self) -> Result<Vec<Tool>, McpError> {
         let mut listed = BTreeMap::new();
-        for (i, up) in self.inner.upstreams.iter().enumerate() {
+        for (i, up) in self.shared.upstreams.iter().enumerate() {
             let tools = up.client.peer().list_all_tools().await.map_err(|e| {
                 McpError::internal_error(format!("upstream {:?}: {e}", up.name), None)
             })?;
             for tool in tools {
                 let name = format!("{}{SEPARATOR}{}", up.name, tool.name);
                 let pin = self
-                    .inner
+                    .shared
                     .pins
                     .lock()
                     .expect("not poisoned")
@@ -134,16 +168,16 @@ impl Gateway {
                 t
             })
             .collect();
-        *self.inner.tools.lock().expect("not poisoned") = listed;
+        *self.shared.tools.lock().expect("not poisoned") = listed;
         Ok(out)
     }
 
     async fn entry(&self, name: &str) -> Result<Entry, McpError> {
-        if let Some(e) = self.inner.tools.lock().expect("not poisoned").get(name) {
+        if let Some(e) = self.shared.tools.lock().expect("not poisoned").get(name) {
             return Ok(e.clone());
         }
         self.refresh().await?;
-        let tools = self.inner.tools.lock().expect("not poisoned");
+        let tools = self.shared.tools.lock().expect("not poisoned");
         tools.get(name).cloned().ok_or_else(|| {
             McpError::invalid_params(format!("no tool {name:?} (see tools/list)"), None)
         })
@@ -153,27 +187,86 @@ impl Gateway {
     /// call's digest, so the same call repeated in the session is the same effect.
     fn key(
         &self,
-        req: &CallToolRequestParams,
         meta: &rmcp::model::RequestMetaObject,
         digest: &str,
         e: &Entry,
         trusted: bool,
     ) -> String {
-        // rmcp hands a request's `_meta` to the handler in its context; the params may keep
-        // it too: either will do.
-        let meta = req.meta.as_ref().unwrap_or(meta);
         let own = meta.0.get(KEY_META).and_then(Value::as_str);
         if let Some(k) = own {
             return format!("mcp:{k}");
         }
         if trusted && e.seed.read_only {
-            let n = self
-                .inner
-                .reads
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return format!("mcp:{digest}:read-{}-{n}", self.inner.session);
+            let n = self.session.reads.fetch_add(1, Ordering::Relaxed);
+            return format!("mcp:{digest}:read-{}-{n}", self.session.own);
         }
         format!("mcp:{digest}")
+    }
+
+    /// The call's principal and run: the operator's `--run`; else the configured header or
+    /// `_meta["io.estop/run"]`; else the session's own run (over HTTP without a session, the
+    /// 2026-07-28 revision, the principal's run in this gateway). A sub-agent's call
+    /// (`_meta["io.estop/subagent"]`) goes to the child run `RUN/NAME` with `RUN` its parent.
+    fn place(
+        &self,
+        meta: &rmcp::model::RequestMetaObject,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<Place, McpError> {
+        let parts = ctx.extensions.get::<http::request::Parts>();
+        let principal = match (&self.session.principal, parts) {
+            (Some(p), _) => p.clone(),
+            (None, Some(parts)) => parts
+                .extensions
+                .get::<Arc<Principal>>()
+                .cloned()
+                .ok_or_else(|| McpError::internal_error("an unauthenticated request", None))?,
+            (None, None) => return Err(McpError::internal_error("no caller", None)),
+        };
+        let header = |name: &str| {
+            parts
+                .and_then(|p| p.headers.get(name))
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let from_meta = |key: &str| meta.0.get(key).and_then(Value::as_str).map(str::to_string);
+        let named = self
+            .shared
+            .runs
+            .header
+            .as_deref()
+            .and_then(header)
+            .or_else(|| self.shared.runs.meta.then(|| from_meta(RUN_META)).flatten());
+        let sessionless = parts.is_some() && header("mcp-session-id").is_none();
+        let run = match (&self.session.fixed, named) {
+            (Some(run), _) => run.clone(),
+            (None, Some(run)) => run,
+            (None, None) if sessionless => format!("{}-{}", self.shared.instance, principal.name),
+            (None, None) => self.session.own.clone(),
+        };
+        Ok(match from_meta(SUBAGENT_META) {
+            Some(name) => {
+                let ok = (1..=64).contains(&name.len())
+                    && name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+                if !ok {
+                    return Err(McpError::invalid_params(
+                        format!("_meta[\"{SUBAGENT_META}\"] {name:?}: use 1-64 of [A-Za-z0-9._-]"),
+                        None,
+                    ));
+                }
+                Place {
+                    principal,
+                    run: format!("{run}/{name}"),
+                    parent: Some(run),
+                }
+            }
+            None => Place {
+                principal,
+                run,
+                parent: self.session.parent.clone(),
+            },
+        })
     }
 }
 
@@ -186,41 +279,38 @@ impl Gateway {
     /// Asks the gate to admit the call, waiting up to `hold_ms` while it is held.
     async fn admit(
         &self,
+        at: &Place,
         name: &str,
         key: &str,
         args: &Value,
         e: &Entry,
         ct: &tokio_util::sync::CancellationToken,
     ) -> Result<Admission, McpError> {
-        let i = &self.inner;
         let mut labels = e.seed.labels();
-        labels["mcp.server"] = json!(i.upstreams[e.upstream].name);
+        labels["mcp.server"] = json!(self.shared.upstreams[e.upstream].name);
         let changed = matches!(e.pin, Pin::Changed { .. });
         if changed {
             labels["mcp.pin"] = json!("changed: approving accepts the tool's new description");
         }
-        let mut admit = json!({"op": "admit", "run": i.run, "key": key, "tool": name,
+        let run = &at.run;
+        let mut admit = json!({"op": "admit", "run": run, "key": key, "tool": name,
             "args": args, "start": true, "labels": labels, "needs_approval": changed});
-        if let Some(p) = &i.parent {
+        if let Some(p) = &at.parent {
             admit["parent"] = json!(p);
         }
-        let mut v = self.gate(admit).await?;
+        let mut v = gate(at, admit).await?;
         if v["ok"] == true && v["verdict"] == "held" {
-            let wait = json!({"op": "wait", "run": i.run, "key": key, "timeout_ms": i.hold_ms});
+            let hold_ms = self.shared.hold_ms;
+            let wait = json!({"op": "wait", "run": run, "key": key, "timeout_ms": hold_ms});
             v = tokio::select! {
-                v = self.gate(wait) => v?,
+                v = gate(at, wait) => v?,
                 () = ct.cancelled() => return Ok(Admission::Answer(refusal(
                     "the call was cancelled while it was held; nothing was run".into()))),
             };
         }
-        if v["ok"] == true
-            && !i
-                .subscribed
-                .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
-            // The run exists now: follow its stops; one that landed before is read at once.
-            self.gate(json!({"op": "subscribe", "run": i.run})).await?;
-            crate::check(&i.gate, &i.run, &i.fence).await;
+        if v["ok"] == true {
+            // The run exists now: follow its stops (one that landed before is read at once).
+            at.principal.follow_run(run).await.map_err(unreachable)?;
         }
         if v["ok"] != true {
             return Ok(Admission::Answer(refusal(format!(
@@ -237,33 +327,42 @@ impl Gateway {
                     token: v["token"].as_str().unwrap_or_default().to_string(),
                 }
             }
-            "held" => Admission::Answer(held(&i.run, key, &v)),
+            "held" => Admission::Answer(held(run, key, &v)),
             "duplicate" => Admission::Answer(replay(&v)),
-            _ => Admission::Answer(refused(&i.run, key, &v)),
+            _ => Admission::Answer(refused(run, key, &v)),
         })
     }
 
     fn accept_pin(&self, name: &str, now: &str) -> Result<(), McpError> {
-        self.inner
+        self.shared
             .pins
             .lock()
             .expect("not poisoned")
             .accept(name, now)
             .map_err(|e| McpError::internal_error(format!("{e:#}"), None))?;
-        if let Some(e) = self.inner.tools.lock().expect("not poisoned").get_mut(name) {
+        if let Some(e) = self
+            .shared
+            .tools
+            .lock()
+            .expect("not poisoned")
+            .get_mut(name)
+        {
             e.pin = Pin::Same;
         }
         Ok(())
     }
+}
 
-    async fn gate(&self, req: Value) -> Result<Value, McpError> {
-        self.inner.gate.call(req).await.map_err(|e| {
-            McpError::internal_error(
-                format!("estop's gate is unreachable ({e:#}); nothing was run"),
-                None,
-            )
-        })
-    }
+fn unreachable(e: anyhow::Error) -> McpError {
+    McpError::internal_error(
+        format!("estop's gate is unreachable ({e:#}); nothing was run"),
+        None,
+    )
+}
+
+/// One request to the gate as the call's principal.
+async fn gate(at: &Place, req: Value) -> Result<Value, McpError> {
+    at.principal.gate.call(req).await.map_err(unreachable)
 }
 
 fn held(run: &str, key: &str, v: &Value) -> CallToolResult {
@@ -341,9 +440,9 @@ impl Gateway {
         e: &Entry,
         params: CallToolRequestParams,
         ct: &tokio_util::sync::CancellationToken,
+        mut fence: watch::Receiver<bool>,
     ) -> Ended {
-        let mut fence = self.inner.fence.subscribe();
-        let peer = self.inner.upstreams[e.upstream].client.peer().clone();
+        let peer = self.shared.upstreams[e.upstream].client.peer().clone();
         tokio::select! {
             r = peer.call_tool(params) => Ended::Done(r),
             () = ct.cancelled() => Ended::ByClient,
@@ -352,7 +451,7 @@ impl Gateway {
     }
 
     /// Reports what happened to the gate, and makes what the client gets.
-    async fn complete(&self, key: &str, token: &str, ended: Ended) -> CallToolResult {
+    async fn complete(&self, at: &Place, key: &str, token: &str, ended: Ended) -> CallToolResult {
         let (outcome, result, error, answer) = match ended {
             Ended::Done(Ok(r)) => {
                 let outcome = if r.is_error == Some(true) {
@@ -388,7 +487,7 @@ impl Gateway {
                 ("unknown", Value::Null, Some(text.clone()), refusal(text))
             }
         };
-        let mut req = json!({"op": "complete", "run": self.inner.run, "key": key,
+        let mut req = json!({"op": "complete", "run": at.run, "key": key,
             "token": token, "outcome": outcome});
         if !result.is_null() {
             req["result"] = result;
@@ -397,7 +496,7 @@ impl Gateway {
             req["error"] = json!(err);
         }
         // A completion the gate could not take is a fact lost: say so rather than hide it.
-        if let Err(e) = self.gate(req).await {
+        if let Err(e) = gate(at, req).await {
             eprintln!(
                 "estop mcp: cannot record the completion of {key}: {}",
                 e.message
@@ -410,7 +509,7 @@ impl Gateway {
 impl ServerHandler for Gateway {
     fn get_info(&self) -> ServerConfig {
         let mut caps = ServerCapabilities::builder().enable_tools().build();
-        let (resources, prompts) = self.inner.offers;
+        let (resources, prompts) = self.shared.offers;
         if resources {
             caps.resources = Some(Default::default());
         }
@@ -436,8 +535,8 @@ impl ServerHandler for Gateway {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, McpError> {
-        let (all, routes) = crate::passthrough::resources(&self.inner.upstreams).await?;
-        *self.inner.routes.lock().expect("not poisoned") = routes;
+        let (all, routes) = crate::passthrough::resources(&self.shared.upstreams).await?;
+        *self.shared.routes.lock().expect("not poisoned") = routes;
         Ok(ListResourcesResult::with_all_items(all))
     }
 
@@ -447,7 +546,7 @@ impl ServerHandler for Gateway {
         _context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, McpError> {
         let route = |g: &Gateway| {
-            g.inner
+            g.shared
                 .routes
                 .lock()
                 .expect("not poisoned")
@@ -457,14 +556,14 @@ impl ServerHandler for Gateway {
         let route = match route(self) {
             Some(r) => r,
             None => {
-                let (_, routes) = crate::passthrough::resources(&self.inner.upstreams).await?;
-                *self.inner.routes.lock().expect("not poisoned") = routes;
+                let (_, routes) = crate::passthrough::resources(&self.shared.upstreams).await?;
+                *self.shared.routes.lock().expect("not poisoned") = routes;
                 route(self).ok_or_else(|| {
                     McpError::resource_not_found(format!("no resource {:?}", request.uri), None)
                 })?
             }
         };
-        crate::passthrough::read(&self.inner.upstreams, route, request).await
+        crate::passthrough::read(&self.shared.upstreams, route, request).await
     }
 
     async fn list_prompts(
@@ -472,7 +571,7 @@ impl ServerHandler for Gateway {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListPromptsResult, McpError> {
-        let all = crate::passthrough::prompts(&self.inner.upstreams).await?;
+        let all = crate::passthrough::prompts(&self.shared.upstreams).await?;
         Ok(ListPromptsResult::with_all_items(all))
     }
 
@@ -481,7 +580,7 @@ impl ServerHandler for Gateway {
         request: GetPromptRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, McpError> {
-        crate::passthrough::get_prompt(&self.inner.upstreams, request).await
+        crate::passthrough::get_prompt(&self.shared.upstreams, request).await
     }
 
     async fn call_tool(
@@ -491,10 +590,18 @@ impl ServerHandler for Gateway {
     ) -> Result<CallToolResponse, McpError> {
         let name = request.name.to_string();
         let e = self.entry(&name).await?;
-        if *self.inner.fence.borrow() {
+        // rmcp hands a request's `_meta` to the handler in its context; the params may keep
+        // it too: either will do.
+        let meta = request.meta.clone().unwrap_or_else(|| context.meta.clone());
+        let at = self.place(&meta, &context)?;
+        let fence = at
+            .principal
+            .fence(&at.run)
+            .map_err(|why| McpError::invalid_request(why, None))?;
+        if *fence.borrow() {
             return Ok(refusal(format!(
                 "REFUSED, not run: the run {} is stopped; make no further tool calls.",
-                self.inner.run
+                at.run
             ))
             .into());
         }
@@ -502,15 +609,15 @@ impl ServerHandler for Gateway {
         let tool = estop_kernel::ids::ToolName::new(&name)
             .map_err(|err| McpError::invalid_params(format!("tool name {name:?}: {err}"), None))?;
         let digest = estop_protocol::digest_of(&tool, &args).to_hex();
-        let trusted = self.inner.upstreams[e.upstream].trusted;
-        let key = self.key(&request, &context.meta, &digest, &e, trusted);
-        let token = match self.admit(&name, &key, &args, &e, &context.ct).await? {
+        let trusted = self.shared.upstreams[e.upstream].trusted;
+        let key = self.key(&meta, &digest, &e, trusted);
+        let token = match self.admit(&at, &name, &key, &args, &e, &context.ct).await? {
             Admission::Go { token } => token,
             Admission::Answer(r) => return Ok(r.into()),
         };
         let mut params = CallToolRequestParams::new(e.tool.name.clone());
         params.arguments = request.arguments;
-        let ended = self.forward(&e, params, &context.ct).await;
-        Ok(self.complete(&key, &token, ended).await.into())
+        let ended = self.forward(&e, params, &context.ct, fence).await;
+        Ok(self.complete(&at, &key, &token, ended).await.into())
     }
 }
