@@ -406,3 +406,52 @@ async fn an_http_upstream_is_gated_like_a_stdio_one_and_gets_its_headers() {
         "{http:?}"
     );
 }
+
+/// `_meta["io.estop/run"]` names the run only where the operator said so (`[runs] meta`);
+/// otherwise the call stays in the session's run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_calls_run_comes_from_its_meta_only_where_configured() {
+    let w = world();
+    let mut opts = w.options("run-session", "Echoes text.", 30_000);
+    opts.run = None;
+    let c = w.client_on(opts.clone()).await;
+    let r = call_meta(&c, "files__echo", "a", json!({"io.estop/run": "named"})).await;
+    assert_eq!(text(&r.unwrap()), "echo: a");
+    let named = w.operator(json!({"op": "status", "run": "named"}));
+    assert_eq!(
+        named["ok"], false,
+        "not configured: no run named by the client {named}"
+    );
+    let text_before = std::fs::read_to_string(&opts.config).unwrap();
+    std::fs::write(
+        &opts.config,
+        format!("{text_before}\n[runs]\nmeta = true\n"),
+    )
+    .unwrap();
+    let c = w.client_on(opts).await;
+    let r = call_meta(&c, "files__echo", "b", json!({"io.estop/run": "named"})).await;
+    assert_eq!(text(&r.unwrap()), "echo: b");
+    let report = w.operator(json!({"op": "report", "run": "named"}));
+    assert_eq!(report["done"][0]["tool"], "files__echo", "{report}");
+}
+
+/// A sub-agent's calls (`_meta["io.estop/subagent"]`) go to the child run `RUN/NAME`, whose
+/// parent is the session's run: a cancel of the parent fences the child too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subagents_calls_go_to_a_child_run_the_parents_cancel_reaches() {
+    let w = world();
+    let c = w.client("run-parent", "Echoes text.", 30_000).await;
+    assert_eq!(text(&call(&c, "files__echo", "top").await), "echo: top");
+    let sub = json!({"io.estop/subagent": "researcher"});
+    let r = call_meta(&c, "files__echo", "sub", sub.clone()).await;
+    assert_eq!(text(&r.unwrap()), "echo: sub");
+    let child = w.operator(json!({"op": "status", "run": "run-parent/researcher"}));
+    assert_eq!(child["parent"], "run-parent", "{child}");
+    let bad = call_meta(&c, "files__echo", "x", json!({"io.estop/subagent": "a b"})).await;
+    assert!(bad.is_err(), "a name that is no name is refused: {bad:?}");
+    let v = w.operator(json!({"op": "cancel", "run": "run-parent", "reason": "enough"}));
+    assert_eq!(v["ok"], true, "{v}");
+    let r = call_meta(&c, "files__echo", "after", sub).await.unwrap();
+    assert!(text(&r).starts_with("REFUSED, not run"), "{}", text(&r));
+    assert_eq!(w.upstream(), ["call echo top", "call echo sub"]);
+}

@@ -385,6 +385,8 @@ async fn an_rmcp_client_over_http_is_gated_in_its_sessions_run() {
     let agreed = c3.peer().peer_info().map(|i| i.protocol_version.clone());
     assert_eq!(agreed, Some(ProtocolVersion::V_2026_07_28));
     assert_eq!(text(&call(&c3, "files__echo", "2026").await), "echo: 2026");
+    // Session-less, its calls are in the principal's run of this gateway: a repeat replays.
+    assert_eq!(text(&call(&c3, "files__echo", "2026").await), "echo: 2026");
     let mut p = CallToolRequestParams::new("files__write");
     let Value::Object(args) = json!({"text": "no"}) else {
         unreachable!()
@@ -396,5 +398,77 @@ async fn an_rmcp_client_over_http_is_gated_in_its_sessions_run() {
         "{}",
         text(&r)
     );
-    assert_eq!(w.upstream().last().unwrap(), "call echo 2026");
+    let calls = w.upstream();
+    assert_eq!(
+        calls.iter().filter(|l| *l == "call echo 2026").count(),
+        1,
+        "{calls:?}"
+    );
+}
+
+/// The operator's `[runs] header` names the run: two sessions sending the same run share it
+/// (the second's same call is a replay), and the run is the one named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configured_header_names_the_run_across_sessions() {
+    let w = world();
+    let addr = http_gateway(&w, "hdr", "[runs]\nheader = \"Estop-Run\"").await;
+    let agent = std::fs::read_to_string(w.data.join("agent.token")).unwrap();
+    let with_run = |run: &'static str| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let headers = [(
+            http::HeaderName::from_static("estop-run"),
+            http::HeaderValue::from_static(run),
+        )];
+        StreamableHttpClientTransportConfig::with_uri(format!("http://{addr}/mcp"))
+            .auth_header(agent.trim())
+            .custom_headers(headers.into_iter().collect())
+    };
+    let c1 = ()
+        .serve(StreamableHttpClientTransport::from_config(with_run(
+            "shared-run",
+        )))
+        .await
+        .unwrap();
+    let c2 = ()
+        .serve(StreamableHttpClientTransport::from_config(with_run(
+            "shared-run",
+        )))
+        .await
+        .unwrap();
+    assert_eq!(text(&call(&c1, "files__echo", "x").await), "echo: x");
+    assert_eq!(text(&call(&c2, "files__echo", "x").await), "echo: x");
+    assert_eq!(
+        w.upstream(),
+        ["call echo x"],
+        "one run: the second is a replay"
+    );
+    let report = w.operator(json!({"op": "report", "run": "shared-run"}));
+    assert_eq!(report["done"][0]["tool"], "files__echo", "{report}");
+}
+
+/// A revoked token stops working at once, though its principal was met before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_token_is_refused_at_once() {
+    let w = world();
+    let addr = http_gateway(&w, "revoke", "").await;
+    let carol = agent_token(&w, "carol");
+    open_session(&addr, &carol).await;
+    let v = w.operator(json!({"op": "token_revoke", "name": "carol"}));
+    assert_eq!(v["ok"], true, "{v}");
+    let bearer = format!("Bearer {carol}");
+    // The daemon closes carol's connection; the gateway learns it from the closed stream.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = post(&addr, &[("authorization", &bearer)], &initialize()).await;
+        if r.status == 401 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still served: {}",
+            r.status
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(w.upstream().is_empty());
 }

@@ -108,6 +108,19 @@ impl World {
             .expect("the gateway initializes")
     }
 
+    /// An rmcp client to a gateway on `opts` (on a byte stream).
+    pub async fn client_on(&self, opts: Options) -> RunningService<RoleClient, ()> {
+        let (ours, theirs) = tokio::io::duplex(1 << 16);
+        tokio::spawn(async move {
+            estop_mcp::serve_io(opts, tokio::io::split(theirs))
+                .await
+                .unwrap();
+        });
+        ().serve(tokio::io::split(ours))
+            .await
+            .expect("the gateway initializes")
+    }
+
     /// The gateway's options and configuration file for `run`.
     pub fn options(&self, run: &str, echo_desc: &str, hold_ms: u64) -> Options {
         let config = self
@@ -201,6 +214,25 @@ pub async fn call<H: rmcp::ClientHandler>(
     };
     p.arguments = Some(args);
     c.peer().call_tool(p).await.expect("a tools/call answer")
+}
+
+/// `call` with `meta` as the request's `_meta`.
+pub async fn call_meta(
+    c: &RunningService<RoleClient, ()>,
+    tool: &str,
+    text: &str,
+    meta: Value,
+) -> Result<CallToolResult, rmcp::ServiceError> {
+    let mut p = CallToolRequestParams::new(tool.to_string());
+    let Value::Object(args) = json!({"text": text}) else {
+        unreachable!()
+    };
+    p.arguments = Some(args);
+    let Value::Object(meta) = meta else {
+        unreachable!()
+    };
+    p.meta = Some(rmcp::model::RequestMetaObject(meta.into()));
+    c.peer().call_tool(p).await
 }
 
 pub fn text(r: &CallToolResult) -> String {
