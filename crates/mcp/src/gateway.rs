@@ -50,6 +50,19 @@ pub struct Shared {
     offers: (bool, bool),
     /// Names this gateway process: the run of its stateless calls is `<instance>-<principal>`.
     instance: String,
+    /// Held calls carried by tasks (SEP-2663), and whose each task is (principal name).
+    tasks: Tasks,
+    task_owners: Mutex<BTreeMap<String, String>>,
+}
+
+/// rmcp's task store (it has no `Debug`).
+#[derive(Default)]
+struct Tasks(rmcp::task_manager::TaskManager);
+
+impl std::fmt::Debug for Tasks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tasks({} running)", self.0.running_task_count())
+    }
 }
 
 #[derive(Debug)]
@@ -66,6 +79,7 @@ struct Session {
 }
 
 /// Where a call goes: whose it is, and in which run.
+#[derive(Clone)]
 struct Place {
     principal: Arc<Principal>,
     run: String,
@@ -82,7 +96,11 @@ struct Entry {
 
 /// Where a call stands after the gate answered.
 enum Admission {
-    Go { token: String },
+    Go {
+        token: String,
+    },
+    /// Still held after the bounded wait: what the model reads if no task can carry the wait.
+    Held(CallToolResult),
     Answer(CallToolResult),
 }
 
@@ -107,6 +125,8 @@ impl Shared {
             hold_ms,
             runs,
             instance: fresh_run(),
+            tasks: Default::default(),
+            task_owners: Mutex::new(BTreeMap::new()),
         })
     }
 }
@@ -276,7 +296,8 @@ fn refusal(text: String) -> CallToolResult {
 }
 
 impl Gateway {
-    /// Asks the gate to admit the call, waiting up to `hold_ms` while it is held.
+    /// Asks the gate to admit the call; with `wait`, waits up to `hold_ms` while it is held
+    /// (cut short by that token: the client's cancel).
     async fn admit(
         &self,
         at: &Place,
@@ -284,7 +305,7 @@ impl Gateway {
         key: &str,
         args: &Value,
         e: &Entry,
-        ct: &tokio_util::sync::CancellationToken,
+        wait: Option<&tokio_util::sync::CancellationToken>,
     ) -> Result<Admission, McpError> {
         let mut labels = e.seed.labels();
         labels["mcp.server"] = json!(self.shared.upstreams[e.upstream].name);
@@ -299,7 +320,10 @@ impl Gateway {
             admit["parent"] = json!(p);
         }
         let mut v = gate(at, admit).await?;
-        if v["ok"] == true && v["verdict"] == "held" {
+        if let Some(ct) = wait
+            && v["ok"] == true
+            && v["verdict"] == "held"
+        {
             let hold_ms = self.shared.hold_ms;
             let wait = json!({"op": "wait", "run": run, "key": key, "timeout_ms": hold_ms});
             v = tokio::select! {
@@ -308,6 +332,19 @@ impl Gateway {
                     "the call was cancelled while it was held; nothing was run".into()))),
             };
         }
+        self.interpret(at, name, key, e, v).await
+    }
+
+    /// What the gate's answer to an `admit` or a `wait` means for the call.
+    async fn interpret(
+        &self,
+        at: &Place,
+        name: &str,
+        key: &str,
+        e: &Entry,
+        v: Value,
+    ) -> Result<Admission, McpError> {
+        let run = &at.run;
         if v["ok"] == true {
             // The run exists now: follow its stops (one that landed before is read at once).
             at.principal.follow_run(run).await.map_err(unreachable)?;
@@ -327,7 +364,7 @@ impl Gateway {
                     token: v["token"].as_str().unwrap_or_default().to_string(),
                 }
             }
-            "held" => Admission::Answer(held(run, key, &v)),
+            "held" => Admission::Held(held(run, key, &v)),
             "duplicate" => Admission::Answer(replay(&v)),
             _ => Admission::Answer(refused(run, key, &v)),
         })
@@ -423,6 +460,103 @@ fn replay(v: &Value) -> CallToolResult {
     }
 }
 
+/// A held call, carried by a task until the operator decides.
+struct Held {
+    at: Place,
+    name: String,
+    key: String,
+    e: Entry,
+    arguments: Option<serde_json::Map<String, Value>>,
+}
+
+/// How many held calls tasks carry at once; beyond, a held call is the bounded wait.
+const TASKS_MAX: usize = 256;
+/// How long a task lives (rmcp fails a task past its TTL): a day of waiting for an operator.
+const TASK_TTL_MS: u64 = 24 * 60 * 60 * 1000;
+
+impl Gateway {
+    /// Answers a held call with a task (SEP-2663) that waits for the operator's decision, then
+    /// runs the call or reads the refusal; `tasks/cancel` ends the wait (nothing runs) or cuts
+    /// the upstream call (recorded `unknown`). `None` when `TASKS_MAX` tasks are running.
+    fn task(&self, call: Held, fence: watch::Receiver<bool>) -> Option<CallToolResponse> {
+        if self.shared.tasks.0.running_task_count() >= TASKS_MAX {
+            return None;
+        }
+        let me = self.clone();
+        let owner = call.at.principal.name.clone();
+        let options = rmcp::task_manager::TaskOptions::new()
+            .with_ttl_ms(TASK_TTL_MS)
+            .with_status_message(format!(
+                "held: an operator decides on estop's channel (`estop approve {} {}`)",
+                call.at.run, call.key
+            ));
+        let task = self.shared.tasks.0.spawn(options, move |tctx| {
+            Box::pin(async move { me.carry(call, fence, tctx).await })
+        });
+        let mut owners = self.shared.task_owners.lock().expect("not poisoned");
+        owners.retain(|id, _| self.shared.tasks.0.get_task(id).is_ok());
+        owners.insert(task.task_id.clone(), owner);
+        Some(CallToolResponse::Task(rmcp::model::CreateTaskResult::new(
+            task,
+        )))
+    }
+
+    async fn carry(
+        &self,
+        call: Held,
+        fence: watch::Receiver<bool>,
+        tctx: rmcp::task_manager::TaskContext,
+    ) -> Result<CallToolResult, rmcp::task_manager::TaskExit> {
+        use rmcp::task_manager::TaskExit;
+        let Held {
+            at,
+            name,
+            key,
+            e,
+            arguments,
+        } = call;
+        let token = loop {
+            let wait = json!({"op": "wait", "run": at.run, "key": key,
+                "timeout_ms": self.shared.hold_ms});
+            let v = tokio::select! {
+                v = gate(&at, wait) => v?,
+                () = tctx.cancelled() => return Err(TaskExit::Cancelled),
+            };
+            match self.interpret(&at, &name, &key, &e, v).await? {
+                Admission::Go { token } => break token,
+                Admission::Held(_) => continue,
+                Admission::Answer(r) => return Ok(r),
+            }
+        };
+        let ct = tokio_util::sync::CancellationToken::new();
+        let (cut, watched) = (ct.clone(), tctx.clone());
+        let watcher = tokio::spawn(async move {
+            watched.cancelled().await;
+            cut.cancel();
+        });
+        let mut params = CallToolRequestParams::new(e.tool.name.clone());
+        params.arguments = arguments;
+        let ended = self.forward(&e, params, &ct, fence).await;
+        watcher.abort();
+        let by_client = matches!(ended, Ended::ByClient);
+        let result = self.complete(&at, &key, &token, ended).await;
+        if by_client {
+            return Err(TaskExit::Cancelled);
+        }
+        Ok(result)
+    }
+
+    /// The task `id` if it is the caller's: another principal's reads as unknown.
+    fn own_task(&self, id: &str, ctx: &RequestContext<RoleServer>) -> Result<(), McpError> {
+        let at = self.place(&Default::default(), ctx)?;
+        let owners = self.shared.task_owners.lock().expect("not poisoned");
+        match owners.get(id) {
+            Some(owner) if *owner == at.principal.name => Ok(()),
+            _ => Err(McpError::invalid_params(format!("no task {id:?}"), None)),
+        }
+    }
+}
+
 /// How an upstream call ended.
 enum Ended {
     Done(Result<CallToolResult, rmcp::service::ServiceError>),
@@ -509,6 +643,11 @@ impl Gateway {
 impl ServerHandler for Gateway {
     fn get_info(&self) -> ServerConfig {
         let mut caps = ServerCapabilities::builder().enable_tools().build();
+        // Held calls become tasks for clients that declare the extension (SEP-2663).
+        caps.extensions.get_or_insert_with(Default::default).insert(
+            rmcp::model::TASKS_EXTENSION_ID.to_string(),
+            Default::default(),
+        );
         let (resources, prompts) = self.shared.offers;
         if resources {
             caps.resources = Some(Default::default());
@@ -583,6 +722,25 @@ impl ServerHandler for Gateway {
         crate::passthrough::get_prompt(&self.shared.upstreams, request).await
     }
 
+    async fn get_task(
+        &self,
+        request: rmcp::model::GetTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::GetTaskResult, McpError> {
+        self.own_task(&request.task_id, &context)?;
+        let task = self.shared.tasks.0.get_task(&request.task_id)?;
+        Ok(rmcp::model::GetTaskResult::new(task))
+    }
+
+    async fn cancel_task(
+        &self,
+        request: rmcp::model::CancelTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        self.own_task(&request.task_id, &context)?;
+        self.shared.tasks.0.cancel_task(&request.task_id)
+    }
+
     async fn call_tool(
         &self,
         request: CallToolRequestParams,
@@ -611,8 +769,26 @@ impl ServerHandler for Gateway {
         let digest = estop_protocol::digest_of(&tool, &args).to_hex();
         let trusted = self.shared.upstreams[e.upstream].trusted;
         let key = self.key(&meta, &digest, &e, trusted);
-        let token = match self.admit(&at, &name, &key, &args, &e, &context.ct).await? {
+        // A client that takes tasks gets a held call as a task at once; others wait, bounded.
+        let tasks = context
+            .client_capabilities()
+            .is_some_and(|c| c.supports_tasks());
+        let admission = self
+            .admit(&at, &name, &key, &args, &e, (!tasks).then_some(&context.ct))
+            .await?;
+        let token = match admission {
             Admission::Go { token } => token,
+            Admission::Held(r) if !tasks => return Ok(r.into()),
+            Admission::Held(r) => {
+                let call = Held {
+                    at,
+                    name,
+                    key,
+                    e,
+                    arguments: request.arguments,
+                };
+                return Ok(self.task(call, fence).unwrap_or(r.into()));
+            }
             Admission::Answer(r) => return Ok(r.into()),
         };
         let mut params = CallToolRequestParams::new(e.tool.name.clone());

@@ -472,3 +472,56 @@ async fn a_revoked_token_is_refused_at_once() {
     }
     assert!(w.upstream().is_empty());
 }
+
+/// A held call's task (SEP-2663) over HTTP is its principal's alone: another principal with
+/// the task's id can neither read nor cancel it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_is_its_principals_alone() {
+    use rmcp::model::{
+        CallToolResponse, CancelTaskParams, ClientCapabilities, ClientConfig, GetTaskParams,
+        Implementation,
+    };
+    let w = world();
+    let addr = http_gateway(&w, "tasks", "").await;
+    let client = |token: String| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let caps = ClientCapabilities::builder().enable_tasks().build();
+        let config = StreamableHttpClientTransportConfig::with_uri(format!("http://{addr}/mcp"))
+            .auth_header(token);
+        async move {
+            ClientConfig::new(caps, Implementation::new("tasks", "1"))
+                .serve(StreamableHttpClientTransport::from_config(config))
+                .await
+                .unwrap()
+        }
+    };
+    let alice = client(agent_token(&w, "alice")).await;
+    let bob = client(agent_token(&w, "bob")).await;
+    let mut p = CallToolRequestParams::new("files__write");
+    let Value::Object(args) = json!({"text": "hold-mine"}) else {
+        unreachable!()
+    };
+    p.arguments = Some(args);
+    let CallToolResponse::Task(t) = alice.peer().call_tool_once(p).await.unwrap() else {
+        panic!("not a task")
+    };
+    let id = t.task.task_id;
+    assert!(alice.peer().get_task(GetTaskParams::new(&id)).await.is_ok());
+    assert!(bob.peer().get_task(GetTaskParams::new(&id)).await.is_err());
+    assert!(
+        bob.peer()
+            .cancel_task(CancelTaskParams::new(&id))
+            .await
+            .is_err()
+    );
+    let got = alice
+        .peer()
+        .get_task(GetTaskParams::new(&id))
+        .await
+        .unwrap();
+    assert_eq!(
+        got.task.task.status,
+        rmcp::model::TaskStatus::Working,
+        "Bob's cancel did nothing"
+    );
+}

@@ -22,6 +22,11 @@ action = "allow"
 
 [[rules]]
 tool = "files__block"
+when = 'has(args.text) && args.text == "hold"'
+action = "approve"
+
+[[rules]]
+tool = "files__block"
 action = "allow"
 
 [[rules]]
