@@ -53,6 +53,33 @@ pub struct Shared {
     /// Held calls carried by tasks (SEP-2663), and whose each task is (principal name).
     tasks: Tasks,
     task_owners: Mutex<BTreeMap<String, String>>,
+    /// The client sessions to tell when an upstream's tools change.
+    peers: Mutex<Vec<rmcp::Peer<RoleServer>>>,
+}
+
+/// How many client sessions are told of tool changes; a session beyond is not told.
+const PEERS_MAX: usize = 1024;
+
+/// Follows the upstreams' `notifications/tools/list_changed`: the tools are listed again at
+/// once (so a rewritten tool is re-held by its pin before any call), then every client session
+/// is told in turn. Ends with the gateway.
+pub async fn follow_list_changes(
+    shared: std::sync::Weak<Shared>,
+    mut changes: tokio::sync::mpsc::UnboundedReceiver<usize>,
+) {
+    while changes.recv().await.is_some() {
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        while changes.try_recv().is_ok() {} // several at once: one listing covers them
+        if let Err(e) = shared.refresh().await {
+            eprintln!(
+                "estop mcp: listing tools after a change failed: {}",
+                e.message
+            );
+        }
+        shared.tell_clients().await;
+    }
 }
 
 /// rmcp's task store (it has no `Debug`).
@@ -115,54 +142,16 @@ pub fn fresh_run() -> String {
 }
 
 impl Shared {
-    pub fn new(upstreams: Vec<Upstream>, pins: Pins, hold_ms: u64, runs: Runs) -> Arc<Shared> {
-        Arc::new(Shared {
-            offers: crate::passthrough::offers(&upstreams),
-            routes: Mutex::new(BTreeMap::new()),
-            upstreams,
-            tools: Mutex::new(BTreeMap::new()),
-            pins: Mutex::new(pins),
-            hold_ms,
-            runs,
-            instance: fresh_run(),
-            tasks: Default::default(),
-            task_owners: Mutex::new(BTreeMap::new()),
-        })
-    }
-}
-
-impl Gateway {
-    /// A session's handler. `principal`: the stdio session's; `None` over HTTP, where each
-    /// request carries its caller. `run`: the operator's `--run`, else a fresh one per session.
-    pub fn new(
-        shared: Arc<Shared>,
-        principal: Option<Arc<Principal>>,
-        run: Option<String>,
-        parent: Option<String>,
-    ) -> Gateway {
-        Gateway {
-            shared,
-            session: Arc::new(Session {
-                principal,
-                fixed: run,
-                own: fresh_run(),
-                parent,
-                reads: 0.into(),
-            }),
-        }
-    }
-
     /// Lists every upstream's tools again, checking each against its pin.
-    async fn refresh(&self) -> Result<Vec<Tool>, McpError> {
+    pub async fn refresh(&self) -> Result<Vec<Tool>, McpError> {
         let mut listed = BTreeMap::new();
-        for (i, up) in self.shared.upstreams.iter().enumerate() {
+        for (i, up) in self.upstreams.iter().enumerate() {
             let tools = up.client.peer().list_all_tools().await.map_err(|e| {
                 McpError::internal_error(format!("upstream {:?}: {e}", up.name), None)
             })?;
             for tool in tools {
                 let name = format!("{}{SEPARATOR}{}", up.name, tool.name);
                 let pin = self
-                    .shared
                     .pins
                     .lock()
                     .expect("not poisoned")
@@ -188,8 +177,62 @@ impl Gateway {
                 t
             })
             .collect();
-        *self.shared.tools.lock().expect("not poisoned") = listed;
+        *self.tools.lock().expect("not poisoned") = listed;
         Ok(out)
+    }
+
+    /// Tells every client session that the tools changed (dropping those that are gone).
+    async fn tell_clients(&self) {
+        let peers: Vec<_> = {
+            let mut peers = self.peers.lock().expect("not poisoned");
+            peers.retain(|p| !p.is_transport_closed());
+            peers.clone()
+        };
+        for p in peers {
+            let _ = p.notify_tool_list_changed().await;
+        }
+    }
+
+    pub fn new(upstreams: Vec<Upstream>, pins: Pins, hold_ms: u64, runs: Runs) -> Arc<Shared> {
+        Arc::new(Shared {
+            offers: crate::passthrough::offers(&upstreams),
+            routes: Mutex::new(BTreeMap::new()),
+            upstreams,
+            tools: Mutex::new(BTreeMap::new()),
+            pins: Mutex::new(pins),
+            hold_ms,
+            runs,
+            instance: fresh_run(),
+            tasks: Default::default(),
+            task_owners: Mutex::new(BTreeMap::new()),
+            peers: Mutex::new(Vec::new()),
+        })
+    }
+}
+
+impl Gateway {
+    /// A session's handler. `principal`: the stdio session's; `None` over HTTP, where each
+    /// request carries its caller. `run`: the operator's `--run`, else a fresh one per session.
+    pub fn new(
+        shared: Arc<Shared>,
+        principal: Option<Arc<Principal>>,
+        run: Option<String>,
+        parent: Option<String>,
+    ) -> Gateway {
+        Gateway {
+            shared,
+            session: Arc::new(Session {
+                principal,
+                fixed: run,
+                own: fresh_run(),
+                parent,
+                reads: 0.into(),
+            }),
+        }
+    }
+
+    async fn refresh(&self) -> Result<Vec<Tool>, McpError> {
+        self.shared.refresh().await
     }
 
     async fn entry(&self, name: &str) -> Result<Entry, McpError> {
@@ -642,7 +685,10 @@ impl Gateway {
 
 impl ServerHandler for Gateway {
     fn get_info(&self) -> ServerConfig {
-        let mut caps = ServerCapabilities::builder().enable_tools().build();
+        let mut caps = ServerCapabilities::builder()
+            .enable_tools()
+            .enable_tool_list_changed()
+            .build();
         // Held calls become tasks for clients that declare the extension (SEP-2663).
         caps.extensions.get_or_insert_with(Default::default).insert(
             rmcp::model::TASKS_EXTENSION_ID.to_string(),
@@ -720,6 +766,14 @@ impl ServerHandler for Gateway {
         _context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, McpError> {
         crate::passthrough::get_prompt(&self.shared.upstreams, request).await
+    }
+
+    async fn on_initialized(&self, context: rmcp::service::NotificationContext<RoleServer>) {
+        let mut peers = self.shared.peers.lock().expect("not poisoned");
+        peers.retain(|p| !p.is_transport_closed());
+        if peers.len() < PEERS_MAX {
+            peers.push(context.peer);
+        }
     }
 
     async fn get_task(

@@ -112,14 +112,16 @@ where
 /// Opens the pins and starts (or connects to) every upstream.
 async fn start(opts: &Options, config: &config::Config) -> Result<Arc<gateway::Shared>> {
     let pins = pins::Pins::open(&opts.data.join("mcp-pins.json"))?;
+    let (changed, changes) = tokio::sync::mpsc::unbounded_channel();
     let mut upstreams = Vec::new();
-    for s in &config.servers {
-        upstreams.push(upstream::Upstream::start(s).await?);
+    for (i, s) in config.servers.iter().enumerate() {
+        let listener = upstream::Listener::new(i, changed.clone());
+        upstreams.push(upstream::Upstream::start(s, listener).await?);
     }
-    Ok(gateway::Shared::new(
-        upstreams,
-        pins,
-        config.gateway.hold_ms,
-        config.runs.clone(),
-    ))
+    let shared = gateway::Shared::new(upstreams, pins, config.gateway.hold_ms, config.runs.clone());
+    tokio::spawn(gateway::follow_list_changes(
+        Arc::downgrade(&shared),
+        changes,
+    ));
+    Ok(shared)
 }

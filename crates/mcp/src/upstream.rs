@@ -3,7 +3,8 @@
 
 use crate::config::{Server, Transport};
 use anyhow::{Context, Result};
-use rmcp::service::{RoleClient, RunningService, ServiceExt};
+use rmcp::ClientHandler;
+use rmcp::service::{NotificationContext, RoleClient, RunningService, ServiceExt};
 use rmcp::transport::TokioChildProcess;
 use rmcp::transport::streamable_http_client::{
     StreamableHttpClientTransport, StreamableHttpClientTransportConfig,
@@ -13,13 +14,34 @@ use rmcp::transport::streamable_http_client::{
 pub struct Upstream {
     pub name: String,
     pub trusted: bool,
-    pub client: RunningService<RoleClient, ()>,
+    pub client: RunningService<RoleClient, Listener>,
+}
+
+/// The gateway's client side of one upstream: it passes on the upstream's
+/// `notifications/tools/list_changed` (with the upstream's index) to the gateway.
+#[derive(Debug, Clone)]
+pub struct Listener {
+    index: usize,
+    changed: tokio::sync::mpsc::UnboundedSender<usize>,
+}
+
+impl Listener {
+    pub fn new(index: usize, changed: tokio::sync::mpsc::UnboundedSender<usize>) -> Listener {
+        Listener { index, changed }
+    }
+}
+
+impl ClientHandler for Listener {
+    async fn on_tool_list_changed(&self, _context: NotificationContext<RoleClient>) {
+        // The gateway gone, nobody is left to tell: nothing to do.
+        let _ = self.changed.send(self.index);
+    }
 }
 
 impl Upstream {
     /// Starts the server's command, or connects to its URL, and completes MCP's initialization
     /// with it.
-    pub async fn start(server: &Server) -> Result<Upstream> {
+    pub async fn start(server: &Server, listener: Listener) -> Result<Upstream> {
         let client = match server.transport().map_err(anyhow::Error::msg)? {
             Transport::Command(command) => {
                 let mut cmd = tokio::process::Command::new(command);
@@ -27,14 +49,15 @@ impl Upstream {
                 let transport = TokioChildProcess::new(cmd).with_context(|| {
                     format!("cannot start upstream {:?} ({command})", server.name)
                 })?;
-                ().serve(transport).await
+                listener.serve(transport).await
             }
             Transport::Http { url, headers } => {
                 // reqwest's TLS without a provider of its own: the same ring as the rest of estop.
                 let _ = rustls::crypto::ring::default_provider().install_default();
                 let config = StreamableHttpClientTransportConfig::with_uri(url)
                     .custom_headers(headers.into_iter().collect());
-                ().serve(StreamableHttpClientTransport::from_config(config))
+                listener
+                    .serve(StreamableHttpClientTransport::from_config(config))
                     .await
             }
         }

@@ -18,7 +18,13 @@ async fn an_allowed_call_reaches_the_upstream_once_and_its_repeat_is_replayed() 
     let names: Vec<_> = tools.iter().map(|t| t.name.to_string()).collect();
     assert_eq!(
         names,
-        ["files__block", "files__echo", "files__peek", "files__write"]
+        [
+            "files__block",
+            "files__echo",
+            "files__mutate",
+            "files__peek",
+            "files__write"
+        ]
     );
     let first = call(&c, "files__echo", "hi").await;
     assert_eq!(
@@ -454,4 +460,42 @@ async fn a_subagents_calls_go_to_a_child_run_the_parents_cancel_reaches() {
     let r = call_meta(&c, "files__echo", "after", sub).await.unwrap();
     assert!(text(&r).starts_with("REFUSED, not run"), "{}", text(&r));
     assert_eq!(w.upstream(), ["call echo top", "call echo sub"]);
+}
+
+/// Records the gateway's `notifications/tools/list_changed`.
+struct Changes(tokio::sync::mpsc::UnboundedSender<()>);
+
+impl rmcp::ClientHandler for Changes {
+    async fn on_tool_list_changed(
+        &self,
+        _ctx: rmcp::service::NotificationContext<rmcp::RoleClient>,
+    ) {
+        let _ = self.0.send(());
+    }
+}
+
+/// An upstream that rewrites a tool mid-session and says so (`notifications/tools/list_changed`):
+/// the gateway lists again at once — the rewritten tool is held by its pin before the client
+/// even re-lists — and tells the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_list_change_re_holds_the_tool_and_reaches_the_client() {
+    let w = world();
+    let (tx, mut told) = tokio::sync::mpsc::unbounded_channel();
+    let c = w
+        .client_as(Changes(tx), "run-changed", "Echoes text.", 50)
+        .await;
+    c.peer().list_all_tools().await.unwrap();
+    assert_eq!(
+        text(&call(&c, "files__echo", "before").await),
+        "echo: before"
+    );
+    assert_eq!(text(&call(&c, "files__mutate", "").await), "mutate: ");
+    // Bounded only so that a gateway that never tells fails instead of hanging.
+    tokio::time::timeout(Duration::from_secs(60), told.recv())
+        .await
+        .expect("the client was told the tools changed")
+        .unwrap();
+    let r = call(&c, "files__echo", "after").await;
+    assert!(text(&r).starts_with("HELD, not run"), "{}", text(&r));
+    assert_eq!(w.upstream(), ["call echo before", "call mutate "]);
 }

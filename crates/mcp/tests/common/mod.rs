@@ -30,6 +30,10 @@ tool = "files__block"
 action = "allow"
 
 [[rules]]
+tool = "files__mutate"
+action = "allow"
+
+[[rules]]
 tool = "files__peek"
 action = "allow"
 class = "read"
