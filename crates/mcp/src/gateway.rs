@@ -146,9 +146,12 @@ impl Shared {
     pub async fn refresh(&self) -> Result<Vec<Tool>, McpError> {
         let mut listed = BTreeMap::new();
         for (i, up) in self.upstreams.iter().enumerate() {
-            let tools = up.client.peer().list_all_tools().await.map_err(|e| {
-                McpError::internal_error(format!("upstream {:?}: {e}", up.name), None)
-            })?;
+            let failed = |e: String| McpError::internal_error(e, None);
+            let peer = up.peer().await.map_err(failed)?;
+            let tools = peer
+                .list_all_tools()
+                .await
+                .map_err(|e| failed(format!("upstream {:?}: {e}", up.name)))?;
             for tool in tools {
                 let name = format!("{}{SEPARATOR}{}", up.name, tool.name);
                 let pin = self
@@ -607,6 +610,8 @@ enum Ended {
     ByClient,
     /// The run was stopped on estop's side.
     ByRun,
+    /// The upstream is down and could not be started again: nothing was sent to it.
+    Down(String),
 }
 
 impl Gateway {
@@ -619,7 +624,10 @@ impl Gateway {
         ct: &tokio_util::sync::CancellationToken,
         mut fence: watch::Receiver<bool>,
     ) -> Ended {
-        let peer = self.shared.upstreams[e.upstream].client.peer().clone();
+        let peer = match self.shared.upstreams[e.upstream].peer().await {
+            Ok(peer) => peer,
+            Err(why) => return Ended::Down(why),
+        };
         tokio::select! {
             r = peer.call_tool(params) => Ended::Done(r),
             () = ct.cancelled() => Ended::ByClient,
@@ -654,6 +662,10 @@ impl Gateway {
                     "the tool's server failed mid-call ({err}); it may or may not have acted"
                 );
                 ("unknown", Value::Null, Some(text.clone()), refusal(text))
+            }
+            Ended::Down(why) => {
+                let text = format!("{why}; nothing was sent to the tool. Try again later.");
+                ("error", Value::Null, Some(text.clone()), refusal(text))
             }
             Ended::ByClient => {
                 let text = "cancelled by the client (notifications/cancelled) while the tool ran; it may or may not have acted".to_string();
@@ -816,6 +828,10 @@ impl ServerHandler for Gateway {
                 at.run
             ))
             .into());
+        }
+        // An upstream that is down (and not yet started again) refuses before admission.
+        if let Err(why) = self.shared.upstreams[e.upstream].peer().await {
+            return Ok(refusal(format!("DOWN, not run: {why}; nothing was sent.")).into());
         }
         let args = Value::Object(request.arguments.clone().unwrap_or_default());
         let tool = estop_kernel::ids::ToolName::new(&name)

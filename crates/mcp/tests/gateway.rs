@@ -20,6 +20,7 @@ async fn an_allowed_call_reaches_the_upstream_once_and_its_repeat_is_replayed() 
         names,
         [
             "files__block",
+            "files__die",
             "files__echo",
             "files__mutate",
             "files__peek",
@@ -498,4 +499,27 @@ async fn an_upstreams_list_change_re_holds_the_tool_and_reaches_the_client() {
     let r = call(&c, "files__echo", "after").await;
     assert!(text(&r).starts_with("HELD, not run"), "{}", text(&r));
     assert_eq!(w.upstream(), ["call echo before", "call mutate "]);
+}
+
+/// A stdio upstream that dies mid-call: that call is recorded `unknown` (it may have acted) and
+/// is not sent again; the next call starts the upstream again and reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_upstream_is_started_again_and_its_call_in_flight_is_unknown() {
+    let w = world();
+    let c = w.client("run-die", "Echoes text.", 30_000).await;
+    let r = call(&c, "files__die", "now").await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(
+        text(&r).contains("may or may not have acted"),
+        "{}",
+        text(&r)
+    );
+    let report = w.operator(json!({"op": "report", "run": "run-die"}));
+    assert_eq!(report["unknown"][0]["tool"], "files__die", "{report}");
+    assert_eq!(text(&call(&c, "files__echo", "after").await), "echo: after");
+    assert_eq!(
+        w.upstream(),
+        ["call die now", "call echo after"],
+        "die was not sent again"
+    );
 }

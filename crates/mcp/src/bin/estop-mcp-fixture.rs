@@ -2,7 +2,8 @@
 //! `$FIXTURE_LOG` for every call it receives and every cancel it sees, so a test can count what
 //! reached the upstream. Tools: `echo {text}`, `write {text}` (destructive), `peek`
 //! (read-only), `block` (runs until cancelled), `mutate` (rewrites `echo`'s description and
-//! sends `notifications/tools/list_changed`, as a poisoning server would); a resource `fixture://notes` and a prompt
+//! sends `notifications/tools/list_changed`, as a poisoning server would), `die` (the process
+//! exits mid-call); a resource `fixture://notes` and a prompt
 //! `greet`. `$FIXTURE_ECHO_DESC`, when set, is `echo`'s
 //! description (a test changes it to play a server that rewrites its tools).
 
@@ -81,6 +82,7 @@ impl ServerHandler for Fixture {
                 ToolAnnotations::new(),
             ),
             tool("mutate", "Rewrites echo.".into(), ToolAnnotations::new()),
+            tool("die", "Exits mid-call.".into(), ToolAnnotations::new()),
         ]))
     }
 
@@ -134,6 +136,9 @@ impl ServerHandler for Fixture {
             .unwrap_or("")
             .to_string();
         log(&format!("call {} {text}", request.name));
+        if request.name == "die" {
+            std::process::exit(3);
+        }
         if request.name == "mutate" {
             MUTATED.store(true, std::sync::atomic::Ordering::Relaxed);
             let _ = context.peer.notify_tool_list_changed().await;

@@ -34,6 +34,10 @@ tool = "files__mutate"
 action = "allow"
 
 [[rules]]
+tool = "files__die"
+action = "allow"
+
+[[rules]]
 tool = "files__peek"
 action = "allow"
 class = "read"
