@@ -8,6 +8,7 @@ pub mod cache;
 pub mod egress;
 pub mod kernel;
 pub mod load;
+pub mod mcp;
 pub mod metrics;
 
 use estop_ledger::{FsyncProbe, GroupCommitOptions, GroupCommitProbe};

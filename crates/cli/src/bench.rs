@@ -69,6 +69,18 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// What `estop mcp` adds per tools/call against calling the upstream directly (calls/s,
+    /// p50/p99), stdio and HTTP fronts, next to the raw fsync rate (docs/MCP.md, "Benchmark").
+    Mcp {
+        /// Sequential calls per path.
+        #[arg(long, default_value_t = 500)]
+        calls: usize,
+        /// Data dir of the daemon the bench starts (and where the disk probe runs).
+        #[arg(long, default_value = "estop-bench-data")]
+        data: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// Durable admissions through 1 and 2 nodes over one PostgreSQL database, next to the
     /// server's raw single-row commit rate measured in the same run (docs/STORES.md).
     Store(crate::bench_store::StoreBenchArgs),
@@ -237,8 +249,50 @@ pub fn run(a: BenchArgs) -> Result<u8> {
             json,
         }) => recovery(records, &data, json),
         Some(BenchCmd::Store(s)) => crate::bench_store::run(s),
+        Some(BenchCmd::Mcp { calls, data, json }) => mcp(calls, &data, json),
         None => load_bench(a.load),
     }
+}
+
+fn mcp(calls: usize, data: &Path, json: bool) -> Result<u8> {
+    let spawned = spawn_daemon(data)?;
+    let disk = estop_bench::probe_disk(&data.join("probe")).context("probing the disk")?;
+    let o = estop_bench::mcp::McpOptions {
+        socket: spawned.socket.clone(),
+        data: data.to_path_buf(),
+        calls: calls.max(10),
+    };
+    let rows = estop_bench::mcp::gateway_overhead(&o).context("the MCP benchmark")?;
+    let direct = rows.first().map_or(0, |r| r.p50_us);
+    if !json {
+        println!(
+            "estop mcp: sequential tools/call (each a new effect, admitted and completed durably) vs the same rmcp upstream called directly; raw fsync p50 {:.1} us, {:.0} syncs/s",
+            disk.append.p50_us, disk.append.syncs_per_s
+        );
+        println!(
+            "{:>14} {:>6} {:>9} {:>9} {:>9} {:>10}",
+            "path", "calls", "calls/s", "p50", "p99", "added p50"
+        );
+    }
+    for r in &rows {
+        let added = i64::from(r.p50_us) - i64::from(direct);
+        if json {
+            println!(
+                "{}",
+                json!({"bench": "mcp", "path": r.name, "calls": r.calls,
+                "calls_per_s": r.calls_per_s.round(), "p50_us": r.p50_us, "p99_us": r.p99_us,
+                "added_p50_us": added, "raw_fsync_p50_us": round1(disk.append.p50_us),
+                "raw_syncs_per_s": disk.append.syncs_per_s.round()})
+            );
+        } else {
+            println!(
+                "{:>14} {:>6} {:>9.0} {:>7}us {:>7}us {:>8}us",
+                r.name, r.calls, r.calls_per_s, r.p50_us, r.p99_us, added
+            );
+        }
+    }
+    drop(spawned);
+    Ok(0)
 }
 
 fn egress(

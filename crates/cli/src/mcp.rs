@@ -1,4 +1,5 @@
-//! `estop mcp`: the command's flags, handed to `estop_mcp::serve_stdio` (docs/MCP.md).
+//! `estop mcp`: the command's flags, handed to `estop_mcp::serve_stdio` or, with `--listen`,
+//! `estop_mcp::serve_http` (docs/MCP.md).
 
 use clap::Args;
 use std::path::PathBuf;
@@ -21,20 +22,29 @@ pub struct McpArgs {
     /// Socket path of the daemon (default: DATA/estop.sock).
     #[arg(long, env = "ESTOP_SOCKET")]
     socket: Option<String>,
-    /// The agent token the run belongs to (default: DATA/agent.token).
+    /// The agent token the run belongs to, on stdio (default: DATA/agent.token); over HTTP
+    /// each client presents its own.
     #[arg(long, env = "ESTOP_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Serve MCP over streamable HTTP on this address (e.g. 127.0.0.1:7422) instead of stdio;
+    /// every request needs an estop agent token (`Authorization: Bearer`).
+    #[arg(long)]
+    listen: Option<String>,
 }
 
 /// Serves MCP on stdin/stdout until the client closes it.
 pub fn run(a: McpArgs) -> anyhow::Result<u8> {
-    estop_mcp::serve_stdio(estop_mcp::Options {
+    let opts = estop_mcp::Options {
         config: a.config,
         data: a.data,
         socket: a.socket,
         token: a.token,
         run: a.run,
         parent: a.parent,
-    })?;
+    };
+    match a.listen {
+        Some(addr) => estop_mcp::serve_http(opts, &addr)?,
+        None => estop_mcp::serve_stdio(opts)?,
+    }
     Ok(0)
 }

@@ -21,13 +21,32 @@ pub struct Gate {
 }
 
 impl Gate {
-    /// Connects to `target` (a socket path, or host:port) and says hello with `token`.
-    /// Returns the handle and the stream of event lines.
+    /// Connects to `target` (a socket path, or host:port) and says hello with `token`, which
+    /// must be an agent's (the run belongs to it). Returns the handle and the stream of event
+    /// lines.
     pub async fn connect(
         target: &str,
         token: &str,
     ) -> Result<(Gate, mpsc::UnboundedReceiver<Value>)> {
-        let (gate, events) = if target.contains('/') {
+        let (gate, events) = Gate::open(target).await?;
+        let hello = gate.call(json!({"op": "hello", "token": token})).await?;
+        if hello["ok"] != true {
+            bail!("the gate refused the token: {}", hello["error"]);
+        }
+        if hello["role"] != "agent" {
+            bail!(
+                "an agent token is needed (the run belongs to it), not a {} token; \
+                 pass --token or ESTOP_TOKEN, or leave DATA/agent.token in place",
+                hello["role"]
+            );
+        }
+        Ok((gate, events))
+    }
+
+    /// Connects to `target` (a socket path, or host:port) without saying hello: the caller
+    /// authenticates (and reads the reply) itself.
+    pub async fn open(target: &str) -> Result<(Gate, mpsc::UnboundedReceiver<Value>)> {
+        Ok(if target.contains('/') {
             let s = tokio::net::UnixStream::connect(target)
                 .await
                 .with_context(|| {
@@ -41,19 +60,7 @@ impl Gate {
                 .with_context(|| format!("cannot connect to {target}"))?;
             let (r, w) = s.into_split();
             Gate::start(r, w)
-        };
-        let hello = gate.call(json!({"op": "hello", "token": token})).await?;
-        if hello["ok"] != true {
-            bail!("the gate refused the token: {}", hello["error"]);
-        }
-        if hello["role"] != "agent" {
-            bail!(
-                "estop run needs an agent token (the run belongs to it), not a {} token; \
-                 pass --token or ESTOP_TOKEN, or leave DATA/agent.token in place",
-                hello["role"]
-            );
-        }
-        Ok((gate, events))
+        })
     }
 
     fn start<R, W>(r: R, mut w: W) -> (Gate, mpsc::UnboundedReceiver<Value>)

@@ -16,6 +16,79 @@ pub struct Config {
     pub gateway: Gateway,
     #[serde(rename = "server", default)]
     pub servers: Vec<Server>,
+    #[serde(default)]
+    pub runs: Runs,
+    #[serde(default)]
+    pub http: Http,
+}
+
+/// Which run a call belongs to, beyond the session's own (docs/MCP.md, "Runs").
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Runs {
+    /// An HTTP request header whose value names the run (e.g. `Estop-Run`), set by the client's
+    /// config or a proxy in front; absent: the session's run.
+    #[serde(default)]
+    pub header: Option<String>,
+    /// Whether a call's `_meta["io.estop/run"]` may name its run.
+    #[serde(default)]
+    pub meta: bool,
+}
+
+/// The streamable HTTP front (`estop mcp --listen ADDR`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Http {
+    /// `Host` values served (DNS rebinding defence): loopback names unless listed.
+    #[serde(default = "allowed_hosts_default")]
+    pub allowed_hosts: Vec<String>,
+    /// Browser origins that may call (`scheme://host:port`, `:*` for any port); a request with
+    /// any other `Origin` is refused, and with none listed every request with an `Origin` is.
+    #[serde(default)]
+    pub allowed_origins: Vec<String>,
+    /// Whether `--listen` may take an address other than loopback.
+    #[serde(default)]
+    pub allow_remote: bool,
+    #[serde(default = "sessions_max_default")]
+    pub sessions_max: usize,
+    #[serde(default = "body_bytes_max_default")]
+    pub body_bytes_max: usize,
+    /// A session nobody used for this long is closed.
+    #[serde(default = "session_idle_ms_default")]
+    pub session_idle_ms: u64,
+    /// Distinct agent tokens (principals) served at once.
+    #[serde(default = "principals_max_default")]
+    pub principals_max: usize,
+}
+
+fn allowed_hosts_default() -> Vec<String> {
+    ["localhost", "127.0.0.1", "::1"].map(String::from).to_vec()
+}
+fn sessions_max_default() -> usize {
+    64
+}
+fn body_bytes_max_default() -> usize {
+    1 << 20
+}
+fn session_idle_ms_default() -> u64 {
+    30 * 60 * 1000
+}
+fn principals_max_default() -> usize {
+    64
+}
+
+impl Default for Http {
+    fn default() -> Self {
+        Http {
+            allowed_hosts: allowed_hosts_default(),
+            allowed_origins: Vec::new(),
+            allow_remote: false,
+            sessions_max: sessions_max_default(),
+            body_bytes_max: body_bytes_max_default(),
+            session_idle_ms: session_idle_ms_default(),
+            principals_max: principals_max_default(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -76,6 +149,8 @@ pub enum ConfigError {
     Empty,
     #[error("server {name:?}: {why}")]
     Transport { name: String, why: String },
+    #[error("{0}")]
+    Bad(String),
 }
 
 impl Config {
@@ -119,7 +194,32 @@ impl Config {
                 why,
             })?;
         }
+        config.check_front()?;
         Ok(config)
+    }
+
+    /// The `[runs]` and `[http]` tables make sense.
+    fn check_front(&self) -> Result<(), ConfigError> {
+        if let Some(h) = &self.runs.header
+            && http::HeaderName::from_bytes(h.as_bytes()).is_err()
+        {
+            return Err(ConfigError::Bad(format!(
+                "[runs] header {h:?} is not a valid HTTP header name"
+            )));
+        }
+        let h = &self.http;
+        if h.sessions_max == 0 || h.body_bytes_max < 1024 || h.principals_max == 0 {
+            return Err(ConfigError::Bad(
+                "[http] sessions_max and principals_max must be at least 1, body_bytes_max 1024"
+                    .into(),
+            ));
+        }
+        if h.allowed_hosts.is_empty() {
+            return Err(ConfigError::Bad(
+                "[http] allowed_hosts is empty: list the Host names clients use".into(),
+            ));
+        }
+        Ok(())
     }
 }
 

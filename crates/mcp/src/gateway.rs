@@ -1,10 +1,10 @@
 //! The MCP server the agent talks to: tools of every upstream under `server__tool`, and every
 //! `tools/call` admitted by the gate as an effect before the upstream is called.
 
-use crate::config::SEPARATOR;
+use crate::config::{Runs, SEPARATOR};
 use crate::pins::{Pin, Pins, Seed, fingerprint};
+use crate::principal::Principal;
 use crate::upstream::Upstream;
-use estop_egress::gate::Gate;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, GetPromptRequestParams,
     GetPromptResponse, ListPromptsResult, ListResourcesResult, ListToolsResult,
@@ -15,41 +15,102 @@ use rmcp::service::{RequestContext, RoleServer};
 use rmcp::{ErrorData as McpError, ServerHandler};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
 /// The `_meta` field a client may set to name a call's idempotency key itself.
 pub const KEY_META: &str = "io.estop/key";
+/// The `_meta` field that names a call's run, where `[runs] meta = true` lets it.
+pub const RUN_META: &str = "io.estop/run";
+/// The `_meta` field that says a call is a sub-agent's: it goes to the child run `RUN/NAME`.
+pub const SUBAGENT_META: &str = "io.estop/subagent";
 
 /// A recorded result larger than this is not kept (protocol v1 takes 64 KiB of `result`).
 const RESULT_BYTES_MAX: usize = 60 * 1024;
 
+/// One MCP session's handler: what every session shares, and the session's own run.
 #[derive(Clone, Debug)]
 pub struct Gateway {
-    inner: Arc<Inner>,
+    shared: Arc<Shared>,
+    session: Arc<Session>,
 }
 
+/// What every session of the gateway shares: the upstreams, their tools and pins.
 #[derive(Debug)]
-struct Inner {
+pub struct Shared {
     upstreams: Vec<Upstream>,
     tools: Mutex<BTreeMap<String, Entry>>,
     pins: Mutex<Pins>,
-    gate: Gate,
-    run: String,
-    parent: Option<String>,
     hold_ms: u64,
-    /// True once the run is stopped (cancelled, killed, closed): in-flight calls are cut.
-    fence: watch::Sender<bool>,
-    /// Whether this gateway subscribed to the run's events yet (it can once the run exists).
-    subscribed: std::sync::atomic::AtomicBool,
-    /// Calls of trusted read-only tools get a fresh key each (a re-read is not a replay).
-    reads: std::sync::atomic::AtomicU64,
+    runs: Runs,
     /// Which upstream each listed resource URI belongs to.
     routes: Mutex<BTreeMap<String, usize>>,
     /// Whether any upstream offers resources, prompts.
     offers: (bool, bool),
-    /// Tells this process's read keys from an earlier session's in the same run.
-    session: String,
+    /// Names this gateway process: the run of its stateless calls is `<instance>-<principal>`.
+    instance: String,
+    /// Held calls carried by tasks (SEP-2663), and whose each task is (principal name).
+    tasks: Tasks,
+    task_owners: Mutex<BTreeMap<String, String>>,
+    /// The client sessions to tell when an upstream's tools change.
+    peers: Mutex<Vec<rmcp::Peer<RoleServer>>>,
+}
+
+/// How many client sessions are told of tool changes; a session beyond is not told.
+const PEERS_MAX: usize = 1024;
+
+/// Follows the upstreams' `notifications/tools/list_changed`: the tools are listed again at
+/// once (so a rewritten tool is re-held by its pin before any call), then every client session
+/// is told in turn. Ends with the gateway.
+pub async fn follow_list_changes(
+    shared: std::sync::Weak<Shared>,
+    mut changes: tokio::sync::mpsc::UnboundedReceiver<usize>,
+) {
+    while changes.recv().await.is_some() {
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        while changes.try_recv().is_ok() {} // several at once: one listing covers them
+        if let Err(e) = shared.refresh().await {
+            eprintln!(
+                "estop mcp: listing tools after a change failed: {}",
+                e.message
+            );
+        }
+        shared.tell_clients().await;
+    }
+}
+
+/// rmcp's task store (it has no `Debug`).
+#[derive(Default)]
+struct Tasks(rmcp::task_manager::TaskManager);
+
+impl std::fmt::Debug for Tasks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tasks({} running)", self.0.running_task_count())
+    }
+}
+
+#[derive(Debug)]
+struct Session {
+    /// On stdio, the one principal; over HTTP each request brings its own (`None` here).
+    principal: Option<Arc<Principal>>,
+    /// The operator's `--run`, which no header or `_meta` overrides.
+    fixed: Option<String>,
+    /// This session's own run (a fresh `mcp-…`), when nothing else names one.
+    own: String,
+    parent: Option<String>,
+    /// Calls of trusted read-only tools get a fresh key each (a re-read is not a replay).
+    reads: AtomicU64,
+}
+
+/// Where a call goes: whose it is, and in which run.
+#[derive(Clone)]
+struct Place {
+    principal: Arc<Principal>,
+    run: String,
+    parent: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -62,53 +123,38 @@ struct Entry {
 
 /// Where a call stands after the gate answered.
 enum Admission {
-    Go { token: String },
+    Go {
+        token: String,
+    },
+    /// Still held after the bounded wait: what the model reads if no task can carry the wait.
+    Held(CallToolResult),
     Answer(CallToolResult),
 }
 
-impl Gateway {
-    pub fn new(
-        upstreams: Vec<Upstream>,
-        pins: Pins,
-        gate: Gate,
-        run: String,
-        parent: Option<String>,
-        hold_ms: u64,
-        fence: watch::Sender<bool>,
-    ) -> Gateway {
-        Gateway {
-            inner: Arc::new(Inner {
-                offers: crate::passthrough::offers(&upstreams),
-                routes: Mutex::new(BTreeMap::new()),
-                upstreams,
-                tools: Mutex::new(BTreeMap::new()),
-                pins: Mutex::new(pins),
-                gate,
-                run,
-                parent,
-                hold_ms,
-                fence,
-                subscribed: false.into(),
-                reads: 0.into(),
-                session: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos())
-                    .to_string(),
-            }),
-        }
-    }
+/// A fresh run name: unique to this process and moment.
+pub fn fresh_run() -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    format!("mcp-{nanos:x}-{}-{n}", std::process::id())
+}
 
+impl Shared {
     /// Lists every upstream's tools again, checking each against its pin.
-    async fn refresh(&self) -> Result<Vec<Tool>, McpError> {
+    pub async fn refresh(&self) -> Result<Vec<Tool>, McpError> {
         let mut listed = BTreeMap::new();
-        for (i, up) in self.inner.upstreams.iter().enumerate() {
-            let tools = up.client.peer().list_all_tools().await.map_err(|e| {
-                McpError::internal_error(format!("upstream {:?}: {e}", up.name), None)
-            })?;
+        for (i, up) in self.upstreams.iter().enumerate() {
+            let failed = |e: String| McpError::internal_error(e, None);
+            let peer = up.peer().await.map_err(failed)?;
+            let tools = peer
+                .list_all_tools()
+                .await
+                .map_err(|e| failed(format!("upstream {:?}: {e}", up.name)))?;
             for tool in tools {
                 let name = format!("{}{SEPARATOR}{}", up.name, tool.name);
                 let pin = self
-                    .inner
                     .pins
                     .lock()
                     .expect("not poisoned")
@@ -134,16 +180,70 @@ impl Gateway {
                 t
             })
             .collect();
-        *self.inner.tools.lock().expect("not poisoned") = listed;
+        *self.tools.lock().expect("not poisoned") = listed;
         Ok(out)
     }
 
+    /// Tells every client session that the tools changed (dropping those that are gone).
+    async fn tell_clients(&self) {
+        let peers: Vec<_> = {
+            let mut peers = self.peers.lock().expect("not poisoned");
+            peers.retain(|p| !p.is_transport_closed());
+            peers.clone()
+        };
+        for p in peers {
+            let _ = p.notify_tool_list_changed().await;
+        }
+    }
+
+    pub fn new(upstreams: Vec<Upstream>, pins: Pins, hold_ms: u64, runs: Runs) -> Arc<Shared> {
+        Arc::new(Shared {
+            offers: crate::passthrough::offers(&upstreams),
+            routes: Mutex::new(BTreeMap::new()),
+            upstreams,
+            tools: Mutex::new(BTreeMap::new()),
+            pins: Mutex::new(pins),
+            hold_ms,
+            runs,
+            instance: fresh_run(),
+            tasks: Default::default(),
+            task_owners: Mutex::new(BTreeMap::new()),
+            peers: Mutex::new(Vec::new()),
+        })
+    }
+}
+
+impl Gateway {
+    /// A session's handler. `principal`: the stdio session's; `None` over HTTP, where each
+    /// request carries its caller. `run`: the operator's `--run`, else a fresh one per session.
+    pub fn new(
+        shared: Arc<Shared>,
+        principal: Option<Arc<Principal>>,
+        run: Option<String>,
+        parent: Option<String>,
+    ) -> Gateway {
+        Gateway {
+            shared,
+            session: Arc::new(Session {
+                principal,
+                fixed: run,
+                own: fresh_run(),
+                parent,
+                reads: 0.into(),
+            }),
+        }
+    }
+
+    async fn refresh(&self) -> Result<Vec<Tool>, McpError> {
+        self.shared.refresh().await
+    }
+
     async fn entry(&self, name: &str) -> Result<Entry, McpError> {
-        if let Some(e) = self.inner.tools.lock().expect("not poisoned").get(name) {
+        if let Some(e) = self.shared.tools.lock().expect("not poisoned").get(name) {
             return Ok(e.clone());
         }
         self.refresh().await?;
-        let tools = self.inner.tools.lock().expect("not poisoned");
+        let tools = self.shared.tools.lock().expect("not poisoned");
         tools.get(name).cloned().ok_or_else(|| {
             McpError::invalid_params(format!("no tool {name:?} (see tools/list)"), None)
         })
@@ -153,27 +253,86 @@ impl Gateway {
     /// call's digest, so the same call repeated in the session is the same effect.
     fn key(
         &self,
-        req: &CallToolRequestParams,
         meta: &rmcp::model::RequestMetaObject,
         digest: &str,
         e: &Entry,
         trusted: bool,
     ) -> String {
-        // rmcp hands a request's `_meta` to the handler in its context; the params may keep
-        // it too: either will do.
-        let meta = req.meta.as_ref().unwrap_or(meta);
         let own = meta.0.get(KEY_META).and_then(Value::as_str);
         if let Some(k) = own {
             return format!("mcp:{k}");
         }
         if trusted && e.seed.read_only {
-            let n = self
-                .inner
-                .reads
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return format!("mcp:{digest}:read-{}-{n}", self.inner.session);
+            let n = self.session.reads.fetch_add(1, Ordering::Relaxed);
+            return format!("mcp:{digest}:read-{}-{n}", self.session.own);
         }
         format!("mcp:{digest}")
+    }
+
+    /// The call's principal and run: the operator's `--run`; else the configured header or
+    /// `_meta["io.estop/run"]`; else the session's own run (over HTTP without a session, the
+    /// 2026-07-28 revision, the principal's run in this gateway). A sub-agent's call
+    /// (`_meta["io.estop/subagent"]`) goes to the child run `RUN/NAME` with `RUN` its parent.
+    fn place(
+        &self,
+        meta: &rmcp::model::RequestMetaObject,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<Place, McpError> {
+        let parts = ctx.extensions.get::<http::request::Parts>();
+        let principal = match (&self.session.principal, parts) {
+            (Some(p), _) => p.clone(),
+            (None, Some(parts)) => parts
+                .extensions
+                .get::<Arc<Principal>>()
+                .cloned()
+                .ok_or_else(|| McpError::internal_error("an unauthenticated request", None))?,
+            (None, None) => return Err(McpError::internal_error("no caller", None)),
+        };
+        let header = |name: &str| {
+            parts
+                .and_then(|p| p.headers.get(name))
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let from_meta = |key: &str| meta.0.get(key).and_then(Value::as_str).map(str::to_string);
+        let named = self
+            .shared
+            .runs
+            .header
+            .as_deref()
+            .and_then(header)
+            .or_else(|| self.shared.runs.meta.then(|| from_meta(RUN_META)).flatten());
+        let sessionless = parts.is_some() && header("mcp-session-id").is_none();
+        let run = match (&self.session.fixed, named) {
+            (Some(run), _) => run.clone(),
+            (None, Some(run)) => run,
+            (None, None) if sessionless => format!("{}-{}", self.shared.instance, principal.name),
+            (None, None) => self.session.own.clone(),
+        };
+        Ok(match from_meta(SUBAGENT_META) {
+            Some(name) => {
+                let ok = (1..=64).contains(&name.len())
+                    && name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+                if !ok {
+                    return Err(McpError::invalid_params(
+                        format!("_meta[\"{SUBAGENT_META}\"] {name:?}: use 1-64 of [A-Za-z0-9._-]"),
+                        None,
+                    ));
+                }
+                Place {
+                    principal,
+                    run: format!("{run}/{name}"),
+                    parent: Some(run),
+                }
+            }
+            None => Place {
+                principal,
+                run,
+                parent: self.session.parent.clone(),
+            },
+        })
     }
 }
 
@@ -183,44 +342,58 @@ fn refusal(text: String) -> CallToolResult {
 }
 
 impl Gateway {
-    /// Asks the gate to admit the call, waiting up to `hold_ms` while it is held.
+    /// Asks the gate to admit the call; with `wait`, waits up to `hold_ms` while it is held
+    /// (cut short by that token: the client's cancel).
     async fn admit(
         &self,
+        at: &Place,
         name: &str,
         key: &str,
         args: &Value,
         e: &Entry,
-        ct: &tokio_util::sync::CancellationToken,
+        wait: Option<&tokio_util::sync::CancellationToken>,
     ) -> Result<Admission, McpError> {
-        let i = &self.inner;
         let mut labels = e.seed.labels();
-        labels["mcp.server"] = json!(i.upstreams[e.upstream].name);
+        labels["mcp.server"] = json!(self.shared.upstreams[e.upstream].name);
         let changed = matches!(e.pin, Pin::Changed { .. });
         if changed {
             labels["mcp.pin"] = json!("changed: approving accepts the tool's new description");
         }
-        let mut admit = json!({"op": "admit", "run": i.run, "key": key, "tool": name,
+        let run = &at.run;
+        let mut admit = json!({"op": "admit", "run": run, "key": key, "tool": name,
             "args": args, "start": true, "labels": labels, "needs_approval": changed});
-        if let Some(p) = &i.parent {
+        if let Some(p) = &at.parent {
             admit["parent"] = json!(p);
         }
-        let mut v = self.gate(admit).await?;
-        if v["ok"] == true && v["verdict"] == "held" {
-            let wait = json!({"op": "wait", "run": i.run, "key": key, "timeout_ms": i.hold_ms});
+        let mut v = gate(at, admit).await?;
+        if let Some(ct) = wait
+            && v["ok"] == true
+            && v["verdict"] == "held"
+        {
+            let hold_ms = self.shared.hold_ms;
+            let wait = json!({"op": "wait", "run": run, "key": key, "timeout_ms": hold_ms});
             v = tokio::select! {
-                v = self.gate(wait) => v?,
+                v = gate(at, wait) => v?,
                 () = ct.cancelled() => return Ok(Admission::Answer(refusal(
                     "the call was cancelled while it was held; nothing was run".into()))),
             };
         }
-        if v["ok"] == true
-            && !i
-                .subscribed
-                .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
-            // The run exists now: follow its stops; one that landed before is read at once.
-            self.gate(json!({"op": "subscribe", "run": i.run})).await?;
-            crate::check(&i.gate, &i.run, &i.fence).await;
+        self.interpret(at, name, key, e, v).await
+    }
+
+    /// What the gate's answer to an `admit` or a `wait` means for the call.
+    async fn interpret(
+        &self,
+        at: &Place,
+        name: &str,
+        key: &str,
+        e: &Entry,
+        v: Value,
+    ) -> Result<Admission, McpError> {
+        let run = &at.run;
+        if v["ok"] == true {
+            // The run exists now: follow its stops (one that landed before is read at once).
+            at.principal.follow_run(run).await.map_err(unreachable)?;
         }
         if v["ok"] != true {
             return Ok(Admission::Answer(refusal(format!(
@@ -237,33 +410,42 @@ impl Gateway {
                     token: v["token"].as_str().unwrap_or_default().to_string(),
                 }
             }
-            "held" => Admission::Answer(held(&i.run, key, &v)),
+            "held" => Admission::Held(held(run, key, &v)),
             "duplicate" => Admission::Answer(replay(&v)),
-            _ => Admission::Answer(refused(&i.run, key, &v)),
+            _ => Admission::Answer(refused(run, key, &v)),
         })
     }
 
     fn accept_pin(&self, name: &str, now: &str) -> Result<(), McpError> {
-        self.inner
+        self.shared
             .pins
             .lock()
             .expect("not poisoned")
             .accept(name, now)
             .map_err(|e| McpError::internal_error(format!("{e:#}"), None))?;
-        if let Some(e) = self.inner.tools.lock().expect("not poisoned").get_mut(name) {
+        if let Some(e) = self
+            .shared
+            .tools
+            .lock()
+            .expect("not poisoned")
+            .get_mut(name)
+        {
             e.pin = Pin::Same;
         }
         Ok(())
     }
+}
 
-    async fn gate(&self, req: Value) -> Result<Value, McpError> {
-        self.inner.gate.call(req).await.map_err(|e| {
-            McpError::internal_error(
-                format!("estop's gate is unreachable ({e:#}); nothing was run"),
-                None,
-            )
-        })
-    }
+fn unreachable(e: anyhow::Error) -> McpError {
+    McpError::internal_error(
+        format!("estop's gate is unreachable ({e:#}); nothing was run"),
+        None,
+    )
+}
+
+/// One request to the gate as the call's principal.
+async fn gate(at: &Place, req: Value) -> Result<Value, McpError> {
+    at.principal.gate.call(req).await.map_err(unreachable)
 }
 
 fn held(run: &str, key: &str, v: &Value) -> CallToolResult {
@@ -324,6 +506,103 @@ fn replay(v: &Value) -> CallToolResult {
     }
 }
 
+/// A held call, carried by a task until the operator decides.
+struct Held {
+    at: Place,
+    name: String,
+    key: String,
+    e: Entry,
+    arguments: Option<serde_json::Map<String, Value>>,
+}
+
+/// How many held calls tasks carry at once; beyond, a held call is the bounded wait.
+const TASKS_MAX: usize = 256;
+/// How long a task lives (rmcp fails a task past its TTL): a day of waiting for an operator.
+const TASK_TTL_MS: u64 = 24 * 60 * 60 * 1000;
+
+impl Gateway {
+    /// Answers a held call with a task (SEP-2663) that waits for the operator's decision, then
+    /// runs the call or reads the refusal; `tasks/cancel` ends the wait (nothing runs) or cuts
+    /// the upstream call (recorded `unknown`). `None` when `TASKS_MAX` tasks are running.
+    fn task(&self, call: Held, fence: watch::Receiver<bool>) -> Option<CallToolResponse> {
+        if self.shared.tasks.0.running_task_count() >= TASKS_MAX {
+            return None;
+        }
+        let me = self.clone();
+        let owner = call.at.principal.name.clone();
+        let options = rmcp::task_manager::TaskOptions::new()
+            .with_ttl_ms(TASK_TTL_MS)
+            .with_status_message(format!(
+                "held: an operator decides on estop's channel (`estop approve {} {}`)",
+                call.at.run, call.key
+            ));
+        let task = self.shared.tasks.0.spawn(options, move |tctx| {
+            Box::pin(async move { me.carry(call, fence, tctx).await })
+        });
+        let mut owners = self.shared.task_owners.lock().expect("not poisoned");
+        owners.retain(|id, _| self.shared.tasks.0.get_task(id).is_ok());
+        owners.insert(task.task_id.clone(), owner);
+        Some(CallToolResponse::Task(rmcp::model::CreateTaskResult::new(
+            task,
+        )))
+    }
+
+    async fn carry(
+        &self,
+        call: Held,
+        fence: watch::Receiver<bool>,
+        tctx: rmcp::task_manager::TaskContext,
+    ) -> Result<CallToolResult, rmcp::task_manager::TaskExit> {
+        use rmcp::task_manager::TaskExit;
+        let Held {
+            at,
+            name,
+            key,
+            e,
+            arguments,
+        } = call;
+        let token = loop {
+            let wait = json!({"op": "wait", "run": at.run, "key": key,
+                "timeout_ms": self.shared.hold_ms});
+            let v = tokio::select! {
+                v = gate(&at, wait) => v?,
+                () = tctx.cancelled() => return Err(TaskExit::Cancelled),
+            };
+            match self.interpret(&at, &name, &key, &e, v).await? {
+                Admission::Go { token } => break token,
+                Admission::Held(_) => continue,
+                Admission::Answer(r) => return Ok(r),
+            }
+        };
+        let ct = tokio_util::sync::CancellationToken::new();
+        let (cut, watched) = (ct.clone(), tctx.clone());
+        let watcher = tokio::spawn(async move {
+            watched.cancelled().await;
+            cut.cancel();
+        });
+        let mut params = CallToolRequestParams::new(e.tool.name.clone());
+        params.arguments = arguments;
+        let ended = self.forward(&e, params, &ct, fence).await;
+        watcher.abort();
+        let by_client = matches!(ended, Ended::ByClient);
+        let result = self.complete(&at, &key, &token, ended).await;
+        if by_client {
+            return Err(TaskExit::Cancelled);
+        }
+        Ok(result)
+    }
+
+    /// The task `id` if it is the caller's: another principal's reads as unknown.
+    fn own_task(&self, id: &str, ctx: &RequestContext<RoleServer>) -> Result<(), McpError> {
+        let at = self.place(&Default::default(), ctx)?;
+        let owners = self.shared.task_owners.lock().expect("not poisoned");
+        match owners.get(id) {
+            Some(owner) if *owner == at.principal.name => Ok(()),
+            _ => Err(McpError::invalid_params(format!("no task {id:?}"), None)),
+        }
+    }
+}
+
 /// How an upstream call ended.
 enum Ended {
     Done(Result<CallToolResult, rmcp::service::ServiceError>),
@@ -331,6 +610,8 @@ enum Ended {
     ByClient,
     /// The run was stopped on estop's side.
     ByRun,
+    /// The upstream is down and could not be started again: nothing was sent to it.
+    Down(String),
 }
 
 impl Gateway {
@@ -341,9 +622,12 @@ impl Gateway {
         e: &Entry,
         params: CallToolRequestParams,
         ct: &tokio_util::sync::CancellationToken,
+        mut fence: watch::Receiver<bool>,
     ) -> Ended {
-        let mut fence = self.inner.fence.subscribe();
-        let peer = self.inner.upstreams[e.upstream].client.peer().clone();
+        let peer = match self.shared.upstreams[e.upstream].peer().await {
+            Ok(peer) => peer,
+            Err(why) => return Ended::Down(why),
+        };
         tokio::select! {
             r = peer.call_tool(params) => Ended::Done(r),
             () = ct.cancelled() => Ended::ByClient,
@@ -352,7 +636,7 @@ impl Gateway {
     }
 
     /// Reports what happened to the gate, and makes what the client gets.
-    async fn complete(&self, key: &str, token: &str, ended: Ended) -> CallToolResult {
+    async fn complete(&self, at: &Place, key: &str, token: &str, ended: Ended) -> CallToolResult {
         let (outcome, result, error, answer) = match ended {
             Ended::Done(Ok(r)) => {
                 let outcome = if r.is_error == Some(true) {
@@ -379,6 +663,10 @@ impl Gateway {
                 );
                 ("unknown", Value::Null, Some(text.clone()), refusal(text))
             }
+            Ended::Down(why) => {
+                let text = format!("{why}; nothing was sent to the tool. Try again later.");
+                ("error", Value::Null, Some(text.clone()), refusal(text))
+            }
             Ended::ByClient => {
                 let text = "cancelled by the client (notifications/cancelled) while the tool ran; it may or may not have acted".to_string();
                 ("unknown", Value::Null, Some(text.clone()), refusal(text))
@@ -388,7 +676,7 @@ impl Gateway {
                 ("unknown", Value::Null, Some(text.clone()), refusal(text))
             }
         };
-        let mut req = json!({"op": "complete", "run": self.inner.run, "key": key,
+        let mut req = json!({"op": "complete", "run": at.run, "key": key,
             "token": token, "outcome": outcome});
         if !result.is_null() {
             req["result"] = result;
@@ -397,7 +685,7 @@ impl Gateway {
             req["error"] = json!(err);
         }
         // A completion the gate could not take is a fact lost: say so rather than hide it.
-        if let Err(e) = self.gate(req).await {
+        if let Err(e) = gate(at, req).await {
             eprintln!(
                 "estop mcp: cannot record the completion of {key}: {}",
                 e.message
@@ -409,8 +697,16 @@ impl Gateway {
 
 impl ServerHandler for Gateway {
     fn get_info(&self) -> ServerConfig {
-        let mut caps = ServerCapabilities::builder().enable_tools().build();
-        let (resources, prompts) = self.inner.offers;
+        let mut caps = ServerCapabilities::builder()
+            .enable_tools()
+            .enable_tool_list_changed()
+            .build();
+        // Held calls become tasks for clients that declare the extension (SEP-2663).
+        caps.extensions.get_or_insert_with(Default::default).insert(
+            rmcp::model::TASKS_EXTENSION_ID.to_string(),
+            Default::default(),
+        );
+        let (resources, prompts) = self.shared.offers;
         if resources {
             caps.resources = Some(Default::default());
         }
@@ -436,8 +732,8 @@ impl ServerHandler for Gateway {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, McpError> {
-        let (all, routes) = crate::passthrough::resources(&self.inner.upstreams).await?;
-        *self.inner.routes.lock().expect("not poisoned") = routes;
+        let (all, routes) = crate::passthrough::resources(&self.shared.upstreams).await?;
+        *self.shared.routes.lock().expect("not poisoned") = routes;
         Ok(ListResourcesResult::with_all_items(all))
     }
 
@@ -447,7 +743,7 @@ impl ServerHandler for Gateway {
         _context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, McpError> {
         let route = |g: &Gateway| {
-            g.inner
+            g.shared
                 .routes
                 .lock()
                 .expect("not poisoned")
@@ -457,14 +753,14 @@ impl ServerHandler for Gateway {
         let route = match route(self) {
             Some(r) => r,
             None => {
-                let (_, routes) = crate::passthrough::resources(&self.inner.upstreams).await?;
-                *self.inner.routes.lock().expect("not poisoned") = routes;
+                let (_, routes) = crate::passthrough::resources(&self.shared.upstreams).await?;
+                *self.shared.routes.lock().expect("not poisoned") = routes;
                 route(self).ok_or_else(|| {
                     McpError::resource_not_found(format!("no resource {:?}", request.uri), None)
                 })?
             }
         };
-        crate::passthrough::read(&self.inner.upstreams, route, request).await
+        crate::passthrough::read(&self.shared.upstreams, route, request).await
     }
 
     async fn list_prompts(
@@ -472,7 +768,7 @@ impl ServerHandler for Gateway {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListPromptsResult, McpError> {
-        let all = crate::passthrough::prompts(&self.inner.upstreams).await?;
+        let all = crate::passthrough::prompts(&self.shared.upstreams).await?;
         Ok(ListPromptsResult::with_all_items(all))
     }
 
@@ -481,7 +777,34 @@ impl ServerHandler for Gateway {
         request: GetPromptRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, McpError> {
-        crate::passthrough::get_prompt(&self.inner.upstreams, request).await
+        crate::passthrough::get_prompt(&self.shared.upstreams, request).await
+    }
+
+    async fn on_initialized(&self, context: rmcp::service::NotificationContext<RoleServer>) {
+        let mut peers = self.shared.peers.lock().expect("not poisoned");
+        peers.retain(|p| !p.is_transport_closed());
+        if peers.len() < PEERS_MAX {
+            peers.push(context.peer);
+        }
+    }
+
+    async fn get_task(
+        &self,
+        request: rmcp::model::GetTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::GetTaskResult, McpError> {
+        self.own_task(&request.task_id, &context)?;
+        let task = self.shared.tasks.0.get_task(&request.task_id)?;
+        Ok(rmcp::model::GetTaskResult::new(task))
+    }
+
+    async fn cancel_task(
+        &self,
+        request: rmcp::model::CancelTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        self.own_task(&request.task_id, &context)?;
+        self.shared.tasks.0.cancel_task(&request.task_id)
     }
 
     async fn call_tool(
@@ -491,26 +814,56 @@ impl ServerHandler for Gateway {
     ) -> Result<CallToolResponse, McpError> {
         let name = request.name.to_string();
         let e = self.entry(&name).await?;
-        if *self.inner.fence.borrow() {
+        // rmcp hands a request's `_meta` to the handler in its context; the params may keep
+        // it too: either will do.
+        let meta = request.meta.clone().unwrap_or_else(|| context.meta.clone());
+        let at = self.place(&meta, &context)?;
+        let fence = at
+            .principal
+            .fence(&at.run)
+            .map_err(|why| McpError::invalid_request(why, None))?;
+        if *fence.borrow() {
             return Ok(refusal(format!(
                 "REFUSED, not run: the run {} is stopped; make no further tool calls.",
-                self.inner.run
+                at.run
             ))
             .into());
+        }
+        // An upstream that is down (and not yet started again) refuses before admission.
+        if let Err(why) = self.shared.upstreams[e.upstream].peer().await {
+            return Ok(refusal(format!("DOWN, not run: {why}; nothing was sent.")).into());
         }
         let args = Value::Object(request.arguments.clone().unwrap_or_default());
         let tool = estop_kernel::ids::ToolName::new(&name)
             .map_err(|err| McpError::invalid_params(format!("tool name {name:?}: {err}"), None))?;
         let digest = estop_protocol::digest_of(&tool, &args).to_hex();
-        let trusted = self.inner.upstreams[e.upstream].trusted;
-        let key = self.key(&request, &context.meta, &digest, &e, trusted);
-        let token = match self.admit(&name, &key, &args, &e, &context.ct).await? {
+        let trusted = self.shared.upstreams[e.upstream].trusted;
+        let key = self.key(&meta, &digest, &e, trusted);
+        // A client that takes tasks gets a held call as a task at once; others wait, bounded.
+        let tasks = context
+            .client_capabilities()
+            .is_some_and(|c| c.supports_tasks());
+        let admission = self
+            .admit(&at, &name, &key, &args, &e, (!tasks).then_some(&context.ct))
+            .await?;
+        let token = match admission {
             Admission::Go { token } => token,
+            Admission::Held(r) if !tasks => return Ok(r.into()),
+            Admission::Held(r) => {
+                let call = Held {
+                    at,
+                    name,
+                    key,
+                    e,
+                    arguments: request.arguments,
+                };
+                return Ok(self.task(call, fence).unwrap_or(r.into()));
+            }
             Admission::Answer(r) => return Ok(r.into()),
         };
         let mut params = CallToolRequestParams::new(e.tool.name.clone());
         params.arguments = request.arguments;
-        let ended = self.forward(&e, params, &context.ct).await;
-        Ok(self.complete(&key, &token, ended).await.into())
+        let ended = self.forward(&e, params, &context.ct, fence).await;
+        Ok(self.complete(&at, &key, &token, ended).await.into())
     }
 }

@@ -1,39 +1,82 @@
-//! `estop mcp`: an MCP server over stdio that fronts upstream MCP servers and admits every
-//! `tools/call` through estop's gate as an effect (docs/MCP.md).
+//! `estop mcp`: an MCP server over stdio or streamable HTTP that fronts upstream MCP servers
+//! and admits every `tools/call` through estop's gate as an effect (docs/MCP.md).
 
 pub mod config;
+pub mod front;
 pub mod gateway;
 pub mod passthrough;
 pub mod pins;
+pub mod principal;
 pub mod upstream;
 
 use anyhow::{Context, Result};
-use estop_egress::gate::Gate;
 use rmcp::ServiceExt;
-use serde_json::{Value, json};
 use std::path::PathBuf;
-use tokio::sync::watch;
+use std::sync::Arc;
 
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// The gateway's configuration (TOML: `[gateway]`, `[[server]]`).
+    /// The gateway's configuration (TOML: `[gateway]`, `[runs]`, `[http]`, `[[server]]`).
     pub config: PathBuf,
     /// The daemon's data directory (socket, agent token, and the pin file).
     pub data: PathBuf,
     pub socket: Option<String>,
+    /// The agent token of the stdio front (over HTTP each client presents its own).
     pub token: Option<String>,
     /// The run every call belongs to (default: a fresh `mcp-…` per session).
     pub run: Option<String>,
     pub parent: Option<String>,
 }
 
-/// Serves MCP on stdin/stdout until the client closes it.
-pub fn serve_stdio(opts: Options) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+impl Options {
+    fn socket(&self) -> String {
+        self.socket
+            .clone()
+            .unwrap_or_else(|| self.data.join("estop.sock").display().to_string())
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
-        .build()?;
-    rt.block_on(serve_io(opts, rmcp::transport::stdio()))
+        .build()?)
+}
+
+/// Serves MCP on stdin/stdout until the client closes it.
+pub fn serve_stdio(opts: Options) -> Result<()> {
+    runtime()?.block_on(serve_io(opts, rmcp::transport::stdio()))
+}
+
+/// Serves MCP over streamable HTTP on `listen` until the process is stopped.
+pub fn serve_http(opts: Options, listen: &str) -> Result<()> {
+    runtime()?.block_on(async {
+        let config = config::Config::load(&opts.config)?;
+        let addr: std::net::SocketAddr = listen
+            .parse()
+            .with_context(|| format!("--listen {listen:?}: give an IP address and port"))?;
+        if !addr.ip().is_loopback() && !config.http.allow_remote {
+            anyhow::bail!(
+                "--listen {listen}: not a loopback address; set [http] allow_remote = true (and \
+                 allowed_hosts) to serve other hosts, behind TLS"
+            );
+        }
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {listen}"))?;
+        serve_http_on(opts, listener).await
+    })
+}
+
+/// Serves MCP over streamable HTTP on `listener` (docs/MCP.md, "Over HTTP").
+pub async fn serve_http_on(opts: Options, listener: tokio::net::TcpListener) -> Result<()> {
+    let config = config::Config::load(&opts.config)?;
+    let shared = start(&opts, &config).await?;
+    eprintln!(
+        "estop mcp: serving MCP on http://{}/mcp",
+        listener.local_addr()?
+    );
+    front::serve(front::Front::new(shared, &config, &opts), listener).await
 }
 
 /// Serves MCP on the byte stream `io` (read half, write half) until the client closes it.
@@ -43,10 +86,6 @@ where
     W: tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
     let config = config::Config::load(&opts.config)?;
-    let socket = opts
-        .socket
-        .clone()
-        .unwrap_or_else(|| opts.data.join("estop.sock").display().to_string());
     let token = match &opts.token {
         Some(t) => t.clone(),
         None => std::fs::read_to_string(opts.data.join("agent.token"))
@@ -54,23 +93,13 @@ where
             .trim()
             .to_string(),
     };
-    let (gate, events) = Gate::connect(&socket, &token).await?;
-    let pins = pins::Pins::open(&opts.data.join("mcp-pins.json"))?;
-    let mut upstreams = Vec::new();
-    for s in &config.servers {
-        upstreams.push(upstream::Upstream::start(s).await?);
-    }
-    let run = opts.run.clone().unwrap_or_else(fresh_run);
-    let (fence, _) = watch::channel(false);
-    tokio::spawn(watch_run(gate.clone(), run.clone(), events, fence.clone()));
+    let principal = principal::Principal::connect(&opts.socket(), &token).await?;
+    let shared = start(&opts, &config).await?;
     let gateway = gateway::Gateway::new(
-        upstreams,
-        pins,
-        gate,
-        run,
+        shared,
+        Some(principal),
+        opts.run.clone(),
         opts.parent.clone(),
-        config.gateway.hold_ms,
-        fence,
     );
     let service = gateway
         .serve(io)
@@ -80,38 +109,19 @@ where
     Ok(())
 }
 
-fn fresh_run() -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("mcp-{nanos:x}-{}", std::process::id())
-}
-
-/// Follows the run's events (the gateway subscribes once the run exists, at its first
-/// admission): once the run is stopped, the fence is up and calls in flight are cut.
-async fn watch_run(
-    gate: Gate,
-    run: String,
-    mut events: tokio::sync::mpsc::UnboundedReceiver<Value>,
-    fence: watch::Sender<bool>,
-) {
-    while let Some(ev) = events.recv().await {
-        if ev["run"] != run.as_str() {
-            continue;
-        }
-        let stop = ["cancelled", "closed", "finalizing", "settled"];
-        if stop.contains(&ev["event"].as_str().unwrap_or("")) {
-            check(&gate, &run, &fence).await;
-        }
+/// Opens the pins and starts (or connects to) every upstream.
+async fn start(opts: &Options, config: &config::Config) -> Result<Arc<gateway::Shared>> {
+    let pins = pins::Pins::open(&opts.data.join("mcp-pins.json"))?;
+    let (changed, changes) = tokio::sync::mpsc::unbounded_channel();
+    let mut upstreams = Vec::new();
+    for (i, s) in config.servers.iter().enumerate() {
+        let listener = upstream::Listener::new(i, changed.clone());
+        upstreams.push(upstream::Upstream::start(s, listener).await?);
     }
-}
-
-/// Raises the fence if the run is stopped.
-pub(crate) async fn check(gate: &Gate, run: &str, fence: &watch::Sender<bool>) {
-    if let Ok(v) = gate.call(json!({"op": "status", "run": run})).await
-        && v["ok"] == true
-        && !v.get("cause").is_none_or(Value::is_null)
-    {
-        fence.send_replace(true);
-    }
+    let shared = gateway::Shared::new(upstreams, pins, config.gateway.hold_ms, config.runs.clone());
+    tokio::spawn(gateway::follow_list_changes(
+        Arc::downgrade(&shared),
+        changes,
+    ));
+    Ok(shared)
 }

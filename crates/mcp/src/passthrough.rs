@@ -15,9 +15,7 @@ type Offer = fn(&rmcp::model::ServerCapabilities) -> bool;
 
 /// Whether `up` said (in its `initialize` answer) that it offers what `offer` looks for.
 fn has(up: &Upstream, offer: Offer) -> bool {
-    up.client
-        .peer_info()
-        .is_some_and(|i| offer(&i.capabilities))
+    up.info().is_some_and(|i| offer(&i.capabilities))
 }
 
 /// Whether any upstream offers resources, prompts.
@@ -41,8 +39,9 @@ pub async fn resources(
             continue;
         }
         for r in up
-            .client
             .peer()
+            .await
+            .map_err(|e| failed(up, e))?
             .list_all_resources()
             .await
             .map_err(|e| failed(up, e))?
@@ -61,8 +60,9 @@ pub async fn read(
     params: ReadResourceRequestParams,
 ) -> Result<ReadResourceResponse, McpError> {
     let up = &upstreams[route];
-    up.client
-        .peer()
+    up.peer()
+        .await
+        .map_err(|e| failed(up, e))?
         .read_resource_once(params)
         .await
         .map_err(|e| failed(up, e))
@@ -76,8 +76,9 @@ pub async fn prompts(upstreams: &[Upstream]) -> Result<Vec<Prompt>, McpError> {
             continue;
         }
         for mut p in up
-            .client
             .peer()
+            .await
+            .map_err(|e| failed(up, e))?
             .list_all_prompts()
             .await
             .map_err(|e| failed(up, e))?
@@ -101,8 +102,9 @@ pub async fn get_prompt(
         .ok_or_else(unknown)?;
     let name = name.to_string();
     params.name = name;
-    up.client
-        .peer()
+    up.peer()
+        .await
+        .map_err(|e| failed(up, e))?
         .get_prompt_once(params)
         .await
         .map_err(|e| failed(up, e))

@@ -2,212 +2,13 @@
 //! byte stream), an rmcp client in front and the rmcp fixture server (a child process) behind.
 //! The fixture logs every call it receives, so "the upstream was not called" is read from it.
 
-use estop_mcp::Options;
+mod common;
+
+use common::*;
 use rmcp::ServiceExt;
-use rmcp::model::{CallToolRequestParams, CallToolResult};
-use rmcp::service::{RoleClient, RunningService};
-use serde_json::{Value, json};
-use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
+use rmcp::model::CallToolRequestParams;
+use serde_json::json;
 use std::time::{Duration, Instant};
-
-const POLICY: &str = r#"
-[defaults]
-unknown_tool = "deny"
-
-[[rules]]
-tool = "files__echo"
-action = "allow"
-
-[[rules]]
-tool = "files__block"
-action = "allow"
-
-[[rules]]
-tool = "files__peek"
-action = "allow"
-class = "read"
-
-[[rules]]
-tool = "files__write"
-when = 'args.text.startsWith("hold")'
-action = "approve"
-
-[[rules]]
-tool = "files__write"
-action = "deny"
-"#;
-
-struct World {
-    _dir: tempfile::TempDir,
-    data: PathBuf,
-    socket: String,
-    log: PathBuf,
-    /// Whether the next gateway marks the fixture `trusted`.
-    trusted: std::cell::Cell<bool>,
-}
-
-/// A daemon on a fresh data dir with the policy above, started in a thread of this process
-/// (it lives until the test process ends); returns once it is ready.
-fn world() -> World {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let policy = dir.path().join("policy.toml");
-    std::fs::write(&policy, POLICY).unwrap();
-    let mut opts = estop_server::ServeOptions::new(data.clone());
-    opts.policy = Some(policy);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        estop_server::run(opts, |ready| {
-            tx.send(ready.socket.display().to_string()).unwrap();
-        })
-        .unwrap();
-    });
-    let socket = rx.recv().expect("the daemon became ready");
-    let log = dir.path().join("upstream.log");
-    World {
-        _dir: dir,
-        data,
-        socket,
-        log,
-        trusted: false.into(),
-    }
-}
-
-impl World {
-    /// The gateway in front of the fixture (its `echo` described as `echo_desc`), and an rmcp
-    /// client connected to it.
-    async fn client(
-        &self,
-        run: &str,
-        echo_desc: &str,
-        hold_ms: u64,
-    ) -> RunningService<RoleClient, ()> {
-        self.client_as((), run, echo_desc, hold_ms).await
-    }
-
-    /// `client`, with `handler` as the client (its config says which protocol revision it asks).
-    async fn client_as<H: rmcp::ClientHandler>(
-        &self,
-        handler: H,
-        run: &str,
-        echo_desc: &str,
-        hold_ms: u64,
-    ) -> RunningService<RoleClient, H> {
-        let opts = self.options(run, echo_desc, hold_ms);
-        let (ours, theirs) = tokio::io::duplex(1 << 16);
-        tokio::spawn(async move {
-            estop_mcp::serve_io(opts, tokio::io::split(theirs))
-                .await
-                .unwrap();
-        });
-        handler
-            .serve(tokio::io::split(ours))
-            .await
-            .expect("the gateway initializes")
-    }
-
-    /// The gateway's options and configuration file for `run`.
-    fn options(&self, run: &str, echo_desc: &str, hold_ms: u64) -> Options {
-        let config = self
-            .data
-            .parent()
-            .unwrap()
-            .join(format!("mcp-{run}-{hold_ms}.toml"));
-        let text = format!(
-            "[gateway]\nhold_ms = {hold_ms}\n\n[[server]]\nname = \"files\"\ncommand = {:?}\n\
-             trusted = {}\n\
-             env = {{ FIXTURE_LOG = {:?}, FIXTURE_ECHO_DESC = {:?} }}\n",
-            env!("CARGO_BIN_EXE_estop-mcp-fixture"),
-            self.trusted.get(),
-            self.log.display().to_string(),
-            echo_desc
-        );
-        std::fs::write(&config, text).unwrap();
-        Options {
-            config,
-            data: self.data.clone(),
-            socket: Some(self.socket.clone()),
-            token: None,
-            run: Some(run.to_string()),
-            parent: None,
-        }
-    }
-
-    /// The upstream's log lines so far.
-    fn upstream(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.log)
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_string)
-            .collect()
-    }
-
-    /// Waits until the upstream logged `line` (it runs in another process).
-    async fn upstream_logged(&self, line: &str) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !self.upstream().iter().any(|l| l == line) {
-            assert!(
-                Instant::now() < deadline,
-                "the upstream never logged {line:?}: {:?}",
-                self.upstream()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
-    /// One operator request on its own connection.
-    fn operator(&self, req: Value) -> Value {
-        let token = std::fs::read_to_string(self.data.join("operator.token")).unwrap();
-        let s = std::os::unix::net::UnixStream::connect(&self.socket).unwrap();
-        let mut w = s.try_clone().unwrap();
-        let mut r = BufReader::new(s);
-        let mut line = String::new();
-        writeln!(
-            w,
-            "{}",
-            json!({"id": 1, "op": "hello", "token": token.trim()})
-        )
-        .unwrap();
-        r.read_line(&mut line).unwrap();
-        let mut req = req;
-        req["id"] = json!(2);
-        writeln!(w, "{req}").unwrap();
-        line.clear();
-        r.read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap()
-    }
-
-    /// The key of the run's one pending approval.
-    fn pending_key(&self, run: &str) -> String {
-        let v = self.operator(json!({"op": "pending", "run": run}));
-        let items = v["pending"]
-            .as_array()
-            .unwrap_or_else(|| panic!("pending: {v}"));
-        assert_eq!(items.len(), 1, "{v}");
-        items[0]["key"].as_str().unwrap().to_string()
-    }
-}
-
-async fn call<H: rmcp::ClientHandler>(
-    c: &RunningService<RoleClient, H>,
-    tool: &str,
-    text: &str,
-) -> CallToolResult {
-    let mut p = CallToolRequestParams::new(tool.to_string());
-    let serde_json::Value::Object(args) = json!({"text": text}) else {
-        unreachable!()
-    };
-    p.arguments = Some(args);
-    c.peer().call_tool(p).await.expect("a tools/call answer")
-}
-
-fn text(r: &CallToolResult) -> String {
-    r.content
-        .iter()
-        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_allowed_call_reaches_the_upstream_once_and_its_repeat_is_replayed() {
@@ -217,7 +18,14 @@ async fn an_allowed_call_reaches_the_upstream_once_and_its_repeat_is_replayed() 
     let names: Vec<_> = tools.iter().map(|t| t.name.to_string()).collect();
     assert_eq!(
         names,
-        ["files__block", "files__echo", "files__peek", "files__write"]
+        [
+            "files__block",
+            "files__die",
+            "files__echo",
+            "files__mutate",
+            "files__peek",
+            "files__write"
+        ]
     );
     let first = call(&c, "files__echo", "hi").await;
     assert_eq!(
@@ -603,5 +411,115 @@ async fn an_http_upstream_is_gated_like_a_stdio_one_and_gets_its_headers() {
         http.iter()
             .all(|l| l.ends_with("authorization Bearer upstream-secret")),
         "{http:?}"
+    );
+}
+
+/// `_meta["io.estop/run"]` names the run only where the operator said so (`[runs] meta`);
+/// otherwise the call stays in the session's run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_calls_run_comes_from_its_meta_only_where_configured() {
+    let w = world();
+    let mut opts = w.options("run-session", "Echoes text.", 30_000);
+    opts.run = None;
+    let c = w.client_on(opts.clone()).await;
+    let r = call_meta(&c, "files__echo", "a", json!({"io.estop/run": "named"})).await;
+    assert_eq!(text(&r.unwrap()), "echo: a");
+    let named = w.operator(json!({"op": "status", "run": "named"}));
+    assert_eq!(
+        named["ok"], false,
+        "not configured: no run named by the client {named}"
+    );
+    let text_before = std::fs::read_to_string(&opts.config).unwrap();
+    std::fs::write(
+        &opts.config,
+        format!("{text_before}\n[runs]\nmeta = true\n"),
+    )
+    .unwrap();
+    let c = w.client_on(opts).await;
+    let r = call_meta(&c, "files__echo", "b", json!({"io.estop/run": "named"})).await;
+    assert_eq!(text(&r.unwrap()), "echo: b");
+    let report = w.operator(json!({"op": "report", "run": "named"}));
+    assert_eq!(report["done"][0]["tool"], "files__echo", "{report}");
+}
+
+/// A sub-agent's calls (`_meta["io.estop/subagent"]`) go to the child run `RUN/NAME`, whose
+/// parent is the session's run: a cancel of the parent fences the child too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subagents_calls_go_to_a_child_run_the_parents_cancel_reaches() {
+    let w = world();
+    let c = w.client("run-parent", "Echoes text.", 30_000).await;
+    assert_eq!(text(&call(&c, "files__echo", "top").await), "echo: top");
+    let sub = json!({"io.estop/subagent": "researcher"});
+    let r = call_meta(&c, "files__echo", "sub", sub.clone()).await;
+    assert_eq!(text(&r.unwrap()), "echo: sub");
+    let child = w.operator(json!({"op": "status", "run": "run-parent/researcher"}));
+    assert_eq!(child["parent"], "run-parent", "{child}");
+    let bad = call_meta(&c, "files__echo", "x", json!({"io.estop/subagent": "a b"})).await;
+    assert!(bad.is_err(), "a name that is no name is refused: {bad:?}");
+    let v = w.operator(json!({"op": "cancel", "run": "run-parent", "reason": "enough"}));
+    assert_eq!(v["ok"], true, "{v}");
+    let r = call_meta(&c, "files__echo", "after", sub).await.unwrap();
+    assert!(text(&r).starts_with("REFUSED, not run"), "{}", text(&r));
+    assert_eq!(w.upstream(), ["call echo top", "call echo sub"]);
+}
+
+/// Records the gateway's `notifications/tools/list_changed`.
+struct Changes(tokio::sync::mpsc::UnboundedSender<()>);
+
+impl rmcp::ClientHandler for Changes {
+    async fn on_tool_list_changed(
+        &self,
+        _ctx: rmcp::service::NotificationContext<rmcp::RoleClient>,
+    ) {
+        let _ = self.0.send(());
+    }
+}
+
+/// An upstream that rewrites a tool mid-session and says so (`notifications/tools/list_changed`):
+/// the gateway lists again at once — the rewritten tool is held by its pin before the client
+/// even re-lists — and tells the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_list_change_re_holds_the_tool_and_reaches_the_client() {
+    let w = world();
+    let (tx, mut told) = tokio::sync::mpsc::unbounded_channel();
+    let c = w
+        .client_as(Changes(tx), "run-changed", "Echoes text.", 50)
+        .await;
+    c.peer().list_all_tools().await.unwrap();
+    assert_eq!(
+        text(&call(&c, "files__echo", "before").await),
+        "echo: before"
+    );
+    assert_eq!(text(&call(&c, "files__mutate", "").await), "mutate: ");
+    // Bounded only so that a gateway that never tells fails instead of hanging.
+    tokio::time::timeout(Duration::from_secs(60), told.recv())
+        .await
+        .expect("the client was told the tools changed")
+        .unwrap();
+    let r = call(&c, "files__echo", "after").await;
+    assert!(text(&r).starts_with("HELD, not run"), "{}", text(&r));
+    assert_eq!(w.upstream(), ["call echo before", "call mutate "]);
+}
+
+/// A stdio upstream that dies mid-call: that call is recorded `unknown` (it may have acted) and
+/// is not sent again; the next call starts the upstream again and reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_upstream_is_started_again_and_its_call_in_flight_is_unknown() {
+    let w = world();
+    let c = w.client("run-die", "Echoes text.", 30_000).await;
+    let r = call(&c, "files__die", "now").await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(
+        text(&r).contains("may or may not have acted"),
+        "{}",
+        text(&r)
+    );
+    let report = w.operator(json!({"op": "report", "run": "run-die"}));
+    assert_eq!(report["unknown"][0]["tool"], "files__die", "{report}");
+    assert_eq!(text(&call(&c, "files__echo", "after").await), "echo: after");
+    assert_eq!(
+        w.upstream(),
+        ["call die now", "call echo after"],
+        "die was not sent again"
     );
 }
