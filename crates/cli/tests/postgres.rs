@@ -5,76 +5,13 @@
 
 mod common;
 
+use common::pg::{database, server, sql};
 use common::*;
 use serde_json::json;
-use std::fs::File;
 use std::io::Read;
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-
-/// The URL of the shared test server's `postgres` database; `None`: skipped by request.
-fn server() -> Option<&'static str> {
-    static URL: OnceLock<Option<String>> = OnceLock::new();
-    URL.get_or_init(|| {
-        if std::env::var("ESTOP_TEST_SKIP_POSTGRES").is_ok_and(|v| v == "1") {
-            eprintln!("ESTOP_TEST_SKIP_POSTGRES=1: skipping the PostgreSQL store's tests");
-            return None;
-        }
-        Some(start_server())
-    })
-    .as_deref()
-}
-
-/// Starts the server for this test run (nextest runs each test in a process of its own: the
-/// run is the parent process), or finds the one another test of the run started.
-fn start_server() -> String {
-    let run = std::os::unix::process::parent_id();
-    let dir = std::env::temp_dir().join(format!("estop-test-pg-{run}"));
-    let url_file = PathBuf::from(format!("{}.url", dir.display()));
-    let lock = File::create(format!("{}.lock", dir.display())).unwrap();
-    lock.lock().unwrap(); // Blocks while another test of the run starts it.
-    if let Ok(url) = std::fs::read_to_string(&url_file) {
-        return url;
-    }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/postgres");
-    let out = Command::new(script)
-        .arg("start")
-        .arg(&dir)
-        .arg(run.to_string())
-        .output()
-        .expect("run scripts/postgres");
-    assert!(
-        out.status.success(),
-        "scripts/postgres could not start PostgreSQL (set ESTOP_TEST_SKIP_POSTGRES=1 to skip these tests):\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    let url = stdout.lines().last().unwrap().trim().to_string();
-    std::fs::write(&url_file, &url).unwrap();
-    url
-}
-
-/// A fresh database on the test server; its URL. `None`: skipped.
-fn database() -> Option<String> {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let base = server()?;
-    let name = format!(
-        "estop_{}_{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    );
-    let mut admin = postgres::Client::connect(base, postgres::NoTls).unwrap();
-    admin
-        .batch_execute(&format!("CREATE DATABASE {name}"))
-        .unwrap();
-    Some(format!("{}/{name}", base.rsplit_once('/').unwrap().0))
-}
-
-fn sql(url: &str) -> postgres::Client {
-    postgres::Client::connect(url, postgres::NoTls).unwrap()
-}
+use std::sync::{Arc, Mutex};
 
 /// A node on the database at `url`.
 fn node(url: &str) -> Daemon {
@@ -707,4 +644,170 @@ fn the_store_benchmark_measures_one_and_two_nodes() {
             .all(|r| r["errors"] == 0 && r["admissions_per_s"].as_f64().unwrap() > 0.0),
         "{text}"
     );
+}
+
+/// Whether the run asks the crash tests to run against the planted reply-before-commit.
+fn planted() -> bool {
+    std::env::var("ESTOP_TEST_PLANT_REPLY_BEFORE_COMMIT").is_ok_and(|v| v == "1")
+}
+
+/// A node killed (kill -9) in the middle of a burst's transaction: its records are inserted
+/// but not committed (a trigger holds the INSERT on a lock the test holds). Its client gets no
+/// acknowledgement, and once the server ends the dead session nothing of the burst is
+/// visible: the same admission through the restarted node is a fresh one.
+#[test]
+fn a_node_killed_mid_transaction_acknowledged_nothing_and_left_nothing() {
+    let Some(url) = database() else { return };
+    let mut d = node(&url);
+    if planted() {
+        d.kill9();
+        d.spawn_env(&[("ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT", "1")]);
+    }
+    assert_eq!(
+        verdict(&admit(&mut d.agent(), "r0", "k", "pay", json!({}))),
+        "admitted"
+    );
+    let mut holder = sql(&url);
+    holder
+        .execute("SELECT pg_advisory_lock(4242)", &[])
+        .unwrap();
+    sql(&url)
+        .batch_execute(
+            "CREATE FUNCTION estop_test_stall() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               IF NEW.run_id = 'stalled' THEN PERFORM pg_advisory_xact_lock(4242); END IF;
+               RETURN NEW;
+             END $$;
+             CREATE TRIGGER estop_test_stall BEFORE INSERT ON estop_ledger
+               FOR EACH ROW EXECUTE FUNCTION estop_test_stall();",
+        )
+        .unwrap();
+    let mut a = d.agent();
+    let client = std::thread::spawn(move || {
+        a.call(json!({"op": "admit", "run": "stalled", "key": "k", "tool": "pay", "args": {}}))
+    });
+    // The node's transaction has inserted and now waits inside the trigger.
+    common::pg::until(
+        &url,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = 4242",
+        1,
+    );
+    d.kill9();
+    // An error (the connection died with the node) is no acknowledgement either.
+    if let Ok(r) = client.join().unwrap() {
+        assert!(!r.ok, "acknowledged before its commit: {}", r.raw);
+    }
+    holder
+        .execute("SELECT pg_advisory_unlock(4242)", &[])
+        .unwrap();
+    // The server notices the dead session once the trigger returns, and rolls it back.
+    let db_name = url.rsplit_once('/').unwrap().1;
+    common::pg::until(
+        &url,
+        &format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db_name}' AND application_name = 'estop'"
+        ),
+        0,
+    );
+    assert_eq!(
+        admits(&url, "stalled"),
+        0,
+        "an uncommitted burst is visible"
+    );
+    d.spawn();
+    let v = admit(&mut d.agent(), "stalled", "k", "pay", json!({}));
+    assert_eq!(
+        verdict(&v),
+        "admitted",
+        "a fresh admission, not a duplicate: {v}"
+    );
+    assert_eq!(admits(&url, "stalled"), 1);
+}
+
+/// PostgreSQL restarted as after a crash (immediate: every session cut, crash recovery), three
+/// times, while eight clients admit through a node: the node answers `unavailable` while the database is
+/// gone (it fails closed), takes admissions again once the database is back, and every
+/// admission it acknowledged, before or after, is in the database and a duplicate after.
+#[test]
+fn a_postgresql_restart_under_load_fails_the_node_closed_and_loses_nothing_acknowledged() {
+    if server().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("estop-test-pg-restart-{}", std::process::id()));
+    let url = common::pg::database_on(&common::pg::start_private(&dir, &[]));
+    let mut d = node(&url);
+    if planted() {
+        d.kill9();
+        d.spawn_env(&[("ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT", "1")]);
+    }
+    let acked = Arc::new(Mutex::new(Vec::new()));
+    let refused = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let (mut c, acked, refused, stop) = (
+                d.agent(),
+                Arc::clone(&acked),
+                Arc::clone(&refused),
+                Arc::clone(&stop),
+            );
+            std::thread::spawn(move || {
+                for i in 0.. {
+                    if stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let req = json!({"op": "admit", "run": format!("t{t}"), "key": format!("k{i}"),
+                                     "tool": "pay", "args": {}});
+                    let r = c.call(req).unwrap();
+                    if r.ok {
+                        assert_eq!(verdict(&r.raw), "admitted", "{}", r.raw);
+                        acked.lock().unwrap().push((t, i));
+                    } else {
+                        assert_eq!(r.error.unwrap().code, "unavailable");
+                        refused.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            })
+        })
+        .collect();
+    let acked_count = || acked.lock().unwrap().len();
+    // Three restarts, each once admissions flow again: each cuts whatever burst is in flight
+    // (its lock, its read, its insert or its COMMIT).
+    for _ in 0..3 {
+        let before = acked_count();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while acked_count() < before + 200 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the node did not recover"
+            );
+            std::thread::yield_now();
+        }
+        common::pg::control("restart", &dir);
+    }
+    let before = acked_count();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while acked_count() < before + 200 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the node did not recover"
+        );
+        std::thread::yield_now();
+    }
+    stop.store(true, Ordering::SeqCst);
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert!(
+        refused.load(Ordering::SeqCst) > 0,
+        "the restart cut no burst: nothing tested"
+    );
+    let acked = acked.lock().unwrap().clone();
+    let mut c = d.agent();
+    for (t, i) in &acked {
+        let v = admit(&mut c, &format!("t{t}"), &format!("k{i}"), "pay", json!({}));
+        assert_eq!(verdict(&v), "duplicate", "t{t}/k{i} was acknowledged: {v}");
+    }
+    drop(d);
+    common::pg::control("stop", &dir);
 }
