@@ -16,6 +16,7 @@ pub mod journal;
 pub mod log;
 pub mod observe;
 pub mod outbox;
+pub mod pgconn;
 pub mod pgnode;
 pub mod pgstore;
 pub mod quota;

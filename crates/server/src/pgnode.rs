@@ -34,12 +34,14 @@ pub fn shell(
     let limits = limits.clone();
     let open_target = target.clone();
     let open: crate::core::PgOpenFn = Box::new(move || {
-        let opened = open(&open_target, &limits)?;
+        // The gate is rebuilt over a plain connection; the bursts go over a pipelined one
+        // (`pgconn`), whose first read starts after the last record loaded here.
+        let (_, gate, last) = open(&open_target, &limits)?;
+        let conn = crate::pgconn::BurstConn::connect(&open_target)?;
         crate::log::info(&format!(
-            "store: PostgreSQL schema version {SCHEMA_VERSION}, gate rebuilt from {} records",
-            opened.2
+            "store: PostgreSQL schema version {SCHEMA_VERSION}, gate rebuilt from {last} records"
         ));
-        Ok(opened)
+        Ok((conn, gate, last))
     });
     let shell = crate::core::PgShell::new(
         core,

@@ -37,10 +37,8 @@ pub const MIGRATION_LOCK: i64 = 0x6573_746f_7002;
 /// and the last seq), so the other nodes catch up at once.
 pub const CHANNEL: &str = "estop_ledger";
 
-/// How long connecting may take, and any one statement (a lost network must not hold the
-/// core forever: past it the node fails closed and retries).
+/// How long connecting may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-const STATEMENT_TIMEOUT_MS: u64 = 10_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -58,6 +56,8 @@ pub enum StoreError {
     Node(String),
     #[error("{0}")]
     Move(String),
+    #[error("the database did not answer within {0:?}")]
+    Timeout(Duration),
 }
 
 impl StoreError {
@@ -69,6 +69,7 @@ impl StoreError {
             StoreError::Corrupt(_) => "store_corrupt",
             StoreError::Node(_) => "setup",
             StoreError::Move(_) => "store_move",
+            StoreError::Timeout(_) => "store_unavailable",
         }
     }
 }
@@ -76,7 +77,7 @@ impl StoreError {
 /// Where the store is: a parsed `postgres://` URL (or libpq key=value string).
 #[derive(Clone)]
 pub struct Target {
-    config: Config,
+    config: tokio_postgres::Config,
 }
 
 impl std::fmt::Debug for Target {
@@ -93,7 +94,7 @@ impl std::fmt::Debug for Target {
 
 impl Target {
     pub fn parse(url: &str) -> Result<Target, StoreError> {
-        let mut config: Config = url
+        let mut config: tokio_postgres::Config = url
             .parse()
             .map_err(|e: postgres::Error| StoreError::Url(e.to_string()))?;
         if config.get_connect_timeout().is_none() {
@@ -107,13 +108,28 @@ impl Target {
     /// its WAL is flushed (and replicated, where the server is set up so), whatever the
     /// server's default says (G6: a reply never precedes a durable commit).
     pub fn connect(&self) -> Result<Client, StoreError> {
-        let mut client = self.config.connect(NoTls)?;
-        client.batch_execute(&format!(
-            "SET synchronous_commit = on; SET statement_timeout = {STATEMENT_TIMEOUT_MS}"
-        ))?;
+        let mut client = Config::from(self.config.clone()).connect(NoTls)?;
+        client.batch_execute(SESSION)?;
+        Ok(client)
+    }
+
+    /// `connect` for `tokio-postgres` (a node's pipelined connection, `pgconn`): the connection's
+    /// task is spawned on the runtime this is awaited on.
+    pub async fn connect_async(&self) -> Result<tokio_postgres::Client, StoreError> {
+        let (client, connection) = self.config.connect(tokio_postgres::NoTls).await?;
+        tokio::spawn(async move {
+            // Its end is seen by the client's next request, which fails.
+            let _ = connection.await;
+        });
+        client.batch_execute(SESSION).await?;
         Ok(client)
     }
 }
+
+/// Every session's settings: durability forced on, and no statement that runs longer than
+/// 10 s (a lost network must not hold the core forever: past it the node fails closed and
+/// retries).
+const SESSION: &str = "SET synchronous_commit = on; SET statement_timeout = 10000";
 
 /// Brings the schema to `SCHEMA_VERSION` under the migrations' advisory lock (nodes starting
 /// together migrate once); refuses a database whose schema is newer than this binary.
@@ -153,6 +169,11 @@ pub fn records_after(
         "SELECT seq, record FROM estop_ledger WHERE seq > $1 ORDER BY seq",
         &[&(seq as i64)],
     )?;
+    numbered_on(seq, rows)
+}
+
+/// Rows of (seq, record) that must number on from `seq`; an error at the first gap.
+pub fn numbered_on(seq: u64, rows: Vec<postgres::Row>) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
     let mut out = Vec::with_capacity(rows.len());
     for (expect, row) in (seq + 1..).zip(rows) {
         let got = row.get::<_, i64>(0) as u64;
