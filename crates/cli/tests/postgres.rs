@@ -811,3 +811,92 @@ fn a_postgresql_restart_under_load_fails_the_node_closed_and_loses_nothing_ackno
     drop(d);
     common::pg::control("stop", &dir);
 }
+
+/// A node that starts reads the newest snapshot in the database and only the records after it:
+/// with the first record made unreadable (a node replaying every record cannot start), a node
+/// snapshotting every 10 records restarts and knows every admission.
+#[test]
+fn a_node_starts_from_the_newest_snapshot_in_the_database() {
+    let Some(url) = database() else { return };
+    let mut d = Daemon::start_with(&[
+        "--store",
+        &url,
+        "--console",
+        "off",
+        "--snapshot-every",
+        "10",
+    ]);
+    let mut a = d.agent();
+    for i in 0..45 {
+        let v = admit(&mut a, "r1", &format!("k{i}"), "pay", json!({"i": i}));
+        assert_eq!(verdict(&v), "admitted", "{v}");
+    }
+    let (snapshots, newest): (i64, i64) = {
+        let row = sql(&url)
+            .query_one(
+                "SELECT count(*), coalesce(max(seq), 0) FROM estop_snapshot",
+                &[],
+            )
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(snapshots, 1, "the newest replaces the ones before it");
+    assert!(
+        newest >= 40,
+        "a snapshot every 10 records: the newest at {newest}"
+    );
+    d.kill9();
+    sql(&url)
+        .execute(
+            "UPDATE estop_ledger SET record = '\\x00'::bytea WHERE seq = 1",
+            &[],
+        )
+        .unwrap();
+    d.spawn();
+    let mut a = d.agent();
+    for i in 0..45 {
+        let v = admit(&mut a, "r1", &format!("k{i}"), "pay", json!({"i": i}));
+        assert_eq!(verdict(&v), "duplicate", "k{i}: {v}");
+    }
+}
+
+/// A node far behind (stopped with SIGSTOP while the other committed more records than one
+/// page of the catch-up read) catches up page by page in its next burst: it answers for the
+/// last of them, and numbers its own records after them.
+#[test]
+fn a_node_far_behind_catches_up_page_by_page() {
+    let Some(url) = database() else { return };
+    let (n1, n2) = (node(&url), node(&url));
+    let pid = n2.child.as_ref().unwrap().id().to_string();
+    let signal = |sig: &str| {
+        let ok = Command::new("kill").args([sig, &pid]).status().unwrap();
+        assert!(ok.success());
+    };
+    signal("-STOP");
+    let threads: Vec<_> = (0..16)
+        .map(|t| {
+            let mut c = n1.agent();
+            std::thread::spawn(move || {
+                for i in 0..300 {
+                    let v = admit(&mut c, &format!("r{t}"), &format!("k{i}"), "pay", json!({}));
+                    assert_eq!(verdict(&v), "admitted", "{v}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let behind: i64 = sql(&url)
+        .query_one("SELECT max(seq) FROM estop_ledger", &[])
+        .unwrap()
+        .get(0);
+    assert!(behind > 4096, "more than one page: {behind}");
+    signal("-CONT");
+    let mut c = n2.agent();
+    let v = admit(&mut c, "r15", "k299", "pay", json!({}));
+    assert_eq!(verdict(&v), "duplicate", "{v}");
+    let v = admit(&mut c, "late", "k", "pay", json!({}));
+    assert_eq!(verdict(&v), "admitted", "{v}");
+    assert_eq!(admits(&url, "late"), 1);
+}

@@ -25,6 +25,13 @@ pub struct BurstConn {
     read: Statement,
     insert: Statement,
     notify: Statement,
+    snapshot: Statement,
+}
+
+/// A snapshot of the gate to write with a burst: the last seq it covers and its bytes.
+pub struct Snapshot {
+    pub seq: u64,
+    pub bytes: Vec<u8>,
 }
 
 const INSERT: &str = "INSERT INTO estop_ledger (seq, at_ms, run_id, principal, command, record)
@@ -45,9 +52,10 @@ impl BurstConn {
             let read = client.prepare(READ).await?;
             let insert = client.prepare(INSERT).await?;
             let notify = client.prepare("SELECT pg_notify($1, $2)").await?;
-            Ok::<_, StoreError>((client, lock, read, insert, notify))
+            let snapshot = client.prepare(crate::pgstore::SNAPSHOT).await?;
+            Ok::<_, StoreError>((client, [lock, read, insert, notify, snapshot]))
         });
-        let (client, lock, read, insert, notify) = connected?;
+        let (client, [lock, read, insert, notify, snapshot]) = connected?;
         Ok(BurstConn {
             rt,
             client,
@@ -55,6 +63,7 @@ impl BurstConn {
             read,
             insert,
             notify,
+            snapshot,
         })
     }
 
@@ -102,38 +111,46 @@ impl BurstConn {
         crate::pgstore::numbered_on(last, rows)
     }
 
-    /// `COMMIT` alone: a burst that inserted nothing ends its transaction (and the lock).
-    pub fn end(&mut self) -> Result<(), StoreError> {
-        let c = &self.client;
-        self.run(async { Ok(c.batch_execute("COMMIT").await?) })
-    }
-
-    /// The burst's records inserted (one statement), the other nodes notified (`payload`), and
-    /// `COMMIT`, in one round trip.
-    pub fn commit(&mut self, records: &[NewRecord], payload: &str) -> Result<(), StoreError> {
+    /// Ends the burst's transaction in one round trip: its records (if any) inserted with one
+    /// statement and the other nodes notified (`payload`), the snapshot (if any) written, and
+    /// `COMMIT`. The snapshot covers records of this transaction or before: it is visible
+    /// exactly when they are.
+    pub fn commit(
+        &mut self,
+        records: &[NewRecord],
+        snapshot: Option<&Snapshot>,
+        payload: &str,
+    ) -> Result<(), StoreError> {
         let seqs: Vec<i64> = records.iter().map(|r| r.seq as i64).collect();
         let ats: Vec<i64> = records.iter().map(|r| r.at_ms as i64).collect();
         let runs: Vec<Option<&str>> = records.iter().map(|r| r.run.as_deref()).collect();
         let principals: Vec<&str> = records.iter().map(|r| r.principal.as_str()).collect();
         let commands: Vec<&str> = records.iter().map(|r| r.command).collect();
         let bytes: Vec<&[u8]> = records.iter().map(|r| r.bytes.as_slice()).collect();
+        let snap_seq = snapshot.map_or(0, |s| s.seq as i64);
+        let snap_bytes = snapshot.map_or(&[][..], |s| s.bytes.as_slice());
         let c = &self.client;
-        let (insert_args, notify_args): (&[&(dyn ToSql + Sync)], &[&(dyn ToSql + Sync)]) = (
-            &[&seqs, &ats, &runs, &principals, &commands, &bytes],
-            &[&CHANNEL, &payload],
-        );
-        let (insert, notify, commit) = self.run(async {
+        let insert_args: &[&(dyn ToSql + Sync)] =
+            &[&seqs, &ats, &runs, &principals, &commands, &bytes];
+        let notify_args: &[&(dyn ToSql + Sync)] = &[&CHANNEL, &payload];
+        let snapshot_args: &[&(dyn ToSql + Sync)] = &[&snap_seq, &snap_bytes];
+        let some = !records.is_empty();
+        let (inserted, notified, snapshot_done, committed) = self.run(async {
+            // Each statement is sent when its future is first polled, which `join!` does in
+            // this order, before any answer is awaited: one round trip.
             Ok(tokio::join!(
-                c.execute(&self.insert, insert_args),
-                c.execute(&self.notify, notify_args),
+                execute_if(c, some, &self.insert, insert_args),
+                execute_if(c, some, &self.notify, notify_args),
+                execute_if(c, snapshot.is_some(), &self.snapshot, snapshot_args),
                 c.batch_execute("COMMIT"),
             ))
         })?;
-        let inserted = insert?;
-        notify?;
-        commit?;
-        // A COMMIT after a statement that failed rolls back without an error: the count says
-        // whether the records are in.
+        let inserted = inserted?;
+        notified?;
+        snapshot_done?;
+        committed?;
+        // A COMMIT after a statement that failed rolls back without an error: the statements'
+        // own results say whether it took.
         assert_eq!(
             inserted,
             records.len() as u64,
@@ -141,4 +158,17 @@ impl BurstConn {
         );
         Ok(())
     }
+}
+
+/// `stmt` run with `args` when `on`; else nothing is sent and the count is 0.
+async fn execute_if(
+    c: &Client,
+    on: bool,
+    stmt: &Statement,
+    args: &[&(dyn ToSql + Sync)],
+) -> Result<u64, tokio_postgres::Error> {
+    if !on {
+        return Ok(0);
+    }
+    c.execute(stmt, args).await
 }

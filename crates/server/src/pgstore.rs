@@ -6,18 +6,19 @@
 //! and rebuilding a gate from them.
 
 use crate::journal::replay_record;
-use estop_kernel::record_codec::RecordDecoder;
+use estop_kernel::record_codec::{RecordDecoder, decode_snapshot};
 use estop_kernel::{Gate, Limits};
 use postgres::{Client, Config, GenericClient, NoTls};
 use std::time::Duration;
 
 /// The schema version this binary writes and reads (`estop_schema`).
-pub const SCHEMA_VERSION: i32 = 1;
+pub const SCHEMA_VERSION: i32 = 2;
 
 /// Migrations, in order: each brings the schema from the version before it to its own.
-const MIGRATIONS: &[(i32, &str)] = &[(
-    1,
-    "CREATE TABLE estop_ledger (
+const MIGRATIONS: &[(i32, &str)] = &[
+    (
+        1,
+        "CREATE TABLE estop_ledger (
          seq bigint PRIMARY KEY CHECK (seq > 0),
          at_ms bigint NOT NULL,
          run_id text,
@@ -26,7 +27,18 @@ const MIGRATIONS: &[(i32, &str)] = &[(
          record bytea NOT NULL
      );
      CREATE INDEX estop_ledger_run ON estop_ledger (run_id, seq) WHERE run_id IS NOT NULL;",
-)];
+    ),
+    (
+        2,
+        // The newest snapshot of the gate (`record_codec`'s snapshot bytes) and the last seq it
+        // covers: a node that starts replays only the records after it.
+        "CREATE TABLE estop_snapshot (
+             seq bigint PRIMARY KEY CHECK (seq > 0),
+             taken_at timestamptz NOT NULL DEFAULT now(),
+             snapshot bytea NOT NULL
+         );",
+    ),
+];
 
 /// `pg_advisory_xact_lock` keys ("estop" in ASCII, then a number): the writers' lock every
 /// burst takes, and the migrations' lock taken at start.
@@ -236,21 +248,77 @@ pub fn insert(db: &mut impl GenericClient, records: &[NewRecord]) -> Result<(), 
     Ok(())
 }
 
-/// Rebuilds the gate from every record in the database, through the replay recovery uses
-/// (`journal::replay_record`), under `limits.for_replay()`, then today's limits. Returns the
-/// gate and the last seq.
+/// Writes a snapshot covering the records up to `$1` (`$2`: its bytes). The newest replaces
+/// the ones before it (every record is kept, so an older one is never needed: a snapshot that
+/// does not decode is passed over for a full replay).
+pub const SNAPSHOT: &str = "WITH old AS (DELETE FROM estop_snapshot WHERE seq < $1)
+     INSERT INTO estop_snapshot (seq, snapshot) VALUES ($1, $2) ON CONFLICT (seq) DO NOTHING";
+
+/// How many records `load` reads in one query: a node rebuilding its gate holds one page of
+/// records in memory at a time, whatever the table's length.
+const LOAD_PAGE: i64 = 4096;
+
+/// Rebuilds the gate from the database: the newest snapshot (`estop_snapshot`), then the
+/// records after it, page by page, through the replay recovery uses
+/// (`journal::replay_record`), under `limits.for_replay()`, then today's limits. A snapshot
+/// that does not decode is passed over (logged): every record is kept, so the gate is rebuilt
+/// from the first. Returns the gate and the last seq.
 pub fn load(db: &mut Client, limits: &Limits) -> Result<(Gate, u64), StoreError> {
     let replay_limits = limits.for_replay();
-    let mut gate = Gate::new(replay_limits);
+    let (mut gate, mut last) = match newest_snapshot(db)? {
+        Some((seq, bytes)) => match decode_snapshot(&bytes, replay_limits.clone()) {
+            Ok(gate) => (gate, seq),
+            Err(e) => {
+                crate::log::error(&format!(
+                    "store: the snapshot at seq {seq} does not decode ({e}); replaying every record instead"
+                ));
+                (Gate::new(replay_limits), 0)
+            }
+        },
+        None => (Gate::new(replay_limits), 0),
+    };
+    let snapshot_seq = last;
     let mut decoder = RecordDecoder::default();
-    let records = records_after(db, 0)?;
-    let last = records.last().map_or(0, |(seq, _)| *seq);
-    for (seq, bytes) in &records {
-        replay_record(&mut gate, &mut decoder, bytes)
-            .map_err(|e| StoreError::Corrupt(format!("record {seq}: {e}")))?;
+    loop {
+        let rows = db.query(
+            "SELECT seq, record FROM estop_ledger WHERE seq > $1 ORDER BY seq LIMIT $2",
+            &[&(last as i64), &LOAD_PAGE],
+        )?;
+        let page = numbered_on(last, rows)?;
+        for (seq, bytes) in &page {
+            replay_record(&mut gate, &mut decoder, bytes)
+                .map_err(|e| StoreError::Corrupt(format!("record {seq}: {e}")))?;
+            last = *seq;
+        }
+        if (page.len() as i64) < LOAD_PAGE {
+            break;
+        }
+    }
+    if snapshot_seq > 0 && last == snapshot_seq && !has_record(db, snapshot_seq)? {
+        return Err(StoreError::Corrupt(format!(
+            "the snapshot covers seq {snapshot_seq}, and there is no such record"
+        )));
     }
     gate.set_limits(limits.clone());
     Ok((gate, last))
+}
+
+/// The newest snapshot: its seq and bytes.
+fn newest_snapshot(db: &mut Client) -> Result<Option<(u64, Vec<u8>)>, StoreError> {
+    let row = db.query_opt(
+        "SELECT seq, snapshot FROM estop_snapshot ORDER BY seq DESC LIMIT 1",
+        &[],
+    )?;
+    Ok(row.map(|r| (r.get::<_, i64>(0) as u64, r.get(1))))
+}
+
+fn has_record(db: &mut Client, seq: u64) -> Result<bool, StoreError> {
+    Ok(db
+        .query_opt(
+            "SELECT 1 FROM estop_ledger WHERE seq = $1",
+            &[&(seq as i64)],
+        )?
+        .is_some())
 }
 
 /// Connects, migrates and rebuilds the gate: what a node does at start and after a failure.

@@ -4,15 +4,16 @@
 //! round trip), and the kernel's gate replaced, at random steps, by what a node gets from the
 //! database: a node that starts (`pgstore::load`, every record replayed) or the other of two
 //! nodes, which catches up with what this one committed (`pgstore::records_after`, applied by
-//! the replay recovery uses). The gate from the database must equal the kernel's, and then go
-//! on agreeing with the model. A burst whose transaction never commits (a node killed before
+//! the replay recovery uses). Snapshots are written too, so a restart after one starts from the
+//! newest. The gate from the database must equal the kernel's, and then go on agreeing with the
+//! model. A burst whose transaction never commits (a node killed before
 //! `COMMIT`) must leave nothing behind.
 
 use crate::diff::{Pair, random_op};
 use crate::rng::Rng;
 use crate::world;
 use estop_kernel::Gate;
-use estop_kernel::record_codec::{RecordDecoder, encode_record};
+use estop_kernel::record_codec::{RecordDecoder, encode_record, encode_snapshot};
 use estop_server::journal::replay_record;
 use estop_server::pgstore::{self, NewRecord};
 use postgres::Client;
@@ -29,6 +30,8 @@ pub struct PgDiffStats {
     pub restarts: u64,
     /// The kernel's gate replaced by the other node's, caught up from the database.
     pub switches: u64,
+    /// Snapshots written (a restart after one starts from it).
+    pub snapshots: u64,
     /// Bursts inserted and rolled back (a node killed before COMMIT).
     pub killed_bursts: u64,
 }
@@ -107,6 +110,19 @@ pub fn run_case(
                 .map_err(|e| fail(step, e))?;
                 std::mem::swap(&mut other.gate, &mut pair.gate);
                 stats.switches += 1;
+            }
+            6 => {
+                // A node's snapshot, written as `PgShell` writes one; the next restart starts
+                // from it.
+                committed =
+                    commit(db, &mut pending, committed, stats).map_err(|e| fail(step, e))?;
+                if committed > 0 {
+                    let mut bytes = Vec::new();
+                    encode_snapshot(&pair.gate, &mut bytes);
+                    db.execute(pgstore::SNAPSHOT, &[&(committed as i64), &bytes])
+                        .map_err(|e| fail(step, e.to_string()))?;
+                    stats.snapshots += 1;
+                }
             }
             5 => {
                 killed_burst(db, &pending, &pair).map_err(|e| fail(step, e))?;

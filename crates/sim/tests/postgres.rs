@@ -34,7 +34,10 @@ fn kernel_agrees_with_the_model_through_postgresql_across_restarts_and_nodes() {
     // It reached what it claims: bursts of several records, restarts, switches, killed bursts.
     assert!(stats.records > stats.bursts, "{stats:?}");
     assert!(
-        stats.restarts > 20 && stats.switches > 20 && stats.killed_bursts > 20,
+        stats.restarts > 20
+            && stats.switches > 20
+            && stats.killed_bursts > 20
+            && stats.snapshots > 20,
         "{stats:?}"
     );
 }

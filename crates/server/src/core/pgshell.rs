@@ -12,7 +12,7 @@
 use super::shell::deliver;
 use super::*;
 use crate::durable::{DurableState, Release};
-use crate::pgconn::{BurstConn, CATCH_UP_PAGE};
+use crate::pgconn::{BurstConn, CATCH_UP_PAGE, Snapshot};
 use crate::pgstore::{NewRecord, StoreError};
 use estop_kernel::record_codec::RecordDecoder;
 use std::sync::atomic::AtomicBool;
@@ -31,6 +31,8 @@ pub struct PgShell {
     in_tx: bool,
     /// The burst's records, inserted at its commit.
     pending: Vec<NewRecord>,
+    /// A snapshot of the gate the core asked for, written with the burst's commit.
+    snapshot: Option<Snapshot>,
     decoder: RecordDecoder,
     durable_tx: Arc<watch::Sender<DurableState>>,
     release: Arc<Release>,
@@ -69,6 +71,7 @@ impl PgShell {
             open,
             in_tx: false,
             pending: Vec::new(),
+            snapshot: None,
             decoder: RecordDecoder::default(),
             durable_tx,
             release,
@@ -179,8 +182,9 @@ impl PgShell {
             match action {
                 Action::Append { seq, bytes } => self.append(seq, &bytes),
                 Action::Commit { .. } | Action::Flush => self.finish(),
-                // The database keeps every record: no snapshot to write (docs/STORES.md).
-                Action::Snapshot { .. } => self.core.snapshot_done(),
+                // Written with the burst's commit; the core asks for it from its timers, which
+                // run inside a burst.
+                Action::Snapshot { seq, bytes } => self.snapshot = Some(Snapshot { seq, bytes }),
                 Action::FailLedger => self.fail_store(),
                 Action::Recover => self.recover(),
                 other => deliver(&mut self.core, &self.release, other),
@@ -221,17 +225,25 @@ impl PgShell {
         {
             self.durable(r.seq);
         }
+        let snapshot = self.snapshot.take();
         let Some(db) = self.db.as_mut() else { return };
-        let Some(last) = records.last().map(|r| r.seq) else {
-            if let Err(e) = db.end() {
-                self.fail(&format!("ending a read: {e}"));
+        // A burst that appended nothing still ends its transaction (and the lock): then only
+        // `COMMIT` is sent.
+        let last = records.last().map(|r| r.seq);
+        let payload = format!("{} {}", self.node, last.unwrap_or(0));
+        match db.commit(&records, snapshot.as_ref(), &payload) {
+            Ok(()) => {
+                if let Some(last) = last {
+                    self.durable(last);
+                }
+                if snapshot.is_some() {
+                    self.core.snapshot_done();
+                }
             }
-            return;
-        };
-        let payload = format!("{} {last}", self.node);
-        match db.commit(&records, &payload) {
-            Ok(()) => self.durable(last),
-            Err(e) => self.fail(&format!("committing seq {}..={last}: {e}", records[0].seq)),
+            Err(e) => self.fail(&format!(
+                "committing the burst after seq {}: {e}",
+                self.durable_tx.borrow().seq
+            )),
         }
     }
 
@@ -257,6 +269,7 @@ impl PgShell {
         ));
         self.in_tx = false;
         self.pending.clear();
+        self.snapshot = None;
         self.core.append_failed();
     }
 
