@@ -900,3 +900,163 @@ fn a_node_far_behind_catches_up_page_by_page() {
     assert_eq!(verdict(&v), "admitted", "{v}");
     assert_eq!(admits(&url, "late"), 1);
 }
+
+/// A CA and a certificate for `localhost` it signed (the server's), as PEM: (ca, cert, key).
+fn tls_material() -> (String, String, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "estop test CA");
+    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .signed_by(&key, &issuer)
+        .unwrap();
+    (ca_pem, cert.pem(), key.serialize_pem())
+}
+
+/// `estop serve --store URL` that must not start; its stderr. One that starts is stopped
+/// and fails the test (rather than leaving the test waiting on it).
+fn refused_at_start(url: &str) -> String {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(bin())
+        .args(["serve", "--console", "off", "--store", url, "--data"])
+        .arg(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    if stdout
+        .lines()
+        .map_while(Result::ok)
+        .any(|l| l.starts_with("estop ready"))
+    {
+        child.kill().unwrap();
+        child.wait().unwrap();
+        panic!("a node started on {url}");
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "started on {url}: {stderr}");
+    stderr
+}
+
+/// TLS to the database: a server of the test's own with a certificate for `localhost` from a CA
+/// the test makes, refusing every connection without TLS. `sslmode=verify-full` with that CA
+/// connects (and the server sees the node's sessions encrypted); with another CA, or to a host
+/// the certificate does not name, the node does not start; `verify-ca` checks the chain but not
+/// the name; `require` encrypts without checking; `disable` is refused by the server.
+#[test]
+fn tls_to_the_database_honours_sslmode() {
+    if server().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("estop-test-pg-tls-{}", std::process::id()));
+    let base = common::pg::start_private(&dir, &[]);
+    let plain = common::pg::database_on(&base);
+    let db_name = plain.rsplit_once('/').unwrap().1.to_string();
+    let port = base
+        .rsplit_once(':')
+        .unwrap()
+        .1
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let data = dir.join("data");
+    let (ca, cert, key) = tls_material();
+    let (other_ca, _, _) = tls_material();
+    let owner = std::fs::metadata(&data).unwrap();
+    for (name, pem) in [("server.crt", &cert), ("server.key", &key)] {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let path = data.join(name);
+        std::fs::write(&path, pem).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::os::unix::fs::chown(&path, Some(owner.uid()), Some(owner.gid())).unwrap();
+    }
+    let keys = tempfile::tempdir().unwrap();
+    let (ca_file, other_file) = (keys.path().join("ca.pem"), keys.path().join("other.pem"));
+    std::fs::write(&ca_file, &ca).unwrap();
+    std::fs::write(&other_file, &other_ca).unwrap();
+    let hba = std::fs::read_to_string(data.join("pg_hba.conf")).unwrap();
+    std::fs::write(
+        data.join("pg_hba.conf"),
+        format!("hostnossl all all 0.0.0.0/0 reject\nhostnossl all all ::/0 reject\n{hba}"),
+    )
+    .unwrap();
+    let mut admin = sql(&base);
+    admin.batch_execute("ALTER SYSTEM SET ssl = on").unwrap();
+    admin.batch_execute("SELECT pg_reload_conf()").unwrap();
+    // The reload is the server's to do: wait until it refuses a connection without TLS.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while postgres::Client::connect(&plain, postgres::NoTls).is_ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the server still takes plain connections"
+        );
+        std::thread::yield_now();
+    }
+    let url = |host: &str, query: &str| format!("postgres://estop@{host}:{port}/{db_name}?{query}");
+    let full = url(
+        "localhost",
+        &format!("sslmode=verify-full&sslrootcert={}", ca_file.display()),
+    );
+    let d = node(&full);
+    assert_eq!(
+        verdict(&admit(&mut d.agent(), "tls", "k", "pay", json!({}))),
+        "admitted"
+    );
+    let encrypted: i64 = estop_server::pgstore::Target::parse(&full)
+        .unwrap()
+        .connect()
+        .unwrap()
+        .query_one(
+            "SELECT count(*) FROM pg_stat_ssl JOIN pg_stat_activity USING (pid)
+              WHERE ssl AND application_name = 'estop' AND datname = $1",
+            &[&db_name],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        encrypted >= 3,
+        "the node's two sessions and this one: {encrypted}"
+    );
+    drop(d);
+    let said = refused_at_start(&url(
+        "localhost",
+        &format!("sslmode=verify-full&sslrootcert={}", other_file.display()),
+    ));
+    assert!(said.contains("certificate"), "{said}");
+    let said = refused_at_start(&url(
+        "127.0.0.1",
+        &format!("sslmode=verify-full&sslrootcert={}", ca_file.display()),
+    ));
+    assert!(said.contains("certificate"), "{said}");
+    let ca_only = url(
+        "127.0.0.1",
+        &format!("sslmode=verify-ca&sslrootcert={}", ca_file.display()),
+    );
+    let d = node(&ca_only);
+    assert_eq!(
+        verdict(&admit(&mut d.agent(), "tls", "k", "pay", json!({}))),
+        "duplicate"
+    );
+    drop(d);
+    let d = node(&url("127.0.0.1", "sslmode=require"));
+    assert_eq!(
+        verdict(&admit(&mut d.agent(), "tls", "k2", "pay", json!({}))),
+        "admitted"
+    );
+    drop(d);
+    let said = refused_at_start(&url("127.0.0.1", "sslmode=disable"));
+    assert!(
+        said.contains("no encryption") || said.contains("pg_hba"),
+        "{said}"
+    );
+    common::pg::control("stop", &dir);
+}

@@ -19,6 +19,7 @@ pub mod outbox;
 pub mod pgconn;
 pub mod pgnode;
 pub mod pgstore;
+pub mod pgtls;
 pub mod quota;
 pub mod render;
 pub mod serve;

@@ -8,7 +8,7 @@
 use crate::journal::replay_record;
 use estop_kernel::record_codec::{RecordDecoder, decode_snapshot};
 use estop_kernel::{Gate, Limits};
-use postgres::{Client, Config, GenericClient, NoTls};
+use postgres::{Client, Config, GenericClient};
 use std::time::Duration;
 
 /// The schema version this binary writes and reads (`estop_schema`).
@@ -56,7 +56,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub enum StoreError {
     #[error("bad database URL: {0}")]
     Url(String),
-    #[error("database: {0}")]
+    #[error("database: {}", chain(.0))]
     Db(#[from] postgres::Error),
     #[error(
         "the database holds estop schema version {found}, newer than this estop knows ({known}): run a newer estop, or point this one at another database"
@@ -70,6 +70,17 @@ pub enum StoreError {
     Move(String),
     #[error("the database did not answer within {0:?}")]
     Timeout(Duration),
+}
+
+/// An error and its causes ("error performing TLS handshake: invalid peer certificate: …").
+fn chain(e: &postgres::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    text
 }
 
 impl StoreError {
@@ -90,6 +101,10 @@ impl StoreError {
 #[derive(Clone)]
 pub struct Target {
     config: tokio_postgres::Config,
+    /// The TLS connector for the URL's `sslmode` and `sslrootcert` (`pgtls`); not used when
+    /// the mode is `disable`.
+    tls: tokio_postgres_rustls::MakeRustlsConnect,
+    pub tls_mode: crate::pgtls::Mode,
 }
 
 impl std::fmt::Debug for Target {
@@ -106,21 +121,28 @@ impl std::fmt::Debug for Target {
 
 impl Target {
     pub fn parse(url: &str) -> Result<Target, StoreError> {
-        let mut config: tokio_postgres::Config = url
+        let (rest, tls_mode, root) = crate::pgtls::split(url)?;
+        let mut config: tokio_postgres::Config = rest
             .parse()
             .map_err(|e: postgres::Error| StoreError::Url(e.to_string()))?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(CONNECT_TIMEOUT);
         }
         config.application_name("estop");
-        Ok(Target { config })
+        config.ssl_mode(tls_mode.ssl_mode());
+        let tls = crate::pgtls::connector(tls_mode, root.as_deref())?;
+        Ok(Target {
+            config,
+            tls,
+            tls_mode,
+        })
     }
 
     /// A connection with durability forced on for its session: a commit returns only once
     /// its WAL is flushed (and replicated, where the server is set up so), whatever the
     /// server's default says (G6: a reply never precedes a durable commit).
     pub fn connect(&self) -> Result<Client, StoreError> {
-        let mut client = Config::from(self.config.clone()).connect(NoTls)?;
+        let mut client = Config::from(self.config.clone()).connect(self.tls.clone())?;
         client.batch_execute(SESSION)?;
         Ok(client)
     }
@@ -128,7 +150,7 @@ impl Target {
     /// `connect` for `tokio-postgres` (a node's pipelined connection, `pgconn`): the connection's
     /// task is spawned on the runtime this is awaited on.
     pub async fn connect_async(&self) -> Result<tokio_postgres::Client, StoreError> {
-        let (client, connection) = self.config.connect(tokio_postgres::NoTls).await?;
+        let (client, connection) = self.config.connect(self.tls.clone()).await?;
         tokio::spawn(async move {
             // Its end is seen by the client's next request, which fails.
             let _ = connection.await;
