@@ -519,9 +519,8 @@ fn kill9_under_load_loses_nothing_acknowledged_and_admits_nothing_twice() {
         .arg(d.data())
         .output()
         .unwrap();
-    // `estop ledger verify` reads only the embedded ledger yet (issue 17).
     assert!(
-        common::pg::suite_on_postgres() || verify.status.success(),
+        verify.status.success(),
         "{}",
         String::from_utf8_lossy(&verify.stdout)
     );
@@ -592,9 +591,6 @@ fn malformed_input_gets_errors_and_the_connection_stays_usable() {
     );
     // Nothing was half-applied: only the one admission is in the ledger (after the bootstrap
     // tokens' records).
-    if common::pg::suite_on_postgres() {
-        return; // The `ledger` verb reads only the embedded ledger yet (issue 17).
-    }
     let mut op = d.operator();
     let l = ok(&mut op, json!({"op": "ledger"}));
     let kinds: Vec<&str> = l["entries"]
@@ -678,9 +674,6 @@ fn cli_exit_codes_mean_something() {
     assert_eq!(code, 0);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["run"], "r1");
-    if common::pg::suite_on_postgres() {
-        return; // `estop ledger show` reads only the embedded ledger yet (issue 17).
-    }
     let (code, out, _) = d.cli(&["ledger", "show", "--run", "r1"]);
     assert_eq!(code, 0);
     assert!(out.contains("admit") && out.contains("decide"), "{out}");
@@ -897,9 +890,6 @@ fn recovery_from_a_snapshot_keeps_everything() {
         .arg(d.data())
         .output()
         .unwrap();
-    if common::pg::suite_on_postgres() {
-        return; // No snapshots in the database yet, and `ledger verify` reads files (issue 17).
-    }
     let report: serde_json::Value = serde_json::from_slice(&verify.stdout).unwrap();
     assert!(
         report["snapshot_seq"].as_u64().unwrap_or(0) >= 10,

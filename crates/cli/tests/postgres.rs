@@ -1060,3 +1060,33 @@ fn tls_to_the_database_honours_sslmode() {
     );
     common::pg::control("stop", &dir);
 }
+
+/// `estop ledger show|verify` read the database a node writes to (named by the `store.url` it
+/// keeps in its data directory, mode 0600): every record shown, and a gap found.
+#[test]
+fn ledger_show_and_verify_read_the_database() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(url) = database() else { return };
+    let mut d = node(&url);
+    let mut a = d.agent();
+    for i in 0..3 {
+        admit(&mut a, "shown", &format!("k{i}"), "pay", json!({}));
+    }
+    let mode = std::fs::metadata(d.data().join("store.url"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    d.kill9();
+    let (code, out, err) = d.cli(&["ledger", "show", "--run", "shown"]);
+    assert_eq!((code, out.matches(" admit ").count()), (0, 3), "{out}{err}");
+    let (code, out, _) = d.cli(&["ledger", "verify", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((code, v["ok"].as_bool()), (0, Some(true)), "{out}");
+    sql(&url)
+        .execute("DELETE FROM estop_ledger WHERE seq = 2", &[])
+        .unwrap();
+    let (code, out, _) = d.cli(&["ledger", "verify"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("seq 2 is missing"), "{out}");
+}

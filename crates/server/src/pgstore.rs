@@ -221,6 +221,97 @@ pub fn numbered_on(seq: u64, rows: Vec<postgres::Row>) -> Result<Vec<(u64, Vec<u
     Ok(out)
 }
 
+/// Up to 1024 records after `after` and not past `upto` (of `run`, if given), in order: a page
+/// for the operators' readers (the `ledger` verb, `estop ledger show`).
+pub fn records_page(
+    db: &mut Client,
+    after: u64,
+    upto: u64,
+    run: Option<&str>,
+) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+    let rows = db.query(
+        "SELECT seq, record FROM estop_ledger
+          WHERE seq > $1 AND seq <= $2 AND ($3::text IS NULL OR run_id = $3)
+          ORDER BY seq LIMIT 1024",
+        &[&(after as i64), &(upto.min(i64::MAX as u64) as i64), &run],
+    )?;
+    Ok(rows
+        .into_iter()
+        .map(|r| (r.get::<_, i64>(0) as u64, r.get(1)))
+        .collect())
+}
+
+/// The file in a node's data directory that names its store (`DATA/store.url`, mode 0600: the
+/// URL may hold a password), so `estop ledger show|verify --data DIR` read where the node
+/// writes.
+pub const STORE_FILE: &str = "store.url";
+
+/// Writes `STORE_FILE` into `data`.
+pub fn remember(data: &std::path::Path, url: &str) -> Result<(), StoreError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = data.join(STORE_FILE);
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&path)?;
+        f.write_all(url.as_bytes())?;
+        f.write_all(b"\n")
+    };
+    write().map_err(|e| StoreError::Node(format!("cannot write {}: {e}", path.display())))
+}
+
+/// What `estop ledger verify` finds in the database.
+#[derive(Debug)]
+pub struct Verified {
+    pub records: u64,
+    pub last_seq: u64,
+    pub snapshot_seq: Option<u64>,
+}
+
+/// Checks the database as a node starting on it would: the records numbered 1, 2, … with no
+/// gap, each decoding, and the gate rebuilt from the newest snapshot and the records after it
+/// (`load`), and every record from the first replayed too (so a bad record hidden behind a
+/// snapshot is found).
+pub fn verify(target: &Target, limits: &Limits) -> Result<Verified, StoreError> {
+    let mut db = target.connect()?;
+    let snapshot_seq = newest_snapshot(&mut db)?.map(|(seq, _)| seq);
+    let (_, last_seq) = load(&mut db, limits)?;
+    let mut gate = Gate::new(limits.for_replay());
+    let mut decoder = RecordDecoder::default();
+    let mut at = 0;
+    while at < last_seq {
+        let page = records_page(&mut db, at, last_seq, None)?;
+        if page.is_empty() {
+            break;
+        }
+        for (seq, bytes) in &page {
+            if *seq != at + 1 {
+                return Err(StoreError::Corrupt(format!(
+                    "seq {} is missing (the next record is {seq})",
+                    at + 1
+                )));
+            }
+            replay_record(&mut gate, &mut decoder, bytes)
+                .map_err(|e| StoreError::Corrupt(format!("record {seq}: {e}")))?;
+            at = *seq;
+        }
+    }
+    if at != last_seq {
+        return Err(StoreError::Corrupt(format!(
+            "records end at seq {at}, the gate at {last_seq}"
+        )));
+    }
+    Ok(Verified {
+        records: last_seq,
+        last_seq,
+        snapshot_seq,
+    })
+}
+
 /// One record to insert, with the columns queries use beside its bytes.
 #[derive(Debug)]
 pub struct NewRecord {
