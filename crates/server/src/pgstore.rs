@@ -121,7 +121,7 @@ impl std::fmt::Debug for Target {
 
 impl Target {
     pub fn parse(url: &str) -> Result<Target, StoreError> {
-        let (rest, tls_mode, root) = crate::pgtls::split(url)?;
+        let (rest, tls_mode, root) = crate::pgtls::split(url).map_err(|e| StoreError::Url(e.0))?;
         let mut config: tokio_postgres::Config = rest
             .parse()
             .map_err(|e: postgres::Error| StoreError::Url(e.to_string()))?;
@@ -130,7 +130,8 @@ impl Target {
         }
         config.application_name("estop");
         config.ssl_mode(tls_mode.ssl_mode());
-        let tls = crate::pgtls::connector(tls_mode, root.as_deref())?;
+        let tls =
+            crate::pgtls::connector(tls_mode, root.as_deref()).map_err(|e| StoreError::Url(e.0))?;
         Ok(Target {
             config,
             tls,
@@ -160,10 +161,13 @@ impl Target {
     }
 }
 
-/// Every session's settings: durability forced on, and no statement that runs longer than
-/// 10 s (a lost network must not hold the core forever: past it the node fails closed and
-/// retries).
-const SESSION: &str = "SET synchronous_commit = on; SET statement_timeout = 10000";
+/// Every session's settings: durability forced on; no statement that runs longer than 10 s (a
+/// lost network must not hold the core forever: past it the node fails closed and retries);
+/// and a session idle inside a transaction for 5 s ended by the server, so a node frozen
+/// in the middle of a burst (SIGSTOP, a paused VM) frees the writers' lock for the others
+/// before their own statements time out.
+const SESSION: &str = "SET synchronous_commit = on; SET statement_timeout = 10000; \
+                       SET idle_in_transaction_session_timeout = 5000";
 
 /// Brings the schema to `SCHEMA_VERSION` under the migrations' advisory lock (nodes starting
 /// together migrate once); refuses a database whose schema is newer than this binary.

@@ -8,7 +8,10 @@
 //! against `sslrootcert`; `verify-full` checks the chain and that the certificate names the host
 //! connected to. `sslrootcert=system` means Mozilla's roots (`webpki-roots`).
 
-use crate::pgstore::StoreError;
+/// A URL's TLS options that cannot be used, in words (the store reports it as `store_url`).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct TlsOptionError(pub String);
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::WebPkiSupportedAlgorithms;
@@ -28,7 +31,7 @@ pub enum Mode {
 }
 
 impl Mode {
-    fn parse(value: &str) -> Result<Mode, StoreError> {
+    fn parse(value: &str) -> Result<Mode, TlsOptionError> {
         Ok(match value {
             "disable" => Mode::Disable,
             "prefer" => Mode::Prefer,
@@ -36,7 +39,7 @@ impl Mode {
             "verify-ca" => Mode::VerifyCa,
             "verify-full" => Mode::VerifyFull,
             other => {
-                return Err(StoreError::Url(format!(
+                return Err(TlsOptionError(format!(
                     "sslmode={other}: estop knows disable, prefer, require, verify-ca and verify-full"
                 )));
             }
@@ -54,10 +57,10 @@ impl Mode {
 }
 
 /// The URL without its TLS options, the mode, and the root certificates' file (or `system`).
-pub fn split(url: &str) -> Result<(String, Mode, Option<String>), StoreError> {
+pub fn split(url: &str) -> Result<(String, Mode, Option<String>), TlsOptionError> {
     let mut mode = None;
     let mut root = None;
-    let mut take = |key: &str, value: &str| -> Result<bool, StoreError> {
+    let mut take = |key: &str, value: &str| -> Result<bool, TlsOptionError> {
         match key {
             "sslmode" => mode = Some(Mode::parse(value)?),
             "sslrootcert" => root = Some(value.to_string()),
@@ -95,14 +98,14 @@ pub fn split(url: &str) -> Result<(String, Mode, Option<String>), StoreError> {
     };
     let mode = mode.unwrap_or(Mode::Prefer);
     if matches!(mode, Mode::VerifyCa | Mode::VerifyFull) && root.is_none() {
-        return Err(StoreError::Url(
+        return Err(TlsOptionError(
             "sslmode=verify-ca and verify-full need sslrootcert=FILE (the CA's certificates, PEM) or sslrootcert=system".into(),
         ));
     }
     Ok((rest, mode, root))
 }
 
-fn percent_decode(s: &str) -> Result<String, StoreError> {
+fn percent_decode(s: &str) -> Result<String, TlsOptionError> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -111,7 +114,7 @@ fn percent_decode(s: &str) -> Result<String, StoreError> {
             let hex = s
                 .get(i + 1..i + 3)
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| StoreError::Url(format!("bad percent escape in {s:?}")))?;
+                .ok_or_else(|| TlsOptionError(format!("bad percent escape in {s:?}")))?;
             out.push(hex);
             i += 3;
         } else {
@@ -119,22 +122,22 @@ fn percent_decode(s: &str) -> Result<String, StoreError> {
             i += 1;
         }
     }
-    String::from_utf8(out).map_err(|_| StoreError::Url(format!("{s:?} is not UTF-8")))
+    String::from_utf8(out).map_err(|_| TlsOptionError(format!("{s:?} is not UTF-8")))
 }
 
 /// The TLS connector for `mode` and `root` (unused when the mode is `disable`).
-pub fn connector(mode: Mode, root: Option<&str>) -> Result<MakeRustlsConnect, StoreError> {
+pub fn connector(mode: Mode, root: Option<&str>) -> Result<MakeRustlsConnect, TlsOptionError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()
-        .map_err(|e| StoreError::Url(format!("TLS: {e}")))?;
+        .map_err(|e| TlsOptionError(format!("TLS: {e}")))?;
     let verifier: Arc<dyn ServerCertVerifier> = match root {
         None => Arc::new(Unchecked(provider.signature_verification_algorithms)),
         Some(root) => {
             let webpki =
                 WebPkiServerVerifier::builder_with_provider(Arc::new(roots(root)?), provider)
                     .build()
-                    .map_err(|e| StoreError::Url(format!("sslrootcert={root}: {e}")))?;
+                    .map_err(|e| TlsOptionError(format!("sslrootcert={root}: {e}")))?;
             match mode {
                 Mode::VerifyFull => webpki,
                 _ => Arc::new(AnyName(webpki)),
@@ -148,13 +151,13 @@ pub fn connector(mode: Mode, root: Option<&str>) -> Result<MakeRustlsConnect, St
     Ok(MakeRustlsConnect::new(config))
 }
 
-fn roots(root: &str) -> Result<RootCertStore, StoreError> {
+fn roots(root: &str) -> Result<RootCertStore, TlsOptionError> {
     if root == "system" {
         return Ok(RootCertStore {
             roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
         });
     }
-    let bad = |e: &dyn std::fmt::Display| StoreError::Url(format!("sslrootcert={root}: {e}"));
+    let bad = |e: &dyn std::fmt::Display| TlsOptionError(format!("sslrootcert={root}: {e}"));
     let pem = std::fs::read(root).map_err(|e| bad(&e))?;
     let mut store = RootCertStore::empty();
     for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
