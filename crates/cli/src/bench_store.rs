@@ -44,7 +44,10 @@ struct RawCommit {
 }
 
 fn raw_commit(url: &str, seconds: f64) -> Result<RawCommit> {
-    let mut c = postgres::Client::connect(url, postgres::NoTls).context("connecting")?;
+    // As a node connects (its TLS, `synchronous_commit = on`).
+    let mut c = estop_server::pgstore::Target::parse(url)?
+        .connect()
+        .context("connecting")?;
     c.batch_execute(
         "SET synchronous_commit = on;
          CREATE TEMP TABLE estop_bench_probe (n bigint, payload bytea)",

@@ -1,4 +1,6 @@
-//! `estop ledger`: the ledger files read directly (with or without a running daemon).
+//! `estop ledger`: the ledger files read directly (with or without a running daemon), or the
+//! PostgreSQL store's records (`--store`, `ESTOP_STORE`, or the `store.url` a node wrote into
+//! its data directory).
 
 use crate::show::esc;
 use anyhow::{Result, anyhow};
@@ -13,6 +15,10 @@ pub enum LedgerCmd {
     Verify {
         #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
         data: PathBuf,
+        /// Read the PostgreSQL store at this URL instead (default: the data directory's
+        /// store.url, if a node on PostgreSQL wrote one).
+        #[arg(long, env = "ESTOP_STORE", hide_env_values = true)]
+        store: Option<String>,
         #[arg(long)]
         json: bool,
     },
@@ -20,6 +26,9 @@ pub enum LedgerCmd {
     Show {
         #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
         data: PathBuf,
+        /// As for `verify`.
+        #[arg(long, env = "ESTOP_STORE", hide_env_values = true)]
+        store: Option<String>,
         #[arg(long)]
         run: Option<String>,
         #[arg(long)]
@@ -28,9 +37,25 @@ pub enum LedgerCmd {
 }
 
 pub fn ledger(cmd: LedgerCmd) -> Result<u8> {
-    let data = match &cmd {
-        LedgerCmd::Verify { data, .. } | LedgerCmd::Show { data, .. } => data,
+    let (data, store) = match &cmd {
+        LedgerCmd::Verify { data, store, .. } | LedgerCmd::Show { data, store, .. } => {
+            (data, store)
+        }
     };
+    let remembered = data.join(estop_server::pgstore::STORE_FILE);
+    let store = match store {
+        Some(url) => Some(url.clone()),
+        None => std::fs::read_to_string(&remembered)
+            .ok()
+            .map(|u| u.trim().to_string()),
+    };
+    if let Some(url) = store {
+        let target = estop_server::pgstore::Target::parse(&url)?;
+        return match cmd {
+            LedgerCmd::Verify { json, .. } => Ok(pg_verify(&target, json)),
+            LedgerCmd::Show { run, json, .. } => pg_show(&target, run.as_deref(), json),
+        };
+    }
     let dir = data.join("ledger");
     if !dir.is_dir() {
         return Err(anyhow!("no ledger at {} (pass --data DIR)", dir.display()));
@@ -87,6 +112,60 @@ fn verify(storage: &FileStorage, json_out: bool) -> u8 {
     if r.is_ok() { 0 } else { 1 }
 }
 
+/// `verify` for the PostgreSQL store: the records numbered with no gap, each replayed, the gate
+/// rebuilt from the newest snapshot as a node would; exit 0 if a node would start on it.
+fn pg_verify(target: &estop_server::pgstore::Target, json_out: bool) -> u8 {
+    let r = estop_server::pgstore::verify(target, &estop_kernel::Limits::default());
+    let (ok, records, last, snapshot, error) = match &r {
+        Ok(v) => (true, v.records, v.last_seq, v.snapshot_seq, None),
+        Err(e) => (false, 0, 0, None, Some(e.to_string())),
+    };
+    if json_out {
+        let out = json!({
+            "ok": ok,
+            "store": "postgres",
+            "records": records,
+            "first_seq": (records > 0).then_some(1),
+            "last_seq": last,
+            "snapshot_seq": snapshot,
+            "error": error,
+        });
+        println!("{out}");
+    } else {
+        println!("postgres  records {records}  seq 1..{last}");
+        if let Some(s) = snapshot {
+            println!("snapshot at seq {s}");
+        }
+        match &error {
+            None => println!("ok"),
+            Some(e) => println!("CORRUPT: {e}"),
+        }
+    }
+    if ok { 0 } else { 1 }
+}
+
+/// `show` for the PostgreSQL store, a page of records at a time.
+fn pg_show(
+    target: &estop_server::pgstore::Target,
+    run: Option<&str>,
+    json_out: bool,
+) -> Result<u8> {
+    let mut db = target.connect()?;
+    let mut after = 0;
+    loop {
+        let page = estop_server::pgstore::records_page(&mut db, after, u64::MAX, run)?;
+        let Some((last, _)) = page.last() else {
+            return Ok(0);
+        };
+        after = *last;
+        for (seq, bytes) in &page {
+            let rec = estop_kernel::record_codec::decode_record(bytes)
+                .map_err(|e| anyhow!("undecodable record: seq {seq}: {e}"))?;
+            print_entry(&estop_server::describe::entry(*seq, &rec), json_out);
+        }
+    }
+}
+
 /// Prints every record (of `run`, if given), one line or one JSON object each.
 fn show(storage: &FileStorage, run: Option<&str>, json_out: bool) -> Result<u8> {
     let mut bad = None;
@@ -114,10 +193,14 @@ fn show_record(rv: &RecordView<'_>, run: Option<&str>, json_out: bool) -> Result
     if run.is_some_and(|r| rec.command.run().map(|x| x.as_str()) != Some(r)) {
         return Ok(());
     }
-    let e = estop_server::describe::entry(rv.seq, &rec);
+    print_entry(&estop_server::describe::entry(rv.seq, &rec), json_out);
+    Ok(())
+}
+
+fn print_entry(e: &estop_protocol::LedgerEntry, json_out: bool) {
     if json_out {
-        println!("{}", serde_json::to_string(&e).unwrap_or_default());
-        return Ok(());
+        println!("{}", serde_json::to_string(e).unwrap_or_default());
+        return;
     }
     let fields: Vec<String> = e
         .fields
@@ -133,7 +216,6 @@ fn show_record(rv: &RecordView<'_>, run: Option<&str>, json_out: bool) -> Result
         esc(e.key.as_deref().unwrap_or("-")),
         fields.join(" ")
     );
-    Ok(())
 }
 
 /// A summary field as text: a string as it is, anything else as JSON; escaped.

@@ -5,76 +5,13 @@
 
 mod common;
 
+use common::pg::{database, server, sql};
 use common::*;
 use serde_json::json;
-use std::fs::File;
 use std::io::Read;
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-
-/// The URL of the shared test server's `postgres` database; `None`: skipped by request.
-fn server() -> Option<&'static str> {
-    static URL: OnceLock<Option<String>> = OnceLock::new();
-    URL.get_or_init(|| {
-        if std::env::var("ESTOP_TEST_SKIP_POSTGRES").is_ok_and(|v| v == "1") {
-            eprintln!("ESTOP_TEST_SKIP_POSTGRES=1: skipping the PostgreSQL store's tests");
-            return None;
-        }
-        Some(start_server())
-    })
-    .as_deref()
-}
-
-/// Starts the server for this test run (nextest runs each test in a process of its own: the
-/// run is the parent process), or finds the one another test of the run started.
-fn start_server() -> String {
-    let run = std::os::unix::process::parent_id();
-    let dir = std::env::temp_dir().join(format!("estop-test-pg-{run}"));
-    let url_file = PathBuf::from(format!("{}.url", dir.display()));
-    let lock = File::create(format!("{}.lock", dir.display())).unwrap();
-    lock.lock().unwrap(); // Blocks while another test of the run starts it.
-    if let Ok(url) = std::fs::read_to_string(&url_file) {
-        return url;
-    }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/postgres");
-    let out = Command::new(script)
-        .arg("start")
-        .arg(&dir)
-        .arg(run.to_string())
-        .output()
-        .expect("run scripts/postgres");
-    assert!(
-        out.status.success(),
-        "scripts/postgres could not start PostgreSQL (set ESTOP_TEST_SKIP_POSTGRES=1 to skip these tests):\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    let url = stdout.lines().last().unwrap().trim().to_string();
-    std::fs::write(&url_file, &url).unwrap();
-    url
-}
-
-/// A fresh database on the test server; its URL. `None`: skipped.
-fn database() -> Option<String> {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let base = server()?;
-    let name = format!(
-        "estop_{}_{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    );
-    let mut admin = postgres::Client::connect(base, postgres::NoTls).unwrap();
-    admin
-        .batch_execute(&format!("CREATE DATABASE {name}"))
-        .unwrap();
-    Some(format!("{}/{name}", base.rsplit_once('/').unwrap().0))
-}
-
-fn sql(url: &str) -> postgres::Client {
-    postgres::Client::connect(url, postgres::NoTls).unwrap()
-}
+use std::sync::{Arc, Mutex};
 
 /// A node on the database at `url`.
 fn node(url: &str) -> Daemon {
@@ -707,4 +644,449 @@ fn the_store_benchmark_measures_one_and_two_nodes() {
             .all(|r| r["errors"] == 0 && r["admissions_per_s"].as_f64().unwrap() > 0.0),
         "{text}"
     );
+}
+
+/// Whether the run asks the crash tests to run against the planted reply-before-commit.
+fn planted() -> bool {
+    std::env::var("ESTOP_TEST_PLANT_REPLY_BEFORE_COMMIT").is_ok_and(|v| v == "1")
+}
+
+/// A node killed (kill -9) in the middle of a burst's transaction: its records are inserted
+/// but not committed (a trigger holds the INSERT on a lock the test holds). Its client gets no
+/// acknowledgement, and once the server ends the dead session nothing of the burst is
+/// visible: the same admission through the restarted node is a fresh one.
+#[test]
+fn a_node_killed_mid_transaction_acknowledged_nothing_and_left_nothing() {
+    let Some(url) = database() else { return };
+    let mut d = node(&url);
+    if planted() {
+        d.kill9();
+        d.spawn_env(&[("ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT", "1")]);
+    }
+    assert_eq!(
+        verdict(&admit(&mut d.agent(), "r0", "k", "pay", json!({}))),
+        "admitted"
+    );
+    let mut holder = sql(&url);
+    holder
+        .execute("SELECT pg_advisory_lock(4242)", &[])
+        .unwrap();
+    sql(&url)
+        .batch_execute(
+            "CREATE FUNCTION estop_test_stall() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               IF NEW.run_id = 'stalled' THEN PERFORM pg_advisory_xact_lock(4242); END IF;
+               RETURN NEW;
+             END $$;
+             CREATE TRIGGER estop_test_stall BEFORE INSERT ON estop_ledger
+               FOR EACH ROW EXECUTE FUNCTION estop_test_stall();",
+        )
+        .unwrap();
+    let mut a = d.agent();
+    let client = std::thread::spawn(move || {
+        a.call(json!({"op": "admit", "run": "stalled", "key": "k", "tool": "pay", "args": {}}))
+    });
+    // The node's transaction has inserted and now waits inside the trigger.
+    common::pg::until(
+        &url,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = 4242",
+        1,
+    );
+    d.kill9();
+    // An error (the connection died with the node) is no acknowledgement either.
+    if let Ok(r) = client.join().unwrap() {
+        assert!(!r.ok, "acknowledged before its commit: {}", r.raw);
+    }
+    holder
+        .execute("SELECT pg_advisory_unlock(4242)", &[])
+        .unwrap();
+    // The server notices the dead session once the trigger returns, and rolls it back.
+    let db_name = url.rsplit_once('/').unwrap().1;
+    common::pg::until(
+        &url,
+        &format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db_name}' AND application_name = 'estop'"
+        ),
+        0,
+    );
+    assert_eq!(
+        admits(&url, "stalled"),
+        0,
+        "an uncommitted burst is visible"
+    );
+    d.spawn();
+    let v = admit(&mut d.agent(), "stalled", "k", "pay", json!({}));
+    assert_eq!(
+        verdict(&v),
+        "admitted",
+        "a fresh admission, not a duplicate: {v}"
+    );
+    assert_eq!(admits(&url, "stalled"), 1);
+}
+
+/// PostgreSQL restarted as after a crash (immediate: every session cut, crash recovery), three
+/// times, while eight clients admit through a node: the node answers `unavailable` while the database is
+/// gone (it fails closed), takes admissions again once the database is back, and every
+/// admission it acknowledged, before or after, is in the database and a duplicate after.
+#[test]
+fn a_postgresql_restart_under_load_fails_the_node_closed_and_loses_nothing_acknowledged() {
+    if server().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("estop-test-pg-restart-{}", std::process::id()));
+    let url = common::pg::database_on(&common::pg::start_private(&dir, &[]));
+    let mut d = node(&url);
+    if planted() {
+        d.kill9();
+        d.spawn_env(&[("ESTOP_DEBUG_PLANT_REPLY_BEFORE_COMMIT", "1")]);
+    }
+    let acked = Arc::new(Mutex::new(Vec::new()));
+    let refused = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let (mut c, acked, refused, stop) = (
+                d.agent(),
+                Arc::clone(&acked),
+                Arc::clone(&refused),
+                Arc::clone(&stop),
+            );
+            std::thread::spawn(move || {
+                for i in 0.. {
+                    if stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let req = json!({"op": "admit", "run": format!("t{t}"), "key": format!("k{i}"),
+                                     "tool": "pay", "args": {}});
+                    let r = c.call(req).unwrap();
+                    if r.ok {
+                        assert_eq!(verdict(&r.raw), "admitted", "{}", r.raw);
+                        acked.lock().unwrap().push((t, i));
+                    } else {
+                        assert_eq!(r.error.unwrap().code, "unavailable");
+                        refused.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            })
+        })
+        .collect();
+    let acked_count = || acked.lock().unwrap().len();
+    // Three restarts, each once admissions flow again: each cuts whatever burst is in flight
+    // (its lock, its read, its insert or its COMMIT).
+    for _ in 0..3 {
+        let before = acked_count();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while acked_count() < before + 200 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the node did not recover"
+            );
+            std::thread::yield_now();
+        }
+        common::pg::control("restart", &dir);
+    }
+    let before = acked_count();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while acked_count() < before + 200 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the node did not recover"
+        );
+        std::thread::yield_now();
+    }
+    stop.store(true, Ordering::SeqCst);
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert!(
+        refused.load(Ordering::SeqCst) > 0,
+        "the restart cut no burst: nothing tested"
+    );
+    let acked = acked.lock().unwrap().clone();
+    let mut c = d.agent();
+    for (t, i) in &acked {
+        let v = admit(&mut c, &format!("t{t}"), &format!("k{i}"), "pay", json!({}));
+        assert_eq!(verdict(&v), "duplicate", "t{t}/k{i} was acknowledged: {v}");
+    }
+    drop(d);
+    common::pg::control("stop", &dir);
+}
+
+/// A node that starts reads the newest snapshot in the database and only the records after it:
+/// with the first record made unreadable (a node replaying every record cannot start), a node
+/// snapshotting every 10 records restarts and knows every admission.
+#[test]
+fn a_node_starts_from_the_newest_snapshot_in_the_database() {
+    let Some(url) = database() else { return };
+    let mut d = Daemon::start_with(&[
+        "--store",
+        &url,
+        "--console",
+        "off",
+        "--snapshot-every",
+        "10",
+    ]);
+    let mut a = d.agent();
+    for i in 0..45 {
+        let v = admit(&mut a, "r1", &format!("k{i}"), "pay", json!({"i": i}));
+        assert_eq!(verdict(&v), "admitted", "{v}");
+    }
+    let (snapshots, newest): (i64, i64) = {
+        let row = sql(&url)
+            .query_one(
+                "SELECT count(*), coalesce(max(seq), 0) FROM estop_snapshot",
+                &[],
+            )
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(snapshots, 1, "the newest replaces the ones before it");
+    assert!(
+        newest >= 40,
+        "a snapshot every 10 records: the newest at {newest}"
+    );
+    d.kill9();
+    sql(&url)
+        .execute(
+            "UPDATE estop_ledger SET record = '\\x00'::bytea WHERE seq = 1",
+            &[],
+        )
+        .unwrap();
+    d.spawn();
+    let mut a = d.agent();
+    for i in 0..45 {
+        let v = admit(&mut a, "r1", &format!("k{i}"), "pay", json!({"i": i}));
+        assert_eq!(verdict(&v), "duplicate", "k{i}: {v}");
+    }
+}
+
+/// A node far behind (stopped with SIGSTOP while the other committed more records than one
+/// page of the catch-up read) catches up page by page in its next burst: it answers for the
+/// last of them, and numbers its own records after them.
+#[test]
+fn a_node_far_behind_catches_up_page_by_page() {
+    let Some(url) = database() else { return };
+    let (n1, n2) = (node(&url), node(&url));
+    let pid = n2.child.as_ref().unwrap().id().to_string();
+    let signal = |sig: &str| {
+        let ok = Command::new("kill").args([sig, &pid]).status().unwrap();
+        assert!(ok.success());
+    };
+    signal("-STOP");
+    let threads: Vec<_> = (0..16)
+        .map(|t| {
+            let mut c = n1.agent();
+            std::thread::spawn(move || {
+                for i in 0..300 {
+                    let v = admit(&mut c, &format!("r{t}"), &format!("k{i}"), "pay", json!({}));
+                    assert_eq!(verdict(&v), "admitted", "{v}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let behind: i64 = sql(&url)
+        .query_one("SELECT max(seq) FROM estop_ledger", &[])
+        .unwrap()
+        .get(0);
+    assert!(behind > 4096, "more than one page: {behind}");
+    signal("-CONT");
+    let mut c = n2.agent();
+    let v = admit(&mut c, "r15", "k299", "pay", json!({}));
+    assert_eq!(verdict(&v), "duplicate", "{v}");
+    let v = admit(&mut c, "late", "k", "pay", json!({}));
+    assert_eq!(verdict(&v), "admitted", "{v}");
+    assert_eq!(admits(&url, "late"), 1);
+}
+
+/// A CA and a certificate for `localhost` it signed (the server's), as PEM: (ca, cert, key).
+fn tls_material() -> (String, String, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "estop test CA");
+    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .signed_by(&key, &issuer)
+        .unwrap();
+    (ca_pem, cert.pem(), key.serialize_pem())
+}
+
+/// `estop serve --store URL` that must not start; its stderr. One that starts is stopped
+/// and fails the test (rather than leaving the test waiting on it).
+fn refused_at_start(url: &str) -> String {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(bin())
+        .args(["serve", "--console", "off", "--store", url, "--data"])
+        .arg(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    if stdout
+        .lines()
+        .map_while(Result::ok)
+        .any(|l| l.starts_with("estop ready"))
+    {
+        child.kill().unwrap();
+        child.wait().unwrap();
+        panic!("a node started on {url}");
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "started on {url}: {stderr}");
+    stderr
+}
+
+/// TLS to the database: a server of the test's own with a certificate for `localhost` from a CA
+/// the test makes, refusing every connection without TLS. `sslmode=verify-full` with that CA
+/// connects (and the server sees the node's sessions encrypted); with another CA, or to a host
+/// the certificate does not name, the node does not start; `verify-ca` checks the chain but not
+/// the name; `require` encrypts without checking; `disable` is refused by the server.
+#[test]
+fn tls_to_the_database_honours_sslmode() {
+    if server().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("estop-test-pg-tls-{}", std::process::id()));
+    let base = common::pg::start_private(&dir, &[]);
+    let plain = common::pg::database_on(&base);
+    let db_name = plain.rsplit_once('/').unwrap().1.to_string();
+    let port = base
+        .rsplit_once(':')
+        .unwrap()
+        .1
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let data = dir.join("data");
+    let (ca, cert, key) = tls_material();
+    let (other_ca, _, _) = tls_material();
+    let owner = std::fs::metadata(&data).unwrap();
+    for (name, pem) in [("server.crt", &cert), ("server.key", &key)] {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let path = data.join(name);
+        std::fs::write(&path, pem).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::os::unix::fs::chown(&path, Some(owner.uid()), Some(owner.gid())).unwrap();
+    }
+    let keys = tempfile::tempdir().unwrap();
+    let (ca_file, other_file) = (keys.path().join("ca.pem"), keys.path().join("other.pem"));
+    std::fs::write(&ca_file, &ca).unwrap();
+    std::fs::write(&other_file, &other_ca).unwrap();
+    let hba = std::fs::read_to_string(data.join("pg_hba.conf")).unwrap();
+    std::fs::write(
+        data.join("pg_hba.conf"),
+        format!("hostnossl all all 0.0.0.0/0 reject\nhostnossl all all ::/0 reject\n{hba}"),
+    )
+    .unwrap();
+    let mut admin = sql(&base);
+    admin.batch_execute("ALTER SYSTEM SET ssl = on").unwrap();
+    admin.batch_execute("SELECT pg_reload_conf()").unwrap();
+    // The reload is the server's to do: wait until it refuses a connection without TLS.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while postgres::Client::connect(&plain, postgres::NoTls).is_ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the server still takes plain connections"
+        );
+        std::thread::yield_now();
+    }
+    let url = |host: &str, query: &str| format!("postgres://estop@{host}:{port}/{db_name}?{query}");
+    let full = url(
+        "localhost",
+        &format!("sslmode=verify-full&sslrootcert={}", ca_file.display()),
+    );
+    let d = node(&full);
+    assert_eq!(
+        verdict(&admit(&mut d.agent(), "tls", "k", "pay", json!({}))),
+        "admitted"
+    );
+    let encrypted: i64 = estop_server::pgstore::Target::parse(&full)
+        .unwrap()
+        .connect()
+        .unwrap()
+        .query_one(
+            "SELECT count(*) FROM pg_stat_ssl JOIN pg_stat_activity USING (pid)
+              WHERE ssl AND application_name = 'estop' AND datname = $1",
+            &[&db_name],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        encrypted >= 3,
+        "the node's two sessions and this one: {encrypted}"
+    );
+    drop(d);
+    let said = refused_at_start(&url(
+        "localhost",
+        &format!("sslmode=verify-full&sslrootcert={}", other_file.display()),
+    ));
+    assert!(said.contains("certificate"), "{said}");
+    let said = refused_at_start(&url(
+        "127.0.0.1",
+        &format!("sslmode=verify-full&sslrootcert={}", ca_file.display()),
+    ));
+    assert!(said.contains("certificate"), "{said}");
+    let ca_only = url(
+        "127.0.0.1",
+        &format!("sslmode=verify-ca&sslrootcert={}", ca_file.display()),
+    );
+    let d = node(&ca_only);
+    assert_eq!(
+        verdict(&admit(&mut d.agent(), "tls", "k", "pay", json!({}))),
+        "duplicate"
+    );
+    drop(d);
+    let d = node(&url("127.0.0.1", "sslmode=require"));
+    assert_eq!(
+        verdict(&admit(&mut d.agent(), "tls", "k2", "pay", json!({}))),
+        "admitted"
+    );
+    drop(d);
+    let said = refused_at_start(&url("127.0.0.1", "sslmode=disable"));
+    assert!(
+        said.contains("no encryption") || said.contains("pg_hba"),
+        "{said}"
+    );
+    common::pg::control("stop", &dir);
+}
+
+/// `estop ledger show|verify` read the database a node writes to (named by the `store.url` it
+/// keeps in its data directory, mode 0600): every record shown, and a gap found.
+#[test]
+fn ledger_show_and_verify_read_the_database() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(url) = database() else { return };
+    let mut d = node(&url);
+    let mut a = d.agent();
+    for i in 0..3 {
+        admit(&mut a, "shown", &format!("k{i}"), "pay", json!({}));
+    }
+    let mode = std::fs::metadata(d.data().join("store.url"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    d.kill9();
+    let (code, out, err) = d.cli(&["ledger", "show", "--run", "shown"]);
+    assert_eq!((code, out.matches(" admit ").count()), (0, 3), "{out}{err}");
+    let (code, out, _) = d.cli(&["ledger", "verify", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((code, v["ok"].as_bool()), (0, Some(true)), "{out}");
+    sql(&url)
+        .execute("DELETE FROM estop_ledger WHERE seq = 2", &[])
+        .unwrap();
+    let (code, out, _) = d.cli(&["ledger", "verify"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("seq 2 is missing"), "{out}");
 }

@@ -89,9 +89,11 @@ impl Work {
         match self {
             Work::Ledger { run, after, page } => {
                 let dir = shared.ledger_dir.clone();
+                let store = shared.store.clone();
                 let durable = shared.durable_rx.borrow().seq;
-                let res = tokio::task::spawn_blocking(move || {
-                    ledger_entries(&dir, run.as_ref(), after, durable, page)
+                let res = tokio::task::spawn_blocking(move || match store {
+                    Some(target) => pg_ledger_entries(&target, run.as_ref(), after, durable, page),
+                    None => ledger_entries(&dir, run.as_ref(), after, durable, page),
                 })
                 .await;
                 match res {
@@ -472,6 +474,44 @@ fn ledger_entries(
     })
 }
 
+/// `ledger_entries` for the PostgreSQL store: the committed records read from the database, a
+/// page of them at a time.
+fn pg_ledger_entries(
+    target: &crate::pgstore::Target,
+    run: Option<&RunId>,
+    mut after: u64,
+    durable: u64,
+    mut page: PageBudget,
+) -> Result<wire::LedgerReply, String> {
+    let mut db = target.connect().map_err(|e| e.to_string())?;
+    let run = run.map(|r| r.as_str());
+    let mut entries = Vec::new();
+    loop {
+        let rows = crate::pgstore::records_page(&mut db, after, durable, run)
+            .map_err(|e| e.to_string())?;
+        let Some(last) = rows.last().map(|(seq, _)| *seq) else {
+            return Ok(wire::LedgerReply {
+                entries,
+                next_after: None,
+            });
+        };
+        for (seq, bytes) in &rows {
+            let rec = estop_kernel::record_codec::decode_record(bytes)
+                .map_err(|e| format!("record {seq} in the database does not decode: {e}"))?;
+            let entry = crate::describe::entry(*seq, &rec);
+            if !page.take(entry.weight()) {
+                let next_after = entries.last().map_or(after, |e: &wire::LedgerEntry| e.seq);
+                return Ok(wire::LedgerReply {
+                    entries,
+                    next_after: Some(next_after),
+                });
+            }
+            entries.push(entry);
+        }
+        after = last;
+    }
+}
+
 pub use crate::shared::{ask, send};
 
 #[cfg(test)]
@@ -809,6 +849,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
             durable_rx: tokio::sync::watch::channel(DurableState::default()).1,
             opts: ConnOptions::default(),
             ledger_dir: dir.to_path_buf(),
+            store: None,
             next_conn: AtomicU64::new(1),
         }
     }

@@ -28,18 +28,20 @@ pub fn shell(
         .map_err(|e| StoreError::Node(format!("no randomness for the node id: {e}")))?;
     let node: String = node.iter().map(|b| format!("{b:02x}")).collect();
     let wake = Arc::new(AtomicBool::new(false));
-    let mut core = core_opts.clone();
-    // The database keeps every record; snapshots of the gate are not written there yet.
-    core.snapshot_every_records = u64::MAX;
+    // Snapshots go into the database (`estop_snapshot`) with a burst's commit, as often as
+    // the ledger's (`--snapshot-every`).
+    let core = core_opts.clone();
     let limits = limits.clone();
     let open_target = target.clone();
     let open: crate::core::PgOpenFn = Box::new(move || {
-        let opened = open(&open_target, &limits)?;
+        // The gate is rebuilt over a plain connection; the bursts go over a pipelined one
+        // (`pgconn`), whose first read starts after the last record loaded here.
+        let (_, gate, last) = open(&open_target, &limits)?;
+        let conn = crate::pgconn::BurstConn::connect(&open_target)?;
         crate::log::info(&format!(
-            "store: PostgreSQL schema version {SCHEMA_VERSION}, gate rebuilt from {} records",
-            opened.2
+            "store: PostgreSQL schema version {SCHEMA_VERSION}, gate rebuilt from {last} records"
         ));
-        Ok(opened)
+        Ok((conn, gate, last))
     });
     let shell = crate::core::PgShell::new(
         core,

@@ -267,6 +267,7 @@ pub fn run_with(
         }
         Some(url) => {
             let core = crate::pgnode::shell(&opts.core, &opts.limits, url, &durable_tx, &core_tx)?;
+            crate::pgstore::remember(&data, url)?;
             Box::new(move || core.run(core_rx))
         }
     };
@@ -282,6 +283,10 @@ pub fn run_with(
         durable_rx,
         opts: opts.conn.clone(),
         ledger_dir,
+        store: match &opts.store {
+            Some(url) => Some(crate::pgstore::Target::parse(url)?),
+            None => None,
+        },
         next_conn: AtomicU64::new(1),
     });
     if created {

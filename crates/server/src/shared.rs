@@ -75,6 +75,8 @@ pub struct Shared {
     pub durable_rx: watch::Receiver<DurableState>,
     pub opts: ConnOptions,
     pub ledger_dir: PathBuf,
+    /// The PostgreSQL store, when the records live there rather than in `ledger_dir`.
+    pub store: Option<crate::pgstore::Target>,
     pub next_conn: AtomicU64,
 }
 

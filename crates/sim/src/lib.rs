@@ -5,6 +5,8 @@
 //! * [`diff`] — differential conformance of kernel and model over seeded random traces.
 //! * [`check`] — a bounded, exhaustive model checker of the kernel with trace properties
 //!   (P1–P10) and crash + recovery through the real ledger.
+//! * [`pgdiff`] — the same differential with every record committed to PostgreSQL by the
+//!   store's code and the gate rebuilt from the database (a node starting, another catching up).
 //! * [`shipped`] — the simulation: the shipped path (the daemon's core, committer, reply
 //!   release and recovery) driven on one thread under power loss, kills at every disk
 //!   operation and disk faults, with an auditor of the history and of everything acknowledged.
@@ -16,6 +18,8 @@
 pub mod check;
 pub mod diff;
 pub mod model;
+#[cfg(feature = "server")]
+pub mod pgdiff;
 pub mod rng;
 #[cfg(feature = "server")]
 pub mod shipped;

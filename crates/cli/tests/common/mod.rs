@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod pg;
+
 use estop_protocol::{ClientReply, ServerLine, parse_server_line};
 use estop_server::client::{Client, ClientError};
 use serde_json::{Value, json};
@@ -64,11 +66,21 @@ impl Daemon {
     pub fn start_with_policy(policy: &str, extra: &[&str]) -> Daemon {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("policy.toml"), policy).unwrap();
+        let mut extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        if pg::suite_on_postgres() && !extra.iter().any(|a| a == "--store") {
+            // The same suite on the other store: this daemon is a node on a fresh database.
+            match pg::database() {
+                Some(url) => extra.extend(["--store".to_string(), url]),
+                None => {
+                    eprintln!("ESTOP_TEST_SKIP_POSTGRES=1: this daemon runs on the embedded ledger")
+                }
+            }
+        }
         let mut d = Daemon {
             dir,
             child: None,
             ready: String::new(),
-            extra: extra.iter().map(|s| s.to_string()).collect(),
+            extra,
         };
         d.spawn();
         d

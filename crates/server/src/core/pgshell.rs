@@ -1,35 +1,38 @@
 //! The core's shell over PostgreSQL (`estop serve --store postgres://…`, docs/STORES.md): the
 //! same core, its actions executed against the database instead of the embedded ledger.
 //!
-//! A burst is one transaction: `begin` takes the writers' advisory lock and applies the records
-//! other nodes committed since this node's last (`Core::catch_up`); the core then applies the
-//! burst's messages, numbering its records on from the database's last; `commit` inserts them
-//! and commits (`synchronous_commit = on`), and only then are the replies that depend on them
+//! A burst is one transaction in two round trips (`pgconn::BurstConn`, pipelined): `begin` takes
+//! the writers' advisory lock and applies the records other nodes committed since this node's
+//! last (`Core::catch_up`, page by page for a node far behind); the core then applies the burst's
+//! messages, numbering its records on from the database's last; `commit` inserts them and
+//! commits (`synchronous_commit = on`), and only then are the replies that depend on them
 //! released (G6). Anything the database refuses fails the node closed: what was not committed
 //! is answered `unavailable`, and the gate is rebuilt from the database (retried every second).
 
 use super::shell::deliver;
 use super::*;
 use crate::durable::{DurableState, Release};
-use crate::pgstore::{self, NewRecord, StoreError};
+use crate::pgconn::{BurstConn, CATCH_UP_PAGE, Snapshot};
+use crate::pgstore::{NewRecord, StoreError};
 use estop_kernel::record_codec::RecordDecoder;
-use postgres::Client;
 use std::sync::atomic::AtomicBool;
 use tokio::sync::watch;
 
 /// Connects to the database, migrates it and rebuilds the gate (`pgstore::open`).
-pub type PgOpenFn = Box<dyn FnMut() -> Result<(Client, Gate, u64), StoreError> + Send>;
+pub type PgOpenFn = Box<dyn FnMut() -> Result<(BurstConn, Gate, u64), StoreError> + Send>;
 
 /// The core and what executes its actions against PostgreSQL.
 pub struct PgShell {
     core: Core,
     /// `None` from a failure until the database is reopened.
-    db: Option<Client>,
+    db: Option<BurstConn>,
     open: PgOpenFn,
     /// A burst's transaction is open (the advisory lock is held).
     in_tx: bool,
     /// The burst's records, inserted at its commit.
     pending: Vec<NewRecord>,
+    /// A snapshot of the gate the core asked for, written with the burst's commit.
+    snapshot: Option<Snapshot>,
     decoder: RecordDecoder,
     durable_tx: Arc<watch::Sender<DurableState>>,
     release: Arc<Release>,
@@ -68,6 +71,7 @@ impl PgShell {
             open,
             in_tx: false,
             pending: Vec::new(),
+            snapshot: None,
             decoder: RecordDecoder::default(),
             durable_tx,
             release,
@@ -101,25 +105,37 @@ impl PgShell {
             return; // Down: the core answers `unavailable`; recovery runs on its timer.
         }
         let Some(db) = self.db.as_mut() else { return };
-        let last = self.core.last_seq();
-        let read = (|| -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
-            db.batch_execute("BEGIN")?;
-            db.execute("SELECT pg_advisory_xact_lock($1)", &[&pgstore::LEDGER_LOCK])?;
-            pgstore::records_after(db, last)
-        })();
-        match read {
+        match db.begin(self.core.last_seq()) {
             Ok(records) => {
                 self.in_tx = true;
-                if let Some((caught_up, _)) = records.last() {
-                    let caught_up = *caught_up;
-                    match self.core.catch_up(&records) {
-                        // They were committed by their nodes: durable already.
-                        Ok(()) => self.durable(caught_up),
-                        Err(e) => self.fail(&format!("catching up: {e}")),
-                    }
-                }
+                self.catch_up(records);
             }
             Err(e) => self.fail(&format!("starting a transaction: {e}")),
+        }
+    }
+
+    /// Applies what other nodes committed, a page at a time: a full page means there may be
+    /// more, read in the same transaction once this one is applied (a node far behind holds one
+    /// page in memory, not the whole gap).
+    fn catch_up(&mut self, mut records: Vec<(u64, Vec<u8>)>) {
+        loop {
+            let Some((caught_up, _)) = records.last() else {
+                return;
+            };
+            let caught_up = *caught_up;
+            match self.core.catch_up(&records) {
+                // They were committed by their nodes: durable already.
+                Ok(()) => self.durable(caught_up),
+                Err(e) => return self.fail(&format!("catching up: {e}")),
+            }
+            if (records.len() as i64) < CATCH_UP_PAGE {
+                return;
+            }
+            let Some(db) = self.db.as_mut() else { return };
+            records = match db.page(caught_up) {
+                Ok(r) => r,
+                Err(e) => return self.fail(&format!("catching up after seq {caught_up}: {e}")),
+            };
         }
     }
 
@@ -166,8 +182,9 @@ impl PgShell {
             match action {
                 Action::Append { seq, bytes } => self.append(seq, &bytes),
                 Action::Commit { .. } | Action::Flush => self.finish(),
-                // The database keeps every record: no snapshot to write (docs/STORES.md).
-                Action::Snapshot { .. } => self.core.snapshot_done(),
+                // Written with the burst's commit; the core asks for it from its timers, which
+                // run inside a burst.
+                Action::Snapshot { seq, bytes } => self.snapshot = Some(Snapshot { seq, bytes }),
                 Action::FailLedger => self.fail_store(),
                 Action::Recover => self.recover(),
                 other => deliver(&mut self.core, &self.release, other),
@@ -208,23 +225,25 @@ impl PgShell {
         {
             self.durable(r.seq);
         }
+        let snapshot = self.snapshot.take();
         let Some(db) = self.db.as_mut() else { return };
-        let Some(last) = records.last().map(|r| r.seq) else {
-            if let Err(e) = db.batch_execute("COMMIT") {
-                self.fail(&format!("ending a read: {e}"));
+        // A burst that appended nothing still ends its transaction (and the lock): then only
+        // `COMMIT` is sent.
+        let last = records.last().map(|r| r.seq);
+        let payload = format!("{} {}", self.node, last.unwrap_or(0));
+        match db.commit(&records, snapshot.as_ref(), &payload) {
+            Ok(()) => {
+                if let Some(last) = last {
+                    self.durable(last);
+                }
+                if snapshot.is_some() {
+                    self.core.snapshot_done();
+                }
             }
-            return;
-        };
-        let payload = format!("{} {last}", self.node);
-        let done = (|| -> Result<(), StoreError> {
-            pgstore::insert(db, &records)?;
-            db.execute("SELECT pg_notify($1, $2)", &[&pgstore::CHANNEL, &payload])?;
-            db.batch_execute("COMMIT")?;
-            Ok(())
-        })();
-        match done {
-            Ok(()) => self.durable(last),
-            Err(e) => self.fail(&format!("committing seq {}..={last}: {e}", records[0].seq)),
+            Err(e) => self.fail(&format!(
+                "committing the burst after seq {}: {e}",
+                self.durable_tx.borrow().seq
+            )),
         }
     }
 
@@ -250,6 +269,7 @@ impl PgShell {
         ));
         self.in_tx = false;
         self.pending.clear();
+        self.snapshot = None;
         self.core.append_failed();
     }
 
