@@ -21,6 +21,10 @@ tool = "files__echo"
 action = "allow"
 
 [[rules]]
+tool = "sandbox.run"
+action = "allow"
+
+[[rules]]
 tool = "files__block"
 when = 'has(args.text) && args.text == "hold"'
 action = "approve"
