@@ -262,6 +262,10 @@ pub fn remember(data: &std::path::Path, url: &str) -> Result<(), StoreError> {
             .truncate(true)
             .mode(0o600)
             .open(&path)?;
+        // `mode` applies only to a file it creates: one left with a looser mode is narrowed
+        // before the URL (its password) is written into it.
+        use std::os::unix::fs::PermissionsExt;
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
         f.write_all(url.as_bytes())?;
         f.write_all(b"\n")
     };
