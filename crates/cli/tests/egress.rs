@@ -1996,7 +1996,8 @@ fn a_filesystem_ruleset_confines_what_the_sandbox_reads_and_writes() {
 }
 
 /// Sub-agents inside a sandbox: over its protocol socket the agent admits into sub-runs named
-/// under its run (`RUN/…`, each admit naming its parent), never into a run outside its tree;
+/// under its run (`RUN/NAME`, each admit naming the run as parent), never into a run outside
+/// its tree (nor one level deeper, whose parent the kernel could make unlinked);
 /// a cancel of the sandbox's run reaches them. A sandbox cannot be started under a name that
 /// would put another run's tree under its prefix.
 #[test]
@@ -2015,6 +2016,7 @@ print(admit(run + "/child", parent=run))
 print(admit(run + "/child/grand", parent=run + "/child"))
 print(admit(run + "/orphan"))
 print(admit("elsewhere", parent=run))
+print(admit(run + "/sibling", parent=run))
 print("ready", flush=True)
 sys.stdin.readline()
 "#;
@@ -2026,14 +2028,14 @@ sys.stdin.readline()
         assert_ne!(out.read_line(&mut seen).unwrap(), 0, "{seen}");
     }
     assert_eq!(
-        seen, "admitted\nadmitted\nforbidden\nforbidden\nready\n",
-        "sub-runs under the run's name with their parent; nothing else"
+        seen, "admitted\nforbidden\nforbidden\nforbidden\nadmitted\nready\n",
+        "sub-runs one level under the run's name with the run as parent; nothing else"
     );
     ok(
         &mut op,
         json!({"op": "cancel", "run": "boss", "reason": "stop all"}),
     );
-    for sub in ["boss/child", "boss/child/grand"] {
+    for sub in ["boss/child", "boss/sibling"] {
         // Fenced: `finalizing` while its started effect is settled, then `cancelled`.
         let v = ok(&mut op, json!({"op": "status", "run": sub}));
         assert_eq!(v["cause"], "cancelled", "{sub}: {v}");

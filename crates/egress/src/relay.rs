@@ -126,12 +126,14 @@ impl Relay {
         }
     }
 
-    /// A sub-run of this run: `RUN/…` (any depth). Only this sandbox's relay serves names
-    /// under its run's prefix, so another sandbox cannot create or reach them.
+    /// A sub-run of this run: `RUN/NAME`, one level, `NAME` without `/`. Only this sandbox's
+    /// relay serves names under its run's prefix, so another sandbox cannot create or reach
+    /// them. One level, because a deeper sub-run's parent would be a sub-run the kernel may
+    /// have made on the spot, unlinked, which this run's cancel would not reach.
     fn in_tree(&self, run: &str) -> bool {
         run.strip_prefix(self.run.as_str())
             .and_then(|rest| rest.strip_prefix('/'))
-            .is_some_and(|rest| !rest.is_empty())
+            .is_some_and(|name| !name.is_empty() && !name.contains('/'))
     }
 
     /// None: forward the line as it is. Some: the answer given here instead (a whole line).
@@ -170,13 +172,15 @@ impl Relay {
                         format!("{}/…", self.run)
                     ));
                 }
-                // A sub-run `X/Y` names its parent `X` on every admit (the first creates it):
-                // names and the run tree agree, and a cancel of this run reaches it.
-                let above = run.rsplit_once('/').map_or("", |(above, _)| above);
+                // A sub-run names this run as its parent on every admit (the first creates it):
+                // a cancel of this run reaches it.
                 match op {
-                    Op::Admit(a) if a.parent.as_ref().map(|p| p.as_str()) != Some(above) => {
+                    Op::Admit(a)
+                        if a.parent.as_ref().map(|p| p.as_str()) != Some(self.run.as_str()) =>
+                    {
                         refuse(format!(
-                            "an admit to sub-run {run:?} names its parent: \"parent\": {above:?}"
+                            "an admit to sub-run {run:?} names its parent: \"parent\": {:?}",
+                            self.run
                         ))
                     }
                     _ => None,
@@ -232,19 +236,20 @@ mod tests {
         assert!(!pass(
             r#"{"id":1,"op":"decide","run":"r1","key":"k","decision":"approve"}"#
         ));
-        // Sub-runs: `r1/…`, each admit naming its parent by the name's prefix.
+        // Sub-runs: `r1/NAME`, each admit naming r1 as its parent.
         assert!(pass(
             r#"{"id":1,"op":"admit","run":"r1/a","parent":"r1","key":"k","tool":"t","args":{}}"#
-        ));
-        assert!(pass(
-            r#"{"id":1,"op":"admit","run":"r1/a/b","parent":"r1/a","key":"k","tool":"t","args":{}}"#
         ));
         assert!(pass(r#"{"id":1,"op":"cancel","run":"r1/a"}"#));
         for refused in [
             // No parent: the sub-run would not be in this run's tree.
             r#"{"id":1,"op":"admit","run":"r1/a","key":"k","tool":"t","args":{}}"#,
-            // A parent that is not the name's prefix.
+            // Deeper than one level: its parent could be a run the kernel makes unlinked.
+            r#"{"id":1,"op":"admit","run":"r1/a/b","parent":"r1/a","key":"k","tool":"t","args":{}}"#,
             r#"{"id":1,"op":"admit","run":"r1/a/b","parent":"r1","key":"k","tool":"t","args":{}}"#,
+            r#"{"id":1,"op":"admit","run":"r1//b","parent":"r1/","key":"k","tool":"t","args":{}}"#,
+            // A parent other than this run.
+            r#"{"id":1,"op":"admit","run":"r1/a","parent":"r2","key":"k","tool":"t","args":{}}"#,
             // Names that only look like sub-runs.
             r#"{"id":1,"op":"admit","run":"r10","parent":"r1","key":"k","tool":"t","args":{}}"#,
             r#"{"id":1,"op":"admit","run":"r1/","parent":"r1","key":"k","tool":"t","args":{}}"#,
