@@ -33,6 +33,8 @@ pub fn decide(
             d.approvals.len(),
             d.quorum
         ),
+        // A reject records no approver: say nothing rather than an empty list.
+        status if d.approvals.is_empty() => format!("{status} ({} {})", esc(&run), esc(&key)),
         status => format!(
             "{status} ({} {}; approvers: {approvals})",
             esc(&run),

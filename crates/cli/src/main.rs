@@ -197,6 +197,17 @@ fn main() -> ExitCode {
         return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
     let cli = Cli::parse();
+    if prints_and_ends(&cli.command) {
+        // Rust ignores SIGPIPE, so `estop runs | head` would panic on the closed pipe. A
+        // command that prints and ends dies of the signal instead, as `ls | head` does.
+        // The long-lived commands keep it ignored: a daemon, a sandbox supervisor or a
+        // gateway must not die because one peer went away.
+        // SAFETY: set once at start, before any thread exists.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match run(cli.command) {
         Ok(code) => ExitCode::from(code),
         Err(f) => {
@@ -205,6 +216,14 @@ fn main() -> ExitCode {
             ExitCode::from(f.code)
         }
     }
+}
+
+/// Every command but the long-lived ones (the daemon, `run`, `mcp`, `agent`, `bench`).
+fn prints_and_ends(command: &Cmd) -> bool {
+    !matches!(
+        command,
+        Cmd::Serve(_) | Cmd::Run(_) | Cmd::Mcp(_) | Cmd::Agent { .. } | Cmd::Bench(_)
+    )
 }
 
 fn fail(e: anyhow::Error) -> Failure {

@@ -1279,6 +1279,12 @@ fn cli_output_is_pinned() {
         run(&["runs", "--state", "bogus"]),
         "1\nestop: invalid_field: invalid field `state`: \"bogus\" is not one of active, paused, finalizing, completed, failed, cancelled\n"
     );
+    // A reject names no approver, and the line does not pretend there is a list.
+    admit(&mut a, "r2", "k4", "refund", json!({"n": 4}));
+    assert_eq!(
+        run(&["reject", "r2", "k4", "--reason", "no"]),
+        "0\nrejected (r2 k4)\n"
+    );
 }
 
 /// Times (Unix ms) as `T` and seconds left as `Ns`, so output compares exactly.
@@ -1303,4 +1309,30 @@ fn mask(text: &str) -> String {
     }
     out.push_str(rest);
     out
+}
+
+/// `estop runs | head -0`: the reader went away before the listing was written. The command
+/// ends as a Unix filter does (killed by SIGPIPE, nothing on stderr), not with a panic.
+#[test]
+fn a_closed_pipe_ends_a_listing_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let d = Daemon::start();
+    let mut a = d.agent();
+    admit(&mut a, "r1", "k1", "pay", json!({}));
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = std::process::Command::new(common::bin())
+        .args(["runs", "--data"])
+        .arg(d.data())
+        .stdout(writer)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?} {stderr}",
+        out.status
+    );
 }
