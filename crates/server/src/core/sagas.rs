@@ -11,6 +11,9 @@
 //! Offering happens in `fire_timers`, after the burst of messages that made a saga due, never
 //! in the middle of applying another command.
 //!
+//! A call a stopped run's agent left in flight and never reported becomes `unknown`
+//! `in_flight_timeout_ms` after the stop (`unreported`), without a human.
+//!
 //! An unknown outcome whose tool declares a `lookup` is offered the same way: a `lookup` event
 //! (the forward call's arguments and idempotency key) claimed by a `LookupBegin` record, and
 //! answered with `looked_up`. A due compensation that cannot be issued — its arguments cannot
@@ -149,6 +152,7 @@ impl Core {
 
     /// Offers what the saga of `run` has for an executor, if anything.
     fn offer(&mut self, run: &RunId) {
+        self.unreported(run);
         let Some((key, next)) = self.gate.saga_next(run) else {
             self.offered.remove(run);
             return;
@@ -215,6 +219,34 @@ impl Core {
                 conn,
             },
         );
+    }
+
+    /// The calls a stopped run's agent left in flight, once `in_flight_timeout_ms` after the stop
+    /// has passed, become `unknown` (recorded `Unreported` with the timeout, so replay is exact),
+    /// then are looked up or asked of a human like any unknown outcome; before that, the run is
+    /// looked at again at the deadline. Every stopped run with a call in flight is finalizing,
+    /// so it passes here whenever it changes and after every restart.
+    fn unreported(&mut self, run: &RunId) {
+        let after_ms = self.opts.in_flight_timeout_ms;
+        let Some(r) = self.gate.run(run) else {
+            return;
+        };
+        let Some(at) = saga::unreported_at(r, after_ms) else {
+            return;
+        };
+        if at > self.now {
+            self.saga_timers.insert((at, run.clone()));
+            return;
+        }
+        let keys: Vec<EffectKey> = saga::left_in_flight(r).cloned().collect();
+        for key in keys {
+            let cmd = Command::SagaStep {
+                run: run.clone(),
+                key,
+                step: SagaStep::Unreported { after_ms },
+            };
+            let _ = self.apply_reply(&system_principal(), cmd);
+        }
     }
 
     /// Claims attempt `attempt` for executor `i`: its arguments built now and checked against
