@@ -35,6 +35,9 @@ pub(super) struct Executor {
     pub(super) backlog: Arc<AtomicUsize>,
 }
 
+/// `Offered::conn` of an attempt another node began (PostgreSQL store): no connection here.
+const ELSEWHERE: u64 = u64::MAX;
+
 /// The attempt a run's saga head was offered, and to which connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Offered {
@@ -88,6 +91,32 @@ impl Core {
             self.offered.remove(&run);
             self.saga_due.insert(run);
         }
+    }
+
+    /// Several nodes (PostgreSQL): a begin of an attempt or a lookup another node recorded, as
+    /// this node catches up, makes that attempt the other node's. Each begin is recorded under
+    /// the writers' lock after catching up, so only one node ever begins an attempt, and only
+    /// the node that began it offers it (again, if its executor goes); this node looks at it
+    /// again only after its own restart or recovery (as after a crash of a single node).
+    pub(super) fn begun_elsewhere(&mut self, cmd: &Command) {
+        let (run, key, attempt, lookup) = match cmd {
+            Command::CompensationBegin {
+                run, key, attempt, ..
+            } => (run, key, *attempt, false),
+            Command::SagaStep {
+                run,
+                key,
+                step: SagaStep::LookupBegin { attempt },
+            } => (run, key, *attempt, true),
+            _ => return,
+        };
+        let offered = Offered {
+            key: key.clone(),
+            attempt,
+            lookup,
+            conn: ELSEWHERE,
+        };
+        self.offered.insert(run.clone(), offered);
     }
 
     /// After a restart or a recovery nothing is offered to anyone: every open saga is looked
@@ -171,7 +200,7 @@ impl Core {
                     o.key == key
                         && o.attempt == attempt
                         && o.lookup == lookup
-                        && self.executors.iter().any(|x| x.conn == o.conn)
+                        && (o.conn == ELSEWHERE || self.executors.iter().any(|x| x.conn == o.conn))
                 });
                 if live {
                     return;
