@@ -78,6 +78,10 @@ pub struct ServeArgs {
     /// after that the id is new to the gate.
     #[arg(long, default_value = "28d")]
     pub tombstone_retention: String,
+    /// A call a stopped run's agent left in flight and has not reported this long after the
+    /// stop becomes `unknown` (then its lookup, or a human, settles it); 1s to 7d.
+    #[arg(long, default_value = "10m")]
+    pub in_flight_timeout: String,
     /// Most runs held in state (live, and stopped ones not yet forgotten); 1% is reserved for
     /// operators.
     #[arg(long, default_value_t = Limits::default().runs_max)]
@@ -190,8 +194,23 @@ fn options(a: ServeArgs) -> Result<ServeOptions> {
             a.retention
         ));
     }
+    opts.core.in_flight_timeout_ms = in_flight_timeout(&a.in_flight_timeout)?;
     opts.limits = limits?;
     Ok(opts)
+}
+
+/// `--in-flight-timeout` within its bounds.
+fn in_flight_timeout(text: &str) -> Result<u64> {
+    use estop_server::core::{IN_FLIGHT_TIMEOUT_MAX_MS, IN_FLIGHT_TIMEOUT_MIN_MS};
+    let v = estop_policy::parse_duration_ms(text)
+        .map_err(|e| anyhow!("--in-flight-timeout {text}: {e}"))?;
+    if !(IN_FLIGHT_TIMEOUT_MIN_MS..=IN_FLIGHT_TIMEOUT_MAX_MS).contains(&v) {
+        return Err(anyhow!(
+            "--in-flight-timeout {text} is outside 1s..=7d: a call left in flight must have time \
+             to report, and a dead agent's call must not hold its run's saga for longer"
+        ));
+    }
+    Ok(v)
 }
 
 /// The kernel's bounds: its defaults, with the ones the flags set; none may be 0.
@@ -217,4 +236,20 @@ fn limits(a: &ServeArgs) -> Result<Limits> {
         tombstones_max: a.tombstones_max,
         ..Limits::default()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_flight_timeout;
+
+    #[test]
+    fn in_flight_timeout_is_bounded() {
+        assert_eq!(in_flight_timeout("10m").unwrap(), 600_000);
+        assert_eq!(in_flight_timeout("1s").unwrap(), 1_000);
+        assert_eq!(in_flight_timeout("7d").unwrap(), 7 * 24 * 3600 * 1000);
+        for bad in ["999ms", "0s", "8d", "soon"] {
+            let e = in_flight_timeout(bad).unwrap_err().to_string();
+            assert!(e.contains("--in-flight-timeout"), "{bad}: {e}");
+        }
+    }
 }

@@ -1100,3 +1100,82 @@ fn ledger_show_and_verify_read_the_database() {
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("seq 2 is missing"), "{out}");
 }
+
+const UNDO_POLICY: &str = r#"
+[[rules]]
+tool = "refund"
+action = "allow"
+compensate = "unrefund"
+compensate_args = '{"refund": result.id}'
+"#;
+
+/// The `compensate` events `c` was sent before the replies to two requests of its own (a
+/// node offers in the timer pass after a burst, so an offer the first request's burst led to
+/// comes before the second's reply).
+fn compensates_sent(c: &mut estop_server::client::Client) -> Vec<String> {
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        let id = c.raw_next_id();
+        let line = format!(r#"{{"id":{id},"op":"status","run":"r1"}}"#);
+        c.raw_send_line(line.as_bytes()).unwrap();
+        loop {
+            let line = c.raw_read_line().unwrap();
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+            if v["event"] == "compensate" {
+                got.push(line);
+            } else if v["id"] == id {
+                break;
+            }
+        }
+    }
+    got
+}
+
+#[test]
+fn a_cancel_on_one_node_is_undone_through_the_other_and_each_attempt_offered_by_one_node() {
+    let Some(url) = database() else { return };
+    let args = ["--store", url.as_str(), "--console", "off"];
+    let n1 = Daemon::start_with_policy(UNDO_POLICY, &args);
+    let n2 = Daemon::start_with_policy(UNDO_POLICY, &args);
+    let mut a = n1.agent();
+    let v = admit(&mut a, "r1", "k1", "refund", json!({}));
+    ok(
+        &mut a,
+        json!({"op": "complete", "run": "r1", "key": "k1", "token": v["token"],
+               "outcome": "ok", "result": {"id": "re_1"}}),
+    );
+    let mut ex2 = n2.agent();
+    ok(&mut ex2, json!({"op": "compensations", "run": "r1"}));
+    ok(&mut n1.operator(), json!({"op": "cancel", "run": "r1"}));
+    // Node 2 catches up node 1's cancel and offers the undo to its executor: nothing else
+    // wakes node 2's saga.
+    let e = loop {
+        let ev = ex2.next_event().unwrap().expect("an event");
+        if ev.event == estop_protocol::EventKind::Compensate {
+            break ev;
+        }
+    };
+    assert_eq!(
+        (e.key.as_deref(), e.attempt, e.args.clone()),
+        (Some("k1"), Some(1), Some(json!({"refund": "re_1"})))
+    );
+    // An executor on node 1 now: node 1 catches up node 2's begin, so the attempt under way is
+    // node 2's, and node 1 does not offer it a second time.
+    let mut ex1 = n1.agent();
+    ok(&mut ex1, json!({"op": "compensations", "run": "r1"}));
+    assert_eq!(compensates_sent(&mut ex1), Vec::<String>::new());
+    ok(
+        &mut ex2,
+        json!({"op": "compensated", "run": "r1", "key": "k1", "attempt": 1, "outcome": "ok"}),
+    );
+    let st = ok(&mut n1.operator(), json!({"op": "status", "run": "r1"}));
+    assert_eq!(st["state"], "cancelled", "{st}");
+    let begins: i64 = sql(&url)
+        .query_one(
+            "SELECT count(*) FROM estop_ledger WHERE command = 'compensation_begin'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(begins, 1);
+}

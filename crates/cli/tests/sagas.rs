@@ -608,3 +608,59 @@ fn an_operator_compensates_one_effect_of_a_killed_run_from_the_cli() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--result is not JSON"), "{err}");
 }
+
+#[test]
+fn a_call_a_dead_agent_left_in_flight_is_looked_up_after_the_timeout_without_a_human() {
+    let mut d = Daemon::start_with_policy(LOOKUP_POLICY, &["--in-flight-timeout", "1s"]);
+    {
+        let mut a = d.agent();
+        done(
+            &mut a,
+            "r1",
+            "k1",
+            "refund",
+            json!({"amount": 10}),
+            json!({"id": "re_1"}),
+        );
+        // The agent starts a charge and dies before it reports.
+        let v = admit(&mut a, "r1", "k2", "charge", json!({"amount": 30}));
+        assert_eq!(verdict(&v), "admitted", "{v}");
+        let mut op = d.operator();
+        ok(&mut op, json!({"op": "cancel", "run": "r1"}));
+    }
+    // The deadline is counted from the stop, so it outlives the gate's crash and restart.
+    d.kill9();
+    d.restart();
+    let mut op = d.operator();
+    let mut ex = d.agent();
+    ok(&mut ex, json!({"op": "compensations", "run": "r1"}));
+    // Nobody settles k2: a second after the cancel it is unknown and looked up, newest first.
+    let l = next_of(&mut ex, EventKind::Lookup);
+    assert_eq!(
+        (l.key.as_deref(), l.attempt, l.tool.as_deref()),
+        (Some("k2"), Some(1), Some("find_charge"))
+    );
+    let ledger = ok(&mut op, json!({"op": "ledger", "run": "r1"}));
+    let unreported: Vec<&Value> = ledger["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "unreported")
+        .collect();
+    assert_eq!(unreported.len(), 1, "{ledger}");
+    assert_eq!(unreported[0]["key"], "k2");
+    assert_eq!(unreported[0]["after_ms"], 1000, "{ledger}");
+    // Not found: the charge did not happen, so only the refund is undone, and the run ends.
+    let r = ok(
+        &mut ex,
+        json!({"op": "looked_up", "run": "r1", "key": "k2", "attempt": 1, "outcome": "error"}),
+    );
+    assert_eq!(r["status"], "failed", "{r}");
+    let e = next_compensate(&mut ex);
+    assert_eq!(
+        (e.key.as_deref(), &e.args),
+        (Some("k1"), &Some(json!({"refund": "re_1", "amount": 10})))
+    );
+    compensated(&mut ex, "r1", &e, "ok");
+    assert_eq!(state(&mut op, "r1"), "cancelled");
+}

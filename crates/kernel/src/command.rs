@@ -117,6 +117,10 @@ pub enum SagaStep {
     /// be built, or the policy refuses the compensating call. Deterministic, so no backoff: a
     /// human is asked at once, with `reason`.
     Blocked { attempt: u32, reason: Box<str> },
+    /// The call a stopped run's agent left `started` was not reported within `after_ms` of the
+    /// stop (the gate's `in_flight_timeout` setting, recorded here so replay does not depend on
+    /// today's setting): its outcome becomes `unknown`, settled by its lookup or a human.
+    Unreported { after_ms: u64 },
 }
 
 /// Whether a token was made or revoked.

@@ -459,6 +459,10 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
                     w.u32(*attempt);
                     w.str(reason);
                 }
+                SagaStep::Unreported { after_ms } => {
+                    w.u8(3);
+                    w.u64(*after_ms);
+                }
             }
         }
     }
@@ -654,6 +658,7 @@ impl RecordDecoder {
                         attempt: r.u32()?,
                         reason: r.boxed()?,
                     },
+                    3 => SagaStep::Unreported { after_ms: r.u64()? },
                     t => return Err(r.err(format!("unknown saga step {t}"))),
                 },
             },

@@ -191,6 +191,21 @@ pub fn next(run: &Run) -> Option<(&EffectKey, Next)> {
     Some((key, next))
 }
 
+/// When the calls a stopped run left in flight are taken for unreported (`SagaStep::Unreported`),
+/// `after_ms` after the stop; `None` when the run is not stopped or has nothing in flight.
+pub fn unreported_at(run: &Run, after_ms: u64) -> Option<u64> {
+    let stop = run.stop.as_ref()?;
+    (run.in_flight > 0).then(|| stop.at.saturating_add(after_ms))
+}
+
+/// The calls a stopped run left in flight (`started`), in key order.
+pub fn left_in_flight(run: &Run) -> impl Iterator<Item = &EffectKey> {
+    run.effects
+        .iter()
+        .filter(|(_, e)| run.stop.is_some() && e.status == Status::Started)
+        .map(|(k, _)| k)
+}
+
 /// A compensation not yet attempted, with the full budget of attempts.
 fn fresh() -> Box<Compensation> {
     Box::new(Compensation {

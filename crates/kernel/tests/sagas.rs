@@ -552,3 +552,58 @@ fn a_call_a_stopped_runs_agent_left_in_flight_is_settled_by_an_operator() {
         "#]],
     );
 }
+
+#[test]
+fn a_call_left_in_flight_past_the_deadline_after_the_stop_becomes_unknown() {
+    // The agent of r1 died with k2 (a charge with a lookup) and k3 (an email) in flight. The
+    // gate's timer takes each for unreported 1000 ms after the cancel: k2 is then looked up,
+    // k3 (no compensation) stops keeping the run finalizing. Not before the deadline, not for a
+    // running run, not by an agent, not for a call that reported; the step carries its
+    // deadline, so replay does not read today's setting.
+    check(
+        "
+        0 agent admit r1 k1 refund comp=unrefund
+        1 agent complete r1 k1 1.1 ok
+        2 agent admit r1 k2 charge comp=uncharge lookup=find_charge
+        3 agent admit r1 k3 email
+        4 alice unreported r1 k2 1000
+        5 alice cancel r1
+        1004 alice unreported r1 k2 1000
+        1005 agent unreported r1 k2 1000
+        1005 alice unreported r1 k1 1000
+        1005 alice unreported r1 k2 1000
+        1005 alice unreported r1 k2 1000
+        1006 alice unreported r1 k3 1000
+        1007 agent complete r1 k3 1.3 ok
+        1008 agent admit r2 k1 email
+        1009 alice kill r2
+        1009 alice unreported r2 k1 0
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
+            1 agent complete r1 k1 1.1 ok                => completed
+            2 agent admit r1 k2 charge comp=uncharge lookup=find_charge => admitted 1.2
+            3 agent admit r1 k3 email                    => admitted 1.3
+            4 alice unreported r1 k2 1000                => error saga: effect k2 of run r1: it is in flight and its run is not stopped: its agent reports it
+            5 alice cancel r1                            => run finalizing (1 changed)
+            1004 alice unreported r1 k2 1000             => error saga: effect k2 of run r1: its agent may report it until 1005 (1000 ms after the stop)
+            1005 agent unreported r1 k2 1000             => error forbidden: operation requires the operator role
+            1005 alice unreported r1 k1 1000             => error saga: effect k1 of run r1: it is completed, not left in flight
+            1005 alice unreported r1 k2 1000             => compensation unknown attempt=0
+            1005 alice unreported r1 k2 1000             => error saga: effect k2 of run r1: it is unknown, not left in flight
+            1006 alice unreported r1 k3 1000             => compensation unknown attempt=0
+            1007 agent complete r1 k3 1.3 ok             => completed late
+            1008 agent admit r2 k1 email                 => admitted 1.1
+            1009 alice kill r2                           => run finalizing (1 changed)
+            1009 alice unreported r2 k1 0                => compensation unknown attempt=0
+            --
+            run r1 finalizing stop=cancelled epoch=2 admitted=3 pending=0 in_flight=0
+              k1 refund completed undo=unrefund
+              k2 charge unknown undo=uncharge lookup=find_charge
+              k3 email completed late
+              saga next: k2 Lookup { attempt: 1 }
+            run r2 cancelled stop=killed epoch=2 admitted=1 pending=0 in_flight=0
+              k1 email unknown
+        "#]],
+    );
+}

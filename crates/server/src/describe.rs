@@ -34,6 +34,7 @@ pub fn kind(c: &Command) -> &'static str {
             SagaStep::LookupBegin { .. } => "lookup_begin",
             SagaStep::LookupEnd { .. } => "lookup_end",
             SagaStep::Blocked { .. } => "compensation_blocked",
+            SagaStep::Unreported { .. } => "unreported",
         },
     }
 }
@@ -189,6 +190,9 @@ fn step_fields(step: &SagaStep, fields: &mut Map<String, Value>) {
         SagaStep::Blocked { attempt, reason } => {
             fields.insert("attempt".into(), Value::from(*attempt));
             fields.insert("reason".into(), json!(&**reason));
+        }
+        SagaStep::Unreported { after_ms } => {
+            fields.insert("after_ms".into(), Value::from(*after_ms));
         }
     }
 }

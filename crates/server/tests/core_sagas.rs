@@ -513,3 +513,62 @@ fn an_operator_asking_for_one_compensation_approves_it() {
     let args = Some(serde_json::json!({"refund": "re_4", "amount": 5}));
     assert_eq!(offers(&mut ex), vec![(1, args)]);
 }
+
+/// `admit` started and never reported (its agent died), the run then cancelled (or killed) at
+/// 0, an executor connected (conn 7); the core's timeout for calls left in flight is 5 s.
+fn left_in_flight(admit: Command, kill: bool) -> (Shell, tmpsc::UnboundedReceiver<Out>) {
+    let mut c = core_with(CoreOptions {
+        in_flight_timeout_ms: 5_000,
+        ..CoreOptions::default()
+    });
+    let (tx, _) = tmpsc::unbounded_channel();
+    apply(&mut c, 0, admit, &tx);
+    let cancel = Command::Cancel {
+        run: run(),
+        reason: None,
+        kill,
+    };
+    apply_as(&mut c, alice(), 0, cancel, &tx);
+    let ex = executor(&mut c, 7);
+    (c, ex)
+}
+
+#[test]
+fn a_call_left_in_flight_is_looked_up_once_the_timeout_after_the_stop_has_passed() {
+    let admit = refund_looked_up_by(Some("find_refund"));
+    let (mut c, mut ex) = left_in_flight(admit, false);
+    fire(&mut c, 0);
+    assert_eq!(status(&c), Status::Started);
+    assert!(events(&mut ex).is_empty(), "looked up while in flight");
+    // The core wakes at the deadline, on the gate's clock, and not before.
+    fire(&mut c, 10);
+    assert_eq!(
+        c.next_timeout(at(10)),
+        Some(std::time::Duration::from_millis(4_990))
+    );
+    fire(&mut c, 4_999);
+    assert_eq!(status(&c), Status::Started, "unknown before the deadline");
+    assert!(events(&mut ex).is_empty());
+    fire(&mut c, 5_000);
+    assert_eq!(status(&c), Status::Unknown);
+    let got = events(&mut ex);
+    let lookups: Vec<_> = got
+        .iter()
+        .filter(|e| e.event == wire::EventKind::Lookup)
+        .map(|e| (e.tool.as_deref(), e.attempt))
+        .collect();
+    assert_eq!(lookups, vec![(Some("find_refund"), Some(1))], "{got:?}");
+}
+
+#[test]
+fn a_call_a_killed_runs_agent_left_in_flight_settles_the_run_at_the_timeout() {
+    // No lookup, and a kill (no saga): the call becomes unknown for a human to look at, and the
+    // run, nothing else in flight, reaches its end instead of staying finalizing for ever.
+    let (mut c, mut ex) = left_in_flight(refund(), true);
+    fire(&mut c, 4_999);
+    assert_eq!(c.gate().run(&run()).unwrap().state.as_str(), "finalizing");
+    fire(&mut c, 5_000);
+    assert_eq!(status(&c), Status::Unknown);
+    assert_eq!(c.gate().run(&run()).unwrap().state.as_str(), "cancelled");
+    assert!(events(&mut ex).is_empty(), "a kill compensates nothing");
+}

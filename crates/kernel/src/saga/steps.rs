@@ -1,6 +1,9 @@
 //! The saga's steps the shell takes for the gate (`Command::SagaStep`): settling an unknown
 //! outcome by the tool's declared lookup, and finding that a due compensation cannot be issued.
 //!
+//! A call a stopped run's agent left in flight and never reported (`Unreported`) becomes
+//! `unknown` once the gate's deadline after the stop has passed, and is settled the same way.
+//!
 //! A lookup asks the tool's `lookup` (through an executor, as a compensation is run) whether
 //! the call with this idempotency key happened. Found, the effect is `completed` with the
 //! result the lookup returned (so a compensation built from `result` can be built); not found,
@@ -11,8 +14,8 @@
 
 use super::{Next, fresh, saga_error, settles_after};
 use crate::command::{SagaAction, SagaStep};
-use crate::gate::{Gate, Sink, bounded, check_effect, event};
-use crate::ids::{EffectKey, Principal, RunId};
+use crate::gate::{Gate, Sink, bounded, check_effect, event, settles};
+use crate::ids::{EffectKey, Principal, Role, RunId};
 use crate::reply::{EventKind, KernelError, Reply};
 use crate::state::{Effect, OutcomeRecord, Status};
 use crate::vocab::Outcome;
@@ -116,7 +119,68 @@ impl Gate {
             SagaStep::Blocked { attempt, reason } => {
                 self.blocked(now, p, run_id, key, *attempt, reason, ev)
             }
+            SagaStep::Unreported { after_ms } => {
+                self.unreported(now, p, run_id, key, *after_ms, ev)
+            }
         }
+    }
+
+    /// A call the stopped run's agent left `started` and did not report within `after_ms` of
+    /// the stop becomes `unknown`: the agent is taken for dead, and what happened is found out
+    /// by the tool's lookup or asked of a human, never guessed. Only the gate (an operator
+    /// principal) takes this step, and only once the deadline has passed at `now`.
+    pub(super) fn unreported(
+        &mut self,
+        now: u64,
+        p: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+        after_ms: u64,
+        ev: &mut Sink,
+    ) -> Result<(Reply, bool), KernelError> {
+        if p.role != Role::Operator {
+            return Err(KernelError::Forbidden);
+        }
+        let (run, effect) = self.visible_effect(p, run_id, key)?;
+        let Some(stop) = run.stop.as_ref() else {
+            return Err(saga_error(
+                run_id,
+                key,
+                "it is in flight and its run is not stopped: its agent reports it",
+            ));
+        };
+        if effect.status != Status::Started {
+            return Err(saga_error(
+                run_id,
+                key,
+                format!("it is {}, not left in flight", effect.status.kind()),
+            ));
+        }
+        let due = stop.at.saturating_add(after_ms);
+        if now < due {
+            return Err(saga_error(
+                run_id,
+                key,
+                format!("its agent may report it until {due} ({after_ms} ms after the stop)"),
+            ));
+        }
+        let to = Status::Unknown;
+        check_effect(run_id, key, Some(Status::Started), to)?;
+        let settled = settles(
+            run_id,
+            run.state,
+            run.in_flight - 1,
+            super::open_after(run, key, to),
+            run.stop.as_ref(),
+        )?;
+        self.runs.get_mut(run_id).expect("visible run").in_flight -= 1;
+        let e = self.effect_mut(run_id, key);
+        e.status = to;
+        e.updated_at = now;
+        let answer = lookup_reply(e);
+        ev.push(|| event(run_id, Some(key), EventKind::Compensation));
+        self.settle_saga(run_id, settled, ev);
+        Ok((answer, true))
     }
 
     fn lookup_begin(

@@ -261,6 +261,13 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
                 reason: opt("reason").unwrap_or("").into(),
             },
         },
+        "unreported" => Command::SagaStep {
+            run: run(),
+            key: key(),
+            step: SagaStep::Unreported {
+                after_ms: pos[2].parse().expect("after_ms"),
+            },
+        },
         "retry" => Command::Saga {
             run: run(),
             key: key(),

@@ -1,7 +1,8 @@
 //! Catching up with records other nodes committed (the PostgreSQL store, docs/STORES.md): they
 //! are applied to this node's gate, in seq order, before its own commands of the burst, so its
 //! own records are numbered on from the database's last. Then what they changed reaches this
-//! node's waiters, subscribers, timers and feeds, as if its own commands had made the change.
+//! node's waiters, subscribers, timers, feeds and sagas, as if its own commands had made the
+//! change.
 
 use super::*;
 use estop_kernel::record_codec::RecordDecoder;
@@ -34,6 +35,8 @@ impl Core {
             if !applied.changed {
                 return Err(format!("record {seq} changes nothing here"));
             }
+            // An attempt another node began is that node's to offer (see `core::sagas`).
+            self.begun_elsewhere(&rec.command);
             self.last_seq = *seq;
             self.committed_seq = *seq;
             self.records_since_snapshot += 1;
@@ -44,6 +47,9 @@ impl Core {
                 self.rearm(run);
             }
             self.publish(&events);
+            // A cancel, a failed attempt or a settle made on another node makes this node's
+            // executors due too: offered here if nothing else wakes the saga.
+            self.saga_touched(&events);
             let after = self.after();
             let actions = &mut self.actions;
             self.obs

@@ -217,6 +217,10 @@ pub struct CoreOptions {
     /// A planted bug for the simulation's test that it bites: retention forgets a stopped run
     /// without leaving its tombstone (its fence). Never set by `serve`.
     pub planted_tombstones_dropped: bool,
+    /// A call a stopped run's agent left `started` and has not reported this long after the
+    /// stop becomes `unknown` (`SagaStep::Unreported`, `sagas`): its lookup or a human settles
+    /// it. Within `IN_FLIGHT_TIMEOUT_MIN_MS..=IN_FLIGHT_TIMEOUT_MAX_MS`.
+    pub in_flight_timeout_ms: u64,
     /// The policy each compensating call is checked against before it is offered (`sagas`);
     /// `serve` sets the one it admits by. `None`: not checked.
     pub compensation_policy: Option<Arc<estop_policy::Policy>>,
@@ -252,10 +256,18 @@ impl Default for CoreOptions {
             planted_reply_before_commit: false,
             planted_waiter_leak: false,
             planted_tombstones_dropped: false,
+            in_flight_timeout_ms: IN_FLIGHT_TIMEOUT_DEFAULT_MS,
             compensation_policy: None,
         }
     }
 }
+
+/// The bounds and default of `CoreOptions::in_flight_timeout_ms` (`estop serve
+/// --in-flight-timeout`): long enough for a slow call to report after a cancel, short enough
+/// that a dead agent's call does not hold its saga for long.
+pub const IN_FLIGHT_TIMEOUT_DEFAULT_MS: u64 = 10 * 60 * 1000;
+pub const IN_FLIGHT_TIMEOUT_MIN_MS: u64 = 1_000;
+pub const IN_FLIGHT_TIMEOUT_MAX_MS: u64 = 7 * 24 * 3600 * 1000;
 
 pub(crate) fn system_principal() -> Principal {
     Principal {

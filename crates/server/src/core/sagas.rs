@@ -11,6 +11,9 @@
 //! Offering happens in `fire_timers`, after the burst of messages that made a saga due, never
 //! in the middle of applying another command.
 //!
+//! A call a stopped run's agent left in flight and never reported becomes `unknown`
+//! `in_flight_timeout_ms` after the stop (`unreported`), without a human.
+//!
 //! An unknown outcome whose tool declares a `lookup` is offered the same way: a `lookup` event
 //! (the forward call's arguments and idempotency key) claimed by a `LookupBegin` record, and
 //! answered with `looked_up`. A due compensation that cannot be issued — its arguments cannot
@@ -31,6 +34,9 @@ pub(super) struct Executor {
     pub(super) out: Outbox,
     pub(super) backlog: Arc<AtomicUsize>,
 }
+
+/// `Offered::conn` of an attempt another node began (PostgreSQL store): no connection here.
+const ELSEWHERE: u64 = u64::MAX;
 
 /// The attempt a run's saga head was offered, and to which connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,6 +91,32 @@ impl Core {
             self.offered.remove(&run);
             self.saga_due.insert(run);
         }
+    }
+
+    /// Several nodes (PostgreSQL): a begin of an attempt or a lookup another node recorded, as
+    /// this node catches up, makes that attempt the other node's. Each begin is recorded under
+    /// the writers' lock after catching up, so only one node ever begins an attempt, and only
+    /// the node that began it offers it (again, if its executor goes); this node looks at it
+    /// again only after its own restart or recovery (as after a crash of a single node).
+    pub(super) fn begun_elsewhere(&mut self, cmd: &Command) {
+        let (run, key, attempt, lookup) = match cmd {
+            Command::CompensationBegin {
+                run, key, attempt, ..
+            } => (run, key, *attempt, false),
+            Command::SagaStep {
+                run,
+                key,
+                step: SagaStep::LookupBegin { attempt },
+            } => (run, key, *attempt, true),
+            _ => return,
+        };
+        let offered = Offered {
+            key: key.clone(),
+            attempt,
+            lookup,
+            conn: ELSEWHERE,
+        };
+        self.offered.insert(run.clone(), offered);
     }
 
     /// After a restart or a recovery nothing is offered to anyone: every open saga is looked
@@ -149,6 +181,7 @@ impl Core {
 
     /// Offers what the saga of `run` has for an executor, if anything.
     fn offer(&mut self, run: &RunId) {
+        self.unreported(run);
         let Some((key, next)) = self.gate.saga_next(run) else {
             self.offered.remove(run);
             return;
@@ -167,7 +200,7 @@ impl Core {
                     o.key == key
                         && o.attempt == attempt
                         && o.lookup == lookup
-                        && self.executors.iter().any(|x| x.conn == o.conn)
+                        && (o.conn == ELSEWHERE || self.executors.iter().any(|x| x.conn == o.conn))
                 });
                 if live {
                     return;
@@ -215,6 +248,34 @@ impl Core {
                 conn,
             },
         );
+    }
+
+    /// The calls a stopped run's agent left in flight, once `in_flight_timeout_ms` after the stop
+    /// has passed, become `unknown` (recorded `Unreported` with the timeout, so replay is exact),
+    /// then are looked up or asked of a human like any unknown outcome; before that, the run is
+    /// looked at again at the deadline. Every stopped run with a call in flight is finalizing,
+    /// so it passes here whenever it changes and after every restart.
+    fn unreported(&mut self, run: &RunId) {
+        let after_ms = self.opts.in_flight_timeout_ms;
+        let Some(r) = self.gate.run(run) else {
+            return;
+        };
+        let Some(at) = saga::unreported_at(r, after_ms) else {
+            return;
+        };
+        if at > self.now {
+            self.saga_timers.insert((at, run.clone()));
+            return;
+        }
+        let keys: Vec<EffectKey> = saga::left_in_flight(r).cloned().collect();
+        for key in keys {
+            let cmd = Command::SagaStep {
+                run: run.clone(),
+                key,
+                step: SagaStep::Unreported { after_ms },
+            };
+            let _ = self.apply_reply(&system_principal(), cmd);
+        }
     }
 
     /// Claims attempt `attempt` for executor `i`: its arguments built now and checked against
