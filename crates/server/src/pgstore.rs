@@ -12,7 +12,7 @@ use postgres::{Client, Config, GenericClient};
 use std::time::Duration;
 
 /// The schema version this binary writes and reads (`estop_schema`).
-pub const SCHEMA_VERSION: i32 = 2;
+pub const SCHEMA_VERSION: i32 = 3;
 
 /// Migrations, in order: each brings the schema from the version before it to its own.
 const MIGRATIONS: &[(i32, &str)] = &[
@@ -37,6 +37,21 @@ const MIGRATIONS: &[(i32, &str)] = &[
              taken_at timestamptz NOT NULL DEFAULT now(),
              snapshot bytea NOT NULL
          );",
+    ),
+    (
+        3,
+        // The token registry of every node (`tokens::pg`): the SHA-256 of each secret, never
+        // the secret; a revoked token keeps its row (revoked_at), so a secret once revoked
+        // never comes back. One live token per name.
+        "CREATE TABLE estop_token (
+             hash bytea PRIMARY KEY CHECK (length(hash) = 32),
+             name text NOT NULL,
+             role text NOT NULL CHECK (role IN ('operator', 'agent', 'observer')),
+             groups text[] NOT NULL,
+             created_at timestamptz NOT NULL DEFAULT now(),
+             revoked_at timestamptz
+         );
+         CREATE UNIQUE INDEX estop_token_live_name ON estop_token (name) WHERE revoked_at IS NULL;",
     ),
 ];
 
@@ -121,7 +136,8 @@ impl std::fmt::Debug for Target {
 
 impl Target {
     pub fn parse(url: &str) -> Result<Target, StoreError> {
-        let (rest, tls_mode, root) = crate::pgtls::split(url).map_err(|e| StoreError::Url(e.0))?;
+        let (rest, tls) = crate::pgtls::split(url).map_err(|e| StoreError::Url(e.0))?;
+        let tls_mode = tls.mode;
         let mut config: tokio_postgres::Config = rest
             .parse()
             .map_err(|e: postgres::Error| StoreError::Url(e.to_string()))?;
@@ -130,8 +146,7 @@ impl Target {
         }
         config.application_name("estop");
         config.ssl_mode(tls_mode.ssl_mode());
-        let tls =
-            crate::pgtls::connector(tls_mode, root.as_deref()).map_err(|e| StoreError::Url(e.0))?;
+        let tls = crate::pgtls::connector(&tls).map_err(|e| StoreError::Url(e.0))?;
         Ok(Target {
             config,
             tls,
