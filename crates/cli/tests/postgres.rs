@@ -1354,8 +1354,9 @@ fn a_client_certificate_authenticates_the_node_to_the_database() {
     )
     .unwrap();
     let mut admin = sql(&base);
+    admin.batch_execute("ALTER SYSTEM SET ssl = on").unwrap();
     admin
-        .batch_execute("ALTER SYSTEM SET ssl = on; ALTER SYSTEM SET ssl_ca_file = 'root.crt'")
+        .batch_execute("ALTER SYSTEM SET ssl_ca_file = 'root.crt'")
         .unwrap();
     admin.batch_execute("SELECT pg_reload_conf()").unwrap();
     // The reload is the server's to do: wait until it refuses a connection without TLS.
