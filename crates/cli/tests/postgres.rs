@@ -534,6 +534,7 @@ fn a_history_moves_between_the_embedded_ledger_and_postgresql_both_ways() {
     let (ok1, said) = store(&["export", "--data", &data_arg, "--to", &url]);
     assert!(ok1, "{said}");
     assert!(said.contains("exported"), "{said}");
+    assert!(said.contains("2 tokens from DATA/tokens"), "{said}");
     let exported = admits(&url, "m1") + admits(&url, "m2");
     assert_eq!(exported, 3);
     // Never a second history into the same database: refused, nothing added.
@@ -541,8 +542,9 @@ fn a_history_moves_between_the_embedded_ledger_and_postgresql_both_ways() {
     assert!(!again && said.contains("already holds"), "{said}");
     assert_eq!(admits(&url, "m1") + admits(&url, "m2"), 3);
 
-    // A node on the database knows the history, and goes on from it.
-    let node_pg = node(&url);
+    // A node on the database knows the history, and goes on from it; the tokens came with
+    // it: the embedded gate's secrets work there.
+    let node_pg = node_beside(&url, &embedded);
     let mut a = node_pg.agent();
     assert_eq!(
         verdict(&admit(&mut a, "m1", "k1", "pay", json!({"usd": 1}))),
@@ -570,16 +572,19 @@ fn a_history_moves_between_the_embedded_ledger_and_postgresql_both_ways() {
     let (ok2, said) = store(&["import", "--from", &url, "--data", &fresh_arg]);
     assert!(ok2, "{said}");
     assert!(
-        said.contains("imported") && said.contains("--reset-tokens"),
+        said.contains("imported") && said.contains("2 live tokens into DATA/tokens"),
         "{said}"
     );
+    for f in ["operator.token", "agent.token"] {
+        std::fs::copy(data.join(f), fresh.path().join(f)).unwrap();
+    }
     let (twice, said) = store(&["import", "--from", &url, "--data", &fresh_arg]);
     assert!(!twice && said.contains("already holds a ledger"), "{said}");
     let mut back = Daemon {
         dir: fresh,
         child: None,
         ready: String::new(),
-        extra: vec!["--console".into(), "off".into(), "--reset-tokens".into()],
+        extra: vec!["--console".into(), "off".into()],
     };
     back.spawn();
     let (mut a, mut op) = (back.agent(), back.operator());
@@ -1032,6 +1037,10 @@ fn tls_to_the_database_honours_sslmode() {
         encrypted >= 3,
         "the node's two sessions and this one: {encrypted}"
     );
+    // The first node's bootstrap secrets, for the nodes after it (the registry is the database's).
+    for f in ["operator.token", "agent.token"] {
+        std::fs::copy(d.data().join(f), keys.path().join(f)).unwrap();
+    }
     drop(d);
     let said = refused_at_start(&url(
         "localhost",
@@ -1047,13 +1056,13 @@ fn tls_to_the_database_honours_sslmode() {
         "127.0.0.1",
         &format!("sslmode=verify-ca&sslrootcert={}", ca_file.display()),
     );
-    let d = node(&ca_only);
+    let d = node_with_secrets(&ca_only, keys.path());
     assert_eq!(
         verdict(&admit(&mut d.agent(), "tls", "k", "pay", json!({}))),
         "duplicate"
     );
     drop(d);
-    let d = node(&url("127.0.0.1", "sslmode=require"));
+    let d = node_with_secrets(&url("127.0.0.1", "sslmode=require"), keys.path());
     assert_eq!(
         verdict(&admit(&mut d.agent(), "tls", "k2", "pay", json!({}))),
         "admitted"
@@ -1110,10 +1119,15 @@ fn ledger_show_and_verify_read_the_database() {
 /// A second node on the database at `url`, in a data dir of its own holding `first`'s secrets
 /// (the operator's and the agent's): on a PostgreSQL store the tokens are every node's.
 fn node_beside(url: &str, first: &Daemon) -> Daemon {
+    node_with_secrets(url, first.data())
+}
+
+/// A node on the database at `url` with the operator's and the agent's secrets of `from`.
+fn node_with_secrets(url: &str, from: &std::path::Path) -> Daemon {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("policy.toml"), POLICY).unwrap();
     for f in ["operator.token", "agent.token"] {
-        std::fs::copy(first.data().join(f), dir.path().join(f)).unwrap();
+        std::fs::copy(from.join(f), dir.path().join(f)).unwrap();
     }
     let mut d = Daemon {
         dir,
@@ -1225,8 +1239,8 @@ fn a_token_made_on_one_node_works_on_the_other_and_a_revocation_on_either_ends_i
 }
 
 /// Authentication asks the database, not the node's copy: a token revoked in the table by
-/// hand (no notification) is refused at the next hello at once, and an open connection that
-/// holds it is closed by the listener's fallback refresh (every 5 s).
+/// hand (no notification) is refused at the next hello at once, and the disagreement found
+/// there refreshes the node's copy, which closes the open connection that holds it.
 #[test]
 fn a_token_revoked_in_the_database_is_refused_at_the_next_hello() {
     let Some(url) = database() else { return };

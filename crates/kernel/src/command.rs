@@ -138,7 +138,8 @@ impl TokenAction {
 
 /// A change to the token registry, recorded so the ledger says who created or revoked which
 /// principal. It names the principal, never its secret or a hash of it, and changes no gate
-/// state: the credentials live in the registry file (`DATA/tokens`), the audit trail here.
+/// state: the credentials live in the registry (`DATA/tokens`, or `estop_token` on a
+/// PostgreSQL store), the audit trail here.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenChange {
     pub action: TokenAction,

@@ -1,6 +1,7 @@
 //! Named tokens with roles (SPEC §3 "Principals"): the registry of who may talk to the gate.
-//! Only SHA-256 hashes of secrets are stored (`DATA/tokens`, mode 0600); the secrets themselves
-//! are shown once, and the bootstrap ones are written to `operator.token` and `agent.token`.
+//! Only SHA-256 hashes of secrets are stored (`DATA/tokens`, mode 0600; on a PostgreSQL store,
+//! the database's `estop_token`, every node's: `pg`); the secrets themselves are shown once,
+//! and the bootstrap ones are written to `operator.token` and `agent.token`.
 //!
 //! Every change rewrites the registry whole, one writer at a time, through a temp file of its
 //! own (fsync, rename, directory fsync), so concurrent creations all survive and a crash leaves
