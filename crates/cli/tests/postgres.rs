@@ -1133,7 +1133,12 @@ fn node_with_secrets(url: &str, from: &std::path::Path) -> Daemon {
         dir,
         child: None,
         ready: String::new(),
-        extra: vec!["--store".into(), url.into(), "--console".into(), "off".into()],
+        extra: vec![
+            "--store".into(),
+            url.into(),
+            "--console".into(),
+            "off".into(),
+        ],
     };
     d.spawn();
     d
@@ -1199,12 +1204,19 @@ fn a_token_made_on_one_node_works_on_the_other_and_a_revocation_on_either_ends_i
     );
     let (hash, name): (Vec<u8>, String) = {
         let row = sql(&url)
-            .query_one("SELECT hash, name FROM estop_token WHERE name = 'carol'", &[])
+            .query_one(
+                "SELECT hash, name FROM estop_token WHERE name = 'carol'",
+                &[],
+            )
             .unwrap();
         (row.get(0), row.get(1))
     };
     use sha2::Digest as _;
-    assert_eq!(hash, sha2::Sha256::digest(carol.as_bytes()).to_vec(), "{name}");
+    assert_eq!(
+        hash,
+        sha2::Sha256::digest(carol.as_bytes()).to_vec(),
+        "{name}"
+    );
     let dump: String = sql(&url)
         .query_one("SELECT string_agg(t::text, ' ') FROM estop_token t", &[])
         .unwrap()
@@ -1342,7 +1354,11 @@ fn a_client_certificate_authenticates_the_node_to_the_database() {
     let [ca, cert, key, client_cert, client_key] = tls_material_with_client();
     let [other_ca, _, _, other_cert, other_key] = tls_material_with_client();
     let owner = std::fs::metadata(&data).unwrap();
-    for (name, pem) in [("server.crt", &cert), ("server.key", &key), ("root.crt", &ca)] {
+    for (name, pem) in [
+        ("server.crt", &cert),
+        ("server.key", &key),
+        ("root.crt", &ca),
+    ] {
         use std::os::unix::fs::MetadataExt;
         let path = data.join(name);
         private_file(&path, pem);
@@ -1413,10 +1429,16 @@ fn a_client_certificate_authenticates_the_node_to_the_database() {
     let said = refused_at_start(&url("", ""));
     assert!(said.contains("certificate"), "{said}");
     let said = refused_at_start(&url(&other_cert, &other_key));
-    assert!(said.contains("certificate") || said.contains("alert"), "{said}");
+    assert!(
+        said.contains("certificate") || said.contains("alert"),
+        "{said}"
+    );
     let missing = keys.path().join("none.key").display().to_string();
     let said = refused_at_start(&url(&cert_file, &missing));
-    assert!(said.contains("sslkey=") && said.contains("none.key"), "{said}");
+    assert!(
+        said.contains("sslkey=") && said.contains("none.key"),
+        "{said}"
+    );
     {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o644)).unwrap();

@@ -473,10 +473,12 @@ fn hello(shared: &Shared, conn: u64, token: &Secret, principal: &mut Option<Auth
         Ok(Some(c)) => c,
         // The registry is in a database that cannot be asked now: refused, not let in.
         Err(e) => return err(ErrorCode::Unavailable, e.to_string()),
-        Ok(None) => return err(
-            ErrorCode::Unauthenticated,
-            "unknown token: use the contents of DATA/agent.token or DATA/operator.token, or one made by `estop token create`",
-        ),
+        Ok(None) => {
+            return err(
+                ErrorCode::Unauthenticated,
+                "unknown token: use the contents of DATA/agent.token or DATA/operator.token, or one made by `estop token create`",
+            );
+        }
     };
     let hello = wire::HelloReply {
         role: c.principal.role.as_str().into(),

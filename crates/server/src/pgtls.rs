@@ -219,7 +219,10 @@ fn client_identity(
         return Err(bad(
             "sslkey",
             key,
-            &format!("mode {:o}: a private key must be readable by its owner only (chmod 600)", mode & 0o777),
+            &format!(
+                "mode {:o}: a private key must be readable by its owner only (chmod 600)",
+                mode & 0o777
+            ),
         ));
     }
     let pem = std::fs::read(key).map_err(|e| bad("sslkey", key, &e))?;

@@ -155,8 +155,11 @@ pub fn import(target: &Target, data: &Path) -> Result<Moved, StoreError> {
     std::fs::create_dir_all(&dir)
         .map_err(|e| refused(format!("cannot create {}: {e}", dir.display())))?;
     write_ledger(&dir, &records).map_err(|e| refused(format!("writing {}: {e}", dir.display())))?;
-    let tokens = crate::tokens::pg::write_file_registry(&mut client, data)
-        .map_err(|e| refused(format!("the records were imported, but not the tokens: {e}")))?;
+    let tokens = crate::tokens::pg::write_file_registry(&mut client, data).map_err(|e| {
+        refused(format!(
+            "the records were imported, but not the tokens: {e}"
+        ))
+    })?;
     Ok(Moved {
         records: records.len() as u64,
         last_seq: records.last().map_or(0, |(seq, _)| *seq),

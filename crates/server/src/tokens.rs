@@ -136,7 +136,7 @@ enum Store {
     /// `DATA/tokens`: this node's own.
     File(PathBuf),
     /// `estop_token` in the PostgreSQL store: every node's (`pg`).
-    Db(pg::Registry),
+    Db(Box<pg::Registry>),
 }
 
 /// The token registry of one data dir, or of every node of a PostgreSQL store.
@@ -164,7 +164,10 @@ impl std::fmt::Debug for Tokens {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.store {
             Store::File(path) => f.debug_struct("Tokens").field("path", path).finish(),
-            Store::Db(_) => f.debug_struct("Tokens").field("store", &"postgres").finish(),
+            Store::Db(_) => f
+                .debug_struct("Tokens")
+                .field("store", &"postgres")
+                .finish(),
         }
     }
 }
@@ -391,7 +394,7 @@ impl Tokens {
         reset: bool,
     ) -> Result<(Tokens, bool), TokenError> {
         let opened = pg::open(data, url, reset)?;
-        let tokens = Tokens::with(Store::Db(opened.registry), opened.live);
+        let tokens = Tokens::with(Store::Db(Box::new(opened.registry)), opened.live);
         Ok((tokens, opened.created))
     }
 
@@ -406,12 +409,10 @@ impl Tokens {
             Store::File(path) => {
                 let mut next = self.entries.read().expect("tokens lock").clone();
                 let out = f(&mut next)?;
-                write_private(path, render(&next).as_bytes()).map_err(|source| {
-                    TokenError::Io {
-                        op: "write",
-                        path: path.clone(),
-                        source,
-                    }
+                write_private(path, render(&next).as_bytes()).map_err(|source| TokenError::Io {
+                    op: "write",
+                    path: path.clone(),
+                    source,
                 })?;
                 (out, next)
             }
@@ -614,7 +615,10 @@ mod tests {
         assert!(created);
         let op = fs::read_to_string(dir.path().join("operator.token")).unwrap();
         let ag = fs::read_to_string(dir.path().join("agent.token")).unwrap();
-        assert_eq!(tokens.authenticate(&op).unwrap().unwrap().name.as_str(), "admin");
+        assert_eq!(
+            tokens.authenticate(&op).unwrap().unwrap().name.as_str(),
+            "admin"
+        );
         assert_eq!(tokens.authenticate(&ag).unwrap().unwrap().role, Role::Agent);
         for f in ["operator.token", "agent.token", "tokens"] {
             let mode = fs::metadata(dir.path().join(f))
@@ -632,7 +636,10 @@ mod tests {
         // Reopen: same principals, not re-created.
         let (again, created) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
         assert!(!created);
-        assert_eq!(again.authenticate(&op).unwrap().unwrap().name.as_str(), "admin");
+        assert_eq!(
+            again.authenticate(&op).unwrap().unwrap().name.as_str(),
+            "admin"
+        );
     }
 
     #[test]

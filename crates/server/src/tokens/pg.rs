@@ -96,10 +96,16 @@ fn write_difference(
     before: &[Entry],
     after: &[Entry],
 ) -> Result<(), TokenError> {
-    for e in after.iter().filter(|e| !before.iter().any(|b| b.hash == e.hash)) {
+    for e in after
+        .iter()
+        .filter(|e| !before.iter().any(|b| b.hash == e.hash))
+    {
         insert(tx, e)?;
     }
-    for e in before.iter().filter(|b| !after.iter().any(|e| e.hash == b.hash)) {
+    for e in before
+        .iter()
+        .filter(|b| !after.iter().any(|e| e.hash == b.hash))
+    {
         tx.execute(
             "UPDATE estop_token SET revoked_at = now() WHERE hash = $1 AND revoked_at IS NULL",
             &[&&e.hash[..]],
@@ -134,7 +140,7 @@ impl Registry {
 
     /// The live tokens as the database has them now.
     pub(super) fn live(&self) -> Result<Vec<Entry>, TokenError> {
-        self.with(|c| live(c))
+        self.with(live)
     }
 
     /// The live token whose secret hashes to `hash`, if any.
