@@ -257,6 +257,28 @@ impl Command {
             Command::Compact { .. } | Command::Token(_) => None,
         }
     }
+
+    /// The effect a command is about (`None` for run-wide and gate-wide ones).
+    pub fn key(&self) -> Option<&EffectKey> {
+        match self {
+            Command::Admit(a) => Some(&a.key),
+            Command::Recheck { key, .. }
+            | Command::Start { key, .. }
+            | Command::Complete { key, .. }
+            | Command::Decide { key, .. }
+            | Command::CompensationBegin { key, .. }
+            | Command::CompensationEnd { key, .. }
+            | Command::Saga { key, .. }
+            | Command::SagaStep { key, .. } => Some(key),
+            Command::Cancel { .. }
+            | Command::Pause { .. }
+            | Command::Resume { .. }
+            | Command::Close { .. }
+            | Command::Tick { .. }
+            | Command::Compact { .. }
+            | Command::Token(_) => None,
+        }
+    }
 }
 
 /// One command as the ledger records it: when, by whom, what.
