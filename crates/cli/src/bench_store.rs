@@ -96,6 +96,16 @@ pub fn run(a: StoreBenchArgs) -> Result<u8> {
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
+    // An agent token of the bench's own in the database's registry, which every node knows
+    // (the bootstrap secrets are in the data dir of whichever node started first, maybe long ago).
+    let registry = a.data.join("registry");
+    std::fs::create_dir_all(&registry)?;
+    let (tokens, _) = estop_server::tokens::Tokens::open_in_database(&registry, &a.url, false)
+        .context("opening the token registry")?;
+    let agent = format!("bench-{stamp}");
+    let token = tokens
+        .create(&agent, estop_kernel::Role::Agent, &[])
+        .context("making the bench's agent token")?;
     for &nodes in &a.nodes {
         let spawned = (0..nodes.max(1))
             .map(|i| {
@@ -103,10 +113,6 @@ pub fn run(a: StoreBenchArgs) -> Result<u8> {
                     .with_context(|| format!("starting node {i}"))
             })
             .collect::<Result<Vec<_>>>()?;
-        let token = std::fs::read_to_string(a.data.join("node0").join("agent.token"))
-            .context("reading the agent token")?
-            .trim()
-            .to_string();
         for &connections in &a.connections {
             let r = through(
                 &spawned,
@@ -131,14 +137,17 @@ pub fn run(a: StoreBenchArgs) -> Result<u8> {
             }
         }
     }
+    if let Err(e) = tokens.revoke(&agent) {
+        eprintln!("estop bench store: the bench's token {agent} is left in the registry: {e}");
+    }
     Ok(0)
 }
 
-/// One load step, its connections split over the nodes (each node's agent token is its own:
-/// the tokens are per node, so each share connects with that node's).
+/// One load step, its connections split over the nodes, all with the same agent token (the
+/// registry is the database's: every node knows it).
 fn through(
     nodes: &[crate::bench::Spawned],
-    node0_token: &str,
+    token: &str,
     connections: usize,
     ops: usize,
     tag: String,
@@ -150,18 +159,7 @@ fn through(
             .enumerate()
             .map(|(i, node)| {
                 let share = connections / n + usize::from(i < connections % n);
-                let token = if i == 0 {
-                    Some(node0_token.to_string())
-                } else {
-                    std::fs::read_to_string(
-                        std::path::Path::new(&node.socket)
-                            .parent()
-                            .expect("the socket is in the data directory")
-                            .join("agent.token"),
-                    )
-                    .ok()
-                    .map(|t| t.trim().to_string())
-                };
+                let token = Some(token.to_string());
                 let opts = LoadOptions {
                     target: node.socket.clone(),
                     protocol: Protocol::Native,

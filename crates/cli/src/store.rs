@@ -32,20 +32,27 @@ pub fn run(cmd: StoreCmd) -> Result<u8> {
         StoreCmd::Export { data, to } => {
             let moved = storemove::export(&data, &Target::parse(&to)?)?;
             println!(
-                "exported {} records (last seq {}) from {} to the database",
+                "exported {} records (last seq {}) from {} to the database; {}",
                 moved.records,
                 moved.last_seq,
-                data.join("ledger").display()
+                data.join("ledger").display(),
+                match moved.tokens {
+                    Some(n) => format!("{n} tokens from DATA/tokens into its registry"),
+                    None => "no tokens (no DATA/tokens, or the database has a registry)".into(),
+                }
             );
         }
         StoreCmd::Import { from, data } => {
             let moved = storemove::import(&Target::parse(&from)?, &data)?;
             println!(
-                "imported {} records (last seq {}) into {}; its tokens are not in the database: \
-                 start it once with --reset-tokens (or copy DATA/tokens from a node)",
+                "imported {} records (last seq {}) into {}; {}",
                 moved.records,
                 moved.last_seq,
-                data.join("ledger").display()
+                data.join("ledger").display(),
+                match moved.tokens {
+                    Some(n) => format!("{n} live tokens into DATA/tokens (the same secrets)"),
+                    None => "DATA/tokens was there already and is left as it was".into(),
+                }
             );
         }
     }

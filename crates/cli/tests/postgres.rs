@@ -78,7 +78,8 @@ fn one_node_admits_decides_waits_and_cancels_and_a_restart_rebuilds_from_the_dat
 #[test]
 fn the_same_identity_admitted_through_two_nodes_at_once_is_admitted_once() {
     let Some(url) = database() else { return };
-    let (n1, n2) = (node(&url), node(&url));
+    let n1 = node(&url);
+    let n2 = node_beside(&url, &n1);
     for round in 0..20 {
         let run = format!("r{round}");
         let verdicts = Arc::new(Mutex::new(Vec::new()));
@@ -111,7 +112,8 @@ fn the_same_identity_admitted_through_two_nodes_at_once_is_admitted_once() {
 #[test]
 fn a_cancel_on_one_node_fences_a_start_on_the_other() {
     let Some(url) = database() else { return };
-    let (n1, n2) = (node(&url), node(&url));
+    let n1 = node(&url);
+    let n2 = node_beside(&url, &n1);
     let mut b = n2.agent();
     let prep = ok(
         &mut b,
@@ -140,7 +142,8 @@ fn a_cancel_on_one_node_fences_a_start_on_the_other() {
 #[test]
 fn an_approval_on_one_node_releases_a_wait_on_the_other() {
     let Some(url) = database() else { return };
-    let (n1, n2) = (node(&url), node(&url));
+    let n1 = node(&url);
+    let n2 = node_beside(&url, &n1);
     let mut a = n1.agent();
     let reply = |a: &mut estop_server::client::Client| match a.read_line().unwrap() {
         estop_protocol::ServerLine::Reply(r) => r,
@@ -181,7 +184,8 @@ fn an_approval_on_one_node_releases_a_wait_on_the_other() {
 #[test]
 fn a_quorum_gathered_across_nodes_counts_each_principal_once() {
     let Some(url) = database() else { return };
-    let (n1, n2) = (node(&url), node(&url));
+    let n1 = node(&url);
+    let n2 = node_beside(&url, &n1);
     let (code, secret, stderr) = n2.cli(&["token", "create", "bob", "--role", "operator"]);
     assert_eq!(code, 0, "{stderr}");
     let mut a = n1.agent();
@@ -403,7 +407,8 @@ fn a_database_with_a_newer_schema_is_refused_at_start() {
 #[test]
 fn two_nodes_under_load_number_every_record_once() {
     let Some(url) = database() else { return };
-    let (n1, n2) = (node(&url), node(&url));
+    let n1 = node(&url);
+    let n2 = node_beside(&url, &n1);
     let threads: Vec<_> = (0..6)
         .map(|t| {
             let mut c = if t % 2 == 0 { n1.agent() } else { n2.agent() };
@@ -529,6 +534,7 @@ fn a_history_moves_between_the_embedded_ledger_and_postgresql_both_ways() {
     let (ok1, said) = store(&["export", "--data", &data_arg, "--to", &url]);
     assert!(ok1, "{said}");
     assert!(said.contains("exported"), "{said}");
+    assert!(said.contains("2 tokens from DATA/tokens"), "{said}");
     let exported = admits(&url, "m1") + admits(&url, "m2");
     assert_eq!(exported, 3);
     // Never a second history into the same database: refused, nothing added.
@@ -536,8 +542,9 @@ fn a_history_moves_between_the_embedded_ledger_and_postgresql_both_ways() {
     assert!(!again && said.contains("already holds"), "{said}");
     assert_eq!(admits(&url, "m1") + admits(&url, "m2"), 3);
 
-    // A node on the database knows the history, and goes on from it.
-    let node_pg = node(&url);
+    // A node on the database knows the history, and goes on from it; the tokens came with
+    // it: the embedded gate's secrets work there.
+    let node_pg = node_beside(&url, &embedded);
     let mut a = node_pg.agent();
     assert_eq!(
         verdict(&admit(&mut a, "m1", "k1", "pay", json!({"usd": 1}))),
@@ -565,16 +572,19 @@ fn a_history_moves_between_the_embedded_ledger_and_postgresql_both_ways() {
     let (ok2, said) = store(&["import", "--from", &url, "--data", &fresh_arg]);
     assert!(ok2, "{said}");
     assert!(
-        said.contains("imported") && said.contains("--reset-tokens"),
+        said.contains("imported") && said.contains("2 live tokens into DATA/tokens"),
         "{said}"
     );
+    for f in ["operator.token", "agent.token"] {
+        std::fs::copy(data.join(f), fresh.path().join(f)).unwrap();
+    }
     let (twice, said) = store(&["import", "--from", &url, "--data", &fresh_arg]);
     assert!(!twice && said.contains("already holds a ledger"), "{said}");
     let mut back = Daemon {
         dir: fresh,
         child: None,
         ready: String::new(),
-        extra: vec!["--console".into(), "off".into(), "--reset-tokens".into()],
+        extra: vec!["--console".into(), "off".into()],
     };
     back.spawn();
     let (mut a, mut op) = (back.agent(), back.operator());
@@ -866,7 +876,8 @@ fn a_node_starts_from_the_newest_snapshot_in_the_database() {
 #[test]
 fn a_node_far_behind_catches_up_page_by_page() {
     let Some(url) = database() else { return };
-    let (n1, n2) = (node(&url), node(&url));
+    let n1 = node(&url);
+    let n2 = node_beside(&url, &n1);
     let pid = n2.child.as_ref().unwrap().id().to_string();
     let signal = |sig: &str| {
         let ok = Command::new("kill").args([sig, &pid]).status().unwrap();
@@ -1026,6 +1037,10 @@ fn tls_to_the_database_honours_sslmode() {
         encrypted >= 3,
         "the node's two sessions and this one: {encrypted}"
     );
+    // The first node's bootstrap secrets, for the nodes after it (the registry is the database's).
+    for f in ["operator.token", "agent.token"] {
+        std::fs::copy(d.data().join(f), keys.path().join(f)).unwrap();
+    }
     drop(d);
     let said = refused_at_start(&url(
         "localhost",
@@ -1041,13 +1056,13 @@ fn tls_to_the_database_honours_sslmode() {
         "127.0.0.1",
         &format!("sslmode=verify-ca&sslrootcert={}", ca_file.display()),
     );
-    let d = node(&ca_only);
+    let d = node_with_secrets(&ca_only, keys.path());
     assert_eq!(
         verdict(&admit(&mut d.agent(), "tls", "k", "pay", json!({}))),
         "duplicate"
     );
     drop(d);
-    let d = node(&url("127.0.0.1", "sslmode=require"));
+    let d = node_with_secrets(&url("127.0.0.1", "sslmode=require"), keys.path());
     assert_eq!(
         verdict(&admit(&mut d.agent(), "tls", "k2", "pay", json!({}))),
         "admitted"
@@ -1136,7 +1151,7 @@ fn a_cancel_on_one_node_is_undone_through_the_other_and_each_attempt_offered_by_
     let Some(url) = database() else { return };
     let args = ["--store", url.as_str(), "--console", "off"];
     let n1 = Daemon::start_with_policy(UNDO_POLICY, &args);
-    let n2 = Daemon::start_with_policy(UNDO_POLICY, &args);
+    let n2 = node_with_policy(&url, UNDO_POLICY, n1.data());
     let mut a = n1.agent();
     let v = admit(&mut a, "r1", "k1", "refund", json!({}));
     ok(
@@ -1178,4 +1193,395 @@ fn a_cancel_on_one_node_is_undone_through_the_other_and_each_attempt_offered_by_
         .unwrap()
         .get(0);
     assert_eq!(begins, 1);
+/// A second node on the database at `url`, in a data dir of its own holding `first`'s secrets
+/// (the operator's and the agent's): on a PostgreSQL store the tokens are every node's.
+fn node_beside(url: &str, first: &Daemon) -> Daemon {
+    node_with_secrets(url, first.data())
+}
+
+/// A node on the database at `url` with the operator's and the agent's secrets of `from`.
+fn node_with_secrets(url: &str, from: &std::path::Path) -> Daemon {
+    node_with_policy(url, POLICY, from)
+}
+
+/// A node on the database at `url` with `policy` and the operator's and the agent's secrets
+/// of `from`.
+fn node_with_policy(url: &str, policy: &str, from: &std::path::Path) -> Daemon {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policy.toml"), policy).unwrap();
+    for f in ["operator.token", "agent.token"] {
+        std::fs::copy(from.join(f), dir.path().join(f)).unwrap();
+    }
+    let mut d = Daemon {
+        dir,
+        child: None,
+        ready: String::new(),
+        extra: vec![
+            "--store".into(),
+            url.into(),
+            "--console".into(),
+            "off".into(),
+        ],
+    };
+    d.spawn();
+    d
+}
+
+/// `estop token create NAME --role ROLE` through `d`; the secret.
+fn create_token(d: &Daemon, name: &str, role: &str) -> String {
+    let (code, out, err) = d.cli(&["token", "create", name, "--role", role]);
+    assert_eq!(code, 0, "token create {name}: {err}");
+    out.trim().to_string()
+}
+
+/// A hello with `token` on `d`: the error code of its refusal, or None when it is let in.
+fn hello_refused(d: &Daemon, token: &str) -> Option<String> {
+    let mut c = estop_server::client::Client::connect(&d.socket()).unwrap();
+    let r = c.call(json!({"op": "hello", "token": token})).unwrap();
+    r.error.map(|e| e.code)
+}
+
+/// Reads `conn` until the gate ends it; what it said.
+fn ended(conn: &mut std::io::BufReader<std::os::unix::net::UnixStream>) -> String {
+    let mut rest = String::new();
+    conn.get_ref()
+        .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let eof = conn.read_to_string(&mut rest);
+    assert!(eof.is_ok(), "the connection was not closed: {eof:?} {rest}");
+    rest
+}
+
+/// An authenticated idle v1 connection to `d`.
+fn idle_conn(
+    d: &Daemon,
+    token: &str,
+) -> (
+    std::os::unix::net::UnixStream,
+    std::io::BufReader<std::os::unix::net::UnixStream>,
+) {
+    use std::io::{BufRead, Write};
+    let s = std::os::unix::net::UnixStream::connect(d.socket()).unwrap();
+    let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+    let mut w = s;
+    writeln!(w, "{}", json!({"id": 0, "op": "hello", "token": token})).unwrap();
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    assert!(line.contains("\"ok\":true"), "{line}");
+    (w, r)
+}
+
+/// The token registry is the database's: a token made on node A works on node B; revoked on
+/// B, it is refused on A at its next hello and A closes the connections that hold it; the
+/// table holds the secret's SHA-256, never the secret. Then the other way round.
+#[test]
+fn a_token_made_on_one_node_works_on_the_other_and_a_revocation_on_either_ends_it_on_both() {
+    let Some(url) = database() else { return };
+    let a = node(&url);
+    let b = node_beside(&url, &a);
+    let carol = create_token(&a, "carol", "agent");
+    let mut on_b = b.client_with(&carol);
+    assert_eq!(
+        verdict(&admit(&mut on_b, "tok", "k1", "pay", json!({}))),
+        "admitted"
+    );
+    let (hash, name): (Vec<u8>, String) = {
+        let row = sql(&url)
+            .query_one(
+                "SELECT hash, name FROM estop_token WHERE name = 'carol'",
+                &[],
+            )
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    use sha2::Digest as _;
+    assert_eq!(
+        hash,
+        sha2::Sha256::digest(carol.as_bytes()).to_vec(),
+        "{name}"
+    );
+    let dump: String = sql(&url)
+        .query_one("SELECT string_agg(t::text, ' ') FROM estop_token t", &[])
+        .unwrap()
+        .get(0);
+    assert!(!dump.contains(&carol), "the secret is not stored");
+
+    let (_w, mut idle_on_a) = idle_conn(&a, &carol);
+    let (code, out, err) = b.cli(&["token", "revoke", "carol"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(
+        hello_refused(&a, &carol).as_deref(),
+        Some("unauthenticated"),
+        "revoked on B, refused on A at once"
+    );
+    let said = ended(&mut idle_on_a);
+    assert!(said.contains("revoked"), "{said}");
+
+    // The other way: made on B, revoked on A.
+    let dave = create_token(&b, "dave", "operator");
+    assert_eq!(hello_refused(&a, &dave), None);
+    let (_w, mut idle_on_b) = idle_conn(&b, &dave);
+    let (code, out, err) = a.cli(&["token", "revoke", "dave"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(hello_refused(&b, &dave).as_deref(), Some("unauthenticated"));
+    assert!(ended(&mut idle_on_b).contains("revoked"));
+    // A name is one live token across nodes.
+    let (code, _, err) = b.cli(&["token", "create", "carol2", "--role", "agent"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = a.cli(&["token", "create", "carol2", "--role", "agent"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("already exists"), "{err}");
+}
+
+/// Authentication asks the database, not the node's copy: a token revoked in the table by
+/// hand (no notification) is refused at the next hello at once, and the disagreement found
+/// there refreshes the node's copy, which closes the open connection that holds it.
+#[test]
+fn a_token_revoked_in_the_database_is_refused_at_the_next_hello() {
+    let Some(url) = database() else { return };
+    let a = node(&url);
+    let erin = create_token(&a, "erin", "agent");
+    let (_w, mut idle) = idle_conn(&a, &erin);
+    sql(&url)
+        .execute(
+            "UPDATE estop_token SET revoked_at = now() WHERE name = 'erin'",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(hello_refused(&a, &erin).as_deref(), Some("unauthenticated"));
+    assert!(ended(&mut idle).contains("revoked"));
+}
+
+/// The first node on a database makes the bootstrap tokens (once: a second node makes none);
+/// an empty registry in a database that holds records is refused at start, naming
+/// `--reset-tokens`, which then makes fresh bootstrap tokens that work.
+#[test]
+fn the_first_node_bootstraps_the_registry_and_reset_tokens_refills_a_lost_one() {
+    let Some(url) = database() else { return };
+    let a = node(&url);
+    let b = Daemon::start_with(&["--store", &url, "--console", "off"]);
+    assert!(!b.data().join("operator.token").exists(), "made once");
+    let rows: i64 = sql(&url)
+        .query_one("SELECT count(*) FROM estop_token", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 2, "admin and agent");
+    assert_eq!(hello_refused(&b, &a.token("operator.token")), None);
+    drop((a, b));
+    sql(&url).execute("DELETE FROM estop_token", &[]).unwrap();
+    let said = refused_at_start(&url);
+    assert!(said.contains("--reset-tokens"), "{said}");
+    let c = Daemon::start_with(&["--store", &url, "--console", "off", "--reset-tokens"]);
+    assert_eq!(
+        verdict(&admit(&mut c.agent(), "reset", "k", "pay", json!({}))),
+        "admitted"
+    );
+    ok(&mut c.operator(), json!({"op": "runs"}));
+}
+
+/// PEM of a CA, a server certificate for `localhost` and a client certificate for the
+/// database user `estop` (its CN, as `cert` authentication wants), all signed by that CA:
+/// (ca, server cert, server key, client cert, client key).
+fn tls_material_with_client() -> [String; 5] {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "estop test CA");
+    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let server_key = rcgen::KeyPair::generate().unwrap();
+    let server = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .signed_by(&server_key, &issuer)
+        .unwrap();
+    let client_key = rcgen::KeyPair::generate().unwrap();
+    let mut client = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    client
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "estop");
+    client.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    let client = client.signed_by(&client_key, &issuer).unwrap();
+    [
+        ca_pem,
+        server.pem(),
+        server_key.serialize_pem(),
+        client.pem(),
+        client_key.serialize_pem(),
+    ]
+}
+
+/// Writes `pem` to `path` with mode 0600.
+fn private_file(path: &std::path::Path, pem: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, pem).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+/// TLS client certificates: a server of the test's own that takes only TLS connections
+/// authenticated by a certificate from the test's CA (`hostssl … cert`). A node with
+/// `sslcert`/`sslkey` starts and the server sees its sessions under the certificate's name;
+/// without them, or with a certificate from another CA, it does not start; a key file that
+/// is missing or readable by others is a start error naming it.
+#[test]
+fn a_client_certificate_authenticates_the_node_to_the_database() {
+    if server().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("estop-test-pg-cert-{}", std::process::id()));
+    let base = common::pg::start_private(&dir, &[]);
+    let plain = common::pg::database_on(&base);
+    let (rest, db_name) = plain.rsplit_once('/').unwrap();
+    let port = rest.rsplit_once(':').unwrap().1.to_string();
+    let data = dir.join("data");
+    let [ca, cert, key, client_cert, client_key] = tls_material_with_client();
+    let [other_ca, _, _, other_cert, other_key] = tls_material_with_client();
+    let owner = std::fs::metadata(&data).unwrap();
+    for (name, pem) in [
+        ("server.crt", &cert),
+        ("server.key", &key),
+        ("root.crt", &ca),
+    ] {
+        use std::os::unix::fs::MetadataExt;
+        let path = data.join(name);
+        private_file(&path, pem);
+        std::os::unix::fs::chown(&path, Some(owner.uid()), Some(owner.gid())).unwrap();
+    }
+    let keys = tempfile::tempdir().unwrap();
+    let file = |name: &str, pem: &str| {
+        let path = keys.path().join(name);
+        private_file(&path, pem);
+        path.display().to_string()
+    };
+    let ca_file = file("ca.pem", &ca);
+    let _ = other_ca;
+    let (cert_file, key_file) = (file("c.pem", &client_cert), file("c.key", &client_key));
+    let (other_cert, other_key) = (file("o.pem", &other_cert), file("o.key", &other_key));
+    let hba = std::fs::read_to_string(data.join("pg_hba.conf")).unwrap();
+    std::fs::write(
+        data.join("pg_hba.conf"),
+        format!(
+            "hostnossl all all 0.0.0.0/0 reject\nhostnossl all all ::/0 reject\n\
+             hostssl all all 0.0.0.0/0 cert\nhostssl all all ::/0 cert\n{hba}"
+        ),
+    )
+    .unwrap();
+    let mut admin = sql(&base);
+    admin.batch_execute("ALTER SYSTEM SET ssl = on").unwrap();
+    admin
+        .batch_execute("ALTER SYSTEM SET ssl_ca_file = 'root.crt'")
+        .unwrap();
+    admin.batch_execute("SELECT pg_reload_conf()").unwrap();
+    // The reload is the server's to do: wait until it refuses a connection without TLS.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while postgres::Client::connect(&plain, postgres::NoTls).is_ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the server still takes plain connections"
+        );
+        std::thread::yield_now();
+    }
+    let url = |cert: &str, key: &str| {
+        let mut u = format!(
+            "postgres://estop@localhost:{port}/{db_name}?sslmode=verify-full&sslrootcert={ca_file}"
+        );
+        if !cert.is_empty() {
+            u.push_str(&format!("&sslcert={cert}&sslkey={key}"));
+        }
+        u
+    };
+    let with_cert = url(&cert_file, &key_file);
+    let d = node(&with_cert);
+    assert_eq!(
+        verdict(&admit(&mut d.agent(), "cert", "k", "pay", json!({}))),
+        "admitted"
+    );
+    let by_cert: i64 = estop_server::pgstore::Target::parse(&with_cert)
+        .unwrap()
+        .connect()
+        .unwrap()
+        .query_one(
+            "SELECT count(*) FROM pg_stat_ssl JOIN pg_stat_activity USING (pid)
+              WHERE client_dn = '/CN=estop' AND application_name = 'estop' AND datname = $1",
+            &[&db_name],
+        )
+        .unwrap()
+        .get(0);
+    assert!(by_cert >= 3, "the node's sessions and this one: {by_cert}");
+    drop(d);
+    let said = refused_at_start(&url("", ""));
+    assert!(said.contains("certificate"), "{said}");
+    let said = refused_at_start(&url(&other_cert, &other_key));
+    assert!(
+        said.contains("certificate") || said.contains("alert"),
+        "{said}"
+    );
+    let missing = keys.path().join("none.key").display().to_string();
+    let said = refused_at_start(&url(&cert_file, &missing));
+    assert!(
+        said.contains("sslkey=") && said.contains("none.key"),
+        "{said}"
+    );
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let said = refused_at_start(&with_cert);
+    assert!(said.contains("chmod 600"), "{said}");
+    common::pg::control("stop", &dir);
+}
+
+/// The commands of `run`'s effect `key` in the ledger table, in order, by its `effect_key`
+/// column (the operators' query of docs/STORES.md).
+fn effect_commands(url: &str, run: &str, key: &str) -> Vec<String> {
+    sql(url)
+        .query(
+            "SELECT command FROM estop_ledger WHERE run_id = $1 AND effect_key = $2 ORDER BY seq",
+            &[&run, &key],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// Every record about an effect carries its key in `effect_key` (migration 4): an effect held,
+/// approved and released is found by it, and another effect's records are not. Records written
+/// before the column existed get it when the migration runs (a database taken back to version
+/// 3 by hand, then a node started on it).
+#[test]
+fn an_effects_records_are_found_by_its_key_and_older_records_get_it_at_migration() {
+    let Some(url) = database() else { return };
+    let mut d = node(&url);
+    let (mut a, mut op) = (d.agent(), d.operator());
+    assert_eq!(
+        verdict(&admit(&mut a, "fx", "k2", "pay", json!({}))),
+        "admitted"
+    );
+    assert_eq!(
+        verdict(&admit(&mut a, "fx", "k1", "refund", json!({"usd": 2}))),
+        "held"
+    );
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "fx", "key": "k1", "decision": "approve"}),
+    );
+    let k1 = effect_commands(&url, "fx", "k1");
+    assert_eq!(k1.first().map(String::as_str), Some("admit"), "{k1:?}");
+    assert!(k1.iter().any(|c| c == "decide"), "{k1:?}");
+    assert_eq!(effect_commands(&url, "fx", "k2"), vec!["admit".to_string()]);
+    d.kill9();
+    sql(&url)
+        .batch_execute(
+            "DROP INDEX estop_ledger_effect; ALTER TABLE estop_ledger DROP COLUMN effect_key;
+             DELETE FROM estop_schema WHERE version = 4",
+        )
+        .unwrap();
+    d.spawn();
+    assert_eq!(
+        effect_commands(&url, "fx", "k1"),
+        k1,
+        "filled in at migration"
+    );
+    assert_eq!(effect_commands(&url, "fx", "k2"), vec!["admit".to_string()]);
 }

@@ -165,11 +165,12 @@ fn bearer(app: &App, v: &str) -> Result<Caller, Refusal> {
         .or_else(|| v.strip_prefix("bearer "))
         .unwrap_or("");
     match app.shared.tokens.authenticate(token) {
-        Some(principal) => Ok(Caller {
+        Ok(Some(principal)) => Ok(Caller {
             principal,
             session: None,
         }),
-        None => Err(refuse(
+        Err(e) => Err(refuse(ErrorCode::Unavailable, e.to_string())),
+        Ok(None) => Err(refuse(
             ErrorCode::Unauthenticated,
             "unknown token in Authorization: use `Bearer <contents of DATA/operator.token>` or a token made by `estop token create`",
         )),
@@ -459,8 +460,9 @@ async fn login(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> Respon
             }
         },
         (None, Some(token)) => match app.shared.tokens.authenticate(token) {
-            Some(p) => (p, "a token"),
-            None => return error(ErrorCode::Unauthenticated, "unknown token"),
+            Ok(Some(p)) => (p, "a token"),
+            Err(e) => return error(ErrorCode::Unavailable, e.to_string()),
+            Ok(None) => return error(ErrorCode::Unauthenticated, "unknown token"),
         },
         _ => return error(ErrorCode::MissingField, "send one of code or token"),
     };

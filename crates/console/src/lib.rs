@@ -169,7 +169,7 @@ fn login_notice(
 ) -> Result<String, String> {
     let operator = std::fs::read_to_string(ctx.data.join("operator.token"))
         .ok()
-        .and_then(|t| ctx.shared.tokens.authenticate(&t));
+        .and_then(|t| ctx.shared.tokens.authenticate(&t).ok().flatten());
     let Some(p) = operator else {
         return Ok(format!(
             "estop console {url} (no one-time link: DATA/operator.token is missing; log in with an operator token)"

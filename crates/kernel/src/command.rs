@@ -142,7 +142,8 @@ impl TokenAction {
 
 /// A change to the token registry, recorded so the ledger says who created or revoked which
 /// principal. It names the principal, never its secret or a hash of it, and changes no gate
-/// state: the credentials live in the registry file (`DATA/tokens`), the audit trail here.
+/// state: the credentials live in the registry (`DATA/tokens`, or `estop_token` on a
+/// PostgreSQL store), the audit trail here.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenChange {
     pub action: TokenAction,
@@ -258,6 +259,28 @@ impl Command {
             | Command::Saga { run, .. }
             | Command::SagaStep { run, .. } => Some(run),
             Command::Compact { .. } | Command::Token(_) => None,
+        }
+    }
+
+    /// The effect a command is about (`None` for run-wide and gate-wide ones).
+    pub fn key(&self) -> Option<&EffectKey> {
+        match self {
+            Command::Admit(a) => Some(&a.key),
+            Command::Recheck { key, .. }
+            | Command::Start { key, .. }
+            | Command::Complete { key, .. }
+            | Command::Decide { key, .. }
+            | Command::CompensationBegin { key, .. }
+            | Command::CompensationEnd { key, .. }
+            | Command::Saga { key, .. }
+            | Command::SagaStep { key, .. } => Some(key),
+            Command::Cancel { .. }
+            | Command::Pause { .. }
+            | Command::Resume { .. }
+            | Command::Close { .. }
+            | Command::Tick { .. }
+            | Command::Compact { .. }
+            | Command::Token(_) => None,
         }
     }
 }

@@ -469,11 +469,16 @@ async fn dispatch(
 /// `hello`: the connection authenticates as the token's principal and watches for its
 /// revocation.
 fn hello(shared: &Shared, conn: u64, token: &Secret, principal: &mut Option<Authed>) -> Answer {
-    let Some(c) = shared.tokens.credential(token.expose()) else {
-        return err(
-            ErrorCode::Unauthenticated,
-            "unknown token: use the contents of DATA/agent.token or DATA/operator.token, or one made by `estop token create`",
-        );
+    let c = match shared.tokens.credential(token.expose()) {
+        Ok(Some(c)) => c,
+        // The registry is in a database that cannot be asked now: refused, not let in.
+        Err(e) => return err(ErrorCode::Unavailable, e.to_string()),
+        Ok(None) => {
+            return err(
+                ErrorCode::Unauthenticated,
+                "unknown token: use the contents of DATA/agent.token or DATA/operator.token, or one made by `estop token create`",
+            );
+        }
     };
     let hello = wire::HelloReply {
         role: c.principal.role.as_str().into(),

@@ -34,8 +34,7 @@ pub struct Snapshot {
     pub bytes: Vec<u8>,
 }
 
-const INSERT: &str = "INSERT INTO estop_ledger (seq, at_ms, run_id, principal, command, record)
-     SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[], $6::bytea[])";
+use crate::pgstore::INSERT;
 const READ: &str = "SELECT seq, record FROM estop_ledger WHERE seq > $1 ORDER BY seq LIMIT $2";
 
 impl BurstConn {
@@ -126,12 +125,13 @@ impl BurstConn {
         let runs: Vec<Option<&str>> = records.iter().map(|r| r.run.as_deref()).collect();
         let principals: Vec<&str> = records.iter().map(|r| r.principal.as_str()).collect();
         let commands: Vec<&str> = records.iter().map(|r| r.command).collect();
+        let keys: Vec<Option<&str>> = records.iter().map(|r| r.key.as_deref()).collect();
         let bytes: Vec<&[u8]> = records.iter().map(|r| r.bytes.as_slice()).collect();
         let snap_seq = snapshot.map_or(0, |s| s.seq as i64);
         let snap_bytes = snapshot.map_or(&[][..], |s| s.bytes.as_slice());
         let c = &self.client;
         let insert_args: &[&(dyn ToSql + Sync)] =
-            &[&seqs, &ats, &runs, &principals, &commands, &bytes];
+            &[&seqs, &ats, &runs, &principals, &commands, &keys, &bytes];
         let notify_args: &[&(dyn ToSql + Sync)] = &[&CHANNEL, &payload];
         let snapshot_args: &[&(dyn ToSql + Sync)] = &[&snap_seq, &snap_bytes];
         let some = !records.is_empty();

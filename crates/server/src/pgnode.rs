@@ -3,6 +3,7 @@
 //! fallback). `serve` starts both; the database side is `pgstore`, the executor `core::PgShell`.
 
 use crate::pgstore::{CHANNEL, SCHEMA_VERSION, StoreError, Target, open};
+use crate::tokens::pg::TOKEN_CHANNEL;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -18,8 +19,11 @@ pub fn shell(
     core_opts: &crate::core::CoreOptions,
     limits: &estop_kernel::Limits,
     url: &str,
-    durable_tx: &std::sync::Arc<tokio::sync::watch::Sender<crate::durable::DurableState>>,
-    core_tx: &std::sync::mpsc::Sender<crate::core::CoreMsg>,
+    (durable_tx, core_tx): (
+        &std::sync::Arc<tokio::sync::watch::Sender<crate::durable::DurableState>>,
+        &std::sync::mpsc::Sender<crate::core::CoreMsg>,
+    ),
+    on_tokens: OnTokens,
 ) -> Result<crate::core::PgShell, StoreError> {
     use std::sync::Arc;
     let target = Target::parse(url)?;
@@ -53,7 +57,7 @@ pub fn shell(
     let core_tx = core_tx.clone();
     std::thread::Builder::new()
         .name("estop-pg-listen".into())
-        .spawn(move || listen(&target, &node, &wake, &core_tx))
+        .spawn(move || listen(&target, &node, (&wake, &core_tx), &on_tokens))
         .map_err(|e| StoreError::Node(format!("cannot start the listener: {e}")))?;
     Ok(shell)
 }
@@ -66,29 +70,45 @@ fn poke(wake: &AtomicBool, core_tx: &std::sync::mpsc::Sender<crate::core::CoreMs
     core_tx.send(crate::core::CoreMsg::CatchUp).is_ok()
 }
 
+/// What the listener calls when the token registry may have changed (`Tokens::refresh`).
+pub type OnTokens = Box<dyn Fn() + Send>;
+
 /// The listener: LISTENs on `CHANNEL` and wakes the core for every other node's commit, and
-/// every `POLL` in any case; reconnects while the database is down.
+/// on `TOKEN_CHANNEL` and refreshes the node's tokens for every change of the registry; does
+/// both every `POLL` in any case (and at every reconnect: notifications are lost with a
+/// connection); reconnects while the database is down.
 fn listen(
     target: &Target,
     node: &str,
-    wake: &AtomicBool,
-    core_tx: &std::sync::mpsc::Sender<crate::core::CoreMsg>,
+    (wake, core_tx): (&AtomicBool, &std::sync::mpsc::Sender<crate::core::CoreMsg>),
+    on_tokens: &OnTokens,
 ) {
     use postgres::fallible_iterator::FallibleIterator;
     let own = format!("{node} ");
     loop {
         if let Ok(mut client) = target.connect()
-            && client.batch_execute(&format!("LISTEN {CHANNEL}")).is_ok()
+            && client
+                .batch_execute(&format!("LISTEN {CHANNEL}; LISTEN {TOKEN_CHANNEL}"))
+                .is_ok()
         {
             // What was committed while this node was not listening.
+            on_tokens();
             if !poke(wake, core_tx) {
                 return;
             }
             loop {
                 let next = client.notifications().timeout_iter(POLL).next();
                 let woke = match next {
+                    Ok(Some(n)) if n.channel() == TOKEN_CHANNEL => {
+                        on_tokens();
+                        true
+                    }
                     Ok(Some(n)) if n.payload().starts_with(&own) => true,
-                    Ok(_) => poke(wake, core_tx),
+                    Ok(Some(_)) => poke(wake, core_tx),
+                    Ok(None) => {
+                        on_tokens();
+                        poke(wake, core_tx)
+                    }
                     Err(_) => break, // The connection is gone: reconnect.
                 };
                 if !woke {

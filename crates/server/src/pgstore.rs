@@ -12,7 +12,7 @@ use postgres::{Client, Config, GenericClient};
 use std::time::Duration;
 
 /// The schema version this binary writes and reads (`estop_schema`).
-pub const SCHEMA_VERSION: i32 = 2;
+pub const SCHEMA_VERSION: i32 = 4;
 
 /// Migrations, in order: each brings the schema from the version before it to its own.
 const MIGRATIONS: &[(i32, &str)] = &[
@@ -37,6 +37,30 @@ const MIGRATIONS: &[(i32, &str)] = &[
              taken_at timestamptz NOT NULL DEFAULT now(),
              snapshot bytea NOT NULL
          );",
+    ),
+    (
+        3,
+        // The token registry of every node (`tokens::pg`): the SHA-256 of each secret, never
+        // the secret; a revoked token keeps its row (revoked_at), so a secret once revoked
+        // never comes back. One live token per name.
+        "CREATE TABLE estop_token (
+             hash bytea PRIMARY KEY CHECK (length(hash) = 32),
+             name text NOT NULL,
+             role text NOT NULL CHECK (role IN ('operator', 'agent', 'observer')),
+             groups text[] NOT NULL,
+             created_at timestamptz NOT NULL DEFAULT now(),
+             revoked_at timestamptz
+         );
+         CREATE UNIQUE INDEX estop_token_live_name ON estop_token (name) WHERE revoked_at IS NULL;",
+    ),
+    (
+        4,
+        // The effect a record is about, for the operators' queries (an effect's admission,
+        // decisions, start and outcome); filled in for the records before it by
+        // `backfill_effect_keys`, in the same transaction.
+        "ALTER TABLE estop_ledger ADD COLUMN effect_key text;
+         CREATE INDEX estop_ledger_effect ON estop_ledger (run_id, effect_key, seq)
+             WHERE effect_key IS NOT NULL;",
     ),
 ];
 
@@ -121,7 +145,8 @@ impl std::fmt::Debug for Target {
 
 impl Target {
     pub fn parse(url: &str) -> Result<Target, StoreError> {
-        let (rest, tls_mode, root) = crate::pgtls::split(url).map_err(|e| StoreError::Url(e.0))?;
+        let (rest, tls) = crate::pgtls::split(url).map_err(|e| StoreError::Url(e.0))?;
+        let tls_mode = tls.mode;
         let mut config: tokio_postgres::Config = rest
             .parse()
             .map_err(|e: postgres::Error| StoreError::Url(e.to_string()))?;
@@ -130,8 +155,7 @@ impl Target {
         }
         config.application_name("estop");
         config.ssl_mode(tls_mode.ssl_mode());
-        let tls =
-            crate::pgtls::connector(tls_mode, root.as_deref()).map_err(|e| StoreError::Url(e.0))?;
+        let tls = crate::pgtls::connector(&tls).map_err(|e| StoreError::Url(e.0))?;
         Ok(Target {
             config,
             tls,
@@ -191,6 +215,9 @@ pub fn migrate(client: &mut Client) -> Result<i32, StoreError> {
     }
     for (version, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > found) {
         tx.batch_execute(sql)?;
+        if *version == 4 {
+            backfill_effect_keys(&mut tx)?;
+        }
         tx.execute("INSERT INTO estop_schema (version) VALUES ($1)", &[version])?;
         crate::log::info(&format!("store: migrated the schema to version {version}"));
     }
@@ -199,6 +226,38 @@ pub fn migrate(client: &mut Client) -> Result<i32, StoreError> {
 }
 
 /// The records after `seq`, in order; an error if they are not numbered on from it.
+/// Sets `effect_key` of the records written before the column existed (migration 4), read
+/// out of their bytes a page at a time.
+fn backfill_effect_keys(tx: &mut postgres::Transaction<'_>) -> Result<(), StoreError> {
+    let mut decoder = RecordDecoder::default();
+    let mut after: i64 = 0;
+    loop {
+        let rows = tx.query(
+            "SELECT seq, record FROM estop_ledger WHERE seq > $1 ORDER BY seq LIMIT $2",
+            &[&after, &LOAD_PAGE],
+        )?;
+        let Some(last) = rows.last() else {
+            return Ok(());
+        };
+        after = last.get(0);
+        let (mut seqs, mut keys) = (Vec::new(), Vec::new());
+        for row in &rows {
+            let rec = decoder.decode(row.get(1)).map_err(|e| {
+                StoreError::Corrupt(format!("record {}: {e}", row.get::<_, i64>(0)))
+            })?;
+            if let Some(key) = rec.command.key() {
+                seqs.push(row.get::<_, i64>(0));
+                keys.push(key.as_str().to_string());
+            }
+        }
+        tx.execute(
+            "UPDATE estop_ledger l SET effect_key = u.k
+               FROM unnest($1::bigint[], $2::text[]) AS u(s, k) WHERE l.seq = u.s",
+            &[&seqs, &keys],
+        )?;
+    }
+}
+
 pub fn records_after(
     db: &mut impl GenericClient,
     seq: u64,
@@ -328,6 +387,8 @@ pub struct NewRecord {
     pub run: Option<String>,
     pub principal: String,
     pub command: &'static str,
+    /// The effect it is about, if one.
+    pub key: Option<String>,
     pub bytes: Vec<u8>,
 }
 
@@ -347,10 +408,18 @@ impl NewRecord {
             run: rec.command.run().map(|r| r.as_str().to_string()),
             principal: rec.principal.name.as_str().to_string(),
             command: crate::describe::kind(&rec.command),
+            key: rec.command.key().map(|k| k.as_str().to_string()),
             bytes: bytes.to_vec(),
         })
     }
 }
+
+/// The statement that inserts records, one array per column (here and in a node's bursts,
+/// `pgconn`).
+pub const INSERT: &str =
+    "INSERT INTO estop_ledger (seq, at_ms, run_id, principal, command, effect_key, record)
+     SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[],
+                          $6::text[], $7::bytea[])";
 
 /// Inserts a burst's records with one statement. A seq another writer took is a
 /// primary-key violation: the transaction fails and nothing of it is acknowledged.
@@ -360,11 +429,11 @@ pub fn insert(db: &mut impl GenericClient, records: &[NewRecord]) -> Result<(), 
     let runs: Vec<Option<&str>> = records.iter().map(|r| r.run.as_deref()).collect();
     let principals: Vec<&str> = records.iter().map(|r| r.principal.as_str()).collect();
     let commands: Vec<&str> = records.iter().map(|r| r.command).collect();
+    let keys: Vec<Option<&str>> = records.iter().map(|r| r.key.as_deref()).collect();
     let bytes: Vec<&[u8]> = records.iter().map(|r| r.bytes.as_slice()).collect();
     db.execute(
-        "INSERT INTO estop_ledger (seq, at_ms, run_id, principal, command, record)
-         SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::text[], $5::text[], $6::bytea[])",
-        &[&seqs, &ats, &runs, &principals, &commands, &bytes],
+        INSERT,
+        &[&seqs, &ats, &runs, &principals, &commands, &keys, &bytes],
     )?;
     Ok(())
 }

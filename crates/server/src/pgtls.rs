@@ -56,14 +56,27 @@ impl Mode {
     }
 }
 
-/// The URL without its TLS options, the mode, and the root certificates' file (or `system`).
-pub fn split(url: &str) -> Result<(String, Mode, Option<String>), TlsOptionError> {
+/// A URL's TLS options.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    pub mode: Mode,
+    /// The root certificates' file (PEM), or `system`.
+    pub root: Option<String>,
+    /// The client certificate (chain) and its private key, files in PEM: both or neither.
+    pub client: Option<(String, String)>,
+}
+
+/// The URL without its TLS options, and the options.
+pub fn split(url: &str) -> Result<(String, Options), TlsOptionError> {
     let mut mode = None;
     let mut root = None;
-    let mut take = |key: &str, value: &str| -> Result<bool, TlsOptionError> {
-        match key {
+    let (mut cert, mut key) = (None, None);
+    let mut take = |key_: &str, value: &str| -> Result<bool, TlsOptionError> {
+        match key_ {
             "sslmode" => mode = Some(Mode::parse(value)?),
             "sslrootcert" => root = Some(value.to_string()),
+            "sslcert" => cert = Some(value.to_string()),
+            "sslkey" => key = Some(value.to_string()),
             _ => return Ok(false),
         }
         Ok(true)
@@ -102,7 +115,21 @@ pub fn split(url: &str) -> Result<(String, Mode, Option<String>), TlsOptionError
             "sslmode=verify-ca and verify-full need sslrootcert=FILE (the CA's certificates, PEM) or sslrootcert=system".into(),
         ));
     }
-    Ok((rest, mode, root))
+    let client = match (cert, key) {
+        (None, None) => None,
+        (Some(c), Some(k)) if mode != Mode::Disable => Some((c, k)),
+        (Some(_), Some(_)) => {
+            return Err(TlsOptionError(
+                "sslcert and sslkey with sslmode=disable: a client certificate needs TLS".into(),
+            ));
+        }
+        _ => {
+            return Err(TlsOptionError(
+                "sslcert and sslkey go together: the client certificate (PEM) and its private key (PEM)".into(),
+            ));
+        }
+    };
+    Ok((rest, Options { mode, root, client }))
 }
 
 fn percent_decode(s: &str) -> Result<String, TlsOptionError> {
@@ -125,8 +152,10 @@ fn percent_decode(s: &str) -> Result<String, TlsOptionError> {
     String::from_utf8(out).map_err(|_| TlsOptionError(format!("{s:?} is not UTF-8")))
 }
 
-/// The TLS connector for `mode` and `root` (unused when the mode is `disable`).
-pub fn connector(mode: Mode, root: Option<&str>) -> Result<MakeRustlsConnect, TlsOptionError> {
+/// The TLS connector for the options (unused when the mode is `disable`); the client
+/// certificate and key files are read now, so one that is missing or unreadable stops the start.
+pub fn connector(o: &Options) -> Result<MakeRustlsConnect, TlsOptionError> {
+    let (mode, root) = (o.mode, o.root.as_deref());
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()
@@ -144,11 +173,63 @@ pub fn connector(mode: Mode, root: Option<&str>) -> Result<MakeRustlsConnect, Tl
             }
         }
     };
-    let config = builder
+    let builder = builder
         .dangerous()
-        .with_custom_certificate_verifier(verifier)
-        .with_no_client_auth();
+        .with_custom_certificate_verifier(verifier);
+    let config = match &o.client {
+        None => builder.with_no_client_auth(),
+        Some((cert, key)) => {
+            let (chain, key_der) = client_identity(cert, key)?;
+            builder
+                .with_client_auth_cert(chain, key_der)
+                .map_err(|e| TlsOptionError(format!("sslcert={cert} with sslkey={key}: {e}")))?
+        }
+    };
     Ok(MakeRustlsConnect::new(config))
+}
+
+/// The client certificate chain of `cert` and the private key of `key` (PEM files). The key
+/// is refused if others than its owner may read it, as libpq does.
+fn client_identity(
+    cert: &str,
+    key: &str,
+) -> Result<
+    (
+        Vec<CertificateDer<'static>>,
+        rustls::pki_types::PrivateKeyDer<'static>,
+    ),
+    TlsOptionError,
+> {
+    use std::os::unix::fs::PermissionsExt;
+    let bad = |what: &str, path: &str, e: &dyn std::fmt::Display| {
+        TlsOptionError(format!("{what}={path}: {e}"))
+    };
+    let pem = std::fs::read(cert).map_err(|e| bad("sslcert", cert, &e))?;
+    let chain = rustls_pemfile::certs(&mut pem.as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad("sslcert", cert, &e))?;
+    if chain.is_empty() {
+        return Err(bad("sslcert", cert, &"no certificate in it"));
+    }
+    let mode = std::fs::metadata(key)
+        .map_err(|e| bad("sslkey", key, &e))?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        return Err(bad(
+            "sslkey",
+            key,
+            &format!(
+                "mode {:o}: a private key must be readable by its owner only (chmod 600)",
+                mode & 0o777
+            ),
+        ));
+    }
+    let pem = std::fs::read(key).map_err(|e| bad("sslkey", key, &e))?;
+    let key_der = rustls_pemfile::private_key(&mut pem.as_slice())
+        .map_err(|e| bad("sslkey", key, &e))?
+        .ok_or_else(|| bad("sslkey", key, &"no private key in it"))?;
+    Ok((chain, key_der))
 }
 
 fn roots(root: &str) -> Result<RootCertStore, TlsOptionError> {
@@ -257,24 +338,33 @@ mod tests {
 
     #[test]
     fn tls_options_are_read_out_of_urls_and_key_value_strings() {
-        let (rest, mode, root) = split(
+        let (rest, o) = split(
             "postgres://u@h:5/db?sslmode=verify-full&application_name=x&sslrootcert=%2Fca.pem",
         )
         .unwrap();
         assert_eq!(
-            (rest.as_str(), mode, root.as_deref()),
+            (rest.as_str(), o.mode, o.root.as_deref()),
             (
                 "postgres://u@h:5/db?application_name=x",
                 Mode::VerifyFull,
                 Some("/ca.pem")
             )
         );
-        let (rest, mode, root) = split("host=h dbname=d sslmode=require").unwrap();
+        let (rest, o) = split("host=h dbname=d sslmode=require").unwrap();
         assert_eq!(
-            (rest.as_str(), mode, root),
+            (rest.as_str(), o.mode, o.root),
             ("host=h dbname=d", Mode::Require, None)
         );
-        assert_eq!(split("postgres://h/d").unwrap().1, Mode::Prefer);
+        assert_eq!(split("postgres://h/d").unwrap().1.mode, Mode::Prefer);
+        let (rest, o) = split("postgres://h/d?sslcert=%2Fc.pem&sslkey=/k.pem").unwrap();
+        assert_eq!(
+            (rest.as_str(), o.client),
+            ("postgres://h/d", Some(("/c.pem".into(), "/k.pem".into())))
+        );
+        let e = split("postgres://h/d?sslcert=/c.pem").unwrap_err();
+        assert!(e.to_string().contains("go together"), "{e}");
+        let e = split("host=h sslkey=/k.pem sslcert=/c.pem sslmode=disable").unwrap_err();
+        assert!(e.to_string().contains("needs TLS"), "{e}");
         let e = split("postgres://h/d?sslmode=verify-full").unwrap_err();
         assert!(e.to_string().contains("sslrootcert"), "{e}");
         let e = split("postgres://h/d?sslmode=allow").unwrap_err();

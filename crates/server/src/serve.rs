@@ -241,7 +241,12 @@ pub fn run_with(
     });
     // Compensating calls are checked against the policy that admits the calls they undo.
     opts.core.compensation_policy = Some(Arc::clone(&policy));
-    let (tokens, created) = Tokens::open_or_bootstrap(&data, opts.reset_tokens)?;
+    // On a PostgreSQL store the tokens are every node's, in the database (docs/STORES.md).
+    let (tokens, created) = match &opts.store {
+        None => Tokens::open_or_bootstrap(&data, opts.reset_tokens)?,
+        Some(url) => Tokens::open_in_database(&data, url, opts.reset_tokens)?,
+    };
+    let tokens = Arc::new(tokens);
     if created && opts.reset_tokens {
         crate::log::warn(&format!(
             "--reset-tokens: wrote fresh bootstrap tokens in {}; every other token is gone",
@@ -266,7 +271,19 @@ pub fn run_with(
             Box::new(move || core.run(core_rx))
         }
         Some(url) => {
-            let core = crate::pgnode::shell(&opts.core, &opts.limits, url, &durable_tx, &core_tx)?;
+            let registry = Arc::clone(&tokens);
+            let on_tokens: crate::pgnode::OnTokens = Box::new(move || {
+                if let Err(e) = registry.refresh() {
+                    crate::log::warn(&format!("tokens: {e}"));
+                }
+            });
+            let core = crate::pgnode::shell(
+                &opts.core,
+                &opts.limits,
+                url,
+                (&durable_tx, &core_tx),
+                on_tokens,
+            )?;
             crate::pgstore::remember(&data, url)?;
             Box::new(move || core.run(core_rx))
         }
@@ -278,7 +295,7 @@ pub fn run_with(
 
     let shared = Arc::new(Shared {
         core_tx: core_tx.clone().into(),
-        tokens: Arc::new(tokens),
+        tokens,
         policy,
         durable_rx,
         opts: opts.conn.clone(),

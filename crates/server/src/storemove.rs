@@ -22,6 +22,9 @@ const INSERT_BATCH: usize = 1000;
 pub struct Moved {
     pub records: u64,
     pub last_seq: u64,
+    /// The tokens moved with the records (`None`: none were: no `DATA/tokens` to export, or
+    /// a destination that had a registry already).
+    pub tokens: Option<usize>,
 }
 
 fn refused(why: impl Into<String>) -> StoreError {
@@ -88,7 +91,8 @@ fn read_ledger(data: &Path) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
 }
 
 /// Copies the embedded ledger in `data` into the database at `target`, which must hold no
-/// estop record yet. A daemon running on `data` is refused.
+/// estop record yet, with the tokens of `DATA/tokens` (unless the database has a registry
+/// already). A daemon running on `data` is refused.
 pub fn export(data: &Path, target: &Target) -> Result<Moved, StoreError> {
     let records = read_ledger(data)?;
     check(&records)?;
@@ -114,16 +118,27 @@ pub fn export(data: &Path, target: &Target) -> Result<Moved, StoreError> {
             .collect::<Result<Vec<_>, _>>()?;
         pgstore::insert(&mut tx, &rows)?;
     }
+    // The tokens go with the records, in the same commit, so the nodes know the same
+    // secrets; a registry the database already has (a node started on it) is kept.
+    let registry: i64 = tx
+        .query_one("SELECT count(*) FROM estop_token", &[])?
+        .get(0);
+    let tokens = match registry {
+        0 => crate::tokens::pg::copy_file_registry(&mut tx, data)
+            .map_err(|e| refused(format!("{e}; nothing was moved")))?,
+        _ => None,
+    };
     tx.commit()?;
     Ok(Moved {
         records: records.len() as u64,
         last_seq: records.last().map_or(0, |(seq, _)| *seq),
+        tokens,
     })
 }
 
 /// Writes every record of the database at `target` into a new embedded ledger in `data`,
-/// which must not have one. The directory then starts a gate with that history (its tokens
-/// are not in the database: start it once with `--reset-tokens`, or copy DATA/tokens).
+/// which must not have one, and the database's live tokens into `DATA/tokens` (unless it has
+/// one). The directory then starts a gate with that history and those tokens.
 pub fn import(target: &Target, data: &Path) -> Result<Moved, StoreError> {
     let dir = data.join("ledger");
     if std::fs::read_dir(&dir).is_ok_and(|mut d| d.next().is_some()) {
@@ -140,9 +155,15 @@ pub fn import(target: &Target, data: &Path) -> Result<Moved, StoreError> {
     std::fs::create_dir_all(&dir)
         .map_err(|e| refused(format!("cannot create {}: {e}", dir.display())))?;
     write_ledger(&dir, &records).map_err(|e| refused(format!("writing {}: {e}", dir.display())))?;
+    let tokens = crate::tokens::pg::write_file_registry(&mut client, data).map_err(|e| {
+        refused(format!(
+            "the records were imported, but not the tokens: {e}"
+        ))
+    })?;
     Ok(Moved {
         records: records.len() as u64,
         last_seq: records.last().map_or(0, |(seq, _)| *seq),
+        tokens,
     })
 }
 

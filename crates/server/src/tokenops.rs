@@ -50,9 +50,11 @@ pub fn token_error(e: &TokenError) -> Answer {
         TokenError::NotFound(_) => ErrorCode::NotFound,
         TokenError::Reserved(_) | TokenError::Invalid(_) => ErrorCode::InvalidField,
         TokenError::Full => ErrorCode::LimitExceeded,
-        TokenError::Io { .. } | TokenError::Corrupt { .. } | TokenError::Missing { .. } => {
-            ErrorCode::Unavailable
-        }
+        TokenError::Io { .. }
+        | TokenError::Corrupt { .. }
+        | TokenError::Missing { .. }
+        | TokenError::Store(_)
+        | TokenError::MissingInDatabase { .. } => ErrorCode::Unavailable,
     };
     err(code, e.to_string())
 }

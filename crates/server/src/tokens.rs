@@ -1,6 +1,7 @@
 //! Named tokens with roles (SPEC §3 "Principals"): the registry of who may talk to the gate.
-//! Only SHA-256 hashes of secrets are stored (`DATA/tokens`, mode 0600); the secrets themselves
-//! are shown once, and the bootstrap ones are written to `operator.token` and `agent.token`.
+//! Only SHA-256 hashes of secrets are stored (`DATA/tokens`, mode 0600; on a PostgreSQL store,
+//! the database's `estop_token`, every node's: `pg`); the secrets themselves are shown once,
+//! and the bootstrap ones are written to `operator.token` and `agent.token`.
 //!
 //! Every change rewrites the registry whole, one writer at a time, through a temp file of its
 //! own (fsync, rename, directory fsync), so concurrent creations all survive and a crash leaves
@@ -21,6 +22,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::task::Poll;
 use tokio::sync::watch;
+
+pub mod pg;
 
 /// Names the gate uses for itself and the compatibility listener; no token may take them.
 pub const RESERVED_NAMES: &[&str] = &["estop", "soundgate"];
@@ -64,6 +67,12 @@ pub enum TokenError {
     Invalid(String),
     #[error("limit reached: tokens_max = {TOKENS_MAX}; revoke tokens no longer used")]
     Full,
+    #[error("the token registry in the database: {0}")]
+    Store(String),
+    #[error(
+        "the database's token registry (estop_token) is empty, but the database holds {records} records: its tokens were never brought in (a history exported without them, or the table lost). Start one node whose data dir has the old DATA/tokens (it is brought in), or start once with `estop serve --reset-tokens` to make fresh bootstrap tokens (admin, agent)"
+    )]
+    MissingInDatabase { records: i64 },
 }
 
 #[derive(Debug, Clone)]
@@ -122,9 +131,17 @@ impl RevokeSignal {
     }
 }
 
-/// The token registry of one data dir.
+/// Where the registry lives.
+enum Store {
+    /// `DATA/tokens`: this node's own.
+    File(PathBuf),
+    /// `estop_token` in the PostgreSQL store: every node's (`pg`).
+    Db(Box<pg::Registry>),
+}
+
+/// The token registry of one data dir, or of every node of a PostgreSQL store.
 pub struct Tokens {
-    path: PathBuf,
+    store: Store,
     entries: RwLock<Vec<Entry>>,
     /// Held while a change is computed and written: one writer of the file at a time, and the
     /// file always holds exactly what memory will.
@@ -145,7 +162,13 @@ struct Watcher {
 
 impl std::fmt::Debug for Tokens {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tokens").field("path", &self.path).finish()
+        match &self.store {
+            Store::File(path) => f.debug_struct("Tokens").field("path", path).finish(),
+            Store::Db(_) => f
+                .debug_struct("Tokens")
+                .field("store", &"postgres")
+                .finish(),
+        }
     }
 }
 
@@ -304,9 +327,9 @@ fn render(entries: &[Entry]) -> String {
 }
 
 impl Tokens {
-    fn with(path: PathBuf, entries: Vec<Entry>) -> Tokens {
+    fn with(store: Store, entries: Vec<Entry>) -> Tokens {
         Tokens {
-            path,
+            store,
             entries: RwLock::new(entries),
             writer: Mutex::new(()),
             revocations: watch::Sender::new(0),
@@ -347,7 +370,7 @@ impl Tokens {
                 .map_err(io("write", &data.join("agent.token")))?;
             let entries = vec![admin, agent];
             write_private(&path, render(&entries).as_bytes()).map_err(io("write", &path))?;
-            let tokens = Tokens::with(path, entries);
+            let tokens = Tokens::with(Store::File(path), entries);
             return Ok((tokens, true));
         }
         fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).map_err(io(
@@ -359,25 +382,80 @@ impl Tokens {
             &path,
         ))?;
         let entries = parse(&path, &text)?;
-        Ok((Tokens::with(path, entries), false))
+        Ok((Tokens::with(Store::File(path), entries), false))
+    }
+
+    /// Opens the registry in the PostgreSQL store at `url` (`pg::open`: the first node
+    /// bootstraps `admin` and `agent` into `data`). Returns it and whether bootstrap tokens
+    /// were made now.
+    pub fn open_in_database(
+        data: &Path,
+        url: &str,
+        reset: bool,
+    ) -> Result<(Tokens, bool), TokenError> {
+        let opened = pg::open(data, url, reset)?;
+        let tokens = Tokens::with(Store::Db(Box::new(opened.registry)), opened.live);
+        Ok((tokens, opened.created))
     }
 
     /// Computes a change on a copy of the entries, writes it, and only then makes it current;
     /// the file and memory never disagree, and writers never overlap.
-    fn change<T>(
+    fn change<T: Send>(
         &self,
-        f: impl FnOnce(&mut Vec<Entry>) -> Result<T, TokenError>,
+        f: impl FnOnce(&mut Vec<Entry>) -> Result<T, TokenError> + Send,
     ) -> Result<T, TokenError> {
         let _writer = self.writer.lock().expect("tokens writer");
-        let mut next = self.entries.read().expect("tokens lock").clone();
-        let out = f(&mut next)?;
-        write_private(&self.path, render(&next).as_bytes()).map_err(|source| TokenError::Io {
-            op: "write",
-            path: self.path.clone(),
-            source,
-        })?;
-        *self.entries.write().expect("tokens lock") = next;
+        let (out, next) = match &self.store {
+            Store::File(path) => {
+                let mut next = self.entries.read().expect("tokens lock").clone();
+                let out = f(&mut next)?;
+                write_private(path, render(&next).as_bytes()).map_err(|source| TokenError::Io {
+                    op: "write",
+                    path: path.clone(),
+                    source,
+                })?;
+                (out, next)
+            }
+            // Computed on the database's live tokens, under its lock, and committed.
+            Store::Db(db) => db.change(f)?,
+        };
+        self.install(next);
         Ok(out)
+    }
+
+    /// Makes `next` the live tokens; every token no longer among them is revoked here: the
+    /// connections that hold its secret are told and the revoke hooks run (whichever node
+    /// revoked it).
+    fn install(&self, next: Vec<Entry>) {
+        let gone: Vec<Entry> = {
+            let mut live = self.entries.write().expect("tokens lock");
+            let gone = live
+                .iter()
+                .filter(|e| !next.iter().any(|n| n.hash == e.hash))
+                .cloned()
+                .collect();
+            *live = next;
+            gone
+        };
+        for g in &gone {
+            self.revoked(g);
+            for hook in self.hooks.lock().expect("tokens hooks").iter() {
+                hook(&g.principal.name);
+            }
+        }
+    }
+
+    /// Reads the live tokens from the database again (a node of a PostgreSQL store, when
+    /// another node changed the registry: `TOKEN_CHANNEL`); what they no longer hold is revoked
+    /// here at once. Nothing to do for the file registry, which only this node changes.
+    pub fn refresh(&self) -> Result<(), TokenError> {
+        let Store::Db(db) = &self.store else {
+            return Ok(());
+        };
+        let _writer = self.writer.lock().expect("tokens writer");
+        let live = db.live()?;
+        self.install(live);
+        Ok(())
     }
 
     /// Creates a named token and persists the registry; returns the secret (shown once).
@@ -401,10 +479,6 @@ impl Tokens {
     /// revoke hooks run. The last operator token cannot be revoked (`LastOperator`).
     pub fn revoke(&self, name: &str) -> Result<Principal, TokenError> {
         let gone = self.remove_where(name, true)?;
-        self.revoked(&gone);
-        for hook in self.hooks.lock().expect("tokens hooks").iter() {
-            hook(&gone.principal.name);
-        }
         Ok(gone.principal)
     }
 
@@ -445,7 +519,6 @@ impl Tokens {
     /// half-applied); its secret was never shown.
     pub fn forget(&self, name: &str) -> Result<Principal, TokenError> {
         let gone = self.remove_where(name, false)?;
-        self.revoked(&gone);
         Ok(gone.principal)
     }
 
@@ -466,23 +539,39 @@ impl Tokens {
         })
     }
 
-    /// The principal a secret belongs to.
-    pub fn authenticate(&self, secret: &str) -> Option<Principal> {
-        self.credential(secret).map(|c| c.principal)
+    /// The principal a secret belongs to (`Err`: the database could not be asked).
+    pub fn authenticate(&self, secret: &str) -> Result<Option<Principal>, TokenError> {
+        Ok(self.credential(secret)?.map(|c| c.principal))
     }
 
-    /// The principal a secret belongs to, with which secret it was.
-    pub fn credential(&self, secret: &str) -> Option<Credential> {
+    /// The principal a secret belongs to, with which secret it was. On a PostgreSQL store the
+    /// database is asked every time (a token revoked on another node a moment ago is refused
+    /// here), and this node's copy refreshed when it disagrees.
+    pub fn credential(&self, secret: &str) -> Result<Option<Credential>, TokenError> {
         let h = hash(secret.trim());
+        let found = match &self.store {
+            Store::File(_) => self.cached(&h),
+            Store::Db(db) => {
+                let found = db.lookup(&h)?;
+                if found.is_some() != self.cached(&h).is_some() {
+                    self.refresh()?;
+                }
+                found
+            }
+        };
+        Ok(found.map(|e| Credential {
+            principal: e.principal,
+            hash: h,
+        }))
+    }
+
+    fn cached(&self, h: &[u8; 32]) -> Option<Entry> {
         self.entries
             .read()
             .expect("tokens lock")
             .iter()
-            .find(|e| e.hash == h)
-            .map(|e| Credential {
-                principal: e.principal.clone(),
-                hash: h,
-            })
+            .find(|e| e.hash == *h)
+            .cloned()
     }
 
     /// Whether a credential is still in the registry (not revoked).
@@ -526,8 +615,11 @@ mod tests {
         assert!(created);
         let op = fs::read_to_string(dir.path().join("operator.token")).unwrap();
         let ag = fs::read_to_string(dir.path().join("agent.token")).unwrap();
-        assert_eq!(tokens.authenticate(&op).unwrap().name.as_str(), "admin");
-        assert_eq!(tokens.authenticate(&ag).unwrap().role, Role::Agent);
+        assert_eq!(
+            tokens.authenticate(&op).unwrap().unwrap().name.as_str(),
+            "admin"
+        );
+        assert_eq!(tokens.authenticate(&ag).unwrap().unwrap().role, Role::Agent);
         for f in ["operator.token", "agent.token", "tokens"] {
             let mode = fs::metadata(dir.path().join(f))
                 .unwrap()
@@ -544,7 +636,10 @@ mod tests {
         // Reopen: same principals, not re-created.
         let (again, created) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
         assert!(!created);
-        assert_eq!(again.authenticate(&op).unwrap().name.as_str(), "admin");
+        assert_eq!(
+            again.authenticate(&op).unwrap().unwrap().name.as_str(),
+            "admin"
+        );
     }
 
     #[test]
@@ -554,7 +649,7 @@ mod tests {
         let s = tokens
             .create("bob", Role::Operator, &["finance".into()])
             .unwrap();
-        let p = tokens.authenticate(&s).unwrap();
+        let p = tokens.authenticate(&s).unwrap().unwrap();
         assert_eq!(p.groups, vec![Box::<str>::from("finance")]);
         assert!(matches!(
             tokens.create("bob", Role::Agent, &[]),
@@ -568,7 +663,7 @@ mod tests {
             tokens.create("a b", Role::Agent, &[]),
             Err(TokenError::Invalid(_))
         ));
-        assert!(tokens.authenticate("nope").is_none());
+        assert!(tokens.authenticate("nope").unwrap().is_none());
     }
 
     #[test]
@@ -586,10 +681,10 @@ mod tests {
             "a refused revoke changes nothing"
         );
         let old = tokens.create("bob", Role::Operator, &[]).unwrap();
-        let cred = tokens.credential(&old).unwrap();
+        let cred = tokens.credential(&old).unwrap().unwrap();
         let bob_conn = tokens.watch(1, &cred);
         let admin = fs::read_to_string(dir.path().join("operator.token")).unwrap();
-        let admin_conn = tokens.watch(2, &tokens.credential(&admin).unwrap());
+        let admin_conn = tokens.watch(2, &tokens.credential(&admin).unwrap().unwrap());
         let ended = std::sync::Arc::new(Mutex::new(Vec::new()));
         let log = std::sync::Arc::clone(&ended);
         tokens.on_revoke(Box::new(move |n| log.lock().unwrap().push(n.to_string())));
@@ -606,11 +701,11 @@ mod tests {
         assert!(!tokens.is_valid(&cred));
         let new = tokens.create("bob", Role::Operator, &[]).unwrap();
         assert!(!tokens.is_valid(&cred), "the old secret stays revoked");
-        assert!(tokens.authenticate(&new).is_some());
+        assert!(tokens.authenticate(&new).unwrap().is_some());
         // The file agrees with memory.
         let (again, _) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
-        assert!(again.authenticate(&old).is_none());
-        assert!(again.authenticate(&new).is_some());
+        assert!(again.authenticate(&old).unwrap().is_none());
+        assert!(again.authenticate(&new).unwrap().is_some());
     }
 
     #[test]
@@ -652,7 +747,7 @@ mod tests {
             .collect();
         let (again, _) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
         for s in &secrets {
-            assert!(again.authenticate(s).is_some());
+            assert!(again.authenticate(s).unwrap().is_some());
         }
         let names: Vec<String> = fs::read_dir(dir.path())
             .unwrap()
