@@ -1193,6 +1193,8 @@ fn a_cancel_on_one_node_is_undone_through_the_other_and_each_attempt_offered_by_
         .unwrap()
         .get(0);
     assert_eq!(begins, 1);
+}
+
 /// A second node on the database at `url`, in a data dir of its own holding `first`'s secrets
 /// (the operator's and the agent's): on a PostgreSQL store the tokens are every node's.
 fn node_beside(url: &str, first: &Daemon) -> Daemon {
