@@ -1587,3 +1587,83 @@ fn an_effects_records_are_found_by_its_key_and_older_records_get_it_at_migration
     );
     assert_eq!(effect_commands(&url, "fx", "k2"), vec!["admit".to_string()]);
 }
+
+/// A `hello` whose token lookup waits on the database holds up no other connection of the
+/// node: the lookup is off the IO thread. (With it on the IO thread, an agent's hello — or a
+/// slow database — stalled every connection of the node, an operator's cancel among them.)
+#[test]
+fn a_token_lookup_waiting_on_the_database_holds_up_no_other_connection() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::os::unix::net::UnixStream;
+    let Some(url) = database() else { return };
+    let a = node(&url);
+    let line = |conn: &mut BufReader<UnixStream>, req: serde_json::Value| {
+        conn.get_mut()
+            .write_all(format!("{req}\n").as_bytes())
+            .unwrap();
+    };
+    let answer = |conn: &mut BufReader<UnixStream>| {
+        let mut got = String::new();
+        conn.read_line(&mut got)
+            .expect("an answer before the read timeout");
+        serde_json::from_str::<serde_json::Value>(&got).unwrap()
+    };
+    let open = || {
+        let s = UnixStream::connect(a.socket()).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        BufReader::new(s)
+    };
+    let mut operator = open();
+    line(
+        &mut operator,
+        json!({"id": 1, "op": "hello", "token": a.token("operator.token")}),
+    );
+    assert_eq!(answer(&mut operator)["ok"], true);
+    // The registry locked: a lookup now waits until the lock is let go.
+    let mut locker = sql(&url);
+    let mut tx = locker.transaction().unwrap();
+    tx.batch_execute("LOCK TABLE estop_token IN ACCESS EXCLUSIVE MODE")
+        .unwrap();
+    let mut agent = open();
+    line(
+        &mut agent,
+        json!({"id": 1, "op": "hello", "token": a.token("agent.token")}),
+    );
+    let mut watch = sql(&url);
+    let waiting = |watch: &mut postgres::Client| -> i64 {
+        watch
+            .query_one(
+                "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+                 WHERE c.relname = 'estop_token' AND NOT l.granted",
+                &[],
+            )
+            .unwrap()
+            .get(0)
+    };
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while waiting(&mut watch) == 0 {
+        assert!(std::time::Instant::now() < until, "the hello never asked");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // The operator's connection is answered while the agent's lookup waits.
+    line(
+        &mut operator,
+        json!({"id": 2, "op": "status", "run": "nope"}),
+    );
+    let st = answer(&mut operator);
+    assert_eq!(st["error"]["code"], "not_found", "{st}");
+    // ... and the agent's hello is still waiting (not answered by a lookup given up on).
+    agent.get_ref().set_nonblocking(true).unwrap();
+    let mut early = String::new();
+    let still = agent.read_line(&mut early);
+    assert!(
+        still
+            .as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock),
+        "{still:?} {early}"
+    );
+    agent.get_ref().set_nonblocking(false).unwrap();
+    tx.commit().unwrap();
+    assert_eq!(answer(&mut agent)["ok"], true);
+}

@@ -159,12 +159,12 @@ fn own_page(h: &HeaderMap) -> Result<(), Refusal> {
     }
 }
 
-fn bearer(app: &App, v: &str) -> Result<Caller, Refusal> {
+async fn bearer(app: &App, v: &str) -> Result<Caller, Refusal> {
     let token = v
         .strip_prefix("Bearer ")
         .or_else(|| v.strip_prefix("bearer "))
         .unwrap_or("");
-    match app.shared.tokens.authenticate(token) {
+    match app.shared.tokens.authenticate_async(token).await {
         Ok(Some(principal)) => Ok(Caller {
             principal,
             session: None,
@@ -181,9 +181,9 @@ fn bearer(app: &App, v: &str) -> Result<Caller, Refusal> {
 /// its secret in `X-Estop-Session`, from the console's own page (`own_page`), and for a
 /// state-changing request its CSRF token in `X-CSRF-Token`. No cookie is ever a credential: a
 /// cookie reaches every port of the host.
-pub fn caller(app: &App, method: &Method, h: &HeaderMap) -> Result<Caller, Refusal> {
+pub async fn caller(app: &App, method: &Method, h: &HeaderMap) -> Result<Caller, Refusal> {
     if let Some(v) = header_str(h, header::AUTHORIZATION) {
-        return bearer(app, v);
+        return bearer(app, v).await;
     }
     let Some(id) = header_str(h, header::HeaderName::from_static(auth::SESSION_HEADER)) else {
         return Err(refuse(
@@ -232,7 +232,7 @@ async fn serve(
     query: &HashMap<String, String>,
     body: &Bytes,
 ) -> Response {
-    let c = match caller(app, &method, headers) {
+    let c = match caller(app, &method, headers).await {
         Ok(c) => c,
         Err(r) => return r.into_response(),
     };
@@ -409,7 +409,7 @@ fn session_json(p: &Principal, expires_at: Option<u64>) -> Value {
 /// `GET /api/v1/session`: who am I. It returns no secret (the page got the session's secret
 /// and CSRF token from its login and keeps them).
 async fn whoami(State(app): State<AppState>, h: HeaderMap) -> Response {
-    match caller(&app, &Method::GET, &h) {
+    match caller(&app, &Method::GET, &h).await {
         Ok(c) => {
             let s = c.session.as_deref().and_then(|id| app.auth.session(id));
             ok(session_json(&c.principal, s.as_ref().map(|s| s.expires_at)))
@@ -459,7 +459,7 @@ async fn login(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> Respon
                 );
             }
         },
-        (None, Some(token)) => match app.shared.tokens.authenticate(token) {
+        (None, Some(token)) => match app.shared.tokens.authenticate_async(token).await {
             Ok(Some(p)) => (p, "a token"),
             Err(e) => return error(ErrorCode::Unavailable, e.to_string()),
             Ok(None) => return error(ErrorCode::Unauthenticated, "unknown token"),
@@ -482,7 +482,7 @@ async fn login(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> Respon
 
 /// `DELETE /api/v1/session`: log out.
 async fn logout(State(app): State<AppState>, h: HeaderMap) -> Response {
-    let c = match caller(&app, &Method::DELETE, &h) {
+    let c = match caller(&app, &Method::DELETE, &h).await {
         Ok(c) => c,
         Err(r) => return r.into_response(),
     };
@@ -496,7 +496,7 @@ async fn logout(State(app): State<AppState>, h: HeaderMap) -> Response {
 /// code is in the fragment: the browser never sends it in a request line (no proxy log holds
 /// it); the page's script posts it to `POST /api/v1/session`.
 async fn new_login_link(State(app): State<AppState>, h: HeaderMap) -> Response {
-    let c = match caller(&app, &Method::POST, &h) {
+    let c = match caller(&app, &Method::POST, &h).await {
         Ok(c) => c,
         Err(r) => return r.into_response(),
     };
@@ -508,7 +508,7 @@ async fn new_login_link(State(app): State<AppState>, h: HeaderMap) -> Response {
 }
 
 async fn metrics_route(State(app): State<AppState>, h: HeaderMap) -> Response {
-    let c = match caller(&app, &Method::GET, &h) {
+    let c = match caller(&app, &Method::GET, &h).await {
         Ok(c) => c,
         Err(r) => return r.into_response(),
     };
@@ -523,7 +523,7 @@ async fn metrics_route(State(app): State<AppState>, h: HeaderMap) -> Response {
 }
 
 async fn events_route(State(app): State<AppState>, h: HeaderMap, Query(q): Q) -> Response {
-    match caller(&app, &Method::GET, &h) {
+    match caller(&app, &Method::GET, &h).await {
         Ok(c) => events::stream(app, c, q.get("run").cloned()).await,
         Err(r) => r.into_response(),
     }

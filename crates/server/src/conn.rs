@@ -429,7 +429,9 @@ async fn dispatch(
         Route::Answer(answer) => Some(answer),
         Route::Core(ask) => send(ask.message(reply_to())),
         Route::Work(work) => Some(work.run(shared).await),
-        Route::Conn(ConnVerb::Hello { token }) => Some(hello(shared, conn, &token, principal)),
+        Route::Conn(ConnVerb::Hello { token }) => {
+            Some(hello(shared, conn, &token, principal).await)
+        }
         Route::Conn(ConnVerb::Wait {
             principal,
             run,
@@ -468,8 +470,13 @@ async fn dispatch(
 
 /// `hello`: the connection authenticates as the token's principal and watches for its
 /// revocation.
-fn hello(shared: &Shared, conn: u64, token: &Secret, principal: &mut Option<Authed>) -> Answer {
-    let c = match shared.tokens.credential(token.expose()) {
+async fn hello(
+    shared: &Shared,
+    conn: u64,
+    token: &Secret,
+    principal: &mut Option<Authed>,
+) -> Answer {
+    let c = match shared.tokens.credential_async(token.expose()).await {
         Ok(Some(c)) => c,
         // The registry is in a database that cannot be asked now: refused, not let in.
         Err(e) => return err(ErrorCode::Unavailable, e.to_string()),

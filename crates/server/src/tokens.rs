@@ -544,6 +544,32 @@ impl Tokens {
         Ok(self.credential(secret)?.map(|c| c.principal))
     }
 
+    /// [`Tokens::credential`] for a caller on an async thread (a protocol `hello`, a console
+    /// request with a bearer token). On a PostgreSQL store the lookup is a database round trip,
+    /// and a slow or unreachable database, or an agent sending unknown tokens in a loop, would
+    /// stall every connection that thread serves: the lookup runs on tokio's blocking pool and
+    /// only the caller waits for it.
+    pub async fn credential_async(
+        self: &Arc<Self>,
+        secret: &str,
+    ) -> Result<Option<Credential>, TokenError> {
+        if matches!(self.store, Store::File(_)) {
+            return self.credential(secret);
+        }
+        let (me, secret) = (Arc::clone(self), secret.to_string());
+        tokio::task::spawn_blocking(move || me.credential(&secret))
+            .await
+            .unwrap_or_else(|e| Err(TokenError::Store(format!("the token lookup failed: {e}"))))
+    }
+
+    /// [`Tokens::authenticate`] for a caller on an async thread ([`Tokens::credential_async`]).
+    pub async fn authenticate_async(
+        self: &Arc<Self>,
+        secret: &str,
+    ) -> Result<Option<Principal>, TokenError> {
+        Ok(self.credential_async(secret).await?.map(|c| c.principal))
+    }
+
     /// The principal a secret belongs to, with which secret it was. On a PostgreSQL store the
     /// database is asked every time (a token revoked on another node a moment ago is refused
     /// here), and this node's copy refreshed when it disagrees.
