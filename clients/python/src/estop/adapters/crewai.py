@@ -48,7 +48,7 @@ from typing import Any, Iterable, Iterator
 from ._common import missing_extra
 
 try:
-    from crewai.hooks.dispatch import InterceptionPoint, register, register_scoped, scoped_hooks, unregister
+    from crewai.hooks.dispatch import InterceptionPoint, get_scoped_hooks, register, register_scoped, scoped_hooks, unregister
 except ImportError as e:
     raise missing_extra("crewai", "CrewAI", "crewai", e) from e
 
@@ -225,8 +225,8 @@ class EstopHooks:
     @contextlib.contextmanager
     def scoped(self) -> Iterator["EstopHooks"]:
         """The hooks for what runs in this context (CrewAI's `scoped_hooks`; its worker threads
-        copy the context, so they carry them)."""
-        with scoped_hooks():
+        copy the context, so they carry them). Hooks the caller scoped around it stay, first."""
+        with scoped_hooks({p: get_scoped_hooks(p) for p in InterceptionPoint}):
             for point, fn in self._points():
                 register_scoped(point, fn)
             yield self
