@@ -194,3 +194,26 @@ async def test_crewai_operator_cancel_stops_the_crew(gate, daemon, run_id, model
     assert done.is_set() and sent == [], sent
     assert len(raised) == 1 and isinstance(raised[0], estop.RunStopped), raised
     assert len(m.requests) == 1, "the model was asked again after the stop"
+
+
+async def test_crewai_effects_in_a_tool_body_are_keyed_from_the_call(gate, daemon, run_id, model):
+    """Two kickoffs of one run each bill the same amount, with different call ids: the
+    `@estop.effect` inside the tool is keyed from its call, so both charges happen (keyed by its
+    order in the kickoff, the second was read back as the first's receipt)."""
+    charged = []
+
+    @estop.effect(tool="charge")
+    def charge(amount: int) -> str:
+        charged.append(amount)
+        return f"ch_{len(charged)}"
+
+    @tool("bill")
+    def bill(amount: int) -> str:
+        """Bill the customer."""
+        return charge(amount)
+
+    for cid in ("b1", "b2"):
+        m = model([[call("bill", cid, amount=5)]])
+        await ecr.kickoff(crew(m, [bill]), gate=gate, run_id=run_id)
+        assert _tool_messages(m)[cid] == f"ch_{len(charged)}"
+    assert charged == [5, 5]

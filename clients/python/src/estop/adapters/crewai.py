@@ -13,6 +13,7 @@ as an invocation of an estop run.
   (CrewAI keeps the turn's assistant message in its executor's state) + the digest, so the same
   call has the same key when a job is redelivered; a call without an id (CrewAI's text-mode
   ReAct tools) is keyed by run + tool + digest + its occurrence in the invocation.
+  `@estop.effect`s the tool body calls are keyed from the call too (step `call:<id>`).
 * A duplicate, a refusal, a stopped run or an interrupted invocation block the call (a hook
   returning False, CrewAI's own veto) and the after hook puts estop's answer in the tool's
   result: the recorded result for a duplicate, the reason otherwise. CrewAI swallows a hook's
@@ -54,7 +55,7 @@ except ImportError as e:
 
 from ..effect import EffectCall, call_key, encode_result, gate_sync, make_call
 from ..errors import EffectFailed, EstopError, InDoubt, Interrupted, Refused, RunStopped
-from ..run import Estop, Run, current_invocation, current_run
+from ..run import Estop, Run, current_invocation, current_run, step
 from ._common import STOP_ON, admit_turn_sync, aguarded, guarded, resolve_run
 
 __all__ = ["EstopHooks", "kickoff", "kickoff_sync"]
@@ -74,6 +75,7 @@ class _Pending:
     call: EffectCall | None = None
     token: str | None = None
     answer: str | None = None
+    scope: Any = None
 
 
 def _answer_of(e: BaseException) -> str:
@@ -180,6 +182,11 @@ class EstopHooks:
             pending.answer = _result_text(g.duplicate.result)
             return False
         pending.call, pending.token = call, g.token
+        if call_id is not None:
+            # `@estop.effect`s the tool body calls are keyed from this call (step `call:<id>`), not
+            # by their order in a fresh kickoff; CrewAI runs the body right after, in this thread.
+            pending.scope = step(f"call:{call_id}")
+            pending.scope.__enter__()
         return None
 
     def after_tool_call(self, ctx: Any) -> str | None:
@@ -190,6 +197,9 @@ class EstopHooks:
         if pending is None:
             return None  # not a call these hooks saw (installed mid-call)
         stack.remove(pending)
+        if pending.scope is not None:
+            with contextlib.suppress(ValueError):  # (left in another context: nothing to reset)
+                pending.scope.__exit__(None, None, None)
         if pending.call is None:
             return pending.answer
         assert pending.token is not None
