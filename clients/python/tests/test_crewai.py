@@ -217,3 +217,13 @@ async def test_crewai_effects_in_a_tool_body_are_keyed_from_the_call(gate, daemo
         await ecr.kickoff(crew(m, [bill]), gate=gate, run_id=run_id)
         assert _tool_messages(m)[cid] == f"ch_{len(charged)}"
     assert charged == [5, 5]
+
+
+async def test_crewai_hold_timeout_blocks_the_call_and_leaves_the_approval_pending(gate, daemon, run_id, model):
+    """`hold_timeout_s` ends the wait in the hook: the transfer does not run, the model reads that
+    an operator decides, and the approval is still pending in estop."""
+    sent = []
+    m = model([[call("wire_money", "w1", to="acct-9", amount=100)]])
+    await ecr.kickoff(crew(m, _tools(sent)), gate=gate, run_id=run_id, hooks=ecr.EstopHooks(approval={"wire_money"}, hold_timeout_s=0.3))
+    assert sent == [] and "held for an operator's decision" in _tool_messages(m)["w1"]
+    assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]

@@ -54,7 +54,7 @@ except ImportError as e:
     raise missing_extra("crewai", "CrewAI", "crewai", e) from e
 
 from ..effect import EffectCall, call_key, encode_result, gate_sync, make_call
-from ..errors import EffectFailed, EstopError, InDoubt, Interrupted, Refused, RunStopped
+from ..errors import EffectFailed, EstopError, EstopTimeout, InDoubt, Interrupted, Refused, RunStopped
 from ..run import Estop, Run, current_invocation, current_run, step
 from ._common import STOP_ON, admit_turn_sync, aguarded, guarded, resolve_run
 
@@ -79,6 +79,8 @@ class _Pending:
 
 
 def _answer_of(e: BaseException) -> str:
+    if isinstance(e, EstopTimeout):
+        return "estop: held for an operator's decision, not decided within hold_timeout_s; it did not run (the approval stays pending)"
     if isinstance(e, RunStopped):
         return f"estop: the run is stopped ({e.reason}); stop working on it"
     if isinstance(e, Interrupted):
