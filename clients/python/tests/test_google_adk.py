@@ -13,6 +13,7 @@ pytest.importorskip("google.adk", reason="pip install 'estop-agents[google-adk]'
 from google.adk.sessions import InMemorySessionService  # noqa: E402
 from google.genai import types  # noqa: E402
 
+import estop  # noqa: E402
 from estop.adapters import google_adk as eadk  # noqa: E402
 
 from .scenarios.adk_support import call, runner, texts, tool_results, user  # noqa: E402
@@ -114,3 +115,27 @@ async def test_adk_whole_turn_is_admitted_before_any_call_starts(gate, daemon, r
     reasons = sorted(fc.args["toolConfirmation"]["payload"]["estop"]["reason"] for fc in eadk._confirmations(evs))
     assert reasons == ["approval", "sibling"], reasons
     assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]
+
+
+async def test_adk_effects_in_a_tool_body_are_keyed_from_the_call(gate, daemon, run_id):
+    """Two turns of one conversation (two invocations of the run) each bill the same amount,
+    with different call ids: the `@estop.effect` inside the tool is keyed from its call, so both
+    charges happen. Keyed by its order in the invocation, the second was read back as the
+    first's receipt and never charged."""
+    charged = []
+
+    @estop.effect(tool="charge")
+    def charge(amount: int) -> str:
+        charged.append(amount)
+        return f"ch_{len(charged)}"
+
+    def bill(amount: int) -> str:
+        """Bill the customer."""
+        return charge(amount)
+
+    for cid in ("b1", "b2"):
+        r = runner([[call("bill", cid, amount=5)]], [bill], [eadk.EstopPlugin()])
+        s = await r.session_service.create_session(app_name="ops", user_id="u")
+        evs = await eadk.run(r, gate=gate, run_id=run_id, user_id="u", session_id=s.id, new_message=user("bill"))
+        assert tool_results(evs)[cid] == {"result": f"ch_{len(charged)}"}
+    assert charged == [5, 5]

@@ -46,3 +46,17 @@ def test_a_missing_framework_names_the_extra():
     ''')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert "pip install 'estop-agents[langgraph]'" in out, out
+
+
+def test_a_missing_crewai_names_its_extra():
+    """CrewAI is not in the main venv (nor in `[all]`): its adapter says which extra to install."""
+    code = textwrap.dedent('''
+        import sys
+        sys.modules["crewai"] = None  # as if CrewAI were not installed
+        try:
+            import estop.adapters.crewai
+        except ImportError as e:
+            print(e)
+    ''')
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert "pip install 'estop-agents[crewai]'" in out, out

@@ -28,6 +28,9 @@
   operator stops it. (ADK has no "stop this run" API of its own.)
 * The model turn's function calls (the session's latest model event) are all admitted before any
   of them starts, so an approval holds its parallel siblings whatever order ADK runs them in.
+* `@estop.effect`s a gated tool's body calls are keyed from its call (step
+  `call:<function_call_id>`), so the same charge in two turns is two charges and a retried call
+  reads its own receipt.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ except ImportError as e:
 
 from ..effect import EffectCall, call_key, encode_result, gate_async, make_call, shielded
 from ..errors import EstopError, HeldForApproval, InDoubt, Interrupted, Refused, RunStopped
-from ..run import Estop, Run, current_run
+from ..run import Estop, Run, current_run, step
 from ._common import STOP_ON, admit_turn, aguarded, await_released, hold_payload, resolve_run
 
 __all__ = ["EstopPlugin", "CONFIRMATION", "holds", "resolve", "run"]
@@ -66,7 +69,7 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         super().__init__(name=name)
         self.effects = dict(effects or {})
         self.approval = set(approval)
-        self._started: dict[tuple[str, str], tuple[EffectCall, str]] = {}
+        self._started: dict[tuple[str, str], tuple[EffectCall, str, Any]] = {}
 
     def _call(self, tool: Any, tool_args: dict[str, Any], tool_context: Any) -> tuple[EffectCall, str | None]:
         run = current_run()
@@ -97,7 +100,7 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
             return
 
     async def before_tool_callback(self, *, tool: Any, tool_args: dict[str, Any], tool_context: Any) -> dict[str, Any] | None:
-        call, _ = self._call(tool, tool_args, tool_context)
+        call, call_id = self._call(tool, tool_args, tool_context)
         try:
             if tool_context.tool_confirmation is None:  # (a resumed call's turn was admitted before)
                 await self._admit_turn(call.run, tool_context)
@@ -115,7 +118,13 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         if g.duplicate is not None:
             return _as_result(g.duplicate.result)
         assert g.token is not None
-        self._started[(call.run.id, call.key)] = (call, g.token)
+        # `@estop.effect`s the tool body calls are keyed from this call (step `call:<id>`), not by
+        # their order in a fresh invocation: ADK runs each call in a task of its own, in which
+        # this callback, the tool and the after/error callback share one context.
+        scope = step(f"call:{call_id}") if call_id else None
+        if scope is not None:
+            scope.__enter__()
+        self._started[(call.run.id, call.key)] = (call, g.token, scope)
         return None
 
     async def _complete(self, tool: Any, tool_args: dict[str, Any], tool_context: Any, outcome: str, **kw: Any) -> None:
@@ -123,7 +132,10 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         started = self._started.pop((call.run.id, call.key), None)
         if started is None:
             return
-        call, token = started
+        call, token, scope = started
+        if scope is not None:
+            with contextlib.suppress(ValueError):  # (left in another context: nothing to reset)
+                scope.__exit__(None, None, None)
         with contextlib.suppress(EstopError):
             await shielded(call.run.gate.aclient.complete(call.run.id, call.key, token, outcome, **kw))
 

@@ -1,0 +1,291 @@
+"""CrewAI: CrewAI's public tool-call hooks gate every tool call of a crew; the crew's kickoff runs
+as an invocation of an estop run.
+
+    from estop.adapters import crewai as ecr
+
+    hooks = ecr.EstopHooks(approval={"wire_money"})
+    out = await ecr.kickoff(crew, gate=gate, run_id="order-42", hooks=hooks, inputs={...})
+
+* `EstopHooks` is a pair of CrewAI `before_tool_call` / `after_tool_call` hooks (and a
+  `before_llm_call` hook). Before a tool runs it is admitted by estop (tool name → effect name,
+  its input → digest) and started; after it, its result is recorded (`ok`, or `error` for the
+  exception CrewAI turned into "Error executing tool: …"). The key is the model's tool call id
+  (CrewAI keeps the turn's assistant message in its executor's state) + the digest, so the same
+  call has the same key when a job is redelivered; a call without an id (CrewAI's text-mode
+  ReAct tools) is keyed by run + tool + digest + its occurrence in the invocation.
+  `@estop.effect`s the tool body calls are keyed from the call too (step `call:<id>`).
+* A duplicate, a refusal, a stopped run or an interrupted invocation block the call (a hook
+  returning False, CrewAI's own veto) and the after hook puts estop's answer in the tool's
+  result: the recorded result for a duplicate, the reason otherwise. CrewAI swallows a hook's
+  exception and runs the tool anyway (fail-open), so these hooks never raise: anything
+  unexpected blocks the call (fail-closed).
+* A held call (an approval, its sibling, a paused run) waits in the hook, as CrewAI's own
+  tool-level human-in-the-loop (`ToolCallHookContext.request_human_input`) waits in the hook for
+  a console answer; here the answer is the operator's decision in estop (console, CLI, API),
+  never the agent process's. `hold_timeout_s` bounds the wait (then the call is blocked and
+  the approval stays pending).
+* The model turn's tool calls (the assistant message) are all admitted before any starts, so an
+  approval holds its parallel siblings whatever order CrewAI's thread pool runs them in.
+* `kickoff` / `kickoff_sync` run the crew as an invocation of the run, with the hooks scoped to
+  it (CrewAI's `scoped_hooks`, carried into CrewAI's worker threads by `contextvars`): a
+  timeout, a task cancel or Ctrl-C interrupts the invocation and the run stays usable; only
+  `run.cancel()` or an operator's cancel stops it (CrewAI has no "stop this crew" API). After a
+  stop or an interruption the `before_llm_call` hook blocks the crew's next model call, so the
+  crew's worker thread ends instead of planning on; `kickoff` raises `RunStopped` when the run
+  was stopped. `hooks.install()` registers the same hooks process-wide instead (every crew;
+  a tool call outside any estop run is then blocked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+from ._common import missing_extra
+
+try:
+    from crewai.hooks.dispatch import InterceptionPoint, get_scoped_hooks, register, register_scoped, scoped_hooks, unregister
+except ImportError as e:
+    raise missing_extra("crewai", "CrewAI", "crewai", e) from e
+
+from ..effect import EffectCall, call_key, encode_result, gate_sync, make_call
+from ..errors import EffectFailed, EstopError, EstopTimeout, InDoubt, Interrupted, Refused, RunStopped
+from ..run import Estop, Run, current_invocation, current_run, step
+from ._common import STOP_ON, admit_turn_sync, aguarded, guarded, resolve_run
+
+__all__ = ["EstopHooks", "kickoff", "kickoff_sync"]
+
+log = logging.getLogger("estop.adapters.crewai")
+
+#: How CrewAI reports a tool that raised (agent_executor / agent_utils): the result string.
+_TOOL_ERROR = "Error executing tool: "
+
+
+@dataclass
+class _Pending:
+    """What the before hook decided for one call, for the after hook of the same call (same
+    thread, right after): run it and record its outcome, or replace CrewAI's block message."""
+
+    tool: str
+    call: EffectCall | None = None
+    token: str | None = None
+    answer: str | None = None
+    scope: Any = None
+
+
+def _answer_of(e: BaseException) -> str:
+    if isinstance(e, EstopTimeout):
+        return "estop: held for an operator's decision, not decided within hold_timeout_s; it did not run (the approval stays pending)"
+    if isinstance(e, RunStopped):
+        return f"estop: the run is stopped ({e.reason}); stop working on it"
+    if isinstance(e, Interrupted):
+        return "estop: this invocation was interrupted; do not continue"
+    if isinstance(e, Refused):
+        return f"estop refused this call ({e.reason}); do not retry it"
+    if isinstance(e, InDoubt):
+        return f"estop: an earlier identical call may still have happened ({e.status}); do not retry it"
+    if isinstance(e, EffectFailed):
+        return f"estop: this call failed before and is not retried: {e}"
+    return f"estop could not admit this call ({type(e).__name__}: {e}); it did not run"
+
+
+def _result_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _turn_calls(ctx: Any) -> list[dict[str, Any]]:
+    """The tool calls of the model turn this call belongs to: the latest assistant message with
+    `tool_calls` in the agent executor's conversation (CrewAI appends it before running them)."""
+    ex = getattr(getattr(ctx, "agent", None), "agent_executor", None)
+    state = getattr(ex, "state", None)
+    msgs = getattr(state, "messages", None) or getattr(ex, "messages", None) or []
+    for m in reversed(list(msgs)):
+        if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls"):
+            return [c for c in m["tool_calls"] if isinstance(c, dict) and c.get("id")]
+    return []
+
+
+def _parsed(c: dict[str, Any]) -> tuple[str, Any]:
+    fn = c.get("function") or {}
+    args = fn.get("arguments")
+    try:
+        args = json.loads(args) if isinstance(args, str) else (args or {})
+    except ValueError:
+        pass
+    return str(fn.get("name")), args if args is not None else {}
+
+
+class EstopHooks:
+    """CrewAI tool-call hooks that admit every tool call through estop (see the module doc)."""
+
+    def __init__(self, *, effects: dict[str, str] | None = None, approval: Iterable[str] = (), hold_timeout_s: float | None = None) -> None:
+        self.effects = dict(effects or {})
+        self.approval = set(approval)
+        self.hold_timeout_s = hold_timeout_s
+        self._local = threading.local()
+
+    def _stack(self) -> list[_Pending]:
+        st: list[_Pending] | None = getattr(self._local, "stack", None)
+        if st is None:
+            st = self._local.stack = []
+        return st
+
+    def _build(self, run: Run, name: str, args: Any, call_id: str | None) -> EffectCall:
+        effect = self.effects.get(name, name)
+        key = call_key(run, effect, call_id, args) if call_id else None
+        return make_call(run, effect, args, key=key, needs_approval=name in self.approval)
+
+    def _call_id(self, run: Run, name: str, args: Any, turn: list[dict[str, Any]]) -> str | None:
+        """The model's id of this call: the turn's call with this name and input; identical
+        calls of one turn are taken in order (they are interchangeable)."""
+        ids = [c["id"] for c in turn if _parsed(c) == (name, args)]
+        if not ids:
+            return None
+        taken: dict[tuple[str, ...], set[str]] = run.__dict__.setdefault("_crewai_taken", {})
+        with run._tasks_lock:
+            used = taken.setdefault(tuple(c["id"] for c in turn), set())
+            free = [i for i in ids if i not in used] or ids
+            used.add(free[0])
+            return free[0]
+
+    def _admit_turn(self, run: Run, turn: list[dict[str, Any]]) -> None:
+        def build() -> list[EffectCall]:
+            return [self._build(run, *_parsed(c), c["id"]) for c in turn]
+
+        admit_turn_sync(run, ("crewai",) + tuple(c["id"] for c in turn), build)
+
+    def before_tool_call(self, ctx: Any) -> bool | None:
+        """CrewAI's `before_tool_call` hook: None lets the call run, False blocks it."""
+        name = str(ctx.tool_name)
+        pending = _Pending(tool=name)
+        self._stack().append(pending)
+        try:
+            run = current_run(required=False)
+            if run is None:
+                pending.answer = "estop: no estop run; run the crew through estop (ecr.kickoff) — the call did not run"
+                return False
+            args = dict(ctx.tool_input or {})
+            turn = _turn_calls(ctx)
+            call_id = self._call_id(run, name, args, turn)
+            call = self._build(run, name, args, call_id)
+            if call_id is not None:
+                self._admit_turn(run, turn)
+            g = gate_sync(call, on_hold="wait", hold_timeout_s=self.hold_timeout_s)
+        except BaseException as e:  # noqa: BLE001 — CrewAI would run the tool on any exception
+            pending.answer = _answer_of(e)
+            log.info("estop: crewai call %s blocked: %s", name, pending.answer)
+            return False
+        if g.duplicate is not None:
+            pending.answer = _result_text(g.duplicate.result)
+            return False
+        pending.call, pending.token = call, g.token
+        if call_id is not None:
+            # `@estop.effect`s the tool body calls are keyed from this call (step `call:<id>`), not
+            # by their order in a fresh kickoff; CrewAI runs the body right after, in this thread.
+            pending.scope = step(f"call:{call_id}")
+            pending.scope.__enter__()
+        return None
+
+    def after_tool_call(self, ctx: Any) -> str | None:
+        """CrewAI's `after_tool_call` hook: records the outcome of a call that ran, or puts
+        estop's answer in place of CrewAI's block message."""
+        stack = self._stack()
+        pending = next((p for p in reversed(stack) if p.tool == str(ctx.tool_name)), None)
+        if pending is None:
+            return None  # not a call these hooks saw (installed mid-call)
+        stack.remove(pending)
+        if pending.scope is not None:
+            with contextlib.suppress(ValueError):  # (left in another context: nothing to reset)
+                pending.scope.__exit__(None, None, None)
+        if pending.call is None:
+            return pending.answer
+        assert pending.token is not None
+        raw = ctx.raw_tool_result
+        c = pending.call
+        try:
+            # CrewAI catches the tool's exception and passes its message as both results.
+            if isinstance(raw, str) and raw is ctx.tool_result and raw.startswith(_TOOL_ERROR):
+                c.run.gate.client.complete(c.run.id, c.key, pending.token, "error", error=raw[len(_TOOL_ERROR):][:4000])
+            else:
+                c.run.gate.client.complete(c.run.id, c.key, pending.token, "ok", result=encode_result(raw))
+        except EstopError:
+            log.warning("estop: %s of run %r key %r ran but its completion could not be recorded", c.tool, c.run.id, c.key, exc_info=True)
+        return None
+
+    def before_llm_call(self, ctx: Any) -> bool | None:
+        """CrewAI's `before_llm_call` hook: after the run was stopped or this invocation was
+        interrupted, the crew's next model call is blocked, so its worker thread ends instead of
+        planning (and asking for) more calls."""
+        run = current_run(required=False)
+        inv = current_invocation()
+        if run is not None and (run.stopped or (inv is not None and inv.interrupted)):
+            return False
+        return None
+
+    def _points(self) -> list[tuple[Any, Any]]:
+        return [
+            (InterceptionPoint.PRE_TOOL_CALL, self.before_tool_call),
+            (InterceptionPoint.POST_TOOL_CALL, self.after_tool_call),
+            (InterceptionPoint.PRE_MODEL_CALL, self.before_llm_call),
+        ]
+
+    @contextlib.contextmanager
+    def scoped(self) -> Iterator["EstopHooks"]:
+        """The hooks for what runs in this context (CrewAI's `scoped_hooks`; its worker threads
+        copy the context, so they carry them). Hooks the caller scoped around it stay, first."""
+        with scoped_hooks({p: get_scoped_hooks(p) for p in InterceptionPoint}):
+            for point, fn in self._points():
+                register_scoped(point, fn)
+            yield self
+
+    def install(self) -> "EstopHooks":
+        """Registers the hooks process-wide (every crew; a call outside any estop run is blocked)."""
+        for point, fn in self._points():
+            register(point, fn)
+        return self
+
+    def uninstall(self) -> None:
+        for point, fn in self._points():
+            unregister(point, fn)
+
+
+def _stopped(run: Run, e: BaseException | None) -> None:
+    why = run.stopped
+    if why is not None and not isinstance(e, RunStopped):
+        raise RunStopped(why, run=run.id, local=True) from e
+
+
+async def kickoff(crew: Any, *, gate: Estop | None = None, run_id: str | Run | None = None, hooks: EstopHooks | None = None, timeout_s: float | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **kw: Any) -> Any:
+    """`await crew.kickoff_async(**kw)` as an invocation of the estop run `run_id`, its tool calls
+    gated by `hooks` (default: `EstopHooks()`); returns the crew's output."""
+    r = resolve_run(gate, run_id)
+    h = hooks or EstopHooks()
+    try:
+        async with aguarded(r, stop_on=stop_on):
+            with h.scoped():
+                aw = crew.kickoff_async(**kw)
+                out = await (asyncio.wait_for(aw, timeout_s) if timeout_s else aw)
+    except BaseException as e:
+        _stopped(r, e)
+        raise
+    _stopped(r, None)
+    return out
+
+
+def kickoff_sync(crew: Any, *, gate: Estop | None = None, run_id: str | Run | None = None, hooks: EstopHooks | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **kw: Any) -> Any:
+    """The blocking form of `kickoff` (`crew.kickoff(**kw)`; Ctrl-C interrupts the invocation)."""
+    r = resolve_run(gate, run_id)
+    h = hooks or EstopHooks()
+    try:
+        with guarded(r, stop_on=stop_on), h.scoped():
+            out = crew.kickoff(**kw)
+    except BaseException as e:
+        _stopped(r, e)
+        raise
+    _stopped(r, None)
+    return out

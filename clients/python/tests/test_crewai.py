@@ -1,0 +1,229 @@
+"""CrewAI through `estop.adapters.crewai`: a real `Crew`/`Agent` driven by a scripted
+OpenAI-compatible model (tests/scenarios/crew_support.py), against the session's real gate.
+CrewAI has its own venv (.venv-crewai, requirements-crewai.txt); elsewhere this module is skipped
+with that reason."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("crewai", reason="CrewAI runs in its own venv: ./ci-install makes .venv-crewai (requirements-crewai.txt)")
+
+from crewai.hooks.dispatch import InterceptionPoint, register_scoped  # noqa: E402
+from crewai.tools import tool  # noqa: E402
+
+import estop  # noqa: E402
+from estop.adapters import crewai as ecr  # noqa: E402
+
+from .scenarios.crew_support import ScriptedModel, call, crew  # noqa: E402
+from .test_effect import wait_pending  # noqa: E402
+
+
+def _tools(sent):
+    @tool("wire_money")
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        sent.append(("wire", amount))
+        return "wired"
+
+    @tool("notify")
+    def notify(to: str) -> str:
+        """Tell someone."""
+        sent.append(("email", to))
+        return "sent"
+
+    @tool("explode")
+    def explode(to: str) -> str:
+        """Fails."""
+        sent.append(("explode", to))
+        raise RuntimeError("card declined")
+
+    return [wire_money, notify, explode]
+
+
+def _tool_messages(model: ScriptedModel) -> dict[str, str]:
+    """The tool results the model was shown, by call id (the last request has them all)."""
+    return {m["tool_call_id"]: m["content"] for m in model.requests[-1]["messages"] if m.get("role") == "tool"}
+
+
+@pytest.fixture
+def model():
+    made: list[ScriptedModel] = []
+
+    def make(steps):
+        made.append(ScriptedModel(steps))
+        return made[-1]
+
+    yield make
+    for m in made:
+        m.close()
+
+
+async def test_crewai_hold_waits_for_the_operator_and_the_replay_reads_the_receipt(gate, daemon, run_id, model):
+    """The transfer needs approval: the tool does not run until the operator approves in estop
+    (the key is the model's call id); a redelivered job with the same call gets the recorded
+    result, not a second transfer."""
+    sent = []
+    m1 = model([[call("wire_money", "w1", to="acct-9", amount=100)]])
+    hooks = ecr.EstopHooks(approval={"wire_money"})
+    job = asyncio.ensure_future(ecr.kickoff(crew(m1, _tools(sent)), gate=gate, run_id=run_id, hooks=hooks))
+    p = await asyncio.to_thread(wait_pending, daemon.operator, run_id)
+    assert sent == [] and p["key"] == estop.call_key(run_id, "wire_money", "w1", {"to": "acct-9", "amount": 100})
+    await asyncio.to_thread(daemon.operator.approve, run_id, p["key"])
+    await job
+    assert sent == [("wire", 100)] and _tool_messages(m1) == {"w1": "wired"}
+
+    m2 = model([[call("wire_money", "w1", to="acct-9", amount=100)]])
+    await ecr.kickoff(crew(m2, _tools(sent)), gate=gate, run_id=run_id, hooks=hooks)
+    assert sent == [("wire", 100)] and _tool_messages(m2) == {"w1": "wired"}
+
+
+async def test_crewai_refusal_and_recorded_error_reach_the_model(gate, daemon, run_id, model):
+    """A denied tool does not run and the model reads why; a tool that raised is recorded
+    `error` and the same call again is not retried (CrewAI would run a tool whose hook raised:
+    the hooks block instead)."""
+    sent = []
+    m1 = model([[call("notify", "d1", to="x")], [call("explode", "e1", to="y")]])
+    await ecr.kickoff(crew(m1, _tools(sent)), gate=gate, run_id=run_id, hooks=ecr.EstopHooks(effects={"notify": "drop_table"}))
+    got = _tool_messages(m1)
+    assert sent == [("explode", "y")], sent
+    assert "estop refused this call (denied)" in got["d1"] and "card declined" in got["e1"], got
+    m2 = model([[call("explode", "e1", to="y")]])
+    await ecr.kickoff(crew(m2, _tools(sent)), gate=gate, run_id=run_id)
+    assert sent == [("explode", "y")] and "failed before" in _tool_messages(m2)["e1"]
+
+
+async def test_crewai_whole_turn_is_admitted_before_any_call_starts(gate, daemon, run_id, model):
+    """Another hook delays the transfer; without whole-turn admission the email was admitted,
+    started and sent (CrewAI runs the turn's calls in a thread pool) before the transfer's
+    approval existed. With it the email waits as the transfer's sibling until the operator
+    decided."""
+    sent, decided = [], []
+    m = model([[call("notify", "n1", to="ops"), call("wire_money", "w1", to="acct-9", amount=100)]])
+
+    def slow(ctx):
+        if ctx.tool_name == "wire_money":
+            time.sleep(0.3)  # validation, a lookup: it takes a while
+        return None
+
+    def operator():
+        p = wait_pending(daemon.operator, run_id)
+        time.sleep(0.2)
+        decided.append(list(sent))
+        daemon.operator.reject(run_id, p["key"])
+
+    th = threading.Thread(target=operator, daemon=True)
+    th.start()
+    from crewai.hooks.dispatch import scoped_hooks
+
+    with scoped_hooks():
+        register_scoped(InterceptionPoint.PRE_TOOL_CALL, slow)
+        await ecr.kickoff(crew(m, _tools(sent)), gate=gate, run_id=run_id, hooks=ecr.EstopHooks(approval={"wire_money"}))
+    th.join()
+    assert decided == [[]], "nothing of the turn ran while its approval was pending"
+    assert sent == [("email", "ops")] and "rejected" in _tool_messages(m)["w1"]
+
+
+async def test_crewai_interrupt_is_not_a_cancel(gate, daemon, run_id, model):
+    """A timeout interrupts the kickoff: the tool's leftover thread is refused locally, and the
+    next kickoff of the same run goes on."""
+    sent, done = [], threading.Event()
+
+    @estop.effect(tool="charge")
+    def charge(amount: int) -> str:
+        sent.append(("charge", amount))
+        return "ok"
+
+    @tool("refund")
+    def refund(amount: int) -> str:
+        """Refund slowly."""
+        try:
+            time.sleep(0.5)
+            return charge(-amount)
+        finally:
+            done.set()
+
+    m1 = model([[call("refund", "r1", amount=5)]])
+    with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+        await ecr.kickoff(crew(m1, [refund]), gate=gate, run_id=run_id, timeout_s=0.2)
+    await asyncio.to_thread(done.wait, 10)
+    assert sent == []
+    m2 = model([[call("refund", "r2", amount=6)]])
+    await ecr.kickoff(crew(m2, [refund]), gate=gate, run_id=run_id)
+    assert sent == [("charge", -6)]
+
+
+async def test_crewai_operator_cancel_stops_the_crew(gate, daemon, run_id, model):
+    """An operator's cancel while a tool works: kickoff_sync raises RunStopped, the tool's thread
+    is refused, and the crew's next model call is blocked (the model is not asked again)."""
+    sent, started, done = [], threading.Event(), threading.Event()
+
+    @estop.effect(tool="charge")
+    def charge(amount: int) -> str:
+        sent.append(("charge", amount))
+        return "ok"
+
+    @tool("refund")
+    def refund(amount: int) -> str:
+        """Refund slowly."""
+        started.set()
+        try:
+            time.sleep(0.5)
+            return charge(-amount)
+        finally:
+            done.set()
+
+    m = model([[call("refund", "r1", amount=5)], [call("refund", "r2", amount=6)]])
+    raised: list[BaseException] = []
+
+    def worker() -> None:  # kickoff_sync returns only when CrewAI's own thread is done
+        try:
+            ecr.kickoff_sync(crew(m, [refund]), gate=gate, run_id=run_id)
+        except BaseException as e:  # noqa: BLE001
+            raised.append(e)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    await asyncio.to_thread(started.wait, 10)
+    await asyncio.to_thread(daemon.operator.cancel, run_id, "stop")
+    await asyncio.to_thread(th.join, 30)
+    assert done.is_set() and sent == [], sent
+    assert len(raised) == 1 and isinstance(raised[0], estop.RunStopped), raised
+    assert len(m.requests) == 1, "the model was asked again after the stop"
+
+
+async def test_crewai_effects_in_a_tool_body_are_keyed_from_the_call(gate, daemon, run_id, model):
+    """Two kickoffs of one run each bill the same amount, with different call ids: the
+    `@estop.effect` inside the tool is keyed from its call, so both charges happen (keyed by its
+    order in the kickoff, the second was read back as the first's receipt)."""
+    charged = []
+
+    @estop.effect(tool="charge")
+    def charge(amount: int) -> str:
+        charged.append(amount)
+        return f"ch_{len(charged)}"
+
+    @tool("bill")
+    def bill(amount: int) -> str:
+        """Bill the customer."""
+        return charge(amount)
+
+    for cid in ("b1", "b2"):
+        m = model([[call("bill", cid, amount=5)]])
+        await ecr.kickoff(crew(m, [bill]), gate=gate, run_id=run_id)
+        assert _tool_messages(m)[cid] == f"ch_{len(charged)}"
+    assert charged == [5, 5]
+
+
+async def test_crewai_hold_timeout_blocks_the_call_and_leaves_the_approval_pending(gate, daemon, run_id, model):
+    """`hold_timeout_s` ends the wait in the hook: the transfer does not run, the model reads that
+    an operator decides, and the approval is still pending in estop."""
+    sent = []
+    m = model([[call("wire_money", "w1", to="acct-9", amount=100)]])
+    await ecr.kickoff(crew(m, _tools(sent)), gate=gate, run_id=run_id, hooks=ecr.EstopHooks(approval={"wire_money"}, hold_timeout_s=0.3))
+    assert sent == [] and "held for an operator's decision" in _tool_messages(m)["w1"]
+    assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]
