@@ -11,6 +11,7 @@ pub mod gate;
 pub mod meter;
 pub mod pool;
 pub mod proxy;
+pub mod record;
 pub mod relay;
 pub mod sandbox;
 pub mod settings;
