@@ -181,7 +181,11 @@ fn entry(
             let password = secret(e.basic_password, e.basic_password_env, "basic_password")?;
             let both =
                 base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-            ("authorization".to_string(), format!("Basic {both}"), vec![password, both])
+            (
+                "authorization".to_string(),
+                format!("Basic {both}"),
+                vec![password, both],
+            )
         }
         _ => bail!(
             "credential for {host}: give exactly one of bearer, header (with value) or basic_user"

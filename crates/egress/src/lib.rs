@@ -16,6 +16,7 @@ pub mod relay;
 pub mod sandbox;
 pub mod settings;
 pub mod tls;
+pub mod undo;
 pub mod upstream;
 
 use anyhow::{Context, Result, bail};

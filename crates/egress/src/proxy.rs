@@ -462,7 +462,11 @@ impl Proxy {
                 }
             };
             let outcome = match &end {
-                None => ("ok", proxy.recorded(record, &effect, status, bytes), Value::Null),
+                None => (
+                    "ok",
+                    proxy.recorded(record, &effect, status, bytes),
+                    Value::Null,
+                ),
                 Some(why) => (
                     "unknown",
                     Value::Null,
