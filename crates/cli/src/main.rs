@@ -110,6 +110,9 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Run a command in a sandbox whose only way out is the gate (docs/EGRESS.md).
     Run(run::RunArgs),
+    /// Run the HTTP undos (`compensate = "http.…"`) of stopped runs, long after `estop run`
+    /// has ended (docs/EGRESS.md, "Undoing HTTP effects").
+    EgressExecutor(run::ExecutorArgs),
     /// Serve MCP on stdio, fronting upstream MCP servers; every tool call admitted by the gate (docs/MCP.md).
     Mcp(mcp::McpArgs),
     /// Run agent loops under the gate: trajectories, budgets, approvals (docs/HARNESS.md).
@@ -234,6 +237,7 @@ fn run(command: Cmd) -> Result<u8, Failure> {
     match command {
         Cmd::Bench(a) => bench::run(a).map_err(fail),
         Cmd::Run(a) => run::run(a).map_err(fail),
+        Cmd::EgressExecutor(a) => run::executor(a).map(|()| 0).map_err(fail),
         Cmd::Mcp(a) => mcp::run(a).map_err(fail),
         Cmd::Agent { command } => agent::run(command).map_err(fail),
         Cmd::Serve(a) => serve::serve(*a).map_err(fail),

@@ -1,4 +1,4 @@
-//! `estop run`: the command's flags, handed to `estop_egress::run` (docs/EGRESS.md).
+//! `estop run` and `estop egress-executor`: their flags, handed to `estop_egress` (docs/EGRESS.md).
 
 use clap::Args;
 use std::path::PathBuf;
@@ -44,4 +44,36 @@ pub fn run(a: RunArgs) -> anyhow::Result<u8> {
         argv: a.command,
     })?;
     Ok(u8::try_from(code).unwrap_or(1))
+}
+
+#[derive(Args)]
+pub struct ExecutorArgs {
+    /// Only this run's compensations (default: every run the token may see).
+    #[arg(long)]
+    run: Option<String>,
+    /// The `[egress]` settings the undos are sent with: allow_destinations, upstream_roots,
+    /// credentials, body_bytes_max (give the file the sandboxes use).
+    #[arg(long)]
+    policy: Option<PathBuf>,
+    /// Data directory of the daemon (its socket and agent token).
+    #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
+    data: PathBuf,
+    /// Socket path of the daemon (default: DATA/estop.sock).
+    #[arg(long, env = "ESTOP_SOCKET")]
+    socket: Option<String>,
+    /// The token whose runs' undos this executor runs (default: DATA/agent.token, the
+    /// principal `estop run`'s runs belong to; an operator token runs every principal's).
+    #[arg(long, env = "ESTOP_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+/// Serves HTTP undos until stopped (or until the gate refuses the token).
+pub fn executor(a: ExecutorArgs) -> anyhow::Result<()> {
+    estop_egress::undo::serve(estop_egress::undo::ExecutorOptions {
+        data: a.data,
+        socket: a.socket,
+        token: a.token,
+        policy: a.policy,
+        run: a.run,
+    })
 }

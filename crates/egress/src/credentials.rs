@@ -20,6 +20,10 @@ pub struct Credential {
     pub plain_http: bool,
     name: HeaderName,
     value: HeaderValue,
+    /// The texts whose appearance in a recorded response means the upstream echoed this
+    /// credential: the header's value and the secret in it (docs/EGRESS.md, "What an undo
+    /// needs").
+    secrets: Vec<String>,
 }
 
 impl std::fmt::Debug for Credential {
@@ -122,6 +126,20 @@ impl Credentials {
             })
             .map(|c| (&c.name, &c.value))
     }
+
+    /// The secrets a request to `scheme://host:port` carries (those `for_request` adds), as
+    /// texts to look for in what is recorded of its response.
+    pub fn secrets_for(&self, scheme: &str, host: &str, port: u16) -> Vec<&str> {
+        self.entries
+            .iter()
+            .filter(|c| {
+                c.host == host
+                    && c.port.is_none_or(|p| p == port)
+                    && (scheme == "https" || c.plain_http)
+            })
+            .flat_map(|c| c.secrets.iter().map(String::as_str))
+            .collect()
+    }
 }
 
 fn entry(
@@ -147,21 +165,27 @@ fn entry(
         }
         _ => bail!("credential for {host}: give exactly one of {what} and {what}_env"),
     };
-    let (name, value) = match (&e.bearer, &e.bearer_env, &e.header, &e.basic_user) {
+    let (name, value, raw) = match (&e.bearer, &e.bearer_env, &e.header, &e.basic_user) {
         (Some(_), _, None, None) | (None, Some(_), None, None) => {
             let token = secret(e.bearer, e.bearer_env, "bearer")?;
-            ("authorization".to_string(), format!("Bearer {token}"))
+            let value = format!("Bearer {token}");
+            ("authorization".to_string(), value, vec![token])
         }
         (None, None, Some(h), None) => {
             let h = h.clone();
-            (h, secret(e.value, e.value_env, "value")?)
+            let value = secret(e.value, e.value_env, "value")?;
+            (h, value.clone(), vec![value])
         }
         (None, None, None, Some(user)) => {
             let user = user.clone();
             let password = secret(e.basic_password, e.basic_password_env, "basic_password")?;
             let both =
                 base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-            ("authorization".to_string(), format!("Basic {both}"))
+            (
+                "authorization".to_string(),
+                format!("Basic {both}"),
+                vec![password, both],
+            )
         }
         _ => bail!(
             "credential for {host}: give exactly one of bearer, header (with value) or basic_user"
@@ -169,6 +193,10 @@ fn entry(
     };
     let name = HeaderName::try_from(name.as_str())
         .with_context(|| format!("credential for {host}: {name:?} is not a header name"))?;
+    let secrets = std::iter::once(value.clone())
+        .chain(raw)
+        .filter(|s| !s.is_empty())
+        .collect();
     let mut value = HeaderValue::try_from(value)
         .map_err(|_| anyhow::anyhow!("credential for {host}: the value is not a header value"))?;
     value.set_sensitive(true);
@@ -178,6 +206,7 @@ fn entry(
         plain_http: e.plain_http,
         name,
         value,
+        secrets,
     })
 }
 

@@ -11,10 +11,12 @@ pub mod gate;
 pub mod meter;
 pub mod pool;
 pub mod proxy;
+pub mod record;
 pub mod relay;
 pub mod sandbox;
 pub mod settings;
 pub mod tls;
+pub mod undo;
 pub mod upstream;
 
 use anyhow::{Context, Result, bail};

@@ -427,6 +427,7 @@ impl Proxy {
     ) -> Reply {
         let (rparts, mut rbody) = res.into_parts();
         let status = rparts.status.as_u16();
+        let mut record = crate::record::Recorder::new(&rparts.headers);
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
         let proxy = Arc::clone(self);
         tokio::spawn(async move {
@@ -450,6 +451,7 @@ impl Proxy {
                     },
                 };
                 bytes += data.len();
+                record.feed(&data);
                 if bytes > max {
                     break Some(format!(
                         "the response is longer than response_bytes_max = {max}; cut"
@@ -460,7 +462,11 @@ impl Proxy {
                 }
             };
             let outcome = match &end {
-                None => ("ok", json!({"status": status, "bytes": bytes}), Value::Null),
+                None => (
+                    "ok",
+                    proxy.recorded(record, &effect, status, bytes),
+                    Value::Null,
+                ),
                 Some(why) => (
                     "unknown",
                     Value::Null,
@@ -486,6 +492,20 @@ impl Proxy {
             .headers_mut()
             .insert("x-estop-verdict", HeaderValue::from_static("admitted"));
         reply
+    }
+
+    /// The result recorded for a response relayed whole (`record.rs`), with nothing in it that
+    /// echoes a credential injected into the request.
+    fn recorded(
+        &self,
+        record: crate::record::Recorder,
+        effect: &Effect,
+        status: u16,
+        bytes: usize,
+    ) -> Value {
+        let o = origin(effect);
+        let secrets = self.credentials.secrets_for(&o.scheme, &o.host, o.port);
+        record.finish(status, bytes, &secrets)
     }
 
     /// The request as an effect: tool `http.METHOD`, arguments, idempotency key.

@@ -217,8 +217,8 @@ mod tests {
             .collect();
         assert_eq!(
             blocks.len(),
-            3,
-            "the settings, the credential store and the policy example"
+            4,
+            "the settings, the credential store, the policy example and an HTTP undo's rule"
         );
         let s = Settings::parse(blocks[0]).unwrap();
         assert_eq!(s.allow, vec![parse_cidr("127.0.0.2/32").unwrap()]);
@@ -232,6 +232,7 @@ mod tests {
         let store = crate::credentials::Credentials::parse(blocks[1], &env).unwrap();
         assert_eq!(store.entries.len(), 3);
         estop_policy::Policy::parse(blocks[2]).unwrap();
+        estop_policy::Policy::parse(blocks[3]).unwrap();
         assert!(
             Settings::parse("[egress]\nhold = 1\n").is_err(),
             "unknown keys are refused"

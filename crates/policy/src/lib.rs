@@ -61,9 +61,9 @@ pub use duration::{DURATION_MS_MAX, parse_ms as parse_duration_ms};
 pub use error::{EvalError, PolicyError};
 pub use file::{POLICY_BYTES_MAX, QUORUM_MAX, RULES_MAX};
 pub use mapping::{Mapping, compensation_args};
+pub use pattern::ToolPattern;
 pub use when::{ARGS_DEPTH_MAX, WHEN_BYTES_MAX};
 
-use pattern::ToolPattern;
 use when::{Condition, Scope};
 
 /// The `rule` of a ruling when a policy with rules has none that matches the tool.

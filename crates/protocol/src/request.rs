@@ -233,9 +233,11 @@ pub enum Op {
     TokenRevoke {
         name: PrincipalName,
     },
-    /// This connection runs compensations (of `run`, or of every run its principal sees).
+    /// This connection runs compensations (of `run`, or of every run its principal sees;
+    /// only of compensating tools `tool` matches, a glob, when given).
     Compensations {
         run: Option<RunId>,
+        tool: Option<ToolName>,
     },
     /// How an attempt of a compensation ended.
     Compensated {
@@ -411,7 +413,7 @@ impl Op {
             | Op::Compensated { run, .. }
             | Op::Saga { run, .. }
             | Op::LookedUp { run, .. } => Some(run),
-            Op::Pending { run, .. } | Op::Ledger { run, .. } | Op::Compensations { run } => {
+            Op::Pending { run, .. } | Op::Ledger { run, .. } | Op::Compensations { run, .. } => {
                 run.as_ref()
             }
             Op::Hello { .. }
@@ -630,7 +632,7 @@ fn verb_fields(verb: Verb) -> u32 {
         Verb::Ledger => &[F::Run, F::Limit, F::After],
         Verb::Token => &[F::Name, F::Role, F::Groups],
         Verb::TokenRevoke => &[F::Name],
-        Verb::Compensations => &[F::Run],
+        Verb::Compensations => &[F::Run, F::Tool],
         Verb::Compensated => &[F::Run, F::Key, F::Attempt, F::Outcome, F::Error],
         Verb::Saga => &[F::Run, F::Key, F::Action, F::Outcome, F::Reason, F::Result],
         Verb::LookedUp => &[F::Run, F::Key, F::Attempt, F::Outcome, F::Result, F::Error],
@@ -1009,6 +1011,17 @@ impl<'a> Raw<'a> {
         self.run.take().map(|s| run_id(s, Field::Run)).transpose()
     }
 
+    /// A tool name or pattern (`compensations`): checked as a name here, as a glob by the gate.
+    fn opt_tool(&mut self) -> Result<Option<ToolName>, Kind> {
+        let Some(tool) = self.tool.take() else {
+            return Ok(None);
+        };
+        visible(&tool.0, Field::Tool)?;
+        ToolName::new(&tool.0)
+            .map(Some)
+            .map_err(|e| invalid(Field::Tool, e.to_string()))
+    }
+
     /// The listing's cursor, as `decode` reads it: a string this gate gave out as `next`.
     fn cursor<T>(&mut self, decode: impl FnOnce(&str) -> Option<T>) -> Result<Option<T>, Kind> {
         let Some(s) = self.cursor.take() else {
@@ -1153,6 +1166,7 @@ impl<'a> Raw<'a> {
             Verb::TokenRevoke => Op::TokenRevoke { name: self.name()? },
             Verb::Compensations => Op::Compensations {
                 run: self.opt_run()?,
+                tool: self.opt_tool()?,
             },
             Verb::Compensated => self.compensated()?,
             Verb::Saga => self.saga()?,
@@ -1720,8 +1734,9 @@ impl Op {
                 }
             }
             Op::TokenRevoke { name } => put(&mut m, "name", name.as_str()),
-            Op::Compensations { run } => {
+            Op::Compensations { run, tool } => {
                 put_opt(&mut m, "run", run.as_ref().map(|r| r.as_str()));
+                put_opt(&mut m, "tool", tool.as_ref().map(|t| t.as_str()));
             }
             Op::Compensated {
                 run,

@@ -312,11 +312,25 @@ fn every_verb_parses() {
                 name: PrincipalName::new("bot").expect("name"),
             },
         ),
-        (r#"{"op":"compensations"}"#, Op::Compensations { run: None }),
+        (
+            r#"{"op":"compensations"}"#,
+            Op::Compensations {
+                run: None,
+                tool: None,
+            },
+        ),
         (
             r#"{"op":"compensations","run":"r1"}"#,
             Op::Compensations {
                 run: Some(run("r1")),
+                tool: None,
+            },
+        ),
+        (
+            r#"{"op":"compensations","tool":"http.*"}"#,
+            Op::Compensations {
+                run: None,
+                tool: Some(ToolName::new("http.*").unwrap()),
             },
         ),
         (

@@ -453,9 +453,14 @@ async fn dispatch(
             backlog: Arc::clone(backlog),
             to: reply_to(),
         }),
-        Route::Conn(ConnVerb::Compensations { principal, run }) => send(CoreMsg::Executor {
+        Route::Conn(ConnVerb::Compensations {
             principal,
             run,
+            tool,
+        }) => send(CoreMsg::Executor {
+            principal,
+            run,
+            tool,
             conn,
             out: out.clone(),
             backlog: Arc::clone(backlog),

@@ -136,6 +136,7 @@ pub enum ConnVerb {
     Compensations {
         principal: Principal,
         run: Option<RunId>,
+        tool: Option<estop_policy::ToolPattern>,
     },
 }
 
@@ -282,10 +283,19 @@ fn authorized(shared: &Shared, principal: &Principal, op: Op) -> Route {
             actor: principal.clone(),
             name,
         }),
-        Op::Compensations { run } => Route::Conn(ConnVerb::Compensations {
-            principal: principal.clone(),
-            run,
-        }),
+        Op::Compensations { run, tool } => {
+            match tool
+                .map(|t| estop_policy::ToolPattern::parse(t.as_str()))
+                .transpose()
+            {
+                Ok(tool) => Route::Conn(ConnVerb::Compensations {
+                    principal: principal.clone(),
+                    run,
+                    tool,
+                }),
+                Err(m) => refused(err(ErrorCode::InvalidField, m)),
+            }
+        }
         Op::Compensated {
             run,
             key,
@@ -746,7 +756,13 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
                         name: PrincipalName::new("bob").unwrap(),
                     },
                 ),
-                Verb::Compensations => add(v, Op::Compensations { run: None }),
+                Verb::Compensations => add(
+                    v,
+                    Op::Compensations {
+                        run: None,
+                        tool: None,
+                    },
+                ),
                 Verb::Compensated => add(
                     v,
                     Op::Compensated {

@@ -190,10 +190,16 @@ fn stopped_with(
 
 /// Connection `conn` becomes an executor of every run; returns its line queue.
 fn executor(c: &mut Shell, conn: u64) -> tmpsc::UnboundedReceiver<Out> {
+    executor_of(c, conn, None)
+}
+
+/// `executor`, of the compensating tools `tool` matches only (`None`: every one).
+fn executor_of(c: &mut Shell, conn: u64, tool: Option<&str>) -> tmpsc::UnboundedReceiver<Out> {
     let (ex_tx, ex_rx) = tmpsc::unbounded_channel();
     let executor = CoreMsg::Executor {
         principal: agent(),
         run: None,
+        tool: tool.map(|t| estop_policy::ToolPattern::parse(t).unwrap()),
         conn,
         out: ex_tx.clone().into(),
         backlog: Arc::new(AtomicUsize::new(0)),
@@ -571,4 +577,40 @@ fn a_call_a_killed_runs_agent_left_in_flight_settles_the_run_at_the_timeout() {
     assert_eq!(status(&c), Status::Unknown);
     assert_eq!(c.gate().run(&run()).unwrap().state.as_str(), "cancelled");
     assert!(events(&mut ex).is_empty(), "a kill compensates nothing");
+}
+
+/// An executor that asked for some tools only (`estop egress-executor`: `http.*`) is never
+/// offered another tool's compensation; one whose pattern matches is.
+#[test]
+fn an_executor_of_some_tools_is_offered_only_their_compensations() {
+    let mut c = core();
+    let (tx, _) = tmpsc::unbounded_channel();
+    apply(&mut c, 0, refund(), &tx);
+    let token = c.gate().run(&run()).unwrap().effects[&key()].token.unwrap();
+    let complete = Command::Complete {
+        run: run(),
+        key: key(),
+        token,
+        outcome: Outcome::Ok,
+        result: Some(r#"{"id":"re_1"}"#.into()),
+        error: None,
+    };
+    apply(&mut c, 0, complete, &tx);
+    let cancel = Command::Cancel {
+        run: run(),
+        reason: None,
+        kill: false,
+    };
+    apply(&mut c, 0, cancel, &tx);
+    let mut http = executor_of(&mut c, 8, Some("http.*"));
+    fire(&mut c, 0);
+    assert!(
+        events(&mut http).is_empty(),
+        "unrefund is not an http.* tool"
+    );
+    assert_eq!(status(&c), Status::Completed, "nothing began");
+    let mut unrefund = executor_of(&mut c, 9, Some("unref*"));
+    fire(&mut c, 0);
+    assert_eq!(offers(&mut unrefund).len(), 1);
+    assert!(events(&mut http).is_empty());
 }

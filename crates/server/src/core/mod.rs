@@ -119,6 +119,8 @@ pub enum CoreMsg {
     Executor {
         principal: Principal,
         run: Option<RunId>,
+        /// Only compensations whose compensating tool this matches (`None`: every one).
+        tool: Option<estop_policy::ToolPattern>,
         conn: u64,
         out: Outbox,
         backlog: Arc<AtomicUsize>,
@@ -517,6 +519,7 @@ impl Core {
             CoreMsg::Executor {
                 principal,
                 run,
+                tool,
                 conn,
                 out,
                 backlog,
@@ -526,6 +529,7 @@ impl Core {
                     conn,
                     principal,
                     run,
+                    tool,
                     out,
                     backlog,
                 };

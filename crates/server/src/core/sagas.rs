@@ -31,6 +31,9 @@ pub(super) struct Executor {
     pub(super) principal: Principal,
     /// Only this run's compensations (`None`: every run the principal may see).
     pub(super) run: Option<RunId>,
+    /// Only compensations whose compensating tool (or, for a lookup, lookup tool) this
+    /// matches: an executor that can run only some tools (`estop egress-executor`: `http.*`).
+    pub(super) tool: Option<estop_policy::ToolPattern>,
     pub(super) out: Outbox,
     pub(super) backlog: Arc<AtomicUsize>,
 }
@@ -212,7 +215,7 @@ impl Core {
                 return;
             }
         };
-        let Some(i) = self.executor_for(run) else {
+        let Some(i) = self.executor_for(run, &key, lookup) else {
             return; // Offered when an executor that may run it connects.
         };
         let claimed = match next {
@@ -444,13 +447,17 @@ impl Core {
         }
     }
 
-    /// The executor that runs `run`'s compensation: one that may see the run and asked for
-    /// it, with the fewest attempts offered to it.
-    fn executor_for(&self, run: &RunId) -> Option<usize> {
+    /// The executor that runs `run`'s compensation (or lookup) of `key`: one that may see the
+    /// run and asked for it and its tool, with the fewest attempts offered to it.
+    fn executor_for(&self, run: &RunId, key: &EffectKey, lookup: bool) -> Option<usize> {
+        let e = self.effect(run, key);
+        let tool = if lookup { &e.lookup } else { &e.compensate };
+        let tool = tool.as_ref().map_or("", |t| t.as_str());
         self.executors
             .iter()
             .enumerate()
             .filter(|(_, x)| x.run.as_ref().is_none_or(|r| r == run))
+            .filter(|(_, x)| x.tool.as_ref().is_none_or(|p| p.matches(tool)))
             .filter(|(_, x)| self.gate.visible_run(&x.principal, run).is_ok())
             .min_by_key(|(_, x)| self.offered.values().filter(|o| o.conn == x.conn).count())
             .map(|(i, _)| i)

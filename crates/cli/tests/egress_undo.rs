@@ -1,0 +1,367 @@
+//! HTTP undos end to end (issue 14 item 2): an agent in `estop run` creates a resource on an
+//! HTTP upstream (the test's own, on 127.0.0.2) through the proxy, the run is cancelled after
+//! `estop run` has gone, and `estop egress-executor` sends the DELETE the policy's
+//! `compensate_args` built from the recorded response. Plus what must not be sent: an undo the
+//! policy refuses, one to a refused destination, and another principal's run.
+
+mod common;
+
+use common::{Daemon, admit, bin, ok, verdict};
+use estop_server::client::Client;
+use serde_json::{Value, json};
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+const POLICY: &str = r#"
+[[rules]]
+tool = "sandbox.run"
+action = "allow"
+
+# An order is undone by deleting it, at the id the upstream answered with.
+[[rules]]
+tool = "http.POST"
+when = 'args.path == "/orders"'
+action = "allow"
+compensate = "http.DELETE"
+compensate_args = '{"url": args.scheme + "://" + args.host + ":" + string(args.port) + "/orders/" + result.body.id, "host": args.host}'
+
+# An upstream that says itself where its undo goes.
+[[rules]]
+tool = "http.POST"
+when = 'args.path == "/elsewhere"'
+action = "allow"
+compensate = "http.DELETE"
+compensate_args = '{"url": result.body.undo_url, "host": result.body.undo_host}'
+
+[[rules]]
+tool = "http.DELETE"
+when = 'args.host == "127.0.0.3"'
+action = "deny"
+
+[[rules]]
+tool = "http.*"
+action = "allow"
+"#;
+
+/// The upstream: `POST /orders` makes an order (201, `Location`, `{"id"}`), `DELETE
+/// /orders/ID` removes it (204; 404 when there is none). Records every request's head.
+struct Upstream {
+    port: u16,
+    orders: Arc<Mutex<BTreeSet<String>>>,
+    heads: Arc<Mutex<Vec<String>>>,
+}
+
+impl Upstream {
+    fn start(ip: &str) -> Upstream {
+        let listener = TcpListener::bind((ip, 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let orders = Arc::new(Mutex::new(BTreeSet::new()));
+        let heads = Arc::new(Mutex::new(Vec::new()));
+        let (o, h) = (orders.clone(), heads.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { break };
+                let (o, h) = (o.clone(), h.clone());
+                std::thread::spawn(move || serve(conn, &o, &h));
+            }
+        });
+        Upstream {
+            port,
+            orders,
+            heads,
+        }
+    }
+
+    fn heads(&self) -> Vec<String> {
+        self.heads.lock().unwrap().clone()
+    }
+}
+
+/// One request per connection (answered `connection: close`).
+fn serve(conn: TcpStream, orders: &Mutex<BTreeSet<String>>, heads: &Mutex<Vec<String>>) {
+    let mut r = BufReader::new(conn.try_clone().unwrap());
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        if r.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        head.push_str(&line);
+        if line == "\r\n" {
+            break;
+        }
+    }
+    let lower = head.to_ascii_lowercase();
+    let length = lower
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|n| n.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    let mut body = vec![0u8; length];
+    r.read_exact(&mut body).unwrap();
+    heads.lock().unwrap().push(head.clone());
+    let target = head.split_whitespace().nth(1).unwrap_or("").to_string();
+    let (status, extra, body) = match head.split_whitespace().next() {
+        Some("POST") if target == "/orders" => {
+            let mut orders = orders.lock().unwrap();
+            let id = format!("o-{}", orders.len() + 1);
+            orders.insert(id.clone());
+            let body = json!({"id": id}).to_string();
+            ("201 Created", format!("location: /orders/{id}\r\n"), body)
+        }
+        Some("DELETE") => match target.strip_prefix("/orders/") {
+            Some(id) if orders.lock().unwrap().remove(id) => {
+                ("204 No Content", String::new(), String::new())
+            }
+            _ => ("404 Not Found", String::new(), String::new()),
+        },
+        _ => ("404 Not Found", String::new(), String::new()),
+    };
+    let reply = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = (&conn).write_all(reply.as_bytes());
+}
+
+/// The credential store and the `[egress]` settings shared by `estop run` and the executor:
+/// 127.0.0.2 allowed, its credential injected over plain HTTP.
+fn settings(d: &Daemon) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = d.data().parent().unwrap();
+    let store = dir.join("undo-credentials.toml");
+    std::fs::write(
+        &store,
+        "[[credential]]\nhost = \"127.0.0.2\"\nplain_http = true\nbasic_user = \"svc\"\nbasic_password = \"pw-undo-secret\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let path = dir.join("undo-egress.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[egress]\nallow_destinations = [\"127.0.0.2/32\"]\ncredentials = \"{}\"\n",
+            store.display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// `estop egress-executor` under `token` (default: the agent's), once it says it is ready.
+struct Executor(Child);
+
+impl Executor {
+    fn start(d: &Daemon, settings: &std::path::Path, token: Option<&str>) -> Executor {
+        let mut cmd = Command::new(bin());
+        cmd.args(["egress-executor", "--data"])
+            .arg(d.data())
+            .arg("--policy")
+            .arg(settings)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(t) = token {
+            cmd.args(["--token", t]);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.contains("ready"),
+            "the executor did not start: {line:?}"
+        );
+        Executor(child)
+    }
+}
+
+impl Drop for Executor {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Blocks until `run`'s effect `key` has a `compensation` event with `outcome`.
+fn wait_compensation(c: &mut Client, run: &str, outcome: &str) {
+    loop {
+        if let Some(e) = c.next_event().unwrap()
+            && e.run == run
+            && serde_json::to_value(e.event).unwrap() == "compensation"
+            && e.outcome.as_deref() == Some(outcome)
+        {
+            return;
+        }
+    }
+}
+
+/// The report's item for the run's effect of `tool` (in `done`).
+fn item(op: &mut Client, run: &str, tool: &str) -> Value {
+    let r = ok(op, json!({"op": "report", "run": run}));
+    r["done"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["tool"] == tool)
+        .cloned()
+        .unwrap_or_else(|| panic!("no {tool} in {r}"))
+}
+
+fn state(c: &mut Client, run: &str) -> String {
+    ok(c, json!({"op": "status", "run": run}))["state"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[test]
+fn a_cancelled_runs_http_effect_is_undone_by_the_executor_after_estop_run_has_ended() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let up = Upstream::start("127.0.0.2");
+    let settings = settings(&d);
+    let script = format!(
+        "curl -sS -X POST -H 'content-type: application/json' -d '{{\"item\": 1}}' \
+         http://127.0.0.2:{}/orders && echo && echo posted && read _",
+        up.port
+    );
+    let mut agent = Command::new(bin())
+        .args(["run", "--data"])
+        .arg(d.data())
+        .args(["--run", "undo-a", "--policy"])
+        .arg(&settings)
+        .args(["--", "sh", "-c", &script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(agent.stdout.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains("posted") {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "agent ended: {seen}");
+        seen.push_str(&line);
+    }
+    assert!(seen.contains("\"o-1\""), "{seen}");
+    let mut op = d.operator();
+    let posted = item(&mut op, "undo-a", "http.POST");
+    ok(&mut op, json!({"op": "subscribe", "run": "undo-a"}));
+    ok(
+        &mut op,
+        json!({"op": "cancel", "run": "undo-a", "reason": "user pressed stop"}),
+    );
+    // The agent and its sandbox end: nothing of `estop run` is left to run the undo, and no
+    // executor is connected yet, so the run waits in `finalizing`.
+    drop(agent.stdin.take());
+    agent.wait().unwrap();
+    assert_eq!(state(&mut op, "undo-a"), "finalizing");
+    assert_eq!(up.heads().len(), 1);
+    let _executor = Executor::start(&d, &settings, None);
+    wait_compensation(&mut op, "undo-a", "compensated");
+    assert_eq!(state(&mut op, "undo-a"), "cancelled");
+    assert_eq!(
+        item(&mut op, "undo-a", "http.POST")["status"],
+        "compensated"
+    );
+    assert!(up.orders.lock().unwrap().is_empty(), "the order is gone");
+    let heads = up.heads();
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    let delete = heads[1].to_ascii_lowercase();
+    assert!(
+        delete.starts_with("delete /orders/o-1 http/1.1"),
+        "{delete}"
+    );
+    let key = posted["key"].as_str().unwrap();
+    assert!(
+        delete.contains(&format!("idempotency-key: {key}/undo")),
+        "{delete}"
+    );
+    // Basic base64("svc:pw-undo-secret"), injected into both, recorded in neither.
+    let basic = "authorization: basic c3zjonb3lxvuzg8tc2vjcmv0";
+    assert!(delete.contains(basic) && heads[0].to_ascii_lowercase().contains(basic));
+    let text = ok(
+        &mut op,
+        json!({"op": "ledger", "run": "undo-a", "limit": 1000}),
+    )
+    .to_string();
+    assert!(!text.contains("pw-undo-secret") && !text.contains("c3ZjOnB3"));
+    // What the DELETE was built from: the recorded result's `body.id` (record.rs's tests
+    // pin the rest of what a result records).
+    assert_eq!(up.orders.lock().unwrap().len(), 0);
+}
+
+/// Admits and completes, as the proxy would, a `POST /elsewhere` of `run` whose recorded
+/// response names where its undo goes.
+fn posted_elsewhere(a: &mut Client, run: &str, undo_host: &str, port: u16) {
+    let args = json!({"method": "POST", "url": "http://127.0.0.2/elsewhere", "scheme": "http",
+        "host": "127.0.0.2", "port": 80, "path": "/elsewhere", "query": ""});
+    let v = admit(a, run, "post-1", "http.POST", args);
+    assert_eq!(verdict(&v), "admitted", "{v}");
+    let result = json!({"status": 201, "bytes": 10, "body": {"undo_host": undo_host,
+        "undo_url": format!("http://{undo_host}:{port}/orders/o-1")}});
+    ok(
+        a,
+        json!({"op": "complete", "run": run, "key": "post-1", "token": v["token"],
+            "outcome": "ok", "result": result}),
+    );
+}
+
+/// Nothing is sent that should not be: an undo the policy denies (a human is asked), one to
+/// a destination the executor's settings refuse (`error`, retried later, never dialled), and
+/// another principal's run, which an executor under the agent's token is never offered and
+/// cannot report on; an executor under that principal's token runs it.
+#[test]
+fn undos_the_policy_or_the_destination_refuse_and_other_principals_runs_are_not_sent() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let (denied, unlisted, ours) = (
+        Upstream::start("127.0.0.3"),
+        Upstream::start("127.0.0.4"),
+        Upstream::start("127.0.0.2"),
+    );
+    // The order `theirs` made, which only its own principal's executor may delete.
+    ours.orders.lock().unwrap().insert("o-1".into());
+    let settings = settings(&d);
+    let mut op = d.operator();
+    let other = ok(
+        &mut op,
+        json!({"op": "token", "name": "mallory", "role": "agent"}),
+    )["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut a = d.agent();
+    let mut m = d.client_with(&other);
+    posted_elsewhere(&mut m, "theirs", "127.0.0.2", ours.port);
+    posted_elsewhere(&mut a, "denied", "127.0.0.3", denied.port);
+    posted_elsewhere(&mut a, "unlisted", "127.0.0.4", unlisted.port);
+    let status = json!({"op": "status", "run": "theirs"});
+    assert_eq!(common::err_code(&mut a, status), "not_found");
+    let _executor = Executor::start(&d, &settings, None);
+    for run in ["theirs", "denied", "unlisted"] {
+        ok(&mut op, json!({"op": "subscribe", "run": run}));
+        ok(&mut op, json!({"op": "cancel", "run": run}));
+    }
+    wait_compensation(&mut op, "denied", "needs_human");
+    let note = item(&mut op, "denied", "http.POST")["note"].to_string();
+    assert!(note.contains("denies the compensating call"), "{note}");
+    wait_compensation(&mut op, "unlisted", "compensation_failed");
+    let note = item(&mut op, "unlisted", "http.POST")["note"].to_string();
+    assert!(note.contains("refused destinations"), "{note}");
+    assert!(denied.heads().is_empty() && unlisted.heads().is_empty());
+    // Offered at the same moment as the two above, to no one: no executor may see it.
+    assert_eq!(item(&mut op, "theirs", "http.POST")["status"], "completed");
+    assert_eq!(state(&mut op, "theirs"), "finalizing");
+    let report = json!({"op": "compensated", "run": "theirs", "key": "post-1", "attempt": 1,
+        "outcome": "ok"});
+    assert_eq!(common::err_code(&mut a, report), "not_found");
+    assert!(ours.heads().is_empty());
+    let _theirs = Executor::start(&d, &settings, Some(&other));
+    wait_compensation(&mut op, "theirs", "compensated");
+    assert_eq!(state(&mut op, "theirs"), "cancelled");
+    assert_eq!(ours.heads().len(), 1);
+    assert!(ours.orders.lock().unwrap().is_empty());
+}
