@@ -111,7 +111,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
 }
 
 async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
-    let (gate, events) = Gate::connect(&plan.target, &plan.token).await?;
+    let (gate, events, principal) = Gate::connect(&plan.target, &plan.token, &plan.run).await?;
     let cwd = std::env::current_dir()?;
     let key = format!("sandbox:{}", random_hex(6));
     let (token, launched_at) = admit_launch(&gate, opts, &plan, &key, &cwd).await?;
@@ -160,7 +160,7 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         target: plan.target.clone(),
         token: plan.token.clone(),
         run: plan.run.clone(),
-        principal: "agent".into(),
+        principal,
         connections_max: plan.settings.connections_max,
     };
     tokio::spawn(relay.serve(tokio::net::UnixListener::from_std(l.protocol)?));
@@ -214,7 +214,7 @@ pub async fn serve_proxy(
     settings: Settings,
     listener: tokio::net::TcpListener,
 ) -> Result<()> {
-    let (gate, _events) = Gate::connect(target, token).await?;
+    let (gate, _events, _) = Gate::connect(target, token, run).await?;
     // Never stopped: the sender lives as long as the proxy (a dropped one would read as a stop).
     let (_fence_tx, fence) = watch::channel(false);
     let proxy = Arc::new(proxy::Proxy {
