@@ -28,6 +28,25 @@ use tokio::sync::watch;
 /// The proxy's port on the sandbox's loopback (`HTTP_PROXY=http://127.0.0.1:3128`).
 pub const PROXY_PORT: u16 = 3128;
 
+/// Worker threads of the runtime that serves a sandbox's proxy, DNS stub and protocol socket;
+/// 0 is one current-thread runtime. Chosen by `estop bench egress --proxy-workers`
+/// (docs/PERFORMANCE.md, "Egress").
+pub const PROXY_WORKERS: usize = 0;
+
+/// The runtime `estop run` (and `estop bench egress`) serves the proxy on: `workers` threads,
+/// or the calling thread alone for 0.
+pub fn proxy_runtime(workers: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    match workers {
+        0 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .enable_all()
+            .build(),
+    }
+}
+
 #[derive(Debug)]
 pub struct RunOptions {
     pub data: PathBuf,
@@ -104,10 +123,7 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         settings,
         credentials: Arc::new(credentials),
     };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(supervise(&opts, plan))
+    proxy_runtime(PROXY_WORKERS)?.block_on(supervise(&opts, plan))
 }
 
 async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
