@@ -110,6 +110,11 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Run a command in a sandbox whose only way out is the gate (docs/EGRESS.md).
     Run(run::RunArgs),
+    /// The sandboxes' egress CA: rotate it, end a rotation's overlap (docs/EGRESS.md).
+    Egress {
+        #[command(subcommand)]
+        command: run::EgressCmd,
+    },
     /// Serve MCP on stdio, fronting upstream MCP servers; every tool call admitted by the gate (docs/MCP.md).
     Mcp(mcp::McpArgs),
     /// Run agent loops under the gate: trajectories, budgets, approvals (docs/HARNESS.md).
@@ -215,6 +220,7 @@ fn run(command: Cmd) -> Result<u8, Failure> {
     match command {
         Cmd::Bench(a) => bench::run(a).map_err(fail),
         Cmd::Run(a) => run::run(a).map_err(fail),
+        Cmd::Egress { command } => run::egress(command).map_err(fail),
         Cmd::Mcp(a) => mcp::run(a).map_err(fail),
         Cmd::Agent { command } => agent::run(command).map_err(fail),
         Cmd::Serve(a) => serve::serve(*a).map_err(fail),

@@ -145,7 +145,7 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
     }
     // The CA the sandbox trusts for HTTPS through the proxy (its key stays in the data dir).
     let ca = Arc::new(tls::Ca::load_or_create(&opts.data)?);
-    std::fs::write(tmp.path().join("ca.pem"), &ca.cert_pem)?;
+    std::fs::write(tmp.path().join("ca.pem"), &ca.bundle_pem)?;
     let cfg = stage_config(opts, &plan, &cgroups, private_dir, tmp.path(), &cwd)?;
     let socket_path = cfg.socket_path();
     let launched = sandbox::launch(cfg)?;
