@@ -1311,7 +1311,7 @@ print("redirected:", urllib.request.urlopen("{redirect}", timeout=10).read().dec
     // The three requests themselves are on the record, without the credential.
     assert_eq!(
         entries
-            .matches(r#""kind":"admit","principal":"agent","rule":"rule 3""#)
+            .matches(r#""kind":"admit","principal":"agent/creds","rule":"rule 3""#)
             .count(),
         3,
         "{entries}"
