@@ -2221,7 +2221,7 @@ print("proxied:", r.status, r.headers["x-estop-verdict"])
     // Only an agent token speaks for a sandbox.
     let mut c = estop_server::client::Client::connect(&d.socket()).unwrap();
     let refused = c.request(&estop_protocol::Op::Hello {
-        token: estop_protocol::Secret::new(&d.token("operator.token")),
+        token: estop_protocol::Secret::new(d.token("operator.token")),
         run: Some(estop_kernel::RunId::new("greedy").unwrap()),
     });
     assert!(format!("{refused:?}").contains("orbidden"), "{refused:?}");
