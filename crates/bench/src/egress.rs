@@ -27,6 +27,8 @@ pub struct EgressOptions {
     pub starts: usize,
     /// The `estop` binary.
     pub estop: PathBuf,
+    /// Worker threads of the proxy's runtime (0: current-thread; `estop_egress::proxy_runtime`).
+    pub proxy_workers: usize,
 }
 
 /// One connection count's figures, microseconds.
@@ -237,11 +239,10 @@ fn start_proxy(o: &EgressOptions, upstream_roots: &std::path::Path) -> anyhow::R
     let (socket, token, data) = (o.socket.clone(), o.token.clone(), o.data.clone());
     let run = format!("bench-egress-{}", std::process::id());
     let (tx, rx) = std::sync::mpsc::channel();
-    // Like `estop run`: one current-thread runtime serves the proxy.
+    let workers = o.proxy_workers;
+    // Like `estop run`, with the runtime it would use with `workers`.
     std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build();
+        let rt = estop_egress::proxy_runtime(workers);
         let result = rt.map_err(anyhow::Error::from).and_then(|rt| {
             rt.block_on(async {
                 let l = tokio::net::TcpListener::from_std(listener)?;

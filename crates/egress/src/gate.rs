@@ -22,14 +22,19 @@ pub struct Gate {
 
 impl Gate {
     /// Connects to `target` (a socket path, or host:port) and says hello with `token`, which
-    /// must be an agent's (the run belongs to it). Returns the handle and the stream of event
-    /// lines.
+    /// must be an agent's, as run `run`'s sandbox: the connection's principal is the
+    /// sandbox's own (`TOKEN/RUN`, docs/EGRESS.md), so what it holds of the gate's shares is
+    /// not what other sandboxes of the same token hold. Returns the handle, the stream of
+    /// event lines and the principal's name.
     pub async fn connect(
         target: &str,
         token: &str,
-    ) -> Result<(Gate, mpsc::UnboundedReceiver<Value>)> {
+        run: &str,
+    ) -> Result<(Gate, mpsc::UnboundedReceiver<Value>, String)> {
         let (gate, events) = Gate::open(target).await?;
-        let hello = gate.call(json!({"op": "hello", "token": token})).await?;
+        let hello = gate
+            .call(json!({"op": "hello", "token": token, "run": run}))
+            .await?;
         if hello["ok"] != true {
             bail!("the gate refused the token: {}", hello["error"]);
         }
@@ -40,7 +45,8 @@ impl Gate {
                 hello["role"]
             );
         }
-        Ok((gate, events))
+        let principal = hello["principal"].as_str().unwrap_or_default().to_string();
+        Ok((gate, events, principal))
     }
 
     /// Connects to `target` (a socket path, or host:port) without saying hello: the caller
@@ -63,7 +69,7 @@ impl Gate {
         })
     }
 
-    fn start<R, W>(r: R, mut w: W) -> (Gate, mpsc::UnboundedReceiver<Value>)
+    pub(crate) fn start<R, W>(r: R, mut w: W) -> (Gate, mpsc::UnboundedReceiver<Value>)
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,

@@ -30,6 +30,25 @@ use tokio::sync::watch;
 /// The proxy's port on the sandbox's loopback (`HTTP_PROXY=http://127.0.0.1:3128`).
 pub const PROXY_PORT: u16 = 3128;
 
+/// Worker threads of the runtime that serves a sandbox's proxy, DNS stub and protocol socket;
+/// 0 is one current-thread runtime. Chosen by `estop bench egress --proxy-workers`
+/// (docs/PERFORMANCE.md, "Egress").
+pub const PROXY_WORKERS: usize = 0;
+
+/// The runtime `estop run` (and `estop bench egress`) serves the proxy on: `workers` threads,
+/// or the calling thread alone for 0.
+pub fn proxy_runtime(workers: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    match workers {
+        0 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .enable_all()
+            .build(),
+    }
+}
+
 #[derive(Debug)]
 pub struct RunOptions {
     pub data: PathBuf,
@@ -106,14 +125,11 @@ pub fn run(opts: RunOptions) -> Result<i32> {
         settings,
         credentials: Arc::new(credentials),
     };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(supervise(&opts, plan))
+    proxy_runtime(PROXY_WORKERS)?.block_on(supervise(&opts, plan))
 }
 
 async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
-    let (gate, events) = Gate::connect(&plan.target, &plan.token).await?;
+    let (gate, events, principal) = Gate::connect(&plan.target, &plan.token, &plan.run).await?;
     let cwd = std::env::current_dir()?;
     let key = format!("sandbox:{}", random_hex(6));
     let (token, launched_at) = admit_launch(&gate, opts, &plan, &key, &cwd).await?;
@@ -131,7 +147,7 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
     }
     // The CA the sandbox trusts for HTTPS through the proxy (its key stays in the data dir).
     let ca = Arc::new(tls::Ca::load_or_create(&opts.data)?);
-    std::fs::write(tmp.path().join("ca.pem"), &ca.cert_pem)?;
+    std::fs::write(tmp.path().join("ca.pem"), &ca.bundle_pem)?;
     let cfg = stage_config(opts, &plan, &cgroups, private_dir, tmp.path(), &cwd)?;
     let socket_path = cfg.socket_path();
     let launched = sandbox::launch(cfg)?;
@@ -162,7 +178,7 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         target: plan.target.clone(),
         token: plan.token.clone(),
         run: plan.run.clone(),
-        principal: "agent".into(),
+        principal,
         connections_max: plan.settings.connections_max,
     };
     tokio::spawn(relay.serve(tokio::net::UnixListener::from_std(l.protocol)?));
@@ -216,7 +232,7 @@ pub async fn serve_proxy(
     settings: Settings,
     listener: tokio::net::TcpListener,
 ) -> Result<()> {
-    let (gate, _events) = Gate::connect(target, token).await?;
+    let (gate, _events, _) = Gate::connect(target, token, run).await?;
     // Never stopped: the sender lives as long as the proxy (a dropped one would read as a stop).
     let (_fence_tx, fence) = watch::channel(false);
     let proxy = Arc::new(proxy::Proxy {

@@ -89,6 +89,9 @@ pub struct Effect {
 /// a connection is one of `connections_max`, and its streams are bounded like them.
 pub const H2_STREAMS_MAX: u32 = 32;
 
+/// The first byte of a TLS record carrying a handshake (a ClientHello opens every TLS tunnel).
+const TLS_HANDSHAKE: u8 = 0x16;
+
 /// Headers that belong to one hop (RFC 9110 §7.6.1) or to the proxy: never forwarded.
 const HOP: &[&str] = &[
     "connection",
@@ -116,6 +119,10 @@ impl Proxy {
             proxy.pool.clear();
         });
         while let Ok((stream, _)) = listener.accept().await {
+            // A response's head and body (and a relayed stream's chunks) are written as they
+            // come, often from different tasks: with Nagle's algorithm a small write waits for
+            // the agent's delayed ACK (~40 ms) before it leaves.
+            let _ = stream.set_nodelay(true);
             let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
                 // Best effort and without waiting: the accept loop never stalls on it.
                 let _ = stream.try_write(too_many(self.settings.connections_max).as_bytes());
@@ -300,13 +307,44 @@ impl Proxy {
         // The place is held until the tunnel ends.
         (_place, requests): (Place, Requests),
     ) {
+        use tokio::io::AsyncReadExt;
         let Ok(upgraded) = hyper::upgrade::on(req).await else {
             return;
         };
-        let io = hyper_util::rt::TokioIo::new(upgraded);
+        let mut io = hyper_util::rt::TokioIo::new(upgraded);
+        // TLS or not is the first byte's to say: Node's fetch (undici) tunnels `http://` URLs
+        // through CONNECT too, and speaks plain HTTP/1.1 inside.
+        let mut first = [0u8; 1];
+        if !matches!(io.read(&mut first).await, Ok(1)) {
+            return;
+        }
+        let (r, w) = tokio::io::split(io);
+        let io = tokio::io::join(std::io::Cursor::new(first).chain(r), w);
+        if first[0] != TLS_HANDSHAKE {
+            let io = hyper_util::rt::TokioIo::new(io);
+            return self.serve_inside(io, false, "http", origin, requests).await;
+        }
         let Ok(tls) = acceptor.accept(io).await else {
             return;
         };
+        // The agent's client chose the protocol in its hello (the acceptor offers h2 first).
+        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+        let io = hyper_util::rt::TokioIo::new(tls);
+        self.serve_inside(io, h2, "https", origin, requests).await;
+    }
+
+    /// Serves the requests inside a tunnel to `origin` (`host:port`) as `scheme://origin/…`,
+    /// each admitted as if sent in absolute form; cut when the run stops.
+    async fn serve_inside<I>(
+        self: Arc<Self>,
+        io: I,
+        h2: bool,
+        scheme: &'static str,
+        origin: String,
+        requests: Requests,
+    ) where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
         let mut fence = self.fence.clone();
         let proxy = self.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -319,7 +357,7 @@ impl Proxy {
                 };
                 let (mut parts, body) = req.into_parts();
                 let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-                match format!("https://{origin}{pq}").parse() {
+                match format!("{scheme}://{origin}{pq}").parse() {
                     Ok(uri) => parts.uri = uri,
                     Err(_) => {
                         return refusal(
@@ -333,9 +371,6 @@ impl Proxy {
             });
             async move { Ok::<_, Infallible>(task.await.unwrap_or_else(|_| internal())) }
         });
-        // The agent's client chose the protocol in its hello (the acceptor offers h2 first).
-        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-        let io = hyper_util::rt::TokioIo::new(tls);
         if h2 {
             let conn =
                 hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
@@ -730,6 +765,11 @@ impl Proxy {
         let stream = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| failed(format!("cannot connect to {addr}: {e}")))?;
+        // The request's head and body are separate writes: without it the body waits for the
+        // origin's delayed ACK of the head (see `serve`).
+        stream
+            .set_nodelay(true)
+            .map_err(|e| failed(format!("cannot set TCP_NODELAY towards {addr}: {e}")))?;
         Ok((stream, addr))
     }
 
@@ -934,4 +974,91 @@ fn too_many(max: usize) -> String {
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn proxy(dir: &std::path::Path) -> (Arc<Proxy>, watch::Sender<bool>) {
+        let (ours, _theirs) = tokio::net::UnixStream::pair().unwrap();
+        let (r, w) = ours.into_split();
+        let (gate, _events) = crate::gate::Gate::start(r, w);
+        let (fence_tx, fence) = watch::channel(false);
+        let settings =
+            Settings::parse("[egress]\nallow_destinations = [\"127.0.0.1/32\"]\n").unwrap();
+        let proxy = Proxy {
+            ca: Arc::new(crate::tls::Ca::load_or_create(dir).unwrap()),
+            connector: crate::tls::connector(None).unwrap(),
+            gate,
+            run: "r".into(),
+            settings,
+            credentials: Arc::default(),
+            fence,
+            nonce: "n".into(),
+            seq: 0.into(),
+            meter: crate::meter::Meter::default(),
+            pool: crate::pool::Pool::default(),
+        };
+        (Arc::new(proxy), fence_tx)
+    }
+
+    /// Whether this process's socket connected from `local` to `peer` has TCP_NODELAY set
+    /// (found among its own descriptors: the proxy's side of a connection is not the test's).
+    #[allow(unsafe_code)]
+    fn nodelay_of(local: SocketAddr, peer: SocketAddr) -> Option<bool> {
+        for entry in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+            let Ok(n) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            // SAFETY: a descriptor of this process, used only while the proxy's task holds it
+            // open (the connection is kept open until the check is done).
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(n) };
+            let addr = |a: Option<rustix::net::SocketAddrAny>| {
+                a.and_then(|a| SocketAddr::try_from(a).ok())
+            };
+            if addr(rustix::net::getsockname(fd).ok()) == Some(local)
+                && addr(rustix::net::getpeername(fd).ok().flatten()) == Some(peer)
+            {
+                return rustix::net::sockopt::tcp_nodelay(fd).ok();
+            }
+        }
+        None
+    }
+
+    /// Both sides of the proxy write without Nagle's delay: the connection it accepts from
+    /// the agent and the one it dials upstream. (Without it, a multi-threaded runtime made
+    /// every proxied request ~42 ms: docs/PERFORMANCE.md.)
+    #[tokio::test]
+    async fn the_agents_and_the_upstream_connections_are_nodelay() {
+        let dir = tempfile::tempdir().unwrap();
+        let (proxy, _fence) = proxy(dir.path());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap();
+        tokio::spawn(proxy.clone().serve(listener));
+        let agent = tokio::net::TcpStream::connect(at).await.unwrap();
+        assert!(
+            !agent.nodelay().unwrap(),
+            "a fresh socket starts with Nagle on"
+        );
+        let mine = agent.local_addr().unwrap();
+        let accepted = loop {
+            if let Some(v) = nodelay_of(at, mine) {
+                break v;
+            }
+            tokio::task::yield_now().await;
+        };
+        assert!(accepted, "the agent's connection, on the proxy's side");
+
+        let origin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = origin.local_addr().unwrap().port();
+        let effect = Effect {
+            tool: "http.GET".into(),
+            key: "k".into(),
+            args: serde_json::json!({"host": "127.0.0.1", "port": port}),
+        };
+        let (upstream, _) = proxy.connect(&effect).await.map_err(|e| e.2).unwrap();
+        assert!(upstream.nodelay().unwrap(), "the connection to the origin");
+        drop(agent);
+    }
 }

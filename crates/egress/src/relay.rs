@@ -37,6 +37,7 @@ pub struct Relay {
     pub target: String,
     pub token: String,
     pub run: String,
+    /// The sandbox's principal (`TOKEN/RUN`), as the gate named it.
     pub principal: String,
     /// Connections the sandbox may hold to this socket at once (`[egress] connections_max`).
     pub connections_max: usize,
@@ -75,7 +76,10 @@ impl Relay {
         let upstream = UnixStream::connect(&self.target).await?;
         let (up_r, mut up_w) = upstream.into_split();
         let mut up_r = BufReader::new(up_r);
-        let hello = json!({"id": 0, "op": "hello", "token": self.token}).to_string() + "\n";
+        // As the sandbox's own principal, like the supervisor's connection: the agent's
+        // connections take that principal's shares, not those of the token's other sandboxes.
+        let hello = json!({"id": 0, "op": "hello", "token": self.token, "run": self.run});
+        let hello = hello.to_string() + "\n";
         up_w.write_all(hello.as_bytes()).await?;
         let mut answer = String::new();
         up_r.read_line(&mut answer).await?;

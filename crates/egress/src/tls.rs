@@ -17,8 +17,11 @@ pub const LEAVES_MAX: usize = 1024;
 
 pub struct Ca {
     issuer: Issuer<'static, KeyPair>,
-    /// The CA certificate (PEM), handed to the sandbox as its trust bundle.
+    /// The CA certificate (PEM): what signs this proxy's leaves.
     pub cert_pem: String,
+    /// What the sandbox trusts: the certificate, then the one it replaced while the rotation's
+    /// overlap lasts (`egress-ca.previous.pem`, until `estop egress ca retire`).
+    pub bundle_pem: String,
     leaves: Mutex<HashMap<String, Arc<CertifiedKey>>>,
     provider: Arc<rustls::crypto::CryptoProvider>,
 }
@@ -41,20 +44,128 @@ fn ca_params() -> CertificateParams {
     p
 }
 
+/// Holds the CA's files in `dir` for this process alone (`DATA/egress-ca.lock`): two first
+/// uses at once (two `estop run`s on a fresh data directory) would each make a CA and leave
+/// one's key beside the other's certificate, and a rotation must not interleave with a load.
+fn lock(dir: &Path) -> Result<std::fs::File> {
+    let lock = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(dir.join("egress-ca.lock"))
+        .with_context(|| format!("locking the egress CA in {}", dir.display()))?;
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive)?;
+    Ok(lock)
+}
+
+/// Writes `bytes` to `dir/name` whole or not at all (a temp file, fsync, rename), mode 0600.
+fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join(name))?;
+    Ok(())
+}
+
+/// Finishes a rotation a crash interrupted after its commit point (`egress-ca.next.pem`
+/// written: the old certificate is in `previous`, the new pair complete), or forgets one
+/// interrupted before it (a lone `next.key`).
+fn roll_forward(dir: &Path) -> Result<()> {
+    let (next_key, next_pem) = (
+        dir.join("egress-ca.next.key"),
+        dir.join("egress-ca.next.pem"),
+    );
+    if next_pem.exists() {
+        if next_key.exists() {
+            std::fs::rename(&next_key, dir.join("egress-ca.key"))?;
+        }
+        std::fs::rename(&next_pem, dir.join("egress-ca.pem"))?;
+    } else if next_key.exists() {
+        std::fs::remove_file(&next_key)?;
+    }
+    std::fs::File::open(dir)?.sync_all()?;
+    Ok(())
+}
+
+/// What `rotate` or `retire` did: SHA-256 fingerprints of the certificates (hex).
+#[derive(Debug)]
+pub struct Rotation {
+    pub current: String,
+    pub previous: Option<String>,
+}
+
+fn fingerprint(pem: &str) -> Result<String> {
+    use sha2::Digest as _;
+    let der = rustls_pemfile::certs(&mut pem.as_bytes())
+        .next()
+        .context("no certificate")??;
+    Ok(sha2::Sha256::digest(der.as_ref())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+/// Makes a new CA in `dir` (docs/EGRESS.md, "Rotating the CA"): the old key is gone, the old
+/// certificate stays in the sandboxes' bundle (`egress-ca.previous.pem`) until [`retire`].
+/// Supervisors already running keep signing with the key they loaded; new ones sign with the
+/// new key and hand their sandbox both certificates.
+pub fn rotate(dir: &Path) -> Result<Rotation> {
+    let old = Ca::load_or_create(dir)?;
+    let _held = lock(dir)?;
+    roll_forward(dir)?;
+    let current = std::fs::read_to_string(dir.join("egress-ca.pem"))?;
+    anyhow::ensure!(
+        current == old.cert_pem,
+        "the egress CA changed while rotating it; run the rotation again"
+    );
+    write_atomic(dir, "egress-ca.previous.pem", current.as_bytes())?;
+    let key = KeyPair::generate()?;
+    let cert = ca_params().self_signed(&key)?;
+    write_atomic(dir, "egress-ca.next.key", key.serialize_pem().as_bytes())?;
+    write_atomic(dir, "egress-ca.next.pem", cert.pem().as_bytes())?; // the commit point
+    roll_forward(dir)?;
+    Ok(Rotation {
+        current: fingerprint(&cert.pem())?,
+        previous: Some(fingerprint(&current)?),
+    })
+}
+
+/// Ends a rotation's overlap: sandboxes started from now on trust the current CA alone.
+pub fn retire(dir: &Path) -> Result<Rotation> {
+    let _held = lock(dir)?;
+    roll_forward(dir)?;
+    let previous = dir.join("egress-ca.previous.pem");
+    let was = match std::fs::read_to_string(&previous) {
+        Ok(pem) => Some(fingerprint(&pem)?),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e.into()),
+    };
+    if was.is_some() {
+        std::fs::remove_file(&previous)?;
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    let current = std::fs::read_to_string(dir.join("egress-ca.pem"))
+        .context("no egress CA in this data directory")?;
+    Ok(Rotation {
+        current: fingerprint(&current)?,
+        previous: was,
+    })
+}
+
 impl Ca {
     /// Loads the CA from `dir`, or makes it there (key 0600) the first time.
     pub fn load_or_create(dir: &Path) -> Result<Ca> {
         let (key_path, cert_path) = (dir.join("egress-ca.key"), dir.join("egress-ca.pem"));
-        // Two first uses at once (two `estop run`s on a fresh data directory) would each make
-        // a CA and leave one's key beside the other's certificate: one at a time.
-        let lock = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(dir.join("egress-ca.lock"))
-            .with_context(|| format!("locking the egress CA in {}", dir.display()))?;
-        rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive)?;
+        let _held = lock(dir)?;
+        roll_forward(dir)?;
         let (key, cert_pem) = if key_path.exists() && cert_path.exists() {
             let key = KeyPair::from_pem(&std::fs::read_to_string(&key_path)?)
                 .with_context(|| format!("{} is not a key", key_path.display()))?;
@@ -74,8 +185,14 @@ impl Ca {
             std::fs::write(&cert_path, cert.pem())?;
             (key, cert.pem())
         };
+        let bundle_pem = match std::fs::read_to_string(dir.join("egress-ca.previous.pem")) {
+            Ok(previous) => format!("{cert_pem}{previous}"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => cert_pem.clone(),
+            Err(e) => return Err(e.into()),
+        };
         Ok(Ca {
             issuer: Issuer::new(ca_params(), key),
+            bundle_pem,
             cert_pem,
             leaves: Mutex::default(),
             provider: Arc::new(rustls::crypto::ring::default_provider()),
@@ -182,5 +299,96 @@ mod tests {
             "cached"
         );
         ca.leaf("127.0.0.2").unwrap();
+    }
+
+    /// Whether a client trusting `bundle` (PEM) accepts the leaf `ca` presents for a host.
+    async fn trusted(bundle: &str, ca: &super::Ca) -> bool {
+        use std::sync::Arc;
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls_pemfile::certs(&mut bundle.as_bytes()) {
+            roots.add(cert.unwrap()).unwrap();
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let acceptor = ca.acceptor("example.test").unwrap();
+        tokio::spawn(async move {
+            let _ = acceptor.accept(server).await;
+        });
+        let name = rustls::pki_types::ServerName::try_from("example.test").unwrap();
+        tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(name, client)
+            .await
+            .is_ok()
+    }
+
+    /// A rotation: new sandboxes get the new CA's leaves and trust old and new; a proxy still
+    /// signing with the old key (a supervisor started before) is trusted by that bundle too;
+    /// the old bundle does not trust the new CA; after `retire`, only the new CA is trusted,
+    /// and the old key is gone from the directory.
+    #[tokio::test]
+    async fn a_rotation_overlaps_old_and_new_until_retired() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = super::Ca::load_or_create(dir.path()).unwrap();
+        assert_eq!(old.bundle_pem, old.cert_pem, "no overlap before a rotation");
+        let old_key = std::fs::read(dir.path().join("egress-ca.key")).unwrap();
+        let r = super::rotate(dir.path()).unwrap();
+        assert_ne!(Some(&r.current), r.previous.as_ref());
+        let new = super::Ca::load_or_create(dir.path()).unwrap();
+        assert_ne!(new.cert_pem, old.cert_pem, "a new CA");
+        assert_ne!(
+            std::fs::read(dir.path().join("egress-ca.key")).unwrap(),
+            old_key
+        );
+        assert!(
+            trusted(&new.bundle_pem, &new).await,
+            "new leaves, new bundle"
+        );
+        assert!(
+            trusted(&new.bundle_pem, &old).await,
+            "old leaves, during the overlap"
+        );
+        assert!(
+            !trusted(&old.bundle_pem, &new).await,
+            "the old bundle is not the new CA's"
+        );
+        let retired = super::retire(dir.path()).unwrap();
+        assert_eq!(retired.previous, r.previous);
+        let after = super::Ca::load_or_create(dir.path()).unwrap();
+        assert_eq!(after.bundle_pem, new.cert_pem);
+        assert!(trusted(&after.bundle_pem, &new).await);
+        assert!(
+            !trusted(&after.bundle_pem, &old).await,
+            "the old CA is no longer trusted"
+        );
+        assert!(
+            super::retire(dir.path()).unwrap().previous.is_none(),
+            "nothing to retire"
+        );
+    }
+
+    /// A crash after the rotation's commit point (the new pair written as `next`) is finished
+    /// by the next load; one before it leaves the CA as it was.
+    #[test]
+    fn an_interrupted_rotation_is_finished_or_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let old = super::Ca::load_or_create(d).unwrap();
+        std::fs::write(d.join("egress-ca.next.key"), "half").unwrap();
+        let same = super::Ca::load_or_create(d).unwrap();
+        assert_eq!(same.cert_pem, old.cert_pem);
+        assert!(!d.join("egress-ca.next.key").exists());
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = super::ca_params().self_signed(&key).unwrap();
+        std::fs::write(d.join("egress-ca.previous.pem"), &old.cert_pem).unwrap();
+        std::fs::write(d.join("egress-ca.next.key"), key.serialize_pem()).unwrap();
+        std::fs::write(d.join("egress-ca.next.pem"), cert.pem()).unwrap();
+        let rolled = super::Ca::load_or_create(d).unwrap();
+        assert_eq!(rolled.cert_pem, cert.pem());
+        assert_eq!(rolled.bundle_pem, format!("{}{}", cert.pem(), old.cert_pem));
     }
 }

@@ -137,7 +137,10 @@ fn hidden_from(principal: &Principal, run: &Run) -> bool {
 }
 
 fn hidden_owner(principal: &Principal, owner: &Option<PrincipalName>) -> bool {
-    principal.role == Role::Agent && owner.as_ref().is_some_and(|o| *o != principal.name)
+    principal.role == Role::Agent
+        && owner
+            .as_ref()
+            .is_some_and(|o| !principal.name.sees_runs_of(o))
 }
 
 pub(crate) fn bounded(
@@ -954,8 +957,16 @@ impl Gate {
                 from: Some(parent.clone()),
             }));
         }
-        // A sub-agent may admit before its parent did: the parent run comes into being.
-        self.add_run(parent.clone(), Run::new(now, Some(p.name.clone()), None));
+        // A sub-agent may admit before its parent did: the parent run comes into being. A
+        // sandbox's principal speaks for its own run's tree only: a parent it names is its
+        // token's run (so the token that started the sandbox may use it).
+        let owner = match p.name.token_name() {
+            token if token.len() < p.name.as_str().len() => {
+                PrincipalName::new(token).expect("a prefix of a valid name")
+            }
+            _ => p.name.clone(),
+        };
+        self.add_run(parent.clone(), Run::new(now, Some(owner), None));
         Ok(None)
     }
 

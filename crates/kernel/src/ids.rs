@@ -359,9 +359,60 @@ pub struct Principal {
     pub groups: Vec<Box<str>>,
 }
 
+/// Separates a token's name from the run of a sandbox that speaks for it: `agent/order-42` is
+/// the principal of `estop run --run order-42`'s sandbox, started with the token `agent`
+/// (docs/EGRESS.md). Token names never hold it, so the token's part is what precedes the first.
+pub const SANDBOX_SEPARATOR: char = '/';
+
+impl PrincipalName {
+    /// The token this principal speaks for: itself, or for a sandbox's principal
+    /// (`TOKEN/RUN`) the token that started the sandbox.
+    pub fn token_name(&self) -> &str {
+        self.as_str()
+            .split_once(SANDBOX_SEPARATOR)
+            .map_or(self.as_str(), |(token, _)| token)
+    }
+
+    /// Whether runs owned by `owner` are this agent's to see: its own, those of the token it
+    /// is a sandbox of (a sandbox's run may name one of them as its parent), and those of its
+    /// own sandboxes (the token that started a sandbox follows its run). Sibling sandboxes do
+    /// not see each other's runs.
+    pub fn sees_runs_of(&self, owner: &PrincipalName) -> bool {
+        let (me, them) = (self.as_str(), owner.as_str());
+        me == them || self.token_name() == them || owner.token_name() == me
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sandbox sees its own runs and its token's (its parent may be one), the token sees its
+    /// sandboxes' runs, and sibling sandboxes and other tokens see nothing of each other.
+    #[test]
+    fn a_sandbox_and_its_token_see_each_others_runs_and_siblings_do_not() {
+        let n = |s: &str| PrincipalName::new(s).unwrap();
+        let (agent, a, b, other) = (n("agent"), n("agent/a"), n("agent/b"), n("agent2"));
+        assert_eq!(a.token_name(), "agent");
+        assert_eq!(n("agent/gw/files").token_name(), "agent");
+        assert_eq!(agent.token_name(), "agent");
+        for (me, owner, sees) in [
+            (&a, &a, true),
+            (&a, &agent, true),
+            (&agent, &a, true),
+            (&a, &b, false),
+            (&b, &a, false),
+            (&other, &a, false),
+            (&a, &other, false),
+            (&n("agent2/x"), &agent, false),
+        ] {
+            assert_eq!(
+                me.sees_runs_of(owner),
+                sees,
+                "{me:?} sees runs of {owner:?}"
+            );
+        }
+    }
 
     #[test]
     fn digest_hex_round_trips() {

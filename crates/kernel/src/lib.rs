@@ -19,6 +19,9 @@ pub use command::{
     TokenChange,
 };
 pub use gate::Gate;
-pub use ids::{Digest, EffectKey, Principal, PrincipalName, Role, RunId, ToolName};
+pub use ids::{
+    Digest, EffectKey, NAME_BYTES_MAX, Principal, PrincipalName, Role, RunId, SANDBOX_SEPARATOR,
+    ToolName,
+};
 pub use limits::Limits;
 pub use reply::{Applied, DecideStatus, Event, EventKind, KernelError, Reply, Verdict};

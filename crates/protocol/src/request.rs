@@ -154,6 +154,9 @@ impl CloseOutcome {
 pub enum Op {
     Hello {
         token: Secret,
+        /// The run whose sandbox this connection speaks for (`estop run`'s supervisor): an
+        /// agent token's connection then has the principal `TOKEN/RUN`, with shares of its own.
+        run: Option<RunId>,
     },
     Admit(Admit),
     Start {
@@ -602,7 +605,7 @@ fn without_unread_fields(line: &[u8], failed: Field) -> Option<Vec<u8>> {
 fn verb_fields(verb: Verb) -> u32 {
     use Field as F;
     let fields: &[Field] = match verb {
-        Verb::Hello => &[F::Token],
+        Verb::Hello => &[F::Token, F::Run],
         Verb::Admit => &[
             F::Run,
             F::Key,
@@ -1085,6 +1088,7 @@ impl<'a> Raw<'a> {
                     Field::Token,
                     TOKEN_BYTES_MAX,
                 )?),
+                run: self.opt_run()?,
             },
             Verb::Admit => Op::Admit(self.admit()?),
             Verb::Start => Op::Start {
@@ -1605,7 +1609,10 @@ impl Op {
             }
         }
         match self {
-            Op::Hello { token } => put(&mut m, "token", token.expose()),
+            Op::Hello { token, run } => {
+                put(&mut m, "token", token.expose());
+                put_opt(&mut m, "run", run.as_ref().map(|r| r.as_str()));
+            }
             Op::Admit(a) => {
                 put(&mut m, "run", a.run.as_str());
                 put(&mut m, "key", a.key.as_str());

@@ -79,6 +79,14 @@ fn every_verb_parses() {
             r#"{"op":"hello","token":"s3cret"}"#,
             Op::Hello {
                 token: Secret::new("s3cret"),
+                run: None,
+            },
+        ),
+        (
+            r#"{"op":"hello","token":"s3cret","run":"order-42"}"#,
+            Op::Hello {
+                token: Secret::new("s3cret"),
+                run: Some(run("order-42")),
             },
         ),
         (

@@ -92,6 +92,7 @@ impl Client {
     pub fn hello(&mut self, token: &str) -> Result<HelloReply, ClientError> {
         self.ask(&Op::Hello {
             token: Secret::new(token),
+            run: None,
         })
     }
 

@@ -9,7 +9,7 @@ use crate::durable::{self, After, Durability, DurableState};
 use crate::outbox::{Direct, Outbox, Unwritten};
 use crate::quota::Slot;
 use crate::tokens::RevokeSignal;
-use estop_kernel::Principal;
+use estop_kernel::{Principal, PrincipalName, Role, RunId};
 use estop_protocol::server_line::{self as wire};
 use estop_protocol::{ErrorCode, Id, Line, LineReader, Op, Request, Secret, parse_request};
 use std::os::fd::OwnedFd;
@@ -429,8 +429,8 @@ async fn dispatch(
         Route::Answer(answer) => Some(answer),
         Route::Core(ask) => send(ask.message(reply_to())),
         Route::Work(work) => Some(work.run(shared).await),
-        Route::Conn(ConnVerb::Hello { token }) => {
-            Some(hello(shared, conn, &token, principal).await)
+        Route::Conn(ConnVerb::Hello { token, run }) => {
+            Some(hello(shared, conn, &token, run.as_ref(), principal).await)
         }
         Route::Conn(ConnVerb::Wait {
             principal,
@@ -479,9 +479,10 @@ async fn hello(
     shared: &Shared,
     conn: u64,
     token: &Secret,
+    run: Option<&RunId>,
     principal: &mut Option<Authed>,
 ) -> Answer {
-    let c = match shared.tokens.credential_async(token.expose()).await {
+    let mut c = match shared.tokens.credential_async(token.expose()).await {
         Ok(Some(c)) => c,
         // The registry is in a database that cannot be asked now: refused, not let in.
         Err(e) => return err(ErrorCode::Unavailable, e.to_string()),
@@ -492,6 +493,18 @@ async fn hello(
             );
         }
     };
+    if let Some(run) = run {
+        if c.principal.role != Role::Agent {
+            return err(
+                ErrorCode::Forbidden,
+                format!(
+                    "hello with a run speaks for that run's sandbox, which only an agent token may do (this one is {})",
+                    c.principal.role.as_str()
+                ),
+            );
+        }
+        c.principal.name = sandbox_principal(&c.principal.name, run);
+    }
     let hello = wire::HelloReply {
         role: c.principal.role.as_str().into(),
         principal: c.principal.name.to_string(),
@@ -625,5 +638,47 @@ mod tests {
             std::task::Poll::Ready(v) => Some(v),
             std::task::Poll::Pending => None,
         }
+    }
+}
+
+/// The principal of run `run`'s sandbox started with token `token` (docs/EGRESS.md, "A
+/// principal per sandbox"): `TOKEN/RUN`, or `TOKEN/#` and 32 hex digits of SHA-256 of the run
+/// when that would be longer than a name may be. Token names hold no `/`, so no token can be
+/// one, and the kernel reads the token back from it.
+pub fn sandbox_principal(token: &PrincipalName, run: &RunId) -> PrincipalName {
+    use sha2::Digest as _;
+    let sep = estop_kernel::SANDBOX_SEPARATOR;
+    let plain = format!("{token}{sep}{run}");
+    let name = if plain.len() <= estop_kernel::NAME_BYTES_MAX {
+        plain
+    } else {
+        let h = sha2::Sha256::digest(run.as_str().as_bytes());
+        let hex: String = h[..16].iter().map(|b| format!("{b:02x}")).collect();
+        format!("{token}{sep}#{hex}")
+    };
+    PrincipalName::new(&name).expect("a token name (at most 64 bytes) and at most 200 bytes")
+}
+
+#[cfg(test)]
+mod sandbox_tests {
+    use super::sandbox_principal;
+    use estop_kernel::{NAME_BYTES_MAX, PrincipalName, RunId};
+
+    /// `TOKEN/RUN` while it fits a name; past that the run's digest stands in, still distinct
+    /// per run and still read back as the token's.
+    #[test]
+    fn a_sandbox_principal_names_its_token_and_its_run() {
+        let token = PrincipalName::new(&"t".repeat(64)).unwrap();
+        let short = RunId::new("order-42").unwrap();
+        let p = sandbox_principal(&token, &short);
+        assert_eq!(p.as_str(), format!("{}/order-42", "t".repeat(64)));
+        let (a, b) = (
+            RunId::new(&format!("{}a", "r".repeat(199))).unwrap(),
+            RunId::new(&format!("{}b", "r".repeat(199))).unwrap(),
+        );
+        let (pa, pb) = (sandbox_principal(&token, &a), sandbox_principal(&token, &b));
+        assert_ne!(pa, pb);
+        assert!(pa.as_str().len() <= NAME_BYTES_MAX, "{pa:?}");
+        assert_eq!(pa.token_name(), token.as_str());
     }
 }

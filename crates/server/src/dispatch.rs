@@ -118,8 +118,8 @@ impl Work {
 /// A verb about the connection it came on.
 #[derive(Debug)]
 pub enum ConnVerb {
-    /// Authenticate the connection with this secret.
-    Hello { token: Secret },
+    /// Authenticate the connection with this secret (as run `run`'s sandbox when given).
+    Hello { token: Secret, run: Option<RunId> },
     /// Block until the effect settles or `timeout` passes (within `wait_ms_max`); the wait ends
     /// with its connection.
     Wait {
@@ -159,7 +159,7 @@ fn err(code: ErrorCode, msg: impl Into<String>) -> Answer {
 /// What serves `op` asked by `principal` (`None`: a connection that has not said `hello`).
 pub fn route(shared: &Shared, principal: Option<&Principal>, op: Op) -> Route {
     match (op, principal) {
-        (Op::Hello { token }, _) => Route::Conn(ConnVerb::Hello { token }),
+        (Op::Hello { token, run }, _) => Route::Conn(ConnVerb::Hello { token, run }),
         (Op::Ping, _) => Route::Answer(Answer::Pong),
         (_, None) => Route::Answer(err(ErrorCode::Unauthenticated, "send hello {token} first")),
         (op, Some(p)) if !op.verb().allowed_for(p.role) => Route::Answer(forbidden(op.verb(), p)),
@@ -639,6 +639,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
                     v,
                     Op::Hello {
                         token: Secret::new("whatever"),
+                        run: None,
                     },
                 ),
                 Verb::Admit => {

@@ -95,7 +95,12 @@ impl Core {
                 let mut runs: Vec<wire::RunView> = Vec::new();
                 let mut next = None;
                 for (id, r) in self.gate.runs_after(cursor.as_ref()) {
-                    if principal.role == Role::Agent && r.owner.as_ref() != Some(&principal.name) {
+                    if principal.role == Role::Agent
+                        && !r
+                            .owner
+                            .as_ref()
+                            .is_some_and(|o| principal.name.sees_runs_of(o))
+                    {
                         continue;
                     }
                     if state.is_some_and(|s| s != r.state) {
@@ -121,7 +126,10 @@ impl Core {
                 },
                 None => {
                     let visible = self.gate.runs().filter(|(_, r)| {
-                        principal.role != Role::Agent || r.owner.as_ref() == Some(&principal.name)
+                        principal.role != Role::Agent
+                            || r.owner
+                                .as_ref()
+                                .is_some_and(|o| principal.name.sees_runs_of(o))
                     });
                     Answer::Pending(pending_page(visible, cursor, page))
                 }
