@@ -126,7 +126,6 @@ async fn drive(name: &'static str, clients: Vec<Client>, per: usize) -> anyhow::
     let mut tasks = tokio::task::JoinSet::new();
     for (s, client) in clients.into_iter().enumerate() {
         let start = start.clone();
-        let call = call.clone();
         tasks.spawn(async move {
             call(&client, format!("{name}-{s}-warm")).await?;
             start.wait().await;

@@ -270,15 +270,20 @@ pub async fn subscribe(
     let first = {
         let mut subs = routes.subs.lock().expect("not poisoned");
         let held: usize = subs.values().map(BTreeMap::len).sum();
-        let sessions = subs.entry(params.uri.clone()).or_default();
-        if !sessions.contains_key(&session) && held >= SUBSCRIPTIONS_MAX {
+        let again = subs
+            .get(&params.uri)
+            .is_some_and(|s| s.contains_key(&session));
+        if !again && held >= SUBSCRIPTIONS_MAX {
             return Err(McpError::invalid_request(
                 format!("the gateway holds {SUBSCRIPTIONS_MAX} subscriptions already"),
                 None,
             ));
         }
+        let sessions = subs.entry(params.uri.clone()).or_default();
+        // The upstream hears only of a URI's first subscriber (a repeat is not a new one).
+        let first = sessions.is_empty();
         sessions.insert(session, peer);
-        sessions.len() == 1
+        first
     };
     if !first {
         return Ok(());

@@ -642,6 +642,30 @@ async fn templates_subscriptions_completions_and_list_changes_pass_through() {
     );
 }
 
+/// Subscriptions are bounded: the gateway keeps at most `SUBSCRIPTIONS_MAX` (URI, session)
+/// pairs; one more is refused (and never reaches the upstream), the same one again is not more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(deprecated)] // resources/subscribe is what clients before 2026-07-28 send
+async fn subscriptions_are_bounded() {
+    use rmcp::model::SubscribeRequestParams;
+    let max = estop_mcp::passthrough::SUBSCRIPTIONS_MAX;
+    let w = world();
+    let c = w.client("run-subs", "Echoes text.", 30_000).await;
+    let sub = |n: usize| SubscribeRequestParams::new(format!("fixture://n{n}"));
+    for n in 0..max {
+        c.peer().subscribe(sub(n)).await.unwrap();
+    }
+    c.peer().subscribe(sub(0)).await.unwrap();
+    let refused = c.peer().subscribe(sub(max)).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("subscriptions already"),
+        "{refused}"
+    );
+    let log = w.upstream();
+    assert_eq!(log.len(), max, "one upstream subscription per URI");
+    assert!(!log.contains(&format!("subscribe fixture://n{max}")));
+}
+
 /// An upstream that rewrites a tool mid-session and says so (`notifications/tools/list_changed`):
 /// the gateway lists again at once — the rewritten tool is held by its pin before the client
 /// even re-lists — and tells the client.
