@@ -61,6 +61,8 @@ pub struct Shared {
 /// Most distinct resource URIs whose `notifications/resources/updated` one pass forwards; more
 /// at once are dropped (a client re-reads what it subscribed to at its next update anyway).
 const UPDATES_BATCH_MAX: usize = 1024;
+/// Most notifications one pass takes off the queue before acting on them.
+const CHANGES_PASS_MAX: usize = 4096;
 
 /// How many client sessions are told of tool changes; a session beyond is not told.
 const PEERS_MAX: usize = 1024;
@@ -81,7 +83,10 @@ pub async fn follow_list_changes(
         let mut lists = std::collections::BTreeSet::new();
         let mut updates = std::collections::BTreeSet::new();
         let mut next = Some(first);
+        let mut taken = 0;
         while let Some((from, change)) = next {
+            // A bounded pass: an upstream that never stops talking still gets served in turns.
+            taken += 1;
             match change {
                 Change::Updated(uri) if updates.len() < UPDATES_BATCH_MAX => {
                     updates.insert((from, uri));
@@ -91,7 +96,9 @@ pub async fn follow_list_changes(
                     lists.insert(kind);
                 }
             }
-            next = changes.try_recv().ok();
+            next = (taken < CHANGES_PASS_MAX)
+                .then(|| changes.try_recv().ok())
+                .flatten();
         }
         shared.relist(&lists).await;
         shared.tell_clients(&lists).await;
