@@ -1,9 +1,10 @@
 //! `estop bench mcp`: what `estop mcp` adds to a `tools/call`, against calling the same upstream
 //! directly in the same run. The upstream is an rmcp server on loopback HTTP in this process
-//! (one `echo` tool); the client is rmcp's, one call at a time (closed loop), each call with
-//! fresh arguments so every one through the gateway is a new effect: admitted and completed
-//! durably by the daemon. The gateway is measured with its stdio front (a byte stream) and its
-//! streamable HTTP front.
+//! (one `echo` tool); the clients are rmcp's, each session one call at a time (closed loop),
+//! each call with fresh arguments so every one through the gateway is a new effect: admitted
+//! and completed durably by the daemon. Each row runs N sessions at once: N sessions to the
+//! upstream directly, N gateways on stdio (a byte stream each, as N agents each running
+//! `estop mcp`), N sessions on one gateway's streamable HTTP front.
 
 use crate::percentile;
 use rmcp::model::{CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock};
@@ -16,14 +17,22 @@ pub struct McpOptions {
     /// The daemon's socket and data directory (its agent token; the gateway's config and pins).
     pub socket: String,
     pub data: PathBuf,
-    /// Calls per path (the first few of each are not counted: connection set-up).
+    /// Calls per path and row, shared out over its sessions (each makes at least 10; a warm-up
+    /// call per session is not counted: connection set-up).
     pub calls: usize,
+    /// Concurrent sessions of each row (e.g. 1, 16, 64).
+    pub sessions: Vec<usize>,
 }
+
+/// Calls each session makes, at least.
+const SESSION_CALLS_MIN: usize = 10;
 
 /// One path's figures: microseconds per call, and calls per second.
 #[derive(Debug, Clone)]
 pub struct Path {
     pub name: &'static str,
+    /// Sessions calling at once.
+    pub sessions: usize,
     pub calls: usize,
     pub p50_us: u32,
     pub p99_us: u32,
@@ -93,45 +102,63 @@ async fn serve_upstream() -> anyhow::Result<String> {
     Ok(url)
 }
 
-/// Times `calls` sequential `echo` calls on `client` (the first tenth not counted).
-async fn drive(
-    name: &'static str,
-    client: &rmcp::service::RunningService<rmcp::RoleClient, ()>,
-    calls: usize,
-) -> anyhow::Result<Path> {
-    let warm = (calls / 10).max(1);
-    let mut us = Vec::with_capacity(calls);
-    let started = Instant::now();
-    for i in 0..warm + calls {
-        if i == warm {
-            us.clear();
-        }
-        let mut p = CallToolRequestParams::new("echo");
-        if name != "direct" {
-            p = CallToolRequestParams::new("b__echo");
-        }
-        let serde_json::Value::Object(args) = serde_json::json!({"text": format!("{name}-{i}")})
-        else {
+type Client = rmcp::service::RunningService<rmcp::RoleClient, ()>;
+
+/// Times `per` sequential `echo` calls on each of `clients` at once, after one warm-up call
+/// each: every call's latency, and the calls per second of the whole.
+async fn drive(name: &'static str, clients: Vec<Client>, per: usize) -> anyhow::Result<Path> {
+    let sessions = clients.len();
+    let tool = if name == "direct" { "echo" } else { "b__echo" };
+    let call = move |client: &Client, text: String| {
+        let mut p = CallToolRequestParams::new(tool);
+        let serde_json::Value::Object(args) = serde_json::json!({ "text": text }) else {
             unreachable!("an object literal")
         };
         p.arguments = Some(args);
-        let t = Instant::now();
-        let r = client.peer().call_tool(p).await?;
-        us.push(u32::try_from(t.elapsed().as_micros()).unwrap_or(u32::MAX));
-        anyhow::ensure!(r.is_error != Some(true), "{name}: the call failed: {r:?}");
+        let peer = client.peer().clone();
+        async move {
+            let r = peer.call_tool(p).await?;
+            anyhow::ensure!(r.is_error != Some(true), "{name}: the call failed: {r:?}");
+            Ok(())
+        }
+    };
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(sessions + 1));
+    let mut tasks = tokio::task::JoinSet::new();
+    for (s, client) in clients.into_iter().enumerate() {
+        let start = start.clone();
+        tasks.spawn(async move {
+            call(&client, format!("{name}-{s}-warm")).await?;
+            start.wait().await;
+            let mut us = Vec::with_capacity(per);
+            for i in 0..per {
+                let t = Instant::now();
+                call(&client, format!("{name}-{s}-{i}")).await?;
+                us.push(u32::try_from(t.elapsed().as_micros()).unwrap_or(u32::MAX));
+            }
+            let _ = client.cancel().await;
+            anyhow::Ok(us)
+        });
+    }
+    start.wait().await;
+    let started = Instant::now();
+    let mut us = Vec::with_capacity(per * sessions);
+    while let Some(done) = tasks.join_next().await {
+        us.extend(done??);
     }
     let total = started.elapsed().as_secs_f64();
     us.sort_unstable();
     Ok(Path {
         name,
-        calls,
+        sessions,
+        calls: us.len(),
         p50_us: percentile(&us, 0.50),
         p99_us: percentile(&us, 0.99),
-        calls_per_s: (warm + calls) as f64 / total,
+        calls_per_s: us.len() as f64 / total,
     })
 }
 
-/// Direct, through the gateway's stdio front, through its HTTP front: in that order, one run.
+/// For each row's session count: direct, through stdio gateways, through one gateway's HTTP
+/// front, in that order, one run.
 pub fn gateway_overhead(o: &McpOptions) -> anyhow::Result<Vec<Path>> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -139,14 +166,15 @@ pub fn gateway_overhead(o: &McpOptions) -> anyhow::Result<Vec<Path>> {
         .build()?;
     rt.block_on(async {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        use rmcp::transport::streamable_http_client::{
-            StreamableHttpClientTransport, StreamableHttpClientTransportConfig,
-        };
         let url = serve_upstream().await?;
         let config = o.data.join("bench-mcp.toml");
+        // Room for every row's sessions on the one HTTP front.
+        let sessions_max: usize = o.sessions.iter().sum::<usize>() + 1;
         std::fs::write(
             &config,
-            format!("[[server]]\nname = \"b\"\nurl = {url:?}\n"),
+            format!(
+                "[http]\nsessions_max = {sessions_max}\n\n[[server]]\nname = \"b\"\nurl = {url:?}\n"
+            ),
         )?;
         let opts = estop_mcp::Options {
             config,
@@ -155,27 +183,52 @@ pub fn gateway_overhead(o: &McpOptions) -> anyhow::Result<Vec<Path>> {
             token: None,
             run: None,
             parent: None,
+            estop: None,
         };
-        let mut out = Vec::new();
-        let direct = ().serve(StreamableHttpClientTransport::from_config(
-            StreamableHttpClientTransportConfig::with_uri(url.as_str()),
-        ));
-        out.push(drive("direct", &direct.await?, o.calls).await?);
-
-        let (ours, theirs) = tokio::io::duplex(1 << 16);
-        let stdio = opts.clone();
-        tokio::spawn(async move { estop_mcp::serve_io(stdio, tokio::io::split(theirs)).await });
-        let client = ().serve(tokio::io::split(ours)).await?;
-        out.push(drive("gateway stdio", &client, o.calls).await?);
-
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let front = format!("http://{}/mcp", listener.local_addr()?);
-        tokio::spawn(async move { estop_mcp::serve_http_on(opts, listener).await });
+        let http = opts.clone();
+        tokio::spawn(async move { estop_mcp::serve_http_on(http, listener).await });
         let token = std::fs::read_to_string(o.data.join("agent.token"))?;
-        let config =
-            StreamableHttpClientTransportConfig::with_uri(front.as_str()).auth_header(token.trim());
-        let client = ().serve(StreamableHttpClientTransport::from_config(config)).await?;
-        out.push(drive("gateway http", &client, o.calls).await?);
+        let mut out = Vec::new();
+        for &n in &o.sessions {
+            let per = (o.calls / n.max(1)).max(SESSION_CALLS_MIN);
+            let mut clients = Vec::new();
+            for _ in 0..n {
+                clients.push(http_client(&url, None).await?);
+            }
+            out.push(drive("direct", clients, per).await?);
+            let mut clients = Vec::new();
+            for _ in 0..n {
+                let (ours, theirs) = tokio::io::duplex(1 << 16);
+                let stdio = opts.clone();
+                tokio::spawn(
+                    async move { estop_mcp::serve_io(stdio, tokio::io::split(theirs)).await },
+                );
+                clients.push(().serve(tokio::io::split(ours)).await?);
+            }
+            out.push(drive("gateway stdio", clients, per).await?);
+            let mut clients = Vec::new();
+            for _ in 0..n {
+                clients.push(http_client(&front, Some(token.trim())).await?);
+            }
+            out.push(drive("gateway http", clients, per).await?);
+        }
         Ok(out)
     })
+}
+
+/// An rmcp client session over streamable HTTP to `url`, with a bearer token if given.
+async fn http_client(url: &str, token: Option<&str>) -> anyhow::Result<Client> {
+    use rmcp::transport::streamable_http_client::{
+        StreamableHttpClientTransport, StreamableHttpClientTransportConfig,
+    };
+    let mut config = StreamableHttpClientTransportConfig::with_uri(url);
+    if let Some(t) = token {
+        config = config.auth_header(t);
+    }
+    Ok(
+        ().serve(StreamableHttpClientTransport::from_config(config))
+            .await?,
+    )
 }

@@ -74,11 +74,15 @@ enum BenchCmd {
         json: bool,
     },
     /// What `estop mcp` adds per tools/call against calling the upstream directly (calls/s,
-    /// p50/p99), stdio and HTTP fronts, next to the raw fsync rate (docs/MCP.md, "Benchmark").
+    /// p50/p99), stdio and HTTP fronts, at each number of concurrent sessions, next to the raw
+    /// fsync rate (docs/MCP.md, "Benchmark").
     Mcp {
-        /// Sequential calls per path.
+        /// Calls per path and row, shared out over its sessions (each makes at least 10).
         #[arg(long, default_value_t = 500)]
         calls: usize,
+        /// Concurrent client sessions, one row each.
+        #[arg(long, value_delimiter = ',', default_values_t = [1, 16, 64])]
+        sessions: Vec<usize>,
         /// Data dir of the daemon the bench starts (and where the disk probe runs).
         #[arg(long, default_value = "estop-bench-data")]
         data: PathBuf,
@@ -254,45 +258,61 @@ pub fn run(a: BenchArgs) -> Result<u8> {
             json,
         }) => recovery(records, &data, json),
         Some(BenchCmd::Store(s)) => crate::bench_store::run(s),
-        Some(BenchCmd::Mcp { calls, data, json }) => mcp(calls, &data, json),
+        Some(BenchCmd::Mcp {
+            calls,
+            sessions,
+            data,
+            json,
+        }) => mcp(calls, sessions, &data, json),
         None => load_bench(a.load),
     }
 }
 
-fn mcp(calls: usize, data: &Path, json: bool) -> Result<u8> {
+/// Most concurrent sessions one `estop bench mcp` row opens (each stdio one is a gateway).
+const MCP_SESSIONS_MAX: usize = 256;
+
+fn mcp(calls: usize, sessions: Vec<usize>, data: &Path, json: bool) -> Result<u8> {
+    if sessions.iter().any(|&n| n == 0 || n > MCP_SESSIONS_MAX) {
+        anyhow::bail!("--sessions: each between 1 and {MCP_SESSIONS_MAX}");
+    }
     let spawned = spawn_daemon(data)?;
     let disk = estop_bench::probe_disk(&data.join("probe")).context("probing the disk")?;
     let o = estop_bench::mcp::McpOptions {
         socket: spawned.socket.clone(),
         data: data.to_path_buf(),
         calls: calls.max(10),
+        sessions,
     };
     let rows = estop_bench::mcp::gateway_overhead(&o).context("the MCP benchmark")?;
-    let direct = rows.first().map_or(0, |r| r.p50_us);
     if !json {
         println!(
-            "estop mcp: sequential tools/call (each a new effect, admitted and completed durably) vs the same rmcp upstream called directly; raw fsync p50 {:.1} us, {:.0} syncs/s",
+            "estop mcp: tools/call from N sessions at once, each one call at a time (each a new effect, admitted and completed durably) vs the same rmcp upstream called directly; raw fsync p50 {:.1} us, {:.0} syncs/s",
             disk.append.p50_us, disk.append.syncs_per_s
         );
         println!(
-            "{:>14} {:>6} {:>9} {:>9} {:>9} {:>10}",
-            "path", "calls", "calls/s", "p50", "p99", "added p50"
+            "{:>8} {:>14} {:>6} {:>9} {:>9} {:>9} {:>10}",
+            "sessions", "path", "calls", "calls/s", "p50", "p99", "added p50"
         );
     }
     for r in &rows {
+        // Against the direct path at the same number of sessions.
+        let direct = rows
+            .iter()
+            .find(|d| d.sessions == r.sessions)
+            .map_or(0, |d| d.p50_us);
         let added = i64::from(r.p50_us) - i64::from(direct);
         if json {
             println!(
                 "{}",
-                json!({"bench": "mcp", "path": r.name, "calls": r.calls,
+                json!({"bench": "mcp", "sessions": r.sessions, "path": r.name, "calls": r.calls,
                 "calls_per_s": r.calls_per_s.round(), "p50_us": r.p50_us, "p99_us": r.p99_us,
                 "added_p50_us": added, "raw_fsync_p50_us": round1(disk.append.p50_us),
                 "raw_syncs_per_s": disk.append.syncs_per_s.round()})
             );
         } else {
             println!(
-                "{:>14} {:>6} {:>9.0} {:>7}us {:>7}us {:>8}us",
-                r.name, r.calls, r.calls_per_s, r.p50_us, r.p99_us, added
+                "{:>8} {:>14} {:>6} {:>9.0} {:>7}us {:>7}us {:>8}us",
+                r.sessions, r.name, r.calls, r.calls_per_s, r.p50_us, r.p99_us, added
             );
         }
     }

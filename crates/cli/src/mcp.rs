@@ -7,7 +7,7 @@ use std::path::PathBuf;
 #[derive(Args)]
 pub struct McpArgs {
     /// The gateway's configuration (TOML: [gateway] hold_ms, [[server]] name, command, args,
-    /// env, trusted).
+    /// env, trusted, sandbox).
     #[arg(long)]
     config: PathBuf,
     /// The run every tool call belongs to (default: a fresh `mcp-…` per session).
@@ -41,6 +41,7 @@ pub fn run(a: McpArgs) -> anyhow::Result<u8> {
         token: a.token,
         run: a.run,
         parent: a.parent,
+        estop: None,
     };
     match a.listen {
         Some(addr) => estop_mcp::serve_http(opts, &addr)?,

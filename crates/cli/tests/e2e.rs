@@ -1086,6 +1086,7 @@ fn typed_client_speaks_every_verb() {
             labels: Default::default(),
             needs_approval: false,
             declare: None,
+            seed: None,
             limits: Default::default(),
         })
     };

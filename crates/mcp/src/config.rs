@@ -131,6 +131,13 @@ pub struct Server {
     /// Whether its tool annotations may seed class and reversibility (untrusted: worst case).
     #[serde(default)]
     pub trusted: bool,
+    /// Run `command` inside `estop run`'s sandbox, as a run of its own (docs/MCP.md).
+    #[serde(default)]
+    pub sandbox: bool,
+    /// The sandbox's settings file (`estop run --policy`, table `[egress]`); only with
+    /// `sandbox = true`.
+    #[serde(default)]
+    pub sandbox_policy: Option<std::path::PathBuf>,
 }
 
 /// A configuration that cannot be used, with what is wrong.
@@ -237,6 +244,16 @@ impl Server {
     /// The server's transport: exactly one of `command` and `url`; `headers` only with `url`,
     /// each a valid HTTP header.
     pub fn transport(&self) -> Result<Transport<'_>, String> {
+        if self.sandbox_policy.is_some() && !self.sandbox {
+            return Err("sandbox_policy goes with sandbox = true".into());
+        }
+        if self.sandbox && self.url.is_some() {
+            return Err(
+                "sandbox = true runs a command in the sandbox; a url server is not started \
+                 by the gateway"
+                    .into(),
+            );
+        }
         match (&self.command, &self.url) {
             (Some(c), None) if self.headers.is_empty() => Ok(Transport::Command(c)),
             (Some(_), None) => Err("headers go with url, not command".into()),
@@ -296,6 +313,14 @@ mod tests {
             (
                 "url = \"http://x\"\nheaders = { A = \"s3cret\\n\" }",
                 "value is not a valid",
+            ),
+            (
+                "url = \"http://x\"\nsandbox = true",
+                "a url server is not started",
+            ),
+            (
+                "command = \"x\"\nsandbox_policy = \"e.toml\"",
+                "goes with sandbox = true",
             ),
         ] {
             let text = format!("[[server]]\nname = \"r\"\n{bad}\n");

@@ -4,12 +4,13 @@
 use crate::config::{Runs, SEPARATOR};
 use crate::pins::{Pin, Pins, Seed, fingerprint};
 use crate::principal::Principal;
-use crate::upstream::Upstream;
+use crate::upstream::{Change, Upstream};
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, GetPromptRequestParams,
-    GetPromptResponse, ListPromptsResult, ListResourcesResult, ListToolsResult,
-    PaginatedRequestParams, ReadResourceRequestParams, ReadResourceResponse, ServerCapabilities,
-    ServerConfig, Tool,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CompleteRequestParams, CompleteResult,
+    ContentBlock, GetPromptRequestParams, GetPromptResponse, ListPromptsResult,
+    ListResourceTemplatesResult, ListResourcesResult, ListToolsResult, PaginatedRequestParams,
+    ReadResourceRequestParams, ReadResourceResponse, ServerCapabilities, ServerConfig,
+    SubscribeRequestParams, Tool, UnsubscribeRequestParams,
 };
 use rmcp::service::{RequestContext, RoleServer};
 use rmcp::{ErrorData as McpError, ServerHandler};
@@ -44,41 +45,66 @@ pub struct Shared {
     pins: Mutex<Pins>,
     hold_ms: u64,
     runs: Runs,
-    /// Which upstream each listed resource URI belongs to.
-    routes: Mutex<BTreeMap<String, usize>>,
-    /// Whether any upstream offers resources, prompts.
-    offers: (bool, bool),
+    /// Which upstream each resource URI and template belongs to, and who subscribed to what.
+    routes: crate::passthrough::Routes,
+    /// What any upstream offers (the front advertises only that).
+    offers: crate::passthrough::Offers,
     /// Names this gateway process: the run of its stateless calls is `<instance>-<principal>`.
     instance: String,
     /// Held calls carried by tasks (SEP-2663), and whose each task is (principal name).
     tasks: Tasks,
     task_owners: Mutex<BTreeMap<String, String>>,
-    /// The client sessions to tell when an upstream's tools change.
+    /// The client sessions to tell when an upstream's tools, resources or prompts change.
     peers: Mutex<Vec<rmcp::Peer<RoleServer>>>,
 }
+
+/// Most distinct resource URIs whose `notifications/resources/updated` one pass forwards; more
+/// at once are dropped (a client re-reads what it subscribed to at its next update anyway).
+const UPDATES_BATCH_MAX: usize = 1024;
+/// Most notifications one pass takes off the queue before acting on them.
+const CHANGES_PASS_MAX: usize = 4096;
 
 /// How many client sessions are told of tool changes; a session beyond is not told.
 const PEERS_MAX: usize = 1024;
 
-/// Follows the upstreams' `notifications/tools/list_changed`: the tools are listed again at
-/// once (so a rewritten tool is re-held by its pin before any call), then every client session
-/// is told in turn. Ends with the gateway.
+/// Follows what the upstreams say changed. Tools are listed again at once (so a rewritten tool
+/// is re-held by its pin before any call), resources and templates too (so their routes are
+/// current); then every client session is told of each kind that changed, and each resource
+/// update goes to the sessions subscribed to it. Ends with the gateway.
 pub async fn follow_list_changes(
     shared: std::sync::Weak<Shared>,
-    mut changes: tokio::sync::mpsc::UnboundedReceiver<usize>,
+    mut changes: tokio::sync::mpsc::UnboundedReceiver<(usize, Change)>,
 ) {
-    while changes.recv().await.is_some() {
+    while let Some(first) = changes.recv().await {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        while changes.try_recv().is_ok() {} // several at once: one listing covers them
-        if let Err(e) = shared.refresh().await {
-            eprintln!(
-                "estop mcp: listing tools after a change failed: {}",
-                e.message
-            );
+        // Several at once: one listing of each kind covers them.
+        let mut lists = std::collections::BTreeSet::new();
+        let mut updates = std::collections::BTreeSet::new();
+        let mut next = Some(first);
+        let mut taken = 0;
+        while let Some((from, change)) = next {
+            // A bounded pass: an upstream that never stops talking still gets served in turns.
+            taken += 1;
+            match change {
+                Change::Updated(uri) if updates.len() < UPDATES_BATCH_MAX => {
+                    updates.insert((from, uri));
+                }
+                Change::Updated(_) => {}
+                kind => {
+                    lists.insert(kind);
+                }
+            }
+            next = (taken < CHANGES_PASS_MAX)
+                .then(|| changes.try_recv().ok())
+                .flatten();
         }
-        shared.tell_clients().await;
+        shared.relist(&lists).await;
+        shared.tell_clients(&lists).await;
+        for (from, uri) in updates {
+            crate::passthrough::updated(&shared.upstreams, &shared.routes, from, &uri).await;
+        }
     }
 }
 
@@ -100,10 +126,14 @@ struct Session {
     fixed: Option<String>,
     /// This session's own run (a fresh `mcp-…`), when nothing else names one.
     own: String,
+    /// Unique in the process: names the session's resource subscriptions.
+    id: u64,
     parent: Option<String>,
     /// Calls of trusted read-only tools get a fresh key each (a re-read is not a replay).
     reads: AtomicU64,
 }
+
+static SESSIONS: AtomicU64 = AtomicU64::new(0);
 
 /// Where a call goes: whose it is, and in which run.
 #[derive(Clone)]
@@ -184,22 +214,55 @@ impl Shared {
         Ok(out)
     }
 
-    /// Tells every client session that the tools changed (dropping those that are gone).
-    async fn tell_clients(&self) {
+    /// Lists again what changed upstream (tools against their pins, resource routes).
+    async fn relist(&self, lists: &std::collections::BTreeSet<Change>) {
+        let failed = |what: &str, e: McpError| {
+            eprintln!(
+                "estop mcp: listing {what} after a change failed: {}",
+                e.message
+            );
+        };
+        if lists.contains(&Change::Tools)
+            && let Err(e) = self.refresh().await
+        {
+            failed("tools", e);
+        }
+        if lists.contains(&Change::Resources) {
+            let (up, routes) = (&self.upstreams, &self.routes);
+            if let Err(e) = crate::passthrough::resources(up, routes).await {
+                failed("resources", e);
+            }
+            if let Err(e) = crate::passthrough::templates(up, routes).await {
+                failed("resource templates", e);
+            }
+        }
+    }
+
+    /// Tells every client session which lists changed (dropping sessions that are gone).
+    async fn tell_clients(&self, lists: &std::collections::BTreeSet<Change>) {
         let peers: Vec<_> = {
             let mut peers = self.peers.lock().expect("not poisoned");
             peers.retain(|p| !p.is_transport_closed());
             peers.clone()
         };
         for p in peers {
-            let _ = p.notify_tool_list_changed().await;
+            for kind in lists {
+                let _ = match kind {
+                    Change::Tools => p.notify_tool_list_changed().await,
+                    Change::Resources if self.offers.resources => {
+                        p.notify_resource_list_changed().await
+                    }
+                    Change::Prompts if self.offers.prompts => p.notify_prompt_list_changed().await,
+                    _ => Ok(()),
+                };
+            }
         }
     }
 
     pub fn new(upstreams: Vec<Upstream>, pins: Pins, hold_ms: u64, runs: Runs) -> Arc<Shared> {
         Arc::new(Shared {
             offers: crate::passthrough::offers(&upstreams),
-            routes: Mutex::new(BTreeMap::new()),
+            routes: Default::default(),
             upstreams,
             tools: Mutex::new(BTreeMap::new()),
             pins: Mutex::new(pins),
@@ -228,6 +291,7 @@ impl Gateway {
                 principal,
                 fixed: run,
                 own: fresh_run(),
+                id: SESSIONS.fetch_add(1, Ordering::Relaxed),
                 parent,
                 reads: 0.into(),
             }),
@@ -364,6 +428,13 @@ impl Gateway {
             "args": args, "start": true, "labels": labels, "needs_approval": changed});
         if let Some(p) = &at.parent {
             admit["parent"] = json!(p);
+        }
+        if self.shared.upstreams[e.upstream].trusted {
+            // The gate honours a seed only where it is stricter than policy's default, so a
+            // trusted server's read-only hint changes nothing there; a destructive one fills
+            // what no rule set (docs/PROTOCOL.md, `seed`).
+            admit["seed"] = json!({"class": e.seed.class(),
+                "reversibility": e.seed.reversibility()});
         }
         let mut v = gate(at, admit).await?;
         if let Some(ct) = wait
@@ -706,12 +777,21 @@ impl ServerHandler for Gateway {
             rmcp::model::TASKS_EXTENSION_ID.to_string(),
             Default::default(),
         );
-        let (resources, prompts) = self.shared.offers;
-        if resources {
-            caps.resources = Some(Default::default());
+        let offers = self.shared.offers;
+        if offers.resources {
+            // Changes are followed and passed on; subscriptions where an upstream takes them.
+            let mut r = rmcp::model::ResourcesCapability::default();
+            r.list_changed = Some(true);
+            r.subscribe = offers.subscribe.then_some(true);
+            caps.resources = Some(r);
         }
-        if prompts {
-            caps.prompts = Some(Default::default());
+        if offers.prompts {
+            let mut p = rmcp::model::PromptsCapability::default();
+            p.list_changed = Some(true);
+            caps.prompts = Some(p);
+        }
+        if offers.completions {
+            caps.completions = Some(Default::default());
         }
         ServerConfig::new(caps).with_instructions(
             "Every tool call passes estop's gate: a call may be held for a human's approval or \
@@ -732,9 +812,19 @@ impl ServerHandler for Gateway {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, McpError> {
-        let (all, routes) = crate::passthrough::resources(&self.shared.upstreams).await?;
-        *self.shared.routes.lock().expect("not poisoned") = routes;
+        let all =
+            crate::passthrough::resources(&self.shared.upstreams, &self.shared.routes).await?;
         Ok(ListResourcesResult::with_all_items(all))
+    }
+
+    async fn list_resource_templates(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListResourceTemplatesResult, McpError> {
+        let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
+        let all = crate::passthrough::templates(up, routes).await?;
+        Ok(ListResourceTemplatesResult::with_all_items(all))
     }
 
     async fn read_resource(
@@ -742,25 +832,37 @@ impl ServerHandler for Gateway {
         request: ReadResourceRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, McpError> {
-        let route = |g: &Gateway| {
-            g.shared
-                .routes
-                .lock()
-                .expect("not poisoned")
-                .get(&request.uri)
-                .copied()
-        };
-        let route = match route(self) {
-            Some(r) => r,
-            None => {
-                let (_, routes) = crate::passthrough::resources(&self.shared.upstreams).await?;
-                *self.shared.routes.lock().expect("not poisoned") = routes;
-                route(self).ok_or_else(|| {
-                    McpError::resource_not_found(format!("no resource {:?}", request.uri), None)
-                })?
-            }
-        };
-        crate::passthrough::read(&self.shared.upstreams, route, request).await
+        let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
+        let route = routes.route(up, &request.uri).await?;
+        crate::passthrough::read(up, route, request).await
+    }
+
+    async fn subscribe(
+        &self,
+        request: SubscribeRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
+        let id = self.session.id;
+        crate::passthrough::subscribe(up, routes, id, context.peer, request).await
+    }
+
+    async fn unsubscribe(
+        &self,
+        request: UnsubscribeRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
+        crate::passthrough::unsubscribe(up, routes, self.session.id, request).await
+    }
+
+    async fn complete(
+        &self,
+        request: CompleteRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CompleteResult, McpError> {
+        let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
+        crate::passthrough::complete(up, routes, request).await
     }
 
     async fn list_prompts(

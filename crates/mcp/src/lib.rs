@@ -26,6 +26,9 @@ pub struct Options {
     /// The run every call belongs to (default: a fresh `mcp-…` per session).
     pub run: Option<String>,
     pub parent: Option<String>,
+    /// The `estop` binary that starts `sandbox = true` upstreams (`estop run`); default this
+    /// process's own executable.
+    pub estop: Option<PathBuf>,
 }
 
 impl Options {
@@ -113,10 +116,25 @@ where
 async fn start(opts: &Options, config: &config::Config) -> Result<Arc<gateway::Shared>> {
     let pins = pins::Pins::open(&opts.data.join("mcp-pins.json"))?;
     let (changed, changes) = tokio::sync::mpsc::unbounded_channel();
+    let estop = match &opts.estop {
+        Some(path) => path.clone(),
+        // Read only where needed: a gateway without sandboxed upstreams never runs it.
+        None if config.servers.iter().any(|s| s.sandbox) => std::env::current_exe()
+            .context("cannot find the estop binary that starts sandbox = true upstreams")?,
+        None => PathBuf::new(),
+    };
+    let launch = Arc::new(upstream::Launch {
+        estop,
+        data: opts.data.clone(),
+        socket: opts.socket.clone(),
+        token: opts.token.clone(),
+        run: opts.run.clone(),
+        base: gateway::fresh_run(),
+    });
     let mut upstreams = Vec::new();
     for (i, s) in config.servers.iter().enumerate() {
         let listener = upstream::Listener::new(i, changed.clone());
-        upstreams.push(upstream::Upstream::start(s, listener).await?);
+        upstreams.push(upstream::Upstream::start(s, launch.clone(), listener).await?);
     }
     let shared = gateway::Shared::new(upstreams, pins, config.gateway.hold_ms, config.runs.clone());
     tokio::spawn(gateway::follow_list_changes(

@@ -333,6 +333,48 @@ async fn own_keys_and_trusted_reads_are_not_replays_and_untrusted_hints_are_igno
     assert_eq!(peeks, 3);
 }
 
+/// A trusted server's annotations reach the gate as the admit's `seed`, which fills only what
+/// no rule set and only upwards: its destructive `write` is recorded irreversible, while the
+/// non-destructive `echo` and read-only `peek` stay undeclared (a hint never promises an undo).
+/// An untrusted server's calls carry no seed: all undeclared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trusted_servers_annotations_seed_the_gate_only_upwards() {
+    let w = world();
+    for (trusted, run) in [(false, "run-untrusted"), (true, "run-trusted")] {
+        w.trusted.set(trusted);
+        let c = w.client(run, "Echoes text.", 50).await;
+        assert_eq!(text(&call(&c, "files__echo", "e").await), "echo: e");
+        assert_eq!(text(&call(&c, "files__peek", "p").await), "peek: p");
+        // Held (a pending approval), so its decision is recorded without the tool running.
+        let r = call(&c, "files__write", "hold-s").await;
+        assert!(text(&r).starts_with("HELD"), "{}", text(&r));
+        let v = w.operator(json!({"op": "report", "run": run}));
+        let mut seen = std::collections::BTreeMap::new();
+        for list in ["done", "held"] {
+            for item in v[list].as_array().unwrap_or_else(|| panic!("{v}")) {
+                seen.insert(
+                    item["tool"].as_str().unwrap().to_string(),
+                    item["reversibility"].as_str().unwrap().to_string(),
+                );
+            }
+        }
+        let write = if trusted {
+            "irreversible"
+        } else {
+            "undeclared"
+        };
+        let expected: std::collections::BTreeMap<String, String> = [
+            ("files__echo", "undeclared"),
+            ("files__peek", "undeclared"),
+            ("files__write", write),
+        ]
+        .into_iter()
+        .map(|(t, r)| (t.to_string(), r.to_string()))
+        .collect();
+        assert_eq!(seen, expected, "trusted {trusted}: {v}");
+    }
+}
+
 /// An upstream reached over streamable HTTP (`url` instead of `command`): its tools are gated
 /// exactly like a stdio upstream's (allowed once and replayed, denied never sent), and the
 /// configured `headers` (its credential) reach it on every request.
@@ -473,6 +515,155 @@ impl rmcp::ClientHandler for Changes {
     ) {
         let _ = self.0.send(());
     }
+}
+
+/// Records what the gateway tells the client changed about resources and prompts.
+struct Told(tokio::sync::mpsc::UnboundedSender<String>);
+
+impl rmcp::ClientHandler for Told {
+    async fn on_resource_updated(
+        &self,
+        params: rmcp::model::ResourceUpdatedNotificationParam,
+        _ctx: rmcp::service::NotificationContext<rmcp::RoleClient>,
+    ) {
+        let _ = self.0.send(format!("updated {}", params.uri));
+    }
+
+    async fn on_resource_list_changed(
+        &self,
+        _ctx: rmcp::service::NotificationContext<rmcp::RoleClient>,
+    ) {
+        let _ = self.0.send("resources".into());
+    }
+
+    async fn on_prompt_list_changed(
+        &self,
+        _ctx: rmcp::service::NotificationContext<rmcp::RoleClient>,
+    ) {
+        let _ = self.0.send("prompts".into());
+    }
+}
+
+/// Resource templates, subscriptions and completions pass through to the upstream they belong
+/// to (a URI a template expands is read from the template's upstream, a prompt's completion
+/// goes to it under its own name), and the upstream's resource updates and resources' and
+/// prompts' `list_changed` reach the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(deprecated)] // resources/subscribe is what clients before 2026-07-28 send
+async fn templates_subscriptions_completions_and_list_changes_pass_through() {
+    use rmcp::model::{
+        ArgumentInfo, CompleteRequestParams, ReadResourceRequestParams, Reference,
+        SubscribeRequestParams, UnsubscribeRequestParams,
+    };
+    let w = world();
+    let (tx, mut told) = tokio::sync::mpsc::unbounded_channel();
+    let c = w
+        .client_as(Told(tx), "run-more", "Echoes text.", 30_000)
+        .await;
+    let caps = c.peer().peer_info().unwrap().capabilities.clone();
+    let resources = caps.resources.clone().unwrap();
+    assert_eq!(
+        (resources.subscribe, resources.list_changed),
+        (Some(true), Some(true))
+    );
+    assert_eq!(caps.prompts.unwrap().list_changed, Some(true));
+    assert!(caps.completions.is_some());
+    let templates = c.peer().list_all_resource_templates().await.unwrap();
+    assert_eq!(
+        templates
+            .iter()
+            .map(|t| t.uri_template.as_str())
+            .collect::<Vec<_>>(),
+        ["fixture://notes/{day}", "fixture://{name}"]
+    );
+    let read = c
+        .peer()
+        .read_resource(ReadResourceRequestParams::new("fixture://notes/mon"))
+        .await
+        .unwrap();
+    assert_eq!(
+        serde_json::to_value(&read.contents).unwrap()[0]["text"],
+        "the notes"
+    );
+    let ask = |r: Reference, arg: &str, value: &str| {
+        CompleteRequestParams::new(r, ArgumentInfo::new(arg, value))
+    };
+    let got = c
+        .peer()
+        .complete(ask(Reference::for_prompt("files__greet"), "name", "al"))
+        .await
+        .unwrap();
+    assert_eq!(got.completion.values, ["al-1"]);
+    let day = Reference::for_resource("fixture://notes/{day}");
+    let got = c.peer().complete(ask(day, "day", "mo")).await.unwrap();
+    assert_eq!(got.completion.values, ["mo-1"]);
+    let unknown = c
+        .peer()
+        .complete(ask(Reference::for_prompt("nobody__greet"), "name", "x"))
+        .await;
+    assert!(unknown.is_err());
+
+    c.peer()
+        .subscribe(SubscribeRequestParams::new("fixture://notes"))
+        .await
+        .unwrap();
+    // The upstream says `fixture://notes` was updated and its resources and prompts changed.
+    c.peer()
+        .read_resource(ReadResourceRequestParams::new("fixture://touch"))
+        .await
+        .unwrap();
+    let mut heard = std::collections::BTreeSet::new();
+    while heard.len() < 3 {
+        // Bounded only so that a gateway that never tells fails instead of hanging.
+        let one = tokio::time::timeout(Duration::from_secs(60), told.recv())
+            .await
+            .unwrap_or_else(|_| panic!("the client heard only {heard:?}"))
+            .unwrap();
+        heard.insert(one);
+    }
+    assert_eq!(
+        heard.into_iter().collect::<Vec<_>>(),
+        ["prompts", "resources", "updated fixture://notes"]
+    );
+    c.peer()
+        .unsubscribe(UnsubscribeRequestParams::new("fixture://notes"))
+        .await
+        .unwrap();
+    assert_eq!(
+        w.upstream(),
+        [
+            "read fixture://notes/mon",
+            "complete greet name",
+            "complete fixture://notes/{day} day",
+            "subscribe fixture://notes",
+            "read fixture://touch",
+            "unsubscribe fixture://notes",
+        ]
+    );
+}
+
+/// Subscriptions are bounded: the gateway keeps at most `SUBSCRIPTIONS_MAX` (URI, session)
+/// pairs; one more is refused (and never reaches the upstream), the same one again is not more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(deprecated)] // resources/subscribe is what clients before 2026-07-28 send
+async fn subscriptions_are_bounded() {
+    use rmcp::model::SubscribeRequestParams;
+    let max = estop_mcp::passthrough::SUBSCRIPTIONS_MAX;
+    let w = world();
+    let c = w.client("run-subs", "Echoes text.", 30_000).await;
+    let sub = |n: usize| SubscribeRequestParams::new(format!("fixture://n{n}"));
+    for n in 0..max {
+        c.peer().subscribe(sub(n)).await.unwrap();
+    }
+    c.peer().subscribe(sub(0)).await.unwrap();
+    let refused = c.peer().subscribe(sub(max)).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("subscriptions already"),
+        "{refused}"
+    );
+    let log = w.upstream();
+    assert_eq!(log.len(), max, "one upstream subscription per URI");
+    assert!(!log.contains(&format!("subscribe fixture://n{max}")));
 }
 
 /// An upstream that rewrites a tool mid-session and says so (`notifications/tools/list_changed`):

@@ -21,10 +21,10 @@ fn estop_bin() -> PathBuf {
     bin
 }
 
+/// The documented recipe: the server's command is `estop run … -- fixture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandboxed_upstream_is_gated_and_fenced_with_the_gateways_run() {
     let w = world();
-    let config = w.data.parent().unwrap().join("mcp-sandboxed.toml");
     let args = [
         "run",
         "--data",
@@ -38,11 +38,34 @@ async fn a_sandboxed_upstream_is_gated_and_fenced_with_the_gateways_run() {
     ]
     .map(|a| format!("{a:?}"))
     .join(", ");
+    let server = format!(
+        "command = {:?}\nargs = [{args}]\n",
+        estop_bin().display().to_string()
+    );
+    gated_and_fenced(&w, &server, None).await;
+}
+
+/// The shorthand: `sandbox = true` makes the gateway start the same `estop run` itself, the
+/// sandbox's run `gw/files` a child of the gateway's `--run gw`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_true_upstream_is_the_recipe_without_spelling_it() {
+    let w = world();
+    let server = format!(
+        "command = {:?}\nsandbox = true\n",
+        env!("CARGO_BIN_EXE_estop-mcp-fixture")
+    );
+    gated_and_fenced(&w, &server, Some(estop_bin())).await;
+}
+
+/// The gateway (`--run gw`) in front of the fixture upstream `server` (its `command` and
+/// `args`, or `sandbox = true`): a call is answered through the sandbox's stdio and gated as
+/// `gw`, the sandbox is the child run `gw/files`, fenced by `gw`'s cancel and cancelled once
+/// the gateway closes.
+async fn gated_and_fenced(w: &World, server: &str, estop: Option<PathBuf>) {
+    let config = w.data.parent().unwrap().join("mcp-sandboxed.toml");
     let toml = format!(
-        "[gateway]\nhold_ms = 30000\n\n[[server]]\nname = \"files\"\ncommand = {:?}\n\
-         args = [{args}]\n\
+        "[gateway]\nhold_ms = 30000\n\n[[server]]\nname = \"files\"\n{server}\
          env = {{ FIXTURE_LOG = {:?}, FIXTURE_ECHO_DESC = \"Echoes text.\" }}\n",
-        estop_bin().display().to_string(),
         w.log.display().to_string(),
     );
     std::fs::write(&config, toml).unwrap();
@@ -53,6 +76,7 @@ async fn a_sandboxed_upstream_is_gated_and_fenced_with_the_gateways_run() {
         token: None,
         run: Some("gw".into()),
         parent: None,
+        estop,
     };
     let c = w.client_on(opts).await;
     let reply = call(&c, "files__echo", "from the sandbox").await;

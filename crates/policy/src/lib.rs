@@ -117,6 +117,8 @@ struct Rule {
     when: Option<Condition>,
     action: PolicyAction,
     class: EffectClass,
+    /// Whether the rule says `class` itself (else `class` is `defaults.class`).
+    class_by_rule: bool,
     reversibility: Reversibility,
     compensate: Option<ToolName>,
     compensate_args: Option<Arc<str>>,
@@ -136,6 +138,7 @@ impl Rule {
         Ruling {
             action: self.action,
             class: self.class,
+            class_by_rule: self.class_by_rule,
             reversibility: self.reversibility,
             compensate: self.compensate.clone(),
             compensate_args: self.compensate_args.clone(),
@@ -156,6 +159,9 @@ impl Rule {
 pub struct Ruling {
     pub action: PolicyAction,
     pub class: EffectClass,
+    /// Whether the deciding rule says `class` itself (false: `defaults.class`, or `write` for a
+    /// tool no rule matches). Only a class no rule set can be seeded ([`Ruling::seed`]).
+    pub class_by_rule: bool,
     pub reversibility: Reversibility,
     /// The tool that undoes this one, if the rule names one.
     pub compensate: Option<ToolName>,
@@ -192,6 +198,25 @@ impl Ruling {
             self.quorum = 1;
             self.groups.clear();
             self.strengthened = true;
+        }
+    }
+
+    /// Applies an agent's `seed` (an MCP gateway's reading of a trusted server's annotations):
+    /// it fills only what no rule set, and only where it makes the call more guarded, because
+    /// any agent can send one. A `write` seed turns a class left to `defaults.class = "read"`
+    /// into `write` (it then waits behind the run's pending approvals, G1); an `irreversible`
+    /// seed fills a reversibility no rule or declaration gave. A `read` seed or an undoable
+    /// reversibility never lowers anything: they would let an agent's word take a call out of
+    /// the G1 hold or promise an undo nobody configured. A rule's `class`/`reversibility` wins.
+    pub fn seed(&mut self, class: Option<EffectClass>, reversibility: Option<Reversibility>) {
+        if class == Some(EffectClass::Write) && !self.class_by_rule {
+            self.class = EffectClass::Write;
+        }
+        if reversibility == Some(Reversibility::Irreversible)
+            && self.reversibility == Reversibility::Undeclared
+            && self.compensate.is_none()
+        {
+            self.reversibility = Reversibility::Irreversible;
         }
     }
 }
@@ -337,6 +362,7 @@ impl Policy {
         let fallback = Ruling {
             action: defaults.unknown_tool,
             class: EffectClass::Write,
+            class_by_rule: false,
             reversibility: Reversibility::Undeclared,
             compensate: None,
             compensate_args: None,

@@ -80,6 +80,7 @@ fn verdict_carries_the_rule() {
         Ruling {
             action: PolicyAction::Approve,
             class: EffectClass::Write,
+            class_by_rule: false,
             reversibility: Reversibility::Compensable,
             compensate: Some(tool("reverse_refund")),
             compensate_args: None,
@@ -573,4 +574,47 @@ name = "rest"
     let mut v = verdict("book");
     let e = v.declare(&declared(None, Some("{}"), None)).unwrap_err();
     assert!(e.contains("without a compensating tool"), "{e}");
+}
+
+/// An agent's `seed` can only make a call more guarded, and only where no rule spoke. Hostile
+/// first: a read / undoable seed changes nothing anywhere, so an agent cannot take its call out
+/// of the G1 hold or promise an undo by sending one.
+#[test]
+fn a_seed_fills_only_what_no_rule_set_and_only_upwards() {
+    use EffectClass::{Read, Write};
+    use Reversibility::{Compensable, Irreversible, Reversible, Undeclared};
+    let p = Policy::parse(
+        "[defaults]\nclass = \"read\"\n\
+         [[rules]]\ntool = \"ruled\"\naction = \"allow\"\nclass = \"read\"\nreversibility = \"reversible\"\n\
+         [[rules]]\ntool = \"undo\"\naction = \"allow\"\ncompensate = \"redo\"\n\
+         [[rules]]\ntool = \"open\"\naction = \"allow\"\n",
+    )
+    .unwrap();
+    let seeded = |name: &str, c: Option<EffectClass>, r: Option<Reversibility>| {
+        let mut v = eval(&p, name, json!({})).unwrap();
+        let before = v.clone();
+        v.seed(c, r);
+        (before, v)
+    };
+    for name in ["unmatched", "ruled", "undo", "open"] {
+        for c in [None, Some(Read)] {
+            for r in [None, Some(Reversible), Some(Compensable), Some(Undeclared)] {
+                let (before, after) = seeded(name, c, r);
+                assert_eq!(after, before, "{name} seeded {c:?} {r:?}");
+            }
+        }
+    }
+    // An unmatched tool is already the worst case (write, undeclared)...
+    let (_, v) = seeded("unmatched", Some(Write), Some(Irreversible));
+    assert_eq!((v.class, v.reversibility), (Write, Irreversible));
+    // ...a rule's own class and reversibility win...
+    let (_, v) = seeded("ruled", Some(Write), Some(Irreversible));
+    assert_eq!((v.class, v.reversibility), (Read, Reversible));
+    // ...and so does a compensation the rule names.
+    let (_, v) = seeded("undo", Some(Write), Some(Irreversible));
+    assert_eq!((v.class, v.reversibility), (Write, Compensable));
+    // What the rule left to the defaults is filled upwards.
+    let (before, v) = seeded("open", Some(Write), Some(Irreversible));
+    assert_eq!((before.class, before.reversibility), (Read, Undeclared));
+    assert_eq!((v.class, v.reversibility), (Write, Irreversible));
 }

@@ -29,7 +29,7 @@ pub use line_codec::{Line, LineReader};
 pub use page::{PageBudget, PendingCursor, Weight};
 pub use request::{
     Admit, CloseOutcome, Complete, Declare, Fields, Op, Request, RequestError, RequestErrorKind,
-    RequestedRunLimits, Secret, Verb, parse_request,
+    RequestedRunLimits, Secret, Seed, Verb, parse_request,
 };
 pub use server_line::{
     Ack, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply, LedgerEntry,

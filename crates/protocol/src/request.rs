@@ -93,6 +93,18 @@ pub struct Admit {
     pub limits: RequestedRunLimits,
     /// The client's own word on how the call is undone (it can only add to policy's).
     pub declare: Option<Declare>,
+    /// Defaults for what no policy rule set (an MCP gateway's annotation seed); honoured only
+    /// where they are at least as strict as policy's own default (docs/PROTOCOL.md).
+    pub seed: Option<Seed>,
+}
+
+/// `admit`'s `seed`: a class and reversibility the client proposes for a call whose policy rule
+/// leaves them to the defaults. Any agent can send it, so the server lets it only make the call
+/// more guarded (`Ruling::seed` in the policy crate).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Seed {
+    pub class: Option<estop_kernel::vocab::EffectClass>,
+    pub reversibility: Option<estop_kernel::vocab::Reversibility>,
 }
 
 /// Longest `declare.compensate_args`, in bytes (as a policy's `when`).
@@ -618,6 +630,7 @@ fn verb_fields(verb: Verb) -> u32 {
             F::NeedsApproval,
             F::Limits,
             F::Declare,
+            F::Seed,
         ],
         Verb::Start => &[F::Run, F::Key, F::Token],
         Verb::Complete => &[F::Run, F::Key, F::Token, F::Outcome, F::Result, F::Error],
@@ -707,6 +720,7 @@ fields! {
     Cascade = "cascade", Decision = "decision", State = "state", Limit = "limit",
     After = "after", Name = "name", Role = "role", Groups = "groups", Cursor = "cursor",
     Declare = "declare", Attempt = "attempt", Action = "action",
+    Seed = "seed",
 }
 
 /// A string borrowed from the line when it has no escapes, owned otherwise.
@@ -777,6 +791,45 @@ impl RawDeclare {
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSeed {
+    class: Option<String>,
+    reversibility: Option<String>,
+}
+
+impl RawSeed {
+    fn parse(self) -> Result<Seed, Kind> {
+        use estop_kernel::vocab::{EffectClass, Reversibility};
+        let bad = |what: &str, v: &str, allowed: &str| {
+            invalid(
+                Field::Seed,
+                format!("{what} {:?} is not one of {allowed}", truncated(v)),
+            )
+        };
+        let class = self
+            .class
+            .map(|c| EffectClass::parse(&c).ok_or_else(|| bad("class", &c, "read, write")))
+            .transpose()?;
+        let reversibility = self
+            .reversibility
+            .map(|r| {
+                Reversibility::parse(&r).ok_or_else(|| {
+                    bad(
+                        "reversibility",
+                        &r,
+                        "reversible, compensable, irreversible, undeclared",
+                    )
+                })
+            })
+            .transpose()?;
+        Ok(Seed {
+            class,
+            reversibility,
+        })
+    }
+}
+
+#[derive(Deserialize)]
 struct RawLimits {
     deadline_ms: Option<u64>,
     timeout_ms: Option<u64>,
@@ -801,6 +854,7 @@ struct Raw<'a> {
     needs_approval: Option<bool>,
     limits: Option<RawLimits>,
     declare: Option<RawDeclare>,
+    seed: Option<RawSeed>,
     token: Option<Str<'a>>,
     outcome: Option<Str<'a>>,
     /// Borrowed from a line; owned when given as a value ([`Fields`]).
@@ -904,6 +958,7 @@ impl<'de> DeserializeSeed<'de> for Slot<'_, 'de> {
             Field::NeedsApproval => raw.needs_approval = Deserialize::deserialize(d)?,
             Field::Limits => raw.limits = Deserialize::deserialize(d)?,
             Field::Declare => raw.declare = Deserialize::deserialize(d)?,
+            Field::Seed => raw.seed = Deserialize::deserialize(d)?,
             Field::Token => raw.token = Deserialize::deserialize(d)?,
             Field::Outcome => raw.outcome = Deserialize::deserialize(d)?,
             Field::Result => raw.result = Some(Cow::Borrowed(Deserialize::deserialize(d)?)),
@@ -1349,6 +1404,7 @@ impl<'a> Raw<'a> {
             needs_approval: self.needs_approval.unwrap_or(false),
             limits,
             declare: self.declare.take().map(RawDeclare::parse).transpose()?,
+            seed: self.seed.take().map(RawSeed::parse).transpose()?,
         })
     }
 
@@ -1651,6 +1707,12 @@ impl Op {
                     );
                     put_opt(&mut o, "compensate_args", d.compensate_args.as_deref());
                     put(&mut m, "declare", o);
+                }
+                if let Some(d) = &a.seed {
+                    let mut o = serde_json::Map::new();
+                    put_opt(&mut o, "class", d.class.map(|c| c.as_str()));
+                    put_opt(&mut o, "reversibility", d.reversibility.map(|r| r.as_str()));
+                    put(&mut m, "seed", o);
                 }
             }
             Op::Start { run, key, token } => {

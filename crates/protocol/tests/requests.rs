@@ -61,6 +61,7 @@ fn admit_base() -> Admit {
         labels: BTreeMap::new(),
         needs_approval: false,
         declare: None,
+        seed: None,
         limits: RequestedRunLimits::default(),
     }
 }
@@ -103,6 +104,7 @@ fn every_verb_parses() {
                 labels: BTreeMap::from([("team".to_string(), "pay".to_string())]),
                 needs_approval: true,
                 declare: None,
+                seed: None,
                 limits: RequestedRunLimits {
                     deadline_ms: Some(1_700_000_000_000),
                     timeout_ms: Some(5000),
@@ -984,4 +986,36 @@ fn admit_declare_parses_and_bad_declarations_are_refused() {
         ErrorCode::InvalidField,
         Some("declare"),
     );
+}
+
+/// `admit`'s `seed`: a class and reversibility parsed into typed values (round trip included),
+/// or refused naming the field when a value is not in the vocabulary or a key is unknown.
+#[test]
+fn admit_seed_parses_and_bad_seeds_are_refused() {
+    let line = r#"{"op":"admit","run":"r1","key":"k1","tool":"refund","args":{"to":"acct-1","amount":10},
+        "seed":{"class":"write","reversibility":"irreversible"}}"#;
+    let got = op(line);
+    let expected = Op::Admit(Admit {
+        seed: Some(estop_protocol::Seed {
+            class: Some(estop_kernel::vocab::EffectClass::Write),
+            reversibility: Some(estop_kernel::vocab::Reversibility::Irreversible),
+        }),
+        ..admit_base()
+    });
+    assert_eq!(got, expected);
+    let req = Request::new(Id::from_u64(1), got);
+    assert_eq!(ok(std::str::from_utf8(&req.to_line()).unwrap()), req);
+    let base = r#"{"op":"admit","run":"r1","key":"k1","tool":"t","args":{},"seed":"#;
+    for bad in [
+        r#"{"class":"delete"}"#,
+        r#"{"reversibility":"undoable"}"#,
+        r#"{"class":"read","action":"allow"}"#,
+        r#""read""#,
+    ] {
+        refused(
+            &format!("{base}{bad}}}"),
+            ErrorCode::InvalidField,
+            Some("seed"),
+        );
+    }
 }

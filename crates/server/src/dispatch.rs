@@ -405,6 +405,11 @@ fn admit_command(
             .declare(&declared)
             .map_err(|e| err(ErrorCode::InvalidField, format!("declare: {e}")))?;
     }
+    if let Some(s) = a.seed {
+        // After the declaration: the seed fills only what neither policy nor the client's own
+        // word set, and only upwards (any agent can send one).
+        ruling.seed(s.class, s.reversibility);
+    }
     let now = crate::shared::wall_ms();
     let mut limits: RunLimits = policy.run_limits(now);
     let min = |x: Option<u64>, y: Option<u64>| match (x, y) {
@@ -615,6 +620,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
                 needs_approval: false,
                 limits: RequestedRunLimits::default(),
                 declare: None,
+                seed: None,
             })
         };
         let complete = |token: &str| {
@@ -928,6 +934,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
                 needs_approval: false,
                 limits: RequestedRunLimits::default(),
                 declare: Some(declare),
+                seed: None,
             })
         };
         let unbook = estop_kernel::ToolName::new("unbook").unwrap();
@@ -962,6 +969,71 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
         };
         let refused = route(&shared, Some(&agent), admit(contradicts));
         assert_eq!(kind(&refused), "invalid_field");
+    }
+
+    /// An admit's `seed` (any agent can send one) never makes a call less guarded. Hostile
+    /// first: a read-only, undoable seed for a tool no rule names is admitted exactly as the
+    /// same call without it (held for approval, a write, undeclared), and so is one for a tool
+    /// whose rule leaves the class to `defaults.class`. Only a stricter seed changes anything.
+    #[test]
+    fn an_admit_seed_only_makes_a_call_more_guarded() {
+        use estop_kernel::vocab::{EffectClass, PolicyAction, Reversibility};
+        let dir = tempfile::tempdir().unwrap();
+        let mut shared = shared(dir.path());
+        let policy =
+            "[defaults]\nclass = \"read\"\n[[rules]]\ntool = \"docs_*\"\naction = \"allow\"\n";
+        shared.policy = Arc::new(Policy::parse(policy).unwrap());
+        let agent = principal(Role::Agent);
+        let admitted = |tool: &str, seed: Option<estop_protocol::Seed>| {
+            let tool = estop_kernel::ToolName::new(tool).unwrap();
+            let args = serde_json::json!({"path": "/"});
+            let op = Op::Admit(Admit {
+                run: run(),
+                key: key(),
+                digest: estop_protocol::digest_of(&tool, &args),
+                tool,
+                args: Some(args),
+                start: true,
+                parent: None,
+                labels: Default::default(),
+                needs_approval: false,
+                limits: RequestedRunLimits::default(),
+                declare: None,
+                seed,
+            });
+            match route(&shared, Some(&agent), op) {
+                Route::Core(Ask::Apply {
+                    cmd: Command::Admit(a),
+                    ..
+                }) => a,
+                other => panic!("{}", kind(&other)),
+            }
+        };
+        let lowering = estop_protocol::Seed {
+            class: Some(EffectClass::Read),
+            reversibility: Some(Reversibility::Reversible),
+        };
+        let plain = admitted("wipe_disk", None);
+        assert_eq!(
+            (plain.policy.action, plain.policy.class),
+            (PolicyAction::Approve, EffectClass::Write)
+        );
+        assert_eq!(plain.policy.reversibility, Reversibility::Undeclared);
+        assert_eq!(admitted("wipe_disk", Some(lowering)), plain);
+        assert_eq!(
+            admitted("docs_write", Some(lowering)),
+            admitted("docs_write", None)
+        );
+        let stricter = estop_protocol::Seed {
+            class: Some(EffectClass::Write),
+            reversibility: Some(Reversibility::Irreversible),
+        };
+        let a = admitted("docs_write", Some(stricter));
+        assert_eq!(
+            (a.policy.class, a.policy.reversibility),
+            (EffectClass::Write, Reversibility::Irreversible)
+        );
+        assert_eq!(admitted("docs_write", None).policy.class, EffectClass::Read);
     }
 
     /// The role check is `Verb::allowed_for`, and nothing else: every verb an authenticated

@@ -3,7 +3,9 @@
 //! reached the upstream. Tools: `echo {text}`, `write {text}` (destructive), `peek`
 //! (read-only), `block` (runs until cancelled), `mutate` (rewrites `echo`'s description and
 //! sends `notifications/tools/list_changed`, as a poisoning server would), `die` (the process
-//! exits mid-call); a resource `fixture://notes` and a prompt
+//! exits mid-call); a resource `fixture://notes`, templates `fixture://notes/{day}` and `fixture://{name}`
+//! (subscriptions and completions logged too; reading `fixture://touch` makes it say that
+//! `fixture://notes` was updated and that its resources and prompts changed) and a prompt
 //! `greet`. `$FIXTURE_ECHO_DESC`, when set, is `echo`'s
 //! description (a test changes it to play a server that rewrites its tools).
 
@@ -50,8 +52,14 @@ impl ServerHandler for Fixture {
             .enable_tools()
             .enable_tool_list_changed()
             .build();
-        caps.resources = Some(Default::default());
-        caps.prompts = Some(Default::default());
+        let mut resources = rmcp::model::ResourcesCapability::default();
+        resources.subscribe = Some(true);
+        resources.list_changed = Some(true);
+        caps.resources = Some(resources);
+        let mut prompts = rmcp::model::PromptsCapability::default();
+        prompts.list_changed = Some(true);
+        caps.prompts = Some(prompts);
+        caps.completions = Some(Default::default());
         ServerConfig::new(caps)
     }
 
@@ -95,12 +103,65 @@ impl ServerHandler for Fixture {
         Ok(ListResourcesResult::with_all_items(vec![notes]))
     }
 
+    async fn list_resource_templates(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::ListResourceTemplatesResult, McpError> {
+        let day = rmcp::model::ResourceTemplate::new("fixture://notes/{day}", "notes of a day");
+        let any = rmcp::model::ResourceTemplate::new("fixture://{name}", "anything");
+        Ok(rmcp::model::ListResourceTemplatesResult::with_all_items(
+            vec![day, any],
+        ))
+    }
+
+    async fn subscribe(
+        &self,
+        request: rmcp::model::SubscribeRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        log(&format!("subscribe {}", request.uri));
+        Ok(())
+    }
+
+    async fn unsubscribe(
+        &self,
+        request: rmcp::model::UnsubscribeRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        log(&format!("unsubscribe {}", request.uri));
+        Ok(())
+    }
+
+    async fn complete(
+        &self,
+        request: rmcp::model::CompleteRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::CompleteResult, McpError> {
+        let about = match &request.r#ref {
+            rmcp::model::Reference::Prompt(p) => p.name.clone(),
+            rmcp::model::Reference::Resource(r) => r.uri.clone(),
+            _ => "?".into(),
+        };
+        log(&format!("complete {about} {}", request.argument.name));
+        let values = vec![format!("{}-1", request.argument.value)];
+        let info = rmcp::model::CompletionInfo::with_all_values(values)
+            .map_err(|e| McpError::internal_error(e, None))?;
+        Ok(rmcp::model::CompleteResult::new(info))
+    }
+
     async fn read_resource(
         &self,
         request: ReadResourceRequestParams,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, McpError> {
         log(&format!("read {}", request.uri));
+        if request.uri == "fixture://touch" {
+            let note = rmcp::model::ResourceUpdatedNotificationParam::new("fixture://notes");
+            let _ = context.peer.notify_resource_updated(note).await;
+            let _ = context.peer.notify_resource_list_changed().await;
+            let _ = context.peer.notify_prompt_list_changed().await;
+        }
         let text = ResourceContents::text("the notes", request.uri);
         Ok(ReadResourceResult::new(vec![text]).into())
     }

@@ -162,6 +162,7 @@ impl World {
             token: None,
             run: Some(run.to_string()),
             parent: None,
+            estop: None,
         }
     }
 
