@@ -216,7 +216,7 @@ fn run(command: Cmd) -> Result<u8, Failure> {
         Cmd::Bench(a) => bench::run(a).map_err(fail),
         Cmd::Run(a) => run::run(a).map_err(fail),
         Cmd::Mcp(a) => mcp::run(a).map_err(fail),
-        Cmd::Agent { command } => agent::run(command).map_err(fail),
+        Cmd::Agent { command } => agent::run(command),
         Cmd::Serve(a) => serve::serve(*a).map_err(fail),
         Cmd::Ledger { command } => ledger::ledger(command).map_err(fail),
         Cmd::Store { command } => store::run(command).map_err(fail),

@@ -10,6 +10,7 @@ pub mod agent;
 pub mod budget;
 pub mod chat;
 pub mod config;
+pub mod control;
 pub mod gate;
 pub mod journal;
 pub mod machine;
