@@ -767,3 +767,76 @@ fn a_budget_change_from_another_terminal_applies_at_the_next_boundary() {
     assert_eq!(rec.budget.limits.tokens_max, Some(50_000), "kept");
     assert_eq!(server.calls().len(), 1, "no call past the new ceiling");
 }
+
+/// The threads of this process (`/proc/self/status`).
+fn threads() -> usize {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// 200 trajectories wait for an approval at once: their subscriptions and approval waits share
+/// one connection and no thread of their own (the threads of the process stay under 64; a
+/// thread per subscription and per wait made it over 400), and once an operator approves, each
+/// call runs once and every trajectory completes.
+#[test]
+fn many_trajectories_waiting_for_approval_hold_no_thread_each() {
+    const N: usize = 200;
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(16)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut responses = vec![scripted::call("c1", "drop_table", "{}"); N];
+    responses.extend(vec![scripted::answer("done"); N]);
+    let server = rt
+        .block_on(Scripted::start("127.0.0.1:0", Script { responses }))
+        .unwrap();
+    let mut op_client = d.operator();
+    for i in 0..N {
+        op_client
+            .request(&op(Verb::Subscribe, json!({"run": format!("m-{i}")})))
+            .unwrap();
+    }
+    let mut runner = rt
+        .block_on(async { Runner::open(options(&d, &server.base_url(), &effects)) })
+        .unwrap();
+    for i in 0..N {
+        rt.block_on(async { runner.start(&format!("m-{i}"), None, "drop it") })
+            .unwrap();
+    }
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    let mut held = 0;
+    while held < N {
+        if let Some(e) = op_client.next_event().unwrap() {
+            held += usize::from(e.event == EventKind::Held);
+        }
+    }
+    let t = threads();
+    assert!(t < 64, "{t} threads with {N} trajectories waiting");
+    for i in 0..N {
+        let decide = json!({"run": format!("m-{i}"), "key": "c1", "decision": "approve"});
+        op_client.request(&op(Verb::Decide, decide)).unwrap();
+    }
+    // A bound against a hang only (a lost decision would wait forever), not a timed assertion.
+    let runner = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(120), run).await })
+        .expect("every trajectory ends")
+        .unwrap();
+    for i in 0..N {
+        let rec = runner.record(&format!("m-{i}")).unwrap();
+        assert_eq!(rec.state, State::Completed, "m-{i}");
+    }
+    let ran = std::fs::read_to_string(&effects).unwrap();
+    assert_eq!(ran.lines().count(), N, "each approved call ran once");
+}

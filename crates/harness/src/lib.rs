@@ -15,6 +15,7 @@ pub mod gate;
 pub mod journal;
 pub mod machine;
 pub mod model;
+pub mod mux;
 pub mod record;
 pub mod runner;
 pub mod scheduler;

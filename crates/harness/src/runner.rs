@@ -125,11 +125,15 @@ pub struct Runner {
     rx: mpsc::UnboundedReceiver<Input>,
     /// The control socket's server; stopped (and the socket removed) with the runner.
     control: tokio::task::AbortHandle,
+    /// Subscriptions and approval waits, on one connection (crate::mux).
+    gate_asks: mpsc::UnboundedSender<crate::mux::GateAsk>,
+    gate_task: tokio::task::AbortHandle,
 }
 
 impl Drop for Runner {
     fn drop(&mut self) {
         self.control.abort();
+        self.gate_task.abort();
         let _ = std::fs::remove_file(self.opts.data.join(crate::control::SOCKET));
     }
 }
@@ -164,6 +168,9 @@ impl Runner {
             tx.clone(),
         ))
         .abort_handle();
+        let (gate_asks, asks) = mpsc::unbounded_channel();
+        let gate_task =
+            tokio::spawn(crate::mux::gate_task(opts.gate.clone(), asks, tx.clone())).abort_handle();
         let bucket = TokenBucket::new(opts.tpm, opts.rpm, now_ms());
         let mut r = Runner {
             sched: Scheduler::new(Weights::default(), 4_096, bucket),
@@ -178,6 +185,8 @@ impl Runner {
             tx,
             rx,
             control,
+            gate_asks,
+            gate_task,
         };
         let live: Vec<String> = r
             .recs
@@ -554,14 +563,11 @@ impl Runner {
                 });
             }
             Action::AwaitDecision { call } => {
-                tokio::task::spawn_blocking(move || {
-                    let decision = gate.decision(&id, &call.id);
-                    let _ = tx.send(Input::Decided {
-                        id,
-                        call: call.id,
-                        decision,
-                    });
-                });
+                let ask = crate::mux::GateAsk::Decision {
+                    run: id,
+                    key: call.id,
+                };
+                let _ = self.gate_asks.send(ask);
             }
             Action::MarkUnknown { call, token } => {
                 // Told before the runner goes on, like the run's end: the gate's report must
@@ -625,15 +631,8 @@ impl Runner {
 
     /// The gate's stops, pauses and resumes of this run reach the loop as control requests.
     fn watch(&self, id: &str) {
-        let (gate, tx, id) = (self.opts.gate.clone(), self.tx.clone(), id.to_string());
-        std::thread::spawn(move || {
-            let _ = gate.watch(&id, |control| {
-                tx.send(Input::Control {
-                    id: id.clone(),
-                    control,
-                })
-                .is_ok()
-            });
+        let _ = self.gate_asks.send(crate::mux::GateAsk::Watch {
+            run: id.to_string(),
         });
     }
 
