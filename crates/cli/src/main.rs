@@ -9,6 +9,7 @@
 mod act;
 mod agent;
 mod bench;
+mod bench_agents;
 mod bench_store;
 mod ledger;
 mod mcp;
