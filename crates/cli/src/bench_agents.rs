@@ -84,10 +84,12 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
     for i in 0..n {
         rt.block_on(async { fleet.start(&format!("t-{i}"), None, "wait for a human") })?;
     }
+    // Subscribed before the fleet runs, so no `held` event is missed.
+    let watcher = subscribe_all(&spawned.socket, &operator, n)?;
     let fleet = rt.spawn(async move {
         let _ = fleet.run().await;
     });
-    wait_held(&spawned.socket, &operator, n)?;
+    wait_held(watcher, n)?;
     let settle = started.elapsed();
     let rss = rss_bytes().saturating_sub(rss0);
     let bodies: usize = server.calls().iter().map(|c| c.to_string().len()).sum();
@@ -171,20 +173,25 @@ fn print(f: &serde_json::Value) {
     );
 }
 
-/// Blocks until the gate holds `n` calls (its `held` events, one subscription per run on one
-/// operator connection; a subscription may name a run not created yet).
-fn wait_held(socket: &str, operator: &str, n: usize) -> Result<()> {
-    use estop_protocol::{EventKind, Fields, Verb};
+/// One operator connection subscribed to the `n` runs (a subscription may name a run not
+/// created yet).
+fn subscribe_all(socket: &str, operator: &str, n: usize) -> Result<estop_server::client::Client> {
+    use estop_protocol::{Fields, Verb};
     let mut c = estop_server::client::Client::connect_as(socket, operator)?;
     for i in 0..n {
         let (mut f, run) = (Fields::new(), format!("t-{i}"));
         f.text("run", &run);
         c.request(&f.build(Verb::Subscribe).map_err(|e| anyhow!("{e}"))?.op)?;
     }
+    Ok(c)
+}
+
+/// Blocks until the gate has held `n` calls (their `held` events).
+fn wait_held(mut c: estop_server::client::Client, n: usize) -> Result<()> {
     let mut held = 0;
     while held < n {
         if let Some(e) = c.next_event()? {
-            held += usize::from(e.event == EventKind::Held);
+            held += usize::from(e.event == estop_protocol::EventKind::Held);
         }
     }
     Ok(())

@@ -130,10 +130,11 @@ pub fn budget_control(current: Limits, stored: &[Control], change: Limits) -> Co
 /// that died is replaced: the caller holds the journal's lock, so no live runner owns it.
 pub fn bind(dir: &Path) -> std::io::Result<tokio::net::UnixListener> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-    let private = dir.join(format!(".control-{}", std::process::id()));
+    // Staged under a path no longer than the final one (a socket path has at most 107 bytes).
+    let private = dir.join(format!(".c{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&private);
     std::fs::DirBuilder::new().mode(0o700).create(&private)?;
-    let staged = private.join(SOCKET);
+    let staged = private.join("s");
     let bound = (|| {
         let l = tokio::net::UnixListener::bind(&staged)?;
         std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600))?;
