@@ -1,13 +1,89 @@
 //! `estop agent run`: the command's flags, handed to `estop_harness::agent::run`
 //! (docs/HARNESS.md). Exit 0 when the trajectory completed, 3 when it ended otherwise.
+//! `estop agent interrupt|budget|status` reach a running `estop agent run` through its control
+//! socket (`estop_harness::control`); `pause|resume|cancel|kill` are the gate's verbs on the
+//! trajectory's run, which the runner hears as control requests.
 
+use crate::remote::{Ask, Conn, Failure};
 use clap::{Args, Subcommand};
+use estop_harness::control::{self, AskError};
+use estop_protocol::Verb;
 use std::path::PathBuf;
 
 #[derive(Subcommand)]
 pub enum AgentCmd {
     /// Run one trajectory for TASK until it ends (or resume it by --id after a crash).
     Run(AgentRunArgs),
+    /// Interrupt a running trajectory with a new user message (applied at its next turn
+    /// boundary; an open model stream is cut). Operator token.
+    Interrupt {
+        trajectory: String,
+        message: String,
+        #[command(flatten)]
+        at: Runner,
+    },
+    /// Change a running trajectory's budget ceilings (applied at its next turn boundary; the
+    /// dimensions not given stay). Operator token.
+    Budget {
+        trajectory: String,
+        #[arg(long)]
+        turns: Option<u64>,
+        #[arg(long)]
+        tokens: Option<u64>,
+        /// Wall clock from the trajectory's start, in milliseconds.
+        #[arg(long)]
+        wall_ms: Option<u64>,
+        /// Dollars.
+        #[arg(long)]
+        usd: Option<f64>,
+        #[command(flatten)]
+        at: Runner,
+    },
+    /// A running trajectory's record: state, budget vector and spend, pending work, stored
+    /// control requests.
+    Status {
+        trajectory: String,
+        #[command(flatten)]
+        at: Runner,
+    },
+    /// Pause the trajectory's run at the gate (the trajectory pauses at its next boundary).
+    Pause {
+        trajectory: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Resume it.
+    Resume {
+        trajectory: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Cancel it (at its next boundary; an open model stream is cut).
+    Cancel {
+        trajectory: String,
+        #[arg(long)]
+        reason: Option<String>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Kill it (at once: running tools are killed and their outcome is unknown).
+    Kill {
+        trajectory: String,
+        #[arg(long)]
+        reason: Option<String>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+}
+
+/// Where the runner listens, and as whom to ask it.
+#[derive(Args)]
+pub struct Runner {
+    /// The runner's journal directory (default: DATA/harness), where its control.sock is.
+    #[arg(long)]
+    journal: Option<PathBuf>,
+    #[command(flatten)]
+    conn: Conn,
 }
 
 #[derive(Args)]
@@ -48,8 +124,121 @@ pub struct AgentRunArgs {
     task: String,
 }
 
-pub fn run(cmd: AgentCmd) -> anyhow::Result<u8> {
-    let AgentCmd::Run(a) = cmd;
+pub fn run(cmd: AgentCmd) -> Result<u8, Failure> {
+    let gate = |verb, trajectory, reason| {
+        Ask::new(verb)
+            .text("run", trajectory)
+            .text_opt("reason", reason)
+    };
+    match cmd {
+        AgentCmd::Run(a) => run_one(a).map_err(crate::fail),
+        AgentCmd::Interrupt {
+            trajectory,
+            message,
+            at,
+        } => ask(&at, trajectory, control::Ask::Interrupt { message }),
+        AgentCmd::Budget {
+            trajectory,
+            turns,
+            tokens,
+            wall_ms,
+            usd,
+            at,
+        } => {
+            let usd_micros_max = match usd {
+                Some(d) if !(d.is_finite() && d >= 0.0) => {
+                    return Err(Failure::new(format!(
+                        "--usd {d} is not an amount of dollars"
+                    )));
+                }
+                Some(d) => Some((d * 1e6).round() as u64),
+                None => None,
+            };
+            let change = estop_harness::budget::Limits {
+                turns_max: turns,
+                tokens_max: tokens,
+                wall_ms_max: wall_ms,
+                usd_micros_max,
+            };
+            ask(&at, trajectory, control::Ask::Budget { change })
+        }
+        AgentCmd::Status { trajectory, at } => ask(&at, trajectory, control::Ask::Status),
+        AgentCmd::Pause { trajectory, conn } => {
+            crate::act::run_state(&conn, gate(Verb::Pause, trajectory, None))
+        }
+        AgentCmd::Resume { trajectory, conn } => {
+            crate::act::run_state(&conn, gate(Verb::Resume, trajectory, None))
+        }
+        AgentCmd::Cancel {
+            trajectory,
+            reason,
+            conn,
+        } => crate::act::run_state(&conn, gate(Verb::Cancel, trajectory, reason)),
+        AgentCmd::Kill {
+            trajectory,
+            reason,
+            conn,
+        } => crate::act::run_state(&conn, gate(Verb::Kill, trajectory, reason)),
+    }
+}
+
+/// One request to the runner's control socket, printed (JSON with --json).
+fn ask(at: &Runner, trajectory: String, what: control::Ask) -> Result<u8, Failure> {
+    let dir = at
+        .journal
+        .clone()
+        .unwrap_or_else(|| at.conn.data.join("harness"));
+    let status = what == control::Ask::Status;
+    let req = control::Request {
+        token: crate::remote::token(&at.conn)?,
+        trajectory,
+        ask: what,
+    };
+    let v = control::ask(&dir, &req).map_err(|e| match e {
+        AskError::Refused(r) => Failure::new(format!("refused: {r}")),
+        e => Failure::new(e.to_string()),
+    })?;
+    if at.conn.json {
+        println!("{v}");
+    } else if status {
+        print_status(&v)?;
+    } else {
+        println!(
+            "stored; {} is {}",
+            estop_protocol::text::escape(&req.trajectory),
+            v["state"].as_str().unwrap_or("?")
+        );
+    }
+    Ok(0)
+}
+
+/// The status as text: one line of state and spend against the ceilings, then what waits.
+fn print_status(v: &serde_json::Value) -> Result<(), Failure> {
+    let r: estop_harness::record::Record = serde_json::from_value(v["record"].clone())
+        .map_err(|e| Failure::new(format!("the runner's record is not one: {e}")))?;
+    let (s, l) = (&r.budget.spend, &r.budget.limits);
+    let dim = |spent: u64, max: Option<u64>| match max {
+        Some(m) => format!("{spent}/{m}"),
+        None => spent.to_string(),
+    };
+    println!(
+        "{} {} turns={} tokens={} usd_micros={} pending={} held={}",
+        estop_protocol::text::escape(&r.identity.id),
+        r.state,
+        dim(s.turns, l.turns_max),
+        dim(s.tokens(), l.tokens_max),
+        dim(s.usd_micros, l.usd_micros_max),
+        r.pending.len(),
+        r.held.len(),
+    );
+    for c in &r.control {
+        let c = serde_json::to_string(c).expect("a control serializes");
+        println!("control {}", estop_protocol::text::escape(&c));
+    }
+    Ok(())
+}
+
+fn run_one(a: AgentRunArgs) -> anyhow::Result<u8> {
     let token = match a.token {
         Some(t) => t,
         None => std::fs::read_to_string(a.data.join("agent.token"))

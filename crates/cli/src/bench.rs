@@ -44,6 +44,21 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// The harness at scale: N trajectories waiting for approval in one runner (memory each,
+    /// threads), the scheduler's cost per decision, and an interrupt's time to the next model
+    /// call with the stream open (docs/PERFORMANCE.md, "Harness").
+    Agents {
+        #[arg(long, default_value_t = 10_000)]
+        trajectories: usize,
+        /// Interrupts to time (each on a trajectory whose model stream is open).
+        #[arg(long, default_value_t = 20)]
+        controls: usize,
+        /// Data dir of the daemon and the runners' journals the bench starts.
+        #[arg(long, default_value = "estop-bench-data")]
+        data: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// Cancel cost among many identities, and memory per retained identity (in process).
     Kernel {
         #[arg(long, default_value_t = 1_000_000)]
@@ -244,6 +259,12 @@ pub fn run(a: BenchArgs) -> Result<u8> {
             ceiling(o, &data, json)
         }
         Some(BenchCmd::Kernel { identities, json }) => kernel(identities, json),
+        Some(BenchCmd::Agents {
+            trajectories,
+            controls,
+            data,
+            json,
+        }) => crate::bench_agents::run(trajectories, controls, &data, json),
         Some(BenchCmd::Egress {
             connections,
             requests,

@@ -9,6 +9,7 @@
 mod act;
 mod agent;
 mod bench;
+mod bench_agents;
 mod bench_store;
 mod ledger;
 mod mcp;
@@ -245,7 +246,7 @@ fn run(command: Cmd) -> Result<u8, Failure> {
         Cmd::EgressExecutor(a) => run::executor(a).map(|()| 0).map_err(fail),
         Cmd::Egress { command } => run::egress(command).map_err(fail),
         Cmd::Mcp(a) => mcp::run(a).map_err(fail),
-        Cmd::Agent { command } => agent::run(command).map_err(fail),
+        Cmd::Agent { command } => agent::run(command),
         Cmd::Serve(a) => serve::serve(*a).map_err(fail),
         Cmd::Ledger { command } => ledger::ledger(command).map_err(fail),
         Cmd::Store { command } => store::run(command).map_err(fail),

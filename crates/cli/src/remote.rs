@@ -258,7 +258,7 @@ fn target(conn: &Conn) -> String {
         .unwrap_or_else(|| conn.data.join("estop.sock").display().to_string())
 }
 
-fn token(conn: &Conn) -> Result<String, Failure> {
+pub fn token(conn: &Conn) -> Result<String, Failure> {
     if let Some(t) = &conn.token {
         return Ok(t.clone());
     }

@@ -611,3 +611,232 @@ fn a_parents_cancel_reaches_a_sub_agent_trajectory() {
     let (_, out, _) = d.cli(&["status", "child-1", "--json"]);
     assert!(out.contains("parent-1"), "{out}");
 }
+
+/// Starts `id` on a runner of its own and returns the task driving it.
+fn spawn_runner(
+    rt: &tokio::runtime::Runtime,
+    opts: RunnerOptions,
+    id: &str,
+) -> tokio::task::JoinHandle<Runner> {
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start(id, None, "clean up staging") })
+        .unwrap();
+    rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    })
+}
+
+/// `estop agent interrupt` from another process while the model streams: the request is
+/// stored (the command returns once it is durable), the stream is cut, and at the next
+/// boundary the model sees the cut marker and then the new user message; the trajectory goes
+/// on with it and completes. An agent token may not interrupt, an empty message is bad input,
+/// and neither changes anything. `estop agent status` shows the live record.
+#[test]
+fn an_interrupt_from_another_terminal_lands_at_the_next_boundary() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let rt = runtime();
+    let server = rt
+        .block_on(Scripted::start(
+            "127.0.0.1:0",
+            Script {
+                responses: vec![
+                    vec![
+                        scripted::text("Dropping orders_staging now"),
+                        Step::Gate,
+                        scripted::finish("stop"),
+                        Step::Done,
+                    ],
+                    scripted::answer("used the replica"),
+                ],
+            },
+        ))
+        .unwrap();
+    let mut opts = options(&d, &server.base_url(), &effects);
+    // Without the interrupt's cut, the open call would end only at its deadline.
+    opts.call_limits.call_deadline_ms = 5_000;
+    let run = spawn_runner(&rt, opts, "traj-i");
+    rt.block_on(server.wait_for(&Seen::Call { n: 0 }));
+
+    use std::os::unix::fs::PermissionsExt;
+    let sock = std::fs::metadata(d.data().join("harness/control.sock")).unwrap();
+    assert_eq!(
+        sock.permissions().mode() & 0o777,
+        0o600,
+        "only its owner connects"
+    );
+    let (code, out, err) = d.cli(&["agent", "status", "traj-i"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("traj-i CALLING_MODEL turns=1/10"), "{out}");
+    let agent = d.token("agent.token");
+    let (code, _, err) = d.cli(&["agent", "interrupt", "traj-i", "no", "--token", &agent]);
+    assert_eq!(code, 1);
+    assert!(err.contains("forbidden"), "{err}");
+    let (code, _, err) = d.cli(&["agent", "interrupt", "traj-i", " "]);
+    assert_eq!(code, 1);
+    assert!(err.contains("bad_request"), "{err}");
+    let (code, _, err) = d.cli(&["agent", "interrupt", "nope", "x"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("unknown_trajectory"), "{err}");
+    assert!(
+        !server.seen().contains(&Seen::Gone { n: 0, step: 1 }),
+        "the refused requests did not cut the stream"
+    );
+
+    let (code, out, err) = d.cli(&["agent", "interrupt", "traj-i", "use the replica instead"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("stored; traj-i is"), "{out}");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("traj-i").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    rt.block_on(server.wait_for(&Seen::Gone { n: 0, step: 1 }));
+    let calls = server.calls();
+    assert_eq!(calls.len(), 2);
+    let msgs: Vec<_> = calls[1]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        &msgs[msgs.len() - 2..],
+        &[
+            (
+                "user",
+                "[interrupted: the reply was cut by a control request]"
+            ),
+            ("user", "use the replica instead"),
+        ],
+        "{msgs:?}"
+    );
+    assert_eq!(
+        msgs.iter()
+            .filter(|m| m.1 == "use the replica instead")
+            .count(),
+        1
+    );
+    drop(runner);
+    let (code, _, err) = d.cli(&["agent", "status", "traj-i"]);
+    assert_eq!(code, 1, "no runner listens once it is gone");
+    assert!(err.contains("no runner is listening"), "{err}");
+}
+
+/// `estop agent budget` lowers a running trajectory's turn ceiling while its first call
+/// streams: stored, applied at the next boundary, where the spend already meets it — the
+/// trajectory ends FAILED with BUDGET_EXCEEDED naming `turns`, the dimensions not given kept.
+#[test]
+fn a_budget_change_from_another_terminal_applies_at_the_next_boundary() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let rt = runtime();
+    let server = rt
+        .block_on(Scripted::start(
+            "127.0.0.1:0",
+            Script {
+                responses: vec![
+                    vec![Step::Gate, scripted::text("thinking"), Step::Done],
+                    scripted::answer("never asked"),
+                ],
+            },
+        ))
+        .unwrap();
+    let mut opts = options(&d, &server.base_url(), &effects);
+    opts.call_limits.call_deadline_ms = 5_000;
+    opts.limits.tokens_max = Some(50_000);
+    let run = spawn_runner(&rt, opts, "traj-b");
+    rt.block_on(server.wait_for(&Seen::Call { n: 0 }));
+    let (code, _, err) = d.cli(&["agent", "budget", "traj-b"]);
+    assert_eq!(code, 1, "nothing to change is bad input");
+    assert!(err.contains("bad_request"), "{err}");
+    let (code, _, err) = d.cli(&["agent", "budget", "traj-b", "--usd=-1"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("not an amount"), "{err}");
+    let (code, out, err) = d.cli(&["agent", "budget", "traj-b", "--turns", "1"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("stored"), "{out}");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("traj-b").unwrap();
+    assert_eq!(rec.state, State::Failed);
+    assert!(
+        matches!(&rec.exit, Some(Exit::BudgetExceeded { dimension }) if format!("{dimension:?}").to_lowercase().contains("turns")),
+        "{:?}",
+        rec.exit
+    );
+    assert_eq!(rec.budget.limits.turns_max, Some(1));
+    assert_eq!(rec.budget.limits.tokens_max, Some(50_000), "kept");
+    assert_eq!(server.calls().len(), 1, "no call past the new ceiling");
+}
+
+/// The threads of this process (`/proc/self/status`).
+fn threads() -> usize {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// 200 trajectories wait for an approval at once: their subscriptions and approval waits share
+/// one connection and no thread of their own (the threads of the process stay under 64; a
+/// thread per subscription and per wait made it over 400), and once an operator approves, each
+/// call runs once and every trajectory completes.
+#[test]
+fn many_trajectories_waiting_for_approval_hold_no_thread_each() {
+    const N: usize = 200;
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(16)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut responses = vec![scripted::call("c1", "drop_table", "{}"); N];
+    responses.extend(vec![scripted::answer("done"); N]);
+    let server = rt
+        .block_on(Scripted::start("127.0.0.1:0", Script { responses }))
+        .unwrap();
+    let mut op_client = d.operator();
+    for i in 0..N {
+        op_client
+            .request(&op(Verb::Subscribe, json!({"run": format!("m-{i}")})))
+            .unwrap();
+    }
+    let mut runner = rt
+        .block_on(async { Runner::open(options(&d, &server.base_url(), &effects)) })
+        .unwrap();
+    for i in 0..N {
+        rt.block_on(async { runner.start(&format!("m-{i}"), None, "drop it") })
+            .unwrap();
+    }
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    let mut held = 0;
+    while held < N {
+        if let Some(e) = op_client.next_event().unwrap() {
+            held += usize::from(e.event == EventKind::Held);
+        }
+    }
+    let t = threads();
+    assert!(t < 64, "{t} threads with {N} trajectories waiting");
+    for i in 0..N {
+        let decide = json!({"run": format!("m-{i}"), "key": "c1", "decision": "approve"});
+        op_client.request(&op(Verb::Decide, decide)).unwrap();
+    }
+    // A bound against a hang only (a lost decision would wait forever), not a timed assertion.
+    let runner = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(120), run).await })
+        .expect("every trajectory ends")
+        .unwrap();
+    for i in 0..N {
+        let rec = runner.record(&format!("m-{i}")).unwrap();
+        assert_eq!(rec.state, State::Completed, "m-{i}");
+    }
+    let ran = std::fs::read_to_string(&effects).unwrap();
+    assert_eq!(ran.lines().count(), N, "each approved call ran once");
+}

@@ -1,12 +1,12 @@
 //! The harness's way to the estop gate, through the typed blocking client
 //! (`estop_server::client`): a trajectory is a run, each tool call an effect keyed by the
 //! model's tool call id, admitted two-phase (admit, then start at dispatch, then complete).
-//! Each call runs on the blocking pool with its own connection; `wait` is chunked so a
-//! decision is read as soon as it is made.
+//! Each call runs on the blocking pool with its own connection. Subscriptions and approval
+//! waits are not here: they share one asynchronous connection (crate::mux).
 
 use crate::record::{Admission, Control, Decision};
 use estop_protocol::server_line::VerdictReply;
-use estop_protocol::{EventKind, Fields, Op, Verb};
+use estop_protocol::{Event, EventKind, Fields, Op, Verb};
 use estop_server::client::Client;
 use serde_json::{Value, json};
 
@@ -18,7 +18,7 @@ pub struct GateConfig {
     pub token: String,
 }
 
-fn op(verb: Verb, fields: &Value) -> Result<Op, String> {
+pub(crate) fn op(verb: Verb, fields: &Value) -> Result<Op, String> {
     let mut f = Fields::new();
     for (k, v) in fields.as_object().expect("an object") {
         f.json(k, v);
@@ -76,26 +76,6 @@ impl GateConfig {
         }
     }
 
-    /// Waits for the decision on a held call. Only an admission is an approval; everything
-    /// else, the gate unreachable included, is a refusal (silence is no).
-    pub fn decision(&self, run: &str, key: &str) -> Decision {
-        loop {
-            let fields = json!({"run": run, "key": key, "timeout_ms": 30_000});
-            match self.verdict(Verb::Wait, fields) {
-                Ok(VerdictReply::Held { .. }) => continue,
-                Ok(VerdictReply::Admitted { token, .. }) => return Decision::Approved { token },
-                Ok(VerdictReply::Refused { reason, .. }) => {
-                    return match reason.as_str() {
-                        "expired" => Decision::Expired,
-                        "cancelled" | "closed" => Decision::Canceled,
-                        _ => Decision::Denied,
-                    };
-                }
-                Ok(_) | Err(_) => return Decision::Canceled,
-            }
-        }
-    }
-
     /// The commit point: `Ok(())` on `go`; otherwise why it may not start.
     pub fn start(&self, run: &str, key: &str, token: &str) -> Result<(), String> {
         match self.verdict(Verb::Start, json!({"run": run, "key": key, "token": token}))? {
@@ -129,47 +109,37 @@ impl GateConfig {
     pub fn cancel(&self, run: &str, reason: &str) -> Result<(), String> {
         self.ack(Verb::Cancel, json!({"run": run, "reason": reason}))
     }
-
-    /// Subscribes to the run's events on a connection of its own and hands each stop, pause
-    /// and resume to `on` as a control request; returns when the connection ends.
-    pub fn watch(&self, run: &str, mut on: impl FnMut(Control) -> bool) -> Result<(), String> {
-        let mut c = self.connect()?;
-        c.request(&op(Verb::Subscribe, &json!({"run": run}))?)
-            .map_err(|e| e.to_string())?;
-        loop {
-            let Some(e) = c.next_event().map_err(|e| e.to_string())? else {
-                continue;
-            };
-            let reason = e
-                .reason
-                .clone()
-                .unwrap_or_else(|| "stopped at the gate".into());
-            let control = match e.event {
-                // A kill is a cancel on the wire; the run's stop cause tells them apart, and a
-                // kill acts at once, even mid-turn.
-                EventKind::Cancelled | EventKind::Finalizing if killed(&mut c, run) => {
-                    Control::Kill { reason }
-                }
-                EventKind::Cancelled | EventKind::Finalizing => Control::Cancel { reason },
-                EventKind::Paused => Control::Pause,
-                EventKind::Resumed => Control::Resume,
-                _ => continue,
-            };
-            if !on(control) {
-                return Ok(());
-            }
-        }
-    }
 }
 
-fn killed(c: &mut Client, run: &str) -> bool {
-    let Ok(status) = op(Verb::Status, &json!({"run": run})) else {
-        return false;
-    };
-    match c.request(&status) {
-        Ok(estop_protocol::ReplyBody::Status(v)) => v.cause.as_deref() == Some("killed"),
-        _ => false,
-    }
+/// What an event of the run asks of the trajectory: a stop (a kill when the run's stop cause
+/// says `killed`: it acts at once, even mid-turn), a pause or a resume.
+pub(crate) fn control_of(e: &Event, killed: bool) -> Option<Control> {
+    let reason = e
+        .reason
+        .clone()
+        .unwrap_or_else(|| "stopped at the gate".into());
+    Some(match e.event {
+        EventKind::Cancelled | EventKind::Finalizing if killed => Control::Kill { reason },
+        EventKind::Cancelled | EventKind::Finalizing => Control::Cancel { reason },
+        EventKind::Paused => Control::Pause,
+        EventKind::Resumed => Control::Resume,
+        _ => return None,
+    })
+}
+
+/// The decision a `wait`'s answer is, `None` while the call is still held. Only an admission
+/// is an approval; everything else is a refusal (silence is no).
+pub(crate) fn decision_of(v: VerdictReply) -> Option<Decision> {
+    Some(match v {
+        VerdictReply::Held { .. } => return None,
+        VerdictReply::Admitted { token, .. } => Decision::Approved { token },
+        VerdictReply::Refused { reason, .. } => match reason.as_str() {
+            "expired" => Decision::Expired,
+            "cancelled" | "closed" => Decision::Canceled,
+            _ => Decision::Denied,
+        },
+        _ => Decision::Canceled,
+    })
 }
 
 fn admission(v: VerdictReply) -> Admission {

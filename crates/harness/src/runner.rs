@@ -93,6 +93,8 @@ pub enum Input {
         call: String,
         token: String,
     },
+    /// A request from another terminal, through the control socket (crate::control).
+    Ask(crate::control::Asked),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -121,6 +123,19 @@ pub struct Runner {
     in_flight: usize,
     tx: mpsc::UnboundedSender<Input>,
     rx: mpsc::UnboundedReceiver<Input>,
+    /// The control socket's server; stopped (and the socket removed) with the runner.
+    control: tokio::task::AbortHandle,
+    /// Subscriptions and approval waits, on one connection (crate::mux).
+    gate_asks: mpsc::UnboundedSender<crate::mux::GateAsk>,
+    gate_task: tokio::task::AbortHandle,
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        self.control.abort();
+        self.gate_task.abort();
+        let _ = std::fs::remove_file(self.opts.data.join(crate::control::SOCKET));
+    }
 }
 
 impl std::fmt::Debug for Runner {
@@ -130,7 +145,8 @@ impl std::fmt::Debug for Runner {
 }
 
 impl Runner {
-    /// Opens the journal in `DATA/journal` and resumes every live trajectory found there.
+    /// Opens the journal in `DATA/journal`, listens on `DATA/control.sock` (crate::control)
+    /// and resumes every live trajectory found there. Call it inside a tokio runtime.
     pub fn open(opts: RunnerOptions) -> Result<Runner, RunnerError> {
         let (
             journal,
@@ -139,6 +155,22 @@ impl Runner {
             },
         ) = Journal::open(&opts.data.join("journal"))?;
         let (tx, rx) = mpsc::unbounded_channel();
+        // Bound only now: the journal's lock says no other runner owns this directory.
+        let listener = crate::control::bind(&opts.data).map_err(|e| {
+            RunnerError::Other(format!(
+                "cannot listen on {}: {e}",
+                opts.data.join(crate::control::SOCKET).display()
+            ))
+        })?;
+        let control = tokio::spawn(crate::control::serve(
+            listener,
+            opts.gate.clone(),
+            tx.clone(),
+        ))
+        .abort_handle();
+        let (gate_asks, asks) = mpsc::unbounded_channel();
+        let gate_task =
+            tokio::spawn(crate::mux::gate_task(opts.gate.clone(), asks, tx.clone())).abort_handle();
         let bucket = TokenBucket::new(opts.tpm, opts.rpm, now_ms());
         let mut r = Runner {
             sched: Scheduler::new(Weights::default(), 4_096, bucket),
@@ -152,6 +184,9 @@ impl Runner {
             in_flight: 0,
             tx,
             rx,
+            control,
+            gate_asks,
+            gate_task,
         };
         let live: Vec<String> = r
             .recs
@@ -321,6 +356,7 @@ impl Runner {
             }
             Input::Control { id, control } => self.apply(&id, |r, now| r.on_control(now, control)),
             Input::Note { id, line } => self.log(&id, line),
+            Input::Ask(asked) => self.on_ask(asked),
             Input::Restart { id, call, token } => {
                 let Some(rec) = self.recs.get(&id).cloned() else {
                     return Ok(());
@@ -342,6 +378,51 @@ impl Runner {
                 Ok(())
             }
         }
+    }
+
+    /// A request from another terminal: the status is read; an interrupt or a budget change is
+    /// stored in the record (applied now where the trajectory is at a boundary, else at the
+    /// next one) and answered once the record is durable.
+    fn on_ask(&mut self, asked: crate::control::Asked) -> Result<(), RunnerError> {
+        use crate::control::{Ask, budget_control, refusal};
+        let crate::control::Asked {
+            trajectory: id,
+            ask,
+            reply,
+        } = asked;
+        let Some(rec) = self.recs.get(&id) else {
+            let _ = reply.send(Err(refusal(
+                "unknown_trajectory",
+                format!("this runner has no trajectory {id:?}"),
+            )));
+            return Ok(());
+        };
+        let control = match ask {
+            Ask::Status => {
+                let status = json!({"record": rec, "context_len": self.context(&id).len()});
+                let _ = reply.send(Ok(status));
+                return Ok(());
+            }
+            _ if rec.state.is_terminal() || rec.state == State::Finalizing => {
+                let why = format!("trajectory {id:?} is {} already", rec.state);
+                let _ = reply.send(Err(refusal("ended", why)));
+                return Ok(());
+            }
+            Ask::Interrupt { message } => Control::Interrupt { message },
+            Ask::Budget { change } => budget_control(rec.budget.limits, &rec.control, change),
+        };
+        let mut rec = rec.clone();
+        match rec.on_control(now_ms(), control) {
+            Ok(actions) => {
+                self.commit(rec, actions)?;
+                let state = self.recs[&id].state;
+                let _ = reply.send(Ok(json!({"stored": true, "state": state})));
+            }
+            Err(e) => {
+                let _ = reply.send(Err(refusal("refused", e.to_string())));
+            }
+        }
+        Ok(())
     }
 
     /// One input on one record: computed on a copy, journalled, then acted on.
@@ -482,14 +563,11 @@ impl Runner {
                 });
             }
             Action::AwaitDecision { call } => {
-                tokio::task::spawn_blocking(move || {
-                    let decision = gate.decision(&id, &call.id);
-                    let _ = tx.send(Input::Decided {
-                        id,
-                        call: call.id,
-                        decision,
-                    });
-                });
+                let ask = crate::mux::GateAsk::Decision {
+                    run: id,
+                    key: call.id,
+                };
+                let _ = self.gate_asks.send(ask);
             }
             Action::MarkUnknown { call, token } => {
                 // Told before the runner goes on, like the run's end: the gate's report must
@@ -553,15 +631,8 @@ impl Runner {
 
     /// The gate's stops, pauses and resumes of this run reach the loop as control requests.
     fn watch(&self, id: &str) {
-        let (gate, tx, id) = (self.opts.gate.clone(), self.tx.clone(), id.to_string());
-        std::thread::spawn(move || {
-            let _ = gate.watch(&id, |control| {
-                tx.send(Input::Control {
-                    id: id.clone(),
-                    control,
-                })
-                .is_ok()
-            });
+        let _ = self.gate_asks.send(crate::mux::GateAsk::Watch {
+            run: id.to_string(),
         });
     }
 

@@ -1,0 +1,279 @@
+//! The runner's control socket: how `estop agent interrupt|budget|status` in another terminal
+//! reach a running `estop agent run`. Cancel, pause, resume and kill need no socket: they are
+//! the gate's verbs on the trajectory's run, and the runner's subscription turns them into
+//! control requests. An interrupt (a new user message) and a budget change are not the gate's
+//! business, so they come here.
+//!
+//! Who can reach it: the socket is `JOURNAL/control.sock`, bound inside a fresh 0700 directory,
+//! made 0600 and only then renamed into place, so no other user can ever connect. Within the
+//! owner's uid, every request carries a token the daemon authenticates (`hello`): an interrupt
+//! or a budget change needs an operator token, as the gate's pause and resume do; the status
+//! may be read by any token the daemon knows. One JSON line in, one JSON line out; a request
+//! is answered once the control request is stored in the record and the record is durable.
+
+use crate::budget::Limits;
+use crate::gate::GateConfig;
+use crate::record::Control;
+use crate::runner::Input;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::{mpsc, oneshot};
+
+/// The socket's name in the journal directory.
+pub const SOCKET: &str = "control.sock";
+/// Longest request line (an interrupt's message included).
+pub const LINE_BYTES_MAX: usize = 64 * 1024;
+/// How long a connection may take to send its request.
+const READ_MS_MAX: u64 = 10_000;
+/// Connections served at once; more are refused.
+const CONNECTIONS_MAX: usize = 64;
+
+/// What another terminal asks of a trajectory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "ask", rename_all = "snake_case")]
+pub enum Ask {
+    /// The record: state, budget vector and spend, pending work, stored control requests.
+    Status,
+    /// A new user message, applied at the next turn boundary (an open stream is cut).
+    Interrupt { message: String },
+    /// New ceilings for the dimensions given; the others stay as they are.
+    Budget { change: Limits },
+}
+
+/// One request line.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Request {
+    pub token: String,
+    pub trajectory: String,
+    #[serde(flatten)]
+    pub ask: Ask,
+}
+
+/// One reply line: `{"ok": …}` or `{"error": {"code", "message"}}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reply {
+    Ok(Value),
+    Error(Refusal),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct Refusal {
+    /// `bad_request`, `unauthenticated`, `forbidden`, `unknown_trajectory`, `ended`, `busy`.
+    pub code: String,
+    pub message: String,
+}
+
+pub fn refusal(code: &str, message: impl Into<String>) -> Refusal {
+    Refusal {
+        code: code.into(),
+        message: message.into(),
+    }
+}
+
+/// What the runner is handed: an authenticated ask and where its answer goes.
+#[derive(Debug)]
+pub struct Asked {
+    pub trajectory: String,
+    pub ask: Ask,
+    pub reply: oneshot::Sender<Result<Value, Refusal>>,
+}
+
+impl Ask {
+    /// Whether only an operator may ask it (changing what a trajectory does or may spend).
+    fn operator_only(&self) -> bool {
+        !matches!(self, Ask::Status)
+    }
+
+    /// Bad input is refused here, before it reaches the runner.
+    fn check(&self) -> Result<(), Refusal> {
+        match self {
+            Ask::Interrupt { message } if message.trim().is_empty() => Err(refusal(
+                "bad_request",
+                "an interrupt needs a non-empty message",
+            )),
+            Ask::Budget { change } if *change == Limits::default() => Err(refusal(
+                "bad_request",
+                "a budget change needs at least one of turns, tokens, wall_ms, usd",
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The control request a budget change becomes: the ceilings in force once the requests
+/// already stored are applied, with the given dimensions replaced.
+pub fn budget_control(current: Limits, stored: &[Control], change: Limits) -> Control {
+    let base = stored
+        .iter()
+        .rev()
+        .find_map(|c| match c {
+            Control::Budget { limits } => Some(*limits),
+            _ => None,
+        })
+        .unwrap_or(current);
+    Control::Budget {
+        limits: Limits {
+            turns_max: change.turns_max.or(base.turns_max),
+            tokens_max: change.tokens_max.or(base.tokens_max),
+            wall_ms_max: change.wall_ms_max.or(base.wall_ms_max),
+            usd_micros_max: change.usd_micros_max.or(base.usd_micros_max),
+        },
+    }
+}
+
+/// Binds `dir/control.sock` privately (see the module's comment). A socket left by a runner
+/// that died is replaced: the caller holds the journal's lock, so no live runner owns it.
+pub fn bind(dir: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    // Staged under a path no longer than the final one (a socket path has at most 107 bytes).
+    let private = dir.join(format!(".c{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&private);
+    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    let staged = private.join("s");
+    let bound = (|| {
+        let l = tokio::net::UnixListener::bind(&staged)?;
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::rename(&staged, dir.join(SOCKET))?;
+        Ok(l)
+    })();
+    let _ = std::fs::remove_dir_all(&private);
+    bound
+}
+
+/// Serves the socket until the runner goes away: each request authenticated at the gate,
+/// checked, and handed to the runner as [`Input::Ask`].
+pub async fn serve(
+    listener: tokio::net::UnixListener,
+    gate: GateConfig,
+    tx: mpsc::UnboundedSender<Input>,
+) {
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(CONNECTIONS_MAX));
+    while let Ok((stream, _)) = listener.accept().await {
+        if tx.is_closed() {
+            return;
+        }
+        let (gate, tx, slots) = (gate.clone(), tx.clone(), slots.clone());
+        tokio::spawn(async move {
+            let (r, mut w) = stream.into_split();
+            let reply = match slots.try_acquire() {
+                Ok(_slot) => match read_request(r).await {
+                    Ok(req) => answer(&gate, &tx, req).await,
+                    Err(e) => Reply::Error(e),
+                },
+                Err(_) => Reply::Error(refusal("busy", "too many control connections")),
+            };
+            let mut line = serde_json::to_vec(&reply).expect("a reply serializes");
+            line.push(b'\n');
+            let _ = w.write_all(&line).await;
+        });
+    }
+}
+
+async fn read_request(r: tokio::net::unix::OwnedReadHalf) -> Result<Request, Refusal> {
+    use tokio::io::AsyncReadExt;
+    let mut line = Vec::new();
+    let mut reader = BufReader::new(r).take(LINE_BYTES_MAX as u64 + 1);
+    let read = tokio::time::timeout(
+        Duration::from_millis(READ_MS_MAX),
+        reader.read_until(b'\n', &mut line),
+    )
+    .await;
+    match read {
+        Err(_) => return Err(refusal("bad_request", "no request line in time")),
+        Ok(Err(e)) => return Err(refusal("bad_request", e.to_string())),
+        Ok(Ok(_)) if line.len() > LINE_BYTES_MAX => {
+            return Err(refusal(
+                "bad_request",
+                format!("the request is longer than {LINE_BYTES_MAX} bytes"),
+            ));
+        }
+        Ok(Ok(_)) => {}
+    }
+    serde_json::from_slice(&line).map_err(|e| refusal("bad_request", e.to_string()))
+}
+
+async fn answer(gate: &GateConfig, tx: &mpsc::UnboundedSender<Input>, req: Request) -> Reply {
+    let run = async {
+        req.ask.check()?;
+        let role = authenticate(gate, &req.token).await?;
+        if req.ask.operator_only() && role != "operator" {
+            return Err(refusal(
+                "forbidden",
+                format!(
+                    "an interrupt or a budget change needs an operator token; this is an {role} token"
+                ),
+            ));
+        }
+        let (reply, answer) = oneshot::channel();
+        let asked = Asked {
+            trajectory: req.trajectory,
+            ask: req.ask,
+            reply,
+        };
+        tx.send(Input::Ask(asked))
+            .map_err(|_| refusal("ended", "the runner is stopping"))?;
+        answer
+            .await
+            .map_err(|_| refusal("ended", "the runner is stopping"))?
+    };
+    match run.await {
+        Ok(v) => Reply::Ok(v),
+        Err(e) => Reply::Error(e),
+    }
+}
+
+/// The token's role, as the daemon says (`hello`); a token it refuses is refused here.
+async fn authenticate(gate: &GateConfig, token: &str) -> Result<String, Refusal> {
+    let (target, token) = (gate.target.clone(), token.to_string());
+    tokio::task::spawn_blocking(move || {
+        let mut c = estop_server::client::Client::connect(&target)
+            .map_err(|e| refusal("unauthenticated", format!("the gate cannot be asked: {e}")))?;
+        c.hello(&token)
+            .map(|h| h.role)
+            .map_err(|e| refusal("unauthenticated", e.to_string()))
+    })
+    .await
+    .unwrap_or_else(|e| Err(refusal("unauthenticated", e.to_string())))
+}
+
+/// Sends one request to the runner whose journal is `dir` and returns its answer.
+pub fn ask(dir: &Path, req: &Request) -> Result<Value, AskError> {
+    use std::io::{BufRead, Write};
+    let path: PathBuf = dir.join(SOCKET);
+    let mut s = std::os::unix::net::UnixStream::connect(&path).map_err(|e| AskError::NoRunner {
+        path: path.display().to_string(),
+        source: e,
+    })?;
+    let mut line = serde_json::to_vec(req).expect("a request serializes");
+    line.push(b'\n');
+    s.write_all(&line)?;
+    let mut back = String::new();
+    std::io::BufReader::new(s).read_line(&mut back)?;
+    match serde_json::from_str::<Reply>(&back) {
+        Ok(Reply::Ok(v)) => Ok(v),
+        Ok(Reply::Error(r)) => Err(AskError::Refused(r)),
+        Err(e) => Err(AskError::Io(std::io::Error::other(format!(
+            "an answer that is not one: {e}"
+        )))),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AskError {
+    #[error(
+        "no runner is listening on {path} ({source}); is `estop agent run` running with this journal?"
+    )]
+    NoRunner {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Refused(Refusal),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}

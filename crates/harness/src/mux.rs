@@ -1,0 +1,297 @@
+//! One asynchronous connection to the gate for every trajectory's event subscription and
+//! approval wait, instead of a blocking thread (and a connection) each: requests go out
+//! pipelined with their ids and replies are matched back by id; events are routed by run.
+//!
+//! An approval wait holds no request open: the run's subscription says when its held calls
+//! may have moved (a decision, an expiry, a stop, a resume), and only then is each asked about
+//! with a `wait` of 0 ms, which answers at once. So 10,000 trajectories waiting for a human
+//! cost 10,000 entries in a map and nothing in flight at the gate.
+
+use crate::gate::{GateConfig, control_of, decision_of, op};
+use crate::record::Decision;
+use crate::runner::Input;
+use estop_protocol::server_line::{ServerLine, parse_server_line};
+use estop_protocol::{Event, EventKind, Id, Op, ReplyBody, Secret, Verb};
+use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+/// Requests in flight on the connection at once: under the gate's
+/// `outstanding_per_connection_max` (1024), so the gate never refuses one for that.
+const OUTSTANDING_MAX: usize = 1000;
+/// Longest line the gate may send.
+const LINE_BYTES_MAX: usize = 1 << 20;
+
+type Waiting = HashMap<u64, (Verb, oneshot::Sender<Result<ReplyBody, String>>)>;
+
+/// The connection: cheap to clone; closes when the gate goes (every request then fails).
+#[derive(Clone)]
+pub struct Mux {
+    out: mpsc::UnboundedSender<Vec<u8>>,
+    next_id: Arc<AtomicU64>,
+    waiting: Arc<Mutex<Waiting>>,
+    slots: Arc<Semaphore>,
+}
+
+impl Mux {
+    /// Connects, authenticates, and returns the connection and the stream of its events.
+    pub async fn connect(
+        gate: &GateConfig,
+    ) -> Result<(Mux, mpsc::UnboundedReceiver<Event>), String> {
+        let t = &gate.target;
+        let (r, w): (
+            Box<dyn AsyncRead + Send + Unpin>,
+            Box<dyn AsyncWrite + Send + Unpin>,
+        ) = if t.contains('/') || std::path::Path::new(t).exists() {
+            let (r, w) = tokio::net::UnixStream::connect(t)
+                .await
+                .map_err(|e| format!("cannot connect to {t}: {e}"))?
+                .into_split();
+            (Box::new(r), Box::new(w))
+        } else {
+            let (r, w) = tokio::net::TcpStream::connect(t)
+                .await
+                .map_err(|e| format!("cannot connect to {t}: {e}"))?
+                .into_split();
+            (Box::new(r), Box::new(w))
+        };
+        let (out, lines) = mpsc::unbounded_channel();
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let waiting = Arc::new(Mutex::new(Waiting::new()));
+        tokio::spawn(write_lines(w, lines));
+        tokio::spawn(read_lines(r, waiting.clone(), events_tx));
+        let mux = Mux {
+            out,
+            next_id: Arc::new(AtomicU64::new(1)),
+            waiting,
+            slots: Arc::new(Semaphore::new(OUTSTANDING_MAX)),
+        };
+        mux.request(Op::Hello {
+            token: Secret::new(&gate.token),
+        })
+        .await?;
+        Ok((mux, events))
+    }
+
+    /// Sends `op` and waits for its reply; a refusal or a closed connection is an error.
+    pub async fn request(&self, op: Op) -> Result<ReplyBody, String> {
+        let _slot = self.slots.acquire().await.map_err(|e| e.to_string())?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        lock(&self.waiting).insert(id, (op.verb(), tx));
+        if self.out.send(op.to_line(&Id::from_u64(id))).is_err() {
+            lock(&self.waiting).remove(&id);
+            return Err("the connection to the gate is closed".into());
+        }
+        rx.await
+            .unwrap_or_else(|_| Err("the connection to the gate is closed".into()))
+    }
+}
+
+fn lock(w: &Mutex<Waiting>) -> std::sync::MutexGuard<'_, Waiting> {
+    w.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+async fn write_lines(
+    mut w: Box<dyn AsyncWrite + Send + Unpin>,
+    mut lines: mpsc::UnboundedReceiver<Vec<u8>>,
+) {
+    while let Some(line) = lines.recv().await {
+        if w.write_all(&line).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Replies to their requests by id, events to the event stream; when the connection ends,
+/// every request still waiting fails.
+async fn read_lines(
+    r: Box<dyn AsyncRead + Send + Unpin>,
+    waiting: Arc<Mutex<Waiting>>,
+    events: mpsc::UnboundedSender<Event>,
+) {
+    let mut r = BufReader::new(r);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let read = tokio::io::AsyncReadExt::take(&mut r, LINE_BYTES_MAX as u64)
+            .read_until(b'\n', &mut line)
+            .await;
+        if !matches!(read, Ok(n) if n > 0 && line.ends_with(b"\n")) {
+            break;
+        }
+        let Ok(parsed) = parse_server_line(&line[..line.len() - 1]) else {
+            break;
+        };
+        match parsed {
+            ServerLine::Event(e) => {
+                let _ = events.send(e);
+            }
+            ServerLine::Reply(reply) => {
+                // A reply without an id says why the gate closes the connection.
+                let Some(id) = reply.id.as_u64() else { break };
+                let Some((verb, to)) = lock(&waiting).remove(&id) else {
+                    continue;
+                };
+                let answer = match (&reply.error, reply.ok) {
+                    (_, true) => ReplyBody::decode(verb, &reply).map_err(|e| e.to_string()),
+                    (Some(e), false) => Err(format!("{}: {}", e.code, e.message)),
+                    (None, false) => Err(format!("a refusal without an error: {}", reply.raw)),
+                };
+                let _ = to.send(answer);
+            }
+        }
+    }
+    lock(&waiting).clear();
+}
+
+/// What the runner asks of the gate task.
+#[derive(Debug)]
+pub enum GateAsk {
+    /// Subscribe to the run: its stops, pauses and resumes come back as control requests.
+    Watch { run: String },
+    /// Tell the runner when the held call `key` is decided.
+    Decision { run: String, key: String },
+}
+
+/// What a poll of a held call found, back to the gate task.
+enum Polled {
+    Decided(String, String, Decision),
+    Still,
+}
+
+/// The gate task: owns the connection (made on first use, again after it closed), the
+/// subscriptions and the held calls waited for; hands controls and decisions to the runner.
+pub async fn gate_task(
+    gate: GateConfig,
+    mut asks: mpsc::UnboundedReceiver<GateAsk>,
+    runner: mpsc::UnboundedSender<Input>,
+) {
+    let mut conn: Option<(Mux, mpsc::UnboundedReceiver<Event>)> = None;
+    // Held calls waited for, by run.
+    let mut held: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let (polled_tx, mut polled) = mpsc::unbounded_channel::<Polled>();
+    loop {
+        let event = async {
+            match conn.as_mut() {
+                Some((_, ev)) => ev.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            ask = asks.recv() => {
+                let Some(ask) = ask else { return };
+                if conn.is_none() {
+                    conn = Mux::connect(&gate).await.ok();
+                }
+                let (run, key) = match ask {
+                    GateAsk::Watch { run } => (run, None),
+                    GateAsk::Decision { run, key } => (run, Some(key)),
+                };
+                let Some((mux, _)) = &conn else {
+                    // The gate cannot be reached: silence is no.
+                    if let Some(key) = key {
+                        let _ = runner.send(Input::Decided { id: run, call: key, decision: Decision::Canceled });
+                    }
+                    continue;
+                };
+                match key {
+                    None => {
+                        let (mux, run) = (mux.clone(), run.clone());
+                        tokio::spawn(async move { mux.request(op(Verb::Subscribe, &json!({"run": run}))?).await });
+                    }
+                    Some(key) => {
+                        held.entry(run.clone()).or_default().insert(key.clone());
+                        tokio::spawn(poll(mux.clone(), run, key, polled_tx.clone()));
+                    }
+                }
+            }
+            e = event => match e {
+                Some(e) => on_event(&conn.as_ref().expect("connected").0, e, &held, &runner, &polled_tx),
+                None => {
+                    // The gate went away: every held call waited for is a refusal.
+                    conn = None;
+                    for (run, keys) in std::mem::take(&mut held) {
+                        for key in keys {
+                            let _ = runner.send(Input::Decided { id: run.clone(), call: key, decision: Decision::Canceled });
+                        }
+                    }
+                }
+            },
+            Some(p) = polled.recv() => {
+                if let Polled::Decided(run, key, decision) = p {
+                    let known = held.get_mut(&run).is_some_and(|k| k.remove(&key));
+                    if held.get(&run).is_some_and(BTreeSet::is_empty) {
+                        held.remove(&run);
+                    }
+                    if known {
+                        let _ = runner.send(Input::Decided { id: run, call: key, decision });
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An event of a run: a stop, pause or resume is a control request; whatever it is, the run's
+/// held calls may have moved, so each is asked about again.
+fn on_event(
+    mux: &Mux,
+    e: Event,
+    held: &BTreeMap<String, BTreeSet<String>>,
+    runner: &mpsc::UnboundedSender<Input>,
+    polled: &mpsc::UnboundedSender<Polled>,
+) {
+    for key in held.get(&e.run).into_iter().flatten() {
+        tokio::spawn(poll(
+            mux.clone(),
+            e.run.clone(),
+            key.clone(),
+            polled.clone(),
+        ));
+    }
+    if !matches!(
+        e.event,
+        EventKind::Cancelled | EventKind::Finalizing | EventKind::Paused | EventKind::Resumed
+    ) {
+        return;
+    }
+    let (mux, runner) = (mux.clone(), runner.clone());
+    tokio::spawn(async move {
+        let stop = matches!(e.event, EventKind::Cancelled | EventKind::Finalizing);
+        let killed = stop && killed(&mux, &e.run).await;
+        if let Some(control) = control_of(&e, killed) {
+            let _ = runner.send(Input::Control { id: e.run, control });
+        }
+    });
+}
+
+/// A kill is a cancel on the wire; the run's stop cause tells them apart.
+async fn killed(mux: &Mux, run: &str) -> bool {
+    let Ok(status) = op(Verb::Status, &json!({"run": run})) else {
+        return false;
+    };
+    matches!(mux.request(status).await, Ok(ReplyBody::Status(v)) if v.cause.as_deref() == Some("killed"))
+}
+
+/// Asks about one held call with a `wait` that answers at once.
+async fn poll(mux: Mux, run: String, key: String, to: mpsc::UnboundedSender<Polled>) {
+    let asked = op(
+        Verb::Wait,
+        &json!({"run": run, "key": key, "timeout_ms": 0}),
+    );
+    let polled = match asked {
+        Ok(o) => match mux.request(o).await {
+            Ok(ReplyBody::VerdictReply(v)) => match decision_of(v) {
+                Some(d) => Polled::Decided(run, key, d),
+                None => Polled::Still,
+            },
+            _ => Polled::Decided(run, key, Decision::Canceled),
+        },
+        Err(_) => Polled::Decided(run, key, Decision::Canceled),
+    };
+    let _ = to.send(polled);
+}
