@@ -71,6 +71,7 @@ impl Mux {
         };
         mux.request(Op::Hello {
             token: Secret::new(&gate.token),
+            run: None,
         })
         .await?;
         Ok((mux, events))
