@@ -141,6 +141,19 @@ async def test_adk_effects_in_a_tool_body_are_keyed_from_the_call(gate, daemon, 
     assert charged == [5, 5]
 
 
+async def _cancelled_mid_call(gate, daemon, run_id, tools, plugins, reached):
+    """Runs one `charge` call, cancels the invocation once `reached` is set, and returns the
+    run's after-stop report."""
+    r = runner([[call("charge", "c1", amount=7)]], tools, plugins)
+    s = await r.session_service.create_session(app_name="ops", user_id="u")
+    task = asyncio.ensure_future(eadk.run(r, gate=gate, run_id=run_id, user_id="u", session_id=s.id, new_message=user("charge")))
+    await asyncio.wait_for(reached.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return await asyncio.to_thread(daemon.operator.report, run_id)
+
+
 async def test_adk_call_cancelled_mid_tool_is_unknown_not_error(gate, daemon, run_id):
     """The invocation is cancelled while an async tool is inside its body (its write may have
     landed). ADK tells the plugin through `on_tool_error_callback` with the `CancelledError`; the
@@ -155,14 +168,7 @@ async def test_adk_call_cancelled_mid_tool_is_unknown_not_error(gate, daemon, ru
         await asyncio.sleep(30)  # the payment API is slow; its write may already have landed
         return "charged"
 
-    r = runner([[call("charge", "c1", amount=7)]], [charge], [eadk.EstopPlugin()])
-    s = await r.session_service.create_session(app_name="ops", user_id="u")
-    task = asyncio.ensure_future(eadk.run(r, gate=gate, run_id=run_id, user_id="u", session_id=s.id, new_message=user("charge")))
-    await asyncio.wait_for(entered.wait(), 10)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    rep = await asyncio.to_thread(daemon.operator.report, run_id)
+    rep = await _cancelled_mid_call(gate, daemon, run_id, [charge], [eadk.EstopPlugin()], entered)
     assert [e["tool"] for e in rep["unknown"]] == ["charge"], rep
     assert rep["failed"] == [] and rep["in_flight"] == [] and rep["done"] == [], rep
     assert daemon.operator.status(run_id)["state"] != "cancelled"
@@ -190,13 +196,6 @@ async def test_adk_call_no_callback_reports_is_settled_unknown_with_the_invocati
         ran.append(amount)
         return "charged"
 
-    r = runner([[call("charge", "c1", amount=7)]], [charge], [Audit(name="audit"), eadk.EstopPlugin()])
-    s = await r.session_service.create_session(app_name="ops", user_id="u")
-    task = asyncio.ensure_future(eadk.run(r, gate=gate, run_id=run_id, user_id="u", session_id=s.id, new_message=user("charge")))
-    await asyncio.wait_for(audited.wait(), 10)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    rep = await asyncio.to_thread(daemon.operator.report, run_id)
+    rep = await _cancelled_mid_call(gate, daemon, run_id, [charge], [Audit(name="audit"), eadk.EstopPlugin()], audited)
     assert ran == [7]
     assert [e["tool"] for e in rep["unknown"]] == ["charge"] and rep["in_flight"] == [], rep

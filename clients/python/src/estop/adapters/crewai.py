@@ -309,18 +309,8 @@ class FlowApproval:
     """A CrewAI `HumanFeedbackProvider` that makes an estop approval the `@human_feedback`
     pause of a Flow (see the module doc). `effect`: the effect at the gate; the reviewed
     method's output is its arguments (JSON). `run_id`: the estop run (default: the flow's id).
-
-        approval = ecr.FlowApproval(effect="wire_money")
-
-        class Payout(Flow):
-            @start()
-            @human_feedback(message="Wire the refund?", provider=approval)
-            def propose(self):
-                return {"to": "acct-9", "amount": 100}
-
-            @listen(propose)
-            def pay(self):
-                return approval.perform(self, lambda args: wire(**args))
+    Use it as `@human_feedback(message=..., provider=approval)` on the method that proposes the
+    call, and call `approval.perform(self, fn)` in the listener that does it.
     """
 
     def __init__(self, *, effect: str, gate: Estop | None = None, run_id: str | None = None) -> None:
