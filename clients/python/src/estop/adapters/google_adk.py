@@ -54,7 +54,7 @@ except ImportError as e:
 
 from ..effect import EffectCall, call_key, encode_result, gate_async, make_call, shielded
 from ..errors import EstopError, HeldForApproval, InDoubt, Interrupted, Refused, RunStopped
-from ..run import Estop, Run, current_run, step
+from ..run import Estop, Invocation, Run, current_invocation, current_run, step
 from ._common import STOP_ON, admit_turn, aguarded, await_released, hold_payload, resolve_run
 
 __all__ = ["EstopPlugin", "CONFIRMATION", "holds", "resolve", "run"]
@@ -74,7 +74,7 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         super().__init__(name=name)
         self.effects = dict(effects or {})
         self.approval = set(approval)
-        self._started: dict[tuple[str, str], tuple[EffectCall, str, Any]] = {}
+        self._started: dict[tuple[str, str], tuple[EffectCall, str, Any, Invocation | None]] = {}
 
     def _call(self, tool: Any, tool_args: dict[str, Any], tool_context: Any) -> tuple[EffectCall, str | None]:
         run = current_run()
@@ -129,7 +129,7 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         scope = step(f"call:{call_id}") if call_id else None
         if scope is not None:
             scope.__enter__()
-        self._started[(call.run.id, call.key)] = (call, g.token, scope)
+        self._started[(call.run.id, call.key)] = (call, g.token, scope, current_invocation())
         return None
 
     async def _complete(self, tool: Any, tool_args: dict[str, Any], tool_context: Any, outcome: str, **kw: Any) -> None:
@@ -137,7 +137,7 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         started = self._started.pop((call.run.id, call.key), None)
         if started is None:
             return
-        call, token, scope = started
+        call, token, scope, _ = started
         if scope is not None:
             with contextlib.suppress(ValueError):  # (left in another context: nothing to reset)
                 scope.__exit__(None, None, None)
@@ -158,13 +158,14 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         await self._complete(tool, tool_args, tool_context, "error", error=f"{type(error).__name__}: {error}"[:4000])
         return None
 
-    async def settle_abandoned(self, run: Run, why: str) -> None:
-        """Reports `unknown` for every call of `run` (and its children) started by this plugin
-        whose end no callback reported: what an invocation ended by a cancel, a timeout or Ctrl-C
-        left in flight (`run` calls it as the invocation ends)."""
-        mine = [k for k in self._started if k[0] == run.id or k[0].startswith(run.id + ".")]
+    async def settle_abandoned(self, invocation: Invocation, why: str) -> None:
+        """Reports `unknown` for every call of `invocation` started by this plugin whose end no
+        callback reported: what an invocation ended by a cancel, a timeout or Ctrl-C left in
+        flight (`run` calls it as the invocation ends; another invocation's calls are not
+        touched)."""
+        mine = [k for k, v in self._started.items() if v[3] is invocation]
         for k in mine:
-            call, token, _ = self._started.pop(k)
+            call, token, _, _ = self._started.pop(k)
             with contextlib.suppress(EstopError):
                 await shielded(call.run.gate.aclient.complete(call.run.id, call.key, token, "unknown", error=why))
 
@@ -216,12 +217,15 @@ async def run(runner: Any, *, gate: Estop | None = None, run_id: str | Run | Non
         return [ev async for ev in runner.run_async(**kw)]
 
     plugins = [p for p in getattr(getattr(runner, "plugin_manager", None), "plugins", None) or [] if isinstance(p, EstopPlugin)]
+    ended: list[Invocation] = []
     try:
-        async with aguarded(r, stop_on=stop_on):
+        async with aguarded(r, stop_on=stop_on) as inv:
+            ended.append(inv)
             return await (asyncio.wait_for(collect(), timeout_s) if timeout_s else collect())
     except BaseException as e:
         # A call whose end no callback reported (cancelled where ADK does not tell its plugins)
         # is settled `unknown` with the invocation; the run goes on.
         for p in plugins:
-            await p.settle_abandoned(r, f"the invocation ended ({type(e).__name__}) while the call was in flight")
+            for inv in ended:
+                await p.settle_abandoned(inv, f"the invocation ended ({type(e).__name__}) while the call was in flight")
         raise
