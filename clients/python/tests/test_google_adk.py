@@ -199,3 +199,45 @@ async def test_adk_call_no_callback_reports_is_settled_unknown_with_the_invocati
     rep = await _cancelled_mid_call(gate, daemon, run_id, [charge], [Audit(name="audit"), eadk.EstopPlugin()], audited)
     assert ran == [7]
     assert [e["tool"] for e in rep["unknown"]] == ["charge"] and rep["in_flight"] == [], rep
+
+
+async def test_adk_thread_tool_cancelled_mid_body_is_unknown_and_its_later_effects_refused(gate, daemon, run_id):
+    """A sync tool in ADK's thread pool (`RunConfig(tool_thread_pool_config=...)`) runs on in its
+    thread after the invocation is cancelled. The call is `unknown` at the gate; the charge the
+    thread reaches after the cancel (an `@estop.effect`) is refused, so nothing lands after the
+    stop."""
+    from google.adk.agents.run_config import RunConfig, ToolThreadPoolConfig
+
+    entered, go, finished = asyncio.Event(), threading.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+    charged, outcome = [], []
+
+    @estop.effect(tool="card_charge")
+    def card_charge(amount: int) -> str:
+        charged.append(amount)
+        return "ch_1"
+
+    def charge(amount: int) -> str:
+        """Charge the card (a slow sync client)."""
+        loop.call_soon_threadsafe(entered.set)
+        go.wait(10)
+        try:
+            return card_charge(amount)
+        except BaseException as e:
+            outcome.append(type(e).__name__)
+            raise
+        finally:
+            finished.set()
+
+    r = runner([[call("charge", "c1", amount=7)]], [charge], [eadk.EstopPlugin()])
+    s = await r.session_service.create_session(app_name="ops", user_id="u")
+    task = asyncio.ensure_future(eadk.run(r, gate=gate, run_id=run_id, user_id="u", session_id=s.id, new_message=user("charge"), run_config=RunConfig(tool_thread_pool_config=ToolThreadPoolConfig())))
+    await asyncio.wait_for(entered.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    go.set()
+    assert await asyncio.to_thread(finished.wait, 10)
+    assert charged == [] and outcome == ["Interrupted"], (charged, outcome)
+    rep = await asyncio.to_thread(daemon.operator.report, run_id)
+    assert [e["tool"] for e in rep["unknown"]] == ["charge"] and rep["in_flight"] == [] and rep["done"] == [], rep
