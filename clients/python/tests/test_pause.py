@@ -713,7 +713,8 @@ async def test_pydantic_ai_whole_turn_is_admitted_before_any_call_starts(gate, d
     assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]
 
 
-def test_openai_agents_whole_turn_is_admitted_before_any_call_starts(gate, daemon, run_id):
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_openai_agents_whole_turn_is_admitted_before_any_call_starts(gate, daemon, run_id, streamed):
     """The Agents SDK asks each call's `needs_approval` in the call's own task; here the
     transfer's own `needs_approval` callable takes a while (a lookup), so the email's task reaches
     the gate first. Without whole-turn admission the email was admitted, started and sent before
@@ -745,7 +746,16 @@ def test_openai_agents_whole_turn_is_admitted_before_any_call_starts(gate, daemo
 
     turn = [function_call("notify", {"to": "ops"}, call_id="n1"), function_call("wire_money", {"to": "acct-9", "amount": 100}, call_id="w1")]
     agent = Agent(name="ops", model=ScriptedModel([ModelStep(output=turn), ModelStep(output=[assistant_message("done")])]), tools=eo.gate_tools([notify, wire_money]))
-    r = asyncio.run(eo.run(agent, "pay and tell", gate=gate, run_id=run_id))
+
+    async def first():
+        if not streamed:
+            return await eo.run(agent, "pay and tell", gate=gate, run_id=run_id)
+        st = eo.run_streamed(agent, "pay and tell", gate=gate, run_id=run_id)
+        async for _ in st.stream_events():
+            pass
+        return st.result
+
+    r = asyncio.run(first())
     assert sent == [], "nothing of the turn ran while its approval was pending"
     assert sorted(i.tool_name for i in r.interruptions) == ["notify", "wire_money"]
     assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]
