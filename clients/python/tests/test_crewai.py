@@ -227,3 +227,83 @@ async def test_crewai_hold_timeout_blocks_the_call_and_leaves_the_approval_pendi
     await ecr.kickoff(crew(m, _tools(sent)), gate=gate, run_id=run_id, hooks=ecr.EstopHooks(approval={"wire_money"}, hold_timeout_s=0.3))
     assert sent == [] and "held for an operator's decision" in _tool_messages(m)["w1"]
     assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]
+
+
+def _payout_flow(gate, wired):
+    """A CrewAI Flow whose transfer is held by estop through CrewAI's own `@human_feedback`
+    pause (a provider that raises `HumanFeedbackPending`; the flow's state is persisted)."""
+    from crewai.flow import Flow, human_feedback, listen, start
+
+    approval = ecr.FlowApproval(effect="wire_money", gate=gate)
+
+    class Payout(Flow):
+        @start()
+        @human_feedback(message="Wire the refund?", provider=approval)
+        def propose(self):
+            return {"to": "acct-9", "amount": 100}
+
+        @listen(propose)
+        def pay(self):
+            return approval.perform(self, lambda args: wired.append(args["amount"]) or "wired")
+
+    return Payout
+
+
+async def test_crewai_flow_hold_survives_a_restart_and_resumes_once(daemon, tmp_path):
+    """Old: a hold waited inside the process (a restart lost it). Now a Flow's transfer is held
+    through CrewAI's `@human_feedback` pause: the flow is persisted (`HumanFeedbackPending`), a
+    new process (new gate client, new flow class) restores it with `from_pending`, waits for the
+    operator's decision in estop and resumes; the transfer runs once, and the same pending state
+    resumed again (a redelivered job) reads the receipt."""
+    import shutil
+
+    from crewai.flow import HumanFeedbackPending
+    from crewai.flow.persistence.sqlite import SQLiteFlowPersistence
+
+    wired = []
+    db = tmp_path / "flows.db"
+    gate1 = daemon.gate()
+    out = await _payout_flow(gate1, wired)(persistence=SQLiteFlowPersistence(str(db))).kickoff_async()
+    assert isinstance(out, HumanFeedbackPending) and wired == []
+    held = out.context.metadata["estop"]
+    run_id, flow_id = held["run"], out.context.flow_id
+    p = await asyncio.to_thread(wait_pending, daemon.operator, run_id)
+    assert p["key"] == held["key"] and p["tool"] == "wire_money"
+    gate1.close()
+    shutil.copy(db, tmp_path / "redelivered.db")
+
+    gate2 = daemon.gate()  # a new process: the operator decides while it waits
+    flow = _payout_flow(gate2, wired).from_pending(flow_id, SQLiteFlowPersistence(str(db)))
+    threading.Timer(0.2, daemon.operator.approve, args=(run_id, p["key"])).start()
+    assert await ecr.resume_flow(flow, gate=gate2, timeout_s=10) == "wired"
+    assert wired == [100]
+    again = _payout_flow(gate2, wired).from_pending(flow_id, SQLiteFlowPersistence(str(tmp_path / "redelivered.db")))
+    assert await ecr.resume_flow(again, gate=gate2, timeout_s=10) == "wired"
+    assert wired == [100], "the redelivered resume read the receipt"
+    gate2.close()
+
+
+async def test_crewai_flow_feedback_written_by_the_agent_decides_nothing(gate, daemon, tmp_path):
+    """The application resumes the pending flow with its own "approve": the transfer still asks
+    the gate, which holds it (the operator has not decided): `HeldForApproval`, nothing runs.
+    After the operator's reject the same pending state (saved before) is refused."""
+    import shutil
+
+    from crewai.flow import HumanFeedbackPending
+    from crewai.flow.persistence.sqlite import SQLiteFlowPersistence
+
+    wired = []
+    db = tmp_path / "flows.db"
+    out = await _payout_flow(gate, wired)(persistence=SQLiteFlowPersistence(str(db))).kickoff_async()
+    assert isinstance(out, HumanFeedbackPending)
+    held = out.context.metadata["estop"]
+    shutil.copy(db, tmp_path / "saved.db")
+    forged = _payout_flow(gate, wired).from_pending(out.context.flow_id, SQLiteFlowPersistence(str(db)))
+    with pytest.raises(estop.HeldForApproval):
+        await forged.resume_async("approve")
+    assert wired == [] and [p["key"] for p in daemon.operator.pending(held["run"])] == [held["key"]]
+    await asyncio.to_thread(daemon.operator.reject, held["run"], held["key"])
+    flow = _payout_flow(gate, wired).from_pending(out.context.flow_id, SQLiteFlowPersistence(str(tmp_path / "saved.db")))
+    with pytest.raises(estop.Rejected):
+        await ecr.resume_flow(flow, gate=gate, timeout_s=10)
+    assert wired == []

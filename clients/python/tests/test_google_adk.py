@@ -139,3 +139,105 @@ async def test_adk_effects_in_a_tool_body_are_keyed_from_the_call(gate, daemon, 
         evs = await eadk.run(r, gate=gate, run_id=run_id, user_id="u", session_id=s.id, new_message=user("bill"))
         assert tool_results(evs)[cid] == {"result": f"ch_{len(charged)}"}
     assert charged == [5, 5]
+
+
+async def _cancelled_mid_call(gate, daemon, run_id, tools, plugins, reached):
+    """Runs one `charge` call, cancels the invocation once `reached` is set, and returns the
+    run's after-stop report."""
+    r = runner([[call("charge", "c1", amount=7)]], tools, plugins)
+    s = await r.session_service.create_session(app_name="ops", user_id="u")
+    task = asyncio.ensure_future(eadk.run(r, gate=gate, run_id=run_id, user_id="u", session_id=s.id, new_message=user("charge")))
+    await asyncio.wait_for(reached.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return await asyncio.to_thread(daemon.operator.report, run_id)
+
+
+async def test_adk_call_cancelled_mid_tool_is_unknown_not_error(gate, daemon, run_id):
+    """The invocation is cancelled while an async tool is inside its body (its write may have
+    landed). ADK tells the plugin through `on_tool_error_callback` with the `CancelledError`; the
+    call must be `unknown` at the gate (an operator or a lookup settles it), never `error` (which
+    says it did not happen, so a retry would charge again) and never left in flight. The run is
+    still usable for the next invocation."""
+    entered = asyncio.Event()
+
+    async def charge(amount: int) -> str:
+        """Charge the card."""
+        entered.set()
+        await asyncio.sleep(30)  # the payment API is slow; its write may already have landed
+        return "charged"
+
+    rep = await _cancelled_mid_call(gate, daemon, run_id, [charge], [eadk.EstopPlugin()], entered)
+    assert [e["tool"] for e in rep["unknown"]] == ["charge"], rep
+    assert rep["failed"] == [] and rep["in_flight"] == [] and rep["done"] == [], rep
+    assert daemon.operator.status(run_id)["state"] != "cancelled"
+
+
+async def test_adk_call_no_callback_reports_is_settled_unknown_with_the_invocation(gate, daemon, run_id):
+    """The tool returned, but the invocation is cancelled while another plugin's after-tool
+    callback runs (ADK calls no error callback there, and estop's after-tool callback never
+    runs). The call must not stay in flight at the gate: the invocation's end settles it
+    `unknown` (the plugin never saw its result)."""
+    from google.adk.plugins.base_plugin import BasePlugin
+
+    audited = asyncio.Event()
+
+    class Audit(BasePlugin):
+        async def after_tool_callback(self, *, tool, tool_args, tool_context, result):
+            audited.set()
+            await asyncio.sleep(30)  # writes an audit record somewhere slow
+            return None
+
+    ran = []
+
+    async def charge(amount: int) -> str:
+        """Charge the card."""
+        ran.append(amount)
+        return "charged"
+
+    rep = await _cancelled_mid_call(gate, daemon, run_id, [charge], [Audit(name="audit"), eadk.EstopPlugin()], audited)
+    assert ran == [7]
+    assert [e["tool"] for e in rep["unknown"]] == ["charge"] and rep["in_flight"] == [], rep
+
+
+async def test_adk_thread_tool_cancelled_mid_body_is_unknown_and_its_later_effects_refused(gate, daemon, run_id):
+    """A sync tool in ADK's thread pool (`RunConfig(tool_thread_pool_config=...)`) runs on in its
+    thread after the invocation is cancelled. The call is `unknown` at the gate; the charge the
+    thread reaches after the cancel (an `@estop.effect`) is refused, so nothing lands after the
+    stop."""
+    from google.adk.agents.run_config import RunConfig, ToolThreadPoolConfig
+
+    entered, go, finished = asyncio.Event(), threading.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+    charged, outcome = [], []
+
+    @estop.effect(tool="card_charge")
+    def card_charge(amount: int) -> str:
+        charged.append(amount)
+        return "ch_1"
+
+    def charge(amount: int) -> str:
+        """Charge the card (a slow sync client)."""
+        loop.call_soon_threadsafe(entered.set)
+        go.wait(10)
+        try:
+            return card_charge(amount)
+        except BaseException as e:
+            outcome.append(type(e).__name__)
+            raise
+        finally:
+            finished.set()
+
+    r = runner([[call("charge", "c1", amount=7)]], [charge], [eadk.EstopPlugin()])
+    s = await r.session_service.create_session(app_name="ops", user_id="u")
+    task = asyncio.ensure_future(eadk.run(r, gate=gate, run_id=run_id, user_id="u", session_id=s.id, new_message=user("charge"), run_config=RunConfig(tool_thread_pool_config=ToolThreadPoolConfig())))
+    await asyncio.wait_for(entered.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    go.set()
+    assert await asyncio.to_thread(finished.wait, 10)
+    assert charged == [] and outcome == ["Interrupted"], (charged, outcome)
+    rep = await asyncio.to_thread(daemon.operator.report, run_id)
+    assert [e["tool"] for e in rep["unknown"]] == ["charge"] and rep["in_flight"] == [] and rep["done"] == [], rep

@@ -711,3 +711,57 @@ async def test_pydantic_ai_whole_turn_is_admitted_before_any_call_starts(gate, d
     # The transfer's approval was asked with the turn (PydanticAI may defer the delayed call
     # itself once the email deferred, before it reaches the gate).
     assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_openai_agents_whole_turn_is_admitted_before_any_call_starts(gate, daemon, run_id, streamed):
+    """The Agents SDK asks each call's `needs_approval` in the call's own task; here the
+    transfer's own `needs_approval` callable takes a while (a lookup), so the email's task reaches
+    the gate first. Without whole-turn admission the email was admitted, started and sent before
+    the transfer's approval existed; with it (the run's `on_llm_end` hook sees the model response
+    before any tool runs) the transfer's approval is asked with the turn, the email is held as its
+    sibling (an interruption of its own) and nothing is sent."""
+    from agents import Agent, function_tool
+    from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+    from estop.adapters import openai_agents as eo
+
+    sent = []
+
+    @function_tool
+    def notify(to: str) -> str:
+        """Tell someone."""
+        sent.append(to)
+        return "sent"
+
+    async def slow_policy(ctx, params, call_id) -> bool:
+        await asyncio.sleep(0.3)  # the application's own approval rule looks something up
+        return True
+
+    @function_tool(needs_approval=slow_policy)
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        sent.append(f"wire {amount}")
+        return "wired"
+
+    turn = [function_call("notify", {"to": "ops"}, call_id="n1"), function_call("wire_money", {"to": "acct-9", "amount": 100}, call_id="w1")]
+    agent = Agent(name="ops", model=ScriptedModel([ModelStep(output=turn), ModelStep(output=[assistant_message("done")])]), tools=eo.gate_tools([notify, wire_money]))
+
+    async def first():
+        if not streamed:
+            return await eo.run(agent, "pay and tell", gate=gate, run_id=run_id)
+        st = eo.run_streamed(agent, "pay and tell", gate=gate, run_id=run_id)
+        async for _ in st.stream_events():
+            pass
+        return st.result
+
+    r = asyncio.run(first())
+    assert sent == [], "nothing of the turn ran while its approval was pending"
+    assert sorted(i.tool_name for i in r.interruptions) == ["notify", "wire_money"]
+    assert [p["tool"] for p in daemon.operator.pending(run_id)] == ["wire_money"]
+    # The operator approves: both calls of the turn run once on resume.
+    state = r.to_state()
+    threading.Timer(0.2, lambda: daemon.operator.approve(run_id, wait_pending(daemon.operator, run_id)["key"])).start()
+    asyncio.run(eo.resolve(agent, state, gate=gate, run_id=run_id, timeout_s=10))
+    r2 = asyncio.run(eo.run(agent, state, gate=gate, run_id=run_id))
+    assert r2.final_output == "done" and sorted(sent) == ["ops", "wire 100"]

@@ -243,7 +243,66 @@ def operator_cancel(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
+def restart_pause(t: Trial, guarded: bool) -> int:
+    """A restart during the pause, through CrewAI's own restart-proof pause (a Flow's
+    `@human_feedback` whose provider raises `HumanFeedbackPending`; the flow persisted in
+    SQLite): after the approval the worker restores and resumes it, the transfer runs, and the
+    worker dies in the next step; the job is redelivered from the saved pause and resumed again.
+    Without estop the provider is an external approval (the human said "approve"). Leak: extra
+    transfers."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from crewai.flow import Flow, HumanFeedbackPending, human_feedback, listen, start
+    from crewai.flow.persistence.sqlite import SQLiteFlowPersistence
+
+    class External:
+        def request_feedback(self, context: Any, flow: Any) -> str:
+            raise HumanFeedbackPending(context=context)
+
+    approval = ecr.FlowApproval(effect="wire_money", gate=t.gate, run_id=t.run_id)
+
+    def wire(args: Any) -> str:
+        t.world.do("wire", args["amount"])
+        return "wired"
+
+    class Payout(Flow):  # type: ignore[type-arg]
+        @start()
+        @human_feedback(message="Wire the refund?", provider=approval if guarded else External())
+        def propose(self) -> dict[str, Any]:
+            return {"to": "acct-9", "amount": 100}
+
+        @listen(propose)
+        def pay(self) -> Any:
+            return approval.perform(self, wire) if guarded else wire(self.last_human_feedback.output)
+
+        @listen(pay)
+        def notify(self) -> None:
+            if t.world.count("wire") == 1 and not t.world.marks.get("died"):
+                t.world.marks["died"] = 1
+                raise ConnectionError("worker lost")  # before the finished flow is saved
+
+    async def main(tmp: Path) -> None:
+        out = await Payout(persistence=SQLiteFlowPersistence(str(tmp / "flows.db"))).kickoff_async()
+        assert isinstance(out, HumanFeedbackPending), "expected the approval pause"
+        shutil.copy(tmp / "flows.db", tmp / "job.db")  # the queued job: the saved pause
+        if guarded:
+            await asyncio.to_thread(t.operator.approve, t.run_id, t.pending("wire_money")["key"])
+        for db in ("flows.db", "job.db"):  # the first worker, then the redelivered job
+            flow = Payout.from_pending(out.context.flow_id, SQLiteFlowPersistence(str(tmp / db)))
+            try:
+                await (ecr.resume_flow(flow, gate=t.gate, timeout_s=10) if guarded else flow.resume_async("approve"))
+            except ConnectionError:
+                pass
+
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(main(Path(tmp)))
+    return t.world.count("wire") - 1
+
+
 SCENARIOS = {
+    "restart_pause": restart_pause,
     "sibling": sibling,
     "reject": reject,
     "replay": replay,

@@ -26,6 +26,16 @@ as an invocation of an estop run.
   the approval stays pending).
 * The model turn's tool calls (the assistant message) are all admitted before any starts, so an
   approval holds its parallel siblings whatever order CrewAI's thread pool runs them in.
+* A hold that survives a restart is a Flow's: `FlowApproval` is a CrewAI `HumanFeedbackProvider`
+  for `@human_feedback`, CrewAI's public async pause. The reviewed method's output is the
+  call's arguments; the provider asks estop for an approval and raises `HumanFeedbackPending`
+  (CrewAI persists the flow; the estop key is in the context's `metadata["estop"]`). In any
+  process, `Flow.from_pending(flow_id, persistence)` restores it and `await resume_flow(flow)`
+  waits for the operator's decision (gate events) and resumes; the listener performs the call
+  with `approval.perform(self, fn)`, which asks the gate again with the same key: approved, it
+  runs once (a second resume of the same saved state reads the receipt); rejected, `Rejected`;
+  still held (the application resumed with its own "approve"), `HeldForApproval` and nothing
+  runs.
 * `kickoff` / `kickoff_sync` run the crew as an invocation of the run, with the hooks scoped to
   it (CrewAI's `scoped_hooks`, carried into CrewAI's worker threads by `contextvars`): a
   timeout, a task cancel or Ctrl-C interrupts the invocation and the run stays usable; only
@@ -53,12 +63,13 @@ try:
 except ImportError as e:
     raise missing_extra("crewai", "CrewAI", "crewai", e) from e
 
-from ..effect import EffectCall, call_key, encode_result, gate_sync, make_call
-from ..errors import EffectFailed, EstopError, EstopTimeout, InDoubt, Interrupted, Refused, RunStopped
+from ..effect import EffectCall, admit_prepared_sync, call_key, encode_result, gate_sync, make_call, run_sync
+from ..errors import EffectFailed, EstopError, EstopTimeout, HeldForApproval, InDoubt, Interrupted, Refused, RunStopped
+from ..verdicts import Held, RefusedVerdict
 from ..run import Estop, Run, current_invocation, current_run, step
-from ._common import STOP_ON, admit_turn_sync, aguarded, guarded, resolve_run
+from ._common import STOP_ON, admit_turn_sync, aguarded, await_released, guarded, hold_payload, resolve_run
 
-__all__ = ["EstopHooks", "kickoff", "kickoff_sync"]
+__all__ = ["EstopHooks", "FlowApproval", "kickoff", "kickoff_sync", "resume_flow"]
 
 log = logging.getLogger("estop.adapters.crewai")
 
@@ -289,3 +300,79 @@ def kickoff_sync(crew: Any, *, gate: Estop | None = None, run_id: str | Run | No
         raise
     _stopped(r, None)
     return out
+
+
+# -- a hold that survives a restart: CrewAI Flow's `@human_feedback` pause -----------------------
+
+
+class FlowApproval:
+    """A CrewAI `HumanFeedbackProvider` that makes an estop approval the `@human_feedback`
+    pause of a Flow (see the module doc). `effect`: the effect at the gate; the reviewed
+    method's output is its arguments (JSON). `run_id`: the estop run (default: the flow's id).
+    Use it as `@human_feedback(message=..., provider=approval)` on the method that proposes the
+    call, and call `approval.perform(self, fn)` in the listener that does it.
+    """
+
+    def __init__(self, *, effect: str, gate: Estop | None = None, run_id: str | None = None) -> None:
+        self.effect = effect
+        self.gate = gate
+        self.run_id = run_id
+
+    def _call(self, flow_id: str, method: str, args: Any) -> EffectCall:
+        gate = self.gate
+        if gate is None:
+            from ..run import default
+
+            gate = default()
+        rid = self.run_id or flow_id
+        return make_call(gate.run(rid), self.effect, args, key=call_key(rid, self.effect, f"flow:{method}", args), needs_approval=True)
+
+    def request_feedback(self, context: Any, flow: Any) -> str:
+        """CrewAI's question to the reviewer, answered by the gate: held → the flow pauses
+        (`HumanFeedbackPending`, persisted by CrewAI); decided before (a re-run of the same flow)
+        → the decision."""
+        call = self._call(context.flow_id, context.method_name, context.method_output)
+        v = admit_prepared_sync(call)
+        if isinstance(v, Held):
+            _pause(context, HeldForApproval(call.run.id, call.key, call.tool, v), call.args)
+        if isinstance(v, RefusedVerdict):
+            return {"rejected": "reject"}.get(v.reason, v.reason)
+        return "approve"
+
+    def perform(self, flow: Any, fn: Any) -> Any:
+        """Runs `fn(args)` (the reviewed output) as the approved call, in a listener of the
+        `@human_feedback` method: the gate decides, whatever feedback the flow was resumed
+        with. Approved: runs once, its result recorded (a repeat returns it); rejected:
+        `Rejected`; still held (the flow was resumed with an answer the operator did not give):
+        `HeldForApproval`, nothing runs and the estop approval stays pending."""
+        review = flow.last_human_feedback
+        if review is None:
+            raise ValueError("FlowApproval.perform runs in a listener of the @human_feedback method it reviews")
+        call = self._call(flow.flow_id, review.method_name, review.output)
+        return run_sync(call, lambda: fn(review.output), on_hold="raise")
+
+
+def _pause(context: Any, h: HeldForApproval, args: Any) -> None:
+    from crewai.flow import HumanFeedbackPending
+
+    context.metadata = {**(context.metadata or {}), **hold_payload(h, args)}
+    raise HumanFeedbackPending(context=context, callback_info=dict(context.metadata["estop"]))
+
+
+async def resume_flow(flow: Any, *, gate: Estop | None = None, timeout_s: float | None = None) -> Any:
+    """Waits for the operator's decision on the estop hold a restored flow is paused at
+    (`Flow.from_pending(...)`; gate events, no polling), then `flow.resume_async(decision)`
+    and returns what it returns (its result, or `HumanFeedbackPending` at the next pause).
+    `EstopTimeout` if undecided within `timeout_s` (the flow stays pending)."""
+    context = flow.pending_feedback
+    held = (getattr(context, "metadata", None) or {}).get("estop") if context is not None else None
+    if not isinstance(held, dict):
+        raise ValueError("this flow is not paused at an estop hold (restore it with Flow.from_pending)")
+    if gate is None:
+        from ..run import default
+
+        gate = default()
+    decided = await await_released(gate, held["run"], [held["key"]], timeout_s)
+    if held["key"] not in decided:
+        raise EstopTimeout(f"{held['tool']} in run {held['run']!r} still held after {timeout_s} s")
+    return await flow.resume_async(decided[held["key"]])

@@ -26,6 +26,11 @@
 * `run` runs `runner.run_async(...)` as an invocation of the estop run: a task cancel, a
   timeout or Ctrl-C interrupts the invocation and the run stays usable; `run.cancel()` or an
   operator stops it. (ADK has no "stop this run" API of its own.)
+* A call cancelled mid-tool (ADK passes its `CancelledError` to `on_tool_error_callback`) is
+  `unknown` at the gate, never `error`: its write may have landed. A call whose end no callback
+  reported is settled `unknown` when `run`'s invocation ends. (A sync tool in ADK's thread pool
+  runs on after the cancel; ADK's hooks do not see its end, so it stays `unknown` for an
+  operator; the `@estop.effect`s in its body settle themselves.)
 * The model turn's function calls (the session's latest model event) are all admitted before any
   of them starts, so an approval holds its parallel siblings whatever order ADK runs them in.
 * `@estop.effect`s a gated tool's body calls are keyed from its call (step
@@ -49,7 +54,7 @@ except ImportError as e:
 
 from ..effect import EffectCall, call_key, encode_result, gate_async, make_call, shielded
 from ..errors import EstopError, HeldForApproval, InDoubt, Interrupted, Refused, RunStopped
-from ..run import Estop, Run, current_run, step
+from ..run import Estop, Invocation, Run, current_invocation, current_run, step
 from ._common import STOP_ON, admit_turn, aguarded, await_released, hold_payload, resolve_run
 
 __all__ = ["EstopPlugin", "CONFIRMATION", "holds", "resolve", "run"]
@@ -69,7 +74,7 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         super().__init__(name=name)
         self.effects = dict(effects or {})
         self.approval = set(approval)
-        self._started: dict[tuple[str, str], tuple[EffectCall, str, Any]] = {}
+        self._started: dict[tuple[str, str], tuple[EffectCall, str, Any, Invocation | None]] = {}
 
     def _call(self, tool: Any, tool_args: dict[str, Any], tool_context: Any) -> tuple[EffectCall, str | None]:
         run = current_run()
@@ -124,7 +129,7 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         scope = step(f"call:{call_id}") if call_id else None
         if scope is not None:
             scope.__enter__()
-        self._started[(call.run.id, call.key)] = (call, g.token, scope)
+        self._started[(call.run.id, call.key)] = (call, g.token, scope, current_invocation())
         return None
 
     async def _complete(self, tool: Any, tool_args: dict[str, Any], tool_context: Any, outcome: str, **kw: Any) -> None:
@@ -132,7 +137,7 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         started = self._started.pop((call.run.id, call.key), None)
         if started is None:
             return
-        call, token, scope = started
+        call, token, scope, _ = started
         if scope is not None:
             with contextlib.suppress(ValueError):  # (left in another context: nothing to reset)
                 scope.__exit__(None, None, None)
@@ -143,9 +148,26 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         await self._complete(tool, tool_args, tool_context, "ok", result=encode_result(result))
         return None
 
-    async def on_tool_error_callback(self, *, tool: Any, tool_args: dict[str, Any], tool_context: Any, error: Exception) -> dict[str, Any] | None:
+    async def on_tool_error_callback(self, *, tool: Any, tool_args: dict[str, Any], tool_context: Any, error: BaseException) -> dict[str, Any] | None:
+        if not isinstance(error, Exception):
+            # ADK reports a call cancelled mid-tool here too (its `CancelledError`): the body may
+            # have done its write, so the call is `unknown` (an operator or a lookup settles
+            # it), never `error`, which would say it did not happen.
+            await self._complete(tool, tool_args, tool_context, "unknown", error=f"cancelled mid-tool ({type(error).__name__})")
+            return None
         await self._complete(tool, tool_args, tool_context, "error", error=f"{type(error).__name__}: {error}"[:4000])
         return None
+
+    async def settle_abandoned(self, invocation: Invocation, why: str) -> None:
+        """Reports `unknown` for every call of `invocation` started by this plugin whose end no
+        callback reported: what an invocation ended by a cancel, a timeout or Ctrl-C left in
+        flight (`run` calls it as the invocation ends; another invocation's calls are not
+        touched)."""
+        mine = [k for k, v in self._started.items() if v[3] is invocation]
+        for k in mine:
+            call, token, _, _ = self._started.pop(k)
+            with contextlib.suppress(EstopError):
+                await shielded(call.run.gate.aclient.complete(call.run.id, call.key, token, "unknown", error=why))
 
 
 def _confirmations(events: Iterable[Any]) -> list[Any]:
@@ -194,5 +216,16 @@ async def run(runner: Any, *, gate: Estop | None = None, run_id: str | Run | Non
     async def collect() -> list[Any]:
         return [ev async for ev in runner.run_async(**kw)]
 
-    async with aguarded(r, stop_on=stop_on):
-        return await (asyncio.wait_for(collect(), timeout_s) if timeout_s else collect())
+    plugins = [p for p in getattr(getattr(runner, "plugin_manager", None), "plugins", None) or [] if isinstance(p, EstopPlugin)]
+    ended: list[Invocation] = []
+    try:
+        async with aguarded(r, stop_on=stop_on) as inv:
+            ended.append(inv)
+            return await (asyncio.wait_for(collect(), timeout_s) if timeout_s else collect())
+    except BaseException as e:
+        # A call whose end no callback reported (cancelled where ADK does not tell its plugins)
+        # is settled `unknown` with the invocation; the run goes on.
+        for p in plugins:
+            for inv in ended:
+                await p.settle_abandoned(inv, f"the invocation ended ({type(e).__name__}) while the call was in flight")
+        raise

@@ -25,6 +25,9 @@ decided by an estop operator; a timeout interrupts, `streamed.cancel()` stops.
   the gate, so only the operator's decision counts. (`on_hold="wait"`: the call blocks instead.)
   A rejection or other refusal is returned to the model as the tool's output; a stopped run
   raises `RunStopped`.
+* Whole-turn admission: the run's hooks (`EstopRunHooks`, installed by `run`/`run_streamed`)
+  admit every gated call of a model response in `on_llm_end`, before any of them starts, so a
+  pending approval holds its parallel siblings whatever order the SDK runs them in.
 * `run`/`run_sync`/`run_streamed` are invocations of the estop run: a cancel of the awaiting
   task, a timeout (`timeout_s`, a tool's `timeout_seconds` with `timeout_behavior=
   "raise_exception"`), breaking out of `stream_events()` or Ctrl-C *interrupts* the invocation —
@@ -38,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import re
@@ -47,6 +51,7 @@ from ._common import missing_extra
 
 try:
     from agents import Handoff, Runner
+    from agents.lifecycle import RunHooksBase
     from agents.exceptions import AgentsException
     from agents.tool import FunctionTool
 except ImportError as e:
@@ -56,9 +61,9 @@ from ..effect import EffectCall, admit_prepared, call_key, make_call, run_async
 from ..errors import EstopError, Interrupted, Refused, RunStopped
 from ..verdicts import Held
 from ..run import Estop, Invocation, Run, current_run, step
-from ._common import STOP_ON as _NO_STOP, arun_guarded, resolve_run, run_guarded
+from ._common import STOP_ON as _NO_STOP, admit_turn, arun_guarded, resolve_run, run_guarded
 
-__all__ = ["EstopStreamedRun", "agent_tool", "gate_agent", "gate_tool", "gate_tools", "holds", "run", "run_streamed", "run_sync", "resolve", "STOP_ON"]
+__all__ = ["EstopRunHooks", "EstopStreamedRun", "agent_tool", "gate_agent", "gate_tool", "gate_tools", "holds", "run", "run_streamed", "run_sync", "resolve", "STOP_ON"]
 
 #: Exceptions that cancel the run by default: none (a timeout, the SDK's `ToolTimeoutError`, a
 #: task cancel or Ctrl-C interrupt the invocation; `EstopStreamedRun.cancel()` and
@@ -110,9 +115,12 @@ def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "
         key = call_key(run, name, call_id, args) if call_id else None
         return make_call(run, name, args, key=key, needs_approval=na)
 
+    async def prepare(ctx: Any, args: Any, call_id: str) -> EffectCall:
+        return call_for(args, call_id, await wants_approval(ctx, args, call_id))
+
     async def needs_approval(ctx: Any, params: Any, call_id: str) -> bool:
         """The SDK's question "interrupt for approval?", answered by the gate: held → yes."""
-        call = call_for(params, call_id, await wants_approval(ctx, params, call_id))
+        call = await prepare(ctx, params, call_id)
         try:
             return isinstance(await admit_prepared(call), Held)
         except (RunStopped, Interrupted):
@@ -139,7 +147,68 @@ def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "
     object.__setattr__(gated, "__estop_gated__", True)
     object.__setattr__(gated, "__estop_effect__", name)
     object.__setattr__(gated, "__estop_scope__", scope)
+    object.__setattr__(gated, "__estop_prepare__", prepare)
     return gated
+
+
+class EstopRunHooks(RunHooksBase[Any, Any]):  # type: ignore[misc]
+    """Whole-turn admission (`_common.admit_turn`) through the SDK's public run hooks: the SDK
+    awaits `on_llm_end` after the model responds and before any tool of the response runs, so
+    every gated function call of the response is admitted there (prepared: admitted, not
+    started; approval calls first). Each call's own task then asks the gate (`needs_approval`,
+    the tool) after every admission of its turn, so a pending approval holds its parallel
+    siblings whatever order the SDK runs them in. `eo.run` / `run_sync` / `run_streamed` install
+    it; `inner` is the application's own `RunHooks` (`hooks=`), called as before. Pass
+    `hooks=eo.EstopRunHooks(your_hooks)` to `Runner.run` when calling it directly."""
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner
+
+    async def on_llm_end(self, context: Any, agent: Any, response: Any) -> None:
+        await _admit_response(context, agent, response)
+        if self.inner is not None:
+            await self.inner.on_llm_end(context, agent, response)
+
+
+def _delegate(name: str) -> Any:
+    async def hook(self: EstopRunHooks, *args: Any, **kw: Any) -> None:
+        if self.inner is not None:
+            await getattr(self.inner, name)(*args, **kw)
+
+    hook.__name__ = name
+    return hook
+
+
+for _name in [n for n in vars(RunHooksBase) if n.startswith("on_") and n != "on_llm_end"]:
+    setattr(EstopRunHooks, _name, _delegate(_name))
+
+
+def _with_turn_hooks(runner_kw: dict[str, Any]) -> dict[str, Any]:
+    hooks = runner_kw.get("hooks")
+    return runner_kw if isinstance(hooks, EstopRunHooks) else {**runner_kw, "hooks": EstopRunHooks(hooks)}
+
+
+async def _admit_response(context: Any, agent: Any, response: Any) -> None:
+    """Admits the gated function calls of a model response, per run they act in (a handed-off
+    agent's: its child run), before any of them starts."""
+    if current_run(required=False) is None:
+        return
+    tools = {t.name: t for t in getattr(agent, "tools", None) or [] if getattr(t, "__estop_prepare__", None)}
+    calls: list[EffectCall] = []
+    for item in getattr(response, "output", None) or []:
+        tool = tools.get(getattr(item, "name", None)) if getattr(item, "type", None) == "function_call" else None
+        if tool is None or not item.call_id:
+            continue
+        try:
+            args = json.loads(item.arguments) if item.arguments else {}
+        except ValueError:
+            continue  # the SDK tells the model about malformed arguments itself; nothing runs
+        calls.append(await tool.__estop_prepare__(context, args, item.call_id))
+    runs: dict[str, list[EffectCall]] = {}
+    for c in calls:
+        runs.setdefault(c.run.id, []).append(c)
+    for mine in runs.values():
+        await admit_turn(mine[0].run, tuple(c.key for c in mine), functools.partial(list, mine))
 
 
 def _held(agent: Any, interruptions: Iterable[Any], run_id: str) -> list[tuple[str, str, Any]]:
@@ -274,7 +343,7 @@ async def run(agent: Any, input: Any, *, gate: Estop | None = None, run_id: str 
     r = resolve_run(gate, run_id, parent=parent) if parent else resolve_run(gate, run_id)
 
     async def go() -> Any:
-        coro = Runner.run(agent, input, **runner_kw)
+        coro = Runner.run(agent, input, **_with_turn_hooks(runner_kw))
         try:
             return await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
         except AgentsException as e:
@@ -345,5 +414,5 @@ def run_streamed(agent: Any, input: Any, *, gate: Estop | None = None, run_id: s
     r = resolve_run(gate, run_id)
     inv = Invocation(r)
     with r, inv:  # the SDK's background task copies this context: its tools see run and invocation
-        result = Runner.run_streamed(agent, input, **runner_kw)
+        result = Runner.run_streamed(agent, input, **_with_turn_hooks(runner_kw))
     return EstopStreamedRun(result, r, inv)
