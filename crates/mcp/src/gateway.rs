@@ -262,6 +262,22 @@ impl Shared {
         }
     }
 
+    /// Whether another task may start: fewer than `TASKS_MAX` run and fewer than
+    /// `TASKS_KEPT_MAX` are kept (an ended task is kept its TTL after it ends, for its client).
+    fn task_room(&self) -> bool {
+        if self.tasks.0.running_task_count() >= TASKS_MAX {
+            return false;
+        }
+        let mut owners = self.task_owners.lock().expect("not poisoned");
+        let mut forms = self.tasks_1686.lock().expect("not poisoned");
+        if owners.len() + forms.len() >= TASKS_KEPT_MAX {
+            // Forget what the store let go of (past its TTL): costly, so only at the bound.
+            owners.retain(|id, _| self.tasks.0.get_task(id).is_ok());
+            forms.retain(|id, _| self.tasks.0.get_task(id).is_ok());
+        }
+        owners.len() + forms.len() < TASKS_KEPT_MAX
+    }
+
     /// Whether `id` names a task of 2025-11-25's own form (the edge renames its requests).
     pub fn is_1686(&self, id: &str) -> bool {
         self.tasks_1686
@@ -600,6 +616,8 @@ struct Held {
 
 /// How many held calls tasks carry at once; beyond, a held call is the bounded wait.
 const TASKS_MAX: usize = 256;
+/// How many tasks (running or ended, both forms) are kept at once; beyond, no new task.
+const TASKS_KEPT_MAX: usize = 4096;
 /// How long a task lives (rmcp fails a task past its TTL): a day of waiting for an operator.
 const TASK_TTL_MS: u64 = 24 * 60 * 60 * 1000;
 
@@ -614,7 +632,7 @@ impl Gateway {
         held: CallToolResult,
         fence: watch::Receiver<bool>,
     ) -> CallToolResponse {
-        if self.shared.tasks.0.running_task_count() >= TASKS_MAX {
+        if !self.shared.task_room() {
             return held.into();
         }
         let me = self.clone();
@@ -630,7 +648,6 @@ impl Gateway {
             Box::pin(async move { me.carry(call, start, fence, tctx).await })
         });
         let mut owners = self.shared.task_owners.lock().expect("not poisoned");
-        owners.retain(|id, _| self.shared.tasks.0.get_task(id).is_ok());
         owners.insert(task.task_id.clone(), owner);
         CallToolResponse::Task(rmcp::model::CreateTaskResult::new(task))
     }
@@ -782,11 +799,12 @@ impl Gateway {
             .map_or(TASK_TTL_MS, |t| t.min(TASK_TTL_MS));
         let request: CallToolRequestParams = serde_json::from_value(params)
             .map_err(|e| McpError::invalid_params(format!("tools/call: {e}"), None))?;
-        if self.shared.tasks.0.running_task_count() >= TASKS_MAX {
+        if !self.shared.task_room() {
             return Err(McpError::invalid_request(
                 format!(
-                    "{TASKS_MAX} tasks are running on this gateway: call again later, or \
-                     without `task` (a bounded wait); nothing was run"
+                    "{TASKS_MAX} tasks are running or {TASKS_KEPT_MAX} kept on this gateway \
+                     (an ended task is kept its TTL): call again later, ask for a shorter \
+                     `task.ttl`, or call without `task` (a bounded wait); nothing was run"
                 ),
                 None,
             ));
@@ -857,7 +875,6 @@ impl Gateway {
             })
         });
         let mut tasks = self.shared.tasks_1686.lock().expect("not poisoned");
-        tasks.retain(|id, _| self.shared.tasks.0.get_task(id).is_ok());
         tasks.insert(
             task.task_id.clone(),
             Task1686 {
