@@ -59,6 +59,8 @@ pub struct Shared {
     tasks_1686: Mutex<BTreeMap<String, Task1686>>,
     /// The client sessions to tell when an upstream's tools, resources or prompts change.
     peers: Mutex<Vec<rmcp::Peer<RoleServer>>>,
+    /// The open `subscriptions/listen` streams (2026-07-28) to tell the same, by id.
+    listeners: Mutex<BTreeMap<u64, rmcp::service::SubscriptionSink>>,
 }
 
 /// Most distinct resource URIs whose `notifications/resources/updated` one pass forwards; more
@@ -248,6 +250,21 @@ impl Shared {
             peers.retain(|p| !p.is_transport_closed());
             peers.clone()
         };
+        let sinks: Vec<_> = {
+            let listeners = self.listeners.lock().expect("not poisoned");
+            listeners.values().cloned().collect()
+        };
+        for sink in sinks {
+            for kind in lists {
+                // The sink sends only what the stream accepted (it refuses the rest).
+                let _ = match kind {
+                    Change::Tools => sink.notify_tool_list_changed().await,
+                    Change::Resources => sink.notify_resource_list_changed().await,
+                    Change::Prompts => sink.notify_prompt_list_changed().await,
+                    _ => Ok(()),
+                };
+            }
+        }
         for p in peers {
             for kind in lists {
                 let _ = match kind {
@@ -300,6 +317,7 @@ impl Shared {
             task_owners: Mutex::new(BTreeMap::new()),
             tasks_1686: Mutex::new(BTreeMap::new()),
             peers: Mutex::new(Vec::new()),
+            listeners: Mutex::new(BTreeMap::new()),
         })
     }
 }
@@ -1289,7 +1307,8 @@ impl ServerHandler for Gateway {
     ) -> Result<(), McpError> {
         let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
         let id = self.session.id;
-        crate::passthrough::subscribe(up, routes, id, context.peer, request).await
+        let who = crate::passthrough::Subscriber::Session(context.peer);
+        crate::passthrough::subscribe(up, routes, id, who, request).await
     }
 
     async fn unsubscribe(
@@ -1325,6 +1344,81 @@ impl ServerHandler for Gateway {
         _context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, McpError> {
         crate::passthrough::get_prompt(&self.shared.upstreams, request).await
+    }
+
+    /// 2026-07-28's `subscriptions/listen`: tool list changes always; resource and prompt list
+    /// changes where an upstream offers them; updates of the URIs asked for that the gateway
+    /// can route now (listed, or expanding a listed template) and whose upstream takes
+    /// subscriptions. rmcp intersects this with what was asked and advertised.
+    fn accepted_subscription_filter(
+        &self,
+        requested: &rmcp::model::SubscriptionFilter,
+    ) -> Option<rmcp::model::SubscriptionFilter> {
+        let offers = self.shared.offers;
+        let mut accepted = rmcp::model::SubscriptionFilter::builder().tools_list_changed();
+        if offers.resources {
+            accepted = accepted.resources_list_changed();
+        }
+        if offers.prompts {
+            accepted = accepted.prompts_list_changed();
+        }
+        let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
+        let uris = requested
+            .resource_subscriptions
+            .iter()
+            .flatten()
+            .filter(|uri| {
+                routes.known(uri).is_some_and(|i| {
+                    crate::passthrough::has(&up[i], crate::passthrough::subscribable)
+                })
+            });
+        Some(accepted.resource_subscriptions(uris.cloned()).build())
+    }
+
+    /// One listen stream: its URIs' upstreams subscribed (once per URI, as for sessions), its
+    /// list changes told with the sessions', all of it undone when the stream ends. At
+    /// `PEERS_MAX` open streams one more is refused.
+    async fn listen(&self, context: rmcp::service::SubscriptionContext) -> Result<(), McpError> {
+        let id = SESSIONS.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut listeners = self.shared.listeners.lock().expect("not poisoned");
+            if listeners.len() >= PEERS_MAX {
+                return Err(McpError::invalid_request(
+                    format!("{PEERS_MAX} subscriptions/listen streams are open on this gateway"),
+                    None,
+                ));
+            }
+            listeners.insert(id, context.sink().clone());
+        }
+        let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
+        let uris = context.accepted().resource_subscriptions.clone();
+        let mut subscribed = Vec::new();
+        for uri in uris.iter().flatten() {
+            let who = crate::passthrough::Subscriber::Listen(context.sink().clone());
+            let params = SubscribeRequestParams::new(uri.clone());
+            match crate::passthrough::subscribe(up, routes, id, who, params).await {
+                Ok(()) => subscribed.push(uri.clone()),
+                Err(e) => eprintln!(
+                    "estop mcp: a listen stream's subscription to {uri} failed: {}",
+                    e.message
+                ),
+            }
+        }
+        context.cancelled().await;
+        self.shared
+            .listeners
+            .lock()
+            .expect("not poisoned")
+            .remove(&id);
+        for uri in subscribed {
+            if crate::passthrough::forget(routes, &uri, id)
+                && let Some(i) = routes.known(&uri)
+            {
+                let params = UnsubscribeRequestParams::new(uri);
+                let _ = crate::passthrough::unsubscribe_upstream(&up[i], params).await;
+            }
+        }
+        Ok(())
     }
 
     async fn on_initialized(&self, context: rmcp::service::NotificationContext<RoleServer>) {

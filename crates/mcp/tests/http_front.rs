@@ -621,3 +621,54 @@ async fn a_2025_11_25_task_is_its_principals_alone() {
     );
     assert!(w.upstream().is_empty(), "{:?}", w.upstream());
 }
+
+/// 2026-07-28's `subscriptions/listen` over HTTP (no session: the stream is one long POST):
+/// the stream hears a resource update of its URI and a tool list change, and the upstream is
+/// unsubscribed once it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_2026_07_28_listen_stream_over_http() {
+    use rmcp::model::{ReadResourceRequestParams, ServerNotification, SubscriptionFilter};
+    let w = world();
+    let addr = http_gateway(&w, "listen", "").await;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mode = ClientLifecycleMode::Discover {
+        preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+    };
+    let config = StreamableHttpClientTransportConfig::with_uri(format!("http://{addr}/mcp"))
+        .auth_header(agent_token(&w, "listener"));
+    let c =
+        ().serve_with_lifecycle(StreamableHttpClientTransport::from_config(config), mode)
+            .await
+            .expect("discovered over HTTP");
+    c.peer().list_all_resources().await.unwrap();
+    let asked = SubscriptionFilter::builder()
+        .tools_list_changed()
+        .resource_subscriptions(["fixture://notes"])
+        .build();
+    let mut stream = c.peer().listen(asked).await.expect("acknowledged");
+    w.upstream_logged("subscribe fixture://notes").await;
+    let mut next = async || {
+        tokio::time::timeout(Duration::from_secs(30), stream.next())
+            .await
+            .expect("told in time")
+            .unwrap()
+            .expect("the stream is open")
+    };
+    c.peer()
+        .read_resource(ReadResourceRequestParams::new("fixture://touch"))
+        .await
+        .unwrap();
+    let note = next().await;
+    assert!(
+        matches!(&note, ServerNotification::ResourceUpdatedNotification(n) if n.params.uri == "fixture://notes"),
+        "only what was accepted: {note:?}"
+    );
+    call(&c, "files__mutate", "x").await;
+    let note = next().await;
+    assert!(
+        matches!(note, ServerNotification::ToolListChangedNotification(_)),
+        "{note:?}"
+    );
+    drop(stream);
+    w.upstream_logged("unsubscribe fixture://notes").await;
+}
