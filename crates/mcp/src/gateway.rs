@@ -750,6 +750,8 @@ struct Task1686 {
     cancelled: bool,
 }
 
+/// How long telling a client of a task's end may take before it is given up.
+const NOTIFY_MS: u64 = 5_000;
 /// How often a 2025-11-25 client is asked to poll `tasks/get`.
 const POLL_INTERVAL_MS: u64 = 1000;
 /// Most tasks one `tasks/list` page holds.
@@ -917,9 +919,13 @@ impl Gateway {
                         sep1686::STATUS,
                         Some(task_1686(&d, cancelled)),
                     );
-                    let _ = peer
-                        .send_notification(rmcp::model::ServerNotification::CustomNotification(n))
-                        .await;
+                    // Bounded: a client that reads nothing must not keep this task alive.
+                    let note = rmcp::model::ServerNotification::CustomNotification(n);
+                    let _ = tokio::time::timeout(
+                        std::time::Duration::from_millis(NOTIFY_MS),
+                        peer.send_notification(note),
+                    )
+                    .await;
                     return;
                 }
                 Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(5)).await,
