@@ -222,15 +222,16 @@ async fn each_protocol_revision_is_negotiated_and_gated() {
     assert_eq!(w.upstream(), seen);
 }
 
-/// 2026-07-28 has no `initialize`: the client starts with `server/discover` and every request
-/// carries its own metadata. rmcp serves it; the gateway gates its calls the same way.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_2026_07_28_stateless_revision_is_discovered_and_gated() {
+/// A gateway on a byte stream for `run`, and an rmcp client of the 2026-07-28 revision
+/// (discovered, no `initialize`).
+async fn stateless_client(
+    w: &World,
+    run: &str,
+) -> rmcp::service::RunningService<rmcp::RoleClient, ()> {
     use rmcp::model::ProtocolVersion;
     use rmcp::service::{ClientLifecycleMode, ClientServiceExt};
-    let w = world();
     let (ours, theirs) = tokio::io::duplex(1 << 16);
-    let opts = w.options("run-2026", "Echoes text.", 30_000);
+    let opts = w.options(run, "Echoes text.", 30_000);
     tokio::spawn(async move {
         estop_mcp::serve_io(opts, tokio::io::split(theirs))
             .await
@@ -239,7 +240,18 @@ async fn the_2026_07_28_stateless_revision_is_discovered_and_gated() {
     let mode = ClientLifecycleMode::Discover {
         preferred_versions: vec![ProtocolVersion::V_2026_07_28],
     };
-    let c = ().serve_with_lifecycle(tokio::io::split(ours), mode).await.expect("discovered");
+    ().serve_with_lifecycle(tokio::io::split(ours), mode)
+        .await
+        .expect("discovered")
+}
+
+/// 2026-07-28 has no `initialize`: the client starts with `server/discover` and every request
+/// carries its own metadata. rmcp serves it; the gateway gates its calls the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_2026_07_28_stateless_revision_is_discovered_and_gated() {
+    use rmcp::model::ProtocolVersion;
+    let w = world();
+    let c = stateless_client(&w, "run-2026").await;
     let agreed = c.peer().peer_info().map(|i| i.protocol_version.clone());
     assert_eq!(agreed, Some(ProtocolVersion::V_2026_07_28));
     assert_eq!(
@@ -722,22 +734,9 @@ async fn a_dead_upstream_is_started_again_and_its_call_in_flight_is_unknown() {
 /// once the stream ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_2026_07_28_listen_stream_hears_updates_and_list_changes() {
-    use rmcp::model::{
-        ProtocolVersion, ReadResourceRequestParams, ServerNotification, SubscriptionFilter,
-    };
-    use rmcp::service::{ClientLifecycleMode, ClientServiceExt};
+    use rmcp::model::{ReadResourceRequestParams, ServerNotification, SubscriptionFilter};
     let w = world();
-    let (ours, theirs) = tokio::io::duplex(1 << 16);
-    let opts = w.options("run-listen", "Echoes text.", 30_000);
-    tokio::spawn(async move {
-        estop_mcp::serve_io(opts, tokio::io::split(theirs))
-            .await
-            .unwrap();
-    });
-    let mode = ClientLifecycleMode::Discover {
-        preferred_versions: vec![ProtocolVersion::V_2026_07_28],
-    };
-    let c = ().serve_with_lifecycle(tokio::io::split(ours), mode).await.expect("discovered");
+    let c = stateless_client(&w, "run-listen").await;
     // The gateway routes a URI it has listed.
     c.peer().list_all_resources().await.unwrap();
     let asked = SubscriptionFilter::builder()
