@@ -1,8 +1,9 @@
 //! 2025-11-25's own task form (SEP-1686 as that revision published it: `params.task` on
 //! `tools/call`, `tasks/get`, `tasks/result`, `tasks/list`, `tasks/cancel`,
 //! `notifications/tasks/status`), end to end and hostile first. The client speaks that
-//! revision's raw JSON-RPC on the gateway's byte stream (neither rmcp 3.11, which models only
-//! SEP-2663, nor the Python SDK's client at mcp 2.3.0 can send it); the rmcp fixture upstream
+//! revision's raw JSON-RPC on the gateway's byte stream (rmcp 3.11 models only SEP-2663; the
+//! Python SDK's client at mcp 2.3.0 refuses the `CreateTaskResult`; the TypeScript SDK's
+//! client speaks it, in clients/typescript/test/mcp.test.ts); the rmcp fixture upstream
 //! logs every call and cancel it receives, so "nothing ran" is checked where it matters.
 //! Over HTTP the same form is in tests/http_front.rs (`a_2025_11_25_task_is_its_principals_alone`).
 
