@@ -10,6 +10,7 @@ import { createInterface } from "node:readline";
 import { after, test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
+import { CallToolResultSchema } from "@modelcontextprotocol/sdk/types.js";
 import { StdioClientTransport } from "@modelcontextprotocol/sdk/client/stdio.js";
 import { StreamableHTTPClientTransport } from "@modelcontextprotocol/sdk/client/streamableHttp.js";
 import { findBinary } from "../src/testing.js";
@@ -18,6 +19,11 @@ import { daemonPerFile, runId } from "./helpers.js";
 const POLICY = `
 [defaults]
 unknown_tool = "deny"
+
+[[rules]]
+tool = "ts__add"
+when = 'args.a == 99'
+action = "approve"
 
 [[rules]]
 tool = "ts__add"
@@ -106,6 +112,79 @@ test("the TypeScript SDK's client over streamable HTTP, with and without an agen
   assert.equal(transport.protocolVersion, "2025-11-25", "the SDK's latest revision, agreed");
   try {
     await gated(client, log);
+  } finally {
+    await client.close();
+  }
+});
+
+/** Waits until the run has one pending approval: its key. */
+async function pendingKey(run: string): Promise<string> {
+  const d = daemon.get();
+  const deadline = Date.now() + 30_000;
+  for (;;) {
+    const items = await d.operator.pending(run);
+    if (items.length === 1) return String(items[0]!.key);
+    assert.ok(Date.now() < deadline, `no pending approval in ${run}`);
+    await new Promise((r) => setTimeout(r, 20));
+  }
+}
+
+test("the TypeScript SDK's client asks 2025-11-25's tasks: held, approved, denied, cancelled", async () => {
+  const d = daemon.get();
+  const { config, log } = gateway();
+  const run = runId("ts-mcp-tasks");
+  const client = new Client({ name: "ts-tasks", version: "1.0.0" });
+  await client.connect(
+    new StdioClientTransport({ command: findBinary(), args: ["mcp", "--config", config, "--data", d.data, "--run", run] }),
+  );
+  try {
+    assert.ok(client.getServerCapabilities()?.tasks?.requests?.tools?.call, "the tasks capability");
+    const tools = await client.listTools();
+    assert.ok(tools.tools.every((t) => t.execution?.taskSupport === "optional"), "each tool takes a task");
+    const stream = (args: Record<string, number>, name = "ts__add") =>
+      client.experimental.tasks.callToolStream({ name, arguments: args }, CallToolResultSchema, { task: { ttl: 60_000 } });
+
+    // Held: a task at once; the operator approves on estop's channel; the result follows.
+    const seen: string[] = [];
+    let result: any;
+    for await (const m of stream({ a: 99, b: 1 })) {
+      if (m.type === "taskCreated") {
+        seen.push(`created ${m.task.status}`);
+        assert.match(m.task.statusMessage ?? "", /estop approve/);
+        assert.deepEqual(lines(log), [], "held: nothing ran");
+        await d.operator.approve(run, await pendingKey(run));
+      } else if (m.type === "result") {
+        result = m.result;
+      } else if (m.type === "error") {
+        throw m.error;
+      }
+    }
+    assert.deepEqual(seen, ["created working"]);
+    assert.equal(text(result), "100");
+    assert.deepEqual(lines(log), ["call add 99 1"]);
+
+    // Denied: the task ends `failed` (an isError result, in this revision), its reason in the
+    // status message; nothing is sent upstream.
+    let failed: any;
+    for await (const m of stream({ amount: 5 }, "ts__pay")) {
+      if (m.type === "taskStatus") failed = m.task;
+    }
+    assert.equal(failed?.status, "failed");
+    assert.match(failed?.statusMessage ?? "", /^REFUSED, not run: denied/);
+
+    // Cancelled while held: nothing runs.
+    let cancelled: any;
+    for await (const m of stream({ a: 99, b: 2 })) {
+      if (m.type === "taskCreated") {
+        cancelled = await client.experimental.tasks.cancelTask(m.task.taskId);
+      }
+    }
+    assert.equal(cancelled?.status, "cancelled");
+    assert.deepEqual(lines(log), ["call add 99 1"], "the cancelled call never ran");
+    const listed = await client.experimental.tasks.listTasks();
+    assert.equal(listed.tasks.length, 3);
+    // The cancelled call's approval stays pending until an operator clears it.
+    await d.operator.reject(run, await pendingKey(run));
   } finally {
     await client.close();
   }

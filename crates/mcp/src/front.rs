@@ -10,6 +10,7 @@
 use crate::config;
 use crate::gateway::{Gateway, Shared};
 use crate::principal::{Principal, Refused};
+use crate::sep1686;
 use anyhow::Result;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited, combinators::BoxBody};
@@ -34,6 +35,7 @@ pub struct Front {
     opening: tokio::sync::Mutex<()>,
     socket: String,
     http: config::Http,
+    shared: Arc<Shared>,
 }
 
 impl Front {
@@ -44,6 +46,7 @@ impl Front {
             Some(std::time::Duration::from_millis(http.session_idle_ms));
         let sessions = Arc::new(sessions);
         let (run, parent) = (opts.run.clone(), opts.parent.clone());
+        let handlers = shared.clone();
         let rmcp_config = StreamableHttpServerConfig::default()
             .with_allowed_hosts(http.allowed_hosts.clone())
             .with_allowed_origins(http.allowed_origins.clone())
@@ -54,7 +57,7 @@ impl Front {
             // the upstreams, tools and pins are shared, the caller comes with each request.
             move || {
                 Ok(Gateway::new(
-                    shared.clone(),
+                    handlers.clone(),
                     None,
                     run.clone(),
                     parent.clone(),
@@ -71,6 +74,7 @@ impl Front {
             opening: tokio::sync::Mutex::new(()),
             socket: opts.socket(),
             http,
+            shared,
         }
     }
 }
@@ -153,6 +157,11 @@ impl Front {
             }
         }
         parts.extensions.insert(principal.clone());
+        // 2025-11-25's own task form is carried at this edge (rmcp cannot parse it).
+        let bytes = match sep1686::inbound(&bytes, &|id| self.shared.is_1686(id)) {
+            Some(rewritten) => Bytes::from(rewritten),
+            None => bytes,
+        };
         let req = Request::from_parts(parts, Full::new(bytes));
         let opens = session.is_none() && method.as_deref() == Some("initialize");
         let is_delete = req.method() == http::Method::DELETE;
@@ -176,6 +185,18 @@ impl Front {
         if is_delete && response.status().is_success() {
             let mut owners = self.owners.lock().expect("not poisoned");
             owners.remove(session.as_deref().unwrap_or_default());
+        }
+        if matches!(method.as_deref(), Some("initialize" | "tools/list")) {
+            // What rmcp cannot say for 2025-11-25's task form: the capability, the tools' support.
+            return response.map(|body| {
+                body.map_frame(|frame| {
+                    frame.map_data(|data| match sep1686::outbound_frame(&data) {
+                        Some(out) => Bytes::from(out),
+                        None => data,
+                    })
+                })
+                .boxed()
+            });
         }
         response
     }

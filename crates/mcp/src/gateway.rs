@@ -4,6 +4,7 @@
 use crate::config::{Runs, SEPARATOR};
 use crate::pins::{Pin, Pins, Seed, fingerprint};
 use crate::principal::Principal;
+use crate::sep1686;
 use crate::upstream::{Change, Upstream};
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, CompleteRequestParams, CompleteResult,
@@ -54,8 +55,12 @@ pub struct Shared {
     /// Held calls carried by tasks (SEP-2663), and whose each task is (principal name).
     tasks: Tasks,
     task_owners: Mutex<BTreeMap<String, String>>,
+    /// The tasks of 2025-11-25's own form (`params.task`, SEP-1686), carried by the same store.
+    tasks_1686: Mutex<BTreeMap<String, Task1686>>,
     /// The client sessions to tell when an upstream's tools, resources or prompts change.
     peers: Mutex<Vec<rmcp::Peer<RoleServer>>>,
+    /// The open `subscriptions/listen` streams (2026-07-28) to tell the same, by id.
+    listeners: Mutex<BTreeMap<u64, rmcp::service::SubscriptionSink>>,
 }
 
 /// Most distinct resource URIs whose `notifications/resources/updated` one pass forwards; more
@@ -245,6 +250,21 @@ impl Shared {
             peers.retain(|p| !p.is_transport_closed());
             peers.clone()
         };
+        let sinks: Vec<_> = {
+            let listeners = self.listeners.lock().expect("not poisoned");
+            listeners.values().cloned().collect()
+        };
+        for sink in sinks {
+            for kind in lists {
+                // The sink sends only what the stream accepted (it refuses the rest).
+                let _ = match kind {
+                    Change::Tools => sink.notify_tool_list_changed().await,
+                    Change::Resources => sink.notify_resource_list_changed().await,
+                    Change::Prompts => sink.notify_prompt_list_changed().await,
+                    _ => Ok(()),
+                };
+            }
+        }
         for p in peers {
             for kind in lists {
                 let _ = match kind {
@@ -259,6 +279,30 @@ impl Shared {
         }
     }
 
+    /// Whether another task may start: fewer than `TASKS_MAX` run and fewer than
+    /// `TASKS_KEPT_MAX` are kept (an ended task is kept its TTL after it ends, for its client).
+    fn task_room(&self) -> bool {
+        if self.tasks.0.running_task_count() >= TASKS_MAX {
+            return false;
+        }
+        let mut owners = self.task_owners.lock().expect("not poisoned");
+        let mut forms = self.tasks_1686.lock().expect("not poisoned");
+        if owners.len() + forms.len() >= TASKS_KEPT_MAX {
+            // Forget what the store let go of (past its TTL): costly, so only at the bound.
+            owners.retain(|id, _| self.tasks.0.get_task(id).is_ok());
+            forms.retain(|id, _| self.tasks.0.get_task(id).is_ok());
+        }
+        owners.len() + forms.len() < TASKS_KEPT_MAX
+    }
+
+    /// Whether `id` names a task of 2025-11-25's own form (the edge renames its requests).
+    pub fn is_1686(&self, id: &str) -> bool {
+        self.tasks_1686
+            .lock()
+            .expect("not poisoned")
+            .contains_key(id)
+    }
+
     pub fn new(upstreams: Vec<Upstream>, pins: Pins, hold_ms: u64, runs: Runs) -> Arc<Shared> {
         Arc::new(Shared {
             offers: crate::passthrough::offers(&upstreams),
@@ -271,7 +315,9 @@ impl Shared {
             instance: fresh_run(),
             tasks: Default::default(),
             task_owners: Mutex::new(BTreeMap::new()),
+            tasks_1686: Mutex::new(BTreeMap::new()),
             peers: Mutex::new(Vec::new()),
+            listeners: Mutex::new(BTreeMap::new()),
         })
     }
 }
@@ -588,16 +634,24 @@ struct Held {
 
 /// How many held calls tasks carry at once; beyond, a held call is the bounded wait.
 const TASKS_MAX: usize = 256;
+/// How many tasks (running or ended, both forms) are kept at once; beyond, no new task.
+const TASKS_KEPT_MAX: usize = 4096;
 /// How long a task lives (rmcp fails a task past its TTL): a day of waiting for an operator.
 const TASK_TTL_MS: u64 = 24 * 60 * 60 * 1000;
 
 impl Gateway {
     /// Answers a held call with a task (SEP-2663) that waits for the operator's decision, then
     /// runs the call or reads the refusal; `tasks/cancel` ends the wait (nothing runs) or cuts
-    /// the upstream call (recorded `unknown`). `None` when `TASKS_MAX` tasks are running.
-    fn task(&self, call: Held, fence: watch::Receiver<bool>) -> Option<CallToolResponse> {
-        if self.shared.tasks.0.running_task_count() >= TASKS_MAX {
-            return None;
+    /// the upstream call (recorded `unknown`). `held` (the bounded wait's answer) when
+    /// `TASKS_MAX` tasks are running.
+    fn task(
+        &self,
+        call: Held,
+        held: CallToolResult,
+        fence: watch::Receiver<bool>,
+    ) -> CallToolResponse {
+        if !self.shared.task_room() {
+            return held.into();
         }
         let me = self.clone();
         let owner = call.at.principal.name.clone();
@@ -608,19 +662,20 @@ impl Gateway {
                 call.at.run, call.key
             ));
         let task = self.shared.tasks.0.spawn(options, move |tctx| {
-            Box::pin(async move { me.carry(call, fence, tctx).await })
+            let start = Admission::Held(held);
+            Box::pin(async move { me.carry(call, start, fence, tctx).await })
         });
         let mut owners = self.shared.task_owners.lock().expect("not poisoned");
-        owners.retain(|id, _| self.shared.tasks.0.get_task(id).is_ok());
         owners.insert(task.task_id.clone(), owner);
-        Some(CallToolResponse::Task(rmcp::model::CreateTaskResult::new(
-            task,
-        )))
+        CallToolResponse::Task(rmcp::model::CreateTaskResult::new(task))
     }
 
+    /// Carries a call from where admission left it (`start`): waits out a hold, runs it once
+    /// admitted, and ends with what the client reads.
     async fn carry(
         &self,
         call: Held,
+        start: Admission,
         fence: watch::Receiver<bool>,
         tctx: rmcp::task_manager::TaskContext,
     ) -> Result<CallToolResult, rmcp::task_manager::TaskExit> {
@@ -632,19 +687,22 @@ impl Gateway {
             e,
             arguments,
         } = call;
+        let mut next = start;
         let token = loop {
+            match next {
+                Admission::Go { token } => break token,
+                Admission::Answer(r) => return Ok(r),
+                Admission::Held(_) => {}
+            }
             let wait = json!({"op": "wait", "run": at.run, "key": key,
                 "timeout_ms": self.shared.hold_ms});
             let v = tokio::select! {
                 v = gate(&at, wait) => v?,
                 () = tctx.cancelled() => return Err(TaskExit::Cancelled),
             };
-            match self.interpret(&at, &name, &key, &e, v).await? {
-                Admission::Go { token } => break token,
-                Admission::Held(_) => continue,
-                Admission::Answer(r) => return Ok(r),
-            }
+            next = self.interpret(&at, &name, &key, &e, v).await?;
         };
+        tctx.set_status_message("admitted: the tool runs");
         let ct = tokio_util::sync::CancellationToken::new();
         let (cut, watched) = (ct.clone(), tctx.clone());
         let watcher = tokio::spawn(async move {
@@ -672,6 +730,417 @@ impl Gateway {
             _ => Err(McpError::invalid_params(format!("no task {id:?}"), None)),
         }
     }
+}
+
+/// A call ready for admission: where it goes, which tool, its identity.
+struct Prepared {
+    at: Place,
+    name: String,
+    e: Entry,
+    key: String,
+    args: Value,
+    fence: watch::Receiver<bool>,
+}
+
+/// A task of 2025-11-25's own form: whose it is, and whether `tasks/cancel` ended it (it then
+/// stays `cancelled`, whatever the call did meanwhile).
+#[derive(Debug)]
+struct Task1686 {
+    owner: String,
+    cancelled: bool,
+}
+
+/// How long telling a client of a task's end may take before it is given up.
+const NOTIFY_MS: u64 = 5_000;
+/// How often a 2025-11-25 client is asked to poll `tasks/get`.
+const POLL_INTERVAL_MS: u64 = 1000;
+/// Most tasks one `tasks/list` page holds.
+const TASKS_PAGE_MAX: usize = 100;
+/// How long `tasks/cancel` waits for the call to stop before it answers `cancelled`.
+const CANCEL_SETTLE_MS: u64 = 10_000;
+
+impl Gateway {
+    /// What every `tools/call` goes through before admission: the tool, the call's place and
+    /// key. `Err(answer)`: refused before admission (the run is stopped, the upstream is down).
+    async fn prepare(
+        &self,
+        request: &CallToolRequestParams,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<Result<Prepared, CallToolResult>, McpError> {
+        let name = request.name.to_string();
+        let e = self.entry(&name).await?;
+        // rmcp hands a request's `_meta` to the handler in its context; the params may keep
+        // it too: either will do.
+        let meta = request.meta.clone().unwrap_or_else(|| context.meta.clone());
+        let at = self.place(&meta, context)?;
+        let fence = at
+            .principal
+            .fence(&at.run)
+            .map_err(|why| McpError::invalid_request(why, None))?;
+        if *fence.borrow() {
+            return Ok(Err(refusal(format!(
+                "REFUSED, not run: the run {} is stopped; make no further tool calls.",
+                at.run
+            ))));
+        }
+        // An upstream that is down (and not yet started again) refuses before admission.
+        if let Err(why) = self.shared.upstreams[e.upstream].peer().await {
+            return Ok(Err(refusal(format!(
+                "DOWN, not run: {why}; nothing was sent."
+            ))));
+        }
+        let args = Value::Object(request.arguments.clone().unwrap_or_default());
+        let tool = estop_kernel::ids::ToolName::new(&name)
+            .map_err(|err| McpError::invalid_params(format!("tool name {name:?}: {err}"), None))?;
+        let digest = estop_protocol::digest_of(&tool, &args).to_hex();
+        let trusted = self.shared.upstreams[e.upstream].trusted;
+        let key = self.key(&meta, &digest, &e, trusted);
+        Ok(Ok(Prepared {
+            at,
+            name,
+            e,
+            key,
+            args,
+            fence,
+        }))
+    }
+
+    /// A task-augmented `tools/call` (2025-11-25): always answered with a task (the form asks
+    /// for one), which carries the call from its admission: a held call waits for the operator,
+    /// an admitted one runs, a refused one ends at once with the refusal. At `TASKS_MAX`
+    /// running tasks it is refused before admission (nothing is recorded).
+    async fn call_as_task(
+        &self,
+        params: Value,
+        context: RequestContext<RoleServer>,
+    ) -> Result<Value, McpError> {
+        let ttl_ms = params["task"]["ttl"]
+            .as_u64()
+            .map_or(TASK_TTL_MS, |t| t.min(TASK_TTL_MS));
+        let request: CallToolRequestParams = serde_json::from_value(params)
+            .map_err(|e| McpError::invalid_params(format!("tools/call: {e}"), None))?;
+        if !self.shared.task_room() {
+            return Err(McpError::invalid_request(
+                format!(
+                    "{TASKS_MAX} tasks are running or {TASKS_KEPT_MAX} kept on this gateway \
+                     (an ended task is kept its TTL): call again later, ask for a shorter \
+                     `task.ttl`, or call without `task` (a bounded wait); nothing was run"
+                ),
+                None,
+            ));
+        }
+        let owner = self
+            .place(&Default::default(), &context)?
+            .principal
+            .name
+            .clone();
+        let (call, start, fence, says) = match self.prepare(&request, &context).await? {
+            Err(answer) => {
+                // Refused before admission: a task that has already ended.
+                let (_, fence) = watch::channel(false);
+                let says = text_of(&answer);
+                (None, Admission::Answer(answer), fence, says)
+            }
+            Ok(p) => {
+                let start = self
+                    .admit(&p.at, &p.name, &p.key, &p.args, &p.e, None)
+                    .await?;
+                let says = match &start {
+                    Admission::Go { .. } => "admitted: the tool runs".to_string(),
+                    Admission::Held(r) | Admission::Answer(r) => text_of(r),
+                };
+                let Prepared {
+                    at,
+                    name,
+                    e,
+                    key,
+                    fence,
+                    ..
+                } = p;
+                let call = Held {
+                    at,
+                    name,
+                    key,
+                    e,
+                    arguments: request.arguments,
+                };
+                (Some(call), start, fence, says)
+            }
+        };
+        let status = match (&call, &start) {
+            (Some(c), Admission::Held(_)) => format!(
+                "held: an operator decides on estop's channel (`estop approve {} {}`)",
+                c.at.run, c.key
+            ),
+            _ => says.clone(),
+        };
+        let options = rmcp::task_manager::TaskOptions::new()
+            .with_ttl_ms(ttl_ms)
+            .with_poll_interval_ms(POLL_INTERVAL_MS)
+            .with_status_message(status);
+        let me = self.clone();
+        let peer = context.peer.clone();
+        let task = self.shared.tasks.0.spawn(options, move |tctx| {
+            Box::pin(async move {
+                let id = tctx.task_id().to_string();
+                let ended = match call {
+                    Some(call) => me.carry(call, start, fence, tctx).await,
+                    None => match start {
+                        Admission::Answer(r) => Ok(r),
+                        _ => unreachable!("only an answer comes without a call"),
+                    },
+                };
+                tokio::spawn(async move { me.tell_status(&id, peer).await });
+                ended
+            })
+        });
+        let mut tasks = self.shared.tasks_1686.lock().expect("not poisoned");
+        tasks.insert(
+            task.task_id.clone(),
+            Task1686 {
+                owner,
+                cancelled: false,
+            },
+        );
+        drop(tasks);
+        let detailed = rmcp::model::DetailedTask::new(task, rmcp::model::TaskPayload::Working);
+        Ok(json!({"task": task_1686(&detailed, false),
+            "_meta": {"io.modelcontextprotocol/model-immediate-response": says}}))
+    }
+
+    /// Sends `notifications/tasks/status` once the task has settled in the store (its future
+    /// returned just before): a few short looks, then nothing (the notification is optional).
+    async fn tell_status(&self, id: &str, peer: rmcp::Peer<RoleServer>) {
+        for _ in 0..100 {
+            match self.shared.tasks.0.get_task(id) {
+                Ok(d) if d.status().is_terminal() => {
+                    let cancelled = self.cancelled_1686(id);
+                    let n = rmcp::model::CustomNotification::new(
+                        sep1686::STATUS,
+                        Some(task_1686(&d, cancelled)),
+                    );
+                    // Bounded: a client that reads nothing must not keep this task alive.
+                    let note = rmcp::model::ServerNotification::CustomNotification(n);
+                    let _ = tokio::time::timeout(
+                        std::time::Duration::from_millis(NOTIFY_MS),
+                        peer.send_notification(note),
+                    )
+                    .await;
+                    return;
+                }
+                Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(5)).await,
+                Err(_) => return,
+            }
+        }
+    }
+
+    fn cancelled_1686(&self, id: &str) -> bool {
+        let tasks = self.shared.tasks_1686.lock().expect("not poisoned");
+        tasks.get(id).is_some_and(|t| t.cancelled)
+    }
+
+    /// The caller's 2025-11-25 task `id`: another principal's reads as unknown.
+    fn own_1686(
+        &self,
+        id: &str,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::DetailedTask, McpError> {
+        let at = self.place(&Default::default(), ctx)?;
+        let mine = {
+            let tasks = self.shared.tasks_1686.lock().expect("not poisoned");
+            tasks.get(id).is_some_and(|t| t.owner == at.principal.name)
+        };
+        let unknown = || McpError::invalid_params(format!("no task {id:?}"), None);
+        if !mine {
+            return Err(unknown());
+        }
+        self.shared.tasks.0.get_task(id).map_err(|_| unknown())
+    }
+
+    /// `tasks/get`: the task (2025-11-25's `Task`).
+    fn task_1686(&self, id: &str, ctx: &RequestContext<RoleServer>) -> Result<Value, McpError> {
+        let d = self.own_1686(id, ctx)?;
+        Ok(task_1686(&d, self.cancelled_1686(id)))
+    }
+
+    /// `tasks/result`: waits until the task ends (cut short by the client's cancel), then
+    /// answers what the call answered.
+    async fn result_1686(
+        &self,
+        id: &str,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<Value, McpError> {
+        let d = loop {
+            let d = self.own_1686(id, ctx)?;
+            if d.status().is_terminal() || self.cancelled_1686(id) {
+                break d;
+            }
+            // A poll of the in-process store, bounded by the task's TTL (past it the store
+            // fails the task).
+            tokio::select! {
+                () = tokio::time::sleep(std::time::Duration::from_millis(20)) => {}
+                () = ctx.ct.cancelled() => {
+                    return Err(McpError::invalid_request("tasks/result was cancelled", None));
+                }
+            }
+        };
+        if self.cancelled_1686(id) {
+            return Err(McpError::invalid_request(
+                format!(
+                    "task {id:?} was cancelled (tasks/cancel); estop's ledger records what the \
+                     call did"
+                ),
+                None,
+            ));
+        }
+        match d.payload {
+            rmcp::model::TaskPayload::Completed { result } => {
+                let mut result = Value::Object(result);
+                result["_meta"]["io.modelcontextprotocol/related-task"] = json!({"taskId": id});
+                Ok(result)
+            }
+            rmcp::model::TaskPayload::Failed { error } => {
+                let code = error.get("code").and_then(Value::as_i64).unwrap_or(-32603);
+                let message = error
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .unwrap_or("the task failed")
+                    .to_string();
+                Err(McpError::new(
+                    rmcp::model::ErrorCode(i32::try_from(code).unwrap_or(-32603)),
+                    message,
+                    None,
+                ))
+            }
+            _ => Err(McpError::invalid_request(
+                format!("task {id:?} was cancelled; nothing to return"),
+                None,
+            )),
+        }
+    }
+
+    /// `tasks/cancel`: ends the wait (nothing runs) or cuts the upstream call (recorded
+    /// `unknown`), and answers the task, `cancelled`. A task that has already ended is an
+    /// invalid-params error, as the revision says.
+    async fn cancel_1686(
+        &self,
+        id: &str,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<Value, McpError> {
+        let d = self.own_1686(id, ctx)?;
+        if d.status().is_terminal() || self.cancelled_1686(id) {
+            let now = task_1686(&d, self.cancelled_1686(id));
+            return Err(McpError::invalid_params(
+                format!("task {id:?} has already ended ({})", now["status"]),
+                None,
+            ));
+        }
+        self.shared.tasks.0.cancel_task(id)?;
+        // The call stops at once (a held wait) or after the upstream heard the cancel and the
+        // gate recorded it: wait for that, bounded, so the answer follows the cut.
+        let deadline =
+            tokio::time::Instant::now() + std::time::Duration::from_millis(CANCEL_SETTLE_MS);
+        while tokio::time::Instant::now() < deadline {
+            match self.shared.tasks.0.get_task(id) {
+                Ok(d) if !d.status().is_terminal() => {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+                _ => break,
+            }
+        }
+        if let Some(t) = self
+            .shared
+            .tasks_1686
+            .lock()
+            .expect("not poisoned")
+            .get_mut(id)
+        {
+            t.cancelled = true;
+        }
+        let d = self.shared.tasks.0.get_task(id).unwrap_or(d);
+        Ok(task_1686(&d, true))
+    }
+
+    /// `tasks/list`: the caller's tasks of this form, `TASKS_PAGE_MAX` a page; the cursor is
+    /// the offset of the next page.
+    fn list_1686(
+        &self,
+        params: &Value,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<Value, McpError> {
+        let at = self.place(&Default::default(), ctx)?;
+        let from = match params.get("cursor") {
+            None | Some(Value::Null) => 0,
+            Some(c) => c
+                .as_str()
+                .and_then(|c| c.parse::<usize>().ok())
+                .ok_or_else(|| McpError::invalid_params(format!("no cursor {c}"), None))?,
+        };
+        let mine: Vec<(String, bool)> = {
+            let tasks = self.shared.tasks_1686.lock().expect("not poisoned");
+            tasks
+                .iter()
+                .filter(|(_, t)| t.owner == at.principal.name)
+                .map(|(id, t)| (id.clone(), t.cancelled))
+                .collect()
+        };
+        let listed: Vec<Value> = mine
+            .iter()
+            .filter_map(|(id, cancelled)| {
+                let d = self.shared.tasks.0.get_task(id).ok()?;
+                Some(task_1686(&d, *cancelled))
+            })
+            .collect();
+        let page: Vec<Value> = listed
+            .iter()
+            .skip(from)
+            .take(TASKS_PAGE_MAX)
+            .cloned()
+            .collect();
+        let mut out = json!({"tasks": page});
+        if from + TASKS_PAGE_MAX < listed.len() {
+            out["nextCursor"] = json!((from + TASKS_PAGE_MAX).to_string());
+        }
+        Ok(out)
+    }
+}
+
+/// A task as 2025-11-25 shows it: a tool's `isError` result is `failed` there, and a task
+/// `tasks/cancel` ended stays `cancelled`.
+fn task_1686(d: &rmcp::model::DetailedTask, cancelled: bool) -> Value {
+    use rmcp::model::TaskPayload;
+    let t = &d.task;
+    let (status, message) = match &d.payload {
+        _ if cancelled => ("cancelled", Some("cancelled by tasks/cancel".to_string())),
+        TaskPayload::Completed { result } if result.get("isError") == Some(&json!(true)) => {
+            let said = serde_json::from_value::<CallToolResult>(Value::Object(result.clone()))
+                .map(|r| text_of(&r))
+                .ok();
+            ("failed", said)
+        }
+        TaskPayload::Completed { .. } => ("completed", Some("done: tasks/result has it".into())),
+        TaskPayload::Failed { .. } => ("failed", t.status_message.clone()),
+        TaskPayload::Cancelled => ("cancelled", t.status_message.clone()),
+        TaskPayload::InputRequired { .. } => ("input_required", t.status_message.clone()),
+        _ => ("working", t.status_message.clone()),
+    };
+    let mut v = json!({"taskId": t.task_id, "status": status, "createdAt": t.created_at,
+        "lastUpdatedAt": t.last_updated_at, "ttl": t.ttl_ms});
+    if let Some(m) = message {
+        v["statusMessage"] = json!(m);
+    }
+    if let Some(p) = t.poll_interval_ms {
+        v["pollInterval"] = json!(p);
+    }
+    v
+}
+
+/// The text a result says (what the model would read).
+fn text_of(r: &CallToolResult) -> String {
+    r.content
+        .iter()
+        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+        .collect()
 }
 
 /// How an upstream call ended.
@@ -844,7 +1313,8 @@ impl ServerHandler for Gateway {
     ) -> Result<(), McpError> {
         let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
         let id = self.session.id;
-        crate::passthrough::subscribe(up, routes, id, context.peer, request).await
+        let who = crate::passthrough::Subscriber::Session(context.peer);
+        crate::passthrough::subscribe(up, routes, id, who, request).await
     }
 
     async fn unsubscribe(
@@ -882,6 +1352,81 @@ impl ServerHandler for Gateway {
         crate::passthrough::get_prompt(&self.shared.upstreams, request).await
     }
 
+    /// 2026-07-28's `subscriptions/listen`: tool list changes always; resource and prompt list
+    /// changes where an upstream offers them; updates of the URIs asked for that the gateway
+    /// can route now (listed, or expanding a listed template) and whose upstream takes
+    /// subscriptions. rmcp intersects this with what was asked and advertised.
+    fn accepted_subscription_filter(
+        &self,
+        requested: &rmcp::model::SubscriptionFilter,
+    ) -> Option<rmcp::model::SubscriptionFilter> {
+        let offers = self.shared.offers;
+        let mut accepted = rmcp::model::SubscriptionFilter::builder().tools_list_changed();
+        if offers.resources {
+            accepted = accepted.resources_list_changed();
+        }
+        if offers.prompts {
+            accepted = accepted.prompts_list_changed();
+        }
+        let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
+        let uris = requested
+            .resource_subscriptions
+            .iter()
+            .flatten()
+            .filter(|uri| {
+                routes.known(uri).is_some_and(|i| {
+                    crate::passthrough::has(&up[i], crate::passthrough::subscribable)
+                })
+            });
+        Some(accepted.resource_subscriptions(uris.cloned()).build())
+    }
+
+    /// One listen stream: its URIs' upstreams subscribed (once per URI, as for sessions), its
+    /// list changes told with the sessions', all of it undone when the stream ends. At
+    /// `PEERS_MAX` open streams one more is refused.
+    async fn listen(&self, context: rmcp::service::SubscriptionContext) -> Result<(), McpError> {
+        let id = SESSIONS.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut listeners = self.shared.listeners.lock().expect("not poisoned");
+            if listeners.len() >= PEERS_MAX {
+                return Err(McpError::invalid_request(
+                    format!("{PEERS_MAX} subscriptions/listen streams are open on this gateway"),
+                    None,
+                ));
+            }
+            listeners.insert(id, context.sink().clone());
+        }
+        let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
+        let uris = context.accepted().resource_subscriptions.clone();
+        let mut subscribed = Vec::new();
+        for uri in uris.iter().flatten() {
+            let who = crate::passthrough::Subscriber::Listen(context.sink().clone());
+            let params = SubscribeRequestParams::new(uri.clone());
+            match crate::passthrough::subscribe(up, routes, id, who, params).await {
+                Ok(()) => subscribed.push(uri.clone()),
+                Err(e) => eprintln!(
+                    "estop mcp: a listen stream's subscription to {uri} failed: {}",
+                    e.message
+                ),
+            }
+        }
+        context.cancelled().await;
+        self.shared
+            .listeners
+            .lock()
+            .expect("not poisoned")
+            .remove(&id);
+        for uri in subscribed {
+            if crate::passthrough::forget(routes, &uri, id)
+                && let Some(i) = routes.known(&uri)
+            {
+                let params = UnsubscribeRequestParams::new(uri);
+                let _ = crate::passthrough::unsubscribe_upstream(&up[i], params).await;
+            }
+        }
+        Ok(())
+    }
+
     async fn on_initialized(&self, context: rmcp::service::NotificationContext<RoleServer>) {
         let mut peers = self.shared.peers.lock().expect("not poisoned");
         peers.retain(|p| !p.is_transport_closed());
@@ -914,37 +1459,22 @@ impl ServerHandler for Gateway {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
-        let name = request.name.to_string();
-        let e = self.entry(&name).await?;
-        // rmcp hands a request's `_meta` to the handler in its context; the params may keep
-        // it too: either will do.
-        let meta = request.meta.clone().unwrap_or_else(|| context.meta.clone());
-        let at = self.place(&meta, &context)?;
-        let fence = at
-            .principal
-            .fence(&at.run)
-            .map_err(|why| McpError::invalid_request(why, None))?;
-        if *fence.borrow() {
-            return Ok(refusal(format!(
-                "REFUSED, not run: the run {} is stopped; make no further tool calls.",
-                at.run
-            ))
-            .into());
-        }
-        // An upstream that is down (and not yet started again) refuses before admission.
-        if let Err(why) = self.shared.upstreams[e.upstream].peer().await {
-            return Ok(refusal(format!("DOWN, not run: {why}; nothing was sent.")).into());
-        }
-        let args = Value::Object(request.arguments.clone().unwrap_or_default());
-        let tool = estop_kernel::ids::ToolName::new(&name)
-            .map_err(|err| McpError::invalid_params(format!("tool name {name:?}: {err}"), None))?;
-        let digest = estop_protocol::digest_of(&tool, &args).to_hex();
-        let trusted = self.shared.upstreams[e.upstream].trusted;
-        let key = self.key(&meta, &digest, &e, trusted);
+        let p = match self.prepare(&request, &context).await? {
+            Ok(p) => p,
+            Err(answer) => return Ok(answer.into()),
+        };
         // A client that takes tasks gets a held call as a task at once; others wait, bounded.
         let tasks = context
             .client_capabilities()
             .is_some_and(|c| c.supports_tasks());
+        let Prepared {
+            at,
+            name,
+            e,
+            key,
+            args,
+            fence,
+        } = p;
         let admission = self
             .admit(&at, &name, &key, &args, &e, (!tasks).then_some(&context.ct))
             .await?;
@@ -959,7 +1489,7 @@ impl ServerHandler for Gateway {
                     e,
                     arguments: request.arguments,
                 };
-                return Ok(self.task(call, fence).unwrap_or(r.into()));
+                return Ok(self.task(call, r, fence));
             }
             Admission::Answer(r) => return Ok(r.into()),
         };
@@ -967,5 +1497,35 @@ impl ServerHandler for Gateway {
         params.arguments = request.arguments;
         let ended = self.forward(&e, params, &context.ct, fence).await;
         Ok(self.complete(&at, &key, &token, ended).await.into())
+    }
+
+    /// 2025-11-25's task form, which the edge renamed for rmcp to pass whole (`sep1686.rs`).
+    async fn on_custom_request(
+        &self,
+        request: rmcp::model::CustomRequest,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::CustomResult, McpError> {
+        let params = request.params.clone().unwrap_or(Value::Null);
+        let task_id = || {
+            params["taskId"]
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| McpError::invalid_params("params.taskId: a string is needed", None))
+        };
+        let v = match request.method.as_str() {
+            sep1686::CALL => self.call_as_task(params.clone(), context).await?,
+            sep1686::GET => self.task_1686(&task_id()?, &context)?,
+            sep1686::RESULT => self.result_1686(&task_id()?, &context).await?,
+            sep1686::CANCEL => self.cancel_1686(&task_id()?, &context).await?,
+            sep1686::LIST => self.list_1686(&params, &context)?,
+            other => {
+                return Err(McpError::new(
+                    rmcp::model::ErrorCode::METHOD_NOT_FOUND,
+                    other.to_string(),
+                    None,
+                ));
+            }
+        };
+        Ok(rmcp::model::CustomResult::new(v))
     }
 }

@@ -7,6 +7,7 @@ pub mod gateway;
 pub mod passthrough;
 pub mod pins;
 pub mod principal;
+pub mod sep1686;
 pub mod upstream;
 
 use anyhow::{Context, Result};
@@ -99,13 +100,15 @@ where
     let principal = principal::Principal::connect(&opts.socket(), &token).await?;
     let shared = start(&opts, &config).await?;
     let gateway = gateway::Gateway::new(
-        shared,
+        shared.clone(),
         Some(principal),
         opts.run.clone(),
         opts.parent.clone(),
     );
+    // 2025-11-25's own task form is carried at this edge (rmcp cannot parse it).
+    let ours = Arc::new(move |id: &str| shared.is_1686(id));
     let service = gateway
-        .serve(io)
+        .serve(sep1686::edge(io, ours))
         .await
         .context("the MCP client did not complete initialization")?;
     service.waiting().await?;

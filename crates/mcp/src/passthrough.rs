@@ -21,11 +21,11 @@ pub const SUBSCRIPTIONS_MAX: usize = 1024;
 type Offer = fn(&rmcp::model::ServerCapabilities) -> bool;
 
 /// Whether `up` said (in its `initialize` answer) that it offers what `offer` looks for.
-fn has(up: &Upstream, offer: Offer) -> bool {
+pub fn has(up: &Upstream, offer: Offer) -> bool {
     up.info().is_some_and(|i| offer(&i.capabilities))
 }
 
-fn subscribable(c: &rmcp::model::ServerCapabilities) -> bool {
+pub fn subscribable(c: &rmcp::model::ServerCapabilities) -> bool {
     c.resources.as_ref().and_then(|r| r.subscribe) == Some(true)
 }
 
@@ -55,8 +55,36 @@ pub struct Routes {
     uris: Mutex<BTreeMap<String, usize>>,
     /// Each listed template (`uriTemplate`) and its upstream, in the upstreams' order.
     templates: Mutex<Vec<(String, usize)>>,
-    /// URI → session id → that session's peer.
-    subs: Mutex<BTreeMap<String, BTreeMap<u64, Peer<RoleServer>>>>,
+    /// URI → subscriber id (a session's, or a 2026-07-28 listen stream's) → where to tell it.
+    subs: Mutex<BTreeMap<String, BTreeMap<u64, Subscriber>>>,
+}
+
+/// Who hears of a subscribed URI's updates.
+#[derive(Debug, Clone)]
+pub enum Subscriber {
+    /// A session's `resources/subscribe` (clients before 2026-07-28).
+    Session(Peer<RoleServer>),
+    /// A `subscriptions/listen` stream (2026-07-28), removed when the stream ends.
+    Listen(rmcp::service::SubscriptionSink),
+}
+
+impl Subscriber {
+    fn gone(&self) -> bool {
+        match self {
+            Subscriber::Session(p) => p.is_transport_closed(),
+            Subscriber::Listen(_) => false,
+        }
+    }
+
+    async fn updated(&self, uri: &str) {
+        let _ = match self {
+            Subscriber::Session(p) => {
+                let note = rmcp::model::ResourceUpdatedNotificationParam::new(uri);
+                p.notify_resource_updated(note).await.map_err(|_| ())
+            }
+            Subscriber::Listen(sink) => sink.notify_resource_updated(uri).await.map_err(|_| ()),
+        };
+    }
 }
 
 /// The upstream whose template a URI expands: the template with the longest literal start
@@ -77,7 +105,8 @@ pub fn template_route(templates: &[(String, usize)], uri: &str) -> Option<usize>
 }
 
 impl Routes {
-    fn known(&self, uri: &str) -> Option<usize> {
+    /// The upstream of a URI already listed or matching a listed template (no listing).
+    pub fn known(&self, uri: &str) -> Option<usize> {
         if let Some(up) = self.uris.lock().expect("not poisoned").get(uri) {
             return Some(*up);
         }
@@ -254,7 +283,7 @@ pub async fn subscribe(
     upstreams: &[Upstream],
     routes: &Routes,
     session: u64,
-    peer: Peer<RoleServer>,
+    peer: Subscriber,
     params: SubscribeRequestParams,
 ) -> Result<(), McpError> {
     let up = &upstreams[routes.route(upstreams, &params.uri).await?];
@@ -300,7 +329,7 @@ pub async fn subscribe(
 }
 
 /// Drops one session's subscription; returns whether nobody is subscribed to `uri` any more.
-fn forget(routes: &Routes, uri: &str, session: u64) -> bool {
+pub fn forget(routes: &Routes, uri: &str, session: u64) -> bool {
     let mut subs = routes.subs.lock().expect("not poisoned");
     let Some(sessions) = subs.get_mut(uri) else {
         return false;
@@ -345,7 +374,7 @@ pub async fn updated(upstreams: &[Upstream], routes: &Routes, from: usize, uri: 
         let Some(sessions) = subs.get_mut(uri) else {
             return;
         };
-        sessions.retain(|_, p| !p.is_transport_closed());
+        sessions.retain(|_, p| !p.gone());
         sessions.values().cloned().collect()
     };
     if peers.is_empty() {
@@ -356,13 +385,12 @@ pub async fn updated(upstreams: &[Upstream], routes: &Routes, from: usize, uri: 
         return;
     }
     for p in peers {
-        let note = rmcp::model::ResourceUpdatedNotificationParam::new(uri);
-        let _ = p.notify_resource_updated(note).await;
+        p.updated(uri).await;
     }
 }
 
 #[allow(deprecated)]
-async fn unsubscribe_upstream(
+pub async fn unsubscribe_upstream(
     up: &Upstream,
     params: UnsubscribeRequestParams,
 ) -> Result<(), String> {

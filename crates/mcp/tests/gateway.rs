@@ -222,15 +222,16 @@ async fn each_protocol_revision_is_negotiated_and_gated() {
     assert_eq!(w.upstream(), seen);
 }
 
-/// 2026-07-28 has no `initialize`: the client starts with `server/discover` and every request
-/// carries its own metadata. rmcp serves it; the gateway gates its calls the same way.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_2026_07_28_stateless_revision_is_discovered_and_gated() {
+/// A gateway on a byte stream for `run`, and an rmcp client of the 2026-07-28 revision
+/// (discovered, no `initialize`).
+async fn stateless_client(
+    w: &World,
+    run: &str,
+) -> rmcp::service::RunningService<rmcp::RoleClient, ()> {
     use rmcp::model::ProtocolVersion;
     use rmcp::service::{ClientLifecycleMode, ClientServiceExt};
-    let w = world();
     let (ours, theirs) = tokio::io::duplex(1 << 16);
-    let opts = w.options("run-2026", "Echoes text.", 30_000);
+    let opts = w.options(run, "Echoes text.", 30_000);
     tokio::spawn(async move {
         estop_mcp::serve_io(opts, tokio::io::split(theirs))
             .await
@@ -239,7 +240,18 @@ async fn the_2026_07_28_stateless_revision_is_discovered_and_gated() {
     let mode = ClientLifecycleMode::Discover {
         preferred_versions: vec![ProtocolVersion::V_2026_07_28],
     };
-    let c = ().serve_with_lifecycle(tokio::io::split(ours), mode).await.expect("discovered");
+    ().serve_with_lifecycle(tokio::io::split(ours), mode)
+        .await
+        .expect("discovered")
+}
+
+/// 2026-07-28 has no `initialize`: the client starts with `server/discover` and every request
+/// carries its own metadata. rmcp serves it; the gateway gates its calls the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_2026_07_28_stateless_revision_is_discovered_and_gated() {
+    use rmcp::model::ProtocolVersion;
+    let w = world();
+    let c = stateless_client(&w, "run-2026").await;
     let agreed = c.peer().peer_info().map(|i| i.protocol_version.clone());
     assert_eq!(agreed, Some(ProtocolVersion::V_2026_07_28));
     assert_eq!(
@@ -713,4 +725,71 @@ async fn a_dead_upstream_is_started_again_and_its_call_in_flight_is_unknown() {
         ["call die now", "call echo after"],
         "die was not sent again"
     );
+}
+
+/// 2026-07-28's `subscriptions/listen`: a stateless client's listen stream is acknowledged
+/// with what the gateway can tell (a URI it cannot route is dropped), then hears an upstream's
+/// resource update for its URI and the tools', resources' and prompts' list changes — each
+/// tagged with the stream's id by rmcp; the upstream is subscribed for it and unsubscribed
+/// once the stream ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_2026_07_28_listen_stream_hears_updates_and_list_changes() {
+    use rmcp::model::{ReadResourceRequestParams, ServerNotification, SubscriptionFilter};
+    let w = world();
+    let c = stateless_client(&w, "run-listen").await;
+    // The gateway routes a URI it has listed.
+    c.peer().list_all_resources().await.unwrap();
+    let asked = SubscriptionFilter::builder()
+        .tools_list_changed()
+        .resources_list_changed()
+        .prompts_list_changed()
+        .resource_subscriptions(["fixture://notes", "elsewhere://nothing"])
+        .build();
+    let mut stream = c.peer().listen(asked).await.expect("acknowledged");
+    let ack = stream.acknowledged().clone();
+    assert_eq!(ack.tools_list_changed, Some(true));
+    assert_eq!(ack.resources_list_changed, Some(true));
+    assert_eq!(ack.prompts_list_changed, Some(true));
+    assert_eq!(
+        ack.resource_subscriptions,
+        Some(vec!["fixture://notes".to_string()]),
+        "a URI no upstream has is not accepted"
+    );
+    w.upstream_logged("subscribe fixture://notes").await;
+    // The upstream says fixture://notes was updated and its resources and prompts changed.
+    c.peer()
+        .read_resource(ReadResourceRequestParams::new("fixture://touch"))
+        .await
+        .unwrap();
+    let (mut updated, mut resources, mut prompts) = (false, false, false);
+    while !(updated && resources && prompts) {
+        let note = tokio::time::timeout(Duration::from_secs(30), stream.next())
+            .await
+            .expect("told in time")
+            .unwrap()
+            .expect("the stream is open");
+        match note {
+            ServerNotification::ResourceUpdatedNotification(n) => {
+                assert_eq!(n.params.uri, "fixture://notes");
+                updated = true;
+            }
+            ServerNotification::ResourceListChangedNotification(_) => resources = true,
+            ServerNotification::PromptListChangedNotification(_) => prompts = true,
+            other => panic!("not asked for: {other:?}"),
+        }
+    }
+    // A tool rewritten upstream: the stream hears the tools changed.
+    call(&c, "files__mutate", "x").await;
+    let note = tokio::time::timeout(Duration::from_secs(30), stream.next())
+        .await
+        .expect("told in time")
+        .unwrap()
+        .expect("the stream is open");
+    assert!(
+        matches!(note, ServerNotification::ToolListChangedNotification(_)),
+        "{note:?}"
+    );
+    // The stream ends: the upstream is unsubscribed (no one else listens to the URI).
+    drop(stream);
+    w.upstream_logged("unsubscribe fixture://notes").await;
 }

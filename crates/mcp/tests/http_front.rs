@@ -525,3 +525,150 @@ async fn a_task_is_its_principals_alone() {
         "Bob's cancel did nothing"
     );
 }
+
+/// 2025-11-25's own task form over HTTP (`params.task`, tests/tasks_2025.rs on stdio): a
+/// task is its principal's alone. Another principal with its id gets "no task" from
+/// `tasks/get`, `tasks/result` and `tasks/cancel`, and does not see it in `tasks/list`; the
+/// owner's task is still held, nothing ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_2025_11_25_task_is_its_principals_alone() {
+    let w = world();
+    let addr = http_gateway(&w, "tasks25", "").await;
+    let open = |token: String| {
+        let addr = addr.clone();
+        async move {
+            let bearer = format!("Bearer {token}");
+            let mut init = initialize();
+            init["params"]["protocolVersion"] = json!("2025-11-25");
+            let r = post(&addr, &[("authorization", &bearer)], &init).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            let caps = &r.message()["result"]["capabilities"];
+            assert_eq!(
+                caps["tasks"]["requests"]["tools"]["call"],
+                json!({}),
+                "{caps}"
+            );
+            let id = r.headers["mcp-session-id"].to_str().unwrap().to_string();
+            let h = [
+                ("authorization", bearer.as_str()),
+                ("mcp-session-id", id.as_str()),
+                ("mcp-protocol-version", "2025-11-25"),
+            ];
+            let done = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+            assert_eq!(post(&addr, &h, &done).await.status, 202);
+            (bearer, id)
+        }
+    };
+    let (alice, alice_session) = open(agent_token(&w, "alice25")).await;
+    let (bob, bob_session) = open(agent_token(&w, "bob25")).await;
+    let as_ = |bearer: &str, session: &str| {
+        vec![
+            ("authorization".to_string(), bearer.to_string()),
+            ("mcp-session-id".to_string(), session.to_string()),
+            ("mcp-protocol-version".to_string(), "2025-11-25".to_string()),
+        ]
+    };
+    let send = |h: Vec<(String, String)>, method: &str, params: Value| {
+        let addr = addr.clone();
+        let body = json!({"jsonrpc": "2.0", "id": 7, "method": method, "params": params});
+        async move {
+            let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            let r = post(&addr, &h, &body).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            r.message()
+        }
+    };
+    let tools = send(as_(&alice, &alice_session), "tools/list", json!({})).await;
+    assert_eq!(
+        tools["result"]["tools"][0]["execution"]["taskSupport"], "optional",
+        "{tools}"
+    );
+    let created = send(
+        as_(&alice, &alice_session),
+        "tools/call",
+        json!({"name": "files__write", "arguments": {"text": "hold-a25"}, "task": {}}),
+    )
+    .await;
+    let id = created["result"]["task"]["taskId"]
+        .as_str()
+        .unwrap_or_else(|| panic!("not a task: {created}"))
+        .to_string();
+    for method in ["tasks/get", "tasks/result", "tasks/cancel"] {
+        let v = send(as_(&bob, &bob_session), method, json!({"taskId": id})).await;
+        assert_eq!(v["error"]["code"], -32602, "{method}: {v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("no task"),
+            "{v}"
+        );
+    }
+    let listed = send(as_(&bob, &bob_session), "tasks/list", json!({})).await;
+    assert_eq!(listed["result"]["tasks"], json!([]), "{listed}");
+    let mine = send(
+        as_(&alice, &alice_session),
+        "tasks/get",
+        json!({"taskId": id}),
+    )
+    .await;
+    assert_eq!(
+        mine["result"]["status"], "working",
+        "Bob's cancel did nothing: {mine}"
+    );
+    let listed = send(as_(&alice, &alice_session), "tasks/list", json!({})).await;
+    assert_eq!(
+        listed["result"]["tasks"][0]["taskId"],
+        json!(id),
+        "{listed}"
+    );
+    assert!(w.upstream().is_empty(), "{:?}", w.upstream());
+}
+
+/// 2026-07-28's `subscriptions/listen` over HTTP (no session: the stream is one long POST):
+/// the stream hears a resource update of its URI and a tool list change, and the upstream is
+/// unsubscribed once it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_2026_07_28_listen_stream_over_http() {
+    use rmcp::model::{ReadResourceRequestParams, ServerNotification, SubscriptionFilter};
+    let w = world();
+    let addr = http_gateway(&w, "listen", "").await;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mode = ClientLifecycleMode::Discover {
+        preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+    };
+    let config = StreamableHttpClientTransportConfig::with_uri(format!("http://{addr}/mcp"))
+        .auth_header(agent_token(&w, "listener"));
+    let c =
+        ().serve_with_lifecycle(StreamableHttpClientTransport::from_config(config), mode)
+            .await
+            .expect("discovered over HTTP");
+    c.peer().list_all_resources().await.unwrap();
+    let asked = SubscriptionFilter::builder()
+        .tools_list_changed()
+        .resource_subscriptions(["fixture://notes"])
+        .build();
+    let mut stream = c.peer().listen(asked).await.expect("acknowledged");
+    w.upstream_logged("subscribe fixture://notes").await;
+    let mut next = async || {
+        tokio::time::timeout(Duration::from_secs(30), stream.next())
+            .await
+            .expect("told in time")
+            .unwrap()
+            .expect("the stream is open")
+    };
+    c.peer()
+        .read_resource(ReadResourceRequestParams::new("fixture://touch"))
+        .await
+        .unwrap();
+    let note = next().await;
+    assert!(
+        matches!(&note, ServerNotification::ResourceUpdatedNotification(n) if n.params.uri == "fixture://notes"),
+        "only what was accepted: {note:?}"
+    );
+    call(&c, "files__mutate", "x").await;
+    let note = next().await;
+    assert!(
+        matches!(note, ServerNotification::ToolListChangedNotification(_)),
+        "{note:?}"
+    );
+    drop(stream);
+    w.upstream_logged("unsubscribe fixture://notes").await;
+}
