@@ -73,6 +73,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
             cached_input: 0.3,
             output: 15.0,
         },
+        upstreams: Default::default(),
         tools: vec![
             Tool {
                 name: "lookup".into(),
@@ -80,6 +81,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 parameters: json!({"type": "object"}),
                 command: append("lookup"),
                 url: None,
+                mcp: None,
                 read_only: true,
             },
             Tool {
@@ -88,6 +90,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 parameters: json!({"type": "object"}),
                 command: append("drop_table"),
                 url: None,
+                mcp: None,
                 read_only: false,
             },
         ],
@@ -531,6 +534,7 @@ fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
         parameters: json!({"type": "object"}),
         command: Vec::new(),
         url: Some(format!("http://{}/orders", tool.addr)),
+        mcp: None,
         read_only: true,
     }];
     let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
@@ -550,19 +554,8 @@ fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
         "{}",
         obs("c2")
     );
-    let (code, out, _) = d.cli(&["report", "traj-5", "--json"]);
-    assert_eq!(code, 0);
-    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(
-        find_key(&report, "c1").unwrap()["status"],
-        "completed",
-        "{report:#}"
-    );
-    assert_eq!(
-        find_key(&report, "c2").unwrap()["status"],
-        "failed",
-        "{report:#}"
-    );
+    assert_eq!(effect_status(&d, "traj-5", "c1"), "completed");
+    assert_eq!(effect_status(&d, "traj-5", "c2"), "failed");
 }
 
 /// A trajectory started under a parent run (a sub-agent): the gate's cancel of the parent
@@ -839,4 +832,215 @@ fn many_trajectories_waiting_for_approval_hold_no_thread_each() {
     }
     let ran = std::fs::read_to_string(&effects).unwrap();
     assert_eq!(ran.lines().count(), N, "each approved call ran once");
+}
+
+/// A small MCP server on stdio (newline-delimited JSON-RPC), for the harness's MCP tools: it
+/// logs every call and every `notifications/cancelled` it receives to `$LOG`. Tools: `echo`
+/// and `write` answer `NAME: TEXT`; `block` writes `started` to the fifo `$STARTED` and never
+/// answers; `die` exits mid-call. Python, as the egress tests use it: a real MCP peer that is
+/// not rmcp, so the harness's client is tested against another implementation.
+const MCP_SERVER: &str = r#"
+import json, os, sys
+def log(line):
+    with open(os.environ["LOG"], "a") as f:
+        f.write(line + "\n")
+def send(msg):
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+schema = {"type": "object", "properties": {"text": {"type": "string"}}}
+tools = [{"name": n, "description": "the " + n + " tool", "inputSchema": schema}
+         for n in ["echo", "write", "block", "die"]]
+tools[0]["annotations"] = {"readOnlyHint": True}
+for line in sys.stdin:
+    msg = json.loads(line)
+    method, mid = msg.get("method"), msg.get("id")
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": mid, "result": {
+            "protocolVersion": msg["params"]["protocolVersion"],
+            "capabilities": {"tools": {}}, "serverInfo": {"name": "py", "version": "1"}}})
+    elif method == "tools/list":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"tools": tools}})
+    elif method == "tools/call":
+        name = msg["params"]["name"]
+        text = msg["params"].get("arguments", {}).get("text", "")
+        log("call %s %s" % (name, text))
+        if name == "die":
+            os._exit(3)
+        if name == "block":
+            with open(os.environ["STARTED"], "w") as f:
+                f.write("started\n")
+            continue
+        send({"jsonrpc": "2.0", "id": mid, "result": {
+            "content": [{"type": "text", "text": "%s: %s" % (name, text)}]}})
+    elif method == "notifications/cancelled":
+        log("cancelled %s" % msg["params"].get("requestId"))
+    elif mid is not None:
+        send({"jsonrpc": "2.0", "id": mid, "result": {}})
+"#;
+
+/// The scripted model server, serving `responses` in order.
+fn model_server(rt: &tokio::runtime::Runtime, responses: Vec<Vec<Step>>) -> Scripted {
+    rt.block_on(Scripted::start("127.0.0.1:0", Script { responses }))
+        .unwrap()
+}
+
+/// The agent config of the MCP tests: the scripted model and the Python server as `files`.
+fn mcp_config(d: &Daemon, model: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (server, log) = (d.data().join("mcp.py"), d.data().join("mcp.log"));
+    std::fs::write(&server, MCP_SERVER).unwrap();
+    let started = d.data().join("started");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&started)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let config = d.data().join("agent.toml");
+    let text = format!(
+        r#"
+[[model]]
+name = "scripted"
+base_url = "{model}"
+usd_per_mtok_input = 3.0
+usd_per_mtok_output = 15.0
+
+[budget]
+turns = 6
+
+[[server]]
+name = "files"
+command = "python3"
+args = ["-u", {server:?}]
+env = {{ LOG = {log:?}, STARTED = {started:?} }}
+"#,
+        server = server.display().to_string(),
+        log = log.display().to_string(),
+        started = started.display().to_string(),
+    );
+    std::fs::write(&config, text).unwrap();
+    (config, log)
+}
+
+const MCP_POLICY: &str = r#"
+[defaults]
+unknown_tool = "allow"
+
+[[rules]]
+tool = "files__write"
+action = "deny"
+"#;
+
+/// MCP tools end to end: the server's tools are offered to the model as `server__tool`; a call
+/// the gate admits is sent upstream and its answer observed; a call the gate refuses never
+/// reaches the server; an upstream that dies mid-call leaves that call `unknown` at the gate,
+/// and the trajectory goes on.
+#[test]
+fn mcp_tools_are_admitted_by_the_gate_then_sent_upstream() {
+    let d = Daemon::start_with_policy(MCP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "files__echo", "{\"text\": \"hi\"}"),
+            scripted::call("c2", "files__write", "{\"text\": \"rm -rf\"}"),
+            scripted::call("c3", "files__die", "{\"text\": \"now\"}"),
+            scripted::answer("echoed, and the server died"),
+        ],
+    );
+    let (config, log) = mcp_config(&d, &model.base_url());
+    let config = config.display().to_string();
+    let (code, out, err) = d.cli(&[
+        "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-1", "go",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("mcp-1 COMPLETED"), "{out}");
+    let offered: Vec<String> = model.calls()[0]["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        offered,
+        ["files__echo", "files__write", "files__block", "files__die"]
+    );
+    assert_eq!(
+        std::fs::read_to_string(&log).unwrap(),
+        "call echo hi\ncall die now\n",
+        "the refused write never reached the server"
+    );
+    let last = model.calls()[3]["messages"].as_array().unwrap().clone();
+    let obs = |id: &str| {
+        last.iter().find(|m| m["tool_call_id"] == id).unwrap()["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(obs("c1"), "echo: hi");
+    assert!(obs("c2").contains("REFUSED"), "{}", obs("c2"));
+    assert!(
+        obs("c3").contains("may or may not have acted"),
+        "{}",
+        obs("c3")
+    );
+    assert_eq!(effect_status(&d, "mcp-1", "c1"), "completed");
+    assert_eq!(effect_status(&d, "mcp-1", "c3"), "unknown");
+}
+
+/// The status of the effect `key` in `estop report RUN`.
+fn effect_status(d: &Daemon, run: &str, key: &str) -> String {
+    let (code, out, err) = d.cli(&["report", run, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let effect = find_key(&report, key).unwrap_or_else(|| panic!("no {key}: {report:#}"));
+    effect["status"].as_str().unwrap_or_default().to_string()
+}
+
+/// `estop cancel` of the trajectory's run while an MCP call is in flight: the trajectory ends
+/// CANCELED, the call is `unknown` at the gate, and the upstream hears
+/// `notifications/cancelled` for it.
+#[test]
+fn a_cancel_cancels_the_mcp_call_in_flight_upstream() {
+    let d = Daemon::start_with_policy(MCP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "files__block", "{\"text\": \"wait\"}"),
+            scripted::answer("never asked"),
+        ],
+    );
+    let (config, log) = mcp_config(&d, &model.base_url());
+    let config = config.display().to_string();
+    let (code, out, err) = std::thread::scope(|s| {
+        let agent = s.spawn(|| {
+            d.cli(&[
+                "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-2", "go",
+            ])
+        });
+        // Opening the fifo waits for the server to write it: the call is upstream now.
+        let line = std::fs::read_to_string(d.data().join("started")).unwrap();
+        assert_eq!(line, "started\n");
+        let (code, _, err) = d.cli(&["cancel", "mcp-2"]);
+        assert_eq!(code, 0, "{err}");
+        agent.join().unwrap()
+    });
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(out.starts_with("mcp-2 CANCELED"), "{out}");
+    assert_eq!(model.calls().len(), 1, "no model call after the cancel");
+    // The server logs the notice as it reads it; the runner awaited its write before exiting.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let logged = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("cancelled") || std::time::Instant::now() > until {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        logged.starts_with("call block wait\ncancelled "),
+        "{logged}"
+    );
+    assert_eq!(effect_status(&d, "mcp-2", "c1"), "unknown");
 }

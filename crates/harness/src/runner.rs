@@ -21,9 +21,10 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, watch};
 
-/// A tool: a sandboxed command (the arguments, JSON, on its stdin; its stdout the result) or
-/// an HTTP tool (the arguments POSTed as JSON to `url`; the answer's body the result). Exactly
-/// one of `command` and `url`.
+/// A tool: a command (the arguments, JSON, on its stdin; its stdout the result), an HTTP tool
+/// (the arguments POSTed as JSON to `url`; the answer's body the result) or an MCP server's
+/// tool (`mcp`, sent upstream through [`crate::mcp::Upstreams`]). Exactly one of `command`,
+/// `url` and `mcp`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Tool {
     pub name: String,
@@ -33,6 +34,8 @@ pub struct Tool {
     pub command: Vec<String>,
     #[serde(default)]
     pub url: Option<String>,
+    #[serde(default)]
+    pub mcp: Option<crate::mcp::McpTool>,
     /// Reads only: still allowed once the budget restricts the trajectory.
     #[serde(default)]
     pub read_only: bool,
@@ -47,6 +50,8 @@ pub struct RunnerOptions {
     pub limits: Limits,
     pub prices: Prices,
     pub tools: Vec<Tool>,
+    /// The MCP servers the `mcp` tools are sent to (started by [`crate::mcp::Upstreams::start`]).
+    pub upstreams: crate::mcp::Upstreams,
     pub system: String,
     /// How long a cut stream may still be read for its terminal event.
     pub grace: Duration,
@@ -118,7 +123,11 @@ pub struct Runner {
     ctx: BTreeMap<String, Vec<Message>>,
     sched: Scheduler<String>,
     cuts: BTreeMap<String, watch::Sender<bool>>,
-    tools: BTreeMap<String, tokio::task::AbortHandle>,
+    tools: BTreeMap<String, tokio::task::JoinHandle<()>>,
+    /// MCP calls in flight: cut (not aborted) on a cancel, so that the upstream is told.
+    mcp_cuts: BTreeMap<String, watch::Sender<bool>>,
+    /// Cut MCP calls still telling their upstream; awaited (bounded) before `run` returns.
+    closing: Vec<tokio::task::JoinHandle<()>>,
     tokens: BTreeMap<String, String>,
     in_flight: usize,
     tx: mpsc::UnboundedSender<Input>,
@@ -180,6 +189,8 @@ impl Runner {
             ctx: contexts,
             cuts: BTreeMap::new(),
             tools: BTreeMap::new(),
+            mcp_cuts: BTreeMap::new(),
+            closing: Vec::new(),
             tokens: BTreeMap::new(),
             in_flight: 0,
             tx,
@@ -266,6 +277,7 @@ impl Runner {
         loop {
             self.schedule()?;
             if self.recs.values().all(|r| r.state.is_terminal()) {
+                self.drain_closing().await;
                 return Ok(());
             }
             let next_tick = tokio::time::sleep(Duration::from_millis(100));
@@ -273,6 +285,14 @@ impl Runner {
                 Some(input) = self.rx.recv() => self.on_input(input)?,
                 _ = next_tick => self.tick()?,
             }
+        }
+    }
+
+    /// Waits (at most `CANCEL_TELL_MS_MAX` in all) for cut MCP calls to tell their upstream.
+    async fn drain_closing(&mut self) {
+        let until = tokio::time::Instant::now() + Duration::from_millis(CANCEL_TELL_MS_MAX);
+        for h in self.closing.drain(..) {
+            let _ = tokio::time::timeout_at(until, h).await;
         }
     }
 
@@ -352,6 +372,7 @@ impl Runner {
             }
             Input::ToolDone { id, call, result } => {
                 self.tools.remove(&call);
+                self.mcp_cuts.remove(&call);
                 self.apply(&id, |r, now| r.on_tool_result(now, &call, result))
             }
             Input::Control { id, control } => self.apply(&id, |r, now| r.on_control(now, control)),
@@ -514,19 +535,36 @@ impl Runner {
                     .find(|t| t.name == call.function.name)
                     .cloned();
                 let call_id = call.id.clone();
+                let upstreams = self.opts.upstreams.clone();
+                let (cut_tx, cut) = watch::channel(false);
+                if tool.as_ref().is_some_and(|t| t.mcp.is_some()) {
+                    self.mcp_cuts.insert(call_id.clone(), cut_tx);
+                }
                 let handle = tokio::spawn(async move {
-                    let result = dispatch(&gate, &id, &call, &token, tool).await;
-                    let _ = tx.send(Input::ToolDone {
-                        id,
-                        call: call.id,
-                        result,
-                    });
+                    let result = dispatch(&gate, &id, &call, &token, tool, &upstreams, cut).await;
+                    if let Some(result) = result {
+                        let _ = tx.send(Input::ToolDone {
+                            id,
+                            call: call.id,
+                            result,
+                        });
+                    }
                 });
-                self.tools.insert(call_id, handle.abort_handle());
+                self.tools.insert(call_id, handle);
             }
+            // On a cancel, a kill or the deadline: an MCP call is cut (its upstream is sent
+            // `notifications/cancelled`), any other tool's task aborted (a command's process
+            // group killed with it). The record has settled the call (`unknown` at the gate).
             Action::CancelTool { call_id } => {
+                let cut = self.mcp_cuts.remove(&call_id);
                 if let Some(h) = self.tools.remove(&call_id) {
-                    h.abort();
+                    match cut {
+                        Some(cut) => {
+                            let _ = cut.send(true);
+                            self.closing.push(h);
+                        }
+                        None => h.abort(),
+                    }
                 }
             }
             Action::Release { .. } | Action::Dropped { .. } => {}
@@ -754,7 +792,9 @@ async fn dispatch(
     call: &crate::chat::ToolCall,
     token: &str,
     tool: Option<Tool>,
-) -> String {
+    upstreams: &crate::mcp::Upstreams,
+    cut: watch::Receiver<bool>,
+) -> Option<String> {
     let (g, r, k, t) = (
         gate.clone(),
         run.to_string(),
@@ -765,10 +805,15 @@ async fn dispatch(
         .await
         .unwrap_or_else(|e| Err(e.to_string()));
     if let Err(why) = started {
-        return json!({"status": "REFUSED", "reason": "NOT_STARTED", "message": why}).to_string();
+        let refused = json!({"status": "REFUSED", "reason": "NOT_STARTED", "message": why});
+        return Some(refused.to_string());
     }
     let (outcome, text) = match tool {
         Some(Tool { url: Some(url), .. }) => run_http(&url, &call.function.arguments).await,
+        Some(Tool { mcp: Some(m), .. }) => {
+            // Cut: the runner settled the call already (`unknown`); nothing more to say.
+            upstreams.call(&m, &call.function.arguments, cut).await?
+        }
         Some(tool) => run_command(&tool, &call.function.arguments).await,
         None => ("error", format!("no tool named {}", call.function.name)),
     };
@@ -781,8 +826,11 @@ async fn dispatch(
         text.clone(),
     );
     let _ = tokio::task::spawn_blocking(move || g.complete(&r, &k, &t, o, &x)).await;
-    text
+    Some(text)
 }
+
+/// How long a runner that is done waits, in all, for cut MCP calls to tell their upstreams.
+const CANCEL_TELL_MS_MAX: u64 = 2_000;
 
 /// Largest answer an HTTP tool may give (what the model will read of it).
 const HTTP_TOOL_BYTES_MAX: usize = 1 << 20;
