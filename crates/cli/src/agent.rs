@@ -30,7 +30,8 @@ pub enum AgentCmd {
         turns: Option<u64>,
         #[arg(long)]
         tokens: Option<u64>,
-        /// Wall clock from the trajectory's start, in milliseconds.
+        /// Wall clock from the trajectory's start (less the time awaiting approval), in
+        /// milliseconds.
         #[arg(long)]
         wall_ms: Option<u64>,
         /// Dollars.
