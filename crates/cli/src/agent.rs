@@ -264,6 +264,7 @@ fn run_one(a: AgentRunArgs) -> anyhow::Result<u8> {
         parent: a.parent,
         journal: a.journal.unwrap_or_else(|| a.data.join("harness")),
         gate: estop_harness::gate::GateConfig { target, token },
+        data: a.data,
     })?;
     let r = &out.record;
     if a.json {

@@ -63,6 +63,7 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
             limits: Limits::default(),
             prices: Prices::default(),
             upstreams: Default::default(),
+            sandbox: None,
             tools: vec![Tool {
                 name: "hold".into(),
                 description: "held for approval".into(),
@@ -70,6 +71,8 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
                 command: vec!["true".into()],
                 url: None,
                 mcp: None,
+                sandbox: false,
+                sandbox_policy: None,
                 read_only: false,
             }],
             system: "bench".into(),

@@ -74,6 +74,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
             output: 15.0,
         },
         upstreams: Default::default(),
+        sandbox: None,
         tools: vec![
             Tool {
                 name: "lookup".into(),
@@ -82,6 +83,8 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 command: append("lookup"),
                 url: None,
                 mcp: None,
+                sandbox: false,
+                sandbox_policy: None,
                 read_only: true,
             },
             Tool {
@@ -91,6 +94,8 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 command: append("drop_table"),
                 url: None,
                 mcp: None,
+                sandbox: false,
+                sandbox_policy: None,
                 read_only: false,
             },
         ],
@@ -535,6 +540,8 @@ fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
         command: Vec::new(),
         url: Some(format!("http://{}/orders", tool.addr)),
         mcp: None,
+        sandbox: false,
+        sandbox_policy: None,
         read_only: true,
     }];
     let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
@@ -997,6 +1004,27 @@ fn effect_status(d: &Daemon, run: &str, key: &str) -> String {
     effect["status"].as_str().unwrap_or_default().to_string()
 }
 
+/// `estop agent run --config CONFIG --id ID go`, cancelled (`estop cancel ID`) once its tool
+/// wrote `started` to the fifo `started`; returns the agent's (exit code, stdout, stderr).
+fn cancel_once_started(
+    d: &Daemon,
+    config: &str,
+    id: &str,
+    started: &std::path::Path,
+) -> (i32, String, String) {
+    std::thread::scope(|s| {
+        let agent = s.spawn(|| {
+            d.cli(&[
+                "agent", "run", "--config", config, "--model", "scripted", "--id", id, "go",
+            ])
+        });
+        assert_eq!(std::fs::read_to_string(started).unwrap(), "started\n");
+        let (code, _, err) = d.cli(&["cancel", id]);
+        assert_eq!(code, 0, "{err}");
+        agent.join().unwrap()
+    })
+}
+
 /// `estop cancel` of the trajectory's run while an MCP call is in flight: the trajectory ends
 /// CANCELED, the call is `unknown` at the gate, and the upstream hears
 /// `notifications/cancelled` for it.
@@ -1013,19 +1041,8 @@ fn a_cancel_cancels_the_mcp_call_in_flight_upstream() {
     );
     let (config, log) = mcp_config(&d, &model.base_url());
     let config = config.display().to_string();
-    let (code, out, err) = std::thread::scope(|s| {
-        let agent = s.spawn(|| {
-            d.cli(&[
-                "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-2", "go",
-            ])
-        });
-        // Opening the fifo waits for the server to write it: the call is upstream now.
-        let line = std::fs::read_to_string(d.data().join("started")).unwrap();
-        assert_eq!(line, "started\n");
-        let (code, _, err) = d.cli(&["cancel", "mcp-2"]);
-        assert_eq!(code, 0, "{err}");
-        agent.join().unwrap()
-    });
+    // Opening the fifo waits for the server to write it: the call is upstream now.
+    let (code, out, err) = cancel_once_started(&d, &config, "mcp-2", &d.data().join("started"));
     assert_eq!(code, 3, "{out}{err}");
     assert!(out.starts_with("mcp-2 CANCELED"), "{out}");
     assert_eq!(model.calls().len(), 1, "no model call after the cancel");
@@ -1043,4 +1060,152 @@ fn a_cancel_cancels_the_mcp_call_in_flight_upstream() {
         "{logged}"
     );
     assert_eq!(effect_status(&d, "mcp-2", "c1"), "unknown");
+}
+
+const SANDBOX_POLICY: &str = r#"
+[defaults]
+unknown_tool = "allow"
+
+[[rules]]
+tool = "sandbox.run"
+action = "allow"
+
+[[rules]]
+tool = "http.*"
+action = "allow"
+"#;
+
+/// `estop agent run`'s config for the sandbox tests, written in `dir` (outside the daemon's
+/// data directory, which the sandbox hides): one `sandbox = true` tool running `argv`, the
+/// sandbox allowed to reach 127.0.0.2 (the host's loopback, not the sandbox's).
+fn sandbox_config(dir: &std::path::Path, model: &str, argv: &[String]) -> String {
+    let settings = dir.join("sandbox.toml");
+    std::fs::write(
+        &settings,
+        "[egress]\nallow_destinations = [\"127.0.0.2/32\"]\nhold_ms = 20000\n",
+    )
+    .unwrap();
+    let config = dir.join("agent.toml");
+    let text = format!(
+        r#"
+[[model]]
+name = "scripted"
+base_url = "{model}"
+usd_per_mtok_input = 3.0
+usd_per_mtok_output = 15.0
+
+[[tool]]
+name = "net"
+command = {argv:?}
+sandbox = true
+sandbox_policy = {settings:?}
+"#,
+        settings = settings.display().to_string(),
+    );
+    std::fs::write(&config, text).unwrap();
+    config.display().to_string()
+}
+
+/// A `sandbox = true` command runs inside `estop run`'s sandbox as the child run
+/// `TRAJECTORY/CALL`: its request goes through the sandbox's proxy, where the gate admits it
+/// as an effect of that run, and its output is the observation.
+#[test]
+fn a_sandboxed_command_runs_as_a_child_run_through_the_proxy() {
+    let d = Daemon::start_with_policy(SANDBOX_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "net", "{\"order\": 7}"),
+            scripted::answer("posted"),
+        ],
+    );
+    let target = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![Step::Status {
+                    status: 200,
+                    body: "stored".into(),
+                }]],
+            },
+        ))
+        .unwrap();
+    let url = format!("http://{}/orders", target.addr);
+    let argv: Vec<String> = [
+        "curl",
+        "-sS",
+        "-m",
+        "30",
+        "-X",
+        "POST",
+        "--data-binary",
+        "@-",
+        &url,
+    ]
+    .map(String::from)
+    .to_vec();
+    let dir = tempfile::tempdir().unwrap();
+    let config = sandbox_config(dir.path(), &model.base_url(), &argv);
+    let (code, out, err) = d.cli(&[
+        "agent", "run", "--config", &config, "--model", "scripted", "--id", "sb-1", "go",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("sb-1 COMPLETED"), "{out}");
+    assert_eq!(target.calls(), [json!({"order": 7})]);
+    let last = model.calls()[1]["messages"].as_array().unwrap().clone();
+    let obs = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    assert_eq!(obs["content"], "stored", "{obs}");
+    assert_eq!(effect_status(&d, "sb-1", "c1"), "completed");
+    let (code, report, err) = d.cli(&["report", "sb-1/c1", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        report.contains("\"tool\":\"http.POST\"") && report.contains("sandbox.run"),
+        "the launch and the request were effects of the child run: {report}"
+    );
+}
+
+/// `estop cancel` of the trajectory's run while a sandboxed command runs: the trajectory ends
+/// CANCELED, the command's sandbox is gone with it, and the child run is stopped at the gate.
+#[test]
+fn a_cancel_ends_the_sandboxed_command_with_its_sandbox() {
+    let d = Daemon::start_with_policy(SANDBOX_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "net", "{}"),
+            scripted::answer("never asked"),
+        ],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("sandbox-started");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let script = format!("echo started > {}; exec sleep 4243", fifo.display());
+    let argv = ["sh".to_string(), "-c".into(), script];
+    let config = sandbox_config(dir.path(), &model.base_url(), &argv);
+    let (code, out, err) = cancel_once_started(&d, &config, "sb-2", &fifo);
+    assert_eq!(code, 3, "{out}{err}{:?}", model.calls().get(1));
+    assert!(out.starts_with("sb-2 CANCELED"), "{out}");
+    assert_eq!(effect_status(&d, "sb-2", "c1"), "unknown");
+    let sleeping = || {
+        std::fs::read_dir("/proc").unwrap().flatten().any(|p| {
+            std::fs::read(p.path().join("cmdline"))
+                .is_ok_and(|c| c.windows(4).any(|w| w == b"4243"))
+        })
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while sleeping() && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!sleeping(), "the sandboxed command outlived the cancel");
+    let (code, status, err) = d.cli(&["status", "sb-2/c1", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(status.contains("cancelled"), "{status}");
 }

@@ -24,6 +24,8 @@ pub struct AgentRun {
     /// The journal directory.
     pub journal: PathBuf,
     pub gate: GateConfig,
+    /// The daemon's data directory: `sandbox = true` commands are started by `estop run` on it.
+    pub data: PathBuf,
 }
 
 /// How the trajectory ended: its record and the model's last answer.
@@ -63,6 +65,12 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
         prices: m.prices(),
         tools: config.tools(&a.tools, mcp_tools)?,
         upstreams,
+        sandbox: Some(crate::runner::SandboxLaunch {
+            estop: std::env::current_exe()?,
+            data: a.data.clone(),
+            socket: a.gate.target.clone(),
+            token: a.gate.token.clone(),
+        }),
         system: config.harness.system.clone(),
         grace: Duration::from_millis(config.harness.grace_ms),
         workers: config.harness.workers,

@@ -123,6 +123,13 @@ pub struct ToolSection {
     pub command: Vec<String>,
     /// Or an HTTP tool: the arguments POSTed as JSON here, the answer's body the result.
     pub url: Option<String>,
+    /// Run `command` inside `estop run`'s sandbox, as a child run of the trajectory's run.
+    #[serde(default)]
+    pub sandbox: bool,
+    /// The sandbox's settings file (`estop run --policy`, table `[egress]`); only with
+    /// `sandbox = true`.
+    #[serde(default)]
+    pub sandbox_policy: Option<std::path::PathBuf>,
     #[serde(default)]
     pub read_only: bool,
 }
@@ -196,6 +203,15 @@ impl Config {
                     t.name
                 ));
             }
+            if t.sandbox && t.command.is_empty() {
+                return bad(format!("tool {:?}: sandbox = true runs a command", t.name));
+            }
+            if t.sandbox_policy.is_some() && !t.sandbox {
+                return bad(format!(
+                    "tool {:?}: sandbox_policy goes with sandbox = true",
+                    t.name
+                ));
+            }
             if let Some(url) = &t.url
                 && let Err(e) = crate::model::Endpoint::new(url, None)
             {
@@ -246,6 +262,8 @@ impl Config {
                 command: t.command.clone(),
                 url: t.url.clone(),
                 mcp: None,
+                sandbox: t.sandbox,
+                sandbox_policy: t.sandbox_policy.clone(),
                 read_only: t.read_only,
             })
             .chain(mcp)
@@ -364,6 +382,18 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         };
         let picked = c.tools(&["files__read".into()], vec![listed]).unwrap();
         assert_eq!(picked[0].mcp.as_ref().unwrap().tool, "read");
+        let sandboxed = ok.replace("read_only = true", "sandbox = true");
+        let c: Config = toml::from_str(&sandboxed).unwrap();
+        c.check().unwrap();
+        assert!(c.tools(&[], Vec::new()).unwrap()[0].sandbox);
+        let loose = ok.replace("read_only = true", "sandbox_policy = \"e.toml\"");
+        let c: Config = toml::from_str(&loose).unwrap();
+        assert!(
+            c.check()
+                .unwrap_err()
+                .to_string()
+                .contains("goes with sandbox")
+        );
         let sep = ok.replace("name = \"echo\"", "name = \"a__b\"");
         let c: Config = toml::from_str(&sep).unwrap();
         assert!(c.check().unwrap_err().to_string().contains("kept for MCP"));

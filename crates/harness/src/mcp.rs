@@ -89,6 +89,8 @@ impl Upstreams {
                         tool: t.name.to_string(),
                     }),
                     read_only,
+                    sandbox: false,
+                    sandbox_policy: None,
                 });
             }
             ups.insert(server.name.clone(), Arc::new(up));

@@ -36,9 +36,30 @@ pub struct Tool {
     pub url: Option<String>,
     #[serde(default)]
     pub mcp: Option<crate::mcp::McpTool>,
+    /// The command runs inside `estop run`'s sandbox, as a child run of the trajectory's run
+    /// (`TRAJECTORY/CALL_ID`): its network effects go through the sandbox's proxy and are
+    /// admitted there; `sandbox_policy` is the sandbox's settings (`estop run --policy`).
+    #[serde(default)]
+    pub sandbox: bool,
+    #[serde(default)]
+    pub sandbox_policy: Option<PathBuf>,
     /// Reads only: still allowed once the budget restricts the trajectory.
     #[serde(default)]
     pub read_only: bool,
+}
+
+/// What `estop run` needs to start a sandboxed command on the trajectory's daemon.
+#[derive(Debug, Clone)]
+pub struct SandboxLaunch {
+    /// The `estop` binary.
+    pub estop: PathBuf,
+    /// The daemon's data directory (`estop run --data`).
+    pub data: PathBuf,
+    /// The daemon's socket (`estop run --socket`).
+    pub socket: String,
+    /// The agent token the trajectory's run belongs to: handed to `estop run` in its
+    /// environment (`ESTOP_TOKEN`), never on its command line, which other users can read.
+    pub token: String,
 }
 
 #[derive(Debug, Clone)]
@@ -50,6 +71,8 @@ pub struct RunnerOptions {
     pub limits: Limits,
     pub prices: Prices,
     pub tools: Vec<Tool>,
+    /// How `sandbox = true` commands are started (`None`: such a tool is an error observation).
+    pub sandbox: Option<SandboxLaunch>,
     /// The MCP servers the `mcp` tools are sent to (started by [`crate::mcp::Upstreams::start`]).
     pub upstreams: crate::mcp::Upstreams,
     pub system: String,
@@ -535,13 +558,16 @@ impl Runner {
                     .find(|t| t.name == call.function.name)
                     .cloned();
                 let call_id = call.id.clone();
-                let upstreams = self.opts.upstreams.clone();
+                let reach = Reach {
+                    upstreams: self.opts.upstreams.clone(),
+                    sandbox: self.opts.sandbox.clone(),
+                };
                 let (cut_tx, cut) = watch::channel(false);
                 if tool.as_ref().is_some_and(|t| t.mcp.is_some()) {
                     self.mcp_cuts.insert(call_id.clone(), cut_tx);
                 }
                 let handle = tokio::spawn(async move {
-                    let result = dispatch(&gate, &id, &call, &token, tool, &upstreams, cut).await;
+                    let result = dispatch(&gate, &id, &call, &token, tool, &reach, cut).await;
                     if let Some(result) = result {
                         let _ = tx.send(Input::ToolDone {
                             id,
@@ -785,6 +811,13 @@ impl Runner {
     }
 }
 
+/// What a dispatched tool may need beyond its own definition: the MCP servers and how to start
+/// a sandbox.
+struct Reach {
+    upstreams: crate::mcp::Upstreams,
+    sandbox: Option<SandboxLaunch>,
+}
+
 /// Start at the gate (the commit point), run the tool, complete with its outcome.
 async fn dispatch(
     gate: &GateConfig,
@@ -792,7 +825,7 @@ async fn dispatch(
     call: &crate::chat::ToolCall,
     token: &str,
     tool: Option<Tool>,
-    upstreams: &crate::mcp::Upstreams,
+    reach: &Reach,
     cut: watch::Receiver<bool>,
 ) -> Option<String> {
     let (g, r, k, t) = (
@@ -812,9 +845,24 @@ async fn dispatch(
         Some(Tool { url: Some(url), .. }) => run_http(&url, &call.function.arguments).await,
         Some(Tool { mcp: Some(m), .. }) => {
             // Cut: the runner settled the call already (`unknown`); nothing more to say.
-            upstreams.call(&m, &call.function.arguments, cut).await?
+            reach
+                .upstreams
+                .call(&m, &call.function.arguments, cut)
+                .await?
         }
-        Some(tool) => run_command(&tool, &call.function.arguments).await,
+        Some(tool) if tool.sandbox => match sandboxed(&tool, reach.sandbox.as_ref(), run, &call.id)
+        {
+            Ok(cmd) => run_command(cmd, &call.function.arguments).await,
+            Err(why) => ("error", why),
+        },
+        Some(tool) => match tool.command.split_first() {
+            Some((prog, rest)) => {
+                let mut cmd = tokio::process::Command::new(prog);
+                cmd.args(rest);
+                run_command(cmd, &call.function.arguments).await
+            }
+            None => ("error", "empty command".into()),
+        },
         None => ("error", format!("no tool named {}", call.function.name)),
     };
     let (g, r, k, t, o, x) = (
@@ -859,13 +907,45 @@ impl Drop for Group {
     }
 }
 
-async fn run_command(tool: &Tool, args: &str) -> (&'static str, String) {
-    use tokio::io::AsyncWriteExt;
-    let Some((prog, rest)) = tool.command.split_first() else {
-        return ("error", "empty command".into());
+/// `estop run … --run RUN/CALL --parent RUN -- command…`: the sandbox's run is a child of the
+/// trajectory's, so a cancel of the trajectory's run reaches it at the gate too; `estop run`
+/// passes stdin and stdout through and exits with the command's status (or says why the
+/// sandbox could not start, e.g. the kernel refusing user namespaces, on stderr, which the
+/// error observation carries).
+fn sandboxed(
+    tool: &Tool,
+    launch: Option<&SandboxLaunch>,
+    run: &str,
+    call_id: &str,
+) -> Result<tokio::process::Command, String> {
+    let Some(l) = launch else {
+        return Err("this runner starts no sandboxed commands (no daemon data directory)".into());
     };
-    let child = tokio::process::Command::new(prog)
-        .args(rest)
+    if tool.command.is_empty() {
+        return Err("empty command".into());
+    }
+    let child = format!("{run}/{call_id}");
+    crate::gate::check_run_id(&child)
+        .map_err(|e| format!("the sandbox's run {child:?} cannot be a run id: {e}"))?;
+    let mut cmd = tokio::process::Command::new(&l.estop);
+    cmd.arg("run")
+        .arg("--data")
+        .arg(&l.data)
+        .arg("--socket")
+        .arg(&l.socket);
+    if let Some(p) = &tool.sandbox_policy {
+        cmd.arg("--policy").arg(p);
+    }
+    cmd.args(["--run", &child, "--parent", run, "--"])
+        .args(&tool.command)
+        .env("ESTOP_TOKEN", &l.token);
+    Ok(cmd)
+}
+
+async fn run_command(mut cmd: tokio::process::Command, args: &str) -> (&'static str, String) {
+    use tokio::io::AsyncWriteExt;
+    let prog = cmd.as_std().get_program().to_string_lossy().into_owned();
+    let child = cmd
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
