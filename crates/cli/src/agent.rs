@@ -90,7 +90,7 @@ pub struct Runner {
 #[derive(Args)]
 pub struct AgentRunArgs {
     /// The harness config (TOML: [harness], [[model]] with prices and limits, [budget],
-    /// [[tool]]).
+    /// [[tool]] (commands, sandboxed or not, and HTTP tools), [[server]] (MCP servers)).
     #[arg(long)]
     config: PathBuf,
     /// The [[model]] of the config to call.
