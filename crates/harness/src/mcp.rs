@@ -73,13 +73,21 @@ impl Upstreams {
                 );
             }
             for t in listed {
+                let Some(name) = offered_name(&server.name, &t.name) else {
+                    eprintln!(
+                        "estop agent: tool {:?} of MCP server {:?} is not offered: a model's \
+                         function name is 1-64 of [A-Za-z0-9_-]",
+                        t.name, server.name
+                    );
+                    continue;
+                };
                 let read_only = server.trusted
                     && t.annotations
                         .as_ref()
                         .and_then(|a| a.read_only_hint)
                         .unwrap_or(false);
                 tools.push(Tool {
-                    name: format!("{}{SEPARATOR}{}", server.name, t.name),
+                    name,
                     description: t.description.as_deref().unwrap_or_default().to_string(),
                     parameters: Value::Object((*t.input_schema).clone()),
                     command: Vec::new(),
@@ -185,6 +193,18 @@ impl Upstreams {
     }
 }
 
+/// The name the model is offered for `server`'s `tool`: `server__tool`, if it is a valid
+/// function name for an OpenAI-compatible provider (1-64 of `[A-Za-z0-9_-]`; MCP also allows
+/// `.`, which such a provider refuses, failing every call that offers it).
+fn offered_name(server: &str, tool: &str) -> Option<String> {
+    let name = format!("{server}{SEPARATOR}{tool}");
+    let ok = name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    ok.then_some(name)
+}
+
 /// The text cut at `RESULT_BYTES_MAX` (on a character boundary), saying so.
 fn cut_text(mut text: String) -> String {
     if text.len() <= RESULT_BYTES_MAX {
@@ -202,6 +222,17 @@ fn cut_text(mut text: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_valid_function_names_are_offered() {
+        assert_eq!(
+            offered_name("files", "read").as_deref(),
+            Some("files__read")
+        );
+        assert_eq!(offered_name("files", "read.v2"), None);
+        assert_eq!(offered_name("files", &"x".repeat(58)), None);
+        assert!(offered_name("files", &"x".repeat(57)).is_some());
+    }
 
     #[test]
     fn a_long_result_is_cut_on_a_character_boundary() {
