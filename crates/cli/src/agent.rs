@@ -30,7 +30,8 @@ pub enum AgentCmd {
         turns: Option<u64>,
         #[arg(long)]
         tokens: Option<u64>,
-        /// Wall clock from the trajectory's start, in milliseconds.
+        /// Wall clock from the trajectory's start (less the time awaiting approval), in
+        /// milliseconds.
         #[arg(long)]
         wall_ms: Option<u64>,
         /// Dollars.
@@ -89,7 +90,7 @@ pub struct Runner {
 #[derive(Args)]
 pub struct AgentRunArgs {
     /// The harness config (TOML: [harness], [[model]] with prices and limits, [budget],
-    /// [[tool]]).
+    /// [[tool]] (commands, sandboxed or not, and HTTP tools), [[server]] (MCP servers)).
     #[arg(long)]
     config: PathBuf,
     /// The [[model]] of the config to call.
@@ -263,6 +264,7 @@ fn run_one(a: AgentRunArgs) -> anyhow::Result<u8> {
         parent: a.parent,
         journal: a.journal.unwrap_or_else(|| a.data.join("harness")),
         gate: estop_harness::gate::GateConfig { target, token },
+        data: a.data,
     })?;
     let r = &out.record;
     if a.json {

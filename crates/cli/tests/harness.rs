@@ -73,6 +73,8 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
             cached_input: 0.3,
             output: 15.0,
         },
+        upstreams: Default::default(),
+        sandbox: None,
         tools: vec![
             Tool {
                 name: "lookup".into(),
@@ -80,6 +82,9 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 parameters: json!({"type": "object"}),
                 command: append("lookup"),
                 url: None,
+                mcp: None,
+                sandbox: false,
+                sandbox_policy: None,
                 read_only: true,
             },
             Tool {
@@ -88,6 +93,9 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 parameters: json!({"type": "object"}),
                 command: append("drop_table"),
                 url: None,
+                mcp: None,
+                sandbox: false,
+                sandbox_policy: None,
                 read_only: false,
             },
         ],
@@ -531,6 +539,9 @@ fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
         parameters: json!({"type": "object"}),
         command: Vec::new(),
         url: Some(format!("http://{}/orders", tool.addr)),
+        mcp: None,
+        sandbox: false,
+        sandbox_policy: None,
         read_only: true,
     }];
     let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
@@ -550,19 +561,8 @@ fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
         "{}",
         obs("c2")
     );
-    let (code, out, _) = d.cli(&["report", "traj-5", "--json"]);
-    assert_eq!(code, 0);
-    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(
-        find_key(&report, "c1").unwrap()["status"],
-        "completed",
-        "{report:#}"
-    );
-    assert_eq!(
-        find_key(&report, "c2").unwrap()["status"],
-        "failed",
-        "{report:#}"
-    );
+    assert_eq!(effect_status(&d, "traj-5", "c1"), "completed");
+    assert_eq!(effect_status(&d, "traj-5", "c2"), "failed");
 }
 
 /// A trajectory started under a parent run (a sub-agent): the gate's cancel of the parent
@@ -839,4 +839,373 @@ fn many_trajectories_waiting_for_approval_hold_no_thread_each() {
     }
     let ran = std::fs::read_to_string(&effects).unwrap();
     assert_eq!(ran.lines().count(), N, "each approved call ran once");
+}
+
+/// A small MCP server on stdio (newline-delimited JSON-RPC), for the harness's MCP tools: it
+/// logs every call and every `notifications/cancelled` it receives to `$LOG`. Tools: `echo`
+/// and `write` answer `NAME: TEXT`; `block` writes `started` to the fifo `$STARTED` and never
+/// answers; `die` exits mid-call. Python, as the egress tests use it: a real MCP peer that is
+/// not rmcp, so the harness's client is tested against another implementation.
+const MCP_SERVER: &str = r#"
+import json, os, sys
+def log(line):
+    with open(os.environ["LOG"], "a") as f:
+        f.write(line + "\n")
+def send(msg):
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+schema = {"type": "object", "properties": {"text": {"type": "string"}}}
+tools = [{"name": n, "description": "the " + n + " tool", "inputSchema": schema}
+         for n in ["echo", "write", "block", "die"]]
+tools[0]["annotations"] = {"readOnlyHint": True}
+for line in sys.stdin:
+    msg = json.loads(line)
+    method, mid = msg.get("method"), msg.get("id")
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": mid, "result": {
+            "protocolVersion": msg["params"]["protocolVersion"],
+            "capabilities": {"tools": {}}, "serverInfo": {"name": "py", "version": "1"}}})
+    elif method == "tools/list":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"tools": tools}})
+    elif method == "tools/call":
+        name = msg["params"]["name"]
+        text = msg["params"].get("arguments", {}).get("text", "")
+        log("call %s %s" % (name, text))
+        if name == "die":
+            os._exit(3)
+        if name == "block":
+            with open(os.environ["STARTED"], "w") as f:
+                f.write("started\n")
+            continue
+        send({"jsonrpc": "2.0", "id": mid, "result": {
+            "content": [{"type": "text", "text": "%s: %s" % (name, text)}]}})
+    elif method == "notifications/cancelled":
+        log("cancelled %s" % msg["params"].get("requestId"))
+    elif mid is not None:
+        send({"jsonrpc": "2.0", "id": mid, "result": {}})
+"#;
+
+/// The scripted model server, serving `responses` in order.
+fn model_server(rt: &tokio::runtime::Runtime, responses: Vec<Vec<Step>>) -> Scripted {
+    rt.block_on(Scripted::start("127.0.0.1:0", Script { responses }))
+        .unwrap()
+}
+
+/// The agent config of the MCP tests: the scripted model and the Python server as `files`.
+fn mcp_config(d: &Daemon, model: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (server, log) = (d.data().join("mcp.py"), d.data().join("mcp.log"));
+    std::fs::write(&server, MCP_SERVER).unwrap();
+    let started = d.data().join("started");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&started)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let config = d.data().join("agent.toml");
+    let text = format!(
+        r#"
+[[model]]
+name = "scripted"
+base_url = "{model}"
+usd_per_mtok_input = 3.0
+usd_per_mtok_output = 15.0
+
+[budget]
+turns = 6
+
+[[server]]
+name = "files"
+command = "python3"
+args = ["-u", {server:?}]
+env = {{ LOG = {log:?}, STARTED = {started:?} }}
+"#,
+        server = server.display().to_string(),
+        log = log.display().to_string(),
+        started = started.display().to_string(),
+    );
+    std::fs::write(&config, text).unwrap();
+    (config, log)
+}
+
+const MCP_POLICY: &str = r#"
+[defaults]
+unknown_tool = "allow"
+
+[[rules]]
+tool = "files__write"
+action = "deny"
+"#;
+
+/// MCP tools end to end: the server's tools are offered to the model as `server__tool`; a call
+/// the gate admits is sent upstream and its answer observed; a call the gate refuses never
+/// reaches the server; an upstream that dies mid-call leaves that call `unknown` at the gate,
+/// and the trajectory goes on.
+#[test]
+fn mcp_tools_are_admitted_by_the_gate_then_sent_upstream() {
+    let d = Daemon::start_with_policy(MCP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "files__echo", "{\"text\": \"hi\"}"),
+            scripted::call("c2", "files__write", "{\"text\": \"rm -rf\"}"),
+            scripted::call("c3", "files__die", "{\"text\": \"now\"}"),
+            scripted::answer("echoed, and the server died"),
+        ],
+    );
+    let (config, log) = mcp_config(&d, &model.base_url());
+    let config = config.display().to_string();
+    let (code, out, err) = d.cli(&[
+        "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-1", "go",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("mcp-1 COMPLETED"), "{out}");
+    let offered: Vec<String> = model.calls()[0]["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        offered,
+        ["files__echo", "files__write", "files__block", "files__die"]
+    );
+    assert_eq!(
+        std::fs::read_to_string(&log).unwrap(),
+        "call echo hi\ncall die now\n",
+        "the refused write never reached the server"
+    );
+    let last = model.calls()[3]["messages"].as_array().unwrap().clone();
+    let obs = |id: &str| {
+        last.iter().find(|m| m["tool_call_id"] == id).unwrap()["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(obs("c1"), "echo: hi");
+    assert!(obs("c2").contains("REFUSED"), "{}", obs("c2"));
+    assert!(
+        obs("c3").contains("may or may not have acted"),
+        "{}",
+        obs("c3")
+    );
+    assert_eq!(effect_status(&d, "mcp-1", "c1"), "completed");
+    assert_eq!(effect_status(&d, "mcp-1", "c3"), "unknown");
+}
+
+/// The status of the effect `key` in `estop report RUN`.
+fn effect_status(d: &Daemon, run: &str, key: &str) -> String {
+    let (code, out, err) = d.cli(&["report", run, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let effect = find_key(&report, key).unwrap_or_else(|| panic!("no {key}: {report:#}"));
+    effect["status"].as_str().unwrap_or_default().to_string()
+}
+
+/// `estop agent run --config CONFIG --id ID go`, cancelled (`estop cancel ID`) once its tool
+/// wrote `started` to the fifo `started`; returns the agent's (exit code, stdout, stderr).
+fn cancel_once_started(
+    d: &Daemon,
+    config: &str,
+    id: &str,
+    started: &std::path::Path,
+) -> (i32, String, String) {
+    std::thread::scope(|s| {
+        let agent = s.spawn(|| {
+            d.cli(&[
+                "agent", "run", "--config", config, "--model", "scripted", "--id", id, "go",
+            ])
+        });
+        assert_eq!(std::fs::read_to_string(started).unwrap(), "started\n");
+        let (code, _, err) = d.cli(&["cancel", id]);
+        assert_eq!(code, 0, "{err}");
+        agent.join().unwrap()
+    })
+}
+
+/// `estop cancel` of the trajectory's run while an MCP call is in flight: the trajectory ends
+/// CANCELED, the call is `unknown` at the gate, and the upstream hears
+/// `notifications/cancelled` for it.
+#[test]
+fn a_cancel_cancels_the_mcp_call_in_flight_upstream() {
+    let d = Daemon::start_with_policy(MCP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "files__block", "{\"text\": \"wait\"}"),
+            scripted::answer("never asked"),
+        ],
+    );
+    let (config, log) = mcp_config(&d, &model.base_url());
+    let config = config.display().to_string();
+    // Opening the fifo waits for the server to write it: the call is upstream now.
+    let (code, out, err) = cancel_once_started(&d, &config, "mcp-2", &d.data().join("started"));
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(out.starts_with("mcp-2 CANCELED"), "{out}");
+    assert_eq!(model.calls().len(), 1, "no model call after the cancel");
+    // The server logs the notice as it reads it; the runner awaited its write before exiting.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let logged = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("cancelled") || std::time::Instant::now() > until {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        logged.starts_with("call block wait\ncancelled "),
+        "{logged}"
+    );
+    assert_eq!(effect_status(&d, "mcp-2", "c1"), "unknown");
+}
+
+const SANDBOX_POLICY: &str = r#"
+[defaults]
+unknown_tool = "allow"
+
+[[rules]]
+tool = "sandbox.run"
+action = "allow"
+
+[[rules]]
+tool = "http.*"
+action = "allow"
+"#;
+
+/// `estop agent run`'s config for the sandbox tests, written in `dir` (outside the daemon's
+/// data directory, which the sandbox hides): one `sandbox = true` tool running `argv`, the
+/// sandbox allowed to reach 127.0.0.2 (the host's loopback, not the sandbox's).
+fn sandbox_config(dir: &std::path::Path, model: &str, argv: &[String]) -> String {
+    let settings = dir.join("sandbox.toml");
+    std::fs::write(
+        &settings,
+        "[egress]\nallow_destinations = [\"127.0.0.2/32\"]\nhold_ms = 20000\n",
+    )
+    .unwrap();
+    let config = dir.join("agent.toml");
+    let text = format!(
+        r#"
+[[model]]
+name = "scripted"
+base_url = "{model}"
+usd_per_mtok_input = 3.0
+usd_per_mtok_output = 15.0
+
+[[tool]]
+name = "net"
+command = {argv:?}
+sandbox = true
+sandbox_policy = {settings:?}
+"#,
+        settings = settings.display().to_string(),
+    );
+    std::fs::write(&config, text).unwrap();
+    config.display().to_string()
+}
+
+/// A `sandbox = true` command runs inside `estop run`'s sandbox as the child run
+/// `TRAJECTORY/CALL`: its request goes through the sandbox's proxy, where the gate admits it
+/// as an effect of that run, and its output is the observation.
+#[test]
+fn a_sandboxed_command_runs_as_a_child_run_through_the_proxy() {
+    let d = Daemon::start_with_policy(SANDBOX_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "net", "{\"order\": 7}"),
+            scripted::answer("posted"),
+        ],
+    );
+    let target = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![Step::Status {
+                    status: 200,
+                    body: "stored".into(),
+                }]],
+            },
+        ))
+        .unwrap();
+    let url = format!("http://{}/orders", target.addr);
+    let argv: Vec<String> = [
+        "curl",
+        "-sS",
+        "-m",
+        "30",
+        "-X",
+        "POST",
+        "--data-binary",
+        "@-",
+        &url,
+    ]
+    .map(String::from)
+    .to_vec();
+    let dir = tempfile::tempdir().unwrap();
+    let config = sandbox_config(dir.path(), &model.base_url(), &argv);
+    let (code, out, err) = d.cli(&[
+        "agent", "run", "--config", &config, "--model", "scripted", "--id", "sb-1", "go",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("sb-1 COMPLETED"), "{out}");
+    assert_eq!(target.calls(), [json!({"order": 7})]);
+    let last = model.calls()[1]["messages"].as_array().unwrap().clone();
+    let obs = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    assert_eq!(obs["content"], "stored", "{obs}");
+    assert_eq!(effect_status(&d, "sb-1", "c1"), "completed");
+    let (code, report, err) = d.cli(&["report", "sb-1/c1", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        report.contains("\"tool\":\"http.POST\"") && report.contains("sandbox.run"),
+        "the launch and the request were effects of the child run: {report}"
+    );
+}
+
+/// `estop cancel` of the trajectory's run while a sandboxed command runs: the trajectory ends
+/// CANCELED, the command's sandbox is gone with it, and the child run is stopped at the gate.
+#[test]
+fn a_cancel_ends_the_sandboxed_command_with_its_sandbox() {
+    let d = Daemon::start_with_policy(SANDBOX_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "net", "{}"),
+            scripted::answer("never asked"),
+        ],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("sandbox-started");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let script = format!("echo started > {}; exec sleep 4243", fifo.display());
+    let argv = ["sh".to_string(), "-c".into(), script];
+    let config = sandbox_config(dir.path(), &model.base_url(), &argv);
+    let (code, out, err) = cancel_once_started(&d, &config, "sb-2", &fifo);
+    assert_eq!(code, 3, "{out}{err}{:?}", model.calls().get(1));
+    assert!(out.starts_with("sb-2 CANCELED"), "{out}");
+    assert_eq!(effect_status(&d, "sb-2", "c1"), "unknown");
+    let sleeping = || {
+        std::fs::read_dir("/proc").unwrap().flatten().any(|p| {
+            std::fs::read(p.path().join("cmdline"))
+                .is_ok_and(|c| c.windows(4).any(|w| w == b"4243"))
+        })
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while sleeping() && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!sleeping(), "the sandboxed command outlived the cancel");
+    let (code, status, err) = d.cli(&["status", "sb-2/c1", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(status.contains("cancelled"), "{status}");
 }

@@ -24,6 +24,8 @@ pub struct AgentRun {
     /// The journal directory.
     pub journal: PathBuf,
     pub gate: GateConfig,
+    /// The daemon's data directory: `sandbox = true` commands are started by `estop run` on it.
+    pub data: PathBuf,
 }
 
 /// How the trajectory ended: its record and the model's last answer.
@@ -43,6 +45,12 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
         ),
         None => None,
     };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    // The MCP servers are started (and their tools listed) before the trajectory starts.
+    let (upstreams, mcp_tools) = rt.block_on(crate::mcp::Upstreams::start(&config.servers))?;
     let opts = RunnerOptions {
         data: a.journal.clone(),
         gate: a.gate.clone(),
@@ -55,7 +63,14 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
         },
         limits: config.limits(),
         prices: m.prices(),
-        tools: config.tools(&a.tools)?,
+        tools: config.tools(&a.tools, mcp_tools)?,
+        upstreams,
+        sandbox: Some(crate::runner::SandboxLaunch {
+            estop: std::env::current_exe()?,
+            data: a.data.clone(),
+            socket: a.gate.target.clone(),
+            token: a.gate.token.clone(),
+        }),
         system: config.harness.system.clone(),
         grace: Duration::from_millis(config.harness.grace_ms),
         workers: config.harness.workers,
@@ -66,10 +81,6 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
     let id =
         a.id.clone()
             .unwrap_or_else(|| format!("agent-{}", crate::runner::now_ms()));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
     rt.block_on(async move {
         let mut runner = Runner::open(opts)?;
         match runner.record(&id) {

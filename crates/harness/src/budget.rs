@@ -126,6 +126,13 @@ pub struct Budget {
     /// When the trajectory started (Unix ms): wall clock is measured from here.
     pub started_at_ms: u64,
     pub reserved: Option<Reservation>,
+    /// Time spent awaiting a human's approval, in waits that ended (ms); not wall clock spent
+    /// (seed 004: a reviewer's time is not the agent's compute).
+    #[serde(default)]
+    pub review_ms: u64,
+    /// When the approval wait in progress began (Unix ms), if one is.
+    #[serde(default)]
+    pub review_since_ms: Option<u64>,
 }
 
 impl Budget {
@@ -136,14 +143,39 @@ impl Budget {
             spend: Spend::default(),
             started_at_ms,
             reserved: None,
+            review_ms: 0,
+            review_since_ms: None,
         }
+    }
+
+    /// Keeps the review time: a wait begins at `now_ms` when `awaiting` and none is in
+    /// progress; the wait in progress ends at `now_ms` when not.
+    pub fn note_review(&mut self, now_ms: u64, awaiting: bool) {
+        match (awaiting, self.review_since_ms) {
+            (true, None) => self.review_since_ms = Some(now_ms),
+            (false, Some(since)) => {
+                self.review_ms += now_ms.saturating_sub(since);
+                self.review_since_ms = None;
+            }
+            _ => {}
+        }
+    }
+
+    /// The wall clock spent by `now_ms`: since the start, less the time awaiting approval.
+    pub fn wall_ms(&self, now_ms: u64) -> u64 {
+        let waiting = self
+            .review_since_ms
+            .map_or(0, |since| now_ms.saturating_sub(since));
+        now_ms
+            .saturating_sub(self.started_at_ms)
+            .saturating_sub(self.review_ms + waiting)
     }
 
     fn used(&self, d: Dimension, now_ms: u64) -> u64 {
         match d {
             Dimension::Turns => self.spend.turns,
             Dimension::Tokens => self.spend.tokens(),
-            Dimension::WallClock => now_ms.saturating_sub(self.started_at_ms),
+            Dimension::WallClock => self.wall_ms(now_ms),
             Dimension::Dollars => self.spend.usd_micros,
         }
     }

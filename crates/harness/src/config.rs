@@ -3,6 +3,7 @@
 
 use crate::budget::{Limits, Prices};
 use crate::runner::Tool;
+use estop_mcp::config::SEPARATOR;
 use serde::Deserialize;
 use std::path::Path;
 
@@ -17,6 +18,10 @@ pub struct Config {
     pub budget: BudgetSection,
     #[serde(rename = "tool", default)]
     pub tools: Vec<ToolSection>,
+    /// MCP servers whose tools are offered as `server__tool` (the shape of `estop mcp`'s
+    /// `[[server]]`; crate::mcp).
+    #[serde(rename = "server", default)]
+    pub servers: Vec<estop_mcp::config::Server>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -118,6 +123,13 @@ pub struct ToolSection {
     pub command: Vec<String>,
     /// Or an HTTP tool: the arguments POSTed as JSON here, the answer's body the result.
     pub url: Option<String>,
+    /// Run `command` inside `estop run`'s sandbox, as a child run of the trajectory's run.
+    #[serde(default)]
+    pub sandbox: bool,
+    /// The sandbox's settings file (`estop run --policy`, table `[egress]`); only with
+    /// `sandbox = true`.
+    #[serde(default)]
+    pub sandbox_policy: Option<std::path::PathBuf>,
     #[serde(default)]
     pub read_only: bool,
 }
@@ -191,11 +203,35 @@ impl Config {
                     t.name
                 ));
             }
+            if t.sandbox && t.command.is_empty() {
+                return bad(format!("tool {:?}: sandbox = true runs a command", t.name));
+            }
+            if t.sandbox_policy.is_some() && !t.sandbox {
+                return bad(format!(
+                    "tool {:?}: sandbox_policy goes with sandbox = true",
+                    t.name
+                ));
+            }
             if let Some(url) = &t.url
                 && let Err(e) = crate::model::Endpoint::new(url, None)
             {
                 return bad(format!("tool {:?}: {e}", t.name));
             }
+        }
+        estop_mcp::config::check_servers(&self.servers)
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        if let Some(s) = self.servers.iter().find(|s| s.sandbox) {
+            return bad(format!(
+                "server {:?}: sandbox = true is not built in the harness yet (run the server \
+                 under `estop mcp` instead, or without the sandbox)",
+                s.name
+            ));
+        }
+        if let Some(t) = self.tools.iter().find(|t| t.name.contains(SEPARATOR)) {
+            return bad(format!(
+                "tool {:?}: `{SEPARATOR}` is kept for MCP tools (server{SEPARATOR}tool)",
+                t.name
+            ));
         }
         if self.harness.workers == 0 {
             return bad("harness.workers must be above 0".into());
@@ -212,32 +248,39 @@ impl Config {
         })
     }
 
-    /// The tools `names` picks (all of them when empty); an unknown name is an error.
-    pub fn tools(&self, names: &[String]) -> Result<Vec<Tool>, ConfigError> {
-        let pick: Vec<&ToolSection> = if names.is_empty() {
-            self.tools.iter().collect()
-        } else {
-            names
-                .iter()
-                .map(|n| {
-                    self.tools
-                        .iter()
-                        .find(|t| &t.name == n)
-                        .ok_or_else(|| ConfigError::Invalid(format!("no [[tool]] named {n:?}")))
-                })
-                .collect::<Result<_, _>>()?
-        };
-        Ok(pick
-            .into_iter()
+    /// The tools `names` picks (all of them when empty) from the `[[tool]]`s and the tools the
+    /// MCP servers listed (`mcp`, from [`crate::mcp::Upstreams::start`]); an unknown name is an
+    /// error.
+    pub fn tools(&self, names: &[String], mcp: Vec<Tool>) -> Result<Vec<Tool>, ConfigError> {
+        let all: Vec<Tool> = self
+            .tools
+            .iter()
             .map(|t| Tool {
                 name: t.name.clone(),
                 description: t.description.clone(),
                 parameters: serde_json::to_value(&t.parameters).unwrap_or_default(),
                 command: t.command.clone(),
                 url: t.url.clone(),
+                mcp: None,
+                sandbox: t.sandbox,
+                sandbox_policy: t.sandbox_policy.clone(),
                 read_only: t.read_only,
             })
-            .collect())
+            .chain(mcp)
+            .collect();
+        if names.is_empty() {
+            return Ok(all);
+        }
+        names
+            .iter()
+            .map(|n| {
+                all.iter().find(|t| &t.name == n).cloned().ok_or_else(|| {
+                    ConfigError::Invalid(format!(
+                        "no [[tool]] named {n:?}, and no MCP server listed it"
+                    ))
+                })
+            })
+            .collect()
     }
 
     pub fn limits(&self) -> Limits {
@@ -290,10 +333,10 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         c.check().unwrap();
         assert_eq!(c.limits().usd_micros_max, Some(500_000));
         assert_eq!(c.model("m").unwrap().prices().cached_input, 3.0);
-        let tools = c.tools(&[]).unwrap();
+        let tools = c.tools(&[], Vec::new()).unwrap();
         assert_eq!(tools[0].parameters["properties"]["q"]["type"], "string");
         assert!(
-            c.tools(&["nope".into()])
+            c.tools(&["nope".into()], Vec::new())
                 .unwrap_err()
                 .to_string()
                 .contains("nope")
@@ -312,5 +355,47 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         let url = ok.replace("command = [\"cat\"]", "url = \"ftp://x/\"");
         let c: Config = toml::from_str(&url).unwrap();
         assert!(c.check().is_err());
+        for (server, says) in [
+            ("name = \"a_b\"\ncommand = \"x\"", "server name"),
+            ("name = \"a\"\nurl = \"ftp://x\"", "http:// or https://"),
+            (
+                "name = \"a\"\ncommand = \"x\"\nsandbox = true",
+                "not built in the harness",
+            ),
+        ] {
+            let c: Config = toml::from_str(&format!("{ok}\n[[server]]\n{server}\n")).unwrap();
+            let e = c.check().unwrap_err().to_string();
+            assert!(e.contains(says), "{server}: {e}");
+        }
+        let c: Config = toml::from_str(&format!(
+            "{ok}\n[[server]]\nname = \"files\"\ncommand = \"x\"\n"
+        ))
+        .unwrap();
+        c.check().unwrap();
+        let listed = Tool {
+            name: "files__read".into(),
+            mcp: Some(crate::mcp::McpTool {
+                server: "files".into(),
+                tool: "read".into(),
+            }),
+            ..tools[0].clone()
+        };
+        let picked = c.tools(&["files__read".into()], vec![listed]).unwrap();
+        assert_eq!(picked[0].mcp.as_ref().unwrap().tool, "read");
+        let sandboxed = ok.replace("read_only = true", "sandbox = true");
+        let c: Config = toml::from_str(&sandboxed).unwrap();
+        c.check().unwrap();
+        assert!(c.tools(&[], Vec::new()).unwrap()[0].sandbox);
+        let loose = ok.replace("read_only = true", "sandbox_policy = \"e.toml\"");
+        let c: Config = toml::from_str(&loose).unwrap();
+        assert!(
+            c.check()
+                .unwrap_err()
+                .to_string()
+                .contains("goes with sandbox")
+        );
+        let sep = ok.replace("name = \"echo\"", "name = \"a__b\"");
+        let c: Config = toml::from_str(&sep).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("kept for MCP"));
     }
 }

@@ -14,6 +14,7 @@ pub mod control;
 pub mod gate;
 pub mod journal;
 pub mod machine;
+pub mod mcp;
 pub mod model;
 pub mod mux;
 pub mod record;

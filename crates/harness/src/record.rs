@@ -286,6 +286,14 @@ impl Record {
         }
     }
 
+    /// The review clock follows the state after each input that can enter or leave
+    /// AWAITING_APPROVAL (an admission, a decision, a control, a tick): the time spent there
+    /// does not count against the wall clock (crate::budget).
+    fn note_review(&mut self, now_ms: u64) {
+        let awaiting = self.state == State::AwaitingApproval;
+        self.budget.note_review(now_ms, awaiting);
+    }
+
     fn go(&mut self, to: State, cause: Cause) -> Result<(), RecordError> {
         transition(self, to, cause)?;
         Ok(())
@@ -304,6 +312,14 @@ impl Record {
     /// A control request arrives: stored, and applied now where the trajectory is at a
     /// boundary; kill acts at once in every live state, resume at once from PAUSED.
     pub fn on_control(&mut self, now_ms: u64, c: Control) -> Step {
+        let step = self.on_control_untimed(now_ms, c);
+        if step.is_ok() {
+            self.note_review(now_ms);
+        }
+        step
+    }
+
+    fn on_control_untimed(&mut self, now_ms: u64, c: Control) -> Step {
         if self.state.is_terminal() || self.state == State::Finalizing {
             return Ok(Vec::new());
         }
@@ -560,6 +576,14 @@ impl Record {
     /// The gate answered one proposed call's admission. Once every proposal is answered, the
     /// calls are dispatched, or held for approval, or (none left) the turn observes and ends.
     pub fn on_admission(&mut self, now_ms: u64, call_id: &str, a: Admission) -> Step {
+        let step = self.on_admission_untimed(now_ms, call_id, a);
+        if step.is_ok() {
+            self.note_review(now_ms);
+        }
+        step
+    }
+
+    fn on_admission_untimed(&mut self, now_ms: u64, call_id: &str, a: Admission) -> Step {
         if self.state != State::CallingModel {
             return Err(RecordError::Unexpected("an admission", self.state));
         }
@@ -705,6 +729,14 @@ impl Record {
 
     /// The gate decided a held call. Silence is no: only `Approved` dispatches.
     pub fn on_decision(&mut self, now_ms: u64, call_id: &str, d: Decision) -> Step {
+        let step = self.on_decision_untimed(now_ms, call_id, d);
+        if step.is_ok() {
+            self.note_review(now_ms);
+        }
+        step
+    }
+
+    fn on_decision_untimed(&mut self, now_ms: u64, call_id: &str, d: Decision) -> Step {
         let Some(i) = self.held.iter().position(|h| h.call.id == call_id) else {
             return Ok(vec![Action::Dropped {
                 call_id: call_id.to_string(),
@@ -778,6 +810,14 @@ impl Record {
     /// timeout is observed, so its late result finds no match; a held call past its expiry is
     /// refused (silence is no).
     pub fn on_tick(&mut self, now_ms: u64) -> Step {
+        let step = self.on_tick_untimed(now_ms);
+        if step.is_ok() {
+            self.note_review(now_ms);
+        }
+        step
+    }
+
+    fn on_tick_untimed(&mut self, now_ms: u64) -> Step {
         let mut actions = Vec::new();
         if self.state == State::AwaitingApproval {
             let due: Vec<String> = self

@@ -21,9 +21,10 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, watch};
 
-/// A tool: a sandboxed command (the arguments, JSON, on its stdin; its stdout the result) or
-/// an HTTP tool (the arguments POSTed as JSON to `url`; the answer's body the result). Exactly
-/// one of `command` and `url`.
+/// A tool: a command (the arguments, JSON, on its stdin; its stdout the result), an HTTP tool
+/// (the arguments POSTed as JSON to `url`; the answer's body the result) or an MCP server's
+/// tool (`mcp`, sent upstream through [`crate::mcp::Upstreams`]). Exactly one of `command`,
+/// `url` and `mcp`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Tool {
     pub name: String,
@@ -33,9 +34,32 @@ pub struct Tool {
     pub command: Vec<String>,
     #[serde(default)]
     pub url: Option<String>,
+    #[serde(default)]
+    pub mcp: Option<crate::mcp::McpTool>,
+    /// The command runs inside `estop run`'s sandbox, as a child run of the trajectory's run
+    /// (`TRAJECTORY/CALL_ID`): its network effects go through the sandbox's proxy and are
+    /// admitted there; `sandbox_policy` is the sandbox's settings (`estop run --policy`).
+    #[serde(default)]
+    pub sandbox: bool,
+    #[serde(default)]
+    pub sandbox_policy: Option<PathBuf>,
     /// Reads only: still allowed once the budget restricts the trajectory.
     #[serde(default)]
     pub read_only: bool,
+}
+
+/// What `estop run` needs to start a sandboxed command on the trajectory's daemon.
+#[derive(Debug, Clone)]
+pub struct SandboxLaunch {
+    /// The `estop` binary.
+    pub estop: PathBuf,
+    /// The daemon's data directory (`estop run --data`).
+    pub data: PathBuf,
+    /// The daemon's socket (`estop run --socket`).
+    pub socket: String,
+    /// The agent token the trajectory's run belongs to: handed to `estop run` in its
+    /// environment (`ESTOP_TOKEN`), never on its command line, which other users can read.
+    pub token: String,
 }
 
 #[derive(Debug, Clone)]
@@ -47,6 +71,10 @@ pub struct RunnerOptions {
     pub limits: Limits,
     pub prices: Prices,
     pub tools: Vec<Tool>,
+    /// How `sandbox = true` commands are started (`None`: such a tool is an error observation).
+    pub sandbox: Option<SandboxLaunch>,
+    /// The MCP servers the `mcp` tools are sent to (started by [`crate::mcp::Upstreams::start`]).
+    pub upstreams: crate::mcp::Upstreams,
     pub system: String,
     /// How long a cut stream may still be read for its terminal event.
     pub grace: Duration,
@@ -118,7 +146,11 @@ pub struct Runner {
     ctx: BTreeMap<String, Vec<Message>>,
     sched: Scheduler<String>,
     cuts: BTreeMap<String, watch::Sender<bool>>,
-    tools: BTreeMap<String, tokio::task::AbortHandle>,
+    tools: BTreeMap<String, tokio::task::JoinHandle<()>>,
+    /// MCP calls in flight: cut (not aborted) on a cancel, so that the upstream is told.
+    mcp_cuts: BTreeMap<String, watch::Sender<bool>>,
+    /// Cut MCP calls still telling their upstream; awaited (bounded) before `run` returns.
+    closing: Vec<tokio::task::JoinHandle<()>>,
     tokens: BTreeMap<String, String>,
     in_flight: usize,
     tx: mpsc::UnboundedSender<Input>,
@@ -180,6 +212,8 @@ impl Runner {
             ctx: contexts,
             cuts: BTreeMap::new(),
             tools: BTreeMap::new(),
+            mcp_cuts: BTreeMap::new(),
+            closing: Vec::new(),
             tokens: BTreeMap::new(),
             in_flight: 0,
             tx,
@@ -266,6 +300,7 @@ impl Runner {
         loop {
             self.schedule()?;
             if self.recs.values().all(|r| r.state.is_terminal()) {
+                self.drain_closing().await;
                 return Ok(());
             }
             let next_tick = tokio::time::sleep(Duration::from_millis(100));
@@ -273,6 +308,14 @@ impl Runner {
                 Some(input) = self.rx.recv() => self.on_input(input)?,
                 _ = next_tick => self.tick()?,
             }
+        }
+    }
+
+    /// Waits (at most `CANCEL_TELL_MS_MAX` in all) for cut MCP calls to tell their upstream.
+    async fn drain_closing(&mut self) {
+        let until = tokio::time::Instant::now() + Duration::from_millis(CANCEL_TELL_MS_MAX);
+        for h in self.closing.drain(..) {
+            let _ = tokio::time::timeout_at(until, h).await;
         }
     }
 
@@ -352,6 +395,7 @@ impl Runner {
             }
             Input::ToolDone { id, call, result } => {
                 self.tools.remove(&call);
+                self.mcp_cuts.remove(&call);
                 self.apply(&id, |r, now| r.on_tool_result(now, &call, result))
             }
             Input::Control { id, control } => self.apply(&id, |r, now| r.on_control(now, control)),
@@ -514,19 +558,39 @@ impl Runner {
                     .find(|t| t.name == call.function.name)
                     .cloned();
                 let call_id = call.id.clone();
+                let reach = Reach {
+                    upstreams: self.opts.upstreams.clone(),
+                    sandbox: self.opts.sandbox.clone(),
+                };
+                let (cut_tx, cut) = watch::channel(false);
+                if tool.as_ref().is_some_and(|t| t.mcp.is_some()) {
+                    self.mcp_cuts.insert(call_id.clone(), cut_tx);
+                }
                 let handle = tokio::spawn(async move {
-                    let result = dispatch(&gate, &id, &call, &token, tool).await;
-                    let _ = tx.send(Input::ToolDone {
-                        id,
-                        call: call.id,
-                        result,
-                    });
+                    let result = dispatch(&gate, &id, &call, &token, tool, &reach, cut).await;
+                    if let Some(result) = result {
+                        let _ = tx.send(Input::ToolDone {
+                            id,
+                            call: call.id,
+                            result,
+                        });
+                    }
                 });
-                self.tools.insert(call_id, handle.abort_handle());
+                self.tools.insert(call_id, handle);
             }
+            // On a cancel, a kill or the deadline: an MCP call is cut (its upstream is sent
+            // `notifications/cancelled`), any other tool's task aborted (a command's process
+            // group killed with it). The record has settled the call (`unknown` at the gate).
             Action::CancelTool { call_id } => {
+                let cut = self.mcp_cuts.remove(&call_id);
                 if let Some(h) = self.tools.remove(&call_id) {
-                    h.abort();
+                    match cut {
+                        Some(cut) => {
+                            let _ = cut.send(true);
+                            self.closing.push(h);
+                        }
+                        None => h.abort(),
+                    }
                 }
             }
             Action::Release { .. } | Action::Dropped { .. } => {}
@@ -747,6 +811,13 @@ impl Runner {
     }
 }
 
+/// What a dispatched tool may need beyond its own definition: the MCP servers and how to start
+/// a sandbox.
+struct Reach {
+    upstreams: crate::mcp::Upstreams,
+    sandbox: Option<SandboxLaunch>,
+}
+
 /// Start at the gate (the commit point), run the tool, complete with its outcome.
 async fn dispatch(
     gate: &GateConfig,
@@ -754,7 +825,9 @@ async fn dispatch(
     call: &crate::chat::ToolCall,
     token: &str,
     tool: Option<Tool>,
-) -> String {
+    reach: &Reach,
+    cut: watch::Receiver<bool>,
+) -> Option<String> {
     let (g, r, k, t) = (
         gate.clone(),
         run.to_string(),
@@ -765,11 +838,31 @@ async fn dispatch(
         .await
         .unwrap_or_else(|e| Err(e.to_string()));
     if let Err(why) = started {
-        return json!({"status": "REFUSED", "reason": "NOT_STARTED", "message": why}).to_string();
+        let refused = json!({"status": "REFUSED", "reason": "NOT_STARTED", "message": why});
+        return Some(refused.to_string());
     }
     let (outcome, text) = match tool {
         Some(Tool { url: Some(url), .. }) => run_http(&url, &call.function.arguments).await,
-        Some(tool) => run_command(&tool, &call.function.arguments).await,
+        Some(Tool { mcp: Some(m), .. }) => {
+            // Cut: the runner settled the call already (`unknown`); nothing more to say.
+            reach
+                .upstreams
+                .call(&m, &call.function.arguments, cut)
+                .await?
+        }
+        Some(tool) if tool.sandbox => match sandboxed(&tool, reach.sandbox.as_ref(), run, &call.id)
+        {
+            Ok(cmd) => run_command(cmd, &call.function.arguments).await,
+            Err(why) => ("error", why),
+        },
+        Some(tool) => match tool.command.split_first() {
+            Some((prog, rest)) => {
+                let mut cmd = tokio::process::Command::new(prog);
+                cmd.args(rest);
+                run_command(cmd, &call.function.arguments).await
+            }
+            None => ("error", "empty command".into()),
+        },
         None => ("error", format!("no tool named {}", call.function.name)),
     };
     let (g, r, k, t, o, x) = (
@@ -781,8 +874,11 @@ async fn dispatch(
         text.clone(),
     );
     let _ = tokio::task::spawn_blocking(move || g.complete(&r, &k, &t, o, &x)).await;
-    text
+    Some(text)
 }
+
+/// How long a runner that is done waits, in all, for cut MCP calls to tell their upstreams.
+const CANCEL_TELL_MS_MAX: u64 = 2_000;
 
 /// Largest answer an HTTP tool may give (what the model will read of it).
 const HTTP_TOOL_BYTES_MAX: usize = 1 << 20;
@@ -811,13 +907,45 @@ impl Drop for Group {
     }
 }
 
-async fn run_command(tool: &Tool, args: &str) -> (&'static str, String) {
-    use tokio::io::AsyncWriteExt;
-    let Some((prog, rest)) = tool.command.split_first() else {
-        return ("error", "empty command".into());
+/// `estop run … --run RUN/CALL --parent RUN -- command…`: the sandbox's run is a child of the
+/// trajectory's, so a cancel of the trajectory's run reaches it at the gate too; `estop run`
+/// passes stdin and stdout through and exits with the command's status (or says why the
+/// sandbox could not start, e.g. the kernel refusing user namespaces, on stderr, which the
+/// error observation carries).
+fn sandboxed(
+    tool: &Tool,
+    launch: Option<&SandboxLaunch>,
+    run: &str,
+    call_id: &str,
+) -> Result<tokio::process::Command, String> {
+    let Some(l) = launch else {
+        return Err("this runner starts no sandboxed commands (no daemon data directory)".into());
     };
-    let child = tokio::process::Command::new(prog)
-        .args(rest)
+    if tool.command.is_empty() {
+        return Err("empty command".into());
+    }
+    let child = format!("{run}/{call_id}");
+    crate::gate::check_run_id(&child)
+        .map_err(|e| format!("the sandbox's run {child:?} cannot be a run id: {e}"))?;
+    let mut cmd = tokio::process::Command::new(&l.estop);
+    cmd.arg("run")
+        .arg("--data")
+        .arg(&l.data)
+        .arg("--socket")
+        .arg(&l.socket);
+    if let Some(p) = &tool.sandbox_policy {
+        cmd.arg("--policy").arg(p);
+    }
+    cmd.args(["--run", &child, "--parent", run, "--"])
+        .args(&tool.command)
+        .env("ESTOP_TOKEN", &l.token);
+    Ok(cmd)
+}
+
+async fn run_command(mut cmd: tokio::process::Command, args: &str) -> (&'static str, String) {
+    use tokio::io::AsyncWriteExt;
+    let prog = cmd.as_std().get_program().to_string_lossy().into_owned();
+    let child = cmd
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -360,6 +360,46 @@ fn approvals_dispatch_only_on_approved_and_silence_is_no() {
     assert_eq!(r.state, State::Ready);
 }
 
+/// Seed 004: a human's review time is not the agent's compute. The 1 s wall clock is spent
+/// 200 ms outside the approval wait and 100 s inside it: the trajectory goes on; then 900 ms
+/// more outside a wait and it stops, naming the wall clock.
+#[test]
+fn time_awaiting_approval_does_not_count_against_the_wall_clock() {
+    let mut r = record(Limits {
+        wall_ms_max: Some(1_000),
+        ..Limits::default()
+    });
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(100, calls(&[("c1", "write")])).unwrap();
+    r.on_admission(
+        100,
+        "c1",
+        Admission::Held {
+            expires_at_ms: 10_000_000,
+        },
+    )
+    .unwrap();
+    assert_eq!(r.state, State::AwaitingApproval);
+    let a = r
+        .on_decision(100_100, "c1", Decision::Approved { token: "k".into() })
+        .unwrap();
+    assert_eq!(dispatched(&a), ["c1"]);
+    let a = r.on_tool_result(100_200, "c1", "ok".into()).unwrap();
+    assert_eq!(r.state, State::Ready, "{a:?} {:?}", r.exit);
+    assert_eq!(r.budget.review_ms, 100_000);
+    let a = r.begin_turn(100_200, 10).unwrap();
+    assert!(matches!(a[..], [Action::CallModel { .. }]), "{a:?}");
+    r.on_reply(101_100, calls(&[("c2", "read")])).unwrap();
+    r.on_admission(101_100, "c2", admitted("k2")).unwrap();
+    r.on_tool_result(101_100, "c2", "ok".into()).unwrap();
+    assert_eq!(
+        r.exit,
+        Some(Exit::BudgetExceeded {
+            dimension: Dimension::WallClock
+        })
+    );
+}
+
 #[test]
 fn budget_stages_steer_restrict_then_stop_naming_the_dimension() {
     let mut r = record(Limits {

@@ -183,24 +183,7 @@ impl Config {
         if config.servers.is_empty() {
             return Err(ConfigError::Empty);
         }
-        let mut seen = std::collections::BTreeSet::new();
-        for s in &config.servers {
-            // No `_` in a server name: `a__b` + `c` and `a` + `b__c` must not both read `a__b__c`.
-            let ok = (1..=32).contains(&s.name.len())
-                && s.name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '-');
-            if !ok {
-                return Err(ConfigError::BadName(s.name.clone()));
-            }
-            if !seen.insert(s.name.as_str()) {
-                return Err(ConfigError::Duplicate(s.name.clone()));
-            }
-            s.transport().map_err(|why| ConfigError::Transport {
-                name: s.name.clone(),
-                why,
-            })?;
-        }
+        check_servers(&config.servers)?;
         config.check_front()?;
         Ok(config)
     }
@@ -228,6 +211,31 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// The `[[server]]` tables make sense: names of 1-32 `[A-Za-z0-9-]` (they prefix tool names,
+/// before `__`), none twice, each with one transport. Also what `estop agent`'s config checks of
+/// its own `[[server]]` tables (crates/harness).
+pub fn check_servers(servers: &[Server]) -> Result<(), ConfigError> {
+    let mut seen = std::collections::BTreeSet::new();
+    for s in servers {
+        // No `_` in a server name: `a__b` + `c` and `a` + `b__c` must not both read `a__b__c`.
+        let ok = (1..=32).contains(&s.name.len())
+            && s.name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-');
+        if !ok {
+            return Err(ConfigError::BadName(s.name.clone()));
+        }
+        if !seen.insert(s.name.as_str()) {
+            return Err(ConfigError::Duplicate(s.name.clone()));
+        }
+        s.transport().map_err(|why| ConfigError::Transport {
+            name: s.name.clone(),
+            why,
+        })?;
+    }
+    Ok(())
 }
 
 /// How the gateway reaches one upstream.
