@@ -46,7 +46,7 @@ enum BenchCmd {
     },
     /// The harness at scale: N trajectories waiting for approval in one runner (memory each,
     /// threads), the scheduler's cost per decision, and an interrupt's time to the next model
-    /// call with the stream open (docs/PERFORMANCE.md, "Harness").
+    /// call with the stream open (docs/PERFORMANCE.md, "The harness").
     Agents {
         #[arg(long, default_value_t = 10_000)]
         trajectories: usize,

@@ -1,4 +1,4 @@
-//! `estop bench agents`: the harness at scale (docs/PERFORMANCE.md, "Harness"). N trajectories
+//! `estop bench agents`: the harness at scale (docs/PERFORMANCE.md, "The harness"). N trajectories
 //! each propose a call the gate holds for approval and wait — the common state of a fleet of
 //! agents — in one runner against a daemon the bench starts and the scripted model server:
 //! memory per waiting trajectory, the scheduler's cost per decision with N queued, and the
@@ -24,6 +24,8 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
     let (n, k) = (trajectories.max(1), controls.max(1));
     let _ = std::fs::remove_dir_all(data);
     std::fs::create_dir_all(data)?;
+    // The disk's raw rate, beside the figures: an interrupt is answered once it is durable.
+    let disk = estop_bench::probe_disk(data).context("probing the disk")?;
     let policy = data.with_extension("policy.toml");
     std::fs::write(&policy, POLICY)?;
     let spawned = crate::bench::spawn_daemon_with(
@@ -143,6 +145,8 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
         "interrupt_stored_ms_max": pct(&mut stored, 100),
         "interrupt_to_next_call_ms_p50": pct(&mut boundary, 50),
         "interrupt_to_next_call_ms_max": pct(&mut boundary, 100),
+        "disk_overwrite_fdatasync_p50_us": disk.overwrite.p50_us,
+        "disk_overwrite_fdatasyncs_per_s": disk.overwrite.syncs_per_s,
     });
     if json_out {
         println!("{figures}");
@@ -153,6 +157,11 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
 }
 
 fn print(f: &serde_json::Value) {
+    println!(
+        "disk: raw overwrite+fdatasync p50 {:.0} us ({:.0}/s)",
+        f["disk_overwrite_fdatasync_p50_us"].as_f64().unwrap_or(0.0),
+        f["disk_overwrite_fdatasyncs_per_s"].as_f64().unwrap_or(0.0)
+    );
     println!(
         "{} trajectories waiting for approval after {:.1} s: {:.0} bytes each (RSS delta; includes {:.0} bytes of request body the scripted server keeps per trajectory), {} threads",
         f["trajectories"],

@@ -1209,3 +1209,38 @@ fn a_cancel_ends_the_sandboxed_command_with_its_sandbox() {
     assert_eq!(code, 0, "{err}");
     assert!(status.contains("cancelled"), "{status}");
 }
+
+/// `estop bench agents` at a small scale prints every figure it promises (docs/PERFORMANCE.md,
+/// "The harness"), the disk's raw rate beside them: every trajectory reached its held call,
+/// and each interrupt was stored before the trajectory's next model call went out.
+#[test]
+fn the_agents_benchmark_reports_every_figure() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(common::bin())
+        .args(["bench", "agents", "--trajectories", "20", "--controls", "2"])
+        .args(["--json", "--data"])
+        .arg(dir.path().join("data"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let f: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+    let n = |k: &str| f[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {f}"));
+    assert_eq!(n("trajectories"), 20.0);
+    assert_eq!(n("controls"), 2.0);
+    assert!(
+        n("bytes_per_waiting_trajectory") >= 0.0 && n("threads") >= 1.0,
+        "{f}"
+    );
+    assert!(n("scheduler_ns_per_decision") > 0.0, "{f}");
+    assert!(n("disk_overwrite_fdatasync_p50_us") > 0.0, "{f}");
+    assert!(
+        0.0 < n("interrupt_stored_ms_p50")
+            && n("interrupt_stored_ms_p50") <= n("interrupt_to_next_call_ms_p50"),
+        "{f}"
+    );
+}
