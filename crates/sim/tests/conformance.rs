@@ -31,6 +31,7 @@ fn kernel_agrees_with_the_reference_model_on_a_million_operations() {
         first + stats.cases
     );
     assert!(stats.ops >= ops);
+    println!("answers: {:?}", stats.answers);
     // The run must reach what it claims to compare: every kind of answer.
     for kind in [
         "go",
@@ -58,6 +59,18 @@ fn kernel_agrees_with_the_reference_model_on_a_million_operations() {
         "error limit",
         "forgot 1",
         "forgot 0",
+        // The reverse saga: every status an executor's, the gate's or an operator's step
+        // reaches, and its conflicts.
+        "compensation compensating",
+        "compensation compensated",
+        "compensation compensation_failed",
+        "compensation needs_human",
+        "compensation compensation_skipped",
+        "compensation unknown",
+        "compensation completed",
+        "compensation failed",
+        "error saga",
+        "duplicate compensated",
     ] {
         let n = stats.answers.get(kind).copied().unwrap_or(0);
         assert!(
