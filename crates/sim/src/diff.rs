@@ -67,6 +67,12 @@ pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
         .get(&run)
         .and_then(|r| r.effects.get(&key))
         .map(|e| (e.tool, e.arg));
+    // An open saga draws more of its own steps, so sagas run to their end (the attempt bound
+    // needs five failed attempts and their backoffs).
+    let saga_open = model.runs.values().any(|r| r.head().is_some());
+    if saga_open && rng.below(3) == 0 {
+        return saga_op(rng, model, run, key);
+    }
     match rng.below(120) {
         0..=31 => {
             // A repeat of a known call (retry, replay) most of the time; a new call otherwise.
@@ -154,6 +160,55 @@ pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
     }
 }
 
+/// The step an effect's state calls for (what an executor or an operator would do next).
+fn fitting(rng: &mut Rng, e: &crate::model::Eff) -> Option<SagaOp> {
+    use crate::model::{Phase, St};
+    let u = &e.undo;
+    let outcome = *rng.pick(&[Outcome::Ok, Outcome::Ok, Outcome::Error, Outcome::Unknown]);
+    Some(match e.st {
+        St::Started if rng.below(2) == 0 => SagaOp::Unreported { after_ms: 0 },
+        St::Started => SagaOp::Settle { outcome },
+        St::Done(Outcome::Unknown) if e.tool.has_lookup() && rng.below(4) != 0 => {
+            if u.looking {
+                SagaOp::LookupEnd {
+                    attempt: u.lookups as u8,
+                    outcome,
+                }
+            } else if u.lookups < u.lookups_granted {
+                SagaOp::LookupBegin {
+                    attempt: (u.lookups + 1) as u8,
+                }
+            } else {
+                SagaOp::Retry
+            }
+        }
+        St::Done(Outcome::Unknown) => SagaOp::Settle {
+            outcome: *rng.pick(&[Outcome::Ok, Outcome::Error]),
+        },
+        St::Done(Outcome::Ok) | St::Undo(Phase::Failed) if rng.below(12) == 0 => {
+            SagaOp::Blocked {
+                attempt: (u.attempts + 1) as u8,
+            }
+        }
+        St::Done(Outcome::Ok) | St::Undo(Phase::Failed) => SagaOp::Begin {
+            attempt: (u.attempts + 1) as u8,
+        },
+        St::Undo(Phase::Compensating) => SagaOp::End {
+            attempt: u.attempts as u8,
+            outcome: *rng.pick(&[
+                Outcome::Ok,
+                Outcome::Error,
+                Outcome::Error,
+                Outcome::Error,
+                Outcome::Unknown,
+            ]),
+        },
+        St::Undo(Phase::NeedsHuman) if rng.below(3) == 0 => SagaOp::Skip,
+        St::Undo(Phase::NeedsHuman) => SagaOp::Retry,
+        _ => return None,
+    })
+}
+
 /// Draws a step of the reverse saga: three times in four at the head of a stopped run's saga
 /// when there is one, with the attempt the model expects most of the time and a repeated,
 /// stale or future one otherwise; or time enough for a backoff to pass; or a cancel to start
@@ -176,12 +231,32 @@ fn saga_op(rng: &mut Rng, model: &Model, run: u8, key: u8) -> Op {
     } else {
         (run, key)
     };
-    let undo = model
-        .runs
-        .get(&run)
-        .and_then(|r| r.effects.get(&key))
-        .map(|e| e.undo.clone())
-        .unwrap_or_default();
+    let effect = model.runs.get(&run).and_then(|r| r.effects.get(&key));
+    let undo = effect.map(|e| e.undo.clone()).unwrap_or_default();
+    if effect.is_some_and(|e| e.st == crate::model::St::Undo(crate::model::Phase::Failed))
+        && rng.below(3) == 0
+    {
+        // Past any backoff (at most 16 s before the attempt bound).
+        return Op::Advance { ms: 16_000 };
+    }
+    if rng.below(2) == 0
+        && let Some(e) = effect
+        && let Some(step) = fitting(rng, e)
+    {
+        // The step the effect's state calls for (so sagas run to their end), by its executor
+        // or an operator.
+        let who = if step.operators_only() || matches!(step, SagaOp::Unreported { .. }) {
+            Who::Alice
+        } else {
+            Who::Agent
+        };
+        return Op::Saga {
+            who,
+            run,
+            key,
+            step,
+        };
+    }
     // The next number, the current one (a repeat), or any small one.
     let number = |rng: &mut Rng, current: u32| -> u8 {
         let n = match rng.below(8) {
@@ -548,6 +623,10 @@ pub fn run_case(seed: u64, len_max: usize, stats: &mut DiffStats) -> Result<(), 
                     .collect::<Vec<_>>()
                     .join(" ");
                 *stats.answers.entry(kind).or_default() += 1;
+                if a.changed && a.text.starts_with("compensation needs_human attempt=5") {
+                    // The attempt bound reached (five failed attempts, then a human).
+                    *stats.answers.entry(a.text.clone()).or_default() += 1;
+                }
             }
             Ok(None) => {}
             Err(_) => return Err(divergence(seed, &ops)),

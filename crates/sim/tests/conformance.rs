@@ -71,6 +71,7 @@ fn kernel_agrees_with_the_reference_model_on_a_million_operations() {
         "compensation failed",
         "error saga",
         "duplicate compensated",
+        "compensation needs_human attempt=5 retry_at=None",
     ] {
         let n = stats.answers.get(kind).copied().unwrap_or(0);
         assert!(
