@@ -260,7 +260,13 @@ fn saga_alphabet() -> Vec<Step> {
         }));
         for outcome in [Outcome::Ok, Outcome::Error, Outcome::Unknown] {
             out.push(complete(P, key, outcome));
-            out.push(saga(key, SagaOp::End { attempt: 1, outcome }));
+            out.push(saga(
+                key,
+                SagaOp::End {
+                    attempt: 1,
+                    outcome,
+                },
+            ));
         }
         out.push(saga(key, SagaOp::Begin { attempt: 1 }));
         out.push(saga(key, SagaOp::Begin { attempt: 2 }));
@@ -282,7 +288,13 @@ fn saga_alphabet() -> Vec<Step> {
         if saga_call(key).has_lookup() {
             out.push(saga(key, SagaOp::LookupBegin { attempt: 1 }));
             for outcome in [Outcome::Ok, Outcome::Error, Outcome::Unknown] {
-                out.push(saga(key, SagaOp::LookupEnd { attempt: 1, outcome }));
+                out.push(saga(
+                    key,
+                    SagaOp::LookupEnd {
+                        attempt: 1,
+                        outcome,
+                    },
+                ));
             }
         }
     }
@@ -693,10 +705,7 @@ impl Monitor {
         {
             self.killed.insert(run);
         }
-        let Op::Saga {
-            run, key, step, ..
-        } = *op
-        else {
+        let Op::Saga { run, key, step, .. } = *op else {
             return Ok(());
         };
         if !changed {

@@ -185,11 +185,9 @@ fn fitting(rng: &mut Rng, e: &crate::model::Eff) -> Option<SagaOp> {
         St::Done(Outcome::Unknown) => SagaOp::Settle {
             outcome: *rng.pick(&[Outcome::Ok, Outcome::Error]),
         },
-        St::Done(Outcome::Ok) | St::Undo(Phase::Failed) if rng.below(12) == 0 => {
-            SagaOp::Blocked {
-                attempt: (u.attempts + 1) as u8,
-            }
-        }
+        St::Done(Outcome::Ok) | St::Undo(Phase::Failed) if rng.below(12) == 0 => SagaOp::Blocked {
+            attempt: (u.attempts + 1) as u8,
+        },
         St::Done(Outcome::Ok) | St::Undo(Phase::Failed) => SagaOp::Begin {
             attempt: (u.attempts + 1) as u8,
         },

@@ -10,9 +10,9 @@ use crate::world::{
     Answer, BOGUS_TOKEN, EffectView, KEYS, Op, RUNS, RunView, SagaView, Tok, Tool, View, Who,
     digest, parent_of,
 };
-pub use saga::{Phase, Undo};
 use estop_kernel::Digest;
 use estop_kernel::vocab::Outcome;
+pub use saga::{Phase, Undo};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// How many approvals may await a decision in one run (the kernel's default bound).

@@ -857,13 +857,16 @@ pub fn view_of(gate: &Gate) -> View {
                         approval,
                         late: e.late,
                         outcome: e.outcome_kind().map(|o| o.to_string()),
-                        saga: e.saga.as_deref().map_or_else(SagaView::default, |c| SagaView {
-                            attempts: c.attempts,
-                            lookups: c.lookups,
-                            chosen: c.chosen,
-                            retry_at: (e.status == Status::CompensationFailed)
-                                .then_some(c.retry_at),
-                        }),
+                        saga: e
+                            .saga
+                            .as_deref()
+                            .map_or_else(SagaView::default, |c| SagaView {
+                                attempts: c.attempts,
+                                lookups: c.lookups,
+                                chosen: c.chosen,
+                                retry_at: (e.status == Status::CompensationFailed)
+                                    .then_some(c.retry_at),
+                            }),
                     },
                 )
             })

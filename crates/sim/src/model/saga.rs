@@ -126,7 +126,9 @@ impl Eff {
                     Wait::Human
                 }
             }
-            St::Done(Outcome::Ok) | St::Undo(Phase::Failed) => Wait::Begin(u.attempts + 1, u.retry_at),
+            St::Done(Outcome::Ok) | St::Undo(Phase::Failed) => {
+                Wait::Begin(u.attempts + 1, u.retry_at)
+            }
             St::Undo(Phase::Compensating) => Wait::Running(u.attempts),
             _ => Wait::Human,
         }

@@ -290,7 +290,18 @@ fn check_facts(gate: &Gate, run: &str, f: &Facts) -> Result<(), String> {
         let st = effect(key).map(|e| e.status);
         if !matches!(
             st,
-            Some(Status::Started | Status::Completed | Status::Failed | Status::Unknown)
+            Some(
+                Status::Started
+                    | Status::Completed
+                    | Status::Failed
+                    | Status::Unknown
+                    // A started call the reverse saga then took up (`executor.rs`).
+                    | Status::Compensating
+                    | Status::Compensated
+                    | Status::CompensationFailed
+                    | Status::NeedsHuman
+                    | Status::CompensationSkipped
+            )
         ) {
             return lost("start", key);
         }
