@@ -643,8 +643,9 @@ fn monitored(node: &Node, op: &Op, answer: String, plant: Option<Plant>) -> Stri
     if forge { "admitted 9.9".into() } else { answer }
 }
 
-/// Statuses of a compensable effect its saga still owes something.
-const OWED: [&str; 6] = [
+/// Statuses of a compensable effect its saga still owes something (the checker's and the
+/// shipped auditor's reading of docs/PROTOCOL.md, not the kernel's `saga.rs`).
+pub(crate) const OWED: [&str; 6] = [
     "started",
     "unknown",
     "completed",

@@ -18,7 +18,6 @@
 use super::clients::Asked;
 use super::{ShippedWorld, run_name};
 use crate::world::Who;
-use estop_kernel::state::Status;
 use estop_kernel::vocab::{Outcome, RunState, StopCause};
 use estop_kernel::{Command, EffectKey, Gate, RunId, SagaStep};
 use estop_protocol::server_line as wire;
@@ -50,16 +49,7 @@ pub struct SagaAudit {
 /// docs/PROTOCOL.md: a compensable call in flight, of unknown outcome, done and not undone, or
 /// whose undo is under way, failed or waits for a human).
 fn owed(e: &estop_kernel::state::Effect) -> bool {
-    e.compensate.is_some()
-        && matches!(
-            e.status,
-            Status::Started
-                | Status::Unknown
-                | Status::Completed
-                | Status::Compensating
-                | Status::CompensationFailed
-                | Status::NeedsHuman
-        )
+    e.compensate.is_some() && crate::check::OWED.contains(&e.status.kind().as_str())
 }
 
 /// A cancelled run is `cancelled` only with nothing of its saga owed.
