@@ -439,8 +439,9 @@ impl Gate {
             return Err(saga_error(run_id, key, "no compensation of it began"));
         };
         if attempt != c.attempts || effect.status != Status::Compensating {
-            if attempt <= c.attempts && effect.status != Status::Compensating {
+            if attempt != 0 && attempt <= c.attempts && effect.status != Status::Compensating {
                 // A repeated report of an attempt already ended: its answer is the current one.
+                // Attempts are numbered from 1: attempt 0 never began, so it is not a repeat.
                 return Ok((reply(effect), false));
             }
             return Err(saga_error(

@@ -23,13 +23,19 @@
 //! * P8 recovery from the ledger rebuilds exactly the acknowledged state; a torn last record
 //!   rebuilds exactly the state before it;
 //! * P9 a run makes no more admissions than its budget (`max_effects`);
-//! * P10 nothing is admitted or started once the deadline of the run or an ancestor has passed.
+//! * P10 nothing is admitted or started once the deadline of the run or an ancestor has passed;
+//! * P11 (saga alphabet) newest first: no compensation attempt, lookup or blocked step is taken
+//!   up while a newer effect of the saga is still owed (in flight, unknown, done, compensating,
+//!   failed or waiting for a human);
+//! * P12 a cancelled run is `cancelled` only with its saga settled, and `finalizing` until then;
+//! * P13 a kill runs no saga: only an effect an operator asked to compensate is taken up;
+//! * P14 each compensation attempt and each lookup begins once, numbered from 1 without a gap.
 //!
 //! A planted bug ([`Plant`]) forges one answer the monitor reads; tests show the monitor names
 //! exactly the property it breaks (P5, P9, P10).
 
 use crate::diff::Pair;
-use crate::world::{Op, Tok, Tool, Who, digest, run_of};
+use crate::world::{EffectView, Op, SagaOp, Tok, Tool, View, Who, digest, run_of};
 use estop_kernel::record_codec::encode_record;
 use estop_kernel::vocab::Outcome;
 use estop_kernel::{Digest, Limits, Record};
@@ -75,6 +81,11 @@ pub enum Alphabet {
     /// budget (`max_effects`) reached, and complete with `error` and `unknown` as well as `ok`;
     /// with one approver's approval and cancel, so the fences meet the approvals.
     Ends,
+    /// The reverse saga: two compensable calls (`charge`; `book`, whose unknown outcome has a
+    /// lookup) started on admission, completed `ok`/`error`/`unknown`, a cancel or a kill, the
+    /// executor's attempts (begin, end `ok`/`error`/`unknown`, blocked) and lookups, the
+    /// gate's unreported step and the operator's settle, retry, skip and compensate.
+    Saga,
 }
 
 /// The alphabet explored from every state.
@@ -82,6 +93,7 @@ pub fn alphabet(kind: Alphabet) -> Vec<Step> {
     match kind {
         Alphabet::Approvals => approvals_alphabet(),
         Alphabet::Ends => ends_alphabet(),
+        Alphabet::Saga => saga_alphabet(),
     }
 }
 
@@ -216,6 +228,92 @@ fn ends_alphabet() -> Vec<Step> {
     out
 }
 
+/// The saga alphabet's calls: `a` a `charge`, `b` a `book` (with a lookup), each started on
+/// admission, in run `p`.
+fn saga_call(key: u8) -> Tool {
+    if key == 0 { Tool::Charge } else { Tool::Book }
+}
+
+fn saga_alphabet() -> Vec<Step> {
+    let mut out = Vec::new();
+    let saga = |key, step| {
+        Step::Op(Op::Saga {
+            who: if step_by_operator(step) {
+                Who::Alice
+            } else {
+                Who::Agent
+            },
+            run: P,
+            key,
+            step,
+        })
+    };
+    for key in 0..2u8 {
+        out.push(Step::Op(Op::Admit {
+            who: Who::Agent,
+            run: P,
+            key,
+            tool: saga_call(key),
+            arg: 0,
+            start: true,
+            limits: 0,
+        }));
+        for outcome in [Outcome::Ok, Outcome::Error, Outcome::Unknown] {
+            out.push(complete(P, key, outcome));
+            out.push(saga(
+                key,
+                SagaOp::End {
+                    attempt: 1,
+                    outcome,
+                },
+            ));
+        }
+        out.push(saga(key, SagaOp::Begin { attempt: 1 }));
+        out.push(saga(key, SagaOp::Begin { attempt: 2 }));
+        out.push(saga(
+            key,
+            SagaOp::End {
+                attempt: 2,
+                outcome: Outcome::Ok,
+            },
+        ));
+        out.push(saga(key, SagaOp::Blocked { attempt: 1 }));
+        for outcome in [Outcome::Ok, Outcome::Error] {
+            out.push(saga(key, SagaOp::Settle { outcome }));
+        }
+        for step in [SagaOp::Retry, SagaOp::Skip, SagaOp::Compensate] {
+            out.push(saga(key, step));
+        }
+        out.push(saga(key, SagaOp::Unreported { after_ms: 0 }));
+        if saga_call(key).has_lookup() {
+            out.push(saga(key, SagaOp::LookupBegin { attempt: 1 }));
+            for outcome in [Outcome::Ok, Outcome::Error, Outcome::Unknown] {
+                out.push(saga(
+                    key,
+                    SagaOp::LookupEnd {
+                        attempt: 1,
+                        outcome,
+                    },
+                ));
+            }
+        }
+    }
+    for kill in [false, true] {
+        out.push(Step::Op(Op::Cancel {
+            who: Who::Alice,
+            run: P,
+            kill,
+        }));
+    }
+    out.push(Step::Tick);
+    out
+}
+
+/// Whether a saga step is an operator's (or the gate's own, which runs as one).
+fn step_by_operator(step: SagaOp) -> bool {
+    step.operators_only() || matches!(step, SagaOp::Unreported { .. })
+}
+
 /// What the clients have been told so far: the trace the properties are about.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct Monitor {
@@ -235,6 +333,14 @@ pub struct Monitor {
     admissions: BTreeMap<u8, u64>,
     /// When a run's deadline passes (set by the admit that created it).
     deadline: BTreeMap<u8, u64>,
+    /// Runs whose kill was acknowledged (no saga of their own).
+    killed: BTreeSet<u8>,
+    /// Effects an operator's `compensate` was acknowledged for.
+    chosen: BTreeSet<(u8, u8)>,
+    /// Compensation attempts and lookups acknowledged as begun: (run, key, lookup?, attempt).
+    begun: BTreeSet<(u8, u8, bool, u32)>,
+    /// The saga alphabet's calls are explored (`call_of`).
+    saga: bool,
 }
 
 fn lineage(run: u8) -> &'static [u8] {
@@ -242,6 +348,15 @@ fn lineage(run: u8) -> &'static [u8] {
 }
 
 impl Monitor {
+    /// The call of an effect: the fixed one of its key, or the saga alphabet's.
+    fn call_of(&self, id: (u8, u8)) -> (Tool, u8, bool) {
+        if self.saga {
+            (saga_call(id.1), 0, true)
+        } else {
+            call(id.1)
+        }
+    }
+
     fn pending(&self, id: (u8, u8), now: u64) -> bool {
         self.until.get(&id).is_some_and(|u| now < *u) && !self.settled.contains(&id)
     }
@@ -249,8 +364,8 @@ impl Monitor {
     /// P1, P6, P3, P5, P10: may this admission (or start) of `id` happen at `now`?
     fn check_admission(&self, now: u64, id: (u8, u8), admitted: bool) -> Result<(), String> {
         let violation = |p: &str, what: String| Err(format!("{p} violated: {what}"));
-        let (run, key) = id;
-        let (tool, arg, _) = call(key);
+        let run = id.0;
+        let (tool, arg, _) = self.call_of(id);
         if tool.action() == estop_kernel::vocab::PolicyAction::Approve {
             let n = self.approvers.get(&id).map_or(0, BTreeSet::len);
             if !self.approved.contains(&id) || n < tool.quorum() as usize {
@@ -327,8 +442,8 @@ impl Monitor {
     /// P1–P6, P9, P10 for an answer to an admit, wait or start of `id`, then what it told.
     fn observe_verdict(&mut self, now: u64, id: (u8, u8), answer: &str) -> Result<(), String> {
         let violation = |p: &str, what: String| Err(format!("{p} violated: {what}"));
-        let (run, key) = id;
-        let (tool, _, start_on_admit) = call(key);
+        let run = id.0;
+        let (tool, _, start_on_admit) = self.call_of(id);
         // A repeat admit of a prepared effect returns the same token: not a new admission.
         let admitted = answer
             .strip_prefix("admitted ")
@@ -410,7 +525,7 @@ impl Monitor {
                 self.settled.insert(id);
             }
         } else {
-            let (tool, arg, _) = call(id.1);
+            let (tool, arg, _) = self.call_of(id);
             self.rejected.insert((id.0, digest(tool, arg)));
             self.settled.insert(id);
         }
@@ -528,6 +643,133 @@ fn monitored(node: &Node, op: &Op, answer: String, plant: Option<Plant>) -> Stri
     if forge { "admitted 9.9".into() } else { answer }
 }
 
+/// Statuses of a compensable effect its saga still owes something (the checker's and the
+/// shipped auditor's reading of docs/PROTOCOL.md, not the kernel's `saga.rs`).
+pub(crate) const OWED: [&str; 6] = [
+    "started",
+    "unknown",
+    "completed",
+    "compensating",
+    "compensation_failed",
+    "needs_human",
+];
+
+fn compensable(e: &EffectView) -> bool {
+    e.tool == Tool::Charge.name() || e.tool == Tool::Book.name()
+}
+
+fn owed(e: &EffectView) -> bool {
+    compensable(e) && OWED.contains(&e.status.as_str())
+}
+
+/// P12: a cancelled run is `cancelled` only once its saga is settled, and `finalizing` until
+/// then (never a terminal state with an undo owed, never an open fence without one).
+fn saga_settled(view: &View) -> Result<(), String> {
+    for (id, r) in view {
+        if r.forgotten || r.cause.as_deref() != Some("cancelled") {
+            continue;
+        }
+        let open = r.effects.iter().find(|(_, e)| owed(e));
+        match (r.state.as_str(), open) {
+            ("cancelled", Some((k, e))) => {
+                return Err(format!(
+                    "P12 violated: run {id} is cancelled while {k} is {}",
+                    e.status
+                ));
+            }
+            ("finalizing", None) if r.in_flight == 0 => {
+                return Err(format!(
+                    "P12 violated: run {id} is finalizing with its saga settled"
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+impl Monitor {
+    /// P11, P13, P14 for an answer to a saga step, then what it told.
+    fn observe_saga(
+        &mut self,
+        op: &Op,
+        answer: &str,
+        changed: bool,
+        before: &View,
+    ) -> Result<(), String> {
+        // A kill that stopped the run (one after a cancel finds it stopped: its saga goes on).
+        if let Op::Cancel {
+            run, kill: true, ..
+        } = *op
+            && answer.starts_with("run ")
+            && changed
+        {
+            self.killed.insert(run);
+        }
+        let Op::Saga { run, key, step, .. } = *op else {
+            return Ok(());
+        };
+        if !changed {
+            return Ok(());
+        }
+        let (attempt, lookup) = match step {
+            SagaOp::Compensate => {
+                self.chosen.insert((run, key));
+                return Ok(());
+            }
+            SagaOp::Begin { attempt } => (u32::from(attempt), false),
+            SagaOp::LookupBegin { attempt } => (u32::from(attempt), true),
+            SagaOp::Blocked { .. } => (0, false),
+            _ => return Ok(()),
+        };
+        let name = crate::world::RUNS[run as usize];
+        let r = &before[name];
+        let k = crate::world::KEYS[key as usize];
+        // P13: a kill runs no saga, only what an operator asked for, one effect at a time.
+        if self.killed.contains(&run) && !self.chosen.contains(&(run, key)) {
+            return Err(format!(
+                "P13 violated: {name}/{k} is compensated in a killed run nobody asked to"
+            ));
+        }
+        // P11: newest first, and an unknown outcome (or a call in flight) before anything
+        // older: nothing newer of the saga is still owed.
+        let serial = r.effects[k].token.map_or(0, |t| t.1);
+        if let Some((newer, e)) = r.effects.iter().find(|(j, e)| {
+            *j != k
+                && e.token.is_some_and(|t| t.1 > serial)
+                && owed(e)
+                && (!self.killed.contains(&run) || self.chosen.contains(&(run, key_of(j))))
+        }) {
+            return Err(format!(
+                "P11 violated: {name}/{k} is taken up while the newer {newer} is {}",
+                e.status
+            ));
+        }
+        // P14: each attempt (and each lookup) begins once, numbered from 1 without a gap.
+        if attempt > 0 {
+            if !self.begun.insert((run, key, lookup, attempt)) {
+                return Err(format!(
+                    "P14 violated: {name}/{k}: attempt {attempt} (lookup: {lookup}) begun twice"
+                ));
+            }
+            if attempt > 1 && !self.begun.contains(&(run, key, lookup, attempt - 1)) {
+                return Err(format!(
+                    "P14 violated: {name}/{k}: attempt {attempt} (lookup: {lookup}) begun before attempt {}",
+                    attempt - 1
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn key_of(k: &str) -> u8 {
+    crate::world::KEYS
+        .iter()
+        .position(|x| *x == k)
+        .expect("a key of the world") as u8
+}
+
 /// Applies one step; `Err` is a violation or a kernel/model disagreement.
 fn advance(node: &mut Node, step: &Step, opts: &CheckOptions) -> Result<bool, String> {
     match step {
@@ -553,6 +795,9 @@ fn advance(node: &mut Node, step: &Step, opts: &CheckOptions) -> Result<bool, St
             });
             let text = monitored(node, op, answer.text, opts.plant);
             node.monitor.observe(now, op, &text, created)?;
+            node.monitor
+                .observe_saga(op, &text, answer.changed, &before)?;
+            saga_settled(&node.pair.view)?;
             // P7: terminal states and refusals absorb.
             let after = &node.pair.view;
             for (id, old) in &before {
@@ -638,19 +883,22 @@ fn check_recovery(node: &Node, stats: &mut CheckStats) -> Result<(), String> {
     Ok(())
 }
 
-fn root() -> Node {
+fn root(opts: &CheckOptions) -> Node {
     let mut pair = Pair::new();
     pair.now = T0;
     Node {
         pair,
-        monitor: Monitor::default(),
+        monitor: Monitor {
+            saga: opts.alphabet == Alphabet::Saga,
+            ..Monitor::default()
+        },
     }
 }
 
 /// Rebuilds a state by replaying its trace from the empty gate (frontiers hold traces, a few
 /// bytes each, not states: memory stays flat however wide the search gets).
 fn replay(alphabet: &[Step], trace: &[u8], opts: &CheckOptions) -> Node {
-    let mut n = root();
+    let mut n = root(opts);
     for &i in trace {
         advance(&mut n, &alphabet[i as usize], opts).expect("a trace that was checked replays");
     }
@@ -662,7 +910,7 @@ fn replay(alphabet: &[Step], trace: &[u8], opts: &CheckOptions) -> Node {
 pub fn explore(opts: &CheckOptions) -> Result<CheckStats, Violation> {
     let alphabet = alphabet(opts.alphabet);
     assert!(alphabet.len() < 256);
-    let start = root();
+    let start = root(opts);
     let mut seen: HashSet<u64> = HashSet::new();
     seen.insert(fingerprint(&start));
     let mut stats = CheckStats {

@@ -5,7 +5,9 @@
 
 use crate::model::Model;
 use crate::rng::Rng;
-use crate::world::{self, Answer, Op, Tok, Tool, View, Who, answer_of, command, target, view_of};
+use crate::world::{
+    self, Answer, Op, SagaOp, Tok, Tool, View, Who, answer_of, command, target, view_of,
+};
 use estop_kernel::record_codec::{decode_record, decode_snapshot, encode_record, encode_snapshot};
 use estop_kernel::reply::Verdict;
 use estop_kernel::vocab::Outcome;
@@ -14,7 +16,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 /// Draws one random op of the small world. Two times in three it aims at an effect that exists
-/// (so traces go deep: approvals, starts, completions), otherwise anywhere.
+/// (so traces go deep: approvals, starts, completions), otherwise anywhere; one op in six is a
+/// step of the reverse saga (`saga_op`).
 pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
     let known: Vec<(u8, u8)> = model
         .runs
@@ -64,7 +67,13 @@ pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
         .get(&run)
         .and_then(|r| r.effects.get(&key))
         .map(|e| (e.tool, e.arg));
-    match rng.below(100) {
+    // An open saga draws more of its own steps, so sagas run to their end (the attempt bound
+    // needs five failed attempts and their backoffs).
+    let saga_open = model.runs.values().any(|r| r.head().is_some());
+    if saga_open && rng.below(3) == 0 {
+        return saga_op(rng, model, run, key);
+    }
+    match rng.below(120) {
         0..=31 => {
             // A repeat of a known call (retry, replay) most of the time; a new call otherwise.
             let (tool, arg) = match existing {
@@ -80,6 +89,9 @@ pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
                         Tool::Payout,
                         Tool::Wipe,
                         Tool::Charge,
+                        Tool::Charge,
+                        Tool::Book,
+                        Tool::Book,
                     ]),
                     u8::from(rng.below(5) == 0),
                 ),
@@ -141,9 +153,198 @@ pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
             retention: *rng.pick(&[0u16, 0, 20, 60]),
             grave_retention: *rng.pick(&[0u16, 40, 100, 300, 300]),
         },
-        _ => Op::Advance {
+        90..=99 => Op::Advance {
             ms: *rng.pick(&[1u16, 5, 10, 20, 30, 45, 60]),
         },
+        _ => saga_op(rng, model, run, key),
+    }
+}
+
+/// The step an effect's state calls for (what an executor or an operator would do next).
+fn fitting(rng: &mut Rng, e: &crate::model::Eff) -> Option<SagaOp> {
+    use crate::model::{Phase, St};
+    let u = &e.undo;
+    let outcome = *rng.pick(&[Outcome::Ok, Outcome::Ok, Outcome::Error, Outcome::Unknown]);
+    Some(match e.st {
+        St::Started if rng.below(2) == 0 => SagaOp::Unreported { after_ms: 0 },
+        St::Started => SagaOp::Settle { outcome },
+        St::Done(Outcome::Unknown) if e.tool.has_lookup() && rng.below(4) != 0 => {
+            if u.looking {
+                SagaOp::LookupEnd {
+                    attempt: u.lookups as u8,
+                    outcome,
+                }
+            } else if u.lookups < u.lookups_granted {
+                SagaOp::LookupBegin {
+                    attempt: (u.lookups + 1) as u8,
+                }
+            } else {
+                SagaOp::Retry
+            }
+        }
+        St::Done(Outcome::Unknown) => SagaOp::Settle {
+            outcome: *rng.pick(&[Outcome::Ok, Outcome::Error]),
+        },
+        St::Done(Outcome::Ok) | St::Undo(Phase::Failed) if rng.below(12) == 0 => SagaOp::Blocked {
+            attempt: (u.attempts + 1) as u8,
+        },
+        St::Done(Outcome::Ok) | St::Undo(Phase::Failed) => SagaOp::Begin {
+            attempt: (u.attempts + 1) as u8,
+        },
+        St::Undo(Phase::Compensating) => SagaOp::End {
+            attempt: u.attempts as u8,
+            outcome: *rng.pick(&[
+                Outcome::Ok,
+                Outcome::Error,
+                Outcome::Error,
+                Outcome::Error,
+                Outcome::Unknown,
+            ]),
+        },
+        St::Undo(Phase::NeedsHuman) if rng.below(3) == 0 => SagaOp::Skip,
+        St::Undo(Phase::NeedsHuman) => SagaOp::Retry,
+        _ => return None,
+    })
+}
+
+/// Draws a step of the reverse saga: three times in four at the head of a stopped run's saga
+/// when there is one, with the attempt the model expects most of the time and a repeated,
+/// stale or future one otherwise; or time enough for a backoff to pass; or a cancel to start
+/// a saga when none is open.
+fn saga_op(rng: &mut Rng, model: &Model, run: u8, key: u8) -> Op {
+    let heads: Vec<(u8, u8)> = model
+        .runs
+        .iter()
+        .filter_map(|(id, r)| r.head().map(|k| (*id, k)))
+        .collect();
+    if heads.is_empty() && rng.below(3) == 0 {
+        return Op::Cancel {
+            who: *rng.pick(&[Who::Alice, Who::Agent]),
+            run,
+            kill: rng.below(5) == 0,
+        };
+    }
+    let (run, key) = if !heads.is_empty() && rng.below(4) != 0 {
+        *rng.pick(&heads)
+    } else {
+        (run, key)
+    };
+    let effect = model.runs.get(&run).and_then(|r| r.effects.get(&key));
+    let undo = effect.map(|e| e.undo.clone()).unwrap_or_default();
+    if effect.is_some_and(|e| e.st == crate::model::St::Undo(crate::model::Phase::Failed))
+        && rng.below(3) == 0
+    {
+        // Past any backoff (at most 16 s before the attempt bound).
+        return Op::Advance { ms: 16_000 };
+    }
+    if rng.below(2) == 0
+        && let Some(e) = effect
+        && let Some(step) = fitting(rng, e)
+    {
+        // The step the effect's state calls for (so sagas run to their end), by its executor
+        // or an operator.
+        let who = if step.operators_only() || matches!(step, SagaOp::Unreported { .. }) {
+            Who::Alice
+        } else {
+            Who::Agent
+        };
+        return Op::Saga {
+            who,
+            run,
+            key,
+            step,
+        };
+    }
+    // The next number, the current one (a repeat), or any small one.
+    let number = |rng: &mut Rng, current: u32| -> u8 {
+        let n = match rng.below(8) {
+            0 => rng.below(7) as u32,
+            1 | 2 => current,
+            _ => current + 1,
+        };
+        n.min(u32::from(u8::MAX)) as u8
+    };
+    let executor = *rng.pick(&[
+        Who::Agent,
+        Who::Agent,
+        Who::Agent,
+        Who::Alice,
+        Who::Agent2,
+        Who::Olive,
+    ]);
+    let operator = *rng.pick(&[
+        Who::Alice,
+        Who::Alice,
+        Who::Bob,
+        Who::Carol,
+        Who::Agent,
+        Who::Olive,
+    ]);
+    let outcome = *rng.pick(&[
+        Outcome::Ok,
+        Outcome::Ok,
+        Outcome::Error,
+        Outcome::Error,
+        Outcome::Unknown,
+    ]);
+    let (who, step) = match rng.below(21) {
+        0..=4 => (
+            executor,
+            SagaOp::Begin {
+                attempt: number(rng, undo.attempts),
+            },
+        ),
+        5..=8 => {
+            let current = undo.attempts.saturating_sub(u32::from(rng.below(6) == 0));
+            let attempt = if rng.below(8) == 0 {
+                rng.below(7) as u8
+            } else {
+                current as u8
+            };
+            (executor, SagaOp::End { attempt, outcome })
+        }
+        9..=10 => (
+            executor,
+            SagaOp::LookupBegin {
+                attempt: number(rng, undo.lookups),
+            },
+        ),
+        11..=12 => {
+            let attempt = if rng.below(6) == 0 {
+                rng.below(4) as u8
+            } else {
+                undo.lookups as u8
+            };
+            (executor, SagaOp::LookupEnd { attempt, outcome })
+        }
+        13 => (
+            executor,
+            SagaOp::Blocked {
+                attempt: number(rng, undo.attempts),
+            },
+        ),
+        14 => (operator, SagaOp::Settle { outcome }),
+        15 => (operator, SagaOp::Retry),
+        16 => (operator, SagaOp::Skip),
+        17 => (operator, SagaOp::Compensate),
+        18 => (
+            *rng.pick(&[Who::Alice, Who::Alice, Who::Agent]),
+            SagaOp::Unreported {
+                after_ms: *rng.pick(&[0u16, 30, 200]),
+            },
+        ),
+        _ => {
+            // Long enough for a failed attempt's backoff (1 s doubling) to pass.
+            return Op::Advance {
+                ms: *rng.pick(&[1_000u16, 2_000, 4_000, 8_000, 16_000]),
+            };
+        }
+    };
+    Op::Saga {
+        who,
+        run,
+        key,
+        step,
     }
 }
 
@@ -420,6 +621,10 @@ pub fn run_case(seed: u64, len_max: usize, stats: &mut DiffStats) -> Result<(), 
                     .collect::<Vec<_>>()
                     .join(" ");
                 *stats.answers.entry(kind).or_default() += 1;
+                if a.changed && a.text.starts_with("compensation needs_human attempt=5") {
+                    // The attempt bound reached (five failed attempts, then a human).
+                    *stats.answers.entry(a.text.clone()).or_default() += 1;
+                }
             }
             Ok(None) => {}
             Err(_) => return Err(divergence(seed, &ops)),

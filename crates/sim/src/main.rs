@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! estop-sim diff  [--ops N] [--seed S] [--len L]   differential conformance, kernel vs model
-//! estop-sim check [--depth D] [--states N] [--ends] bounded model checking with trace properties
+//! estop-sim check [--depth D] [--states N] [--ends|--saga] bounded model checking with trace properties
 //! ```
 //!
 //! The simulation of the shipped path runs as a test: `ESTOP_SHIPPED_SEEDS=<n> cargo nextest run
@@ -68,6 +68,8 @@ fn main() -> ExitCode {
                 crash: !args.iter().any(|a| a == "--no-crash"),
                 alphabet: if args.iter().any(|a| a == "--ends") {
                     estop_sim::check::Alphabet::Ends
+                } else if args.iter().any(|a| a == "--saga") {
+                    estop_sim::check::Alphabet::Saga
                 } else {
                     estop_sim::check::Alphabet::Approvals
                 },

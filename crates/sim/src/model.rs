@@ -4,12 +4,15 @@
 //! by line. It reads `Op`s of the small world directly. The differential runner and the model
 //! checker compare it with the kernel after every step; where they disagree, one of them is wrong.
 
+mod saga;
+
 use crate::world::{
-    Answer, BOGUS_TOKEN, EffectView, KEYS, Op, RUNS, RunView, Tok, Tool, View, Who, digest,
-    parent_of,
+    Answer, BOGUS_TOKEN, EffectView, KEYS, Op, RUNS, RunView, SagaView, Tok, Tool, View, Who,
+    digest, parent_of,
 };
 use estop_kernel::Digest;
 use estop_kernel::vocab::Outcome;
+pub use saga::{Phase, Undo};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// How many approvals may await a decision in one run (the kernel's default bound).
@@ -86,6 +89,25 @@ pub enum St {
     Started,
     Done(Outcome),
     Refused(&'static str),
+    /// Done (`ok`) and taken up by the reverse saga.
+    Undo(Phase),
+}
+
+impl St {
+    /// The status's name as replies carry it.
+    fn name(&self) -> &'static str {
+        match self {
+            St::Held(_) => "held",
+            St::Approved => "approved",
+            St::Admitted => "admitted",
+            St::Started => "started",
+            St::Done(Outcome::Ok) => "completed",
+            St::Done(Outcome::Error) => "failed",
+            St::Done(Outcome::Unknown) => "unknown",
+            St::Refused(_) => "refused",
+            St::Undo(p) => p.name(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -99,6 +121,8 @@ pub struct Eff {
     pub approval: Option<(u64, u64, Vec<Who>)>,
     pub late: bool,
     pub outcome: Option<Outcome>,
+    /// The reverse saga's counters.
+    pub undo: Undo,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -146,16 +170,9 @@ impl MRun {
             .filter(|e| e.st == St::Held("approval"))
             .count()
     }
-    /// Whether an effect of the run is owed its undo: a compensable call that did or may have
-    /// happened (the sim runs no executor, so an owed saga never settles).
+    /// Whether an effect of the run is still owed something by its saga (`saga.rs`).
     fn owes(&self) -> bool {
-        self.effects.values().any(|e| {
-            e.tool.compensable()
-                && matches!(
-                    e.st,
-                    St::Started | St::Done(Outcome::Ok) | St::Done(Outcome::Unknown)
-                )
-        })
+        self.effects.values().any(Eff::owes)
     }
 
     fn flying(&self) -> usize {
@@ -339,6 +356,7 @@ impl Model {
             | Op::Complete { who, .. }
             | Op::Close { who, .. } => (who, false),
             Op::Tick { .. } => (Who::Alice, false),
+            Op::Saga { who, step, .. } => (who, step.operators_only()),
             Op::Advance { .. } | Op::Compact { .. } => unreachable!("names no run"),
         };
         if operator_only && !who.is_operator() {
@@ -355,6 +373,8 @@ impl Model {
                 verdict(format!("run {} changed=0", g.cause.terminal()))
             }
             Op::Pause { .. } | Op::Resume { .. } => Err("invalid_state"),
+            // The saga needs the forgotten effects.
+            Op::Saga { .. } => Err("not_found"),
             _ => Err("not_found"),
         }
     }
@@ -382,7 +402,8 @@ impl Model {
         let mut forgotten = 0;
         for (_, _, id) in due {
             let r = &self.runs[&id];
-            if r.state() == "finalizing" {
+            // An effect an operator chose to compensate keeps its run until it is settled.
+            if r.state() == "finalizing" || r.chosen_open() {
                 continue;
             }
             let needs_grave = r.stopped_at > graves_before;
@@ -454,6 +475,12 @@ impl Model {
             Op::Resume { who, run } => self.pause(who, run, false),
             Op::Close { who, run, failed } => self.close(now, who, run, failed),
             Op::Tick { run } => self.tick(now, run),
+            Op::Saga {
+                who,
+                run,
+                key,
+                step,
+            } => self.saga(now, who, run, key, step),
         };
         Some(r)
     }
@@ -712,6 +739,7 @@ impl Model {
             approval: None,
             late: false,
             outcome: None,
+            undo: Undo::default(),
         };
         self.runs.get_mut(&run).expect("run").effects.insert(key, e);
         changed(self.carry(now, run, key, d))
@@ -783,6 +811,7 @@ impl Model {
                 };
                 verdict(format!("duplicate {status} {o}"))
             }
+            St::Undo(p) => verdict(format!("duplicate {} ok", p.name())),
             St::Admitted => match r.stop {
                 Some((cause, _)) => {
                     self.eff(run, key).st = St::Refused(cause.refusal());
@@ -906,6 +935,9 @@ impl Model {
             }
             St::Done(o) if o == outcome => verdict(format!("completed late={}", e.late)),
             St::Done(_) => Err("already_completed"),
+            // The saga took up a call that happened: the same report again, or a conflict.
+            St::Undo(_) if outcome == Outcome::Ok => verdict(format!("completed late={}", e.late)),
+            St::Undo(_) => Err("already_completed"),
             St::Refused(_) if e.outcome.is_some() => verdict("completed late=true".into()),
             St::Refused(_) => {
                 let e = self.eff(run, key);
@@ -1060,6 +1092,7 @@ impl Model {
                         St::Done(Outcome::Error) => "failed".into(),
                         St::Done(Outcome::Unknown) => "unknown".into(),
                         St::Refused(w) => format!("refused({w})"),
+                        St::Undo(p) => p.name().into(),
                     };
                     let approval = e.approval.as_ref().map(|(id, until, who)| {
                         (
@@ -1077,6 +1110,13 @@ impl Model {
                             approval,
                             late: e.late,
                             outcome: e.outcome.map(|o| o.to_string()),
+                            saga: SagaView {
+                                attempts: e.undo.attempts,
+                                lookups: e.undo.lookups,
+                                chosen: e.undo.chosen,
+                                retry_at: (e.st == St::Undo(Phase::Failed))
+                                    .then_some(e.undo.retry_at),
+                            },
                         },
                     )
                 })

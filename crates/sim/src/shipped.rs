@@ -38,6 +38,7 @@ use tokio::sync::{mpsc as tmpsc, watch};
 mod auditor;
 mod clients;
 mod disk;
+mod executor;
 mod heal;
 
 use auditor::Auditor;
@@ -81,6 +82,8 @@ const WALL0: u64 = 1_800_000_000_000;
 enum Step {
     Admit,
     FollowUp,
+    /// A client becomes an executor of compensations.
+    Serve,
     Approve,
     Reject,
     Cancel,
@@ -129,6 +132,7 @@ impl Mix {
         let mut weights = vec![
             (Step::Admit, 30 + rng.below(30)),
             (Step::FollowUp, 10 + rng.below(20)),
+            (Step::Serve, 1 + rng.below(3)),
             (Step::Approve, 2 + rng.below(8)),
             (Step::Reject, rng.below(3)),
             (Step::Cancel, 1 + rng.below(5)),
@@ -193,6 +197,11 @@ pub struct ShippedReport {
     pub completed_not_ok: u64,
     /// Where the process was cut short (power loss or kill at that disk operation).
     pub cuts: BTreeMap<String, u64>,
+    /// Compensation attempts and lookups offered to an executor, reported by one, and
+    /// executors that died in the middle of one (`executor.rs`).
+    pub saga_offers: u64,
+    pub saga_reports: u64,
+    pub executors_died: u64,
 }
 
 impl ShippedReport {
@@ -213,6 +222,9 @@ impl ShippedReport {
         }
         self.forgotten += r.forgotten;
         self.completed_not_ok += r.completed_not_ok;
+        self.saga_offers += r.saga_offers;
+        self.saga_reports += r.saga_reports;
+        self.executors_died += r.executors_died;
         for (k, n) in &r.cuts {
             *self.cuts.entry(k.clone()).or_default() += n;
         }
@@ -227,6 +239,10 @@ struct Client {
     todo: VecDeque<Asked>,
     /// Its connection's id (a new one after each reconnect).
     conn: u64,
+    /// It said `compensations` on this connection.
+    executor: bool,
+    /// Attempts and lookups it was offered and has not reported.
+    offers: VecDeque<executor::Offer>,
 }
 
 pub struct ShippedWorld {
@@ -252,6 +268,11 @@ pub struct ShippedWorld {
     /// Clients whose admission in `fresh` (after healing) was answered `admitted`.
     fresh_admitted: BTreeSet<usize>,
     auditor: Auditor,
+    /// The saga's auditor (`executor.rs`).
+    saga: executor::SagaAudit,
+    /// What the running core made durable (a connection writes an event only once its record
+    /// is: `executor.rs` reads events as a connection would).
+    durable: Arc<watch::Sender<DurableState>>,
     report: ShippedReport,
 }
 
@@ -310,6 +331,8 @@ impl ShippedWorld {
                     asked: BTreeMap::new(),
                     todo: VecDeque::new(),
                     conn: i,
+                    executor: false,
+                    offers: VecDeque::new(),
                 }
             })
             .collect();
@@ -342,6 +365,8 @@ impl ShippedWorld {
             held: BTreeSet::new(),
             fresh_admitted: BTreeSet::new(),
             auditor,
+            saga: executor::SagaAudit::default(),
+            durable: Arc::new(watch::channel(DurableState::default()).0),
             report: ShippedReport {
                 seed,
                 ..ShippedReport::default()
@@ -373,9 +398,11 @@ impl ShippedWorld {
         for _ in 0..5 {
             self.disk.revive();
             let (durable_tx, _) = watch::channel(DurableState::default());
+            let durable_tx = Arc::new(durable_tx);
+            self.durable = Arc::clone(&durable_tx);
             match Shell::new(
                 self.opts.clone(),
-                Arc::new(durable_tx),
+                durable_tx,
                 open_fn(self.disk.clone(), self.shape.segment_bytes_max),
                 self.self_tx.clone(),
             ) {
@@ -423,10 +450,16 @@ impl ShippedWorld {
 
     /// The client's connection goes; it comes back as a new one.
     fn reconnect(&mut self, client: usize) {
+        self.executor_gone(client);
         let conn = self.clients[client].conn;
         let now = self.now();
         self.core().handle(now, CoreMsg::Disconnect { conn });
         self.clients[client].conn += 1_000;
+        // A new connection has a socket of its own: what the core still sends the old one
+        // (an event released once its record is durable) never reaches it.
+        let (tx, rx) = tmpsc::unbounded_channel();
+        self.clients[client].tx = tx;
+        self.clients[client].rx = rx;
         self.clients[client].asked.clear();
         self.clients[client].todo.clear();
     }
@@ -470,7 +503,7 @@ impl ShippedWorld {
             .check_recovered(gate, now)
             .map_err(|e| format!("seed {}, {when}: {e}", self.report.seed))?;
         self.report.forgotten += (before - self.auditor.lives()) as u64;
-        Ok(())
+        executor::check_settled(gate).map_err(|e| format!("seed {}, {when}: {e}", self.report.seed))
     }
 
     /// Power loss: unsynced writes are lost (torn), the process is gone; then recovery.
@@ -499,6 +532,7 @@ impl ShippedWorld {
             c.todo.clear();
             while c.rx.try_recv().is_ok() {}
         }
+        self.executors_restarted();
         if self.cuts_on && self.rng.chance(0.3) {
             // The new process may be cut short too, in the middle of its recovery.
             let (cut, ops) = (self.draw_cut(), self.rng.below(8));
@@ -545,7 +579,13 @@ impl ShippedWorld {
         let client = self.rng.index(self.clients.len());
         match self.mix.pick(&mut self.rng) {
             Step::Admit => self.admit(client),
-            Step::FollowUp => self.follow_up(client),
+            Step::FollowUp => {
+                // An executor runs what it was offered first (or dies in the middle of it).
+                if !self.execute(client) {
+                    self.follow_up(client);
+                }
+            }
+            Step::Serve => self.serve_compensations(client),
             Step::Approve => self.decide(client, true),
             Step::Reject => self.decide(client, false),
             Step::Cancel => self.cancel(client),
@@ -616,7 +656,7 @@ impl ShippedWorld {
         self.collect()?;
         let gate = self.core.as_ref().expect("booted").gate();
         self.auditor.observe(gate);
-        Ok(())
+        executor::check_settled(gate).map_err(|e| format!("seed {}: {e}", self.report.seed))
     }
 }
 

@@ -4,7 +4,7 @@
 //! the reference model reads the same `Op` directly. `View` is what both sides must agree on
 //! after every step: the observable state of every run and effect.
 
-use estop_kernel::command::{Admit, PolicyDecision, RunLimits};
+use estop_kernel::command::{Admit, PolicyDecision, RunLimits, SagaAction, SagaStep};
 use estop_kernel::reply::{DecideStatus, Decided, KernelError, Reply, Verdict};
 use estop_kernel::state::Status;
 use estop_kernel::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
@@ -118,10 +118,12 @@ pub enum Tool {
     Wipe,
     /// allow, write, undone by `uncharge` (the reverse saga after a cancel)
     Charge,
+    /// allow, write, undone by `unbook`; its unknown outcome is looked up by `find_booking`
+    Book,
 }
 
 impl Tool {
-    pub const ALL: [Tool; 7] = [
+    pub const ALL: [Tool; 8] = [
         Tool::Pay,
         Tool::Search,
         Tool::Refund,
@@ -129,6 +131,7 @@ impl Tool {
         Tool::Payout,
         Tool::Wipe,
         Tool::Charge,
+        Tool::Book,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -139,11 +142,12 @@ impl Tool {
             Tool::Payout => "payout",
             Tool::Wipe => "wipe",
             Tool::Charge => "charge",
+            Tool::Book => "book",
         }
     }
     pub fn action(self) -> PolicyAction {
         match self {
-            Tool::Pay | Tool::Search | Tool::Charge => PolicyAction::Allow,
+            Tool::Pay | Tool::Search | Tool::Charge | Tool::Book => PolicyAction::Allow,
             Tool::Refund | Tool::Wire | Tool::Payout => PolicyAction::Approve,
             Tool::Wipe => PolicyAction::Deny,
         }
@@ -153,7 +157,12 @@ impl Tool {
     }
     /// Whether a cancel owes its undo (the run stays finalizing until the saga settles).
     pub fn compensable(self) -> bool {
-        self == Tool::Charge
+        matches!(self, Tool::Charge | Tool::Book)
+    }
+    /// Whether its rule declares a `lookup` (an unknown outcome is looked up before a human is
+    /// asked).
+    pub fn has_lookup(self) -> bool {
+        self == Tool::Book
     }
     pub fn quorum(self) -> u32 {
         match self {
@@ -186,11 +195,15 @@ impl Tool {
             } else {
                 Reversibility::Undeclared
             },
-            compensate: self
-                .compensable()
-                .then(|| ToolName::new("uncharge").expect("valid")),
+            compensate: match self {
+                Tool::Charge => Some(ToolName::new("uncharge").expect("valid")),
+                Tool::Book => Some(ToolName::new("unbook").expect("valid")),
+                _ => None,
+            },
             compensate_args: None,
-            lookup: None,
+            lookup: self
+                .has_lookup()
+                .then(|| ToolName::new("find_booking").expect("valid")),
             quorum: self.quorum(),
             groups: self.groups().iter().map(|g| (*g).into()).collect(),
             expiry_ms: self.expiry_ms(),
@@ -220,6 +233,43 @@ pub const BOGUS_TOKEN: Token = Token {
     epoch: 7,
     serial: 999,
 };
+
+/// A step of the reverse saga (docs/PROTOCOL.md `compensated`, `looked_up`, `saga`): an
+/// executor's, the gate's own, or an operator's. Attempts are absolute numbers, so a repeated,
+/// stale or future report is as easy to draw as the due one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SagaOp {
+    /// An executor begins attempt `attempt` of the effect's compensation.
+    Begin { attempt: u8 },
+    /// An executor reports how attempt `attempt` ended.
+    End { attempt: u8, outcome: Outcome },
+    /// An executor begins lookup `attempt` of an unknown outcome.
+    LookupBegin { attempt: u8 },
+    /// An executor reports what lookup `attempt` found.
+    LookupEnd { attempt: u8, outcome: Outcome },
+    /// The due attempt `attempt` cannot be issued (its arguments, or a policy rule).
+    Blocked { attempt: u8 },
+    /// An operator settles an unknown outcome or a call left in flight.
+    Settle { outcome: Outcome },
+    /// An operator retries a failed or abandoned compensation, or an inconclusive lookup.
+    Retry,
+    /// An operator skips the effect's compensation (with a reason).
+    Skip,
+    /// An operator asks for this one effect's compensation in a run stopped without a saga.
+    Compensate,
+    /// The gate takes a call left in flight `after_ms` after the stop for unreported.
+    Unreported { after_ms: u16 },
+}
+
+impl SagaOp {
+    /// Whether only an operator may ask for it (the `saga` verb).
+    pub fn operators_only(self) -> bool {
+        matches!(
+            self,
+            SagaOp::Settle { .. } | SagaOp::Retry | SagaOp::Skip | SagaOp::Compensate
+        )
+    }
+}
 
 /// One step of a trace: a client request, or time passing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -279,6 +329,13 @@ pub enum Op {
     Tick {
         run: u8,
     },
+    /// A step of the reverse saga of effect `key`.
+    Saga {
+        who: Who,
+        run: u8,
+        key: u8,
+        step: SagaOp,
+    },
     Advance {
         ms: u16,
     },
@@ -302,6 +359,7 @@ pub fn run_of(op: &Op) -> Option<u8> {
         | Op::Pause { run, .. }
         | Op::Resume { run, .. }
         | Op::Close { run, .. }
+        | Op::Saga { run, .. }
         | Op::Tick { run } => Some(*run),
         Op::Advance { .. } | Op::Compact { .. } => None,
     }
@@ -319,6 +377,7 @@ impl Op {
             | Op::Cancel { who, .. }
             | Op::Pause { who, .. }
             | Op::Resume { who, .. }
+            | Op::Saga { who, .. }
             | Op::Close { who, .. } => Some(who),
             Op::Tick { .. } | Op::Advance { .. } | Op::Compact { .. } => None,
         }
@@ -405,6 +464,12 @@ impl fmt::Display for Op {
                 )
             }
             Op::Tick { run } => write!(f, "tick {}", r(run)),
+            Op::Saga {
+                who,
+                run,
+                key,
+                step,
+            } => write!(f, "{} saga {} {} {step:?}", who.name(), r(run), k(key)),
             Op::Advance { ms } => write!(f, "+{ms}ms"),
             Op::Compact {
                 retention,
@@ -531,6 +596,12 @@ pub fn command(op: &Op, now: u64, issued: Option<Token>) -> Option<(Principal, C
                 failed: *failed,
             },
         ),
+        Op::Saga {
+            who,
+            run,
+            key,
+            step,
+        } => (*who, saga_command(run_id(*run), key_id(*key), *step)),
         // The server's timer ticks as the system operator.
         Op::Tick { run } => (Who::Alice, Command::Tick { run: run_id(*run) }),
         // The server's retention runs as the system operator.
@@ -547,6 +618,60 @@ pub fn command(op: &Op, now: u64, issued: Option<Token>) -> Option<(Principal, C
         Op::Advance { .. } => return None,
     };
     Some((cmd.0.principal(), cmd.1))
+}
+
+/// The kernel command of a saga step.
+fn saga_command(run: RunId, key: EffectKey, step: SagaOp) -> Command {
+    let saga_step = |step| Command::SagaStep {
+        run: run.clone(),
+        key: key.clone(),
+        step,
+    };
+    let action = |action| Command::Saga {
+        run: run.clone(),
+        key: key.clone(),
+        action,
+    };
+    match step {
+        SagaOp::Begin { attempt } => Command::CompensationBegin {
+            run: run.clone(),
+            key: key.clone(),
+            attempt: u32::from(attempt),
+            args: None,
+        },
+        SagaOp::End { attempt, outcome } => Command::CompensationEnd {
+            run: run.clone(),
+            key: key.clone(),
+            attempt: u32::from(attempt),
+            outcome,
+            error: None,
+        },
+        SagaOp::LookupBegin { attempt } => saga_step(SagaStep::LookupBegin {
+            attempt: u32::from(attempt),
+        }),
+        SagaOp::LookupEnd { attempt, outcome } => saga_step(SagaStep::LookupEnd {
+            attempt: u32::from(attempt),
+            outcome,
+            result: None,
+            error: None,
+        }),
+        SagaOp::Blocked { attempt } => saga_step(SagaStep::Blocked {
+            attempt: u32::from(attempt),
+            reason: "the policy refuses it".into(),
+        }),
+        SagaOp::Unreported { after_ms } => saga_step(SagaStep::Unreported {
+            after_ms: u64::from(after_ms),
+        }),
+        SagaOp::Settle { outcome } => action(SagaAction::Settle {
+            outcome,
+            result: None,
+        }),
+        SagaOp::Retry => action(SagaAction::Retry),
+        SagaOp::Skip => action(SagaAction::Skip {
+            reason: "not worth undoing".into(),
+        }),
+        SagaOp::Compensate => action(SagaAction::Compensate),
+    }
 }
 
 /// The run and key an op addresses (for looking up its issued token).
@@ -661,6 +786,18 @@ pub struct EffectView {
     pub approval: Option<(u64, u64, Vec<String>)>,
     pub late: bool,
     pub outcome: Option<String>,
+    /// The reverse saga's counts: compensation attempts begun, lookups begun, whether an
+    /// operator chose it, and when a failed attempt is offered again.
+    pub saga: SagaView,
+}
+
+/// What is observable of an effect's compensation (all zero before its saga touched it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct SagaView {
+    pub attempts: u32,
+    pub lookups: u32,
+    pub chosen: bool,
+    pub retry_at: Option<u64>,
 }
 
 /// The observable state of one run.
@@ -720,6 +857,16 @@ pub fn view_of(gate: &Gate) -> View {
                         approval,
                         late: e.late,
                         outcome: e.outcome_kind().map(|o| o.to_string()),
+                        saga: e
+                            .saga
+                            .as_deref()
+                            .map_or_else(SagaView::default, |c| SagaView {
+                                attempts: c.attempts,
+                                lookups: c.lookups,
+                                chosen: c.chosen,
+                                retry_at: (e.status == Status::CompensationFailed)
+                                    .then_some(c.retry_at),
+                            }),
                     },
                 )
             })

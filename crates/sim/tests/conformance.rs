@@ -4,9 +4,10 @@
 //! (the long mode is `estop-sim diff --ops 1e8`, docs/TESTING.md).
 
 use estop_kernel::Limits;
+use estop_kernel::vocab::Outcome;
 use estop_sim::diff::{self, DiffStats};
 use estop_sim::rng::env_u64;
-use estop_sim::world::{Op, Tool, Who};
+use estop_sim::world::{Op, SagaOp, Tok, Tool, Who};
 
 #[test]
 fn kernel_agrees_with_the_reference_model_on_a_million_operations() {
@@ -31,6 +32,7 @@ fn kernel_agrees_with_the_reference_model_on_a_million_operations() {
         first + stats.cases
     );
     assert!(stats.ops >= ops);
+    println!("answers: {:?}", stats.answers);
     // The run must reach what it claims to compare: every kind of answer.
     for kind in [
         "go",
@@ -58,6 +60,19 @@ fn kernel_agrees_with_the_reference_model_on_a_million_operations() {
         "error limit",
         "forgot 1",
         "forgot 0",
+        // The reverse saga: every status an executor's, the gate's or an operator's step
+        // reaches, and its conflicts.
+        "compensation compensating",
+        "compensation compensated",
+        "compensation compensation_failed",
+        "compensation needs_human",
+        "compensation compensation_skipped",
+        "compensation unknown",
+        "compensation completed",
+        "compensation failed",
+        "error saga",
+        "duplicate compensated",
+        "compensation needs_human attempt=5 retry_at=None",
     ] {
         let n = stats.answers.get(kind).copied().unwrap_or(0);
         assert!(
@@ -106,4 +121,52 @@ fn a_planted_divergence_is_found_and_shrunk() {
     assert_eq!(found.step, 6, "{}", found.what);
     let shrunk = diff::shrink_with(&noise, &limits);
     assert_eq!(shrunk, vec![admit(0, Tool::Refund), admit(1, Tool::Wire)]);
+}
+
+/// Regression (the differential's seed 0, fixed in the kernel): `compensated` of attempt 0 —
+/// never an attempt, they are numbered from 1 — on an effect whose saga began none (here
+/// skipped) answered as a repeated report instead of the conflict docs/PROTOCOL.md promises.
+#[test]
+fn a_report_of_attempt_zero_is_a_conflict() {
+    let saga = |who, step| Op::Saga {
+        who,
+        run: 0,
+        key: 1,
+        step,
+    };
+    let ops = [
+        Op::Admit {
+            who: Who::Agent,
+            run: 0,
+            key: 1,
+            tool: Tool::Book,
+            arg: 0,
+            start: true,
+            limits: 0,
+        },
+        Op::Complete {
+            who: Who::Agent,
+            run: 0,
+            key: 1,
+            tok: Tok::Issued,
+            outcome: Outcome::Ok,
+        },
+        saga(Who::Bob, SagaOp::Skip),
+        saga(
+            Who::Agent,
+            SagaOp::End {
+                attempt: 0,
+                outcome: Outcome::Ok,
+            },
+        ),
+    ];
+    if let Some(m) = diff::first_mismatch(&ops) {
+        panic!("step {}: {}", m.step, m.what);
+    }
+    let mut pair = diff::Pair::tight();
+    let answers: Vec<String> = ops
+        .iter()
+        .map(|op| pair.step(op).expect("agree").expect("an answer").text)
+        .collect();
+    assert_eq!(answers[3], "error saga", "{answers:?}");
 }

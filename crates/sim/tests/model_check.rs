@@ -53,6 +53,15 @@ fn guarantees_hold_on_every_trace_of_how_runs_end() {
     );
 }
 
+#[test]
+fn guarantees_hold_on_every_trace_of_the_saga() {
+    let depth = env_u64("ESTOP_CHECK_SAGA_DEPTH").unwrap_or(10);
+    check(
+        &opts(Alphabet::Saga, depth),
+        if depth < 10 { 0 } else { 15_000 },
+    );
+}
+
 /// The monitor has teeth: an admission the kernel refused, forged in the trace it reads, is
 /// reported as exactly the property it breaks, on a shortest trace.
 #[test]

@@ -63,6 +63,12 @@ fn the_shipped_path_keeps_everything_acknowledged_across_power_loss() {
         total.forgotten > 0 && total.completed_not_ok > 0,
         "{total:?}"
     );
+    // The reverse saga ran through the shipped core: attempts and lookups offered to
+    // executors, reported, and executors dying in the middle of one.
+    assert!(
+        total.saga_offers > 0 && total.saga_reports > 0 && total.executors_died > 0,
+        "{total:?}"
+    );
 }
 
 fn caught(planted: Planted) -> String {

@@ -122,10 +122,15 @@ impl Core {
         self.offered.insert(run.clone(), offered);
     }
 
-    /// After a restart or a recovery nothing is offered to anyone: every open saga is looked
-    /// at again (an attempt under way is offered again as it was).
+    /// After a restart or a recovery every open saga is looked at again: an attempt under way
+    /// is offered again as it was, unless the executor it went to is still connected (a
+    /// recovery inside a running core, after a failed write: the begin it was offered after
+    /// was durable, so it is still that executor's; offering it again would send one attempt
+    /// to two executors at once). After a restart no executor is connected yet.
     pub(super) fn restart_sagas(&mut self) {
-        self.offered.clear();
+        let executors = &self.executors;
+        self.offered
+            .retain(|_, o| o.conn != ELSEWHERE && executors.iter().any(|x| x.conn == o.conn));
         self.saga_timers.clear();
         self.saga_due = open_sagas(&self.gate).collect();
     }

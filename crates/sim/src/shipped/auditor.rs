@@ -288,9 +288,10 @@ fn check_facts(gate: &Gate, run: &str, f: &Facts) -> Result<(), String> {
     }
     for key in &f.started {
         let st = effect(key).map(|e| e.status);
-        if !matches!(
+        // Started, then ended, settled or taken up by the reverse saga: never back before it.
+        if matches!(
             st,
-            Some(Status::Started | Status::Completed | Status::Failed | Status::Unknown)
+            None | Some(Status::Held(_) | Status::Approved | Status::Admitted | Status::Refused(_))
         ) {
             return lost("start", key);
         }

@@ -56,6 +56,9 @@ pub enum Asked {
         at: u64,
     },
     Pause,
+    /// An executor's `compensations`, `compensated` or `looked_up` (the saga's auditor reads
+    /// the state, not these answers).
+    Saga,
 }
 
 fn rid(run: &str) -> RunId {
@@ -92,6 +95,9 @@ impl ShippedWorld {
                 Tool::Refund,
                 Tool::Wire,
                 Tool::Wipe,
+                // Undone by the reverse saga after a cancel (`book` looked up when unknown).
+                Tool::Charge,
+                Tool::Book,
             ])
         };
         let d = digest(tool, u8::from(self.rng.chance(0.3)));
@@ -290,8 +296,13 @@ impl ShippedWorld {
     pub(super) fn collect(&mut self) -> Result<(), String> {
         for c in 0..self.clients.len() {
             while let Ok(out) = self.clients[c].rx.try_recv() {
-                let Out::Answer { id, answer, .. } = out else {
-                    continue;
+                let (id, answer) = match out {
+                    Out::Answer { id, answer, .. } => (id, answer),
+                    Out::Event { event, after } => {
+                        self.on_event(c, event, after)?;
+                        continue;
+                    }
+                    Out::Rendered(_) => continue,
                 };
                 let Some(id) = id.as_u64() else { continue };
                 let Some(asked) = self.clients[c].asked.remove(&id) else {

@@ -1,0 +1,355 @@
+//! The reverse saga in the reference model, written from docs/PROTOCOL.md (`cancel`,
+//! `compensations`, `compensated`, `looked_up`, `saga`) and SPEC §4.8, not from the kernel's
+//! `saga.rs`: after a cancel (never a kill) a run's compensable effects that did or may have
+//! happened are undone newest first, one at a time; a call still in flight or of unknown
+//! outcome blocks everything older until it is settled (by its lookup, else by a human); a
+//! failed attempt is offered again after a backoff of 1 s doubling up to 5 minutes, and after
+//! 5 failed attempts a human is asked; the run is `cancelled` only once nothing is left.
+//! Nothing here is stored that can be derived: the saga's head is found again at every step.
+
+use super::{Cause, Eff, MRun, Model, Res, St, changed, verdict};
+use crate::world::{SagaOp, Who};
+use estop_kernel::vocab::Outcome;
+
+/// Attempts of one compensation before a human is asked (PROTOCOL `compensated`).
+const ATTEMPTS: u32 = 5;
+
+/// Where an effect's compensation stands once its saga began working on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    Compensating,
+    Compensated,
+    Failed,
+    NeedsHuman,
+    Skipped,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Compensating => "compensating",
+            Phase::Compensated => "compensated",
+            Phase::Failed => "compensation_failed",
+            Phase::NeedsHuman => "needs_human",
+            Phase::Skipped => "compensation_skipped",
+        }
+    }
+}
+
+/// The saga's counters of one effect.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Undo {
+    /// Compensation attempts begun (numbered from 1).
+    pub attempts: u32,
+    /// Attempts allowed before a human is asked.
+    pub granted: u32,
+    /// When a failed attempt is offered again.
+    pub retry_at: u64,
+    /// Lookups begun (numbered from 1).
+    pub lookups: u32,
+    /// Lookups allowed before a human settles the outcome.
+    pub lookups_granted: u32,
+    /// The latest lookup has not reported.
+    pub looking: bool,
+    /// An operator asked for this one compensation (a run stopped without a saga).
+    pub chosen: bool,
+}
+
+impl Default for Undo {
+    fn default() -> Undo {
+        Undo {
+            attempts: 0,
+            granted: ATTEMPTS,
+            retry_at: 0,
+            lookups: 0,
+            lookups_granted: 1,
+            looking: false,
+            chosen: false,
+        }
+    }
+}
+
+/// The wait after `failed` failed attempts: 1 s, doubling, at most 5 minutes.
+fn backoff_ms(failed: u32) -> u64 {
+    let mut ms: u64 = 1_000;
+    for _ in 1..failed {
+        ms = (ms * 2).min(300_000);
+    }
+    ms
+}
+
+/// What the saga's head waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// Its agent's report (it is in flight).
+    Agent,
+    /// Lookup `n` may begin.
+    Lookup(u32),
+    /// Lookup `n` is under way.
+    LookingUp(u32),
+    /// Attempt `n` may begin from `at`.
+    Begin(u32, u64),
+    /// Attempt `n` is under way.
+    Running(u32),
+    /// An operator.
+    Human,
+}
+
+impl Eff {
+    /// Whether the effect still owes its saga something: a compensable call that is in flight,
+    /// of unknown outcome, done and not yet undone, or whose undo failed or waits for a human.
+    pub fn owes(&self) -> bool {
+        self.tool.compensable()
+            && matches!(
+                self.st,
+                St::Started
+                    | St::Done(Outcome::Ok)
+                    | St::Done(Outcome::Unknown)
+                    | St::Undo(Phase::Compensating | Phase::Failed | Phase::NeedsHuman)
+            )
+    }
+
+    fn looking(&self) -> bool {
+        self.st == St::Done(Outcome::Unknown) && self.undo.looking
+    }
+
+    fn wait(&self) -> Wait {
+        let u = &self.undo;
+        match self.st {
+            St::Started => Wait::Agent,
+            St::Done(Outcome::Unknown) if self.tool.has_lookup() => {
+                if u.looking {
+                    Wait::LookingUp(u.lookups)
+                } else if u.lookups < u.lookups_granted {
+                    Wait::Lookup(u.lookups + 1)
+                } else {
+                    Wait::Human
+                }
+            }
+            St::Done(Outcome::Ok) | St::Undo(Phase::Failed) => {
+                Wait::Begin(u.attempts + 1, u.retry_at)
+            }
+            St::Undo(Phase::Compensating) => Wait::Running(u.attempts),
+            _ => Wait::Human,
+        }
+    }
+
+    /// The answer of a compensation step: the status, the attempts, and when a failed one is
+    /// offered again.
+    fn undo_answer(&self) -> String {
+        let retry = match self.st {
+            St::Undo(Phase::Failed) => Some(self.undo.retry_at),
+            _ => None,
+        };
+        format!(
+            "compensation {} attempt={} retry_at={retry:?}",
+            self.st.name(),
+            self.undo.attempts
+        )
+    }
+
+    /// The answer of a lookup step (its attempts are the lookups).
+    fn lookup_answer(&self) -> String {
+        format!(
+            "compensation {} attempt={} retry_at=None",
+            self.st.name(),
+            self.undo.lookups
+        )
+    }
+}
+
+impl MRun {
+    /// The saga's head: the newest (by admission) effect still owed something, of a cancelled
+    /// run's whole saga, or among the effects an operator chose in a run stopped otherwise.
+    pub fn head(&self) -> Option<u8> {
+        let (cause, _) = self.stop?;
+        let all = cause == Cause::Cancelled;
+        self.effects
+            .iter()
+            .filter(|(_, e)| e.owes() && (all || e.undo.chosen))
+            .max_by_key(|(_, e)| e.token.map(|t| t.1))
+            .map(|(k, _)| *k)
+    }
+
+    /// Whether an effect an operator chose still owes its own saga (the run is then kept).
+    pub fn chosen_open(&self) -> bool {
+        self.stop.is_some_and(|(c, _)| c != Cause::Cancelled)
+            && self.effects.values().any(|e| e.undo.chosen && e.owes())
+    }
+
+    /// What the head `key` waits for, if `key` is the head.
+    fn head_waits(&self, key: u8) -> Option<Wait> {
+        (self.head() == Some(key)).then(|| self.effects[&key].wait())
+    }
+}
+
+impl Model {
+    /// One saga step on effect `run/key`.
+    pub(super) fn saga(&mut self, now: u64, who: Who, run: u8, key: u8, step: SagaOp) -> Res {
+        if (step.operators_only() || matches!(step, SagaOp::Unreported { .. }))
+            && !who.is_operator()
+        {
+            return Err("forbidden");
+        }
+        let r = self.visible(who, run)?;
+        let e = r.effects.get(&key).ok_or("not_found")?;
+        let waits = r.head_waits(key);
+        let stop = r.stop.map(|(cause, _)| (cause, r.stopped_at));
+        let e = e.clone();
+        let mut next = e.clone();
+        let answer = match step {
+            SagaOp::Begin { attempt } => {
+                let attempt = u32::from(attempt);
+                if e.st == St::Undo(Phase::Compensating) && e.undo.attempts == attempt {
+                    return verdict(e.undo_answer());
+                }
+                match waits {
+                    Some(Wait::Begin(due, at)) if due == attempt && now >= at => {}
+                    _ => return Err("saga"),
+                }
+                next.st = St::Undo(Phase::Compensating);
+                next.undo.attempts = attempt;
+                next.undo_answer()
+            }
+            SagaOp::End { attempt, outcome } => {
+                let attempt = u32::from(attempt);
+                let running = e.st == St::Undo(Phase::Compensating);
+                if !running || attempt != e.undo.attempts {
+                    // The same report again answers as things stand; an attempt never begun,
+                    // or not the one under way, is a conflict.
+                    if !running && attempt != 0 && attempt <= e.undo.attempts {
+                        return verdict(e.undo_answer());
+                    }
+                    return Err("saga");
+                }
+                next.st = St::Undo(match outcome {
+                    Outcome::Ok => Phase::Compensated,
+                    // Whether an undo landed is never guessed by a blind retry.
+                    Outcome::Unknown => Phase::NeedsHuman,
+                    Outcome::Error if attempt >= e.undo.granted => Phase::NeedsHuman,
+                    Outcome::Error => {
+                        next.undo.retry_at = now + backoff_ms(attempt);
+                        Phase::Failed
+                    }
+                });
+                next.undo_answer()
+            }
+            SagaOp::LookupBegin { attempt } => {
+                let attempt = u32::from(attempt);
+                if e.looking() && e.undo.lookups == attempt {
+                    return verdict(e.lookup_answer());
+                }
+                if waits != Some(Wait::Lookup(attempt)) {
+                    return Err("saga");
+                }
+                next.undo.lookups = attempt;
+                next.undo.looking = true;
+                next.lookup_answer()
+            }
+            SagaOp::LookupEnd { attempt, outcome } => {
+                let attempt = u32::from(attempt);
+                if !e.looking() || attempt != e.undo.lookups {
+                    if !e.looking() && attempt != 0 && attempt <= e.undo.lookups {
+                        return verdict(e.lookup_answer());
+                    }
+                    return Err("saga");
+                }
+                next.undo.looking = false;
+                if outcome != Outcome::Unknown {
+                    // Found (it happened) or not found (it did not): the lookup settles it.
+                    next.st = St::Done(outcome);
+                    next.outcome = Some(outcome);
+                }
+                next.lookup_answer()
+            }
+            SagaOp::Blocked { attempt } => {
+                match waits {
+                    Some(Wait::Begin(due, at)) if due == u32::from(attempt) && now >= at => {}
+                    _ => return Err("saga"),
+                }
+                // Nothing was sent: no attempt is spent, a human is asked at once.
+                next.st = St::Undo(Phase::NeedsHuman);
+                next.undo_answer()
+            }
+            SagaOp::Unreported { after_ms } => {
+                let Some((_, at)) = stop else {
+                    return Err("saga");
+                };
+                if e.st != St::Started || now < at + u64::from(after_ms) {
+                    return Err("saga");
+                }
+                next.st = St::Done(Outcome::Unknown);
+                next.outcome = Some(Outcome::Unknown);
+                next.lookup_answer()
+            }
+            SagaOp::Settle { outcome } => {
+                let settles = match e.st {
+                    St::Done(Outcome::Unknown) => !e.looking() && outcome != Outcome::Unknown,
+                    St::Started => stop.is_some(),
+                    _ => false,
+                };
+                if !settles {
+                    return Err("saga");
+                }
+                next.st = St::Done(outcome);
+                next.outcome = Some(outcome);
+                next.undo_answer()
+            }
+            SagaOp::Retry if e.st == St::Done(Outcome::Unknown) && e.tool.has_lookup() => {
+                // An inconclusive lookup is asked once more; never while one is due or under way.
+                if e.looking() || e.undo.lookups < e.undo.lookups_granted {
+                    return Err("saga");
+                }
+                next.undo.lookups_granted = e.undo.lookups + 1;
+                next.lookup_answer()
+            }
+            SagaOp::Retry => {
+                if !e.tool.compensable()
+                    || !matches!(e.st, St::Undo(Phase::Failed | Phase::NeedsHuman))
+                {
+                    return Err("saga");
+                }
+                operator_retry(&mut next, now);
+                next.undo_answer()
+            }
+            SagaOp::Skip => {
+                let takes = matches!(
+                    e.st,
+                    St::Done(Outcome::Ok) | St::Undo(Phase::Failed | Phase::NeedsHuman)
+                );
+                if !e.tool.compensable() || !takes {
+                    return Err("saga");
+                }
+                next.st = St::Undo(Phase::Skipped);
+                next.undo_answer()
+            }
+            SagaOp::Compensate => {
+                let Some((cause, _)) = stop else {
+                    return Err("saga");
+                };
+                if !e.tool.compensable() || cause == Cause::Cancelled {
+                    return Err("saga");
+                }
+                if e.undo.chosen && e.owes() {
+                    return verdict(e.undo_answer());
+                }
+                if !matches!(e.st, St::Done(Outcome::Ok | Outcome::Unknown)) {
+                    return Err("saga");
+                }
+                next.undo.chosen = true;
+                next.undo_answer()
+            }
+        };
+        *self.eff(run, key) = next;
+        changed(answer)
+    }
+}
+
+/// An operator's `retry` of a compensation that failed or waits for a human: a fresh budget of
+/// attempts, the next offered at once. The one place the model says how a compensation a
+/// human was asked about (`blocked` included: a policy rule on the compensating tool) goes on.
+fn operator_retry(e: &mut Eff, now: u64) {
+    e.st = St::Undo(Phase::Failed);
+    e.undo.granted = e.undo.attempts + ATTEMPTS;
+    e.undo.retry_at = now;
+}
