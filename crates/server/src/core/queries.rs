@@ -3,14 +3,22 @@
 use super::*;
 
 /// One page of the inbox of `runs`: soonest to expire first, then by run and key, after
-/// `cursor`. Only the page's items are built; their arguments are shared, not copied.
+/// `cursor`. Only the page's items are built; their arguments are shared, not copied. A
+/// stopped run's compensating call awaiting approval is listed too (at most one per run: the
+/// saga's head), looked for only in runs that ever asked for an approval.
 pub(super) fn pending_page<'a>(
     runs: impl IntoIterator<Item = (&'a RunId, &'a estop_kernel::state::Run)>,
     cursor: Option<PendingCursor>,
     mut page: PageBudget,
 ) -> wire::PendingReply {
+    use estop_kernel::saga::{self, Next};
     let mut held = Vec::new();
     for (id, r) in runs {
+        if r.stop.is_some() && r.next_approval > 1 {
+            if let Some((k, Next::Approval { expires_at, .. })) = saga::next(r) {
+                held.push((expires_at, id, k, &r.effects[k]));
+            }
+        }
         if r.pending_approvals == 0 {
             continue;
         }
@@ -27,7 +35,8 @@ pub(super) fn pending_page<'a>(
     let mut reply = wire::PendingReply::default();
     let mut last = None;
     for &(expires_at, id, k, e) in &held[start..] {
-        let Some(item) = render::pending_item(id, k, e) else {
+        let item = render::pending_item(id, k, e).or_else(|| render::undo_pending_item(id, k, e));
+        let Some(item) = item else {
             continue;
         };
         if !page.take(item.weight()) {
