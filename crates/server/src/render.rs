@@ -275,7 +275,7 @@ fn saga_next(run_id: &RunId, run: &Run) -> Option<wire::SagaNext> {
     use estop_kernel::saga::{self, Next};
     saga::next(run).map(|(key, next)| {
         let approval = match next {
-            Next::Approval { id, .. } => Some(approval_id(&run_id, id)),
+            Next::Approval { id, .. } => Some(approval_id(run_id, id)),
             _ => None,
         };
         let (waits, attempt, at) = match next {

@@ -14,10 +14,11 @@ pub(super) fn pending_page<'a>(
     use estop_kernel::saga::{self, Next};
     let mut held = Vec::new();
     for (id, r) in runs {
-        if r.stop.is_some() && r.next_approval > 1 {
-            if let Some((k, Next::Approval { expires_at, .. })) = saga::next(r) {
-                held.push((expires_at, id, k, &r.effects[k]));
-            }
+        if r.stop.is_some()
+            && r.next_approval > 1
+            && let Some((k, Next::Approval { expires_at, .. })) = saga::next(r)
+        {
+            held.push((expires_at, id, k, &r.effects[k]));
         }
         if r.pending_approvals == 0 {
             continue;
