@@ -634,6 +634,12 @@ quorum = 2
         (&json!("r1#1"), &json!("unrefund"), &json!("refund")),
         "{inbox}"
     );
+    let metrics = c.get("/metrics").body;
+    assert_eq!(
+        metric(&metrics, "estop_approvals_pending"),
+        1.0,
+        "{metrics}"
+    );
     let approve = "/api/v1/runs/r1/effects/k1/approve";
     let r = c.post(approve, json!({}));
     assert_eq!(
@@ -679,4 +685,10 @@ quorum = 2
         }
     };
     assert_eq!((e.key.as_deref(), e.attempt), (Some("k1"), Some(1)));
+    let metrics = c.get("/metrics").body;
+    assert_eq!(
+        metric(&metrics, "estop_approvals_pending"),
+        0.0,
+        "{metrics}"
+    );
 }

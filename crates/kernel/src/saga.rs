@@ -24,7 +24,7 @@
 mod steps;
 mod undo;
 
-pub use undo::{UNDO_QUORUM_MAX, approved, held_approval};
+pub use undo::{UNDO_QUORUM_MAX, approved, held_approval, run_held_approval};
 
 use crate::command::SagaAction;
 use crate::gate::{Gate, Sink, check_effect, event, settles};

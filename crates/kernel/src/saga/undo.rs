@@ -16,7 +16,7 @@ use super::{fresh, saga_error};
 use crate::gate::{Gate, Sink, bounded, check_effect, decided, event, vote};
 use crate::ids::{EffectKey, Principal, Role, RunId};
 use crate::reply::{DecideStatus, EventKind, KernelError, Reply};
-use crate::state::{Approval, Effect, Status};
+use crate::state::{Approval, Effect, Run, Status};
 use crate::vocab::Decision;
 
 /// Most approvers a compensation's approval may need (as a policy rule's `quorum`).
@@ -28,6 +28,17 @@ pub fn held_approval(e: &Effect) -> Option<&Approval> {
     let a = e.saga.as_ref()?.approval.as_deref()?;
     let waiting = matches!(e.status, Status::Completed | Status::CompensationFailed);
     (waiting && a.rejected_by.is_none() && !a.satisfied()).then_some(a)
+}
+
+/// The run's compensating call awaiting approval, if any: at most one, its saga's head. Looked
+/// for only in a stopped run that ever asked for an approval, so a listing of many runs stays
+/// cheap.
+pub fn run_held_approval(run: &Run) -> Option<(&EffectKey, &Effect, &Approval)> {
+    if run.stop.is_none() || run.next_approval <= 1 {
+        return None;
+    }
+    let (key, e) = super::head(run)?;
+    held_approval(e).map(|a| (key, e, a))
 }
 
 /// Whether the compensating call was approved by its quorum.

@@ -11,14 +11,10 @@ pub(super) fn pending_page<'a>(
     cursor: Option<PendingCursor>,
     mut page: PageBudget,
 ) -> wire::PendingReply {
-    use estop_kernel::saga::{self, Next};
     let mut held = Vec::new();
     for (id, r) in runs {
-        if r.stop.is_some()
-            && r.next_approval > 1
-            && let Some((k, Next::Approval { expires_at, .. })) = saga::next(r)
-        {
-            held.push((expires_at, id, k, &r.effects[k]));
+        if let Some((k, e, a)) = estop_kernel::saga::run_held_approval(r) {
+            held.push((a.expires_at, id, k, e));
         }
         if r.pending_approvals == 0 {
             continue;
