@@ -701,6 +701,8 @@ fn a_quorum_2_compensation_needs_two_operators_and_its_votes_survive_a_kill9() {
         );
         let mut ex = d.agent();
         ok(&mut ex, json!({"op": "compensations"}));
+        let mut watcher = d.operator();
+        ok(&mut watcher, json!({"op": "subscribe", "run": "r1"}));
         ok(&mut a, json!({"op": "cancel", "run": "r1"}));
         let mut op = d.operator();
         let report = ok(&mut op, json!({"op": "report", "run": "r1"}));
@@ -727,6 +729,24 @@ fn a_quorum_2_compensation_needs_two_operators_and_its_votes_survive_a_kill9() {
             ex.events.is_empty(),
             "sent on one operator's word: {:?}",
             ex.events
+        );
+        // Subscribers hear of the hold (reason `approval`) and of the vote.
+        ok(&mut watcher, json!({"op": "ping"}));
+        let seen: Vec<(EventKind, Option<&str>)> = watcher
+            .events
+            .iter()
+            .filter(|e| e.key.as_deref() == Some("k1"))
+            .map(|e| (e.event, e.reason.as_deref().or(e.decision.as_deref())))
+            .filter(|(k, _)| matches!(k, EventKind::Held | EventKind::Decided))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                (EventKind::Held, Some("approval")),
+                (EventKind::Decided, Some("approve"))
+            ],
+            "{:?}",
+            watcher.events
         );
     }
     d.restart(); // kill -9, then start again: the recorded vote stays

@@ -338,15 +338,23 @@ pub fn event(gate: &estop_kernel::Gate, e: &estop_kernel::Event, at: u64) -> Opt
                 .and_then(|s| s.reason.as_deref().map(str::to_string))
                 .or_else(|| e.detail.map(str::to_string));
         }
-        EventKind::Held => {
-            if let Some(Status::Held(reason)) = effect.map(|x| x.status) {
-                out.reason = Some(reason.as_str().to_string());
-            }
-        }
+        EventKind::Held => match effect.map(|x| x.status) {
+            Some(Status::Held(reason)) => out.reason = Some(reason.as_str().to_string()),
+            // Its compensating call, held for an approval (`saga::undo`).
+            Some(_) => out.reason = Some(HoldReason::Approval.as_str().to_string()),
+            None => {}
+        },
         EventKind::Decided => {
             out.decision = effect.map(|x| {
+                let undo_rejected = x
+                    .saga
+                    .as_ref()
+                    .and_then(|c| c.approval.as_ref())
+                    .is_some_and(|a| a.rejected_by.is_some())
+                    && x.status == Status::NeedsHuman;
                 match x.status {
                     Status::Refused(estop_kernel::vocab::RefusalReason::Rejected) => "reject",
+                    _ if undo_rejected => "reject",
                     _ => "approve",
                 }
                 .to_string()
