@@ -59,7 +59,10 @@ pub fn pending(conn: &Conn, run: Option<String>, limit: Option<u32>) -> Result<u
             vec![
                 cell(&p.run),
                 cell(&p.key),
-                cell(&p.tool),
+                match &p.compensates {
+                    Some(forward) => format!("{} (undo of {})", cell(&p.tool), cell(forward)),
+                    None => cell(&p.tool),
+                },
                 p.args.as_ref().map_or("(digest only)".into(), |a| {
                     truncate(&a.to_value().to_string(), 60)
                 }),
@@ -256,6 +259,12 @@ fn saga_line(s: &SagaNext) -> String {
             s.attempt.unwrap_or(1)
         ),
         "human" => format!("an operator: `estop compensate retry|skip RUN {key}`"),
+        "approval" => format!(
+            "approval {} of {key}'s undo (a policy rule holds the compensating call): \
+             `estop approve|reject RUN {key}`, by as many operators as its quorum{}",
+            s.approval.as_deref().map_or("?".into(), esc),
+            s.at.map_or(String::new(), |at| format!("; expires at {at}"))
+        ),
         other => format!("{} on {key}", esc(other)),
     };
     format!("saga waits for {what}")

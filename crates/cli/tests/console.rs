@@ -81,7 +81,11 @@ struct Console {
 
 impl Console {
     fn start() -> Console {
-        let d = Daemon::start_with(&["--console", "127.0.0.1:0"]);
+        Console::start_with_policy(POLICY)
+    }
+
+    fn start_with_policy(policy: &str) -> Console {
+        let d = Daemon::start_with_policy(policy, &["--console", "127.0.0.1:0"]);
         let addr = d.ready_field("console");
         assert!(addr.starts_with("127.0.0.1:"), "{}", d.ready);
         let op = format!("Bearer {}", d.token("operator.token"));
@@ -591,4 +595,100 @@ fn metrics_count_admissions_decisions_runs_fsyncs_and_connections() {
     assert!(metric(&m, r#"estop_ledger_batch_records_bucket{le="+Inf"}"#) >= 1.0);
     assert!(metric(&m, r#"estop_connections{listener="protocol"}"#) >= 1.0);
     assert!(metric(&m, r#"estop_connections{listener="console"}"#) >= 1.0);
+}
+
+/// Hostile, through the console's API: a compensating call a quorum-2 rule holds is in the
+/// inbox as the undo of its effect; the one operator's approve, second approve and retry, and
+/// an agent's approve, do not send it; a second operator's approve does.
+#[test]
+fn one_operator_cannot_approve_a_quorum_2_compensation_through_the_console() {
+    let c = Console::start_with_policy(
+        r#"
+[[rules]]
+tool = "refund"
+action = "allow"
+compensate = "unrefund"
+
+[[rules]]
+tool = "unrefund"
+action = "approve"
+quorum = 2
+"#,
+    );
+    let (code, secret, err) = c.d.cli(&["token", "create", "bob", "--role", "operator"]);
+    assert_eq!(code, 0, "{err}");
+    let bob = secret.trim().to_string();
+    let mut a = c.d.agent();
+    let v = admit(&mut a, "r1", "k1", "refund", json!({"amount": 5}));
+    ok(
+        &mut a,
+        json!({"op": "complete", "run": "r1", "key": "k1", "token": v["token"], "outcome": "ok"}),
+    );
+    let mut ex = c.d.agent();
+    ok(&mut ex, json!({"op": "compensations"}));
+    assert_eq!(c.post("/api/v1/runs/r1/cancel", json!({})).status, 200);
+    let inbox = c.get("/api/v1/pending").json();
+    let item = &inbox["pending"][0];
+    assert_eq!(
+        (&item["approval"], &item["tool"], &item["compensates"]),
+        (&json!("r1#1"), &json!("unrefund"), &json!("refund")),
+        "{inbox}"
+    );
+    let metrics = c.get("/metrics").body;
+    assert_eq!(
+        metric(&metrics, "estop_approvals_pending"),
+        1.0,
+        "{metrics}"
+    );
+    let approve = "/api/v1/runs/r1/effects/k1/approve";
+    let r = c.post(approve, json!({}));
+    assert_eq!(
+        (r.status, &r.json()["status"]),
+        (200, &json!("held")),
+        "{}",
+        r.body
+    );
+    let r = c.post(approve, json!({}));
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (409, "conflict"),
+        "{}",
+        r.body
+    );
+    let r = c.post("/api/v1/runs/r1/effects/k1/retry", json!({}));
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (409, "conflict"),
+        "{}",
+        r.body
+    );
+    assert!(r.body.contains("r1#1"), "{}", r.body);
+    let agent = c.d.token("agent.token");
+    assert_eq!(c.as_token(&agent, "POST", approve).status, 403);
+    ok(&mut ex, json!({"op": "ping"}));
+    assert!(
+        ex.events.is_empty(),
+        "sent on one operator's word: {:?}",
+        ex.events
+    );
+    let r = c.as_token(&bob, "POST", approve);
+    assert_eq!(
+        (r.status, &r.json()["status"]),
+        (200, &json!("approved")),
+        "{}",
+        r.body
+    );
+    let e = loop {
+        let ev = ex.next_event().unwrap().expect("an event");
+        if ev.event == estop_protocol::EventKind::Compensate {
+            break ev;
+        }
+    };
+    assert_eq!((e.key.as_deref(), e.attempt), (Some("k1"), Some(1)));
+    let metrics = c.get("/metrics").body;
+    assert_eq!(
+        metric(&metrics, "estop_approvals_pending"),
+        0.0,
+        "{metrics}"
+    );
 }

@@ -664,3 +664,112 @@ fn a_call_a_dead_agent_left_in_flight_is_looked_up_after_the_timeout_without_a_h
     compensated(&mut ex, "r1", &e, "ok");
     assert_eq!(state(&mut op, "r1"), "cancelled");
 }
+
+const QUORUM_POLICY: &str = r#"
+[[rules]]
+tool = "refund"
+action = "allow"
+compensate = "unrefund"
+compensate_args = '{"refund": result.id, "amount": args.amount}'
+
+[[rules]]
+tool = "unrefund"
+action = "approve"
+quorum = 2
+expiry = "10m"
+name = "undo-needs-two"
+"#;
+
+/// Hostile, end to end: a compensating call a quorum-2 rule holds is listed by `estop pending`
+/// as the undo of its effect; one operator's approve (twice), retry, and an agent's vote do not
+/// send it; the vote survives a kill -9 and restart; a second operator's vote sends it.
+#[test]
+fn a_quorum_2_compensation_needs_two_operators_and_its_votes_survive_a_kill9() {
+    let mut d = Daemon::start_with_policy(QUORUM_POLICY, &[]);
+    let (code, secret, err) = d.cli(&["token", "create", "bob", "--role", "operator"]);
+    assert_eq!(code, 0, "{err}");
+    let bob_token = secret.trim().to_string();
+    {
+        let mut a = d.agent();
+        done(
+            &mut a,
+            "r1",
+            "k1",
+            "refund",
+            json!({"amount": 10}),
+            json!({"id": "re_1"}),
+        );
+        let mut ex = d.agent();
+        ok(&mut ex, json!({"op": "compensations"}));
+        let mut watcher = d.operator();
+        ok(&mut watcher, json!({"op": "subscribe", "run": "r1"}));
+        ok(&mut a, json!({"op": "cancel", "run": "r1"}));
+        let mut op = d.operator();
+        let report = ok(&mut op, json!({"op": "report", "run": "r1"}));
+        assert_eq!(report["saga_next"]["waits"], "approval", "{report}");
+        assert_eq!(report["saga_next"]["approval"], "r1#1", "{report}");
+        let (code, out, err) = d.cli(&["pending"]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.contains("unrefund (undo of refund)") && out.contains("0/2"),
+            "{out}"
+        );
+        let (code, out, err) = d.cli(&["approve", "r1", "k1"]);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("1/2"), "{out}");
+        let (code, _, err) = d.cli(&["approve", "r1", "k1"]);
+        assert_ne!(code, 0, "the same operator voted twice: {err}");
+        let (code, _, err) = d.cli(&["compensate", "retry", "r1", "k1"]);
+        assert_ne!(code, 0, "a retry was taken for the second vote");
+        assert!(err.contains("awaits approval r1#1"), "{err}");
+        let vote = json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"});
+        assert_eq!(err_code(&mut a, vote), "forbidden");
+        ok(&mut ex, json!({"op": "ping"}));
+        assert!(
+            ex.events.is_empty(),
+            "sent on one operator's word: {:?}",
+            ex.events
+        );
+        // Subscribers hear of the hold (reason `approval`) and of the vote.
+        ok(&mut watcher, json!({"op": "ping"}));
+        let seen: Vec<(EventKind, Option<&str>)> = watcher
+            .events
+            .iter()
+            .filter(|e| e.key.as_deref() == Some("k1"))
+            .map(|e| (e.event, e.reason.as_deref().or(e.decision.as_deref())))
+            .filter(|(k, _)| matches!(k, EventKind::Held | EventKind::Decided))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                (EventKind::Held, Some("approval")),
+                (EventKind::Decided, Some("approve"))
+            ],
+            "{:?}",
+            watcher.events
+        );
+    }
+    d.restart(); // kill -9, then start again: the recorded vote stays
+    let mut op = d.operator();
+    let p = ok(&mut op, json!({"op": "pending"}));
+    let item = &p["pending"][0];
+    assert_eq!(
+        (&item["approval"], &item["compensates"]),
+        (&json!("r1#1"), &json!("refund"))
+    );
+    assert_eq!(item["approvals"].as_array().map(Vec::len), Some(1), "{p}");
+    let mut ex = d.agent();
+    ok(&mut ex, json!({"op": "compensations"}));
+    let mut bob = d.client_with(&bob_token);
+    let v = ok(
+        &mut bob,
+        json!({"op": "decide", "run": "r1", "key": "k1", "decision": "approve"}),
+    );
+    assert_eq!(v["status"], "approved", "{v}");
+    let e = next_compensate(&mut ex);
+    assert_eq!(e.args, Some(json!({"refund": "re_1", "amount": 10})));
+    compensated(&mut ex, "r1", &e, "ok");
+    assert_eq!(state(&mut op, "r1"), "cancelled");
+    assert_eq!(records(&mut op, "r1", "compensation_held"), 1);
+    assert_eq!(records(&mut op, "r1", "compensation_begin"), 1);
+}

@@ -99,7 +99,7 @@ pub async fn render(app: &App) -> Response {
     o.head(
         "estop_approvals_pending",
         "gauge",
-        "Effects held for an operator's decision now.",
+        "Effects held for an operator's decision now, and compensating calls held for approval.",
     );
     o.sample("estop_approvals_pending", &[], s.approvals_pending);
     o.head(

@@ -357,18 +357,20 @@ function pendingCard(p, index) {
   const pct = Math.min(100, Math.round((approvals.length / Math.max(1, p.quorum)) * 100));
   const argsText = p.args === undefined ? null : textNodes(JSON.stringify(p.args, null, 2), true);
   const countdown = h("span", { class: "countdown", "data-expires": String(p.expires_at), title: "expires " + when(p.expires_at) }, left(p.expires_at));
-  const label = `${p.tool} for run ${p.run}, key ${p.key}`;
+  const undo = p.compensates !== undefined;
+  const label = undo ? `${p.tool}, the undo of ${p.compensates} for run ${p.run}, key ${p.key}` : `${p.tool} for run ${p.run}, key ${p.key}`;
   const approve = h("button", { type: "button", class: "approve", "aria-label": "Approve " + label }, "Approve");
-  const reject = h("button", { type: "button", class: "reject", "aria-label": "Reject " + label, title: "A reject is final: the same call is refused in this run from now on" }, "Reject");
+  const reject = h("button", { type: "button", class: "reject", "aria-label": "Reject " + label, title: undo ? "Rejected, the undo is not sent: the effect waits for an operator (retry asks for a new approval, or skip it)" : "A reject is final: the same call is refused in this run from now on" }, "Reject");
   approve.addEventListener("click", () => decide(p, "approve", reason.value.trim(), approve));
   reject.addEventListener("click", () => decide(p, "reject", reason.value.trim(), reject));
   const fk = (what) => what + "\u0000" + p.run + "\u0000" + p.key;
   reason.dataset.focus = fk("reason");
   approve.dataset.focus = fk("approve");
   reject.dataset.focus = fk("reject");
-  return h("article", { class: "card", "data-run": p.run, "data-key": p.key, "data-focus": fk("card"), "aria-label": "Approval: " + label, tabindex: "-1" },
+  return h("article", { class: "card", "data-undo": undo ? "true" : "false", "data-run": p.run, "data-key": p.key, "data-focus": fk("card"), "aria-label": "Approval: " + label, tabindex: "-1" },
     h("header", {},
       h("div", {}, h("span", { class: "tool" }, p.tool), " ",
+        undo ? h("span", { class: "badge undo" }, "undo of " + p.compensates) : null, undo ? " " : null,
         h("span", { class: "muted" }, "run "), h("a", { href: runHref(p.run) }, p.run),
         h("span", { class: "muted" }, " · key "), h("span", { class: "mono" }, p.key)),
       h("div", {}, "Expires in ", countdown)),
@@ -546,6 +548,7 @@ const WAITS = {
   executor: (k) => `an executor to run ${k}'s undo`,
   running: (k) => `${k}'s undo to be reported`,
   human: (k) => `an operator: retry or skip ${k}'s undo`,
+  approval: (k, n) => `approvers to decide ${k}'s undo (approval ${n.approval}, in the inbox: a retry does not stand in for the quorum)`,
 };
 
 // Every effect the saga may touch once: a compensable or unknown one (the report lists an effect
@@ -591,7 +594,8 @@ function undoActions(st, rep, it) {
     }, "approve"), result, button("It did not happen", "settle", { outcome: "error" }));
     if (it.lookup && it.lookups) out.push(button("Look up again", "retry", {}));
   }
-  if (it.status === "compensation_failed" || it.status === "needs_human") out.push(button("Retry", "retry", {}, "approve"));
+  const voting = rep.saga_next && rep.saga_next.waits === "approval" && rep.saga_next.key === it.key;
+  if (!voting && (it.status === "compensation_failed" || it.status === "needs_human")) out.push(button("Retry", "retry", {}, "approve"));
   const skippable = ["compensation_failed", "needs_human"].includes(it.status) || (it.status === "completed" && rep.cause === "cancelled");
   if (it.compensate && skippable) {
     const reason = h("input", { type: "text", class: "grow", maxlength: "1024", placeholder: "Why skip (recorded)", "aria-label": label("Reason to skip") });
@@ -614,7 +618,7 @@ function sagaView(st, rep) {
   if (!items.length) return null;
   const sec = h("section", { id: "saga", "aria-labelledby": "saga-h" }, h("h2", { id: "saga-h" }, "Undo (reverse saga)"));
   const next = rep.saga_next;
-  sec.append(h("p", { id: "saga-next", class: next ? "" : "muted" }, next ? "The saga waits for " + (WAITS[next.waits] || ((k) => next.waits + " on " + k))(next.key) + "." :
+  sec.append(h("p", { id: "saga-next", class: next ? "" : "muted" }, next ? "The saga waits for " + (WAITS[next.waits] || ((k) => next.waits + " on " + k))(next.key, next) + "." :
     rep.cause === "cancelled" || items.some((i) => i.chosen) ? "Nothing is waiting." : "A kill, a close or a limit undoes nothing by itself: compensate an effect here to undo it."));
   const cols = ["Key", "Tool", "Status", "Undo", "Attempts", "Note", isOperator() ? "Operator" : null].filter(Boolean);
   sec.append(h("table", { class: "stack" },

@@ -117,6 +117,22 @@ pub enum SagaStep {
     /// be built, or the policy refuses the compensating call. Deterministic, so no backoff: a
     /// human is asked at once, with `reason`.
     Blocked { attempt: u32, reason: Box<str> },
+    /// Attempt `attempt` of the compensation is due and a policy `approve` rule holds the
+    /// compensating call: an approval is requested with the rule's `quorum`, `groups` and
+    /// `expiry_ms` (as the policy says now, recorded so replay does not depend on it), the
+    /// arguments the saga built (`args`, shown to the approvers) and `reason`. Nothing is sent
+    /// until it is approved; rejected or expired, a human is asked.
+    Held {
+        attempt: u32,
+        quorum: u32,
+        groups: Vec<Box<str>>,
+        expiry_ms: u64,
+        args: Option<Box<str>>,
+        reason: Box<str>,
+    },
+    /// The compensation's approval `approval` (its id in the run) expired unmet: a human is
+    /// asked. Taken by the gate once its `expires_at` has passed.
+    Expired { approval: u64 },
     /// The call a stopped run's agent left `started` was not reported within `after_ms` of the
     /// stop (the gate's `in_flight_timeout` setting, recorded here so replay does not depend on
     /// today's setting): its outcome becomes `unknown`, settled by its lookup or a human.

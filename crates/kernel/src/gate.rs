@@ -1484,6 +1484,9 @@ impl Gate {
             key: key.clone(),
             status,
         };
+        if crate::saga::held_approval(effect).is_some() {
+            return self.decide_undo(now, p, run_id, key, decision, reason, ev);
+        }
         if effect.status != Status::Held(HoldReason::Approval) {
             let status = match effect.status {
                 Status::Held(HoldReason::Sibling) => "held behind a sibling",
@@ -1550,49 +1553,21 @@ impl Gate {
     ) -> Result<(Reply, bool), KernelError> {
         let effect = &self.runs[run_id].effects[key];
         let approval = effect.approval.as_ref().expect("held for approval");
-        if approval.approvers.iter().any(|a| a.name == p.name) {
-            return Err(KernelError::DuplicateApprover {
-                run: run_id.clone(),
-                key: key.clone(),
-                principal: p.name.to_string(),
-            });
-        }
-        let mut next = (**approval).clone();
-        next.approvers.push(Approver {
-            name: p.name.clone(),
-            groups: p.groups.clone(),
-            at: now,
-        });
-        if reason.is_some() {
-            next.reason = reason.clone();
-        }
-        let satisfied = next.satisfied();
-        if satisfied {
+        let (next, status) = vote(approval, p, now, reason, run_id, key)?;
+        if status == DecideStatus::Approved {
             check_effect(run_id, key, Some(effect.status), Status::Approved)?;
         }
-        let (approvals, quorum) = (next.approvers.len() as u32, next.quorum);
-        let missing_groups: Vec<Box<str>> = next
-            .groups
-            .iter()
-            .filter(|g| !next.approvers.iter().any(|a| a.groups.contains(g)))
-            .cloned()
-            .collect();
+        let answer = decided(&next, status.clone());
         let run = self.runs.get_mut(run_id).expect("run exists");
         let e = run.effects.get_mut(key).expect("effect exists");
         e.approval = Some(Box::new(next));
         e.updated_at = now;
         ev.push(|| event(run_id, Some(key), EventKind::Decided));
-        if !satisfied {
-            let pending = DecideStatus::Pending {
-                approvals,
-                quorum,
-                missing_groups,
-            };
-            return Ok((self.decided(run_id, key, pending), true));
+        if status == DecideStatus::Approved {
+            e.status = Status::Approved;
+            run.pending_approvals -= 1;
         }
-        e.status = Status::Approved;
-        run.pending_approvals -= 1;
-        Ok((self.decided(run_id, key, DecideStatus::Approved), true))
+        Ok((answer, true))
     }
 
     /// The answer to a decision just applied to `run_id/key`, with its approval as it is now.
@@ -1601,12 +1576,7 @@ impl Gate {
             .approval
             .as_deref()
             .expect("a decided effect has an approval");
-        Reply::Decided(crate::reply::Decided {
-            status,
-            approvers: approval.approvers.iter().map(|a| a.name.clone()).collect(),
-            quorum: approval.quorum,
-            requested_at: approval.requested_at,
-        })
+        decided(approval, status)
     }
 
     // ---------------------------------------------------------------- stops
@@ -1981,6 +1951,60 @@ fn receipt(effect: &Effect) -> Verdict {
 /// parent, learning its own parent now): what the admit prechecks look at.
 fn fresh_for(a: &Admit, r: &Run) -> bool {
     a.parent.is_some() && r.parent.is_none() && r.effects.is_empty() && r.stop.is_none()
+}
+
+/// `approval` with `p`'s vote added, and where that leaves it: the one way an approval is
+/// given, whether it holds an admission or a compensating call (`saga::undo`). A quorum counts
+/// distinct principals, so a second vote of the same principal is refused.
+pub(crate) fn vote(
+    approval: &Approval,
+    p: &Principal,
+    now: u64,
+    reason: &Option<Box<str>>,
+    run_id: &RunId,
+    key: &EffectKey,
+) -> Result<(Approval, DecideStatus), KernelError> {
+    if approval.approvers.iter().any(|a| a.name == p.name) {
+        return Err(KernelError::DuplicateApprover {
+            run: run_id.clone(),
+            key: key.clone(),
+            principal: p.name.to_string(),
+        });
+    }
+    let mut next = approval.clone();
+    next.approvers.push(Approver {
+        name: p.name.clone(),
+        groups: p.groups.clone(),
+        at: now,
+    });
+    if reason.is_some() {
+        next.reason = reason.clone();
+    }
+    if next.satisfied() {
+        return Ok((next, DecideStatus::Approved));
+    }
+    let missing_groups: Vec<Box<str>> = next
+        .groups
+        .iter()
+        .filter(|g| !next.approvers.iter().any(|a| a.groups.contains(g)))
+        .cloned()
+        .collect();
+    let status = DecideStatus::Pending {
+        approvals: next.approvers.len() as u32,
+        quorum: next.quorum,
+        missing_groups,
+    };
+    Ok((next, status))
+}
+
+/// The answer to a decision, with the approval as it is after it.
+pub(crate) fn decided(approval: &Approval, status: DecideStatus) -> Reply {
+    Reply::Decided(crate::reply::Decided {
+        status,
+        approvers: approval.approvers.iter().map(|a| a.name.clone()).collect(),
+        quorum: approval.quorum,
+        requested_at: approval.requested_at,
+    })
 }
 
 fn new_approval(p: &PolicyDecision) -> Approval {

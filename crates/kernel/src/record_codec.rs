@@ -28,7 +28,9 @@ pub const RECORD_VERSION: u8 = 1;
 /// read (their effects have none).
 /// 4: each effect also has its `lookup` tool, and its compensation the lookups and whether an
 /// operator chose it. Version 3 is still read (no lookup; one lookup granted; not chosen).
-pub const SNAPSHOT_VERSION: u8 = 4;
+/// 5: each compensation ends with the approval its compensating call waits for, if any.
+/// Version 4 is still read (none).
+pub const SNAPSHOT_VERSION: u8 = 5;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("cannot decode {what} at byte {offset}: {problem}")]
@@ -463,6 +465,26 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
                     w.u8(3);
                     w.u64(*after_ms);
                 }
+                SagaStep::Held {
+                    attempt,
+                    quorum,
+                    groups,
+                    expiry_ms,
+                    args,
+                    reason,
+                } => {
+                    w.u8(4);
+                    w.u32(*attempt);
+                    w.u32(*quorum);
+                    w.strs(groups);
+                    w.u64(*expiry_ms);
+                    w.opt_str(args.as_deref());
+                    w.str(reason);
+                }
+                SagaStep::Expired { approval } => {
+                    w.u8(5);
+                    w.u64(*approval);
+                }
             }
         }
     }
@@ -659,6 +681,15 @@ impl RecordDecoder {
                         reason: r.boxed()?,
                     },
                     3 => SagaStep::Unreported { after_ms: r.u64()? },
+                    4 => SagaStep::Held {
+                        attempt: r.u32()?,
+                        quorum: r.u32()?,
+                        groups: r.strs()?,
+                        expiry_ms: r.u64()?,
+                        args: r.opt(R::boxed)?,
+                        reason: r.boxed()?,
+                    },
+                    5 => SagaStep::Expired { approval: r.u64()? },
                     t => return Err(r.err(format!("unknown saga step {t}"))),
                 },
             },
@@ -773,26 +804,7 @@ fn put_effect(w: &mut W, e: &Effect) {
     w.opt_str(e.compensate.as_ref().map(ToolName::as_str));
     w.str(&e.rule);
     w.u8(idx(PolicyAction::ALL, &e.action));
-    match &e.approval {
-        None => w.u8(0),
-        Some(a) => {
-            w.u8(1);
-            w.u64(a.id);
-            w.u32(a.quorum);
-            w.strs(&a.groups);
-            w.u64(a.expiry_ms);
-            w.u64(a.requested_at);
-            w.u64(a.expires_at);
-            w.u32(a.approvers.len() as u32);
-            for ap in &a.approvers {
-                w.str(ap.name.as_str());
-                w.strs(&ap.groups);
-                w.u64(ap.at);
-            }
-            w.opt_str(a.rejected_by.as_ref().map(PrincipalName::as_str));
-            w.opt_str(a.reason.as_deref());
-        }
-    }
+    put_approval(w, e.approval.as_deref());
     w.opt_str(e.args.as_deref());
     w.bool(e.start_on_admit);
     put_status(w, e.status);
@@ -838,8 +850,64 @@ fn put_effect(w: &mut W, e: &Effect) {
             w.u32(c.lookups_granted);
             w.bool(c.lookup_open);
             w.bool(c.chosen);
+            put_approval(w, c.approval.as_deref());
         }
     }
+}
+
+/// An approval, of an admission or of a compensating call: absent, or its id, bounds, votes
+/// and rejection.
+fn put_approval(w: &mut W, a: Option<&Approval>) {
+    let Some(a) = a else {
+        w.u8(0);
+        return;
+    };
+    w.u8(1);
+    w.u64(a.id);
+    w.u32(a.quorum);
+    w.strs(&a.groups);
+    w.u64(a.expiry_ms);
+    w.u64(a.requested_at);
+    w.u64(a.expires_at);
+    w.u32(a.approvers.len() as u32);
+    for ap in &a.approvers {
+        w.str(ap.name.as_str());
+        w.strs(&ap.groups);
+        w.u64(ap.at);
+    }
+    w.opt_str(a.rejected_by.as_ref().map(PrincipalName::as_str));
+    w.opt_str(a.reason.as_deref());
+}
+
+fn get_approval(r: &mut R) -> Result<Box<Approval>, CodecError> {
+    let id = r.u64()?;
+    let quorum = r.u32()?;
+    let groups = r.strs()?;
+    let expiry_ms = r.u64()?;
+    let requested_at = r.u64()?;
+    let expires_at = r.u64()?;
+    let n = r.count(16)?;
+    let mut approvers = Vec::with_capacity(n);
+    for _ in 0..n {
+        approvers.push(Approver {
+            name: r.principal_name()?,
+            groups: r.strs()?,
+            at: r.u64()?,
+        });
+    }
+    let rejected_by = r.opt(R::principal_name)?;
+    let reason = r.opt(R::boxed)?;
+    Ok(Box::new(Approval {
+        id,
+        quorum,
+        groups,
+        expiry_ms,
+        requested_at,
+        expires_at,
+        approvers,
+        rejected_by,
+        reason,
+    }))
 }
 
 /// One effect; before `version` 3 it has no compensation.
@@ -851,36 +919,7 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
     let compensate = r.opt(R::tool)?;
     let rule = interned.rule(r.str()?);
     let action = r.enum_of(PolicyAction::ALL)?;
-    let approval = r.opt(|r| {
-        let id = r.u64()?;
-        let quorum = r.u32()?;
-        let groups = r.strs()?;
-        let expiry_ms = r.u64()?;
-        let requested_at = r.u64()?;
-        let expires_at = r.u64()?;
-        let n = r.count(16)?;
-        let mut approvers = Vec::with_capacity(n);
-        for _ in 0..n {
-            approvers.push(Approver {
-                name: r.principal_name()?,
-                groups: r.strs()?,
-                at: r.u64()?,
-            });
-        }
-        let rejected_by = r.opt(R::principal_name)?;
-        let reason = r.opt(R::boxed)?;
-        Ok(Box::new(Approval {
-            id,
-            quorum,
-            groups,
-            expiry_ms,
-            requested_at,
-            expires_at,
-            approvers,
-            rejected_by,
-            reason,
-        }))
-    })?;
+    let approval = r.opt(get_approval)?;
     let args = r.opt(R::boxed)?.map(std::sync::Arc::from);
     let start_on_admit = r.bool()?;
     let status = get_status(r)?;
@@ -917,12 +956,16 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
                 lookups_granted: 1,
                 lookup_open: false,
                 chosen: false,
+                approval: None,
             };
             if version >= 4 {
                 c.lookups = r.u32()?;
                 c.lookups_granted = r.u32()?;
                 c.lookup_open = r.bool()?;
                 c.chosen = r.bool()?;
+            }
+            if version >= 5 {
+                c.approval = r.opt(get_approval)?;
             }
             Ok(Box::new(c))
         })?;

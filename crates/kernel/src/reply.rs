@@ -151,6 +151,16 @@ pub enum KernelError {
         key: EffectKey,
         what: String,
     },
+    /// An operator's `retry` of a compensation whose compensating call awaits approval: the
+    /// approvers' quorum decides it, never one retry.
+    #[error(
+        "the compensation of effect {key} of run {run} awaits approval {run}#{approval}: decide it with approve or reject (a quorum of distinct approvers), not retry"
+    )]
+    UndoAwaitsApproval {
+        run: RunId,
+        key: EffectKey,
+        approval: u64,
+    },
     #[error("operation requires the operator role")]
     Forbidden,
     #[error(
@@ -208,6 +218,7 @@ impl KernelError {
             KernelError::Limit { .. } => "limit",
             KernelError::IllegalTransition { .. } => "illegal_transition",
             KernelError::Saga { .. } => "saga",
+            KernelError::UndoAwaitsApproval { .. } => "undo_awaits_approval",
             KernelError::Forbidden => "forbidden",
         }
     }

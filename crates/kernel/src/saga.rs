@@ -22,6 +22,9 @@
 //! gives that effect a saga of its own (`Compensation::chosen`), walked the same way.
 
 mod steps;
+mod undo;
+
+pub use undo::{UNDO_QUORUM_MAX, approved, held_approval, run_held_approval};
 
 use crate::command::SagaAction;
 use crate::gate::{Gate, Sink, check_effect, event, settles};
@@ -162,6 +165,9 @@ pub enum Next {
     LookingUp { attempt: u32 },
     /// An executor may begin attempt `attempt` from `at` on.
     Begin { attempt: u32, at: u64 },
+    /// The compensating call waits for approval `id` of the run (a policy `approve` rule),
+    /// open until `expires_at`; operators decide it (`saga::undo`).
+    Approval { id: u64, expires_at: u64 },
     /// An attempt is under way.
     Running { attempt: u32 },
     /// The bound was reached or the compensation's outcome is unknown: an operator decides.
@@ -173,6 +179,10 @@ pub fn next(run: &Run) -> Option<(&EffectKey, Next)> {
     let (key, e) = head(run)?;
     let c = e.saga.as_deref();
     let attempts = c.map_or(0, |c| c.attempts);
+    if let Some(a) = held_approval(e) {
+        let (id, expires_at) = (a.id, a.expires_at);
+        return Some((key, Next::Approval { id, expires_at }));
+    }
     let next = match e.status {
         Status::Started => Next::InFlight,
         Status::Unknown => steps::lookup_next(e).unwrap_or(Next::Settle),
@@ -266,6 +276,11 @@ fn due(
             }
             Ok(at)
         }
+        Some((head, Next::Approval { id, .. })) if head == key => Err(saga_error(
+            run_id,
+            key,
+            format!("its compensating call awaits approval {run_id}#{id}"),
+        )),
         Some((head, _)) if head == key => Err(saga_error(
             run_id,
             key,
@@ -501,6 +516,9 @@ impl Gate {
         if *action == SagaAction::Compensate {
             return self.compensate_one(now, p, run_id, key, ev);
         }
+        if *action == SagaAction::Retry {
+            undo::awaiting(run_id, key, effect)?;
+        }
         let to = saga_target(run, run_id, key, effect, action)?;
         check_effect(run_id, key, Some(effect.status), to)?;
         // A call left in flight that an operator settles is no longer in flight.
@@ -534,6 +552,11 @@ impl Gate {
                 c.granted = c.attempts + COMPENSATION_ATTEMPTS_MAX;
                 c.retry_at = now;
                 c.by = Some(p.name.clone());
+                // A rejected or expired approval is spent: the next attempt asks for a new one
+                // if the policy still holds the call. A met one still stands.
+                if c.approval.as_ref().is_some_and(|a| !a.satisfied()) {
+                    c.approval = None;
+                }
             }
             SagaAction::Skip { reason } => {
                 let c = e.saga.get_or_insert_with(fresh);

@@ -149,6 +149,11 @@ pub struct Compensation {
     /// An operator asked for this one compensation on a run stopped without a saga (a kill, a
     /// close, a deadline or budget): the effect has a saga of its own.
     pub chosen: bool,
+    /// The approval a policy `approve` rule asked for the compensating call (`saga::undo`):
+    /// requested when its attempt was due, decided like an admission's (`decide`, a quorum of
+    /// distinct principals). Nothing is sent while it is open; a rejected or expired one leaves
+    /// the effect `needs_human`.
+    pub approval: Option<Box<Approval>>,
 }
 
 /// One side effect of a run.

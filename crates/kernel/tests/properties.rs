@@ -180,6 +180,15 @@ fn check_saga_step(
         let was = old_run.and_then(|r| r.effects.get(key)).map(|o| o.status);
         let id = (run_id.clone(), key.to_string());
         if e.status == Status::Compensating && was != Some(Status::Compensating) {
+            // An attempt a policy held for approval begins only once its quorum met it.
+            let approval = e.saga.as_ref().and_then(|c| c.approval.as_deref());
+            prop_assert!(
+                approval.is_none_or(|a| a.satisfied() && a.rejected_by.is_none()),
+                "{}/{} began without its approval: {:?}",
+                run_id,
+                key,
+                approval
+            );
             let cause = run.stop.as_ref().map(|s| s.cause);
             prop_assert_eq!(
                 cause,
@@ -248,8 +257,14 @@ fn saga_op() -> impl Strategy<Value = Vec<String>> {
         4 => (key.clone(), 1u32..4).prop_map(|(k, n)| vec![format!("agent begin r1 {k} {n}")]),
         4 => (key.clone(), 1u32..4, prop_oneof![Just("ok"), Just("error"), Just("unknown")])
             .prop_map(|(k, n, o)| vec![format!("agent end r1 {k} {n} {o}")]),
-        2 => (key, prop_oneof![Just("settle {} ok"), Just("settle {} error"), Just("retry {}"), Just("skip {} reason=x")])
+        2 => (key.clone(), prop_oneof![Just("settle {} ok"), Just("settle {} error"), Just("retry {}"), Just("skip {} reason=x")])
             .prop_map(|(k, v)| vec![format!("alice {}", v.replacen("{}", &format!("r1 {k}"), 1))]),
+        // A policy holding the compensating call for a quorum of 2 (group finance), and the
+        // votes, rejections and expiries that decide it.
+        2 => (key.clone(), 1u32..4).prop_map(|(k, n)| vec![format!("alice hold r1 {k} {n} quorum=2 groups=finance expiry=2000")]),
+        3 => (key.clone(), prop_oneof![Just("alice approve"), Just("bob approve"), Just("carol approve"), Just("agent approve"), Just("bob reject")])
+            .prop_map(|(k, v)| vec![format!("{v} r1 {k}")]),
+        1 => (key, 1u64..4).prop_map(|(k, id)| vec![format!("alice expired r1 {k} {id}")]),
     ]
 }
 

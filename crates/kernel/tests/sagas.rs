@@ -607,3 +607,105 @@ fn a_call_left_in_flight_past_the_deadline_after_the_stop_becomes_unknown() {
         "#]],
     );
 }
+
+#[test]
+fn a_compensation_a_policy_holds_needs_its_quorum_not_one_operators_retry() {
+    // The policy's `approve` rule on `unrefund` (quorum 2, group finance) holds the due attempt
+    // as approval #1 of the run: nothing begins until the quorum is met, one operator cannot
+    // meet it alone (not by voting twice, not by retrying), an agent cannot vote, and the
+    // votes are counted as an admission's (distinct principals, each group met).
+    check(
+        r#"
+        0 agent admit r1 k1 refund comp=unrefund
+        1 agent complete r1 k1 1.1 ok
+        2 alice cancel r1
+        3 agent hold r1 k1 1 quorum=2 groups=finance expiry=5000
+        4 alice hold r1 k1 1 quorum=2 groups=finance expiry=5000 args={"id":1}
+        5 agent begin r1 k1 1
+        6 agent approve r1 k1
+        7 alice approve r1 k1
+        8 alice approve r1 k1
+        9 alice retry r1 k1
+        10 agent begin r1 k1 1
+        11 bob approve r1 k1
+        12 agent begin r1 k1 1
+        13 carol approve r1 k1
+        14 dave approve r1 k1
+        15 agent begin r1 k1 1 args={"id":1}
+        16 agent end r1 k1 1 error
+        1016 agent begin r1 k1 2 args={"id":1}
+        1017 agent end r1 k1 2 ok
+        "#,
+        expect![[r#"
+            0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
+            1 agent complete r1 k1 1.1 ok                => completed
+            2 alice cancel r1                            => run finalizing (1 changed)
+            3 agent hold r1 k1 1 quorum=2 groups=finance expiry=5000 => error forbidden: operation requires the operator role
+            4 alice hold r1 k1 1 quorum=2 groups=finance expiry=5000 args={"id":1} => compensation completed attempt=0
+            5 agent begin r1 k1 1                        => error saga: effect k1 of run r1: its compensating call awaits approval r1#1
+            6 agent approve r1 k1                        => error forbidden: operation requires the operator role
+            7 alice approve r1 k1                        => decided pending 1/2 missing finance
+            8 alice approve r1 k1                        => error duplicate_approver: alice has already approved effect k1 of run r1; a quorum needs distinct approvers
+            9 alice retry r1 k1                          => error undo_awaits_approval: the compensation of effect k1 of run r1 awaits approval r1#1: decide it with approve or reject (a quorum of distinct approvers), not retry
+            10 agent begin r1 k1 1                       => error saga: effect k1 of run r1: its compensating call awaits approval r1#1
+            11 bob approve r1 k1                         => decided pending 2/2 missing finance
+            12 agent begin r1 k1 1                       => error saga: effect k1 of run r1: its compensating call awaits approval r1#1
+            13 carol approve r1 k1                       => decided approved
+            14 dave approve r1 k1                        => error not_awaiting_approval: effect k1 of run r1 is not awaiting approval (it is completed)
+            15 agent begin r1 k1 1 args={"id":1}         => compensation compensating attempt=1
+            16 agent end r1 k1 1 error                   => compensation compensation_failed attempt=1 retry_at=1016
+            1016 agent begin r1 k1 2 args={"id":1}       => compensation compensating attempt=2
+            1017 agent end r1 k1 2 ok                    => compensation compensated attempt=2
+            --
+            run r1 cancelled stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0
+              k1 refund compensated undo=unrefund attempts=2/5 undo_approval=#1 3/2 by alice,bob,carol
+        "#]],
+    );
+}
+
+#[test]
+fn a_rejected_or_expired_compensation_approval_asks_a_human_and_a_retry_asks_again() {
+    check(
+        "
+        0 agent admit r1 k1 refund comp=unrefund
+        1 agent complete r1 k1 1.1 ok
+        2 alice cancel r1
+        3 alice hold r1 k1 1 quorum=2 expiry=100
+        4 bob reject r1 k1 reason=not-this-one
+        5 agent begin r1 k1 1
+        6 alice retry r1 k1
+        7 alice hold r1 k1 1 quorum=2 expiry=100
+        8 alice approve r1 k1
+        9 alice retry r1 k1
+        106 alice expired r1 k1 2
+        107 bob approve r1 k1
+        107 alice expired r1 k1 1
+        107 agent expired r1 k1 2
+        107 alice expired r1 k1 2
+        108 bob approve r1 k1
+        109 alice skip r1 k1 reason=refunded-by-hand
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
+            1 agent complete r1 k1 1.1 ok                => completed
+            2 alice cancel r1                            => run finalizing (1 changed)
+            3 alice hold r1 k1 1 quorum=2 expiry=100     => compensation completed attempt=0
+            4 bob reject r1 k1 reason=not-this-one       => decided rejected
+            5 agent begin r1 k1 1                        => error saga: effect k1 of run r1: its compensation cannot begin while it is needs_human
+            6 alice retry r1 k1                          => compensation compensation_failed attempt=0 retry_at=6
+            7 alice hold r1 k1 1 quorum=2 expiry=100     => compensation compensation_failed attempt=0 retry_at=6
+            8 alice approve r1 k1                        => decided pending 1/2
+            9 alice retry r1 k1                          => error undo_awaits_approval: the compensation of effect k1 of run r1 awaits approval r1#2: decide it with approve or reject (a quorum of distinct approvers), not retry
+            106 alice expired r1 k1 2                    => error saga: effect k1 of run r1: approval r1#2 is open until 107
+            107 bob approve r1 k1                        => error not_awaiting_approval: effect k1 of run r1 is not awaiting approval (it is expired)
+            107 alice expired r1 k1 1                    => error saga: effect k1 of run r1: its compensation does not await approval r1#1
+            107 agent expired r1 k1 2                    => error forbidden: operation requires the operator role
+            107 alice expired r1 k1 2                    => compensation needs_human attempt=0
+            108 bob approve r1 k1                        => error not_awaiting_approval: effect k1 of run r1 is not awaiting approval (it is needs_human)
+            109 alice skip r1 k1 reason=refunded-by-hand => compensation compensation_skipped attempt=0
+            --
+            run r1 cancelled stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0
+              k1 refund compensation_skipped undo=unrefund attempts=0/5 note="refunded-by-hand" by=alice undo_approval=#2 1/2 by alice
+        "#]],
+    );
+}

@@ -89,6 +89,7 @@ impl Weight for PendingItem {
             + self.rule.as_deref().map_or(0, text)
             + texts(&self.approvals)
             + texts(&self.groups)
+            + self.compensates.as_deref().map_or(0, text)
     }
 }
 

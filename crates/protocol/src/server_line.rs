@@ -324,6 +324,11 @@ pub struct PendingItem {
     pub groups: Vec<String>,
     pub expires_at: u64,
     pub created_at: u64,
+    /// Present when the approval is of a compensating call: the tool of the effect `key` of
+    /// run `run` that it undoes (`tool` and `args` are then the compensating call's, `digest`
+    /// the forward call's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensates: Option<String>,
 }
 
 /// The reply to `pending`: one page.
@@ -426,12 +431,17 @@ pub struct SagaNext {
     /// the tool's lookup, attempt `attempt`), `looking_up` (that lookup is under way), `settle`
     /// (its outcome is unknown and no lookup can tell: an operator settles it), `executor`
     /// (attempt `attempt` may begin from `at`: an executor runs it), `running` (attempt
-    /// `attempt` is under way), `human` (an operator retries or skips).
+    /// `attempt` is under way), `human` (an operator retries or skips), `approval` (a policy
+    /// `approve` rule holds the compensating call: approval `approval` is decided by operators,
+    /// open until `at`).
     pub waits: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub at: Option<u64>,
+    /// The approval id (`<run>#<n>`) the compensating call waits for (`waits: approval`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<String>,
 }
 
 /// The after-stop report of one run (SPEC G8). An effect may appear in several lists (a done

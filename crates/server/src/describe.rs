@@ -35,6 +35,8 @@ pub fn kind(c: &Command) -> &'static str {
             SagaStep::LookupEnd { .. } => "lookup_end",
             SagaStep::Blocked { .. } => "compensation_blocked",
             SagaStep::Unreported { .. } => "unreported",
+            SagaStep::Held { .. } => "compensation_held",
+            SagaStep::Expired { .. } => "compensation_expired",
         },
     }
 }
@@ -193,6 +195,27 @@ fn step_fields(step: &SagaStep, fields: &mut Map<String, Value>) {
         }
         SagaStep::Unreported { after_ms } => {
             fields.insert("after_ms".into(), Value::from(*after_ms));
+        }
+        SagaStep::Held {
+            attempt,
+            quorum,
+            groups,
+            expiry_ms,
+            args,
+            reason,
+        } => {
+            fields.insert("attempt".into(), Value::from(*attempt));
+            fields.insert("quorum".into(), Value::from(*quorum));
+            let groups: Vec<&str> = groups.iter().map(|g| &**g).collect();
+            fields.insert("groups".into(), json!(groups));
+            fields.insert("expiry_ms".into(), Value::from(*expiry_ms));
+            if let Some(a) = args {
+                fields.insert("args".into(), json!(&**a));
+            }
+            fields.insert("reason".into(), json!(&**reason));
+        }
+        SagaStep::Expired { approval } => {
+            fields.insert("approval".into(), Value::from(*approval));
         }
     }
 }

@@ -221,6 +221,8 @@ impl Observer {
                 slot.1 += 1;
             }
             pending += u64::from(r.pending_approvals);
+            // A compensating call a policy holds for approval is pending too.
+            pending += u64::from(estop_kernel::saga::run_held_approval(r).is_some());
             in_flight += u64::from(r.in_flight);
         }
         GateStats {

@@ -163,6 +163,32 @@ pub fn pending_item(run_id: &RunId, key: &EffectKey, e: &Effect) -> Option<wire:
         groups: a.groups.iter().map(ToString::to_string).collect(),
         expires_at: a.expires_at,
         created_at: a.requested_at,
+        compensates: None,
+    })
+}
+
+/// A compensating call awaiting approval as the inbox shows it: marked as the compensation of
+/// the effect it undoes, with the arguments the saga built for it.
+pub fn undo_pending_item(run_id: &RunId, key: &EffectKey, e: &Effect) -> Option<wire::PendingItem> {
+    let a = estop_kernel::saga::held_approval(e)?;
+    let args = e.saga.as_ref().and_then(|c| c.args.as_deref());
+    Some(wire::PendingItem {
+        approval: approval_id(run_id, a.id),
+        run: run_id.to_string(),
+        key: key.to_string(),
+        tool: e
+            .compensate
+            .as_ref()
+            .map_or_else(String::new, ToString::to_string),
+        args: args.map(|a| wire::RawJson::new(std::sync::Arc::from(a))),
+        digest: e.digest.to_hex(),
+        rule: None,
+        quorum: a.quorum,
+        approvals: a.approvers.iter().map(|x| x.name.to_string()).collect(),
+        groups: a.groups.iter().map(ToString::to_string).collect(),
+        expires_at: a.expires_at,
+        created_at: a.requested_at,
+        compensates: Some(e.tool.to_string()),
     })
 }
 
@@ -185,7 +211,7 @@ pub fn report(
         stopped_at: run.stop.as_ref().map(|s| s.at),
         ..wire::Report::default()
     };
-    r.saga_next = saga_next(run);
+    r.saga_next = saga_next(id, run);
     let from = after.map_or(Bound::Unbounded, Bound::Excluded);
     let mut last = None;
     for (key, e) in run.effects.range::<EffectKey, _>((from, Bound::Unbounded)) {
@@ -245,10 +271,15 @@ fn report_item(key: &EffectKey, e: &estop_kernel::state::Effect) -> wire::Report
 }
 
 /// What the run's reverse saga waits for, while it is open.
-fn saga_next(run: &Run) -> Option<wire::SagaNext> {
+fn saga_next(run_id: &RunId, run: &Run) -> Option<wire::SagaNext> {
     use estop_kernel::saga::{self, Next};
     saga::next(run).map(|(key, next)| {
+        let approval = match next {
+            Next::Approval { id, .. } => Some(approval_id(run_id, id)),
+            _ => None,
+        };
         let (waits, attempt, at) = match next {
+            Next::Approval { expires_at, .. } => ("approval", None, Some(expires_at)),
             Next::InFlight => ("outcome", None, None),
             Next::Settle => ("settle", None, None),
             Next::Lookup { attempt } => ("lookup", Some(attempt), None),
@@ -262,6 +293,7 @@ fn saga_next(run: &Run) -> Option<wire::SagaNext> {
             waits: waits.into(),
             attempt,
             at,
+            approval,
         }
     })
 }
@@ -306,15 +338,23 @@ pub fn event(gate: &estop_kernel::Gate, e: &estop_kernel::Event, at: u64) -> Opt
                 .and_then(|s| s.reason.as_deref().map(str::to_string))
                 .or_else(|| e.detail.map(str::to_string));
         }
-        EventKind::Held => {
-            if let Some(Status::Held(reason)) = effect.map(|x| x.status) {
-                out.reason = Some(reason.as_str().to_string());
-            }
-        }
+        EventKind::Held => match effect.map(|x| x.status) {
+            Some(Status::Held(reason)) => out.reason = Some(reason.as_str().to_string()),
+            // Its compensating call, held for an approval (`saga::undo`).
+            Some(_) => out.reason = Some(HoldReason::Approval.as_str().to_string()),
+            None => {}
+        },
         EventKind::Decided => {
             out.decision = effect.map(|x| {
+                let undo_rejected = x
+                    .saga
+                    .as_ref()
+                    .and_then(|c| c.approval.as_ref())
+                    .is_some_and(|a| a.rejected_by.is_some())
+                    && x.status == Status::NeedsHuman;
                 match x.status {
                     Status::Refused(estop_kernel::vocab::RefusalReason::Rejected) => "reject",
+                    _ if undo_rejected => "reject",
                     _ => "approve",
                 }
                 .to_string()

@@ -8,7 +8,7 @@
 //! is offered like a saga's.
 
 use estop_kernel::state::Status;
-use estop_kernel::vocab::{EffectClass, Outcome, PolicyAction, Reversibility};
+use estop_kernel::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
 use estop_kernel::{
     Admit, Command, Digest, EffectKey, Limits, PolicyDecision, Principal, PrincipalName, Role,
     RunId, RunLimits, SagaAction, ToolName,
@@ -448,31 +448,213 @@ fn a_deny_rule_on_the_compensating_tool_refuses_the_compensation() {
     assert_eq!(status(&c), Status::NeedsHuman);
 }
 
-#[test]
-fn an_approve_rule_holds_the_compensation_for_an_operator_whose_retry_approves_it() {
-    let mut c = core_with(policy(
-        r#"
-        [defaults]
-        unknown_tool = "deny"
+fn operator_named(name: &str, groups: &[&str]) -> Principal {
+    Principal {
+        name: PrincipalName::new(name).unwrap(),
+        role: Role::Operator,
+        groups: groups.iter().map(|g| (*g).into()).collect(),
+    }
+}
 
-        [[rules]]
-        tool = "unrefund"
-        action = "approve"
-        name = "undo-needs-a-human"
-        "#,
-    ));
+/// Applies `cmd` as `who` at `ms`, made durable; returns its answer.
+fn answer_of(c: &mut Shell, who: Principal, ms: u64, cmd: Command) -> estop_server::answer::Answer {
+    let (tx, mut rx) = tmpsc::unbounded_channel();
+    apply_as(c, who, ms, cmd, &tx);
+    while let Ok(out) = rx.try_recv() {
+        if let Out::Answer { answer, .. } = out {
+            return answer;
+        }
+    }
+    panic!("no answer");
+}
+
+/// `who` decides the effect's held approval at `ms`; returns the answer.
+fn vote(
+    c: &mut Shell,
+    who: Principal,
+    ms: u64,
+    decision: Decision,
+) -> estop_server::answer::Answer {
+    let cmd = Command::Decide {
+        run: run(),
+        key: key(),
+        decision,
+        reason: None,
+    };
+    answer_of(c, who, ms, cmd)
+}
+
+/// The approvals inbox as an operator reads it.
+fn inbox(c: &mut Shell, ms: u64) -> Vec<wire::PendingItem> {
+    let (tx, mut rx) = tmpsc::unbounded_channel();
+    let query = estop_server::core::Query::Pending {
+        run: None,
+        cursor: None,
+        page: estop_protocol::PageBudget::new(100, 1 << 20),
+    };
+    c.handle(
+        at(ms),
+        CoreMsg::Query {
+            principal: alice(),
+            query,
+            to: reply_to(&tx, 0),
+        },
+    );
+    while let Ok(out) = rx.try_recv() {
+        if let Out::Answer {
+            answer: estop_server::answer::Answer::Pending(p),
+            ..
+        } = out
+        {
+            return p.pending;
+        }
+    }
+    panic!("no inbox");
+}
+
+fn error_of(a: &estop_server::answer::Answer) -> (estop_protocol::ErrorCode, String) {
+    match a {
+        estop_server::answer::Answer::Error(code, m) => (*code, m.clone()),
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+const QUORUM_2: &str = r#"
+    [defaults]
+    unknown_tool = "deny"
+
+    [[rules]]
+    tool = "unrefund"
+    action = "approve"
+    quorum = 2
+    expiry = "1m"
+    name = "undo-needs-two"
+    "#;
+
+#[test]
+fn one_operator_cannot_approve_a_quorum_2_compensation_alone() {
+    // Hostile: the approve rule says two approvers. One operator tries everything alone — a
+    // vote, the same vote again, a retry, a retry after voting — and an agent tries to vote;
+    // nothing is sent until a second, distinct operator votes. (Before: one `retry` sent it.)
+    let mut c = core_with(policy(QUORUM_2));
     let mut ex = cancelled_with(&mut c, r#"{"id":"re_1"}"#);
     fire(&mut c, 0);
+    assert!(offers(&mut ex).is_empty(), "sent before any approval");
+    assert_eq!(
+        status(&c),
+        Status::Completed,
+        "held, not yet a human's problem"
+    );
+    let held = inbox(&mut c, 1);
+    assert_eq!(held.len(), 1, "{held:?}");
+    let item = &held[0];
+    assert_eq!(
+        (item.approval.as_str(), item.tool.as_str()),
+        ("r#1", "unrefund")
+    );
+    assert_eq!(item.compensates.as_deref(), Some("refund"));
+    assert_eq!((item.quorum, item.expires_at), (2, T0 + 60_000));
+    let args = item.args.as_ref().map(|a| a.to_value());
+    assert_eq!(
+        args,
+        Some(serde_json::json!({"refund": "re_1", "amount": 5}))
+    );
+
+    let alice_retry = |c: &mut Shell, ms| {
+        let cmd = Command::Saga {
+            run: run(),
+            key: key(),
+            action: SagaAction::Retry,
+        };
+        answer_of(c, alice(), ms, cmd)
+    };
+    let (code, m) = error_of(&alice_retry(&mut c, 5));
+    assert_eq!(code, estop_protocol::ErrorCode::Conflict);
+    assert!(m.contains("awaits approval r#1"), "{m}");
+    fire(&mut c, 5);
     assert!(
         offers(&mut ex).is_empty(),
-        "sent before an operator approved it"
+        "a retry stood in for the quorum"
     );
-    assert_eq!(status(&c), Status::NeedsHuman);
-    assert!(note(&c).contains("undo-needs-a-human"), "{}", note(&c));
-    operator(&mut c, 10, SagaAction::Retry);
+
+    let (code, _) = error_of(&vote(&mut c, agent(), 6, Decision::Approve));
+    assert_eq!(code, estop_protocol::ErrorCode::Forbidden, "an agent voted");
+    vote(&mut c, alice(), 7, Decision::Approve);
+    fire(&mut c, 7);
+    assert!(offers(&mut ex).is_empty(), "sent after one vote of two");
+    let (code, m) = error_of(&vote(&mut c, alice(), 8, Decision::Approve));
+    assert_eq!(code, estop_protocol::ErrorCode::Conflict, "{m}");
+    error_of(&alice_retry(&mut c, 9));
+    fire(&mut c, 9);
+    assert!(
+        offers(&mut ex).is_empty(),
+        "one operator met a quorum of two"
+    );
+    assert_eq!(inbox(&mut c, 9)[0].approvals, vec!["alice".to_string()]);
+
+    vote(&mut c, operator_named("bob", &[]), 10, Decision::Approve);
     fire(&mut c, 10);
     let args = Some(serde_json::json!({"refund": "re_1", "amount": 5}));
     assert_eq!(offers(&mut ex), vec![(1, args)]);
+    assert!(
+        inbox(&mut c, 11).is_empty(),
+        "a met approval stays in the inbox"
+    );
+}
+
+#[test]
+fn a_rejected_or_expired_compensation_approval_asks_a_human_and_a_retry_asks_again() {
+    let mut c = core_with(policy(QUORUM_2));
+    let mut ex = cancelled_with(&mut c, r#"{"id":"re_1"}"#);
+    fire(&mut c, 0);
+    vote(&mut c, operator_named("bob", &[]), 1, Decision::Reject);
+    fire(&mut c, 1);
+    assert!(
+        offers(&mut ex).is_empty(),
+        "a rejected compensation was sent"
+    );
+    assert_eq!(status(&c), Status::NeedsHuman);
+    assert!(
+        note(&c).contains("r#1") && note(&c).contains("bob"),
+        "{}",
+        note(&c)
+    );
+    // A retry asks for a new approval; it does not approve.
+    operator(&mut c, 2, SagaAction::Retry);
+    fire(&mut c, 2);
+    assert!(offers(&mut ex).is_empty(), "a retry after a reject sent it");
+    let held = inbox(&mut c, 2);
+    assert_eq!(
+        (held[0].approval.as_str(), held[0].approvals.len()),
+        ("r#2", 0)
+    );
+    vote(&mut c, alice(), 3, Decision::Approve);
+    // Unmet at its expiry: a human is asked, nothing is sent.
+    fire(&mut c, 60_001);
+    assert_eq!(status(&c), Status::CompensationFailed, "expired early");
+    fire(&mut c, 60_002);
+    assert_eq!(status(&c), Status::NeedsHuman);
+    assert!(
+        note(&c).contains("r#2 of the compensating call expired"),
+        "{}",
+        note(&c)
+    );
+    assert!(offers(&mut ex).is_empty(), "an expired approval sent it");
+    assert!(
+        inbox(&mut c, 60_003).is_empty(),
+        "an expired approval is still listed"
+    );
+    let (code, _) = error_of(&vote(
+        &mut c,
+        operator_named("bob", &[]),
+        60_003,
+        Decision::Approve,
+    ));
+    assert_eq!(
+        code,
+        estop_protocol::ErrorCode::NotPending,
+        "a vote after the expiry counted"
+    );
 }
 
 #[test]
@@ -498,7 +680,7 @@ fn an_operator_compensates_one_effect_of_a_killed_run() {
 }
 
 #[test]
-fn an_operator_asking_for_one_compensation_approves_it() {
+fn an_operator_asking_for_one_compensation_does_not_approve_it() {
     let mut c = core_with(policy(
         r#"
         [[rules]]
@@ -516,6 +698,10 @@ fn an_operator_asking_for_one_compensation_approves_it() {
     );
     operator(&mut c, 10, SagaAction::Compensate);
     fire(&mut c, 10);
+    assert!(offers(&mut ex).is_empty(), "asking for it approved it");
+    assert_eq!(inbox(&mut c, 11)[0].compensates.as_deref(), Some("refund"));
+    vote(&mut c, operator_named("bob", &[]), 12, Decision::Approve);
+    fire(&mut c, 12);
     let args = Some(serde_json::json!({"refund": "re_4", "amount": 5}));
     assert_eq!(offers(&mut ex), vec![(1, args)]);
 }

@@ -1,5 +1,6 @@
 //! The saga's steps the shell takes for the gate (`Command::SagaStep`): settling an unknown
-//! outcome by the tool's declared lookup, and finding that a due compensation cannot be issued.
+//! outcome by the tool's declared lookup, and finding that a due compensation cannot be issued
+//! (or must be approved first: `undo.rs`).
 //!
 //! A call a stopped run's agent left in flight and never reported (`Unreported`) becomes
 //! `unknown` once the gate's deadline after the stop has passed, and is settled the same way.
@@ -122,6 +123,18 @@ impl Gate {
             SagaStep::Unreported { after_ms } => {
                 self.unreported(now, p, run_id, key, *after_ms, ev)
             }
+            SagaStep::Held {
+                attempt,
+                quorum,
+                groups,
+                expiry_ms,
+                args,
+                reason,
+            } => {
+                let step = (*attempt, *quorum, groups.as_slice(), *expiry_ms);
+                self.hold_undo(now, p, run_id, key, step, args, reason, ev)
+            }
+            SagaStep::Expired { approval } => self.expire_undo(now, p, run_id, key, *approval, ev),
         }
     }
 

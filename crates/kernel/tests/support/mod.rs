@@ -261,6 +261,27 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
                 reason: opt("reason").unwrap_or("").into(),
             },
         },
+        "hold" => Command::SagaStep {
+            run: run(),
+            key: key(),
+            step: SagaStep::Held {
+                attempt: pos[2].parse().expect("attempt"),
+                quorum: opt("quorum").map_or(1, |q| q.parse().expect("quorum")),
+                groups: opt("groups")
+                    .map(|g| g.split(',').map(Into::into).collect())
+                    .unwrap_or_default(),
+                expiry_ms: opt("expiry").map_or(1000, |e| e.parse().expect("expiry")),
+                args: opt("args").map(Into::into),
+                reason: opt("reason").unwrap_or("policy").into(),
+            },
+        },
+        "expired" => Command::SagaStep {
+            run: run(),
+            key: key(),
+            step: SagaStep::Expired {
+                approval: pos[2].parse().expect("approval id"),
+            },
+        },
         "unreported" => Command::SagaStep {
             run: run(),
             key: key(),
@@ -448,6 +469,16 @@ pub fn render_state(gate: &Gate) -> String {
                 }
                 if let Some(by) = &c.by {
                     write!(s, " by={by}").unwrap();
+                }
+                if let Some(a) = &c.approval {
+                    let names: Vec<_> = a.approvers.iter().map(|a| a.name.to_string()).collect();
+                    write!(s, " undo_approval=#{} {}/{}", a.id, names.len(), a.quorum).unwrap();
+                    if !names.is_empty() {
+                        write!(s, " by {}", names.join(",")).unwrap();
+                    }
+                    if let Some(r) = &a.rejected_by {
+                        write!(s, " rejected_by={r}").unwrap();
+                    }
                 }
             }
             s.push('\n');

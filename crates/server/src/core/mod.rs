@@ -295,7 +295,9 @@ pub fn kernel_error(e: &KernelError) -> (ErrorCode, String) {
         | KernelError::InvalidState { .. }
         // A step of the reverse saga that is not due or not in a state the action takes
         // (docs/PROTOCOL.md, `conflict`): the message says what comes first.
-        | KernelError::Saga { .. } => ErrorCode::Conflict,
+        | KernelError::Saga { .. }
+        // The message names the approval to decide instead.
+        | KernelError::UndoAwaitsApproval { .. } => ErrorCode::Conflict,
         KernelError::IllegalTransition { .. } => ErrorCode::Internal,
     };
     (code, e.to_string())

@@ -3,7 +3,9 @@
 use super::*;
 
 /// One page of the inbox of `runs`: soonest to expire first, then by run and key, after
-/// `cursor`. Only the page's items are built; their arguments are shared, not copied.
+/// `cursor`. Only the page's items are built; their arguments are shared, not copied. A
+/// stopped run's compensating call awaiting approval is listed too (at most one per run: the
+/// saga's head), looked for only in runs that ever asked for an approval.
 pub(super) fn pending_page<'a>(
     runs: impl IntoIterator<Item = (&'a RunId, &'a estop_kernel::state::Run)>,
     cursor: Option<PendingCursor>,
@@ -11,6 +13,9 @@ pub(super) fn pending_page<'a>(
 ) -> wire::PendingReply {
     let mut held = Vec::new();
     for (id, r) in runs {
+        if let Some((k, e, a)) = estop_kernel::saga::run_held_approval(r) {
+            held.push((a.expires_at, id, k, e));
+        }
         if r.pending_approvals == 0 {
             continue;
         }
@@ -27,7 +32,8 @@ pub(super) fn pending_page<'a>(
     let mut reply = wire::PendingReply::default();
     let mut last = None;
     for &(expires_at, id, k, e) in &held[start..] {
-        let Some(item) = render::pending_item(id, k, e) else {
+        let item = render::pending_item(id, k, e).or_else(|| render::undo_pending_item(id, k, e));
+        let Some(item) = item else {
             continue;
         };
         if !page.take(item.weight()) {

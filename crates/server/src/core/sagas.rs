@@ -18,7 +18,9 @@
 //! (the forward call's arguments and idempotency key) claimed by a `LookupBegin` record, and
 //! answered with `looked_up`. A due compensation that cannot be issued — its arguments cannot
 //! be built, or the policy refuses the compensating call — is recorded `Blocked` at once and
-//! waits for a human; nothing is sent.
+//! waits for a human; nothing is sent. One a policy `approve` rule holds is recorded `Held`:
+//! an approval operators decide by quorum (`decide`, listed by `pending`); met, it is offered
+//! like any attempt; at its expiry unmet it is recorded `Expired` and waits for a human.
 
 use super::*;
 use estop_kernel::SagaStep;
@@ -36,6 +38,16 @@ pub(super) struct Executor {
     pub(super) tool: Option<estop_policy::ToolPattern>,
     pub(super) out: Outbox,
     pub(super) backlog: Arc<AtomicUsize>,
+}
+
+/// What becomes of a due compensating call (`Core::compensation_allowed`).
+enum Issue {
+    /// Sent, with these arguments.
+    Send(Option<Box<str>>),
+    /// Never sent as it stands: a human is asked, with why.
+    Blocked(String),
+    /// Held for an approval as the ruling says, with the arguments built and why.
+    Hold(estop_policy::Ruling, Option<Box<str>>, String),
 }
 
 /// `Offered::conn` of an attempt another node began (PostgreSQL store): no connection here.
@@ -215,6 +227,11 @@ impl Core {
                 }
                 (attempt, lookup)
             }
+            Next::Approval { id, expires_at } => {
+                self.offered.remove(run);
+                self.undo_expiry(run, &key, id, expires_at);
+                return;
+            }
             Next::InFlight | Next::Settle | Next::Human => {
                 self.offered.remove(run);
                 return;
@@ -286,27 +303,61 @@ impl Core {
         }
     }
 
+    /// The compensating call's approval `id` expires unmet at `expires_at`: recorded
+    /// (`Expired`, a human is asked) once that has passed; before, the run is looked at again
+    /// then. Votes come through `decide`, which makes the saga due again when they meet it.
+    fn undo_expiry(&mut self, run: &RunId, key: &EffectKey, id: u64, expires_at: u64) {
+        if expires_at > self.now {
+            self.saga_timers.insert((expires_at, run.clone()));
+            return;
+        }
+        let cmd = Command::SagaStep {
+            run: run.clone(),
+            key: key.clone(),
+            step: SagaStep::Expired { approval: id },
+        };
+        let _ = self.apply_reply(&system_principal(), cmd);
+    }
+
     /// Claims attempt `attempt` for executor `i`: its arguments built now and checked against
     /// the policy, its begin recorded. False when there is nothing to send: the call cannot be
     /// issued (recorded `Blocked` with the reason: a human is asked at once, since building it
-    /// again would fail again), or the kernel refused.
+    /// again would fail again), it must be approved first (recorded `Held`: an approval is
+    /// requested), or the kernel refused.
     fn begin(&mut self, run: &RunId, key: &EffectKey, attempt: u32, i: usize) -> bool {
         let principal = self.executors[i].principal.clone();
-        let args = self
-            .compensation_args(run, key)
-            .and_then(|args| self.compensation_allowed(run, key, &principal, args));
-        let args = match args {
+        let issue = match self.compensation_args(run, key) {
+            Ok(args) => self.compensation_allowed(run, key, &principal, args),
+            Err(why) => Issue::Blocked(why),
+        };
+        let step = match issue {
+            Issue::Send(args) => Ok(args),
+            Issue::Blocked(why) => Err(SagaStep::Blocked {
+                attempt,
+                reason: why.into_boxed_str(),
+            }),
+            Issue::Hold(ruling, args, why) => Err(SagaStep::Held {
+                attempt,
+                quorum: ruling.quorum,
+                groups: ruling
+                    .groups
+                    .into_iter()
+                    .map(String::into_boxed_str)
+                    .collect(),
+                expiry_ms: ruling.expiry_ms,
+                args,
+                reason: why.into_boxed_str(),
+            }),
+        };
+        let args = match step {
             Ok(args) => args,
-            Err(why) => {
-                let blocked = Command::SagaStep {
+            Err(step) => {
+                let cmd = Command::SagaStep {
                     run: run.clone(),
                     key: key.clone(),
-                    step: SagaStep::Blocked {
-                        attempt,
-                        reason: why.into_boxed_str(),
-                    },
+                    step,
                 };
-                let _ = self.apply_reply(&system_principal(), blocked);
+                let _ = self.apply_reply(&system_principal(), cmd);
                 return false;
             }
         };
@@ -332,18 +383,19 @@ impl Core {
 
     /// The compensating call, checked against the policy as any call is, with the arguments the
     /// saga built: a matching `deny` rule refuses it; a matching `approve` rule holds it for an
-    /// operator, whose `retry` (recorded, with who) is that approval. A tool no rule matches is
-    /// not refused by `unknown_tool`: naming it as the compensation is what declared it. No
-    /// policy (the core's tests): nothing is checked.
+    /// approval with the rule's quorum, groups and expiry (`saga::undo`), decided by operators'
+    /// votes as an admission's — once met, the call is sent. A tool no rule matches is not
+    /// refused by `unknown_tool`: naming it as the compensation is what declared it. No policy
+    /// (the core's tests): nothing is checked.
     fn compensation_allowed(
         &self,
         run: &RunId,
         key: &EffectKey,
         principal: &Principal,
         args: Option<Box<str>>,
-    ) -> Result<Option<Box<str>>, String> {
+    ) -> Issue {
         let Some(policy) = &self.opts.compensation_policy else {
-            return Ok(args);
+            return Issue::Send(args);
         };
         let e = self.effect(run, key);
         let tool = e
@@ -351,27 +403,35 @@ impl Core {
             .as_ref()
             .expect("a saga member names its compensation");
         let value: serde_json::Value = match args.as_deref() {
-            Some(a) => serde_json::from_str(a).map_err(|e| e.to_string())?,
+            Some(a) => match serde_json::from_str(a) {
+                Ok(v) => v,
+                Err(err) => return Issue::Blocked(err.to_string()),
+            },
             None => serde_json::Value::Object(Default::default()),
         };
-        let ruling = policy
-            .evaluate(tool, Some(&value), principal.name.as_str())
-            .map_err(|err| {
-                format!("the policy cannot evaluate the compensating call {tool}: {err}")
-            })?;
+        let ruling = match policy.evaluate(tool, Some(&value), principal.name.as_str()) {
+            Ok(r) => r,
+            Err(err) => {
+                return Issue::Blocked(format!(
+                    "the policy cannot evaluate the compensating call {tool}: {err}"
+                ));
+            }
+        };
         if !ruling.matched {
-            return Ok(args);
+            return Issue::Send(args);
         }
-        let approved = e.saga.as_ref().is_some_and(|c| c.by.is_some());
         match ruling.action {
-            PolicyAction::Allow => Ok(args),
-            PolicyAction::Approve if approved => Ok(args),
-            PolicyAction::Approve => Err(format!(
-                "policy rule {:?} requires approval of the compensating call {tool}: an \
-                 operator's retry approves it",
-                ruling.rule
-            )),
-            PolicyAction::Deny => Err(format!(
+            PolicyAction::Allow => Issue::Send(args),
+            PolicyAction::Approve if saga::approved(e) => Issue::Send(args),
+            PolicyAction::Approve => {
+                let why = format!(
+                    "policy rule {:?} requires approval of the compensating call {tool} (a \
+                     quorum of {})",
+                    ruling.rule, ruling.quorum
+                );
+                Issue::Hold(ruling, args, why)
+            }
+            PolicyAction::Deny => Issue::Blocked(format!(
                 "policy rule {:?} denies the compensating call {tool}",
                 ruling.rule
             )),
