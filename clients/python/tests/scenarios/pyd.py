@@ -138,6 +138,45 @@ def replay(t: Trial, guarded: bool) -> int:
     return t.world.count("charge") - 1
 
 
+def restart_pause(t: Trial, guarded: bool) -> int:
+    """A restart during the pause (see common.EXTRA_CLASSES): the approval is PydanticAI's
+    deferred tool call (`requires_approval`; with estop: estop's hold deferred the same way,
+    `on_hold="defer"`), saved as the message history; after the approval worker A resumes with
+    `DeferredToolResults`, the transfer runs and the model call after it fails (the worker dies
+    before it can save the finished run); the job is redelivered and worker B resumes again."""
+
+    def worker(turns: list[Any]) -> Agent:
+        agent: Agent = Agent(_script(turns), output_type=[str, DeferredToolRequests])
+
+        @agent.tool_plain(requires_approval=not guarded)
+        def wire_money(to: str, amount: int) -> str:
+            t.world.do("wire", amount)
+            return "wired"
+
+        if guarded:
+            ep.gate_agent(agent, on_hold="defer")
+        return agent
+
+    async def go(agent: Agent, prompt: str | None = None, **kw: Any) -> Any:
+        return await (ep.run(agent, prompt, gate=t.gate, run_id=t.run_id, **kw) if guarded else agent.run(prompt, **kw))
+
+    async def main() -> None:
+        r = await go(worker([[ToolCallPart("wire_money", {"to": "acct-9", "amount": 100}, tool_call_id="w1")]]), "pay")
+        assert isinstance(r.output, DeferredToolRequests), "expected the approval pause"
+        saved = r.all_messages()  # the saved job: the history and (below) the approval
+        if guarded:
+            await asyncio.to_thread(t.operator.approve, t.run_id, t.pending("wire_money")["key"])
+        ok = DeferredToolResults(approvals={"w1": True})
+        for turns in ([ConnectionError("worker lost")], []):  # worker A dies, worker B
+            try:
+                await go(worker(turns), message_history=saved, deferred_tool_results=ok)
+            except ConnectionError:
+                pass
+
+    asyncio.run(main())
+    return t.world.count("wire") - 1
+
+
 def cancel_thread(t: Trial, guarded: bool) -> int:
     fx = effects(t, guarded)
     done = threading.Event()
@@ -266,4 +305,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"operator_cancel": operator_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue, "timeout_retry": timeout_retry}
+SCENARIOS = {"restart_pause": restart_pause, "operator_cancel": operator_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue, "timeout_retry": timeout_retry}
