@@ -8,7 +8,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults
+from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, RunContext
+from pydantic_ai.exceptions import RunCancelled
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
@@ -228,6 +229,46 @@ def operator_cancel(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
+def framework_cancel(t: Trial, guarded: bool) -> int:
+    """PydanticAI's own stop, `RunContext.cancel()` (here from a second tool of the turn, a
+    guard that stops the run once the refund started), while a sync tool is mid-work in its
+    thread; the run ends with `RunCancelled`."""
+    fx = effects(t, guarded)
+    started, done = threading.Event(), threading.Event()
+
+    def register(agent: Agent) -> None:
+        @agent.tool_plain
+        def refund(amount: int) -> str:
+            started.set()
+            try:
+                time.sleep(TOOL_DELAY_S)
+                return swallow_refusal(fx["charge"], -amount)
+            finally:
+                done.set()
+
+        @agent.tool
+        async def stop_run(ctx: RunContext[None]) -> str:
+            while not started.is_set():
+                await asyncio.sleep(0.005)
+            ctx.cancel()
+            await asyncio.sleep(1)  # the cancel arrives here
+            return "not stopped"
+
+    turn = [ToolCallPart("refund", {"amount": 42}, tool_call_id="c1"), ToolCallPart("stop_run", {}, tool_call_id="s1")]
+    agent = _agent([turn], guarded, register)
+
+    async def main() -> None:
+        try:
+            await (ep.run(agent, "refund", gate=t.gate, run_id=t.run_id) if guarded else agent.run("refund"))
+            raise AssertionError("expected RunCancelled")
+        except RunCancelled:
+            t.world.mark("stopped")
+
+    asyncio.run(main())
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
 def cancel_async(t: Trial, guarded: bool) -> int:
     fx = effects(t, guarded)
     started = threading.Event()
@@ -305,4 +346,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"restart_pause": restart_pause, "operator_cancel": operator_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue, "timeout_retry": timeout_retry}
+SCENARIOS = {"framework_cancel": framework_cancel, "restart_pause": restart_pause, "operator_cancel": operator_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue, "timeout_retry": timeout_retry}
