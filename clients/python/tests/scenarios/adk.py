@@ -8,20 +8,21 @@ import threading
 import time
 from typing import Any
 
+from google.adk.sessions import InMemorySessionService
 from google.adk.tools import FunctionTool
 from google.genai import types
 
 import estop
 from estop.adapters import google_adk as eadk
 
-from .adk_support import call, runner, user
-from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, effects, interrupt_then_continue, leaks_after, swallow_refusal
+from .adk_support import ScriptedLlm, call, runner, user
+from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, effects, interrupt_then_continue, leaks_after, stop_mid_tool, swallow_refusal
 
 
-def _runner(t: Trial, guarded: bool, steps: list[Any], tools: list[Any], *, approval: set[str] = frozenset(), effects_map: dict[str, str] | None = None) -> Any:
+def _runner(t: Trial, guarded: bool, steps: list[Any], tools: list[Any], *, approval: set[str] = frozenset(), effects_map: dict[str, str] | None = None, **kw: Any) -> Any:
     if guarded:
-        return runner(steps, tools, [eadk.EstopPlugin(approval=approval, effects=effects_map)])
-    return runner(steps, [FunctionTool(f, require_confirmation=True) if f.__name__ in approval else f for f in tools], [])
+        return runner(steps, tools, [eadk.EstopPlugin(approval=approval, effects=effects_map)], **kw)
+    return runner(steps, [FunctionTool(f, require_confirmation=True) if f.__name__ in approval else f for f in tools], [], **kw)
 
 
 async def _go(t: Trial, guarded: bool, r: Any, message: Any, session: Any = None, **kw: Any) -> tuple[list[Any], Any]:
@@ -159,6 +160,85 @@ def cancel_thread(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
+class DyingSessions(InMemorySessionService):  # type: ignore[misc]
+    """The durable session store both workers share. A worker that died (`dead`) saves nothing
+    more: what it did after dying is lost, as with a killed process."""
+
+    dead = False
+
+    async def append_event(self, session: Any, event: Any) -> Any:
+        return event if self.dead else await super().append_event(session, event)
+
+
+def restart_pause(t: Trial, guarded: bool) -> int:
+    """A restart during the pause (see common.EXTRA_CLASSES): the approval is ADK's tool
+    confirmation (with estop: estop's hold, the same confirmation) saved in the session store;
+    after the approval worker A sends the answer, the transfer runs and the worker dies right
+    after it (nothing after is saved; its next model call fails); the job (the answer) is
+    redelivered and worker B sends it again over the same session."""
+    sessions = DyingSessions()
+    crash = [True]
+
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        t.world.do("wire", amount)
+        if crash:
+            sessions.dead = crash.pop()  # worker A dies right after the transfer
+        return "wired"
+
+    class Dying(ScriptedLlm):  # the model: fails once the worker died
+        async def generate_content_async(self, llm_request: Any, stream: bool = False) -> Any:
+            if sessions.dead:
+                raise ConnectionError("worker lost")
+            async for r in super().generate_content_async(llm_request, stream):
+                yield r
+
+    def worker(steps: list[Any]) -> Any:
+        return _runner(t, guarded, steps, [wire_money], approval={"wire_money"}, sessions=sessions, llm=Dying)
+
+    async def main() -> None:
+        evs, s = await _go(t, guarded, worker([[call("wire_money", "w1", to="acct-9", amount=100)]]), user("pay"))
+        if guarded:
+            p = await asyncio.to_thread(t.pending, "wire_money")
+            await asyncio.to_thread(t.operator.approve, t.run_id, p["key"])
+            answers = types.Content(role="user", parts=await eadk.resolve(evs, gate=t.gate, run_id=t.run_id, timeout_s=10))
+        else:
+            answers = _answer(evs, True)  # the human approved (the answer is the saved job)
+        assert answers.parts, "expected the approval pause"
+        for _ in range(2):  # worker A (dies after the transfer), then worker B (redelivered)
+            try:
+                await _go(t, guarded, worker([]), answers, s)
+            except ConnectionError:
+                sessions.dead = False  # the next worker saves again
+
+    asyncio.run(main())
+    return t.world.count("wire") - 1
+
+
+def operator_cancel(t: Trial, guarded: bool) -> int:
+    """The run is stopped while a blocking refund runs in a worker thread (ADK has no stop of its
+    own: without estop the application's task cancel around the run)."""
+    fx = effects(t, guarded)
+    started, done = threading.Event(), threading.Event()
+
+    def slow_refund(amount: int) -> str:
+        started.set()
+        try:
+            time.sleep(TOOL_DELAY_S)
+            return str(swallow_refusal(fx["charge"], -amount))
+        finally:
+            done.set()
+
+    async def refund(amount: int) -> str:
+        """Refund through a blocking SDK, run in a worker thread."""
+        return await asyncio.to_thread(slow_refund, amount)
+
+    r = _runner(t, guarded, [[call("refund", "c1", amount=42)]], [refund])
+    asyncio.run(stop_mid_tool(t, guarded, started, _go(t, guarded, r, user("refund"))))
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
 def cancel_async(t: Trial, guarded: bool) -> int:
     """An async refund whose write is shielded lands after the task was cancelled."""
     fx = effects(t, guarded)
@@ -212,4 +292,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"restart_pause": restart_pause, "operator_cancel": operator_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

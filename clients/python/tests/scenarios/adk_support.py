@@ -37,8 +37,8 @@ def user(text: str) -> types.Content:
     return types.Content(role="user", parts=[types.Part(text=text)])
 
 
-def runner(steps: list[Any], tools: list[Any], plugins: list[Any], sessions: Any = None, on_user: dict[str, list[Any]] | None = None) -> Runner:
-    agent = LlmAgent(name="ops", model=ScriptedLlm(model="scripted", steps=list(steps), on_user=dict(on_user or {})), tools=tools)
+def runner(steps: list[Any], tools: list[Any], plugins: list[Any], sessions: Any = None, on_user: dict[str, list[Any]] | None = None, llm: type[ScriptedLlm] = ScriptedLlm) -> Runner:
+    agent = LlmAgent(name="ops", model=llm(model="scripted", steps=list(steps), on_user=dict(on_user or {})), tools=tools)
     return Runner(app_name="ops", agent=agent, session_service=sessions or InMemorySessionService(), plugins=plugins)
 
 

@@ -24,7 +24,7 @@ from langgraph.types import Command
 import estop
 from estop.adapters import langchain as elc
 
-from .common import NEXT_TURN_AMOUNT, TOOL_DELAY_S, Trial, effects, interrupt_then_continue, leaks_after, swallow_refusal
+from .common import NEXT_TURN_AMOUNT, TOOL_DELAY_S, Trial, effects, interrupt_then_continue, leaks_after, stop_mid_tool, swallow_refusal
 
 
 class Scripted(FakeMessagesListChatModel):
@@ -118,6 +118,68 @@ def replay(t: Trial, guarded: bool) -> int:
     return t.world.count("charge") - 1
 
 
+class DyingSaver(InMemorySaver):
+    """The durable checkpoint store both workers share. A worker that died (`dead`) saves
+    nothing more: what it did after dying is lost, as with a killed process."""
+
+    dead = False
+
+    def put(self, config: Any, *a: Any, **kw: Any) -> Any:
+        return config if self.dead else super().put(config, *a, **kw)
+
+    def put_writes(self, *a: Any, **kw: Any) -> None:
+        if not self.dead:
+            super().put_writes(*a, **kw)
+
+
+def restart_pause(t: Trial, guarded: bool) -> int:
+    """A restart during the pause (see common.EXTRA_CLASSES): the approval is LangChain's
+    `HumanInTheLoopMiddleware` interrupt (with estop: estop's hold, the same `interrupt()`), saved
+    by the checkpointer; after the approval worker A resumes, the transfer runs and the worker
+    dies right after it (nothing after is saved; its next model call fails); the job is redelivered and worker B resumes the same
+    thread from the saved pause."""
+
+    saver = DyingSaver()
+    crash = [True]
+
+    @tool
+    def wire_money(to: str, amount: int) -> str:
+        """Wire money."""
+        t.world.do("wire", amount)
+        if crash:
+            saver.dead = crash.pop()  # worker A dies right after the transfer
+        return "wired"
+
+    class Lost(Scripted):
+        def _generate(self, messages: Any, *a: Any, **kw: Any) -> Any:
+            if saver.dead:
+                raise ConnectionError("worker lost")
+            return super()._generate(messages, *a, **kw)
+    turns = [calls(("wire_money", "w1", {"to": "acct-9", "amount": 100}))]
+
+    def worker(responses: list[Any]) -> Any:
+        if guarded:
+            mw: list[Any] = [elc.EstopMiddleware(approval={"wire_money"})]
+        else:
+            mw = [HumanInTheLoopMiddleware(interrupt_on={"wire_money": True})]
+        graph = create_agent(Lost(responses=responses), tools=[wire_money], middleware=mw, checkpointer=saver)
+        return elc.EstopAgent(graph, t.gate) if guarded else graph
+
+    cfg = _cfg(t)
+    out = worker(turns).invoke({"messages": [("user", "pay")]}, cfg)
+    assert "__interrupt__" in out, "expected the approval pause"
+    approve = {"decisions": [{"type": "approve"}]}
+    if guarded:
+        t.operator.approve(t.run_id, t.pending("wire_money")["key"])
+    for _ in range(2):  # worker A (dies saving), then worker B (the job redelivered)
+        w = worker([AIMessage(content="done")])
+        try:
+            w.resume(cfg) if guarded else w.invoke(Command(resume=approve), cfg)
+        except ConnectionError:
+            saver.dead = False  # the next worker saves again
+    return t.world.count("wire") - 1
+
+
 def cancel_thread(t: Trial, guarded: bool) -> int:
     """A blocking refund in ToolNode's worker thread lands after the run's timeout returned."""
     fx = effects(t, guarded)
@@ -142,6 +204,28 @@ def cancel_thread(t: Trial, guarded: bool) -> int:
             t.world.mark("stopped")
 
     asyncio.run(main())
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
+def operator_cancel(t: Trial, guarded: bool) -> int:
+    """The run is stopped while a sync tool is mid-work in ToolNode's thread (LangChain has no
+    stop of its own: without estop the application's task cancel around `ainvoke`)."""
+    fx = effects(t, guarded)
+    started, done = threading.Event(), threading.Event()
+
+    @tool
+    def refund(amount: int) -> str:
+        """Refund through a blocking SDK."""
+        started.set()
+        try:
+            time.sleep(TOOL_DELAY_S)
+            return str(swallow_refusal(fx["charge"], -amount))
+        finally:
+            done.set()
+
+    agent = _agent(t, [calls(("refund", "c1", {"amount": 42})), AIMessage(content="done")], [refund], guarded)
+    asyncio.run(stop_mid_tool(t, guarded, started, agent.ainvoke({"messages": [("user", "refund")]}, _cfg(t))))
     done.wait(5)
     return leaks_after(t.world, "charge", "stopped")
 
@@ -202,4 +286,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"restart_pause": restart_pause, "operator_cancel": operator_cancel, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

@@ -15,7 +15,7 @@ from langgraph.types import Command, interrupt
 import estop
 from estop.adapters import langgraph as el
 
-from .common import NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, DECIDE_AFTER_S, Trial, interrupt_then_continue, leaks_after
+from .common import NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, DECIDE_AFTER_S, Trial, interrupt_then_continue, leaks_after, stop_mid_tool
 
 
 class S(TypedDict):
@@ -222,6 +222,30 @@ def cancel_thread(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
+def operator_cancel(t: Trial, guarded: bool) -> int:
+    """The run is stopped while a sync node runs in a worker thread (LangGraph has no stop of its
+    own: without estop the application's task cancel around `ainvoke`)."""
+    fx = _effects(t, guarded)
+    started, done = threading.Event(), threading.Event()
+
+    def slow_refund(state: S) -> dict:
+        started.set()
+        try:
+            time.sleep(TOOL_DELAY_S)
+            fx["charge"](-42)
+        except estop.Refused:
+            pass
+        finally:
+            done.set()
+        return {"log": ["refund"]}
+
+    graph = _graph({"refund": slow_refund}, [(START, "refund"), ("refund", END)])
+    runner: Any = el.EstopGraph(graph, t.gate) if guarded else graph
+    asyncio.run(stop_mid_tool(t, guarded, started, runner.ainvoke({"log": []}, _cfg(t))))
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
 def cancel_async(t: Trial, guarded: bool) -> int:
     fx = _effects(t, guarded)
     started = threading.Event()
@@ -295,7 +319,7 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"restart_pause": restart_pause, 
+SCENARIOS = {"operator_cancel": operator_cancel, "restart_pause": restart_pause, 
     "sibling": sibling,
     "reject": reject,
     "replay": replay,

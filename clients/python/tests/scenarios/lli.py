@@ -4,6 +4,7 @@ estop.adapters.llamaindex. Workflows have no model of their own; the steps are t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from typing import Any
@@ -15,7 +16,7 @@ from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, Star
 import estop
 from estop.adapters import llamaindex as eli
 
-from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, swallow_refusal
+from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, stop_mid_tool, swallow_refusal
 
 
 class WireEv(Event):
@@ -192,6 +193,54 @@ def cancel_thread(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
+def _slow_refund(t: Trial, guarded: bool) -> tuple[Any, threading.Event, threading.Event]:
+    """A workflow whose sync step (run in a worker thread) refunds through a slow API."""
+    fx = effects(t, guarded)
+    started, done = threading.Event(), threading.Event()
+
+    class W(Workflow):
+        @step
+        def refund(self, ev: StartEvent) -> StopEvent:
+            started.set()
+            try:
+                time.sleep(TOOL_DELAY_S)
+                swallow_refusal(fx["charge"], -42)
+            finally:
+                done.set()
+            return StopEvent(result="refunded")
+
+    return W(timeout=10), started, done
+
+
+def operator_cancel(t: Trial, guarded: bool) -> int:
+    wf, started, done = _slow_refund(t, guarded)
+
+    async def run() -> Any:
+        return await _start(t, guarded, wf)
+
+    asyncio.run(stop_mid_tool(t, guarded, started, run()))
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
+def framework_cancel(t: Trial, guarded: bool) -> int:
+    """The workflow's own stop, `handler.cancel_run()`, while the step's thread is mid-work."""
+    wf, started, done = _slow_refund(t, guarded)
+
+    async def main() -> None:
+        handler = _start(t, guarded, wf)
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        await handler.cancel_run()
+        t.world.mark("stopped")
+        with contextlib.suppress(Exception):
+            await handler
+
+    asyncio.run(main())
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
 def cancel_async(t: Trial, guarded: bool) -> int:
     fx = effects(t, guarded)
     started = threading.Event()
@@ -247,4 +296,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"operator_cancel": operator_cancel, "framework_cancel": framework_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

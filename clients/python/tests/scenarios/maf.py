@@ -14,7 +14,7 @@ from agent_framework._tools import FunctionInvocationLayer
 
 from estop.adapters import agent_framework as eaf
 
-from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, swallow_refusal
+from .common import DECIDE_AFTER_S, NEXT_TURN_AMOUNT, SIBLING_WORK_S, TOOL_DELAY_S, Trial, aswallow_refusal, effects, interrupt_then_continue, leaks_after, stop_mid_tool, swallow_refusal
 
 
 class ScriptedChatClient(FunctionInvocationLayer, ChatMiddlewareLayer, BaseChatClient):
@@ -238,6 +238,35 @@ def cancel_thread(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
+def operator_cancel(t: Trial, guarded: bool) -> int:
+    """The run is stopped while a blocking refund runs in a worker thread (Agent Framework has
+    no stop of its own: without estop the application's task cancel)."""
+    fx = effects(t, guarded)
+    started, done = threading.Event(), threading.Event()
+
+    def slow_refund(amount: int) -> str:
+        started.set()
+        try:
+            time.sleep(TOOL_DELAY_S)
+            return swallow_refusal(fx["charge"], -amount)
+        finally:
+            done.set()
+
+    @tool
+    async def refund(amount: int) -> str:
+        """Refund through a blocking SDK, run in a worker thread."""
+        return await asyncio.to_thread(slow_refund, amount)
+
+    agent = _agent([[call("refund", "c1", amount=42)]], [refund], guarded)
+
+    async def run() -> Any:
+        return await (eaf.run(agent, "refund", gate=t.gate, run_id=t.run_id) if guarded else agent.run("refund"))
+
+    asyncio.run(stop_mid_tool(t, guarded, started, run()))
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
 def cancel_async(t: Trial, guarded: bool) -> int:
     fx = effects(t, guarded)
     started = threading.Event()
@@ -293,4 +322,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"restart_pause": restart_pause, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"operator_cancel": operator_cancel, "restart_pause": restart_pause, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

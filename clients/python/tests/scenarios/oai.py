@@ -200,6 +200,35 @@ def restart_pause(t: Trial, guarded: bool) -> int:
     return t.world.count("wire") - 1
 
 
+def timeout_retry(t: Trial, guarded: bool) -> int:
+    """The SDK's own tool timeout (`@function_tool(timeout=...)`, async tools only) on an async
+    tool whose blocking payment call runs in a worker thread: the timeout returns an error to
+    the model, the thread goes on and charges, and the model retries the call. The tool call is
+    the effect (`eo.gate_tools`). Leak: extra charges."""
+    threads = []
+
+    def slow_charge(amount: int) -> str:
+        threads.append(1)
+        try:
+            time.sleep(TOOL_DELAY_S)  # a slow payment API: past the SDK's timeout
+            t.world.do("charge", amount)
+            return "ch_42"
+        finally:
+            threads.pop()
+
+    @function_tool(timeout=TOOL_DELAY_S / 3)
+    async def charge(amount: int) -> str:
+        """Charge the customer."""
+        return await asyncio.to_thread(slow_charge, amount)
+
+    step = lambda cid: ModelStep(output=[function_call("charge", {"amount": 42}, call_id=cid)])  # noqa: E731
+    agent = _agent([charge], [step("c1"), step("c2"), _done()], guarded)  # the model retries the charge
+    asyncio.run(eo.run(agent, "charge", gate=t.gate, run_id=t.run_id) if guarded else Runner.run(agent, "charge"))
+    time.sleep(0.01)
+    t.wait_for(lambda: not threads)  # every abandoned thread has finished
+    return t.world.count("charge") - 1
+
+
 def cancel_thread(t: Trial, guarded: bool) -> int:
     fx = effects(t, guarded)
     done = threading.Event()
@@ -337,4 +366,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"operator_cancel": operator_cancel, "framework_cancel": framework_cancel, "restart_pause": restart_pause, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"timeout_retry": timeout_retry, "operator_cancel": operator_cancel, "framework_cancel": framework_cancel, "restart_pause": restart_pause, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

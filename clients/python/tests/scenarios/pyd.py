@@ -8,7 +8,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults
+from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, RunContext
+from pydantic_ai.exceptions import RunCancelled
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
@@ -138,6 +139,45 @@ def replay(t: Trial, guarded: bool) -> int:
     return t.world.count("charge") - 1
 
 
+def restart_pause(t: Trial, guarded: bool) -> int:
+    """A restart during the pause (see common.EXTRA_CLASSES): the approval is PydanticAI's
+    deferred tool call (`requires_approval`; with estop: estop's hold deferred the same way,
+    `on_hold="defer"`), saved as the message history; after the approval worker A resumes with
+    `DeferredToolResults`, the transfer runs and the model call after it fails (the worker dies
+    before it can save the finished run); the job is redelivered and worker B resumes again."""
+
+    def worker(turns: list[Any]) -> Agent:
+        agent: Agent = Agent(_script(turns), output_type=[str, DeferredToolRequests])
+
+        @agent.tool_plain(requires_approval=not guarded)
+        def wire_money(to: str, amount: int) -> str:
+            t.world.do("wire", amount)
+            return "wired"
+
+        if guarded:
+            ep.gate_agent(agent, on_hold="defer")
+        return agent
+
+    async def go(agent: Agent, prompt: str | None = None, **kw: Any) -> Any:
+        return await (ep.run(agent, prompt, gate=t.gate, run_id=t.run_id, **kw) if guarded else agent.run(prompt, **kw))
+
+    async def main() -> None:
+        r = await go(worker([[ToolCallPart("wire_money", {"to": "acct-9", "amount": 100}, tool_call_id="w1")]]), "pay")
+        assert isinstance(r.output, DeferredToolRequests), "expected the approval pause"
+        saved = r.all_messages()  # the saved job: the history and (below) the approval
+        if guarded:
+            await asyncio.to_thread(t.operator.approve, t.run_id, t.pending("wire_money")["key"])
+        ok = DeferredToolResults(approvals={"w1": True})
+        for turns in ([ConnectionError("worker lost")], []):  # worker A dies, worker B
+            try:
+                await go(worker(turns), message_history=saved, deferred_tool_results=ok)
+            except ConnectionError:
+                pass
+
+    asyncio.run(main())
+    return t.world.count("wire") - 1
+
+
 def cancel_thread(t: Trial, guarded: bool) -> int:
     fx = effects(t, guarded)
     done = threading.Event()
@@ -185,6 +225,46 @@ def operator_cancel(t: Trial, guarded: bool) -> int:
     agent = _agent([[ToolCallPart("refund", {"amount": 42}, tool_call_id="c1")]], guarded, register)
     run = ep.run(agent, "refund", gate=t.gate, run_id=t.run_id) if guarded else agent.run("refund")
     asyncio.run(stop_mid_tool(t, guarded, started, run))
+    done.wait(5)
+    return leaks_after(t.world, "charge", "stopped")
+
+
+def framework_cancel(t: Trial, guarded: bool) -> int:
+    """PydanticAI's own stop, `RunContext.cancel()` (here from a second tool of the turn, a
+    guard that stops the run once the refund started), while a sync tool is mid-work in its
+    thread; the run ends with `RunCancelled`."""
+    fx = effects(t, guarded)
+    started, done = threading.Event(), threading.Event()
+
+    def register(agent: Agent) -> None:
+        @agent.tool_plain
+        def refund(amount: int) -> str:
+            started.set()
+            try:
+                time.sleep(TOOL_DELAY_S)
+                return swallow_refusal(fx["charge"], -amount)
+            finally:
+                done.set()
+
+        @agent.tool
+        async def stop_run(ctx: RunContext[None]) -> str:
+            while not started.is_set():
+                await asyncio.sleep(0.005)
+            ctx.cancel()
+            await asyncio.sleep(1)  # the cancel arrives here
+            return "not stopped"
+
+    turn = [ToolCallPart("refund", {"amount": 42}, tool_call_id="c1"), ToolCallPart("stop_run", {}, tool_call_id="s1")]
+    agent = _agent([turn], guarded, register)
+
+    async def main() -> None:
+        try:
+            await (ep.run(agent, "refund", gate=t.gate, run_id=t.run_id) if guarded else agent.run("refund"))
+            raise AssertionError("expected RunCancelled")
+        except RunCancelled:
+            t.world.mark("stopped")
+
+    asyncio.run(main())
     done.wait(5)
     return leaks_after(t.world, "charge", "stopped")
 
@@ -266,4 +346,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"operator_cancel": operator_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue, "timeout_retry": timeout_retry}
+SCENARIOS = {"framework_cancel": framework_cancel, "restart_pause": restart_pause, "operator_cancel": operator_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue, "timeout_retry": timeout_retry}
