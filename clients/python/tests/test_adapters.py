@@ -328,18 +328,20 @@ def test_pydantic_ai_timed_out_thread_tool_is_unknown_then_settled(gate, daemon,
 def _oai_timed_out_charge(charged: list, finished: threading.Event):
     """An async tool past the SDK's own timeout (`@function_tool(timeout=…)`) whose blocking
     payment call runs in `asyncio.to_thread`: the timeout cancels the coroutine, not the thread,
-    which charges 0.3 s later (amount 42 only; other amounts are quick)."""
+    which charges 0.9 s later (amount 42 only; other amounts are quick). The timeout (0.3 s) also
+    bounds the gate's round trips before the body: generous, so a loaded machine still times
+    out inside the body."""
     from agents import function_tool
 
     def pay(amount: int) -> str:
         if amount == 42:
-            time.sleep(0.3)  # a slow payment API
+            time.sleep(0.9)  # a slow payment API
         charged.append(amount)
         if amount == 42:
             finished.set()
         return f"ch_{amount}"
 
-    @function_tool(timeout=0.05)
+    @function_tool(timeout=0.3)
     async def charge(amount: int) -> str:
         """Charge the customer."""
         return await asyncio.to_thread(pay, amount)
