@@ -325,6 +325,112 @@ def test_pydantic_ai_timed_out_thread_tool_is_unknown_then_settled(gate, daemon,
     assert len(rep["done"]) == 1 and rep["unknown"] == [] and rep["in_flight"] == [], rep
 
 
+def _oai_timed_out_charge(charged: list, finished: threading.Event):
+    """An async tool past the SDK's own timeout (`@function_tool(timeout=…)`) whose blocking
+    payment call runs in `asyncio.to_thread`: the timeout cancels the coroutine, not the thread,
+    which charges 0.9 s later (amount 42 only; other amounts are quick). The timeout (0.3 s) also
+    bounds the gate's round trips before the body: generous, so a loaded machine still times
+    out inside the body."""
+    from agents import function_tool
+
+    def pay(amount: int) -> str:
+        if amount == 42:
+            time.sleep(0.9)  # a slow payment API
+        charged.append(amount)
+        if amount == 42:
+            finished.set()
+        return f"ch_{amount}"
+
+    @function_tool(timeout=0.3)
+    async def charge(amount: int) -> str:
+        """Charge the customer."""
+        return await asyncio.to_thread(pay, amount)
+
+    return charge
+
+
+def _oai_outputs(result) -> dict:
+    def call_id(raw):
+        return raw.get("call_id") if isinstance(raw, dict) else getattr(raw, "call_id", None)
+
+    return {call_id(i.raw_item): i.output for i in result.new_items if getattr(i, "type", "") == "tool_call_output_item"}
+
+
+def test_openai_agents_timed_out_tool_is_unknown_and_its_retry_is_not_a_new_effect(gate, daemon, run_id):
+    """Regression (the Agents SDK timeout_retry leak): the SDK's tool timeout cancelled the tool
+    coroutine and told the model (`error_as_result`); the thread charged; the model's retry (a new
+    call id) was gated as a new effect and charged again. Now the timed-out call is `unknown`
+    (never `error`), the retry with the same arguments takes its key and is refused in doubt
+    (an output the model reads), other arguments are a new call, and once an operator settles the
+    call a later retry gets the settled result, still without charging."""
+    from agents import Agent
+    from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+    from estop.adapters import openai_agents as eo
+
+    charged: list = []
+    finished = threading.Event()
+    tools = eo.gate_tools([_oai_timed_out_charge(charged, finished)])
+
+    def step(cid, amount):
+        return ModelStep(output=[function_call("charge", {"amount": amount}, call_id=cid)])
+
+    done = ModelStep(output=[assistant_message("done")])
+    agent = Agent(name="a", model=ScriptedModel([step("c1", 42), step("c2", 42), step("c3", 7), done]), tools=tools)
+    out = _oai_outputs(asyncio.run(eo.run(agent, "charge", gate=gate, run_id=run_id)))
+    assert finished.wait(5)
+    assert "timed out" in out["c1"], out
+    assert "may still have happened" in out["c2"] and "do not retry" in out["c2"], out
+    assert out["c3"] == "ch_7", "other arguments are a new call"
+    assert sorted(charged) == [7, 42], "the model's retry of the timed-out call charged again"
+    rep = daemon.operator.report(run_id)
+    assert rep["failed"] == [] and [e["tool"] for e in rep["unknown"]] == ["charge"], "a timed-out call is `unknown`, never `error`"
+    assert len(rep["done"]) == 1 and rep["in_flight"] == [], rep
+
+    # An operator finds the payment and settles the call: the next retry (a later turn of the
+    # same run) reads that result instead of charging.
+    key = rep["unknown"][0]["key"]
+    daemon.operator.call("saga", run=run_id, key=key, action="settle", outcome="ok", result="ch_42")
+    agent = Agent(name="a", model=ScriptedModel([step("c4", 42), done]), tools=tools)
+    out = _oai_outputs(asyncio.run(eo.run(agent, "charge again", gate=gate, run_id=run_id)))
+    assert out["c4"] == "ch_42", out
+    assert sorted(charged) == [7, 42]
+    rep = daemon.operator.report(run_id)
+    assert len(rep["done"]) == 2 and rep["unknown"] == [], rep
+
+
+def test_openai_agents_retry_of_a_timed_out_call_after_a_cancel_runs_nothing(gate, daemon, run_id):
+    """After an operator's cancel of the run, the retry of a timed-out call still takes that
+    call's key and asks the gate, which answers a known key from its record (the in-doubt
+    outcome, as it answers any repeat with its receipt): nothing runs, and the next new effect
+    of the run (other arguments) is refused (`RunStopped`). (Before the fix the retry itself was
+    a new effect, refused by the stop.)"""
+    from agents import Agent
+    from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+    from estop.adapters import openai_agents as eo
+
+    charged: list = []
+    finished = threading.Event()
+    tools = eo.gate_tools([_oai_timed_out_charge(charged, finished)])
+
+    def step(cid, amount):
+        return ModelStep(output=[function_call("charge", {"amount": amount}, call_id=cid)])
+
+    agent = Agent(name="a", model=ScriptedModel([step("c1", 42), ModelStep(output=[assistant_message("later")])]), tools=tools)
+    asyncio.run(eo.run(agent, "charge", gate=gate, run_id=run_id))
+    assert finished.wait(5) and charged == [42]
+    daemon.operator.cancel(run_id, "stop everything")
+    agent = Agent(name="a", model=ScriptedModel([step("c2", 42), step("c3", 7), ModelStep(output=[assistant_message("done")])]), tools=tools)
+    with pytest.raises(estop.RunStopped) as stopped:
+        asyncio.run(eo.run(agent, "charge again", gate=gate, run_id=run_id))
+    assert charged == [42], "the retry ran after the cancel"
+    # The retry was answered from the timed-out call's record; the new call c3 met the stop.
+    assert (stopped.value.key or "").startswith("call:c3:"), stopped.value.key
+    rep = daemon.operator.report(run_id)
+    assert [e["tool"] for e in rep["unknown"]] == ["charge"] and rep["done"] == [] and rep["in_flight"] == [], rep
+
+
 def test_openai_agents_operator_cancel_before_the_first_admission_is_run_stopped(gate, daemon, run_id):
     """Regression (issue 18): an operator's cancel of a run id before its first admission
     surfaced as the SDK's `UserError("Error running tool …")` instead of `RunStopped`."""

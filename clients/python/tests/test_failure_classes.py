@@ -19,13 +19,6 @@ FRAMEWORKS = {
     "crewai": "tests.scenarios.crew",
 }
 
-#: Cells the adapter does not close yet, measured (clients/python/README.md, the newer rows):
-#: their with-estop test is a strict xfail, so the fix turns it into a failure to update here.
-KNOWN_LEAKS = {
-    ("openai-agents", "timeout_retry"): "the Agents SDK adapter keys the model's retry of a timed-out call (new call id) as a new call",
-}
-
-
 def _module(framework: str):
     """The framework's scenarios, or the ImportError saying it is not installed (CrewAI lives in
     its own venv, .venv-crewai; the other frameworks are not in that one)."""
@@ -62,11 +55,7 @@ def test_leaks_without_estop(daemon, framework, klass):
     assert any(leaks), "expected the framework alone to leak"
 
 
-def _estop_cells() -> list:
-    return [pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_LEAKS[c])) if type(c) is tuple and c in KNOWN_LEAKS else c for c in _cells()]
-
-
-@pytest.mark.parametrize(("framework", "klass"), _estop_cells())
+@pytest.mark.parametrize(("framework", "klass"), _cells())
 def test_no_leak_with_estop(daemon, framework, klass):
     fn = _scenario(framework, klass)
     assert fn(new_trial(daemon, framework, klass), True) == 0

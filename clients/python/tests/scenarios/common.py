@@ -37,8 +37,9 @@ CLASSES = ["sibling", "reject", "replay", "cancel_thread", "cancel_async", "inte
 
 #: Failure classes of one framework's own feature (its SCENARIOS has them when it has the feature):
 #: retry_policy  — a LangGraph RetryPolicy re-runs a node that charged before failing: extra charges.
-#: timeout_retry — a PydanticAI sync tool past its `timeout` (its thread goes on and charges) and
-#:                 the model's retry of the same call: extra charges.
+#: timeout_retry — a PydanticAI sync tool past its `timeout`, or an Agents SDK async tool past the
+#:                 SDK's tool timeout whose payment call runs in `asyncio.to_thread` (the thread
+#:                 goes on and charges), and the model's retry of the same call: extra charges.
 #: restart_pause — the worker restarts during an approval pause: resumed from the saved pause
 #:                 after the approval, it transfers and dies before saving; the job is
 #:                 redelivered from the saved pause: extra transfers.

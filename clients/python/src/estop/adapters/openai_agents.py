@@ -34,6 +34,14 @@ decided by an estop operator; a timeout interrupts, `streamed.cancel()` stops.
   tool threads the SDK cannot stop refuse new effects — and the run stays usable for the next
   turn. The SDK's explicit stop, `streamed.cancel()`, cancels the run at the gate (`immediate`:
   at once; `after_turn`: when the turn has finished), as do `run.cancel()` and an operator.
+* A call cancelled mid-body — the SDK's own tool timeout (`@function_tool(timeout=...)`, whose
+  default `error_as_result` tells the model to try again), or a cancel of the invocation — is
+  `unknown` at the gate, never `error`: a thread the tool started (`asyncio.to_thread`) runs on
+  and may still do the effect. The model's retry of the same tool with the same arguments (a new
+  call id) takes that call's key, so it is not a new effect: while the outcome is in doubt its
+  output is a refusal the model can read; once an operator settles the call (`estop compensate
+  settle RUN KEY --outcome ok --result ...`), the settled result (`error`: the retry runs anew).
+  Remembered per run id in this process (`Estop` handle); other arguments are a new call.
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ import functools
 import inspect
 import json
 import re
+import threading
+from collections import OrderedDict
 from typing import Any, Iterable
 
 from ._common import missing_extra
@@ -58,7 +68,7 @@ except ImportError as e:
     raise missing_extra("openai_agents", "the OpenAI Agents SDK", "openai-agents", e) from e
 
 from ..effect import EffectCall, admit_prepared, call_key, make_call, run_async
-from ..errors import EstopError, Interrupted, Refused, RunStopped
+from ..errors import EffectFailed, EstopError, InDoubt, Interrupted, Refused, RunStopped
 from ..verdicts import Held
 from ..run import Estop, Invocation, Run, current_run, step
 from ._common import STOP_ON as _NO_STOP, admit_turn, arun_guarded, resolve_run, run_guarded
@@ -113,7 +123,13 @@ def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "
         assert run is not None
         run = _scoped(run, scope)
         key = call_key(run, name, call_id, args) if call_id else None
-        return make_call(run, name, args, key=key, needs_approval=na)
+        call = make_call(run, name, args, key=key, needs_approval=na)
+        # The model's retry of a call abandoned mid-body (the SDK's tool timeout) is that same
+        # call: it takes the abandoned call's key, so it reads that outcome instead of running.
+        earlier = _abandoned(run).get((run.id, name, call.digest))
+        if earlier is not None:
+            call.key = earlier
+        return call
 
     async def prepare(ctx: Any, args: Any, call_id: str) -> EffectCall:
         return call_for(args, call_id, await wants_approval(ctx, args, call_id))
@@ -132,16 +148,39 @@ def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "
         args = json.loads(arguments) if arguments else {}
         call_id = getattr(ctx, "tool_call_id", None)
         call = call_for(args, call_id, await wants_approval(ctx, args, call_id or ""))
+        began = False
+
+        def body() -> Any:
+            nonlocal began
+            began = True  # admitted and started: from here the effect may happen
+            return inner(ctx, arguments)
+
         try:
             # Effects the body gates itself (`@estop.effect`) take their keys from this call.
             with step(f"call:{call_id}") if call_id else contextlib.nullcontext():
-                return await run_async(call, lambda: inner(ctx, arguments), on_hold="wait", hold_timeout_s=hold_timeout_s)
+                out = await run_async(call, body, on_hold="wait", hold_timeout_s=hold_timeout_s)
+        except asyncio.CancelledError:
+            if began:
+                # Cancelled mid-body (the SDK's tool timeout, or the invocation's cancel): a
+                # thread the tool started runs on, so the call is `unknown` at the gate
+                # (`run_async` reported it) and a retry of it must read that, not run again.
+                _abandon(call)
+            raise
         except (RunStopped, Interrupted):
             raise
+        except InDoubt as e:
+            # Still in doubt (an abandoned call nobody settled yet): kept, so every retry of it
+            # reads the same answer until its outcome is known.
+            return f"estop: an earlier identical call may still have happened ({e.status}); do not retry it"
         except Refused as e:
             if not refusal_as_output:
                 raise
             return f"estop refused this call ({e.reason}); do not retry it"
+        except EffectFailed:
+            _forget(call)  # settled `error`: it did not happen; a retry is new
+            raise
+        _forget(call)  # settled `ok`: this was its recorded result
+        return out
 
     gated = dataclasses.replace(tool, on_invoke_tool=on_invoke_tool, needs_approval=needs_approval if on_hold == "interrupt" else False)
     object.__setattr__(gated, "__estop_gated__", True)
@@ -149,6 +188,43 @@ def gate_tool(tool: FunctionTool, *, effect: str | None = None, on_hold: str = "
     object.__setattr__(gated, "__estop_scope__", scope)
     object.__setattr__(gated, "__estop_prepare__", prepare)
     return gated
+
+
+# -- calls abandoned mid-body ------------------------------------------------------------------
+#
+# The SDK's tool timeout (`@function_tool(timeout=...)`, async tools) cancels the tool's
+# coroutine and, by default (`error_as_result`), tells the model the tool timed out; the model
+# retries with a new call id. What the tool started in a thread (`asyncio.to_thread`) runs on,
+# inside the application's tool where the adapter cannot wait for it: the call is `unknown` at the
+# gate, and a retry with the same arguments takes its key — refused in doubt (a tool output the
+# model reads) until an operator settles it, then given the settled result. Remembered per run id
+# on the gate handle (so the next `eo.run` of the run, in this process, remembers it too).
+
+_ABANDONED_KEPT = 1024
+_ABANDONED_LOCK = threading.Lock()
+
+
+def _abandoned(run: Run) -> "OrderedDict[tuple[str, str, str], str]":
+    """(run id, effect, argument digest) → the key of a call of that run abandoned mid-body."""
+    out: "OrderedDict[tuple[str, str, str], str]" = run.gate.__dict__.setdefault("_eo_abandoned", OrderedDict())
+    return out
+
+
+def _abandon(call: EffectCall) -> None:
+    calls = _abandoned(call.run)
+    with _ABANDONED_LOCK:
+        calls[(call.run.id, call.tool, call.digest)] = call.key
+        while len(calls) > _ABANDONED_KEPT:
+            calls.popitem(last=False)
+
+
+def _forget(call: EffectCall) -> None:
+    """The abandoned call's outcome is known now (an operator settled it): a later identical
+    call is a new one."""
+    calls = _abandoned(call.run)
+    with _ABANDONED_LOCK:
+        if calls.get((call.run.id, call.tool, call.digest)) == call.key:
+            del calls[(call.run.id, call.tool, call.digest)]
 
 
 class EstopRunHooks(RunHooksBase[Any, Any]):  # type: ignore[misc]
