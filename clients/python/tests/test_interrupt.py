@@ -217,6 +217,45 @@ async def charge_in(gate, run_id, charge):
         await charge(1)
 
 
+def test_a_timeout_around_an_invocation_is_a_timeout_even_if_a_tool_reaches_the_gate_meanwhile(gate, run_id):
+    """`asyncio.wait_for` cancels the invocation's task; a coroutine of that task that reaches the
+    gate between the cancel's request and its delivery must let the cancel go on (the caller sees
+    its `TimeoutError`), not raise `Interrupted` in its place (seen under load with LangChain's
+    `ainvoke`: the tools node reached the gate after the timeout fired). Nothing is charged, and a
+    task of the invocation that nobody cancelled still gets `Interrupted`."""
+    from estop.run import Invocation
+
+    charged, other = [], {}
+
+    @estop.effect
+    async def charge(amount: int) -> None:
+        charged.append(amount)
+
+    async def stray():  # a task the framework forgot: not cancelled, its invocation is over
+        await asyncio.sleep(0.05)
+        try:
+            await charge(2)
+        except estop.Interrupted as e:
+            other["refused"] = e
+
+    async def agent(run):
+        with Invocation(run, owner=asyncio.current_task()):
+            forgotten = asyncio.ensure_future(stray())
+            asyncio.current_task().cancel()  # the timeout fired: requested, not delivered yet
+            try:
+                await charge(1)  # the tool reaches the gate before the cancel is delivered
+            finally:
+                await asyncio.shield(forgotten)
+
+    async def main():
+        async with gate.run(run_id) as run:
+            with pytest.raises(asyncio.CancelledError):
+                await agent(run)
+
+    asyncio.run(main())
+    assert charged == [] and other["refused"].reason == "interrupted"
+
+
 def test_a_cancel_the_task_swallowed_before_the_invocation_is_not_an_interrupt(gate, run_id):
     """Code that caught its own task's CancelledError without `uncancel()` leaves
     `cancelling() > 0` for good; that old request must not interrupt later invocations."""

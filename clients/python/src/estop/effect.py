@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable, TypeVar, overload
 
 from ._jcs import digest as _digest
 from ._jcs import to_json_value
-from .errors import EffectFailed, EstopError, EstopTimeout, HeldForApproval, InDoubt, refusal
+from .errors import EffectFailed, EstopError, EstopTimeout, HeldForApproval, InDoubt, Interrupted, refusal
 from .keys import derive_key
 from .run import Run, current_invocation, current_run, current_step
 from .verdicts import Admitted, Duplicate, Go, Held, RefusedVerdict, Verdict
@@ -167,6 +167,21 @@ def _check(call: EffectCall) -> None:
         inv.check(call.tool, call.key)
 
 
+async def _check_async(call: EffectCall) -> None:
+    """`_check` in a coroutine: where the interruption is a cancel already requested of the
+    task running this coroutine, the cancel is let in here (one yield to the loop delivers it,
+    once, as asyncio would at the coroutine's next await), so `asyncio.wait_for`,
+    `asyncio.timeout` and task groups see the cancel they asked for rather than an
+    `Interrupted` in its place. Other tasks of the invocation get `Interrupted`."""
+    try:
+        _check(call)
+    except Interrupted:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            await asyncio.sleep(0)
+        raise
+
+
 def _first_admit_fields(call: EffectCall) -> dict[str, Any]:
     r = call.run
     return {
@@ -222,7 +237,7 @@ def gate_sync(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float 
 async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s: float | None = None) -> Gated:
     """`gate_sync` for asyncio; cancelling the awaiting task abandons the hold."""
     run = call.run
-    _check(call)
+    await _check_async(call)
     client = run.gate.aclient
     deadline = None if hold_timeout_s is None else time.monotonic() + hold_timeout_s
     v: Verdict = await client.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
@@ -230,7 +245,7 @@ async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s:
     backoff = 0.02
     while True:
         if isinstance(v, Admitted):
-            _check(call)
+            await _check_async(call)
             s = await client.start(run.id, call.key, v.token)
             if isinstance(s, Go):
                 return Gated(token=v.token)
@@ -247,7 +262,7 @@ async def gate_async(call: EffectCall, *, on_hold: str = "wait", hold_timeout_s:
             if on_hold == "raise":
                 raise HeldForApproval(run.id, call.key, call.tool, v)
             _check_deadline(deadline, call)
-            _check(call)
+            await _check_async(call)
             chunk = _WAIT_CHUNK_MS if deadline is None else max(1, min(_WAIT_CHUNK_MS, int((deadline - time.monotonic()) * 1000)))
             v = await client.wait(run.id, call.key, chunk)
             continue
@@ -262,7 +277,7 @@ async def admit_prepared(call: EffectCall) -> Verdict:
     """What the gate says of `call` now, without waiting or starting: admitted (prepared: a
     repeat admit of the key returns the same token, so the effect's own `gate_async` goes on from
     there), held, refused or duplicate. Raises if the run is fenced or the invocation over."""
-    _check(call)
+    await _check_async(call)
     run = call.run
     v = await run.gate.aclient.admit(run.id, call.key, call.tool, call.args, start=False, **_first_admit_fields(call))
     await run._watch_async()
