@@ -26,7 +26,7 @@ from ._jcs import digest as _digest
 from ._jcs import to_json_value
 from .errors import EffectFailed, EstopError, EstopTimeout, HeldForApproval, InDoubt, Interrupted, refusal
 from .keys import derive_key
-from .run import Run, current_invocation, current_run, current_step
+from .run import Run, _cancelling, current_invocation, current_run, current_step
 from .verdicts import Admitted, Duplicate, Go, Held, RefusedVerdict, Verdict
 
 __all__ = ["effect", "Gated", "gate_sync", "gate_async", "EffectCall", "call_args", "call_key", "make_call"]
@@ -176,8 +176,7 @@ async def _check_async(call: EffectCall) -> None:
     try:
         _check(call)
     except Interrupted:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
+        if _cancelling(asyncio.current_task()):
             await asyncio.sleep(0)
         raise
 
