@@ -1210,6 +1210,64 @@ fn a_cancel_ends_the_sandboxed_command_with_its_sandbox() {
     assert!(status.contains("cancelled"), "{status}");
 }
 
+/// A sandboxed command past the tool deadline: the model sees the TIMEOUT marker and goes on,
+/// the call is `unknown` at the gate, the command is gone with its sandbox, and the child run
+/// `TRAJECTORY/CALL` ends at the gate with its launch settled by `estop run` (asked to end, not
+/// killed outright: a killed supervisor left its `sandbox.run` effect in flight, so the child
+/// run stayed `finalizing` until an operator settled it).
+#[test]
+fn a_sandboxed_command_past_its_deadline_ends_and_its_child_run_is_closed() {
+    let d = Daemon::start_with_policy(SANDBOX_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "net", "{}"),
+            scripted::answer("gave up on it"),
+        ],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let argv = ["sh".to_string(), "-c".into(), "exec sleep 4244".into()];
+    let config = sandbox_config(dir.path(), &model.base_url(), &argv);
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.insert_str(0, "[harness]\ntool_deadline_ms = 1500\n");
+    std::fs::write(&config, text).unwrap();
+    let (code, out, err) = d.cli(&[
+        "agent", "run", "--config", &config, "--model", "scripted", "--id", "sb-3", "go",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("sb-3 COMPLETED"), "{out}");
+    let last = model.calls()[1]["messages"].as_array().unwrap().clone();
+    let obs = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    assert!(
+        obs["content"].as_str().unwrap().contains("TIMEOUT"),
+        "{obs}"
+    );
+    assert_eq!(effect_status(&d, "sb-3", "c1"), "unknown");
+    let sleeping = || {
+        std::fs::read_dir("/proc").unwrap().flatten().any(|p| {
+            std::fs::read(p.path().join("cmdline"))
+                .is_ok_and(|c| c.windows(4).any(|w| w == b"4244"))
+        })
+    };
+    let child_open = || {
+        let (code, status, err) = d.cli(&["status", "sb-3/c1", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&status).unwrap();
+        v["state"] == "active" || v["state"] == "finalizing"
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while (sleeping() || child_open()) && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!sleeping(), "the sandboxed command outlived its deadline");
+    assert!(
+        !child_open(),
+        "the child run of the cut command ended, its launch effect settled: {}",
+        d.cli(&["report", "sb-3/c1", "--json"]).1
+    );
+}
+
 /// `estop bench agents` at a small scale prints every figure it promises (docs/PERFORMANCE.md,
 /// "The harness"), the disk's raw rate beside them: every trajectory reached its held call,
 /// and each interrupt was stored before the trajectory's next model call went out.

@@ -852,14 +852,14 @@ async fn dispatch(
         }
         Some(tool) if tool.sandbox => match sandboxed(&tool, reach.sandbox.as_ref(), run, &call.id)
         {
-            Ok(cmd) => run_command(cmd, &call.function.arguments).await,
+            Ok(cmd) => run_command(cmd, &call.function.arguments, true).await,
             Err(why) => ("error", why),
         },
         Some(tool) => match tool.command.split_first() {
             Some((prog, rest)) => {
                 let mut cmd = tokio::process::Command::new(prog);
                 cmd.args(rest);
-                run_command(cmd, &call.function.arguments).await
+                run_command(cmd, &call.function.arguments, false).await
             }
             None => ("error", "empty command".into()),
         },
@@ -895,14 +895,34 @@ async fn run_http(url: &str, args: &str) -> (&'static str, String) {
     }
 }
 
-/// Kills the tool's whole process group when dropped: a tool cancelled (its task aborted),
-/// timed out or finished leaves no process behind.
-struct Group(Option<rustix::process::Pid>);
+/// Ends the tool's whole process group when dropped: a tool cancelled (its task aborted),
+/// timed out or finished leaves no process behind. A plain command's group is killed at once.
+/// A sandboxed command's group (`estop run`, the leader, and its sandbox) is asked to end
+/// (SIGTERM): `estop run` then ends its sandbox, settles its `sandbox.run` effect with the exit
+/// status and closes its run, which a SIGKILL would leave in flight at the gate; the group is
+/// killed if it is still there `SANDBOX_TERM_GRACE_MS` later.
+struct Group {
+    pid: Option<rustix::process::Pid>,
+    sandboxed: bool,
+}
+
+/// How long a sandboxed command's `estop run` has to end its sandbox and close its run after a
+/// SIGTERM before its group is killed.
+const SANDBOX_TERM_GRACE_MS: u64 = 5_000;
 
 impl Drop for Group {
     fn drop(&mut self) {
-        if let Some(pid) = self.0 {
-            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        use rustix::process::{Signal, kill_process_group};
+        let Some(pid) = self.pid else { return };
+        if !self.sandboxed {
+            let _ = kill_process_group(pid, Signal::KILL);
+            return;
+        }
+        if kill_process_group(pid, Signal::TERM).is_ok() {
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(SANDBOX_TERM_GRACE_MS));
+                let _ = kill_process_group(pid, Signal::KILL);
+            });
         }
     }
 }
@@ -942,7 +962,13 @@ fn sandboxed(
     Ok(cmd)
 }
 
-async fn run_command(mut cmd: tokio::process::Command, args: &str) -> (&'static str, String) {
+/// Runs a command tool with the call's arguments on stdin; `sandboxed`: it is `estop run`,
+/// ended by a SIGTERM rather than killed when the call is cut (`Group`).
+async fn run_command(
+    mut cmd: tokio::process::Command,
+    args: &str,
+    sandboxed: bool,
+) -> (&'static str, String) {
     use tokio::io::AsyncWriteExt;
     let prog = cmd.as_std().get_program().to_string_lossy().into_owned();
     let child = cmd
@@ -950,17 +976,18 @@ async fn run_command(mut cmd: tokio::process::Command, args: &str) -> (&'static 
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .process_group(0)
-        .kill_on_drop(true)
+        .kill_on_drop(!sandboxed)
         .spawn();
     let mut child = match child {
         Ok(c) => c,
         Err(e) => return ("error", format!("cannot start {prog}: {e}")),
     };
-    let _group = Group(
-        child
+    let _group = Group {
+        pid: child
             .id()
             .and_then(|p| rustix::process::Pid::from_raw(p as i32)),
-    );
+        sandboxed,
+    };
     if let Some(mut stdin) = child.stdin.take() {
         let _ = stdin.write_all(args.as_bytes()).await;
     }
