@@ -106,6 +106,12 @@ pub struct AgentRunArgs {
     /// The parent run (a cancel of the parent reaches this trajectory).
     #[arg(long)]
     parent: Option<String>,
+    /// Retry this ended trajectory (failed or cancelled): a new trajectory (its id from --id,
+    /// else `ID-retry-…`) with the same task (unless TASK is given) and parent, linked to it
+    /// (`retry_of`), whose budget carries over: it starts with everything ID spent (turns,
+    /// tokens, dollars, wall clock) under ID's ceilings.
+    #[arg(long, value_name = "ID")]
+    retry_of: Option<String>,
     /// Data directory of the daemon (its socket and agent token; the journal goes in
     /// DATA/harness unless --journal says otherwise).
     #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
@@ -121,7 +127,8 @@ pub struct AgentRunArgs {
     /// Print the final record as JSON.
     #[arg(long)]
     json: bool,
-    /// The task.
+    /// The task (with --retry-of: leave it out to retry the same task).
+    #[arg(default_value = "")]
     task: String,
 }
 
@@ -262,6 +269,7 @@ fn run_one(a: AgentRunArgs) -> anyhow::Result<u8> {
         task: a.task,
         id: a.id,
         parent: a.parent,
+        retry_of: a.retry_of,
         journal: a.journal.unwrap_or_else(|| a.data.join("harness")),
         gate: estop_harness::gate::GateConfig { target, token },
         data: a.data,

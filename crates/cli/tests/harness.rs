@@ -432,6 +432,115 @@ read_only = true
     assert!(err.contains("\"scripted\""), "{err}");
 }
 
+/// `estop agent run --retry-of ID`: a retry is a new trajectory linked to the one it retries,
+/// with its task and parent, whose budget carries over (seed 004): a trajectory that ran out of
+/// turns is retried into the same ceiling and stops at once with no model call; one that failed
+/// on the provider's 400 is retried with room left and completes, its spend counting on from
+/// the first's. A completed trajectory, one not in the journal and a new parent are refused.
+#[test]
+fn a_retry_is_a_new_trajectory_whose_budget_carries_over() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let script = Script {
+        responses: vec![
+            scripted::call("c1", "lookup", "{\"q\": \"x\"}"),
+            vec![Step::Status {
+                status: 400,
+                body: "{\"error\": \"bad request\"}".into(),
+            }],
+            scripted::answer("found it"),
+        ],
+    };
+    let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
+    let config = |turns: u64| {
+        format!(
+            r#"
+[[model]]
+name = "scripted"
+base_url = "{}"
+usd_per_mtok_input = 3.0
+usd_per_mtok_output = 15.0
+
+[budget]
+turns = {turns}
+
+[[tool]]
+name = "lookup"
+command = ["cat"]
+read_only = true
+"#,
+            server.base_url()
+        )
+    };
+    let path = d.data().join("agent.toml");
+    let path_s = path.display().to_string();
+    let agent = |args: &[&str]| {
+        let mut all = vec![
+            "agent", "run", "--config", &path_s, "--model", "scripted", "--json",
+        ];
+        all.extend_from_slice(args);
+        let (code, out, err) = d.cli(&all);
+        let record = serde_json::from_str::<serde_json::Value>(&out).ok();
+        (code, record, format!("{out}{err}"))
+    };
+    std::fs::write(&path, config(1)).unwrap();
+    let (code, first, out) = agent(&["--id", "r-1", "find x"]);
+    assert_eq!(code, 3, "{out}");
+    let first = first.unwrap();
+    assert_eq!(first["exit"]["dimension"], "turns", "{first:#}");
+    assert_eq!(server.calls().len(), 1);
+    // Retried into the same ceiling: the turn it spent counts, so it stops before any call.
+    let (code, retry, out) = agent(&["--retry-of", "r-1", "--id", "r-1b"]);
+    assert_eq!(code, 3, "{out}");
+    let retry = retry.unwrap();
+    assert_eq!(retry["identity"]["retry_of"], "r-1", "{retry:#}");
+    assert_eq!(retry["identity"]["task"], "find x");
+    assert_eq!(retry["exit"]["dimension"], "turns", "{retry:#}");
+    assert_eq!(
+        retry["budget"]["spend"]["turns"],
+        first["budget"]["spend"]["turns"]
+    );
+    assert_eq!(server.calls().len(), 1, "a retry buys no fresh budget");
+
+    // A failure with room left: the retry runs the same task and its spend counts on.
+    std::fs::write(&path, config(5)).unwrap();
+    let (code, failed, out) = agent(&["--id", "r-2", "find y"]);
+    assert_eq!(code, 3, "{out}");
+    let failed = failed.unwrap();
+    assert_eq!(failed["state"], "FAILED", "{failed:#}");
+    let (code, retry, out) = agent(&["--retry-of", "r-2", "--id", "r-2b"]);
+    assert_eq!(code, 0, "{out}");
+    let retry = retry.unwrap();
+    assert_eq!(retry["state"], "COMPLETED", "{retry:#}");
+    assert_eq!(retry["identity"]["retry_of"], "r-2");
+    let turns = |r: &serde_json::Value| r["budget"]["spend"]["turns"].as_u64().unwrap();
+    assert_eq!(turns(&retry), turns(&failed) + 1, "{retry:#}");
+    assert_eq!(retry["budget"]["limits"]["turns_max"], 5);
+    // Its wall clock counts on from the first's too (measured to the first's end).
+    let at = |r: &serde_json::Value, f: &str| r[f].as_u64().unwrap_or_else(|| panic!("{f}: {r:#}"));
+    let spent = at(&failed, "ended_at_ms") - failed["budget"]["started_at_ms"].as_u64().unwrap();
+    let began = retry["budget"]["started_at_ms"].as_u64().unwrap();
+    assert!(began + spent >= at(&failed, "ended_at_ms"), "{retry:#}");
+    assert!(at(&retry, "ended_at_ms") - began >= spent, "{retry:#}");
+    let last = &server.calls()[2]["messages"];
+    assert_eq!(last[1]["content"], "find y", "the retry's task: {last}");
+
+    // Refused, with the reason: nothing to retry, no such trajectory, a parent of its own.
+    let (code, _, out) = agent(&["--retry-of", "r-2b"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("completed: there is nothing to retry"),
+        "{out}"
+    );
+    let (code, _, out) = agent(&["--retry-of", "nope"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("no trajectory \"nope\""), "{out}");
+    let (code, _, out) = agent(&["--retry-of", "r-2", "--parent", "elsewhere"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("leave out --parent"), "{out}");
+    assert_eq!(server.calls().len(), 3, "no model call for a refused retry");
+}
+
 /// `estop kill` of the run while a tool call runs: the kill reaches the loop at once (not at a
 /// boundary: the tool would never return), the call is cancelled and settled `unknown` at the
 /// gate, and the trajectory ends FAILED with the kill as its exit; no model call follows.

@@ -21,6 +21,9 @@ pub struct AgentRun {
     /// The trajectory (and gate run) id; a fresh one when `None`.
     pub id: Option<String>,
     pub parent: Option<String>,
+    /// Retry this ended trajectory: a new one with its task (unless `task` is not empty), its
+    /// parent and its budget carried over (`Runner::start_retry`).
+    pub retry_of: Option<String>,
     /// The journal directory.
     pub journal: PathBuf,
     pub gate: GateConfig,
@@ -78,13 +81,26 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
         tpm: (m.tpm - m.tpm / 10).max(1),
         rpm: (m.rpm - m.rpm / 10).max(1),
     };
-    let id =
-        a.id.clone()
-            .unwrap_or_else(|| format!("agent-{}", crate::runner::now_ms()));
+    if a.retry_of.is_some() && a.parent.is_some() {
+        anyhow::bail!("a retry keeps the parent of the trajectory it retries: leave out --parent");
+    }
+    if a.retry_of.is_none() && a.task.trim().is_empty() {
+        anyhow::bail!("no task: give the task, or --retry-of a trajectory to retry its task");
+    }
+    let id = a.id.clone().unwrap_or_else(|| match &a.retry_of {
+        Some(of) => format!("{of}-retry-{}", crate::runner::now_ms()),
+        None => format!("agent-{}", crate::runner::now_ms()),
+    });
     rt.block_on(async move {
         let mut runner = Runner::open(opts)?;
         match runner.record(&id) {
-            None => runner.start(&id, a.parent.as_deref(), &a.task)?,
+            None => match &a.retry_of {
+                Some(of) => {
+                    let task = Some(a.task.as_str()).filter(|t| !t.trim().is_empty());
+                    runner.start_retry(&id, of, task)?
+                }
+                None => runner.start(&id, a.parent.as_deref(), &a.task)?,
+            },
             Some(r) if r.state.is_terminal() => {
                 anyhow::bail!("trajectory {id} already ended ({})", r.state)
             }

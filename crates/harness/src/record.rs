@@ -52,6 +52,10 @@ pub struct Identity {
     pub parent: Option<String>,
     pub tenant: String,
     pub task: String,
+    /// The trajectory this one retries (seed 004: a retry is a new trajectory with a parent
+    /// link, and the budget carries over: it starts with what the one it retries spent).
+    #[serde(default)]
+    pub retry_of: Option<String>,
 }
 
 /// Tool grants; restriction narrows them to read-only tools (the 90% stage).
@@ -147,6 +151,10 @@ pub struct Record {
     pub pointers: Pointers,
     /// Transitions taken (the journal keeps each one).
     pub transitions: u64,
+    /// When the trajectory reached its terminal state (Unix ms; set as that record is
+    /// journalled): a retry carries the wall clock spent up to here.
+    #[serde(default)]
+    pub ended_at_ms: Option<u64>,
 }
 
 /// What the runner is to do, in order, once the record is durable.
@@ -283,6 +291,7 @@ impl Record {
                 workspace: None,
             },
             transitions: 0,
+            ended_at_ms: None,
         }
     }
 

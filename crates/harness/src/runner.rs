@@ -249,6 +249,58 @@ impl Runner {
 
     /// Starts a new trajectory for `task`.
     pub fn start(&mut self, id: &str, parent: Option<&str>, task: &str) -> Result<(), RunnerError> {
+        let budget = Budget::new(self.opts.limits, self.opts.prices, now_ms());
+        self.begin(id, parent, task, None, budget)
+    }
+
+    /// Starts `id` as a retry of the ended trajectory `of` (seed 004: a retry is a new
+    /// trajectory with a parent link whose budget carries over): the same parent run and task
+    /// (unless `task` gives another), `retry_of` naming `of`, and `of`'s budget — its ceilings
+    /// and everything it spent (turns, tokens, dollars, and the wall clock up to its end), so a
+    /// retry never buys a fresh budget. `of` must have ended other than COMPLETED.
+    pub fn start_retry(
+        &mut self,
+        id: &str,
+        of: &str,
+        task: Option<&str>,
+    ) -> Result<(), RunnerError> {
+        let Some(orig) = self.recs.get(of) else {
+            return Err(RunnerError::Other(format!(
+                "no trajectory {of:?} in the journal to retry"
+            )));
+        };
+        if !orig.state.is_terminal() {
+            return Err(RunnerError::Other(format!(
+                "trajectory {of:?} has not ended ({}): resume it (`--id {of}`) or stop it first",
+                orig.state
+            )));
+        }
+        if orig.state == State::Completed {
+            return Err(RunnerError::Other(format!(
+                "trajectory {of:?} completed: there is nothing to retry"
+            )));
+        }
+        let now = now_ms();
+        let wall = orig.budget.wall_ms(orig.ended_at_ms.unwrap_or(now));
+        let mut budget = Budget::new(
+            orig.budget.limits,
+            self.opts.prices,
+            now.saturating_sub(wall),
+        );
+        budget.spend = orig.budget.spend;
+        let parent = orig.identity.parent.clone();
+        let task = task.unwrap_or(&orig.identity.task).to_string();
+        self.begin(id, parent.as_deref(), &task, Some(of.to_string()), budget)
+    }
+
+    fn begin(
+        &mut self,
+        id: &str,
+        parent: Option<&str>,
+        task: &str,
+        retry_of: Option<String>,
+        budget: Budget,
+    ) -> Result<(), RunnerError> {
         for run in std::iter::once(id).chain(parent) {
             crate::gate::check_run_id(run)
                 .map_err(|e| RunnerError::Other(format!("{run:?} cannot be a run id: {e}")))?;
@@ -275,11 +327,12 @@ impl Runner {
             parent: parent.map(Into::into),
             tenant: "default".into(),
             task: task.into(),
+            retry_of,
         };
         let rec = Record::new(
             identity,
             o.call_limits.clone(),
-            Budget::new(o.limits, o.prices, now_ms()),
+            budget,
             grants,
             "journal".into(),
         );
@@ -500,6 +553,9 @@ impl Runner {
     /// Journals the record and the messages it adds (durable), then carries out the actions.
     fn commit(&mut self, mut rec: Record, actions: Vec<Action>) -> Result<(), RunnerError> {
         let id = rec.identity.id.clone();
+        if rec.state.is_terminal() && rec.ended_at_ms.is_none() {
+            rec.ended_at_ms = Some(now_ms());
+        }
         let mut entries = Vec::new();
         for a in &actions {
             match a {

@@ -16,6 +16,7 @@ pub fn record() -> Record {
             parent: None,
             tenant: "acme".into(),
             task: "task".into(),
+            retry_of: None,
         },
         CallLimits {
             model: "m".into(),

@@ -17,6 +17,7 @@ fn record(limits: Limits) -> Record {
             parent: None,
             tenant: "acme".into(),
             task: "task".into(),
+            retry_of: None,
         },
         CallLimits {
             model: "m".into(),
