@@ -436,7 +436,8 @@ read_only = true
 /// with its task and parent, whose budget carries over (seed 004): a trajectory that ran out of
 /// turns is retried into the same ceiling and stops at once with no model call; one that failed
 /// on the provider's 400 is retried with room left and completes, its spend counting on from
-/// the first's. A completed trajectory, one not in the journal and a new parent are refused.
+/// the first's. A completed trajectory, one not in the journal, one retried already and a new
+/// parent are refused.
 #[test]
 fn a_retry_is_a_new_trajectory_whose_budget_carries_over() {
     let d = Daemon::start_with_policy(POLICY, &[]);
@@ -535,6 +536,12 @@ read_only = true
     let (code, _, out) = agent(&["--retry-of", "nope"]);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("no trajectory \"nope\""), "{out}");
+    let (code, _, out) = agent(&["--retry-of", "r-1"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("retried already as \"r-1b\": retry that one"),
+        "a second retry would buy back the first retry's spend: {out}"
+    );
     let (code, _, out) = agent(&["--retry-of", "r-2", "--parent", "elsewhere"]);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("leave out --parent"), "{out}");

@@ -280,6 +280,18 @@ impl Runner {
                 "trajectory {of:?} completed: there is nothing to retry"
             )));
         }
+        // One retry per trajectory: a second retry of the same one would start from its spend
+        // again, and so buy back what the first retry spent.
+        if let Some(r) = self
+            .recs
+            .values()
+            .find(|r| r.identity.retry_of.as_deref() == Some(of))
+        {
+            return Err(RunnerError::Other(format!(
+                "trajectory {of:?} was retried already as {:?}: retry that one",
+                r.identity.id
+            )));
+        }
         let now = now_ms();
         let wall = orig.budget.wall_ms(orig.ended_at_ms.unwrap_or(now));
         let mut budget = Budget::new(
