@@ -311,7 +311,7 @@ fn saga_alphabet() -> Vec<Step> {
 
 /// Whether a saga step is an operator's (or the gate's own, which runs as one).
 fn step_by_operator(step: SagaOp) -> bool {
-    step.operators_only() || matches!(step, SagaOp::Unreported { .. })
+    step.by_operator()
 }
 
 /// What the clients have been told so far: the trace the properties are about.
