@@ -1158,6 +1158,7 @@ impl Model {
                     effects,
                     stopped_at: r.stop.map(|_| r.stopped_at),
                     forgotten: false,
+                    saga_next: r.saga_next(),
                 },
             );
         }
@@ -1187,6 +1188,7 @@ fn grave_view(g: &Grave) -> RunView {
         effects: BTreeMap::new(),
         stopped_at: Some(g.stopped_at),
         forgotten: true,
+        saga_next: None,
     }
 }
 

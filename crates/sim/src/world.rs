@@ -870,6 +870,9 @@ pub struct RunView {
     pub stopped_at: Option<u64>,
     /// Retention forgot it: only its fence is left (owner, state, cause, epoch, stop time).
     pub forgotten: bool,
+    /// The saga's head and what it waits for (`saga_next`): `in_flight`, `settle`, `lookup n`,
+    /// `looking_up n`, `begin n at t`, `approval #id until t`, `running n`, `human`.
+    pub saga_next: Option<(String, String)>,
 }
 
 pub type View = BTreeMap<String, RunView>;
@@ -951,6 +954,8 @@ pub fn view_of(gate: &Gate) -> View {
                 effects,
                 stopped_at: run.stop.as_ref().map(|s| s.at),
                 forgotten: false,
+                saga_next: estop_kernel::saga::next(run)
+                    .map(|(k, n)| (k.to_string(), next_text(n))),
             },
         );
     }
@@ -974,8 +979,24 @@ pub fn view_of(gate: &Gate) -> View {
                 effects: BTreeMap::new(),
                 stopped_at: Some(t.stopped_at),
                 forgotten: true,
+                saga_next: None,
             },
         );
     }
     out
+}
+
+/// The kernel's `Next` as the view shows it.
+fn next_text(n: estop_kernel::saga::Next) -> String {
+    use estop_kernel::saga::Next;
+    match n {
+        Next::InFlight => "in_flight".into(),
+        Next::Settle => "settle".into(),
+        Next::Lookup { attempt } => format!("lookup {attempt}"),
+        Next::LookingUp { attempt } => format!("looking_up {attempt}"),
+        Next::Begin { attempt, at } => format!("begin {attempt} at {at}"),
+        Next::Approval { id, expires_at } => format!("approval #{id} until {expires_at}"),
+        Next::Running { attempt } => format!("running {attempt}"),
+        Next::Human => "human".into(),
+    }
 }

@@ -116,8 +116,26 @@ enum Wait {
     Approval(u64, u64),
     /// Attempt `n` is under way.
     Running(u32),
-    /// An operator.
+    /// An operator settles its unknown outcome (no lookup may tell).
+    Settle,
+    /// An operator (the attempts' bound, an undo of unknown outcome, a refusal).
     Human,
+}
+
+impl Wait {
+    /// As docs/PROTOCOL.md's report names it (`saga_next`), with its numbers.
+    fn text(self) -> String {
+        match self {
+            Wait::Agent => "in_flight".into(),
+            Wait::Settle => "settle".into(),
+            Wait::Lookup(n) => format!("lookup {n}"),
+            Wait::LookingUp(n) => format!("looking_up {n}"),
+            Wait::Begin(n, at) => format!("begin {n} at {at}"),
+            Wait::Approval(id, until) => format!("approval #{id} until {until}"),
+            Wait::Running(n) => format!("running {n}"),
+            Wait::Human => "human".into(),
+        }
+    }
 }
 
 impl Eff {
@@ -160,9 +178,10 @@ impl Eff {
                 } else if u.lookups < u.lookups_granted {
                     Wait::Lookup(u.lookups + 1)
                 } else {
-                    Wait::Human
+                    Wait::Settle
                 }
             }
+            St::Done(Outcome::Unknown) => Wait::Settle,
             St::Done(Outcome::Ok) | St::Undo(Phase::Failed) => {
                 Wait::Begin(u.attempts + 1, u.retry_at)
             }
@@ -206,6 +225,15 @@ impl MRun {
             .filter(|(_, e)| e.owes() && (all || e.undo.chosen))
             .max_by_key(|(_, e)| e.token.map(|t| t.1))
             .map(|(k, _)| *k)
+    }
+
+    /// The saga's head and what it waits for, as the view shows it.
+    pub fn saga_next(&self) -> Option<(String, String)> {
+        let key = self.head()?;
+        Some((
+            crate::world::KEYS[key as usize].to_string(),
+            self.effects[&key].wait().text(),
+        ))
     }
 
     /// Whether an effect an operator chose still owes its own saga (the run is then kept).
