@@ -87,7 +87,8 @@ pub enum Alphabet {
     /// The reverse saga: two compensable calls (`charge`; `book`, whose unknown outcome has a
     /// lookup) started on admission, completed `ok`/`error`/`unknown`, a cancel or a kill, the
     /// executor's attempts (begin, end `ok`/`error`/`unknown`, blocked) and lookups, the
-    /// gate's unreported step and the operator's settle, retry, skip and compensate.
+    /// gate's unreported step and the operator's settle, retry, skip and compensate; the
+    /// shell's hold of a compensating call for its `approve` rule and operators' votes on it.
     Saga,
 }
 

@@ -5,6 +5,11 @@
 //! outcome blocks everything older until it is settled (by its lookup, else by a human); a
 //! failed attempt is offered again after a backoff of 1 s doubling up to 5 minutes, and after
 //! 5 failed attempts a human is asked; the run is `cancelled` only once nothing is left.
+//! A compensating call a policy `approve` rule matches (docs/POLICY.md) is held before anything
+//! is sent: an approval numbered among the run's, met by the rule's quorum of distinct
+//! operators covering its groups (`decide`, as an admission's); rejected, or found expired by
+//! the shell, the effect is `needs_human`; a retry is refused while it is open, spends it once
+//! refused (the next attempt asks anew), and leaves a met one standing.
 //! Nothing here is stored that can be derived: the saga's head is found again at every step.
 
 use super::{Cause, Eff, MRun, Model, Res, St, changed, groups_covered, verdict};
