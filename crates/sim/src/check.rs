@@ -29,10 +29,13 @@
 //!   failed or waiting for a human);
 //! * P12 a cancelled run is `cancelled` only with its saga settled, and `finalizing` until then;
 //! * P13 a kill runs no saga: only an effect an operator asked to compensate is taken up;
-//! * P14 each compensation attempt and each lookup begins once, numbered from 1 without a gap.
+//! * P14 each compensation attempt and each lookup begins once, numbered from 1 without a gap;
+//! * P15 a compensation attempt never begins while the approval a policy `approve` rule asked
+//!   for its compensating call is unmet (the acknowledged votes short of the rule's quorum or
+//!   groups), rejected or expired; a retry acknowledged after a refusal spends it.
 //!
 //! A planted bug ([`Plant`]) forges one answer the monitor reads; tests show the monitor names
-//! exactly the property it breaks (P5, P9, P10).
+//! exactly the property it breaks (P5, P9, P10, P15).
 
 use crate::diff::Pair;
 use crate::world::{EffectView, Op, SagaOp, Tok, Tool, View, Who, digest, run_of};
@@ -84,7 +87,8 @@ pub enum Alphabet {
     /// The reverse saga: two compensable calls (`charge`; `book`, whose unknown outcome has a
     /// lookup) started on admission, completed `ok`/`error`/`unknown`, a cancel or a kill, the
     /// executor's attempts (begin, end `ok`/`error`/`unknown`, blocked) and lookups, the
-    /// gate's unreported step and the operator's settle, retry, skip and compensate.
+    /// gate's unreported step and the operator's settle, retry, skip and compensate; the
+    /// shell's hold of a compensating call for its `approve` rule and operators' votes on it.
     Saga,
 }
 
@@ -284,6 +288,15 @@ fn saga_alphabet() -> Vec<Step> {
         for step in [SagaOp::Retry, SagaOp::Skip, SagaOp::Compensate] {
             out.push(saga(key, step));
         }
+        // The policy's `approve` rule on the compensating tool (`Tool::undo_rule`): the shell
+        // holds the due first attempt for an approval.
+        out.push(saga(
+            key,
+            SagaOp::Held {
+                attempt: 1,
+                of: saga_call(key),
+            },
+        ));
         out.push(saga(key, SagaOp::Unreported { after_ms: 0 }));
         if saga_call(key).has_lookup() {
             out.push(saga(key, SagaOp::LookupBegin { attempt: 1 }));
@@ -305,13 +318,28 @@ fn saga_alphabet() -> Vec<Step> {
             kill,
         }));
     }
+    // Votes on a held compensation: `uncharge` needs two, one from finance (carol); bob
+    // rejects; `unbook` needs one.
+    for (who, key, approve) in [
+        (Who::Alice, 0, true),
+        (Who::Carol, 0, true),
+        (Who::Bob, 0, false),
+        (Who::Alice, 1, true),
+    ] {
+        out.push(Step::Op(Op::Decide {
+            who,
+            run: P,
+            key,
+            approve,
+        }));
+    }
     out.push(Step::Tick);
     out
 }
 
 /// Whether a saga step is an operator's (or the gate's own, which runs as one).
 fn step_by_operator(step: SagaOp) -> bool {
-    step.operators_only() || matches!(step, SagaOp::Unreported { .. })
+    step.by_operator()
 }
 
 /// What the clients have been told so far: the trace the properties are about.
@@ -341,6 +369,21 @@ pub struct Monitor {
     begun: BTreeSet<(u8, u8, bool, u32)>,
     /// The saga alphabet's calls are explored (`call_of`).
     saga: bool,
+    /// Compensating calls whose hold for approval was acknowledged: the tool whose undo rule
+    /// asked (its quorum and groups), the approvers acknowledged, and whether a rejection or
+    /// the expiry refused it. An acknowledged retry spends an unmet one.
+    undo_votes: BTreeMap<(u8, u8), (Tool, BTreeSet<Who>, bool)>,
+}
+
+/// Whether the approvers acknowledged meet the approval `tool`'s undo rule asks for: its
+/// quorum of distinct approvers, each of its groups carried by one (the rules here name one
+/// group at most).
+fn undo_met(tool: Tool, approvers: &BTreeSet<Who>) -> bool {
+    let (quorum, groups, _) = tool.undo_approval();
+    approvers.len() as u32 >= quorum
+        && groups
+            .iter()
+            .all(|g| approvers.iter().any(|w| w.groups().contains(g)))
 }
 
 fn lineage(run: u8) -> &'static [u8] {
@@ -420,6 +463,8 @@ impl Monitor {
             Op::Admit { run, key, .. } | Op::Wait { run, key, .. } | Op::Start { run, key, .. } => {
                 return self.observe_verdict(now, (run, key), answer);
             }
+            // A vote on a held compensating call (P15, `observe_saga`), not an admission's.
+            Op::Decide { run, key, .. } if self.undo_votes.contains_key(&(run, key)) => {}
             Op::Decide {
                 who,
                 run,
@@ -584,6 +629,9 @@ pub enum Plant {
     AdmitOverBudget,
     /// `admitted` where the kernel refused the call for the run's deadline: P10.
     AdmitAfterDeadline,
+    /// A compensation attempt acknowledged as begun (`compensating`, a change) where the kernel
+    /// refused it while its compensating call awaits its approval: P15.
+    BeginWhileHeld,
 }
 
 /// What a check explored.
@@ -621,6 +669,20 @@ impl std::fmt::Display for Violation {
 
 /// The answer the monitor reads for `op`: the kernel's, or, with a planted bug, a forged one.
 fn monitored(node: &Node, op: &Op, answer: String, plant: Option<Plant>) -> String {
+    if let (
+        Some(Plant::BeginWhileHeld),
+        Op::Saga {
+            run,
+            key,
+            step: SagaOp::Begin { attempt },
+            ..
+        },
+    ) = (plant, *op)
+        && answer == "error saga"
+        && node.monitor.undo_votes.contains_key(&(run, key))
+    {
+        return format!("compensation compensating attempt={attempt} retry_at=None");
+    }
     let Op::Admit {
         run,
         tool: Tool::Pay,
@@ -639,6 +701,7 @@ fn monitored(node: &Node, op: &Op, answer: String, plant: Option<Plant>) -> Stri
         }
         Some(Plant::AdmitOverBudget) => answer == "refused budget",
         Some(Plant::AdmitAfterDeadline) => answer == "refused deadline",
+        Some(Plant::BeginWhileHeld) => false,
     };
     if forge { "admitted 9.9".into() } else { answer }
 }
@@ -706,11 +769,61 @@ impl Monitor {
         {
             self.killed.insert(run);
         }
+        if let Op::Decide { who, run, key, .. } = *op
+            && changed
+            && let Some((_, approvers, refused)) = self.undo_votes.get_mut(&(run, key))
+            && !*refused
+        {
+            match answer {
+                "decided rejected" => *refused = true,
+                a if a.starts_with("decided") => {
+                    approvers.insert(who);
+                }
+                _ => {}
+            }
+        }
         let Op::Saga { run, key, step, .. } = *op else {
             return Ok(());
         };
         if !changed {
             return Ok(());
+        }
+        match step {
+            SagaOp::Held { of, .. } => {
+                self.undo_votes
+                    .insert((run, key), (of, BTreeSet::new(), false));
+            }
+            SagaOp::Expired { .. } => {
+                if let Some(v) = self.undo_votes.get_mut(&(run, key)) {
+                    v.2 = true;
+                }
+            }
+            SagaOp::Retry
+                if self
+                    .undo_votes
+                    .get(&(run, key))
+                    .is_some_and(|(tool, who, refused)| *refused || !undo_met(*tool, who)) =>
+            {
+                self.undo_votes.remove(&(run, key));
+            }
+            // P15: an attempt never begins while the approval asked for its compensating call
+            // is unmet (votes acknowledged short of the rule's quorum or groups), rejected or
+            // expired.
+            SagaOp::Begin { attempt } => {
+                if let Some((tool, who, refused)) = self.undo_votes.get(&(run, key))
+                    && (*refused || !undo_met(*tool, who))
+                {
+                    let (name, k) = (
+                        crate::world::RUNS[run as usize],
+                        crate::world::KEYS[key as usize],
+                    );
+                    return Err(format!(
+                        "P15 violated: {name}/{k}: attempt {attempt} began without its approval \
+                         met (approvers {who:?}, refused: {refused})"
+                    ));
+                }
+            }
+            _ => {}
         }
         let (attempt, lookup) = match step {
             SagaOp::Compensate => {
@@ -793,10 +906,11 @@ fn advance(node: &mut Node, step: &Step, opts: &CheckOptions) -> Result<bool, St
                 let name = crate::world::RUNS[r as usize];
                 !before.contains_key(name) && node.pair.view.contains_key(name)
             });
-            let text = monitored(node, op, answer.text, opts.plant);
+            let text = monitored(node, op, answer.text.clone(), opts.plant);
+            // A forged answer is a forged change too.
+            let changed = answer.changed || text != answer.text;
             node.monitor.observe(now, op, &text, created)?;
-            node.monitor
-                .observe_saga(op, &text, answer.changed, &before)?;
+            node.monitor.observe_saga(op, &text, changed, &before)?;
             saga_settled(&node.pair.view)?;
             // P7: terminal states and refusals absorb.
             let after = &node.pair.view;

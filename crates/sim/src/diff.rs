@@ -188,6 +188,18 @@ fn fitting(rng: &mut Rng, e: &crate::model::Eff) -> Option<SagaOp> {
         St::Done(Outcome::Ok) | St::Undo(Phase::Failed) if rng.below(12) == 0 => SagaOp::Blocked {
             attempt: (u.attempts + 1) as u8,
         },
+        // The policy's `approve` rule on the compensating tool: the shell holds the due attempt
+        // unless an approval met stands (mostly; an executor may race it).
+        St::Done(Outcome::Ok) | St::Undo(Phase::Failed)
+            if e.tool.undo_rule().is_some()
+                && !u.approval.as_ref().is_some_and(|a| a.met())
+                && rng.below(6) != 0 =>
+        {
+            SagaOp::Held {
+                attempt: (u.attempts + 1) as u8,
+                of: e.tool,
+            }
+        }
         St::Done(Outcome::Ok) | St::Undo(Phase::Failed) => SagaOp::Begin {
             attempt: (u.attempts + 1) as u8,
         },
@@ -231,6 +243,48 @@ fn saga_op(rng: &mut Rng, model: &Model, run: u8, key: u8) -> Op {
     };
     let effect = model.runs.get(&run).and_then(|r| r.effects.get(&key));
     let undo = effect.map(|e| e.undo.clone()).unwrap_or_default();
+    if let Some(a) = effect.and_then(|e| e.held_undo())
+        && rng.below(4) != 0
+    {
+        // A compensating call held for approval: operators vote (some twice, some not
+        // operators), one rejects, a retry tries to stand in, time passes its expiry, and the
+        // shell finds it expired (on time or early, with its id or another).
+        let id = a.id;
+        return match rng.below(16) {
+            0..=8 => Op::Decide {
+                who: *rng.pick(&[Who::Alice, Who::Bob, Who::Carol, Who::Carol, Who::Agent]),
+                run,
+                key,
+                approve: true,
+            },
+            9 => Op::Decide {
+                who: *rng.pick(&[Who::Alice, Who::Bob, Who::Carol]),
+                run,
+                key,
+                approve: false,
+            },
+            10 | 11 => Op::Saga {
+                who: *rng.pick(&[Who::Alice, Who::Bob]),
+                run,
+                key,
+                step: SagaOp::Retry,
+            },
+            // `uncharge`'s approval is open 3 s (`unbook`'s never expires in a trace).
+            12 => Op::Advance { ms: 3_000 },
+            _ => Op::Saga {
+                who: Who::Alice,
+                run,
+                key,
+                step: SagaOp::Expired {
+                    approval: if rng.below(4) == 0 {
+                        rng.below(4) as u8
+                    } else {
+                        id as u8
+                    },
+                },
+            },
+        };
+    }
     if effect.is_some_and(|e| e.st == crate::model::St::Undo(crate::model::Phase::Failed))
         && rng.below(3) == 0
     {
@@ -243,7 +297,7 @@ fn saga_op(rng: &mut Rng, model: &Model, run: u8, key: u8) -> Op {
     {
         // The step the effect's state calls for (so sagas run to their end), by its executor
         // or an operator.
-        let who = if step.operators_only() || matches!(step, SagaOp::Unreported { .. }) {
+        let who = if step.by_operator() {
             Who::Alice
         } else {
             Who::Agent
@@ -287,7 +341,7 @@ fn saga_op(rng: &mut Rng, model: &Model, run: u8, key: u8) -> Op {
         Outcome::Error,
         Outcome::Unknown,
     ]);
-    let (who, step) = match rng.below(21) {
+    let (who, step) = match rng.below(25) {
         0..=4 => (
             executor,
             SagaOp::Begin {
@@ -324,6 +378,27 @@ fn saga_op(rng: &mut Rng, model: &Model, run: u8, key: u8) -> Op {
             },
         ),
         14 => (operator, SagaOp::Settle { outcome }),
+        21 | 22 => (
+            *rng.pick(&[Who::Alice, Who::Alice, Who::Alice, Who::Agent]),
+            SagaOp::Held {
+                attempt: number(rng, undo.attempts),
+                of: effect.map_or(Tool::Charge, |e| e.tool),
+            },
+        ),
+        23 => (
+            *rng.pick(&[Who::Alice, Who::Alice, Who::Agent]),
+            SagaOp::Expired {
+                approval: rng.below(5) as u8,
+            },
+        ),
+        24 => {
+            return Op::Decide {
+                who: operator,
+                run,
+                key,
+                approve: rng.below(4) != 0,
+            };
+        }
         15 => (operator, SagaOp::Retry),
         16 => (operator, SagaOp::Skip),
         17 => (operator, SagaOp::Compensate),
@@ -612,8 +687,23 @@ pub fn run_case(seed: u64, len_max: usize, stats: &mut DiffStats) -> Result<(), 
     for _ in 0..len {
         let op = random_op(&mut rng, &pair.model);
         ops.push(op);
+        let undo = undo_kind(&pair.model, &op);
         match pair.step(&op) {
             Ok(Some(a)) => {
+                if let Some(kind) = undo {
+                    // What the held compensations' steps answered (coverage of their votes).
+                    let seen = if a.changed || a.text.starts_with("error") {
+                        format!("{kind} {}", a.text)
+                    } else {
+                        format!("{kind} {} (no change)", a.text)
+                    };
+                    let seen: String = seen
+                        .split_whitespace()
+                        .take(4)
+                        .collect::<Vec<_>>()
+                        .join(" ");
+                    *stats.answers.entry(seen).or_default() += 1;
+                }
                 let kind: String = a
                     .text
                     .split_whitespace()
@@ -636,6 +726,28 @@ pub fn run_case(seed: u64, len_max: usize, stats: &mut DiffStats) -> Result<(), 
     }
     stats.cases += 1;
     Ok(())
+}
+
+/// Whether `op` is a step on a held compensation (a vote, a retry, the shell's expiry), or the
+/// shell's hold or an attempt begun on a met approval: what the run's coverage counts.
+fn undo_kind(model: &Model, op: &Op) -> Option<&'static str> {
+    let (run, key) = match *op {
+        Op::Decide { run, key, .. } | Op::Saga { run, key, .. } => (run, key),
+        _ => return None,
+    };
+    let e = model.runs.get(&run)?.effects.get(&key)?;
+    match op {
+        Op::Saga {
+            step: SagaOp::Held { .. },
+            ..
+        } => Some("undo hold:"),
+        Op::Saga {
+            step: SagaOp::Begin { .. },
+            ..
+        } if e.undo.approval.as_ref().is_some_and(|a| a.met()) => Some("undo approved:"),
+        _ if e.held_undo().is_some() => Some("undo held:"),
+        _ => None,
+    }
 }
 
 fn divergence(seed: u64, ops: &[Op]) -> Divergence {

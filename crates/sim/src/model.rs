@@ -955,6 +955,9 @@ impl Model {
         }
         let r = self.runs.get(&run).ok_or("not_found")?;
         let e = r.effects.get(&key).ok_or("not_found")?;
+        if e.held_undo().is_some() {
+            return self.decide_undo(now, who, run, key, approve);
+        }
         if e.st != St::Held("approval") {
             return Err("not_awaiting_approval");
         }
@@ -1116,6 +1119,14 @@ impl Model {
                                 chosen: e.undo.chosen,
                                 retry_at: (e.st == St::Undo(Phase::Failed))
                                     .then_some(e.undo.retry_at),
+                                approval: e.undo.approval.as_ref().map(|a| {
+                                    (
+                                        a.id,
+                                        a.until,
+                                        a.approvers.iter().map(|w| w.name().to_string()).collect(),
+                                        a.rejected.map(|w| w.name().to_string()),
+                                    )
+                                }),
                             },
                         },
                     )
@@ -1147,6 +1158,7 @@ impl Model {
                     effects,
                     stopped_at: r.stop.map(|_| r.stopped_at),
                     forgotten: false,
+                    saga_next: r.saga_next(),
                 },
             );
         }
@@ -1176,6 +1188,7 @@ fn grave_view(g: &Grave) -> RunView {
         effects: BTreeMap::new(),
         stopped_at: Some(g.stopped_at),
         forgotten: true,
+        saga_next: None,
     }
 }
 

@@ -182,6 +182,22 @@ impl Tool {
             _ => 80,
         }
     }
+    /// The generated policy's `approve` rule on this tool's compensating call (docs/POLICY.md
+    /// "A compensating call is checked against the policy like any call"): quorum, groups and
+    /// expiry. `uncharge` needs two approvers, one of them from `finance`, within 3 s; `unbook`
+    /// one approver, and its expiry is long enough never to pass in a trace. `None`: no rule.
+    pub fn undo_rule(self) -> Option<(u32, &'static [&'static str], u64)> {
+        match self {
+            Tool::Charge => Some((2, &["finance"], 3_000)),
+            Tool::Book => Some((1, &[], 3_600_000)),
+            _ => None,
+        }
+    }
+    /// The approval a hold of this tool's compensating call asks for (`undo_rule`, else quorum
+    /// 1 within 50 ms).
+    pub fn undo_approval(self) -> (u32, &'static [&'static str], u64) {
+        self.undo_rule().unwrap_or((1, &[], 50))
+    }
     pub fn policy(self) -> PolicyDecision {
         PolicyDecision {
             action: self.action(),
@@ -249,6 +265,12 @@ pub enum SagaOp {
     LookupEnd { attempt: u8, outcome: Outcome },
     /// The due attempt `attempt` cannot be issued (its arguments, or a policy rule).
     Blocked { attempt: u8 },
+    /// The shell finds the due attempt `attempt` matched by an `approve` rule (the rule of
+    /// `of`'s compensating call, `Tool::undo_rule`; quorum 1 within 50 ms for a tool without
+    /// one) and holds it for an approval.
+    Held { attempt: u8, of: Tool },
+    /// The shell finds approval `approval` of the compensating call expired unmet.
+    Expired { approval: u8 },
     /// An operator settles an unknown outcome or a call left in flight.
     Settle { outcome: Outcome },
     /// An operator retries a failed or abandoned compensation, or an inconclusive lookup.
@@ -268,6 +290,16 @@ impl SagaOp {
             self,
             SagaOp::Settle { .. } | SagaOp::Retry | SagaOp::Skip | SagaOp::Compensate
         )
+    }
+
+    /// Whether only an operator may take it: the `saga` verb's, and the steps the gate's own
+    /// shell takes (as its system operator) after evaluating the policy or a deadline.
+    pub fn by_operator(self) -> bool {
+        self.operators_only()
+            || matches!(
+                self,
+                SagaOp::Unreported { .. } | SagaOp::Held { .. } | SagaOp::Expired { .. }
+            )
     }
 }
 
@@ -659,6 +691,20 @@ fn saga_command(run: RunId, key: EffectKey, step: SagaOp) -> Command {
             attempt: u32::from(attempt),
             reason: "the policy refuses it".into(),
         }),
+        SagaOp::Held { attempt, of } => {
+            let (quorum, groups, expiry_ms) = of.undo_approval();
+            saga_step(SagaStep::Held {
+                attempt: u32::from(attempt),
+                quorum,
+                groups: groups.iter().map(|g| (*g).into()).collect(),
+                expiry_ms,
+                args: None,
+                reason: "the policy's undo rule asks for approval".into(),
+            })
+        }
+        SagaOp::Expired { approval } => saga_step(SagaStep::Expired {
+            approval: u64::from(approval),
+        }),
         SagaOp::Unreported { after_ms } => saga_step(SagaStep::Unreported {
             after_ms: u64::from(after_ms),
         }),
@@ -792,12 +838,15 @@ pub struct EffectView {
 }
 
 /// What is observable of an effect's compensation (all zero before its saga touched it).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct SagaView {
     pub attempts: u32,
     pub lookups: u32,
     pub chosen: bool,
     pub retry_at: Option<u64>,
+    /// The approval a policy `approve` rule asked for its compensating call, once requested
+    /// and until a retry spends an unmet one: id, expires_at, approvers in order, who rejected.
+    pub approval: Option<(u64, u64, Vec<String>, Option<String>)>,
 }
 
 /// The observable state of one run.
@@ -821,6 +870,9 @@ pub struct RunView {
     pub stopped_at: Option<u64>,
     /// Retention forgot it: only its fence is left (owner, state, cause, epoch, stop time).
     pub forgotten: bool,
+    /// The saga's head and what it waits for (`saga_next`): `in_flight`, `settle`, `lookup n`,
+    /// `looking_up n`, `begin n at t`, `approval #id until t`, `running n`, `human`.
+    pub saga_next: Option<(String, String)>,
 }
 
 pub type View = BTreeMap<String, RunView>;
@@ -866,6 +918,14 @@ pub fn view_of(gate: &Gate) -> View {
                                 chosen: c.chosen,
                                 retry_at: (e.status == Status::CompensationFailed)
                                     .then_some(c.retry_at),
+                                approval: c.approval.as_deref().map(|a| {
+                                    (
+                                        a.id,
+                                        a.expires_at,
+                                        a.approvers.iter().map(|x| x.name.to_string()).collect(),
+                                        a.rejected_by.as_ref().map(ToString::to_string),
+                                    )
+                                }),
                             }),
                     },
                 )
@@ -894,6 +954,8 @@ pub fn view_of(gate: &Gate) -> View {
                 effects,
                 stopped_at: run.stop.as_ref().map(|s| s.at),
                 forgotten: false,
+                saga_next: estop_kernel::saga::next(run)
+                    .map(|(k, n)| (k.to_string(), next_text(n))),
             },
         );
     }
@@ -917,8 +979,24 @@ pub fn view_of(gate: &Gate) -> View {
                 effects: BTreeMap::new(),
                 stopped_at: Some(t.stopped_at),
                 forgotten: true,
+                saga_next: None,
             },
         );
     }
     out
+}
+
+/// The kernel's `Next` as the view shows it.
+fn next_text(n: estop_kernel::saga::Next) -> String {
+    use estop_kernel::saga::Next;
+    match n {
+        Next::InFlight => "in_flight".into(),
+        Next::Settle => "settle".into(),
+        Next::Lookup { attempt } => format!("lookup {attempt}"),
+        Next::LookingUp { attempt } => format!("looking_up {attempt}"),
+        Next::Begin { attempt, at } => format!("begin {attempt} at {at}"),
+        Next::Approval { id, expires_at } => format!("approval #{id} until {expires_at}"),
+        Next::Running { attempt } => format!("running {attempt}"),
+        Next::Human => "human".into(),
+    }
 }

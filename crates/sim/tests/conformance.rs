@@ -73,6 +73,20 @@ fn kernel_agrees_with_the_reference_model_on_a_million_operations() {
         "error saga",
         "duplicate compensated",
         "compensation needs_human attempt=5 retry_at=None",
+        // A compensating call a policy `approve` rule holds (docs/POLICY.md): the shell's hold
+        // (of a first and of a retried attempt), the votes (one per operator), a rejection, a
+        // vote after the expiry, the shell's expiry (`needs_human`), a retry refused while it
+        // is held, and an attempt begun once the approval was met.
+        "undo hold: compensation completed",
+        "undo hold: compensation compensation_failed",
+        "undo held: decided approved",
+        "undo held: decided pending",
+        "undo held: decided rejected",
+        "undo held: error duplicate_approver",
+        "undo held: error not_awaiting_approval",
+        "undo held: compensation needs_human",
+        "undo held: error undo_awaits_approval",
+        "undo approved: compensation compensating",
     ] {
         let n = stats.answers.get(kind).copied().unwrap_or(0);
         assert!(

@@ -96,3 +96,10 @@ fn caught(alphabet: Alphabet, plant: Plant, property: &str, steps: usize) {
     assert!(v.what.starts_with(&format!("{property} violated")), "{v}");
     assert_eq!(v.trace.len(), steps, "{v}");
 }
+
+#[test]
+fn the_monitor_reports_a_forged_attempt_begun_while_its_approval_is_open_as_p15() {
+    // A charge completed, the run cancelled, the shell holds its compensating call for the
+    // undo rule's approval, then an attempt is forged begun before any vote.
+    caught(Alphabet::Saga, Plant::BeginWhileHeld, "P15", 5);
+}

@@ -5,9 +5,14 @@
 //! outcome blocks everything older until it is settled (by its lookup, else by a human); a
 //! failed attempt is offered again after a backoff of 1 s doubling up to 5 minutes, and after
 //! 5 failed attempts a human is asked; the run is `cancelled` only once nothing is left.
+//! A compensating call a policy `approve` rule matches (docs/POLICY.md) is held before anything
+//! is sent: an approval numbered among the run's, met by the rule's quorum of distinct
+//! operators covering its groups (`decide`, as an admission's); rejected, or found expired by
+//! the shell, the effect is `needs_human`; a retry is refused while it is open, spends it once
+//! refused (the next attempt asks anew), and leaves a met one standing.
 //! Nothing here is stored that can be derived: the saga's head is found again at every step.
 
-use super::{Cause, Eff, MRun, Model, Res, St, changed, verdict};
+use super::{Cause, Eff, MRun, Model, Res, St, changed, groups_covered, verdict};
 use crate::world::{SagaOp, Who};
 use estop_kernel::vocab::Outcome;
 
@@ -53,6 +58,28 @@ pub struct Undo {
     pub looking: bool,
     /// An operator asked for this one compensation (a run stopped without a saga).
     pub chosen: bool,
+    /// The approval a policy `approve` rule asked for the compensating call (docs/POLICY.md),
+    /// until a retry spends an unmet one.
+    pub approval: Option<UndoApproval>,
+}
+
+/// The approval of a compensating call: numbered among the run's approvals, met by a quorum of
+/// distinct operators covering the rule's groups, refused by one rejection or by its expiry.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct UndoApproval {
+    pub id: u64,
+    pub until: u64,
+    pub quorum: u32,
+    pub groups: &'static [&'static str],
+    pub approvers: Vec<Who>,
+    pub rejected: Option<Who>,
+}
+
+impl UndoApproval {
+    /// Its quorum of distinct approvers, each of its groups among them.
+    pub fn met(&self) -> bool {
+        self.approvers.len() as u32 >= self.quorum && groups_covered(self.groups, &self.approvers)
+    }
 }
 
 impl Default for Undo {
@@ -65,6 +92,7 @@ impl Default for Undo {
             lookups_granted: 1,
             looking: false,
             chosen: false,
+            approval: None,
         }
     }
 }
@@ -89,10 +117,30 @@ enum Wait {
     LookingUp(u32),
     /// Attempt `n` may begin from `at`.
     Begin(u32, u64),
+    /// Approval `id` of the compensating call, open until `until`, is decided by operators.
+    Approval(u64, u64),
     /// Attempt `n` is under way.
     Running(u32),
-    /// An operator.
+    /// An operator settles its unknown outcome (no lookup may tell).
+    Settle,
+    /// An operator (the attempts' bound, an undo of unknown outcome, a refusal).
     Human,
+}
+
+impl Wait {
+    /// As docs/PROTOCOL.md's report names it (`saga_next`), with its numbers.
+    fn text(self) -> String {
+        match self {
+            Wait::Agent => "in_flight".into(),
+            Wait::Settle => "settle".into(),
+            Wait::Lookup(n) => format!("lookup {n}"),
+            Wait::LookingUp(n) => format!("looking_up {n}"),
+            Wait::Begin(n, at) => format!("begin {n} at {at}"),
+            Wait::Approval(id, until) => format!("approval #{id} until {until}"),
+            Wait::Running(n) => format!("running {n}"),
+            Wait::Human => "human".into(),
+        }
+    }
 }
 
 impl Eff {
@@ -109,12 +157,24 @@ impl Eff {
             )
     }
 
+    /// The approval its compensating call waits for: requested, neither met nor rejected, and
+    /// the effect not moved on (still not undone: done, or its last attempt failed). Expired
+    /// but not yet found so by the shell, it still holds the saga (and votes are refused).
+    pub fn held_undo(&self) -> Option<&UndoApproval> {
+        let a = self.undo.approval.as_ref()?;
+        let waiting = matches!(self.st, St::Done(Outcome::Ok) | St::Undo(Phase::Failed));
+        (waiting && a.rejected.is_none() && !a.met()).then_some(a)
+    }
+
     fn looking(&self) -> bool {
         self.st == St::Done(Outcome::Unknown) && self.undo.looking
     }
 
     fn wait(&self) -> Wait {
         let u = &self.undo;
+        if let Some(a) = self.held_undo() {
+            return Wait::Approval(a.id, a.until);
+        }
         match self.st {
             St::Started => Wait::Agent,
             St::Done(Outcome::Unknown) if self.tool.has_lookup() => {
@@ -123,9 +183,10 @@ impl Eff {
                 } else if u.lookups < u.lookups_granted {
                     Wait::Lookup(u.lookups + 1)
                 } else {
-                    Wait::Human
+                    Wait::Settle
                 }
             }
+            St::Done(Outcome::Unknown) => Wait::Settle,
             St::Done(Outcome::Ok) | St::Undo(Phase::Failed) => {
                 Wait::Begin(u.attempts + 1, u.retry_at)
             }
@@ -171,6 +232,15 @@ impl MRun {
             .map(|(k, _)| *k)
     }
 
+    /// The saga's head and what it waits for, as the view shows it.
+    pub fn saga_next(&self) -> Option<(String, String)> {
+        let key = self.head()?;
+        Some((
+            crate::world::KEYS[key as usize].to_string(),
+            self.effects[&key].wait().text(),
+        ))
+    }
+
     /// Whether an effect an operator chose still owes its own saga (the run is then kept).
     pub fn chosen_open(&self) -> bool {
         self.stop.is_some_and(|(c, _)| c != Cause::Cancelled)
@@ -186,9 +256,7 @@ impl MRun {
 impl Model {
     /// One saga step on effect `run/key`.
     pub(super) fn saga(&mut self, now: u64, who: Who, run: u8, key: u8, step: SagaOp) -> Res {
-        if (step.operators_only() || matches!(step, SagaOp::Unreported { .. }))
-            && !who.is_operator()
-        {
+        if step.by_operator() && !who.is_operator() {
             return Err("forbidden");
         }
         let r = self.visible(who, run)?;
@@ -197,6 +265,7 @@ impl Model {
         let stop = r.stop.map(|(cause, _)| (cause, r.stopped_at));
         let e = e.clone();
         let mut next = e.clone();
+        let approvals = r.approvals_requested;
         let answer = match step {
             SagaOp::Begin { attempt } => {
                 let attempt = u32::from(attempt);
@@ -271,6 +340,34 @@ impl Model {
                 next.st = St::Undo(Phase::NeedsHuman);
                 next.undo_answer()
             }
+            SagaOp::Held { attempt, of } => {
+                match waits {
+                    Some(Wait::Begin(due, at)) if due == u32::from(attempt) && now >= at => {}
+                    _ => return Err("saga"),
+                }
+                // Nothing is sent, no attempt is spent: an approval numbered among the run's.
+                let (quorum, groups, expiry) = of.undo_approval();
+                let id = approvals + 1;
+                self.runs.get_mut(&run).expect("run").approvals_requested = id;
+                next.undo.approval = Some(UndoApproval {
+                    id,
+                    until: now + expiry,
+                    quorum,
+                    groups,
+                    approvers: vec![],
+                    rejected: None,
+                });
+                next.undo_answer()
+            }
+            SagaOp::Expired { approval } => {
+                match e.held_undo() {
+                    Some(a) if a.id == u64::from(approval) && now >= a.until => {}
+                    _ => return Err("saga"),
+                }
+                // Silence is no: a human is asked.
+                next.st = St::Undo(Phase::NeedsHuman);
+                next.undo_answer()
+            }
             SagaOp::Unreported { after_ms } => {
                 let Some((_, at)) = stop else {
                     return Err("saga");
@@ -304,6 +401,10 @@ impl Model {
                 next.lookup_answer()
             }
             SagaOp::Retry => {
+                // A retry never stands in for the votes.
+                if e.held_undo().is_some() {
+                    return Err("undo_awaits_approval");
+                }
                 if !e.tool.compensable()
                     || !matches!(e.st, St::Undo(Phase::Failed | Phase::NeedsHuman))
                 {
@@ -343,12 +444,59 @@ impl Model {
         *self.eff(run, key) = next;
         changed(answer)
     }
+
+    /// `decide` on an effect whose compensating call awaits approval: an approval counted as an
+    /// admission's (one per operator, the rule's groups), or a rejection that asks a human.
+    pub(super) fn decide_undo(
+        &mut self,
+        now: u64,
+        who: Who,
+        run: u8,
+        key: u8,
+        approve: bool,
+    ) -> Res {
+        let e = self.eff(run, key);
+        let a = e.undo.approval.as_mut().expect("held");
+        if now >= a.until {
+            return Err("not_awaiting_approval");
+        }
+        if !approve {
+            a.rejected = Some(who);
+            e.st = St::Undo(Phase::NeedsHuman);
+            return changed("decided rejected".into());
+        }
+        if a.approvers.contains(&who) {
+            return Err("duplicate_approver");
+        }
+        a.approvers.push(who);
+        if a.met() {
+            return changed("decided approved".into());
+        }
+        let missing: Vec<&str> = a
+            .groups
+            .iter()
+            .copied()
+            .filter(|g| !a.approvers.iter().any(|w| w.groups().contains(g)))
+            .collect();
+        changed(format!(
+            "decided pending {}/{} missing=[{}]",
+            a.approvers.len(),
+            a.quorum,
+            missing.join(",")
+        ))
+    }
 }
 
 /// An operator's `retry` of a compensation that failed or waits for a human: a fresh budget of
 /// attempts, the next offered at once. The one place the model says how a compensation a
-/// human was asked about (`blocked` included: a policy rule on the compensating tool) goes on.
+/// human was asked about (blocked by a `deny` rule, or its approval rejected or expired) goes
+/// on; a compensation whose approval is open is never retried (`saga`'s `Retry`).
 fn operator_retry(e: &mut Eff, now: u64) {
+    // A rejected or expired approval is spent (the next attempt asks for a new one); a met one
+    // still stands (a later retry of a failed attempt needs no new approval).
+    if e.undo.approval.as_ref().is_some_and(|a| !a.met()) {
+        e.undo.approval = None;
+    }
     e.st = St::Undo(Phase::Failed);
     e.undo.granted = e.undo.attempts + ATTEMPTS;
     e.undo.retry_at = now;
