@@ -233,6 +233,31 @@ def restart_pause(t: Trial, guarded: bool) -> int:
     return t.world.count("wire") - 1
 
 
+def retry_policy(t: Trial, guarded: bool) -> int:
+    """The workflow's own retry policy (`@step(retry_policy=...)`) re-runs a step that charged,
+    then failed (the shipping API flaked after the charge)."""
+    from workflows.retry_policy import retry_policy as policy, stop_after_attempt, wait_fixed
+
+    fx = effects(t, guarded)
+    attempts: list[str] = []
+
+    class W(Workflow):
+        @step(retry_policy=policy(wait=wait_fixed(0.01), stop=stop_after_attempt(3)))
+        async def checkout(self, ev: StartEvent) -> StopEvent:
+            receipt = await fx["acharge"](42)
+            attempts.append(receipt)
+            if len(attempts) == 1:
+                raise ConnectionError("the shipping API flaked after the charge")
+            return StopEvent(result=receipt)
+
+    async def main() -> None:
+        await _start(t, guarded, W(timeout=10))
+
+    asyncio.run(main())
+    assert len(attempts) == 2, f"expected the policy to run the step again, got {len(attempts)} runs"
+    return t.world.count("charge") - 1
+
+
 def cancel_thread(t: Trial, guarded: bool) -> int:
     fx = effects(t, guarded)
     done = threading.Event()
@@ -362,4 +387,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"restart_pause": restart_pause, "operator_cancel": operator_cancel, "framework_cancel": framework_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"retry_policy": retry_policy, "restart_pause": restart_pause, "operator_cancel": operator_cancel, "framework_cancel": framework_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
