@@ -23,6 +23,7 @@ FRAMEWORKS = {
 #: their with-estop test is a strict xfail, so the fix turns it into a failure to update here.
 KNOWN_LEAKS = {
     ("openai-agents", "timeout_retry"): "the Agents SDK adapter keys the model's retry of a timed-out call (new call id) as a new call",
+    ("crewai", "retry_policy"): "the CrewAI adapter keys a tool call by its call id, so the call of the task's retry (a new id) is a new call",
     ("llamaindex-workflows", "retry_policy"): "a step's effects are keyed by their order in the run, so the retried step's charge is a second occurrence (a new key)",
 }
 
