@@ -19,6 +19,14 @@ FRAMEWORKS = {
     "crewai": "tests.scenarios.crew",
 }
 
+#: Cells the adapter does not close yet, measured (clients/python/README.md, the newer rows):
+#: their with-estop test is a strict xfail, so the fix turns it into a failure to update here.
+KNOWN_LEAKS = {
+    ("crewai", "retry_policy"): "the CrewAI adapter keys a tool call by its call id, so the call of the task's retry (a new id) is a new call",
+    ("llamaindex-workflows", "retry_policy"): "a step's effects are keyed by their order in the run, so the retried step's charge is a second occurrence (a new key)",
+}
+
+
 def _module(framework: str):
     """The framework's scenarios, or the ImportError saying it is not installed (CrewAI lives in
     its own venv, .venv-crewai; the other frameworks are not in that one)."""
@@ -55,7 +63,11 @@ def test_leaks_without_estop(daemon, framework, klass):
     assert any(leaks), "expected the framework alone to leak"
 
 
-@pytest.mark.parametrize(("framework", "klass"), _cells())
+def _estop_cells() -> list:
+    return [pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_LEAKS[c])) if type(c) is tuple and c in KNOWN_LEAKS else c for c in _cells()]
+
+
+@pytest.mark.parametrize(("framework", "klass"), _estop_cells())
 def test_no_leak_with_estop(daemon, framework, klass):
     fn = _scenario(framework, klass)
     assert fn(new_trial(daemon, framework, klass), True) == 0

@@ -141,6 +141,39 @@ async def test_adk_effects_in_a_tool_body_are_keyed_from_the_call(gate, daemon, 
     assert charged == [5, 5]
 
 
+@pytest.mark.parametrize("fails", ["after_the_charge", "before_the_charge"])
+async def test_adk_reflect_and_retry_reruns_a_failed_call_without_charging_twice(gate, run_id, fails):
+    """ADK's `ReflectAndRetryToolPlugin` turns a tool's error into retry guidance; the model calls
+    the tool again (the same arguments, a new call id). Before the fix the retry ran in its own
+    step `call:c2`, so the charge the failed call had done was charged again. Now the retry runs
+    in the failed call's step: a charge done before the failure is read back, one never reached
+    is made by the retry."""
+    from google.adk.plugins import ReflectAndRetryToolPlugin
+
+    charged, runs = [], []
+
+    @estop.effect(tool="charge")
+    def charge(amount: int) -> str:
+        charged.append(amount)
+        return f"ch_{len(charged)}"
+
+    def checkout(amount: int) -> str:
+        """Charge, then ship."""
+        runs.append(amount)
+        if fails == "before_the_charge" and len(runs) == 1:
+            raise ConnectionError("the card API flaked before the charge")
+        receipt = charge(amount)
+        if fails == "after_the_charge" and len(runs) == 1:
+            raise ConnectionError("the shipping API flaked after the charge")
+        return receipt
+
+    r = runner([[call("checkout", "c1", amount=42)], [call("checkout", "c2", amount=42)]], [checkout], [eadk.EstopPlugin(), ReflectAndRetryToolPlugin(max_retries=2)])
+    s = await r.session_service.create_session(app_name="ops", user_id="u")
+    evs = await eadk.run(r, gate=gate, run_id=run_id, user_id="u", session_id=s.id, new_message=user("check out"))
+    assert runs == [42, 42] and charged == [42]
+    assert tool_results(evs)["c2"] == {"result": "ch_1"}
+
+
 async def _cancelled_mid_call(gate, daemon, run_id, tools, plugins, reached):
     """Runs one `charge` call, cancels the invocation once `reached` is set, and returns the
     run's after-stop report."""

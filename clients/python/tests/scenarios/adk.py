@@ -279,6 +279,36 @@ def cancel_async(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
+def retry_policy(t: Trial, guarded: bool) -> int:
+    """ADK's own retry policy, `ReflectAndRetryToolPlugin`: a checkout tool charges (an
+    `@estop.effect` with estop), then the shipping API flakes; the plugin turns the error into
+    retry guidance for the model, which calls the tool again (the same arguments, a new call id)."""
+    from google.adk.plugins import ReflectAndRetryToolPlugin
+
+    fx = effects(t, guarded)
+    attempts: list[str] = []
+
+    def checkout(amount: int) -> str:
+        """Charge the order, then book the shipping."""
+        receipt = str(fx["charge"](amount))
+        attempts.append(receipt)
+        if len(attempts) == 1:
+            raise ConnectionError("the shipping API flaked after the charge")
+        return receipt
+
+    retry = ReflectAndRetryToolPlugin(max_retries=2)
+    plugins: list[Any] = [eadk.EstopPlugin(), retry] if guarded else [retry]
+    turns = [[call("checkout", "c1", amount=42)], [call("checkout", "c2", amount=42)]]
+    r = runner(turns, [checkout], plugins)
+
+    async def main() -> None:
+        await _go(t, guarded, r, user("check out order 42"))
+
+    asyncio.run(main())
+    assert len(attempts) == 2, f"expected the model to retry the call once, got {len(attempts)} runs"
+    return t.world.count("charge") - 1
+
+
 def next_turn(t: Trial, guarded: bool) -> None:
     def charge(amount: int) -> str:
         """Charge."""
@@ -292,4 +322,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"restart_pause": restart_pause, "operator_cancel": operator_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"retry_policy": retry_policy, "restart_pause": restart_pause, "operator_cancel": operator_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

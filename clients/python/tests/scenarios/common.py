@@ -36,7 +36,10 @@ import estop
 CLASSES = ["sibling", "reject", "replay", "cancel_thread", "cancel_async", "interrupt_continue"]
 
 #: Failure classes of one framework's own feature (its SCENARIOS has them when it has the feature):
-#: retry_policy  — a LangGraph RetryPolicy re-runs a node that charged before failing: extra charges.
+#: retry_policy  — the framework's own retry re-runs what charged before failing (a LangGraph
+#:                 RetryPolicy's node, LangChain's ToolRetryMiddleware, a LlamaIndex step's
+#:                 retry_policy, ADK's ReflectAndRetryToolPlugin and PydanticAI's ModelRetry through
+#:                 the model, CrewAI's max_retry_limit re-running the task): extra charges.
 #: timeout_retry — a PydanticAI sync tool past its `timeout`, or an Agents SDK async tool past the
 #:                 SDK's tool timeout whose payment call runs in `asyncio.to_thread` (the thread
 #:                 goes on and charges), and the model's retry of the same call: extra charges.

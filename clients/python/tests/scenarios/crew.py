@@ -141,6 +141,27 @@ def replay(t: Trial, guarded: bool) -> int:
     return t.world.count("charge") - 1
 
 
+def retry_policy(t: Trial, guarded: bool) -> int:
+    """CrewAI's own retry policy, the agent's `max_retry_limit`: the tool charges, the model call
+    after it fails, and CrewAI runs the task again; the model calls the tool again (a new call
+    id, as a model's ids are), which charges again."""
+
+    @tool("charge")
+    def charge(amount: int) -> str:
+        """Charge the customer."""
+        t.world.do("charge", amount)
+        return f"ch_{amount}"
+
+    model = ScriptedModel([[call("charge", "c1", amount=42)], 400, [call("charge", "c2", amount=42)]])
+    try:
+        c = crew(model, [charge])
+        c.agents[0].max_retry_limit = 1
+        asyncio.run(_kick(t, guarded, c))
+    finally:
+        model.close()
+    return t.world.count("charge") - 1
+
+
 def cancel_thread(t: Trial, guarded: bool) -> int:
     """A blocking refund (CrewAI runs tools in its worker thread) lands after the run's timeout
     returned."""
@@ -301,7 +322,7 @@ def restart_pause(t: Trial, guarded: bool) -> int:
     return t.world.count("wire") - 1
 
 
-SCENARIOS = {
+SCENARIOS = {"retry_policy": retry_policy, 
     "restart_pause": restart_pause,
     "sibling": sibling,
     "reject": reject,

@@ -271,6 +271,38 @@ def cancel_async(t: Trial, guarded: bool) -> int:
     return leaks_after(t.world, "charge", "stopped")
 
 
+def retry_policy(t: Trial, guarded: bool) -> int:
+    """LangChain's own retry policy, `ToolRetryMiddleware`: a checkout tool charges (an
+    `@estop.effect` with estop), then the shipping API flakes; the middleware runs the tool again
+    (the same request), which charges again. With estop the middleware is listed after
+    `EstopMiddleware` (inside estop's gated call: the retry re-runs the tool, whose charge
+    presents the first run's key and reads its receipt)."""
+    from langchain.agents.middleware import ToolRetryMiddleware
+
+    fx = effects(t, guarded)
+    attempts: list[str] = []
+
+    @tool
+    def checkout(amount: int) -> str:
+        """Charge the order, then book the shipping."""
+        receipt = fx["charge"](amount)
+        attempts.append(receipt)
+        if len(attempts) == 1:
+            raise ConnectionError("the shipping API flaked after the charge")
+        return receipt
+
+    retry = ToolRetryMiddleware(max_retries=2, retry_on=(ConnectionError,), initial_delay=0.01, jitter=False)
+    mw: list[Any] = [retry]
+    if guarded:
+        gate_mw = elc.EstopMiddleware()
+        mw = [gate_mw, retry]
+    graph = create_agent(Scripted(responses=[calls(("checkout", "c1", {"amount": 42})), AIMessage(content="done")]), tools=[checkout], middleware=mw, checkpointer=InMemorySaver())
+    agent = elc.EstopAgent(graph, t.gate) if guarded else graph
+    agent.invoke({"messages": [("user", "check out order 42")]}, _cfg(t))
+    assert len(attempts) == 2, f"expected the middleware to retry once, got {len(attempts)} attempts"
+    return t.world.count("charge") - 1
+
+
 def next_turn(t: Trial, guarded: bool) -> None:
     @tool
     def charge(amount: int) -> str:
@@ -286,4 +318,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"restart_pause": restart_pause, "operator_cancel": operator_cancel, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"retry_policy": retry_policy, "restart_pause": restart_pause, "operator_cancel": operator_cancel, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

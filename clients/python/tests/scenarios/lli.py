@@ -167,6 +167,97 @@ def replay(t: Trial, guarded: bool) -> int:
     return t.world.count("charge") - 1
 
 
+def restart_pause(t: Trial, guarded: bool) -> int:
+    """A restart during the pause (see common.EXTRA_CLASSES): the approval is LlamaIndex's own
+    pause, `ctx.wait_for_event` (with estop: estop's hold, the same `wait_for_event` through
+    `eli.effect(..., ctx=ctx)`), its context saved (`ctx.to_dict()`, the durable store) and the
+    workflow cancelled. After the approval worker A restores the saved context, the replayed step
+    transfers and the worker dies right after (nothing after is saved); the job is redelivered and
+    worker B restores the same saved context (and, without estop, sends the approval again)."""
+
+    async def transfer(to: str, amount: int, ctx: Context | None = None) -> str:
+        t.world.do("wire", amount)
+        return "wired"
+
+    wire = eli.effect(tool="wire_money")(transfer)
+
+    class W(Workflow):
+        def __init__(self, crash: bool = False, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.crash = crash
+
+        @step
+        async def pay(self, ctx: Context, ev: StartEvent) -> StopEvent:
+            if guarded:
+                receipt = await wire("acct-9", 100, ctx=ctx)  # held by estop's policy: the pause
+            else:
+                r = await ctx.wait_for_event(HumanResponseEvent, waiter_event=InputRequiredEvent(prefix="approve wire?"), waiter_id="wire")
+                receipt = await transfer("acct-9", 100) if r.response == "yes" else "rejected"
+            if self.crash:
+                raise ConnectionError("worker lost")  # worker A dies right after the transfer
+            return StopEvent(result=receipt)
+
+    async def pause() -> dict[str, Any]:
+        h = _start(t, guarded, W(timeout=10))
+        async for ev in h.stream_events():
+            if isinstance(ev, InputRequiredEvent):
+                break
+        waiter = "estop:" if guarded else "wire"
+        for _ in range(500):  # until the step's waiter is registered: the context holds the pause
+            saved = h.ctx.to_dict()
+            if any(str(w.get("waiter_id")).startswith(waiter) for wk in saved["workers"].values() for w in wk.get("collected_waiters", [])):
+                break
+            await asyncio.sleep(0.005)
+        else:
+            raise AssertionError("the step never paused")
+        assert t.world.count("wire") == 0
+        await h.cancel_run()
+        with contextlib.suppress(Exception):
+            await h
+        return saved
+
+    async def resume(saved: dict[str, Any], crash: bool) -> None:
+        wf = W(crash, timeout=10)
+        ctx = Context.from_dict(wf, saved)
+        h = eli.run(wf, gate=t.gate, run_id=t.run_id, ctx=ctx) if guarded else wf.run(ctx=ctx)
+        if not guarded:
+            h.ctx.send_event(HumanResponseEvent(response="yes"))  # the approval (redelivered)
+        with contextlib.suppress(ConnectionError):
+            await h
+
+    saved = asyncio.run(pause())
+    if guarded:
+        t.operator.approve(t.run_id, t.pending("wire_money")["key"])
+    asyncio.run(resume(saved, True))  # worker A: transfers, dies
+    asyncio.run(resume(saved, False))  # worker B: the job redelivered, from the saved pause
+    return t.world.count("wire") - 1
+
+
+def retry_policy(t: Trial, guarded: bool) -> int:
+    """The workflow's own retry policy (`@step(retry_policy=...)`) re-runs a step that charged,
+    then failed (the shipping API flaked after the charge)."""
+    from workflows.retry_policy import retry_policy as policy, stop_after_attempt, wait_fixed
+
+    fx = effects(t, guarded)
+    attempts: list[str] = []
+
+    class W(Workflow):
+        @step(retry_policy=policy(wait=wait_fixed(0.01), stop=stop_after_attempt(3)))
+        async def checkout(self, ev: StartEvent) -> StopEvent:
+            receipt = await fx["acharge"](42)
+            attempts.append(receipt)
+            if len(attempts) == 1:
+                raise ConnectionError("the shipping API flaked after the charge")
+            return StopEvent(result=receipt)
+
+    async def main() -> None:
+        await _start(t, guarded, W(timeout=10))
+
+    asyncio.run(main())
+    assert len(attempts) == 2, f"expected the policy to run the step again, got {len(attempts)} runs"
+    return t.world.count("charge") - 1
+
+
 def cancel_thread(t: Trial, guarded: bool) -> int:
     fx = effects(t, guarded)
     done = threading.Event()
@@ -296,4 +387,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"operator_cancel": operator_cancel, "framework_cancel": framework_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}
+SCENARIOS = {"retry_policy": retry_policy, "restart_pause": restart_pause, "operator_cancel": operator_cancel, "framework_cancel": framework_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue}

@@ -329,6 +329,34 @@ def timeout_retry(t: Trial, guarded: bool) -> int:
     return t.world.count("charge") - 1
 
 
+def retry_policy(t: Trial, guarded: bool) -> int:
+    """PydanticAI's own tool retry: a checkout tool charges (an `@estop.effect` with estop), then
+    the shipping API flakes and the tool raises `ModelRetry`; PydanticAI asks the model to call
+    it again (up to the tool's `retries`), and the model does (the same arguments, a new call id)."""
+    from pydantic_ai import ModelRetry
+
+    fx = effects(t, guarded)
+    attempts: list[str] = []
+
+    def register(agent: Agent) -> None:
+        @agent.tool_plain(retries=2)
+        def checkout(amount: int) -> str:
+            receipt = str(fx["charge"](amount))
+            attempts.append(receipt)
+            if len(attempts) == 1:
+                raise ModelRetry("the shipping API flaked after the charge; try again")
+            return receipt
+
+    turns = [[ToolCallPart("checkout", {"amount": 42}, tool_call_id="c1")], [ToolCallPart("checkout", {"amount": 42}, tool_call_id="c2")]]
+    agent = _agent(turns, guarded, register)
+    if guarded:
+        ep.run_sync(agent, "check out order 42", gate=t.gate, run_id=t.run_id)
+    else:
+        agent.run_sync("check out order 42")
+    assert len(attempts) == 2, f"expected the model to call the tool again, got {len(attempts)} runs"
+    return t.world.count("charge") - 1
+
+
 def next_turn(t: Trial, guarded: bool) -> None:
     """The next turn of the same conversation (run id): the model charges."""
 
@@ -346,4 +374,4 @@ def interrupt_continue(t: Trial, guarded: bool) -> int:
     return interrupt_then_continue(t, guarded, cancel_thread, next_turn)
 
 
-SCENARIOS = {"framework_cancel": framework_cancel, "restart_pause": restart_pause, "operator_cancel": operator_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue, "timeout_retry": timeout_retry}
+SCENARIOS = {"retry_policy": retry_policy, "framework_cancel": framework_cancel, "restart_pause": restart_pause, "operator_cancel": operator_cancel, "sibling": sibling, "reject": reject, "replay": replay, "cancel_thread": cancel_thread, "cancel_async": cancel_async, "interrupt_continue": interrupt_continue, "timeout_retry": timeout_retry}

@@ -35,7 +35,10 @@
   of them starts, so an approval holds its parallel siblings whatever order ADK runs them in.
 * `@estop.effect`s a gated tool's body calls are keyed from its call (step
   `call:<function_call_id>`), so the same charge in two turns is two charges and a retried call
-  reads its own receipt.
+  reads its own receipt. The model's retry of a call that raised (the same tool and arguments
+  in the same run, a new call id: what ADK's `ReflectAndRetryToolPlugin` asks for) runs in the
+  failed call's step: the effects its body already did read their receipts. List `EstopPlugin`
+  before that plugin (ADK stops at the first error callback that answers).
 """
 
 from __future__ import annotations
@@ -125,8 +128,12 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
         assert g.token is not None
         # `@estop.effect`s the tool body calls are keyed from this call (step `call:<id>`), not by
         # their order in a fresh invocation: ADK runs each call in a task of its own, in which
-        # this callback, the tool and the after/error callback share one context.
-        scope = step(f"call:{call_id}") if call_id else None
+        # this callback, the tool and the after/error callback share one context. The model's
+        # retry of a call that raised (the same tool and arguments, a new call id: what
+        # `ReflectAndRetryToolPlugin` asks for) runs in the failed call's step, so the effects
+        # its body already did present the same keys and read their receipts.
+        name = _failed(call.run).pop((call.tool, call.digest), None) or (f"call:{call_id}" if call_id else None)
+        scope = step(name) if name else None
         if scope is not None:
             scope.__enter__()
         self._started[(call.run.id, call.key)] = (call, g.token, scope, current_invocation())
@@ -155,6 +162,10 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
             # it), never `error`, which would say it did not happen.
             await self._complete(tool, tool_args, tool_context, "unknown", error=f"cancelled mid-tool ({type(error).__name__})")
             return None
+        call, _ = self._call(tool, tool_args, tool_context)
+        started = self._started.get((call.run.id, call.key))
+        if started is not None and started[2] is not None:
+            _failed(call.run)[(call.tool, call.digest)] = started[2].step.name
         await self._complete(tool, tool_args, tool_context, "error", error=f"{type(error).__name__}: {error}"[:4000])
         return None
 
@@ -168,6 +179,13 @@ class EstopPlugin(BasePlugin):  # type: ignore[misc]
             call, token, _, _ = self._started.pop(k)
             with contextlib.suppress(EstopError):
                 await shielded(call.run.gate.aclient.complete(call.run.id, call.key, token, "unknown", error=why))
+
+
+def _failed(run: Run) -> dict[tuple[str, str], str]:
+    """(effect, digest) → the step of the run's latest call of it that raised, for the model's
+    retry of that call."""
+    out: dict[tuple[str, str], str] = run.__dict__.setdefault("_adk_failed", {})
+    return out
 
 
 def _confirmations(events: Iterable[Any]) -> list[Any]:

@@ -323,7 +323,8 @@ def gate_tool_calls(*, effects: dict[str, str] | None = None, approval: Iterable
                 admit_turn_sync(*turn)
             while True:
                 try:
-                    return _message(run_sync(call, lambda: _content(execute(request)), on_hold=mode, hold_timeout_s=hold_timeout_s), name, call_id)
+                    req = _each_run_a_step(request, call_id)
+                    return _message(run_sync(call, lambda: _content(execute(req)), on_hold=mode, hold_timeout_s=hold_timeout_s), name, call_id)
                 except HeldForApproval as h:
                     _interrupt(h, call, approver)
                 except (RunStopped, Interrupted):
@@ -340,8 +341,10 @@ def gate_tool_calls(*, effects: dict[str, str] | None = None, approval: Iterable
                 await admit_turn(*turn)
             while True:
                 try:
+                    req = _each_run_a_step(request, call_id)
+
                     async def go() -> Any:
-                        return _content(await execute(request))
+                        return _content(await execute(req))
 
                     return _message(await run_async(call, go, on_hold=mode, hold_timeout_s=hold_timeout_s), name, call_id)
                 except HeldForApproval as h:
@@ -352,6 +355,37 @@ def gate_tool_calls(*, effects: dict[str, str] | None = None, approval: Iterable
                     return _refused(e, name, call_id)
 
     return wrap, awrap
+
+
+class _StepPerRun:
+    """The request's tool, each run of it in a fresh step `call:{id}`. A retry inside estop's
+    gated call (LangChain's `ToolRetryMiddleware` listed after `EstopMiddleware`: it calls
+    ToolNode's execute again with the same request) runs the tool again; with one step for both
+    runs, its `estop.effect`s would count as second occurrences (new keys, a second charge).
+    A fresh step per run presents the first run's keys: the effects read their receipts."""
+
+    def __init__(self, tool: Any, name: str) -> None:
+        self._tool = tool
+        self._step = name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tool, name)
+
+    def invoke(self, *a: Any, **kw: Any) -> Any:
+        with step(self._step):
+            return self._tool.invoke(*a, **kw)
+
+    async def ainvoke(self, *a: Any, **kw: Any) -> Any:
+        with step(self._step):
+            return await self._tool.ainvoke(*a, **kw)
+
+
+def _each_run_a_step(request: Any, call_id: str) -> Any:
+    """`request` whose tool runs each time in a fresh step (see `_StepPerRun`; the request's
+    public `override`)."""
+    if not call_id or getattr(request, "tool", None) is None or not hasattr(request, "override"):
+        return request
+    return request.override(tool=_StepPerRun(request.tool, f"call:{call_id}"))
 
 
 def _turn(state: Any, tc: Any, skipped: frozenset[str]) -> tuple[tuple[str, ...], list[Any]] | None:

@@ -26,6 +26,10 @@ elsewhere for the runs `ep.run` makes.)
   a stopped run raises `RunStopped`. `run`/`run_sync` are invocations of the run: a task cancel,
   `timeout_s` or Ctrl-C interrupts the invocation (what it left running refuses new effects) and
   the run stays usable; `run.cancel()` or an operator's cancel stops it.
+* `@estop.effect`s a gated tool's body calls are keyed from its call (step `call:<id>`). The
+  model's retry of a call that raised (`ModelRetry`: the same tool and arguments in the run, a
+  new call id) runs in the failed call's step, so what the failed call's body already did is
+  read back, not done again.
 """
 
 from __future__ import annotations
@@ -99,12 +103,20 @@ async def _gated_call(owner: Any, inner_call: Any, name: str, tool_args: dict[st
         await earlier.settled(getattr(tool.tool_def, "timeout", None))
     await _admit_turn(owner, run, ctx, skip_id=call_id if earlier is not None else None)
     hold = "raise" if _defers(owner.on_hold, ctx) else "wait"
+    # Effects the body gates itself (`@estop.effect`) take their keys from this call — or, for the
+    # model's retry of a call that raised (`ModelRetry`: the same tool and arguments, a new call
+    # id), from the failed call, so what its body already did is read back, not done again.
+    step_name = _failed(run).pop((effect, call.digest), None) or (f"call:{call_id}" if call_id else None)
     try:
-        # Effects the body gates itself (`@estop.effect`) take their keys from this call.
-        with step(f"call:{call_id}") if call_id else contextlib.nullcontext():
-            if _is_thread_tool(tool):
-                return await _run_thread_tool(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold=hold, hold_timeout_s=owner.hold_timeout_s)
-            return await run_async(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold=hold, hold_timeout_s=owner.hold_timeout_s)
+        with step(step_name) if step_name else contextlib.nullcontext():
+            try:
+                if _is_thread_tool(tool):
+                    return await _run_thread_tool(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold=hold, hold_timeout_s=owner.hold_timeout_s)
+                return await run_async(call, lambda: inner_call(name, tool_args, ctx, tool), on_hold=hold, hold_timeout_s=owner.hold_timeout_s)
+            except Exception as e:
+                if step_name and not isinstance(e, EstopError):
+                    _failed(run)[(effect, call.digest)] = step_name
+                raise
     except HeldForApproval as h:
         raise ApprovalRequired(metadata=hold_payload(h, tool_args)) from None
     except (RunStopped, Interrupted):
@@ -187,6 +199,13 @@ class _Started:
 
 
 _STARTED: "contextvars.ContextVar[_Started | None]" = contextvars.ContextVar("estop_pyd_started", default=None)
+
+
+def _failed(run: Run) -> dict[tuple[str, str], str]:
+    """(effect, digest) → the step of the run's latest call of it that raised, for the model's
+    retry of that call."""
+    out: dict[tuple[str, str], str] = run.__dict__.setdefault("_pyd_failed", {})
+    return out
 
 
 def _abandoned(run: Run) -> dict[tuple[str, str], _Abandoned]:
