@@ -1,6 +1,7 @@
 //! `estop mcp`: an MCP server over stdio or streamable HTTP that fronts upstream MCP servers
 //! and admits every `tools/call` through estop's gate as an effect (docs/MCP.md).
 
+pub mod book;
 pub mod config;
 pub mod front;
 pub mod gateway;
@@ -139,7 +140,7 @@ async fn start(opts: &Options, config: &config::Config) -> Result<Arc<gateway::S
         let listener = upstream::Listener::new(i, changed.clone());
         upstreams.push(upstream::Upstream::start(s, launch.clone(), listener).await?);
     }
-    let shared = gateway::Shared::new(upstreams, pins, config.gateway.hold_ms, config.runs.clone());
+    let shared = gateway::Shared::new(upstreams, pins, config.gateway.clone(), config.runs.clone());
     tokio::spawn(gateway::follow_list_changes(
         Arc::downgrade(&shared),
         changes,
