@@ -90,7 +90,9 @@ where
     R: tokio::io::AsyncRead + Send + Unpin + 'static,
     W: tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
-    let config = config::Config::load(&opts.config)?;
+    let mut config = config::Config::load(&opts.config)?;
+    // One principal on stdio: a share of the tasks would only shrink the bounds.
+    config.gateway.tasks_per_principal_max = config.gateway.tasks_kept_max;
     let token = match &opts.token {
         Some(t) => t.clone(),
         None => std::fs::read_to_string(opts.data.join("agent.token"))

@@ -3,7 +3,8 @@
 //! of the global bounds — the bounded wait for a SEP-2663 client, `-32600` for a 2025-11-25
 //! task — while other principals still get tasks; at `tasks_running_max` or `tasks_kept_max`
 //! everyone gets it; tasks of both forms count; once a principal's tasks ended and were
-//! forgotten (their TTL after they ended), it gets tasks again.
+//! forgotten (their TTL after they ended), it gets tasks again. On stdio (one principal) the
+//! share is the kept bound.
 
 mod common;
 
@@ -211,4 +212,29 @@ async fn concurrent_2025_11_25_task_calls_do_not_overrun_a_share() {
         }
     }
     assert_eq!(tasks, 2, "her share is two");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_stdio_the_one_principal_has_every_slot() {
+    let w = world();
+    let opts = w.options("run-stdio-share", "Echoes text.", HOLD_MS);
+    let text = std::fs::read_to_string(&opts.config).unwrap();
+    let text = text.replacen("[gateway]\n", &format!("[gateway]\n{BOUNDS}\n"), 1);
+    std::fs::write(&opts.config, text).unwrap();
+    let (ours, theirs) = tokio::io::duplex(1 << 16);
+    tokio::spawn(async move {
+        estop_mcp::serve_io(opts, tokio::io::split(theirs))
+            .await
+            .unwrap();
+    });
+    let caps = ClientCapabilities::builder().enable_tasks().build();
+    let c = ClientConfig::new(caps, Implementation::new("tasks", "1"))
+        .serve(tokio::io::split(ours))
+        .await
+        .unwrap();
+    // Past the share of two, up to the running bound of three; then the bounded wait.
+    for text in ["hold-s1", "hold-s2", "hold-s3"] {
+        held(&c, text).await.expect("a task");
+    }
+    waited(&c, "hold-s4").await;
 }
