@@ -3,9 +3,10 @@
 //! (running or ended: an ended task is kept its TTL after it ends, for its client) and a
 //! principal's share, `tasks_per_principal_max` kept, so that one principal cannot take tasks
 //! from the others. rmcp's store holds the tasks themselves and forgets them past their TTL
-//! without telling; the book looks a task up in the store once the store may have forgotten it
-//! (its TTL after it started, then an eighth of its TTL later each time), so a principal's
-//! share frees up as its tasks are forgotten, and no entry outlives its task for long.
+//! without telling; whenever a task is asked for, the book looks up in the store each task the
+//! store may have forgotten (its TTL after it started, then an eighth of its TTL later each
+//! time), so a principal's share frees up as its tasks are forgotten, and no entry outlives its
+//! task past the next ask. The book holds at most `tasks_kept_max` entries.
 
 use crate::config::Gateway as Bounds;
 use std::collections::BTreeMap;
