@@ -97,17 +97,84 @@ pub struct Gateway {
     /// How long a held call waits for an operator before the model is told it is held.
     #[serde(default = "hold_ms_default")]
     pub hold_ms: u64,
+    /// Most tasks running at once (held calls carried by tasks, both forms).
+    #[serde(default = "tasks_running_max_default")]
+    pub tasks_running_max: usize,
+    /// Most tasks kept at once, running or ended (an ended task is kept its TTL), both forms.
+    #[serde(default = "tasks_kept_max_default")]
+    pub tasks_kept_max: usize,
+    /// Most tasks one principal keeps at once (running or ended, both forms): its share.
+    #[serde(default = "tasks_per_principal_max_default")]
+    pub tasks_per_principal_max: usize,
+    /// How long a task lives (and an ended one is kept); a 2025-11-25 client may ask less.
+    #[serde(default = "task_ttl_ms_default")]
+    pub task_ttl_ms: u64,
 }
 
 fn hold_ms_default() -> u64 {
     30_000
 }
+fn tasks_running_max_default() -> usize {
+    256
+}
+fn tasks_kept_max_default() -> usize {
+    4096
+}
+fn tasks_per_principal_max_default() -> usize {
+    64
+}
+fn task_ttl_ms_default() -> u64 {
+    24 * 60 * 60 * 1000
+}
+
+/// The most tasks `tasks_kept_max` may keep (each holds its call's whole result).
+pub const TASKS_KEPT_MAX: usize = 1 << 16;
+/// The shortest `task_ttl_ms`: a task must outlive a poll or two.
+pub const TASK_TTL_MS_MIN: u64 = 1000;
+/// The longest `task_ttl_ms`: a week.
+pub const TASK_TTL_MS_MAX: u64 = 7 * 24 * 60 * 60 * 1000;
 
 impl Default for Gateway {
     fn default() -> Self {
         Gateway {
             hold_ms: hold_ms_default(),
+            tasks_running_max: tasks_running_max_default(),
+            tasks_kept_max: tasks_kept_max_default(),
+            tasks_per_principal_max: tasks_per_principal_max_default(),
+            task_ttl_ms: task_ttl_ms_default(),
         }
+    }
+}
+
+impl Gateway {
+    /// The tasks' bounds make sense: at least one task each, a principal's share within the
+    /// running bound, the running bound within the kept one, nothing beyond what memory takes.
+    fn check(&self) -> Result<(), ConfigError> {
+        let (share, running, kept) = (
+            self.tasks_per_principal_max,
+            self.tasks_running_max,
+            self.tasks_kept_max,
+        );
+        let bad = |why: String| Err(ConfigError::Bad(format!("[gateway] {why}")));
+        if share == 0 || running == 0 || kept == 0 {
+            return bad(
+                "tasks_per_principal_max, tasks_running_max and tasks_kept_max must be at least 1"
+                    .into(),
+            );
+        }
+        if !(share <= running && running <= kept && kept <= TASKS_KEPT_MAX) {
+            return bad(format!(
+                "the tasks' bounds must read tasks_per_principal_max ({share}) <= \
+                 tasks_running_max ({running}) <= tasks_kept_max ({kept}) <= {TASKS_KEPT_MAX}"
+            ));
+        }
+        if !(TASK_TTL_MS_MIN..=TASK_TTL_MS_MAX).contains(&self.task_ttl_ms) {
+            return bad(format!(
+                "task_ttl_ms {} is outside {TASK_TTL_MS_MIN}..={TASK_TTL_MS_MAX} (1 s to a week)",
+                self.task_ttl_ms
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -184,6 +251,7 @@ impl Config {
             return Err(ConfigError::Empty);
         }
         check_servers(&config.servers)?;
+        config.gateway.check()?;
         config.check_front()?;
         Ok(config)
     }
@@ -343,6 +411,16 @@ mod tests {
         let one = "[[server]]\nname = \"files\"\ncommand = \"x\"\n";
         let c = Config::parse(one).unwrap();
         assert_eq!(c.gateway.hold_ms, 30_000);
+        let g = &c.gateway;
+        assert_eq!(
+            (
+                g.tasks_running_max,
+                g.tasks_kept_max,
+                g.tasks_per_principal_max
+            ),
+            (256, 4096, 64)
+        );
+        assert_eq!(g.task_ttl_ms, 24 * 60 * 60 * 1000);
         assert!(!c.servers[0].trusted);
         assert!(matches!(Config::parse(""), Err(ConfigError::Empty)));
         let under = "[[server]]\nname = \"a__b\"\ncommand = \"x\"\n";
@@ -357,5 +435,39 @@ mod tests {
             Config::parse(unknown),
             Err(ConfigError::Parse { .. })
         ));
+    }
+
+    #[test]
+    fn zero_or_absurd_task_bounds_are_refused_at_load() {
+        let server = "[[server]]\nname = \"files\"\ncommand = \"x\"\n";
+        let ok = "tasks_running_max = 3\ntasks_kept_max = 4\ntasks_per_principal_max = 2\n\
+                  task_ttl_ms = 1000";
+        let c = Config::parse(&format!("[gateway]\n{ok}\n{server}")).unwrap();
+        assert_eq!(c.gateway.tasks_per_principal_max, 2);
+        for (bad, says) in [
+            ("tasks_running_max = 0", "at least 1"),
+            ("tasks_kept_max = 0", "at least 1"),
+            ("tasks_per_principal_max = 0", "at least 1"),
+            (
+                "tasks_per_principal_max = 300",
+                "tasks_per_principal_max (300) <=",
+            ),
+            (
+                "tasks_running_max = 5000",
+                "tasks_running_max (5000) <= tasks_kept_max",
+            ),
+            (
+                "tasks_kept_max = 100000\ntasks_running_max = 100000",
+                "<= 65536",
+            ),
+            ("task_ttl_ms = 0", "task_ttl_ms 0 is outside"),
+            ("task_ttl_ms = 999999999999", "is outside"),
+            ("tasks_running_max = -1", "tasks_running_max"),
+        ] {
+            let e = Config::parse(&format!("[gateway]\n{bad}\n{server}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
     }
 }

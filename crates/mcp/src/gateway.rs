@@ -1,6 +1,7 @@
 //! The MCP server the agent talks to: tools of every upstream under `server__tool`, and every
 //! `tools/call` admitted by the gate as an effect before the upstream is called.
 
+use crate::book::{Book, Form, Full};
 use crate::config::{Runs, SEPARATOR};
 use crate::pins::{Pin, Pins, Seed, fingerprint};
 use crate::principal::Principal;
@@ -44,6 +45,8 @@ pub struct Shared {
     upstreams: Vec<Upstream>,
     tools: Mutex<BTreeMap<String, Entry>>,
     pins: Mutex<Pins>,
+    /// `[gateway]`: the hold and the tasks' bounds.
+    bounds: crate::config::Gateway,
     hold_ms: u64,
     runs: Runs,
     /// Which upstream each resource URI and template belongs to, and who subscribed to what.
@@ -52,11 +55,11 @@ pub struct Shared {
     offers: crate::passthrough::Offers,
     /// Names this gateway process: the run of its stateless calls is `<instance>-<principal>`.
     instance: String,
-    /// Held calls carried by tasks (SEP-2663), and whose each task is (principal name).
+    /// Held calls carried by tasks: SEP-2663's, and 2025-11-25's own form (`params.task`,
+    /// SEP-1686) in the same store.
     tasks: Tasks,
-    task_owners: Mutex<BTreeMap<String, String>>,
-    /// The tasks of 2025-11-25's own form (`params.task`, SEP-1686), carried by the same store.
-    tasks_1686: Mutex<BTreeMap<String, Task1686>>,
+    /// Whose each task is, which form, and the bounds on them (crate::book).
+    book: Mutex<Book>,
     /// The client sessions to tell when an upstream's tools, resources or prompts change.
     peers: Mutex<Vec<rmcp::Peer<RoleServer>>>,
     /// The open `subscriptions/listen` streams (2026-07-28) to tell the same, by id.
@@ -279,43 +282,39 @@ impl Shared {
         }
     }
 
-    /// Whether another task may start: fewer than `TASKS_MAX` run and fewer than
-    /// `TASKS_KEPT_MAX` are kept (an ended task is kept its TTL after it ends, for its client).
-    fn task_room(&self) -> bool {
-        if self.tasks.0.running_task_count() >= TASKS_MAX {
-            return false;
-        }
-        let mut owners = self.task_owners.lock().expect("not poisoned");
-        let mut forms = self.tasks_1686.lock().expect("not poisoned");
-        if owners.len() + forms.len() >= TASKS_KEPT_MAX {
-            // Forget what the store let go of (past its TTL): costly, so only at the bound.
-            owners.retain(|id, _| self.tasks.0.get_task(id).is_ok());
-            forms.retain(|id, _| self.tasks.0.get_task(id).is_ok());
-        }
-        owners.len() + forms.len() < TASKS_KEPT_MAX
+    /// Whether `owner` may have another task now (`Book::room`: the running and kept bounds,
+    /// and its share), `book` locked: the caller takes the slot under the same lock.
+    fn task_room(&self, book: &mut Book, owner: &str) -> Result<(), Full> {
+        let running = self.tasks.0.running_task_count();
+        let store = |id: &str| self.tasks.0.get_task(id).ok().map(|_| ());
+        book.room(owner, &self.bounds, running, &store)
     }
 
     /// Whether `id` names a task of 2025-11-25's own form (the edge renames its requests).
     pub fn is_1686(&self, id: &str) -> bool {
-        self.tasks_1686
-            .lock()
-            .expect("not poisoned")
-            .contains_key(id)
+        let book = self.book.lock().expect("not poisoned");
+        book.get(id)
+            .is_some_and(|k| matches!(k.form, Form::Own { .. }))
     }
 
-    pub fn new(upstreams: Vec<Upstream>, pins: Pins, hold_ms: u64, runs: Runs) -> Arc<Shared> {
+    pub fn new(
+        upstreams: Vec<Upstream>,
+        pins: Pins,
+        bounds: crate::config::Gateway,
+        runs: Runs,
+    ) -> Arc<Shared> {
         Arc::new(Shared {
             offers: crate::passthrough::offers(&upstreams),
             routes: Default::default(),
             upstreams,
             tools: Mutex::new(BTreeMap::new()),
             pins: Mutex::new(pins),
-            hold_ms,
+            hold_ms: bounds.hold_ms,
+            bounds,
             runs,
             instance: fresh_run(),
             tasks: Default::default(),
-            task_owners: Mutex::new(BTreeMap::new()),
-            tasks_1686: Mutex::new(BTreeMap::new()),
+            book: Mutex::new(Book::default()),
             peers: Mutex::new(Vec::new()),
             listeners: Mutex::new(BTreeMap::new()),
         })
@@ -482,20 +481,52 @@ impl Gateway {
             admit["seed"] = json!({"class": e.seed.class(),
                 "reversibility": e.seed.reversibility()});
         }
-        let mut v = gate(at, admit).await?;
+        let v = gate(at, admit).await?;
         if let Some(ct) = wait
             && v["ok"] == true
             && v["verdict"] == "held"
         {
-            let hold_ms = self.shared.hold_ms;
-            let wait = json!({"op": "wait", "run": run, "key": key, "timeout_ms": hold_ms});
-            v = tokio::select! {
-                v = gate(at, wait) => v?,
-                () = ct.cancelled() => return Ok(Admission::Answer(refusal(
-                    "the call was cancelled while it was held; nothing was run".into()))),
-            };
+            return self.wait_held(at, name, key, e, ct).await;
         }
         self.interpret(at, name, key, e, v).await
+    }
+
+    /// The bounded wait of a held call: up to `hold_ms` (cut short by `ct`, the client's
+    /// cancel), then what the gate says.
+    async fn wait_held(
+        &self,
+        at: &Place,
+        name: &str,
+        key: &str,
+        e: &Entry,
+        ct: &tokio_util::sync::CancellationToken,
+    ) -> Result<Admission, McpError> {
+        let hold_ms = self.shared.hold_ms;
+        let wait = json!({"op": "wait", "run": at.run, "key": key, "timeout_ms": hold_ms});
+        let v = tokio::select! {
+            v = gate(at, wait) => v?,
+            () = ct.cancelled() => return Ok(Admission::Answer(refusal(
+                "the call was cancelled while it was held; nothing was run".into()))),
+        };
+        self.interpret(at, name, key, e, v).await
+    }
+
+    /// Runs an admitted call on its upstream and records how it ended.
+    #[allow(clippy::too_many_arguments)]
+    async fn run(
+        &self,
+        at: &Place,
+        key: &str,
+        token: &str,
+        e: &Entry,
+        arguments: Option<serde_json::Map<String, Value>>,
+        ct: &tokio_util::sync::CancellationToken,
+        fence: watch::Receiver<bool>,
+    ) -> CallToolResponse {
+        let mut params = CallToolRequestParams::new(e.tool.name.clone());
+        params.arguments = arguments;
+        let ended = self.forward(e, params, ct, fence).await;
+        self.complete(at, key, token, ended).await.into()
     }
 
     /// What the gate's answer to an `admit` or a `wait` means for the call.
@@ -632,31 +663,28 @@ struct Held {
     arguments: Option<serde_json::Map<String, Value>>,
 }
 
-/// How many held calls tasks carry at once; beyond, a held call is the bounded wait.
-const TASKS_MAX: usize = 256;
-/// How many tasks (running or ended, both forms) are kept at once; beyond, no new task.
-const TASKS_KEPT_MAX: usize = 4096;
-/// How long a task lives (rmcp fails a task past its TTL): a day of waiting for an operator.
-const TASK_TTL_MS: u64 = 24 * 60 * 60 * 1000;
-
 impl Gateway {
     /// Answers a held call with a task (SEP-2663) that waits for the operator's decision, then
     /// runs the call or reads the refusal; `tasks/cancel` ends the wait (nothing runs) or cuts
-    /// the upstream call (recorded `unknown`). `held` (the bounded wait's answer) when
-    /// `TASKS_MAX` tasks are running.
+    /// the upstream call (recorded `unknown`). Gives the call back when no task can start
+    /// (a bound or the principal's share is reached): it then gets the bounded wait.
+    #[allow(clippy::result_large_err)] // the call given back, for the bounded wait
     fn task(
         &self,
         call: Held,
         held: CallToolResult,
         fence: watch::Receiver<bool>,
-    ) -> CallToolResponse {
-        if !self.shared.task_room() {
-            return held.into();
+    ) -> Result<CallToolResponse, (Held, watch::Receiver<bool>)> {
+        let owner = call.at.principal.name.clone();
+        // The slot is checked and taken under one lock: concurrent calls cannot overrun it.
+        let mut book = self.shared.book.lock().expect("not poisoned");
+        if self.shared.task_room(&mut book, &owner).is_err() {
+            return Err((call, fence));
         }
         let me = self.clone();
-        let owner = call.at.principal.name.clone();
+        let ttl = self.shared.bounds.task_ttl_ms;
         let options = rmcp::task_manager::TaskOptions::new()
-            .with_ttl_ms(TASK_TTL_MS)
+            .with_ttl_ms(ttl)
             .with_status_message(format!(
                 "held: an operator decides on estop's channel (`estop approve {} {}`)",
                 call.at.run, call.key
@@ -665,9 +693,11 @@ impl Gateway {
             let start = Admission::Held(held);
             Box::pin(async move { me.carry(call, start, fence, tctx).await })
         });
-        let mut owners = self.shared.task_owners.lock().expect("not poisoned");
-        owners.insert(task.task_id.clone(), owner);
-        CallToolResponse::Task(rmcp::model::CreateTaskResult::new(task))
+        let ttl = std::time::Duration::from_millis(ttl);
+        book.keep(task.task_id.clone(), owner, Form::Extension, ttl);
+        Ok(CallToolResponse::Task(rmcp::model::CreateTaskResult::new(
+            task,
+        )))
     }
 
     /// Carries a call from where admission left it (`start`): waits out a hold, runs it once
@@ -724,9 +754,9 @@ impl Gateway {
     /// The task `id` if it is the caller's: another principal's reads as unknown.
     fn own_task(&self, id: &str, ctx: &RequestContext<RoleServer>) -> Result<(), McpError> {
         let at = self.place(&Default::default(), ctx)?;
-        let owners = self.shared.task_owners.lock().expect("not poisoned");
-        match owners.get(id) {
-            Some(owner) if *owner == at.principal.name => Ok(()),
+        let book = self.shared.book.lock().expect("not poisoned");
+        match book.get(id) {
+            Some(k) if k.owner == at.principal.name && k.form == Form::Extension => Ok(()),
             _ => Err(McpError::invalid_params(format!("no task {id:?}"), None)),
         }
     }
@@ -742,12 +772,20 @@ struct Prepared {
     fence: watch::Receiver<bool>,
 }
 
-/// A task of 2025-11-25's own form: whose it is, and whether `tasks/cancel` ended it (it then
-/// stays `cancelled`, whatever the call did meanwhile).
-#[derive(Debug)]
-struct Task1686 {
+/// A slot promised to a 2025-11-25 call while it is admitted; given back unless booked.
+struct Slot<'a> {
+    book: &'a Mutex<Book>,
     owner: String,
-    cancelled: bool,
+    open: bool,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            let mut book = self.book.lock().unwrap_or_else(|p| p.into_inner());
+            book.unreserve(&self.owner);
+        }
+    }
 }
 
 /// How long telling a client of a task's end may take before it is given up.
@@ -807,33 +845,45 @@ impl Gateway {
 
     /// A task-augmented `tools/call` (2025-11-25): always answered with a task (the form asks
     /// for one), which carries the call from its admission: a held call waits for the operator,
-    /// an admitted one runs, a refused one ends at once with the refusal. At `TASKS_MAX`
-    /// running tasks it is refused before admission (nothing is recorded).
+    /// an admitted one runs, a refused one ends at once with the refusal. When no task can
+    /// start (a bound of `[gateway]`, or the principal's share) it is refused before admission
+    /// (`-32600`; nothing is recorded).
     async fn call_as_task(
         &self,
         params: Value,
         context: RequestContext<RoleServer>,
     ) -> Result<Value, McpError> {
+        let ttl_max = self.shared.bounds.task_ttl_ms;
         let ttl_ms = params["task"]["ttl"]
             .as_u64()
-            .map_or(TASK_TTL_MS, |t| t.min(TASK_TTL_MS));
+            .map_or(ttl_max, |t| t.min(ttl_max));
         let request: CallToolRequestParams = serde_json::from_value(params)
             .map_err(|e| McpError::invalid_params(format!("tools/call: {e}"), None))?;
-        if !self.shared.task_room() {
-            return Err(McpError::invalid_request(
-                format!(
-                    "{TASKS_MAX} tasks are running or {TASKS_KEPT_MAX} kept on this gateway \
-                     (an ended task is kept its TTL): call again later, ask for a shorter \
-                     `task.ttl`, or call without `task` (a bounded wait); nothing was run"
-                ),
-                None,
-            ));
-        }
         let owner = self
             .place(&Default::default(), &context)?
             .principal
             .name
             .clone();
+        // A slot is promised now (checked and taken under one lock), kept while the call is
+        // admitted, and booked with the task: concurrent calls cannot overrun a bound.
+        let mut slot = {
+            let mut book = self.shared.book.lock().expect("not poisoned");
+            if let Err(full) = self.shared.task_room(&mut book, &owner) {
+                return Err(McpError::invalid_request(
+                    format!(
+                        "{full}: call again later, ask for a shorter `task.ttl`, or call \
+                         without `task` (a bounded wait); nothing was run"
+                    ),
+                    None,
+                ));
+            }
+            book.reserve(&owner);
+            Slot {
+                book: &self.shared.book,
+                owner: owner.clone(),
+                open: true,
+            }
+        };
         let (call, start, fence, says) = match self.prepare(&request, &context).await? {
             Err(answer) => {
                 // Refused before admission: a task that has already ended.
@@ -880,6 +930,7 @@ impl Gateway {
             .with_status_message(status);
         let me = self.clone();
         let peer = context.peer.clone();
+        let mut book = self.shared.book.lock().expect("not poisoned");
         let task = self.shared.tasks.0.spawn(options, move |tctx| {
             Box::pin(async move {
                 let id = tctx.task_id().to_string();
@@ -894,15 +945,12 @@ impl Gateway {
                 ended
             })
         });
-        let mut tasks = self.shared.tasks_1686.lock().expect("not poisoned");
-        tasks.insert(
-            task.task_id.clone(),
-            Task1686 {
-                owner,
-                cancelled: false,
-            },
-        );
-        drop(tasks);
+        book.unreserve(&owner);
+        slot.open = false;
+        let form = Form::Own { cancelled: false };
+        let ttl = std::time::Duration::from_millis(ttl_ms);
+        book.keep(task.task_id.clone(), owner, form, ttl);
+        drop(book);
         let detailed = rmcp::model::DetailedTask::new(task, rmcp::model::TaskPayload::Working);
         Ok(json!({"task": task_1686(&detailed, false),
             "_meta": {"io.modelcontextprotocol/model-immediate-response": says}}))
@@ -935,8 +983,9 @@ impl Gateway {
     }
 
     fn cancelled_1686(&self, id: &str) -> bool {
-        let tasks = self.shared.tasks_1686.lock().expect("not poisoned");
-        tasks.get(id).is_some_and(|t| t.cancelled)
+        let book = self.shared.book.lock().expect("not poisoned");
+        book.get(id)
+            .is_some_and(|k| k.form == Form::Own { cancelled: true })
     }
 
     /// The caller's 2025-11-25 task `id`: another principal's reads as unknown.
@@ -947,8 +996,9 @@ impl Gateway {
     ) -> Result<rmcp::model::DetailedTask, McpError> {
         let at = self.place(&Default::default(), ctx)?;
         let mine = {
-            let tasks = self.shared.tasks_1686.lock().expect("not poisoned");
-            tasks.get(id).is_some_and(|t| t.owner == at.principal.name)
+            let book = self.shared.book.lock().expect("not poisoned");
+            book.get(id)
+                .is_some_and(|k| k.owner == at.principal.name && matches!(k.form, Form::Own { .. }))
         };
         let unknown = || McpError::invalid_params(format!("no task {id:?}"), None);
         if !mine {
@@ -1048,14 +1098,8 @@ impl Gateway {
                 _ => break,
             }
         }
-        if let Some(t) = self
-            .shared
-            .tasks_1686
-            .lock()
-            .expect("not poisoned")
-            .get_mut(id)
-        {
-            t.cancelled = true;
+        if let Some(k) = self.shared.book.lock().expect("not poisoned").get_mut(id) {
+            k.form = Form::Own { cancelled: true };
         }
         let d = self.shared.tasks.0.get_task(id).unwrap_or(d);
         Ok(task_1686(&d, true))
@@ -1077,11 +1121,12 @@ impl Gateway {
                 .ok_or_else(|| McpError::invalid_params(format!("no cursor {c}"), None))?,
         };
         let mine: Vec<(String, bool)> = {
-            let tasks = self.shared.tasks_1686.lock().expect("not poisoned");
-            tasks
-                .iter()
-                .filter(|(_, t)| t.owner == at.principal.name)
-                .map(|(id, t)| (id.clone(), t.cancelled))
+            let book = self.shared.book.lock().expect("not poisoned");
+            book.owned_by(&at.principal.name)
+                .filter_map(|(id, k)| match k.form {
+                    Form::Own { cancelled } => Some((id.clone(), cancelled)),
+                    Form::Extension => None,
+                })
                 .collect()
         };
         let listed: Vec<Value> = mine
@@ -1489,14 +1534,31 @@ impl ServerHandler for Gateway {
                     e,
                     arguments: request.arguments,
                 };
-                return Ok(self.task(call, r, fence));
+                let (call, fence) = match self.task(call, r, fence) {
+                    Ok(task) => return Ok(task),
+                    Err(back) => back,
+                };
+                // No task can carry it (a bound, or the principal's share): the bounded wait.
+                let Held {
+                    at,
+                    name,
+                    key,
+                    e,
+                    arguments,
+                } = call;
+                let token = match self.wait_held(&at, &name, &key, &e, &context.ct).await? {
+                    Admission::Go { token } => token,
+                    Admission::Held(r) | Admission::Answer(r) => return Ok(r.into()),
+                };
+                return Ok(self
+                    .run(&at, &key, &token, &e, arguments, &context.ct, fence)
+                    .await);
             }
             Admission::Answer(r) => return Ok(r.into()),
         };
-        let mut params = CallToolRequestParams::new(e.tool.name.clone());
-        params.arguments = request.arguments;
-        let ended = self.forward(&e, params, &context.ct, fence).await;
-        Ok(self.complete(&at, &key, &token, ended).await.into())
+        Ok(self
+            .run(&at, &key, &token, &e, request.arguments, &context.ct, fence)
+            .await)
     }
 
     /// 2025-11-25's task form, which the edge renamed for rmcp to pass whole (`sep1686.rs`).

@@ -1,6 +1,7 @@
 //! `estop mcp`: an MCP server over stdio or streamable HTTP that fronts upstream MCP servers
 //! and admits every `tools/call` through estop's gate as an effect (docs/MCP.md).
 
+pub mod book;
 pub mod config;
 pub mod front;
 pub mod gateway;
@@ -89,7 +90,9 @@ where
     R: tokio::io::AsyncRead + Send + Unpin + 'static,
     W: tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
-    let config = config::Config::load(&opts.config)?;
+    let mut config = config::Config::load(&opts.config)?;
+    // One principal on stdio: a share of the tasks would only shrink the bounds.
+    config.gateway.tasks_per_principal_max = config.gateway.tasks_kept_max;
     let token = match &opts.token {
         Some(t) => t.clone(),
         None => std::fs::read_to_string(opts.data.join("agent.token"))
@@ -139,7 +142,7 @@ async fn start(opts: &Options, config: &config::Config) -> Result<Arc<gateway::S
         let listener = upstream::Listener::new(i, changed.clone());
         upstreams.push(upstream::Upstream::start(s, launch.clone(), listener).await?);
     }
-    let shared = gateway::Shared::new(upstreams, pins, config.gateway.hold_ms, config.runs.clone());
+    let shared = gateway::Shared::new(upstreams, pins, config.gateway.clone(), config.runs.clone());
     tokio::spawn(gateway::follow_list_changes(
         Arc::downgrade(&shared),
         changes,

@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::web::*;
 use common::*;
 use rmcp::ServiceExt;
 use rmcp::model::{CallToolRequestParams, ProtocolVersion};
@@ -14,88 +15,6 @@ use rmcp::transport::streamable_http_client::{
 };
 use serde_json::{Value, json};
 use std::time::Duration;
-
-/// A gateway served over HTTP on a fresh loopback port; `extra` is appended to its config
-/// (`[gateway]` and `[http]` tables). Calls run in per-session runs (no `--run`).
-async fn http_gateway(w: &World, name: &str, extra: &str) -> String {
-    let mut opts = w.options(name, "Echoes text.", 30_000);
-    opts.run = None;
-    let text = std::fs::read_to_string(&opts.config).unwrap();
-    // The `[gateway]` table the helper wrote comes first: the extra tables go after the server.
-    std::fs::write(&opts.config, format!("{text}\n{extra}\n")).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(async move {
-        estop_mcp::serve_http_on(opts, listener).await.unwrap();
-    });
-    addr
-}
-
-/// A new agent principal's token (each is its own principal to the daemon).
-fn agent_token(w: &World, name: &str) -> String {
-    let v = w.operator(json!({"op": "token", "name": name, "role": "agent"}));
-    assert_eq!(v["ok"], true, "{v}");
-    v["token"].as_str().unwrap().to_string()
-}
-
-struct Reply {
-    status: u16,
-    headers: reqwest::header::HeaderMap,
-    body: String,
-}
-
-impl Reply {
-    /// The JSON-RPC message in the body (plain JSON, or the last `data:` of an SSE stream).
-    fn message(&self) -> Value {
-        if let Ok(v) = serde_json::from_str(&self.body) {
-            return v;
-        }
-        let data = self
-            .body
-            .lines()
-            .filter_map(|l| l.strip_prefix("data:"))
-            .map(str::trim)
-            .rfind(|d| !d.is_empty())
-            .unwrap_or_else(|| panic!("no message in {:?}", self.body));
-        serde_json::from_str(data).unwrap()
-    }
-}
-
-/// reqwest's TLS without a provider of its own (as in the gateway): ring.
-fn http() -> reqwest::Client {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    reqwest::Client::new()
-}
-
-/// One raw POST to the gateway: the MCP client's usual headers, then `headers` over them.
-async fn post(addr: &str, headers: &[(&str, &str)], body: &Value) -> Reply {
-    let mut req = http()
-        .post(format!("http://{addr}/mcp"))
-        .header("content-type", "application/json")
-        .header("accept", "application/json, text/event-stream");
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    // Bounded only so that a gateway that never answers fails instead of hanging.
-    let resp = tokio::time::timeout(Duration::from_secs(60), req.body(body.to_string()).send())
-        .await
-        .expect("an answer")
-        .unwrap();
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    let body = resp.text().await.unwrap();
-    Reply {
-        status,
-        headers,
-        body,
-    }
-}
-
-fn initialize() -> Value {
-    json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {},
-        "clientInfo": {"name": "raw", "version": "1"}}})
-}
 
 fn tools_call(tool: &str, text: &str) -> Value {
     json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
@@ -534,86 +453,39 @@ async fn a_task_is_its_principals_alone() {
 async fn a_2025_11_25_task_is_its_principals_alone() {
     let w = world();
     let addr = http_gateway(&w, "tasks25", "").await;
-    let open = |token: String| {
-        let addr = addr.clone();
-        async move {
-            let bearer = format!("Bearer {token}");
-            let mut init = initialize();
-            init["params"]["protocolVersion"] = json!("2025-11-25");
-            let r = post(&addr, &[("authorization", &bearer)], &init).await;
-            assert_eq!(r.status, 200, "{}", r.body);
-            let caps = &r.message()["result"]["capabilities"];
-            assert_eq!(
-                caps["tasks"]["requests"]["tools"]["call"],
-                json!({}),
-                "{caps}"
-            );
-            let id = r.headers["mcp-session-id"].to_str().unwrap().to_string();
-            let h = [
-                ("authorization", bearer.as_str()),
-                ("mcp-session-id", id.as_str()),
-                ("mcp-protocol-version", "2025-11-25"),
-            ];
-            let done = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
-            assert_eq!(post(&addr, &h, &done).await.status, 202);
-            (bearer, id)
-        }
-    };
-    let (alice, alice_session) = open(agent_token(&w, "alice25")).await;
-    let (bob, bob_session) = open(agent_token(&w, "bob25")).await;
-    let as_ = |bearer: &str, session: &str| {
-        vec![
-            ("authorization".to_string(), bearer.to_string()),
-            ("mcp-session-id".to_string(), session.to_string()),
-            ("mcp-protocol-version".to_string(), "2025-11-25".to_string()),
-        ]
-    };
-    let send = |h: Vec<(String, String)>, method: &str, params: Value| {
-        let addr = addr.clone();
-        let body = json!({"jsonrpc": "2.0", "id": 7, "method": method, "params": params});
-        async move {
-            let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-            let r = post(&addr, &h, &body).await;
-            assert_eq!(r.status, 200, "{}", r.body);
-            r.message()
-        }
-    };
-    let tools = send(as_(&alice, &alice_session), "tools/list", json!({})).await;
+    let alice = Session25::open(&addr, &agent_token(&w, "alice25")).await;
+    let bob = Session25::open(&addr, &agent_token(&w, "bob25")).await;
+    let tools = alice.send("tools/list", json!({})).await;
     assert_eq!(
         tools["result"]["tools"][0]["execution"]["taskSupport"], "optional",
         "{tools}"
     );
-    let created = send(
-        as_(&alice, &alice_session),
-        "tools/call",
-        json!({"name": "files__write", "arguments": {"text": "hold-a25"}, "task": {}}),
-    )
-    .await;
+    let created = alice
+        .send(
+            "tools/call",
+            json!({"name": "files__write", "arguments": {"text": "hold-a25"}, "task": {}}),
+        )
+        .await;
     let id = created["result"]["task"]["taskId"]
         .as_str()
         .unwrap_or_else(|| panic!("not a task: {created}"))
         .to_string();
     for method in ["tasks/get", "tasks/result", "tasks/cancel"] {
-        let v = send(as_(&bob, &bob_session), method, json!({"taskId": id})).await;
+        let v = bob.send(method, json!({"taskId": id})).await;
         assert_eq!(v["error"]["code"], -32602, "{method}: {v}");
         assert!(
             v["error"]["message"].as_str().unwrap().contains("no task"),
             "{v}"
         );
     }
-    let listed = send(as_(&bob, &bob_session), "tasks/list", json!({})).await;
+    let listed = bob.send("tasks/list", json!({})).await;
     assert_eq!(listed["result"]["tasks"], json!([]), "{listed}");
-    let mine = send(
-        as_(&alice, &alice_session),
-        "tasks/get",
-        json!({"taskId": id}),
-    )
-    .await;
+    let mine = alice.send("tasks/get", json!({"taskId": id})).await;
     assert_eq!(
         mine["result"]["status"], "working",
         "Bob's cancel did nothing: {mine}"
     );
-    let listed = send(as_(&alice, &alice_session), "tasks/list", json!({})).await;
+    let listed = alice.send("tasks/list", json!({})).await;
     assert_eq!(
         listed["result"]["tasks"][0]["taskId"],
         json!(id),

@@ -3,6 +3,8 @@
 //! call and cancel it receives), an operator connection, and small MCP client helpers.
 #![allow(dead_code)] // each test file uses its own part
 
+pub mod web;
+
 use estop_mcp::Options;
 use rmcp::ServiceExt;
 use rmcp::model::{CallToolRequestParams, CallToolResult};
