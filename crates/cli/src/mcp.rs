@@ -6,8 +6,9 @@ use std::path::PathBuf;
 
 #[derive(Args)]
 pub struct McpArgs {
-    /// The gateway's configuration (TOML: [gateway] hold_ms, [[server]] name, command, args,
-    /// env, trusted, sandbox).
+    /// The gateway's configuration (TOML: [gateway] hold_ms, tasks_running_max,
+    /// tasks_kept_max, tasks_per_principal_max, task_ttl_ms; [runs]; [http]; [[server]] name,
+    /// command or url, args, env, headers, trusted, sandbox, sandbox_policy; docs/MCP.md).
     #[arg(long)]
     config: PathBuf,
     /// The run every tool call belongs to (default: a fresh `mcp-…` per session).
