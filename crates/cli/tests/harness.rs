@@ -360,6 +360,28 @@ fn find_key<'a>(v: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::V
     }
 }
 
+/// An agent.toml with the scripted model at `base_url`, a `turns` budget and one read-only
+/// command tool, `lookup` (`cat`: it answers its arguments).
+fn lookup_config(base_url: &str, turns: u64) -> String {
+    format!(
+        r#"
+[[model]]
+name = "scripted"
+base_url = "{base_url}"
+usd_per_mtok_input = 3.0
+usd_per_mtok_output = 15.0
+
+[budget]
+turns = {turns}
+
+[[tool]]
+name = "lookup"
+command = ["cat"]
+read_only = true
+"#
+    )
+}
+
 /// `estop agent run` with a config file: a tool call, then the budget's turn ceiling stops the
 /// trajectory before a second model call (FAILED, BUDGET_EXCEEDED naming `turns`, exit 3); the
 /// same with room for two turns completes with the model's answer (exit 0).
@@ -377,25 +399,8 @@ fn estop_agent_run_follows_its_config_file() {
     let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
     let config = |turns: u64| {
         format!(
-            r#"
-[harness]
-system = "Be brief."
-
-[[model]]
-name = "scripted"
-base_url = "{}"
-usd_per_mtok_input = 3.0
-usd_per_mtok_output = 15.0
-
-[budget]
-turns = {turns}
-
-[[tool]]
-name = "lookup"
-command = ["cat"]
-read_only = true
-"#,
-            server.base_url()
+            "[harness]\nsystem = \"Be brief.\"\n{}",
+            lookup_config(&server.base_url(), turns)
         )
     };
     let path = d.data().join("agent.toml");
@@ -453,26 +458,7 @@ fn a_retry_is_a_new_trajectory_whose_budget_carries_over() {
         ],
     };
     let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
-    let config = |turns: u64| {
-        format!(
-            r#"
-[[model]]
-name = "scripted"
-base_url = "{}"
-usd_per_mtok_input = 3.0
-usd_per_mtok_output = 15.0
-
-[budget]
-turns = {turns}
-
-[[tool]]
-name = "lookup"
-command = ["cat"]
-read_only = true
-"#,
-            server.base_url()
-        )
-    };
+    let config = |turns: u64| lookup_config(&server.base_url(), turns);
     let path = d.data().join("agent.toml");
     let path_s = path.display().to_string();
     let agent = |args: &[&str]| {
