@@ -132,12 +132,9 @@ async def test_llamaindex_hold_event(gate, daemon, run_id):
 
 
 async def test_llamaindex_step_retry_policy_with_a_named_step(gate, run_id):
-    """A step's `retry_policy` runs it again after a failure. Its effects are keyed by their order
-    in the run, so the retry's charge is a second occurrence: a new key, a second charge (the
-    known gap, `KNOWN_LEAKS` in test_failure_classes: without the `estop.step` below this test
-    charges twice). The workaround the README gives: the effects inside `estop.step(name)` named
-    for the work, where each attempt starts a fresh count, so the retry presents the first
-    attempt's key and reads its receipt."""
+    """A step's `retry_policy` runs it again after a failure; effects inside `estop.step(name)`
+    named for the work (each attempt starts a fresh count) present the first attempt's key on the
+    retry and read its receipt."""
     from workflows import Workflow, step
     from workflows.events import StartEvent, StopEvent
     from workflows.retry_policy import retry_policy, stop_after_attempt, wait_fixed
@@ -166,6 +163,158 @@ async def test_llamaindex_step_retry_policy_with_a_named_step(gate, run_id):
     assert await eli.run(W(timeout=10), gate=gate, run_id=run_id) == "ch_42"
     assert runs == ["ch_42", "ch_42"]
     assert charged == [42]
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async-step", "sync-step"])
+async def test_llamaindex_step_retry_policy_reuses_the_key(gate, run_id, sync):
+    """A step's `retry_policy` runs it again after it charged, then failed: `eli.run` links the
+    retry to the failed attempt (`ctx.retry_info().last_exception` is the exception it raised),
+    so the retry's charge presents the first attempt's key and reads its receipt (without the
+    link it was a second occurrence in the run: a new key, a second charge). A second charge of
+    the same amount in the retry is a second call, and so a new effect."""
+    from workflows import Workflow, step
+    from workflows.events import StartEvent, StopEvent
+    from workflows.retry_policy import retry_policy, stop_after_attempt, wait_fixed
+
+    import estop
+    from estop.adapters import llamaindex as eli
+
+    charged: list[int] = []
+    runs: list[str] = []
+
+    def _charge(amount: int) -> str:
+        charged.append(amount)
+        return f"ch_{amount}_{len(charged)}"
+
+    async def _acharge(amount: int) -> str:
+        return _charge(amount)
+
+    charge = estop.effect(tool="charge")(_charge)
+    acharge = estop.effect(tool="charge")(_acharge)
+
+    def attempt(receipt: str) -> None:
+        runs.append(receipt)
+        if len(runs) == 1:
+            raise ConnectionError("the shipping API flaked after the charge")
+
+    policy = retry_policy(wait=wait_fixed(0.01), stop=stop_after_attempt(3))
+    if sync:
+
+        class W(Workflow):
+            @step(retry_policy=policy)
+            def checkout(self, ev: StartEvent) -> StopEvent:
+                receipt = charge(42)
+                attempt(receipt)
+                return StopEvent(result=(receipt, charge(42)))
+
+    else:
+
+        class W(Workflow):  # type: ignore[no-redef]
+            @step(retry_policy=policy)
+            async def checkout(self, ev: StartEvent) -> StopEvent:
+                receipt = await acharge(42)
+                attempt(receipt)
+                return StopEvent(result=(receipt, await acharge(42)))
+
+    assert await eli.run(W(timeout=10), gate=gate, run_id=run_id) == ("ch_42_1", "ch_42_2")
+    assert runs == ["ch_42_1", "ch_42_1"]
+    assert charged == [42, 42]
+
+
+async def test_llamaindex_step_retry_policy_keeps_distinct_executions_apart(gate, run_id):
+    """Two executions of a step with identical events are two effects, retry or not: the one
+    that charged, then failed, is retried and reads its own receipt; the other charges once."""
+    from workflows import Context, Workflow, step
+    from workflows.events import Event, StartEvent, StopEvent
+    from workflows.retry_policy import retry_policy, stop_after_attempt, wait_fixed
+
+    import estop
+    from estop.adapters import llamaindex as eli
+
+    class Pay(Event):
+        amount: int
+
+    class Paid(Event):
+        receipt: str
+
+    charged: list[int] = []
+    failed: list[str] = []
+
+    @estop.effect(tool="charge")
+    async def charge(amount: int) -> str:
+        charged.append(amount)
+        return f"ch_{len(charged)}"
+
+    class W(Workflow):
+        @step
+        async def plan(self, ctx: Context, ev: StartEvent) -> Pay | None:
+            ctx.send_event(Pay(amount=5))
+            ctx.send_event(Pay(amount=5))
+            return None
+
+        @step(num_workers=1, retry_policy=retry_policy(wait=wait_fixed(0.01), stop=stop_after_attempt(3)))
+        async def pay(self, ev: Pay) -> Paid:
+            receipt = await charge(ev.amount)
+            if not failed:
+                failed.append(receipt)
+                raise ConnectionError("flaked after the charge")
+            return Paid(receipt=receipt)
+
+        @step
+        async def join(self, ctx: Context, ev: Paid) -> StopEvent | None:
+            got = ctx.collect_events(ev, [Paid, Paid])
+            return None if got is None else StopEvent(result=sorted(e.receipt for e in got))
+
+    assert await eli.run(W(timeout=10), gate=gate, run_id=run_id) == ["ch_1", "ch_2"]
+    assert charged == [5, 5]
+
+
+async def test_llamaindex_step_retry_policy_one_exception_object_for_two_executions(gate, run_id):
+    """Two executions of a step that charged, then raised the same exception object (one the
+    application keeps): each retry takes one failed attempt, never both the same one, so the two
+    charges are two and neither retry charges again."""
+    from workflows import Context, Workflow, step
+    from workflows.events import Event, StartEvent, StopEvent
+    from workflows.retry_policy import retry_policy, stop_after_attempt, wait_fixed
+
+    import estop
+    from estop.adapters import llamaindex as eli
+
+    class Pay(Event):
+        amount: int
+
+    class Paid(Event):
+        receipt: str
+
+    flaked = ConnectionError("the shipping API flaked after the charge")
+    charged: list[int] = []
+
+    @estop.effect(tool="charge")
+    async def charge(amount: int) -> str:
+        charged.append(amount)
+        return f"ch_{len(charged)}"
+
+    class W(Workflow):
+        @step
+        async def plan(self, ctx: Context, ev: StartEvent) -> Pay | None:
+            ctx.send_event(Pay(amount=5))
+            ctx.send_event(Pay(amount=5))
+            return None
+
+        @step(num_workers=2, retry_policy=retry_policy(wait=wait_fixed(0.01), stop=stop_after_attempt(3)))
+        async def pay(self, ctx: Context, ev: Pay) -> Paid:
+            receipt = await charge(ev.amount)
+            if ctx.retry_info().retry_number == 0:
+                raise flaked
+            return Paid(receipt=receipt)
+
+        @step
+        async def join(self, ctx: Context, ev: Paid) -> StopEvent | None:
+            got = ctx.collect_events(ev, [Paid, Paid])
+            return None if got is None else StopEvent(result=sorted(e.receipt for e in got))
+
+    assert await eli.run(W(timeout=10), gate=gate, run_id=run_id) == ["ch_1", "ch_2"]
+    assert charged == [5, 5]
 
 
 def test_openai_agents_callable_needs_approval_and_refusal_output(gate, daemon, run_id):

@@ -23,7 +23,6 @@ FRAMEWORKS = {
 #: their with-estop test is a strict xfail, so the fix turns it into a failure to update here.
 KNOWN_LEAKS = {
     ("crewai", "retry_policy"): "the CrewAI adapter keys a tool call by its call id, so the call of the task's retry (a new id) is a new call",
-    ("llamaindex-workflows", "retry_policy"): "a step's effects are keyed by their order in the run, so the retried step's charge is a second occurrence (a new key)",
 }
 
 

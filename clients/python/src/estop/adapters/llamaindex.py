@@ -20,6 +20,13 @@ timeout and `cancel_run` interrupt the invocation, `handler.stop()` stops the ru
   asks the gate again: approved → the effect runs once; rejected → `Rejected`. A response the
   application sends itself decides nothing (the replayed step asks the gate, and waits there for
   the operator).
+* A step's `retry_policy` runs the step again after a failure: `eli.run` wraps the workflow's
+  steps so that the effects of a retry take the keys of the attempt it retries (the k-th call
+  of a tool with the same arguments in the retry is the k-th one of the failed attempt, whose
+  receipt it reads). The attempts are linked by LlamaIndex's own `ctx.retry_info()`: a retry's
+  `last_exception` is the very exception the failed attempt raised. Anything else — another
+  execution of the step, even with an identical event — keys its effects by their order in the
+  run, as before (so keys across a resume are unchanged).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import contextvars
 import functools
 import inspect
 import logging
+import threading
+import types
 from typing import Any, AsyncIterator, Callable, Generator
 
 from ._common import missing_extra
@@ -41,7 +50,8 @@ except ImportError as e:
 
 from ..effect import call_args, make_call, run_async, run_sync
 from ..errors import HeldForApproval
-from ..run import Estop, Invocation, Run, current_run
+from ..effect import _run_occurrence
+from ..run import Estop, Invocation, Run, Step, _current_step, current_run
 from ._common import STOP_ON as _NO_STOP, await_released, hold_payload, resolve_run
 
 __all__ = ["EstopHandler", "EstopHeld", "EstopDecided", "run", "effect", "STOP_ON"]
@@ -164,6 +174,7 @@ class EstopHandler:
 def run(workflow: Any, *, gate: Estop | None = None, run_id: str | Run | None = None, stop_on: tuple[type[BaseException], ...] = STOP_ON, **start_kw: Any) -> EstopHandler:
     """`workflow.run(**start_kw)` as the estop run `run_id` (call it inside a running loop)."""
     r = resolve_run(gate, run_id)
+    _wrap_steps(workflow)
     inv = Invocation(r)
     releaser = _Releaser(r)
     reset = _RELEASER.set(releaser)
@@ -246,3 +257,121 @@ async def _held_key(ctx: Any, call: Any) -> str | None:
         if e.get("tool") == call.tool and e.get("digest") == call.digest:
             return str(e["key"])
     return None
+
+
+class _Execution:
+    """One execution of a step across its attempts: the occurrence in the run (the key) that its
+    attempts' k-th call of (tool, digest) takes."""
+
+    def __init__(self) -> None:
+        self.taken: dict[tuple[str, str, int], int] = {}
+        self.lock = threading.Lock()
+
+
+class _Attempt(Step):
+    """One attempt of a step execution. Its effects are keyed as any effect of the run is
+    ("run", the n-th call of (tool, digest) in this run object), except that a retry's k-th call
+    of (tool, digest) takes the occurrence the failed attempt's k-th one took."""
+
+    def __init__(self, run: Run, execution: _Execution) -> None:
+        super().__init__("run")
+        self.run = run
+        self.execution = execution
+
+    def occurrence(self, tool: str, digest: str) -> int:
+        k = super().occurrence(tool, digest)
+        with self.execution.lock:
+            n = self.execution.taken.get((tool, digest, k))
+            if n is None:
+                n = self.execution.taken[(tool, digest, k)] = _run_occurrence(self.run, "run", tool, digest)
+            return n
+
+
+#: A run object's failed attempts, by the id of the exception each raised (kept alive with it:
+#: exceptions take no weak references). Bounded: an attempt nothing retries drops out.
+_FAILED_MAX = 256
+
+
+class _AttemptScope:
+    """Around one attempt of a step that has a `retry_policy` (see `_wrap_steps`)."""
+
+    def __init__(self, step_name: str) -> None:
+        self.step_name = step_name
+        self.run: Run | None = None
+        self.execution: _Execution | None = None
+        self.tok: Any = None
+
+    def __enter__(self) -> None:
+        self.run = current_run()
+        if self.run is None:
+            return
+        from workflows import Context
+
+        failed = self._failed()
+        execution = None
+        info = Context.get_step_context().retry_info()
+        if info.retry_number > 0 and info.last_exception is not None:
+            # (Executions of this step that raised the same exception object — one the
+            # application keeps and raises again — are told apart by nothing: each retry takes
+            # one of them, never two retries the same one, and only calls identical to one of
+            # its own match, as identical calls of the run already do.)
+            with self.run._tasks_lock:
+                entries = failed.get(id(info.last_exception), [])
+                for i, (exc, name, ex) in enumerate(entries):
+                    if exc is info.last_exception and name == self.step_name:
+                        execution = ex
+                        del entries[i]
+                        break
+                if not entries:
+                    failed.pop(id(info.last_exception), None)
+        self.execution = execution or _Execution()
+        self.tok = _current_step.set(_Attempt(self.run, self.execution))
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
+        if self.tok is None:
+            return
+        _current_step.reset(self.tok)
+        if isinstance(exc, Exception) and self.run is not None and self.execution is not None:
+            failed = self._failed()
+            with self.run._tasks_lock:
+                failed.setdefault(id(exc), []).append((exc, self.step_name, self.execution))
+                while len(failed) > _FAILED_MAX:
+                    del failed[next(iter(failed))]
+
+    def _failed(self) -> dict[int, list[tuple[BaseException, str, _Execution]]]:
+        assert self.run is not None
+        with self.run._tasks_lock:
+            return self.run.__dict__.setdefault("_li_failed_attempts", {})  # type: ignore[no-any-return]
+
+
+def _wrap_steps(workflow: Any) -> None:
+    """Wraps the steps that have a `retry_policy` on this workflow object (once), so that a retry
+    of a step's execution keys its effects as the attempt it retries (see the module doc)."""
+    if workflow.__dict__.get("_estop_steps_wrapped"):
+        return
+    for name, fn in workflow._get_steps().items():
+        config = getattr(fn, "_step_config", None)
+        if config is None or getattr(config, "retry_policy", None) is None:
+            continue
+        bound = inspect.ismethod(fn) and fn.__self__ is workflow
+        f = fn.__func__ if bound else fn
+        setattr(workflow, name, types.MethodType(_wrap_step(name, f), workflow) if bound else _wrap_step(name, f))
+    workflow.__dict__["_estop_steps_wrapped"] = True
+
+
+def _wrap_step(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.iscoroutinefunction(f):
+
+        @functools.wraps(f)
+        async def astep(*a: Any, **kw: Any) -> Any:
+            with _AttemptScope(name):
+                return await f(*a, **kw)
+
+        return astep
+
+    @functools.wraps(f)
+    def step(*a: Any, **kw: Any) -> Any:
+        with _AttemptScope(name):
+            return f(*a, **kw)
+
+    return step
