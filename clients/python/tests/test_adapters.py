@@ -317,6 +317,102 @@ async def test_llamaindex_step_retry_policy_one_exception_object_for_two_executi
     assert charged == [5, 5]
 
 
+async def test_llamaindex_wait_for_event_rerun_reuses_the_key(gate, run_id):
+    """A step that charges, then waits (`ctx.wait_for_event`), is run again from its start when
+    the awaited event arrives (LlamaIndex replays it): the charge before the wait — a plain
+    `estop.effect`, no `ctx=` — presents the same key on the replay and reads its receipt
+    (without the link it was a second occurrence in the run: a new key, a second charge)."""
+    from workflows import Context, Workflow, step
+    from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StartEvent, StopEvent
+
+    import estop
+    from estop.adapters import llamaindex as eli
+
+    class Confirm(HumanResponseEvent):
+        ok: bool
+
+    charged: list[int] = []
+    runs: list[str] = []
+
+    @estop.effect(tool="charge")
+    async def charge(amount: int) -> str:
+        charged.append(amount)
+        return f"ch_{amount}_{len(charged)}"
+
+    class W(Workflow):
+        @step
+        async def checkout(self, ctx: Context, ev: StartEvent) -> StopEvent:
+            receipt = await charge(42)
+            runs.append(receipt)
+            got = await ctx.wait_for_event(Confirm, waiter_event=InputRequiredEvent(prefix="confirm?"), waiter_id="confirm")
+            return StopEvent(result=(receipt, got.ok))
+
+    h = eli.run(W(timeout=10), gate=gate, run_id=run_id)
+    async for ev in h.stream_events():
+        if isinstance(ev, InputRequiredEvent):
+            h.ctx.send_event(Confirm(ok=True))
+    assert await h == ("ch_42_1", True)
+    assert runs == ["ch_42_1", "ch_42_1"]  # the step ran twice, the charge once
+    assert charged == [42]
+
+
+async def test_llamaindex_wait_for_event_reruns_keep_distinct_executions_apart(gate, run_id):
+    """Two executions of a step with identical events each charge, then wait: each replay reads
+    its own execution's receipt, so the two charges stay two (and neither replay charges)."""
+    from workflows import Context, Workflow, step
+    from workflows.events import Event, HumanResponseEvent, InputRequiredEvent, StartEvent, StopEvent
+
+    import estop
+    from estop.adapters import llamaindex as eli
+
+    class Pay(Event):
+        amount: int
+
+    class Paid(Event):
+        receipt: str
+
+    class Confirm(HumanResponseEvent):
+        ok: bool
+
+    charged: list[int] = []
+    runs: list[str] = []
+
+    @estop.effect(tool="charge")
+    async def charge(amount: int) -> str:
+        charged.append(amount)
+        return f"ch_{len(charged)}"
+
+    class W(Workflow):
+        @step
+        async def plan(self, ctx: Context, ev: StartEvent) -> Pay | None:
+            ctx.send_event(Pay(amount=5))
+            ctx.send_event(Pay(amount=5))
+            return None
+
+        @step(num_workers=2)
+        async def pay(self, ctx: Context, ev: Pay) -> Paid:
+            receipt = await charge(ev.amount)
+            runs.append(receipt)
+            await ctx.wait_for_event(Confirm, waiter_event=InputRequiredEvent(prefix=receipt))
+            return Paid(receipt=receipt)
+
+        @step
+        async def join(self, ctx: Context, ev: Paid) -> StopEvent | None:
+            got = ctx.collect_events(ev, [Paid, Paid])
+            return None if got is None else StopEvent(result=sorted(e.receipt for e in got))
+
+    h = eli.run(W(timeout=10), gate=gate, run_id=run_id)
+    asked = 0
+    async for ev in h.stream_events():
+        if isinstance(ev, InputRequiredEvent):
+            asked += 1
+            if asked == 2:  # both executions wait: one Confirm wakes both
+                h.ctx.send_event(Confirm(ok=True))
+    assert await h == ["ch_1", "ch_2"]
+    assert sorted(runs) == ["ch_1", "ch_1", "ch_2", "ch_2"]
+    assert charged == [5, 5]
+
+
 def test_openai_agents_callable_needs_approval_and_refusal_output(gate, daemon, run_id):
     from agents import Agent, function_tool
     from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call

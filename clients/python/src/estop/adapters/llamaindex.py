@@ -24,9 +24,15 @@ timeout and `cancel_run` interrupt the invocation, `handler.stop()` stops the ru
   steps so that the effects of a retry take the keys of the attempt it retries (the k-th call
   of a tool with the same arguments in the retry is the k-th one of the failed attempt, whose
   receipt it reads). The attempts are linked by LlamaIndex's own `ctx.retry_info()`: a retry's
-  `last_exception` is the very exception the failed attempt raised. Anything else — another
+  `last_exception` is the very exception the failed attempt raised.
+* A step that waits (`ctx.wait_for_event`) is run again from its start when the awaited event
+  arrives: that replay is the same execution, so the effects it calls again before the wait —
+  plain `estop.effect` ones too — take the keys of the attempt that waited and read its
+  receipts (no second charge). The replay is linked by the event LlamaIndex re-delivers to the
+  step: the very event object the waiting attempt was run with. Anything else — another
   execution of the step, even with an identical event — keys its effects by their order in the
-  run, as before (so keys across a resume are unchanged).
+  run, as before (so keys across a resume are unchanged; a replay in a restored workflow, a new
+  `eli.run`, is keyed by that order too).
 """
 
 from __future__ import annotations
@@ -292,11 +298,24 @@ class _Attempt(Step):
 _FAILED_MAX = 256
 
 
-class _AttemptScope:
-    """Around one attempt of a step that has a `retry_policy` (see `_wrap_steps`)."""
+def _is_waiting(exc: BaseException) -> bool:
+    """LlamaIndex's control-flow exception of `ctx.wait_for_event` (the step is replayed later)."""
+    return _WaitingForEvent is not None and isinstance(exc, _WaitingForEvent)
 
-    def __init__(self, step_name: str) -> None:
+
+try:
+    from workflows.runtime.types.results import WaitingForEvent as _WaitingForEvent
+except ImportError:  # pragma: no cover - another layout: replays are keyed by order, as before
+    _WaitingForEvent = None  # type: ignore[assignment,misc]
+
+
+class _AttemptScope:
+    """Around one attempt of a step (see `_wrap_steps`): a retry (`retry_policy`) or the replay
+    after a `ctx.wait_for_event` takes the execution of the attempt it repeats."""
+
+    def __init__(self, step_name: str, event: Any = None) -> None:
         self.step_name = step_name
+        self.event = event
         self.run: Run | None = None
         self.execution: _Execution | None = None
         self.tok: Any = None
@@ -324,6 +343,19 @@ class _AttemptScope:
                         break
                 if not entries:
                     failed.pop(id(info.last_exception), None)
+        if execution is None and self.event is not None:
+            # The replay after a wait: LlamaIndex re-delivers the event object the attempt that
+            # waited ran with (one execution per waiting attempt, as for retries above).
+            waiting = self._store("_li_waiting_attempts")
+            with self.run._tasks_lock:
+                entries = waiting.get(id(self.event), [])
+                for i, (ev, name, ex) in enumerate(entries):
+                    if ev is self.event and name == self.step_name:
+                        execution = ex
+                        del entries[i]
+                        break
+                if not entries:
+                    waiting.pop(id(self.event), None)
         self.execution = execution or _Execution()
         self.tok = _current_step.set(_Attempt(self.run, self.execution))
 
@@ -331,27 +363,40 @@ class _AttemptScope:
         if self.tok is None:
             return
         _current_step.reset(self.tok)
-        if isinstance(exc, Exception) and self.run is not None and self.execution is not None:
-            failed = self._failed()
-            with self.run._tasks_lock:
-                failed.setdefault(id(exc), []).append((exc, self.step_name, self.execution))
-                while len(failed) > _FAILED_MAX:
-                    del failed[next(iter(failed))]
+        if not isinstance(exc, Exception) or self.run is None or self.execution is None:
+            return
+        if _is_waiting(exc):
+            if self.event is None:
+                return
+            table, ident, entry = self._store("_li_waiting_attempts"), id(self.event), (self.event, self.step_name, self.execution)
+        else:
+            table, ident, entry = self._failed(), id(exc), (exc, self.step_name, self.execution)
+        with self.run._tasks_lock:
+            table.setdefault(ident, []).append(entry)
+            while len(table) > _FAILED_MAX:
+                del table[next(iter(table))]
 
     def _failed(self) -> dict[int, list[tuple[BaseException, str, _Execution]]]:
+        return self._store("_li_failed_attempts")
+
+    def _store(self, name: str) -> dict[int, list[tuple[Any, str, _Execution]]]:
         assert self.run is not None
         with self.run._tasks_lock:
-            return self.run.__dict__.setdefault("_li_failed_attempts", {})  # type: ignore[no-any-return]
+            return self.run.__dict__.setdefault(name, {})  # type: ignore[no-any-return]
 
 
 def _wrap_steps(workflow: Any) -> None:
-    """Wraps the steps that have a `retry_policy` on this workflow object (once), so that a retry
-    of a step's execution keys its effects as the attempt it retries (see the module doc)."""
+    """Wraps the async steps (they can wait) and the steps that have a `retry_policy` on this
+    workflow object (once), so that a retry of a step's execution, or its replay after a wait,
+    keys its effects as the attempt it repeats (see the module doc). A fresh execution keys them
+    as an unwrapped step does."""
     if workflow.__dict__.get("_estop_steps_wrapped"):
         return
     for name, fn in workflow._get_steps().items():
         config = getattr(fn, "_step_config", None)
-        if config is None or getattr(config, "retry_policy", None) is None:
+        if config is None:
+            continue
+        if getattr(config, "retry_policy", None) is None and not inspect.iscoroutinefunction(fn):
             continue
         bound = inspect.ismethod(fn) and fn.__self__ is workflow
         f = fn.__func__ if bound else fn
@@ -364,14 +409,21 @@ def _wrap_step(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
 
         @functools.wraps(f)
         async def astep(*a: Any, **kw: Any) -> Any:
-            with _AttemptScope(name):
+            with _AttemptScope(name, _step_event(a, kw)):
                 return await f(*a, **kw)
 
         return astep
 
     @functools.wraps(f)
     def step(*a: Any, **kw: Any) -> Any:
-        with _AttemptScope(name):
+        with _AttemptScope(name, _step_event(a, kw)):
             return f(*a, **kw)
 
     return step
+
+
+def _step_event(a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    """The event a step is run with (the first `Event` argument)."""
+    from workflows.events import Event
+
+    return next((v for v in (*a, *kw.values()) if isinstance(v, Event)), None)
