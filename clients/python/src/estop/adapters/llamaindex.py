@@ -305,8 +305,15 @@ def _is_waiting(exc: BaseException) -> bool:
 
 try:
     from workflows.runtime.types.results import WaitingForEvent as _WaitingForEvent
-except ImportError:  # pragma: no cover - another layout: replays are keyed by order, as before
+except ImportError:  # pragma: no cover - another layout of the workflows package
     _WaitingForEvent = None  # type: ignore[assignment,misc]
+    # Said once, loudly: without it a plain `@estop.effect` before `ctx.wait_for_event` is keyed
+    # by its order in the run again, and the step's replay after the wait is a second effect.
+    log.warning(
+        "estop: this llama-index-workflows has no workflows.runtime.types.results.WaitingForEvent; "
+        "an @estop.effect called before ctx.wait_for_event in a step is repeated by the step's replay "
+        "(use eli.effect(..., ctx=ctx) there, or the version estop pins)"
+    )
 
 
 class _AttemptScope:
