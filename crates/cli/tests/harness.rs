@@ -123,22 +123,18 @@ fn a_rejected_call_never_runs_and_the_model_sees_the_refusal() {
     let d = Daemon::start_with_policy(POLICY, &[]);
     let effects = d.data().join("effects");
     let rt = runtime();
-    let server = rt
-        .block_on(Scripted::start(
-            "127.0.0.1:0",
-            Script {
-                responses: vec![
-                    scripted::call("c1", "lookup", "{\"q\": \"orders\"}"),
-                    scripted::call(
-                        "c2",
-                        "drop_table",
-                        "{\"db\": \"prod\", \"table\": \"orders_staging\"}",
-                    ),
-                    scripted::answer("left the table in place"),
-                ],
-            },
-        ))
-        .unwrap();
+    let server = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "lookup", "{\"q\": \"orders\"}"),
+            scripted::call(
+                "c2",
+                "drop_table",
+                "{\"db\": \"prod\", \"table\": \"orders_staging\"}",
+            ),
+            scripted::answer("left the table in place"),
+        ],
+    );
     let mut runner = rt
         .block_on(async { Runner::open(options(&d, &server.base_url(), &effects)) })
         .unwrap();
@@ -205,22 +201,18 @@ fn a_cancel_at_the_gate_cuts_the_open_stream_and_ends_the_trajectory() {
     let d = Daemon::start_with_policy(POLICY, &[]);
     let effects = d.data().join("effects");
     let rt = runtime();
-    let server = rt
-        .block_on(Scripted::start(
-            "127.0.0.1:0",
-            Script {
-                responses: vec![
-                    scripted::call("c1", "lookup", "{}"),
-                    vec![
-                        scripted::text("I will now drop"),
-                        Step::Gate,
-                        scripted::finish("stop"),
-                        Step::Done,
-                    ],
-                ],
-            },
-        ))
-        .unwrap();
+    let server = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "lookup", "{}"),
+            vec![
+                scripted::text("I will now drop"),
+                Step::Gate,
+                scripted::finish("stop"),
+                Step::Done,
+            ],
+        ],
+    );
     let mut opts = options(&d, &server.base_url(), &effects);
     // Without the cut, the call would end only at its deadline (and the test would fail).
     opts.call_limits.call_deadline_ms = 5_000;
@@ -282,9 +274,7 @@ fn a_crash_mid_tool_resumes_from_the_journal_without_running_the_call_again() {
     };
     // The model server outlives the harness's crash: it runs on a runtime of its own.
     let server_rt = runtime();
-    let server = server_rt
-        .block_on(Scripted::start("127.0.0.1:0", script))
-        .unwrap();
+    let server = model_server(&server_rt, script.responses);
     let rt = runtime();
     let mut opts = options(&d, &server.base_url(), &effects);
     opts.tools[0].command = vec![
@@ -396,7 +386,7 @@ fn estop_agent_run_follows_its_config_file() {
             scripted::answer("found it"),
         ],
     };
-    let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
+    let server = model_server(&rt, script.responses);
     let config = |turns: u64| {
         format!(
             "[harness]\nsystem = \"Be brief.\"\n{}",
@@ -457,7 +447,7 @@ fn a_retry_is_a_new_trajectory_whose_budget_carries_over() {
             scripted::answer("found it"),
         ],
     };
-    let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
+    let server = model_server(&rt, script.responses);
     let config = |turns: u64| lookup_config(&server.base_url(), turns);
     let path = d.data().join("agent.toml");
     let path_s = path.display().to_string();
@@ -556,7 +546,7 @@ fn a_kill_at_the_gate_acts_at_once_mid_tool() {
             scripted::answer("never asked"),
         ],
     };
-    let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
+    let server = model_server(&rt, script.responses);
     let mut opts = options(&d, &server.base_url(), &effects);
     // Announces itself, then never returns on its own.
     opts.tools[0].command = vec![
@@ -605,35 +595,27 @@ fn a_kill_at_the_gate_acts_at_once_mid_tool() {
 fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
     let d = Daemon::start_with_policy(POLICY, &[]);
     let rt = runtime();
-    let model = rt
-        .block_on(Scripted::start(
-            "127.0.0.1:0",
-            Script {
-                responses: vec![
-                    scripted::call("c1", "fetch", "{\"id\": 7}"),
-                    scripted::call("c2", "fetch", "{\"id\": 8}"),
-                    scripted::answer("order 7 has 3 rows"),
-                ],
-            },
-        ))
-        .unwrap();
-    let tool = rt
-        .block_on(Scripted::start(
-            "127.0.0.1:0",
-            Script {
-                responses: vec![
-                    vec![Step::Status {
-                        status: 200,
-                        body: "{\"rows\": 3}".into(),
-                    }],
-                    vec![Step::Status {
-                        status: 503,
-                        body: "down".into(),
-                    }],
-                ],
-            },
-        ))
-        .unwrap();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "fetch", "{\"id\": 7}"),
+            scripted::call("c2", "fetch", "{\"id\": 8}"),
+            scripted::answer("order 7 has 3 rows"),
+        ],
+    );
+    let tool = model_server(
+        &rt,
+        vec![
+            vec![Step::Status {
+                status: 200,
+                body: "{\"rows\": 3}".into(),
+            }],
+            vec![Step::Status {
+                status: 503,
+                body: "down".into(),
+            }],
+        ],
+    );
     let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
     opts.tools = vec![Tool {
         name: "fetch".into(),
@@ -685,7 +667,7 @@ fn a_parents_cancel_reaches_a_sub_agent_trajectory() {
             ],
         ],
     };
-    let server = rt.block_on(Scripted::start("127.0.0.1:0", script)).unwrap();
+    let server = model_server(&rt, script.responses);
     // The parent: a run of the same agent, created by its first admission.
     let mut agent = d.agent();
     agent
@@ -739,22 +721,18 @@ fn an_interrupt_from_another_terminal_lands_at_the_next_boundary() {
     let d = Daemon::start_with_policy(POLICY, &[]);
     let effects = d.data().join("effects");
     let rt = runtime();
-    let server = rt
-        .block_on(Scripted::start(
-            "127.0.0.1:0",
-            Script {
-                responses: vec![
-                    vec![
-                        scripted::text("Dropping orders_staging now"),
-                        Step::Gate,
-                        scripted::finish("stop"),
-                        Step::Done,
-                    ],
-                    scripted::answer("used the replica"),
-                ],
-            },
-        ))
-        .unwrap();
+    let server = model_server(
+        &rt,
+        vec![
+            vec![
+                scripted::text("Dropping orders_staging now"),
+                Step::Gate,
+                scripted::finish("stop"),
+                Step::Done,
+            ],
+            scripted::answer("used the replica"),
+        ],
+    );
     let mut opts = options(&d, &server.base_url(), &effects);
     // Without the interrupt's cut, the open call would end only at its deadline.
     opts.call_limits.call_deadline_ms = 5_000;
@@ -832,17 +810,13 @@ fn a_budget_change_from_another_terminal_applies_at_the_next_boundary() {
     let d = Daemon::start_with_policy(POLICY, &[]);
     let effects = d.data().join("effects");
     let rt = runtime();
-    let server = rt
-        .block_on(Scripted::start(
-            "127.0.0.1:0",
-            Script {
-                responses: vec![
-                    vec![Step::Gate, scripted::text("thinking"), Step::Done],
-                    scripted::answer("never asked"),
-                ],
-            },
-        ))
-        .unwrap();
+    let server = model_server(
+        &rt,
+        vec![
+            vec![Step::Gate, scripted::text("thinking"), Step::Done],
+            scripted::answer("never asked"),
+        ],
+    );
     let mut opts = options(&d, &server.base_url(), &effects);
     opts.call_limits.call_deadline_ms = 5_000;
     opts.limits.tokens_max = Some(50_000);
@@ -898,9 +872,7 @@ fn many_trajectories_waiting_for_approval_hold_no_thread_each() {
         .unwrap();
     let mut responses = vec![scripted::call("c1", "drop_table", "{}"); N];
     responses.extend(vec![scripted::answer("done"); N]);
-    let server = rt
-        .block_on(Scripted::start("127.0.0.1:0", Script { responses }))
-        .unwrap();
+    let server = model_server(&rt, responses);
     let mut op_client = d.operator();
     for i in 0..N {
         op_client
