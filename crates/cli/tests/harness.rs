@@ -753,6 +753,9 @@ fn an_interrupt_from_another_terminal_lands_at_the_next_boundary() {
     let (code, _, err) = d.cli(&["agent", "interrupt", "traj-i", "no", "--token", &agent]);
     assert_eq!(code, 1);
     assert!(err.contains("forbidden"), "{err}");
+    let (code, _, err) = d.cli(&["agent", "interrupt", "traj-i", "no", "--token", "forged"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("unauthenticated"), "{err}");
     let (code, _, err) = d.cli(&["agent", "interrupt", "traj-i", " "]);
     assert_eq!(code, 1);
     assert!(err.contains("bad_request"), "{err}");

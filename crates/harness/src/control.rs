@@ -277,3 +277,74 @@ pub enum AskError {
     #[error(transparent)]
     Io(#[from] std::io::Error),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::UnixStream;
+
+    const STATUS: &[u8] = b"{\"token\": \"t\", \"trajectory\": \"x\", \"ask\": \"status\"}\n";
+
+    async fn ask_raw(path: &Path, line: &[u8]) -> Value {
+        let mut s = UnixStream::connect(path).await.unwrap();
+        s.write_all(line).await.unwrap();
+        let mut out = String::new();
+        BufReader::new(s).read_line(&mut out).await.unwrap();
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out:?}"))
+    }
+
+    /// What a process of the owner's uid (a command tool, say) can do to the socket: a token
+    /// the gate does not take is refused, a line past its bound is refused unread, and holding
+    /// every connection slot gets the next one `busy` — room comes back once they close, and
+    /// none of it reaches the runner.
+    #[test]
+    fn hostile_requests_are_refused_and_the_connections_are_bounded() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        rt.block_on(async {
+            let listener = bind(dir.path()).unwrap();
+            let (tx, mut rx) = mpsc::unbounded_channel();
+            let gate = GateConfig {
+                target: dir.path().join("no-daemon.sock").display().to_string(),
+                token: String::new(),
+            };
+            tokio::spawn(serve(listener, gate, tx));
+            let sock = dir.path().join(SOCKET);
+
+            let v = ask_raw(&sock, STATUS).await;
+            assert_eq!(v["error"]["code"], "unauthenticated", "{v}");
+            let mut long = vec![b' '; LINE_BYTES_MAX + 10];
+            long.push(b'\n');
+            let v = ask_raw(&sock, &long).await;
+            assert_eq!(v["error"]["code"], "bad_request", "{v}");
+            assert!(
+                v["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("longer than")
+            );
+
+            let mut idle = Vec::new();
+            for _ in 0..CONNECTIONS_MAX {
+                idle.push(UnixStream::connect(&sock).await.unwrap());
+            }
+            let v = ask_raw(&sock, STATUS).await;
+            assert_eq!(v["error"]["code"], "busy", "{v}");
+            drop(idle);
+            // Each closed connection's slot is given back once its task reads the end.
+            let mut v = ask_raw(&sock, STATUS).await;
+            for _ in 0..200 {
+                if v["error"]["code"] != "busy" {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                v = ask_raw(&sock, STATUS).await;
+            }
+            assert_eq!(v["error"]["code"], "unauthenticated", "room came back: {v}");
+            assert!(rx.try_recv().is_err(), "nothing reached the runner");
+        });
+    }
+}
