@@ -204,6 +204,10 @@ pub(crate) fn spawn_daemon_with(data: &Path, extra: &[&str]) -> Result<Spawned> 
             "100000000",
             "--held-per-principal-max",
             "100000000",
+            "--held-per-token-max",
+            "100000000",
+            "--runs-per-token-max",
+            "100000000",
         ])
         // Nor the share of connections: every load connection is the same agent.
         .args(["--connections-per-principal-max", "1000000"])

@@ -95,6 +95,13 @@ pub struct ServeArgs {
     /// Most held effects in the runs of one principal.
     #[arg(long, default_value_t = Limits::default().held_per_principal_max)]
     pub held_per_principal_max: usize,
+    /// Most runs held in state for one token and every sandbox that speaks for it together
+    /// (`estop run`'s sandboxes are principals of their own, TOKEN/RUN).
+    #[arg(long, default_value_t = Limits::default().runs_per_token_max)]
+    pub runs_per_token_max: usize,
+    /// Most held effects in the runs of one token and its sandboxes together.
+    #[arg(long, default_value_t = Limits::default().held_per_token_max)]
+    pub held_per_token_max: usize,
     /// Most tombstones; at the bound, stopped runs are kept whole instead of forgotten.
     #[arg(long, default_value_t = Limits::default().tombstones_max)]
     pub tombstones_max: usize,
@@ -220,6 +227,8 @@ fn limits(a: &ServeArgs) -> Result<Limits> {
         ("--runs-per-principal-max", a.runs_per_principal_max),
         ("--held-max", a.held_max),
         ("--held-per-principal-max", a.held_per_principal_max),
+        ("--runs-per-token-max", a.runs_per_token_max),
+        ("--held-per-token-max", a.held_per_token_max),
         ("--tombstones-max", a.tombstones_max),
     ] {
         if v == 0 {
@@ -233,6 +242,8 @@ fn limits(a: &ServeArgs) -> Result<Limits> {
         runs_per_principal_max: a.runs_per_principal_max,
         held_max: a.held_max,
         held_per_principal_max: a.held_per_principal_max,
+        runs_per_token_max: a.runs_per_token_max,
+        held_per_token_max: a.held_per_token_max,
         tombstones_max: a.tombstones_max,
         ..Limits::default()
     })

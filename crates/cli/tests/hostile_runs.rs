@@ -277,3 +277,98 @@ fn the_cli_shows_what_is_left_of_a_forgotten_run() {
     let v = admit(&mut a, "gone", "k2", "pay", json!({}));
     assert_eq!(v["reason"], "cancelled", "{v}");
 }
+
+/// A connection of `token` that speaks for the sandbox of `run` (`hello {token, run}`): the
+/// principal `TOKEN/RUN`, with per-principal shares of its own.
+fn sandbox(d: &Daemon, token: &str, run: &str) -> Client {
+    let mut c = Client::connect(&d.socket()).unwrap();
+    let v = ok(&mut c, json!({"op": "hello", "token": token, "run": run}));
+    assert!(
+        v["principal"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!("/{run}")),
+        "{v}"
+    );
+    c
+}
+
+/// The holder of an agent token may speak for as many sandboxes as it names runs, each a
+/// principal with full shares; together they take only the token's share (`runs_per_token_max`,
+/// `held_per_token_max`), and another agent still gets runs and holds. Before the token's
+/// bound, a fourth sandbox took its full share again, past what any one agent may hold.
+#[test]
+fn a_token_cannot_escape_its_share_through_sandbox_principals() {
+    let d = Daemon::start_with(&[
+        "--console",
+        "off",
+        "--runs-max",
+        "64",
+        "--runs-per-principal-max",
+        "2",
+        "--runs-per-token-max",
+        "5",
+        "--held-per-principal-max",
+        "2",
+        "--held-per-token-max",
+        "3",
+    ]);
+    let mut op = d.operator();
+    let mallory = ok(
+        &mut op,
+        json!({"op": "token", "name": "mallory", "role": "agent"}),
+    )["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut made = 0;
+    let msg = 'flood: loop {
+        let mut s = sandbox(&d, &mallory, &format!("s{made}"));
+        for i in 0..2 {
+            let r = s
+                .call(admit_req(&format!("s{made}-{i}"), "k", "pay"))
+                .unwrap();
+            if !r.ok {
+                let e = r.error.unwrap();
+                assert_eq!(e.code, "limit_exceeded", "{}", e.message);
+                break 'flood e.message;
+            }
+            made += 1;
+        }
+        assert!(
+            made < 20,
+            "the sandboxes took {made} runs: no bound for the token"
+        );
+    };
+    assert_eq!(made, 5, "{msg}");
+    assert!(msg.contains("runs_per_token_max = 5"), "{msg}");
+
+    // Held effects: two sandboxes, each under its own share of 2, stop at the token's 3.
+    let (mut s1, mut s2) = (sandbox(&d, &mallory, "s0"), sandbox(&d, &mallory, "s2"));
+    for (s, run, key) in [(0, "s0-0", "h0"), (0, "s0-0", "h1"), (1, "s2-0", "h0")] {
+        let s = if s == 0 { &mut s1 } else { &mut s2 };
+        let v = admit(s, run, key, "refund", json!({"key": key}));
+        assert_eq!(verdict(&v), "held", "{v}");
+    }
+    let (code, msg) = refusal(&mut s2, admit_req("s2-0", "h1", "refund"));
+    assert_eq!(code, "limit_exceeded");
+    assert!(msg.contains("held_per_token_max = 3"), "{msg}");
+
+    // Another agent is untouched by all of it.
+    let mut b = new_agent(&d, "bob-agent");
+    assert_eq!(
+        verdict(&admit(&mut b, "b0", "k", "pay", json!({}))),
+        "admitted"
+    );
+    assert_eq!(
+        verdict(&admit(&mut b, "b0", "h0", "refund", json!({}))),
+        "held"
+    );
+    // Deciding one of mallory's holds gives the token its room back.
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "s0-0", "key": "h0", "decision": "reject"}),
+    );
+    let v = admit(&mut s2, "s2-0", "h1", "refund", json!({"key": "h1"}));
+    assert_eq!(verdict(&v), "held", "{v}");
+}

@@ -32,8 +32,43 @@ pub struct Gate {
     pub(crate) interned: crate::state::Interner,
     /// Per owner: runs held in state and held effects (derived; absent when both are zero).
     usage: BTreeMap<PrincipalName, Usage>,
+    /// The same per token: its own and all its sandboxes' (`PrincipalName::token_name`;
+    /// derived, absent when both are zero).
+    token_usage: BTreeMap<Box<str>, Usage>,
     /// Held effects in all runs (derived).
     held_total: u64,
+}
+
+/// `Gate::count` on the two maps (apart, so that a caller holding a run can count for it),
+/// dropping entries that fall to zero.
+fn count_in(
+    usage: &mut BTreeMap<PrincipalName, Usage>,
+    token_usage: &mut BTreeMap<Box<str>, Usage>,
+    owner: &PrincipalName,
+    runs: i64,
+    held: i64,
+) {
+    fn apply(u: &mut Usage, runs: i64, held: i64) {
+        u.runs = u
+            .runs
+            .checked_add_signed(runs)
+            .expect("usage stays counted");
+        u.held = u
+            .held
+            .checked_add_signed(held)
+            .expect("usage stays counted");
+    }
+    let u = usage.entry(owner.clone()).or_default();
+    apply(u, runs, held);
+    if *u == Usage::default() {
+        usage.remove(owner);
+    }
+    let token = owner.token_name();
+    let t = token_usage.entry(token.into()).or_default();
+    apply(t, runs, held);
+    if *t == Usage::default() {
+        token_usage.remove(token);
+    }
 }
 
 /// What the parent chain of a run says (see `Gate::chain_flags`).
@@ -172,13 +207,18 @@ impl Gate {
         interned: crate::state::Interner,
     ) -> Gate {
         let mut usage: BTreeMap<PrincipalName, Usage> = BTreeMap::new();
+        let mut token_usage: BTreeMap<Box<str>, Usage> = BTreeMap::new();
         let mut held_total = 0;
         for (_, run) in runs.iter() {
             held_total += u64::from(run.held);
             if let Some(owner) = &run.owner {
-                let u = usage.entry(owner.clone()).or_default();
-                u.runs += 1;
-                u.held += u64::from(run.held);
+                for u in [
+                    usage.entry(owner.clone()).or_default(),
+                    token_usage.entry(owner.token_name().into()).or_default(),
+                ] {
+                    u.runs += 1;
+                    u.held += u64::from(run.held);
+                }
             }
         }
         Gate {
@@ -187,6 +227,7 @@ impl Gate {
             limits,
             interned,
             usage,
+            token_usage,
             held_total,
         }
     }
@@ -220,6 +261,19 @@ impl Gate {
     /// What `owner` holds: runs not yet forgotten and held effects.
     pub fn usage(&self, owner: &PrincipalName) -> Usage {
         self.usage.get(owner).copied().unwrap_or_default()
+    }
+
+    /// What `owner`'s token and all its sandboxes hold together.
+    pub fn token_usage(&self, owner: &PrincipalName) -> Usage {
+        self.token_usage
+            .get(owner.token_name())
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// Changes what `owner` holds by `runs` and `held` (signed), for it and for its token.
+    fn count(&mut self, owner: &PrincipalName, runs: i64, held: i64) {
+        count_in(&mut self.usage, &mut self.token_usage, owner, runs, held);
     }
 
     /// Held effects in all runs.
@@ -537,13 +591,19 @@ impl Gate {
                 hint: "; the rest is reserved for operators (1%): close or cancel runs that are done, a stopped run is forgotten after the retention period",
             });
         }
-        if let Some(owner) = owner
-            && self.usage(owner).runs as usize + n > l.runs_per_principal_max
-        {
-            return Err(KernelError::limit(
-                "runs_per_principal_max",
-                l.runs_per_principal_max,
-            ));
+        if let Some(owner) = owner {
+            if self.usage(owner).runs as usize + n > l.runs_per_principal_max {
+                return Err(KernelError::limit(
+                    "runs_per_principal_max",
+                    l.runs_per_principal_max,
+                ));
+            }
+            if self.token_usage(owner).runs as usize + n > l.runs_per_token_max {
+                return Err(KernelError::limit(
+                    "runs_per_token_max",
+                    l.runs_per_token_max,
+                ));
+            }
         }
         Ok(())
     }
@@ -555,7 +615,7 @@ impl Gate {
             "a new run holds nothing"
         );
         if let Some(owner) = &run.owner {
-            self.usage.entry(owner.clone()).or_default().runs += 1;
+            self.count(owner, 1, 0);
         }
         let old = self.runs.insert(id, run);
         assert!(old.is_none(), "a new run");
@@ -566,13 +626,19 @@ impl Gate {
         if self.held_total as usize >= self.limits.held_max {
             return Err(KernelError::limit("held_max", self.limits.held_max));
         }
-        if let Some(owner) = owner
-            && self.usage(owner).held as usize >= self.limits.held_per_principal_max
-        {
-            return Err(KernelError::limit(
-                "held_per_principal_max",
-                self.limits.held_per_principal_max,
-            ));
+        if let Some(owner) = owner {
+            if self.usage(owner).held as usize >= self.limits.held_per_principal_max {
+                return Err(KernelError::limit(
+                    "held_per_principal_max",
+                    self.limits.held_per_principal_max,
+                ));
+            }
+            if self.token_usage(owner).held as usize >= self.limits.held_per_token_max {
+                return Err(KernelError::limit(
+                    "held_per_token_max",
+                    self.limits.held_per_token_max,
+                ));
+            }
         }
         Ok(())
     }
@@ -580,15 +646,21 @@ impl Gate {
     /// One effect of `run_id` became held (`up`) or stopped being held.
     fn held_changed(&mut self, run_id: &RunId, up: bool) {
         let run = self.runs.get_mut(run_id).expect("run exists");
-        let usage = run.owner.as_ref().and_then(|o| self.usage.get_mut(o));
         if up {
             run.held += 1;
             self.held_total += 1;
-            usage.into_iter().for_each(|u| u.held += 1);
         } else {
             run.held -= 1;
             self.held_total -= 1;
-            usage.into_iter().for_each(|u| u.held -= 1);
+        }
+        if let Some(owner) = &run.owner {
+            count_in(
+                &mut self.usage,
+                &mut self.token_usage,
+                owner,
+                0,
+                if up { 1 } else { -1 },
+            );
         }
     }
 
@@ -1731,8 +1803,9 @@ impl Gate {
             // Every held effect was just refused.
             let held = u64::from(std::mem::take(&mut run.held));
             self.held_total -= held;
-            if let Some(u) = run.owner.as_ref().and_then(|o| self.usage.get_mut(o)) {
-                u.held -= held;
+            if let Some(owner) = &run.owner {
+                let held = i64::try_from(held).expect("held effects fit");
+                count_in(&mut self.usage, &mut self.token_usage, owner, 0, -held);
             }
             run.state = to;
             changed += 1;
@@ -1896,11 +1969,8 @@ impl Gate {
         for (id, run) in forgotten {
             assert_eq!(run.held, 0, "a stopped run holds nothing");
             if let Some(owner) = &run.owner {
-                let u = self.usage.get_mut(owner).expect("owners are counted");
-                u.runs -= 1;
-                if *u == Usage::default() {
-                    self.usage.remove(owner);
-                }
+                assert!(self.usage.contains_key(owner), "owners are counted");
+                self.count(owner, -1, 0);
             }
             if let Some(parent) = &run.parent
                 && self.runs.contains_key(parent)

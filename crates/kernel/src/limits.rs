@@ -29,6 +29,14 @@ pub struct Limits {
     pub held_max: usize,
     /// Held effects in the runs of one principal (its share of `held_max`).
     pub held_per_principal_max: usize,
+    /// Runs held in state that one token's principals created together: the token itself and
+    /// every sandbox that speaks for it (`TOKEN/RUN`, docs/EGRESS.md), each of which has its
+    /// own `runs_per_principal_max`. Without it, the holder of an agent token could open
+    /// sandbox principals without end, each with a full share, and take what every other
+    /// agent has.
+    pub runs_per_token_max: usize,
+    /// Held effects in the runs of one token's principals together (as `runs_per_token_max`).
+    pub held_per_token_max: usize,
     /// Tombstones: fences of forgotten runs, kept until their own retention passes. At the
     /// bound, stopped runs are not forgotten (they keep their full state and count against
     /// `runs_max`) rather than lose their fence.
@@ -70,6 +78,8 @@ impl Limits {
             runs_per_principal_max: usize::MAX,
             held_max: usize::MAX,
             held_per_principal_max: usize::MAX,
+            runs_per_token_max: usize::MAX,
+            held_per_token_max: usize::MAX,
             tombstones_max: usize::MAX,
             effects_per_run_max: usize::MAX,
             pending_approvals_per_run_max: usize::MAX,
@@ -97,6 +107,9 @@ impl Default for Limits {
             runs_per_principal_max: 500_000,
             held_max: 100_000,
             held_per_principal_max: 20_000,
+            // Half of each pool: one token with all its sandboxes leaves the other half.
+            runs_per_token_max: 500_000,
+            held_per_token_max: 50_000,
             tombstones_max: 4_000_000,
             effects_per_run_max: 100_000,
             pending_approvals_per_run_max: 64,

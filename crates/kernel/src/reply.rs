@@ -187,6 +187,12 @@ impl KernelError {
             "runs_per_principal_max" => {
                 "; this principal holds that many runs: close or cancel those that are done (a stopped run is forgotten after the retention period), or raise --runs-per-principal-max"
             }
+            "runs_per_token_max" => {
+                "; this token and the sandboxes that speak for it hold that many runs together: close or cancel those that are done, or raise --runs-per-token-max"
+            }
+            "held_per_token_max" => {
+                "; this token and the sandboxes that speak for it hold that many effects together: wait for them to be decided, expire or be cancelled, or raise --held-per-token-max"
+            }
             "held_max" | "held_per_principal_max" => {
                 "; wait for held effects to be decided, expire or be cancelled before proposing more"
             }
