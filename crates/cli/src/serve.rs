@@ -36,6 +36,10 @@ pub struct ServeArgs {
     /// Protocol v1 connections one principal may hold (default: a quarter of the pool).
     #[arg(long)]
     pub connections_per_principal_max: Option<usize>,
+    /// Protocol v1 connections one token may hold with every sandbox that speaks for it
+    /// (`hello {token, run}`; default: half of the pool).
+    #[arg(long)]
+    pub connections_per_token_max: Option<usize>,
     /// Most simultaneous SoundGate connections (a pool of their own).
     #[arg(long, default_value_t = 1024)]
     pub soundgate_connections_max: usize,
@@ -51,12 +55,19 @@ pub struct ServeArgs {
     /// Blocked `wait`s one principal may hold (default: a quarter of --waiters-max).
     #[arg(long)]
     pub waiters_per_principal_max: Option<usize>,
+    /// Blocked `wait`s one token may hold with its sandboxes (default: half of --waiters-max).
+    #[arg(long)]
+    pub waiters_per_token_max: Option<usize>,
     /// Subscriptions in all; 1/64 of them (up to 1024) are kept for operators.
     #[arg(long, default_value_t = 100_000)]
     pub subscriptions_max: usize,
     /// Subscriptions one principal may hold (default: a quarter of --subscriptions-max).
     #[arg(long)]
     pub subscriptions_per_principal_max: Option<usize>,
+    /// Subscriptions (executors included) one token may hold with its sandboxes (default: half
+    /// of --subscriptions-max).
+    #[arg(long)]
+    pub subscriptions_per_token_max: Option<usize>,
     /// Longest request line in bytes.
     #[arg(long, default_value_t = 64 * 1024)]
     pub line_bytes_max: usize,
@@ -172,21 +183,33 @@ fn options(a: ServeArgs) -> Result<ServeOptions> {
     opts.store = a.store;
     opts.connections_max = a.connections_max.max(1);
     opts.connections_per_principal_max = a.connections_per_principal_max;
+    opts.connections_per_token_max = a.connections_per_token_max;
     opts.soundgate_connections_max = a.soundgate_connections_max.max(1);
     let ms = |flag: &str, v: &str| {
         estop_policy::parse_duration_ms(v).map_err(|e| anyhow!("--{flag} {v}: {e}"))
     };
     opts.conn.hello_ms_max = ms("hello-timeout", &a.hello_timeout)?.max(1);
     opts.conn.idle_ms_max = ms("idle-timeout", &a.idle_timeout)?.max(1);
-    let shares = |max: usize, per: Option<usize>| {
+    let shares = |max: usize, per: Option<usize>, per_token: Option<usize>| {
         let mut o = estop_server::quota::ShareOptions::derived(max.max(1), 1024);
         if let Some(n) = per {
             o.per_principal_max = n;
         }
+        if let Some(n) = per_token {
+            o.per_token_max = n;
+        }
         o
     };
-    opts.core.waiters = shares(a.waiters_max, a.waiters_per_principal_max);
-    opts.core.subscriptions = shares(a.subscriptions_max, a.subscriptions_per_principal_max);
+    opts.core.waiters = shares(
+        a.waiters_max,
+        a.waiters_per_principal_max,
+        a.waiters_per_token_max,
+    );
+    opts.core.subscriptions = shares(
+        a.subscriptions_max,
+        a.subscriptions_per_principal_max,
+        a.subscriptions_per_token_max,
+    );
     opts.conn.line_bytes_max = a.line_bytes_max;
     opts.conn.output_bytes_max = a.output_bytes_max;
     opts.conn.inflight_bytes_max = a.inflight_bytes_max.max(1);

@@ -372,3 +372,133 @@ fn a_token_cannot_escape_its_share_through_sandbox_principals() {
     let v = admit(&mut s2, "s2-0", "h1", "refund", json!({"key": "h1"}));
     assert_eq!(verdict(&v), "held", "{v}");
 }
+
+/// The daemon's own pools (connections, subscriptions, waiters) are shared per token too: the
+/// holder of one agent token could speak for ever more sandboxes, each with a principal's full
+/// share, until every agent's part of a pool was its own and another agent could not connect,
+/// subscribe or wait. With the per-token share (half of each pool by default) the sandboxes
+/// stop there and another agent still gets through.
+#[test]
+fn a_token_cannot_take_a_pool_through_sandbox_principals() {
+    let d = Daemon::start_with(&[
+        "--console",
+        "off",
+        "--connections-max",
+        "64",
+        "--subscriptions-max",
+        "16",
+        "--waiters-max",
+        "16",
+    ]);
+    let mut op = d.operator();
+    let mallory = ok(
+        &mut op,
+        json!({"op": "token", "name": "mallory", "role": "agent"}),
+    )["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // Connections: sandbox after sandbox until the gate says no.
+    let mut held = Vec::new();
+    let refusal = loop {
+        let mut c = Client::connect(&d.socket()).unwrap();
+        let run = format!("c{}", held.len());
+        let r = c
+            .call(json!({"op": "hello", "token": mallory, "run": run}))
+            .unwrap();
+        if !r.ok {
+            break r.error.unwrap();
+        }
+        held.push(c);
+        assert!(held.len() <= 64, "the sandboxes took every connection");
+    };
+    assert_eq!(refusal.code, "limit_exceeded", "{}", refusal.message);
+    assert_eq!(held.len(), 32, "{}", refusal.message);
+    assert!(
+        refusal.message.contains("connections_per_token_max = 32"),
+        "{}",
+        refusal.message
+    );
+    let mut b = new_agent(&d, "bob-agent");
+    ok(&mut b, json!({"op": "ping"}));
+    drop(held);
+    // The room comes back as the daemon sees the connections close.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut sandboxes: Vec<Client> = Vec::new();
+    while sandboxes.len() < 4 {
+        let mut c = Client::connect(&d.socket()).unwrap();
+        let run = format!("w{}", sandboxes.len());
+        let r = c
+            .call(json!({"op": "hello", "token": mallory, "run": run}))
+            .unwrap();
+        if r.ok {
+            sandboxes.push(c);
+        } else {
+            assert!(Instant::now() < deadline, "no room back: {}", r.raw);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    // Subscriptions and waiters: four sandboxes with four each would take the agents' 15.
+    let (mut subs, mut sub_refusal) = (0, None);
+    for (i, s) in sandboxes.iter_mut().enumerate() {
+        for j in 0..4 {
+            let r = s
+                .call(json!({"op": "subscribe", "run": format!("w{i}-{j}")}))
+                .unwrap();
+            match r.error {
+                None => subs += 1,
+                Some(e) if sub_refusal.is_none() => sub_refusal = Some(e.message),
+                Some(_) => {}
+            }
+        }
+    }
+    let m = sub_refusal.expect("a subscription past the token's share is refused");
+    assert_eq!(subs, 8, "{m}");
+    assert!(m.contains("subscriptions_per_token_max = 8"), "{m}");
+    ok(&mut b, json!({"op": "subscribe", "run": "b0"}));
+
+    // Four waits then the admission again on each sandbox: the refused waits answer before it,
+    // the registered ones keep waiting.
+    let (mut waits, mut wait_refusal) = (0, None);
+    for (i, s) in sandboxes.iter_mut().enumerate() {
+        let run = format!("w{i}-h");
+        assert_eq!(verdict(&admit(s, &run, "k", "refund", json!({}))), "held");
+        for j in 0..4 {
+            let line = json!({"id": 500 + j, "op": "wait", "run": run, "key": "k",
+                              "timeout_ms": 60_000});
+            s.send_raw(line.to_string().as_bytes()).unwrap();
+        }
+        // The admission again (answered by the core after the waits, unlike a ping).
+        let again = json!({"id": 999, "op": "admit", "run": run, "key": "k", "tool": "refund",
+                           "args": {}});
+        s.send_raw(again.to_string().as_bytes()).unwrap();
+        let mut refused = 0;
+        loop {
+            match s.read_line().unwrap() {
+                estop_protocol::ServerLine::Reply(r) if r.id.as_u64() == Some(999) => break,
+                estop_protocol::ServerLine::Reply(r) => {
+                    let e = r.error.expect("a wait answers at once only when refused");
+                    assert_eq!(e.code, "limit_exceeded", "{}", e.message);
+                    wait_refusal.get_or_insert(e.message);
+                    refused += 1;
+                }
+                estop_protocol::ServerLine::Event(_) => {}
+            }
+        }
+        waits += 4 - refused;
+    }
+    let m = wait_refusal.expect("a wait past the token's share is refused");
+    assert_eq!(waits, 8, "{m}");
+    assert!(m.contains("waiters_per_token_max = 8"), "{m}");
+    assert_eq!(
+        verdict(&admit(&mut b, "b0", "h", "refund", json!({}))),
+        "held"
+    );
+    let v = ok(
+        &mut b,
+        json!({"op": "wait", "run": "b0", "key": "h", "timeout_ms": 50}),
+    );
+    assert_eq!(verdict(&v), "held");
+}

@@ -25,6 +25,8 @@ pub const SESSIONS_OPERATOR_RESERVE: usize = 256;
 pub const SESSION_SHARES: ShareOptions = ShareOptions {
     max: SESSIONS_MAX,
     per_principal_max: SESSIONS_PER_PRINCIPAL_MAX,
+    // A console session is a token's own (no sandbox logs in), so its share is the principal's.
+    per_token_max: SESSIONS_MAX,
     operator_reserve: SESSIONS_OPERATOR_RESERVE,
 };
 /// Unused login links held at once; at the bound the oldest is dropped.
@@ -145,14 +147,14 @@ impl Auth {
             .values()
             .filter(|s| s.principal.name.as_str() == name)
             .count();
-        if let Err(full) = SESSION_SHARES.admit(operator, sessions.len(), agents, mine) {
+        if let Err(full) = SESSION_SHARES.admit(operator, sessions.len(), agents, mine, mine) {
             if !operator {
                 return Err(full);
             }
             let victim = sessions
                 .iter()
                 .filter(|(_, s)| match full {
-                    Full::Principal(_) => s.principal.name.as_str() == name,
+                    Full::Principal(_) | Full::Token(_) => s.principal.name.as_str() == name,
                     Full::Others(_) | Full::Total(_) => is_operator(&s.principal),
                 })
                 .min_by_key(|(_, s)| s.expires)

@@ -56,7 +56,9 @@ pub async fn stream(app: AppState, caller: Caller, run: Option<String>) -> Respo
         Ok(s) => s,
         Err(full) => {
             let what = match full {
-                Full::Principal(n) => format!("{n} event streams for {}", caller.principal.name),
+                Full::Principal(n) | Full::Token(n) => {
+                    format!("{n} event streams for {}", caller.principal.name)
+                }
                 Full::Others(n) => {
                     format!("{n} event streams held by agents (the rest are kept for operators)")
                 }

@@ -420,7 +420,7 @@ async fn whoami(State(app): State<AppState>, h: HeaderMap) -> Response {
 
 fn session_full(p: &Principal, full: Full) -> Refusal {
     let what = match full {
-        Full::Principal(n) => format!("{n} console sessions for {}", p.name),
+        Full::Principal(n) | Full::Token(n) => format!("{n} console sessions for {}", p.name),
         Full::Others(n) => {
             format!("{n} console sessions held by agents (the rest are kept for operators)")
         }

@@ -129,6 +129,8 @@ impl Service for Console {
             streams: quota::Counted::new(quota::ShareOptions {
                 max: o.event_streams_max,
                 per_principal_max: o.event_streams_per_principal_max,
+                // Console callers are tokens' own principals (no sandbox logs in).
+                per_token_max: o.event_streams_per_principal_max,
                 operator_reserve: o.event_streams_operator_reserve,
             }),
             conns: listen::Conns::new(o.connections_max),

@@ -72,6 +72,7 @@ mod tests {
         let pool = Counted::new(ShareOptions {
             max: 6,
             per_principal_max: 2,
+            per_token_max: 6,
             operator_reserve: 2,
         });
         let mut slots = Vec::new();

@@ -1,6 +1,8 @@
 //! Per-principal shares of the gate's pools (SPEC §6): no principal may hold more than its share
-//! of a pool, and a reserve at the top of every pool is for operators only, so no agent — nor a
-//! crowd of them — can take the gate away from the others or lock the operator out.
+//! of a pool, no token more than its share with every sandbox that speaks for it (`TOKEN/RUN`,
+//! docs/EGRESS.md), and a reserve at the top of every pool is for operators only, so no agent —
+//! nor a crowd of them, nor one token's crowd of sandboxes — can take the gate away from the
+//! others or lock the operator out.
 //!
 //! The rule is one pure function, [`ShareOptions::admit`], for every pool of the daemon (the
 //! console's sessions and event streams use it too). [`Shares`] is the plain counter (the core
@@ -19,19 +21,24 @@ pub struct ShareOptions {
     pub max: usize,
     /// What one principal may hold.
     pub per_principal_max: usize,
+    /// What one token may hold with all its sandboxes' principals together (the kernel's
+    /// `runs_per_token_max` for the daemon's own pools): the holder of an agent token may speak
+    /// for as many sandboxes as it names runs, each a principal with a full share.
+    pub per_token_max: usize,
     /// The top of the pool that only operators may use.
     pub operator_reserve: usize,
 }
 
 impl ShareOptions {
     /// `max` with a per-principal share and the operator reserve derived from it: a principal
-    /// may take a quarter of the pool (at least 1), operators keep 1/64 of it (at least 1, at
-    /// most `reserve_max`).
+    /// may take a quarter of the pool (at least 1), a token with its sandboxes half of it (at
+    /// least 1), operators keep 1/64 of it (at least 1, at most `reserve_max`).
     pub fn derived(max: usize, reserve_max: usize) -> ShareOptions {
         let operator_reserve = (max / 64).clamp(1, reserve_max.max(1)).min(max);
         ShareOptions {
             max,
             per_principal_max: (max / 4).max(1),
+            per_token_max: (max / 2).max(1),
             operator_reserve,
         }
     }
@@ -42,16 +49,21 @@ impl ShareOptions {
     }
 
     /// Whether a principal (an operator or not) may take one more, given what is held: `total`
-    /// in the pool, `others` by principals that are not operators, `mine` by this principal.
+    /// in the pool, `others` by principals that are not operators, `mine` by this principal,
+    /// `my_token` by its token and every sandbox of it (`mine` where a pool has no sandboxes).
     pub fn admit(
         &self,
         operator: bool,
         total: usize,
         others: usize,
         mine: usize,
+        my_token: usize,
     ) -> Result<(), Full> {
         if mine >= self.per_principal_max {
             return Err(Full::Principal(self.per_principal_max));
+        }
+        if my_token >= self.per_token_max {
+            return Err(Full::Token(self.per_token_max));
         }
         if !operator && others >= self.others_max() {
             return Err(Full::Others(self.others_max()));
@@ -68,6 +80,8 @@ impl ShareOptions {
 pub enum Full {
     /// The principal holds `per_principal_max` already.
     Principal(usize),
+    /// The principal's token and its sandboxes hold `per_token_max` already.
+    Token(usize),
     /// Principals other than operators hold their whole part (`max - operator_reserve`).
     Others(usize),
     /// The pool is full.
@@ -81,6 +95,10 @@ impl Full {
             Full::Principal(n) => format!(
                 "limit reached: {what}_per_principal_max = {n} for {}; release some of yours first",
                 p.name
+            ),
+            Full::Token(n) => format!(
+                "limit reached: {what}_per_token_max = {n} for the token {} and the sandboxes that speak for it; release some of theirs first",
+                p.name.token_name()
             ),
             Full::Others(_) => format!(
                 "limit reached: {what}_max = {} with {} reserved for operators; release some, or retry later",
@@ -104,6 +122,8 @@ pub struct Shares {
     others: usize,
     /// Held by each principal (operators included).
     of: HashMap<PrincipalName, usize>,
+    /// Held by each token with its sandboxes' principals (`PrincipalName::token_name`).
+    of_token: HashMap<Box<str>, usize>,
 }
 
 impl Shares {
@@ -114,6 +134,7 @@ impl Shares {
             total: 0,
             others: 0,
             of: HashMap::new(),
+            of_token: HashMap::new(),
         }
     }
 
@@ -137,16 +158,24 @@ impl Shares {
             .map_err(|full| full.message(self.what, p, &self.opts))
     }
 
+    /// How much `name`'s token holds with all its sandboxes.
+    pub fn held_by_token(&self, name: &PrincipalName) -> usize {
+        self.of_token.get(name.token_name()).copied().unwrap_or(0)
+    }
+
     /// `take`, with the refusal as data (for a front door that words it its own way).
     pub fn try_take(&mut self, p: &Principal) -> Result<(), Full> {
         let operator = p.role == Role::Operator;
         let mine = self.held_by(&p.name);
-        self.opts.admit(operator, self.total, self.others, mine)?;
+        let my_token = self.held_by_token(&p.name);
+        self.opts
+            .admit(operator, self.total, self.others, mine, my_token)?;
         self.total += 1;
         if !operator {
             self.others += 1;
         }
         *self.of.entry(p.name.clone()).or_default() += 1;
+        *self.of_token.entry(p.name.token_name().into()).or_default() += 1;
         Ok(())
     }
 
@@ -160,6 +189,14 @@ impl Shares {
         *n -= 1;
         if *n == 0 {
             self.of.remove(&p.name);
+        }
+        let t = self
+            .of_token
+            .get_mut(p.name.token_name())
+            .expect("a token's share taken before");
+        *t -= 1;
+        if *t == 0 {
+            self.of_token.remove(p.name.token_name());
         }
     }
 }
@@ -371,6 +408,7 @@ mod tests {
         let opts = ShareOptions {
             max: 10,
             per_principal_max: 4,
+            per_token_max: 10,
             operator_reserve: 2,
         };
         let mut s = Shares::new("waiters", opts);
@@ -409,6 +447,51 @@ mod tests {
         );
     }
 
+    /// Sandboxes of one token (`TOKEN/RUN`) each get a principal's share, and together the
+    /// token's: past it, another sandbox of the same token is refused while another agent and
+    /// the token's own principal's sibling pools are untouched.
+    #[test]
+    fn a_token_and_its_sandboxes_hold_one_share_together() {
+        let opts = ShareOptions {
+            max: 20,
+            per_principal_max: 4,
+            per_token_max: 6,
+            operator_reserve: 2,
+        };
+        let mut s = Shares::new("subscriptions", opts);
+        let (s1, s2, s3) = (
+            p("mallory/r1", Role::Agent),
+            p("mallory/r2", Role::Agent),
+            p("mallory/r3", Role::Agent),
+        );
+        for _ in 0..4 {
+            s.take(&s1).unwrap();
+        }
+        s.take(&s2).unwrap();
+        s.take(&s2).unwrap();
+        let e = s.take(&s3).unwrap_err();
+        assert!(
+            e.contains("subscriptions_per_token_max = 6 for the token mallory"),
+            "{e}"
+        );
+        assert_eq!(s.try_take(&s2), Err(Full::Token(6)));
+        assert_eq!(s.held_by_token(&s3.name), 6);
+        // The token's own principal shares the same count.
+        assert_eq!(s.try_take(&p("mallory", Role::Agent)), Err(Full::Token(6)));
+        // Another agent still gets its share.
+        for _ in 0..4 {
+            s.take(&p("bob", Role::Agent)).unwrap();
+        }
+        // Giving back makes room for any sandbox of the token; at zero nothing is left.
+        s.give_back(&s1);
+        s.take(&s3).unwrap();
+        for q in [&s1, &s1, &s1, &s2, &s2, &s3] {
+            s.give_back(q);
+        }
+        assert_eq!(s.held_by_token(&s1.name), 0);
+        assert!(!s.of_token.contains_key("mallory"));
+    }
+
     /// Whether `slot` was told it is evicted.
     fn was_evicted(slot: &Slot) -> bool {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -428,6 +511,7 @@ mod tests {
             shares: ShareOptions {
                 max: 12,
                 per_principal_max: 5,
+                per_token_max: 12,
                 operator_reserve: 2,
             },
             unauthenticated_max: 3,
@@ -478,6 +562,7 @@ mod tests {
             shares: ShareOptions {
                 max: 4,
                 per_principal_max: 1,
+                per_token_max: 4,
                 operator_reserve: 1,
             },
             unauthenticated_max: 1,

@@ -37,6 +37,8 @@ pub struct ServeOptions {
     pub connections_max: usize,
     /// Protocol v1 connections one principal may hold (default: a quarter of `connections_max`).
     pub connections_per_principal_max: Option<usize>,
+    /// What one token and its sandboxes may hold of it (default: half).
+    pub connections_per_token_max: Option<usize>,
     /// Connections of the SoundGate listener, a pool of its own (it has no principals).
     pub soundgate_connections_max: usize,
     /// Threads serving connections (1: a single IO thread).
@@ -64,6 +66,7 @@ impl ServeOptions {
             allow_all: false,
             connections_max: 4096,
             connections_per_principal_max: None,
+            connections_per_token_max: None,
             soundgate_connections_max: 1024,
             io_threads: 1,
             conn: ConnOptions::default(),
@@ -485,6 +488,9 @@ async fn serve_async(
         ));
     }
     let mut pool = crate::quota::ConnectionOptions::derived(opts.connections_max);
+    if let Some(n) = opts.connections_per_token_max {
+        pool.shares.per_token_max = n;
+    }
     if let Some(n) = opts.connections_per_principal_max {
         pool.shares.per_principal_max = n;
     }
