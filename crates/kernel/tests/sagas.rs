@@ -709,3 +709,41 @@ fn a_rejected_or_expired_compensation_approval_asks_a_human_and_a_retry_asks_aga
         "#]],
     );
 }
+
+#[test]
+fn a_met_compensation_approval_stands_and_is_not_asked_again() {
+    // Once the quorum is met, the approval stands for this attempt and the later ones: a second
+    // hold (a shell that asked again, after a failed attempt or twice for the same one) would
+    // replace a met approval with a fresh one and ask the approvers for what they already gave.
+    check(
+        r#"
+        0 agent admit r1 k1 refund comp=unrefund
+        1 agent complete r1 k1 1.1 ok
+        2 alice cancel r1
+        3 alice hold r1 k1 1 quorum=1 expiry=5000
+        4 bob approve r1 k1
+        5 alice hold r1 k1 1 quorum=1 expiry=5000
+        6 agent begin r1 k1 1
+        7 agent end r1 k1 1 error
+        1007 alice hold r1 k1 2 quorum=1 expiry=5000
+        1008 agent begin r1 k1 2
+        1009 agent end r1 k1 2 ok
+        "#,
+        expect![[r#"
+            0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
+            1 agent complete r1 k1 1.1 ok                => completed
+            2 alice cancel r1                            => run finalizing (1 changed)
+            3 alice hold r1 k1 1 quorum=1 expiry=5000    => compensation completed attempt=0
+            4 bob approve r1 k1                          => decided approved
+            5 alice hold r1 k1 1 quorum=1 expiry=5000    => error saga: effect k1 of run r1: its compensating call's approval r1#1 is met; it stands for every attempt
+            6 agent begin r1 k1 1                        => compensation compensating attempt=1
+            7 agent end r1 k1 1 error                    => compensation compensation_failed attempt=1 retry_at=1007
+            1007 alice hold r1 k1 2 quorum=1 expiry=5000 => error saga: effect k1 of run r1: its compensating call's approval r1#1 is met; it stands for every attempt
+            1008 agent begin r1 k1 2                     => compensation compensating attempt=2
+            1009 agent end r1 k1 2 ok                    => compensation compensated attempt=2
+            --
+            run r1 cancelled stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0
+              k1 refund compensated undo=unrefund attempts=2/5 undo_approval=#1 1/1 by bob
+        "#]],
+    );
+}

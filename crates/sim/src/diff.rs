@@ -189,11 +189,15 @@ fn fitting(rng: &mut Rng, e: &crate::model::Eff) -> Option<SagaOp> {
             attempt: (u.attempts + 1) as u8,
         },
         // The policy's `approve` rule on the compensating tool: the shell holds the due attempt
-        // unless an approval met stands (mostly; an executor may race it).
+        // unless an approval met stands (mostly; an executor may race it). Now and then a hold
+        // on a met approval, which both must refuse (it stands for every attempt).
         St::Done(Outcome::Ok) | St::Undo(Phase::Failed)
             if e.tool.undo_rule().is_some()
-                && !u.approval.as_ref().is_some_and(|a| a.met())
-                && rng.below(6) != 0 =>
+                && if u.approval.as_ref().is_some_and(|a| a.met()) {
+                    rng.below(16) == 0
+                } else {
+                    rng.below(6) != 0
+                } =>
         {
             SagaOp::Held {
                 attempt: (u.attempts + 1) as u8,

@@ -107,6 +107,22 @@ impl Gate {
                 format!("attempt {attempt} is due at {at}"),
             ));
         }
+        // A met approval stands for this attempt and the later ones: asking again would set
+        // it aside and ask the approvers for what they already gave.
+        if let Some(a) = effect.saga.as_ref().and_then(|c| c.approval.as_deref())
+            && a.rejected_by.is_none()
+            && a.satisfied()
+        {
+            return Err(saga_error(
+                run_id,
+                key,
+                format!(
+                    "its compensating call's approval {run_id}#{} is met; it stands for every \
+                     attempt",
+                    a.id
+                ),
+            ));
+        }
         let run = self.runs.get_mut(run_id).expect("visible run");
         let id = run.next_approval;
         run.next_approval += 1;

@@ -345,6 +345,14 @@ impl Model {
                     Some(Wait::Begin(due, at)) if due == u32::from(attempt) && now >= at => {}
                     _ => return Err("saga"),
                 }
+                // A met approval stands for every later attempt: it is not asked again.
+                if e.undo
+                    .approval
+                    .as_ref()
+                    .is_some_and(|a| a.rejected.is_none() && a.met())
+                {
+                    return Err("saga");
+                }
                 // Nothing is sent, no attempt is spent: an approval numbered among the run's.
                 let (quorum, groups, expiry) = of.undo_approval();
                 let id = approvals + 1;
