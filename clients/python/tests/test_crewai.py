@@ -362,6 +362,32 @@ async def test_crewai_task_retry_waits_for_a_late_failure_report(gate, daemon, r
     assert charged == [5], "the retry was keyed before the failed attempt's report came"
 
 
+async def test_crewai_task_retry_links_text_mode_calls(gate, daemon, run_id, model):
+    """A model without function calling: CrewAI's text-mode (ReAct) calls carry no id and are
+    keyed by their order in the invocation, so the retry's call was the second occurrence, a new
+    key. It is keyed as the failed attempt's call instead, and reads its receipt."""
+    charged = []
+    react = 'Thought: bill it\nAction: bill\nAction Input: {"amount": 5}'
+    m = model([react, 400, react, "Thought: billed\nFinal Answer: done"])
+    c = _retrying(m, [_billing(charged)])
+    object.__setattr__(c.agents[0].llm, "supports_function_calling", lambda: False)
+    await ecr.kickoff(c, gate=gate, run_id=run_id)
+    assert charged == [5], "the retried text-mode call charged again"
+    assert len(daemon.operator.report(run_id)["done"]) == 2  # the tool call and the charge in it
+
+
+async def test_crewai_task_retry_past_the_attempts_bound_is_not_linked(gate, daemon, run_id, model, monkeypatch, caplog):
+    """Attempts followed per task are bounded (`_ATTEMPTS_MAX`): past it, the retry's calls are
+    keyed as their own (the charge runs again) and the log says so."""
+    monkeypatch.setattr(ecr, "_ATTEMPTS_MAX", 1)
+    charged = []
+    m = model([[call("bill", "b1", amount=5)], 400, [call("bill", "b2", amount=5)]])
+    with caplog.at_level("WARNING", logger="estop.adapters.crewai"):
+        await ecr.kickoff(_retrying(m, [_billing(charged)]), gate=gate, run_id=run_id)
+    assert charged == [5, 5]
+    assert any("more than 1 attempts" in r.getMessage() for r in caplog.records), caplog.records
+
+
 async def test_crewai_task_retry_with_other_arguments_is_a_new_effect(gate, daemon, run_id, model):
     """A wrong match is worse than the leak: in the retried task, a call of the same tool with
     other arguments, and a second identical call beyond what the failed attempt made, are new

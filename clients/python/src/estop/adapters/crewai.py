@@ -186,6 +186,7 @@ class _Execution:
         self.attempts: list[_Attempt] = []
         self.reports: list[bool] = []
         self.turns: dict[tuple[str, ...], dict[str, str]] = {}
+        self.overflow = False  # more attempts than _ATTEMPTS_MAX: no call of it is linked any more
 
 
 _executions_lock = threading.Lock()
@@ -256,6 +257,8 @@ def _link(ex: _Execution, kind: str, tool: str, args: Any, own: str) -> str:
     try:
         d = digest(tool, args)
     except (TypeError, ValueError):
+        return own
+    if ex.overflow:
         return own
     n = len(ex.attempts) - 1
     cur = ex.attempts[n]
@@ -411,7 +414,9 @@ class EstopHooks:
             if ex.attempts and ex.attempts[-1].first is msgs[0]:
                 return  # another model call before the attempt's first answer
             if len(ex.attempts) >= _ATTEMPTS_MAX:
-                log.warning("estop: more than %d attempts at one CrewAI task: the next is keyed as the last one's continuation", _ATTEMPTS_MAX)
+                if not ex.overflow:
+                    log.warning("estop: more than %d attempts at one CrewAI task: its calls are keyed as their own from now on", _ATTEMPTS_MAX)
+                ex.overflow = True
                 return
             again = bool(ex.attempts)
         sure = True
