@@ -220,7 +220,8 @@ def _note_report(event: Any) -> None:
     ex = _execution(getattr(event, "agent", None), getattr(event, "task", None), create=False)
     if ex is not None:
         with ex.lock:
-            ex.reports.append(isinstance(event, AgentExecutionErrorEvent))
+            if not ex.overflow:  # (past the attempts bound nothing reads them)
+                ex.reports.append(isinstance(event, AgentExecutionErrorEvent))
 
 
 _listening = False
