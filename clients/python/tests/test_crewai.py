@@ -307,3 +307,130 @@ async def test_crewai_flow_feedback_written_by_the_agent_decides_nothing(gate, d
     with pytest.raises(estop.Rejected):
         await ecr.resume_flow(flow, gate=gate, timeout_s=10)
     assert wired == []
+
+
+def _billing(charged):
+    """`bill` (a gated tool) whose body charges through an `@estop.effect`."""
+
+    @estop.effect(tool="charge")
+    def charge(amount: int) -> str:
+        charged.append(amount)
+        return f"ch_{len(charged)}"
+
+    @tool("bill")
+    def bill(amount: int) -> str:
+        """Bill the customer."""
+        return charge(amount)
+
+    return bill
+
+
+def _retrying(m, tools):
+    c = crew(m, tools)
+    c.agents[0].max_retry_limit = 2
+    return c
+
+
+async def test_crewai_task_retry_reuses_the_failed_attempts_keys(gate, daemon, run_id, model):
+    """CrewAI runs a failed task again (`max_retry_limit`) and the model asks afresh, with new
+    call ids: the retry's call of the same tool with the same arguments is keyed as the failed
+    attempt's (its body's `@estop.effect` too), so it reads the receipt instead of charging again;
+    a second failure chains (the third attempt reads the same receipt)."""
+    charged = []
+    m = model([[call("bill", "b1", amount=5)], 400, [call("bill", "b2", amount=5)], 400, [call("bill", "b3", amount=5)]])
+    await ecr.kickoff(_retrying(m, [_billing(charged)]), gate=gate, run_id=run_id)
+    assert charged == [5], "the retried task charged again"
+    assert _tool_messages(m) == {"b3": "ch_1"}
+    done = {e["key"] for e in daemon.operator.report(run_id)["done"]}
+    assert done == {estop.call_key(run_id, "bill", "b1", {"amount": 5}), estop.derive_key(run_id, "call:b1", "charge", estop.digest("charge", {"amount": 5}), 1)}, done
+
+
+async def test_crewai_task_retry_waits_for_a_late_failure_report(gate, daemon, run_id, model, monkeypatch):
+    """CrewAI runs event handlers in a thread pool and does not wait for them: the report that the
+    attempt failed can come after the retry has begun. Here it comes 1.5 s late (a busy pool); the
+    retry's first model call waits for CrewAI's handlers, so its charge still reads the receipt."""
+    slow = ecr._note_report
+
+    def late(event):
+        time.sleep(1.5)
+        slow(event)
+
+    monkeypatch.setattr(ecr, "_note_report", late)
+    charged = []
+    m = model([[call("bill", "b1", amount=5)], 400, [call("bill", "b2", amount=5)]])
+    await ecr.kickoff(_retrying(m, [_billing(charged)]), gate=gate, run_id=run_id)
+    assert charged == [5], "the retry was keyed before the failed attempt's report came"
+
+
+async def test_crewai_task_retry_links_text_mode_calls(gate, daemon, run_id, model):
+    """A model without function calling: CrewAI's text-mode (ReAct) calls carry no id and are
+    keyed by their order in the invocation, so the retry's call was the second occurrence, a new
+    key. It is keyed as the failed attempt's call instead, and reads its receipt."""
+    charged = []
+    react = 'Thought: bill it\nAction: bill\nAction Input: {"amount": 5}'
+    m = model([react, 400, react, "Thought: billed\nFinal Answer: done"])
+    c = _retrying(m, [_billing(charged)])
+    object.__setattr__(c.agents[0].llm, "supports_function_calling", lambda: False)
+    await ecr.kickoff(c, gate=gate, run_id=run_id)
+    assert charged == [5], "the retried text-mode call charged again"
+    assert len(daemon.operator.report(run_id)["done"]) == 2  # the tool call and the charge in it
+
+
+async def test_crewai_task_retry_past_the_attempts_bound_is_not_linked(gate, daemon, run_id, model, monkeypatch, caplog):
+    """Attempts followed per task are bounded (`_ATTEMPTS_MAX`): past it, the retry's calls are
+    keyed as their own (the charge runs again) and the log says so."""
+    monkeypatch.setattr(ecr, "_ATTEMPTS_MAX", 1)
+    charged = []
+    m = model([[call("bill", "b1", amount=5)], 400, [call("bill", "b2", amount=5)]])
+    with caplog.at_level("WARNING", logger="estop.adapters.crewai"):
+        await ecr.kickoff(_retrying(m, [_billing(charged)]), gate=gate, run_id=run_id)
+    assert charged == [5, 5]
+    assert any("more than 1 attempts" in r.getMessage() for r in caplog.records), caplog.records
+
+
+async def test_crewai_task_retry_with_other_arguments_is_a_new_effect(gate, daemon, run_id, model):
+    """A wrong match is worse than the leak: in the retried task, a call of the same tool with
+    other arguments, and a second identical call beyond what the failed attempt made, are new
+    effects (they run); only the failed attempt's own call is read back."""
+    charged = []
+    m = model([[call("bill", "b1", amount=5)], 400, [call("bill", "b2", amount=5), call("bill", "b3", amount=7)], [call("bill", "b4", amount=5)]])
+    await ecr.kickoff(_retrying(m, [_billing(charged)]), gate=gate, run_id=run_id)
+    assert sorted(charged) == [5, 5, 7], charged
+    tm = _tool_messages(m)
+    assert tm["b2"] == "ch_1" and tm["b3"] != "ch_1" and tm["b4"] not in ("ch_1", tm["b3"]), tm
+
+
+async def test_crewai_task_retry_of_another_task_or_agent_is_not_linked(gate, daemon, run_id, model):
+    """Two tasks of one crew making the same call are two effects, whatever failed in between:
+    the second task's first attempt is not a retry of the first task (it fails once, is retried,
+    and its retry is linked to its own failed attempt only)."""
+    from crewai import Crew, Task
+
+    charged = []
+    m = model([[call("bill", "b1", amount=5)], [], [call("bill", "b2", amount=5)], 400, [call("bill", "b3", amount=5)]])
+    c = _retrying(m, [_billing(charged)])
+    agent = c.agents[0]
+    two = Crew(agents=[agent], tasks=[Task(description="First.", expected_output="done", agent=agent), Task(description="Second.", expected_output="done", agent=agent)], cache=False, verbose=False)
+    await ecr.kickoff(two, gate=gate, run_id=run_id)
+    assert charged == [5, 5], charged
+
+
+def test_crewai_same_crew_kicked_off_twice_in_one_run_is_not_a_retry(gate, daemon, run_id, model):
+    """`hooks.install()` and one `gate.run(...)` around two kickoffs of one crew object (same agent,
+    same task): the second execution of the task followed a completed one, not a failed one, so
+    its identical call (a new call id) is a new effect. CrewAI's report of the completion is read
+    before the second execution's first model call, so this takes no waiting."""
+    charged = []
+    m = model([[call("bill", "b1", amount=5)], [], [call("bill", "b2", amount=5)], []])
+    c = _retrying(m, [_billing(charged)])
+    hooks = ecr.EstopHooks().install()
+    try:
+        with gate.run(run_id):
+            c.kickoff()
+            t0 = time.monotonic()
+            c.kickoff()
+            took = time.monotonic() - t0
+    finally:
+        hooks.uninstall()
+    assert charged == [5, 5], charged
+    assert took < 5, took

@@ -1,7 +1,7 @@
 """A scripted model for CrewAI tests (no network beyond loopback): CrewAI talks to models through
 OpenAI-compatible clients, so the model is a local OpenAI-compatible chat completions server
-whose answers are scripted. Answer i is steps[i] (a list of tool calls, or an int: an HTTP error
-status), then "done"; `on_user` answers the first request whose latest user message contains a
+whose answers are scripted. Answer i is steps[i] (a list of tool calls, a str: that text, or an
+int: an HTTP error status), then "done"; `on_user` answers the first request whose latest user message contains a
 given text, once."""
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ class ScriptedModel:
         step = self._next(body)
         if isinstance(step, int):
             return step, {"error": {"message": "scripted failure", "type": "invalid_request_error", "code": str(step)}}
-        if step:
+        if isinstance(step, str):  # a text answer (a text-mode ReAct step)
+            msg, finish = {"role": "assistant", "content": step}, "stop"
+        elif step:
             msg: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": step}
             finish = "tool_calls"
         else:

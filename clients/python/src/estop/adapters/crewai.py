@@ -26,6 +26,12 @@ as an invocation of an estop run.
   the approval stays pending).
 * The model turn's tool calls (the assistant message) are all admitted before any starts, so an
   approval holds its parallel siblings whatever order CrewAI's thread pool runs them in.
+* A task CrewAI runs again after it failed (the agent's `max_retry_limit`) asks the model afresh,
+  whose calls have new ids: the k-th call of a tool with the same arguments in the retry is keyed
+  as the k-th such call of the failed attempt (so it reads that receipt, and its body's
+  `@estop.effect`s the failed attempt's), and any other call as its own. Only a retry of the same
+  task by the same agent in the same invocation, after attempts that all failed, is linked; see
+  `_link` below for how an attempt and CrewAI's report of its end are told, and ordered.
 * A hold that survives a restart is a Flow's: `FlowApproval` is a CrewAI `HumanFeedbackProvider`
   for `@human_feedback`, CrewAI's public async pause. The reviewed method's output is the
   call's arguments; the provider asks estop for an approval and raises `HumanFeedbackPending`
@@ -59,10 +65,12 @@ from typing import Any, Iterable, Iterator
 from ._common import missing_extra
 
 try:
+    from crewai.events import AgentExecutionCompletedEvent, AgentExecutionErrorEvent, crewai_event_bus
     from crewai.hooks.dispatch import InterceptionPoint, get_scoped_hooks, register, register_scoped, scoped_hooks, unregister
 except ImportError as e:
     raise missing_extra("crewai", "CrewAI", "crewai", e) from e
 
+from .._jcs import digest
 from ..effect import EffectCall, admit_prepared_sync, call_key, encode_result, gate_sync, make_call, run_sync
 from ..errors import EffectFailed, EstopError, EstopTimeout, HeldForApproval, InDoubt, Interrupted, Refused, RunStopped
 from ..verdicts import Held, RefusedVerdict
@@ -131,14 +139,153 @@ def _parsed(c: dict[str, Any]) -> tuple[str, Any]:
     return str(fn.get("name")), args if args is not None else {}
 
 
+# -- a task CrewAI runs again: its calls take the keys of the attempt that failed ------------------
+#
+# When a task fails, CrewAI runs it again (the agent's `max_retry_limit`: `Agent.execute_task`
+# catches the error, emits `AgentExecutionErrorEvent` and calls itself). The retry asks the model
+# afresh, and the model's calls have new ids: keyed by call id, a charge the failed attempt made
+# would be made again. So within one invocation (one `kickoff`) the adapter follows each task of
+# each agent (its `_Execution`): an attempt starts at the agent's first model call of a fresh
+# conversation (the `before_llm_call` hook sees `iterations == 0` and a new first message: CrewAI's
+# executor starts every `execute_task` that way), and CrewAI reports how each attempt ended
+# (`AgentExecutionErrorEvent` / `AgentExecutionCompletedEvent`, whose handlers CrewAI runs in a
+# thread pool without waiting). At the start of a second attempt the hook waits for those handlers
+# (`crewai_event_bus.flush`), so the report of the attempt before it is in before the new attempt
+# makes any call. A call of the new attempt is then keyed as the k-th call of the same tool with
+# the same arguments (the same digest) in the attempts it retries — the attempts right before it,
+# each of which ended in failure — and as its own call otherwise. Nothing else is linked: another
+# task, another agent, another tool, other arguments, a call beyond the failed attempts' count, an
+# execution after one that completed, another invocation, or an attempt whose predecessor's report
+# did not come within `retry_link_timeout_s`.
+
+#: Tasks (agent × task pairs) followed per invocation, and attempts per task; past these bounds a
+#: new one is not followed (its calls are keyed as their own, as without this linking; logged).
+_EXECUTIONS_MAX = 1024
+_ATTEMPTS_MAX = 64
+#: Turns remembered per task (a turn's calls resolve their keys once, in the turn's order).
+_TURNS_MAX = 4096
+
+
+@dataclass
+class _Attempt:
+    """One run of a task by its agent: from its first model call to CrewAI's report of its end."""
+
+    first: Any  # the first message of its conversation: CrewAI builds a new one for every attempt
+    reports_before: int  # reports in when it started (all of the earlier attempts', or `sure` is False)
+    sure: bool
+    used: dict[tuple[str, str, str], list[str]]  # (kind, tool, digest) → the ids its calls were keyed as, in order
+    chain: int | None = None  # the first attempt it retries (itself if none), once computed
+
+
+class _Execution:
+    """One task of one agent within an invocation: its attempts and CrewAI's reports of their ends
+    (True: failed, in the order the handlers ran)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.attempts: list[_Attempt] = []
+        self.reports: list[bool] = []
+        self.turns: dict[tuple[str, ...], dict[str, str]] = {}
+        self.overflow = False  # more attempts than _ATTEMPTS_MAX: no call of it is linked any more
+
+
+_executions_lock = threading.Lock()
+
+
+def _execution(agent: Any, task: Any, *, create: bool) -> _Execution | None:
+    """The `_Execution` of (agent, task) in this context's invocation (else its run), or None."""
+    run = current_run(required=False)
+    if run is None or agent is None or task is None:
+        return None
+    holder: Any = current_invocation() or run
+    with _executions_lock:
+        table: dict[tuple[str, str], _Execution] = holder.__dict__.setdefault("_crewai_executions", {})
+        key = (str(getattr(agent, "id", id(agent))), str(getattr(task, "id", id(task))))
+        ex = table.get(key)
+        if ex is None and create:
+            if len(table) >= _EXECUTIONS_MAX:
+                log.warning("estop: more than %d CrewAI tasks in one invocation of run %r: a retry of the next is keyed as new calls", _EXECUTIONS_MAX, run.id)
+                return None
+            ex = table[key] = _Execution()
+        return ex
+
+
+def _on_report(source: Any, event: Any) -> None:
+    """CrewAI's report of how an attempt ended (the handler CrewAI runs in its thread pool, in a
+    copy of the context that emitted it, so of the same run and invocation)."""
+    _note_report(event)
+
+
+def _note_report(event: Any) -> None:
+    ex = _execution(getattr(event, "agent", None), getattr(event, "task", None), create=False)
+    if ex is not None:
+        with ex.lock:
+            if not ex.overflow:  # (past the attempts bound nothing reads them)
+                ex.reports.append(isinstance(event, AgentExecutionErrorEvent))
+
+
+_listening = False
+
+
+def _listen() -> None:
+    global _listening
+    with _executions_lock:
+        if not _listening:
+            crewai_event_bus.on(AgentExecutionErrorEvent)(_on_report)
+            crewai_event_bus.on(AgentExecutionCompletedEvent)(_on_report)
+            _listening = True
+
+
+def _chain(ex: _Execution, n: int) -> int:
+    """The first attempt that attempt n retries: walking back while each earlier attempt's
+    reports (its own and those of attempts that failed before a model call) are all failures."""
+    a = ex.attempts[n]
+    if a.chain is None:
+        m = n
+        for j in range(n - 1, -1, -1):
+            if not ex.attempts[j + 1].sure:
+                break
+            got = ex.reports[ex.attempts[j].reports_before : ex.attempts[j + 1].reports_before]
+            if not got or not all(got):
+                break
+            m = j
+        a.chain = m
+    return a.chain
+
+
+def _link(ex: _Execution, kind: str, tool: str, args: Any, own: str) -> str:
+    """The id the latest attempt's next call of `tool` with `args` is keyed as (under ex.lock)."""
+    try:
+        d = digest(tool, args)
+    except (TypeError, ValueError):
+        return own
+    if ex.overflow:
+        return own
+    n = len(ex.attempts) - 1
+    cur = ex.attempts[n]
+    mine = cur.used.setdefault((kind, tool, d), [])
+    k = len(mine)
+    picked = own
+    if n > 0 and any(len(a.used.get((kind, tool, d), ())) > k for a in ex.attempts[:n]):
+        for a in ex.attempts[_chain(ex, n) : n]:
+            earlier = a.used.get((kind, tool, d), [])
+            if len(earlier) > k:
+                picked = earlier[k]
+                break
+    mine.append(picked)
+    return picked
+
+
 class EstopHooks:
     """CrewAI tool-call hooks that admit every tool call through estop (see the module doc)."""
 
-    def __init__(self, *, effects: dict[str, str] | None = None, approval: Iterable[str] = (), hold_timeout_s: float | None = None) -> None:
+    def __init__(self, *, effects: dict[str, str] | None = None, approval: Iterable[str] = (), hold_timeout_s: float | None = None, retry_link_timeout_s: float = 10.0) -> None:
         self.effects = dict(effects or {})
         self.approval = set(approval)
         self.hold_timeout_s = hold_timeout_s
+        self.retry_link_timeout_s = retry_link_timeout_s
         self._local = threading.local()
+        _listen()
 
     def _stack(self) -> list[_Pending]:
         st: list[_Pending] | None = getattr(self._local, "stack", None)
@@ -146,9 +293,10 @@ class EstopHooks:
             st = self._local.stack = []
         return st
 
-    def _build(self, run: Run, name: str, args: Any, call_id: str | None) -> EffectCall:
+    def _build(self, run: Run, name: str, args: Any, call_id: str | None, key: str | None = None) -> EffectCall:
         effect = self.effects.get(name, name)
-        key = call_key(run, effect, call_id, args) if call_id else None
+        if call_id:
+            key = call_key(run, effect, call_id, args)
         return make_call(run, effect, args, key=key, needs_approval=name in self.approval)
 
     def _call_id(self, run: Run, name: str, args: Any, turn: list[dict[str, Any]]) -> str | None:
@@ -164,9 +312,9 @@ class EstopHooks:
             used.add(free[0])
             return free[0]
 
-    def _admit_turn(self, run: Run, turn: list[dict[str, Any]]) -> None:
+    def _admit_turn(self, run: Run, turn: list[dict[str, Any]], ids: dict[str, str]) -> None:
         def build() -> list[EffectCall]:
-            return [self._build(run, *_parsed(c), c["id"]) for c in turn]
+            return [self._build(run, *_parsed(c), ids.get(c["id"], c["id"])) for c in turn]
 
         admit_turn_sync(run, ("crewai",) + tuple(c["id"] for c in turn), build)
 
@@ -183,9 +331,17 @@ class EstopHooks:
             args = dict(ctx.tool_input or {})
             turn = _turn_calls(ctx)
             call_id = self._call_id(run, name, args, turn)
-            call = self._build(run, name, args, call_id)
+            ex = _execution(getattr(ctx, "agent", None), getattr(ctx, "task", None), create=False)
             if call_id is not None:
-                self._admit_turn(run, turn)
+                # A call of a task CrewAI runs again is keyed as the failed attempt's (see _link).
+                ids = self._turn_ids(ex, turn)
+                call_id = ids.get(call_id, call_id)
+                call = self._build(run, name, args, call_id)
+                self._admit_turn(run, turn, ids)
+            else:
+                call = self._build(run, name, args, None)
+                if ex is not None:
+                    call = self._build(run, name, args, None, key=self._text_key(ex, name, args, call.key))
             g = gate_sync(call, on_hold="wait", hold_timeout_s=self.hold_timeout_s)
         except BaseException as e:  # noqa: BLE001 — CrewAI would run the tool on any exception
             pending.answer = _answer_of(e)
@@ -231,12 +387,68 @@ class EstopHooks:
     def before_llm_call(self, ctx: Any) -> bool | None:
         """CrewAI's `before_llm_call` hook: after the run was stopped or this invocation was
         interrupted, the crew's next model call is blocked, so its worker thread ends instead of
-        planning (and asking for) more calls."""
+        planning (and asking for) more calls. The first model call of an attempt at a task starts
+        that attempt (see `_link`)."""
         run = current_run(required=False)
         inv = current_invocation()
         if run is not None and (run.stopped or (inv is not None and inv.interrupted)):
             return False
+        if run is not None:
+            try:
+                self._note_attempt(ctx)
+            except Exception:  # noqa: BLE001 — a hook that raises would fail the model call
+                log.warning("estop: could not follow CrewAI's attempts at a task; a retry of it is keyed as new calls", exc_info=True)
         return None
+
+    def _note_attempt(self, ctx: Any) -> None:
+        """Starts a new attempt when this is the first model call of a fresh conversation of the
+        (agent, task): CrewAI's executor resets its iterations and builds new messages for every
+        `execute_task`. At a second attempt, CrewAI's event handlers are waited for, so the report
+        of how the attempt before it ended is in before any call of this one is keyed."""
+        msgs = getattr(ctx, "messages", None)
+        if getattr(ctx, "iterations", None) != 0 or not msgs:
+            return
+        ex = _execution(getattr(ctx, "agent", None), getattr(ctx, "task", None), create=True)
+        if ex is None:
+            return
+        with ex.lock:
+            if ex.attempts and ex.attempts[-1].first is msgs[0]:
+                return  # another model call before the attempt's first answer
+            if len(ex.attempts) >= _ATTEMPTS_MAX:
+                if not ex.overflow:
+                    log.warning("estop: more than %d attempts at one CrewAI task: its calls are keyed as their own from now on", _ATTEMPTS_MAX)
+                ex.overflow = True
+                return
+            again = bool(ex.attempts)
+        sure = True
+        if again:
+            sure = crewai_event_bus.flush(timeout=self.retry_link_timeout_s)
+            if not sure:
+                log.warning("estop: CrewAI's event handlers did not finish within %s s: this attempt at the task is keyed as new calls", self.retry_link_timeout_s)
+        with ex.lock:
+            ex.attempts.append(_Attempt(first=msgs[0], reports_before=len(ex.reports), sure=sure, used={}))
+
+    def _turn_ids(self, ex: _Execution | None, turn: list[dict[str, Any]]) -> dict[str, str]:
+        """Each call id of the turn → the id its key is made from (resolved once per turn, in the
+        turn's order, so identical calls of one turn take the failed attempt's in order)."""
+        if ex is None or not turn:
+            return {}
+        t = tuple(c["id"] for c in turn)
+        with ex.lock:
+            if not ex.attempts:
+                return {}
+            ids = ex.turns.get(t)
+            if ids is None:
+                if len(ex.turns) >= _TURNS_MAX:
+                    log.warning("estop: more than %d model turns in one CrewAI task: its calls are keyed as their own", _TURNS_MAX)
+                    return {}
+                ids = ex.turns[t] = {c["id"]: _link(ex, "id", *_parsed(c), c["id"]) for c in turn}
+            return ids
+
+    def _text_key(self, ex: _Execution, name: str, args: Any, own: str) -> str:
+        """The key of a text-mode (ReAct) call without an id: its own, or the failed attempt's."""
+        with ex.lock:
+            return _link(ex, "key", name, args, own) if ex.attempts else own
 
     def _points(self) -> list[tuple[Any, Any]]:
         return [
