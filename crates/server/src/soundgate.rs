@@ -176,6 +176,7 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
                         reason: estop_kernel::vocab::RefusalReason::Denied,
                         message: Some(e.to_string()),
                         rule: None,
+                        budget: None,
                     }));
                 }
             };
@@ -202,6 +203,7 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
                 labels: Vec::new(),
                 limits: shared.policy.run_limits(crate::shared::wall_ms()),
                 policy: ruling.into(),
+                reserve: Default::default(),
             });
             send(CoreMsg::Apply {
                 principal: agent,

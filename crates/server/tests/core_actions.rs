@@ -56,6 +56,7 @@ fn admit_in(run: &str, key: &str, action: PolicyAction) -> Command {
             expiry_ms: 3_600_000,
             rule: "test".into(),
         },
+        reserve: Default::default(),
     })
 }
 

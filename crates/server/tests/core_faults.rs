@@ -55,6 +55,7 @@ fn admit(key: &str) -> Command {
             expiry_ms: 60_000,
             rule: "test".into(),
         },
+        reserve: Default::default(),
     })
 }
 
@@ -212,6 +213,7 @@ fn complete(key: &str, token: &str) -> Command {
         outcome: estop_kernel::vocab::Outcome::Ok,
         result: None,
         error: None,
+        cost: Default::default(),
     }
 }
 

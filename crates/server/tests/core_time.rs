@@ -53,6 +53,7 @@ fn held(key: &str, expiry_ms: u64) -> Command {
             expiry_ms,
             rule: "test".into(),
         },
+        reserve: Default::default(),
     })
 }
 
