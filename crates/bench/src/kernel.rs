@@ -105,6 +105,7 @@ fn admit(run: &RunId, key: &str, k: u64) -> Command {
         labels: vec![],
         limits: RunLimits::default(),
         policy: policy(),
+        reserve: Default::default(),
     })
 }
 
@@ -144,6 +145,7 @@ pub fn populated(runs: u64, per_run: u64, shape: KeyShape) -> Gate {
                 outcome: Outcome::Ok,
                 result: None,
                 error: None,
+                cost: Default::default(),
             };
             gate.apply(2, &p, &c).expect("complete applies");
         }
@@ -356,6 +358,7 @@ pub fn recovery(
                 outcome: Outcome::Ok,
                 result: None,
                 error: None,
+                cost: Default::default(),
             };
             push(&mut gate, c, &mut written)?;
         }
