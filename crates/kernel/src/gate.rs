@@ -1977,8 +1977,11 @@ impl Gate {
             .saturating_sub(self.tombstones.len());
         let forgotten = self.runs.forget_stopped(before, |run| {
             let stop = run.stop.as_ref().expect("only stopped runs are visited");
-            // A run whose saga (or an effect's own saga) is open is kept until it settles.
-            if !run.state.is_terminal() || crate::saga::chosen_open(run) {
+            // A run whose saga (or an effect's own saga) is open is kept until it settles, and
+            // one whose tree holds a model reservation until that call settles (so it is
+            // released on the runs it was counted on: `gate/spend.rs`).
+            if !run.state.is_terminal() || crate::saga::chosen_open(run) || !run.reserved.is_zero()
+            {
                 Due::Keep
             } else if stop.at <= tombstones_before {
                 Due::Forget

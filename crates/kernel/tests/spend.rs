@@ -237,3 +237,41 @@ fn a_runs_own_dollar_limit_fences_it_when_settled_spend_reaches_it() {
         "#]],
     );
 }
+
+/// Regression (found by the differential): a parent forgotten by retention while its child's
+/// call was in flight, its id then taken by a new run, had the child's reservation released
+/// on the new run (below zero). Retention now keeps a run while its tree holds a reservation,
+/// and spend counts only on parents that still list the child.
+#[test]
+fn regression_retention_keeps_a_run_whose_tree_holds_a_reservation() {
+    check(
+        "
+        0 agent admit p k0 read class=read max_usd=100
+        1 agent complete p k0 1.1 ok
+        2 agent admit c k1 model.call parent=p reserve=30/3
+        3 agent close p
+        4 alice compact 10 10
+        5 agent complete c k1 1.1 ok cost=20/2
+        6 alice compact 10 10
+        7 agent admit p k2 model.call reserve=10/1
+        8 agent admit q k3 read class=read parent=c
+        ",
+        expect![[r#"
+            0 agent admit p k0 read class=read max_usd=100 => admitted 1.1
+            1 agent complete p k0 1.1 ok                 => completed
+            2 agent admit c k1 model.call parent=p reserve=30/3 => admitted 1.1
+            3 agent close p                              => run completed (2 changed)
+            4 alice compact 10 10                        => forgot 0 runs, dropped 0 tombstones
+            5 agent complete c k1 1.1 ok cost=20/2       => completed late
+            6 alice compact 10 10                        => forgot 2 runs, dropped 0 tombstones
+            7 agent admit p k2 model.call reserve=10/1   => admitted 1.1
+            8 agent admit q k3 read class=read parent=c  => admitted 1.1
+            --
+            run c active epoch=1 admitted=0 pending=0 in_flight=0
+            run p active epoch=1 admitted=1 pending=0 in_flight=1 spent=0/0 reserved=10/1 limit=-/-
+              k2 model.call started reserve=10/1(counted)
+            run q active epoch=1 admitted=1 pending=0 in_flight=1 parent=c
+              k3 read started
+        "#]],
+    );
+}

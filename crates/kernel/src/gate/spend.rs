@@ -32,16 +32,30 @@ pub(crate) fn check_spend(s: Spend) -> Result<(), KernelError> {
 }
 
 impl Gate {
-    /// Adds `f` to the run and every ancestor still held (a forgotten ancestor is stopped, and
-    /// so is everything under it: nothing is admitted there any more).
+    /// The parent a run's spend counts against: its parent while that is held and still lists
+    /// it as a child. A parent forgotten by retention whose id a new run has taken since is not
+    /// its ancestor any more. (Retention keeps a run while its tree holds a reservation, so a
+    /// reservation is released on the same runs it was counted on.)
+    fn spend_parent<'a>(&'a self, id: &RunId, run: &'a Run) -> Option<(&'a RunId, &'a Run)> {
+        let (pid, parent) = self.runs.get_key_value(run.parent.as_ref()?)?;
+        parent.children.contains(id).then_some((pid, parent))
+    }
+
+    /// The run and the ancestors its spend counts against, nearest first.
+    fn spend_chain(&self, run_id: &RunId) -> Vec<RunId> {
+        let mut out = Vec::new();
+        let mut at = self.runs.get_key_value(run_id);
+        while let Some((id, r)) = at {
+            out.push(id.clone());
+            at = self.spend_parent(id, r);
+        }
+        out
+    }
+
+    /// Applies `f` to the run and every ancestor its spend counts against.
     pub(crate) fn each_in_chain(&mut self, run_id: &RunId, mut f: impl FnMut(&mut Run)) {
-        let mut at = Some(run_id.clone());
-        while let Some(id) = at {
-            let Some(run) = self.runs.get_mut(&id) else {
-                break;
-            };
-            f(run);
-            at = run.parent.clone();
+        for id in self.spend_chain(run_id) {
+            f(self.runs.get_mut(&id).expect("the chain is held"));
         }
     }
 
@@ -69,7 +83,7 @@ impl Gate {
                     });
                 }
             }
-            at = r.parent.as_ref().and_then(|p| self.runs.get_key_value(p));
+            at = self.spend_parent(id, r);
         }
         None
     }
@@ -149,7 +163,7 @@ impl Gate {
                     }
                 }
             }
-            at = r.parent.as_ref().and_then(|p| self.runs.get_key_value(p));
+            at = self.spend_parent(id, r);
         }
         let Some((root, dimension, limit, spent)) = reached else {
             return;
