@@ -1691,6 +1691,12 @@ fn a_model_budget_survives_a_restart_and_counts_a_sub_runs_spend_against_its_par
         child["cause"], "budget",
         "the parent's fence reaches the sub-run: {child}"
     );
+    // `estop report` prints the budget per dimension.
+    let (code, out, err) = d.cli(&["report", "tree"]);
+    assert_eq!(code, 0, "{err}");
+    let want = format!("budget model_usd  spent {limit}  reserved 0  limit {limit}");
+    assert!(out.contains(&want), "{out}");
+    assert!(out.contains("cause budget"), "{out}");
 }
 
 #[test]
