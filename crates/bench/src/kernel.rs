@@ -104,7 +104,7 @@ fn admit(run: &RunId, key: &str, k: u64) -> Command {
         parent: None,
         labels: vec![],
         limits: RunLimits::default(),
-        policy: policy(),
+        policy: Box::new(policy()),
         reserve: Default::default(),
     })
 }

@@ -145,7 +145,9 @@ pub struct Admit {
     pub parent: Option<RunId>,
     pub labels: Vec<(Box<str>, Box<str>)>,
     pub limits: RunLimits,
-    pub policy: PolicyDecision,
+    /// Boxed: it is most of an admission's bytes, and every command (in channels, in the
+    /// core's queues) would otherwise be that large.
+    pub policy: Box<PolicyDecision>,
     /// The model spend this effect may cost at worst (`reserve`), counted on the run and every
     /// ancestor from its admission until its completion settles it. Zero: none.
     pub reserve: Spend,

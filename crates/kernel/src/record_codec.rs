@@ -599,11 +599,11 @@ impl RecordDecoder {
                     18 => (r.opt(R::str)?.map(Into::into), Some(r.tool()?)),
                     _ => (None, None),
                 };
-                let policy = PolicyDecision {
+                let policy = Box::new(PolicyDecision {
                     compensate_args,
                     lookup,
                     ..policy
-                };
+                });
                 let mut reserve = Spend::default();
                 if outer == SPEND_ADMIT_TAG {
                     limits.max_spend = r.opt(R::u64)?;

@@ -452,7 +452,7 @@ fn admit_command(
             .map(|(k, v)| (k.into_boxed_str(), v.into_boxed_str()))
             .collect(),
         limits,
-        policy: ruling.into(),
+        policy: Box::new(ruling.into()),
         reserve: a.reserve,
     }))
 }

@@ -202,7 +202,7 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
                 parent: None,
                 labels: Vec::new(),
                 limits: shared.policy.run_limits(crate::shared::wall_ms()),
-                policy: ruling.into(),
+                policy: Box::new(ruling.into()),
                 reserve: Default::default(),
             });
             send(CoreMsg::Apply {

@@ -54,7 +54,8 @@ fn admit(key: &str) -> Command {
             groups: vec![],
             expiry_ms: 60_000,
             rule: "test".into(),
-        },
+        }
+        .into(),
         reserve: Default::default(),
     })
 }

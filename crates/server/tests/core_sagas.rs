@@ -76,7 +76,8 @@ fn refund_looked_up_by(lookup: Option<&str>) -> Command {
             groups: vec![],
             expiry_ms: 1000,
             rule: "test".into(),
-        },
+        }
+        .into(),
         reserve: Default::default(),
     })
 }

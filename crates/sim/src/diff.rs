@@ -729,7 +729,7 @@ pub fn run_case(seed: u64, len_max: usize, stats: &mut DiffStats) -> Result<(), 
                     && pair.view.values().any(|r| {
                         r.cause.as_deref() == Some("budget") && r.stopped_at == Some(pair.now)
                     })
-                    && pair.view.get(crate::world::RUNS[run as usize]).is_some()
+                    && pair.view.contains_key(crate::world::RUNS[run as usize])
                 {
                     // Settled spend reached a limit: the gate fenced a run's tree.
                     *stats.answers.entry("spend fence".into()).or_default() += 1;

@@ -589,7 +589,7 @@ pub fn command(op: &Op, now: u64, issued: Option<Token>) -> Option<(Principal, C
                     max_spend: (*limits == 3).then_some(SPEND_LIMIT_USD),
                     max_tokens: (*limits == 4).then_some(SPEND_LIMIT_TOKENS),
                 },
-                policy: tool.policy(),
+                policy: Box::new(tool.policy()),
                 reserve: spend_of(*reserve),
             }),
         ),

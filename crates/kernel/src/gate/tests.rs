@@ -64,7 +64,8 @@ fn admit_as(
             groups: Vec::new(),
             expiry_ms: 1000,
             rule: "test".into(),
-        },
+        }
+        .into(),
         reserve: Default::default(),
     })
 }

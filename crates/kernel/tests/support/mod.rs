@@ -142,7 +142,7 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
                     max_spend: opt("max_usd").map(|d| d.parse().unwrap()),
                     max_tokens: opt("max_tokens").map(|d| d.parse().unwrap()),
                 },
-                policy: p,
+                policy: Box::new(p),
                 reserve: spend_of(opt("reserve")),
             })
         }

@@ -134,7 +134,7 @@ impl ShippedWorld {
             } else {
                 limits
             },
-            policy,
+            policy: Box::new(policy),
             reserve: Default::default(),
         });
         let asked = Asked::Admit {
