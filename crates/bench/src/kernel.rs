@@ -104,7 +104,8 @@ fn admit(run: &RunId, key: &str, k: u64) -> Command {
         parent: None,
         labels: vec![],
         limits: RunLimits::default(),
-        policy: policy(),
+        policy: Box::new(policy()),
+        reserve: Default::default(),
     })
 }
 
@@ -144,6 +145,7 @@ pub fn populated(runs: u64, per_run: u64, shape: KeyShape) -> Gate {
                 outcome: Outcome::Ok,
                 result: None,
                 error: None,
+                cost: Default::default(),
             };
             gate.apply(2, &p, &c).expect("complete applies");
         }
@@ -356,6 +358,7 @@ pub fn recovery(
                 outcome: Outcome::Ok,
                 result: None,
                 error: None,
+                cost: Default::default(),
             };
             push(&mut gate, c, &mut written)?;
         }

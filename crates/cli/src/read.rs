@@ -176,6 +176,16 @@ fn report_lines(r: &Report) -> Vec<String> {
     if let Some(s) = &r.saga_next {
         out.push(saga_line(s));
     }
+    // The model budget of the run's tree (docs/PROTOCOL.md, "Model budget").
+    for b in &r.budget {
+        let limit = b.limit.map_or("none".into(), |l| l.to_string());
+        out.push(format!(
+            "budget {}  spent {}  reserved {}  limit {limit}",
+            esc(&b.dimension),
+            b.spent,
+            b.reserved
+        ));
+    }
     if r.forgotten {
         let at = r.stopped_at.map_or("null".into(), |t| t.to_string());
         out.push(format!(

@@ -1088,6 +1088,7 @@ fn typed_client_speaks_every_verb() {
             declare: None,
             seed: None,
             limits: Default::default(),
+            reserve: Default::default(),
         })
     };
     let pong: Pong = a.ask(&Op::Ping).unwrap();

@@ -275,6 +275,18 @@ fn estop_run_env(
     argv: &[&str],
     env: &[(&str, &str)],
 ) -> Child {
+    estop_run_under(d, run, None, extra_settings, argv, env)
+}
+
+/// `estop_run_env` of a sub-run (`--parent`).
+fn estop_run_under(
+    d: &Daemon,
+    run: &str,
+    parent: Option<&str>,
+    extra_settings: &str,
+    argv: &[&str],
+    env: &[(&str, &str)],
+) -> Child {
     let settings = d
         .data()
         .parent()
@@ -302,6 +314,7 @@ fn estop_run_env(
         .arg(d.data())
         .args(["--run", run, "--policy"])
         .arg(&settings)
+        .args(parent.map(|p| ["--parent", p]).into_iter().flatten())
         .arg("--")
         .args(argv)
         .envs(env.iter().copied())
@@ -1534,12 +1547,14 @@ fn model_calls_are_metered_settled_on_usage_and_a_run_over_budget_is_fenced() {
     );
     assert!(lines[2].starts_with("nousage 200 "), "{out}");
     assert_eq!(lines[3], "cut 200 CUT IncompleteRead", "{out}");
-    // The fifth call does not fit: refused by the budget, or (when the budget's cancel reaches
-    // the proxy first) refused or cut as the stopped run's. Never sent either way (below).
+    // The fifth call does not fit: refused by the gate's budget (its reservation on top of
+    // what is spent and reserved), or (when the budget's fence reaches the proxy first) refused
+    // or cut as the stopped run's. Never sent either way (below).
     assert!(
         (lines[4].starts_with("plain 403 ")
             && (lines[4].contains("\"dimension\":\"model_usd\"")
-                || lines[4].contains("\"reason\":\"cancelled\"")))
+                || lines[4].contains("\"reason\":\"budget\"")
+                || lines[4].contains("the run was stopped")))
             || lines[4].starts_with("plain CUT "),
         "the fifth call does not fit: {out}"
     );
@@ -1548,7 +1563,6 @@ fn model_calls_are_metered_settled_on_usage_and_a_run_over_budget_is_fenced() {
         "charged 30 µUSD 15 tokens (usage)".to_string(),
         format!("charged {nousage} µUSD {} tokens (reservation)", est + 30),
         format!("charged {cut} µUSD {} tokens (reservation)", est + 10),
-        format!("budget: model_usd spent {total} of {total}"),
     ] {
         assert!(err.contains(&want), "{want:?} not in:\n{err}");
     }
@@ -1571,10 +1585,18 @@ fn model_calls_are_metered_settled_on_usage_and_a_run_over_budget_is_fenced() {
     }
     let mut op = d.operator();
     let report = ok(&mut op, json!({"op": "report", "run": "meter"}));
-    assert_eq!(report["cause"], "cancelled", "{report}");
+    // The gate fenced the run when its settled spend reached the limit `estop run` set.
+    assert_eq!(report["cause"], "budget", "{report}");
     assert_eq!(
         report["reason"],
-        format!("budget: model_usd spent {total} of {total}")
+        format!("model_usd: run meter spent {total} of its limit {total}")
+    );
+    assert_eq!(
+        report["budget"],
+        json!([{"dimension": "model_usd", "spent": total, "reserved": 0, "limit": total},
+            {"dimension": "model_tokens", "spent": 120 + 15 + (est + 30) + (est + 10),
+                "reserved": 0}]),
+        "{report}"
     );
     let calls_done = report["done"]
         .as_array()
@@ -1588,6 +1610,93 @@ fn model_calls_are_metered_settled_on_usage_and_a_run_over_budget_is_fenced() {
         unknown.iter().any(|e| e["tool"] == "model.call"),
         "the cut stream: {report}"
     );
+}
+
+/// The budget is the gate's, not a supervisor's: a parent run with `max_spend` (created over
+/// the protocol) and two sub-runs, each its own `estop run --parent` with a budget of its own
+/// far above the parent's, the daemon restarted between them. The first sub-run's spend is
+/// recovered from the ledger and counts against the parent; the second's first call reaches the
+/// parent's limit, which fences the parent's whole tree, and its second call is never sent.
+/// (With the budget in each supervisor's memory, all three calls were sent.)
+#[test]
+fn a_model_budget_survives_a_restart_and_counts_a_sub_runs_spend_against_its_parent() {
+    let mut d = daemon();
+    let p = Provider::start("127.0.0.2");
+    // plain::20: usage 160 µUSD (above); its reservation is est + 80. Two of them fill it.
+    let limit = 320;
+    let mut agent = d.agent();
+    let parent = ok(
+        &mut agent,
+        json!({"op": "admit", "run": "tree", "key": "plan", "tool": "sandbox.run",
+            "args": {"argv": ["plan"]}, "start": false, "limits": {"max_spend": limit}}),
+    );
+    assert_eq!(parent["verdict"], "admitted", "{parent}");
+    drop(agent);
+    let extra = model_settings(&d, &p, "1.0");
+    let agent_cmd = |n: usize| {
+        let mut v = vec!["python3", "-c", MODEL_AGENT];
+        v.extend(std::iter::repeat_n("plain::20", n));
+        v
+    };
+    let (code, out, err) = finish(estop_run_under(
+        &d,
+        "tree/a",
+        Some("tree"),
+        &extra,
+        &agent_cmd(1),
+        &[],
+    ));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("plain 200 {"), "{out}");
+    d.restart();
+    let mut op = d.operator();
+    let v = ok(&mut op, json!({"op": "report", "run": "tree"}));
+    assert_eq!(
+        v["budget"],
+        json!([{"dimension": "model_usd", "spent": 160, "reserved": 0, "limit": limit},
+            {"dimension": "model_tokens", "spent": 120, "reserved": 0}]),
+        "the sub-run's spend, recovered from the ledger, is the parent's too: {v}"
+    );
+    let (code, out, err) = finish(estop_run_under(
+        &d,
+        "tree/b",
+        Some("tree"),
+        &extra,
+        &agent_cmd(2),
+        &[],
+    ));
+    assert_eq!(code, 0, "{out}\n{err}");
+    let lines: Vec<&str> = out.lines().filter(|l| !l.contains(" started")).collect();
+    assert!(lines[0].starts_with("plain 200 {"), "{out}");
+    assert!(
+        (lines[1].starts_with("plain 403 ")
+            && (lines[1].contains("\"reason\":\"budget\"")
+                || lines[1].contains("the run was stopped")))
+            || lines[1].starts_with("plain CUT "),
+        "the parent's limit is reached: {out}"
+    );
+    assert_eq!(
+        p.calls.lock().unwrap().len(),
+        2,
+        "the third call was never sent"
+    );
+    let v = ok(&mut op, json!({"op": "report", "run": "tree"}));
+    assert_eq!(v["cause"], "budget", "{v}");
+    assert_eq!(
+        v["reason"],
+        format!("model_usd: run tree spent {limit} of its limit {limit}")
+    );
+    let child = ok(&mut op, json!({"op": "status", "run": "tree/b"}));
+    assert_eq!(
+        child["cause"], "budget",
+        "the parent's fence reaches the sub-run: {child}"
+    );
+    // `estop report` prints the budget per dimension.
+    let (code, out, err) = d.cli(&["report", "tree"]);
+    assert_eq!(code, 0, "{err}");
+    let want = format!("budget model_usd  spent {limit}  reserved 0  limit {limit}");
+    assert!(out.contains(&want), "{out}");
+    assert!(out.contains("cause budget"), "{out}");
 }
 
 #[test]

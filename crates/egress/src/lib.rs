@@ -169,7 +169,6 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         fence: fence.clone(),
         nonce: random_hex(6),
         seq: 0.into(),
-        meter: meter::Meter::default(),
         pool: pool::Pool::default(),
     });
     tokio::spawn(proxy.serve(tokio::net::TcpListener::from_std(l.proxy)?));
@@ -245,7 +244,6 @@ pub async fn serve_proxy(
         fence,
         nonce: random_hex(6),
         seq: 0.into(),
-        meter: meter::Meter::default(),
         pool: pool::Pool::default(),
     });
     proxy.serve(listener).await;
@@ -266,6 +264,13 @@ async fn admit_launch(
         "args": {"argv": opts.argv, "cwd": cwd.display().to_string()}, "start": true});
     if let Some(p) = &opts.parent {
         req["parent"] = json!(p);
+    }
+    // The model budget is the gate's: it applies when this admission creates the run (a run
+    // that exists keeps its own, and what it spent, across `estop run`s).
+    if let Some(m) = &plan.settings.model
+        && (m.budget_usd_micros.is_some() || m.budget_tokens.is_some())
+    {
+        req["limits"] = json!({"max_spend": m.budget_usd_micros, "max_tokens": m.budget_tokens});
     }
     let mut v = gate.call(req).await?;
     let mut told = false;

@@ -1,13 +1,15 @@
 //! Model-call metering: the proxy's own `/v1/…` (origin-form requests to
 //! `http://127.0.0.1:3128`, which `OPENAI_BASE_URL` names inside the sandbox) is an
 //! OpenAI-compatible endpoint that forwards to the configured provider. Every call is an
-//! effect (`model.call`) admitted before it is sent; the supervisor reserves its worst case
-//! (prompt estimate + `max_tokens`) against the run's model budget first, settles on the usage
-//! the provider reports (uncached input, cached input, output, at the configured prices),
-//! charges `max(observed, reservation)` when a stream is cut or no usage is reported, and cuts a
-//! stream the moment the run stops. A run whose settled spend reaches a budget is cancelled
-//! with a reason naming the dimension (`model_usd`, `model_tokens`). docs/EGRESS.md, "Model
-//! calls".
+//! effect (`model.call`) admitted before it is sent, with its worst case (prompt estimate +
+//! `max_tokens`) as the admission's `reserve`; its completion carries the `cost`: the usage the
+//! provider reports (uncached input, cached input, output, at the configured prices), or
+//! `max(observed, reservation)` when a stream is cut or no usage is reported. The budget itself
+//! is the gate's (`max_spend` / `max_tokens` of the run, set from `budget_usd` /
+//! `budget_tokens` when `estop run` creates it): the gate refuses a call that does not fit,
+//! counts a child run's spend against its parents, keeps it across restarts, and fences the run
+//! when its settled spend reaches a limit; the proxy cuts a stream the moment the run stops.
+//! docs/EGRESS.md, "Model calls"; docs/PROTOCOL.md, "Model budget".
 
 use crate::proxy::until_stopped;
 use crate::proxy::{Effect, Proxy, Reply, full, refusal, stopped};
@@ -19,7 +21,6 @@ use hyper::{Request, Response, StatusCode};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 
 /// `[egress.model]` as written.
@@ -45,6 +46,7 @@ pub struct ModelSettings {
     pub base_path: String,
     pub budget_usd_micros: Option<u64>,
     pub budget_tokens: Option<u64>,
+    /// Given to the gate as the run's `max_spend` / `max_tokens` when `estop run` creates it.
     /// Prices in micro-dollars per token (= dollars per million tokens).
     pub input: f64,
     pub cached_input: f64,
@@ -127,56 +129,10 @@ impl Charge {
             tokens: self.tokens.max(o.tokens),
         }
     }
-}
 
-/// The run's model account, held by the supervisor.
-#[derive(Debug, Default)]
-pub struct Meter {
-    account: Mutex<Account>,
-}
-
-#[derive(Debug, Default)]
-struct Account {
-    spent: Charge,
-    reserved: Charge,
-    /// The cancel for an exhausted budget was sent (once).
-    fenced: bool,
-}
-
-impl Meter {
-    /// Reserves `r` unless it would take spent + reserved past a budget: then the dimension.
-    fn reserve(&self, m: &ModelSettings, r: Charge) -> Result<(), &'static str> {
-        let mut a = self.account.lock().expect("meter lock");
-        let usd = a.spent.usd_micros + a.reserved.usd_micros + r.usd_micros;
-        let tokens = a.spent.tokens + a.reserved.tokens + r.tokens;
-        if m.budget_usd_micros.is_some_and(|b| usd > b) {
-            return Err("model_usd");
-        }
-        if m.budget_tokens.is_some_and(|b| tokens > b) {
-            return Err("model_tokens");
-        }
-        a.reserved.usd_micros += r.usd_micros;
-        a.reserved.tokens += r.tokens;
-        Ok(())
-    }
-
-    /// Releases reservation `r` and charges `c`. Returns the exhausted dimension the first
-    /// time settled spend reaches a budget (the caller fences the run), and the spend so far.
-    fn settle(&self, m: &ModelSettings, r: Charge, c: Charge) -> (Option<&'static str>, Charge) {
-        let mut a = self.account.lock().expect("meter lock");
-        a.reserved.usd_micros -= r.usd_micros;
-        a.reserved.tokens -= r.tokens;
-        a.spent.usd_micros += c.usd_micros;
-        a.spent.tokens += c.tokens;
-        let over = if m.budget_usd_micros.is_some_and(|b| a.spent.usd_micros >= b) {
-            Some("model_usd")
-        } else if m.budget_tokens.is_some_and(|b| a.spent.tokens >= b) {
-            Some("model_tokens")
-        } else {
-            None
-        };
-        let first = over.filter(|_| !std::mem::replace(&mut a.fenced, true));
-        (first, a.spent)
+    /// As the gate reads it (`reserve`, `cost`).
+    fn json(self) -> Value {
+        json!({"usd_micros": self.usd_micros, "tokens": self.tokens})
     }
 }
 
@@ -294,15 +250,11 @@ pub async fn call(proxy: Arc<Proxy>, req: Request<Incoming>) -> Reply {
             "reserved_usd_micros": plan.reserve.usd_micros,
             "reserved_tokens": plan.reserve.tokens}),
     };
-    if let Err(dimension) = proxy.meter.reserve(&m, plan.reserve) {
-        return over_budget(&proxy.run, &effect.key, dimension);
-    }
-    let token = match proxy.admit(&effect).await {
+    // The gate counts the reservation on the run and every ancestor, or refuses the call
+    // (`budget`, naming the dimension and the run whose limit it would pass).
+    let token = match proxy.admit_with(&effect, Some(plan.reserve.json())).await {
         Ok(t) => t,
-        Err(reply) => {
-            proxy.meter.settle(&m, plan.reserve, Charge::default());
-            return *reply;
-        }
+        Err(reply) => return *reply,
     };
     let call = Call {
         proxy,
@@ -314,12 +266,16 @@ pub async fn call(proxy: Arc<Proxy>, req: Request<Incoming>) -> Reply {
     call.send(doc).await
 }
 
-fn over_budget(run: &str, key: &str, dimension: &str) -> Reply {
+/// The gate refused a call's reservation: `budget` names the dimension and the run whose
+/// limit it would pass (this run or an ancestor).
+pub(crate) fn over_budget(key: &str, budget: &Value) -> Reply {
+    let dimension = budget["dimension"].as_str().unwrap_or("?");
+    let run = budget["run"].as_str().unwrap_or("?");
     refusal(
         StatusCode::FORBIDDEN,
         json!({"verdict": "refused", "reason": "budget", "dimension": dimension,
-        "run": run, "key": key,
-        "message": format!("the run's model budget ({dimension}) cannot cover this call; nothing was sent"),
+        "run": run, "key": key, "limit": budget["limit"], "used": budget["used"],
+        "message": format!("the model budget ({dimension}) of run {run} cannot cover this call; nothing was sent"),
         "what_to_do": "stop, or ask for a smaller max_tokens"}),
     )
 }
@@ -473,8 +429,8 @@ impl Call {
         reply
     }
 
-    /// Settles the account, completes the effect with what was charged and why, and cancels
-    /// the run the first time its spend reaches a budget.
+    /// Completes the effect with what it cost and why: the gate releases the reservation,
+    /// charges the cost on the run and every ancestor, and fences a run whose limit it reaches.
     async fn finish(
         &self,
         outcome: &str,
@@ -496,35 +452,22 @@ impl Call {
                 (observed.max(self.plan.reserve), "reservation")
             }
         };
-        let (over, spent) = self.proxy.meter.settle(&self.m, self.plan.reserve, charge);
         let result = json!({"status": status, "usage": reported.map(|u| json!({
             "uncached_input": u.uncached, "cached_input": u.cached, "output": u.output})),
             "charged_usd_micros": charge.usd_micros, "charged_tokens": charge.tokens,
-            "basis": basis, "run_spent_usd_micros": spent.usd_micros,
-            "run_spent_tokens": spent.tokens});
+            "basis": basis});
         eprintln!(
-            "estop run: {} charged {} µUSD {} tokens ({basis}); run spent {} µUSD {} tokens",
-            self.effect.key, charge.usd_micros, charge.tokens, spent.usd_micros, spent.tokens
+            "estop run: {} charged {} µUSD {} tokens ({basis})",
+            self.effect.key, charge.usd_micros, charge.tokens
         );
         let mut complete = json!({"op": "complete", "run": self.proxy.run, "key": self.effect.key,
-            "token": self.token, "outcome": outcome, "result": result});
+            "token": self.token, "outcome": outcome, "result": result, "cost": charge.json()});
         if !error.is_empty() {
             complete["error"] = json!(error);
         }
+        // Not completed (the gate unreachable), the reservation stays counted: the worst case.
         if let Err(e) = self.proxy.gate.call(complete).await {
             eprintln!("estop run: completing {}: {e:#}", self.effect.key);
-        }
-        if let Some(dimension) = over {
-            let (used, budget) = match dimension {
-                "model_usd" => (spent.usd_micros, self.m.budget_usd_micros.unwrap_or(0)),
-                _ => (spent.tokens, self.m.budget_tokens.unwrap_or(0)),
-            };
-            let reason = format!("budget: {dimension} spent {used} of {budget}");
-            eprintln!("estop run: {reason}; cancelling the run");
-            let cancel = json!({"op": "cancel", "run": self.proxy.run, "reason": reason});
-            if let Err(e) = self.proxy.gate.call(cancel).await {
-                eprintln!("estop run: cancelling over budget: {e:#}");
-            }
         }
     }
 }
@@ -620,7 +563,7 @@ mod tests {
     }
 
     #[test]
-    fn usage_is_read_in_both_shapes_and_the_account_fences_once() {
+    fn usage_is_read_in_both_shapes_and_a_cut_call_charges_the_larger_per_dimension() {
         let chat = json!({"prompt_tokens": 10, "completion_tokens": 3,
             "prompt_tokens_details": {"cached_tokens": 4}});
         let responses = json!({"input_tokens": 10, "output_tokens": 3,
@@ -632,29 +575,21 @@ mod tests {
         };
         assert_eq!((usage(&chat), usage(&responses)), (Some(want), Some(want)));
         assert_eq!(usage(&Value::Null), None);
-        let m = settings(None, Some(100));
-        let meter = Meter::default();
-        let r = Charge {
-            usd_micros: 10,
-            tokens: 60,
-        };
-        meter.reserve(&m, r).unwrap();
         assert_eq!(
-            meter.reserve(&m, r),
-            Err("model_tokens"),
-            "reservations count"
-        );
-        let (over, spent) = meter.settle(
-            &m,
-            r,
             Charge {
                 usd_micros: 1,
-                tokens: 100,
+                tokens: 9
+            }
+            .max(Charge {
+                usd_micros: 5,
+                tokens: 2
+            }),
+            Charge {
+                usd_micros: 5,
+                tokens: 9
             },
+            "a cut stream is charged the larger of observed and reserved, per dimension"
         );
-        assert_eq!((over, spent.tokens), (Some("model_tokens"), 100));
-        let (again, _) = meter.settle(&m, Charge::default(), Charge::default());
-        assert_eq!(again, None, "the cancel is sent once");
     }
 
     #[test]

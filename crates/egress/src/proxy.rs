@@ -72,7 +72,6 @@ pub struct Proxy {
     /// Reaches real hosts over TLS.
     pub connector: tokio_rustls::TlsConnector,
     /// The model-call account (`OPENAI_BASE_URL` is this proxy's `/v1`).
-    pub meter: crate::meter::Meter,
     /// Idle upstream connections, by the origin they were dialled for.
     pub pool: crate::pool::Pool,
 }
@@ -609,11 +608,24 @@ impl Proxy {
     /// Admits the effect (waiting up to the hold bound); the effect's token, or the answer the
     /// agent gets instead.
     pub(crate) async fn admit(&self, effect: &Effect) -> Result<String, Box<Reply>> {
+        self.admit_with(effect, None).await
+    }
+
+    /// `admit`, with a model reservation (`reserve`) the gate counts against the run's and its
+    /// ancestors' model budget.
+    pub(crate) async fn admit_with(
+        &self,
+        effect: &Effect,
+        reserve: Option<Value>,
+    ) -> Result<String, Box<Reply>> {
         if *self.fence.borrow() {
             return Err(Box::new(stopped(&self.run, &effect.key)));
         }
-        let admit = json!({"op": "admit", "run": self.run, "key": effect.key,
+        let mut admit = json!({"op": "admit", "run": self.run, "key": effect.key,
             "tool": effect.tool, "args": effect.args, "start": true});
+        if let Some(r) = reserve {
+            admit["reserve"] = r;
+        }
         let mut v = self.gate.call(admit).await.map_err(|e| gate_down(&e))?;
         if v["ok"] == true && v["verdict"] == "held" {
             let wait = json!({"op": "wait", "run": self.run, "key": effect.key,
@@ -640,6 +652,10 @@ impl Proxy {
         match v["verdict"].as_str() {
             Some("admitted") => Ok(v["token"].as_str().unwrap_or_default().to_string()),
             Some("held") => Err(Box::new(held(who, &v))),
+            Some("refused") if v["budget"].is_object() => Err(Box::new(crate::meter::over_budget(
+                &effect.key,
+                &v["budget"],
+            ))),
             Some("duplicate") => Err(Box::new(refusal(
                 StatusCode::CONFLICT,
                 merge(
@@ -997,7 +1013,6 @@ mod tests {
             fence,
             nonce: "n".into(),
             seq: 0.into(),
-            meter: crate::meter::Meter::default(),
             pool: crate::pool::Pool::default(),
         };
         (Arc::new(proxy), fence_tx)

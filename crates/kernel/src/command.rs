@@ -36,6 +36,75 @@ pub struct RunLimits {
     pub deadline_at: Option<u64>,
     /// Admissions the run may make in all.
     pub max_effects: Option<u64>,
+    /// Model spend, micro-USD, of the run and all its descendants together (`model_usd`).
+    pub max_spend: Option<u64>,
+    /// Model tokens of the run and all its descendants together (`model_tokens`).
+    pub max_tokens: Option<u64>,
+}
+
+/// Model spend in each budgeted dimension: a reservation an admission carries, or the cost a
+/// completion settles. Bounded by `limits::SPEND_USD_MICROS_MAX` / `SPEND_TOKENS_MAX` at the
+/// edge of the kernel, so sums of them never overflow in practice (and saturate if they did).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Spend {
+    pub usd_micros: u64,
+    pub tokens: u64,
+}
+
+impl Spend {
+    pub fn is_zero(self) -> bool {
+        self == Spend::default()
+    }
+    pub fn saturating_add(self, o: Spend) -> Spend {
+        Spend {
+            usd_micros: self.usd_micros.saturating_add(o.usd_micros),
+            tokens: self.tokens.saturating_add(o.tokens),
+        }
+    }
+    /// `self - o`; a reservation is only ever released once, so this never goes below zero
+    /// (asserted in debug builds, floored otherwise).
+    pub fn release(self, o: Spend) -> Spend {
+        debug_assert!(
+            self.usd_micros >= o.usd_micros && self.tokens >= o.tokens,
+            "released more than reserved: {self:?} - {o:?}"
+        );
+        Spend {
+            usd_micros: self.usd_micros.saturating_sub(o.usd_micros),
+            tokens: self.tokens.saturating_sub(o.tokens),
+        }
+    }
+}
+
+/// A dimension of the model budget (`RunLimits::max_spend`, `RunLimits::max_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SpendDimension {
+    ModelUsd,
+    ModelTokens,
+}
+
+impl SpendDimension {
+    pub const ALL: &'static [SpendDimension] =
+        &[SpendDimension::ModelUsd, SpendDimension::ModelTokens];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SpendDimension::ModelUsd => "model_usd",
+            SpendDimension::ModelTokens => "model_tokens",
+        }
+    }
+    /// The run's limit in this dimension.
+    pub fn limit(self, l: &RunLimits) -> Option<u64> {
+        match self {
+            SpendDimension::ModelUsd => l.max_spend,
+            SpendDimension::ModelTokens => l.max_tokens,
+        }
+    }
+    /// The amount of `s` in this dimension.
+    pub fn of(self, s: Spend) -> u64 {
+        match self {
+            SpendDimension::ModelUsd => s.usd_micros,
+            SpendDimension::ModelTokens => s.tokens,
+        }
+    }
 }
 
 /// Proof of one admission: bound to the run's epoch at admission time and to a serial unique in
@@ -76,7 +145,12 @@ pub struct Admit {
     pub parent: Option<RunId>,
     pub labels: Vec<(Box<str>, Box<str>)>,
     pub limits: RunLimits,
-    pub policy: PolicyDecision,
+    /// Boxed: it is most of an admission's bytes, and every command (in channels, in the
+    /// core's queues) would otherwise be that large.
+    pub policy: Box<PolicyDecision>,
+    /// The model spend this effect may cost at worst (`reserve`), counted on the run and every
+    /// ancestor from its admission until its completion settles it. Zero: none.
+    pub reserve: Spend,
 }
 
 /// An operator's word on one effect of the reverse saga (`saga.rs`).
@@ -190,6 +264,9 @@ pub enum Command {
         outcome: Outcome,
         result: Option<Box<str>>,
         error: Option<Box<str>>,
+        /// The model spend the effect cost (`cost`), charged on the run and every ancestor;
+        /// zero: none.
+        cost: Spend,
     },
     Decide {
         run: RunId,

@@ -97,6 +97,9 @@ enum Plan {
     FenceDeadline(StopPlan),
     /// The run's effect budget is used up: fence it (planned).
     FenceBudget(StopPlan),
+    /// The effect's model reservation would pass a limit in the run's chain: refused
+    /// (`budget`), nothing fenced (a smaller call may still fit).
+    OverBudget(Box<crate::reply::Over>),
     Refuse(RefusalReason),
     Hold(HoldReason),
     HoldApproval,
@@ -461,8 +464,9 @@ impl Gate {
                 outcome,
                 result,
                 error,
+                cost,
             } => self.complete(
-                now, principal, run, key, *token, *outcome, result, error, ev,
+                now, principal, run, key, *token, *outcome, result, error, *cost, ev,
             ),
             Command::Decide {
                 run,
@@ -529,9 +533,7 @@ impl Gate {
             return Err(KernelError::RunNotFound(id.clone()));
         }
         let state = t.cause.terminal_state();
-        let refused = Reply::Verdict(Verdict::Refused {
-            reason: t.cause.refusal(),
-        });
+        let refused = Reply::Verdict(Verdict::refused(t.cause.refusal()));
         let stopped = Reply::RunState {
             state,
             runs_changed: 0,
@@ -684,6 +686,7 @@ impl Gate {
         ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         bounded(&a.args, self.limits.args_bytes_max, "args_bytes_max")?;
+        spend::check_spend(a.reserve)?;
         // One lookup of the run for the common case (a run that exists and is not adopted
         // here); the prechecks only concern a run this admit creates or adopts.
         let existing = self.runs.get(&a.run);
@@ -724,9 +727,7 @@ impl Gate {
             if let Some(effect) = run.effects.get(&a.key) {
                 if effect.digest != a.digest {
                     return Ok((
-                        Reply::Verdict(Verdict::Refused {
-                            reason: RefusalReason::Mismatch,
-                        }),
+                        Reply::Verdict(Verdict::refused(RefusalReason::Mismatch)),
                         false,
                     ));
                 }
@@ -735,9 +736,7 @@ impl Gate {
             if let Some(stop) = &run.stop {
                 // Nothing new starts in a stopped run; the fence is already on record.
                 return Ok((
-                    Reply::Verdict(Verdict::Refused {
-                        reason: stop.cause.refusal(),
-                    }),
+                    Reply::Verdict(Verdict::refused(stop.cause.refusal())),
                     adopted,
                 ));
             }
@@ -752,12 +751,7 @@ impl Gate {
             self.create_run(now, p, a)?;
             let run = &self.runs[&a.run];
             if let Some(stop) = &run.stop {
-                return Ok((
-                    Reply::Verdict(Verdict::Refused {
-                        reason: stop.cause.refusal(),
-                    }),
-                    true,
-                ));
+                return Ok((Reply::Verdict(Verdict::refused(stop.cause.refusal())), true));
             }
             run
         };
@@ -766,6 +760,12 @@ impl Gate {
         let rule = self.interned.rule(&a.policy.rule);
         let mut effect = Effect::new(now, tool, rule, a.digest, &a.policy, a.start);
         effect.args = a.args.as_deref().map(Arc::from);
+        if !a.reserve.is_zero() {
+            effect.spend = Some(Box::new(crate::state::EffectSpend {
+                reserve: a.reserve,
+                ..Default::default()
+            }));
+        }
         if a.policy.action == PolicyAction::Approve {
             effect.approval = Some(Box::new(new_approval(&a.policy)));
         }
@@ -784,6 +784,7 @@ impl Gate {
             let token = run.issue_token(effect.start_on_admit);
             effect.take_token(token, now);
             run.effects.insert(a.key.clone(), effect);
+            self.count_reservation(&a.run, &a.key);
             ev.push(|| event(&a.run, Some(&a.key), EventKind::Admitted));
             return Ok((Reply::Verdict(Verdict::Admitted { token }), true));
         }
@@ -932,7 +933,14 @@ impl Gate {
             .expect("exists")
             .children
             .push(run_id.clone());
-        self.runs.get_mut(run_id).expect("exists").parent = Some(parent.clone());
+        let adopted = self.runs.get_mut(run_id).expect("exists");
+        adopted.parent = Some(parent.clone());
+        // The adopted subtree's model spend now counts against its new ancestors too.
+        let (spent, reserved) = (adopted.spent, adopted.reserved);
+        self.each_in_chain(parent, |r| {
+            r.spent = r.spent.saturating_add(spent);
+            r.reserved = r.reserved.saturating_add(reserved);
+        });
         if let Some((stop, reason)) = fence {
             self.stop_subtree(now, stop, reason, None, ev);
         }
@@ -1076,6 +1084,11 @@ impl Gate {
                 self.stop_plan(run_id, StopCause::Budget)?,
             ));
         }
+        if let Some(s) = &effect.spend
+            && let Some(over) = self.over_budget(run_id, run, s.reserve)
+        {
+            return Ok(Plan::OverBudget(Box::new(over)));
+        }
         if chain.paused {
             return Ok(Plan::Hold(HoldReason::Paused));
         }
@@ -1126,20 +1139,23 @@ impl Gate {
         match plan {
             Plan::Fenced(reason) | Plan::Refuse(reason) => {
                 self.refuse_effect(now, run_id, key, reason);
-                Verdict::Refused { reason }
+                Verdict::refused(reason)
             }
             Plan::FenceDeadline(stop) => {
                 self.stop_subtree(now, stop, None, None, ev);
                 self.refuse_effect(now, run_id, key, RefusalReason::Deadline);
-                Verdict::Refused {
-                    reason: RefusalReason::Deadline,
-                }
+                Verdict::refused(RefusalReason::Deadline)
             }
             Plan::FenceBudget(stop) => {
                 self.stop_subtree(now, stop, None, None, ev);
                 self.refuse_effect(now, run_id, key, RefusalReason::Budget);
+                Verdict::refused(RefusalReason::Budget)
+            }
+            Plan::OverBudget(over) => {
+                self.refuse_effect(now, run_id, key, RefusalReason::Budget);
                 Verdict::Refused {
                     reason: RefusalReason::Budget,
+                    over: Some(over),
                 }
             }
             Plan::Hold(reason) => {
@@ -1195,6 +1211,7 @@ impl Gate {
                 debug_assert!(e.status.is_held(), "carried out from held or approved");
                 e.take_token(token, now);
                 self.held_changed(run_id, false);
+                self.count_reservation(run_id, key);
                 ev.push(|| event(run_id, Some(key), EventKind::Admitted));
                 Verdict::Admitted { token }
             }
@@ -1228,6 +1245,8 @@ impl Gate {
         if was_held {
             self.held_changed(run_id, false);
         }
+        // Voided before it started: its reservation is free again.
+        self.release_reservation(run_id, key);
     }
 
     /// A repeat `admit` of a known identity, or a `wait` re-check.
@@ -1248,7 +1267,7 @@ impl Gate {
             .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
         let verdict = |v| Ok((Reply::Verdict(v), false));
         match effect.status {
-            Status::Refused(reason) => verdict(Verdict::Refused { reason }),
+            Status::Refused(reason) => verdict(Verdict::refused(reason)),
             Status::Started => verdict(Verdict::Duplicate {
                 status: EffectStatus::Started,
                 outcome: None,
@@ -1268,7 +1287,7 @@ impl Gate {
                     let reason = stop.cause.refusal();
                     check_effect(run_id, key, Some(effect.status), Status::Refused(reason))?;
                     self.refuse_effect(now, run_id, key, reason);
-                    return Ok((Reply::Verdict(Verdict::Refused { reason }), true));
+                    return Ok((Reply::Verdict(Verdict::refused(reason)), true));
                 }
                 // A lost reply costs nothing: the same token again.
                 verdict(Verdict::Admitted {
@@ -1280,9 +1299,7 @@ impl Gate {
                 if now >= approval.expires_at {
                     self.expire(now, run_id, key, ev);
                     return Ok((
-                        Reply::Verdict(Verdict::Refused {
-                            reason: RefusalReason::Expired,
-                        }),
+                        Reply::Verdict(Verdict::refused(RefusalReason::Expired)),
                         true,
                     ));
                 }
@@ -1305,9 +1322,7 @@ impl Gate {
                     Plan::Admit if now >= expires_at => {
                         self.expire(now, run_id, key, ev);
                         Ok((
-                            Reply::Verdict(Verdict::Refused {
-                                reason: RefusalReason::Expired,
-                            }),
+                            Reply::Verdict(Verdict::refused(RefusalReason::Expired)),
                             true,
                         ))
                     }
@@ -1365,7 +1380,7 @@ impl Gate {
         let (run, effect) = self.visible_effect(p, run_id, key)?;
         if effect.token != Some(token) {
             if let Status::Refused(reason) = effect.status {
-                return Ok((Reply::Verdict(Verdict::Refused { reason }), false));
+                return Ok((Reply::Verdict(Verdict::refused(reason)), false));
             }
             return Err(KernelError::BadToken {
                 run: run_id.clone(),
@@ -1375,7 +1390,7 @@ impl Gate {
         match effect.status {
             Status::Admitted => {}
             Status::Refused(reason) => {
-                return Ok((Reply::Verdict(Verdict::Refused { reason }), false));
+                return Ok((Reply::Verdict(Verdict::refused(reason)), false));
             }
             _ => return self.existing(now, run_id, key, ev),
         }
@@ -1383,7 +1398,7 @@ impl Gate {
             // The commit point: a token from before the cancel starts nothing (G4).
             let reason = stop.cause.refusal();
             self.refuse_effect(now, run_id, key, reason);
-            return Ok((Reply::Verdict(Verdict::Refused { reason }), true));
+            return Ok((Reply::Verdict(Verdict::refused(reason)), true));
         }
         let chain = self.chain_flags(run_id, run, now);
         if let Some(root) = chain.overdue {
@@ -1391,9 +1406,7 @@ impl Gate {
             self.stop_subtree(now, stop, None, None, ev);
             self.refuse_effect(now, run_id, key, RefusalReason::Deadline);
             return Ok((
-                Reply::Verdict(Verdict::Refused {
-                    reason: RefusalReason::Deadline,
-                }),
+                Reply::Verdict(Verdict::refused(RefusalReason::Deadline)),
                 true,
             ));
         }
@@ -1401,9 +1414,7 @@ impl Gate {
             // G2 at the commit point: the same call was rejected after this one was prepared.
             self.refuse_effect(now, run_id, key, RefusalReason::Rejected);
             return Ok((
-                Reply::Verdict(Verdict::Refused {
-                    reason: RefusalReason::Rejected,
-                }),
+                Reply::Verdict(Verdict::refused(RefusalReason::Rejected)),
                 true,
             ));
         }
@@ -1435,9 +1446,11 @@ impl Gate {
         outcome: Outcome,
         result: &Option<Box<str>>,
         error: &Option<Box<str>>,
+        cost: crate::command::Spend,
         ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
         let result_bytes_max = self.limits.result_bytes_max;
+        spend::check_spend(cost)?;
         // One lookup: every check below reads through the same borrow before anything changes.
         let run = self.visible_run_mut(p, run_id)?;
         let to = match outcome {
@@ -1488,6 +1501,9 @@ impl Gate {
                     run.state = to;
                     ev.push(|| event(run_id, None, EventKind::Settled));
                 }
+                // Settled: the reservation is released and the cost charged (which may fence).
+                self.release_reservation(run_id, key);
+                self.charge(now, run_id, key, cost, ev);
                 Ok((Reply::Completed { late }, true))
             }
             Status::Completed
@@ -1517,6 +1533,8 @@ impl Gate {
                 effect.late = true;
                 effect.updated_at = now;
                 ev.push(|| event(run_id, Some(key), EventKind::Completed));
+                // It ran after all: what it cost is charged.
+                self.charge(now, run_id, key, cost, ev);
                 Ok((Reply::Completed { late: true }, true))
             }
             _ => Err(KernelError::NotStarted {
@@ -1790,9 +1808,17 @@ impl Gate {
                 at: now,
                 from: (id != root).then(|| root.clone()),
             });
+            let mut released = crate::command::Spend::default();
             for e in run.effects.values_mut() {
                 if e.status.is_held_or_prepared() {
                     debug_assert!(effect_legal(Some(e.status.kind()), EffectStatus::Refused));
+                    // Voided before it started: its reservation is free again (one started
+                    // and never completed keeps it: the worst case).
+                    if let Some(s) = e.spend.as_deref_mut()
+                        && std::mem::take(&mut s.counted)
+                    {
+                        released = released.saturating_add(s.reserve);
+                    }
                     e.status = Status::Refused(refusal);
                     e.args = None;
                     e.updated_at = now;
@@ -1809,6 +1835,7 @@ impl Gate {
             }
             run.state = to;
             changed += 1;
+            self.release_in_chain(&id, released);
             self.runs.stopped(&id);
             let kind = match cause {
                 StopCause::Closed | StopCause::Failed => EventKind::Closed,
@@ -1950,8 +1977,11 @@ impl Gate {
             .saturating_sub(self.tombstones.len());
         let forgotten = self.runs.forget_stopped(before, |run| {
             let stop = run.stop.as_ref().expect("only stopped runs are visited");
-            // A run whose saga (or an effect's own saga) is open is kept until it settles.
-            if !run.state.is_terminal() || crate::saga::chosen_open(run) {
+            // A run whose saga (or an effect's own saga) is open is kept until it settles, and
+            // one whose tree holds a model reservation until that call settles (so it is
+            // released on the runs it was counted on: `gate/spend.rs`).
+            if !run.state.is_terminal() || crate::saga::chosen_open(run) || !run.reserved.is_zero()
+            {
                 Due::Keep
             } else if stop.at <= tombstones_before {
                 Due::Forget
@@ -2095,7 +2125,7 @@ fn planned_status(plan: &Plan, effect: &Effect) -> Status {
     match plan {
         Plan::Fenced(r) | Plan::Refuse(r) => Status::Refused(*r),
         Plan::FenceDeadline(_) => Status::Refused(RefusalReason::Deadline),
-        Plan::FenceBudget(_) => Status::Refused(RefusalReason::Budget),
+        Plan::FenceBudget(_) | Plan::OverBudget(_) => Status::Refused(RefusalReason::Budget),
         Plan::Hold(r) => Status::Held(*r),
         Plan::HoldApproval => Status::Held(HoldReason::Approval),
         Plan::Admit if effect.start_on_admit => Status::Started,
@@ -2103,5 +2133,6 @@ fn planned_status(plan: &Plan, effect: &Effect) -> Status {
     }
 }
 
+mod spend;
 #[cfg(test)]
 mod tests;

@@ -15,8 +15,8 @@ pub mod transitions;
 pub mod vocab;
 
 pub use command::{
-    Admit, Command, PolicyDecision, Record, RunLimits, SagaAction, SagaStep, Token, TokenAction,
-    TokenChange,
+    Admit, Command, PolicyDecision, Record, RunLimits, SagaAction, SagaStep, Spend, SpendDimension,
+    Token, TokenAction, TokenChange,
 };
 pub use gate::Gate;
 pub use ids::{

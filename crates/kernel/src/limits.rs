@@ -15,6 +15,11 @@ pub const LABEL_VALUE_BYTES_MAX: usize = 256;
 pub const RESULT_BYTES_MAX: usize = 64 * 1024;
 /// Default bytes of a reason text (cancel, kill, decide).
 pub const REASON_BYTES_MAX: usize = 1024;
+/// Most micro-USD one reservation or one cost may name (a million dollars): far above any
+/// model call, and low enough that no sum of them a ledger can hold overflows a `u64`.
+pub const SPEND_USD_MICROS_MAX: u64 = 1_000_000_000_000;
+/// Most model tokens one reservation or one cost may name.
+pub const SPEND_TOKENS_MAX: u64 = 1_000_000_000_000;
 
 /// Every bound of the gate's state, with the unit last in the name.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,15 +3,16 @@
 //! Byte layout: docs/LEDGER.md, "Record payloads" and "Compaction records and snapshot payloads".
 
 use crate::command::{
-    Admit, Command, PolicyDecision, Record, RunLimits, SagaAction, SagaStep, Token, TokenAction,
-    TokenChange,
+    Admit, Command, PolicyDecision, Record, RunLimits, SagaAction, SagaStep, Spend, Token,
+    TokenAction, TokenChange,
 };
 use crate::gate::Gate;
 use crate::ids::{Digest, EffectKey, IdError, Principal, PrincipalName, Role, RunId, ToolName};
 use crate::limits::Limits;
 use crate::runs::Runs;
 use crate::state::{
-    Approval, Approver, Compensation, Effect, Interner, OutcomeRecord, Run, Status, Stop, Tombstone,
+    Approval, Approver, Compensation, Effect, EffectSpend, Interner, OutcomeRecord, Run, Status,
+    Stop, Tombstone,
 };
 use crate::tombstones::Tombstones;
 use crate::vocab::{
@@ -20,8 +21,17 @@ use crate::vocab::{
 };
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Version byte at the start of every record payload.
+/// Version byte at the start of every record payload. New shapes of a command get a new tag
+/// (older tags are still read and still written when the new fields are absent), so the version
+/// has not moved: an admission with a model budget or reservation is tag `SPEND_ADMIT_TAG`, a
+/// completion with a cost `SPEND_COMPLETE_TAG` (docs/LEDGER.md).
 pub const RECORD_VERSION: u8 = 1;
+/// An admission whose run limits name a model budget or which carries a reservation: the tag,
+/// then the admission's own tag (1, 17 or 18) and body as before, then the spend trailer
+/// (`max_spend`, `max_tokens` as optional u64s; the reservation's micro-USD and tokens).
+const SPEND_ADMIT_TAG: u8 = 32;
+/// A completion with a cost: tag 4's body, then the cost's micro-USD and tokens.
+const SPEND_COMPLETE_TAG: u8 = 33;
 /// Version byte at the start of every snapshot. 2: runs lost their `compacted` byte (retention
 /// forgets a run instead) and the tombstones follow the runs.
 /// 3: each effect ends with its compensation (the reverse saga). Versions 1 and 2 are still
@@ -30,7 +40,9 @@ pub const RECORD_VERSION: u8 = 1;
 /// operator chose it. Version 3 is still read (no lookup; one lookup granted; not chosen).
 /// 5: each compensation ends with the approval its compensating call waits for, if any.
 /// Version 4 is still read (none).
-pub const SNAPSHOT_VERSION: u8 = 5;
+/// 6: each effect ends with its model spend, and each run with its model budget (`max_spend`,
+/// `max_tokens`) and what its subtree spent and has reserved. Version 5 is still read (none).
+pub const SNAPSHOT_VERSION: u8 = 6;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("cannot decode {what} at byte {offset}: {problem}")]
@@ -264,6 +276,12 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
     w.strs(&rec.principal.groups);
     match &rec.command {
         Command::Admit(a) => {
+            let spend = !a.reserve.is_zero()
+                || a.limits.max_spend.is_some()
+                || a.limits.max_tokens.is_some();
+            if spend {
+                w.u8(SPEND_ADMIT_TAG);
+            }
             // Tag 17 is an admission whose policy says how to build its compensation's
             // arguments, 18 one whose tool declares a lookup (with either mapping or none);
             // without those it is written as before (tag 1).
@@ -306,6 +324,11 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
                     }
                 }
             }
+            if spend {
+                w.opt_u64(a.limits.max_spend);
+                w.opt_u64(a.limits.max_tokens);
+                put_spend(&mut w, a.reserve);
+            }
         }
         Command::Recheck { run, key } => {
             w.u8(2);
@@ -326,8 +349,13 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
             outcome,
             result,
             error,
+            cost,
         } => {
-            w.u8(4);
+            w.u8(if cost.is_zero() {
+                4
+            } else {
+                SPEND_COMPLETE_TAG
+            });
             w.str(run.as_str());
             w.str(key.as_str());
             w.u32(token.epoch);
@@ -335,6 +363,9 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
             w.u8(idx(Outcome::ALL, outcome));
             w.opt_str(result.as_deref());
             w.opt_str(error.as_deref());
+            if !cost.is_zero() {
+                put_spend(&mut w, *cost);
+            }
         }
         Command::Decide {
             run,
@@ -522,8 +553,17 @@ impl RecordDecoder {
         }
         let at = r.u64()?;
         let principal = self.principal(&mut r)?;
-        let command = match r.u8()? {
-            tag @ (1 | 17 | 18) => {
+        let outer = r.u8()?;
+        let command = match outer {
+            SPEND_ADMIT_TAG | 1 | 17 | 18 => {
+                let tag = if outer == SPEND_ADMIT_TAG {
+                    match r.u8()? {
+                        t @ (1 | 17 | 18) => t,
+                        t => return Err(r.err(format!("unknown admission tag {t}"))),
+                    }
+                } else {
+                    outer
+                };
                 let run = self.run(&mut r)?;
                 let key = r.key()?;
                 let tool = self.tool(&mut r)?;
@@ -536,9 +576,11 @@ impl RecordDecoder {
                 for _ in 0..n {
                     labels.push((r.boxed()?, r.boxed()?));
                 }
-                let limits = RunLimits {
+                let mut limits = RunLimits {
                     deadline_at: r.opt(R::u64)?,
                     max_effects: r.opt(R::u64)?,
+                    max_spend: None,
+                    max_tokens: None,
                 };
                 let policy = PolicyDecision {
                     action: r.enum_of(PolicyAction::ALL)?,
@@ -557,11 +599,17 @@ impl RecordDecoder {
                     18 => (r.opt(R::str)?.map(Into::into), Some(r.tool()?)),
                     _ => (None, None),
                 };
-                let policy = PolicyDecision {
+                let policy = Box::new(PolicyDecision {
                     compensate_args,
                     lookup,
                     ..policy
-                };
+                });
+                let mut reserve = Spend::default();
+                if outer == SPEND_ADMIT_TAG {
+                    limits.max_spend = r.opt(R::u64)?;
+                    limits.max_tokens = r.opt(R::u64)?;
+                    reserve = get_spend(&mut r)?;
+                }
                 Command::Admit(Admit {
                     run,
                     key,
@@ -573,6 +621,7 @@ impl RecordDecoder {
                     labels,
                     limits,
                     policy,
+                    reserve,
                 })
             }
             2 => Command::Recheck {
@@ -587,7 +636,7 @@ impl RecordDecoder {
                     serial: r.u64()?,
                 },
             },
-            4 => Command::Complete {
+            tag @ (4 | SPEND_COMPLETE_TAG) => Command::Complete {
                 run: self.run(&mut r)?,
                 key: r.key()?,
                 token: Token {
@@ -597,6 +646,11 @@ impl RecordDecoder {
                 outcome: r.enum_of(Outcome::ALL)?,
                 result: r.opt(R::boxed)?,
                 error: r.opt(R::boxed)?,
+                cost: if tag == SPEND_COMPLETE_TAG {
+                    get_spend(&mut r)?
+                } else {
+                    Spend::default()
+                },
             },
             5 => Command::Decide {
                 run: self.run(&mut r)?,
@@ -853,6 +907,33 @@ fn put_effect(w: &mut W, e: &Effect) {
             put_approval(w, c.approval.as_deref());
         }
     }
+    match &e.spend {
+        None => w.u8(0),
+        Some(s) => {
+            w.u8(1);
+            put_spend(w, s.reserve);
+            w.bool(s.counted);
+            match s.cost {
+                None => w.u8(0),
+                Some(c) => {
+                    w.u8(1);
+                    put_spend(w, c);
+                }
+            }
+        }
+    }
+}
+
+fn put_spend(w: &mut W, s: Spend) {
+    w.u64(s.usd_micros);
+    w.u64(s.tokens);
+}
+
+fn get_spend(r: &mut R) -> Result<Spend, CodecError> {
+    Ok(Spend {
+        usd_micros: r.u64()?,
+        tokens: r.u64()?,
+    })
 }
 
 /// An approval, of an admission or of a compensating call: absent, or its id, bounds, votes
@@ -971,6 +1052,17 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
         })?;
         (args, lookup, saga)
     };
+    let spend = if version >= 6 {
+        r.opt(|r| {
+            Ok(Box::new(EffectSpend {
+                reserve: get_spend(r)?,
+                counted: r.bool()?,
+                cost: r.opt(get_spend)?,
+            }))
+        })?
+    } else {
+        None
+    };
     Ok(Effect {
         tool,
         digest,
@@ -991,6 +1083,7 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
         late,
         outcome,
         saga,
+        spend,
     })
 }
 
@@ -1042,6 +1135,10 @@ pub fn encode_snapshot(gate: &Gate, out: &mut Vec<u8>) {
             w.str(k.as_str());
             put_effect(&mut w, e);
         }
+        w.opt_u64(run.limits.max_spend);
+        w.opt_u64(run.limits.max_tokens);
+        put_spend(&mut w, run.spent);
+        put_spend(&mut w, run.reserved);
     }
     w.u64(gate.tombstones.len() as u64);
     for (id, t) in gate.tombstones.iter() {
@@ -1164,9 +1261,11 @@ fn get_run(
         return Err(r.err(format!("run {id} is {state} with {has}")));
     }
     let epoch = r.u32()?;
-    let limits = RunLimits {
+    let mut limits = RunLimits {
         deadline_at: r.opt(R::u64)?,
         max_effects: r.opt(R::u64)?,
+        max_spend: None,
+        max_tokens: None,
     };
     let admitted = r.u64()?;
     let pending_approvals = r.u32()?;
@@ -1187,6 +1286,13 @@ fn get_run(
         let k = r.key()?;
         effects.insert(k, get_effect(r, interned, version)?);
     }
+    let (mut spent, mut reserved) = (Spend::default(), Spend::default());
+    if version >= 6 {
+        limits.max_spend = r.opt(R::u64)?;
+        limits.max_tokens = r.opt(R::u64)?;
+        spent = get_spend(r)?;
+        reserved = get_spend(r)?;
+    }
     let mut run = Run {
         parent,
         children,
@@ -1198,6 +1304,8 @@ fn get_run(
         epoch,
         limits,
         admitted,
+        spent,
+        reserved,
         pending_approvals,
         in_flight,
         effects,

@@ -1,6 +1,6 @@
 //! What the kernel answers: verdicts, acknowledgements, typed errors, and events for subscribers.
 
-use crate::command::Token;
+use crate::command::{SpendDimension, Token};
 use crate::ids::{EffectKey, PrincipalName, RunId};
 use crate::vocab::{EffectStatus, HoldReason, Outcome, RefusalReason, RunState};
 
@@ -19,6 +19,9 @@ pub enum Verdict {
     },
     Refused {
         reason: RefusalReason,
+        /// For a model reservation refused (`budget`): the dimension and the run whose limit
+        /// it would pass. Given with the refusal only; a repeat of the admission says `budget`.
+        over: Option<Box<Over>>,
     },
     /// The identity was admitted before: its recorded status and outcome (a receipt).
     Duplicate {
@@ -27,6 +30,23 @@ pub enum Verdict {
         result: Option<Box<str>>,
         error: Option<Box<str>>,
     },
+}
+
+/// A model budget a reservation would pass: its dimension and the run whose limit it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Over {
+    pub dimension: SpendDimension,
+    pub run: RunId,
+    pub limit: u64,
+    /// Spent plus reserved on that run (its subtree) before this reservation.
+    pub used: u64,
+}
+
+impl Verdict {
+    /// A refusal without a budget's detail.
+    pub fn refused(reason: RefusalReason) -> Verdict {
+        Verdict::Refused { reason, over: None }
+    }
 }
 
 /// Progress of a decision.

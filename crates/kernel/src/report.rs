@@ -1,6 +1,7 @@
 //! The after-stop report (G8): what a run did, what was refused and why, what is in flight or of
 //! unknown outcome, and what can be undone.
 
+use crate::command::SpendDimension;
 use crate::ids::EffectKey;
 use crate::state::{Effect, Run, Status};
 use crate::vocab::Reversibility;
@@ -87,4 +88,29 @@ pub fn entries(run: &Run) -> Vec<(Section, &EffectKey, &Effect)> {
         .collect();
     v.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
     v
+}
+
+/// One dimension of a run's model budget: what its subtree spent and has reserved, and its
+/// limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BudgetLine {
+    pub dimension: SpendDimension,
+    pub spent: u64,
+    pub reserved: u64,
+    pub limit: Option<u64>,
+}
+
+/// The run's model budget, per dimension that has a limit or any spend (none for a run that
+/// never touched a model budget).
+pub fn budget(run: &Run) -> Vec<BudgetLine> {
+    SpendDimension::ALL
+        .iter()
+        .map(|&dimension| BudgetLine {
+            dimension,
+            spent: dimension.of(run.spent),
+            reserved: dimension.of(run.reserved),
+            limit: dimension.limit(&run.limits),
+        })
+        .filter(|b| b.limit.is_some() || b.spent > 0 || b.reserved > 0)
+        .collect()
 }

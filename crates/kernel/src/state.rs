@@ -1,6 +1,6 @@
 //! The gate's state: runs, their effects, fences and approvals. Only `apply` mutates it.
 
-use crate::command::{PolicyDecision, RunLimits, Token};
+use crate::command::{PolicyDecision, RunLimits, Spend, Token};
 use crate::ids::{Digest, PrincipalName, RunId, ToolName};
 use crate::vocab::{
     EffectClass, EffectStatus, HoldReason, Outcome, PolicyAction, RefusalReason, Reversibility,
@@ -187,6 +187,21 @@ pub struct Effect {
     pub outcome: Option<Box<OutcomeRecord>>,
     /// Its compensation, once the reverse saga or an operator touched it.
     pub saga: Option<Box<Compensation>>,
+    /// Its model spend, when its admission carried a reservation or its completion a cost.
+    pub spend: Option<Box<EffectSpend>>,
+}
+
+/// The model spend of one effect (`Admit::reserve`, `Command::Complete`'s `cost`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EffectSpend {
+    /// The reservation its admission asked for.
+    pub reserve: Spend,
+    /// The reservation is counted in `reserved` of its run and every ancestor: from the
+    /// admission (a token issued) until a completion settles it or the effect is voided before
+    /// it started. A call started and never completed keeps it counted: the worst case.
+    pub counted: bool,
+    /// What its completion charged, once.
+    pub cost: Option<Spend>,
 }
 
 impl Effect {
@@ -256,6 +271,7 @@ impl Effect {
             late: false,
             outcome: None,
             saga: None,
+            spend: None,
         }
     }
 }
@@ -287,6 +303,11 @@ pub struct Run {
     pub limits: RunLimits,
     /// Admissions made (counts against `limits.max_effects`).
     pub admitted: u64,
+    /// Model spend settled by the run and all its descendants (forgotten ones too), against
+    /// `limits.max_spend` / `limits.max_tokens`.
+    pub spent: Spend,
+    /// Model spend reserved and not yet settled in the run and all its descendants.
+    pub reserved: Spend,
     /// Effects currently held for an operator decision.
     pub pending_approvals: u32,
     /// Effects started and not yet settled.
@@ -316,6 +337,8 @@ impl Run {
             epoch: 1,
             limits: RunLimits::default(),
             admitted: 0,
+            spent: Spend::default(),
+            reserved: Spend::default(),
             pending_approvals: 0,
             in_flight: 0,
             effects: BTreeMap::new(),

@@ -1084,8 +1084,19 @@ fn a_version_2_or_3_snapshot_loads_with_effects_that_have_no_compensation_or_loo
         let rec = support::parse_line(line, None);
         gate.apply(rec.at, &rec.principal, &rec.command).unwrap();
     }
-    let mut v4 = Vec::new();
-    encode_snapshot(&gate, &mut v4);
+    let mut v6 = Vec::new();
+    encode_snapshot(&gate, &mut v6);
+    // Version 6 ends the effect with its spend (none, `0`) and the run with its budget (two
+    // absent limits, spent and reserved: 34 bytes), before the 8 bytes of no tombstones. Without
+    // them it is the version 5 encoding, which is version 4's when no compensation waits.
+    let tail = v6.len() - 8;
+    assert_eq!(v6[tail - 35..tail], [0; 35], "no spend, no budget");
+    let mut v4 = v6.clone();
+    v4.drain(tail - 35..tail);
+    v4[0] = 4;
+    let mut v5 = v4.clone();
+    v5[0] = 5;
+    assert_eq!(decode_snapshot(&v5, Limits::default()).unwrap(), gate);
     // The snapshot ends with the one effect's `compensate_args` byte (version 3), `lookup`
     // byte (version 4) and compensation byte, then 8 bytes: no tombstones.
     let added = v4.len() - 11;

@@ -439,6 +439,9 @@ impl Policy {
                 .run_deadline_ms
                 .map(|d| now_ms.saturating_add(d)),
             max_effects: self.defaults.run_effects_max,
+            // Policy has no model budget of its own; a run's is the one its creator asks for.
+            max_spend: None,
+            max_tokens: None,
         }
     }
 

@@ -13,6 +13,7 @@ pub const ERROR_BYTES_MAX: usize = 4 * 1024;
 /// the kernel, so what the protocol lets through the kernel's defaults accept.
 pub use estop_kernel::limits::{
     LABEL_KEY_BYTES_MAX, LABEL_VALUE_BYTES_MAX, LABELS_MAX, REASON_BYTES_MAX, RESULT_BYTES_MAX,
+    SPEND_TOKENS_MAX, SPEND_USD_MICROS_MAX,
 };
 /// Most approver groups on one token.
 pub const GROUPS_MAX: usize = 16;

@@ -11,9 +11,9 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fmt;
 
-use estop_kernel::SagaAction;
 use estop_kernel::ids::{Digest, EffectKey, PrincipalName, Role, RunId, ToolName};
 use estop_kernel::vocab::{Decision, Outcome, RunState};
+use estop_kernel::{SagaAction, Spend};
 use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_json::Value;
@@ -64,11 +64,19 @@ pub struct RequestedRunLimits {
     pub timeout_ms: Option<u64>,
     /// Most effects the run may admit.
     pub max_effects: Option<u64>,
+    /// Model spend, micro-USD, of the run and its descendants together.
+    pub max_spend: Option<u64>,
+    /// Model tokens of the run and its descendants together.
+    pub max_tokens: Option<u64>,
 }
 
 impl RequestedRunLimits {
     pub fn is_empty(&self) -> bool {
-        self.deadline_ms.is_none() && self.timeout_ms.is_none() && self.max_effects.is_none()
+        self.deadline_ms.is_none()
+            && self.timeout_ms.is_none()
+            && self.max_effects.is_none()
+            && self.max_spend.is_none()
+            && self.max_tokens.is_none()
     }
 }
 
@@ -96,6 +104,9 @@ pub struct Admit {
     /// Defaults for what no policy rule set (an MCP gateway's annotation seed); honoured only
     /// where they are at least as strict as policy's own default (docs/PROTOCOL.md).
     pub seed: Option<Seed>,
+    /// The model spend the call may cost at worst, counted against the run's and every
+    /// ancestor's `max_spend` / `max_tokens` until its `complete` settles it (zero: none).
+    pub reserve: Spend,
 }
 
 /// `admit`'s `seed`: a class and reversibility the client proposes for a call whose policy rule
@@ -128,6 +139,13 @@ pub struct Complete {
     pub outcome: Outcome,
     pub result: Option<Value>,
     pub error: Option<String>,
+    /// What the call cost (model spend), charged on the run and every ancestor.
+    pub cost: Spend,
+}
+
+/// `reserve` / `cost` as written on the wire.
+fn spend_json(s: Spend) -> Value {
+    serde_json::json!({"usd_micros": s.usd_micros, "tokens": s.tokens})
 }
 
 /// How `close` ends a run.
@@ -614,7 +632,7 @@ fn without_unread_fields(line: &[u8], failed: Field) -> Option<Vec<u8>> {
 }
 
 /// The fields each verb reads, as a mask of [`Field`] bits (`id` and `op` are implied).
-fn verb_fields(verb: Verb) -> u32 {
+fn verb_fields(verb: Verb) -> u64 {
     use Field as F;
     let fields: &[Field] = match verb {
         Verb::Hello => &[F::Token, F::Run],
@@ -631,9 +649,18 @@ fn verb_fields(verb: Verb) -> u32 {
             F::Limits,
             F::Declare,
             F::Seed,
+            F::Reserve,
         ],
         Verb::Start => &[F::Run, F::Key, F::Token],
-        Verb::Complete => &[F::Run, F::Key, F::Token, F::Outcome, F::Result, F::Error],
+        Verb::Complete => &[
+            F::Run,
+            F::Key,
+            F::Token,
+            F::Outcome,
+            F::Result,
+            F::Error,
+            F::Cost,
+        ],
         Verb::Wait => &[F::Run, F::Key, F::TimeoutMs],
         Verb::Subscribe | Verb::Unsubscribe | Verb::Status | Verb::Pause | Verb::Resume => {
             &[F::Run]
@@ -705,8 +732,8 @@ macro_rules! fields {
             fn from_key(s: &str) -> Option<Field> {
                 match s { $($name => Some(Field::$variant),)+ _ => None }
             }
-            fn bit(self) -> u32 {
-                1 << (self as u32)
+            fn bit(self) -> u64 {
+                1 << (self as u64)
             }
         }
     };
@@ -720,7 +747,7 @@ fields! {
     Cascade = "cascade", Decision = "decision", State = "state", Limit = "limit",
     After = "after", Name = "name", Role = "role", Groups = "groups", Cursor = "cursor",
     Declare = "declare", Attempt = "attempt", Action = "action",
-    Seed = "seed",
+    Seed = "seed", Reserve = "reserve", Cost = "cost",
 }
 
 /// A string borrowed from the line when it has no escapes, owned otherwise.
@@ -834,6 +861,34 @@ struct RawLimits {
     deadline_ms: Option<u64>,
     timeout_ms: Option<u64>,
     max_effects: Option<u64>,
+    max_spend: Option<u64>,
+    max_tokens: Option<u64>,
+}
+
+/// `reserve` / `cost`: model spend in micro-USD and tokens (either may be left out: zero).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSpend {
+    #[serde(default)]
+    usd_micros: u64,
+    #[serde(default)]
+    tokens: u64,
+}
+
+impl RawSpend {
+    fn parse(self, field: Field) -> Result<Spend, Kind> {
+        let s = Spend {
+            usd_micros: self.usd_micros,
+            tokens: self.tokens,
+        };
+        if s.usd_micros > SPEND_USD_MICROS_MAX || s.tokens > SPEND_TOKENS_MAX {
+            return Err(invalid(
+                field,
+                format!("at most {SPEND_USD_MICROS_MAX} usd_micros and {SPEND_TOKENS_MAX} tokens"),
+            ));
+        }
+        Ok(s)
+    }
 }
 
 /// The union of every verb's fields, filled in one pass over the line.
@@ -855,6 +910,8 @@ struct Raw<'a> {
     limits: Option<RawLimits>,
     declare: Option<RawDeclare>,
     seed: Option<RawSeed>,
+    reserve: Option<RawSpend>,
+    cost: Option<RawSpend>,
     token: Option<Str<'a>>,
     outcome: Option<Str<'a>>,
     /// Borrowed from a line; owned when given as a value ([`Fields`]).
@@ -873,9 +930,9 @@ struct Raw<'a> {
     groups: Option<Vec<String>>,
     attempt: Option<u64>,
     action: Option<Str<'a>>,
-    seen: u32,
+    seen: u64,
     /// Fields given more than once.
-    duplicates: u32,
+    duplicates: u64,
 }
 
 struct FieldSeed;
@@ -959,6 +1016,8 @@ impl<'de> DeserializeSeed<'de> for Slot<'_, 'de> {
             Field::Limits => raw.limits = Deserialize::deserialize(d)?,
             Field::Declare => raw.declare = Deserialize::deserialize(d)?,
             Field::Seed => raw.seed = Deserialize::deserialize(d)?,
+            Field::Reserve => raw.reserve = Deserialize::deserialize(d)?,
+            Field::Cost => raw.cost = Deserialize::deserialize(d)?,
             Field::Token => raw.token = Deserialize::deserialize(d)?,
             Field::Outcome => raw.outcome = Deserialize::deserialize(d)?,
             Field::Result => raw.result = Some(Cow::Borrowed(Deserialize::deserialize(d)?)),
@@ -1390,8 +1449,16 @@ impl<'a> Raw<'a> {
                 deadline_ms: l.deadline_ms,
                 timeout_ms: l.timeout_ms,
                 max_effects: l.max_effects,
+                max_spend: l.max_spend,
+                max_tokens: l.max_tokens,
             },
         };
+        let reserve = self
+            .reserve
+            .take()
+            .map(|r| r.parse(Field::Reserve))
+            .transpose()?
+            .unwrap_or_default();
         Ok(Admit {
             run,
             key,
@@ -1405,6 +1472,7 @@ impl<'a> Raw<'a> {
             limits,
             declare: self.declare.take().map(RawDeclare::parse).transpose()?,
             seed: self.seed.take().map(RawSeed::parse).transpose()?,
+            reserve,
         })
     }
 
@@ -1420,6 +1488,12 @@ impl<'a> Raw<'a> {
         )?;
         let result = self.result()?;
         let error = opt_bounded(self.error.take(), Field::Error, ERROR_BYTES_MAX)?;
+        let cost = self
+            .cost
+            .take()
+            .map(|c| c.parse(Field::Cost))
+            .transpose()?
+            .unwrap_or_default();
         Ok(Complete {
             run,
             key,
@@ -1427,6 +1501,7 @@ impl<'a> Raw<'a> {
             outcome,
             result,
             error,
+            cost,
         })
     }
 
@@ -1695,7 +1770,12 @@ impl Op {
                     put_opt(&mut l, "deadline_ms", a.limits.deadline_ms);
                     put_opt(&mut l, "timeout_ms", a.limits.timeout_ms);
                     put_opt(&mut l, "max_effects", a.limits.max_effects);
+                    put_opt(&mut l, "max_spend", a.limits.max_spend);
+                    put_opt(&mut l, "max_tokens", a.limits.max_tokens);
                     put(&mut m, "limits", l);
+                }
+                if !a.reserve.is_zero() {
+                    put(&mut m, "reserve", spend_json(a.reserve));
                 }
                 if let Some(d) = &a.declare {
                     let mut o = serde_json::Map::new();
@@ -1727,6 +1807,9 @@ impl Op {
                 put(&mut m, "outcome", c.outcome.as_str());
                 put_opt(&mut m, "result", c.result.clone());
                 put_opt(&mut m, "error", c.error.as_deref());
+                if !c.cost.is_zero() {
+                    put(&mut m, "cost", spend_json(c.cost));
+                }
             }
             Op::Wait {
                 run,

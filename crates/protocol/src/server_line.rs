@@ -130,6 +130,10 @@ pub enum VerdictReply {
         /// The policy rule that decided, when one did.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         rule: Option<String>,
+        /// A model reservation refused (`budget`): the dimension and the run whose limit it
+        /// would pass.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        budget: Option<BudgetOver>,
     },
     /// This identity was admitted before: the recorded status (and outcome once complete).
     Duplicate {
@@ -444,6 +448,30 @@ pub struct SagaNext {
     pub approval: Option<String>,
 }
 
+/// Which model budget a reservation would pass (docs/PROTOCOL.md, "Model budget").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetOver {
+    /// `model_usd` or `model_tokens`.
+    pub dimension: String,
+    /// The run whose limit it is (the run itself or an ancestor).
+    pub run: String,
+    pub limit: u64,
+    /// Spent plus reserved on that run's subtree before this call.
+    pub used: u64,
+}
+
+/// One dimension of a run's model budget in the report: its subtree's settled spend, what is
+/// reserved and not yet settled, and the run's limit (absent: none).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetLine {
+    /// `model_usd` (micro-USD) or `model_tokens`.
+    pub dimension: String,
+    pub spent: u64,
+    pub reserved: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u64>,
+}
+
 /// The after-stop report of one run (SPEC G8). An effect may appear in several lists (a done
 /// effect is also compensable or irreversible).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -462,6 +490,9 @@ pub struct Report {
     /// ledger's history may still hold it); only its fence is left.
     #[serde(default, skip_serializing_if = "is_false")]
     pub forgotten: bool,
+    /// The run's model budget (its subtree's spend), per dimension with a limit or any spend.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub budget: Vec<BudgetLine>,
     pub done: Vec<ReportItem>,
     pub failed: Vec<ReportItem>,
     pub refused: Vec<ReportItem>,

@@ -159,14 +159,27 @@ fn every_payload_round_trips() {
         reason: HoldReason::Paused,
     });
     round_trip(VerdictReply::Refused {
+        reason: RefusalReason::Budget,
+        message: Some("the model budget".into()),
+        rule: None,
+        budget: Some(estop_protocol::server_line::BudgetOver {
+            dimension: "model_tokens".into(),
+            run: "parent".into(),
+            limit: 100,
+            used: 99,
+        }),
+    });
+    round_trip(VerdictReply::Refused {
         reason: RefusalReason::Cancelled,
         message: None,
         rule: None,
+        budget: None,
     });
     round_trip(VerdictReply::Refused {
         reason: RefusalReason::Denied,
         message: Some("when failed".into()),
         rule: Some("no-prod".into()),
+        budget: None,
     });
     round_trip(VerdictReply::Duplicate {
         status: "in_progress".into(),
@@ -339,6 +352,12 @@ fn every_payload_round_trips() {
         reason: Some("enough\n\u{1b}[0m".into()),
         stopped_at: Some(7),
         forgotten: false,
+        budget: vec![estop_protocol::server_line::BudgetLine {
+            dimension: "model_usd".into(),
+            spent: 5,
+            reserved: 2,
+            limit: Some(9),
+        }],
         done: vec![
             ReportItem {
                 compensate: Some("refund.undo".into()),

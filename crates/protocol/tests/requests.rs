@@ -63,6 +63,7 @@ fn admit_base() -> Admit {
         declare: None,
         seed: None,
         limits: RequestedRunLimits::default(),
+        reserve: Default::default(),
     }
 }
 
@@ -72,7 +73,8 @@ fn every_verb_parses() {
     let admit_with_digest = format!(
         r#"{{"op":"admit","run":"r1","key":"k1","tool":"refund","digest":"{}","start":false,
             "parent":"p0","labels":{{"team":"pay"}},"needs_approval":true,
-            "limits":{{"deadline_ms":1700000000000,"timeout_ms":5000,"max_effects":9}}}}"#,
+            "limits":{{"deadline_ms":1700000000000,"timeout_ms":5000,"max_effects":9,
+            "max_spend":5000000,"max_tokens":70000}},"reserve":{{"usd_micros":12,"tokens":3}}}}"#,
         d.to_hex()
     );
     let table: Vec<(&str, Op)> = vec![
@@ -109,6 +111,12 @@ fn every_verb_parses() {
                     deadline_ms: Some(1_700_000_000_000),
                     timeout_ms: Some(5000),
                     max_effects: Some(9),
+                    max_spend: Some(5_000_000),
+                    max_tokens: Some(70_000),
+                },
+                reserve: estop_kernel::Spend {
+                    usd_micros: 12,
+                    tokens: 3,
                 },
                 ..admit_base()
             }),
@@ -122,7 +130,7 @@ fn every_verb_parses() {
             },
         ),
         (
-            r#"{"op":"complete","run":"r1","key":"k1","token":"t","outcome":"ok","result":{"id":"re_1"}}"#,
+            r#"{"op":"complete","run":"r1","key":"k1","token":"t","outcome":"ok","result":{"id":"re_1"},"cost":{"usd_micros":7}}"#,
             Op::Complete(Complete {
                 run: run("r1"),
                 key: key("k1"),
@@ -130,6 +138,10 @@ fn every_verb_parses() {
                 outcome: Outcome::Ok,
                 result: Some(json!({"id": "re_1"})),
                 error: None,
+                cost: estop_kernel::Spend {
+                    usd_micros: 7,
+                    tokens: 0,
+                },
             }),
         ),
         (
@@ -141,6 +153,7 @@ fn every_verb_parses() {
                 outcome: Outcome::Error,
                 result: None,
                 error: Some("503".into()),
+                cost: Default::default(),
             }),
         ),
         (
@@ -655,6 +668,10 @@ fn every_parse_error_code_fires() {
         (r#"{"op":"admit","run":"r","key":"k","tool":"t","args":{},"labels":{"a":1}}"#.into(), InvalidField, Some("labels")),
         (r#"{"op":"admit","run":"r","key":"k","tool":"t","args":{},"limits":{"max_effects":"9"}}"#.into(), InvalidField, Some("limits")),
         (r#"{"op":"token","name":"a","role":"agent","groups":"finance"}"#.into(), InvalidField, Some("groups")),
+        (r#"{"op":"admit","run":"r","key":"k","tool":"t","args":{},"reserve":{"usd_micros":-1}}"#.into(), InvalidField, Some("reserve")),
+        (r#"{"op":"admit","run":"r","key":"k","tool":"t","args":{},"reserve":{"dollars":1}}"#.into(), InvalidField, Some("reserve")),
+        (r#"{"op":"admit","run":"r","key":"k","tool":"t","args":{},"reserve":{"tokens":1000000000001}}"#.into(), InvalidField, Some("reserve")),
+        (r#"{"op":"complete","run":"r","key":"k","token":"t","outcome":"ok","cost":{"usd_micros":1000000000001}}"#.into(), InvalidField, Some("cost")),
         // invalid_field: ids and values
         (r#"{"op":"status","run":""}"#.into(), InvalidField, Some("run")),
         (format!(r#"{{"op":"status","run":"{long}"}}"#), InvalidField, Some("run")),

@@ -198,6 +198,7 @@ fn authorized(shared: &Shared, principal: &Principal, op: Op) -> Route {
                 outcome: c.outcome,
                 result: c.result.map(|v| v.to_string().into_boxed_str()),
                 error: c.error.map(String::into_boxed_str),
+                cost: c.cost,
             })
             .map_or_else(refused, apply),
         Op::Wait {
@@ -390,6 +391,7 @@ fn admit_command(
                 reason: RefusalReason::Denied,
                 message: Some(e.to_string()),
                 rule: Some(e.rule().to_string()),
+                budget: None,
             }));
         }
     };
@@ -424,6 +426,8 @@ fn admit_command(
         ),
     );
     limits.max_effects = min(limits.max_effects, a.limits.max_effects);
+    limits.max_spend = min(limits.max_spend, a.limits.max_spend);
+    limits.max_tokens = min(limits.max_tokens, a.limits.max_tokens);
     // Kept for an operator's review, or for the saga when the compensation is built from them
     // or a lookup may need them.
     let args = if ruling.action == PolicyAction::Approve
@@ -448,7 +452,8 @@ fn admit_command(
             .map(|(k, v)| (k.into_boxed_str(), v.into_boxed_str()))
             .collect(),
         limits,
-        policy: ruling.into(),
+        policy: Box::new(ruling.into()),
+        reserve: a.reserve,
     }))
 }
 
@@ -621,6 +626,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
                 limits: RequestedRunLimits::default(),
                 declare: None,
                 seed: None,
+                reserve: Default::default(),
             })
         };
         let complete = |token: &str| {
@@ -631,6 +637,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
                 outcome: Outcome::Ok,
                 result: None,
                 error: None,
+                cost: Default::default(),
             })
         };
         let mut out = Vec::new();
@@ -935,6 +942,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
                 limits: RequestedRunLimits::default(),
                 declare: Some(declare),
                 seed: None,
+                reserve: Default::default(),
             })
         };
         let unbook = estop_kernel::ToolName::new("unbook").unwrap();
@@ -1000,6 +1008,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
                 limits: RequestedRunLimits::default(),
                 declare: None,
                 seed,
+                reserve: Default::default(),
             });
             match route(&shared, Some(&agent), op) {
                 Route::Core(Ask::Apply {

@@ -32,10 +32,24 @@ pub fn verdict(run: &RunId, v: &Verdict) -> wire::VerdictReply {
             expires_at: *expires_at,
             reason: *reason,
         },
-        Verdict::Refused { reason } => wire::VerdictReply::Refused {
+        Verdict::Refused { reason, over } => wire::VerdictReply::Refused {
             reason: *reason,
-            message: None,
+            message: over.as_ref().map(|o| {
+                format!(
+                    "the model budget ({}) of run {} cannot cover this call: {} used of {}",
+                    o.dimension.as_str(),
+                    o.run,
+                    o.used,
+                    o.limit
+                )
+            }),
             rule: None,
+            budget: over.as_ref().map(|o| wire::BudgetOver {
+                dimension: o.dimension.as_str().to_string(),
+                run: o.run.to_string(),
+                limit: o.limit,
+                used: o.used,
+            }),
         },
         Verdict::Duplicate {
             status,
@@ -209,6 +223,15 @@ pub fn report(
             .as_ref()
             .and_then(|s| s.reason.as_deref().map(str::to_string)),
         stopped_at: run.stop.as_ref().map(|s| s.at),
+        budget: report::budget(run)
+            .into_iter()
+            .map(|b| wire::BudgetLine {
+                dimension: b.dimension.as_str().to_string(),
+                spent: b.spent,
+                reserved: b.reserved,
+                limit: b.limit,
+            })
+            .collect(),
         ..wire::Report::default()
     };
     r.saga_next = saga_next(id, run);
@@ -461,6 +484,7 @@ mod tests {
                     reason: r,
                     message: None,
                     rule: None,
+                    budget: None,
                 })
                 .to_line();
                 format!("{r} {}", String::from_utf8(line).unwrap().trim_end())

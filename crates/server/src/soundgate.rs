@@ -176,6 +176,7 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
                         reason: estop_kernel::vocab::RefusalReason::Denied,
                         message: Some(e.to_string()),
                         rule: None,
+                        budget: None,
                     }));
                 }
             };
@@ -201,7 +202,8 @@ fn handle(req: SgRequest, out: &Outbox, shared: &Shared, decisions: &Decisions) 
                 parent: None,
                 labels: Vec::new(),
                 limits: shared.policy.run_limits(crate::shared::wall_ms()),
-                policy: ruling.into(),
+                policy: Box::new(ruling.into()),
+                reserve: Default::default(),
             });
             send(CoreMsg::Apply {
                 principal: agent,

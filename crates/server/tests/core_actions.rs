@@ -55,7 +55,9 @@ fn admit_in(run: &str, key: &str, action: PolicyAction) -> Command {
             groups: vec![],
             expiry_ms: 3_600_000,
             rule: "test".into(),
-        },
+        }
+        .into(),
+        reserve: Default::default(),
     })
 }
 

@@ -54,7 +54,9 @@ fn admit(key: &str) -> Command {
             groups: vec![],
             expiry_ms: 60_000,
             rule: "test".into(),
-        },
+        }
+        .into(),
+        reserve: Default::default(),
     })
 }
 
@@ -212,6 +214,7 @@ fn complete(key: &str, token: &str) -> Command {
         outcome: estop_kernel::vocab::Outcome::Ok,
         result: None,
         error: None,
+        cost: Default::default(),
     }
 }
 

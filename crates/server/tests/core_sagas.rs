@@ -76,7 +76,9 @@ fn refund_looked_up_by(lookup: Option<&str>) -> Command {
             groups: vec![],
             expiry_ms: 1000,
             rule: "test".into(),
-        },
+        }
+        .into(),
+        reserve: Default::default(),
     })
 }
 
@@ -176,6 +178,7 @@ fn stopped_with(
         outcome,
         result: result.map(Into::into),
         error: None,
+        cost: Default::default(),
     };
     apply(c, 0, complete, &tx);
     let cancel = Command::Cancel {
@@ -780,6 +783,7 @@ fn an_executor_of_some_tools_is_offered_only_their_compensations() {
         outcome: Outcome::Ok,
         result: Some(r#"{"id":"re_1"}"#.into()),
         error: None,
+        cost: Default::default(),
     };
     apply(&mut c, 0, complete, &tx);
     let cancel = Command::Cancel {

@@ -52,7 +52,9 @@ fn held(key: &str, expiry_ms: u64) -> Command {
             groups: vec![],
             expiry_ms,
             rule: "test".into(),
-        },
+        }
+        .into(),
+        reserve: Default::default(),
     })
 }
 

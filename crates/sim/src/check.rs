@@ -111,6 +111,7 @@ fn admit(run: u8, key: u8, limits: u8) -> Step {
         arg,
         start,
         limits,
+        reserve: 0,
     })
 }
 
@@ -121,6 +122,7 @@ fn complete(run: u8, key: u8, outcome: Outcome) -> Step {
         key,
         tok: Tok::Issued,
         outcome,
+        cost: 0,
     })
 }
 
@@ -261,6 +263,7 @@ fn saga_alphabet() -> Vec<Step> {
             arg: 0,
             start: true,
             limits: 0,
+            reserve: 0,
         }));
         for outcome in [Outcome::Ok, Outcome::Error, Outcome::Unknown] {
             out.push(complete(P, key, outcome));

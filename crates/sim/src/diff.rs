@@ -103,7 +103,8 @@ pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
                 tool,
                 arg,
                 start: rng.below(2) == 0,
-                limits: *rng.pick(&[0u8, 0, 0, 0, 0, 0, 1, 2]),
+                limits: *rng.pick(&[0u8, 0, 0, 0, 1, 2, 3, 3, 4, 4]),
+                reserve: *rng.pick(&[0u8, 0, 1, 2, 3, 4, 1, 2]),
             }
         }
         32..=39 => Op::Wait {
@@ -123,6 +124,7 @@ pub fn random_op(rng: &mut Rng, model: &Model) -> Op {
             key,
             tok: tok(rng),
             outcome: *rng.pick(&[Outcome::Ok, Outcome::Ok, Outcome::Error, Outcome::Unknown]),
+            cost: *rng.pick(&[0u8, 0, 1, 2, 3, 5]),
         },
         60..=74 => Op::Decide {
             who: operator(rng),
@@ -715,6 +717,27 @@ pub fn run_case(seed: u64, len_max: usize, stats: &mut DiffStats) -> Result<(), 
                     .collect::<Vec<_>>()
                     .join(" ");
                 *stats.answers.entry(kind).or_default() += 1;
+                if a.text.starts_with("refused budget model_") {
+                    // A model reservation refused: which dimension, on the run or its parent.
+                    let own = a.text.split_whitespace().nth(4) == Some(op_run_name(&op));
+                    let whose = if own { "own" } else { "ancestor's" };
+                    let dim = a.text.split_whitespace().nth(2).unwrap_or("");
+                    *stats
+                        .answers
+                        .entry(format!("refused budget {dim} {whose}"))
+                        .or_default() += 1;
+                }
+                if let Op::Complete { run, cost, .. } = op
+                    && cost > 0
+                    && a.changed
+                    && pair.view.values().any(|r| {
+                        r.cause.as_deref() == Some("budget") && r.stopped_at == Some(pair.now)
+                    })
+                    && pair.view.contains_key(crate::world::RUNS[run as usize])
+                {
+                    // Settled spend reached a limit: the gate fenced a run's tree.
+                    *stats.answers.entry("spend fence".into()).or_default() += 1;
+                }
                 if a.changed && a.text.starts_with("compensation needs_human attempt=5") {
                     // The attempt bound reached (five failed attempts, then a human).
                     *stats.answers.entry(a.text.clone()).or_default() += 1;
@@ -783,4 +806,9 @@ pub fn run(first_seed: u64, ops_target: u64, len_max: usize) -> Result<DiffStats
 /// Whether a verdict is an admission (for coverage summaries).
 pub fn is_admission(r: &Reply) -> bool {
     matches!(r, Reply::Verdict(Verdict::Admitted { .. } | Verdict::Go))
+}
+
+/// The run an op names, as the answers write it.
+fn op_run_name(op: &Op) -> &'static str {
+    crate::world::run_of(op).map_or("", |r| crate::world::RUNS[r as usize])
 }

@@ -7,8 +7,8 @@
 mod saga;
 
 use crate::world::{
-    Answer, BOGUS_TOKEN, EffectView, KEYS, Op, RUNS, RunView, SagaView, Tok, Tool, View, Who,
-    digest, parent_of,
+    Answer, BOGUS_TOKEN, EffectView, KEYS, Op, RUNS, RunView, SPEND_LIMIT_TOKENS, SPEND_LIMIT_USD,
+    SagaView, Tok, Tool, View, Who, digest, parent_of, spend,
 };
 use estop_kernel::Digest;
 use estop_kernel::vocab::Outcome;
@@ -123,6 +123,12 @@ pub struct Eff {
     pub outcome: Option<Outcome>,
     /// The reverse saga's counters.
     pub undo: Undo,
+    /// The model reservation its admission asked for, and whether it is counted on the run
+    /// and its ancestors now (from its admission until it settles or is voided unstarted).
+    pub reserve: (u64, u64),
+    pub counted: bool,
+    /// Its settled cost was charged.
+    pub charged: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -138,6 +144,12 @@ pub struct MRun {
     pub epoch: u32,
     pub deadline: Option<u64>,
     pub max_effects: Option<u64>,
+    pub max_spend: Option<u64>,
+    pub max_tokens: Option<u64>,
+    /// The model spend of the run and its descendants: settled, and reserved (micro-USD,
+    /// tokens).
+    pub spent: (u64, u64),
+    pub reserved: (u64, u64),
     pub admissions: u64,
     pub tokens_issued: u64,
     pub approvals_requested: u64,
@@ -157,6 +169,10 @@ impl MRun {
             epoch: 1,
             deadline: None,
             max_effects: None,
+            max_spend: None,
+            max_tokens: None,
+            spent: (0, 0),
+            reserved: (0, 0),
             admissions: 0,
             tokens_issued: 0,
             approvals_requested: 0,
@@ -224,6 +240,8 @@ fn changed(s: String) -> Res {
 
 enum Decision {
     Refuse(&'static str),
+    /// A model reservation that does not fit: the answer names the dimension and the run.
+    OverBudget(String),
     FenceDeadline(u8),
     FenceBudget,
     Hold(&'static str),
@@ -402,8 +420,9 @@ impl Model {
         let mut forgotten = 0;
         for (_, _, id) in due {
             let r = &self.runs[&id];
-            // An effect an operator chose to compensate keeps its run until it is settled.
-            if r.state() == "finalizing" || r.chosen_open() {
+            // An effect an operator chose to compensate keeps its run until it is settled, and a
+            // reservation outstanding in its tree keeps it until that call settles.
+            if r.state() == "finalizing" || r.chosen_open() || r.reserved != (0, 0) {
                 continue;
             }
             let needs_grave = r.stopped_at > graves_before;
@@ -454,7 +473,8 @@ impl Model {
                 arg,
                 start,
                 limits,
-            } => self.admit(now, who, run, key, tool, arg, start, limits),
+                reserve,
+            } => self.admit(now, who, run, key, tool, arg, start, limits, reserve),
             Op::Wait { who, run, key } => self.wait(now, who, run, key),
             Op::Start { who, run, key, tok } => self.start(now, who, run, key, tok),
             Op::Complete {
@@ -463,7 +483,8 @@ impl Model {
                 key,
                 tok,
                 outcome,
-            } => self.complete(who, run, key, tok, outcome),
+                cost,
+            } => self.complete(now, who, run, key, tok, outcome, cost),
             Op::Decide {
                 who,
                 run,
@@ -551,14 +572,110 @@ impl Model {
             r.stopped_at = now;
             r.epoch += 1;
             r.paused = false;
+            let mut freed = (0, 0);
             for e in r.effects.values_mut() {
                 if matches!(e.st, St::Held(_) | St::Approved | St::Admitted) {
                     e.st = St::Refused(cause.refusal());
+                    if std::mem::take(&mut e.counted) {
+                        freed = add(freed, e.reserve);
+                    }
                 }
             }
+            self.count(id, |r| r.reserved = sub(r.reserved, freed));
             n += 1;
         }
         n
+    }
+
+    /// The run and the ancestors its model spend counts against: up the parent links while
+    /// the parent is held and still lists the child (a parent forgotten, its id taken by a new
+    /// run, is not the child's ancestor any more).
+    fn spend_lineage(&self, run: u8) -> Vec<u8> {
+        let mut out = vec![];
+        let mut at = Some(run);
+        while let Some(id) = at {
+            let Some(r) = self.runs.get(&id) else { break };
+            out.push(id);
+            at = r
+                .parent
+                .filter(|p| self.runs.get(p).is_some_and(|pr| pr.children.contains(&id)));
+        }
+        out
+    }
+
+    /// Applies `f` to the run and each ancestor its spend counts against.
+    fn count(&mut self, run: u8, f: impl Fn(&mut MRun)) {
+        for id in self.spend_lineage(run) {
+            f(self.runs.get_mut(&id).expect("held"));
+        }
+    }
+
+    /// Frees a counted reservation of an effect voided before it started, or settled.
+    fn release(&mut self, run: u8, key: u8) {
+        let e = self.eff(run, key);
+        if std::mem::take(&mut e.counted) {
+            let rs = e.reserve;
+            self.count(run, |r| r.reserved = sub(r.reserved, rs));
+        }
+    }
+
+    /// Charges a settled cost once on the run and its ancestors, then fences the farthest
+    /// run of the lineage, not yet stopped, whose limit the spend reached.
+    fn charge(&mut self, now: u64, run: u8, key: u8, cost: u8) {
+        let c = spend(cost);
+        let e = self.eff(run, key);
+        if c == (0, 0) || e.charged {
+            return;
+        }
+        e.charged = true;
+        self.count(run, |r| r.spent = add(r.spent, c));
+        let mut root = None;
+        for id in self.spend_lineage(run) {
+            let r = &self.runs[&id];
+            let reached = r.max_spend.is_some_and(|l| r.spent.0 >= l)
+                || r.max_tokens.is_some_and(|l| r.spent.1 >= l);
+            if r.stop.is_none() && reached {
+                root = Some(id);
+            }
+        }
+        if let Some(root) = root {
+            self.stop(now, root, Cause::Budget);
+        }
+    }
+
+    /// The nearest run of the lineage whose limit `reserve` would pass (dollars first).
+    fn over_budget(&self, run: u8, reserve: (u64, u64)) -> Option<String> {
+        if reserve == (0, 0) {
+            return None;
+        }
+        for id in self.spend_lineage(run) {
+            let r = &self.runs[&id];
+            let dims = [
+                (
+                    "model_usd",
+                    r.max_spend,
+                    r.spent.0 + r.reserved.0,
+                    reserve.0,
+                ),
+                (
+                    "model_tokens",
+                    r.max_tokens,
+                    r.spent.1 + r.reserved.1,
+                    reserve.1,
+                ),
+            ];
+            for (name, limit, used, more) in dims {
+                if let Some(l) = limit
+                    && used + more > l
+                {
+                    return Some(format!(
+                        "refused budget {name} of {} used={used} limit={l}",
+                        RUNS[id as usize]
+                    ));
+                }
+            }
+        }
+        None
     }
 
     /// The admission checks of docs/PROTOCOL.md, rows 3–12, for an effect that is new or held.
@@ -569,6 +686,7 @@ impl Model {
         tool: Tool,
         arg: u8,
         approved: bool,
+        reserve: (u64, u64),
     ) -> Result<Decision, &'static str> {
         let r = &self.runs[&run];
         if let Some((cause, _)) = r.stop {
@@ -585,6 +703,9 @@ impl Model {
         }
         if r.max_effects.is_some_and(|m| r.admissions >= m) {
             return Ok(Decision::FenceBudget);
+        }
+        if let Some(answer) = self.over_budget(run, reserve) {
+            return Ok(Decision::OverBudget(answer));
         }
         if self.paused_lineage(run) {
             return Ok(Decision::Hold("paused"));
@@ -607,6 +728,10 @@ impl Model {
             Decision::Refuse(why) => {
                 self.eff(run, key).st = St::Refused(why);
                 format!("refused {why}")
+            }
+            Decision::OverBudget(answer) => {
+                self.eff(run, key).st = St::Refused("budget");
+                answer
             }
             Decision::FenceDeadline(root) => {
                 self.stop(now, root, Cause::Deadline);
@@ -644,6 +769,11 @@ impl Model {
                 } else {
                     St::Admitted
                 };
+                let rs = e.reserve;
+                if rs != (0, 0) {
+                    e.counted = true;
+                    self.count(run, |r| r.reserved = add(r.reserved, rs));
+                }
                 format!("admitted {}.{}", token.0, token.1)
             }
         }
@@ -667,6 +797,7 @@ impl Model {
         arg: u8,
         start: bool,
         limits: u8,
+        reserve: u8,
     ) -> Res {
         let parent = parent_of(run);
         self.precheck_held(who, run, tool)?;
@@ -700,6 +831,12 @@ impl Model {
                 };
                 self.runs.get_mut(&p).expect("parent").children.push(run);
                 self.runs.get_mut(&run).expect("run").parent = Some(p);
+                // The adopted run's spend now counts against its new ancestors too.
+                let (sp, rs) = (self.runs[&run].spent, self.runs[&run].reserved);
+                self.count(p, |r| {
+                    r.spent = add(r.spent, sp);
+                    r.reserved = add(r.reserved, rs);
+                });
                 if let Some(cause) = inherited {
                     self.stop(now, run, cause);
                 }
@@ -726,7 +863,7 @@ impl Model {
         } else if let Some(cause) = self.create(now, who, run, limits)? {
             return changed(format!("refused {}", cause.refusal()));
         }
-        let d = self.decide_admission(now, run, tool, arg, false)?;
+        let d = self.decide_admission(now, run, tool, arg, false, spend(reserve))?;
         if matches!(d, Decision::Hold(_) | Decision::AskApproval) {
             self.room_for_held(self.runs[&run].owner)?;
         }
@@ -740,6 +877,9 @@ impl Model {
             late: false,
             outcome: None,
             undo: Undo::default(),
+            reserve: spend(reserve),
+            counted: false,
+            charged: false,
         };
         self.runs.get_mut(&run).expect("run").effects.insert(key, e);
         changed(self.carry(now, run, key, d))
@@ -782,6 +922,12 @@ impl Model {
         if limits == 2 {
             r.deadline = Some(now + 100);
         }
+        if limits == 3 {
+            r.max_spend = Some(SPEND_LIMIT_USD);
+        }
+        if limits == 4 {
+            r.max_tokens = Some(SPEND_LIMIT_TOKENS);
+        }
         if let Some(stop) = inherited {
             r.stop = Some(stop);
             r.stopped_at = now;
@@ -815,6 +961,7 @@ impl Model {
             St::Admitted => match r.stop {
                 Some((cause, _)) => {
                     self.eff(run, key).st = St::Refused(cause.refusal());
+                    self.release(run, key);
                     changed(format!("refused {}", cause.refusal()))
                 }
                 None => {
@@ -832,7 +979,7 @@ impl Model {
             }
             St::Approved => {
                 let until = e.approval.as_ref().expect("approved").1;
-                match self.decide_admission(now, run, e.tool, e.arg, true)? {
+                match self.decide_admission(now, run, e.tool, e.arg, true, e.reserve)? {
                     Decision::Hold(why) => verdict(format!("held {why}")),
                     Decision::Admit if now >= until => {
                         self.eff(run, key).st = St::Refused("expired");
@@ -841,10 +988,12 @@ impl Model {
                     d => changed(self.carry(now, run, key, d)),
                 }
             }
-            St::Held(why) => match self.decide_admission(now, run, e.tool, e.arg, false)? {
-                Decision::Hold(w) if w == why => verdict(format!("held {why}")),
-                d => changed(self.carry(now, run, key, d)),
-            },
+            St::Held(why) => {
+                match self.decide_admission(now, run, e.tool, e.arg, false, e.reserve)? {
+                    Decision::Hold(w) if w == why => verdict(format!("held {why}")),
+                    d => changed(self.carry(now, run, key, d)),
+                }
+            }
         }
     }
 
@@ -881,11 +1030,13 @@ impl Model {
         let write = e.tool.is_write();
         if let Some((cause, _)) = r.stop {
             self.eff(run, key).st = St::Refused(cause.refusal());
+            self.release(run, key);
             return changed(format!("refused {}", cause.refusal()));
         }
         if let Some(root) = self.overdue_root(run, now) {
             self.stop(now, root, Cause::Deadline);
             self.eff(run, key).st = St::Refused("deadline");
+            self.release(run, key);
             return changed("refused deadline".into());
         }
         // "One reject is final and also rejects the same call (digest) for the rest of the run":
@@ -896,6 +1047,7 @@ impl Model {
         };
         if self.runs[&run].rejected.contains(&call) {
             self.eff(run, key).st = St::Refused("rejected");
+            self.release(run, key);
             return changed("refused rejected".into());
         }
         if self.paused_lineage(run) {
@@ -908,7 +1060,17 @@ impl Model {
         changed("go".into())
     }
 
-    fn complete(&mut self, who: Who, run: u8, key: u8, tok: Tok, outcome: Outcome) -> Res {
+    #[allow(clippy::too_many_arguments)]
+    fn complete(
+        &mut self,
+        now: u64,
+        who: Who,
+        run: u8,
+        key: u8,
+        tok: Tok,
+        outcome: Outcome,
+        cost: u8,
+    ) -> Res {
         let r = self.visible(who, run)?;
         let e = r.effects.get(&key).ok_or("not_found")?;
         if e.token != Some(self.token_of(run, key, tok)) {
@@ -921,6 +1083,8 @@ impl Model {
                 e.st = St::Done(outcome);
                 e.outcome = Some(outcome);
                 e.late |= late;
+                self.release(run, key);
+                self.charge(now, run, key, cost);
                 changed(format!("completed late={late}"))
             }
             St::Done(Outcome::Unknown) if outcome == Outcome::Unknown => {
@@ -931,6 +1095,8 @@ impl Model {
                 e.st = St::Done(outcome);
                 e.outcome = Some(outcome);
                 e.late |= late;
+                self.release(run, key);
+                self.charge(now, run, key, cost);
                 changed(format!("completed late={late}"))
             }
             St::Done(o) if o == outcome => verdict(format!("completed late={}", e.late)),
@@ -943,6 +1109,7 @@ impl Model {
                 let e = self.eff(run, key);
                 e.outcome = Some(outcome);
                 e.late = true;
+                self.charge(now, run, key, cost);
                 changed("completed late=true".into())
             }
             _ => Err("not_started"),
@@ -1154,6 +1321,10 @@ impl Model {
                     in_flight: r.flying() as u32,
                     deadline: r.deadline,
                     max_effects: r.max_effects,
+                    max_spend: r.max_spend,
+                    max_tokens: r.max_tokens,
+                    spent: r.spent,
+                    reserved: r.reserved,
                     rejected: r.rejected.iter().copied().collect(),
                     effects,
                     stopped_at: r.stop.map(|_| r.stopped_at),
@@ -1184,6 +1355,10 @@ fn grave_view(g: &Grave) -> RunView {
         in_flight: 0,
         deadline: None,
         max_effects: None,
+        max_spend: None,
+        max_tokens: None,
+        spent: (0, 0),
+        reserved: (0, 0),
         rejected: vec![],
         effects: BTreeMap::new(),
         stopped_at: Some(g.stopped_at),
@@ -1210,4 +1385,12 @@ fn groups_covered(groups: &[&str], approvers: &[Who]) -> bool {
         false
     }
     go(groups, approvers, &mut vec![false; approvers.len()])
+}
+
+fn add(a: (u64, u64), b: (u64, u64)) -> (u64, u64) {
+    (a.0 + b.0, a.1 + b.1)
+}
+
+fn sub(a: (u64, u64), b: (u64, u64)) -> (u64, u64) {
+    (a.0 - b.0, a.1 - b.1)
 }

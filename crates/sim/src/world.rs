@@ -303,10 +303,29 @@ impl SagaOp {
     }
 }
 
+/// `limits = 3`: a run's `max_spend` (micro-USD) in traces.
+pub const SPEND_LIMIT_USD: u64 = 50;
+/// `limits = 4`: a run's `max_tokens` in traces.
+pub const SPEND_LIMIT_TOKENS: u64 = 18;
+
+/// The model spend a trace's `reserve` / `cost` of `n` stands for: (micro-USD, tokens). A
+/// run limits one dimension (`limits` 3 or 4), its parent possibly the other.
+pub fn spend(n: u8) -> (u64, u64) {
+    let n = u64::from(n);
+    (10 * n, 4 * n)
+}
+
+fn spend_of(n: u8) -> estop_kernel::Spend {
+    let (usd_micros, tokens) = spend(n);
+    estop_kernel::Spend { usd_micros, tokens }
+}
+
 /// One step of a trace: a client request, or time passing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Op {
-    /// `limits`: 0 none, 1 `max_effects = 2`, 2 deadline 100 ms from now (apply at creation).
+    /// `limits`: 0 none, 1 `max_effects = 2`, 2 deadline 100 ms from now, 3 `max_spend =
+    /// SPEND_LIMIT_USD`, 4 `max_tokens = SPEND_LIMIT_TOKENS` (apply at creation). `reserve`:
+    /// the model reservation, `spend(reserve)` (0: none).
     Admit {
         who: Who,
         run: u8,
@@ -315,6 +334,7 @@ pub enum Op {
         arg: u8,
         start: bool,
         limits: u8,
+        reserve: u8,
     },
     Wait {
         who: Who,
@@ -327,12 +347,14 @@ pub enum Op {
         key: u8,
         tok: Tok,
     },
+    /// `cost`: the model spend settled, `spend(cost)` (0: none).
     Complete {
         who: Who,
         run: u8,
         key: u8,
         tok: Tok,
         outcome: Outcome,
+        cost: u8,
     },
     Decide {
         who: Who,
@@ -429,6 +451,7 @@ impl fmt::Display for Op {
                 arg,
                 start,
                 limits,
+                reserve,
             } => {
                 write!(
                     f,
@@ -441,9 +464,14 @@ impl fmt::Display for Op {
                 if !start {
                     f.write_str(" start=false")?;
                 }
+                if *reserve > 0 {
+                    write!(f, " reserve={:?}", spend(*reserve))?;
+                }
                 match limits {
                     1 => f.write_str(" max=2"),
                     2 => f.write_str(" deadline=+100"),
+                    3 => write!(f, " max_spend={SPEND_LIMIT_USD}"),
+                    4 => write!(f, " max_tokens={SPEND_LIMIT_TOKENS}"),
                     _ => Ok(()),
                 }
             }
@@ -457,6 +485,7 @@ impl fmt::Display for Op {
                 key,
                 tok,
                 outcome,
+                cost,
             } => {
                 write!(
                     f,
@@ -464,7 +493,11 @@ impl fmt::Display for Op {
                     who.name(),
                     r(run),
                     k(key)
-                )
+                )?;
+                if *cost > 0 {
+                    write!(f, " cost={:?}", spend(*cost))?;
+                }
+                Ok(())
             }
             Op::Decide {
                 who,
@@ -538,6 +571,7 @@ pub fn command(op: &Op, now: u64, issued: Option<Token>) -> Option<(Principal, C
             arg,
             start,
             limits,
+            reserve,
         } => (
             *who,
             Command::Admit(Admit {
@@ -552,8 +586,11 @@ pub fn command(op: &Op, now: u64, issued: Option<Token>) -> Option<(Principal, C
                 limits: RunLimits {
                     deadline_at: (*limits == 2).then_some(now + 100),
                     max_effects: (*limits == 1).then_some(2),
+                    max_spend: (*limits == 3).then_some(SPEND_LIMIT_USD),
+                    max_tokens: (*limits == 4).then_some(SPEND_LIMIT_TOKENS),
                 },
-                policy: tool.policy(),
+                policy: Box::new(tool.policy()),
+                reserve: spend_of(*reserve),
             }),
         ),
         Op::Wait { who, run, key } => (
@@ -582,6 +619,7 @@ pub fn command(op: &Op, now: u64, issued: Option<Token>) -> Option<(Principal, C
             key,
             tok: t,
             outcome,
+            cost,
         } => (
             *who,
             Command::Complete {
@@ -591,6 +629,7 @@ pub fn command(op: &Op, now: u64, issued: Option<Token>) -> Option<(Principal, C
                 outcome: *outcome,
                 result: None,
                 error: None,
+                cost: spend_of(*cost),
             },
         ),
         Op::Decide {
@@ -771,7 +810,16 @@ pub fn render_verdict(v: &Verdict) -> String {
             }
             s
         }
-        Verdict::Refused { reason } => format!("refused {reason}"),
+        Verdict::Refused { reason, over } => match over {
+            None => format!("refused {reason}"),
+            Some(o) => format!(
+                "refused {reason} {} of {} used={} limit={}",
+                o.dimension.as_str(),
+                o.run,
+                o.used,
+                o.limit
+            ),
+        },
         Verdict::Duplicate {
             status, outcome, ..
         } => match outcome {
@@ -864,6 +912,11 @@ pub struct RunView {
     pub in_flight: u32,
     pub deadline: Option<u64>,
     pub max_effects: Option<u64>,
+    pub max_spend: Option<u64>,
+    pub max_tokens: Option<u64>,
+    /// What the run's subtree spent and has reserved: (micro-USD, tokens).
+    pub spent: (u64, u64),
+    pub reserved: (u64, u64),
     pub rejected: Vec<Digest>,
     pub effects: BTreeMap<String, EffectView>,
     /// When it was stopped, once it has.
@@ -950,6 +1003,10 @@ pub fn view_of(gate: &Gate) -> View {
                 in_flight: run.in_flight,
                 deadline: run.limits.deadline_at,
                 max_effects: run.limits.max_effects,
+                max_spend: run.limits.max_spend,
+                max_tokens: run.limits.max_tokens,
+                spent: (run.spent.usd_micros, run.spent.tokens),
+                reserved: (run.reserved.usd_micros, run.reserved.tokens),
                 rejected: run.rejected.iter().copied().collect(),
                 effects,
                 stopped_at: run.stop.as_ref().map(|s| s.at),
@@ -975,6 +1032,10 @@ pub fn view_of(gate: &Gate) -> View {
                 in_flight: 0,
                 deadline: None,
                 max_effects: None,
+                max_spend: None,
+                max_tokens: None,
+                spent: (0, 0),
+                reserved: (0, 0),
                 rejected: vec![],
                 effects: BTreeMap::new(),
                 stopped_at: Some(t.stopped_at),

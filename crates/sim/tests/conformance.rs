@@ -46,6 +46,13 @@ fn kernel_agrees_with_the_reference_model_on_a_million_operations() {
         "refused rejected",
         "refused expired",
         "refused budget",
+        // The model budget: reservations refused by the run's own limit and by its parent's, in
+        // each dimension, and fences when settled spend reaches a limit.
+        "refused budget model_usd own",
+        "refused budget model_usd ancestor's",
+        "refused budget model_tokens own",
+        "refused budget model_tokens ancestor's",
+        "spend fence",
         "refused deadline",
         "refused denied",
         "refused mismatch",
@@ -112,6 +119,7 @@ fn a_planted_divergence_is_found_and_shrunk() {
         arg: 0,
         start: true,
         limits: 0,
+        reserve: 0,
     };
     let noise = [
         admit(2, Tool::Pay),
@@ -157,6 +165,7 @@ fn a_report_of_attempt_zero_is_a_conflict() {
             arg: 0,
             start: true,
             limits: 0,
+            reserve: 0,
         },
         Op::Complete {
             who: Who::Agent,
@@ -164,6 +173,7 @@ fn a_report_of_attempt_zero_is_a_conflict() {
             key: 1,
             tok: Tok::Issued,
             outcome: Outcome::Ok,
+            cost: 0,
         },
         saga(Who::Bob, SagaOp::Skip),
         saga(

@@ -64,7 +64,9 @@ fn admit_as(
             groups: Vec::new(),
             expiry_ms: 1000,
             rule: "test".into(),
-        },
+        }
+        .into(),
+        reserve: Default::default(),
     })
 }
 
@@ -82,6 +84,7 @@ fn tree() -> (Gate, Token) {
     let r1_limits = RunLimits {
         deadline_at: Some(100),
         max_effects: Some(1),
+        ..RunLimits::default()
     };
     let a = agent();
     let token = token_of(
@@ -199,6 +202,7 @@ fn a_fence_of_an_adopted_subtree_is_checked_before_it_is_adopted() {
     let overdue = RunLimits {
         deadline_at: Some(100),
         max_effects: None,
+        ..RunLimits::default()
     };
     gate.apply(0, &agent(), &admit("o", "k", None, overdue))
         .unwrap();

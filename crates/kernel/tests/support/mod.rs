@@ -12,9 +12,20 @@ use estop_kernel::state::Status;
 use estop_kernel::vocab::{Decision, EffectClass, Outcome, PolicyAction, Reversibility};
 use estop_kernel::{
     Admit, Command, Digest, EffectKey, Gate, Limits, PolicyDecision, Principal, PrincipalName,
-    Record, Role, RunId, RunLimits, SagaAction, SagaStep, Token, TokenAction, TokenChange,
+    Record, Role, RunId, RunLimits, SagaAction, SagaStep, Spend, Token, TokenAction, TokenChange,
     ToolName,
 };
+
+/// `U/T`: micro-USD and tokens (`reserve=`, `cost=` in scripts).
+fn spend_of(s: Option<&str>) -> Spend {
+    s.map_or(Spend::default(), |s| {
+        let (u, t) = s.split_once('/').expect("spend is U/T");
+        Spend {
+            usd_micros: u.parse().unwrap(),
+            tokens: t.parse().unwrap(),
+        }
+    })
+}
 use std::fmt::Write;
 
 pub fn principal(name: &str) -> Principal {
@@ -128,8 +139,11 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
                 limits: RunLimits {
                     deadline_at: opt("deadline").map(|d| d.parse().unwrap()),
                     max_effects: opt("max").map(|d| d.parse().unwrap()),
+                    max_spend: opt("max_usd").map(|d| d.parse().unwrap()),
+                    max_tokens: opt("max_tokens").map(|d| d.parse().unwrap()),
                 },
-                policy: p,
+                policy: Box::new(p),
+                reserve: spend_of(opt("reserve")),
             })
         }
         "wait" => Command::Recheck {
@@ -161,6 +175,7 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
                 outcome,
                 result: opt("result").map(Into::into),
                 error: None,
+                cost: spend_of(opt("cost")),
             }
         }
         "approve" | "reject" => Command::Decide {
@@ -328,7 +343,14 @@ pub fn render_verdict(v: &Verdict) -> String {
             }
             s
         }
-        Verdict::Refused { reason } => format!("refused {reason}"),
+        Verdict::Refused { reason, over } => {
+            let mut s = format!("refused {reason}");
+            if let Some(o) = over {
+                let d = o.dimension.as_str();
+                write!(s, " {d} of {} used={} limit={}", o.run, o.used, o.limit).unwrap();
+            }
+            s
+        }
         Verdict::Duplicate {
             status,
             outcome,
@@ -421,6 +443,29 @@ pub fn render_state(gate: &Gate) -> String {
         if let Some(p) = &run.parent {
             write!(s, " parent={p}").unwrap();
         }
+        let (l, sp, rs) = (run.limits, run.spent, run.reserved);
+        if l.max_spend.is_some() || l.max_tokens.is_some() || !sp.is_zero() || !rs.is_zero() {
+            let lim = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
+            write!(
+                s,
+                " spent={}/{} reserved={}/{} limit={}/{}",
+                sp.usd_micros,
+                sp.tokens,
+                rs.usd_micros,
+                rs.tokens,
+                lim(l.max_spend),
+                lim(l.max_tokens)
+            )
+            .unwrap();
+        }
+        if let Some(r) = run
+            .stop
+            .as_ref()
+            .filter(|s| s.cause == estop_kernel::vocab::StopCause::Budget)
+            .and_then(|s| s.reason.as_deref())
+        {
+            write!(s, " reason={r:?}").unwrap();
+        }
         s.push('\n');
         for (k, e) in &run.effects {
             let status = match e.status {
@@ -449,6 +494,14 @@ pub fn render_state(gate: &Gate) -> String {
             }
             if let Some(l) = &e.lookup {
                 write!(s, " lookup={l}").unwrap();
+            }
+            if let Some(sp) = &e.spend {
+                let r = sp.reserve;
+                let counted = if sp.counted { "(counted)" } else { "" };
+                write!(s, " reserve={}/{}{counted}", r.usd_micros, r.tokens).unwrap();
+                if let Some(c) = sp.cost {
+                    write!(s, " cost={}/{}", c.usd_micros, c.tokens).unwrap();
+                }
             }
             if let Some(r) = e.outcome.as_ref().and_then(|o| o.result.as_deref()) {
                 write!(s, " result={r}").unwrap();

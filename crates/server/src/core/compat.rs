@@ -76,6 +76,7 @@ impl Core {
                 reason: RefusalReason::Rejected,
                 message: None,
                 rule: None,
+                budget: None,
             }),
             Ok((
                 Reply::Decided(Decided {
@@ -102,6 +103,7 @@ impl Core {
                         reason: RefusalReason::Cancelled,
                         message: None,
                         rule: None,
+                        budget: None,
                     });
                 }
                 match r.effects.get(&key).map(|e| e.status) {
@@ -110,6 +112,7 @@ impl Core {
                             reason,
                             message: None,
                             rule: None,
+                            budget: None,
                         })
                     }
                     Some(s) if !s.is_held_or_prepared() => {

@@ -107,10 +107,14 @@ impl ShippedWorld {
             0 => RunLimits {
                 deadline_at: Some(at + 1 + self.rng.below(self.shape.wait_ms_max)),
                 max_effects: None,
+                max_spend: Default::default(),
+                max_tokens: Default::default(),
             },
             1 => RunLimits {
                 deadline_at: None,
                 max_effects: Some(1 + self.rng.below(4)),
+                max_spend: Default::default(),
+                max_tokens: Default::default(),
             },
             _ => RunLimits::default(),
         };
@@ -130,7 +134,8 @@ impl ShippedWorld {
             } else {
                 limits
             },
-            policy,
+            policy: Box::new(policy),
+            reserve: Default::default(),
         });
         let asked = Asked::Admit {
             run,
@@ -181,6 +186,7 @@ impl ShippedWorld {
                     outcome,
                     result: None,
                     error: None,
+                    cost: Default::default(),
                 };
                 let asked = Asked::Complete {
                     run,
