@@ -30,7 +30,9 @@ pub const RECORD_VERSION: u8 = 1;
 /// operator chose it. Version 3 is still read (no lookup; one lookup granted; not chosen).
 /// 5: each compensation ends with the approval its compensating call waits for, if any.
 /// Version 4 is still read (none).
-pub const SNAPSHOT_VERSION: u8 = 5;
+/// 6: each effect's `lookup` is followed by its `lookup_args` (CEL text), if any. Version 5
+/// is still read (none).
+pub const SNAPSHOT_VERSION: u8 = 6;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("cannot decode {what} at byte {offset}: {problem}")]
@@ -266,8 +268,10 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
         Command::Admit(a) => {
             // Tag 17 is an admission whose policy says how to build its compensation's
             // arguments, 18 one whose tool declares a lookup (with either mapping or none);
-            // without those it is written as before (tag 1).
+            // without those it is written as before (tag 1). Tag 20 is tag 18 whose lookup's
+            // arguments are built by a mapping (`lookup_args`).
             w.u8(match (&a.policy.compensate_args, &a.policy.lookup) {
+                (_, Some(_)) if a.policy.lookup_args.is_some() => 20,
                 (_, Some(_)) => 18,
                 (Some(_), None) => 17,
                 (None, None) => 1,
@@ -299,6 +303,9 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
                 Some(lookup) => {
                     w.opt_str(p.compensate_args.as_deref());
                     w.str(lookup.as_str());
+                    if let Some(m) = &p.lookup_args {
+                        w.str(m);
+                    }
                 }
                 None => {
                     if let Some(m) = &p.compensate_args {
@@ -523,7 +530,7 @@ impl RecordDecoder {
         let at = r.u64()?;
         let principal = self.principal(&mut r)?;
         let command = match r.u8()? {
-            tag @ (1 | 17 | 18) => {
+            tag @ (1 | 17 | 18 | 20) => {
                 let run = self.run(&mut r)?;
                 let key = r.key()?;
                 let tool = self.tool(&mut r)?;
@@ -547,19 +554,26 @@ impl RecordDecoder {
                     compensate: r.opt(R::tool)?,
                     compensate_args: None,
                     lookup: None,
+                    lookup_args: None,
                     quorum: r.u32()?,
                     groups: r.strs()?,
                     expiry_ms: r.u64()?,
                     rule: self.rule(&mut r)?,
                 };
-                let (compensate_args, lookup) = match tag {
-                    17 => (Some(r.str()?.into()), None),
-                    18 => (r.opt(R::str)?.map(Into::into), Some(r.tool()?)),
-                    _ => (None, None),
+                let (compensate_args, lookup, lookup_args) = match tag {
+                    17 => (Some(r.str()?.into()), None, None),
+                    18 => (r.opt(R::str)?.map(Into::into), Some(r.tool()?), None),
+                    20 => (
+                        r.opt(R::str)?.map(Into::into),
+                        Some(r.tool()?),
+                        Some(r.str()?.into()),
+                    ),
+                    _ => (None, None, None),
                 };
                 let policy = PolicyDecision {
                     compensate_args,
                     lookup,
+                    lookup_args,
                     ..policy
                 };
                 Command::Admit(Admit {
@@ -836,6 +850,7 @@ fn put_effect(w: &mut W, e: &Effect) {
     }
     w.opt_str(e.compensate_args.as_deref());
     w.opt_str(e.lookup.as_ref().map(ToolName::as_str));
+    w.opt_str(e.lookup_args.as_deref());
     match &e.saga {
         None => w.u8(0),
         Some(c) => {
@@ -939,11 +954,16 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
             error: r.opt(R::boxed)?,
         }))
     })?;
-    let (compensate_args, lookup, saga) = if version < 3 {
-        (None, None, None)
+    let (compensate_args, (lookup, lookup_args), saga) = if version < 3 {
+        (None, (None, None), None)
     } else {
         let args = r.opt(R::str)?.map(std::sync::Arc::from);
         let lookup = if version >= 4 { r.opt(R::tool)? } else { None };
+        let lookup_args = if version >= 6 {
+            r.opt(R::str)?.map(std::sync::Arc::from)
+        } else {
+            None
+        };
         let saga = r.opt(|r| {
             let mut c = Compensation {
                 attempts: r.u32()?,
@@ -969,7 +989,7 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
             }
             Ok(Box::new(c))
         })?;
-        (args, lookup, saga)
+        (args, (lookup, lookup_args), saga)
     };
     Ok(Effect {
         tool,
@@ -979,6 +999,7 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
         compensate,
         compensate_args,
         lookup,
+        lookup_args,
         rule,
         action,
         approval,

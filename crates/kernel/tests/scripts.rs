@@ -1069,11 +1069,11 @@ fn a_version_1_snapshot_loads_and_its_compacted_runs_are_forgotten_next() {
     assert!(decode_snapshot(&bad, Limits::default()).is_err());
 }
 
-/// Version 2 and 3 snapshots (before compensations, before lookups) still load: their effects
-/// have no compensation, or no lookup. They are the version 4 encoding without the effect's
-/// last bytes (a compensation is none here, a `0`).
+/// Version 2 to 5 snapshots (before compensations, before lookups, before lookup mappings)
+/// still load: their effects have no compensation, no lookup, or no lookup mapping. They are
+/// the version 6 encoding without the effect's last bytes (a compensation is none here, a `0`).
 #[test]
-fn a_version_2_or_3_snapshot_loads_with_effects_that_have_no_compensation_or_lookup() {
+fn a_version_2_to_5_snapshot_loads_with_effects_that_have_no_compensation_or_lookup() {
     use estop_kernel::record_codec::{decode_snapshot, encode_snapshot};
     use estop_kernel::{Gate, Limits};
     let mut gate = Gate::new(Limits::default());
@@ -1084,21 +1084,26 @@ fn a_version_2_or_3_snapshot_loads_with_effects_that_have_no_compensation_or_loo
         let rec = support::parse_line(line, None);
         gate.apply(rec.at, &rec.principal, &rec.command).unwrap();
     }
-    let mut v4 = Vec::new();
-    encode_snapshot(&gate, &mut v4);
+    let mut v6 = Vec::new();
+    encode_snapshot(&gate, &mut v6);
     // The snapshot ends with the one effect's `compensate_args` byte (version 3), `lookup`
-    // byte (version 4) and compensation byte, then 8 bytes: no tombstones.
-    let added = v4.len() - 11;
+    // byte (version 4), `lookup_args` byte (version 6) and compensation byte, then 8 bytes:
+    // no tombstones.
+    let added = v6.len() - 12;
     assert_eq!(
-        v4[added..added + 3],
-        [0, 0, 0],
-        "no mapping, no lookup, no compensation yet"
+        v6[added..added + 4],
+        [0, 0, 0, 0],
+        "no mapping, no lookup, no lookup mapping, no compensation yet"
     );
-    let mut v3 = v4.clone();
+    let mut v5 = v6.clone();
+    v5.remove(added + 2);
+    v5[0] = 5;
+    assert_eq!(decode_snapshot(&v5, Limits::default()).unwrap(), gate);
+    let mut v3 = v5.clone();
     v3.remove(added + 1);
     v3[0] = 3;
     assert_eq!(decode_snapshot(&v3, Limits::default()).unwrap(), gate);
-    let mut v2 = v4.clone();
+    let mut v2 = v5.clone();
     v2.drain(added..added + 3);
     v2[0] = 2;
     assert_eq!(decode_snapshot(&v2, Limits::default()).unwrap(), gate);
@@ -1107,6 +1112,38 @@ fn a_version_2_or_3_snapshot_loads_with_effects_that_have_no_compensation_or_loo
     assert!(decode_snapshot(&v2, Limits::default()).is_err());
     v3[0] = 4;
     assert!(decode_snapshot(&v3, Limits::default()).is_err());
+    v5[0] = 6;
+    assert!(decode_snapshot(&v5, Limits::default()).is_err());
+}
+
+/// A lookup's mapping (`lookup_args`) is recorded with the admission (tag 20) and kept in the
+/// snapshot; an admission with a lookup and no mapping is still written as tag 18.
+#[test]
+fn a_lookup_mapping_is_recorded_with_the_admission_and_kept_in_the_snapshot() {
+    use estop_kernel::record_codec::{
+        decode_record, decode_snapshot, encode_record, encode_snapshot,
+    };
+    use estop_kernel::{Gate, Limits};
+    let mut gate = Gate::new(Limits::default());
+    let with = support::parse_line(
+        r#"0 agent admit r1 k1 http.POST comp=http.DELETE lookup=http.GET largs={"path":"/x/"+key}"#,
+        None,
+    );
+    let without = support::parse_line("1 agent admit r1 k2 refund comp=unrefund lookup=find", None);
+    for (rec, tag) in [(&with, 20u8), (&without, 18)] {
+        let mut buf = Vec::new();
+        encode_record(rec, &mut buf);
+        // version, at, principal ("agent": 4 + 5 bytes, role, no groups), then the tag.
+        assert_eq!(buf[1 + 8 + 9 + 1 + 4], tag);
+        assert_eq!(&decode_record(&buf).unwrap(), rec);
+        gate.apply(rec.at, &rec.principal, &rec.command).unwrap();
+    }
+    let r1 = RunId::new("r1").unwrap();
+    let e = &gate.run(&r1).unwrap().effects[&estop_kernel::EffectKey::new("k1").unwrap()];
+    assert_eq!(e.lookup_args.as_deref(), Some(r#"{"path":"/x/"+key}"#));
+    let mut snap = Vec::new();
+    encode_snapshot(&gate, &mut snap);
+    assert_eq!(decode_snapshot(&snap, Limits::default()).unwrap(), gate);
 }
 
 /// Every verb that moves a run, from every state a run can be in: each either moves it along

@@ -52,6 +52,7 @@ pub fn policy(action: PolicyAction) -> PolicyDecision {
         compensate: None,
         compensate_args: None,
         lookup: None,
+        lookup_args: None,
         quorum: 1,
         groups: vec![],
         expiry_ms: 1000,
@@ -115,6 +116,9 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
             }
             if let Some(l) = opt("lookup") {
                 p.lookup = Some(ToolName::new(l).unwrap());
+            }
+            if let Some(m) = opt("largs") {
+                p.lookup_args = Some(m.into());
             }
             Command::Admit(Admit {
                 run: run(),
@@ -449,6 +453,9 @@ pub fn render_state(gate: &Gate) -> String {
             }
             if let Some(l) = &e.lookup {
                 write!(s, " lookup={l}").unwrap();
+            }
+            if let Some(m) = &e.lookup_args {
+                write!(s, " lookup_args={m}").unwrap();
             }
             if let Some(r) = e.outcome.as_ref().and_then(|o| o.result.as_deref()) {
                 write!(s, " result={r}").unwrap();

@@ -370,15 +370,59 @@ impl Core {
         self.apply_reply(&principal, cmd).is_ok()
     }
 
-    /// Claims lookup `attempt` of an unknown outcome for executor `i`.
+    /// Claims lookup `attempt` of an unknown outcome for executor `i`. A lookup whose recorded
+    /// `lookup_args` cannot be built is begun and ended `unknown` at once, with why: nothing
+    /// is sent, and a human settles it (or asks it again, `saga retry`).
     fn begin_lookup(&mut self, run: &RunId, key: &EffectKey, attempt: u32, i: usize) -> bool {
         let principal = self.executors[i].principal.clone();
+        let built = self.lookup_args(run, key);
         let cmd = Command::SagaStep {
             run: run.clone(),
             key: key.clone(),
             step: SagaStep::LookupBegin { attempt },
         };
-        self.apply_reply(&principal, cmd).is_ok()
+        if self.apply_reply(&principal, cmd).is_err() {
+            return false;
+        }
+        let Err(why) = built else { return true };
+        let cmd = Command::SagaStep {
+            run: run.clone(),
+            key: key.clone(),
+            step: SagaStep::LookupEnd {
+                attempt,
+                outcome: estop_kernel::vocab::Outcome::Unknown,
+                result: None,
+                error: Some(format!("the lookup was not sent: {why}").into_boxed_str()),
+            },
+        };
+        let _ = self.apply_reply(&system_principal(), cmd);
+        false
+    }
+
+    /// The lookup's arguments: built by the effect's recorded `lookup_args` from the forward
+    /// call's arguments, tool and idempotency key; without a mapping, the forward call's
+    /// arguments as they are (`None`: it had none).
+    fn lookup_args(
+        &self,
+        run: &RunId,
+        key: &EffectKey,
+    ) -> Result<Option<serde_json::Value>, String> {
+        let e = self.effect(run, key);
+        let forward: Option<serde_json::Value> =
+            e.args.as_deref().and_then(|a| serde_json::from_str(a).ok());
+        let Some(source) = e.lookup_args.as_deref() else {
+            return Ok(forward);
+        };
+        let forward = forward.unwrap_or(serde_json::Value::Null);
+        let args = estop_policy::lookup_args(source, e.tool.as_str(), &forward, key.as_str())?;
+        let max = self.gate.limits().args_bytes_max;
+        let len = args.to_string().len();
+        if len > max {
+            return Err(format!(
+                "`lookup_args` built {len} bytes of arguments, above args_bytes_max = {max}"
+            ));
+        }
+        Ok(Some(args))
     }
 
     /// The compensating call, checked against the policy as any call is, with the arguments the
@@ -470,9 +514,12 @@ impl Core {
             .expect("the saga's head is an effect of the run")
     }
 
-    /// The `lookup` event of the lookup under way: the tool's lookup, asked with the forward
-    /// call's arguments and its idempotency key (the effect's key).
+    /// The `lookup` event of the lookup under way: the tool's lookup, asked with the arguments
+    /// its `lookup_args` builds (the forward call's own without one) and the call's idempotency
+    /// key (the effect's key). The mapping was built when the lookup began (`begin_lookup`) and
+    /// builds the same again.
     fn lookup_event(&self, run: &RunId, key: &EffectKey, attempt: u32) -> wire::Event {
+        let args = self.lookup_args(run, key).ok().flatten();
         let e = self.effect(run, key);
         wire::Event {
             event: wire::EventKind::Lookup,
@@ -483,7 +530,7 @@ impl Core {
             outcome: None,
             attempt: Some(attempt),
             tool: e.lookup.as_ref().map(ToString::to_string),
-            args: e.args.as_deref().and_then(|a| serde_json::from_str(a).ok()),
+            args,
             idempotency_key: Some(key.to_string()),
             at: self.now,
         }
