@@ -36,6 +36,16 @@ action = "allow"
 compensate = "http.DELETE"
 compensate_args = '{"url": result.body.undo_url, "host": result.body.undo_host}'
 
+# An order posted with an Idempotency-Key is found by it when its outcome is unknown.
+[[rules]]
+tool = "http.POST"
+when = 'args.path == "/keyed"'
+action = "allow"
+compensate = "http.DELETE"
+compensate_args = '{"url": args.scheme + "://" + args.host + ":" + string(args.port) + "/orders/" + result.body.id, "host": args.host}'
+lookup = "http.GET"
+lookup_args = '{"path": "/lookup/" + idempotency_key, "not_found": [404]}'
+
 [[rules]]
 tool = "http.DELETE"
 when = 'args.host == "127.0.0.3"'
@@ -111,6 +121,14 @@ fn serve(conn: TcpStream, orders: &Mutex<BTreeSet<String>>, heads: &Mutex<Vec<St
             orders.insert(id.clone());
             let body = json!({"id": id}).to_string();
             ("201 Created", format!("location: /orders/{id}\r\n"), body)
+        }
+        // Lookups by the key the order was posted with: `found-*` is order o-7, `missing-*`
+        // was never made, `down-*` cannot be answered now.
+        Some("GET") if target.starts_with("/lookup/found-") => {
+            ("200 OK", String::new(), json!({"id": "o-7"}).to_string())
+        }
+        Some("GET") if target.starts_with("/lookup/down-") => {
+            ("503 Service Unavailable", String::new(), String::new())
         }
         Some("DELETE") => match target.strip_prefix("/orders/") {
             Some(id) if orders.lock().unwrap().remove(id) => {
@@ -364,4 +382,100 @@ fn undos_the_policy_or_the_destination_refuse_and_other_principals_runs_are_not_
     assert_eq!(state(&mut op, "theirs"), "cancelled");
     assert_eq!(ours.heads().len(), 1);
     assert!(ours.orders.lock().unwrap().is_empty());
+}
+
+/// Blocks until the report says `run`'s effect of `tool` is `status` (checked now and after
+/// each of the run's events; `op` is subscribed to it).
+fn wait_status(op: &mut Client, run: &str, tool: &str, status: &str) -> Value {
+    loop {
+        let r = ok(op, json!({"op": "report", "run": run}));
+        let found = r
+            .as_object()
+            .unwrap()
+            .values()
+            .filter_map(Value::as_array)
+            .flatten();
+        if let Some(it) = found
+            .into_iter()
+            .find(|i| i["tool"] == tool && i["status"] == status)
+        {
+            return it.clone();
+        }
+        while op.next_event().unwrap().is_none_or(|e| e.run != run) {}
+    }
+}
+
+/// Lookups of an HTTP call's unknown outcome (the proxy reported it `unknown`: cut after it was
+/// sent), by the rule's `lookup = "http.GET"` and `lookup_args`, sent by the executor to the
+/// forward request's own host with that host's credentials: found (200) settles it `ok` with
+/// the answer as its result and the DELETE built from that result undoes it; 404, which the
+/// rule lists as `not_found`, settles it `failed` and nothing is undone; 503 cannot tell, and
+/// an operator settles it (no DELETE, no second lookup, no repeat of the POST).
+#[test]
+fn an_http_calls_unknown_outcome_is_looked_up_by_the_executor() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let up = Upstream::start("127.0.0.2");
+    up.orders.lock().unwrap().insert("o-7".into());
+    let settings = settings(&d);
+    let mut a = d.agent();
+    let mut op = d.operator();
+    for (run, key) in [
+        ("lk-found", "found-1"),
+        ("lk-missing", "missing-1"),
+        ("lk-down", "down-1"),
+    ] {
+        let args = json!({"method": "POST", "url": format!("http://127.0.0.2:{}/keyed", up.port),
+            "scheme": "http", "host": "127.0.0.2", "port": up.port, "path": "/keyed", "query": ""});
+        let v = admit(&mut a, run, &format!("idem:{key}"), "http.POST", args);
+        assert_eq!(verdict(&v), "admitted", "{v}");
+        ok(
+            &mut a,
+            json!({"op": "complete", "run": run, "key": format!("idem:{key}"), "token": v["token"],
+                "outcome": "unknown", "error": "cut after sending"}),
+        );
+        ok(&mut op, json!({"op": "subscribe", "run": run}));
+        ok(&mut op, json!({"op": "cancel", "run": run}));
+    }
+    let _executor = Executor::start(&d, &settings, None);
+    let found = wait_status(&mut op, "lk-found", "http.POST", "compensated");
+    assert_eq!(state(&mut op, "lk-found"), "cancelled");
+    assert!(
+        up.orders.lock().unwrap().is_empty(),
+        "o-7 was deleted: {found}"
+    );
+    let missing = wait_status(&mut op, "lk-missing", "http.POST", "failed");
+    assert_eq!(state(&mut op, "lk-missing"), "cancelled", "{missing}");
+    let down = wait_status(&mut op, "lk-down", "http.POST", "unknown");
+    let r = ok(&mut op, json!({"op": "report", "run": "lk-down"}));
+    assert_eq!(r["saga_next"]["waits"], "settle", "{r}");
+    assert!(down["note"].to_string().contains("503"), "{down}");
+    let heads: Vec<String> = up.heads().iter().map(|h| h.to_ascii_lowercase()).collect();
+    let lines: Vec<&str> = heads.iter().map(|h| h.lines().next().unwrap()).collect();
+    let mut sorted = lines.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        [
+            "delete /orders/o-7 http/1.1",
+            "get /lookup/down-1 http/1.1",
+            "get /lookup/found-1 http/1.1",
+            "get /lookup/missing-1 http/1.1",
+        ],
+        "one lookup each, one undo, the POST never repeated"
+    );
+    // The lookups carried the host's credential and no Idempotency-Key of their own.
+    let basic = "authorization: basic c3zjonb3lxvuzg8tc2vjcmv0";
+    for h in heads.iter().filter(|h| h.starts_with("get ")) {
+        assert!(h.contains(basic) && !h.contains("idempotency-key"), "{h}");
+    }
+    // Found: the answer is the call's recorded result, without the credential.
+    let text = ok(
+        &mut op,
+        json!({"op": "ledger", "run": "lk-found", "limit": 1000}),
+    )
+    .to_string();
+    assert!(
+        text.contains("o-7") && !text.contains("pw-undo-secret"),
+        "{text}"
+    );
 }

@@ -331,7 +331,7 @@ fn an_http_lookup_only_looks_up_an_http_request_by_a_declared_path() {
             "tool = \"{tool}\"\naction = \"allow\"\ncompensate = \"http.DELETE\"\nlookup = \"{lookup}\"\n{args}"
         ))
     };
-    let mapped = "lookup_args = '{\"path\": \"/orders?key=\" + key}'\n";
+    let mapped = "lookup_args = '{\"path\": \"/orders?key=\" + idempotency_key}'\n";
     refused(
         &http("charge", "http.GET", mapped),
         10,
@@ -358,10 +358,37 @@ fn an_http_lookup_only_looks_up_an_http_request_by_a_declared_path() {
         .evaluate(&tool, Some(&serde_json::json!({"host": "a"})), "agent")
         .unwrap();
     let source = v.lookup_args.expect("recorded");
-    assert_eq!(&*source, r#"{"path": "/orders?key=" + key}"#);
+    assert_eq!(&*source, r#"{"path": "/orders?key=" + idempotency_key}"#);
+    let forward = serde_json::json!({"scheme": "https", "host": "api.test", "port": 8443});
     assert_eq!(
-        estop_policy::lookup_args(&source, "http.POST", &serde_json::json!({}), "idem:k1"),
-        Ok(serde_json::json!({"path": "/orders?key=idem:k1"}))
+        estop_policy::lookup_args(&source, "http.POST", &forward, "idem:k1", "http.GET"),
+        Ok(serde_json::json!({"url": "https://api.test:8443/orders?key=k1", "host": "api.test"}))
+    );
+    // The lookup goes to the forward request's origin, whatever the mapping would say.
+    for (mapping, why) in [
+        (
+            r#"{"path": "/x", "url": "https://evil.test/"}"#,
+            "gave \"url\"",
+        ),
+        (r#"{"path": "/x", "host": "evil.test"}"#, "gave \"host\""),
+        (r#"{"path": "@evil.test/x"}"#, "no `path` starting with `/`"),
+        (r#"{"path": "/x y"}"#, "not a request path"),
+    ] {
+        let e =
+            estop_policy::lookup_args(mapping, "http.POST", &forward, "k", "http.GET").unwrap_err();
+        assert!(e.contains(why), "{mapping}: {e}");
+    }
+    let v6 = serde_json::json!({"scheme": "http", "host": "::1", "port": 80});
+    assert_eq!(
+        estop_policy::lookup_args(
+            r#"{"path": "/", "not_found": [404]}"#,
+            "http.PUT",
+            &v6,
+            "k",
+            "http.HEAD"
+        )
+        .unwrap()["url"],
+        "http://[::1]:80/"
     );
     // A lookup of another tool may be mapped too (its executor gets the mapped arguments).
     let p = Policy::parse(&rule(
@@ -377,7 +404,8 @@ fn an_http_lookup_only_looks_up_an_http_request_by_a_declared_path() {
             &v.lookup_args.unwrap(),
             "charge",
             &serde_json::json!({"id": 3}),
-            "k"
+            "k",
+            "find"
         ),
         Ok(serde_json::json!({"ref": 3}))
     );

@@ -414,7 +414,9 @@ impl Core {
             return Ok(forward);
         };
         let forward = forward.unwrap_or(serde_json::Value::Null);
-        let args = estop_policy::lookup_args(source, e.tool.as_str(), &forward, key.as_str())?;
+        let lookup = e.lookup.as_ref().map_or("", |t| t.as_str());
+        let args =
+            estop_policy::lookup_args(source, e.tool.as_str(), &forward, key.as_str(), lookup)?;
         let max = self.gate.limits().args_bytes_max;
         let len = args.to_string().len();
         if len > max {
