@@ -52,6 +52,10 @@ when = 'args.host == "127.0.0.3"'
 action = "deny"
 
 [[rules]]
+tool = "wire_money"
+action = "approve"
+
+[[rules]]
 tool = "http.*"
 action = "allow"
 "#;
@@ -478,4 +482,52 @@ fn an_http_calls_unknown_outcome_is_looked_up_by_the_executor() {
         text.contains("o-7") && !text.contains("pw-undo-secret"),
         "{text}"
     );
+}
+
+/// The executor's own principal: a token of role `executor` may run compensations and lookups
+/// (`compensations`, `compensated`, `looked_up`) of every run, and nothing else: it cannot
+/// admit, decide an approval, cancel, subscribe, or read a run or the ledger. `estop
+/// egress-executor` under it undoes an agent's HTTP effect.
+#[test]
+fn an_executor_token_runs_undos_and_nothing_else() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let up = Upstream::start("127.0.0.2");
+    up.orders.lock().unwrap().insert("o-1".into());
+    let settings = settings(&d);
+    let mut op = d.operator();
+    let token = ok(
+        &mut op,
+        json!({"op": "token", "name": "undoer", "role": "executor"}),
+    )["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut a = d.agent();
+    posted_elsewhere(&mut a, "ex-run", "127.0.0.2", up.port);
+    // An approval waiting, for the executor to try to decide.
+    let held = admit(&mut a, "ex-held", "k", "wire_money", json!({}));
+    assert_eq!(verdict(&held), "held", "{held}");
+    let mut x = d.client_with(&token);
+    for req in [
+        json!({"op": "admit", "run": "ex-own", "key": "k", "tool": "http.GET", "args": {}}),
+        json!({"op": "decide", "run": "ex-held", "key": "k", "decision": "approve"}),
+        json!({"op": "cancel", "run": "ex-run"}),
+        json!({"op": "subscribe", "run": "ex-run"}),
+        json!({"op": "subscribe", "run": "ex-held"}),
+        json!({"op": "status", "run": "ex-run"}),
+        json!({"op": "report", "run": "ex-run"}),
+        json!({"op": "runs"}),
+        json!({"op": "ledger", "run": "ex-run"}),
+        json!({"op": "token", "name": "more", "role": "operator"}),
+    ] {
+        assert_eq!(common::err_code(&mut x, req.clone()), "forbidden", "{req}");
+    }
+    assert_eq!(item(&mut op, "ex-run", "http.POST")["status"], "completed");
+    let r = ok(&mut op, json!({"op": "pending"}));
+    assert!(r.to_string().contains("ex-held"), "still pending: {r}");
+    let _executor = Executor::start(&d, &settings, Some(&token));
+    ok(&mut op, json!({"op": "subscribe", "run": "ex-run"}));
+    ok(&mut op, json!({"op": "cancel", "run": "ex-run"}));
+    wait_compensation(&mut op, "ex-run", "compensated");
+    assert!(up.orders.lock().unwrap().is_empty());
 }

@@ -238,6 +238,7 @@ fn role_byte(r: Role) -> u8 {
         Role::Agent => 0,
         Role::Operator => 1,
         Role::Observer => 2,
+        Role::Executor => 3,
     }
 }
 
@@ -246,6 +247,7 @@ fn get_role(r: &mut R) -> Result<Role, CodecError> {
         0 => Ok(Role::Agent),
         1 => Ok(Role::Operator),
         2 => Ok(Role::Observer),
+        3 => Ok(Role::Executor),
         b => Err(r.err(format!("bad role {b}"))),
     }
 }

@@ -285,6 +285,48 @@ fn an_observer_changes_nothing() {
     );
 }
 
+/// An executor runs the reverse saga's attempts, of any principal's run, and changes nothing
+/// else: no admission, decision, stop, wait or token change.
+#[test]
+fn an_executor_runs_compensations_and_nothing_else() {
+    check(
+        "
+        0 agent admit r1 k1 refund comp=unrefund
+        1 agent complete r1 k1 1.1 ok
+        2 agent admit r1 k2 wire action=approve
+        3 xena admit r2 k1 search class=read
+        4 xena approve r1 k2
+        5 xena wait r1 k2
+        6 xena cancel r1
+        7 xena pause r1
+        8 xena close r1
+        9 xena token_create eve role=operator
+        10 alice cancel r1
+        11 xena begin r1 k1 1
+        12 xena end r1 k1 1 ok
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
+            1 agent complete r1 k1 1.1 ok                => completed
+            2 agent admit r1 k2 wire action=approve      => held approval #1 until 1002
+            3 xena admit r2 k1 search class=read         => error forbidden: operation requires the operator role
+            4 xena approve r1 k2                         => error forbidden: operation requires the operator role
+            5 xena wait r1 k2                            => error forbidden: operation requires the operator role
+            6 xena cancel r1                             => error forbidden: operation requires the operator role
+            7 xena pause r1                              => error forbidden: operation requires the operator role
+            8 xena close r1                              => error forbidden: operation requires the operator role
+            9 xena token_create eve role=operator        => error forbidden: operation requires the operator role
+            10 alice cancel r1                           => run finalizing (1 changed)
+            11 xena begin r1 k1 1                        => compensation compensating attempt=1
+            12 xena end r1 k1 1 ok                       => compensation compensated attempt=1
+            --
+            run r1 cancelled stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0
+              k1 refund compensated undo=unrefund attempts=1/5
+              k2 wire refused(cancelled)
+        "#]],
+    );
+}
+
 #[test]
 fn only_operators_record_token_changes_and_they_change_no_run() {
     check(

@@ -25,6 +25,7 @@ pub fn principal(name: &str) -> Principal {
         "carol" => (Role::Operator, &["finance"]),
         "dave" => (Role::Operator, &["finance", "ops"]),
         "olive" => (Role::Observer, &[]),
+        "xena" => (Role::Executor, &[]),
         other => panic!("unknown principal {other}"),
     };
     Principal {
