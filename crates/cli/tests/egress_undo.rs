@@ -28,6 +28,15 @@ action = "allow"
 compensate = "http.DELETE"
 compensate_args = '{"url": args.scheme + "://" + args.host + ":" + string(args.port) + "/orders/" + result.body.id, "host": args.host}'
 
+# A charge is refunded with the amount its own request asked for: the undo's body needs the
+# forward request's body (result.request_body), which the proxy records for it.
+[[rules]]
+tool = "http.POST"
+when = 'args.path == "/charges"'
+action = "allow"
+compensate = "http.PUT"
+compensate_args = '{"url": args.scheme + "://" + args.host + ":" + string(args.port) + "/refunds/" + result.body.id, "host": args.host, "body": {"amount": result.request_body.amount, "currency": result.request_body.currency}}'
+
 # An upstream that says itself where its undo goes.
 [[rules]]
 tool = "http.POST"
@@ -116,9 +125,25 @@ fn serve(conn: TcpStream, orders: &Mutex<BTreeSet<String>>, heads: &Mutex<Vec<St
         .unwrap_or(0);
     let mut body = vec![0u8; length];
     r.read_exact(&mut body).unwrap();
-    heads.lock().unwrap().push(head.clone());
+    heads
+        .lock()
+        .unwrap()
+        .push(format!("{head}{}", String::from_utf8_lossy(&body)));
     let target = head.split_whitespace().nth(1).unwrap_or("").to_string();
     let (status, extra, body) = match head.split_whitespace().next() {
+        // A charge, refunded by `PUT /refunds/ID` with the amount it was made for.
+        Some("POST") if target == "/charges" => {
+            let mut orders = orders.lock().unwrap();
+            let id = format!("ch-{}", orders.len() + 1);
+            orders.insert(id.clone());
+            ("201 Created", String::new(), json!({"id": id}).to_string())
+        }
+        Some("PUT") => match target.strip_prefix("/refunds/") {
+            Some(id) if orders.lock().unwrap().remove(id) => {
+                ("204 No Content", String::new(), String::new())
+            }
+            _ => ("404 Not Found", String::new(), String::new()),
+        },
         Some("POST") if target == "/orders" => {
             let mut orders = orders.lock().unwrap();
             let id = format!("o-{}", orders.len() + 1);
@@ -530,4 +555,112 @@ fn an_executor_token_runs_undos_and_nothing_else() {
     ok(&mut op, json!({"op": "cancel", "run": "ex-run"}));
     wait_compensation(&mut op, "ex-run", "compensated");
     assert!(up.orders.lock().unwrap().is_empty());
+}
+
+/// An undo whose body needs the forward request's body: the proxy records it in the result
+/// (the gate keeps it only for an effect whose `compensate_args` reads it) and the executor
+/// sends exactly the refund built from it. A body over `undo_body_bytes_max` is not recorded,
+/// and its undo asks a human, saying why, instead of sending a wrong one.
+#[test]
+fn an_undo_built_from_the_forward_requests_body() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let up = Upstream::start("127.0.0.2");
+    let settings = settings(&d);
+    let big = format!(
+        r#"{{"amount": 9, "currency": "EUR", "memo": "{}"}}"#,
+        "m".repeat(17 << 10)
+    );
+    std::fs::write(d.data().parent().unwrap().join("big.json"), &big).unwrap();
+    let script = format!(
+        "curl -sS -X POST -H 'content-type: application/json' -d '{{\"amount\": 30, \"currency\": \"EUR\"}}' \
+         http://127.0.0.2:{port}/charges && echo && \
+         curl -sS -X POST -H 'content-type: application/json' --data-binary @{big} \
+         http://127.0.0.2:{port}/charges && echo && \
+         curl -sS -X POST -H 'content-type: application/json' -d '{{\"item\": 1}}' \
+         http://127.0.0.2:{port}/orders && echo posted",
+        port = up.port,
+        big = d.data().parent().unwrap().join("big.json").display(),
+    );
+    let out = Command::new(bin())
+        .args(["run", "--data"])
+        .arg(d.data())
+        .args(["--run", "refund-a", "--policy"])
+        .arg(&settings)
+        .args(["--", "sh", "-c", &script])
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("ch-1") && text.contains("ch-2") && text.contains("posted"),
+        "{text}"
+    );
+    let mut op = d.operator();
+    // Recorded for the charges (one whole, one too large to record), not for the order, whose
+    // undo does not read it: read from the ledger's own bytes (results are kept as JSON text).
+    let mut ledger = Vec::new();
+    for f in std::fs::read_dir(d.data().join("ledger")).unwrap() {
+        ledger.extend(std::fs::read(f.unwrap().path()).unwrap());
+    }
+    let ledger = String::from_utf8_lossy(&ledger);
+    assert!(ledger.contains(r#""request_body":{"amount":30,"currency":"EUR"}"#));
+    assert!(ledger.contains(r#""request_body_omitted":"too_large""#));
+    assert!(
+        !ledger.contains(r#""item":1"#),
+        "the order's body is not recorded"
+    );
+    // The run ended `completed`; an operator undoes it, newest first.
+    let _executor = Executor::start(&d, &settings, None);
+    ok(&mut op, json!({"op": "subscribe", "run": "refund-a"}));
+    // One at a time (a run's saga has one head): the charge whose body was recorded first.
+    let r = ok(&mut op, json!({"op": "report", "run": "refund-a"}));
+    let charges: Vec<String> = r["done"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|it| it["compensate"] == "http.PUT")
+        .map(|it| it["key"].as_str().unwrap().to_string())
+        .collect();
+    // Its completion is the last record naming its key.
+    let recorded = |key: &str| {
+        let at = ledger.rfind(key).unwrap();
+        let next = ledger[at..].find("request_body").unwrap() + at;
+        ledger[next..].starts_with("request_body\":{")
+    };
+    let (good, big) = if recorded(&charges[0]) {
+        (&charges[0], &charges[1])
+    } else {
+        (&charges[1], &charges[0])
+    };
+    let compensate = |op: &mut Client, key: &str| {
+        ok(
+            op,
+            json!({"op": "saga", "run": "refund-a", "key": key, "action": "compensate"}),
+        );
+    };
+    compensate(&mut op, good);
+    let done = wait_status(&mut op, "refund-a", "http.POST", "compensated");
+    assert_eq!(done["key"], json!(good), "{done}");
+    compensate(&mut op, big);
+    let stuck = wait_status(&mut op, "refund-a", "http.POST", "needs_human");
+    assert_eq!(stuck["key"], json!(big), "{stuck}");
+    assert!(
+        stuck["note"]
+            .to_string()
+            .contains("not recorded (too_large"),
+        "{stuck}"
+    );
+    let heads = up.heads();
+    let refunds: Vec<&String> = heads.iter().filter(|h| h.starts_with("PUT ")).collect();
+    assert_eq!(refunds.len(), 1, "only the recorded one: {heads:?}");
+    assert!(
+        refunds[0].starts_with("PUT /refunds/ch-1 HTTP/1.1"),
+        "{}",
+        refunds[0]
+    );
+    assert!(
+        refunds[0].ends_with(r#"{"amount":30,"currency":"EUR"}"#),
+        "{}",
+        refunds[0]
+    );
 }

@@ -293,6 +293,7 @@ pub async fn call(proxy: Arc<Proxy>, req: Request<Incoming>) -> Reply {
             "prompt_tokens_estimate": plan.prompt_estimate, "max_tokens": plan.max_tokens,
             "reserved_usd_micros": plan.reserve.usd_micros,
             "reserved_tokens": plan.reserve.tokens}),
+        request_body: None,
     };
     if let Err(dimension) = proxy.meter.reserve(&m, plan.reserve) {
         return over_budget(&proxy.run, &effect.key, dimension);

@@ -20,6 +20,10 @@ pub struct Settings {
     pub body_bytes_max: usize,
     /// Largest response the proxy relays.
     pub response_bytes_max: usize,
+    /// Largest request body recorded in a write's result, as JSON text, for an undo that needs
+    /// it (`result.request_body`, docs/EGRESS.md "What an undo needs"); 0 records none. At
+    /// most `UNDO_BODY_BYTES_LIMIT`, so the result fits the ledger's `result_bytes_max`.
+    pub undo_body_bytes_max: usize,
     /// Connections the sandbox may hold open at once to the proxy, and as many to its protocol
     /// socket: each may buffer a body and a response in the supervisor, whose memory is the
     /// host's. Past it a connection is refused with a reply that says so.
@@ -40,6 +44,10 @@ pub struct Settings {
     pub filesystem: Option<crate::fsrules::Filesystem>,
 }
 
+/// The most `undo_body_bytes_max` may be: with the response's recorded body
+/// (`record::BODY_BYTES_MAX`, 32 KiB) the result stays within the ledger's 64 KiB.
+pub const UNDO_BODY_BYTES_LIMIT: usize = 24 << 10;
+
 impl Default for Settings {
     fn default() -> Self {
         Settings {
@@ -48,6 +56,7 @@ impl Default for Settings {
             pids_max: 4096,
             body_bytes_max: 8 << 20,
             response_bytes_max: 64 << 20,
+            undo_body_bytes_max: 16 << 10,
             connections_max: 64,
             upstream_roots: None,
             credentials: None,
@@ -72,6 +81,7 @@ struct Egress {
     pids_max: Option<u32>,
     body_bytes_max: Option<usize>,
     response_bytes_max: Option<usize>,
+    undo_body_bytes_max: Option<usize>,
     connections_max: Option<usize>,
     upstream_roots: Option<std::path::PathBuf>,
     credentials: Option<std::path::PathBuf>,
@@ -98,6 +108,14 @@ impl Settings {
         s.pids_max = e.pids_max.unwrap_or(s.pids_max);
         s.body_bytes_max = e.body_bytes_max.unwrap_or(s.body_bytes_max);
         s.response_bytes_max = e.response_bytes_max.unwrap_or(s.response_bytes_max);
+        s.undo_body_bytes_max = e.undo_body_bytes_max.unwrap_or(s.undo_body_bytes_max);
+        if s.undo_body_bytes_max > UNDO_BODY_BYTES_LIMIT {
+            anyhow::bail!(
+                "undo_body_bytes_max = {} is over {UNDO_BODY_BYTES_LIMIT}: the result it is \
+                 recorded in (beside the response's body) must fit the ledger's 64 KiB",
+                s.undo_body_bytes_max
+            );
+        }
         s.connections_max = e.connections_max.unwrap_or(s.connections_max);
         s.upstream_roots = e.upstream_roots;
         s.credentials = e.credentials;

@@ -489,7 +489,12 @@ impl Core {
     pub fn handle(&mut self, now: Now, msg: CoreMsg) -> bool {
         self.at(now);
         match msg {
-            CoreMsg::Apply { principal, cmd, to } => {
+            CoreMsg::Apply {
+                principal,
+                mut cmd,
+                to,
+            } => {
+                self.keep_for_undo(&mut cmd);
                 let answer = self.apply(&principal, cmd);
                 self.send(to, answer);
             }

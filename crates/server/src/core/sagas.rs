@@ -484,6 +484,39 @@ impl Core {
         }
     }
 
+    /// A completion's `result.request_body` (the egress proxy's record of a write's own body,
+    /// docs/EGRESS.md "What an undo needs") is recorded only where the effect's recorded
+    /// `compensate_args` reads it, as `request_body_omitted` is (why it is not there): no
+    /// other request's body reaches the ledger.
+    pub(super) fn keep_for_undo(&self, cmd: &mut Command) {
+        let Command::Complete {
+            run,
+            key,
+            result: Some(text),
+            ..
+        } = cmd
+        else {
+            return;
+        };
+        if !text.contains("\"request_body") {
+            return;
+        }
+        let reads = self
+            .gate
+            .run(run)
+            .and_then(|r| r.effects.get(key))
+            .and_then(|e| e.compensate_args.as_deref())
+            .is_some_and(|m| m.contains("request_body"));
+        if reads {
+            return;
+        }
+        if let Ok(serde_json::Value::Object(mut m)) = serde_json::from_str(text) {
+            m.remove("request_body");
+            m.remove("request_body_omitted");
+            *text = serde_json::Value::Object(m).to_string().into_boxed_str();
+        }
+    }
+
     /// The compensating call's arguments, from the effect's recorded mapping (none without).
     fn compensation_args(&self, run: &RunId, key: &EffectKey) -> Result<Option<Box<str>>, String> {
         let e = self.effect(run, key);
@@ -496,7 +529,14 @@ impl Core {
             .and_then(|a| serde_json::from_str(a).ok())
             .unwrap_or(serde_json::Value::Null);
         let result = e.outcome.as_ref().and_then(|o| o.result.as_deref());
-        let args = estop_policy::compensation_args(source, e.tool.as_str(), &forward, result)?;
+        let args = estop_policy::compensation_args(source, e.tool.as_str(), &forward, result)
+            .map_err(|why| match body_omitted(source, result) {
+                Some(omitted) => format!(
+                    "the undo reads the forward request's body, which was not recorded \
+                     ({omitted}: see undo_body_bytes_max, docs/EGRESS.md); {why}"
+                ),
+                None => why,
+            })?;
         let args = args.to_string();
         // Refused by the kernel, it would never begin: an error an operator sees instead.
         let max = self.gate.limits().args_bytes_max;
@@ -585,4 +625,16 @@ fn open_sagas(gate: &Gate) -> impl Iterator<Item = RunId> + '_ {
     gate.runs()
         .filter(|(_, r)| r.state == RunState::Finalizing || saga::chosen_open(r))
         .map(|(id, _)| id.clone())
+}
+
+/// Why the forward request's body is not in `result` (`request_body_omitted`), when the
+/// mapping reads it.
+fn body_omitted(source: &str, result: Option<&str>) -> Option<String> {
+    if !source.contains("request_body") {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_str(result?).ok()?;
+    v.get("request_body_omitted")
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_string)
 }
