@@ -40,6 +40,8 @@ pub enum Route {
 }
 
 /// A core message without its reply address ([`Ask::message`] adds it).
+// Inline for the reason `Route` is: built and moved once per request.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Ask {
     Apply { principal: Principal, cmd: Command },
