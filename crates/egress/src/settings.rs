@@ -235,11 +235,13 @@ mod tests {
             .collect();
         assert_eq!(
             blocks.len(),
-            4,
-            "the settings, the credential store, the policy example and an HTTP undo's rule"
+            5,
+            "the settings, the credential store, the policy example, an HTTP undo's rule and \
+             an HTTP lookup's"
         );
         let s = Settings::parse(blocks[0]).unwrap();
         assert_eq!(s.allow, vec![parse_cidr("127.0.0.2/32").unwrap()]);
+        assert_eq!(s.undo_body_bytes_max, 16384);
         assert_eq!(s.hold_ms, 30_000);
         let m = s.model.expect("the [egress.model] example");
         assert_eq!(
@@ -251,11 +253,23 @@ mod tests {
         assert_eq!(store.entries.len(), 3);
         estop_policy::Policy::parse(blocks[2]).unwrap();
         estop_policy::Policy::parse(blocks[3]).unwrap();
+        estop_policy::Policy::parse(blocks[4]).unwrap();
         assert!(
             Settings::parse("[egress]\nhold = 1\n").is_err(),
             "unknown keys are refused"
         );
         assert!(Settings::parse("[egress]\npids_max = 1\n").is_err());
+        let over = Settings::parse("[egress]\nundo_body_bytes_max = 24577\n").unwrap_err();
+        assert!(
+            format!("{over:#}").contains("must fit the ledger"),
+            "{over:#}"
+        );
+        assert_eq!(
+            Settings::parse("[egress]\nundo_body_bytes_max = 0\n")
+                .unwrap()
+                .undo_body_bytes_max,
+            0
+        );
     }
 
     #[test]
