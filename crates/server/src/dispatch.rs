@@ -1044,7 +1044,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
     fn forbidden_is_exactly_what_roles_deny() {
         let dir = tempfile::tempdir().unwrap();
         let shared = shared(dir.path());
-        for role in [Role::Operator, Role::Agent, Role::Observer] {
+        for role in [Role::Operator, Role::Agent, Role::Observer, Role::Executor] {
             let p = principal(role);
             for (label, op) in samples() {
                 let verb = op.verb();
