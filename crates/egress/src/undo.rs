@@ -800,4 +800,66 @@ mod tests {
         assert!(error.unwrap().contains("refused destinations"));
         assert!(heads.try_recv().is_err(), "nothing reached it");
     }
+
+    /// A lookup: 2xx found (`ok`, the answer recorded without the credential), a status the
+    /// rule lists in `not_found` did not happen (`error`), anything else cannot tell
+    /// (`unknown`): an unlisted 404, a 503, a cut, not sent. No body, no `Idempotency-Key`.
+    #[tokio::test]
+    async fn a_lookup_says_found_not_found_or_cannot_tell() {
+        let allow = "[egress]\nallow_destinations = [\"127.0.0.1/32\"]\n";
+        let creds = "[[credential]]\nhost = \"127.0.0.1\"\nplain_http = true\nbearer = \"tok-1\"\n";
+        let ex = executor(allow, creds);
+        let lookup = |port: u16, not_found: Value| {
+            let args = json!({"url": format!("http://127.0.0.1:{port}/orders?key=k1"),
+                "host": "127.0.0.1", "not_found": not_found});
+            build_lookup("http.GET", &args).unwrap()
+        };
+        let found = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 35\r\n\r\n{\"id\":\"o-7\",\"echo\":\"Bearer tok-1\"}";
+        let (port, mut heads) = upstream(found).await;
+        let (outcome, result, error) = ex.look_up(lookup(port, json!([404]))).await;
+        assert_eq!((outcome, error), ("ok", None));
+        let result = result.unwrap();
+        assert_eq!(result["status"], 200);
+        assert_eq!(result["body_omitted"], "credential", "{result}");
+        let head = heads.recv().await.unwrap().to_ascii_lowercase();
+        assert!(head.starts_with("get /orders?key=k1 http/1.1"), "{head}");
+        assert!(head.contains("authorization: bearer tok-1"), "{head}");
+        assert!(!head.contains("idempotency-key"), "{head}");
+
+        let gone = "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n";
+        let (port, _) = upstream(gone).await;
+        assert_eq!(ex.look_up(lookup(port, json!([404, 410]))).await.0, "error");
+        let (port, _) = upstream(gone).await;
+        assert_eq!(ex.look_up(lookup(port, Value::Null)).await.0, "unknown");
+        let (port, _) =
+            upstream("HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
+        assert_eq!(ex.look_up(lookup(port, json!([404]))).await.0, "unknown");
+        let (port, _) = upstream("").await;
+        assert_eq!(ex.look_up(lookup(port, json!([404]))).await.0, "unknown");
+        let closed = executor("[egress]\n", "");
+        let (port, mut heads) = upstream(found).await;
+        let (outcome, _, error) = closed.look_up(lookup(port, json!([]))).await;
+        assert_eq!(outcome, "unknown");
+        assert!(error.unwrap().contains("not sent"));
+        assert!(heads.try_recv().is_err(), "nothing reached it");
+
+        for (args, why) in [
+            (
+                json!({"url": "http://a/", "not_found": [200]}),
+                "not a 4xx or 5xx",
+            ),
+            (
+                json!({"url": "http://a/", "not_found": "404"}),
+                "not a list",
+            ),
+            (json!({"url": "http://a/", "body": "x"}), "no body"),
+            (
+                json!({"url": "http://a/", "path": "/x"}),
+                "unknown argument",
+            ),
+        ] {
+            let e = build_lookup("http.GET", &args).unwrap_err();
+            assert!(e.contains(why), "{args}: {e}");
+        }
+    }
 }
