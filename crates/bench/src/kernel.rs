@@ -29,6 +29,7 @@ fn policy() -> PolicyDecision {
         compensate: None,
         compensate_args: None,
         lookup: None,
+        lookup_args: None,
         quorum: 1,
         groups: vec![],
         expiry_ms: 900_000,

@@ -133,7 +133,8 @@ enum TokenCmd {
     /// Create a named token; prints its secret once.
     Create {
         name: String,
-        /// agent, operator, or observer (reads runs, reports and metrics; changes nothing).
+        /// agent, operator, observer (reads runs, reports and metrics; changes nothing), or
+        /// executor (runs compensations and lookups only: `estop egress-executor --token`).
         #[arg(long)]
         role: String,
         /// Approver group this principal belongs to (repeatable).

@@ -692,3 +692,30 @@ quorum = 2
         "{metrics}"
     );
 }
+
+/// An executor's token (`role = "executor"`) runs compensations over the protocol socket and
+/// reads nothing over HTTP either: no verb, no metrics, no event stream.
+#[test]
+fn an_executor_token_reads_nothing_over_http() {
+    let c = Console::start();
+    let made = c.post(
+        "/api/v1/tokens",
+        json!({"name": "undoer", "role": "executor", "groups": []}),
+    );
+    assert_eq!(made.status, 200, "{}", made.body);
+    let token = made.json()["token"].as_str().unwrap().to_string();
+    let mut a = c.d.agent();
+    admit(&mut a, "mine", "k1", "pay", json!({"n": 1}));
+    for (method, path) in [
+        ("GET", "/api/v1/runs"),
+        ("GET", "/api/v1/runs/mine"),
+        ("GET", "/api/v1/runs/mine/report"),
+        ("GET", "/api/v1/pending"),
+        ("GET", "/metrics"),
+        ("GET", "/api/v1/events"),
+        ("POST", "/api/v1/runs/mine/cancel"),
+    ] {
+        let r = c.as_token(&token, method, path);
+        assert_eq!(r.status, 403, "{method} {path}: {}", r.body);
+    }
+}

@@ -165,6 +165,12 @@ async fn bearer(app: &App, v: &str) -> Result<Caller, Refusal> {
         .or_else(|| v.strip_prefix("bearer "))
         .unwrap_or("");
     match app.shared.tokens.authenticate_async(token).await {
+        // An executor's token runs the reverse saga over the protocol socket and reads
+        // nothing: no verb, metric or event stream here is its.
+        Ok(Some(principal)) if principal.role == Role::Executor => Err(refuse(
+            ErrorCode::Forbidden,
+            "an executor token runs compensations and lookups over the protocol socket only",
+        )),
         Ok(Some(principal)) => Ok(Caller {
             principal,
             session: None,

@@ -249,6 +249,7 @@ pub async fn call(proxy: Arc<Proxy>, req: Request<Incoming>) -> Reply {
             "prompt_tokens_estimate": plan.prompt_estimate, "max_tokens": plan.max_tokens,
             "reserved_usd_micros": plan.reserve.usd_micros,
             "reserved_tokens": plan.reserve.tokens}),
+        request_body: None,
     };
     // The gate counts the reservation on the run and every ancestor, or refuses the call
     // (`budget`, naming the dimension and the run whose limit it would pass).

@@ -82,6 +82,9 @@ pub struct Effect {
     pub tool: String,
     pub key: String,
     pub args: Value,
+    /// What the result records of the request's own body, for an undo that needs it
+    /// (`record::request_body`): `request_body` or `request_body_omitted`, or nothing.
+    pub request_body: Option<(&'static str, Value)>,
 }
 
 /// Requests at once on one HTTP/2 connection from the agent (its `SETTINGS_MAX_CONCURRENT_STREAMS`):
@@ -260,6 +263,7 @@ impl Proxy {
             args: json!({"method": "CONNECT", "url": format!("tunnel://{host}:{port}"),
                 "scheme": "tunnel", "host": host, "port": port, "path": "", "query": "",
                 "passthrough": true}),
+            request_body: None,
         };
         let token = match self.admit(&effect).await {
             Ok(token) => token,
@@ -407,10 +411,22 @@ impl Proxy {
                 );
             }
         };
-        let effect = match self.effect(&parts, &body) {
+        let mut effect = match self.effect(&parts, &body) {
             Ok(e) => e,
             Err(reply) => return *reply,
         };
+        // A safe method changes nothing, so nothing undoes it; another's body is kept for the
+        // result (the gate keeps it only where the effect's `compensate_args` reads it).
+        if !is_safe(&parts.method) {
+            let o = origin(&effect);
+            let secrets = self.credentials.secrets_for(&o.scheme, &o.host, o.port);
+            effect.request_body = crate::record::request_body(
+                &parts.headers,
+                &body,
+                self.settings.undo_body_bytes_max,
+                &secrets,
+            );
+        }
         let token = match self.admit(&effect).await {
             Ok(token) => token,
             Err(reply) => return *reply,
@@ -539,7 +555,11 @@ impl Proxy {
     ) -> Value {
         let o = origin(effect);
         let secrets = self.credentials.secrets_for(&o.scheme, &o.host, o.port);
-        record.finish(status, bytes, &secrets)
+        let mut result = record.finish(status, bytes, &secrets);
+        if let Some((field, value)) = &effect.request_body {
+            result[*field] = value.clone();
+        }
+        result
     }
 
     /// The request as an effect: tool `http.METHOD`, arguments, idempotency key.
@@ -602,6 +622,7 @@ impl Proxy {
             tool: format!("http.{method}"),
             key,
             args,
+            request_body: None,
         })
     }
 
@@ -1071,6 +1092,7 @@ mod tests {
             tool: "http.GET".into(),
             key: "k".into(),
             args: serde_json::json!({"host": "127.0.0.1", "port": port}),
+            request_body: None,
         };
         let (upstream, _) = proxy.connect(&effect).await.map_err(|e| e.2).unwrap();
         assert!(upstream.nodelay().unwrap(), "the connection to the origin");

@@ -103,6 +103,50 @@ impl Recorder {
     }
 }
 
+/// What a write's result records of its request's own body, for an undo that needs it
+/// (`compensate_args` reading `result.request_body`): the body parsed when it says it is JSON,
+/// else its text when it is UTF-8; as recorded (JSON text) at most `max` bytes. The field and
+/// its value: `("request_body", body)`, or `("request_body_omitted", why)` — `too_large`,
+/// `not_text`, `encoded`, `credential` (it contains an injected secret) — or nothing for an
+/// empty body or `max` 0.
+pub fn request_body(
+    headers: &HeaderMap,
+    body: &[u8],
+    max: usize,
+    secrets: &[&str],
+) -> Option<(&'static str, Value)> {
+    if body.is_empty() || max == 0 {
+        return None;
+    }
+    let omitted = |why: &str| Some(("request_body_omitted", json!(why)));
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    if text("content-encoding").is_some_and(|e| !e.eq_ignore_ascii_case("identity")) {
+        return omitted("encoded");
+    }
+    if body.len() > max {
+        return omitted("too_large");
+    }
+    let media = text("content-type")
+        .and_then(|t| t.split(';').next())
+        .map(|t| t.trim().to_ascii_lowercase());
+    let json = media
+        .as_deref()
+        .is_some_and(|m| m == "application/json" || m.ends_with("+json"));
+    let value = match (json, std::str::from_utf8(body)) {
+        (true, _) if let Ok(v) = serde_json::from_slice::<Value>(body) => v,
+        (_, Ok(s)) => json!(s),
+        (_, Err(_)) => return omitted("not_text"),
+    };
+    if secrets.iter().any(|s| mentions(&value, s)) {
+        return omitted("credential");
+    }
+    // Escapes can make the recorded text longer than the body.
+    if value.to_string().len() > max {
+        return omitted("too_large");
+    }
+    Some(("request_body", value))
+}
+
 /// Whether any string of `v` (a key or a value, at any depth) contains `secret`. Read on the
 /// parsed JSON, so an escape (`\/`, `\u0041`) does not hide it.
 fn mentions(v: &Value, secret: &str) -> bool {
@@ -119,6 +163,45 @@ fn mentions(v: &Value, secret: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_request_body_is_recorded_parsed_or_as_text_within_its_bound_and_never_a_secret() {
+        let json = headers(&[("content-type", "application/json")]);
+        let none = HeaderMap::new();
+        let body =
+            |h: &HeaderMap, b: &str, max: usize| request_body(h, b.as_bytes(), max, &["s3cret"]);
+        assert_eq!(
+            body(&json, r#"{"amount": 5}"#, 64),
+            Some(("request_body", json!({"amount": 5})))
+        );
+        assert_eq!(
+            body(&none, "a=1&b=2", 64),
+            Some(("request_body", json!("a=1&b=2")))
+        );
+        assert_eq!(
+            body(&json, "not json", 64),
+            Some(("request_body", json!("not json")))
+        );
+        let too = Some(("request_body_omitted", json!("too_large")));
+        assert_eq!(body(&none, &"x".repeat(65), 64), too);
+        // Within the bound as bytes, over it as recorded text (each control byte escaped).
+        assert_eq!(body(&none, &"\u{1}".repeat(20), 64), too);
+        assert_eq!(
+            request_body(&none, &[0xff, 0xfe], 64, &[]),
+            Some(("request_body_omitted", json!("not_text")))
+        );
+        assert_eq!(
+            body(&json, r#"{"key": "Bearer s3cret"}"#, 64),
+            Some(("request_body_omitted", json!("credential")))
+        );
+        let gz = headers(&[("content-encoding", "gzip")]);
+        assert_eq!(
+            body(&gz, "x", 64),
+            Some(("request_body_omitted", json!("encoded")))
+        );
+        assert_eq!(body(&json, "", 64), None);
+        assert_eq!(body(&json, "{}", 0), None);
+    }
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();

@@ -20,6 +20,10 @@ pub struct Settings {
     pub body_bytes_max: usize,
     /// Largest response the proxy relays.
     pub response_bytes_max: usize,
+    /// Largest request body recorded in a write's result, as JSON text, for an undo that needs
+    /// it (`result.request_body`, docs/EGRESS.md "What an undo needs"); 0 records none. At
+    /// most `UNDO_BODY_BYTES_LIMIT`, so the result fits the ledger's `result_bytes_max`.
+    pub undo_body_bytes_max: usize,
     /// Connections the sandbox may hold open at once to the proxy, and as many to its protocol
     /// socket: each may buffer a body and a response in the supervisor, whose memory is the
     /// host's. Past it a connection is refused with a reply that says so.
@@ -40,6 +44,10 @@ pub struct Settings {
     pub filesystem: Option<crate::fsrules::Filesystem>,
 }
 
+/// The most `undo_body_bytes_max` may be: with the response's recorded body
+/// (`record::BODY_BYTES_MAX`, 32 KiB) the result stays within the ledger's 64 KiB.
+pub const UNDO_BODY_BYTES_LIMIT: usize = 24 << 10;
+
 impl Default for Settings {
     fn default() -> Self {
         Settings {
@@ -48,6 +56,7 @@ impl Default for Settings {
             pids_max: 4096,
             body_bytes_max: 8 << 20,
             response_bytes_max: 64 << 20,
+            undo_body_bytes_max: 16 << 10,
             connections_max: 64,
             upstream_roots: None,
             credentials: None,
@@ -72,6 +81,7 @@ struct Egress {
     pids_max: Option<u32>,
     body_bytes_max: Option<usize>,
     response_bytes_max: Option<usize>,
+    undo_body_bytes_max: Option<usize>,
     connections_max: Option<usize>,
     upstream_roots: Option<std::path::PathBuf>,
     credentials: Option<std::path::PathBuf>,
@@ -98,6 +108,14 @@ impl Settings {
         s.pids_max = e.pids_max.unwrap_or(s.pids_max);
         s.body_bytes_max = e.body_bytes_max.unwrap_or(s.body_bytes_max);
         s.response_bytes_max = e.response_bytes_max.unwrap_or(s.response_bytes_max);
+        s.undo_body_bytes_max = e.undo_body_bytes_max.unwrap_or(s.undo_body_bytes_max);
+        if s.undo_body_bytes_max > UNDO_BODY_BYTES_LIMIT {
+            anyhow::bail!(
+                "undo_body_bytes_max = {} is over {UNDO_BODY_BYTES_LIMIT}: the result it is \
+                 recorded in (beside the response's body) must fit the ledger's 64 KiB",
+                s.undo_body_bytes_max
+            );
+        }
         s.connections_max = e.connections_max.unwrap_or(s.connections_max);
         s.upstream_roots = e.upstream_roots;
         s.credentials = e.credentials;
@@ -217,11 +235,13 @@ mod tests {
             .collect();
         assert_eq!(
             blocks.len(),
-            4,
-            "the settings, the credential store, the policy example and an HTTP undo's rule"
+            5,
+            "the settings, the credential store, the policy example, an HTTP undo's rule and \
+             an HTTP lookup's"
         );
         let s = Settings::parse(blocks[0]).unwrap();
         assert_eq!(s.allow, vec![parse_cidr("127.0.0.2/32").unwrap()]);
+        assert_eq!(s.undo_body_bytes_max, 16384);
         assert_eq!(s.hold_ms, 30_000);
         let m = s.model.expect("the [egress.model] example");
         assert_eq!(
@@ -233,11 +253,23 @@ mod tests {
         assert_eq!(store.entries.len(), 3);
         estop_policy::Policy::parse(blocks[2]).unwrap();
         estop_policy::Policy::parse(blocks[3]).unwrap();
+        estop_policy::Policy::parse(blocks[4]).unwrap();
         assert!(
             Settings::parse("[egress]\nhold = 1\n").is_err(),
             "unknown keys are refused"
         );
         assert!(Settings::parse("[egress]\npids_max = 1\n").is_err());
+        let over = Settings::parse("[egress]\nundo_body_bytes_max = 24577\n").unwrap_err();
+        assert!(
+            format!("{over:#}").contains("must fit the ledger"),
+            "{over:#}"
+        );
+        assert_eq!(
+            Settings::parse("[egress]\nundo_body_bytes_max = 0\n")
+                .unwrap()
+                .undo_body_bytes_max,
+            0
+        );
     }
 
     #[test]

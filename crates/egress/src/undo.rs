@@ -70,6 +70,63 @@ pub struct Undo {
 /// How an attempt ended, for `compensated`.
 pub type Outcome = (&'static str, Option<String>);
 
+/// How a lookup ended, for `looked_up`: the outcome, the result found, the error.
+pub type LookedUp = (&'static str, Option<Value>, Option<String>);
+
+/// The most of a found lookup's answer read (the result records at most
+/// `record::BODY_BYTES_MAX` of it; past this the rest is not waited for).
+pub const LOOKUP_BYTES_MAX: usize = 1 << 20;
+
+/// Statuses a lookup's `not_found` may list.
+const NOT_FOUND_MAX: usize = 16;
+
+/// One HTTP lookup, as it will be sent: the request, and which statuses mean "not found".
+#[derive(Debug)]
+pub struct Lookup {
+    pub request: Undo,
+    pub not_found: Vec<u16>,
+}
+
+/// What became of a request.
+enum Sent {
+    /// Never sent, and why.
+    Not(String),
+    /// Sent, and no answer came (why).
+    NoAnswer(String),
+    Answered(hyper::Response<hyper::body::Incoming>),
+}
+
+/// Builds the request of a `lookup` event for tool `http.METHOD`, with the `args` the gate
+/// built from the rule's `lookup_args` (`{url, host, headers?, not_found?}`: the URL is the
+/// forward request's origin and the mapped path). No body and no `Idempotency-Key`: a lookup
+/// names the call it looks for by its path or headers.
+pub fn build_lookup(tool: &str, args: &Value) -> Result<Lookup, String> {
+    let mut args = args.clone();
+    let not_found = match args.as_object_mut().and_then(|m| m.remove("not_found")) {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(codes)) if codes.len() <= NOT_FOUND_MAX => codes
+            .iter()
+            .map(|c| {
+                c.as_u64()
+                    .filter(|c| (400..600).contains(c))
+                    .map(|c| c as u16)
+                    .ok_or_else(|| format!("`not_found` lists {c}, not a 4xx or 5xx status"))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(format!(
+                "`not_found` is not a list of at most {NOT_FOUND_MAX} statuses"
+            ));
+        }
+    };
+    if args.get("body").is_some() {
+        return Err("a lookup sends no body".into());
+    }
+    let mut request = build(tool, &args, "-", 0)?;
+    request.headers.remove("idempotency-key");
+    Ok(Lookup { request, not_found })
+}
+
 /// What sends undos: the sandbox's settings and credentials, and the upstream TLS roots.
 pub struct Executor {
     pub settings: Settings,
@@ -213,16 +270,84 @@ impl Executor {
     /// whether it landed is for a human to find out, never for a blind retry.
     pub async fn send(&self, undo: Undo) -> Outcome {
         let what = format!("{} {}", undo.method, undo.uri);
+        match self.request(undo).await {
+            Sent::Not(why) => ("error", Some(format!("{what}: not sent: {why}"))),
+            Sent::NoAnswer(why) => ("unknown", Some(format!("{what}: sent, {why}"))),
+            Sent::Answered(res) if res.status().is_success() => ("ok", None),
+            Sent::Answered(res) => ("error", Some(format!("{what}: answered {}", res.status()))),
+        }
+    }
+
+    /// Looks up whether a call of unknown outcome happened, by the request its `lookup_args`
+    /// built (`lookup`): found (2xx) is `ok`, with what the answer says recorded as the call's
+    /// result (as the proxy records one, "What an undo needs"); a status the rule lists in
+    /// `not_found` is `error`, it did not happen; anything else — another status, not sent, no
+    /// answer — is `unknown`, for a human. Never a retry of the forward call.
+    pub async fn look_up(&self, lookup: Lookup) -> LookedUp {
+        let what = format!("{} {}", lookup.request.method, lookup.request.uri);
+        let (scheme, host, port) = (
+            lookup.request.scheme.clone(),
+            lookup.request.host.clone(),
+            lookup.request.port,
+        );
+        let res = match self.request(lookup.request).await {
+            Sent::Not(why) => return ("unknown", None, Some(format!("{what}: not sent: {why}"))),
+            Sent::NoAnswer(why) => return ("unknown", None, Some(format!("{what}: sent, {why}"))),
+            Sent::Answered(res) => res,
+        };
+        let status = res.status();
+        if lookup.not_found.contains(&status.as_u16()) {
+            return (
+                "error",
+                None,
+                Some(format!(
+                    "{what}: answered {status}: not found, it did not happen"
+                )),
+            );
+        }
+        if !status.is_success() {
+            return (
+                "unknown",
+                None,
+                Some(format!("{what}: answered {status}: the lookup cannot tell")),
+            );
+        }
+        let mut record = crate::record::Recorder::new(res.headers());
+        let mut body = res.into_body();
+        let mut bytes = 0usize;
+        let timeout = Duration::from_millis(REQUEST_TIMEOUT_MS);
+        loop {
+            use http_body_util::BodyExt;
+            match tokio::time::timeout(timeout, body.frame()).await {
+                Ok(None) => break,
+                Ok(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        bytes += data.len();
+                        record.feed(&data);
+                        if bytes > LOOKUP_BYTES_MAX {
+                            break;
+                        }
+                    }
+                }
+                // Found, whatever the rest of the body: the head said so.
+                Ok(Some(Err(_))) | Err(_) => break,
+            }
+        }
+        let secrets = self.credentials.secrets_for(&scheme, &host, port);
+        (
+            "ok",
+            Some(record.finish(status.as_u16(), bytes, &secrets)),
+            None,
+        )
+    }
+
+    /// Dials and sends one request (credentials injected for its destination only).
+    async fn request(&self, undo: Undo) -> Sent {
         let timeout = Duration::from_millis(REQUEST_TIMEOUT_MS);
         let mut sender = match tokio::time::timeout(timeout, self.dial(&undo)).await {
             Ok(Ok(s)) => s,
-            Ok(Err(why)) => return ("error", Some(format!("{what}: not sent: {why}"))),
-            Err(_) => {
-                return (
-                    "error",
-                    Some(format!("{what}: not sent: no connection in time")),
-                );
-            }
+            Ok(Err(why)) => return Sent::Not(why),
+            Err(_) => return Sent::Not("no connection in time".into()),
         };
         let mut req = Request::builder()
             .method(undo.method.clone())
@@ -238,15 +363,9 @@ impl Executor {
             req.headers_mut().insert(name.clone(), value.clone());
         }
         match tokio::time::timeout(timeout, sender.send(req, &undo.scheme)).await {
-            Err(_) => (
-                "unknown",
-                Some(format!(
-                    "{what}: sent, no answer in {REQUEST_TIMEOUT_MS} ms"
-                )),
-            ),
-            Ok(Err(e)) => ("unknown", Some(format!("{what}: sent, then {e}"))),
-            Ok(Ok(res)) if res.status().is_success() => ("ok", None),
-            Ok(Ok(res)) => ("error", Some(format!("{what}: answered {}", res.status()))),
+            Err(_) => Sent::NoAnswer(format!("no answer in {REQUEST_TIMEOUT_MS} ms")),
+            Ok(Err(e)) => Sent::NoAnswer(format!("then {e}")),
+            Ok(Ok(res)) => Sent::Answered(res),
         }
     }
 
@@ -312,6 +431,42 @@ impl Executor {
             // connection is gone, or it is settled already.
             Ok(v) => eprintln!(
                 "estop egress-executor: the gate refused the report: {}",
+                v["error"]
+            ),
+            Err(e) => eprintln!("estop egress-executor: reporting: {e:#}"),
+        }
+    }
+}
+
+impl Executor {
+    /// Runs one `lookup` event and reports it.
+    async fn lookup(self: Arc<Self>, gate: Gate, event: Value) {
+        let tool = event["tool"].as_str().unwrap_or_default();
+        let args = event.get("args").cloned().unwrap_or(Value::Null);
+        let (outcome, result, error) = match build_lookup(tool, &args) {
+            Ok(lookup) => self.look_up(lookup).await,
+            Err(why) => ("unknown", None, Some(format!("not sent: {why}"))),
+        };
+        let (run, effect, attempt) = (&event["run"], &event["key"], &event["attempt"]);
+        eprintln!(
+            "estop egress-executor: {run} {effect} lookup {attempt}: {outcome}{}",
+            error
+                .as_deref()
+                .map(|e| format!(" ({e})"))
+                .unwrap_or_default()
+        );
+        let mut report = json!({"op": "looked_up", "run": run, "key": effect,
+            "attempt": attempt, "outcome": outcome});
+        if let Some(r) = result {
+            report["result"] = r;
+        }
+        if let Some(e) = error {
+            report["error"] = json!(truncate(e, ERROR_BYTES_MAX));
+        }
+        match gate.call(report).await {
+            Ok(v) if v["ok"] == true => {}
+            Ok(v) => eprintln!(
+                "estop egress-executor: the gate refused the lookup's report: {}",
                 v["error"]
             ),
             Err(e) => eprintln!("estop egress-executor: reporting: {e:#}"),
@@ -443,13 +598,8 @@ async fn session(
             Some("compensate") => {
                 tokio::spawn(Arc::clone(executor).compensate(gate.clone(), event));
             }
-            // An `http.*` lookup tool: this executor cannot tell whether a call happened, so
-            // it says so at once and an operator settles it.
             Some("lookup") => {
-                let report = json!({"op": "looked_up", "run": event["run"],
-                    "key": event["key"], "attempt": event["attempt"], "outcome": "unknown",
-                    "error": "estop egress-executor does not look up HTTP calls"});
-                let _ = gate.send(report);
+                tokio::spawn(Arc::clone(executor).lookup(gate.clone(), event));
             }
             _ => {}
         }
@@ -649,5 +799,67 @@ mod tests {
         assert_eq!(outcome, "error");
         assert!(error.unwrap().contains("refused destinations"));
         assert!(heads.try_recv().is_err(), "nothing reached it");
+    }
+
+    /// A lookup: 2xx found (`ok`, the answer recorded without the credential), a status the
+    /// rule lists in `not_found` did not happen (`error`), anything else cannot tell
+    /// (`unknown`): an unlisted 404, a 503, a cut, not sent. No body, no `Idempotency-Key`.
+    #[tokio::test]
+    async fn a_lookup_says_found_not_found_or_cannot_tell() {
+        let allow = "[egress]\nallow_destinations = [\"127.0.0.1/32\"]\n";
+        let creds = "[[credential]]\nhost = \"127.0.0.1\"\nplain_http = true\nbearer = \"tok-1\"\n";
+        let ex = executor(allow, creds);
+        let lookup = |port: u16, not_found: Value| {
+            let args = json!({"url": format!("http://127.0.0.1:{port}/orders?key=k1"),
+                "host": "127.0.0.1", "not_found": not_found});
+            build_lookup("http.GET", &args).unwrap()
+        };
+        let found = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 35\r\n\r\n{\"id\":\"o-7\",\"echo\":\"Bearer tok-1\"}";
+        let (port, mut heads) = upstream(found).await;
+        let (outcome, result, error) = ex.look_up(lookup(port, json!([404]))).await;
+        assert_eq!((outcome, error), ("ok", None));
+        let result = result.unwrap();
+        assert_eq!(result["status"], 200);
+        assert_eq!(result["body_omitted"], "credential", "{result}");
+        let head = heads.recv().await.unwrap().to_ascii_lowercase();
+        assert!(head.starts_with("get /orders?key=k1 http/1.1"), "{head}");
+        assert!(head.contains("authorization: bearer tok-1"), "{head}");
+        assert!(!head.contains("idempotency-key"), "{head}");
+
+        let gone = "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n";
+        let (port, _) = upstream(gone).await;
+        assert_eq!(ex.look_up(lookup(port, json!([404, 410]))).await.0, "error");
+        let (port, _) = upstream(gone).await;
+        assert_eq!(ex.look_up(lookup(port, Value::Null)).await.0, "unknown");
+        let (port, _) =
+            upstream("HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n").await;
+        assert_eq!(ex.look_up(lookup(port, json!([404]))).await.0, "unknown");
+        let (port, _) = upstream("").await;
+        assert_eq!(ex.look_up(lookup(port, json!([404]))).await.0, "unknown");
+        let closed = executor("[egress]\n", "");
+        let (port, mut heads) = upstream(found).await;
+        let (outcome, _, error) = closed.look_up(lookup(port, json!([]))).await;
+        assert_eq!(outcome, "unknown");
+        assert!(error.unwrap().contains("not sent"));
+        assert!(heads.try_recv().is_err(), "nothing reached it");
+
+        for (args, why) in [
+            (
+                json!({"url": "http://a/", "not_found": [200]}),
+                "not a 4xx or 5xx",
+            ),
+            (
+                json!({"url": "http://a/", "not_found": "404"}),
+                "not a list",
+            ),
+            (json!({"url": "http://a/", "body": "x"}), "no body"),
+            (
+                json!({"url": "http://a/", "path": "/x"}),
+                "unknown argument",
+            ),
+        ] {
+            let e = build_lookup("http.GET", &args).unwrap_err();
+            assert!(e.contains(why), "{args}: {e}");
+        }
     }
 }

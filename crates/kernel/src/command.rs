@@ -20,6 +20,9 @@ pub struct PolicyDecision {
     /// The tool that finds out, by the call's idempotency key, whether a call whose outcome is
     /// unknown happened (`lookup`); the saga asks it before asking a human.
     pub lookup: Option<ToolName>,
+    /// How the lookup's arguments are built from the forward call (`lookup_args`, CEL text),
+    /// kept as the policy said it at admission; only with `lookup`.
+    pub lookup_args: Option<std::sync::Arc<str>>,
     /// Distinct approvers needed (≥ 1 when `action` is approve).
     pub quorum: u32,
     /// Each group needs at least one distinct approver carrying it.

@@ -2,7 +2,7 @@
 //! transition without events, for recovery). Every check happens before any mutation, so a
 //! command that returns an error has changed nothing.
 
-use crate::command::{Admit, Command, PolicyDecision, Token};
+use crate::command::{Admit, Command, PolicyDecision, SagaStep, Token};
 use crate::ids::PrincipalName;
 use crate::ids::Role;
 use crate::ids::{EffectKey, Principal, RunId};
@@ -442,6 +442,20 @@ impl Gate {
         // An observer reads; every command changes something or may (a recheck consumes an
         // approval), so none is an observer's.
         if principal.role == Role::Observer {
+            return Err(KernelError::Forbidden);
+        }
+        // An executor runs the reverse saga's attempts and lookups, and nothing else.
+        if principal.role == Role::Executor
+            && !matches!(
+                cmd,
+                Command::CompensationBegin { .. }
+                    | Command::CompensationEnd { .. }
+                    | Command::SagaStep {
+                        step: SagaStep::LookupBegin { .. } | SagaStep::LookupEnd { .. },
+                        ..
+                    }
+            )
+        {
             return Err(KernelError::Forbidden);
         }
         if let Some(run) = cmd.run()

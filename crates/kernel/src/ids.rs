@@ -330,6 +330,10 @@ pub enum Role {
     /// Reads every run (metrics, dashboards) and changes nothing: no admission, decision,
     /// stop or token change.
     Observer,
+    /// Runs the reverse saga's compensations and lookups (`compensations`, `compensated`,
+    /// `looked_up`) of every run, and nothing else: no admission, decision, stop, read or
+    /// token change (`estop egress-executor`'s own credential).
+    Executor,
 }
 
 impl Role {
@@ -338,6 +342,7 @@ impl Role {
             Role::Agent => "agent",
             Role::Operator => "operator",
             Role::Observer => "observer",
+            Role::Executor => "executor",
         }
     }
     pub fn parse(s: &str) -> Option<Role> {
@@ -345,6 +350,7 @@ impl Role {
             "agent" => Some(Role::Agent),
             "operator" => Some(Role::Operator),
             "observer" => Some(Role::Observer),
+            "executor" => Some(Role::Executor),
             _ => None,
         }
     }

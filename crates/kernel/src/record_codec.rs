@@ -27,7 +27,7 @@ use std::collections::{BTreeMap, BTreeSet};
 /// completion with a cost `SPEND_COMPLETE_TAG` (docs/LEDGER.md).
 pub const RECORD_VERSION: u8 = 1;
 /// An admission whose run limits name a model budget or which carries a reservation: the tag,
-/// then the admission's own tag (1, 17 or 18) and body as before, then the spend trailer
+/// then the admission's own tag (1, 17, 18 or 20) and body as before, then the spend trailer
 /// (`max_spend`, `max_tokens` as optional u64s; the reservation's micro-USD and tokens).
 const SPEND_ADMIT_TAG: u8 = 32;
 /// A completion with a cost: tag 4's body, then the cost's micro-USD and tokens.
@@ -42,7 +42,9 @@ const SPEND_COMPLETE_TAG: u8 = 33;
 /// Version 4 is still read (none).
 /// 6: each effect ends with its model spend, and each run with its model budget (`max_spend`,
 /// `max_tokens`) and what its subtree spent and has reserved. Version 5 is still read (none).
-pub const SNAPSHOT_VERSION: u8 = 6;
+/// 7: each effect's `lookup` is followed by its `lookup_args` (CEL text), if any. Version 6
+/// is still read (none).
+pub const SNAPSHOT_VERSION: u8 = 7;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("cannot decode {what} at byte {offset}: {problem}")]
@@ -248,6 +250,7 @@ fn role_byte(r: Role) -> u8 {
         Role::Agent => 0,
         Role::Operator => 1,
         Role::Observer => 2,
+        Role::Executor => 3,
     }
 }
 
@@ -256,6 +259,7 @@ fn get_role(r: &mut R) -> Result<Role, CodecError> {
         0 => Ok(Role::Agent),
         1 => Ok(Role::Operator),
         2 => Ok(Role::Observer),
+        3 => Ok(Role::Executor),
         b => Err(r.err(format!("bad role {b}"))),
     }
 }
@@ -284,8 +288,10 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
             }
             // Tag 17 is an admission whose policy says how to build its compensation's
             // arguments, 18 one whose tool declares a lookup (with either mapping or none);
-            // without those it is written as before (tag 1).
+            // without those it is written as before (tag 1). Tag 20 is tag 18 whose lookup's
+            // arguments are built by a mapping (`lookup_args`).
             w.u8(match (&a.policy.compensate_args, &a.policy.lookup) {
+                (_, Some(_)) if a.policy.lookup_args.is_some() => 20,
                 (_, Some(_)) => 18,
                 (Some(_), None) => 17,
                 (None, None) => 1,
@@ -317,6 +323,9 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
                 Some(lookup) => {
                     w.opt_str(p.compensate_args.as_deref());
                     w.str(lookup.as_str());
+                    if let Some(m) = &p.lookup_args {
+                        w.str(m);
+                    }
                 }
                 None => {
                     if let Some(m) = &p.compensate_args {
@@ -555,10 +564,10 @@ impl RecordDecoder {
         let principal = self.principal(&mut r)?;
         let outer = r.u8()?;
         let command = match outer {
-            SPEND_ADMIT_TAG | 1 | 17 | 18 => {
+            SPEND_ADMIT_TAG | 1 | 17 | 18 | 20 => {
                 let tag = if outer == SPEND_ADMIT_TAG {
                     match r.u8()? {
-                        t @ (1 | 17 | 18) => t,
+                        t @ (1 | 17 | 18 | 20) => t,
                         t => return Err(r.err(format!("unknown admission tag {t}"))),
                     }
                 } else {
@@ -589,19 +598,26 @@ impl RecordDecoder {
                     compensate: r.opt(R::tool)?,
                     compensate_args: None,
                     lookup: None,
+                    lookup_args: None,
                     quorum: r.u32()?,
                     groups: r.strs()?,
                     expiry_ms: r.u64()?,
                     rule: self.rule(&mut r)?,
                 };
-                let (compensate_args, lookup) = match tag {
-                    17 => (Some(r.str()?.into()), None),
-                    18 => (r.opt(R::str)?.map(Into::into), Some(r.tool()?)),
-                    _ => (None, None),
+                let (compensate_args, lookup, lookup_args) = match tag {
+                    17 => (Some(r.str()?.into()), None, None),
+                    18 => (r.opt(R::str)?.map(Into::into), Some(r.tool()?), None),
+                    20 => (
+                        r.opt(R::str)?.map(Into::into),
+                        Some(r.tool()?),
+                        Some(r.str()?.into()),
+                    ),
+                    _ => (None, None, None),
                 };
                 let policy = Box::new(PolicyDecision {
                     compensate_args,
                     lookup,
+                    lookup_args,
                     ..policy
                 });
                 let mut reserve = Spend::default();
@@ -890,6 +906,7 @@ fn put_effect(w: &mut W, e: &Effect) {
     }
     w.opt_str(e.compensate_args.as_deref());
     w.opt_str(e.lookup.as_ref().map(ToolName::as_str));
+    w.opt_str(e.lookup_args.as_deref());
     match &e.saga {
         None => w.u8(0),
         Some(c) => {
@@ -1020,11 +1037,16 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
             error: r.opt(R::boxed)?,
         }))
     })?;
-    let (compensate_args, lookup, saga) = if version < 3 {
-        (None, None, None)
+    let (compensate_args, (lookup, lookup_args), saga) = if version < 3 {
+        (None, (None, None), None)
     } else {
         let args = r.opt(R::str)?.map(std::sync::Arc::from);
         let lookup = if version >= 4 { r.opt(R::tool)? } else { None };
+        let lookup_args = if version >= 7 {
+            r.opt(R::str)?.map(std::sync::Arc::from)
+        } else {
+            None
+        };
         let saga = r.opt(|r| {
             let mut c = Compensation {
                 attempts: r.u32()?,
@@ -1050,7 +1072,7 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
             }
             Ok(Box::new(c))
         })?;
-        (args, lookup, saga)
+        (args, (lookup, lookup_args), saga)
     };
     let spend = if version >= 6 {
         r.opt(|r| {
@@ -1071,6 +1093,7 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
         compensate,
         compensate_args,
         lookup,
+        lookup_args,
         rule,
         action,
         approval,

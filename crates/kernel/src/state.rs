@@ -168,6 +168,8 @@ pub struct Effect {
     pub compensate_args: Option<Arc<str>>,
     /// The tool that looks up whether the call happened, by its idempotency key (`lookup`).
     pub lookup: Option<ToolName>,
+    /// `lookup_args` as recorded with the admission (CEL text).
+    pub lookup_args: Option<Arc<str>>,
     /// Shared with every effect the same rule decided (see `Interner`).
     pub rule: Arc<str>,
     pub action: PolicyAction,
@@ -259,6 +261,7 @@ impl Effect {
             compensate: p.compensate.clone(),
             compensate_args: p.compensate_args.clone(),
             lookup: p.lookup.clone(),
+            lookup_args: p.lookup_args.clone(),
             rule,
             action: p.action,
             approval: None,

@@ -285,6 +285,48 @@ fn an_observer_changes_nothing() {
     );
 }
 
+/// An executor runs the reverse saga's attempts, of any principal's run, and changes nothing
+/// else: no admission, decision, stop, wait or token change.
+#[test]
+fn an_executor_runs_compensations_and_nothing_else() {
+    check(
+        "
+        0 agent admit r1 k1 refund comp=unrefund
+        1 agent complete r1 k1 1.1 ok
+        2 agent admit r1 k2 wire action=approve
+        3 xena admit r2 k1 search class=read
+        4 xena approve r1 k2
+        5 xena wait r1 k2
+        6 xena cancel r1
+        7 xena pause r1
+        8 xena close r1
+        9 xena token_create eve role=operator
+        10 alice cancel r1
+        11 xena begin r1 k1 1
+        12 xena end r1 k1 1 ok
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 refund comp=unrefund     => admitted 1.1
+            1 agent complete r1 k1 1.1 ok                => completed
+            2 agent admit r1 k2 wire action=approve      => held approval #1 until 1002
+            3 xena admit r2 k1 search class=read         => error forbidden: operation requires the operator role
+            4 xena approve r1 k2                         => error forbidden: operation requires the operator role
+            5 xena wait r1 k2                            => error forbidden: operation requires the operator role
+            6 xena cancel r1                             => error forbidden: operation requires the operator role
+            7 xena pause r1                              => error forbidden: operation requires the operator role
+            8 xena close r1                              => error forbidden: operation requires the operator role
+            9 xena token_create eve role=operator        => error forbidden: operation requires the operator role
+            10 alice cancel r1                           => run finalizing (1 changed)
+            11 xena begin r1 k1 1                        => compensation compensating attempt=1
+            12 xena end r1 k1 1 ok                       => compensation compensated attempt=1
+            --
+            run r1 cancelled stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0
+              k1 refund compensated undo=unrefund attempts=1/5
+              k2 wire refused(cancelled)
+        "#]],
+    );
+}
+
 #[test]
 fn only_operators_record_token_changes_and_they_change_no_run() {
     check(
@@ -1069,11 +1111,12 @@ fn a_version_1_snapshot_loads_and_its_compacted_runs_are_forgotten_next() {
     assert!(decode_snapshot(&bad, Limits::default()).is_err());
 }
 
-/// Version 2 and 3 snapshots (before compensations, before lookups) still load: their effects
-/// have no compensation, or no lookup. They are the version 4 encoding without the effect's
-/// last bytes (a compensation is none here, a `0`).
+/// Version 2 to 6 snapshots (before compensations, before lookups, before the model budget,
+/// before lookup mappings) still load: their effects have no compensation, no lookup, no spend
+/// or no lookup mapping. They are the version 7 encoding without those bytes (a compensation
+/// is none here, a `0`).
 #[test]
-fn a_version_2_or_3_snapshot_loads_with_effects_that_have_no_compensation_or_lookup() {
+fn a_version_2_to_6_snapshot_loads_with_effects_that_have_no_compensation_or_lookup() {
     use estop_kernel::record_codec::{decode_snapshot, encode_snapshot};
     use estop_kernel::{Gate, Limits};
     let mut gate = Gate::new(Limits::default());
@@ -1084,21 +1127,32 @@ fn a_version_2_or_3_snapshot_loads_with_effects_that_have_no_compensation_or_loo
         let rec = support::parse_line(line, None);
         gate.apply(rec.at, &rec.principal, &rec.command).unwrap();
     }
-    let mut v6 = Vec::new();
-    encode_snapshot(&gate, &mut v6);
+    let mut v7 = Vec::new();
+    encode_snapshot(&gate, &mut v7);
+    assert_eq!(v7[0], 7);
     // Version 6 ends the effect with its spend (none, `0`) and the run with its budget (two
-    // absent limits, spent and reserved: 34 bytes), before the 8 bytes of no tombstones. Without
-    // them it is the version 5 encoding, which is version 4's when no compensation waits.
-    let tail = v6.len() - 8;
-    assert_eq!(v6[tail - 35..tail], [0; 35], "no spend, no budget");
+    // absent limits, spent and reserved: 34 bytes), before the 8 bytes of no tombstones. Before
+    // them: the effect's `compensate_args` byte (version 3), `lookup` byte (version 4),
+    // `lookup_args` byte (version 7) and compensation byte.
+    let tail = v7.len() - 8;
+    assert_eq!(v7[tail - 35..tail], [0; 35], "no spend, no budget");
+    assert_eq!(
+        v7[tail - 39..tail - 35],
+        [0, 0, 0, 0],
+        "no mapping, no lookup, no lookup mapping, no compensation yet"
+    );
+    let mut v6 = v7.clone();
+    v6.remove(tail - 37);
+    v6[0] = 6;
+    assert_eq!(decode_snapshot(&v6, Limits::default()).unwrap(), gate);
+    // Without the spend and the budget it is the version 5 encoding, which is version 4's when
+    // no compensation waits.
     let mut v4 = v6.clone();
-    v4.drain(tail - 35..tail);
+    v4.drain(tail - 36..tail - 1);
     v4[0] = 4;
     let mut v5 = v4.clone();
     v5[0] = 5;
     assert_eq!(decode_snapshot(&v5, Limits::default()).unwrap(), gate);
-    // The snapshot ends with the one effect's `compensate_args` byte (version 3), `lookup`
-    // byte (version 4) and compensation byte, then 8 bytes: no tombstones.
     let added = v4.len() - 11;
     assert_eq!(
         v4[added..added + 3],
@@ -1118,6 +1172,38 @@ fn a_version_2_or_3_snapshot_loads_with_effects_that_have_no_compensation_or_loo
     assert!(decode_snapshot(&v2, Limits::default()).is_err());
     v3[0] = 4;
     assert!(decode_snapshot(&v3, Limits::default()).is_err());
+    v6[0] = 7;
+    assert!(decode_snapshot(&v6, Limits::default()).is_err());
+}
+
+/// A lookup's mapping (`lookup_args`) is recorded with the admission (tag 20) and kept in the
+/// snapshot; an admission with a lookup and no mapping is still written as tag 18.
+#[test]
+fn a_lookup_mapping_is_recorded_with_the_admission_and_kept_in_the_snapshot() {
+    use estop_kernel::record_codec::{
+        decode_record, decode_snapshot, encode_record, encode_snapshot,
+    };
+    use estop_kernel::{Gate, Limits};
+    let mut gate = Gate::new(Limits::default());
+    let with = support::parse_line(
+        r#"0 agent admit r1 k1 http.POST comp=http.DELETE lookup=http.GET largs={"path":"/x/"+key}"#,
+        None,
+    );
+    let without = support::parse_line("1 agent admit r1 k2 refund comp=unrefund lookup=find", None);
+    for (rec, tag) in [(&with, 20u8), (&without, 18)] {
+        let mut buf = Vec::new();
+        encode_record(rec, &mut buf);
+        // version, at, principal ("agent": 4 + 5 bytes, role, no groups), then the tag.
+        assert_eq!(buf[1 + 8 + 9 + 1 + 4], tag);
+        assert_eq!(&decode_record(&buf).unwrap(), rec);
+        gate.apply(rec.at, &rec.principal, &rec.command).unwrap();
+    }
+    let r1 = RunId::new("r1").unwrap();
+    let e = &gate.run(&r1).unwrap().effects[&estop_kernel::EffectKey::new("k1").unwrap()];
+    assert_eq!(e.lookup_args.as_deref(), Some(r#"{"path":"/x/"+key}"#));
+    let mut snap = Vec::new();
+    encode_snapshot(&gate, &mut snap);
+    assert_eq!(decode_snapshot(&snap, Limits::default()).unwrap(), gate);
 }
 
 /// Every verb that moves a run, from every state a run can be in: each either moves it along

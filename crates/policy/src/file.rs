@@ -100,6 +100,7 @@ struct RawRule {
     compensate: Option<Spanned<String>>,
     compensate_args: Option<Spanned<String>>,
     lookup: Option<Spanned<String>>,
+    lookup_args: Option<Spanned<String>>,
     quorum: Option<Spanned<i64>>,
     groups: Option<Spanned<Vec<Spanned<String>>>>,
     expiry: Option<Spanned<DurationDe>>,
@@ -411,6 +412,30 @@ fn build_rule(
         }
         Some(l) => Some(one_tool(lines, l, "lookup")?),
     };
+    let lookup_args = match (&raw.lookup_args, &lookup) {
+        (None, _) => None,
+        (Some(m), None) => {
+            return lines.err(
+                m.span(),
+                "`lookup_args` without `lookup` builds arguments for no tool; name the lookup \
+                 tool with `lookup`",
+            );
+        }
+        (Some(m), Some(_)) => {
+            crate::mapping::Mapping::compile_as(env, "lookup_args", m.get_ref())
+                .or_else(|e| lines.err(m.span(), e))?;
+            Some(std::sync::Arc::from(m.get_ref().as_str()))
+        }
+    };
+    if let (Some(l), Some(tool)) = (&raw.lookup, &lookup) {
+        check_http_lookup(
+            lines,
+            l.span(),
+            tool,
+            raw.tool.get_ref(),
+            lookup_args.is_some(),
+        )?;
+    }
     Ok(Rule {
         name: name.into(),
         name_span,
@@ -425,6 +450,7 @@ fn build_rule(
         compensate,
         compensate_args,
         lookup,
+        lookup_args,
         quorum,
         groups,
         expiry_ms: raw
@@ -433,6 +459,48 @@ fn build_rule(
         line,
         when_after: false,
     })
+}
+
+/// An HTTP lookup (`lookup = "http.GET"`, run by `estop egress-executor` with the credential
+/// store): only of HTTP effects (the rule's tool is `http.*`), since the lookup goes to the
+/// forward call's own origin (scheme, host, port: its `lookup_args` names only the path and
+/// headers), so the credentials it carries are that host's and no other's; and only with a
+/// `lookup_args` saying which path finds the call. Not `CONNECT`, which reaches nothing.
+fn check_http_lookup(
+    lines: &Lines<'_>,
+    span: std::ops::Range<usize>,
+    lookup: &ToolName,
+    forward: &str,
+    mapped: bool,
+) -> Result<(), PolicyError> {
+    let Some(method) = lookup.as_str().strip_prefix("http.") else {
+        return Ok(());
+    };
+    if method == "CONNECT" || method.is_empty() {
+        return lines.err(
+            span,
+            format!("`lookup = \"http.{method}\"` is not a request an executor sends"),
+        );
+    }
+    if !forward.starts_with("http.") || forward.starts_with("http.CONNECT") {
+        return lines.err(
+            span,
+            format!(
+                "an HTTP lookup ({lookup}) only looks up HTTP requests (tool = \"http.*\"), on \
+                 the forward request's own host; this rule is for {forward:?}"
+            ),
+        );
+    }
+    if !mapped {
+        return lines.err(
+            span,
+            format!(
+                "an HTTP lookup ({lookup}) needs `lookup_args` saying which path finds the call, \
+                 e.g. '{{\"path\": \"/v1/orders?idempotency_key=\" + key}}'"
+            ),
+        );
+    }
+    Ok(())
 }
 
 /// A rule's key naming one tool (`compensate`, `lookup`): a valid name, not a pattern.

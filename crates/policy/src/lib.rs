@@ -60,7 +60,7 @@ use estop_kernel::{PolicyDecision, RunLimits};
 pub use duration::{DURATION_MS_MAX, parse_ms as parse_duration_ms};
 pub use error::{EvalError, PolicyError};
 pub use file::{POLICY_BYTES_MAX, QUORUM_MAX, RULES_MAX};
-pub use mapping::{Mapping, compensation_args};
+pub use mapping::{Mapping, compensation_args, lookup_args};
 pub use pattern::ToolPattern;
 pub use when::{ARGS_DEPTH_MAX, WHEN_BYTES_MAX};
 
@@ -123,6 +123,7 @@ struct Rule {
     compensate: Option<ToolName>,
     compensate_args: Option<Arc<str>>,
     lookup: Option<ToolName>,
+    lookup_args: Option<Arc<str>>,
     quorum: u32,
     groups: Vec<String>,
     expiry_ms: u64,
@@ -143,6 +144,7 @@ impl Rule {
             compensate: self.compensate.clone(),
             compensate_args: self.compensate_args.clone(),
             lookup: self.lookup.clone(),
+            lookup_args: self.lookup_args.clone(),
             quorum: self.quorum,
             groups: self.groups.clone(),
             expiry_ms: self.expiry_ms,
@@ -170,6 +172,8 @@ pub struct Ruling {
     /// The tool that finds out whether a call of unknown outcome happened, by its
     /// idempotency key (`lookup`).
     pub lookup: Option<ToolName>,
+    /// How the lookup's arguments are built from the forward call (`lookup_args`, CEL text).
+    pub lookup_args: Option<Arc<str>>,
     /// Distinct approvers needed (meaningful when `action` is approve; 1 otherwise).
     pub quorum: u32,
     /// Groups that must each supply at least one of the approvers (approve only).
@@ -310,6 +314,7 @@ impl From<Ruling> for PolicyDecision {
             compensate: v.compensate,
             compensate_args: v.compensate_args,
             lookup: v.lookup,
+            lookup_args: v.lookup_args,
             quorum: v.quorum,
             groups: v.groups.into_iter().map(String::into_boxed_str).collect(),
             expiry_ms: v.expiry_ms,
@@ -367,6 +372,7 @@ impl Policy {
             compensate: None,
             compensate_args: None,
             lookup: None,
+            lookup_args: None,
             quorum: if defaults.unknown_tool == PolicyAction::Approve {
                 defaults.quorum
             } else {

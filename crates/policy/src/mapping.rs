@@ -15,31 +15,37 @@ use cel::{Context, Env, Program, Value};
 
 use crate::when::{WHEN_BYTES_MAX, json_to_cel};
 
-/// A compiled `compensate_args`.
+/// A compiled `compensate_args` (or `lookup_args`: the same kind of mapping, naming the
+/// lookup's arguments).
 #[derive(Debug)]
 pub struct Mapping {
     program: Program,
+    /// The rule's key, for errors.
+    what: &'static str,
 }
 
 impl Mapping {
-    /// Compiles `source`; the error says what is wrong with it.
+    /// Compiles `source` as a `compensate_args`; the error says what is wrong with it.
     pub fn compile(env: &Env, source: &str) -> Result<Mapping, String> {
+        Mapping::compile_as(env, "compensate_args", source)
+    }
+
+    /// Compiles `source` as the rule's key `what`; the error says what is wrong with it.
+    pub fn compile_as(env: &Env, what: &'static str, source: &str) -> Result<Mapping, String> {
         if source.trim().is_empty() {
-            return Err(
-                "`compensate_args` is empty; remove it or write a map such as \
-                 {\"id\": result.id}"
-                    .into(),
-            );
+            return Err(format!(
+                "`{what}` is empty; remove it or write a map such as {{\"id\": result.id}}"
+            ));
         }
         if source.len() > WHEN_BYTES_MAX {
             return Err(format!(
-                "`compensate_args` is {} bytes, longer than the limit of {WHEN_BYTES_MAX}",
+                "`{what}` is {} bytes, longer than the limit of {WHEN_BYTES_MAX}",
                 source.len()
             ));
         }
         env.compile(source)
-            .map(|program| Mapping { program })
-            .map_err(|e| format!("`compensate_args` {source:?} does not compile: {e}"))
+            .map(|program| Mapping { program, what })
+            .map_err(|e| format!("`{what}` {source:?} does not compile: {e}"))
     }
 
     /// The compensating call's arguments for one forward call. Anything but a map of JSON
@@ -56,22 +62,125 @@ impl Mapping {
             Some(text) => serde_json::from_str(text)
                 .unwrap_or_else(|_| serde_json::Value::String(text.to_string())),
         };
+        self.eval_vars(
+            env,
+            &[
+                ("tool", serde_json::json!(tool)),
+                ("args", args.clone()),
+                ("result", result),
+            ],
+        )
+    }
+
+    /// Evaluates with these variables (JSON values); anything but a map is an error.
+    fn eval_vars(
+        &self,
+        env: &Arc<Env>,
+        vars: &[(&str, serde_json::Value)],
+    ) -> Result<serde_json::Value, String> {
+        let what = self.what;
         let mut context = Context::with_env(Arc::clone(env));
-        context.add_variable_from_value("tool", tool);
-        context.add_variable_from_value("args", json_to_cel(args, 0)?);
-        context.add_variable_from_value("result", json_to_cel(&result, 0)?);
+        for (name, value) in vars {
+            context.add_variable_from_value(*name, json_to_cel(value, 0)?);
+        }
         let value = self
             .program
             .execute(&context)
-            .map_err(|e| format!("`compensate_args` failed: {e}"))?;
+            .map_err(|e| format!("`{what}` failed: {e}"))?;
         match value {
             Value::Map(_) => cel_to_json(&value, 0),
             other => Err(format!(
-                "`compensate_args` gave {}, not a map of arguments",
+                "`{what}` gave {}, not a map of arguments",
                 other.type_of()
             )),
         }
     }
+}
+
+/// Evaluates a recorded `lookup_args` text: the lookup's arguments, from the forward call's
+/// `args`, its `tool`, its idempotency `key` and `idempotency_key` (for a request the proxy
+/// admitted, the `Idempotency-Key` it carried, else null; there is no `result`: the outcome is what
+/// the lookup finds out). For an HTTP lookup (`lookup` = `http.METHOD`) the mapping names only
+/// the `path` (with its query), and may add `headers` and `not_found` (the statuses that mean
+/// the call did not happen); the URL is the forward request's own origin (its `scheme`, `host`,
+/// `port`) and that path, so the lookup, and the credentials the executor injects for its host,
+/// go nowhere else. A mapping giving `url`, `host`, `scheme` or `port` is refused.
+pub fn lookup_args(
+    source: &str,
+    tool: &str,
+    args: &serde_json::Value,
+    key: &str,
+    lookup: &str,
+) -> Result<serde_json::Value, String> {
+    let env = crate::cel_env();
+    // The proxy keys a request that carried `Idempotency-Key: V` as `idem:V`: `V` is what the
+    // upstream knows it by (null when the proxy derived the key).
+    let sent = key.strip_prefix("idem:");
+    let mapped = Mapping::compile_as(&env, "lookup_args", source)?.eval_vars(
+        &env,
+        &[
+            ("tool", serde_json::json!(tool)),
+            ("args", args.clone()),
+            ("key", serde_json::json!(key)),
+            ("idempotency_key", serde_json::json!(sent)),
+        ],
+    )?;
+    if lookup.starts_with("http.") {
+        http_lookup(mapped, args)
+    } else {
+        Ok(mapped)
+    }
+}
+
+/// An HTTP lookup's request: the mapped `path` on the forward request's origin.
+fn http_lookup(
+    mut mapped: serde_json::Value,
+    forward: &serde_json::Value,
+) -> Result<serde_json::Value, String> {
+    let m = mapped.as_object_mut().expect("a mapping gives a map");
+    if let Some(k) = m
+        .keys()
+        .find(|k| !matches!(k.as_str(), "path" | "headers" | "not_found"))
+    {
+        return Err(format!(
+            "`lookup_args` gave {k:?}: an HTTP lookup names its `path` (and `headers`, \
+             `not_found`); it goes to the forward request's own host"
+        ));
+    }
+    let path = match m.remove("path") {
+        Some(serde_json::Value::String(p)) if p.starts_with('/') => p,
+        _ => return Err("`lookup_args` gave no `path` starting with `/`".into()),
+    };
+    if path
+        .chars()
+        .any(|c| c.is_control() || c.is_whitespace() || c == '#')
+    {
+        return Err(format!(
+            "`lookup_args` gave the path {path:?}, not a request path"
+        ));
+    }
+    let text = |name: &str| forward.get(name).and_then(serde_json::Value::as_str);
+    let (Some(scheme @ ("http" | "https")), Some(host), Some(port)) = (
+        text("scheme"),
+        text("host"),
+        forward.get("port").and_then(serde_json::Value::as_u64),
+    ) else {
+        return Err("the forward call is not an HTTP request with a scheme, host and port".into());
+    };
+    if host.is_empty() || host.contains(['/', '@', '?', '#', '[', ']']) {
+        return Err(format!("the forward call's host {host:?} is not a host"));
+    }
+    let authority = if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    m.insert(
+        "url".into(),
+        serde_json::json!(format!("{scheme}://{authority}{path}")),
+    );
+    m.insert("host".into(), serde_json::json!(host));
+    Ok(mapped)
 }
 
 /// Evaluates a recorded `compensate_args` text (as the saga does, long after the admission).

@@ -85,6 +85,7 @@ fn verdict_carries_the_rule() {
             compensate: Some(tool("reverse_refund")),
             compensate_args: None,
             lookup: None,
+            lookup_args: None,
             quorum: 2,
             groups: vec!["finance".into(), "ops".into()],
             expiry_ms: 10 * 60 * 1000,

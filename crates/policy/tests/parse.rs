@@ -307,6 +307,108 @@ fn bad_lookup() {
         10,
         "bad `lookup` \"find_*\": it names one tool, not a pattern",
     );
+    refused(
+        &rule("tool = \"a\"\naction = \"allow\"\ncompensate = \"undo_a\"\nlookup_args = '{}'\n"),
+        10,
+        "`lookup_args` without `lookup`",
+    );
+    refused(
+        &rule(
+            "tool = \"a\"\naction = \"allow\"\ncompensate = \"undo_a\"\nlookup = \"find_a\"\nlookup_args = '{\"id\": '\n",
+        ),
+        11,
+        "does not compile",
+    );
+}
+
+/// An HTTP lookup goes to the forward request's own host with that host's credentials, so it
+/// is refused where it could be anything else: on a tool that is not an HTTP request (whose
+/// host is anything), on `CONNECT`, or without a `lookup_args` naming the path.
+#[test]
+fn an_http_lookup_only_looks_up_an_http_request_by_a_declared_path() {
+    let http = |tool: &str, lookup: &str, args: &str| {
+        rule(&format!(
+            "tool = \"{tool}\"\naction = \"allow\"\ncompensate = \"http.DELETE\"\nlookup = \"{lookup}\"\n{args}"
+        ))
+    };
+    let mapped = "lookup_args = '{\"path\": \"/orders?key=\" + idempotency_key}'\n";
+    refused(
+        &http("charge", "http.GET", mapped),
+        10,
+        "only looks up HTTP requests",
+    );
+    refused(
+        &http("http.CONNECT", "http.GET", mapped),
+        10,
+        "only looks up HTTP requests",
+    );
+    refused(
+        &http("http.POST", "http.CONNECT", mapped),
+        10,
+        "not a request an executor sends",
+    );
+    refused(
+        &http("http.POST", "http.GET", ""),
+        10,
+        "needs `lookup_args`",
+    );
+    let p = Policy::parse(&http("http.POST", "http.GET", mapped)).unwrap();
+    let tool = estop_kernel::ToolName::new("http.POST").unwrap();
+    let v = p
+        .evaluate(&tool, Some(&serde_json::json!({"host": "a"})), "agent")
+        .unwrap();
+    let source = v.lookup_args.expect("recorded");
+    assert_eq!(&*source, r#"{"path": "/orders?key=" + idempotency_key}"#);
+    let forward = serde_json::json!({"scheme": "https", "host": "api.test", "port": 8443});
+    assert_eq!(
+        estop_policy::lookup_args(&source, "http.POST", &forward, "idem:k1", "http.GET"),
+        Ok(serde_json::json!({"url": "https://api.test:8443/orders?key=k1", "host": "api.test"}))
+    );
+    // The lookup goes to the forward request's origin, whatever the mapping would say.
+    for (mapping, why) in [
+        (
+            r#"{"path": "/x", "url": "https://evil.test/"}"#,
+            "gave \"url\"",
+        ),
+        (r#"{"path": "/x", "host": "evil.test"}"#, "gave \"host\""),
+        (r#"{"path": "@evil.test/x"}"#, "no `path` starting with `/`"),
+        (r#"{"path": "/x y"}"#, "not a request path"),
+    ] {
+        let e =
+            estop_policy::lookup_args(mapping, "http.POST", &forward, "k", "http.GET").unwrap_err();
+        assert!(e.contains(why), "{mapping}: {e}");
+    }
+    let v6 = serde_json::json!({"scheme": "http", "host": "::1", "port": 80});
+    assert_eq!(
+        estop_policy::lookup_args(
+            r#"{"path": "/", "not_found": [404]}"#,
+            "http.PUT",
+            &v6,
+            "k",
+            "http.HEAD"
+        )
+        .unwrap()["url"],
+        "http://[::1]:80/"
+    );
+    // A lookup of another tool may be mapped too (its executor gets the mapped arguments).
+    let p = Policy::parse(&rule(
+        "tool = \"charge\"\naction = \"allow\"\ncompensate = \"refund\"\nlookup = \"find\"\nlookup_args = '{\"ref\": args.id}'\n",
+    ))
+    .unwrap();
+    let tool = estop_kernel::ToolName::new("charge").unwrap();
+    let v = p
+        .evaluate(&tool, Some(&serde_json::json!({"id": 3})), "agent")
+        .unwrap();
+    assert_eq!(
+        estop_policy::lookup_args(
+            &v.lookup_args.unwrap(),
+            "charge",
+            &serde_json::json!({"id": 3}),
+            "k",
+            "find"
+        ),
+        Ok(serde_json::json!({"ref": 3}))
+    );
 }
 
 /// A rule's `lookup` reaches the ruling (and so the admission's record).

@@ -366,12 +366,17 @@ impl Verb {
     }
 
     /// Whether a token of `role` may use this verb (docs/PROTOCOL.md, roles): operators every
-    /// verb, agents all but the operator-only ones, observers only the reads.
+    /// verb, agents all but the operator-only ones, observers only the reads, executors only
+    /// the reverse saga's (hello, ping, compensations, compensated, looked_up).
     pub fn allowed_for(self, role: Role) -> bool {
         match role {
             Role::Operator => true,
             Role::Agent => !self.is_operator_only(),
             Role::Observer => self.is_read_only(),
+            Role::Executor => matches!(
+                self,
+                Verb::Hello | Verb::Ping | Verb::Compensations | Verb::Compensated | Verb::LookedUp
+            ),
         }
     }
 
@@ -1517,7 +1522,7 @@ impl<'a> Raw<'a> {
             required(self.role.take(), Field::Role)?,
             Field::Role,
             Role::parse,
-            "agent, operator, observer",
+            "agent, operator, observer, executor",
         )?;
         let groups = self.groups.take().unwrap_or_default();
         if groups.len() > GROUPS_MAX {

@@ -469,6 +469,15 @@ fn verbs_know_their_role_and_run() {
         assert!(v.allowed_for(Role::Operator));
         assert_eq!(v.allowed_for(Role::Agent), !v.is_operator_only(), "{v}");
         assert_eq!(v.allowed_for(Role::Observer), v.is_read_only(), "{v}");
+        // Executors only the reverse saga's verbs.
+        let saga = [
+            Verb::Hello,
+            Verb::Ping,
+            Verb::Compensations,
+            Verb::Compensated,
+            Verb::LookedUp,
+        ];
+        assert_eq!(v.allowed_for(Role::Executor), saga.contains(v), "{v}");
     }
     for v in [
         Verb::Decide,

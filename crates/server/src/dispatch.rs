@@ -40,6 +40,8 @@ pub enum Route {
 }
 
 /// A core message without its reply address ([`Ask::message`] adds it).
+// Inline for the reason `Route` is: built and moved once per request.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Ask {
     Apply { principal: Principal, cmd: Command },
@@ -1051,7 +1053,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
     fn forbidden_is_exactly_what_roles_deny() {
         let dir = tempfile::tempdir().unwrap();
         let shared = shared(dir.path());
-        for role in [Role::Operator, Role::Agent, Role::Observer] {
+        for role in [Role::Operator, Role::Agent, Role::Observer, Role::Executor] {
             let p = principal(role);
             for (label, op) in samples() {
                 let verb = op.verb();

@@ -193,6 +193,7 @@ pub fn new_secret(role: Role) -> Result<String, TokenError> {
         Role::Operator => "estop_op_",
         Role::Agent => "estop_ag_",
         Role::Observer => "estop_ob_",
+        Role::Executor => "estop_ex_",
     };
     Ok(format!("{prefix}{}", hex(&b)))
 }
@@ -291,8 +292,8 @@ fn parse(path: &Path, text: &str) -> Result<Vec<Entry>, TokenError> {
             ));
         }
         let name = PrincipalName::new(f[0]).map_err(|e| corrupt(&e.to_string()))?;
-        let role =
-            Role::parse(f[1]).ok_or_else(|| corrupt("role must be agent, operator or observer"))?;
+        let role = Role::parse(f[1])
+            .ok_or_else(|| corrupt("role must be agent, operator, observer or executor"))?;
         let groups = f[2]
             .split(',')
             .filter(|g| !g.is_empty())

@@ -51,6 +51,7 @@ fn admit_in(run: &str, key: &str, action: PolicyAction) -> Command {
             compensate: None,
             compensate_args: None,
             lookup: None,
+            lookup_args: None,
             quorum: 1,
             groups: vec![],
             expiry_ms: 3_600_000,

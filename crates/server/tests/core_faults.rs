@@ -50,6 +50,7 @@ fn admit(key: &str) -> Command {
             compensate: None,
             compensate_args: None,
             lookup: None,
+            lookup_args: None,
             quorum: 1,
             groups: vec![],
             expiry_ms: 60_000,

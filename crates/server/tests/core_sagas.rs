@@ -72,6 +72,7 @@ fn refund_looked_up_by(lookup: Option<&str>) -> Command {
             compensate: Some(ToolName::new("unrefund").unwrap()),
             compensate_args: Some(r#"{"refund": result.id, "amount": args.amount}"#.into()),
             lookup: lookup.map(|l| ToolName::new(l).unwrap()),
+            lookup_args: None,
             quorum: 1,
             groups: vec![],
             expiry_ms: 1000,
@@ -389,6 +390,50 @@ fn an_unknown_outcome_is_looked_up_through_an_executor_before_it_is_undone() {
     fire(&mut c, 20);
     let args = Some(serde_json::json!({"refund": "re_7", "amount": 5}));
     assert_eq!(offers(&mut ex), vec![(1, args)]);
+}
+
+/// A lookup with a recorded `lookup_args` is asked with the arguments it builds from the
+/// forward call and its key; one whose mapping cannot be built is sent to no executor and ends
+/// `unknown` at once with why, for a human.
+#[test]
+fn a_mapped_lookup_is_asked_with_the_arguments_its_mapping_builds() {
+    let mapped = |source: &str| {
+        let Command::Admit(mut a) = refund_looked_up_by(Some("find_refund")) else {
+            unreachable!()
+        };
+        a.policy.lookup_args = Some(source.into());
+        Command::Admit(a)
+    };
+    let mut c = core();
+    let admit = mapped(r#"{"path": "/refunds?key=" + key, "amount": args.amount}"#);
+    let mut ex = stopped_with(&mut c, admit, Outcome::Unknown, None, false);
+    fire(&mut c, 0);
+    let got = events(&mut ex);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(
+        got[0].args,
+        Some(serde_json::json!({"path": "/refunds?key=k", "amount": 5}))
+    );
+
+    let mut c = core();
+    let admit = mapped(r#"{"path": args.missing}"#);
+    let mut ex = stopped_with(&mut c, admit, Outcome::Unknown, None, false);
+    fire(&mut c, 0);
+    fire(&mut c, 600_000);
+    assert!(events(&mut ex).is_empty(), "nothing is sent");
+    assert_eq!(status(&c), Status::Unknown);
+    let next = c.gate().saga_next(&run()).map(|(_, n)| n);
+    assert_eq!(next, Some(estop_kernel::saga::Next::Settle));
+    let e = &c.gate().run(&run()).unwrap().effects[&key()];
+    let error = e
+        .saga
+        .as_ref()
+        .and_then(|c| c.note.as_deref())
+        .unwrap_or("");
+    assert!(
+        error.contains("the lookup was not sent: `lookup_args` failed"),
+        "{error}"
+    );
 }
 
 #[test]

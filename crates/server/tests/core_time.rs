@@ -48,6 +48,7 @@ fn held(key: &str, expiry_ms: u64) -> Command {
             compensate: None,
             compensate_args: None,
             lookup: None,
+            lookup_args: None,
             quorum: 1,
             groups: vec![],
             expiry_ms,

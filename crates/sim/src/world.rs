@@ -220,6 +220,7 @@ impl Tool {
             lookup: self
                 .has_lookup()
                 .then(|| ToolName::new("find_booking").expect("valid")),
+            lookup_args: None,
             quorum: self.quorum(),
             groups: self.groups().iter().map(|g| (*g).into()).collect(),
             expiry_ms: self.expiry_ms(),

@@ -60,6 +60,7 @@ fn admit_as(
             compensate: None,
             compensate_args: None,
             lookup: None,
+            lookup_args: None,
             quorum: 1,
             groups: Vec::new(),
             expiry_ms: 1000,

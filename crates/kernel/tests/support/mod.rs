@@ -36,6 +36,7 @@ pub fn principal(name: &str) -> Principal {
         "carol" => (Role::Operator, &["finance"]),
         "dave" => (Role::Operator, &["finance", "ops"]),
         "olive" => (Role::Observer, &[]),
+        "xena" => (Role::Executor, &[]),
         other => panic!("unknown principal {other}"),
     };
     Principal {
@@ -63,6 +64,7 @@ pub fn policy(action: PolicyAction) -> PolicyDecision {
         compensate: None,
         compensate_args: None,
         lookup: None,
+        lookup_args: None,
         quorum: 1,
         groups: vec![],
         expiry_ms: 1000,
@@ -126,6 +128,9 @@ pub fn parse_line(line: &str, last_token: Option<Token>) -> Record {
             }
             if let Some(l) = opt("lookup") {
                 p.lookup = Some(ToolName::new(l).unwrap());
+            }
+            if let Some(m) = opt("largs") {
+                p.lookup_args = Some(m.into());
             }
             Command::Admit(Admit {
                 run: run(),
@@ -494,6 +499,9 @@ pub fn render_state(gate: &Gate) -> String {
             }
             if let Some(l) = &e.lookup {
                 write!(s, " lookup={l}").unwrap();
+            }
+            if let Some(m) = &e.lookup_args {
+                write!(s, " lookup_args={m}").unwrap();
             }
             if let Some(sp) = &e.spend {
                 let r = sp.reserve;

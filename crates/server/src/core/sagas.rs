@@ -370,15 +370,61 @@ impl Core {
         self.apply_reply(&principal, cmd).is_ok()
     }
 
-    /// Claims lookup `attempt` of an unknown outcome for executor `i`.
+    /// Claims lookup `attempt` of an unknown outcome for executor `i`. A lookup whose recorded
+    /// `lookup_args` cannot be built is begun and ended `unknown` at once, with why: nothing
+    /// is sent, and a human settles it (or asks it again, `saga retry`).
     fn begin_lookup(&mut self, run: &RunId, key: &EffectKey, attempt: u32, i: usize) -> bool {
         let principal = self.executors[i].principal.clone();
+        let built = self.lookup_args(run, key);
         let cmd = Command::SagaStep {
             run: run.clone(),
             key: key.clone(),
             step: SagaStep::LookupBegin { attempt },
         };
-        self.apply_reply(&principal, cmd).is_ok()
+        if self.apply_reply(&principal, cmd).is_err() {
+            return false;
+        }
+        let Err(why) = built else { return true };
+        let cmd = Command::SagaStep {
+            run: run.clone(),
+            key: key.clone(),
+            step: SagaStep::LookupEnd {
+                attempt,
+                outcome: estop_kernel::vocab::Outcome::Unknown,
+                result: None,
+                error: Some(format!("the lookup was not sent: {why}").into_boxed_str()),
+            },
+        };
+        let _ = self.apply_reply(&system_principal(), cmd);
+        false
+    }
+
+    /// The lookup's arguments: built by the effect's recorded `lookup_args` from the forward
+    /// call's arguments, tool and idempotency key; without a mapping, the forward call's
+    /// arguments as they are (`None`: it had none).
+    fn lookup_args(
+        &self,
+        run: &RunId,
+        key: &EffectKey,
+    ) -> Result<Option<serde_json::Value>, String> {
+        let e = self.effect(run, key);
+        let forward: Option<serde_json::Value> =
+            e.args.as_deref().and_then(|a| serde_json::from_str(a).ok());
+        let Some(source) = e.lookup_args.as_deref() else {
+            return Ok(forward);
+        };
+        let forward = forward.unwrap_or(serde_json::Value::Null);
+        let lookup = e.lookup.as_ref().map_or("", |t| t.as_str());
+        let args =
+            estop_policy::lookup_args(source, e.tool.as_str(), &forward, key.as_str(), lookup)?;
+        let max = self.gate.limits().args_bytes_max;
+        let len = args.to_string().len();
+        if len > max {
+            return Err(format!(
+                "`lookup_args` built {len} bytes of arguments, above args_bytes_max = {max}"
+            ));
+        }
+        Ok(Some(args))
     }
 
     /// The compensating call, checked against the policy as any call is, with the arguments the
@@ -438,6 +484,39 @@ impl Core {
         }
     }
 
+    /// A completion's `result.request_body` (the egress proxy's record of a write's own body,
+    /// docs/EGRESS.md "What an undo needs") is recorded only where the effect's recorded
+    /// `compensate_args` reads it, as `request_body_omitted` is (why it is not there): no
+    /// other request's body reaches the ledger.
+    pub(super) fn keep_for_undo(&self, cmd: &mut Command) {
+        let Command::Complete {
+            run,
+            key,
+            result: Some(text),
+            ..
+        } = cmd
+        else {
+            return;
+        };
+        if !text.contains("\"request_body") {
+            return;
+        }
+        let reads = self
+            .gate
+            .run(run)
+            .and_then(|r| r.effects.get(key))
+            .and_then(|e| e.compensate_args.as_deref())
+            .is_some_and(|m| m.contains("request_body"));
+        if reads {
+            return;
+        }
+        if let Ok(serde_json::Value::Object(mut m)) = serde_json::from_str(text) {
+            m.remove("request_body");
+            m.remove("request_body_omitted");
+            *text = serde_json::Value::Object(m).to_string().into_boxed_str();
+        }
+    }
+
     /// The compensating call's arguments, from the effect's recorded mapping (none without).
     fn compensation_args(&self, run: &RunId, key: &EffectKey) -> Result<Option<Box<str>>, String> {
         let e = self.effect(run, key);
@@ -450,7 +529,14 @@ impl Core {
             .and_then(|a| serde_json::from_str(a).ok())
             .unwrap_or(serde_json::Value::Null);
         let result = e.outcome.as_ref().and_then(|o| o.result.as_deref());
-        let args = estop_policy::compensation_args(source, e.tool.as_str(), &forward, result)?;
+        let args = estop_policy::compensation_args(source, e.tool.as_str(), &forward, result)
+            .map_err(|why| match body_omitted(source, result) {
+                Some(omitted) => format!(
+                    "the undo reads the forward request's body, which was not recorded \
+                     ({omitted}: see undo_body_bytes_max, docs/EGRESS.md); {why}"
+                ),
+                None => why,
+            })?;
         let args = args.to_string();
         // Refused by the kernel, it would never begin: an error an operator sees instead.
         let max = self.gate.limits().args_bytes_max;
@@ -470,9 +556,12 @@ impl Core {
             .expect("the saga's head is an effect of the run")
     }
 
-    /// The `lookup` event of the lookup under way: the tool's lookup, asked with the forward
-    /// call's arguments and its idempotency key (the effect's key).
+    /// The `lookup` event of the lookup under way: the tool's lookup, asked with the arguments
+    /// its `lookup_args` builds (the forward call's own without one) and the call's idempotency
+    /// key (the effect's key). The mapping was built when the lookup began (`begin_lookup`) and
+    /// builds the same again.
     fn lookup_event(&self, run: &RunId, key: &EffectKey, attempt: u32) -> wire::Event {
+        let args = self.lookup_args(run, key).ok().flatten();
         let e = self.effect(run, key);
         wire::Event {
             event: wire::EventKind::Lookup,
@@ -483,7 +572,7 @@ impl Core {
             outcome: None,
             attempt: Some(attempt),
             tool: e.lookup.as_ref().map(ToString::to_string),
-            args: e.args.as_deref().and_then(|a| serde_json::from_str(a).ok()),
+            args,
             idempotency_key: Some(key.to_string()),
             at: self.now,
         }
@@ -536,4 +625,16 @@ fn open_sagas(gate: &Gate) -> impl Iterator<Item = RunId> + '_ {
     gate.runs()
         .filter(|(_, r)| r.state == RunState::Finalizing || saga::chosen_open(r))
         .map(|(id, _)| id.clone())
+}
+
+/// Why the forward request's body is not in `result` (`request_body_omitted`), when the
+/// mapping reads it.
+fn body_omitted(source: &str, result: Option<&str>) -> Option<String> {
+    if !source.contains("request_body") {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_str(result?).ok()?;
+    v.get("request_body_omitted")
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_string)
 }
