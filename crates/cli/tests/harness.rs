@@ -104,6 +104,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
         workers: 4,
         tpm: 1_000_000,
         rpm: 1_000,
+        journal: Default::default(),
     }
 }
 

@@ -22,6 +22,9 @@ pub struct Config {
     /// `[[server]]`; crate::mcp).
     #[serde(rename = "server", default)]
     pub servers: Vec<estop_mcp::config::Server>,
+    /// When the journal compacts and which ended trajectories it keeps (crate::journal).
+    #[serde(default)]
+    pub journal: crate::journal::JournalOptions,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -236,6 +239,7 @@ impl Config {
         if self.harness.workers == 0 {
             return bad("harness.workers must be above 0".into());
         }
+        self.journal.check().or_else(bad)?;
         Ok(())
     }
 
