@@ -244,7 +244,10 @@ fn list(
     let page = view::list(&dir, which, after, limit, now, &lim)
         .map_err(|e| Failure::new(format!("{}: {e}", dir.display())))?;
     if json {
-        println!("{}", serde_json::to_string(&page).map_err(|e| Failure::new(e.to_string()))?);
+        println!(
+            "{}",
+            serde_json::to_string(&page).map_err(|e| Failure::new(e.to_string()))?
+        );
         return Ok(0);
     }
     for t in &page.trajectories {

@@ -701,9 +701,7 @@ fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
     use estop_harness::chat::{Message, ToolCall};
     use estop_harness::journal::{Entry, Journal};
     use estop_harness::machine::State;
-    use estop_harness::record::{
-        CallLimits, Control, Exit, Grants, HeldCall, Identity, Record,
-    };
+    use estop_harness::record::{CallLimits, Control, Exit, Grants, HeldCall, Identity, Record};
     let rec = |id: &str, state: State| {
         let mut r = Record::new(
             Identity {
@@ -814,11 +812,17 @@ fn trajectories_are_read_from_the_harness_journal_by_operators_and_observers_in_
         json!({"control": "interrupt", "message": "use the replica"})
     );
     let b = c.get("/api/v1/trajectories/b").json();
-    assert_eq!(b["exit"], json!({"exit": "CANCELED", "reason": "stop\u{202e}now"}));
+    assert_eq!(
+        b["exit"],
+        json!({"exit": "CANCELED", "reason": "stop\u{202e}now"})
+    );
     assert_eq!(b["answer"], "done <b>here</b>");
 
     let missing = c.get("/api/v1/trajectories/nope");
-    assert_eq!((missing.status, missing.code().as_str()), (404, "not_found"));
+    assert_eq!(
+        (missing.status, missing.code().as_str()),
+        (404, "not_found")
+    );
     let bad = c.get("/api/v1/trajectories?state=dead");
     assert_eq!((bad.status, bad.code().as_str()), (400, "invalid_field"));
     let bad = c.get("/api/v1/trajectories?limit=0");

@@ -315,9 +315,19 @@ fn crash_mid_tool(journal: estop_harness::journal::JournalOptions) {
     rt.shutdown_timeout(Duration::from_secs(10));
     let snapshots = std::fs::read_dir(opts.data.join("journal"))
         .unwrap()
-        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".snap"))
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".snap")
+        })
         .count();
-    assert_eq!(snapshots > 0, journal.compact_bytes == 1, "{snapshots} snapshots");
+    assert_eq!(
+        snapshots > 0,
+        journal.compact_bytes == 1,
+        "{snapshots} snapshots"
+    );
 
     let rt = runtime();
     let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();

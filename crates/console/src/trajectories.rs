@@ -65,13 +65,20 @@ async fn read<T: Send + 'static>(
             ErrorCode::Unavailable,
             format!("{e}: the runner compacts it as it grows (docs/HARNESS.md, \"Durability\")"),
         )),
-        Ok(Err(e)) => Err(error(ErrorCode::Unavailable, format!("the harness journal: {e}"))),
+        Ok(Err(e)) => Err(error(
+            ErrorCode::Unavailable,
+            format!("the harness journal: {e}"),
+        )),
         Err(e) => Err(error(ErrorCode::Internal, e.to_string())),
     }
 }
 
 /// `GET /api/v1/trajectories?state=all|live|ended&after=ID&limit=N`: a page in id order.
-pub async fn list(State(app): State<AppState>, h: HeaderMap, Query(q): Query<HashMap<String, String>>) -> Response {
+pub async fn list(
+    State(app): State<AppState>,
+    h: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
     let which = match q.get("state").map(String::as_str) {
         None => Which::All,
         Some(s) => match Which::parse(s) {

@@ -115,7 +115,9 @@ pub fn trajectory(
         .iter()
         .map(|c| match c {
             Control::Cancel { reason } => json!({"control": "cancel", "reason": t(reason)}),
-            Control::Interrupt { message } => json!({"control": "interrupt", "message": t(message)}),
+            Control::Interrupt { message } => {
+                json!({"control": "interrupt", "message": t(message)})
+            }
             Control::Pause => json!({"control": "pause"}),
             Control::Resume => json!({"control": "resume"}),
             Control::Kill { reason } => json!({"control": "kill", "reason": t(reason)}),
@@ -192,7 +194,11 @@ pub fn page(
         Some(a) => std::ops::Bound::Excluded(a.to_string()),
         None => std::ops::Bound::Unbounded,
     };
-    for r in state.records.range((from, std::ops::Bound::Unbounded)).map(|(_, r)| r) {
+    for r in state
+        .records
+        .range((from, std::ops::Bound::Unbounded))
+        .map(|(_, r)| r)
+    {
         let keep = match which {
             Which::All => true,
             Which::Live => !r.state.is_terminal(),
@@ -202,7 +208,9 @@ pub fn page(
             continue;
         }
         if out.len() == limit {
-            next = out.last().and_then(|v: &Value| v["id"].as_str().map(String::from));
+            next = out
+                .last()
+                .and_then(|v: &Value| v["id"].as_str().map(String::from));
             break;
         }
         out.push(trajectory(r, None, now_ms, lim));

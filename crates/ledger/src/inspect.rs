@@ -74,12 +74,15 @@ pub fn inspect_state(
     report
 }
 
+/// Where `inspect_state` hands the snapshot: `(seq, payload)`.
+type OnSnapshot<'a> = dyn FnMut(u64, &[u8]) + 'a;
+
 fn inspect_into(
     storage: &dyn Storage,
     report: &mut VerifyReport,
     // `Some`: only the state (the snapshot, then the records it does not cover); `None`: every
     // record of every segment (verify).
-    on_snapshot: Option<&mut dyn FnMut(u64, &[u8])>,
+    on_snapshot: Option<&mut OnSnapshot<'_>>,
     on_record: &mut dyn FnMut(RecordView<'_>),
 ) -> Result<(), LedgerError> {
     let listing = scan::list(storage)?;
