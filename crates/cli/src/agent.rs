@@ -60,9 +60,7 @@ pub enum AgentCmd {
         /// At most this many (1 to 200).
         #[arg(long, default_value_t = 50)]
         limit: usize,
-        /// One JSON object: {"trajectories": […], "next": …}.
-        #[arg(long)]
-        json: bool,
+        /// (`--json`: one JSON object, {"trajectories": […], "next": …}.)
         #[command(flatten)]
         at: Runner,
     },
@@ -194,9 +192,8 @@ pub fn run(cmd: AgentCmd) -> Result<u8, Failure> {
             state,
             after,
             limit,
-            json,
             at,
-        } => list(&at, &state, after.as_deref(), limit, json),
+        } => list(&at, &state, after.as_deref(), limit),
         AgentCmd::Pause { trajectory, conn } => {
             crate::act::run_state(&conn, gate(Verb::Pause, trajectory, None))
         }
@@ -218,13 +215,7 @@ pub fn run(cmd: AgentCmd) -> Result<u8, Failure> {
 
 /// `estop agent list`: a page of the journal's trajectories. The texts (task, exit reason) are
 /// the agent's and the model's: printed quoted and escaped, never raw to the terminal.
-fn list(
-    at: &Runner,
-    state: &str,
-    after: Option<&str>,
-    limit: usize,
-    json: bool,
-) -> Result<u8, Failure> {
+fn list(at: &Runner, state: &str, after: Option<&str>, limit: usize) -> Result<u8, Failure> {
     use estop_harness::view::{self, ViewLimits, Which};
     let which = Which::parse(state)
         .ok_or_else(|| Failure::new(format!("--state {state:?}: use all, live or ended")))?;
@@ -243,7 +234,7 @@ fn list(
     let now = estop_harness::runner::now_ms();
     let page = view::list(&dir, which, after, limit, now, &lim)
         .map_err(|e| Failure::new(format!("{}: {e}", dir.display())))?;
-    if json {
+    if at.conn.json {
         println!(
             "{}",
             serde_json::to_string(&page).map_err(|e| Failure::new(e.to_string()))?

@@ -848,3 +848,35 @@ fn trajectories_are_read_from_the_harness_journal_by_operators_and_observers_in_
     let r = c.as_token(&observer, "GET", "/api/v1/trajectories/a");
     assert_eq!(r.status, 200, "{}", r.body);
 }
+
+/// `estop agent list` reads the same journal from the terminal, beside its writer: one line per
+/// trajectory, the agent's texts quoted and escaped (a bidi override never reaches the
+/// terminal raw), in pages.
+#[test]
+fn estop_agent_list_prints_the_journal_s_trajectories_escaped() {
+    let d = Daemon::start_with(&[]);
+    let _writer = harness_journal(&d);
+    let (code, out, err) = d.cli(&["agent", "list"]);
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert_eq!(
+        lines[0],
+        "a AWAITING_APPROVAL turns=4/5 stage=steer pending=0 held=1 control=1 parent=boss task=\"<i>task</i> of a\""
+    );
+    assert!(
+        lines[1].starts_with("b CANCELED turns=4/5 stage=steer pending=0 held=0 control=0 exit=CANCELED:\"stop\\u{202e}now\""),
+        "{}",
+        lines[1]
+    );
+    assert!(!out.contains('\u{202e}'));
+    let (_, out, _) = d.cli(&["agent", "list", "--state", "ended", "--limit", "1"]);
+    assert_eq!(out.lines().last(), Some("(more: --after b)"), "{out}");
+    let (code, _, err) = d.cli(&["agent", "list", "--state", "dead"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("use all, live or ended"), "{err}");
+    let (code, out, _) = d.cli(&["agent", "list", "--json", "--after", "b"]);
+    assert_eq!(code, 0);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["trajectories"][0]["id"], "c");
+}
