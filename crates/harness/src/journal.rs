@@ -2,9 +2,11 @@
 //! appended to an estop-ledger in the harness's data directory and fsync'd before the runner
 //! acts on it. Recovery keeps each trajectory's last record and its whole context.
 //!
-//! Compaction: the journal keeps the state a recovery would build ([`Recovered`], one `apply`
-//! for both), and once `compact_bytes` were appended since the last snapshot it writes that
-//! state as a ledger snapshot (tmp file, fdatasync, rename, directory fsync:
+//! Compaction: once `compact_bytes` were appended since the last snapshot, the write that
+//! crossed it builds the state a recovery would build by reading the journal back from its
+//! storage (the newest snapshot and the records after it, the same `apply` as recovery; no copy
+//! of the contexts is kept in memory between compactions) and writes that state as a ledger
+//! snapshot (tmp file, fdatasync, rename, directory fsync:
 //! `estop_ledger::Committer::snapshot`) covering every record written so far; the ledger's
 //! retention then removes the segments the older of the two kept snapshots covers. A snapshot
 //! holds every live trajectory whole, and of the ended ones only the newest `ended_keep`, ended
@@ -115,7 +117,7 @@ struct Snapshot {
 }
 
 impl Recovered {
-    /// One entry's change (recovery and the journal's own copy both use this).
+    /// One entry's change (recovery, a compaction's read-back and `read_only` all use this).
     fn apply(&mut self, e: Entry) {
         match e {
             Entry::Record { record } => {
@@ -198,17 +200,19 @@ pub struct Compacted {
     pub removed: Vec<String>,
 }
 
+/// Where the writer is; writes and compactions hold its lock, one at a time.
 struct Mirror {
-    state: Recovered,
     /// Payload bytes appended since the last snapshot.
     since_bytes: u64,
+    /// The last record written (durable).
     last_seq: u64,
 }
 
 pub struct Journal {
     committer: Committer,
+    /// What a compaction reads the state back from.
+    storage: Arc<dyn Storage>,
     opts: JournalOptions,
-    /// The state recovery would build; writes hold the lock, so it is that of `last_seq`.
     mirror: Mutex<Mirror>,
 }
 
@@ -261,7 +265,7 @@ impl Journal {
         let rec = std::cell::RefCell::new(Recovered::default());
         let mut since_bytes = 0u64;
         let recovered = Ledger::open(
-            storage,
+            Arc::clone(&storage),
             ledger_options(&opts),
             |seq, payload| {
                 *rec.borrow_mut() =
@@ -277,13 +281,13 @@ impl Journal {
         let last_seq = recovered.report.last_seq;
         let committer = recovered.ledger.spawn(|_| {})?;
         let mirror = Mirror {
-            state: rec.clone(),
             since_bytes,
             last_seq,
         };
         Ok((
             Journal {
                 committer,
+                storage,
                 opts,
                 mirror: Mutex::new(mirror),
             },
@@ -314,9 +318,6 @@ impl Journal {
         let Some(seq) = last else { return Ok(()) };
         self.committer.commit(false);
         self.committer.wait_durable(seq)?;
-        for e in entries {
-            m.state.apply(e.clone());
-        }
         m.last_seq = seq;
         m.since_bytes += bytes_total;
         if m.since_bytes >= self.opts.compact_bytes {
@@ -340,14 +341,20 @@ impl Journal {
         if m.last_seq == 0 {
             return Ok(None);
         }
-        let dropped = m.state.retain(now_ms, &self.opts);
+        // Every record up to `last_seq` is durable and nothing is written meanwhile (the lock).
+        let (mut state, read_to) = read_once(&*self.storage, u64::MAX)?;
+        if read_to != m.last_seq {
+            return Err(JournalError::Snapshot {
+                seq: m.last_seq,
+                why: format!("read back to record {read_to}, written to {}", m.last_seq),
+            });
+        }
+        let dropped = state.retain(now_ms, &self.opts);
         let snap = Snapshot {
             version: SNAPSHOT_VERSION,
-            state: std::mem::take(&mut m.state),
+            state,
         };
-        let bytes = serde_json::to_vec(&snap);
-        m.state = snap.state;
-        let bytes = bytes.map_err(|e| JournalError::Snapshot {
+        let bytes = serde_json::to_vec(&snap).map_err(|e| JournalError::Snapshot {
             seq: m.last_seq,
             why: e.to_string(),
         })?;
@@ -377,7 +384,7 @@ pub fn read_only(dir: &Path, bytes_max: u64) -> Result<Recovered, JournalError> 
         tries += 1;
         match read_once(&storage, bytes_max) {
             Err(JournalError::Ledger(e)) if tries < 3 && is_not_found(&e) => continue,
-            r => return r,
+            r => return r.map(|(state, _)| state),
         }
     }
 }
@@ -386,7 +393,8 @@ fn is_not_found(e: &LedgerError) -> bool {
     matches!(e, LedgerError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
 }
 
-fn read_once(storage: &dyn Storage, bytes_max: u64) -> Result<Recovered, JournalError> {
+/// The state in `storage` and the last record it holds.
+fn read_once(storage: &dyn Storage, bytes_max: u64) -> Result<(Recovered, u64), JournalError> {
     let io = |op: &'static str, e: std::io::Error| LedgerError::io(op, "journal", e);
     let mut bytes = 0u64;
     for name in storage.list().map_err(|e| io("list", e))? {
@@ -416,6 +424,6 @@ fn read_once(storage: &dyn Storage, bytes_max: u64) -> Result<Recovered, Journal
     }
     match bad.into_inner() {
         Some(e) => Err(e),
-        None => Ok(rec.into_inner()),
+        None => Ok((rec.into_inner(), report.last_seq)),
     }
 }

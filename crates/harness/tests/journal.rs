@@ -179,7 +179,8 @@ fn stored_bytes(s: &MemStorage) -> u64 {
 }
 
 /// 5,000 trajectories start, talk and end while one stays live: with compaction the journal's
-/// files stay under 4 MiB while over 12 MiB is appended; without it they hold it all.
+/// files stay under 4 MiB (3.2 MB at most, measured) while about 21 MB is appended; without it
+/// they hold it all.
 #[test]
 fn the_journal_stays_bounded_while_trajectories_come_and_go() {
     let run = |compact_bytes: u64| -> (u64, u64, Recovered) {
@@ -217,7 +218,8 @@ fn the_journal_stays_bounded_while_trajectories_come_and_go() {
         let (_, got) = Journal::open_storage(Arc::new(s.clone()), o).unwrap();
         (max, stored_bytes(&s), got)
     };
-    let (max, _, got) = run(256 << 10);
+    let (max, end, got) = run(256 << 10);
+    eprintln!("compacted every 256 KiB: at most {max} bytes, {end} at the end");
     assert!(max < 4 << 20, "the journal grew to {max} bytes");
     assert_eq!(got.contexts["keeper"], vec![Message::user("stay")]);
     assert!(got.records.contains_key("keeper"));
@@ -230,7 +232,8 @@ fn the_journal_stays_bounded_while_trajectories_come_and_go() {
     assert!(got.records.contains_key("t4999"));
     assert!(!got.records.contains_key("t0"));
     let (max, end, got) = run(u64::MAX);
-    assert!(max > 12 << 20 && end > 12 << 20, "uncompacted: {max}");
+    eprintln!("never compacted: {end} bytes at the end");
+    assert!(max > 20 << 20 && end > 20 << 20, "uncompacted: {max}");
     assert_eq!(got.records.len(), 5_001);
 }
 
