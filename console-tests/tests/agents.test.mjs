@@ -143,3 +143,17 @@ test("the Agents page shows a held trajectory's state, budget and task as text",
   assert.equal(await page.evaluate(() => window.pwned), undefined, "no agent text ran as script");
   await context.close();
 });
+
+test("an agent token's session is told it cannot read trajectories, and sees none", async () => {
+  const context = await browser.newContext();
+  const page = await context.newPage();
+  await page.goto(d.base + "/login");
+  await page.fill("#token", d.agentToken);
+  await page.click("button[type=submit]");
+  await page.waitForSelector("#live.on");
+  await page.goto(d.base + "/#/agents");
+  await page.waitForSelector("#trajectories-empty");
+  assert.match(await page.locator("#trajectories-empty").innerText(), /need an operator or observer token/);
+  assert.equal(await page.locator("tr[data-trajectory]").count(), 0);
+  await context.close();
+});

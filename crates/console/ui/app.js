@@ -227,9 +227,17 @@ async function loadRun(run) {
 
 // The harness's trajectories: a page of 200 (the API's bound per page), live ones first.
 async function loadTrajectories() {
-  const r = await api("GET", "/api/v1/trajectories?limit=200");
-  S.trajectories = (r.trajectories || []).sort((a, b) => (b.live - a.live) || (b.started_at_ms - a.started_at_ms));
-  S.trajectoriesMore = !!r.next;
+  try {
+    const r = await api("GET", "/api/v1/trajectories?limit=200");
+    S.trajectories = (r.trajectories || []).sort((a, b) => (b.live - a.live) || (b.started_at_ms - a.started_at_ms));
+    S.trajectoriesMore = !!r.next;
+    S.trajectoriesError = null;
+  } catch (e) {
+    // An agent token is refused (403), a journal over the read bound is 503: said on the page.
+    if (e.status === 401) throw e;
+    S.trajectories = [];
+    S.trajectoriesError = e.message;
+  }
 }
 
 async function loadTrajectory(id) {
@@ -762,7 +770,7 @@ function viewTrajectories() {
       h("td", { "data-label": cols[4] }, stageText(t.budget)),
       h("td", { "data-label": cols[5], class: "num" }, `${t.pending.length} in flight · ${t.held.length} held · ${t.control.length} control`),
       h("td", { "data-label": cols[6] }, exitText(t.exit))))))
-    : h("div", { class: "empty" }, "No trajectories. `estop agent run` keeps them in DATA/harness/journal, where the console reads them.");
+    : h("div", { class: "empty", id: "trajectories-empty" }, S.trajectoriesError || "No trajectories. `estop agent run` keeps them in DATA/harness/journal, where the console reads them.");
   main.replaceChildren(h("h1", {}, "Agents"),
     h("p", { class: "muted" }, "Trajectories of estop's own agent loop, read from the harness journal; live ones first." + (S.trajectoriesMore ? " Showing the first 200." : "")),
     body);
@@ -819,7 +827,7 @@ function render() {
   if (typing && (active.value || active.closest(".confirm"))) return;
   // Redraw only what changed, and give focus back to the same control (keyboard users).
   const sig = JSON.stringify([route, S.pending, route.view === "runs" ? S.runs : null, route.view === "run" ? S.run : null,
-    route.view === "trajectories" ? S.trajectories : null, route.view === "trajectory" ? S.trajectory : null]);
+    route.view === "trajectories" ? [S.trajectories, S.trajectoriesError] : null, route.view === "trajectory" ? S.trajectory : null]);
   if (sig === S.drawn) return;
   S.drawn = sig;
   const focusKey = active && active.dataset ? active.dataset.focus : null;
