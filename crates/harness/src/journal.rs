@@ -372,8 +372,10 @@ impl Journal {
 /// Reads the journal in `dir` without its lock and without changing anything, beside a runner
 /// that appends and compacts: the state a recovery would build now (a torn tail, a record being
 /// written, is left out). Refused (`TooLarge`) when its files hold over `bytes_max`; an empty
-/// state when there is no journal. A file removed by a compaction under the reader makes it
-/// read again (at most 3 times).
+/// state when there is no journal. A file removed by a compaction under the reader, or a
+/// segment that grew while it was read (a record seen cut, then a whole one after it: what a
+/// writer mid-batch looks like to a reader that reads the file in pieces), makes it read again,
+/// at most `READ_TRIES` times in all; a corruption that stays is reported.
 pub fn read_only(dir: &Path, bytes_max: u64) -> Result<Recovered, JournalError> {
     if !dir.exists() {
         return Ok(Recovered::default());
@@ -383,14 +385,22 @@ pub fn read_only(dir: &Path, bytes_max: u64) -> Result<Recovered, JournalError> 
     loop {
         tries += 1;
         match read_once(&storage, bytes_max) {
-            Err(JournalError::Ledger(e)) if tries < 3 && is_not_found(&e) => continue,
+            Err(JournalError::Ledger(e)) if tries < READ_TRIES && moved_under(&e) => continue,
             r => return r.map(|(state, _)| state),
         }
     }
 }
 
-fn is_not_found(e: &LedgerError) -> bool {
-    matches!(e, LedgerError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
+/// Reads of one `read_only` call, at most.
+const READ_TRIES: u32 = 5;
+
+/// An error a writer working beside the reader can cause.
+fn moved_under(e: &LedgerError) -> bool {
+    match e {
+        LedgerError::Io { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+        LedgerError::Corrupt { .. } => true,
+        _ => false,
+    }
 }
 
 /// The state in `storage` and the last record it holds.
