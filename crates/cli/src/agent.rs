@@ -47,6 +47,23 @@ pub enum AgentCmd {
         #[command(flatten)]
         at: Runner,
     },
+    /// The trajectories in the journal, live and ended (read from it without its lock, beside a
+    /// running runner): id, state, turns, budget stage, pending work, control requests, exit
+    /// and task, in id order.
+    List {
+        /// all, live or ended.
+        #[arg(long, default_value = "all")]
+        state: String,
+        /// Start after this id (the `next` of the previous page).
+        #[arg(long)]
+        after: Option<String>,
+        /// At most this many (1 to 200).
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// (`--json`: one JSON object, {"trajectories": […], "next": …}.)
+        #[command(flatten)]
+        at: Runner,
+    },
     /// Pause the trajectory's run at the gate (the trajectory pauses at its next boundary).
     Pause {
         trajectory: String,
@@ -171,6 +188,12 @@ pub fn run(cmd: AgentCmd) -> Result<u8, Failure> {
             ask(&at, trajectory, control::Ask::Budget { change })
         }
         AgentCmd::Status { trajectory, at } => ask(&at, trajectory, control::Ask::Status),
+        AgentCmd::List {
+            state,
+            after,
+            limit,
+            at,
+        } => list(&at, &state, after.as_deref(), limit),
         AgentCmd::Pause { trajectory, conn } => {
             crate::act::run_state(&conn, gate(Verb::Pause, trajectory, None))
         }
@@ -188,6 +211,76 @@ pub fn run(cmd: AgentCmd) -> Result<u8, Failure> {
             conn,
         } => crate::act::run_state(&conn, gate(Verb::Kill, trajectory, reason)),
     }
+}
+
+/// `estop agent list`: a page of the journal's trajectories. The texts (task, exit reason) are
+/// the agent's and the model's: printed quoted and escaped, never raw to the terminal.
+fn list(at: &Runner, state: &str, after: Option<&str>, limit: usize) -> Result<u8, Failure> {
+    use estop_harness::view::{self, ViewLimits, Which};
+    let which = Which::parse(state)
+        .ok_or_else(|| Failure::new(format!("--state {state:?}: use all, live or ended")))?;
+    let lim = ViewLimits::default();
+    if !(1..=lim.page_max).contains(&limit) {
+        return Err(Failure::new(format!(
+            "--limit {limit}: from 1 to {}",
+            lim.page_max
+        )));
+    }
+    let dir = at
+        .journal
+        .clone()
+        .unwrap_or_else(|| at.conn.data.join("harness"))
+        .join("journal");
+    let now = estop_harness::runner::now_ms();
+    let page = view::list(&dir, which, after, limit, now, &lim)
+        .map_err(|e| Failure::new(format!("{}: {e}", dir.display())))?;
+    if at.conn.json {
+        println!(
+            "{}",
+            serde_json::to_string(&page).map_err(|e| Failure::new(e.to_string()))?
+        );
+        return Ok(0);
+    }
+    for t in &page.trajectories {
+        let s = |k: &str| t[k].as_str().unwrap_or("-").to_string();
+        let b = &t["budget"];
+        let turns = &b["dimensions"][0];
+        let turns = match turns["limit"].as_u64() {
+            Some(max) => format!("{}/{max}", turns["spent"]),
+            None => turns["spent"].to_string(),
+        };
+        let exit = match t["exit"].as_object() {
+            Some(e) => format!(
+                " exit={}{}",
+                e["exit"].as_str().unwrap_or("-"),
+                e["reason"]
+                    .as_str()
+                    .filter(|r| !r.is_empty())
+                    .map(|r| format!(":{r:?}"))
+                    .unwrap_or_default()
+            ),
+            None => String::new(),
+        };
+        let len = |k: &str| t[k].as_array().map_or(0, Vec::len);
+        println!(
+            "{} {} turns={turns} stage={} pending={} held={} control={}{exit}{} task={:?}",
+            s("id"),
+            s("state"),
+            b["stage"].as_str().unwrap_or("-"),
+            len("pending"),
+            len("held"),
+            len("control"),
+            t["parent"]
+                .as_str()
+                .map(|p| format!(" parent={p}"))
+                .unwrap_or_default(),
+            s("task"),
+        );
+    }
+    if let Some(next) = &page.next {
+        println!("(more: --after {next})");
+    }
+    Ok(0)
 }
 
 /// One request to the runner's control socket, printed (JSON with --json).

@@ -82,6 +82,7 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
             workers,
             tpm: u64::MAX / 4,
             rpm: u64::MAX / 4,
+            journal: Default::default(),
         })
     };
     let rss0 = rss_bytes();

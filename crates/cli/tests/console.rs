@@ -719,3 +719,191 @@ fn an_executor_token_reads_nothing_over_http() {
         assert_eq!(r.status, 403, "{method} {path}: {}", r.body);
     }
 }
+
+/// A harness journal in the daemon's data directory, as `estop agent run` leaves it: a live
+/// trajectory with a held call and a stored interrupt, two ended ones. The writer stays open
+/// (its lock held) while the console reads.
+fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
+    use estop_harness::budget::{Budget, Limits, Prices};
+    use estop_harness::chat::{Message, ToolCall};
+    use estop_harness::journal::{Entry, Journal};
+    use estop_harness::machine::State;
+    use estop_harness::record::{CallLimits, Control, Exit, Grants, HeldCall, Identity, Record};
+    let rec = |id: &str, state: State| {
+        let mut r = Record::new(
+            Identity {
+                id: id.into(),
+                parent: Some("boss".into()),
+                tenant: "default".into(),
+                task: format!("<i>task</i> of {id}"),
+                retry_of: None,
+            },
+            CallLimits {
+                model: "m".into(),
+                max_output_tokens: 100,
+                call_deadline_ms: 1_000,
+                tool_deadline_ms: 500,
+            },
+            Budget::new(
+                Limits {
+                    turns_max: Some(5),
+                    ..Limits::default()
+                },
+                Prices::default(),
+                1,
+            ),
+            Grants {
+                tools: Vec::new(),
+                restricted: false,
+            },
+            "journal".into(),
+        );
+        r.state = state;
+        r.turns = 4;
+        r.budget.spend.turns = 4;
+        if state.is_terminal() {
+            r.exit = Some(Exit::Canceled {
+                reason: "stop\u{202e}now".into(),
+            });
+            r.ended_at_ms = Some(2);
+        }
+        r
+    };
+    let (j, _) = Journal::open(&d.data().join("harness").join("journal")).unwrap();
+    let mut a = rec("a", State::AwaitingApproval);
+    a.held.push(HeldCall {
+        call: ToolCall::new("c1", "drop_table", "{}"),
+        expires_at_ms: 99,
+    });
+    a.control.push(Control::Interrupt {
+        message: "use the replica".into(),
+    });
+    let entries = [
+        Entry::Context {
+            trajectory: "b".into(),
+            message: Message::text(estop_harness::chat::Role::Assistant, "done <b>here</b>"),
+        },
+        Entry::Record {
+            record: Box::new(a),
+        },
+        Entry::Record {
+            record: Box::new(rec("b", State::Canceled)),
+        },
+        Entry::Record {
+            record: Box::new(rec("c", State::Canceled)),
+        },
+    ];
+    j.write(&entries).unwrap();
+    j
+}
+
+#[test]
+fn trajectories_are_read_from_the_harness_journal_by_operators_and_observers_in_pages() {
+    let c = Console::start();
+    // No journal yet: an empty list, not an error.
+    let r = c.get("/api/v1/trajectories");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["trajectories"], json!([]));
+    let _writer = harness_journal(&c.d);
+
+    let r = c.get("/api/v1/trajectories?limit=2");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let page = r.json();
+    let ids: Vec<&str> = page["trajectories"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["a", "b"]);
+    assert_eq!(page["next"], "b");
+    let rest = c.get("/api/v1/trajectories?after=b").json();
+    assert_eq!(rest["trajectories"][0]["id"], "c");
+    assert_eq!(rest["next"], Value::Null);
+    let live = c.get("/api/v1/trajectories?state=live").json();
+    assert_eq!(live["trajectories"].as_array().unwrap().len(), 1);
+
+    let a = c.get("/api/v1/trajectories/a").json();
+    assert_eq!(a["state"], "AWAITING_APPROVAL");
+    assert_eq!(a["parent"], "boss");
+    assert_eq!(a["task"], "<i>task</i> of a");
+    assert_eq!(
+        a["budget"]["dimensions"][0],
+        json!({"dimension": "turns", "spent": 4, "limit": 5})
+    );
+    assert_eq!(a["budget"]["stage"], "steer");
+    assert_eq!(a["budget"]["binding"], "turns");
+    assert_eq!(a["held"][0]["tool"], "drop_table");
+    assert_eq!(
+        a["control"][0],
+        json!({"control": "interrupt", "message": "use the replica"})
+    );
+    let b = c.get("/api/v1/trajectories/b").json();
+    assert_eq!(
+        b["exit"],
+        json!({"exit": "CANCELED", "reason": "stop\u{202e}now"})
+    );
+    assert_eq!(b["answer"], "done <b>here</b>");
+
+    let missing = c.get("/api/v1/trajectories/nope");
+    assert_eq!(
+        (missing.status, missing.code().as_str()),
+        (404, "not_found")
+    );
+    let bad = c.get("/api/v1/trajectories?state=dead");
+    assert_eq!((bad.status, bad.code().as_str()), (400, "invalid_field"));
+    let bad = c.get("/api/v1/trajectories?limit=0");
+    assert_eq!(bad.status, 400);
+
+    // Who: not an agent (a trajectory's task and answer are another agent's text), not without
+    // a token; an observer reads, like runs.
+    let agent = c.d.token("agent.token");
+    let r = c.as_token(&agent, "GET", "/api/v1/trajectories");
+    assert_eq!((r.status, r.code().as_str()), (403, "forbidden"));
+    let r = c.as_token(&agent, "GET", "/api/v1/trajectories/a");
+    assert_eq!(r.status, 403);
+    assert_eq!(
+        http(&c.addr, "GET", "/api/v1/trajectories", &[], "").status,
+        401
+    );
+    let made = c.post(
+        "/api/v1/tokens",
+        json!({"name": "watcher", "role": "observer", "groups": []}),
+    );
+    assert_eq!(made.status, 200, "{}", made.body);
+    let observer = made.json()["token"].as_str().unwrap().to_string();
+    let r = c.as_token(&observer, "GET", "/api/v1/trajectories/a");
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// `estop agent list` reads the same journal from the terminal, beside its writer: one line per
+/// trajectory, the agent's texts quoted and escaped (a bidi override never reaches the
+/// terminal raw), in pages.
+#[test]
+fn estop_agent_list_prints_the_journal_s_trajectories_escaped() {
+    let d = Daemon::start_with(&[]);
+    let _writer = harness_journal(&d);
+    let (code, out, err) = d.cli(&["agent", "list"]);
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert_eq!(
+        lines[0],
+        "a AWAITING_APPROVAL turns=4/5 stage=steer pending=0 held=1 control=1 parent=boss task=\"<i>task</i> of a\""
+    );
+    assert!(
+        lines[1].starts_with("b CANCELED turns=4/5 stage=steer pending=0 held=0 control=0 exit=CANCELED:\"stop\\u{202e}now\""),
+        "{}",
+        lines[1]
+    );
+    assert!(!out.contains('\u{202e}'));
+    let (_, out, _) = d.cli(&["agent", "list", "--state", "ended", "--limit", "1"]);
+    assert_eq!(out.lines().last(), Some("(more: --after b)"), "{out}");
+    let (code, _, err) = d.cli(&["agent", "list", "--state", "dead"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("use all, live or ended"), "{err}");
+    let (code, out, _) = d.cli(&["agent", "list", "--json", "--after", "b"]);
+    assert_eq!(code, 0);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["trajectories"][0]["id"], "c");
+}

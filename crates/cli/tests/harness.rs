@@ -104,6 +104,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
         workers: 4,
         tpm: 1_000_000,
         rpm: 1_000,
+        journal: Default::default(),
     }
 }
 
@@ -254,6 +255,20 @@ fn a_cancel_at_the_gate_cuts_the_open_stream_and_ends_the_trajectory() {
 /// again — and the trajectory goes on to complete.
 #[test]
 fn a_crash_mid_tool_resumes_from_the_journal_without_running_the_call_again() {
+    crash_mid_tool(estop_harness::journal::JournalOptions::default());
+}
+
+/// The same with the journal compacted after every write (`compact_bytes = 1`): the runner
+/// that resumes reads the trajectory from a snapshot, and still does not run the call again.
+#[test]
+fn a_crash_mid_tool_after_compactions_resumes_from_the_snapshot_without_running_the_call_again() {
+    crash_mid_tool(estop_harness::journal::JournalOptions {
+        compact_bytes: 1,
+        ..Default::default()
+    });
+}
+
+fn crash_mid_tool(journal: estop_harness::journal::JournalOptions) {
     let d = Daemon::start_with_policy(POLICY, &[]);
     let effects = d.data().join("effects");
     let (fifo_out, fifo_in) = (d.data().join("out"), d.data().join("in"));
@@ -277,6 +292,7 @@ fn a_crash_mid_tool_resumes_from_the_journal_without_running_the_call_again() {
     let server = model_server(&server_rt, script.responses);
     let rt = runtime();
     let mut opts = options(&d, &server.base_url(), &effects);
+    opts.journal = journal;
     opts.tools[0].command = vec![
         "sh".into(),
         "-c".into(),
@@ -297,6 +313,21 @@ fn a_crash_mid_tool_resumes_from_the_journal_without_running_the_call_again() {
     task.abort();
     // The crash: every task of the harness gone, the tool's process killed with it.
     rt.shutdown_timeout(Duration::from_secs(10));
+    let snapshots = std::fs::read_dir(opts.data.join("journal"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".snap")
+        })
+        .count();
+    assert_eq!(
+        snapshots > 0,
+        journal.compact_bytes == 1,
+        "{snapshots} snapshots"
+    );
 
     let rt = runtime();
     let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();

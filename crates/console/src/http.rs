@@ -7,7 +7,7 @@
 use crate::auth::{self, Auth};
 use crate::listen::Conns;
 use crate::quota::{Counted, Full};
-use crate::{api, events, metrics, ui};
+use crate::{api, events, metrics, trajectories, ui};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
@@ -35,6 +35,8 @@ pub struct App {
     pub conns: Arc<Conns>,
     /// `http://host:port` the console is reached at (for login links).
     pub base_url: String,
+    /// Reads of the harness journal in flight (crate::trajectories).
+    pub trajectory_reads: Arc<tokio::sync::Semaphore>,
 }
 
 pub type AppState = Arc<App>;
@@ -592,6 +594,8 @@ pub fn router(app: AppState) -> Router {
             post(effect_action),
         )
         .route("/api/v1/pending", get(pending))
+        .route("/api/v1/trajectories", get(trajectories::list))
+        .route("/api/v1/trajectories/{id}", get(trajectories::one))
         .route("/api/v1/ledger", get(ledger))
         .route("/api/v1/tokens", post(tokens))
         .route("/api/v1/tokens/{name}", axum::routing::delete(revoke_token))

@@ -10,6 +10,7 @@ mod http;
 mod listen;
 mod metrics;
 mod quota;
+mod trajectories;
 mod ui;
 
 use estop_server::service::{Service, ServiceContext, Started};
@@ -135,6 +136,7 @@ impl Service for Console {
             }),
             conns: listen::Conns::new(o.connections_max),
             base_url: url.clone(),
+            trajectory_reads: trajectories::reads(),
             ctx: ctx.clone(),
         });
         // A revoked token's console sessions and login links end with it, at once.

@@ -11,6 +11,8 @@ const S = {
   runs: [],
   route: { view: "inbox" },
   run: null,         // {status, report, ledger, error}
+  trajectories: [],  // the harness's (estop agent run), from its journal
+  trajectory: null,  // one, with its answer, or {error}
   events: null,
   refreshTimer: null,
   filter: { q: "", state: "" },
@@ -161,12 +163,16 @@ function parseRoute() {
   const parts = hash.split("/").filter(Boolean);
   if (parts[0] === "runs" && parts.length > 1) return { view: "run", run: decodeURIComponent(parts.slice(1).join("/")) };
   if (parts[0] === "runs") return { view: "runs" };
+  if (parts[0] === "agents" && parts.length > 1) return { view: "trajectory", id: decodeURIComponent(parts.slice(1).join("/")) };
+  if (parts[0] === "agents") return { view: "trajectories" };
   return { view: "inbox" };
 }
 
 function runHref(run) { return "#/runs/" + enc(run); }
 
-window.addEventListener("hashchange", () => { S.route = parseRoute(); S.run = null; render(); refresh(true); $("main").focus(); });
+function trajectoryHref(id) { return "#/agents/" + enc(id); }
+
+window.addEventListener("hashchange", () => { S.route = parseRoute(); S.run = null; S.trajectory = null; render(); refresh(true); $("main").focus(); });
 
 // ---------- data ----------
 
@@ -219,10 +225,31 @@ async function loadRun(run) {
   return out;
 }
 
+// The harness's trajectories: a page of 200 (the API's bound per page), live ones first.
+async function loadTrajectories() {
+  try {
+    const r = await api("GET", "/api/v1/trajectories?limit=200");
+    S.trajectories = (r.trajectories || []).sort((a, b) => (b.live - a.live) || (b.started_at_ms - a.started_at_ms));
+    S.trajectoriesMore = !!r.next;
+    S.trajectoriesError = null;
+  } catch (e) {
+    // An agent token is refused (403), a journal over the read bound is 503: said on the page.
+    if (e.status === 401) throw e;
+    S.trajectories = [];
+    S.trajectoriesError = e.message;
+  }
+}
+
+async function loadTrajectory(id) {
+  try { return await api("GET", "/api/v1/trajectories/" + enc(id)); } catch (e) { return { id, error: e }; }
+}
+
 async function refresh(all) {
   if (!S.me) return;
   try {
     const jobs = [loadPending()];
+    if (S.route.view === "trajectories") jobs.push(loadTrajectories());
+    if (S.route.view === "trajectory") jobs.push(loadTrajectory(S.route.id).then((t) => { S.trajectory = t; }));
     if (all || S.route.view === "runs") jobs.push(loadRuns());
     if (S.route.view === "run") jobs.push(loadRun(S.route.run).then((r) => { S.run = r; }));
     await Promise.all(jobs);
@@ -246,6 +273,8 @@ function scheduleRefresh(runChanged) {
     try {
       const jobs = [loadPending()];
       if (S.route.view === "runs") jobs.push(loadRuns());
+      if (S.route.view === "trajectories") jobs.push(loadTrajectories());
+      if (S.route.view === "trajectory") jobs.push(loadTrajectory(S.route.id).then((t) => { S.trajectory = t; }));
       if (S.route.view === "run" && (run || !S.run)) jobs.push(loadRun(S.route.run).then((r) => { S.run = r; }));
       await Promise.all(jobs);
       render();
@@ -690,11 +719,103 @@ function viewRun() {
     timelineView(run)].flat().filter(Boolean));
 }
 
+// ---------- trajectories (the harness's agents) ----------
+
+// "3/5" or "3" (no ceiling); wall clock and dollars in their units.
+function spent(d) {
+  const f = d.dimension === "usd_micros" ? (n) => "$" + (n / 1e6).toFixed(4)
+    : d.dimension === "wall_clock_ms" ? (n) => (n / 1000).toFixed(1) + " s" : String;
+  return d.limit === null || d.limit === undefined ? f(d.spent) : f(d.spent) + " / " + f(d.limit);
+}
+
+const DIMENSION = { turns: "Turns", tokens: "Tokens", wall_clock_ms: "Wall clock", usd_micros: "Dollars" };
+
+function budgetView(b) {
+  return h("table", { class: "budget" },
+    h("thead", {}, h("tr", {}, ["Dimension", "Spent / limit", "Used"].map((c) => h("th", { scope: "col" }, c)))),
+    h("tbody", {}, b.dimensions.map((d) => {
+      const pct = d.limit ? Math.min(100, Math.round(100 * d.spent / d.limit)) : null;
+      return h("tr", { "data-dimension": d.dimension },
+        h("td", {}, DIMENSION[d.dimension] || d.dimension),
+        h("td", { class: "num" }, spent(d)),
+        h("td", {}, pct === null ? "-" : h("div", { class: "bar", role: "progressbar", "aria-valuemin": "0", "aria-valuemax": "100", "aria-valuenow": String(pct), "aria-label": (DIMENSION[d.dimension] || d.dimension) + " used" }, bar(pct))));
+    })));
+}
+
+function stageText(b) {
+  return b.stage + (b.binding ? ` (${b.binding} ${(b.permille / 10).toFixed(1)}%)` : "");
+}
+
+function exitText(e) { return e ? e.exit + (e.reason ? ": " + e.reason : "") : "-"; }
+
+function controlText(c) {
+  if (c.control === "interrupt") return "interrupt: " + c.message;
+  if (c.control === "cancel" || c.control === "kill") return c.control + ": " + c.reason;
+  if (c.control === "budget") return "budget: " + JSON.stringify(c.limits);
+  return c.control;
+}
+
+function viewTrajectories() {
+  const main = $("main");
+  const rows = S.trajectories;
+  const cols = ["Trajectory", "State", "Task", "Turns", "Budget stage", "Pending", "Exit"];
+  const body = rows.length ? h("table", { class: "stack", id: "trajectories" },
+    h("thead", {}, h("tr", {}, cols.map((c) => h("th", { scope: "col" }, c)))),
+    h("tbody", {}, rows.map((t) => h("tr", { "data-trajectory": t.id },
+      h("td", { "data-label": cols[0] }, h("a", { href: trajectoryHref(t.id), class: "mono" }, t.id),
+        t.parent ? h("div", { class: "muted" }, "child of ", h("a", { href: runHref(t.parent), class: "mono" }, t.parent)) : null),
+      h("td", { "data-label": cols[1] }, badge(t.state.toLowerCase())),
+      h("td", { "data-label": cols[2], class: "task" }, t.task),
+      h("td", { "data-label": cols[3], class: "num" }, spent(t.budget.dimensions[0])),
+      h("td", { "data-label": cols[4] }, stageText(t.budget)),
+      h("td", { "data-label": cols[5], class: "num" }, `${t.pending.length} in flight · ${t.held.length} held · ${t.control.length} control`),
+      h("td", { "data-label": cols[6] }, exitText(t.exit))))))
+    : h("div", { class: "empty", id: "trajectories-empty" }, S.trajectoriesError || "No trajectories. `estop agent run` keeps them in DATA/harness/journal, where the console reads them.");
+  main.replaceChildren(h("h1", {}, "Agents"),
+    h("p", { class: "muted" }, "Trajectories of estop's own agent loop, read from the harness journal; live ones first." + (S.trajectoriesMore ? " Showing the first 200." : "")),
+    body);
+}
+
+function viewTrajectory() {
+  const main = $("main");
+  const t = S.trajectory;
+  if (!t) { main.replaceChildren(h("h1", {}, S.route.id), h("p", { class: "muted" }, "Loading…")); return; }
+  if (t.error) {
+    main.replaceChildren(h("p", {}, h("a", { href: "#/agents" }, "← Agents")), h("h1", { class: "mono" }, t.id), h("div", { class: "empty" }, t.error.message));
+    return;
+  }
+  const facts = h("dl", { class: "facts", id: "trajectory-facts" },
+    h("dt", {}, "State"), h("dd", { id: "trajectory-state" }, badge(t.state.toLowerCase())),
+    h("dt", {}, "Task"), h("dd", { id: "trajectory-task", class: "task" }, t.task),
+    h("dt", {}, "Run at the gate"), h("dd", {}, h("a", { href: runHref(t.id), class: "mono" }, t.id)),
+    t.parent ? [h("dt", {}, "Parent run"), h("dd", {}, h("a", { href: runHref(t.parent), class: "mono" }, t.parent))] : null,
+    t.retry_of ? [h("dt", {}, "Retry of"), h("dd", {}, h("a", { href: trajectoryHref(t.retry_of), class: "mono" }, t.retry_of))] : null,
+    h("dt", {}, "Model"), h("dd", {}, t.model),
+    h("dt", {}, "Turns"), h("dd", {}, String(t.turns)),
+    h("dt", {}, "Budget stage"), h("dd", { id: "trajectory-stage" }, stageText(t.budget)),
+    h("dt", {}, "Started"), h("dd", {}, when(t.started_at_ms)),
+    t.ended_at_ms ? [h("dt", {}, "Ended"), h("dd", {}, when(t.ended_at_ms))] : null,
+    h("dt", {}, "Exit"), h("dd", { id: "trajectory-exit" }, exitText(t.exit)));
+  const work = [
+    ...t.pending.map((p) => h("li", {}, h("span", { class: "mono" }, p.call), " ", p.tool, " — ", p.phase, p.deadline_ms ? " (deadline " + when(p.deadline_ms) + ")" : "")),
+    ...t.held.map((x) => h("li", {}, h("span", { class: "mono" }, x.call), " ", x.tool, " — held for approval, expires ", when(x.expires_at_ms))),
+  ];
+  main.replaceChildren(...[
+    h("p", {}, h("a", { href: "#/agents" }, "← Agents")),
+    h("h1", {}, "Trajectory ", h("span", { class: "mono" }, t.id)),
+    h("div", { class: "panel" }, facts),
+    h("h2", {}, "Budget"), budgetView(t.budget),
+    h("h2", {}, "Pending work"), work.length ? h("ul", { id: "trajectory-work" }, work) : h("p", { class: "muted" }, "Nothing in flight or held."),
+    h("h2", {}, "Control requests"), t.control.length ? h("ul", { id: "trajectory-control" }, t.control.map((c) => h("li", {}, controlText(c)))) : h("p", { class: "muted" }, "None stored."),
+    t.answer ? [h("h2", {}, "Last model message"), h("pre", { id: "trajectory-answer" }, t.answer)] : null,
+  ].flat().filter(Boolean));
+}
+
 function render() {
   const route = S.route;
-  for (const [id, v] of [["nav-inbox", "inbox"], ["nav-runs", "runs"]]) {
+  for (const [id, v] of [["nav-inbox", "inbox"], ["nav-runs", "runs"], ["nav-agents", "trajectories"]]) {
     const a = $(id);
-    if ((route.view === v) || (v === "runs" && route.view === "run")) a.setAttribute("aria-current", "page"); else a.removeAttribute("aria-current");
+    if ((route.view === v) || (v === "runs" && route.view === "run") || (v === "trajectories" && route.view === "trajectory")) a.setAttribute("aria-current", "page"); else a.removeAttribute("aria-current");
   }
   const c = $("inbox-count");
   c.textContent = String(S.pending.length);
@@ -705,12 +826,15 @@ function render() {
   const typing = active && (active.tagName === "INPUT" || active.tagName === "TEXTAREA") && $("main").contains(active);
   if (typing && (active.value || active.closest(".confirm"))) return;
   // Redraw only what changed, and give focus back to the same control (keyboard users).
-  const sig = JSON.stringify([route, S.pending, route.view === "runs" ? S.runs : null, route.view === "run" ? S.run : null]);
+  const sig = JSON.stringify([route, S.pending, route.view === "runs" ? S.runs : null, route.view === "run" ? S.run : null,
+    route.view === "trajectories" ? [S.trajectories, S.trajectoriesError] : null, route.view === "trajectory" ? S.trajectory : null]);
   if (sig === S.drawn) return;
   S.drawn = sig;
   const focusKey = active && active.dataset ? active.dataset.focus : null;
   if (route.view === "inbox") viewInbox();
   else if (route.view === "runs") viewRuns();
+  else if (route.view === "trajectories") viewTrajectories();
+  else if (route.view === "trajectory") viewTrajectory();
   else viewRun();
   if (focusKey) {
     const again = [...document.querySelectorAll("[data-focus]")].find((el) => el.dataset.focus === focusKey);

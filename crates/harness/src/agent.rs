@@ -80,6 +80,7 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
         // A local bucket a tenth under the provider's limits.
         tpm: (m.tpm - m.tpm / 10).max(1),
         rpm: (m.rpm - m.rpm / 10).max(1),
+        journal: config.journal,
     };
     if a.retry_of.is_some() && a.parent.is_some() {
         anyhow::bail!("a retry keeps the parent of the trajectory it retries: leave out --parent");

@@ -22,6 +22,9 @@ pub struct Config {
     /// `[[server]]`; crate::mcp).
     #[serde(rename = "server", default)]
     pub servers: Vec<estop_mcp::config::Server>,
+    /// When the journal compacts and which ended trajectories it keeps (crate::journal).
+    #[serde(default)]
+    pub journal: crate::journal::JournalOptions,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -236,6 +239,7 @@ impl Config {
         if self.harness.workers == 0 {
             return bad("harness.workers must be above 0".into());
         }
+        self.journal.check().or_else(bad)?;
         Ok(())
     }
 
@@ -397,5 +401,29 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         let sep = ok.replace("name = \"echo\"", "name = \"a__b\"");
         let c: Config = toml::from_str(&sep).unwrap();
         assert!(c.check().unwrap_err().to_string().contains("kept for MCP"));
+    }
+
+    #[test]
+    fn the_journal_section_is_optional_and_checked() {
+        let base = "[[model]]\nname = \"m\"\nbase_url = \"http://127.0.0.1:1/v1\"\nusd_per_mtok_input = 1.0\nusd_per_mtok_output = 1.0\n";
+        let c: Config = toml::from_str(base).unwrap();
+        assert_eq!(c.journal, crate::journal::JournalOptions::default());
+        let c: Config = toml::from_str(&format!(
+            "{base}[journal]\nended_keep = 5\ncompact_bytes = 1\n"
+        ))
+        .unwrap();
+        c.check().unwrap();
+        assert_eq!((c.journal.ended_keep, c.journal.compact_bytes), (5, 1));
+        let c: Config = toml::from_str(&format!("{base}[journal]\ncompact_bytes = 0\n")).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("compact_bytes"));
+        let c: Config =
+            toml::from_str(&format!("{base}[journal]\nsegment_bytes_max = 1024\n")).unwrap();
+        assert!(
+            c.check()
+                .unwrap_err()
+                .to_string()
+                .contains("segment_bytes_max")
+        );
+        assert!(toml::from_str::<Config>(&format!("{base}[journal]\nkeep = 1\n")).is_err());
     }
 }

@@ -21,3 +21,4 @@ pub mod record;
 pub mod runner;
 pub mod scheduler;
 pub mod scripted;
+pub mod view;

@@ -82,6 +82,8 @@ pub struct RunnerOptions {
     pub workers: usize,
     pub tpm: u64,
     pub rpm: u64,
+    /// When the journal compacts and which ended trajectories it keeps.
+    pub journal: crate::journal::JournalOptions,
 }
 
 /// What comes back to the runner.
@@ -185,7 +187,7 @@ impl Runner {
             Recovered {
                 records, contexts, ..
             },
-        ) = Journal::open(&opts.data.join("journal"))?;
+        ) = Journal::open_with(&opts.data.join("journal"), opts.journal)?;
         let (tx, rx) = mpsc::unbounded_channel();
         // Bound only now: the journal's lock says no other runner owns this directory.
         let listener = crate::control::bind(&opts.data).map_err(|e| {

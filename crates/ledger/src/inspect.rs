@@ -53,15 +53,36 @@ pub fn verify(storage: &dyn Storage) -> VerifyReport {
 /// Like `verify`, and hands every live record, in seq order, to `on_record`.
 pub fn inspect(storage: &dyn Storage, mut on_record: impl FnMut(RecordView<'_>)) -> VerifyReport {
     let mut report = VerifyReport::default();
-    if let Err(e) = inspect_into(storage, &mut report, &mut on_record) {
+    if let Err(e) = inspect_into(storage, &mut report, None, &mut on_record) {
         report.error = Some(e);
     }
     report
 }
 
+/// Like `inspect`, and first hands the snapshot a recovery would use to `on_snapshot(seq,
+/// payload)`: the state a recovery would build, read without a lock and without changing
+/// anything (a reader beside a live writer: a torn tail is reported, not an error).
+pub fn inspect_state(
+    storage: &dyn Storage,
+    mut on_snapshot: impl FnMut(u64, &[u8]),
+    mut on_record: impl FnMut(RecordView<'_>),
+) -> VerifyReport {
+    let mut report = VerifyReport::default();
+    if let Err(e) = inspect_into(storage, &mut report, Some(&mut on_snapshot), &mut on_record) {
+        report.error = Some(e);
+    }
+    report
+}
+
+/// Where `inspect_state` hands the snapshot: `(seq, payload)`.
+type OnSnapshot<'a> = dyn FnMut(u64, &[u8]) + 'a;
+
 fn inspect_into(
     storage: &dyn Storage,
     report: &mut VerifyReport,
+    // `Some`: only the state (the snapshot, then the records it does not cover); `None`: every
+    // record of every segment (verify).
+    on_snapshot: Option<&mut OnSnapshot<'_>>,
     on_record: &mut dyn FnMut(RecordView<'_>),
 ) -> Result<(), LedgerError> {
     let listing = scan::list(storage)?;
@@ -69,6 +90,10 @@ fn inspect_into(
     let (chosen, invalid) =
         snapshot::newest_valid(storage, &listing.snapshots, u64::MAX, u64::MAX)?;
     report.snapshots_invalid = invalid;
+    let state = on_snapshot.is_some();
+    if let (Some(f), Some((info, payload))) = (on_snapshot, &chosen) {
+        f(info.seq, payload);
+    }
     report.snapshot = chosen.map(|(info, _)| info);
     let snapshot_seq = report.snapshot.as_ref().map_or(0, |s| s.seq);
     report.last_seq = snapshot_seq;
@@ -77,8 +102,8 @@ fn inspect_into(
         segments: &listing.segments,
         snapshot_seq,
         limit: u64::MAX,
-        skip_covered: false,
-        deliver_from: 0,
+        skip_covered: state,
+        deliver_from: if state { snapshot_seq + 1 } else { 0 },
         batch_bytes_max: crate::LedgerOptions::default().buffer_bytes_max as u64,
     };
     let mut count = 0u64;

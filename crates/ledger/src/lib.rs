@@ -29,7 +29,7 @@ mod storage;
 pub use commit::{Committer, Notify, SYNC_THREAD_NAME, SnapshotReport};
 pub use crash_storage::{CrashStats, CrashStorage};
 pub use error::{LedgerError, ReplayCause};
-pub use inspect::{RecordView, VerifyReport, inspect, verify};
+pub use inspect::{RecordView, VerifyReport, inspect, inspect_state, verify};
 pub use ledger::{Ledger, LedgerOptions, Recovered, RecoveryReport};
 pub use probe::{
     FsyncProbe, GroupCommitOptions, GroupCommitProbe, group_commit_probe, raw_fsync_probe,
