@@ -65,6 +65,7 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
             limits: Limits::default(),
             prices: Prices::default(),
             upstreams: Default::default(),
+            subagents: None,
             sandbox: None,
             tools: vec![Tool {
                 name: "hold".into(),
@@ -76,6 +77,7 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
                 sandbox: false,
                 sandbox_policy: None,
                 read_only: false,
+                egress: None,
             }],
             system: "bench".into(),
             grace: Duration::from_millis(100),

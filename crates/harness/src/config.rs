@@ -22,6 +22,9 @@ pub struct Config {
     /// `[[server]]`; crate::mcp).
     #[serde(rename = "server", default)]
     pub servers: Vec<estop_mcp::config::Server>,
+    /// The tool with which a trajectory starts sub-agents (crate::subagent); none without it.
+    #[serde(default)]
+    pub subagents: Option<crate::subagent::Subagents>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -121,8 +124,14 @@ pub struct ToolSection {
     /// A sandboxed command: the arguments (JSON) on stdin, the result on stdout.
     #[serde(default)]
     pub command: Vec<String>,
-    /// Or an HTTP tool: the arguments POSTed as JSON here, the answer's body the result.
+    /// Or an HTTP tool: the arguments POSTed as JSON here, through the egress proxy (as the
+    /// child run `TRAJECTORY/CALL_ID`: crate::http), the answer's body the result.
     pub url: Option<String>,
+    /// An HTTP tool's `[egress]` settings file (`estop run --policy`'s shape): the
+    /// destinations it may reach beyond the refused ones, `hold_ms`, the body bounds, and the
+    /// `credentials` store injected per host. Only with `url`.
+    #[serde(default)]
+    pub egress_policy: Option<std::path::PathBuf>,
     /// Run `command` inside `estop run`'s sandbox, as a child run of the trajectory's run.
     #[serde(default)]
     pub sandbox: bool,
@@ -212,6 +221,13 @@ impl Config {
                     t.name
                 ));
             }
+            if t.egress_policy.is_some() && t.url.is_none() {
+                return bad(format!(
+                    "tool {:?}: egress_policy goes with url (a sandboxed command's is \
+                     sandbox_policy)",
+                    t.name
+                ));
+            }
             if let Some(url) = &t.url
                 && let Err(e) = crate::model::Endpoint::new(url, None)
             {
@@ -233,6 +249,15 @@ impl Config {
                 t.name
             ));
         }
+        if let Some(sub) = &self.subagents {
+            sub.check().map_err(ConfigError::Invalid)?;
+            if self.tools.iter().any(|t| t.name == sub.tool) {
+                return bad(format!(
+                    "tool {:?}: the name is [subagents]' tool already",
+                    sub.tool
+                ));
+            }
+        }
         if self.harness.workers == 0 {
             return bad("harness.workers must be above 0".into());
         }
@@ -252,10 +277,15 @@ impl Config {
     /// MCP servers listed (`mcp`, from [`crate::mcp::Upstreams::start`]); an unknown name is an
     /// error.
     pub fn tools(&self, names: &[String], mcp: Vec<Tool>) -> Result<Vec<Tool>, ConfigError> {
-        let all: Vec<Tool> = self
-            .tools
-            .iter()
-            .map(|t| Tool {
+        let mut all = Vec::new();
+        for t in &self.tools {
+            let egress = match &t.egress_policy {
+                Some(p) => Some(crate::http::Egress::load(p).map_err(|e| {
+                    ConfigError::Invalid(format!("tool {:?}: egress_policy: {e:#}", t.name))
+                })?),
+                None => None,
+            };
+            all.push(Tool {
                 name: t.name.clone(),
                 description: t.description.clone(),
                 parameters: serde_json::to_value(&t.parameters).unwrap_or_default(),
@@ -265,9 +295,15 @@ impl Config {
                 sandbox: t.sandbox,
                 sandbox_policy: t.sandbox_policy.clone(),
                 read_only: t.read_only,
-            })
-            .chain(mcp)
-            .collect();
+                egress,
+            });
+        }
+        all.extend(
+            self.subagents
+                .as_ref()
+                .map(crate::subagent::Subagents::tool),
+        );
+        all.extend(mcp);
         if names.is_empty() {
             return Ok(all);
         }
