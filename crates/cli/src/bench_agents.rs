@@ -66,6 +66,7 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
             prices: Prices::default(),
             upstreams: Default::default(),
             subagents: None,
+            workspaces: None,
             sandbox: None,
             tools: vec![Tool {
                 name: "hold".into(),

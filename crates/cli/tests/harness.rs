@@ -81,6 +81,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
         },
         upstreams: Default::default(),
         subagents: None,
+        workspaces: None,
         sandbox: None,
         tools: vec![
             Tool {
@@ -1291,6 +1292,75 @@ fn a_resumed_parent_does_not_start_its_sub_agent_twice() {
     assert_eq!(results.len(), 1);
     assert_eq!(results[0]["content"], "3 rows");
     assert_eq!(effect_status(&d, "sa-6", "c1"), "completed");
+}
+
+/// A trajectory holds a workspace lease: `ROOT/ID`, made when it starts and journalled with
+/// its record, where its command tools run (`ESTOP_WORKSPACE`); FINALIZING releases it — the
+/// lease leaves the record, the directory is kept with what the tools left, read-only.
+#[test]
+fn a_trajectorys_workspace_lease_is_released_at_finalizing() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "lookup", "{}"),
+            scripted::answer("wrote out.txt"),
+        ],
+    );
+    let root = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.workspaces = Some(root.path().to_path_buf());
+    opts.tools[0].command = vec![
+        "sh".into(),
+        "-c".into(),
+        "echo partial > out.txt; echo \"$ESTOP_WORKSPACE\"; pwd".into(),
+    ];
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("ws-1", None, "write it") })
+        .unwrap();
+    let held = runner.record("ws-1").unwrap().clone();
+    let dir = root.path().join("ws-1");
+    assert_eq!(held.leases.len(), 1, "leased at the start");
+    assert_eq!(held.leases[0].kind, "workspace");
+    assert_eq!(
+        held.pointers.workspace.as_deref(),
+        Some(dir.to_str().unwrap())
+    );
+    let runner = rt.block_on(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    let rec = runner.record("ws-1").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    assert!(rec.leases.is_empty(), "released at FINALIZING");
+    let last = messages(&model, 1);
+    let obs = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    let here = dir.display().to_string();
+    assert_eq!(
+        obs["content"],
+        format!("{here}\n{here}\n"),
+        "the tool ran in it"
+    );
+    let out = dir.join("out.txt");
+    assert_eq!(
+        std::fs::read_to_string(&out).unwrap(),
+        "partial\n",
+        "partial work kept"
+    );
+    let writable =
+        |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o222 != 0;
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while (writable(&out) || writable(&dir)) && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !writable(&out) && !writable(&dir),
+        "read-only once released"
+    );
+    // The tempdir's cleanup needs the write bit back.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
 }
 
 /// Starts `id` on a runner of its own and returns the task driving it.

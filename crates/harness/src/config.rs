@@ -41,6 +41,9 @@ pub struct HarnessSection {
     pub workers: usize,
     #[serde(default = "default_tool_deadline")]
     pub tool_deadline_ms: u64,
+    /// Where each trajectory's workspace lease is made (`ROOT/ID`); none without it.
+    #[serde(default)]
+    pub workspaces: Option<std::path::PathBuf>,
 }
 
 impl Default for HarnessSection {
@@ -50,6 +53,7 @@ impl Default for HarnessSection {
             grace_ms: default_grace(),
             workers: default_workers(),
             tool_deadline_ms: default_tool_deadline(),
+            workspaces: None,
         }
     }
 }

@@ -82,6 +82,9 @@ pub struct RunnerOptions {
     pub upstreams: crate::mcp::Upstreams,
     /// The sub-agent tool (`[subagents]`; its [`Tool`] is among `tools`), if the config has one.
     pub subagents: Option<crate::subagent::Subagents>,
+    /// Where each trajectory's workspace lease is made (`[harness] workspaces`): the directory
+    /// `ROOT/ID`, its command tools' working directory, kept read-only once released.
+    pub workspaces: Option<PathBuf>,
     pub system: String,
     /// How long a cut stream may still be read for its terminal event.
     pub grace: Duration,
@@ -360,13 +363,14 @@ impl Runner {
             depth: 0,
             spawned_by: None,
         };
-        let rec = Record::new(
+        let mut rec = Record::new(
             identity,
             o.call_limits.clone(),
             budget,
             grants,
             "journal".into(),
         );
+        lease_workspace(o.workspaces.as_deref(), &mut rec)?;
         let msgs = vec![Message::system(o.system.clone()), Message::user(task)];
         self.commit(
             rec,
@@ -696,6 +700,7 @@ impl Runner {
                 let reach = Reach {
                     upstreams: self.opts.upstreams.clone(),
                     sandbox: self.opts.sandbox.clone(),
+                    workspace: rec.pointers.workspace.as_ref().map(PathBuf::from),
                 };
                 let (cut_tx, cut) = watch::channel(false);
                 if tool.as_ref().is_some_and(|t| t.mcp.is_some()) {
@@ -750,6 +755,18 @@ impl Runner {
                         None => h.abort(),
                     }
                 }
+            }
+            // FINALIZING released the lease: the workspace is kept for the caller (seed 004:
+            // partial work kept) and made read-only, so nothing of the ended trajectory — a
+            // process that outlived it — changes what it left.
+            Action::Release { lease } if lease.kind == WORKSPACE => {
+                let dir = PathBuf::from(&lease.id);
+                tokio::task::spawn_blocking(move || {
+                    if let Err(e) = freeze(&dir, WORKSPACE_ENTRIES_MAX) {
+                        let line = format!("workspace {} not made read-only: {e}", dir.display());
+                        let _ = tx.send(Input::Note { id, line });
+                    }
+                });
             }
             Action::Release { .. } | Action::Dropped { .. } => {}
             other => self.gate_work(rec, other),
@@ -819,7 +836,7 @@ impl Runner {
             spawned_by: Some(call.id.clone()),
         };
         let o = &self.opts;
-        let child = Record::new(
+        let mut child = Record::new(
             identity,
             o.call_limits.clone(),
             Budget::new(limits, parent.budget.prices, now),
@@ -829,6 +846,13 @@ impl Runner {
             },
             "journal".into(),
         );
+        if let Err(e) = lease_workspace(o.workspaces.as_deref(), &mut child) {
+            let text = crate::record::refusal(call, "WORKSPACE", &e.to_string())
+                .content
+                .unwrap_or_default();
+            return self.settle_subagent_call(id, &call.id, "error", text, None);
+        }
+        let o = &self.opts;
         let msgs = [Message::system(o.system.clone()), Message::user(task)]
             .into_iter()
             .map(|m| Action::Observe { message: m })
@@ -1165,6 +1189,8 @@ impl Runner {
 struct Reach {
     upstreams: crate::mcp::Upstreams,
     sandbox: Option<SandboxLaunch>,
+    /// The trajectory's workspace lease: command tools run in it (`ESTOP_WORKSPACE`).
+    workspace: Option<PathBuf>,
 }
 
 /// Start at the gate (the commit point), run the tool, complete with its outcome.
@@ -1205,13 +1231,17 @@ async fn dispatch(
         }
         Some(tool) if tool.sandbox => match sandboxed(&tool, reach.sandbox.as_ref(), run, &call.id)
         {
-            Ok(cmd) => run_command(cmd, &call.function.arguments, true).await,
+            Ok(mut cmd) => {
+                in_workspace(&mut cmd, reach.workspace.as_deref());
+                run_command(cmd, &call.function.arguments, true).await
+            }
             Err(why) => ("error", why),
         },
         Some(tool) => match tool.command.split_first() {
             Some((prog, rest)) => {
                 let mut cmd = tokio::process::Command::new(prog);
                 cmd.args(rest);
+                in_workspace(&mut cmd, reach.workspace.as_deref());
                 run_command(cmd, &call.function.arguments, false).await
             }
             None => ("error", "empty command".into()),
@@ -1228,6 +1258,65 @@ async fn dispatch(
     );
     let _ = tokio::task::spawn_blocking(move || g.complete(&r, &k, &t, o, &x)).await;
     Some(text)
+}
+
+/// The kind of a workspace lease.
+pub const WORKSPACE: &str = "workspace";
+
+/// Entries of a released workspace made read-only at most (a workspace larger than this keeps
+/// the rest writable, and the journal says so).
+const WORKSPACE_ENTRIES_MAX: usize = 100_000;
+
+/// Makes the trajectory's workspace lease: `ROOT/ID` (a sub-agent's inside its parent's),
+/// created 0700, recorded as a lease and as the record's workspace pointer before the record
+/// is journalled. Existing (a resume, a retry's id reused) is fine.
+fn lease_workspace(root: Option<&std::path::Path>, rec: &mut Record) -> Result<(), RunnerError> {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(root) = root else { return Ok(()) };
+    let dir = root.join(&rec.identity.id);
+    std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)))
+        .map_err(|e| RunnerError::Other(format!("workspace {}: {e}", dir.display())))?;
+    let path = dir.display().to_string();
+    rec.leases.push(crate::record::Lease {
+        id: path.clone(),
+        kind: WORKSPACE.into(),
+    });
+    rec.pointers.workspace = Some(path);
+    Ok(())
+}
+
+/// A command tool runs in the trajectory's workspace, named in `ESTOP_WORKSPACE`.
+fn in_workspace(cmd: &mut tokio::process::Command, workspace: Option<&std::path::Path>) {
+    if let Some(w) = workspace {
+        cmd.current_dir(w).env("ESTOP_WORKSPACE", w);
+    }
+}
+
+/// Takes the write bits off everything under `dir` (not following symlinks), at most `max`
+/// entries.
+fn freeze(dir: &std::path::Path, max: usize) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut stack = vec![dir.to_path_buf()];
+    let mut seen = 0usize;
+    while let Some(p) = stack.pop() {
+        seen += 1;
+        if seen > max {
+            return Err(std::io::Error::other(format!("over {max} entries")));
+        }
+        let meta = std::fs::symlink_metadata(&p)?;
+        if meta.is_symlink() {
+            continue;
+        }
+        if meta.is_dir() {
+            for e in std::fs::read_dir(&p)? {
+                stack.push(e?.path());
+            }
+        }
+        let mode = meta.permissions().mode() & !0o222;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode))?;
+    }
+    Ok(())
 }
 
 /// How long a runner that is done waits, in all, for cut MCP calls to tell their upstreams.
