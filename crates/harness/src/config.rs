@@ -434,6 +434,28 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
                 .to_string()
                 .contains("goes with sandbox")
         );
+        let egress = ok.replace("read_only = true", "egress_policy = \"e.toml\"");
+        let c: Config = toml::from_str(&egress).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("goes with url"));
+        let missing = ok.replace(
+            "command = [\"cat\"]",
+            "url = \"http://127.0.0.1:1/\"\negress_policy = \"/nonexistent/e.toml\"",
+        );
+        let c: Config = toml::from_str(&missing).unwrap();
+        c.check().unwrap();
+        let e = c.tools(&[], Vec::new()).unwrap_err().to_string();
+        assert!(e.contains("egress_policy"), "{e}");
+        let sub = format!("{ok}\n[subagents]\ndepth_max = 1\n");
+        let c: Config = toml::from_str(&sub).unwrap();
+        c.check().unwrap();
+        let tools = c.tools(&[], Vec::new()).unwrap();
+        assert!(tools.iter().any(|t| t.name == "delegate" && !t.read_only));
+        let clash = format!("{ok}\n[subagents]\ntool = \"echo\"\n");
+        let c: Config = toml::from_str(&clash).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("[subagents]"));
+        let share = format!("{ok}\n[subagents]\nshare_permille = 0\n");
+        let c: Config = toml::from_str(&share).unwrap();
+        assert!(c.check().is_err());
         let sep = ok.replace("name = \"echo\"", "name = \"a__b\"");
         let c: Config = toml::from_str(&sep).unwrap();
         assert!(c.check().unwrap_err().to_string().contains("kept for MCP"));
