@@ -460,4 +460,22 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         let c: Config = toml::from_str(&sep).unwrap();
         assert!(c.check().unwrap_err().to_string().contains("kept for MCP"));
     }
+
+    /// docs/HARNESS.md stays true: its config example parses and passes the checks, with the
+    /// `[subagents]` tool and the workspace root it shows.
+    #[test]
+    fn the_documented_config_parses() {
+        let doc = include_str!("../../../docs/HARNESS.md");
+        let block = doc
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|b| b.split("```").next())
+            .unwrap();
+        let c: Config = toml::from_str(block).unwrap();
+        c.check().unwrap();
+        assert_eq!(c.subagents.as_ref().unwrap().tool, "delegate");
+        assert!(c.harness.workspaces.is_some());
+        let fetch = c.tools.iter().find(|t| t.name == "fetch_order").unwrap();
+        assert!(fetch.egress_policy.is_some() && fetch.url.is_some());
+    }
 }
