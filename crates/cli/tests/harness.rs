@@ -615,6 +615,10 @@ tool = "local"
 action = "allow"
 
 [[rules]]
+tool = "delegate"
+action = "allow"
+
+[[rules]]
 tool = "http.POST"
 when = 'args.path == "/orders"'
 action = "allow"
@@ -776,6 +780,78 @@ fn an_http_tool_goes_through_the_proxy_as_a_child_run_with_its_credential() {
         "the ledger holds it"
     );
     assert!(!holds(report.as_bytes()));
+}
+
+/// `estop agent run` with an HTTP tool and a sub-agent tool from its config file: the tool's
+/// `egress_policy` (and its credential store) loaded at start, the request sent through the
+/// proxy with the credential, a sub-agent making it, and the secret in none of the command's
+/// output (`--json`, the whole record).
+#[test]
+fn estop_agent_run_takes_http_tools_and_sub_agents_from_its_config() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "delegate", "{\"task\": \"fetch order 7\"}"),
+            scripted::call("c1", "fetch", "{\"id\": 7}"),
+            scripted::answer("3 rows"),
+            scripted::answer("order 7 has 3 rows"),
+        ],
+    );
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![Step::Status {
+                    status: 200,
+                    body: "{\"rows\": 3}".into(),
+                }]],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    http_tool(dir.path(), "http://unused/");
+    let config = dir.path().join("agent.toml");
+    let text = format!(
+        "[[model]]\nname = \"scripted\"\nbase_url = \"{}\"\nusd_per_mtok_input = 3.0\n\
+         usd_per_mtok_output = 15.0\n\n[subagents]\n\n[[tool]]\nname = \"fetch\"\n\
+         url = \"http://{}/orders\"\nread_only = true\negress_policy = {:?}\n",
+        model.base_url(),
+        upstream.addr,
+        dir.path().join("egress.toml").display().to_string()
+    );
+    std::fs::write(&config, text).unwrap();
+    let (code, out, err) = d.cli(&[
+        "agent",
+        "run",
+        "--config",
+        config.to_str().unwrap(),
+        "--model",
+        "scripted",
+        "--id",
+        "cfg-1",
+        "--json",
+        "count order 7",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let rec: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(rec["state"], "COMPLETED", "{rec}");
+    assert_eq!(
+        rec["budget"]["spend"]["turns"], 4,
+        "its 2 turns and its sub-agent's 2"
+    );
+    assert_eq!(upstream.calls(), [json!({"id": 7})]);
+    assert!(
+        upstream.headers()[0].contains(&("x-api-key".to_string(), SECRET.to_string())),
+        "{:?}",
+        upstream.headers()
+    );
+    assert!(!out.contains(SECRET) && !err.contains(SECRET));
+    assert_eq!(effect_status(&d, "cfg-1/c1/c1", "idem:c1"), "completed");
+    let (_, status, _) = d.cli(&["status", "cfg-1/c1/c1", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(v["parent"], "cfg-1/c1", "{v}");
 }
 
 /// Requests the gate does not admit reach nothing, and the model reads seed 004's structured
