@@ -979,7 +979,11 @@ fn a_cancel_cuts_an_http_tool_request_in_flight() {
         &rt,
         vec![
             scripted::call("c1", "fetch", "{\"id\": 10}"),
-            scripted::answer("never asked"),
+            // The proxy may hear the cascaded cancel (and cut the request) before the runner
+            // hears it: the cut result can reach the trajectory first, which then calls the
+            // model once more — a call the cancel cuts when it lands (held open here so it
+            // cannot finish first).
+            vec![scripted::text("never"), Step::Gate, Step::Done],
         ],
     );
     let upstream = rt
@@ -1004,7 +1008,7 @@ fn a_cancel_cuts_an_http_tool_request_in_flight() {
     assert_eq!(runner.record("traj-8").unwrap().state, State::Canceled);
     rt.block_on(upstream.wait_for(&Seen::Gone { n: 0, step: 1 }));
     assert_eq!(upstream.calls().len(), 1, "nothing dialled after the fence");
-    assert_eq!(model.calls().len(), 1);
+    assert!(model.calls().len() <= 2);
     assert_eq!(effect_status(&d, "traj-8", "c1"), "unknown");
     assert_eq!(
         effect_status_becomes(&d, "traj-8/c1", "idem:c1", "unknown"),

@@ -597,9 +597,8 @@ impl Runner {
     /// Journals several records and the messages they add in one durable write (a parent and
     /// the sub-agent it starts), then carries out each one's actions in order. A sub-agent
     /// that ended is delivered to its parent.
-    fn commit_all(&mut self, items: Vec<(Record, Vec<Action>)>) -> Result<(), RunnerError> {
+    fn commit_all(&mut self, mut items: Vec<(Record, Vec<Action>)>) -> Result<(), RunnerError> {
         let mut entries = Vec::new();
-        let mut items = items;
         for (rec, actions) in &mut items {
             let id = rec.identity.id.clone();
             if rec.state.is_terminal() && rec.ended_at_ms.is_none() {
