@@ -65,6 +65,8 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
             limits: Limits::default(),
             prices: Prices::default(),
             upstreams: Default::default(),
+            subagents: None,
+            workspaces: None,
             sandbox: None,
             tools: vec![Tool {
                 name: "hold".into(),
@@ -76,6 +78,7 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
                 sandbox: false,
                 sandbox_policy: None,
                 read_only: false,
+                egress: None,
             }],
             system: "bench".into(),
             grace: Duration::from_millis(100),

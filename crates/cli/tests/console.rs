@@ -737,6 +737,8 @@ fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
                 tenant: "default".into(),
                 task: format!("<i>task</i> of {id}"),
                 retry_of: None,
+                depth: 0,
+                spawned_by: None,
             },
             CallLimits {
                 model: "m".into(),

@@ -8,9 +8,11 @@ use estop_harness::budget::{Limits, Prices};
 use estop_harness::gate::GateConfig;
 use estop_harness::machine::State;
 use estop_harness::model::ModelClient;
-use estop_harness::record::{CallLimits, Exit};
+use estop_harness::record::{CallLimits, Control, Exit};
+use estop_harness::runner::Input;
 use estop_harness::runner::{Runner, RunnerOptions, Tool};
 use estop_harness::scripted::{self, Script, Scripted, Seen, Step};
+use estop_harness::subagent::Subagents;
 use estop_protocol::{EventKind, Fields, Op, Verb};
 use serde_json::json;
 use std::time::Duration;
@@ -33,6 +35,10 @@ action = "allow"
 tool = "drop_table"
 action = "approve"
 reversibility = "irreversible"
+
+[[rules]]
+tool = "delegate"
+action = "allow"
 "#;
 
 fn op(verb: Verb, v: serde_json::Value) -> Op {
@@ -74,6 +80,8 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
             output: 15.0,
         },
         upstreams: Default::default(),
+        subagents: None,
+        workspaces: None,
         sandbox: None,
         tools: vec![
             Tool {
@@ -86,6 +94,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 sandbox: false,
                 sandbox_policy: None,
                 read_only: true,
+                egress: None,
             },
             Tool {
                 name: "drop_table".into(),
@@ -97,6 +106,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 sandbox: false,
                 sandbox_policy: None,
                 read_only: false,
+                egress: None,
             },
         ],
         system: "You are a careful agent.".into(),
@@ -622,9 +632,100 @@ fn a_kill_at_the_gate_acts_at_once_mid_tool() {
 /// An HTTP tool: the arguments are POSTed as JSON to its URL (after the gate admitted the
 /// call), and the answer's body is the model's observation; a 5xx answer is an error
 /// observation the gate records as the effect's error.
+const HTTP_POLICY: &str = r#"
+[defaults]
+unknown_tool = "approve"
+approval_expiry = "10m"
+
+[[rules]]
+tool = "fetch"
+action = "allow"
+
+[[rules]]
+tool = "local"
+action = "allow"
+
+[[rules]]
+tool = "delegate"
+action = "allow"
+
+[[rules]]
+tool = "http.POST"
+when = 'args.path == "/orders"'
+action = "allow"
+
+[[rules]]
+tool = "http.POST"
+when = 'args.path == "/held"'
+action = "approve"
+
+[[rules]]
+tool = "http.*"
+action = "deny"
+"#;
+
+/// The credential the HTTP tool tests' store injects for 127.0.0.2.
+const SECRET: &str = "sekrit-4711-never-seen";
+
+/// An HTTP tool `fetch` POSTing to `url`, under `[egress]` settings that let it reach 127.0.0.2
+/// (a loopback address the proxy refuses by default) with the credential store holding
+/// [`SECRET`] for that host, both written in `dir` (the store 0600).
+fn http_tool(dir: &std::path::Path, url: &str) -> Tool {
+    use std::os::unix::fs::PermissionsExt;
+    let store = dir.join("credentials.toml");
+    std::fs::write(
+        &store,
+        format!(
+            "[[credential]]\nhost = \"127.0.0.2\"\nplain_http = true\nheader = \"X-Api-Key\"\nvalue = \"{SECRET}\"\n"
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let settings = dir.join("egress.toml");
+    std::fs::write(
+        &settings,
+        format!(
+            "[egress]\nallow_destinations = [\"127.0.0.2/32\"]\ncredentials = {:?}\n",
+            store.display().to_string()
+        ),
+    )
+    .unwrap();
+    Tool {
+        name: "fetch".into(),
+        description: "fetch an order".into(),
+        parameters: json!({"type": "object"}),
+        command: Vec::new(),
+        url: Some(url.to_string()),
+        mcp: None,
+        sandbox: false,
+        sandbox_policy: None,
+        read_only: true,
+        egress: Some(estop_harness::http::Egress::load(&settings).unwrap()),
+    }
+}
+
+/// Every file's bytes under `dir`, concatenated.
+fn all_bytes(dir: &std::path::Path) -> Vec<u8> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(all_bytes(&p));
+        } else if let Ok(b) = std::fs::read(&p) {
+            out.extend(b);
+        }
+    }
+    out
+}
+
+/// An HTTP tool's request goes out through the egress proxy as the call's own run
+/// `TRAJECTORY/CALL`, a child of the trajectory's: the gate admits the tool call under the
+/// trajectory and the `http.POST` under the child (its policy by path), the credential is
+/// injected for its host and appears nowhere else — not in the model's view, the journal or
+/// the ledger — and each child run is closed with the call's outcome.
 #[test]
-fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
-    let d = Daemon::start_with_policy(POLICY, &[]);
+fn an_http_tool_goes_through_the_proxy_as_a_child_run_with_its_credential() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
     let rt = runtime();
     let model = model_server(
         &rt,
@@ -634,31 +735,27 @@ fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
             scripted::answer("order 7 has 3 rows"),
         ],
     );
-    let tool = model_server(
-        &rt,
-        vec![
-            vec![Step::Status {
-                status: 200,
-                body: "{\"rows\": 3}".into(),
-            }],
-            vec![Step::Status {
-                status: 503,
-                body: "down".into(),
-            }],
-        ],
-    );
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![
+                    vec![Step::Status {
+                        status: 200,
+                        body: "{\"rows\": 3}".into(),
+                    }],
+                    vec![Step::Status {
+                        status: 503,
+                        body: "down".into(),
+                    }],
+                ],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
     let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
-    opts.tools = vec![Tool {
-        name: "fetch".into(),
-        description: "fetch an order".into(),
-        parameters: json!({"type": "object"}),
-        command: Vec::new(),
-        url: Some(format!("http://{}/orders", tool.addr)),
-        mcp: None,
-        sandbox: false,
-        sandbox_policy: None,
-        read_only: true,
-    }];
+    let url = format!("http://{}/orders", upstream.addr);
+    opts.tools = vec![http_tool(dir.path(), &url)];
     let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
     rt.block_on(async { runner.start("traj-5", None, "count order 7") })
         .unwrap();
@@ -667,7 +764,13 @@ fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
         runner
     });
     assert_eq!(runner.record("traj-5").unwrap().state, State::Completed);
-    assert_eq!(tool.calls(), [json!({"id": 7}), json!({"id": 8})]);
+    assert_eq!(upstream.calls(), [json!({"id": 7}), json!({"id": 8})]);
+    for h in upstream.headers() {
+        assert!(
+            h.contains(&("x-api-key".to_string(), SECRET.to_string())),
+            "the credential was injected: {h:?}"
+        );
+    }
     let last = model.calls()[2]["messages"].as_array().unwrap().clone();
     let obs = |id: &str| last.iter().find(|m| m["tool_call_id"] == id).unwrap()["content"].clone();
     assert_eq!(obs("c1"), "{\"rows\": 3}");
@@ -678,6 +781,272 @@ fn an_http_tool_posts_the_arguments_and_observes_the_answer() {
     );
     assert_eq!(effect_status(&d, "traj-5", "c1"), "completed");
     assert_eq!(effect_status(&d, "traj-5", "c2"), "failed");
+    // The request itself: an effect of the call's own run, beneath the tool call.
+    assert_eq!(effect_status(&d, "traj-5/c1", "idem:c1"), "completed");
+    assert_eq!(effect_status(&d, "traj-5/c2", "idem:c2"), "completed");
+    for (child, state) in [("traj-5/c1", "completed"), ("traj-5/c2", "failed")] {
+        let (code, out, err) = d.cli(&["status", child, "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            (v["state"].as_str(), v["parent"].as_str()),
+            (Some(state), Some("traj-5")),
+            "{v}"
+        );
+    }
+    let (_, report, _) = d.cli(&["report", "traj-5/c1", "--json"]);
+    assert!(report.contains("\"tool\":\"http.POST\""), "{report}");
+    let secret = SECRET.as_bytes();
+    let holds = |b: &[u8]| b.windows(secret.len()).any(|w| w == secret);
+    assert!(
+        !holds(serde_json::to_string(&model.calls()).unwrap().as_bytes()),
+        "the model saw it"
+    );
+    assert!(
+        !holds(&all_bytes(&d.data().join("harness"))),
+        "the journal holds it"
+    );
+    assert!(
+        !holds(&all_bytes(&d.data().join("ledger"))),
+        "the ledger holds it"
+    );
+    assert!(!holds(report.as_bytes()));
+}
+
+/// `estop agent run` with an HTTP tool and a sub-agent tool from its config file: the tool's
+/// `egress_policy` (and its credential store) loaded at start, the request sent through the
+/// proxy with the credential, a sub-agent making it, and the secret in none of the command's
+/// output (`--json`, the whole record).
+#[test]
+fn estop_agent_run_takes_http_tools_and_sub_agents_from_its_config() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "delegate", "{\"task\": \"fetch order 7\"}"),
+            scripted::call("c1", "fetch", "{\"id\": 7}"),
+            scripted::answer("3 rows"),
+            scripted::answer("order 7 has 3 rows"),
+        ],
+    );
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![Step::Status {
+                    status: 200,
+                    body: "{\"rows\": 3}".into(),
+                }]],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    http_tool(dir.path(), "http://unused/");
+    let config = dir.path().join("agent.toml");
+    let text = format!(
+        "[[model]]\nname = \"scripted\"\nbase_url = \"{}\"\nusd_per_mtok_input = 3.0\n\
+         usd_per_mtok_output = 15.0\n\n[subagents]\n\n[[tool]]\nname = \"fetch\"\n\
+         url = \"http://{}/orders\"\nread_only = true\negress_policy = {:?}\n",
+        model.base_url(),
+        upstream.addr,
+        dir.path().join("egress.toml").display().to_string()
+    );
+    std::fs::write(&config, text).unwrap();
+    let (code, out, err) = d.cli(&[
+        "agent",
+        "run",
+        "--config",
+        config.to_str().unwrap(),
+        "--model",
+        "scripted",
+        "--id",
+        "cfg-1",
+        "--json",
+        "count order 7",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let rec: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(rec["state"], "COMPLETED", "{rec}");
+    assert_eq!(
+        rec["budget"]["spend"]["turns"], 4,
+        "its 2 turns and its sub-agent's 2"
+    );
+    assert_eq!(upstream.calls(), [json!({"id": 7})]);
+    assert!(
+        upstream.headers()[0].contains(&("x-api-key".to_string(), SECRET.to_string())),
+        "{:?}",
+        upstream.headers()
+    );
+    assert!(!out.contains(SECRET) && !err.contains(SECRET));
+    assert_eq!(effect_status(&d, "cfg-1/c1/c1", "idem:c1"), "completed");
+    let (_, status, _) = d.cli(&["status", "cfg-1/c1/c1", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(v["parent"], "cfg-1/c1", "{v}");
+}
+
+/// Requests the gate does not admit reach nothing, and the model reads seed 004's structured
+/// refusal: a path the policy denies, and a loopback destination the tool's settings do not
+/// allow (refused by the proxy before anything is resolved or dialled).
+#[test]
+fn an_http_tool_refused_by_policy_or_destination_dials_nothing() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "fetch", "{\"id\": 7}"),
+            scripted::call("c2", "local", "{\"id\": 8}"),
+            scripted::answer("could not"),
+        ],
+    );
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: Vec::new(),
+            },
+        ))
+        .unwrap();
+    let local = model_server(&rt, Vec::new());
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    let denied = http_tool(dir.path(), &format!("http://{}/admin", upstream.addr));
+    let mut loopback = http_tool(dir.path(), &format!("http://{}/orders", local.addr));
+    loopback.name = "local".into();
+    opts.tools = vec![denied, loopback];
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("traj-6", None, "try") })
+        .unwrap();
+    let runner = rt.block_on(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    assert_eq!(runner.record("traj-6").unwrap().state, State::Completed);
+    assert!(
+        upstream.calls().is_empty() && local.calls().is_empty(),
+        "nothing was dialled"
+    );
+    let last = model.calls()[2]["messages"].as_array().unwrap().clone();
+    let obs = |id: &str| -> serde_json::Value {
+        let m = last.iter().find(|m| m["tool_call_id"] == id).unwrap();
+        serde_json::from_str(m["content"].as_str().unwrap()).unwrap()
+    };
+    assert_eq!(
+        (obs("c1")["status"].as_str(), obs("c1")["reason"].as_str()),
+        (Some("REFUSED"), Some("DENIED")),
+        "{}",
+        obs("c1")
+    );
+    assert_eq!(obs("c1")["call"], "fetch({\"id\": 7})");
+    assert_eq!(obs("c2")["reason"], "DESTINATION", "{}", obs("c2"));
+    assert_eq!(effect_status(&d, "traj-6", "c1"), "failed");
+    assert_eq!(effect_status(&d, "traj-6/c1", "idem:c1"), "refused");
+}
+
+/// A request the policy holds waits in the proxy for the operator: approved, it is sent once
+/// (with its credential) and its answer is the observation.
+#[test]
+fn an_http_tool_request_held_for_approval_goes_once_approved() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "fetch", "{\"id\": 9}"),
+            scripted::answer("done"),
+        ],
+    );
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![Step::Status {
+                    status: 200,
+                    body: "approved and sent".into(),
+                }]],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.tools = vec![http_tool(
+        dir.path(),
+        &format!("http://{}/held", upstream.addr),
+    )];
+    // Subscribed before the call's run exists: the subscription waits for it.
+    let mut op_client = d.operator();
+    op_client
+        .request(&op(Verb::Subscribe, json!({"run": "traj-7/c1"})))
+        .unwrap();
+    let run = spawn_runner(&rt, opts, "traj-7");
+    loop {
+        let e = op_client.next_event().unwrap();
+        if e.is_some_and(|e| e.event == EventKind::Held) {
+            break;
+        }
+    }
+    assert!(upstream.calls().is_empty(), "nothing sent while held");
+    let (code, _, err) = d.cli(&["approve", "traj-7/c1", "idem:c1"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    assert_eq!(runner.record("traj-7").unwrap().state, State::Completed);
+    assert_eq!(upstream.calls(), [json!({"id": 9})]);
+    let last = model.calls()[1]["messages"].as_array().unwrap().clone();
+    let obs = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    assert_eq!(obs["content"], "approved and sent");
+    assert_eq!(effect_status(&d, "traj-7/c1", "idem:c1"), "completed");
+}
+
+/// `estop cancel` of the trajectory while its HTTP tool's request waits for the upstream's
+/// answer: the gate cascades the cancel to the call's run, the proxy is fenced and cuts the
+/// request (the upstream sees its client go), the request and the tool call are `unknown`,
+/// the trajectory ends CANCELED, and nothing more is dialled.
+#[test]
+fn a_cancel_cuts_an_http_tool_request_in_flight() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "fetch", "{\"id\": 10}"),
+            // The proxy may hear the cascaded cancel (and cut the request) before the runner
+            // hears it: the cut result can reach the trajectory first, which then calls the
+            // model once more — a call the cancel cuts when it lands (held open here so it
+            // cannot finish first).
+            vec![scripted::text("never"), Step::Gate, Step::Done],
+        ],
+    );
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![scripted::text("partial"), Step::Gate, Step::Done]],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.tools = vec![http_tool(
+        dir.path(),
+        &format!("http://{}/orders", upstream.addr),
+    )];
+    let run = spawn_runner(&rt, opts, "traj-8");
+    rt.block_on(upstream.wait_for(&Seen::Call { n: 0 }));
+    let (code, _, err) = d.cli(&["cancel", "traj-8", "--reason", "stop it"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    assert_eq!(runner.record("traj-8").unwrap().state, State::Canceled);
+    rt.block_on(upstream.wait_for(&Seen::Gone { n: 0, step: 1 }));
+    assert_eq!(upstream.calls().len(), 1, "nothing dialled after the fence");
+    assert!(model.calls().len() <= 2);
+    assert_eq!(effect_status(&d, "traj-8", "c1"), "unknown");
+    assert_eq!(
+        effect_status_becomes(&d, "traj-8/c1", "idem:c1", "unknown"),
+        "unknown"
+    );
+    let (_, status, _) = d.cli(&["status", "traj-8/c1", "--json"]);
+    assert!(status.contains("cancelled"), "{status}");
 }
 
 /// A trajectory started under a parent run (a sub-agent): the gate's cancel of the parent
@@ -725,6 +1094,384 @@ fn a_parents_cancel_reaches_a_sub_agent_trajectory() {
     rt.block_on(server.wait_for(&Seen::Gone { n: 1, step: 1 }));
     let (_, out, _) = d.cli(&["status", "child-1", "--json"]);
     assert!(out.contains("parent-1"), "{out}");
+}
+
+/// The runner options of the sub-agent tests: the lookup tool and the `delegate` tool, with
+/// `sub`'s bounds, under 10 turns.
+fn sub_options(d: &Daemon, model: &str, sub: Subagents) -> RunnerOptions {
+    let mut opts = options(d, model, &d.data().join("effects"));
+    opts.tools.truncate(1);
+    opts.tools.push(sub.tool());
+    opts.subagents = Some(sub);
+    opts
+}
+
+/// The messages of the model's `n`-th call.
+fn messages(model: &Scripted, n: usize) -> Vec<serde_json::Value> {
+    model.calls()[n]["messages"].as_array().unwrap().clone()
+}
+
+/// A trajectory starts a sub-agent with `delegate`: the child `PARENT/CALL` is a trajectory of
+/// its own (its own context, its tool calls under its own run, a child of the parent's, even
+/// with a call id its parent used), its budget carved from what the parent had left; the
+/// parent waits, reads the child's answer as the call's result, and its spend includes the
+/// child's. The exact call sequence: parent, child, child, parent.
+#[test]
+fn a_trajectory_delegates_to_a_sub_agent_and_reads_its_answer() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "delegate", "{\"task\": \"count the rows\"}"),
+            scripted::call("c1", "lookup", "{\"table\": \"orders\"}"),
+            scripted::answer("3 rows"),
+            scripted::answer("the sub-agent counted 3 rows"),
+        ],
+    );
+    let opts = sub_options(&d, &model.base_url(), Subagents::default());
+    let run = spawn_runner(&rt, opts, "sa-1");
+    let runner = rt.block_on(run).unwrap();
+    let parent = runner.record("sa-1").unwrap();
+    assert_eq!(parent.state, State::Completed);
+    let child = runner
+        .record("sa-1/c1")
+        .expect("the sub-agent's trajectory");
+    assert_eq!(child.state, State::Completed);
+    assert_eq!(
+        (
+            child.identity.parent.as_deref(),
+            child.identity.depth,
+            child.identity.spawned_by.as_deref()
+        ),
+        (Some("sa-1"), 1, Some("c1"))
+    );
+    assert_eq!(child.identity.task, "count the rows");
+    // Half of the 9 turns left when the parent delegated.
+    assert_eq!(child.budget.limits.turns_max, Some(4));
+    assert_eq!(child.budget.spend.turns, 2);
+    assert_eq!(parent.budget.spend.turns, 4, "its own 2 and the child's 2");
+    assert!(parent.budget.carved.is_empty());
+    assert_eq!(model.calls().len(), 4);
+    let child_first = messages(&model, 1);
+    assert_eq!(
+        child_first.len(),
+        2,
+        "the child's own context: {child_first:?}"
+    );
+    assert_eq!(child_first[1]["content"], "count the rows");
+    let last = messages(&model, 3);
+    let obs = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    assert_eq!(obs["content"], "3 rows");
+    assert_eq!(effect_status(&d, "sa-1", "c1"), "completed");
+    assert_eq!(effect_status(&d, "sa-1/c1", "c1"), "completed");
+    let (_, status, _) = d.cli(&["status", "sa-1/c1", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(
+        (v["parent"].as_str(), v["state"].as_str()),
+        (Some("sa-1"), Some("completed")),
+        "{v}"
+    );
+}
+
+/// Sub-agents are bounded: past `children_max` and `depth_max` the model reads a typed
+/// refusal (SUBAGENT_LIMIT, SUBAGENT_DEPTH) and no trajectory is started.
+#[test]
+fn sub_agents_are_bounded_in_count_and_depth() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let two = vec![
+        scripted::tool_start(0, "c1", "delegate", "{\"task\": \"one\"}"),
+        scripted::tool_start(1, "c2", "delegate", "{\"task\": \"two\"}"),
+        scripted::finish("tool_calls"),
+        scripted::usage(30, 0, 8),
+        Step::Done,
+    ];
+    let model = model_server(
+        &rt,
+        vec![
+            two,
+            scripted::call("d1", "delegate", "{\"task\": \"deeper\"}"),
+            scripted::answer("did it myself"),
+            scripted::answer("one done, two refused"),
+        ],
+    );
+    let sub = Subagents {
+        depth_max: 1,
+        children_max: 1,
+        ..Subagents::default()
+    };
+    let run = spawn_runner(&rt, sub_options(&d, &model.base_url(), sub), "sa-2");
+    let runner = rt.block_on(run).unwrap();
+    assert_eq!(runner.record("sa-2").unwrap().state, State::Completed);
+    let started: Vec<&str> = ["sa-2/c1", "sa-2/c2"]
+        .into_iter()
+        .filter(|c| runner.record(c).is_some())
+        .collect();
+    assert_eq!(started.len(), 1, "one sub-agent of the two: {started:?}");
+    assert!(runner.record(&format!("{}/d1", started[0])).is_none());
+    assert_eq!(model.calls().len(), 4);
+    let reason = |msgs: &[serde_json::Value], id: &str| -> String {
+        let m = msgs.iter().find(|m| m["tool_call_id"] == id).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(m["content"].as_str().unwrap()).unwrap_or_default();
+        v["reason"].as_str().unwrap_or_default().to_string()
+    };
+    assert_eq!(reason(&messages(&model, 2), "d1"), "SUBAGENT_DEPTH");
+    let refused = if started[0] == "sa-2/c1" { "c2" } else { "c1" };
+    let last = messages(&model, 3);
+    assert_eq!(reason(&last, refused), "SUBAGENT_LIMIT");
+    let answered = last
+        .iter()
+        .find(|m| m["tool_call_id"] != refused && m["role"] == "tool")
+        .unwrap();
+    assert_eq!(answered["content"], "did it myself");
+}
+
+/// At the restrict stage (90%) the sub-agent tool is taken away: the model is not offered it,
+/// and a call to it anyway is refused NOT_GRANTED; no sub-agent starts.
+#[test]
+fn no_sub_agent_starts_at_the_restrict_stage() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let heavy = vec![
+        scripted::tool_start(0, "c1", "lookup", "{}"),
+        scripted::finish("tool_calls"),
+        scripted::usage(900, 0, 5),
+        Step::Done,
+    ];
+    let light = vec![
+        scripted::tool_start(0, "c2", "delegate", "{\"task\": \"more\"}"),
+        scripted::finish("tool_calls"),
+        scripted::usage(1, 0, 1),
+        Step::Done,
+    ];
+    let model = model_server(&rt, vec![heavy, light, scripted::answer("stopping")]);
+    let mut opts = sub_options(&d, &model.base_url(), Subagents::default());
+    opts.limits.tokens_max = Some(1_000);
+    let run = spawn_runner(&rt, opts, "sa-3");
+    let runner = rt.block_on(run).unwrap();
+    assert!(runner.record("sa-3/c2").is_none(), "no sub-agent started");
+    let offered: Vec<String> = model.calls()[1]["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        offered,
+        ["lookup"],
+        "only the read-only tool is offered at 90%"
+    );
+    let ctx = runner.context("sa-3");
+    let obs = ctx
+        .iter()
+        .find(|m| m.tool_call_id.as_deref() == Some("c2"))
+        .unwrap();
+    assert!(
+        obs.content.as_deref().unwrap().contains("NOT_GRANTED"),
+        "{obs:?}"
+    );
+}
+
+/// A cancel of the parent cascades to its sub-agent (whose stream is cut, though it never
+/// made a gate run of its own); an interrupt of the parent does not: the sub-agent finishes
+/// undisturbed and the parent takes the new message at its next boundary.
+#[test]
+fn a_parents_cancel_cascades_to_its_sub_agent_and_an_interrupt_does_not() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let gated_answer = vec![
+        scripted::text("3 rows"),
+        Step::Gate,
+        scripted::finish("stop"),
+        scripted::usage(20, 0, 5),
+        Step::Done,
+    ];
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "delegate", "{\"task\": \"count\"}"),
+            gated_answer.clone(),
+            scripted::answer("ok, using the replica"),
+            scripted::call("c1", "delegate", "{\"task\": \"count again\"}"),
+            gated_answer,
+        ],
+    );
+    let opts = sub_options(&d, &model.base_url(), Subagents::default());
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    let inputs = runner.inputs();
+    rt.block_on(async { runner.start("sa-4", None, "count") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    rt.block_on(model.wait_for(&Seen::Call { n: 1 }));
+    let message = "use the replica".to_string();
+    inputs
+        .send(Input::Control {
+            id: "sa-4".into(),
+            control: Control::Interrupt { message },
+        })
+        .unwrap();
+    model.release(1);
+    let runner = rt.block_on(run).unwrap();
+    assert_eq!(runner.record("sa-4").unwrap().state, State::Completed);
+    assert_eq!(runner.record("sa-4/c1").unwrap().state, State::Completed);
+    assert!(
+        !model.seen().contains(&Seen::Gone { n: 1, step: 1 }),
+        "the sub-agent's stream was not cut"
+    );
+    let last = messages(&model, 2);
+    assert_eq!(
+        last.iter().find(|m| m["tool_call_id"] == "c1").unwrap()["content"],
+        "3 rows"
+    );
+    assert_eq!(last.last().unwrap()["content"], "use the replica");
+    drop(runner);
+
+    // The cancel: the sub-agent's open stream is cut and both end CANCELED.
+    let opts = sub_options(&d, &model.base_url(), Subagents::default());
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("sa-5", None, "count") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    rt.block_on(model.wait_for(&Seen::Call { n: 4 }));
+    let (code, _, err) = d.cli(&["cancel", "sa-5", "--reason", "enough"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    assert_eq!(runner.record("sa-5").unwrap().state, State::Canceled);
+    assert_eq!(runner.record("sa-5/c1").unwrap().state, State::Canceled);
+    rt.block_on(model.wait_for(&Seen::Gone { n: 4, step: 1 }));
+    assert_eq!(model.calls().len(), 5, "no call after the cancel");
+    assert_eq!(effect_status(&d, "sa-5", "c1"), "unknown");
+}
+
+/// A crash while the sub-agent's model call is in flight: the reopened runner resumes the
+/// parent (still waiting for its call) and the child from the journal, and never starts the
+/// sub-agent twice; the child's call is made again and its answer reaches the parent.
+#[test]
+fn a_resumed_parent_does_not_start_its_sub_agent_twice() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let server_rt = runtime();
+    let model = model_server(
+        &server_rt,
+        vec![
+            scripted::call("c1", "delegate", "{\"task\": \"count\"}"),
+            vec![scripted::text("3"), Step::Gate, Step::Done],
+            scripted::answer("3 rows"),
+            scripted::answer("the sub-agent counted 3 rows"),
+        ],
+    );
+    let opts = sub_options(&d, &model.base_url(), Subagents::default());
+    let rt = runtime();
+    let mut runner = rt.block_on(async { Runner::open(opts.clone()) }).unwrap();
+    rt.block_on(async { runner.start("sa-6", None, "count") })
+        .unwrap();
+    let task = rt.spawn(async move { runner.run().await });
+    server_rt.block_on(model.wait_for(&Seen::Call { n: 1 }));
+    task.abort();
+    rt.shutdown_timeout(Duration::from_secs(10));
+
+    let rt = runtime();
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    assert_eq!(runner.record("sa-6").unwrap().state, State::WaitingTool);
+    assert_eq!(runner.record("sa-6/c1").unwrap().state, State::CallingModel);
+    let runner = rt.block_on(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    assert_eq!(runner.record("sa-6").unwrap().state, State::Completed);
+    assert_eq!(runner.record("sa-6/c1").unwrap().state, State::Completed);
+    let calls = model.calls();
+    assert_eq!(
+        calls.len(),
+        4,
+        "parent, child (cut by the crash), child again, parent"
+    );
+    assert_eq!(
+        messages(&model, 2).len(),
+        2,
+        "the child's own context, once"
+    );
+    let last = messages(&model, 3);
+    let results: Vec<_> = last.iter().filter(|m| m["tool_call_id"] == "c1").collect();
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0]["content"], "3 rows");
+    assert_eq!(effect_status(&d, "sa-6", "c1"), "completed");
+}
+
+/// A trajectory holds a workspace lease: `ROOT/ID`, made when it starts and journalled with
+/// its record, where its command tools run (`ESTOP_WORKSPACE`); FINALIZING releases it — the
+/// lease leaves the record, the directory is kept with what the tools left, read-only.
+#[test]
+fn a_trajectorys_workspace_lease_is_released_at_finalizing() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "lookup", "{}"),
+            scripted::answer("wrote out.txt"),
+        ],
+    );
+    let root = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.workspaces = Some(root.path().to_path_buf());
+    opts.tools[0].command = vec![
+        "sh".into(),
+        "-c".into(),
+        "echo partial > out.txt; echo \"$ESTOP_WORKSPACE\"; pwd".into(),
+    ];
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("ws-1", None, "write it") })
+        .unwrap();
+    let held = runner.record("ws-1").unwrap().clone();
+    let dir = root.path().join("ws-1");
+    assert_eq!(held.leases.len(), 1, "leased at the start");
+    assert_eq!(held.leases[0].kind, "workspace");
+    assert_eq!(
+        held.pointers.workspace.as_deref(),
+        Some(dir.to_str().unwrap())
+    );
+    let runner = rt.block_on(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    let rec = runner.record("ws-1").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    assert!(rec.leases.is_empty(), "released at FINALIZING");
+    let last = messages(&model, 1);
+    let obs = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    let here = dir.display().to_string();
+    assert_eq!(
+        obs["content"],
+        format!("{here}\n{here}\n"),
+        "the tool ran in it"
+    );
+    let out = dir.join("out.txt");
+    assert_eq!(
+        std::fs::read_to_string(&out).unwrap(),
+        "partial\n",
+        "partial work kept"
+    );
+    let writable =
+        |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o222 != 0;
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while (writable(&out) || writable(&dir)) && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !writable(&out) && !writable(&dir),
+        "read-only once released"
+    );
+    // The tempdir's cleanup needs the write bit back.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
 }
 
 /// Starts `id` on a runner of its own and returns the task driving it.
@@ -1104,6 +1851,19 @@ fn mcp_tools_are_admitted_by_the_gate_then_sent_upstream() {
 }
 
 /// The status of the effect `key` in `estop report RUN`.
+/// Waits (at most 10 s) until effect `key` of `run` is `want` (an outcome the proxy sends
+/// after the trajectory's end has its own way to the gate); returns what it last was.
+fn effect_status_becomes(d: &Daemon, run: &str, key: &str, want: &str) -> String {
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = effect_status(d, run, key);
+        if now == want || std::time::Instant::now() > until {
+            return now;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn effect_status(d: &Daemon, run: &str, key: &str) -> String {
     let (code, out, err) = d.cli(&["report", run, "--json"]);
     assert_eq!(code, 0, "{err}");

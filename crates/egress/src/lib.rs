@@ -16,6 +16,7 @@ pub mod relay;
 pub mod sandbox;
 pub mod settings;
 pub mod tls;
+pub mod tool;
 pub mod undo;
 pub mod upstream;
 
@@ -160,10 +161,11 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
     }
     let connector = tls::connector(plan.settings.upstream_roots.as_deref())?;
     let proxy = Arc::new(proxy::Proxy {
-        ca,
+        ca: Some(ca),
         connector,
         gate: gate.clone(),
         run: plan.run.clone(),
+        parent: None,
         settings: plan.settings.clone(),
         credentials: plan.credentials.clone(),
         fence: fence.clone(),
@@ -221,8 +223,10 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
 }
 
 /// The proxy `estop run` serves, on a listener of the caller's and with no sandbox around it,
-/// for run `run` (its requests are admitted and completed like a sandbox's): what `estop bench
-/// egress` measures against a direct connection. Serves until the task is dropped.
+/// for run `run` (its requests are admitted and completed like a sandbox's, with the credential
+/// store of `settings` injected): what `estop bench egress` measures against a direct
+/// connection. Serves until the task is dropped. (A harness HTTP tool call's proxy, which is
+/// also fenced and closed with its run, is [`tool::ToolProxy`].)
 pub async fn serve_proxy(
     target: &str,
     token: &str,
@@ -234,13 +238,18 @@ pub async fn serve_proxy(
     let (gate, _events, _) = Gate::connect(target, token, run).await?;
     // Never stopped: the sender lives as long as the proxy (a dropped one would read as a stop).
     let (_fence_tx, fence) = watch::channel(false);
+    let credentials = match &settings.credentials {
+        Some(p) => credentials::Credentials::load(p, &|name| std::env::var(name).ok())?,
+        None => credentials::Credentials::default(),
+    };
     let proxy = Arc::new(proxy::Proxy {
-        ca: Arc::new(tls::Ca::load_or_create(data)?),
+        ca: Some(Arc::new(tls::Ca::load_or_create(data)?)),
         connector: tls::connector(settings.upstream_roots.as_deref())?,
         gate,
         run: run.to_string(),
+        parent: None,
         settings,
-        credentials: Arc::default(),
+        credentials: Arc::new(credentials),
         fence,
         nonce: random_hex(6),
         seq: 0.into(),
@@ -484,7 +493,7 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-fn random_hex(bytes: usize) -> String {
+pub(crate) fn random_hex(bytes: usize) -> String {
     let mut b = vec![0u8; bytes];
     getrandom::fill(&mut b).expect("the OS random source");
     b.iter().map(|x| format!("{x:02x}")).collect()

@@ -58,6 +58,9 @@ pub(crate) use crate::upstream::Sender;
 pub struct Proxy {
     pub gate: Gate,
     pub run: String,
+    /// Named in every admission, so the first one creates the run under it (a harness HTTP
+    /// tool call's run is a child of its trajectory's: crate::tool).
+    pub parent: Option<String>,
     pub settings: Settings,
     /// Injected per host after admission (never in the effect's arguments).
     pub credentials: Arc<crate::credentials::Credentials>,
@@ -67,8 +70,9 @@ pub struct Proxy {
     /// Distinguishes this proxy's keys for requests that are never deduplicated (GET…).
     pub nonce: String,
     pub seq: AtomicU64,
-    /// Signs the leaves the proxy presents inside CONNECT tunnels.
-    pub ca: Arc<crate::tls::Ca>,
+    /// Signs the leaves the proxy presents inside CONNECT tunnels; none: this proxy serves
+    /// no tunnel (a harness HTTP tool's, whose one client sends absolute-form requests).
+    pub ca: Option<Arc<crate::tls::Ca>>,
     /// Reaches real hosts over TLS.
     pub connector: tokio_rustls::TlsConnector,
     /// The model-call account (`OPENAI_BASE_URL` is this proxy's `/v1`).
@@ -225,7 +229,14 @@ impl Proxy {
         {
             return self.passthrough(req, host, port, place).await;
         }
-        let acceptor = match self.ca.acceptor(&host) {
+        let Some(ca) = &self.ca else {
+            return refusal(
+                StatusCode::BAD_REQUEST,
+                json!({"verdict": "refused", "reason": "bad_request",
+                "message": "this proxy serves no CONNECT tunnels; send absolute-form requests"}),
+            );
+        };
+        let acceptor = match ca.acceptor(&host) {
             Ok(a) => a,
             Err(e) => {
                 return refusal(
@@ -647,6 +658,9 @@ impl Proxy {
         if let Some(r) = reserve {
             admit["reserve"] = r;
         }
+        if let Some(p) = &self.parent {
+            admit["parent"] = json!(p);
+        }
         let mut v = self.gate.call(admit).await.map_err(|e| gate_down(&e))?;
         if v["ok"] == true && v["verdict"] == "held" {
             let wait = json!({"op": "wait", "run": self.run, "key": effect.key,
@@ -1025,10 +1039,11 @@ mod tests {
         let settings =
             Settings::parse("[egress]\nallow_destinations = [\"127.0.0.1/32\"]\n").unwrap();
         let proxy = Proxy {
-            ca: Arc::new(crate::tls::Ca::load_or_create(dir).unwrap()),
+            ca: Some(Arc::new(crate::tls::Ca::load_or_create(dir).unwrap())),
             connector: crate::tls::connector(None).unwrap(),
             gate,
             run: "r".into(),
+            parent: None,
             settings,
             credentials: Arc::default(),
             fence,

@@ -68,6 +68,8 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
         prices: m.prices(),
         tools: config.tools(&a.tools, mcp_tools)?,
         upstreams,
+        subagents: config.subagents.clone(),
+        workspaces: config.harness.workspaces.clone(),
         sandbox: Some(crate::runner::SandboxLaunch {
             estop: std::env::current_exe()?,
             data: a.data.clone(),

@@ -133,6 +133,11 @@ pub struct Budget {
     /// When the approval wait in progress began (Unix ms), if one is.
     #[serde(default)]
     pub review_since_ms: Option<u64>,
+    /// The ceilings carved out for each sub-agent still running, by its trajectory id: held
+    /// against this budget (turns, tokens, dollars) until it ends and its measured spend
+    /// replaces them ([`Budget::carve`], [`Budget::absorb`]).
+    #[serde(default)]
+    pub carved: std::collections::BTreeMap<String, Limits>,
 }
 
 impl Budget {
@@ -145,7 +150,65 @@ impl Budget {
             reserved: None,
             review_ms: 0,
             review_since_ms: None,
+            carved: std::collections::BTreeMap::new(),
         }
+    }
+
+    /// What the running sub-agents hold: (turns, tokens, micro-dollars).
+    fn held_by_children(&self) -> (u64, u64, u64) {
+        self.carved.values().fold((0, 0, 0), |(t, k, u), l| {
+            (
+                t + l.turns_max.unwrap_or(0),
+                k + l.tokens_max.unwrap_or(0),
+                u + l.usd_micros_max.unwrap_or(0),
+            )
+        })
+    }
+
+    /// Carves sub-agent `child`'s budget out of what is left: in each dimension with a
+    /// ceiling, `share_permille` of the remainder (the wall clock too, which is not held: the
+    /// child's time runs beside the parent's); no ceiling stays no ceiling. The turns, tokens
+    /// and dollars carved are held here until [`Budget::absorb`]. A dimension left with
+    /// nothing to give refuses, naming it, and nothing is carved.
+    pub fn carve(
+        &mut self,
+        now_ms: u64,
+        child: &str,
+        share_permille: u64,
+    ) -> Result<Limits, Exceeded> {
+        let share = |d: Dimension, max: Option<u64>| -> Result<Option<u64>, Exceeded> {
+            let Some(max) = max else { return Ok(None) };
+            let left = max.saturating_sub(self.used(d, now_ms));
+            let part = (left as u128 * share_permille.min(1000) as u128 / 1000) as u64;
+            if part == 0 {
+                return Err(Exceeded(d));
+            }
+            Ok(Some(part))
+        };
+        let l = self.limits;
+        let carved = Limits {
+            turns_max: share(Dimension::Turns, l.turns_max)?,
+            tokens_max: share(Dimension::Tokens, l.tokens_max)?,
+            wall_ms_max: share(Dimension::WallClock, l.wall_ms_max)?,
+            usd_micros_max: share(Dimension::Dollars, l.usd_micros_max)?,
+        };
+        self.carved.insert(child.to_string(), carved);
+        Ok(carved)
+    }
+
+    /// Sub-agent `child` ended: what was carved for it is released and its measured spend
+    /// (its own sub-agents' included) becomes this budget's. Once per child: a second call
+    /// (a resume that delivers again) changes nothing and says so.
+    pub fn absorb(&mut self, child: &str, spend: Spend) -> bool {
+        if self.carved.remove(child).is_none() {
+            return false;
+        }
+        self.spend.turns += spend.turns;
+        self.spend.uncached_input += spend.uncached_input;
+        self.spend.cached_input += spend.cached_input;
+        self.spend.output += spend.output;
+        self.spend.usd_micros += spend.usd_micros;
+        true
     }
 
     /// Keeps the review time: a wait begins at `now_ms` when `awaiting` and none is in
@@ -172,11 +235,12 @@ impl Budget {
     }
 
     fn used(&self, d: Dimension, now_ms: u64) -> u64 {
+        let (turns, tokens, usd) = self.held_by_children();
         match d {
-            Dimension::Turns => self.spend.turns,
-            Dimension::Tokens => self.spend.tokens(),
+            Dimension::Turns => self.spend.turns + turns,
+            Dimension::Tokens => self.spend.tokens() + tokens,
             Dimension::WallClock => self.wall_ms(now_ms),
-            Dimension::Dollars => self.spend.usd_micros,
+            Dimension::Dollars => self.spend.usd_micros + usd,
         }
     }
 
@@ -239,8 +303,9 @@ impl Budget {
             return Err(Exceeded(binding));
         }
         let mut out = max_output;
+        let (_, child_tokens, child_usd) = self.held_by_children();
         if let Some(max) = self.limits.tokens_max {
-            let left = max.saturating_sub(self.spend.tokens() + prompt_estimate);
+            let left = max.saturating_sub(self.spend.tokens() + child_tokens + prompt_estimate);
             out = out.min(left);
             if out == 0 {
                 return Err(Exceeded(Dimension::Tokens));
@@ -248,7 +313,7 @@ impl Budget {
         }
         let prompt_usd = self.prices.input * prompt_estimate as f64;
         if let Some(max) = self.limits.usd_micros_max {
-            let left = max as f64 - self.spend.usd_micros as f64 - prompt_usd;
+            let left = max as f64 - (self.spend.usd_micros + child_usd) as f64 - prompt_usd;
             if self.prices.output > 0.0 {
                 let fits = (left / self.prices.output).floor();
                 out = out.min(if fits > 0.0 { fits as u64 } else { 0 });
@@ -408,5 +473,49 @@ mod tests {
             output: 100,
         };
         assert_eq!(p.cost_micros(&u), 3_000 + 3_000 + 1_500);
+    }
+
+    /// A sub-agent's budget is a share of what is left, held against the parent until the
+    /// child ends and its spend replaces it (once); two children never share the same room.
+    #[test]
+    fn a_sub_agents_budget_is_carved_from_what_is_left_and_absorbed_once() {
+        let mut b = budget(Limits {
+            turns_max: Some(10),
+            tokens_max: Some(1000),
+            wall_ms_max: None,
+            usd_micros_max: Some(100),
+        });
+        b.spend.turns = 2;
+        b.spend.output = 200;
+        let first = b.carve(0, "p/c1", 500).unwrap();
+        assert_eq!(
+            (
+                first.turns_max,
+                first.tokens_max,
+                first.wall_ms_max,
+                first.usd_micros_max
+            ),
+            (Some(4), Some(400), None, Some(50))
+        );
+        // The second carve sees the first one held: half of what is left after it.
+        let second = b.carve(0, "p/c2", 500).unwrap();
+        assert_eq!((second.turns_max, second.tokens_max), (Some(2), Some(200)));
+        assert_eq!(b.rho(0), Some((Dimension::Turns, 800)));
+        let spent = Spend {
+            turns: 1,
+            output: 30,
+            usd_micros: 7,
+            ..Spend::default()
+        };
+        assert!(b.absorb("p/c1", spent));
+        assert!(!b.absorb("p/c1", spent), "absorbed once");
+        assert_eq!(
+            (b.spend.turns, b.spend.output, b.spend.usd_micros),
+            (3, 230, 7)
+        );
+        // Nothing left in a dimension: refused, naming it, nothing carved.
+        b.spend.usd_micros = 100;
+        assert_eq!(b.carve(0, "p/c3", 500), Err(Exceeded(Dimension::Dollars)));
+        assert!(!b.carved.contains_key("p/c3"));
     }
 }

@@ -25,6 +25,9 @@ pub struct Config {
     /// When the journal compacts and which ended trajectories it keeps (crate::journal).
     #[serde(default)]
     pub journal: crate::journal::JournalOptions,
+    /// The tool with which a trajectory starts sub-agents (crate::subagent); none without it.
+    #[serde(default)]
+    pub subagents: Option<crate::subagent::Subagents>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -41,6 +44,9 @@ pub struct HarnessSection {
     pub workers: usize,
     #[serde(default = "default_tool_deadline")]
     pub tool_deadline_ms: u64,
+    /// Where each trajectory's workspace lease is made (`ROOT/ID`); none without it.
+    #[serde(default)]
+    pub workspaces: Option<std::path::PathBuf>,
 }
 
 impl Default for HarnessSection {
@@ -50,6 +56,7 @@ impl Default for HarnessSection {
             grace_ms: default_grace(),
             workers: default_workers(),
             tool_deadline_ms: default_tool_deadline(),
+            workspaces: None,
         }
     }
 }
@@ -124,8 +131,14 @@ pub struct ToolSection {
     /// A sandboxed command: the arguments (JSON) on stdin, the result on stdout.
     #[serde(default)]
     pub command: Vec<String>,
-    /// Or an HTTP tool: the arguments POSTed as JSON here, the answer's body the result.
+    /// Or an HTTP tool: the arguments POSTed as JSON here, through the egress proxy (as the
+    /// child run `TRAJECTORY/CALL_ID`: crate::http), the answer's body the result.
     pub url: Option<String>,
+    /// An HTTP tool's `[egress]` settings file (`estop run --policy`'s shape): the
+    /// destinations it may reach beyond the refused ones, `hold_ms`, the body bounds, and the
+    /// `credentials` store injected per host. Only with `url`.
+    #[serde(default)]
+    pub egress_policy: Option<std::path::PathBuf>,
     /// Run `command` inside `estop run`'s sandbox, as a child run of the trajectory's run.
     #[serde(default)]
     pub sandbox: bool,
@@ -215,6 +228,13 @@ impl Config {
                     t.name
                 ));
             }
+            if t.egress_policy.is_some() && t.url.is_none() {
+                return bad(format!(
+                    "tool {:?}: egress_policy goes with url (a sandboxed command's is \
+                     sandbox_policy)",
+                    t.name
+                ));
+            }
             if let Some(url) = &t.url
                 && let Err(e) = crate::model::Endpoint::new(url, None)
             {
@@ -236,6 +256,15 @@ impl Config {
                 t.name
             ));
         }
+        if let Some(sub) = &self.subagents {
+            sub.check().map_err(ConfigError::Invalid)?;
+            if self.tools.iter().any(|t| t.name == sub.tool) {
+                return bad(format!(
+                    "tool {:?}: the name is [subagents]' tool already",
+                    sub.tool
+                ));
+            }
+        }
         if self.harness.workers == 0 {
             return bad("harness.workers must be above 0".into());
         }
@@ -256,10 +285,15 @@ impl Config {
     /// MCP servers listed (`mcp`, from [`crate::mcp::Upstreams::start`]); an unknown name is an
     /// error.
     pub fn tools(&self, names: &[String], mcp: Vec<Tool>) -> Result<Vec<Tool>, ConfigError> {
-        let all: Vec<Tool> = self
-            .tools
-            .iter()
-            .map(|t| Tool {
+        let mut all = Vec::new();
+        for t in &self.tools {
+            let egress = match &t.egress_policy {
+                Some(p) => Some(crate::http::Egress::load(p).map_err(|e| {
+                    ConfigError::Invalid(format!("tool {:?}: egress_policy: {e:#}", t.name))
+                })?),
+                None => None,
+            };
+            all.push(Tool {
                 name: t.name.clone(),
                 description: t.description.clone(),
                 parameters: serde_json::to_value(&t.parameters).unwrap_or_default(),
@@ -269,9 +303,15 @@ impl Config {
                 sandbox: t.sandbox,
                 sandbox_policy: t.sandbox_policy.clone(),
                 read_only: t.read_only,
-            })
-            .chain(mcp)
-            .collect();
+                egress,
+            });
+        }
+        all.extend(
+            self.subagents
+                .as_ref()
+                .map(crate::subagent::Subagents::tool),
+        );
+        all.extend(mcp);
         if names.is_empty() {
             return Ok(all);
         }
@@ -398,6 +438,28 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
                 .to_string()
                 .contains("goes with sandbox")
         );
+        let egress = ok.replace("read_only = true", "egress_policy = \"e.toml\"");
+        let c: Config = toml::from_str(&egress).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("goes with url"));
+        let missing = ok.replace(
+            "command = [\"cat\"]",
+            "url = \"http://127.0.0.1:1/\"\negress_policy = \"/nonexistent/e.toml\"",
+        );
+        let c: Config = toml::from_str(&missing).unwrap();
+        c.check().unwrap();
+        let e = c.tools(&[], Vec::new()).unwrap_err().to_string();
+        assert!(e.contains("egress_policy"), "{e}");
+        let sub = format!("{ok}\n[subagents]\ndepth_max = 1\n");
+        let c: Config = toml::from_str(&sub).unwrap();
+        c.check().unwrap();
+        let tools = c.tools(&[], Vec::new()).unwrap();
+        assert!(tools.iter().any(|t| t.name == "delegate" && !t.read_only));
+        let clash = format!("{ok}\n[subagents]\ntool = \"echo\"\n");
+        let c: Config = toml::from_str(&clash).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("[subagents]"));
+        let share = format!("{ok}\n[subagents]\nshare_permille = 0\n");
+        let c: Config = toml::from_str(&share).unwrap();
+        assert!(c.check().is_err());
         let sep = ok.replace("name = \"echo\"", "name = \"a__b\"");
         let c: Config = toml::from_str(&sep).unwrap();
         assert!(c.check().unwrap_err().to_string().contains("kept for MCP"));
@@ -425,5 +487,23 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
                 .contains("segment_bytes_max")
         );
         assert!(toml::from_str::<Config>(&format!("{base}[journal]\nkeep = 1\n")).is_err());
+    }
+
+    /// docs/HARNESS.md stays true: its config example parses and passes the checks, with the
+    /// `[subagents]` tool and the workspace root it shows.
+    #[test]
+    fn the_documented_config_parses() {
+        let doc = include_str!("../../../docs/HARNESS.md");
+        let block = doc
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|b| b.split("```").next())
+            .unwrap();
+        let c: Config = toml::from_str(block).unwrap();
+        c.check().unwrap();
+        assert_eq!(c.subagents.as_ref().unwrap().tool, "delegate");
+        assert!(c.harness.workspaces.is_some());
+        let fetch = c.tools.iter().find(|t| t.name == "fetch_order").unwrap();
+        assert!(fetch.egress_policy.is_some() && fetch.url.is_some());
     }
 }

@@ -99,6 +99,7 @@ impl Upstreams {
                     read_only,
                     sandbox: false,
                     sandbox_policy: None,
+                    egress: None,
                 });
             }
             ups.insert(server.name.clone(), Arc::new(up));

@@ -138,24 +138,6 @@ impl Endpoint {
             _ => send!(tcp),
         }
     }
-
-    /// Posts `body` (JSON) to the URL itself and reads the whole answer, up to `bytes_max`.
-    pub async fn post_json(&self, body: String, bytes_max: usize) -> Result<(u16, String), String> {
-        let resp = self.post("", "application/json", body).await?;
-        let status = resp.status().as_u16();
-        let mut incoming = resp.into_body();
-        let mut out = Vec::new();
-        while let Some(frame) = incoming.frame().await {
-            let frame = frame.map_err(|e| format!("body: {e}"))?;
-            if let Ok(d) = frame.into_data() {
-                out.extend_from_slice(&d);
-                if out.len() > bytes_max {
-                    return Err(format!("the answer is over {bytes_max} bytes"));
-                }
-            }
-        }
-        Ok((status, String::from_utf8_lossy(&out).into_owned()))
-    }
 }
 
 impl ModelClient {

@@ -56,6 +56,14 @@ pub struct Identity {
     /// link, and the budget carries over: it starts with what the one it retries spent).
     #[serde(default)]
     pub retry_of: Option<String>,
+    /// How deep in a tree of sub-agents: 0 for a trajectory started from outside, its
+    /// parent's + 1 for one a trajectory started itself (bounded by `[subagents] depth_max`).
+    #[serde(default)]
+    pub depth: u32,
+    /// A sub-agent started by its parent's tool call: that call's id (the parent waits for
+    /// this trajectory's answer as the call's result; the id is `PARENT/CALL_ID`).
+    #[serde(default)]
+    pub spawned_by: Option<String>,
 }
 
 /// Tool grants; restriction narrows them to read-only tools (the 90% stage).

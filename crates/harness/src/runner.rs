@@ -22,7 +22,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, watch};
 
 /// A tool: a command (the arguments, JSON, on its stdin; its stdout the result), an HTTP tool
-/// (the arguments POSTed as JSON to `url`; the answer's body the result) or an MCP server's
+/// (the arguments POSTed as JSON to `url` through the egress proxy, as the child run
+/// `TRAJECTORY/CALL_ID`: crate::http; the answer's body the result) or an MCP server's
 /// tool (`mcp`, sent upstream through [`crate::mcp::Upstreams`]). Exactly one of `command`,
 /// `url` and `mcp`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -46,6 +47,10 @@ pub struct Tool {
     /// Reads only: still allowed once the budget restricts the trajectory.
     #[serde(default)]
     pub read_only: bool,
+    /// An HTTP tool's `[egress]` settings and credential store (`egress_policy`; the defaults
+    /// when `None`): its requests go out through the egress proxy under them (crate::http).
+    #[serde(skip)]
+    pub egress: Option<crate::http::Egress>,
 }
 
 /// What `estop run` needs to start a sandboxed command on the trajectory's daemon.
@@ -75,6 +80,11 @@ pub struct RunnerOptions {
     pub sandbox: Option<SandboxLaunch>,
     /// The MCP servers the `mcp` tools are sent to (started by [`crate::mcp::Upstreams::start`]).
     pub upstreams: crate::mcp::Upstreams,
+    /// The sub-agent tool (`[subagents]`; its [`Tool`] is among `tools`), if the config has one.
+    pub subagents: Option<crate::subagent::Subagents>,
+    /// Where each trajectory's workspace lease is made (`[harness] workspaces`): the directory
+    /// `ROOT/ID`, its command tools' working directory, kept read-only once released.
+    pub workspaces: Option<PathBuf>,
     pub system: String,
     /// How long a cut stream may still be read for its terminal event.
     pub grace: Duration,
@@ -125,6 +135,11 @@ pub enum Input {
     },
     /// A request from another terminal, through the control socket (crate::control).
     Ask(crate::control::Asked),
+    /// A sub-agent call was started at the gate: the child trajectory may be created.
+    Spawn {
+        id: String,
+        call: crate::chat::ToolCall,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -134,6 +149,9 @@ pub enum RunnerError {
     #[error("{0}")]
     Other(String),
 }
+
+/// A tool call's identity in the runner: (trajectory, call id).
+type CallKey = (String, String);
 
 pub fn now_ms() -> u64 {
     SystemTime::now()
@@ -148,12 +166,14 @@ pub struct Runner {
     ctx: BTreeMap<String, Vec<Message>>,
     sched: Scheduler<String>,
     cuts: BTreeMap<String, watch::Sender<bool>>,
-    tools: BTreeMap<String, tokio::task::JoinHandle<()>>,
+    /// Tools running, by (trajectory, call id): a call id is the model's, unique only within
+    /// its trajectory (a sub-agent's model may reuse its parent's).
+    tools: BTreeMap<CallKey, tokio::task::JoinHandle<()>>,
     /// MCP calls in flight: cut (not aborted) on a cancel, so that the upstream is told.
-    mcp_cuts: BTreeMap<String, watch::Sender<bool>>,
+    mcp_cuts: BTreeMap<CallKey, watch::Sender<bool>>,
     /// Cut MCP calls still telling their upstream; awaited (bounded) before `run` returns.
     closing: Vec<tokio::task::JoinHandle<()>>,
-    tokens: BTreeMap<String, String>,
+    tokens: BTreeMap<CallKey, String>,
     in_flight: usize,
     tx: mpsc::UnboundedSender<Input>,
     rx: mpsc::UnboundedReceiver<Input>,
@@ -342,14 +362,17 @@ impl Runner {
             tenant: "default".into(),
             task: task.into(),
             retry_of,
+            depth: 0,
+            spawned_by: None,
         };
-        let rec = Record::new(
+        let mut rec = Record::new(
             identity,
             o.call_limits.clone(),
             budget,
             grants,
             "journal".into(),
         );
+        lease_workspace(o.workspaces.as_deref(), &mut rec)?;
         let msgs = vec![Message::system(o.system.clone()), Message::user(task)];
         self.commit(
             rec,
@@ -450,24 +473,28 @@ impl Runner {
                 admission,
             } => {
                 if let Admission::Admitted { token } = &admission {
-                    self.tokens.insert(call.clone(), token.clone());
+                    self.tokens
+                        .insert((id.clone(), call.clone()), token.clone());
                 }
                 self.apply(&id, |r, now| r.on_admission(now, &call, admission))
             }
             Input::Decided { id, call, decision } => {
                 if let Decision::Approved { token } = &decision {
-                    self.tokens.insert(call.clone(), token.clone());
+                    self.tokens
+                        .insert((id.clone(), call.clone()), token.clone());
                 }
                 self.apply(&id, |r, now| r.on_decision(now, &call, decision))
             }
             Input::ToolDone { id, call, result } => {
-                self.tools.remove(&call);
-                self.mcp_cuts.remove(&call);
+                let key = (id.clone(), call.clone());
+                self.tools.remove(&key);
+                self.mcp_cuts.remove(&key);
                 self.apply(&id, |r, now| r.on_tool_result(now, &call, result))
             }
             Input::Control { id, control } => self.apply(&id, |r, now| r.on_control(now, control)),
             Input::Note { id, line } => self.log(&id, line),
             Input::Ask(asked) => self.on_ask(asked),
+            Input::Spawn { id, call } => self.spawn(&id, &call),
             Input::Restart { id, call, token } => {
                 let Some(rec) = self.recs.get(&id).cloned() else {
                     return Ok(());
@@ -477,7 +504,7 @@ impl Runner {
                     .iter()
                     .find(|p| p.call.id == call && matches!(p.phase, Phase::Dispatched { .. }));
                 if let (State::WaitingTool, Some(p)) = (rec.state, found) {
-                    self.tokens.insert(call, token.clone());
+                    self.tokens.insert((id.clone(), call), token.clone());
                     self.act(
                         &rec,
                         Action::Dispatch {
@@ -565,41 +592,61 @@ impl Runner {
     }
 
     /// Journals the record and the messages it adds (durable), then carries out the actions.
-    fn commit(&mut self, mut rec: Record, actions: Vec<Action>) -> Result<(), RunnerError> {
-        let id = rec.identity.id.clone();
-        if rec.state.is_terminal() && rec.ended_at_ms.is_none() {
-            rec.ended_at_ms = Some(now_ms());
-        }
+    fn commit(&mut self, rec: Record, actions: Vec<Action>) -> Result<(), RunnerError> {
+        self.commit_all(vec![(rec, actions)])
+    }
+
+    /// Journals several records and the messages they add in one durable write (a parent and
+    /// the sub-agent it starts), then carries out each one's actions in order. A sub-agent
+    /// that ended is delivered to its parent.
+    fn commit_all(&mut self, mut items: Vec<(Record, Vec<Action>)>) -> Result<(), RunnerError> {
         let mut entries = Vec::new();
-        for a in &actions {
-            match a {
-                Action::Observe { message } => {
-                    rec.pointers.context_len += 1;
-                    entries.push(Entry::Context {
+        for (rec, actions) in &mut items {
+            let id = rec.identity.id.clone();
+            if rec.state.is_terminal() && rec.ended_at_ms.is_none() {
+                rec.ended_at_ms = Some(now_ms());
+            }
+            for a in actions.iter() {
+                match a {
+                    Action::Observe { message } => {
+                        rec.pointers.context_len += 1;
+                        entries.push(Entry::Context {
+                            trajectory: id.clone(),
+                            message: message.clone(),
+                        });
+                    }
+                    Action::Dropped { call_id, why } => entries.push(Entry::Log {
                         trajectory: id.clone(),
-                        message: message.clone(),
-                    });
+                        line: format!("dropped {call_id}: {why}"),
+                    }),
+                    _ => {}
                 }
-                Action::Dropped { call_id, why } => entries.push(Entry::Log {
-                    trajectory: id.clone(),
-                    line: format!("dropped {call_id}: {why}"),
-                }),
-                _ => {}
+            }
+            entries.push(Entry::Record {
+                record: Box::new(rec.clone()),
+            });
+        }
+        tokio::task::block_in_place(|| self.journal.write(&entries))?;
+        let mut ended = Vec::new();
+        for (rec, actions) in items {
+            let id = rec.identity.id.clone();
+            let before = self.recs.get(&id).map(|r| r.state);
+            let was_ready = before == Some(State::Ready);
+            self.recs.insert(id.clone(), rec.clone());
+            for a in actions {
+                self.act(&rec, a);
+            }
+            if rec.state == State::Ready && !was_ready {
+                self.queue(&id);
+            } else if rec.state != State::Ready {
+                self.sched.remove(&id);
+            }
+            if rec.state.is_terminal() && !before.is_some_and(State::is_terminal) {
+                ended.push(id);
             }
         }
-        entries.push(Entry::Record {
-            record: Box::new(rec.clone()),
-        });
-        tokio::task::block_in_place(|| self.journal.write(&entries))?;
-        let was_ready = self.recs.get(&id).is_some_and(|r| r.state == State::Ready);
-        self.recs.insert(id.clone(), rec.clone());
-        for a in actions {
-            self.act(&rec, a);
-        }
-        if rec.state == State::Ready && !was_ready {
-            self.queue(&id);
-        } else if rec.state != State::Ready {
-            self.sched.remove(&id);
+        for id in ended {
+            self.deliver(&id)?;
         }
         Ok(())
     }
@@ -620,6 +667,29 @@ impl Runner {
                     let _ = c.send(true);
                 }
             }
+            Action::Dispatch { call, token } if self.is_subagent_tool(&call.function.name) => {
+                // The gate's start is the commit point; the child is created by the runner,
+                // which owns every record, once it is (`Input::Spawn`).
+                let key = (id.clone(), call.id.clone());
+                let handle = tokio::spawn(async move {
+                    let (g, r, k) = (gate.clone(), id.clone(), call.id.clone());
+                    let started = tokio::task::spawn_blocking(move || g.start(&r, &k, &token))
+                        .await
+                        .unwrap_or_else(|e| Err(e.to_string()));
+                    let input = match started {
+                        Ok(()) => Input::Spawn { id, call },
+                        Err(why) => Input::ToolDone {
+                            id,
+                            call: call.id,
+                            result: json!({"status": "REFUSED", "reason": "NOT_STARTED",
+                                "message": why})
+                            .to_string(),
+                        },
+                    };
+                    let _ = tx.send(input);
+                });
+                self.tools.insert(key, handle);
+            }
             Action::Dispatch { call, token } => {
                 let tool = self
                     .opts
@@ -631,10 +701,11 @@ impl Runner {
                 let reach = Reach {
                     upstreams: self.opts.upstreams.clone(),
                     sandbox: self.opts.sandbox.clone(),
+                    workspace: rec.pointers.workspace.as_ref().map(PathBuf::from),
                 };
                 let (cut_tx, cut) = watch::channel(false);
                 if tool.as_ref().is_some_and(|t| t.mcp.is_some()) {
-                    self.mcp_cuts.insert(call_id.clone(), cut_tx);
+                    self.mcp_cuts.insert((id.clone(), call_id.clone()), cut_tx);
                 }
                 let handle = tokio::spawn(async move {
                     let result = dispatch(&gate, &id, &call, &token, tool, &reach, cut).await;
@@ -646,14 +717,37 @@ impl Runner {
                         });
                     }
                 });
-                self.tools.insert(call_id, handle);
+                self.tools
+                    .insert((rec.identity.id.clone(), call_id), handle);
             }
             // On a cancel, a kill or the deadline: an MCP call is cut (its upstream is sent
             // `notifications/cancelled`), any other tool's task aborted (a command's process
             // group killed with it). The record has settled the call (`unknown` at the gate).
             Action::CancelTool { call_id } => {
-                let cut = self.mcp_cuts.remove(&call_id);
-                if let Some(h) = self.tools.remove(&call_id) {
+                // A sub-agent's call: the child is stopped as its parent is (cancel cascades).
+                let child = format!("{id}/{call_id}");
+                if self.recs.get(&child).is_some_and(|c| {
+                    c.identity.spawned_by.as_deref() == Some(&call_id) && !c.state.is_terminal()
+                }) {
+                    let control = match &rec.exit {
+                        Some(crate::record::Exit::Killed { reason }) => Control::Kill {
+                            reason: reason.clone(),
+                        },
+                        _ => Control::Cancel {
+                            reason: format!("its parent {id} stopped waiting for it"),
+                        },
+                    };
+                    if let Err(e) = self.apply(&child, |r, now| r.on_control(now, control)) {
+                        let line = format!("the sub-agent {child} was not stopped: {e}");
+                        let _ = self.tx.send(Input::Note {
+                            id: id.clone(),
+                            line,
+                        });
+                    }
+                }
+                let key = (id.clone(), call_id);
+                let cut = self.mcp_cuts.remove(&key);
+                if let Some(h) = self.tools.remove(&key) {
                     match cut {
                         Some(cut) => {
                             let _ = cut.send(true);
@@ -663,9 +757,169 @@ impl Runner {
                     }
                 }
             }
+            // FINALIZING released the lease: the workspace is kept for the caller (seed 004:
+            // partial work kept) and made read-only, so nothing of the ended trajectory — a
+            // process that outlived it — changes what it left.
+            Action::Release { lease } if lease.kind == WORKSPACE => {
+                let dir = PathBuf::from(&lease.id);
+                tokio::task::spawn_blocking(move || {
+                    if let Err(e) = freeze(&dir, WORKSPACE_ENTRIES_MAX) {
+                        let line = format!("workspace {} not made read-only: {e}", dir.display());
+                        let _ = tx.send(Input::Note { id, line });
+                    }
+                });
+            }
             Action::Release { .. } | Action::Dropped { .. } => {}
             other => self.gate_work(rec, other),
         }
+    }
+
+    fn is_subagent_tool(&self, name: &str) -> bool {
+        self.opts.subagents.as_ref().is_some_and(|s| s.tool == name)
+    }
+
+    /// A sub-agent call was started at the gate: the child `PARENT/CALL_ID` is created with
+    /// the task, its budget carved out of the parent's, the parent's record and the child's
+    /// journalled in one write — or the call is refused (depth, count, restriction, budget,
+    /// arguments) with a structured observation. Never twice: a child that exists is left be.
+    fn spawn(&mut self, id: &str, call: &crate::chat::ToolCall) -> Result<(), RunnerError> {
+        self.tools.remove(&(id.to_string(), call.id.clone()));
+        let child_id = format!("{id}/{}", call.id);
+        let Some(parent) = self.recs.get(id) else {
+            return Ok(());
+        };
+        let waiting = parent.state == State::WaitingTool
+            && parent
+                .pending
+                .iter()
+                .any(|p| p.call.id == call.id && matches!(p.phase, Phase::Dispatched { .. }));
+        if !waiting || self.recs.contains_key(&child_id) {
+            return self.log(id, format!("sub-agent {child_id} not started again"));
+        }
+        let Some(sub) = self.opts.subagents.clone() else {
+            return Ok(());
+        };
+        let children = self
+            .recs
+            .values()
+            .filter(|r| r.identity.parent.as_deref() == Some(id) && r.identity.spawned_by.is_some())
+            .count() as u32;
+        let now = now_ms();
+        let mut parent = parent.clone();
+        let admitted = sub
+            .admit(&parent, children, &call.function.arguments)
+            .and_then(|task| {
+                crate::gate::check_run_id(&child_id).map_err(crate::subagent::Refused::BadId)?;
+                let limits = parent
+                    .budget
+                    .carve(now, &child_id, sub.share_permille)
+                    .map_err(|e| crate::subagent::Refused::Budget {
+                        dimension: e.0.as_str(),
+                    })?;
+                Ok((task, limits))
+            });
+        let (task, limits) = match admitted {
+            Ok(x) => x,
+            Err(why) => {
+                let text = crate::record::refusal(call, why.reason(), &why.message())
+                    .content
+                    .unwrap_or_default();
+                return self.settle_subagent_call(id, &call.id, "error", text, None);
+            }
+        };
+        let identity = Identity {
+            id: child_id.clone(),
+            parent: Some(id.to_string()),
+            tenant: parent.identity.tenant.clone(),
+            task: task.clone(),
+            retry_of: None,
+            depth: parent.identity.depth + 1,
+            spawned_by: Some(call.id.clone()),
+        };
+        let o = &self.opts;
+        let mut child = Record::new(
+            identity,
+            o.call_limits.clone(),
+            Budget::new(limits, parent.budget.prices, now),
+            Grants {
+                tools: parent.grants.tools.clone(),
+                restricted: false,
+            },
+            "journal".into(),
+        );
+        if let Err(e) = lease_workspace(o.workspaces.as_deref(), &mut child) {
+            let text = crate::record::refusal(call, "WORKSPACE", &e.to_string())
+                .content
+                .unwrap_or_default();
+            return self.settle_subagent_call(id, &call.id, "error", text, None);
+        }
+        let o = &self.opts;
+        let msgs = [Message::system(o.system.clone()), Message::user(task)]
+            .into_iter()
+            .map(|m| Action::Observe { message: m })
+            .collect();
+        self.commit_all(vec![(parent, Vec::new()), (child, msgs)])?;
+        self.watch(&child_id);
+        Ok(())
+    }
+
+    /// The sub-agent `child_id` ended: its spend becomes its parent's (once), and its answer
+    /// is the parent's call's result, completed at the gate, if the parent still waits for it.
+    fn deliver(&mut self, child_id: &str) -> Result<(), RunnerError> {
+        let Some(child) = self.recs.get(child_id) else {
+            return Ok(());
+        };
+        let (Some(parent), Some(call)) = (
+            child.identity.parent.clone(),
+            child.identity.spawned_by.clone(),
+        ) else {
+            return Ok(());
+        };
+        let (outcome, text) = crate::subagent::outcome(child, self.context(child_id));
+        let spend = child.budget.spend;
+        self.settle_subagent_call(&parent, &call, outcome, text, Some((child_id, spend)))
+    }
+
+    /// Completes a sub-agent call at the gate (when still dispatched: a call already cut was
+    /// settled `unknown`) and hands its result to the parent's record, absorbing the child's
+    /// spend first when it ran.
+    fn settle_subagent_call(
+        &mut self,
+        parent: &str,
+        call: &str,
+        outcome: &'static str,
+        text: String,
+        spent: Option<(&str, crate::budget::Spend)>,
+    ) -> Result<(), RunnerError> {
+        let Some(rec) = self.recs.get(parent) else {
+            return Ok(());
+        };
+        let token = rec.pending.iter().find_map(|p| match &p.phase {
+            Phase::Dispatched { token, .. } if p.call.id == call => Some(token.clone()),
+            _ => None,
+        });
+        if let Some(token) = token {
+            let (g, r, k, x) = (
+                self.opts.gate.clone(),
+                parent.to_string(),
+                call.to_string(),
+                text.clone(),
+            );
+            let told = tokio::task::block_in_place(|| g.complete(&r, &k, &token, outcome, &x));
+            if let Err(e) = told {
+                self.log(
+                    parent,
+                    format!("the gate was not told {call}'s outcome: {e}"),
+                )?;
+            }
+        }
+        let child = spent.map(|(c, s)| (c.to_string(), s));
+        self.apply(parent, move |r, now| {
+            if let Some((c, s)) = &child {
+                r.budget.absorb(c, *s);
+            }
+            r.on_tool_result(now, call, text)
+        })
     }
 
     /// The actions that are a conversation with the gate, each on the blocking pool.
@@ -706,7 +960,8 @@ impl Runner {
             Action::MarkUnknown { call, token } => {
                 // Told before the runner goes on, like the run's end: the gate's report must
                 // not show the call in flight once the trajectory has ended.
-                if let Some(token) = token.or_else(|| tokens.get(&call.id).cloned()) {
+                let key = (id.clone(), call.id.clone());
+                if let Some(token) = token.or_else(|| tokens.get(&key).cloned()) {
                     let told = tokio::task::block_in_place(|| {
                         gate.complete(&id, &call.id, &token, "unknown", "cancelled by the harness")
                     });
@@ -778,6 +1033,23 @@ impl Runner {
     fn resume(&mut self, id: &str) -> Result<(), RunnerError> {
         self.watch(id);
         let rec = self.recs[id].clone();
+        // A sub-agent whose parent ended meanwhile (the runner stopped between the two) is
+        // stopped as the parent's end would have stopped it.
+        let orphaned = rec.identity.spawned_by.is_some()
+            && rec
+                .identity
+                .parent
+                .as_ref()
+                .and_then(|p| self.recs.get(p))
+                .is_none_or(|p| p.state.is_terminal());
+        if orphaned {
+            let reason = "its parent ended while the harness was down".to_string();
+            let rec_state = rec.state;
+            self.apply(id, |r, now| r.on_control(now, Control::Cancel { reason }))?;
+            if rec_state != State::CallingModel {
+                return Ok(());
+            }
+        }
         match rec.state {
             State::Ready => self.queue(id),
             State::CallingModel if rec.budget.reserved.is_some() => {
@@ -803,7 +1075,10 @@ impl Runner {
                     .collect();
                 self.act(&rec, Action::Admit { calls });
             }
-            State::WaitingTool => self.resume_dispatched(&rec),
+            State::WaitingTool => {
+                self.resume_dispatched(&rec);
+                self.resume_subagents(&rec)?;
+            }
             State::AwaitingApproval => {
                 for h in &rec.held {
                     self.act(
@@ -820,6 +1095,34 @@ impl Runner {
         Ok(())
     }
 
+    /// After a restart, a dispatched sub-agent call is never started twice: its child found
+    /// live in the journal resumes on its own (and is delivered when it ends), one found ended
+    /// is delivered now, and one not found (the runner stopped between the gate's start and
+    /// the child's record) is created now.
+    fn resume_subagents(&mut self, rec: &Record) -> Result<(), RunnerError> {
+        let id = rec.identity.id.clone();
+        for p in &rec.pending {
+            if !self.is_subagent_tool(&p.call.function.name)
+                || !matches!(p.phase, Phase::Dispatched { .. })
+            {
+                continue;
+            }
+            let child = format!("{id}/{}", p.call.id);
+            match self.recs.get(&child).map(|c| c.state.is_terminal()) {
+                Some(true) => self.deliver(&child)?,
+                Some(false) => {}
+                None => {
+                    let call = p.call.clone();
+                    let _ = self.tx.send(Input::Spawn {
+                        id: id.clone(),
+                        call,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// After a restart, each dispatched call is asked about by its key: a recorded outcome is
     /// its result; prepared and never started, it may start now; started and never completed,
     /// its outcome is unknown and it is never run again.
@@ -829,6 +1132,7 @@ impl Runner {
         let calls: Vec<_> = rec
             .pending
             .iter()
+            .filter(|p| !self.is_subagent_tool(&p.call.function.name))
             .map(|p| {
                 let token = match &p.phase {
                     Phase::Dispatched { token, .. } => token.clone(),
@@ -886,6 +1190,8 @@ impl Runner {
 struct Reach {
     upstreams: crate::mcp::Upstreams,
     sandbox: Option<SandboxLaunch>,
+    /// The trajectory's workspace lease: command tools run in it (`ESTOP_WORKSPACE`).
+    workspace: Option<PathBuf>,
 }
 
 /// Start at the gate (the commit point), run the tool, complete with its outcome.
@@ -912,7 +1218,11 @@ async fn dispatch(
         return Some(refused.to_string());
     }
     let (outcome, text) = match tool {
-        Some(Tool { url: Some(url), .. }) => run_http(&url, &call.function.arguments).await,
+        Some(Tool {
+            url: Some(url),
+            egress,
+            ..
+        }) => crate::http::call(gate, run, call, &url, &egress.unwrap_or_default()).await,
         Some(Tool { mcp: Some(m), .. }) => {
             // Cut: the runner settled the call already (`unknown`); nothing more to say.
             reach
@@ -922,13 +1232,17 @@ async fn dispatch(
         }
         Some(tool) if tool.sandbox => match sandboxed(&tool, reach.sandbox.as_ref(), run, &call.id)
         {
-            Ok(cmd) => run_command(cmd, &call.function.arguments, true).await,
+            Ok(mut cmd) => {
+                in_workspace(&mut cmd, reach.workspace.as_deref());
+                run_command(cmd, &call.function.arguments, true).await
+            }
             Err(why) => ("error", why),
         },
         Some(tool) => match tool.command.split_first() {
             Some((prog, rest)) => {
                 let mut cmd = tokio::process::Command::new(prog);
                 cmd.args(rest);
+                in_workspace(&mut cmd, reach.workspace.as_deref());
                 run_command(cmd, &call.function.arguments, false).await
             }
             None => ("error", "empty command".into()),
@@ -947,23 +1261,67 @@ async fn dispatch(
     Some(text)
 }
 
-/// How long a runner that is done waits, in all, for cut MCP calls to tell their upstreams.
-const CANCEL_TELL_MS_MAX: u64 = 2_000;
+/// The kind of a workspace lease.
+pub const WORKSPACE: &str = "workspace";
 
-/// Largest answer an HTTP tool may give (what the model will read of it).
-const HTTP_TOOL_BYTES_MAX: usize = 1 << 20;
+/// Entries of a released workspace made read-only at most (a workspace larger than this keeps
+/// the rest writable, and the journal says so).
+const WORKSPACE_ENTRIES_MAX: usize = 100_000;
 
-async fn run_http(url: &str, args: &str) -> (&'static str, String) {
-    let ep = match crate::model::Endpoint::new(url, None) {
-        Ok(ep) => ep,
-        Err(e) => return ("error", e.to_string()),
-    };
-    match ep.post_json(args.to_string(), HTTP_TOOL_BYTES_MAX).await {
-        Ok((status, body)) if (200..300).contains(&status) => ("ok", body),
-        Ok((status, body)) => ("error", format!("HTTP {status}: {body}")),
-        Err(e) => ("error", e),
+/// Makes the trajectory's workspace lease: `ROOT/ID` (a sub-agent's inside its parent's),
+/// created 0700, recorded as a lease and as the record's workspace pointer before the record
+/// is journalled. Existing (a resume, a retry's id reused) is fine.
+fn lease_workspace(root: Option<&std::path::Path>, rec: &mut Record) -> Result<(), RunnerError> {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(root) = root else { return Ok(()) };
+    let dir = root.join(&rec.identity.id);
+    std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)))
+        .map_err(|e| RunnerError::Other(format!("workspace {}: {e}", dir.display())))?;
+    let path = dir.display().to_string();
+    rec.leases.push(crate::record::Lease {
+        id: path.clone(),
+        kind: WORKSPACE.into(),
+    });
+    rec.pointers.workspace = Some(path);
+    Ok(())
+}
+
+/// A command tool runs in the trajectory's workspace, named in `ESTOP_WORKSPACE`.
+fn in_workspace(cmd: &mut tokio::process::Command, workspace: Option<&std::path::Path>) {
+    if let Some(w) = workspace {
+        cmd.current_dir(w).env("ESTOP_WORKSPACE", w);
     }
 }
+
+/// Takes the write bits off everything under `dir` (not following symlinks), at most `max`
+/// entries.
+fn freeze(dir: &std::path::Path, max: usize) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut stack = vec![dir.to_path_buf()];
+    let mut seen = 0usize;
+    while let Some(p) = stack.pop() {
+        seen += 1;
+        if seen > max {
+            return Err(std::io::Error::other(format!("over {max} entries")));
+        }
+        let meta = std::fs::symlink_metadata(&p)?;
+        if meta.is_symlink() {
+            continue;
+        }
+        if meta.is_dir() {
+            for e in std::fs::read_dir(&p)? {
+                stack.push(e?.path());
+            }
+        }
+        let mode = meta.permissions().mode() & !0o222;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode))?;
+    }
+    Ok(())
+}
+
+/// How long a runner that is done waits, in all, for cut MCP calls to tell their upstreams.
+const CANCEL_TELL_MS_MAX: u64 = 2_000;
 
 /// Ends the tool's whole process group when dropped: a tool cancelled (its task aborted),
 /// timed out or finished leaves no process behind. A plain command's group is killed at once.

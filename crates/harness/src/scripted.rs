@@ -45,6 +45,8 @@ pub enum Seen {
 #[derive(Debug, Default)]
 struct Shared {
     calls: Vec<Value>,
+    /// Each call's headers (names lower-case), in order.
+    headers: Vec<Vec<(String, String)>>,
     seen: Vec<Seen>,
 }
 
@@ -113,6 +115,11 @@ impl Scripted {
         self.shared.lock().expect("not poisoned").calls.clone()
     }
 
+    /// Every request's headers (names lower-case), in order.
+    pub fn headers(&self) -> Vec<Vec<(String, String)>> {
+        self.shared.lock().expect("not poisoned").headers.clone()
+    }
+
     pub fn seen(&self) -> Vec<Seen> {
         self.shared.lock().expect("not poisoned").seen.clone()
     }
@@ -143,6 +150,16 @@ async fn serve(
     gates: Arc<Semaphore>,
     changed: Arc<tokio::sync::Notify>,
 ) -> Result<Response<Body>, Infallible> {
+    let headers: Vec<(String, String)> = req
+        .headers()
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into(),
+            )
+        })
+        .collect();
     let bytes = req
         .into_body()
         .collect()
@@ -153,6 +170,7 @@ async fn serve(
     let n = {
         let mut s = shared.lock().expect("not poisoned");
         s.calls.push(body);
+        s.headers.push(headers);
         let n = s.calls.len() - 1;
         s.seen.push(Seen::Call { n });
         n

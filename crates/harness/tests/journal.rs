@@ -18,6 +18,8 @@ fn rec(id: &str, state: State, ended_at_ms: Option<u64>) -> Record {
             tenant: "default".into(),
             task: format!("task of {id}"),
             retry_of: None,
+            depth: 0,
+            spawned_by: None,
         },
         CallLimits {
             model: "m".into(),

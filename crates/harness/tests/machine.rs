@@ -17,6 +17,8 @@ pub fn record() -> Record {
             tenant: "acme".into(),
             task: "task".into(),
             retry_of: None,
+            depth: 0,
+            spawned_by: None,
         },
         CallLimits {
             model: "m".into(),

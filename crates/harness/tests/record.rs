@@ -18,6 +18,8 @@ fn record(limits: Limits) -> Record {
             tenant: "acme".into(),
             task: "task".into(),
             retry_of: None,
+            depth: 0,
+            spawned_by: None,
         },
         CallLimits {
             model: "m".into(),
