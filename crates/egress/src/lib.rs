@@ -172,6 +172,7 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         nonce: random_hex(6),
         seq: 0.into(),
         pool: pool::Pool::default(),
+        access: None,
     });
     tokio::spawn(proxy.serve(tokio::net::TcpListener::from_std(l.proxy)?));
     tokio::spawn(dns::serve(tokio::net::UdpSocket::from_std(l.dns)?));
@@ -254,6 +255,7 @@ pub async fn serve_proxy(
         nonce: random_hex(6),
         seq: 0.into(),
         pool: pool::Pool::default(),
+        access: None,
     });
     proxy.serve(listener).await;
     Ok(())

@@ -75,9 +75,13 @@ pub struct Proxy {
     pub ca: Option<Arc<crate::tls::Ca>>,
     /// Reaches real hosts over TLS.
     pub connector: tokio_rustls::TlsConnector,
-    /// The model-call account (`OPENAI_BASE_URL` is this proxy's `/v1`).
     /// Idle upstream connections, by the origin they were dialled for.
     pub pool: crate::pool::Pool,
+    /// The secret every request must carry as `Proxy-Authorization: Bearer SECRET`, for a
+    /// proxy on the host's loopback (a harness HTTP tool's), which any local process could
+    /// otherwise reach and send requests through with the run's credentials. None: the proxy
+    /// of `estop run`'s sandbox, reachable only inside the sandbox's own network namespace.
+    pub access: Option<String>,
 }
 
 /// What the proxy will send, as the gate's policy sees it.
@@ -179,6 +183,16 @@ impl Proxy {
         place: Place,
         requests: Requests,
     ) -> Reply {
+        if let Some(secret) = &self.access
+            && !authorized(&req, secret)
+        {
+            return refusal(
+                StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+                json!({"verdict": "refused", "reason": "unauthenticated",
+                    "message": "this proxy serves one harness tool call; a request without its Proxy-Authorization is not admitted",
+                    "what_to_do": "nothing: only the harness that started the call may use it"}),
+            );
+        }
         if req.method() == Method::CONNECT {
             return self.tunnel(req, place, requests).await;
         }
@@ -948,6 +962,22 @@ fn merge(mut a: Value, b: Value) -> Value {
 }
 
 /// The structured answer the model reads: `{"estop": {...}}`, and `X-Estop-Verdict`.
+/// Whether `req` carries `Proxy-Authorization: Bearer SECRET` (compared without an early exit).
+fn authorized<B>(req: &Request<B>, secret: &str) -> bool {
+    let want = format!("Bearer {secret}");
+    req.headers()
+        .get(hyper::header::PROXY_AUTHORIZATION)
+        .is_some_and(|v| {
+            let got = v.as_bytes();
+            got.len() == want.len()
+                && got
+                    .iter()
+                    .zip(want.as_bytes())
+                    .fold(0u8, |d, (x, y)| d | (x ^ y))
+                    == 0
+        })
+}
+
 pub fn refusal(status: StatusCode, estop: Value) -> Reply {
     let verdict = estop["verdict"].as_str().unwrap_or("refused").to_string();
     let body = json!({"estop": estop}).to_string();
@@ -1050,8 +1080,58 @@ mod tests {
             nonce: "n".into(),
             seq: 0.into(),
             pool: crate::pool::Pool::default(),
+            access: None,
         };
         (Arc::new(proxy), fence_tx)
+    }
+
+    /// The status line of one raw HTTP/1.1 request sent to the proxy at `at`.
+    async fn status_of(at: SocketAddr, head: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut c = tokio::net::TcpStream::connect(at).await.unwrap();
+        c.write_all(head.as_bytes()).await.unwrap();
+        let mut buf = vec![0u8; 512];
+        let n = c.read(&mut buf).await.unwrap();
+        String::from_utf8_lossy(&buf[..n])
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_string()
+    }
+
+    /// A proxy on the host's loopback (a harness HTTP tool's) answers only requests that carry
+    /// its secret: any local process can reach the port, and would otherwise send requests as
+    /// the call's run, with its credentials injected.
+    #[tokio::test]
+    async fn a_proxy_with_a_secret_refuses_requests_without_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (proxy, _fence) = proxy(dir.path());
+        let mut proxy = Arc::into_inner(proxy).unwrap();
+        proxy.access = Some("s3cret".into());
+        let proxy = Arc::new(proxy);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap();
+        tokio::spawn(proxy.serve(listener));
+        let ask = |auth: &str| {
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n{auth}content-length: 2\r\n\r\n{{}}"
+            )
+        };
+        for auth in [
+            "",
+            "proxy-authorization: Bearer wrong!\r\n",
+            "proxy-authorization: Bearer s3cret2\r\n",
+            "authorization: Bearer s3cret\r\n",
+        ] {
+            let status = status_of(at, &ask(auth)).await;
+            assert!(status.contains(" 407 "), "{auth:?}: {status}");
+        }
+        let connect = "CONNECT example.com:443 HTTP/1.1\r\nhost: example.com:443\r\n\r\n";
+        assert!(status_of(at, connect).await.contains(" 407 "));
+        // With the secret the request goes on (here to the model endpoint, which has no
+        // provider configured: its own refusal, past the check).
+        let status = status_of(at, &ask("proxy-authorization: Bearer s3cret\r\n")).await;
+        assert!(status.contains(" 404 "), "{status}");
     }
 
     /// Whether this process's socket connected from `local` to `peer` has TCP_NODELAY set

@@ -1,7 +1,8 @@
 //! The proxy of one harness HTTP tool call (crates/harness, docs/HARNESS.md): the proxy `estop
 //! run` serves its sandbox, for the call's own run — `TRAJECTORY/CALL`, a child of the
 //! trajectory's run, created by its first admission — on a loopback listener that only the
-//! harness talks to. The request the tool makes is an `http.*` effect that the gate's policy
+//! harness talks to: every request must carry the proxy's secret (`Proxy-Authorization`), since
+//! any local process can reach a loopback port. The request the tool makes is an `http.*` effect that the gate's policy
 //! admits by method, host and path under the child run; the credential store of the tool's
 //! `[egress]` settings is injected after admission, for the exact destination only; refused
 //! destinations (loopback, link-local, metadata) stay refused unless `allow_destinations`.
@@ -41,6 +42,9 @@ pub struct ToolProxyOptions {
 #[derive(Debug)]
 pub struct ToolProxy {
     pub addr: SocketAddr,
+    /// What every request must carry as `Proxy-Authorization: Bearer SECRET`: the listener is
+    /// on the host's loopback, where any local process could reach it.
+    pub secret: String,
     end: Option<oneshot::Sender<bool>>,
     watcher: Option<tokio::task::JoinHandle<()>>,
 }
@@ -65,6 +69,7 @@ impl ToolProxy {
         let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
         let addr = listener.local_addr()?;
         let (fence_tx, fence) = watch::channel(false);
+        let secret = crate::random_hex(16);
         let proxy = Arc::new(Proxy {
             ca: None,
             connector: crate::tls::connector(o.settings.upstream_roots.as_deref())?,
@@ -77,6 +82,7 @@ impl ToolProxy {
             nonce: crate::random_hex(6),
             seq: 0.into(),
             pool: crate::pool::Pool::default(),
+            access: Some(secret.clone()),
         });
         let serving = tokio::spawn(proxy.serve(listener));
         let (end_tx, end) = oneshot::channel::<bool>();
@@ -112,6 +118,7 @@ impl ToolProxy {
         });
         Ok(ToolProxy {
             addr,
+            secret,
             end: Some(end_tx),
             watcher: Some(watcher),
         })

@@ -81,7 +81,7 @@ pub async fn call(
     // A request the gate holds waits in the proxy up to `hold_ms`, then is sent again (the
     // same effect: its key is the call's id) until it is decided or the tool deadline cuts it.
     let outcome = loop {
-        match send(proxy.addr, url, call).await {
+        match send(proxy.addr, &proxy.secret, url, call).await {
             Sent::Held => continue,
             Sent::Done(o) => break o,
         }
@@ -97,7 +97,7 @@ enum Sent {
 
 /// One request through the proxy (absolute form, over loopback): the arguments as the JSON
 /// body, the call's id as `Idempotency-Key` (the child run's effect is `idem:CALL_ID`).
-async fn send(proxy: std::net::SocketAddr, url: &str, call: &ToolCall) -> Sent {
+async fn send(proxy: std::net::SocketAddr, secret: &str, url: &str, call: &ToolCall) -> Sent {
     let failed = |m: String| Sent::Done(("error", m));
     let tcp = match tokio::net::TcpStream::connect(proxy).await {
         Ok(t) => t,
@@ -114,6 +114,7 @@ async fn send(proxy: std::net::SocketAddr, url: &str, call: &ToolCall) -> Sent {
         .header("content-type", "application/json")
         .header("accept", "application/json")
         .header("idempotency-key", call.id.as_str())
+        .header("proxy-authorization", format!("Bearer {secret}"))
         .body(Full::new(Bytes::from(call.function.arguments.clone())));
     let request = match request {
         Ok(r) => r,
