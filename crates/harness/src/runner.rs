@@ -809,6 +809,14 @@ impl Runner {
         let admitted = sub
             .admit(&parent, children, &call.function.arguments)
             .and_then(|task| {
+                // The call's id is the model's: one path segment, never `.` or `..` (the
+                // child's id names its workspace, `ROOT/PARENT/CALL_ID`).
+                if !one_segment(&call.id) {
+                    return Err(crate::subagent::Refused::BadId(format!(
+                        "the call id {:?} is not one plain segment (no '/', not . or ..)",
+                        call.id
+                    )));
+                }
                 crate::gate::check_run_id(&child_id).map_err(crate::subagent::Refused::BadId)?;
                 let limits = parent
                     .budget
@@ -1274,6 +1282,14 @@ const WORKSPACE_ENTRIES_MAX: usize = 100_000;
 fn lease_workspace(root: Option<&std::path::Path>, rec: &mut Record) -> Result<(), RunnerError> {
     use std::os::unix::fs::PermissionsExt;
     let Some(root) = root else { return Ok(()) };
+    // Inside the root, always: every segment of the id a plain name (a sub-agent's id ends
+    // with a call id the model chose; `..` would lease, and later freeze, any directory).
+    if !rec.identity.id.split('/').all(one_segment) {
+        return Err(RunnerError::Other(format!(
+            "workspace: the trajectory id {:?} is not plain path segments (no empty, . or ..)",
+            rec.identity.id
+        )));
+    }
     let dir = root.join(&rec.identity.id);
     std::fs::create_dir_all(&dir)
         .and_then(|()| std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)))
@@ -1285,6 +1301,11 @@ fn lease_workspace(root: Option<&std::path::Path>, rec: &mut Record) -> Result<(
     });
     rec.pointers.workspace = Some(path);
     Ok(())
+}
+
+/// Whether `s` is one plain path segment: not empty, not `.` or `..`, no `/` or NUL.
+fn one_segment(s: &str) -> bool {
+    !s.is_empty() && s != "." && s != ".." && !s.contains(['/', '\0'])
 }
 
 /// A command tool runs in the trajectory's workspace, named in `ESTOP_WORKSPACE`.
@@ -1426,5 +1447,60 @@ async fn run_command(
             format!("{}: {}", o.status, String::from_utf8_lossy(&o.stderr)),
         ),
         Err(e) => ("error", e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::{Budget, Limits, Prices};
+    use crate::record::{CallLimits, Grants, Identity};
+
+    fn rec(id: &str) -> Record {
+        Record::new(
+            Identity {
+                id: id.into(),
+                parent: None,
+                tenant: "default".into(),
+                task: "t".into(),
+                retry_of: None,
+                depth: 0,
+                spawned_by: None,
+            },
+            CallLimits {
+                model: "m".into(),
+                max_output_tokens: 10,
+                call_deadline_ms: 1_000,
+                tool_deadline_ms: 1_000,
+            },
+            Budget::new(Limits::default(), Prices::default(), 1),
+            Grants {
+                tools: Vec::new(),
+                restricted: false,
+            },
+            "journal".into(),
+        )
+    }
+
+    /// A sub-agent's id ends with the model's call id: `..` in it must not lease (and at
+    /// FINALIZING freeze) a directory outside the workspaces' root.
+    #[test]
+    fn a_workspace_lease_stays_inside_its_root() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("ws");
+        std::fs::create_dir(&root).unwrap();
+        for id in ["a/../../outside", "a/..", "..", "a//b", "./a", "a/."] {
+            let mut r = rec(id);
+            assert!(lease_workspace(Some(&root), &mut r).is_err(), "{id}");
+            assert!(
+                r.leases.is_empty() && r.pointers.workspace.is_none(),
+                "{id}"
+            );
+        }
+        assert!(!tmp.path().join("outside").exists());
+        let mut r = rec("traj/call_1");
+        lease_workspace(Some(&root), &mut r).unwrap();
+        assert!(root.join("traj/call_1").is_dir());
+        assert!(one_segment("call_1") && !one_segment("a/b") && !one_segment(".."));
     }
 }
