@@ -773,10 +773,8 @@ fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
     };
     let (j, _) = Journal::open(&d.data().join("harness").join("journal")).unwrap();
     let mut a = rec("a", State::AwaitingApproval);
-    a.held.push(HeldCall {
-        call: ToolCall::new("c1", "drop_table", "{}"),
-        expires_at_ms: 99,
-    });
+    a.held
+        .push(HeldCall::new(ToolCall::new("c1", "drop_table", "{}"), 99));
     a.control.push(Control::Interrupt {
         message: "use the replica".into(),
     });

@@ -2170,3 +2170,135 @@ fn the_agents_benchmark_reports_every_figure() {
         "{f}"
     );
 }
+
+/// Seed 004's approval gate, the harness's half: the reply proposing `drop_table` took the
+/// tokens to 90.5% (the restrict stage) and the gate held the call. While it waits, the held
+/// call in the journal shows the gate's approval request (id, quorum 1, nobody yet). The
+/// operator approves — the gate's own re-check passes — but the harness re-checks its grants
+/// before dispatch: only read-only tools remain at 90%, so the call never runs and the model
+/// reads `NOT_GRANTED`, naming the restrict stage, with the approval's id, quorum and
+/// approvers.
+#[test]
+fn an_approval_after_the_restrict_stage_never_dispatches_the_write() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let rt = runtime();
+    let heavy = vec![
+        scripted::tool_start(0, "c1", "drop_table", "{\"table\": \"orders\"}"),
+        scripted::finish("tool_calls"),
+        scripted::usage(900, 0, 5),
+        Step::Done,
+    ];
+    let model = model_server(&rt, vec![heavy, scripted::answer("left it alone")]);
+    let mut opts = options(&d, &model.base_url(), &effects);
+    opts.limits.tokens_max = Some(1_000);
+    let run = spawn_runner(&rt, opts, "esc-1");
+    // Held at the gate, and the journal's record shows its approval request.
+    let mut approval = String::new();
+    for _ in 0..600 {
+        let (_, out, _) = d.cli(&["agent", "list", "--json"]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+        let held = &v["trajectories"][0]["held"][0];
+        if held["quorum"] == 1 {
+            assert_eq!(held["approvers"], json!([]), "{held}");
+            approval = held["approval"].as_str().unwrap().to_string();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        !approval.is_empty(),
+        "the held call never showed its approval request"
+    );
+    let (code, _, err) = d.cli(&["approve", "esc-1", "c1"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("esc-1").unwrap();
+    assert_eq!(rec.state, State::Completed, "{:?}", rec.exit);
+    assert!(
+        std::fs::read_to_string(&effects)
+            .unwrap_or_default()
+            .is_empty(),
+        "drop_table never ran"
+    );
+    let calls = model.calls();
+    assert_eq!(calls.len(), 2);
+    let obs = calls[1]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["tool_call_id"] == "c1")
+        .expect("an observation for c1");
+    let body: serde_json::Value = serde_json::from_str(obs["content"].as_str().unwrap()).unwrap();
+    assert_eq!(body["status"], "REFUSED", "{body}");
+    assert_eq!(body["reason"], "NOT_GRANTED", "{body}");
+    assert!(
+        body["message"].as_str().unwrap().contains("restrict"),
+        "{body}"
+    );
+    assert_eq!(body["approval"], approval.as_str(), "{body}");
+    assert_eq!(body["quorum"], 1, "{body}");
+}
+
+/// Quorum shown to the model: `drop_table` needs two approvers. One operator approves (a vote
+/// short of the quorum: the gate's `decided` event makes the harness read the request again,
+/// and the record shows that approver), then rejects: the model reads `APPROVAL_DENIED` with
+/// the approval's id, quorum 2 and the approver so far, and the call never ran.
+#[test]
+fn a_refused_call_shows_the_model_its_quorum_and_approvers_so_far() {
+    let policy = POLICY.replace(
+        "tool = \"drop_table\"\naction = \"approve\"",
+        "tool = \"drop_table\"\naction = \"approve\"\nquorum = 2",
+    );
+    assert!(policy.contains("quorum = 2"));
+    let d = Daemon::start_with_policy(&policy, &[]);
+    let effects = d.data().join("effects");
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "drop_table", "{\"table\": \"orders\"}"),
+            scripted::answer("left it alone"),
+        ],
+    );
+    let run = spawn_runner(&rt, options(&d, &model.base_url(), &effects), "esc-2");
+    let held = |want: usize| {
+        for _ in 0..600 {
+            let (_, out, _) = d.cli(&["agent", "list", "--json"]);
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+            let h = &v["trajectories"][0]["held"][0];
+            if h["quorum"] == 2 && h["approvers"].as_array().map(Vec::len) == Some(want) {
+                return h.clone();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the held call never showed {want} approver(s)");
+    };
+    let first = held(0);
+    let (code, _, err) = d.cli(&["approve", "esc-2", "c1"]);
+    assert_eq!(code, 0, "{err}");
+    let after = held(1);
+    assert_eq!(after["approval"], first["approval"]);
+    let approver = after["approvers"][0].clone();
+    let (code, _, err) = d.cli(&["reject", "esc-2", "c1", "--reason", "not today"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    assert_eq!(runner.record("esc-2").unwrap().state, State::Completed);
+    assert!(
+        std::fs::read_to_string(&effects)
+            .unwrap_or_default()
+            .is_empty()
+    );
+    let calls = model.calls();
+    let obs = calls[1]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["tool_call_id"] == "c1")
+        .expect("an observation for c1");
+    let body: serde_json::Value = serde_json::from_str(obs["content"].as_str().unwrap()).unwrap();
+    assert_eq!(body["reason"], "APPROVAL_DENIED", "{body}");
+    assert_eq!(body["approval"], first["approval"], "{body}");
+    assert_eq!(body["quorum"], 2, "{body}");
+    assert_eq!(body["approvers"], json!([approver]), "{body}");
+}

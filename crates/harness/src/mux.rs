@@ -161,7 +161,17 @@ pub enum GateAsk {
 /// What a poll of a held call found, back to the gate task.
 enum Polled {
     Decided(String, String, Decision),
-    Still,
+    /// Still held; its approval request as the inbox shows it, when found there.
+    Still(Option<Shown>),
+}
+
+/// A held call's approval request: run, key, approval id, quorum, approvers so far.
+struct Shown {
+    run: String,
+    key: String,
+    approval: String,
+    quorum: u32,
+    approvers: Vec<String>,
 }
 
 /// The gate task: owns the connection (made on first use, again after it closed), the
@@ -223,7 +233,17 @@ pub async fn gate_task(
                 }
             },
             Some(p) = polled.recv() => {
-                if let Polled::Decided(run, key, decision) = p {
+                if let Polled::Still(Some(q)) = p {
+                    if held.get(&q.run).is_some_and(|k| k.contains(&q.key)) {
+                        let _ = runner.send(Input::Quorum {
+                            id: q.run,
+                            call: q.key,
+                            approval: q.approval,
+                            quorum: q.quorum,
+                            approvers: q.approvers,
+                        });
+                    }
+                } else if let Polled::Decided(run, key, decision) = p {
                     let known = held.get_mut(&run).is_some_and(|k| k.remove(&key));
                     if held.get(&run).is_some_and(BTreeSet::is_empty) {
                         held.remove(&run);
@@ -278,6 +298,26 @@ async fn killed(mux: &Mux, run: &str) -> bool {
     matches!(mux.request(status).await, Ok(ReplyBody::Status(v)) if v.cause.as_deref() == Some("killed"))
 }
 
+/// The approval request of a call still held, from the gate's inbox (`pending` of its run):
+/// its id, quorum and approvers so far; `None` when not listed (a sibling or pause hold).
+async fn shown(mux: &Mux, run: String, key: String) -> Option<Shown> {
+    let asked = op(Verb::Pending, &json!({"run": run})).ok()?;
+    let Ok(ReplyBody::Pending(p)) = mux.request(asked).await else {
+        return None;
+    };
+    let item = p
+        .pending
+        .into_iter()
+        .find(|i| i.run == run && i.key == key)?;
+    Some(Shown {
+        run,
+        key,
+        approval: item.approval,
+        quorum: item.quorum,
+        approvers: item.approvals,
+    })
+}
+
 /// Asks about one held call with a `wait` that answers at once.
 async fn poll(mux: Mux, run: String, key: String, to: mpsc::UnboundedSender<Polled>) {
     let asked = op(
@@ -288,7 +328,7 @@ async fn poll(mux: Mux, run: String, key: String, to: mpsc::UnboundedSender<Poll
         Ok(o) => match mux.request(o).await {
             Ok(ReplyBody::VerdictReply(v)) => match decision_of(v) {
                 Some(d) => Polled::Decided(run, key, d),
-                None => Polled::Still,
+                None => Polled::Still(shown(&mux, run, key).await),
             },
             _ => Polled::Decided(run, key, Decision::Canceled),
         },

@@ -114,11 +114,82 @@ pub enum Phase {
     Dispatched { deadline_ms: u64, token: String },
 }
 
-/// A call held by the gate for approval.
+/// A call held by the gate for approval (seed 004, the approval gate): the call, its expiry,
+/// the approval request as the gate last showed it (id, quorum, approvers so far) and the
+/// preconditions the harness recorded when it was held, re-checked before it is dispatched.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HeldCall {
     pub call: ToolCall,
     pub expires_at_ms: u64,
+    /// The gate's approval id (from its approvals inbox; `None` until read).
+    #[serde(default)]
+    pub approval: Option<String>,
+    /// Distinct approvers the gate needs (0 until read).
+    #[serde(default)]
+    pub quorum: u32,
+    /// Who approved so far.
+    #[serde(default)]
+    pub approvers: Vec<String>,
+    #[serde(default)]
+    pub preconditions: Option<Preconditions>,
+}
+
+impl HeldCall {
+    pub fn new(call: ToolCall, expires_at_ms: u64) -> HeldCall {
+        HeldCall {
+            call,
+            expires_at_ms,
+            approval: None,
+            quorum: 0,
+            approvers: Vec::new(),
+            preconditions: None,
+        }
+    }
+}
+
+/// What the harness itself held true when a call was held; before an approved call is
+/// dispatched each is checked again (the gate re-checks its own: expiry, digest, fence, budget).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Preconditions {
+    /// [`call_digest`] of the call as held: the approval is for this call and no other.
+    pub digest: String,
+    /// The tool was granted (the budget below the restrict stage, or the tool read-only).
+    pub granted: bool,
+}
+
+/// JSON with every object's keys sorted, whatever order the map type keeps.
+fn canonical(v: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match v {
+        Value::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            let fields: Vec<String> = keys
+                .into_iter()
+                .map(|k| format!("{}:{}", Value::String(k.clone()), canonical(&m[k])))
+                .collect();
+            format!("{{{}}}", fields.join(","))
+        }
+        Value::Array(a) => {
+            let items: Vec<String> = a.iter().map(canonical).collect();
+            format!("[{}]", items.join(","))
+        }
+        other => other.to_string(),
+    }
+}
+
+/// The canonical digest of a call: hex SHA-256 of its tool name and its arguments as
+/// canonical JSON (keys sorted; arguments that are not JSON as written).
+pub fn call_digest(call: &ToolCall) -> String {
+    use sha2::{Digest, Sha256};
+    let args = serde_json::from_str::<serde_json::Value>(&call.function.arguments)
+        .map(|v| canonical(&v))
+        .unwrap_or_else(|_| call.function.arguments.clone());
+    let mut h = Sha256::new();
+    h.update(call.function.name.as_bytes());
+    h.update([0]);
+    h.update(args.as_bytes());
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A control request from outside the loop (seed 004, "Control actions").
@@ -210,6 +281,12 @@ pub enum Action {
         call_id: String,
         why: String,
     },
+    /// The harness's own preconditions of an approved call were checked before its dispatch:
+    /// an audit line (the journal keeps it), never an observation.
+    Checked {
+        call_id: String,
+        outcome: String,
+    },
     /// The trajectory reached a terminal state (FINALIZING ran).
     Ended {
         state: State,
@@ -266,6 +343,19 @@ pub fn refusal(call: &ToolCall, reason: &str, message: &str) -> Message {
         "message": message,
     });
     Message::tool(&call.id, v.to_string())
+}
+
+/// The refusal of a held call: seed 004's, with the approval request as the gate showed it
+/// (its id, the quorum, who approved so far), so the model can tell "nobody answered" from
+/// "one of two approvers said yes".
+fn held_refusal(h: &HeldCall, reason: &str, message: &str) -> Message {
+    let m = refusal(&h.call, reason, message);
+    let mut v: serde_json::Value =
+        serde_json::from_str(m.content.as_deref().unwrap_or("{}")).expect("refusal is JSON");
+    v["approval"] = serde_json::json!(h.approval);
+    v["quorum"] = serde_json::json!(h.quorum);
+    v["approvers"] = serde_json::json!(h.approvers);
+    Message::tool(&h.call.id, v.to_string())
 }
 
 fn marker(call: &ToolCall, status: &str, message: &str) -> Message {
@@ -637,10 +727,13 @@ impl Record {
             }
             Admission::Held { expires_at_ms } => {
                 let p = self.pending.remove(i);
-                self.held.push(HeldCall {
-                    call: p.call,
-                    expires_at_ms,
-                });
+                let preconditions = Preconditions {
+                    digest: call_digest(&p.call),
+                    granted: self.granted_now(now_ms, &p.call.function.name),
+                };
+                let mut h = HeldCall::new(p.call, expires_at_ms);
+                h.preconditions = Some(preconditions);
+                self.held.push(h);
             }
             Admission::Refused { reason } => {
                 let p = self.pending.remove(i);
@@ -766,26 +859,41 @@ impl Record {
         let h = self.held.remove(i);
         let mut actions = Vec::new();
         let (reason, message) = match d {
-            Decision::Approved { token } if self.grants.allows(&h.call.function.name) => {
-                self.pending.push(PendingCall {
-                    call: h.call.clone(),
-                    phase: Phase::Admitted { token },
-                });
-                ("", "")
-            }
-            Decision::Approved { .. } => {
-                ("NOT_GRANTED", "approved, but the tool is no longer granted")
-            }
-            Decision::Denied => ("APPROVAL_DENIED", "A reviewer denied this call."),
+            Decision::Approved { token } => match self.recheck(now_ms, &h) {
+                Ok(()) => {
+                    actions.push(Action::Checked {
+                        call_id: h.call.id.clone(),
+                        outcome: "approved; preconditions hold (same digest, tool granted, \
+                                  budget below its stop): dispatched"
+                            .into(),
+                    });
+                    self.pending.push(PendingCall {
+                        call: h.call.clone(),
+                        phase: Phase::Admitted { token },
+                    });
+                    ("", String::new())
+                }
+                Err((reason, why)) => {
+                    actions.push(Action::Checked {
+                        call_id: h.call.id.clone(),
+                        outcome: format!("approved; not dispatched ({reason}): {why}"),
+                    });
+                    (reason, why)
+                }
+            },
+            Decision::Denied => ("APPROVAL_DENIED", "A reviewer denied this call.".into()),
             Decision::Expired => (
                 "APPROVAL_EXPIRED",
-                "No approval was recorded before the request expired.",
+                "No approval was recorded before the request expired.".into(),
             ),
-            Decision::Canceled => ("APPROVAL_CANCELED", "The approval request was cancelled."),
+            Decision::Canceled => (
+                "APPROVAL_CANCELED",
+                "The approval request was cancelled.".into(),
+            ),
         };
         if !reason.is_empty() {
             actions.push(Action::Observe {
-                message: refusal(&h.call, reason, message),
+                message: held_refusal(&h, reason, &message),
             });
         }
         if !self.held.is_empty() {
@@ -800,6 +908,79 @@ impl Record {
         self.go(State::WaitingTool, Cause::Decided)?;
         actions.extend(self.dispatch_admitted(now_ms));
         Ok(actions)
+    }
+
+    /// Whether `tool` is granted now: the grants, narrowed to read-only tools once the budget
+    /// is at its restrict stage — also when that stage was reached by the reply that proposed
+    /// the call, or by a wait, and no turn has begun since to record it in the grants.
+    fn granted_now(&self, now_ms: u64, tool: &str) -> bool {
+        let restrict = matches!(
+            self.budget.stage(now_ms),
+            Stage::Restrict { .. } | Stage::Stop { .. }
+        );
+        let mut grants = self.grants.clone();
+        grants.restricted |= restrict;
+        grants.allows(tool)
+    }
+
+    /// The harness's own preconditions of an approved call, checked before it is dispatched
+    /// (the trajectory being the one that asked — still AWAITING_APPROVAL with no stop or
+    /// pause stored — is checked by the caller: such a call is withheld). `Err` names the
+    /// refusal the model reads and why.
+    fn recheck(&self, now_ms: u64, h: &HeldCall) -> Result<(), (&'static str, String)> {
+        if let Some(p) = &h.preconditions
+            && call_digest(&h.call) != p.digest
+        {
+            return Err((
+                "PRECONDITION_FAILED",
+                "approved, but the call is not the one held (its digest changed)".into(),
+            ));
+        }
+        if let Stage::Stop { binding } = self.budget.stage(now_ms) {
+            return Err((
+                "BUDGET_EXCEEDED",
+                format!(
+                    "approved, but the {} budget is spent; nothing was run",
+                    binding.as_str()
+                ),
+            ));
+        }
+        if !self.granted_now(now_ms, &h.call.function.name) {
+            let why = if self
+                .grants
+                .tools
+                .iter()
+                .any(|t| t.name == h.call.function.name)
+            {
+                "approved, but the budget reached its restrict stage (90%) since: only \
+                 read-only tools remain granted"
+            } else {
+                "approved, but the tool is no longer granted"
+            };
+            return Err(("NOT_GRANTED", why.into()));
+        }
+        Ok(())
+    }
+
+    /// The gate's approvals inbox showed a held call's request: its id, quorum and approvers
+    /// so far, kept with the call (the refusal the model may read carries them).
+    pub fn on_quorum(
+        &mut self,
+        call_id: &str,
+        approval: String,
+        quorum: u32,
+        approvers: Vec<String>,
+    ) -> Step {
+        let Some(h) = self.held.iter_mut().find(|h| h.call.id == call_id) else {
+            return Ok(vec![Action::Dropped {
+                call_id: call_id.to_string(),
+                why: "approval request for a call not held".into(),
+            }]);
+        };
+        h.approval = Some(approval);
+        h.quorum = quorum;
+        h.approvers = approvers;
+        Ok(Vec::new())
     }
 
     /// A tool result arrives: accepted only in WAITING_TOOL for a call still pending
@@ -921,7 +1102,7 @@ impl Record {
         }
         for h in std::mem::take(&mut self.held) {
             actions.push(Action::Observe {
-                message: refusal(&h.call, "APPROVAL_CANCELED", "the trajectory ended"),
+                message: held_refusal(&h, "APPROVAL_CANCELED", "the trajectory ended"),
             });
         }
         for lease in std::mem::take(&mut self.leases) {

@@ -113,6 +113,14 @@ pub enum Input {
         call: String,
         decision: Decision,
     },
+    /// A held call's approval request as the gate's inbox shows it (crate::mux).
+    Quorum {
+        id: String,
+        call: String,
+        approval: String,
+        quorum: u32,
+        approvers: Vec<String>,
+    },
     ToolDone {
         id: String,
         call: String,
@@ -485,6 +493,13 @@ impl Runner {
                 }
                 self.apply(&id, |r, now| r.on_decision(now, &call, decision))
             }
+            Input::Quorum {
+                id,
+                call,
+                approval,
+                quorum,
+                approvers,
+            } => self.apply(&id, |r, _| r.on_quorum(&call, approval, quorum, approvers)),
             Input::ToolDone { id, call, result } => {
                 let key = (id.clone(), call.clone());
                 self.tools.remove(&key);
@@ -618,6 +633,10 @@ impl Runner {
                     Action::Dropped { call_id, why } => entries.push(Entry::Log {
                         trajectory: id.clone(),
                         line: format!("dropped {call_id}: {why}"),
+                    }),
+                    Action::Checked { call_id, outcome } => entries.push(Entry::Log {
+                        trajectory: id.clone(),
+                        line: format!("checked {call_id}: {outcome}"),
                     }),
                     _ => {}
                 }
@@ -769,7 +788,7 @@ impl Runner {
                     }
                 });
             }
-            Action::Release { .. } | Action::Dropped { .. } => {}
+            Action::Release { .. } | Action::Dropped { .. } | Action::Checked { .. } => {}
             other => self.gate_work(rec, other),
         }
     }

@@ -140,7 +140,11 @@ pub fn trajectory(
     let held: Vec<Value> = r
         .held
         .iter()
-        .map(|h| json!({"call": t(&h.call.id), "tool": t(&h.call.function.name), "expires_at_ms": h.expires_at_ms}))
+        .map(|h| {
+            json!({"call": t(&h.call.id), "tool": t(&h.call.function.name),
+                   "expires_at_ms": h.expires_at_ms, "approval": h.approval,
+                   "quorum": h.quorum, "approvers": h.approvers})
+        })
         .collect();
     let mut v = json!({
         "id": r.identity.id,

@@ -125,7 +125,7 @@ proptest! {
                     } else { Vec::new() }
                 }
                 Step::Held(on) => {
-                    rec.held = if on { vec![HeldCall { call: call.clone(), expires_at_ms: 9 }] } else { Vec::new() }
+                    rec.held = if on { vec![HeldCall::new(call.clone(), 9)] } else { Vec::new() }
                 }
                 Step::Lease(on) => {
                     rec.leases = if on { vec![Lease { id: "w".into(), kind: "workspace".into() }] } else { Vec::new() }
@@ -181,10 +181,7 @@ fn guards_refuse_what_the_table_allows() {
     }];
     assert!(transition(&mut rec, State::Ready, Cause::ToolsDone).is_err());
     rec.state = State::AwaitingApproval;
-    rec.held = vec![HeldCall {
-        call: ToolCall::new("h", "t", "{}"),
-        expires_at_ms: 5,
-    }];
+    rec.held = vec![HeldCall::new(ToolCall::new("h", "t", "{}"), 5)];
     assert!(transition(&mut rec, State::WaitingTool, Cause::Decided).is_err());
     rec.held.clear();
     assert!(transition(&mut rec, State::WaitingTool, Cause::Scheduled).is_err());

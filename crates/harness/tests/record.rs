@@ -7,6 +7,7 @@ use estop_harness::chat::{Finish, Reply, ToolCall};
 use estop_harness::machine::State;
 use estop_harness::record::{
     Action, Admission, CallLimits, Control, Decision, Exit, GrantedTool, Grants, Identity, Record,
+    call_digest,
 };
 use proptest::prelude::*;
 
@@ -584,4 +585,120 @@ proptest! {
             prop_assert!(r.budget.spend.turns <= 12);
         }
     }
+}
+
+/// The reply proposing a write took the tokens to 92% (the restrict stage) and the gate held
+/// the write. An approval arriving now must not dispatch it: the harness re-checks its own
+/// grants before dispatch (the gate's re-check knows nothing of the harness's stages), and the
+/// model reads `NOT_GRANTED` naming the restrict stage; the check is an audit line.
+#[test]
+fn an_approval_after_the_restrict_stage_does_not_dispatch_a_write() {
+    let mut r = record(Limits {
+        tokens_max: Some(1_000),
+        ..Limits::default()
+    });
+    r.begin_turn(0, 10).unwrap();
+    let heavy = Reply::Finished {
+        finish: Finish::ToolCalls,
+        text: String::new(),
+        tool_calls: vec![ToolCall::new("c1", "write", "{\"b\": 1, \"a\": 2}")],
+        usage: Some(Usage {
+            uncached_input: 900,
+            cached_input: 0,
+            output: 20,
+        }),
+    };
+    r.on_reply(1, heavy).unwrap();
+    r.on_admission(1, "c1", Admission::Held { expires_at_ms: 100 })
+        .unwrap();
+    let pre = r.held[0].preconditions.clone().expect("recorded when held");
+    assert!(!pre.granted, "held after the restrict stage was reached");
+    assert_eq!(
+        pre.digest,
+        call_digest(&ToolCall::new("c1", "write", "{\"a\":2,\"b\":1}"))
+    );
+    let a = r
+        .on_decision(2, "c1", Decision::Approved { token: "k".into() })
+        .unwrap();
+    assert!(dispatched(&a).is_empty(), "{a:?}");
+    let o = observed(&a);
+    assert!(
+        o[0].contains("NOT_GRANTED") && o[0].contains("restrict"),
+        "{o:?}"
+    );
+    assert!(
+        a.iter().any(
+            |a| matches!(a, Action::Checked { outcome, .. } if outcome.contains("NOT_GRANTED"))
+        ),
+        "{a:?}"
+    );
+    assert_eq!(r.state, State::Ready);
+    // A read approved in the same position still goes.
+    let mut r = record(Limits {
+        tokens_max: Some(1_000),
+        ..Limits::default()
+    });
+    r.begin_turn(0, 10).unwrap();
+    let heavy = Reply::Finished {
+        finish: Finish::ToolCalls,
+        text: String::new(),
+        tool_calls: vec![ToolCall::new("c1", "read", "{}")],
+        usage: Some(Usage {
+            uncached_input: 900,
+            cached_input: 0,
+            output: 20,
+        }),
+    };
+    r.on_reply(1, heavy).unwrap();
+    r.on_admission(1, "c1", Admission::Held { expires_at_ms: 100 })
+        .unwrap();
+    let a = r
+        .on_decision(2, "c1", Decision::Approved { token: "k".into() })
+        .unwrap();
+    assert_eq!(dispatched(&a), ["c1"]);
+    assert!(
+        a.iter().any(
+            |a| matches!(a, Action::Checked { outcome, .. } if outcome.contains("dispatched"))
+        )
+    );
+}
+
+/// The call approved is the call held: one whose arguments changed in the record since it was
+/// held (its digest no longer the recorded one) is refused, not dispatched.
+#[test]
+fn an_approved_call_whose_digest_changed_is_not_dispatched() {
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(1, calls(&[("c1", "write")])).unwrap();
+    r.on_admission(1, "c1", Admission::Held { expires_at_ms: 100 })
+        .unwrap();
+    r.held[0].call.function.arguments = "{\"table\": \"prod\"}".into();
+    let a = r
+        .on_decision(2, "c1", Decision::Approved { token: "k".into() })
+        .unwrap();
+    assert!(dispatched(&a).is_empty(), "{a:?}");
+    assert!(observed(&a)[0].contains("PRECONDITION_FAILED"), "{a:?}");
+}
+
+/// Seed 004's refusal carries the approval request as the gate showed it: the model reads
+/// the approval's id, the quorum and who approved so far.
+#[test]
+fn a_refused_held_call_shows_the_quorum_to_the_model() {
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(1, calls(&[("c1", "write")])).unwrap();
+    r.on_admission(1, "c1", Admission::Held { expires_at_ms: 100 })
+        .unwrap();
+    r.on_quorum("c1", "ap-7".into(), 2, vec!["alice".into()])
+        .unwrap();
+    assert_eq!(r.held[0].quorum, 2);
+    let a = r.on_tick(100).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&observed(&a)[0]).unwrap();
+    assert_eq!(v["reason"], "APPROVAL_EXPIRED");
+    assert_eq!(v["approval"], "ap-7");
+    assert_eq!(v["quorum"], 2);
+    assert_eq!(v["approvers"], serde_json::json!(["alice"]));
+    // Quorum news for a call not held is dropped, never applied.
+    let a = r.on_quorum("c9", "ap-9".into(), 1, vec![]).unwrap();
+    assert!(matches!(a[..], [Action::Dropped { .. }]), "{a:?}");
 }
