@@ -22,17 +22,21 @@ fn admit_req(run: &str, key: &str, tool: &str) -> Value {
     json!({"op": "admit", "run": run, "key": key, "tool": tool, "args": {}})
 }
 
-/// A new agent principal's client.
-fn new_agent(d: &Daemon, name: &str) -> Client {
+/// A new agent token's secret.
+fn agent_token(d: &Daemon, name: &str) -> String {
     let mut op = d.operator();
-    let t = ok(
+    ok(
         &mut op,
         json!({"op": "token", "name": name, "role": "agent"}),
     )["token"]
         .as_str()
         .unwrap()
-        .to_string();
-    d.client_with(&t)
+        .to_string()
+}
+
+/// A new agent principal's client.
+fn new_agent(d: &Daemon, name: &str) -> Client {
+    d.client_with(&agent_token(d, name))
 }
 
 #[test]
@@ -314,13 +318,7 @@ fn a_token_cannot_escape_its_share_through_sandbox_principals() {
         "3",
     ]);
     let mut op = d.operator();
-    let mallory = ok(
-        &mut op,
-        json!({"op": "token", "name": "mallory", "role": "agent"}),
-    )["token"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let mallory = agent_token(&d, "mallory");
     let mut made = 0;
     let msg = 'flood: loop {
         let mut s = sandbox(&d, &mallory, &format!("s{made}"));
@@ -390,14 +388,7 @@ fn a_token_cannot_take_a_pool_through_sandbox_principals() {
         "--waiters-max",
         "16",
     ]);
-    let mut op = d.operator();
-    let mallory = ok(
-        &mut op,
-        json!({"op": "token", "name": "mallory", "role": "agent"}),
-    )["token"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let mallory = agent_token(&d, "mallory");
 
     // Connections: sandbox after sandbox until the gate says no.
     let mut held = Vec::new();
