@@ -341,30 +341,31 @@ class _AttemptScope:
             # application keeps and raises again — are told apart by nothing: each retry takes
             # one of them, never two retries the same one, and only calls identical to one of
             # its own match, as identical calls of the run already do.)
-            with self.run._tasks_lock:
-                entries = failed.get(id(info.last_exception), [])
-                for i, (exc, name, ex) in enumerate(entries):
-                    if exc is info.last_exception and name == self.step_name:
-                        execution = ex
-                        del entries[i]
-                        break
-                if not entries:
-                    failed.pop(id(info.last_exception), None)
+            execution = self._take(failed, info.last_exception)
         if execution is None and self.event is not None:
             # The replay after a wait: LlamaIndex re-delivers the event object the attempt that
             # waited ran with (one execution per waiting attempt, as for retries above).
-            waiting = self._store("_li_waiting_attempts")
-            with self.run._tasks_lock:
-                entries = waiting.get(id(self.event), [])
-                for i, (ev, name, ex) in enumerate(entries):
-                    if ev is self.event and name == self.step_name:
-                        execution = ex
-                        del entries[i]
-                        break
-                if not entries:
-                    waiting.pop(id(self.event), None)
+            execution = self._take(self._store("_li_waiting_attempts"), self.event)
         self.execution = execution or _Execution()
         self.tok = _current_step.set(_Attempt(self.run, self.execution))
+
+    def _take(
+        self, store: dict[int, list[tuple[Any, str, _Execution]]], obj: Any
+    ) -> _Execution | None:
+        """Takes (and removes) the first execution this step recorded under `obj` (that very
+        object, not an equal one), or None."""
+        assert self.run is not None
+        found: _Execution | None = None
+        with self.run._tasks_lock:
+            entries = store.get(id(obj), [])
+            for i, (o, name, ex) in enumerate(entries):
+                if o is obj and name == self.step_name:
+                    found = ex
+                    del entries[i]
+                    break
+            if not entries:
+                store.pop(id(obj), None)
+        return found
 
     def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
         if self.tok is None:
