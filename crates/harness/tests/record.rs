@@ -587,12 +587,9 @@ proptest! {
     }
 }
 
-/// The reply proposing a write took the tokens to 92% (the restrict stage) and the gate held
-/// the write. An approval arriving now must not dispatch it: the harness re-checks its own
-/// grants before dispatch (the gate's re-check knows nothing of the harness's stages), and the
-/// model reads `NOT_GRANTED` naming the restrict stage; the check is an audit line.
-#[test]
-fn an_approval_after_the_restrict_stage_does_not_dispatch_a_write() {
+/// A record whose reply proposing `tool` took the tokens to 92% (the restrict stage), the
+/// call then held by the gate.
+fn held_past_restrict(tool: &str, args: &str) -> Record {
     let mut r = record(Limits {
         tokens_max: Some(1_000),
         ..Limits::default()
@@ -601,7 +598,7 @@ fn an_approval_after_the_restrict_stage_does_not_dispatch_a_write() {
     let heavy = Reply::Finished {
         finish: Finish::ToolCalls,
         text: String::new(),
-        tool_calls: vec![ToolCall::new("c1", "write", "{\"b\": 1, \"a\": 2}")],
+        tool_calls: vec![ToolCall::new("c1", tool, args)],
         usage: Some(Usage {
             uncached_input: 900,
             cached_input: 0,
@@ -611,6 +608,16 @@ fn an_approval_after_the_restrict_stage_does_not_dispatch_a_write() {
     r.on_reply(1, heavy).unwrap();
     r.on_admission(1, "c1", Admission::Held { expires_at_ms: 100 })
         .unwrap();
+    r
+}
+
+/// The reply proposing a write took the tokens to 92% (the restrict stage) and the gate held
+/// the write. An approval arriving now must not dispatch it: the harness re-checks its own
+/// grants before dispatch (the gate's re-check knows nothing of the harness's stages), and the
+/// model reads `NOT_GRANTED` naming the restrict stage; the check is an audit line.
+#[test]
+fn an_approval_after_the_restrict_stage_does_not_dispatch_a_write() {
+    let mut r = held_past_restrict("write", "{\"b\": 1, \"a\": 2}");
     let pre = r.held[0].preconditions.clone().expect("recorded when held");
     assert!(!pre.granted, "held after the restrict stage was reached");
     assert_eq!(
@@ -634,24 +641,7 @@ fn an_approval_after_the_restrict_stage_does_not_dispatch_a_write() {
     );
     assert_eq!(r.state, State::Ready);
     // A read approved in the same position still goes.
-    let mut r = record(Limits {
-        tokens_max: Some(1_000),
-        ..Limits::default()
-    });
-    r.begin_turn(0, 10).unwrap();
-    let heavy = Reply::Finished {
-        finish: Finish::ToolCalls,
-        text: String::new(),
-        tool_calls: vec![ToolCall::new("c1", "read", "{}")],
-        usage: Some(Usage {
-            uncached_input: 900,
-            cached_input: 0,
-            output: 20,
-        }),
-    };
-    r.on_reply(1, heavy).unwrap();
-    r.on_admission(1, "c1", Admission::Held { expires_at_ms: 100 })
-        .unwrap();
+    let mut r = held_past_restrict("read", "{}");
     let a = r
         .on_decision(2, "c1", Decision::Approved { token: "k".into() })
         .unwrap();
