@@ -246,16 +246,28 @@ fn wait_compensation(c: &mut Client, run: &str, outcome: &str) {
     }
 }
 
-/// The report's item for the run's effect of `tool` (in `done`).
+/// The report's item for the run's effect of `tool` (in `done`). The proxy answers the agent
+/// before the request's `complete` is durable (docs/EGRESS.md: the outcome follows the
+/// response), so an agent that saw its answer may be a moment ahead of the report: read it
+/// until the effect is done, for at most 10 s.
 fn item(op: &mut Client, run: &str, tool: &str) -> Value {
-    let r = ok(op, json!({"op": "report", "run": run}));
-    r["done"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|i| i["tool"] == tool)
-        .cloned()
-        .unwrap_or_else(|| panic!("no {tool} in {r}"))
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let r = ok(op, json!({"op": "report", "run": run}));
+        let found = r["done"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["tool"] == tool)
+            .cloned();
+        match found {
+            Some(i) => return i,
+            None if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            None => panic!("no {tool} done in {r}"),
+        }
+    }
 }
 
 fn state(c: &mut Client, run: &str) -> String {
