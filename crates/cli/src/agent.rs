@@ -332,6 +332,18 @@ fn print_status(v: &serde_json::Value) -> Result<(), Failure> {
         r.pending.len(),
         r.held.len(),
     );
+    for h in &r.held {
+        // What the approval is for: the call, or (an HTTP tool) its request.
+        let what = match &h.request {
+            Some(q) => format!("request {} {} {} {}", q.run, q.key, q.tool, q.url),
+            None => format!("call {}", h.call.function.name),
+        };
+        println!(
+            "held {} {}",
+            estop_protocol::text::escape(&h.call.id),
+            estop_protocol::text::escape(&what)
+        );
+    }
     for c in &r.control {
         let c = serde_json::to_string(c).expect("a control serializes");
         println!("control {}", estop_protocol::text::escape(&c));

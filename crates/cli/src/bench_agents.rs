@@ -77,6 +77,7 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
                 mcp: None,
                 sandbox: false,
                 sandbox_policy: None,
+                http: Default::default(),
                 read_only: false,
                 egress: None,
             }],

@@ -93,6 +93,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 mcp: None,
                 sandbox: false,
                 sandbox_policy: None,
+                http: Default::default(),
                 read_only: true,
                 egress: None,
             },
@@ -105,6 +106,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 mcp: None,
                 sandbox: false,
                 sandbox_policy: None,
+                http: Default::default(),
                 read_only: false,
                 egress: None,
             },
@@ -699,6 +701,7 @@ fn http_tool(dir: &std::path::Path, url: &str) -> Tool {
         mcp: None,
         sandbox: false,
         sandbox_policy: None,
+        http: Default::default(),
         read_only: true,
         egress: Some(estop_harness::http::Egress::load(&settings).unwrap()),
     }
@@ -944,10 +947,26 @@ fn an_http_tool_refused_by_policy_or_destination_dials_nothing() {
     assert_eq!(effect_status(&d, "traj-6/c1", "idem:c1"), "refused");
 }
 
-/// A request the policy holds waits in the proxy for the operator: approved, it is sent once
-/// (with its credential) and its answer is the observation.
+/// Polls `estop agent status ID` until its first line starts with `ID STATE` (10 s at most);
+/// returns the whole output.
+fn status_becomes(d: &Daemon, id: &str, state: &str) -> String {
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, out, _) = d.cli(&["agent", "status", id]);
+        if out.starts_with(&format!("{id} {state} ")) || std::time::Instant::now() > until {
+            return out;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A request the policy holds is found before the call is dispatched (the harness admits it
+/// two-phase with the call): the trajectory is AWAITING_APPROVAL, not WAITING_TOOL, and
+/// `estop agent status` names the held request; approved, it is sent exactly once (with its
+/// credential) and its answer is the observation; the proxy started the effect the harness
+/// admitted, no second one.
 #[test]
-fn an_http_tool_request_held_for_approval_goes_once_approved() {
+fn an_http_tool_request_held_for_approval_awaits_approval_and_goes_once_approved() {
     let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
     let rt = runtime();
     let model = model_server(
@@ -974,28 +993,363 @@ fn an_http_tool_request_held_for_approval_goes_once_approved() {
         dir.path(),
         &format!("http://{}/held", upstream.addr),
     )];
-    // Subscribed before the call's run exists: the subscription waits for it.
-    let mut op_client = d.operator();
-    op_client
-        .request(&op(Verb::Subscribe, json!({"run": "traj-7/c1"})))
-        .unwrap();
     let run = spawn_runner(&rt, opts, "traj-7");
-    loop {
-        let e = op_client.next_event().unwrap();
-        if e.is_some_and(|e| e.event == EventKind::Held) {
-            break;
-        }
-    }
+    let out = status_becomes(&d, "traj-7", "AWAITING_APPROVAL");
+    assert!(out.starts_with("traj-7 AWAITING_APPROVAL "), "{out}");
+    assert!(
+        out.contains(&format!(
+            "held c1 request traj-7/c1 idem:c1 http.POST http://{}/held",
+            upstream.addr
+        )),
+        "{out}"
+    );
     assert!(upstream.calls().is_empty(), "nothing sent while held");
+    assert_eq!(effect_status(&d, "traj-7/c1", "idem:c1"), "held");
     let (code, _, err) = d.cli(&["approve", "traj-7/c1", "idem:c1"]);
     assert_eq!(code, 0, "{err}");
     let runner = rt.block_on(run).unwrap();
     assert_eq!(runner.record("traj-7").unwrap().state, State::Completed);
-    assert_eq!(upstream.calls(), [json!({"id": 9})]);
+    assert_eq!(upstream.calls(), [json!({"id": 9})], "sent exactly once");
+    assert!(upstream.headers()[0].contains(&("x-api-key".to_string(), SECRET.to_string())));
     let last = model.calls()[1]["messages"].as_array().unwrap().clone();
     let obs = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
     assert_eq!(obs["content"], "approved and sent");
     assert_eq!(effect_status(&d, "traj-7/c1", "idem:c1"), "completed");
+    assert_eq!(effect_status(&d, "traj-7", "c1"), "completed");
+    assert_one_request_effect(&d, "traj-7/c1");
+}
+
+/// A held request the operator rejects: the model reads seed 004's `APPROVAL_DENIED` (the
+/// approval's quorum with it), nothing is dialled, the call's run is closed, and the
+/// trajectory re-plans and completes.
+#[test]
+fn a_rejected_http_request_is_approval_denied_and_never_dialled() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "fetch", "{\"id\": 9}"),
+            scripted::answer("not allowed"),
+        ],
+    );
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: Vec::new(),
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.tools = vec![http_tool(
+        dir.path(),
+        &format!("http://{}/held", upstream.addr),
+    )];
+    let run = spawn_runner(&rt, opts, "traj-r");
+    let out = status_becomes(&d, "traj-r", "AWAITING_APPROVAL");
+    assert!(out.starts_with("traj-r AWAITING_APPROVAL "), "{out}");
+    let (code, _, err) = d.cli(&["reject", "traj-r/c1", "idem:c1", "--reason", "no"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    assert_eq!(runner.record("traj-r").unwrap().state, State::Completed);
+    assert!(upstream.calls().is_empty(), "nothing was dialled");
+    let last = model.calls()[1]["messages"].as_array().unwrap().clone();
+    let m = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    let obs: serde_json::Value = serde_json::from_str(m["content"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        (obs["status"].as_str(), obs["reason"].as_str()),
+        (Some("REFUSED"), Some("APPROVAL_DENIED")),
+        "{obs}"
+    );
+    assert_eq!(obs["quorum"], 1, "{obs}");
+    assert_eq!(effect_status(&d, "traj-r/c1", "idem:c1"), "refused");
+    let (code, out, err) = d.cli(&["status", "traj-r/c1", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["state"], "failed", "{v}");
+}
+
+/// A crash while the request is held: the resumed trajectory is still AWAITING_APPROVAL and
+/// waits for the same effect (not admitted again as a new one); approved, it is sent once.
+#[test]
+fn a_trajectory_resumed_while_its_http_request_is_held_waits_for_the_same_effect() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let server_rt = runtime();
+    let model = model_server(
+        &server_rt,
+        vec![
+            scripted::call("c1", "fetch", "{\"id\": 9}"),
+            scripted::answer("done"),
+        ],
+    );
+    let upstream = server_rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![Step::Status {
+                    status: 200,
+                    body: "sent".into(),
+                }]],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.tools = vec![http_tool(
+        dir.path(),
+        &format!("http://{}/held", upstream.addr),
+    )];
+    let rt = runtime();
+    let task = spawn_runner(&rt, opts.clone(), "traj-c");
+    let out = status_becomes(&d, "traj-c", "AWAITING_APPROVAL");
+    assert!(out.starts_with("traj-c AWAITING_APPROVAL "), "{out}");
+    task.abort();
+    rt.shutdown_timeout(Duration::from_secs(10));
+
+    let rt = runtime();
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    let rec = runner.record("traj-c").unwrap();
+    assert_eq!(rec.state, State::AwaitingApproval);
+    assert_eq!(
+        rec.held[0].request.as_ref().map(|r| r.key.as_str()),
+        Some("idem:c1")
+    );
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    assert!(
+        status_becomes(&d, "traj-c", "AWAITING_APPROVAL").starts_with("traj-c AWAITING_APPROVAL")
+    );
+    let (code, _, err) = d.cli(&["approve", "traj-c/c1", "idem:c1"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    assert_eq!(runner.record("traj-c").unwrap().state, State::Completed);
+    assert_eq!(upstream.calls(), [json!({"id": 9})], "sent exactly once");
+    assert_one_request_effect(&d, "traj-c/c1");
+    assert_eq!(effect_status(&d, "traj-c/c1", "idem:c1"), "completed");
+}
+
+/// The proxy starts only the effect the harness admitted: with `idem:c1` admitted for one
+/// request, another request under the same key (other body, other method) is refused by the
+/// gate as a mismatch and not dialled; the admitted request itself is sent, once; and one
+/// under another key is admitted as its own effect under the policy (allowed: sent; held
+/// for approval: not dialled — no bypass).
+#[test]
+fn a_request_other_than_the_preadmitted_one_is_admitted_under_policy() {
+    use estop_egress::tool::{ToolProxy, ToolProxyOptions};
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let rt = runtime();
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![
+                    vec![Step::Status {
+                        status: 200,
+                        body: "sent".into(),
+                    }],
+                    vec![Step::Status {
+                        status: 200,
+                        body: "sent too".into(),
+                    }],
+                ],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut egress = http_tool(dir.path(), "http://unused/").egress.unwrap();
+    egress.settings.hold_ms = 200;
+    let url = format!("http://{}/orders", upstream.addr);
+    let body = "{\"id\": 7}";
+    let mut agent = d.agent();
+    let v: estop_protocol::server_line::VerdictReply = agent
+        .ask(&op(
+            Verb::Admit,
+            json!({"run": "px", "key": "c1", "tool": "fetch", "args": {}, "start": false}),
+        ))
+        .unwrap();
+    assert!(format!("{v:?}").contains("Admitted"), "{v:?}");
+    let args = estop_egress::proxy::request_args(
+        &estop_egress::proxy::HttpMethod::POST,
+        &url.parse::<estop_egress::proxy::HttpUri>().unwrap(),
+        body.as_bytes(),
+        &egress.settings,
+    )
+    .unwrap();
+    // As the harness does: on a connection that speaks for the call's run (`TOKEN/RUN`).
+    let mut agent = estop_server::client::Client::connect(&d.socket()).unwrap();
+    agent
+        .request(&op(
+            Verb::Hello,
+            json!({"token": d.token("agent.token"), "run": "px/c1"}),
+        ))
+        .unwrap();
+    let v: estop_protocol::server_line::VerdictReply = agent
+        .ask(&op(
+            Verb::Admit,
+            json!({"run": "px/c1", "parent": "px", "key": "idem:c1", "tool": "http.POST",
+                "args": args, "start": false}),
+        ))
+        .unwrap();
+    assert!(format!("{v:?}").contains("Admitted"), "{v:?}");
+    let proxy = rt
+        .block_on(ToolProxy::start(ToolProxyOptions {
+            target: d.socket(),
+            token: d.token("agent.token"),
+            run: "px/c1".into(),
+            parent: "px".into(),
+            settings: egress.settings.clone(),
+            credentials: egress.credentials.clone(),
+            preadmitted: Some("idem:c1".into()),
+        }))
+        .unwrap();
+    let send = |method: &str, target: &str, key: &str, body: &str| -> String {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(proxy.addr).unwrap();
+        write!(
+            s,
+            "{method} {target} HTTP/1.1\r\nHost: {}\r\nProxy-Authorization: Bearer {}\r\n\
+             Idempotency-Key: {key}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            upstream.addr,
+            proxy.secret,
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    let other_body = send("POST", &url, "c1", "{\"id\": 8}");
+    assert!(
+        other_body.starts_with("HTTP/1.1 403") && other_body.contains("mismatch"),
+        "{other_body}"
+    );
+    let other_method = send("PUT", &url, "c1", body);
+    assert!(other_method.starts_with("HTTP/1.1 403"), "{other_method}");
+    assert!(upstream.calls().is_empty(), "nothing was dialled");
+    let same = send("POST", &url, "c1", body);
+    assert!(same.starts_with("HTTP/1.1 200"), "{same}");
+    assert_eq!(upstream.calls(), [json!({"id": 7})]);
+    assert_eq!(
+        effect_status_becomes(&d, "px/c1", "idem:c1", "completed"),
+        "completed"
+    );
+    // Another key: its own effect, admitted by the policy (allowed here), sent.
+    let new = send("POST", &url, "c3", "{\"id\": 9}");
+    assert!(new.starts_with("HTTP/1.1 200"), "{new}");
+    assert_eq!(upstream.calls(), [json!({"id": 7}), json!({"id": 9})]);
+    assert_eq!(
+        effect_status_becomes(&d, "px/c1", "idem:c3", "completed"),
+        "completed"
+    );
+    let held_url = format!("http://{}/held", upstream.addr);
+    let other_key = send("POST", &held_url, "c2", body);
+    assert!(
+        other_key.starts_with("HTTP/1.1 503") && other_key.contains("\"verdict\":\"held\""),
+        "{other_key}"
+    );
+    assert_eq!(effect_status(&d, "px/c1", "idem:c2"), "held");
+    assert_eq!(upstream.calls().len(), 2, "the held one was not dialled");
+    rt.block_on(proxy.finish(true));
+}
+
+/// An HTTP tool's config: PUT to a path template filled from the arguments (each value one
+/// percent-encoded segment), with a static header; the upstream receives exactly that, and
+/// the gate admitted it as `http.PUT` by that path. Path arguments that are missing, empty,
+/// `..` or hold `/` are seed 004's `INVALID_ARGUMENTS` and never dial (nor reach the gate).
+#[test]
+fn an_http_tool_puts_to_its_path_template_with_static_headers_and_bad_path_arguments_never_dial() {
+    // The PUT allowed by its exact path, before the deny of every other request.
+    let deny = "[[rules]]\ntool = \"http.*\"\naction = \"deny\"\n";
+    let put = "[[rules]]\ntool = \"http.PUT\"\nwhen = 'args.path == \"/api/orders/A%207\"'\naction = \"allow\"\n\n";
+    let policy = HTTP_POLICY.replace(deny, &format!("{put}{deny}"));
+    assert_ne!(policy, HTTP_POLICY);
+    let d = Daemon::start_with_policy(&policy, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "fetch", "{\"order_id\": \"A 7\", \"qty\": 2}"),
+            scripted::call("c2", "fetch", "{\"order_id\": \"../admin\"}"),
+            scripted::call("c3", "fetch", "{\"order_id\": \"..\"}"),
+            scripted::call("c4", "fetch", "{\"order_id\": \"\"}"),
+            scripted::call("c5", "fetch", "{\"qty\": 2}"),
+            scripted::answer("done"),
+        ],
+    );
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![Step::Status {
+                    status: 200,
+                    body: "put".into(),
+                }]],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    let mut tool = http_tool(dir.path(), &format!("http://{}/api", upstream.addr));
+    tool.http = estop_harness::http::HttpSpec {
+        method: estop_harness::http::Method::Put,
+        path: Some("/orders/{order_id}".into()),
+        headers: [("X-Tenant".to_string(), "acme".to_string())].into(),
+    };
+    opts.tools = vec![tool];
+    let runner = rt.block_on(run_to_end(opts, "traj-p"));
+    assert_eq!(runner.record("traj-p").unwrap().state, State::Completed);
+    assert_eq!(upstream.targets(), ["PUT /api/orders/A%207"]);
+    assert_eq!(upstream.calls(), [json!({"order_id": "A 7", "qty": 2})]);
+    let h = &upstream.headers()[0];
+    assert!(
+        h.contains(&("x-tenant".to_string(), "acme".to_string())),
+        "{h:?}"
+    );
+    assert!(
+        h.contains(&("x-api-key".to_string(), SECRET.to_string())),
+        "{h:?}"
+    );
+    assert_eq!(effect_status(&d, "traj-p/c1", "idem:c1"), "completed");
+    let (_, report, _) = d.cli(&["report", "traj-p/c1", "--json"]);
+    assert!(report.contains("\"tool\":\"http.PUT\""), "{report}");
+    let last = model.calls()[5]["messages"].as_array().unwrap().clone();
+    for id in ["c2", "c3", "c4", "c5"] {
+        let m = last.iter().find(|m| m["tool_call_id"] == id).unwrap();
+        let obs: serde_json::Value = serde_json::from_str(m["content"].as_str().unwrap()).unwrap();
+        assert_eq!(obs["reason"], "INVALID_ARGUMENTS", "{id}: {obs}");
+        let (code, _, _) = d.cli(&["status", &format!("traj-p/{id}")]);
+        assert_ne!(code, 0, "{id}: no run for a request never made");
+    }
+}
+
+/// The call's run has exactly one effect, its request `idem:c1`, done.
+fn assert_one_request_effect(d: &Daemon, run: &str) {
+    let (_, out, _) = d.cli(&["report", run, "--json"]);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let keys = |section: &str| -> Vec<String> {
+        report[section]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| format!("{} {}", e["key"], e["tool"]))
+            .collect()
+    };
+    assert_eq!(keys("done"), ["\"idem:c1\" \"http.POST\""], "{report}");
+    for section in ["held", "in_flight", "refused", "failed", "unknown"] {
+        assert!(keys(section).is_empty(), "{section}: {report}");
+    }
+}
+
+/// Runs `id` to its end on a runner of its own.
+async fn run_to_end(opts: RunnerOptions, id: &str) -> Runner {
+    let mut runner = Runner::open(opts).unwrap();
+    runner.start(id, None, "go").unwrap();
+    runner.run().await.unwrap();
+    runner
 }
 
 /// `estop cancel` of the trajectory while its HTTP tool's request waits for the upstream's

@@ -19,6 +19,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::watch;
 
+/// The types [`request_args`] takes, for its callers outside (the harness, tests).
+pub use hyper::{Method as HttpMethod, Uri as HttpUri};
+
 /// A connection's place under `connections_max`.
 type Place = Arc<tokio::sync::OwnedSemaphorePermit>;
 
@@ -82,6 +85,13 @@ pub struct Proxy {
     /// otherwise reach and send requests through with the run's credentials. None: the proxy
     /// of `estop run`'s sandbox, reachable only inside the sandbox's own network namespace.
     pub access: Option<String>,
+    /// The key of an effect the harness admitted itself, two-phase, before it dispatched the
+    /// call (a harness HTTP tool's request, `idem:CALL_ID`): a request under this key whose
+    /// arguments are the admitted ones (the gate checks the digest: other arguments under the
+    /// key are a mismatch it refuses) is started with the token the gate answers, not admitted
+    /// anew — the gate answers a repeat admit of an admitted, unstarted effect with its token
+    /// and does not start it. Any other request is admitted as usual.
+    pub preadmitted: Option<String>,
 }
 
 /// What the proxy will send, as the gate's policy sees it.
@@ -600,32 +610,13 @@ impl Proxy {
                 json!({"verdict": "refused", "reason": "bad_request", "message": message}),
             ))
         };
-        let (scheme, default_port) = match uri.scheme_str() {
-            Some("http") => ("http", 80),
-            Some("https") => ("https", 443),
-            _ => {
-                return Err(bad(
-                    "the proxy takes absolute http:// URLs (set HTTP_PROXY)",
-                ));
-            }
+        let args = match request_args(&parts.method, uri, body, &self.settings) {
+            Ok(a) => a,
+            Err(RequestRefusal::BadRequest(m)) => return Err(bad(m)),
+            Err(RequestRefusal::Destination(ip)) => return Err(Box::new(destination_refused(ip))),
         };
-        let host = uri.host().ok_or_else(|| bad("no host in the URL"))?;
-        let port = uri.port_u16().unwrap_or(default_port);
-        let host = host
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_ascii_lowercase();
-        if let Ok(ip) = host.parse::<IpAddr>()
-            && !self.destination_allowed(ip)
-        {
-            return Err(Box::new(destination_refused(ip)));
-        }
-        let body_sha256 = hex(&Sha256::digest(body));
-        let url = uri.to_string();
-        let method = parts.method.as_str();
-        let args = json!({"method": method, "url": url, "scheme": scheme, "host": host,
-            "port": port, "path": uri.path(), "query": uri.query().unwrap_or(""),
-            "body_sha256": body_sha256, "body_bytes": body.len()});
+        let (method, url) = (parts.method.as_str(), uri.to_string());
+        let body_sha256 = args["body_sha256"].as_str().unwrap_or_default().to_string();
         let key = match parts.headers.get("idempotency-key") {
             Some(v) => format!(
                 "idem:{}",
@@ -699,6 +690,11 @@ impl Proxy {
             )));
         }
         match v["verdict"].as_str() {
+            Some("admitted") if self.preadmitted.as_deref() == Some(effect.key.as_str()) => {
+                let token = v["token"].as_str().unwrap_or_default().to_string();
+                self.start_preadmitted(effect, &token, who).await?;
+                Ok(token)
+            }
             Some("admitted") => Ok(v["token"].as_str().unwrap_or_default().to_string()),
             Some("held") => Err(Box::new(held(who, &v))),
             Some("refused") if v["budget"].is_object() => Err(Box::new(crate::meter::over_budget(
@@ -728,8 +724,40 @@ impl Proxy {
         }
     }
 
+    /// Starts an effect the harness admitted (`preadmitted`): `go`, or the answer the agent
+    /// gets instead (a hold at the commit point — a pause, a sibling — a refusal, a stop).
+    async fn start_preadmitted(
+        &self,
+        effect: &Effect,
+        token: &str,
+        who: Value,
+    ) -> Result<(), Box<Reply>> {
+        let start = json!({"op": "start", "run": self.run, "key": effect.key, "token": token});
+        let v = self.gate.call(start).await.map_err(|e| gate_down(&e))?;
+        match (v["ok"] == true, v["verdict"].as_str()) {
+            (true, Some("go")) => Ok(()),
+            (true, Some("held")) => Err(Box::new(held(who, &v))),
+            (true, _) => Err(Box::new(refusal(
+                StatusCode::FORBIDDEN,
+                merge(
+                    who,
+                    json!({"verdict": "refused", "reason": v["reason"], "message": v["message"],
+                        "what_to_do": "do not retry this request: the gate did not start it"}),
+                ),
+            ))),
+            (false, _) => Err(Box::new(refusal(
+                StatusCode::SERVICE_UNAVAILABLE,
+                merge(
+                    who,
+                    json!({"verdict": "error", "error": v["error"],
+                        "message": "the gate did not start the request; nothing was sent"}),
+                ),
+            ))),
+        }
+    }
+
     fn destination_allowed(&self, ip: IpAddr) -> bool {
-        !forbidden(ip) || self.settings.allow.iter().any(|net| contains(*net, ip))
+        destination_allowed(&self.settings, ip)
     }
 
     /// Resolves, dials and sends one admitted request, up to the response's head: the
@@ -874,6 +902,59 @@ impl Proxy {
             .map_err(|e| (failed(e.to_string()).0, "unknown", format!("{addr}: {e}")))?;
         Ok((res, sender, addr))
     }
+}
+
+/// Why a request cannot be an effect: a malformed request, or a destination the settings
+/// refuse (before anything is resolved or dialled).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestRefusal {
+    BadRequest(&'static str),
+    Destination(IpAddr),
+}
+
+/// The arguments the gate sees for a request (tool `http.METHOD`): method, URL, scheme, host,
+/// port, path, query and the body's SHA-256 and length. One function for the proxy and for
+/// the harness, which admits an HTTP tool's request before it dispatches the call
+/// (crates/harness, `http::Request`): the proxy's admission of what is actually sent then
+/// finds the same arguments, so the same digest, or the gate refuses it as a mismatch.
+pub fn request_args(
+    method: &Method,
+    uri: &hyper::Uri,
+    body: &[u8],
+    settings: &Settings,
+) -> Result<Value, RequestRefusal> {
+    let (scheme, default_port) = match uri.scheme_str() {
+        Some("http") => ("http", 80),
+        Some("https") => ("https", 443),
+        _ => {
+            return Err(RequestRefusal::BadRequest(
+                "the proxy takes absolute http:// URLs (set HTTP_PROXY)",
+            ));
+        }
+    };
+    let host = uri
+        .host()
+        .ok_or(RequestRefusal::BadRequest("no host in the URL"))?;
+    let port = uri.port_u16().unwrap_or(default_port);
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_ascii_lowercase();
+    if let Ok(ip) = host.parse::<IpAddr>()
+        && !destination_allowed(settings, ip)
+    {
+        return Err(RequestRefusal::Destination(ip));
+    }
+    let body_sha256 = hex(&Sha256::digest(body));
+    Ok(
+        json!({"method": method.as_str(), "url": uri.to_string(), "scheme": scheme,
+        "host": host, "port": port, "path": uri.path(), "query": uri.query().unwrap_or(""),
+        "body_sha256": body_sha256, "body_bytes": body.len()}),
+    )
+}
+
+fn destination_allowed(settings: &Settings, ip: IpAddr) -> bool {
+    !forbidden(ip) || settings.allow.iter().any(|net| contains(*net, ip))
 }
 
 /// What became of an admitted request: answered (its response to relay), or done.
@@ -1081,6 +1162,7 @@ mod tests {
             seq: 0.into(),
             pool: crate::pool::Pool::default(),
             access: None,
+            preadmitted: None,
         };
         (Arc::new(proxy), fence_tx)
     }

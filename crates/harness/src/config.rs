@@ -131,9 +131,21 @@ pub struct ToolSection {
     /// A sandboxed command: the arguments (JSON) on stdin, the result on stdout.
     #[serde(default)]
     pub command: Vec<String>,
-    /// Or an HTTP tool: the arguments POSTed as JSON here, through the egress proxy (as the
-    /// child run `TRAJECTORY/CALL_ID`: crate::http), the answer's body the result.
+    /// Or an HTTP tool: a request here, through the egress proxy (as the child run
+    /// `TRAJECTORY/CALL_ID`: crate::http), the answer's body the result.
     pub url: Option<String>,
+    /// An HTTP tool's method: GET, POST (the default), PUT, PATCH or DELETE. POST, PUT and
+    /// PATCH send the arguments as the JSON body; GET and DELETE send them as the query.
+    #[serde(default)]
+    pub method: Option<crate::http::Method>,
+    /// An HTTP tool's path after the URL's, `{name}` filled from the argument `name` as one
+    /// percent-encoded segment (`"/orders/{order_id}"`).
+    #[serde(default)]
+    pub path: Option<String>,
+    /// An HTTP tool's static headers; no credentials (the egress credential store's), no
+    /// hop-by-hop, Host, Content-Length or Proxy-* header.
+    #[serde(default)]
+    pub headers: std::collections::BTreeMap<String, String>,
     /// An HTTP tool's `[egress]` settings file (`estop run --policy`'s shape): the
     /// destinations it may reach beyond the refused ones, `hold_ms`, the body bounds, and the
     /// `credentials` store injected per host. Only with `url`.
@@ -148,6 +160,16 @@ pub struct ToolSection {
     pub sandbox_policy: Option<std::path::PathBuf>,
     #[serde(default)]
     pub read_only: bool,
+}
+
+impl ToolSection {
+    fn http(&self) -> crate::http::HttpSpec {
+        crate::http::HttpSpec {
+            method: self.method.unwrap_or_default(),
+            path: self.path.clone(),
+            headers: self.headers.clone(),
+        }
+    }
 }
 
 fn object_schema() -> toml::Value {
@@ -240,6 +262,21 @@ impl Config {
             {
                 return bad(format!("tool {:?}: {e}", t.name));
             }
+            let http = t.method.is_some() || t.path.is_some() || !t.headers.is_empty();
+            match &t.url {
+                None if http => {
+                    return bad(format!(
+                        "tool {:?}: method, path and headers go with url",
+                        t.name
+                    ));
+                }
+                Some(url) => {
+                    if let Err(e) = t.http().check(url) {
+                        return bad(format!("tool {:?}: {e}", t.name));
+                    }
+                }
+                None => {}
+            }
         }
         estop_mcp::config::check_servers(&self.servers)
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
@@ -299,6 +336,7 @@ impl Config {
                 parameters: serde_json::to_value(&t.parameters).unwrap_or_default(),
                 command: t.command.clone(),
                 url: t.url.clone(),
+                http: t.http(),
                 mcp: None,
                 sandbox: t.sandbox,
                 sandbox_policy: t.sandbox_policy.clone(),

@@ -63,6 +63,47 @@ impl GateConfig {
                 reason: "invalid_arguments".into(),
             };
         };
+        self.admit_value(run, parent, key, tool, args)
+    }
+
+    /// Admits an HTTP tool call's request two-phase under the call's run `run` (a child of
+    /// `parent`, the trajectory's), on a connection that speaks for that run (`hello {token,
+    /// run}`: the principal `TOKEN/RUN`), as the call's proxy does (estop_egress::tool): the
+    /// run belongs to that principal, so the proxy may start the effect.
+    pub fn admit_request(
+        &self,
+        run: &str,
+        parent: &str,
+        key: &str,
+        tool: &str,
+        args: Value,
+    ) -> Admission {
+        let asked = (|| {
+            let hello = op(Verb::Hello, &json!({"token": self.token, "run": run}))?;
+            let mut c = Client::connect(&self.target).map_err(|e| e.to_string())?;
+            c.request(&hello).map_err(|e| e.to_string())?;
+            let fields = json!({"run": run, "parent": parent, "key": key, "tool": tool,
+                "args": args, "start": false});
+            c.ask::<VerdictReply>(&op(Verb::Admit, &fields)?)
+                .map_err(|e| e.to_string())
+        })();
+        match asked {
+            Ok(v) => admission(v),
+            Err(e) => Admission::Refused {
+                reason: format!("gate: {e}"),
+            },
+        }
+    }
+
+    /// [`GateConfig::admit`] of arguments already JSON.
+    fn admit_value(
+        &self,
+        run: &str,
+        parent: Option<&str>,
+        key: &str,
+        tool: &str,
+        args: Value,
+    ) -> Admission {
         let mut fields =
             json!({"run": run, "key": key, "tool": tool, "args": args, "start": false});
         if let Some(p) = parent {

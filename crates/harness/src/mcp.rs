@@ -99,6 +99,7 @@ impl Upstreams {
                     read_only,
                     sandbox: false,
                     sandbox_policy: None,
+                    http: Default::default(),
                     egress: None,
                 });
             }

@@ -154,9 +154,20 @@ async fn read_lines(
 pub enum GateAsk {
     /// Subscribe to the run: its stops, pauses and resumes come back as control requests.
     Watch { run: String },
-    /// Tell the runner when the held call `key` is decided.
-    Decision { run: String, key: String },
+    /// Tell the runner when the held effect `key` of `run` is decided, as the decision of the
+    /// call `call` of the trajectory `trajectory` (the same run and key for a held tool call;
+    /// an HTTP tool's held request is the effect `idem:CALL_ID` of the call's run
+    /// `TRAJECTORY/CALL_ID`, whose events are subscribed to first).
+    Decision {
+        run: String,
+        key: String,
+        trajectory: String,
+        call: String,
+    },
 }
+
+/// Who a held effect's decision goes to: the trajectory and its call.
+type Held = BTreeMap<String, BTreeMap<String, (String, String)>>;
 
 /// What a poll of a held call found, back to the gate task.
 enum Polled {
@@ -182,8 +193,11 @@ pub async fn gate_task(
     runner: mpsc::UnboundedSender<Input>,
 ) {
     let mut conn: Option<(Mux, mpsc::UnboundedReceiver<Event>)> = None;
-    // Held calls waited for, by run.
-    let mut held: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    // Held effects waited for, by run and key.
+    let mut held: Held = BTreeMap::new();
+    // The trajectories' runs: only their events are control requests (a held request's run
+    // is subscribed to for its decision only).
+    let mut watched: BTreeSet<String> = BTreeSet::new();
     let (polled_tx, mut polled) = mpsc::unbounded_channel::<Polled>();
     loop {
         let event = async {
@@ -199,13 +213,16 @@ pub async fn gate_task(
                     conn = Mux::connect(&gate).await.ok();
                 }
                 let (run, key) = match ask {
-                    GateAsk::Watch { run } => (run, None),
-                    GateAsk::Decision { run, key } => (run, Some(key)),
+                    GateAsk::Watch { run } => {
+                        watched.insert(run.clone());
+                        (run, None)
+                    }
+                    GateAsk::Decision { run, key, trajectory, call } => (run, Some((key, trajectory, call))),
                 };
                 let Some((mux, _)) = &conn else {
                     // The gate cannot be reached: silence is no.
-                    if let Some(key) = key {
-                        let _ = runner.send(Input::Decided { id: run, call: key, decision: Decision::Canceled });
+                    if let Some((_, trajectory, call)) = key {
+                        let _ = runner.send(Input::Decided { id: trajectory, call, decision: Decision::Canceled });
                     }
                     continue;
                 };
@@ -214,42 +231,54 @@ pub async fn gate_task(
                         let (mux, run) = (mux.clone(), run.clone());
                         tokio::spawn(async move { mux.request(op(Verb::Subscribe, &json!({"run": run}))?).await });
                     }
-                    Some(key) => {
-                        held.entry(run.clone()).or_default().insert(key.clone());
-                        tokio::spawn(poll(mux.clone(), run, key, polled_tx.clone()));
+                    Some((key, trajectory, call)) => {
+                        let own = run == trajectory;
+                        held.entry(run.clone()).or_default().insert(key.clone(), (trajectory, call));
+                        let (mux, polled) = (mux.clone(), polled_tx.clone());
+                        tokio::spawn(async move {
+                            // Another run's effect: its events are subscribed to before the
+                            // first poll, so no decision falls between the two.
+                            if !own {
+                                let sub = op(Verb::Subscribe, &json!({"run": run}));
+                                if let Ok(sub) = sub {
+                                    let _ = mux.request(sub).await;
+                                }
+                            }
+                            poll(mux, run, key, polled).await;
+                        });
                     }
                 }
             }
             e = event => match e {
-                Some(e) => on_event(&conn.as_ref().expect("connected").0, e, &held, &runner, &polled_tx),
+                Some(e) => on_event(&conn.as_ref().expect("connected").0, e, &held, &watched, &runner, &polled_tx),
                 None => {
                     // The gate went away: every held call waited for is a refusal.
                     conn = None;
-                    for (run, keys) in std::mem::take(&mut held) {
-                        for key in keys {
-                            let _ = runner.send(Input::Decided { id: run.clone(), call: key, decision: Decision::Canceled });
+                    for keys in std::mem::take(&mut held).into_values() {
+                        for (trajectory, call) in keys.into_values() {
+                            let _ = runner.send(Input::Decided { id: trajectory, call, decision: Decision::Canceled });
                         }
                     }
                 }
             },
             Some(p) = polled.recv() => {
                 if let Polled::Still(Some(q)) = p {
-                    if held.get(&q.run).is_some_and(|k| k.contains(&q.key)) {
+                    if let Some((trajectory, call)) = held.get(&q.run).and_then(|k| k.get(&q.key)) {
                         let _ = runner.send(Input::Quorum {
-                            id: q.run,
-                            call: q.key,
+                            id: trajectory.clone(),
+                            call: call.clone(),
                             approval: q.approval,
                             quorum: q.quorum,
                             approvers: q.approvers,
                         });
                     }
                 } else if let Polled::Decided(run, key, decision) = p {
-                    let known = held.get_mut(&run).is_some_and(|k| k.remove(&key));
-                    if held.get(&run).is_some_and(BTreeSet::is_empty) {
+                    let known = held.get_mut(&run).and_then(|k| k.remove(&key));
+                    if held.get(&run).is_some_and(BTreeMap::is_empty) {
                         held.remove(&run);
                     }
-                    if known {
-                        let _ = runner.send(Input::Decided { id: run, call: key, decision });
+                    if let Some((trajectory, call)) = known {
+                        let _ = runner.send(Input::Decided { id: trajectory, call, decision });
                     }
                 }
             }
@@ -262,11 +291,12 @@ pub async fn gate_task(
 fn on_event(
     mux: &Mux,
     e: Event,
-    held: &BTreeMap<String, BTreeSet<String>>,
+    held: &Held,
+    watched: &BTreeSet<String>,
     runner: &mpsc::UnboundedSender<Input>,
     polled: &mpsc::UnboundedSender<Polled>,
 ) {
-    for key in held.get(&e.run).into_iter().flatten() {
+    for key in held.get(&e.run).into_iter().flat_map(BTreeMap::keys) {
         tokio::spawn(poll(
             mux.clone(),
             e.run.clone(),
@@ -274,10 +304,12 @@ fn on_event(
             polled.clone(),
         ));
     }
-    if !matches!(
-        e.event,
-        EventKind::Cancelled | EventKind::Finalizing | EventKind::Paused | EventKind::Resumed
-    ) {
+    if !watched.contains(&e.run)
+        || !matches!(
+            e.event,
+            EventKind::Cancelled | EventKind::Finalizing | EventKind::Paused | EventKind::Resumed
+        )
+    {
         return;
     }
     let (mux, runner) = (mux.clone(), runner.clone());

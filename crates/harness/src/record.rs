@@ -132,6 +132,23 @@ pub struct HeldCall {
     pub approvers: Vec<String>,
     #[serde(default)]
     pub preconditions: Option<Preconditions>,
+    /// An HTTP tool call whose tool the gate admitted and whose request it holds: the held
+    /// effect is this request's (`None`: the tool call itself is held).
+    #[serde(default)]
+    pub request: Option<HeldRequest>,
+}
+
+/// The request of an HTTP tool call, held by the gate at its pre-admission (crate::http): the
+/// effect `key` (`idem:CALL_ID`) of the call's run (`TRAJECTORY/CALL_ID`), what it is, and the
+/// token of the tool call itself, admitted and not started, which an approval dispatches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldRequest {
+    pub run: String,
+    pub key: String,
+    /// `http.METHOD`.
+    pub tool: String,
+    pub url: String,
+    pub token: String,
 }
 
 impl HeldCall {
@@ -143,6 +160,7 @@ impl HeldCall {
             quorum: 0,
             approvers: Vec::new(),
             preconditions: None,
+            request: None,
         }
     }
 }
@@ -303,8 +321,19 @@ pub enum Admission {
     Held {
         expires_at_ms: u64,
     },
+    /// An HTTP tool call: the tool admitted (`request.token`), its request held.
+    RequestHeld {
+        expires_at_ms: u64,
+        request: HeldRequest,
+    },
     Refused {
         reason: String,
+    },
+    /// The harness refused the call itself before asking the gate (an HTTP tool's path
+    /// argument that is not one segment, a refused destination): nothing was sent.
+    NotSent {
+        reason: String,
+        message: String,
     },
     /// Already recorded (a resume): its recorded outcome stands in for a run.
     Duplicate {
@@ -725,7 +754,15 @@ impl Record {
                     token: Some(token),
                 });
             }
-            Admission::Held { expires_at_ms } => {
+            Admission::Held { .. } | Admission::RequestHeld { .. } => {
+                let (expires_at_ms, request) = match a {
+                    Admission::RequestHeld {
+                        expires_at_ms,
+                        request,
+                    } => (expires_at_ms, Some(request)),
+                    Admission::Held { expires_at_ms } => (expires_at_ms, None),
+                    _ => unreachable!("matched above"),
+                };
                 let p = self.pending.remove(i);
                 let preconditions = Preconditions {
                     digest: call_digest(&p.call),
@@ -733,7 +770,14 @@ impl Record {
                 };
                 let mut h = HeldCall::new(p.call, expires_at_ms);
                 h.preconditions = Some(preconditions);
+                h.request = request;
                 self.held.push(h);
+            }
+            Admission::NotSent { reason, message } => {
+                let p = self.pending.remove(i);
+                actions.push(Action::Observe {
+                    message: refusal(&p.call, &reason, &message),
+                });
             }
             Admission::Refused { reason } => {
                 let p = self.pending.remove(i);
@@ -867,6 +911,9 @@ impl Record {
                                   budget below its stop): dispatched"
                             .into(),
                     });
+                    // A held request's approval is the request's: the tool call dispatches
+                    // with its own token, admitted when the request was held.
+                    let token = h.request.as_ref().map_or(token, |r| r.token.clone());
                     self.pending.push(PendingCall {
                         call: h.call.clone(),
                         phase: Phase::Admitted { token },

@@ -22,8 +22,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, watch};
 
 /// A tool: a command (the arguments, JSON, on its stdin; its stdout the result), an HTTP tool
-/// (the arguments POSTed as JSON to `url` through the egress proxy, as the child run
-/// `TRAJECTORY/CALL_ID`: crate::http; the answer's body the result) or an MCP server's
+/// (a request to `url` as `http` says — method, path, static headers — through the egress
+/// proxy, as the child run `TRAJECTORY/CALL_ID`: crate::http; the answer's body the result) or an MCP server's
 /// tool (`mcp`, sent upstream through [`crate::mcp::Upstreams`]). Exactly one of `command`,
 /// `url` and `mcp`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -35,6 +35,9 @@ pub struct Tool {
     pub command: Vec<String>,
     #[serde(default)]
     pub url: Option<String>,
+    /// An HTTP tool's method, path template and static headers (with `url`).
+    #[serde(default)]
+    pub http: crate::http::HttpSpec,
     #[serde(default)]
     pub mcp: Option<crate::mcp::McpTool>,
     /// The command runs inside `estop run`'s sandbox, as a child run of the trajectory's run
@@ -487,9 +490,28 @@ impl Runner {
                 self.apply(&id, |r, now| r.on_admission(now, &call, admission))
             }
             Input::Decided { id, call, decision } => {
-                if let Decision::Approved { token } = &decision {
-                    self.tokens
-                        .insert((id.clone(), call.clone()), token.clone());
+                let request = self
+                    .recs
+                    .get(&id)
+                    .and_then(|r| r.held.iter().find(|h| h.call.id == call))
+                    .and_then(|h| h.request.clone());
+                match (&decision, &request) {
+                    // A held request's approval is the request's; the tool call's own token
+                    // was kept with it.
+                    (Decision::Approved { .. }, Some(r)) => {
+                        self.tokens
+                            .insert((id.clone(), call.clone()), r.token.clone());
+                    }
+                    (Decision::Approved { token }, None) => {
+                        self.tokens
+                            .insert((id.clone(), call.clone()), token.clone());
+                    }
+                    // Refused: nothing will be sent under the call's run; it is closed.
+                    (_, Some(r)) => {
+                        let (gate, run) = (self.opts.gate.clone(), r.run.clone());
+                        tokio::task::spawn_blocking(move || gate.close(&run, false));
+                    }
+                    (_, None) => {}
                 }
                 self.apply(&id, |r, now| r.on_decision(now, &call, decision))
             }
@@ -960,15 +982,22 @@ impl Runner {
         match a {
             Action::Admit { calls } => {
                 let parent = rec.identity.parent.clone();
+                let tools = self.opts.tools.clone();
                 tokio::task::spawn_blocking(move || {
                     for c in calls {
-                        let admission = gate.admit(
-                            &id,
-                            parent.as_deref(),
-                            &c.id,
-                            &c.function.name,
-                            &c.function.arguments,
-                        );
+                        let http = tools
+                            .iter()
+                            .find(|t| t.name == c.function.name && t.url.is_some());
+                        let admission = match http {
+                            Some(t) => crate::http::admit(&gate, &id, parent.as_deref(), &c, t),
+                            None => gate.admit(
+                                &id,
+                                parent.as_deref(),
+                                &c.id,
+                                &c.function.name,
+                                &c.function.arguments,
+                            ),
+                        };
                         let _ = tx.send(Input::Admitted {
                             id: id.clone(),
                             call: c.id,
@@ -978,9 +1007,21 @@ impl Runner {
                 });
             }
             Action::AwaitDecision { call } => {
+                // A held HTTP request is its own run's effect.
+                let request = rec
+                    .held
+                    .iter()
+                    .find(|h| h.call.id == call.id)
+                    .and_then(|h| h.request.as_ref());
+                let (run, key) = match request {
+                    Some(r) => (r.run.clone(), r.key.clone()),
+                    None => (id.clone(), call.id.clone()),
+                };
                 let ask = crate::mux::GateAsk::Decision {
-                    run: id,
-                    key: call.id,
+                    run,
+                    key,
+                    trajectory: id,
+                    call: call.id,
                 };
                 let _ = self.gate_asks.send(ask);
             }
@@ -1248,8 +1289,11 @@ async fn dispatch(
         Some(Tool {
             url: Some(url),
             egress,
+            http,
             ..
-        }) => crate::http::call(gate, run, call, &url, &egress.unwrap_or_default()).await,
+        }) => {
+            crate::http::dispatch(gate, run, call, &url, &http, &egress.unwrap_or_default()).await
+        }
         Some(Tool { mcp: Some(m), .. }) => {
             // Cut: the runner settled the call already (`unknown`); nothing more to say.
             reach

@@ -47,6 +47,8 @@ struct Shared {
     calls: Vec<Value>,
     /// Each call's headers (names lower-case), in order.
     headers: Vec<Vec<(String, String)>>,
+    /// Each call's method and request target (`PUT /orders/7?x=1`), in order.
+    targets: Vec<String>,
     seen: Vec<Seen>,
 }
 
@@ -120,6 +122,11 @@ impl Scripted {
         self.shared.lock().expect("not poisoned").headers.clone()
     }
 
+    /// Every request's method and target as received (`PUT /orders/7?x=1`), in order.
+    pub fn targets(&self) -> Vec<String> {
+        self.shared.lock().expect("not poisoned").targets.clone()
+    }
+
     pub fn seen(&self) -> Vec<Seen> {
         self.shared.lock().expect("not poisoned").seen.clone()
     }
@@ -160,6 +167,11 @@ async fn serve(
             )
         })
         .collect();
+    let target = format!(
+        "{} {}",
+        req.method(),
+        req.uri().path_and_query().map_or("/", |p| p.as_str())
+    );
     let bytes = req
         .into_body()
         .collect()
@@ -171,6 +183,7 @@ async fn serve(
         let mut s = shared.lock().expect("not poisoned");
         s.calls.push(body);
         s.headers.push(headers);
+        s.targets.push(target);
         let n = s.calls.len() - 1;
         s.seen.push(Seen::Call { n });
         n

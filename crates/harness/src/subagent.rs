@@ -136,6 +136,7 @@ impl Subagents {
             mcp: None,
             sandbox: false,
             sandbox_policy: None,
+            http: Default::default(),
             read_only: false,
             egress: None,
         }
