@@ -527,6 +527,57 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         assert!(toml::from_str::<Config>(&format!("{base}[journal]\nkeep = 1\n")).is_err());
     }
 
+    /// An HTTP tool's method, path and headers: parsed, checked at load, and each refusal
+    /// names the tool.
+    #[test]
+    fn an_http_tools_method_path_and_headers_are_checked_naming_the_tool() {
+        let base = "[[model]]\nname = \"m\"\nbase_url = \"http://127.0.0.1:1/v1\"\nusd_per_mtok_input = 1.0\nusd_per_mtok_output = 1.0\n\n[[tool]]\nname = \"orders\"\nurl = \"https://orders.test/api\"\n";
+        let ok = format!(
+            "{base}method = \"PUT\"\npath = \"/orders/{{order_id}}\"\nheaders = {{ X-Tenant = \"acme\" }}\n"
+        );
+        let c: Config = toml::from_str(&ok).unwrap();
+        c.check().unwrap();
+        let t = &c.tools(&[], Vec::new()).unwrap()[0];
+        assert_eq!(t.http.method, crate::http::Method::Put);
+        assert_eq!(t.http.path.as_deref(), Some("/orders/{order_id}"));
+        assert_eq!(t.http.headers["X-Tenant"], "acme");
+        let bad = |extra: &str| -> String {
+            let c: Config = toml::from_str(&format!("{base}{extra}")).unwrap();
+            c.check().unwrap_err().to_string()
+        };
+        for (extra, why) in [
+            (
+                "headers = { Authorization = \"Bearer x\" }",
+                "header \"Authorization\"",
+            ),
+            ("headers = { Cookie = \"a=b\" }", "header \"Cookie\""),
+            ("headers = { Host = \"x\" }", "header \"Host\""),
+            (
+                "headers = { Proxy-Authorization = \"x\" }",
+                "header \"Proxy-Authorization\"",
+            ),
+            ("path = \"orders\"", "must start with /"),
+            ("path = \"/orders/{id\"", "without its }"),
+        ] {
+            let e = bad(extra);
+            assert!(
+                e.starts_with("tool \"orders\": ") && e.contains(why),
+                "{extra}: {e}"
+            );
+        }
+        let e = toml::from_str::<Config>(&format!("{base}method = \"TRACE\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("TRACE"), "{e}");
+        let cmd = base.replace("url = \"https://orders.test/api\"", "command = [\"cat\"]");
+        let c: Config = toml::from_str(&format!("{cmd}method = \"GET\"\n")).unwrap();
+        let e = c.check().unwrap_err().to_string();
+        assert!(
+            e.contains("tool \"orders\"") && e.contains("go with url"),
+            "{e}"
+        );
+    }
+
     /// docs/HARNESS.md stays true: its config example parses and passes the checks, with the
     /// `[subagents]` tool and the workspace root it shows.
     #[test]

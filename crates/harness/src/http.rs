@@ -683,6 +683,131 @@ mod tests {
         .unwrap()
     }
 
+    fn args(a: &str) -> ToolCall {
+        serde_json::from_value(json!({"id": "c1", "type": "function",
+            "function": {"name": "fetch", "arguments": a}}))
+        .unwrap()
+    }
+
+    fn spec(method: Method, path: Option<&str>) -> HttpSpec {
+        HttpSpec {
+            method,
+            path: path.map(str::to_string),
+            headers: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn a_path_is_filled_one_encoded_segment_per_argument() {
+        let put = spec(Method::Put, Some("/orders/{order_id}/lines/{n}"));
+        let r = Request::build(
+            &put,
+            "https://api.test/v1/",
+            &args(r#"{"order_id": "A 7%2F?#", "n": 3, "qty": 2}"#),
+        )
+        .unwrap();
+        assert_eq!(r.method, hyper::Method::PUT);
+        assert_eq!(
+            r.uri.to_string(),
+            "https://api.test/v1/orders/A%207%252F%3F%23/lines/3"
+        );
+        assert_eq!(
+            &r.body[..],
+            br#"{"order_id": "A 7%2F?#", "n": 3, "qty": 2}"#
+        );
+        // GET: no body; the arguments not in the path are the query, sorted, encoded.
+        let get = spec(Method::Get, Some("/orders/{order_id}"));
+        let r = Request::build(
+            &get,
+            "https://api.test",
+            &args(r#"{"order_id": "7", "q": "a&b=c", "all": true, "f": {"x": 1}}"#),
+        )
+        .unwrap();
+        assert_eq!(
+            r.uri.to_string(),
+            "https://api.test/orders/7?all=true&f=%7B%22x%22%3A1%7D&q=a%26b%3Dc"
+        );
+        assert!(r.body.is_empty());
+        // POST without a path: the URL as given, the arguments as the body (as before).
+        let r = Request::build(&HttpSpec::default(), "http://h/x", &args("{}")).unwrap();
+        assert_eq!(
+            (r.method, r.uri.to_string()),
+            (hyper::Method::POST, "http://h/x".into())
+        );
+    }
+
+    #[test]
+    fn a_path_argument_that_is_not_one_segment_is_refused() {
+        let s = spec(Method::Delete, Some("/orders/{id}"));
+        for (a, why) in [
+            (r#"{}"#, "needs the argument \"id\""),
+            (r#"{"id": ""}"#, "one path segment"),
+            (r#"{"id": "."}"#, "one path segment"),
+            (r#"{"id": ".."}"#, "one path segment"),
+            (r#"{"id": "../admin"}"#, "one path segment"),
+            (r#"{"id": "a/b"}"#, "one path segment"),
+            (r#"{"id": null}"#, "a string or a number"),
+            (r#"{"id": ["x"]}"#, "a string or a number"),
+            (r#"["x"]"#, "not a JSON object"),
+            ("not json", "not a JSON object"),
+        ] {
+            let e = Request::build(&s, "https://api.test", &args(a)).unwrap_err();
+            assert_eq!(e.reason, "INVALID_ARGUMENTS", "{a}");
+            assert!(e.message.contains(why), "{a}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn the_config_refuses_credentials_framing_headers_and_bad_paths() {
+        let with_header = |name: &str| HttpSpec {
+            headers: [(name.to_string(), "v".to_string())].into(),
+            ..HttpSpec::default()
+        };
+        for name in [
+            "Authorization",
+            "cookie",
+            "Host",
+            "Content-Length",
+            "Proxy-Authorization",
+            "proxy-anything",
+            "Connection",
+            "Transfer-Encoding",
+            "Upgrade",
+            "TE",
+            "Idempotency-Key",
+        ] {
+            let e = with_header(name).check("https://a.test").unwrap_err();
+            assert!(e.contains(&format!("header {name:?}")), "{name}: {e}");
+        }
+        assert!(with_header("X-Tenant").check("https://a.test").is_ok());
+        assert!(with_header("bad name").check("https://a.test").is_err());
+        let mut h = with_header("X-Tenant");
+        h.headers.insert("X-Tenant".into(), "a\nb".into());
+        assert!(
+            h.check("https://a.test")
+                .unwrap_err()
+                .contains("not a header value")
+        );
+        for (path, why) in [
+            ("orders/{id}", "must start with /"),
+            ("/orders/{id", "without its }"),
+            ("/orders/id}", "without its {"),
+            ("/orders/{}", "not an argument name"),
+            ("/orders/{a b}", "not an argument name"),
+            ("/orders?x={id}", "may not hold ?"),
+            ("/orders/ {id}", "only visible ASCII"),
+        ] {
+            let e = spec(Method::Get, Some(path))
+                .check("https://a.test")
+                .unwrap_err();
+            assert!(e.contains(why), "{path}: {e}");
+        }
+        let e = spec(Method::Get, Some("/x"))
+            .check("https://a.test/?q=1")
+            .unwrap_err();
+        assert!(e.contains("query"), "{e}");
+    }
+
     #[test]
     fn a_refusal_reads_as_seed_004s() {
         let r = refused(
