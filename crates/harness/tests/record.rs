@@ -6,8 +6,8 @@ use estop_harness::budget::{Budget, Dimension, Limits, Prices, Usage};
 use estop_harness::chat::{Finish, Reply, ToolCall};
 use estop_harness::machine::State;
 use estop_harness::record::{
-    Action, Admission, CallLimits, Control, Decision, Exit, GrantedTool, Grants, Identity, Record,
-    call_digest,
+    Action, Admission, CallLimits, Control, Decision, Exit, GrantedTool, Grants, HeldRequest,
+    Identity, Record, call_digest,
 };
 use proptest::prelude::*;
 
@@ -364,6 +364,87 @@ fn approvals_dispatch_only_on_approved_and_silence_is_no() {
     assert_eq!(r.state, State::Ready);
 }
 
+/// An HTTP tool call whose tool the gate admitted and whose request it holds is a held call
+/// like any (AWAITING_APPROVAL, the wait named by the request): approved, the call dispatches
+/// with the tool call's own token (not the request's); refused, the model reads seed 004's
+/// refusal and nothing dispatches; a harness refusal (`NotSent`) is read with its reason.
+#[test]
+fn a_held_http_request_awaits_approval_and_dispatches_with_the_calls_token() {
+    let held = |r: &mut Record| {
+        r.begin_turn(0, 10).unwrap();
+        r.on_reply(1, calls(&[("c1", "write")])).unwrap();
+        let request = HeldRequest {
+            run: "t/c1".into(),
+            key: "idem:c1".into(),
+            tool: "http.POST".into(),
+            url: "https://a.test/x".into(),
+            token: "tool-token".into(),
+        };
+        let a = r
+            .on_admission(
+                1,
+                "c1",
+                Admission::RequestHeld {
+                    expires_at_ms: 100,
+                    request: request.clone(),
+                },
+            )
+            .unwrap();
+        assert_eq!(r.state, State::AwaitingApproval);
+        assert!(a.iter().any(|a| matches!(a, Action::AwaitDecision { .. })));
+        assert_eq!(r.held[0].request.as_ref(), Some(&request));
+    };
+    let mut r = record(Limits::default());
+    held(&mut r);
+    let a = r
+        .on_decision(
+            2,
+            "c1",
+            Decision::Approved {
+                token: "request-token".into(),
+            },
+        )
+        .unwrap();
+    let tokens: Vec<&str> = a
+        .iter()
+        .filter_map(|a| match a {
+            Action::Dispatch { token, .. } => Some(token.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tokens, ["tool-token"]);
+    assert_eq!(r.state, State::WaitingTool);
+
+    let mut r = record(Limits::default());
+    held(&mut r);
+    let a = r.on_decision(2, "c1", Decision::Denied).unwrap();
+    assert!(dispatched(&a).is_empty());
+    assert!(observed(&a)[0].contains("APPROVAL_DENIED"));
+    assert_eq!(r.state, State::Ready);
+
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(1, calls(&[("c1", "write")])).unwrap();
+    let a = r
+        .on_admission(
+            1,
+            "c1",
+            Admission::NotSent {
+                reason: "INVALID_ARGUMENTS".into(),
+                message: "the path needs the argument \"id\"".into(),
+            },
+        )
+        .unwrap();
+    assert!(dispatched(&a).is_empty());
+    let o = observed(&a);
+    assert!(
+        o.iter()
+            .any(|o| o.contains("INVALID_ARGUMENTS") && o.contains("needs the argument")),
+        "{o:?}"
+    );
+    assert_eq!(r.state, State::Ready);
+}
+
 /// Seed 004: a human's review time is not the agent's compute. The 1 s wall clock is spent
 /// 200 ms outside the approval wait and 100 s inside it: the trajectory goes on; then 900 ms
 /// more outside a wait and it stops, naming the wall clock.
@@ -494,7 +575,7 @@ fn input() -> impl Strategy<Value = Input> {
     prop_oneof![
         2 => Just(Input::Turn),
         2 => (0u8..6).prop_map(Input::Reply),
-        3 => (0u8..3, 0u8..4).prop_map(|(c, v)| Input::Admit(c, v)),
+        3 => (0u8..3, 0u8..6).prop_map(|(c, v)| Input::Admit(c, v)),
         2 => (0u8..3, 0u8..4).prop_map(|(c, v)| Input::Decide(c, v)),
         3 => (0u8..3).prop_map(Input::Result),
         1 => (0u64..2_000).prop_map(Input::Tick),
@@ -531,6 +612,10 @@ proptest! {
                     0 => admitted("k"),
                     1 => Admission::Held { expires_at_ms: now + 100 },
                     2 => Admission::Refused { reason: "denied".into() },
+                    3 => Admission::RequestHeld { expires_at_ms: now + 100, request: HeldRequest {
+                        run: format!("t/{}", id(c)), key: format!("idem:{}", id(c)),
+                        tool: "http.POST".into(), url: "https://a.test/".into(), token: "k".into() } },
+                    4 => Admission::NotSent { reason: "INVALID_ARGUMENTS".into(), message: "m".into() },
                     _ => Admission::Duplicate { status: "completed".into(), outcome: Some("r".into()) },
                 }),
                 Input::Decide(c, v) => r.on_decision(now, &id(c), match v {
