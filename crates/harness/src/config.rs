@@ -137,7 +137,7 @@ pub struct ToolSection {
     /// An HTTP tool's method: GET, POST (the default), PUT, PATCH or DELETE. POST, PUT and
     /// PATCH send the arguments as the JSON body; GET and DELETE send them as the query.
     #[serde(default)]
-    pub method: Option<crate::http::Method>,
+    pub method: Option<String>,
     /// An HTTP tool's path after the URL's, `{name}` filled from the argument `name` as one
     /// percent-encoded segment (`"/orders/{order_id}"`).
     #[serde(default)]
@@ -163,12 +163,16 @@ pub struct ToolSection {
 }
 
 impl ToolSection {
-    fn http(&self) -> crate::http::HttpSpec {
-        crate::http::HttpSpec {
-            method: self.method.unwrap_or_default(),
+    /// The HTTP tool's request settings; an unknown method is an error.
+    fn http(&self) -> Result<crate::http::HttpSpec, String> {
+        Ok(crate::http::HttpSpec {
+            method: match &self.method {
+                Some(m) => m.parse()?,
+                None => crate::http::Method::default(),
+            },
             path: self.path.clone(),
             headers: self.headers.clone(),
-        }
+        })
     }
 }
 
@@ -271,7 +275,7 @@ impl Config {
                     ));
                 }
                 Some(url) => {
-                    if let Err(e) = t.http().check(url) {
+                    if let Err(e) = t.http().and_then(|h| h.check(url)) {
                         return bad(format!("tool {:?}: {e}", t.name));
                     }
                 }
@@ -336,7 +340,9 @@ impl Config {
                 parameters: serde_json::to_value(&t.parameters).unwrap_or_default(),
                 command: t.command.clone(),
                 url: t.url.clone(),
-                http: t.http(),
+                http: t
+                    .http()
+                    .map_err(|e| ConfigError::Invalid(format!("tool {:?}: {e}", t.name)))?,
                 mcp: None,
                 sandbox: t.sandbox,
                 sandbox_policy: t.sandbox_policy.clone(),
@@ -565,10 +571,10 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
                 "{extra}: {e}"
             );
         }
-        let e = toml::from_str::<Config>(&format!("{base}method = \"TRACE\"\n"))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("TRACE"), "{e}");
+        let e = bad("method = \"TRACE\"");
+        assert!(e.starts_with("tool \"orders\": method \"TRACE\""), "{e}");
+        let c: Config = toml::from_str(&format!("{base}method = \"delete\"\n")).unwrap();
+        c.check().unwrap();
         let cmd = base.replace("url = \"https://orders.test/api\"", "command = [\"cat\"]");
         let c: Config = toml::from_str(&format!("{cmd}method = \"GET\"\n")).unwrap();
         let e = c.check().unwrap_err().to_string();

@@ -66,6 +66,26 @@ pub enum Method {
     Delete,
 }
 
+impl std::str::FromStr for Method {
+    type Err = String;
+
+    /// `GET`, `POST`, `PUT`, `PATCH` or `DELETE`, in any case.
+    fn from_str(s: &str) -> Result<Method, String> {
+        Ok(match s.to_ascii_uppercase().as_str() {
+            "GET" => Method::Get,
+            "POST" => Method::Post,
+            "PUT" => Method::Put,
+            "PATCH" => Method::Patch,
+            "DELETE" => Method::Delete,
+            _ => {
+                return Err(format!(
+                    "method {s:?} is not one of GET, POST, PUT, PATCH, DELETE"
+                ));
+            }
+        })
+    }
+}
+
 impl Method {
     fn hyper(self) -> hyper::Method {
         match self {
@@ -311,6 +331,13 @@ impl Request {
                 }
             }
             target = base + &filled;
+        }
+        // An origin alone gets the root path, so the request has a target to name.
+        if !target
+            .split_once("://")
+            .is_some_and(|(_, rest)| rest.contains('/'))
+        {
+            target.push('/');
         }
         let method = spec.method;
         if !method.has_body() {
@@ -734,6 +761,8 @@ mod tests {
             (r.method, r.uri.to_string()),
             (hyper::Method::POST, "http://h/x".into())
         );
+        let r = Request::build(&spec(Method::Get, None), "http://h", &args(r#"{"a": 1}"#)).unwrap();
+        assert_eq!(r.uri.to_string(), "http://h/?a=1");
     }
 
     #[test]
