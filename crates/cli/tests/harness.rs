@@ -1005,6 +1005,16 @@ fn an_http_tool_request_held_for_approval_awaits_approval_and_goes_once_approved
     );
     assert!(upstream.calls().is_empty(), "nothing sent while held");
     assert_eq!(effect_status(&d, "traj-7/c1", "idem:c1"), "held");
+    // The journal's view (the console's, `estop agent list --json`) names it too.
+    let (code, out, err) = d.cli(&["agent", "list", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let page: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        page["trajectories"][0]["held"][0]["request"],
+        json!({"run": "traj-7/c1", "key": "idem:c1", "tool": "http.POST",
+            "url": format!("http://{}/held", upstream.addr)}),
+        "{page}"
+    );
     let (code, _, err) = d.cli(&["approve", "traj-7/c1", "idem:c1"]);
     assert_eq!(code, 0, "{err}");
     let runner = rt.block_on(run).unwrap();

@@ -141,9 +141,13 @@ pub fn trajectory(
         .held
         .iter()
         .map(|h| {
+            // An HTTP tool's held request: what the approval is for.
+            let request = h.request.as_ref().map(|q| {
+                json!({"run": t(&q.run), "key": t(&q.key), "tool": t(&q.tool), "url": t(&q.url)})
+            });
             json!({"call": t(&h.call.id), "tool": t(&h.call.function.name),
                    "expires_at_ms": h.expires_at_ms, "approval": h.approval,
-                   "quorum": h.quorum, "approvers": h.approvers})
+                   "quorum": h.quorum, "approvers": h.approvers, "request": request})
         })
         .collect();
     let mut v = json!({
