@@ -1029,6 +1029,71 @@ fn an_http_tool_request_held_for_approval_awaits_approval_and_goes_once_approved
     assert_one_request_effect(&d, "traj-7/c1");
 }
 
+/// Polls `estop agent status ID` until it holds `text` (10 s at most); returns the output.
+fn status_shows(d: &Daemon, id: &str, text: &str) -> String {
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, out, _) = d.cli(&["agent", "status", id]);
+        if out.contains(text) || std::time::Instant::now() > until {
+            return out;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A call whose tool the policy holds and whose request it holds too: two approvals, both
+/// in AWAITING_APPROVAL — the tool's, then (its request admitted once the tool is approved,
+/// before anything is dispatched) the request's; nothing is sent in between, and the request
+/// goes once, after the second.
+#[test]
+fn a_held_tool_whose_request_is_held_too_awaits_both_approvals() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "guarded", "{\"id\": 9}"),
+            scripted::answer("done"),
+        ],
+    );
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![Step::Status {
+                    status: 200,
+                    body: "sent".into(),
+                }]],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    // No rule names it: the policy's `unknown_tool = "approve"` holds the call itself.
+    let mut tool = http_tool(dir.path(), &format!("http://{}/held", upstream.addr));
+    tool.name = "guarded".into();
+    opts.tools = vec![tool];
+    let run = spawn_runner(&rt, opts, "traj-h");
+    let out = status_shows(&d, "traj-h", "held c1 call guarded");
+    assert!(out.starts_with("traj-h AWAITING_APPROVAL "), "{out}");
+    let (code, _, err) = d.cli(&["approve", "traj-h", "c1"]);
+    assert_eq!(code, 0, "{err}");
+    let out = status_shows(&d, "traj-h", "held c1 request traj-h/c1 idem:c1 http.POST");
+    assert!(out.starts_with("traj-h AWAITING_APPROVAL "), "{out}");
+    assert!(out.contains("held c1 request"), "{out}");
+    assert!(
+        upstream.calls().is_empty(),
+        "nothing sent between the approvals"
+    );
+    let (code, _, err) = d.cli(&["approve", "traj-h/c1", "idem:c1"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    assert_eq!(runner.record("traj-h").unwrap().state, State::Completed);
+    assert_eq!(upstream.calls(), [json!({"id": 9})], "sent exactly once");
+    assert_eq!(effect_status(&d, "traj-h", "c1"), "completed");
+    assert_one_request_effect(&d, "traj-h/c1");
+}
+
 /// A held request the operator rejects: the model reads seed 004's `APPROVAL_DENIED` (the
 /// approval's quorum with it), nothing is dialled, the call's run is closed, and the
 /// trajectory re-plans and completes.

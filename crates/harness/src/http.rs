@@ -489,6 +489,37 @@ pub fn admit(
     let Admission::Admitted { token } = admission else {
         return admission;
     };
+    admit_request(gate, run, call, (effect, args), token)
+}
+
+/// Admits the request of a call whose tool call is admitted (with `token`), after the gate
+/// approved the tool call itself: `RequestHeld` when the policy holds the request too (the
+/// call stays held, now for its request), else `Admitted { token }`.
+pub fn admit_after_approval(
+    gate: &GateConfig,
+    run: &str,
+    call: &ToolCall,
+    tool: &crate::runner::Tool,
+    token: String,
+) -> Admission {
+    let default = Settings::default();
+    let settings = tool.egress.as_ref().map_or(&default, |e| &e.settings);
+    match Request::build(&tool.http, tool.url.as_deref().unwrap_or_default(), call)
+        .and_then(|r| r.effect(settings))
+    {
+        Ok(effect) => admit_request(gate, run, call, effect, token),
+        // Found again at dispatch, which refuses it.
+        Err(_) => Admission::Admitted { token },
+    }
+}
+
+fn admit_request(
+    gate: &GateConfig,
+    run: &str,
+    call: &ToolCall,
+    (effect, args): (String, Value),
+    token: String,
+) -> Admission {
     let child = format!("{run}/{}", call.id);
     if crate::gate::check_run_id(&child).is_err() {
         return Admission::Admitted { token };

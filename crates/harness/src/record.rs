@@ -957,6 +957,37 @@ impl Record {
         Ok(actions)
     }
 
+    /// A held call's tool was approved, and its HTTP request, admitted then, is held in turn
+    /// (crate::http::admit_after_approval): the call stays held, now for its request, with the
+    /// request's expiry — the trajectory stays AWAITING_APPROVAL and waits for that decision.
+    pub fn on_request_held(
+        &mut self,
+        now_ms: u64,
+        call_id: &str,
+        expires_at_ms: u64,
+        request: HeldRequest,
+    ) -> Step {
+        let state = self.state;
+        let found = self
+            .held
+            .iter_mut()
+            .find(|h| h.call.id == call_id && h.request.is_none());
+        let (State::AwaitingApproval, Some(h)) = (state, found) else {
+            return Ok(vec![Action::Dropped {
+                call_id: call_id.to_string(),
+                why: format!("a held request for a call not held (state {state})"),
+            }]);
+        };
+        h.expires_at_ms = expires_at_ms;
+        h.request = Some(request);
+        h.approval = None;
+        h.quorum = 0;
+        h.approvers.clear();
+        let call = h.call.clone();
+        self.note_review(now_ms);
+        Ok(vec![Action::AwaitDecision { call }])
+    }
+
     /// Whether `tool` is granted now: the grants, narrowed to read-only tools once the budget
     /// is at its restrict stage — also when that stage was reached by the reply that proposed
     /// the call, or by a wait, and no turn has begun since to record it in the grants.

@@ -116,6 +116,20 @@ pub enum Input {
         call: String,
         decision: Decision,
     },
+    /// An approval of a held HTTP tool call whose request was then admitted and not held:
+    /// the decision stands (`Decided`, without asking about the request again).
+    RequestAdmitted {
+        id: String,
+        call: String,
+        decision: Decision,
+    },
+    /// A held HTTP tool call's tool was approved and its request is held in turn.
+    RequestHeld {
+        id: String,
+        call: String,
+        expires_at_ms: u64,
+        request: crate::record::HeldRequest,
+    },
     /// A held call's approval request as the gate's inbox shows it (crate::mux).
     Quorum {
         id: String,
@@ -489,7 +503,57 @@ impl Runner {
                 }
                 self.apply(&id, |r, now| r.on_admission(now, &call, admission))
             }
-            Input::Decided { id, call, decision } => {
+            Input::Decided { id, call, decision }
+                if self.tool_approved_before_its_request(&id, &call, &decision) =>
+            {
+                // Its request was not admitted yet: it is now, before the approval dispatches
+                // anything, so a hold of the request keeps the trajectory AWAITING_APPROVAL.
+                let Decision::Approved { token } = decision.clone() else {
+                    unreachable!("checked: an approval")
+                };
+                let tool = self
+                    .opts
+                    .tools
+                    .iter()
+                    .find(|t| {
+                        t.name
+                            == self
+                                .held_call(&id, &call)
+                                .map_or("", |c| c.function.name.as_str())
+                    })
+                    .cloned();
+                let c = self.held_call(&id, &call).cloned();
+                let (gate, tx) = (self.opts.gate.clone(), self.tx.clone());
+                if let (Some(tool), Some(c)) = (tool, c) {
+                    tokio::task::spawn_blocking(move || {
+                        let input =
+                            match crate::http::admit_after_approval(&gate, &id, &c, &tool, token) {
+                                Admission::RequestHeld {
+                                    expires_at_ms,
+                                    request,
+                                } => Input::RequestHeld {
+                                    id,
+                                    call,
+                                    expires_at_ms,
+                                    request,
+                                },
+                                _ => Input::RequestAdmitted { id, call, decision },
+                            };
+                        let _ = tx.send(input);
+                    });
+                }
+                Ok(())
+            }
+            Input::RequestHeld {
+                id,
+                call,
+                expires_at_ms,
+                request,
+            } => self.apply(&id, |r, now| {
+                r.on_request_held(now, &call, expires_at_ms, request)
+            }),
+            Input::Decided { id, call, decision }
+            | Input::RequestAdmitted { id, call, decision } => {
                 let request = self
                     .recs
                     .get(&id)
@@ -553,6 +617,32 @@ impl Runner {
                 Ok(())
             }
         }
+    }
+
+    /// The call `call` of `id`, held.
+    fn held_call(&self, id: &str, call: &str) -> Option<&crate::chat::ToolCall> {
+        self.recs
+            .get(id)
+            .and_then(|r| r.held.iter().find(|h| h.call.id == call))
+            .map(|h| &h.call)
+    }
+
+    /// An approval of a held HTTP tool call whose tool was held (not yet its request).
+    fn tool_approved_before_its_request(&self, id: &str, call: &str, d: &Decision) -> bool {
+        let Some(r) = self.recs.get(id) else {
+            return false;
+        };
+        matches!(d, Decision::Approved { .. })
+            && r.state == State::AwaitingApproval
+            && r.held.iter().any(|h| {
+                h.call.id == call
+                    && h.request.is_none()
+                    && self
+                        .opts
+                        .tools
+                        .iter()
+                        .any(|t| t.name == h.call.function.name && t.url.is_some())
+            })
     }
 
     /// A request from another terminal: the status is read; an interrupt or a budget change is

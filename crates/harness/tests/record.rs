@@ -445,6 +445,56 @@ fn a_held_http_request_awaits_approval_and_dispatches_with_the_calls_token() {
     assert_eq!(r.state, State::Ready);
 }
 
+/// A held call whose tool is approved and whose request is then held stays held, now for the
+/// request (AWAITING_APPROVAL, the request's expiry, the wait named anew); a held request for a
+/// call not held is dropped and changes nothing.
+#[test]
+fn a_tool_approved_whose_request_is_held_stays_awaiting_approval() {
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(1, calls(&[("c1", "write")])).unwrap();
+    r.on_admission(1, "c1", Admission::Held { expires_at_ms: 100 })
+        .unwrap();
+    let request = HeldRequest {
+        run: "t/c1".into(),
+        key: "idem:c1".into(),
+        tool: "http.POST".into(),
+        url: "https://a.test/x".into(),
+        token: "tool-token".into(),
+    };
+    let a = r.on_request_held(2, "c1", 500, request.clone()).unwrap();
+    assert!(
+        matches!(&a[..], [Action::AwaitDecision { call }] if call.id == "c1"),
+        "{a:?}"
+    );
+    assert_eq!(r.state, State::AwaitingApproval);
+    assert_eq!(
+        (r.held[0].expires_at_ms, r.held[0].request.as_ref()),
+        (500, Some(&request))
+    );
+    let before = r.clone();
+    let a = r.on_request_held(3, "c9", 500, request).unwrap();
+    assert!(matches!(&a[..], [Action::Dropped { .. }]), "{a:?}");
+    assert_eq!(r, before);
+    let a = r
+        .on_decision(
+            4,
+            "c1",
+            Decision::Approved {
+                token: "req".into(),
+            },
+        )
+        .unwrap();
+    let tokens: Vec<&str> = a
+        .iter()
+        .filter_map(|a| match a {
+            Action::Dispatch { token, .. } => Some(token.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tokens, ["tool-token"]);
+}
+
 /// Seed 004: a human's review time is not the agent's compute. The 1 s wall clock is spent
 /// 200 ms outside the approval wait and 100 s inside it: the trajectory goes on; then 900 ms
 /// more outside a wait and it stops, naming the wall clock.
