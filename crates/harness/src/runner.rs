@@ -511,18 +511,14 @@ impl Runner {
                 let Decision::Approved { token } = decision.clone() else {
                     unreachable!("checked: an approval")
                 };
-                let tool = self
-                    .opts
-                    .tools
-                    .iter()
-                    .find(|t| {
-                        t.name
-                            == self
-                                .held_call(&id, &call)
-                                .map_or("", |c| c.function.name.as_str())
-                    })
-                    .cloned();
                 let c = self.held_call(&id, &call).cloned();
+                let tool = c.as_ref().and_then(|c| {
+                    self.opts
+                        .tools
+                        .iter()
+                        .find(|t| t.name == c.function.name)
+                        .cloned()
+                });
                 let (gate, tx) = (self.opts.gate.clone(), self.tx.clone());
                 if let (Some(tool), Some(c)) = (tool, c) {
                     tokio::task::spawn_blocking(move || {
