@@ -739,6 +739,7 @@ fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
                 retry_of: None,
                 depth: 0,
                 spawned_by: None,
+                contract: None,
             },
             CallLimits {
                 model: "m".into(),

@@ -82,6 +82,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
         upstreams: Default::default(),
         subagents: None,
         workspaces: None,
+        contract: None,
         sandbox: None,
         tools: vec![
             Tool {
@@ -95,6 +96,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 sandbox_policy: None,
                 read_only: true,
                 egress: None,
+                credentials: None,
             },
             Tool {
                 name: "drop_table".into(),
@@ -107,6 +109,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 sandbox_policy: None,
                 read_only: false,
                 egress: None,
+                credentials: None,
             },
         ],
         system: "You are a careful agent.".into(),
@@ -701,6 +704,7 @@ fn http_tool(dir: &std::path::Path, url: &str) -> Tool {
         sandbox_policy: None,
         read_only: true,
         egress: Some(estop_harness::http::Egress::load(&settings).unwrap()),
+        credentials: None,
     }
 }
 

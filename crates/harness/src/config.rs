@@ -28,6 +28,10 @@ pub struct Config {
     /// The tool with which a trajectory starts sub-agents (crate::subagent); none without it.
     #[serde(default)]
     pub subagents: Option<crate::subagent::Subagents>,
+    /// The task contract of the trajectories started under this config (crate::contract);
+    /// `estop agent run --contract FILE` gives another.
+    #[serde(default)]
+    pub contract: Option<crate::contract::Contract>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -148,6 +152,10 @@ pub struct ToolSection {
     pub sandbox_policy: Option<std::path::PathBuf>,
     #[serde(default)]
     pub read_only: bool,
+    /// The hosts of the `egress_policy`'s credential store whose handles a trajectory is
+    /// leased for this tool (default: all of them). Only with `url`.
+    #[serde(default)]
+    pub credentials: Option<Vec<String>>,
 }
 
 fn object_schema() -> toml::Value {
@@ -235,6 +243,12 @@ impl Config {
                     t.name
                 ));
             }
+            if t.credentials.is_some() && t.url.is_none() {
+                return bad(format!(
+                    "tool {:?}: credentials goes with url (an HTTP tool's credential store)",
+                    t.name
+                ));
+            }
             if let Some(url) = &t.url
                 && let Err(e) = crate::model::Endpoint::new(url, None)
             {
@@ -269,6 +283,16 @@ impl Config {
             return bad("harness.workers must be above 0".into());
         }
         self.journal.check().or_else(bad)?;
+        if let Some(c) = &self.contract {
+            c.check()
+                .map_err(|e| ConfigError::Invalid(format!("contract: {e}")))?;
+            if !c.workspace_files.is_empty() && self.harness.workspaces.is_none() {
+                return bad(
+                    "contract.workspace_files needs [harness] workspaces (the workspace lease)"
+                        .into(),
+                );
+            }
+        }
         Ok(())
     }
 
@@ -304,6 +328,7 @@ impl Config {
                 sandbox_policy: t.sandbox_policy.clone(),
                 read_only: t.read_only,
                 egress,
+                credentials: t.credentials.clone(),
             });
         }
         all.extend(
