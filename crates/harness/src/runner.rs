@@ -761,12 +761,15 @@ impl Runner {
                     .iter()
                     .find(|t| t.name == call.function.name)
                     .cloned()
-                    .map(|t| leased_only(t, &rec.leases));
+                    .map(|t| credential_scope(t, &rec.leases));
+                let credentials_released = matches!(tool, Some(Err(_)));
+                let tool = tool.map(|t| t.unwrap_or_else(|t| t));
                 let call_id = call.id.clone();
                 let reach = Reach {
                     upstreams: self.opts.upstreams.clone(),
                     sandbox: self.opts.sandbox.clone(),
                     workspace: rec.pointers.workspace.as_ref().map(PathBuf::from),
+                    credentials_released,
                 };
                 let (cut_tx, cut) = watch::channel(false);
                 if tool.as_ref().is_some_and(|t| t.mcp.is_some()) {
@@ -1271,6 +1274,9 @@ struct Reach {
     sandbox: Option<SandboxLaunch>,
     /// The trajectory's workspace lease: command tools run in it (`ESTOP_WORKSPACE`).
     workspace: Option<PathBuf>,
+    /// The HTTP tool's credential handles were all released (crate::record::Lease): the call
+    /// is refused, nothing sent.
+    credentials_released: bool,
 }
 
 /// Start at the gate (the commit point), run the tool, complete with its outcome.
@@ -1297,6 +1303,12 @@ async fn dispatch(
         return Some((false, refused.to_string()));
     }
     let (outcome, text) = match tool {
+        Some(Tool { url: Some(_), .. }) if reach.credentials_released => {
+            let message = "the trajectory's handles to this tool's credentials were released \
+                           (the budget's restrict stage, or its end); nothing was sent";
+            let m = crate::record::refusal(call, "CREDENTIAL_RELEASED", message);
+            ("error", m.content.unwrap_or_default())
+        }
         Some(Tool {
             url: Some(url),
             egress,
@@ -1388,20 +1400,33 @@ fn credential_handle(tool: &str, c: &estop_egress::credentials::Credential) -> S
     }
 }
 
-/// Grants the trajectory a handle to each credential its HTTP tools may use (the hosts of the
-/// tool's store its `credentials` names; all of them when it names none), recorded as leases
-/// in the record that starts it.
+/// The credential handles `t` may be leased: one per destination of its store that its
+/// `credentials` names (all of them when it names none).
+fn leasable(t: &Tool) -> Vec<String> {
+    let Some(e) = &t.egress else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = Vec::new();
+    for c in &e.credentials.entries {
+        if t.credentials
+            .as_ref()
+            .is_some_and(|hosts| !hosts.contains(&c.host))
+        {
+            continue;
+        }
+        let id = credential_handle(&t.name, c);
+        if !out.contains(&id) {
+            out.push(id);
+        }
+    }
+    out
+}
+
+/// Grants the trajectory a handle to each credential its HTTP tools may use ([`leasable`]),
+/// recorded as leases in the record that starts it.
 fn lease_credentials(tools: &[Tool], rec: &mut Record) {
     for t in tools {
-        let Some(e) = &t.egress else { continue };
-        for c in &e.credentials.entries {
-            if t.credentials
-                .as_ref()
-                .is_some_and(|hosts| !hosts.contains(&c.host))
-            {
-                continue;
-            }
-            let id = credential_handle(&t.name, c);
+        for id in leasable(t) {
             if !rec.leases.iter().any(|l| l.id == id) {
                 rec.leases.push(crate::record::Lease {
                     id,
@@ -1414,21 +1439,26 @@ fn lease_credentials(tools: &[Tool], rec: &mut Record) {
 }
 
 /// The tool as a call of this trajectory may use it: its credential store narrowed to the
-/// handles the trajectory holds now. A credential not leased (or released: FINALIZING, or the
-/// restrict stage for a tool that is not read-only) is not injected; the request goes without.
-fn leased_only(mut t: Tool, leases: &[crate::record::Lease]) -> Tool {
+/// handles the trajectory holds now (a credential it was never leased is not injected; the
+/// request goes without it). `Err`: the tool had handles and every one was released (the
+/// restrict stage for a tool that is not read-only, or FINALIZING): the call is refused
+/// (`CREDENTIAL_RELEASED`) and nothing is sent.
+fn credential_scope(mut t: Tool, leases: &[crate::record::Lease]) -> Result<Tool, Tool> {
+    let mine = leasable(&t);
+    let held = |id: &String| {
+        leases
+            .iter()
+            .any(|l| l.kind == crate::record::CREDENTIAL && &l.id == id)
+    };
+    if !mine.is_empty() && !mine.iter().any(held) {
+        return Err(t);
+    }
     if let Some(e) = &mut t.egress {
-        let held = |c: &estop_egress::credentials::Credential| {
-            let id = credential_handle(&t.name, c);
-            leases
-                .iter()
-                .any(|l| l.kind == crate::record::CREDENTIAL && l.id == id)
-        };
         let entries = e
             .credentials
             .entries
             .iter()
-            .filter(|c| held(c))
+            .filter(|c| held(&credential_handle(&t.name, c)))
             .cloned()
             .collect();
         e.credentials = std::sync::Arc::new(estop_egress::credentials::Credentials {
@@ -1436,7 +1466,7 @@ fn leased_only(mut t: Tool, leases: &[crate::record::Lease]) -> Tool {
             env_names: e.credentials.env_names.clone(),
         });
     }
-    t
+    Ok(t)
 }
 
 /// A command tool runs in the trajectory's workspace, named in `ESTOP_WORKSPACE`.
@@ -1612,6 +1642,63 @@ mod tests {
             },
             "journal".into(),
         )
+    }
+
+    /// Credential handles: every destination of the tool's store its `credentials` names is
+    /// leased (the tool and host, never the secret); a call is given only the held ones; with
+    /// every handle released it is refused; a tool whose `credentials` names none of the
+    /// store's hosts gets no handle and its request goes without.
+    #[test]
+    fn a_call_gets_only_the_credentials_its_trajectory_holds() {
+        let store = "[[credential]]\nhost = \"a.example\"\nheader = \"X-A\"\nvalue = \"secret-a\"\n\
+                     [[credential]]\nhost = \"b.example\"\nport = 8443\nheader = \"X-B\"\nvalue = \"secret-b\"\n";
+        let creds = estop_egress::credentials::Credentials::parse(store, &|_| None).unwrap();
+        let tool = Tool {
+            name: "t".into(),
+            description: String::new(),
+            parameters: serde_json::json!({}),
+            command: Vec::new(),
+            url: Some("https://a.example/x".into()),
+            mcp: None,
+            sandbox: false,
+            sandbox_policy: None,
+            read_only: false,
+            egress: Some(crate::http::Egress {
+                settings: Default::default(),
+                credentials: std::sync::Arc::new(creds),
+            }),
+            credentials: None,
+        };
+        let hosts = |t: &Tool| -> Vec<String> {
+            let e = t.egress.as_ref().unwrap();
+            e.credentials
+                .entries
+                .iter()
+                .map(|c| c.host.clone())
+                .collect()
+        };
+        let mut r = rec("x");
+        lease_credentials(std::slice::from_ref(&tool), &mut r);
+        let ids: Vec<&str> = r.leases.iter().map(|l| l.id.as_str()).collect();
+        assert_eq!(ids, ["t@a.example", "t@b.example:8443"]);
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(!json.contains("secret-"), "{json}");
+        let all = credential_scope(tool.clone(), &r.leases).unwrap();
+        assert_eq!(hosts(&all), ["a.example", "b.example"]);
+        r.leases.remove(1);
+        let one = credential_scope(tool.clone(), &r.leases).unwrap();
+        assert_eq!(hosts(&one), ["a.example"]);
+        assert!(
+            credential_scope(tool.clone(), &[]).is_err(),
+            "released: refused"
+        );
+        let mut other = tool;
+        other.credentials = Some(vec!["c.example".into()]);
+        let mut r = rec("y");
+        lease_credentials(std::slice::from_ref(&other), &mut r);
+        assert!(r.leases.is_empty());
+        let none = credential_scope(other, &r.leases).unwrap();
+        assert!(hosts(&none).is_empty(), "never leased: goes without");
     }
 
     /// A sub-agent's id ends with the model's call id: `..` in it must not lease (and at
