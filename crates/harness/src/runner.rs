@@ -762,8 +762,8 @@ impl Runner {
                     .find(|t| t.name == call.function.name)
                     .cloned()
                     .map(|t| credential_scope(t, &rec.leases));
-                let credentials_released = matches!(tool, Some(Err(_)));
-                let tool = tool.map(|t| t.unwrap_or_else(|t| t));
+                let credentials_released = tool.as_ref().is_some_and(|(_, released)| *released);
+                let tool = tool.map(|(t, _)| t);
                 let call_id = call.id.clone();
                 let reach = Reach {
                     upstreams: self.opts.upstreams.clone(),
@@ -1440,19 +1440,17 @@ fn lease_credentials(tools: &[Tool], rec: &mut Record) {
 
 /// The tool as a call of this trajectory may use it: its credential store narrowed to the
 /// handles the trajectory holds now (a credential it was never leased is not injected; the
-/// request goes without it). `Err`: the tool had handles and every one was released (the
-/// restrict stage for a tool that is not read-only, or FINALIZING): the call is refused
+/// request goes without it), and whether the tool had handles and every one was released (the
+/// restrict stage for a tool that is not read-only, or FINALIZING): then the call is refused
 /// (`CREDENTIAL_RELEASED`) and nothing is sent.
-fn credential_scope(mut t: Tool, leases: &[crate::record::Lease]) -> Result<Tool, Tool> {
+fn credential_scope(mut t: Tool, leases: &[crate::record::Lease]) -> (Tool, bool) {
     let mine = leasable(&t);
     let held = |id: &String| {
         leases
             .iter()
             .any(|l| l.kind == crate::record::CREDENTIAL && &l.id == id)
     };
-    if !mine.is_empty() && !mine.iter().any(held) {
-        return Err(t);
-    }
+    let released = !mine.is_empty() && !mine.iter().any(held);
     if let Some(e) = &mut t.egress {
         let entries = e
             .credentials
@@ -1466,7 +1464,7 @@ fn credential_scope(mut t: Tool, leases: &[crate::record::Lease]) -> Result<Tool
             env_names: e.credentials.env_names.clone(),
         });
     }
-    Ok(t)
+    (t, released)
 }
 
 /// A command tool runs in the trajectory's workspace, named in `ESTOP_WORKSPACE`.
@@ -1683,22 +1681,25 @@ mod tests {
         assert_eq!(ids, ["t@a.example", "t@b.example:8443"]);
         let json = serde_json::to_string(&r).unwrap();
         assert!(!json.contains("secret-"), "{json}");
-        let all = credential_scope(tool.clone(), &r.leases).unwrap();
+        let (all, released) = credential_scope(tool.clone(), &r.leases);
         assert_eq!(hosts(&all), ["a.example", "b.example"]);
+        assert!(!released);
         r.leases.remove(1);
-        let one = credential_scope(tool.clone(), &r.leases).unwrap();
+        let (one, released) = credential_scope(tool.clone(), &r.leases);
         assert_eq!(hosts(&one), ["a.example"]);
-        assert!(
-            credential_scope(tool.clone(), &[]).is_err(),
-            "released: refused"
-        );
+        assert!(!released);
+        let (gone, released) = credential_scope(tool.clone(), &[]);
+        assert!(released && hosts(&gone).is_empty(), "released: refused");
         let mut other = tool;
         other.credentials = Some(vec!["c.example".into()]);
         let mut r = rec("y");
         lease_credentials(std::slice::from_ref(&other), &mut r);
         assert!(r.leases.is_empty());
-        let none = credential_scope(other, &r.leases).unwrap();
-        assert!(hosts(&none).is_empty(), "never leased: goes without");
+        let (none, released) = credential_scope(other, &r.leases);
+        assert!(
+            hosts(&none).is_empty() && !released,
+            "never leased: goes without"
+        );
     }
 
     /// A sub-agent's id ends with the model's call id: `..` in it must not lease (and at
