@@ -317,6 +317,19 @@ impl Config {
                 })?),
                 None => None,
             };
+            // A host the tool may be leased must be one its store has: a typo would otherwise
+            // silently send its requests without the credential.
+            if let Some(h) = t.credentials.iter().flatten().find(|h| {
+                !egress
+                    .as_ref()
+                    .is_some_and(|e| e.credentials.entries.iter().any(|c| &c.host == *h))
+            }) {
+                return Err(ConfigError::Invalid(format!(
+                    "tool {:?}: credentials names {h:?}, which its egress_policy's credential \
+                     store has no credential for",
+                    t.name
+                )));
+            }
             all.push(Tool {
                 name: t.name.clone(),
                 description: t.description.clone(),
@@ -474,6 +487,34 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         c.check().unwrap();
         let e = c.tools(&[], Vec::new()).unwrap_err().to_string();
         assert!(e.contains("egress_policy"), "{e}");
+        // `credentials` goes with url, and names hosts of the tool's store.
+        let creds = ok.replace("read_only = true", "credentials = [\"a.example\"]");
+        let c: Config = toml::from_str(&creds).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("goes with url"));
+        let creds = ok.replace(
+            "command = [\"cat\"]",
+            "url = \"http://127.0.0.1:1/\"\ncredentials = [\"a.example\"]",
+        );
+        let c: Config = toml::from_str(&creds).unwrap();
+        c.check().unwrap();
+        let e = c.tools(&[], Vec::new()).unwrap_err().to_string();
+        assert!(
+            e.contains("\"a.example\"") && e.contains("no credential"),
+            "{e}"
+        );
+        // A contract: checked whole, and workspace_files needs the workspace lease.
+        let contract = format!("{ok}\n[contract]\nworkspace_files = [\"report.md\"]\n");
+        let c: Config = toml::from_str(&contract).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("workspaces"));
+        let contract = format!("{ok}\n[contract]\nanswer_matches = \"(\"\n");
+        let c: Config = toml::from_str(&contract).unwrap();
+        assert!(
+            c.check()
+                .unwrap_err()
+                .to_string()
+                .contains("answer_matches")
+        );
+        assert!(toml::from_str::<Config>(&format!("{ok}\n[contract]\nmust_cal = []\n")).is_err());
         let sub = format!("{ok}\n[subagents]\ndepth_max = 1\n");
         let c: Config = toml::from_str(&sub).unwrap();
         c.check().unwrap();
