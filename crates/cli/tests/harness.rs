@@ -1686,6 +1686,58 @@ fn a_trajectorys_workspace_lease_is_released_at_finalizing() {
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
 }
 
+/// The contract's `workspace_files`, as the runner sees the workspace lease when the model
+/// ends: an answer before the tool wrote `report.md` gets the notice turn naming the file; the
+/// model calls the tool (which writes it there), answers again and completes — three model
+/// calls, and the check in the record lists the file check as passed.
+#[test]
+fn a_contracts_workspace_file_is_looked_for_in_the_workspace_lease() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::answer("done"),
+            scripted::call("c1", "lookup", "{}"),
+            scripted::answer("done, see report.md"),
+        ],
+    );
+    let root = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.workspaces = Some(root.path().to_path_buf());
+    opts.tools[0].command = vec!["sh".into(), "-c".into(), "echo hi > report.md".into()];
+    opts.contract = Some(estop_harness::contract::Contract {
+        workspace_files: vec!["report.md".into()],
+        ..Default::default()
+    });
+    let runner = rt.block_on(spawn_runner(&rt, opts, "wf-1")).unwrap();
+    let rec = runner.record("wf-1").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    let check = rec.check.as_ref().unwrap();
+    assert!(check.passed && check.notices == 1, "{check:?}");
+    assert!(check.checked.contains(&"workspace_files".to_string()));
+    let calls = model.calls();
+    assert_eq!(calls.len(), 3);
+    let second = calls[1]["messages"].as_array().unwrap();
+    let notice = second.last().unwrap()["content"].as_str().unwrap();
+    assert!(
+        notice.starts_with("[completion check failed: workspace_files:")
+            && notice.contains("report.md"),
+        "{notice}"
+    );
+    // The tempdir's cleanup needs the write bit back once the released workspace was made
+    // read-only.
+    use std::os::unix::fs::PermissionsExt;
+    let dir = root.path().join("wf-1");
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while std::fs::metadata(&dir).unwrap().permissions().mode() & 0o222 != 0
+        && std::time::Instant::now() < until
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+}
+
 /// Starts `id` on a runner of its own and returns the task driving it.
 fn spawn_runner(
     rt: &tokio::runtime::Runtime,
