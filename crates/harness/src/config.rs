@@ -30,7 +30,7 @@ pub struct Config {
     pub subagents: Option<crate::subagent::Subagents>,
     /// The task contract of the trajectories started under this config (crate::contract);
     /// `estop agent run --contract FILE` gives another.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::contract::strict")]
     pub contract: Option<crate::contract::Contract>,
 }
 

@@ -33,9 +33,10 @@ pub enum AnswerFormat {
 }
 
 /// A task contract: what a trajectory's final answer (and what it did) must satisfy for it to
-/// end COMPLETED. Every trajectory's answer must be non-empty; the rest is opt-in.
+/// end COMPLETED. Every trajectory's answer must be non-empty; the rest is opt-in. Read from a
+/// config or a file through [`Contract::from_table`], which refuses an unknown field (a typo
+/// must not drop a check); read back from the journal, unknown fields are let be.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Contract {
     #[serde(default)]
     pub answer_format: AnswerFormat,
@@ -99,16 +100,47 @@ pub struct World {
     pub files_present: Vec<String>,
 }
 
+/// The fields a contract may have.
+pub const CONTRACT_FIELDS: &[&str] = &[
+    "answer_format",
+    "required_keys",
+    "answer_matches",
+    "must_call",
+    "workspace_files",
+    "attempts",
+];
+
+/// `[contract]` of a config: [`Contract::from_table`], so an unknown field is refused.
+pub fn strict<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Contract>, D::Error> {
+    let t = toml::Table::deserialize(d)?;
+    Contract::from_table(t)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
+}
+
 impl Contract {
     /// Reads a contract file: TOML, the fields of `[contract]` at top level.
     pub fn load(path: &Path) -> Result<Contract, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read the contract {}: {e}", path.display()))?;
-        let c: Contract = toml::from_str(&text)
+        let t: toml::Table = toml::from_str(&text)
             .map_err(|e| format!("the contract {}: {}", path.display(), e.message()))?;
+        let c =
+            Contract::from_table(t).map_err(|e| format!("the contract {}: {e}", path.display()))?;
         c.check()
             .map_err(|e| format!("the contract {}: {e}", path.display()))?;
         Ok(c)
+    }
+
+    /// A contract from TOML as written by a person: an unknown field is an error naming it.
+    pub fn from_table(t: toml::Table) -> Result<Contract, String> {
+        if let Some(k) = t.keys().find(|k| !CONTRACT_FIELDS.contains(&k.as_str())) {
+            return Err(format!(
+                "unknown field {k:?} (a contract has {CONTRACT_FIELDS:?})"
+            ));
+        }
+        t.try_into::<Contract>()
+            .map_err(|e| e.message().to_string())
     }
 
     /// Whole or refused: every bound, a pattern that compiles, keys only for JSON, paths that
@@ -353,8 +385,15 @@ mod tests {
             },
             "attempts",
         );
-        let e = toml::from_str::<Contract>("answer_fromat = \"json\"").unwrap_err();
-        assert!(e.message().contains("answer_fromat"), "{e}");
+        let typo: toml::Table = toml::from_str("answer_fromat = \"json\"").unwrap();
+        let e = Contract::from_table(typo).unwrap_err();
+        assert!(e.contains("answer_fromat"), "{e}");
+        // Read back from a journal written by a later version, a field it added is let be.
+        let later = serde_json::json!({"attempts": 2, "answer_min_words": 5});
+        assert_eq!(
+            serde_json::from_value::<Contract>(later).unwrap().attempts,
+            2
+        );
     }
 
     #[test]
