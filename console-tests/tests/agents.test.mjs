@@ -67,6 +67,9 @@ turns = 5
 [[tool]]
 name = "drop_table"
 command = ["sh", "-c", "cat"]
+
+[contract]
+answer_matches = "alone"
 `);
   agent = startChild(estopBin(), ["agent", "run", "--data", d.dir, "--config", join(d.dir, "agent.toml"), "--model", "scripted", "--id", "traj-1", TASK], null);
   ({ browser, close: closeBrowser } = await launch());
@@ -140,6 +143,9 @@ test("the Agents page shows a held trajectory's state, budget and task as text",
   assert.match(await page.locator("#trajectory-state").innerText(), /completed/);
   assert.equal(await page.locator("#trajectory-answer").innerText(), "I left <b>the table</b> alone.");
   assert.equal(await page.locator("#trajectory-answer b").count(), 0);
+  // The task contract and the completion check that passed on the answer.
+  assert.match(await page.locator("#trajectory-contract").innerText(), /"answer_matches":"alone"/);
+  assert.match(await page.locator("#trajectory-check").innerText(), /^passed$/);
   assert.equal(await page.evaluate(() => window.pwned), undefined, "no agent text ran as script");
   await context.close();
 });

@@ -141,6 +141,11 @@ pub struct AgentRunArgs {
     /// The agent token the run belongs to (default: DATA/agent.token).
     #[arg(long, env = "ESTOP_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// A task contract (TOML, the fields of the config's [contract]: answer_format,
+    /// required_keys, answer_matches, must_call, workspace_files, attempts), in place of the
+    /// config's: the completion check the answer must pass for the trajectory to complete.
+    #[arg(long, value_name = "FILE")]
+    contract: Option<PathBuf>,
     /// Print the final record as JSON.
     #[arg(long)]
     json: bool,
@@ -366,6 +371,7 @@ fn run_one(a: AgentRunArgs) -> anyhow::Result<u8> {
         journal: a.journal.unwrap_or_else(|| a.data.join("harness")),
         gate: estop_harness::gate::GateConfig { target, token },
         data: a.data,
+        contract: a.contract,
     })?;
     let r = &out.record;
     if a.json {

@@ -739,6 +739,7 @@ fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
                 retry_of: None,
                 depth: 0,
                 spawned_by: None,
+                contract: None,
             },
             CallLimits {
                 model: "m".into(),
@@ -778,6 +779,28 @@ fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
     a.control.push(Control::Interrupt {
         message: "use the replica".into(),
     });
+    a.identity.contract = Some(estop_harness::contract::Contract {
+        must_call: vec!["lookup".into()],
+        ..Default::default()
+    });
+    a.leases.push(estop_harness::record::Lease {
+        id: "fetch@orders.internal".into(),
+        kind: "credential".into(),
+        tool: Some("fetch".into()),
+    });
+    let mut c = rec("c", State::Failed);
+    c.exit = Some(Exit::CompletionCheckFailed {
+        failed: vec!["must_call".into()],
+    });
+    c.check = Some(estop_harness::contract::CheckResult {
+        passed: false,
+        checked: vec!["answer_nonempty".into(), "must_call".into()],
+        failed: vec![estop_harness::contract::CheckFailure {
+            check: "must_call".into(),
+            why: "no call settled ok for [\"lookup\"]".into(),
+        }],
+        notices: 1,
+    });
     let entries = [
         Entry::Context {
             trajectory: "b".into(),
@@ -790,7 +813,7 @@ fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
             record: Box::new(rec("b", State::Canceled)),
         },
         Entry::Record {
-            record: Box::new(rec("c", State::Canceled)),
+            record: Box::new(c),
         },
     ];
     j.write(&entries).unwrap();
@@ -838,6 +861,20 @@ fn trajectories_are_read_from_the_harness_journal_by_operators_and_observers_in_
         a["control"][0],
         json!({"control": "interrupt", "message": "use the replica"})
     );
+    // The task contract, the credential handle (tool and host, no secret) and, for `c`, the
+    // completion check that failed, naming the check.
+    assert_eq!(a["contract"]["must_call"], json!(["lookup"]));
+    assert_eq!(
+        a["leases"],
+        json!([{"kind": "credential", "id": "fetch@orders.internal", "tool": "fetch"}])
+    );
+    let cc = c.get("/api/v1/trajectories/c").json();
+    assert_eq!(
+        cc["exit"],
+        json!({"exit": "COMPLETION_CHECK_FAILED", "reason": "must_call"})
+    );
+    assert_eq!(cc["check"]["failed"][0]["check"], "must_call");
+    assert_eq!(cc["check"]["notices"], 1);
     let b = c.get("/api/v1/trajectories/b").json();
     assert_eq!(
         b["exit"],

@@ -82,6 +82,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
         upstreams: Default::default(),
         subagents: None,
         workspaces: None,
+        contract: None,
         sandbox: None,
         tools: vec![
             Tool {
@@ -95,6 +96,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 sandbox_policy: None,
                 read_only: true,
                 egress: None,
+                credentials: None,
             },
             Tool {
                 name: "drop_table".into(),
@@ -107,6 +109,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 sandbox_policy: None,
                 read_only: false,
                 egress: None,
+                credentials: None,
             },
         ],
         system: "You are a careful agent.".into(),
@@ -468,6 +471,112 @@ fn estop_agent_run_follows_its_config_file() {
     assert!(err.contains("\"scripted\""), "{err}");
 }
 
+/// The task contract (`[contract]` in the config, or `--contract FILE`): an answer that misses
+/// it (no `total` key) gets a notice turn naming the check, and the second answer, passing,
+/// completes — exactly three model calls, the third ending with the notice; the record shows
+/// the contract in its identity and the check's result. With a contract whose check fails
+/// again, the trajectory ends FAILED naming the check (exit 3), never COMPLETED.
+#[test]
+fn an_answer_that_misses_its_contract_gets_a_notice_turn_then_completes() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let server = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "lookup", "{\"q\": \"x\"}"),
+            scripted::answer("{\"sum\": 3}"),
+            scripted::answer("{\"total\": 3}"),
+            // The second run: `--contract` wants `done` and a call of lookup, twice missed.
+            scripted::answer("{\"total\": 3}"),
+            scripted::answer("still no"),
+        ],
+    );
+    let path = d.data().join("agent.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "{}\n[contract]\nanswer_format = \"json\"\nrequired_keys = [\"total\"]\n\
+             must_call = [\"lookup\"]\n",
+            lookup_config(&server.base_url(), 10)
+        ),
+    )
+    .unwrap();
+    let path_s = path.display().to_string();
+    let (code, out, err) = d.cli(&[
+        "agent", "run", "--config", &path_s, "--model", "scripted", "--id", "k-1", "--json",
+        "count x",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let rec: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(rec["state"], "COMPLETED", "{rec}");
+    assert_eq!(
+        rec["identity"]["contract"],
+        json!({"answer_format": "json", "required_keys": ["total"], "must_call": ["lookup"],
+               "attempts": 1})
+    );
+    assert_eq!(rec["called_ok"], json!(["lookup"]));
+    assert_eq!(rec["check"]["passed"], true);
+    assert_eq!(rec["check"]["notices"], 1);
+    let calls = server.calls();
+    assert_eq!(
+        calls.len(),
+        3,
+        "the call, the missed answer, the notice turn"
+    );
+    let last = calls[2]["messages"].as_array().unwrap();
+    assert_eq!(last[last.len() - 2]["content"], "{\"sum\": 3}");
+    let notice = last[last.len() - 1].clone();
+    assert_eq!(notice["role"], "user");
+    let text = notice["content"].as_str().unwrap();
+    assert!(
+        text.starts_with("[completion check failed: required_keys:") && text.contains("total"),
+        "{text}"
+    );
+    // The same from --contract: must_call unmet and no `done`, twice: FAILED, naming both.
+    let contract = d.data().join("contract.toml");
+    std::fs::write(
+        &contract,
+        "answer_matches = \"done\"\nmust_call = [\"lookup\"]\nattempts = 1\n",
+    )
+    .unwrap();
+    let (code, out, err) = d.cli(&[
+        "agent",
+        "run",
+        "--config",
+        &path_s,
+        "--model",
+        "scripted",
+        "--id",
+        "k-2",
+        "--contract",
+        &contract.display().to_string(),
+        "count y",
+    ]);
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(out.starts_with("k-2 FAILED turns=2"), "{out}");
+    assert!(
+        out.contains(r#""exit":"COMPLETION_CHECK_FAILED","failed":["answer_matches","must_call"]"#),
+        "{out}"
+    );
+    assert_eq!(server.calls().len(), 5);
+    // A contract that would let a path leave the workspace is refused before anything starts.
+    std::fs::write(&contract, "workspace_files = [\"../x\"]\n").unwrap();
+    let (code, _, err) = d.cli(&[
+        "agent",
+        "run",
+        "--config",
+        &path_s,
+        "--model",
+        "scripted",
+        "--contract",
+        &contract.display().to_string(),
+        "z",
+    ]);
+    assert_eq!(code, 1);
+    assert!(err.contains("workspace_files"), "{err}");
+    assert_eq!(server.calls().len(), 5);
+}
+
 /// `estop agent run --retry-of ID`: a retry is a new trajectory linked to the one it retries,
 /// with its task and parent, whose budget carries over (seed 004): a trajectory that ran out of
 /// turns is retried into the same ceiling and stops at once with no model call; one that failed
@@ -701,6 +810,7 @@ fn http_tool(dir: &std::path::Path, url: &str) -> Tool {
         sandbox_policy: None,
         read_only: true,
         egress: Some(estop_harness::http::Egress::load(&settings).unwrap()),
+        credentials: None,
     }
 }
 
@@ -811,6 +921,108 @@ fn an_http_tool_goes_through_the_proxy_as_a_child_run_with_its_credential() {
         "the ledger holds it"
     );
     assert!(!holds(report.as_bytes()));
+}
+
+/// A trajectory is leased a handle to its HTTP tool's credential (the tool and host, never the
+/// secret): `estop agent status --json` shows it while the trajectory runs, the call's request
+/// carries the credential, FINALIZING releases the handle, and the secret is nowhere in the
+/// journal or the status.
+#[test]
+fn a_credential_handle_is_leased_per_trajectory_and_released_at_finalizing() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let rt = runtime();
+    let mut first = vec![Step::Gate];
+    first.extend(scripted::call("c1", "fetch", "{\"id\": 7}"));
+    let model = model_server(&rt, vec![first, scripted::answer("7 has 3 rows")]);
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![Step::Status {
+                    status: 200,
+                    body: "{\"rows\": 3}".into(),
+                }]],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.tools = vec![http_tool(
+        dir.path(),
+        &format!("http://{}/orders", upstream.addr),
+    )];
+    let run = spawn_runner(&rt, opts, "cred-1");
+    rt.block_on(model.wait_for(&Seen::Call { n: 0 }));
+    let (code, out, err) = d.cli(&["agent", "status", "cred-1", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        v["record"]["leases"],
+        json!([{"id": "fetch@127.0.0.2", "kind": "credential", "tool": "fetch"}]),
+        "{v}"
+    );
+    assert!(!out.contains(SECRET));
+    model.release(1);
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("cred-1").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    assert!(rec.leases.is_empty(), "released at FINALIZING");
+    assert!(
+        upstream.headers()[0].contains(&("x-api-key".to_string(), SECRET.to_string())),
+        "leased: injected"
+    );
+    let journal = all_bytes(&d.data().join("harness"));
+    let holds = |b: &[u8], s: &[u8]| b.windows(s.len()).any(|w| w == s);
+    assert!(
+        holds(&journal, b"fetch@127.0.0.2"),
+        "the lease is journalled"
+    );
+    assert!(
+        !holds(&journal, SECRET.as_bytes()),
+        "the journal holds the secret"
+    );
+}
+
+/// A credential of the tool's store that the tool is not leased (its `credentials` names
+/// another host) is not injected: the request goes without it.
+#[test]
+fn a_credential_not_leased_to_the_trajectory_is_not_injected() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "fetch", "{\"id\": 7}"),
+            scripted::answer("done"),
+        ],
+    );
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![Step::Status {
+                    status: 200,
+                    body: "{}".into(),
+                }]],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    let mut tool = http_tool(dir.path(), &format!("http://{}/orders", upstream.addr));
+    tool.credentials = Some(vec!["orders.example".into()]);
+    opts.tools = vec![tool];
+    let run = spawn_runner(&rt, opts, "cred-2");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("cred-2").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    let headers = upstream.headers();
+    assert_eq!(headers.len(), 1, "the request went");
+    assert!(
+        !headers[0].iter().any(|(k, _)| k == "x-api-key"),
+        "not leased: not injected: {:?}",
+        headers[0]
+    );
 }
 
 /// `estop agent run` with an HTTP tool and a sub-agent tool from its config file: the tool's
@@ -1471,6 +1683,58 @@ fn a_trajectorys_workspace_lease_is_released_at_finalizing() {
         "read-only once released"
     );
     // The tempdir's cleanup needs the write bit back.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+}
+
+/// The contract's `workspace_files`, as the runner sees the workspace lease when the model
+/// ends: an answer before the tool wrote `report.md` gets the notice turn naming the file; the
+/// model calls the tool (which writes it there), answers again and completes — three model
+/// calls, and the check in the record lists the file check as passed.
+#[test]
+fn a_contracts_workspace_file_is_looked_for_in_the_workspace_lease() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::answer("done"),
+            scripted::call("c1", "lookup", "{}"),
+            scripted::answer("done, see report.md"),
+        ],
+    );
+    let root = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.workspaces = Some(root.path().to_path_buf());
+    opts.tools[0].command = vec!["sh".into(), "-c".into(), "echo hi > report.md".into()];
+    opts.contract = Some(estop_harness::contract::Contract {
+        workspace_files: vec!["report.md".into()],
+        ..Default::default()
+    });
+    let runner = rt.block_on(spawn_runner(&rt, opts, "wf-1")).unwrap();
+    let rec = runner.record("wf-1").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    let check = rec.check.as_ref().unwrap();
+    assert!(check.passed && check.notices == 1, "{check:?}");
+    assert!(check.checked.contains(&"workspace_files".to_string()));
+    let calls = model.calls();
+    assert_eq!(calls.len(), 3);
+    let second = calls[1]["messages"].as_array().unwrap();
+    let notice = second.last().unwrap()["content"].as_str().unwrap();
+    assert!(
+        notice.starts_with("[completion check failed: workspace_files:")
+            && notice.contains("report.md"),
+        "{notice}"
+    );
+    // The tempdir's cleanup needs the write bit back once the released workspace was made
+    // read-only.
+    use std::os::unix::fs::PermissionsExt;
+    let dir = root.path().join("wf-1");
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while std::fs::metadata(&dir).unwrap().permissions().mode() & 0o222 != 0
+        && std::time::Instant::now() < until
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
 }
 

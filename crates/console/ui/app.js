@@ -747,6 +747,13 @@ function stageText(b) {
 }
 
 function exitText(e) { return e ? e.exit + (e.reason ? ": " + e.reason : "") : "-"; }
+// The completion check's last result: passed, or each failed check with why, and the notice
+// turns it gave.
+function checkText(c) {
+  if (!c) return "-";
+  const what = c.passed ? "passed" : "failed: " + c.failed.map((f) => f.check + " (" + f.why + ")").join("; ");
+  return what + (c.notices ? ` · ${c.notices} notice turn${c.notices === 1 ? "" : "s"}` : "");
+}
 
 function controlText(c) {
   if (c.control === "interrupt") return "interrupt: " + c.message;
@@ -795,7 +802,10 @@ function viewTrajectory() {
     h("dt", {}, "Budget stage"), h("dd", { id: "trajectory-stage" }, stageText(t.budget)),
     h("dt", {}, "Started"), h("dd", {}, when(t.started_at_ms)),
     t.ended_at_ms ? [h("dt", {}, "Ended"), h("dd", {}, when(t.ended_at_ms))] : null,
-    h("dt", {}, "Exit"), h("dd", { id: "trajectory-exit" }, exitText(t.exit)));
+    h("dt", {}, "Exit"), h("dd", { id: "trajectory-exit" }, exitText(t.exit)),
+    t.contract ? [h("dt", {}, "Task contract"), h("dd", { id: "trajectory-contract", class: "mono" }, JSON.stringify(t.contract))] : null,
+    t.check ? [h("dt", {}, "Completion check"), h("dd", { id: "trajectory-check" }, checkText(t.check))] : null);
+  const leases = (t.leases || []).map((l) => h("li", {}, l.kind, " ", h("span", { class: "mono" }, l.id)));
   const work = [
     ...t.pending.map((p) => h("li", {}, h("span", { class: "mono" }, p.call), " ", p.tool, " — ", p.phase, p.deadline_ms ? " (deadline " + when(p.deadline_ms) + ")" : "")),
     ...t.held.map((x) => h("li", {}, h("span", { class: "mono" }, x.call), " ", x.tool, " — held for approval, expires ", when(x.expires_at_ms))),
@@ -806,6 +816,7 @@ function viewTrajectory() {
     h("div", { class: "panel" }, facts),
     h("h2", {}, "Budget"), budgetView(t.budget),
     h("h2", {}, "Pending work"), work.length ? h("ul", { id: "trajectory-work" }, work) : h("p", { class: "muted" }, "Nothing in flight or held."),
+    h("h2", {}, "Leases"), leases.length ? h("ul", { id: "trajectory-leases" }, leases) : h("p", { class: "muted" }, "None held."),
     h("h2", {}, "Control requests"), t.control.length ? h("ul", { id: "trajectory-control" }, t.control.map((c) => h("li", {}, controlText(c)))) : h("p", { class: "muted" }, "None stored."),
     t.answer ? [h("h2", {}, "Last model message"), h("pre", { id: "trajectory-answer" }, t.answer)] : null,
   ].flat().filter(Boolean));

@@ -29,6 +29,8 @@ pub struct AgentRun {
     pub gate: GateConfig,
     /// The daemon's data directory: `sandbox = true` commands are started by `estop run` on it.
     pub data: PathBuf,
+    /// A task contract file (crate::contract), in place of the config's `[contract]`.
+    pub contract: Option<PathBuf>,
 }
 
 /// How the trajectory ended: its record and the model's last answer.
@@ -40,6 +42,20 @@ pub struct Outcome {
 
 pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
     let config = Config::load(&a.config)?;
+    let contract = match &a.contract {
+        Some(p) => {
+            let c = crate::contract::Contract::load(p).map_err(anyhow::Error::msg)?;
+            if !c.workspace_files.is_empty() && config.harness.workspaces.is_none() {
+                anyhow::bail!(
+                    "the contract {}: workspace_files needs [harness] workspaces (the \
+                     workspace lease)",
+                    p.display()
+                );
+            }
+            Some(c)
+        }
+        None => config.contract.clone(),
+    };
     let m = config.model(&a.model)?;
     let key = match &m.api_key_env {
         Some(var) => Some(
@@ -70,6 +86,7 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
         upstreams,
         subagents: config.subagents.clone(),
         workspaces: config.harness.workspaces.clone(),
+        contract,
         sandbox: Some(crate::runner::SandboxLaunch {
             estop: std::env::current_exe()?,
             data: a.data.clone(),

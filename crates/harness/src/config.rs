@@ -28,6 +28,10 @@ pub struct Config {
     /// The tool with which a trajectory starts sub-agents (crate::subagent); none without it.
     #[serde(default)]
     pub subagents: Option<crate::subagent::Subagents>,
+    /// The task contract of the trajectories started under this config (crate::contract);
+    /// `estop agent run --contract FILE` gives another.
+    #[serde(default, deserialize_with = "crate::contract::strict")]
+    pub contract: Option<crate::contract::Contract>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -148,6 +152,10 @@ pub struct ToolSection {
     pub sandbox_policy: Option<std::path::PathBuf>,
     #[serde(default)]
     pub read_only: bool,
+    /// The hosts of the `egress_policy`'s credential store whose handles a trajectory is
+    /// leased for this tool (default: all of them). Only with `url`.
+    #[serde(default)]
+    pub credentials: Option<Vec<String>>,
 }
 
 fn object_schema() -> toml::Value {
@@ -235,6 +243,12 @@ impl Config {
                     t.name
                 ));
             }
+            if t.credentials.is_some() && t.url.is_none() {
+                return bad(format!(
+                    "tool {:?}: credentials goes with url (an HTTP tool's credential store)",
+                    t.name
+                ));
+            }
             if let Some(url) = &t.url
                 && let Err(e) = crate::model::Endpoint::new(url, None)
             {
@@ -269,6 +283,16 @@ impl Config {
             return bad("harness.workers must be above 0".into());
         }
         self.journal.check().or_else(bad)?;
+        if let Some(c) = &self.contract {
+            c.check()
+                .map_err(|e| ConfigError::Invalid(format!("contract: {e}")))?;
+            if !c.workspace_files.is_empty() && self.harness.workspaces.is_none() {
+                return bad(
+                    "contract.workspace_files needs [harness] workspaces (the workspace lease)"
+                        .into(),
+                );
+            }
+        }
         Ok(())
     }
 
@@ -293,6 +317,19 @@ impl Config {
                 })?),
                 None => None,
             };
+            // A host the tool may be leased must be one its store has: a typo would otherwise
+            // silently send its requests without the credential.
+            if let Some(h) = t.credentials.iter().flatten().find(|h| {
+                !egress
+                    .as_ref()
+                    .is_some_and(|e| e.credentials.entries.iter().any(|c| &c.host == *h))
+            }) {
+                return Err(ConfigError::Invalid(format!(
+                    "tool {:?}: credentials names {h:?}, which its egress_policy's credential \
+                     store has no credential for",
+                    t.name
+                )));
+            }
             all.push(Tool {
                 name: t.name.clone(),
                 description: t.description.clone(),
@@ -304,6 +341,7 @@ impl Config {
                 sandbox_policy: t.sandbox_policy.clone(),
                 read_only: t.read_only,
                 egress,
+                credentials: t.credentials.clone(),
             });
         }
         all.extend(
@@ -449,6 +487,34 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         c.check().unwrap();
         let e = c.tools(&[], Vec::new()).unwrap_err().to_string();
         assert!(e.contains("egress_policy"), "{e}");
+        // `credentials` goes with url, and names hosts of the tool's store.
+        let creds = ok.replace("read_only = true", "credentials = [\"a.example\"]");
+        let c: Config = toml::from_str(&creds).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("goes with url"));
+        let creds = ok.replace(
+            "command = [\"cat\"]",
+            "url = \"http://127.0.0.1:1/\"\ncredentials = [\"a.example\"]",
+        );
+        let c: Config = toml::from_str(&creds).unwrap();
+        c.check().unwrap();
+        let e = c.tools(&[], Vec::new()).unwrap_err().to_string();
+        assert!(
+            e.contains("\"a.example\"") && e.contains("no credential"),
+            "{e}"
+        );
+        // A contract: checked whole, and workspace_files needs the workspace lease.
+        let contract = format!("{ok}\n[contract]\nworkspace_files = [\"report.md\"]\n");
+        let c: Config = toml::from_str(&contract).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("workspaces"));
+        let contract = format!("{ok}\n[contract]\nanswer_matches = \"(\"\n");
+        let c: Config = toml::from_str(&contract).unwrap();
+        assert!(
+            c.check()
+                .unwrap_err()
+                .to_string()
+                .contains("answer_matches")
+        );
+        assert!(toml::from_str::<Config>(&format!("{ok}\n[contract]\nmust_cal = []\n")).is_err());
         let sub = format!("{ok}\n[subagents]\ndepth_max = 1\n");
         let c: Config = toml::from_str(&sub).unwrap();
         c.check().unwrap();

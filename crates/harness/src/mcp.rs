@@ -100,6 +100,7 @@ impl Upstreams {
                     sandbox: false,
                     sandbox_policy: None,
                     egress: None,
+                    credentials: None,
                 });
             }
             ups.insert(server.name.clone(), Arc::new(up));

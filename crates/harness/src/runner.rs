@@ -51,6 +51,11 @@ pub struct Tool {
     /// when `None`): its requests go out through the egress proxy under them (crate::http).
     #[serde(skip)]
     pub egress: Option<crate::http::Egress>,
+    /// The hosts of `egress`'s credential store this tool may be leased a handle to (each
+    /// trajectory is granted them when it starts: crate::record::Lease); `None`: every host of
+    /// the store.
+    #[serde(default)]
+    pub credentials: Option<Vec<String>>,
 }
 
 /// What `estop run` needs to start a sandboxed command on the trajectory's daemon.
@@ -85,6 +90,9 @@ pub struct RunnerOptions {
     /// Where each trajectory's workspace lease is made (`[harness] workspaces`): the directory
     /// `ROOT/ID`, its command tools' working directory, kept read-only once released.
     pub workspaces: Option<PathBuf>,
+    /// The task contract a trajectory started here carries in its identity (`[contract]`, or
+    /// `estop agent run --contract`): its completion check (crate::contract).
+    pub contract: Option<crate::contract::Contract>,
     pub system: String,
     /// How long a cut stream may still be read for its terminal event.
     pub grace: Duration,
@@ -125,6 +133,8 @@ pub enum Input {
         id: String,
         call: String,
         result: String,
+        /// The call settled `ok` at the gate (the contract's `must_call` counts those).
+        ok: bool,
     },
     Control {
         id: String,
@@ -280,7 +290,8 @@ impl Runner {
     /// Starts a new trajectory for `task`.
     pub fn start(&mut self, id: &str, parent: Option<&str>, task: &str) -> Result<(), RunnerError> {
         let budget = Budget::new(self.opts.limits, self.opts.prices, now_ms());
-        self.begin(id, parent, task, None, budget)
+        let contract = self.opts.contract.clone();
+        self.begin(id, parent, task, None, budget, contract)
     }
 
     /// Starts `id` as a retry of the ended trajectory `of` (seed 004: a retry is a new
@@ -332,7 +343,20 @@ impl Runner {
         budget.spend = orig.budget.spend;
         let parent = orig.identity.parent.clone();
         let task = task.unwrap_or(&orig.identity.task).to_string();
-        self.begin(id, parent.as_deref(), &task, Some(of.to_string()), budget)
+        // The contract goes with the task: the one given now, else the retried one's.
+        let contract = self
+            .opts
+            .contract
+            .clone()
+            .or_else(|| orig.identity.contract.clone());
+        self.begin(
+            id,
+            parent.as_deref(),
+            &task,
+            Some(of.to_string()),
+            budget,
+            contract,
+        )
     }
 
     fn begin(
@@ -342,6 +366,7 @@ impl Runner {
         task: &str,
         retry_of: Option<String>,
         budget: Budget,
+        contract: Option<crate::contract::Contract>,
     ) -> Result<(), RunnerError> {
         for run in std::iter::once(id).chain(parent) {
             crate::gate::check_run_id(run)
@@ -372,6 +397,7 @@ impl Runner {
             retry_of,
             depth: 0,
             spawned_by: None,
+            contract,
         };
         let mut rec = Record::new(
             identity,
@@ -381,6 +407,7 @@ impl Runner {
             "journal".into(),
         );
         lease_workspace(o.workspaces.as_deref(), &mut rec)?;
+        lease_credentials(&o.tools, &mut rec);
         let msgs = vec![Message::system(o.system.clone()), Message::user(task)];
         self.commit(
             rec,
@@ -473,7 +500,19 @@ impl Runner {
             Input::Reply { id, reply } => {
                 self.in_flight -= 1;
                 self.cuts.remove(&id);
-                self.apply(&id, |r, now| r.on_reply(now, reply))
+                // What the completion check needs of the world, seen now (the record does no IO).
+                let world = match (self.recs.get(&id), &reply) {
+                    (Some(r), Reply::Finished { .. }) => crate::contract::World {
+                        files_present: r.identity.contract.as_ref().map_or(Vec::new(), |c| {
+                            crate::contract::files_present(
+                                r.pointers.workspace.as_deref().map(std::path::Path::new),
+                                &c.workspace_files,
+                            )
+                        }),
+                    },
+                    _ => crate::contract::World::default(),
+                };
+                self.apply(&id, |r, now| r.on_reply_seen(now, reply, &world))
             }
             Input::Admitted {
                 id,
@@ -500,11 +539,16 @@ impl Runner {
                 quorum,
                 approvers,
             } => self.apply(&id, |r, _| r.on_quorum(&call, approval, quorum, approvers)),
-            Input::ToolDone { id, call, result } => {
+            Input::ToolDone {
+                id,
+                call,
+                result,
+                ok,
+            } => {
                 let key = (id.clone(), call.clone());
                 self.tools.remove(&key);
                 self.mcp_cuts.remove(&key);
-                self.apply(&id, |r, now| r.on_tool_result(now, &call, result))
+                self.apply(&id, |r, now| r.on_tool_outcome(now, &call, result, ok))
             }
             Input::Control { id, control } => self.apply(&id, |r, now| r.on_control(now, control)),
             Input::Note { id, line } => self.log(&id, line),
@@ -703,6 +747,7 @@ impl Runner {
                             result: json!({"status": "REFUSED", "reason": "NOT_STARTED",
                                 "message": why})
                             .to_string(),
+                            ok: false,
                         },
                     };
                     let _ = tx.send(input);
@@ -715,12 +760,16 @@ impl Runner {
                     .tools
                     .iter()
                     .find(|t| t.name == call.function.name)
-                    .cloned();
+                    .cloned()
+                    .map(|t| credential_scope(t, &rec.leases));
+                let credentials_released = tool.as_ref().is_some_and(|(_, released)| *released);
+                let tool = tool.map(|(t, _)| t);
                 let call_id = call.id.clone();
                 let reach = Reach {
                     upstreams: self.opts.upstreams.clone(),
                     sandbox: self.opts.sandbox.clone(),
                     workspace: rec.pointers.workspace.as_ref().map(PathBuf::from),
+                    credentials_released,
                 };
                 let (cut_tx, cut) = watch::channel(false);
                 if tool.as_ref().is_some_and(|t| t.mcp.is_some()) {
@@ -728,11 +777,12 @@ impl Runner {
                 }
                 let handle = tokio::spawn(async move {
                     let result = dispatch(&gate, &id, &call, &token, tool, &reach, cut).await;
-                    if let Some(result) = result {
+                    if let Some((ok, result)) = result {
                         let _ = tx.send(Input::ToolDone {
                             id,
                             call: call.id,
                             result,
+                            ok,
                         });
                     }
                 });
@@ -862,6 +912,8 @@ impl Runner {
             retry_of: None,
             depth: parent.identity.depth + 1,
             spawned_by: Some(call.id.clone()),
+            // The contract is the caller's task's; a sub-agent's answer is its parent's to judge.
+            contract: None,
         };
         let o = &self.opts;
         let mut child = Record::new(
@@ -880,6 +932,7 @@ impl Runner {
                 .unwrap_or_default();
             return self.settle_subagent_call(id, &call.id, "error", text, None);
         }
+        lease_credentials(&self.opts.tools, &mut child);
         let o = &self.opts;
         let msgs = [Message::system(o.system.clone()), Message::user(task)]
             .into_iter()
@@ -945,7 +998,7 @@ impl Runner {
             if let Some((c, s)) = &child {
                 r.budget.absorb(c, *s);
             }
-            r.on_tool_result(now, call, text)
+            r.on_tool_outcome(now, call, text, outcome == "ok")
         })
     }
 
@@ -1170,7 +1223,7 @@ impl Runner {
             .collect();
         tokio::task::spawn_blocking(move || {
             for (c, token) in calls {
-                let result = match gate.admit(
+                let (ok, result) = match gate.admit(
                     &id,
                     None,
                     &c.id,
@@ -1178,8 +1231,9 @@ impl Runner {
                     &c.function.arguments,
                 ) {
                     Admission::Duplicate {
-                        outcome: Some(o), ..
-                    } => o,
+                        outcome: Some(o),
+                        status,
+                    } => (status == "completed", o),
                     Admission::Admitted { token } => {
                         // Prepared, never started: it may run now.
                         let _ = tx.send(Input::Restart {
@@ -1199,13 +1253,14 @@ impl Runner {
                             "unknown",
                             "the harness restarted while the call ran",
                         );
-                        json!({"status": "UNKNOWN", "message": format!("the harness restarted while this call ran; its outcome is unknown ({other:?})")}).to_string()
+                        (false, json!({"status": "UNKNOWN", "message": format!("the harness restarted while this call ran; its outcome is unknown ({other:?})")}).to_string())
                     }
                 };
                 let _ = tx.send(Input::ToolDone {
                     id: id.clone(),
                     call: c.id,
                     result,
+                    ok,
                 });
             }
         });
@@ -1219,6 +1274,9 @@ struct Reach {
     sandbox: Option<SandboxLaunch>,
     /// The trajectory's workspace lease: command tools run in it (`ESTOP_WORKSPACE`).
     workspace: Option<PathBuf>,
+    /// The HTTP tool's credential handles were all released (crate::record::Lease): the call
+    /// is refused, nothing sent.
+    credentials_released: bool,
 }
 
 /// Start at the gate (the commit point), run the tool, complete with its outcome.
@@ -1230,7 +1288,7 @@ async fn dispatch(
     tool: Option<Tool>,
     reach: &Reach,
     cut: watch::Receiver<bool>,
-) -> Option<String> {
+) -> Option<(bool, String)> {
     let (g, r, k, t) = (
         gate.clone(),
         run.to_string(),
@@ -1242,9 +1300,15 @@ async fn dispatch(
         .unwrap_or_else(|e| Err(e.to_string()));
     if let Err(why) = started {
         let refused = json!({"status": "REFUSED", "reason": "NOT_STARTED", "message": why});
-        return Some(refused.to_string());
+        return Some((false, refused.to_string()));
     }
     let (outcome, text) = match tool {
+        Some(Tool { url: Some(_), .. }) if reach.credentials_released => {
+            let message = "the trajectory's handles to this tool's credentials were released \
+                           (the budget's restrict stage, or its end); nothing was sent";
+            let m = crate::record::refusal(call, "CREDENTIAL_RELEASED", message);
+            ("error", m.content.unwrap_or_default())
+        }
         Some(Tool {
             url: Some(url),
             egress,
@@ -1284,8 +1348,8 @@ async fn dispatch(
         outcome,
         text.clone(),
     );
-    let _ = tokio::task::spawn_blocking(move || g.complete(&r, &k, &t, o, &x)).await;
-    Some(text)
+    let settled = tokio::task::spawn_blocking(move || g.complete(&r, &k, &t, o, &x)).await;
+    Some((outcome == "ok" && matches!(settled, Ok(Ok(_))), text))
 }
 
 /// The kind of a workspace lease.
@@ -1315,6 +1379,7 @@ fn lease_workspace(root: Option<&std::path::Path>, rec: &mut Record) -> Result<(
         .map_err(|e| RunnerError::Other(format!("workspace {}: {e}", dir.display())))?;
     let path = dir.display().to_string();
     rec.leases.push(crate::record::Lease {
+        tool: None,
         id: path.clone(),
         kind: WORKSPACE.into(),
     });
@@ -1325,6 +1390,81 @@ fn lease_workspace(root: Option<&std::path::Path>, rec: &mut Record) -> Result<(
 /// Whether `s` is one plain path segment: not empty, not `.` or `..`, no `/` or NUL.
 fn one_segment(s: &str) -> bool {
     !s.is_empty() && s != "." && s != ".." && !s.contains(['/', '\0'])
+}
+
+/// The credential handle of `c` for `tool`: the tool and the destination, never the secret.
+fn credential_handle(tool: &str, c: &estop_egress::credentials::Credential) -> String {
+    match c.port {
+        Some(p) => format!("{tool}@{}:{p}", c.host),
+        None => format!("{tool}@{}", c.host),
+    }
+}
+
+/// The credential handles `t` may be leased: one per destination of its store that its
+/// `credentials` names (all of them when it names none).
+fn leasable(t: &Tool) -> Vec<String> {
+    let Some(e) = &t.egress else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = Vec::new();
+    for c in &e.credentials.entries {
+        if t.credentials
+            .as_ref()
+            .is_some_and(|hosts| !hosts.contains(&c.host))
+        {
+            continue;
+        }
+        let id = credential_handle(&t.name, c);
+        if !out.contains(&id) {
+            out.push(id);
+        }
+    }
+    out
+}
+
+/// Grants the trajectory a handle to each credential its HTTP tools may use ([`leasable`]),
+/// recorded as leases in the record that starts it.
+fn lease_credentials(tools: &[Tool], rec: &mut Record) {
+    for t in tools {
+        for id in leasable(t) {
+            if !rec.leases.iter().any(|l| l.id == id) {
+                rec.leases.push(crate::record::Lease {
+                    id,
+                    kind: crate::record::CREDENTIAL.into(),
+                    tool: Some(t.name.clone()),
+                });
+            }
+        }
+    }
+}
+
+/// The tool as a call of this trajectory may use it: its credential store narrowed to the
+/// handles the trajectory holds now (a credential it was never leased is not injected; the
+/// request goes without it), and whether the tool had handles and every one was released (the
+/// restrict stage for a tool that is not read-only, or FINALIZING): then the call is refused
+/// (`CREDENTIAL_RELEASED`) and nothing is sent.
+fn credential_scope(mut t: Tool, leases: &[crate::record::Lease]) -> (Tool, bool) {
+    let mine = leasable(&t);
+    let held = |id: &String| {
+        leases
+            .iter()
+            .any(|l| l.kind == crate::record::CREDENTIAL && &l.id == id)
+    };
+    let released = !mine.is_empty() && !mine.iter().any(held);
+    if let Some(e) = &mut t.egress {
+        let entries = e
+            .credentials
+            .entries
+            .iter()
+            .filter(|c| held(&credential_handle(&t.name, c)))
+            .cloned()
+            .collect();
+        e.credentials = std::sync::Arc::new(estop_egress::credentials::Credentials {
+            entries,
+            env_names: e.credentials.env_names.clone(),
+        });
+    }
+    (t, released)
 }
 
 /// A command tool runs in the trajectory's workspace, named in `ESTOP_WORKSPACE`.
@@ -1485,6 +1625,7 @@ mod tests {
                 retry_of: None,
                 depth: 0,
                 spawned_by: None,
+                contract: None,
             },
             CallLimits {
                 model: "m".into(),
@@ -1499,6 +1640,66 @@ mod tests {
             },
             "journal".into(),
         )
+    }
+
+    /// Credential handles: every destination of the tool's store its `credentials` names is
+    /// leased (the tool and host, never the secret); a call is given only the held ones; with
+    /// every handle released it is refused; a tool whose `credentials` names none of the
+    /// store's hosts gets no handle and its request goes without.
+    #[test]
+    fn a_call_gets_only_the_credentials_its_trajectory_holds() {
+        let store = "[[credential]]\nhost = \"a.example\"\nheader = \"X-A\"\nvalue = \"secret-a\"\n\
+                     [[credential]]\nhost = \"b.example\"\nport = 8443\nheader = \"X-B\"\nvalue = \"secret-b\"\n";
+        let creds = estop_egress::credentials::Credentials::parse(store, &|_| None).unwrap();
+        let tool = Tool {
+            name: "t".into(),
+            description: String::new(),
+            parameters: serde_json::json!({}),
+            command: Vec::new(),
+            url: Some("https://a.example/x".into()),
+            mcp: None,
+            sandbox: false,
+            sandbox_policy: None,
+            read_only: false,
+            egress: Some(crate::http::Egress {
+                settings: Default::default(),
+                credentials: std::sync::Arc::new(creds),
+            }),
+            credentials: None,
+        };
+        let hosts = |t: &Tool| -> Vec<String> {
+            let e = t.egress.as_ref().unwrap();
+            e.credentials
+                .entries
+                .iter()
+                .map(|c| c.host.clone())
+                .collect()
+        };
+        let mut r = rec("x");
+        lease_credentials(std::slice::from_ref(&tool), &mut r);
+        let ids: Vec<&str> = r.leases.iter().map(|l| l.id.as_str()).collect();
+        assert_eq!(ids, ["t@a.example", "t@b.example:8443"]);
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(!json.contains("secret-"), "{json}");
+        let (all, released) = credential_scope(tool.clone(), &r.leases);
+        assert_eq!(hosts(&all), ["a.example", "b.example"]);
+        assert!(!released);
+        r.leases.remove(1);
+        let (one, released) = credential_scope(tool.clone(), &r.leases);
+        assert_eq!(hosts(&one), ["a.example"]);
+        assert!(!released);
+        let (gone, released) = credential_scope(tool.clone(), &[]);
+        assert!(released && hosts(&gone).is_empty(), "released: refused");
+        let mut other = tool;
+        other.credentials = Some(vec!["c.example".into()]);
+        let mut r = rec("y");
+        lease_credentials(std::slice::from_ref(&other), &mut r);
+        assert!(r.leases.is_empty());
+        let (none, released) = credential_scope(other, &r.leases);
+        assert!(
+            hosts(&none).is_empty() && !released,
+            "never leased: goes without"
+        );
     }
 
     /// A sub-agent's id ends with the model's call id: `..` in it must not lease (and at

@@ -138,6 +138,7 @@ impl Subagents {
             sandbox_policy: None,
             read_only: false,
             egress: None,
+            credentials: None,
         }
     }
 
@@ -199,6 +200,7 @@ mod tests {
             retry_of: None,
             depth,
             spawned_by: None,
+            contract: None,
         };
         let limits = CallLimits {
             model: "m".into(),

@@ -78,6 +78,7 @@ fn exit_json(e: &Exit) -> Value {
                 "the completion check failed".into()
             },
         ),
+        Exit::CompletionCheckFailed { failed } => ("COMPLETION_CHECK_FAILED", failed.join(", ")),
         Exit::Canceled { reason } => ("CANCELED", reason.clone()),
         Exit::Killed { reason } => ("KILLED", reason.clone()),
         Exit::BudgetExceeded { dimension } => ("BUDGET_EXCEEDED", dimension.as_str().to_string()),
@@ -88,7 +89,8 @@ fn exit_json(e: &Exit) -> Value {
 
 /// A trajectory as JSON: identity, state, exit, turns, the budget vector (spent and limit per
 /// dimension, the stage), the stored control requests, pending work (calls in flight with
-/// their phase, held calls with their expiry), and with `answer` its last model message.
+/// their phase, held calls with their expiry), the task contract and the completion check's
+/// result, the leases held, and with `answer` its last model message.
 pub fn trajectory(
     r: &Record,
     ctx: Option<&[crate::chat::Message]>,
@@ -170,6 +172,17 @@ pub fn trajectory(
         "pending": pending,
         "held": held,
         "context_len": r.pointers.context_len,
+        // The task contract (bounded when it was loaded) and the completion check's result.
+        "contract": r.identity.contract,
+        "check": r.check.as_ref().map(|c| json!({
+            "passed": c.passed,
+            "checked": c.checked,
+            "failed": c.failed.iter().map(|f| json!({"check": f.check, "why": t(&f.why)})).collect::<Vec<_>>(),
+            "notices": c.notices,
+        })),
+        // Leases held: the workspace, credential handles (a tool and a destination, never a
+        // secret).
+        "leases": r.leases.iter().map(|l| json!({"kind": l.kind, "id": t(&l.id), "tool": l.tool})).collect::<Vec<_>>(),
     });
     if let Some(ctx) = ctx {
         let answer = ctx
