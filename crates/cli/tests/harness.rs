@@ -1930,6 +1930,170 @@ fn a_cancel_cancels_the_mcp_call_in_flight_upstream() {
     assert_eq!(effect_status(&d, "mcp-2", "c1"), "unknown");
 }
 
+/// An MCP server that changes its tools: `flip` makes `echo`'s description `v2` and drops
+/// `flip` (adding `fresh`), then says `notifications/tools/list_changed` before it answers.
+const MCP_CHANGING_SERVER: &str = r#"
+import json, sys
+def send(msg):
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+schema = {"type": "object", "properties": {"text": {"type": "string"}}}
+def tool(n, desc):
+    return {"name": n, "description": desc, "inputSchema": schema}
+tools = [tool("echo", "the echo tool"), tool("flip", "changes the tools")]
+for line in sys.stdin:
+    msg = json.loads(line)
+    method, mid = msg.get("method"), msg.get("id")
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": mid, "result": {
+            "protocolVersion": msg["params"]["protocolVersion"],
+            "capabilities": {"tools": {"listChanged": True}},
+            "serverInfo": {"name": "py", "version": "1"}}})
+    elif method == "tools/list":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"tools": tools}})
+    elif method == "tools/call":
+        name = msg["params"]["name"]
+        if name == "flip":
+            tools = [tool("echo", "the echo tool, v2"), tool("fresh", "new since the start")]
+            send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+        send({"jsonrpc": "2.0", "id": mid, "result": {
+            "content": [{"type": "text", "text": "%s done" % name}]}})
+    elif mid is not None:
+        send({"jsonrpc": "2.0", "id": mid, "result": {}})
+"#;
+
+/// A server's `notifications/tools/list_changed`: the harness lists its tools again before
+/// the next model call, so the model is offered the tools as they are now: `echo`'s new
+/// description, `flip` gone. A tool the server adds after the start (`fresh`) is not offered:
+/// the trajectory's grants are recorded at its start, and a server cannot widen them. A call
+/// of the tool that is gone is an error observation, and never reaches the server.
+#[test]
+fn a_servers_tools_list_changed_is_listed_again_before_the_next_turn() {
+    let d = Daemon::start_with_policy(MCP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "files__flip", "{}"),
+            scripted::call("c2", "files__echo", "{\"text\": \"a\"}"),
+            scripted::call("c3", "files__flip", "{}"),
+            scripted::answer("flipped"),
+        ],
+    );
+    let server = d.data().join("changing.py");
+    std::fs::write(&server, MCP_CHANGING_SERVER).unwrap();
+    let config = d.data().join("agent.toml");
+    let text = format!(
+        "[[model]]\nname = \"scripted\"\nbase_url = \"{}\"\nusd_per_mtok_input = 3.0\n\
+         usd_per_mtok_output = 15.0\n\n[[server]]\nname = \"files\"\ncommand = \"python3\"\n\
+         args = [\"-u\", {:?}]\n",
+        model.base_url(),
+        server.display().to_string()
+    );
+    std::fs::write(&config, text).unwrap();
+    let config = config.display().to_string();
+    let (code, out, err) = d.cli(&[
+        "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-l", "go",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("mcp-l COMPLETED"), "{out}");
+    let calls = model.calls();
+    let offered = |n: usize| -> Vec<(String, String)> {
+        calls[n]["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                let f = &t["function"];
+                let name = f["name"].as_str().unwrap().to_string();
+                (name, f["description"].as_str().unwrap().to_string())
+            })
+            .collect()
+    };
+    let pair = |n: &str, d: &str| (n.to_string(), d.to_string());
+    assert_eq!(
+        offered(0),
+        [
+            pair("files__echo", "the echo tool"),
+            pair("files__flip", "changes the tools")
+        ]
+    );
+    // The notice reached the harness before the call's answer; by the turn after the next,
+    // at the latest, the listing has been taken again.
+    assert_eq!(offered(2), [pair("files__echo", "the echo tool, v2")]);
+    assert_eq!(offered(3), [pair("files__echo", "the echo tool, v2")]);
+    let last = calls[3]["messages"].as_array().unwrap().clone();
+    let obs = |id: &str| {
+        last.iter().find(|m| m["tool_call_id"] == id).unwrap()["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(obs("c1"), "flip done");
+    assert_eq!(obs("c2"), "echo done");
+    assert_ne!(obs("c3"), "flip done", "the tool that is gone was not sent");
+}
+
+/// A `sandbox = true` server in the harness runs as `estop mcp` runs one: `estop run … --
+/// SERVER` on the trajectory's daemon, the sandbox the child run `TRAJECTORY/SERVER-STAMP` of
+/// the trajectory's run; its tools are offered and called through the sandbox's stdio as an
+/// unsandboxed server's are, each call admitted by the gate in the trajectory's run.
+#[test]
+fn mcp_tools_of_a_sandboxed_server_are_admitted_then_sent_into_the_sandbox() {
+    let d = Daemon::start_with_policy(SANDBOX_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "files__echo", "{\"text\": \"boxed\"}"),
+            scripted::answer("echoed from the sandbox"),
+        ],
+    );
+    // Outside the daemon's data directory, which the sandbox hides.
+    let dir = tempfile::tempdir().unwrap();
+    let (server, log) = (dir.path().join("mcp.py"), dir.path().join("mcp.log"));
+    std::fs::write(&server, MCP_SERVER).unwrap();
+    let config = dir.path().join("agent.toml");
+    let text = format!(
+        "[[model]]\nname = \"scripted\"\nbase_url = \"{}\"\nusd_per_mtok_input = 3.0\n\
+         usd_per_mtok_output = 15.0\n\n[[server]]\nname = \"files\"\ncommand = \"python3\"\n\
+         args = [\"-u\", {:?}]\nenv = {{ LOG = {:?}, STARTED = \"/nonexistent\" }}\n\
+         sandbox = true\n",
+        model.base_url(),
+        server.display().to_string(),
+        log.display().to_string(),
+    );
+    std::fs::write(&config, text).unwrap();
+    let config = config.display().to_string();
+    let (code, out, err) = d.cli(&[
+        "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-s", "go",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("mcp-s COMPLETED"), "{out}");
+    let last = model.calls()[1]["messages"].as_array().unwrap().clone();
+    let obs = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    assert_eq!(obs["content"], "echo: boxed", "{obs}");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "call echo boxed\n");
+    assert_eq!(effect_status(&d, "mcp-s", "c1"), "completed");
+    // The server ran as a sandbox, a child run of the trajectory's, its launch an effect.
+    let (code, runs, err) = d.cli(&["runs", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let runs: serde_json::Value = serde_json::from_str(&runs).unwrap();
+    let text = runs.to_string();
+    let sandbox = text
+        .split('"')
+        .find(|s| s.starts_with("mcp-s/files-"))
+        .unwrap_or_else(|| panic!("no sandbox run under mcp-s: {runs:#}"))
+        .to_string();
+    let (code, report, err) = d.cli(&["report", &sandbox, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(report.contains("sandbox.run"), "{report}");
+    let (code, status, err) = d.cli(&["status", &sandbox, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["parent"], "mcp-s", "{status}");
+}
+
 const SANDBOX_POLICY: &str = r#"
 [defaults]
 unknown_tool = "allow"

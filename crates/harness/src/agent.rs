@@ -52,8 +52,32 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    // The MCP servers are started (and their tools listed) before the trajectory starts.
-    let (upstreams, mcp_tools) = rt.block_on(crate::mcp::Upstreams::start(&config.servers))?;
+    if a.retry_of.is_some() && a.parent.is_some() {
+        anyhow::bail!("a retry keeps the parent of the trajectory it retries: leave out --parent");
+    }
+    if a.retry_of.is_none() && a.task.trim().is_empty() {
+        anyhow::bail!("no task: give the task, or --retry-of a trajectory to retry its task");
+    }
+    let id = a.id.clone().unwrap_or_else(|| match &a.retry_of {
+        Some(of) => format!("{of}-retry-{}", crate::runner::now_ms()),
+        None => format!("agent-{}", crate::runner::now_ms()),
+    });
+    let sandbox = crate::runner::SandboxLaunch {
+        estop: std::env::current_exe()?,
+        data: a.data.clone(),
+        socket: a.gate.target.clone(),
+        token: a.gate.token.clone(),
+    };
+    // The MCP servers are started (and their tools listed) before the trajectory starts; a
+    // sandboxed one as a child run of the trajectory's.
+    let sandboxed = crate::mcp::SandboxedServers {
+        launch: &sandbox,
+        run: &id,
+    };
+    let (upstreams, mcp_tools) = rt.block_on(crate::mcp::Upstreams::start(
+        &config.servers,
+        Some(sandboxed),
+    ))?;
     let opts = RunnerOptions {
         data: a.journal.clone(),
         gate: a.gate.clone(),
@@ -70,12 +94,7 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
         upstreams,
         subagents: config.subagents.clone(),
         workspaces: config.harness.workspaces.clone(),
-        sandbox: Some(crate::runner::SandboxLaunch {
-            estop: std::env::current_exe()?,
-            data: a.data.clone(),
-            socket: a.gate.target.clone(),
-            token: a.gate.token.clone(),
-        }),
+        sandbox: Some(sandbox.clone()),
         system: config.harness.system.clone(),
         grace: Duration::from_millis(config.harness.grace_ms),
         workers: config.harness.workers,
@@ -84,16 +103,6 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
         rpm: (m.rpm - m.rpm / 10).max(1),
         journal: config.journal,
     };
-    if a.retry_of.is_some() && a.parent.is_some() {
-        anyhow::bail!("a retry keeps the parent of the trajectory it retries: leave out --parent");
-    }
-    if a.retry_of.is_none() && a.task.trim().is_empty() {
-        anyhow::bail!("no task: give the task, or --retry-of a trajectory to retry its task");
-    }
-    let id = a.id.clone().unwrap_or_else(|| match &a.retry_of {
-        Some(of) => format!("{of}-retry-{}", crate::runner::now_ms()),
-        None => format!("agent-{}", crate::runner::now_ms()),
-    });
     rt.block_on(async move {
         let mut runner = Runner::open(opts)?;
         match runner.record(&id) {

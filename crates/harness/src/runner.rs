@@ -710,12 +710,18 @@ impl Runner {
                 self.tools.insert(key, handle);
             }
             Action::Dispatch { call, token } => {
-                let tool = self
+                // An MCP tool as its server lists it now (it may have gone since it was offered).
+                let named = |t: &&Tool| t.name == call.function.name;
+                let tool = match self
                     .opts
                     .tools
                     .iter()
-                    .find(|t| t.name == call.function.name)
-                    .cloned();
+                    .filter(|t| t.mcp.is_none())
+                    .find(named)
+                {
+                    Some(t) => Some(t.clone()),
+                    None => self.opts.upstreams.current().iter().find(named).cloned(),
+                };
                 let call_id = call.id.clone();
                 let reach = Reach {
                     upstreams: self.opts.upstreams.clone(),
@@ -1025,13 +1031,20 @@ impl Runner {
         if let Some(s) = steer {
             messages.push(Message::system(s));
         }
-        let tools = self.opts.tools.iter().filter(|t| rec.grants.allows(&t.name)).map(|t| {
-                    json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}})
-                }).collect();
-        let req = CallRequest {
+        // The MCP tools as their servers list them now (listed again first where a server said
+        // they changed), after the config's own; either within the grants.
+        let fixed: Vec<Tool> = self
+            .opts
+            .tools
+            .iter()
+            .filter(|t| t.mcp.is_none())
+            .cloned()
+            .collect();
+        let (upstreams, grants) = (self.opts.upstreams.clone(), rec.grants.clone());
+        let mut req = CallRequest {
             model: rec.limits.model.clone(),
             messages,
-            tools,
+            tools: Vec::new(),
             max_tokens,
             deadline: Duration::from_millis(rec.limits.call_deadline_ms),
         };
@@ -1040,6 +1053,10 @@ impl Runner {
         self.in_flight += 1;
         let (model, grace) = (self.opts.model.clone(), self.opts.grace);
         tokio::spawn(async move {
+            let mcp = upstreams.offered().await;
+            req.tools = fixed.iter().chain(&mcp).filter(|t| grants.allows(&t.name)).map(|t| {
+                json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}})
+            }).collect();
             let reply = model.call(&req, cut, grace).await;
             let _ = tx.send(Input::Reply { id, reply });
         });
