@@ -1351,6 +1351,105 @@ fn a_parents_cancel_cascades_to_its_sub_agent_and_an_interrupt_does_not() {
     assert_eq!(effect_status(&d, "sa-5", "c1"), "unknown");
 }
 
+/// At the budget's steer stage the context sent is compacted without a model call: the tool
+/// results before the last three turns become markers naming their size and the journal, the
+/// system prompt, the task, every assistant message and the last turns stay as they were, and
+/// every tool call keeps the tool message answering it. The boundary is a record fact: a crash
+/// during the steered call resumes and sends exactly the same request; the journal keeps every
+/// result whole.
+#[test]
+fn at_the_steer_stage_old_tool_results_are_sent_compacted_and_a_resume_sends_the_same() {
+    use estop_harness::compact::marker;
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let server_rt = runtime();
+    let args = |i: usize| format!("{{\"q\": \"{}\"}}", format!("r{i}-").repeat(100));
+    let mut responses: Vec<Vec<Step>> = (1..=7)
+        .map(|i| scripted::call(&format!("c{i}"), "lookup", &args(i)))
+        .collect();
+    responses.push(vec![Step::Gate, Step::Done]);
+    responses.push(scripted::answer("done"));
+    let model = model_server(&server_rt, responses);
+    let opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    let rt = runtime();
+    let mut runner = rt.block_on(async { Runner::open(opts.clone()) }).unwrap();
+    rt.block_on(async { runner.start("cp-1", None, "look it all up") })
+        .unwrap();
+    let task = rt.spawn(async move { runner.run().await });
+    // The eighth call is the first at 70% of the ten turns: the stream waits at its gate.
+    server_rt.block_on(model.wait_for(&Seen::Call { n: 7 }));
+    task.abort();
+    rt.shutdown_timeout(Duration::from_secs(10));
+
+    let rt = runtime();
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    let runner = rt.block_on(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    assert_eq!(runner.record("cp-1").unwrap().state, State::Completed);
+    assert_eq!(model.calls().len(), 9);
+    let notice = |m: &serde_json::Value| {
+        m["role"] == "system" && m["content"].as_str().unwrap().starts_with("Budget notice")
+    };
+    for n in 0..7 {
+        let sent = messages(&model, n);
+        assert!(
+            !sent.iter().any(notice),
+            "call {n} is before the steer stage"
+        );
+        assert!(
+            !sent.iter().any(|m| m["content"]
+                .as_str()
+                .is_some_and(|c| c.contains("[compacted"))),
+            "call {n} is sent whole"
+        );
+    }
+    let before = messages(&model, 6);
+    let steered = messages(&model, 7);
+    assert!(notice(steered.last().unwrap()), "{:?}", steered.last());
+    // system, task, then (assistant cN, tool cN) for N in 1..=7, then the notice.
+    assert_eq!(steered.len(), 2 + 14 + 1);
+    assert_eq!(steered[0]["role"], "system");
+    assert_eq!(
+        steered[1],
+        json!({"role": "user", "content": "look it all up"})
+    );
+    for (i, m) in steered.iter().enumerate().take(16) {
+        if m["role"] != "tool" {
+            // (c7's call is new in this request)
+            assert!(i == 14 || Some(m) == before.get(i), "message {i} as it was");
+            continue;
+        }
+        let n = (i - 1) / 2; // the call cN this result answers
+        assert_eq!(m["tool_call_id"], format!("c{n}"));
+        assert_eq!(steered[i - 1]["tool_calls"][0]["id"], format!("c{n}"));
+        let full = args(n);
+        if n <= 4 {
+            assert_eq!(
+                m["content"],
+                marker(full.len(), i),
+                "c{n} is before the last 3 turns"
+            );
+        } else {
+            assert_eq!(m["content"], full, "c{n} is in the last 3 turns");
+        }
+    }
+    // The call lost in the crash counts as a turn: only the notice's figure differs.
+    let resumed = messages(&model, 8);
+    assert!(notice(resumed.last().unwrap()), "{:?}", resumed.last());
+    assert!(
+        resumed[..16] == steered[..16],
+        "the resumed call sends the same context"
+    );
+    let journal = runner.context("cp-1");
+    assert_eq!(
+        journal[3].content.as_deref(),
+        Some(args(1).as_str()),
+        "the journal keeps it whole"
+    );
+    assert_eq!(runner.record("cp-1").unwrap().pointers.compacted_before, 10);
+}
+
 /// A crash while the sub-agent's model call is in flight: the reopened runner resumes the
 /// parent (still waiting for its call) and the child from the journal, and never starts the
 /// sub-agent twice; the child's call is made again and its answer reaches the parent.

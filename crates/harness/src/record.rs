@@ -211,6 +211,15 @@ pub struct Pointers {
     pub context_len: u64,
     pub log: String,
     pub workspace: Option<String>,
+    /// Tool results before this context index are sent compacted (crate::compact): set from
+    /// the budget's steer stage on, never lowered, journalled before the call it shapes.
+    #[serde(default, skip_serializing_if = "nothing_compacted")]
+    pub compacted_before: u64,
+}
+
+/// A record that compacted nothing is written as before there was compaction.
+fn nothing_compacted(before: &u64) -> bool {
+    *before == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -387,6 +396,7 @@ impl Record {
                 context_len: 0,
                 log,
                 workspace: None,
+                compacted_before: 0,
             },
             transitions: 0,
             ended_at_ms: None,

@@ -272,6 +272,13 @@ impl Runner {
         self.ctx.get(id).map_or(&[], Vec::as_slice)
     }
 
+    /// The context as the next model call sends it: compacted before the record's
+    /// `compacted_before` (crate::compact), the rest as journalled.
+    pub fn sent_context(&self, id: &str) -> Vec<Message> {
+        let before = self.recs.get(id).map_or(0, |r| r.pointers.compacted_before);
+        crate::compact::compacted(self.context(id), before)
+    }
+
     /// A sender of inputs (control requests from outside).
     pub fn inputs(&self) -> mpsc::UnboundedSender<Input> {
         self.tx.clone()
@@ -430,7 +437,21 @@ impl Runner {
             }
             let mut rec = rec.clone();
             match rec.begin_turn(now_ms(), self.prompt_estimate(&id)) {
-                Ok(actions) => self.commit(rec, actions)?,
+                Ok(actions) => {
+                    // From the steer stage on (the call carries a budget notice), the tool
+                    // results before the last turns are sent compacted; the boundary is
+                    // journalled with the record, before the call, so a resume sends the same.
+                    let steered = actions
+                        .iter()
+                        .any(|a| matches!(a, Action::CallModel { steer: Some(_), .. }));
+                    if steered {
+                        let at =
+                            crate::compact::boundary(self.context(&id), crate::compact::KEEP_TURNS);
+                        let p = &mut rec.pointers;
+                        p.compacted_before = p.compacted_before.max(at);
+                    }
+                    self.commit(rec, actions)?
+                }
                 Err(e) => self.log(&id, format!("turn refused: {e}"))?,
             }
         }
@@ -441,7 +462,7 @@ impl Runner {
     /// provider's usage report settles the truth after the call.
     fn prompt_estimate(&self, id: &str) -> u64 {
         let chars: usize = self
-            .context(id)
+            .sent_context(id)
             .iter()
             .map(|m| m.content.as_deref().map_or(0, str::len) + 16)
             .sum();
@@ -1027,7 +1048,8 @@ impl Runner {
     /// allow now; the reply comes back as an input.
     fn call_model(&mut self, rec: &Record, max_tokens: u64, steer: Option<String>) {
         let (id, tx) = (rec.identity.id.clone(), self.tx.clone());
-        let mut messages = self.context(&id).to_vec();
+        let before = rec.pointers.compacted_before;
+        let mut messages = crate::compact::compacted(self.context(&id), before);
         if let Some(s) = steer {
             messages.push(Message::system(s));
         }
