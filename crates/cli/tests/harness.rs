@@ -565,6 +565,120 @@ fn a_retry_is_a_new_trajectory_whose_budget_carries_over() {
     assert_eq!(server.calls().len(), 3, "no model call for a refused retry");
 }
 
+/// A trajectory's class is the scheduler's: with one worker, an interactive trajectory
+/// started after a batch one has its turn first (weights 4 and 1; FIFO if both were
+/// standard). The class is in the record, so a reopened runner keeps it, and a retry inherits
+/// it unless it names another.
+#[test]
+fn a_trajectorys_class_orders_the_turns_and_is_kept_in_its_record() {
+    use estop_harness::scheduler::Class;
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::answer("first"),
+            scripted::answer("second"),
+            vec![Step::Status {
+                status: 400,
+                body: "{\"error\": \"bad request\"}".into(),
+            }],
+            scripted::answer("retried"),
+        ],
+    );
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.workers = 1;
+    let mut runner = rt.block_on(async { Runner::open(opts.clone()) }).unwrap();
+    rt.block_on(async {
+        runner.start_in("cl-b", None, "the batch task", Class::Batch)?;
+        runner.start_in("cl-i", None, "the interactive task", Class::Interactive)?;
+        runner.run().await
+    })
+    .unwrap();
+    let task = |n: usize| messages(&model, n)[1]["content"].clone();
+    assert_eq!(task(0), "the interactive task", "interactive goes first");
+    assert_eq!(task(1), "the batch task");
+    drop(runner);
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    assert_eq!(runner.record("cl-b").unwrap().class, Class::Batch);
+    assert_eq!(runner.record("cl-i").unwrap().class, Class::Interactive);
+    rt.block_on(async {
+        runner.start_in("cl-f", None, "fails", Class::Batch)?;
+        runner.run().await?;
+        runner.start_retry("cl-f2", "cl-f", None, None)?;
+        runner.run().await
+    })
+    .unwrap();
+    assert_eq!(runner.record("cl-f").unwrap().state, State::Failed);
+    assert_eq!(
+        runner.record("cl-f2").unwrap().class,
+        Class::Batch,
+        "inherited"
+    );
+    assert_eq!(runner.record("cl-f2").unwrap().state, State::Completed);
+}
+
+/// `estop agent run --class`: recorded (the `--json` record, `estop agent list`), inherited
+/// by a retry unless given there too; a class that is none of the three is refused before
+/// anything starts.
+#[test]
+fn estop_agent_run_class_is_recorded_listed_and_inherited_by_a_retry() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let server = model_server(&rt, vec![scripted::call("c1", "lookup", "{\"q\": \"x\"}")]);
+    let path = d.data().join("agent.toml");
+    std::fs::write(&path, lookup_config(&server.base_url(), 1)).unwrap();
+    let path_s = path.display().to_string();
+    let agent = |args: &[&str]| {
+        let mut all = vec![
+            "agent", "run", "--config", &path_s, "--model", "scripted", "--json",
+        ];
+        all.extend_from_slice(args);
+        let (code, out, err) = d.cli(&all);
+        let record = serde_json::from_str::<serde_json::Value>(&out).ok();
+        (code, record, format!("{out}{err}"))
+    };
+    let (code, _, out) = agent(&["--class", "urgent", "--id", "k-0", "x"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("use interactive, standard or batch"), "{out}");
+    assert!(server.calls().is_empty());
+    let (code, first, out) = agent(&["--class", "batch", "--id", "k-1", "find x"]);
+    assert_eq!(code, 3, "out of turns: {out}");
+    assert_eq!(first.unwrap()["class"], "batch", "{out}");
+    let (_, list, _) = d.cli(&["agent", "list"]);
+    assert!(
+        list.starts_with("k-1 FAILED ") && list.contains(" class=batch task="),
+        "{list}"
+    );
+    // A retry (under the same spent ceiling: it stops at once) has the class it retries,
+    // unless it names one.
+    let (code, retry, out) = agent(&["--retry-of", "k-1", "--id", "k-1b"]);
+    assert_eq!(code, 3, "{out}");
+    assert_eq!(retry.unwrap()["class"], "batch", "{out}");
+    let (code, retry, out) = agent(&[
+        "--retry-of",
+        "k-1b",
+        "--id",
+        "k-1c",
+        "--class",
+        "interactive",
+    ]);
+    assert_eq!(code, 3, "{out}");
+    assert_eq!(retry.unwrap()["class"], "interactive", "{out}");
+    let (_, list, _) = d.cli(&["agent", "list", "--json"]);
+    let list: serde_json::Value = serde_json::from_str(&list).unwrap();
+    let classes: Vec<(&str, &str)> = list["trajectories"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["id"].as_str().unwrap(), t["class"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        classes,
+        [("k-1", "batch"), ("k-1b", "batch"), ("k-1c", "interactive")]
+    );
+}
+
 /// `estop kill` of the run while a tool call runs: the kill reaches the loop at once (not at a
 /// boundary: the tool would never return), the call is cancelled and settled `unknown` at the
 /// gate, and the trajectory ends FAILED with the kill as its exit; no model call follows.

@@ -29,6 +29,9 @@ pub struct AgentRun {
     pub gate: GateConfig,
     /// The daemon's data directory: `sandbox = true` commands are started by `estop run` on it.
     pub data: PathBuf,
+    /// The scheduler's class (`--class`): standard for a new trajectory unless given, the
+    /// retried one's for a retry unless given; a resume keeps the recorded one.
+    pub class: Option<crate::scheduler::Class>,
 }
 
 /// How the trajectory ended: its record and the model's last answer.
@@ -109,14 +112,26 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
             None => match &a.retry_of {
                 Some(of) => {
                     let task = Some(a.task.as_str()).filter(|t| !t.trim().is_empty());
-                    runner.start_retry(&id, of, task)?
+                    runner.start_retry(&id, of, task, a.class)?
                 }
-                None => runner.start(&id, a.parent.as_deref(), &a.task)?,
+                None => {
+                    let class = a.class.unwrap_or_default();
+                    runner.start_in(&id, a.parent.as_deref(), &a.task, class)?
+                }
             },
             Some(r) if r.state.is_terminal() => {
                 anyhow::bail!("trajectory {id} already ended ({})", r.state)
             }
-            Some(_) => {}
+            Some(r) => {
+                if let Some(c) = a.class.filter(|c| *c != r.class) {
+                    anyhow::bail!(
+                        "trajectory {id} is live in class {}: a resume keeps it (leave out \
+                         --class {})",
+                        r.class.as_str(),
+                        c.as_str()
+                    );
+                }
+            }
         }
         runner.run().await?;
         let record = runner.record(&id).expect("started").clone();

@@ -243,6 +243,10 @@ pub struct Record {
     /// journalled): a retry carries the wall clock spent up to here.
     #[serde(default)]
     pub ended_at_ms: Option<u64>,
+    /// The scheduler's class of its turns (`estop agent run --class`): kept by a resume,
+    /// inherited by a retry (unless it names one) and by its sub-agents.
+    #[serde(default, skip_serializing_if = "crate::scheduler::Class::is_standard")]
+    pub class: crate::scheduler::Class,
 }
 
 /// What the runner is to do, in order, once the record is durable.
@@ -400,6 +404,7 @@ impl Record {
             },
             transitions: 0,
             ended_at_ms: None,
+            class: Default::default(),
         }
     }
 

@@ -284,22 +284,35 @@ impl Runner {
         self.tx.clone()
     }
 
-    /// Starts a new trajectory for `task`.
+    /// Starts a new trajectory for `task` in the standard class.
     pub fn start(&mut self, id: &str, parent: Option<&str>, task: &str) -> Result<(), RunnerError> {
+        self.start_in(id, parent, task, Class::Standard)
+    }
+
+    /// Starts a new trajectory for `task` whose turns the scheduler weighs as `class`.
+    pub fn start_in(
+        &mut self,
+        id: &str,
+        parent: Option<&str>,
+        task: &str,
+        class: Class,
+    ) -> Result<(), RunnerError> {
         let budget = Budget::new(self.opts.limits, self.opts.prices, now_ms());
-        self.begin(id, parent, task, None, budget)
+        self.begin(id, parent, task, None, budget, class)
     }
 
     /// Starts `id` as a retry of the ended trajectory `of` (seed 004: a retry is a new
     /// trajectory with a parent link whose budget carries over): the same parent run and task
     /// (unless `task` gives another), `retry_of` naming `of`, and `of`'s budget — its ceilings
     /// and everything it spent (turns, tokens, dollars, and the wall clock up to its end), so a
-    /// retry never buys a fresh budget. `of` must have ended other than COMPLETED.
+    /// retry never buys a fresh budget. `of` must have ended other than COMPLETED. Its class is
+    /// `of`'s unless `class` names one.
     pub fn start_retry(
         &mut self,
         id: &str,
         of: &str,
         task: Option<&str>,
+        class: Option<Class>,
     ) -> Result<(), RunnerError> {
         let Some(orig) = self.recs.get(of) else {
             return Err(RunnerError::Other(format!(
@@ -339,7 +352,9 @@ impl Runner {
         budget.spend = orig.budget.spend;
         let parent = orig.identity.parent.clone();
         let task = task.unwrap_or(&orig.identity.task).to_string();
-        self.begin(id, parent.as_deref(), &task, Some(of.to_string()), budget)
+        let class = class.unwrap_or(orig.class);
+        let retry_of = Some(of.to_string());
+        self.begin(id, parent.as_deref(), &task, retry_of, budget, class)
     }
 
     fn begin(
@@ -349,6 +364,7 @@ impl Runner {
         task: &str,
         retry_of: Option<String>,
         budget: Budget,
+        class: Class,
     ) -> Result<(), RunnerError> {
         for run in std::iter::once(id).chain(parent) {
             crate::gate::check_run_id(run)
@@ -387,6 +403,7 @@ impl Runner {
             grants,
             "journal".into(),
         );
+        rec.class = class;
         lease_workspace(o.workspaces.as_deref(), &mut rec)?;
         let msgs = vec![Message::system(o.system.clone()), Message::user(task)];
         self.commit(
@@ -471,9 +488,11 @@ impl Runner {
 
     /// Queues a READY trajectory, charged by its next turn's estimated tokens.
     fn queue(&mut self, id: &str) {
-        let out = self.recs.get(id).map_or(0, |r| r.limits.max_output_tokens);
+        let (out, class) = self.recs.get(id).map_or((0, Class::Standard), |r| {
+            (r.limits.max_output_tokens, r.class)
+        });
         let est = self.prompt_estimate(id) + out;
-        self.sched.push(id.to_string(), Class::Standard, est);
+        self.sched.push(id.to_string(), class, est);
     }
 
     fn tick(&mut self) -> Result<(), RunnerError> {
@@ -901,6 +920,7 @@ impl Runner {
             },
             "journal".into(),
         );
+        child.class = parent.class;
         if let Err(e) = lease_workspace(o.workspaces.as_deref(), &mut child) {
             let text = crate::record::refusal(call, "WORKSPACE", &e.to_string())
                 .content
