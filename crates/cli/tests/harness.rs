@@ -2178,8 +2178,11 @@ for line in sys.stdin:
 /// A server's `notifications/tools/list_changed`: the harness lists its tools again before
 /// the next model call, so the model is offered the tools as they are now: `echo`'s new
 /// description, `flip` gone. A tool the server adds after the start (`fresh`) is not offered:
-/// the trajectory's grants are recorded at its start, and a server cannot widen them. A call
-/// of the tool that is gone is an error observation, and never reaches the server.
+/// the trajectory's grants are recorded at its start, and a server cannot widen them. The
+/// tools' words are pinned as `estop mcp` pins them: the first call of `echo` after its
+/// description changed is held for an operator whatever the policy says (allowed there),
+/// approving it pins the new words, and the next call of it is not held. A call of the tool
+/// that is gone is an error observation, and never reaches the server.
 #[test]
 fn a_servers_tools_list_changed_is_listed_again_before_the_next_turn() {
     let d = Daemon::start_with_policy(MCP_POLICY, &[]);
@@ -2189,7 +2192,8 @@ fn a_servers_tools_list_changed_is_listed_again_before_the_next_turn() {
         vec![
             scripted::call("c1", "files__flip", "{}"),
             scripted::call("c2", "files__echo", "{\"text\": \"a\"}"),
-            scripted::call("c3", "files__flip", "{}"),
+            scripted::call("c3", "files__echo", "{\"text\": \"b\"}"),
+            scripted::call("c4", "files__flip", "{}"),
             scripted::answer("flipped"),
         ],
     );
@@ -2205,11 +2209,30 @@ fn a_servers_tools_list_changed_is_listed_again_before_the_next_turn() {
     );
     std::fs::write(&config, text).unwrap();
     let config = config.display().to_string();
-    let (code, out, err) = d.cli(&[
-        "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-l", "go",
-    ]);
+    // The operator approves every call held while the agent runs, noting which and why.
+    let (held, (code, out, err)) = std::thread::scope(|s| {
+        let agent = s.spawn(|| {
+            d.cli(&[
+                "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-l", "go",
+            ])
+        });
+        let mut held = Vec::new();
+        while !agent.is_finished() {
+            let (_, pending, _) = d.cli(&["pending", "--json"]);
+            let pending: serde_json::Value = serde_json::from_str(&pending).unwrap();
+            for p in pending["pending"].as_array().unwrap() {
+                let key = p["key"].as_str().unwrap().to_string();
+                let (code, _, err) = d.cli(&["approve", "mcp-l", &key]);
+                assert_eq!(code, 0, "{err}");
+                held.push(key);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        (held, agent.join().unwrap())
+    });
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.starts_with("mcp-l COMPLETED"), "{out}");
+    assert_eq!(held, ["c2"], "only the first call after the change");
     let calls = model.calls();
     let offered = |n: usize| -> Vec<(String, String)> {
         calls[n]["tools"]
@@ -2233,9 +2256,10 @@ fn a_servers_tools_list_changed_is_listed_again_before_the_next_turn() {
     );
     // The notice reached the harness before the call's answer; by the turn after the next,
     // at the latest, the listing has been taken again.
-    assert_eq!(offered(2), [pair("files__echo", "the echo tool, v2")]);
-    assert_eq!(offered(3), [pair("files__echo", "the echo tool, v2")]);
-    let last = calls[3]["messages"].as_array().unwrap().clone();
+    for n in 2..=4 {
+        assert_eq!(offered(n), [pair("files__echo", "the echo tool, v2")]);
+    }
+    let last = calls[4]["messages"].as_array().unwrap().clone();
     let obs = |id: &str| {
         last.iter().find(|m| m["tool_call_id"] == id).unwrap()["content"]
             .as_str()
@@ -2244,7 +2268,10 @@ fn a_servers_tools_list_changed_is_listed_again_before_the_next_turn() {
     };
     assert_eq!(obs("c1"), "flip done");
     assert_eq!(obs("c2"), "echo done");
-    assert_ne!(obs("c3"), "flip done", "the tool that is gone was not sent");
+    assert_eq!(obs("c3"), "echo done");
+    assert_ne!(obs("c4"), "flip done", "the tool that is gone was not sent");
+    let pins = std::fs::read_to_string(d.data().join("harness/mcp-pins.json")).unwrap();
+    assert!(pins.contains("files__echo"), "{pins}");
 }
 
 /// A `sandbox = true` server in the harness runs as `estop mcp` runs one: `estop run … --

@@ -77,9 +77,23 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
         launch: &sandbox,
         run: &id,
     };
+    // MCP tools' words are pinned beside the journal (`estop mcp` pins its own in DATA).
+    let pins = if config.servers.is_empty() {
+        None
+    } else {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&a.journal)?;
+        Some(estop_mcp::pins::Pins::open(
+            &a.journal.join("mcp-pins.json"),
+        )?)
+    };
     let (upstreams, mcp_tools) = rt.block_on(crate::mcp::Upstreams::start(
         &config.servers,
         Some(sandboxed),
+        pins,
     ))?;
     let opts = RunnerOptions {
         data: a.journal.clone(),

@@ -423,6 +423,7 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
             mcp: Some(crate::mcp::McpTool {
                 server: "files".into(),
                 tool: "read".into(),
+                changed: None,
             }),
             ..tools[0].clone()
         };

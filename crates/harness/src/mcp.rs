@@ -9,9 +9,12 @@
 //! (the same `Launch`), as a child run of the trajectory's run. A server's
 //! `notifications/tools/list_changed` makes the harness list its tools again before the next
 //! model call: the model is offered the tools as listed now (within the trajectory's grants).
+//! Their words are pinned with `estop mcp`'s pins (`estop_mcp::pins`): a call of a tool whose
+//! words changed is admitted held for an operator, and approving it pins the new words.
 
 use crate::runner::Tool;
 use estop_mcp::config::{SEPARATOR, Server};
+use estop_mcp::pins::{Pin, Pins, fingerprint};
 use estop_mcp::upstream::{Change, Launch, Listener, Upstream};
 use rmcp::model::{
     CallToolRequest, CallToolRequestParams, CancelledNotification, CancelledNotificationParam,
@@ -36,6 +39,11 @@ pub struct McpTool {
     pub server: String,
     /// The tool's own name on that server.
     pub tool: String,
+    /// Its words (description, annotations, schemas) differ from its pin
+    /// (`estop_mcp::pins`): the new fingerprint, pinned once an operator approved a call of it
+    /// (the harness admits such a call held for approval, as `estop mcp` does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changed: Option<String>,
 }
 
 /// How long one re-listing of a server's tools may take; past it the previous list stays.
@@ -64,6 +72,8 @@ pub struct Upstreams {
     /// The servers' `notifications/tools/list_changed` (and other notices, ignored), taken
     /// before each model call ([`Upstreams::offered`]); `None` without servers.
     changes: Option<Arc<tokio::sync::Mutex<Changes>>>,
+    /// The tools' pins (`estop_mcp::pins`, the file the harness was started with).
+    pins: Option<Arc<Mutex<Pins>>>,
 }
 
 #[derive(Debug)]
@@ -81,10 +91,14 @@ impl Upstreams {
     /// starts one (`estop_mcp::upstream::Launch`), the child run of `sandboxed.run`; without
     /// `sandboxed`, such a server is an error. When a server says its tools changed, they are
     /// listed again before the next model call ([`Upstreams::offered`]).
+    /// Each tool's words are checked against `pins` (pinned at first sight): a tool whose words
+    /// changed is marked (`McpTool::changed`), and its calls are held for an operator.
     pub async fn start(
         servers: &[Server],
         sandboxed: Option<SandboxedServers<'_>>,
+        pins: Option<Pins>,
     ) -> anyhow::Result<(Upstreams, Vec<Tool>)> {
+        let pins = pins.map(|p| Arc::new(Mutex::new(p)));
         let launch = Arc::new(match &sandboxed {
             Some(s) => Launch {
                 estop: s.launch.estop.clone(),
@@ -120,7 +134,7 @@ impl Upstreams {
             let listener = Listener::new(index, changed.clone());
             let up = Upstream::start(server, launch.clone(), listener).await?;
             let peer = up.peer().await.map_err(anyhow::Error::msg)?;
-            let tools = list(server, &peer).await?;
+            let tools = list(server, &peer, pins.as_deref()).await?;
             listed.insert(index, tools);
             ups.insert(server.name.clone(), Arc::new(up));
         }
@@ -134,6 +148,7 @@ impl Upstreams {
                 ups: Arc::new(ups),
                 listed: Arc::new(Mutex::new(listed)),
                 changes: Some(Arc::new(tokio::sync::Mutex::new(changes))),
+                pins,
             },
             tools,
         ))
@@ -162,7 +177,7 @@ impl Upstreams {
                 };
                 let listing = async {
                     let peer = up.peer().await.map_err(anyhow::Error::msg)?;
-                    list(server, &peer).await
+                    list(server, &peer, self.pins.as_deref()).await
                 };
                 let limit = std::time::Duration::from_millis(RELIST_MS_MAX);
                 match tokio::time::timeout(limit, listing).await {
@@ -194,6 +209,42 @@ impl Upstreams {
         listed.values().flatten().cloned().collect()
     }
 
+    /// Why a call of `name` is held for an operator whatever the policy says: its words
+    /// changed since they were pinned (`None`: not an MCP tool listed now, or unchanged).
+    pub fn hold_for(&self, name: &str) -> Option<&'static str> {
+        let listed = self.listed.lock().expect("not poisoned");
+        listed
+            .values()
+            .flatten()
+            .find(|t| t.name == name)
+            .and_then(|t| t.mcp.as_ref()?.changed.as_ref())
+            .map(|_| "changed: approving accepts the tool's new description")
+    }
+
+    /// A call of `t` was admitted (approved, where its words had changed): its words are
+    /// pinned now, as `estop mcp` pins them, and its later calls are not held for them.
+    fn accept_pin(&self, t: &McpTool) -> Result<(), String> {
+        let (Some(now), Some(pins)) = (&t.changed, &self.pins) else {
+            return Ok(());
+        };
+        let name = format!("{}{SEPARATOR}{}", t.server, t.tool);
+        pins.lock()
+            .expect("not poisoned")
+            .accept(&name, now)
+            .map_err(|e| format!("{e:#}"))?;
+        let mut listed = self.listed.lock().expect("not poisoned");
+        for tool in listed.values_mut().flatten() {
+            if let Some(m) = tool
+                .mcp
+                .as_mut()
+                .filter(|m| m.changed.as_ref() == Some(now))
+            {
+                m.changed = None;
+            }
+        }
+        Ok(())
+    }
+
     /// Sends one admitted call upstream: `(outcome, observation)` with the outcome the gate
     /// records — `ok`, `error` (the tool said so, the server refused the request, or nothing
     /// could be sent), `unknown` (the server failed mid-call: it may or may not have acted).
@@ -208,6 +259,10 @@ impl Upstreams {
         let Some(up) = self.ups.get(&t.server) else {
             return Some(("error", format!("no MCP server {:?} is running", t.server)));
         };
+        if let Err(e) = self.accept_pin(t) {
+            let why = format!("the tool's new words could not be pinned ({e}); nothing was sent");
+            return Some(("error", why));
+        }
         let args = if args.trim().is_empty() { "{}" } else { args };
         let arguments = match serde_json::from_str::<Value>(args) {
             Ok(Value::Object(m)) => m,
@@ -281,8 +336,13 @@ impl Upstreams {
     }
 }
 
-/// `server`'s tools as `peer` lists them now, as the harness offers them.
-async fn list(server: &Server, peer: &rmcp::Peer<rmcp::RoleClient>) -> anyhow::Result<Vec<Tool>> {
+/// `server`'s tools as `peer` lists them now, as the harness offers them, each checked
+/// against its pin (pinned at first sight).
+async fn list(
+    server: &Server,
+    peer: &rmcp::Peer<rmcp::RoleClient>,
+    pins: Option<&Mutex<Pins>>,
+) -> anyhow::Result<Vec<Tool>> {
     let listed = peer
         .list_all_tools()
         .await
@@ -309,6 +369,17 @@ async fn list(server: &Server, peer: &rmcp::Peer<rmcp::RoleClient>) -> anyhow::R
                 .as_ref()
                 .and_then(|a| a.read_only_hint)
                 .unwrap_or(false);
+        let changed = match pins {
+            Some(p) => match p
+                .lock()
+                .expect("not poisoned")
+                .check(&name, &fingerprint(&t))?
+            {
+                Pin::Same => None,
+                Pin::Changed { now } => Some(now),
+            },
+            None => None,
+        };
         tools.push(Tool {
             name,
             description: t.description.as_deref().unwrap_or_default().to_string(),
@@ -318,6 +389,7 @@ async fn list(server: &Server, peer: &rmcp::Peer<rmcp::RoleClient>) -> anyhow::R
             mcp: Some(McpTool {
                 server: server.name.clone(),
                 tool: t.name.to_string(),
+                changed,
             }),
             read_only,
             sandbox: false,

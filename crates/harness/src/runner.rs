@@ -1007,14 +1007,18 @@ impl Runner {
         match a {
             Action::Admit { calls } => {
                 let parent = rec.identity.parent.clone();
+                let upstreams = self.opts.upstreams.clone();
                 tokio::task::spawn_blocking(move || {
                     for c in calls {
-                        let admission = gate.admit(
+                        // An MCP tool whose words changed since they were pinned: held for an
+                        // operator whatever the policy says (`estop mcp` holds it the same way).
+                        let admission = gate.admit_held_for(
                             &id,
                             parent.as_deref(),
                             &c.id,
                             &c.function.name,
                             &c.function.arguments,
+                            upstreams.hold_for(&c.function.name),
                         );
                         let _ = tx.send(Input::Admitted {
                             id: id.clone(),
