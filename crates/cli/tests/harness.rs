@@ -618,6 +618,55 @@ fn a_trajectorys_class_orders_the_turns_and_is_kept_in_its_record() {
     assert_eq!(runner.record("cl-f2").unwrap().state, State::Completed);
 }
 
+/// A resume keeps the class recorded: `estop agent run --id` of a live batch trajectory naming
+/// another class is refused before anything runs; without `--class` (or with its own) it resumes
+/// in its class and completes.
+#[test]
+fn a_resume_keeps_the_recorded_class_and_refuses_another() {
+    use estop_harness::scheduler::Class;
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let server_rt = runtime();
+    let model = model_server(
+        &server_rt,
+        vec![vec![Step::Gate, Step::Done], scripted::answer("resumed")],
+    );
+    let opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    let rt = runtime();
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start_in("rk-1", None, "keep it", Class::Batch) })
+        .unwrap();
+    let task = rt.spawn(async move { runner.run().await });
+    server_rt.block_on(model.wait_for(&Seen::Call { n: 0 }));
+    task.abort();
+    rt.shutdown_timeout(Duration::from_secs(10));
+
+    let path = d.data().join("agent.toml");
+    std::fs::write(&path, lookup_config(&model.base_url(), 5)).unwrap();
+    let path = path.display().to_string();
+    let resume = |class: &[&str]| {
+        let mut all = vec![
+            "agent", "run", "--config", &path, "--model", "scripted", "--json", "--id", "rk-1",
+        ];
+        all.extend_from_slice(class);
+        all.push("keep it");
+        d.cli(&all)
+    };
+    let (code, out, err) = resume(&["--class", "interactive"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("live in class batch: a resume keeps it"),
+        "{err}"
+    );
+    assert_eq!(model.calls().len(), 1, "nothing ran for the refused resume");
+    let (code, out, err) = resume(&["--class", "batch"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let record: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (record["state"].as_str(), record["class"].as_str()),
+        (Some("COMPLETED"), Some("batch"))
+    );
+}
+
 /// `estop agent run --class`: recorded (the `--json` record, `estop agent list`), inherited
 /// by a retry unless given there too; a class that is none of the three is refused before
 /// anything starts.
@@ -2144,9 +2193,10 @@ fn a_cancel_cancels_the_mcp_call_in_flight_upstream() {
 }
 
 /// An MCP server that changes its tools: `flip` makes `echo`'s description `v2` and drops
-/// `flip` (adding `fresh`), then says `notifications/tools/list_changed` before it answers.
+/// `flip` (adding `fresh`) — with `$GROW` set, it lists 300 tools instead — then says
+/// `notifications/tools/list_changed` before it answers.
 const MCP_CHANGING_SERVER: &str = r#"
-import json, sys
+import json, os, sys
 def send(msg):
     sys.stdout.write(json.dumps(msg) + "\n")
     sys.stdout.flush()
@@ -2166,7 +2216,10 @@ for line in sys.stdin:
         send({"jsonrpc": "2.0", "id": mid, "result": {"tools": tools}})
     elif method == "tools/call":
         name = msg["params"]["name"]
-        if name == "flip":
+        if name == "flip" and os.environ.get("GROW"):
+            tools = [tool("t%d" % i, "one of many") for i in range(300)]
+            send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+        elif name == "flip":
             tools = [tool("echo", "the echo tool, v2"), tool("fresh", "new since the start")]
             send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
         send({"jsonrpc": "2.0", "id": mid, "result": {
@@ -2272,6 +2325,54 @@ fn a_servers_tools_list_changed_is_listed_again_before_the_next_turn() {
     assert_ne!(obs("c4"), "flip done", "the tool that is gone was not sent");
     let pins = std::fs::read_to_string(d.data().join("harness/mcp-pins.json")).unwrap();
     assert!(pins.contains("files__echo"), "{pins}");
+}
+
+/// A re-listing is bounded: a server that says its tools changed and then lists 300 (over the
+/// 256 the harness offers per server) keeps the list it had, said on stderr; the trajectory
+/// goes on with it.
+#[test]
+fn a_relisting_over_the_bound_keeps_the_previous_list() {
+    let d = Daemon::start_with_policy(MCP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "files__flip", "{}"),
+            scripted::call("c2", "files__echo", "{\"text\": \"a\"}"),
+            scripted::answer("kept"),
+        ],
+    );
+    let server = d.data().join("changing.py");
+    std::fs::write(&server, MCP_CHANGING_SERVER).unwrap();
+    let config = d.data().join("agent.toml");
+    let text = format!(
+        "[[model]]\nname = \"scripted\"\nbase_url = \"{}\"\nusd_per_mtok_input = 3.0\n\
+         usd_per_mtok_output = 15.0\n\n[[server]]\nname = \"files\"\ncommand = \"python3\"\n\
+         args = [\"-u\", {:?}]\nenv = {{ GROW = \"1\" }}\n",
+        model.base_url(),
+        server.display().to_string()
+    );
+    std::fs::write(&config, text).unwrap();
+    let config = config.display().to_string();
+    let (code, out, err) = d.cli(&[
+        "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-g", "go",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("mcp-g COMPLETED"), "{out}");
+    assert!(
+        err.contains("lists 300 tools, over the 256") && err.contains("the previous list stays"),
+        "{err}"
+    );
+    let calls = model.calls();
+    for n in 0..3 {
+        let names: Vec<&str> = calls[n]["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["function"]["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["files__echo", "files__flip"], "call {n}");
+    }
 }
 
 /// A `sandbox = true` server in the harness runs as `estop mcp` runs one: `estop run … --
