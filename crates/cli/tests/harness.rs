@@ -2363,9 +2363,9 @@ fn a_relisting_over_the_bound_keeps_the_previous_list() {
         err.contains("lists 300 tools, over the 256") && err.contains("the previous list stays"),
         "{err}"
     );
-    let calls = model.calls();
-    for n in 0..3 {
-        let names: Vec<&str> = calls[n]["tools"]
+    assert_eq!(model.calls().len(), 3);
+    for (n, call) in model.calls().iter().enumerate() {
+        let names: Vec<&str> = call["tools"]
             .as_array()
             .unwrap()
             .iter()
