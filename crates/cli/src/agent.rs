@@ -129,6 +129,10 @@ pub struct AgentRunArgs {
     /// tokens, dollars, wall clock) under ID's ceilings.
     #[arg(long, value_name = "ID")]
     retry_of: Option<String>,
+    /// The scheduler's class of its turns: interactive, standard (default) or batch (weights
+    /// 4, 2, 1). Recorded: a resume keeps it, a retry inherits it unless given.
+    #[arg(long, value_parser = parse_class)]
+    class: Option<estop_harness::scheduler::Class>,
     /// Data directory of the daemon (its socket and agent token; the journal goes in
     /// DATA/harness unless --journal says otherwise).
     #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
@@ -268,7 +272,7 @@ fn list(at: &Runner, state: &str, after: Option<&str>, limit: usize) -> Result<u
         };
         let len = |k: &str| t[k].as_array().map_or(0, Vec::len);
         println!(
-            "{} {} turns={turns} stage={} pending={} held={} control={}{exit}{} task={:?}",
+            "{} {} turns={turns} stage={} pending={} held={} control={}{exit}{}{} task={:?}",
             s("id"),
             s("state"),
             b["stage"].as_str().unwrap_or("-"),
@@ -278,6 +282,11 @@ fn list(at: &Runner, state: &str, after: Option<&str>, limit: usize) -> Result<u
             t["parent"]
                 .as_str()
                 .map(|p| format!(" parent={p}"))
+                .unwrap_or_default(),
+            t["class"]
+                .as_str()
+                .filter(|c| *c != "standard")
+                .map(|c| format!(" class={c}"))
                 .unwrap_or_default(),
             s("task"),
         );
@@ -328,7 +337,7 @@ fn print_status(v: &serde_json::Value) -> Result<(), Failure> {
         None => spent.to_string(),
     };
     println!(
-        "{} {} turns={} tokens={} usd_micros={} pending={} held={}",
+        "{} {} turns={} tokens={} usd_micros={} pending={} held={}{}",
         estop_protocol::text::escape(&r.identity.id),
         r.state,
         dim(s.turns, l.turns_max),
@@ -336,12 +345,22 @@ fn print_status(v: &serde_json::Value) -> Result<(), Failure> {
         dim(s.usd_micros, l.usd_micros_max),
         r.pending.len(),
         r.held.len(),
+        if r.class.is_standard() {
+            String::new()
+        } else {
+            format!(" class={}", r.class.as_str())
+        },
     );
     for c in &r.control {
         let c = serde_json::to_string(c).expect("a control serializes");
         println!("control {}", estop_protocol::text::escape(&c));
     }
     Ok(())
+}
+
+fn parse_class(s: &str) -> Result<estop_harness::scheduler::Class, String> {
+    estop_harness::scheduler::Class::parse(s)
+        .ok_or_else(|| format!("{s:?}: use interactive, standard or batch"))
 }
 
 fn run_one(a: AgentRunArgs) -> anyhow::Result<u8> {
@@ -368,6 +387,7 @@ fn run_one(a: AgentRunArgs) -> anyhow::Result<u8> {
         id: a.id,
         parent: a.parent,
         retry_of: a.retry_of,
+        class: a.class,
         journal: a.journal.unwrap_or_else(|| a.data.join("harness")),
         gate: estop_harness::gate::GateConfig { target, token },
         data: a.data,

@@ -257,13 +257,6 @@ impl Config {
         }
         estop_mcp::config::check_servers(&self.servers)
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        if let Some(s) = self.servers.iter().find(|s| s.sandbox) {
-            return bad(format!(
-                "server {:?}: sandbox = true is not built in the harness yet (run the server \
-                 under `estop mcp` instead, or without the sandbox)",
-                s.name
-            ));
-        }
         if let Some(t) = self.tools.iter().find(|t| t.name.contains(SEPARATOR)) {
             return bad(format!(
                 "tool {:?}: `{SEPARATOR}` is kept for MCP tools (server{SEPARATOR}tool)",
@@ -441,8 +434,12 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
             ("name = \"a_b\"\ncommand = \"x\"", "server name"),
             ("name = \"a\"\nurl = \"ftp://x\"", "http:// or https://"),
             (
-                "name = \"a\"\ncommand = \"x\"\nsandbox = true",
-                "not built in the harness",
+                "name = \"a\"\nurl = \"http://x\"\nsandbox = true",
+                "a url server is not started",
+            ),
+            (
+                "name = \"a\"\ncommand = \"x\"\nsandbox_policy = \"e.toml\"",
+                "goes with sandbox = true",
             ),
         ] {
             let c: Config = toml::from_str(&format!("{ok}\n[[server]]\n{server}\n")).unwrap();
@@ -454,11 +451,17 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         ))
         .unwrap();
         c.check().unwrap();
+        let c: Config = toml::from_str(&format!(
+            "{ok}\n[[server]]\nname = \"files\"\ncommand = \"x\"\nsandbox = true\n"
+        ))
+        .unwrap();
+        c.check().unwrap();
         let listed = Tool {
             name: "files__read".into(),
             mcp: Some(crate::mcp::McpTool {
                 server: "files".into(),
                 tool: "read".into(),
+                changed: None,
             }),
             ..tools[0].clone()
         };

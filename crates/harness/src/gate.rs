@@ -58,6 +58,21 @@ impl GateConfig {
         tool: &str,
         args: &str,
     ) -> Admission {
+        self.admit_held_for(run, parent, key, tool, args, None)
+    }
+
+    /// [`GateConfig::admit`], and with `hold` the call needs an operator's approval whatever
+    /// the policy says, `hold` the label saying why (`mcp.pin`: an MCP tool's words changed
+    /// since they were pinned, as `estop mcp` holds it).
+    pub fn admit_held_for(
+        &self,
+        run: &str,
+        parent: Option<&str>,
+        key: &str,
+        tool: &str,
+        args: &str,
+        hold: Option<&str>,
+    ) -> Admission {
         let Ok(args) = serde_json::from_str::<Value>(args) else {
             return Admission::Refused {
                 reason: "invalid_arguments".into(),
@@ -67,6 +82,10 @@ impl GateConfig {
             json!({"run": run, "key": key, "tool": tool, "args": args, "start": false});
         if let Some(p) = parent {
             fields["parent"] = json!(p);
+        }
+        if let Some(why) = hold {
+            fields["needs_approval"] = json!(true);
+            fields["labels"] = json!({"mcp.pin": why});
         }
         match self.verdict(Verb::Admit, fields) {
             Ok(v) => admission(v),

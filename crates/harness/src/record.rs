@@ -230,6 +230,15 @@ pub struct Pointers {
     pub context_len: u64,
     pub log: String,
     pub workspace: Option<String>,
+    /// Tool results before this context index are sent compacted (crate::compact): set from
+    /// the budget's steer stage on, never lowered, journalled before the call it shapes.
+    #[serde(default, skip_serializing_if = "nothing_compacted")]
+    pub compacted_before: u64,
+}
+
+/// A record that compacted nothing is written as before there was compaction.
+fn nothing_compacted(before: &u64) -> bool {
+    *before == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -260,6 +269,10 @@ pub struct Record {
     /// Tools named by the contract's `must_call` with a call settled `ok` at the gate so far.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub called_ok: Vec<String>,
+    /// The scheduler's class of its turns (`estop agent run --class`): kept by a resume,
+    /// inherited by a retry (unless it names one) and by its sub-agents.
+    #[serde(default, skip_serializing_if = "crate::scheduler::Class::is_standard")]
+    pub class: crate::scheduler::Class,
 }
 
 /// What the runner is to do, in order, once the record is durable.
@@ -413,11 +426,13 @@ impl Record {
                 context_len: 0,
                 log,
                 workspace: None,
+                compacted_before: 0,
             },
             transitions: 0,
             ended_at_ms: None,
             check: None,
             called_ok: Vec::new(),
+            class: Default::default(),
         }
     }
 

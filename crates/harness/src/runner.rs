@@ -282,28 +282,48 @@ impl Runner {
         self.ctx.get(id).map_or(&[], Vec::as_slice)
     }
 
+    /// The context as the next model call sends it: compacted before the record's
+    /// `compacted_before` (crate::compact), the rest as journalled.
+    pub fn sent_context(&self, id: &str) -> Vec<Message> {
+        let before = self.recs.get(id).map_or(0, |r| r.pointers.compacted_before);
+        crate::compact::compacted(self.context(id), before)
+    }
+
     /// A sender of inputs (control requests from outside).
     pub fn inputs(&self) -> mpsc::UnboundedSender<Input> {
         self.tx.clone()
     }
 
-    /// Starts a new trajectory for `task`.
+    /// Starts a new trajectory for `task` in the standard class.
     pub fn start(&mut self, id: &str, parent: Option<&str>, task: &str) -> Result<(), RunnerError> {
+        self.start_in(id, parent, task, Class::Standard)
+    }
+
+    /// Starts a new trajectory for `task` whose turns the scheduler weighs as `class`.
+    pub fn start_in(
+        &mut self,
+        id: &str,
+        parent: Option<&str>,
+        task: &str,
+        class: Class,
+    ) -> Result<(), RunnerError> {
         let budget = Budget::new(self.opts.limits, self.opts.prices, now_ms());
         let contract = self.opts.contract.clone();
-        self.begin(id, parent, task, None, budget, contract)
+        self.begin(id, parent, task, None, budget, contract, class)
     }
 
     /// Starts `id` as a retry of the ended trajectory `of` (seed 004: a retry is a new
     /// trajectory with a parent link whose budget carries over): the same parent run and task
     /// (unless `task` gives another), `retry_of` naming `of`, and `of`'s budget — its ceilings
     /// and everything it spent (turns, tokens, dollars, and the wall clock up to its end), so a
-    /// retry never buys a fresh budget. `of` must have ended other than COMPLETED.
+    /// retry never buys a fresh budget. `of` must have ended other than COMPLETED. Its class is
+    /// `of`'s unless `class` names one.
     pub fn start_retry(
         &mut self,
         id: &str,
         of: &str,
         task: Option<&str>,
+        class: Option<Class>,
     ) -> Result<(), RunnerError> {
         let Some(orig) = self.recs.get(of) else {
             return Err(RunnerError::Other(format!(
@@ -349,13 +369,16 @@ impl Runner {
             .contract
             .clone()
             .or_else(|| orig.identity.contract.clone());
+        let class = class.unwrap_or(orig.class);
+        let retry_of = Some(of.to_string());
         self.begin(
             id,
             parent.as_deref(),
             &task,
-            Some(of.to_string()),
+            retry_of,
             budget,
             contract,
+            class,
         )
     }
 
@@ -367,6 +390,7 @@ impl Runner {
         retry_of: Option<String>,
         budget: Budget,
         contract: Option<crate::contract::Contract>,
+        class: Class,
     ) -> Result<(), RunnerError> {
         for run in std::iter::once(id).chain(parent) {
             crate::gate::check_run_id(run)
@@ -406,6 +430,7 @@ impl Runner {
             grants,
             "journal".into(),
         );
+        rec.class = class;
         lease_workspace(o.workspaces.as_deref(), &mut rec)?;
         lease_credentials(&o.tools, &mut rec);
         let msgs = vec![Message::system(o.system.clone()), Message::user(task)];
@@ -457,7 +482,21 @@ impl Runner {
             }
             let mut rec = rec.clone();
             match rec.begin_turn(now_ms(), self.prompt_estimate(&id)) {
-                Ok(actions) => self.commit(rec, actions)?,
+                Ok(actions) => {
+                    // From the steer stage on (the call carries a budget notice), the tool
+                    // results before the last turns are sent compacted; the boundary is
+                    // journalled with the record, before the call, so a resume sends the same.
+                    let steered = actions
+                        .iter()
+                        .any(|a| matches!(a, Action::CallModel { steer: Some(_), .. }));
+                    if steered {
+                        let at =
+                            crate::compact::boundary(self.context(&id), crate::compact::KEEP_TURNS);
+                        let p = &mut rec.pointers;
+                        p.compacted_before = p.compacted_before.max(at);
+                    }
+                    self.commit(rec, actions)?
+                }
                 Err(e) => self.log(&id, format!("turn refused: {e}"))?,
             }
         }
@@ -468,7 +507,7 @@ impl Runner {
     /// provider's usage report settles the truth after the call.
     fn prompt_estimate(&self, id: &str) -> u64 {
         let chars: usize = self
-            .context(id)
+            .sent_context(id)
             .iter()
             .map(|m| m.content.as_deref().map_or(0, str::len) + 16)
             .sum();
@@ -477,9 +516,11 @@ impl Runner {
 
     /// Queues a READY trajectory, charged by its next turn's estimated tokens.
     fn queue(&mut self, id: &str) {
-        let out = self.recs.get(id).map_or(0, |r| r.limits.max_output_tokens);
+        let (out, class) = self.recs.get(id).map_or((0, Class::Standard), |r| {
+            (r.limits.max_output_tokens, r.class)
+        });
         let est = self.prompt_estimate(id) + out;
-        self.sched.push(id.to_string(), Class::Standard, est);
+        self.sched.push(id.to_string(), class, est);
     }
 
     fn tick(&mut self) -> Result<(), RunnerError> {
@@ -755,13 +796,19 @@ impl Runner {
                 self.tools.insert(key, handle);
             }
             Action::Dispatch { call, token } => {
-                let tool = self
+                // An MCP tool as its server lists it now (it may have gone since it was offered).
+                let named = |t: &&Tool| t.name == call.function.name;
+                let tool = match self
                     .opts
                     .tools
                     .iter()
-                    .find(|t| t.name == call.function.name)
-                    .cloned()
-                    .map(|t| credential_scope(t, &rec.leases));
+                    .filter(|t| t.mcp.is_none())
+                    .find(named)
+                {
+                    Some(t) => Some(t.clone()),
+                    None => self.opts.upstreams.current().iter().find(named).cloned(),
+                }
+                .map(|t| credential_scope(t, &rec.leases));
                 let credentials_released = tool.as_ref().is_some_and(|(_, released)| *released);
                 let tool = tool.map(|(t, _)| t);
                 let call_id = call.id.clone();
@@ -926,6 +973,7 @@ impl Runner {
             },
             "journal".into(),
         );
+        child.class = parent.class;
         if let Err(e) = lease_workspace(o.workspaces.as_deref(), &mut child) {
             let text = crate::record::refusal(call, "WORKSPACE", &e.to_string())
                 .content
@@ -1013,14 +1061,18 @@ impl Runner {
         match a {
             Action::Admit { calls } => {
                 let parent = rec.identity.parent.clone();
+                let upstreams = self.opts.upstreams.clone();
                 tokio::task::spawn_blocking(move || {
                     for c in calls {
-                        let admission = gate.admit(
+                        // An MCP tool whose words changed since they were pinned: held for an
+                        // operator whatever the policy says (`estop mcp` holds it the same way).
+                        let admission = gate.admit_held_for(
                             &id,
                             parent.as_deref(),
                             &c.id,
                             &c.function.name,
                             &c.function.arguments,
+                            upstreams.hold_for(&c.function.name),
                         );
                         let _ = tx.send(Input::Admitted {
                             id: id.clone(),
@@ -1074,17 +1126,25 @@ impl Runner {
     /// allow now; the reply comes back as an input.
     fn call_model(&mut self, rec: &Record, max_tokens: u64, steer: Option<String>) {
         let (id, tx) = (rec.identity.id.clone(), self.tx.clone());
-        let mut messages = self.context(&id).to_vec();
+        let before = rec.pointers.compacted_before;
+        let mut messages = crate::compact::compacted(self.context(&id), before);
         if let Some(s) = steer {
             messages.push(Message::system(s));
         }
-        let tools = self.opts.tools.iter().filter(|t| rec.grants.allows(&t.name)).map(|t| {
-                    json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}})
-                }).collect();
-        let req = CallRequest {
+        // The MCP tools as their servers list them now (listed again first where a server said
+        // they changed), after the config's own; either within the grants.
+        let fixed: Vec<Tool> = self
+            .opts
+            .tools
+            .iter()
+            .filter(|t| t.mcp.is_none())
+            .cloned()
+            .collect();
+        let (upstreams, grants) = (self.opts.upstreams.clone(), rec.grants.clone());
+        let mut req = CallRequest {
             model: rec.limits.model.clone(),
             messages,
-            tools,
+            tools: Vec::new(),
             max_tokens,
             deadline: Duration::from_millis(rec.limits.call_deadline_ms),
         };
@@ -1093,6 +1153,10 @@ impl Runner {
         self.in_flight += 1;
         let (model, grace) = (self.opts.model.clone(), self.opts.grace);
         tokio::spawn(async move {
+            let mcp = upstreams.offered().await;
+            req.tools = fixed.iter().chain(&mcp).filter(|t| grants.allows(&t.name)).map(|t| {
+                json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}})
+            }).collect();
             let reply = model.call(&req, cut, grace).await;
             let _ = tx.send(Input::Reply { id, reply });
         });

@@ -153,6 +153,7 @@ pub fn trajectory(
         "parent": r.identity.parent,
         "retry_of": r.identity.retry_of,
         "tenant": r.identity.tenant,
+        "class": r.class.as_str(),
         "task": t(&r.identity.task),
         "state": r.state.as_str(),
         "live": !r.state.is_terminal(),
