@@ -880,7 +880,9 @@ mod tests {
         let (tokens, _) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
         let secret = tokens.create("ops2", Role::Operator, &[]).unwrap();
         let ops2 = tokens.authenticate(&secret).unwrap().unwrap();
-        let g = tokens.grant(&ops2, std::time::Duration::from_secs(60)).unwrap();
+        let g = tokens
+            .grant(&ops2, std::time::Duration::from_secs(60))
+            .unwrap();
         let c = tokens.credential(&g).unwrap().unwrap();
         assert_eq!(c.principal, ops2);
         let file = fs::read_to_string(dir.path().join("tokens")).unwrap();
@@ -894,9 +896,14 @@ mod tests {
         let expired = tokens.grant(&ops2, std::time::Duration::ZERO).unwrap();
         assert!(tokens.authenticate(&expired).unwrap().is_none(), "expired");
 
-        let g = tokens.grant(&ops2, std::time::Duration::from_secs(60)).unwrap();
+        let g = tokens
+            .grant(&ops2, std::time::Duration::from_secs(60))
+            .unwrap();
         tokens.revoke("ops2").unwrap();
-        assert!(tokens.authenticate(&g).unwrap().is_none(), "revoked with it");
+        assert!(
+            tokens.authenticate(&g).unwrap().is_none(),
+            "revoked with it"
+        );
         assert!(matches!(
             tokens.grant(&ops2, std::time::Duration::from_secs(60)),
             Err(TokenError::NotFound(_))
@@ -907,14 +914,19 @@ mod tests {
             .unwrap()
             .unwrap();
         let held: Vec<String> = (0..GRANTS_MAX)
-            .map(|_| tokens.grant(&admin, std::time::Duration::from_secs(60)).unwrap())
+            .map(|_| {
+                tokens
+                    .grant(&admin, std::time::Duration::from_secs(60))
+                    .unwrap()
+            })
             .collect();
         assert!(matches!(
             tokens.grant(&admin, std::time::Duration::from_secs(60)),
             Err(TokenError::GrantsFull)
         ));
         tokens.end_grant(&held[0]);
-        tokens.grant(&admin, std::time::Duration::from_secs(60)).unwrap();
+        tokens
+            .grant(&admin, std::time::Duration::from_secs(60))
+            .unwrap();
     }
-
 }
