@@ -766,8 +766,10 @@ function trajectoryActions(t) {
   const box = h("div", { id: "trajectory-actions" });
   const bar = h("div", { class: "actions", role: "group", "aria-label": "Trajectory actions" });
   const path = trajectoryPath(t.id);
+  // The runner applies a request at its next boundary, and journals it then: read again a
+  // few times after the action (each read is one bounded GET).
   const send = (b, action, body, msg) => act(b, "POST", path + "/" + action, body, (r) => {
-    setTimeout(() => scheduleRefresh(false), 1000);
+    for (const ms of [500, 1500, 4000]) setTimeout(() => scheduleRefresh(false), ms);
     return msg(r);
   });
   const simple = (label, action, msg) => {
