@@ -16,7 +16,7 @@
 //! `ASK_MS` and is ended as soon as the runner answers. Bounded: the request line (the
 //! socket's 64 KiB), asks at once (the others `limit_exceeded`), and the wait for an answer.
 
-use crate::http::{AppState, caller, error};
+use crate::http::{AppState, Refusal, caller, error};
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, Method, StatusCode};
@@ -165,20 +165,20 @@ struct BudgetBody {
 }
 
 /// The runner's ask a request's body makes, or why not (nothing is sent then).
-fn parse_ask(action: &str, body: &[u8]) -> Result<Ask, Response> {
+fn parse_ask(action: &str, body: &[u8]) -> Result<Ask, Refusal> {
     let body = if body.iter().all(u8::is_ascii_whitespace) {
         b"{}".as_slice()
     } else {
         body
     };
-    let bad = |e: serde_json::Error| error(ErrorCode::BadJson, format!("the body: {e}"));
+    let bad = |e: serde_json::Error| Refusal(ErrorCode::BadJson, format!("the body: {e}"));
     match action {
         "interrupt" => {
             let b: InterruptBody = serde_json::from_slice(body).map_err(bad)?;
             if b.message.trim().is_empty() {
-                return Err(error(
+                return Err(Refusal(
                     ErrorCode::InvalidField,
-                    "an interrupt needs a non-empty message",
+                    "an interrupt needs a non-empty message".into(),
                 ));
             }
             Ok(Ask::Interrupt { message: b.message })
@@ -192,9 +192,10 @@ fn parse_ask(action: &str, body: &[u8]) -> Result<Ask, Response> {
                 usd_micros_max: b.usd_micros,
             };
             if change == Limits::default() {
-                return Err(error(
+                return Err(Refusal(
                     ErrorCode::InvalidField,
-                    "a budget change needs at least one of turns, tokens, wall_ms, usd_micros",
+                    "a budget change needs at least one of turns, tokens, wall_ms, usd_micros"
+                        .into(),
                 ));
             }
             Ok(Ask::Budget { change })
@@ -271,7 +272,7 @@ pub async fn act(
     }
     let ask = match parse_ask(&action, &body) {
         Ok(a) => a,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let mut req = control::Request {
         token: String::new(),
@@ -326,9 +327,7 @@ pub async fn act(
         Err(AskError::Refused(r)) => refused(r),
         Err(AskError::NoRunner { .. }) => error(
             ErrorCode::Unavailable,
-            format!(
-                "no runner is listening on DATA/harness/control.sock: the trajectory's `estop agent run --data DATA` is not running (one given --journal elsewhere is not reachable from the console); the gate's cancel, pause, resume and kill still work"
-            ),
+            "no runner is listening on DATA/harness/control.sock: the trajectory's `estop agent run --data DATA` is not running (one given --journal elsewhere is not reachable from the console); the gate's cancel, pause, resume and kill still work",
         ),
         Err(e) => error(ErrorCode::Unavailable, format!("the runner: {e}")),
     }

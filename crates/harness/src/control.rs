@@ -1,5 +1,6 @@
-//! The runner's control socket: how `estop agent interrupt|budget|status` in another terminal
-//! reach a running `estop agent run`. Cancel, pause, resume and kill need no socket: they are
+//! The runner's control socket: how `estop agent interrupt|budget|status` in another terminal,
+//! and the daemon's console (`ask_within`, with a grant for the acting operator), reach a
+//! running `estop agent run`. Cancel, pause, resume and kill need no socket: they are
 //! the gate's verbs on the trajectory's run, and the runner's subscription turns them into
 //! control requests. An interrupt (a new user message) and a budget change are not the gate's
 //! business, so they come here.
