@@ -1224,3 +1224,109 @@ fn an_operator_interrupts_and_cancels_a_running_trajectory_from_the_console() {
     );
     assert_eq!(model.calls().len(), 2, "no call after the cancel");
 }
+
+/// What a runner's control socket is handed is a grant, never a token: a fake runner that
+/// reads it can have the daemon vouch for it (as the acting operator) only while the ask is
+/// open; once answered, or timed out, it authenticates nothing. Asks are bounded: four at once
+/// (a fifth `429 limit_exceeded`, at once), and a runner that never answers is `503
+/// unavailable` after the ask's 15 s.
+#[test]
+fn the_console_hands_a_runner_a_grant_that_ends_with_the_ask_and_bounds_its_asks() {
+    use std::os::unix::net::UnixListener;
+    let c = Console::start();
+    let dir = c.d.data().join("harness");
+    std::fs::create_dir_all(&dir).unwrap();
+    let listener = UnixListener::bind(dir.join("control.sock")).unwrap();
+    // The fake runner: reads each request line, answers only when told to.
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let s = s.unwrap();
+            let mut line = String::new();
+            BufReader::new(s.try_clone().unwrap())
+                .read_line(&mut line)
+                .unwrap();
+            lines_tx.send((line, s)).unwrap();
+        }
+    });
+    let op = session_of(&c, &c.d.token("operator.token"));
+    let origin = format!("http://{}", c.addr);
+    let interrupt = |n: usize| {
+        let (addr, op, origin) = (c.addr.clone(), op.clone(), origin.clone());
+        std::thread::spawn(move || {
+            let body = json!({ "message": format!("message {n}") }).to_string();
+            let h = [
+                ("X-Estop-Session", op.0.as_str()),
+                ("X-CSRF-Token", op.1.as_str()),
+                ("Origin", origin.as_str()),
+            ];
+            http(
+                &addr,
+                "POST",
+                "/api/v1/trajectories/t-1/interrupt",
+                &h,
+                &body,
+            )
+        })
+    };
+    let asks: Vec<_> = (0..4).map(interrupt).collect();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let (line, stream) = lines.recv_timeout(Duration::from_secs(30)).unwrap();
+        let req: Value = serde_json::from_str(&line).unwrap();
+        held.push((req, stream));
+    }
+    let operator = c.d.token("operator.token");
+    for (req, _) in &held {
+        let token = req["token"].as_str().unwrap();
+        assert_ne!(token.trim(), operator.trim(), "never the operator's token");
+        assert!(token.starts_with("estop_gr_"), "{req}");
+        assert_eq!(req["ask"], "interrupt");
+    }
+    // While its ask is open, the daemon vouches for a grant as the acting operator.
+    let grant = held[0].0["token"].as_str().unwrap().to_string();
+    let mut peer = estop_server::client::Client::connect(&c.d.socket()).unwrap();
+    let hello = peer.hello(&grant).unwrap();
+    assert_eq!(
+        (hello.role.as_str(), hello.principal.as_str()),
+        ("operator", "admin")
+    );
+    // A fifth ask is refused at once, not queued.
+    let fifth = interrupt(4).join().unwrap();
+    assert_eq!(
+        (fifth.status, fifth.code().as_str()),
+        (429, "limit_exceeded"),
+        "{}",
+        fifth.body
+    );
+    // The runner answers the first: the console passes the answer on, and the grant is over.
+    let (_, mut first) = held.remove(0);
+    first
+        .write_all(b"{\"ok\": {\"stored\": true, \"state\": \"CALLING_MODEL\"}}\n")
+        .unwrap();
+    let mut asks = asks.into_iter();
+    let r = asks.next().unwrap().join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json(), json!({"stored": true, "state": "CALLING_MODEL"}));
+    let mut late = estop_server::client::Client::connect(&c.d.socket()).unwrap();
+    assert!(late.hello(&grant).is_err(), "a grant ends with its ask");
+    // The others are never answered: unavailable once the ask's time is up, their grants over.
+    for ask in asks {
+        let r = ask.join().unwrap();
+        assert_eq!(
+            (r.status, r.code().as_str()),
+            (503, "unavailable"),
+            "{}",
+            r.body
+        );
+        assert!(
+            r.body.contains("did not answer within 15000 ms"),
+            "{}",
+            r.body
+        );
+    }
+    for (req, _) in &held {
+        let mut late = estop_server::client::Client::connect(&c.d.socket()).unwrap();
+        assert!(late.hello(req["token"].as_str().unwrap()).is_err());
+    }
+}

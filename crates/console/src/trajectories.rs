@@ -325,6 +325,14 @@ pub async fn act(
             (StatusCode::OK, axum::Json(v)).into_response()
         }
         Err(AskError::Refused(r)) => refused(r),
+        Err(AskError::NoRunner { source, .. })
+            if source.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            error(
+                ErrorCode::Unavailable,
+                "cannot connect to DATA/harness/control.sock: permission denied (the socket is its runner's user's only: run the daemon as that user)",
+            )
+        }
         Err(AskError::NoRunner { .. }) => error(
             ErrorCode::Unavailable,
             "no runner is listening on DATA/harness/control.sock: the trajectory's `estop agent run --data DATA` is not running (one given --journal elsewhere is not reachable from the console); the gate's cancel, pause, resume and kill still work",
