@@ -1115,7 +1115,11 @@ fn an_operator_interrupts_and_cancels_a_running_trajectory_from_the_console() {
         .block_on(Scripted::start(
             "127.0.0.1:0",
             Script {
-                responses: vec![gated("Dropping orders_staging"), gated("Using the replica")],
+                responses: vec![
+                    gated("Dropping orders_staging"),
+                    gated("Using the replica"),
+                    gated("Within four turns"),
+                ],
             },
         ))
         .unwrap();
@@ -1206,6 +1210,20 @@ fn an_operator_interrupts_and_cancels_a_running_trajectory_from_the_console() {
         msgs[msgs.len() - 2].1.starts_with("[interrupted"),
         "{msgs:?}"
     );
+    // A budget change goes the same way: stored, the open call cut, applied at the boundary.
+    let r = post(&op, "budget", json!({"turns": 4}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["stored"], true, "{}", r.body);
+    assert!(
+        seen(Seen::Call { n: 2 }),
+        "the call after the budget change"
+    );
+    let t = c.get("/api/v1/trajectories/traj-c").json();
+    assert_eq!(
+        t["budget"]["dimensions"][0],
+        json!({"dimension": "turns", "spent": 3, "limit": 4}),
+        "{t}"
+    );
     let r = post(&op, "cancel", json!({"reason": "enough"}));
     assert_eq!(r.status, 200, "{}", r.body);
     let out = runner.wait_with_output().unwrap();
@@ -1222,7 +1240,7 @@ fn an_operator_interrupts_and_cancels_a_running_trajectory_from_the_console() {
         "{}",
         r.body
     );
-    assert_eq!(model.calls().len(), 2, "no call after the cancel");
+    assert_eq!(model.calls().len(), 3, "no call after the cancel");
 }
 
 /// What a runner's control socket is handed is a grant, never a token: a fake runner that

@@ -279,8 +279,10 @@ pub async fn act(
         trajectory: id,
         ask,
     };
-    // The line the socket takes: the grant (`estop_gr_` and 64 hex) in place of the empty token.
-    let line_bytes = serde_json::to_vec(&req).map_or(usize::MAX, |l| l.len()) + 73 + 1;
+    // The line the socket takes: the grant (`estop_gr_` and 64 hex digits) in place of the
+    // empty token, and the newline.
+    const GRANT_BYTES: usize = "estop_gr_".len() + 64;
+    let line_bytes = serde_json::to_vec(&req).map_or(usize::MAX, |l| l.len()) + GRANT_BYTES + 1;
     if line_bytes > control::LINE_BYTES_MAX {
         return error(
             ErrorCode::LineTooLong,
