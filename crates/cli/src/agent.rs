@@ -355,6 +355,28 @@ fn print_status(v: &serde_json::Value) -> Result<(), Failure> {
         let c = serde_json::to_string(c).expect("a control serializes");
         println!("control {}", estop_protocol::text::escape(&c));
     }
+    // Its sub-agents (`ID/CALL_ID`), each with its state and spend against its own ceilings.
+    let children = v["children"].as_array().map_or(&[][..], Vec::as_slice);
+    for c in children {
+        let n = |k: &str| c[k].as_u64().unwrap_or(0);
+        let max = |k: &str| c["limits"][k].as_u64();
+        println!(
+            "child {} {} turns={} tokens={} usd_micros={}{}",
+            estop_protocol::text::escape(c["id"].as_str().unwrap_or("?")),
+            c["state"].as_str().unwrap_or("?"),
+            dim(n("turns"), max("turns_max")),
+            dim(n("tokens"), max("tokens_max")),
+            dim(n("usd_micros"), max("usd_micros_max")),
+            c["exit"]["exit"]
+                .as_str()
+                .map(|e| format!(" exit={e}"))
+                .unwrap_or_default(),
+        );
+    }
+    let count = v["children_count"].as_u64().unwrap_or(0);
+    if count > children.len() as u64 {
+        println!("({} more sub-agents)", count - children.len() as u64);
+    }
     Ok(())
 }
 

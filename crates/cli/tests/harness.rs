@@ -1549,6 +1549,70 @@ fn a_trajectory_delegates_to_a_sub_agent_and_reads_its_answer() {
     );
 }
 
+/// A parent's `estop agent status` (and `--json`) shows its sub-agents while they work: the
+/// child `PARENT/CALL_ID` with its state, turns and spend against its own ceilings; the
+/// console's trajectory page has them too (`children`).
+#[test]
+fn a_parents_status_shows_its_sub_agents_progress() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "delegate", "{\"task\": \"count the rows\"}"),
+            vec![
+                scripted::text("counting"),
+                Step::Gate,
+                scripted::finish("stop"),
+                Step::Done,
+            ],
+            scripted::answer("the sub-agent counted"),
+        ],
+    );
+    let opts = sub_options(&d, &model.base_url(), Subagents::default());
+    let run = spawn_runner(&rt, opts, "sa-s");
+    rt.block_on(model.wait_for(&Seen::Call { n: 1 }));
+    let (code, out, err) = d.cli(&["agent", "status", "sa-s"]);
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines[0].starts_with("sa-s WAITING_TOOL turns=1/10"),
+        "{out}"
+    );
+    assert_eq!(
+        lines.last().copied(),
+        Some("child sa-s/c1 CALLING_MODEL turns=1/4 tokens=0 usd_micros=0"),
+        "{out}"
+    );
+    let (code, out, err) = d.cli(&["agent", "status", "sa-s", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["children_count"], 1, "{v}");
+    let child = &v["children"][0];
+    assert_eq!(
+        (
+            child["id"].as_str(),
+            child["state"].as_str(),
+            child["turns"].as_u64()
+        ),
+        (Some("sa-s/c1"), Some("CALLING_MODEL"), Some(1)),
+        "{v}"
+    );
+    assert_eq!(child["limits"]["turns_max"], 4);
+    let view = estop_harness::view::one(
+        &d.data().join("harness/journal"),
+        "sa-s",
+        estop_harness::runner::now_ms(),
+        &Default::default(),
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(view["children"][0]["id"], "sa-s/c1", "{view}");
+    model.release(1);
+    let runner = rt.block_on(run).unwrap();
+    assert_eq!(runner.record("sa-s").unwrap().state, State::Completed);
+}
+
 /// Sub-agents are bounded: past `children_max` and `depth_max` the model reads a typed
 /// refusal (SUBAGENT_LIMIT, SUBAGENT_DEPTH) and no trajectory is started.
 #[test]

@@ -1,5 +1,6 @@
-//! The runner's control socket: how `estop agent interrupt|budget|status` in another terminal
-//! reach a running `estop agent run`. Cancel, pause, resume and kill need no socket: they are
+//! The runner's control socket: how `estop agent interrupt|budget|status` in another terminal,
+//! and the daemon's console (`ask_within`, with a grant for the acting operator), reach a
+//! running `estop agent run`. Cancel, pause, resume and kill need no socket: they are
 //! the gate's verbs on the trajectory's run, and the runner's subscription turns them into
 //! control requests. An interrupt (a new user message) and a budget change are not the gate's
 //! business, so they come here.
@@ -263,8 +264,45 @@ pub fn ask(dir: &Path, req: &Request) -> Result<Value, AskError> {
     }
 }
 
+/// [`ask`] for a caller on an async thread (the daemon's console): connecting, sending and
+/// the answer all within `within`, the answer line bounded by `LINE_BYTES_MAX`.
+pub async fn ask_within(dir: &Path, req: &Request, within: Duration) -> Result<Value, AskError> {
+    use tokio::io::AsyncReadExt;
+    let path = dir.join(SOCKET);
+    let exchange = async {
+        let s = tokio::net::UnixStream::connect(&path)
+            .await
+            .map_err(|e| AskError::NoRunner {
+                path: path.display().to_string(),
+                source: e,
+            })?;
+        let (r, mut w) = s.into_split();
+        let mut line = serde_json::to_vec(req).expect("a request serializes");
+        line.push(b'\n');
+        w.write_all(&line).await?;
+        let mut back = Vec::new();
+        BufReader::new(r)
+            .take(LINE_BYTES_MAX as u64)
+            .read_until(b'\n', &mut back)
+            .await?;
+        Ok::<_, AskError>(back)
+    };
+    let back = tokio::time::timeout(within, exchange)
+        .await
+        .map_err(|_| AskError::Timeout(within.as_millis() as u64))??;
+    match serde_json::from_slice::<Reply>(&back) {
+        Ok(Reply::Ok(v)) => Ok(v),
+        Ok(Reply::Error(r)) => Err(AskError::Refused(r)),
+        Err(e) => Err(AskError::Io(std::io::Error::other(format!(
+            "an answer that is not one: {e}"
+        )))),
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum AskError {
+    #[error("the runner did not answer within {0} ms")]
+    Timeout(u64),
     #[error(
         "no runner is listening on {path} ({source}); is `estop agent run` running with this journal?"
     )]

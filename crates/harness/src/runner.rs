@@ -637,7 +637,9 @@ impl Runner {
         };
         let control = match ask {
             Ask::Status => {
-                let status = json!({"record": rec, "context_len": self.context(&id).len()});
+                let (children, count) = crate::view::children(&self.recs, &id, now_ms());
+                let status = json!({"record": rec, "context_len": self.context(&id).len(),
+                                    "children": children, "children_count": count});
                 let _ = reply.send(Ok(status));
                 return Ok(());
             }

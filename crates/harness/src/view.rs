@@ -196,6 +196,47 @@ pub fn trajectory(
     v
 }
 
+/// Sub-agents listed per trajectory at most (a parent starts at most `[subagents]
+/// children_max` of them; more in a journal are counted, not listed).
+pub const CHILDREN_SHOWN_MAX: usize = 64;
+
+/// The sub-agents trajectory `id` started (`ID/CALL_ID`, whose parent is `id`), in id order,
+/// each with its state, exit, turns and spend against its ceilings; and how many there are.
+pub fn children(
+    records: &std::collections::BTreeMap<String, Record>,
+    id: &str,
+    now_ms: u64,
+) -> (Vec<Value>, usize) {
+    let prefix = format!("{id}/");
+    let mut shown = Vec::new();
+    let mut count = 0;
+    for (_, r) in records
+        .range(prefix.clone()..)
+        .take_while(|(k, _)| k.starts_with(&prefix))
+        .filter(|(_, r)| {
+            r.identity.parent.as_deref() == Some(id) && r.identity.spawned_by.is_some()
+        })
+    {
+        count += 1;
+        if shown.len() == CHILDREN_SHOWN_MAX {
+            continue;
+        }
+        let b = &r.budget;
+        let at = r.ended_at_ms.unwrap_or(now_ms);
+        shown.push(json!({
+            "id": r.identity.id,
+            "state": r.state.as_str(),
+            "exit": r.exit.as_ref().map(exit_json),
+            "turns": b.spend.turns,
+            "tokens": b.spend.tokens(),
+            "usd_micros": b.spend.usd_micros,
+            "wall_clock_ms": b.wall_ms(at),
+            "limits": b.limits,
+        }));
+    }
+    (shown, count)
+}
+
 /// A page of the trajectories in `state`.
 pub fn page(
     state: &Recovered,
@@ -261,11 +302,15 @@ pub fn one(
 ) -> Result<Option<Value>, JournalError> {
     let state = read_only(dir, lim.bytes_max)?;
     Ok(state.records.get(id).map(|r| {
-        trajectory(
+        let mut v = trajectory(
             r,
             Some(state.contexts.get(id).map_or(&[], Vec::as_slice)),
             now_ms,
             lim,
-        )
+        );
+        let (shown, count) = children(&state.records, id, now_ms);
+        v["children"] = json!(shown);
+        v["children_count"] = json!(count);
+        v
     }))
 }
