@@ -1,6 +1,7 @@
 // The console's Agents page (issue 16): a trajectory of `estop agent run`, read from the
 // harness journal, with its state, budget vector and held call; its task, which the agent's
-// caller wrote and which here holds a <script>, is shown as text and never runs.
+// caller wrote and which here holds a <script>, is shown as text and never runs. An operator
+// interrupts and cancels a running trajectory from its page; an observer sees no action.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
@@ -67,6 +68,9 @@ turns = 5
 [[tool]]
 name = "drop_table"
 command = ["sh", "-c", "cat"]
+
+[contract]
+answer_matches = "alone"
 `);
   agent = startChild(estopBin(), ["agent", "run", "--data", d.dir, "--config", join(d.dir, "agent.toml"), "--model", "scripted", "--id", "traj-1", TASK], null);
   ({ browser, close: closeBrowser } = await launch());
@@ -140,6 +144,9 @@ test("the Agents page shows a held trajectory's state, budget and task as text",
   assert.match(await page.locator("#trajectory-state").innerText(), /completed/);
   assert.equal(await page.locator("#trajectory-answer").innerText(), "I left <b>the table</b> alone.");
   assert.equal(await page.locator("#trajectory-answer b").count(), 0);
+  // The task contract and the completion check that passed on the answer.
+  assert.match(await page.locator("#trajectory-contract").innerText(), /"answer_matches":"alone"/);
+  assert.match(await page.locator("#trajectory-check").innerText(), /^passed$/);
   assert.equal(await page.evaluate(() => window.pwned), undefined, "no agent text ran as script");
   await context.close();
 });
@@ -152,8 +159,75 @@ test("an agent token's session is told it cannot read trajectories, and sees non
   await page.click("button[type=submit]");
   await page.waitForSelector("#live.on");
   await page.goto(d.base + "/#/agents");
-  await page.waitForSelector("#trajectories-empty");
-  assert.match(await page.locator("#trajectories-empty").innerText(), /need an operator or observer token/);
+  // Before the first read answers, the page says there are none: wait for the refusal's text.
+  await page.locator("#trajectories-empty", { hasText: /need an operator or observer token/ }).waitFor();
   assert.equal(await page.locator("tr[data-trajectory]").count(), 0);
+  await context.close();
+});
+
+// A model that streams and never ends a reply on its own (a `gate` no one releases): each call
+// stays open until the runner cuts it.
+const OPEN = {
+  responses: [1, 2].map((n) => [
+    { step: "event", chunk: { choices: [{ index: 0, delta: { content: "thinking " + n } }] } },
+    { step: "gate" },
+  ]),
+};
+
+test("an operator interrupts and cancels a running trajectory from its page; an observer sees no action", async () => {
+  writeFileSync(join(d.dir, "open.json"), JSON.stringify(OPEN));
+  const scriptedBin = join(dirname(estopBin()), "estop-harness-scripted");
+  const model = startChild(scriptedBin, ["--script", join(d.dir, "open.json"), "--listen", "127.0.0.1:0"], (l) => l.startsWith("ready url="));
+  const url = (await model.line).slice("ready url=".length);
+  writeFileSync(join(d.dir, "open.toml"), `
+[[model]]
+name = "scripted"
+base_url = "${url}"
+usd_per_mtok_input = 3.0
+usd_per_mtok_output = 15.0
+
+[budget]
+turns = 5
+`);
+  const run = startChild(estopBin(), ["agent", "run", "--data", d.dir, "--config", join(d.dir, "open.toml"), "--model", "scripted", "--id", "traj-2", "count the rows"], null);
+  await until("/api/v1/trajectories/traj-2", (t) => t.state === "CALLING_MODEL");
+
+  // An observer reads the trajectory and is offered nothing to do.
+  const made = await fetch(d.base + "/api/v1/tokens", { method: "POST", headers: { ...bearer(d.operatorToken), "Content-Type": "application/json" }, body: JSON.stringify({ name: "watcher", role: "observer", groups: [] }) });
+  assert.equal(made.status, 200);
+  const { token: observerToken } = await made.json();
+  const watcher = await browser.newContext();
+  const wpage = await watcher.newPage();
+  await wpage.goto(d.base + "/login");
+  await wpage.fill("#token", observerToken);
+  await wpage.click("button[type=submit]");
+  await wpage.waitForSelector("#live.on");
+  await wpage.goto(d.base + "/#/agents/traj-2");
+  await wpage.waitForSelector("#trajectory-readonly");
+  assert.match(await wpage.locator("#trajectory-state").innerText(), /calling model/);
+  assert.equal(await wpage.locator("#trajectory-actions, #trajectory-actions button").count(), 0);
+  assert.equal(await wpage.locator("button", { hasText: /Interrupt|Cancel|Pause|Kill|Budget/ }).count(), 0);
+  await watcher.close();
+
+  const context = await browser.newContext();
+  const page = await logIn(context);
+  await page.goto(d.base + "/#/agents/traj-2");
+  await page.waitForSelector("#trajectory-actions");
+  assert.match(await page.locator('tr[data-dimension="turns"]').innerText(), /1 \/ 5/);
+  await page.click("#trajectory-interrupt");
+  await page.fill("#interrupt-message", "use the replica instead");
+  await page.click("#trajectory-interrupt-go");
+  await page.waitForFunction(() => /Interrupt stored/.test(document.querySelector("#toast")?.textContent || ""));
+  // The open reply is cut; the runner calls the model again with the message: the page, which
+  // reads again after the action, shows the second turn.
+  await page.locator('tr[data-dimension="turns"]', { hasText: /2 \/ 5/ }).waitFor({ timeout: 30000 });
+
+  await page.click("#trajectory-cancel");
+  await page.fill('input[aria-label="Cancel reason"]', "enough");
+  await page.click("#trajectory-cancel-go");
+  await page.locator("#trajectory-state", { hasText: /canceled/ }).waitFor({ timeout: 30000 });
+  assert.match(await page.locator("#trajectory-exit").innerText(), /CANCELED/);
+  assert.equal(await page.locator("#trajectory-actions").count(), 0, "an ended trajectory offers nothing");
+  assert.notEqual(await run.exited, 0, run.log.join("\n"));
   await context.close();
 });

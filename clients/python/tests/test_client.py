@@ -188,3 +188,48 @@ def test_huge_args_go_as_digest(daemon, run_id):
         with pytest.raises(estop.InvalidRequest):
             c.complete(run_id, "big", v.token, "ok", result={"blob": "y" * 100_000})
         assert c.ping()
+
+
+def test_model_budget_reserve_and_cost(daemon, run_id):
+    """`reserve` on admit and `cost` on complete count against the run's tree's model budget:
+    a reservation past the parent's limit is refused `budget` naming it; the settled cost that
+    reaches the limit fences the tree (cause `budget`); `status` shows the spend."""
+    parent, a, b = run_id, f"{run_id}/a", f"{run_id}/b"
+    with daemon.client() as c:
+        first = c.admit(parent, "plan", "lookup_plan", {}, limits={"max_spend": 1000})
+        assert isinstance(first, Admitted)
+        va = c.admit(a, "m1", "model.call", {"n": 1}, start=False, parent=parent, reserve={"usd_micros": 600})
+        assert isinstance(va, Admitted)
+        vb = c.admit(b, "m1", "model.call", {"n": 2}, start=False, parent=parent, reserve={"usd_micros": 600})
+        assert isinstance(vb, RefusedVerdict) and vb.reason == "budget", vb
+        assert vb.budget == {"dimension": "model_usd", "run": parent, "limit": 1000, "used": 600}
+        budget = {line["dimension"]: line for line in c.status(parent)["budget"]}
+        assert budget["model_usd"] == {"dimension": "model_usd", "spent": 0, "reserved": 600, "limit": 1000}
+        assert isinstance(c.start(a, "m1", va.token), Go)
+        c.complete(a, "m1", va.token, "ok", result={}, cost={"usd_micros": 1000, "tokens": 42})
+        s = c.status(parent)
+        assert s["cause"] == "budget", s
+        budget = {line["dimension"]: line for line in s["budget"]}
+        assert budget["model_usd"]["spent"] == 1000 and budget["model_usd"]["reserved"] == 0
+        assert budget["model_tokens"]["spent"] == 42
+        # Bad spend never reaches the wire.
+        for bad in ({"usd": 1}, {"tokens": -1}, {"tokens": 10**12 + 1}, {"tokens": True}, [1]):
+            with pytest.raises(ValueError):
+                c.admit(b, "m2", "model.call", {}, reserve=bad)  # type: ignore[arg-type]
+
+
+async def test_async_reserve_and_cost(daemon, run_id):
+    async with estop.AsyncClient(socket=daemon.socket, token=daemon.agent_token) as c:
+        assert isinstance(await c.admit(run_id, "plan", "lookup_plan", {}, limits={"max_tokens": 100}), Admitted)
+        x, y = f"{run_id}/x", f"{run_id}/y"
+        v = await c.admit(x, "m1", "model.call", {}, start=False, parent=run_id, reserve={"tokens": 80})
+        assert isinstance(v, Admitted)
+        refused = await c.admit(y, "m1", "model.call", {}, parent=run_id, reserve={"tokens": 30})
+        assert isinstance(refused, RefusedVerdict) and refused.budget is not None
+        assert refused.budget["dimension"] == "model_tokens" and refused.budget["used"] == 80
+        assert isinstance(await c.start(x, "m1", v.token), Go)
+        await c.complete(x, "m1", v.token, "ok", result={}, cost={"tokens": 10})
+        # The refusal stands for that effect (it is never admitted later); a new call fits now.
+        again = await c.admit(y, "m1", "model.call", {}, parent=run_id, reserve={"tokens": 30})
+        assert isinstance(again, RefusedVerdict) and again.reason == "budget"
+        assert isinstance(await c.admit(y, "m2", "model.call", {}, parent=run_id, reserve={"tokens": 30}), Admitted)

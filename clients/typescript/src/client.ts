@@ -52,9 +52,42 @@ export interface AdmitOptions extends CallOptions {
   parent?: string | undefined;
   labels?: Record<string, string> | undefined;
   needsApproval?: boolean | undefined;
-  limits?: { deadline_ms?: number; timeout_ms?: number; max_effects?: number } | undefined;
+  limits?: RunLimits | undefined;
   /** How the call is undone, in the client's own words; it may only add to policy's. */
   declare?: Declare | undefined;
+  /**
+   * What this call may cost at worst, counted against the model budget (`max_spend` /
+   * `max_tokens`) of the run and every ancestor until `complete` settles it with its `cost`
+   * (docs/PROTOCOL.md, "Model budget").
+   */
+  reserve?: Spend | undefined;
+}
+
+/** A run's limits, applied when the first admit creates it (`max_spend` in micro-USD). */
+export interface RunLimits {
+  deadline_ms?: number;
+  timeout_ms?: number;
+  max_effects?: number;
+  max_spend?: number;
+  max_tokens?: number;
+}
+
+/** Model spend: `usd_micros` and `tokens`, whole numbers from 0 to 10^12. */
+export interface Spend { usd_micros?: number; tokens?: number }
+
+const SPEND_MAX = 1e12;
+
+/** A `reserve` or `cost` as the wire takes it; anything else throws before the wire. */
+function spendField(name: string, v: Spend | undefined): Spend | undefined {
+  if (v === undefined) return undefined;
+  if (typeof v !== "object" || v === null || Array.isArray(v)) throw new TypeError(`${name} must be an object with usd_micros and/or tokens`);
+  const out: Spend = {};
+  for (const [k, n] of Object.entries(v)) {
+    if (k !== "usd_micros" && k !== "tokens") throw new TypeError(`${name} has ${JSON.stringify(k)}; only usd_micros and tokens are counted`);
+    if (typeof n !== "number" || !Number.isInteger(n) || n < 0 || n > SPEND_MAX) throw new RangeError(`${name}.${k} must be a whole number from 0 to 10^12, not ${String(n)}`);
+    out[k] = n;
+  }
+  return Object.keys(out).length ? out : undefined;
 }
 
 /** A client's declaration of how a call is undone (`admit.declare`, docs/PROTOCOL.md). */
@@ -387,6 +420,8 @@ export class Client {
     if (opts.needsApproval) f.needs_approval = true;
     if (opts.limits && Object.keys(opts.limits).length) f.limits = opts.limits;
     if (opts.declare && Object.keys(opts.declare).length) f.declare = opts.declare;
+    const reserve = spendField("reserve", opts.reserve);
+    if (reserve) f.reserve = reserve;
     return parseVerdict(await this.call("admit", this.fitAdmit(f), opts));
   }
 
@@ -401,10 +436,13 @@ export class Client {
     return parseVerdict(await this.call("start", { run, key, token }, opts));
   }
 
-  async complete(run: string, key: string, token: string, outcome: "ok" | "error" | "unknown", detail: { result?: Json; error?: string } = {}, opts: CallOptions = {}): Promise<{ late: boolean }> {
+  /** `detail.cost`: what the call cost; it releases the admission's `reserve` and is charged once up the tree. */
+  async complete(run: string, key: string, token: string, outcome: "ok" | "error" | "unknown", detail: { result?: Json; error?: string; cost?: Spend } = {}, opts: CallOptions = {}): Promise<{ late: boolean }> {
     const f: Record<string, unknown> = { run, key, token, outcome };
     if ("result" in detail) f.result = detail.result;
     if (detail.error !== undefined) f.error = detail.error;
+    const cost = spendField("cost", detail.cost);
+    if (cost) f.cost = cost;
     return { late: (await this.call("complete", f, opts)).late === true };
   }
 

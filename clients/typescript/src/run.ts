@@ -9,7 +9,7 @@
 // stops it.
 import { AsyncLocalStorage } from "node:async_hooks";
 import { randomUUID } from "node:crypto";
-import { Client, type CallOptions, type ClientOptions, type GateEvent } from "./client.js";
+import { Client, type CallOptions, type ClientOptions, type GateEvent, type RunLimits } from "./client.js";
 import { NoRun, NotFound, RunStopped } from "./errors.js";
 import { runEffect, wrap, type EffectOptions, type WrapOptions } from "./effect.js";
 
@@ -26,7 +26,7 @@ export interface RunOptions {
   /** Shown to operators (at most 16). */
   labels?: Record<string, string> | undefined;
   /** Apply when the first admit creates the run. */
-  limits?: { deadline_ms?: number; timeout_ms?: number; max_effects?: number } | undefined;
+  limits?: RunLimits | undefined;
 }
 
 export interface EstopOptions extends ClientOptions {

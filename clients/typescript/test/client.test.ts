@@ -73,6 +73,28 @@ test("typed gate errors by code", async () => {
   assert.ok(e instanceof InvalidRequest && e.code === "unknown_op", String(e));
 });
 
+test("the model budget: reserve on admit, cost on complete, a refusal naming the parent's limit, status's spend", async () => {
+  const c = daemon.get().client();
+  const parent = runId();
+  const [a, b] = [`${parent}/a`, `${parent}/b`];
+  expectKind(await c.admit(parent, "plan", "lookup_plan", { args: {}, limits: { max_spend: 1000 } }), "admitted");
+  const va = expectKind(await c.admit(a, "m1", "model.call", { args: {}, start: false, parent, reserve: { usd_micros: 600 } }), "admitted");
+  const vb = expectKind(await c.admit(b, "m1", "model.call", { args: {}, parent, reserve: { usd_micros: 600 } }), "refused");
+  assert.equal(vb.reason, "budget");
+  assert.deepEqual(vb.budget, { dimension: "model_usd", run: parent, limit: 1000, used: 600 });
+  expectKind(await c.start(a, "m1", va.token), "go");
+  await c.complete(a, "m1", va.token, "ok", { result: {}, cost: { usd_micros: 1000, tokens: 7 } });
+  const s = await c.status(parent);
+  assert.equal(s.cause, "budget", JSON.stringify(s));
+  const lines = s.budget as { dimension: string; spent: number; reserved: number; limit?: number }[];
+  assert.deepEqual(lines.find((l) => l.dimension === "model_usd"), { dimension: "model_usd", spent: 1000, reserved: 0, limit: 1000 });
+  assert.equal(lines.find((l) => l.dimension === "model_tokens")?.spent, 7);
+  // Bad spend never reaches the wire.
+  for (const bad of [{ usd: 1 }, { tokens: -1 }, { tokens: 1e12 + 1 }, { tokens: 1.5 }]) {
+    await assert.rejects(c.admit(b, "m2", "model.call", { args: {}, reserve: bad as never }), /reserve/);
+  }
+});
+
 test("an oversize request: refused before sending, and the gate's own line_too_long when sent", async () => {
   const d = daemon.get();
   const c = d.client();

@@ -129,6 +129,10 @@ pub struct AgentRunArgs {
     /// tokens, dollars, wall clock) under ID's ceilings.
     #[arg(long, value_name = "ID")]
     retry_of: Option<String>,
+    /// The scheduler's class of its turns: interactive, standard (default) or batch (weights
+    /// 4, 2, 1). Recorded: a resume keeps it, a retry inherits it unless given.
+    #[arg(long, value_parser = parse_class)]
+    class: Option<estop_harness::scheduler::Class>,
     /// Data directory of the daemon (its socket and agent token; the journal goes in
     /// DATA/harness unless --journal says otherwise).
     #[arg(long, env = "ESTOP_DATA", default_value = "estop-data")]
@@ -141,6 +145,11 @@ pub struct AgentRunArgs {
     /// The agent token the run belongs to (default: DATA/agent.token).
     #[arg(long, env = "ESTOP_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// A task contract (TOML, the fields of the config's [contract]: answer_format,
+    /// required_keys, answer_matches, must_call, workspace_files, attempts), in place of the
+    /// config's: the completion check the answer must pass for the trajectory to complete.
+    #[arg(long, value_name = "FILE")]
+    contract: Option<PathBuf>,
     /// Print the final record as JSON.
     #[arg(long)]
     json: bool,
@@ -263,7 +272,7 @@ fn list(at: &Runner, state: &str, after: Option<&str>, limit: usize) -> Result<u
         };
         let len = |k: &str| t[k].as_array().map_or(0, Vec::len);
         println!(
-            "{} {} turns={turns} stage={} pending={} held={} control={}{exit}{} task={:?}",
+            "{} {} turns={turns} stage={} pending={} held={} control={}{exit}{}{} task={:?}",
             s("id"),
             s("state"),
             b["stage"].as_str().unwrap_or("-"),
@@ -273,6 +282,11 @@ fn list(at: &Runner, state: &str, after: Option<&str>, limit: usize) -> Result<u
             t["parent"]
                 .as_str()
                 .map(|p| format!(" parent={p}"))
+                .unwrap_or_default(),
+            t["class"]
+                .as_str()
+                .filter(|c| *c != "standard")
+                .map(|c| format!(" class={c}"))
                 .unwrap_or_default(),
             s("task"),
         );
@@ -323,7 +337,7 @@ fn print_status(v: &serde_json::Value) -> Result<(), Failure> {
         None => spent.to_string(),
     };
     println!(
-        "{} {} turns={} tokens={} usd_micros={} pending={} held={}",
+        "{} {} turns={} tokens={} usd_micros={} pending={} held={}{}",
         estop_protocol::text::escape(&r.identity.id),
         r.state,
         dim(s.turns, l.turns_max),
@@ -331,6 +345,11 @@ fn print_status(v: &serde_json::Value) -> Result<(), Failure> {
         dim(s.usd_micros, l.usd_micros_max),
         r.pending.len(),
         r.held.len(),
+        if r.class.is_standard() {
+            String::new()
+        } else {
+            format!(" class={}", r.class.as_str())
+        },
     );
     for h in &r.held {
         // What the approval is for: the call, or (an HTTP tool) its request.
@@ -348,7 +367,34 @@ fn print_status(v: &serde_json::Value) -> Result<(), Failure> {
         let c = serde_json::to_string(c).expect("a control serializes");
         println!("control {}", estop_protocol::text::escape(&c));
     }
+    // Its sub-agents (`ID/CALL_ID`), each with its state and spend against its own ceilings.
+    let children = v["children"].as_array().map_or(&[][..], Vec::as_slice);
+    for c in children {
+        let n = |k: &str| c[k].as_u64().unwrap_or(0);
+        let max = |k: &str| c["limits"][k].as_u64();
+        println!(
+            "child {} {} turns={} tokens={} usd_micros={}{}",
+            estop_protocol::text::escape(c["id"].as_str().unwrap_or("?")),
+            c["state"].as_str().unwrap_or("?"),
+            dim(n("turns"), max("turns_max")),
+            dim(n("tokens"), max("tokens_max")),
+            dim(n("usd_micros"), max("usd_micros_max")),
+            c["exit"]["exit"]
+                .as_str()
+                .map(|e| format!(" exit={e}"))
+                .unwrap_or_default(),
+        );
+    }
+    let count = v["children_count"].as_u64().unwrap_or(0);
+    if count > children.len() as u64 {
+        println!("({} more sub-agents)", count - children.len() as u64);
+    }
     Ok(())
+}
+
+fn parse_class(s: &str) -> Result<estop_harness::scheduler::Class, String> {
+    estop_harness::scheduler::Class::parse(s)
+        .ok_or_else(|| format!("{s:?}: use interactive, standard or batch"))
 }
 
 fn run_one(a: AgentRunArgs) -> anyhow::Result<u8> {
@@ -375,9 +421,11 @@ fn run_one(a: AgentRunArgs) -> anyhow::Result<u8> {
         id: a.id,
         parent: a.parent,
         retry_of: a.retry_of,
+        class: a.class,
         journal: a.journal.unwrap_or_else(|| a.data.join("harness")),
         gate: estop_harness::gate::GateConfig { target, token },
         data: a.data,
+        contract: a.contract,
     })?;
     let r = &out.record;
     if a.json {

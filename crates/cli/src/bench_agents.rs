@@ -67,6 +67,7 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
             upstreams: Default::default(),
             subagents: None,
             workspaces: None,
+            contract: None,
             sandbox: None,
             tools: vec![Tool {
                 name: "hold".into(),
@@ -80,6 +81,7 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
                 http: Default::default(),
                 read_only: false,
                 egress: None,
+                credentials: None,
             }],
             system: "bench".into(),
             grace: Duration::from_millis(100),

@@ -4,7 +4,7 @@
 use crate::remote::{Ask, Conn, Failure, Session, build};
 use crate::show::{cell, esc, now_ms, table, truncate};
 use estop_protocol::{
-    EffectCounts, PendingReply, Report, ReportItem, RunView, RunsReply, SagaNext, Verb,
+    BudgetLine, EffectCounts, PendingReply, Report, ReportItem, RunView, RunsReply, SagaNext, Verb,
 };
 
 pub fn runs(conn: &Conn, state: Option<String>, limit: Option<u32>) -> Result<u8, Failure> {
@@ -123,7 +123,19 @@ fn status_lines(v: &RunView) -> Vec<(&'static str, String)> {
     ]
     .into_iter()
     .flatten()
+    .chain(v.budget.iter().map(|b| ("budget", budget_cell(b))))
     .collect()
+}
+
+/// One dimension of the model budget, as `status` and `report` print it.
+fn budget_cell(b: &BudgetLine) -> String {
+    let limit = b.limit.map_or("none".into(), |l| l.to_string());
+    format!(
+        "{}  spent {}  reserved {}  limit {limit}",
+        esc(&b.dimension),
+        b.spent,
+        b.reserved
+    )
 }
 
 /// The counts as the JSON object they are on the wire, keys in order.
@@ -178,13 +190,7 @@ fn report_lines(r: &Report) -> Vec<String> {
     }
     // The model budget of the run's tree (docs/PROTOCOL.md, "Model budget").
     for b in &r.budget {
-        let limit = b.limit.map_or("none".into(), |l| l.to_string());
-        out.push(format!(
-            "budget {}  spent {}  reserved {}  limit {limit}",
-            esc(&b.dimension),
-            b.spent,
-            b.reserved
-        ));
+        out.push(format!("budget {}", budget_cell(b)));
     }
     if r.forgotten {
         let at = r.stopped_at.map_or("null".into(), |t| t.to_string());

@@ -739,6 +739,7 @@ fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
                 retry_of: None,
                 depth: 0,
                 spawned_by: None,
+                contract: None,
             },
             CallLimits {
                 model: "m".into(),
@@ -778,6 +779,28 @@ fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
     a.control.push(Control::Interrupt {
         message: "use the replica".into(),
     });
+    a.identity.contract = Some(estop_harness::contract::Contract {
+        must_call: vec!["lookup".into()],
+        ..Default::default()
+    });
+    a.leases.push(estop_harness::record::Lease {
+        id: "fetch@orders.internal".into(),
+        kind: "credential".into(),
+        tool: Some("fetch".into()),
+    });
+    let mut c = rec("c", State::Failed);
+    c.exit = Some(Exit::CompletionCheckFailed {
+        failed: vec!["must_call".into()],
+    });
+    c.check = Some(estop_harness::contract::CheckResult {
+        passed: false,
+        checked: vec!["answer_nonempty".into(), "must_call".into()],
+        failed: vec![estop_harness::contract::CheckFailure {
+            check: "must_call".into(),
+            why: "no call settled ok for [\"lookup\"]".into(),
+        }],
+        notices: 1,
+    });
     let entries = [
         Entry::Context {
             trajectory: "b".into(),
@@ -790,7 +813,7 @@ fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
             record: Box::new(rec("b", State::Canceled)),
         },
         Entry::Record {
-            record: Box::new(rec("c", State::Canceled)),
+            record: Box::new(c),
         },
     ];
     j.write(&entries).unwrap();
@@ -838,6 +861,20 @@ fn trajectories_are_read_from_the_harness_journal_by_operators_and_observers_in_
         a["control"][0],
         json!({"control": "interrupt", "message": "use the replica"})
     );
+    // The task contract, the credential handle (tool and host, no secret) and, for `c`, the
+    // completion check that failed, naming the check.
+    assert_eq!(a["contract"]["must_call"], json!(["lookup"]));
+    assert_eq!(
+        a["leases"],
+        json!([{"kind": "credential", "id": "fetch@orders.internal", "tool": "fetch"}])
+    );
+    let cc = c.get("/api/v1/trajectories/c").json();
+    assert_eq!(
+        cc["exit"],
+        json!({"exit": "COMPLETION_CHECK_FAILED", "reason": "must_call"})
+    );
+    assert_eq!(cc["check"]["failed"][0]["check"], "must_call");
+    assert_eq!(cc["check"]["notices"], 1);
     let b = c.get("/api/v1/trajectories/b").json();
     assert_eq!(
         b["exit"],
@@ -906,4 +943,445 @@ fn estop_agent_list_prints_the_journal_s_trajectories_escaped() {
     assert_eq!(code, 0);
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["trajectories"][0]["id"], "c");
+}
+
+/// A browser session of `token`'s principal, logged in from the console's page: its secret and
+/// CSRF token.
+fn session_of(c: &Console, token: &str) -> (String, String) {
+    let origin = format!("http://{}", c.addr);
+    let body = json!({ "token": token }).to_string();
+    let r = http(
+        &c.addr,
+        "POST",
+        "/api/v1/session",
+        &[("Origin", &origin)],
+        &body,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    (
+        v["session"].as_str().unwrap().to_string(),
+        v["csrf"].as_str().unwrap().to_string(),
+    )
+}
+
+/// A POST from the console's own page in a session: its secret, the CSRF token (unless
+/// `csrf` is empty) and `site` (`Some` as Sec-Fetch-Site).
+fn session_post(
+    c: &Console,
+    (secret, csrf): (&str, &str),
+    site: Option<&str>,
+    origin: Option<&str>,
+    path: &str,
+    body: &str,
+) -> Resp {
+    let mut h = vec![("X-Estop-Session", secret)];
+    if !csrf.is_empty() {
+        h.push(("X-CSRF-Token", csrf));
+    }
+    if let Some(s) = site {
+        h.push(("Sec-Fetch-Site", s));
+    }
+    if let Some(o) = origin {
+        h.push(("Origin", o));
+    }
+    http(&c.addr, "POST", path, &h, body)
+}
+
+/// Every action on a trajectory, with a body it would take.
+const TRAJECTORY_ACTIONS: &[(&str, &str)] = &[
+    ("cancel", r#"{"reason": "enough"}"#),
+    ("pause", "{}"),
+    ("resume", "{}"),
+    ("kill", r#"{"reason": "now"}"#),
+    ("interrupt", r#"{"message": "use the replica"}"#),
+    ("budget", r#"{"turns": 3}"#),
+];
+
+/// Acting on a trajectory is an operator's, from the console's own page: an observer's and an
+/// agent's session (and their bearer tokens) are forbidden every action; an operator's session
+/// without its CSRF token, from another origin or from no page at all is refused, exactly as a
+/// run action is. Bad input is refused before the runner is asked, and with no runner the
+/// runner's actions are `unavailable`.
+#[test]
+fn trajectory_actions_are_an_operators_from_the_console_s_own_page() {
+    let c = Console::start();
+    let made = c.post(
+        "/api/v1/tokens",
+        json!({"name": "watcher", "role": "observer", "groups": []}),
+    );
+    assert_eq!(made.status, 200, "{}", made.body);
+    let observer = made.json()["token"].as_str().unwrap().to_string();
+    let agent = c.d.token("agent.token");
+    for token in [&observer, &agent] {
+        let (secret, csrf) = session_of(&c, token);
+        for (action, body) in TRAJECTORY_ACTIONS {
+            let path = format!("/api/v1/trajectories/t-1/{action}");
+            let r = session_post(&c, (&secret, &csrf), Some("same-origin"), None, &path, body);
+            assert_eq!(
+                (r.status, r.code().as_str()),
+                (403, "forbidden"),
+                "{action}: {}",
+                r.body
+            );
+            let r = http(
+                &c.addr,
+                "POST",
+                &path,
+                &[("Authorization", &format!("Bearer {token}"))],
+                body,
+            );
+            assert_eq!(r.status, 403, "{action} with a bearer token: {}", r.body);
+        }
+    }
+    let op = session_of(&c, &c.d.token("operator.token"));
+    let origin = format!("http://{}", c.addr);
+    for (action, body) in TRAJECTORY_ACTIONS {
+        let path = format!("/api/v1/trajectories/t-1/{action}");
+        let no_csrf = session_post(&c, (&op.0, ""), Some("same-origin"), None, &path, body);
+        assert_eq!(no_csrf.status, 403, "{action} without the CSRF token");
+        let wrong = session_post(&c, (&op.0, "0"), Some("same-origin"), None, &path, body);
+        assert_eq!(wrong.status, 403, "{action} with a wrong CSRF token");
+        let cross = session_post(
+            &c,
+            (&op.0, &op.1),
+            None,
+            Some("http://evil.example"),
+            &path,
+            body,
+        );
+        assert_eq!(cross.status, 403, "{action} from another origin");
+        let cross = session_post(&c, (&op.0, &op.1), Some("same-site"), None, &path, body);
+        assert_eq!(cross.status, 403, "{action} from another port");
+        let nowhere = session_post(&c, (&op.0, &op.1), None, None, &path, body);
+        assert_eq!(nowhere.status, 403, "{action} from no page");
+    }
+    let post = |action: &str, body: &str| {
+        session_post(
+            &c,
+            (&op.0, &op.1),
+            None,
+            Some(&origin),
+            &format!("/api/v1/trajectories/t-1/{action}"),
+            body,
+        )
+    };
+    // No runner listens: the runner's actions say so; bad input is refused before that.
+    for (action, body) in [
+        ("interrupt", r#"{"message": "x"}"#),
+        ("budget", r#"{"usd_micros": 5}"#),
+    ] {
+        let r = post(action, body);
+        assert_eq!(
+            (r.status, r.code().as_str()),
+            (503, "unavailable"),
+            "{}",
+            r.body
+        );
+        assert!(r.body.contains("no runner is listening"), "{}", r.body);
+    }
+    let r = post("interrupt", r#"{"message": "  "}"#);
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (400, "invalid_field"),
+        "{}",
+        r.body
+    );
+    let r = post("interrupt", "{}");
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (400, "bad_json"),
+        "{}",
+        r.body
+    );
+    let r = post("budget", "{}");
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (400, "invalid_field"),
+        "{}",
+        r.body
+    );
+    let r = post("budget", r#"{"turns": 3, "dollars": 1}"#);
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (400, "bad_json"),
+        "{}",
+        r.body
+    );
+    // Within the console's body bound (64 KiB), over the control socket's line with the rest.
+    let long = json!({ "message": "x".repeat(64 * 1024 - 40) }).to_string();
+    assert!(long.len() < 64 * 1024);
+    let r = post("interrupt", &long);
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (413, "line_too_long"),
+        "{}",
+        r.body
+    );
+    let r = post("restart", "{}");
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (404, "unknown_op"),
+        "{}",
+        r.body
+    );
+}
+
+/// An operator acts on a running `estop agent run` from the console: an interrupt is stored in
+/// the runner (the daemon vouches for the operator with a grant, never a token) and reaches
+/// the model at the next boundary; an observer's does nothing; a cancel from the console ends
+/// the trajectory CANCELED; once the runner is gone, its actions are `unavailable`.
+#[test]
+fn an_operator_interrupts_and_cancels_a_running_trajectory_from_the_console() {
+    use estop_harness::scripted::{self, Script, Scripted, Seen, Step};
+    let c = Console::start();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let gated = |text: &str| {
+        vec![
+            scripted::text(text),
+            Step::Gate,
+            scripted::finish("stop"),
+            Step::Done,
+        ]
+    };
+    let model = rt
+        .block_on(Scripted::start(
+            "127.0.0.1:0",
+            Script {
+                responses: vec![
+                    gated("Dropping orders_staging"),
+                    gated("Using the replica"),
+                    gated("Within four turns"),
+                ],
+            },
+        ))
+        .unwrap();
+    let config = c.d.data().join("agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[model]]\nname = \"scripted\"\nbase_url = \"{}\"\nusd_per_mtok_input = 3.0\n\
+             usd_per_mtok_output = 15.0\n\n[budget]\nturns = 5\n",
+            model.base_url()
+        ),
+    )
+    .unwrap();
+    let mut runner = std::process::Command::new(bin())
+        .args(["agent", "run", "--config"])
+        .arg(&config)
+        .args(["--model", "scripted", "--id", "traj-c", "--data"])
+        .arg(c.d.data())
+        .arg("clean up staging")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let seen = |what: Seen| {
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(60), model.wait_for(&what)).await
+        })
+        .is_ok()
+    };
+    if !seen(Seen::Call { n: 0 }) {
+        let _ = runner.kill();
+        let out = runner.wait_with_output().unwrap();
+        panic!("no model call: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let origin = format!("http://{}", c.addr);
+    let post = |s: &(String, String), action: &str, body: Value| {
+        session_post(
+            &c,
+            (&s.0, &s.1),
+            Some("same-origin"),
+            Some(&origin),
+            &format!("/api/v1/trajectories/traj-c/{action}"),
+            &body.to_string(),
+        )
+    };
+    let made = c.post(
+        "/api/v1/tokens",
+        json!({"name": "watcher", "role": "observer", "groups": []}),
+    );
+    let observer = session_of(&c, made.json()["token"].as_str().unwrap());
+    let r = post(&observer, "interrupt", json!({"message": "no"}));
+    assert_eq!(r.status, 403, "{}", r.body);
+    let r = post(&observer, "cancel", json!({}));
+    assert_eq!(r.status, 403, "{}", r.body);
+    let op = session_of(&c, &c.d.token("operator.token"));
+    let r = post(
+        &op,
+        "interrupt",
+        json!({"message": "use the replica instead"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["stored"], true, "{}", r.body);
+    // The stream was cut; the next call carries the marker and then the operator's message.
+    assert!(seen(Seen::Gone { n: 0, step: 1 }), "the stream was cut");
+    assert!(seen(Seen::Call { n: 1 }), "the next call");
+    let msgs: Vec<(String, String)> = model.calls()[1]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap().to_string(),
+                m["content"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    let texts: Vec<&str> = msgs.iter().map(|(_, t)| t.as_str()).collect();
+    assert!(
+        !texts.contains(&"no"),
+        "the observer's message never arrived"
+    );
+    assert_eq!(
+        &msgs[msgs.len() - 1],
+        &("user".to_string(), "use the replica instead".to_string()),
+        "{msgs:?}"
+    );
+    assert!(
+        msgs[msgs.len() - 2].1.starts_with("[interrupted"),
+        "{msgs:?}"
+    );
+    // A budget change goes the same way: stored, the open call cut, applied at the boundary.
+    let r = post(&op, "budget", json!({"turns": 4}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["stored"], true, "{}", r.body);
+    assert!(
+        seen(Seen::Call { n: 2 }),
+        "the call after the budget change"
+    );
+    let t = c.get("/api/v1/trajectories/traj-c").json();
+    assert_eq!(
+        t["budget"]["dimensions"][0],
+        json!({"dimension": "turns", "spent": 3, "limit": 4}),
+        "{t}"
+    );
+    let r = post(&op, "cancel", json!({"reason": "enough"}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let out = runner.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.starts_with("traj-c CANCELED"), "{stdout}");
+    let t = c.get("/api/v1/trajectories/traj-c").json();
+    assert_eq!(t["state"], "CANCELED", "{t}");
+    assert_eq!(t["exit"]["exit"], "CANCELED", "{t}");
+    // The runner is gone: nothing listens for its actions.
+    let r = post(&op, "interrupt", json!({"message": "still there?"}));
+    assert_eq!(
+        (r.status, r.code().as_str()),
+        (503, "unavailable"),
+        "{}",
+        r.body
+    );
+    assert_eq!(model.calls().len(), 3, "no call after the cancel");
+}
+
+/// What a runner's control socket is handed is a grant, never a token: a fake runner that
+/// reads it can have the daemon vouch for it (as the acting operator) only while the ask is
+/// open; once answered, or timed out, it authenticates nothing. Asks are bounded: four at once
+/// (a fifth `429 limit_exceeded`, at once), and a runner that never answers is `503
+/// unavailable` after the ask's 15 s.
+#[test]
+fn the_console_hands_a_runner_a_grant_that_ends_with_the_ask_and_bounds_its_asks() {
+    use std::os::unix::net::UnixListener;
+    let c = Console::start();
+    let dir = c.d.data().join("harness");
+    std::fs::create_dir_all(&dir).unwrap();
+    let listener = UnixListener::bind(dir.join("control.sock")).unwrap();
+    // The fake runner: reads each request line, answers only when told to.
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let s = s.unwrap();
+            let mut line = String::new();
+            BufReader::new(s.try_clone().unwrap())
+                .read_line(&mut line)
+                .unwrap();
+            lines_tx.send((line, s)).unwrap();
+        }
+    });
+    let op = session_of(&c, &c.d.token("operator.token"));
+    let origin = format!("http://{}", c.addr);
+    let interrupt = |n: usize| {
+        let (addr, op, origin) = (c.addr.clone(), op.clone(), origin.clone());
+        std::thread::spawn(move || {
+            let body = json!({ "message": format!("message {n}") }).to_string();
+            let h = [
+                ("X-Estop-Session", op.0.as_str()),
+                ("X-CSRF-Token", op.1.as_str()),
+                ("Origin", origin.as_str()),
+            ];
+            http(
+                &addr,
+                "POST",
+                "/api/v1/trajectories/t-1/interrupt",
+                &h,
+                &body,
+            )
+        })
+    };
+    let asks: Vec<_> = (0..4).map(interrupt).collect();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let (line, stream) = lines.recv_timeout(Duration::from_secs(30)).unwrap();
+        let req: Value = serde_json::from_str(&line).unwrap();
+        held.push((req, stream));
+    }
+    let operator = c.d.token("operator.token");
+    for (req, _) in &held {
+        let token = req["token"].as_str().unwrap();
+        assert_ne!(token.trim(), operator.trim(), "never the operator's token");
+        assert!(token.starts_with("estop_gr_"), "{req}");
+        assert_eq!(req["ask"], "interrupt");
+    }
+    // While its ask is open, the daemon vouches for a grant as the acting operator.
+    let grant = held[0].0["token"].as_str().unwrap().to_string();
+    let mut peer = estop_server::client::Client::connect(&c.d.socket()).unwrap();
+    let hello = peer.hello(&grant).unwrap();
+    assert_eq!(
+        (hello.role.as_str(), hello.principal.as_str()),
+        ("operator", "admin")
+    );
+    // A fifth ask is refused at once, not queued.
+    let fifth = interrupt(4).join().unwrap();
+    assert_eq!(
+        (fifth.status, fifth.code().as_str()),
+        (429, "limit_exceeded"),
+        "{}",
+        fifth.body
+    );
+    // The runner answers the first: the console passes the answer on, and the grant is over.
+    let (_, mut first) = held.remove(0);
+    first
+        .write_all(b"{\"ok\": {\"stored\": true, \"state\": \"CALLING_MODEL\"}}\n")
+        .unwrap();
+    let mut asks = asks.into_iter();
+    let r = asks.next().unwrap().join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json(), json!({"stored": true, "state": "CALLING_MODEL"}));
+    let mut late = estop_server::client::Client::connect(&c.d.socket()).unwrap();
+    assert!(late.hello(&grant).is_err(), "a grant ends with its ask");
+    // The others are never answered: unavailable once the ask's time is up, their grants over.
+    for ask in asks {
+        let r = ask.join().unwrap();
+        assert_eq!(
+            (r.status, r.code().as_str()),
+            (503, "unavailable"),
+            "{}",
+            r.body
+        );
+        assert!(
+            r.body.contains("did not answer within 15000 ms"),
+            "{}",
+            r.body
+        );
+    }
+    for (req, _) in &held {
+        let mut late = estop_server::client::Client::connect(&c.d.socket()).unwrap();
+        assert!(late.hello(req["token"].as_str().unwrap()).is_err());
+    }
 }

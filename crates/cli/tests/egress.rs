@@ -1697,6 +1697,20 @@ fn a_model_budget_survives_a_restart_and_counts_a_sub_runs_spend_against_its_par
     let want = format!("budget model_usd  spent {limit}  reserved 0  limit {limit}");
     assert!(out.contains(&want), "{out}");
     assert!(out.contains("cause budget"), "{out}");
+    // And `status`, on the wire and printed: the run's tree's spend against its limit.
+    let v = ok(&mut op, json!({"op": "status", "run": "tree"}));
+    let usd = v["budget"]
+        .as_array()
+        .and_then(|b| b.iter().find(|l| l["dimension"] == "model_usd"));
+    assert_eq!(
+        usd,
+        Some(&json!({"dimension": "model_usd", "spent": limit, "reserved": 0, "limit": limit})),
+        "{v}"
+    );
+    let (code, out, err) = d.cli(&["status", "tree"]);
+    assert_eq!(code, 0, "{err}");
+    let want = format!("budget       model_usd  spent {limit}  reserved 0  limit {limit}");
+    assert!(out.contains(&want), "{out}");
 }
 
 #[test]

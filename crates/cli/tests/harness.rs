@@ -82,6 +82,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
         upstreams: Default::default(),
         subagents: None,
         workspaces: None,
+        contract: None,
         sandbox: None,
         tools: vec![
             Tool {
@@ -96,6 +97,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 http: Default::default(),
                 read_only: true,
                 egress: None,
+                credentials: None,
             },
             Tool {
                 name: "drop_table".into(),
@@ -109,6 +111,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 http: Default::default(),
                 read_only: false,
                 egress: None,
+                credentials: None,
             },
         ],
         system: "You are a careful agent.".into(),
@@ -470,6 +473,112 @@ fn estop_agent_run_follows_its_config_file() {
     assert!(err.contains("\"scripted\""), "{err}");
 }
 
+/// The task contract (`[contract]` in the config, or `--contract FILE`): an answer that misses
+/// it (no `total` key) gets a notice turn naming the check, and the second answer, passing,
+/// completes — exactly three model calls, the third ending with the notice; the record shows
+/// the contract in its identity and the check's result. With a contract whose check fails
+/// again, the trajectory ends FAILED naming the check (exit 3), never COMPLETED.
+#[test]
+fn an_answer_that_misses_its_contract_gets_a_notice_turn_then_completes() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let server = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "lookup", "{\"q\": \"x\"}"),
+            scripted::answer("{\"sum\": 3}"),
+            scripted::answer("{\"total\": 3}"),
+            // The second run: `--contract` wants `done` and a call of lookup, twice missed.
+            scripted::answer("{\"total\": 3}"),
+            scripted::answer("still no"),
+        ],
+    );
+    let path = d.data().join("agent.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "{}\n[contract]\nanswer_format = \"json\"\nrequired_keys = [\"total\"]\n\
+             must_call = [\"lookup\"]\n",
+            lookup_config(&server.base_url(), 10)
+        ),
+    )
+    .unwrap();
+    let path_s = path.display().to_string();
+    let (code, out, err) = d.cli(&[
+        "agent", "run", "--config", &path_s, "--model", "scripted", "--id", "k-1", "--json",
+        "count x",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let rec: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(rec["state"], "COMPLETED", "{rec}");
+    assert_eq!(
+        rec["identity"]["contract"],
+        json!({"answer_format": "json", "required_keys": ["total"], "must_call": ["lookup"],
+               "attempts": 1})
+    );
+    assert_eq!(rec["called_ok"], json!(["lookup"]));
+    assert_eq!(rec["check"]["passed"], true);
+    assert_eq!(rec["check"]["notices"], 1);
+    let calls = server.calls();
+    assert_eq!(
+        calls.len(),
+        3,
+        "the call, the missed answer, the notice turn"
+    );
+    let last = calls[2]["messages"].as_array().unwrap();
+    assert_eq!(last[last.len() - 2]["content"], "{\"sum\": 3}");
+    let notice = last[last.len() - 1].clone();
+    assert_eq!(notice["role"], "user");
+    let text = notice["content"].as_str().unwrap();
+    assert!(
+        text.starts_with("[completion check failed: required_keys:") && text.contains("total"),
+        "{text}"
+    );
+    // The same from --contract: must_call unmet and no `done`, twice: FAILED, naming both.
+    let contract = d.data().join("contract.toml");
+    std::fs::write(
+        &contract,
+        "answer_matches = \"done\"\nmust_call = [\"lookup\"]\nattempts = 1\n",
+    )
+    .unwrap();
+    let (code, out, err) = d.cli(&[
+        "agent",
+        "run",
+        "--config",
+        &path_s,
+        "--model",
+        "scripted",
+        "--id",
+        "k-2",
+        "--contract",
+        &contract.display().to_string(),
+        "count y",
+    ]);
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(out.starts_with("k-2 FAILED turns=2"), "{out}");
+    assert!(
+        out.contains(r#""exit":"COMPLETION_CHECK_FAILED","failed":["answer_matches","must_call"]"#),
+        "{out}"
+    );
+    assert_eq!(server.calls().len(), 5);
+    // A contract that would let a path leave the workspace is refused before anything starts.
+    std::fs::write(&contract, "workspace_files = [\"../x\"]\n").unwrap();
+    let (code, _, err) = d.cli(&[
+        "agent",
+        "run",
+        "--config",
+        &path_s,
+        "--model",
+        "scripted",
+        "--contract",
+        &contract.display().to_string(),
+        "z",
+    ]);
+    assert_eq!(code, 1);
+    assert!(err.contains("workspace_files"), "{err}");
+    assert_eq!(server.calls().len(), 5);
+}
+
 /// `estop agent run --retry-of ID`: a retry is a new trajectory linked to the one it retries,
 /// with its task and parent, whose budget carries over (seed 004): a trajectory that ran out of
 /// turns is retried into the same ceiling and stops at once with no model call; one that failed
@@ -565,6 +674,169 @@ fn a_retry_is_a_new_trajectory_whose_budget_carries_over() {
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("leave out --parent"), "{out}");
     assert_eq!(server.calls().len(), 3, "no model call for a refused retry");
+}
+
+/// A trajectory's class is the scheduler's: with one worker, an interactive trajectory
+/// started after a batch one has its turn first (weights 4 and 1; FIFO if both were
+/// standard). The class is in the record, so a reopened runner keeps it, and a retry inherits
+/// it unless it names another.
+#[test]
+fn a_trajectorys_class_orders_the_turns_and_is_kept_in_its_record() {
+    use estop_harness::scheduler::Class;
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::answer("first"),
+            scripted::answer("second"),
+            vec![Step::Status {
+                status: 400,
+                body: "{\"error\": \"bad request\"}".into(),
+            }],
+            scripted::answer("retried"),
+        ],
+    );
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.workers = 1;
+    let mut runner = rt.block_on(async { Runner::open(opts.clone()) }).unwrap();
+    rt.block_on(async {
+        runner.start_in("cl-b", None, "the batch task", Class::Batch)?;
+        runner.start_in("cl-i", None, "the interactive task", Class::Interactive)?;
+        runner.run().await
+    })
+    .unwrap();
+    let task = |n: usize| messages(&model, n)[1]["content"].clone();
+    assert_eq!(task(0), "the interactive task", "interactive goes first");
+    assert_eq!(task(1), "the batch task");
+    drop(runner);
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    assert_eq!(runner.record("cl-b").unwrap().class, Class::Batch);
+    assert_eq!(runner.record("cl-i").unwrap().class, Class::Interactive);
+    rt.block_on(async {
+        runner.start_in("cl-f", None, "fails", Class::Batch)?;
+        runner.run().await?;
+        runner.start_retry("cl-f2", "cl-f", None, None)?;
+        runner.run().await
+    })
+    .unwrap();
+    assert_eq!(runner.record("cl-f").unwrap().state, State::Failed);
+    assert_eq!(
+        runner.record("cl-f2").unwrap().class,
+        Class::Batch,
+        "inherited"
+    );
+    assert_eq!(runner.record("cl-f2").unwrap().state, State::Completed);
+}
+
+/// A resume keeps the class recorded: `estop agent run --id` of a live batch trajectory naming
+/// another class is refused before anything runs; without `--class` (or with its own) it resumes
+/// in its class and completes.
+#[test]
+fn a_resume_keeps_the_recorded_class_and_refuses_another() {
+    use estop_harness::scheduler::Class;
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let server_rt = runtime();
+    let model = model_server(
+        &server_rt,
+        vec![vec![Step::Gate, Step::Done], scripted::answer("resumed")],
+    );
+    let opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    let rt = runtime();
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start_in("rk-1", None, "keep it", Class::Batch) })
+        .unwrap();
+    let task = rt.spawn(async move { runner.run().await });
+    server_rt.block_on(model.wait_for(&Seen::Call { n: 0 }));
+    task.abort();
+    rt.shutdown_timeout(Duration::from_secs(10));
+
+    let path = d.data().join("agent.toml");
+    std::fs::write(&path, lookup_config(&model.base_url(), 5)).unwrap();
+    let path = path.display().to_string();
+    let resume = |class: &[&str]| {
+        let mut all = vec![
+            "agent", "run", "--config", &path, "--model", "scripted", "--json", "--id", "rk-1",
+        ];
+        all.extend_from_slice(class);
+        all.push("keep it");
+        d.cli(&all)
+    };
+    let (code, out, err) = resume(&["--class", "interactive"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("live in class batch: a resume keeps it"),
+        "{err}"
+    );
+    assert_eq!(model.calls().len(), 1, "nothing ran for the refused resume");
+    let (code, out, err) = resume(&["--class", "batch"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let record: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (record["state"].as_str(), record["class"].as_str()),
+        (Some("COMPLETED"), Some("batch"))
+    );
+}
+
+/// `estop agent run --class`: recorded (the `--json` record, `estop agent list`), inherited
+/// by a retry unless given there too; a class that is none of the three is refused before
+/// anything starts.
+#[test]
+fn estop_agent_run_class_is_recorded_listed_and_inherited_by_a_retry() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let server = model_server(&rt, vec![scripted::call("c1", "lookup", "{\"q\": \"x\"}")]);
+    let path = d.data().join("agent.toml");
+    std::fs::write(&path, lookup_config(&server.base_url(), 1)).unwrap();
+    let path_s = path.display().to_string();
+    let agent = |args: &[&str]| {
+        let mut all = vec![
+            "agent", "run", "--config", &path_s, "--model", "scripted", "--json",
+        ];
+        all.extend_from_slice(args);
+        let (code, out, err) = d.cli(&all);
+        let record = serde_json::from_str::<serde_json::Value>(&out).ok();
+        (code, record, format!("{out}{err}"))
+    };
+    let (code, _, out) = agent(&["--class", "urgent", "--id", "k-0", "x"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("use interactive, standard or batch"), "{out}");
+    assert!(server.calls().is_empty());
+    let (code, first, out) = agent(&["--class", "batch", "--id", "k-1", "find x"]);
+    assert_eq!(code, 3, "out of turns: {out}");
+    assert_eq!(first.unwrap()["class"], "batch", "{out}");
+    let (_, list, _) = d.cli(&["agent", "list"]);
+    assert!(
+        list.starts_with("k-1 FAILED ") && list.contains(" class=batch task="),
+        "{list}"
+    );
+    // A retry (under the same spent ceiling: it stops at once) has the class it retries,
+    // unless it names one.
+    let (code, retry, out) = agent(&["--retry-of", "k-1", "--id", "k-1b"]);
+    assert_eq!(code, 3, "{out}");
+    assert_eq!(retry.unwrap()["class"], "batch", "{out}");
+    let (code, retry, out) = agent(&[
+        "--retry-of",
+        "k-1b",
+        "--id",
+        "k-1c",
+        "--class",
+        "interactive",
+    ]);
+    assert_eq!(code, 3, "{out}");
+    assert_eq!(retry.unwrap()["class"], "interactive", "{out}");
+    let (_, list, _) = d.cli(&["agent", "list", "--json"]);
+    let list: serde_json::Value = serde_json::from_str(&list).unwrap();
+    let classes: Vec<(&str, &str)> = list["trajectories"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["id"].as_str().unwrap(), t["class"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        classes,
+        [("k-1", "batch"), ("k-1b", "batch"), ("k-1c", "interactive")]
+    );
 }
 
 /// `estop kill` of the run while a tool call runs: the kill reaches the loop at once (not at a
@@ -704,6 +976,7 @@ fn http_tool(dir: &std::path::Path, url: &str) -> Tool {
         http: Default::default(),
         read_only: true,
         egress: Some(estop_harness::http::Egress::load(&settings).unwrap()),
+        credentials: None,
     }
 }
 
@@ -814,6 +1087,108 @@ fn an_http_tool_goes_through_the_proxy_as_a_child_run_with_its_credential() {
         "the ledger holds it"
     );
     assert!(!holds(report.as_bytes()));
+}
+
+/// A trajectory is leased a handle to its HTTP tool's credential (the tool and host, never the
+/// secret): `estop agent status --json` shows it while the trajectory runs, the call's request
+/// carries the credential, FINALIZING releases the handle, and the secret is nowhere in the
+/// journal or the status.
+#[test]
+fn a_credential_handle_is_leased_per_trajectory_and_released_at_finalizing() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let rt = runtime();
+    let mut first = vec![Step::Gate];
+    first.extend(scripted::call("c1", "fetch", "{\"id\": 7}"));
+    let model = model_server(&rt, vec![first, scripted::answer("7 has 3 rows")]);
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![Step::Status {
+                    status: 200,
+                    body: "{\"rows\": 3}".into(),
+                }]],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.tools = vec![http_tool(
+        dir.path(),
+        &format!("http://{}/orders", upstream.addr),
+    )];
+    let run = spawn_runner(&rt, opts, "cred-1");
+    rt.block_on(model.wait_for(&Seen::Call { n: 0 }));
+    let (code, out, err) = d.cli(&["agent", "status", "cred-1", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        v["record"]["leases"],
+        json!([{"id": "fetch@127.0.0.2", "kind": "credential", "tool": "fetch"}]),
+        "{v}"
+    );
+    assert!(!out.contains(SECRET));
+    model.release(1);
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("cred-1").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    assert!(rec.leases.is_empty(), "released at FINALIZING");
+    assert!(
+        upstream.headers()[0].contains(&("x-api-key".to_string(), SECRET.to_string())),
+        "leased: injected"
+    );
+    let journal = all_bytes(&d.data().join("harness"));
+    let holds = |b: &[u8], s: &[u8]| b.windows(s.len()).any(|w| w == s);
+    assert!(
+        holds(&journal, b"fetch@127.0.0.2"),
+        "the lease is journalled"
+    );
+    assert!(
+        !holds(&journal, SECRET.as_bytes()),
+        "the journal holds the secret"
+    );
+}
+
+/// A credential of the tool's store that the tool is not leased (its `credentials` names
+/// another host) is not injected: the request goes without it.
+#[test]
+fn a_credential_not_leased_to_the_trajectory_is_not_injected() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "fetch", "{\"id\": 7}"),
+            scripted::answer("done"),
+        ],
+    );
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![vec![Step::Status {
+                    status: 200,
+                    body: "{}".into(),
+                }]],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    let mut tool = http_tool(dir.path(), &format!("http://{}/orders", upstream.addr));
+    tool.credentials = Some(vec!["orders.example".into()]);
+    opts.tools = vec![tool];
+    let run = spawn_runner(&rt, opts, "cred-2");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("cred-2").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    let headers = upstream.headers();
+    assert_eq!(headers.len(), 1, "the request went");
+    assert!(
+        !headers[0].iter().any(|(k, _)| k == "x-api-key"),
+        "not leased: not injected: {:?}",
+        headers[0]
+    );
 }
 
 /// `estop agent run` with an HTTP tool and a sub-agent tool from its config file: the tool's
@@ -1603,6 +1978,70 @@ fn a_trajectory_delegates_to_a_sub_agent_and_reads_its_answer() {
     );
 }
 
+/// A parent's `estop agent status` (and `--json`) shows its sub-agents while they work: the
+/// child `PARENT/CALL_ID` with its state, turns and spend against its own ceilings; the
+/// console's trajectory page has them too (`children`).
+#[test]
+fn a_parents_status_shows_its_sub_agents_progress() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "delegate", "{\"task\": \"count the rows\"}"),
+            vec![
+                scripted::text("counting"),
+                Step::Gate,
+                scripted::finish("stop"),
+                Step::Done,
+            ],
+            scripted::answer("the sub-agent counted"),
+        ],
+    );
+    let opts = sub_options(&d, &model.base_url(), Subagents::default());
+    let run = spawn_runner(&rt, opts, "sa-s");
+    rt.block_on(model.wait_for(&Seen::Call { n: 1 }));
+    let (code, out, err) = d.cli(&["agent", "status", "sa-s"]);
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines[0].starts_with("sa-s WAITING_TOOL turns=1/10"),
+        "{out}"
+    );
+    assert_eq!(
+        lines.last().copied(),
+        Some("child sa-s/c1 CALLING_MODEL turns=1/4 tokens=0 usd_micros=0"),
+        "{out}"
+    );
+    let (code, out, err) = d.cli(&["agent", "status", "sa-s", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["children_count"], 1, "{v}");
+    let child = &v["children"][0];
+    assert_eq!(
+        (
+            child["id"].as_str(),
+            child["state"].as_str(),
+            child["turns"].as_u64()
+        ),
+        (Some("sa-s/c1"), Some("CALLING_MODEL"), Some(1)),
+        "{v}"
+    );
+    assert_eq!(child["limits"]["turns_max"], 4);
+    let view = estop_harness::view::one(
+        &d.data().join("harness/journal"),
+        "sa-s",
+        estop_harness::runner::now_ms(),
+        &Default::default(),
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(view["children"][0]["id"], "sa-s/c1", "{view}");
+    model.release(1);
+    let runner = rt.block_on(run).unwrap();
+    assert_eq!(runner.record("sa-s").unwrap().state, State::Completed);
+}
+
 /// Sub-agents are bounded: past `children_max` and `depth_max` the model reads a typed
 /// refusal (SUBAGENT_LIMIT, SUBAGENT_DEPTH) and no trajectory is started.
 #[test]
@@ -1780,6 +2219,105 @@ fn a_parents_cancel_cascades_to_its_sub_agent_and_an_interrupt_does_not() {
     assert_eq!(effect_status(&d, "sa-5", "c1"), "unknown");
 }
 
+/// At the budget's steer stage the context sent is compacted without a model call: the tool
+/// results before the last three turns become markers naming their size and the journal, the
+/// system prompt, the task, every assistant message and the last turns stay as they were, and
+/// every tool call keeps the tool message answering it. The boundary is a record fact: a crash
+/// during the steered call resumes and sends exactly the same request; the journal keeps every
+/// result whole.
+#[test]
+fn at_the_steer_stage_old_tool_results_are_sent_compacted_and_a_resume_sends_the_same() {
+    use estop_harness::compact::marker;
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let server_rt = runtime();
+    let args = |i: usize| format!("{{\"q\": \"{}\"}}", format!("r{i}-").repeat(100));
+    let mut responses: Vec<Vec<Step>> = (1..=7)
+        .map(|i| scripted::call(&format!("c{i}"), "lookup", &args(i)))
+        .collect();
+    responses.push(vec![Step::Gate, Step::Done]);
+    responses.push(scripted::answer("done"));
+    let model = model_server(&server_rt, responses);
+    let opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    let rt = runtime();
+    let mut runner = rt.block_on(async { Runner::open(opts.clone()) }).unwrap();
+    rt.block_on(async { runner.start("cp-1", None, "look it all up") })
+        .unwrap();
+    let task = rt.spawn(async move { runner.run().await });
+    // The eighth call is the first at 70% of the ten turns: the stream waits at its gate.
+    server_rt.block_on(model.wait_for(&Seen::Call { n: 7 }));
+    task.abort();
+    rt.shutdown_timeout(Duration::from_secs(10));
+
+    let rt = runtime();
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    let runner = rt.block_on(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    assert_eq!(runner.record("cp-1").unwrap().state, State::Completed);
+    assert_eq!(model.calls().len(), 9);
+    let notice = |m: &serde_json::Value| {
+        m["role"] == "system" && m["content"].as_str().unwrap().starts_with("Budget notice")
+    };
+    for n in 0..7 {
+        let sent = messages(&model, n);
+        assert!(
+            !sent.iter().any(notice),
+            "call {n} is before the steer stage"
+        );
+        assert!(
+            !sent.iter().any(|m| m["content"]
+                .as_str()
+                .is_some_and(|c| c.contains("[compacted"))),
+            "call {n} is sent whole"
+        );
+    }
+    let before = messages(&model, 6);
+    let steered = messages(&model, 7);
+    assert!(notice(steered.last().unwrap()), "{:?}", steered.last());
+    // system, task, then (assistant cN, tool cN) for N in 1..=7, then the notice.
+    assert_eq!(steered.len(), 2 + 14 + 1);
+    assert_eq!(steered[0]["role"], "system");
+    assert_eq!(
+        steered[1],
+        json!({"role": "user", "content": "look it all up"})
+    );
+    for (i, m) in steered.iter().enumerate().take(16) {
+        if m["role"] != "tool" {
+            // (c7's call is new in this request)
+            assert!(i == 14 || Some(m) == before.get(i), "message {i} as it was");
+            continue;
+        }
+        let n = (i - 1) / 2; // the call cN this result answers
+        assert_eq!(m["tool_call_id"], format!("c{n}"));
+        assert_eq!(steered[i - 1]["tool_calls"][0]["id"], format!("c{n}"));
+        let full = args(n);
+        if n <= 4 {
+            assert_eq!(
+                m["content"],
+                marker(full.len(), i),
+                "c{n} is before the last 3 turns"
+            );
+        } else {
+            assert_eq!(m["content"], full, "c{n} is in the last 3 turns");
+        }
+    }
+    // The call lost in the crash counts as a turn: only the notice's figure differs.
+    let resumed = messages(&model, 8);
+    assert!(notice(resumed.last().unwrap()), "{:?}", resumed.last());
+    assert!(
+        resumed[..16] == steered[..16],
+        "the resumed call sends the same context"
+    );
+    let journal = runner.context("cp-1");
+    assert_eq!(
+        journal[3].content.as_deref(),
+        Some(args(1).as_str()),
+        "the journal keeps it whole"
+    );
+    assert_eq!(runner.record("cp-1").unwrap().pointers.compacted_before, 10);
+}
+
 /// A crash while the sub-agent's model call is in flight: the reopened runner resumes the
 /// parent (still waiting for its call) and the child from the journal, and never starts the
 /// sub-agent twice; the child's call is made again and its answer reaches the parent.
@@ -1900,6 +2438,58 @@ fn a_trajectorys_workspace_lease_is_released_at_finalizing() {
         "read-only once released"
     );
     // The tempdir's cleanup needs the write bit back.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+}
+
+/// The contract's `workspace_files`, as the runner sees the workspace lease when the model
+/// ends: an answer before the tool wrote `report.md` gets the notice turn naming the file; the
+/// model calls the tool (which writes it there), answers again and completes — three model
+/// calls, and the check in the record lists the file check as passed.
+#[test]
+fn a_contracts_workspace_file_is_looked_for_in_the_workspace_lease() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::answer("done"),
+            scripted::call("c1", "lookup", "{}"),
+            scripted::answer("done, see report.md"),
+        ],
+    );
+    let root = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.workspaces = Some(root.path().to_path_buf());
+    opts.tools[0].command = vec!["sh".into(), "-c".into(), "echo hi > report.md".into()];
+    opts.contract = Some(estop_harness::contract::Contract {
+        workspace_files: vec!["report.md".into()],
+        ..Default::default()
+    });
+    let runner = rt.block_on(spawn_runner(&rt, opts, "wf-1")).unwrap();
+    let rec = runner.record("wf-1").unwrap();
+    assert_eq!(rec.state, State::Completed);
+    let check = rec.check.as_ref().unwrap();
+    assert!(check.passed && check.notices == 1, "{check:?}");
+    assert!(check.checked.contains(&"workspace_files".to_string()));
+    let calls = model.calls();
+    assert_eq!(calls.len(), 3);
+    let second = calls[1]["messages"].as_array().unwrap();
+    let notice = second.last().unwrap()["content"].as_str().unwrap();
+    assert!(
+        notice.starts_with("[completion check failed: workspace_files:")
+            && notice.contains("report.md"),
+        "{notice}"
+    );
+    // The tempdir's cleanup needs the write bit back once the released workspace was made
+    // read-only.
+    use std::os::unix::fs::PermissionsExt;
+    let dir = root.path().join("wf-1");
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while std::fs::metadata(&dir).unwrap().permissions().mode() & 0o222 != 0
+        && std::time::Instant::now() < until
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
 }
 
@@ -2357,6 +2947,249 @@ fn a_cancel_cancels_the_mcp_call_in_flight_upstream() {
         "{logged}"
     );
     assert_eq!(effect_status(&d, "mcp-2", "c1"), "unknown");
+}
+
+/// An MCP server that changes its tools: `flip` makes `echo`'s description `v2` and drops
+/// `flip` (adding `fresh`) — with `$GROW` set, it lists 300 tools instead — then says
+/// `notifications/tools/list_changed` before it answers.
+const MCP_CHANGING_SERVER: &str = r#"
+import json, os, sys
+def send(msg):
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+schema = {"type": "object", "properties": {"text": {"type": "string"}}}
+def tool(n, desc):
+    return {"name": n, "description": desc, "inputSchema": schema}
+tools = [tool("echo", "the echo tool"), tool("flip", "changes the tools")]
+for line in sys.stdin:
+    msg = json.loads(line)
+    method, mid = msg.get("method"), msg.get("id")
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": mid, "result": {
+            "protocolVersion": msg["params"]["protocolVersion"],
+            "capabilities": {"tools": {"listChanged": True}},
+            "serverInfo": {"name": "py", "version": "1"}}})
+    elif method == "tools/list":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"tools": tools}})
+    elif method == "tools/call":
+        name = msg["params"]["name"]
+        if name == "flip" and os.environ.get("GROW"):
+            tools = [tool("t%d" % i, "one of many") for i in range(300)]
+            send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+        elif name == "flip":
+            tools = [tool("echo", "the echo tool, v2"), tool("fresh", "new since the start")]
+            send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+        send({"jsonrpc": "2.0", "id": mid, "result": {
+            "content": [{"type": "text", "text": "%s done" % name}]}})
+    elif mid is not None:
+        send({"jsonrpc": "2.0", "id": mid, "result": {}})
+"#;
+
+/// A server's `notifications/tools/list_changed`: the harness lists its tools again before
+/// the next model call, so the model is offered the tools as they are now: `echo`'s new
+/// description, `flip` gone. A tool the server adds after the start (`fresh`) is not offered:
+/// the trajectory's grants are recorded at its start, and a server cannot widen them. The
+/// tools' words are pinned as `estop mcp` pins them: the first call of `echo` after its
+/// description changed is held for an operator whatever the policy says (allowed there),
+/// approving it pins the new words, and the next call of it is not held. A call of the tool
+/// that is gone is an error observation, and never reaches the server.
+#[test]
+fn a_servers_tools_list_changed_is_listed_again_before_the_next_turn() {
+    let d = Daemon::start_with_policy(MCP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "files__flip", "{}"),
+            scripted::call("c2", "files__echo", "{\"text\": \"a\"}"),
+            scripted::call("c3", "files__echo", "{\"text\": \"b\"}"),
+            scripted::call("c4", "files__flip", "{}"),
+            scripted::answer("flipped"),
+        ],
+    );
+    let server = d.data().join("changing.py");
+    std::fs::write(&server, MCP_CHANGING_SERVER).unwrap();
+    let config = d.data().join("agent.toml");
+    let text = format!(
+        "[[model]]\nname = \"scripted\"\nbase_url = \"{}\"\nusd_per_mtok_input = 3.0\n\
+         usd_per_mtok_output = 15.0\n\n[[server]]\nname = \"files\"\ncommand = \"python3\"\n\
+         args = [\"-u\", {:?}]\n",
+        model.base_url(),
+        server.display().to_string()
+    );
+    std::fs::write(&config, text).unwrap();
+    let config = config.display().to_string();
+    // The operator approves every call held while the agent runs, noting which and why.
+    let (held, (code, out, err)) = std::thread::scope(|s| {
+        let agent = s.spawn(|| {
+            d.cli(&[
+                "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-l", "go",
+            ])
+        });
+        let mut held = Vec::new();
+        while !agent.is_finished() {
+            let (_, pending, _) = d.cli(&["pending", "--json"]);
+            let pending: serde_json::Value = serde_json::from_str(&pending).unwrap();
+            for p in pending["pending"].as_array().unwrap() {
+                let key = p["key"].as_str().unwrap().to_string();
+                let (code, _, err) = d.cli(&["approve", "mcp-l", &key]);
+                assert_eq!(code, 0, "{err}");
+                held.push(key);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        (held, agent.join().unwrap())
+    });
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("mcp-l COMPLETED"), "{out}");
+    assert_eq!(held, ["c2"], "only the first call after the change");
+    let calls = model.calls();
+    let offered = |n: usize| -> Vec<(String, String)> {
+        calls[n]["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                let f = &t["function"];
+                let name = f["name"].as_str().unwrap().to_string();
+                (name, f["description"].as_str().unwrap().to_string())
+            })
+            .collect()
+    };
+    let pair = |n: &str, d: &str| (n.to_string(), d.to_string());
+    assert_eq!(
+        offered(0),
+        [
+            pair("files__echo", "the echo tool"),
+            pair("files__flip", "changes the tools")
+        ]
+    );
+    // The notice reached the harness before the call's answer; by the turn after the next,
+    // at the latest, the listing has been taken again.
+    for n in 2..=4 {
+        assert_eq!(offered(n), [pair("files__echo", "the echo tool, v2")]);
+    }
+    let last = calls[4]["messages"].as_array().unwrap().clone();
+    let obs = |id: &str| {
+        last.iter().find(|m| m["tool_call_id"] == id).unwrap()["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(obs("c1"), "flip done");
+    assert_eq!(obs("c2"), "echo done");
+    assert_eq!(obs("c3"), "echo done");
+    assert_ne!(obs("c4"), "flip done", "the tool that is gone was not sent");
+    let pins = std::fs::read_to_string(d.data().join("harness/mcp-pins.json")).unwrap();
+    assert!(pins.contains("files__echo"), "{pins}");
+}
+
+/// A re-listing is bounded: a server that says its tools changed and then lists 300 (over the
+/// 256 the harness offers per server) keeps the list it had, said on stderr; the trajectory
+/// goes on with it.
+#[test]
+fn a_relisting_over_the_bound_keeps_the_previous_list() {
+    let d = Daemon::start_with_policy(MCP_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "files__flip", "{}"),
+            scripted::call("c2", "files__echo", "{\"text\": \"a\"}"),
+            scripted::answer("kept"),
+        ],
+    );
+    let server = d.data().join("changing.py");
+    std::fs::write(&server, MCP_CHANGING_SERVER).unwrap();
+    let config = d.data().join("agent.toml");
+    let text = format!(
+        "[[model]]\nname = \"scripted\"\nbase_url = \"{}\"\nusd_per_mtok_input = 3.0\n\
+         usd_per_mtok_output = 15.0\n\n[[server]]\nname = \"files\"\ncommand = \"python3\"\n\
+         args = [\"-u\", {:?}]\nenv = {{ GROW = \"1\" }}\n",
+        model.base_url(),
+        server.display().to_string()
+    );
+    std::fs::write(&config, text).unwrap();
+    let config = config.display().to_string();
+    let (code, out, err) = d.cli(&[
+        "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-g", "go",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("mcp-g COMPLETED"), "{out}");
+    assert!(
+        err.contains("lists 300 tools, over the 256") && err.contains("the previous list stays"),
+        "{err}"
+    );
+    assert_eq!(model.calls().len(), 3);
+    for (n, call) in model.calls().iter().enumerate() {
+        let names: Vec<&str> = call["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["function"]["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["files__echo", "files__flip"], "call {n}");
+    }
+}
+
+/// A `sandbox = true` server in the harness runs as `estop mcp` runs one: `estop run … --
+/// SERVER` on the trajectory's daemon, the sandbox the child run `TRAJECTORY/SERVER-STAMP` of
+/// the trajectory's run; its tools are offered and called through the sandbox's stdio as an
+/// unsandboxed server's are, each call admitted by the gate in the trajectory's run.
+#[test]
+fn mcp_tools_of_a_sandboxed_server_are_admitted_then_sent_into_the_sandbox() {
+    let d = Daemon::start_with_policy(SANDBOX_POLICY, &[]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "files__echo", "{\"text\": \"boxed\"}"),
+            scripted::answer("echoed from the sandbox"),
+        ],
+    );
+    // Outside the daemon's data directory, which the sandbox hides.
+    let dir = tempfile::tempdir().unwrap();
+    let (server, log) = (dir.path().join("mcp.py"), dir.path().join("mcp.log"));
+    std::fs::write(&server, MCP_SERVER).unwrap();
+    let config = dir.path().join("agent.toml");
+    let text = format!(
+        "[[model]]\nname = \"scripted\"\nbase_url = \"{}\"\nusd_per_mtok_input = 3.0\n\
+         usd_per_mtok_output = 15.0\n\n[[server]]\nname = \"files\"\ncommand = \"python3\"\n\
+         args = [\"-u\", {:?}]\nenv = {{ LOG = {:?}, STARTED = \"/nonexistent\" }}\n\
+         sandbox = true\n",
+        model.base_url(),
+        server.display().to_string(),
+        log.display().to_string(),
+    );
+    std::fs::write(&config, text).unwrap();
+    let config = config.display().to_string();
+    let (code, out, err) = d.cli(&[
+        "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-s", "go",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("mcp-s COMPLETED"), "{out}");
+    let last = model.calls()[1]["messages"].as_array().unwrap().clone();
+    let obs = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    assert_eq!(obs["content"], "echo: boxed", "{obs}");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "call echo boxed\n");
+    assert_eq!(effect_status(&d, "mcp-s", "c1"), "completed");
+    // The server ran as a sandbox, a child run of the trajectory's, its launch an effect.
+    let (code, runs, err) = d.cli(&["runs", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let runs: serde_json::Value = serde_json::from_str(&runs).unwrap();
+    let text = runs.to_string();
+    let sandbox = text
+        .split('"')
+        .find(|s| s.starts_with("mcp-s/files-"))
+        .unwrap_or_else(|| panic!("no sandbox run under mcp-s: {runs:#}"))
+        .to_string();
+    let (code, report, err) = d.cli(&["report", &sandbox, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(report.contains("sandbox.run"), "{report}");
+    let (code, status, err) = d.cli(&["status", &sandbox, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["parent"], "mcp-s", "{status}");
 }
 
 const SANDBOX_POLICY: &str = r#"

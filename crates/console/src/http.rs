@@ -37,6 +37,8 @@ pub struct App {
     pub base_url: String,
     /// Reads of the harness journal in flight (crate::trajectories).
     pub trajectory_reads: Arc<tokio::sync::Semaphore>,
+    /// Requests to the runner's control socket in flight (crate::trajectories).
+    pub control_asks: Arc<tokio::sync::Semaphore>,
 }
 
 pub type AppState = Arc<App>;
@@ -231,7 +233,7 @@ fn same_origin(origin: &str, host: Option<&str>) -> bool {
 
 /// Serves one v1 verb over HTTP: the caller, HTTP's own rule that only operators change state,
 /// then the typed request (`api`).
-async fn serve(
+pub async fn serve(
     app: &AppState,
     method: Method,
     headers: &HeaderMap,
@@ -596,6 +598,10 @@ pub fn router(app: AppState) -> Router {
         .route("/api/v1/pending", get(pending))
         .route("/api/v1/trajectories", get(trajectories::list))
         .route("/api/v1/trajectories/{id}", get(trajectories::one))
+        .route(
+            "/api/v1/trajectories/{id}/{action}",
+            post(trajectories::act),
+        )
         .route("/api/v1/ledger", get(ledger))
         .route("/api/v1/tokens", post(tokens))
         .route("/api/v1/tokens/{name}", axum::routing::delete(revoke_token))

@@ -137,6 +137,7 @@ impl Service for Console {
             conns: listen::Conns::new(o.connections_max),
             base_url: url.clone(),
             trajectory_reads: trajectories::reads(),
+            control_asks: trajectories::asks(),
             ctx: ctx.clone(),
         });
         // A revoked token's console sessions and login links end with it, at once.

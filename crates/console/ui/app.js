@@ -747,12 +747,99 @@ function stageText(b) {
 }
 
 function exitText(e) { return e ? e.exit + (e.reason ? ": " + e.reason : "") : "-"; }
+// The completion check's last result: passed, or each failed check with why, and the notice
+// turns it gave.
+function checkText(c) {
+  if (!c) return "-";
+  const what = c.passed ? "passed" : "failed: " + c.failed.map((f) => f.check + " (" + f.why + ")").join("; ");
+  return what + (c.notices ? ` · ${c.notices} notice turn${c.notices === 1 ? "" : "s"}` : "");
+}
 
 function controlText(c) {
   if (c.control === "interrupt") return "interrupt: " + c.message;
   if (c.control === "cancel" || c.control === "kill") return c.control + ": " + c.reason;
   if (c.control === "budget") return "budget: " + JSON.stringify(c.limits);
   return c.control;
+}
+
+const trajectoryPath = (id) => "/api/v1/trajectories/" + enc(id);
+
+// What an operator may do to a live trajectory: the gate's verbs on its run (pause, resume,
+// cancel, kill) and the runner's (an interrupt with a new user message, a budget change). The
+// runner applies each at its next turn boundary: the page reads the journal again just after.
+function trajectoryActions(t) {
+  if (!isOperator()) return h("p", { class: "muted", id: "trajectory-readonly" }, "Read-only: acting on a trajectory needs an operator.");
+  if (!t.live) return h("p", { class: "muted" }, "This trajectory has ended: nothing to act on.");
+  const box = h("div", { id: "trajectory-actions" });
+  const bar = h("div", { class: "actions", role: "group", "aria-label": "Trajectory actions" });
+  const path = trajectoryPath(t.id);
+  // The runner applies a request at its next boundary, and journals it then: read again a
+  // few times after the action (each read is one bounded GET).
+  const send = (b, action, body, msg) => act(b, "POST", path + "/" + action, body, (r) => {
+    for (const ms of [500, 1500, 4000]) setTimeout(() => scheduleRefresh(false), ms);
+    return msg(r);
+  });
+  const simple = (label, action, msg) => {
+    const b = h("button", { type: "button", id: "trajectory-" + action }, label);
+    b.addEventListener("click", () => send(b, action, {}, () => msg));
+    return b;
+  };
+  // A form under the bar: one at a time.
+  const form = (label, fields, build, cls) => {
+    const b = h("button", { type: "button", class: cls || "", id: "trajectory-" + label.toLowerCase() }, label + "…");
+    b.addEventListener("click", () => {
+      const go = h("button", { type: "button", class: cls || "", id: "trajectory-" + label.toLowerCase() + "-go" }, "Send " + label.toLowerCase());
+      const no = h("button", { type: "button" }, "Never mind");
+      go.addEventListener("click", () => {
+        const [action, body, msg] = build();
+        if (body) send(go, action, body, msg);
+      });
+      no.addEventListener("click", () => { box.querySelector(".confirm")?.remove(); b.focus(); });
+      box.querySelector(".confirm")?.remove();
+      box.append(h("div", { class: "confirm", role: "group", "aria-label": label }, ...fields, go, no));
+      fields[0].focus();
+    });
+    return b;
+  };
+  const reason = (label) => h("input", { type: "text", class: "grow", maxlength: "1024", placeholder: "Reason (recorded in the ledger)", "aria-label": label + " reason" });
+  const stop = (label, action) => {
+    const r = reason(label);
+    return form(label, [r], () => [action, r.value.trim() ? { reason: r.value.trim() } : {}, (x) => `${label}: ${(x.runs || [t.id]).join(", ")} fenced; the trajectory ends at its next boundary.`], "danger");
+  };
+  if (t.state === "PAUSED") bar.append(simple("Resume", "resume", "Resumed."));
+  else bar.append(simple("Pause", "pause", "Paused: the trajectory stops at its next boundary."));
+  const message = h("textarea", { id: "interrupt-message", class: "grow", rows: "2", maxlength: "60000", placeholder: "A new user message, applied at the next turn boundary", "aria-label": "Interrupt message" });
+  bar.append(form("Interrupt", [message], () => {
+    const m = message.value.trim();
+    if (!m) { toast("An interrupt needs a message.", true); return ["", null]; }
+    return ["interrupt", { message: m }, (r) => `Interrupt stored; the trajectory is ${r.state}.`];
+  }));
+  const num = (label) => h("input", { type: "number", min: "0", step: "any", class: "num", placeholder: label, "aria-label": label });
+  const turns = num("Turns"), tokens = num("Tokens"), usd = num("Dollars");
+  bar.append(form("Budget", [turns, tokens, usd], () => {
+    const body = {};
+    if (turns.value !== "") body.turns = Math.round(Number(turns.value));
+    if (tokens.value !== "") body.tokens = Math.round(Number(tokens.value));
+    if (usd.value !== "") body.usd_micros = Math.round(Number(usd.value) * 1e6);
+    if (!Object.keys(body).length) { toast("Give at least one ceiling.", true); return ["", null]; }
+    return ["budget", body, (r) => `Budget change stored; the trajectory is ${r.state}.`];
+  }));
+  bar.append(stop("Cancel", "cancel"));
+  bar.append(stop("Kill", "kill"));
+  box.prepend(bar);
+  return box;
+}
+
+function childrenView(t) {
+  const kids = t.children || [];
+  if (!kids.length) return null;
+  const more = (t.children_count || 0) - kids.length;
+  return [h("h2", {}, "Sub-agents"),
+    h("ul", { id: "trajectory-children" }, kids.map((c) => h("li", {},
+      h("a", { href: trajectoryHref(c.id), class: "mono" }, c.id), " ", badge(c.state.toLowerCase()),
+      ` turns ${c.turns}${c.limits.turns_max != null ? "/" + c.limits.turns_max : ""} · tokens ${c.tokens} · $${(c.usd_micros / 1e6).toFixed(4)}`,
+      c.exit ? " · " + exitText(c.exit) : ""))),
+    more > 0 ? h("p", { class: "muted" }, `and ${more} more`) : null];
 }
 
 function viewTrajectories() {
@@ -795,7 +882,10 @@ function viewTrajectory() {
     h("dt", {}, "Budget stage"), h("dd", { id: "trajectory-stage" }, stageText(t.budget)),
     h("dt", {}, "Started"), h("dd", {}, when(t.started_at_ms)),
     t.ended_at_ms ? [h("dt", {}, "Ended"), h("dd", {}, when(t.ended_at_ms))] : null,
-    h("dt", {}, "Exit"), h("dd", { id: "trajectory-exit" }, exitText(t.exit)));
+    h("dt", {}, "Exit"), h("dd", { id: "trajectory-exit" }, exitText(t.exit)),
+    t.contract ? [h("dt", {}, "Task contract"), h("dd", { id: "trajectory-contract", class: "mono" }, JSON.stringify(t.contract))] : null,
+    t.check ? [h("dt", {}, "Completion check"), h("dd", { id: "trajectory-check" }, checkText(t.check))] : null);
+  const leases = (t.leases || []).map((l) => h("li", {}, l.kind, " ", h("span", { class: "mono" }, l.id)));
   const work = [
     ...t.pending.map((p) => h("li", {}, h("span", { class: "mono" }, p.call), " ", p.tool, " — ", p.phase, p.deadline_ms ? " (deadline " + when(p.deadline_ms) + ")" : "")),
     ...t.held.map((x) => h("li", {}, h("span", { class: "mono" }, x.call), " ", x.tool, " — held for approval, expires ", when(x.expires_at_ms))),
@@ -804,8 +894,11 @@ function viewTrajectory() {
     h("p", {}, h("a", { href: "#/agents" }, "← Agents")),
     h("h1", {}, "Trajectory ", h("span", { class: "mono" }, t.id)),
     h("div", { class: "panel" }, facts),
+    trajectoryActions(t),
     h("h2", {}, "Budget"), budgetView(t.budget),
     h("h2", {}, "Pending work"), work.length ? h("ul", { id: "trajectory-work" }, work) : h("p", { class: "muted" }, "Nothing in flight or held."),
+    h("h2", {}, "Leases"), leases.length ? h("ul", { id: "trajectory-leases" }, leases) : h("p", { class: "muted" }, "None held."),
+    childrenView(t),
     h("h2", {}, "Control requests"), t.control.length ? h("ul", { id: "trajectory-control" }, t.control.map((c) => h("li", {}, controlText(c)))) : h("p", { class: "muted" }, "None stored."),
     t.answer ? [h("h2", {}, "Last model message"), h("pre", { id: "trajectory-answer" }, t.answer)] : null,
   ].flat().filter(Boolean));

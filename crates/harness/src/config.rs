@@ -28,6 +28,10 @@ pub struct Config {
     /// The tool with which a trajectory starts sub-agents (crate::subagent); none without it.
     #[serde(default)]
     pub subagents: Option<crate::subagent::Subagents>,
+    /// The task contract of the trajectories started under this config (crate::contract);
+    /// `estop agent run --contract FILE` gives another.
+    #[serde(default, deserialize_with = "crate::contract::strict")]
+    pub contract: Option<crate::contract::Contract>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -160,6 +164,10 @@ pub struct ToolSection {
     pub sandbox_policy: Option<std::path::PathBuf>,
     #[serde(default)]
     pub read_only: bool,
+    /// The hosts of the `egress_policy`'s credential store whose handles a trajectory is
+    /// leased for this tool (default: all of them). Only with `url`.
+    #[serde(default)]
+    pub credentials: Option<Vec<String>>,
 }
 
 impl ToolSection {
@@ -261,6 +269,12 @@ impl Config {
                     t.name
                 ));
             }
+            if t.credentials.is_some() && t.url.is_none() {
+                return bad(format!(
+                    "tool {:?}: credentials goes with url (an HTTP tool's credential store)",
+                    t.name
+                ));
+            }
             if let Some(url) = &t.url
                 && let Err(e) = crate::model::Endpoint::new(url, None)
             {
@@ -284,13 +298,6 @@ impl Config {
         }
         estop_mcp::config::check_servers(&self.servers)
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        if let Some(s) = self.servers.iter().find(|s| s.sandbox) {
-            return bad(format!(
-                "server {:?}: sandbox = true is not built in the harness yet (run the server \
-                 under `estop mcp` instead, or without the sandbox)",
-                s.name
-            ));
-        }
         if let Some(t) = self.tools.iter().find(|t| t.name.contains(SEPARATOR)) {
             return bad(format!(
                 "tool {:?}: `{SEPARATOR}` is kept for MCP tools (server{SEPARATOR}tool)",
@@ -310,6 +317,16 @@ impl Config {
             return bad("harness.workers must be above 0".into());
         }
         self.journal.check().or_else(bad)?;
+        if let Some(c) = &self.contract {
+            c.check()
+                .map_err(|e| ConfigError::Invalid(format!("contract: {e}")))?;
+            if !c.workspace_files.is_empty() && self.harness.workspaces.is_none() {
+                return bad(
+                    "contract.workspace_files needs [harness] workspaces (the workspace lease)"
+                        .into(),
+                );
+            }
+        }
         Ok(())
     }
 
@@ -334,6 +351,19 @@ impl Config {
                 })?),
                 None => None,
             };
+            // A host the tool may be leased must be one its store has: a typo would otherwise
+            // silently send its requests without the credential.
+            if let Some(h) = t.credentials.iter().flatten().find(|h| {
+                !egress
+                    .as_ref()
+                    .is_some_and(|e| e.credentials.entries.iter().any(|c| &c.host == *h))
+            }) {
+                return Err(ConfigError::Invalid(format!(
+                    "tool {:?}: credentials names {h:?}, which its egress_policy's credential \
+                     store has no credential for",
+                    t.name
+                )));
+            }
             all.push(Tool {
                 name: t.name.clone(),
                 description: t.description.clone(),
@@ -348,6 +378,7 @@ impl Config {
                 sandbox_policy: t.sandbox_policy.clone(),
                 read_only: t.read_only,
                 egress,
+                credentials: t.credentials.clone(),
             });
         }
         all.extend(
@@ -447,8 +478,12 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
             ("name = \"a_b\"\ncommand = \"x\"", "server name"),
             ("name = \"a\"\nurl = \"ftp://x\"", "http:// or https://"),
             (
-                "name = \"a\"\ncommand = \"x\"\nsandbox = true",
-                "not built in the harness",
+                "name = \"a\"\nurl = \"http://x\"\nsandbox = true",
+                "a url server is not started",
+            ),
+            (
+                "name = \"a\"\ncommand = \"x\"\nsandbox_policy = \"e.toml\"",
+                "goes with sandbox = true",
             ),
         ] {
             let c: Config = toml::from_str(&format!("{ok}\n[[server]]\n{server}\n")).unwrap();
@@ -460,11 +495,17 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         ))
         .unwrap();
         c.check().unwrap();
+        let c: Config = toml::from_str(&format!(
+            "{ok}\n[[server]]\nname = \"files\"\ncommand = \"x\"\nsandbox = true\n"
+        ))
+        .unwrap();
+        c.check().unwrap();
         let listed = Tool {
             name: "files__read".into(),
             mcp: Some(crate::mcp::McpTool {
                 server: "files".into(),
                 tool: "read".into(),
+                changed: None,
             }),
             ..tools[0].clone()
         };
@@ -493,6 +534,34 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         c.check().unwrap();
         let e = c.tools(&[], Vec::new()).unwrap_err().to_string();
         assert!(e.contains("egress_policy"), "{e}");
+        // `credentials` goes with url, and names hosts of the tool's store.
+        let creds = ok.replace("read_only = true", "credentials = [\"a.example\"]");
+        let c: Config = toml::from_str(&creds).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("goes with url"));
+        let creds = ok.replace(
+            "command = [\"cat\"]",
+            "url = \"http://127.0.0.1:1/\"\ncredentials = [\"a.example\"]",
+        );
+        let c: Config = toml::from_str(&creds).unwrap();
+        c.check().unwrap();
+        let e = c.tools(&[], Vec::new()).unwrap_err().to_string();
+        assert!(
+            e.contains("\"a.example\"") && e.contains("no credential"),
+            "{e}"
+        );
+        // A contract: checked whole, and workspace_files needs the workspace lease.
+        let contract = format!("{ok}\n[contract]\nworkspace_files = [\"report.md\"]\n");
+        let c: Config = toml::from_str(&contract).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("workspaces"));
+        let contract = format!("{ok}\n[contract]\nanswer_matches = \"(\"\n");
+        let c: Config = toml::from_str(&contract).unwrap();
+        assert!(
+            c.check()
+                .unwrap_err()
+                .to_string()
+                .contains("answer_matches")
+        );
+        assert!(toml::from_str::<Config>(&format!("{ok}\n[contract]\nmust_cal = []\n")).is_err());
         let sub = format!("{ok}\n[subagents]\ndepth_max = 1\n");
         let c: Config = toml::from_str(&sub).unwrap();
         c.check().unwrap();

@@ -1,5 +1,6 @@
-//! The runner's control socket: how `estop agent interrupt|budget|status` in another terminal
-//! reach a running `estop agent run`. Cancel, pause, resume and kill need no socket: they are
+//! The runner's control socket: how `estop agent interrupt|budget|status` in another terminal,
+//! and the daemon's console (`ask_within`, with a grant for the acting operator), reach a
+//! running `estop agent run`. Cancel, pause, resume and kill need no socket: they are
 //! the gate's verbs on the trajectory's run, and the runner's subscription turns them into
 //! control requests. An interrupt (a new user message) and a budget change are not the gate's
 //! business, so they come here.
@@ -263,8 +264,56 @@ pub fn ask(dir: &Path, req: &Request) -> Result<Value, AskError> {
     }
 }
 
+/// [`ask`] for a caller on an async thread (the daemon's console): connecting, sending and
+/// the answer all within `within`, the answer line bounded by `LINE_BYTES_MAX`.
+pub async fn ask_within(dir: &Path, req: &Request, within: Duration) -> Result<Value, AskError> {
+    use tokio::io::AsyncReadExt;
+    let path = dir.join(SOCKET);
+    let exchange = async {
+        let s = tokio::net::UnixStream::connect(&path)
+            .await
+            .map_err(|e| AskError::NoRunner {
+                path: path.display().to_string(),
+                source: e,
+            })?;
+        // The request carries a token (or the console's grant) that authenticates as an
+        // operator: only a runner of this process's own user is sent it, never whoever else
+        // managed to listen at the path.
+        let uid = s.peer_cred()?.uid();
+        let me = rustix::process::geteuid().as_raw();
+        if uid != me {
+            return Err(AskError::Foreign {
+                path: path.display().to_string(),
+                uid,
+            });
+        }
+        let (r, mut w) = s.into_split();
+        let mut line = serde_json::to_vec(req).expect("a request serializes");
+        line.push(b'\n');
+        w.write_all(&line).await?;
+        let mut back = Vec::new();
+        BufReader::new(r)
+            .take(LINE_BYTES_MAX as u64)
+            .read_until(b'\n', &mut back)
+            .await?;
+        Ok::<_, AskError>(back)
+    };
+    let back = tokio::time::timeout(within, exchange)
+        .await
+        .map_err(|_| AskError::Timeout(within.as_millis() as u64))??;
+    match serde_json::from_slice::<Reply>(&back) {
+        Ok(Reply::Ok(v)) => Ok(v),
+        Ok(Reply::Error(r)) => Err(AskError::Refused(r)),
+        Err(e) => Err(AskError::Io(std::io::Error::other(format!(
+            "an answer that is not one: {e}"
+        )))),
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum AskError {
+    #[error("the runner did not answer within {0} ms")]
+    Timeout(u64),
     #[error(
         "no runner is listening on {path} ({source}); is `estop agent run` running with this journal?"
     )]
@@ -272,6 +321,10 @@ pub enum AskError {
         path: String,
         source: std::io::Error,
     },
+    #[error(
+        "{path} is listened on by uid {uid}, not by this user: nothing was sent (a runner's control socket is its own user's)"
+    )]
+    Foreign { path: String, uid: u32 },
     #[error(transparent)]
     Refused(Refusal),
     #[error(transparent)]
@@ -346,5 +399,67 @@ mod tests {
             assert_eq!(v["error"]["code"], "unauthenticated", "room came back: {v}");
             assert!(rx.try_recv().is_err(), "nothing reached the runner");
         });
+    }
+}
+
+#[cfg(test)]
+mod foreign {
+    use super::*;
+
+    /// A socket at the control socket's path that another user listens on (someone who could
+    /// write the directory) is never sent a request — the request carries a token or a grant
+    /// that authenticates as an operator. Needs root to listen as another uid; skipped (said on
+    /// stderr) otherwise.
+    #[test]
+    fn a_control_socket_of_another_user_is_sent_nothing() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: listening as another user needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o777),
+        )
+        .unwrap();
+        let got = dir.path().join("got");
+        // A listener as `nobody`: it writes whatever it is sent to `got`.
+        let script = format!(
+            "import os, socket\nos.setgid(65534)\nos.setuid(65534)\ns = socket.socket(socket.AF_UNIX)\ns.bind({:?})\ns.listen()\nprint('ready', flush=True)\nc, _ = s.accept()\nc.settimeout(2)\ndata = b''\ntry:\n    data = c.recv(65536)\nexcept Exception:\n    pass\nopen({:?}, 'wb').write(data)\nc.sendall(b'{{\"ok\": {{\"stored\": true}}}}\\n')\n",
+            dir.path().join(SOCKET).display().to_string(),
+            got.display().to_string(),
+        );
+        let mut child = std::process::Command::new("python3")
+            .args(["-c", &script])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut ready = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut ready,
+        )
+        .unwrap();
+        assert_eq!(ready, "ready\n");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let req: Request = serde_json::from_value(serde_json::json!({
+            "token": "estop_op_secret", "trajectory": "t", "ask": "interrupt", "message": "m"
+        }))
+        .unwrap();
+        let r = rt.block_on(ask_within(dir.path(), &req, Duration::from_secs(5)));
+        assert!(
+            matches!(r, Err(AskError::Foreign { uid: 65534, .. })),
+            "{r:?}"
+        );
+        let _ = child.wait();
+        let sent = std::fs::read(&got).unwrap_or_default();
+        assert!(
+            !String::from_utf8_lossy(&sent).contains("estop_op_secret"),
+            "the token went to another user's socket: {:?}",
+            String::from_utf8_lossy(&sent)
+        );
     }
 }

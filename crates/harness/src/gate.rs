@@ -58,12 +58,27 @@ impl GateConfig {
         tool: &str,
         args: &str,
     ) -> Admission {
+        self.admit_held_for(run, parent, key, tool, args, None)
+    }
+
+    /// [`GateConfig::admit`], and with `hold` the call needs an operator's approval whatever
+    /// the policy says, `hold` the label saying why (`mcp.pin`: an MCP tool's words changed
+    /// since they were pinned, as `estop mcp` holds it).
+    pub fn admit_held_for(
+        &self,
+        run: &str,
+        parent: Option<&str>,
+        key: &str,
+        tool: &str,
+        args: &str,
+        hold: Option<&str>,
+    ) -> Admission {
         let Ok(args) = serde_json::from_str::<Value>(args) else {
             return Admission::Refused {
                 reason: "invalid_arguments".into(),
             };
         };
-        self.admit_value(run, parent, key, tool, args)
+        self.admit_value(run, parent, key, tool, args, hold)
     }
 
     /// Admits an HTTP tool call's request two-phase under the call's run `run` (a child of
@@ -95,7 +110,7 @@ impl GateConfig {
         }
     }
 
-    /// [`GateConfig::admit`] of arguments already JSON.
+    /// [`GateConfig::admit_held_for`] of arguments already JSON.
     fn admit_value(
         &self,
         run: &str,
@@ -103,11 +118,16 @@ impl GateConfig {
         key: &str,
         tool: &str,
         args: Value,
+        hold: Option<&str>,
     ) -> Admission {
         let mut fields =
             json!({"run": run, "key": key, "tool": tool, "args": args, "start": false});
         if let Some(p) = parent {
             fields["parent"] = json!(p);
+        }
+        if let Some(why) = hold {
+            fields["needs_approval"] = json!(true);
+            fields["labels"] = json!({"mcp.pin": why});
         }
         match self.verdict(Verb::Admit, fields) {
             Ok(v) => admission(v),

@@ -3,13 +3,17 @@
 //! [`record::Record`] outside the model, changes only through the guarded
 //! [`machine::transition`], and is journalled before the harness acts on it.
 //!
-//! The core (`machine`, `record`, `budget`, `scheduler`) is pure: no IO, no clock (time is an
-//! argument in Unix milliseconds), no threads, deterministic. The IO lives in other modules.
+//! The core (`machine`, `record`, `budget`, `scheduler`, `compact`) is pure: no IO, no clock
+//! (time is an argument in Unix milliseconds), no threads, deterministic, and so is the
+//! completion check (`contract`, but for `files_present`, which the runner calls). The IO lives
+//! in other modules.
 
 pub mod agent;
 pub mod budget;
 pub mod chat;
+pub mod compact;
 pub mod config;
+pub mod contract;
 pub mod control;
 pub mod gate;
 pub mod http;

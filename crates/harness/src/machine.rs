@@ -200,6 +200,7 @@ impl Exit {
             Exit::Completed {
                 check_passed: false,
             } => Failed,
+            Exit::CompletionCheckFailed { .. } => Failed,
             Exit::Canceled { .. } => Canceled,
             Exit::Killed { .. } | Exit::BudgetExceeded { .. } | Exit::Error { .. } => Failed,
         }

@@ -9,6 +9,7 @@
 
 use crate::budget::{Budget, Dimension, Reservation, Stage};
 use crate::chat::{Finish, Message, Reply, ToolCall};
+use crate::contract::{CheckResult, Contract, World};
 use crate::machine::{Cause, State, TransitionError, transition};
 use serde::{Deserialize, Serialize};
 
@@ -19,6 +20,11 @@ pub enum Exit {
     /// The model ended its turn; the completion check decides COMPLETED or FAILED.
     Completed {
         check_passed: bool,
+    },
+    /// The model ended its turn and the completion check failed with no further attempt left
+    /// (the task contract's `attempts`): the checks that failed, by name. FAILED.
+    CompletionCheckFailed {
+        failed: Vec<String>,
     },
     Canceled {
         reason: String,
@@ -64,6 +70,10 @@ pub struct Identity {
     /// this trajectory's answer as the call's result; the id is `PARENT/CALL_ID`).
     #[serde(default)]
     pub spawned_by: Option<String>,
+    /// The task contract (seed 004): what the final answer must satisfy for the trajectory to
+    /// complete (crate::contract). `None`: only a non-empty answer, and no further attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub contract: Option<Contract>,
 }
 
 /// Tool grants; restriction narrows them to read-only tools (the 90% stage).
@@ -88,12 +98,21 @@ impl Grants {
 }
 
 /// A resource held on the trajectory's behalf (a workspace, a credential handle), released in
-/// FINALIZING.
+/// FINALIZING. A credential handle (`kind = "credential"`) names the tool and the destination
+/// whose credential the egress proxy may inject for that tool's calls (`id` = `TOOL@HOST`,
+/// `HOST:PORT` when the store names a port), never the secret; the restrict stage (90%)
+/// releases the handles of tools that are not read-only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
     pub id: String,
     pub kind: String,
+    /// The tool a credential handle is for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
 }
+
+/// The kind of a credential handle lease.
+pub const CREDENTIAL: &str = "credential";
 
 /// A tool call in the pending set, from proposal to result.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -229,6 +248,15 @@ pub struct Pointers {
     pub context_len: u64,
     pub log: String,
     pub workspace: Option<String>,
+    /// Tool results before this context index are sent compacted (crate::compact): set from
+    /// the budget's steer stage on, never lowered, journalled before the call it shapes.
+    #[serde(default, skip_serializing_if = "nothing_compacted")]
+    pub compacted_before: u64,
+}
+
+/// A record that compacted nothing is written as before there was compaction.
+fn nothing_compacted(before: &u64) -> bool {
+    *before == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -252,6 +280,17 @@ pub struct Record {
     /// journalled): a retry carries the wall clock spent up to here.
     #[serde(default)]
     pub ended_at_ms: Option<u64>,
+    /// The completion check's last result (crate::contract): what was checked, what failed,
+    /// how many further turns it has given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<CheckResult>,
+    /// Tools named by the contract's `must_call` with a call settled `ok` at the gate so far.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub called_ok: Vec<String>,
+    /// The scheduler's class of its turns (`estop agent run --class`): kept by a resume,
+    /// inherited by a retry (unless it names one) and by its sub-agents.
+    #[serde(default, skip_serializing_if = "crate::scheduler::Class::is_standard")]
+    pub class: crate::scheduler::Class,
 }
 
 /// What the runner is to do, in order, once the record is durable.
@@ -416,9 +455,13 @@ impl Record {
                 context_len: 0,
                 log,
                 workspace: None,
+                compacted_before: 0,
             },
             transitions: 0,
             ended_at_ms: None,
+            check: None,
+            called_ok: Vec::new(),
+            class: Default::default(),
         }
     }
 
@@ -570,7 +613,10 @@ impl Record {
                 return Ok(actions);
             }
         };
-        self.grants.restricted |= matches!(stage, Stage::Restrict { .. });
+        if matches!(stage, Stage::Restrict { .. }) && !self.grants.restricted {
+            self.grants.restricted = true;
+            actions.extend(self.release_write_credentials());
+        }
         let steer = match stage {
             Stage::Steer { binding, permille } => Some(format!(
                 "Budget notice: {permille}\u{2030} of the {} budget is used. Converge on an answer.",
@@ -592,9 +638,36 @@ impl Record {
         Ok(actions)
     }
 
+    /// The restrict stage: only read-only tools remain granted, so the credential handles of
+    /// the others are released (their calls can no longer be dispatched; one that still were
+    /// would go without the credential).
+    fn release_write_credentials(&mut self) -> Vec<Action> {
+        let grants = &self.grants;
+        let (released, kept): (Vec<Lease>, Vec<Lease>) =
+            std::mem::take(&mut self.leases).into_iter().partition(|l| {
+                l.kind == CREDENTIAL
+                    && !l
+                        .tool
+                        .as_deref()
+                        .is_some_and(|t| grants.tools.iter().any(|g| g.name == t && g.read_only))
+            });
+        self.leases = kept;
+        released
+            .into_iter()
+            .map(|lease| Action::Release { lease })
+            .collect()
+    }
+
     /// The model call ended. Usage is charged first (a cut stream pays for what it produced);
-    /// a truncated, cut or failed reply is never dispatched.
+    /// a truncated, cut or failed reply is never dispatched. A contract's `workspace_files`
+    /// are seen as absent: the runner, which looks at the workspace, calls [`Record::on_reply_seen`].
     pub fn on_reply(&mut self, now_ms: u64, reply: Reply) -> Step {
+        self.on_reply_seen(now_ms, reply, &World::default())
+    }
+
+    /// [`Record::on_reply`] with what the harness saw of the world when the reply came (for the
+    /// completion check).
+    pub fn on_reply_seen(&mut self, now_ms: u64, reply: Reply, world: &World) -> Step {
         // One reply per call: after it, the turn is admitting what it proposed.
         if self.state != State::CallingModel || self.budget.reserved.is_none() {
             return Err(RecordError::Unexpected("a model reply", self.state));
@@ -630,7 +703,7 @@ impl Record {
                 tool_calls,
                 ..
             } => {
-                return self.on_finished(now_ms, finish, text, tool_calls);
+                return self.on_finished(now_ms, finish, text, tool_calls, world);
             }
         }
         actions.extend(self.boundary(now_ms)?);
@@ -643,6 +716,7 @@ impl Record {
         finish: Finish,
         text: String,
         calls: Vec<ToolCall>,
+        world: &World,
     ) -> Step {
         let mut actions = vec![Action::Observe {
             message: Message {
@@ -684,10 +758,7 @@ impl Record {
                 Ok(actions)
             }
             Finish::Stop | Finish::ToolCalls => {
-                self.exit(Exit::Completed {
-                    check_passed: !text.trim().is_empty(),
-                })?;
-                actions.extend(self.finalize()?);
+                actions.extend(self.completion_check(now_ms, &text, world)?);
                 Ok(actions)
             }
             Finish::Length => {
@@ -707,6 +778,54 @@ impl Record {
                 Ok(actions)
             }
         }
+    }
+
+    /// MODEL_ENDED: the completion check from the task contract. Passed: COMPLETED. Failed
+    /// with an attempt left: a notice naming what failed (model-visible, as the budget's are)
+    /// and another turn, the budget deciding first as at every boundary. Failed with none
+    /// left: FAILED, the exit naming the checks.
+    fn completion_check(&mut self, now_ms: u64, answer: &str, world: &World) -> Step {
+        let contract = self.identity.contract.clone();
+        let (attempts, (checked, failed)) = match &contract {
+            Some(c) => (c.attempts, c.evaluate(answer, &self.called_ok, world)),
+            // No contract: a non-empty answer, and no further attempt.
+            None => (0, Contract::default().evaluate(answer, &[], world)),
+        };
+        let notices = self.check.as_ref().map_or(0, |c| c.notices);
+        let passed = failed.is_empty();
+        let names: Vec<String> = failed.iter().map(|f| f.check.clone()).collect();
+        let notice = failed
+            .iter()
+            .map(|f| format!("{}: {}", f.check, f.why))
+            .collect::<Vec<_>>()
+            .join("; ");
+        let retry = !passed && notices < attempts;
+        self.check = Some(CheckResult {
+            passed,
+            checked,
+            failed,
+            notices: notices + u32::from(retry),
+        });
+        let mut actions = Vec::new();
+        if passed {
+            self.exit(Exit::Completed { check_passed: true })?;
+        } else if retry {
+            let left = attempts - notices;
+            actions.push(Action::Observe {
+                message: Message::user(format!(
+                    "[completion check failed: {notice}. The task is not complete; fix this \
+                     and answer again ({left} attempt{} left)]",
+                    if left == 1 { "" } else { "s" }
+                )),
+            });
+            self.go(State::Ready, Cause::Observed)?;
+            actions.extend(self.boundary(now_ms)?);
+            return Ok(actions);
+        } else {
+            self.exit(Exit::CompletionCheckFailed { failed: names })?;
+        }
+        actions.extend(self.finalize()?);
+        Ok(actions)
     }
 
     /// The gate answered one proposed call's admission. Once every proposal is answered, the
@@ -1064,6 +1183,18 @@ impl Record {
     /// A tool result arrives: accepted only in WAITING_TOOL for a call still pending
     /// (seed 004 listing 2); anything else is dropped and logged, never observed.
     pub fn on_tool_result(&mut self, now_ms: u64, call_id: &str, result: String) -> Step {
+        self.on_tool_outcome(now_ms, call_id, result, false)
+    }
+
+    /// [`Record::on_tool_result`] knowing whether the call settled `ok` at the gate (the
+    /// contract's `must_call` counts only those).
+    pub fn on_tool_outcome(
+        &mut self,
+        now_ms: u64,
+        call_id: &str,
+        result: String,
+        ok: bool,
+    ) -> Step {
         let found = self
             .pending
             .iter()
@@ -1074,7 +1205,18 @@ impl Record {
                 why: format!("late or unknown tool result (state {})", self.state),
             }]);
         };
-        self.pending.remove(i);
+        let p = self.pending.remove(i);
+        let tool = p.call.function.name;
+        if ok
+            && self
+                .identity
+                .contract
+                .as_ref()
+                .is_some_and(|c| c.must_call.contains(&tool))
+            && !self.called_ok.contains(&tool)
+        {
+            self.called_ok.push(tool);
+        }
         let mut actions = vec![Action::Observe {
             message: Message::tool(call_id, result),
         }];

@@ -54,6 +54,11 @@ pub struct Tool {
     /// when `None`): its requests go out through the egress proxy under them (crate::http).
     #[serde(skip)]
     pub egress: Option<crate::http::Egress>,
+    /// The hosts of `egress`'s credential store this tool may be leased a handle to (each
+    /// trajectory is granted them when it starts: crate::record::Lease); `None`: every host of
+    /// the store.
+    #[serde(default)]
+    pub credentials: Option<Vec<String>>,
 }
 
 /// What `estop run` needs to start a sandboxed command on the trajectory's daemon.
@@ -88,6 +93,9 @@ pub struct RunnerOptions {
     /// Where each trajectory's workspace lease is made (`[harness] workspaces`): the directory
     /// `ROOT/ID`, its command tools' working directory, kept read-only once released.
     pub workspaces: Option<PathBuf>,
+    /// The task contract a trajectory started here carries in its identity (`[contract]`, or
+    /// `estop agent run --contract`): its completion check (crate::contract).
+    pub contract: Option<crate::contract::Contract>,
     pub system: String,
     /// How long a cut stream may still be read for its terminal event.
     pub grace: Duration,
@@ -142,6 +150,8 @@ pub enum Input {
         id: String,
         call: String,
         result: String,
+        /// The call settled `ok` at the gate (the contract's `must_call` counts those).
+        ok: bool,
     },
     Control {
         id: String,
@@ -289,27 +299,48 @@ impl Runner {
         self.ctx.get(id).map_or(&[], Vec::as_slice)
     }
 
+    /// The context as the next model call sends it: compacted before the record's
+    /// `compacted_before` (crate::compact), the rest as journalled.
+    pub fn sent_context(&self, id: &str) -> Vec<Message> {
+        let before = self.recs.get(id).map_or(0, |r| r.pointers.compacted_before);
+        crate::compact::compacted(self.context(id), before)
+    }
+
     /// A sender of inputs (control requests from outside).
     pub fn inputs(&self) -> mpsc::UnboundedSender<Input> {
         self.tx.clone()
     }
 
-    /// Starts a new trajectory for `task`.
+    /// Starts a new trajectory for `task` in the standard class.
     pub fn start(&mut self, id: &str, parent: Option<&str>, task: &str) -> Result<(), RunnerError> {
+        self.start_in(id, parent, task, Class::Standard)
+    }
+
+    /// Starts a new trajectory for `task` whose turns the scheduler weighs as `class`.
+    pub fn start_in(
+        &mut self,
+        id: &str,
+        parent: Option<&str>,
+        task: &str,
+        class: Class,
+    ) -> Result<(), RunnerError> {
         let budget = Budget::new(self.opts.limits, self.opts.prices, now_ms());
-        self.begin(id, parent, task, None, budget)
+        let contract = self.opts.contract.clone();
+        self.begin(id, parent, task, None, budget, contract, class)
     }
 
     /// Starts `id` as a retry of the ended trajectory `of` (seed 004: a retry is a new
     /// trajectory with a parent link whose budget carries over): the same parent run and task
     /// (unless `task` gives another), `retry_of` naming `of`, and `of`'s budget — its ceilings
     /// and everything it spent (turns, tokens, dollars, and the wall clock up to its end), so a
-    /// retry never buys a fresh budget. `of` must have ended other than COMPLETED.
+    /// retry never buys a fresh budget. `of` must have ended other than COMPLETED. Its class is
+    /// `of`'s unless `class` names one.
     pub fn start_retry(
         &mut self,
         id: &str,
         of: &str,
         task: Option<&str>,
+        class: Option<Class>,
     ) -> Result<(), RunnerError> {
         let Some(orig) = self.recs.get(of) else {
             return Err(RunnerError::Other(format!(
@@ -349,9 +380,27 @@ impl Runner {
         budget.spend = orig.budget.spend;
         let parent = orig.identity.parent.clone();
         let task = task.unwrap_or(&orig.identity.task).to_string();
-        self.begin(id, parent.as_deref(), &task, Some(of.to_string()), budget)
+        // The contract goes with the task: the one given now, else the retried one's.
+        let contract = self
+            .opts
+            .contract
+            .clone()
+            .or_else(|| orig.identity.contract.clone());
+        let class = class.unwrap_or(orig.class);
+        let retry_of = Some(of.to_string());
+        self.begin(
+            id,
+            parent.as_deref(),
+            &task,
+            retry_of,
+            budget,
+            contract,
+            class,
+        )
     }
 
+    // Each a part of the new record; a struct for them would be built at two call sites only.
+    #[allow(clippy::too_many_arguments)]
     fn begin(
         &mut self,
         id: &str,
@@ -359,6 +408,8 @@ impl Runner {
         task: &str,
         retry_of: Option<String>,
         budget: Budget,
+        contract: Option<crate::contract::Contract>,
+        class: Class,
     ) -> Result<(), RunnerError> {
         for run in std::iter::once(id).chain(parent) {
             crate::gate::check_run_id(run)
@@ -389,6 +440,7 @@ impl Runner {
             retry_of,
             depth: 0,
             spawned_by: None,
+            contract,
         };
         let mut rec = Record::new(
             identity,
@@ -397,7 +449,9 @@ impl Runner {
             grants,
             "journal".into(),
         );
+        rec.class = class;
         lease_workspace(o.workspaces.as_deref(), &mut rec)?;
+        lease_credentials(&o.tools, &mut rec);
         let msgs = vec![Message::system(o.system.clone()), Message::user(task)];
         self.commit(
             rec,
@@ -447,7 +501,21 @@ impl Runner {
             }
             let mut rec = rec.clone();
             match rec.begin_turn(now_ms(), self.prompt_estimate(&id)) {
-                Ok(actions) => self.commit(rec, actions)?,
+                Ok(actions) => {
+                    // From the steer stage on (the call carries a budget notice), the tool
+                    // results before the last turns are sent compacted; the boundary is
+                    // journalled with the record, before the call, so a resume sends the same.
+                    let steered = actions
+                        .iter()
+                        .any(|a| matches!(a, Action::CallModel { steer: Some(_), .. }));
+                    if steered {
+                        let at =
+                            crate::compact::boundary(self.context(&id), crate::compact::KEEP_TURNS);
+                        let p = &mut rec.pointers;
+                        p.compacted_before = p.compacted_before.max(at);
+                    }
+                    self.commit(rec, actions)?
+                }
                 Err(e) => self.log(&id, format!("turn refused: {e}"))?,
             }
         }
@@ -458,7 +526,7 @@ impl Runner {
     /// provider's usage report settles the truth after the call.
     fn prompt_estimate(&self, id: &str) -> u64 {
         let chars: usize = self
-            .context(id)
+            .sent_context(id)
             .iter()
             .map(|m| m.content.as_deref().map_or(0, str::len) + 16)
             .sum();
@@ -467,9 +535,11 @@ impl Runner {
 
     /// Queues a READY trajectory, charged by its next turn's estimated tokens.
     fn queue(&mut self, id: &str) {
-        let out = self.recs.get(id).map_or(0, |r| r.limits.max_output_tokens);
+        let (out, class) = self.recs.get(id).map_or((0, Class::Standard), |r| {
+            (r.limits.max_output_tokens, r.class)
+        });
         let est = self.prompt_estimate(id) + out;
-        self.sched.push(id.to_string(), Class::Standard, est);
+        self.sched.push(id.to_string(), class, est);
     }
 
     fn tick(&mut self) -> Result<(), RunnerError> {
@@ -490,7 +560,19 @@ impl Runner {
             Input::Reply { id, reply } => {
                 self.in_flight -= 1;
                 self.cuts.remove(&id);
-                self.apply(&id, |r, now| r.on_reply(now, reply))
+                // What the completion check needs of the world, seen now (the record does no IO).
+                let world = match (self.recs.get(&id), &reply) {
+                    (Some(r), Reply::Finished { .. }) => crate::contract::World {
+                        files_present: r.identity.contract.as_ref().map_or(Vec::new(), |c| {
+                            crate::contract::files_present(
+                                r.pointers.workspace.as_deref().map(std::path::Path::new),
+                                &c.workspace_files,
+                            )
+                        }),
+                    },
+                    _ => crate::contract::World::default(),
+                };
+                self.apply(&id, |r, now| r.on_reply_seen(now, reply, &world))
             }
             Input::Admitted {
                 id,
@@ -582,11 +664,16 @@ impl Runner {
                 quorum,
                 approvers,
             } => self.apply(&id, |r, _| r.on_quorum(&call, approval, quorum, approvers)),
-            Input::ToolDone { id, call, result } => {
+            Input::ToolDone {
+                id,
+                call,
+                result,
+                ok,
+            } => {
                 let key = (id.clone(), call.clone());
                 self.tools.remove(&key);
                 self.mcp_cuts.remove(&key);
-                self.apply(&id, |r, now| r.on_tool_result(now, &call, result))
+                self.apply(&id, |r, now| r.on_tool_outcome(now, &call, result, ok))
             }
             Input::Control { id, control } => self.apply(&id, |r, now| r.on_control(now, control)),
             Input::Note { id, line } => self.log(&id, line),
@@ -660,7 +747,9 @@ impl Runner {
         };
         let control = match ask {
             Ask::Status => {
-                let status = json!({"record": rec, "context_len": self.context(&id).len()});
+                let (children, count) = crate::view::children(&self.recs, &id, now_ms());
+                let status = json!({"record": rec, "context_len": self.context(&id).len(),
+                                    "children": children, "children_count": count});
                 let _ = reply.send(Ok(status));
                 return Ok(());
             }
@@ -811,6 +900,7 @@ impl Runner {
                             result: json!({"status": "REFUSED", "reason": "NOT_STARTED",
                                 "message": why})
                             .to_string(),
+                            ok: false,
                         },
                     };
                     let _ = tx.send(input);
@@ -818,17 +908,27 @@ impl Runner {
                 self.tools.insert(key, handle);
             }
             Action::Dispatch { call, token } => {
-                let tool = self
+                // An MCP tool as its server lists it now (it may have gone since it was offered).
+                let named = |t: &&Tool| t.name == call.function.name;
+                let tool = match self
                     .opts
                     .tools
                     .iter()
-                    .find(|t| t.name == call.function.name)
-                    .cloned();
+                    .filter(|t| t.mcp.is_none())
+                    .find(named)
+                {
+                    Some(t) => Some(t.clone()),
+                    None => self.opts.upstreams.current().iter().find(named).cloned(),
+                }
+                .map(|t| credential_scope(t, &rec.leases));
+                let credentials_released = tool.as_ref().is_some_and(|(_, released)| *released);
+                let tool = tool.map(|(t, _)| t);
                 let call_id = call.id.clone();
                 let reach = Reach {
                     upstreams: self.opts.upstreams.clone(),
                     sandbox: self.opts.sandbox.clone(),
                     workspace: rec.pointers.workspace.as_ref().map(PathBuf::from),
+                    credentials_released,
                 };
                 let (cut_tx, cut) = watch::channel(false);
                 if tool.as_ref().is_some_and(|t| t.mcp.is_some()) {
@@ -836,11 +936,12 @@ impl Runner {
                 }
                 let handle = tokio::spawn(async move {
                     let result = dispatch(&gate, &id, &call, &token, tool, &reach, cut).await;
-                    if let Some(result) = result {
+                    if let Some((ok, result)) = result {
                         let _ = tx.send(Input::ToolDone {
                             id,
                             call: call.id,
                             result,
+                            ok,
                         });
                     }
                 });
@@ -970,6 +1071,8 @@ impl Runner {
             retry_of: None,
             depth: parent.identity.depth + 1,
             spawned_by: Some(call.id.clone()),
+            // The contract is the caller's task's; a sub-agent's answer is its parent's to judge.
+            contract: None,
         };
         let o = &self.opts;
         let mut child = Record::new(
@@ -982,12 +1085,14 @@ impl Runner {
             },
             "journal".into(),
         );
+        child.class = parent.class;
         if let Err(e) = lease_workspace(o.workspaces.as_deref(), &mut child) {
             let text = crate::record::refusal(call, "WORKSPACE", &e.to_string())
                 .content
                 .unwrap_or_default();
             return self.settle_subagent_call(id, &call.id, "error", text, None);
         }
+        lease_credentials(&self.opts.tools, &mut child);
         let o = &self.opts;
         let msgs = [Message::system(o.system.clone()), Message::user(task)]
             .into_iter()
@@ -1053,7 +1158,7 @@ impl Runner {
             if let Some((c, s)) = &child {
                 r.budget.absorb(c, *s);
             }
-            r.on_tool_result(now, call, text)
+            r.on_tool_outcome(now, call, text, outcome == "ok")
         })
     }
 
@@ -1069,6 +1174,7 @@ impl Runner {
             Action::Admit { calls } => {
                 let parent = rec.identity.parent.clone();
                 let tools = self.opts.tools.clone();
+                let upstreams = self.opts.upstreams.clone();
                 tokio::task::spawn_blocking(move || {
                     for c in calls {
                         let http = tools
@@ -1076,12 +1182,16 @@ impl Runner {
                             .find(|t| t.name == c.function.name && t.url.is_some());
                         let admission = match http {
                             Some(t) => crate::http::admit(&gate, &id, parent.as_deref(), &c, t),
-                            None => gate.admit(
+                            // An MCP tool whose words changed since they were pinned: held for
+                            // an operator whatever the policy says (`estop mcp` holds it the
+                            // same way).
+                            None => gate.admit_held_for(
                                 &id,
                                 parent.as_deref(),
                                 &c.id,
                                 &c.function.name,
                                 &c.function.arguments,
+                                upstreams.hold_for(&c.function.name),
                             ),
                         };
                         let _ = tx.send(Input::Admitted {
@@ -1148,17 +1258,25 @@ impl Runner {
     /// allow now; the reply comes back as an input.
     fn call_model(&mut self, rec: &Record, max_tokens: u64, steer: Option<String>) {
         let (id, tx) = (rec.identity.id.clone(), self.tx.clone());
-        let mut messages = self.context(&id).to_vec();
+        let before = rec.pointers.compacted_before;
+        let mut messages = crate::compact::compacted(self.context(&id), before);
         if let Some(s) = steer {
             messages.push(Message::system(s));
         }
-        let tools = self.opts.tools.iter().filter(|t| rec.grants.allows(&t.name)).map(|t| {
-                    json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}})
-                }).collect();
-        let req = CallRequest {
+        // The MCP tools as their servers list them now (listed again first where a server said
+        // they changed), after the config's own; either within the grants.
+        let fixed: Vec<Tool> = self
+            .opts
+            .tools
+            .iter()
+            .filter(|t| t.mcp.is_none())
+            .cloned()
+            .collect();
+        let (upstreams, grants) = (self.opts.upstreams.clone(), rec.grants.clone());
+        let mut req = CallRequest {
             model: rec.limits.model.clone(),
             messages,
-            tools,
+            tools: Vec::new(),
             max_tokens,
             deadline: Duration::from_millis(rec.limits.call_deadline_ms),
         };
@@ -1167,6 +1285,10 @@ impl Runner {
         self.in_flight += 1;
         let (model, grace) = (self.opts.model.clone(), self.opts.grace);
         tokio::spawn(async move {
+            let mcp = upstreams.offered().await;
+            req.tools = fixed.iter().chain(&mcp).filter(|t| grants.allows(&t.name)).map(|t| {
+                json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}})
+            }).collect();
             let reply = model.call(&req, cut, grace).await;
             let _ = tx.send(Input::Reply { id, reply });
         });
@@ -1297,7 +1419,7 @@ impl Runner {
             .collect();
         tokio::task::spawn_blocking(move || {
             for (c, token) in calls {
-                let result = match gate.admit(
+                let (ok, result) = match gate.admit(
                     &id,
                     None,
                     &c.id,
@@ -1305,8 +1427,9 @@ impl Runner {
                     &c.function.arguments,
                 ) {
                     Admission::Duplicate {
-                        outcome: Some(o), ..
-                    } => o,
+                        outcome: Some(o),
+                        status,
+                    } => (status == "completed", o),
                     Admission::Admitted { token } => {
                         // Prepared, never started: it may run now.
                         let _ = tx.send(Input::Restart {
@@ -1326,13 +1449,14 @@ impl Runner {
                             "unknown",
                             "the harness restarted while the call ran",
                         );
-                        json!({"status": "UNKNOWN", "message": format!("the harness restarted while this call ran; its outcome is unknown ({other:?})")}).to_string()
+                        (false, json!({"status": "UNKNOWN", "message": format!("the harness restarted while this call ran; its outcome is unknown ({other:?})")}).to_string())
                     }
                 };
                 let _ = tx.send(Input::ToolDone {
                     id: id.clone(),
                     call: c.id,
                     result,
+                    ok,
                 });
             }
         });
@@ -1346,6 +1470,9 @@ struct Reach {
     sandbox: Option<SandboxLaunch>,
     /// The trajectory's workspace lease: command tools run in it (`ESTOP_WORKSPACE`).
     workspace: Option<PathBuf>,
+    /// The HTTP tool's credential handles were all released (crate::record::Lease): the call
+    /// is refused, nothing sent.
+    credentials_released: bool,
 }
 
 /// Start at the gate (the commit point), run the tool, complete with its outcome.
@@ -1357,7 +1484,7 @@ async fn dispatch(
     tool: Option<Tool>,
     reach: &Reach,
     cut: watch::Receiver<bool>,
-) -> Option<String> {
+) -> Option<(bool, String)> {
     let (g, r, k, t) = (
         gate.clone(),
         run.to_string(),
@@ -1369,9 +1496,15 @@ async fn dispatch(
         .unwrap_or_else(|e| Err(e.to_string()));
     if let Err(why) = started {
         let refused = json!({"status": "REFUSED", "reason": "NOT_STARTED", "message": why});
-        return Some(refused.to_string());
+        return Some((false, refused.to_string()));
     }
     let (outcome, text) = match tool {
+        Some(Tool { url: Some(_), .. }) if reach.credentials_released => {
+            let message = "the trajectory's handles to this tool's credentials were released \
+                           (the budget's restrict stage, or its end); nothing was sent";
+            let m = crate::record::refusal(call, "CREDENTIAL_RELEASED", message);
+            ("error", m.content.unwrap_or_default())
+        }
         Some(Tool {
             url: Some(url),
             egress,
@@ -1414,8 +1547,8 @@ async fn dispatch(
         outcome,
         text.clone(),
     );
-    let _ = tokio::task::spawn_blocking(move || g.complete(&r, &k, &t, o, &x)).await;
-    Some(text)
+    let settled = tokio::task::spawn_blocking(move || g.complete(&r, &k, &t, o, &x)).await;
+    Some((outcome == "ok" && matches!(settled, Ok(Ok(_))), text))
 }
 
 /// The kind of a workspace lease.
@@ -1445,6 +1578,7 @@ fn lease_workspace(root: Option<&std::path::Path>, rec: &mut Record) -> Result<(
         .map_err(|e| RunnerError::Other(format!("workspace {}: {e}", dir.display())))?;
     let path = dir.display().to_string();
     rec.leases.push(crate::record::Lease {
+        tool: None,
         id: path.clone(),
         kind: WORKSPACE.into(),
     });
@@ -1455,6 +1589,81 @@ fn lease_workspace(root: Option<&std::path::Path>, rec: &mut Record) -> Result<(
 /// Whether `s` is one plain path segment: not empty, not `.` or `..`, no `/` or NUL.
 fn one_segment(s: &str) -> bool {
     !s.is_empty() && s != "." && s != ".." && !s.contains(['/', '\0'])
+}
+
+/// The credential handle of `c` for `tool`: the tool and the destination, never the secret.
+fn credential_handle(tool: &str, c: &estop_egress::credentials::Credential) -> String {
+    match c.port {
+        Some(p) => format!("{tool}@{}:{p}", c.host),
+        None => format!("{tool}@{}", c.host),
+    }
+}
+
+/// The credential handles `t` may be leased: one per destination of its store that its
+/// `credentials` names (all of them when it names none).
+fn leasable(t: &Tool) -> Vec<String> {
+    let Some(e) = &t.egress else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = Vec::new();
+    for c in &e.credentials.entries {
+        if t.credentials
+            .as_ref()
+            .is_some_and(|hosts| !hosts.contains(&c.host))
+        {
+            continue;
+        }
+        let id = credential_handle(&t.name, c);
+        if !out.contains(&id) {
+            out.push(id);
+        }
+    }
+    out
+}
+
+/// Grants the trajectory a handle to each credential its HTTP tools may use ([`leasable`]),
+/// recorded as leases in the record that starts it.
+fn lease_credentials(tools: &[Tool], rec: &mut Record) {
+    for t in tools {
+        for id in leasable(t) {
+            if !rec.leases.iter().any(|l| l.id == id) {
+                rec.leases.push(crate::record::Lease {
+                    id,
+                    kind: crate::record::CREDENTIAL.into(),
+                    tool: Some(t.name.clone()),
+                });
+            }
+        }
+    }
+}
+
+/// The tool as a call of this trajectory may use it: its credential store narrowed to the
+/// handles the trajectory holds now (a credential it was never leased is not injected; the
+/// request goes without it), and whether the tool had handles and every one was released (the
+/// restrict stage for a tool that is not read-only, or FINALIZING): then the call is refused
+/// (`CREDENTIAL_RELEASED`) and nothing is sent.
+fn credential_scope(mut t: Tool, leases: &[crate::record::Lease]) -> (Tool, bool) {
+    let mine = leasable(&t);
+    let held = |id: &String| {
+        leases
+            .iter()
+            .any(|l| l.kind == crate::record::CREDENTIAL && &l.id == id)
+    };
+    let released = !mine.is_empty() && !mine.iter().any(held);
+    if let Some(e) = &mut t.egress {
+        let entries = e
+            .credentials
+            .entries
+            .iter()
+            .filter(|c| held(&credential_handle(&t.name, c)))
+            .cloned()
+            .collect();
+        e.credentials = std::sync::Arc::new(estop_egress::credentials::Credentials {
+            entries,
+            env_names: e.credentials.env_names.clone(),
+        });
+    }
+    (t, released)
 }
 
 /// A command tool runs in the trajectory's workspace, named in `ESTOP_WORKSPACE`.
@@ -1615,6 +1824,7 @@ mod tests {
                 retry_of: None,
                 depth: 0,
                 spawned_by: None,
+                contract: None,
             },
             CallLimits {
                 model: "m".into(),
@@ -1629,6 +1839,67 @@ mod tests {
             },
             "journal".into(),
         )
+    }
+
+    /// Credential handles: every destination of the tool's store its `credentials` names is
+    /// leased (the tool and host, never the secret); a call is given only the held ones; with
+    /// every handle released it is refused; a tool whose `credentials` names none of the
+    /// store's hosts gets no handle and its request goes without.
+    #[test]
+    fn a_call_gets_only_the_credentials_its_trajectory_holds() {
+        let store = "[[credential]]\nhost = \"a.example\"\nheader = \"X-A\"\nvalue = \"secret-a\"\n\
+                     [[credential]]\nhost = \"b.example\"\nport = 8443\nheader = \"X-B\"\nvalue = \"secret-b\"\n";
+        let creds = estop_egress::credentials::Credentials::parse(store, &|_| None).unwrap();
+        let tool = Tool {
+            name: "t".into(),
+            description: String::new(),
+            parameters: serde_json::json!({}),
+            command: Vec::new(),
+            url: Some("https://a.example/x".into()),
+            mcp: None,
+            sandbox: false,
+            sandbox_policy: None,
+            http: Default::default(),
+            read_only: false,
+            egress: Some(crate::http::Egress {
+                settings: Default::default(),
+                credentials: std::sync::Arc::new(creds),
+            }),
+            credentials: None,
+        };
+        let hosts = |t: &Tool| -> Vec<String> {
+            let e = t.egress.as_ref().unwrap();
+            e.credentials
+                .entries
+                .iter()
+                .map(|c| c.host.clone())
+                .collect()
+        };
+        let mut r = rec("x");
+        lease_credentials(std::slice::from_ref(&tool), &mut r);
+        let ids: Vec<&str> = r.leases.iter().map(|l| l.id.as_str()).collect();
+        assert_eq!(ids, ["t@a.example", "t@b.example:8443"]);
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(!json.contains("secret-"), "{json}");
+        let (all, released) = credential_scope(tool.clone(), &r.leases);
+        assert_eq!(hosts(&all), ["a.example", "b.example"]);
+        assert!(!released);
+        r.leases.remove(1);
+        let (one, released) = credential_scope(tool.clone(), &r.leases);
+        assert_eq!(hosts(&one), ["a.example"]);
+        assert!(!released);
+        let (gone, released) = credential_scope(tool.clone(), &[]);
+        assert!(released && hosts(&gone).is_empty(), "released: refused");
+        let mut other = tool;
+        other.credentials = Some(vec!["c.example".into()]);
+        let mut r = rec("y");
+        lease_credentials(std::slice::from_ref(&other), &mut r);
+        assert!(r.leases.is_empty());
+        let (none, released) = credential_scope(other, &r.leases);
+        assert!(
+            hosts(&none).is_empty() && !released,
+            "never leased: goes without"
+        );
     }
 
     /// A sub-agent's id ends with the model's call id: `..` in it must not lease (and at

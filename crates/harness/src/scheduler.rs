@@ -7,16 +7,39 @@
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+/// A trajectory's scheduling class (`estop agent run --class`), recorded in its record.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Class {
     Interactive,
+    #[default]
     Standard,
     Batch,
 }
 
 impl Class {
     pub const ALL: [Class; 3] = [Class::Interactive, Class::Standard, Class::Batch];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Class::Interactive => "interactive",
+            Class::Standard => "standard",
+            Class::Batch => "batch",
+        }
+    }
+
+    /// `interactive`, `standard` or `batch`.
+    pub fn parse(s: &str) -> Option<Class> {
+        Class::ALL.into_iter().find(|c| c.as_str() == s)
+    }
+
+    /// The default class is not written in a record (records from before classes read as it).
+    pub fn is_standard(&self) -> bool {
+        *self == Class::Standard
+    }
+
     fn index(self) -> usize {
         self as usize
     }

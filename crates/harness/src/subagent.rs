@@ -139,6 +139,7 @@ impl Subagents {
             http: Default::default(),
             read_only: false,
             egress: None,
+            credentials: None,
         }
     }
 
@@ -200,6 +201,7 @@ mod tests {
             retry_of: None,
             depth,
             spawned_by: None,
+            contract: None,
         };
         let limits = CallLimits {
             model: "m".into(),

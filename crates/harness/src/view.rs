@@ -78,6 +78,7 @@ fn exit_json(e: &Exit) -> Value {
                 "the completion check failed".into()
             },
         ),
+        Exit::CompletionCheckFailed { failed } => ("COMPLETION_CHECK_FAILED", failed.join(", ")),
         Exit::Canceled { reason } => ("CANCELED", reason.clone()),
         Exit::Killed { reason } => ("KILLED", reason.clone()),
         Exit::BudgetExceeded { dimension } => ("BUDGET_EXCEEDED", dimension.as_str().to_string()),
@@ -88,7 +89,8 @@ fn exit_json(e: &Exit) -> Value {
 
 /// A trajectory as JSON: identity, state, exit, turns, the budget vector (spent and limit per
 /// dimension, the stage), the stored control requests, pending work (calls in flight with
-/// their phase, held calls with their expiry), and with `answer` its last model message.
+/// their phase, held calls with their expiry), the task contract and the completion check's
+/// result, the leases held, and with `answer` its last model message.
 pub fn trajectory(
     r: &Record,
     ctx: Option<&[crate::chat::Message]>,
@@ -155,6 +157,7 @@ pub fn trajectory(
         "parent": r.identity.parent,
         "retry_of": r.identity.retry_of,
         "tenant": r.identity.tenant,
+        "class": r.class.as_str(),
         "task": t(&r.identity.task),
         "state": r.state.as_str(),
         "live": !r.state.is_terminal(),
@@ -174,6 +177,17 @@ pub fn trajectory(
         "pending": pending,
         "held": held,
         "context_len": r.pointers.context_len,
+        // The task contract (bounded when it was loaded) and the completion check's result.
+        "contract": r.identity.contract,
+        "check": r.check.as_ref().map(|c| json!({
+            "passed": c.passed,
+            "checked": c.checked,
+            "failed": c.failed.iter().map(|f| json!({"check": f.check, "why": t(&f.why)})).collect::<Vec<_>>(),
+            "notices": c.notices,
+        })),
+        // Leases held: the workspace, credential handles (a tool and a destination, never a
+        // secret).
+        "leases": r.leases.iter().map(|l| json!({"kind": l.kind, "id": t(&l.id), "tool": l.tool})).collect::<Vec<_>>(),
     });
     if let Some(ctx) = ctx {
         let answer = ctx
@@ -184,6 +198,47 @@ pub fn trajectory(
         v["answer"] = json!(answer.map(t));
     }
     v
+}
+
+/// Sub-agents listed per trajectory at most (a parent starts at most `[subagents]
+/// children_max` of them; more in a journal are counted, not listed).
+pub const CHILDREN_SHOWN_MAX: usize = 64;
+
+/// The sub-agents trajectory `id` started (`ID/CALL_ID`, whose parent is `id`), in id order,
+/// each with its state, exit, turns and spend against its ceilings; and how many there are.
+pub fn children(
+    records: &std::collections::BTreeMap<String, Record>,
+    id: &str,
+    now_ms: u64,
+) -> (Vec<Value>, usize) {
+    let prefix = format!("{id}/");
+    let mut shown = Vec::new();
+    let mut count = 0;
+    for (_, r) in records
+        .range(prefix.clone()..)
+        .take_while(|(k, _)| k.starts_with(&prefix))
+        .filter(|(_, r)| {
+            r.identity.parent.as_deref() == Some(id) && r.identity.spawned_by.is_some()
+        })
+    {
+        count += 1;
+        if shown.len() == CHILDREN_SHOWN_MAX {
+            continue;
+        }
+        let b = &r.budget;
+        let at = r.ended_at_ms.unwrap_or(now_ms);
+        shown.push(json!({
+            "id": r.identity.id,
+            "state": r.state.as_str(),
+            "exit": r.exit.as_ref().map(exit_json),
+            "turns": b.spend.turns,
+            "tokens": b.spend.tokens(),
+            "usd_micros": b.spend.usd_micros,
+            "wall_clock_ms": b.wall_ms(at),
+            "limits": b.limits,
+        }));
+    }
+    (shown, count)
 }
 
 /// A page of the trajectories in `state`.
@@ -251,11 +306,15 @@ pub fn one(
 ) -> Result<Option<Value>, JournalError> {
     let state = read_only(dir, lim.bytes_max)?;
     Ok(state.records.get(id).map(|r| {
-        trajectory(
+        let mut v = trajectory(
             r,
             Some(state.contexts.get(id).map_or(&[], Vec::as_slice)),
             now_ms,
             lim,
-        )
+        );
+        let (shown, count) = children(&state.records, id, now_ms);
+        v["children"] = json!(shown);
+        v["children_count"] = json!(count);
+        v
     }))
 }

@@ -20,6 +20,7 @@ fn rec(id: &str, state: State, ended_at_ms: Option<u64>) -> Record {
             retry_of: None,
             depth: 0,
             spawned_by: None,
+            contract: None,
         },
         CallLimits {
             model: "m".into(),

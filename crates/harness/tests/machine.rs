@@ -19,6 +19,7 @@ pub fn record() -> Record {
             retry_of: None,
             depth: 0,
             spawned_by: None,
+            contract: None,
         },
         CallLimits {
             model: "m".into(),
@@ -128,7 +129,7 @@ proptest! {
                     rec.held = if on { vec![HeldCall::new(call.clone(), 9)] } else { Vec::new() }
                 }
                 Step::Lease(on) => {
-                    rec.leases = if on { vec![Lease { id: "w".into(), kind: "workspace".into() }] } else { Vec::new() }
+                    rec.leases = if on { vec![Lease { id: "w".into(), kind: "workspace".into(), tool: None }] } else { Vec::new() }
                 }
                 Step::Exit(i) => rec.exit = exit(i),
             }

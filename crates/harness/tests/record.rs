@@ -4,10 +4,11 @@
 
 use estop_harness::budget::{Budget, Dimension, Limits, Prices, Usage};
 use estop_harness::chat::{Finish, Reply, ToolCall};
+use estop_harness::contract::{AnswerFormat, Contract, World};
 use estop_harness::machine::State;
 use estop_harness::record::{
     Action, Admission, CallLimits, Control, Decision, Exit, GrantedTool, Grants, HeldRequest,
-    Identity, Record, call_digest,
+    Identity, Lease, Record, call_digest,
 };
 use proptest::prelude::*;
 
@@ -21,6 +22,7 @@ fn record(limits: Limits) -> Record {
             retry_of: None,
             depth: 0,
             spawned_by: None,
+            contract: None,
         },
         CallLimits {
             model: "m".into(),
@@ -826,4 +828,233 @@ fn a_refused_held_call_shows_the_quorum_to_the_model() {
     // Quorum news for a call not held is dropped, never applied.
     let a = r.on_quorum("c9", "ap-9".into(), 1, vec![]).unwrap();
     assert!(matches!(a[..], [Action::Dropped { .. }]), "{a:?}");
+}
+
+fn answer(text: &str) -> Reply {
+    Reply::Finished {
+        finish: Finish::Stop,
+        text: text.into(),
+        tool_calls: vec![],
+        usage: usage(),
+    }
+}
+
+/// A trajectory whose identity carries `contract`.
+fn contracted(limits: Limits, contract: Contract) -> Record {
+    let mut r = record(limits);
+    r.identity.contract = Some(contract);
+    r
+}
+
+fn json_contract() -> Contract {
+    Contract {
+        answer_format: AnswerFormat::Json,
+        required_keys: vec!["total".into()],
+        must_call: vec!["read".into()],
+        ..Contract::default()
+    }
+}
+
+/// A call of `tool` proposed, admitted, dispatched and settled (`ok` or not) in one turn.
+fn settle(r: &mut Record, at: u64, id: &str, tool: &str, ok: bool) {
+    r.begin_turn(at, 10).unwrap();
+    r.on_reply(at, calls(&[(id, tool)])).unwrap();
+    r.on_admission(at, id, admitted("k")).unwrap();
+    r.on_tool_outcome(at, id, "{}".into(), ok).unwrap();
+    assert_eq!(r.state, State::Ready);
+}
+
+/// The contract's check fails: the model gets one more turn with a notice naming what failed
+/// (model-visible, as a user message); failing again, the trajectory ends FAILED with the exit
+/// naming the checks, never COMPLETED, and the record keeps what failed.
+#[test]
+fn a_failed_completion_check_gets_a_notice_turn_then_fails_naming_the_check() {
+    let mut r = contracted(Limits::default(), json_contract());
+    settle(&mut r, 0, "c1", "read", true);
+    r.begin_turn(1, 10).unwrap();
+    let a = r.on_reply(2, answer("{\"sum\": 3}")).unwrap();
+    assert_eq!(r.state, State::Ready, "another turn, not an end: {a:?}");
+    assert!(r.exit.is_none());
+    let notice = observed(&a).pop().unwrap();
+    assert!(
+        notice.starts_with("[completion check failed: required_keys:") && notice.contains("total"),
+        "{notice}"
+    );
+    let check = r.check.clone().unwrap();
+    assert!(!check.passed);
+    assert_eq!(check.notices, 1);
+    assert_eq!(check.failed[0].check, "required_keys");
+    assert!(matches!(
+        r.begin_turn(3, 10).unwrap()[..],
+        [Action::CallModel { .. }]
+    ));
+    let a = r.on_reply(4, answer("not json")).unwrap();
+    assert_eq!(r.state, State::Failed);
+    assert_eq!(
+        r.exit,
+        Some(Exit::CompletionCheckFailed {
+            failed: vec!["answer_format".into()]
+        })
+    );
+    assert!(matches!(
+        a.last(),
+        Some(Action::Ended {
+            state: State::Failed
+        })
+    ));
+    assert_eq!(r.check.as_ref().unwrap().failed[0].check, "answer_format");
+    assert_eq!(r.turns, 3);
+}
+
+/// An answer that passes every check completes, the record saying what was checked; a call
+/// that settled other than `ok` does not count for `must_call`.
+#[test]
+fn a_passing_completion_check_completes() {
+    let mut r = contracted(Limits::default(), json_contract());
+    settle(&mut r, 0, "c1", "read", false);
+    r.begin_turn(1, 10).unwrap();
+    r.on_reply(2, answer("{\"total\": 3}")).unwrap();
+    assert_eq!(r.state, State::Ready, "the read did not settle ok");
+    assert_eq!(r.check.as_ref().unwrap().failed[0].check, "must_call");
+    settle(&mut r, 3, "c2", "read", true);
+    r.begin_turn(4, 10).unwrap();
+    r.on_reply(5, answer(" {\"total\": 3} ")).unwrap();
+    assert_eq!(r.state, State::Completed);
+    assert_eq!(r.exit, Some(Exit::Completed { check_passed: true }));
+    let check = r.check.unwrap();
+    assert!(check.passed && check.failed.is_empty());
+    assert_eq!(
+        check.checked,
+        [
+            "answer_nonempty",
+            "answer_format",
+            "required_keys",
+            "must_call"
+        ]
+    );
+    // `workspace_files` and `answer_matches` from what the runner saw.
+    let c = Contract {
+        answer_matches: Some("^done: \\d+$".into()),
+        workspace_files: vec!["report.md".into()],
+        attempts: 0,
+        ..Contract::default()
+    };
+    let mut r = contracted(Limits::default(), c.clone());
+    r.begin_turn(0, 10).unwrap();
+    let world = World {
+        files_present: vec!["report.md".into()],
+    };
+    r.on_reply_seen(1, answer("done: 7"), &world).unwrap();
+    assert_eq!(r.state, State::Completed);
+    let mut r = contracted(Limits::default(), c);
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply_seen(1, answer("done: 7"), &World::default())
+        .unwrap();
+    assert_eq!(
+        r.exit,
+        Some(Exit::CompletionCheckFailed {
+            failed: vec!["workspace_files".into()]
+        }),
+        "no attempts: FAILED at once"
+    );
+}
+
+/// The budget decides first: a failed check with an attempt left on the last turn of the
+/// budget ends BUDGET_EXCEEDED, with no model call for the attempt.
+#[test]
+fn the_budget_wins_over_a_completion_check_attempt() {
+    let limits = Limits {
+        turns_max: Some(1),
+        ..Limits::default()
+    };
+    let mut r = contracted(limits, json_contract());
+    r.begin_turn(0, 10).unwrap();
+    let a = r.on_reply(1, answer("{}")).unwrap();
+    assert!(
+        !a.iter().any(|a| matches!(a, Action::CallModel { .. })),
+        "{a:?}"
+    );
+    assert_eq!(r.state, State::Failed);
+    assert_eq!(
+        r.exit,
+        Some(Exit::BudgetExceeded {
+            dimension: Dimension::Turns
+        })
+    );
+    assert_eq!(r.check.as_ref().unwrap().notices, 1);
+}
+
+/// The contract is in the identity and the check's state in the record: a trajectory resumed
+/// from its journalled record (JSON, as the journal keeps it) after a notice turn keeps both,
+/// so the attempt given is not given again.
+#[test]
+fn a_resumed_trajectory_keeps_its_contract_and_attempts() {
+    let mut r = contracted(Limits::default(), json_contract());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply(1, answer("{}")).unwrap();
+    assert_eq!(r.check.as_ref().unwrap().notices, 1);
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (j, _) = estop_harness::journal::Journal::open(dir.path()).unwrap();
+        j.write(&[estop_harness::journal::Entry::Record {
+            record: Box::new(r.clone()),
+        }])
+        .unwrap();
+    }
+    let (_, got) = estop_harness::journal::Journal::open(dir.path()).unwrap();
+    let mut r2 = got.records["t1"].clone();
+    assert_eq!(r2, r);
+    assert_eq!(r2.identity.contract, Some(json_contract()));
+    r2.begin_turn(2, 10).unwrap();
+    r2.on_reply(3, answer("{}")).unwrap();
+    assert_eq!(
+        r2.exit,
+        Some(Exit::CompletionCheckFailed {
+            failed: vec!["required_keys".into(), "must_call".into()]
+        })
+    );
+}
+
+/// Credential handles: the restrict stage (90%) releases those of tools that are not
+/// read-only, FINALIZING the rest; no secret is in a lease.
+#[test]
+fn credential_leases_are_released_at_the_restrict_stage_and_finalizing() {
+    let mut r = record(Limits {
+        turns_max: Some(10),
+        ..Limits::default()
+    });
+    let lease = |tool: &str| Lease {
+        id: format!("{tool}@api.example"),
+        kind: "credential".into(),
+        tool: Some(tool.into()),
+    };
+    r.leases = vec![lease("read"), lease("write")];
+    for t in 0..9 {
+        r.begin_turn(t, 10).unwrap();
+        r.on_reply(
+            t,
+            Reply::Failed {
+                error: "x".into(),
+                retryable: true,
+                usage: usage(),
+            },
+        )
+        .unwrap();
+    }
+    assert_eq!(r.leases.len(), 2, "below 90%: both held");
+    let a = r.begin_turn(9, 10).unwrap();
+    assert!(r.grants.restricted);
+    assert_eq!(r.leases, [lease("read")]);
+    assert!(
+        a.iter()
+            .any(|a| matches!(a, Action::Release { lease } if lease.id == "write@api.example")),
+        "{a:?}"
+    );
+    let a = r.on_reply(10, answer("done")).unwrap();
+    assert!(r.leases.is_empty());
+    assert!(
+        a.iter()
+            .any(|a| matches!(a, Action::Release { lease } if lease.id == "read@api.example")),
+        "{a:?}"
+    );
 }

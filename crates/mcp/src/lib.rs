@@ -136,6 +136,7 @@ async fn start(opts: &Options, config: &config::Config) -> Result<Arc<gateway::S
         token: opts.token.clone(),
         run: opts.run.clone(),
         base: gateway::fresh_run(),
+        tag: String::new(),
     });
     let mut upstreams = Vec::new();
     for (i, s) in config.servers.iter().enumerate() {

@@ -38,6 +38,10 @@ pub struct Launch {
     pub run: Option<String>,
     /// A fresh `mcp-…` for this gateway process, for sandboxes when there is no `--run`.
     pub base: String,
+    /// Appended to each sandbox's run name: empty for `estop mcp`; the harness's `-STAMP` (its
+    /// process's start), so a resumed trajectory's servers do not reuse the runs a previous
+    /// process's ended (`estop run` cancels its run when the command exits).
+    pub tag: String,
 }
 
 impl Launch {
@@ -45,9 +49,9 @@ impl Launch {
     /// cancels its run when the command exits, so a restart needs a run of its own.
     fn run_of(&self, name: &str, incarnation: u32) -> (String, Option<String>) {
         let again = if incarnation > 1 {
-            format!("-{incarnation}")
+            format!("{}-{incarnation}", self.tag)
         } else {
-            String::new()
+            self.tag.clone()
         };
         match &self.run {
             Some(r) => (format!("{r}/{name}{again}"), Some(r.clone())),
@@ -310,6 +314,7 @@ mod tests {
             token: Some("estop_ag_secret".into()),
             run: Some("gw".into()),
             base: "mcp-1".into(),
+            tag: String::new(),
         };
         let cmd = launch.command(server, "npx", 1);
         assert_eq!(cmd.as_std().get_program(), "/bin/estop");
@@ -338,6 +343,10 @@ mod tests {
         assert!(envs.contains(&("ESTOP_TOKEN".as_ref(), Some("estop_ag_secret".as_ref()))));
         assert!(!args(&cmd).iter().any(|a| a.contains("secret")));
         assert!(args(&launch.command(server, "npx", 2)).contains(&"gw/files-2".to_string()));
+        launch.tag = "-7".into();
+        assert!(args(&launch.command(server, "npx", 1)).contains(&"gw/files-7".to_string()));
+        assert!(args(&launch.command(server, "npx", 2)).contains(&"gw/files-7-2".to_string()));
+        launch.tag = String::new();
         launch.run = None;
         let alone = args(&launch.command(server, "npx", 1));
         assert!(alone.contains(&"mcp-1-files".to_string()), "{alone:?}");

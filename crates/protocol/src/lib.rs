@@ -32,8 +32,9 @@ pub use request::{
     RequestedRunLimits, Secret, Seed, Verb, parse_request,
 };
 pub use server_line::{
-    Ack, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply, LedgerEntry,
-    LedgerReply, PendingItem, PendingReply, Pong, RawJson, ReplyBody, Report, ReportItem, RunView,
-    RunsReply, SagaNext, ServerLine, TokenCreated, TokenRevoked, VerdictReply, parse_server_line,
+    Ack, BudgetLine, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply,
+    LedgerEntry, LedgerReply, PendingItem, PendingReply, Pong, RawJson, ReplyBody, Report,
+    ReportItem, RunView, RunsReply, SagaNext, ServerLine, TokenCreated, TokenRevoked, VerdictReply,
+    parse_server_line,
 };
 pub use soundgate::{SgError, SgReply, SgRequest, parse_soundgate};

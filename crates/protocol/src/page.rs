@@ -66,10 +66,18 @@ fn texts<'a>(it: impl IntoIterator<Item = &'a String>) -> usize {
 
 impl Weight for RunView {
     fn weight(&self) -> usize {
-        // Field names, counts and timestamps: ~300 bytes.
+        // Field names, counts and timestamps: ~300 bytes; a budget line's names and three
+        // numbers: ~120.
         300 + text(&self.run)
             + text(&self.owner)
             + self.parent.as_deref().map_or(0, text)
+            + self.cause.as_deref().map_or(0, text)
+            + self.reason.as_deref().map_or(0, text)
+            + self
+                .budget
+                .iter()
+                .map(|b| 120 + text(&b.dimension))
+                .sum::<usize>()
             + self
                 .labels
                 .iter()

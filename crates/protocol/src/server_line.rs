@@ -249,6 +249,10 @@ pub struct RunView {
     pub max_effects: Option<u64>,
     #[serde(default)]
     pub effects: EffectCounts,
+    /// The run's model budget (its subtree's spend), per dimension with a limit or any spend;
+    /// as in the report.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub budget: Vec<BudgetLine>,
     /// Retention forgot the run: only its fence is left (state, cause, `stopped_at`, owner,
     /// epoch, `created_at`); labels, limits and effects are gone.
     #[serde(default, skip_serializing_if = "is_false")]

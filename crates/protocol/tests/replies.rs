@@ -7,9 +7,9 @@ use std::fmt::Debug;
 use estop_kernel::vocab::{HoldReason, RefusalReason};
 use estop_protocol::server_line::{ack_line, error_line, event_line, ok_line, pong_line};
 use estop_protocol::{
-    Ack, ClientReply, DecideReply, EffectCounts, ErrorCode, Event, EventKind, HelloReply, Id,
-    LedgerEntry, LedgerReply, PendingItem, PendingReply, Pong, RawJson, Report, ReportItem,
-    RunView, RunsReply, Secret, ServerLine, TokenCreated, VerdictReply, parse_request,
+    Ack, BudgetLine, ClientReply, DecideReply, EffectCounts, ErrorCode, Event, EventKind,
+    HelloReply, Id, LedgerEntry, LedgerReply, PendingItem, PendingReply, Pong, RawJson, Report,
+    ReportItem, RunView, RunsReply, Secret, ServerLine, TokenCreated, VerdictReply, parse_request,
     parse_server_line,
 };
 use serde::Serialize;
@@ -230,6 +230,12 @@ fn every_payload_round_trips() {
             unknown: 6,
             refused: 7,
         },
+        budget: vec![BudgetLine {
+            dimension: "model_usd".into(),
+            spent: 5,
+            reserved: 2,
+            limit: Some(10),
+        }],
         forgotten: false,
     };
     round_trip(view.clone());

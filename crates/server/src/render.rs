@@ -110,8 +110,22 @@ pub fn run_view(id: &RunId, run: &Run) -> wire::RunView {
         deadline_at: run.limits.deadline_at,
         max_effects: run.limits.max_effects,
         effects: counts,
+        budget: budget_lines(run),
         forgotten: false,
     }
+}
+
+/// The run's model budget as the wire has it (status and report).
+fn budget_lines(run: &Run) -> Vec<wire::BudgetLine> {
+    report::budget(run)
+        .into_iter()
+        .map(|b| wire::BudgetLine {
+            dimension: b.dimension.as_str().to_string(),
+            spent: b.spent,
+            reserved: b.reserved,
+            limit: b.limit,
+        })
+        .collect()
 }
 
 /// What `status` says of a forgotten run: its fence, and that the rest is gone.
@@ -132,6 +146,7 @@ pub fn tombstone_view(id: &RunId, t: &Tombstone) -> wire::RunView {
         deadline_at: None,
         max_effects: None,
         effects: wire::EffectCounts::default(),
+        budget: Vec::new(),
         forgotten: true,
         // The stop's free text is not kept in a tombstone (its cause is).
         reason: None,
@@ -223,15 +238,7 @@ pub fn report(
             .as_ref()
             .and_then(|s| s.reason.as_deref().map(str::to_string)),
         stopped_at: run.stop.as_ref().map(|s| s.at),
-        budget: report::budget(run)
-            .into_iter()
-            .map(|b| wire::BudgetLine {
-                dimension: b.dimension.as_str().to_string(),
-                spent: b.spent,
-                reserved: b.reserved,
-                limit: b.limit,
-            })
-            .collect(),
+        budget: budget_lines(run),
         ..wire::Report::default()
     };
     r.saga_next = saga_next(id, run);

@@ -49,7 +49,7 @@ pub fn token_error(e: &TokenError) -> Answer {
         TokenError::Exists(_) | TokenError::LastOperator(_) => ErrorCode::Conflict,
         TokenError::NotFound(_) => ErrorCode::NotFound,
         TokenError::Reserved(_) | TokenError::Invalid(_) => ErrorCode::InvalidField,
-        TokenError::Full => ErrorCode::LimitExceeded,
+        TokenError::Full | TokenError::GrantsFull => ErrorCode::LimitExceeded,
         TokenError::Io { .. }
         | TokenError::Corrupt { .. }
         | TokenError::Missing { .. }

@@ -9,6 +9,11 @@
 //! the signal of every connection that authenticated with that secret (one atomic load per
 //! request to check, no lock; an idle connection is woken), bumps a counter the console's event
 //! streams watch, and runs the hooks the console registered to end that principal's sessions.
+//!
+//! Beside the registry, **grants**: short-lived secrets the daemon issues, in memory only, for
+//! a principal it has already authenticated (a console session that acts on a runner's control
+//! socket, which authenticates what it is sent with `hello`). A grant authenticates as that
+//! principal until it expires or is ended, and ends with a revocation of the principal.
 
 use estop_kernel::{Principal, PrincipalName, Role};
 use sha2::{Digest as _, Sha256};
@@ -34,6 +39,8 @@ pub const TOKENS_MAX: usize = 10_000;
 pub use estop_protocol::limits::{GROUP_BYTES_MAX, GROUPS_MAX};
 /// Bytes of a token's name (its principal), bounded as a group name is.
 const NAME_BYTES_MAX: usize = GROUP_BYTES_MAX;
+/// Grants live at once ([`Tokens::grant`]); at the bound a new one is refused (`Full`).
+pub const GRANTS_MAX: usize = 64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenError {
@@ -67,6 +74,8 @@ pub enum TokenError {
     Invalid(String),
     #[error("limit reached: tokens_max = {TOKENS_MAX}; revoke tokens no longer used")]
     Full,
+    #[error("limit reached: {GRANTS_MAX} short-lived grants at once; try again shortly")]
+    GrantsFull,
     #[error("the token registry in the database: {0}")]
     Store(String),
     #[error(
@@ -131,6 +140,14 @@ impl RevokeSignal {
     }
 }
 
+/// A secret issued for a principal already authenticated, by hash, until `expires`.
+#[derive(Debug, Clone)]
+struct Grant {
+    principal: Principal,
+    hash: [u8; 32],
+    expires: std::time::Instant,
+}
+
 /// Where the registry lives.
 enum Store {
     /// `DATA/tokens`: this node's own.
@@ -152,6 +169,8 @@ pub struct Tokens {
     /// The revoke signal of every authenticated protocol connection, by connection id, with
     /// the hash of the secret it showed.
     watchers: Mutex<HashMap<u64, Watcher>>,
+    /// Live grants (at most `GRANTS_MAX`; the expired are dropped when one is issued).
+    grants: Mutex<Vec<Grant>>,
 }
 
 /// A connection registered for revocation: the hash of the secret it showed, and its signal.
@@ -336,6 +355,7 @@ impl Tokens {
             revocations: watch::Sender::new(0),
             hooks: Mutex::new(Vec::new()),
             watchers: Mutex::new(HashMap::new()),
+            grants: Mutex::new(Vec::new()),
         }
     }
 
@@ -485,8 +505,17 @@ impl Tokens {
 
     /// Fires the signals of the connections that hold `gone`'s secret, and tells the streams.
     fn revoked(&self, gone: &Entry) {
+        // The principal's grants end with it (a grant only speaks for a current principal).
+        let mut hashes = vec![gone.hash];
+        self.grants.lock().expect("tokens grants").retain(|g| {
+            let keep = g.principal.name != gone.principal.name;
+            if !keep {
+                hashes.push(g.hash);
+            }
+            keep
+        });
         for w in self.watchers.lock().expect("tokens watchers").values() {
-            if w.hash == gone.hash {
+            if hashes.contains(&w.hash) {
                 w.signal.fire();
             }
         }
@@ -576,6 +605,12 @@ impl Tokens {
     /// here), and this node's copy refreshed when it disagrees.
     pub fn credential(&self, secret: &str) -> Result<Option<Credential>, TokenError> {
         let h = hash(secret.trim());
+        if let Some(g) = self.granted(&h) {
+            return Ok(Some(Credential {
+                principal: g.principal,
+                hash: h,
+            }));
+        }
         let found = match &self.store {
             Store::File(_) => self.cached(&h),
             Store::Db(db) => {
@@ -601,13 +636,67 @@ impl Tokens {
             .cloned()
     }
 
-    /// Whether a credential is still in the registry (not revoked).
+    /// Whether a credential is still in the registry (not revoked), or a live grant.
     pub fn is_valid(&self, c: &Credential) -> bool {
         self.entries
             .read()
             .expect("tokens lock")
             .iter()
             .any(|e| e.hash == c.hash)
+            || self.granted(&c.hash).is_some()
+    }
+
+    fn granted(&self, h: &[u8; 32]) -> Option<Grant> {
+        let now = std::time::Instant::now();
+        self.grants
+            .lock()
+            .expect("tokens grants")
+            .iter()
+            .find(|g| g.hash == *h && g.expires > now)
+            .cloned()
+    }
+
+    /// Issues a grant: a fresh secret that authenticates as `principal` for `ttl` or until
+    /// [`Tokens::end_grant`], in memory only (never in the registry, never on another node).
+    /// For a principal the registry still holds (`NotFound` otherwise), at most `GRANTS_MAX`
+    /// at once (`GrantsFull`). The secret is for a peer the daemon hands it to directly; it
+    /// must never be logged or shown.
+    pub fn grant(
+        &self,
+        principal: &Principal,
+        ttl: std::time::Duration,
+    ) -> Result<String, TokenError> {
+        if !self.is_current(principal) {
+            return Err(TokenError::NotFound(principal.name.to_string()));
+        }
+        let secret = format!("estop_gr_{}", &new_secret(principal.role)?[9..]);
+        let now = std::time::Instant::now();
+        let mut grants = self.grants.lock().expect("tokens grants");
+        grants.retain(|g| g.expires > now);
+        if grants.len() >= GRANTS_MAX {
+            return Err(TokenError::GrantsFull);
+        }
+        grants.push(Grant {
+            principal: principal.clone(),
+            hash: hash(&secret),
+            expires: now + ttl,
+        });
+        Ok(secret)
+    }
+
+    /// Ends a grant at once: it authenticates nothing more, and a connection that showed it is
+    /// refused at its next request.
+    pub fn end_grant(&self, secret: &str) {
+        let h = hash(secret);
+        self.grants
+            .lock()
+            .expect("tokens grants")
+            .retain(|g| g.hash != h);
+        for w in self.watchers.lock().expect("tokens watchers").values() {
+            if w.hash == h {
+                w.signal.fire();
+            }
+        }
     }
 
     /// Whether the registry still holds a token for exactly this principal (name, role and
@@ -781,5 +870,63 @@ mod tests {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
+    }
+
+    /// A grant authenticates as its principal until it is ended, expires, or the principal is
+    /// revoked; it is never in the registry file, and a connection that showed it is told.
+    #[test]
+    fn a_grant_speaks_for_its_principal_only_while_it_lives() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tokens, _) = Tokens::open_or_bootstrap(dir.path(), false).unwrap();
+        let secret = tokens.create("ops2", Role::Operator, &[]).unwrap();
+        let ops2 = tokens.authenticate(&secret).unwrap().unwrap();
+        let g = tokens
+            .grant(&ops2, std::time::Duration::from_secs(60))
+            .unwrap();
+        let c = tokens.credential(&g).unwrap().unwrap();
+        assert_eq!(c.principal, ops2);
+        let file = fs::read_to_string(dir.path().join("tokens")).unwrap();
+        assert!(!file.contains(&hex(&hash(&g))), "never in the registry");
+        let signal = tokens.watch(1, &c);
+        assert!(!signal.is_set());
+        tokens.end_grant(&g);
+        assert!(signal.is_set(), "the connection that showed it is told");
+        assert!(tokens.authenticate(&g).unwrap().is_none(), "ended");
+
+        let expired = tokens.grant(&ops2, std::time::Duration::ZERO).unwrap();
+        assert!(tokens.authenticate(&expired).unwrap().is_none(), "expired");
+
+        let g = tokens
+            .grant(&ops2, std::time::Duration::from_secs(60))
+            .unwrap();
+        tokens.revoke("ops2").unwrap();
+        assert!(
+            tokens.authenticate(&g).unwrap().is_none(),
+            "revoked with it"
+        );
+        assert!(matches!(
+            tokens.grant(&ops2, std::time::Duration::from_secs(60)),
+            Err(TokenError::NotFound(_))
+        ));
+
+        let admin = tokens
+            .authenticate(&fs::read_to_string(dir.path().join("operator.token")).unwrap())
+            .unwrap()
+            .unwrap();
+        let held: Vec<String> = (0..GRANTS_MAX)
+            .map(|_| {
+                tokens
+                    .grant(&admin, std::time::Duration::from_secs(60))
+                    .unwrap()
+            })
+            .collect();
+        assert!(matches!(
+            tokens.grant(&admin, std::time::Duration::from_secs(60)),
+            Err(TokenError::GrantsFull)
+        ));
+        tokens.end_grant(&held[0]);
+        tokens
+            .grant(&admin, std::time::Duration::from_secs(60))
+            .unwrap();
     }
 }

@@ -118,6 +118,7 @@ def admit_fields(
     needs_approval: bool | None,
     limits: dict[str, int] | None,
     declare: dict[str, str] | None = None,
+    reserve: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     f: dict[str, Any] = {"run": run, "key": key, "tool": tool, "start": start}
     if digest is not None:
@@ -129,4 +130,25 @@ def admit_fields(
     f["needs_approval"] = True if needs_approval else None
     f["limits"] = limits or None
     f["declare"] = declare or None
+    f["reserve"] = spend_fields("reserve", reserve)
     return f
+
+
+SPEND_MAX = 10**12
+
+
+def spend_fields(name: str, v: dict[str, int] | None) -> dict[str, int] | None:
+    """A `reserve` or `cost` (docs/PROTOCOL.md, "Model budget"): `{usd_micros?, tokens?}`, each a
+    whole number from 0 to 10**12; anything else is a `ValueError` here, before the wire."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError(f"{name} must be a dict with usd_micros and/or tokens, not {type(v).__name__}")
+    out: dict[str, int] = {}
+    for k, n in v.items():
+        if k not in ("usd_micros", "tokens"):
+            raise ValueError(f"{name} has {k!r}; only usd_micros and tokens are counted")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= SPEND_MAX:
+            raise ValueError(f"{name}.{k} must be a whole number from 0 to 10**12, not {n!r}")
+        out[k] = n
+    return out or None

@@ -318,11 +318,17 @@ class Client:
         needs_approval: bool | None = None,
         limits: dict[str, int] | None = None,
         declare: dict[str, str] | None = None,
+        reserve: dict[str, int] | None = None,
     ) -> Verdict:
         """`declare`: how this call is undone, in the keys of a policy rule (`compensate`,
-        `compensate_args`, `reversibility`); it may only add to what policy says."""
+        `compensate_args`, `reversibility`); it may only add to what policy says. `reserve`:
+        `{usd_micros?, tokens?}`, what this call may cost at worst, counted against the model
+        budget (`limits` `max_spend`/`max_tokens`) of the run and every ancestor until `complete`
+        settles it with its `cost` (docs/PROTOCOL.md, "Model budget")."""
         f = _wire.fit_admit(
-            _wire.admit_fields(run, key, tool, args, digest, start, parent, labels, needs_approval, limits, declare),
+            _wire.admit_fields(
+                run, key, tool, args, digest, start, parent, labels, needs_approval, limits, declare, reserve
+            ),
             self.line_bytes_max,
         )
         return _wire.verdict(self.call("admit", **f))
@@ -338,9 +344,19 @@ class Client:
         outcome: str,
         result: Any = _MISSING,
         error: str | None = None,
+        cost: dict[str, int] | None = None,
     ) -> dict[str, Any]:
+        """`cost`: `{usd_micros?, tokens?}`, what the call cost; it releases the admission's
+        `reserve` and is charged once on the run and every ancestor."""
         return self.call(
-            "complete", run=run, key=key, token=token, outcome=outcome, result=result, error=error
+            "complete",
+            run=run,
+            key=key,
+            token=token,
+            outcome=outcome,
+            result=result,
+            error=error,
+            cost=_wire.spend_fields("cost", cost),
         )
 
     def wait(self, run: str, key: str, timeout_ms: int) -> Verdict:

@@ -37,6 +37,9 @@ class RefusedVerdict:
     reason: str
     message: str | None = None
     rule: str | None = None
+    budget: dict[str, Any] | None = None
+    """reason `budget`: `{dimension, run, limit, used}`, the model budget the call's `reserve` would
+    pass (`model_usd` or `model_tokens`, the nearest run whose limit it is)."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,10 @@ def parse_verdict(reply: dict[str, Any]) -> Verdict:
         )
     if v == "refused":
         return RefusedVerdict(
-            reason=str(reply.get("reason")), message=reply.get("message"), rule=reply.get("rule")
+            reason=str(reply.get("reason")),
+            message=reply.get("message"),
+            rule=reply.get("rule"),
+            budget=reply.get("budget"),
         )
     if v == "duplicate":
         return Duplicate(
