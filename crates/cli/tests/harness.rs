@@ -1469,6 +1469,103 @@ fn a_held_tool_whose_request_is_held_too_awaits_both_approvals() {
     assert_one_request_effect(&d, "traj-h/c1");
 }
 
+/// Each held request's run is subscribed to for its decision and unsubscribed once decided:
+/// under a daemon that lets a principal hold 2 subscriptions (the trajectory's and one
+/// request's), three held requests in a row are each approved and sent once.
+#[test]
+fn held_requests_one_after_another_do_not_pile_up_subscriptions() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &["--subscriptions-per-principal-max", "2"]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "fetch", "{\"id\": 1}"),
+            scripted::call("c2", "fetch", "{\"id\": 2}"),
+            scripted::call("c3", "fetch", "{\"id\": 3}"),
+            scripted::answer("done"),
+        ],
+    );
+    let ok = || {
+        vec![Step::Status {
+            status: 200,
+            body: "sent".into(),
+        }]
+    };
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: vec![ok(), ok(), ok()],
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.tools = vec![http_tool(
+        dir.path(),
+        &format!("http://{}/held", upstream.addr),
+    )];
+    let run = spawn_runner(&rt, opts, "traj-s");
+    for c in ["c1", "c2", "c3"] {
+        let out = status_shows(&d, "traj-s", &format!("held {c} request traj-s/{c}"));
+        assert!(out.contains(&format!("held {c} request")), "{out}");
+        let (code, _, err) = d.cli(&["approve", &format!("traj-s/{c}"), &format!("idem:{c}")]);
+        assert_eq!(code, 0, "{err}");
+    }
+    let runner = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(30), run).await })
+        .expect("every approval was heard")
+        .unwrap();
+    assert_eq!(runner.record("traj-s").unwrap().state, State::Completed);
+    assert_eq!(
+        upstream.calls(),
+        [json!({"id": 1}), json!({"id": 2}), json!({"id": 3})]
+    );
+}
+
+/// A held request whose run cannot be subscribed to (the principal's one subscription is the
+/// trajectory's) would never hear its decision: silence is no — the model reads
+/// `APPROVAL_CANCELED`, nothing is dialled, the trajectory goes on and completes.
+#[test]
+fn a_held_request_whose_decision_cannot_be_followed_is_canceled() {
+    let d = Daemon::start_with_policy(HTTP_POLICY, &["--subscriptions-per-principal-max", "1"]);
+    let rt = runtime();
+    let model = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "fetch", "{\"id\": 1}"),
+            scripted::answer("could not"),
+        ],
+    );
+    let upstream = rt
+        .block_on(Scripted::start(
+            "127.0.0.2:0",
+            Script {
+                responses: Vec::new(),
+            },
+        ))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(&d, &model.base_url(), &d.data().join("effects"));
+    opts.tools = vec![http_tool(
+        dir.path(),
+        &format!("http://{}/held", upstream.addr),
+    )];
+    let runner = rt
+        .block_on(async {
+            tokio::time::timeout(Duration::from_secs(30), run_to_end(opts, "traj-u")).await
+        })
+        .expect("the wait ended");
+    assert_eq!(runner.record("traj-u").unwrap().state, State::Completed);
+    assert!(upstream.calls().is_empty(), "nothing was dialled");
+    let last = model.calls()[1]["messages"].as_array().unwrap().clone();
+    let m = last.iter().find(|m| m["tool_call_id"] == "c1").unwrap();
+    assert!(
+        m["content"].as_str().unwrap().contains("APPROVAL_CANCELED"),
+        "{m}"
+    );
+}
+
 /// A held request the operator rejects: the model reads seed 004's `APPROVAL_DENIED` (the
 /// approval's quorum with it), nothing is dialled, the call's run is closed, and the
 /// trajectory re-plans and completes.

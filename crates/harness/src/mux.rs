@@ -238,10 +238,17 @@ pub async fn gate_task(
                         tokio::spawn(async move {
                             // Another run's effect: its events are subscribed to before the
                             // first poll, so no decision falls between the two.
+                            // A subscription refused (a share of the gate's reached) would
+                            // leave the decision unheard: silence is no.
                             if !own {
                                 let sub = op(Verb::Subscribe, &json!({"run": run}));
-                                if let Ok(sub) = sub {
-                                    let _ = mux.request(sub).await;
+                                let subscribed = match sub {
+                                    Ok(sub) => mux.request(sub).await.is_ok(),
+                                    Err(_) => false,
+                                };
+                                if !subscribed {
+                                    let _ = polled.send(Polled::Decided(run, key, Decision::Canceled));
+                                    return;
                                 }
                             }
                             poll(mux, run, key, polled).await;
@@ -276,6 +283,15 @@ pub async fn gate_task(
                     let known = held.get_mut(&run).and_then(|k| k.remove(&key));
                     if held.get(&run).is_some_and(BTreeMap::is_empty) {
                         held.remove(&run);
+                        // A held request's run, followed only for its decision: its
+                        // subscription goes, so a runner's subscriptions stay one per
+                        // trajectory plus one per request waited for.
+                        if !watched.contains(&run) && let Some((mux, _)) = &conn {
+                            let mux = mux.clone();
+                            tokio::spawn(async move {
+                                mux.request(op(Verb::Unsubscribe, &json!({"run": run}))?).await
+                            });
+                        }
                     }
                     if let Some((trajectory, call)) = known {
                         let _ = runner.send(Input::Decided { id: trajectory, call, decision });
