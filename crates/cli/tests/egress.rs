@@ -2425,3 +2425,59 @@ const [port, tport] = process.argv.slice(1);
     assert_eq!(*srv.paths.lock().unwrap(), vec!["/fetch24".to_string()]);
     assert_eq!(*tls.paths.lock().unwrap(), vec!["/fetch24-tls".to_string()]);
 }
+
+/// An agent that prepares the proxy's own request itself, two-phase, through its run's socket
+/// (the same key and arguments as the proxy will present), cannot get it sent without the gate
+/// seeing it start: the proxy's admission (`start: true`) starts the prepared effect at the
+/// commit point, so the request is `started` while upstream and completed after, never left
+/// `admitted` (which a cancel would void as never run, while it ran).
+#[test]
+fn a_request_the_agent_prepared_itself_is_started_when_the_proxy_sends_it() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    let script = format!(
+        r#"
+import hashlib, json, os, socket, urllib.request
+url = "http://127.0.0.2:{port}/orders"
+body = b'{{"n": 1}}'
+args = {{"method": "POST", "url": url, "scheme": "http", "host": "127.0.0.2", "port": {port},
+        "path": "/orders", "query": "", "body_sha256": hashlib.sha256(body).hexdigest(),
+        "body_bytes": len(body)}}
+s = socket.socket(socket.AF_UNIX); s.connect(os.environ["ESTOP_SOCKET"]); f = s.makefile("rwb")
+def call(**req):
+    f.write((json.dumps(req) + "\n").encode()); f.flush(); return json.loads(f.readline())
+call(id=1, op="hello", token="anything")
+v = call(id=2, op="admit", run=os.environ["ESTOP_RUN"], key="idem:k1", tool="http.POST", args=args, start=False)
+print("prepared:", v.get("verdict"))
+req = urllib.request.Request(url, data=body, method="POST", headers={{"Idempotency-Key": "k1"}})
+r = urllib.request.urlopen(req, timeout=10)
+print("sent:", r.status, r.read().decode())
+"#,
+        port = srv.port
+    );
+    let (code, out, err) = finish(estop_run(&d, "prep", "", &argv(&python(&script))));
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(out.contains("prepared: admitted"), "{out}\n{err}");
+    assert!(out.contains("sent: 200 hit 1"), "{out}\n{err}");
+    assert_eq!(srv.hits(), 1);
+    let mut op = d.operator();
+    // The proxy answers the agent before its completion is durable (docs/EGRESS.md): read the
+    // report until the request is settled.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let report = ok(&mut op, json!({"op": "report", "run": "prep"}));
+        let done = report["done"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["key"] == "idem:k1" && e["tool"] == "http.POST");
+        if done {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the request the proxy sent is not done at the gate: {report}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

@@ -1750,7 +1750,6 @@ fn a_request_other_than_the_preadmitted_one_is_admitted_under_policy() {
             parent: "px".into(),
             settings: egress.settings.clone(),
             credentials: egress.credentials.clone(),
-            preadmitted: Some("idem:c1".into()),
         }))
         .unwrap();
     let send = |method: &str, target: &str, key: &str, body: &str| -> String {

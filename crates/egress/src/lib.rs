@@ -173,7 +173,6 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
         seq: 0.into(),
         pool: pool::Pool::default(),
         access: None,
-        preadmitted: None,
     });
     tokio::spawn(proxy.serve(tokio::net::TcpListener::from_std(l.proxy)?));
     tokio::spawn(dns::serve(tokio::net::UdpSocket::from_std(l.dns)?));
@@ -257,7 +256,6 @@ pub async fn serve_proxy(
         seq: 0.into(),
         pool: pool::Pool::default(),
         access: None,
-        preadmitted: None,
     });
     proxy.serve(listener).await;
     Ok(())

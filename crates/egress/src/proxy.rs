@@ -85,13 +85,6 @@ pub struct Proxy {
     /// otherwise reach and send requests through with the run's credentials. None: the proxy
     /// of `estop run`'s sandbox, reachable only inside the sandbox's own network namespace.
     pub access: Option<String>,
-    /// The key of an effect the harness admitted itself, two-phase, before it dispatched the
-    /// call (a harness HTTP tool's request, `idem:CALL_ID`): a request under this key whose
-    /// arguments are the admitted ones (the gate checks the digest: other arguments under the
-    /// key are a mismatch it refuses) is started with the token the gate answers, not admitted
-    /// anew — the gate answers a repeat admit of an admitted, unstarted effect with its token
-    /// and does not start it. Any other request is admitted as usual.
-    pub preadmitted: Option<String>,
 }
 
 /// What the proxy will send, as the gate's policy sees it.
@@ -690,11 +683,6 @@ impl Proxy {
             )));
         }
         match v["verdict"].as_str() {
-            Some("admitted") if self.preadmitted.as_deref() == Some(effect.key.as_str()) => {
-                let token = v["token"].as_str().unwrap_or_default().to_string();
-                self.start_preadmitted(effect, &token, who).await?;
-                Ok(token)
-            }
             Some("admitted") => Ok(v["token"].as_str().unwrap_or_default().to_string()),
             Some("held") => Err(Box::new(held(who, &v))),
             Some("refused") if v["budget"].is_object() => Err(Box::new(crate::meter::over_budget(
@@ -719,38 +707,6 @@ impl Proxy {
                     json!({
                 "verdict": "refused", "reason": v["reason"], "rule": v["rule"], "message": v["message"],
                 "what_to_do": "do not retry this request: the gate refused it"}),
-                ),
-            ))),
-        }
-    }
-
-    /// Starts an effect the harness admitted (`preadmitted`): `go`, or the answer the agent
-    /// gets instead (a hold at the commit point — a pause, a sibling — a refusal, a stop).
-    async fn start_preadmitted(
-        &self,
-        effect: &Effect,
-        token: &str,
-        who: Value,
-    ) -> Result<(), Box<Reply>> {
-        let start = json!({"op": "start", "run": self.run, "key": effect.key, "token": token});
-        let v = self.gate.call(start).await.map_err(|e| gate_down(&e))?;
-        match (v["ok"] == true, v["verdict"].as_str()) {
-            (true, Some("go")) => Ok(()),
-            (true, Some("held")) => Err(Box::new(held(who, &v))),
-            (true, _) => Err(Box::new(refusal(
-                StatusCode::FORBIDDEN,
-                merge(
-                    who,
-                    json!({"verdict": "refused", "reason": v["reason"], "message": v["message"],
-                        "what_to_do": "do not retry this request: the gate did not start it"}),
-                ),
-            ))),
-            (false, _) => Err(Box::new(refusal(
-                StatusCode::SERVICE_UNAVAILABLE,
-                merge(
-                    who,
-                    json!({"verdict": "error", "error": v["error"],
-                        "message": "the gate did not start the request; nothing was sent"}),
                 ),
             ))),
         }
@@ -1162,7 +1118,6 @@ mod tests {
             seq: 0.into(),
             pool: crate::pool::Pool::default(),
             access: None,
-            preadmitted: None,
         };
         (Arc::new(proxy), fence_tx)
     }

@@ -7,10 +7,10 @@
 //! `[egress]` settings is injected after admission, for the exact destination only; refused
 //! destinations (loopback, link-local, metadata) stay refused unless `allow_destinations`.
 //!
-//! The harness may admit the request it will send before it dispatches the call
-//! ([`ToolProxyOptions::preadmitted`]): the proxy then starts that effect (the gate answers a
-//! repeat admit of an admitted, unstarted effect with its token and starts nothing), and admits
-//! anything else as usual.
+//! The harness may admit the request it will send before it dispatches the call, two-phase,
+//! under the same key and arguments ([`crate::proxy::request_args`]): the proxy's own admission
+//! (`start: true`) then starts that effect at the commit point — the gate starts a prepared
+//! effect when a repeat admission asks to start it — and anything else is admitted as usual.
 //!
 //! The run is watched: its stop (a cancel or kill of the trajectory cascades to it) fences the
 //! proxy and cuts what is in flight, and so does dropping the handle (the harness cut the
@@ -41,13 +41,6 @@ pub struct ToolProxyOptions {
     pub parent: String,
     pub settings: Settings,
     pub credentials: Arc<Credentials>,
-    /// The key of the request effect the harness admitted itself (two-phase, under `run`,
-    /// with the arguments [`crate::proxy::request_args`] gives for the request it will send),
-    /// so a hold is known while the trajectory can still wait for it in AWAITING_APPROVAL: the
-    /// proxy starts that effect with the gate's token instead of admitting it anew. A request
-    /// under another key is admitted as usual; one under this key with other arguments is
-    /// refused by the gate (a digest mismatch). `None`: every request is admitted here.
-    pub preadmitted: Option<String>,
 }
 
 /// A proxy serving on `addr` until [`ToolProxy::finish`]ed or dropped (a drop is a cut).
@@ -95,7 +88,6 @@ impl ToolProxy {
             seq: 0.into(),
             pool: crate::pool::Pool::default(),
             access: Some(secret.clone()),
-            preadmitted: o.preadmitted,
         });
         let serving = tokio::spawn(proxy.serve(listener));
         let (end_tx, end) = oneshot::channel::<bool>();

@@ -409,15 +409,14 @@ pub type Outcome = (&'static str, String);
 
 /// Runs one admitted, started HTTP tool call as the child run `RUN/CALL_ID`; dropped mid-way
 /// (the runner aborts a cut call), its proxy is dropped with it, which fences the proxy.
-/// `preadmitted`: the harness admitted the request itself ([`Request::effect`]) and the proxy
-/// starts that effect.
+/// The harness may have admitted the request itself ([`Request::effect`], two-phase): the
+/// proxy's admission of the same request starts that effect.
 pub async fn call(
     gate: &GateConfig,
     run: &str,
     call: &ToolCall,
     request: &Request,
     egress: &Egress,
-    preadmitted: bool,
 ) -> Outcome {
     let child = format!("{run}/{}", call.id);
     if let Err(e) = crate::gate::check_run_id(&child) {
@@ -433,7 +432,6 @@ pub async fn call(
         parent: run.to_string(),
         settings: egress.settings.clone(),
         credentials: egress.credentials.clone(),
-        preadmitted: preadmitted.then(|| effect_key(&call.id)),
     };
     let proxy = match ToolProxy::start(opts).await {
         Ok(p) => p,
@@ -591,7 +589,7 @@ pub async fn dispatch(
             "message": "the gate refused this request; nothing was sent"});
         return ("error", refused(call, &estop));
     }
-    self::call(gate, run, call, &request, egress, true).await
+    self::call(gate, run, call, &request, egress).await
 }
 
 enum Sent {

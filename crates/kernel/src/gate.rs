@@ -745,6 +745,33 @@ impl Gate {
                         false,
                     ));
                 }
+                if a.start {
+                    // `start: true` is the start, also of an effect prepared before (by anyone
+                    // with the same key and arguments): the repeat starts it at the commit
+                    // point, as `start` would, never answering "admitted" for an effect that
+                    // did not start (the client then runs it); a held one starts when admitted.
+                    match effect.status {
+                        Status::Admitted if run.stop.is_none() => {
+                            let token = effect.token.expect("admitted effects carry a token");
+                            return match self.start(now, p, &a.run, &a.key, token, ev)? {
+                                (Reply::Verdict(Verdict::Go), changed) => {
+                                    Ok((Reply::Verdict(Verdict::Admitted { token }), changed))
+                                }
+                                other => Ok(other),
+                            };
+                        }
+                        Status::Held(_) | Status::Approved if !effect.start_on_admit => {
+                            self.runs
+                                .get_mut(&a.run)
+                                .and_then(|r| r.effects.get_mut(&a.key))
+                                .expect("the effect exists")
+                                .start_on_admit = true;
+                            let (reply, _) = self.existing(now, &a.run, &a.key, ev)?;
+                            return Ok((reply, true));
+                        }
+                        _ => {}
+                    }
+                }
                 return self.existing(now, &a.run, &a.key, ev);
             }
             if let Some(stop) = &run.stop {

@@ -1343,3 +1343,56 @@ fn every_run_verb_from_every_run_state() {
     "#]]
     .assert_eq(&out);
 }
+
+/// `start: true` is the start, also when the effect was prepared before (`start=false`, by
+/// anyone holding the same key and arguments): the repeat starts it at the commit point, or is
+/// held or refused as `start` would be. Before, it answered the prepared token and started
+/// nothing, so a client that asked to start (the egress proxy) ran a call the gate had never
+/// seen start: a cancel voided it as never run, and its completion was refused.
+#[test]
+fn a_repeat_admit_asking_to_start_starts_a_prepared_effect() {
+    check(
+        "
+        0 agent admit r1 k1 pay start=false
+        1 agent admit r1 k1 pay
+        2 agent complete r1 k1 1.1 ok
+        3 agent admit r1 k2 refund action=approve start=false
+        4 agent admit r1 k2 refund action=approve
+        5 alice approve r1 k2
+        6 agent wait r1 k2
+        7 agent complete r1 k2 1.2 ok
+        8 agent admit r1 k3 pay start=false
+        9 alice pause r1
+        10 agent admit r1 k3 pay
+        11 alice resume r1
+        12 agent admit r1 k3 pay
+        13 agent admit r1 k4 pay start=false
+        14 alice cancel r1
+        15 agent admit r1 k4 pay
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 pay start=false          => admitted 1.1
+            1 agent admit r1 k1 pay                      => admitted 1.1
+            2 agent complete r1 k1 1.1 ok                => completed
+            3 agent admit r1 k2 refund action=approve start=false => held approval #1 until 1003
+            4 agent admit r1 k2 refund action=approve    => held approval #1 until 1003
+            5 alice approve r1 k2                        => decided approved
+            6 agent wait r1 k2                           => admitted 1.2
+            7 agent complete r1 k2 1.2 ok                => completed
+            8 agent admit r1 k3 pay start=false          => admitted 1.3
+            9 alice pause r1                             => run paused (1 changed)
+            10 agent admit r1 k3 pay                     => held paused
+            11 alice resume r1                           => run active (1 changed)
+            12 agent admit r1 k3 pay                     => admitted 1.3
+            13 agent admit r1 k4 pay start=false         => admitted 1.4
+            14 alice cancel r1                           => run finalizing (1 changed)
+            15 agent admit r1 k4 pay                     => refused cancelled
+            --
+            run r1 finalizing stop=cancelled epoch=2 admitted=4 pending=0 in_flight=1
+              k1 pay completed
+              k2 refund completed approvers=alice
+              k3 pay started
+              k4 pay refused(cancelled)
+        "#]],
+    );
+}

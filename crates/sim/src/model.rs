@@ -850,6 +850,28 @@ impl Model {
                 if digest(e.tool, e.arg) != digest(tool, arg) {
                     return verdict("refused mismatch".into());
                 }
+                // PROTOCOL: "`start`: `true`: this admission is also the start", also of an
+                // effect prepared before with the same key and arguments.
+                if start {
+                    match e.st {
+                        St::Admitted if r.stop.is_none() => {
+                            let (ep, n) = e.token.expect("admitted effects have a token");
+                            let (answer, changed) = self.start(now, who, run, key, Tok::Issued)?;
+                            let answer = if answer == "go" {
+                                format!("admitted {ep}.{n}")
+                            } else {
+                                answer
+                            };
+                            return Ok((answer, changed));
+                        }
+                        St::Held(_) | St::Approved if !e.start_on_admit => {
+                            self.eff(run, key).start_on_admit = true;
+                            let (answer, _) = self.recheck(now, run, key)?;
+                            return changed(answer);
+                        }
+                        _ => {}
+                    }
+                }
                 return self.recheck(now, run, key);
             }
             if let Some((cause, _)) = r.stop {
