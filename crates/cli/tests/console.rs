@@ -1338,8 +1338,13 @@ fn the_console_hands_a_runner_a_grant_that_ends_with_the_ask_and_bounds_its_asks
         assert!(token.starts_with("estop_gr_"), "{req}");
         assert_eq!(req["ask"], "interrupt");
     }
+    // The asks reach the runner in any order: the first ask's is the one answered below.
+    let first_ask = held
+        .iter()
+        .position(|(req, _)| req["message"] == "message 0")
+        .expect("the first ask reached the runner");
     // While its ask is open, the daemon vouches for a grant as the acting operator.
-    let grant = held[0].0["token"].as_str().unwrap().to_string();
+    let grant = held[first_ask].0["token"].as_str().unwrap().to_string();
     let mut peer = estop_server::client::Client::connect(&c.d.socket()).unwrap();
     let hello = peer.hello(&grant).unwrap();
     assert_eq!(
@@ -1355,7 +1360,7 @@ fn the_console_hands_a_runner_a_grant_that_ends_with_the_ask_and_bounds_its_asks
         fifth.body
     );
     // The runner answers the first: the console passes the answer on, and the grant is over.
-    let (_, mut first) = held.remove(0);
+    let (_, mut first) = held.remove(first_ask);
     first
         .write_all(b"{\"ok\": {\"stored\": true, \"state\": \"CALLING_MODEL\"}}\n")
         .unwrap();

@@ -138,14 +138,41 @@ impl Registry {
         })
     }
 
+    /// [`Registry::with`] for a read, which is safe to repeat: a read that fails on a
+    /// connection opened before (a restart of the server broke it, and the client only learns
+    /// that when it next speaks) is tried once more on a fresh one; a fresh connection's
+    /// failure is the answer.
+    fn read<T: Send>(
+        &self,
+        f: impl Fn(&mut Client) -> Result<T, TokenError> + Send + Sync,
+    ) -> Result<T, TokenError> {
+        off_runtime(|| {
+            let mut conn = self.conn.lock().expect("token registry connection");
+            loop {
+                let fresh = conn.as_ref().is_none_or(Client::is_closed);
+                if fresh {
+                    *conn = Some(self.target.connect().map_err(store)?);
+                }
+                let out = f(conn.as_mut().expect("connected above"));
+                if !matches!(out, Err(TokenError::Store(_))) {
+                    return out;
+                }
+                *conn = None;
+                if fresh {
+                    return out;
+                }
+            }
+        })
+    }
+
     /// The live tokens as the database has them now.
     pub(super) fn live(&self) -> Result<Vec<Entry>, TokenError> {
-        self.with(live)
+        self.read(live)
     }
 
     /// The live token whose secret hashes to `hash`, if any.
     pub(super) fn lookup(&self, hash: &[u8; 32]) -> Result<Option<Entry>, TokenError> {
-        self.with(|c| {
+        self.read(|c| {
             let row = c
                 .query_opt(&format!("{LIVE} AND hash = $1"), &[&&hash[..]])
                 .map_err(db)?;
