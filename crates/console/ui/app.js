@@ -888,7 +888,10 @@ function viewTrajectory() {
   const leases = (t.leases || []).map((l) => h("li", {}, l.kind, " ", h("span", { class: "mono" }, l.id)));
   const work = [
     ...t.pending.map((p) => h("li", {}, h("span", { class: "mono" }, p.call), " ", p.tool, " — ", p.phase, p.deadline_ms ? " (deadline " + when(p.deadline_ms) + ")" : "")),
-    ...t.held.map((x) => h("li", {}, h("span", { class: "mono" }, x.call), " ", x.tool, " — held for approval, expires ", when(x.expires_at_ms))),
+    ...t.held.map((x) => h("li", {}, h("span", { class: "mono" }, x.call), " ", x.tool, " — held for approval, expires ", when(x.expires_at_ms),
+      // An HTTP tool's request held at the gate: what the approval is for, and where it is.
+      x.request ? [" — its request ", h("span", { class: "mono" }, `${x.request.tool} ${x.request.url}`), ", effect ",
+        h("a", { href: runHref(x.request.run) }, h("span", { class: "mono" }, x.request.run)), " ", h("span", { class: "mono" }, x.request.key)] : null)),
   ];
   main.replaceChildren(...[
     h("p", {}, h("a", { href: "#/agents" }, "← Agents")),
