@@ -49,13 +49,14 @@ function startChild(cmd, args, pred, opts = {}) {
   return { child, line, log, exited };
 }
 
-before(async () => {
-  d = await startDaemon();
-  writeFileSync(join(d.dir, "script.json"), JSON.stringify(SCRIPT));
+// Starts the scripted model server on `script` (written as NAME.json in the daemon's dir):
+// the child, and the head of an agent config naming it as model `scripted` with 5 turns.
+async function scriptedModel(name, script) {
+  writeFileSync(join(d.dir, `${name}.json`), JSON.stringify(script));
   const scriptedBin = join(dirname(estopBin()), "estop-harness-scripted");
-  scripted = startChild(scriptedBin, ["--script", join(d.dir, "script.json"), "--listen", "127.0.0.1:0"], (l) => l.startsWith("ready url="));
-  const url = (await scripted.line).slice("ready url=".length);
-  writeFileSync(join(d.dir, "agent.toml"), `
+  const model = startChild(scriptedBin, ["--script", join(d.dir, `${name}.json`), "--listen", "127.0.0.1:0"], (l) => l.startsWith("ready url="));
+  const url = (await model.line).slice("ready url=".length);
+  const head = `
 [[model]]
 name = "scripted"
 base_url = "${url}"
@@ -64,7 +65,15 @@ usd_per_mtok_output = 15.0
 
 [budget]
 turns = 5
+`;
+  return { model, head };
+}
 
+before(async () => {
+  d = await startDaemon();
+  let head;
+  ({ model: scripted, head } = await scriptedModel("script", SCRIPT));
+  writeFileSync(join(d.dir, "agent.toml"), `${head}
 [[tool]]
 name = "drop_table"
 command = ["sh", "-c", "cat"]
@@ -175,20 +184,8 @@ const OPEN = {
 };
 
 test("an operator interrupts and cancels a running trajectory from its page; an observer sees no action", async () => {
-  writeFileSync(join(d.dir, "open.json"), JSON.stringify(OPEN));
-  const scriptedBin = join(dirname(estopBin()), "estop-harness-scripted");
-  const model = startChild(scriptedBin, ["--script", join(d.dir, "open.json"), "--listen", "127.0.0.1:0"], (l) => l.startsWith("ready url="));
-  const url = (await model.line).slice("ready url=".length);
-  writeFileSync(join(d.dir, "open.toml"), `
-[[model]]
-name = "scripted"
-base_url = "${url}"
-usd_per_mtok_input = 3.0
-usd_per_mtok_output = 15.0
-
-[budget]
-turns = 5
-`);
+  const { model, head } = await scriptedModel("open", OPEN);
+  writeFileSync(join(d.dir, "open.toml"), head);
   const run = startChild(estopBin(), ["agent", "run", "--data", d.dir, "--config", join(d.dir, "open.toml"), "--model", "scripted", "--id", "traj-2", "count the rows"], null);
   await until("/api/v1/trajectories/traj-2", (t) => t.state === "CALLING_MODEL");
 

@@ -736,10 +736,7 @@ fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
                 parent: Some("boss".into()),
                 tenant: "default".into(),
                 task: format!("<i>task</i> of {id}"),
-                retry_of: None,
-                depth: 0,
-                spawned_by: None,
-                contract: None,
+                ..Identity::default()
             },
             CallLimits {
                 model: "m".into(),

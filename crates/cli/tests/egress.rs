@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Daemon, bin, ok};
+use common::{Daemon, bin, ok, poll};
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -2463,21 +2463,21 @@ print("sent:", r.status, r.read().decode())
     let mut op = d.operator();
     // The proxy answers the agent before its completion is durable (docs/EGRESS.md): read the
     // report until the request is settled.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let report = ok(&mut op, json!({"op": "report", "run": "prep"}));
-        let done = report["done"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|e| e["key"] == "idem:k1" && e["tool"] == "http.POST");
-        if done {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the request the proxy sent is not done at the gate: {report}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    let (done, report) = poll(
+        std::time::Duration::from_secs(10),
+        std::time::Duration::from_millis(50),
+        || {
+            let report = ok(&mut op, json!({"op": "report", "run": "prep"}));
+            let done = report["done"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["key"] == "idem:k1" && e["tool"] == "http.POST");
+            (done, (done, report))
+        },
+    );
+    assert!(
+        done,
+        "the request the proxy sent is not done at the gate: {report}"
+    );
 }

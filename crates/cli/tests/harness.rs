@@ -90,28 +90,15 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
                 description: "read".into(),
                 parameters: json!({"type": "object"}),
                 command: append("lookup"),
-                url: None,
-                mcp: None,
-                sandbox: false,
-                sandbox_policy: None,
-                http: Default::default(),
                 read_only: true,
-                egress: None,
-                credentials: None,
+                ..Tool::default()
             },
             Tool {
                 name: "drop_table".into(),
                 description: "drop".into(),
                 parameters: json!({"type": "object"}),
                 command: append("drop_table"),
-                url: None,
-                mcp: None,
-                sandbox: false,
-                sandbox_policy: None,
-                http: Default::default(),
-                read_only: false,
-                egress: None,
-                credentials: None,
+                ..Tool::default()
             },
         ],
         system: "You are a careful agent.".into(),
@@ -968,15 +955,10 @@ fn http_tool(dir: &std::path::Path, url: &str) -> Tool {
         name: "fetch".into(),
         description: "fetch an order".into(),
         parameters: json!({"type": "object"}),
-        command: Vec::new(),
         url: Some(url.to_string()),
-        mcp: None,
-        sandbox: false,
-        sandbox_policy: None,
-        http: Default::default(),
         read_only: true,
         egress: Some(estop_harness::http::Egress::load(&settings).unwrap()),
-        credentials: None,
+        ..Tool::default()
     }
 }
 
@@ -1325,14 +1307,16 @@ fn an_http_tool_refused_by_policy_or_destination_dials_nothing() {
 /// Polls `estop agent status ID` until its first line starts with `ID STATE` (10 s at most);
 /// returns the whole output.
 fn status_becomes(d: &Daemon, id: &str, state: &str) -> String {
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
+    status_until(d, id, |out| out.starts_with(&format!("{id} {state} ")))
+}
+
+/// Polls `estop agent status ID` until `done` holds of its output (10 s at most); returns
+/// the last output.
+fn status_until(d: &Daemon, id: &str, done: impl Fn(&str) -> bool) -> String {
+    common::poll(Duration::from_secs(10), Duration::from_millis(50), || {
         let (_, out, _) = d.cli(&["agent", "status", id]);
-        if out.starts_with(&format!("{id} {state} ")) || std::time::Instant::now() > until {
-            return out;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        (done(&out), out)
+    })
 }
 
 /// A request the policy holds is found before the call is dispatched (the harness admits it
@@ -1406,14 +1390,7 @@ fn an_http_tool_request_held_for_approval_awaits_approval_and_goes_once_approved
 
 /// Polls `estop agent status ID` until it holds `text` (10 s at most); returns the output.
 fn status_shows(d: &Daemon, id: &str, text: &str) -> String {
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let (_, out, _) = d.cli(&["agent", "status", id]);
-        if out.contains(text) || std::time::Instant::now() > until {
-            return out;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    status_until(d, id, |out| out.contains(text))
 }
 
 /// A call whose tool the policy holds and whose request it holds too: two approvals, both
@@ -2525,10 +2502,9 @@ fn a_trajectorys_workspace_lease_is_released_at_finalizing() {
     );
     let writable =
         |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o222 != 0;
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    while (writable(&out) || writable(&dir)) && std::time::Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::poll(Duration::from_secs(10), Duration::from_millis(20), || {
+        (!writable(&out) && !writable(&dir), ())
+    });
     assert!(
         !writable(&out) && !writable(&dir),
         "read-only once released"
@@ -2580,12 +2556,12 @@ fn a_contracts_workspace_file_is_looked_for_in_the_workspace_lease() {
     // read-only.
     use std::os::unix::fs::PermissionsExt;
     let dir = root.path().join("wf-1");
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    while std::fs::metadata(&dir).unwrap().permissions().mode() & 0o222 != 0
-        && std::time::Instant::now() < until
-    {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::poll(Duration::from_secs(10), Duration::from_millis(20), || {
+        (
+            std::fs::metadata(&dir).unwrap().permissions().mode() & 0o222 == 0,
+            (),
+        )
+    });
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
 }
 
@@ -2969,14 +2945,10 @@ fn mcp_tools_are_admitted_by_the_gate_then_sent_upstream() {
 /// Waits (at most 10 s) until effect `key` of `run` is `want` (an outcome the proxy sends
 /// after the trajectory's end has its own way to the gate); returns what it last was.
 fn effect_status_becomes(d: &Daemon, run: &str, key: &str, want: &str) -> String {
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
+    common::poll(Duration::from_secs(10), Duration::from_millis(50), || {
         let now = effect_status(d, run, key);
-        if now == want || std::time::Instant::now() > until {
-            return now;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        (now == want, now)
+    })
 }
 
 fn effect_status(d: &Daemon, run: &str, key: &str) -> String {
@@ -3030,19 +3002,31 @@ fn a_cancel_cancels_the_mcp_call_in_flight_upstream() {
     assert!(out.starts_with("mcp-2 CANCELED"), "{out}");
     assert_eq!(model.calls().len(), 1, "no model call after the cancel");
     // The server logs the notice as it reads it; the runner awaited its write before exiting.
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    let logged = loop {
+    let logged = common::poll(Duration::from_secs(10), Duration::from_millis(20), || {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
-        if text.contains("cancelled") || std::time::Instant::now() > until {
-            break text;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+        (text.contains("cancelled"), text)
+    });
     assert!(
         logged.starts_with("call block wait\ncancelled "),
         "{logged}"
     );
     assert_eq!(effect_status(&d, "mcp-2", "c1"), "unknown");
+}
+
+/// The agent config of the re-listing tests: the scripted model and `MCP_CHANGING_SERVER` as
+/// `files`, with `extra` lines for its `[[server]]`; the config's path.
+fn changing_server_config(d: &Daemon, model: &str, extra: &str) -> String {
+    let server = d.data().join("changing.py");
+    std::fs::write(&server, MCP_CHANGING_SERVER).unwrap();
+    let config = d.data().join("agent.toml");
+    let text = format!(
+        "[[model]]\nname = \"scripted\"\nbase_url = \"{model}\"\nusd_per_mtok_input = 3.0\n\
+         usd_per_mtok_output = 15.0\n\n[[server]]\nname = \"files\"\ncommand = \"python3\"\n\
+         args = [\"-u\", {:?}]\n{extra}",
+        server.display().to_string()
+    );
+    std::fs::write(&config, text).unwrap();
+    config.display().to_string()
 }
 
 /// An MCP server that changes its tools: `flip` makes `echo`'s description `v2` and drops
@@ -3103,18 +3087,7 @@ fn a_servers_tools_list_changed_is_listed_again_before_the_next_turn() {
             scripted::answer("flipped"),
         ],
     );
-    let server = d.data().join("changing.py");
-    std::fs::write(&server, MCP_CHANGING_SERVER).unwrap();
-    let config = d.data().join("agent.toml");
-    let text = format!(
-        "[[model]]\nname = \"scripted\"\nbase_url = \"{}\"\nusd_per_mtok_input = 3.0\n\
-         usd_per_mtok_output = 15.0\n\n[[server]]\nname = \"files\"\ncommand = \"python3\"\n\
-         args = [\"-u\", {:?}]\n",
-        model.base_url(),
-        server.display().to_string()
-    );
-    std::fs::write(&config, text).unwrap();
-    let config = config.display().to_string();
+    let config = changing_server_config(&d, &model.base_url(), "");
     // The operator approves every call held while the agent runs, noting which and why.
     let (held, (code, out, err)) = std::thread::scope(|s| {
         let agent = s.spawn(|| {
@@ -3195,18 +3168,7 @@ fn a_relisting_over_the_bound_keeps_the_previous_list() {
             scripted::answer("kept"),
         ],
     );
-    let server = d.data().join("changing.py");
-    std::fs::write(&server, MCP_CHANGING_SERVER).unwrap();
-    let config = d.data().join("agent.toml");
-    let text = format!(
-        "[[model]]\nname = \"scripted\"\nbase_url = \"{}\"\nusd_per_mtok_input = 3.0\n\
-         usd_per_mtok_output = 15.0\n\n[[server]]\nname = \"files\"\ncommand = \"python3\"\n\
-         args = [\"-u\", {:?}]\nenv = {{ GROW = \"1\" }}\n",
-        model.base_url(),
-        server.display().to_string()
-    );
-    std::fs::write(&config, text).unwrap();
-    let config = config.display().to_string();
+    let config = changing_server_config(&d, &model.base_url(), "env = { GROW = \"1\" }\n");
     let (code, out, err) = d.cli(&[
         "agent", "run", "--config", &config, "--model", "scripted", "--id", "mcp-g", "go",
     ]);
@@ -3426,10 +3388,9 @@ fn a_cancel_ends_the_sandboxed_command_with_its_sandbox() {
                 .is_ok_and(|c| c.windows(4).any(|w| w == b"4243"))
         })
     };
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    while sleeping() && std::time::Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::poll(Duration::from_secs(10), Duration::from_millis(20), || {
+        (!sleeping(), ())
+    });
     assert!(!sleeping(), "the sandboxed command outlived the cancel");
     let (code, status, err) = d.cli(&["status", "sb-2/c1", "--json"]);
     assert_eq!(code, 0, "{err}");
@@ -3482,10 +3443,9 @@ fn a_sandboxed_command_past_its_deadline_ends_and_its_child_run_is_closed() {
         let v: serde_json::Value = serde_json::from_str(&status).unwrap();
         v["state"] == "active" || v["state"] == "finalizing"
     };
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    while (sleeping() || child_open()) && std::time::Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::poll(Duration::from_secs(10), Duration::from_millis(50), || {
+        (!sleeping() && !child_open(), ())
+    });
     assert!(!sleeping(), "the sandboxed command outlived its deadline");
     assert!(
         !child_open(),

@@ -384,19 +384,13 @@ async fn list(
             name,
             description: t.description.as_deref().unwrap_or_default().to_string(),
             parameters: Value::Object((*t.input_schema).clone()),
-            command: Vec::new(),
-            url: None,
             mcp: Some(McpTool {
                 server: server.name.clone(),
                 tool: t.name.to_string(),
                 changed,
             }),
             read_only,
-            sandbox: false,
-            sandbox_policy: None,
-            http: Default::default(),
-            egress: None,
-            credentials: None,
+            ..Tool::default()
         });
     }
     Ok(tools)

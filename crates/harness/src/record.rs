@@ -51,7 +51,8 @@ pub struct CallLimits {
 }
 
 /// Identity: routes control requests, bills the right tenant, links retries and sub-agents.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// `Default` is for examples and tests (`..Identity::default()`); the runner names every field.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Identity {
     /// Also the gate's run id: every tool call is an effect of this run.
     pub id: String,

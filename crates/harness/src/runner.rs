@@ -26,7 +26,7 @@ use tokio::sync::{mpsc, watch};
 /// proxy, as the child run `TRAJECTORY/CALL_ID`: crate::http; the answer's body the result) or an MCP server's
 /// tool (`mcp`, sent upstream through [`crate::mcp::Upstreams`]). Exactly one of `command`,
 /// `url` and `mcp`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Tool {
     pub name: String,
     pub description: String,
@@ -1818,13 +1818,9 @@ mod tests {
         Record::new(
             Identity {
                 id: id.into(),
-                parent: None,
                 tenant: "default".into(),
                 task: "t".into(),
-                retry_of: None,
-                depth: 0,
-                spawned_by: None,
-                contract: None,
+                ..Identity::default()
             },
             CallLimits {
                 model: "m".into(),
@@ -1854,18 +1850,12 @@ mod tests {
             name: "t".into(),
             description: String::new(),
             parameters: serde_json::json!({}),
-            command: Vec::new(),
             url: Some("https://a.example/x".into()),
-            mcp: None,
-            sandbox: false,
-            sandbox_policy: None,
-            http: Default::default(),
-            read_only: false,
             egress: Some(crate::http::Egress {
                 settings: Default::default(),
                 credentials: std::sync::Arc::new(creds),
             }),
-            credentials: None,
+            ..Tool::default()
         };
         let hosts = |t: &Tool| -> Vec<String> {
             let e = t.egress.as_ref().unwrap();

@@ -131,15 +131,7 @@ impl Subagents {
             description: self.description.clone(),
             parameters: json!({"type": "object", "properties": {"task": {"type": "string",
                 "description": "the sub-agent's task, self-contained"}}, "required": ["task"]}),
-            command: Vec::new(),
-            url: None,
-            mcp: None,
-            sandbox: false,
-            sandbox_policy: None,
-            http: Default::default(),
-            read_only: false,
-            egress: None,
-            credentials: None,
+            ..Tool::default()
         }
     }
 
@@ -195,13 +187,10 @@ mod tests {
     fn parent(depth: u32, restricted: bool) -> Record {
         let identity = Identity {
             id: "p".into(),
-            parent: None,
             tenant: "t".into(),
             task: "x".into(),
-            retry_of: None,
             depth,
-            spawned_by: None,
-            contract: None,
+            ..Identity::default()
         };
         let limits = CallLimits {
             model: "m".into(),

@@ -17,10 +17,7 @@ fn rec(id: &str, state: State, ended_at_ms: Option<u64>) -> Record {
             parent: Some("parent-run".into()),
             tenant: "default".into(),
             task: format!("task of {id}"),
-            retry_of: None,
-            depth: 0,
-            spawned_by: None,
-            contract: None,
+            ..Identity::default()
         },
         CallLimits {
             model: "m".into(),

@@ -13,13 +13,9 @@ pub fn record() -> Record {
     Record::new(
         Identity {
             id: "t1".into(),
-            parent: None,
             tenant: "acme".into(),
             task: "task".into(),
-            retry_of: None,
-            depth: 0,
-            spawned_by: None,
-            contract: None,
+            ..Identity::default()
         },
         CallLimits {
             model: "m".into(),

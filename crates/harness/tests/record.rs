@@ -16,13 +16,9 @@ fn record(limits: Limits) -> Record {
     Record::new(
         Identity {
             id: "t1".into(),
-            parent: None,
             tenant: "acme".into(),
             task: "task".into(),
-            retry_of: None,
-            depth: 0,
-            spawned_by: None,
-            contract: None,
+            ..Identity::default()
         },
         CallLimits {
             model: "m".into(),
@@ -80,6 +76,16 @@ fn dispatched(a: &[Action]) -> Vec<String> {
     a.iter()
         .filter_map(|a| match a {
             Action::Dispatch { call, .. } => Some(call.id.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The tokens the dispatched calls are started with.
+fn dispatched_tokens(a: &[Action]) -> Vec<&str> {
+    a.iter()
+        .filter_map(|a| match a {
+            Action::Dispatch { token, .. } => Some(token.as_str()),
             _ => None,
         })
         .collect()
@@ -407,14 +413,7 @@ fn a_held_http_request_awaits_approval_and_dispatches_with_the_calls_token() {
             },
         )
         .unwrap();
-    let tokens: Vec<&str> = a
-        .iter()
-        .filter_map(|a| match a {
-            Action::Dispatch { token, .. } => Some(token.as_str()),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(tokens, ["tool-token"]);
+    assert_eq!(dispatched_tokens(&a), ["tool-token"]);
     assert_eq!(r.state, State::WaitingTool);
 
     let mut r = record(Limits::default());
@@ -487,14 +486,7 @@ fn a_tool_approved_whose_request_is_held_stays_awaiting_approval() {
             },
         )
         .unwrap();
-    let tokens: Vec<&str> = a
-        .iter()
-        .filter_map(|a| match a {
-            Action::Dispatch { token, .. } => Some(token.as_str()),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(tokens, ["tool-token"]);
+    assert_eq!(dispatched_tokens(&a), ["tool-token"]);
 }
 
 /// Seed 004: a human's review time is not the agent's compute. The 1 s wall clock is spent

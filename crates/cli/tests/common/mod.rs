@@ -292,3 +292,18 @@ pub fn verdict(v: &Value) -> &str {
 pub fn data_path(d: &Daemon) -> PathBuf {
     d.data().to_path_buf()
 }
+
+/// Calls `look` every `every` until it says done (`(true, _)`) or `within` has passed; returns
+/// what it last saw, for the caller to assert on. A readiness wait on what the test can see,
+/// bounded, never a bare sleep.
+#[allow(dead_code)] // not every test binary polls
+pub fn poll<T>(within: Duration, every: Duration, mut look: impl FnMut() -> (bool, T)) -> T {
+    let until = std::time::Instant::now() + within;
+    loop {
+        let (done, seen) = look();
+        if done || std::time::Instant::now() > until {
+            return seen;
+        }
+        std::thread::sleep(every);
+    }
+}
