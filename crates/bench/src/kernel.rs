@@ -18,6 +18,7 @@ fn agent() -> Principal {
         name: PrincipalName::new("agent").expect("valid"),
         role: Role::Agent,
         groups: vec![],
+        part: Default::default(),
     }
 }
 
@@ -172,6 +173,7 @@ pub fn cancel_cost(identities: u64, per_run: u64, cancels: u64) -> CancelReport 
         name: PrincipalName::new("admin").expect("valid"),
         role: Role::Operator,
         groups: vec![],
+        part: Default::default(),
     };
     let mut ns = Vec::with_capacity(cancels as usize);
     let step = (runs / cancels.max(1)).max(1);

@@ -2349,6 +2349,7 @@ print("proxied:", r.status, r.headers["x-estop-verdict"])
     let refused = c.request(&estop_protocol::Op::Hello {
         token: estop_protocol::Secret::new(d.token("operator.token")),
         run: Some(estop_kernel::RunId::new("greedy").unwrap()),
+        component: Default::default(),
     });
     assert!(format!("{refused:?}").contains("orbidden"), "{refused:?}");
     drop(greedy.stdin.take());

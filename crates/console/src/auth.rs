@@ -221,6 +221,7 @@ mod tests {
             name: PrincipalName::new("admin").unwrap(),
             role: Role::Operator,
             groups: Vec::new(),
+            part: Default::default(),
         }
     }
 
@@ -241,6 +242,7 @@ mod tests {
             name: PrincipalName::new(name).unwrap(),
             role: Role::Agent,
             groups: Vec::new(),
+            part: Default::default(),
         }
     }
 

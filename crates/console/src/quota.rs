@@ -64,6 +64,7 @@ mod tests {
             name: PrincipalName::new(name).unwrap(),
             role,
             groups: Vec::new(),
+            part: Default::default(),
         }
     }
 

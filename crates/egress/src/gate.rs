@@ -24,17 +24,23 @@ impl Gate {
     /// Connects to `target` (a socket path, or host:port) and says hello with `token`, which
     /// must be an agent's, as run `run`'s sandbox: the connection's principal is the
     /// sandbox's own (`TOKEN/RUN`, docs/EGRESS.md), so what it holds of the gate's shares is
-    /// not what other sandboxes of the same token hold. Returns the handle, the stream of
-    /// event lines and the principal's name.
+    /// not what other sandboxes of the same token hold. `component` is the part of that
+    /// principal the connection speaks as: `egress` for `estop run`'s supervisor (its launch,
+    /// proxy and metering), whose effects the sandbox behind the relay (`main`) can neither
+    /// start, complete nor wait for. Returns the handle, the stream of event lines and the
+    /// principal's name.
     pub async fn connect(
         target: &str,
         token: &str,
         run: &str,
+        component: estop_kernel::Part,
     ) -> Result<(Gate, mpsc::UnboundedReceiver<Value>, String)> {
         let (gate, events) = Gate::open(target).await?;
-        let hello = gate
-            .call(json!({"op": "hello", "token": token, "run": run}))
-            .await?;
+        let mut hello = json!({"op": "hello", "token": token, "run": run});
+        if component != estop_kernel::Part::Main {
+            hello["component"] = json!(component.as_str());
+        }
+        let hello = gate.call(hello).await?;
         if hello["ok"] != true {
             bail!("the gate refused the token: {}", hello["error"]);
         }

@@ -21,6 +21,7 @@ pub mod undo;
 pub mod upstream;
 
 use anyhow::{Context, Result, bail};
+use estop_kernel::Part;
 use gate::Gate;
 use serde_json::{Value, json};
 use settings::Settings;
@@ -130,7 +131,10 @@ pub fn run(opts: RunOptions) -> Result<i32> {
 }
 
 async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
-    let (gate, events, principal) = Gate::connect(&plan.target, &plan.token, &plan.run).await?;
+    // The supervisor's own part: the launch, the proxy's requests and the metered calls are
+    // effects the sandbox (the relay's `main` part) cannot start, complete or wait for.
+    let (gate, events, principal) =
+        Gate::connect(&plan.target, &plan.token, &plan.run, Part::Egress).await?;
     let cwd = std::env::current_dir()?;
     let key = format!("sandbox:{}", random_hex(6));
     let (token, launched_at) = admit_launch(&gate, opts, &plan, &key, &cwd).await?;
@@ -236,7 +240,7 @@ pub async fn serve_proxy(
     settings: Settings,
     listener: tokio::net::TcpListener,
 ) -> Result<()> {
-    let (gate, _events, _) = Gate::connect(target, token, run).await?;
+    let (gate, _events, _) = Gate::connect(target, token, run, Part::Egress).await?;
     // Never stopped: the sender lives as long as the proxy (a dropped one would read as a stop).
     let (_fence_tx, fence) = watch::channel(false);
     let credentials = match &settings.credentials {

@@ -3,6 +3,13 @@
 //! agent never holds one), opens its own authenticated connection to the daemon, and forwards
 //! only the agent verbs that name this run. Another run of the same principal, the listings of
 //! all its runs and every operator verb are refused here, before the daemon sees them.
+//!
+//! The relay speaks as the principal's `main` part; the supervisor's own connection (the
+//! launch, the proxy, the metering) speaks as its `egress` part. The gate lets only the part
+//! that admitted an effect admit it again, wait for it, start or complete it, so nothing sent
+//! here reaches what the proxy recorded (`forbidden`); and the supervisor's tools (`http.*`,
+//! `model.call`, `sandbox.run`) are refused here outright, so every such effect on the ledger
+//! is the supervisor's.
 
 use estop_protocol::server_line::error_line;
 use estop_protocol::{ErrorCode, Id, Op, Verb, parse_request};
@@ -31,6 +38,14 @@ const RUN_VERBS: &[Verb] = &[
     Verb::Report,
     Verb::Pending,
 ];
+
+/// Whether `tool` is one only the supervisor admits: an HTTP request through the proxy, a
+/// metered model call, the sandbox's launch (in any case: a look-alike would read as one).
+pub fn supervisor_tool(tool: &str) -> bool {
+    tool.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("http."))
+        || tool.eq_ignore_ascii_case("model.call")
+        || tool.eq_ignore_ascii_case("sandbox.run")
+}
 
 #[derive(Clone, Debug)]
 pub struct Relay {
@@ -155,6 +170,12 @@ impl Relay {
         };
         let refuse = |message: String| Some(error_line(&req.id, ErrorCode::Forbidden, &message));
         match &req.op {
+            Op::Hello { component, .. } if *component != estop_kernel::Part::Main => {
+                refuse(format!(
+                    "inside `estop run` this socket speaks as the run's main part only, not {:?}",
+                    component.as_str()
+                ))
+            }
             Op::Hello { .. } => Some(
                 (json!({"id": req.id, "ok": true, "role": "agent",
                     "principal": self.principal, "protocol": 1, "run": self.run})
@@ -165,6 +186,14 @@ impl Relay {
             Op::Ping => None,
             op if RUN_VERBS.contains(&op.verb()) => {
                 let run = op.run().map_or("", |r| r.as_str());
+                if let Op::Admit(a) = op
+                    && supervisor_tool(a.tool.as_str())
+                {
+                    return refuse(format!(
+                        "tool {:?} is the supervisor's (its proxy's requests, metered model calls and the launch): send the request through the proxy instead",
+                        a.tool.as_str()
+                    ));
+                }
                 if run == self.run {
                     return None;
                 }
@@ -268,6 +297,39 @@ mod tests {
         assert!(
             !hello.to_string().contains("secret"),
             "the run's token never reaches the agent"
+        );
+    }
+
+    /// The sandbox cannot become the supervisor: a hello as its `egress` part is refused, and
+    /// so is every admit of a tool only the supervisor admits, in the run or a sub-run.
+    #[test]
+    fn the_supervisors_part_and_tools_are_refused() {
+        let r = Relay {
+            target: String::new(),
+            token: "secret".into(),
+            run: "r1".into(),
+            principal: "agent/r1".into(),
+            connections_max: 1,
+        };
+        let answer = |l: &str| -> serde_json::Value {
+            serde_json::from_slice(&r.check(l.as_bytes()).expect("answered here")).unwrap()
+        };
+        let v = answer(r#"{"id":1,"op":"hello","token":"x","component":"egress"}"#);
+        assert_eq!(v["error"]["code"], "forbidden", "{v}");
+        for tool in ["http.GET", "HTTP.post", "model.call", "Sandbox.Run"] {
+            for run in [r#""run":"r1""#, r#""run":"r1/a","parent":"r1""#] {
+                let line = format!(
+                    r#"{{"id":2,"op":"admit",{run},"key":"k","tool":"{tool}","args":{{}}}}"#
+                );
+                let v = answer(&line);
+                assert_eq!(v["error"]["code"], "forbidden", "{line}: {v}");
+                assert_eq!(v["id"], 2, "{v}");
+            }
+        }
+        // Its own tools pass (the gate then decides).
+        assert!(
+            r.check(br#"{"id":3,"op":"admit","run":"r1","key":"k","tool":"httpx","args":{}}"#)
+                .is_none()
         );
     }
 }

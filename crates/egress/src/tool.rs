@@ -22,6 +22,7 @@ use crate::gate::Gate;
 use crate::proxy::Proxy;
 use crate::settings::Settings;
 use anyhow::{Result, bail};
+use estop_kernel::Part;
 use serde_json::json;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -62,7 +63,9 @@ impl ToolProxy {
     /// waits for the run its first admission creates) and serves the proxy on a fresh
     /// `127.0.0.1` port.
     pub async fn start(o: ToolProxyOptions) -> Result<ToolProxy> {
-        let (gate, mut events, _) = Gate::connect(&o.target, &o.token, &o.run).await?;
+        // The harness's part (`main`), which prepared the request this proxy starts: no
+        // sandbox speaks for the call's run, only the harness and this proxy inside it.
+        let (gate, mut events, _) = Gate::connect(&o.target, &o.token, &o.run, Part::Main).await?;
         let sub = gate.call(json!({"op": "subscribe", "run": o.run})).await?;
         if sub["ok"] != true {
             bail!(

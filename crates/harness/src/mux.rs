@@ -72,6 +72,7 @@ impl Mux {
         mux.request(Op::Hello {
             token: Secret::new(&gate.token),
             run: None,
+            component: Default::default(),
         })
         .await?;
         Ok((mux, events))

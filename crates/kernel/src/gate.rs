@@ -169,6 +169,29 @@ pub(crate) fn settles(
     Ok(Some(to))
 }
 
+/// Refuses a per-effect verb from a part of the principal other than the one that admitted the
+/// effect (`Effect::holder`).
+fn holds(p: &Principal, run: &RunId, key: &EffectKey, e: &Effect) -> Result<(), KernelError> {
+    if e.holder == p.part {
+        return Ok(());
+    }
+    Err(KernelError::NotHolder {
+        run: run.clone(),
+        key: key.clone(),
+        holder: e.holder.as_str(),
+    })
+}
+
+/// Whether a repeated completion's `cost` is the one already charged (none charged and a zero
+/// cost are the same).
+fn same_cost(e: &Effect, cost: crate::command::Spend) -> bool {
+    e.spend.as_ref().and_then(|s| s.cost).unwrap_or_default() == cost
+}
+
+fn outcome_name(o: Option<Outcome>) -> &'static str {
+    o.map_or("none", Outcome::as_str)
+}
+
 /// Agents see only their own runs (and operator fences, which have no owner).
 fn hidden_from(principal: &Principal, run: &Run) -> bool {
     hidden_owner(principal, &run.owner)
@@ -334,6 +357,18 @@ impl Gate {
         Ok((run, effect))
     }
 
+    /// `visible_effect` for a verb only the effect's holder may send (`holds`).
+    fn held_effect(
+        &self,
+        principal: &Principal,
+        run_id: &RunId,
+        key: &EffectKey,
+    ) -> Result<(&Run, &Effect), KernelError> {
+        let (run, effect) = self.visible_effect(principal, run_id, key)?;
+        holds(principal, run_id, key, effect)?;
+        Ok((run, effect))
+    }
+
     /// `visible_run` for a command about to change the run (one lookup for both).
     fn visible_run_mut(
         &mut self,
@@ -467,7 +502,7 @@ impl Gate {
         match cmd {
             Command::Admit(a) => self.admit(now, principal, a, ev),
             Command::Recheck { run, key } => {
-                self.visible_run(principal, run)?;
+                self.held_effect(principal, run, key)?;
                 self.existing(now, run, key, ev)
             }
             Command::Start { run, key, token } => self.start(now, principal, run, key, *token, ev),
@@ -739,6 +774,7 @@ impl Gate {
                 });
             }
             if let Some(effect) = run.effects.get(&a.key) {
+                holds(p, &a.run, &a.key, effect)?;
                 if effect.digest != a.digest {
                     return Ok((
                         Reply::Verdict(Verdict::refused(RefusalReason::Mismatch)),
@@ -800,6 +836,7 @@ impl Gate {
         let tool = self.interned.tool(&a.tool);
         let rule = self.interned.rule(&a.policy.rule);
         let mut effect = Effect::new(now, tool, rule, a.digest, &a.policy, a.start);
+        effect.holder = p.part;
         effect.args = a.args.as_deref().map(Arc::from);
         if !a.reserve.is_zero() {
             effect.spend = Some(Box::new(crate::state::EffectSpend {
@@ -1418,7 +1455,7 @@ impl Gate {
         token: Token,
         ev: &mut Sink,
     ) -> Result<(Reply, bool), KernelError> {
-        let (run, effect) = self.visible_effect(p, run_id, key)?;
+        let (run, effect) = self.held_effect(p, run_id, key)?;
         if effect.token != Some(token) {
             if let Status::Refused(reason) = effect.status {
                 return Ok((Reply::Verdict(Verdict::refused(reason)), false));
@@ -1505,6 +1542,7 @@ impl Gate {
             .effects
             .get_mut(key)
             .ok_or_else(|| KernelError::EffectNotFound(run_id.clone(), key.clone()))?;
+        holds(p, run_id, key, effect)?;
         if effect.token != Some(token) {
             return Err(KernelError::BadToken {
                 run: run_id.clone(),
@@ -1554,21 +1592,24 @@ impl Gate {
             | Status::CompensationFailed
             | Status::NeedsHuman
             | Status::CompensationSkipped => {
-                let same = effect.outcome_kind() == Some(outcome);
-                if same {
+                if effect.outcome_kind() == Some(outcome) && same_cost(effect, cost) {
                     Ok((Reply::Completed { late: effect.late }, false))
                 } else {
-                    Err(KernelError::AlreadyCompleted {
-                        run: run_id.clone(),
-                        key: key.clone(),
-                        outcome: effect.status.kind().as_str(),
-                    })
+                    // Refused, and kept: a contradicting report is evidence, never dropped.
+                    effect.disputes = effect.disputes.saturating_add(1);
+                    let settled = effect.status.kind().as_str();
+                    Ok((Reply::Disputed { settled }, true))
                 }
             }
             Status::Refused(_) => {
                 // It was voided before it started, yet the agent ran it: keep the fact, flag it.
                 if effect.outcome.is_some() {
-                    return Ok((Reply::Completed { late: true }, false));
+                    if effect.outcome_kind() == Some(outcome) && same_cost(effect, cost) {
+                        return Ok((Reply::Completed { late: true }, false));
+                    }
+                    effect.disputes = effect.disputes.saturating_add(1);
+                    let settled = outcome_name(effect.outcome_kind());
+                    return Ok((Reply::Disputed { settled }, true));
                 }
                 effect.outcome = Some(record());
                 effect.late = true;

@@ -357,12 +357,43 @@ impl Role {
 }
 
 /// Who sent a command: the name and role of the token that authenticated the connection,
-/// plus the approver groups the token carries.
+/// plus the approver groups the token carries, and which part of that principal's software
+/// speaks (`Part`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Principal {
     pub name: PrincipalName,
     pub role: Role,
     pub groups: Vec<Box<str>>,
+    pub part: Part,
+}
+
+/// Which part of a principal speaks on a connection, said at `hello` (`component`). An effect
+/// belongs to the part that admitted it (`Effect::holder`): only that part may start it,
+/// complete it, wait for it or admit it again (`KernelError::NotHolder`). The sandbox of `estop
+/// run` speaks as `Main` through its relay, which never lets it say anything else; the
+/// supervisor outside it (the launch, the egress proxy, the model metering) speaks as `Egress`,
+/// so nothing inside the sandbox can start, complete or re-admit what the proxy recorded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Part {
+    /// The principal itself: an agent's client, a sandboxed command through its relay.
+    #[default]
+    Main,
+    /// The egress supervisor of a sandbox: `estop run`'s launch effect, its proxy's requests
+    /// and its metered model calls.
+    Egress,
+}
+
+impl Part {
+    pub const ALL: &'static [Part] = &[Part::Main, Part::Egress];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Part::Main => "main",
+            Part::Egress => "egress",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Part> {
+        Part::ALL.iter().copied().find(|p| p.as_str() == s)
+    }
 }
 
 /// Separates a token's name from the run of a sandbox that speaks for it: `agent/order-42` is

@@ -20,8 +20,8 @@ pub use command::{
 };
 pub use gate::Gate;
 pub use ids::{
-    Digest, EffectKey, NAME_BYTES_MAX, Principal, PrincipalName, Role, RunId, SANDBOX_SEPARATOR,
-    ToolName,
+    Digest, EffectKey, NAME_BYTES_MAX, Part, Principal, PrincipalName, Role, RunId,
+    SANDBOX_SEPARATOR, ToolName,
 };
 pub use limits::Limits;
 pub use reply::{Applied, DecideStatus, Event, EventKind, KernelError, Reply, Verdict};

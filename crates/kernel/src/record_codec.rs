@@ -7,7 +7,9 @@ use crate::command::{
     TokenAction, TokenChange,
 };
 use crate::gate::Gate;
-use crate::ids::{Digest, EffectKey, IdError, Principal, PrincipalName, Role, RunId, ToolName};
+use crate::ids::{
+    Digest, EffectKey, IdError, Part, Principal, PrincipalName, Role, RunId, ToolName,
+};
 use crate::limits::Limits;
 use crate::runs::Runs;
 use crate::state::{
@@ -32,6 +34,11 @@ pub const RECORD_VERSION: u8 = 1;
 const SPEND_ADMIT_TAG: u8 = 32;
 /// A completion with a cost: tag 4's body, then the cost's micro-USD and tokens.
 const SPEND_COMPLETE_TAG: u8 = 33;
+/// A command sent by a part of its principal other than `Part::Main` (the egress supervisor of
+/// a sandbox): the tag and the part's index in `Part::ALL`, then the command as it is written
+/// otherwise (its own tag first). Records of `Part::Main`, and every record written before
+/// parts existed, have none.
+const PART_TAG: u8 = 34;
 /// Version byte at the start of every snapshot. 2: runs lost their `compacted` byte (retention
 /// forgets a run instead) and the tombstones follow the runs.
 /// 3: each effect ends with its compensation (the reverse saga). Versions 1 and 2 are still
@@ -44,7 +51,10 @@ const SPEND_COMPLETE_TAG: u8 = 33;
 /// `max_tokens`) and what its subtree spent and has reserved. Version 5 is still read (none).
 /// 7: each effect's `lookup` is followed by its `lookup_args` (CEL text), if any. Version 6
 /// is still read (none).
-pub const SNAPSHOT_VERSION: u8 = 7;
+/// 8: each effect ends with the part that holds it (`Effect::holder`, its index in
+/// `Part::ALL`) and its count of refused contradicting completions (`Effect::disputes`).
+/// Version 7 is still read (`Part::Main`, none).
+pub const SNAPSHOT_VERSION: u8 = 8;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("cannot decode {what} at byte {offset}: {problem}")]
@@ -278,6 +288,10 @@ pub fn encode_record(rec: &Record, out: &mut Vec<u8>) {
     w.str(rec.principal.name.as_str());
     put_role(&mut w, rec.principal.role);
     w.strs(&rec.principal.groups);
+    if rec.principal.part != Part::Main {
+        w.u8(PART_TAG);
+        w.u8(idx(Part::ALL, &rec.principal.part));
+    }
     match &rec.command {
         Command::Admit(a) => {
             let spend = !a.reserve.is_zero()
@@ -561,8 +575,12 @@ impl RecordDecoder {
             return Err(r.err(format!("unsupported record version {v}")));
         }
         let at = r.u64()?;
-        let principal = self.principal(&mut r)?;
-        let outer = r.u8()?;
+        let mut principal = self.principal(&mut r)?;
+        let mut outer = r.u8()?;
+        if outer == PART_TAG {
+            principal.part = r.enum_of(Part::ALL)?;
+            outer = r.u8()?;
+        }
         let command = match outer {
             SPEND_ADMIT_TAG | 1 | 17 | 18 | 20 => {
                 let tag = if outer == SPEND_ADMIT_TAG {
@@ -787,7 +805,12 @@ impl RecordDecoder {
         let name = r.principal_name()?;
         let role = get_role(r)?;
         let groups = r.strs()?;
-        let p = Principal { name, role, groups };
+        let p = Principal {
+            name,
+            role,
+            groups,
+            part: Part::Main,
+        };
         self.principal = Some(p.clone());
         Ok(p)
     }
@@ -939,6 +962,8 @@ fn put_effect(w: &mut W, e: &Effect) {
             }
         }
     }
+    w.u8(idx(Part::ALL, &e.holder));
+    w.u32(e.disputes);
 }
 
 fn put_spend(w: &mut W, s: Spend) {
@@ -1085,6 +1110,11 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
     } else {
         None
     };
+    let (holder, disputes) = if version >= 8 {
+        (r.enum_of(Part::ALL)?, r.u32()?)
+    } else {
+        (Part::Main, 0)
+    };
     Ok(Effect {
         tool,
         digest,
@@ -1099,6 +1129,8 @@ fn get_effect(r: &mut R, interned: &mut Interner, version: u8) -> Result<Effect,
         approval,
         args,
         start_on_admit,
+        holder,
+        disputes,
         status,
         token,
         created_at,

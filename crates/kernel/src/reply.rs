@@ -82,6 +82,12 @@ pub enum Reply {
     Completed {
         late: bool,
     },
+    /// `complete` contradicted the outcome (or the cost) already settled: refused, and the
+    /// attempt recorded (`Effect::disputes`) rather than dropped. `settled` is the outcome that
+    /// stands.
+    Disputed {
+        settled: &'static str,
+    },
     Decided(Decided),
     /// The run's state after a cancel, pause, resume, close or tick, and how many runs changed.
     RunState {
@@ -183,6 +189,17 @@ pub enum KernelError {
     },
     #[error("operation requires the operator role")]
     Forbidden,
+    /// A per-effect verb (`admit` again, `wait`, `start`, `complete`) from a part of the run's
+    /// principal other than the one that admitted the effect (`Effect::holder`): the egress
+    /// proxy's requests are its own, never the sandbox's.
+    #[error(
+        "effect {key} of run {run} was admitted by the run's {holder} part: only that part may admit it again, wait for it, start or complete it"
+    )]
+    NotHolder {
+        run: RunId,
+        key: EffectKey,
+        holder: &'static str,
+    },
     #[error(
         "run {run} was forgotten after its retention period (only its fence is kept: see status); {what} has nothing left to act on"
     )]
@@ -245,7 +262,7 @@ impl KernelError {
             KernelError::IllegalTransition { .. } => "illegal_transition",
             KernelError::Saga { .. } => "saga",
             KernelError::UndoAwaitsApproval { .. } => "undo_awaits_approval",
-            KernelError::Forbidden => "forbidden",
+            KernelError::Forbidden | KernelError::NotHolder { .. } => "forbidden",
         }
     }
 }

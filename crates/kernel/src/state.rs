@@ -180,6 +180,12 @@ pub struct Effect {
     /// the text, and never parses it again: the renderer writes it out as it is.
     pub args: Option<Arc<str>>,
     pub start_on_admit: bool,
+    /// The part of the run's principal that admitted it, the only one that may start it,
+    /// complete it, wait for it or admit it again (`crate::Part`).
+    pub holder: crate::ids::Part,
+    /// Completions refused because they contradicted the outcome or cost already settled
+    /// (each is on the ledger as the command it was; the report shows the count).
+    pub disputes: u32,
     pub status: Status,
     pub token: Option<Token>,
     pub created_at: u64,
@@ -267,6 +273,8 @@ impl Effect {
             approval: None,
             args: None,
             start_on_admit: start,
+            holder: crate::ids::Part::Main,
+            disputes: 0,
             status: Status::Held(HoldReason::Paused),
             token: None,
             created_at: now,

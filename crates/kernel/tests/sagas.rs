@@ -538,14 +538,14 @@ fn a_call_a_stopped_runs_agent_left_in_flight_is_settled_by_an_operator() {
             10 agent found r1 k2 1 unknown error=provider-down => compensation unknown attempt=1
             11 alice settle r1 k2 ok                     => compensation completed attempt=0
             12 agent complete r1 k2 1.2 ok               => completed
-            13 agent complete r1 k2 1.2 error            => error already_completed: effect k2 of run r1 already completed with outcome completed
+            13 agent complete r1 k2 1.2 error            => disputed settled=completed
             14 agent admit r2 k1 refund comp=unrefund    => admitted 1.1
             15 alice kill r2                             => run finalizing (1 changed)
             16 alice settle r2 k1 error                  => compensation failed attempt=0
             --
             run r1 finalizing stop=cancelled epoch=2 admitted=2 pending=0 in_flight=0
               k1 refund completed undo=unrefund
-              k2 charge completed undo=uncharge lookup=find_charge attempts=0/5 lookups=1/1 note="provider-down"
+              k2 charge completed disputes=1 undo=uncharge lookup=find_charge attempts=0/5 lookups=1/1 note="provider-down"
               saga next: k2 Begin { attempt: 1, at: 0 }
             run r2 cancelled stop=killed epoch=2 admitted=1 pending=0 in_flight=0
               k1 refund failed undo=unrefund

@@ -52,11 +52,83 @@ fn two_phase_prepare_start_complete() {
             4 agent admit r1 k1 pay                      => duplicate started
             5 agent complete r1 k1 1.1 ok                => completed
             6 agent complete r1 k1 1.1 ok                => completed
-            7 agent complete r1 k1 1.1 error             => error already_completed: effect k1 of run r1 already completed with outcome completed
+            7 agent complete r1 k1 1.1 error             => disputed settled=completed
             8 agent start r1 k1 9.9                      => error bad_token: the token does not belong to effect k1 of run r1
             --
             run r1 active epoch=1 admitted=1 pending=0 in_flight=0
-              k1 pay completed
+              k1 pay completed disputes=1
+        "#]],
+    );
+}
+
+/// An effect belongs to the part of the principal that admitted it: the sandbox (the agent's
+/// `main` part, behind `estop run`'s relay) cannot admit again, wait for, start or complete
+/// what the supervisor's `egress` part admitted (its proxy's requests, its metered calls),
+/// even with the right token; the holder does all of it. The other way round too.
+#[test]
+fn only_the_part_that_admitted_an_effect_acts_on_it() {
+    check(
+        "
+        0 agent+egress admit r1 k1 http.POST start=false
+        1 agent admit r1 k1 http.POST start=false
+        2 agent wait r1 k1
+        3 agent start r1 k1 1.1
+        4 agent+egress start r1 k1 1.1
+        5 agent complete r1 k1 1.1 error
+        6 agent complete r1 k1 1.1 ok cost=0/0
+        7 agent+egress complete r1 k1 1.1 ok result=7
+        8 agent admit r1 k2 search
+        9 agent+egress complete r1 k2 1.2 error
+        10 agent complete r1 k2 1.2 ok
+        ",
+        expect![[r#"
+            0 agent+egress admit r1 k1 http.POST start=false => admitted 1.1
+            1 agent admit r1 k1 http.POST start=false    => error forbidden: effect k1 of run r1 was admitted by the run's egress part: only that part may admit it again, wait for it, start or complete it
+            2 agent wait r1 k1                           => error forbidden: effect k1 of run r1 was admitted by the run's egress part: only that part may admit it again, wait for it, start or complete it
+            3 agent start r1 k1 1.1                      => error forbidden: effect k1 of run r1 was admitted by the run's egress part: only that part may admit it again, wait for it, start or complete it
+            4 agent+egress start r1 k1 1.1               => go
+            5 agent complete r1 k1 1.1 error             => error forbidden: effect k1 of run r1 was admitted by the run's egress part: only that part may admit it again, wait for it, start or complete it
+            6 agent complete r1 k1 1.1 ok cost=0/0       => error forbidden: effect k1 of run r1 was admitted by the run's egress part: only that part may admit it again, wait for it, start or complete it
+            7 agent+egress complete r1 k1 1.1 ok result=7 => completed
+            8 agent admit r1 k2 search                   => admitted 1.2
+            9 agent+egress complete r1 k2 1.2 error      => error forbidden: effect k2 of run r1 was admitted by the run's main part: only that part may admit it again, wait for it, start or complete it
+            10 agent complete r1 k2 1.2 ok               => completed
+            --
+            run r1 active epoch=1 admitted=2 pending=0 in_flight=0
+              k1 http.POST completed holder=egress result=7
+              k2 search completed
+        "#]],
+    );
+}
+
+/// A second completion that contradicts the settled outcome or cost is refused and recorded
+/// (counted on the effect, replayed from the ledger), never silently dropped; a repeat of the
+/// same outcome and cost is the same answer and records nothing.
+#[test]
+fn a_contradicting_completion_is_refused_and_recorded() {
+    check(
+        "
+        0 agent admit r1 k1 model.call start=false reserve=100/10
+        1 agent start r1 k1 1.1
+        2 agent complete r1 k1 1.1 ok cost=40/4
+        3 agent complete r1 k1 1.1 ok cost=40/4
+        4 agent complete r1 k1 1.1 ok cost=0/0
+        5 agent complete r1 k1 1.1 error cost=40/4
+        6 agent cancel r1
+        7 agent complete r1 k1 1.1 unknown cost=40/4
+        ",
+        expect![[r#"
+            0 agent admit r1 k1 model.call start=false reserve=100/10 => admitted 1.1
+            1 agent start r1 k1 1.1                      => go
+            2 agent complete r1 k1 1.1 ok cost=40/4      => completed
+            3 agent complete r1 k1 1.1 ok cost=40/4      => completed
+            4 agent complete r1 k1 1.1 ok cost=0/0       => disputed settled=completed
+            5 agent complete r1 k1 1.1 error cost=40/4   => disputed settled=completed
+            6 agent cancel r1                            => run cancelled (1 changed)
+            7 agent complete r1 k1 1.1 unknown cost=40/4 => disputed settled=completed
+            --
+            run r1 cancelled stop=cancelled epoch=2 admitted=1 pending=0 in_flight=0 spent=40/4 reserved=0/0 limit=-/-
+              k1 model.call completed disputes=3 reserve=100/10 cost=40/4
         "#]],
     );
 }
@@ -1111,10 +1183,10 @@ fn a_version_1_snapshot_loads_and_its_compacted_runs_are_forgotten_next() {
     assert!(decode_snapshot(&bad, Limits::default()).is_err());
 }
 
-/// Version 2 to 6 snapshots (before compensations, before lookups, before the model budget,
-/// before lookup mappings) still load: their effects have no compensation, no lookup, no spend
-/// or no lookup mapping. They are the version 7 encoding without those bytes (a compensation
-/// is none here, a `0`).
+/// Version 2 to 7 snapshots (before compensations, before lookups, before the model budget,
+/// before lookup mappings, before holders) still load: their effects have no compensation, no
+/// lookup, no spend, no lookup mapping, or are held by the principal's main part. They are the
+/// version 8 encoding without those bytes (a compensation is none here, a `0`).
 #[test]
 fn a_version_2_to_6_snapshot_loads_with_effects_that_have_no_compensation_or_lookup() {
     use estop_kernel::record_codec::{decode_snapshot, encode_snapshot};
@@ -1127,9 +1199,18 @@ fn a_version_2_to_6_snapshot_loads_with_effects_that_have_no_compensation_or_loo
         let rec = support::parse_line(line, None);
         gate.apply(rec.at, &rec.principal, &rec.command).unwrap();
     }
-    let mut v7 = Vec::new();
-    encode_snapshot(&gate, &mut v7);
-    assert_eq!(v7[0], 7);
+    let mut v8 = Vec::new();
+    encode_snapshot(&gate, &mut v8);
+    assert_eq!(v8[0], 8);
+    // Version 8 ends each effect with its holder (`main`, 0) and its disputes (a u32, 0),
+    // before the run's budget (34 bytes) and the 8 bytes of no tombstones; version 7 is the
+    // same without those 5 bytes.
+    let tail8 = v8.len() - 8;
+    assert_eq!(v8[tail8 - 39..tail8 - 34], [0; 5], "held by main, no disputes");
+    let mut v7 = v8.clone();
+    v7.drain(tail8 - 39..tail8 - 34);
+    v7[0] = 7;
+    assert_eq!(decode_snapshot(&v7, Limits::default()).unwrap(), gate);
     // Version 6 ends the effect with its spend (none, `0`) and the run with its budget (two
     // absent limits, spent and reserved: 34 bytes), before the 8 bytes of no tombstones. Before
     // them: the effect's `compensate_args` byte (version 3), `lookup` byte (version 4),
@@ -1174,6 +1255,8 @@ fn a_version_2_to_6_snapshot_loads_with_effects_that_have_no_compensation_or_loo
     assert!(decode_snapshot(&v3, Limits::default()).is_err());
     v6[0] = 7;
     assert!(decode_snapshot(&v6, Limits::default()).is_err());
+    v7[0] = 8;
+    assert!(decode_snapshot(&v7, Limits::default()).is_err());
 }
 
 /// A lookup's mapping (`lookup_args`) is recorded with the admission (tag 20) and kept in the

@@ -11,7 +11,7 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fmt;
 
-use estop_kernel::ids::{Digest, EffectKey, PrincipalName, Role, RunId, ToolName};
+use estop_kernel::ids::{Digest, EffectKey, Part, PrincipalName, Role, RunId, ToolName};
 use estop_kernel::vocab::{Decision, Outcome, RunState};
 use estop_kernel::{SagaAction, Spend};
 use serde::Deserialize;
@@ -187,6 +187,10 @@ pub enum Op {
         /// The run whose sandbox this connection speaks for (`estop run`'s supervisor): an
         /// agent token's connection then has the principal `TOKEN/RUN`, with shares of its own.
         run: Option<RunId>,
+        /// Which part of the principal speaks (`component`; default `main`): `estop run`'s
+        /// supervisor says `egress`, so the effects it admits are not the sandbox's to start,
+        /// complete or wait for (docs/PROTOCOL.md, "Who holds an effect").
+        component: Part,
     },
     Admit(Admit),
     Start {
@@ -640,7 +644,7 @@ fn without_unread_fields(line: &[u8], failed: Field) -> Option<Vec<u8>> {
 fn verb_fields(verb: Verb) -> u64 {
     use Field as F;
     let fields: &[Field] = match verb {
-        Verb::Hello => &[F::Token, F::Run],
+        Verb::Hello => &[F::Token, F::Run, F::Component],
         Verb::Admit => &[
             F::Run,
             F::Key,
@@ -752,7 +756,7 @@ fields! {
     Cascade = "cascade", Decision = "decision", State = "state", Limit = "limit",
     After = "after", Name = "name", Role = "role", Groups = "groups", Cursor = "cursor",
     Declare = "declare", Attempt = "attempt", Action = "action",
-    Seed = "seed", Reserve = "reserve", Cost = "cost",
+    Seed = "seed", Reserve = "reserve", Cost = "cost", Component = "component",
 }
 
 /// A string borrowed from the line when it has no escapes, owned otherwise.
@@ -918,6 +922,7 @@ struct Raw<'a> {
     reserve: Option<RawSpend>,
     cost: Option<RawSpend>,
     token: Option<Str<'a>>,
+    component: Option<Str<'a>>,
     outcome: Option<Str<'a>>,
     /// Borrowed from a line; owned when given as a value ([`Fields`]).
     result: Option<Cow<'a, RawValue>>,
@@ -1024,6 +1029,7 @@ impl<'de> DeserializeSeed<'de> for Slot<'_, 'de> {
             Field::Reserve => raw.reserve = Deserialize::deserialize(d)?,
             Field::Cost => raw.cost = Deserialize::deserialize(d)?,
             Field::Token => raw.token = Deserialize::deserialize(d)?,
+            Field::Component => raw.component = Deserialize::deserialize(d)?,
             Field::Outcome => raw.outcome = Deserialize::deserialize(d)?,
             Field::Result => raw.result = Some(Cow::Borrowed(Deserialize::deserialize(d)?)),
             Field::Error => raw.error = Deserialize::deserialize(d)?,
@@ -1129,6 +1135,17 @@ impl<'a> Raw<'a> {
         EffectKey::new(&s.0).map_err(|e| invalid(Field::Key, e.to_string()))
     }
 
+    /// `component` of a hello: a part's name (`Part`), `main` when absent.
+    fn component(&mut self) -> Result<Part, Kind> {
+        let Some(c) = self.component.take() else {
+            return Ok(Part::Main);
+        };
+        Part::parse(&c.0).ok_or_else(|| {
+            let names: Vec<&str> = Part::ALL.iter().map(|p| p.as_str()).collect();
+            invalid(Field::Component, format!("one of {}", names.join(", ")))
+        })
+    }
+
     fn opt_run(&mut self) -> Result<Option<RunId>, Kind> {
         self.run.take().map(|s| run_id(s, Field::Run)).transpose()
     }
@@ -1208,6 +1225,7 @@ impl<'a> Raw<'a> {
                     TOKEN_BYTES_MAX,
                 )?),
                 run: self.opt_run()?,
+                component: self.component()?,
             },
             Verb::Admit => Op::Admit(self.admit()?),
             Verb::Start => Op::Start {
@@ -1745,9 +1763,16 @@ impl Op {
             }
         }
         match self {
-            Op::Hello { token, run } => {
+            Op::Hello {
+                token,
+                run,
+                component,
+            } => {
                 put(&mut m, "token", token.expose());
                 put_opt(&mut m, "run", run.as_ref().map(|r| r.as_str()));
+                if *component != Part::Main {
+                    put(&mut m, "component", component.as_str());
+                }
             }
             Op::Admit(a) => {
                 put(&mut m, "run", a.run.as_str());

@@ -99,6 +99,9 @@ pub struct HelloReply {
     pub principal: String,
     #[serde(default = "protocol_v1")]
     pub protocol: u32,
+    /// The part of the principal this connection speaks as, when not `main`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub component: Option<String>,
 }
 
 fn protocol_v1() -> u32 {

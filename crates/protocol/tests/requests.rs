@@ -83,6 +83,7 @@ fn every_verb_parses() {
             Op::Hello {
                 token: Secret::new("s3cret"),
                 run: None,
+                component: Default::default(),
             },
         ),
         (
@@ -90,6 +91,7 @@ fn every_verb_parses() {
             Op::Hello {
                 token: Secret::new("s3cret"),
                 run: Some(run("order-42")),
+                component: Default::default(),
             },
         ),
         (

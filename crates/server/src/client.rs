@@ -93,6 +93,7 @@ impl Client {
         self.ask(&Op::Hello {
             token: Secret::new(token),
             run: None,
+            component: Default::default(),
         })
     }
 

@@ -429,9 +429,11 @@ async fn dispatch(
         Route::Answer(answer) => Some(answer),
         Route::Core(ask) => send(ask.message(reply_to())),
         Route::Work(work) => Some(work.run(shared).await),
-        Route::Conn(ConnVerb::Hello { token, run }) => {
-            Some(hello(shared, conn, &token, run.as_ref(), principal).await)
-        }
+        Route::Conn(ConnVerb::Hello {
+            token,
+            run,
+            component,
+        }) => Some(hello(shared, conn, &token, (run.as_ref(), component), principal).await),
         Route::Conn(ConnVerb::Wait {
             principal,
             run,
@@ -473,13 +475,13 @@ async fn dispatch(
     }
 }
 
-/// `hello`: the connection authenticates as the token's principal and watches for its
-/// revocation.
+/// `hello`: the connection authenticates as the token's principal (speaking for run `run`'s
+/// sandbox, as part `component`, when given) and watches for its revocation.
 async fn hello(
     shared: &Shared,
     conn: u64,
     token: &Secret,
-    run: Option<&RunId>,
+    (run, component): (Option<&RunId>, estop_kernel::Part),
     principal: &mut Option<Authed>,
 ) -> Answer {
     let mut c = match shared.tokens.credential_async(token.expose()).await {
@@ -505,10 +507,23 @@ async fn hello(
         }
         c.principal.name = sandbox_principal(&c.principal.name, run);
     }
+    if component != estop_kernel::Part::Main {
+        if c.principal.role != Role::Agent {
+            return err(
+                ErrorCode::Forbidden,
+                format!(
+                    "hello with a component speaks for a part of an agent's software, which only an agent token may do (this one is {})",
+                    c.principal.role.as_str()
+                ),
+            );
+        }
+        c.principal.part = component;
+    }
     let hello = wire::HelloReply {
         role: c.principal.role.as_str().into(),
         principal: c.principal.name.to_string(),
         protocol: 1,
+        component: (component != estop_kernel::Part::Main).then(|| component.as_str().into()),
     };
     let revoked = shared.tokens.watch(conn, &c);
     *principal = Some(Authed {

@@ -120,8 +120,13 @@ impl Work {
 /// A verb about the connection it came on.
 #[derive(Debug)]
 pub enum ConnVerb {
-    /// Authenticate the connection with this secret (as run `run`'s sandbox when given).
-    Hello { token: Secret, run: Option<RunId> },
+    /// Authenticate the connection with this secret (as run `run`'s sandbox when given), as
+    /// the principal's part `component`.
+    Hello {
+        token: Secret,
+        run: Option<RunId>,
+        component: estop_kernel::Part,
+    },
     /// Block until the effect settles or `timeout` passes (within `wait_ms_max`); the wait ends
     /// with its connection.
     Wait {
@@ -161,7 +166,18 @@ fn err(code: ErrorCode, msg: impl Into<String>) -> Answer {
 /// What serves `op` asked by `principal` (`None`: a connection that has not said `hello`).
 pub fn route(shared: &Shared, principal: Option<&Principal>, op: Op) -> Route {
     match (op, principal) {
-        (Op::Hello { token, run }, _) => Route::Conn(ConnVerb::Hello { token, run }),
+        (
+            Op::Hello {
+                token,
+                run,
+                component,
+            },
+            _,
+        ) => Route::Conn(ConnVerb::Hello {
+            token,
+            run,
+            component,
+        }),
         (Op::Ping, _) => Route::Answer(Answer::Pong),
         (_, None) => Route::Answer(err(ErrorCode::Unauthenticated, "send hello {token} first")),
         (op, Some(p)) if !op.verb().allowed_for(p.role) => Route::Answer(forbidden(op.verb(), p)),
@@ -655,6 +671,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
                     Op::Hello {
                         token: Secret::new("whatever"),
                         run: None,
+                        component: estop_kernel::Part::Main,
                     },
                 ),
                 Verb::Admit => {
@@ -891,6 +908,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
             name: PrincipalName::new(role.as_str()).unwrap(),
             role,
             groups: Vec::new(),
+            part: Default::default(),
         }
     }
 

@@ -148,6 +148,7 @@ mod tests {
                 name: estop_kernel::PrincipalName::new("agent").unwrap(),
                 role: estop_kernel::Role::Agent,
                 groups: Vec::new(),
+                part: Default::default(),
             },
             query: crate::core::Query::Pending {
                 run: None,

@@ -287,6 +287,7 @@ fn new_entry(name: &str, role: Role, groups: &[String]) -> Result<(Entry, String
         name: PrincipalName::new(name).map_err(|e| TokenError::Invalid(e.to_string()))?,
         role,
         groups: groups.iter().map(|g| g.as_str().into()).collect(),
+        part: Default::default(),
     };
     let secret = new_secret(role)?;
     let hash = hash(&secret);
@@ -322,7 +323,12 @@ fn parse(path: &Path, text: &str) -> Result<Vec<Entry>, TokenError> {
         let digest = estop_kernel::Digest::from_hex(f[3]).ok_or_else(|| corrupt("bad sha256"))?;
         h.copy_from_slice(&digest.0);
         entries.push(Entry {
-            principal: Principal { name, role, groups },
+            principal: Principal {
+                name,
+                role,
+                groups,
+                part: Default::default(),
+            },
             hash: h,
         });
     }

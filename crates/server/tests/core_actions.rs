@@ -22,6 +22,7 @@ fn principal(name: &str, role: Role) -> Principal {
         name: PrincipalName::new(name).unwrap(),
         role,
         groups: vec![],
+        part: Default::default(),
     }
 }
 

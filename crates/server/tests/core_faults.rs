@@ -29,6 +29,7 @@ fn agent() -> Principal {
         name: PrincipalName::new("agent").unwrap(),
         role: Role::Agent,
         groups: vec![],
+        part: Default::default(),
     }
 }
 

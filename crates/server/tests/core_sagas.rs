@@ -29,6 +29,7 @@ fn agent() -> Principal {
         name: PrincipalName::new("agent").unwrap(),
         role: Role::Agent,
         groups: vec![],
+        part: Default::default(),
     }
 }
 
@@ -45,6 +46,7 @@ fn alice() -> Principal {
         name: PrincipalName::new("alice").unwrap(),
         role: Role::Operator,
         groups: vec![],
+        part: Default::default(),
     }
 }
 
@@ -501,6 +503,7 @@ fn operator_named(name: &str, groups: &[&str]) -> Principal {
         name: PrincipalName::new(name).unwrap(),
         role: Role::Operator,
         groups: groups.iter().map(|g| (*g).into()).collect(),
+        part: Default::default(),
     }
 }
 

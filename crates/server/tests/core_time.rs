@@ -27,6 +27,7 @@ fn agent() -> Principal {
         name: PrincipalName::new("agent").unwrap(),
         role: Role::Agent,
         groups: vec![],
+        part: Default::default(),
     }
 }
 

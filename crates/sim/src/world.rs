@@ -97,6 +97,7 @@ impl Who {
                 _ => Role::Agent,
             },
             groups: self.groups().iter().map(|g| (*g).into()).collect(),
+            part: Default::default(),
         }
     }
 }
@@ -834,6 +835,7 @@ pub fn render_reply(r: &Reply) -> String {
     match r {
         Reply::Verdict(v) => render_verdict(v),
         Reply::Completed { late } => format!("completed late={late}"),
+        Reply::Disputed { settled } => format!("disputed settled={settled}"),
         Reply::Decided(Decided {
             status: DecideStatus::Approved,
             ..

@@ -21,6 +21,7 @@ fn who(name: &str, role: Role) -> Principal {
         name: PrincipalName::new(name).expect("valid name"),
         role,
         groups: Vec::new(),
+        part: Default::default(),
     }
 }
 

@@ -28,7 +28,12 @@ fn spend_of(s: Option<&str>) -> Spend {
 }
 use std::fmt::Write;
 
+/// `NAME` or `NAME+PART` (`agent+egress`: the agent's egress part).
 pub fn principal(name: &str) -> Principal {
+    let (name, part) = match name.split_once('+') {
+        Some((n, p)) => (n, estop_kernel::Part::parse(p).expect("part")),
+        None => (name, estop_kernel::Part::Main),
+    };
     let (role, groups): (Role, &[&str]) = match name {
         "agent" | "agent2" => (Role::Agent, &[]),
         "alice" => (Role::Operator, &[]),
@@ -43,6 +48,7 @@ pub fn principal(name: &str) -> Principal {
         name: PrincipalName::new(name).unwrap(),
         role,
         groups: groups.iter().map(|g| (*g).into()).collect(),
+        part,
     }
 }
 
@@ -377,6 +383,7 @@ pub fn render_verdict(v: &Verdict) -> String {
 pub fn render_reply(r: &Reply) -> String {
     match r {
         Reply::Verdict(v) => render_verdict(v),
+        Reply::Disputed { settled } => format!("disputed settled={settled}"),
         Reply::Completed { late } => {
             if *late {
                 "completed late".into()
@@ -481,6 +488,12 @@ pub fn render_state(gate: &Gate) -> String {
             write!(s, "  {k} {} {status}", e.tool).unwrap();
             if e.late {
                 s.push_str(" late");
+            }
+            if e.holder != estop_kernel::Part::Main {
+                write!(s, " holder={}", e.holder.as_str()).unwrap();
+            }
+            if e.disputes > 0 {
+                write!(s, " disputes={}", e.disputes).unwrap();
             }
             if let Some(a) = &e.approval {
                 let names: Vec<_> = a.approvers.iter().map(|a| a.name.to_string()).collect();

@@ -147,5 +147,6 @@ pub fn soundgate_principal(role: Role) -> Principal {
         name: PrincipalName::new(SOUNDGATE_PRINCIPAL_NAME).expect("valid"),
         role,
         groups: Vec::new(),
+        part: Default::default(),
     }
 }

@@ -279,6 +279,7 @@ pub(crate) fn system_principal() -> Principal {
         name: PrincipalName::new("estop").expect("valid name"),
         role: Role::Operator,
         groups: Vec::new(),
+        part: Default::default(),
     }
 }
 
@@ -290,7 +291,7 @@ pub fn kernel_error(e: &KernelError) -> (ErrorCode, String) {
         KernelError::NotAwaitingApproval { .. } => ErrorCode::NotPending,
         KernelError::BadToken { .. } => ErrorCode::BadToken,
         KernelError::Limit { .. } => ErrorCode::LimitExceeded,
-        KernelError::Forbidden => ErrorCode::Forbidden,
+        KernelError::Forbidden | KernelError::NotHolder { .. } => ErrorCode::Forbidden,
         KernelError::DuplicateApprover { .. }
         | KernelError::NotStarted { .. }
         | KernelError::AlreadyCompleted { .. }
@@ -665,6 +666,10 @@ impl Core {
 
     fn apply(&mut self, principal: &Principal, cmd: Command) -> Answer {
         let run = cmd.run().cloned();
+        let key = match &cmd {
+            Command::Complete { key, .. } => Some(key.clone()),
+            _ => None,
+        };
         let (reply, events) = match self.apply_reply(principal, cmd) {
             Ok(r) => r,
             Err(a) => return a,
@@ -676,6 +681,13 @@ impl Core {
                 late,
                 ..wire::Ack::default()
             }),
+            Reply::Disputed { settled } => Answer::Error(
+                ErrorCode::Conflict,
+                format!(
+                    "effect {} of run {run_id} already settled as {settled}; this contradicting completion was refused and recorded",
+                    key.as_ref().map_or("?", |k| k.as_str())
+                ),
+            ),
             Reply::Decided(d) => {
                 self.obs
                     .decided(&d.status, self.now.saturating_sub(d.requested_at));

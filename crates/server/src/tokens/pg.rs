@@ -59,6 +59,7 @@ fn entry(row: &postgres::Row) -> Result<Entry, TokenError> {
             name: PrincipalName::new(&name).map_err(|_| bad("name"))?,
             role: Role::parse(&role).ok_or_else(|| bad("role"))?,
             groups: groups.into_iter().map(Into::into).collect(),
+            part: Default::default(),
         },
         hash: hash.try_into().map_err(|_| bad("hash"))?,
     })
