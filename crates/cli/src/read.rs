@@ -230,6 +230,15 @@ fn report_item(i: &ReportItem) -> String {
     if i.chosen {
         line.push_str(" [asked for]");
     }
+    if let Some(h) = &i.holder {
+        line.push_str(&format!(" by: {}", esc(h)));
+    }
+    if let Some(n) = i.disputes {
+        line.push_str(&format!(
+            " [{n} contradicting completion{} refused]",
+            if n == 1 { "" } else { "s" }
+        ));
+    }
     if let (Some(n), Some(max)) = (i.attempts, i.attempts_max) {
         line.push_str(&format!(" attempts {n}/{max}"));
     }

@@ -2482,3 +2482,126 @@ print("sent:", r.status, r.read().decode())
         "the request the proxy sent is not done at the gate: {report}"
     );
 }
+
+/// Red team (issue 27, finding 1): an agent inside `estop run` learns every key of its run (the
+/// report, the key its own `Idempotency-Key` makes) and, while its proxied POST is in flight,
+/// sends through its relay every per-effect verb against each: `hello` as the supervisor's
+/// part, `admit` again (its own tool, and `http.POST`), `wait`, `start` and `complete` with
+/// every token it can guess (ok, error, a forged undo target, a zero cost). Every one is
+/// refused `forbidden`; the ledger holds no start or completion but the supervisor's; after the
+/// operator's cancel the cut POST is `unknown` (not the forged `failed`), the launch completed
+/// with the command's real exit, and nothing but the agent's own two requests reached the host.
+#[test]
+fn the_sandbox_cannot_complete_start_wait_or_readmit_what_the_proxy_recorded() {
+    let d = daemon();
+    let srv = Server::start("127.0.0.2");
+    let script = r#"
+import json, os, socket, sys, threading, urllib.request
+base = "http://127.0.0.2:PORT"
+def slow():
+    req = urllib.request.Request(base + "/slow", data=b"order", method="POST",
+                                 headers={"Idempotency-Key": "x1"})
+    try:
+        urllib.request.urlopen(req, timeout=60); print("slow: answered", flush=True)
+    except Exception as e:
+        print("slow: cut", type(e).__name__, flush=True)
+with urllib.request.urlopen(base + "/one", timeout=10) as r:
+    r.read()
+t = threading.Thread(target=slow); t.start()
+sys.stdin.readline()  # the test saw the POST reach the host
+s = socket.socket(socket.AF_UNIX); s.connect(os.environ["ESTOP_SOCKET"]); f = s.makefile("rwb")
+n = 0
+def call(**req):
+    global n; n += 1; req["id"] = n
+    f.write((json.dumps(req) + "\n").encode()); f.flush()
+    return json.loads(f.readline())
+run = os.environ["ESTOP_RUN"]
+out = {"hello": call(op="hello", token="x", component="egress")}
+report = call(op="report", run=run)
+keys = {"idem:x1"}
+for items in report.values():
+    if isinstance(items, list):
+        keys |= {i["key"] for i in items if isinstance(i, dict) and "key" in i}
+tokens = [f"{e}.{s}" for e in (1, 2) for s in range(1, 6)]
+forged = {"status": 200, "body": {"id": "victim-42"}}
+attacks = []
+for key in sorted(keys):
+    attacks.append(call(op="admit", run=run, key=key, tool="refund", args={}))
+    attacks.append(call(op="admit", run=run, key=key, tool="http.POST", args={}))
+    attacks.append(call(op="wait", run=run, key=key, timeout_ms=10))
+    for tok in tokens:
+        attacks.append(call(op="start", run=run, key=key, token=tok))
+        for outcome in ("ok", "error"):
+            attacks.append(call(op="complete", run=run, key=key, token=tok, outcome=outcome,
+                                result=forged, cost={"usd_micros": 0, "tokens": 0}))
+out["keys"] = sorted(keys)
+out["attacks"] = attacks
+print("ATTACK " + json.dumps(out), flush=True)
+t.join()
+"#
+    .replace("PORT", &srv.port.to_string());
+    let mut child = estop_run(&d, "forge", "", &argv(&python(&script)));
+    srv.slow_arrived.recv().unwrap();
+    writeln!(child.stdin.as_mut().unwrap()).unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.starts_with("ATTACK ") {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the agent ended early"
+        );
+    }
+    let attack: Value = serde_json::from_str(&line["ATTACK ".len()..]).unwrap();
+    assert_eq!(attack["hello"]["error"]["code"], "forbidden", "{attack}");
+    let keys = attack["keys"].as_array().unwrap();
+    assert!(
+        keys.len() >= 3,
+        "the GET, the POST and the launch: {keys:?}"
+    );
+    for a in attack["attacks"].as_array().unwrap() {
+        assert_eq!(
+            a["error"]["code"], "forbidden",
+            "every attack is refused: {a}"
+        );
+    }
+    let mut op = d.operator();
+    ok(&mut op, json!({"op": "cancel", "run": "forge"}));
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    let (code, _, err) = finish(child);
+    assert_eq!(code, 0, "{rest}\n{err}");
+    for e in ledger(&d, "forge") {
+        if ["start", "complete"].contains(&e["kind"].as_str().unwrap()) {
+            assert_eq!(e["component"], "egress", "only the supervisor settles: {e}");
+        }
+    }
+    let report = ok(&mut op, json!({"op": "report", "run": "forge"}));
+    let find = |key: &str| -> Value {
+        ["done", "unknown", "failed", "in_flight", "refused", "held"]
+            .iter()
+            .filter_map(|s| report[*s].as_array())
+            .flatten()
+            .find(|i| i["key"] == key)
+            .cloned()
+            .unwrap_or_else(|| panic!("{key} in {report}"))
+    };
+    let post = find("idem:x1");
+    assert_eq!(
+        post["status"], "unknown",
+        "cut, never the forged outcome: {report}"
+    );
+    assert_eq!(post["holder"], "egress", "{post}");
+    assert!(post.get("disputes").is_none(), "{post}");
+    let launch = keys
+        .iter()
+        .map(|k| k.as_str().unwrap())
+        .find(|k| k.starts_with("sandbox:"))
+        .unwrap();
+    assert_eq!(find(launch)["status"], "completed", "{report}");
+    assert_eq!(
+        *srv.paths.lock().unwrap(),
+        vec!["/one".to_string(), "/slow".to_string()],
+        "nothing but the agent's own requests reached the host"
+    );
+}

@@ -42,7 +42,8 @@ const RUN_VERBS: &[Verb] = &[
 /// Whether `tool` is one only the supervisor admits: an HTTP request through the proxy, a
 /// metered model call, the sandbox's launch (in any case: a look-alike would read as one).
 pub fn supervisor_tool(tool: &str) -> bool {
-    tool.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("http."))
+    tool.get(..5)
+        .is_some_and(|p| p.eq_ignore_ascii_case("http."))
         || tool.eq_ignore_ascii_case("model.call")
         || tool.eq_ignore_ascii_case("sandbox.run")
 }

@@ -1206,7 +1206,11 @@ fn a_version_2_to_6_snapshot_loads_with_effects_that_have_no_compensation_or_loo
     // before the run's budget (34 bytes) and the 8 bytes of no tombstones; version 7 is the
     // same without those 5 bytes.
     let tail8 = v8.len() - 8;
-    assert_eq!(v8[tail8 - 39..tail8 - 34], [0; 5], "held by main, no disputes");
+    assert_eq!(
+        v8[tail8 - 39..tail8 - 34],
+        [0; 5],
+        "held by main, no disputes"
+    );
     let mut v7 = v8.clone();
     v7.drain(tail8 - 39..tail8 - 34);
     v7[0] = 7;

@@ -12,6 +12,7 @@
 //! docs/PROTOCOL.md is the prose version of this crate and changes with it.
 
 pub mod digest;
+pub mod effect_token;
 pub mod error;
 pub mod id;
 pub mod limits;

@@ -114,6 +114,8 @@ impl Weight for ReportItem {
             // A note is free text: escaping may double it.
             + self.note.as_deref().map_or(0, |n| 2 * text(n))
             + self.by.as_deref().map_or(0, text)
+            // `"holder":"egress"` and `"disputes":N`.
+            + if self.holder.is_some() || self.disputes.is_some() { 48 } else { 0 }
     }
 }
 

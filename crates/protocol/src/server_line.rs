@@ -431,6 +431,14 @@ pub struct ReportItem {
     /// An operator asked for this one compensation (its run was stopped without a saga).
     #[serde(default, skip_serializing_if = "is_false")]
     pub chosen: bool,
+    /// The part of the run's principal that admitted it, when not `main` (`egress`: `estop
+    /// run`'s proxy, its metering or its launch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
+    /// Completions refused because they contradicted the outcome or cost already settled
+    /// (each on the ledger as it was sent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disputes: Option<u32>,
 }
 
 /// What a cancelled run's reverse saga waits for: its head (the newest effect still to undo)

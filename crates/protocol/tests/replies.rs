@@ -143,6 +143,13 @@ fn every_payload_round_trips() {
         role: "agent".into(),
         principal: "agent".into(),
         protocol: 1,
+        component: None,
+    });
+    round_trip(HelloReply {
+        role: "agent".into(),
+        principal: "agent/order-42".into(),
+        protocol: 1,
+        component: Some("egress".into()),
     });
     round_trip(VerdictReply::Admitted {
         token: "t1".into(),
@@ -342,6 +349,8 @@ fn every_payload_round_trips() {
         lookup: Some("find_t".into()),
         lookups: Some(1),
         chosen: true,
+        holder: Some("egress".into()),
+        disputes: Some(2),
     };
     round_trip(Report {
         run: "r0".into(),

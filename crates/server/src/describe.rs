@@ -44,6 +44,9 @@ pub fn kind(c: &Command) -> &'static str {
 pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
     let mut fields = Map::new();
     fields.insert("principal".into(), json!(rec.principal.name.as_str()));
+    if rec.principal.part != estop_kernel::Part::Main {
+        fields.insert("component".into(), json!(rec.principal.part.as_str()));
+    }
     let mut key = None;
     match &rec.command {
         Command::Admit(a) => {

@@ -205,10 +205,10 @@ fn authorized(shared: &Shared, principal: &Principal, op: Op) -> Route {
     match op {
         Op::Hello { .. } | Op::Ping => unreachable!("routed before the principal is known"),
         Op::Admit(a) => admit_command(&shared.policy, principal, a).map_or_else(refused, apply),
-        Op::Start { run, key, token } => admission_token(&token)
+        Op::Start { run, key, token } => admission_token(shared, &run, &key, &token)
             .map(|token| Command::Start { run, key, token })
             .map_or_else(refused, apply),
-        Op::Complete(c) => admission_token(&c.token)
+        Op::Complete(c) => admission_token(shared, &c.run, &c.key, &c.token)
             .map(|token| Command::Complete {
                 run: c.run,
                 key: c.key,
@@ -381,12 +381,20 @@ pub fn forbidden(verb: Verb, p: &Principal) -> Answer {
     )
 }
 
-/// The admission token of a `start` or `complete`, as the gate issued it.
-fn admission_token(token: &str) -> Result<Token, Answer> {
-    Token::parse(token).ok_or_else(|| {
+/// The admission token of a `start` or `complete` of effect `key` of `run`, if the gate sealed
+/// it for that effect (`estop_protocol::effect_token`): nothing else reaches the kernel.
+fn admission_token(
+    shared: &Shared,
+    run: &RunId,
+    key: &EffectKey,
+    token: &str,
+) -> Result<Token, Answer> {
+    shared.seal.open(run, key, token).ok_or_else(|| {
         err(
             ErrorCode::BadToken,
-            "token is not one the gate issued (expected <epoch>.<serial>)",
+            format!(
+                "the token was not issued for effect {key} of run {run}: present the token of this effect's admitted verdict"
+            ),
         )
     })
 }
@@ -900,6 +908,7 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
             ledger_dir: dir.to_path_buf(),
             store: None,
             next_conn: AtomicU64::new(1),
+            seal: estop_protocol::effect_token::TokenSeal::for_tests(),
         }
     }
 

@@ -22,6 +22,7 @@ pub mod pgstore;
 pub mod pgtls;
 pub mod quota;
 pub mod render;
+pub mod seal;
 pub mod serve;
 pub mod service;
 pub mod shared;

@@ -12,7 +12,7 @@ use postgres::{Client, Config, GenericClient};
 use std::time::Duration;
 
 /// The schema version this binary writes and reads (`estop_schema`).
-pub const SCHEMA_VERSION: i32 = 4;
+pub const SCHEMA_VERSION: i32 = 5;
 
 /// Migrations, in order: each brings the schema from the version before it to its own.
 const MIGRATIONS: &[(i32, &str)] = &[
@@ -61,6 +61,16 @@ const MIGRATIONS: &[(i32, &str)] = &[
         "ALTER TABLE estop_ledger ADD COLUMN effect_key text;
          CREATE INDEX estop_ledger_effect ON estop_ledger (run_id, effect_key, seq)
              WHERE effect_key IS NOT NULL;",
+    ),
+    (
+        5,
+        // Every node's secrets (`seal`: the key admission tokens are sealed with), made by the
+        // first node that needs one.
+        "CREATE TABLE estop_secret (
+             name text PRIMARY KEY,
+             secret bytea NOT NULL CHECK (length(secret) = 32),
+             created_at timestamptz NOT NULL DEFAULT now()
+         );",
     ),
 ];
 

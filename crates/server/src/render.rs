@@ -16,10 +16,17 @@ pub fn approval_id(run: &RunId, n: u64) -> String {
     format!("{run}#{n}")
 }
 
-pub fn verdict(run: &RunId, v: &Verdict) -> wire::VerdictReply {
+/// A verdict on effect `key` of `run` as the wire says it; an admission's token sealed with
+/// `seal` (`estop_protocol::effect_token`).
+pub fn verdict(
+    run: &RunId,
+    key: &EffectKey,
+    seal: &estop_protocol::effect_token::TokenSeal,
+    v: &Verdict,
+) -> wire::VerdictReply {
     match v {
         Verdict::Admitted { token } => wire::VerdictReply::Admitted {
-            token: token.to_string(),
+            token: seal.seal(run, key, *token),
             epoch: u64::from(token.epoch),
         },
         Verdict::Go => wire::VerdictReply::Go,
@@ -297,6 +304,8 @@ fn report_item(key: &EffectKey, e: &estop_kernel::state::Effect) -> wire::Report
         lookup: e.lookup.as_ref().map(ToString::to_string),
         lookups: c.map(|c| c.lookups).filter(|n| *n > 0),
         chosen: c.is_some_and(|c| c.chosen),
+        holder: (e.holder != estop_kernel::Part::Main).then(|| e.holder.as_str().to_string()),
+        disputes: (e.disputes > 0).then_some(e.disputes),
     }
 }
 

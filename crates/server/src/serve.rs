@@ -244,6 +244,9 @@ pub fn run_with(
     });
     // Compensating calls are checked against the policy that admits the calls they undo.
     opts.core.compensation_policy = Some(Arc::clone(&policy));
+    // Admission tokens are sealed with the daemon's key (every node's, on PostgreSQL).
+    let seal = crate::seal::load(&data, opts.store.as_deref()).map_err(setup)?;
+    opts.core.seal = seal.clone();
     // On a PostgreSQL store the tokens are every node's, in the database (docs/STORES.md).
     let (tokens, created) = match &opts.store {
         None => Tokens::open_or_bootstrap(&data, opts.reset_tokens)?,
@@ -308,6 +311,7 @@ pub fn run_with(
             None => None,
         },
         next_conn: AtomicU64::new(1),
+        seal,
     });
     if created {
         crate::tokenops::record_bootstrap(&shared);

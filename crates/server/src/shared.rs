@@ -78,6 +78,8 @@ pub struct Shared {
     /// The PostgreSQL store, when the records live there rather than in `ledger_dir`.
     pub store: Option<crate::pgstore::Target>,
     pub next_conn: AtomicU64,
+    /// Opens the admission tokens `start` and `complete` present (the core's seal, the same key).
+    pub seal: estop_protocol::effect_token::TokenSeal,
 }
 
 pub fn wall_ms() -> u64 {

@@ -127,8 +127,11 @@ pub struct Eff {
     /// and its ancestors now (from its admission until it settles or is voided unstarted).
     pub reserve: (u64, u64),
     pub counted: bool,
-    /// Its settled cost was charged.
+    /// Its settled cost was charged, and what it was ((0, 0) until then).
     pub charged: bool,
+    pub cost: (u64, u64),
+    /// Completions refused for contradicting what was settled.
+    pub disputes: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -628,6 +631,7 @@ impl Model {
             return;
         }
         e.charged = true;
+        e.cost = c;
         self.count(run, |r| r.spent = add(r.spent, c));
         let mut root = None;
         for id in self.spend_lineage(run) {
@@ -902,6 +906,8 @@ impl Model {
             reserve: spend(reserve),
             counted: false,
             charged: false,
+            cost: (0, 0),
+            disputes: 0,
         };
         self.runs.get_mut(&run).expect("run").effects.insert(key, e);
         changed(self.carry(now, run, key, d))
@@ -1121,12 +1127,24 @@ impl Model {
                 self.charge(now, run, key, cost);
                 changed(format!("completed late={late}"))
             }
-            St::Done(o) if o == outcome => verdict(format!("completed late={}", e.late)),
-            St::Done(_) => Err("already_completed"),
-            // The saga took up a call that happened: the same report again, or a conflict.
-            St::Undo(_) if outcome == Outcome::Ok => verdict(format!("completed late={}", e.late)),
-            St::Undo(_) => Err("already_completed"),
-            St::Refused(_) if e.outcome.is_some() => verdict("completed late=true".into()),
+            // The same report again changes nothing; one that contradicts the outcome or the
+            // cost settled is refused and kept (SPEC: nothing an agent reports is dropped).
+            St::Done(o) if o == outcome && e.cost == spend(cost) => {
+                verdict(format!("completed late={}", e.late))
+            }
+            // The saga took up a call that happened: the same report again, or a contradiction.
+            St::Undo(_) if outcome == Outcome::Ok && e.cost == spend(cost) => {
+                verdict(format!("completed late={}", e.late))
+            }
+            St::Refused(_) if e.outcome == Some(outcome) && e.cost == spend(cost) => {
+                verdict("completed late=true".into())
+            }
+            St::Done(_) | St::Undo(_) | St::Refused(_)
+                if e.outcome.is_some() || !matches!(e.st, St::Refused(_)) =>
+            {
+                self.eff(run, key).disputes += 1;
+                changed("disputed".into())
+            }
             St::Refused(_) => {
                 let e = self.eff(run, key);
                 e.outcome = Some(outcome);

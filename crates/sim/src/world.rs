@@ -835,7 +835,7 @@ pub fn render_reply(r: &Reply) -> String {
     match r {
         Reply::Verdict(v) => render_verdict(v),
         Reply::Completed { late } => format!("completed late={late}"),
-        Reply::Disputed { settled } => format!("disputed settled={settled}"),
+        Reply::Disputed { .. } => "disputed".into(),
         Reply::Decided(Decided {
             status: DecideStatus::Approved,
             ..

@@ -59,10 +59,10 @@ impl Core {
                     &agent,
                     Command::Recheck {
                         run: run.clone(),
-                        key,
+                        key: key.clone(),
                     },
                 ) {
-                    Ok(v) => Answer::Verdict(render::verdict(&run, &v)),
+                    Ok(v) => Answer::Verdict(render::verdict(&run, &key, &self.opts.seal, &v)),
                     Err(a) => a,
                 }
             }

@@ -15,6 +15,7 @@ use estop_kernel::{
     Command, EffectKey, Gate, KernelError, Principal, PrincipalName, Record, Reply, Role, RunId,
     Verdict,
 };
+use estop_protocol::effect_token::TokenSeal;
 use estop_protocol::page::{PageBudget, PendingCursor, Weight};
 use estop_protocol::server_line as wire;
 use estop_protocol::{ErrorCode, Id};
@@ -229,6 +230,9 @@ pub struct CoreOptions {
     /// The policy each compensating call is checked against before it is offered (`sagas`);
     /// `serve` sets the one it admits by. `None`: not checked.
     pub compensation_policy: Option<Arc<estop_policy::Policy>>,
+    /// Seals the admission tokens the core hands out (`estop_protocol::effect_token`). `serve`
+    /// always sets the daemon's own key; the default (zeros) is for tests and the simulation.
+    pub seal: TokenSeal,
 }
 
 /// Retention runs at most this often, and at least as often as `COMPACTION_PERIOD_MAX_MS`.
@@ -236,6 +240,11 @@ const COMPACTION_PERIOD_MIN_MS: u64 = 1_000;
 const COMPACTION_PERIOD_MAX_MS: u64 = 60_000;
 
 impl CoreOptions {
+    /// The wire form of `token`, issued for effect `key` of `run` (sealed with the daemon's key).
+    pub fn seal(&self, run: &RunId, key: &EffectKey, token: estop_kernel::Token) -> String {
+        self.seal.seal(run, key, token)
+    }
+
     /// How often retention runs: a quarter of the shorter retention, within one second and a
     /// minute, so a stopped run is forgotten at most that long after its retention passed.
     pub fn compaction_period_ms(&self) -> u64 {
@@ -263,6 +272,7 @@ impl Default for CoreOptions {
             planted_tombstones_dropped: false,
             in_flight_timeout_ms: IN_FLIGHT_TIMEOUT_DEFAULT_MS,
             compensation_policy: None,
+            seal: TokenSeal::for_tests(),
         }
     }
 }
@@ -667,7 +677,10 @@ impl Core {
     fn apply(&mut self, principal: &Principal, cmd: Command) -> Answer {
         let run = cmd.run().cloned();
         let key = match &cmd {
-            Command::Complete { key, .. } => Some(key.clone()),
+            Command::Admit(a) => Some(a.key.clone()),
+            Command::Complete { key, .. }
+            | Command::Start { key, .. }
+            | Command::Recheck { key, .. } => Some(key.clone()),
             _ => None,
         };
         let (reply, events) = match self.apply_reply(principal, cmd) {
@@ -676,7 +689,10 @@ impl Core {
         };
         let run_id = run.unwrap_or_else(|| RunId::new("-").expect("valid"));
         match reply {
-            Reply::Verdict(v) => Answer::Verdict(render::verdict(&run_id, &v)),
+            Reply::Verdict(v) => {
+                let key = key.unwrap_or_else(|| EffectKey::new("-").expect("valid"));
+                Answer::Verdict(render::verdict(&run_id, &key, &self.opts.seal, &v))
+            }
             Reply::Completed { late } => Answer::Ack(wire::Ack {
                 late,
                 ..wire::Ack::default()

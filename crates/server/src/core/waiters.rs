@@ -43,7 +43,7 @@ impl Core {
                 }
             }
             Ok(v) => {
-                let answer = Answer::Verdict(render::verdict(&run, &v));
+                let answer = Answer::Verdict(render::verdict(&run, &key, &self.opts.seal, &v));
                 self.send(to, answer);
             }
             Err(answer) => self.send(to, answer),
@@ -97,7 +97,7 @@ impl Core {
                 Ok(Verdict::Held { .. }) => keep.push(w),
                 Ok(v) => {
                     self.waiter_done(w.conn, &w.principal);
-                    let answer = Answer::Verdict(render::verdict(run, &v));
+                    let answer = Answer::Verdict(render::verdict(run, &w.key, &self.opts.seal, &v));
                     self.send(w.to, answer);
                 }
                 Err(answer) => {
@@ -157,7 +157,7 @@ impl Core {
             for w in due {
                 self.waiter_done(w.conn, &w.principal);
                 let answer = match self.wait_verdict(&w.principal, &run, &w.key) {
-                    Ok(v) => Answer::Verdict(render::verdict(&run, &v)),
+                    Ok(v) => Answer::Verdict(render::verdict(&run, &w.key, &self.opts.seal, &v)),
                     Err(a) => a,
                 };
                 self.send(w.to, answer);

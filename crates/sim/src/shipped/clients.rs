@@ -480,7 +480,14 @@ impl ShippedWorld {
                 if run == FRESH {
                     self.fresh_admitted.insert(c);
                 }
-                let token = Token::parse(&token).ok_or("a token that does not parse")?;
+                // Sealed for this effect by the core (the simulation's options: the test key).
+                let token = estop_protocol::effect_token::TokenSeal::for_tests()
+                    .open(
+                        &RunId::new(run).map_err(|e| e.to_string())?,
+                        &EffectKey::new(&key).map_err(|e| e.to_string())?,
+                        &token,
+                    )
+                    .ok_or("a token the gate did not seal for this effect")?;
                 if started {
                     self.complete_later(c, run, key, Outcome::Ok);
                 } else {
