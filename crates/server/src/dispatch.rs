@@ -595,6 +595,7 @@ admit                      | apply admit      | apply admit      | forbidden    
 admit digest-only          | args_required    | args_required    | forbidden        | unauthenticated
 start                      | apply start      | apply start      | forbidden        | unauthenticated
 start bad-token            | bad_token        | bad_token        | forbidden        | unauthenticated
+start unsealed             | bad_token        | bad_token        | forbidden        | unauthenticated
 complete                   | apply complete   | apply complete   | forbidden        | unauthenticated
 complete bad-token         | bad_token        | bad_token        | forbidden        | unauthenticated
 wait                       | conn wait        | conn wait        | forbidden        | unauthenticated
@@ -629,6 +630,18 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
 
     fn run() -> RunId {
         RunId::new("r").unwrap()
+    }
+
+    /// Token 1.1 of effect `key()` of `run()`, sealed as the tests' shared seals it.
+    fn sealed() -> String {
+        estop_protocol::effect_token::TokenSeal::for_tests().seal(
+            &run(),
+            &key(),
+            estop_kernel::Token {
+                epoch: 1,
+                serial: 1,
+            },
+        )
     }
 
     fn key() -> EffectKey {
@@ -692,11 +705,12 @@ looked_up                  | apply looked_up  | apply looked_up  | forbidden    
                         key: key(),
                         token: token.into(),
                     };
-                    add(v, start("1.1"));
+                    add(v, start(&sealed()));
                     add("start bad-token", start("nope"));
+                    add("start unsealed", start("1.1"));
                 }
                 Verb::Complete => {
-                    add(v, complete("1.1"));
+                    add(v, complete(&sealed()));
                     add("complete bad-token", complete("nope"));
                 }
                 Verb::Wait => {
