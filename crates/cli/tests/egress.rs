@@ -890,22 +890,11 @@ fn kill_ends_a_fork_bomb() {
     kill_and_check(&d, "bomb", &["python3", "-c", bomb], "pids_max = 64\n");
 }
 
-/// Issue 27: a root-run sandbox wrote its PID to the host's `cgroup.procs` and left its
-/// `pids_max` behind (13 of 40 processes started before, 40 of 40 after). Now every cgroup
-/// filesystem it sees is read-only and rooted at the run's cgroup, and a cgroup namespace of its
-/// own (to mount its cgroup afresh, writable) is refused. Root only: the agent is root in its
-/// namespaces, and estop needs a cgroup of its own.
-#[test]
-fn a_root_sandbox_cannot_leave_its_cgroup_or_raise_its_pids_bound() {
-    if !rustix_is_root() || !controller_enabled("pids") {
-        eprintln!("skipped: needs root and the pids controller");
-        return;
-    }
-    let d = daemon();
-    let scratch = tempfile::tempdir().unwrap();
-    let script = format!(
-        r#"
-import ctypes, errno, os, time
+/// A root agent leaving its cgroup as issue 27's did, and then by a cgroup namespace of its own
+/// (mounted at `sys.argv[1]`); prints every attempt and how many of 40 processes started.
+const CGROUP_ESCAPE: &str = r#"
+import ctypes, errno, os, sys, time
+mnt = sys.argv[1].encode()
 def attempt(path, text):
     try:
         with open(path, "w") as f:
@@ -914,9 +903,9 @@ def attempt(path, text):
     except OSError as e:
         return errno.errorcode[e.errno]
 me = str(os.getpid())
-own = sorted({{line.rstrip("\n").split(":", 2)[2] for line in open("/proc/self/cgroup")}})
-points = sorted({{line.split(" - ")[0].split()[4] for line in open("/proc/self/mountinfo")
-                 if line.split(" - ")[1].split()[0] in ("cgroup", "cgroup2")}})
+own = sorted({line.rstrip("\n").split(":", 2)[2] for line in open("/proc/self/cgroup")})
+points = sorted({line.split(" - ")[0].split()[4] for line in open("/proc/self/mountinfo")
+                 if line.split(" - ")[1].split()[0] in ("cgroup", "cgroup2")})
 for p in points:
     print("move", p, attempt(p + "/cgroup.procs", me))
     for o in own:
@@ -926,9 +915,9 @@ if libc.unshare(0x02000000) != 0:
     print("cgroupns", errno.errorcode[ctypes.get_errno()])
 else:
     for fs, opts in ((b"cgroup", b"pids"), (b"cgroup2", None)):
-        if libc.mount(b"none", b"{mnt}", fs, 0, opts) == 0:
-            print("remount", fs.decode(), attempt("{mnt}/pids.max", "max"))
-            libc.umount2(b"{mnt}", 2)
+        if libc.mount(b"none", mnt, fs, 0, opts) == 0:
+            print("remount", fs.decode(), attempt(sys.argv[1] + "/pids.max", "max"))
+            libc.umount2(mnt, 2)
         else:
             print("remount", fs.decode(), errno.errorcode[ctypes.get_errno()])
 kids = []
@@ -945,10 +934,24 @@ print("started", len(kids), "of 40", flush=True)
 for k in kids:
     os.kill(k, 9)
     os.waitpid(k, 0)
-"#,
-        mnt = scratch.path().display()
-    );
-    let child = estop_run(&d, "cgroups", "pids_max = 16\n", &argv(&python(&script)));
+"#;
+
+/// Issue 27: a root-run sandbox wrote its PID to the host's `cgroup.procs` and left its
+/// `pids_max` behind (13 of 40 processes started before, 40 of 40 after). Now every cgroup
+/// filesystem it sees is read-only and rooted at the run's cgroup, and a cgroup namespace of its
+/// own (to mount its cgroup afresh, writable) is refused. Root only: the agent is root in its
+/// namespaces, and estop needs a cgroup of its own.
+#[test]
+fn a_root_sandbox_cannot_leave_its_cgroup_or_raise_its_pids_bound() {
+    if !rustix_is_root() || !controller_enabled("pids") {
+        eprintln!("skipped: needs root and the pids controller");
+        return;
+    }
+    let d = daemon();
+    let scratch = tempfile::tempdir().unwrap();
+    let mut agent = python(CGROUP_ESCAPE);
+    agent.push(scratch.path().display().to_string());
+    let child = estop_run(&d, "cgroups", "pids_max = 16\n", &argv(&agent));
     let (code, out, err) = finish(child);
     assert_eq!(code, 0, "{out}\n{err}");
     let attempts: Vec<&str> = out
