@@ -13,8 +13,8 @@ pub struct RunArgs {
     #[arg(long)]
     parent: Option<String>,
     /// The sandbox's settings (TOML, table [egress]: allow_destinations, hold_ms, pids_max,
-    /// body_bytes_max, response_bytes_max, upstream_roots, credentials). What requests may do
-    /// is the gate's policy.
+    /// memory_max, body_bytes_max, response_bytes_max, upstream_roots, credentials). What
+    /// requests may do is the gate's policy.
     #[arg(long)]
     policy: Option<PathBuf>,
     /// Data directory of the daemon (its socket and agent token; hidden from the sandbox).

@@ -527,11 +527,21 @@ except OSError as e:
         out.contains("raw: EPERM") || out.contains("raw: ENETUNREACH"),
         "{out}"
     );
-    assert!(
-        out.contains("packet: EPERM") || out.contains("packet: ENODEV"),
-        "{out}"
-    );
+    // Refused by the seccomp filter before any capability is asked for.
+    assert!(out.contains("packet: EAFNOSUPPORT"), "{out}");
     assert_eq!(srv.hits(), 0);
+}
+
+/// Whether the kernel has this cgroup controller enabled (`/proc/cgroups`): then root's
+/// `estop run` must bound the sandbox with it.
+fn controller_enabled(name: &str) -> bool {
+    std::fs::read_to_string("/proc/cgroups")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.first() == Some(&name) && f.get(3) == Some(&"1")
+        })
 }
 
 fn rustix_is_root() -> bool {
@@ -878,6 +888,175 @@ fn kill_ends_a_fork_bomb() {
     // Every process forks for ever: the sandbox never ends by itself.
     let bomb = "import os\nprint('ready', flush=True)\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n";
     kill_and_check(&d, "bomb", &["python3", "-c", bomb], "pids_max = 64\n");
+}
+
+/// A root agent leaving its cgroup as issue 27's did, and then by a cgroup namespace of its own
+/// (mounted at `sys.argv[1]`); prints every attempt and how many of 40 processes started.
+const CGROUP_ESCAPE: &str = r#"
+import ctypes, errno, os, sys, time
+mnt = sys.argv[1].encode()
+def attempt(path, text):
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+        return "ok"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+me = str(os.getpid())
+own = sorted({line.rstrip("\n").split(":", 2)[2] for line in open("/proc/self/cgroup")})
+points = sorted({line.split(" - ")[0].split()[4] for line in open("/proc/self/mountinfo")
+                 if line.split(" - ")[1].split()[0] in ("cgroup", "cgroup2")})
+for p in points:
+    print("move", p, attempt(p + "/cgroup.procs", me))
+    for o in own:
+        print("raise", p + o, attempt(p + o.rstrip("/") + "/pids.max", "max"))
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(0x02000000) != 0:
+    print("cgroupns", errno.errorcode[ctypes.get_errno()])
+else:
+    for fs, opts in ((b"cgroup", b"pids"), (b"cgroup2", None)):
+        if libc.mount(b"none", mnt, fs, 0, opts) == 0:
+            print("remount", fs.decode(), attempt(sys.argv[1] + "/pids.max", "max"))
+            libc.umount2(mnt, 2)
+        else:
+            print("remount", fs.decode(), errno.errorcode[ctypes.get_errno()])
+kids = []
+for _ in range(40):
+    try:
+        pid = os.fork()
+    except OSError:
+        continue
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    kids.append(pid)
+print("started", len(kids), "of 40", flush=True)
+for k in kids:
+    os.kill(k, 9)
+    os.waitpid(k, 0)
+"#;
+
+/// Issue 27: a root-run sandbox wrote its PID to the host's `cgroup.procs` and left its
+/// `pids_max` behind (13 of 40 processes started before, 40 of 40 after). Now every cgroup
+/// filesystem it sees is read-only and rooted at the run's cgroup, and a cgroup namespace of its
+/// own (to mount its cgroup afresh, writable) is refused. Root only: the agent is root in its
+/// namespaces, and estop needs a cgroup of its own.
+#[test]
+fn a_root_sandbox_cannot_leave_its_cgroup_or_raise_its_pids_bound() {
+    if !rustix_is_root() || !controller_enabled("pids") {
+        eprintln!("skipped: needs root and the pids controller");
+        return;
+    }
+    let d = daemon();
+    let scratch = tempfile::tempdir().unwrap();
+    let mut agent = python(CGROUP_ESCAPE);
+    agent.push(scratch.path().display().to_string());
+    let child = estop_run(&d, "cgroups", "pids_max = 16\n", &argv(&agent));
+    let (code, out, err) = finish(child);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let attempts: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("move ") || l.starts_with("raise ") || l.starts_with("remount "))
+        .collect();
+    assert!(
+        attempts.iter().any(|l| l.starts_with("move ")),
+        "the sandbox sees a cgroup filesystem to attack: {out}"
+    );
+    for line in &attempts {
+        assert!(!line.ends_with(" ok"), "{line}\n{out}");
+    }
+    assert!(out.contains("cgroupns EPERM"), "{out}");
+    let started: usize = out
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("started ")?
+                .strip_suffix(" of 40")?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("{out}\n{err}"));
+    assert!(
+        started < 16,
+        "pids_max = 16 holds: {started} of 40 started\n{out}"
+    );
+}
+
+/// Issue 27: `AF_VSOCK` (not namespaced) was open to the sandbox. Only inet, inet6, unix and
+/// route netlink (the sandbox's own interfaces) are; io_uring (sockets without `socket()`),
+/// `clone3` (flags a filter cannot read) and x32 calls are refused too.
+#[test]
+fn socket_families_other_than_inet_inet6_and_unix_are_refused_in_the_sandbox() {
+    let d = daemon();
+    let script = r#"
+import ctypes, errno, platform, socket
+def make(name, *args):
+    try:
+        socket.socket(*args).close()
+        print(name, "ok")
+    except OSError as e:
+        print(name, errno.errorcode[e.errno])
+make("inet", socket.AF_INET, socket.SOCK_STREAM)
+make("inet6", socket.AF_INET6, socket.SOCK_DGRAM)
+make("unix", socket.AF_UNIX, socket.SOCK_STREAM)
+a, b = socket.socketpair()
+print("socketpair ok")
+make("vsock", socket.AF_VSOCK, socket.SOCK_STREAM)
+make("packet", socket.AF_PACKET, socket.SOCK_RAW, 0)
+make("netlink-route", socket.AF_NETLINK, socket.SOCK_RAW, 0)
+make("netlink-generic", socket.AF_NETLINK, socket.SOCK_RAW, 16)
+print("interfaces:", [n for _, n in socket.if_nameindex()])
+libc = ctypes.CDLL(None, use_errno=True)
+def raw(name, *args):
+    r = libc.syscall(*[ctypes.c_long(a) for a in args])
+    print(name, "ok" if r >= 0 else errno.errorcode[ctypes.get_errno()])
+raw("io_uring_setup", 425, 1, 0)
+raw("clone3", 435, 0, 0)
+if platform.machine() == "x86_64":
+    raw("x32-socket", 0x40000000 | 41, socket.AF_VSOCK, socket.SOCK_STREAM, 0)
+"#;
+    let (code, out, err) = finish(estop_run(&d, "families", "", &argv(&python(script))));
+    assert_eq!(code, 0, "{out}\n{err}");
+    let said = |line: &str| out.lines().any(|l| l == line);
+    for allowed in ["inet", "inet6", "unix", "socketpair", "netlink-route"] {
+        assert!(said(&format!("{allowed} ok")), "{allowed}: {out}");
+    }
+    for refused in ["vsock", "packet", "netlink-generic"] {
+        assert!(said(&format!("{refused} EAFNOSUPPORT")), "{refused}: {out}");
+    }
+    assert!(said("interfaces: ['lo']"), "{out}");
+    assert!(said("io_uring_setup EPERM"), "{out}");
+    assert!(said("clone3 ENOSYS"), "{out}");
+    if cfg!(target_arch = "x86_64") {
+        assert!(said("x32-socket EPERM"), "{out}");
+    }
+}
+
+/// `memory_max` holds for a root-run sandbox: 16 MiB fit in 64, 256 MiB do not (the kernel's
+/// OOM killer ends the process; no swap to spill into). Root only (a cgroup of its own).
+#[test]
+fn the_memory_bound_holds_for_a_root_sandbox() {
+    if !rustix_is_root() || !controller_enabled("memory") {
+        eprintln!("skipped: needs root and the memory controller");
+        return;
+    }
+    let d = daemon();
+    let script = r#"
+held = b"x" * (16 << 20)
+print("16 MiB held", flush=True)
+more = b"x" * (256 << 20)
+print("256 MiB held", flush=True)
+"#;
+    let settings = "memory_max = 67108864\n";
+    let (code, out, err) = finish(estop_run(&d, "memory", settings, &argv(&python(script))));
+    assert!(out.contains("16 MiB held"), "{out}\n{err}");
+    assert!(
+        !out.contains("256 MiB held"),
+        "memory_max holds: {out}\n{err}"
+    );
+    assert!(
+        code == 128 + 9 || code == 1,
+        "OOM-killed or MemoryError: {code}\n{err}"
+    );
 }
 
 #[test]

@@ -14,6 +14,7 @@ pub mod proxy;
 pub mod record;
 pub mod relay;
 pub mod sandbox;
+pub mod seccomp;
 pub mod settings;
 pub mod tls;
 pub mod tool;
@@ -145,8 +146,11 @@ async fn supervise(opts: &RunOptions, plan: Plan) -> Result<i32> {
     )?;
     let private_dir = tmp.path().join("sandbox");
     std::fs::create_dir(&private_dir)?;
-    let cgroups =
-        cgroup::Cgroups::create(&format!("{}", std::process::id()), plan.settings.pids_max);
+    let cgroups = cgroup::Cgroups::create(
+        &format!("{}", std::process::id()),
+        plan.settings.pids_max,
+        plan.settings.memory_max,
+    );
     for note in &cgroups.notes {
         eprintln!("estop run: {note}");
     }

@@ -7,11 +7,13 @@
 //! * the supervisor (`estop run`, host namespaces) spawns **stage 1** (`estop __estop-sandbox
 //!   stage1 CONFIG`), a fresh single-threaded process: it joins the run's cgroups, unshares every
 //!   namespace (a new user namespace too, also as root, so the sandbox has capabilities over its
-//!   own namespaces only), maps its ids, brings `lo` up, sets up the mounts, binds the proxy,
-//!   DNS-stub and protocol listeners and sends them to the supervisor over a socketpair;
+//!   own namespaces only; a cgroup namespace whose roots are the run's cgroups), maps its ids,
+//!   brings `lo` up, sets up the mounts (every cgroup filesystem covered read-only), binds the
+//!   proxy, DNS-stub and protocol listeners and sends them to the supervisor over a socketpair;
 //! * stage 1 spawns **stage 2**, PID 1 of the new PID namespace: it mounts `/proc`, unshares a
 //!   second user and mount namespace (so every mount above is *locked*: the agent cannot unmount
-//!   what hides the data directory), then runs the command and reaps orphans until it exits.
+//!   what hides the data directory or the host's cgroups), installs the seccomp filter
+//!   (`seccomp.rs`), then runs the command and reaps orphans until it exits.
 //!
 //! When PID 1 ends, the kernel kills everything left in its PID namespace and stage 1's wait
 //! returns only after all of it is gone: that is how the supervisor knows the whole tree ended.
@@ -193,14 +195,24 @@ fn stage1(cfg: &StageConfig) -> Result<i32> {
         std::fs::write(procs, "0").with_context(|| format!("joining {}", procs.display()))?;
     }
     use rustix::thread::UnshareFlags as U;
-    let flags = U::NEWUSER | U::NEWNS | U::NEWNET | U::NEWPID | U::NEWIPC | U::NEWUTS;
+    let mut flags = U::NEWUSER | U::NEWNS | U::NEWNET | U::NEWPID | U::NEWIPC | U::NEWUTS;
+    // Unshared after joining the run's cgroups: they are the roots of what the sandbox sees.
+    let cgroup_ns = Path::new("/proc/self/ns/cgroup").exists();
+    if cgroup_ns {
+        flags |= U::NEWCGROUP;
+    } else {
+        eprintln!(
+            "estop run: this kernel has no cgroup namespaces (Linux 4.6+, CONFIG_CGROUPS): the \
+             sandbox's cgroup filesystems are hidden instead"
+        );
+    }
     // SAFETY: this process is single-threaded (a fresh exec, no thread spawned yet) and FILES
     // is not among the flags.
     #[allow(unsafe_code)]
     unsafe { rustix::thread::unshare_unsafe(flags) }.map_err(userns_diagnostic)?;
     map_ids(0, cfg.uid, 0, cfg.gid)?;
     loopback_up().context("bringing up lo")?;
-    mounts(cfg)?;
+    mounts(cfg, cgroup_ns)?;
     let proxy = TcpListener::bind(("127.0.0.1", cfg.proxy_port)).context("proxy listener")?;
     let dns = UdpSocket::bind(("127.0.0.1", DNS_PORT)).context("DNS stub listener")?;
     let protocol = UnixListener::bind(cfg.socket_path()).context("protocol socket")?;
@@ -261,6 +273,13 @@ fn stage2(cfg: &StageConfig) -> Result<i32> {
     if let Some(fs) = &cfg.filesystem {
         fs.restrict(&cfg.private_dir, &cfg.readable)?;
     }
+    // Last before the command: nothing of the sandbox's own set-up is refused by it.
+    if crate::seccomp::install()? == crate::seccomp::Installed::NoKernelSupport {
+        eprintln!(
+            "estop run: this kernel has no seccomp (CONFIG_SECCOMP): sockets of other families \
+             than inet, inet6 and unix, io_uring and new cgroup namespaces are not refused"
+        );
+    }
     let (program, args) = cfg.argv.split_first().context("no command given")?;
     let child = Command::new(program)
         .args(args)
@@ -291,15 +310,17 @@ fn map_ids(inner_uid: u32, outer_uid: u32, inner_gid: u32, outer_gid: u32) -> Re
     Ok(())
 }
 
-fn mounts(cfg: &StageConfig) -> Result<()> {
+fn tmpfs(dir: &Path, flags: rustix::mount::MountFlags, opts: &str) -> Result<()> {
+    let opts = std::ffi::CString::new(opts).expect("no NUL");
+    rustix::mount::mount("tmpfs", dir, "tmpfs", flags, Some(opts.as_c_str()))
+        .with_context(|| format!("covering {} with a tmpfs", dir.display()))
+}
+
+fn mounts(cfg: &StageConfig, cgroup_ns: bool) -> Result<()> {
     use rustix::mount::{MountFlags as M, MountPropagationFlags as P};
     // Nothing done here may reach the host's mount table.
     rustix::mount::mount_change("/", P::REC | P::PRIVATE).context("making / private")?;
-    let tmpfs = |dir: &Path, flags: M, opts: &str| {
-        let opts = std::ffi::CString::new(opts).expect("no NUL");
-        rustix::mount::mount("tmpfs", dir, "tmpfs", flags, Some(opts.as_c_str()))
-            .with_context(|| format!("covering {} with a tmpfs", dir.display()))
-    };
+    cover_cgroups(cgroup_ns)?;
     tmpfs(&cfg.private_dir, M::NOSUID | M::NODEV, "mode=0755,size=1m")?;
     for dir in &cfg.hide_dirs {
         tmpfs(
@@ -318,6 +339,70 @@ fn mounts(cfg: &StageConfig) -> Result<()> {
         eprintln!("estop run: /etc/resolv.conf not replaced ({e}); lookups still fail");
     }
     Ok(())
+}
+
+/// Covers every cgroup filesystem of the host's, read-only: a cgroup2 one with a fresh mount of
+/// the sandbox's cgroup namespace (rooted at the run's cgroup: its bounds are readable, nothing
+/// is writable), any other with an empty tmpfs. A root agent could otherwise write its PID to
+/// the host's `cgroup.procs` and leave its bounds. The covers are locked by stage 2's namespaces;
+/// no other cgroup filesystem can be mounted without `CAP_SYS_ADMIN` over the cgroup namespace's
+/// owner (stage 1's user namespace), and a namespace of the agent's own is refused by seccomp.
+fn cover_cgroups(cgroup_ns: bool) -> Result<()> {
+    use rustix::mount::MountFlags as M;
+    let flags = M::RDONLY | M::NOSUID | M::NODEV | M::NOEXEC;
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").context("mountinfo")?;
+    let mut covered: Vec<PathBuf> = Vec::new();
+    for (point, fstype) in cgroup_mounts(&mountinfo) {
+        if covered.iter().any(|c| point.starts_with(c)) {
+            continue;
+        }
+        let fresh = (fstype == "cgroup2" && cgroup_ns)
+            .then(|| rustix::mount::mount("cgroup2", &point, "cgroup2", flags, None))
+            .is_some_and(|r| r.is_ok());
+        if !fresh {
+            tmpfs(&point, flags, "mode=0555,size=4k")
+                .with_context(|| format!("hiding the host's cgroups at {}", point.display()))?;
+        }
+        covered.push(point);
+    }
+    Ok(())
+}
+
+/// Mount points and types of the `cgroup` and `cgroup2` mounts in `/proc/self/mountinfo`.
+fn cgroup_mounts(mountinfo: &str) -> Vec<(PathBuf, String)> {
+    mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let fstype = right.split_whitespace().next()?;
+            let point = left.split_whitespace().nth(4)?;
+            (fstype == "cgroup" || fstype == "cgroup2")
+                .then(|| (PathBuf::from(unescape(point)), fstype.to_string()))
+        })
+        .collect()
+}
+
+/// mountinfo writes space, tab, newline and backslash in a path as `\ooo` (octal).
+fn unescape(field: &str) -> String {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match octal {
+            Some(d) if b[i] == b'\\' => {
+                out.push(d.iter().fold(0u8, |n, c| n.wrapping_mul(8) + (c - b'0')));
+                i += 4;
+            }
+            _ => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Sets the disposition of SIGINT, SIGTERM, SIGHUP and SIGQUIT (ignore, or default).
@@ -366,5 +451,33 @@ fn wait_code(status: rustix::process::WaitStatus) -> i32 {
         code
     } else {
         128 + status.terminating_signal().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_cgroup_mount_is_found_with_its_escaped_path() {
+        let mountinfo = "\
+25 1 0:23 / /sys rw,nosuid - sysfs sysfs rw
+31 25 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+50 1 0:38 / /srv/my\\040cgroups rw - cgroup2 cgroup2 rw
+";
+        let found: Vec<(PathBuf, String)> = cgroup_mounts(mountinfo);
+        let expect = |p: &str, t: &str| (PathBuf::from(p), t.to_string());
+        assert_eq!(
+            found,
+            vec![
+                expect("/sys/fs/cgroup/pids", "cgroup"),
+                expect("/sys/fs/cgroup/unified", "cgroup2"),
+                expect("/srv/my cgroups", "cgroup2"),
+            ]
+        );
+        assert_eq!(unescape("a\\134b\\011"), "a\\b\t");
+        assert_eq!(unescape("trailing\\04"), "trailing\\04");
     }
 }

@@ -16,6 +16,9 @@ pub struct Settings {
     pub hold_ms: u64,
     /// Processes and threads the sandbox may have at once (where a pids controller exists).
     pub pids_max: u32,
+    /// Bytes of memory the sandbox's processes may hold (cgroup `memory.max`, swap none),
+    /// where a memory controller exists; past it the kernel's OOM killer ends one of them.
+    pub memory_max: u64,
     /// Largest request body the proxy buffers (it must digest it before admission).
     pub body_bytes_max: usize,
     /// Largest response the proxy relays.
@@ -44,6 +47,13 @@ pub struct Settings {
     pub filesystem: Option<crate::fsrules::Filesystem>,
 }
 
+/// `memory_max` unless the settings say otherwise: 4 GiB, room for an agent's interpreters and
+/// tools, and a bound a memory bomb meets before the host does (on hosts with more).
+pub const MEMORY_MAX_DEFAULT: u64 = 4 << 30;
+
+/// The least `memory_max` may be: the sandbox's own two stages and an interpreter's start.
+pub const MEMORY_MAX_MIN: u64 = 16 << 20;
+
 /// The most `undo_body_bytes_max` may be: with the response's recorded body
 /// (`record::BODY_BYTES_MAX`, 32 KiB) the result stays within the ledger's 64 KiB.
 pub const UNDO_BODY_BYTES_LIMIT: usize = 24 << 10;
@@ -54,6 +64,7 @@ impl Default for Settings {
             allow: Vec::new(),
             hold_ms: 30_000,
             pids_max: 4096,
+            memory_max: MEMORY_MAX_DEFAULT,
             body_bytes_max: 8 << 20,
             response_bytes_max: 64 << 20,
             undo_body_bytes_max: 16 << 10,
@@ -79,6 +90,7 @@ struct Egress {
     allow_destinations: Option<Vec<String>>,
     hold_ms: Option<u64>,
     pids_max: Option<u32>,
+    memory_max: Option<u64>,
     body_bytes_max: Option<usize>,
     response_bytes_max: Option<usize>,
     undo_body_bytes_max: Option<usize>,
@@ -106,6 +118,7 @@ impl Settings {
         }
         s.hold_ms = e.hold_ms.unwrap_or(s.hold_ms);
         s.pids_max = e.pids_max.unwrap_or(s.pids_max);
+        s.memory_max = e.memory_max.unwrap_or(s.memory_max);
         s.body_bytes_max = e.body_bytes_max.unwrap_or(s.body_bytes_max);
         s.response_bytes_max = e.response_bytes_max.unwrap_or(s.response_bytes_max);
         s.undo_body_bytes_max = e.undo_body_bytes_max.unwrap_or(s.undo_body_bytes_max);
@@ -135,6 +148,9 @@ impl Settings {
         }
         if s.pids_max < 4 {
             bail!("pids_max must be at least 4");
+        }
+        if s.memory_max < MEMORY_MAX_MIN {
+            bail!("memory_max must be at least {MEMORY_MAX_MIN} bytes (16 MiB)");
         }
         Ok(s)
     }
@@ -259,6 +275,10 @@ mod tests {
             "unknown keys are refused"
         );
         assert!(Settings::parse("[egress]\npids_max = 1\n").is_err());
+        assert!(Settings::parse("[egress]\nmemory_max = 1048576\n").is_err());
+        let s = Settings::parse("[egress]\nmemory_max = 67108864\n").unwrap();
+        assert_eq!(s.memory_max, 64 << 20);
+        assert_eq!(Settings::default().memory_max, MEMORY_MAX_DEFAULT);
         let over = Settings::parse("[egress]\nundo_body_bytes_max = 24577\n").unwrap_err();
         assert!(
             format!("{over:#}").contains("must fit the ledger"),
