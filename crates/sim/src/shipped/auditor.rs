@@ -280,9 +280,12 @@ fn check_facts(gate: &Gate, run: &str, f: &Facts) -> Result<(), String> {
     let r = gate.run(&rid(run)).expect("the life is held");
     let effect = |key: &str| r.effects.get(&EffectKey::new(key).expect("valid key"));
     let lost = |what: &str, key: &str| Err(format!("acknowledged {what} of {run}/{key} lost"));
+    // The tokens told were sealed by the core (with the simulation's test key).
+    let seal = estop_protocol::effect_token::TokenSeal::for_tests();
+    let sealed = |key: &str, t| seal.seal(&rid(run), &EffectKey::new(key).expect("valid key"), t);
     for (key, token) in &f.tokens {
         match effect(key) {
-            Some(e) if e.token.map(|t| t.to_string()).as_ref() == Some(token) => {}
+            Some(e) if e.token.map(|t| sealed(key, t)).as_ref() == Some(token) => {}
             _ => return lost("admission", key),
         }
     }
