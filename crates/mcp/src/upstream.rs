@@ -42,6 +42,10 @@ pub struct Launch {
     /// process's start), so a resumed trajectory's servers do not reuse the runs a previous
     /// process's ended (`estop run` cancels its run when the command exits).
     pub tag: String,
+    /// The environment a stdio upstream's process (or its `estop run`) starts from, in place of
+    /// this process's: `None` inherits it (`estop mcp`); the harness gives its allow-list
+    /// (`estop_harness::env`). The server's `env` and the token are set over it.
+    pub env: Option<Vec<(std::ffi::OsString, std::ffi::OsString)>>,
 }
 
 impl Launch {
@@ -64,10 +68,12 @@ impl Launch {
     pub fn command(&self, server: &Server, command: &str, incarnation: u32) -> Command {
         if !server.sandbox {
             let mut cmd = Command::new(command);
+            self.base_env(&mut cmd);
             cmd.args(&server.args).envs(&server.env);
             return cmd;
         }
         let mut cmd = Command::new(&self.estop);
+        self.base_env(&mut cmd);
         cmd.arg("run").arg("--data").arg(&self.data);
         if let Some(s) = &self.socket {
             cmd.arg("--socket").arg(s);
@@ -88,6 +94,16 @@ impl Launch {
             cmd.env("ESTOP_TOKEN", t);
         }
         cmd
+    }
+}
+
+impl Launch {
+    /// Starts `cmd` from [`Launch::env`] when one is given.
+    fn base_env(&self, cmd: &mut Command) {
+        if let Some(env) = &self.env {
+            cmd.env_clear();
+            cmd.envs(env.iter().map(|(k, v)| (k, v)));
+        }
     }
 }
 
@@ -315,6 +331,7 @@ mod tests {
             run: Some("gw".into()),
             base: "mcp-1".into(),
             tag: String::new(),
+            env: None,
         };
         let cmd = launch.command(server, "npx", 1);
         assert_eq!(cmd.as_std().get_program(), "/bin/estop");
