@@ -756,6 +756,78 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         );
     }
 
+    /// A tool's environment: `env_pass` naming a model's key or a credential store's variable,
+    /// `env` or `env_pass` naming estop's own, a key on the allow-list, and `env` on an HTTP
+    /// tool are each refused naming the tool (or the model) and the variable.
+    #[test]
+    fn a_tools_environment_refuses_secrets_naming_the_tool() {
+        // A variable this test process has and the allow-list does not: the store's source.
+        let (var, _) = std::env::vars()
+            .find(|(k, v)| !crate::env::allowed(k) && !k.starts_with("ESTOP_") && !v.is_empty())
+            .expect("the test runs with some environment");
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("store.toml");
+        std::fs::write(
+            &store,
+            format!("[[credential]]\nhost = \"o.example\"\nbearer_env = \"{var}\"\n"),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let egress = dir.path().join("egress.toml");
+        std::fs::write(
+            &egress,
+            format!(
+                "[egress]\ncredentials = {:?}\n",
+                store.display().to_string()
+            ),
+        )
+        .unwrap();
+        let base = format!(
+            "[[model]]\nname = \"m\"\nbase_url = \"http://127.0.0.1:1/v1\"\napi_key_env = \"THE_KEY\"\n\
+             usd_per_mtok_input = 1.0\nusd_per_mtok_output = 1.0\n\n[[tool]]\nname = \"fetch\"\n\
+             url = \"http://o.example/\"\negress_policy = {:?}\n\n[[tool]]\nname = \"show\"\ncommand = [\"env\"]\n",
+            egress.display().to_string()
+        );
+        let load = |extra: &str| -> Result<Vec<Tool>, ConfigError> {
+            let c: Config = toml::from_str(&format!("{base}{extra}"))
+                .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+            c.check()?;
+            c.tools(&[], Vec::new())
+        };
+        let ok = load("env_pass = [\"PGHOST\"]\nenv = { A = \"1\" }\n").unwrap();
+        assert_eq!(ok[1].env.pass, ["PGHOST"]);
+        assert_eq!(ok[1].env.set["A"], "1");
+        for (extra, says) in [
+            ("env_pass = [\"THE_KEY\"]\n", "provider key of model \"m\""),
+            (
+                &format!("env_pass = [{var:?}]\n"),
+                "tool \"fetch\"'s egress_policy store",
+            ),
+            ("env_pass = [\"ESTOP_TOKEN\"]\n", "estop's own"),
+            ("env = { ESTOP_SOCKET = \"x\" }\n", "estop's own"),
+        ] {
+            let e = load(extra).unwrap_err().to_string();
+            assert!(
+                e.starts_with("tool \"show\": env: ") && e.contains(says),
+                "{extra}: {e}"
+            );
+        }
+        let e = load("").map(|_| ()).and_then(|_| {
+            let c: Config = toml::from_str(&base.replace("THE_KEY", "HOME")).unwrap();
+            c.check()?;
+            c.tools(&[], Vec::new()).map(|_| ())
+        });
+        assert!(e.unwrap_err().to_string().contains("allow-list"));
+        let http = base.replace("egress_policy", "env_pass = [\"X\"]\negress_policy");
+        let c: Config = toml::from_str(&http).unwrap();
+        let e = c.check().unwrap_err().to_string();
+        assert!(
+            e.contains("tool \"fetch\"") && e.contains("go with command"),
+            "{e}"
+        );
+    }
+
     /// docs/HARNESS.md stays true: its config example parses and passes the checks, with the
     /// `[subagents]` tool and the workspace root it shows.
     #[test]

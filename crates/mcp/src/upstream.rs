@@ -375,4 +375,36 @@ mod tests {
         assert_eq!(cmd.as_std().get_program(), "npx");
         assert_eq!(args(&cmd), ["srv", "/s"]);
     }
+
+    /// With an environment given (the harness's allow-list), an upstream starts from it and
+    /// the server's `env` alone: a variable of this process's environment is not passed.
+    #[test]
+    fn a_launch_with_an_environment_starts_from_it_alone() {
+        let (name, value) = std::env::vars()
+            .find(|(k, v)| k != "PATH" && !v.is_empty())
+            .expect("the test runs with some environment");
+        let text = "[[server]]\nname = \"e\"\ncommand = \"env\"\nenv = { A = \"1\" }\n";
+        let config = crate::config::Config::parse(text).unwrap();
+        let launch = Launch {
+            estop: "/bin/estop".into(),
+            data: "/d".into(),
+            socket: None,
+            token: None,
+            run: None,
+            base: "mcp-1".into(),
+            tag: String::new(),
+            env: Some(vec![("PATH".into(), "/usr/bin:/bin".into())]),
+        };
+        let mut cmd = launch.command(&config.servers[0], "env", 1);
+        let out = cmd.as_std_mut().output().unwrap();
+        let got = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            got.contains("A=1") && got.contains("PATH=/usr/bin:/bin"),
+            "{got}"
+        );
+        assert!(
+            !got.contains(&format!("{name}={value}")),
+            "{name} passed: {got}"
+        );
+    }
 }
