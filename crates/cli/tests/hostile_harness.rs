@@ -289,6 +289,8 @@ fn no_variable_of_the_runners_environment_reaches_a_tool_or_the_model_unless_pas
         for want in ["PATH=", "TOOL_SET=set-by-config", "PASSED_VAR=passed-value"] {
             assert!(obs.contains(want), "{call} lacks {want}: {obs}");
         }
+        // c2 ran inside the sandbox (its proxy's variables are estop run's), c1 did not.
+        assert_eq!(obs.contains("HTTPS_PROXY="), call == "c2", "{call}: {obs}");
         for (name, value) in &secrets {
             assert!(
                 !obs.contains(name) && !obs.contains(value.as_str()),
