@@ -131,4 +131,30 @@ pub enum Reply {
         retryable: bool,
         usage: Option<Usage>,
     },
+    /// The reply passed one of the stream's bounds (`crate::model::Bounds`): the harness cut
+    /// the stream there and discarded everything it held of the reply; nothing in it is
+    /// dispatched. The model is told which bound it passed and gets another turn (the budget
+    /// deciding, as for every turn).
+    Overflow {
+        overflow: Overflow,
+        usage: Option<Usage>,
+    },
+}
+
+/// Which bound of the model stream a reply passed (`crate::model::Bounds`, docs/HARNESS.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(tag = "bound", rename_all = "snake_case")]
+pub enum Overflow {
+    /// A tool call delta's `index` at or past the calls one reply may propose.
+    #[error("a tool call at index {index}, over the {max} tool calls one reply may propose")]
+    ToolCalls { index: u64, max: usize },
+    /// One server-sent event (the bytes up to its blank line) longer than this.
+    #[error("a stream event over {max} bytes")]
+    EventBytes { max: usize },
+    /// One tool call's id, name and arguments together longer than this.
+    #[error("tool call {index} over {max} bytes (its id, name and arguments)")]
+    ToolCallBytes { index: usize, max: usize },
+    /// The whole response body longer than this.
+    #[error("a reply over {max} bytes")]
+    ResponseBytes { max: usize },
 }

@@ -5,6 +5,7 @@ use crate::budget::{Limits, Prices};
 use crate::runner::Tool;
 use estop_mcp::config::SEPARATOR;
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::path::Path;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -168,6 +169,13 @@ pub struct ToolSection {
     /// leased for this tool (default: all of them). Only with `url`.
     #[serde(default)]
     pub credentials: Option<Vec<String>>,
+    /// A command's variables beyond the allow-list (crate::env), set to these values.
+    #[serde(default)]
+    pub env: std::collections::BTreeMap<String, String>,
+    /// A command's variables beyond the allow-list, passed on from the runner's environment
+    /// (never the provider's key or a credential store's source variable: refused at load).
+    #[serde(default)]
+    pub env_pass: Vec<String>,
 }
 
 impl ToolSection {
@@ -275,6 +283,13 @@ impl Config {
                     t.name
                 ));
             }
+            if t.url.is_some() && !(t.env.is_empty() && t.env_pass.is_empty()) {
+                return bad(format!(
+                    "tool {:?}: env and env_pass go with command (an HTTP tool starts no \
+                     process)",
+                    t.name
+                ));
+            }
             if let Some(url) = &t.url
                 && let Err(e) = crate::model::Endpoint::new(url, None)
             {
@@ -343,44 +358,12 @@ impl Config {
     /// MCP servers listed (`mcp`, from [`crate::mcp::Upstreams::start`]); an unknown name is an
     /// error.
     pub fn tools(&self, names: &[String], mcp: Vec<Tool>) -> Result<Vec<Tool>, ConfigError> {
-        let mut all = Vec::new();
-        for t in &self.tools {
-            let egress = match &t.egress_policy {
-                Some(p) => Some(crate::http::Egress::load(p).map_err(|e| {
-                    ConfigError::Invalid(format!("tool {:?}: egress_policy: {e:#}", t.name))
-                })?),
-                None => None,
-            };
-            // A host the tool may be leased must be one its store has: a typo would otherwise
-            // silently send its requests without the credential.
-            if let Some(h) = t.credentials.iter().flatten().find(|h| {
-                !egress
-                    .as_ref()
-                    .is_some_and(|e| e.credentials.entries.iter().any(|c| &c.host == *h))
-            }) {
-                return Err(ConfigError::Invalid(format!(
-                    "tool {:?}: credentials names {h:?}, which its egress_policy's credential \
-                     store has no credential for",
-                    t.name
-                )));
-            }
-            all.push(Tool {
-                name: t.name.clone(),
-                description: t.description.clone(),
-                parameters: serde_json::to_value(&t.parameters).unwrap_or_default(),
-                command: t.command.clone(),
-                url: t.url.clone(),
-                http: t
-                    .http()
-                    .map_err(|e| ConfigError::Invalid(format!("tool {:?}: {e}", t.name)))?,
-                mcp: None,
-                sandbox: t.sandbox,
-                sandbox_policy: t.sandbox_policy.clone(),
-                read_only: t.read_only,
-                egress,
-                credentials: t.credentials.clone(),
-            });
-        }
+        let mut all = self
+            .tools
+            .iter()
+            .map(|t| self.tool(t))
+            .collect::<Result<Vec<Tool>, ConfigError>>()?;
+        check_env(&self.secrets(&all), &all)?;
         all.extend(
             self.subagents
                 .as_ref()
@@ -402,6 +385,95 @@ impl Config {
             .collect()
     }
 
+    /// One `[[tool]]` with its egress settings and credential store loaded (an HTTP tool's
+    /// `egress_policy`; a sandboxed command's `sandbox_policy`, for its store's variables).
+    fn tool(&self, t: &ToolSection) -> Result<Tool, ConfigError> {
+        let invalid =
+            |what: &str, e: String| ConfigError::Invalid(format!("tool {:?}: {what}{e}", t.name));
+        let egress = match &t.egress_policy {
+            Some(p) => Some(
+                crate::http::Egress::load(p)
+                    .map_err(|e| invalid("egress_policy: ", format!("{e:#}")))?,
+            ),
+            None => None,
+        };
+        // A host the tool may be leased must be one its store has: a typo would otherwise
+        // silently send its requests without the credential.
+        if let Some(h) = t.credentials.iter().flatten().find(|h| {
+            !egress
+                .as_ref()
+                .is_some_and(|e| e.credentials.entries.iter().any(|c| &c.host == *h))
+        }) {
+            return Err(invalid(
+                "",
+                format!(
+                    "credentials names {h:?}, which its egress_policy's credential store has \
+                     no credential for"
+                ),
+            ));
+        }
+        let store_vars = match &t.sandbox_policy {
+            Some(p) => crate::env::store_vars(p)
+                .map_err(|e| invalid("sandbox_policy: ", format!("{e:#}")))?,
+            None => Vec::new(),
+        };
+        Ok(Tool {
+            name: t.name.clone(),
+            description: t.description.clone(),
+            parameters: serde_json::to_value(&t.parameters).unwrap_or_default(),
+            command: t.command.clone(),
+            url: t.url.clone(),
+            http: t.http().map_err(|e| invalid("", e))?,
+            mcp: None,
+            sandbox: t.sandbox,
+            sandbox_policy: t.sandbox_policy.clone(),
+            read_only: t.read_only,
+            egress,
+            credentials: t.credentials.clone(),
+            env: crate::env::ToolEnv {
+                set: t.env.clone(),
+                pass: t.env_pass.clone(),
+            },
+            store_vars,
+        })
+    }
+
+    /// The runner's variables no tool may be given, each with what it is: every model's
+    /// provider key and every credential store's source variables.
+    fn secrets(&self, tools: &[Tool]) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        for m in &self.models {
+            if let Some(k) = &m.api_key_env {
+                out.insert(
+                    k.clone(),
+                    format!("the provider key of model {:?} (api_key_env)", m.name),
+                );
+            }
+        }
+        for t in tools {
+            let http = t.egress.iter().flat_map(|e| e.credentials.env_names.iter());
+            for v in http {
+                out.insert(
+                    v.clone(),
+                    format!(
+                        "a credential's source in tool {:?}'s egress_policy store",
+                        t.name
+                    ),
+                );
+            }
+            for v in &t.store_vars {
+                out.insert(
+                    v.clone(),
+                    format!(
+                        "a credential's source in tool {:?}'s sandbox_policy store",
+                        t.name
+                    ),
+                );
+            }
+        }
+        out
+    }
+
     pub fn limits(&self) -> Limits {
         Limits {
             turns_max: self.budget.turns,
@@ -410,6 +482,37 @@ impl Config {
             usd_micros_max: self.budget.usd.map(|u| (u * 1e6).round() as u64),
         }
     }
+}
+
+/// No tool is given a secret of the runner's as a variable: a tool's `env_pass` naming one (or
+/// estop's own), a tool's `env` setting estop's own, or a secret on the allow-list every tool
+/// gets, is refused naming the tool and the variable.
+fn check_env(secrets: &BTreeMap<String, String>, tools: &[Tool]) -> Result<(), ConfigError> {
+    if let Some((name, what)) = secrets.iter().find(|(n, _)| crate::env::allowed(n)) {
+        return Err(ConfigError::Invalid(format!(
+            "{name} is {what}, and on the allow-list every tool is given (docs/HARNESS.md): \
+             keep the secret in another variable"
+        )));
+    }
+    for t in tools {
+        let passed = t
+            .env
+            .pass
+            .iter()
+            .filter_map(|n| crate::env::refused(n, secrets));
+        let set = t
+            .env
+            .set
+            .keys()
+            .filter_map(|n| crate::env::refused(n, &BTreeMap::new()));
+        if let Some(why) = passed.chain(set).next() {
+            return Err(ConfigError::Invalid(format!(
+                "tool {:?}: env: {why}",
+                t.name
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl ModelSection {
@@ -649,6 +752,78 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         let e = c.check().unwrap_err().to_string();
         assert!(
             e.contains("tool \"orders\"") && e.contains("go with url"),
+            "{e}"
+        );
+    }
+
+    /// A tool's environment: `env_pass` naming a model's key or a credential store's variable,
+    /// `env` or `env_pass` naming estop's own, a key on the allow-list, and `env` on an HTTP
+    /// tool are each refused naming the tool (or the model) and the variable.
+    #[test]
+    fn a_tools_environment_refuses_secrets_naming_the_tool() {
+        // A variable this test process has and the allow-list does not: the store's source.
+        let (var, _) = std::env::vars()
+            .find(|(k, v)| !crate::env::allowed(k) && !k.starts_with("ESTOP_") && !v.is_empty())
+            .expect("the test runs with some environment");
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("store.toml");
+        std::fs::write(
+            &store,
+            format!("[[credential]]\nhost = \"o.example\"\nbearer_env = \"{var}\"\n"),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let egress = dir.path().join("egress.toml");
+        std::fs::write(
+            &egress,
+            format!(
+                "[egress]\ncredentials = {:?}\n",
+                store.display().to_string()
+            ),
+        )
+        .unwrap();
+        let base = format!(
+            "[[model]]\nname = \"m\"\nbase_url = \"http://127.0.0.1:1/v1\"\napi_key_env = \"THE_KEY\"\n\
+             usd_per_mtok_input = 1.0\nusd_per_mtok_output = 1.0\n\n[[tool]]\nname = \"fetch\"\n\
+             url = \"http://o.example/\"\negress_policy = {:?}\n\n[[tool]]\nname = \"show\"\ncommand = [\"env\"]\n",
+            egress.display().to_string()
+        );
+        let load = |extra: &str| -> Result<Vec<Tool>, ConfigError> {
+            let c: Config = toml::from_str(&format!("{base}{extra}"))
+                .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+            c.check()?;
+            c.tools(&[], Vec::new())
+        };
+        let ok = load("env_pass = [\"PGHOST\"]\nenv = { A = \"1\" }\n").unwrap();
+        assert_eq!(ok[1].env.pass, ["PGHOST"]);
+        assert_eq!(ok[1].env.set["A"], "1");
+        for (extra, says) in [
+            ("env_pass = [\"THE_KEY\"]\n", "provider key of model \"m\""),
+            (
+                &format!("env_pass = [{var:?}]\n"),
+                "tool \"fetch\"'s egress_policy store",
+            ),
+            ("env_pass = [\"ESTOP_TOKEN\"]\n", "estop's own"),
+            ("env = { ESTOP_SOCKET = \"x\" }\n", "estop's own"),
+        ] {
+            let e = load(extra).unwrap_err().to_string();
+            assert!(
+                e.starts_with("tool \"show\": env: ") && e.contains(says),
+                "{extra}: {e}"
+            );
+        }
+        let e = load("").map(|_| ()).and_then(|_| {
+            let c: Config = toml::from_str(&base.replace("THE_KEY", "HOME")).unwrap();
+            c.check()?;
+            c.tools(&[], Vec::new()).map(|_| ())
+        });
+        assert!(e.unwrap_err().to_string().contains("allow-list"));
+        let http = base.replace("egress_policy", "env_pass = [\"X\"]\negress_policy");
+        let c: Config = toml::from_str(&http).unwrap();
+        let e = c.check().unwrap_err().to_string();
+        assert!(
+            e.contains("tool \"fetch\"") && e.contains("go with command"),
             "{e}"
         );
     }

@@ -15,6 +15,7 @@ pub mod compact;
 pub mod config;
 pub mod contract;
 pub mod control;
+pub mod env;
 pub mod gate;
 pub mod http;
 pub mod journal;

@@ -63,6 +63,24 @@ pub struct SandboxedServers<'a> {
     pub run: &'a str,
 }
 
+/// `servers` with, for each sandboxed one, its `sandbox_policy` credential store's source
+/// variables (from this process's environment) added to its `env`: `estop run` needs them to
+/// load the store and keeps them from the server it runs.
+fn with_store_vars(servers: &[Server]) -> anyhow::Result<Vec<Server>> {
+    let mut out = servers.to_vec();
+    for s in out.iter_mut().filter(|s| s.sandbox) {
+        let Some(p) = &s.sandbox_policy else { continue };
+        let vars = crate::env::store_vars(p)
+            .map_err(|e| anyhow::anyhow!("MCP server {:?}: sandbox_policy: {e:#}", s.name))?;
+        for v in vars {
+            if let Ok(value) = std::env::var(&v) {
+                s.env.insert(v, value);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// The running upstreams, by server name, and the tools they list now; cheap to clone.
 #[derive(Debug, Clone, Default)]
 pub struct Upstreams {
@@ -108,6 +126,7 @@ impl Upstreams {
                 run: Some(s.run.to_string()),
                 base: "agent".into(),
                 tag: format!("-{:x}", crate::runner::now_ms()),
+                env: Some(crate::env::for_tool(&Default::default())),
             },
             None => {
                 if let Some(s) = servers.iter().find(|s| s.sandbox) {
@@ -124,9 +143,13 @@ impl Upstreams {
                     run: None,
                     base: "agent".into(),
                     tag: String::new(),
+                    env: Some(crate::env::for_tool(&Default::default())),
                 }
             }
         });
+        // A server starts from the allow-list and its own `env`; a sandboxed one's `estop run`
+        // also gets the variables its store reads (it keeps them from the server).
+        let servers = &with_store_vars(servers)?;
         let (changed, rx) = tokio::sync::mpsc::unbounded_channel();
         let mut ups = BTreeMap::new();
         let mut listed = BTreeMap::new();

@@ -2,10 +2,13 @@
 //! terminal event arrived (a `finish_reason`, then `[DONE]` or the end of the body): tool calls
 //! are assembled from their deltas and handed over only then. A stream that ends early, an
 //! HTTP error, the call deadline or a cut is a [`Reply::Failed`] or [`Reply::Cut`], whose
-//! partial output is discarded — never parsed into a call.
+//! partial output is discarded — never parsed into a call. What a reply may make the harness
+//! hold is bounded ([`Bounds`]: tool calls, bytes per event, per tool call and per response),
+//! and scanned in linear time; past a bound the stream is cut and the reply is a
+//! [`Reply::Overflow`].
 
 use crate::budget::Usage;
-use crate::chat::{Finish, Message, Reply, ToolCall};
+use crate::chat::{Finish, Message, Overflow, Reply, ToolCall};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
@@ -180,7 +183,7 @@ impl ModelClient {
         req: &CallRequest,
         seen: std::sync::Arc<std::sync::Mutex<Option<Usage>>>,
     ) -> Reply {
-        let mut acc = Accumulator::default();
+        let mut acc = Accumulator::new(Bounds::default());
         let failed = |error: String, retryable: bool| Reply::Failed {
             error,
             retryable,
@@ -211,14 +214,14 @@ impl ModelClient {
             let retryable = status.as_u16() == 429 || status.is_server_error();
             return failed(format!("HTTP {status}: {text}"), retryable);
         }
-        let mut buf: Vec<u8> = Vec::new();
         loop {
             match incoming.frame().await {
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {
-                        buf.extend_from_slice(&data);
-                        let done = acc.feed(&mut buf);
-                        *seen.lock().expect("not poisoned") = acc.usage;
+                        // A reply here (terminal, or past a bound) returns, which drops the
+                        // body and closes the connection: the rest is never read.
+                        let done = acc.push(&data);
+                        *seen.lock().expect("not poisoned") = acc.usage();
                         if let Some(done) = done {
                             return done;
                         }
@@ -228,7 +231,7 @@ impl ModelClient {
                     return Reply::Failed {
                         error: format!("stream: {e}"),
                         retryable: true,
-                        usage: acc.usage,
+                        usage: acc.usage(),
                     };
                 }
                 None => return acc.end(),
@@ -253,45 +256,185 @@ async fn read_some(b: &mut hyper::body::Incoming) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// The reply assembled from its deltas; only [`Accumulator::finish`] hands it out.
+/// Tool calls one reply may propose (a delta's `index` must be below it).
+pub const TOOL_CALLS_MAX: usize = 128;
+/// Bytes of one server-sent event, up to its blank line.
+pub const EVENT_BYTES_MAX: usize = 1 << 20;
+/// Bytes of one tool call: its id, name and arguments together.
+pub const TOOL_CALL_BYTES_MAX: usize = 1 << 20;
+/// Bytes of one whole response body.
+pub const RESPONSE_BYTES_MAX: usize = 16 << 20;
+
+/// What one streamed reply may make the harness hold; past any of them the stream is cut and
+/// the reply is a [`Reply::Overflow`] (docs/HARNESS.md, "Bounds on a model reply").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    pub tool_calls_max: usize,
+    pub event_bytes_max: usize,
+    pub tool_call_bytes_max: usize,
+    pub response_bytes_max: usize,
+}
+
+impl Default for Bounds {
+    fn default() -> Self {
+        Bounds {
+            tool_calls_max: TOOL_CALLS_MAX,
+            event_bytes_max: EVENT_BYTES_MAX,
+            tool_call_bytes_max: TOOL_CALL_BYTES_MAX,
+            response_bytes_max: RESPONSE_BYTES_MAX,
+        }
+    }
+}
+
+/// A streamed chat-completions reply assembled from its SSE body, chunk by chunk, within its
+/// [`Bounds`]; only the terminal event (or [`Accumulator::end`]) hands a reply out. Each byte
+/// is scanned for an event's end a bounded number of times (the scan resumes where the last
+/// chunk's left off), so an endless event costs linear time until its bound cuts it.
 #[derive(Debug, Default)]
-struct Accumulator {
+pub struct Accumulator {
+    bounds: Bounds,
+    /// The bytes of the event not yet complete (complete ones are consumed at once).
+    buf: Vec<u8>,
+    /// How far `buf` was scanned for an event's end without finding one.
+    scanned: usize,
+    /// Bytes of the body so far.
+    received: usize,
+    /// Bytes examined by the event scanner so far (linear in `received`; a test checks it).
+    examined: usize,
     text: String,
     calls: Vec<ToolCall>,
     finish: Option<Finish>,
     usage: Option<Usage>,
+    /// A reply was handed out (terminal, failed or over a bound): nothing more is taken.
+    over: bool,
 }
 
 impl Accumulator {
-    /// Consumes the complete SSE events in `buf`; returns the reply at the terminal event.
-    fn feed(&mut self, buf: &mut Vec<u8>) -> Option<Reply> {
-        while let Some(end) = find_event_end(buf) {
-            let event: Vec<u8> = buf.drain(..end.0 + end.1).collect();
-            let text = String::from_utf8_lossy(&event[..end.0]).into_owned();
-            for line in text.lines() {
-                let Some(data) = line.strip_prefix("data:") else {
-                    continue;
-                };
-                let data = data.trim();
-                if data == "[DONE]" {
-                    return Some(self.end());
-                }
-                match serde_json::from_str::<Value>(data) {
-                    Ok(v) => self.chunk(&v),
-                    Err(e) => {
-                        return Some(Reply::Failed {
-                            error: format!("a stream event that is not JSON: {e}"),
-                            retryable: true,
-                            usage: self.usage,
-                        });
+    /// An empty reply under `bounds`.
+    pub fn new(bounds: Bounds) -> Accumulator {
+        Accumulator {
+            bounds,
+            ..Accumulator::default()
+        }
+    }
+
+    /// The usage the provider reported so far.
+    pub fn usage(&self) -> Option<Usage> {
+        self.usage
+    }
+
+    /// Bytes of the reply held now: the unfinished event, the text and the tool calls. Never
+    /// more than the bounds allow: `buf` ≤ `event_bytes_max`, each call ≤ its bound, the whole
+    /// ≤ `response_bytes_max` (a test and the `model_stream` fuzz target check it).
+    pub fn retained_bytes(&self) -> usize {
+        let calls: usize = self.calls.iter().map(call_bytes).sum();
+        self.buf.len() + self.text.len() + calls
+    }
+
+    /// The bytes of the unfinished event held now.
+    pub fn pending_event_bytes(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Tool calls assembled so far (at most `tool_calls_max`).
+    pub fn calls_len(&self) -> usize {
+        self.calls.len()
+    }
+
+    /// Bytes the event scanner examined so far: at most the bytes received plus 3 per chunk.
+    pub fn examined_bytes(&self) -> usize {
+        self.examined
+    }
+
+    /// Takes one chunk of the body; returns the reply once it is decided: at the terminal
+    /// event, on an event that is not JSON, or past a bound (a [`Reply::Overflow`], after
+    /// which everything held is dropped). After a reply, chunks are ignored.
+    pub fn push(&mut self, chunk: &[u8]) -> Option<Reply> {
+        if self.over {
+            return None;
+        }
+        self.received = self.received.saturating_add(chunk.len());
+        if self.received > self.bounds.response_bytes_max {
+            let max = self.bounds.response_bytes_max;
+            return Some(self.overflow(Overflow::ResponseBytes { max }));
+        }
+        self.buf.extend_from_slice(chunk);
+        let mut buf = std::mem::take(&mut self.buf);
+        let reply = self.consume(&mut buf);
+        if reply.is_none() {
+            self.buf = buf;
+        }
+        reply
+    }
+
+    /// Handles every complete event in `buf` and drains them; the scan starts where the last
+    /// one stopped (less a separator's length, which may straddle two chunks).
+    fn consume(&mut self, buf: &mut Vec<u8>) -> Option<Reply> {
+        let mut start = 0;
+        let mut from = self.scanned;
+        while let Some((end, sep)) = find_event_end(buf, from, &mut self.examined) {
+            if end - start > self.bounds.event_bytes_max {
+                let max = self.bounds.event_bytes_max;
+                return Some(self.overflow(Overflow::EventBytes { max }));
+            }
+            if let Some(r) = self.event(&buf[start..end]) {
+                return Some(r);
+            }
+            start = end + sep;
+            from = start;
+        }
+        buf.drain(..start);
+        if buf.len() > self.bounds.event_bytes_max {
+            let max = self.bounds.event_bytes_max;
+            return Some(self.overflow(Overflow::EventBytes { max }));
+        }
+        self.scanned = buf.len().saturating_sub(3);
+        None
+    }
+
+    /// One complete event: its `data:` lines.
+    fn event(&mut self, event: &[u8]) -> Option<Reply> {
+        let text = String::from_utf8_lossy(event);
+        for line in text.lines() {
+            let Some(data) = line.strip_prefix("data:") else {
+                continue;
+            };
+            let data = data.trim();
+            if data == "[DONE]" {
+                return Some(self.end());
+            }
+            match serde_json::from_str::<Value>(data) {
+                Ok(v) => {
+                    if let Err(o) = self.chunk(&v) {
+                        return Some(self.overflow(o));
                     }
+                }
+                Err(e) => {
+                    self.over = true;
+                    return Some(Reply::Failed {
+                        error: format!("a stream event that is not JSON: {e}"),
+                        retryable: true,
+                        usage: self.usage,
+                    });
                 }
             }
         }
         None
     }
 
-    fn chunk(&mut self, v: &Value) {
+    /// Past a bound: everything held is dropped, the reply is the overflow.
+    fn overflow(&mut self, overflow: Overflow) -> Reply {
+        self.over = true;
+        self.buf = Vec::new();
+        self.text = String::new();
+        self.calls = Vec::new();
+        Reply::Overflow {
+            overflow,
+            usage: self.usage,
+        }
+    }
+
+    fn chunk(&mut self, v: &Value) -> Result<(), Overflow> {
         if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
             let input = u["prompt_tokens"].as_u64().unwrap_or(0);
             let cached = u["prompt_tokens_details"]["cached_tokens"]
@@ -305,35 +448,60 @@ impl Accumulator {
             });
         }
         let Some(choice) = v["choices"].get(0) else {
-            return;
+            return Ok(());
         };
         let delta = &choice["delta"];
         if let Some(t) = delta["content"].as_str() {
             self.text.push_str(t);
         }
         for tc in delta["tool_calls"].as_array().into_iter().flatten() {
-            let i = tc["index"].as_u64().unwrap_or(0) as usize;
-            while self.calls.len() <= i {
-                self.calls.push(ToolCall::new("", "", ""));
-            }
-            let c = &mut self.calls[i];
-            if let Some(id) = tc["id"].as_str() {
-                c.id = id.to_string();
-            }
-            if let Some(n) = tc["function"]["name"].as_str() {
-                c.function.name.push_str(n);
-            }
-            if let Some(a) = tc["function"]["arguments"].as_str() {
-                c.function.arguments.push_str(a);
-            }
+            self.tool_delta(tc)?;
         }
         if let Some(f) = choice["finish_reason"].as_str() {
             self.finish = Some(Finish::parse(f));
         }
+        Ok(())
+    }
+
+    /// One tool call delta, appended to the call its `index` names (within the bounds).
+    fn tool_delta(&mut self, tc: &Value) -> Result<(), Overflow> {
+        let index = tc["index"].as_u64().unwrap_or(0);
+        let max = self.bounds.tool_calls_max;
+        let i = match usize::try_from(index) {
+            Ok(i) if i < max => i,
+            _ => return Err(Overflow::ToolCalls { index, max }),
+        };
+        while self.calls.len() <= i {
+            self.calls.push(ToolCall::new("", "", ""));
+        }
+        let c = &mut self.calls[i];
+        if let Some(id) = tc["id"].as_str() {
+            c.id = id.to_string();
+        }
+        if let Some(n) = tc["function"]["name"].as_str() {
+            c.function.name.push_str(n);
+        }
+        if let Some(a) = tc["function"]["arguments"].as_str() {
+            c.function.arguments.push_str(a);
+        }
+        let max = self.bounds.tool_call_bytes_max;
+        if call_bytes(c) > max {
+            return Err(Overflow::ToolCallBytes { index: i, max });
+        }
+        Ok(())
     }
 
     /// The body ended: a reply only if its finish reason came; otherwise it was truncated.
-    fn end(&mut self) -> Reply {
+    pub fn end(&mut self) -> Reply {
+        if self.over {
+            return Reply::Failed {
+                error: "the reply was handed out already".into(),
+                retryable: true,
+                usage: self.usage,
+            };
+        }
+        self.over = true;
+        self.buf = Vec::new();
         let Some(finish) = self.finish.take() else {
             return Reply::Failed {
                 error: "the stream ended before its finish reason (truncated)".into(),
@@ -370,9 +538,42 @@ impl Accumulator {
     }
 }
 
-/// The end of the first SSE event in `buf`: (its length, the separator's length).
-fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    for i in 0..buf.len() {
+/// Bytes a tool call holds: its id, name and arguments.
+fn call_bytes(c: &ToolCall) -> usize {
+    c.id.len() + c.function.name.len() + c.function.arguments.len()
+}
+
+/// Feeds `chunks` of a chat-completions SSE body to an [`Accumulator`] under `bounds` and
+/// returns its reply: the one a chunk decided, or the body's end. The entry point of the
+/// `model_stream` fuzz target; after every chunk it asserts that what the accumulator holds is
+/// within `bounds` (a panic is a bug).
+pub fn parse_stream<'a>(bounds: Bounds, chunks: impl IntoIterator<Item = &'a [u8]>) -> Reply {
+    let mut acc = Accumulator::new(bounds);
+    let (mut total, mut pushes) = (0usize, 0usize);
+    for chunk in chunks {
+        total = total.saturating_add(chunk.len());
+        pushes += 1;
+        let reply = acc.push(chunk);
+        assert!(acc.pending_event_bytes() <= bounds.event_bytes_max);
+        assert!(acc.calls_len() <= bounds.tool_calls_max);
+        assert!(acc.retained_bytes() <= bounds.response_bytes_max);
+        // Linear: each byte once, plus a separator's length again per chunk.
+        assert!(acc.examined_bytes() <= total + 3 * pushes);
+        if let Some(r) = reply {
+            return r;
+        }
+    }
+    acc.end()
+}
+
+/// The end of the first SSE event in `buf` at or after `from`: (its end, the separator's
+/// length). `examined` counts the bytes looked at.
+fn find_event_end(buf: &[u8], from: usize, examined: &mut usize) -> Option<(usize, usize)> {
+    for i in from..buf.len() {
+        *examined += 1;
+        if buf[i] != b'\n' && buf[i] != b'\r' {
+            continue;
+        }
         if buf[i..].starts_with(b"\n\n") {
             return Some((i, 2));
         }
@@ -388,15 +589,10 @@ mod tests {
     use super::*;
 
     fn feed(events: &[&str]) -> Option<Reply> {
-        let mut acc = Accumulator::default();
-        let mut buf = Vec::new();
-        for e in events {
-            buf.extend_from_slice(e.as_bytes());
-            if let Some(r) = acc.feed(&mut buf) {
-                return Some(r);
-            }
-        }
-        Some(acc.end())
+        Some(parse_stream(
+            Bounds::default(),
+            events.iter().map(|e| e.as_bytes()),
+        ))
     }
 
     #[test]
@@ -444,5 +640,138 @@ mod tests {
             feed(&[partial, "data: [DONE]\n\n"]),
             Some(Reply::Failed { .. })
         ));
+    }
+
+    fn small() -> Bounds {
+        Bounds {
+            tool_calls_max: 4,
+            event_bytes_max: 256,
+            tool_call_bytes_max: 64,
+            response_bytes_max: 4096,
+        }
+    }
+
+    fn delta(index: u64, args: &str) -> String {
+        let chunk = json!({"choices": [{"delta": {"tool_calls": [
+            {"index": index, "id": "c", "function": {"name": "t", "arguments": args}}
+        ]}}]});
+        format!("data: {chunk}\n\n")
+    }
+
+    /// Issue 27: one delta with `index: 10^12` made the accumulator push empty calls until the
+    /// allocator aborted. Now an index at or past the bound is the typed overflow, nothing held.
+    #[test]
+    fn a_tool_call_index_past_the_bound_is_an_overflow_not_an_allocation() {
+        for index in [1_000_000_000_000, u64::MAX, TOOL_CALLS_MAX as u64] {
+            let r = parse_stream(Bounds::default(), [delta(index, "{}").as_bytes()]);
+            assert_eq!(
+                r,
+                Reply::Overflow {
+                    overflow: Overflow::ToolCalls {
+                        index,
+                        max: TOOL_CALLS_MAX
+                    },
+                    usage: None
+                }
+            );
+        }
+        let last = delta(TOOL_CALLS_MAX as u64 - 1, "{}");
+        assert!(matches!(
+            parse_stream(Bounds::default(), [last.as_bytes()]),
+            Reply::Failed { .. }
+        ));
+    }
+
+    /// Each of the other bounds cuts the reply with its own overflow.
+    #[test]
+    fn each_bound_cuts_the_reply_with_its_own_overflow() {
+        let b = small();
+        let long = "x".repeat(100);
+        let r = parse_stream(b, [delta(0, &long).as_bytes()]);
+        assert_eq!(
+            r,
+            Reply::Overflow {
+                overflow: Overflow::ToolCallBytes { index: 0, max: 64 },
+                usage: None
+            }
+        );
+        // Two deltas of one call add up.
+        let half = "y".repeat(40);
+        let r = parse_stream(b, [delta(1, &half).as_bytes(), delta(1, &half).as_bytes()]);
+        assert!(matches!(
+            r,
+            Reply::Overflow {
+                overflow: Overflow::ToolCallBytes { index: 1, .. },
+                ..
+            }
+        ));
+        let text = |t: &str| {
+            format!(
+                "data: {}\n\n",
+                json!({"choices": [{"delta": {"content": t}}]})
+            )
+        };
+        let big = text(&"z".repeat(300));
+        let r = parse_stream(b, [big.as_bytes()]);
+        assert_eq!(
+            r,
+            Reply::Overflow {
+                overflow: Overflow::EventBytes { max: 256 },
+                usage: None
+            }
+        );
+        let piece = text(&"w".repeat(100));
+        let many: Vec<&[u8]> = std::iter::repeat_n(piece.as_bytes(), 40).collect();
+        let r = parse_stream(b, many);
+        assert_eq!(
+            r,
+            Reply::Overflow {
+                overflow: Overflow::ResponseBytes { max: 4096 },
+                usage: None
+            }
+        );
+    }
+
+    /// An event that never ends is cut at its bound, each byte scanned about once: fed one
+    /// byte at a time (the old scanner went over the whole buffer again for every frame).
+    #[test]
+    fn an_endless_event_is_cut_at_its_bound_in_linear_time() {
+        let b = Bounds {
+            event_bytes_max: 64 << 10,
+            ..Bounds::default()
+        };
+        let mut acc = Accumulator::new(b);
+        let mut fed = 0;
+        let reply = loop {
+            fed += 1;
+            if let Some(r) = acc.push(b"d") {
+                break r;
+            }
+            assert!(fed <= b.event_bytes_max + 1, "never cut");
+        };
+        assert_eq!(
+            reply,
+            Reply::Overflow {
+                overflow: Overflow::EventBytes { max: 64 << 10 },
+                usage: None
+            }
+        );
+        assert_eq!(fed, b.event_bytes_max + 1);
+        assert!(acc.examined_bytes() <= 4 * fed, "{}", acc.examined_bytes());
+        assert_eq!(acc.retained_bytes(), 0, "everything dropped");
+        // A separator split across chunks is still found, once.
+        let r = parse_stream(
+            Bounds::default(),
+            [
+                b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"},\"finish_reason\":\"stop\"}]}\r\n".as_slice(),
+                b"\r".as_slice(),
+                b"\ndata: [DONE]\n".as_slice(),
+                b"\n".as_slice(),
+            ],
+        );
+        assert!(
+            matches!(r, Reply::Finished { ref text, .. } if text == "hi"),
+            "{r:?}"
+        );
     }
 }

@@ -427,6 +427,21 @@ fn held_refusal(h: &HeldCall, reason: &str, message: &str) -> Message {
     Message::tool(&h.call.id, v.to_string())
 }
 
+/// What the model reads after its reply passed a bound of the stream (`REPLY_OVERFLOW`, the
+/// bound and its limit), in place of the discarded reply.
+pub fn overflow_notice(o: &crate::chat::Overflow) -> String {
+    let v = serde_json::json!({
+        "status": "REFUSED",
+        "reason": "REPLY_OVERFLOW",
+        "overflow": o,
+        "message": format!(
+            "Your reply was cut and discarded: {o}. Nothing in it was run. Propose fewer or \
+             smaller tool calls."
+        ),
+    });
+    format!("[reply cut: {v}]")
+}
+
 fn marker(call: &ToolCall, status: &str, message: &str) -> Message {
     let v = serde_json::json!({"status": status, "message": message});
     Message::tool(&call.id, v.to_string())
@@ -674,9 +689,10 @@ impl Record {
             return Err(RecordError::Unexpected("a model reply", self.state));
         }
         let usage = match &reply {
-            Reply::Finished { usage, .. } | Reply::Cut { usage } | Reply::Failed { usage, .. } => {
-                *usage
-            }
+            Reply::Finished { usage, .. }
+            | Reply::Cut { usage }
+            | Reply::Failed { usage, .. }
+            | Reply::Overflow { usage, .. } => *usage,
         };
         self.budget.settle(usage);
         let observe = |text: &str| Action::Observe {
@@ -698,6 +714,12 @@ impl Record {
                 return Ok(actions);
             }
             Reply::Failed { .. } => self.go(State::Ready, Cause::Observed)?,
+            // The model's own reply passed a bound: it is told which (a retry of the same
+            // context in silence would likely pass it again), and plans again.
+            Reply::Overflow { overflow, .. } => {
+                actions.push(observe(&overflow_notice(&overflow)));
+                self.go(State::Ready, Cause::Observed)?;
+            }
             Reply::Finished {
                 finish,
                 text,

@@ -59,6 +59,14 @@ pub struct Tool {
     /// the store.
     #[serde(default)]
     pub credentials: Option<Vec<String>>,
+    /// A command tool's environment beyond the allow-list (`env`, `env_pass`: crate::env);
+    /// nothing else of the runner's environment reaches it.
+    #[serde(default)]
+    pub env: crate::env::ToolEnv,
+    /// A sandboxed command's `sandbox_policy` credential store's source variables: given to
+    /// `estop run` (which loads the store and keeps them from the command), never to the tool.
+    #[serde(skip)]
+    pub store_vars: Vec<String>,
 }
 
 /// What `estop run` needs to start a sandboxed command on the trajectory's daemon.
@@ -1532,6 +1540,7 @@ async fn dispatch(
             Some((prog, rest)) => {
                 let mut cmd = tokio::process::Command::new(prog);
                 cmd.args(rest);
+                crate::env::apply(&mut cmd, &crate::env::for_tool(&tool.env));
                 in_workspace(&mut cmd, reach.workspace.as_deref());
                 run_command(cmd, &call.function.arguments, false).await
             }
@@ -1755,6 +1764,11 @@ fn sandboxed(
     crate::gate::check_run_id(&child)
         .map_err(|e| format!("the sandbox's run {child:?} cannot be a run id: {e}"))?;
     let mut cmd = tokio::process::Command::new(&l.estop);
+    // `estop run` starts from the tool's explicit environment, plus the variables its own
+    // credential store reads (which it keeps from the command) and the token.
+    let mut env = tool.env.clone();
+    env.pass.extend(tool.store_vars.iter().cloned());
+    crate::env::apply(&mut cmd, &crate::env::for_tool(&env));
     cmd.arg("run")
         .arg("--data")
         .arg(&l.data)

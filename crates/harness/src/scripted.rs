@@ -29,6 +29,18 @@ pub enum Step {
     Status { status: u16, body: String },
     /// End the body here, without a terminal event.
     Hangup,
+    /// These bytes as they are, `repeat` times, each time a chunk of its own (a hostile
+    /// provider: an event that never ends, a frame split anywhere). Stops early once the
+    /// client is gone.
+    Raw {
+        data: String,
+        #[serde(default = "once")]
+        repeat: u32,
+    },
+}
+
+fn once() -> u32 {
+    1
 }
 
 /// What the server saw.
@@ -201,6 +213,13 @@ async fn serve(
     tokio::spawn(async move {
         for (i, step) in steps.into_iter().enumerate() {
             let data = match step {
+                Step::Raw { data, repeat } => {
+                    if send_raw(&tx, data, repeat).await {
+                        continue;
+                    }
+                    note(&shared, &changed, Seen::Gone { n, step: i });
+                    return;
+                }
                 Step::Event { chunk } => format!("data: {chunk}\n\n"),
                 Step::Done => "data: [DONE]\n\n".to_string(),
                 Step::Hangup => break,
@@ -225,6 +244,21 @@ async fn serve(
         .header("content-type", "text/event-stream")
         .body(body)
         .expect("valid response"))
+}
+
+/// Sends `data` `repeat` times, a frame each; false once the client is gone.
+async fn send_raw(
+    tx: &mpsc::Sender<Result<Frame<Bytes>, Infallible>>,
+    data: String,
+    repeat: u32,
+) -> bool {
+    let chunk = Bytes::from(data);
+    for _ in 0..repeat {
+        if tx.send(Ok(Frame::data(chunk.clone()))).await.is_err() {
+            return false;
+        }
+    }
+    true
 }
 
 fn note(shared: &Mutex<Shared>, changed: &tokio::sync::Notify, s: Seen) {

@@ -2,7 +2,7 @@
 //! only at the terminal event, a stream cut within its grace (the server sees the client go),
 //! and 429/5xx/4xx, a truncated body and a `length` finish mid tool call never a call.
 
-use estop_harness::chat::{Finish, Message, Reply, ToolCall};
+use estop_harness::chat::{Finish, Message, Overflow, Reply, ToolCall};
 use estop_harness::model::{CallRequest, ModelClient};
 use estop_harness::scripted::{self, Script, Scripted, Seen, Step};
 use std::time::Duration;
@@ -229,4 +229,69 @@ async fn a_call_past_its_deadline_fails_and_is_retryable() {
         "{reply:?}"
     );
     drop(s);
+}
+
+/// Issue 27, hostile: a tool call delta with `index: 10^12` (once made the client push empty
+/// calls until the allocator aborted the process). Now the call is cut at the delta: the reply
+/// is the typed overflow, the connection is closed (the rest of the stream, a well-formed
+/// finish, is never read) and no call is handed over.
+#[tokio::test]
+async fn a_tool_call_index_of_a_trillion_is_cut_with_a_typed_overflow() {
+    let (s, c) = server(vec![vec![
+        scripted::tool_start(1_000_000_000_000, "c1", "drop_table", "{}"),
+        Step::Gate,
+        scripted::finish("tool_calls"),
+        Step::Done,
+    ]])
+    .await;
+    let (_tx, cut) = watch::channel(false);
+    let reply = c.call(&request(), cut, Duration::from_millis(50)).await;
+    assert_eq!(
+        reply,
+        Reply::Overflow {
+            overflow: Overflow::ToolCalls {
+                index: 1_000_000_000_000,
+                max: estop_harness::model::TOOL_CALLS_MAX
+            },
+            usage: None
+        }
+    );
+    s.wait_for(&Seen::Gone { n: 0, step: 1 }).await;
+}
+
+/// Issue 27, hostile: an event that never ends (64 KiB frames with no blank line, for ever)
+/// once pegged a core rescanning the buffer until the call's deadline. Now it is cut at its
+/// byte bound, long before the deadline, and the connection is closed.
+#[tokio::test]
+async fn an_endless_stream_event_is_cut_at_its_byte_bound() {
+    let (s, c) = server(vec![vec![
+        Step::Raw {
+            data: "data: {\"choices\": [".into(),
+            repeat: 1,
+        },
+        Step::Raw {
+            data: "x".repeat(64 << 10),
+            repeat: 1_000_000,
+        },
+    ]])
+    .await;
+    let (_tx, cut) = watch::channel(false);
+    let started = std::time::Instant::now();
+    let reply = c.call(&request(), cut, Duration::from_millis(50)).await;
+    assert_eq!(
+        reply,
+        Reply::Overflow {
+            overflow: Overflow::EventBytes {
+                max: estop_harness::model::EVENT_BYTES_MAX
+            },
+            usage: None
+        }
+    );
+    // The deadline is 30 s; the bound is reached after 1 MiB.
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    s.wait_for(&Seen::Gone { n: 0, step: 1 }).await;
 }

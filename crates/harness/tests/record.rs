@@ -3,7 +3,7 @@
 //! and a random walk over every input, checked after each step.
 
 use estop_harness::budget::{Budget, Dimension, Limits, Prices, Usage};
-use estop_harness::chat::{Finish, Reply, ToolCall};
+use estop_harness::chat::{Finish, Overflow, Reply, ToolCall};
 use estop_harness::contract::{AnswerFormat, Contract, World};
 use estop_harness::machine::State;
 use estop_harness::record::{
@@ -161,6 +161,13 @@ fn truncated_cut_and_failed_replies_are_never_dispatched() {
             retryable: true,
             usage: None,
         },
+        Reply::Overflow {
+            overflow: Overflow::ToolCalls {
+                index: 1_000_000_000_000,
+                max: 128,
+            },
+            usage: None,
+        },
     ] {
         let mut r = record(Limits::default());
         r.begin_turn(0, 10).unwrap();
@@ -174,6 +181,43 @@ fn truncated_cut_and_failed_replies_are_never_dispatched() {
         assert!(r.pending.is_empty());
         assert_eq!(r.budget.reserved, None, "the call is settled");
     }
+}
+
+/// A reply the client cut past a bound of the stream (issue 27): the model is told which bound,
+/// as a message it reads at its next turn, nothing is admitted or dispatched, the trajectory is
+/// READY to plan again and the call paid its reservation (no usage came).
+#[test]
+fn a_reply_over_a_bound_tells_the_model_and_dispatches_nothing() {
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    let o = Overflow::ToolCalls {
+        index: 1_000_000_000_000,
+        max: 128,
+    };
+    let a = r
+        .on_reply(
+            1,
+            Reply::Overflow {
+                overflow: o,
+                usage: None,
+            },
+        )
+        .unwrap();
+    assert!(
+        !a.iter()
+            .any(|a| matches!(a, Action::Admit { .. } | Action::Dispatch { .. })),
+        "{a:?}"
+    );
+    let seen = observed(&a);
+    assert_eq!(seen.len(), 1, "{a:?}");
+    assert!(
+        seen[0].contains("REPLY_OVERFLOW") && seen[0].contains("1000000000000"),
+        "{}",
+        seen[0]
+    );
+    assert_eq!(r.state, State::Ready);
+    assert!(r.pending.is_empty());
+    assert_eq!(r.budget.reserved, None, "the call is settled");
 }
 
 #[test]
@@ -618,7 +662,7 @@ enum Input {
 fn input() -> impl Strategy<Value = Input> {
     prop_oneof![
         2 => Just(Input::Turn),
-        2 => (0u8..6).prop_map(Input::Reply),
+        2 => (0u8..7).prop_map(Input::Reply),
         3 => (0u8..3, 0u8..6).prop_map(|(c, v)| Input::Admit(c, v)),
         2 => (0u8..3, 0u8..4).prop_map(|(c, v)| Input::Decide(c, v)),
         3 => (0u8..3).prop_map(Input::Result),
@@ -650,6 +694,7 @@ proptest! {
                     2 => Reply::Finished { finish: Finish::Length, text: String::new(), tool_calls: vec![ToolCall::new("c0", "read", "{")], usage: usage() },
                     3 => Reply::Cut { usage: None },
                     4 => Reply::Failed { error: "429".into(), retryable: true, usage: None },
+                    5 => Reply::Overflow { overflow: Overflow::ToolCalls { index: 1 << 40, max: 128 }, usage: None },
                     _ => Reply::Finished { finish: Finish::Stop, text: "done".into(), tool_calls: vec![], usage: usage() },
                 }),
                 Input::Admit(c, v) => r.on_admission(now, &id(c), match v {

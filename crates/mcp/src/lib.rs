@@ -137,6 +137,7 @@ async fn start(opts: &Options, config: &config::Config) -> Result<Arc<gateway::S
         run: opts.run.clone(),
         base: gateway::fresh_run(),
         tag: String::new(),
+        env: None,
     });
     let mut upstreams = Vec::new();
     for (i, s) in config.servers.iter().enumerate() {

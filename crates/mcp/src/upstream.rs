@@ -42,6 +42,10 @@ pub struct Launch {
     /// process's start), so a resumed trajectory's servers do not reuse the runs a previous
     /// process's ended (`estop run` cancels its run when the command exits).
     pub tag: String,
+    /// The environment a stdio upstream's process (or its `estop run`) starts from, in place of
+    /// this process's: `None` inherits it (`estop mcp`); the harness gives its allow-list
+    /// (`estop_harness::env`). The server's `env` and the token are set over it.
+    pub env: Option<Vec<(std::ffi::OsString, std::ffi::OsString)>>,
 }
 
 impl Launch {
@@ -64,10 +68,12 @@ impl Launch {
     pub fn command(&self, server: &Server, command: &str, incarnation: u32) -> Command {
         if !server.sandbox {
             let mut cmd = Command::new(command);
+            self.base_env(&mut cmd);
             cmd.args(&server.args).envs(&server.env);
             return cmd;
         }
         let mut cmd = Command::new(&self.estop);
+        self.base_env(&mut cmd);
         cmd.arg("run").arg("--data").arg(&self.data);
         if let Some(s) = &self.socket {
             cmd.arg("--socket").arg(s);
@@ -88,6 +94,16 @@ impl Launch {
             cmd.env("ESTOP_TOKEN", t);
         }
         cmd
+    }
+}
+
+impl Launch {
+    /// Starts `cmd` from [`Launch::env`] when one is given.
+    fn base_env(&self, cmd: &mut Command) {
+        if let Some(env) = &self.env {
+            cmd.env_clear();
+            cmd.envs(env.iter().map(|(k, v)| (k, v)));
+        }
     }
 }
 
@@ -315,6 +331,7 @@ mod tests {
             run: Some("gw".into()),
             base: "mcp-1".into(),
             tag: String::new(),
+            env: None,
         };
         let cmd = launch.command(server, "npx", 1);
         assert_eq!(cmd.as_std().get_program(), "/bin/estop");
@@ -357,5 +374,37 @@ mod tests {
         let cmd = launch.command(&plain, "npx", 1);
         assert_eq!(cmd.as_std().get_program(), "npx");
         assert_eq!(args(&cmd), ["srv", "/s"]);
+    }
+
+    /// With an environment given (the harness's allow-list), an upstream starts from it and
+    /// the server's `env` alone: a variable of this process's environment is not passed.
+    #[test]
+    fn a_launch_with_an_environment_starts_from_it_alone() {
+        let (name, value) = std::env::vars()
+            .find(|(k, v)| k != "PATH" && !v.is_empty())
+            .expect("the test runs with some environment");
+        let text = "[[server]]\nname = \"e\"\ncommand = \"env\"\nenv = { A = \"1\" }\n";
+        let config = crate::config::Config::parse(text).unwrap();
+        let launch = Launch {
+            estop: "/bin/estop".into(),
+            data: "/d".into(),
+            socket: None,
+            token: None,
+            run: None,
+            base: "mcp-1".into(),
+            tag: String::new(),
+            env: Some(vec![("PATH".into(), "/usr/bin:/bin".into())]),
+        };
+        let mut cmd = launch.command(&config.servers[0], "env", 1);
+        let out = cmd.as_std_mut().output().unwrap();
+        let got = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            got.contains("A=1") && got.contains("PATH=/usr/bin:/bin"),
+            "{got}"
+        );
+        assert!(
+            !got.contains(&format!("{name}={value}")),
+            "{name} passed: {got}"
+        );
     }
 }
