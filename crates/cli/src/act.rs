@@ -78,11 +78,30 @@ pub fn run_state(conn: &Conn, ask: Ask) -> Result<u8, Failure> {
         .map(|r| esc(r))
         .collect::<Vec<_>>()
         .join(", ");
-    let line = if runs.is_empty() {
+    let mut line = if runs.is_empty() {
         format!("run is {state} (nothing changed)")
     } else {
         format!("run is {state}; changed: {runs}")
     };
+    // What the stop did not stop: each effect still in flight, an egress request by its
+    // method and URL.
+    for f in &ack.in_flight {
+        let what = f
+            .args
+            .as_ref()
+            .and_then(|a| crate::read::request_line(&a.to_value()))
+            .unwrap_or_else(|| esc(&f.tool).into_owned());
+        line.push_str(&format!(
+            "\n  in flight: {} {} {what}",
+            esc(&f.run),
+            esc(&f.key)
+        ));
+    }
+    if let Some(total) = ack.in_flight_total {
+        line.push_str(&format!(
+            "\n  ({total} in flight in all: `estop report RUN` lists them)"
+        ));
+    }
     session.print(ack, || println!("{line}"));
     Ok(0)
 }

@@ -299,6 +299,10 @@ impl Call {
                 return reply;
             }
         };
+        // The commit point: the connection is ready, the call is written next.
+        if let Err(reply) = self.proxy.begin(&self.effect, &self.token).await {
+            return *reply;
+        }
         let mut up = Request::builder()
             .method(hyper::Method::POST)
             .uri(&self.plan.upstream_path)

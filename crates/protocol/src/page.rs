@@ -114,6 +114,9 @@ impl Weight for ReportItem {
             // A note is free text: escaping may double it.
             + self.note.as_deref().map_or(0, |n| 2 * text(n))
             + self.by.as_deref().map_or(0, text)
+            + self.args.as_ref().map_or(0, |a| a.get().len())
+            + if self.http_status.is_some() { 60 } else { 0 }
+            + self.error.as_deref().map_or(0, |e| 2 * text(e))
     }
 }
 

@@ -297,6 +297,32 @@ fn report_item(key: &EffectKey, e: &estop_kernel::state::Effect) -> wire::Report
         lookup: e.lookup.as_ref().map(ToString::to_string),
         lookups: c.map(|c| c.lookups).filter(|n| *n > 0),
         chosen: c.is_some_and(|c| c.chosen),
+        ..egress_item(e)
+    }
+}
+
+/// What the report adds for an egress effect (`args_kept`): the request it sent (its recorded
+/// arguments), the response's status and bytes, or the error it was completed with.
+fn egress_item(e: &estop_kernel::state::Effect) -> wire::ReportItem {
+    /// The two numbers of an HTTP result (`record.rs` in crates/egress); the rest is skipped.
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        status: Option<u16>,
+        bytes: Option<u64>,
+    }
+    if !estop_kernel::state::args_kept(e.tool.as_str()) {
+        return wire::ReportItem::default();
+    }
+    let outcome = e.outcome.as_deref();
+    let answer = outcome
+        .and_then(|o| o.result.as_deref())
+        .and_then(|r| serde_json::from_str::<Answer>(r).ok());
+    wire::ReportItem {
+        args: e.args.clone().map(wire::RawJson::new),
+        http_status: answer.as_ref().and_then(|a| a.status),
+        bytes: answer.and_then(|a| a.bytes),
+        error: outcome.and_then(|o| o.error.as_deref().map(str::to_string)),
+        ..wire::ReportItem::default()
     }
 }
 
@@ -445,6 +471,35 @@ pub fn run_state(
         state: Some(state.as_str().into()),
         runs,
         ..wire::Ack::default()
+    }
+}
+
+/// A stop's answer names what it did not stop: the effects of the runs it changed that are
+/// still in flight (started and not reported), with their recorded arguments (an egress
+/// request's method and URL), at most `IN_FLIGHT_LISTED_MAX` of them.
+pub fn in_flight(gate: &estop_kernel::Gate, ack: &mut wire::Ack) {
+    let mut total = 0u64;
+    for id in &ack.runs {
+        let Some(run) = RunId::new(id).ok().and_then(|r| gate.run(&r)) else {
+            continue;
+        };
+        for (key, e) in &run.effects {
+            if e.status != Status::Started {
+                continue;
+            }
+            total += 1;
+            if ack.in_flight.len() < wire::IN_FLIGHT_LISTED_MAX {
+                ack.in_flight.push(wire::InFlight {
+                    run: id.clone(),
+                    key: key.to_string(),
+                    tool: e.tool.to_string(),
+                    args: e.args.clone().map(wire::RawJson::new),
+                });
+            }
+        }
+    }
+    if total > ack.in_flight.len() as u64 {
+        ack.in_flight_total = Some(total);
     }
 }
 
