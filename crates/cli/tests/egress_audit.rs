@@ -215,6 +215,15 @@ fn the_ledger_and_the_report_say_what_each_request_was() {
     ] {
         assert!(out.contains(line), "{line:?} in:\n{out}\n{err}");
     }
+    upstream_saw_the_requests_as_admitted(&up);
+    let hello_url = format!("http://127.0.0.2:{}/hello?x=1&api_key=REDACTED", up.port);
+    let hello_key = admissions_name_the_requests(&d, up.port, &hello_url);
+    the_cli_shows_them_and_no_secret_is_kept(&mut d, up.port, &hello_url, &hello_key);
+}
+
+/// The upstream saw `GET` (not `get`), the injected credential, no userinfo, and nothing of
+/// the refused requests.
+fn upstream_saw_the_requests_as_admitted(up: &Upstream) {
     let heads = up.heads.lock().unwrap().clone();
     let firsts: Vec<&str> = heads.iter().map(|h| h.lines().next().unwrap()).collect();
     assert_eq!(
@@ -233,10 +242,12 @@ fn the_ledger_and_the_report_say_what_each_request_was() {
             .contains("x-api-key: cred-s3cret-xyz"),
         "the credential is injected: {heads:?}"
     );
+}
 
-    let port = up.port;
-    let hello_url = format!("http://127.0.0.2:{port}/hello?x=1&api_key=REDACTED");
-    let admits = entries(&d, "rec", "admit");
+/// The admissions' arguments and the completions' status and bytes, over the protocol; the
+/// `/hello` effect's key.
+fn admissions_name_the_requests(d: &Daemon, port: u16, hello_url: &str) -> String {
+    let admits = entries(d, "rec", "admit");
     let by_path = |p: &str| {
         admits
             .iter()
@@ -248,7 +259,7 @@ fn the_ledger_and_the_report_say_what_each_request_was() {
     assert_eq!(hello["tool"], "http.GET");
     let hello_key = hello["key"].as_str().unwrap().to_string();
     assert_eq!(hello["args"]["method"], "GET");
-    assert_eq!(hello["args"]["url"], hello_url.as_str());
+    assert_eq!(hello["args"]["url"], hello_url);
     assert_eq!(hello["args"]["query"], "x=1&api_key=REDACTED");
     assert_eq!(
         (
@@ -264,12 +275,23 @@ fn the_ledger_and_the_report_say_what_each_request_was() {
         (&lower["tool"], &lower["args"]["method"]),
         (&json!("http.GET"), &json!("GET"))
     );
-    let completions = entries(&d, "rec", "complete");
+    let completions = entries(d, "rec", "complete");
     let answered = completions
         .iter()
         .filter(|c| c["status"] == 200 && c["bytes"] == 2);
     assert_eq!(answered.count(), 3, "{completions:#?}");
 
+    hello_key
+}
+
+/// `ledger show` and `report` print them (also after a restart from snapshots); neither secret
+/// is anywhere in the data directory.
+fn the_cli_shows_them_and_no_secret_is_kept(
+    d: &mut Daemon,
+    port: u16,
+    hello_url: &str,
+    hello_key: &str,
+) {
     let bytes = every_byte(d.data());
     for secret in ["sekrit-123", "cred-s3cret-XYZ"] {
         let found = bytes.windows(secret.len()).any(|w| w == secret.as_bytes());
@@ -283,7 +305,7 @@ fn the_ledger_and_the_report_say_what_each_request_was() {
     );
     let hello_done = shown
         .lines()
-        .find(|l| l.contains(" complete ") && l.contains(&hello_key))
+        .find(|l| l.contains(" complete ") && l.contains(hello_key))
         .unwrap_or_else(|| panic!("no completion of {hello_key}: {shown}"));
     assert!(
         hello_done.contains("bytes=2") && hello_done.contains("status=200"),
@@ -335,7 +357,7 @@ fn a_cancel_names_the_requests_in_flight_and_a_written_one_is_sent_no_answer() {
     let (code, said, err) = d.cli(&["cancel", "slow", "--reason", "stop"]);
     assert_eq!(code, 0, "{err}");
     let url = format!("http://127.0.0.2:{}/slow", up.port);
-    assert!(said.contains(&format!("in flight: slow ")), "{said}");
+    assert!(said.contains("in flight: slow "), "{said}");
     assert!(said.contains(&format!("GET {url}")), "{said}");
     let (_, out, err) = finish(child);
     assert!(out.contains("slow: cut"), "{out}\n{err}");

@@ -305,10 +305,7 @@ impl Proxy {
         };
         let (mut upstream, _) = match self.connect(&effect).await {
             Ok(c) => c,
-            Err((reply, outcome, error)) => {
-                self.complete(&effect.key, &token, (outcome, Value::Null, json!(error)));
-                return reply;
-            }
+            Err(failure) => return self.unstarted(&effect, &token, failure).await.0,
         };
         // The commit point: the origin is dialled, nothing of the agent's has crossed yet.
         if let Err(reply) = self.begin(&effect, &token).await {
@@ -813,6 +810,18 @@ impl Proxy {
         }
     }
 
+    /// A request that failed before its commit point (no address, a refused destination, no
+    /// connection, TLS): recorded `failed` like any request that was not sent — started at the
+    /// gate only to be completed `error` at once — unless the gate refuses the start (a stop),
+    /// which settles it there. The failure for the agent, with nothing more to complete.
+    pub(crate) async fn unstarted(&self, effect: &Effect, token: &str, f: Failure) -> Failure {
+        let (reply, outcome, error) = f;
+        if self.begin(effect, token).await.is_ok() {
+            self.complete(&effect.key, token, (outcome, Value::Null, json!(error)));
+        }
+        (reply, NOT_STARTED, String::new())
+    }
+
     /// A failure before anything was sent: `502` for the agent, outcome `error`.
     pub(crate) fn failed(&self, effect: &Effect, message: String) -> Failure {
         let body = json!({"verdict": "failed", "run": self.run, "key": effect.key,
@@ -905,7 +914,10 @@ impl Proxy {
         token: &str,
         mark: &std::sync::Mutex<Option<crate::upstream::Mark>>,
     ) -> Result<(Response<Incoming>, Sender, SocketAddr), Failure> {
-        let (mut sender, addr) = self.dial(effect).await?;
+        let (mut sender, addr) = match self.dial(effect).await {
+            Ok(dialled) => dialled,
+            Err(failure) => return Err(self.unstarted(effect, token, failure).await),
+        };
         let mut up = Request::builder()
             .method(parts.method.clone())
             .uri(parts.uri.path_and_query().map_or("/", |p| p.as_str()))
