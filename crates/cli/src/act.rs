@@ -85,7 +85,8 @@ pub fn run_state(conn: &Conn, ask: Ask) -> Result<u8, Failure> {
     };
     // What the stop did not stop: each effect still in flight, an egress request by its
     // method and URL.
-    for f in &ack.in_flight {
+    let in_flight = ack.in_flight.as_deref().map_or(&[][..], |l| &l.0[..]);
+    for f in in_flight {
         let what = f
             .args
             .as_ref()
@@ -97,9 +98,10 @@ pub fn run_state(conn: &Conn, ask: Ask) -> Result<u8, Failure> {
             esc(&f.key)
         ));
     }
-    if let Some(total) = ack.in_flight_total {
+    if in_flight.len() == estop_protocol::IN_FLIGHT_LISTED_MAX {
         line.push_str(&format!(
-            "\n  ({total} in flight in all: `estop report RUN` lists them)"
+            "\n  (the first {}: `estop report RUN` lists every one)",
+            estop_protocol::IN_FLIGHT_LISTED_MAX
         ));
     }
     session.print(ack, || println!("{line}"));

@@ -195,15 +195,18 @@ pub struct Ack {
     /// `compensated` and `saga`: when a failed compensation is offered again (Unix ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_at: Option<u64>,
-    /// `cancel` and `kill`: the effects of the stopped runs still in flight (started, not yet
-    /// reported), at most `IN_FLIGHT_LISTED_MAX`, with their recorded arguments where the gate
-    /// keeps them (an egress request's method and URL).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub in_flight: Vec<InFlight>,
-    /// How many were in flight in all, when more than were listed.
+    /// A stop (`cancel`, `kill`, `close`): the effects of the stopped runs still in flight
+    /// (started, not yet reported), at most `IN_FLIGHT_LISTED_MAX` (the report lists every
+    /// one), with their recorded arguments where the gate keeps them (an egress request's
+    /// method and URL). Boxed: every answer carries this field, few use it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub in_flight_total: Option<u64>,
+    pub in_flight: Option<Box<InFlightList>>,
 }
+
+/// The effects a stop's answer names in flight (`Ack::in_flight`), as a JSON array.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct InFlightList(pub Vec<InFlight>);
 
 /// The most in-flight effects a stop's answer lists (`Ack::in_flight`); the report has all.
 pub const IN_FLIGHT_LISTED_MAX: usize = 32;

@@ -204,15 +204,16 @@ fn every_payload_round_trips() {
     round_trip(Ack {
         state: Some("finalizing".into()),
         runs: vec!["r1".into()],
-        in_flight: vec![estop_protocol::InFlight {
-            run: "r1".into(),
-            key: "http:1".into(),
-            tool: "http.POST".into(),
-            args: Some(estop_protocol::RawJson::new(std::sync::Arc::from(
-                r#"{"method":"POST","url":"https://h/o"}"#,
-            ))),
-        }],
-        in_flight_total: Some(40),
+        in_flight: Some(Box::new(estop_protocol::InFlightList(vec![
+            estop_protocol::InFlight {
+                run: "r1".into(),
+                key: "http:1".into(),
+                tool: "http.POST".into(),
+                args: Some(estop_protocol::RawJson::new(std::sync::Arc::from(
+                    r#"{"method":"POST","url":"https://h/o"}"#,
+                ))),
+            },
+        ]))),
         ..Ack::default()
     });
     round_trip(Ack {

@@ -476,31 +476,30 @@ pub fn run_state(
 
 /// A stop's answer names what it did not stop: the effects of the runs it changed that are
 /// still in flight (started and not reported), with their recorded arguments (an egress
-/// request's method and URL), at most `IN_FLIGHT_LISTED_MAX` of them.
+/// request's method and URL), at most `IN_FLIGHT_LISTED_MAX` of them (the report has all).
 pub fn in_flight(gate: &estop_kernel::Gate, ack: &mut wire::Ack) {
-    let mut total = 0u64;
+    let mut listed = Vec::new();
     for id in &ack.runs {
         let Some(run) = RunId::new(id).ok().and_then(|r| gate.run(&r)) else {
             continue;
         };
-        for (key, e) in &run.effects {
-            if e.status != Status::Started {
-                continue;
+        let started = run
+            .effects
+            .iter()
+            .filter(|(_, e)| e.status == Status::Started);
+        for (key, e) in started {
+            if listed.len() == wire::IN_FLIGHT_LISTED_MAX {
+                break;
             }
-            total += 1;
-            if ack.in_flight.len() < wire::IN_FLIGHT_LISTED_MAX {
-                ack.in_flight.push(wire::InFlight {
-                    run: id.clone(),
-                    key: key.to_string(),
-                    tool: e.tool.to_string(),
-                    args: e.args.clone().map(wire::RawJson::new),
-                });
-            }
+            listed.push(wire::InFlight {
+                run: id.clone(),
+                key: key.to_string(),
+                tool: e.tool.to_string(),
+                args: e.args.clone().map(wire::RawJson::new),
+            });
         }
     }
-    if total > ack.in_flight.len() as u64 {
-        ack.in_flight_total = Some(total);
-    }
+    ack.in_flight = (!listed.is_empty()).then(|| Box::new(wire::InFlightList(listed)));
 }
 
 /// What the SoundGate wire says for a verdict (SPEC §4.3): release, hold, or one of the
