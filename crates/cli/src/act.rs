@@ -78,11 +78,32 @@ pub fn run_state(conn: &Conn, ask: Ask) -> Result<u8, Failure> {
         .map(|r| esc(r))
         .collect::<Vec<_>>()
         .join(", ");
-    let line = if runs.is_empty() {
+    let mut line = if runs.is_empty() {
         format!("run is {state} (nothing changed)")
     } else {
         format!("run is {state}; changed: {runs}")
     };
+    // What the stop did not stop: each effect still in flight, an egress request by its
+    // method and URL.
+    let in_flight = ack.in_flight.as_deref().map_or(&[][..], |l| &l.0[..]);
+    for f in in_flight {
+        let what = f
+            .args
+            .as_ref()
+            .and_then(|a| crate::read::request_line(&a.to_value()))
+            .unwrap_or_else(|| esc(&f.tool).into_owned());
+        line.push_str(&format!(
+            "\n  in flight: {} {} {what}",
+            esc(&f.run),
+            esc(&f.key)
+        ));
+    }
+    if in_flight.len() == estop_protocol::IN_FLIGHT_LISTED_MAX {
+        line.push_str(&format!(
+            "\n  (the first {}: `estop report RUN` lists every one)",
+            estop_protocol::IN_FLIGHT_LISTED_MAX
+        ));
+    }
     session.print(ack, || println!("{line}"));
     Ok(0)
 }

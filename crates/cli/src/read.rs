@@ -251,7 +251,38 @@ fn report_item(i: &ReportItem) -> String {
     if let Some(by) = &i.by {
         line.push_str(&format!(" by {}", esc(by)));
     }
+    line.push_str(&egress_text(i));
     line
+}
+
+/// An egress effect's request (method and URL, or the model and its host), the response's
+/// status and size, and its error, as the report line's tail.
+fn egress_text(i: &ReportItem) -> String {
+    let mut out = String::new();
+    if let Some(req) = i.args.as_ref().and_then(|a| request_line(&a.to_value())) {
+        out.push_str(&format!("\n      {req}"));
+    }
+    if let Some(s) = i.http_status {
+        out.push_str(&format!(" -> {s}"));
+    }
+    if let Some(b) = i.bytes {
+        out.push_str(&format!(" ({b} bytes)"));
+    }
+    if let Some(e) = &i.error {
+        out.push_str(&format!(" error: {}", esc(e)));
+    }
+    out
+}
+
+/// What an egress effect's recorded arguments say it reached: `METHOD URL` for an HTTP
+/// request, `model MODEL at HOST` for a model call; escaped for a terminal.
+pub fn request_line(args: &serde_json::Value) -> Option<String> {
+    if let (Some(m), Some(u)) = (args["method"].as_str(), args["url"].as_str()) {
+        return Some(format!("{} {}", esc(m), esc(u)));
+    }
+    let host = args["host"].as_str()?;
+    let model = args["model"].as_str().unwrap_or("?");
+    Some(format!("model {} at {}", esc(model), esc(host)))
 }
 
 /// What the reverse saga waits for, said for an operator.

@@ -379,6 +379,24 @@ function decide(p, decision, reason, button) {
 
 // ---------- views ----------
 
+// What an egress effect's recorded arguments say it reached: "METHOD URL" for an HTTP request,
+// "model M at HOST" for a model call; "" for other arguments.
+function requestText(a) {
+  if (!a || typeof a !== "object") return "";
+  if (typeof a.method === "string" && typeof a.url === "string") return a.method + " " + a.url;
+  if (typeof a.host === "string" && a.model !== undefined) return "model " + String(a.model) + " at " + a.host;
+  return "";
+}
+
+// A report item's request, its answer (status, bytes) and its error, for the Tool cell.
+function requestOf(it) {
+  let s = requestText(it.args);
+  if (it.http_status !== undefined) s += " \u2192 " + it.http_status;
+  if (it.bytes !== undefined) s += " (" + it.bytes + " bytes)";
+  if (it.error) s += (s ? " \u2014 " : "") + it.error;
+  return s;
+}
+
 function pendingCard(p, index) {
   const reasonId = "reason-" + index;
   const reason = h("input", { id: reasonId, class: "grow", type: "text", maxlength: "1024", placeholder: "Reason (optional, recorded in the ledger)", "aria-label": `Reason for deciding ${p.tool} (${p.key})` });
@@ -404,6 +422,7 @@ function pendingCard(p, index) {
         h("span", { class: "muted" }, " · key "), h("span", { class: "mono" }, p.key)),
       h("div", {}, "Expires in ", countdown)),
     h("dl", { class: "facts" },
+      requestText(p.args) ? [h("dt", {}, "Request"), h("dd", { class: "mono request" }, requestText(p.args))] : null,
       h("dt", {}, "Call"),
       h("dd", {}, argsText === null ? h("span", { class: "muted" }, "digest only: the agent did not send the arguments") : h("pre", { class: "args" }, argsText)),
       h("dt", {}, "Digest"), h("dd", { class: "mono", title: "SHA-256 of the canonical {tool, args}: the approval binds to exactly this call" }, p.digest),
@@ -558,7 +577,7 @@ function reportView(rep) {
       h("thead", {}, h("tr", {}, ["Key", "Tool", "Status", "Reversibility", comp ? "Compensation" : "Why / note"].map((c) => h("th", { scope: "col" }, c)))),
       h("tbody", {}, items.map((it) => h("tr", {},
         h("td", { "data-label": "Key", class: "mono" }, it.key),
-        h("td", { "data-label": "Tool", class: "mono" }, it.tool),
+        h("td", { "data-label": "Tool", class: "mono" }, it.tool, requestOf(it) ? h("div", { class: "request" }, requestOf(it)) : null),
         h("td", { "data-label": "Status" }, badge(it.status)),
         h("td", { "data-label": "Reversibility" }, it.reversibility + (it.compensate ? " → " + it.compensate : "")),
         h("td", { "data-label": comp ? "Compensation" : "Why / note" },

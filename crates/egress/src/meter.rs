@@ -295,10 +295,18 @@ impl Call {
         let (mut sender, _) = match self.proxy.dial(&self.effect).await {
             Ok(s) => s,
             Err((reply, outcome, error)) => {
-                self.finish(outcome, None, 0, &error, 0).await;
+                // Not sent: recorded as a failed call (started only to be settled at once, so
+                // its reservation is released), unless the gate refuses the start (a stop).
+                if self.proxy.begin(&self.effect, &self.token).await.is_ok() {
+                    self.finish(outcome, None, 0, &error, 0).await;
+                }
                 return reply;
             }
         };
+        // The commit point: the connection is ready, the call is written next.
+        if let Err(reply) = self.proxy.begin(&self.effect, &self.token).await {
+            return *reply;
+        }
         let mut up = Request::builder()
             .method(hyper::Method::POST)
             .uri(&self.plan.upstream_path)

@@ -224,6 +224,12 @@ impl Proxy {
                 "reason": "bad_request", "message": "CONNECT needs host:port"}),
             );
         };
+        if authority.as_str().contains('@') {
+            return refusal(
+                StatusCode::BAD_REQUEST,
+                json!({"verdict": "refused", "reason": "bad_request", "message": USERINFO_REFUSED}),
+            );
+        }
         let host = authority
             .host()
             .trim_start_matches('[')
@@ -299,11 +305,12 @@ impl Proxy {
         };
         let (mut upstream, _) = match self.connect(&effect).await {
             Ok(c) => c,
-            Err((reply, outcome, error)) => {
-                self.complete(&effect.key, &token, (outcome, Value::Null, json!(error)));
-                return reply;
-            }
+            Err(failure) => return self.unstarted(&effect, &token, failure).await.0,
         };
+        // The commit point: the origin is dialled, nothing of the agent's has crossed yet.
+        if let Err(reply) = self.begin(&effect, &token).await {
+            return *reply;
+        }
         tokio::spawn(async move {
             let _place = place;
             let mut fence = self.fence.clone();
@@ -422,9 +429,22 @@ impl Proxy {
 
     async fn request(
         self: &Arc<Self>,
-        parts: hyper::http::request::Parts,
+        mut parts: hyper::http::request::Parts,
         body: Incoming,
     ) -> Reply {
+        // Before the policy sees it and as it is sent: `get` is `GET`.
+        parts.method = normalised(&parts.method);
+        if parts
+            .headers
+            .get_all(hyper::header::HOST)
+            .iter()
+            .any(|h| h.as_bytes().contains(&b'@'))
+        {
+            return refusal(
+                StatusCode::BAD_REQUEST,
+                json!({"verdict": "refused", "reason": "bad_request", "message": USERINFO_REFUSED}),
+            );
+        }
         let body = match Limited::new(body, self.settings.body_bytes_max)
             .collect()
             .await
@@ -459,7 +479,7 @@ impl Proxy {
             Ok(token) => token,
             Err(reply) => return *reply,
         };
-        match self.forward(&parts, body, &effect).await {
+        match self.forward(&parts, body, &effect, &token).await {
             Forwarded::Done(reply, outcome) => {
                 self.complete(&effect.key, &token, outcome);
                 reply
@@ -477,6 +497,10 @@ impl Proxy {
     /// (the admission had to be durable before anything was sent; a crash in between leaves
     /// the effect `unknown`, docs/EGRESS.md).
     fn complete(&self, key: &str, token: &str, outcome: Outcome) {
+        if outcome.0 == NOT_STARTED {
+            // The gate refused its start: the effect is settled there, nothing was sent.
+            return;
+        }
         let complete = json!({"op": "complete", "run": self.run, "key": key,
             "token": token, "outcome": outcome.0, "result": outcome.1, "error": outcome.2});
         match self.gate.send(complete) {
@@ -608,7 +632,9 @@ impl Proxy {
             Err(RequestRefusal::BadRequest(m)) => return Err(bad(m)),
             Err(RequestRefusal::Destination(ip)) => return Err(Box::new(destination_refused(ip))),
         };
-        let (method, url) = (parts.method.as_str(), uri.to_string());
+        // The key is the request's as sent (its secret parameters included), never recorded
+        // whole: only its digest is.
+        let (method, url) = (args["method"].as_str().unwrap_or_default(), uri.to_string());
         let body_sha256 = args["body_sha256"].as_str().unwrap_or_default().to_string();
         let key = match parts.headers.get("idempotency-key") {
             Some(v) => format!(
@@ -635,8 +661,9 @@ impl Proxy {
         })
     }
 
-    /// Admits the effect (waiting up to the hold bound); the effect's token, or the answer the
-    /// agent gets instead.
+    /// Prepares the effect (admitted with `start: false`, waiting up to the hold bound): the
+    /// effect's token, or the answer the agent gets instead. Nothing is sent on it: the
+    /// request's commit point is [`Proxy::begin`], just before its first byte is written.
     pub(crate) async fn admit(&self, effect: &Effect) -> Result<String, Box<Reply>> {
         self.admit_with(effect, None).await
     }
@@ -652,7 +679,7 @@ impl Proxy {
             return Err(Box::new(stopped(&self.run, &effect.key)));
         }
         let mut admit = json!({"op": "admit", "run": self.run, "key": effect.key,
-            "tool": effect.tool, "args": effect.args, "start": true});
+            "tool": effect.tool, "args": effect.args, "start": false});
         if let Some(r) = reserve {
             admit["reserve"] = r;
         }
@@ -661,10 +688,49 @@ impl Proxy {
         }
         let mut v = self.gate.call(admit).await.map_err(|e| gate_down(&e))?;
         if v["ok"] == true && v["verdict"] == "held" {
-            let wait = json!({"op": "wait", "run": self.run, "key": effect.key,
-                "timeout_ms": self.settings.hold_ms});
-            v = self.gate.call(wait).await.map_err(|e| gate_down(&e))?;
+            v = self.wait(effect).await?;
         }
+        match v["verdict"].as_str() {
+            Some("admitted") if v["ok"] == true => {
+                Ok(v["token"].as_str().unwrap_or_default().to_string())
+            }
+            _ => Err(self.not_admitted(effect, &v)),
+        }
+    }
+
+    /// The commit point: `start` for a prepared effect, sent once its connection is ready,
+    /// immediately before the request's first byte is written. A stop ordered before it
+    /// refuses it (the gate fences `start` by the run's epoch), and nothing is written; a
+    /// pause or a sibling's approval holds it (waited for up to the hold bound, then started
+    /// once more).
+    pub(crate) async fn begin(&self, effect: &Effect, token: &str) -> Result<(), Box<Reply>> {
+        let start = json!({"op": "start", "run": self.run, "key": effect.key, "token": token});
+        let mut v = self
+            .gate
+            .call(start.clone())
+            .await
+            .map_err(|e| gate_down(&e))?;
+        if v["ok"] == true && v["verdict"] == "held" {
+            v = self.wait(effect).await?;
+            if v["ok"] == true && v["verdict"] == "admitted" {
+                v = self.gate.call(start).await.map_err(|e| gate_down(&e))?;
+            }
+        }
+        if v["ok"] == true && v["verdict"] == "go" {
+            return Ok(());
+        }
+        Err(self.not_admitted(effect, &v))
+    }
+
+    async fn wait(&self, effect: &Effect) -> Result<Value, Box<Reply>> {
+        let wait = json!({"op": "wait", "run": self.run, "key": effect.key,
+            "timeout_ms": self.settings.hold_ms});
+        self.gate.call(wait).await.map_err(|e| gate_down(&e))
+    }
+
+    /// The agent's answer to an admission or a start that did not go: an error, held,
+    /// refused (over budget included) or a duplicate.
+    fn not_admitted(&self, effect: &Effect, v: &Value) -> Box<Reply> {
         let who = json!({"run": self.run, "key": effect.key, "tool": effect.tool});
         if v["ok"] != true {
             let code = v["error"]["code"].as_str().unwrap_or("");
@@ -673,23 +739,21 @@ impl Proxy {
                 "not_found" | "forbidden" => StatusCode::FORBIDDEN,
                 _ => StatusCode::SERVICE_UNAVAILABLE,
             };
-            return Err(Box::new(refusal(
+            return Box::new(refusal(
                 status,
                 merge(
                     who,
                     json!({"verdict": "error",
                 "error": v["error"], "message": "the gate did not admit the request; nothing was sent"}),
                 ),
-            )));
+            ));
         }
-        match v["verdict"].as_str() {
-            Some("admitted") => Ok(v["token"].as_str().unwrap_or_default().to_string()),
-            Some("held") => Err(Box::new(held(who, &v))),
-            Some("refused") if v["budget"].is_object() => Err(Box::new(crate::meter::over_budget(
-                &effect.key,
-                &v["budget"],
-            ))),
-            Some("duplicate") => Err(Box::new(refusal(
+        Box::new(match v["verdict"].as_str() {
+            Some("held" | "admitted") => held(who, v),
+            Some("refused") if v["budget"].is_object() => {
+                crate::meter::over_budget(&effect.key, &v["budget"])
+            }
+            Some("duplicate") => refusal(
                 StatusCode::CONFLICT,
                 merge(
                     who,
@@ -699,8 +763,8 @@ impl Proxy {
                 "message": "this request was sent before (same idempotency key); it is not sent again",
                 "what_to_do": "use the recorded outcome; send an Idempotency-Key of your own to send a new request"}),
                 ),
-            ))),
-            _ => Err(Box::new(refusal(
+            ),
+            _ => refusal(
                 StatusCode::FORBIDDEN,
                 merge(
                     who,
@@ -708,24 +772,29 @@ impl Proxy {
                 "verdict": "refused", "reason": v["reason"], "rule": v["rule"], "message": v["message"],
                 "what_to_do": "do not retry this request: the gate refused it"}),
                 ),
-            ))),
-        }
+            ),
+        })
     }
 
     fn destination_allowed(&self, ip: IpAddr) -> bool {
         destination_allowed(&self.settings, ip)
     }
 
-    /// Resolves, dials and sends one admitted request, up to the response's head: the
-    /// response to relay, or the answer for the agent and the outcome for the ledger.
+    /// Resolves, dials, starts and sends one prepared request, up to the response's head: the
+    /// response to relay, or the answer for the agent and the outcome for the ledger. A stop
+    /// cuts it wherever it is; what it got to is recorded: `not sent` (`error`: nothing was
+    /// written, nothing happened upstream), or `unknown` with `sent, no answer` (written
+    /// whole) or `partly sent`.
     async fn forward(
         &self,
         parts: &hyper::http::request::Parts,
         body: Bytes,
         effect: &Effect,
+        token: &str,
     ) -> Forwarded {
         let mut fence = self.fence.clone();
-        let work = self.send(parts, body, effect);
+        let mark = std::sync::Mutex::new(None);
+        let work = self.send(parts, body, effect, token, &mark);
         tokio::select! {
             r = work => match r {
                 Ok((res, sender, addr)) => Forwarded::Answered(res, sender, addr),
@@ -733,11 +802,24 @@ impl Proxy {
                     Forwarded::Done(reply, (outcome, Value::Null, json!(error)))
                 }
             },
-            () = until_stopped(&mut fence) => Forwarded::Done(
-                stopped(&self.run, &effect.key),
-                ("unknown", Value::Null, json!("cut: the run was stopped while the request was in flight")),
-            ),
+            () = until_stopped(&mut fence) => {
+                let mark = mark.lock().expect("not poisoned").take();
+                let (outcome, error) = cut(mark.as_ref(), "the run was stopped");
+                Forwarded::Done(stopped(&self.run, &effect.key), (outcome, Value::Null, json!(error)))
+            }
         }
+    }
+
+    /// A request that failed before its commit point (no address, a refused destination, no
+    /// connection, TLS): recorded `failed` like any request that was not sent — started at the
+    /// gate only to be completed `error` at once — unless the gate refuses the start (a stop),
+    /// which settles it there. The failure for the agent, with nothing more to complete.
+    pub(crate) async fn unstarted(&self, effect: &Effect, token: &str, f: Failure) -> Failure {
+        let (reply, outcome, error) = f;
+        if self.begin(effect, token).await.is_ok() {
+            self.complete(&effect.key, token, (outcome, Value::Null, json!(error)));
+        }
+        (reply, NOT_STARTED, String::new())
     }
 
     /// A failure before anything was sent: `502` for the agent, outcome `error`.
@@ -822,15 +904,20 @@ impl Proxy {
         Ok((stream, addr))
     }
 
-    /// Sends the admitted request and waits for the response's head.
+    /// Sends the prepared request (its `start` first, the commit point) and waits for the
+    /// response's head; `mark` learns how far the request got on its connection.
     async fn send(
         &self,
         parts: &hyper::http::request::Parts,
         body: Bytes,
         effect: &Effect,
+        token: &str,
+        mark: &std::sync::Mutex<Option<crate::upstream::Mark>>,
     ) -> Result<(Response<Incoming>, Sender, SocketAddr), Failure> {
-        let failed = |message: String| self.failed(effect, message);
-        let (mut sender, addr) = self.dial(effect).await?;
+        let (mut sender, addr) = match self.dial(effect).await {
+            Ok(dialled) => dialled,
+            Err(failure) => return Err(self.unstarted(effect, token, failure).await),
+        };
         let mut up = Request::builder()
             .method(parts.method.clone())
             .uri(parts.uri.path_and_query().map_or("/", |p| p.as_str()))
@@ -852,10 +939,16 @@ impl Proxy {
             }
         }
         let scheme = effect.args["scheme"].as_str().unwrap_or("http");
-        let res = sender
-            .send(up, scheme)
+        // The commit point, with everything ready: only the write is left.
+        self.begin(effect, token)
             .await
-            .map_err(|e| (failed(e.to_string()).0, "unknown", format!("{addr}: {e}")))?;
+            .map_err(|reply| (*reply, NOT_STARTED, String::new()))?;
+        let m = sender.mark();
+        *mark.lock().expect("not poisoned") = Some(m.clone());
+        let res = sender.send_marked(up, scheme, &m).await.map_err(|e| {
+            let (outcome, error) = cut(Some(&m), &format!("{addr}: {e}"));
+            (self.failed(effect, e.to_string()).0, outcome, error)
+        })?;
         Ok((res, sender, addr))
     }
 }
@@ -868,11 +961,30 @@ pub enum RequestRefusal {
     Destination(IpAddr),
 }
 
-/// The arguments the gate sees for a request (tool `http.METHOD`): method, URL, scheme, host,
-/// port, path, query and the body's SHA-256 and length. One function for the proxy and for
-/// the harness, which admits an HTTP tool's request before it dispatches the call
-/// (crates/harness, `http::Request`): the proxy's admission of what is actually sent then
-/// finds the same arguments, so the same digest, or the gate refuses it as a mismatch.
+/// What a refused userinfo (`http://user:password@host/`) is told: the credential store,
+/// not the URL, carries credentials, and a userinfo forwarded as the `Host` would reach the
+/// upstream.
+pub const USERINFO_REFUSED: &str = "a URL with userinfo (user:password@host) is not sent: \
+    credentials come from the credential store, never the URL";
+
+/// What a redacted query parameter's value is recorded as (`secret_params`).
+pub const REDACTED: &str = "REDACTED";
+
+/// The method as the policy and the upstream see it: upper case (`get` is `GET`, tool
+/// `http.GET`), so a rule on `http.GET` matches whatever case the agent wrote.
+pub fn normalised(method: &Method) -> Method {
+    let upper = method.as_str().to_ascii_uppercase();
+    Method::from_bytes(upper.as_bytes()).unwrap_or_else(|_| method.clone())
+}
+
+/// The arguments the gate sees for a request (tool `http.METHOD`): method (upper case), URL,
+/// scheme, host, port, path, query and the body's SHA-256 and length; with `secret_params`
+/// configured, those parameters' values are `REDACTED` in `url` and `query` and
+/// `query_sha256` is the digest of the query as sent (so two requests that differ only in a
+/// secret still differ). One function for the proxy and for the harness, which admits an HTTP
+/// tool's request before it dispatches the call (crates/harness, `http::Request`): the proxy's
+/// admission of what is actually sent then finds the same arguments, so the same digest, or the
+/// gate refuses it as a mismatch. A URL with userinfo is refused.
 pub fn request_args(
     method: &Method,
     uri: &hyper::Uri,
@@ -888,11 +1000,15 @@ pub fn request_args(
             ));
         }
     };
-    let host = uri
-        .host()
+    let authority = uri
+        .authority()
         .ok_or(RequestRefusal::BadRequest("no host in the URL"))?;
-    let port = uri.port_u16().unwrap_or(default_port);
-    let host = host
+    if authority.as_str().contains('@') {
+        return Err(RequestRefusal::BadRequest(USERINFO_REFUSED));
+    }
+    let port = authority.port_u16().unwrap_or(default_port);
+    let host = authority
+        .host()
         .trim_start_matches('[')
         .trim_end_matches(']')
         .to_ascii_lowercase();
@@ -902,15 +1018,97 @@ pub fn request_args(
         return Err(RequestRefusal::Destination(ip));
     }
     let body_sha256 = hex(&Sha256::digest(body));
-    Ok(
-        json!({"method": method.as_str(), "url": uri.to_string(), "scheme": scheme,
-        "host": host, "port": port, "path": uri.path(), "query": uri.query().unwrap_or(""),
-        "body_sha256": body_sha256, "body_bytes": body.len()}),
-    )
+    let query = uri.query().unwrap_or("");
+    let mut args = json!({"method": normalised(method).as_str(), "url": uri.to_string(),
+        "scheme": scheme, "host": host, "port": port, "path": uri.path(), "query": query,
+        "body_sha256": body_sha256, "body_bytes": body.len()});
+    if let Some(shown) = redact_query(query, &settings.secret_params) {
+        args["url"] = json!(format!("{scheme}://{}{}?{shown}", authority, uri.path()));
+        args["query"] = json!(shown);
+        args["query_sha256"] = json!(hex(&Sha256::digest(query.as_bytes())));
+    }
+    Ok(args)
+}
+
+/// The query with the values of the `secret` parameters (lower-case names, compared with the
+/// query's names percent-decoded and lower-cased) replaced by [`REDACTED`]; `None` when none
+/// of them is there.
+pub fn redact_query(query: &str, secret: &[String]) -> Option<String> {
+    if secret.is_empty() || query.is_empty() {
+        return None;
+    }
+    let mut redacted = false;
+    let pairs: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _)) if secret.contains(&percent_decoded(name).to_lowercase()) => {
+                redacted = true;
+                format!("{name}={REDACTED}")
+            }
+            _ => pair.to_string(),
+        })
+        .collect();
+    redacted.then(|| pairs.join("&"))
+}
+
+/// A query component decoded as a form does (`%XX`, `+` for a space); a malformed escape is
+/// kept as it is, and bytes that are not UTF-8 become U+FFFD.
+fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex_at = |j: usize| {
+            bytes
+                .get(j)
+                .and_then(|b| (*b as char).to_digit(16))
+                .and_then(|d| u8::try_from(d).ok())
+        };
+        match (bytes[i], hex_at(i + 1), hex_at(i + 2)) {
+            (b'%', Some(hi), Some(lo)) => {
+                out.push(hi * 16 + lo);
+                i += 3;
+            }
+            (b'+', _, _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn destination_allowed(settings: &Settings, ip: IpAddr) -> bool {
     !forbidden(ip) || settings.allow.iter().any(|net| contains(*net, ip))
+}
+
+/// The outcome of a request whose `start` the gate did not answer `go`: the effect is
+/// refused (or held, or someone else's start) at the gate, so nothing is completed for it.
+pub(crate) const NOT_STARTED: &str = "not_started";
+
+/// The outcome of a request cut (`why`) before its answer, by how far it got (`mark`: none
+/// when nothing was started or dialled): `not sent` is `error` (nothing happened upstream,
+/// nothing to undo); `sent, no answer` and `partly sent` are `unknown`.
+fn cut(mark: Option<&crate::upstream::Mark>, why: &str) -> (&'static str, String) {
+    use crate::upstream::Progress;
+    match mark.map_or(Progress::NotSent, crate::upstream::Mark::cut) {
+        Progress::NotSent => (
+            "error",
+            format!("not sent: {why} before the request was written"),
+        ),
+        Progress::Partly => (
+            "unknown",
+            format!("partly sent: {why} while the request was being written"),
+        ),
+        Progress::Sent => (
+            "unknown",
+            format!("sent, no answer: {why} after the request was written, before its answer"),
+        ),
+    }
 }
 
 /// What became of an admitted request: answered (its response to relay), or done.
@@ -1099,7 +1297,15 @@ mod tests {
     use super::*;
 
     fn proxy(dir: &std::path::Path) -> (Arc<Proxy>, watch::Sender<bool>) {
-        let (ours, _theirs) = tokio::net::UnixStream::pair().unwrap();
+        let (proxy, fence, _gate) = proxy_and_gate(dir);
+        (proxy, fence)
+    }
+
+    /// A proxy whose gate is the test (the other end of its gate connection).
+    fn proxy_and_gate(
+        dir: &std::path::Path,
+    ) -> (Arc<Proxy>, watch::Sender<bool>, tokio::net::UnixStream) {
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
         let (r, w) = ours.into_split();
         let (gate, _events) = crate::gate::Gate::start(r, w);
         let (fence_tx, fence) = watch::channel(false);
@@ -1119,7 +1325,178 @@ mod tests {
             pool: crate::pool::Pool::default(),
             access: None,
         };
-        (Arc::new(proxy), fence_tx)
+        (Arc::new(proxy), fence_tx, theirs)
+    }
+
+    /// The test as the gate: reads the proxy's requests one line at a time and answers them.
+    struct FakeGate(
+        tokio::io::Lines<tokio::io::BufReader<tokio::net::unix::OwnedReadHalf>>,
+        tokio::net::unix::OwnedWriteHalf,
+    );
+
+    impl FakeGate {
+        fn new(s: tokio::net::UnixStream) -> FakeGate {
+            use tokio::io::AsyncBufReadExt;
+            let (r, w) = s.into_split();
+            FakeGate(tokio::io::BufReader::new(r).lines(), w)
+        }
+
+        async fn next(&mut self) -> Value {
+            let line = self
+                .0
+                .next_line()
+                .await
+                .unwrap()
+                .expect("a request from the proxy");
+            serde_json::from_str(&line).unwrap()
+        }
+
+        async fn answer(&mut self, req: &Value, mut reply: Value) {
+            use tokio::io::AsyncWriteExt;
+            reply["id"] = req["id"].clone();
+            let line = format!("{reply}\n");
+            self.1.write_all(line.as_bytes()).await.unwrap();
+        }
+    }
+
+    /// Serves the proxy and sends it one GET for `upstream`; the test then plays the gate.
+    async fn one_request(
+        dir: &std::path::Path,
+        upstream: SocketAddr,
+    ) -> (
+        FakeGate,
+        watch::Sender<bool>,
+        tokio::task::JoinHandle<String>,
+    ) {
+        let (proxy, fence, gate) = proxy_and_gate(dir);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap();
+        tokio::spawn(proxy.serve(listener));
+        let head = format!("GET http://{upstream}/x HTTP/1.1\r\nhost: {upstream}\r\n\r\n");
+        let agent = tokio::spawn(async move { reply_of(at, &head).await });
+        (FakeGate::new(gate), fence, agent)
+    }
+
+    /// A stop that lands while the request's `start` is on its way (before `go` came back)
+    /// sends nothing, and the request is completed `error`, `not sent`: nothing happened
+    /// upstream. (The gate answered nothing: the stop may have refused the start, or its `go`
+    /// may be lost; either way no byte was written.)
+    #[tokio::test]
+    async fn a_request_cut_before_its_start_went_is_not_sent() {
+        use tokio::io::AsyncReadExt;
+        let dir = tempfile::tempdir().unwrap();
+        let origin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (mut gate, fence, agent) = one_request(dir.path(), origin.local_addr().unwrap()).await;
+        let admit = gate.next().await;
+        assert_eq!(
+            (&admit["op"], &admit["start"]),
+            (&json!("admit"), &json!(false))
+        );
+        assert_eq!(admit["tool"], "http.GET");
+        gate.answer(
+            &admit,
+            json!({"ok": true, "verdict": "admitted", "token": "1.1"}),
+        )
+        .await;
+        // Dialled (the origin accepts), then the commit point is asked for.
+        let (mut conn, _) = origin.accept().await.unwrap();
+        let start = gate.next().await;
+        assert_eq!(
+            (&start["op"], &start["token"]),
+            (&json!("start"), &json!("1.1"))
+        );
+        fence.send_replace(true);
+        let complete = gate.next().await;
+        assert_eq!(complete["op"], "complete");
+        assert_eq!(complete["outcome"], "error", "{complete}");
+        assert!(
+            complete["error"].as_str().unwrap().starts_with("not sent:"),
+            "{complete}"
+        );
+        // Not one byte reached the origin.
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(5), conn.read(&mut buf))
+            .await
+            .map_or(0, |r| r.unwrap_or(0));
+        assert_eq!(n, 0, "{:?}", String::from_utf8_lossy(&buf[..n]));
+        // The agent's connection is closed by the stop (a 403 may or may not reach it first).
+        agent.await.unwrap();
+    }
+
+    /// A stop after the request was written whole and before its answer: `unknown`, with
+    /// `sent, no answer` (the upstream may have acted on it).
+    #[tokio::test]
+    async fn a_request_cut_after_it_was_written_is_sent_with_no_answer() {
+        use tokio::io::AsyncReadExt;
+        let dir = tempfile::tempdir().unwrap();
+        let origin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (mut gate, fence, agent) = one_request(dir.path(), origin.local_addr().unwrap()).await;
+        let admit = gate.next().await;
+        gate.answer(
+            &admit,
+            json!({"ok": true, "verdict": "admitted", "token": "1.1"}),
+        )
+        .await;
+        let (mut conn, _) = origin.accept().await.unwrap();
+        let start = gate.next().await;
+        gate.answer(&start, json!({"ok": true, "verdict": "go"}))
+            .await;
+        // The whole head arrives; no answer is given.
+        let mut got = Vec::new();
+        while !got.ends_with(b"\r\n\r\n") {
+            let mut buf = [0u8; 256];
+            let n = conn.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the origin saw the request end early");
+            got.extend_from_slice(&buf[..n]);
+        }
+        assert!(got.starts_with(b"GET /x HTTP/1.1\r\n"));
+        fence.send_replace(true);
+        let complete = gate.next().await;
+        assert_eq!(complete["outcome"], "unknown", "{complete}");
+        assert!(
+            complete["error"]
+                .as_str()
+                .unwrap()
+                .starts_with("sent, no answer:"),
+            "{complete}"
+        );
+        agent.await.unwrap();
+    }
+
+    /// A start the gate refuses (a stop ordered before it) writes nothing and completes
+    /// nothing: the effect is refused at the gate.
+    #[tokio::test]
+    async fn a_refused_start_writes_nothing() {
+        use tokio::io::AsyncReadExt;
+        let dir = tempfile::tempdir().unwrap();
+        let origin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (mut gate, _fence, agent) = one_request(dir.path(), origin.local_addr().unwrap()).await;
+        let admit = gate.next().await;
+        gate.answer(
+            &admit,
+            json!({"ok": true, "verdict": "admitted", "token": "1.1"}),
+        )
+        .await;
+        let (mut conn, _) = origin.accept().await.unwrap();
+        let start = gate.next().await;
+        gate.answer(
+            &start,
+            json!({"ok": true, "verdict": "refused", "reason": "cancelled"}),
+        )
+        .await;
+        let reply = agent.await.unwrap();
+        assert!(
+            reply.starts_with("HTTP/1.1 403 ") && reply.contains("cancelled"),
+            "{reply}"
+        );
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(2), conn.read(&mut buf))
+            .await
+            .map_or(0, |r| r.unwrap_or(0));
+        assert_eq!(n, 0, "{:?}", String::from_utf8_lossy(&buf[..n]));
+        // Nothing more from the proxy: no completion for a refused start.
+        let more = tokio::time::timeout(std::time::Duration::from_millis(300), gate.next()).await;
+        assert!(more.is_err(), "{more:?}");
     }
 
     /// The status line of one raw HTTP/1.1 request sent to the proxy at `at`.
@@ -1134,6 +1511,132 @@ mod tests {
             .next()
             .unwrap_or("")
             .to_string()
+    }
+
+    fn args_of(method: &str, url: &str, settings: &Settings) -> Result<Value, RequestRefusal> {
+        let method = Method::from_bytes(method.as_bytes()).unwrap();
+        request_args(&method, &url.parse().unwrap(), b"", settings)
+    }
+
+    /// The method is upper case whatever the agent wrote (a rule on `http.GET` matches `get`),
+    /// and what is recorded is the request: method, URL, scheme, host, port, path, query.
+    #[test]
+    fn the_arguments_name_the_request_with_its_method_in_upper_case() {
+        let s = Settings::default();
+        let a = args_of("get", "http://Example.COM:8080/a/b?x=1&y=2", &s).unwrap();
+        assert_eq!(a["method"], "GET");
+        assert_eq!(a["url"], "http://Example.COM:8080/a/b?x=1&y=2");
+        assert_eq!(
+            (
+                &a["scheme"],
+                &a["host"],
+                &a["port"],
+                &a["path"],
+                &a["query"]
+            ),
+            (
+                &json!("http"),
+                &json!("example.com"),
+                &json!(8080),
+                &json!("/a/b"),
+                &json!("x=1&y=2")
+            )
+        );
+        assert!(a.get("query_sha256").is_none());
+        assert_eq!(
+            normalised(&Method::from_bytes(b"pAtCh").unwrap()),
+            Method::PATCH
+        );
+        assert_eq!(
+            normalised(&Method::from_bytes(b"purge").unwrap()).as_str(),
+            "PURGE"
+        );
+    }
+
+    /// `http://user:password@host/` is refused: forwarded, its authority became the `Host`.
+    #[test]
+    fn a_url_with_userinfo_is_refused() {
+        let s = Settings::default();
+        for url in [
+            "http://u:p@example.com/",
+            "https://u@example.com:8443/x",
+            "http://:@example.com/",
+        ] {
+            assert_eq!(
+                args_of("GET", url, &s),
+                Err(RequestRefusal::BadRequest(USERINFO_REFUSED)),
+                "{url}"
+            );
+        }
+    }
+
+    /// `secret_params` values are not recorded (in `query` nor `url`), in any case or
+    /// percent-encoding of their names; `query_sha256` still tells two secrets apart.
+    #[test]
+    fn secret_parameters_are_redacted_and_their_digest_kept() {
+        let s = Settings::parse("[egress]\nsecret_params = [\"api_key\", \"SIG\"]\n").unwrap();
+        let a = args_of(
+            "GET",
+            "https://h.example/p?api_key=k-1&q=cats&Sig=s9&api%5Fkey=k-2",
+            &s,
+        )
+        .unwrap();
+        let query = "api_key=REDACTED&q=cats&Sig=REDACTED&api%5Fkey=REDACTED";
+        assert_eq!(a["query"], query);
+        assert_eq!(a["url"], format!("https://h.example/p?{query}"));
+        let text = a.to_string();
+        for secret in ["k-1", "k-2", "s9"] {
+            assert!(!text.contains(secret), "{secret} in {text}");
+        }
+        let b = args_of(
+            "GET",
+            "https://h.example/p?api_key=k-X&q=cats&Sig=s9&api%5Fkey=k-2",
+            &s,
+        )
+        .unwrap();
+        assert_eq!(a["query"], b["query"]);
+        assert_ne!(a["query_sha256"], b["query_sha256"]);
+        assert_ne!(a, b, "two secrets, two digests");
+        // Nothing to redact: nothing added.
+        let plain = args_of("GET", "https://h.example/p?q=1&api_keyx=2", &s).unwrap();
+        assert_eq!(plain["query"], "q=1&api_keyx=2");
+        assert!(plain.get("query_sha256").is_none());
+    }
+
+    /// A Host header carrying userinfo and a CONNECT to `user@host` are refused with a 400
+    /// saying why; a lower-case method goes out upper case.
+    #[tokio::test]
+    async fn userinfo_in_a_host_or_a_connect_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (proxy, _fence) = proxy(dir.path());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap();
+        tokio::spawn(proxy.serve(listener));
+        for head in [
+            "GET http://u:p@example.com/ HTTP/1.1\r\nhost: example.com\r\n\r\n",
+            "GET http://example.com/ HTTP/1.1\r\nhost: u:p@example.com\r\n\r\n",
+            "CONNECT u:p@example.com:443 HTTP/1.1\r\nhost: example.com:443\r\n\r\n",
+        ] {
+            let reply = reply_of(at, head).await;
+            assert!(reply.starts_with("HTTP/1.1 400 "), "{head:?}: {reply}");
+            assert!(reply.contains("userinfo"), "{head:?}: {reply}");
+        }
+    }
+
+    /// The whole reply (up to 4 KiB) to one raw request.
+    async fn reply_of(at: SocketAddr, head: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut c = tokio::net::TcpStream::connect(at).await.unwrap();
+        c.write_all(head.as_bytes()).await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let mut n = 0;
+        while !String::from_utf8_lossy(&buf[..n]).contains("}}") && n < buf.len() {
+            match c.read(&mut buf[n..]).await {
+                Ok(0) | Err(_) => break,
+                Ok(k) => n += k,
+            }
+        }
+        String::from_utf8_lossy(&buf[..n]).into_owned()
     }
 
     /// A proxy on the host's loopback (a harness HTTP tool's) answers only requests that carry

@@ -45,6 +45,11 @@ pub struct Settings {
     pub passthrough: Vec<(String, u16)>,
     /// The Landlock filesystem ruleset (`[egress.filesystem]`); none: the caller's filesystem.
     pub filesystem: Option<crate::fsrules::Filesystem>,
+    /// Query parameters whose values never reach the record (`secret_params`): lower-cased
+    /// names, compared with a request's parameter names percent-decoded and lower-cased. The
+    /// effect's arguments carry `REDACTED` for their values and `query_sha256`, the digest of
+    /// the query as sent (docs/EGRESS.md, "HTTP requests as effects").
+    pub secret_params: Vec<String>,
 }
 
 /// `memory_max` unless the settings say otherwise: 4 GiB, room for an agent's interpreters and
@@ -53,6 +58,10 @@ pub const MEMORY_MAX_DEFAULT: u64 = 4 << 30;
 
 /// The least `memory_max` may be: the sandbox's own two stages and an interpreter's start.
 pub const MEMORY_MAX_MIN: u64 = 16 << 20;
+
+/// The most `secret_params` names, and the longest one (bytes).
+pub const SECRET_PARAMS_MAX: usize = 64;
+pub const SECRET_PARAM_BYTES_MAX: usize = 128;
 
 /// The most `undo_body_bytes_max` may be: with the response's recorded body
 /// (`record::BODY_BYTES_MAX`, 32 KiB) the result stays within the ledger's 64 KiB.
@@ -74,6 +83,7 @@ impl Default for Settings {
             model: None,
             passthrough: Vec::new(),
             filesystem: None,
+            secret_params: Vec::new(),
         }
     }
 }
@@ -100,6 +110,7 @@ struct Egress {
     model: Option<crate::meter::ModelFile>,
     passthrough: Option<Vec<String>>,
     filesystem: Option<crate::fsrules::Filesystem>,
+    secret_params: Option<Vec<String>>,
 }
 
 impl Settings {
@@ -143,6 +154,7 @@ impl Settings {
             fs.check()?;
         }
         s.filesystem = e.filesystem;
+        s.secret_params = parse_secret_params(e.secret_params.unwrap_or_default())?;
         if s.connections_max < 1 {
             bail!("connections_max must be at least 1");
         }
@@ -154,6 +166,30 @@ impl Settings {
         }
         Ok(s)
     }
+}
+
+/// `secret_params`: names of query parameters, at most `SECRET_PARAMS_MAX`, each 1 to
+/// `SECRET_PARAM_BYTES_MAX` bytes of printable ASCII; kept lower-cased.
+fn parse_secret_params(names: Vec<String>) -> Result<Vec<String>> {
+    if names.len() > SECRET_PARAMS_MAX {
+        bail!(
+            "secret_params names {} parameters, more than {SECRET_PARAMS_MAX}",
+            names.len()
+        );
+    }
+    names
+        .into_iter()
+        .map(|n| {
+            let printable = n.bytes().all(|b| b.is_ascii_graphic());
+            if n.is_empty() || n.len() > SECRET_PARAM_BYTES_MAX || !printable {
+                bail!(
+                    "secret_params {n:?} is not a parameter name (1 to \
+                     {SECRET_PARAM_BYTES_MAX} printable ASCII characters)"
+                );
+            }
+            Ok(n.to_ascii_lowercase())
+        })
+        .collect()
 }
 
 /// `host:port` of a pass-through origin: a host name or address (IPv6 in brackets), lower-cased,
@@ -240,6 +276,28 @@ pub fn forbidden(addr: IpAddr) -> bool {
 mod tests {
     use super::*;
 
+    /// `secret_params` names are kept lower-cased; an empty, unprintable or over-long name and
+    /// too many names are refused saying why.
+    #[test]
+    fn secret_params_are_checked() {
+        let parse = |v: &str| Settings::parse(&format!("[egress]\nsecret_params = {v}\n"));
+        assert_eq!(
+            parse(r#"["Api_Key"]"#).unwrap().secret_params,
+            vec!["api_key"]
+        );
+        for bad in [
+            r#"[""]"#,
+            r#"["a b"]"#,
+            &format!("[\"{}\"]", "x".repeat(129)),
+        ] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains("is not a parameter name"), "{bad}: {e}");
+        }
+        let many: Vec<String> = (0..65).map(|i| format!("\"p{i}\"")).collect();
+        let e = parse(&format!("[{}]", many.join(","))).unwrap_err();
+        assert!(e.to_string().contains("more than 64"), "{e}");
+    }
+
     /// docs/EGRESS.md stays true: its `[egress]` example parses, and so does its policy example.
     #[test]
     fn the_documented_examples_parse() {
@@ -259,6 +317,7 @@ mod tests {
         assert_eq!(s.allow, vec![parse_cidr("127.0.0.2/32").unwrap()]);
         assert_eq!(s.undo_body_bytes_max, 16384);
         assert_eq!(s.hold_ms, 30_000);
+        assert_eq!(s.secret_params, vec!["api_key", "sig"]);
         let m = s.model.expect("the [egress.model] example");
         assert_eq!(
             (m.host.as_str(), m.budget_usd_micros, m.cached_input),

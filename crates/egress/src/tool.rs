@@ -9,8 +9,9 @@
 //!
 //! The harness may admit the request it will send before it dispatches the call, two-phase,
 //! under the same key and arguments ([`crate::proxy::request_args`]): the proxy's own admission
-//! (`start: true`) then starts that effect at the commit point — the gate starts a prepared
-//! effect when a repeat admission asks to start it — and anything else is admitted as usual.
+//! (`start: false`) answers that effect's token, and the proxy's `start`, sent once the upstream
+//! connection is ready and just before the write, starts it at the commit point; anything else
+//! is admitted as usual.
 //!
 //! The run is watched: its stop (a cancel or kill of the trajectory cascades to it) fences the
 //! proxy and cuts what is in flight, and so does dropping the handle (the harness cut the

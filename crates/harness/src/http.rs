@@ -390,7 +390,11 @@ impl Request {
     pub fn effect(&self, settings: &Settings) -> Result<(String, Value), NotSent> {
         use estop_egress::proxy::{RequestRefusal, request_args};
         match request_args(&self.method, &self.uri, &self.body, settings) {
-            Ok(args) => Ok((format!("http.{}", self.method), args)),
+            // The method as the proxy normalises it (upper case), so the tool is the proxy's.
+            Ok(args) => Ok((
+                format!("http.{}", args["method"].as_str().unwrap_or("")),
+                args,
+            )),
             Err(RequestRefusal::Destination(ip)) => Err(NotSent {
                 reason: "DESTINATION",
                 message: format!(

@@ -156,6 +156,15 @@ pub struct Compensation {
     pub approval: Option<Box<Approval>>,
 }
 
+/// Whether an effect of `tool` keeps its arguments for good: the egress proxy's HTTP requests
+/// (`http.METHOD`) and model calls (`model.call`), whose arguments (method, URL, host… of what
+/// was sent, docs/EGRESS.md) are the audit trail of what an agent reached. The gate records
+/// them with the admission and the report shows them; each is bounded by `args_bytes_max`.
+/// Other tools' arguments are kept only for an operator's review or the saga.
+pub fn args_kept(tool: &str) -> bool {
+    tool.starts_with("http.") || tool == "model.call"
+}
+
 /// One side effect of a run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Effect {
@@ -244,8 +253,9 @@ impl Effect {
         self.token = Some(token);
         // The arguments were kept for an operator's review; an effect whose compensation is
         // built from them (`compensate_args`), or that a lookup may need to find, keeps them
-        // for the saga.
-        if self.compensate_args.is_none() && self.lookup.is_none() {
+        // for the saga, and an egress effect for its report (`args_kept`).
+        if self.compensate_args.is_none() && self.lookup.is_none() && !args_kept(self.tool.as_str())
+        {
             self.args = None;
         }
         self.updated_at = now;

@@ -34,8 +34,8 @@ pub use request::{
 };
 pub use server_line::{
     Ack, BudgetLine, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply,
-    LedgerEntry, LedgerReply, PendingItem, PendingReply, Pong, RawJson, ReplyBody, Report,
-    ReportItem, RunView, RunsReply, SagaNext, ServerLine, TokenCreated, TokenRevoked, VerdictReply,
-    parse_server_line,
+    IN_FLIGHT_LISTED_MAX, InFlight, InFlightList, LedgerEntry, LedgerReply, PendingItem,
+    PendingReply, Pong, RawJson, ReplyBody, Report, ReportItem, RunView, RunsReply, SagaNext,
+    ServerLine, TokenCreated, TokenRevoked, VerdictReply, parse_server_line,
 };
 pub use soundgate::{SgError, SgReply, SgRequest, parse_soundgate};

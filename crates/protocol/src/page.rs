@@ -116,6 +116,9 @@ impl Weight for ReportItem {
             + self.by.as_deref().map_or(0, text)
             // `"holder":"egress"` and `"disputes":N`.
             + if self.holder.is_some() || self.disputes.is_some() { 48 } else { 0 }
+            + self.args.as_ref().map_or(0, |a| a.get().len())
+            + if self.http_status.is_some() { 60 } else { 0 }
+            + self.error.as_deref().map_or(0, |e| 2 * text(e))
     }
 }
 

@@ -198,6 +198,30 @@ pub struct Ack {
     /// `compensated` and `saga`: when a failed compensation is offered again (Unix ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_at: Option<u64>,
+    /// A stop (`cancel`, `kill`, `close`): the effects of the stopped runs still in flight
+    /// (started, not yet reported), at most `IN_FLIGHT_LISTED_MAX` (the report lists every
+    /// one), with their recorded arguments where the gate keeps them (an egress request's
+    /// method and URL). Boxed: every answer carries this field, few use it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_flight: Option<Box<InFlightList>>,
+}
+
+/// The effects a stop's answer names in flight (`Ack::in_flight`), as a JSON array.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct InFlightList(pub Vec<InFlight>);
+
+/// The most in-flight effects a stop's answer lists (`Ack::in_flight`); the report has all.
+pub const IN_FLIGHT_LISTED_MAX: usize = 32;
+
+/// One effect still in flight when its run was stopped.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InFlight {
+    pub run: String,
+    pub key: String,
+    pub tool: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<RawJson>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -439,6 +463,19 @@ pub struct ReportItem {
     /// (each on the ledger as it was sent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disputes: Option<u32>,
+    /// An egress effect's recorded arguments (`http.METHOD`: method, url, host, port, path,
+    /// query…; `model.call`: model, host…), as the gate keeps them (docs/EGRESS.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<RawJson>,
+    /// An egress effect's completion: the response's HTTP status and the bytes relayed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_status: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// An egress effect's reported error: why it failed, or what is known of an unknown one
+    /// (`not sent`, `sent, no answer`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// What a cancelled run's reverse saga waits for: its head (the newest effect still to undo)

@@ -209,6 +209,21 @@ fn every_payload_round_trips() {
         ..Ack::default()
     });
     round_trip(Ack {
+        state: Some("finalizing".into()),
+        runs: vec!["r1".into()],
+        in_flight: Some(Box::new(estop_protocol::InFlightList(vec![
+            estop_protocol::InFlight {
+                run: "r1".into(),
+                key: "http:1".into(),
+                tool: "http.POST".into(),
+                args: Some(estop_protocol::RawJson::new(std::sync::Arc::from(
+                    r#"{"method":"POST","url":"https://h/o"}"#,
+                ))),
+            },
+        ]))),
+        ..Ack::default()
+    });
+    round_trip(Ack {
         status: Some("compensation_failed".into()),
         attempt: Some(2),
         retry_at: Some(1_700_000_002_000),
@@ -351,6 +366,12 @@ fn every_payload_round_trips() {
         chosen: true,
         holder: Some("egress".into()),
         disputes: Some(2),
+        args: Some(estop_protocol::RawJson::new(std::sync::Arc::from(
+            r#"{"method":"GET","url":"http://h/x"}"#,
+        ))),
+        http_status: Some(200),
+        bytes: Some(2),
+        error: Some("sent, no answer: cut".into()),
     };
     round_trip(Report {
         run: "r0".into(),

@@ -62,6 +62,11 @@ pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
             if let Some(p) = &a.parent {
                 fields.insert("parent".into(), json!(p.as_str()));
             }
+            if let Some(args) = &a.args {
+                // Recorded as the gate's compact JSON text: shown as the value it is.
+                let value = serde_json::from_str(args).unwrap_or_else(|_| json!(&**args));
+                fields.insert("args".into(), value);
+            }
         }
         Command::Recheck { key: k, .. } => key = Some(k.to_string()),
         Command::Start { key: k, token, .. } => {
@@ -71,11 +76,15 @@ pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
         Command::Complete {
             key: k,
             outcome,
+            result,
             error,
             ..
         } => {
             key = Some(k.to_string());
             fields.insert("outcome".into(), json!(outcome.as_str()));
+            if let Some(answer) = result.as_deref().and_then(http_answer) {
+                fields.extend(answer);
+            }
             if let Some(e) = error {
                 fields.insert("error".into(), json!(&**e));
             }
@@ -168,6 +177,22 @@ pub fn entry(seq: u64, rec: &Record) -> LedgerEntry {
         key,
         fields,
     }
+}
+
+/// An HTTP response's status and size (`{status, bytes, …}`, the result the egress proxy
+/// records): the two fields `ledger show` prints of a completion; none for other results,
+/// which are not shown.
+fn http_answer(result: &str) -> Option<[(String, Value); 2]> {
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        status: u16,
+        bytes: u64,
+    }
+    let a: Answer = serde_json::from_str(result).ok()?;
+    Some([
+        ("status".into(), Value::from(a.status)),
+        ("bytes".into(), Value::from(a.bytes)),
+    ])
 }
 
 /// What a shell's step of the saga records: a lookup's attempt and finding, or why a due

@@ -455,10 +455,12 @@ fn admit_command(
     limits.max_spend = min(limits.max_spend, a.limits.max_spend);
     limits.max_tokens = min(limits.max_tokens, a.limits.max_tokens);
     // Kept for an operator's review, or for the saga when the compensation is built from them
-    // or a lookup may need them.
+    // or a lookup may need them, or as the record of what an egress effect reached (its method
+    // and URL: `args_kept`).
     let args = if ruling.action == PolicyAction::Approve
         || ruling.compensate_args.is_some()
         || ruling.lookup.is_some()
+        || estop_kernel::state::args_kept(a.tool.as_str())
     {
         a.args.as_ref().map(|v| v.to_string().into_boxed_str())
     } else {

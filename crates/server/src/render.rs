@@ -306,6 +306,32 @@ fn report_item(key: &EffectKey, e: &estop_kernel::state::Effect) -> wire::Report
         chosen: c.is_some_and(|c| c.chosen),
         holder: (e.holder != estop_kernel::Part::Main).then(|| e.holder.as_str().to_string()),
         disputes: (e.disputes > 0).then_some(e.disputes),
+        ..egress_item(e)
+    }
+}
+
+/// What the report adds for an egress effect (`args_kept`): the request it sent (its recorded
+/// arguments), the response's status and bytes, or the error it was completed with.
+fn egress_item(e: &estop_kernel::state::Effect) -> wire::ReportItem {
+    /// The two numbers of an HTTP result (`record.rs` in crates/egress); the rest is skipped.
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        status: Option<u16>,
+        bytes: Option<u64>,
+    }
+    if !estop_kernel::state::args_kept(e.tool.as_str()) {
+        return wire::ReportItem::default();
+    }
+    let outcome = e.outcome.as_deref();
+    let answer = outcome
+        .and_then(|o| o.result.as_deref())
+        .and_then(|r| serde_json::from_str::<Answer>(r).ok());
+    wire::ReportItem {
+        args: e.args.clone().map(wire::RawJson::new),
+        http_status: answer.as_ref().and_then(|a| a.status),
+        bytes: answer.and_then(|a| a.bytes),
+        error: outcome.and_then(|o| o.error.as_deref().map(str::to_string)),
+        ..wire::ReportItem::default()
     }
 }
 
@@ -455,6 +481,34 @@ pub fn run_state(
         runs,
         ..wire::Ack::default()
     }
+}
+
+/// A stop's answer names what it did not stop: the effects of the runs it changed that are
+/// still in flight (started and not reported), with their recorded arguments (an egress
+/// request's method and URL), at most `IN_FLIGHT_LISTED_MAX` of them (the report has all).
+pub fn in_flight(gate: &estop_kernel::Gate, ack: &mut wire::Ack) {
+    let mut listed = Vec::new();
+    for id in &ack.runs {
+        let Some(run) = RunId::new(id).ok().and_then(|r| gate.run(&r)) else {
+            continue;
+        };
+        let started = run
+            .effects
+            .iter()
+            .filter(|(_, e)| e.status == Status::Started);
+        for (key, e) in started {
+            if listed.len() == wire::IN_FLIGHT_LISTED_MAX {
+                break;
+            }
+            listed.push(wire::InFlight {
+                run: id.clone(),
+                key: key.to_string(),
+                tool: e.tool.to_string(),
+                args: e.args.clone().map(wire::RawJson::new),
+            });
+        }
+    }
+    ack.in_flight = (!listed.is_empty()).then(|| Box::new(wire::InFlightList(listed)));
 }
 
 /// What the SoundGate wire says for a verdict (SPEC §4.3): release, hold, or one of the

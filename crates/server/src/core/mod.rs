@@ -709,7 +709,14 @@ impl Core {
                     .decided(&d.status, self.now.saturating_sub(d.requested_at));
                 Answer::Decided(render::decided(&d))
             }
-            Reply::RunState { state, .. } => Answer::Ack(render::run_state(state, &events)),
+            Reply::RunState { state, .. } => {
+                let mut ack = render::run_state(state, &events);
+                use estop_kernel::vocab::RunState;
+                if !matches!(state, RunState::Active | RunState::Paused) {
+                    render::in_flight(&self.gate, &mut ack);
+                }
+                Answer::Ack(ack)
+            }
             Reply::Compensation {
                 status,
                 attempt,
