@@ -1253,7 +1253,7 @@ fn cli_output_is_pinned() {
     );
     assert_eq!(
         run(&["cancel", "r1", "--reason", "stop \u{202e} it"]),
-        "0\nrun is finalizing; changed: r1\n"
+        "0\nrun is finalizing; changed: r1\n  in flight: r1 k1 pay\n"
     );
     assert_eq!(
         run(&["cancel", "r1", "--json"]),

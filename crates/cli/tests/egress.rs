@@ -44,6 +44,17 @@ action = "allow"
 [[rules]]
 tool = "model.call"
 action = "allow"
+
+# The sandbox's own tools over its protocol socket (the supervisor's `http.*`, `model.call` and
+# `sandbox.run` are refused there).
+[[rules]]
+tool = "search"
+action = "allow"
+class = "read"
+
+[[rules]]
+tool = "ship"
+action = "approve"
 "#;
 
 fn daemon() -> Daemon {
@@ -2322,7 +2333,7 @@ s = socket.socket(socket.AF_UNIX); s.connect(os.environ["ESTOP_SOCKET"]); f = s.
 def call(**req):
     f.write((json.dumps(req) + "\n").encode()); f.flush(); return json.loads(f.readline())
 def admit(sub, **extra):
-    v = call(id=1, op="admit", tool="http.GET", args={}, key="k", run=sub, **extra)
+    v = call(id=1, op="admit", tool="search", args={}, key="k", run=sub, **extra)
     return v.get("verdict") or v["error"]["code"]
 print(admit(run + "/child", parent=run))
 print(admit(run + "/child/grand", parent=run + "/child"))
@@ -2439,7 +2450,7 @@ for s, f in conns:
 f = conns[0][1]
 held = 0
 for i in range(8):
-    v = call(f, id=3, op="admit", run=run, key="h%d" % i, tool="http.POST",
+    v = call(f, id=3, op="admit", run=run, key="h%d" % i, tool="ship",
              args={"path": "/hold"}, start=True)
     if not v["ok"]:
         print("held refused:", v["error"]["code"]); break
@@ -2606,11 +2617,10 @@ const [port, tport] = process.argv.slice(1);
     assert_eq!(*tls.paths.lock().unwrap(), vec!["/fetch24-tls".to_string()]);
 }
 
-/// An agent that prepares the proxy's own request itself, two-phase, through its run's socket
-/// (the same key and arguments as the proxy will present), cannot get it sent without the gate
-/// seeing it start: the proxy's admission (`start: true`) starts the prepared effect at the
-/// commit point, so the request is `started` while upstream and completed after, never left
-/// `admitted` (which a cancel would void as never run, while it ran).
+/// An agent that tries to prepare the proxy's own request itself, two-phase, through its run's
+/// socket (the same key and arguments as the proxy will present) is refused (`forbidden`: the
+/// supervisor's tools are not the sandbox's to admit, issue 27), so the request the proxy then
+/// sends is the proxy's own effect, admitted, started at its write and completed by it.
 #[test]
 fn a_request_the_agent_prepared_itself_is_started_when_the_proxy_sends_it() {
     let d = daemon();
@@ -2628,7 +2638,7 @@ def call(**req):
     f.write((json.dumps(req) + "\n").encode()); f.flush(); return json.loads(f.readline())
 call(id=1, op="hello", token="anything")
 v = call(id=2, op="admit", run=os.environ["ESTOP_RUN"], key="idem:k1", tool="http.POST", args=args, start=False)
-print("prepared:", v.get("verdict"))
+print("prepared:", v.get("verdict") or v["error"]["code"])
 req = urllib.request.Request(url, data=body, method="POST", headers={{"Idempotency-Key": "k1"}})
 r = urllib.request.urlopen(req, timeout=10)
 print("sent:", r.status, r.read().decode())
@@ -2637,7 +2647,7 @@ print("sent:", r.status, r.read().decode())
     );
     let (code, out, err) = finish(estop_run(&d, "prep", "", &argv(&python(&script))));
     assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
-    assert!(out.contains("prepared: admitted"), "{out}\n{err}");
+    assert!(out.contains("prepared: forbidden"), "{out}\n{err}");
     assert!(out.contains("sent: 200 hit 1"), "{out}\n{err}");
     assert_eq!(srv.hits(), 1);
     let mut op = d.operator();
@@ -2648,11 +2658,9 @@ print("sent:", r.status, r.read().decode())
         std::time::Duration::from_millis(50),
         || {
             let report = ok(&mut op, json!({"op": "report", "run": "prep"}));
-            let done = report["done"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|e| e["key"] == "idem:k1" && e["tool"] == "http.POST");
+            let done = report["done"].as_array().unwrap().iter().any(|e| {
+                e["key"] == "idem:k1" && e["tool"] == "http.POST" && e["holder"] == "egress"
+            });
             (done, (done, report))
         },
     );

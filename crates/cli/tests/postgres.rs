@@ -1599,7 +1599,7 @@ fn an_effects_records_are_found_by_its_key_and_older_records_get_it_at_migration
     sql(&url)
         .batch_execute(
             "DROP INDEX estop_ledger_effect; ALTER TABLE estop_ledger DROP COLUMN effect_key;
-             DELETE FROM estop_schema WHERE version = 4",
+             DROP TABLE estop_secret; DELETE FROM estop_schema WHERE version >= 4",
         )
         .unwrap();
     d.spawn();
