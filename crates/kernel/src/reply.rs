@@ -136,12 +136,6 @@ pub enum KernelError {
     BadToken { run: RunId, key: EffectKey },
     #[error("effect {key} of run {run} was not started (call start first)")]
     NotStarted { run: RunId, key: EffectKey },
-    #[error("effect {key} of run {run} already completed with outcome {outcome}")]
-    AlreadyCompleted {
-        run: RunId,
-        key: EffectKey,
-        outcome: &'static str,
-    },
     #[error("run {run} already has parent {existing}, not {given}")]
     ParentMismatch {
         run: RunId,
@@ -255,7 +249,6 @@ impl KernelError {
             KernelError::DuplicateApprover { .. } => "duplicate_approver",
             KernelError::BadToken { .. } => "bad_token",
             KernelError::NotStarted { .. } => "not_started",
-            KernelError::AlreadyCompleted { .. } => "already_completed",
             KernelError::ParentMismatch { .. } => "parent_mismatch",
             KernelError::InvalidState { .. } => "invalid_state",
             KernelError::Limit { .. } => "limit",

@@ -304,7 +304,6 @@ pub fn kernel_error(e: &KernelError) -> (ErrorCode, String) {
         KernelError::Forbidden | KernelError::NotHolder { .. } => ErrorCode::Forbidden,
         KernelError::DuplicateApprover { .. }
         | KernelError::NotStarted { .. }
-        | KernelError::AlreadyCompleted { .. }
         | KernelError::ParentMismatch { .. }
         | KernelError::InvalidState { .. }
         // A step of the reverse saga that is not due or not in a state the action takes
