@@ -1377,16 +1377,13 @@ mod tests {
         (FakeGate::new(gate), fence, agent)
     }
 
-    /// A stop that lands while the request's `start` is on its way (before `go` came back)
-    /// sends nothing, and the request is completed `error`, `not sent`: nothing happened
-    /// upstream. (The gate answered nothing: the stop may have refused the start, or its `go`
-    /// may be lost; either way no byte was written.)
-    #[tokio::test]
-    async fn a_request_cut_before_its_start_went_is_not_sent() {
-        use tokio::io::AsyncReadExt;
-        let dir = tempfile::tempdir().unwrap();
-        let origin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let (mut gate, fence, agent) = one_request(dir.path(), origin.local_addr().unwrap()).await;
+    /// Plays the gate up to the commit point: the proxy's admission (`start: false`) answered
+    /// `admitted 1.1`, the origin's accept of its dial, then its `start` with that token, which
+    /// is returned unanswered with the origin's side of the connection.
+    async fn admit_and_dial(
+        gate: &mut FakeGate,
+        origin: &tokio::net::TcpListener,
+    ) -> (tokio::net::TcpStream, serde_json::Value) {
         let admit = gate.next().await;
         assert_eq!(
             (&admit["op"], &admit["start"]),
@@ -1399,12 +1396,26 @@ mod tests {
         )
         .await;
         // Dialled (the origin accepts), then the commit point is asked for.
-        let (mut conn, _) = origin.accept().await.unwrap();
+        let (conn, _) = origin.accept().await.unwrap();
         let start = gate.next().await;
         assert_eq!(
             (&start["op"], &start["token"]),
             (&json!("start"), &json!("1.1"))
         );
+        (conn, start)
+    }
+
+    /// A stop that lands while the request's `start` is on its way (before `go` came back)
+    /// sends nothing, and the request is completed `error`, `not sent`: nothing happened
+    /// upstream. (The gate answered nothing: the stop may have refused the start, or its `go`
+    /// may be lost; either way no byte was written.)
+    #[tokio::test]
+    async fn a_request_cut_before_its_start_went_is_not_sent() {
+        use tokio::io::AsyncReadExt;
+        let dir = tempfile::tempdir().unwrap();
+        let origin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (mut gate, fence, agent) = one_request(dir.path(), origin.local_addr().unwrap()).await;
+        let (mut conn, _start) = admit_and_dial(&mut gate, &origin).await;
         fence.send_replace(true);
         let complete = gate.next().await;
         assert_eq!(complete["op"], "complete");
@@ -1431,14 +1442,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let origin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let (mut gate, fence, agent) = one_request(dir.path(), origin.local_addr().unwrap()).await;
-        let admit = gate.next().await;
-        gate.answer(
-            &admit,
-            json!({"ok": true, "verdict": "admitted", "token": "1.1"}),
-        )
-        .await;
-        let (mut conn, _) = origin.accept().await.unwrap();
-        let start = gate.next().await;
+        let (mut conn, start) = admit_and_dial(&mut gate, &origin).await;
         gate.answer(&start, json!({"ok": true, "verdict": "go"}))
             .await;
         // The whole head arrives; no answer is given.
@@ -1471,14 +1475,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let origin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let (mut gate, _fence, agent) = one_request(dir.path(), origin.local_addr().unwrap()).await;
-        let admit = gate.next().await;
-        gate.answer(
-            &admit,
-            json!({"ok": true, "verdict": "admitted", "token": "1.1"}),
-        )
-        .await;
-        let (mut conn, _) = origin.accept().await.unwrap();
-        let start = gate.next().await;
+        let (mut conn, start) = admit_and_dial(&mut gate, &origin).await;
         gate.answer(
             &start,
             json!({"ok": true, "verdict": "refused", "reason": "cancelled"}),
