@@ -2674,8 +2674,9 @@ print("sent:", r.status, r.read().decode())
 /// report, the key its own `Idempotency-Key` makes) and, while its proxied POST is in flight,
 /// sends through its relay every per-effect verb against each: `hello` as the supervisor's
 /// part, `admit` again (its own tool, and `http.POST`), `wait`, `start` and `complete` with
-/// every token it can guess (ok, error, a forged undo target, a zero cost). Every one is
-/// refused `forbidden`; the ledger holds no start or completion but the supervisor's; after the
+/// every token it can guess (ok, error, a forged undo target, a zero cost). The admits and
+/// waits are refused `forbidden`, every guessed token `bad_token`; the ledger holds no start or
+/// completion but the supervisor's; after the
 /// operator's cancel the cut POST is `unknown` (not the forged `failed`), the launch completed
 /// with the command's real exit, and nothing but the agent's own two requests reached the host.
 #[test]
