@@ -61,6 +61,7 @@ pub fn run(trajectories: usize, controls: usize, data: &Path, json_out: bool) ->
                 max_output_tokens: 256,
                 call_deadline_ms: 600_000,
                 tool_deadline_ms: 600_000,
+                retry: Default::default(),
             },
             limits: Limits::default(),
             prices: Prices::default(),

@@ -743,6 +743,7 @@ fn harness_journal(d: &Daemon) -> estop_harness::journal::Journal {
                 max_output_tokens: 100,
                 call_deadline_ms: 1_000,
                 tool_deadline_ms: 500,
+                retry: Default::default(),
             },
             Budget::new(
                 Limits {

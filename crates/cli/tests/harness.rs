@@ -69,6 +69,7 @@ fn options(d: &Daemon, model: &str, effects: &std::path::Path) -> RunnerOptions 
             max_output_tokens: 256,
             call_deadline_ms: 60_000,
             tool_deadline_ms: 60_000,
+            retry: Default::default(),
         },
         limits: Limits {
             turns_max: Some(10),

@@ -120,6 +120,7 @@ pub fn run(a: AgentRun) -> anyhow::Result<Outcome> {
             max_output_tokens: m.max_output_tokens,
             call_deadline_ms: m.call_deadline_ms,
             tool_deadline_ms: config.harness.tool_deadline_ms,
+            retry: m.retry(),
         },
         limits: config.limits(),
         prices: m.prices(),

@@ -86,6 +86,45 @@ impl ToolCall {
     }
 }
 
+/// The most of a tool error about invalid arguments the model is sent back, in bytes (the
+/// problem's own words; the arguments are never echoed whole).
+pub const ARGUMENT_PROBLEM_BYTES_MAX: usize = 512;
+
+/// What is wrong with a proposed call's arguments, if anything: they must be a JSON object
+/// (the function-calling contract; every tool here takes one). The answer is bounded by
+/// [`ARGUMENT_PROBLEM_BYTES_MAX`] and names the problem: `not valid JSON` (with the parser's
+/// position) or `not an object` (with the JSON type it is).
+pub fn argument_problem(call: &ToolCall) -> Option<String> {
+    let problem = match serde_json::from_str::<serde_json::Value>(&call.function.arguments) {
+        Err(e) => format!("the arguments are not valid JSON ({e})"),
+        Ok(serde_json::Value::Object(_)) => return None,
+        Ok(v) => {
+            let kind = match v {
+                serde_json::Value::Null => "null",
+                serde_json::Value::Bool(_) => "a boolean",
+                serde_json::Value::Number(_) => "a number",
+                serde_json::Value::String(_) => "a string",
+                serde_json::Value::Array(_) => "an array",
+                serde_json::Value::Object(_) => unreachable!("returned above"),
+            };
+            format!("the arguments are not an object (they are {kind})")
+        }
+    };
+    Some(truncate(problem, ARGUMENT_PROBLEM_BYTES_MAX))
+}
+
+/// `s` cut to at most `max` bytes, on a character boundary.
+pub(crate) fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut at = max;
+        while !s.is_char_boundary(at) {
+            at -= 1;
+        }
+        s.truncate(at);
+    }
+    s
+}
+
 /// The provider's `finish_reason`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -125,12 +164,16 @@ pub enum Reply {
     /// The harness cut the stream (a control request): the partial reply is discarded.
     Cut { usage: Option<Usage> },
     /// The call failed (HTTP error, 429, 5xx, a stream that ended without its terminal event,
-    /// the call deadline): retried at the next turn while the budget allows.
+    /// the call deadline): retried after a backoff (crate::record::Retry) while the budget and
+    /// the retry bound allow. `retry_after_ms` is the provider's `Retry-After`, when it gave one.
     Failed {
         error: String,
         retryable: bool,
         usage: Option<Usage>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        retry_after_ms: Option<u64>,
     },
+
     /// The reply passed one of the stream's bounds (`crate::model::Bounds`): the harness cut
     /// the stream there and discarded everything it held of the reply; nothing in it is
     /// dispatched. The model is told which bound it passed and gets another turn (the budget

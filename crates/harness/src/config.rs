@@ -100,6 +100,30 @@ pub struct ModelSection {
     pub tpm: u64,
     #[serde(default = "default_rpm")]
     pub rpm: u64,
+    /// How a failed call is retried (crate::retry): the first backoff's ceiling, doubling up
+    /// to `retry_cap_ms`, with full jitter; `retries_max` failures in a row at most; a
+    /// `Retry-After` honoured up to `retry_after_max_ms`.
+    #[serde(default = "default_retry_base")]
+    pub retry_base_ms: u64,
+    #[serde(default = "default_retry_cap")]
+    pub retry_cap_ms: u64,
+    #[serde(default = "default_retries_max")]
+    pub retries_max: u32,
+    #[serde(default = "default_retry_after_max")]
+    pub retry_after_max_ms: u64,
+}
+
+fn default_retry_base() -> u64 {
+    crate::retry::DEFAULT.base_ms
+}
+fn default_retry_cap() -> u64 {
+    crate::retry::DEFAULT.cap_ms
+}
+fn default_retries_max() -> u32 {
+    crate::retry::DEFAULT.retries_max
+}
+fn default_retry_after_max() -> u64 {
+    crate::retry::DEFAULT.retry_after_max_ms
 }
 
 fn default_max_output() -> u64 {
@@ -242,6 +266,21 @@ impl Config {
                 return bad(format!(
                     "model {:?}: prices must be finite and not negative",
                     m.name
+                ));
+            }
+            if m.retry_base_ms == 0
+                || m.retry_base_ms > m.retry_cap_ms
+                || m.retries_max > crate::retry::RETRIES_MAX
+                || m.retry_cap_ms > crate::model::RETRY_AFTER_MS_MAX
+                || m.retry_after_max_ms > crate::model::RETRY_AFTER_MS_MAX
+            {
+                return bad(format!(
+                    "model {:?}: retry_base_ms must be above 0 and at most retry_cap_ms, \
+                     retry_cap_ms and retry_after_max_ms at most {} (a day), retries_max at \
+                     most {}",
+                    m.name,
+                    crate::model::RETRY_AFTER_MS_MAX,
+                    crate::retry::RETRIES_MAX
                 ));
             }
             if m.tpm == 0 || m.rpm == 0 || m.max_output_tokens == 0 {
@@ -516,6 +555,16 @@ fn check_env(secrets: &BTreeMap<String, String>, tools: &[Tool]) -> Result<(), C
 }
 
 impl ModelSection {
+    /// The retry policy of its calls.
+    pub fn retry(&self) -> crate::retry::Retry {
+        crate::retry::Retry {
+            base_ms: self.retry_base_ms,
+            cap_ms: self.retry_cap_ms,
+            retries_max: self.retries_max,
+            retry_after_max_ms: self.retry_after_max_ms,
+        }
+    }
+
     /// Prices in micro-dollars per token (= dollars per million tokens).
     pub fn prices(&self) -> Prices {
         Prices {
@@ -679,6 +728,44 @@ parameters = { type = "object", properties = { q = { type = "string" } } }
         let sep = ok.replace("name = \"echo\"", "name = \"a__b\"");
         let c: Config = toml::from_str(&sep).unwrap();
         assert!(c.check().unwrap_err().to_string().contains("kept for MCP"));
+    }
+
+    /// The retry policy: the defaults when left out, as given otherwise, and each bound
+    /// refused at load naming the model.
+    #[test]
+    fn a_models_retry_policy_defaults_and_is_bounded() {
+        let base = "[[model]]\nname = \"m\"\nbase_url = \"http://127.0.0.1:1/v1\"\nusd_per_mtok_input = 1.0\nusd_per_mtok_output = 1.0\n";
+        let c: Config = toml::from_str(base).unwrap();
+        c.check().unwrap();
+        assert_eq!(c.models[0].retry(), crate::retry::DEFAULT);
+        let c: Config = toml::from_str(&format!(
+            "{base}retry_base_ms = 100\nretry_cap_ms = 2000\nretries_max = 3\nretry_after_max_ms = 5000\n"
+        ))
+        .unwrap();
+        c.check().unwrap();
+        assert_eq!(
+            c.models[0].retry(),
+            crate::retry::Retry {
+                base_ms: 100,
+                cap_ms: 2_000,
+                retries_max: 3,
+                retry_after_max_ms: 5_000
+            }
+        );
+        for bad in [
+            "retry_base_ms = 0",
+            "retry_base_ms = 40000",
+            "retries_max = 101",
+            "retry_cap_ms = 100000000",
+            "retry_after_max_ms = 100000000",
+        ] {
+            let c: Config = toml::from_str(&format!("{base}{bad}\n")).unwrap();
+            let e = c.check().unwrap_err().to_string();
+            assert!(
+                e.contains("model \"m\"") && e.contains("retr"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

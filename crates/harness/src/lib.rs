@@ -3,7 +3,7 @@
 //! [`record::Record`] outside the model, changes only through the guarded
 //! [`machine::transition`], and is journalled before the harness acts on it.
 //!
-//! The core (`machine`, `record`, `budget`, `scheduler`, `compact`) is pure: no IO, no clock
+//! The core (`machine`, `record`, `retry`, `budget`, `scheduler`, `compact`) is pure: no IO, no clock
 //! (time is an argument in Unix milliseconds), no threads, deterministic, and so is the
 //! completion check (`contract`, but for `files_present`, which the runner calls). The IO lives
 //! in other modules.
@@ -16,6 +16,7 @@ pub mod config;
 pub mod contract;
 pub mod control;
 pub mod env;
+pub mod fence;
 pub mod gate;
 pub mod http;
 pub mod journal;
@@ -24,6 +25,7 @@ pub mod mcp;
 pub mod model;
 pub mod mux;
 pub mod record;
+pub mod retry;
 pub mod runner;
 pub mod scheduler;
 pub mod scripted;

@@ -168,7 +168,7 @@ impl ModelClient {
         tokio::select! {
             r = &mut work => return r,
             _ = tokio::time::sleep_until(deadline) => {
-                return Reply::Failed { error: "the call passed its deadline".into(), retryable: true, usage: seen_now() };
+                return Reply::Failed { error: "the call passed its deadline".into(), retryable: true, usage: seen_now(), retry_after_ms: None };
             }
             _ = cut_now => {}
         }
@@ -188,6 +188,7 @@ impl ModelClient {
             error,
             retryable,
             usage: None,
+            retry_after_ms: None,
         };
         let mut body = json!({
             "model": req.model,
@@ -208,11 +209,21 @@ impl ModelClient {
             Err(e) => return failed(e, true),
         };
         let status = resp.status();
+        let retry_after_ms = resp
+            .headers()
+            .get(hyper::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| retry_after_ms(v, std::time::SystemTime::now()));
         let mut incoming = resp.into_body();
         if !status.is_success() {
             let text = read_some(&mut incoming).await;
             let retryable = status.as_u16() == 429 || status.is_server_error();
-            return failed(format!("HTTP {status}: {text}"), retryable);
+            return Reply::Failed {
+                error: format!("HTTP {status}: {text}"),
+                retryable,
+                usage: None,
+                retry_after_ms: retry_after_ms.filter(|_| retryable),
+            };
         }
         loop {
             match incoming.frame().await {
@@ -232,12 +243,34 @@ impl ModelClient {
                         error: format!("stream: {e}"),
                         retryable: true,
                         usage: acc.usage(),
+                        retry_after_ms: None,
                     };
                 }
                 None => return acc.end(),
             }
         }
     }
+}
+
+/// The longest `Retry-After` taken as it is (a day); a longer one is this (the retry policy
+/// caps it further: crate::record::Retry).
+pub const RETRY_AFTER_MS_MAX: u64 = 86_400_000;
+
+/// A `Retry-After` value in milliseconds from `now`: delay-seconds or an HTTP date (RFC 9110
+/// §10.2.3); a date in the past is 0; anything else is `None` (ignored).
+pub fn retry_after_ms(value: &str, now: std::time::SystemTime) -> Option<u64> {
+    let value = value.trim();
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        let secs: u64 = value.parse().unwrap_or(u64::MAX);
+        return Some(secs.saturating_mul(1000).min(RETRY_AFTER_MS_MAX));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    let ms = at.duration_since(now).map_or(0, |d| d.as_millis());
+    Some(
+        u64::try_from(ms)
+            .unwrap_or(u64::MAX)
+            .min(RETRY_AFTER_MS_MAX),
+    )
 }
 
 async fn read_some(b: &mut hyper::body::Incoming) -> String {
@@ -415,6 +448,7 @@ impl Accumulator {
                         error: format!("a stream event that is not JSON: {e}"),
                         retryable: true,
                         usage: self.usage,
+                        retry_after_ms: None,
                     });
                 }
             }
@@ -498,6 +532,7 @@ impl Accumulator {
                 error: "the reply was handed out already".into(),
                 retryable: true,
                 usage: self.usage,
+                retry_after_ms: None,
             };
         }
         self.over = true;
@@ -507,6 +542,7 @@ impl Accumulator {
                 error: "the stream ended before its finish reason (truncated)".into(),
                 retryable: true,
                 usage: self.usage,
+                retry_after_ms: None,
             };
         };
         let mut calls = std::mem::take(&mut self.calls);
@@ -515,18 +551,19 @@ impl Accumulator {
         if finish != Finish::ToolCalls {
             calls.clear();
         }
-        // A call without an id or a name, or whose arguments are not JSON, was not finished.
+        // A call without an id or a name was not finished (it cannot be answered). Arguments
+        // that are not a JSON object are the model's mistake, answered to it as a tool error
+        // (crate::chat::argument_problem), not a reason to send the same request again.
         if finish == Finish::ToolCalls
-            && calls.iter().any(|c| {
-                c.id.is_empty()
-                    || c.function.name.is_empty()
-                    || serde_json::from_str::<Value>(&c.function.arguments).is_err()
-            })
+            && calls
+                .iter()
+                .any(|c| c.id.is_empty() || c.function.name.is_empty())
         {
             return Reply::Failed {
                 error: "a tool call in the reply is incomplete".into(),
                 retryable: true,
                 usage: self.usage,
+                retry_after_ms: None,
             };
         }
         Reply::Finished {

@@ -48,6 +48,10 @@ pub struct CallLimits {
     pub call_deadline_ms: u64,
     /// How long a dispatched tool call may take before it is timed out.
     pub tool_deadline_ms: u64,
+    /// How a failed call is retried (a record journalled before there were retries has the
+    /// defaults).
+    #[serde(default)]
+    pub retry: crate::retry::Retry,
 }
 
 /// Identity: routes control requests, bills the right tenant, links retries and sub-agents.
@@ -292,6 +296,9 @@ pub struct Record {
     /// inherited by a retry (unless it names one) and by its sub-agents.
     #[serde(default, skip_serializing_if = "crate::scheduler::Class::is_standard")]
     pub class: crate::scheduler::Class,
+    /// Backing off after failed model calls in a row: no turn before its `until_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backoff: Option<crate::retry::Backoff>,
 }
 
 /// What the runner is to do, in order, once the record is durable.
@@ -348,6 +355,13 @@ pub enum Action {
     /// The trajectory reached a terminal state (FINALIZING ran).
     Ended {
         state: State,
+    },
+    /// A failed model call (or a fence that could not be read) is retried after `delay_ms`:
+    /// an audit line; the wait itself is the record's `backoff`.
+    Retry {
+        attempt: u32,
+        delay_ms: u64,
+        error: String,
     },
 }
 
@@ -442,6 +456,35 @@ pub fn overflow_notice(o: &crate::chat::Overflow) -> String {
     format!("[reply cut: {v}]")
 }
 
+/// The calls whose arguments are a JSON object, and for each other one its answer: a tool
+/// error to the model (`INVALID_ARGUMENTS`, the same `tool_call_id`, the problem named and
+/// bounded: crate::chat::argument_problem) and an audit line.
+fn invalid_arguments(calls: Vec<ToolCall>) -> (Vec<ToolCall>, Vec<Action>) {
+    let mut actions = Vec::new();
+    let mut valid = Vec::new();
+    for c in calls {
+        let Some(problem) = crate::chat::argument_problem(&c) else {
+            valid.push(c);
+            continue;
+        };
+        let v = serde_json::json!({
+            "status": "REFUSED",
+            "reason": "INVALID_ARGUMENTS",
+            "tool": crate::chat::truncate(c.function.name.clone(), 128),
+            "message": format!("{problem}: nothing was run; call the tool again with a JSON \
+                               object as its arguments"),
+        });
+        actions.push(Action::Observe {
+            message: Message::tool(&c.id, v.to_string()),
+        });
+        actions.push(Action::Checked {
+            call_id: c.id.clone(),
+            outcome: format!("refused before the gate, INVALID_ARGUMENTS: {problem}"),
+        });
+    }
+    (valid, actions)
+}
+
 fn marker(call: &ToolCall, status: &str, message: &str) -> Message {
     let v = serde_json::json!({"status": status, "message": message});
     Message::tool(&call.id, v.to_string())
@@ -478,6 +521,7 @@ impl Record {
             check: None,
             called_ok: Vec::new(),
             class: Default::default(),
+            backoff: None,
         }
     }
 
@@ -613,6 +657,12 @@ impl Record {
         if self.state != State::Ready {
             return Err(RecordError::Unexpected("a turn", self.state));
         }
+        if self.backoff.as_ref().is_some_and(|b| now_ms < b.until_ms) {
+            return Err(RecordError::Unexpected(
+                "a turn before its backoff ended",
+                self.state,
+            ));
+        }
         let mut actions = self.boundary(now_ms)?;
         if self.state != State::Ready {
             return Ok(actions);
@@ -677,13 +727,14 @@ impl Record {
     /// The model call ended. Usage is charged first (a cut stream pays for what it produced);
     /// a truncated, cut or failed reply is never dispatched. A contract's `workspace_files`
     /// are seen as absent: the runner, which looks at the workspace, calls [`Record::on_reply_seen`].
+    /// A retry's jitter is its ceiling (the runner draws it: [`Record::on_reply_seen`]).
     pub fn on_reply(&mut self, now_ms: u64, reply: Reply) -> Step {
-        self.on_reply_seen(now_ms, reply, &World::default())
+        self.on_reply_seen(now_ms, reply, &World::default(), u32::MAX)
     }
 
     /// [`Record::on_reply`] with what the harness saw of the world when the reply came (for the
-    /// completion check).
-    pub fn on_reply_seen(&mut self, now_ms: u64, reply: Reply, world: &World) -> Step {
+    /// completion check), and the random draw of a retry's jitter (crate::retry).
+    pub fn on_reply_seen(&mut self, now_ms: u64, reply: Reply, world: &World, draw: u32) -> Step {
         // One reply per call: after it, the turn is admitting what it proposed.
         if self.state != State::CallingModel || self.budget.reserved.is_none() {
             return Err(RecordError::Unexpected("a model reply", self.state));
@@ -701,6 +752,7 @@ impl Record {
         let mut actions = Vec::new();
         match reply {
             Reply::Cut { .. } => {
+                self.backoff = None;
                 actions.push(observe(
                     "[interrupted: the reply was cut by a control request]",
                 ));
@@ -709,14 +761,26 @@ impl Record {
             Reply::Failed {
                 error, retryable, ..
             } if !retryable => {
+                self.backoff = None;
                 self.exit(Exit::Error { error })?;
                 actions.extend(self.finalize()?);
                 return Ok(actions);
             }
-            Reply::Failed { .. } => self.go(State::Ready, Cause::Observed)?,
+            Reply::Failed {
+                error,
+                retry_after_ms,
+                ..
+            } => {
+                self.go(State::Ready, Cause::Observed)?;
+                // A stop asked for meanwhile wins over a retry.
+                if !self.control_waiting() {
+                    return self.back_off(now_ms, error, retry_after_ms, draw);
+                }
+            }
             // The model's own reply passed a bound: it is told which (a retry of the same
             // context in silence would likely pass it again), and plans again.
             Reply::Overflow { overflow, .. } => {
+                self.backoff = None;
                 actions.push(observe(&overflow_notice(&overflow)));
                 self.go(State::Ready, Cause::Observed)?;
             }
@@ -726,10 +790,62 @@ impl Record {
                 tool_calls,
                 ..
             } => {
+                self.backoff = None;
                 return self.on_finished(now_ms, finish, text, tool_calls, world);
             }
         }
         actions.extend(self.boundary(now_ms)?);
+        Ok(actions)
+    }
+
+    /// The run's fence could not be read at the gate before a turn (it is not known whether
+    /// the run was stopped): no model call starts; the turn is retried as a failed call is.
+    pub fn on_fence_unknown(&mut self, now_ms: u64, error: String, draw: u32) -> Step {
+        if self.state != State::Ready {
+            return Err(RecordError::Unexpected("a fence check", self.state));
+        }
+        self.back_off(now_ms, format!("the run's fence: {error}"), None, draw)
+    }
+
+    /// READY after a failure: the next turn waits (crate::retry: exponential, full jitter, at
+    /// least `Retry-After`), or, past `retries_max` failures in a row, the trajectory ends
+    /// FAILED. The budget decides first, as at every boundary.
+    fn back_off(
+        &mut self,
+        now_ms: u64,
+        error: String,
+        retry_after_ms: Option<u64>,
+        draw: u32,
+    ) -> Step {
+        debug_assert_eq!(self.state, State::Ready);
+        let mut actions = self.boundary(now_ms)?;
+        if self.state != State::Ready {
+            return Ok(actions);
+        }
+        let failures = self.backoff.as_ref().map_or(0, |b| b.failures) + 1;
+        let policy = self.limits.retry;
+        if failures > policy.retries_max {
+            self.backoff = None;
+            let error = format!(
+                "{} failures in a row (retries_max = {}); the last: {error}",
+                failures, policy.retries_max
+            );
+            self.exit(Exit::Error { error })?;
+            actions.extend(self.finalize()?);
+            return Ok(actions);
+        }
+        let delay_ms = policy.delay_ms(failures, retry_after_ms, draw);
+        self.backoff = Some(crate::retry::Backoff {
+            failures,
+            delay_ms,
+            until_ms: now_ms.saturating_add(delay_ms),
+            error: error.clone(),
+        });
+        actions.push(Action::Retry {
+            attempt: failures,
+            delay_ms,
+            error,
+        });
         Ok(actions)
     }
 
@@ -770,14 +886,7 @@ impl Record {
         }
         match finish {
             Finish::ToolCalls if !calls.is_empty() => {
-                self.pending = calls
-                    .iter()
-                    .map(|c| PendingCall {
-                        call: c.clone(),
-                        phase: Phase::Proposed,
-                    })
-                    .collect();
-                actions.push(Action::Admit { calls });
+                actions.extend(self.propose(now_ms, calls)?);
                 Ok(actions)
             }
             Finish::Stop | Finish::ToolCalls => {
@@ -801,6 +910,27 @@ impl Record {
                 Ok(actions)
             }
         }
+    }
+
+    /// A reply's tool calls: arguments that are not a JSON object are answered to the model at
+    /// once (a tool error naming the problem) and nothing of them goes to the gate; the others
+    /// are proposed for admission. With none left, the next turn comes.
+    fn propose(&mut self, now_ms: u64, calls: Vec<ToolCall>) -> Step {
+        let (calls, mut actions) = invalid_arguments(calls);
+        if calls.is_empty() {
+            self.go(State::Ready, Cause::Observed)?;
+            actions.extend(self.boundary(now_ms)?);
+            return Ok(actions);
+        }
+        self.pending = calls
+            .iter()
+            .map(|c| PendingCall {
+                call: c.clone(),
+                phase: Phase::Proposed,
+            })
+            .collect();
+        actions.push(Action::Admit { calls });
+        Ok(actions)
     }
 
     /// MODEL_ENDED: the completion check from the task contract. Passed: COMPLETED. Failed

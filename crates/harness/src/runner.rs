@@ -196,6 +196,17 @@ pub enum RunnerError {
 /// A tool call's identity in the runner: (trajectory, call id).
 type CallKey = (String, String);
 
+/// A random draw for a retry's jitter (crate::retry): std's per-process random hash keys,
+/// mixed with a counter, so no two draws repeat.
+fn draw() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    h.write_u64(now_ms());
+    (h.finish() >> 32) as u32
+}
+
 pub fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -217,6 +228,8 @@ pub struct Runner {
     /// Cut MCP calls still telling their upstream; awaited (bounded) before `run` returns.
     closing: Vec<tokio::task::JoinHandle<()>>,
     tokens: BTreeMap<CallKey, String>,
+    /// READY trajectories backing off (crate::retry), queued once their time comes.
+    delayed: BTreeMap<String, u64>,
     in_flight: usize,
     tx: mpsc::UnboundedSender<Input>,
     rx: mpsc::UnboundedReceiver<Input>,
@@ -280,6 +293,7 @@ impl Runner {
             mcp_cuts: BTreeMap::new(),
             closing: Vec::new(),
             tokens: BTreeMap::new(),
+            delayed: BTreeMap::new(),
             in_flight: 0,
             tx,
             rx,
@@ -480,7 +494,14 @@ impl Runner {
                 self.drain_closing().await;
                 return Ok(());
             }
-            let next_tick = tokio::time::sleep(Duration::from_millis(100));
+            // The next backoff that ends, if sooner than the tick.
+            let now = now_ms();
+            let wake = self
+                .delayed
+                .values()
+                .min()
+                .map_or(100, |until| (until.saturating_sub(now) + 1).min(100));
+            let next_tick = tokio::time::sleep(Duration::from_millis(wake));
             tokio::select! {
                 Some(input) = self.rx.recv() => self.on_input(input)?,
                 _ = next_tick => self.tick()?,
@@ -497,17 +518,20 @@ impl Runner {
     }
 
     fn schedule(&mut self) -> Result<(), RunnerError> {
+        self.release_delayed();
         while self.in_flight < self.opts.workers {
             let Next::Run(id) = self.sched.next(now_ms()) else {
                 return Ok(());
             };
-            let Some(rec) = self.recs.get(&id) else {
-                continue;
-            };
-            if rec.state != State::Ready {
+            if self.recs.get(&id).is_none_or(|r| r.state != State::Ready) {
                 continue;
             }
-            let mut rec = rec.clone();
+            // The run's fence, read at the gate right before the call: a stop acknowledged
+            // there is acted on here, whatever order its event and a refusal reach the runner.
+            if !self.fence_open(&id)? {
+                continue;
+            }
+            let mut rec = self.recs[&id].clone();
             match rec.begin_turn(now_ms(), self.prompt_estimate(&id)) {
                 Ok(actions) => {
                     // From the steer stage on (the call carries a budget notice), the tool
@@ -530,6 +554,46 @@ impl Runner {
         Ok(())
     }
 
+    /// Reads the run's fence at the gate (crate::fence::Fence). Open: the turn may begin.
+    /// Closed: the stop, kill or pause is applied to the record now (no model call starts).
+    /// Unknown: no call starts on a guess; the turn backs off as a failed call does.
+    fn fence_open(&mut self, id: &str) -> Result<bool, RunnerError> {
+        let gate = self.opts.gate.clone();
+        match tokio::task::block_in_place(|| gate.fence(id)) {
+            crate::fence::Fence::Open => Ok(true),
+            crate::fence::Fence::Closed(control) => {
+                self.apply(id, |r, now| r.on_control(now, control))?;
+                Ok(false)
+            }
+            crate::fence::Fence::Unknown(why) => {
+                self.apply(id, |r, now| r.on_fence_unknown(now, why, draw()))?;
+                // Still READY (backing off) unless the retries ran out: queued again.
+                if self.recs.get(id).is_some_and(|r| r.state == State::Ready) {
+                    self.queue(id);
+                }
+                Ok(false)
+            }
+        }
+    }
+
+    /// Backoffs that ended: their trajectories, still READY, are queued for a turn.
+    fn release_delayed(&mut self) {
+        let now = now_ms();
+        let due: Vec<String> = self
+            .delayed
+            .iter()
+            // Strictly after: `now_ms` is whole milliseconds, so the wait is never cut short.
+            .filter(|(_, until)| **until < now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in due {
+            self.delayed.remove(&id);
+            if self.recs.get(&id).is_some_and(|r| r.state == State::Ready) {
+                self.queue(&id);
+            }
+        }
+    }
+
     /// The prompt's tokens, estimated from its characters (about four per token); the
     /// provider's usage report settles the truth after the call.
     fn prompt_estimate(&self, id: &str) -> u64 {
@@ -541,8 +605,20 @@ impl Runner {
         chars as u64 / 4
     }
 
-    /// Queues a READY trajectory, charged by its next turn's estimated tokens.
+    /// Queues a READY trajectory, charged by its next turn's estimated tokens; one backing off
+    /// waits in `delayed` until its backoff ends.
     fn queue(&mut self, id: &str) {
+        let until = self
+            .recs
+            .get(id)
+            .and_then(|r| r.backoff.as_ref())
+            .map(|b| b.until_ms);
+        if let Some(until) = until.filter(|u| *u >= now_ms()) {
+            self.sched.remove(&id.to_string());
+            self.delayed.insert(id.to_string(), until);
+            return;
+        }
+        self.delayed.remove(id);
         let (out, class) = self.recs.get(id).map_or((0, Class::Standard), |r| {
             (r.limits.max_output_tokens, r.class)
         });
@@ -580,7 +656,7 @@ impl Runner {
                     },
                     _ => crate::contract::World::default(),
                 };
-                self.apply(&id, |r, now| r.on_reply_seen(now, reply, &world))
+                self.apply(&id, |r, now| r.on_reply_seen(now, reply, &world, draw()))
             }
             Input::Admitted {
                 id,
@@ -843,6 +919,16 @@ impl Runner {
                         trajectory: id.clone(),
                         line: format!("checked {call_id}: {outcome}"),
                     }),
+                    Action::Retry {
+                        attempt,
+                        delay_ms,
+                        error,
+                    } => entries.push(Entry::Log {
+                        trajectory: id.clone(),
+                        line: format!(
+                            "retry {attempt} of the model call in {delay_ms} ms: {error}"
+                        ),
+                    }),
                     _ => {}
                 }
             }
@@ -864,6 +950,7 @@ impl Runner {
                 self.queue(&id);
             } else if rec.state != State::Ready {
                 self.sched.remove(&id);
+                self.delayed.remove(&id);
             }
             if rec.state.is_terminal() && !before.is_some_and(State::is_terminal) {
                 ended.push(id);
@@ -1005,7 +1092,10 @@ impl Runner {
                     }
                 });
             }
-            Action::Release { .. } | Action::Dropped { .. } | Action::Checked { .. } => {}
+            Action::Release { .. }
+            | Action::Dropped { .. }
+            | Action::Checked { .. }
+            | Action::Retry { .. } => {}
             other => self.gate_work(rec, other),
         }
     }
@@ -1342,6 +1432,7 @@ impl Runner {
                     error: "the harness restarted during the call".into(),
                     retryable: true,
                     usage: None,
+                    retry_after_ms: None,
                 };
                 self.tx
                     .send(Input::Reply {
@@ -1841,6 +1932,7 @@ mod tests {
                 max_output_tokens: 10,
                 call_deadline_ms: 1_000,
                 tool_deadline_ms: 1_000,
+                retry: Default::default(),
             },
             Budget::new(Limits::default(), Prices::default(), 1),
             Grants {

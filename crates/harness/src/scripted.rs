@@ -1,8 +1,9 @@
 //! A scripted OpenAI-compatible chat-completions server, for tests and the README example: the
 //! n-th call gets the n-th scripted response, streamed step by step; a step may wait for the
 //! test's signal (so a test knows exactly where the stream is when it acts), and a response
-//! may be an HTTP error, a stream cut short, or a `length` finish in the middle of a tool call.
-//! It records every request body and whether the client went away mid-stream.
+//! may be an HTTP error (with headers: `Retry-After`), a stream cut short, or a `length` finish
+//! in the middle of a tool call. It records every request body, when it arrived, and whether
+//! the client went away mid-stream.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
@@ -25,8 +26,11 @@ pub enum Step {
     Done,
     /// Wait for one [`Scripted::release`] before the next step.
     Gate,
-    /// The whole response is this status and body (only as the first step).
+    /// The whole response is this status and body (only as the first step, or after the
+    /// `Header` steps).
     Status { status: u16, body: String },
+    /// A header of a `Status` response (before it).
+    Header { name: String, value: String },
     /// End the body here, without a terminal event.
     Hangup,
     /// These bytes as they are, `repeat` times, each time a chunk of its own (a hostile
@@ -61,6 +65,8 @@ struct Shared {
     headers: Vec<Vec<(String, String)>>,
     /// Each call's method and request target (`PUT /orders/7?x=1`), in order.
     targets: Vec<String>,
+    /// When each call arrived, in order.
+    times: Vec<std::time::Instant>,
     seen: Vec<Seen>,
 }
 
@@ -139,6 +145,11 @@ impl Scripted {
         self.shared.lock().expect("not poisoned").targets.clone()
     }
 
+    /// When each request arrived (its body read), in order.
+    pub fn call_times(&self) -> Vec<std::time::Instant> {
+        self.shared.lock().expect("not poisoned").times.clone()
+    }
+
     pub fn seen(&self) -> Vec<Seen> {
         self.shared.lock().expect("not poisoned").seen.clone()
     }
@@ -196,6 +207,7 @@ async fn serve(
         s.calls.push(body);
         s.headers.push(headers);
         s.targets.push(target);
+        s.times.push(std::time::Instant::now());
         let n = s.calls.len() - 1;
         s.seen.push(Seen::Call { n });
         n
@@ -204,10 +216,22 @@ async fn serve(
     let Some(steps) = script.responses.get(n).cloned() else {
         return Ok(whole(500, format!("no scripted response for call {n}")));
     };
-    if let Some(Step::Status { status, body }) = steps.first() {
-        let (status, body) = (*status, body.clone());
+    let headers: Vec<(String, String)> = steps
+        .iter()
+        .map_while(|s| match s {
+            Step::Header { name, value } => Some((name.clone(), value.clone())),
+            _ => None,
+        })
+        .collect();
+    if let Some(Step::Status { status, body }) = steps.get(headers.len()) {
+        let mut response = whole(*status, body.clone());
+        for (name, value) in headers {
+            let name = hyper::header::HeaderName::try_from(name).expect("a header name");
+            let value = hyper::header::HeaderValue::try_from(value).expect("a header value");
+            response.headers_mut().append(name, value);
+        }
         note(&shared, &changed, Seen::Served { n });
-        return Ok(whole(status, body));
+        return Ok(response);
     }
     let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(4);
     tokio::spawn(async move {
@@ -223,7 +247,7 @@ async fn serve(
                 Step::Event { chunk } => format!("data: {chunk}\n\n"),
                 Step::Done => "data: [DONE]\n\n".to_string(),
                 Step::Hangup => break,
-                Step::Status { .. } => continue,
+                Step::Status { .. } | Step::Header { .. } => continue,
                 Step::Gate => {
                     tokio::select! {
                         p = gates.acquire() => { p.expect("never closed").forget(); continue }
@@ -321,6 +345,22 @@ pub fn usage(prompt: u64, cached: u64, completion: u64) -> Step {
 
 fn event(chunk: Value) -> Step {
     Step::Event { chunk }
+}
+
+/// A whole error response: `status`, a JSON body, and these headers (`Retry-After`).
+pub fn status(status: u16, headers: &[(&str, &str)]) -> Vec<Step> {
+    let mut steps: Vec<Step> = headers
+        .iter()
+        .map(|(name, value)| Step::Header {
+            name: name.to_string(),
+            value: value.to_string(),
+        })
+        .collect();
+    steps.push(Step::Status {
+        status,
+        body: json!({"error": {"message": format!("scripted {status}")}}).to_string(),
+    });
+    steps
 }
 
 /// A whole reply that ends the turn with `answer`.

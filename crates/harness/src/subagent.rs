@@ -197,6 +197,7 @@ mod tests {
             max_output_tokens: 1,
             call_deadline_ms: 1,
             tool_deadline_ms: 1,
+            retry: Default::default(),
         };
         let budget = Budget::new(Limits::default(), Prices::default(), 0);
         let grants = Grants {

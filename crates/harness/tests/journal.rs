@@ -24,6 +24,7 @@ fn rec(id: &str, state: State, ended_at_ms: Option<u64>) -> Record {
             max_output_tokens: 100,
             call_deadline_ms: 1_000,
             tool_deadline_ms: 500,
+            retry: Default::default(),
         },
         Budget::new(
             Limits {

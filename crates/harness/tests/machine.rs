@@ -22,6 +22,7 @@ pub fn record() -> Record {
             max_output_tokens: 100,
             call_deadline_ms: 1_000,
             tool_deadline_ms: 1_000,
+            retry: Default::default(),
         },
         Budget::new(Limits::default(), Prices::default(), 0),
         Grants {

@@ -138,15 +138,29 @@ async fn a_reply_that_finishes_within_the_grace_still_counts() {
 
 #[tokio::test]
 async fn errors_truncation_and_length_are_never_calls() {
+    // An HTTP date 30 s ahead, as a provider's `Retry-After` may give it.
+    let at = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(30));
     let (s, c) = server(vec![
-        vec![Step::Status {
-            status: 429,
-            body: "{\"error\": \"rate\"}".into(),
-        }],
-        vec![Step::Status {
-            status: 503,
-            body: "busy".into(),
-        }],
+        vec![
+            Step::Header {
+                name: "Retry-After".into(),
+                value: "7".into(),
+            },
+            Step::Status {
+                status: 429,
+                body: "{\"error\": \"rate\"}".into(),
+            },
+        ],
+        vec![
+            Step::Header {
+                name: "retry-after".into(),
+                value: at,
+            },
+            Step::Status {
+                status: 503,
+                body: "busy".into(),
+            },
+        ],
         vec![Step::Status {
             status: 400,
             body: "bad".into(),
@@ -191,6 +205,20 @@ async fn errors_truncation_and_length_are_never_calls() {
         [Some(true), Some(true), Some(false), Some(true)],
         "{replies:?}"
     );
+    // `Retry-After` in seconds and as an HTTP date, on the retryable answers.
+    let after: Vec<Option<u64>> = replies[..3]
+        .iter()
+        .map(|r| match r {
+            Reply::Failed { retry_after_ms, .. } => *retry_after_ms,
+            _ => None,
+        })
+        .collect();
+    assert_eq!(after[0], Some(7_000), "{replies:?}");
+    assert!(
+        after[1].is_some_and(|ms| (28_000..=30_000).contains(&ms)),
+        "{after:?}"
+    );
+    assert_eq!(after[2], None);
     match &replies[4] {
         Reply::Finished {
             finish: Finish::Length,
@@ -203,11 +231,20 @@ async fn errors_truncation_and_length_are_never_calls() {
         }
         other => panic!("{other:?}"),
     }
-    assert!(
-        matches!(replies[5], Reply::Failed { .. }),
-        "{:?}",
-        replies[5]
-    );
+    // Arguments that never closed are the model's mistake, not a failed call: the reply is
+    // handed over with the call, whose arguments the record answers as a tool error.
+    match &replies[5] {
+        Reply::Finished {
+            finish: Finish::ToolCalls,
+            tool_calls,
+            ..
+        } => {
+            assert_eq!(tool_calls.len(), 1);
+            let problem = estop_harness::chat::argument_problem(&tool_calls[0]).unwrap();
+            assert!(problem.contains("not valid JSON"), "{problem}");
+        }
+        other => panic!("{other:?}"),
+    }
     assert_eq!(s.calls().len(), 6);
 }
 

@@ -25,6 +25,7 @@ fn record(limits: Limits) -> Record {
             max_output_tokens: 100,
             call_deadline_ms: 1_000,
             tool_deadline_ms: 500,
+            retry: Default::default(),
         },
         Budget::new(
             limits,
@@ -160,6 +161,7 @@ fn truncated_cut_and_failed_replies_are_never_dispatched() {
             error: "503".into(),
             retryable: true,
             usage: None,
+            retry_after_ms: None,
         },
         Reply::Overflow {
             overflow: Overflow::ToolCalls {
@@ -680,6 +682,8 @@ proptest! {
     #[test]
     fn random_inputs_keep_the_invariants(inputs in proptest::collection::vec(input(), 1..80)) {
         let mut r = record(Limits { turns_max: Some(12), ..Limits::default() });
+        // Backoffs within a few steps, so a walk goes on past failed calls.
+        r.limits.retry.base_ms = 5;
         let mut now = 0u64;
         let mut cleared: std::collections::BTreeSet<String> = Default::default();
         for i in inputs {
@@ -693,7 +697,7 @@ proptest! {
                     1 => calls(&[("c2", "write")]),
                     2 => Reply::Finished { finish: Finish::Length, text: String::new(), tool_calls: vec![ToolCall::new("c0", "read", "{")], usage: usage() },
                     3 => Reply::Cut { usage: None },
-                    4 => Reply::Failed { error: "429".into(), retryable: true, usage: None },
+                    4 => Reply::Failed { error: "429".into(), retryable: true, usage: None, retry_after_ms: None },
                     5 => Reply::Overflow { overflow: Overflow::ToolCalls { index: 1 << 40, max: 128 }, usage: None },
                     _ => Reply::Finished { finish: Finish::Stop, text: "done".into(), tool_calls: vec![], usage: usage() },
                 }),
@@ -981,11 +985,12 @@ fn a_passing_completion_check_completes() {
     let world = World {
         files_present: vec!["report.md".into()],
     };
-    r.on_reply_seen(1, answer("done: 7"), &world).unwrap();
+    r.on_reply_seen(1, answer("done: 7"), &world, u32::MAX)
+        .unwrap();
     assert_eq!(r.state, State::Completed);
     let mut r = contracted(Limits::default(), c);
     r.begin_turn(0, 10).unwrap();
-    r.on_reply_seen(1, answer("done: 7"), &World::default())
+    r.on_reply_seen(1, answer("done: 7"), &World::default(), u32::MAX)
         .unwrap();
     assert_eq!(
         r.exit,
@@ -1066,6 +1071,9 @@ fn credential_leases_are_released_at_the_restrict_stage_and_finalizing() {
         tool: Some(tool.into()),
     };
     r.leases = vec![lease("read"), lease("write")];
+    // Failed calls retried without a wait, as often as the budget allows.
+    r.limits.retry.base_ms = 0;
+    r.limits.retry.retries_max = 100;
     for t in 0..9 {
         r.begin_turn(t, 10).unwrap();
         r.on_reply(
@@ -1074,6 +1082,7 @@ fn credential_leases_are_released_at_the_restrict_stage_and_finalizing() {
                 error: "x".into(),
                 retryable: true,
                 usage: usage(),
+                retry_after_ms: None,
             },
         )
         .unwrap();
@@ -1094,4 +1103,188 @@ fn credential_leases_are_released_at_the_restrict_stage_and_finalizing() {
             .any(|a| matches!(a, Action::Release { lease } if lease.id == "read@api.example")),
         "{a:?}"
     );
+}
+
+fn failed(retry_after_ms: Option<u64>) -> Reply {
+    Reply::Failed {
+        error: "HTTP 500".into(),
+        retryable: true,
+        usage: None,
+        retry_after_ms,
+    }
+}
+
+/// Issue 28: failed calls were retried at once (12 in 43 ms). Each failure in a row now waits
+/// longer — the ceiling doubles from `base_ms` to `cap_ms` (the jitter drawn at its ceiling
+/// here) — no turn begins before the wait ends, each retry is an audit action and the record's
+/// `backoff`, and past `retries_max` the trajectory ends FAILED naming the last error.
+#[test]
+fn failed_calls_back_off_exponentially_and_end_after_the_retry_bound() {
+    let mut r = record(Limits::default());
+    r.limits.retry = estop_harness::retry::Retry {
+        base_ms: 100,
+        cap_ms: 1_000,
+        retries_max: 5,
+        retry_after_max_ms: 10_000,
+    };
+    let mut now = 0;
+    let mut delays = Vec::new();
+    for n in 1..=5u32 {
+        r.begin_turn(now, 10).unwrap();
+        let a = r.on_reply(now, failed(None)).unwrap();
+        assert_eq!(r.state, State::Ready);
+        let b = r.backoff.clone().expect("backing off");
+        assert_eq!((b.failures, b.until_ms), (n, now + b.delay_ms));
+        assert!(
+            a.iter()
+                .any(|a| matches!(a, Action::Retry { attempt, delay_ms, .. }
+                if *attempt == n && *delay_ms == b.delay_ms)),
+            "{a:?}"
+        );
+        // Not a moment early.
+        assert!(r.begin_turn(b.until_ms - 1, 10).is_err());
+        assert_eq!(r.state, State::Ready);
+        delays.push(b.delay_ms);
+        now = b.until_ms;
+    }
+    assert_eq!(delays, [100, 200, 400, 800, 1_000]);
+    r.begin_turn(now, 10).unwrap();
+    r.on_reply(now, failed(None)).unwrap();
+    assert_eq!(r.state, State::Failed);
+    assert!(
+        matches!(&r.exit, Some(Exit::Error { error }) if error.contains("6 failures in a row") && error.contains("HTTP 500")),
+        "{:?}",
+        r.exit
+    );
+}
+
+/// A provider's `Retry-After` is a floor of the wait (capped by `retry_after_max_ms`); a
+/// reply that comes resets the count; the draw's jitter stays under the ceiling.
+#[test]
+fn retry_after_is_a_floor_and_a_reply_resets_the_backoff() {
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    r.on_reply_seen(0, failed(Some(1_000)), &World::default(), 0)
+        .unwrap();
+    assert_eq!(r.backoff.as_ref().unwrap().delay_ms, 1_000);
+    r.begin_turn(1_000, 10).unwrap();
+    r.on_reply_seen(1_000, failed(Some(3_600_000)), &World::default(), 0)
+        .unwrap();
+    let cap = r.limits.retry.retry_after_max_ms;
+    assert_eq!(r.backoff.as_ref().unwrap().delay_ms, cap);
+    let at = 1_000 + cap;
+    r.begin_turn(at, 10).unwrap();
+    r.on_reply_seen(at, failed(None), &World::default(), u32::MAX / 2)
+        .unwrap();
+    let b = r.backoff.clone().unwrap();
+    assert_eq!(b.failures, 3);
+    assert!(b.delay_ms <= r.limits.retry.ceiling_ms(3) / 2 + 1, "{b:?}");
+    r.begin_turn(b.until_ms, 10).unwrap();
+    r.on_reply(b.until_ms, calls(&[("c1", "read")])).unwrap();
+    assert_eq!(r.backoff, None, "a reply ends the run of failures");
+}
+
+/// A stop does not wait out a backoff: READY is a boundary, so a cancel, a pause or a kill
+/// applies the moment it arrives.
+#[test]
+fn a_stop_during_a_backoff_applies_at_once() {
+    for control in [
+        Control::Cancel {
+            reason: "op".into(),
+        },
+        Control::Pause,
+        Control::Kill {
+            reason: "op".into(),
+        },
+    ] {
+        let mut r = record(Limits::default());
+        r.begin_turn(0, 10).unwrap();
+        r.on_reply(0, failed(Some(60_000))).unwrap();
+        assert!(r.backoff.is_some());
+        r.on_control(1, control.clone()).unwrap();
+        let want = match control {
+            Control::Cancel { .. } => State::Canceled,
+            Control::Pause => State::Paused,
+            _ => State::Failed,
+        };
+        assert_eq!(r.state, want, "{control:?}");
+    }
+}
+
+/// Issue 28: a call whose arguments are not JSON was dropped and the identical request sent
+/// again. Now it is answered to the model as a tool error (role `tool`, its `tool_call_id`,
+/// `INVALID_ARGUMENTS` naming the problem, bounded), nothing of it is admitted, an audit line
+/// records it; a valid call beside it goes to the gate; with none valid the next turn comes.
+#[test]
+fn invalid_tool_call_arguments_are_answered_to_the_model() {
+    let huge = format!("{{\"t\": \"{}", "x".repeat(100_000));
+    let reply = |calls: Vec<ToolCall>| Reply::Finished {
+        finish: Finish::ToolCalls,
+        text: String::new(),
+        tool_calls: calls,
+        usage: usage(),
+    };
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    let a = r
+        .on_reply(
+            1,
+            reply(vec![
+                ToolCall::new("c1", "write", &huge),
+                ToolCall::new("c2", "read", "[1, 2]"),
+                ToolCall::new("c3", "read", "{\"q\": 1}"),
+            ]),
+        )
+        .unwrap();
+    let admitted: Vec<&str> = a
+        .iter()
+        .filter_map(|a| match a {
+            Action::Admit { calls } => Some(calls.iter().map(|c| c.id.as_str())),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(admitted, ["c3"], "only the valid call goes to the gate");
+    let tool_errors: Vec<(String, serde_json::Value)> = a
+        .iter()
+        .filter_map(|a| match a {
+            Action::Observe { message } if message.tool_call_id.is_some() => Some((
+                message.tool_call_id.clone().unwrap(),
+                serde_json::from_str(message.content.as_deref().unwrap()).unwrap(),
+            )),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tool_errors.len(), 2, "{a:?}");
+    assert_eq!(tool_errors[0].0, "c1");
+    assert_eq!(tool_errors[0].1["reason"], "INVALID_ARGUMENTS");
+    let m = tool_errors[0].1["message"].as_str().unwrap();
+    assert!(m.contains("not valid JSON"), "{m}");
+    assert!(m.len() < 1_024, "bounded: {}", m.len());
+    assert_eq!(tool_errors[1].0, "c2");
+    assert!(
+        tool_errors[1].1["message"]
+            .as_str()
+            .unwrap()
+            .contains("not an object (they are an array)")
+    );
+    assert_eq!(
+        a.iter()
+            .filter(|a| matches!(a, Action::Checked { outcome, .. } if outcome.contains("INVALID_ARGUMENTS")))
+            .count(),
+        2
+    );
+    assert_eq!(r.pending.len(), 1);
+    assert_eq!(r.state, State::CallingModel, "admitting c3");
+
+    // Every call invalid: READY for the next turn, nothing admitted.
+    let mut r = record(Limits::default());
+    r.begin_turn(0, 10).unwrap();
+    let a = r
+        .on_reply(1, reply(vec![ToolCall::new("c1", "write", "{")]))
+        .unwrap();
+    assert!(!a.iter().any(|a| matches!(a, Action::Admit { .. })));
+    assert_eq!(r.state, State::Ready);
+    assert!(r.pending.is_empty());
+    assert_eq!(observed(&a).len(), 1);
 }
