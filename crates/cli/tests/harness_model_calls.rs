@@ -360,3 +360,39 @@ fn invalid_tool_call_arguments_are_answered_to_the_model_as_a_tool_error() {
         Err(e) => assert_eq!(e.code(), Some(estop_protocol::ErrorCode::NotFound), "{e}"),
     }
 }
+
+/// The fence is read or no call starts: with the gate unreachable (its socket gone) the runner
+/// does not guess that the run is open. Each turn backs off as a failed call does, naming the
+/// fence, and after `retries_max` the trajectory ends FAILED; the model never saw a request.
+#[test]
+fn no_model_call_starts_while_the_fence_cannot_be_read() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let rt = runtime();
+    let server = model_server(&rt, vec![scripted::answer("should not be asked")]);
+    let mut opts = options(&d, "harness", &server.base_url());
+    opts.gate.target = d.data().join("no-such.sock").display().to_string();
+    opts.call_limits.retry = Retry {
+        base_ms: 5,
+        cap_ms: 20,
+        retries_max: 2,
+        retry_after_max_ms: 20,
+    };
+    let dir = opts.data.clone();
+    let runner = rt.block_on(spawn_run(&rt, opts, "blind-1")).unwrap();
+    let rec = runner.record("blind-1").unwrap();
+    assert_eq!(rec.state, State::Failed);
+    assert!(
+        matches!(&rec.exit, Some(Exit::Error { error }) if error.contains("3 failures in a row") && error.contains("the run's fence")),
+        "{:?}",
+        rec.exit
+    );
+    drop(runner);
+    assert!(server.calls().is_empty(), "no model call on a guess");
+    assert_eq!(
+        retries(&dir, "blind-1")
+            .iter()
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>(),
+        [1, 2]
+    );
+}
