@@ -367,6 +367,16 @@ fn print_status(v: &serde_json::Value) -> Result<(), Failure> {
         let c = serde_json::to_string(c).expect("a control serializes");
         println!("control {}", estop_protocol::text::escape(&c));
     }
+    // Backing off after failed model calls: the retry, its wait and what failed.
+    if let Some(b) = &r.backoff {
+        println!(
+            "backoff retry={} delay_ms={} until_ms={} error={}",
+            b.failures,
+            b.delay_ms,
+            b.until_ms,
+            estop_protocol::text::escape(&b.error)
+        );
+    }
     // Its sub-agents (`ID/CALL_ID`), each with its state and spend against its own ceilings.
     let children = v["children"].as_array().map_or(&[][..], Vec::as_slice);
     for c in children {

@@ -299,6 +299,20 @@ fn a_cancel_during_a_backoff_ends_the_trajectory_at_once() {
     });
     assert_eq!(journalled.len(), 1, "{journalled:?}");
     assert!(journalled[0].1 >= 30_000, "{journalled:?}");
+    // `estop agent status` shows the wait (the record's backoff).
+    let (code, out, err) = d.cli(&[
+        "agent",
+        "status",
+        "wait-1",
+        "--journal",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("backoff retry=1 delay_ms=30000 ") && l.contains("HTTP 503")),
+        "{out}"
+    );
     let (code, _, err) = d.cli(&["cancel", "wait-1", "--reason", "operator stop"]);
     assert_eq!(code, 0, "{err}");
     let cancelled = Instant::now();
