@@ -793,3 +793,39 @@ async fn a_2026_07_28_listen_stream_hears_updates_and_list_changes() {
     drop(stream);
     w.upstream_logged("unsubscribe fixture://notes").await;
 }
+
+/// A stdio line that is not JSON is answered `-32700` with id null (rmcp drops it silently, so
+/// a client that sent a broken request waited for ever), and the session goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_stdio_line_is_a_parse_error_with_id_null() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let w = world();
+    let opts = w.options("run-parse", "Echoes text.", 30_000);
+    let (ours, theirs) = tokio::io::duplex(1 << 16);
+    tokio::spawn(async move {
+        let _ = estop_mcp::serve_io(opts, tokio::io::split(theirs)).await;
+    });
+    let (r, mut wr) = tokio::io::split(ours);
+    let mut lines = tokio::io::BufReader::new(r).lines();
+    let mut next = async || {
+        tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+            .await
+            .expect("an answer")
+            .unwrap()
+            .expect("a line")
+    };
+    wr.write_all(b"{\"jsonrpc\": \"2.0\", \"id\": 7, \"method\": \n")
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&next().await).unwrap();
+    assert_eq!(v["error"]["code"], -32700, "{v}");
+    assert_eq!(v["id"], serde_json::Value::Null, "{v}");
+    assert_eq!(v["jsonrpc"], "2.0", "{v}");
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "1"}}});
+    wr.write_all(format!("{init}\n").as_bytes()).await.unwrap();
+    let v: serde_json::Value = serde_json::from_str(&next().await).unwrap();
+    assert_eq!(v["id"], 1, "{v}");
+    assert_eq!(v["result"]["protocolVersion"], "2025-06-18", "{v}");
+}
