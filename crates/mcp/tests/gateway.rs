@@ -856,6 +856,12 @@ async fn a_malformed_stdio_line_is_a_parse_error_with_id_null() {
     assert_eq!(v["error"]["code"], -32700, "{v}");
     assert_eq!(v["id"], serde_json::Value::Null, "{v}");
     assert_eq!(v["jsonrpc"], "2.0", "{v}");
+    // JSON that is no message is rmcp's to answer: invalid request.
+    wr.write_all(b"{\"jsonrpc\": \"2.0\", \"bogus\": true}\n")
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&next().await).unwrap();
+    assert_eq!(v["error"]["code"], -32600, "{v}");
     let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
         "protocolVersion": "2025-06-18", "capabilities": {},
         "clientInfo": {"name": "raw", "version": "1"}}});
