@@ -10,7 +10,19 @@ use tokio::sync::{mpsc, oneshot};
 
 /// Callers waiting for their reply, by request id; `None` once the connection is gone, so a
 /// call made after that fails at once instead of waiting for ever.
-type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<Value>>>>>;
+type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<Result<Value, Unread>>>>>>;
+
+/// The gate refused a line without reading its id (`line_too_long`, a line that is not JSON,
+/// a revoked token's last word): its reply has `"id": null`, so it cannot be matched to the
+/// request that caused it. Every request in flight on the connection fails with it (none of
+/// them can be told apart from the one refused, and that one will never be answered).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the gate refused a request line unread ({code}: {message})")]
+pub struct Unread {
+    /// The refusal's code (`line_too_long`, `parse_error`, `unauthenticated`, …).
+    pub code: String,
+    pub message: String,
+}
 
 /// A cheap handle; clones share the connection.
 #[derive(Clone, Debug)]
@@ -99,6 +111,20 @@ impl Gate {
                 };
                 if v.get("event").is_some() {
                     let _ = events_tx.send(v);
+                } else if v.get("id").is_none_or(Value::is_null) && v["ok"] == false {
+                    let unread = Unread {
+                        code: v["error"]["code"].as_str().unwrap_or("?").to_string(),
+                        message: v["error"]["message"].as_str().unwrap_or("").to_string(),
+                    };
+                    let all = waiting
+                        .lock()
+                        .expect("not poisoned")
+                        .as_mut()
+                        .map(std::mem::take)
+                        .unwrap_or_default();
+                    for tx in all.into_values() {
+                        let _ = tx.send(Err(unread.clone()));
+                    }
                 } else if let Some(id) = v["id"].as_u64() {
                     let tx = waiting
                         .lock()
@@ -106,7 +132,7 @@ impl Gate {
                         .as_mut()
                         .and_then(|p| p.remove(&id));
                     if let Some(tx) = tx {
-                        let _ = tx.send(v);
+                        let _ = tx.send(Ok(v));
                     }
                 }
             }
@@ -145,7 +171,7 @@ impl Gate {
         if self.lines.send(line).is_err() {
             bail!("the connection to the gate is closed");
         }
-        Ok(async move { rx.await.context("the connection to the gate closed") })
+        Ok(async move { Ok(rx.await.context("the connection to the gate closed")??) })
     }
 }
 
@@ -167,5 +193,44 @@ mod tests {
         assert!(gate.call(json!({"op": "ping"})).await.is_err());
         assert!(gate.call(json!({"op": "ping"})).await.is_err());
         drop(theirs);
+    }
+
+    /// A refusal with id null (`line_too_long`: the gate never read the line) fails every
+    /// request in flight with a typed error; it used to match nothing, and they waited for
+    /// ever. The connection stays usable.
+    #[tokio::test]
+    async fn a_refusal_without_an_id_fails_the_requests_in_flight() {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+        let (r, w) = ours.into_split();
+        let (gate, _events) = super::Gate::start(r, w);
+        let (tr, mut tw) = theirs.into_split();
+        let mut lines = BufReader::new(tr).lines();
+        let first = gate.send(json!({"op": "wait"})).unwrap();
+        let second = gate.send(json!({"op": "admit"})).unwrap();
+        for _ in 0..2 {
+            lines.next_line().await.unwrap().unwrap();
+        }
+        let refusal = r#"{"id":null,"ok":false,"error":{"code":"line_too_long","message":"line of 70000 bytes is longer than line_bytes_max = 65536; it was discarded"}}"#;
+        tw.write_all(format!("{refusal}\n").as_bytes())
+            .await
+            .unwrap();
+        let within = std::time::Duration::from_secs(10);
+        for pending in [first, second] {
+            let e = tokio::time::timeout(within, pending)
+                .await
+                .expect("answered")
+                .unwrap_err();
+            let unread = e.downcast_ref::<super::Unread>().expect("typed");
+            assert_eq!(unread.code, "line_too_long");
+            assert!(unread.message.contains("65536"), "{unread}");
+        }
+        let third = gate.send(json!({"op": "ping"})).unwrap();
+        let line = lines.next_line().await.unwrap().unwrap();
+        let id = serde_json::from_str::<serde_json::Value>(&line).unwrap()["id"].clone();
+        tw.write_all(format!("{}\n", json!({"id": id, "ok": true})).as_bytes())
+            .await
+            .unwrap();
+        assert_eq!(third.await.unwrap()["ok"], true);
     }
 }

@@ -109,6 +109,10 @@ pub struct Gateway {
     /// How long a task lives (and an ended one is kept); a 2025-11-25 client may ask less.
     #[serde(default = "task_ttl_ms_default")]
     pub task_ttl_ms: u64,
+    /// The gate's longest request line (`estop serve --line-bytes-max`; `hello` does not say
+    /// it). A call whose `admit` would be longer is refused by the gateway before it is sent.
+    #[serde(default = "line_bytes_max_default")]
+    pub line_bytes_max: usize,
 }
 
 fn hold_ms_default() -> u64 {
@@ -126,6 +130,9 @@ fn tasks_per_principal_max_default() -> usize {
 fn task_ttl_ms_default() -> u64 {
     24 * 60 * 60 * 1000
 }
+fn line_bytes_max_default() -> usize {
+    estop_protocol::limits::LINE_BYTES_MAX_DEFAULT
+}
 
 /// The most tasks `tasks_kept_max` may keep (each holds its call's whole result).
 pub const TASKS_KEPT_MAX: usize = 1 << 16;
@@ -142,6 +149,7 @@ impl Default for Gateway {
             tasks_kept_max: tasks_kept_max_default(),
             tasks_per_principal_max: tasks_per_principal_max_default(),
             task_ttl_ms: task_ttl_ms_default(),
+            line_bytes_max: line_bytes_max_default(),
         }
     }
 }

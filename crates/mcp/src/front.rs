@@ -185,6 +185,12 @@ impl Front {
         if is_delete && response.status().is_success() {
             let mut owners = self.owners.lock().expect("not poisoned");
             owners.remove(session.as_deref().unwrap_or_default());
+            // rmcp answers 202; a session's end is 200 or 204 (the session is gone now, not
+            // accepted for later): 204, no body.
+            return Response::builder()
+                .status(StatusCode::NO_CONTENT)
+                .body(Full::new(Bytes::new()).boxed())
+                .expect("a valid response");
         }
         if matches!(method.as_deref(), Some("initialize" | "tools/list")) {
             // What rmcp cannot say for 2025-11-25's task form: the capability, the tools' support.

@@ -32,6 +32,19 @@ pub const SUBAGENT_META: &str = "io.estop/subagent";
 /// A recorded result larger than this is not kept (protocol v1 takes 64 KiB of `result`).
 const RESULT_BYTES_MAX: usize = 60 * 1024;
 
+/// How a completion's `error` says that the call never reached its tool: the same call made
+/// again is then a new attempt (`Gateway::admit_attempt`).
+const NOT_SENT: &str = "not sent: ";
+/// Most attempts of one call that ended not sent; past them it is refused.
+const ATTEMPTS_MAX: u32 = 8;
+/// What the client adds to a request line: `,"id":` and a u64.
+const ID_BYTES_MAX: usize = 26;
+
+/// The bytes of `req`'s line to the gate, its id and newline included.
+fn line_bytes(req: &Value) -> usize {
+    req.to_string().len() + ID_BYTES_MAX + 1
+}
+
 /// One MCP session's handler: what every session shares, and the session's own run.
 #[derive(Clone, Debug)]
 pub struct Gateway {
@@ -457,7 +470,7 @@ impl Gateway {
         &self,
         at: &Place,
         name: &str,
-        key: &str,
+        key: &mut String,
         args: &Value,
         e: &Entry,
         wait: Option<&tokio_util::sync::CancellationToken>,
@@ -481,7 +494,7 @@ impl Gateway {
             admit["seed"] = json!({"class": e.seed.class(),
                 "reversibility": e.seed.reversibility()});
         }
-        let v = gate(at, admit).await?;
+        let v = self.admit_attempt(at, admit, key).await?;
         if let Some(ct) = wait
             && v["ok"] == true
             && v["verdict"] == "held"
@@ -489,6 +502,60 @@ impl Gateway {
             return self.wait_held(at, name, key, e, ct).await;
         }
         self.interpret(at, name, key, e, v).await
+    }
+
+    /// Sends `admit` under `key`, or under the next attempt's key (`KEY~2`, `KEY~3`, …) while
+    /// the gate says the call under the current one ended not sent (a held call its client
+    /// cancelled and an operator approved after): that call never
+    /// happened, so the same call made again is a new effect, admitted afresh. Past
+    /// `ATTEMPTS_MAX` the call is refused. A line over the gate's bound is never sent.
+    async fn admit_attempt(
+        &self,
+        at: &Place,
+        mut admit: Value,
+        key: &mut String,
+    ) -> Result<Value, McpError> {
+        let base = key.clone();
+        for attempt in 1..=ATTEMPTS_MAX {
+            if attempt > 1 {
+                *key = format!("{base}~{attempt}");
+                admit["key"] = json!(key);
+            }
+            self.fits(&admit)?;
+            let v = gate(at, admit.clone()).await?;
+            let not_sent = v["ok"] == true
+                && v["verdict"] == "duplicate"
+                && v["outcome"] == "error"
+                && v["error"].as_str().is_some_and(|e| e.starts_with(NOT_SENT));
+            if !not_sent {
+                return Ok(v);
+            }
+        }
+        Err(McpError::invalid_request(
+            format!(
+                "this call ended not sent {ATTEMPTS_MAX} times (key {base}); it is not tried \
+                 again under it: use a new `_meta[\"{KEY_META}\"]` to make a new call"
+            ),
+            None,
+        ))
+    }
+
+    /// Refuses a request whose line would be over the gate's `line_bytes_max`: the gate would
+    /// discard it unread and answer with no id (docs/PROTOCOL.md, "Framing").
+    fn fits(&self, req: &Value) -> Result<(), McpError> {
+        let max = self.shared.bounds.line_bytes_max;
+        let bytes = line_bytes(req);
+        if bytes <= max {
+            return Ok(());
+        }
+        Err(McpError::invalid_params(
+            format!(
+                "this call is too large for estop's gate: its admission is {bytes} bytes, over \
+                 the gate's line_bytes_max ({max} bytes). It was not admitted and nothing was \
+                 sent to the tool; send smaller arguments (a reference to the data, not the data)"
+            ),
+            None,
+        ))
     }
 
     /// The bounded wait of a held call: up to `hold_ms` (cut short by `ct`, the client's
@@ -501,14 +568,64 @@ impl Gateway {
         e: &Entry,
         ct: &tokio_util::sync::CancellationToken,
     ) -> Result<Admission, McpError> {
-        let hold_ms = self.shared.hold_ms;
-        let wait = json!({"op": "wait", "run": at.run, "key": key, "timeout_ms": hold_ms});
-        let v = tokio::select! {
-            v = gate(at, wait) => v?,
-            () = ct.cancelled() => return Ok(Admission::Answer(refusal(
-                "the call was cancelled while it was held; nothing was run".into()))),
+        let Some(v) = self.wait_or_settle(at, key, ct.cancelled()).await? else {
+            return Ok(Admission::Answer(refusal(
+                "the call was cancelled while it was held; nothing was run".into(),
+            )));
         };
         self.interpret(at, name, key, e, v).await
+    }
+
+    /// One `wait` (up to `hold_ms`) for a held call, or `None` once `cancelled` (the client's
+    /// cancel) comes first. A cut wait is still the gate's, which may yet answer it
+    /// `admitted` — an operator approved meanwhile, and that admission started the call — so
+    /// its reply is read to the end by a task of its own, which completes such a call as not
+    /// sent ([`Gateway::settle_abandoned`]).
+    async fn wait_or_settle(
+        &self,
+        at: &Place,
+        key: &str,
+        cancelled: impl std::future::Future<Output = ()>,
+    ) -> Result<Option<Value>, McpError> {
+        let wait = json!({"op": "wait", "run": at.run, "key": key,
+            "timeout_ms": self.shared.hold_ms});
+        let reply = at.principal.gate.send(wait).map_err(unreachable)?;
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let (me, place, owned) = (self.clone(), at.clone(), key.to_string());
+        tokio::spawn(async move {
+            // Sent back unless the waiter is gone: then the reply is this task's to settle.
+            if let Err(v) = tx.send(reply.await) {
+                me.settle_abandoned(&place, &owned, v).await;
+            }
+        });
+        tokio::select! {
+            biased;
+            v = &mut rx => {
+                let v = v.map_err(|_| unreachable(anyhow::anyhow!("the wait was dropped")))?;
+                Ok(Some(v.map_err(unreachable)?))
+            }
+            () = cancelled => {
+                rx.close();
+                // A reply that came in between is settled here instead.
+                if let Ok(v) = rx.try_recv() {
+                    let (me, place, owned) = (self.clone(), at.clone(), key.to_string());
+                    tokio::spawn(async move { me.settle_abandoned(&place, &owned, v).await });
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// The end of a wait nobody listens to any more: an admission (it started the call) is
+    /// completed at once as not sent; anything else (still held, refused) leaves nothing to do.
+    async fn settle_abandoned(&self, at: &Place, key: &str, v: anyhow::Result<Value>) {
+        let Ok(v) = v else { return };
+        if v["ok"] == true
+            && v["verdict"] == "admitted"
+            && let Some(token) = v["token"].as_str()
+        {
+            self.complete(at, key, token, Ended::Abandoned).await;
+        }
     }
 
     /// Runs an admitted call on its upstream and records how it ended.
@@ -724,11 +841,8 @@ impl Gateway {
                 Admission::Answer(r) => return Ok(r),
                 Admission::Held(_) => {}
             }
-            let wait = json!({"op": "wait", "run": at.run, "key": key,
-                "timeout_ms": self.shared.hold_ms});
-            let v = tokio::select! {
-                v = gate(&at, wait) => v?,
-                () = tctx.cancelled() => return Err(TaskExit::Cancelled),
+            let Some(v) = self.wait_or_settle(&at, &key, tctx.cancelled()).await? else {
+                return Err(TaskExit::Cancelled);
             };
             next = self.interpret(&at, &name, &key, &e, v).await?;
         };
@@ -891,9 +1005,9 @@ impl Gateway {
                 let says = text_of(&answer);
                 (None, Admission::Answer(answer), fence, says)
             }
-            Ok(p) => {
+            Ok(mut p) => {
                 let start = self
-                    .admit(&p.at, &p.name, &p.key, &p.args, &p.e, None)
+                    .admit(&p.at, &p.name, &mut p.key, &p.args, &p.e, None)
                     .await?;
                 let says = match &start {
                     Admission::Go { .. } => "admitted: the tool runs".to_string(),
@@ -1197,6 +1311,8 @@ enum Ended {
     ByRun,
     /// The upstream is down and could not be started again: nothing was sent to it.
     Down(String),
+    /// Admitted after its client had cancelled it while it was held: nothing was sent.
+    Abandoned,
 }
 
 impl Gateway {
@@ -1252,6 +1368,13 @@ impl Gateway {
                 let text = format!("{why}; nothing was sent to the tool. Try again later.");
                 ("error", Value::Null, Some(text.clone()), refusal(text))
             }
+            Ended::Abandoned => {
+                let text = format!(
+                    "{NOT_SENT}the client cancelled the call while it was held, and an operator \
+                     approved it after; nothing was sent to the tool"
+                );
+                ("error", Value::Null, Some(text.clone()), refusal(text))
+            }
             Ended::ByClient => {
                 let text = "cancelled by the client (notifications/cancelled) while the tool ran; it may or may not have acted".to_string();
                 ("unknown", Value::Null, Some(text.clone()), refusal(text))
@@ -1269,6 +1392,10 @@ impl Gateway {
         if let Some(err) = error {
             req["error"] = json!(err);
         }
+        if line_bytes(&req) > self.shared.bounds.line_bytes_max {
+            // Kept within the gate's line (a long run or key leaves less room for the result).
+            req["result"] = json!({"mcp_result_bytes_over": self.shared.bounds.line_bytes_max});
+        }
         // A completion the gate could not take is a fact lost: say so rather than hide it.
         if let Err(e) = gate(at, req).await {
             eprintln!(
@@ -1278,6 +1405,85 @@ impl Gateway {
         }
         answer
     }
+}
+
+impl Gateway {
+    /// A `tools/call` through the gate: admitted, held (a task, or the bounded wait), refused.
+    async fn gated_call(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, McpError> {
+        let p = match self.prepare(&request, &context).await? {
+            Ok(p) => p,
+            Err(answer) => return Ok(answer.into()),
+        };
+        // A client that takes tasks gets a held call as a task at once; others wait, bounded.
+        let tasks = context
+            .client_capabilities()
+            .is_some_and(|c| c.supports_tasks());
+        let Prepared {
+            at,
+            name,
+            e,
+            mut key,
+            args,
+            fence,
+        } = p;
+        let admission = self
+            .admit(
+                &at,
+                &name,
+                &mut key,
+                &args,
+                &e,
+                (!tasks).then_some(&context.ct),
+            )
+            .await?;
+        let token = match admission {
+            Admission::Go { token } => token,
+            Admission::Held(r) if !tasks => return Ok(r.into()),
+            Admission::Held(r) => {
+                let call = Held {
+                    at,
+                    name,
+                    key,
+                    e,
+                    arguments: request.arguments,
+                };
+                let (call, fence) = match self.task(call, r, fence) {
+                    Ok(task) => return Ok(task),
+                    Err(back) => back,
+                };
+                // No task can carry it (a bound, or the principal's share): the bounded wait.
+                let Held {
+                    at,
+                    name,
+                    key,
+                    e,
+                    arguments,
+                } = call;
+                let token = match self.wait_held(&at, &name, &key, &e, &context.ct).await? {
+                    Admission::Go { token } => token,
+                    Admission::Held(r) | Admission::Answer(r) => return Ok(r.into()),
+                };
+                return Ok(self
+                    .run(&at, &key, &token, &e, arguments, &context.ct, fence)
+                    .await);
+            }
+            Admission::Answer(r) => return Ok(r.into()),
+        };
+        Ok(self
+            .run(&at, &key, &token, &e, request.arguments, &context.ct, fence)
+            .await)
+    }
+}
+
+/// 2026-07-28 requires `resultType` on every result; one an upstream answered (at an older
+/// revision, which has none) or one recorded from it lacks it. rmcp takes it off again for
+/// peers of older revisions.
+fn typed(result_type: &mut Option<rmcp::model::ResultType>) {
+    result_type.get_or_insert(rmcp::model::ResultType::COMPLETE);
 }
 
 impl ServerHandler for Gateway {
@@ -1348,7 +1554,11 @@ impl ServerHandler for Gateway {
     ) -> Result<ReadResourceResponse, McpError> {
         let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
         let route = routes.route(up, &request.uri).await?;
-        crate::passthrough::read(up, route, request).await
+        let mut r = crate::passthrough::read(up, route, request).await?;
+        if let ReadResourceResponse::Complete(r) = &mut r {
+            typed(&mut r.result_type);
+        }
+        Ok(r)
     }
 
     async fn subscribe(
@@ -1377,7 +1587,9 @@ impl ServerHandler for Gateway {
         _context: RequestContext<RoleServer>,
     ) -> Result<CompleteResult, McpError> {
         let (up, routes) = (&self.shared.upstreams, &self.shared.routes);
-        crate::passthrough::complete(up, routes, request).await
+        let mut r = crate::passthrough::complete(up, routes, request).await?;
+        typed(&mut r.result_type);
+        Ok(r)
     }
 
     async fn list_prompts(
@@ -1394,7 +1606,11 @@ impl ServerHandler for Gateway {
         request: GetPromptRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, McpError> {
-        crate::passthrough::get_prompt(&self.shared.upstreams, request).await
+        let mut r = crate::passthrough::get_prompt(&self.shared.upstreams, request).await?;
+        if let GetPromptResponse::Complete(r) = &mut r {
+            typed(&mut r.result_type);
+        }
+        Ok(r)
     }
 
     /// 2026-07-28's `subscriptions/listen`: tool list changes always; resource and prompt list
@@ -1504,61 +1720,11 @@ impl ServerHandler for Gateway {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
-        let p = match self.prepare(&request, &context).await? {
-            Ok(p) => p,
-            Err(answer) => return Ok(answer.into()),
-        };
-        // A client that takes tasks gets a held call as a task at once; others wait, bounded.
-        let tasks = context
-            .client_capabilities()
-            .is_some_and(|c| c.supports_tasks());
-        let Prepared {
-            at,
-            name,
-            e,
-            key,
-            args,
-            fence,
-        } = p;
-        let admission = self
-            .admit(&at, &name, &key, &args, &e, (!tasks).then_some(&context.ct))
-            .await?;
-        let token = match admission {
-            Admission::Go { token } => token,
-            Admission::Held(r) if !tasks => return Ok(r.into()),
-            Admission::Held(r) => {
-                let call = Held {
-                    at,
-                    name,
-                    key,
-                    e,
-                    arguments: request.arguments,
-                };
-                let (call, fence) = match self.task(call, r, fence) {
-                    Ok(task) => return Ok(task),
-                    Err(back) => back,
-                };
-                // No task can carry it (a bound, or the principal's share): the bounded wait.
-                let Held {
-                    at,
-                    name,
-                    key,
-                    e,
-                    arguments,
-                } = call;
-                let token = match self.wait_held(&at, &name, &key, &e, &context.ct).await? {
-                    Admission::Go { token } => token,
-                    Admission::Held(r) | Admission::Answer(r) => return Ok(r.into()),
-                };
-                return Ok(self
-                    .run(&at, &key, &token, &e, arguments, &context.ct, fence)
-                    .await);
-            }
-            Admission::Answer(r) => return Ok(r.into()),
-        };
-        Ok(self
-            .run(&at, &key, &token, &e, request.arguments, &context.ct, fence)
-            .await)
+        let mut r = self.gated_call(request, context).await?;
+        if let CallToolResponse::Complete(r) = &mut r {
+            typed(&mut r.result_type);
+        }
+        Ok(r)
     }
 
     /// 2025-11-25's task form, which the edge renamed for rmcp to pass whole (`sep1686.rs`).

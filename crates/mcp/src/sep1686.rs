@@ -21,6 +21,7 @@
 
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::Mutex;
 
 /// A task-augmented `tools/call`, renamed so that rmcp passes its params whole.
 pub const CALL: &str = "io.estop/sep1686/tools/call";
@@ -126,7 +127,9 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 }
 
 /// Puts the edge between a byte stream (stdio) and rmcp: returns the stream rmcp serves on.
-/// Two tasks pump the lines, rewriting each; they end when either side closes.
+/// Two tasks pump the lines, rewriting each; they end when either side closes. A client line
+/// that is not JSON is answered here, `-32700` with id null, and not passed on (rmcp drops
+/// such a line without a word, and its sender would wait for ever).
 pub fn edge<R, W>(
     (from_client, to_client): (R, W),
     ours: std::sync::Arc<dyn Fn(&str) -> bool + Send + Sync>,
@@ -140,23 +143,54 @@ where
 {
     let (rmcp_side, edge_side) = tokio::io::duplex(1 << 16);
     let (from_rmcp, to_rmcp) = tokio::io::split(edge_side);
-    tokio::spawn(pump(from_client, to_rmcp, move |m| inbound(m, &*ours)));
-    tokio::spawn(pump(from_rmcp, to_client, outbound));
+    // Both pumps write to the client: rmcp's lines, and the edge's own parse errors.
+    let to_client = std::sync::Arc::new(Mutex::new(to_client));
+    let back = to_client.clone();
+    tokio::spawn(async move {
+        let rewrite = move |m: &[u8]| inbound(m, &*ours);
+        pump_lines(from_client, &Mutex::new(to_rmcp), rewrite, Some(&*back)).await;
+    });
+    tokio::spawn(async move {
+        pump_lines(
+            from_rmcp,
+            &*to_client,
+            outbound,
+            None::<&Mutex<tokio::io::Sink>>,
+        )
+        .await;
+    });
     tokio::io::split(rmcp_side)
 }
 
 /// Copies newline-delimited messages from `r` to `w`, each through `rewrite`; a line over
 /// `LINE_BYTES_MAX` is copied unchanged. Closes `w` at the end of `r`. Public for the fuzz
 /// target `mcp_framing` (fuzz/), which feeds it untrusted bytes.
-pub async fn pump<R, W>(r: R, mut w: W, rewrite: impl Fn(&[u8]) -> Option<Vec<u8>>)
+pub async fn pump<R, W>(r: R, w: W, rewrite: impl Fn(&[u8]) -> Option<Vec<u8>>)
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
+    pump_lines(r, &Mutex::new(w), rewrite, None::<&Mutex<tokio::io::Sink>>).await;
+}
+
+/// `pump`, writing to a `w` another pump may share (a line is written under its lock, held
+/// from its first byte to its newline), and with `back`, answering each line that is not JSON
+/// there (a JSON-RPC parse error) instead of passing it on.
+async fn pump_lines<R, W, B>(
+    r: R,
+    w: &Mutex<W>,
+    rewrite: impl Fn(&[u8]) -> Option<Vec<u8>>,
+    back: Option<&Mutex<B>>,
+) where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+    B: AsyncWrite + Unpin,
+{
     let mut r = tokio::io::BufReader::new(r);
     let mut line = Vec::new();
-    // Inside a line too long to parse: copy the rest of it as it comes.
+    // Inside a line too long to parse: copy the rest of it as it comes, under the same lock.
     let mut oversized = false;
+    let mut unfinished = None;
     loop {
         line.clear();
         let limit = (LINE_BYTES_MAX + 1) as u64;
@@ -168,25 +202,54 @@ where
             break;
         }
         let whole = line.ends_with(b"\n");
-        let out = if oversized || !whole && n > LINE_BYTES_MAX {
-            None
-        } else {
-            let body = line.strip_suffix(b"\n").unwrap_or(&line);
-            // A last line without its newline stays without one: one line out per line in.
-            rewrite(body).map(|mut m| {
-                if whole {
-                    m.push(b'\n');
-                }
-                m
-            })
+        let parsed = !oversized && (whole || n <= LINE_BYTES_MAX);
+        let body = line.strip_suffix(b"\n").unwrap_or(&line);
+        if parsed
+            && let Some(back) = back
+            && let Some(answer) = parse_error(body)
+        {
+            let mut b = back.lock().await;
+            if b.write_all(&answer).await.is_err() || b.flush().await.is_err() {
+                break;
+            }
+            oversized = !whole;
+            continue;
+        }
+        // A last line without its newline stays without one: one line out per line in.
+        let out = parsed.then(|| rewrite(body)).flatten().map(|mut m| {
+            if whole {
+                m.push(b'\n');
+            }
+            m
+        });
+        let mut guard = match unfinished.take() {
+            Some(g) => g,
+            None => w.lock().await,
         };
-        let sent = w.write_all(out.as_deref().unwrap_or(&line)).await;
-        if sent.is_err() || w.flush().await.is_err() {
+        let sent = guard.write_all(out.as_deref().unwrap_or(&line)).await;
+        if sent.is_err() || guard.flush().await.is_err() {
             break;
         }
         oversized = !whole;
+        unfinished = oversized.then_some(guard);
     }
-    let _ = w.shutdown().await;
+    drop(unfinished);
+    let _ = w.lock().await.shutdown().await;
+}
+
+/// The JSON-RPC parse error (`-32700`, id null) for a line that is not JSON; `None` for JSON
+/// (what is not a message rmcp answers itself, `-32600`) and for a blank line.
+fn parse_error(body: &[u8]) -> Option<Vec<u8>> {
+    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return None;
+    }
+    let e = serde_json::from_slice::<serde::de::IgnoredAny>(body).err()?;
+    let mut out = serde_json::to_vec(&json!({"jsonrpc": "2.0", "id": null,
+        "error": {"code": -32700, "message": format!("Parse error: {e}")}}))
+    .expect("a JSON value serializes");
+    out.push(b'\n');
+    Some(out)
 }
 
 #[cfg(test)]

@@ -793,3 +793,192 @@ async fn a_2026_07_28_listen_stream_hears_updates_and_list_changes() {
     drop(stream);
     w.upstream_logged("unsubscribe fixture://notes").await;
 }
+
+/// A call whose `admit` line would be longer than the gate's line bound (64 KiB by default)
+/// used to be sent anyway: the gate answered `line_too_long` with id null, which matched no
+/// request, and the MCP call was never answered. It is now refused at once by the gateway,
+/// naming the bound; the gate and the upstream never hear of it, and the session goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_call_is_refused_at_once_naming_the_bound() {
+    let w = world();
+    let c = w.client("run-big", "Echoes text.", 30_000).await;
+    let mut p = CallToolRequestParams::new("files__echo");
+    let serde_json::Value::Object(args) = json!({"text": "x".repeat(64 * 1024)}) else {
+        unreachable!()
+    };
+    p.arguments = Some(args);
+    // Bounded only so that a gateway that never answers fails instead of hanging.
+    let r = tokio::time::timeout(Duration::from_secs(20), c.peer().call_tool(p))
+        .await
+        .expect("the oversized call is answered");
+    let Err(rmcp::ServiceError::McpError(e)) = r else {
+        panic!("a JSON-RPC error, not {r:?}")
+    };
+    assert_eq!(e.code, rmcp::model::ErrorCode::INVALID_PARAMS, "{e:?}");
+    assert!(
+        e.message.contains("line_bytes_max") && e.message.contains("65536"),
+        "{}",
+        e.message
+    );
+    let status = w.operator(json!({"op": "status", "run": "run-big"}));
+    assert_eq!(
+        status["error"]["code"], "not_found",
+        "nothing was admitted: {status}"
+    );
+    assert!(w.upstream().is_empty(), "{:?}", w.upstream());
+    assert_eq!(text(&call(&c, "files__echo", "small").await), "echo: small");
+}
+
+/// A stdio line that is not JSON is answered `-32700` with id null (rmcp drops it silently, so
+/// a client that sent a broken request waited for ever), and the session goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_stdio_line_is_a_parse_error_with_id_null() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let w = world();
+    let opts = w.options("run-parse", "Echoes text.", 30_000);
+    let (ours, theirs) = tokio::io::duplex(1 << 16);
+    tokio::spawn(async move {
+        let _ = estop_mcp::serve_io(opts, tokio::io::split(theirs)).await;
+    });
+    let (r, mut wr) = tokio::io::split(ours);
+    let mut lines = tokio::io::BufReader::new(r).lines();
+    let mut next = async || {
+        tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+            .await
+            .expect("an answer")
+            .unwrap()
+            .expect("a line")
+    };
+    wr.write_all(b"{\"jsonrpc\": \"2.0\", \"id\": 7, \"method\": \n")
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&next().await).unwrap();
+    assert_eq!(v["error"]["code"], -32700, "{v}");
+    assert_eq!(v["id"], serde_json::Value::Null, "{v}");
+    assert_eq!(v["jsonrpc"], "2.0", "{v}");
+    // JSON that is no message is rmcp's to answer: invalid request.
+    wr.write_all(b"{\"jsonrpc\": \"2.0\", \"bogus\": true}\n")
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&next().await).unwrap();
+    assert_eq!(v["error"]["code"], -32600, "{v}");
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "1"}}});
+    wr.write_all(format!("{init}\n").as_bytes()).await.unwrap();
+    let v: serde_json::Value = serde_json::from_str(&next().await).unwrap();
+    assert_eq!(v["id"], 1, "{v}");
+    assert_eq!(v["result"]["protocolVersion"], "2025-06-18", "{v}");
+}
+
+/// A held call its client cancelled (`notifications/cancelled`) and an operator approved
+/// afterwards: the gate answered the gateway's `wait` with the start, the gateway had stopped
+/// listening, and the call stayed `in_flight started` for ever ("this same call is already
+/// running" to every later identical call). Now it is completed as not sent, and the same call
+/// made later is a new attempt that runs once when approved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_held_call_approved_later_ends_not_sent_and_runs_once_later() {
+    let w = world();
+    let run = "run-cheld";
+    let c = w.client(run, "Echoes text.", 30_000).await;
+    let peer = c.peer().clone();
+    let mut p = CallToolRequestParams::new("files__write");
+    let serde_json::Value::Object(args) = json!({"text": "hold-c"}) else {
+        unreachable!()
+    };
+    p.arguments = Some(args);
+    let held = tokio::spawn(async move { peer.call_tool(p).await });
+    let key = pending_soon(&w, run).await;
+    // Dropping rmcp's call sends `notifications/cancelled` for it.
+    held.abort();
+    let v = w.operator(json!({"op": "decide", "run": run, "key": key, "decision": "approve"}));
+    assert_eq!(v["ok"], true, "{v}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let report = loop {
+        let report = w.operator(json!({"op": "report", "run": run}));
+        if report["failed"].as_array().is_some_and(|f| !f.is_empty()) {
+            break report;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the approved call was never completed: {report}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(report["failed"][0]["key"], key.as_str(), "{report}");
+    assert_eq!(report["in_flight"], json!([]), "{report}");
+    let ledger = w.operator(json!({"op": "ledger", "run": run}));
+    assert!(
+        ledger
+            .to_string()
+            .contains("not sent: the client cancelled"),
+        "{ledger}"
+    );
+    assert!(w.upstream().is_empty(), "{:?}", w.upstream());
+
+    // The same call later, from another session: held again, approved, run once.
+    let c2 = w.client(run, "Echoes text.", 30_000).await;
+    let again = tokio::spawn(async move { call(&c2, "files__write", "hold-c").await });
+    let key2 = pending_soon(&w, run).await;
+    assert_ne!(key2, key);
+    let v = w.operator(json!({"op": "decide", "run": run, "key": key2, "decision": "approve"}));
+    assert_eq!(v["ok"], true, "{v}");
+    let r = tokio::time::timeout(Duration::from_secs(30), again)
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(text(&r), "write: hold-c");
+    // A third time: the recorded result, not another run.
+    let c3 = w.client(run, "Echoes text.", 30_000).await;
+    assert_eq!(
+        text(&call(&c3, "files__write", "hold-c").await),
+        "write: hold-c"
+    );
+    assert_eq!(w.upstream(), ["call write hold-c"]);
+}
+
+/// The key of the run's one pending approval, once there is one.
+async fn pending_soon(w: &World, run: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let v = w.operator(json!({"op": "pending", "run": run}));
+        if let Some([one]) = v["pending"].as_array().map(Vec::as_slice) {
+            return one["key"].as_str().unwrap().to_string();
+        }
+        assert!(Instant::now() < deadline, "nothing pending: {v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// 2026-07-28 requires `resultType` on every result. The gateway's own results had it; what an
+/// upstream answered (a call that ran, its replay, a resource read, a prompt) did not, so the
+/// official SDK could not read the result of a call that ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_2026_07_28_result_carries_its_result_type() {
+    use rmcp::model::{GetPromptRequestParams, ReadResourceRequestParams, ResultType};
+    let w = world();
+    let c = stateless_client(&w, "run-rtype").await;
+    let complete = Some(ResultType::COMPLETE);
+    let ran = call(&c, "files__echo", "typed").await;
+    assert_eq!(
+        (text(&ran), &ran.result_type),
+        ("echo: typed".into(), &complete)
+    );
+    let replayed = call(&c, "files__echo", "typed").await;
+    assert_eq!(replayed.result_type, complete, "the replay");
+    let refused = call(&c, "files__write", "no").await;
+    assert_eq!(refused.result_type, complete, "a refusal");
+    let read = c
+        .peer()
+        .read_resource(ReadResourceRequestParams::new("fixture://notes"))
+        .await
+        .unwrap();
+    assert_eq!(read.result_type, complete, "a resource read");
+    let prompt = c
+        .peer()
+        .get_prompt(GetPromptRequestParams::new("files__greet"))
+        .await
+        .unwrap();
+    assert_eq!(prompt.result_type, complete, "a prompt");
+    assert_eq!(w.upstream(), ["call echo typed", "read fixture://notes"]);
+}

@@ -544,3 +544,35 @@ async fn a_2026_07_28_listen_stream_over_http() {
     drop(stream);
     w.upstream_logged("unsubscribe fixture://notes").await;
 }
+
+/// `DELETE` of a session is answered 204 (rmcp says 202, which the spec does not list for it)
+/// and ends the session: a request naming its id afterwards is 404, as the spec says, and a
+/// second `DELETE` finds nothing either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_ends_a_session_with_204_and_its_id_is_404_afterwards() {
+    let w = world();
+    let addr = http_gateway(&w, "delete", "").await;
+    let agent = agent_token(&w, "deleter");
+    let session = open_session(&addr, &agent).await;
+    let bearer = format!("Bearer {agent}");
+    let h = [
+        ("authorization", bearer.as_str()),
+        ("mcp-session-id", session.as_str()),
+    ];
+    let r = post(&addr, &h, &tools_call("files__echo", "before")).await;
+    assert_eq!(r.message()["result"]["content"][0]["text"], "echo: before");
+    let delete = || {
+        http()
+            .delete(format!("http://{addr}/mcp"))
+            .header("authorization", &bearer)
+            .header("mcp-session-id", &session)
+            .header("mcp-protocol-version", "2025-06-18")
+            .send()
+    };
+    let closed = delete().await.unwrap();
+    assert_eq!(closed.status().as_u16(), 204, "{:?}", closed.text().await);
+    let r = post(&addr, &h, &tools_call("files__echo", "after")).await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert_eq!(delete().await.unwrap().status().as_u16(), 404);
+    assert_eq!(w.upstream(), ["call echo before"]);
+}

@@ -120,3 +120,37 @@ async fn tasks_cancel_ends_the_wait_or_cuts_the_upstream_call() {
     let report = w.operator(json!({"op": "report", "run": "run-tcancel"}));
     assert_eq!(report["unknown"][0]["tool"], "files__block", "{report}");
 }
+
+/// A task cancelled while its call was held, approved after: the gateway's `wait` still
+/// consumed the approval (and so started the call); it used to stay `in_flight started` for
+/// ever. It is completed as not sent, and nothing reaches the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_cancelled_while_held_and_approved_after_ends_not_sent() {
+    let w = world();
+    let run = "run-tlate";
+    let c = tasks_client(&w, run).await;
+    let id = call_task(&c, "files__write", "hold-l").await;
+    let key = w.pending_key(run);
+    c.peer()
+        .cancel_task(CancelTaskParams::new(&id))
+        .await
+        .unwrap();
+    assert_eq!(settled(&c, &id).await["status"], "cancelled");
+    let v = w.operator(json!({"op": "decide", "run": run, "key": key, "decision": "approve"}));
+    assert_eq!(v["ok"], true, "{v}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let report = w.operator(json!({"op": "report", "run": run}));
+        if report["failed"].as_array().is_some_and(|f| !f.is_empty()) {
+            assert_eq!(report["failed"][0]["key"], key.as_str(), "{report}");
+            assert_eq!(report["in_flight"], json!([]), "{report}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the approved call was never completed: {report}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(w.upstream().is_empty(), "{:?}", w.upstream());
+}
