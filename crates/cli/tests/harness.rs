@@ -3621,3 +3621,83 @@ fn a_refused_call_shows_the_model_its_quorum_and_approvers_so_far() {
     assert_eq!(body["quorum"], 2, "{body}");
     assert_eq!(body["approvers"], json!([approver]), "{body}");
 }
+
+/// The gate is killed (-9) and restarted while the model streams; `estop cancel` after the
+/// restart is heard: the harness's connection comes back, subscribes again, and the stream is
+/// cut; no model call follows. (Before the one client, the harness reconnected on its next
+/// request but never subscribed again: the trajectory ran on and completed.)
+#[test]
+fn a_cancel_after_a_gate_restart_is_heard_and_cuts_the_stream() {
+    let mut d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let rt = runtime();
+    let server = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "lookup", "{}"),
+            vec![
+                scripted::text("I will now drop"),
+                Step::Gate,
+                scripted::finish("stop"),
+                Step::Done,
+            ],
+            scripted::answer("done"),
+        ],
+    );
+    let mut opts = options(&d, &server.base_url(), &effects);
+    opts.call_limits.call_deadline_ms = 20_000;
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("traj-r1", None, "work") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    rt.block_on(server.wait_for(&Seen::Call { n: 1 }));
+    d.restart();
+    let (code, _, err) = d.cli(&["cancel", "traj-r1", "--reason", "after the restart"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("traj-r1").unwrap();
+    assert_eq!(rec.state, State::Canceled, "{:?}", rec.exit);
+    rt.block_on(server.wait_for(&Seen::Gone { n: 1, step: 1 }));
+    assert_eq!(server.calls().len(), 2, "no model call after the cancel");
+}
+
+/// A call held for approval; the gate is killed (-9) and restarted; `estop approve` after the
+/// restart is heard (the held call is asked about again on the new connection) and the call
+/// runs once.
+#[test]
+fn an_approval_after_a_gate_restart_is_heard_and_the_call_runs_once() {
+    let mut d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let rt = runtime();
+    let server = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "drop_table", "{\"table\": \"t\"}"),
+            scripted::answer("dropped"),
+        ],
+    );
+    let mut runner = rt
+        .block_on(async { Runner::open(options(&d, &server.base_url(), &effects)) })
+        .unwrap();
+    rt.block_on(async { runner.start("traj-r2", None, "drop t") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    let listed = common::poll(Duration::from_secs(20), Duration::from_millis(50), || {
+        let (_, out, _) = d.cli(&["pending"]);
+        (out.contains("traj-r2"), out)
+    });
+    assert!(listed.contains("traj-r2"), "{listed}");
+    d.restart();
+    let (code, _, err) = d.cli(&["approve", "traj-r2", "c1"]);
+    assert_eq!(code, 0, "{err}");
+    let runner = rt.block_on(run).unwrap();
+    let rec = runner.record("traj-r2").unwrap();
+    assert_eq!(rec.state, State::Completed, "{:?}", rec.exit);
+    assert_eq!(std::fs::read_to_string(&effects).unwrap(), "drop_table\n");
+}

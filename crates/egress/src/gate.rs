@@ -1,35 +1,27 @@
-//! An asynchronous protocol v1 client to the daemon: one connection, requests pipelined and
-//! matched to replies by id (a long `wait` holds up nothing else), events handed to a channel.
+//! The egress side's way to the gate: the one client's tokio driver (`estop_client`), behind
+//! the JSON-shaped calls the proxy, the supervisor, the executor and the MCP gateway make. A
+//! request given as a JSON object is read by the protocol crate's own builder into a typed
+//! request before it is sent (a malformed one is refused here, as the gate would refuse it);
+//! the typed reply comes back as the JSON object the gate sent.
+//!
+//! Through the client, the connection survives the gate: it reconnects with backoff, says its
+//! hello again, subscribes again (each run's `subscribe` answered again comes to the event
+//! stream as `{"event":"resubscribed","run":…}`, so a follower looks at the run's state again)
+//! and parks its waits again. A request the gate would refuse without an id (a line over its
+//! bound) is refused here; a refusal without an id fails what is in flight instead of leaving
+//! it waiting.
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
+use estop_client::{ClientError, Connection, Notice, Options};
+use estop_protocol::{Fields, HelloReply, Op, ReplyBody, Verb};
 use serde_json::{Value, json};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
-use tokio::sync::{mpsc, oneshot};
-
-/// Callers waiting for their reply, by request id; `None` once the connection is gone, so a
-/// call made after that fails at once instead of waiting for ever.
-type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<Result<Value, Unread>>>>>>;
-
-/// The gate refused a line without reading its id (`line_too_long`, a line that is not JSON,
-/// a revoked token's last word): its reply has `"id": null`, so it cannot be matched to the
-/// request that caused it. Every request in flight on the connection fails with it (none of
-/// them can be told apart from the one refused, and that one will never be answered).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("the gate refused a request line unread ({code}: {message})")]
-pub struct Unread {
-    /// The refusal's code (`line_too_long`, `parse_error`, `unauthenticated`, …).
-    pub code: String,
-    pub message: String,
-}
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::mpsc;
 
 /// A cheap handle; clones share the connection.
 #[derive(Clone, Debug)]
 pub struct Gate {
-    lines: mpsc::UnboundedSender<String>,
-    pending: Pending,
-    next: Arc<std::sync::atomic::AtomicU64>,
+    conn: Connection,
 }
 
 impl Gate {
@@ -68,87 +60,59 @@ impl Gate {
     }
 
     /// Connects to `target` (a socket path, or host:port) without saying hello: the caller
-    /// authenticates (and reads the reply) itself.
+    /// authenticates (and reads the reply) itself; the client says that hello again on every
+    /// new connection.
     pub async fn open(target: &str) -> Result<(Gate, mpsc::UnboundedReceiver<Value>)> {
-        Ok(if target.contains('/') {
-            let s = tokio::net::UnixStream::connect(target)
-                .await
-                .with_context(|| {
-                    format!("cannot connect to {target} (is `estop serve` running?)")
-                })?;
-            let (r, w) = s.into_split();
-            Gate::start(r, w)
-        } else {
-            let s = tokio::net::TcpStream::connect(target)
-                .await
-                .with_context(|| format!("cannot connect to {target}"))?;
-            let (r, w) = s.into_split();
-            Gate::start(r, w)
-        })
+        let (conn, notices) = Connection::open(Options::new(target))
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(Gate::wrap(conn, notices))
     }
 
-    pub(crate) fn start<R, W>(r: R, mut w: W) -> (Gate, mpsc::UnboundedReceiver<Value>)
+    /// A gate over a stream already open, that does not reconnect (tests play the gate).
+    #[cfg(test)]
+    pub(crate) fn start<R, W>(r: R, w: W) -> (Gate, mpsc::UnboundedReceiver<Value>)
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
-        let (lines, mut to_write) = mpsc::unbounded_channel::<String>();
-        let (events_tx, events) = mpsc::unbounded_channel();
-        let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
-        tokio::spawn(async move {
-            while let Some(line) = to_write.recv().await {
-                if w.write_all(line.as_bytes()).await.is_err() {
-                    break;
-                }
-            }
-        });
-        let waiting = pending.clone();
-        tokio::spawn(async move {
-            let mut reader = BufReader::new(r).lines();
-            while let Ok(Some(line)) = reader.next_line().await {
-                let Ok(v) = serde_json::from_str::<Value>(&line) else {
-                    continue;
-                };
-                if v.get("event").is_some() {
-                    let _ = events_tx.send(v);
-                } else if v.get("id").is_none_or(Value::is_null) && v["ok"] == false {
-                    let unread = Unread {
-                        code: v["error"]["code"].as_str().unwrap_or("?").to_string(),
-                        message: v["error"]["message"].as_str().unwrap_or("").to_string(),
-                    };
-                    let all = waiting
-                        .lock()
-                        .expect("not poisoned")
-                        .as_mut()
-                        .map(std::mem::take)
-                        .unwrap_or_default();
-                    for tx in all.into_values() {
-                        let _ = tx.send(Err(unread.clone()));
-                    }
-                } else if let Some(id) = v["id"].as_u64() {
-                    let tx = waiting
-                        .lock()
-                        .expect("not poisoned")
-                        .as_mut()
-                        .and_then(|p| p.remove(&id));
-                    if let Some(tx) = tx {
-                        let _ = tx.send(Ok(v));
-                    }
-                }
-            }
-            // The gate is gone: every caller still waiting gets an error (dropped sender), and
-            // every later call too.
-            waiting.lock().expect("not poisoned").take();
-        });
-        let gate = Gate {
-            lines,
-            pending,
-            next: Arc::new(1.into()),
+        let options = Options {
+            reconnect: false,
+            ..Options::new("")
         };
-        (gate, events)
+        let (conn, notices) = Connection::over((Box::new(r), Box::new(w)), options);
+        Gate::wrap(conn, notices)
     }
 
-    /// Sends one request and returns its reply object (ok or not).
+    fn wrap(
+        conn: Connection,
+        mut notices: mpsc::UnboundedReceiver<Notice>,
+    ) -> (Gate, mpsc::UnboundedReceiver<Value>) {
+        let (events_tx, events) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(n) = notices.recv().await {
+                let line = match n {
+                    Notice::Event(e) => serde_json::to_value(e).unwrap_or(Value::Null),
+                    Notice::Restored {
+                        op: Op::Subscribe { run },
+                        ..
+                    } => json!({"event": "resubscribed", "run": run.to_string()}),
+                    Notice::Dead(_) => break,
+                    _ => continue,
+                };
+                if events_tx.send(line).is_err() {
+                    return;
+                }
+            }
+            // The gate no longer takes the token (or the connection is gone for good): the
+            // stream ends, as a closed connection's did.
+        });
+        (Gate { conn }, events)
+    }
+
+    /// Sends one request and returns its reply object (ok or not). An error: the gate could
+    /// not be reached, or the connection closed before it answered a request that is not
+    /// safe to send again.
     pub async fn call(&self, req: Value) -> Result<Value> {
         self.send(req)?.await
     }
@@ -157,22 +121,78 @@ impl Gate {
     /// it, when this returns) and returns the wait for its reply.
     pub fn send(
         &self,
-        mut req: Value,
+        req: Value,
     ) -> Result<impl std::future::Future<Output = Result<Value>> + Send + 'static> {
-        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        req["id"] = json!(id);
-        let (tx, rx) = oneshot::channel();
-        match self.pending.lock().expect("not poisoned").as_mut() {
-            Some(p) => p.insert(id, tx),
-            None => bail!("the connection to the gate is closed"),
-        };
-        let mut line = req.to_string();
-        line.push('\n');
-        if self.lines.send(line).is_err() {
-            bail!("the connection to the gate is closed");
-        }
-        Ok(async move { Ok(rx.await.context("the connection to the gate closed")??) })
+        let op = typed(&req);
+        let sent = op.as_ref().ok().map(|op| self.conn.send(op.clone()));
+        Ok(async move {
+            let op = match op {
+                Ok(op) => op,
+                Err(refusal) => return Ok(refusal),
+            };
+            let answer = sent.expect("sent when typed").await;
+            reply_value(&op, answer)
+        })
     }
+}
+
+/// The typed request a JSON object is, or the refusal the gate would have given it.
+fn typed(req: &Value) -> Result<Op, Value> {
+    let refuse = |code: &str, message: String| json!({"ok": false, "error": {"code": code, "message": message}});
+    let Some(obj) = req.as_object() else {
+        return Err(refuse("bad_json", "a request is a JSON object".into()));
+    };
+    let name = obj.get("op").and_then(Value::as_str).unwrap_or_default();
+    let Some(verb) = Verb::parse(name) else {
+        return Err(refuse("unknown_op", format!("unknown op {name:?}")));
+    };
+    let mut f = Fields::new();
+    for (k, v) in obj {
+        if k != "op" && k != "id" {
+            f.json(k, v);
+        }
+    }
+    f.build(verb)
+        .map(|r| r.op)
+        .map_err(|e| refuse(e.code().as_str(), e.kind.to_string()))
+}
+
+/// The reply object the gate sent, from the client's typed answer.
+fn reply_value(op: &Op, answer: Result<ReplyBody, ClientError>) -> Result<Value> {
+    let refused = |code: &str, message: &str| {
+        Ok(json!({"ok": false, "error": {"code": code, "message": message}}))
+    };
+    let body = match answer {
+        Ok(body) => body,
+        Err(ClientError::Refused { code, message }) => return refused(code.as_str(), &message),
+        Err(ClientError::RefusedUnknown { code, message }) => return refused(&code, &message),
+        Err(e @ ClientError::LineTooLong { .. }) => {
+            return refused("line_too_long", &e.to_string());
+        }
+        Err(e @ ClientError::TooManyInFlight { .. }) => {
+            return refused("limit_exceeded", &e.to_string());
+        }
+        Err(e) => bail!("{e} ({})", op.verb()),
+    };
+    let mut v = match body {
+        ReplyBody::Hello(h) => serde_json::to_value::<HelloReply>(h),
+        ReplyBody::VerdictReply(v) => serde_json::to_value(v),
+        ReplyBody::Ack(a) => serde_json::to_value(a),
+        ReplyBody::Pong(p) => serde_json::to_value(p),
+        ReplyBody::Status(s) => serde_json::to_value(s),
+        ReplyBody::Runs(r) => serde_json::to_value(r),
+        ReplyBody::Pending(p) => serde_json::to_value(p),
+        ReplyBody::Decided(d) => serde_json::to_value(d),
+        ReplyBody::Ledger(l) => serde_json::to_value(l),
+        ReplyBody::Report(r) => serde_json::to_value(r),
+        ReplyBody::TokenCreated(t) => serde_json::to_value(t),
+        ReplyBody::TokenRevoked(t) => serde_json::to_value(t),
+    }?;
+    if !v.is_object() {
+        v = json!({});
+    }
+    v["ok"] = json!(true);
+    Ok(v)
 }
 
 #[cfg(test)]
@@ -195,8 +215,25 @@ mod tests {
         drop(theirs);
     }
 
+    /// A request over the gate's line bound is refused here, as the gate would refuse it,
+    /// and never sent (the gate's own refusal has no id and would match nothing).
+    #[tokio::test]
+    async fn a_request_over_the_line_bound_is_refused_without_sending() {
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+        let (r, w) = ours.into_split();
+        let (gate, _events) = super::Gate::start(r, w);
+        let big = "x".repeat(70 * 1024);
+        let v = gate
+            .call(json!({"op": "admit", "run": "r", "key": "k", "tool": "t", "args": {"b": big}}))
+            .await
+            .unwrap();
+        assert_eq!(v["ok"], false);
+        assert_eq!(v["error"]["code"], "line_too_long");
+        drop(theirs);
+    }
+
     /// A refusal with id null (`line_too_long`: the gate never read the line) fails every
-    /// request in flight with a typed error; it used to match nothing, and they waited for
+    /// request in flight with that refusal; it used to match nothing, and they waited for
     /// ever. The connection stays usable.
     #[tokio::test]
     async fn a_refusal_without_an_id_fails_the_requests_in_flight() {
@@ -206,8 +243,12 @@ mod tests {
         let (gate, _events) = super::Gate::start(r, w);
         let (tr, mut tw) = theirs.into_split();
         let mut lines = BufReader::new(tr).lines();
-        let first = gate.send(json!({"op": "wait"})).unwrap();
-        let second = gate.send(json!({"op": "admit"})).unwrap();
+        let first = gate
+            .send(json!({"op": "wait", "run": "r", "key": "k", "timeout_ms": 1000}))
+            .unwrap();
+        let second = gate
+            .send(json!({"op": "admit", "run": "r", "key": "k2", "tool": "t", "args": {}}))
+            .unwrap();
         for _ in 0..2 {
             lines.next_line().await.unwrap().unwrap();
         }
@@ -217,18 +258,18 @@ mod tests {
             .unwrap();
         let within = std::time::Duration::from_secs(10);
         for pending in [first, second] {
-            let e = tokio::time::timeout(within, pending)
+            let v = tokio::time::timeout(within, pending)
                 .await
                 .expect("answered")
-                .unwrap_err();
-            let unread = e.downcast_ref::<super::Unread>().expect("typed");
-            assert_eq!(unread.code, "line_too_long");
-            assert!(unread.message.contains("65536"), "{unread}");
+                .unwrap();
+            assert_eq!(v["ok"], false);
+            assert_eq!(v["error"]["code"], "line_too_long");
+            assert!(v["error"]["message"].as_str().unwrap().contains("65536"), "{v}");
         }
         let third = gate.send(json!({"op": "ping"})).unwrap();
         let line = lines.next_line().await.unwrap().unwrap();
         let id = serde_json::from_str::<serde_json::Value>(&line).unwrap()["id"].clone();
-        tw.write_all(format!("{}\n", json!({"id": id, "ok": true})).as_bytes())
+        tw.write_all(format!("{}\n", json!({"id": id, "ok": true, "pong": true})).as_bytes())
             .await
             .unwrap();
         assert_eq!(third.await.unwrap()["ok"], true);

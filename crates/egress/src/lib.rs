@@ -421,7 +421,13 @@ async fn watch_run(
         if ev["run"] != run.as_str() {
             continue;
         }
-        let stop = ["cancelled", "closed", "finalizing", "settled"];
+        let stop = [
+            "cancelled",
+            "closed",
+            "finalizing",
+            "settled",
+            "resubscribed",
+        ];
         if stop.contains(&ev["event"].as_str().unwrap_or(""))
             && let Ok(v) = gate.call(json!({"op": "status", "run": run})).await
         {

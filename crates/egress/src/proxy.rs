@@ -1392,7 +1392,7 @@ mod tests {
         assert_eq!(admit["tool"], "http.GET");
         gate.answer(
             &admit,
-            json!({"ok": true, "verdict": "admitted", "token": "1.1"}),
+            json!({"ok": true, "verdict": "admitted", "token": "1.1", "epoch": 1}),
         )
         .await;
         // Dialled (the origin accepts), then the commit point is asked for.

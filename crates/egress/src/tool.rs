@@ -101,8 +101,18 @@ impl ToolProxy {
                 // Also when the gate's connection ends: no stop can be heard any more, so the
                 // proxy closes (fail closed).
                 while let Some(ev) = events.recv().await {
-                    if ev["run"] == run.as_str()
-                        && STOPS.contains(&ev["event"].as_str().unwrap_or(""))
+                    if ev["run"] != run.as_str() {
+                        continue;
+                    }
+                    let kind = ev["event"].as_str().unwrap_or("");
+                    if STOPS.contains(&kind) {
+                        return;
+                    }
+                    // Subscribed again after the gate came back: a stop made while away
+                    // is in the run's state.
+                    if kind == "resubscribed"
+                        && let Ok(v) = gate.call(json!({"op": "status", "run": run})).await
+                        && v.get("cause").is_some_and(|c| !c.is_null())
                     {
                         return;
                     }

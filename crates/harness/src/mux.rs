@@ -1,153 +1,57 @@
 //! One asynchronous connection to the gate for every trajectory's event subscription and
-//! approval wait, instead of a blocking thread (and a connection) each: requests go out
-//! pipelined with their ids and replies are matched back by id; events are routed by run.
+//! approval wait, instead of a blocking thread (and a connection) each: the one client's
+//! tokio driver (`estop_client::Connection`), requests pipelined with their ids and replies
+//! matched back by id; events are routed by run.
 //!
 //! An approval wait holds no request open: the run's subscription says when its held calls
 //! may have moved (a decision, an expiry, a stop, a resume), and only then is each asked about
 //! with a `wait` of 0 ms, which answers at once. So 10,000 trajectories waiting for a human
 //! cost 10,000 entries in a map and nothing in flight at the gate.
+//!
+//! The connection survives the gate: after a restart or an idle close the client connects
+//! again, says hello and subscribes again to every run; each run's `subscribe` answer is then
+//! followed here by a `status` of the run (a stop or pause made while away becomes the control
+//! request it would have been) and a poll of each of its held calls (a decision made while away
+//! is heard).
 
 use crate::gate::{GateConfig, control_of, decision_of, op};
 use crate::record::Decision;
 use crate::runner::Input;
-use estop_protocol::server_line::{ServerLine, parse_server_line};
-use estop_protocol::{Event, EventKind, Id, Op, ReplyBody, Secret, Verb};
+use estop_client::{ClientError, Connection, Notice, Options};
+use estop_protocol::{Event, EventKind, Op, ReplyBody, Secret, Verb};
 use serde_json::json;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use std::collections::{BTreeMap, BTreeSet};
+use tokio::sync::mpsc;
 
-/// Requests in flight on the connection at once: under the gate's
-/// `outstanding_per_connection_max` (1024), so the gate never refuses one for that.
-const OUTSTANDING_MAX: usize = 1000;
-/// Longest line the gate may send.
-const LINE_BYTES_MAX: usize = 1 << 20;
-
-type Waiting = HashMap<u64, (Verb, oneshot::Sender<Result<ReplyBody, String>>)>;
-
-/// The connection: cheap to clone; closes when the gate goes (every request then fails).
-#[derive(Clone)]
+/// The connection to the gate; cheap to clone.
+#[derive(Clone, Debug)]
 pub struct Mux {
-    out: mpsc::UnboundedSender<Vec<u8>>,
-    next_id: Arc<AtomicU64>,
-    waiting: Arc<Mutex<Waiting>>,
-    slots: Arc<Semaphore>,
+    conn: Connection,
 }
 
 impl Mux {
-    /// Connects, authenticates, and returns the connection and the stream of its events.
+    /// Connects, authenticates, and returns the connection and the stream of its notices.
     pub async fn connect(
         gate: &GateConfig,
-    ) -> Result<(Mux, mpsc::UnboundedReceiver<Event>), String> {
-        let t = &gate.target;
-        let (r, w): (
-            Box<dyn AsyncRead + Send + Unpin>,
-            Box<dyn AsyncWrite + Send + Unpin>,
-        ) = if t.contains('/') || std::path::Path::new(t).exists() {
-            let (r, w) = tokio::net::UnixStream::connect(t)
-                .await
-                .map_err(|e| format!("cannot connect to {t}: {e}"))?
-                .into_split();
-            (Box::new(r), Box::new(w))
-        } else {
-            let (r, w) = tokio::net::TcpStream::connect(t)
-                .await
-                .map_err(|e| format!("cannot connect to {t}: {e}"))?
-                .into_split();
-            (Box::new(r), Box::new(w))
-        };
-        let (out, lines) = mpsc::unbounded_channel();
-        let (events_tx, events) = mpsc::unbounded_channel();
-        let waiting = Arc::new(Mutex::new(Waiting::new()));
-        tokio::spawn(write_lines(w, lines));
-        tokio::spawn(read_lines(r, waiting.clone(), events_tx));
-        let mux = Mux {
-            out,
-            next_id: Arc::new(AtomicU64::new(1)),
-            waiting,
-            slots: Arc::new(Semaphore::new(OUTSTANDING_MAX)),
-        };
-        mux.request(Op::Hello {
+    ) -> Result<(Mux, mpsc::UnboundedReceiver<Notice>), String> {
+        let hello = Op::Hello {
             token: Secret::new(&gate.token),
             run: None,
             component: Default::default(),
-        })
-        .await?;
-        Ok((mux, events))
-    }
-
-    /// Sends `op` and waits for its reply; a refusal or a closed connection is an error.
-    pub async fn request(&self, op: Op) -> Result<ReplyBody, String> {
-        let _slot = self.slots.acquire().await.map_err(|e| e.to_string())?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        lock(&self.waiting).insert(id, (op.verb(), tx));
-        if self.out.send(op.to_line(&Id::from_u64(id))).is_err() {
-            lock(&self.waiting).remove(&id);
-            return Err("the connection to the gate is closed".into());
-        }
-        rx.await
-            .unwrap_or_else(|_| Err("the connection to the gate is closed".into()))
-    }
-}
-
-fn lock(w: &Mutex<Waiting>) -> std::sync::MutexGuard<'_, Waiting> {
-    w.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-async fn write_lines(
-    mut w: Box<dyn AsyncWrite + Send + Unpin>,
-    mut lines: mpsc::UnboundedReceiver<Vec<u8>>,
-) {
-    while let Some(line) = lines.recv().await {
-        if w.write_all(&line).await.is_err() {
-            return;
-        }
-    }
-}
-
-/// Replies to their requests by id, events to the event stream; when the connection ends,
-/// every request still waiting fails.
-async fn read_lines(
-    r: Box<dyn AsyncRead + Send + Unpin>,
-    waiting: Arc<Mutex<Waiting>>,
-    events: mpsc::UnboundedSender<Event>,
-) {
-    let mut r = BufReader::new(r);
-    let mut line = Vec::new();
-    loop {
-        line.clear();
-        let read = tokio::io::AsyncReadExt::take(&mut r, LINE_BYTES_MAX as u64)
-            .read_until(b'\n', &mut line)
-            .await;
-        if !matches!(read, Ok(n) if n > 0 && line.ends_with(b"\n")) {
-            break;
-        }
-        let Ok(parsed) = parse_server_line(&line[..line.len() - 1]) else {
-            break;
         };
-        match parsed {
-            ServerLine::Event(e) => {
-                let _ = events.send(e);
-            }
-            ServerLine::Reply(reply) => {
-                // A reply without an id says why the gate closes the connection.
-                let Some(id) = reply.id.as_u64() else { break };
-                let Some((verb, to)) = lock(&waiting).remove(&id) else {
-                    continue;
-                };
-                let answer = match (&reply.error, reply.ok) {
-                    (_, true) => ReplyBody::decode(verb, &reply).map_err(|e| e.to_string()),
-                    (Some(e), false) => Err(format!("{}: {}", e.code, e.message)),
-                    (None, false) => Err(format!("a refusal without an error: {}", reply.raw)),
-                };
-                let _ = to.send(answer);
-            }
-        }
+        let (conn, notices, _) = Connection::connect(Options::new(&gate.target), hello)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((Mux { conn }, notices))
     }
-    lock(&waiting).clear();
+
+    /// Sends `op` and waits for its reply; a refusal or a gate away too long is an error.
+    pub async fn request(&self, op: Op) -> Result<ReplyBody, String> {
+        self.conn
+            .request(op)
+            .await
+            .map_err(|e: ClientError| e.to_string())
+    }
 }
 
 /// What the runner asks of the gate task.
@@ -193,7 +97,7 @@ pub async fn gate_task(
     mut asks: mpsc::UnboundedReceiver<GateAsk>,
     runner: mpsc::UnboundedSender<Input>,
 ) {
-    let mut conn: Option<(Mux, mpsc::UnboundedReceiver<Event>)> = None;
+    let mut conn: Option<(Mux, mpsc::UnboundedReceiver<Notice>)> = None;
     // Held effects waited for, by run and key.
     let mut held: Held = BTreeMap::new();
     // The trajectories' runs: only their events are control requests (a held request's run
@@ -258,9 +162,15 @@ pub async fn gate_task(
                 }
             }
             e = event => match e {
-                Some(e) => on_event(&conn.as_ref().expect("connected").0, e, &held, &watched, &runner, &polled_tx),
-                None => {
-                    // The gate went away: every held call waited for is a refusal.
+                Some(Notice::Event(e)) => on_event(&conn.as_ref().expect("connected").0, e, &held, &watched, &runner, &polled_tx),
+                // Subscribed again after the gate came back: what happened while away.
+                Some(Notice::Restored { op: Op::Subscribe { run }, .. }) => {
+                    resync(&conn.as_ref().expect("connected").0, run.to_string(), &held, &watched, &runner, &polled_tx);
+                }
+                Some(Notice::Reconnected(_) | Notice::Disconnected { .. } | Notice::Restored { .. }) => {}
+                Some(Notice::Dead(_)) | None => {
+                    // The gate no longer takes the token: every held call waited for is a
+                    // refusal (silence is no).
                     conn = None;
                     for keys in std::mem::take(&mut held).into_values() {
                         for (trajectory, call) in keys.into_values() {
@@ -337,6 +247,57 @@ fn on_event(
             let _ = runner.send(Input::Control { id: e.run, control });
         }
     });
+}
+
+/// After a new connection subscribed to `run` again: each of its held calls is asked about
+/// again (a decision made while away), and a trajectory's run is looked at (a stop or pause
+/// made while away becomes its control request; a resume made while away lifts the pause).
+fn resync(
+    mux: &Mux,
+    run: String,
+    held: &Held,
+    watched: &BTreeSet<String>,
+    runner: &mpsc::UnboundedSender<Input>,
+    polled: &mpsc::UnboundedSender<Polled>,
+) {
+    for key in held.get(&run).into_iter().flat_map(BTreeMap::keys) {
+        tokio::spawn(poll(mux.clone(), run.clone(), key.clone(), polled.clone()));
+    }
+    if !watched.contains(&run) {
+        return;
+    }
+    let (mux, runner) = (mux.clone(), runner.clone());
+    tokio::spawn(async move {
+        let Ok(status) = op(Verb::Status, &json!({"run": run})) else {
+            return;
+        };
+        let Ok(ReplyBody::Status(view)) = mux.request(status).await else {
+            return;
+        };
+        if let Some(control) = control_of_state(&view) {
+            let _ = runner.send(Input::Control { id: run, control });
+        }
+    });
+}
+
+/// The control request a run's state asks of its trajectory, read after a reconnect.
+fn control_of_state(view: &estop_protocol::RunView) -> Option<crate::record::Control> {
+    use crate::record::Control;
+    let reason = || {
+        view.reason
+            .clone()
+            .unwrap_or_else(|| "stopped at the gate".into())
+    };
+    let stopped = matches!(view.state.as_str(), "cancelled" | "finalizing");
+    Some(match view.cause.as_deref() {
+        Some("killed") if stopped => Control::Kill { reason: reason() },
+        Some("cancelled" | "deadline" | "budget") if stopped => {
+            Control::Cancel { reason: reason() }
+        }
+        _ if view.state == "paused" => Control::Pause,
+        _ if view.state == "active" => Control::Resume,
+        _ => return None,
+    })
 }
 
 /// A kill is a cancel on the wire; the run's stop cause tells them apart.

@@ -132,7 +132,13 @@ impl Principal {
 async fn follow(principal: std::sync::Weak<Principal>, mut events: mpsc::UnboundedReceiver<Value>) {
     while let Some(ev) = events.recv().await {
         let Some(p) = principal.upgrade() else { return };
-        let stop = ["cancelled", "closed", "finalizing", "settled"];
+        let stop = [
+            "cancelled",
+            "closed",
+            "finalizing",
+            "settled",
+            "resubscribed",
+        ];
         if let Some(run) = ev["run"].as_str()
             && stop.contains(&ev["event"].as_str().unwrap_or(""))
         {

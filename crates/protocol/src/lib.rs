@@ -23,6 +23,10 @@ pub mod server_line;
 pub mod soundgate;
 pub mod text;
 
+/// The kernel's ids and vocabulary words that requests and replies carry, so a client needs
+/// this crate only.
+pub use estop_kernel::{ids, vocab};
+
 pub use digest::{canonical_input, digest_of, write_canonical};
 pub use error::{ErrorCode, WireError};
 pub use id::Id;
