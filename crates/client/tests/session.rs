@@ -200,3 +200,25 @@ fn id_of(line: &str) -> u64 {
     let v: serde_json::Value = serde_json::from_str(line).unwrap();
     v["id"].as_u64().unwrap()
 }
+
+/// A `duplicate` verdict carries the effect's own `error` text beside `"ok": true`: it is a
+/// reply, not a refusal (the envelope once read it as the refusal's error and failed).
+#[test]
+fn a_duplicate_with_the_effects_error_is_a_reply() {
+    let mut s = Session::new(Limits::default());
+    let (id, _) = s.request(wait("r1", "k1")).unwrap();
+    let got = s.receive(
+        format!(r#"{{"id":{id},"ok":true,"verdict":"duplicate","status":"failed","outcome":"error","error":"not sent"}}"#)
+            .as_bytes(),
+    );
+    assert!(
+        matches!(
+            got,
+            Received::Reply {
+                result: Ok(ReplyBody::VerdictReply(_)),
+                ..
+            }
+        ),
+        "{got:?}"
+    );
+}

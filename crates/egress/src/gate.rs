@@ -15,7 +15,6 @@ use anyhow::{Result, bail};
 use estop_client::{ClientError, Connection, Notice, Options};
 use estop_protocol::{Fields, HelloReply, Op, ReplyBody, Verb};
 use serde_json::{Value, json};
-use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 
 /// A cheap handle; clones share the connection.
@@ -73,8 +72,8 @@ impl Gate {
     #[cfg(test)]
     pub(crate) fn start<R, W>(r: R, w: W) -> (Gate, mpsc::UnboundedReceiver<Value>)
     where
-        R: AsyncRead + Unpin + Send + 'static,
-        W: AsyncWrite + Unpin + Send + 'static,
+        R: tokio::io::AsyncRead + Unpin + Send + 'static,
+        W: tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         let options = Options {
             reconnect: false,
@@ -264,7 +263,10 @@ mod tests {
                 .unwrap();
             assert_eq!(v["ok"], false);
             assert_eq!(v["error"]["code"], "line_too_long");
-            assert!(v["error"]["message"].as_str().unwrap().contains("65536"), "{v}");
+            assert!(
+                v["error"]["message"].as_str().unwrap().contains("65536"),
+                "{v}"
+            );
         }
         let third = gate.send(json!({"op": "ping"})).unwrap();
         let line = lines.next_line().await.unwrap().unwrap();

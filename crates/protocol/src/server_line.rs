@@ -793,14 +793,18 @@ pub fn parse_server_line(line: &[u8]) -> Result<ServerLine, serde_json::Error> {
         #[serde(default)]
         id: Id,
         ok: bool,
-        #[serde(default)]
-        error: Option<WireError>,
     }
     let env = Envelope::deserialize(&raw)?;
+    // `error` is the refusal's only when `ok` is false: a `duplicate` verdict carries the
+    // effect's own `error` text beside `"ok": true`.
+    let error = match (env.ok, raw.get("error")) {
+        (false, Some(e)) if !e.is_null() => Some(WireError::deserialize(e)?),
+        _ => None,
+    };
     Ok(ServerLine::Reply(ClientReply {
         id: env.id,
         ok: env.ok,
-        error: env.error,
+        error,
         raw,
     }))
 }
