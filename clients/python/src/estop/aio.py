@@ -45,6 +45,7 @@ class _AConn:
         self.alive = True
         self.on_event = on_event
         self.on_close = on_close
+        self.cancelled = False
         self.task = asyncio.get_running_loop().create_task(self._read(), name="estop-reader")
 
     async def _read(self) -> None:
@@ -82,6 +83,8 @@ class _AConn:
         except (OSError, ValueError, asyncio.IncompleteReadError) as e:
             err = ConnectionLost(f"connection to the gate lost: {e}")
         except asyncio.CancelledError:
+            # Cancelled: the client is closing, or its loop is ending; nothing to reconnect.
+            self.cancelled = True
             err = ConnectionLost("client closed")
         finally:
             self.close(err)
@@ -222,7 +225,7 @@ class AsyncClient:
     def _lost(self, conn: _AConn) -> None:
         """A connection ended. With runs watched or compensations registered, a keeper task
         reconnects at once: an idle watcher or executor has no call of its own that would."""
-        if self._closed or conn is not self._conn or not (self._subs or self._executes):
+        if self._closed or conn.cancelled or conn is not self._conn or not (self._subs or self._executes):
             return
         self._reconnect = True
         if self._keeper is not None and not self._keeper.done():
@@ -405,13 +408,10 @@ class AsyncClient:
         return _wire.verdict(reply)
 
     async def subscribe(self, run: str) -> dict[str, Any]:
-        """As `Client.subscribe`: the reply replays the run's state, handed to the listeners as a
-        `subscribed` line now and after every reconnect."""
+        """As `Client.subscribe`: returns the reply (the run's state); after a reconnect each
+        subscription's reply is handed to the listeners as a `subscribed` line."""
         reply = await self.call("subscribe", run=run)
         self._subs[run] = self._subs.get(run, 0) + 1
-        ev = _wire.replay_event(run, reply)
-        if ev is not None:
-            self._dispatch(ev)
         return reply
 
     async def unsubscribe(self, run: str) -> None:

@@ -437,15 +437,12 @@ class Client:
         return _wire.verdict(reply)
 
     def subscribe(self, run: str) -> dict[str, Any]:
-        """Event lines of `run` reach the listeners from now on, and again after a reconnect. The
-        reply replays the run's state (docs/PROTOCOL.md, "subscribe"): it is also handed to the
-        listeners as a `subscribed` line, now and after every reconnect, so a stop or decision
-        made while the connection was down is heard."""
+        """Event lines of `run` reach the listeners from now on, and again after a reconnect.
+        Returns the reply, which replays the run's state (docs/PROTOCOL.md, "subscribe"); the
+        reply of each subscription said again after a reconnect is handed to the listeners as a
+        `subscribed` line, so a stop or decision made while the connection was down is heard."""
         reply = self.call("subscribe", run=run)
         self._subs[run] = self._subs.get(run, 0) + 1
-        ev = _wire.replay_event(run, reply)
-        if ev is not None:
-            self._dispatch(ev)
         return reply
 
     def unsubscribe(self, run: str) -> None:

@@ -96,7 +96,7 @@ def _on_event(event: dict[str, Any]) -> None:
 
 
 def _replayed_stop(event: dict[str, Any]) -> bool:
-    """A `subscribed` line (a subscribe's reply, after a reconnect too) of a stopped run."""
+    """A `subscribed` line (a subscription said again after a reconnect) of a stopped run."""
     return event.get("event") == "subscribed" and event.get("cause") is not None
 
 
