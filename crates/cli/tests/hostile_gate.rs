@@ -6,6 +6,7 @@
 mod common;
 
 use common::{Daemon, Wire, admit, err_code, ok, verdict};
+use estop_protocol::EventKind;
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -147,6 +148,26 @@ fn subscribe_does_not_tell_an_agent_whether_another_principals_run_exists() {
     );
     let mut victim = d.agent();
     admit(&mut victim, "secret-run", "k", "search", json!({}));
+    // Something a replay would list: an effect awaiting its approval.
+    assert_eq!(
+        verdict(&admit(&mut victim, "secret-run", "h", "refund", json!({}))),
+        "held"
+    );
+    // Byte for byte, on the wire: the same id, the same line.
+    let mallory_token = other["token"].as_str().unwrap().to_string();
+    let same_bytes = || {
+        let mut s = connect_raw(&d);
+        hello_raw(&mut s, &mallory_token);
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        let mut line = |run: &str| {
+            writeln!(s, "{}", json!({"id": 2, "op": "subscribe", "run": run})).unwrap();
+            read_line(&mut r).expect("a reply")
+        };
+        let (seen, unseen) = (line("secret-run"), line("never-made"));
+        assert_eq!(seen, unseen);
+        assert_eq!(seen, "{\"id\":2,\"ok\":true}\n");
+    };
+    same_bytes();
     let mut mallory = d.client_with(other["token"].as_str().unwrap());
     let seen = mallory
         .call(json!({"op": "subscribe", "run": "secret-run"}))
@@ -173,6 +194,80 @@ fn subscribe_does_not_tell_an_agent_whether_another_principals_run_exists() {
     // An event would have been released with the victim's reply, before this ping's.
     ok(&mut mallory, json!({"op": "ping"}));
     assert!(mallory.events.is_empty(), "{:?}", mallory.events);
+    // Stopped, the victim's run still answers as a run that does not exist.
+    same_bytes();
+}
+
+/// Issue 28: a client that was away (its connection closed, the gate restarted) subscribes
+/// again and the reply replays what it missed: decisions made and the stop, with why.
+#[test]
+fn subscribe_replays_the_decisions_and_the_stop_made_while_the_subscriber_was_away() {
+    let mut d = Daemon::start();
+    let mut agent = d.agent();
+    for k in ["k1", "k2"] {
+        assert_eq!(
+            verdict(&admit(&mut agent, "away", k, "refund", json!({}))),
+            "held"
+        );
+    }
+    let mut watcher = d.agent();
+    let v = ok(&mut watcher, json!({"op": "subscribe", "run": "away"}));
+    assert_eq!(
+        (&v["state"], &v["epoch"], v.get("cause")),
+        (&json!("active"), &json!(1), None),
+        "{v}"
+    );
+    assert_eq!(
+        v["awaiting"],
+        json!([{"key": "k1", "status": "held", "approval": "away#1"},
+               {"key": "k2", "status": "held", "approval": "away#2"}])
+    );
+    // The gate is killed; while the watcher is away, k1 is approved and k2 rejected.
+    d.kill9();
+    d.spawn();
+    let mut op = d.operator();
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "away", "key": "k1", "decision": "approve"}),
+    );
+    ok(
+        &mut op,
+        json!({"op": "decide", "run": "away", "key": "k2", "decision": "reject"}),
+    );
+    let mut watcher = d.agent();
+    let v = ok(&mut watcher, json!({"op": "subscribe", "run": "away"}));
+    assert_eq!(
+        v["awaiting"],
+        json!([{"key": "k1", "status": "approved", "approval": "away#1"}]),
+        "k1 approved, not yet admitted; k2 decided for good: {v}"
+    );
+    // Killed again; the run is cancelled while the watcher is away.
+    d.kill9();
+    d.spawn();
+    let mut op = d.operator();
+    ok(
+        &mut op,
+        json!({"op": "cancel", "run": "away", "reason": "operator said stop"}),
+    );
+    let mut watcher = d.agent();
+    let v = ok(&mut watcher, json!({"op": "subscribe", "run": "away"}));
+    assert_eq!(
+        (
+            &v["state"],
+            &v["epoch"],
+            &v["cause"],
+            &v["reason"],
+            &v["awaiting"]
+        ),
+        (
+            &json!("cancelled"),
+            &json!(2),
+            &json!("cancelled"),
+            &json!("operator said stop"),
+            &json!([])
+        ),
+        "{v}"
+    );
 }
 
 /// Reads one line from a raw connection: `None` at end of stream.
@@ -357,6 +452,67 @@ fn idle_connections_are_closed_but_waiters_and_subscribers_stay() {
     assert!(started.elapsed() >= std::time::Duration::from_millis(1500));
     // The subscriber is still there, past the idle time too.
     ok(&mut listener, json!({"op": "ping"}));
+}
+
+/// Issue 28: an executor of compensations that has nothing to do for longer than the idle time
+/// keeps its connection, and runs the compensation a cancel issued after that asks for. (It
+/// was closed as idle: only `subscribe` kept a connection, so an idle worker lost its socket.)
+#[test]
+fn an_idle_executor_keeps_its_connection_and_runs_a_compensation_asked_for_later() {
+    const UNDO: &str = r#"
+[defaults]
+unknown_tool = "allow"
+
+[[rules]]
+tool = "charge"
+action = "allow"
+compensate = "uncharge"
+compensate_args = '{"charge": result.id}'
+"#;
+    let d = Daemon::start_with_policy(UNDO, &["--idle-timeout", "1s"]);
+    let mut agent = d.agent();
+    let v = admit(&mut agent, "undo-me", "c1", "charge", json!({"amount": 5}));
+    assert_eq!(verdict(&v), "admitted", "{v}");
+    let token = v["token"].as_str().unwrap().to_string();
+    ok(
+        &mut agent,
+        json!({"op": "complete", "run": "undo-me", "key": "c1", "token": token,
+               "outcome": "ok", "result": {"id": "ch_1"}}),
+    );
+    let mut executor = d.agent();
+    ok(
+        &mut executor,
+        json!({"op": "compensations", "run": "undo-me"}),
+    );
+    // A connection that said nothing more is closed as idle: the idle time has passed.
+    match agent.read_line().unwrap() {
+        estop_protocol::ServerLine::Reply(r) => {
+            let e = r.error.expect("an error");
+            assert!(e.message.contains("idle"), "{}", e.message);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Another idle time, to be sure the executor's connection outlived it.
+    let mut other = d.agent();
+    assert!(matches!(
+        other.read_line().unwrap(),
+        estop_protocol::ServerLine::Reply(r) if !r.ok
+    ));
+    let mut op = d.operator();
+    ok(&mut op, json!({"op": "cancel", "run": "undo-me"}));
+    let ev = match executor.read_line().unwrap() {
+        estop_protocol::ServerLine::Event(e) => e,
+        estop_protocol::ServerLine::Reply(r) => panic!("the executor was told {}", r.raw),
+    };
+    assert_eq!(
+        (ev.event, ev.key.as_deref()),
+        (EventKind::Compensate, Some("c1"))
+    );
+    let done = ok(
+        &mut executor,
+        json!({"op": "compensated", "run": "undo-me", "key": "c1", "attempt": ev.attempt, "outcome": "ok"}),
+    );
+    assert_eq!(done["status"], "compensated", "{done}");
 }
 
 /// Idle is counted from a connection's last line: one that speaks more often than the idle time

@@ -95,6 +95,7 @@ pub fn answer(a: Answer) -> Response {
     let body = match a {
         Answer::Verdict(v) => serde_json::to_vec(&v),
         Answer::Ack(x) => serde_json::to_vec(&x),
+        Answer::Subscribed(x) => serde_json::to_vec(&x),
         Answer::Decided(x) => serde_json::to_vec(&x),
         Answer::Run(x) => serde_json::to_vec(&x),
         Answer::Runs(x) => serde_json::to_vec(&x),

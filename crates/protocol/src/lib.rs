@@ -37,9 +37,10 @@ pub use request::{
     RequestedRunLimits, Secret, Seed, Verb, parse_request,
 };
 pub use server_line::{
-    Ack, BudgetLine, ClientReply, DecideReply, EffectCounts, Event, EventKind, HelloReply,
-    IN_FLIGHT_LISTED_MAX, InFlight, InFlightList, LedgerEntry, LedgerReply, PendingItem,
-    PendingReply, Pong, RawJson, ReplyBody, Report, ReportItem, RunView, RunsReply, SagaNext,
-    ServerLine, TokenCreated, TokenRevoked, VerdictReply, parse_server_line,
+    Ack, Awaiting, BudgetLine, ClientReply, DecideReply, EffectCounts, Event, EventKind,
+    HelloReply, IN_FLIGHT_LISTED_MAX, InFlight, InFlightList, LedgerEntry, LedgerReply,
+    PendingItem, PendingReply, Pong, RawJson, ReplyBody, Report, ReportItem, RunReplay, RunView,
+    RunsReply, SagaNext, ServerLine, SubscribeReply, TokenCreated, TokenRevoked, VerdictReply,
+    parse_server_line,
 };
 pub use soundgate::{SgError, SgReply, SgRequest, parse_soundgate};

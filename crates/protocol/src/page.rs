@@ -7,7 +7,7 @@
 use estop_kernel::ids::{EffectKey, RunId};
 use serde_json::Value;
 
-use crate::server_line::{Event, LedgerEntry, PendingItem, ReportItem, RunView};
+use crate::server_line::{Awaiting, Event, LedgerEntry, PendingItem, ReportItem, RunView};
 
 /// Items per page when the request gives no `limit`.
 pub const PAGE_ITEMS_DEFAULT: usize = 1000;
@@ -98,6 +98,13 @@ impl Weight for PendingItem {
             + texts(&self.approvals)
             + texts(&self.groups)
             + self.compensates.as_deref().map_or(0, text)
+    }
+}
+
+impl Weight for Awaiting {
+    fn weight(&self) -> usize {
+        // Braces and field names: ~40 bytes.
+        40 + text(&self.key) + text(&self.status) + self.approval.as_deref().map_or(0, text)
     }
 }
 

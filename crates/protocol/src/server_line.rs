@@ -286,6 +286,50 @@ pub struct RunView {
     pub forgotten: bool,
 }
 
+/// The reply to `subscribe`: the run's durable state at the instant the subscription took
+/// hold, so a client that (re)subscribes learns of a stop or a decision it missed. A run that
+/// does not exist yet, or that the subscriber may not see, answers the plain `{"ok":true}`
+/// (`replay` `None`), byte for byte the same whichever it is.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SubscribeReply {
+    #[serde(flatten, default, skip_serializing_if = "Option::is_none")]
+    pub replay: Option<RunReplay>,
+}
+
+/// A run's durable state as `subscribe` replays it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunReplay {
+    pub run: String,
+    /// A kernel `RunState`: `active` `paused` `finalizing` `completed` `failed` `cancelled`.
+    pub state: String,
+    pub epoch: u64,
+    /// Why the run stopped (a kernel `StopCause`, as `status` shows it), once it has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<String>,
+    /// The reason given with the stop (cancel, kill), exactly as sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The run's effects awaiting a decision (held for an approval, a sibling or a pause;
+    /// approved and not yet admitted; a compensating call awaiting its approval), in key
+    /// order, as many as one page holds.
+    pub awaiting: Vec<Awaiting>,
+    /// More effects await than `awaiting` lists (`pending {run}` pages through them all).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub more: bool,
+}
+
+/// One effect awaiting a decision, as `subscribe` replays it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Awaiting {
+    pub key: String,
+    /// The effect's status as the report shows it (`held`, `approved`, or the status of an
+    /// effect whose compensating call awaits approval).
+    pub status: String,
+    /// The approval it awaits, while it awaits one (the id `pending` and `decide` use).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<String>,
+}
+
 /// The reply to `runs`: one page.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunsReply {
@@ -669,9 +713,10 @@ pub enum ReplyBody {
     Hello(HelloReply),
     /// `admit`, `start` and `wait`.
     VerdictReply(VerdictReply),
-    /// `complete`, `subscribe`, `unsubscribe`, `cancel`, `pause`, `resume`, `kill`, `close`,
+    /// `complete`, `unsubscribe`, `cancel`, `pause`, `resume`, `kill`, `close`,
     /// `compensations`, `compensated`, `saga`.
     Ack(Ack),
+    Subscribed(SubscribeReply),
     Pong(Pong),
     Status(Box<RunView>),
     Runs(RunsReply),
@@ -689,8 +734,8 @@ impl ReplyBody {
         Ok(match verb {
             Verb::Hello => ReplyBody::Hello(reply.body()?),
             Verb::Admit | Verb::Start | Verb::Wait => ReplyBody::VerdictReply(reply.body()?),
+            Verb::Subscribe => ReplyBody::Subscribed(reply.body()?),
             Verb::Complete
-            | Verb::Subscribe
             | Verb::Unsubscribe
             | Verb::Cancel
             | Verb::Pause
@@ -719,6 +764,7 @@ impl ReplyBody {
             ReplyBody::Hello(b) => serde_json::to_value(b),
             ReplyBody::VerdictReply(b) => serde_json::to_value(b),
             ReplyBody::Ack(b) => serde_json::to_value(b),
+            ReplyBody::Subscribed(b) => serde_json::to_value(b),
             ReplyBody::Pong(b) => serde_json::to_value(b),
             ReplyBody::Status(b) => serde_json::to_value(b),
             ReplyBody::Runs(b) => serde_json::to_value(b),
@@ -763,6 +809,7 @@ reply_body_is! {
     Hello(HelloReply);
     VerdictReply(VerdictReply);
     Ack(Ack);
+    Subscribed(SubscribeReply);
     Pong(Pong);
     Status(RunView) boxed *;
     Runs(RunsReply);

@@ -7,10 +7,10 @@ use std::fmt::Debug;
 use estop_kernel::vocab::{HoldReason, RefusalReason};
 use estop_protocol::server_line::{ack_line, error_line, event_line, ok_line, pong_line};
 use estop_protocol::{
-    Ack, BudgetLine, ClientReply, DecideReply, EffectCounts, ErrorCode, Event, EventKind,
+    Ack, Awaiting, BudgetLine, ClientReply, DecideReply, EffectCounts, ErrorCode, Event, EventKind,
     HelloReply, Id, LedgerEntry, LedgerReply, PendingItem, PendingReply, Pong, RawJson, Report,
-    ReportItem, RunView, RunsReply, Secret, ServerLine, TokenCreated, VerdictReply, parse_request,
-    parse_server_line,
+    ReportItem, RunReplay, RunView, RunsReply, Secret, ServerLine, SubscribeReply, TokenCreated,
+    VerdictReply, parse_request, parse_server_line,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -102,6 +102,32 @@ fn envelopes_are_exact() {
             }
         )),
         "{\"id\":5,\"ok\":true,\"late\":true}\n"
+    );
+}
+
+/// `subscribe`'s reply: the plain ack when there is nothing to replay (the same bytes as
+/// `ack_line`, so a run not created and another principal's cannot be told apart); otherwise
+/// the run's state, with `awaiting` always present.
+#[test]
+fn a_subscribe_reply_is_the_plain_ack_or_the_replay() {
+    let id = Id::from_u64(3);
+    assert_eq!(ok_line(&id, &SubscribeReply::default()), ack_line(&id));
+    let replay = SubscribeReply {
+        replay: Some(RunReplay {
+            run: "r".into(),
+            state: "active".into(),
+            epoch: 1,
+            ..RunReplay::default()
+        }),
+    };
+    assert_eq!(
+        text(&ok_line(&id, &replay)),
+        "{\"id\":3,\"ok\":true,\"run\":\"r\",\"state\":\"active\",\"epoch\":1,\"awaiting\":[]}\n"
+    );
+    let r = reply_of(&ack_line(&id));
+    assert_eq!(
+        estop_protocol::ReplyBody::decode(estop_protocol::Verb::Subscribe, &r).unwrap(),
+        estop_protocol::ReplyBody::Subscribed(SubscribeReply::default())
     );
 }
 
@@ -230,6 +256,39 @@ fn every_payload_round_trips() {
         ..Ack::default()
     });
     round_trip(Pong { pong: true });
+    round_trip(SubscribeReply::default());
+    round_trip(SubscribeReply {
+        replay: Some(RunReplay {
+            run: "r1".into(),
+            state: "active".into(),
+            epoch: 1,
+            awaiting: vec![
+                Awaiting {
+                    key: "k1".into(),
+                    status: "held".into(),
+                    approval: Some("r1#1".into()),
+                },
+                Awaiting {
+                    key: "k2".into(),
+                    status: "held".into(),
+                    approval: None,
+                },
+            ],
+            more: true,
+            ..RunReplay::default()
+        }),
+    });
+    round_trip(SubscribeReply {
+        replay: Some(RunReplay {
+            run: "r1".into(),
+            state: "cancelled".into(),
+            epoch: 2,
+            cause: Some("killed".into()),
+            reason: Some("stop".into()),
+            awaiting: vec![],
+            more: false,
+        }),
+    });
     let view = RunView {
         run: "r1".into(),
         state: "active".into(),

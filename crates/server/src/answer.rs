@@ -38,6 +38,7 @@ pub enum Out {
 pub enum Answer {
     Verdict(wire::VerdictReply),
     Ack(wire::Ack),
+    Subscribed(Box<wire::SubscribeReply>),
     Decided(wire::DecideReply),
     Run(Box<wire::RunView>),
     Runs(wire::RunsReply),
@@ -64,6 +65,7 @@ pub fn render(id: &Id, answer: &Answer) -> Vec<u8> {
     match answer {
         Answer::Verdict(v) => ok_line(id, v),
         Answer::Ack(a) => ok_line(id, a),
+        Answer::Subscribed(a) => ok_line(id, a),
         Answer::Decided(d) => ok_line(id, d),
         Answer::Run(r) => ok_line(id, r),
         Answer::Runs(r) => ok_line(id, r),

@@ -53,8 +53,8 @@ where
             tokio::time::Instant::now() + Duration::from_millis(shared.opts.hello_ms_max),
         );
         tokio::pin!(deadline);
-        // Whether the connection ever subscribed: a subscriber may sit silent for as long as
-        // it likes.
+        // Whether the connection ever subscribed or registered as an executor of compensations
+        // (`compensations`): a subscriber or an executor may sit silent for as long as it likes.
         let mut subscribed = false;
         // Since when the connection has waited for its next line, and whether a line was read
         // since that was last noted.
@@ -161,7 +161,8 @@ where
 }
 
 /// Why a connection whose read timed out is closed: not authenticated in time, or idle with
-/// nothing in flight and no subscription. `None`: it stays (a `wait` is pending, or it listens).
+/// nothing in flight and no subscription. `None`: it stays (a `wait` is pending, or it listens:
+/// a subscription or an executor's registration).
 pub fn idle_close(
     opts: &ConnOptions,
     authenticated: bool,
@@ -249,7 +250,8 @@ async fn request(
             }
             Ok(req) => {
                 let id = req.id.clone();
-                *state.subscribed |= matches!(req.op, Op::Subscribe { .. });
+                *state.subscribed |=
+                    matches!(req.op, Op::Subscribe { .. } | Op::Compensations { .. });
                 let is_hello = matches!(req.op, Op::Hello { .. });
                 let answer = dispatch(req, state.principal, call, shared).await;
                 match state.principal.as_ref() {
@@ -453,6 +455,7 @@ async fn dispatch(
             conn,
             out: out.clone(),
             backlog: Arc::clone(backlog),
+            page: shared.opts.page(None),
             to: reply_to(),
         }),
         Route::Conn(ConnVerb::Compensations {

@@ -179,6 +179,12 @@ fn answer_weight(answer: &Answer) -> usize {
         | Answer::TokenRevoked(_)
         | Answer::Pong => SMALL,
         Answer::Run(r) => r.weight(),
+        Answer::Subscribed(s) => {
+            SMALL
+                + s.replay.as_ref().map_or(0, |r| {
+                    sum(&r.awaiting) + r.reason.as_ref().map_or(0, String::len)
+                })
+        }
         Answer::Runs(r) => SMALL + sum(&r.runs),
         Answer::Pending(p) => SMALL + sum(&p.pending),
         Answer::Report(r) => {
@@ -354,6 +360,7 @@ fn short(answer: &Answer) -> bool {
         | Answer::Pong
         | Answer::Error(..) => true,
         Answer::Run(_)
+        | Answer::Subscribed(_)
         | Answer::Runs(_)
         | Answer::Pending(_)
         | Answer::Report(_)

@@ -135,6 +135,60 @@ fn budget_lines(run: &Run) -> Vec<wire::BudgetLine> {
         .collect()
 }
 
+/// What `subscribe` replays of a run: its state and stop, and the effects awaiting a
+/// decision, in key order, as many as `page` holds.
+pub fn run_replay(id: &RunId, run: &Run, mut page: PageBudget) -> wire::RunReplay {
+    let mut r = wire::RunReplay {
+        run: id.to_string(),
+        state: run.state.as_str().to_string(),
+        epoch: u64::from(run.epoch),
+        cause: run.stop.as_ref().map(|s| s.cause.as_str().to_string()),
+        reason: run
+            .stop
+            .as_ref()
+            .and_then(|s| s.reason.as_deref().map(str::to_string)),
+        ..wire::RunReplay::default()
+    };
+    for (key, e) in &run.effects {
+        let Some(item) = awaiting(id, key, e) else {
+            continue;
+        };
+        if !page.take(item.weight()) {
+            r.more = true;
+            break;
+        }
+        r.awaiting.push(item);
+    }
+    r
+}
+
+/// An effect as `subscribe` replays it, if it awaits a decision: held (for an approval, a
+/// sibling or a pause), approved and not yet admitted, or its compensating call awaiting
+/// approval.
+fn awaiting(run: &RunId, key: &EffectKey, e: &Effect) -> Option<wire::Awaiting> {
+    let approval = match e.status {
+        Status::Held(HoldReason::Approval) | Status::Approved => e.approval.as_ref().map(|a| a.id),
+        Status::Held(_) => None,
+        _ => Some(estop_kernel::saga::held_approval(e)?.id),
+    };
+    Some(wire::Awaiting {
+        key: key.to_string(),
+        status: e.status.kind().as_str().to_string(),
+        approval: approval.map(|n| approval_id(run, n)),
+    })
+}
+
+/// What `subscribe` replays of a forgotten run: how it stopped; nothing awaits any more.
+pub fn tombstone_replay(id: &RunId, t: &Tombstone) -> wire::RunReplay {
+    wire::RunReplay {
+        run: id.to_string(),
+        state: t.cause.terminal_state().as_str().to_string(),
+        epoch: u64::from(t.epoch),
+        cause: Some(t.cause.as_str().to_string()),
+        ..wire::RunReplay::default()
+    }
+}
+
 /// What `status` says of a forgotten run: its fence, and that the rest is gone.
 pub fn tombstone_view(id: &RunId, t: &Tombstone) -> wire::RunView {
     wire::RunView {

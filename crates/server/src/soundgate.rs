@@ -56,6 +56,7 @@ pub fn render(_id: &Id, answer: &Answer) -> Vec<u8> {
             message: message.clone(),
         },
         Answer::Ack(_)
+        | Answer::Subscribed(_)
         | Answer::Decided(_)
         | Answer::Run(_)
         | Answer::Runs(_)

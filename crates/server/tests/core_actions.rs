@@ -10,7 +10,7 @@ use estop_kernel::{
     Admit, Command, Digest, EffectKey, Gate, Limits, PolicyDecision, Principal, PrincipalName,
     Role, RunId, RunLimits, ToolName,
 };
-use estop_protocol::{Id, server_line as wire};
+use estop_protocol::{Id, PageBudget, server_line as wire};
 use estop_server::core::{Action, Answer, Core, CoreMsg, CoreOptions, Now, Out, Reopened, ReplyTo};
 use std::time::Duration;
 use tokio::sync::mpsc as tmpsc;
@@ -221,8 +221,30 @@ fn answered(a: &Answer) -> String {
         Answer::Verdict(v) => format!("{v:?}"),
         Answer::Decided(d) => format!("decided:{}", d.status),
         Answer::Error(code, _) => format!("error:{code:?}"),
+        Answer::Subscribed(s) => match &s.replay {
+            None => "subscribed".into(),
+            Some(r) => replayed(r),
+        },
         _ => "other".into(),
     }
+}
+
+/// A `subscribe` reply's replay as one line: state, epoch, cause, and each `key:status(approval)`.
+fn replayed(r: &wire::RunReplay) -> String {
+    let mut s = format!("subscribed {} epoch {}", r.state, r.epoch);
+    if let Some(c) = &r.cause {
+        s += &format!(" cause {c}");
+    }
+    for a in &r.awaiting {
+        s += &format!(" {}:{}", a.key, a.status);
+        if let Some(id) = &a.approval {
+            s += &format!("({id})");
+        }
+    }
+    if r.more {
+        s += " more";
+    }
+    s
 }
 
 #[test]
@@ -425,13 +447,14 @@ fn a_subscriber_hears_each_change_after_its_record_until_the_shell_reports_it_go
         conn: 9,
         out: f.tx.clone().into(),
         backlog: std::sync::Arc::default(),
+        page: PageBudget::new(1000, 1 << 20),
         to: f.to(1),
     };
     let now = f.now();
     f.core.handle(now, msg);
     assert_eq!(
         f.actions(),
-        ["reply 1 @0/0 other"],
+        ["reply 1 @0/0 subscribed"],
         "an ack: the run is not there yet"
     );
     assert_eq!(
@@ -447,5 +470,84 @@ fn a_subscriber_hears_each_change_after_its_record_until_the_shell_reports_it_go
     assert_eq!(
         f.apply(3, agent(), admit("b", PolicyAction::Approve)),
         ["append 2 admit b", "reply 3 @0/2 held:approval"]
+    );
+}
+
+impl Fixture {
+    fn subscribe(&mut self, id: u64, who: Principal, conn: u64, page: PageBudget) -> Vec<String> {
+        let msg = CoreMsg::Subscribe {
+            principal: who,
+            run: RunId::new("r").unwrap(),
+            conn,
+            out: self.tx.clone().into(),
+            backlog: std::sync::Arc::default(),
+            page,
+            to: self.to(id),
+        };
+        let now = self.now();
+        assert!(!self.core.handle(now, msg));
+        self.actions()
+    }
+}
+
+/// Issue 28: a client that subscribes again after a closed connection learns what it missed.
+/// The reply replays the run's state and the effects awaiting a decision, taken in the step
+/// that puts the subscription in place (nothing falls between it and the first event), tagged
+/// with the last record so it is released only once what it shows is durable; at most a page
+/// of them (`more`); another principal's run answers the plain ack a missing run gets.
+#[test]
+fn a_subscribe_replays_the_runs_durable_state_in_the_step_that_subscribes() {
+    let mut f = Fixture::new(CoreOptions::default());
+    f.apply(1, agent(), admit("a", PolicyAction::Approve));
+    f.apply(2, agent(), admit("b", PolicyAction::Approve));
+    f.apply(3, agent(), admit("c", PolicyAction::Allow));
+    assert_eq!(
+        f.approve(4, "a"),
+        ["append 4 decide a", "reply 4 @0/4 decided:approved"]
+    );
+    let page = || PageBudget::new(1000, 1 << 20);
+    // `a` approved (not yet admitted), `b` awaiting its approval, `c` held as their sibling.
+    assert_eq!(
+        f.subscribe(5, agent(), 9, page()),
+        ["reply 5 @0/4 subscribed active epoch 1 a:approved(r#1) b:held(r#2) c:held"]
+    );
+    // The next change comes as an event to the subscription made in that step.
+    let cancel = Command::Cancel {
+        run: RunId::new("r").unwrap(),
+        reason: Some("stop".into()),
+        kill: false,
+    };
+    let after = f.apply(6, agent(), cancel);
+    assert!(
+        after.contains(&"event Cancelled to 9 @0/5".to_string()),
+        "{after:?}"
+    );
+    // After the stop: the cause, and nothing awaits (the stop refused what was held).
+    assert_eq!(
+        f.subscribe(7, agent(), 10, page()),
+        ["reply 7 @0/5 subscribed cancelled epoch 2 cause cancelled"]
+    );
+    // Bounded by the page: one item, and `more`.
+    f.apply(8, agent(), admit_in("r2", "x", PolicyAction::Approve));
+    f.apply(9, agent(), admit_in("r2", "y", PolicyAction::Approve));
+    let msg = CoreMsg::Subscribe {
+        principal: agent(),
+        run: RunId::new("r2").unwrap(),
+        conn: 11,
+        out: f.tx.clone().into(),
+        backlog: std::sync::Arc::default(),
+        page: PageBudget::new(1, 1 << 20),
+        to: f.to(10),
+    };
+    let now = f.now();
+    f.core.handle(now, msg);
+    assert_eq!(
+        f.actions(),
+        ["reply 10 @0/7 subscribed active epoch 1 x:held(r2#1) more"]
+    );
+    // Another principal: the plain ack, as for a run that does not exist.
+    assert_eq!(
+        f.subscribe(11, principal("mallory", Role::Agent), 12, page()),
+        ["reply 11 @0/7 subscribed"]
     );
 }

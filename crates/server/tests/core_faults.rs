@@ -243,6 +243,7 @@ fn a_subscriber_that_stops_reading_loses_its_subscription_instead_of_growing_a_q
         conn: 99,
         out: sub_tx.into(),
         backlog: Arc::clone(&backlog),
+        page: estop_protocol::PageBudget::new(1000, 1 << 20),
         to,
     })
     .unwrap();

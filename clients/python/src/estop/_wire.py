@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import error_from_reply
+from .errors import LineTooLong, error_from_reply
 from .verdicts import Verdict, parse_verdict
 
 #: Ops that are safe to send again after a lost reply (the gate answers a repeat from its state).
@@ -45,6 +45,57 @@ def request_line(rid: int, op: str, fields: dict[str, Any]) -> bytes:
             continue
         req[k] = v
     return (json.dumps(req, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n").encode()
+
+
+def fit_line(op: str, line: bytes, line_bytes_max: int) -> bytes:
+    """The line, if the gate will read it; `LineTooLong` here, before the wire, if not (the gate
+    would discard it unread and answer with `id: null`)."""
+    if len(line) - 1 > line_bytes_max:
+        raise LineTooLong(
+            "line_too_long", f"{op} request is {len(line) - 1} bytes, over line_bytes_max {line_bytes_max}; not sent"
+        )
+    return line
+
+
+def unread_line_owner(msg: dict[str, Any], sent: dict[int, tuple[str, int]]) -> int | None:
+    """The request an `id: null` refusal answers (docs/PROTOCOL.md, "Reconnecting"), among those
+    `sent` on the connection and not answered yet (id -> (op, line bytes)); None when it answers
+    none (a notice before the gate closes the connection: idle, revoked, evicted).
+
+    `line_too_long`: the longest line in flight — every line longer than the one refused is over
+    the bound too and gets its own refusal, so the requests failed are exactly those refused.
+    `bad_json`: the oldest request in flight, a parked `wait` last (it was read long ago)."""
+    if msg.get("ok") is not False or not sent:
+        return None
+    code = (msg.get("error") or {}).get("code")
+    if code == "line_too_long":
+        return max(sent, key=lambda rid: (sent[rid][1], -rid))
+    if code == "bad_json":
+        return min(sent, key=lambda rid: (sent[rid][0] == "wait", rid))
+    return None
+
+
+def is_terminal(event: dict[str, Any]) -> bool:
+    """An event (or a `subscribed` replay) saying the run stopped: nothing more to re-subscribe."""
+    kind = event.get("event")
+    return kind in ("cancelled", "closed") or (kind == "subscribed" and event.get("cause") is not None)
+
+
+def error_text(msg: dict[str, Any]) -> str:
+    err = msg.get("error") or {}
+    return f"{err.get('code', 'internal')}: {err.get('message', '')}"
+
+
+def replay_event(run: str, reply: dict[str, Any]) -> dict[str, Any] | None:
+    """What a `subscribe` reply replays of the run (its state when the subscription took hold:
+    stopped and why, the effects awaiting a decision), as the `subscribed` line the clients hand
+    their listeners; None for the plain ack (a run not created yet, or not this principal's)."""
+    if "state" not in reply:
+        return None
+    ev = {k: v for k, v in reply.items() if k not in ("id", "ok")}
+    ev["event"] = "subscribed"
+    ev["run"] = run
+    return ev
 
 
 #: The lists of a report; each page of a report holds those of its own effects.

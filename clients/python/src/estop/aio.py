@@ -12,13 +12,13 @@ import itertools
 import json
 import logging
 import random
-from typing import Any
+from typing import Any, Callable
 
 from . import _wire
 from ._wire import _MISSING, REPORT_LISTS, merge_page
 from .client import EventCallback
 from .config import Config
-from .errors import ConnectionLost, EstopTimeout, GateError, InvalidRequest, Unauthenticated
+from .errors import ConnectionLost, EstopError, EstopTimeout, GateError, Unauthenticated
 from .verdicts import Verdict
 
 log = logging.getLogger("estop")
@@ -29,12 +29,23 @@ _LIMIT_BYTES = 1 << 20  # a reply line can carry a 64 KiB result, well under thi
 
 
 class _AConn:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, on_event: EventCallback) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        on_event: EventCallback,
+        on_close: "Callable[[_AConn], None] | None" = None,
+    ) -> None:
         self.reader = reader
         self.writer = writer
         self.futs: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        # What each request in flight is (op, line bytes): an `id: null` refusal is matched to
+        # one of them (`_wire.unread_line_owner`).
+        self.sent: dict[int, tuple[str, int]] = {}
         self.alive = True
         self.on_event = on_event
+        self.on_close = on_close
+        self.cancelled = False
         self.task = asyncio.get_running_loop().create_task(self._read(), name="estop-reader")
 
     async def _read(self) -> None:
@@ -59,29 +70,43 @@ class _AConn:
                         log.exception("estop: an event handler failed on %r", msg)
                     continue
                 rid = msg.get("id")
-                fut = self.futs.pop(rid, None) if isinstance(rid, int) else None
+                if rid is None:
+                    rid = _wire.unread_line_owner(msg, self.sent)
+                    if rid is None and msg.get("ok") is False:
+                        err = ConnectionLost(f"the gate closed the connection: {_wire.error_text(msg)}")
+                if not isinstance(rid, int):
+                    continue
+                self.sent.pop(rid, None)
+                fut = self.futs.pop(rid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
         except (OSError, ValueError, asyncio.IncompleteReadError) as e:
             err = ConnectionLost(f"connection to the gate lost: {e}")
         except asyncio.CancelledError:
+            # Cancelled: the client is closing, or its loop is ending; nothing to reconnect.
+            self.cancelled = True
             err = ConnectionLost("client closed")
         finally:
             self.close(err)
 
-    async def send(self, rid: int, line: bytes) -> asyncio.Future[dict[str, Any]]:
+    async def send(self, rid: int, line: bytes, op: str = "") -> asyncio.Future[dict[str, Any]]:
         if not self.alive:
             raise ConnectionLost("connection to the gate is closed")
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.futs[rid] = fut
+        self.sent[rid] = (op, len(line))
         try:
             self.writer.write(line)
             await self.writer.drain()
         except (OSError, RuntimeError) as e:
-            self.futs.pop(rid, None)
+            self.forget(rid)
             self.close(ConnectionLost(f"connection to the gate lost: {e}"))
             raise ConnectionLost(f"connection to the gate lost: {e}") from e
         return fut
+
+    def forget(self, rid: int) -> None:
+        self.futs.pop(rid, None)
+        self.sent.pop(rid, None)
 
     def close(self, err: BaseException) -> None:
         if not self.alive:
@@ -89,6 +114,7 @@ class _AConn:
         self.alive = False
         futs = list(self.futs.values())
         self.futs.clear()
+        self.sent.clear()
         for f in futs:
             if not f.done():
                 f.set_exception(err)
@@ -96,6 +122,8 @@ class _AConn:
             self.writer.close()
         except (OSError, RuntimeError):
             pass
+        if self.on_close is not None:
+            self.on_close(self)
         try:
             current = asyncio.current_task()
         except RuntimeError:  # no running loop: the loop is gone and its tasks with it
@@ -136,6 +164,8 @@ class AsyncClient:
         # What this connection executes compensations of (`compensations`), said again after a
         # reconnect: `""` for every run the principal sees.
         self._executes: set[str] = set()
+        self._keeper: asyncio.Task[None] | None = None
+        self._reconnect = False
         self._listeners: list[EventCallback] = []
         self.role: str | None = None
         self.principal: str | None = None
@@ -148,12 +178,17 @@ class AsyncClient:
             coro = asyncio.open_connection(self.config.addr[0], self.config.addr[1], limit=_LIMIT_BYTES)
         return await asyncio.wait_for(coro, self.connect_timeout_s)
 
-    async def _connection(self) -> _AConn:
+    async def _connection(self, attempts: int | None = None) -> _AConn:
+        """The live connection, opened (`attempts` tries, `reconnect_attempts` by default, with
+        backoff and jitter) when there is none: `hello`, every subscription and the executor's
+        registration again; the subscriptions' replies are handed to the listeners as
+        `subscribed` lines once the connection is up."""
         conn = self._conn
         if conn is not None and conn.alive:
             return conn
         if self._lock is None:
             self._lock = asyncio.Lock()
+        replays: list[dict[str, Any]] = []
         async with self._lock:
             conn = self._conn
             if conn is not None and conn.alive:
@@ -162,7 +197,7 @@ class AsyncClient:
                 raise ConnectionLost("client is closed")
             delay = self.backoff_initial_s
             last: BaseException | None = None
-            for attempt in range(max(1, self.reconnect_attempts)):
+            for attempt in range(max(1, self.reconnect_attempts if attempts is None else attempts)):
                 if attempt:
                     await asyncio.sleep(delay * (0.5 + random.random() / 2))
                     delay = min(delay * 2, self.backoff_max_s)
@@ -171,51 +206,93 @@ class AsyncClient:
                 except (OSError, asyncio.TimeoutError) as e:
                     last = e
                     continue
-                conn = _AConn(reader, writer, self._dispatch)
+                conn = _AConn(reader, writer, self._dispatch, self._lost)
                 try:
-                    await self._handshake(conn)
+                    replays = await self._handshake(conn)
                 except (ConnectionLost, EstopTimeout) as e:
                     conn.close(ConnectionLost("handshake failed"))
                     last = e
                     continue
                 self._conn = conn
-                return conn
-            where = self.config.socket or f"{self.config.addr[0]}:{self.config.addr[1]}"  # type: ignore[index]
-            raise ConnectionLost(f"cannot reach the gate at {where}: {last}")
+                break
+            else:
+                where = self.config.socket or f"{self.config.addr[0]}:{self.config.addr[1]}"  # type: ignore[index]
+                raise ConnectionLost(f"cannot reach the gate at {where}: {last}")
+        for ev in replays:
+            self._dispatch(ev)
+        return conn
+
+    def _lost(self, conn: _AConn) -> None:
+        """A connection ended. With runs watched or compensations registered, a keeper task
+        reconnects at once: an idle watcher or executor has no call of its own that would."""
+        if self._closed or conn.cancelled or conn is not self._conn or not (self._subs or self._executes):
+            return
+        self._reconnect = True
+        if self._keeper is not None and not self._keeper.done():
+            return  # it looks at `_reconnect` again before it ends
+        try:
+            self._keeper = asyncio.get_running_loop().create_task(self._keep(), name="estop-reconnect")
+        except RuntimeError:  # the loop is gone: so is everything that listened on it
+            pass
+
+    async def _keep(self) -> None:
+        """Reconnects until the client is closed or nothing is watched or executed any more:
+        backoff with jitter from `backoff_initial_s`, then every `backoff_max_s` for as long as
+        it takes (an executor never gives up)."""
+        while self._reconnect and not self._closed and (self._subs or self._executes):
+            self._reconnect = False
+            delay = self.backoff_initial_s
+            failures = 0
+            while not self._closed and (self._subs or self._executes):
+                try:
+                    await self._connection(attempts=1)
+                    break
+                except (EstopError, OSError) as e:
+                    failures += 1
+                    if failures in (1, 10) or failures % 100 == 0:
+                        log.warning("estop: the gate is unreachable (%s); retrying every %.1fs at most", e, self.backoff_max_s)
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                delay = min(delay * 2, self.backoff_max_s)
 
     async def _roundtrip(self, conn: _AConn, op: str, fields: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         rid = next(self._ids)
-        line = _wire.request_line(rid, op, fields)
-        if len(line) - 1 > self.line_bytes_max:
-            raise InvalidRequest("line_too_long", f"{op} request is {len(line) - 1} bytes, over line_bytes_max {self.line_bytes_max}")
-        fut = await conn.send(rid, line)
+        line = _wire.fit_line(op, _wire.request_line(rid, op, fields), self.line_bytes_max)
+        fut = await conn.send(rid, line, op)
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             raise EstopTimeout(f"no reply to {op} within {timeout_s:.1f}s") from None
         finally:
-            conn.futs.pop(rid, None)
+            conn.forget(rid)
 
-    async def _handshake(self, conn: _AConn) -> None:
+    async def _handshake(self, conn: _AConn) -> list[dict[str, Any]]:
+        """`hello`, every subscription and the executor's registration again; returns what the
+        subscriptions' replies replay."""
         if self.config.token is None:
             raise Unauthenticated("unauthenticated", "no token: set ESTOP_TOKEN or pass token=")
         reply = _wire.check(await self._roundtrip(conn, "hello", {"token": self.config.token}, self.connect_timeout_s))
         self.role = reply.get("role")
         self.principal = reply.get("principal")
+        replays: list[dict[str, Any]] = []
         for run in list(self._subs):
             try:
-                _wire.check(await self._roundtrip(conn, "subscribe", {"run": run}, self.connect_timeout_s))
+                sub = _wire.check(await self._roundtrip(conn, "subscribe", {"run": run}, self.connect_timeout_s))
             except GateError:
-                pass
+                log.warning("estop: the gate refused to subscribe to %r again", run)
+                continue
+            ev = _wire.replay_event(run, sub)
+            if ev is not None:
+                replays.append(ev)
         for run in list(self._executes):
             fields = {"run": run} if run else {}
             try:
                 _wire.check(await self._roundtrip(conn, "compensations", fields, self.connect_timeout_s))
             except GateError:
                 log.warning("estop: the gate refused this connection as an executor of %r again", run or "every run")
+        return replays
 
     def _dispatch(self, event: dict[str, Any]) -> None:
-        if event.get("event") in ("cancelled", "closed") and event.get("run") in self._subs:
+        if _wire.is_terminal(event) and event.get("run") in self._subs:
             self._subs.pop(event["run"], None)  # terminal: no need to re-subscribe after a reconnect
         for cb in list(self._listeners):
             try:
@@ -231,6 +308,8 @@ class AsyncClient:
         self._closed = True
         if self._conn is not None:
             self._conn.close(ConnectionLost("client closed"))
+        if self._keeper is not None and not self._keeper.done() and self._keeper is not asyncio.current_task():
+            self._keeper.cancel()
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()
@@ -328,9 +407,12 @@ class AsyncClient:
         )
         return _wire.verdict(reply)
 
-    async def subscribe(self, run: str) -> None:
-        await self.call("subscribe", run=run)
+    async def subscribe(self, run: str) -> dict[str, Any]:
+        """As `Client.subscribe`: returns the reply (the run's state); after a reconnect each
+        subscription's reply is handed to the listeners as a `subscribed` line."""
+        reply = await self.call("subscribe", run=run)
         self._subs[run] = self._subs.get(run, 0) + 1
+        return reply
 
     async def unsubscribe(self, run: str) -> None:
         n = self._subs.get(run, 0)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from . import _wire
 from ._wire import _MISSING, REPORT_LISTS, merge_page
 from .config import Config
-from .errors import ConnectionLost, EstopTimeout, GateError, InvalidRequest, Unauthenticated
+from .errors import ConnectionLost, EstopError, EstopTimeout, GateError, Unauthenticated
 from .verdicts import Verdict
 
 log = logging.getLogger("estop")
@@ -40,14 +40,23 @@ class _Slot:
 class _Conn:
     """One live socket and its reader thread."""
 
-    def __init__(self, sock: _socket.socket, on_event: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self,
+        sock: _socket.socket,
+        on_event: Callable[[dict[str, Any]], None],
+        on_close: "Callable[[_Conn], None] | None" = None,
+    ) -> None:
         self.sock = sock
         self.rfile = sock.makefile("rb")
         self.wlock = threading.Lock()
         self.slots: dict[int, _Slot] = {}
+        # What each request in flight is (op, line bytes): an `id: null` refusal is matched to
+        # one of them (`_wire.unread_line_owner`).
+        self.sent: dict[int, tuple[str, int]] = {}
         self.slots_lock = threading.Lock()
         self.alive = True
         self.on_event = on_event
+        self.on_close = on_close
         self.thread = threading.Thread(target=self._read, name="estop-reader", daemon=True)
         self.thread.start()
 
@@ -71,7 +80,14 @@ class _Conn:
                     continue
                 rid = msg.get("id")
                 with self.slots_lock:
-                    slot = self.slots.pop(rid, None) if isinstance(rid, int) else None
+                    if rid is None:
+                        rid = _wire.unread_line_owner(msg, self.sent)
+                        if rid is None and msg.get("ok") is False:
+                            err = ConnectionLost(f"the gate closed the connection: {_wire.error_text(msg)}")
+                    slot = None
+                    if isinstance(rid, int):
+                        self.sent.pop(rid, None)
+                        slot = self.slots.pop(rid, None)
                 if slot is not None:
                     slot.reply = msg
                     slot.done.set()
@@ -80,18 +96,18 @@ class _Conn:
         finally:
             self.close(err)
 
-    def send(self, rid: int, line: bytes) -> _Slot:
+    def send(self, rid: int, line: bytes, op: str = "") -> _Slot:
         slot = _Slot()
         with self.slots_lock:
             if not self.alive:
                 raise ConnectionLost("connection to the gate is closed")
             self.slots[rid] = slot
+            self.sent[rid] = (op, len(line))
         try:
             with self.wlock:
                 self.sock.sendall(line)
         except OSError as e:
-            with self.slots_lock:
-                self.slots.pop(rid, None)
+            self.forget(rid)
             self.close(ConnectionLost(f"connection to the gate lost: {e}"))
             raise ConnectionLost(f"connection to the gate lost: {e}") from e
         return slot
@@ -99,6 +115,7 @@ class _Conn:
     def forget(self, rid: int) -> None:
         with self.slots_lock:
             self.slots.pop(rid, None)
+            self.sent.pop(rid, None)
 
     def close(self, err: BaseException) -> None:
         with self.slots_lock:
@@ -107,6 +124,7 @@ class _Conn:
             self.alive = False
             slots = list(self.slots.values())
             self.slots.clear()
+            self.sent.clear()
         for s in slots:
             s.error = err
             s.done.set()
@@ -118,6 +136,8 @@ class _Conn:
             self.sock.close()
         except OSError:
             pass
+        if self.on_close is not None:
+            self.on_close(self)
 
 
 class Client:
@@ -155,6 +175,9 @@ class Client:
         self._conn_lock = threading.Lock()
         self._closed = False
         self._subs: dict[str, int] = {}
+        self._keeper: threading.Thread | None = None
+        self._keeper_lock = threading.Lock()
+        self._reconnect = False
         self._listeners: list[EventCallback] = []
         self._listeners_lock = threading.Lock()
         self.role: str | None = None
@@ -181,10 +204,14 @@ class Client:
             s.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
         return s
 
-    def _connection(self) -> _Conn:
+    def _connection(self, attempts: int | None = None) -> _Conn:
+        """The live connection, opened (`attempts` tries, `reconnect_attempts` by default, with
+        backoff and jitter) when there is none: `hello`, then every subscription again, whose
+        replies are handed to the listeners as `subscribed` lines once the connection is up."""
         conn = self._conn
         if conn is not None and conn.alive:
             return conn
+        replays: list[dict[str, Any]] = []
         with self._conn_lock:
             conn = self._conn
             if conn is not None and conn.alive:
@@ -193,7 +220,7 @@ class Client:
                 raise ConnectionLost("client is closed")
             delay = self.backoff_initial_s
             last: Exception | None = None
-            for attempt in range(max(1, self.reconnect_attempts)):
+            for attempt in range(max(1, self.reconnect_attempts if attempts is None else attempts)):
                 if attempt:
                     time.sleep(delay * (0.5 + random.random() / 2))
                     delay = min(delay * 2, self.backoff_max_s)
@@ -202,23 +229,60 @@ class Client:
                 except OSError as e:
                     last = e
                     continue
-                conn = _Conn(sock, self._dispatch)
+                conn = _Conn(sock, self._dispatch, self._lost)
                 try:
-                    self._handshake(conn)
-                except ConnectionLost as e:
+                    replays = self._handshake(conn)
+                except (ConnectionLost, EstopTimeout) as e:
+                    conn.close(ConnectionLost("handshake failed"))
                     last = e
                     continue
                 self._conn = conn
-                return conn
-            where = self.config.socket or f"{self.config.addr[0]}:{self.config.addr[1]}"  # type: ignore[index]
-            raise ConnectionLost(f"cannot reach the gate at {where}: {last}")
+                break
+            else:
+                where = self.config.socket or f"{self.config.addr[0]}:{self.config.addr[1]}"  # type: ignore[index]
+                raise ConnectionLost(f"cannot reach the gate at {where}: {last}")
+        for ev in replays:
+            self._dispatch(ev)
+        return conn
+
+    def _lost(self, conn: _Conn) -> None:
+        """A connection ended. With runs watched, a keeper reconnects at once, in the background:
+        an idle watcher has no call of its own that would."""
+        if self._closed or conn is not self._conn or not self._subs:
+            return
+        with self._keeper_lock:
+            self._reconnect = True
+            if self._keeper is not None:
+                return  # it looks at `_reconnect` again before it ends
+            self._keeper = threading.Thread(target=self._keep, name="estop-reconnect", daemon=True)
+            self._keeper.start()
+
+    def _keep(self) -> None:
+        """Reconnects until the client is closed or nothing is watched any more: backoff with
+        jitter from `backoff_initial_s`, then every `backoff_max_s` for as long as it takes."""
+        while True:
+            with self._keeper_lock:
+                if not self._reconnect or self._closed or not self._subs:
+                    self._keeper = None
+                    return
+                self._reconnect = False
+            delay = self.backoff_initial_s
+            failures = 0
+            while not self._closed and self._subs:
+                try:
+                    self._connection(attempts=1)
+                    break
+                except (EstopError, OSError) as e:
+                    failures += 1
+                    if failures in (1, 10) or failures % 100 == 0:
+                        log.warning("estop: the gate is unreachable (%s); retrying every %.1fs at most", e, self.backoff_max_s)
+                time.sleep(delay * (0.5 + random.random() / 2))
+                delay = min(delay * 2, self.backoff_max_s)
 
     def _roundtrip(self, conn: _Conn, op: str, fields: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         rid = next(self._ids)
-        line = _wire.request_line(rid, op, fields)
-        if len(line) - 1 > self.line_bytes_max:
-            raise InvalidRequest("line_too_long", f"{op} request is {len(line) - 1} bytes, over line_bytes_max {self.line_bytes_max}")
-        slot = conn.send(rid, line)
+        line = _wire.fit_line(op, _wire.request_line(rid, op, fields), self.line_bytes_max)
+        slot = conn.send(rid, line, op)
         if not slot.done.wait(timeout_s):
             conn.forget(rid)
             raise EstopTimeout(f"no reply to {op} within {timeout_s:.1f}s")
@@ -227,7 +291,8 @@ class Client:
         assert slot.reply is not None
         return slot.reply
 
-    def _handshake(self, conn: _Conn) -> None:
+    def _handshake(self, conn: _Conn) -> list[dict[str, Any]]:
+        """`hello`, then every subscription again; returns what their replies replay."""
         if self.config.token is None:
             raise Unauthenticated("unauthenticated", "no token: set ESTOP_TOKEN or pass token=")
         reply = _wire.check(
@@ -235,14 +300,20 @@ class Client:
         )
         self.role = reply.get("role")
         self.principal = reply.get("principal")
+        replays: list[dict[str, Any]] = []
         for run in list(self._subs):
             try:
-                _wire.check(self._roundtrip(conn, "subscribe", {"run": run}, self.connect_timeout_s))
+                sub = _wire.check(self._roundtrip(conn, "subscribe", {"run": run}, self.connect_timeout_s))
             except GateError:
-                pass
+                log.warning("estop: the gate refused to subscribe to %r again", run)
+                continue
+            ev = _wire.replay_event(run, sub)
+            if ev is not None:
+                replays.append(ev)
+        return replays
 
     def _dispatch(self, event: dict[str, Any]) -> None:
-        if event.get("event") in ("cancelled", "closed") and event.get("run") in self._subs:
+        if _wire.is_terminal(event) and event.get("run") in self._subs:
             self._subs.pop(event["run"], None)  # terminal: no need to re-subscribe after a reconnect
         with self._listeners_lock:
             listeners = list(self._listeners)
@@ -365,9 +436,14 @@ class Client:
         )
         return _wire.verdict(reply)
 
-    def subscribe(self, run: str) -> None:
-        self.call("subscribe", run=run)
+    def subscribe(self, run: str) -> dict[str, Any]:
+        """Event lines of `run` reach the listeners from now on, and again after a reconnect.
+        Returns the reply, which replays the run's state (docs/PROTOCOL.md, "subscribe"); the
+        reply of each subscription said again after a reconnect is handed to the listeners as a
+        `subscribed` line, so a stop or decision made while the connection was down is heard."""
+        reply = self.call("subscribe", run=run)
         self._subs[run] = self._subs.get(run, 0) + 1
+        return reply
 
     def unsubscribe(self, run: str) -> None:
         n = self._subs.get(run, 0)

@@ -10,6 +10,7 @@ __all__ = [
     "EstopTimeout",
     "GateError",
     "InvalidRequest",
+    "LineTooLong",
     "Unauthenticated",
     "Forbidden",
     "NotFound",
@@ -62,6 +63,12 @@ class InvalidRequest(GateError):
     """bad_json, unknown_op, missing_field, invalid_field, line_too_long, args_required."""
 
 
+class LineTooLong(InvalidRequest):
+    """The request's line is longer than the gate's `line_bytes_max`: refused by the client before
+    it was sent, or by the gate (which answers such a line with `id: null`, since it never read
+    it; the client fails the request in flight that caused it with this error)."""
+
+
 class Unauthenticated(GateError):
     pass
 
@@ -99,7 +106,7 @@ _BY_CODE: dict[str, type[GateError]] = {
     "unknown_op": InvalidRequest,
     "missing_field": InvalidRequest,
     "invalid_field": InvalidRequest,
-    "line_too_long": InvalidRequest,
+    "line_too_long": LineTooLong,
     "args_required": InvalidRequest,
     "policy_args_required": InvalidRequest,
     "unauthenticated": Unauthenticated,

@@ -17,6 +17,7 @@ import asyncio
 import contextvars
 import logging
 import threading
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any, Iterator
 from .aio import AsyncClient
 from .client import Client
 from .config import Config
-from .errors import Interrupted, NoRun, NotFound, RunStopped
+from .errors import ConnectionLost, EstopTimeout, Interrupted, NoRun, NotFound, RunStopped
 
 __all__ = [
     "Estop", "Invocation", "Run", "Step", "current_invocation", "current_run", "current_step", "step", "default", "configure",
@@ -84,9 +85,19 @@ FENCES = _Fences()
 
 
 def _on_event(event: dict[str, Any]) -> None:
-    """The watcher: a stop event fences that run (and its local descendants) in this process."""
-    if event.get("event") in _STOP_EVENTS and isinstance(event.get("run"), str):
+    """The watcher: a stop event fences that run (and its local descendants) in this process,
+    and so does a `subscribed` replay of a run that stopped while the connection was down."""
+    if not isinstance(event.get("run"), str):
+        return
+    if event.get("event") in _STOP_EVENTS:
         FENCES.fence(event["run"], "closed" if event["event"] == "closed" else "cancelled")
+    elif _replayed_stop(event):
+        FENCES.fence(event["run"], "closed" if event.get("cause") in ("closed", "failed") else "cancelled")
+
+
+def _replayed_stop(event: dict[str, Any]) -> bool:
+    """A `subscribed` line (a subscription said again after a reconnect) of a stopped run."""
+    return event.get("event") == "subscribed" and event.get("cause") is not None
 
 
 class Invocation:
@@ -293,57 +304,75 @@ class Estop:
         of its own: it is answered `sibling` / `paused` at once (it goes when that is lifted).
         Woken by the gate's events (`subscribe`: `decided`, `expired`,
         `cancelled`, `closed`), never by polling; one `wait` of 0 ms per key after subscribing
-        covers a decision made before it."""
+        covers a decision made before it, and again after a reconnect (the subscription's replay
+        says what was decided while the connection was down)."""
         rid = run.id if isinstance(run, Run) else run
-        want = set(keys)
-        got: dict[str, str] = {}
+        d = _Decisions(rid, keys)
         cv = threading.Condition()
 
         def on_event(ev: dict[str, Any]) -> None:
             with cv:
-                if _decision_event(ev, rid, want, got):
+                if d.hear(ev):
                     cv.notify_all()
 
         client = self.client
         client.add_listener(on_event)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             client.subscribe(rid)
-            for k in list(want):
-                _settle_now(got, want, k, client.wait(rid, k, 0), cv)
-            with cv:
-                cv.wait_for(lambda: want <= got.keys(), timeout_s)
-                return dict(got)
+            while True:
+                with cv:
+                    d.recheck = False
+                    open_keys = d.open()
+                try:
+                    for k in open_keys:
+                        v = client.wait(rid, k, 0)
+                        with cv:
+                            d.settle(k, v)
+                except (ConnectionLost, EstopTimeout):
+                    pass  # the reconnect's replay asks for another look
+                with cv:
+                    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                    cv.wait_for(lambda: d.done() or d.recheck, left)
+                    if d.done() or not d.recheck:
+                        return dict(d.got)
         finally:
             client.remove_listener(on_event)
 
     async def await_decided(self, run: "Run | str", keys: "list[str] | set[str] | tuple[str, ...]", timeout_s: float | None = None) -> dict[str, str]:
         """`wait_decided` for asyncio (the running loop's client and its events)."""
         rid = run.id if isinstance(run, Run) else run
-        want = set(keys)
-        got: dict[str, str] = {}
+        d = _Decisions(rid, keys)
         changed = asyncio.Event()
 
         def on_event(ev: dict[str, Any]) -> None:
-            if _decision_event(ev, rid, want, got):
+            if d.hear(ev):
                 changed.set()
 
         client = self.aclient
         client.add_listener(on_event)
-        try:
-            await client.subscribe(rid)
-            for k in list(want):
-                _settle_now(got, want, k, await client.wait(rid, k, 0), None)
 
-            async def all_in() -> None:
-                while not want <= got.keys():
+        async def all_in() -> None:
+            while True:
+                d.recheck = False
+                try:
+                    for k in d.open():
+                        d.settle(k, await client.wait(rid, k, 0))
+                except (ConnectionLost, EstopTimeout):
+                    pass  # the reconnect's replay asks for another look
+                while not d.done() and not d.recheck:
                     changed.clear()
                     await changed.wait()
+                if d.done():
+                    return
 
+        try:
+            await client.subscribe(rid)
             try:
                 await asyncio.wait_for(all_in(), timeout_s)
             except asyncio.TimeoutError:
                 pass
-            return dict(got)
+            return dict(d.got)
         finally:
             client.remove_listener(on_event)
 
@@ -361,44 +390,75 @@ class Estop:
             await c.close()
 
 
-def _decision_event(ev: dict[str, Any], run: str, want: set[str], got: dict[str, str]) -> bool:
-    """Records what an event line says about the keys awaited; True if it changed anything."""
-    kind, key = ev.get("event"), ev.get("key")
-    if kind == "decided" and ev.get("run") == run and key in want:
-        got.setdefault(key, "approve" if ev.get("decision") in ("approve", "approved") else "reject")
-        return True
-    if kind == "expired" and ev.get("run") == run and key in want:
-        got.setdefault(key, "expired")
-        return True
-    if kind in _STOP_EVENTS and ev.get("run") == run:  # (an ancestor's cancel reaches the run too)
-        for k in want:
-            got.setdefault(k, "cancelled")
-        return True
-    return False
+class _Decisions:
+    """What `wait_decided` has heard of the keys it awaits: from events, from `wait`s of 0 ms,
+    and from a subscription's replay (on subscribing, and after every reconnect)."""
 
+    def __init__(self, run: str, keys: "list[str] | set[str] | tuple[str, ...]") -> None:
+        self.run = run
+        self.want = set(keys)
+        self.got: dict[str, str] = {}
+        #: A replay said something was decided while we were away: look again (`wait` 0 ms).
+        self.recheck = False
 
-def _settle_now(got: dict[str, str], want: set[str], key: str, v: Any, cv: "threading.Condition | None") -> None:
-    """A `wait` answered at once: held (still pending), or what the decision made of it. A key
-    held as the sibling of an approval (or by a pause) is answered with that reason."""
-    from .verdicts import Admitted, Duplicate, Held, RefusedVerdict
+    def open(self) -> list[str]:
+        return sorted(self.want - self.got.keys())
 
-    if isinstance(v, Held):
-        if v.reason != "approval":
-            want.discard(key)
-            got.setdefault(key, str(v.reason))
-        return
-    if isinstance(v, (Admitted, Duplicate)):
-        what = "approve"
-    elif isinstance(v, RefusedVerdict):
-        what = {"rejected": "reject", "expired": "expired"}.get(v.reason, "cancelled")
-    else:
-        return
-    if cv is None:
-        got.setdefault(key, what)
-        return
-    with cv:
-        got.setdefault(key, what)
-        cv.notify_all()
+    def done(self) -> bool:
+        return self.want <= self.got.keys()
+
+    def hear(self, ev: dict[str, Any]) -> bool:
+        """Records what an event line says about the keys awaited; True if it changed anything."""
+        kind, key = ev.get("event"), ev.get("key")
+        if ev.get("run") != self.run:
+            return False
+        if kind == "decided" and key in self.want:
+            self.got.setdefault(key, "approve" if ev.get("decision") in ("approve", "approved") else "reject")
+            return True
+        if kind == "expired" and key in self.want:
+            self.got.setdefault(key, "expired")
+            return True
+        if kind in _STOP_EVENTS or _replayed_stop(ev):  # (an ancestor's cancel reaches the run too)
+            for k in self.want:
+                self.got.setdefault(k, "cancelled")
+            return True
+        if kind == "subscribed":
+            return self._replay(ev)
+        return False
+
+    def _replay(self, ev: dict[str, Any]) -> bool:
+        """A replay of the live run: an awaited key no longer `held` was decided while the
+        connection was down; a `wait` of 0 ms says how (`approved` ones are known already)."""
+        held = set()
+        for a in ev.get("awaiting") or []:
+            if not isinstance(a, dict):
+                continue
+            if a.get("status") == "approved" and a.get("key") in self.want:
+                self.got.setdefault(a["key"], "approve")
+            elif a.get("status") == "held":
+                held.add(a.get("key"))
+        missed = [k for k in self.open() if k not in held]
+        if missed or ev.get("more"):
+            self.recheck = True
+        return True
+
+    def settle(self, key: str, v: Any) -> None:
+        """A `wait` answered at once: held (still pending), or what the decision made of it. A
+        key held as the sibling of an approval (or by a pause) is answered with that reason."""
+        from .verdicts import Admitted, Duplicate, Held, RefusedVerdict
+
+        if isinstance(v, Held):
+            if v.reason != "approval":
+                self.want.discard(key)
+                self.got.setdefault(key, str(v.reason))
+            return
+        if isinstance(v, (Admitted, Duplicate)):
+            what = "approve"
+        elif isinstance(v, RefusedVerdict):
+            what = {"rejected": "reject", "expired": "expired"}.get(v.reason, "cancelled")
+        else:
+            return
+        self.got.setdefault(key, what)
 
 
 def _ignore_unknown_run(fn: Any) -> Any:

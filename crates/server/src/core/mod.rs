@@ -112,6 +112,8 @@ pub enum CoreMsg {
         out: Outbox,
         /// Events queued for this connection and not yet written (the writer counts down).
         backlog: Arc<AtomicUsize>,
+        /// How many of the run's effects awaiting a decision the reply may list.
+        page: PageBudget,
         to: ReplyTo,
     },
     Unsubscribe {
@@ -525,6 +527,7 @@ impl Core {
                 conn,
                 out,
                 backlog,
+                page,
                 to,
             } => {
                 let sub = Subscriber {
@@ -533,7 +536,7 @@ impl Core {
                     out,
                     backlog,
                 };
-                self.subscribe(run, sub, to);
+                self.subscribe(run, sub, page, to);
             }
             CoreMsg::Unsubscribe { run, conn } => self.unsubscribe(&run, conn),
             CoreMsg::Executor {

@@ -14,21 +14,27 @@ pub(super) struct Subscriber {
 }
 
 impl Core {
-    /// A `subscribe`: the run's view (or a plain ack) once the subscription is in place.
-    pub(super) fn subscribe(&mut self, run: RunId, sub: Subscriber, to: ReplyTo) {
-        let answer = match self.gate.visible_run(&sub.principal, &run) {
-            // Not created yet — or another principal's, which must look the same, so
-            // `subscribe` tells no one which run ids others use: the subscription
-            // waits, and hears only of runs its principal may see (`publish`).
+    /// A `subscribe`: the run's durable state (or a plain ack) once the subscription is in
+    /// place. Both happen in this one step of the core, so no change falls between the state
+    /// replayed and the first event; the reply is released, as every reply, once what it shows
+    /// is durable.
+    pub(super) fn subscribe(&mut self, run: RunId, sub: Subscriber, page: PageBudget, to: ReplyTo) {
+        // Not created yet — or another principal's, which must look the same, so `subscribe`
+        // tells no one which run ids others use: the reply is the plain ack, the subscription
+        // waits, and hears only of runs its principal may see (`publish`).
+        let replay = match self.gate.visible_run(&sub.principal, &run) {
+            Ok(r) => Some(render::run_replay(&run, r, page)),
             Err(_) => self
-                .add_subscription(run, sub)
-                .unwrap_or_else(|| Answer::Ack(wire::Ack::default())),
-            Ok(r) => {
-                let view = render::run_view(&run, r);
-                self.add_subscription(run, sub)
-                    .unwrap_or(Answer::Run(Box::new(view)))
-            }
+                .gate
+                .visible_tombstone(&sub.principal, &run)
+                .ok()
+                .map(|t| render::tombstone_replay(&run, t)),
         };
+        let answer = self
+            .add_subscription(run, sub)
+            .unwrap_or(Answer::Subscribed(Box::new(wire::SubscribeReply {
+                replay,
+            })));
         self.send(to, answer);
     }
 
