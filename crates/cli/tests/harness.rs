@@ -3645,7 +3645,9 @@ fn a_cancel_after_a_gate_restart_is_heard_and_cuts_the_stream() {
         ],
     );
     let mut opts = options(&d, &server.base_url(), &effects);
-    opts.call_limits.call_deadline_ms = 20_000;
+    // Unheard, the cancel would end the stream only at this deadline (the fence read before
+    // the next model call would still end the trajectory, a minute late).
+    opts.call_limits.call_deadline_ms = 60_000;
     let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
     rt.block_on(async { runner.start("traj-r1", None, "work") })
         .unwrap();
@@ -3657,7 +3659,10 @@ fn a_cancel_after_a_gate_restart_is_heard_and_cuts_the_stream() {
     d.restart();
     let (code, _, err) = d.cli(&["cancel", "traj-r1", "--reason", "after the restart"]);
     assert_eq!(code, 0, "{err}");
-    let runner = rt.block_on(run).unwrap();
+    let runner = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(30), run).await })
+        .expect("the cancel was heard: the stream was cut long before its deadline")
+        .unwrap();
     let rec = runner.record("traj-r1").unwrap();
     assert_eq!(rec.state, State::Canceled, "{:?}", rec.exit);
     rt.block_on(server.wait_for(&Seen::Gone { n: 1, step: 1 }));
@@ -3696,8 +3701,105 @@ fn an_approval_after_a_gate_restart_is_heard_and_the_call_runs_once() {
     d.restart();
     let (code, _, err) = d.cli(&["approve", "traj-r2", "c1"]);
     assert_eq!(code, 0, "{err}");
-    let runner = rt.block_on(run).unwrap();
+    let runner = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(60), run).await })
+        .expect("the approval made after the restart was heard")
+        .unwrap();
     let rec = runner.record("traj-r2").unwrap();
+    assert_eq!(rec.state, State::Completed, "{:?}", rec.exit);
+    assert_eq!(std::fs::read_to_string(&effects).unwrap(), "drop_table\n");
+}
+
+/// A partition between the harness and the gate while the model streams: the operator's
+/// cancel lands while the harness cannot hear; once the partition heals, the harness's
+/// connection comes back, the subscription's replay says the run was cancelled, and the
+/// stream is cut at once (not at its deadline). With no look at the run after a reconnect,
+/// the cancel would be heard only by the fence read before the next model call, a minute on.
+#[test]
+fn a_cancel_made_during_a_partition_is_heard_when_it_heals() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let wall = common::partition::Partition::start(&d.socket(), &d.data().join("relay.sock"));
+    let rt = runtime();
+    let server = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "lookup", "{}"),
+            vec![
+                scripted::text("I will now drop"),
+                Step::Gate,
+                scripted::finish("stop"),
+                Step::Done,
+            ],
+            scripted::answer("done"),
+        ],
+    );
+    let mut opts = options(&d, &server.base_url(), &effects);
+    opts.gate.target = wall.path();
+    opts.call_limits.call_deadline_ms = 60_000;
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("traj-p1", None, "work") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    rt.block_on(server.wait_for(&Seen::Call { n: 1 }));
+    wall.cut();
+    let (code, _, err) = d.cli(&["cancel", "traj-p1", "--reason", "during the partition"]);
+    assert_eq!(code, 0, "{err}");
+    std::thread::sleep(Duration::from_millis(300));
+    wall.heal();
+    let runner = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(30), run).await })
+        .expect("the cancel made while away was heard once the partition healed")
+        .unwrap();
+    let rec = runner.record("traj-p1").unwrap();
+    assert_eq!(rec.state, State::Canceled, "{:?}", rec.exit);
+    assert_eq!(server.calls().len(), 2, "no model call after the cancel");
+}
+
+/// A call held for approval; a partition between the harness and the gate; the operator
+/// approves while the harness cannot hear. Once it heals, the held call is asked about again
+/// on the new connection and runs once. (The decision's event went to a connection that was
+/// gone: only the look after the reconnect hears it.)
+#[test]
+fn an_approval_made_during_a_partition_is_heard_when_it_heals() {
+    let d = Daemon::start_with_policy(POLICY, &[]);
+    let effects = d.data().join("effects");
+    let wall = common::partition::Partition::start(&d.socket(), &d.data().join("relay.sock"));
+    let rt = runtime();
+    let server = model_server(
+        &rt,
+        vec![
+            scripted::call("c1", "drop_table", "{\"table\": \"t\"}"),
+            scripted::answer("dropped"),
+        ],
+    );
+    let mut opts = options(&d, &server.base_url(), &effects);
+    opts.gate.target = wall.path();
+    let mut runner = rt.block_on(async { Runner::open(opts) }).unwrap();
+    rt.block_on(async { runner.start("traj-p2", None, "drop t") })
+        .unwrap();
+    let run = rt.spawn(async move {
+        runner.run().await.unwrap();
+        runner
+    });
+    let listed = common::poll(Duration::from_secs(20), Duration::from_millis(50), || {
+        let (_, out, _) = d.cli(&["pending"]);
+        (out.contains("traj-p2"), out)
+    });
+    assert!(listed.contains("traj-p2"), "{listed}");
+    wall.cut();
+    let (code, _, err) = d.cli(&["approve", "traj-p2", "c1"]);
+    assert_eq!(code, 0, "{err}");
+    std::thread::sleep(Duration::from_millis(300));
+    wall.heal();
+    let runner = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(60), run).await })
+        .expect("the approval made while away was heard once the partition healed")
+        .unwrap();
+    let rec = runner.record("traj-p2").unwrap();
     assert_eq!(rec.state, State::Completed, "{:?}", rec.exit);
     assert_eq!(std::fs::read_to_string(&effects).unwrap(), "drop_table\n");
 }

@@ -186,6 +186,7 @@ fn reply_value(op: &Op, answer: Result<ReplyBody, ClientError>) -> Result<Value>
         ReplyBody::Report(r) => serde_json::to_value(r),
         ReplyBody::TokenCreated(t) => serde_json::to_value(t),
         ReplyBody::TokenRevoked(t) => serde_json::to_value(t),
+        ReplyBody::Subscribed(r) => serde_json::to_value(r),
     }?;
     if !v.is_object() {
         v = json!({});

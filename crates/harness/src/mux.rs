@@ -18,6 +18,7 @@ use crate::gate::{GateConfig, control_of, decision_of, op};
 use crate::record::Decision;
 use crate::runner::Input;
 use estop_client::{ClientError, Connection, Notice, Options};
+use estop_protocol::server_line::RunReplay;
 use estop_protocol::{Event, EventKind, Op, ReplyBody, Secret, Verb};
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
@@ -164,8 +165,12 @@ pub async fn gate_task(
             e = event => match e {
                 Some(Notice::Event(e)) => on_event(&conn.as_ref().expect("connected").0, e, &held, &watched, &runner, &polled_tx),
                 // Subscribed again after the gate came back: what happened while away.
-                Some(Notice::Restored { op: Op::Subscribe { run }, .. }) => {
-                    resync(&conn.as_ref().expect("connected").0, run.to_string(), &held, &watched, &runner, &polled_tx);
+                Some(Notice::Restored { op: Op::Subscribe { run }, result }) => {
+                    let replay = match result {
+                        Ok(ReplyBody::Subscribed(r)) => r.replay,
+                        _ => None,
+                    };
+                    resync(&conn.as_ref().expect("connected").0, run.to_string(), replay, &held, &watched, &runner, &polled_tx);
                 }
                 Some(Notice::Reconnected(_) | Notice::Disconnected { .. } | Notice::Restored { .. }) => {}
                 Some(Notice::Dead(_)) | None => {
@@ -250,11 +255,14 @@ fn on_event(
 }
 
 /// After a new connection subscribed to `run` again: each of its held calls is asked about
-/// again (a decision made while away), and a trajectory's run is looked at (a stop or pause
-/// made while away becomes its control request; a resume made while away lifts the pause).
+/// again (a decision made while away), and a trajectory's run is looked at — in the
+/// subscription's replay of its durable state, or with a `status` when the gate sent none —
+/// so a stop or pause made while away becomes its control request and a resume made while
+/// away lifts the pause.
 fn resync(
     mux: &Mux,
     run: String,
+    replay: Option<RunReplay>,
     held: &Held,
     watched: &BTreeSet<String>,
     runner: &mpsc::UnboundedSender<Input>,
@@ -266,36 +274,46 @@ fn resync(
     if !watched.contains(&run) {
         return;
     }
+    if let Some(r) = replay {
+        if let Some(control) = control_of_state(&r.state, r.cause.as_deref(), r.reason) {
+            let _ = runner.send(Input::Control { id: run, control });
+        }
+        return;
+    }
     let (mux, runner) = (mux.clone(), runner.clone());
     tokio::spawn(async move {
         let Ok(status) = op(Verb::Status, &json!({"run": run})) else {
             return;
         };
-        let Ok(ReplyBody::Status(view)) = mux.request(status).await else {
+        let Ok(ReplyBody::Status(v)) = mux.request(status).await else {
             return;
         };
-        if let Some(control) = control_of_state(&view) {
+        if let Some(control) = control_of_state(&v.state, v.cause.as_deref(), v.reason.clone()) {
             let _ = runner.send(Input::Control { id: run, control });
         }
     });
 }
 
 /// The control request a run's state asks of its trajectory, read after a reconnect.
-fn control_of_state(view: &estop_protocol::RunView) -> Option<crate::record::Control> {
+fn control_of_state(
+    state: &str,
+    cause: Option<&str>,
+    reason: Option<String>,
+) -> Option<crate::record::Control> {
     use crate::record::Control;
     let reason = || {
-        view.reason
+        reason
             .clone()
             .unwrap_or_else(|| "stopped at the gate".into())
     };
-    let stopped = matches!(view.state.as_str(), "cancelled" | "finalizing");
-    Some(match view.cause.as_deref() {
+    let stopped = matches!(state, "cancelled" | "finalizing");
+    Some(match cause {
         Some("killed") if stopped => Control::Kill { reason: reason() },
         Some("cancelled" | "deadline" | "budget") if stopped => {
             Control::Cancel { reason: reason() }
         }
-        _ if view.state == "paused" => Control::Pause,
-        _ if view.state == "active" => Control::Resume,
+        _ if state == "paused" => Control::Pause,
+        _ if state == "active" => Control::Resume,
         _ => return None,
     })
 }

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod partition;
 pub mod pg;
 
 use estop_protocol::{ClientReply, ServerLine, parse_server_line};
