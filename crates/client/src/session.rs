@@ -24,8 +24,8 @@ use std::collections::BTreeMap;
 /// The session's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Longest request line the gate reads (its `line_bytes_max`, without the newline). A
-    /// longer request is refused here and never sent.
+    /// Longest request line the gate reads (its `line_bytes_max`, without the newline), until
+    /// a hello's reply says the gate's own. A longer request is refused here and never sent.
     pub line_bytes_max: usize,
     /// Requests waiting for replies at once; one more is refused here. Under the gate's
     /// `outstanding_per_connection_max` (1024), so the gate never refuses one for that.
@@ -221,6 +221,7 @@ impl Session {
                     // A token the gate refused is not said again on a new connection.
                     self.hello = None;
                 }
+                self.learn(&result);
                 Received::Reply { id, result }
             }
             Asker::Restore => Received::Restored {
@@ -228,12 +229,22 @@ impl Session {
                 result,
             },
             Asker::Hello => {
+                self.learn(&result);
                 let failed = match &result {
                     Ok(_) => Vec::new(),
                     Err(e) => self.fail_all(e),
                 };
                 Received::Hello { result, failed }
             }
+        }
+    }
+
+    /// A hello's reply says the gate's line bound: longer requests are refused here from now on.
+    fn learn(&mut self, result: &Result<ReplyBody, ClientError>) {
+        if let Ok(ReplyBody::Hello(h)) = result
+            && let Some(max) = h.line_bytes_max
+        {
+            self.limits.line_bytes_max = max;
         }
     }
 

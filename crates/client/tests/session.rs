@@ -222,3 +222,22 @@ fn a_duplicate_with_the_effects_error_is_a_reply() {
         "{got:?}"
     );
 }
+
+/// The gate's hello says its line bound; a longer request is refused here from then on.
+#[test]
+fn the_hellos_line_bound_is_kept() {
+    let mut s = Session::new(Limits::default());
+    let (h, _) = s.request(hello()).unwrap();
+    s.receive(
+        format!(r#"{{"id":{h},"ok":true,"role":"agent","principal":"a","line_bytes_max":200}}"#)
+            .as_bytes(),
+    );
+    assert_eq!(s.limits().line_bytes_max, 200);
+    let long = Op::Status {
+        run: run(&"r".repeat(190)),
+    };
+    assert!(matches!(
+        s.request(long),
+        Err(ClientError::LineTooLong { max: 200, .. })
+    ));
+}

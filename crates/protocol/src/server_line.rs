@@ -102,6 +102,10 @@ pub struct HelloReply {
     /// The part of the principal this connection speaks as, when not `main`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub component: Option<String>,
+    /// The longest request line this gate reads (without its newline): a client refuses a
+    /// longer one itself instead of sending it (the gate's refusal of it has no id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub line_bytes_max: Option<usize>,
 }
 
 fn protocol_v1() -> u32 {

@@ -170,12 +170,14 @@ fn every_payload_round_trips() {
         principal: "agent".into(),
         protocol: 1,
         component: None,
+        line_bytes_max: None,
     });
     round_trip(HelloReply {
         role: "agent".into(),
         principal: "agent/order-42".into(),
         protocol: 1,
         component: Some("egress".into()),
+        line_bytes_max: Some(65536),
     });
     round_trip(VerdictReply::Admitted {
         token: "t1".into(),

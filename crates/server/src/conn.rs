@@ -527,6 +527,7 @@ async fn hello(
         principal: c.principal.name.to_string(),
         protocol: 1,
         component: (component != estop_kernel::Part::Main).then(|| component.as_str().into()),
+        line_bytes_max: Some(shared.opts.line_bytes_max),
     };
     let revoked = shared.tokens.watch(conn, &c);
     *principal = Some(Authed {
