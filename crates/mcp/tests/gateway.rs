@@ -982,3 +982,42 @@ async fn every_2026_07_28_result_carries_its_result_type() {
     assert_eq!(prompt.result_type, complete, "a prompt");
     assert_eq!(w.upstream(), ["call echo typed", "read fixture://notes"]);
 }
+
+#[path = "../../cli/tests/common/partition.rs"]
+mod partition;
+
+/// A call held for approval inside the gateway's hold window; a partition between the
+/// gateway and the gate; the operator approves while the gateway cannot hear. Once it heals,
+/// the gateway's connection comes back, says hello, parks the call's `wait` again, and the
+/// approval answers it: the call runs once and its result reaches the client. (Before the one
+/// client, the gateway's gate connection died with the partition and the call was answered
+/// as the gate being unreachable.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_made_during_a_partition_is_heard_when_it_heals() {
+    let w = world();
+    let wall = partition::Partition::start(&w.socket, &w.data.parent().unwrap().join("relay.sock"));
+    let mut opts = w.options("run-part", "Echoes text.", 60_000);
+    opts.socket = Some(wall.path());
+    let c = w.client_on(opts).await;
+    let calling = tokio::spawn(async move {
+        let r = call(&c, "files__write", "hold-across").await;
+        (c, r)
+    });
+    let key = pending_soon(&w, "run-part").await;
+    wall.cut();
+    let v =
+        w.operator(json!({"op": "decide", "run": "run-part", "key": key, "decision": "approve"}));
+    assert_eq!(v["ok"], true, "{v}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        w.upstream().is_empty(),
+        "nothing runs while the gateway cannot hear"
+    );
+    wall.heal();
+    let (_c, r) = tokio::time::timeout(Duration::from_secs(30), calling)
+        .await
+        .expect("the call was answered once the partition healed")
+        .unwrap();
+    assert_eq!(text(&r), "write: hold-across", "{r:?}");
+    assert_eq!(w.upstream(), ["call write hold-across"]);
+}
