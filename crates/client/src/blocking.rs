@@ -35,8 +35,11 @@ impl std::fmt::Debug for Client {
     }
 }
 
+/// A connection's read and write halves.
+type Halves = (Box<dyn Stream>, Box<dyn Stream>);
+
 /// Opens `target`: a socket path, or `host:port` for TCP.
-fn open(target: &str) -> Result<(Box<dyn Stream>, Box<dyn Stream>), ClientError> {
+fn open(target: &str) -> Result<Halves, ClientError> {
     let connect_err = |e: std::io::Error| ClientError::Connect {
         target: target.to_string(),
         message: e.to_string(),

@@ -76,6 +76,9 @@ impl Options {
 }
 
 /// What the connection has to tell besides replies.
+// Each is moved once, from the line it came in on to its owner: boxing the large variants
+// would cost an allocation per reply for nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Notice {
     /// An event of a run subscribed to, or an executor's `compensate`/`lookup`.

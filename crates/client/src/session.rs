@@ -60,6 +60,9 @@ struct InFlight {
 }
 
 /// What one line from the gate was.
+// Each is moved once, from the line it came in on to its owner: boxing the large variants
+// would cost an allocation per reply for nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Received {
     /// The reply to a caller's request `id`.
