@@ -4,7 +4,7 @@
 //! and re-reads the state. A stream of a browser session ends when the session does. Streams
 //! are shared out per principal, with a reserve for operators (`quota`).
 
-use crate::http::{AppState, Caller, error};
+use crate::app::{AppState, Caller, error};
 use crate::quota::{Full, Slot};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};

@@ -4,6 +4,7 @@
 //! listeners (`Console` implements `estop_server::service::Service`). See docs/HTTP.md.
 
 mod api;
+mod app;
 mod auth;
 mod events;
 mod http;
@@ -124,7 +125,7 @@ impl Service for Console {
             ));
         }
         let url = format!("http://{}", reachable(bound));
-        let app = Arc::new(http::App {
+        let app = Arc::new(app::App {
             shared: Arc::clone(&ctx.shared),
             auth: auth::Auth::new(o.session_ttl, o.login_link_ttl),
             streams: quota::Counted::new(quota::ShareOptions {
@@ -167,7 +168,7 @@ impl Service for Console {
 /// DATA/console-login (0600), and says where it is: the link itself is printed only to an
 /// interactive terminal (stdout under a supervisor ends up in journald or `docker logs`).
 fn login_notice(
-    app: &http::App,
+    app: &app::App,
     ctx: &ServiceContext,
     url: &str,
     ttl: Duration,

@@ -2,7 +2,7 @@
 //! (`CoreMsg::Stats`), the ledger's group-commit histograms, connections and console sessions.
 //! The names and what each means are in docs/HTTP.md.
 
-use crate::http::{App, error};
+use crate::app::{App, error};
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use estop_ledger::HistogramSnapshot;

@@ -16,7 +16,7 @@
 //! `ASK_MS` and is ended as soon as the runner answers. Bounded: the request line (the
 //! socket's 64 KiB), asks at once (the others `limit_exceeded`), and the wait for an answer.
 
-use crate::http::{AppState, Refusal, caller, error};
+use crate::app::{AppState, Refusal, caller, error};
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, Method, StatusCode};
@@ -255,7 +255,7 @@ pub async fn act(
     };
     if let Some(verb) = verb {
         // The trajectory's run at the gate: exactly the runs page's action.
-        return crate::http::serve(&app, Method::POST, &h, verb, &[("run", id)], &q, &body).await;
+        return crate::app::serve(&app, Method::POST, &h, verb, &[("run", id)], &q, &body).await;
     }
     let c = match caller(&app, &Method::POST, &h).await {
         Ok(c) => c,

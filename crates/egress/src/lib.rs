@@ -8,7 +8,6 @@ pub mod credentials;
 pub mod dns;
 pub mod fsrules;
 pub mod gate;
-pub mod meter;
 pub mod pool;
 pub mod proxy;
 pub mod record;

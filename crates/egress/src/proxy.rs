@@ -4,6 +4,7 @@
 //! anything is resolved or dialled, and its outcome (status, bytes) is completed on the
 //! ledger. The mapping is documented in docs/EGRESS.md ("HTTP requests as effects").
 
+pub mod meter;
 use crate::gate::Gate;
 use crate::settings::{Settings, contains, forbidden};
 use bytes::Bytes;
@@ -62,7 +63,7 @@ pub struct Proxy {
     pub gate: Gate,
     pub run: String,
     /// Named in every admission, so the first one creates the run under it (a harness HTTP
-    /// tool call's run is a child of its trajectory's: crate::tool).
+    /// tool call's run is a child of its trajectory's: the `tool` module).
     pub parent: Option<String>,
     pub settings: Settings,
     /// Injected per host after admission (never in the effect's arguments).
@@ -202,7 +203,7 @@ impl Proxy {
         // Origin-form (`POST /v1/chat/completions`): addressed to the proxy itself, which is
         // the metered model endpoint (`OPENAI_BASE_URL`).
         if req.uri().scheme().is_none() && req.uri().path().starts_with("/v1/") {
-            return crate::meter::call(self, req).await;
+            return meter::call(self, req).await;
         }
         let (parts, body) = req.into_parts();
         self.request(parts, body).await
@@ -751,7 +752,7 @@ impl Proxy {
         Box::new(match v["verdict"].as_str() {
             Some("held" | "admitted") => held(who, v),
             Some("refused") if v["budget"].is_object() => {
-                crate::meter::over_budget(&effect.key, &v["budget"])
+                meter::over_budget(&effect.key, &v["budget"])
             }
             Some("duplicate") => refusal(
                 StatusCode::CONFLICT,

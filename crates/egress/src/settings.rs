@@ -38,7 +38,7 @@ pub struct Settings {
     /// sandbox.
     pub credentials: Option<std::path::PathBuf>,
     /// The metered model endpoint (`[egress.model]`), when a provider is configured.
-    pub model: Option<crate::meter::ModelSettings>,
+    pub model: Option<ModelSettings>,
     /// Origins (`host:port`) whose CONNECT tunnels are passed through opaque instead of
     /// terminated: for clients that pin their server's certificate. The tunnel itself is the
     /// effect (`http.CONNECT`); what travels inside it is not seen, so not gated one by one.
@@ -107,7 +107,7 @@ struct Egress {
     connections_max: Option<usize>,
     upstream_roots: Option<std::path::PathBuf>,
     credentials: Option<std::path::PathBuf>,
-    model: Option<crate::meter::ModelFile>,
+    model: Option<ModelFile>,
     passthrough: Option<Vec<String>>,
     filesystem: Option<crate::fsrules::Filesystem>,
     secret_params: Option<Vec<String>>,
@@ -143,10 +143,7 @@ impl Settings {
         s.connections_max = e.connections_max.unwrap_or(s.connections_max);
         s.upstream_roots = e.upstream_roots;
         s.credentials = e.credentials;
-        s.model = e
-            .model
-            .map(crate::meter::ModelSettings::from_file)
-            .transpose()?;
+        s.model = e.model.map(ModelSettings::from_file).transpose()?;
         for origin in e.passthrough.unwrap_or_default() {
             s.passthrough.push(parse_origin(&origin)?);
         }
@@ -269,6 +266,80 @@ pub fn forbidden(addr: IpAddr) -> bool {
                     .parse::<std::net::Ipv6Addr>()
                     .expect("literal")
         }
+    }
+}
+
+/// `[egress.model]` as written.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelFile {
+    pub(crate) provider: String,
+    pub(crate) budget_usd: Option<f64>,
+    pub(crate) budget_tokens: Option<u64>,
+    pub(crate) usd_per_mtok_input: f64,
+    pub(crate) usd_per_mtok_cached_input: Option<f64>,
+    pub(crate) usd_per_mtok_output: f64,
+    pub(crate) max_tokens_default: Option<u64>,
+}
+
+/// The provider and the prices, parsed.
+#[derive(Debug, Clone)]
+pub struct ModelSettings {
+    pub scheme: String,
+    pub host: String,
+    pub port: u16,
+    /// The provider's base path (`/v1`): the agent's `/v1/REST` goes to `BASE/REST`.
+    pub base_path: String,
+    pub budget_usd_micros: Option<u64>,
+    pub budget_tokens: Option<u64>,
+    /// Given to the gate as the run's `max_spend` / `max_tokens` when `estop run` creates it.
+    /// Prices in micro-dollars per token (= dollars per million tokens).
+    pub input: f64,
+    pub cached_input: f64,
+    pub output: f64,
+    /// Reserved (and sent as `max_tokens`) when a call names no output bound.
+    pub max_tokens_default: u64,
+}
+
+impl ModelSettings {
+    pub fn from_file(f: ModelFile) -> anyhow::Result<ModelSettings> {
+        let uri: hyper::Uri = f
+            .provider
+            .parse()
+            .map_err(|e| anyhow::anyhow!("[egress.model] provider {:?}: {e}", f.provider))?;
+        let (scheme, default_port) = match uri.scheme_str() {
+            Some("https") => ("https", 443),
+            Some("http") => ("http", 80),
+            _ => anyhow::bail!("[egress.model] provider must be an http:// or https:// URL"),
+        };
+        let host = uri
+            .host()
+            .ok_or_else(|| anyhow::anyhow!("[egress.model] provider has no host"))?;
+        let prices = [
+            f.usd_per_mtok_input,
+            f.usd_per_mtok_cached_input.unwrap_or(f.usd_per_mtok_input),
+            f.usd_per_mtok_output,
+        ];
+        if prices.iter().any(|p| !p.is_finite() || *p < 0.0)
+            || f.budget_usd.is_some_and(|b| !b.is_finite() || b < 0.0)
+        {
+            anyhow::bail!("[egress.model] prices and budget_usd must be finite and not negative");
+        }
+        Ok(ModelSettings {
+            scheme: scheme.into(),
+            host: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_ascii_lowercase(),
+            port: uri.port_u16().unwrap_or(default_port),
+            base_path: uri.path().trim_end_matches('/').to_string(),
+            budget_usd_micros: f.budget_usd.map(|b| (b * 1e6).round() as u64),
+            budget_tokens: f.budget_tokens,
+            input: prices[0],
+            cached_input: prices[1],
+            output: prices[2],
+            max_tokens_default: f.max_tokens_default.unwrap_or(4096),
+        })
     }
 }
 

@@ -11,91 +11,19 @@
 //! when its settled spend reaches a limit; the proxy cuts a stream the moment the run stops.
 //! docs/EGRESS.md, "Model calls"; docs/PROTOCOL.md, "Model budget".
 
-use crate::proxy::until_stopped;
-use crate::proxy::{Effect, Proxy, Reply, full, refusal, stopped};
+use super::until_stopped;
+use super::{Effect, Proxy, Reply, full, refusal, stopped};
+use crate::settings::ModelSettings;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::header::HeaderValue;
 use hyper::{Request, Response, StatusCode};
-use serde::Deserialize;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-/// `[egress.model]` as written.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ModelFile {
-    provider: String,
-    budget_usd: Option<f64>,
-    budget_tokens: Option<u64>,
-    usd_per_mtok_input: f64,
-    usd_per_mtok_cached_input: Option<f64>,
-    usd_per_mtok_output: f64,
-    max_tokens_default: Option<u64>,
-}
-
-/// The provider and the prices, parsed.
-#[derive(Debug, Clone)]
-pub struct ModelSettings {
-    pub scheme: String,
-    pub host: String,
-    pub port: u16,
-    /// The provider's base path (`/v1`): the agent's `/v1/REST` goes to `BASE/REST`.
-    pub base_path: String,
-    pub budget_usd_micros: Option<u64>,
-    pub budget_tokens: Option<u64>,
-    /// Given to the gate as the run's `max_spend` / `max_tokens` when `estop run` creates it.
-    /// Prices in micro-dollars per token (= dollars per million tokens).
-    pub input: f64,
-    pub cached_input: f64,
-    pub output: f64,
-    /// Reserved (and sent as `max_tokens`) when a call names no output bound.
-    pub max_tokens_default: u64,
-}
-
 impl ModelSettings {
-    pub fn from_file(f: ModelFile) -> anyhow::Result<ModelSettings> {
-        let uri: hyper::Uri = f
-            .provider
-            .parse()
-            .map_err(|e| anyhow::anyhow!("[egress.model] provider {:?}: {e}", f.provider))?;
-        let (scheme, default_port) = match uri.scheme_str() {
-            Some("https") => ("https", 443),
-            Some("http") => ("http", 80),
-            _ => anyhow::bail!("[egress.model] provider must be an http:// or https:// URL"),
-        };
-        let host = uri
-            .host()
-            .ok_or_else(|| anyhow::anyhow!("[egress.model] provider has no host"))?;
-        let prices = [
-            f.usd_per_mtok_input,
-            f.usd_per_mtok_cached_input.unwrap_or(f.usd_per_mtok_input),
-            f.usd_per_mtok_output,
-        ];
-        if prices.iter().any(|p| !p.is_finite() || *p < 0.0)
-            || f.budget_usd.is_some_and(|b| !b.is_finite() || b < 0.0)
-        {
-            anyhow::bail!("[egress.model] prices and budget_usd must be finite and not negative");
-        }
-        Ok(ModelSettings {
-            scheme: scheme.into(),
-            host: host
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_ascii_lowercase(),
-            port: uri.port_u16().unwrap_or(default_port),
-            base_path: uri.path().trim_end_matches('/').to_string(),
-            budget_usd_micros: f.budget_usd.map(|b| (b * 1e6).round() as u64),
-            budget_tokens: f.budget_tokens,
-            input: prices[0],
-            cached_input: prices[1],
-            output: prices[2],
-            max_tokens_default: f.max_tokens_default.unwrap_or(4096),
-        })
-    }
-
     fn cost(&self, usage: &Usage) -> Charge {
         let micros = usage.uncached as f64 * self.input
             + usage.cached as f64 * self.cached_input
@@ -427,7 +355,7 @@ impl Call {
             self.finish(outcome, usage, sse.output_bytes, error, status)
                 .await;
         });
-        let mut reply = Response::new(BodyExt::boxed(crate::proxy::Channel(rx)));
+        let mut reply = Response::new(BodyExt::boxed(super::Channel(rx)));
         *reply.status_mut() = rparts.status;
         let h = reply.headers_mut();
         h.insert(
@@ -520,6 +448,7 @@ impl Sse {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::settings::ModelFile;
 
     fn settings(budget_usd: Option<f64>, budget_tokens: Option<u64>) -> ModelSettings {
         ModelSettings::from_file(ModelFile {
