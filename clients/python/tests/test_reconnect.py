@@ -357,3 +357,24 @@ def test_a_gate_that_answers_two_seconds_late_is_waited_for_and_nothing_runs_twi
             assert [e["kind"] for e in ledger].count("admit") == 1, ledger
         finally:
             p.close()
+
+
+async def test_await_decided_goes_on_when_its_connections_reader_was_cancelled(run_id):
+    """A framework that cancels the tasks of a run it stops (LlamaIndex's `cancel_run`) can
+    cancel the client's reader with them: the connection ends as if the client were closed, and
+    no reconnect is started for it. A decision wait that lost its connection that way looks
+    again soon, on a new connection, instead of waiting for a replay that never comes."""
+    with Daemon(policy=POLICY) as d:
+        gate = estop.Estop(socket=d.socket, token=d.agent_token, **FAST)
+        try:
+            assert isinstance(await gate.aclient.admit(run_id, "k", "wire_money", {"amount": 1}), Held)
+            task = asyncio.create_task(gate.await_decided(run_id, ["k"], timeout_s=30))
+            await asyncio.sleep(0.3)
+            conn = gate.aclient._conn
+            assert conn is not None
+            conn.task.cancel()  # the reader goes with the framework's tasks
+            await asyncio.sleep(0.1)
+            await asyncio.to_thread(d.operator.approve, run_id, "k")
+            assert await asyncio.wait_for(task, 10) == {"k": "approve"}
+        finally:
+            await gate.aclose()

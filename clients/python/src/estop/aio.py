@@ -170,6 +170,12 @@ class AsyncClient:
         self.role: str | None = None
         self.principal: str | None = None
 
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called: nothing is sent or reconnected any more."""
+        return self._closed
+
     async def _dial(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.config.socket:
             coro = asyncio.open_unix_connection(self.config.socket, limit=_LIMIT_BYTES)
@@ -225,7 +231,16 @@ class AsyncClient:
     def _lost(self, conn: _AConn) -> None:
         """A connection ended. With runs watched or compensations registered, a keeper task
         reconnects at once: an idle watcher or executor has no call of its own that would."""
-        if self._closed or conn.cancelled or conn is not self._conn or not (self._subs or self._executes):
+        if self._closed or conn is not self._conn:
+            return
+        if conn.cancelled:
+            # The reader went with someone else's tasks (a framework cancelling the tasks of a
+            # run it stops), or the loop is ending: no keeper is started. A decision wait is
+            # told (a client-local `disconnected` line), so it looks again on a new connection.
+            for run in list(self._subs):
+                self._dispatch({"event": "disconnected", "run": run})
+            return
+        if not (self._subs or self._executes):
             return
         self._reconnect = True
         if self._keeper is not None and not self._keeper.done():

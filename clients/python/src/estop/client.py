@@ -185,6 +185,12 @@ class Client:
 
     # -- connection ---------------------------------------------------------------------------
 
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called: nothing is sent or reconnected any more."""
+        return self._closed
+
     def _dial(self) -> _socket.socket:
         if self.config.socket:
             s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)

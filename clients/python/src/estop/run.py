@@ -14,6 +14,7 @@ cancels the asyncio tasks that belong to the run (the task that entered the run,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import threading
@@ -35,6 +36,8 @@ __all__ = [
 log = logging.getLogger("estop")
 
 _STOP_EVENTS = frozenset({"cancelled", "finalizing", "closed"})
+#: How soon a decision wait looks again after its connection was lost (a closed client ends it).
+_LOOK_AGAIN_S = 0.5
 
 _current_run: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("estop_run", default=None)
 _current_step: contextvars.ContextVar["Step | None"] = contextvars.ContextVar("estop_step", default=None)
@@ -324,17 +327,22 @@ class Estop:
                 with cv:
                     d.recheck = False
                     open_keys = d.open()
+                lost = False
                 try:
                     for k in open_keys:
                         v = client.wait(rid, k, 0)
                         with cv:
                             d.settle(k, v)
                 except (ConnectionLost, EstopTimeout):
-                    pass  # the reconnect's replay asks for another look
+                    if client.closed:
+                        raise
+                    lost = True  # look again soon (or when the reconnect's replay asks)
                 with cv:
                     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                    cv.wait_for(lambda: d.done() or d.recheck, left)
-                    if d.done() or not d.recheck:
+                    nap = left if not lost else _LOOK_AGAIN_S if left is None else min(left, _LOOK_AGAIN_S)
+                    cv.wait_for(lambda: d.done() or d.recheck, nap)
+                    past = deadline is not None and time.monotonic() >= deadline
+                    if d.done() or past or not (d.recheck or lost):
                         return dict(d.got)
         finally:
             client.remove_listener(on_event)
@@ -359,7 +367,13 @@ class Estop:
                     for k in d.open():
                         d.settle(k, await client.wait(rid, k, 0))
                 except (ConnectionLost, EstopTimeout):
-                    pass  # the reconnect's replay asks for another look
+                    if client.closed:
+                        raise
+                    # Look again soon, or when the reconnect's replay asks.
+                    changed.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(changed.wait(), _LOOK_AGAIN_S)
+                    continue
                 while not d.done() and not d.recheck:
                     changed.clear()
                     await changed.wait()
@@ -424,6 +438,9 @@ class _Decisions:
             return True
         if kind == "subscribed":
             return self._replay(ev)
+        if kind == "disconnected":  # client-local: the connection went and no reconnect follows
+            self.recheck = True
+            return True
         return False
 
     def _replay(self, ev: dict[str, Any]) -> bool:
